@@ -1,0 +1,157 @@
+"""Byte-level data pipeline: shard round-trip, deterministic order, dp-independent resume."""
+
+from __future__ import annotations
+
+import json as jsonlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from workers.data import DataCursor, TokenDataset, prepare_data
+
+DOCS = {"a.txt": b"hello world\n", "sub/b.py": b"print('hi')\n" * 20, "sub/c.md": b"# title\n"}
+
+
+def _write_docs(root: Path) -> None:
+    for name, data in DOCS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (root / "skip.bin").write_bytes(b"\xff" * 50)  # non-matching extension
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("src")
+    _write_docs(src)
+    body = b"".join(bytes([i % 200 + 32]) for i in range(3000))
+    (src / "z_big.txt").write_bytes(body)
+    out = tmp_path_factory.mktemp("prepared")
+    prepare_data([src], out, shard_tokens=1000)
+    return out
+
+
+def test_prepare_roundtrip(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    _write_docs(src)
+    manifest = prepare_data([src], tmp_path / "out", shard_tokens=100)
+    expected = DOCS["a.txt"] + b"\x00" + DOCS["sub/b.py"] + b"\x00" + DOCS["sub/c.md"]
+    assert manifest == jsonlib.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["format"] == "raymesh-bytes-v1" and manifest["vocab_size"] == 256
+    assert manifest["total_tokens"] == len(expected)
+    assert [s["file"] for s in manifest["shards"]] == [f"shard-{i:05d}.parquet" for i in range(3)]
+    got = b""
+    for shard in manifest["shards"]:
+        table = pq.read_table(tmp_path / "out" / shard["file"])
+        assert table.column_names == ["tokens"] and str(table.schema.field("tokens").type) == "uint8"
+        assert table.num_rows == shard["tokens"] <= 100
+        got += table.column("tokens").to_numpy().tobytes()
+    assert got == expected
+
+
+def test_prepare_skips_nested_site_packages(tmp_path: Path) -> None:
+    (tmp_path / "lib" / "site-packages" / "pkg").mkdir(parents=True)
+    (tmp_path / "lib" / "mod.py").write_bytes(b"x = 1\n")
+    (tmp_path / "lib" / "site-packages" / "pkg" / "m.py").write_bytes(b"third party\n")
+    assert prepare_data([tmp_path / "lib"], tmp_path / "a")["total_tokens"] == 6
+    assert prepare_data([tmp_path / "lib" / "site-packages"], tmp_path / "b")["total_tokens"] == 12
+
+
+def test_prepare_real_source_bounded(tmp_path: Path) -> None:
+    src = Path(jsonlib.__file__).parent
+    manifest = prepare_data([src], tmp_path, shard_tokens=12_000, max_tokens=30_000)
+    assert manifest["total_tokens"] == 30_000
+    assert [s["tokens"] for s in manifest["shards"]] == [12_000, 12_000, 6_000]
+    first = pq.read_table(tmp_path / "shard-00000.parquet").column("tokens").to_numpy().tobytes()
+    assert first.startswith((src / "__init__.py").read_bytes()[:1000])
+    assert manifest == prepare_data([src], tmp_path, shard_tokens=12_000, max_tokens=30_000)
+
+
+def test_prepare_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.*pass an existing directory to --source"):
+        prepare_data([tmp_path / "nope"], tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "x.bin").write_bytes(b"abc")
+    with pytest.raises(ValueError, match=r"no tokens found.*empty.*\.py"):
+        prepare_data([tmp_path / "empty"], tmp_path / "out")
+
+
+def test_windows_share_boundary_token(data_dir: Path) -> None:
+    ds = TokenDataset(data_dir, seq_len=16, seed=0)
+    assert ds.num_samples == (len(ds.tokens) - 1) // 16
+    ids = ds.global_sample_ids(0, 4)
+    x, y = ds.batch(0, 4)
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, 16)
+    for row, sid in enumerate(ids):
+        window = torch.from_numpy(ds.tokens[sid * 16 : sid * 16 + 17].astype(np.int64))
+        assert torch.equal(x[row], window[:-1]) and torch.equal(y[row], window[1:])
+
+
+def test_epoch_order_and_determinism(data_dir: Path) -> None:
+    ds = TokenDataset(data_dir, seq_len=32, seed=7)
+    n = ds.num_samples
+    stream = ds.global_sample_ids(0, 2 * n)
+    assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n:]) == list(range(n))
+    assert not np.array_equal(stream[:n], stream[n:])
+    assert np.array_equal(stream[n:], np.random.default_rng([7, 1]).permutation(n))
+    assert np.array_equal(ds.global_sample_ids(n - 3, 6), stream[n - 3 : n + 3])
+    same = TokenDataset(data_dir, seq_len=32, seed=7)
+    other = TokenDataset(data_dir, seq_len=32, seed=8)
+    assert all(torch.equal(a, b) for a, b in zip(ds.batch(5, 8), same.batch(5, 8)))
+    assert not torch.equal(ds.batch(5, 8)[0], other.batch(5, 8)[0])
+
+
+def test_dp_ranks_partition_global_batch(data_dir: Path) -> None:
+    ds = TokenDataset(data_dir, seq_len=16, seed=1)
+    gb = 8
+    for dp in (1, 2, 4):
+        cursors = [DataCursor(ds, gb, r, dp) for r in range(dp)]
+        for step in range(3):
+            ids = [c.sample_ids_for_step() for c in cursors]
+            inputs = torch.cat([c.next_batch()[0] for c in cursors])
+            assert np.array_equal(np.concatenate(ids), ds.global_sample_ids(step * gb, gb))
+            assert len(set(np.concatenate(ids).tolist())) == gb
+            assert torch.equal(inputs, ds.batch(step * gb, gb)[0])
+        assert all(c.position == 3 * gb for c in cursors)
+
+
+def test_resume_at_different_dp_sees_each_sample_once(data_dir: Path) -> None:
+    ds = TokenDataset(data_dir, seq_len=16, seed=3)
+    gb = 8
+    seen: list[int] = []
+    before = [DataCursor(ds, gb, r, 4) for r in range(4)]
+    for _ in range(3):
+        for c in before:
+            seen += c.sample_ids_for_step().tolist()
+            c.next_batch()
+    state = before[0].state_dict()
+    assert state == {"position": 3 * gb, "seed": 3, "seq_len": 16, "global_batch": gb}
+    after = [DataCursor(ds, gb, r, 2) for r in range(2)]
+    for c in after:
+        c.load_state_dict(state)
+    steps = ds.num_samples // gb - 3
+    for _ in range(steps):
+        for c in after:
+            seen += c.sample_ids_for_step().tolist()
+            c.next_batch()
+    assert seen == ds.global_sample_ids(0, len(seen)).tolist()
+    assert len(seen) == len(set(seen)) == steps * gb + 3 * gb
+
+
+def test_loader_errors(data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing.*raymesh prepare-data --out PATH"):
+        TokenDataset(tmp_path / "missing", seq_len=8, seed=0)
+    with pytest.raises(ValueError, match="seq_len=100000"):
+        TokenDataset(data_dir, seq_len=100_000, seed=0)
+    ds = TokenDataset(data_dir, seq_len=16, seed=0)
+    with pytest.raises(ValueError, match="global_batch=10.*dp_size=4"):
+        DataCursor(ds, 10, 0, 4)
+    cursor = DataCursor(ds, 8, 0, 2)
+    with pytest.raises(ValueError, match="seed=9.*seed=0"):
+        cursor.load_state_dict({"position": 8, "seed": 9, "seq_len": 16, "global_batch": 8})
+    with pytest.raises(ValueError, match="seq_len=32.*seq_len=16"):
+        cursor.load_state_dict({"position": 8, "seed": 0, "seq_len": 32, "global_batch": 8})
+    assert cursor.position == 0

@@ -1,0 +1,157 @@
+"""Reference decoder-only GPT.
+
+The model is written so that parallelism is applied from outside it (the
+torchtitan way): layers live in a ``ModuleDict`` keyed by their global index,
+so a pipeline stage keeps only its own layers and the parameter names stay the
+same on every layout (which is what lets a DCP checkpoint reshard); the
+embedding, final norm and output head may be ``None`` on stages that do not own
+them; attention reshapes with ``-1`` heads so tensor parallelism can hand it
+only the local heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_dim: int = 256
+    seq_len: int = 64
+    positions: str = "rotary"
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def apply_rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` [batch, seq, heads, head_dim] by position.
+
+    Computed from the sequence length on the fly rather than from a buffer, so
+    no pipeline stage or TP plan has to carry or shard a frequency table.
+    """
+    seq, head_dim = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    even, odd = x.float()[..., 0::2], x.float()[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class CausalCore(nn.Module):
+    """Parameter-free attention core: a separate module so selective recompute can wrap just it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.rotary = cfg.positions == "rotary"
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.core = CausalCore()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.rotary:
+            q, k = apply_rotary(q), apply_rotary(k)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings: nn.Embedding | None = (
+            nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        )
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2 style init; residual projections scaled by depth so deep stacks start stable."""
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue
+            std = self.cfg.init_std
+            if name.endswith(("wo.weight", "w2.weight")):
+                std /= math.sqrt(2 * self.cfg.n_layers)
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens -> logits on a whole model; hidden -> hidden on a middle pipeline stage."""
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(x)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(x.shape[1], device=x.device))
+        else:
+            h = x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in float32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))

@@ -1,0 +1,39 @@
+"""Data parallelism and ZeRO stages, all from PyTorch.
+
+| zero | wrapper | what is sharded over dp |
+|---|---|---|
+| 0 | ``replicate`` (FSDP2's DDP, which accepts DTensor/TP parameters) | nothing |
+| 1 | DDP + ZeroRedundancyOptimizer (plain tensors only, so tp must be 1) | optimizer state |
+| 2 | FSDP2, params kept unsharded between forward and backward | gradients + optimizer state |
+| 3 | FSDP2, params resharded after forward | parameters + gradients + optimizer state |
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from workers.model import GPT
+
+
+def apply_data_parallel(stage: GPT, dp_mesh: DeviceMesh, zero: int) -> nn.Module:
+    """Return ``stage`` wrapped for data parallelism over ``dp_mesh`` (FSDP2 works in place)."""
+    if zero >= 2:
+        reshard = zero == 3
+        for block in stage.layers.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
+        return stage
+    if dp_mesh.size() == 1:
+        return stage
+    if zero == 0:
+        return replicate(stage, mesh=dp_mesh)
+    return DDP(stage, process_group=dp_mesh.get_group())
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper, so parameter names match every other layout."""
+    return module.module if isinstance(module, DDP) else module

@@ -1,0 +1,84 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``.
+
+We split the model ourselves (whole blocks per stage, keeping global layer
+names) and hand the stages to PyTorch's schedules. Loop-style schedules place
+stage ``r + v*pp`` on pp rank ``r``; the V-shaped ones (ZBV, DualPipeV) place
+stages ``r`` and ``2*pp-1-r`` so the first and last stage share a rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from workers.model import GPT
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE_STAGE = {"gpipe", "1f1b"}
+V_SHAPED = {"zbv", "dualpipev"}
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """Global stage indices owned by ``pp_rank``."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(stages_per_rank)]
+
+
+def layers_of_stage(stage: int, n_stages: int, n_layers: int) -> range:
+    per = n_layers // n_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
+    """A copy of ``model`` holding only ``stage``'s layers (plus embeddings first, head last)."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers)}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+        part.pos_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def build_schedule(
+    stages: list[nn.Module],
+    ids: list[int],
+    n_stages: int,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn,
+    device: torch.device,
+    group,
+):
+    """Wrap this rank's stage modules in ``PipelineStage`` objects and the chosen schedule."""
+    pipe_stages = [
+        PipelineStage(mod, sid, n_stages, device, group=group) for mod, sid in zip(stages, ids)
+    ]
+    cls = SCHEDULES[schedule]
+    if schedule in SINGLE_STAGE:
+        return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return cls(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)

@@ -1,0 +1,53 @@
+"""Process-group and DeviceMesh setup for one rank.
+
+The grid is laid out with tensor parallelism innermost and data parallelism
+outermost (``dp × pp × tp``): consecutive ranks share a TP group, so TP peers
+are the ones a placement group packs onto one node.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    dp: int
+    pp: int
+    tp: int
+
+
+def coordinates(rank: int, dp: int, pp: int, tp: int) -> Coordinates:
+    return Coordinates(dp=rank // (pp * tp), pp=(rank // tp) % pp, tp=rank % tp)
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_mesh(
+    rank: int, world_size: int, master_addr: str, master_port: int, shape: tuple[int, int, int],
+    device: torch.device, timeout_s: float = 300.0,
+) -> DeviceMesh:
+    """Join the job's process group (gloo on CPU, NCCL on GPU) and build the named 3-D mesh."""
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)

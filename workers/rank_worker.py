@@ -1,0 +1,60 @@
+"""``RankWorker``: the Ray actor that hosts one rank's ``Trainer``.
+
+The class is plain Python; the orchestrator turns it into an actor with
+``ray.remote`` and its placement options, so this package never depends on the
+controller.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+
+
+class RankWorker:
+    def __init__(self) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.trainer = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for rank 0 to host the process-group store."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def identity(self) -> dict:
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from workers.trainer import Trainer
+
+        self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
+        t = self.trainer
+        return {"rank": rank, "coords": vars(t.coords), "stages": t.parts.stage_ids, "device": str(t.device)}
+
+    def train_step(self) -> dict:
+        return self.trainer.train_step()
+
+    def save_checkpoint(self, path: str, async_save: bool) -> None:
+        self.trainer.checkpoints.save(path, async_save)
+
+    def wait_checkpoint(self) -> int | None:
+        return self.trainer.checkpoints.wait()
+
+    def load_checkpoint(self, path: str) -> int:
+        self.trainer.checkpoints.load(path)
+        return self.trainer.step
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.trainer is not None:
+            self.trainer.checkpoints.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,146 @@
+"""One rank's training loop: forward/backward (plain or pipelined), reduce, step.
+
+The trainer knows nothing of Ray or the controller: it takes the plain job
+spec dict and its rank, so the same code runs inside a ``RankWorker`` actor,
+under ``torchrun`` (the benchmark baseline) or single-process (the reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from workers.builder import build_parts
+from workers.checkpoint_io import CheckpointIO
+from workers.data import DataCursor, TokenDataset
+from workers.loss_scaler import DynamicLossScaler
+from workers.model import lm_loss
+from workers.optim import build_optimizer, clip_grads, lr_lambda
+from workers.parallel.pipeline import build_schedule
+from workers.process_group import coordinates, init_mesh, pick_device
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Trainer:
+    def __init__(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.spec = spec
+        self.rank = rank
+        par = spec["parallel"]
+        self.coords = coordinates(rank, par["dp"], par["pp"], par["tp"])
+        self.device = pick_device(par["device"])
+        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]), self.device)
+        self.parts = build_parts(spec, self.mesh, self.device)
+        self.params = [p for m in self.parts.modules for p in m.parameters()]
+        zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
+        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1) for m in self.parts.modules]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"])) for o in self.optimizers
+        ]
+        dtype = spec["precision"]["dtype"]
+        self.autocast_dtype = AUTOCAST.get(dtype)
+        self.scaler = DynamicLossScaler(spec["precision"]["initial_loss_scale"]) if dtype == "fp16" else None
+        train = spec["train"]
+        dataset = TokenDataset(spec["data"]["path"], spec["model"]["seq_len"], spec["data"]["seed"])
+        self.cursor = DataCursor(dataset, train["global_batch_size"], self.coords.dp, par["dp"])
+        self.microbatches = train["microbatches"]
+        self.pp_group = self.mesh["pp"].get_group() if par["pp"] > 1 else None
+        self.schedule = None
+        if par["pp"] > 1:
+            self.schedule = build_schedule(
+                self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par["pp_schedule"],
+                self.microbatches, self._loss_fn, self.device, self.pp_group,
+            )
+        self.step = 0
+        self.checkpoints = CheckpointIO(self)
+
+    # -- one step -------------------------------------------------------------------------
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.parts.n_stages - 1 in self.parts.stage_ids
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.parts.stage_ids
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(logits, targets)
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Summed mean loss of this rank's microbatches (``None`` where no last stage lives)."""
+        if self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.holds_first_stage else ()
+            with self._autocast():
+                self.schedule.step(*args, target=targets if self.holds_last_stage else None, losses=losses)
+            if not self.holds_last_stage:
+                return None
+            return torch.stack([l.detach().float() for l in losses]).mean()
+        model = self.parts.modules[0]
+        total = torch.zeros((), device=self.device)
+        chunks = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
+        for i, (x, y) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            with self._sync_grads(model, last), self._autocast():
+                loss = self._loss_fn(model(x), y) / len(chunks)
+                loss.backward()
+            total += loss.detach().float()
+        return total
+
+    @staticmethod
+    def _sync_grads(model, last: bool):
+        """Reduce gradients only on the last accumulation microbatch."""
+        if isinstance(model, DDP) and not last:
+            return model.no_sync()
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        inputs, targets = self.cursor.next_batch()
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        t_data = time.perf_counter()
+        loss = self._forward_backward(inputs, targets)
+        t_compute = time.perf_counter()
+        applied = True
+        if self.scaler is not None:
+            applied = self.scaler.unscale_and_check(self.params)
+            if loss is not None:
+                loss = loss / self.scaler.scale if applied else loss
+        grad_norm = clip_grads(self.params, self.spec["optim"]["grad_clip"], self.pp_group) if applied else float("nan")
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            if applied:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        self.step += 1
+        t_end = time.perf_counter()
+        return {
+            "rank": self.rank,
+            "step": self.step,
+            "loss": None if loss is None else float(loss),
+            "grad_norm": grad_norm,
+            "lr": self.schedulers[0].get_last_lr()[0],
+            "tokens": int(inputs.numel()),
+            "applied": applied,
+            "time_s": {"data": t_data - t0, "compute": t_compute - t_data, "optimizer": t_end - t_compute, "step": t_end - t0},
+            "peak_memory_bytes": self.peak_memory_bytes(),
+        }
+
+    def peak_memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
