@@ -33,6 +33,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.errors import NO_VALUE, SpecError
+from workers.layout import V_SHAPED
+
+# schedules that split backward into input- and weight-gradient passes
+_SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -41,7 +45,6 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"]
 _SINGLE_STAGE = ("gpipe", "1f1b")
 _INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
-_V_SHAPED = ("zbv", "dualpipev")
 _SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint")
 
 
@@ -154,7 +157,7 @@ class ParallelSpec(_Section):
                 f"is too small: pp_schedule {schedule!r} needs at least 2 stages per pp rank",
                 "set virtual_stages to 2 or more (or remove it; the default is 2), or use pp_schedule: 1f1b",
             )
-        if schedule in _V_SHAPED and v != 2:
+        if schedule in V_SHAPED and v != 2:
             raise SpecError(
                 "parallel.virtual_stages",
                 v,
@@ -285,7 +288,24 @@ class JobSpec(_Section):
         return self
 
     def _check_zero(self) -> None:
+        """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""
         p = self.parallel
+        if p.zero == 1 and p.pp > 1 and p.dp > 1:
+            raise SpecError(
+                "parallel.zero",
+                1,
+                f"with parallel.pp={p.pp} is not supported: ZeRO-1 wraps stages in DDP, whose reducer breaks "
+                "when a pipeline schedule runs one backward per microbatch",
+                "use zero: 2 (FSDP2 shards gradients and optimizer state) or zero: 0",
+            )
+        if p.zero == 3 and p.pp > 1 and p.pp_schedule in _SPLIT_BACKWARD:
+            raise SpecError(
+                "parallel.zero",
+                3,
+                f"with pp_schedule {p.pp_schedule!r} gives wrong gradients: its deferred weight-gradient pass "
+                "runs after FSDP2 has resharded the parameters (PyTorch issue 164756)",
+                "use zero: 2 with this schedule, or pp_schedule: interleaved_1f1b with zero: 3",
+            )
         if p.zero == 1 and p.tp > 1 and p.dp > 1:
             raise SpecError(
                 "parallel.zero",

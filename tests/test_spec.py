@@ -423,3 +423,16 @@ def test_dualpipev_needs_a_microbatch_per_stage() -> None:
 def test_zero1_with_tensor_parallel_is_refused_with_a_way_out() -> None:
     with pytest.raises(SpecError, match=r"parallel\.zero.*value 1.*ZeroRedundancyOptimizer.*fix: use zero: 2"):
         JobSpec.from_dict(job(parallel={"dp": 2, "tp": 2, "zero": 1}))
+
+
+def test_zero1_with_pipeline_is_refused_with_a_way_out() -> None:
+    with pytest.raises(SpecError, match=r"parallel\.zero.*value 1.*pp=2.*DDP.*fix: use zero: 2"):
+        JobSpec.from_dict(job(parallel={"dp": 2, "pp": 2, "zero": 1}, train={"microbatches": 2}))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv", "dualpipev"])
+def test_zero3_with_split_backward_schedules_is_refused(schedule: str) -> None:
+    raw = job(model={"n_layers": 8}, parallel={"dp": 2, "pp": 2, "zero": 3, "pp_schedule": schedule},
+              train={"microbatches": 4})
+    with pytest.raises(SpecError, match=rf"parallel\.zero.*value 3.*{schedule}.*fix: use zero: 2"):
+        JobSpec.from_dict(raw)

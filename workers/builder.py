@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from workers.model import GPT, GPTConfig
 from workers.parallel.data_parallel import apply_data_parallel
-from workers.parallel.pipeline import cut_stage, stage_ids
+from workers.layout import stage_ids
+from workers.parallel.pipeline import cut_stage
 from workers.parallel.tensor_parallel import apply_tensor_parallel
 from workers.recompute import apply_recompute
 

@@ -1,14 +1,8 @@
-"""Process-group and DeviceMesh setup for one rank.
-
-The grid is laid out with tensor parallelism innermost and data parallelism
-outermost (``dp × pp × tp``): consecutive ranks share a TP group, so TP peers
-are the ones a placement group packs onto one node.
-"""
+"""Process-group and DeviceMesh setup for one rank (grid order: see ``workers.layout``)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -16,17 +10,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp", "pp", "tp")
-
-
-@dataclass(frozen=True)
-class Coordinates:
-    dp: int
-    pp: int
-    tp: int
-
-
-def coordinates(rank: int, dp: int, pp: int, tp: int) -> Coordinates:
-    return Coordinates(dp=rank // (pp * tp), pp=(rank // tp) % pp, tp=rank % tp)
 
 
 def pick_device(requested: str) -> torch.device:

@@ -22,7 +22,8 @@ from workers.loss_scaler import DynamicLossScaler
 from workers.model import lm_loss
 from workers.optim import build_optimizer, clip_grads, lr_lambda
 from workers.parallel.pipeline import build_schedule
-from workers.process_group import coordinates, init_mesh, pick_device
+from workers.layout import coordinates
+from workers.process_group import init_mesh, pick_device
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

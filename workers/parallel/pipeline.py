@@ -1,9 +1,8 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``.
 
 We split the model ourselves (whole blocks per stage, keeping global layer
-names) and hand the stages to PyTorch's schedules. Loop-style schedules place
-stage ``r + v*pp`` on pp rank ``r``; the V-shaped ones (ZBV, DualPipeV) place
-stages ``r`` and ``2*pp-1-r`` so the first and last stage share a rank.
+names) and hand the stages to PyTorch's schedules; ``workers.layout`` says
+which stages a rank owns.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from workers.layout import layers_of_stage
 from workers.model import GPT
 
 SCHEDULES = {
@@ -33,19 +33,6 @@ SCHEDULES = {
     "dualpipev": ScheduleDualPipeV,
 }
 SINGLE_STAGE = {"gpipe", "1f1b"}
-V_SHAPED = {"zbv", "dualpipev"}
-
-
-def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
-    """Global stage indices owned by ``pp_rank``."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(stages_per_rank)]
-
-
-def layers_of_stage(stage: int, n_stages: int, n_layers: int) -> range:
-    per = n_layers // n_stages
-    return range(stage * per, (stage + 1) * per)
 
 
 def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:

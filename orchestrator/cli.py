@@ -1,0 +1,78 @@
+"""``raymesh`` command line: prepare-data, plan, run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator.errors import SpecError
+
+DEFAULT_MAX_TOKENS = 20_000_000
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from workers.data.prepare import default_sources, prepare_data
+
+    sources = args.source or default_sources()
+    manifest = prepare_data(sources, args.out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens)
+    print(f"wrote {manifest['total_tokens']:,} tokens in {len(manifest['shards'])} shard(s) to {args.out}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from orchestrator.planner import render
+    from orchestrator.spec import load_spec
+
+    print(render(load_spec(args.job, args.set)))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from orchestrator.controller import TrainingJob
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(args.job, args.set)
+    result = TrainingJob(spec, resume=args.resume, address=args.address, progress=not args.no_progress).run()
+    if args.summary_json:
+        result.write_json(args.summary_json)
+    print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raymesh", description="Ray-hosted 3-D parallel transformer training")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prep = sub.add_parser("prepare-data", help="turn text files into byte-level token Parquet shards")
+    prep.add_argument("--source", action="append", help="file or directory (repeatable); default: Python's stdlib")
+    prep.add_argument("--out", required=True, help="output directory (becomes data.path)")
+    prep.add_argument("--shard-tokens", type=int, default=4_000_000)
+    prep.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    prep.set_defaults(func=_prepare_data)
+
+    for name, func, text in (("plan", _plan, "show the layout and a per-rank memory estimate"),
+                             ("run", _run, "train a job on Ray")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("job", help="job file (YAML)")
+        cmd.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                         help="override a job-file field (repeatable)")
+        cmd.set_defaults(func=func)
+    run = sub.choices["run"]
+    run.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    run.add_argument("--summary-json", help="write the run summary here")
+    run.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local one)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, FileNotFoundError) as exc:
+        print(f"raymesh: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

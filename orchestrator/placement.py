@@ -1,0 +1,62 @@
+"""Reserving the rank grid on a Ray cluster.
+
+One STRICT_PACK placement group per tensor-parallel group: TP peers exchange
+activations every layer, so they must share a node; pipeline and data-parallel
+neighbours (less traffic) may spread across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.errors import SpecError
+from orchestrator.spec import JobSpec
+
+
+@dataclass
+class RankPlacement:
+    groups: list[PlacementGroup]
+    tp: int
+
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.groups[rank // self.tp], placement_group_bundle_index=rank % self.tp
+        )
+
+    def release(self) -> None:
+        for pg in self.groups:
+            remove_placement_group(pg)
+
+
+def rank_bundle(spec: JobSpec, use_gpu: bool) -> dict:
+    bundle = {"CPU": spec.parallel.cpus_per_rank}
+    if use_gpu:
+        bundle["GPU"] = 1
+    return bundle
+
+
+def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlacement:
+    """Reserve every rank's bundle, or fail naming what could not be placed."""
+    p = spec.parallel
+    bundle = rank_bundle(spec, use_gpu)
+    groups = [
+        placement_group([bundle] * p.tp, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}")
+        for g in range(p.world_size // p.tp)
+    ]
+    placement = RankPlacement(groups=groups, tp=p.tp)
+    try:
+        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        placement.release()
+        raise SpecError(
+            "parallel.tp",
+            p.tp,
+            f"could not place {p.world_size // p.tp} groups of {p.tp} x {bundle} on single nodes "
+            f"within {timeout_s:.0f}s (tensor-parallel peers must share a node)",
+            "lower parallel.tp to what one node holds, or add nodes with more CPUs/GPUs",
+        ) from None
+    return placement

@@ -1,0 +1,32 @@
+"""The summary of a run: what ``--summary-json`` writes and ``TrainingJob.run`` returns."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RunResult:
+    steps: int
+    losses: list[float]
+    final_loss: float | None
+    tokens_per_s: float
+    layout: dict
+    recoveries: list[dict] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    peak_memory_bytes: dict[int, int] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+    startup_s: float = 0.0
+    step_time_s: list[float] = field(default_factory=list)
+    resumed_from: str | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
+        return d
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))

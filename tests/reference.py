@@ -1,0 +1,34 @@
+"""The single-process reference every parallel layout is checked against.
+
+Plain PyTorch on purpose: the model and data reader are shared with the
+workers, but none of the parallel wrappers, trainer or optimizer plumbing is,
+so a bug there cannot hide in both sides of a parity test.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orchestrator import JobSpec
+from workers.builder import model_config
+from workers.data import DataCursor, TokenDataset
+from workers.model import GPT, lm_loss
+
+
+def reference_losses(spec: JobSpec, steps: int) -> list[float]:
+    torch.manual_seed(spec.train.seed)
+    model = GPT(model_config(spec.worker_dict()["model"]))
+    o = spec.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    data = TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed)
+    cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
+    losses = []
+    for _ in range(steps):
+        inputs, targets = cursor.next_batch()
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
