@@ -15,20 +15,25 @@ from workers.data import DataCursor, TokenDataset
 from workers.model import GPT, lm_loss
 
 
-def reference_losses(spec: JobSpec, steps: int) -> list[float]:
+def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
+    """Per-step losses and pre-clip gradient norms."""
     torch.manual_seed(spec.train.seed)
     model = GPT(model_config(spec.worker_dict()["model"]))
     o = spec.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     data = TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed)
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         inputs, targets = cursor.next_batch()
         loss = lm_loss(model(inputs), targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, norms
+
+
+def reference_losses(spec: JobSpec, steps: int) -> list[float]:
+    return reference_run(spec, steps)[0]

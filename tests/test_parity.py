@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator import TrainingJob
 from tests.conftest import tiny_spec
-from tests.reference import reference_losses
+from tests.reference import reference_run
 
 STEPS = 10
 
@@ -30,7 +30,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference(token_data, tmp_path_factory):
-    return reference_losses(tiny_spec(token_data, tmp_path_factory.mktemp("ref")), STEPS)
+    return reference_run(tiny_spec(token_data, tmp_path_factory.mktemp("ref")), STEPS)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -40,6 +40,8 @@ def test_layout_matches_single_process_reference(name, reference, ray_cluster, t
     spec = tiny_spec(token_data, tmp_path, parallel=parallel, train=train)
     result = TrainingJob(spec, progress=False).run()
     assert len(result.losses) == STEPS
-    assert result.losses == pytest.approx(reference, rel=1e-4)
+    losses, grad_norms = reference
+    assert result.losses == pytest.approx(losses, rel=1e-4)
+    assert result.grad_norms == pytest.approx(grad_norms, rel=1e-4)  # the global norm that clipping uses
     assert result.layout["world_size"] == spec.parallel.world_size
     assert set(result.peak_memory_bytes) == set(range(spec.parallel.world_size))

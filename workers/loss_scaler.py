@@ -22,7 +22,7 @@ class DynamicLossScaler:
 
     def unscale_and_check(self, params: list[torch.nn.Parameter]) -> bool:
         """Divide grads by the scale in place; return True when every rank's grads are finite."""
-        finite = torch.ones(1)
+        finite = torch.ones(1, device=params[0].device)
         for p in params:
             if p.grad is None:
                 continue

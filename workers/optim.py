@@ -41,18 +41,32 @@ def lr_lambda(optim: dict, total_steps: int):
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None) -> torch.Tensor:
-    """L2 norm of all gradients of the job: DTensor shards are combined over their mesh, stages over ``pp_group``."""
-    squares = torch.zeros((), dtype=torch.float32)
+    """L2 norm of all gradients of the job.
+
+    Sums of squares of sharded DTensor gradients are added up per (mesh, sharded
+    dims) and all-reduced once per group, not once per parameter; replicated
+    gradients count once; pipeline stages are summed over ``pp_group``.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=params[0].device)  # NCCL reduces device tensors only
+    sharded: dict[tuple, torch.Tensor] = {}
     for p in params:
-        if p.grad is None:
+        g = p.grad
+        if g is None:
             continue
-        n = p.grad.float().norm()
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        squares = squares + n.to(squares.device) ** 2
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            total = total + g.full_tensor().float().pow(2).sum()
+        elif isinstance(g, DTensor):
+            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()))
+            sharded[key] = sharded.get(key, 0) + g.to_local().float().pow(2).sum()
+        else:
+            total = total + g.float().pow(2).sum()
+    for (mesh, dims), squares in sharded.items():
+        for dim in dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total = total + squares
     if pp_group is not None:
-        dist.all_reduce(squares, group=pp_group)
-    return squares.sqrt()
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> float:
