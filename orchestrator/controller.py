@@ -88,6 +88,8 @@ class TrainingJob:
     # -- checkpoints ---------------------------------------------------------------------
 
     def _save(self, step: int, saved: list[str]) -> None:
+        if self.spec.checkpoint.async_save:
+            self._wait_async(saved)  # at most one save in flight; commit the previous one first
         path = self.ckpt.path_for(step)
         t0 = time.perf_counter()
         ray.get([w.save_checkpoint.remote(str(path), self.spec.checkpoint.async_save) for w in self.workers])
