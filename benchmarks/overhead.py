@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def run_torchrun(args) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
          str(Path(__file__).with_name("torchrun_baseline.py")), "--data", args.data, "--steps", str(args.steps)],
-        capture_output=True, text=True, check=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"startup_s": out["ready_unix"] - t0, "step_s": statistics.median(out["step_time_s"][WARMUP:])}
