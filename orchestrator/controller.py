@@ -2,13 +2,16 @@
 
 The controller runs in the driver process (the ``raymesh run`` process, or the
 entrypoint of a ``ray job submit``): it reserves placement, starts one
-``RankWorker`` actor per rank, forms the process group, then runs the step loop,
-checkpoint cadence and bookkeeping, and returns the ``RunResult``.
+``RankWorker`` actor per rank, forms the process group, then runs the step
+loop, the checkpoint cadence and bookkeeping, records and exports what
+happens, and returns the ``RunResult``. ``status()`` and ``request_stop()``
+are what the control API serves while it runs.
 """
 
 from __future__ import annotations
 
-import statistics
+import json
+import threading
 import time
 
 import ray
@@ -17,7 +20,10 @@ from tqdm import tqdm
 from orchestrator import cluster
 from orchestrator.checkpoints import CheckpointDir
 from orchestrator.events import event
+from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
+from orchestrator.metrics import MetricsExporter
 from orchestrator.placement import RankPlacement, reserve
+from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
 from orchestrator.spec import JobSpec, check_data_path, check_resources
 from workers.rank_worker import RankWorker
@@ -33,6 +39,31 @@ class TrainingJob:
         self.ckpt = CheckpointDir(spec.checkpoint.resolved_dir(self.run_dir), spec.checkpoint.keep)
         self.workers: list = []
         self.placement: RankPlacement | None = None
+        self.exporter: MetricsExporter | None = None
+        self.state = "starting"
+        self.layout: dict = {}
+        self.step = 0
+        self.last: dict = {}
+        self.started_unix = time.time()
+        self._stop_requested = threading.Event()
+
+    # -- what the control API serves ------------------------------------------------------
+
+    def status(self) -> dict:
+        return {
+            "job": self.spec.name, "state": self.state, "step": self.step, "total_steps": self.spec.train.steps,
+            "loss": self.last.get("loss", float("nan")), "tokens_per_s": self.last.get("tokens_per_s", 0.0),
+            "layout": self.layout, "started_unix": self.started_unix,
+            "health": {int(r): time.time() - self.last.get("time", self.started_unix) for r in self.last.get("phases", {})},
+        }
+
+    def request_stop(self, reason: str = "") -> str:
+        """Finish the current step, checkpoint if checkpoints are on, and end with status ``stopped``."""
+        event("stop_requested", job=self.spec.name, reason=reason or "-", step=self.step)
+        self._stop_requested.set()
+        if self.state == "running":
+            self.state = "stopping"
+        return self.state
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -69,8 +100,19 @@ class TrainingJob:
             info["node_id"] = ident["node_id"]
         return {
             "dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "pp_schedule": p.pp_schedule,
-            "virtual_stages": p.stages_per_rank, "world_size": p.world_size, "ranks": infos,
+            "virtual_stages": p.stages_per_rank, "microbatches": self.spec.train.microbatches,
+            "world_size": p.world_size, "ranks": infos,
         }
+
+    def _start_exporter(self) -> None:
+        m = self.spec.metrics
+        if m.port is None:
+            return
+        self.exporter = MetricsExporter(self.spec.name, m.port)
+        self.exporter.observe_layout(self.layout)
+        target_file = m.resolved_file_sd(self.run_dir)
+        self.exporter.write_file_sd(target_file)
+        event("metrics", address=self.exporter.address(), file_sd=target_file)
 
     def _stop(self) -> None:
         if self.workers:
@@ -84,17 +126,25 @@ class TrainingJob:
         if self.placement is not None:
             self.placement.release()
             self.placement = None
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def _save(self, step: int, saved: list[str]) -> None:
+    def _save(self, step: int, saved: list[str]) -> float:
+        """Issue a save; return the seconds training was blocked by it."""
         if self.spec.checkpoint.async_save:
             self._wait_async(saved)  # at most one save in flight; commit the previous one first
-        path = self.ckpt.path_for(step)
         t0 = time.perf_counter()
+        path = self.ckpt.path_for(step)
         ray.get([w.save_checkpoint.remote(str(path), self.spec.checkpoint.async_save) for w in self.workers])
+        blocked = time.perf_counter() - t0
+        if self.exporter is not None:
+            self.exporter.observe_checkpoint(blocked, committed=False)
         if not self.spec.checkpoint.async_save:
-            self._committed(step, saved, time.perf_counter() - t0)
+            self._committed(step, saved, blocked)
+        return blocked
 
     def _wait_async(self, saved: list[str]) -> None:
         done = ray.get([w.wait_checkpoint.remote() for w in self.workers])
@@ -104,6 +154,8 @@ class TrainingJob:
     def _committed(self, step: int, saved: list[str], seconds: float | None) -> None:
         saved.append(str(self.ckpt.path_for(step)))
         removed = self.ckpt.prune()
+        if self.exporter is not None:
+            self.exporter.observe_checkpoint(None, committed=True)
         event("checkpoint", step=step, path=self.ckpt.path_for(step),
               seconds="async" if seconds is None else f"{seconds:.2f}", pruned=removed or "-")
 
@@ -114,16 +166,26 @@ class TrainingJob:
         t_start = time.perf_counter()
         event("start", job=spec.name, world_size=spec.parallel.world_size, run_dir=self.run_dir)
         try:
-            layout = self._start()
-            event("layout", dp=layout["dp"], pp=layout["pp"], tp=layout["tp"], zero=layout["zero"],
-                  schedule=layout["pp_schedule"], devices=layout["ranks"][0]["device"])
+            self.layout = self._start()
+            event("layout", dp=self.layout["dp"], pp=self.layout["pp"], tp=self.layout["tp"],
+                  zero=self.layout["zero"], schedule=self.layout["pp_schedule"],
+                  devices=self.layout["ranks"][0]["device"])
+            self._start_exporter()
             resumed_from = self._maybe_resume()
             startup_s = time.perf_counter() - t_start
-            result = self._loop(layout, startup_s, resumed_from)
+            self.state = "stopping" if self._stop_requested.is_set() else "running"
+            result = self._loop(startup_s, resumed_from, t_start)
+        except BaseException:
+            self.state = "failed"
+            raise
         finally:
             self._stop()
-        event("finish", job=spec.name, steps=result.steps, final_loss=result.final_loss,
-              tokens_per_s=f"{result.tokens_per_s:.0f}")
+        self.state = result.status
+        summary = result.to_dict()
+        RunRecords.write_summary(self.run_dir, summary)
+        event("finish", job=spec.name, status=result.status, steps=len(result.losses),
+              final_loss=result.final_loss, tokens_per_s=f"{result.tokens_per_s:.0f}")
+        event("summary", json=json.dumps(summary, separators=(",", ":")))
         return result
 
     def _maybe_resume(self) -> str | None:
@@ -134,50 +196,74 @@ class TrainingJob:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None
         steps = ray.get([w.load_checkpoint.remote(str(latest)) for w in self.workers])
+        self.step = steps[0]
         event("resume", path=latest, step=steps[0])
         return str(latest)
 
-    def _loop(self, layout: dict, startup_s: float, resumed_from: str | None) -> RunResult:
+    def _loop(self, startup_s: float, resumed_from: str | None, t_start: float) -> RunResult:
         spec = self.spec
         every = spec.checkpoint.every
-        first = self._current_step(resumed_from)
         losses, norms, step_times, saved = [], [], [], []
         peak: dict[int, int] = {}
         tokens = spec.train.global_batch_size * spec.model.seq_len
-        bar = tqdm(total=spec.train.steps, initial=first, disable=not self.progress, unit="step", dynamic_ncols=True)
+        peak_flops = peak_flops_per_rank(spec, self.layout["ranks"][0]["device_name"]) * spec.parallel.world_size
+        flops_per_token = model_flops_per_token(spec)
+        records = RunRecords(self.run_dir, append=resumed_from is not None, timeline=spec.metrics.timeline)
+        bar = tqdm(total=spec.train.steps, initial=self.step, disable=not self.progress, unit="step",
+                   dynamic_ncols=True)
         t_train = time.perf_counter()
-        for step in range(first + 1, spec.train.steps + 1):
-            t0 = time.perf_counter()
-            results = ray.get([w.train_step.remote() for w in self.workers])
-            step_times.append(time.perf_counter() - t0)
-            step_loss = statistics.fmean(r["loss"] for r in results if r["loss"] is not None)
-            losses.append(step_loss)
-            norms.append(results[0]["grad_norm"])
-            for r in results:
-                peak[r["rank"]] = max(peak.get(r["rank"], 0), r["peak_memory_bytes"])
-            bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / step_times[-1]:.0f}")
-            bar.update(1)
-            if every and (step % every == 0 or step == spec.train.steps):
-                self._save(step, saved)
-        bar.close()
+        status = "finished"
+        try:
+            while self.step < spec.train.steps:
+                t0 = time.perf_counter()
+                results = ray.get([w.train_step.remote() for w in self.workers])
+                step_s = time.perf_counter() - t0
+                self.step = results[0]["step"]
+                stopping = self._stop_requested.is_set()
+                due = every and (self.step % every == 0 or self.step == spec.train.steps or stopping)
+                ckpt_s = self._save(self.step, saved) if due else 0.0
+                record = step_record(results, step_s, tokens, time.time(), ckpt_s)
+                records.step(record, results)
+                self.last = record
+                losses.append(record["loss"])
+                norms.append(record["grad_norm"])
+                step_times.append(step_s)
+                for r in results:
+                    peak[r["rank"]] = max(peak.get(r["rank"], 0), r["peak_memory_bytes"])
+                if self.exporter is not None:
+                    bubble = _bubble_ratio(results)
+                    goodput = sum(step_times) / (time.perf_counter() - t_start)
+                    self.exporter.observe_step(record, flops_per_token * record["tokens_per_s"] / peak_flops,
+                                               bubble, goodput)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+                if stopping:
+                    status = "stopped"
+                    break
+            if every:
+                self._wait_async(saved)
+        finally:
+            bar.close()
+            records.close()
         train_s = time.perf_counter() - t_train
-        if every:
-            self._wait_async(saved)
         return RunResult(
-            steps=spec.train.steps,
+            steps=self.step,
             losses=losses,
             final_loss=losses[-1] if losses else None,
             tokens_per_s=tokens * len(losses) / train_s if losses else 0.0,
-            layout=layout,
+            layout=self.layout,
             checkpoints=saved,
             peak_memory_bytes=peak,
             grad_norms=norms,
             startup_s=startup_s,
             step_time_s=step_times,
             resumed_from=resumed_from,
+            status=status,
         )
 
-    def _current_step(self, resumed_from: str | None) -> int:
-        if resumed_from is None:
-            return 0
-        return int(resumed_from.rsplit("-", 1)[1])
+
+def _bubble_ratio(results: list[dict]) -> float:
+    """Idle share of the pipeline window, averaged over ranks (0 without pipeline parallelism)."""
+    shares = [r["time_s"]["bubble"] / (r["time_s"]["bubble"] + r["time_s"]["compute"]) for r in results
+              if r["time_s"]["bubble"] + r["time_s"]["compute"] > 0]
+    return sum(shares) / len(shares) if shares else 0.0

@@ -21,6 +21,7 @@ class RunResult:
     startup_s: float = 0.0
     step_time_s: list[float] = field(default_factory=list)
     resumed_from: str | None = None
+    status: str = "finished"  # or "stopped" when a stop was requested
 
     def to_dict(self) -> dict:
         d = asdict(self)

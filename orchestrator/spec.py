@@ -45,7 +45,7 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"]
 _SINGLE_STAGE = ("gpipe", "1f1b")
 _INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
-_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint")
+_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics")
 
 
 def _divisors(n: int) -> list[int]:
@@ -219,6 +219,18 @@ class CheckpointSpec(_Section):
         return Path(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
 
 
+class MetricsSpec(_Section):
+    """The controller's Prometheus endpoint and what the run records for reports."""
+
+    port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
+    file_sd: str | None = None  # Prometheus file_sd target file; default <run_dir>/prometheus_targets.json
+    timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
+    peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
+
+    def resolved_file_sd(self, run_dir: str | Path) -> Path:
+        return Path(self.file_sd) if self.file_sd is not None else Path(run_dir) / "prometheus_targets.json"
+
+
 class JobSpec(_Section):
     """A whole job file. Build it with `from_dict` or `load_spec` to get `SpecError`s."""
 
@@ -232,6 +244,7 @@ class JobSpec(_Section):
     memory: MemorySpec = Field(default_factory=MemorySpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     def resolved_run_dir(self) -> Path:
         """`run_dir` when set, else `runs/<name>`."""
@@ -598,7 +611,7 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
 
 def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
     """Make relative path fields absolute against `cwd`, in place (see module docstring)."""
-    for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir")):
+    for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir"), ("metrics", "file_sd")):
         holder = raw if section is None else raw.get(section)
         if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key]:
             holder[key] = str(cwd / Path(holder[key]).expanduser())

@@ -36,7 +36,9 @@ class RankWorker:
 
         self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
         t = self.trainer
-        return {"rank": rank, "coords": vars(t.coords), "stages": t.parts.stage_ids, "device": str(t.device)}
+        name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
+        return {"rank": rank, "coords": vars(t.coords), "stages": t.parts.stage_ids, "device": str(t.device),
+                "device_name": name}
 
     def train_step(self) -> dict:
         return self.trainer.train_step()

@@ -8,6 +8,7 @@ under ``torchrun`` (the benchmark baseline) or single-process (the reference).
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import time
 
@@ -24,6 +25,7 @@ from workers.optim import build_optimizer, clip_grads, lr_lambda
 from workers.parallel.pipeline import build_schedule
 from workers.layout import coordinates
 from workers.process_group import init_mesh, pick_device
+from workers.timeline import busy_seconds
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,13 +53,14 @@ class Trainer:
         self.cursor = DataCursor(dataset, train["global_batch_size"], self.coords.dp, par["dp"])
         self.microbatches = train["microbatches"]
         self.pp_group = self.mesh["pp"].get_group() if par["pp"] > 1 else None
-        self.schedule = None
+        self.schedule, self.pipe_stages = None, []
         if par["pp"] > 1:
-            self.schedule = build_schedule(
+            self.schedule, self.pipe_stages = build_schedule(
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par["pp_schedule"],
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
         self.step = 0
+        self.record_timeline = spec["metrics"]["timeline"]
         self.checkpoints = CheckpointIO(self)
 
     # -- one step -------------------------------------------------------------------------
@@ -110,26 +113,39 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_step(self) -> dict:
+        """One optimizer step; returns the loss, the time per phase and memory for the controller.
+
+        Phases: ``compute`` is time in forward/backward (for pipelines, the union of
+        this rank's F/B/W chunks; gradient reduction overlapped with backward counts
+        here), ``bubble`` the rest of the pipeline window (idle or waiting on a
+        neighbour), ``communication`` the explicit collectives after backward
+        (global grad norm, loss-scale agreement).
+        """
+        for stage in self.pipe_stages:
+            stage.events.clear()
         t0 = time.perf_counter()
         inputs, targets = self.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        t_data = time.perf_counter()
+        t1 = time.perf_counter()
         loss = self._forward_backward(inputs, targets)
-        t_compute = time.perf_counter()
+        t2 = time.perf_counter()
         applied = True
         if self.scaler is not None:
             applied = self.scaler.unscale_and_check(self.params)
             if loss is not None:
                 loss = loss / self.scaler.scale if applied else loss
         grad_norm = clip_grads(self.params, self.spec["optim"]["grad_clip"], self.pp_group) if applied else float("nan")
+        t3 = time.perf_counter()
         for opt, sched in zip(self.optimizers, self.schedulers):
             if applied:
                 opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
         self.step += 1
-        t_end = time.perf_counter()
-        return {
+        t4 = time.perf_counter()
+        events = [e for stage in self.pipe_stages for e in stage.events]
+        compute = busy_seconds(events) if events else t2 - t1
+        result = {
             "rank": self.rank,
             "step": self.step,
             "loss": None if loss is None else float(loss),
@@ -137,11 +153,26 @@ class Trainer:
             "lr": self.schedulers[0].get_last_lr()[0],
             "tokens": int(inputs.numel()),
             "applied": applied,
-            "time_s": {"data": t_data - t0, "compute": t_compute - t_data, "optimizer": t_end - t_compute, "step": t_end - t0},
+            "time_s": {
+                "data": t1 - t0, "compute": compute, "bubble": max(0.0, (t2 - t1) - compute),
+                "communication": t3 - t2, "optimizer": t4 - t3, "step": t4 - t0,
+            },
             "peak_memory_bytes": self.peak_memory_bytes(),
+            "current_memory_bytes": self.current_memory_bytes(),
         }
+        if self.record_timeline:
+            result["timeline"] = [
+                {"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events
+            ]
+        return result
 
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def current_memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -8,6 +8,7 @@ which stages a rank owns.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -51,6 +52,35 @@ def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
     return part
 
 
+class TimedStage(PipelineStage):
+    """A ``PipelineStage`` that records when each forward, backward and weight-gradient chunk ran.
+
+    The events give the per-rank busy time (hence the measured bubble) and the
+    timeline that ``raymesh report`` draws; wall-clock ``time.time()`` so ranks
+    in different processes line up.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events: list[dict] = []
+
+    def _timed(self, kind: str, run, chunk: int, *args, **kwargs):
+        start = time.time()
+        out = run(chunk, *args, **kwargs)
+        self.events.append({"stage": self.stage_index, "microbatch": chunk, "kind": kind,
+                            "start": start, "end": time.time()})
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        return self._timed("F", super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._timed("B", super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._timed("W", super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
+
+
 def build_schedule(
     stages: list[nn.Module],
     ids: list[int],
@@ -60,12 +90,10 @@ def build_schedule(
     loss_fn,
     device: torch.device,
     group,
-):
-    """Wrap this rank's stage modules in ``PipelineStage`` objects and the chosen schedule."""
-    pipe_stages = [
-        PipelineStage(mod, sid, n_stages, device, group=group) for mod, sid in zip(stages, ids)
-    ]
+) -> tuple[object, list[TimedStage]]:
+    """Wrap this rank's stage modules in ``TimedStage`` objects and the chosen schedule."""
+    pipe_stages = [TimedStage(mod, sid, n_stages, device, group=group) for mod, sid in zip(stages, ids)]
     cls = SCHEDULES[schedule]
     if schedule in SINGLE_STAGE:
-        return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-    return cls(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn), pipe_stages
+    return cls(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn), pipe_stages
