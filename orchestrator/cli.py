@@ -39,6 +39,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from orchestrator.report import write_report
+
+    report = write_report(args.run_dir, args.out, args.step)
+    bubble = report["bubble"]
+    if bubble["measured"] is not None:
+        print(f"pipeline bubble at step {bubble['step']}: measured {bubble['measured']:.3f}, "
+              f"theory (p-1)/(v*m+p-1) {bubble['theoretical']:.3f} ({bubble['schedule']})")
+    print(f"report: {report['html']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymesh", description="Ray-hosted 3-D parallel transformer training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--summary-json", help="write the run summary here")
     run.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local one)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rep = sub.add_parser("report", help="PNG charts and an HTML page for a run directory")
+    rep.add_argument("run_dir", help="the job's run_dir (holds summary.json, steps.jsonl, timeline.jsonl)")
+    rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    rep.add_argument("--step", type=int, help="step to draw the pipeline timeline for (default: the last)")
+    rep.set_defaults(func=_report)
     return parser
 
 
