@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from orchestrator.cli_client import add_client_commands
 from orchestrator.errors import SpecError
 
 DEFAULT_MAX_TOKENS = 20_000_000
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
     rep.add_argument("--step", type=int, help="step to draw the pipeline timeline for (default: the last)")
     rep.set_defaults(func=_report)
+    add_client_commands(sub)
     return parser
 
 

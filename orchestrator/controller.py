@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from orchestrator import cluster
 from orchestrator.checkpoints import CheckpointDir
+from orchestrator.control import ControlServer
 from orchestrator.events import event
 from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.metrics import MetricsExporter
@@ -40,6 +41,7 @@ class TrainingJob:
         self.workers: list = []
         self.placement: RankPlacement | None = None
         self.exporter: MetricsExporter | None = None
+        self.control: ControlServer | None = None
         self.state = "starting"
         self.layout: dict = {}
         self.step = 0
@@ -52,7 +54,7 @@ class TrainingJob:
     def status(self) -> dict:
         return {
             "job": self.spec.name, "state": self.state, "step": self.step, "total_steps": self.spec.train.steps,
-            "loss": self.last.get("loss", float("nan")), "tokens_per_s": self.last.get("tokens_per_s", 0.0),
+            "loss": self.last.get("loss"), "tokens_per_s": self.last.get("tokens_per_s", 0.0),
             "layout": self.layout, "started_unix": self.started_unix,
             "health": {int(r): time.time() - self.last.get("time", self.started_unix) for r in self.last.get("phases", {})},
         }
@@ -75,6 +77,8 @@ class TrainingJob:
         p = self.spec.parallel
         check_data_path(self.spec)
         cluster.connect(self.address, p.world_size * p.cpus_per_rank)
+        self.control = ControlServer(self)  # after connect, so it advertises the node IP
+        event("control", address=self.control.address)
         cpus, gpus = cluster.available()
         use_gpu = self._use_gpu(gpus)
         check_resources(self.spec, cpus, gpus, "cuda" if use_gpu else "cpu")
@@ -177,6 +181,7 @@ class TrainingJob:
             result = self._loop(startup_s, resumed_from, t_start)
         except BaseException:
             self.state = "failed"
+            self._close_control()
             raise
         finally:
             self._stop()
@@ -186,7 +191,13 @@ class TrainingJob:
         event("finish", job=spec.name, status=result.status, steps=len(result.losses),
               final_loss=result.final_loss, tokens_per_s=f"{result.tokens_per_s:.0f}")
         event("summary", json=json.dumps(summary, separators=(",", ":")))
+        self._close_control()  # only now: `raymesh status` needs the API or the summary line, never neither
         return result
+
+    def _close_control(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
 
     def _maybe_resume(self) -> str | None:
         if not self.resume:

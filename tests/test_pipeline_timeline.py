@@ -29,7 +29,7 @@ def runs(ray_cluster, token_data, tmp_path_factory):
         run_dir = tmp_path_factory.mktemp(schedule)
         spec = tiny_spec(
             token_data, run_dir,
-            model={"d_model": 128, "n_layers": 8, "n_heads": 4, "d_ff": 512, "seq_len": 128},
+            model={"d_model": 256, "n_layers": 8, "n_heads": 4, "d_ff": 1024, "seq_len": 256},
             parallel={"pp": PP, "pp_schedule": schedule},
             train={"steps": STEPS, "global_batch_size": 16, "microbatches": MICROBATCHES},
             metrics={"timeline": True},
