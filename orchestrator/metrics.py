@@ -76,6 +76,7 @@ class MetricsExporter:
         self.ps_pull = Counter("raymesh_ps_pull_bytes_total", "Bytes pulled from parameter-server shards", j, registry=r)
         self.ps_staleness = Gauge("raymesh_ps_staleness_steps", "Largest clock gap between a read and the newest "
                                   "update (0 under all-reduce)", j, registry=r)
+        self._file_sd: Path | None = None
         self.server, self.thread = start_http_server(port, registry=r)
         self.port = self.server.server_port
 
@@ -128,9 +129,13 @@ class MetricsExporter:
 
     def write_file_sd(self, path: str | Path) -> None:
         """A Prometheus ``file_sd_configs`` target file pointing at this exporter."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps([{"targets": [self.address()], "labels": {"raymesh_job": self.job}}]))
+        self._file_sd = Path(path)
+        self._file_sd.parent.mkdir(parents=True, exist_ok=True)
+        self._file_sd.write_text(json.dumps([{"targets": [self.address()], "labels": {"raymesh_job": self.job}}]))
 
     def close(self) -> None:
+        """Stop serving, and empty the target file so Prometheus drops the target instead of scraping a dead one."""
+        if self._file_sd is not None:
+            self._file_sd.write_text("[]")
         self.server.shutdown()
         self.server.server_close()

@@ -223,12 +223,15 @@ class MetricsSpec(_Section):
     """The controller's Prometheus endpoint and what the run records for reports."""
 
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
-    file_sd: str | None = None  # Prometheus file_sd target file; default <run_dir>/prometheus_targets.json
+    file_sd: str | None = None  # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
     timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
     peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
 
     def resolved_file_sd(self, run_dir: str | Path) -> Path:
-        return Path(self.file_sd) if self.file_sd is not None else Path(run_dir) / "prometheus_targets.json"
+        """One shared folder beside the run dirs: Prometheus globs only a path's last element."""
+        if self.file_sd is not None:
+            return Path(self.file_sd)
+        return Path(run_dir).parent / "prometheus_targets" / f"{Path(run_dir).name}.json"
 
 
 class JobSpec(_Section):

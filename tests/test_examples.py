@@ -18,7 +18,7 @@ def test_example_runs(job, ray_cluster, token_data, tmp_path):
     summary = tmp_path / "summary.json"
     rc = main(["run", str(job), "--no-progress", "--summary-json", str(summary),
                "--set", f"data.path={token_data}", "--set", f"run_dir={tmp_path / 'run'}",
-               "--set", "train.steps=4", "--set", "checkpoint.every=2"])
+               "--set", "train.steps=4", "--set", "checkpoint.every=2", "--set", "metrics.port=0"])
     assert rc == 0
     result = json.loads(summary.read_text())
     assert result["steps"] == 4 and len(result["losses"]) == 4

@@ -169,7 +169,8 @@ class Trainer:
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # ru_maxrss is sampled by the kernel less often than statm; never report a peak below current
+        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, self.current_memory_bytes())
 
     def current_memory_bytes(self) -> int:
         if self.device.type == "cuda":
