@@ -16,7 +16,7 @@ import ray
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-RANK_LABELS = ("job", "rank", "dp", "pp", "tp")
+RANK_LABELS = ("job", "rank", "stage", "dp", "pp", "tp")  # stage: the rank's pipeline stages, e.g. "0,2"
 # the fault-tolerance issue's recovery kinds, exported at 0 from the start so rates and panels have series
 RECOVERY_KINDS = ("rank", "stage", "node", "hang", "nan_loss", "corrupt_checkpoint")
 
@@ -82,7 +82,8 @@ class MetricsExporter:
 
     def observe_layout(self, layout: dict) -> None:
         self.rank_labels = {
-            info["rank"]: (self.job, str(info["rank"]), *(str(info["coords"][d]) for d in ("dp", "pp", "tp")))
+            info["rank"]: (self.job, str(info["rank"]), ",".join(map(str, info["stages"])),
+                           *(str(info["coords"][d]) for d in ("dp", "pp", "tp")))
             for info in layout["ranks"]
         }
         for dim in ("dp", "pp", "tp"):

@@ -143,11 +143,11 @@ def test_units_match_metric_base_units():
 
 
 def test_metrics_table_in_readme_lists_every_metric(metric_names):
-    readme = (DASHBOARDS / "README.md").read_text()
+    readme = (DASHBOARDS.parent / "README.md").read_text()
     for name in metric_names:
         if name.endswith(("_created", "_bucket", "_sum", "_count")):
             continue
-        assert f"`{name}`" in readme, f"dashboards/README.md has no row for {name}"
+        assert f"`{name}`" in readme, f"README.md has no row for {name}"
 
 
 def test_prometheus_config_uses_file_sd():
