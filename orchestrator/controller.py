@@ -11,6 +11,7 @@ are what the control API serves while it runs.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 
@@ -23,11 +24,12 @@ from orchestrator.control import ControlServer
 from orchestrator.events import event
 from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.metrics import MetricsExporter
+from orchestrator.fault_schedule import FaultSchedule
 from orchestrator.placement import RankPlacement, reserve
+from orchestrator.rank_group import RankGroup, StepFailed
 from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
 from orchestrator.spec import JobSpec, check_data_path, check_resources
-from workers.rank_worker import RankWorker
 
 
 class TrainingJob:
@@ -38,7 +40,7 @@ class TrainingJob:
         self.progress = progress
         self.run_dir = spec.resolved_run_dir()
         self.ckpt = CheckpointDir(spec.checkpoint.resolved_dir(self.run_dir), spec.checkpoint.keep)
-        self.workers: list = []
+        self.group: RankGroup | None = None
         self.placement: RankPlacement | None = None
         self.exporter: MetricsExporter | None = None
         self.control: ControlServer | None = None
@@ -48,6 +50,9 @@ class TrainingJob:
         self.last: dict = {}
         self.started_unix = time.time()
         self._stop_requested = threading.Event()
+        self.recoveries: list[dict] = []
+        self.restarts = 0
+        self.snapshot_step: int | None = None
 
     # -- what the control API serves ------------------------------------------------------
 
@@ -83,29 +88,11 @@ class TrainingJob:
         use_gpu = self._use_gpu(gpus)
         check_resources(self.spec, cpus, gpus, "cuda" if use_gpu else "cpu")
         self.placement = reserve(self.spec, use_gpu)
-        actor = ray.remote(RankWorker)
-        self.workers = [
-            actor.options(
-                num_cpus=p.cpus_per_rank,
-                num_gpus=1 if use_gpu else 0,
-                scheduling_strategy=self.placement.strategy(rank),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-                name=f"{self.spec.name}-rank{rank}-{time.time_ns()}",
-            ).remote()
-            for rank in range(p.world_size)
-        ]
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        worker_spec = self.spec.worker_dict()
-        infos = ray.get(
-            [w.setup.remote(worker_spec, r, p.world_size, addr, port) for r, w in enumerate(self.workers)]
-        )
-        identities = ray.get([w.identity.remote() for w in self.workers])
-        for info, ident in zip(infos, identities):
-            info["node_id"] = ident["node_id"]
+        self.group = RankGroup(self.spec, self.placement, use_gpu)
         return {
             "dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.stages_per_rank, "microbatches": self.spec.train.microbatches,
-            "world_size": p.world_size, "ranks": infos,
+            "world_size": p.world_size, "ranks": self.group.form(),
         }
 
     def _start_exporter(self) -> None:
@@ -119,14 +106,9 @@ class TrainingJob:
         event("metrics", address=self.exporter.address(), file_sd=target_file)
 
     def _stop(self) -> None:
-        if self.workers:
-            try:
-                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-            except Exception:  # a rank that already died cannot shut down cleanly; it is killed below
-                pass
-            for w in self.workers:
-                ray.kill(w)
-            self.workers = []
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
         if self.placement is not None:
             self.placement.release()
             self.placement = None
@@ -142,7 +124,7 @@ class TrainingJob:
             self._wait_async(saved)  # at most one save in flight; commit the previous one first
         t0 = time.perf_counter()
         path = self.ckpt.path_for(step)
-        ray.get([w.save_checkpoint.remote(str(path), self.spec.checkpoint.async_save) for w in self.workers])
+        self.group.call("save_checkpoint", str(path), self.spec.checkpoint.async_save)
         blocked = time.perf_counter() - t0
         if self.exporter is not None:
             self.exporter.observe_checkpoint(blocked, committed=False)
@@ -151,7 +133,7 @@ class TrainingJob:
         return blocked
 
     def _wait_async(self, saved: list[str]) -> None:
-        done = ray.get([w.wait_checkpoint.remote() for w in self.workers])
+        done = self.group.call("wait_checkpoint")
         if done[0] is not None:
             self._committed(done[0], saved, None)
 
@@ -206,7 +188,7 @@ class TrainingJob:
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None
-        steps = ray.get([w.load_checkpoint.remote(str(latest)) for w in self.workers])
+        steps = self.group.call("load_checkpoint", str(latest))
         self.step = steps[0]
         event("resume", path=latest, step=steps[0])
         return str(latest)
@@ -224,15 +206,36 @@ class TrainingJob:
                    dynamic_ncols=True)
         t_train = time.perf_counter()
         status = "finished"
+        first = self.step
+        faults = FaultSchedule(spec.faults)
+        pending_recovery: dict | None = None
+        memory_every = spec.checkpoint.memory_every
+        if memory_every:
+            self._snapshot()
         try:
             while self.step < spec.train.steps:
                 t0 = time.perf_counter()
-                results = ray.get([w.train_step.remote() for w in self.workers])
+                try:
+                    results = self.group.step(faults.for_step(self.step + 1))
+                    if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
+                        raise StepFailed({}, kind="nan_loss")
+                except StepFailed as failure:
+                    pending_recovery = self._recover(failure, self.step + 1, t0)
+                    keep = max(0, self.step - first)
+                    del losses[keep:], norms[keep:], step_times[keep:]
+                    bar.reset(total=spec.train.steps)
+                    bar.update(self.step)
+                    continue
                 step_s = time.perf_counter() - t0
                 self.step = results[0]["step"]
+                if pending_recovery is not None:
+                    self._recovered(pending_recovery)
+                    pending_recovery = None
                 stopping = self._stop_requested.is_set()
                 due = every and (self.step % every == 0 or self.step == spec.train.steps or stopping)
                 ckpt_s = self._save(self.step, saved) if due else 0.0
+                if memory_every and self.step % memory_every == 0:
+                    self._snapshot()
                 record = step_record(results, step_s, tokens, time.time(), ckpt_s)
                 records.step(record, results)
                 self.last = record
@@ -270,7 +273,64 @@ class TrainingJob:
             step_time_s=step_times,
             resumed_from=resumed_from,
             status=status,
+            recoveries=self.recoveries,
         )
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def _snapshot(self) -> None:
+        self.group.snapshot()
+        self.snapshot_step = self.step
+
+    def _recover(self, failure: StepFailed, at_step: int, fault_time: float) -> dict:
+        """Replace what died, re-form the group and roll every rank back; returns the pending recovery record."""
+        ft = self.spec.fault_tolerance
+        self.restarts += len(failure.dead)
+        event("fault", kind=failure.kind, ranks=dict(failure.dead) or "-", at_step=at_step)
+        if self.restarts > ft.max_restarts:
+            raise RuntimeError(
+                f"{failure} at step {at_step}: {self.restarts} rank restarts exceed fault_tolerance.max_restarts="
+                f"{ft.max_restarts}; raise it, or look at the failing rank's log (`ray logs actor`)"
+            ) from None
+        completed = self.step
+        before = {r["rank"]: {"pid": r["pid"], "actor_id": r["actor_id"]} for r in self.layout["ranks"]}
+        if failure.dead:
+            self.group.replace(failure.dead)
+            self.layout["ranks"] = self.group.form()
+        source = self._roll_back(set(failure.dead))
+        self._snapshot()
+        if self.exporter is not None:
+            self.exporter.observe_recovery(failure.kind, len(failure.dead), completed - self.step)
+        event("recovered", kind=failure.kind, source=source, step=self.step, lost_steps=completed - self.step)
+        rank = min(failure.dead) if failure.dead else -1
+        return {"kind": failure.kind, "rank": rank, "at_step": at_step, "lost_steps": completed - self.step,
+                "source": source, "identities_before": before, "fault_time": fault_time}
+
+    def _roll_back(self, replaced: set[int]) -> str:
+        """Newest consistent state: in-memory snapshots, else the latest checkpoint, else step 0."""
+        if self.snapshot_step is not None:
+            try:
+                self.step = self.group.restore(replaced)
+                return "memory"
+            except LookupError as why:
+                event("snapshot_lost", reason=why)
+        if not replaced:
+            raise RuntimeError(
+                "a step produced a non-finite loss and there is no in-memory snapshot to roll back to; "
+                "set checkpoint.memory_every (e.g. 1) to recover from NaN steps"
+            )
+        latest = self.ckpt.latest()
+        if latest is not None:
+            self.step = self.group.call("load_checkpoint", str(latest))[0]
+            return "disk"
+        self.step = 0  # freshly formed ranks hold the initial weights and data position
+        return "initial"
+
+    def _recovered(self, pending: dict) -> None:
+        mttr = time.perf_counter() - pending.pop("fault_time")
+        self.recoveries.append({**pending, "mttr_s": mttr})
+        if self.exporter is not None:
+            self.exporter.mttr.labels(self.spec.name).set(mttr)
 
 
 def _bubble_ratio(results: list[dict]) -> float:

@@ -117,6 +117,11 @@ class MetricsExporter:
             self.cur_mem.labels(*labels).set(record["memory"][rank]["current_bytes"])
             self.heartbeat.last_seen[labels] = now
 
+    def observe_recovery(self, kind: str, restarted: int, lost_steps: int) -> None:
+        self.recoveries.labels(self.job, kind).inc()
+        self.restarts.labels(self.job).inc(restarted)
+        self.lost_steps.labels(self.job).inc(lost_steps)
+
     def observe_checkpoint(self, blocking_s: float | None, committed: bool) -> None:
         """A save's blocking time when it was issued; the commit count when it became durable."""
         if blocking_s is not None:

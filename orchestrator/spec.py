@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
+import typing
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -45,7 +46,7 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"]
 _SINGLE_STAGE = ("gpipe", "1f1b")
 _INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
-_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics")
+_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics", "fault_tolerance")
 
 
 def _divisors(n: int) -> list[int]:
@@ -213,10 +214,28 @@ class CheckpointSpec(_Section):
     dir: str | None = None
     async_save: bool = Field(default=False, alias="async")
     keep: Annotated[int, Field(ge=1)] = 3
+    memory_every: Annotated[int, Field(ge=0)] = 10  # in-memory snapshot (+ replica on a peer) cadence; 0: off
 
     def resolved_dir(self, run_dir: str | Path) -> Path:
         """`dir` when set, else `<run_dir>/checkpoints`."""
         return Path(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+
+
+class FaultToleranceSpec(_Section):
+    """How failures are detected and how many restarts a job may spend."""
+
+    heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # a step not answered by then: the rank hung
+    collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # survivors' collectives with a dead peer give up
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+
+
+class FaultSpec(_Section):
+    """One injected fault (the fault-injection harness): deterministic by step and rank."""
+
+    kind: Literal["kill_rank", "hang_rank", "slow_rank", "nan_loss"]
+    rank: Annotated[int, Field(ge=0)] = 0
+    at_step: Annotated[int, Field(ge=1)]
+    factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
 
 
 class MetricsSpec(_Section):
@@ -248,6 +267,8 @@ class JobSpec(_Section):
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    faults: list[FaultSpec] = Field(default_factory=list)
 
     def resolved_run_dir(self) -> Path:
         """`run_dir` when set, else `runs/<name>`."""
@@ -301,7 +322,25 @@ class JobSpec(_Section):
         self._check_tensor_split()
         self._check_batching()
         self._check_zero()
+        self._check_faults()
         return self
+
+    def _check_faults(self) -> None:
+        ft, world = self.fault_tolerance, self.parallel.world_size
+        if ft.collective_timeout_s >= ft.heartbeat_timeout_s:
+            raise SpecError(
+                "fault_tolerance.collective_timeout_s", ft.collective_timeout_s,
+                f"is not below fault_tolerance.heartbeat_timeout_s={ft.heartbeat_timeout_s}: survivors blocked on "
+                "a hung rank must give up before the controller declares the hang",
+                "set collective_timeout_s below heartbeat_timeout_s",
+            )
+        for i, fault in enumerate(self.faults):
+            if fault.rank >= world:
+                raise SpecError(f"faults.{i}.rank", fault.rank, f"is not a rank of this {world}-rank job",
+                                f"pick a rank from 0 to {world - 1}")
+            if fault.at_step > self.train.steps:
+                raise SpecError(f"faults.{i}.at_step", fault.at_step, f"is after the last step {self.train.steps}",
+                                f"pick a step from 1 to {self.train.steps}")
 
     def _check_zero(self) -> None:
         """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""
@@ -462,14 +501,19 @@ def _yaml_keys(model: type[BaseModel]) -> list[str]:
 
 
 def _section_model(info: FieldInfo) -> type[BaseModel] | None:
+    """The model of a section field, or of the items of a list-of-sections field (`faults`)."""
     ann = info.annotation
+    if typing.get_origin(ann) is list:
+        ann = typing.get_args(ann)[0]
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The section model reached by following `loc` from `JobSpec` (None past a leaf)."""
+    """The section model reached by following `loc` from `JobSpec` (None past a leaf; list indices pass through)."""
     model: type[BaseModel] | None = JobSpec
     for part in loc:
+        if isinstance(part, int):
+            continue
         info = _keys_of(model).get(part) if model is not None else None
         model = _section_model(info) if info is not None else None
     return model

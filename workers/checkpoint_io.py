@@ -29,7 +29,7 @@ from workers.parallel.data_parallel import unwrap
 _OPTIONS = StateDictOptions(strict=False, flatten_optimizer_state_dict=True)
 
 
-def _local_optimizer(opt):
+def local_optimizer(opt):
     """ZeRO-1 keeps this rank's partition in a plain inner optimizer; DCP saves that partition."""
     return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
 
@@ -47,11 +47,8 @@ class CheckpointIO:
         model, optim = {}, {}
         for part, opt in zip(t.parts.modules, t.optimizers):
             model.update(get_model_state_dict(unwrap(part)))
-            optim.update(get_optimizer_state_dict(unwrap(part), _local_optimizer(opt), options=_OPTIONS))
-        extra = {"step": t.step, "data": t.cursor.state_dict(), "lr_scheduler": t.schedulers[0].state_dict()}
-        if t.scaler is not None:
-            extra["loss_scaler"] = t.scaler.state_dict()
-        return {"model": model, "optim": optim, "train": extra}
+            optim.update(get_optimizer_state_dict(unwrap(part), local_optimizer(opt), options=_OPTIONS))
+        return {"model": model, "optim": optim, "train": t.progress_state()}
 
     def save(self, path: str | Path, async_save: bool) -> None:
         self.wait()
@@ -76,11 +73,5 @@ class CheckpointIO:
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         for part, opt in zip(t.parts.modules, t.optimizers):
             set_model_state_dict(unwrap(part), state["model"], options=_OPTIONS)
-            set_optimizer_state_dict(unwrap(part), _local_optimizer(opt), state["optim"], options=_OPTIONS)
-        extra = state["train"]
-        t.step = int(extra["step"])
-        t.cursor.load_state_dict(extra["data"])
-        for sched in t.schedulers:
-            sched.load_state_dict(extra["lr_scheduler"])
-        if t.scaler is not None:
-            t.scaler.load_state_dict(extra["loss_scaler"])
+            set_optimizer_state_dict(unwrap(part), local_optimizer(opt), state["optim"], options=_OPTIONS)
+        t.load_progress_state(state["train"])

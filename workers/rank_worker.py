@@ -17,6 +17,8 @@ class RankWorker:
     def __init__(self) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.trainer = None
+        self.snapshot: dict | None = None  # this rank's latest in-memory snapshot
+        self.replicas: dict[int, dict] = {}  # other ranks' snapshots this actor keeps a copy of
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process-group store."""
@@ -26,22 +28,52 @@ class RankWorker:
         return ray.util.get_node_ip_address(), port
 
     def identity(self) -> dict:
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        ctx = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id()}
 
     def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+        """Join the process group and build this rank's model; after a peer failed, do it again in place.
+
+        A survivor keeps its process (Python, imports, data already mapped): only the broken
+        process group and the objects bound to it are replaced.
+        """
         import torch
+        import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         from workers.trainer import Trainer
 
+        if dist.is_initialized():
+            self.trainer = None
+            dist.destroy_process_group()
         self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
         t = self.trainer
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
         return {"rank": rank, "coords": vars(t.coords), "stages": t.parts.stage_ids, "device": str(t.device),
                 "device_name": name}
 
-    def train_step(self) -> dict:
-        return self.trainer.train_step()
+    def train_step(self, fault: dict | None = None) -> dict:
+        return self.trainer.train_step(fault)
+
+    def take_snapshot(self) -> dict:
+        from workers import snapshot
+
+        self.snapshot = snapshot.take(self.trainer)
+        return self.snapshot
+
+    def hold_replica(self, rank: int, snap: dict) -> None:
+        self.replicas[rank] = snap
+
+    def replica(self, rank: int) -> dict | None:
+        return self.replicas.get(rank)
+
+    def restore_snapshot(self, snap: dict | None = None) -> int:
+        """Roll back to ``snap`` (a replica handed over for a replaced rank) or to this rank's own."""
+        from workers import snapshot
+
+        self.snapshot = snap if snap is not None else self.snapshot
+        snapshot.restore(self.trainer, self.snapshot)
+        return self.trainer.step
 
     def save_checkpoint(self, path: str, async_save: bool) -> None:
         self.trainer.checkpoints.save(path, async_save)

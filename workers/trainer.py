@@ -16,6 +16,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from workers import faults
 from workers.builder import build_parts
 from workers.checkpoint_io import CheckpointIO
 from workers.data import DataCursor, TokenDataset
@@ -37,7 +38,8 @@ class Trainer:
         par = spec["parallel"]
         self.coords = coordinates(rank, par["dp"], par["pp"], par["tp"])
         self.device = pick_device(par["device"])
-        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]), self.device)
+        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]), self.device,
+                              timeout_s=spec["fault_tolerance"]["collective_timeout_s"])
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
         zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
@@ -60,6 +62,7 @@ class Trainer:
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
         self.step = 0
+        self._poison = False
         self.record_timeline = spec["metrics"]["timeline"]
         self.checkpoints = CheckpointIO(self)
 
@@ -75,6 +78,8 @@ class Trainer:
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(logits, targets)
+        if self._poison:
+            loss = loss * float("nan")
         return loss * self.scaler.scale if self.scaler else loss
 
     def _autocast(self):
@@ -112,7 +117,7 @@ class Trainer:
             model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def train_step(self) -> dict:
+    def train_step(self, fault: dict | None = None) -> dict:
         """One optimizer step; returns the loss, the time per phase and memory for the controller.
 
         Phases: ``compute`` is time in forward/backward (for pipelines, the union of
@@ -121,6 +126,8 @@ class Trainer:
         neighbour), ``communication`` the explicit collectives after backward
         (global grad norm, loss-scale agreement).
         """
+        faults.before_step(fault)
+        self._poison = fault is not None and fault["kind"] == "nan_loss"
         for stage in self.pipe_stages:
             stage.events.clear()
         t0 = time.perf_counter()
@@ -143,6 +150,7 @@ class Trainer:
             sched.step()
         self.step += 1
         t4 = time.perf_counter()
+        faults.after_step(fault, t4 - t0)
         events = [e for stage in self.pipe_stages for e in stage.events]
         compute = busy_seconds(events) if events else t2 - t1
         result = {
@@ -165,6 +173,24 @@ class Trainer:
                 {"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events
             ]
         return result
+
+    # -- progress beyond weights: what a checkpoint or snapshot must carry to resume exactly ----
+
+    def progress_state(self) -> dict:
+        state = {"step": self.step, "data": self.cursor.state_dict(), "lr_scheduler": self.schedulers[0].state_dict()}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_progress_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.cursor.load_state_dict(state["data"])
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            sched.load_state_dict(state["lr_scheduler"])
+            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+                group["lr"] = lr  # the scheduler's state does not carry the optimizer's current lr
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
 
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":
