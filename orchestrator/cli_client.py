@@ -87,20 +87,26 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inject(args: argparse.Namespace) -> int:
+    at_step = _client(args).inject_fault(args.id, args.kind, args.rank, args.factor)
+    print(f"{args.id}: {args.kind} on rank {args.rank} at step {at_step}")
+    return 0
+
+
 def _guarded(func):
     """Print a user's mistake or an unreachable cluster as one line, exit 2, no traceback."""
 
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except (SpecError, LookupError, ConnectionError, TimeoutError) as exc:
+        except (SpecError, LookupError, ConnectionError, TimeoutError, ValueError) as exc:
             print(f"raymesh: error: {exc}", file=sys.stderr)
             return 2
     return run
 
 
 def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add submit, status, logs and stop to ``raymesh``'s subcommands."""
+    """Add submit, status, logs, stop and inject to ``raymesh``'s subcommands."""
     address_help = f"Ray dashboard URL (default: RAY_DASHBOARD_ADDRESS, else {DEFAULT_DASHBOARD})"
 
     submit = subparsers.add_parser("submit", help="validate a job file and submit it to a Ray cluster")
@@ -113,7 +119,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
 
     for name, func, text in (("status", _status, "a submitted job's state, step, loss and health"),
                              ("logs", _logs, "a submitted job's log"),
-                             ("stop", _stop, "stop a submitted job after its current step")):
+                             ("stop", _stop, "stop a submitted job after its current step"),
+                             ("inject", _inject, "make a rank of a running job fail at its next step (a drill)")):
         cmd = subparsers.add_parser(name, help=text)
         cmd.add_argument("id", help="submission id (printed by `raymesh submit`)")
         cmd.set_defaults(func=_guarded(func))
@@ -121,5 +128,9 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
                                             help="keep printing until the job ends")
     subparsers.choices["stop"].add_argument("--reason", default="requested with `raymesh stop`",
                                             help="recorded in the job log")
-    for name in ("submit", "status", "logs", "stop"):
+    inject = subparsers.choices["inject"]
+    inject.add_argument("--kind", required=True, choices=("kill_rank", "hang_rank", "slow_rank", "nan_loss"))
+    inject.add_argument("--rank", type=int, default=0)
+    inject.add_argument("--factor", type=float, default=3.0, help="slow_rank: how many times slower")
+    for name in ("submit", "status", "logs", "stop", "inject"):
         subparsers.choices[name].add_argument("--address", help=address_help)

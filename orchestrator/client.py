@@ -179,6 +179,14 @@ class Client:
         state = "stopping" if accepted else self._info(submission_id).status.value.lower()
         return {"accepted": accepted, "state": state, "via": "ray"}
 
+    def inject_fault(self, submission_id: str, kind: str, rank: int, factor: float = 3.0) -> int:
+        """Make ``rank`` of a running job fail at its next step (a drill); returns that step."""
+        address = control_address(self._jobs.get_job_logs(submission_id))
+        if address is None:
+            raise LookupError(f"job {submission_id} has not announced its control API yet (no `event=control` "
+                              f"line in its log); wait until `raymesh status {submission_id}` says running")
+        return ControlClient(address).inject_fault(kind, rank, factor)
+
     def summary(self, submission_id: str) -> dict[str, Any]:
         """The summary JSON the controller logs when the run ends (steps, losses, layout, ...)."""
         summary = summary_from_log(self.logs(submission_id))

@@ -1,4 +1,4 @@
-"""The controller's control API over gRPC: ask a running job for its status, or ask it to stop.
+"""The controller's control API over gRPC: ask a running job for its status, ask it to stop, inject a fault.
 
 The controller runs inside a Ray job's driver process, which has no port of its
 own that a user could reach; ``ControlServer`` opens one and the controller
@@ -34,6 +34,10 @@ class ControlHandler(Protocol):
         Any state but ``finished`` or ``failed`` counts as accepted: a stop asked
         for while ``starting`` takes effect after the first step.
         """
+
+
+    def inject_fault(self, kind: str, rank: int, factor: float) -> int:
+        """Schedule a fault for the next step and return that step; ``ValueError`` for a bad request."""
 
 
 class ControlUnreachable(ConnectionError):
@@ -85,6 +89,14 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         return control_pb2.StopReply(accepted=state not in ("finished", "failed"), state=state)
 
 
+    def InjectFault(self, request: control_pb2.FaultRequest, context: grpc.ServicerContext) -> control_pb2.FaultReply:
+        try:
+            at_step = self._handler.inject_fault(request.kind, request.rank, request.factor or 3.0)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return control_pb2.FaultReply(at_step=at_step)
+
+
 def _advertised_host(host: str) -> str:
     if host not in ("0.0.0.0", "::", "[::]", ""):
         return host
@@ -129,6 +141,10 @@ class ControlClient:
         reply = self._call("Stop", control_pb2.StopRequest(reason=reason))
         return {"accepted": reply.accepted, "state": reply.state}
 
+    def inject_fault(self, kind: str, rank: int, factor: float = 3.0) -> int:
+        """The step at which the fault fires; ``ValueError`` when the controller refuses the request."""
+        return self._call("InjectFault", control_pb2.FaultRequest(kind=kind, rank=rank, factor=factor)).at_step
+
     def _call(self, method: str, request):
         # One channel per call: calls are rare and this leaves nothing open between them.
         with grpc.insecure_channel(self.address) as channel:
@@ -144,4 +160,6 @@ class ControlClient:
                         "`event=control address=...` line in its log, and that this machine can reach that "
                         "node's port"
                     ) from None
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(exc.details()) from None
                 raise RuntimeError(f"control API at {self.address}: {method} failed: {exc.details()}") from None

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 
-import ray
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from orchestrator import cluster
@@ -29,7 +29,7 @@ from orchestrator.placement import RankPlacement, reserve
 from orchestrator.rank_group import RankGroup, StepFailed
 from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
-from orchestrator.spec import JobSpec, check_data_path, check_resources
+from orchestrator.spec import FaultSpec, JobSpec, check_data_path, check_resources
 
 
 class TrainingJob:
@@ -53,6 +53,9 @@ class TrainingJob:
         self.recoveries: list[dict] = []
         self.restarts = 0
         self.snapshot_step: int | None = None
+        self.faults = FaultSchedule(spec.faults)
+        self._issue_lock = threading.Lock()
+        self._issued = 0  # the last step handed to the ranks
 
     # -- what the control API serves ------------------------------------------------------
 
@@ -71,6 +74,26 @@ class TrainingJob:
         if self.state == "running":
             self.state = "stopping"
         return self.state
+
+    def inject_fault(self, kind: str, rank: int, factor: float) -> int:
+        """Schedule ``kind`` on ``rank`` for the next step (validated like a job file's ``faults:`` entry)."""
+        with self._issue_lock:  # the first step not yet handed to the ranks
+            fault = {"kind": kind, "rank": rank, "at_step": self._issued + 1, "factor": factor}
+            self._add_fault(fault)
+        event("fault_requested", kind=kind, rank=rank, at_step=fault["at_step"])
+        return fault["at_step"]
+
+    def _add_fault(self, fault: dict) -> None:
+        """Validate a live fault request like a job file's ``faults:`` entry and schedule it."""
+        try:
+            checked = FaultSpec.model_validate(fault)
+        except ValidationError as exc:
+            raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, hang_rank, "
+                             "slow_rank, nan_loss and factor > 1") from None
+        if fault["rank"] >= self.spec.parallel.world_size:
+            raise ValueError(f"fault rank {fault['rank']} is not a rank of this {self.spec.parallel.world_size}-rank job; "
+                             f"fix: pick a rank from 0 to {self.spec.parallel.world_size - 1}")
+        self.faults.add(checked.model_dump())
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -207,7 +230,6 @@ class TrainingJob:
         t_train = time.perf_counter()
         status = "finished"
         first = self.step
-        faults = FaultSchedule(spec.faults)
         pending_recovery: dict | None = None
         memory_every = spec.checkpoint.memory_every
         if memory_every:
@@ -216,7 +238,10 @@ class TrainingJob:
             while self.step < spec.train.steps:
                 t0 = time.perf_counter()
                 try:
-                    results = self.group.step(faults.for_step(self.step + 1))
+                    with self._issue_lock:
+                        self._issued = self.step + 1
+                        faults_now = self.faults.for_step(self._issued)
+                    results = self.group.step(faults_now)
                     if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
                         raise StepFailed({}, kind="nan_loss")
                 except StepFailed as failure:

@@ -12,6 +12,10 @@ class FaultSchedule:
     def __init__(self, faults):
         self.pending = [f.model_dump() for f in faults]
 
+    def add(self, fault: dict) -> None:
+        """A fault requested while the job runs (the control API's InjectFault)."""
+        self.pending.append(dict(fault))
+
     def for_step(self, step: int) -> dict[int, dict]:
         out: dict[int, dict] = {}
         for fault in self.pending:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from orchestrator import JobSpec, TrainingJob
-from tests.conftest import tiny_spec
+from orchestrator.control import ControlClient
+from tests.conftest import tiny_spec, wait_for
 
 STEPS = 20
 FAST_DETECTION = {"heartbeat_timeout_s": 20, "collective_timeout_s": 5}
 
 
 def run(token_data, tmp_path, faults=(), **sections):
-    spec = tiny_spec(token_data, tmp_path, train={"steps": STEPS}, checkpoint={"memory_every": 1},
-                     fault_tolerance=FAST_DETECTION, **sections)
+    defaults = {"train": {"steps": STEPS}, "checkpoint": {"memory_every": 1}, "fault_tolerance": FAST_DETECTION}
+    spec = tiny_spec(token_data, tmp_path, **{**defaults, **sections})
     return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
 
 
@@ -52,3 +55,22 @@ def test_hang_is_detected_and_the_hung_rank_replaced(ray_cluster, token_data, tm
     (rec,) = hung.recoveries
     assert rec["kind"] == "hang" and rec["rank"] == 1
     assert rec["mttr_s"] < spec_ft["heartbeat_timeout_s"] + 30  # detected by the heartbeat timeout, not later
+
+
+def test_fault_injected_through_the_control_api_into_a_live_job(ray_cluster, token_data, tmp_path):
+    straight = run(token_data, tmp_path / "straight", parallel={"dp": 2}, train={"steps": 30})
+    spec = tiny_spec(token_data, tmp_path / "live", parallel={"dp": 2}, train={"steps": 30},
+                     checkpoint={"memory_every": 1}, fault_tolerance=FAST_DETECTION)
+    job = TrainingJob(spec, progress=False)
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=job.run()))
+    thread.start()
+    wait_for(lambda: job.control is not None and job.step >= 3, 120, "the job to pass step 3")
+    client = ControlClient(job.control.address)
+    with pytest.raises(ValueError, match="rank 9 is not a rank of this 2-rank job"):
+        client.inject_fault("kill_rank", 9)
+    at_step = client.inject_fault("kill_rank", 1)
+    thread.join(300)
+    result = outcome["result"]
+    assert [(r["kind"], r["rank"], r["at_step"]) for r in result.recoveries] == [("rank", 1, at_step)]
+    assert result.losses == straight.losses

@@ -44,6 +44,11 @@ class ControlStub:
                 request_serializer=orchestrator_dot_proto_dot_control__pb2.StopRequest.SerializeToString,
                 response_deserializer=orchestrator_dot_proto_dot_control__pb2.StopReply.FromString,
                 _registered_method=True)
+        self.InjectFault = channel.unary_unary(
+                '/raymesh.control.Control/InjectFault',
+                request_serializer=orchestrator_dot_proto_dot_control__pb2.FaultRequest.SerializeToString,
+                response_deserializer=orchestrator_dot_proto_dot_control__pb2.FaultReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -63,6 +68,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InjectFault(self, request, context):
+        """Inject a fault at the next step (the fault-injection harness, for drills on a live job).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=orchestrator_dot_proto_dot_control__pb2.StopRequest.FromString,
                     response_serializer=orchestrator_dot_proto_dot_control__pb2.StopReply.SerializeToString,
+            ),
+            'InjectFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectFault,
+                    request_deserializer=orchestrator_dot_proto_dot_control__pb2.FaultRequest.FromString,
+                    response_serializer=orchestrator_dot_proto_dot_control__pb2.FaultReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class Control:
             '/raymesh.control.Control/Stop',
             orchestrator_dot_proto_dot_control__pb2.StopRequest.SerializeToString,
             orchestrator_dot_proto_dot_control__pb2.StopReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raymesh.control.Control/InjectFault',
+            orchestrator_dot_proto_dot_control__pb2.FaultRequest.SerializeToString,
+            orchestrator_dot_proto_dot_control__pb2.FaultReply.FromString,
             options,
             channel_credentials,
             insecure,
