@@ -93,6 +93,12 @@ def _inject(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    after = _client(args).request_scale(args.id, args.dp)
+    print(f"{args.id}: resizing to dp={args.dp} after step {after}")
+    return 0
+
+
 def _guarded(func):
     """Print a user's mistake or an unreachable cluster as one line, exit 2, no traceback."""
 
@@ -106,7 +112,7 @@ def _guarded(func):
 
 
 def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add submit, status, logs, stop and inject to ``raymesh``'s subcommands."""
+    """Add submit, status, logs, stop, inject and scale to ``raymesh``'s subcommands."""
     address_help = f"Ray dashboard URL (default: RAY_DASHBOARD_ADDRESS, else {DEFAULT_DASHBOARD})"
 
     submit = subparsers.add_parser("submit", help="validate a job file and submit it to a Ray cluster")
@@ -120,7 +126,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     for name, func, text in (("status", _status, "a submitted job's state, step, loss and health"),
                              ("logs", _logs, "a submitted job's log"),
                              ("stop", _stop, "stop a submitted job after its current step"),
-                             ("inject", _inject, "make a rank of a running job fail at its next step (a drill)")):
+                             ("inject", _inject, "make a rank of a running job fail at its next step (a drill)"),
+                             ("scale", _scale, "resize a running job's data parallelism after its current step")):
         cmd = subparsers.add_parser(name, help=text)
         cmd.add_argument("id", help="submission id (printed by `raymesh submit`)")
         cmd.set_defaults(func=_guarded(func))
@@ -132,5 +139,6 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     inject.add_argument("--kind", required=True, choices=("kill_rank", "hang_rank", "slow_rank", "nan_loss"))
     inject.add_argument("--rank", type=int, default=0)
     inject.add_argument("--factor", type=float, default=3.0, help="slow_rank: how many times slower")
-    for name in ("submit", "status", "logs", "stop", "inject"):
+    subparsers.choices["scale"].add_argument("--dp", type=int, required=True, help="the new data-parallel degree")
+    for name in ("submit", "status", "logs", "stop", "inject", "scale"):
         subparsers.choices[name].add_argument("--address", help=address_help)

@@ -181,11 +181,18 @@ class Client:
 
     def inject_fault(self, submission_id: str, kind: str, rank: int, factor: float = 3.0) -> int:
         """Make ``rank`` of a running job fail at its next step (a drill); returns that step."""
+        return self._control(submission_id).inject_fault(kind, rank, factor)
+
+    def request_scale(self, submission_id: str, dp: int) -> int:
+        """Resize a running job's data parallelism after its current step; returns that step."""
+        return self._control(submission_id).request_scale(dp)
+
+    def _control(self, submission_id: str) -> ControlClient:
         address = control_address(self._jobs.get_job_logs(submission_id))
         if address is None:
             raise LookupError(f"job {submission_id} has not announced its control API yet (no `event=control` "
                               f"line in its log); wait until `raymesh status {submission_id}` says running")
-        return ControlClient(address).inject_fault(kind, rank, factor)
+        return ControlClient(address)
 
     def summary(self, submission_id: str) -> dict[str, Any]:
         """The summary JSON the controller logs when the run ends (steps, losses, layout, ...)."""

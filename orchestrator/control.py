@@ -1,4 +1,4 @@
-"""The controller's control API over gRPC: ask a running job for its status, ask it to stop, inject a fault.
+"""The controller's control API over gRPC: ask a running job for its status, ask it to stop, inject a fault, resize it.
 
 The controller runs inside a Ray job's driver process, which has no port of its
 own that a user could reach; ``ControlServer`` opens one and the controller
@@ -38,6 +38,10 @@ class ControlHandler(Protocol):
 
     def inject_fault(self, kind: str, rank: int, factor: float) -> int:
         """Schedule a fault for the next step and return that step; ``ValueError`` for a bad request."""
+
+
+    def request_scale(self, dp: int) -> int:
+        """Resize data parallelism after the current step and return that step; ``ValueError`` if refused."""
 
 
 class ControlUnreachable(ConnectionError):
@@ -97,6 +101,14 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         return control_pb2.FaultReply(at_step=at_step)
 
 
+    def RequestScale(self, request: control_pb2.ScaleRequest, context: grpc.ServicerContext) -> control_pb2.ScaleReply:
+        try:
+            after_step = self._handler.request_scale(request.dp)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return control_pb2.ScaleReply(after_step=after_step)
+
+
 def _advertised_host(host: str) -> str:
     if host not in ("0.0.0.0", "::", "[::]", ""):
         return host
@@ -144,6 +156,10 @@ class ControlClient:
     def inject_fault(self, kind: str, rank: int, factor: float = 3.0) -> int:
         """The step at which the fault fires; ``ValueError`` when the controller refuses the request."""
         return self._call("InjectFault", control_pb2.FaultRequest(kind=kind, rank=rank, factor=factor)).at_step
+
+    def request_scale(self, dp: int) -> int:
+        """The step after which the job continues at data-parallel degree ``dp``."""
+        return self._call("RequestScale", control_pb2.ScaleRequest(dp=dp)).after_step
 
     def _call(self, method: str, request):
         # One channel per call: calls are rare and this leaves nothing open between them.

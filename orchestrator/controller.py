@@ -23,12 +23,13 @@ from orchestrator.checkpoints import CheckpointDir
 from orchestrator.control import ControlServer
 from orchestrator.events import event
 from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
-from orchestrator.metrics import MetricsExporter
 from orchestrator.fault_schedule import FaultSchedule
+from orchestrator.metrics import MetricsExporter
 from orchestrator.placement import RankPlacement, reserve
 from orchestrator.rank_group import RankGroup, StepFailed
 from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
+from orchestrator.errors import SpecError
 from orchestrator.spec import FaultSpec, JobSpec, check_data_path, check_resources
 
 
@@ -56,6 +57,8 @@ class TrainingJob:
         self.faults = FaultSchedule(spec.faults)
         self._issue_lock = threading.Lock()
         self._issued = 0  # the last step handed to the ranks
+        self._resize_to: JobSpec | None = None
+        self.use_gpu = False
 
     # -- what the control API serves ------------------------------------------------------
 
@@ -83,6 +86,28 @@ class TrainingJob:
         event("fault_requested", kind=kind, rank=rank, at_step=fault["at_step"])
         return fault["at_step"]
 
+    def request_scale(self, dp: int) -> int:
+        """Resize data parallelism to ``dp`` after the current step, keeping pp×tp and the global batch.
+
+        Returns the step the new layout continues from. The microbatch count scales by
+        old/new dp where it divides, so each microbatch keeps its size (gradient accumulation
+        absorbs the difference); a layout the job file could not have is refused as ``ValueError``.
+        """
+        old = self.spec
+        microbatches = old.train.microbatches * old.parallel.dp
+        overrides = [f"parallel.dp={dp}"]
+        if microbatches % dp == 0:
+            overrides.append(f"train.microbatches={microbatches // dp}")
+        try:
+            resized = old.with_overrides(overrides)
+        except SpecError as exc:
+            raise ValueError(str(exc)) from None
+        with self._issue_lock:
+            self._resize_to = resized
+            at_step = self._issued
+        event("scale_requested", dp_from=old.parallel.dp, dp_to=dp, after_step=at_step)
+        return at_step
+
     def _add_fault(self, fault: dict) -> None:
         """Validate a live fault request like a job file's ``faults:`` entry and schedule it."""
         try:
@@ -108,10 +133,15 @@ class TrainingJob:
         self.control = ControlServer(self)  # after connect, so it advertises the node IP
         event("control", address=self.control.address)
         cpus, gpus = cluster.available()
-        use_gpu = self._use_gpu(gpus)
-        check_resources(self.spec, cpus, gpus, "cuda" if use_gpu else "cpu")
-        self.placement = reserve(self.spec, use_gpu)
-        self.group = RankGroup(self.spec, self.placement, use_gpu)
+        self.use_gpu = self._use_gpu(gpus)
+        check_resources(self.spec, cpus, gpus, "cuda" if self.use_gpu else "cpu")
+        return self._launch_grid()
+
+    def _launch_grid(self) -> dict:
+        """Reserve placement for ``self.spec``'s grid, start its rank actors and form the process group."""
+        p = self.spec.parallel
+        self.placement = reserve(self.spec, self.use_gpu)
+        self.group = RankGroup(self.spec, self.placement, self.use_gpu)
         return {
             "dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.stages_per_rank, "microbatches": self.spec.train.microbatches,
@@ -222,7 +252,7 @@ class TrainingJob:
         losses, norms, step_times, saved = [], [], [], []
         peak: dict[int, int] = {}
         tokens = spec.train.global_batch_size * spec.model.seq_len
-        peak_flops = peak_flops_per_rank(spec, self.layout["ranks"][0]["device_name"]) * spec.parallel.world_size
+        peak_per_rank = peak_flops_per_rank(spec, self.layout["ranks"][0]["device_name"])
         flops_per_token = model_flops_per_token(spec)
         records = RunRecords(self.run_dir, append=resumed_from is not None, timeline=spec.metrics.timeline)
         bar = tqdm(total=spec.train.steps, initial=self.step, disable=not self.progress, unit="step",
@@ -272,10 +302,13 @@ class TrainingJob:
                 if self.exporter is not None:
                     bubble = _bubble_ratio(results)
                     goodput = sum(step_times) / (time.perf_counter() - t_start)
+                    peak_flops = peak_per_rank * self.spec.parallel.world_size  # the grid may have been resized
                     self.exporter.observe_step(record, flops_per_token * record["tokens_per_s"] / peak_flops,
                                                bubble, goodput)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
+                if self._resize_to is not None and not stopping and self.step < spec.train.steps:
+                    self._resize(saved)
                 if stopping:
                     status = "stopped"
                     break
@@ -300,6 +333,30 @@ class TrainingJob:
             status=status,
             recoveries=self.recoveries,
         )
+
+    # -- elastic data parallelism ---------------------------------------------------------
+
+    def _resize(self, saved: list[str]) -> None:
+        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load."""
+        with self._issue_lock:
+            resized, self._resize_to = self._resize_to, None
+        old_dp = self.spec.parallel.dp
+        self._wait_async(saved)
+        path = self.ckpt.path_for(self.step)
+        if str(path) not in saved:
+            self.group.call("save_checkpoint", str(path), False)
+            self._committed(self.step, saved, None)
+        self.group.stop()
+        self.placement.release()
+        self.spec = resized
+        self.layout = self._launch_grid()
+        self.group.call("load_checkpoint", str(path))
+        if self.spec.checkpoint.memory_every:
+            self._snapshot()
+        if self.exporter is not None:
+            self.exporter.observe_layout(self.layout)
+        event("resized", dp_from=old_dp, dp_to=self.spec.parallel.dp, step=self.step,
+              microbatches=self.spec.train.microbatches)
 
     # -- recovery ------------------------------------------------------------------------
 

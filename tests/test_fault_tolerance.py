@@ -74,3 +74,26 @@ def test_fault_injected_through_the_control_api_into_a_live_job(ray_cluster, tok
     result = outcome["result"]
     assert [(r["kind"], r["rank"], r["at_step"]) for r in result.recoveries] == [("rank", 1, at_step)]
     assert result.losses == straight.losses
+
+
+def test_request_scale_resizes_data_parallelism_and_stays_on_the_reference_curve(ray_cluster, token_data, tmp_path):
+    from tests.reference import reference_losses
+
+    steps = 16
+    expected = reference_losses(tiny_spec(token_data, tmp_path / "ref", train={"steps": steps}), steps)
+    spec = tiny_spec(token_data, tmp_path / "elastic", parallel={"dp": 4}, train={"steps": steps, "microbatches": 1},
+                     checkpoint={"memory_every": 1})
+    job = TrainingJob(spec, progress=False)
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=job.run()))
+    thread.start()
+    wait_for(lambda: job.control is not None and job.step >= 3, 120, "the job to pass step 3")
+    client = ControlClient(job.control.address)
+    with pytest.raises(ValueError, match="train.global_batch_size"):
+        client.request_scale(3)  # 8 sequences do not split over 3 data ranks
+    client.request_scale(2)
+    thread.join(300)
+    result = outcome["result"]
+    assert result.layout["dp"] == 2 and result.layout["world_size"] == 2
+    assert result.layout["microbatches"] == 2  # the global batch stays 8 through gradient accumulation
+    assert result.losses == pytest.approx(expected, rel=1e-4)

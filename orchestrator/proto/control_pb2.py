@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n orchestrator/proto/control.proto\x12\x0fraymesh.control\"\x0f\n\rStatusRequest\"\x8d\x02\n\x0bStatusReply\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x38\n\x06health\x18\x08 \x03(\x0b\x32(.raymesh.control.StatusReply.HealthEntry\x12\x14\n\x0cstarted_unix\x18\t \x01(\x01\x1a-\n\x0bHealthEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_loss\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\",\n\tStopReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\t\":\n\x0c\x46\x61ultRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06\x66\x61\x63tor\x18\x03 \x01(\x01\"\x1d\n\nFaultReply\x12\x0f\n\x07\x61t_step\x18\x01 \x01(\x03\x32\xde\x01\n\x07\x43ontrol\x12\x46\n\x06Status\x12\x1e.raymesh.control.StatusRequest\x1a\x1c.raymesh.control.StatusReply\x12@\n\x04Stop\x12\x1c.raymesh.control.StopRequest\x1a\x1a.raymesh.control.StopReply\x12I\n\x0bInjectFault\x12\x1d.raymesh.control.FaultRequest\x1a\x1b.raymesh.control.FaultReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n orchestrator/proto/control.proto\x12\x0fraymesh.control\"\x0f\n\rStatusRequest\"\x8d\x02\n\x0bStatusReply\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x38\n\x06health\x18\x08 \x03(\x0b\x32(.raymesh.control.StatusReply.HealthEntry\x12\x14\n\x0cstarted_unix\x18\t \x01(\x01\x1a-\n\x0bHealthEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_loss\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\",\n\tStopReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\t\":\n\x0c\x46\x61ultRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06\x66\x61\x63tor\x18\x03 \x01(\x01\"\x1d\n\nFaultReply\x12\x0f\n\x07\x61t_step\x18\x01 \x01(\x03\"\x1a\n\x0cScaleRequest\x12\n\n\x02\x64p\x18\x01 \x01(\x05\" \n\nScaleReply\x12\x12\n\nafter_step\x18\x01 \x01(\x03\x32\xaa\x02\n\x07\x43ontrol\x12\x46\n\x06Status\x12\x1e.raymesh.control.StatusRequest\x1a\x1c.raymesh.control.StatusReply\x12@\n\x04Stop\x12\x1c.raymesh.control.StopRequest\x1a\x1a.raymesh.control.StopReply\x12I\n\x0bInjectFault\x12\x1d.raymesh.control.FaultRequest\x1a\x1b.raymesh.control.FaultReply\x12J\n\x0cRequestScale\x12\x1d.raymesh.control.ScaleRequest\x1a\x1b.raymesh.control.ScaleReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,6 +47,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FAULTREQUEST']._serialized_end=477
   _globals['_FAULTREPLY']._serialized_start=479
   _globals['_FAULTREPLY']._serialized_end=508
-  _globals['_CONTROL']._serialized_start=511
-  _globals['_CONTROL']._serialized_end=733
+  _globals['_SCALEREQUEST']._serialized_start=510
+  _globals['_SCALEREQUEST']._serialized_end=536
+  _globals['_SCALEREPLY']._serialized_start=538
+  _globals['_SCALEREPLY']._serialized_end=570
+  _globals['_CONTROL']._serialized_start=573
+  _globals['_CONTROL']._serialized_end=871
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class ControlStub:
                 request_serializer=orchestrator_dot_proto_dot_control__pb2.FaultRequest.SerializeToString,
                 response_deserializer=orchestrator_dot_proto_dot_control__pb2.FaultReply.FromString,
                 _registered_method=True)
+        self.RequestScale = channel.unary_unary(
+                '/raymesh.control.Control/RequestScale',
+                request_serializer=orchestrator_dot_proto_dot_control__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=orchestrator_dot_proto_dot_control__pb2.ScaleReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -75,6 +80,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestScale(self, request, context):
+        """Resize data parallelism after the current step (pp x tp and the global batch stay).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=orchestrator_dot_proto_dot_control__pb2.FaultRequest.FromString,
                     response_serializer=orchestrator_dot_proto_dot_control__pb2.FaultReply.SerializeToString,
+            ),
+            'RequestScale': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestScale,
+                    request_deserializer=orchestrator_dot_proto_dot_control__pb2.ScaleRequest.FromString,
+                    response_serializer=orchestrator_dot_proto_dot_control__pb2.ScaleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class Control:
             '/raymesh.control.Control/InjectFault',
             orchestrator_dot_proto_dot_control__pb2.FaultRequest.SerializeToString,
             orchestrator_dot_proto_dot_control__pb2.FaultReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestScale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raymesh.control.Control/RequestScale',
+            orchestrator_dot_proto_dot_control__pb2.ScaleRequest.SerializeToString,
+            orchestrator_dot_proto_dot_control__pb2.ScaleReply.FromString,
             options,
             channel_credentials,
             insecure,
