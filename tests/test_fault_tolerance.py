@@ -9,6 +9,7 @@ import pytest
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.control import ControlClient
 from tests.conftest import tiny_spec, wait_for
+from tests.reference import reference_losses
 
 STEPS = 20
 FAST_DETECTION = {"heartbeat_timeout_s": 20, "collective_timeout_s": 5}
@@ -18,6 +19,21 @@ def run(token_data, tmp_path, faults=(), **sections):
     defaults = {"train": {"steps": STEPS}, "checkpoint": {"memory_every": 1}, "fault_tolerance": FAST_DETECTION}
     spec = tiny_spec(token_data, tmp_path, **{**defaults, **sections})
     return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
+
+
+def start_live(spec):
+    """Run ``spec`` in a thread; once past step 3, return a control client and a function giving the result."""
+    job = TrainingJob(spec, progress=False)
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=job.run()))
+    thread.start()
+    wait_for(lambda: job.control is not None and job.step >= 3, 120, "the job to pass step 3")
+
+    def finish():
+        thread.join(300)
+        return outcome["result"]
+
+    return ControlClient(job.control.address), finish
 
 
 @pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2}, {"tp": 2, "dp": 2}], ids=["pp2-dp2", "tp2-dp2"])
@@ -61,39 +77,25 @@ def test_fault_injected_through_the_control_api_into_a_live_job(ray_cluster, tok
     straight = run(token_data, tmp_path / "straight", parallel={"dp": 2}, train={"steps": 30})
     spec = tiny_spec(token_data, tmp_path / "live", parallel={"dp": 2}, train={"steps": 30},
                      checkpoint={"memory_every": 1}, fault_tolerance=FAST_DETECTION)
-    job = TrainingJob(spec, progress=False)
-    outcome = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=job.run()))
-    thread.start()
-    wait_for(lambda: job.control is not None and job.step >= 3, 120, "the job to pass step 3")
-    client = ControlClient(job.control.address)
+    client, finish = start_live(spec)
     with pytest.raises(ValueError, match="rank 9 is not a rank of this 2-rank job"):
         client.inject_fault("kill_rank", 9)
     at_step = client.inject_fault("kill_rank", 1)
-    thread.join(300)
-    result = outcome["result"]
+    result = finish()
     assert [(r["kind"], r["rank"], r["at_step"]) for r in result.recoveries] == [("rank", 1, at_step)]
     assert result.losses == straight.losses
 
 
 def test_request_scale_resizes_data_parallelism_and_stays_on_the_reference_curve(ray_cluster, token_data, tmp_path):
-    from tests.reference import reference_losses
-
     steps = 16
     expected = reference_losses(tiny_spec(token_data, tmp_path / "ref", train={"steps": steps}), steps)
     spec = tiny_spec(token_data, tmp_path / "elastic", parallel={"dp": 4}, train={"steps": steps, "microbatches": 1},
                      checkpoint={"memory_every": 1})
-    job = TrainingJob(spec, progress=False)
-    outcome = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=job.run()))
-    thread.start()
-    wait_for(lambda: job.control is not None and job.step >= 3, 120, "the job to pass step 3")
-    client = ControlClient(job.control.address)
+    client, finish = start_live(spec)
     with pytest.raises(ValueError, match="train.global_batch_size"):
         client.request_scale(3)  # 8 sequences do not split over 3 data ranks
     client.request_scale(2)
-    thread.join(300)
-    result = outcome["result"]
+    result = finish()
     assert result.layout["dp"] == 2 and result.layout["world_size"] == 2
     assert result.layout["microbatches"] == 2  # the global batch stays 8 through gradient accumulation
     assert result.losses == pytest.approx(expected, rel=1e-4)
