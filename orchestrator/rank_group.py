@@ -56,10 +56,7 @@ class RankGroup:
         world = self.spec.parallel.world_size
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         worker_spec = self.spec.worker_dict()
-        infos = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
-        for info, ident in zip(infos, ray.get([w.identity.remote() for w in self.workers])):
-            info.update(ident)
-        return infos
+        return ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
 
     def step(self, faults: dict[int, dict]) -> list[dict]:
         refs = [w.train_step.remote(faults.get(r)) for r, w in enumerate(self.workers)]

@@ -34,8 +34,8 @@ class RankWorker:
     def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
         """Join the process group and build this rank's model; after a peer failed, do it again in place.
 
-        A survivor keeps its process (Python, imports, data already mapped): only the broken
-        process group and the objects bound to it are replaced.
+        A survivor keeps its process (Python and its imports): only the broken process group
+        and the objects bound to it are rebuilt. Returns the rank's place, device and identity.
         """
         import torch
         import torch.distributed as dist
@@ -50,7 +50,7 @@ class RankWorker:
         t = self.trainer
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
         return {"rank": rank, "coords": vars(t.coords), "stages": t.parts.stage_ids, "device": str(t.device),
-                "device_name": name}
+                "device_name": name, **self.identity()}
 
     def train_step(self, fault: dict | None = None) -> dict:
         return self.trainer.train_step(fault)

@@ -20,11 +20,11 @@ from workers import faults
 from workers.builder import build_parts
 from workers.checkpoint_io import CheckpointIO
 from workers.data import DataCursor, TokenDataset
+from workers.layout import coordinates
 from workers.loss_scaler import DynamicLossScaler
 from workers.model import lm_loss
 from workers.optim import build_optimizer, clip_grads, lr_lambda
 from workers.parallel.pipeline import build_schedule
-from workers.layout import coordinates
 from workers.process_group import init_mesh, pick_device
 from workers.timeline import busy_seconds
 
