@@ -21,6 +21,7 @@ from tqdm import tqdm
 from orchestrator import cluster
 from orchestrator.checkpoints import CheckpointDir
 from orchestrator.control import ControlServer
+from orchestrator.disk_faults import corrupt_newest
 from orchestrator.events import event
 from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.fault_schedule import FaultSchedule
@@ -31,6 +32,7 @@ from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
 from orchestrator.errors import SpecError
 from orchestrator.spec import FaultSpec, JobSpec, check_data_path, check_resources
+from orchestrator.stragglers import StragglerDetector
 
 
 class TrainingJob:
@@ -40,7 +42,8 @@ class TrainingJob:
         self.address = address
         self.progress = progress
         self.run_dir = spec.resolved_run_dir()
-        self.ckpt = CheckpointDir(spec.checkpoint.resolved_dir(self.run_dir), spec.checkpoint.keep)
+        self.ckpt = CheckpointDir(spec.checkpoint.resolved_dir(self.run_dir), spec.checkpoint.keep,
+                                  on_skip=self._skipped_checkpoint)
         self.group: RankGroup | None = None
         self.placement: RankPlacement | None = None
         self.exporter: MetricsExporter | None = None
@@ -55,6 +58,7 @@ class TrainingJob:
         self.restarts = 0
         self.snapshot_step: int | None = None
         self.faults = FaultSchedule(spec.faults)
+        self.stragglers = StragglerDetector(spec.fault_tolerance.straggler_ratio, spec.fault_tolerance.straggler_steps)
         self._issue_lock = threading.Lock()
         self._issued = 0  # the last step handed to the ranks
         self._resize_to: JobSpec | None = None
@@ -114,8 +118,8 @@ class TrainingJob:
             checked = FaultSpec.model_validate(fault)
         except ValidationError as exc:
             raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, hang_rank, "
-                             "slow_rank, nan_loss and factor > 1") from None
-        if fault["rank"] >= self.spec.parallel.world_size:
+                             "slow_rank, nan_loss, corrupt_checkpoint and factor > 1") from None
+        if not 0 <= fault["rank"] < self.spec.parallel.world_size:
             raise ValueError(f"fault rank {fault['rank']} is not a rank of this {self.spec.parallel.world_size}-rank job; "
                              f"fix: pick a rank from 0 to {self.spec.parallel.world_size - 1}")
         self.faults.add(checked.model_dump())
@@ -192,6 +196,7 @@ class TrainingJob:
 
     def _committed(self, step: int, saved: list[str], seconds: float | None) -> None:
         saved.append(str(self.ckpt.path_for(step)))
+        self.ckpt.seal(step)
         removed = self.ckpt.prune()
         if self.exporter is not None:
             self.exporter.observe_checkpoint(None, committed=True)
@@ -237,14 +242,23 @@ class TrainingJob:
     def _maybe_resume(self) -> str | None:
         if not self.resume:
             return None
-        latest = self.ckpt.latest()
+        latest = self._load_from_disk("resume")
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None
-        steps = self.group.call("load_checkpoint", str(latest))
-        self.step = steps[0]
-        event("resume", path=latest, step=steps[0])
+        event("resume", path=latest, step=self.step)
         return str(latest)
+
+    def _load_from_disk(self, purpose: str):
+        """Load the newest checkpoint that passes its checksums into every rank; None when there is none
+        (the freshly formed ranks keep their initial state, step 0)."""
+        latest = self.ckpt.latest_verified(purpose)
+        self.step = self.group.call("load_checkpoint", str(latest))[0] if latest is not None else 0
+        return latest
+
+    def _skipped_checkpoint(self, record: dict) -> None:
+        if self.exporter is not None:
+            self.exporter.observe_recovery("corrupt_checkpoint", 0, 0)
 
     def _loop(self, startup_s: float, resumed_from: str | None, t_start: float) -> RunResult:
         spec = self.spec
@@ -270,7 +284,9 @@ class TrainingJob:
                 try:
                     with self._issue_lock:
                         self._issued = self.step + 1
-                        faults_now = self.faults.for_step(self._issued)
+                        faults_now = self.faults.for_step(self._issued, spec.parallel.world_size)
+                        for _ in self.faults.for_controller(self._issued):  # corrupt_checkpoint, the only kind
+                            corrupt_newest(self.ckpt)
                     results = self.group.step(faults_now)
                     if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
                         raise StepFailed({}, kind="nan_loss")
@@ -293,6 +309,7 @@ class TrainingJob:
                     self._snapshot()
                 record = step_record(results, step_s, tokens, time.time(), ckpt_s)
                 records.step(record, results)
+                ratios = self.stragglers.observe(self.step, results)
                 self.last = record
                 losses.append(record["loss"])
                 norms.append(record["grad_norm"])
@@ -301,7 +318,8 @@ class TrainingJob:
                     peak[r["rank"]] = max(peak.get(r["rank"], 0), r["peak_memory_bytes"])
                 if self.exporter is not None:
                     bubble = _bubble_ratio(results)
-                    goodput = sum(step_times) / (time.perf_counter() - t_start)
+                    goodput = sum(step_times) / (time.perf_counter() - t_train)
+                    self.exporter.observe_stragglers(ratios, self.stragglers.flagged())
                     peak_flops = peak_per_rank * self.spec.parallel.world_size  # the grid may have been resized
                     self.exporter.observe_step(record, flops_per_token * record["tokens_per_s"] / peak_flops,
                                                bubble, goodput)
@@ -332,6 +350,9 @@ class TrainingJob:
             resumed_from=resumed_from,
             status=status,
             recoveries=self.recoveries,
+            goodput=sum(step_times) / train_s,
+            stragglers=self.stragglers.episodes,
+            corrupt_checkpoints=self.ckpt.skipped,
         )
 
     # -- elastic data parallelism ---------------------------------------------------------
@@ -350,7 +371,7 @@ class TrainingJob:
         self.placement.release()
         self.spec = resized
         self.layout = self._launch_grid()
-        self.group.call("load_checkpoint", str(path))
+        self._load_from_disk("resize")  # the save just made, unless it fails its checksums
         if self.spec.checkpoint.memory_every:
             self._snapshot()
         if self.exporter is not None:
@@ -376,11 +397,15 @@ class TrainingJob:
             ) from None
         completed = self.step
         before = {r["rank"]: {"pid": r["pid"], "actor_id": r["actor_id"]} for r in self.layout["ranks"]}
-        if failure.dead:
-            self.group.replace(failure.dead)
-            self.layout["ranks"] = self.group.form()
-        source = self._roll_back(set(failure.dead))
-        self._snapshot()
+        if ft.recovery == "restart_all":
+            source = self._restart_all()
+        else:
+            if failure.dead:
+                self.group.replace(failure.dead)
+                self.layout["ranks"] = self.group.form()
+            source = self._roll_back(set(failure.dead))
+        if self.spec.checkpoint.memory_every:
+            self._snapshot()
         if self.exporter is not None:
             self.exporter.observe_recovery(failure.kind, len(failure.dead), completed - self.step)
         event("recovered", kind=failure.kind, source=source, step=self.step, lost_steps=completed - self.step)
@@ -401,12 +426,16 @@ class TrainingJob:
                 "a step produced a non-finite loss and there is no in-memory snapshot to roll back to; "
                 "set checkpoint.memory_every (e.g. 1) to recover from NaN steps"
             )
-        latest = self.ckpt.latest()
-        if latest is not None:
-            self.step = self.group.call("load_checkpoint", str(latest))[0]
-            return "disk"
-        self.step = 0  # freshly formed ranks hold the initial weights and data position
-        return "initial"
+        return "disk" if self._load_from_disk("recovery") is not None else "initial"
+
+    def _restart_all(self) -> str:
+        """What Ray Train and torchrun do on any failure (``recovery: restart_all``, the benchmarks' baseline):
+        tear down every rank, start the whole grid again and load the last checkpoint on disk."""
+        self.group.stop()
+        self.placement.release()
+        self.layout = self._launch_grid()
+        self.snapshot_step = None
+        return "disk" if self._load_from_disk("recovery") is not None else "initial"
 
     def _recovered(self, pending: dict) -> None:
         mttr = time.perf_counter() - pending.pop("fault_time")

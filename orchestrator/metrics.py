@@ -71,6 +71,10 @@ class MetricsExporter:
         self.restarts = Counter("raymesh_restarts_total", "Rank actors restarted", j, registry=r)
         self.lost_steps = Counter("raymesh_lost_steps_total", "Steps recomputed after recoveries", j, registry=r)
         self.mttr = Gauge("raymesh_mttr_seconds", "Time from the last fault to the next completed step", j, registry=r)
+        self.straggler = Gauge("raymesh_straggler", "1 while the rank is reported as a straggler, else 0",
+                               RANK_LABELS, registry=r)
+        self.slowdown = Gauge("raymesh_step_slowdown_ratio", "The rank's step time over the other ranks' median",
+                              RANK_LABELS, registry=r)
         self.goodput = Gauge("raymesh_goodput_ratio", "Productive step time over wall time since start", j, registry=r)
         self.ps_push = Counter("raymesh_ps_push_bytes_total", "Bytes pushed to parameter-server shards", j, registry=r)
         self.ps_pull = Counter("raymesh_ps_pull_bytes_total", "Bytes pulled from parameter-server shards", j, registry=r)
@@ -116,6 +120,13 @@ class MetricsExporter:
             self.peak_mem.labels(*labels).set(record["memory"][rank]["peak_bytes"])
             self.cur_mem.labels(*labels).set(record["memory"][rank]["current_bytes"])
             self.heartbeat.last_seen[labels] = now
+
+    def observe_stragglers(self, ratios: dict[int, float], flagged: set[int]) -> None:
+        """Every rank's slowdown ratio and straggler flag (0 too, so the panels have a series per rank)."""
+        for rank, ratio in ratios.items():
+            labels = self.rank_labels[rank]
+            self.slowdown.labels(*labels).set(ratio)
+            self.straggler.labels(*labels).set(1 if rank in flagged else 0)
 
     def observe_recovery(self, kind: str, restarted: int, lost_steps: int) -> None:
         self.recoveries.labels(self.job, kind).inc()

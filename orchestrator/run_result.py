@@ -22,6 +22,9 @@ class RunResult:
     step_time_s: list[float] = field(default_factory=list)
     resumed_from: str | None = None
     status: str = "finished"  # or "stopped" when a stop was requested
+    goodput: float = 0.0  # productive step time (steps kept, not rolled back) over training wall time
+    stragglers: list[dict] = field(default_factory=list)  # {rank, since_step, until_step, max_ratio}
+    corrupt_checkpoints: list[dict] = field(default_factory=list)  # skipped on load: {step, path, problem, found_by}
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -34,6 +34,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.errors import NO_VALUE, SpecError
+from orchestrator.soak import check_repetition
 from workers.layout import V_SHAPED
 
 # schedules that split backward into input- and weight-gradient passes
@@ -227,15 +228,23 @@ class FaultToleranceSpec(_Section):
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # a step not answered by then: the rank hung
     collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # survivors' collectives with a dead peer give up
     max_restarts: Annotated[int, Field(ge=0)] = 3
+    # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
+    # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
+    recovery: Literal["replace_failed", "restart_all"] = "replace_failed"
+    straggler_ratio: Annotated[float, Field(gt=1)] = 1 / 0.7  # step time over the other ranks' median
+    straggler_steps: Annotated[int, Field(ge=1)] = 3  # consecutive steps above the ratio before it is reported
 
 
 class FaultSpec(_Section):
     """One injected fault (the fault-injection harness): deterministic by step and rank."""
 
-    kind: Literal["kill_rank", "hang_rank", "slow_rank", "nan_loss"]
-    rank: Annotated[int, Field(ge=0)] = 0
-    at_step: Annotated[int, Field(ge=1)]
+    kind: Literal["kill_rank", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint"]
+    rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
+    at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step
     factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
+    every_s: Annotated[float, Field(gt=0)] | None = None  # instead of at_step: fire again every this many seconds
+    jitter_s: Annotated[float, Field(ge=0)] = 0.0  # each gap is every_s plus uniform(-jitter_s, jitter_s)
+    seed: int = 0  # draws the gaps and random ranks of a repeating fault
 
 
 class MetricsSpec(_Section):
@@ -335,12 +344,14 @@ class JobSpec(_Section):
                 "set collective_timeout_s below heartbeat_timeout_s",
             )
         for i, fault in enumerate(self.faults):
-            if fault.rank >= world:
+            if fault.rank != "random" and not (isinstance(fault.rank, int) and 0 <= fault.rank < world):
                 raise SpecError(f"faults.{i}.rank", fault.rank, f"is not a rank of this {world}-rank job",
-                                f"pick a rank from 0 to {world - 1}")
-            if fault.at_step > self.train.steps:
+                                f"pick a rank from 0 to {world - 1}, or `random` with every_s")
+            if fault.at_step is not None and fault.at_step > self.train.steps:
                 raise SpecError(f"faults.{i}.at_step", fault.at_step, f"is after the last step {self.train.steps}",
                                 f"pick a step from 1 to {self.train.steps}")
+            check_repetition(fault, f"faults.{i}")
+
 
     def _check_zero(self) -> None:
         """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""

@@ -23,6 +23,11 @@ def before_step(fault: dict | None) -> None:
             time.sleep(3600)
 
 
-def after_step(fault: dict | None, step_s: float) -> None:
-    if fault is not None and fault["kind"] == "slow_rank":
-        time.sleep((fault["factor"] - 1.0) * step_s)
+def slow_down(fault: dict | None, step_s: float) -> float:
+    """A ``slow_rank`` stretches its step to ``factor`` times; returns the seconds added, which the rank
+    counts as its own compute and step time (as a slower device would), so straggler detection sees it."""
+    if fault is None or fault["kind"] != "slow_rank":
+        return 0.0
+    extra = (fault["factor"] - 1.0) * step_s
+    time.sleep(extra)
+    return extra

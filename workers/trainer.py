@@ -150,7 +150,7 @@ class Trainer:
             sched.step()
         self.step += 1
         t4 = time.perf_counter()
-        faults.after_step(fault, t4 - t0)
+        slowed = faults.slow_down(fault, t4 - t0)
         events = [e for stage in self.pipe_stages for e in stage.events]
         compute = busy_seconds(events) if events else t2 - t1
         result = {
@@ -162,8 +162,8 @@ class Trainer:
             "tokens": int(inputs.numel()),
             "applied": applied,
             "time_s": {
-                "data": t1 - t0, "compute": compute, "bubble": max(0.0, (t2 - t1) - compute),
-                "communication": t3 - t2, "optimizer": t4 - t3, "step": t4 - t0,
+                "data": t1 - t0, "compute": compute + slowed, "bubble": max(0.0, (t2 - t1) - compute),
+                "communication": t3 - t2, "optimizer": t4 - t3, "step": t4 - t0 + slowed,
             },
             "peak_memory_bytes": self.peak_memory_bytes(),
             "current_memory_bytes": self.current_memory_bytes(),
