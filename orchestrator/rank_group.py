@@ -54,6 +54,7 @@ class RankGroup:
     def form(self) -> list[dict]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
+        ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         worker_spec = self.spec.worker_dict()
         return ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])

@@ -3,8 +3,10 @@
 The gaps (``every_s`` ± uniform ``jitter_s``) and, with ``rank: random``, the
 victims come from one ``random.Random(seed)``, so two runs with the same seed
 draw the same sequence; which step a firing lands on depends on how fast the
-steps run. At most one firing per step: a fault due while a recovery was
-still running lands on the next step issued.
+steps run. A firing due while training has not yet got past the step of the
+previous firing (a recovery rolled it back and is redoing steps) waits until
+it has, so a failure rate above the recovery rate still lets training advance
+instead of failing the same step forever.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class RepeatingFault:
         self.clock = clock
         self.rng = random.Random(fault["seed"])
         self.next_at: float | None = None  # set when the first step is issued
-        self.fired = 0
+        self.fired_at: int = 0  # the step of the previous firing
 
     def _gap(self) -> float:
         jitter = self.fault["jitter_s"]
@@ -32,10 +34,10 @@ class RepeatingFault:
         now = self.clock()
         if self.next_at is None:
             self.next_at = now + self._gap()
-        if now < self.next_at:
+        if now < self.next_at or step <= self.fired_at:
             return None
         self.next_at = now + self._gap()
-        self.fired += 1
+        self.fired_at = step
         rank = self.rng.randrange(world_size) if self.fault["rank"] == "random" else self.fault["rank"]
         return {"kind": self.fault["kind"], "rank": rank, "at_step": step, "factor": self.fault["factor"]}
 

@@ -77,6 +77,18 @@ def test_repeating_fault_is_deterministic_by_seed():
     assert len({rank for _, rank in first}) > 1 and all(0 <= rank < 8 for _, rank in first)
 
 
+def test_repeating_fault_waits_for_training_to_pass_its_previous_step():
+    now = [0.0]
+    soak = RepeatingFault({"kind": "kill_rank", "rank": 1, "every_s": 10.0, "jitter_s": 0.0, "seed": 0,
+                           "factor": 3.0}, clock=lambda: now[0])
+    assert soak.due(1, 2) is None
+    now[0] = 10.0
+    assert soak.due(8, 2)["at_step"] == 8
+    now[0] = 30.0  # a slow recovery rolled back to step 5: steps 6..8 are redone before the next firing
+    assert [soak.due(step, 2) for step in (6, 7, 8)] == [None] * 3
+    assert soak.due(9, 2) == {"kind": "kill_rank", "rank": 1, "at_step": 9, "factor": 3.0}
+
+
 def test_corrupt_checkpoint_is_the_controllers_and_other_faults_the_ranks(token_data):
     spec = JobSpec.from_dict({"data": {"path": str(token_data)}, "parallel": {"dp": 2}, "train": {"steps": 10},
                               "faults": [{"kind": "corrupt_checkpoint", "at_step": 4},

@@ -31,6 +31,11 @@ class RankWorker:
         ctx = ray.get_runtime_context()
         return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id()}
 
+    def preload(self) -> None:
+        """Import torch and the trainer before the rendezvous: a fresh process takes seconds to import on a
+        loaded host, and its peers would spend them waiting in the store, against the collective timeout."""
+        import workers.trainer  # noqa: F401
+
     def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
         """Join the process group and build this rank's model; after a peer failed, do it again in place.
 
