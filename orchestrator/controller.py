@@ -14,6 +14,7 @@ import json
 import math
 import threading
 import time
+from pathlib import Path
 
 from pydantic import ValidationError
 from tqdm import tqdm
@@ -249,7 +250,7 @@ class TrainingJob:
         event("resume", path=latest, step=self.step)
         return str(latest)
 
-    def _load_from_disk(self, purpose: str):
+    def _load_from_disk(self, purpose: str) -> Path | None:
         """Load the newest checkpoint that passes its checksums into every rank; None when there is none
         (the freshly formed ranks keep their initial state, step 0)."""
         latest = self.ckpt.latest_verified(purpose)
