@@ -26,6 +26,7 @@ from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.fault_schedule import FaultSchedule
 from orchestrator.metrics import MetricsExporter
 from orchestrator.placement import RankPlacement, reserve
+from orchestrator.ps_shards import PSShards
 from orchestrator.rank_group import RankGroup, StepFailed
 from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
@@ -59,6 +60,7 @@ class TrainingJob:
         self._issued = 0  # the last step handed to the ranks
         self._resize_to: JobSpec | None = None
         self.use_gpu = False
+        self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
 
     # -- what the control API serves ------------------------------------------------------
 
@@ -142,6 +144,9 @@ class TrainingJob:
         p = self.spec.parallel
         self.placement = reserve(self.spec, self.use_gpu)
         self.group = RankGroup(self.spec, self.placement, self.use_gpu)
+        if p.dp_sync == "ps":
+            self.ps = self.ps or PSShards(self.spec, self.run_dir)
+            self.group.worker_extra = {"ps_routes": self.ps.worker_routes()}
         return {
             "dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.stages_per_rank, "microbatches": self.spec.train.microbatches,
@@ -162,6 +167,10 @@ class TrainingJob:
         if self.group is not None:
             self.group.stop()
             self.group = None
+        if self.ps is not None:
+            self.ps.write_read_log()
+            self.ps.stop()
+            self.ps = None
         if self.placement is not None:
             self.placement.release()
             self.placement = None
@@ -271,6 +280,8 @@ class TrainingJob:
                     with self._issue_lock:
                         self._issued = self.step + 1
                         faults_now = self.faults.for_step(self._issued)
+                    if self.ps is not None:
+                        faults_now = self.ps.take_faults(faults_now)
                     results = self.group.step(faults_now)
                     if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
                         raise StepFailed({}, kind="nan_loss")
@@ -283,6 +294,10 @@ class TrainingJob:
                     continue
                 step_s = time.perf_counter() - t0
                 self.step = results[0]["step"]
+                if self.ps is not None:
+                    self.ps.after_step(self.step, self.group)
+                    self.recoveries.extend(self.ps.recoveries)
+                    self.ps.recoveries.clear()
                 if pending_recovery is not None:
                     self._recovered(pending_recovery)
                     pending_recovery = None

@@ -1,0 +1,113 @@
+"""The trainer's side of ``parallel.dp_sync: ps``: gradients go to parameter-server shards, not an all-reduce.
+
+``bsp`` (one call per step, after backward): push this data rank's gradients,
+get the job-wide norm of the *averaged* gradient from the shards (summed over
+pipeline stages) to clip exactly as the all-reduce path does, have the shards
+step, and pull the new parameters; this reproduces all-reduce data
+parallelism. ``asp``/``ssp`` (one call per controller step, a *round*): pull,
+compute, clip this worker's gradient, push, tick its clock, and repeat while
+the round has steps left, so a fast worker runs ahead of a straggler (ssp: by
+at most ``staleness`` clocks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from parameter_server.client import PSClient, RayConn
+from workers import faults
+from workers.optim import clip_grads
+
+
+def _conn(route: dict, transport: str):
+    if transport == "grpc":
+        from parameter_server.grpc_service import GrpcConn
+
+        return GrpcConn(route["address"])
+    return RayConn(route["handle"])
+
+
+class PSSync:
+    def __init__(self, trainer, spec: dict):
+        ps, routes = spec["parameter_server"], spec["ps_routes"]
+        self.trainer = trainer
+        self.transport = ps["transport"]
+        self.asynchronous = ps["consistency"] != "bsp"
+        self.max_norm = spec["optim"]["grad_clip"]
+        self.worker = trainer.coords.dp
+        self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps["chunk_elems"],
+                               ps["virtual_nodes"], worker=self.worker)
+        self.keeper = routes.get("keeper")
+        self.named = {f"stage{sid}.{n}": p for sid, m in zip(trainer.parts.stage_ids, trainer.parts.modules)
+                      for n, p in m.named_parameters()}
+        self.client.register({n: p.detach() for n, p in self.named.items()})
+        self.clock = 0
+
+    def reroute(self, shard: int, route: dict) -> None:
+        self.client.reroute(shard, _conn(route, self.transport))
+
+    def _grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.named.items() if p.grad is not None}
+
+    def _load(self, min_version: int = 0) -> None:
+        fresh = self.client.pull(list(self.named), min_version, clock=self.clock)
+        with torch.no_grad():
+            for n, p in self.named.items():
+                p.copy_(fresh[n])
+
+    def sync(self, lr: float) -> float:
+        """bsp: push, clip on the global norm of the averaged gradient, apply, pull; returns that norm."""
+        t = self.clock
+        self.client.push(t, self._grads(), lr)
+        sq = torch.tensor(self.client.grad_sq(t, list(self.named)), dtype=torch.float64)
+        if self.trainer.pp_group is not None:
+            dist.all_reduce(sq, group=self.trainer.pp_group)
+        norm = math.sqrt(float(sq))
+        coef = self.max_norm / (norm + 1e-6)
+        self.client.apply(t, coef if self.max_norm > 0 and coef < 1.0 else 1.0)
+        self.clock += 1
+        self._load(min_version=self.clock)
+        return norm
+
+    def run_round(self, fault: dict | None) -> dict:
+        """asp/ssp: run steps until this round's global-batch worth of steps is taken; returns a step result."""
+        import ray
+
+        tr = self.trainer
+        faults.before_step(fault)
+        lr = tr.schedulers[0].get_last_lr()[0]
+        round_ = tr.step + 1
+        t0 = time.perf_counter()
+        losses, norms, tokens, busy = [], [], 0, 0.0
+        while ray.get(self.keeper.enter.remote(self.worker, round_)):
+            s0 = time.perf_counter()
+            self._load()
+            inputs, targets = tr.cursor.next_batch()
+            loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
+            norms.append(clip_grads(tr.params, self.max_norm))
+            self.client.push(self.clock, self._grads(), lr)
+            for p in tr.params:
+                p.grad = None
+            ray.get(self.keeper.tick.remote(self.worker))
+            self.clock += 1
+            losses.append(float(loss))
+            tokens += int(inputs.numel())
+            busy += time.perf_counter() - s0
+            faults.after_step(fault, time.perf_counter() - s0)
+        self._load()
+        tr.step += 1
+        for sched in tr.schedulers:
+            sched.step()
+        total = time.perf_counter() - t0
+        return {
+            "rank": tr.rank, "step": tr.step, "loss": sum(losses) / len(losses) if losses else None,
+            "grad_norm": norms[-1] if norms else float("nan"), "lr": lr, "tokens": tokens, "applied": bool(losses),
+            "local_steps": len(losses), "clock": self.clock,
+            "time_s": {"data": 0.0, "compute": busy, "bubble": 0.0, "communication": total - busy,
+                       "optimizer": 0.0, "step": total},
+            "peak_memory_bytes": tr.peak_memory_bytes(), "current_memory_bytes": tr.current_memory_bytes(),
+        }
