@@ -10,7 +10,6 @@ client reports as ``ShardDown`` so it can fail over to the key's successor.
 from __future__ import annotations
 
 import json
-import socket
 from concurrent import futures
 
 import grpc
@@ -65,13 +64,13 @@ class GrpcEndpoint:
         self.address = address
 
 
-def serve(shard, host: str = "0.0.0.0") -> GrpcEndpoint:
+def serve(shard, advertise_ip: str) -> GrpcEndpoint:
+    """Serve ``shard`` on a free port of every interface; the address others use is ``advertise_ip:port``."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=_OPTIONS)
     ps_pb2_grpc.add_ParameterServerServicer_to_server(_Servicer(shard), server)
-    port = server.add_insecure_port(f"{host}:0")
+    port = server.add_insecure_port("0.0.0.0:0")
     server.start()
-    ip = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
-    return GrpcEndpoint(server, f"{ip}:{port}")
+    return GrpcEndpoint(server, f"{advertise_ip}:{port}")
 
 
 class _GrpcFuture:

@@ -219,10 +219,13 @@ class PSShard:
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def serve_grpc(self, host: str = "0.0.0.0") -> str:
-        """Start this shard's gRPC endpoint (same push/pull/clock API); returns ``ip:port``."""
+    def serve_grpc(self) -> str:
+        """Start this shard's gRPC endpoint (same push/pull/clock API) on all interfaces; returns ``ip:port``
+        with the node's address as Ray knows it."""
+        import ray
+
         from parameter_server.grpc_service import serve
 
         if self.grpc is None:
-            self.grpc = serve(self, host)
+            self.grpc = serve(self, ray.util.get_node_ip_address())
         return self.grpc.address
