@@ -15,7 +15,9 @@ from orchestrator import JobSpec, TrainingJob
 from parameter_server.client import PSClient, RayConn
 from parameter_server.ring import HashRing, split
 from parameter_server.shard import PSShard
+from orchestrator.errors import SpecError
 from tests.conftest import tiny_spec
+from tests.reference import reference_run
 
 STEPS = 6
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -46,6 +48,34 @@ def test_bsp_matches_allreduce(allreduce_dp4, token_data, tmp_path):
     result = TrainingJob(_ps_spec(token_data, tmp_path, consistency="bsp"), progress=False).run()
     assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
     assert result.grad_norms == pytest.approx(allreduce_dp4.grad_norms, rel=1e-5)
+
+
+def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
+    """pp x dp: each stage's parameters are their own keys; the clip norm is summed over stages."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "pp": 2, "dp_sync": "ps"}, train={"steps": STEPS},
+                     parameter_server={"shards": 2}, checkpoint={"memory_every": 0})
+    result = TrainingJob(spec, progress=False).run()
+    losses, norms = reference_run(spec, STEPS)
+    assert result.losses == pytest.approx(losses, rel=1e-4)
+    assert result.grad_norms == pytest.approx(norms, rel=1e-4)
+
+
+@pytest.mark.parametrize("sections, field", [
+    ({"parallel": {"dp_sync": "ps", "dp": 2, "zero": 2}}, "parallel.zero"),
+    ({"parallel": {"dp_sync": "ps", "dp": 2, "tp": 2}}, "parallel.tp"),
+    ({"parallel": {"dp_sync": "ps", "dp": 2, "pp": 2}, "train": {"microbatches": 2},
+      "parameter_server": {"consistency": "asp"}},
+     "parameter_server.consistency"),
+    ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"optimizer": "momentum"}}, "parameter_server.optimizer"),
+    ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"shards": 1},
+      "faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.shard"),
+    ({"faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.kind"),
+    ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "kill_rank", "at_step": 2}]}, "faults.0.kind"),
+])
+def test_unsupported_combinations_are_spec_errors(sections, field):
+    with pytest.raises(SpecError) as err:
+        JobSpec.from_dict({"data": {"path": "d"}, **sections})
+    assert err.value.field == field and "fix" in str(err.value)
 
 
 def test_bad_push_names_key_and_shapes_and_applies_nothing(ray_cluster):
