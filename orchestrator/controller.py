@@ -96,6 +96,9 @@ class TrainingJob:
         absorbs the difference); a layout the job file could not have is refused as ``ValueError``.
         """
         old = self.spec
+        if old.parallel.dp_sync == "ps":
+            raise ValueError("resizing is not supported with parallel.dp_sync: ps (the shards count a fixed number "
+                             "of data ranks); fix: use dp_sync: allreduce to scale")
         microbatches = old.train.microbatches * old.parallel.dp
         overrides = [f"parallel.dp={dp}"]
         if microbatches % dp == 0:
@@ -247,6 +250,9 @@ class TrainingJob:
         if not self.resume:
             return None
         latest = self.ckpt.latest()
+        if latest is not None and self.ps is not None:
+            raise RuntimeError("--resume with parallel.dp_sync: ps is not supported yet: checkpoints hold the ranks' "
+                               "weights but not the shards' optimizer state; fix: start the run without --resume")
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None

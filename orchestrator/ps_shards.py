@@ -119,10 +119,13 @@ class PSShards:
 
     def write_read_log(self) -> None:
         """Every asp/ssp read the shards recorded (reader clock, fewest pushes applied), for checking the bound."""
-        logs = ray.get([h.read_log.remote() for h in self.handles])
         with open(self.run_dir / "ps_reads.jsonl", "w") as f:
-            for record in (r for log in logs for r in log):
-                f.write(json.dumps(record) + "\n")
+            for h in self.handles:
+                try:
+                    log = ray.get(h.read_log.remote(), timeout=PING_S)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    continue  # a shard lost as the job failed: its reads are gone with it
+                f.writelines(json.dumps(r) + "\n" for r in log)
 
     def stop(self) -> None:
         for h in self.handles + ([self.keeper] if self.keeper is not None else []):

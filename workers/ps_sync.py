@@ -51,7 +51,8 @@ class PSSync:
         self.client.reroute(shard, _conn(route, self.transport))
 
     def _grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad for n, p in self.named.items() if p.grad is not None}
+        """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named.items()}
 
     def _load(self, min_version: int = 0) -> None:
         fresh = self.client.pull(list(self.named), min_version, clock=self.clock)
