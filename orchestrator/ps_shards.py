@@ -36,7 +36,7 @@ class PSShards:
         if self.ps.consistency != "bsp":
             staleness = self.ps.staleness if self.ps.consistency == "ssp" else None
             self.keeper = ray.remote(max_concurrency=64)(ClockKeeper).options(num_cpus=0).remote(
-                spec.parallel.dp, staleness)
+                spec.parallel.dp, staleness, spec.train.steps)
         self.recoveries: list[dict] = []
         self._armed: dict[int, tuple[int, float]] = {}  # shard -> (step, time) of its kill_ps_shard
         self._write_routes()
@@ -75,15 +75,22 @@ class PSShards:
         return faults
 
     def after_step(self, step: int, group) -> None:
-        """Restart and resync dead shards, then snapshot on the cadence."""
+        """Restart and resync dead shards, then snapshot on the cadence (asp/ssp workers paused meanwhile)."""
         alive = self._alive()
+        every = self.ps.snapshot_every
+        snapshot = every and step % every == 0
+        if all(alive) and not snapshot:
+            return
+        if self.keeper is not None:
+            ray.get(self.keeper.pause.remote())
         for shard, ok in enumerate(alive):
             if not ok:
                 self._restart(shard, alive, group, step)
-        every = self.ps.snapshot_every
-        if every and step % every == 0:
+        if snapshot:
             paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(self.ps.shards)]
             ray.get([h.save.remote(p) for h, p in zip(self.handles, paths)])
+        if self.keeper is not None:
+            ray.get(self.keeper.resume.remote())
 
     def _alive(self) -> list[bool]:
         refs = [h.ping.remote() for h in self.handles]

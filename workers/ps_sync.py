@@ -4,15 +4,17 @@
 get the job-wide norm of the *averaged* gradient from the shards (summed over
 pipeline stages) to clip exactly as the all-reduce path does, have the shards
 step, and pull the new parameters; this reproduces all-reduce data
-parallelism. ``asp``/``ssp`` (one call per controller step, a *round*): pull,
-compute, clip this worker's gradient, push, tick its clock, and repeat while
-the round has steps left, so a fast worker runs ahead of a straggler (ssp: by
-at most ``staleness`` clocks).
+parallelism. ``asp``/``ssp``: the worker trains on its own thread (pull,
+compute, clip its own gradient, push, tick its clock) while the clock keeper
+has steps left, so a fast worker runs ahead of a straggler (ssp: by at most
+``staleness`` clocks); each controller step reports what it did meanwhile.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import threading
 import time
 
 import torch
@@ -46,6 +48,11 @@ class PSSync:
                       for n, p in m.named_parameters()}
         self.client.register({n: p.detach() for n, p in self.named.items()})
         self.clock = 0
+        self.thread: threading.Thread | None = None  # asp/ssp: this worker's free-running steps
+        self.lock = threading.Lock()
+        self.done: list[dict] = []
+        self.fault: dict | None = None
+        self.error: BaseException | None = None
 
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
@@ -75,40 +82,60 @@ class PSSync:
         return norm
 
     def run_round(self, fault: dict | None) -> dict:
-        """asp/ssp: run steps until this round's global-batch worth of steps is taken; returns a step result."""
+        """asp/ssp: this worker trains on its own thread from the first call on; a controller step returns
+        once ``step * dp`` worker steps have completed, with what this worker did meanwhile."""
         import ray
 
         tr = self.trainer
         faults.before_step(fault)
-        lr = tr.schedulers[0].get_last_lr()[0]
-        round_ = tr.step + 1
+        self.fault = fault
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
+            self.thread.start()
         t0 = time.perf_counter()
-        losses, norms, tokens, busy = [], [], 0, 0.0
-        while ray.get(self.keeper.enter.remote(self.worker, round_)):
-            s0 = time.perf_counter()
-            self._load()
-            inputs, targets = tr.cursor.next_batch()
-            loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
-            norms.append(clip_grads(tr.params, self.max_norm))
-            self.client.push(self.clock, self._grads(), lr)
-            for p in tr.params:
-                p.grad = None
-            ray.get(self.keeper.tick.remote(self.worker))
-            self.clock += 1
-            losses.append(float(loss))
-            tokens += int(inputs.numel())
-            busy += time.perf_counter() - s0
-            faults.after_step(fault, time.perf_counter() - s0)
-        self._load()
+        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec["parallel"]["dp"]))
+        if self.error is not None:
+            raise self.error
+        with self.lock:
+            done, self.done = self.done, []
+        lr = tr.schedulers[0].get_last_lr()[0]
         tr.step += 1
         for sched in tr.schedulers:
             sched.step()
         total = time.perf_counter() - t0
+        busy = sum(d["seconds"] for d in done)
         return {
-            "rank": tr.rank, "step": tr.step, "loss": sum(losses) / len(losses) if losses else None,
-            "grad_norm": norms[-1] if norms else float("nan"), "lr": lr, "tokens": tokens, "applied": bool(losses),
-            "local_steps": len(losses), "clock": self.clock,
-            "time_s": {"data": 0.0, "compute": busy, "bubble": 0.0, "communication": total - busy,
+            "rank": tr.rank, "step": tr.step, "loss": statistics.fmean(d["loss"] for d in done) if done else None,
+            "grad_norm": done[-1]["grad_norm"] if done else float("nan"), "lr": lr,
+            "tokens": sum(d["tokens"] for d in done), "applied": bool(done), "local_steps": len(done),
+            "clock": self.clock,
+            "time_s": {"data": 0.0, "compute": busy, "bubble": 0.0, "communication": max(0.0, total - busy),
                        "optimizer": 0.0, "step": total},
             "peak_memory_bytes": tr.peak_memory_bytes(), "current_memory_bytes": tr.current_memory_bytes(),
         }
+
+    def _run_free(self) -> None:
+        """Pull, compute, clip this worker's gradient, push, tick, while the keeper hands out steps."""
+        import ray
+
+        tr = self.trainer
+        try:
+            while ray.get(self.keeper.enter.remote(self.worker)):
+                s0 = time.perf_counter()
+                self._load()
+                inputs, targets = tr.cursor.next_batch()
+                loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
+                norm = clip_grads(tr.params, self.max_norm)
+                self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
+                for p in tr.params:
+                    p.grad = None
+                self.clock += 1
+                ray.get(self.keeper.tick.remote(self.worker))
+                seconds = time.perf_counter() - s0
+                with self.lock:
+                    self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
+                                      "seconds": seconds})
+                faults.after_step(self.fault, seconds)
+            self._load()
+        except BaseException as exc:  # handed to the controller by the next run_round
+            self.error = exc
