@@ -113,7 +113,7 @@ class PSShard:
 
     def _mean(self, clock: int) -> dict[str, torch.Tensor]:
         if clock not in self.means:
-            staged = self.staged[clock]
+            staged = self.staged.get(clock, {})
             self.means[clock] = {
                 key: torch.stack([staged[key][w] for w in range(self.workers)]).sum(0) / self.workers
                 for key in self.params
@@ -151,14 +151,15 @@ class PSShard:
     def pull(self, keys: list[str], min_version: int = 0, worker: int = -1, clock: int = -1) -> dict:
         """Current values of ``keys`` once the shard's version reaches ``min_version``.
 
-        A worker's read under asp/ssp is recorded with the fewest pushes applied from any worker.
+        A worker's training read (``clock >= 0``) under asp/ssp is recorded with the fewest pushes applied
+        from any worker.
         """
         with self.cond:
             self._wait(lambda: self.version >= min_version, f"version {min_version}")
             missing = [k for k in keys if k not in self.params]
             if missing:
                 raise KeyError(f"shard {self.id}: pull of unknown keys {missing[:3]}")
-            if worker >= 0 and self.consistency != "bsp":
+            if worker >= 0 and clock >= 0 and self.consistency != "bsp":
                 self.reads.append({"shard": self.id, "worker": worker, "clock": clock,
                                    "min_applied": min(self.applied_from)})
             return {"version": self.version, "chunks": {k: self.params[k].clone() for k in keys}}

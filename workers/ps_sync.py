@@ -61,8 +61,9 @@ class PSSync:
         """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
         return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named.items()}
 
-    def _load(self, min_version: int = 0) -> None:
-        fresh = self.client.pull(list(self.named), min_version, clock=self.clock)
+    def _load(self, min_version: int = 0, clock: int | None = None) -> None:
+        """Copy the shards' values into the model; ``clock`` -1 marks a read outside training (not recorded)."""
+        fresh = self.client.pull(list(self.named), min_version, clock=self.clock if clock is None else clock)
         with torch.no_grad():
             for n, p in self.named.items():
                 p.copy_(fresh[n])
@@ -136,6 +137,6 @@ class PSSync:
                     self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
                                       "seconds": seconds})
                 faults.after_step(self.fault, seconds)
-            self._load()
+            self._load(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round
             self.error = exc
