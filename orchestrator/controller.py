@@ -28,6 +28,7 @@ from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.fault_schedule import FaultSchedule
 from orchestrator.metrics import MetricsExporter
 from orchestrator.placement import RankPlacement, reserve
+from orchestrator.ps_shards import PSShards
 from orchestrator.rank_group import RankGroup, StepFailed
 from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
@@ -64,6 +65,7 @@ class TrainingJob:
         self._issued = 0  # the last step handed to the ranks
         self._resize_to: JobSpec | None = None
         self.use_gpu = False
+        self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
 
     # -- what the control API serves ------------------------------------------------------
 
@@ -99,6 +101,9 @@ class TrainingJob:
         absorbs the difference); a layout the job file could not have is refused as ``ValueError``.
         """
         old = self.spec
+        if old.parallel.dp_sync == "ps":
+            raise ValueError("resizing is not supported with parallel.dp_sync: ps (the shards count a fixed number "
+                             "of data ranks); fix: use dp_sync: allreduce to scale")
         microbatches = old.train.microbatches * old.parallel.dp
         overrides = [f"parallel.dp={dp}"]
         if microbatches % dp == 0:
@@ -147,6 +152,9 @@ class TrainingJob:
         p = self.spec.parallel
         self.placement = reserve(self.spec, self.use_gpu)
         self.group = RankGroup(self.spec, self.placement, self.use_gpu)
+        if p.dp_sync == "ps":
+            self.ps = self.ps or PSShards(self.spec, self.run_dir)
+            self.group.worker_extra = {"ps_routes": self.ps.worker_routes()}
         return {
             "dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.stages_per_rank, "microbatches": self.spec.train.microbatches,
@@ -167,6 +175,10 @@ class TrainingJob:
         if self.group is not None:
             self.group.stop()
             self.group = None
+        if self.ps is not None:
+            self.ps.write_read_log()
+            self.ps.stop()
+            self.ps = None
         if self.placement is not None:
             self.placement.release()
             self.placement = None
@@ -243,6 +255,9 @@ class TrainingJob:
     def _maybe_resume(self) -> str | None:
         if not self.resume:
             return None
+        if self.ps is not None and self.ckpt.latest() is not None:
+            raise RuntimeError("--resume with parallel.dp_sync: ps is not supported yet: checkpoints hold the ranks' "
+                               "weights but not the shards' optimizer state; fix: start the run without --resume")
         latest = self._load_from_disk("resume")
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
@@ -288,6 +303,8 @@ class TrainingJob:
                         faults_now = self.faults.for_step(self._issued, spec.parallel.world_size)
                         for _ in self.faults.for_controller(self._issued):  # corrupt_checkpoint, the only kind
                             corrupt_newest(self.ckpt)
+                    if self.ps is not None:
+                        faults_now = self.ps.take_faults(faults_now)
                     results = self.group.step(faults_now)
                     if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
                         raise StepFailed({}, kind="nan_loss")
@@ -300,6 +317,10 @@ class TrainingJob:
                     continue
                 step_s = time.perf_counter() - t0
                 self.step = results[0]["step"]
+                if self.ps is not None:
+                    self.ps.after_step(self.step, self.group)
+                    self.recoveries.extend(self.ps.recoveries)
+                    self.ps.recoveries.clear()
                 if pending_recovery is not None:
                     self._recovered(pending_recovery)
                     pending_recovery = None

@@ -35,6 +35,8 @@ class StepFailed(Exception):
 
 
 class RankGroup:
+    worker_extra: dict = {}  # extra keys for the workers' spec dict (``ps_routes`` under dp_sync: ps)
+
     def __init__(self, spec: JobSpec, placement: RankPlacement, use_gpu: bool):
         self.spec = spec
         self.placement = placement
@@ -56,7 +58,7 @@ class RankGroup:
         world = self.spec.parallel.world_size
         ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        worker_spec = self.spec.worker_dict()
+        worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
         return ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
 
     def step(self, faults: dict[int, dict]) -> list[dict]:

@@ -47,7 +47,8 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"]
 _SINGLE_STAGE = ("gpipe", "1f1b")
 _INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
-_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics", "fault_tolerance")
+_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics", "fault_tolerance",
+             "parameter_server")
 
 
 def _divisors(n: int) -> list[int]:
@@ -128,6 +129,7 @@ class ParallelSpec(_Section):
     sequence_parallel: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0
+    dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
 
     @property
     def stages_per_rank(self) -> int:
@@ -235,11 +237,30 @@ class FaultToleranceSpec(_Section):
     straggler_steps: Annotated[int, Field(ge=1)] = 3  # consecutive steps above the ratio before it is reported
 
 
-class FaultSpec(_Section):
-    """One injected fault (the fault-injection harness): deterministic by step and rank."""
+class ParameterServerSpec(_Section):
+    """Parameter-server shards, used when `parallel.dp_sync: ps` (see parameter_server/)."""
 
-    kind: Literal["kill_rank", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint"]
+    shards: PositiveInt = 2
+    consistency: Literal["bsp", "asp", "ssp"] = "bsp"
+    staleness: Annotated[int, Field(ge=0)] = 2  # ssp: a worker at clock c reads once the slowest reached c - staleness
+    transport: Literal["ray", "grpc"] = "ray"  # how workers reach shards; gRPC is served either way
+    optimizer: Literal["sgd", "momentum", "adam", "adamw"] | None = None  # None: optim.name
+    chunk_elems: PositiveInt = 65536  # tensors are cut into chunks of at most this many elements
+    virtual_nodes: PositiveInt = 64  # points per shard on the consistent-hash ring
+    snapshot_every: Annotated[int, Field(ge=0)] = 0  # steps between shard snapshots to <run_dir>/ps; 0: off
+
+    def server_optim(self, optim: OptimSpec) -> dict:
+        """What each shard's optimizer is built from."""
+        return {"name": self.optimizer or optim.name, "lr": optim.lr, "weight_decay": optim.weight_decay,
+                "betas": list(optim.betas), "momentum": optim.momentum}
+
+
+class FaultSpec(_Section):
+    """One injected fault (the fault-injection harness): deterministic by step and rank (or shard)."""
+
+    kind: Literal["kill_rank", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint", "kill_ps_shard"]
     rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
+    shard: Annotated[int, Field(ge=0)] = 0  # kill_ps_shard: which parameter-server shard dies
     at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step
     factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
     every_s: Annotated[float, Field(gt=0)] | None = None  # instead of at_step: fire again every this many seconds
@@ -278,6 +299,7 @@ class JobSpec(_Section):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
     faults: list[FaultSpec] = Field(default_factory=list)
+    parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)
 
     def resolved_run_dir(self) -> Path:
         """`run_dir` when set, else `runs/<name>`."""
@@ -332,7 +354,42 @@ class JobSpec(_Section):
         self._check_batching()
         self._check_zero()
         self._check_faults()
+        self._check_parameter_server()
         return self
+
+    def _check_parameter_server(self) -> None:
+        """What `dp_sync: ps` cannot combine with, and `kill_ps_shard` faults."""
+        p, ps = self.parallel, self.parameter_server
+        kills = [i for i, f in enumerate(self.faults) if f.kind == "kill_ps_shard"]
+        if p.dp_sync != "ps":
+            if kills:
+                raise SpecError(f"faults.{kills[0]}.kind", "kill_ps_shard", "needs parameter-server shards",
+                                "set parallel.dp_sync: ps, or remove the fault")
+            return
+        unsupported = [
+            ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
+             "set parallel.zero: 0"),
+            ("parallel.tp", p.tp, p.tp > 1, "tensor-parallel shards of a parameter are not keyed separately yet",
+             "set parallel.tp: 1, or parallel.dp_sync: allreduce"),
+            ("precision.dtype", self.precision.dtype, self.precision.dtype == "fp16",
+             "a skipped fp16 step would leave the shards waiting for its push", "use bf16 or fp32"),
+            ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.pp > 1,
+             "asynchronous rounds run one stage per worker", "use consistency: bsp with pipeline parallelism, or pp: 1"),
+        ]
+        for field, value, bad, why, fix in unsupported:
+            if bad:
+                raise SpecError(field, value, f"is not supported with parallel.dp_sync: ps ({why})", fix)
+        if ps.optimizer == "momentum" and self.optim.momentum == 0:
+            raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
+                            "set optim.momentum (e.g. 0.9), or optimizer: sgd")
+        for i, f in enumerate(self.faults):
+            if f.kind in ("kill_rank", "hang_rank", "nan_loss"):
+                raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (the "
+                                "shards are not rolled back with the ranks)", "use slow_rank or kill_ps_shard")
+            if f.kind == "kill_ps_shard" and (ps.shards < 2 or f.shard >= ps.shards):
+                raise SpecError(f"faults.{i}.shard", f.shard, f"is not a shard that can die and be taken over "
+                                f"(parameter_server.shards={ps.shards}; a replica needs at least 2)",
+                                f"pick a shard from 0 to {ps.shards - 1} with shards >= 2")
 
     def _check_faults(self) -> None:
         ft, world = self.fault_tolerance, self.parallel.world_size
@@ -351,7 +408,6 @@ class JobSpec(_Section):
                 raise SpecError(f"faults.{i}.at_step", fault.at_step, f"is after the last step {self.train.steps}",
                                 f"pick a step from 1 to {self.train.steps}")
             check_repetition(fault, f"faults.{i}")
-
 
     def _check_zero(self) -> None:
         """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""

@@ -51,5 +51,6 @@ def build_parts(spec: dict, mesh: DeviceMesh, device: torch.device) -> ModelPart
         if par["tp"] > 1:
             apply_tensor_parallel(part, mesh["tp"], par["sequence_parallel"])
         apply_recompute(part, spec["memory"]["recompute"])
-        wrapped.append(apply_data_parallel(part, mesh["dp"], par["zero"]))
+        ps = par["dp_sync"] == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
+        wrapped.append(part if ps else apply_data_parallel(part, mesh["dp"], par["zero"]))
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages)

@@ -60,6 +60,10 @@ class RankWorker:
     def train_step(self, fault: dict | None = None) -> dict:
         return self.trainer.train_step(fault)
 
+    def ps_reroute(self, shard: int, route: dict) -> None:
+        """A parameter-server shard was restarted and resynced: send its keys there again."""
+        self.trainer.ps.reroute(shard, route)
+
     def take_snapshot(self) -> dict:
         from workers import snapshot
 

@@ -25,6 +25,7 @@ from workers.loss_scaler import DynamicLossScaler
 from workers.model import lm_loss
 from workers.optim import build_optimizer, clip_grads, lr_lambda
 from workers.parallel.pipeline import build_schedule
+from workers.ps_sync import PSSync
 from workers.process_group import init_mesh, pick_device
 from workers.timeline import busy_seconds
 
@@ -65,6 +66,7 @@ class Trainer:
         self._poison = False
         self.record_timeline = spec["metrics"]["timeline"]
         self.checkpoints = CheckpointIO(self)
+        self.ps = PSSync(self, spec) if par["dp_sync"] == "ps" else None
 
     # -- one step -------------------------------------------------------------------------
 
@@ -126,6 +128,8 @@ class Trainer:
         neighbour), ``communication`` the explicit collectives after backward
         (global grad norm, loss-scale agreement).
         """
+        if self.ps is not None and self.ps.asynchronous:
+            return self.ps.run_round(fault)
         faults.before_step(fault)
         self._poison = fault is not None and fault["kind"] == "nan_loss"
         for stage in self.pipe_stages:
@@ -141,10 +145,13 @@ class Trainer:
             applied = self.scaler.unscale_and_check(self.params)
             if loss is not None:
                 loss = loss / self.scaler.scale if applied else loss
-        grad_norm = clip_grads(self.params, self.spec["optim"]["grad_clip"], self.pp_group) if applied else float("nan")
+        if self.ps is not None:  # the shards clip and step; the new weights come back
+            grad_norm = self.ps.sync(self.schedulers[0].get_last_lr()[0])
+        else:
+            grad_norm = clip_grads(self.params, self.spec["optim"]["grad_clip"], self.pp_group) if applied else float("nan")
         t3 = time.perf_counter()
         for opt, sched in zip(self.optimizers, self.schedulers):
-            if applied:
+            if applied and self.ps is None:
                 opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()

@@ -1,0 +1,161 @@
+"""``PSClient``: what a worker (or any reader) uses to push gradients to and pull parameters from the shards.
+
+It cuts each named tensor into chunks, finds each chunk's holders on the ring
+(primary and successor), and talks to the shards through a connection per
+shard (Ray actor handle or gRPC channel; both return futures with
+``result()``). Pushes and registrations go to every live holder, so an
+acknowledged push is on two shards; reads go to the first live holder. A
+shard that is gone is marked down and its keys are served by their successor
+until the controller restarts it and calls ``reroute``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parameter_server.errors import ShardDown
+from parameter_server.ring import HashRing, assemble, chunk_count, chunk_key, split
+
+
+class RayConn:
+    """A connection to a shard actor over Ray actor calls."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __getattr__(self, method):
+        remote = getattr(self.handle, method).remote
+        return lambda *args: _RayFuture(remote(*args))
+
+
+class _RayFuture:
+    def __init__(self, ref):
+        self.ref = ref
+
+    def result(self):
+        import ray
+
+        try:
+            return ray.get(self.ref)
+        except ray.exceptions.RayActorError as exc:
+            raise ShardDown(str(exc)) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+
+class PSClient:
+    def __init__(self, conns: list, chunk_elems: int, vnodes: int, worker: int = -1):
+        self.conns = list(conns)
+        self.ring = HashRing(len(conns), vnodes)
+        self.chunk_elems = chunk_elems
+        self.worker = worker
+        self.alive = [True] * len(conns)
+        self.layout: dict[str, dict] = {}
+
+    # -- placement --------------------------------------------------------------------------
+
+    def _holders(self, key: str) -> list[int]:
+        live = [s for s in self.ring.holders(key) if self.alive[s]]
+        if not live:
+            raise ShardDown(f"every holder of {key!r} ({self.ring.holders(key)}) is down")
+        return live
+
+    def keys_of(self, name: str) -> list[str]:
+        numel = math.prod(self.layout[name]["shape"])
+        return [chunk_key(name, i) for i in range(chunk_count(numel, self.chunk_elems))]
+
+    def reroute(self, shard: int, conn) -> None:
+        """The controller restarted ``shard`` (resynced): use it again."""
+        self.conns[shard] = conn
+        self.alive[shard] = True
+
+    # -- fan-out with failover -------------------------------------------------------------------
+
+    def _send(self, per_shard: dict[int, tuple]) -> dict[int, object]:
+        """Call ``method(*args)`` on each shard at once; a shard that is gone is marked down and left out."""
+        pending = {s: getattr(self.conns[s], method)(*args) for s, (method, *args) in per_shard.items()}
+        out = {}
+        for s, fut in pending.items():
+            try:
+                out[s] = fut.result()
+            except ShardDown:
+                self.alive[s] = False
+        return out
+
+    def _to_all_holders(self, chunks: dict[str, torch.Tensor], call) -> None:
+        """Send each chunk to every live holder (``call(part)`` -> (method, *args)); done once each chunk is
+        acknowledged by a holder that is still alive."""
+        todo = dict(chunks)
+        while todo:
+            per_shard: dict[int, dict] = {}
+            for key, value in todo.items():
+                for s in self._holders(key):
+                    per_shard.setdefault(s, {})[key] = value
+            done = self._send({s: call(part) for s, part in per_shard.items()})
+            todo = {k: v for k, v in todo.items() if not any(s in done for s in self.ring.holders(k))}
+
+    def _from_first_holder(self, keys: list[str], call, unpack=lambda reply: reply) -> dict[str, object]:
+        """Ask each key's first live holder (``call(keys)`` -> (method, *args)); fail over when one is gone."""
+        out: dict[str, object] = {}
+        todo = list(keys)
+        while todo:
+            per_shard: dict[int, list[str]] = {}
+            for key in todo:
+                per_shard.setdefault(self._holders(key)[0], []).append(key)
+            for reply in self._send({s: call(ks) for s, ks in per_shard.items()}).values():
+                out.update(unpack(reply))
+            todo = [k for k in todo if k not in out]
+        return out
+
+    # -- the API a worker uses -----------------------------------------------------------------
+
+    def register(self, named: dict[str, torch.Tensor]) -> None:
+        """Give the shards the initial values (first registration wins) and remember the layout."""
+        layout = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in named.items()}
+        self.layout.update(layout)
+        chunks = {k: v for n, t in named.items() for k, v in split(n, t, self.chunk_elems).items()}
+        self._to_all_holders(chunks, lambda part: ("register", part, layout))
+
+    def push(self, clock: int, grads: dict[str, torch.Tensor], lr: float) -> None:
+        """Push this worker's gradients for ``clock``; returns once every chunk is acknowledged.
+
+        Checked whole against the registered layout first, so a bad push reaches no shard; each shard
+        checks its chunks again (an outside gRPC client has no layout).
+        """
+        for name, g in grads.items():
+            want = self.layout.get(name)
+            if want is None:
+                raise KeyError(f"push of unknown key {name!r} (shape {tuple(g.shape)}); nothing applied. "
+                               f"Registered keys look like {sorted(self.layout)[:3]}")
+            dtype = str(g.dtype).removeprefix("torch.")
+            if list(g.shape) != want["shape"] or dtype != want["dtype"]:
+                raise ValueError(f"push of key {name!r} has shape {tuple(g.shape)} dtype {dtype}, expected shape "
+                                 f"{tuple(want['shape'])} dtype {want['dtype']}; nothing applied")
+        chunks = {k: v for n, g in grads.items() for k, v in split(n, g, self.chunk_elems).items()}
+        self._to_all_holders(chunks, lambda part: ("push", self.worker, clock, part, lr))
+        used = {s for k in chunks for s in self.ring.holders(k)}  # an empty push to the rest advances this
+        idle = [s for s in range(len(self.conns)) if self.alive[s] and s not in used]  # worker's clock there
+        self._send({s: ("push", self.worker, clock, {}, lr) for s in idle})
+
+    def grad_sq(self, clock: int, names: list[str]) -> float:
+        """bsp: squared L2 norm of the averaged gradient of ``names`` for ``clock`` (each key counted once,
+        summed in a fixed order so every worker gets the same number)."""
+        keys = [k for n in names for k in self.keys_of(n)]
+        sq = self._from_first_holder(keys, lambda ks: ("grad_sq", clock, ks))
+        return sum(sq[k] for k in keys)
+
+    def apply(self, clock: int, coef: float) -> None:
+        """bsp: have every live shard step its keys for ``clock`` (idempotent: the first caller applies)."""
+        self._send({s: ("apply", clock, coef) for s in range(len(self.conns)) if self.alive[s]})
+
+    def pull(self, names: list[str], min_version: int = 0, clock: int = -1) -> dict[str, torch.Tensor]:
+        """Whole tensors by name, once their shards reach ``min_version``."""
+        keys = [k for n in names for k in self.keys_of(n)]
+        chunks = self._from_first_holder(keys, lambda ks: ("pull", ks, min_version, self.worker, clock),
+                                         lambda reply: reply["chunks"])
+        return {n: assemble(n, chunks, self.layout[n]["shape"], self.chunk_elems) for n in names}
+
+    def clocks(self) -> list[dict]:
+        return list(self._send({s: ("clock",) for s in range(len(self.conns)) if self.alive[s]}).values())

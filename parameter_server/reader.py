@@ -1,0 +1,44 @@
+"""Read a running job's parameters over gRPC from any process, no Ray needed (an eval or inference server).
+
+``python -m parameter_server.reader RUN_DIR/ps_routes.json --out params.pt``
+writes {name: tensor} of the newest weights; ``pull_parameters`` returns them.
+The routes file (written by the controller, rewritten when a shard restarts)
+gives each shard's address and the ring's shape, so the reader finds every
+chunk where a worker would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from parameter_server.client import PSClient
+from parameter_server.grpc_service import GrpcConn
+
+
+def connect(routes_path: str | Path) -> PSClient:
+    routes = json.loads(Path(routes_path).read_text())
+    client = PSClient([GrpcConn(a) for a in routes["addresses"]], routes["chunk_elems"], routes["vnodes"])
+    for info in client.clocks():  # every shard keeps the whole model's layout
+        client.layout.update(info["layout"])
+    return client
+
+
+def pull_parameters(routes_path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    client = connect(routes_path)
+    return client.pull(names or sorted(client.layout))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("routes", help="ps_routes.json in the job's run directory")
+    parser.add_argument("--out", required=True, help="where to torch.save the {name: tensor} dict")
+    args = parser.parse_args(argv)
+    torch.save(pull_parameters(args.routes), args.out)
+
+
+if __name__ == "__main__":
+    main()

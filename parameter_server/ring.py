@@ -1,0 +1,69 @@
+"""Which shard holds which piece of which tensor: a consistent-hash ring with virtual nodes.
+
+Written here because no library we use has one. Each shard owns ``vnodes``
+points on a 64-bit ring; a chunk key belongs to the first point clockwise from
+its hash (its primary) and is replicated on the next *distinct* shard after
+that (its successor), as in Dynamo-style preference lists. Large tensors are
+cut into flat chunks of at most ``chunk_elems`` elements first, so one big
+embedding does not land whole on one shard. The layout depends only on the
+shard count and these two numbers, so every worker, the controller and an
+outside gRPC reader compute the same placement without asking anyone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def chunk_key(name: str, index: int) -> str:
+    return f"{name}#{index}"
+
+
+def chunk_count(numel: int, chunk_elems: int) -> int:
+    return max(1, math.ceil(numel / chunk_elems))
+
+
+def split(name: str, tensor: torch.Tensor, chunk_elems: int) -> dict[str, torch.Tensor]:
+    """``tensor`` as flat contiguous chunks keyed ``name#i``."""
+    flat = tensor.detach().reshape(-1)
+    return {chunk_key(name, i): c.contiguous() for i, c in enumerate(flat.split(chunk_elems))}
+
+
+def assemble(name: str, chunks: dict[str, torch.Tensor], shape: torch.Size | tuple, chunk_elems: int) -> torch.Tensor:
+    """The inverse of ``split``."""
+    n = chunk_count(math.prod(shape), chunk_elems)
+    return torch.cat([chunks[chunk_key(name, i)] for i in range(n)]).reshape(shape)
+
+
+@dataclass(frozen=True)
+class HashRing:
+    shards: int
+    vnodes: int = 64
+
+    def __post_init__(self) -> None:
+        points = sorted((_hash(f"shard{s}/vnode{v}"), s) for s in range(self.shards) for v in range(self.vnodes))
+        object.__setattr__(self, "_points", [p for p, _ in points])
+        object.__setattr__(self, "_owners", [s for _, s in points])
+
+    def holders(self, key: str) -> list[int]:
+        """``[primary, successor]`` for ``key`` (just ``[primary]`` on a one-shard ring)."""
+        i = bisect.bisect(self._points, _hash(key)) % len(self._points)
+        out = [self._owners[i]]
+        for j in range(1, len(self._owners)):
+            owner = self._owners[(i + j) % len(self._owners)]
+            if owner != out[0]:
+                out.append(owner)
+                break
+        return out
+
+    def primary(self, key: str) -> int:
+        return self.holders(key)[0]

@@ -1,0 +1,232 @@
+"""``PSShard``: one parameter-server shard, holding the chunks the ring gives it and updating them.
+
+Plain Python; the orchestrator makes it a threaded Ray actor (calls that wait
+block only their own thread). A shard holds each chunk it is primary *or*
+successor for: clients send every push to both holders, and both run the same
+deterministic update, so the successor can take over with nothing
+acknowledged lost.
+
+Consistency (``bsp``/``asp``/``ssp``):
+- ``bsp``: pushes for clock t are staged per worker; once every worker of a key
+  has pushed t, ``grad_sq`` returns the squared norm of the averaged gradient
+  (for the job-wide clipping coefficient) and ``apply(t, coef)`` runs one
+  optimizer step with ``coef * mean(grads)``, summed in worker order so both
+  holders compute bit-identical results. ``pull(min_version=t+1)`` waits for it.
+- ``asp``/``ssp``: a push is applied on arrival (its gradient weighted 1/workers,
+  as one worker's share of a global batch). Each ``pull`` records the reader's
+  clock and the fewest pushes this shard has applied from any worker, so the
+  SSP bound can be checked from what the shard really held.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from parameter_server import optimizers
+
+WAIT_S = 600.0
+
+
+class PSShard:
+    def __init__(self, shard_id: int, consistency: str, optim: dict, workers: int):
+        torch.set_num_threads(1)
+        self.id = shard_id
+        self.consistency = consistency
+        self.optim = optim
+        self.workers = workers
+        self.cond = threading.Condition()
+        self.params: dict[str, torch.Tensor] = {}
+        self.opts: dict[str, torch.optim.Optimizer] = {}
+        self.version = 0  # bsp: clocks applied; asp/ssp: pushes applied
+        self.applied_from = [0] * workers  # asp/ssp: pushes applied per worker
+        self.staged: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # bsp: clock -> key -> worker -> grad
+        self.lrs: dict[int, float] = {}
+        self.means: dict[int, dict[str, torch.Tensor]] = {}
+        self.sqs: dict[int, dict[str, float]] = {}  # kept past apply: a worker failing over may still ask
+        self.reads: list[dict] = []
+        self.kill_after: int | None = None  # kill_ps_shard: pushes still to acknowledge before dying
+        self.grpc = None
+        self.layout: dict[str, dict] = {}
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def ping(self) -> int:
+        return self.id
+
+    def register(self, chunks: dict[str, torch.Tensor], layout: dict | None = None) -> int:
+        """Initial values; the first registration of a key wins (every worker starts from the same seed).
+
+        ``layout`` ({name: {shape, dtype}} of the whole model) is kept so an outside reader can ask for it.
+        """
+        with self.cond:
+            self.layout.update(layout or {})
+            for key, value in chunks.items():
+                if key not in self.params:
+                    self.params[key] = value.detach().clone()
+                    self.opts[key] = optimizers.build(self.params[key], self.optim)
+            return len(self.params)
+
+    # -- the push / pull / clock API --------------------------------------------------------------
+
+    def _check(self, grads: dict[str, torch.Tensor]) -> None:
+        """Reject the whole push, before anything is applied, if any chunk is unknown or misshapen."""
+        for key, grad in grads.items():
+            held = self.params.get(key)
+            if held is None:
+                raise KeyError(f"shard {self.id}: push of unknown key {key!r} (shape {tuple(grad.shape)}); "
+                               f"nothing applied. Known keys look like {sorted(self.params)[:3]}")
+            if grad.shape != held.shape or grad.dtype != held.dtype:
+                raise ValueError(f"shard {self.id}: push of key {key!r} has shape {tuple(grad.shape)} dtype "
+                                 f"{grad.dtype}, expected shape {tuple(held.shape)} dtype {held.dtype}; nothing applied")
+
+    def push(self, worker: int, clock: int, grads: dict[str, torch.Tensor], lr: float) -> int:
+        """Stage (bsp) or apply (asp/ssp) ``worker``'s gradients for ``clock``; returns the shard version."""
+        with self.cond:
+            self._check(grads)
+            self._maybe_die(grads)
+            if self.consistency == "bsp":
+                if clock >= self.version:  # an already applied clock is a retry after failover
+                    staged = self.staged.setdefault(clock, {})
+                    for key, grad in grads.items():
+                        staged.setdefault(key, {})[worker] = grad
+                    self.lrs[clock] = lr
+            else:
+                for key, grad in grads.items():
+                    optimizers.step(self.opts[key], grad / self.workers, lr)
+                self.applied_from[worker] += 1
+                self.version += 1
+            self.cond.notify_all()
+            return self.version
+
+    def _complete(self, clock: int) -> bool:
+        staged = self.staged.get(clock, {})
+        return all(len(staged.get(key, ())) == self.workers for key in self.params)
+
+    def _wait(self, predicate, what: str) -> None:
+        if not self.cond.wait_for(predicate, timeout=WAIT_S):
+            raise TimeoutError(f"shard {self.id}: waited {WAIT_S:.0f}s for {what}")
+
+    def _mean(self, clock: int) -> dict[str, torch.Tensor]:
+        if clock not in self.means:
+            staged = self.staged.get(clock, {})
+            self.means[clock] = {
+                key: torch.stack([staged[key][w] for w in range(self.workers)]).sum(0) / self.workers
+                for key in self.params
+            }
+            self.sqs[clock] = {key: float(m.float().pow(2).sum()) for key, m in self.means[clock].items()}
+        return self.means[clock]
+
+    def grad_sq(self, clock: int, keys: list[str]) -> dict[str, float]:
+        """bsp: squared L2 norm of each listed key's averaged gradient for ``clock``, once all have pushed."""
+        with self.cond:
+            self._wait(lambda: clock in self.sqs or self._complete(clock), f"every worker's push of clock {clock}")
+            if clock not in self.sqs:
+                self._mean(clock)
+            return {key: self.sqs[clock][key] for key in keys}
+
+    def apply(self, clock: int, coef: float) -> int:
+        """bsp: one optimizer step on every held key with ``coef * mean gradient`` (idempotent per clock)."""
+        with self.cond:
+            self._wait(lambda: self.version > clock or self._complete(clock), f"every worker's push of clock {clock}")
+            if self.version <= clock:
+                means = self._mean(clock)
+                for key, opt in self.opts.items():
+                    grad = means[key] * coef if coef < 1.0 else means[key]
+                    optimizers.step(opt, grad, self.lrs[clock])
+                self.version = clock + 1
+                for old in [c for c in self.staged if c <= clock]:
+                    self.staged.pop(old)
+                    self.means.pop(old, None)
+                    self.lrs.pop(old, None)
+                for old in [c for c in self.sqs if c < clock]:
+                    self.sqs.pop(old)
+                self.cond.notify_all()
+            return self.version
+
+    def pull(self, keys: list[str], min_version: int = 0, worker: int = -1, clock: int = -1) -> dict:
+        """Current values of ``keys`` once the shard's version reaches ``min_version``.
+
+        A worker's training read (``clock >= 0``) under asp/ssp is recorded with the fewest pushes applied
+        from any worker.
+        """
+        with self.cond:
+            self._wait(lambda: self.version >= min_version, f"version {min_version}")
+            missing = [k for k in keys if k not in self.params]
+            if missing:
+                raise KeyError(f"shard {self.id}: pull of unknown keys {missing[:3]}")
+            if worker >= 0 and clock >= 0 and self.consistency != "bsp":
+                self.reads.append({"shard": self.id, "worker": worker, "clock": clock,
+                                   "min_applied": min(self.applied_from)})
+            return {"version": self.version, "chunks": {k: self.params[k].clone() for k in keys}}
+
+    def clock(self) -> dict:
+        """The shard's version and, under asp/ssp, how many pushes it applied from each worker."""
+        with self.cond:
+            return {"shard": self.id, "version": self.version, "applied_from": list(self.applied_from),
+                    "keys": len(self.params), "layout": dict(self.layout)}
+
+    def read_log(self) -> list[dict]:
+        with self.cond:
+            return list(self.reads)
+
+    # -- durability ---------------------------------------------------------------------------
+
+    def state(self, keys: list[str] | None = None) -> dict:
+        """Values and optimizer state of ``keys`` (all held keys when None), for resync and snapshots."""
+        with self.cond:
+            keys = list(self.params) if keys is None else [k for k in keys if k in self.params]
+            return {"version": self.version, "applied_from": list(self.applied_from), "layout": dict(self.layout),
+                    "params": {k: self.params[k].clone() for k in keys},
+                    "opts": {k: self.opts[k].state_dict() for k in keys}}
+
+    def load(self, state: dict) -> int:
+        """Take over keys from another holder's ``state`` (a restarted shard resyncing)."""
+        with self.cond:
+            self.layout.update(state["layout"])
+            for key, value in state["params"].items():
+                self.params[key] = value.clone()
+                self.opts[key] = optimizers.build(self.params[key], self.optim)
+                self.opts[key].load_state_dict(state["opts"][key])
+            self.version = max(self.version, state["version"])
+            self.applied_from = [max(a, b) for a, b in zip(self.applied_from, state["applied_from"])]
+            return len(self.params)
+
+    def save(self, path: str) -> str:
+        """Snapshot every held key to ``path`` (written whole, then renamed, so a reader never sees half)."""
+        state = self.state()
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def arm_kill(self, after_pushes: int = 1) -> None:
+        """Fault injection (``kill_ps_shard``): SIGKILL this process on the first gradient push after
+        acknowledging ``after_pushes`` more, so the shard dies mid-step with some pushes acknowledged."""
+        with self.cond:
+            self.kill_after = after_pushes
+
+    def _maybe_die(self, grads: dict) -> None:
+        if self.kill_after is None or not grads:
+            return
+        if self.kill_after == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.kill_after -= 1
+
+    # -- gRPC -----------------------------------------------------------------------------
+
+    def serve_grpc(self) -> str:
+        """Start this shard's gRPC endpoint (same push/pull/clock API) on all interfaces; returns ``ip:port``
+        with the node's address as Ray knows it."""
+        import ray
+
+        from parameter_server.grpc_service import serve
+
+        if self.grpc is None:
+            self.grpc = serve(self, ray.util.get_node_ip_address())
+        return self.grpc.address
