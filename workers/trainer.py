@@ -43,7 +43,7 @@ class Trainer:
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
         zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
-        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1) for m in self.parts.modules]
+        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, spec["memory"], self.device) for m in self.parts.modules]
         self.schedulers = [
             torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"])) for o in self.optimizers
         ]
