@@ -37,7 +37,7 @@ def probe(spec: dict, steps: int) -> dict:
         "losses": [r["loss"] for r in results],
         "step_s": [r["time_s"]["step"] for r in results],
         "peak_memory_bytes": trainer.peak_memory_bytes(),
-        "offloaded_bytes": sum(s.nbytes for s in stores),
+        "offloaded_bytes": sum(s.nbytes for s in stores) + trainer.activations.peak_bytes,
     }
 
 
