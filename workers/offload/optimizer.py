@@ -99,7 +99,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         stored = StoredState(self.store, self._keys[p])
         local = _local(p)
         for k in MOMENTS:
-            stored[k] = state.get(k, torch.zeros_like(local, dtype=torch.float32))
+            if k in state:
+                stored[k] = state[k]
+            else:
+                self.store.zeros(stored.prefix + k, local.shape)
         stored["step"] = state.get("step", torch.tensor(0.0))
         if needs_master(p):
             self.store.put(stored.prefix + "master", local.detach().to("cpu", torch.float32, copy=True))

@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workers.offload.host_memory import release_freed_buffers
+
 TIERS = ("cpu", "nvme")
 
 
@@ -63,6 +65,7 @@ class OffloadStore:
             self._dir = Path(tempfile.mkdtemp(prefix="raymesh-offload-", dir=root))
         self._files: dict[str, Path] = {}
         self._names = itertools.count()
+        release_freed_buffers()
 
     # -- sizing ---------------------------------------------------------------------------------
 
@@ -105,20 +108,34 @@ class OffloadStore:
             tensor = staging
         self._writes[key] = self._evictor.submit(self._write, key, tensor, event)
 
+    def zeros(self, key: str, shape: torch.Size, dtype: torch.dtype = torch.float32) -> None:
+        """Store zeros under ``key`` without building them in memory first (an nvme file starts zeroed)."""
+        if self.tier == "cpu":
+            self.put(key, torch.zeros(shape, dtype=dtype, pin_memory=self._cuda))
+            return
+        self.delete(key)
+        self._meta[key] = (torch.Size(shape), dtype)
+        self._writes[key] = self._evictor.submit(self._allocate, key, _nbytes(torch.Size(shape), dtype))
+
+    def _allocate(self, key: str, nbytes: int) -> Path:
+        path = self._files.get(key) or self._dir / f"{next(self._names)}.bin"
+        self._files[key] = path
+        with open(path, "wb") as f:
+            if nbytes:
+                os.posix_fallocate(f.fileno(), 0, nbytes)  # ENOSPC here, not SIGBUS on a page fault later
+        return path
+
     def _write(self, key: str, tensor: torch.Tensor, event) -> None:
         if event is not None:
             event.synchronize()
         if self.tier == "cpu":
             self._host[key] = tensor if tensor.device.type == "cpu" else tensor.cpu()
             return
-        path = self._files.get(key) or self._dir / f"{next(self._names)}.bin"
-        self._files[key] = path
         nbytes = tensor.numel() * tensor.element_size()
-        with open(path, "wb+") as f:
-            if nbytes:
-                os.posix_fallocate(f.fileno(), 0, nbytes)  # ENOSPC here, not SIGBUS on a page fault later
-                with mmap.mmap(f.fileno(), nbytes) as mm:
-                    mm[:] = memoryview(_bytes_view(tensor.contiguous()).numpy())
+        path = self._allocate(key, nbytes)
+        if nbytes:
+            with open(path, "r+b") as f, mmap.mmap(f.fileno(), nbytes) as mm:
+                mm[:] = memoryview(_bytes_view(tensor.contiguous()).numpy())
 
     # -- reads (prefetch) ------------------------------------------------------------------------
 
