@@ -9,13 +9,23 @@ per parameter entry; SM3 keeps one accumulator vector per tensor dimension
     update = g / (sqrt(nu) + eps),  with optional momentum on the update,
 
 and the parameter moves by -lr * update. Tensors of rank <= 1 keep a full
-accumulator (SM3 = Adagrad there). All ops are plain tensor ops, so sharded
-DTensor parameters reduce across shards where a max or min needs it.
+accumulator (SM3 = Adagrad there). Replicated DTensor parameters (``replicate``,
+zero 0) step on their local copies; sharded ones are refused by the job spec,
+since the cover maxima would need reductions across shards.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        if any(pl.is_shard() for pl in t.placements):
+            raise ValueError("SM3 steps whole (or replicated) tensors, not shards")
+        return t.to_local()
+    return t
 
 
 class SM3(torch.optim.Optimizer):
@@ -32,36 +42,35 @@ class SM3(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        grad = p.grad
+        param, grad = _local(p), _local(p.grad)
         if group["weight_decay"]:
-            grad = grad.add(p, alpha=group["weight_decay"])
+            grad = grad.add(param, alpha=group["weight_decay"])
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            for i, shape in enumerate(_cover_shapes(p)):
-                state[f"acc_{i}"] = torch.zeros(shape, dtype=p.dtype, device=p.device) if p.dim() > 1 else torch.zeros_like(p)
+            for i, shape in enumerate(_cover_shapes(param)):
+                state[f"acc_{i}"] = param.new_zeros(shape)
             if group["momentum"]:
-                state["momentum_buffer"] = torch.zeros_like(p)
+                state["momentum_buffer"] = torch.zeros_like(param)
         state["step"] += 1
-        accs = [state[f"acc_{i}"] for i in range(max(1, p.dim()))]
+        accs = [state[f"acc_{i}"] for i in range(len(_cover_shapes(param)))]
         nu = accs[0]
         for acc in accs[1:]:
             nu = torch.minimum(nu, acc)
         nu = nu + grad * grad
-        if p.dim() > 1:
-            for i, acc in enumerate(accs):
-                others = [d for d in range(p.dim()) if d != i]
-                acc.copy_(nu.amax(dim=others, keepdim=True))
-        else:
-            accs[0].copy_(nu)
+        for i, acc in enumerate(accs):
+            others = [d for d in range(param.dim()) if d != i]
+            acc.copy_(nu.amax(dim=others, keepdim=True) if param.dim() > 1 else nu)
         update = grad / (nu.sqrt() + group["eps"])
         if group["momentum"]:
             buf = state["momentum_buffer"]
             buf.mul_(group["momentum"]).add_(update, alpha=1 - group["momentum"])
             update = buf
-        p.add_(update, alpha=-group["lr"])
+        param.add_(update, alpha=-group["lr"])
 
 
 def _cover_shapes(p: torch.Tensor) -> list[tuple[int, ...]]:
-    """One accumulator per dimension, shaped to broadcast along every other dimension."""
+    """One accumulator per dimension, shaped to broadcast along every other; a full one below rank 2."""
+    if p.dim() < 2:
+        return [tuple(p.shape)]
     return [tuple(n if d == i else 1 for d, n in enumerate(p.shape)) for i in range(p.dim())]
