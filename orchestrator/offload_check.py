@@ -2,8 +2,7 @@
 
 A rank's store takes, for this rank's share of the model (planner.estimate):
 8 bytes a parameter for Adam's moments (+4 for an fp32 master when parameters
-live on a GPU) with optimizer offload, 4 for its ZeRO-3 shard with parameter
-offload, and its activation estimate (halved for bf16 compression, quartered
+live on a GPU) with optimizer offload, and its activation estimate (halved for bf16 compression, quartered
 for fp8) with activation offload. Every rank is counted against the one path,
 the worst case of all ranks sharing a node. (Ranks on other nodes write to
 their own disks; this checks the driver's.)
@@ -31,7 +30,7 @@ def offload_bytes(spec: JobSpec) -> int:
     total = 0
     for row in estimate(spec):
         shard = row.params // p.dp if p.zero >= 2 else row.params
-        total += per_param * shard + (4 * shard if off.params else 0)
+        total += per_param * shard
         if off.activations:
             total += int(row.activation_bytes * ACTIVATION_SCALE[spec.memory.activation_compression])
     return total

@@ -192,7 +192,7 @@ class OffloadSpec(_Section):
     """What leaves the device for the offload store (workers/offload/), and which tier holds it."""
 
     optimizer: bool = False  # Adam moments (+ fp32 master weights off the host) live in the store
-    params: bool = False  # ZeRO-3 local parameter shards live in the store between uses
+    params: bool = False  # ZeRO-3 parameter shards in the store between uses: reserved, refused for now
     activations: bool = False  # saved activations go to the store in forward, come back for backward
     tier: Literal["cpu", "nvme"] = "cpu"
     path: str | None = None  # directory for nvme files (required for tier nvme)
@@ -363,10 +363,11 @@ class JobSpec(_Section):
             raise SpecError("parallel.zero", 1, "cannot be combined with an offloaded optimizer: "
                             "ZeroRedundancyOptimizer partitions state with its own inner optimizer",
                             "use zero: 2 or 3 (FSDP2; the store then holds this rank's shard only) or zero: 0")
-        if off.params and p.zero != 3:
-            raise SpecError("memory.offload.params", True, f"needs parallel.zero: 3, not {p.zero} (parameter "
-                            "offload moves each rank's ZeRO-3 shard between uses)",
-                            "set parallel.zero: 3, or memory.offload.params: false")
+        if off.params:
+            raise SpecError("memory.offload.params", True, "is not available yet: ZeRO-3 parameter offload needs "
+                            "the optimizer step to stream shards too (FSDP2's CPUOffloadPolicy needs a GPU)",
+                            "set memory.offload.params: false; offload the optimizer state "
+                            "(memory.offload.optimizer: true), which is the larger part")
 
     def _check_faults(self) -> None:
         ft, world = self.fault_tolerance, self.parallel.world_size
