@@ -33,6 +33,7 @@ from orchestrator.rank_group import RankGroup, StepFailed
 from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
 from orchestrator.errors import SpecError
+from orchestrator.offload_check import check_offload_space
 from orchestrator.spec import FaultSpec, JobSpec, check_data_path, check_resources
 from orchestrator.stragglers import StragglerDetector
 
@@ -139,6 +140,7 @@ class TrainingJob:
     def _start(self) -> dict:
         p = self.spec.parallel
         check_data_path(self.spec)
+        check_offload_space(self.spec)
         cluster.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = ControlServer(self)  # after connect, so it advertises the node IP
         event("control", address=self.control.address)

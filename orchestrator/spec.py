@@ -174,7 +174,8 @@ class ParallelSpec(_Section):
 class OptimSpec(_Section):
     """Optimizer and learning-rate schedule."""
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    # adafactor: PyTorch's; sm3: ours (workers/sm3.py); paged_adamw: AdamW with its state in the offload store
+    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw"] = "adamw"
     lr: PositiveFloat = 3e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     betas: tuple[Beta, Beta] = (0.9, 0.95)
@@ -190,8 +191,21 @@ class PrecisionSpec(_Section):
     initial_loss_scale: PositiveFloat = 65536.0
 
 
+class OffloadSpec(_Section):
+    """What leaves the device for the offload store (workers/offload/), and which tier holds it."""
+
+    optimizer: bool = False  # Adam moments (+ fp32 master weights off the host) live in the store
+    params: bool = False  # ZeRO-3 parameter shards in the store between uses: reserved, refused for now
+    activations: bool = False  # saved activations go to the store in forward, come back for backward
+    tier: Literal["cpu", "nvme"] = "cpu"
+    path: str | None = None  # directory for nvme files (required for tier nvme)
+    prefetch: Annotated[int, Field(ge=0)] = 1  # items fetched ahead of use
+
+
 class MemorySpec(_Section):
     recompute: Literal["none", "selective", "full"] = "none"
+    offload: OffloadSpec = Field(default_factory=OffloadSpec)
+    activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
 
 
 class TrainSpec(_Section):
@@ -355,6 +369,7 @@ class JobSpec(_Section):
         self._check_zero()
         self._check_faults()
         self._check_parameter_server()
+        self._check_offload()
         return self
 
     def _check_parameter_server(self) -> None:
@@ -390,6 +405,35 @@ class JobSpec(_Section):
                 raise SpecError(f"faults.{i}.shard", f.shard, f"is not a shard that can die and be taken over "
                                 f"(parameter_server.shards={ps.shards}; a replica needs at least 2)",
                                 f"pick a shard from 0 to {ps.shards - 1} with shards >= 2")
+
+    def _check_offload(self) -> None:
+        """Offload combinations that cannot work, refused with the fix (workers/offload/)."""
+        off, name, p = self.memory.offload, self.optim.name, self.parallel
+        if off.tier == "nvme" and not off.path:
+            raise SpecError("memory.offload.path", off.path, "is required for tier nvme (where the files go)",
+                            "set memory.offload.path to a directory on a local NVMe drive, or use tier: cpu")
+        if off.path and off.tier != "nvme":
+            raise SpecError("memory.offload.path", off.path, f"is only used by tier nvme, not {off.tier!r}",
+                            "set memory.offload.tier: nvme, or remove memory.offload.path")
+        if off.optimizer and name not in ("adamw", "adam", "paged_adamw"):
+            raise SpecError("memory.offload.optimizer", True, f"is not supported for optim.name {name!r}: the "
+                            "offloaded host step is Adam's", "use optim.name adamw, adam or paged_adamw, "
+                            "or set memory.offload.optimizer: false")
+        if name in ("adafactor", "sm3") and (p.zero >= 2 or p.tp > 1):
+            field, value = ("parallel.zero", p.zero) if p.zero >= 2 else ("parallel.tp", p.tp)
+            raise SpecError(field, value, f"shards parameters, which optim.name {name!r} cannot step: its factored "
+                            "statistics take maxima/norms across a whole tensor",
+                            "use zero: 0 or 1 with tp: 1 for this optimizer, or optim.name adamw/paged_adamw")
+        stored_optim = off.optimizer or name == "paged_adamw"
+        if stored_optim and p.zero == 1 and p.dp > 1:
+            raise SpecError("parallel.zero", 1, "cannot be combined with an offloaded optimizer: "
+                            "ZeroRedundancyOptimizer partitions state with its own inner optimizer",
+                            "use zero: 2 or 3 (FSDP2; the store then holds this rank's shard only) or zero: 0")
+        if off.params:
+            raise SpecError("memory.offload.params", True, "is not available yet: ZeRO-3 parameter offload needs "
+                            "the optimizer step to stream shards too (FSDP2's CPUOffloadPolicy needs a GPU)",
+                            "set memory.offload.params: false; offload the optimizer state "
+                            "(memory.offload.optimizer: true), which is the larger part")
 
     def _check_faults(self) -> None:
         ft, world = self.fault_tolerance, self.parallel.world_size
@@ -725,8 +769,11 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
 
 def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
     """Make relative path fields absolute against `cwd`, in place (see module docstring)."""
-    for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir"), ("metrics", "file_sd")):
-        holder = raw if section is None else raw.get(section)
+    for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir"), ("metrics", "file_sd"),
+                         ("memory.offload", "path")):
+        holder = raw
+        for name in section.split(".") if section else ():
+            holder = holder.get(name) if isinstance(holder, dict) else None
         if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key]:
             holder[key] = str(cwd / Path(holder[key]).expanduser())
 

@@ -9,17 +9,31 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+from workers.offload.optimizer import OffloadedAdam
+from workers.offload.store import OffloadStore
+from workers.sm3 import SM3
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+              "adafactor": torch.optim.Adafactor, "sm3": SM3}
 
 
-def build_optimizer(params, optim: dict, zero1_group=None) -> torch.optim.Optimizer:
-    """The job's optimizer; with ``zero1_group`` its state is partitioned over that group (ZeRO-1)."""
-    cls = OPTIMIZERS[optim["name"]]
+def build_optimizer(params, optim: dict, zero1_group=None, memory: dict | None = None,
+                    device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """The job's optimizer; with ``zero1_group`` its state is partitioned over that group (ZeRO-1).
+
+    ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store.
+    """
+    name = optim["name"]
     kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
-    if optim["name"] == "sgd":
+    if name in ("sgd", "sm3"):
         kwargs["momentum"] = optim["momentum"]
-    else:
+    elif name != "adafactor":
         kwargs["betas"] = tuple(optim["betas"])
+    offload = (memory or {}).get("offload", {})
+    if name == "paged_adamw" or (offload.get("optimizer") and name in ("adam", "adamw")):
+        store = OffloadStore(offload.get("tier", "cpu"), offload.get("path"), device, offload.get("prefetch", 1))
+        return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", **kwargs)
+    cls = OPTIMIZERS[name]
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=zero1_group, **kwargs)
     return cls(params, **kwargs)

@@ -23,6 +23,7 @@ from workers.data import DataCursor, TokenDataset
 from workers.layout import coordinates
 from workers.loss_scaler import DynamicLossScaler
 from workers.model import lm_loss
+from workers.offload.activations import activation_policy
 from workers.optim import build_optimizer, clip_grads, lr_lambda
 from workers.parallel.pipeline import build_schedule
 from workers.ps_sync import PSSync
@@ -44,10 +45,11 @@ class Trainer:
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
         zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
-        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1) for m in self.parts.modules]
+        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, spec["memory"], self.device) for m in self.parts.modules]
         self.schedulers = [
             torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"])) for o in self.optimizers
         ]
+        self.activations = activation_policy(spec["memory"], self.device)
         dtype = spec["precision"]["dtype"]
         self.autocast_dtype = AUTOCAST.get(dtype)
         self.scaler = DynamicLossScaler(spec["precision"]["initial_loss_scale"]) if dtype == "fp16" else None
@@ -94,7 +96,7 @@ class Trainer:
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.holds_first_stage else ()
-            with self._autocast():
+            with self._autocast(), self.activations.hooks():
                 self.schedule.step(*args, target=targets if self.holds_last_stage else None, losses=losses)
             if not self.holds_last_stage:
                 return None
@@ -104,7 +106,7 @@ class Trainer:
         chunks = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
         for i, (x, y) in enumerate(chunks):
             last = i == len(chunks) - 1
-            with self._sync_grads(model, last), self._autocast():
+            with self._sync_grads(model, last), self._autocast(), self.activations.hooks():
                 loss = self._loss_fn(model(x), y) / len(chunks)
                 loss.backward()
             total += loss.detach().float()

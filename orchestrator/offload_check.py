@@ -1,0 +1,53 @@
+"""Will the NVMe offload files fit? Checked before any actor starts, like the data path.
+
+A rank's store takes, for this rank's share of the model (planner.estimate):
+8 bytes a parameter for Adam's moments (+4 for an fp32 master when parameters
+live on a GPU) with optimizer offload, and its activation estimate (halved for bf16 compression, quartered
+for fp8) with activation offload. Every rank is counted against the one path,
+the worst case of all ranks sharing a node. (Ranks on other nodes write to
+their own disks; this checks the driver's.)
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from orchestrator.errors import SpecError
+from orchestrator.planner import estimate
+from orchestrator.spec import JobSpec
+
+ACTIVATION_SCALE = {"none": 1.0, "bf16": 0.5, "fp8": 0.25}
+
+
+def offload_bytes(spec: JobSpec) -> int:
+    """Bytes all ranks' NVMe stores may hold at once (0 unless tier is nvme)."""
+    off, p = spec.memory.offload, spec.parallel
+    if off.tier != "nvme":
+        return 0
+    optimizer = off.optimizer or spec.optim.name == "paged_adamw"
+    per_param = (8 + (4 if p.device != "cpu" else 0)) if optimizer else 0
+    total = 0
+    for row in estimate(spec):
+        shard = row.params // p.dp if p.zero >= 2 else row.params
+        total += per_param * shard
+        if off.activations:
+            total += int(row.activation_bytes * ACTIVATION_SCALE[spec.memory.activation_compression])
+    return total
+
+
+def check_offload_space(spec: JobSpec) -> None:
+    need = offload_bytes(spec)
+    if not need:
+        return
+    path = Path(spec.memory.offload.path)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise SpecError(
+            "memory.offload.path", str(path),
+            f"has {free / 2**30:.2f} GiB free on its disk but the offload stores need about {need / 2**30:.2f} GiB "
+            f"({spec.parallel.world_size} ranks)",
+            "point memory.offload.path at a drive with more space, use memory.offload.tier: cpu, offload less "
+            "(memory.offload.*), or shard more (parallel.zero: 3 with a larger parallel.dp)",
+        )

@@ -1,0 +1,51 @@
+"""memory.offload, activation_compression and the new optimizer names: bad combinations refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import JobSpec
+from orchestrator.errors import SpecError
+from orchestrator.offload_check import check_offload_space, offload_bytes
+
+
+def _spec(tmp_path, **sections):
+    raw = {"data": {"path": str(tmp_path)}, **sections}
+    return JobSpec.from_dict(raw)
+
+
+@pytest.mark.parametrize("sections, field, fix", [
+    ({"memory": {"offload": {"tier": "nvme"}}}, "memory.offload.path", "set memory.offload.path"),
+    ({"memory": {"offload": {"path": "/x"}}}, "memory.offload.path", "tier: nvme"),
+    ({"memory": {"offload": {"optimizer": True}}, "optim": {"name": "sgd"}}, "memory.offload.optimizer", "adamw"),
+    ({"optim": {"name": "paged_adamw"}, "parallel": {"dp": 2, "zero": 1}}, "parallel.zero", "zero: 2 or 3"),
+    ({"optim": {"name": "sm3"}, "parallel": {"dp": 2, "zero": 3}}, "parallel.zero", "zero: 0 or 1"),
+    ({"optim": {"name": "adafactor"}, "parallel": {"tp": 2}}, "parallel.tp", "zero: 0 or 1"),
+    ({"memory": {"offload": {"params": True}}}, "memory.offload.params", "memory.offload.optimizer: true"),
+    ({"memory": {"activation_compression": "int4"}}, "memory.activation_compression", "bf16"),
+])
+def test_refused_with_field_and_fix(tmp_path, sections, field, fix):
+    with pytest.raises(SpecError) as info:
+        _spec(tmp_path, **sections)
+    assert info.value.field == field and fix in str(info.value)
+
+
+def test_accepted_combinations_reach_the_workers(tmp_path):
+    spec = _spec(tmp_path, optim={"name": "paged_adamw"}, parallel={"dp": 2, "zero": 3},
+                 memory={"offload": {"optimizer": True, "activations": True, "tier": "nvme", "path": str(tmp_path),
+                                     "prefetch": 3}, "activation_compression": "fp8"})
+    memory = spec.worker_dict()["memory"]
+    assert memory["offload"]["prefetch"] == 3 and memory["activation_compression"] == "fp8"
+
+
+def test_running_out_of_disk_is_an_error_before_start(tmp_path):
+    small = {"optimizer": True, "tier": "nvme", "path": str(tmp_path / "new" / "dir")}
+    spec = _spec(tmp_path, memory={"offload": small})
+    assert offload_bytes(spec) > 0
+    check_offload_space(spec)  # a tiny model fits
+    huge = _spec(tmp_path, memory={"offload": small}, model={"d_model": 16384, "n_heads": 64, "n_layers": 400})
+    with pytest.raises(SpecError) as info:
+        check_offload_space(huge)
+    assert info.value.field == "memory.offload.path" and "GiB free" in str(info.value)
+    assert "tier: cpu" in str(info.value)
+    assert offload_bytes(_spec(tmp_path, memory={"offload": {"optimizer": True}})) == 0  # host tier: no files

@@ -1,0 +1,1 @@
+"""Offload: a tiered tensor store and what uses it (optimizer state, parameters, activations)."""

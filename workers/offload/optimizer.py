@@ -1,0 +1,159 @@
+"""Adam/AdamW with its state in an ``OffloadStore``: ZeRO-Offload, and the paged AdamW optimizer.
+
+Our own wrapper around PyTorch's functional ``adam`` (the math is PyTorch's, so
+results match ``torch.optim.AdamW`` bit for bit). What differs is where the
+state lives: the Adam moments — and fp32 master weights, when the device
+parameter is not already an fp32 host tensor — sit in the store, not next to
+the parameters. The step runs on the host, one parameter at a time over this
+rank's *local* shard (FSDP2 zero 2/3 and ``replicate`` hand it DTensors; their
+local tensors are exactly the rank's shard), while the next parameter's state
+is prefetched; the updated master is copied back into the device parameter and
+the state is released, so at most a parameter or two of state is resident.
+
+``self.state[p]`` is a ``StoredState`` mapping that reads and writes through
+the store, so ``state_dict``/DCP checkpoints and in-memory snapshots see the
+moments like any PyTorch optimizer's; plain dicts put there by
+``load_state_dict`` or a snapshot restore are moved into the store on the next
+step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
+
+from workers.offload.store import OffloadStore
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def needs_master(param: torch.Tensor) -> bool:
+    """A host fp32 parameter is its own master copy; any other needs one in the store."""
+    local = _local(param)
+    return local.device.type != "cpu" or local.dtype != torch.float32
+
+
+class StoredState(MutableMapping):
+    """One parameter's optimizer state: scalars in memory, tensors in the store (read as copies)."""
+
+    def __init__(self, store: OffloadStore, prefix: str):
+        self.store, self.prefix, self.small = store, prefix, {}
+
+    def __getitem__(self, k):
+        if k in self.small:
+            return self.small[k]
+        if self.prefix + k in self.store:
+            return self.store.fetch(self.prefix + k, "cpu")
+        raise KeyError(k)
+
+    def __setitem__(self, k, v):
+        if torch.is_tensor(v) and v.dim() > 0:
+            self.store.put(self.prefix + k, _local(v).detach().to("cpu", torch.float32, copy=True))
+        else:
+            self.small[k] = v
+
+    def __delitem__(self, k):
+        if k in self.small:
+            del self.small[k]
+        else:
+            self.store.delete(self.prefix + k)
+
+    def __iter__(self):
+        yield from self.small
+        yield from (k for k in MOMENTS if self.prefix + k in self.store)
+
+    def __len__(self):
+        return len(list(iter(self)))
+
+
+class OffloadedAdam(torch.optim.Optimizer):
+    def __init__(self, params, store: OffloadStore, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
+                 eps: float = 1e-8, decoupled_weight_decay: bool = True):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "eps": eps})
+        self.store = store
+        self.decoupled_weight_decay = decoupled_weight_decay
+        self._keys = {}
+        for p in self._params():
+            self._keys[p] = f"p{len(self._keys)}."
+        store.reserve(sum(self.state_bytes(p) for p in self._keys))
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @staticmethod
+    def state_bytes(param: torch.Tensor) -> int:
+        """Store bytes for one parameter: two fp32 moments, plus an fp32 master where one is needed."""
+        return _local(param).numel() * 4 * (len(MOMENTS) + needs_master(param))
+
+    def _state(self, p) -> StoredState:
+        state = self.state[p]
+        if isinstance(state, StoredState):
+            return state
+        stored = StoredState(self.store, self._keys[p])
+        local = _local(p)
+        for k in MOMENTS:
+            if k in state:
+                stored[k] = state[k]
+            else:
+                self.store.zeros(stored.prefix + k, local.shape)
+        stored["step"] = state.get("step", torch.tensor(0.0))
+        if needs_master(p):
+            self.store.put(stored.prefix + "master", local.detach().to("cpu", torch.float32, copy=True))
+        self.state[p] = stored
+        return stored
+
+    def _prefetch(self, p) -> None:
+        prefix = self._keys[p]
+        for k in (*MOMENTS, "master"):
+            if prefix + k in self.store:
+                self.store.prefetch(prefix + k)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        todo = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for i, (group, p) in enumerate(todo):
+            if i + 1 < len(todo) and isinstance(self.state[todo[i + 1][1]], StoredState):
+                self._prefetch(todo[i + 1][1])
+            self._step_one(group, p)
+        return loss
+
+    def _step_one(self, group: dict, p: torch.Tensor) -> None:
+        state = self._state(p)
+        prefix, local = state.prefix, _local(p)
+        master = self.store.get(prefix + "master") if needs_master(p) else local
+        grad = _local(p.grad).to("cpu", torch.float32)
+        exp_avg, exp_avg_sq = (self.store.get(prefix + k) for k in MOMENTS)
+        beta1, beta2 = group["betas"]
+        adam([master], [grad], [exp_avg], [exp_avg_sq], [], [state["step"]], foreach=False,
+             decoupled_weight_decay=self.decoupled_weight_decay, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        if master is not local:
+            local.copy_(master, non_blocking=True)
+        del master, exp_avg, exp_avg_sq
+        for k in (*MOMENTS, "master"):
+            self.store.release(prefix + k)
+
+    def state_dict(self):
+        """PyTorch's layout with the stored moments read back, shaped (DTensor or not) like their parameters."""
+        out = super().state_dict()
+        for index, p in enumerate(self._params()):
+            if index in out["state"]:
+                out["state"][index] = {k: _like(p, v) for k, v in self.state[p].items()}
+        return out
+
+
+def _like(param: torch.Tensor, value):
+    if not (torch.is_tensor(value) and value.dim() > 0):
+        return value
+    value = value.to(_local(param).device)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return value
