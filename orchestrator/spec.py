@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
+import types
 import typing
 import json
 import os
@@ -34,6 +35,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.errors import NO_VALUE, SpecError
+from orchestrator.lora_spec import LoraSpec, check_lora
 from workers.layout import V_SHAPED
 
 # schedules that split backward into input- and weight-gradient passes
@@ -77,6 +79,7 @@ class ModelSpec(_Section):
     positions: Literal["rotary", "learned"] = "rotary"
     norm_eps: PositiveFloat = 1e-5
     init_std: PositiveFloat = 0.02
+    lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
 
     @property
     def ffn_dim(self) -> int:
@@ -323,6 +326,7 @@ class JobSpec(_Section):
         self._check_batching()
         self._check_zero()
         self._check_faults()
+        check_lora(self)
         return self
 
     def _check_faults(self) -> None:
@@ -503,6 +507,8 @@ def _yaml_keys(model: type[BaseModel]) -> list[str]:
 def _section_model(info: FieldInfo) -> type[BaseModel] | None:
     """The model of a section field, or of the items of a list-of-sections field (`faults`)."""
     ann = info.annotation
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):  # an optional section such as model.lora
+        ann = next(a for a in typing.get_args(ann) if a is not type(None))
     if typing.get_origin(ann) is list:
         ann = typing.get_args(ann)[0]
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
@@ -662,6 +668,9 @@ def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
         holder = raw if section is None else raw.get(section)
         if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key]:
             holder[key] = str(cwd / Path(holder[key]).expanduser())
+    lora = raw.get("model", {}).get("lora") if isinstance(raw.get("model"), dict) else None
+    if isinstance(lora, dict) and isinstance(lora.get("base_checkpoint"), str) and lora["base_checkpoint"]:
+        lora["base_checkpoint"] = str(cwd / Path(lora["base_checkpoint"]).expanduser())
 
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
