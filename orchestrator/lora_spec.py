@@ -105,3 +105,20 @@ def check_base_checkpoint(job) -> None:
             "point it at one step directory of a full run, e.g. runs/<job>/checkpoints/step-00000100, "
             "or at a .pt file written by `raymesh export-merged`",
         )
+
+
+def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
+    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`."""
+    from orchestrator.checkpoints import CheckpointDir
+    from workers.finetune import export_merged
+
+    if job.model.lora is None:
+        raise SpecError("model.lora", None, "is not set, so the job has no adapters to merge",
+                        "pass the job file of a LoRA run (one with a model.lora section)")
+    root = job.checkpoint.resolved_dir(job.resolved_run_dir())
+    path = Path(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
+    if path is None or not (path / ".metadata").is_file():
+        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to merge",
+                        "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
+    check_base_checkpoint(job)
+    return export_merged(job.worker_dict(), path, out)
