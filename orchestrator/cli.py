@@ -1,4 +1,4 @@
-"""``raymesh`` command line: prepare-data, plan, run."""
+"""``raymesh`` command line: prepare-data, plan, run, export-merged, report."""
 
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_merged(args: argparse.Namespace) -> int:
+    from orchestrator.lora_spec import export_merged_weights
+    from orchestrator.spec import load_spec
+
+    out = export_merged_weights(load_spec(args.job, args.set), args.checkpoint, args.out)
+    print(f"merged weights (W + alpha/rank * B A): {out}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from orchestrator.report import write_report
 
@@ -75,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--summary-json", help="write the run summary here")
     run.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local one)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    exp = sub.add_parser("export-merged", help="fold a LoRA run's adapters into plain model weights (.pt)")
+    exp.add_argument("job", help="the LoRA job file the checkpoint was trained with")
+    exp.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
+    exp.add_argument("--out", required=True, help="output .pt file (a GPT state dict; usable as model.lora.base_checkpoint)")
+    exp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job-file field")
+    exp.set_defaults(func=_export_merged)
     rep = sub.add_parser("report", help="PNG charts and an HTML page for a run directory")
     rep.add_argument("run_dir", help="the job's run_dir (holds summary.json, steps.jsonl, timeline.jsonl)")
     rep.add_argument("--out", help="output directory (default RUN_DIR/report)")

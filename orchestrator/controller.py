@@ -33,6 +33,7 @@ from orchestrator.rank_group import RankGroup, StepFailed
 from orchestrator.run_records import RunRecords, step_record
 from orchestrator.run_result import RunResult
 from orchestrator.errors import SpecError
+from orchestrator.lora_spec import check_base_checkpoint
 from orchestrator.offload_check import check_offload_space
 from orchestrator.spec import FaultSpec, JobSpec, check_data_path, check_resources
 from orchestrator.stragglers import StragglerDetector
@@ -141,6 +142,7 @@ class TrainingJob:
         p = self.spec.parallel
         check_data_path(self.spec)
         check_offload_space(self.spec)
+        check_base_checkpoint(self.spec)
         cluster.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = ControlServer(self)  # after connect, so it advertises the node IP
         event("control", address=self.control.address)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
+import types
 import typing
 import json
 import os
@@ -34,6 +35,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.errors import NO_VALUE, SpecError
+from orchestrator.lora_spec import LoraSpec, check_lora
 from orchestrator.soak import check_repetition
 from workers.layout import V_SHAPED
 
@@ -79,6 +81,7 @@ class ModelSpec(_Section):
     positions: Literal["rotary", "learned"] = "rotary"
     norm_eps: PositiveFloat = 1e-5
     init_std: PositiveFloat = 0.02
+    lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
 
     @property
     def ffn_dim(self) -> int:
@@ -370,6 +373,7 @@ class JobSpec(_Section):
         self._check_faults()
         self._check_parameter_server()
         self._check_offload()
+        check_lora(self)
         return self
 
     def _check_parameter_server(self) -> None:
@@ -614,6 +618,8 @@ def _yaml_keys(model: type[BaseModel]) -> list[str]:
 def _section_model(info: FieldInfo) -> type[BaseModel] | None:
     """The model of a section field, or of the items of a list-of-sections field (`faults`)."""
     ann = info.annotation
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):  # an optional section such as model.lora
+        ann = next(a for a in typing.get_args(ann) if a is not type(None))
     if typing.get_origin(ann) is list:
         ann = typing.get_args(ann)[0]
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
@@ -770,7 +776,7 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
 def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
     """Make relative path fields absolute against `cwd`, in place (see module docstring)."""
     for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir"), ("metrics", "file_sd"),
-                         ("memory.offload", "path")):
+                         ("memory.offload", "path"), ("model.lora", "base_checkpoint")):
         holder = raw
         for name in section.split(".") if section else ():
             holder = holder.get(name) if isinstance(holder, dict) else None

@@ -12,6 +12,7 @@ import torch
 from orchestrator import JobSpec
 from workers.builder import model_config
 from workers.data import DataCursor, TokenDataset
+from workers.finetune import prepare_model
 from workers.model import GPT, lm_loss
 
 
@@ -19,6 +20,8 @@ def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
     """Per-step losses and pre-clip gradient norms."""
     torch.manual_seed(spec.train.seed)
     model = GPT(model_config(spec.worker_dict()["model"]))
+    if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
+        prepare_model(model, spec.worker_dict()["model"]["lora"])
     o = spec.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     data = TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed)

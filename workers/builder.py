@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from workers.finetune import prepare_model
+from workers.lora import freeze_base
 from workers.model import GPT, GPTConfig
 from workers.parallel.data_parallel import apply_data_parallel
 from workers.layout import stage_ids
@@ -41,6 +43,9 @@ def build_parts(spec: dict, mesh: DeviceMesh, device: torch.device) -> ModelPart
     par = spec["parallel"]
     torch.manual_seed(spec["train"]["seed"])
     full = GPT(model_config(spec["model"]))
+    lora = spec["model"].get("lora")
+    if lora:
+        prepare_model(full, lora)
     pp = par["pp"]
     n_stages = pp * par["virtual_stages"]
     ids = stage_ids(mesh["pp"].get_local_rank(), pp, par["virtual_stages"], par["pp_schedule"])
@@ -50,6 +55,8 @@ def build_parts(spec: dict, mesh: DeviceMesh, device: torch.device) -> ModelPart
         part.to(device)
         if par["tp"] > 1:
             apply_tensor_parallel(part, mesh["tp"], par["sequence_parallel"])
+            if lora:
+                freeze_base(part)
         apply_recompute(part, spec["memory"]["recompute"])
         ps = par["dp_sync"] == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         wrapped.append(part if ps else apply_data_parallel(part, mesh["dp"], par["zero"]))

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from workers.model import GPT
+from workers.parallel.lora_tp import adapt_plan
 
 
 def apply_tensor_parallel(stage: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -37,7 +38,7 @@ def apply_tensor_parallel(stage: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
         top["norm"] = SequenceParallel()
     if stage.output is not None:
         top["output"] = ColwiseParallel(input_layouts=act, output_layouts=Replicate())
-    parallelize_module(stage, tp_mesh, top)
+    parallelize_module(stage, tp_mesh, adapt_plan(stage, top))
 
     for block in stage.layers.values():
         plan = {
@@ -53,4 +54,4 @@ def apply_tensor_parallel(stage: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, adapt_plan(block, plan))

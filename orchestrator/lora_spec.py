@@ -1,0 +1,124 @@
+"""The `model.lora` section (LoRA / QLoRA fine-tuning) and the checks that need the rest of the job.
+
+Kept beside `spec.py` so the LoRA keys and their errors live in one place;
+`JobSpec` calls `check_lora` with the validated sections.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.errors import SpecError
+
+DEFAULT_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2"]
+
+
+class LoraSpec(BaseModel):
+    """Low-rank adapters on the Linear layers named by `targets`; everything else frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: Annotated[int, Field(gt=0)] = 8
+    alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
+    targets: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
+    base_checkpoint: str | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
+
+
+def _linear_names(model):
+    """Names of the model's Linear layers and the model itself, built weightless on the meta device."""
+    import torch
+    from torch import nn
+
+    from workers.builder import model_config
+    from workers.model import GPT
+
+    raw = model.model_dump()
+    raw["d_ff"] = model.ffn_dim
+    with torch.device("meta"):
+        gpt = GPT(model_config(raw))
+    return [n for n, m in gpt.named_modules() if isinstance(m, nn.Linear)], gpt
+
+
+def check_lora(job) -> None:
+    """Refuse LoRA settings that cannot work with this model and layout, before any actor starts."""
+    lora, par = job.model.lora, job.parallel
+    if lora is None:
+        return
+    from workers.lora import target_names
+
+    names, gpt = _linear_names(job.model)
+    found = target_names(gpt, lora.targets)
+    for i, (pattern, hits) in enumerate(found.items()):
+        if not hits:
+            raise SpecError(
+                f"model.lora.targets[{i}]", pattern, "matches no Linear layer of the model",
+                f"use module names or globs such as {', '.join(DEFAULT_TARGETS)}, 'output', 'layers.0.*'; "
+                f"Linear layers: {', '.join(names[:7])}, ...",
+            )
+    if lora.quantize == "nf4":
+        _check_nf4(job, gpt, sorted({n for hits in found.values() for n in hits}))
+    if lora.dropout > 0 and par.tp > 1:
+        raise SpecError(
+            "model.lora.dropout", lora.dropout,
+            f"with parallel.tp={par.tp} is not supported: each tensor-parallel rank would drop different inputs "
+            "of the replicated adapter and its copies would drift apart",
+            "set model.lora.dropout: 0, or parallel.tp: 1",
+        )
+
+
+def _check_nf4(job, gpt, adapted: list[str]) -> None:
+    from workers.nf4 import BLOCK
+
+    if job.parallel.tp > 1:
+        raise SpecError(
+            "model.lora.quantize", "nf4",
+            f"with parallel.tp={job.parallel.tp} is not supported: NF4 blocks and scales are computed over the "
+            "whole weight, not per tensor-parallel shard",
+            "use parallel.tp: 1 with data parallelism (zero 2/3) or pipeline stages, or set model.lora.quantize: null",
+        )
+    for name in adapted:
+        shape = tuple(gpt.get_submodule(name).weight.shape)
+        if (shape[0] * shape[1]) % BLOCK:
+            raise SpecError(
+                "model.lora.quantize", "nf4",
+                f"cannot quantize {name}: its weight {shape[0]}x{shape[1]} does not split into NF4 blocks of {BLOCK}",
+                f"make model.d_model / model.d_ff / model.vocab_size multiples of {BLOCK} for that layer, "
+                "remove it from model.lora.targets, or set model.lora.quantize: null",
+            )
+
+
+def check_base_checkpoint(job) -> None:
+    """Fail before actors start when `model.lora.base_checkpoint` is not there (kept out of validation, like data)."""
+    lora = job.model.lora
+    if lora is None or lora.base_checkpoint is None:
+        return
+    p = Path(lora.base_checkpoint)
+    if not (p.is_file() or (p / ".metadata").is_file()):
+        raise SpecError(
+            "model.lora.base_checkpoint", lora.base_checkpoint,
+            "is neither a .pt file nor a complete DCP checkpoint directory (no .metadata inside)",
+            "point it at one step directory of a full run, e.g. runs/<job>/checkpoints/step-00000100, "
+            "or at a .pt file written by `raymesh export-merged`",
+        )
+
+
+def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
+    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`."""
+    from orchestrator.checkpoints import CheckpointDir
+    from workers.finetune import export_merged
+
+    if job.model.lora is None:
+        raise SpecError("model.lora", None, "is not set, so the job has no adapters to merge",
+                        "pass the job file of a LoRA run (one with a model.lora section)")
+    root = job.checkpoint.resolved_dir(job.resolved_run_dir())
+    path = Path(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
+    if path is None or not (path / ".metadata").is_file():
+        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to merge",
+                        "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
+    check_base_checkpoint(job)
+    return export_merged(job.worker_dict(), path, out)
