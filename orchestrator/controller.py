@@ -24,6 +24,7 @@ from orchestrator.control import ControlServer
 from orchestrator.events import event
 from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.fault_schedule import FaultSchedule
+from orchestrator.memory_report import MeasuredMemory, warn_if_too_big
 from orchestrator.metrics import MetricsExporter
 from orchestrator.placement import RankPlacement, reserve
 from orchestrator.rank_group import RankGroup, StepFailed
@@ -129,6 +130,7 @@ class TrainingJob:
     def _start(self) -> dict:
         p = self.spec.parallel
         check_data_path(self.spec)
+        warn_if_too_big(self.spec)
         cluster.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = ControlServer(self)  # after connect, so it advertises the node IP
         event("control", address=self.control.address)
@@ -251,6 +253,7 @@ class TrainingJob:
         every = spec.checkpoint.every
         losses, norms, step_times, saved = [], [], [], []
         peak: dict[int, int] = {}
+        measured = MeasuredMemory(spec)
         tokens = spec.train.global_batch_size * spec.model.seq_len
         peak_per_rank = peak_flops_per_rank(spec, self.layout["ranks"][0]["device_name"])
         flops_per_token = model_flops_per_token(spec)
@@ -299,6 +302,7 @@ class TrainingJob:
                 step_times.append(step_s)
                 for r in results:
                     peak[r["rank"]] = max(peak.get(r["rank"], 0), r["peak_memory_bytes"])
+                measured.observe(results)
                 if self.exporter is not None:
                     bubble = _bubble_ratio(results)
                     goodput = sum(step_times) / (time.perf_counter() - t_start)
@@ -326,6 +330,7 @@ class TrainingJob:
             layout=self.layout,
             checkpoints=saved,
             peak_memory_bytes=peak,
+            memory=measured.summary(),
             grad_norms=norms,
             startup_s=startup_s,
             step_time_s=step_times,

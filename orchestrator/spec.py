@@ -34,6 +34,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.errors import NO_VALUE, SpecError
+from orchestrator.memory_model import parse_bytes
 from workers.layout import V_SHAPED
 
 # schedules that split backward into input- and weight-gradient passes
@@ -127,6 +128,22 @@ class ParallelSpec(_Section):
     sequence_parallel: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0
+    # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
+    device_memory: int | str | None = None
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        return None if self.device_memory is None else parse_bytes(self.device_memory)
+
+    @model_validator(mode="after")
+    def _check_device_memory(self) -> ParallelSpec:
+        if self.device_memory is not None:
+            try:
+                parse_bytes(self.device_memory)
+            except ValueError:
+                raise SpecError("parallel.device_memory", self.device_memory, "is not a size",
+                                "write bytes with a unit, e.g. 80GB (decimal), 80GiB (binary) or 85899345920") from None
+        return self
 
     @property
     def stages_per_rank(self) -> int:
@@ -189,6 +206,7 @@ class PrecisionSpec(_Section):
 
 class MemorySpec(_Section):
     recompute: Literal["none", "selective", "full"] = "none"
+    measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
 
 
 class TrainSpec(_Section):
