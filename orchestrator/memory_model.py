@@ -174,6 +174,12 @@ def embedding_activation_bytes(seq: int, micro_batch: int) -> int:
     return 8 * seq * micro_batch
 
 
+def device_activation_bytes(saved_bytes: int, largest_layer_bytes: int, offload_activations: bool = False) -> int:
+    """What of ``saved_bytes`` stays on the device. Offloading saved tensors (saved_tensors_hooks that
+    pack to host/NVMe) keeps only a layer being packed and one being prefetched back for backward."""
+    return min(saved_bytes, 2 * largest_layer_bytes) if offload_activations else saved_bytes
+
+
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int = 1) -> int:
     """Stage-microbatches whose activations a pipeline rank holds at its peak, per schedule.
 

@@ -8,7 +8,7 @@ schedule. The layout picker lives in ``orchestrator.layout_picker``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchestrator import memory_model as mm
 from orchestrator.spec import JobSpec
@@ -58,6 +58,12 @@ def block_params(spec: JobSpec) -> int:
     return 4 * d * d + 2 * d * spec.model.ffn_dim
 
 
+def offload_flags(spec: JobSpec) -> dict[str, bool]:
+    """``memory.offload.{optimizer,params,activations}`` where the job file has them, else all off."""
+    offload = getattr(spec.memory, "offload", None)
+    return {k: bool(getattr(offload, k, False)) for k in ("optimizer", "params", "activations")}
+
+
 def micro_batch(spec: JobSpec) -> int:
     return spec.train.global_batch_size // spec.parallel.dp // spec.train.microbatches
 
@@ -66,13 +72,17 @@ def compute_bytes(spec: JobSpec) -> int:
     return mm.BYTES_PER[spec.precision.dtype]
 
 
+def layer_bytes(spec: JobSpec) -> int:
+    """Saved for backward by one block for one microbatch."""
+    m, p = spec.model, spec.parallel
+    return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
+                                     p.tp > 1 and p.sequence_parallel, spec.memory.recompute, compute_bytes(spec))
+
+
 def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
     """One microbatch through one pipeline stage's blocks (and embedding where it holds it); no head."""
-    m, p, r = spec.model, spec.parallel, spec.memory.recompute
-    s, b, c = m.seq_len, micro_batch(spec), compute_bytes(spec)
-    total = (m.n_layers // n_stages) * mm.layer_activation_bytes(
-        s, b, m.d_model, m.n_heads, m.ffn_dim, p.tp, p.tp > 1 and p.sequence_parallel, r, c)
-    return total + (mm.embedding_activation_bytes(s, b) if stage == 0 else 0)
+    embedding = mm.embedding_activation_bytes(spec.model.seq_len, micro_batch(spec)) if stage == 0 else 0
+    return (spec.model.n_layers // n_stages) * layer_bytes(spec) + embedding
 
 
 def head_bytes(spec: JobSpec) -> int:
@@ -95,7 +105,8 @@ def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     heads = 0
     if n_stages - 1 in ids:
         heads = head_bytes(spec) * (spec.train.microbatches if p.pp > 1 and p.pp_schedule == "gpipe" else 1)
-    return sum(chunks) * in_flight // len(ids) + heads
+    return mm.device_activation_bytes(sum(chunks) * in_flight // len(ids) + heads, layer_bytes(spec),
+                                      offload_flags(spec)["activations"])
 
 
 def buffer_bytes(spec: JobSpec, params: int) -> int:
@@ -119,8 +130,16 @@ def rank_model_state(spec: JobSpec, params: int, ids: list[int], n_stages: int) 
     # ZeRO-3 on FSDP2: the root unit (embeddings, head) stays gathered from forward through
     # backward, plus the block being computed and the one prefetched
     gathered = (root + 2 * block_params(spec)) // p.tp
-    return mm.model_state(params, p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
-                          momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered)
+    offload = offload_flags(spec)
+    state = mm.model_state(params, p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
+                           momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
+                           offload_optimizer=offload["optimizer"], offload_params=offload["params"])
+    if p.tp > 1 and p.zero < 2 and 0 in ids:
+        # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
+        # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
+        vocab_rows = spec.model.vocab_size * spec.model.d_model
+        state = replace(state, grads=state.grads + 4 * (vocab_rows - vocab_rows // p.tp))
+    return state
 
 
 def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:

@@ -67,6 +67,11 @@ def test_recompute_and_sequence_parallel_shrink_activations():
     assert sp < tp < mm.layer_activation_bytes(*args, compute_bytes=2)
 
 
+def test_activation_offload_keeps_two_layers_on_the_device():
+    assert mm.device_activation_bytes(10_000, 300) == 10_000
+    assert mm.device_activation_bytes(10_000, 300, offload_activations=True) == 600
+
+
 def test_parse_bytes():
     assert mm.parse_bytes("80GB") == 80 * 10**9
     assert mm.parse_bytes("80GiB") == 80 * 2**30
