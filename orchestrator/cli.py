@@ -21,11 +21,50 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from orchestrator.memory_report import fit_problems
     from orchestrator.planner import render
     from orchestrator.spec import load_spec
 
-    print(render(load_spec(args.job, args.set)))
+    spec = load_spec(args.job, args.set)
+    if args.nodes is None and args.gpus_per_node is None and args.gpu_mem is None:
+        print(render(spec))
+        for problem in fit_problems(spec):
+            print(f"does not fit: {problem}")
+        return 0
+    from orchestrator.layout_picker import pick_layout
+
+    gpu_mem = _gpu_mem(args.gpu_mem, spec)
+    choice = pick_layout(spec, args.nodes or 1, args.gpus_per_node or 8, gpu_mem)
+    p = choice.spec.parallel
+    print(f"picked dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} for {args.nodes or 1} node(s) x "
+          f"{args.gpus_per_node or 8} GPU(s): {choice.reason}")
+    for line in choice.tried:
+        print(f"  tried {line}")
+    print(render(choice.spec, one_per_stage=True))
+    sets = " ".join(f"--set parallel.{k}={getattr(p, k)}" for k in ("dp", "pp", "tp", "zero"))
+    print(f"run it: raymesh run {args.job} {sets} --set train.microbatches={choice.spec.train.microbatches}")
     return 0
+
+
+def _gpu_mem(text: str | None, spec) -> int:
+    from orchestrator.memory_model import parse_bytes
+
+    if text is None:
+        if spec.parallel.device_memory is None:
+            raise SpecError("--gpu-mem", None, "is needed to pick a layout",
+                            "pass --gpu-mem 80GB (or set parallel.device_memory in the job file)", where="raymesh plan")
+        return spec.parallel.device_memory_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise SpecError("--gpu-mem", text, "is not a size", "write e.g. --gpu-mem 80GB, 80GiB or 85899345920",
+                        where="raymesh plan") from None
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -79,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                          help="override a job-file field (repeatable)")
         cmd.set_defaults(func=func)
+    plan = sub.choices["plan"]
+    plan.add_argument("--nodes", type=_positive_int, help="pick a layout for this many nodes (default 1)")
+    plan.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node when picking a layout (default 8)")
+    plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GB or 80GiB (default: parallel.device_memory)")
     run = sub.choices["run"]
     run.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     run.add_argument("--summary-json", help="write the run summary here")

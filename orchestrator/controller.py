@@ -26,6 +26,7 @@ from orchestrator.disk_faults import corrupt_newest
 from orchestrator.events import event
 from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.fault_schedule import FaultSchedule
+from orchestrator.memory_report import MeasuredMemory, warn_if_too_big
 from orchestrator.metrics import MetricsExporter
 from orchestrator.placement import RankPlacement, reserve
 from orchestrator.ps_shards import PSShards
@@ -143,6 +144,7 @@ class TrainingJob:
         check_data_path(self.spec)
         check_offload_space(self.spec)
         check_base_checkpoint(self.spec)
+        warn_if_too_big(self.spec)
         cluster.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = ControlServer(self)  # after connect, so it advertises the node IP
         event("control", address=self.control.address)
@@ -285,6 +287,7 @@ class TrainingJob:
         every = spec.checkpoint.every
         losses, norms, step_times, saved = [], [], [], []
         peak: dict[int, int] = {}
+        measured = MeasuredMemory(spec)
         tokens = spec.train.global_batch_size * spec.model.seq_len
         peak_per_rank = peak_flops_per_rank(spec, self.layout["ranks"][0]["device_name"])
         flops_per_token = model_flops_per_token(spec)
@@ -342,6 +345,7 @@ class TrainingJob:
                 step_times.append(step_s)
                 for r in results:
                     peak[r["rank"]] = max(peak.get(r["rank"], 0), r["peak_memory_bytes"])
+                measured.observe(results)
                 if self.exporter is not None:
                     bubble = _bubble_ratio(results)
                     goodput = sum(step_times) / (time.perf_counter() - t_train)
@@ -370,6 +374,7 @@ class TrainingJob:
             layout=self.layout,
             checkpoints=saved,
             peak_memory_bytes=peak,
+            memory=measured.summary(),
             grad_norms=norms,
             startup_s=startup_s,
             step_time_s=step_times,

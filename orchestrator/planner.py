@@ -1,22 +1,21 @@
-"""Layout and a first per-rank memory estimate, before anything starts.
+"""Job spec -> per-rank memory estimate (via ``orchestrator.memory_model``), and `raymesh plan` output.
 
-Model-state bytes follow the ZeRO paper's accounting (the seed articles):
-per parameter 4 bytes of fp32 weights, 4 of gradients and 8 of Adam moments
-(SGD with momentum: 4, plain SGD: 0); ZeRO-1 divides the optimizer state by
-dp, ZeRO-2 gradients too, ZeRO-3 the weights too. Activations use Korthikanti
-et al.'s per-layer count s·b·h·(34 + 5·a·s/h) bytes at 16-bit, scaled to the
-compute dtype, divided by tp under sequence parallelism, cut to the layer
-input under full recompute, times the microbatches a schedule keeps in flight.
+This module only maps a spec onto the pure memory model: how many parameters
+each rank holds (its pipeline stages, its tensor-parallel share), which
+precision layout and optimizer the workers run, which microbatch size and
+schedule. The layout picker lives in ``orchestrator.layout_picker``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from orchestrator import memory_model as mm
 from orchestrator.spec import JobSpec
 from workers.layout import coordinates, stage_ids
 
-OPTIM_BYTES = {"adamw": 8, "adam": 8}
+# raymesh's bf16/fp16 keep fp32 weights, gradients and Adam state under torch.autocast
+PRECISION_LAYOUT = {"fp32": "fp32", "bf16": "autocast", "fp16": "autocast"}
 
 
 @dataclass
@@ -25,24 +24,26 @@ class RankEstimate:
     coords: dict
     stages: list[int]
     params: int
-    param_bytes: int
-    grad_bytes: int
-    optim_bytes: int
+    state: mm.ModelState
     activation_bytes: int
+    buffer_bytes: int
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+        """Peak on the device: persistent state, gathered parameters, activations, buffers."""
+        return self.state.peak + self.activation_bytes + self.buffer_bytes
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "params": self.params, **self.state.as_dict(),
+                "activations": self.activation_bytes, "buffers": self.buffer_bytes, "total": self.total_bytes}
 
 
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     """(tensor-parallel-sharded params, replicated params) of one pipeline stage."""
     m = spec.model
-    d, f, v = m.d_model, m.ffn_dim, m.vocab_size
-    per_layer_sharded = 4 * d * d + 2 * d * f
-    per_layer_norms = 2 * d
+    d, v = m.d_model, m.vocab_size
     layers = m.n_layers // n_stages
-    sharded, replicated = layers * per_layer_sharded, layers * per_layer_norms
+    sharded, replicated = layers * block_params(spec), layers * 2 * d
     if stage == 0:
         sharded += v * d + (m.seq_len * d if m.positions == "learned" else 0)
     if stage == n_stages - 1:
@@ -51,70 +52,137 @@ def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     return sharded, replicated
 
 
-def in_flight_microbatches(spec: JobSpec, pp_rank: int) -> int:
-    p, mb = spec.parallel, spec.train.microbatches
-    if p.pp == 1:
-        return 1
-    if p.pp_schedule == "gpipe":
-        return mb
-    return min(mb, p.pp - pp_rank + (p.stages_per_rank - 1) * p.pp)
+def block_params(spec: JobSpec) -> int:
+    """The tensor-parallel-sharded parameters of one block: 4 attention projections, 2 MLP matrices."""
+    d = spec.model.d_model
+    return 4 * d * d + 2 * d * spec.model.ffn_dim
 
 
-def activation_bytes(spec: JobSpec, n_layers_here: int, pp_rank: int) -> int:
+def offload_flags(spec: JobSpec) -> dict[str, bool]:
+    """``memory.offload.{optimizer,params,activations}`` where the job file has them, else all off."""
+    offload = getattr(spec.memory, "offload", None)
+    return {k: bool(getattr(offload, k, False)) for k in ("optimizer", "params", "activations")}
+
+
+def micro_batch(spec: JobSpec) -> int:
+    return spec.train.global_batch_size // spec.parallel.dp // spec.train.microbatches
+
+
+def compute_bytes(spec: JobSpec) -> int:
+    return mm.BYTES_PER[spec.precision.dtype]
+
+
+def layer_bytes(spec: JobSpec) -> int:
+    """Saved for backward by one block for one microbatch."""
     m, p = spec.model, spec.parallel
-    b = spec.train.global_batch_size // p.dp // spec.train.microbatches
-    s, h, a = m.seq_len, m.d_model, m.n_heads
-    scale = 2.0 if spec.precision.dtype == "fp32" else 1.0
-    if spec.memory.recompute == "full":
-        per_layer = 2 * s * b * h * scale
-    else:
-        attn_core = 5 * a * s * s * b
-        per_layer = (34 * s * b * h + (0 if spec.memory.recompute == "selective" else attn_core)) * scale
-        if p.tp > 1:
-            per_layer /= p.tp if p.sequence_parallel else 1
-    return int(per_layer * n_layers_here * in_flight_microbatches(spec, pp_rank))
+    return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
+                                     p.tp > 1 and p.sequence_parallel, spec.memory.recompute, compute_bytes(spec))
+
+
+def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
+    """One microbatch through one pipeline stage's blocks (and embedding where it holds it); no head."""
+    embedding = mm.embedding_activation_bytes(spec.model.seq_len, micro_batch(spec)) if stage == 0 else 0
+    return (spec.model.n_layers // n_stages) * layer_bytes(spec) + embedding
+
+
+def head_bytes(spec: JobSpec) -> int:
+    m, p = spec.model, spec.parallel
+    return mm.head_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.vocab_size, p.tp,
+                                    p.tp > 1 and p.sequence_parallel, compute_bytes(spec))
+
+
+def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
+    """This rank's average chunk times the chunk-microbatches its schedule keeps in flight, plus the head.
+
+    The head (final norm, logits' log-softmax) is in flight once: every schedule but
+    GPipe runs a microbatch's loss backward right after its forward (measured on
+    interleaved 1F1B: averaging the head into the chunks over-predicted by 30%).
+    """
+    p = spec.parallel
+    n_stages = p.pp * p.stages_per_rank
+    chunks = [chunk_activation_bytes(spec, sid, n_stages) for sid in ids]
+    in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
+    heads = 0
+    if n_stages - 1 in ids:
+        heads = head_bytes(spec) * (spec.train.microbatches if p.pp > 1 and p.pp_schedule == "gpipe" else 1)
+    return mm.device_activation_bytes(sum(chunks) * in_flight // len(ids) + heads, layer_bytes(spec),
+                                      offload_flags(spec)["activations"])
+
+
+def buffer_bytes(spec: JobSpec, params: int) -> int:
+    """Buffers beside model state and activations.
+
+    - DDP (ZeRO-1 with dp > 1) copies gradients into flat all-reduce buckets of the
+      same total size (``gradient_as_bucket_view`` is off).
+    - autocast caches a 16-bit copy of every weight it casts, for the whole forward
+      and backward.
+    """
+    p = spec.parallel
+    buckets = 4 * params if p.zero == 1 and p.dp > 1 else 0
+    casts = compute_bytes(spec) * params if spec.precision.dtype != "fp32" else 0
+    return buckets + casts
+
+
+def rank_model_state(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> mm.ModelState:
+    p, o = spec.parallel, spec.optim
+    root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - len(ids) * (
+        spec.model.n_layers // n_stages) * block_params(spec)
+    # ZeRO-3 on FSDP2: the root unit (embeddings, head) stays gathered from forward through
+    # backward, plus the block being computed and the one prefetched
+    gathered = (root + 2 * block_params(spec)) // p.tp
+    offload = offload_flags(spec)
+    state = mm.model_state(params, p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
+                           momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
+                           offload_optimizer=offload["optimizer"], offload_params=offload["params"])
+    if p.tp > 1 and p.zero < 2 and 0 in ids:
+        # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
+        # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
+        vocab_rows = spec.model.vocab_size * spec.model.d_model
+        state = replace(state, grads=state.grads + 4 * (vocab_rows - vocab_rows // p.tp))
+    return state
+
+
+def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
+    p = spec.parallel
+    n_stages = p.pp * p.stages_per_rank
+    coords = vars(coordinates(rank, p.dp, p.pp, p.tp))
+    ids = stage_ids(coords["pp"], p.pp, p.stages_per_rank, p.pp_schedule)
+    params = 0
+    for sid in ids:
+        sharded, replicated = stage_params(spec, sid, n_stages)
+        params += sharded // p.tp + replicated
+    return RankEstimate(rank, coords, ids, params, rank_model_state(spec, params, ids, n_stages),
+                        rank_activation_bytes(spec, ids, coords["pp"]), buffer_bytes(spec, params))
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:
-    p = spec.parallel
-    n_stages = p.pp * p.stages_per_rank
-    out = []
-    for rank in range(p.world_size):
-        coords = vars(coordinates(rank, p.dp, p.pp, p.tp))
-        ids = stage_ids(coords["pp"], p.pp, p.stages_per_rank, p.pp_schedule)
-        params = 0
-        for sid in ids:
-            sharded, replicated = stage_params(spec, sid, n_stages)
-            params += sharded // p.tp + replicated
-        optim_per_param = OPTIM_BYTES.get(spec.optim.name, 4 if spec.optim.momentum else 0)
-        weights, grads, optim = 4 * params, 4 * params, optim_per_param * params
-        if p.zero >= 1:
-            optim //= p.dp
-        if p.zero >= 2:
-            grads //= p.dp
-        if p.zero >= 3:
-            weights //= p.dp
-        layers_here = len(ids) * (spec.model.n_layers // n_stages)
-        out.append(RankEstimate(rank, coords, ids, params, weights, grads, optim,
-                                activation_bytes(spec, layers_here, coords["pp"])))
-    return out
+    return [estimate_rank(spec, rank) for rank in range(spec.parallel.world_size)]
 
 
-def render(spec: JobSpec) -> str:
+def peak_rank(spec: JobSpec) -> RankEstimate:
+    return max(estimate(spec), key=lambda r: r.total_bytes)
+
+
+def render(spec: JobSpec, one_per_stage: bool = False) -> str:
+    """The per-rank table; ``one_per_stage`` keeps one rank per pp coordinate (dp and tp peers are alike)."""
     p = spec.parallel
     rows = estimate(spec)
+    if one_per_stage:
+        rows = [r for r in rows if r.coords["dp"] == 0 and r.coords["tp"] == 0]
     lines = [
         f"job {spec.name}: dp={p.dp} x pp={p.pp} x tp={p.tp} = {p.world_size} ranks, zero={p.zero}, "
         f"schedule={p.pp_schedule} ({p.stages_per_rank} stage(s)/rank), precision={spec.precision.dtype}, "
         f"recompute={spec.memory.recompute}",
-        f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} "
-        f"{'grads':>10} {'optim':>10} {'activ':>10} {'total':>10}",
+        f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
+        f"{'optim':>10} {'gathered':>10} {'activ':>10} {'buffers':>10} {'total':>10}",
     ]
     for r in rows:
+        s = r.state
         lines.append(
             f"{r.rank:>4} {r.coords['dp']:>3} {r.coords['pp']:>3} {r.coords['tp']:>3} "
-            f"{','.join(map(str, r.stages)):>8} {r.params:>12,} {_mib(r.param_bytes)} {_mib(r.grad_bytes)} "
-            f"{_mib(r.optim_bytes)} {_mib(r.activation_bytes)} {_mib(r.total_bytes)}"
+            f"{','.join(map(str, r.stages)):>8} {r.params:>12,} "
+            + " ".join(_mib(n) for n in (s.params, s.grads, s.optimizer, s.gathered, r.activation_bytes,
+                                          r.buffer_bytes, r.total_bytes))
         )
     return "\n".join(lines)
 

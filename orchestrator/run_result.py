@@ -17,6 +17,7 @@ class RunResult:
     recoveries: list[dict] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     peak_memory_bytes: dict[int, int] = field(default_factory=dict)
+    memory: dict[int, dict] = field(default_factory=dict)  # measured vs predicted bytes per rank (memory.measure)
     grad_norms: list[float] = field(default_factory=list)
     startup_s: float = 0.0
     step_time_s: list[float] = field(default_factory=list)
@@ -29,6 +30,7 @@ class RunResult:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
+        d["memory"] = {str(k): v for k, v in self.memory.items()}
         return d
 
     def write_json(self, path: str | Path) -> None:

@@ -36,6 +36,7 @@ from pydantic_core import PydanticUndefined
 
 from orchestrator.errors import NO_VALUE, SpecError
 from orchestrator.lora_spec import LoraSpec, check_lora
+from orchestrator.memory_model import parse_bytes
 from orchestrator.soak import check_repetition
 from workers.layout import V_SHAPED
 
@@ -133,6 +134,22 @@ class ParallelSpec(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0
     dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
+    # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
+    device_memory: int | str | None = None
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        return None if self.device_memory is None else parse_bytes(self.device_memory)
+
+    @model_validator(mode="after")
+    def _check_device_memory(self) -> ParallelSpec:
+        if self.device_memory is not None:
+            try:
+                parse_bytes(self.device_memory)
+            except ValueError:
+                raise SpecError("parallel.device_memory", self.device_memory, "is not a size",
+                                "write bytes with a unit, e.g. 80GB (decimal), 80GiB (binary) or 85899345920") from None
+        return self
 
     @property
     def stages_per_rank(self) -> int:
@@ -209,6 +226,7 @@ class MemorySpec(_Section):
     recompute: Literal["none", "selective", "full"] = "none"
     offload: OffloadSpec = Field(default_factory=OffloadSpec)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
+    measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
 
 
 class TrainSpec(_Section):

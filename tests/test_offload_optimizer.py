@@ -90,7 +90,7 @@ def test_low_precision_parameters_keep_an_fp32_master_in_the_store(tmp_path):
 def _probe(spec, path: Path) -> dict:
     path.write_text(json.dumps(spec.worker_dict()))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "workers.memory_probe", str(path), "3"], env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "workers.peak_memory_run", str(path), "3"], env=env, cwd=ROOT,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

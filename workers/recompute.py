@@ -14,8 +14,13 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 
-def apply_recompute(stage: nn.Module, policy: str) -> None:
+def checkpointed_modules(stage: nn.Module, policy: str) -> list[nn.Module]:
+    """The modules ``policy`` wraps in ``checkpoint`` (the memory probe watches their inputs)."""
     if policy == "none":
-        return
-    for block in stage.layers.values():
-        checkpoint(block if policy == "full" else block.attention.core)
+        return []
+    return [block if policy == "full" else block.attention.core for block in stage.layers.values()]
+
+
+def apply_recompute(stage: nn.Module, policy: str) -> None:
+    for module in checkpointed_modules(stage, policy):
+        checkpoint(module)

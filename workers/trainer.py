@@ -22,12 +22,15 @@ from workers.checkpoint_io import CheckpointIO
 from workers.data import DataCursor, TokenDataset
 from workers.layout import coordinates
 from workers.loss_scaler import DynamicLossScaler
+from workers.memory_probe import ActivationMeter, model_state_bytes
 from workers.model import lm_loss
 from workers.offload.activations import activation_policy
 from workers.optim import build_optimizer, clip_grads, lr_lambda
+from workers.parallel.data_parallel import unwrap
 from workers.parallel.pipeline import build_schedule
 from workers.ps_sync import PSSync
 from workers.process_group import init_mesh, pick_device
+from workers.recompute import checkpointed_modules
 from workers.timeline import busy_seconds
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -140,7 +143,9 @@ class Trainer:
         inputs, targets = self.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         t1 = time.perf_counter()
-        loss = self._forward_backward(inputs, targets)
+        meter = self._activation_meter()
+        with meter:
+            loss = self._forward_backward(inputs, targets)
         t2 = time.perf_counter()
         applied = True
         if self.scaler is not None:
@@ -152,9 +157,13 @@ class Trainer:
         else:
             grad_norm = clip_grads(self.params, self.spec["optim"]["grad_clip"], self.pp_group) if applied else float("nan")
         t3 = time.perf_counter()
-        for opt, sched in zip(self.optimizers, self.schedulers):
+        for opt in self.optimizers:
             if applied and self.ps is None:
                 opt.step()
+        # measured while parameters, gradients and optimizer state all exist
+        measuring = isinstance(meter, ActivationMeter)
+        memory = model_state_bytes(self.parts.modules, self.optimizers) if measuring else None
+        for opt, sched in zip(self.optimizers, self.schedulers):
             opt.zero_grad(set_to_none=True)
             sched.step()
         self.step += 1
@@ -177,11 +186,21 @@ class Trainer:
             "peak_memory_bytes": self.peak_memory_bytes(),
             "current_memory_bytes": self.current_memory_bytes(),
         }
+        if memory is not None:
+            result["memory"] = {**memory, "activations": meter.peak}
         if self.record_timeline:
             result["timeline"] = [
                 {"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events
             ]
         return result
+
+    def _activation_meter(self):
+        """An ``ActivationMeter`` over this step when the job asks to measure memory, else a no-op."""
+        if not self.spec["memory"].get("measure"):
+            return contextlib.nullcontext()
+        policy = self.spec["memory"]["recompute"]
+        watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy)]
+        return ActivationMeter(self.parts.modules, watched)
 
     # -- progress beyond weights: what a checkpoint or snapshot must carry to resume exactly ----
 
