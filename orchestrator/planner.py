@@ -59,9 +59,9 @@ def block_params(spec: JobSpec) -> int:
 
 
 def offload_flags(spec: JobSpec) -> dict[str, bool]:
-    """``memory.offload.{optimizer,params,activations}`` where the job file has them, else all off."""
-    offload = getattr(spec.memory, "offload", None)
-    return {k: bool(getattr(offload, k, False)) for k in ("optimizer", "params", "activations")}
+    """``memory.offload.{optimizer,params,activations}``: what the model counts off the device."""
+    offload = spec.memory.offload
+    return {"optimizer": offload.optimizer, "params": offload.params, "activations": offload.activations}
 
 
 def micro_batch(spec: JobSpec) -> int:
