@@ -80,23 +80,40 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=4 << 20, help="float32 elements pushed and pulled per step")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/ps.json")
+    ap.add_argument("--parts", default="transport,consistency", help="which parts to run (comma-separated)")
     args = ap.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
-    report: dict = {"numel": args.numel, "steps": args.steps, "transport": {}, "consistency": {}}
+    out = Path(args.out)
+    report: dict = json.loads(out.read_text()) if out.is_file() else {}  # a part run alone keeps the other's
+    report.update({"numel": args.numel, "steps": args.steps})
+    if "transport" in args.parts:
+        report["transport"] = transport_report(args)
+    if "consistency" in args.parts:
+        report["consistency"] = consistency_report(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+def transport_report(args) -> dict:
+    report = {}
     for transport in ("ray", "grpc"):
         rates = {n: transport_mb_s(n, transport, args.numel, args.reps) for n in (1, 2, 4)}
-        report["transport"][transport] = {
+        report[transport] = {
             f"{n}_shards": {"mb_per_s": r, "ratio_vs_1_shard": r / rates[1]} for n, r in rates.items()}
+    return report
+
+
+def consistency_report(args) -> dict:
+    report = {}
     for straggler in (False, True):
         runs = {c: training(args, c, straggler) for c in ("bsp", "ssp", "asp")}
         bsp = runs["bsp"]
-        report["consistency"]["straggler" if straggler else "no_straggler"] = {
+        report["straggler" if straggler else "no_straggler"] = {
             c: {**r, "throughput_ratio_vs_bsp": r["samples_per_s"] / bsp["samples_per_s"],
                 "loss_ratio_vs_bsp": r["loss_after_same_samples"] / bsp["loss_after_same_samples"]}
             for c, r in runs.items()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":
