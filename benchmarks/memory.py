@@ -10,6 +10,13 @@ GPU, peak RSS on CPU). All processes run with glibc's mmap threshold fixed
 row's figure carries heap memory freed but kept by the allocator.
 
     python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8
+    python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8 --profile activations
+
+Two profiles, since a rank's peak comes from whichever dominates: ``state``
+(a wide model, small batch: the peak is at the optimizer step, where ZeRO and
+optimizer offload act) and ``activations`` (a small model, long sequences and
+a big batch: the peak is at the end of forward, where recompute, activation
+offload and compression act).
 """
 
 from __future__ import annotations
@@ -27,7 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 WARMUP = 2
-MODEL = {"d_model": 384, "n_layers": 8, "n_heads": 6, "d_ff": 1536, "seq_len": 64}
+PROFILES = {  # model, global batch, configurations measured
+    "state": ({"d_model": 384, "n_layers": 8, "n_heads": 6, "d_ff": 1536, "seq_len": 64}, 8, None),
+    "activations": ({"d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512, "seq_len": 512}, 16,
+                    ["zero3", "zero0+act-offload-nvme", "zero0+act-bf16", "zero0+act-fp8", "zero0+recompute-selective",
+                     "zero0+recompute-full"]),
+}
 
 
 def configs(nvme: str) -> dict[str, dict]:
@@ -52,9 +64,10 @@ def configs(nvme: str) -> dict[str, dict]:
 def job(args, sections: dict):
     from orchestrator import JobSpec
 
-    raw = {"name": "memory-bench", "model": dict(MODEL), "data": {"path": str(Path(args.data).resolve())},
+    model, batch, _ = PROFILES[args.profile]
+    raw = {"name": "memory-bench", "model": dict(model), "data": {"path": str(Path(args.data).resolve())},
            "parallel": {"dp": args.ranks, "device": args.device}, "optim": {"lr": 3e-3},
-           "train": {"steps": args.steps, "global_batch_size": args.batch, "microbatches": 1}}
+           "train": {"steps": args.steps, "global_batch_size": batch, "microbatches": 1}}
     for name, fields in sections.items():
         raw.setdefault(name, {}).update(fields)
     return JobSpec.from_dict(raw)
@@ -83,15 +96,16 @@ def main() -> None:
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="state")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--only", nargs="*", help="run just these configurations (zero0 always runs)")
-    ap.add_argument("--out", default="benchmarks/results/memory.json")
+    ap.add_argument("--out", help="default: benchmarks/results/memory_<profile>.json")
     args = ap.parse_args()
+    only = args.only or PROFILES[args.profile][2]
     rows = {}
     with tempfile.TemporaryDirectory(prefix="raymesh-membench-") as tmp:
         for name, sections in configs(str(Path(tmp) / "nvme")).items():
-            if args.only and name != "zero0" and name not in args.only:
+            if only and name != "zero0" and name not in only:
                 continue
             rows[name] = measure(args, job(args, sections), Path(tmp))
             base = rows["zero0"]
@@ -101,10 +115,12 @@ def main() -> None:
             print(f"{name:28}{r['peak_memory_bytes'] / 2**20:>10.1f} MiB {r['memory_ratio']:>7.3f}"
                   f"{r['step_s']:>9.3f} s {r['step_time_ratio']:>7.2f}  offloaded {r['offloaded_bytes'] / 2**20:.1f} MiB",
                   flush=True)
-    report = {"ranks": args.ranks, "steps": args.steps, "batch": args.batch, "device": args.device,
-              "model": MODEL, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    model, batch, _ = PROFILES[args.profile]
+    report = {"profile": args.profile, "ranks": args.ranks, "steps": args.steps, "global_batch_size": batch,
+              "device": args.device, "model": model, "rows": rows}
+    out = Path(args.out or ROOT / f"benchmarks/results/memory_{args.profile}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
