@@ -122,3 +122,21 @@ def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
     check_base_checkpoint(job)
     return export_merged(job.worker_dict(), path, out)
+
+
+def parameter_split(job) -> dict[str, int]:
+    """Parameters by how LoRA stores them, for memory estimates: `trainable` (adapters: grads and optimizer
+    state), `frozen` (full precision, no grads), `nf4` (4-bit base, `workers.nf4` bytes per weight).
+    Without `model.lora` every parameter is trainable."""
+    from workers.lora import target_names
+
+    _, gpt = _linear_names(job.model)
+    total = sum(p.numel() for p in gpt.parameters())
+    lora = job.model.lora
+    if lora is None:
+        return {"trainable": total, "frozen": 0, "nf4": 0}
+    adapted = {n for hits in target_names(gpt, lora.targets).values() for n in hits}
+    shapes = [gpt.get_submodule(n).weight.shape for n in adapted]
+    trainable = sum(lora.rank * (rows + cols) for rows, cols in shapes)
+    nf4 = sum(rows * cols for rows, cols in shapes) if lora.quantize == "nf4" else 0
+    return {"trainable": trainable, "frozen": total - nf4, "nf4": nf4}

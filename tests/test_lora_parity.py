@@ -13,8 +13,9 @@ from orchestrator import TrainingJob
 from orchestrator.cli import main
 from tests.conftest import tiny_spec
 from tests.reference import reference_run
+from tests.test_lora import build
 from workers.builder import model_config
-from workers.finetune import load_dcp_model, prepare_model
+from workers.finetune import load_dcp_model
 from workers.lora import LoRALinear
 from workers.model import GPT
 
@@ -25,12 +26,19 @@ LAYOUTS = {
     "dp2-zero3": ({"dp": 2, "zero": 3}, {}),
     "tp2-sp": ({"tp": 2}, {"targets": ["wq", "wk", "wv", "wo", "w1", "w2", "output"]}),
     "pp2-dp2-zero-bubble": ({"pp": 2, "dp": 2, "pp_schedule": "interleaved_zero_bubble"}, {}),
-    "qlora-dp2-zero3": ({"dp": 2, "zero": 3}, {"quantize": "nf4"}),
 }
 
 
 def run(spec, resume=False):
     return TrainingJob(spec, resume=resume, progress=False).run()
+
+
+def assert_resumes_exactly(spec, straight, from_step: int) -> None:
+    """Un-complete the run's last checkpoint, resume from the one before: the losses must not change."""
+    Path(straight.checkpoints[-1], ".metadata").unlink()
+    resumed = run(spec, resume=True)
+    assert resumed.resumed_from.endswith(f"step-{from_step:08d}")
+    assert resumed.losses == straight.losses[from_step:]  # bit-identical
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -44,12 +52,15 @@ def test_lora_layout_matches_single_process_reference(name, ray_cluster, token_d
     assert result.grad_norms == pytest.approx(grad_norms, rel=1e-4)
 
 
-def _model(spec) -> GPT:
-    torch.manual_seed(spec.train.seed)
-    model = GPT(model_config(spec.worker_dict()["model"]))
-    if spec.model.lora is not None:
-        prepare_model(model, spec.worker_dict()["model"]["lora"])
-    return model
+def test_qlora_matches_the_reference_and_resumes_exactly(ray_cluster, token_data, tmp_path):
+    """The NF4 base is not checkpointed: a resumed run rebuilds it from the seed, bit for bit."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "zero": 3, "device": "cpu"},
+                     model={"lora": {**LORA, "quantize": "nf4"}}, train={"steps": STEPS}, checkpoint={"every": 3})
+    losses, grad_norms = reference_run(spec, STEPS)
+    straight = run(spec)
+    assert straight.losses == pytest.approx(losses, rel=1e-4)
+    assert straight.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert_resumes_exactly(spec, straight, from_step=3)
 
 
 def test_fine_tune_from_a_base_checkpoint_resume_and_export(ray_cluster, token_data, tmp_path):
@@ -57,9 +68,9 @@ def test_fine_tune_from_a_base_checkpoint_resume_and_export(ray_cluster, token_d
     pre = tiny_spec(token_data, tmp_path / "pre", parallel={"dp": 2, "zero": 2}, train={"steps": 4},
                     checkpoint={"every": 4})
     base_ckpt = run(pre).checkpoints[-1]
-    # 2. LoRA from it, at another layout, checkpointing every 3 of 6 steps
+    # 2. LoRA from it at another layout (DCP reshards the base), checkpointing every 3 of 6 steps
     lora = {**LORA, "base_checkpoint": base_ckpt, "targets": ["wq", "wv", "w2", "output"]}
-    spec = tiny_spec(token_data, tmp_path / "ft", parallel={"dp": 2, "zero": 3}, model={"lora": lora},
+    spec = tiny_spec(token_data, tmp_path / "ft", parallel={"tp": 2}, model={"lora": lora},
                      train={"steps": 6, "seed": 7}, checkpoint={"every": 3})
     losses, _ = reference_run(spec, 6)
     straight = run(spec)
@@ -70,13 +81,10 @@ def test_fine_tune_from_a_base_checkpoint_resume_and_export(ray_cluster, token_d
     assert reference_run(random_base, 1)[0][0] > straight.losses[0] + 0.1  # it starts from the trained base
 
     # 3. resume from step 3 continues exactly as the uninterrupted run
-    Path(straight.checkpoints[-1], ".metadata").unlink()  # step 6 no longer counts as complete
-    resumed = run(spec, resume=True)
-    assert resumed.resumed_from.endswith("step-00000003")
-    assert resumed.losses == straight.losses[3:]
+    assert_resumes_exactly(spec, straight, from_step=3)
 
     # 4. on disk: the base is bit-identical to the pre-trained weights, the adapters moved
-    tuned = _model(spec)
+    tuned = build(spec)[1]
     load_dcp_model(tuned, straight.checkpoints[-1])
     for name, mod in tuned.named_modules():
         if isinstance(mod, LoRALinear):
