@@ -14,6 +14,7 @@ LAYOUTS = {
     "dp4": {"dp": 4},
     "tp2-dp2": {"tp": 2, "dp": 2},
     "tp2-no-sp": {"tp": 2, "sequence_parallel": False},
+    "tp2-dp2-zero3": {"tp": 2, "dp": 2, "zero": 3},
     "pp2-dp2-gpipe": {"pp": 2, "dp": 2, "pp_schedule": "gpipe"},
     "pp2-dp2-1f1b": {"pp": 2, "dp": 2, "pp_schedule": "1f1b"},
     "pp2-dp2-interleaved_1f1b": {"pp": 2, "dp": 2, "pp_schedule": "interleaved_1f1b"},

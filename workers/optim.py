@@ -59,7 +59,9 @@ def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None) -> torch.T
 
     Sums of squares of sharded DTensor gradients are added up per (mesh, sharded
     dims) and all-reduced once per group, not once per parameter; replicated
-    gradients count once; pipeline stages are summed over ``pp_group``.
+    gradients count once; pipeline stages are summed over ``pp_group``. Every
+    placement but Replicate counts as sharded: FSDP2 on top of TP shards with
+    ``_StridedShard``, whose ``is_shard()`` is False on torch 2.13.
     """
     total = torch.zeros((), dtype=torch.float32, device=params[0].device)  # NCCL reduces device tensors only
     sharded: dict[tuple, torch.Tensor] = {}
@@ -70,7 +72,7 @@ def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None) -> torch.T
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
             total = total + g.full_tensor().float().pow(2).sum()
         elif isinstance(g, DTensor):
-            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()))
+            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate()))
             sharded[key] = sharded.get(key, 0) + g.to_local().float().pow(2).sum()
         else:
             total = total + g.float().pow(2).sum()
