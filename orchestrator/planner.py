@@ -109,18 +109,18 @@ def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
                                       offload_flags(spec)["activations"])
 
 
-def buffer_bytes(spec: JobSpec, params: int) -> int:
-    """Buffers beside model state and activations.
+def autocast_copy_bytes(spec: JobSpec, params: int) -> int:
+    """autocast's 16-bit copy of every weight it casts, saved for backward by the matmuls."""
+    return compute_bytes(spec) * params if spec.precision.dtype != "fp32" else 0
 
-    - DDP (ZeRO-1 with dp > 1) copies gradients into flat all-reduce buckets of the
-      same total size (``gradient_as_bucket_view`` is off).
-    - autocast caches a 16-bit copy of every weight it casts, for the whole forward
-      and backward.
-    """
+
+def buffer_bytes(spec: JobSpec, params: int) -> int:
+    """Buffers beside model state and activations: autocast's weight copies, and DDP's
+    flat all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
+    (``gradient_as_bucket_view`` is off)."""
     p = spec.parallel
     buckets = 4 * params if p.zero == 1 and p.dp > 1 else 0
-    casts = compute_bytes(spec) * params if spec.precision.dtype != "fp32" else 0
-    return buckets + casts
+    return buckets + autocast_copy_bytes(spec, params)
 
 
 def rank_model_state(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> mm.ModelState:
