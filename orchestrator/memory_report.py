@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from orchestrator.events import event
 from orchestrator.memory_model import human_bytes
-from orchestrator.planner import estimate, estimate_rank
+from orchestrator.planner import autocast_copy_bytes, estimate, estimate_rank
 from orchestrator.spec import JobSpec
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -64,8 +64,10 @@ class MeasuredMemory:
         out = {}
         for rank, measured in sorted(self.latest.items()):
             predicted = estimate_rank(self.spec, rank)
+            # the probe sees autocast's weight copies among the saved tensors, so they join activations here
+            saved = predicted.activation_bytes + autocast_copy_bytes(self.spec, predicted.params)
             pred = {"params": predicted.state.params, "grads": predicted.state.grads,
-                    "optimizer": predicted.state.optimizer, "activations": predicted.activation_bytes}
+                    "optimizer": predicted.state.optimizer, "activations": saved}
             pred["model_state"] = pred["params"] + pred["grads"] + pred["optimizer"]
             meas = {**measured, "model_state": sum(measured[k] for k in CATEGORIES[:3])}
             out[rank] = {"measured": meas, "predicted": pred,

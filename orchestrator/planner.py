@@ -109,18 +109,31 @@ def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
                                       offload_flags(spec)["activations"])
 
 
-def buffer_bytes(spec: JobSpec, params: int) -> int:
-    """Buffers beside model state and activations.
+def autocast_copy_bytes(spec: JobSpec, params: int) -> int:
+    """autocast's 16-bit copy of every weight it casts, saved for backward by the matmuls."""
+    return compute_bytes(spec) * params if spec.precision.dtype != "fp32" else 0
 
-    - DDP (ZeRO-1 with dp > 1) copies gradients into flat all-reduce buckets of the
-      same total size (``gradient_as_bucket_view`` is off).
-    - autocast caches a 16-bit copy of every weight it casts, for the whole forward
-      and backward.
-    """
+
+def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
+    """PyTorch's PipelineStage allocates, per microbatch, a receive buffer for a stage's input
+    (all but the first stage) and one for its output's gradient (all but the last): fp32
+    hidden states, sequence-sharded under sequence parallelism."""
+    p, m = spec.parallel, spec.model
+    if p.pp == 1:
+        return 0
+    n_stages = p.pp * p.stages_per_rank
+    hidden = 4 * m.seq_len * micro_batch(spec) * m.d_model // (p.tp if p.tp > 1 and p.sequence_parallel else 1)
+    edges = sum((sid != 0) + (sid != n_stages - 1) for sid in ids)
+    return spec.train.microbatches * hidden * edges
+
+
+def buffer_bytes(spec: JobSpec, params: int, ids: list[int]) -> int:
+    """Buffers beside model state and activations: autocast's weight copies, DDP's flat
+    all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
+    (``gradient_as_bucket_view`` is off), and the pipeline's receive buffers."""
     p = spec.parallel
     buckets = 4 * params if p.zero == 1 and p.dp > 1 else 0
-    casts = compute_bytes(spec) * params if spec.precision.dtype != "fp32" else 0
-    return buckets + casts
+    return buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids)
 
 
 def rank_model_state(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> mm.ModelState:
@@ -152,7 +165,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
         sharded, replicated = stage_params(spec, sid, n_stages)
         params += sharded // p.tp + replicated
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, params, ids, n_stages),
-                        rank_activation_bytes(spec, ids, coords["pp"]), buffer_bytes(spec, params))
+                        rank_activation_bytes(spec, ids, coords["pp"]), buffer_bytes(spec, params, ids))
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:

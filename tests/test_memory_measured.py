@@ -17,7 +17,7 @@ from orchestrator import TrainingJob
 from tests.conftest import tiny_spec
 
 LAYOUTS = {
-    "dp2-zero0": ({"dp": 2, "zero": 0}, "none"),
+    "dp2-zero0-bf16": ({"dp": 2, "zero": 0}, "none"),
     "dp2-zero1": ({"dp": 2, "zero": 1}, "none"),
     "dp2-zero2-selective": ({"dp": 2, "zero": 2}, "selective"),
     "dp2-zero3-full": ({"dp": 2, "zero": 3}, "full"),
@@ -33,7 +33,7 @@ def test_prediction_matches_measured_bytes(name, ray_cluster, token_data, tmp_pa
     parallel, recompute = LAYOUTS[name]
     spec = tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"},
                      memory={"recompute": recompute, "measure": True}, train={"steps": 2},
-                     checkpoint={"memory_every": 0})
+                     checkpoint={"memory_every": 0}, precision={"dtype": "bf16" if "bf16" in name else "fp32"})
     result = TrainingJob(spec, progress=False).run()
     assert sorted(result.memory) == list(range(spec.parallel.world_size))
     for rank, row in result.memory.items():

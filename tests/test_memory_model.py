@@ -141,3 +141,10 @@ def test_plan_cli_picks_and_explains(tmp_path, capsys):
     assert "is not a size" in capsys.readouterr().err
     assert main(["plan", str(job), "--set", "parallel.device_memory=1KB"]) == 0
     assert "does not fit: rank 0 needs" in capsys.readouterr().out
+
+
+def test_bad_device_memory_is_a_spec_error():
+    with pytest.raises(SpecError) as info:
+        _spec(parallel={"device_memory": "lots"})
+    assert info.value.field == "parallel.device_memory" and "80GB" in info.value.fix
+    assert _spec(parallel={"device_memory": "80GiB"}).parallel.device_memory_bytes == 80 * 2**30
