@@ -53,6 +53,7 @@ class PSSync:
         self.done: list[dict] = []
         self.fault: dict | None = None
         self.error: BaseException | None = None
+        self.quiet = threading.Lock()  # held through each free-running step; a checkpoint save takes it
 
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
@@ -123,14 +124,15 @@ class PSSync:
         try:
             while ray.get(self.keeper.enter.remote(self.worker)):
                 s0 = time.perf_counter()
-                self._load()
-                inputs, targets = tr.cursor.next_batch()
-                loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
-                norm = clip_grads(tr.params, self.max_norm)
-                self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
-                for p in tr.params:
-                    p.grad = None
-                self.clock += 1
+                with self.quiet:
+                    self._load()
+                    inputs, targets = tr.cursor.next_batch()
+                    loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
+                    norm = clip_grads(tr.params, self.max_norm)
+                    self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
+                    for p in tr.params:
+                        p.grad = None
+                    self.clock += 1
                 ray.get(self.keeper.tick.remote(self.worker))
                 seconds = time.perf_counter() - s0
                 with self.lock:
