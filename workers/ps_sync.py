@@ -53,6 +53,8 @@ class PSSync:
         self.done: list[dict] = []
         self.fault: dict | None = None
         self.error: BaseException | None = None
+        self.last_loss: float | None = None
+        self.quiet = threading.Lock()  # held through each free-running step; a checkpoint save takes it
 
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
@@ -99,6 +101,8 @@ class PSSync:
             raise self.error
         with self.lock:
             done, self.done = self.done, []
+        if done:  # a worker that ran ahead may have nothing new: it repeats its latest loss
+            self.last_loss = statistics.fmean(d["loss"] for d in done)
         lr = tr.schedulers[0].get_last_lr()[0]
         tr.step += 1
         for sched in tr.schedulers:
@@ -106,7 +110,7 @@ class PSSync:
         total = time.perf_counter() - t0
         busy = sum(d["seconds"] for d in done)
         return {
-            "rank": tr.rank, "step": tr.step, "loss": statistics.fmean(d["loss"] for d in done) if done else None,
+            "rank": tr.rank, "step": tr.step, "loss": self.last_loss,
             "grad_norm": done[-1]["grad_norm"] if done else float("nan"), "lr": lr,
             "tokens": sum(d["tokens"] for d in done), "applied": bool(done), "local_steps": len(done),
             "clock": self.clock,
@@ -123,19 +127,20 @@ class PSSync:
         try:
             while ray.get(self.keeper.enter.remote(self.worker)):
                 s0 = time.perf_counter()
-                self._load()
-                inputs, targets = tr.cursor.next_batch()
-                loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
-                norm = clip_grads(tr.params, self.max_norm)
-                self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
-                for p in tr.params:
-                    p.grad = None
-                self.clock += 1
-                ray.get(self.keeper.tick.remote(self.worker))
+                with self.quiet:
+                    self._load()
+                    inputs, targets = tr.cursor.next_batch()
+                    loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
+                    norm = clip_grads(tr.params, self.max_norm)
+                    self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
+                    for p in tr.params:
+                        p.grad = None
+                    self.clock += 1
                 seconds = time.perf_counter() - s0
-                with self.lock:
+                with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
                     self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
                                       "seconds": seconds})
+                ray.get(self.keeper.tick.remote(self.worker))
                 faults.after_step(self.fault, seconds)
             self._load(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round

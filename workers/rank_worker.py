@@ -7,6 +7,7 @@ controller.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -85,7 +86,9 @@ class RankWorker:
         return self.trainer.step
 
     def save_checkpoint(self, path: str, async_save: bool) -> None:
-        self.trainer.checkpoints.save(path, async_save)
+        ps = self.trainer.ps  # asp/ssp train on their own thread: save between two of its steps
+        with ps.quiet if ps is not None else contextlib.nullcontext():
+            self.trainer.checkpoints.save(path, async_save)
 
     def wait_checkpoint(self) -> int | None:
         return self.trainer.checkpoints.wait()
