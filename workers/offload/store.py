@@ -106,7 +106,8 @@ class OffloadStore:
                 event = torch.cuda.Event()
                 event.record(self._stream)
             tensor = staging
-        self._writes[key] = self._evictor.submit(self._write, key, tensor, event)
+        # boxed so the value is freed when written: the executor keeps its arguments a while after the result
+        self._writes[key] = self._evictor.submit(self._write, key, [tensor], event)
 
     def zeros(self, key: str, shape: torch.Size, dtype: torch.dtype = torch.float32) -> None:
         """Store zeros under ``key`` without building them in memory first (an nvme file starts zeroed)."""
@@ -125,7 +126,8 @@ class OffloadStore:
                 os.posix_fallocate(f.fileno(), 0, nbytes)  # ENOSPC here, not SIGBUS on a page fault later
         return path
 
-    def _write(self, key: str, tensor: torch.Tensor, event) -> None:
+    def _write(self, key: str, box: list[torch.Tensor], event) -> None:
+        tensor = box.pop()
         if event is not None:
             event.synchronize()
         if self.tier == "cpu":
