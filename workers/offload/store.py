@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class OffloadStore:
             root = Path(path or tempfile.gettempdir())
             root.mkdir(parents=True, exist_ok=True)
             self._dir = Path(tempfile.mkdtemp(prefix="raymesh-offload-", dir=root))
+            # the files go with the store, or at the latest when the rank's process exits
+            self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._files: dict[str, Path] = {}
         self._names = itertools.count()
         release_freed_buffers()
@@ -209,7 +212,7 @@ class OffloadStore:
         self._evictor.shutdown()
         self._prefetcher.shutdown()
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._remove_dir()
 
     @staticmethod
     def _wait(future: Future | None) -> None:
