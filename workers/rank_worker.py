@@ -102,5 +102,6 @@ class RankWorker:
 
         if self.trainer is not None:
             self.trainer.checkpoints.wait()
+            self.trainer.close_stores()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -220,6 +220,12 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
 
+    def close_stores(self) -> None:
+        """Remove this rank's offload files now (stores also clean up at process exit, which ``ray.kill`` skips)."""
+        for store in [getattr(o, "store", None) for o in self.optimizers] + [self.activations.store]:
+            if store is not None:
+                store.close()
+
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class OffloadStore:
             root = Path(path or tempfile.gettempdir())
             root.mkdir(parents=True, exist_ok=True)
             self._dir = Path(tempfile.mkdtemp(prefix="raymesh-offload-", dir=root))
+            # the files go with the store, or at the latest when the rank's process exits
+            self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._files: dict[str, Path] = {}
         self._names = itertools.count()
         release_freed_buffers()
@@ -106,7 +109,8 @@ class OffloadStore:
                 event = torch.cuda.Event()
                 event.record(self._stream)
             tensor = staging
-        self._writes[key] = self._evictor.submit(self._write, key, tensor, event)
+        # boxed so the value is freed when written: the executor keeps its arguments a while after the result
+        self._writes[key] = self._evictor.submit(self._write, key, [tensor], event)
 
     def zeros(self, key: str, shape: torch.Size, dtype: torch.dtype = torch.float32) -> None:
         """Store zeros under ``key`` without building them in memory first (an nvme file starts zeroed)."""
@@ -125,7 +129,8 @@ class OffloadStore:
                 os.posix_fallocate(f.fileno(), 0, nbytes)  # ENOSPC here, not SIGBUS on a page fault later
         return path
 
-    def _write(self, key: str, tensor: torch.Tensor, event) -> None:
+    def _write(self, key: str, box: list[torch.Tensor], event) -> None:
+        tensor = box.pop()
         if event is not None:
             event.synchronize()
         if self.tier == "cpu":
@@ -207,7 +212,7 @@ class OffloadStore:
         self._evictor.shutdown()
         self._prefetcher.shutdown()
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._remove_dir()
 
     @staticmethod
     def _wait(future: Future | None) -> None:
