@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError
 
 from orchestrator.placement import RankPlacement
 from orchestrator.spec import JobSpec
+from workers.layout import coordinates
 from workers.rank_worker import RankWorker
 
 
@@ -88,6 +89,16 @@ class RankGroup:
         for rank in ranks:
             self.workers[rank] = self._new_actor(rank)
 
+    def placed(self, ranks, timeout_s: float) -> bool:
+        """Whether the new actors of ``ranks`` started within ``timeout_s``; those that did not are killed
+        (their resources are gone: the caller shrinks the grid instead)."""
+        ready = {r: self.workers[r].__ray_ready__.remote() for r in ranks}
+        ray.wait(list(ready.values()), num_returns=len(ready), timeout=timeout_s)
+        late = [r for r, ref in ready.items() if not ray.wait([ref], timeout=0)[0]]
+        for rank in late:
+            ray.kill(self.workers[rank], no_restart=True)
+        return not late
+
     def holder(self, rank: int) -> int | None:
         """Where rank's replica lives: the same position in the next data-parallel replica (another node
         when replicas span nodes), else the next rank."""
@@ -118,6 +129,31 @@ class RankGroup:
             calls.append(w.restore_snapshot.remote(snap))
         steps = ray.get(calls)
         return steps[0]
+
+    def survivor_snapshots(self, dead: set[int]) -> dict | None:
+        """(pp, tp) position -> a surviving rank's last snapshot, for a grid with another dp to start from.
+
+        Only where data-parallel replicas are full copies (zero 0): ZeRO splits the state over dp,
+        which only a DCP checkpoint can reshard. None also when every replica of a position died.
+        """
+        p = self.spec.parallel
+        if p.zero != 0:
+            return None
+        kept = {}
+        for rank, worker in enumerate(self.workers):
+            c = coordinates(rank, p.dp, p.pp, p.tp)
+            if rank not in dead and (c.pp, c.tp) not in kept:
+                kept[(c.pp, c.tp)] = worker.kept_snapshot.remote()
+        if len(kept) < p.pp * p.tp:
+            return None
+        ray.wait(list(kept.values()), num_returns=len(kept))  # in hand before the survivors are stopped
+        return kept
+
+    def restore_positions(self, kept: dict) -> int:
+        """Every rank takes the snapshot kept for its (pp, tp) position; returns the step."""
+        p = self.spec.parallel
+        coords = [coordinates(r, p.dp, p.pp, p.tp) for r in range(p.world_size)]
+        return ray.get([w.restore_snapshot.remote(kept[(c.pp, c.tp)]) for w, c in zip(self.workers, coords)])[0]
 
     def call(self, method: str, *args) -> list:
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])

@@ -227,12 +227,16 @@ class FaultToleranceSpec(_Section):
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # a step not answered by then: the rank hung
     collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # survivors' collectives with a dead peer give up
     max_restarts: Annotated[int, Field(ge=0)] = 3
+    # elastic data parallelism: a replacement not started by then (its node is gone) shrinks dp instead
+    placement_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    min_dp: Annotated[int, Field(ge=1)] = 1  # never shrink below this many data-parallel replicas
+    grow_check_s: Annotated[float, Field(gt=0)] = 30.0  # below the requested dp, look for room this often
 
 
 class FaultSpec(_Section):
     """One injected fault (the fault-injection harness): deterministic by step and rank."""
 
-    kind: Literal["kill_rank", "hang_rank", "slow_rank", "nan_loss"]
+    kind: Literal["kill_rank", "kill_node", "hang_rank", "slow_rank", "nan_loss"]
     rank: Annotated[int, Field(ge=0)] = 0
     at_step: Annotated[int, Field(ge=1)]
     factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
@@ -334,6 +338,9 @@ class JobSpec(_Section):
                 "a hung rank must give up before the controller declares the hang",
                 "set collective_timeout_s below heartbeat_timeout_s",
             )
+        if ft.min_dp > self.parallel.dp:
+            raise SpecError("fault_tolerance.min_dp", ft.min_dp, f"is above parallel.dp={self.parallel.dp}: the job "
+                            "would start below its own floor", f"set min_dp to at most {self.parallel.dp}")
         for i, fault in enumerate(self.faults):
             if fault.rank >= world:
                 raise SpecError(f"faults.{i}.rank", fault.rank, f"is not a rank of this {world}-rank job",
