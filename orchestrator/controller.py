@@ -394,6 +394,7 @@ class TrainingJob:
         kept = self.group.survivor_snapshots(dead) if self.snapshot_step is not None else None
         self.group.stop()
         self.placement.release()
+        self.group = self.placement = None  # nothing left to stop should no smaller grid fit
         for option in self.elastic.shrink_options(old, self.use_gpu):
             self.spec = option
             try:

@@ -90,14 +90,29 @@ class RankGroup:
             self.workers[rank] = self._new_actor(rank)
 
     def placed(self, ranks, timeout_s: float) -> bool:
-        """Whether the new actors of ``ranks`` started within ``timeout_s``; those that did not are killed
-        (their resources are gone: the caller shrinks the grid instead)."""
-        ready = {r: self.workers[r].__ray_ready__.remote() for r in ranks}
-        ray.wait(list(ready.values()), num_returns=len(ready), timeout=timeout_s)
-        late = [r for r, ref in ready.items() if not ray.wait([ref], timeout=0)[0]]
-        for rank in late:
+        """Whether the new actors of ``ranks`` started within ``timeout_s``.
+
+        One that was scheduled onto a node Ray had not yet declared dead dies unstarted; it is started
+        again (the placement group then moves its bundle to a live node, or waits for room). Those not
+        started by the deadline are killed: their resources are gone, and the caller shrinks the grid.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = {r: self.workers[r].__ray_ready__.remote() for r in ranks}
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for rank, ref in list(pending.items()):
+                if ref not in ready:
+                    continue
+                try:
+                    ray.get(ref)
+                    del pending[rank]
+                except RayActorError:
+                    time.sleep(0.5)  # give Ray a moment to declare the node dead before placing again
+                    self.workers[rank] = self._new_actor(rank)
+                    pending[rank] = self.workers[rank].__ray_ready__.remote()
+        for rank in pending:
             ray.kill(self.workers[rank], no_restart=True)
-        return not late
+        return not pending
 
     def holder(self, rank: int) -> int | None:
         """Where rank's replica lives: the same position in the next data-parallel replica (another node
