@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from orchestrator import cluster
 from orchestrator.checkpoints import CheckpointDir
+from orchestrator.elastic import ElasticPolicy, resized
 from orchestrator.control import ControlServer
 from orchestrator.disk_faults import corrupt_newest
 from orchestrator.events import event
@@ -28,6 +29,7 @@ from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.fault_schedule import FaultSchedule
 from orchestrator.memory_report import MeasuredMemory, warn_if_too_big
 from orchestrator.metrics import MetricsExporter
+from orchestrator import node_loss
 from orchestrator.placement import RankPlacement, reserve
 from orchestrator.ps_shards import PSShards
 from orchestrator.rank_group import RankGroup, StepFailed
@@ -67,6 +69,8 @@ class TrainingJob:
         self._issue_lock = threading.Lock()
         self._issued = 0  # the last step handed to the ranks
         self._resize_to: JobSpec | None = None
+        self.elastic = ElasticPolicy(spec)
+        self.resizes: list[dict] = []  # every change of dp: requested, shrunk after a loss, grown back
         self.use_gpu = False
         self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
 
@@ -107,16 +111,13 @@ class TrainingJob:
         if old.parallel.dp_sync == "ps":
             raise ValueError("resizing is not supported with parallel.dp_sync: ps (the shards count a fixed number "
                              "of data ranks); fix: use dp_sync: allreduce to scale")
-        microbatches = old.train.microbatches * old.parallel.dp
-        overrides = [f"parallel.dp={dp}"]
-        if microbatches % dp == 0:
-            overrides.append(f"train.microbatches={microbatches // dp}")
         try:
-            resized = old.with_overrides(overrides)
+            target = resized(old, dp)
         except SpecError as exc:
             raise ValueError(str(exc)) from None
         with self._issue_lock:
-            self._resize_to = resized
+            self._resize_to = target
+            self.elastic.target_dp = dp  # automatic grow-back aims here from now on
             at_step = self._issued
         event("scale_requested", dp_from=old.parallel.dp, dp_to=dp, after_step=at_step)
         return at_step
@@ -126,11 +127,15 @@ class TrainingJob:
         try:
             checked = FaultSpec.model_validate(fault)
         except ValidationError as exc:
-            raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, hang_rank, "
-                             "slow_rank, nan_loss, corrupt_checkpoint and factor > 1") from None
+            raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, kill_node, "
+                             "hang_rank, slow_rank, nan_loss, corrupt_checkpoint and factor > 1") from None
         if not 0 <= fault["rank"] < self.spec.parallel.world_size:
             raise ValueError(f"fault rank {fault['rank']} is not a rank of this {self.spec.parallel.world_size}-rank job; "
                              f"fix: pick a rank from 0 to {self.spec.parallel.world_size - 1}")
+        if checked.kind == "kill_node":
+            problem = node_loss.refusal(fault["rank"], self.layout["ranks"][fault["rank"]]["node_id"])
+            if problem:
+                raise ValueError(f"fault rank {fault['rank']}: {problem}; fix: {node_loss.FIX}")
         self.faults.add(checked.model_dump())
 
     # -- start-up ------------------------------------------------------------------------
@@ -153,10 +158,12 @@ class TrainingJob:
         check_resources(self.spec, cpus, gpus, "cuda" if self.use_gpu else "cpu")
         return self._launch_grid()
 
-    def _launch_grid(self) -> dict:
+    def _launch_grid(self, timeout_s: float = 120.0) -> dict:
         """Reserve placement for ``self.spec``'s grid, start its rank actors and form the process group."""
         p = self.spec.parallel
-        self.placement = reserve(self.spec, self.use_gpu)
+        self.placement = reserve(self.spec, self.use_gpu, timeout_s)
+        if not self.layout:  # the first grid: a job file's kill_node must hit a node it can take down
+            node_loss.check_job_faults(self.faults.pending, self.placement)
         self.group = RankGroup(self.spec, self.placement, self.use_gpu)
         if p.dp_sync == "ps":
             self.ps = self.ps or PSShards(self.spec, self.run_dir)
@@ -355,8 +362,8 @@ class TrainingJob:
                                                bubble, goodput)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
-                if self._resize_to is not None and not stopping and self.step < spec.train.steps:
-                    self._resize(saved)
+                if not stopping and self.step < spec.train.steps:
+                    self._maybe_resize(saved)
                 if stopping:
                     status = "stopped"
                     break
@@ -384,14 +391,24 @@ class TrainingJob:
             goodput=sum(step_times) / train_s,
             stragglers=self.stragglers.episodes,
             corrupt_checkpoints=self.ckpt.skipped,
+            resizes=self.resizes,
         )
 
     # -- elastic data parallelism ---------------------------------------------------------
 
-    def _resize(self, saved: list[str]) -> None:
-        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load."""
+    def _maybe_resize(self, saved: list[str]) -> None:
+        """Resize when one was requested, or grow back when the cluster has room again after a shrink."""
         with self._issue_lock:
-            resized, self._resize_to = self._resize_to, None
+            target, self._resize_to = self._resize_to, None
+        reason = "request"
+        if target is None:
+            target, reason = self.elastic.grow(self.spec, self.use_gpu), "grow"
+        if target is not None:
+            self._resize(saved, target, reason)
+
+    def _resize(self, saved: list[str], target: JobSpec, reason: str) -> None:
+        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load."""
+        t0 = time.perf_counter()
         old_dp = self.spec.parallel.dp
         self._wait_async(saved)
         path = self.ckpt.path_for(self.step)
@@ -400,15 +417,53 @@ class TrainingJob:
             self._committed(self.step, saved, None)
         self.group.stop()
         self.placement.release()
-        self.spec = resized
+        self.spec = target
         self.layout = self._launch_grid()
         self._load_from_disk("resize")  # the save just made, unless it fails its checksums
         if self.spec.checkpoint.memory_every:
             self._snapshot()
+        self._resized(reason, old_dp, "disk", time.perf_counter() - t0)
+
+    def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
+        """Bookkeeping after the grid was relaunched at a new dp: metrics, event and record."""
         if self.exporter is not None:
             self.exporter.observe_layout(self.layout)
-        event("resized", dp_from=old_dp, dp_to=self.spec.parallel.dp, step=self.step,
+        dp = self.spec.parallel.dp
+        event("resized", reason=reason, dp_from=old_dp, dp_to=dp, step=self.step, source=source,
               microbatches=self.spec.train.microbatches)
+        self.resizes.append({"reason": reason, "at_step": self.step, "dp_from": old_dp, "dp_to": dp,
+                             "microbatches": self.spec.train.microbatches, "source": source, "seconds": seconds})
+
+    def _shrink(self, dead: set[int]) -> str:
+        """The dead ranks' replacements found no room: go on with the largest grid the live nodes hold.
+
+        Where data-parallel replicas are full copies (zero 0) and a survivor of every (pp, tp) position
+        kept its in-memory snapshot, the new grid starts from those (no storage); else from the latest
+        checkpoint (DCP reshards it), else from step 0. Returns where the state came from.
+        """
+        t0 = time.perf_counter()
+        old = self.spec
+        kept = self.group.survivor_snapshots(dead) if self.snapshot_step is not None else None
+        self.group.stop()
+        self.placement.release()
+        self.group = self.placement = None  # nothing left to stop should no smaller grid fit
+        for option in self.elastic.shrink_options(old, self.use_gpu):
+            self.spec = option
+            try:
+                self.layout = self._launch_grid(old.fault_tolerance.placement_timeout_s)
+                break
+            except SpecError as exc:  # not placeable after all (another tenant took the room): one smaller
+                event("shrink_retry", dp=option.parallel.dp, reason=exc.problem)
+        else:
+            raise RuntimeError(f"no data-parallel degree down to fault_tolerance.min_dp={old.fault_tolerance.min_dp} "
+                               "could be placed; fix: add nodes or lower fault_tolerance.min_dp")
+        if kept is not None:
+            self.step = self.group.restore_positions(kept)
+            source = "memory"
+        else:
+            source = self._from_disk("shrink")
+        self._resized("shrink", old.parallel.dp, source, time.perf_counter() - t0)
+        return source
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -427,22 +482,30 @@ class TrainingJob:
                 f"{ft.max_restarts}; raise it, or look at the failing rank's log (`ray logs actor`)"
             ) from None
         completed = self.step
-        before = {r["rank"]: {"pid": r["pid"], "actor_id": r["actor_id"]} for r in self.layout["ranks"]}
+        before = {r["rank"]: {k: r[k] for k in ("pid", "actor_id", "node_id")} for r in self.layout["ranks"]}
+        dp_before = self.spec.parallel.dp
+        kind = failure.kind
+        placed = True
         if ft.recovery == "restart_all":
             source = self._restart_all()
         else:
             if failure.dead:
                 self.group.replace(failure.dead)
-                self.layout["ranks"] = self.group.form()
-            source = self._roll_back(set(failure.dead))
+                placed = self.group.placed(failure.dead, ft.placement_timeout_s)
+                if node_loss.gone(self.layout["ranks"][r]["node_id"] for r in failure.dead):
+                    kind = "node"
+                if placed:
+                    self.layout["ranks"] = self.group.form()
+            source = self._roll_back(set(failure.dead)) if placed else self._shrink(set(failure.dead))
         if self.spec.checkpoint.memory_every:
             self._snapshot()
         if self.exporter is not None:
-            self.exporter.observe_recovery(failure.kind, len(failure.dead), completed - self.step)
-        event("recovered", kind=failure.kind, source=source, step=self.step, lost_steps=completed - self.step)
+            self.exporter.observe_recovery(kind, len(failure.dead), completed - self.step)
+        event("recovered", kind=kind, source=source, step=self.step, lost_steps=completed - self.step)
         rank = min(failure.dead) if failure.dead else -1
-        return {"kind": failure.kind, "rank": rank, "at_step": at_step, "lost_steps": completed - self.step,
-                "source": source, "identities_before": before, "fault_time": fault_time}
+        return {"kind": kind, "rank": rank, "at_step": at_step, "lost_steps": completed - self.step,
+                "source": source, "identities_before": before, "fault_time": fault_time,
+                "dp_from": dp_before, "dp_to": self.spec.parallel.dp}
 
     def _roll_back(self, replaced: set[int]) -> str:
         """Newest consistent state: in-memory snapshots, else the latest checkpoint, else step 0."""
@@ -457,7 +520,7 @@ class TrainingJob:
                 "a step produced a non-finite loss and there is no in-memory snapshot to roll back to; "
                 "set checkpoint.memory_every (e.g. 1) to recover from NaN steps"
             )
-        return "disk" if self._load_from_disk("recovery") is not None else "initial"
+        return self._from_disk("recovery")
 
     def _restart_all(self) -> str:
         """What Ray Train and torchrun do on any failure (``recovery: restart_all``, the benchmarks' baseline):
@@ -466,7 +529,11 @@ class TrainingJob:
         self.placement.release()
         self.layout = self._launch_grid()
         self.snapshot_step = None
-        return "disk" if self._load_from_disk("recovery") is not None else "initial"
+        return self._from_disk("recovery")
+
+    def _from_disk(self, purpose: str) -> str:
+        """The latest checkpoint that passes its checksums (resharded to the current grid), else step 0."""
+        return "disk" if self._load_from_disk(purpose) is not None else "initial"
 
     def _recovered(self, pending: dict) -> None:
         mttr = time.perf_counter() - pending.pop("fault_time")

@@ -1,6 +1,6 @@
 """Which fault each rank injects at each step, from the job file's ``faults:`` list (deterministic).
 
-One-shot faults (``kill_rank``, ``hang_rank``, ``nan_loss``,
+One-shot faults (``kill_rank``, ``kill_node``, ``hang_rank``, ``nan_loss``,
 ``corrupt_checkpoint``) fire once at ``at_step``, so the step re-run after
 recovery is clean; a ``slow_rank`` stays slow from ``at_step`` on; a fault
 with ``every_s`` repeats (``orchestrator.soak``). ``corrupt_checkpoint`` acts

@@ -39,6 +39,16 @@ def rank_bundle(spec: JobSpec, use_gpu: bool) -> dict:
     return bundle
 
 
+def can_reserve(spec: JobSpec, use_gpu: bool, groups: int, timeout_s: float) -> bool:
+    """Whether ``groups`` more TP groups of ``spec`` could be placed now (reserved, then given back at once)."""
+    bundle = rank_bundle(spec, use_gpu)
+    probe = [placement_group([bundle] * spec.parallel.tp, strategy="STRICT_PACK") for _ in range(groups)]
+    try:
+        return all(pg.wait(timeout_s) for pg in probe)
+    finally:
+        RankPlacement(groups=probe, tp=spec.parallel.tp).release()
+
+
 def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlacement:
     """Reserve every rank's bundle, or fail naming what could not be placed."""
     p = spec.parallel

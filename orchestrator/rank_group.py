@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError
 
 from orchestrator.placement import RankPlacement
 from orchestrator.spec import JobSpec
+from workers.layout import coordinates
 from workers.rank_worker import RankWorker
 
 
@@ -91,6 +92,31 @@ class RankGroup:
         for rank in ranks:
             self.workers[rank] = self._new_actor(rank)
 
+    def placed(self, ranks, timeout_s: float) -> bool:
+        """Whether the new actors of ``ranks`` started within ``timeout_s``.
+
+        One that was scheduled onto a node Ray had not yet declared dead dies unstarted; it is started
+        again (the placement group then moves its bundle to a live node, or waits for room). Those not
+        started by the deadline are killed: their resources are gone, and the caller shrinks the grid.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = {r: self.workers[r].__ray_ready__.remote() for r in ranks}
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for rank, ref in list(pending.items()):
+                if ref not in ready:
+                    continue
+                try:
+                    ray.get(ref)
+                    del pending[rank]
+                except RayActorError:
+                    time.sleep(0.5)  # give Ray a moment to declare the node dead before placing again
+                    self.workers[rank] = self._new_actor(rank)
+                    pending[rank] = self.workers[rank].__ray_ready__.remote()
+        for rank in pending:
+            ray.kill(self.workers[rank], no_restart=True)
+        return not pending
+
     def holder(self, rank: int) -> int | None:
         """Where rank's replica lives: the same position in the next data-parallel replica (another node
         when replicas span nodes), else the next rank."""
@@ -121,6 +147,31 @@ class RankGroup:
             calls.append(w.restore_snapshot.remote(snap))
         steps = ray.get(calls)
         return steps[0]
+
+    def survivor_snapshots(self, dead: set[int]) -> dict | None:
+        """(pp, tp) position -> a surviving rank's last snapshot, for a grid with another dp to start from.
+
+        Only where data-parallel replicas are full copies (zero 0): ZeRO splits the state over dp,
+        which only a DCP checkpoint can reshard. None also when every replica of a position died.
+        """
+        p = self.spec.parallel
+        if p.zero != 0:
+            return None
+        kept = {}
+        for rank, worker in enumerate(self.workers):
+            c = coordinates(rank, p.dp, p.pp, p.tp)
+            if rank not in dead and (c.pp, c.tp) not in kept:
+                kept[(c.pp, c.tp)] = worker.kept_snapshot.remote()
+        if len(kept) < p.pp * p.tp:
+            return None
+        ray.wait(list(kept.values()), num_returns=len(kept))  # in hand before the survivors are stopped
+        return kept
+
+    def restore_positions(self, kept: dict) -> int:
+        """Every rank takes the snapshot kept for its (pp, tp) position; returns the step."""
+        p = self.spec.parallel
+        coords = [coordinates(r, p.dp, p.pp, p.tp) for r in range(p.world_size)]
+        return ray.get([w.restore_snapshot.remote(kept[(c.pp, c.tp)]) for w, c in zip(self.workers, coords)])[0]
 
     def call(self, method: str, *args) -> list:
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])

@@ -15,6 +15,7 @@ class RunResult:
     tokens_per_s: float
     layout: dict
     recoveries: list[dict] = field(default_factory=list)
+    resizes: list[dict] = field(default_factory=list)  # dp changes: reason shrink/grow/request, at_step, dp_from/to
     checkpoints: list[str] = field(default_factory=list)
     peak_memory_bytes: dict[int, int] = field(default_factory=dict)
     memory: dict[int, dict] = field(default_factory=dict)  # measured vs predicted bytes per rank (memory.measure)

@@ -270,6 +270,10 @@ class FaultToleranceSpec(_Section):
     recovery: Literal["replace_failed", "restart_all"] = "replace_failed"
     straggler_ratio: Annotated[float, Field(gt=1)] = 1 / 0.7  # step time over the other ranks' median
     straggler_steps: Annotated[int, Field(ge=1)] = 3  # consecutive steps above the ratio before it is reported
+    # elastic data parallelism: a replacement not started by then (its node is gone) shrinks dp instead
+    placement_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    min_dp: Annotated[int, Field(ge=1)] = 1  # never shrink below this many data-parallel replicas
+    grow_check_s: Annotated[float, Field(gt=0)] = 30.0  # below the requested dp, look for room this often
 
 
 class ParameterServerSpec(_Section):
@@ -293,7 +297,8 @@ class ParameterServerSpec(_Section):
 class FaultSpec(_Section):
     """One injected fault (the fault-injection harness): deterministic by step and rank (or shard)."""
 
-    kind: Literal["kill_rank", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint", "kill_ps_shard"]
+    kind: Literal["kill_rank", "kill_node", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint",
+                  "kill_ps_shard"]
     rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
     shard: Annotated[int, Field(ge=0)] = 0  # kill_ps_shard: which parameter-server shard dies
     at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step
@@ -420,7 +425,7 @@ class JobSpec(_Section):
             raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
                             "set optim.momentum (e.g. 0.9), or optimizer: sgd")
         for i, f in enumerate(self.faults):
-            if f.kind in ("kill_rank", "hang_rank", "nan_loss"):
+            if f.kind in ("kill_rank", "kill_node", "hang_rank", "nan_loss"):
                 raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (the "
                                 "shards are not rolled back with the ranks)", "use slow_rank or kill_ps_shard")
             if f.kind == "kill_ps_shard" and (ps.shards < 2 or f.shard >= ps.shards):
@@ -466,6 +471,9 @@ class JobSpec(_Section):
                 "a hung rank must give up before the controller declares the hang",
                 "set collective_timeout_s below heartbeat_timeout_s",
             )
+        if ft.min_dp > self.parallel.dp:
+            raise SpecError("fault_tolerance.min_dp", ft.min_dp, f"is above parallel.dp={self.parallel.dp}: the job "
+                            "would start below its own floor", f"set min_dp to at most {self.parallel.dp}")
         for i, fault in enumerate(self.faults):
             if fault.rank != "random" and not (isinstance(fault.rank, int) and 0 <= fault.rank < world):
                 raise SpecError(f"faults.{i}.rank", fault.rank, f"is not a rank of this {world}-rank job",

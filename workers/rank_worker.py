@@ -71,6 +71,10 @@ class RankWorker:
         self.snapshot = snapshot.take(self.trainer)
         return self.snapshot
 
+    def kept_snapshot(self) -> dict | None:
+        """This rank's last snapshot, for the rank of a smaller grid that takes over its position."""
+        return self.snapshot
+
     def hold_replica(self, rank: int, snap: dict) -> None:
         self.replicas[rank] = snap
 
