@@ -137,11 +137,11 @@ class PSSync:
                         p.grad = None
                     self.clock += 1
                 seconds = time.perf_counter() - s0
+                seconds += faults.slow_down(self.fault, seconds)  # a slower device: its step takes longer
                 with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
                     self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
                                       "seconds": seconds})
                 ray.get(self.keeper.tick.remote(self.worker))
-                faults.after_step(self.fault, seconds)
             self._load(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round
             self.error = exc

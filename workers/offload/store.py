@@ -16,7 +16,10 @@ them back just before it needs them.
 
 Writes (``put``) run on an eviction thread and reads ahead (``prefetch``) on a
 prefetch thread; a ``get`` of a key waits for that key's pending write first,
-so readers always see the last value put.
+so readers always see the last value put. At most ``prefetch + 1`` writes are
+queued at once (``put`` blocks beyond that): without the bound a slow disk or a
+busy machine lets evicted tensors pile up in host memory and the offload saves
+nothing at the peak.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class OffloadStore:
         self._reads: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._evictor = ThreadPoolExecutor(1, thread_name_prefix="offload-evict")
+        self._queued_writes = threading.BoundedSemaphore(prefetch + 1)
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="offload-prefetch")
         self._dir: Path | None = None
         if tier == "nvme":
@@ -110,6 +114,7 @@ class OffloadStore:
                 event.record(self._stream)
             tensor = staging
         # boxed so the value is freed when written: the executor keeps its arguments a while after the result
+        self._queued_writes.acquire()
         self._writes[key] = self._evictor.submit(self._write, key, [tensor], event)
 
     def zeros(self, key: str, shape: torch.Size, dtype: torch.dtype = torch.float32) -> None:
@@ -130,17 +135,21 @@ class OffloadStore:
         return path
 
     def _write(self, key: str, box: list[torch.Tensor], event) -> None:
-        tensor = box.pop()
-        if event is not None:
-            event.synchronize()
-        if self.tier == "cpu":
-            self._host[key] = tensor if tensor.device.type == "cpu" else tensor.cpu()
-            return
-        nbytes = tensor.numel() * tensor.element_size()
-        path = self._allocate(key, nbytes)
-        if nbytes:
-            with open(path, "r+b") as f, mmap.mmap(f.fileno(), nbytes) as mm:
-                mm[:] = memoryview(_bytes_view(tensor.contiguous()).numpy())
+        try:
+            tensor = box.pop()
+            if event is not None:
+                event.synchronize()
+            if self.tier == "cpu":
+                self._host[key] = tensor if tensor.device.type == "cpu" else tensor.cpu()
+                return
+            nbytes = tensor.numel() * tensor.element_size()
+            path = self._allocate(key, nbytes)
+            if nbytes:
+                with open(path, "r+b") as f, mmap.mmap(f.fileno(), nbytes) as mm:
+                    mm[:] = memoryview(_bytes_view(tensor.contiguous()).numpy())
+            del tensor
+        finally:
+            self._queued_writes.release()
 
     # -- reads (prefetch) ------------------------------------------------------------------------
 
