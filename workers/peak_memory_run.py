@@ -1,6 +1,6 @@
 """One rank's Trainer run outside Ray, printing its peak memory and step times as JSON.
 
-Peak resident memory is a per-process figure (``ru_maxrss``); an actor's
+Peak resident memory is a per-process figure (``VmHWM``); an actor's
 process also carries Ray's own buffers and whatever earlier tasks left, so
 memory comparisons (tests, ``benchmarks/memory.py``) run each configuration in
 fresh processes started by this module — alone (world size 1, the default) or

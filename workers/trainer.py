@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import time
 
 import torch
@@ -229,8 +228,12 @@ class Trainer:
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        # ru_maxrss is sampled by the kernel less often than statm; never report a peak below current
-        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, self.current_memory_bytes())
+        # VmHWM is this address space's high-water mark. ru_maxrss is not: across fork/vfork + exec Linux
+        # carries the parent's peak into it, so a probe started from a 1.5 GB pytest reported 1.5 GB.
+        # Never report a peak below current (the kernel updates the mark lazily).
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        return max(hwm, self.current_memory_bytes())
 
     def current_memory_bytes(self) -> int:
         if self.device.type == "cuda":
