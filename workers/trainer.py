@@ -24,6 +24,7 @@ from workers.loss_scaler import DynamicLossScaler
 from workers.memory_probe import ActivationMeter, model_state_bytes
 from workers.model import lm_loss
 from workers.offload.activations import activation_policy
+from workers.offload.host_memory import release_freed_buffers
 from workers.offload.params import offload_params
 from workers.optim import build_optimizer, clip_grads, lr_lambda
 from workers.parallel.data_parallel import unwrap
@@ -43,6 +44,8 @@ class Trainer:
         par = spec["parallel"]
         self.coords = coordinates(rank, par["dp"], par["pp"], par["tp"])
         self.device = pick_device(par["device"])
+        if spec["memory"]["offload"].get("params"):
+            release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
         self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]), self.device,
                               timeout_s=spec["fault_tolerance"]["collective_timeout_s"])
         self.parts = build_parts(spec, self.mesh, self.device)
