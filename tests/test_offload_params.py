@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator.planner import estimate, render
 from tests.conftest import tiny_spec
 from tests.test_offload_optimizer import _probe
 
@@ -40,3 +41,16 @@ def test_zero3_param_offload_job_matches_and_resumes(ray_cluster, token_data, tm
     assert resumed.resumed_from.endswith("step-00000005")
     assert first.losses + resumed.losses == plain.losses
     assert resumed.grad_norms == plain.grad_norms[5:]
+
+
+def test_plan_counts_the_parameter_shard_as_offloaded(token_data, tmp_path):
+    """`raymesh plan`: with params offloaded a ZeRO-3 rank keeps no persistent weights, only the gathered units."""
+    par = {"dp": 2, "zero": 3, "device": "cpu"}
+    opt_only = estimate(tiny_spec(token_data, tmp_path, parallel=par, memory=_offload(tmp_path, False)))[0]
+    spec = tiny_spec(token_data, tmp_path, parallel=par, memory=_offload(tmp_path, True))
+    both = estimate(spec)[0]
+    shard = 4 * both.params // 2
+    assert opt_only.state.params == shard and both.state.params == 0
+    assert both.state.offloaded == opt_only.state.offloaded + shard
+    assert both.state.gathered == opt_only.state.gathered > 0
+    assert f"{both.state.offloaded / 2**20:.2f}Mi a rank (parameter shards + optimizer state)" in render(spec)
