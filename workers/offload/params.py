@@ -123,10 +123,6 @@ class ParamOffload:
                 self.store.release(key)
                 _free(fp._sharded_param_data)
 
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
-
     def close(self) -> None:
         self.store.close()
 
