@@ -45,12 +45,13 @@ class ParamOffload:
         self.store = store
         # units in forward order: FSDP2 gathers a stage's root group first, then its blocks
         groups = [m._get_fsdp_state()._fsdp_param_group for part in modules for m in _fsdp_modules(part)]
-        self.units = [list(g.fsdp_params) for g in groups if g is not None]
+        groups = [g for g in groups if g is not None]  # a module with no parameters of its own has no group
+        self.units = [list(g.fsdp_params) for g in groups]
         self._keys = {fp: f"u{u}.{i}" for u, unit in enumerate(self.units) for i, fp in enumerate(unit)}
         self._by_param = {fp.sharded_param: fp for fp in self._keys}
         self._last = -1
         store.reserve(sum(_nbytes(fp._sharded_param_data) for fp in self._keys))
-        for index, group in enumerate(g for g in groups if g is not None):
+        for index, group in enumerate(groups):
             group.unshard = _before(group.unshard, functools.partial(self._gathering, group, index))
             group.wait_for_unshard = _after(group.wait_for_unshard, functools.partial(self.evict_unit, index))
         for fp, key in self._keys.items():
