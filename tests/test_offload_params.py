@@ -27,8 +27,9 @@ def test_param_offload_cuts_peak_resident_memory(token_data, tmp_path):
 
 def test_zero3_param_offload_job_matches_and_resumes(ray_cluster, token_data, tmp_path):
     """Real dp=2 ZeRO-3 Ray jobs: parameter + optimizer shards in each rank's NVMe store give the losses and
-    gradient norms of plain ZeRO-3, and a checkpoint (read from and loaded back into the store) resumes exactly."""
-    from orchestrator import TrainingJob
+    gradient norms of plain ZeRO-3, a checkpoint (read from and loaded back into the store) resumes exactly,
+    and so does the rollback to an in-memory snapshot when a rank is killed after the resume."""
+    from orchestrator import JobSpec, TrainingJob
 
     par = {"dp": 2, "zero": 3, "device": "cpu"}
     plain = TrainingJob(tiny_spec(token_data, tmp_path / "a", parallel=par), progress=False).run()
@@ -36,9 +37,11 @@ def test_zero3_param_offload_job_matches_and_resumes(ray_cluster, token_data, tm
     first = TrainingJob(tiny_spec(token_data, tmp_path / "b", parallel=par, memory=memory, train={"steps": 5},
                                   checkpoint={"every": 5}), progress=False).run()
     assert first.grad_norms == plain.grad_norms[:5]
-    spec = tiny_spec(token_data, tmp_path / "b", parallel=par, memory=memory)
-    resumed = TrainingJob(spec, resume=True, progress=False).run()
-    assert resumed.resumed_from.endswith("step-00000005")
+    raw = tiny_spec(token_data, tmp_path / "b", parallel=par, memory=memory, checkpoint={"memory_every": 1},
+                    fault_tolerance={"heartbeat_timeout_s": 30, "collective_timeout_s": 10}).to_dict()
+    raw["faults"] = [{"kind": "kill_rank", "rank": 1, "at_step": 8}]
+    resumed = TrainingJob(JobSpec.from_dict(raw), resume=True, progress=False).run()
+    assert resumed.resumed_from.endswith("step-00000005") and len(resumed.recoveries) == 1
     assert first.losses + resumed.losses == plain.losses
     assert resumed.grad_norms == plain.grad_norms[5:]
 
