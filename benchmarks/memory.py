@@ -11,6 +11,8 @@ row's figure carries heap memory freed but kept by the allocator.
 
     python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8
     python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8 --profile activations
+    python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8 \
+        --only zero3 zero3+optim-offload-nvme zero3+param-offload-nvme --out benchmarks/results/memory_param_offload.json
 
 Two profiles, since a rank's peak comes from whichever dominates: ``state``
 (a wide model, small batch: the peak is at the optimizer step, where ZeRO and
@@ -52,6 +54,8 @@ def configs(nvme: str) -> dict[str, dict]:
         "zero3": {"parallel": {"zero": 3}},
         "zero3+optim-offload-cpu": {"parallel": {"zero": 3}, "memory": {"offload": {"optimizer": True}}},
         "zero3+optim-offload-nvme": {"parallel": {"zero": 3}, "memory": {"offload": {"optimizer": True, **off}}},
+        "zero3+param-offload-nvme": {"parallel": {"zero": 3},
+                                     "memory": {"offload": {"optimizer": True, "params": True, **off}}},
         "zero0+paged_adamw-nvme": {"optim": {"name": "paged_adamw"}, "memory": {"offload": off}},
         "zero0+act-offload-nvme": {"memory": {"offload": {"activations": True, **off}}},
         "zero0+act-bf16": {"memory": {"activation_compression": "bf16"}},

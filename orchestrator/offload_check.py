@@ -2,7 +2,8 @@
 
 A rank's store takes, for this rank's share of the model (planner.estimate):
 8 bytes a parameter for Adam's moments (+4 for an fp32 master when parameters
-live on a GPU) with optimizer offload, and its activation estimate (halved for bf16 compression, quartered
+live on a GPU) with optimizer offload, 4 for the parameter shard itself with
+parameter offload, and its activation estimate (halved for bf16 compression, quartered
 for fp8) with activation offload. Every rank is counted against the one path,
 the worst case of all ranks sharing a node. (Ranks on other nodes write to
 their own disks; this checks the driver's.)
@@ -27,6 +28,7 @@ def offload_bytes(spec: JobSpec) -> int:
         return 0
     optimizer = off.optimizer or spec.optim.name == "paged_adamw"
     per_param = (8 + (4 if p.device != "cpu" else 0)) if optimizer else 0
+    per_param += 4 if off.params else 0
     total = 0
     for row in estimate(spec):
         shard = row.params // p.dp if p.zero >= 2 else row.params

@@ -197,6 +197,13 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
             + " ".join(_mib(n) for n in (s.params, s.grads, s.optimizer, s.gathered, r.activation_bytes,
                                           r.buffer_bytes, r.total_bytes))
         )
+    offloaded = max(r.state.offloaded for r in rows)
+    if offloaded:
+        off = spec.memory.offload
+        what = [name for name, on in (("parameter shards", off.params),
+                                      ("optimizer state", off.optimizer or spec.optim.name == "paged_adamw")) if on]
+        lines.append(f"offloaded to the {off.tier} store, not counted above: up to {_mib(offloaded).strip()} a rank "
+                     f"({' + '.join(what)})")
     return "\n".join(lines)
 
 

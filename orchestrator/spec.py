@@ -215,7 +215,7 @@ class OffloadSpec(_Section):
     """What leaves the device for the offload store (workers/offload/), and which tier holds it."""
 
     optimizer: bool = False  # Adam moments (+ fp32 master weights off the host) live in the store
-    params: bool = False  # ZeRO-3 parameter shards in the store between uses: reserved, refused for now
+    params: bool = False  # ZeRO-3 parameter shards live in the store between uses (needs optimizer offload)
     activations: bool = False  # saved activations go to the store in forward, come back for backward
     tier: Literal["cpu", "nvme"] = "cpu"
     path: str | None = None  # directory for nvme files (required for tier nvme)
@@ -457,10 +457,26 @@ class JobSpec(_Section):
                             "ZeroRedundancyOptimizer partitions state with its own inner optimizer",
                             "use zero: 2 or 3 (FSDP2; the store then holds this rank's shard only) or zero: 0")
         if off.params:
-            raise SpecError("memory.offload.params", True, "is not available yet: ZeRO-3 parameter offload needs "
-                            "the optimizer step to stream shards too (FSDP2's CPUOffloadPolicy needs a GPU)",
-                            "set memory.offload.params: false; offload the optimizer state "
-                            "(memory.offload.optimizer: true), which is the larger part")
+            self._check_param_offload(stored_optim)
+
+    def _check_param_offload(self, stored_optim: bool) -> None:
+        """ZeRO-3 parameter offload (workers/offload/params.py) lives on FSDP2's units; what it does not cover."""
+        p = self.parallel
+        if p.zero != 3 or p.dp_sync == "ps":
+            field, value = ("parallel.zero", p.zero) if p.zero != 3 else ("parallel.dp_sync", p.dp_sync)
+            raise SpecError(field, value, "cannot be combined with memory.offload.params: only ZeRO-3 (FSDP2, "
+                            "parameters sharded between uses) has per-unit shards to offload",
+                            "set parallel.zero: 3 (with dp_sync: allreduce), or memory.offload.params: false")
+        if not stored_optim:
+            raise SpecError("memory.offload.params", True, "needs the optimizer step on the host: the offloaded "
+                            "shards are updated where they are stored",
+                            "also set memory.offload.optimizer: true (optim.name adamw or adam), or use "
+                            "optim.name paged_adamw")
+        if p.tp > 1 or p.pp > 1:
+            field, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
+            raise SpecError(field, value, "is not supported with memory.offload.params (offload is tested on "
+                            "plain ZeRO-3 data parallelism only)",
+                            "use tp: 1 and pp: 1 with memory.offload.params, or memory.offload.params: false")
 
     def _check_faults(self) -> None:
         ft, world = self.fault_tolerance, self.parallel.world_size

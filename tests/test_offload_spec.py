@@ -7,6 +7,7 @@ import pytest
 from orchestrator import JobSpec
 from orchestrator.errors import SpecError
 from orchestrator.offload_check import check_offload_space, offload_bytes
+from orchestrator.planner import estimate
 
 
 def _spec(tmp_path, **sections):
@@ -21,7 +22,12 @@ def _spec(tmp_path, **sections):
     ({"optim": {"name": "paged_adamw"}, "parallel": {"dp": 2, "zero": 1}}, "parallel.zero", "zero: 2 or 3"),
     ({"optim": {"name": "sm3"}, "parallel": {"dp": 2, "zero": 3}}, "parallel.zero", "zero: 0 or 1"),
     ({"optim": {"name": "adafactor"}, "parallel": {"tp": 2}}, "parallel.tp", "zero: 0 or 1"),
-    ({"memory": {"offload": {"params": True}}}, "memory.offload.params", "memory.offload.optimizer: true"),
+    ({"memory": {"offload": {"params": True}}, "parallel": {"dp": 2, "zero": 3}}, "memory.offload.params",
+     "memory.offload.optimizer: true"),
+    ({"memory": {"offload": {"params": True, "optimizer": True}}, "parallel": {"dp": 2, "zero": 2}},
+     "parallel.zero", "parallel.zero: 3"),
+    ({"optim": {"name": "paged_adamw"}, "memory": {"offload": {"params": True}}, "parallel": {"zero": 3, "tp": 2}},
+     "parallel.tp", "tp: 1 and pp: 1"),
     ({"memory": {"activation_compression": "int4"}}, "memory.activation_compression", "bf16"),
 ])
 def test_refused_with_field_and_fix(tmp_path, sections, field, fix):
@@ -49,3 +55,6 @@ def test_running_out_of_disk_is_an_error_before_start(tmp_path):
     assert info.value.field == "memory.offload.path" and "GiB free" in str(info.value)
     assert "tier: cpu" in str(info.value)
     assert offload_bytes(_spec(tmp_path, memory={"offload": {"optimizer": True}})) == 0  # host tier: no files
+    # parameter offload adds the fp32 parameter shard: 4 bytes a parameter
+    both = _spec(tmp_path, parallel={"zero": 3}, memory={"offload": {**small, "params": True}})
+    assert offload_bytes(both) == offload_bytes(spec) + 4 * estimate(spec)[0].params

@@ -52,12 +52,13 @@ class CheckpointIO:
 
     def save(self, path: str | Path, async_save: bool) -> None:
         self.wait()
-        state = self._state()
-        if async_save:
-            self.pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
-            self.pending_step = self.trainer.step
-        else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+        with self.trainer.resident_params():  # async_save stages its copy before returning
+            state = self._state()
+            if async_save:
+                self.pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
+                self.pending_step = self.trainer.step
+            else:
+                dcp.save(state, checkpoint_id=str(path), process_group=self.group)
 
     def wait(self) -> int | None:
         """Block until an in-flight async save is durable; return its step."""
@@ -69,9 +70,10 @@ class CheckpointIO:
 
     def load(self, path: str | Path) -> None:
         t = self.trainer
-        state = self._state()
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        for part, opt in zip(t.parts.modules, t.optimizers):
-            set_model_state_dict(unwrap(part), state["model"], options=_OPTIONS)
-            set_optimizer_state_dict(unwrap(part), local_optimizer(opt), state["optim"], options=_OPTIONS)
+        with t.resident_params():
+            state = self._state()
+            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+            for part, opt in zip(t.parts.modules, t.optimizers):
+                set_model_state_dict(unwrap(part), state["model"], options=_OPTIONS)
+                set_optimizer_state_dict(unwrap(part), local_optimizer(opt), state["optim"], options=_OPTIONS)
         t.load_progress_state(state["train"])

@@ -18,10 +18,11 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
 
 
 def build_optimizer(params, optim: dict, zero1_group=None, memory: dict | None = None,
-                    device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+                    device: torch.device | str = "cpu", shards=None) -> torch.optim.Optimizer:
     """The job's optimizer; with ``zero1_group`` its state is partitioned over that group (ZeRO-1).
 
-    ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store.
+    ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
+    (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
     """
     name = optim["name"]
     kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
@@ -32,7 +33,7 @@ def build_optimizer(params, optim: dict, zero1_group=None, memory: dict | None =
     offload = (memory or {}).get("offload", {})
     if name == "paged_adamw" or (offload.get("optimizer") and name in ("adam", "adamw")):
         store = OffloadStore(offload.get("tier", "cpu"), offload.get("path"), device, offload.get("prefetch", 1))
-        return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", **kwargs)
+        return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     cls = OPTIMIZERS[name]
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=zero1_group, **kwargs)

@@ -32,6 +32,8 @@ def probe(spec: dict, steps: int) -> dict:
     trainer = Trainer(spec, rank, world, addr, port)
     results = [trainer.train_step() for _ in range(steps)]
     stores = [o.store for o in trainer.optimizers if hasattr(o, "store")]
+    if trainer.param_offload is not None:
+        stores.append(trainer.param_offload.store)
     return {
         "rank": rank,
         "losses": [r["loss"] for r in results],

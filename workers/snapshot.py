@@ -30,7 +30,7 @@ def _named_parts(trainer):
 
 def take(trainer) -> dict:
     model, optim = {}, {}
-    with torch.no_grad():
+    with torch.no_grad(), trainer.resident_params():
         for named, opt in _named_parts(trainer):
             for name, p in named:
                 model[name] = _local(p).to("cpu", copy=True)
@@ -43,7 +43,7 @@ def take(trainer) -> dict:
 
 def restore(trainer, snap: dict) -> None:
     """Copy a snapshot taken at this grid position back into ``trainer``'s shards, bit for bit."""
-    with torch.no_grad():
+    with torch.no_grad(), trainer.resident_params():
         for named, opt in _named_parts(trainer):
             for name, p in named:
                 _local(p).copy_(snap["model"][name])

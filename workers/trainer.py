@@ -24,6 +24,8 @@ from workers.loss_scaler import DynamicLossScaler
 from workers.memory_probe import ActivationMeter, model_state_bytes
 from workers.model import lm_loss
 from workers.offload.activations import activation_policy
+from workers.offload.host_memory import release_freed_buffers
+from workers.offload.params import offload_params
 from workers.optim import build_optimizer, clip_grads, lr_lambda
 from workers.parallel.data_parallel import unwrap
 from workers.parallel.pipeline import build_schedule
@@ -42,12 +44,16 @@ class Trainer:
         par = spec["parallel"]
         self.coords = coordinates(rank, par["dp"], par["pp"], par["tp"])
         self.device = pick_device(par["device"])
+        if spec["memory"]["offload"].get("params"):
+            release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
         self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]), self.device,
                               timeout_s=spec["fault_tolerance"]["collective_timeout_s"])
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
         zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
-        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, spec["memory"], self.device) for m in self.parts.modules]
+        self.param_offload = offload_params(self.parts.modules, spec["memory"], self.device)
+        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, spec["memory"], self.device,
+                                           self.param_offload) for m in self.parts.modules]
         self.schedulers = [
             torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"])) for o in self.optimizers
         ]
@@ -221,9 +227,13 @@ class Trainer:
 
     def close_stores(self) -> None:
         """Remove this rank's offload files now (stores also clean up at process exit, which ``ray.kill`` skips)."""
-        for store in [getattr(o, "store", None) for o in self.optimizers] + [self.activations.store]:
+        for store in [getattr(o, "store", None) for o in self.optimizers] + [self.activations.store, self.param_offload]:
             if store is not None:
                 store.close()
+
+    def resident_params(self):
+        """Offloaded parameter shards back on the device for the block (checkpoints, snapshots)."""
+        return self.param_offload.resident() if self.param_offload else contextlib.nullcontext()
 
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":

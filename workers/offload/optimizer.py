@@ -9,6 +9,9 @@ rank's *local* shard (FSDP2 zero 2/3 and ``replicate`` hand it DTensors; their
 local tensors are exactly the rank's shard), while the next parameter's state
 is prefetched; the updated master is copied back into the device parameter and
 the state is released, so at most a parameter or two of state is resident.
+With ZeRO-3 parameter offload (``shards``, a ``ParamOffload``) the shard it
+updates is the stored one, in place on the host: the device never holds it
+for the step.
 
 ``self.state[p]`` is a ``StoredState`` mapping that reads and writes through
 the store, so ``state_dict``/DCP checkpoints and in-memory snapshots see the
@@ -75,9 +78,10 @@ class StoredState(MutableMapping):
 
 class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, params, store: OffloadStore, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
-                 eps: float = 1e-8, decoupled_weight_decay: bool = True):
+                 eps: float = 1e-8, decoupled_weight_decay: bool = True, shards=None):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "eps": eps})
         self.store = store
+        self.shards = shards
         self.decoupled_weight_decay = decoupled_weight_decay
         self._keys = {}
         for p in self._params():
@@ -92,19 +96,23 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Store bytes for one parameter: two fp32 moments, plus an fp32 master where one is needed."""
         return _local(param).numel() * 4 * (len(MOMENTS) + needs_master(param))
 
-    def _state(self, p) -> StoredState:
+    def _target(self, p) -> torch.Tensor:
+        """The tensor the step updates: the stored shard under parameter offload, else the local one."""
+        shard = self.shards.host_shard(p) if self.shards is not None else None
+        return _local(p) if shard is None else shard
+
+    def _state(self, p, local: torch.Tensor) -> StoredState:
         state = self.state[p]
         if isinstance(state, StoredState):
             return state
         stored = StoredState(self.store, self._keys[p])
-        local = _local(p)
         for k in MOMENTS:
             if k in state:
                 stored[k] = state[k]
             else:
                 self.store.zeros(stored.prefix + k, local.shape)
         stored["step"] = state.get("step", torch.tensor(0.0))
-        if needs_master(p):
+        if needs_master(local):
             self.store.put(stored.prefix + "master", local.detach().to("cpu", torch.float32, copy=True))
         self.state[p] = stored
         return stored
@@ -114,6 +122,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k in (*MOMENTS, "master"):
             if prefix + k in self.store:
                 self.store.prefetch(prefix + k)
+        if self.shards is not None:
+            self.shards.prefetch(p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -126,9 +136,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, group: dict, p: torch.Tensor) -> None:
-        state = self._state(p)
-        prefix, local = state.prefix, _local(p)
-        master = self.store.get(prefix + "master") if needs_master(p) else local
+        local = self._target(p)
+        state = self._state(p, local)
+        prefix = state.prefix
+        master = self.store.get(prefix + "master") if needs_master(local) else local
         grad = _local(p.grad).to("cpu", torch.float32)
         exp_avg, exp_avg_sq = (self.store.get(prefix + k) for k in MOMENTS)
         beta1, beta2 = group["betas"]
@@ -137,9 +148,11 @@ class OffloadedAdam(torch.optim.Optimizer):
              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         if master is not local:
             local.copy_(master, non_blocking=True)
-        del master, exp_avg, exp_avg_sq
+        del master, exp_avg, exp_avg_sq, local
         for k in (*MOMENTS, "master"):
             self.store.release(prefix + k)
+        if self.shards is not None:
+            self.shards.release(p)
 
     def state_dict(self):
         """PyTorch's layout with the stored moments read back, shaped (DTensor or not) like their parameters."""
