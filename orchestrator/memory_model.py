@@ -73,13 +73,17 @@ def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
 
 def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp32", optimizer: str = "adamw",
                 momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
-                offload_optimizer: bool = False, offload_params: bool = False) -> ModelState:
+                offload_optimizer: bool = False, offload_params: bool = False,
+                host_master: bool = False) -> ModelState:
     """Model-state bytes of one rank holding ``n_params`` (its pipeline/TP share) under ZeRO ``zero`` over ``dp``.
 
     ``zero3_gathered_params``: parameters all-gathered at once at ZeRO-3's peak (FSDP2:
     the root unit plus the block being computed and the one prefetched). ``offload_optimizer`` (ZeRO-Offload) moves the optimizer state,
-    master weights included, off the device; ``offload_params`` (ZeRO-Infinity, needs
-    ZeRO-3) moves the persistent parameter shards off too, so only gathered units stay.
+    master weights included, off the device; ``host_master``: the offloaded step keeps an fp32
+    master beside the moments even where the precision layout has none, because the device's
+    parameters are not host fp32 tensors (``workers.offload.optimizer.needs_master``: on a GPU).
+    ``offload_params`` (ZeRO-Infinity, needs ZeRO-3) moves the persistent parameter shards off
+    too, so only gathered units stay.
     Gradients stay on the device (they are produced there; an offload store may
     stream them out, which this model does not count as a saving).
     """
@@ -98,7 +102,8 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
             gathered = full if zero == 2 else p_bytes * min(zero3_gathered_params, n_params)
     offloaded = 0
     if offload_optimizer or optimizer in HOST_STATE_OPTIMIZERS:
-        offloaded, optim = optim, 0
+        extra_master = 4 * n_params if host_master and not master else 0
+        offloaded, optim = optim + (math.ceil(extra_master / dp) if zero >= 1 else extra_master), 0
     if offload_params:
         offloaded, params = offloaded + params, 0
     return ModelState(params, grads, optim, gathered, offloaded)

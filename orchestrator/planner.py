@@ -146,7 +146,8 @@ def rank_model_state(spec: JobSpec, params: int, ids: list[int], n_stages: int) 
     offload = offload_flags(spec)
     state = mm.model_state(params, p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
                            momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
-                           offload_optimizer=offload["optimizer"], offload_params=offload["params"])
+                           offload_optimizer=offload["optimizer"], offload_params=offload["params"],
+                           host_master=p.device != "cpu")
     if p.tp > 1 and p.zero < 2 and 0 in ids:
         # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
         # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients

@@ -49,3 +49,15 @@ def test_running_out_of_disk_is_an_error_before_start(tmp_path):
     assert info.value.field == "memory.offload.path" and "GiB free" in str(info.value)
     assert "tier: cpu" in str(info.value)
     assert offload_bytes(_spec(tmp_path, memory={"offload": {"optimizer": True}})) == 0  # host tier: no files
+
+
+@pytest.mark.parametrize("device, zero, per_param", [("cpu", 0, 8), ("cuda", 0, 12), ("cuda", 3, 12 / 2)])
+def test_disk_check_counts_what_the_planner_offloads(tmp_path, device, zero, per_param):
+    """One source for offloaded bytes: the planner's (moments, plus a host fp32 master for GPU parameters)."""
+    from orchestrator.planner import estimate
+
+    nvme = {"optimizer": True, "tier": "nvme", "path": str(tmp_path)}
+    spec = _spec(tmp_path, memory={"offload": nvme}, parallel={"dp": 2, "zero": zero, "device": device})
+    rows = estimate(spec)
+    assert [r.state.offloaded for r in rows] == [int(per_param * r.params) for r in rows]
+    assert offload_bytes(spec) == sum(r.state.offloaded for r in rows)
