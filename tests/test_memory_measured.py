@@ -28,12 +28,30 @@ LAYOUTS = {
 }
 
 
+# frozen bases: no gradients or optimizer state; NF4 bases at ~0.516 bytes a weight
+LORA_LAYOUTS = {
+    "lora-tp2-pp2": ({"tp": 2, "pp": 2}, {"rank": 4, "targets": ["wq", "wo", "w1", "w2", "output"]}),
+    "qlora-dp2-zero3": ({"dp": 2, "zero": 3}, {"rank": 4, "quantize": "nf4"}),
+}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_prediction_matches_measured_bytes(name, ray_cluster, token_data, tmp_path):
     parallel, recompute = LAYOUTS[name]
-    spec = tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"},
-                     memory={"recompute": recompute, "measure": True}, train={"steps": 2},
-                     checkpoint={"memory_every": 0}, precision={"dtype": "bf16" if "bf16" in name else "fp32"})
+    check_measured(name, tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"},
+                                   memory={"recompute": recompute, "measure": True}, train={"steps": 2},
+                                   checkpoint={"memory_every": 0},
+                                   precision={"dtype": "bf16" if "bf16" in name else "fp32"}))
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_prediction_matches_measured_bytes(name, ray_cluster, token_data, tmp_path):
+    parallel, lora = LORA_LAYOUTS[name]
+    check_measured(name, tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"}, model={"lora": lora},
+                                   memory={"measure": True}, train={"steps": 2}, checkpoint={"memory_every": 0}))
+
+
+def check_measured(name, spec):
     result = TrainingJob(spec, progress=False).run()
     assert sorted(result.memory) == list(range(spec.parallel.world_size))
     for rank, row in result.memory.items():

@@ -80,7 +80,8 @@ def quantize(weight: torch.Tensor) -> NF4Tensor:
     pad = (-centred.numel()) % SCALE_BLOCK
     groups = F.pad(centred, (0, pad)).view(-1, SCALE_BLOCK)
     step = (groups.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    scale_codes = (groups / step[:, None]).round().clamp(-127, 127).to(torch.int8).flatten()[: centred.numel()]
+    # cloned: a slice would keep the whole padded group tensor alive (up to 255 bytes a weight matrix)
+    scale_codes = (groups / step[:, None]).round().clamp(-127, 127).to(torch.int8).flatten()[: centred.numel()].clone()
     return NF4Tensor(packed, scale_codes, step, offset, weight.shape)
 
 
