@@ -72,15 +72,9 @@ def check_lora(job) -> None:
 
 
 def _check_nf4(job, gpt, adapted: list[str]) -> None:
-    from workers.nf4 import BLOCK
+    from workers.nf4 import BLOCK, shard_problem
 
-    if job.parallel.tp > 1:
-        raise SpecError(
-            "model.lora.quantize", "nf4",
-            f"with parallel.tp={job.parallel.tp} is not supported: NF4 blocks and scales are computed over the "
-            "whole weight, not per tensor-parallel shard",
-            "use parallel.tp: 1 with data parallelism (zero 2/3) or pipeline stages, or set model.lora.quantize: null",
-        )
+    tp = job.parallel.tp
     for name in adapted:
         shape = tuple(gpt.get_submodule(name).weight.shape)
         if (shape[0] * shape[1]) % BLOCK:
@@ -89,6 +83,16 @@ def _check_nf4(job, gpt, adapted: list[str]) -> None:
                 f"cannot quantize {name}: its weight {shape[0]}x{shape[1]} does not split into NF4 blocks of {BLOCK}",
                 f"make model.d_model / model.d_ff / model.vocab_size multiples of {BLOCK} for that layer, "
                 "remove it from model.lora.targets, or set model.lora.quantize: null",
+            )
+        row_parallel = name.rsplit(".", 1)[-1] in ROW_PARALLEL
+        problem = tp > 1 and shard_problem(shape, 1 if row_parallel else 0, tp)
+        if problem:
+            raise SpecError(
+                "model.lora.quantize", "nf4",
+                f"with parallel.tp={tp} cannot shard {name} ({'row' if row_parallel else 'column'}-parallel): "
+                f"{problem}, so ranks would not dequantize the blocks the whole weight was quantized in",
+                f"make that layer's input size (model.d_model for wo, model.d_ff for w2) a multiple of {BLOCK * tp}, "
+                "remove it from model.lora.targets, or lower parallel.tp",
             )
 
 
