@@ -19,8 +19,8 @@ def _spec(tmp_path, **sections):
     ({"memory": {"offload": {"path": "/x"}}}, "memory.offload.path", "tier: nvme"),
     ({"memory": {"offload": {"optimizer": True}}, "optim": {"name": "sgd"}}, "memory.offload.optimizer", "adamw"),
     ({"optim": {"name": "paged_adamw"}, "parallel": {"dp": 2, "zero": 1}}, "parallel.zero", "zero: 2 or 3"),
-    ({"optim": {"name": "sm3"}, "parallel": {"dp": 2, "zero": 3}}, "parallel.zero", "zero: 0 or 1"),
-    ({"optim": {"name": "adafactor"}, "parallel": {"tp": 2}}, "parallel.tp", "zero: 0 or 1"),
+    ({"optim": {"name": "adafactor"}, "parallel": {"dp": 2, "zero": 3}}, "parallel.zero", "optim.name sm3"),
+    ({"optim": {"name": "adafactor"}, "parallel": {"tp": 2}}, "parallel.tp", "zero: 0/1 with tp: 1"),
     ({"memory": {"offload": {"params": True}}}, "memory.offload.params", "memory.offload.optimizer: true"),
     ({"memory": {"activation_compression": "int4"}}, "memory.activation_compression", "bf16"),
 ])
