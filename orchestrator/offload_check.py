@@ -2,9 +2,9 @@
 
 A rank's store takes what the planner moves off its device (``planner.estimate``'s
 ``state.offloaded``: Adam's moments, an fp32 master where the device needs one,
-parameter shards under parameter offload), so the check and `raymesh plan` cannot
-disagree, plus its activation estimate (halved for bf16 compression, quartered
-for fp8) with activation offload. Every rank is counted against the one path,
+parameter shards under parameter offload; and ``offloaded_activation_bytes``, the
+saved tensors activation offload packs away, halved for bf16 compression,
+quartered for fp8), so the check and `raymesh plan` cannot disagree. Every rank is counted against the one path,
 the worst case of all ranks sharing a node. (Ranks on other nodes write to
 their own disks; this checks the driver's.)
 """
@@ -23,15 +23,10 @@ ACTIVATION_SCALE = {"none": 1.0, "bf16": 0.5, "fp8": 0.25}
 
 def offload_bytes(spec: JobSpec) -> int:
     """Bytes all ranks' NVMe stores may hold at once (0 unless tier is nvme)."""
-    off = spec.memory.offload
-    if off.tier != "nvme":
+    if spec.memory.offload.tier != "nvme":
         return 0
-    total = 0
-    for row in estimate(spec):
-        total += row.state.offloaded
-        if off.activations:
-            total += int(row.activation_bytes * ACTIVATION_SCALE[spec.memory.activation_compression])
-    return total
+    scale = ACTIVATION_SCALE[spec.memory.activation_compression]
+    return sum(row.state.offloaded + int(row.offloaded_activation_bytes * scale) for row in estimate(spec))
 
 
 def check_offload_space(spec: JobSpec) -> None:

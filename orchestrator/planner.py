@@ -29,6 +29,7 @@ class RankEstimate:
     state: mm.ModelState
     activation_bytes: int
     buffer_bytes: int
+    offloaded_activation_bytes: int = 0  # saved for backward but packed off the device (memory.offload.activations)
 
     @property
     def total_bytes(self) -> int:
@@ -93,8 +94,9 @@ def head_bytes(spec: JobSpec) -> int:
                                     p.tp > 1 and p.sequence_parallel, compute_bytes(spec))
 
 
-def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
-    """This rank's average chunk times the chunk-microbatches its schedule keeps in flight, plus the head.
+def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
+    """Saved for backward on this rank, before activation offload packs any away: its average chunk
+    times the chunk-microbatches its schedule keeps in flight, plus the head.
 
     The head (final norm, logits' log-softmax) is in flight once: every schedule but
     GPipe runs a microbatch's loss backward right after its forward (measured on
@@ -107,8 +109,7 @@ def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     heads = 0
     if n_stages - 1 in ids:
         heads = head_bytes(spec) * (spec.train.microbatches if p.pp > 1 and p.pp_schedule == "gpipe" else 1)
-    return mm.device_activation_bytes(sum(chunks) * in_flight // len(ids) + heads, layer_bytes(spec),
-                                      offload_flags(spec)["activations"])
+    return sum(chunks) * in_flight // len(ids) + heads
 
 
 def autocast_copy_bytes(spec: JobSpec, params: int) -> int:
@@ -184,9 +185,10 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
         sharded, replicated = stage_params(spec, sid, n_stages)
         params += sharded // p.tp + replicated
     split = rank_parameter_split(spec, params, ids, n_stages)
-    return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages),
-                        rank_activation_bytes(spec, ids, coords["pp"]),
-                        buffer_bytes(spec, params, ids, split["trainable"]))
+    saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
+    on_device = mm.device_activation_bytes(saved, layer_bytes(spec), offload_flags(spec)["activations"])
+    return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
+                        buffer_bytes(spec, params, ids, split["trainable"]), saved - on_device)
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:

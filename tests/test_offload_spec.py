@@ -61,3 +61,17 @@ def test_disk_check_counts_what_the_planner_offloads(tmp_path, device, zero, per
     rows = estimate(spec)
     assert [r.state.offloaded for r in rows] == [int(per_param * r.params) for r in rows]
     assert offload_bytes(spec) == sum(r.state.offloaded for r in rows)
+
+
+def test_disk_check_counts_the_activations_that_leave_the_device(tmp_path):
+    """Activation offload keeps about two layers on the device; the rest of what is saved goes to the files."""
+    from orchestrator.planner import estimate
+
+    nvme = {"activations": True, "tier": "nvme", "path": str(tmp_path)}
+    spec = _spec(tmp_path, memory={"offload": nvme, "activation_compression": "bf16"})
+    plain = estimate(_spec(tmp_path))
+    rows = estimate(spec)
+    for row, base in zip(rows, plain):
+        assert row.offloaded_activation_bytes > row.activation_bytes  # most of it leaves
+        assert row.offloaded_activation_bytes + row.activation_bytes == base.activation_bytes
+    assert offload_bytes(spec) == sum(r.offloaded_activation_bytes // 2 for r in rows)
