@@ -315,10 +315,11 @@ class TrainingJob:
                     with self._issue_lock:
                         self._issued = self.step + 1
                         faults_now = self.faults.for_step(self._issued, spec.parallel.world_size)
-                        for _ in self.faults.for_controller(self._issued):  # corrupt_checkpoint, the only kind
-                            corrupt_newest(self.ckpt)
-                    if self.ps is not None:
-                        faults_now = self.ps.take_faults(faults_now)
+                        for fault in self.faults.for_controller(self._issued):
+                            if fault["kind"] == "kill_ps_shard":
+                                self.ps.arm(fault)
+                            else:  # corrupt_checkpoint
+                                corrupt_newest(self.ckpt)
                     results = self.group.step(faults_now)
                     if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
                         raise StepFailed({}, kind="nan_loss")

@@ -4,14 +4,16 @@ One-shot faults (``kill_rank``, ``kill_node``, ``hang_rank``, ``nan_loss``,
 ``corrupt_checkpoint``) fire once at ``at_step``, so the step re-run after
 recovery is clean; a ``slow_rank`` stays slow from ``at_step`` on; a fault
 with ``every_s`` repeats (``orchestrator.soak``). ``corrupt_checkpoint`` acts
-on storage, so the controller injects it, not a rank.
+on storage and ``kill_ps_shard`` on a parameter-server shard, so the controller
+injects them, not a rank: they come from ``for_controller``, never from the
+rank-keyed ``for_step``, where they would collide with a rank's own fault.
 """
 
 from __future__ import annotations
 
 from orchestrator.soak import RepeatingFault
 
-CONTROLLER_KINDS = ("corrupt_checkpoint",)
+CONTROLLER_KINDS = ("corrupt_checkpoint", "kill_ps_shard")
 
 
 class FaultSchedule:

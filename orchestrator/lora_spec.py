@@ -72,15 +72,9 @@ def check_lora(job) -> None:
 
 
 def _check_nf4(job, gpt, adapted: list[str]) -> None:
-    from workers.nf4 import BLOCK
+    from workers.nf4 import BLOCK, shard_problem
 
-    if job.parallel.tp > 1:
-        raise SpecError(
-            "model.lora.quantize", "nf4",
-            f"with parallel.tp={job.parallel.tp} is not supported: NF4 blocks and scales are computed over the "
-            "whole weight, not per tensor-parallel shard",
-            "use parallel.tp: 1 with data parallelism (zero 2/3) or pipeline stages, or set model.lora.quantize: null",
-        )
+    tp = job.parallel.tp
     for name in adapted:
         shape = tuple(gpt.get_submodule(name).weight.shape)
         if (shape[0] * shape[1]) % BLOCK:
@@ -89,6 +83,16 @@ def _check_nf4(job, gpt, adapted: list[str]) -> None:
                 f"cannot quantize {name}: its weight {shape[0]}x{shape[1]} does not split into NF4 blocks of {BLOCK}",
                 f"make model.d_model / model.d_ff / model.vocab_size multiples of {BLOCK} for that layer, "
                 "remove it from model.lora.targets, or set model.lora.quantize: null",
+            )
+        row_parallel = name.rsplit(".", 1)[-1] in ROW_PARALLEL
+        problem = tp > 1 and shard_problem(shape, 1 if row_parallel else 0, tp)
+        if problem:
+            raise SpecError(
+                "model.lora.quantize", "nf4",
+                f"with parallel.tp={tp} cannot shard {name} ({'row' if row_parallel else 'column'}-parallel): "
+                f"{problem}, so ranks would not dequantize the blocks the whole weight was quantized in",
+                f"make that layer's input size (model.d_model for wo, model.d_ff for w2) a multiple of {BLOCK * tp}, "
+                "remove it from model.lora.targets, or lower parallel.tp",
             )
 
 
@@ -124,19 +128,34 @@ def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
     return export_merged(job.worker_dict(), path, out)
 
 
-def parameter_split(job) -> dict[str, int]:
+ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.parallel.tensor_parallel); others column
+
+
+def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> dict[str, int]:
     """Parameters by how LoRA stores them, for memory estimates: `trainable` (adapters: grads and optimizer
     state), `frozen` (full precision, no grads), `nf4` (4-bit base, `workers.nf4` bytes per weight).
-    Without `model.lora` every parameter is trainable."""
+    Without `model.lora` every parameter is trainable.
+
+    For one rank: `holds(module_name)` says which adapted Linears are in its pipeline stages, `tp` shards
+    base weights and adapters the way `workers.parallel.lora_tp` places them (B sharded beside a
+    column-parallel base, A beside a row-parallel one, the other replicated), and `total` is the rank's
+    base parameters (the planner's count; default the whole model)."""
     from workers.lora import target_names
 
     _, gpt = _linear_names(job.model)
-    total = sum(p.numel() for p in gpt.parameters())
+    if total is None:
+        total = sum(p.numel() for p in gpt.parameters())
     lora = job.model.lora
     if lora is None:
         return {"trainable": total, "frozen": 0, "nf4": 0}
     adapted = {n for hits in target_names(gpt, lora.targets).values() for n in hits}
-    shapes = [gpt.get_submodule(n).weight.shape for n in adapted]
-    trainable = sum(lora.rank * (rows + cols) for rows, cols in shapes)
-    nf4 = sum(rows * cols for rows, cols in shapes) if lora.quantize == "nf4" else 0
+    trainable = base = 0
+    for name in adapted:
+        if holds is not None and not holds(name):
+            continue
+        rows, cols = gpt.get_submodule(name).weight.shape
+        row_parallel = name.rsplit(".", 1)[-1] in ROW_PARALLEL
+        trainable += lora.rank * (rows + cols // tp if row_parallel else rows // tp + cols)
+        base += rows * cols // tp
+    nf4 = base if lora.quantize == "nf4" else 0
     return {"trainable": trainable, "frozen": total - nf4, "nf4": nf4}

@@ -39,6 +39,8 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "paged_adamw": 8, "sgd": 0, "ada
 HOST_STATE_OPTIMIZERS = frozenset({"paged_adamw"})
 PRECISIONS = {"fp32": (4, 4, 0), "autocast": (4, 4, 0), "mixed": (2, 2, 4)}  # param, grad, master bytes
 BYTES_PER = {"fp32": 4, "bf16": 2, "fp16": 2}
+# QLoRA's NF4 weight (workers.nf4): 4-bit codes, an int8 absmax per 64 weights, an fp32 step per 256 absmaxes
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 @dataclass(frozen=True)
@@ -73,19 +75,26 @@ def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
 
 def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp32", optimizer: str = "adamw",
                 momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
-                offload_optimizer: bool = False, offload_params: bool = False) -> ModelState:
+                offload_optimizer: bool = False, offload_params: bool = False,
+                host_master: bool = False, frozen: int = 0, quantized_bytes: int = 0) -> ModelState:
     """Model-state bytes of one rank holding ``n_params`` (its pipeline/TP share) under ZeRO ``zero`` over ``dp``.
 
     ``zero3_gathered_params``: parameters all-gathered at once at ZeRO-3's peak (FSDP2:
     the root unit plus the block being computed and the one prefetched). ``offload_optimizer`` (ZeRO-Offload) moves the optimizer state,
-    master weights included, off the device; ``offload_params`` (ZeRO-Infinity, needs
-    ZeRO-3) moves the persistent parameter shards off too, so only gathered units stay.
+    master weights included, off the device; ``host_master``: the offloaded step keeps an fp32
+    master beside the moments even where the precision layout has none, because the device's
+    parameters are not host fp32 tensors (``workers.offload.optimizer.needs_master``: on a GPU).
+    ``offload_params`` (ZeRO-Infinity, needs ZeRO-3) moves the persistent parameter shards off
+    too, so only gathered units stay.
+    ``frozen``: parameters beside ``n_params`` that train not (LoRA's base): weights only,
+    sharded like the rest; ``quantized_bytes``: frozen weights stored quantized (QLoRA's NF4)
+    as module buffers, which ZeRO does not shard.
     Gradients stay on the device (they are produced there; an offload store may
     stream them out, which this model does not count as a saving).
     """
     p_bytes, g_bytes, master = PRECISIONS[precision]
     k = master + optimizer_state_bytes(optimizer, momentum)
-    params, grads, optim = p_bytes * n_params, g_bytes * n_params, k * n_params
+    params, grads, optim = p_bytes * (n_params + frozen), g_bytes * n_params, k * n_params
     gathered = 0
     if zero >= 1:
         optim = math.ceil(optim / dp)
@@ -95,10 +104,12 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         full = params
         params = math.ceil(params / dp)
         if fsdp and dp > 1:
-            gathered = full if zero == 2 else p_bytes * min(zero3_gathered_params, n_params)
+            gathered = full if zero == 2 else p_bytes * min(zero3_gathered_params, n_params + frozen)
+    params += quantized_bytes
     offloaded = 0
     if offload_optimizer or optimizer in HOST_STATE_OPTIMIZERS:
-        offloaded, optim = optim, 0
+        extra_master = 4 * n_params if host_master and not master else 0
+        offloaded, optim = optim + (math.ceil(extra_master / dp) if zero >= 1 else extra_master), 0
     if offload_params:
         offloaded, params = offloaded + params, 0
     return ModelState(params, grads, optim, gathered, offloaded)

@@ -1,10 +1,10 @@
 """Will the NVMe offload files fit? Checked before any actor starts, like the data path.
 
-A rank's store takes, for this rank's share of the model (planner.estimate):
-8 bytes a parameter for Adam's moments (+4 for an fp32 master when parameters
-live on a GPU) with optimizer offload, 4 for the parameter shard itself with
-parameter offload, and its activation estimate (halved for bf16 compression, quartered
-for fp8) with activation offload. Every rank is counted against the one path,
+A rank's store takes what the planner moves off its device (``planner.estimate``'s
+``state.offloaded``: Adam's moments, an fp32 master where the device needs one,
+parameter shards under parameter offload; and ``offloaded_activation_bytes``, the
+saved tensors activation offload packs away, halved for bf16 compression,
+quartered for fp8), so the check and `raymesh plan` cannot disagree. Every rank is counted against the one path,
 the worst case of all ranks sharing a node. (Ranks on other nodes write to
 their own disks; this checks the driver's.)
 """
@@ -23,19 +23,10 @@ ACTIVATION_SCALE = {"none": 1.0, "bf16": 0.5, "fp8": 0.25}
 
 def offload_bytes(spec: JobSpec) -> int:
     """Bytes all ranks' NVMe stores may hold at once (0 unless tier is nvme)."""
-    off, p = spec.memory.offload, spec.parallel
-    if off.tier != "nvme":
+    if spec.memory.offload.tier != "nvme":
         return 0
-    optimizer = off.optimizer or spec.optim.name == "paged_adamw"
-    per_param = (8 + (4 if p.device != "cpu" else 0)) if optimizer else 0
-    per_param += 4 if off.params else 0
-    total = 0
-    for row in estimate(spec):
-        shard = row.params // p.dp if p.zero >= 2 else row.params
-        total += per_param * shard
-        if off.activations:
-            total += int(row.activation_bytes * ACTIVATION_SCALE[spec.memory.activation_compression])
-    return total
+    scale = ACTIVATION_SCALE[spec.memory.activation_compression]
+    return sum(row.state.offloaded + int(row.offloaded_activation_bytes * scale) for row in estimate(spec))
 
 
 def check_offload_space(spec: JobSpec) -> None:

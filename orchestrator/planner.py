@@ -8,11 +8,13 @@ schedule. The layout picker lives in ``orchestrator.layout_picker``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from orchestrator import memory_model as mm
+from orchestrator.lora_spec import parameter_split
 from orchestrator.spec import JobSpec
-from workers.layout import coordinates, stage_ids
+from workers.layout import coordinates, layers_of_stage, stage_ids
 
 # raymesh's bf16/fp16 keep fp32 weights, gradients and Adam state under torch.autocast
 PRECISION_LAYOUT = {"fp32": "fp32", "bf16": "autocast", "fp16": "autocast"}
@@ -27,6 +29,7 @@ class RankEstimate:
     state: mm.ModelState
     activation_bytes: int
     buffer_bytes: int
+    offloaded_activation_bytes: int = 0  # saved for backward but packed off the device (memory.offload.activations)
 
     @property
     def total_bytes(self) -> int:
@@ -91,8 +94,9 @@ def head_bytes(spec: JobSpec) -> int:
                                     p.tp > 1 and p.sequence_parallel, compute_bytes(spec))
 
 
-def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
-    """This rank's average chunk times the chunk-microbatches its schedule keeps in flight, plus the head.
+def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
+    """Saved for backward on this rank, before activation offload packs any away: its average chunk
+    times the chunk-microbatches its schedule keeps in flight, plus the head.
 
     The head (final norm, logits' log-softmax) is in flight once: every schedule but
     GPipe runs a microbatch's loss backward right after its forward (measured on
@@ -105,8 +109,7 @@ def rank_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     heads = 0
     if n_stages - 1 in ids:
         heads = head_bytes(spec) * (spec.train.microbatches if p.pp > 1 and p.pp_schedule == "gpipe" else 1)
-    return mm.device_activation_bytes(sum(chunks) * in_flight // len(ids) + heads, layer_bytes(spec),
-                                      offload_flags(spec)["activations"])
+    return sum(chunks) * in_flight // len(ids) + heads
 
 
 def autocast_copy_bytes(spec: JobSpec, params: int) -> int:
@@ -127,16 +130,31 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
     return spec.train.microbatches * hidden * edges
 
 
-def buffer_bytes(spec: JobSpec, params: int, ids: list[int]) -> int:
+def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int) -> int:
     """Buffers beside model state and activations: autocast's weight copies, DDP's flat
     all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
     (``gradient_as_bucket_view`` is off), and the pipeline's receive buffers."""
     p = spec.parallel
-    buckets = 4 * params if p.zero == 1 and p.dp > 1 else 0
+    buckets = 4 * trainable if p.zero == 1 and p.dp > 1 else 0
     return buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids)
 
 
-def rank_model_state(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> mm.ModelState:
+def rank_parameter_split(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> dict[str, int]:
+    """This rank's ``params`` split into trainable, frozen and NF4 (``lora_spec.parameter_split``; all
+    trainable without LoRA): adapters on the Linears of its stages, TP-sharded as placed."""
+    if spec.model.lora is None:
+        return {"trainable": params, "frozen": 0, "nf4": 0}
+    layers = {i for s in ids for i in layers_of_stage(s, n_stages, spec.model.n_layers)}
+
+    def holds(name: str) -> bool:
+        if name.startswith("layers."):
+            return int(name.split(".")[1]) in layers
+        return n_stages - 1 in ids  # the output head
+
+    return parameter_split(spec, holds, spec.parallel.tp, params)
+
+
+def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
     root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - len(ids) * (
         spec.model.n_layers // n_stages) * block_params(spec)
@@ -144,10 +162,12 @@ def rank_model_state(spec: JobSpec, params: int, ids: list[int], n_stages: int) 
     # backward, plus the block being computed and the one prefetched
     gathered = (root + 2 * block_params(spec)) // p.tp
     offload = offload_flags(spec)
-    state = mm.model_state(params, p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
+    state = mm.model_state(split["trainable"], p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
                            momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
-                           offload_optimizer=offload["optimizer"], offload_params=offload["params"])
-    if p.tp > 1 and p.zero < 2 and 0 in ids:
+                           offload_optimizer=offload["optimizer"], offload_params=offload["params"],
+                           host_master=p.device != "cpu", frozen=split["frozen"],
+                           quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]))
+    if p.tp > 1 and p.zero < 2 and 0 in ids and spec.model.lora is None:
         # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
         # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
         vocab_rows = spec.model.vocab_size * spec.model.d_model
@@ -164,8 +184,11 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     for sid in ids:
         sharded, replicated = stage_params(spec, sid, n_stages)
         params += sharded // p.tp + replicated
-    return RankEstimate(rank, coords, ids, params, rank_model_state(spec, params, ids, n_stages),
-                        rank_activation_bytes(spec, ids, coords["pp"]), buffer_bytes(spec, params, ids))
+    split = rank_parameter_split(spec, params, ids, n_stages)
+    saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
+    on_device = mm.device_activation_bytes(saved, layer_bytes(spec), offload_flags(spec)["activations"])
+    return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
+                        buffer_bytes(spec, params, ids, split["trainable"]), saved - on_device)
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:

@@ -64,15 +64,11 @@ class PSShards:
 
     # -- between steps -------------------------------------------------------------------------
 
-    def take_faults(self, faults: dict[int, dict]) -> dict[int, dict]:
-        """Arm this step's ``kill_ps_shard`` faults; the rest go to the ranks."""
-        for rank, fault in list(faults.items()):
-            if fault["kind"] == "kill_ps_shard":
-                ray.get(self.handles[fault["shard"]].arm_kill.remote(1))
-                event("fault", kind="kill_ps_shard", shard=fault["shard"], at_step=fault["at_step"])
-                self._armed[fault["shard"]] = (fault["at_step"], time.perf_counter())
-                del faults[rank]
-        return faults
+    def arm(self, fault: dict) -> None:
+        """A ``kill_ps_shard`` fault (``FaultSchedule.for_controller``): the shard dies during the coming step."""
+        ray.get(self.handles[fault["shard"]].arm_kill.remote(1))
+        event("fault", kind="kill_ps_shard", shard=fault["shard"], at_step=fault["at_step"])
+        self._armed[fault["shard"]] = (fault["at_step"], time.perf_counter())
 
     def after_step(self, step: int, group) -> None:
         """Restart and resync dead shards, then snapshot on the cadence (asp/ssp workers paused meanwhile)."""

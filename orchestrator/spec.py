@@ -446,11 +446,13 @@ class JobSpec(_Section):
             raise SpecError("memory.offload.optimizer", True, f"is not supported for optim.name {name!r}: the "
                             "offloaded host step is Adam's", "use optim.name adamw, adam or paged_adamw, "
                             "or set memory.offload.optimizer: false")
-        if name in ("adafactor", "sm3") and (p.zero >= 2 or p.tp > 1):
+        if name == "adafactor" and (p.zero >= 2 or p.tp > 1):
             field, value = ("parallel.zero", p.zero) if p.zero >= 2 else ("parallel.tp", p.tp)
-            raise SpecError(field, value, f"shards parameters, which optim.name {name!r} cannot step: its factored "
-                            "statistics take maxima/norms across a whole tensor",
-                            "use zero: 0 or 1 with tp: 1 for this optimizer, or optim.name adamw/paged_adamw")
+            raise SpecError(field, value, "shards parameters, which optim.name 'adafactor' (PyTorch's) cannot step "
+                            "exactly: its factored second moment divides row means by column means of whole "
+                            "matrices, and a shard sees only some rows or columns",
+                            "use optim.name sm3 (same O(rows + cols) state, steps shards exactly), adamw with "
+                            "memory.offload.optimizer or paged_adamw, or zero: 0/1 with tp: 1 for adafactor")
         stored_optim = off.optimizer or name == "paged_adamw"
         if stored_optim and p.zero == 1 and p.dp > 1:
             raise SpecError("parallel.zero", 1, "cannot be combined with an offloaded optimizer: "

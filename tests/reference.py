@@ -14,6 +14,7 @@ from workers.builder import model_config
 from workers.data import DataCursor, TokenDataset
 from workers.finetune import prepare_model
 from workers.model import GPT, lm_loss
+from workers.sm3 import SM3
 
 
 def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
@@ -23,7 +24,10 @@ def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
         prepare_model(model, spec.worker_dict()["model"]["lora"])
     o = spec.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    if o.name == "sm3":  # our own optimizer: its sharded step is what a layout's parity checks
+        opt = SM3(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     data = TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed)
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []

@@ -13,6 +13,7 @@ from orchestrator.disk_faults import corrupt_newest
 from orchestrator.errors import SpecError
 from orchestrator.fault_schedule import FaultSchedule
 from orchestrator.soak import RepeatingFault
+from orchestrator.spec import FaultSpec
 from orchestrator.stragglers import StragglerDetector
 
 
@@ -133,3 +134,14 @@ def test_straggler_is_reported_after_consecutive_slow_steps_and_cleared_after_as
 def test_one_slow_rank_of_two_stands_out_against_the_other():
     ratios = StragglerDetector(ratio=1 / 0.7, steps=3).observe(1, step_results({0: 1.0, 1: 3.0}))
     assert ratios == {0: pytest.approx(1 / 3), 1: 3.0}
+
+
+def test_shard_kill_and_a_rank_fault_at_the_same_step_both_happen():
+    """kill_ps_shard is the controller's: it must not share the rank-keyed dict with rank 0's own fault."""
+    faults = [FaultSpec(kind="slow_rank", rank=0, at_step=2, factor=2.0),
+              FaultSpec(kind="kill_ps_shard", shard=1, at_step=3),
+              FaultSpec(kind="kill_rank", rank=1, at_step=3)]
+    schedule = FaultSchedule(faults)
+    ranks = schedule.for_step(3, 2)
+    assert {r: f["kind"] for r, f in ranks.items()} == {0: "slow_rank", 1: "kill_rank"}
+    assert [(f["kind"], f["shard"]) for f in schedule.for_controller(3)] == [("kill_ps_shard", 1)]

@@ -105,7 +105,7 @@ def _lora_job(**lora) -> dict:
     (_lora_job(quantize="nf4", targets=["output"]) | {"model": {**_lora_job()["model"], "vocab_size": 257,
                                                                  "lora": {"quantize": "nf4", "targets": ["output"]}}},
      "model.lora.quantize", "blocks of 64"),
-    (_lora_job(quantize="nf4") | {"parallel": {"tp": 2}}, "model.lora.quantize", "parallel.tp: 1"),
+    (_lora_job(quantize="nf4") | {"parallel": {"tp": 2}}, "model.lora.quantize", "multiple of 128"),
     (_lora_job(dropout=0.1) | {"parallel": {"tp": 2}}, "model.lora.dropout", "dropout: 0"),
 ])
 def test_bad_lora_settings_name_field_value_and_fix(job, field, words):

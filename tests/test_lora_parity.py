@@ -63,6 +63,19 @@ def test_qlora_matches_the_reference_and_resumes_exactly(ray_cluster, token_data
     assert_resumes_exactly(spec, straight, from_step=3)
 
 
+def test_qlora_tensor_parallel_matches_the_reference(ray_cluster, token_data, tmp_path):
+    """NF4 quantized whole, then sharded in whole blocks (column- and row-parallel bases, sequence parallel):
+    the same dequantized weights as one process. Widths are multiples of 64 * tp, as the spec requires."""
+    model = {"d_model": 128, "n_heads": 4, "d_ff": 128, "n_layers": 2,
+             "lora": {**LORA, "quantize": "nf4", "targets": ["wq", "wk", "wv", "wo", "w1", "w2", "output"]}}
+    spec = tiny_spec(token_data, tmp_path, parallel={"tp": 2, "device": "cpu"}, model=model,
+                     train={"steps": STEPS})
+    losses, grad_norms = reference_run(spec, STEPS)
+    result = run(spec)
+    assert result.losses == pytest.approx(losses, rel=1e-4)
+    assert result.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+
+
 def test_fine_tune_from_a_base_checkpoint_resume_and_export(ray_cluster, token_data, tmp_path):
     # 1. a full pre-training run leaves a base checkpoint
     pre = tiny_spec(token_data, tmp_path / "pre", parallel={"dp": 2, "zero": 2}, train={"steps": 4},

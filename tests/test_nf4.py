@@ -80,3 +80,21 @@ def test_nf4_linear_matches_its_dequantized_weight_and_trains_nothing():
     x2 = x.detach().clone().requires_grad_()
     F.linear(x2, w).square().sum().backward()
     assert torch.allclose(x.grad, x2.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, dim, count", [((512, 96), 0, 2), ((256, 256), 1, 2), ((96, 512), 1, 4)])
+def test_tensor_parallel_shards_dequantize_to_the_whole_weights_slices(shape, dim, count):
+    """Quantize whole, then shard blocks: each rank gets bit-for-bit the single-process values (scale groups of
+    256 blocks span shards, so the shards share the whole weight's double-quantization steps)."""
+    torch.manual_seed(0)
+    q = quantize(torch.randn(shape))
+    whole = q.dequantize()
+    pieces = [q.shard(dim, i, count) for i in range(count)]
+    assert torch.equal(torch.cat([p.dequantize() for p in pieces], dim=dim), whole)
+    assert sum(p.codes.numel() + p.scale_codes.numel() for p in pieces) == q.codes.numel() + q.scale_codes.numel()
+
+
+def test_shards_that_would_split_a_block_are_refused():
+    q = quantize(torch.randn(32, 32))  # blocks of 64 span two rows: a column split cuts every block
+    with pytest.raises(ValueError, match="column shards"):
+        q.shard(1, 0, 2)

@@ -20,8 +20,8 @@ def _spec(tmp_path, **sections):
     ({"memory": {"offload": {"path": "/x"}}}, "memory.offload.path", "tier: nvme"),
     ({"memory": {"offload": {"optimizer": True}}, "optim": {"name": "sgd"}}, "memory.offload.optimizer", "adamw"),
     ({"optim": {"name": "paged_adamw"}, "parallel": {"dp": 2, "zero": 1}}, "parallel.zero", "zero: 2 or 3"),
-    ({"optim": {"name": "sm3"}, "parallel": {"dp": 2, "zero": 3}}, "parallel.zero", "zero: 0 or 1"),
-    ({"optim": {"name": "adafactor"}, "parallel": {"tp": 2}}, "parallel.tp", "zero: 0 or 1"),
+    ({"optim": {"name": "adafactor"}, "parallel": {"dp": 2, "zero": 3}}, "parallel.zero", "optim.name sm3"),
+    ({"optim": {"name": "adafactor"}, "parallel": {"tp": 2}}, "parallel.tp", "zero: 0/1 with tp: 1"),
     ({"memory": {"offload": {"params": True}}, "parallel": {"dp": 2, "zero": 3}}, "memory.offload.params",
      "memory.offload.optimizer: true"),
     ({"memory": {"offload": {"params": True, "optimizer": True}}, "parallel": {"dp": 2, "zero": 2}},
@@ -58,3 +58,29 @@ def test_running_out_of_disk_is_an_error_before_start(tmp_path):
     # parameter offload adds the fp32 parameter shard: 4 bytes a parameter
     both = _spec(tmp_path, parallel={"zero": 3}, memory={"offload": {**small, "params": True}})
     assert offload_bytes(both) == offload_bytes(spec) + 4 * estimate(spec)[0].params
+
+
+@pytest.mark.parametrize("device, zero, per_param", [("cpu", 0, 8), ("cuda", 0, 12), ("cuda", 3, 12 / 2)])
+def test_disk_check_counts_what_the_planner_offloads(tmp_path, device, zero, per_param):
+    """One source for offloaded bytes: the planner's (moments, plus a host fp32 master for GPU parameters)."""
+    from orchestrator.planner import estimate
+
+    nvme = {"optimizer": True, "tier": "nvme", "path": str(tmp_path)}
+    spec = _spec(tmp_path, memory={"offload": nvme}, parallel={"dp": 2, "zero": zero, "device": device})
+    rows = estimate(spec)
+    assert [r.state.offloaded for r in rows] == [int(per_param * r.params) for r in rows]
+    assert offload_bytes(spec) == sum(r.state.offloaded for r in rows)
+
+
+def test_disk_check_counts_the_activations_that_leave_the_device(tmp_path):
+    """Activation offload keeps about two layers on the device; the rest of what is saved goes to the files."""
+    from orchestrator.planner import estimate
+
+    nvme = {"activations": True, "tier": "nvme", "path": str(tmp_path)}
+    spec = _spec(tmp_path, memory={"offload": nvme, "activation_compression": "bf16"})
+    plain = estimate(_spec(tmp_path))
+    rows = estimate(spec)
+    for row, base in zip(rows, plain):
+        assert row.offloaded_activation_bytes > row.activation_bytes  # most of it leaves
+        assert row.offloaded_activation_bytes + row.activation_bytes == base.activation_bytes
+    assert offload_bytes(spec) == sum(r.offloaded_activation_bytes // 2 for r in rows)

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from workers.nf4 import NF4Linear
+
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding the memory under wrapper subclasses (DTensor, funcol's AsyncCollectiveTensor)."""
@@ -56,9 +58,11 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
 
 
 def model_state_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """QLoRA's NF4 base weights are module buffers (``workers.nf4``): they count as parameters."""
     params = [p for m in modules for p in m.parameters()]
+    nf4 = [b for m in modules for mod in m.modules() if isinstance(mod, NF4Linear) for b in mod.buffers()]
     return {
-        "params": tensor_bytes(params),
+        "params": tensor_bytes(params + nf4),
         "grads": tensor_bytes(p.grad for p in params),
         "optimizer": tensor_bytes(t for o in optimizers for t in _optimizer_tensors(o)),
     }

@@ -42,28 +42,72 @@ def _code_book() -> torch.Tensor:
 CODE_BOOK = _code_book()
 
 
+def shard_problem(shape: tuple[int, int], dim: int, count: int) -> str | None:
+    """Why a ``shape`` weight's NF4 blocks cannot be split ``count`` ways along ``dim`` (None: they can).
+
+    A shard must be whole 64-weight blocks of the weight quantized whole, so that every rank
+    dequantizes exactly the values a single process does: rows (dim 0) split into contiguous
+    runs of blocks when a shard's size is a multiple of 64; columns (dim 1) only when each row's
+    share of columns is."""
+    rows, cols = shape
+    if dim == 0 and (rows % count or (rows // count * cols) % BLOCK):
+        return f"{rows // count}x{cols} row shards are not whole blocks of {BLOCK} weights"
+    if dim == 1 and cols % (BLOCK * count):
+        return f"{rows}x{cols // count} column shards do not start rows at whole blocks of {BLOCK} weights"
+    return None
+
+
 @dataclass
 class NF4Tensor:
-    """A quantized weight: packed 4-bit codes plus double-quantized per-block scales."""
+    """A quantized weight: packed 4-bit codes plus double-quantized per-block scales.
+
+    A tensor-parallel shard (``shard``) holds a subset of the whole weight's blocks: its block ``j``
+    is the whole weight's block ``first_block + (j // row_blocks) * row_stride + j % row_blocks``
+    (``row_blocks`` None: a contiguous run), and ``scale_step`` stays the whole weight's.
+    """
 
     codes: torch.Tensor  # uint8 [numel / 2]: two codes per byte, high nibble first
     scale_codes: torch.Tensor  # int8 [numel / 64]: absmax - offset, in steps of scale_step
-    scale_step: torch.Tensor  # fp32 [ceil(blocks / 256)]
+    scale_step: torch.Tensor  # fp32 [ceil(blocks / 256)] of the whole weight
     scale_offset: torch.Tensor  # fp32 scalar: mean absmax
     shape: torch.Size
+    first_block: int = 0
+    row_blocks: int | None = None
+    row_stride: int = 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale_codes, self.scale_step, self.scale_offset))
 
     def absmax(self) -> torch.Tensor:
         """The per-block scales back from their 8-bit codes."""
-        steps = self.scale_step.repeat_interleave(SCALE_BLOCK)[: self.scale_codes.numel()]
-        return self.scale_codes.float() * steps + self.scale_offset
+        j = torch.arange(self.scale_codes.numel(), device=self.scale_codes.device)
+        if self.row_blocks is not None:
+            j = (j // self.row_blocks) * self.row_stride + j % self.row_blocks
+        return self.scale_codes.float() * self.scale_step[(j + self.first_block) // SCALE_BLOCK] + self.scale_offset
 
     def dequantize(self) -> torch.Tensor:
         codes = torch.stack((self.codes >> 4, self.codes & 0xF), dim=-1).flatten().long()
         blocks = CODE_BOOK.to(codes.device)[codes].view(-1, BLOCK) * self.absmax()[:, None]
         return blocks.view(self.shape)
+
+    def shard(self, dim: int, index: int, count: int) -> NF4Tensor:
+        """Shard ``index`` of ``count`` of this whole 2-D weight along ``dim``: its blocks, copied out."""
+        problem = shard_problem(tuple(self.shape), dim, count)
+        if problem:
+            raise ValueError(problem)
+        rows, cols = self.shape
+        if dim == 0:
+            n = rows // count * cols // BLOCK
+            first = index * n
+            return NF4Tensor(self.codes[first * BLOCK // 2:(first + n) * BLOCK // 2].clone(),
+                             self.scale_codes[first:first + n].clone(), self.scale_step, self.scale_offset,
+                             torch.Size((rows // count, cols)), first)
+        width, grid = cols // count, cols // BLOCK
+        per_row = width // BLOCK
+        codes = self.codes.view(rows, cols // 2)[:, index * width // 2:(index + 1) * width // 2]
+        scales = self.scale_codes.view(rows, grid)[:, index * per_row:(index + 1) * per_row]
+        return NF4Tensor(codes.contiguous().flatten(), scales.contiguous().flatten(), self.scale_step,
+                         self.scale_offset, torch.Size((rows, width)), index * per_row, per_row, grid)
 
 
 def quantize(weight: torch.Tensor) -> NF4Tensor:
@@ -80,7 +124,8 @@ def quantize(weight: torch.Tensor) -> NF4Tensor:
     pad = (-centred.numel()) % SCALE_BLOCK
     groups = F.pad(centred, (0, pad)).view(-1, SCALE_BLOCK)
     step = (groups.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    scale_codes = (groups / step[:, None]).round().clamp(-127, 127).to(torch.int8).flatten()[: centred.numel()]
+    # cloned: a slice would keep the whole padded group tensor alive (up to 255 bytes a weight matrix)
+    scale_codes = (groups / step[:, None]).round().clamp(-127, 127).to(torch.int8).flatten()[: centred.numel()].clone()
     return NF4Tensor(packed, scale_codes, step, offset, weight.shape)
 
 
@@ -113,13 +158,19 @@ class NF4Linear(nn.Module):
         if linear.bias is not None:
             raise ValueError("NF4Linear supports bias-free Linear layers (the GPT has no biases)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q = quantize(linear.weight)
+        self._use(quantize(linear.weight))
+
+    def _use(self, q: NF4Tensor) -> None:
         for name in ("codes", "scale_codes", "scale_step", "scale_offset"):
             self.register_buffer(name, getattr(q, name), persistent=False)
+        self.layout = (q.shape, q.first_block, q.row_blocks, q.row_stride)
 
     def weight_nf4(self) -> NF4Tensor:
-        return NF4Tensor(self.codes, self.scale_codes, self.scale_step, self.scale_offset,
-                         torch.Size((self.out_features, self.in_features)))
+        return NF4Tensor(self.codes, self.scale_codes, self.scale_step, self.scale_offset, *self.layout)
+
+    def shard_(self, dim: int, index: int, count: int) -> None:
+        """Keep only tensor-parallel shard ``index`` of ``count`` along ``dim`` (``workers.parallel.nf4_tp``)."""
+        self._use(self.weight_nf4().shard(dim, index, count))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FrozenNF4Linear.apply(x, self)

@@ -9,23 +9,34 @@ per parameter entry; SM3 keeps one accumulator vector per tensor dimension
     update = g / (sqrt(nu) + eps),  with optional momentum on the update,
 
 and the parameter moves by -lr * update. Tensors of rank <= 1 keep a full
-accumulator (SM3 = Adagrad there). Replicated DTensor parameters (``replicate``,
-zero 0) step on their local copies; sharded ones are refused by the job spec,
-since the cover maxima would need reductions across shards.
+accumulator (SM3 = Adagrad there).
+
+Sharded DTensor parameters (FSDP2's ZeRO-2/3, tensor parallelism, both) step
+on their local shards exactly: a cover entry is a maximum, so the accumulator
+of dimension i is the local maximum all-reduced (MAX) over each mesh dimension
+that shards a tensor dimension other than i; the accumulator of a sharded
+dimension stays a local shard. That is one small all-reduce per accumulator and
+sharding mesh dimension, of d_i floats, per step.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, DTensor):
-        if any(pl.is_shard() for pl in t.placements):
-            raise ValueError("SM3 steps whole (or replicated) tensors, not shards")
-        return t.to_local()
-    return t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _cover_groups(p: torch.Tensor, i: int) -> list:
+    """Process groups over which accumulator ``i`` of ``p`` is a maximum: mesh dims sharding another dim.
+    (Any placement with a ``dim``: FSDP2 over TP shards with ``_StridedShard``, not a ``Shard``.)"""
+    if not isinstance(p, DTensor):
+        return []
+    return [p.device_mesh.get_group(m) for m, pl in enumerate(p.placements)
+            if getattr(pl, "dim", None) is not None and pl.dim % p.dim() != i]
 
 
 class SM3(torch.optim.Optimizer):
@@ -59,8 +70,16 @@ class SM3(torch.optim.Optimizer):
             nu = torch.minimum(nu, acc)
         nu = nu + grad * grad
         for i, acc in enumerate(accs):
+            if param.dim() < 2:
+                acc.copy_(nu)
+                continue
             others = [d for d in range(param.dim()) if d != i]
-            acc.copy_(nu.amax(dim=others, keepdim=True) if param.dim() > 1 else nu)
+            if nu.numel():
+                acc.copy_(nu.amax(dim=others, keepdim=True))
+            else:  # an empty FSDP2 shard (more ranks than rows) adds nothing to the maximum
+                acc.zero_()
+            for pg in _cover_groups(p, i):
+                dist.all_reduce(acc, op=dist.ReduceOp.MAX, group=pg)
         update = grad / (nu.sqrt() + group["eps"])
         if group["momentum"]:
             buf = state["momentum_buffer"]

@@ -13,6 +13,8 @@ are all-reduced — r values per token, not d_model) and ``B`` is replicated,
 its output moved to the base's output layout (a local slice under sequence
 parallelism).
 
+An NF4 (QLoRA) base keeps its style through ``workers.parallel.nf4_tp``.
+
 Replicated weights are DTensors (``Replicate()``), so their gradients are
 reduced where partial and the global gradient norm counts them once.
 """
@@ -27,6 +29,8 @@ from torch.distributed.tensor import Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from workers.lora import LoRALinear
+from workers.nf4 import NF4Linear
+from workers.parallel.nf4_tp import NF4Parallel
 
 
 class ReplicateParallel(ColwiseParallel):
@@ -64,6 +68,6 @@ def adapt_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, P
         if not isinstance(target, LoRALinear):
             out[name] = style
             continue
-        out[f"{name}.base"] = style
+        out[f"{name}.base"] = NF4Parallel(style) if isinstance(target.base, NF4Linear) else style
         out[f"{name}.lora_a"], out[f"{name}.lora_b"] = adapter_styles(style)
     return out
