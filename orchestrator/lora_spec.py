@@ -140,15 +140,13 @@ def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> d
     base weights and adapters the way `workers.parallel.lora_tp` places them (B sharded beside a
     column-parallel base, A beside a row-parallel one, the other replicated), and `total` is the rank's
     base parameters (the planner's count; default the whole model)."""
-    from workers.lora import target_names
-
     _, gpt = _linear_names(job.model)
     if total is None:
         total = sum(p.numel() for p in gpt.parameters())
     lora = job.model.lora
     if lora is None:
         return {"trainable": total, "frozen": 0, "nf4": 0}
-    adapted = {n for hits in target_names(gpt, lora.targets).values() for n in hits}
+    adapted = adapted_linears(job.model, gpt)
     trainable = base = 0
     for name in adapted:
         if holds is not None and not holds(name):
@@ -159,3 +157,13 @@ def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> d
         base += rows * cols // tp
     nf4 = base if lora.quantize == "nf4" else 0
     return {"trainable": trainable, "frozen": total - nf4, "nf4": nf4}
+
+
+def adapted_linears(model, gpt=None) -> set[str]:
+    """Module names of the Linears the `model` section's `lora.targets` puts adapters on (none without LoRA)."""
+    from workers.lora import target_names
+
+    if model.lora is None:
+        return set()
+    gpt = gpt if gpt is not None else _linear_names(model)[1]
+    return {n for hits in target_names(gpt, model.lora.targets).values() for n in hits}

@@ -130,9 +130,34 @@ def max_trainable_params(device_bytes: float, dp: int, zero: int, precision: str
 # ------------------------------------------------------------------------------------ activations
 
 
+ALL_LINEARS = frozenset({"wq", "wk", "wv", "wo", "w1", "w2"})
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A block (or the head) of a LoRA run: frozen base, adapters of ``rank`` on the Linears named in ``adapted``.
+
+    Autograd saves only what some gradient needs (measured with ``workers.memory_probe``):
+    a frozen Linear saves nothing (its input would only serve its own weight gradient)
+    but its adapter's A saves that input and B saves A's rank-r output; a frozen norm
+    saves its input (for the input gradient) but not the normalised x (only its weight
+    gradient reads that); and nothing needs a gradient upstream of the first adapter
+    (the embedding is frozen), so ``input_grad`` is False there and ops whose inputs
+    need no gradient save nothing at all.
+    """
+
+    adapted: frozenset = frozenset()
+    rank: int = 0
+    input_grad: bool = True
+
+    def output_grad(self) -> bool:
+        """Whether the block's output needs a gradient (what the next block sees as ``input_grad``)."""
+        return self.input_grad or bool(self.adapted)
+
+
 def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, ffn_dim: int,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                           compute_bytes: int = 4, attention: str = "flash") -> int:
+                           compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None) -> int:
     """Bytes one transformer block saves for backward for one microbatch (raymesh's GPT block).
 
     Counted tensor by tensor from what autograd keeps (the probe checks it), with
@@ -154,30 +179,49 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     Recompute: ``full`` keeps only the block input (4·s·b·h, fp32 residual, sequence-
     sharded under SP); ``selective`` recomputes the attention core, dropping what only
     the core saves (log-sum-exp, and the s² matrices of ``math`` attention).
+
+    ``frozen`` (LoRA, see ``Frozen``) keeps of these only what a gradient needs, plus
+    each adapter's rank-r A output (c·s·b·r, not sharded: A's output is whole on every tp rank).
     """
     s, b, h, a = seq, micro_batch, d_model, n_heads
     sbh = s * b * h
     seq_shard = tp if sequence_parallel else 1
+    f = frozen or Frozen(ALL_LINEARS, 0, True)
+    trained = frozen is None
+    x_grad, on = f.input_grad, f.adapted.__contains__
     if recompute == "full":
-        return 4 * sbh // seq_shard
-    norms = 4 * 4 * sbh // seq_shard + 2 * 4 * s * b // seq_shard
-    linear_inputs = 2 * compute_bytes * sbh
-    attn = 4 * compute_bytes * sbh // tp
-    core = 4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)
-    mlp = 2 * compute_bytes * s * b * ffn_dim // tp
-    rotary = 4 * 4 * s * (h // a) // 2
-    return norms + linear_inputs + attn + mlp + rotary + (0 if recompute == "selective" else core)
+        return 4 * sbh // seq_shard if x_grad else 0
+    attn_grad = x_grad or any(map(on, ("wq", "wk", "wv")))
+    mid_grad = attn_grad or on("wo")
+    h1_grad = mid_grad or on("w1")
+
+    def norm(grad: bool) -> int:  # input and rsqrt for the input gradient; normalised x for the weight's
+        return ((4 * sbh + 4 * s * b) * grad + 4 * sbh * trained) // seq_shard
+
+    norms = norm(x_grad) + norm(mid_grad)
+    linear_inputs = compute_bytes * sbh * (any(map(on, ("wq", "wk", "wv"))) + on("w1"))
+    attn = compute_bytes * sbh // tp * (3 * attn_grad + (attn_grad or on("wo")))
+    core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
+    mlp = compute_bytes * s * b * ffn_dim // tp * (h1_grad + on("w2"))
+    rotary = 4 * 4 * s * (h // a) // 2 * attn_grad
+    adapters = compute_bytes * s * b * f.rank * len(f.adapted) * (not trained)
+    return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
 
 
 def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,
-                          sequence_parallel: bool = False, compute_bytes: int = 4) -> int:
+                          sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None) -> int:
     """Last stage: final norm (input and normalised x, fp32), the output linear's input
     (c bytes, gathered), log-softmax output (fp32, full vocab: logits are replicated
-    before the loss) and the int64 targets."""
+    before the loss) and the int64 targets. ``frozen``: the output Linear is adapted
+    when ``"output"`` is in ``frozen.adapted``; the norm keeps its input only."""
     s, b = seq, micro_batch
     seq_shard = tp if sequence_parallel else 1
-    return (2 * 4 * s * b * d_model + 4 * s * b) // seq_shard + compute_bytes * s * b * d_model \
-        + 4 * s * b * vocab + 8 * s * b
+    if frozen is None:
+        return (2 * 4 * s * b * d_model + 4 * s * b) // seq_shard + compute_bytes * s * b * d_model \
+            + 4 * s * b * vocab + 8 * s * b
+    adapted, logits_grad = "output" in frozen.adapted, frozen.output_grad()
+    return (4 * s * b * d_model + 4 * s * b) * frozen.input_grad // seq_shard \
+        + compute_bytes * s * b * (d_model + frozen.rank) * adapted + (4 * s * b * vocab + 8 * s * b) * logits_grad
 
 
 def embedding_activation_bytes(seq: int, micro_batch: int) -> int:

@@ -8,12 +8,13 @@ schedule. The layout picker lives in ``orchestrator.layout_picker``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 from orchestrator import memory_model as mm
-from orchestrator.lora_spec import parameter_split
-from orchestrator.spec import JobSpec
+from orchestrator.lora_spec import adapted_linears, parameter_split
+from orchestrator.spec import JobSpec, ModelSpec
 from workers.layout import coordinates, layers_of_stage, stage_ids
 
 # raymesh's bf16/fp16 keep fp32 weights, gradients and Adam state under torch.autocast
@@ -75,23 +76,47 @@ def compute_bytes(spec: JobSpec) -> int:
     return mm.BYTES_PER[spec.precision.dtype]
 
 
-def layer_bytes(spec: JobSpec) -> int:
-    """Saved for backward by one block for one microbatch."""
+def layer_bytes(spec: JobSpec, layer: int = 0) -> int:
+    """Saved for backward by one block (``layer``: which, where LoRA adapts blocks differently) for one microbatch."""
     m, p = spec.model, spec.parallel
     return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
-                                     p.tp > 1 and p.sequence_parallel, spec.memory.recompute, compute_bytes(spec))
+                                     p.tp > 1 and p.sequence_parallel, spec.memory.recompute, compute_bytes(spec),
+                                     frozen=frozen_parts(spec)[layer])
+
+
+def frozen_parts(spec: JobSpec) -> list[mm.Frozen | None]:
+    """Per block, then the head: what LoRA leaves trainable (``mm.Frozen``), or all None without LoRA."""
+    return _frozen_parts(spec.model.model_dump_json())
+
+
+@functools.lru_cache(maxsize=16)
+def _frozen_parts(model_json: str) -> list[mm.Frozen | None]:
+    """Cached on the model section: target matching builds the model on the meta device."""
+    model = ModelSpec.model_validate_json(model_json)
+    n = model.n_layers
+    if model.lora is None:
+        return [None] * (n + 1)
+    names = adapted_linears(model)
+    parts, grad = [], False  # the frozen embedding's output needs no gradient
+    for i in range(n):
+        adapted = frozenset(name.rsplit(".", 1)[1] for name in names if name.startswith(f"layers.{i}."))
+        parts.append(mm.Frozen(adapted, model.lora.rank, grad))
+        grad = parts[-1].output_grad()
+    return parts + [mm.Frozen(frozenset(names & {"output"}), model.lora.rank, grad)]
 
 
 def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
-    """One microbatch through one pipeline stage's blocks (and embedding where it holds it); no head."""
-    embedding = mm.embedding_activation_bytes(spec.model.seq_len, micro_batch(spec)) if stage == 0 else 0
-    return (spec.model.n_layers // n_stages) * layer_bytes(spec) + embedding
+    """One microbatch through one pipeline stage's blocks (and embedding where it holds it); no head.
+    A frozen (LoRA) embedding saves nothing: its weight needs no gradient."""
+    trained_embedding = stage == 0 and spec.model.lora is None
+    embedding = mm.embedding_activation_bytes(spec.model.seq_len, micro_batch(spec)) if trained_embedding else 0
+    return sum(layer_bytes(spec, i) for i in layers_of_stage(stage, n_stages, spec.model.n_layers)) + embedding
 
 
 def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
     return mm.head_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.vocab_size, p.tp,
-                                    p.tp > 1 and p.sequence_parallel, compute_bytes(spec))
+                                    p.tp > 1 and p.sequence_parallel, compute_bytes(spec), frozen_parts(spec)[-1])
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -154,13 +179,26 @@ def rank_parameter_split(spec: JobSpec, params: int, ids: list[int], n_stages: i
     return parameter_split(spec, holds, spec.parallel.tp, params)
 
 
+def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
+    """QLoRA's NF4 base weights within ZeRO-3's gathered units (root, two blocks): module buffers,
+    which FSDP2 neither shards nor all-gathers, so the gathered term leaves them out."""
+    lora = spec.model.lora
+    if lora is None or lora.quantize != "nf4":
+        return 0
+    block = min(i for s in ids for i in layers_of_stage(s, n_stages, spec.model.n_layers))
+    head = n_stages - 1 in ids
+    root = parameter_split(spec, lambda name: name == "output" and head, spec.parallel.tp, 0)["nf4"]
+    blocks = parameter_split(spec, lambda name: name.startswith(f"layers.{block}."), spec.parallel.tp, 0)["nf4"]
+    return root + 2 * blocks
+
+
 def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
     root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - len(ids) * (
         spec.model.n_layers // n_stages) * block_params(spec)
     # ZeRO-3 on FSDP2: the root unit (embeddings, head) stays gathered from forward through
     # backward, plus the block being computed and the one prefetched
-    gathered = (root + 2 * block_params(spec)) // p.tp
+    gathered = (root + 2 * block_params(spec)) // p.tp - nf4_gathered_params(spec, ids, n_stages)
     offload = offload_flags(spec)
     state = mm.model_state(split["trainable"], p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
                            momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
@@ -186,7 +224,8 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
         params += sharded // p.tp + replicated
     split = rank_parameter_split(spec, params, ids, n_stages)
     saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
-    on_device = mm.device_activation_bytes(saved, layer_bytes(spec), offload_flags(spec)["activations"])
+    largest = max(layer_bytes(spec, i) for i in range(spec.model.n_layers))
+    on_device = mm.device_activation_bytes(saved, largest, offload_flags(spec)["activations"])
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"]), saved - on_device)
 
