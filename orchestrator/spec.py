@@ -474,11 +474,6 @@ class JobSpec(_Section):
                             "shards are updated where they are stored",
                             "also set memory.offload.optimizer: true (optim.name adamw or adam), or use "
                             "optim.name paged_adamw")
-        if p.tp > 1 or p.pp > 1:
-            field, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
-            raise SpecError(field, value, "is not supported with memory.offload.params (offload is tested on "
-                            "plain ZeRO-3 data parallelism only)",
-                            "use tp: 1 and pp: 1 with memory.offload.params, or memory.offload.params: false")
 
     def _check_faults(self) -> None:
         ft, world = self.fault_tolerance, self.parallel.world_size

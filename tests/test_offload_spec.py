@@ -26,8 +26,6 @@ def _spec(tmp_path, **sections):
      "memory.offload.optimizer: true"),
     ({"memory": {"offload": {"params": True, "optimizer": True}}, "parallel": {"dp": 2, "zero": 2}},
      "parallel.zero", "parallel.zero: 3"),
-    ({"optim": {"name": "paged_adamw"}, "memory": {"offload": {"params": True}}, "parallel": {"zero": 3, "tp": 2}},
-     "parallel.tp", "tp: 1 and pp: 1"),
     ({"memory": {"activation_compression": "int4"}}, "memory.activation_compression", "bf16"),
 ])
 def test_refused_with_field_and_fix(tmp_path, sections, field, fix):
