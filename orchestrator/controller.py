@@ -495,7 +495,14 @@ class TrainingJob:
         dead = set(failure.dead)
         kind = failure.kind
         if dead:
-            self.group.replace(dead)
+            self.group.replace(dead)  # starts now, while the survivors' failed step ends
+            more = self.group.finish_failed_step()
+            phases.lap("survivors")
+            if more:
+                self.group.replace(more)
+                failure.dead.update(more)
+                dead |= set(more)
+                self.restarts += len(more)
             placed = self.group.placed(dead, ft.placement_timeout_s)
             if node_loss.gone(self.layout["ranks"][r]["node_id"] for r in dead):
                 kind = "node"

@@ -1,11 +1,11 @@
 """The rank actors of one job: start them, run a step on all, and replace the ones that fail.
 
 A step either completes on every rank or raises ``StepFailed`` naming the
-ranks that died (actor or process gone) or hung (no answer within the
-heartbeat timeout; those are killed so they count as dead). A survivor whose
-collective broke with a dead peer aborts its process groups, so the peers
-blocked on it fail at once too; anything still blocked gets an error from
-gloo/NCCL within the collective timeout, so a failed step always ends.
+ranks that died (actor or process gone; reported as soon as the first is
+seen) or hung (no answer within the heartbeat timeout; those are killed so
+they count as dead). Survivors blocked in a collective with a dead peer get an
+error from gloo/NCCL within the collective timeout, so a failed step always
+ends; the replacement starts meanwhile.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class StepFailed(Exception):
 
 class RankGroup:
     worker_extra: dict = {}  # extra keys for the workers' spec dict (``ps_routes`` under dp_sync: ps)
+    _failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
 
     def __init__(self, spec: JobSpec, placement: RankPlacement, use_gpu: bool):
         self.spec = spec
@@ -68,35 +69,58 @@ class RankGroup:
         return ranks
 
     def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[dict]:
-        """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``)."""
+        """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``).
+
+        Fails as soon as one rank's actor is seen dead: the survivors still blocked in a collective
+        with it finish their failed step (gloo/NCCL error, at most the collective timeout) while the
+        replacement starts, because the next calls they get queue behind it.
+        """
         refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
-        ray.wait(refs, num_returns=len(refs), timeout=self.spec.fault_tolerance.heartbeat_timeout_s)
-        results, dead, errors = [], {}, []
-        for rank, ref in enumerate(refs):
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
-                dead[rank] = "hung"
-                continue
-            try:
-                results.append(ray.get(ref))
-            except RayActorError:
-                dead[rank] = "died"
-            except ray.exceptions.RayTaskError as exc:
-                errors.append(exc)  # a survivor whose collective broke with the dead peer, or a real bug
+        deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
+        results, dead, errors, pending = {}, {}, [], list(refs)
+        while pending and not dead and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                rank = refs.index(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError:
+                    dead[rank] = "died"
+                except ray.exceptions.RayTaskError as exc:
+                    errors.append(exc)  # a survivor whose collective broke with the dead peer, or a real bug
+        if not dead:
+            dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
         if errors and not dead:
             raise errors[0]  # every rank alive yet one raised: a bug to report, not a fault to recover from
         if dead:
-            failure = StepFailed(dead)
             for rank in dead:
                 ray.kill(self.workers[rank], no_restart=True)
-            ray.wait(refs, num_returns=len(refs), timeout=self.spec.fault_tolerance.collective_timeout_s + 5)
-            raise failure
-        return results
+            self._failed = {refs.index(ref): ref for ref in pending}
+            raise StepFailed(dead)
+        return [results[r] for r in range(len(refs))]
+
+    def finish_failed_step(self) -> dict[int, str]:
+        """Wait for the other ranks' failed step to end (within the collective timeout); returns the ranks
+        found dead meanwhile (a lost node takes several), killed like the first."""
+        refs, self._failed = self._failed, {}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.spec.fault_tolerance.collective_timeout_s + 5)
+        dead = {}
+        for rank, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                dead[rank] = "died"
+                ray.kill(self.workers[rank], no_restart=True)
+            except ray.exceptions.RayError:
+                pass  # its collective broke with the dead peer (or it is still blocked): a survivor
+        return dead
 
     def replace(self, ranks) -> None:
-        """New actors in the dead ranks' grid positions (their placement bundles are free again)."""
+        """New actors in the dead ranks' grid positions (their placement bundles are free again); they start
+        importing torch and the trainer at once, while the survivors finish their failed step."""
         for rank in ranks:
             self.workers[rank] = self._new_actor(rank)
+            self.workers[rank].preload.remote()
 
     def placed(self, ranks, timeout_s: float) -> bool:
         """Whether the new actors of ``ranks`` started within ``timeout_s``.

@@ -1,8 +1,10 @@
 """Where a recovery's time goes: seconds per phase, from the fault to the next completed step.
 
 Phases, in order (those a recovery path skips are absent): ``detect`` (the
-failed step was issued until the controller knew), ``replace`` (the dead
-ranks' new actors started: process, imports), ``form`` (every rank re-joined
+failed step was issued until the controller saw a rank dead), ``survivors``
+(the other ranks' failed step ended: those blocked on the dead peer wait up
+to the collective timeout; the replacement actors start meanwhile),
+``replace`` (what was left of the new actors' start: process, imports), ``form`` (every rank re-joined
 a new process group and rebuilt its model), ``restore`` (state rolled back
 from memory or disk), ``snapshot`` (the first snapshot of the new group),
 ``restart`` (``restart_all``: the whole grid again), ``shrink`` (a smaller

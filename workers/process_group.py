@@ -45,14 +45,3 @@ def init_mesh(
     return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS,
                             backend_override={dim: (backend, options) for dim in MESH_DIMS})
 
-
-def abort_all() -> None:
-    """Abort every process group of this rank, closing its connections to the peers.
-
-    Called when this rank's step failed because a peer died: gloo reports a closed connection
-    at once, so the peers still blocked on *this* rank fail within a moment too, instead of
-    each waiting out the collective timeout. PyTorch's ``_abort_process_group`` (documented for
-    NCCL, and on gloo it closes the pairs, which is what we need); ``setup`` forms new groups.
-    """
-    if dist.is_initialized():
-        dist.distributed_c10d._abort_process_group()

@@ -65,18 +65,8 @@ class RankWorker:
                 "device_name": name, **self.identity()}
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> dict:
-        """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).
-
-        When the step fails (a peer died), this rank aborts its process groups at once: the peers
-        blocked on it then fail too instead of waiting out the collective timeout (a cascade).
-        """
-        try:
-            result = self.trainer.train_step(fault)
-        except Exception:
-            from workers.process_group import abort_all
-
-            abort_all()
-            raise
+        """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background)."""
+        result = self.trainer.train_step(fault)
         if snapshot_keep_from is not None:
             self._take_snapshot(snapshot_keep_from)
         return {**result, "replicated_step": self.store.replicated}

@@ -17,10 +17,13 @@ replica must be a plain copy in the holder's memory to outlive the sender.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
 import ray
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotStore:
@@ -56,6 +59,7 @@ class SnapshotStore:
 
     def roll_back(self, step: int) -> None:
         """After a rollback to ``step`` the later snapshots belong to steps that never happened."""
+        self._queue.join()  # none of them may land after this
         self._keep_only(lambda s: s <= step)
         self.replicated = min(self.replicated, step)
 
@@ -70,7 +74,7 @@ class SnapshotStore:
             try:
                 ray.get(holder.hold_replica.remote(self.rank, step, snap))
                 self.replicated = max(self.replicated, step)
-            except ray.exceptions.RayError:
-                pass  # the holder died: its replacement gets the snapshot the recovery takes
+            except ray.exceptions.RayError as exc:  # the holder died: its replacement gets the recovery's snapshot
+                log.warning("rank %d: replica of step %d not stored: %s", self.rank, step, type(exc).__name__)
             finally:
                 self._queue.task_done()
