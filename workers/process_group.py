@@ -44,4 +44,3 @@ def init_mesh(
     options._timeout = timeout
     return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS,
                             backend_override={dim: (backend, options) for dim in MESH_DIMS})
-
