@@ -45,7 +45,7 @@ def job_dict(args, run_dir: Path, name: str) -> dict:
         "parallel": {"dp": 4, "pp": 2, "device": "cpu"},
         "optim": {"lr": 3e-3},
         "train": {"steps": 1_000_000, "global_batch_size": 16, "microbatches": 2},
-        "checkpoint": {"every": args.ckpt_every, "keep": 2, "memory_every": 1},
+        "checkpoint": {"every": args.ckpt_every, "keep": 2, "memory_every": 1, "async_save": args.async_save},
         "fault_tolerance": {"heartbeat_timeout_s": 60, "collective_timeout_s": 5, "max_restarts": 1000},
     }
 
@@ -78,8 +78,11 @@ def run(args, run_dir: Path, name: str) -> dict:
         "goodput": result.goodput,
         "startup_s": result.startup_s,
         "median_step_s": statistics.median(result.step_time_s),
-        "recoveries": [{k: r[k] for k in ("rank", "at_step", "source", "lost_steps", "mttr_s")} for r in recs],
+        "recoveries": [{k: r[k] for k in ("rank", "at_step", "source", "lost_steps", "mttr_s", "phases_s")}
+                       for r in recs],
         "mttr_s_mean": statistics.fmean(r["mttr_s"] for r in recs) if recs else None,
+        "mttr_phases_s_mean": {phase: statistics.fmean(r["phases_s"].get(phase, 0.0) for r in recs)
+                               for phase in dict.fromkeys(p for r in recs for p in r["phases_s"])},
         "mttr_s_max": max((r["mttr_s"] for r in recs), default=None),
         "lost_steps_max": max((r["lost_steps"] for r in recs), default=None),
     }
@@ -91,6 +94,17 @@ def _stop_after(job, seconds: float) -> None:
         time.sleep(0.2)
     time.sleep(seconds)
     job.request_stop("benchmark duration reached")
+
+
+def _ratios(runs: dict) -> dict:
+    if not {"memory", "disk", "restart_all"} <= runs.keys():
+        return {}
+    mem, disk, full = runs["memory"], runs["disk"], runs["restart_all"]
+    return {
+        "mttr_restart_all_over_memory": full["mttr_s_mean"] / mem["mttr_s_mean"],
+        "mttr_disk_over_memory": disk["mttr_s_mean"] / mem["mttr_s_mean"],
+        "goodput_memory_over_restart_all": mem["goodput"] / full["goodput"],
+    }
 
 
 def _num(value, spec: str) -> str:
@@ -105,23 +119,20 @@ def main() -> None:
     ap.add_argument("--jitter-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-every", type=int, default=10, help="disk checkpoint cadence in steps")
+    ap.add_argument("--async-save", action="store_true", help="disk checkpoints saved in the background (all runs)")
     ap.add_argument("--out", default="benchmarks/results/recovery.json")
+    ap.add_argument("--runs", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS),
+                    help="a subset of the runs, for a quick look (ratios need memory, disk and restart_all)")
     args = ap.parse_args()
     load_before = os.getloadavg()
     with open(LOCK, "w") as lock, tempfile.TemporaryDirectory(prefix="raymesh-recovery-") as tmp:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        runs = {name: run(args, Path(tmp), name) for name in SCENARIOS}
-    mem, disk, full = runs["memory"], runs["disk"], runs["restart_all"]
+        runs = {name: run(args, Path(tmp), name) for name in args.runs}
     report = {
         "layout": "dp=4 x pp=2 (8 ranks), CPU", "cpus": os.cpu_count(),
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "note": "2-core machine shared with other sessions' test runs: absolute times are noisy, ratios less so",
-        "args": vars(args), "runs": runs,
-        "ratios": {
-            "mttr_restart_all_over_memory": full["mttr_s_mean"] / mem["mttr_s_mean"],
-            "mttr_disk_over_memory": disk["mttr_s_mean"] / mem["mttr_s_mean"],
-            "goodput_memory_over_restart_all": mem["goodput"] / full["goodput"],
-        },
+        "args": vars(args), "runs": runs, "ratios": _ratios(runs),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
@@ -129,6 +140,9 @@ def main() -> None:
     for name, r in runs.items():
         print(f"{name:12}{len(r['recoveries']):>9}{_num(r['mttr_s_mean'], '>13.1f')}{_num(r['mttr_s_max'], '>12.1f')}"
               f"{_num(r['lost_steps_max'], '>10')}{r['goodput']:>9.1%}{r['steps']:>7}")
+    for name, r in runs.items():
+        if r["mttr_phases_s_mean"]:
+            print(f"{name} MTTR by phase (mean s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["mttr_phases_s_mean"].items()))
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.2f}")
 

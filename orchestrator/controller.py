@@ -25,20 +25,21 @@ from orchestrator.elastic import ElasticPolicy, resized
 from orchestrator.control import ControlServer
 from orchestrator.disk_faults import corrupt_newest
 from orchestrator.events import event
-from orchestrator.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.fault_schedule import FaultSchedule
-from orchestrator.memory_report import MeasuredMemory, warn_if_too_big
+from orchestrator.memory_report import warn_if_too_big
 from orchestrator.metrics import MetricsExporter
 from orchestrator import node_loss
 from orchestrator.placement import RankPlacement, reserve
 from orchestrator.ps_shards import PSShards
 from orchestrator.rank_group import RankGroup, StepFailed
-from orchestrator.run_records import RunRecords, step_record
+from orchestrator.recovery_phases import RecoveryPhases
+from orchestrator.run_records import RunRecords
 from orchestrator.run_result import RunResult
 from orchestrator.errors import SpecError
 from orchestrator.lora_spec import check_base_checkpoint
 from orchestrator.offload_check import check_offload_space
 from orchestrator.spec import FaultSpec, JobSpec, check_data_path, check_resources
+from orchestrator.step_accounting import StepAccounting
 from orchestrator.stragglers import StragglerDetector
 
 
@@ -64,6 +65,7 @@ class TrainingJob:
         self.recoveries: list[dict] = []
         self.restarts = 0
         self.snapshot_step: int | None = None
+        self._keep_from = -1  # snapshots older than this step are replicated everywhere and can go
         self.faults = FaultSchedule(spec.faults)
         self.stragglers = StragglerDetector(spec.fault_tolerance.straggler_ratio, spec.fault_tolerance.straggler_steps)
         self._issue_lock = threading.Lock()
@@ -292,41 +294,22 @@ class TrainingJob:
     def _loop(self, startup_s: float, resumed_from: str | None, t_start: float) -> RunResult:
         spec = self.spec
         every = spec.checkpoint.every
-        losses, norms, step_times, saved = [], [], [], []
-        peak: dict[int, int] = {}
-        measured = MeasuredMemory(spec)
-        tokens = spec.train.global_batch_size * spec.model.seq_len
-        peak_per_rank = peak_flops_per_rank(spec, self.layout["ranks"][0]["device_name"])
-        flops_per_token = model_flops_per_token(spec)
-        records = RunRecords(self.run_dir, append=resumed_from is not None, timeline=spec.metrics.timeline)
+        saved = []
+        acct = StepAccounting(spec, self.layout["ranks"][0]["device_name"], self.run_dir, resumed_from is not None,
+                              self.exporter, self.stragglers, self.recoveries)
         bar = tqdm(total=spec.train.steps, initial=self.step, disable=not self.progress, unit="step",
                    dynamic_ncols=True)
-        t_train = time.perf_counter()
         status = "finished"
         first = self.step
-        pending_recovery: dict | None = None
-        memory_every = spec.checkpoint.memory_every
-        if memory_every:
+        if spec.checkpoint.memory_every:
             self._snapshot()
         try:
             while self.step < spec.train.steps:
                 t0 = time.perf_counter()
                 try:
-                    with self._issue_lock:
-                        self._issued = self.step + 1
-                        faults_now = self.faults.for_step(self._issued, spec.parallel.world_size)
-                        for fault in self.faults.for_controller(self._issued):
-                            if fault["kind"] == "kill_ps_shard":
-                                self.ps.arm(fault)
-                            else:  # corrupt_checkpoint
-                                corrupt_newest(self.ckpt)
-                    results = self.group.step(faults_now)
-                    if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
-                        raise StepFailed({}, kind="nan_loss")
+                    results = self._step_once()
                 except StepFailed as failure:
-                    pending_recovery = self._recover(failure, self.step + 1, t0)
-                    keep = max(0, self.step - first)
-                    del losses[keep:], norms[keep:], step_times[keep:]
+                    acct.rolled_back(self._recover(failure, self.step + 1, t0), max(0, self.step - first))
                     bar.reset(total=spec.train.steps)
                     bar.update(self.step)
                     continue
@@ -336,32 +319,12 @@ class TrainingJob:
                     self.ps.after_step(self.step, self.group)
                     self.recoveries.extend(self.ps.recoveries)
                     self.ps.recoveries.clear()
-                if pending_recovery is not None:
-                    self._recovered(pending_recovery)
-                    pending_recovery = None
+                acct.first_step_done()
                 stopping = self._stop_requested.is_set()
                 due = every and (self.step % every == 0 or self.step == spec.train.steps or stopping)
                 ckpt_s = self._save(self.step, saved) if due else 0.0
-                if memory_every and self.step % memory_every == 0:
-                    self._snapshot()
-                record = step_record(results, step_s, tokens, time.time(), ckpt_s)
-                records.step(record, results)
-                ratios = self.stragglers.observe(self.step, results)
-                self.last = record
-                losses.append(record["loss"])
-                norms.append(record["grad_norm"])
-                step_times.append(step_s)
-                for r in results:
-                    peak[r["rank"]] = max(peak.get(r["rank"], 0), r["peak_memory_bytes"])
-                measured.observe(results)
-                if self.exporter is not None:
-                    bubble = _bubble_ratio(results)
-                    goodput = sum(step_times) / (time.perf_counter() - t_train)
-                    self.exporter.observe_stragglers(ratios, self.stragglers.flagged())
-                    peak_flops = peak_per_rank * self.spec.parallel.world_size  # the grid may have been resized
-                    self.exporter.observe_step(record, flops_per_token * record["tokens_per_s"] / peak_flops,
-                                               bubble, goodput)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                self.last = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
+                bar.set_postfix(loss=f"{self.last['loss']:.4f}", tok_s=f"{self.last['tokens_per_s']:.0f}")
                 bar.update(1)
                 if not stopping and self.step < spec.train.steps:
                     self._maybe_resize(saved)
@@ -372,28 +335,48 @@ class TrainingJob:
                 self._wait_async(saved)
         finally:
             bar.close()
-            records.close()
-        train_s = time.perf_counter() - t_train
+            acct.close()
+        losses = acct.losses
         return RunResult(
             steps=self.step,
             losses=losses,
             final_loss=losses[-1] if losses else None,
-            tokens_per_s=tokens * len(losses) / train_s if losses else 0.0,
+            tokens_per_s=acct.tokens * len(losses) / (time.perf_counter() - acct.t_train) if losses else 0.0,
             layout=self.layout,
             checkpoints=saved,
-            peak_memory_bytes=peak,
-            memory=measured.summary(),
-            grad_norms=norms,
+            peak_memory_bytes=acct.peak,
+            memory=acct.measured.summary(),
+            grad_norms=acct.norms,
             startup_s=startup_s,
-            step_time_s=step_times,
+            step_time_s=acct.step_times,
             resumed_from=resumed_from,
             status=status,
             recoveries=self.recoveries,
-            goodput=sum(step_times) / train_s,
+            goodput=acct.goodput(),
             stragglers=self.stragglers.episodes,
             corrupt_checkpoints=self.ckpt.skipped,
             resizes=self.resizes,
         )
+
+    def _step_once(self) -> list[dict]:
+        """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""
+        with self._issue_lock:
+            self._issued = self.step + 1
+            faults_now = self.faults.for_step(self._issued, self.spec.parallel.world_size)
+            for fault in self.faults.for_controller(self._issued):
+                if fault["kind"] == "kill_ps_shard":
+                    self.ps.arm(fault)
+                else:  # corrupt_checkpoint
+                    corrupt_newest(self.ckpt)
+        memory_every = self.spec.checkpoint.memory_every
+        keep_from = self._keep_from if memory_every and self._issued % memory_every == 0 else None
+        results = self.group.step(faults_now, keep_from)
+        if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
+            raise StepFailed({}, kind="nan_loss")
+        if keep_from is not None:
+            self.snapshot_step = self._issued
+        self._keep_from = min(r["replicated_step"] for r in results)  # replicated on every rank: older can go
+        return results
 
     # -- elastic data parallelism ---------------------------------------------------------
 
@@ -444,7 +427,7 @@ class TrainingJob:
         """
         t0 = time.perf_counter()
         old = self.spec
-        kept = self.group.survivor_snapshots(dead) if self.snapshot_step is not None else None
+        kept = self.group.survivor_snapshots(dead, self.step) if self.snapshot_step is not None else None
         self.group.stop()
         self.placement.release()
         self.group = self.placement = None  # nothing left to stop should no smaller grid fit
@@ -459,7 +442,7 @@ class TrainingJob:
             raise RuntimeError(f"no data-parallel degree down to fault_tolerance.min_dp={old.fault_tolerance.min_dp} "
                                "could be placed; fix: add nodes or lower fault_tolerance.min_dp")
         if kept is not None:
-            self.step = self.group.restore_positions(kept)
+            self.step = self.group.restore_positions(*kept)
             source = "memory"
         else:
             source = self._from_disk("shrink")
@@ -469,11 +452,15 @@ class TrainingJob:
     # -- recovery ------------------------------------------------------------------------
 
     def _snapshot(self) -> None:
+        """Every rank snapshots the current step (replicas ship in the background)."""
         self.group.snapshot()
         self.snapshot_step = self.step
+        self._keep_from = -1  # a new group, or rolled back: nothing is known replicated past here yet
 
     def _recover(self, failure: StepFailed, at_step: int, fault_time: float) -> dict:
         """Replace what died, re-form the group and roll every rank back; returns the pending recovery record."""
+        phases = RecoveryPhases(fault_time)
+        phases.lap("detect")
         ft = self.spec.fault_tolerance
         self.restarts += len(failure.dead)
         event("fault", kind=failure.kind, ranks=dict(failure.dead) or "-", at_step=at_step)
@@ -485,34 +472,57 @@ class TrainingJob:
         completed = self.step
         before = {r["rank"]: {k: r[k] for k in ("pid", "actor_id", "node_id")} for r in self.layout["ranks"]}
         dp_before = self.spec.parallel.dp
-        kind = failure.kind
-        placed = True
         if ft.recovery == "restart_all":
-            source = self._restart_all()
+            kind, source = failure.kind, self._restart_all()
+            phases.lap("restart")
         else:
-            if failure.dead:
-                self.group.replace(failure.dead)
-                placed = self.group.placed(failure.dead, ft.placement_timeout_s)
-                if node_loss.gone(self.layout["ranks"][r]["node_id"] for r in failure.dead):
-                    kind = "node"
-                if placed:
-                    self.layout["ranks"] = self.group.form()
-            source = self._roll_back(set(failure.dead)) if placed else self._shrink(set(failure.dead))
+            kind, source = self._replace_failed(failure, phases)
         if self.spec.checkpoint.memory_every:
             self._snapshot()
+            phases.lap("snapshot")
         if self.exporter is not None:
             self.exporter.observe_recovery(kind, len(failure.dead), completed - self.step)
-        event("recovered", kind=kind, source=source, step=self.step, lost_steps=completed - self.step)
+        event("recovered", kind=kind, source=source, step=self.step, lost_steps=completed - self.step,
+              **{f"{k}_s": f"{v:.2f}" for k, v in phases.seconds.items()})
         rank = min(failure.dead) if failure.dead else -1
         return {"kind": kind, "rank": rank, "at_step": at_step, "lost_steps": completed - self.step,
-                "source": source, "identities_before": before, "fault_time": fault_time,
+                "source": source, "identities_before": before, "phases": phases,
                 "dp_from": dp_before, "dp_to": self.spec.parallel.dp}
+
+    def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
+        """New actors for the dead ranks only, a re-formed group and a rollback; a smaller grid when the
+        replacements cannot be placed. Returns the recovery's kind and where the state came from."""
+        ft = self.spec.fault_tolerance
+        dead = set(failure.dead)
+        kind = failure.kind
+        if dead:
+            self.group.replace(dead)  # starts now, while the survivors' failed step ends
+            more = self.group.finish_failed_step()
+            phases.lap("survivors")
+            if more:
+                self.group.replace(more)
+                failure.dead.update(more)
+                dead |= set(more)
+                self.restarts += len(more)
+            placed = self.group.placed(dead, ft.placement_timeout_s)
+            if node_loss.gone(self.layout["ranks"][r]["node_id"] for r in dead):
+                kind = "node"
+            phases.lap("replace")
+            if not placed:
+                source = self._shrink(dead)
+                phases.lap("shrink")
+                return kind, source
+            self.layout["ranks"] = self.group.form()
+            phases.lap("form")
+        source = self._roll_back(dead)
+        phases.lap("restore")
+        return kind, source
 
     def _roll_back(self, replaced: set[int]) -> str:
         """Newest consistent state: in-memory snapshots, else the latest checkpoint, else step 0."""
         if self.snapshot_step is not None:
             try:
-                self.step = self.group.restore(replaced)
+                self.step = self.group.restore(replaced, self.step)
                 return "memory"
             except LookupError as why:
                 event("snapshot_lost", reason=why)
@@ -535,16 +545,3 @@ class TrainingJob:
     def _from_disk(self, purpose: str) -> str:
         """The latest checkpoint that passes its checksums (resharded to the current grid), else step 0."""
         return "disk" if self._load_from_disk(purpose) is not None else "initial"
-
-    def _recovered(self, pending: dict) -> None:
-        mttr = time.perf_counter() - pending.pop("fault_time")
-        self.recoveries.append({**pending, "mttr_s": mttr})
-        if self.exporter is not None:
-            self.exporter.mttr.labels(self.spec.name).set(mttr)
-
-
-def _bubble_ratio(results: list[dict]) -> float:
-    """Idle share of the pipeline window, averaged over ranks (0 without pipeline parallelism)."""
-    shares = [r["time_s"]["bubble"] / (r["time_s"]["bubble"] + r["time_s"]["compute"]) for r in results
-              if r["time_s"]["bubble"] + r["time_s"]["compute"] > 0]
-    return sum(shares) / len(shares) if shares else 0.0

@@ -1,10 +1,11 @@
 """The rank actors of one job: start them, run a step on all, and replace the ones that fail.
 
 A step either completes on every rank or raises ``StepFailed`` naming the
-ranks that died (actor or process gone) or hung (no answer within the
-heartbeat timeout; those are killed so they count as dead). Survivors blocked
-in a collective with a dead peer get an error from gloo/NCCL within the
-collective timeout, so a failed step always ends.
+ranks that died (actor or process gone; reported as soon as the first is
+seen) or hung (no answer within the heartbeat timeout; those are killed so
+they count as dead). Survivors blocked in a collective with a dead peer get an
+error from gloo/NCCL within the collective timeout, so a failed step always
+ends; the replacement starts meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from orchestrator.placement import RankPlacement
+from orchestrator.snapshot_target import newest_common_step
 from orchestrator.spec import JobSpec
 from workers.layout import coordinates
 from workers.rank_worker import RankWorker
@@ -37,6 +39,7 @@ class StepFailed(Exception):
 
 class RankGroup:
     worker_extra: dict = {}  # extra keys for the workers' spec dict (``ps_routes`` under dp_sync: ps)
+    _failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
 
     def __init__(self, spec: JobSpec, placement: RankPlacement, use_gpu: bool):
         self.spec = spec
@@ -46,7 +49,8 @@ class RankGroup:
 
     def _new_actor(self, rank: int):
         p = self.spec.parallel
-        return ray.remote(RankWorker).options(
+        # peers' replicas are stored on their own thread, beside the running step
+        return ray.remote(concurrency_groups={"replicas": 1})(RankWorker).options(
             num_cpus=p.cpus_per_rank,
             num_gpus=1 if self.use_gpu else 0,
             scheduling_strategy=self.placement.strategy(rank),
@@ -60,37 +64,63 @@ class RankGroup:
         ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
-        return ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
+        ranks = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
+        ray.get([w.set_holder.remote(self._holder_actor(r)) for r, w in enumerate(self.workers)])
+        return ranks
 
-    def step(self, faults: dict[int, dict]) -> list[dict]:
-        refs = [w.train_step.remote(faults.get(r)) for r, w in enumerate(self.workers)]
-        ray.wait(refs, num_returns=len(refs), timeout=self.spec.fault_tolerance.heartbeat_timeout_s)
-        results, dead, errors = [], {}, []
-        for rank, ref in enumerate(refs):
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
-                dead[rank] = "hung"
-                continue
-            try:
-                results.append(ray.get(ref))
-            except RayActorError:
-                dead[rank] = "died"
-            except ray.exceptions.RayTaskError as exc:
-                errors.append(exc)  # a survivor whose collective broke with the dead peer, or a real bug
+    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[dict]:
+        """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``).
+
+        Fails as soon as one rank's actor is seen dead: the survivors still blocked in a collective
+        with it finish their failed step (gloo/NCCL error, at most the collective timeout) while the
+        replacement starts, because the next calls they get queue behind it.
+        """
+        refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
+        deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
+        results, dead, errors, pending = {}, {}, [], list(refs)
+        while pending and not dead and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                rank = refs.index(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError:
+                    dead[rank] = "died"
+                except ray.exceptions.RayTaskError as exc:
+                    errors.append(exc)  # a survivor whose collective broke with the dead peer, or a real bug
+        if not dead:
+            dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
         if errors and not dead:
             raise errors[0]  # every rank alive yet one raised: a bug to report, not a fault to recover from
         if dead:
-            failure = StepFailed(dead)
             for rank in dead:
                 ray.kill(self.workers[rank], no_restart=True)
-            ray.wait(refs, num_returns=len(refs), timeout=self.spec.fault_tolerance.collective_timeout_s + 5)
-            raise failure
-        return results
+            self._failed = {refs.index(ref): ref for ref in pending}
+            raise StepFailed(dead)
+        return [results[r] for r in range(len(refs))]
+
+    def finish_failed_step(self) -> dict[int, str]:
+        """Wait for the other ranks' failed step to end (within the collective timeout); returns the ranks
+        found dead meanwhile (a lost node takes several), killed like the first."""
+        refs, self._failed = self._failed, {}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.spec.fault_tolerance.collective_timeout_s + 5)
+        dead = {}
+        for rank, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                dead[rank] = "died"
+                ray.kill(self.workers[rank], no_restart=True)
+            except ray.exceptions.RayError:
+                pass  # its collective broke with the dead peer (or it is still blocked): a survivor
+        return dead
 
     def replace(self, ranks) -> None:
-        """New actors in the dead ranks' grid positions (their placement bundles are free again)."""
+        """New actors in the dead ranks' grid positions (their placement bundles are free again); they start
+        importing torch and the trainer at once, while the survivors finish their failed step."""
         for rank in ranks:
             self.workers[rank] = self._new_actor(rank)
+            self.workers[rank].preload.remote()
 
     def placed(self, ranks, timeout_s: float) -> bool:
         """Whether the new actors of ``ranks`` started within ``timeout_s``.
@@ -127,29 +157,42 @@ class RankGroup:
         step = p.pp * p.tp if p.dp > 1 else 1
         return (rank + step) % world
 
-    def snapshot(self) -> None:
-        """Every rank keeps its state in memory and hands a replica to its holder (calls stay ordered per actor)."""
-        refs = [w.take_snapshot.remote() for w in self.workers]
-        for rank, ref in enumerate(refs):
-            holder = self.holder(rank)
-            if holder is not None:
-                self.workers[holder].hold_replica.remote(rank, ref)
+    def _holder_actor(self, rank: int):
+        holder = self.holder(rank)
+        return None if holder is None else self.workers[holder]
 
-    def restore(self, replaced: set[int]) -> int:
-        """Roll every rank back to the last snapshot; replaced ranks take their replica. Returns the step."""
+    def snapshot(self, keep_from: int = -1) -> None:
+        """Every rank snapshots its state now; replicas ship to the holders in the background.
+        Snapshots of steps before ``keep_from`` (replicated by every rank) are dropped."""
+        self.call("take_snapshot", keep_from)
+
+    def _available(self, ranks) -> dict[int, dict]:
+        """Each of ``ranks``' complete snapshot steps and replicas, once none is in flight."""
+        ranks = list(ranks)
+        return dict(zip(ranks, ray.get([self.workers[r].snapshot_steps.remote() for r in ranks])))
+
+    def restore(self, replaced: set[int], up_to: int) -> int:
+        """Roll every rank back to the newest snapshot step, at most ``up_to``, complete for all of them:
+        survivors from their own, replaced ranks from their holder's replica. Returns the step."""
         for rank in replaced:
             holder = self.holder(rank)
             if holder is None or holder in replaced:
                 raise LookupError(f"the in-memory replica of rank {rank} died with it")
+        avail = self._available(r for r in range(len(self.workers)) if r not in replaced)
+        lists = [held["own"] for held in avail.values()]
+        lists += [avail[self.holder(r)]["replicas"].get(r, []) for r in replaced]
+        step = newest_common_step(lists, up_to)
+        if step is None:
+            raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
         calls = []
         for rank, w in enumerate(self.workers):
-            snap = self.workers[self.holder(rank)].replica.remote(rank) if rank in replaced else None
-            calls.append(w.restore_snapshot.remote(snap))
-        steps = ray.get(calls)
-        return steps[0]
+            snap = self.workers[self.holder(rank)].replica.remote(rank, step) if rank in replaced else None
+            calls.append(w.restore_snapshot.remote(step, snap))
+        return ray.get(calls)[0]
 
-    def survivor_snapshots(self, dead: set[int]) -> dict | None:
-        """(pp, tp) position -> a surviving rank's last snapshot, for a grid with another dp to start from.
+    def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None:
+        """A step and, per (pp, tp) position, a surviving rank's snapshot of it, for a grid with another
+        dp to start from.
 
         Only where data-parallel replicas are full copies (zero 0): ZeRO splits the state over dp,
         which only a DCP checkpoint can reshard. None also when every replica of a position died.
@@ -157,21 +200,26 @@ class RankGroup:
         p = self.spec.parallel
         if p.zero != 0:
             return None
-        kept = {}
-        for rank, worker in enumerate(self.workers):
+        chosen = {}
+        for rank in range(len(self.workers)):
             c = coordinates(rank, p.dp, p.pp, p.tp)
-            if rank not in dead and (c.pp, c.tp) not in kept:
-                kept[(c.pp, c.tp)] = worker.kept_snapshot.remote()
-        if len(kept) < p.pp * p.tp:
+            if rank not in dead and (c.pp, c.tp) not in chosen:
+                chosen[(c.pp, c.tp)] = rank
+        if len(chosen) < p.pp * p.tp:
             return None
+        step = newest_common_step((held["own"] for held in self._available(chosen.values()).values()), up_to)
+        if step is None:
+            return None
+        kept = {pos: self.workers[rank].kept_snapshot.remote(step) for pos, rank in chosen.items()}
         ray.wait(list(kept.values()), num_returns=len(kept))  # in hand before the survivors are stopped
-        return kept
+        return step, kept
 
-    def restore_positions(self, kept: dict) -> int:
-        """Every rank takes the snapshot kept for its (pp, tp) position; returns the step."""
+    def restore_positions(self, step: int, kept: dict) -> int:
+        """Every rank takes the snapshot of ``step`` kept for its (pp, tp) position; returns the step."""
         p = self.spec.parallel
         coords = [coordinates(r, p.dp, p.pp, p.tp) for r in range(p.world_size)]
-        return ray.get([w.restore_snapshot.remote(kept[(c.pp, c.tp)]) for w, c in zip(self.workers, coords)])[0]
+        return ray.get([w.restore_snapshot.remote(step, kept[(c.pp, c.tp)])
+                        for w, c in zip(self.workers, coords)])[0]
 
     def call(self, method: str, *args) -> list:
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])

@@ -44,7 +44,9 @@ def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, r
     assert recovered.losses == straight.losses  # bit-identical at every step, before and after the fault
     assert recovered.grad_norms == straight.grad_norms
     (rec,) = recovered.recoveries
-    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 7, "memory", 0)
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"]) == ("rank", 1, 7, "memory")
+    assert rec["lost_steps"] <= 1  # 1 when the replica of step 6 was still shipping as rank 1 died
+    assert sum(rec["phases_s"].values()) == pytest.approx(rec["mttr_s"], abs=0.01)  # phases are rounded to ms
     assert rec["mttr_s"] > 0
     after = {r["rank"]: r for r in recovered.layout["ranks"]}
     for rank, before in rec["identities_before"].items():

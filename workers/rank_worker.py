@@ -3,6 +3,9 @@
 The class is plain Python; the orchestrator turns it into an actor with
 ``ray.remote`` and its placement options, so this package never depends on the
 controller.
+
+Replicas of peers' snapshots arrive on a separate concurrency group
+(``replicas``) so a holder stores them while its own step runs.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ class RankWorker:
     def __init__(self) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.trainer = None
-        self.snapshot: dict | None = None  # this rank's latest in-memory snapshot
-        self.replicas: dict[int, dict] = {}  # other ranks' snapshots this actor keeps a copy of
+        self.store = None  # this rank's SnapshotStore, from setup on
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process-group store."""
@@ -53,40 +55,62 @@ class RankWorker:
             self.trainer = None
             dist.destroy_process_group()
         self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
+        if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
+            from workers.snapshot_store import SnapshotStore
+
+            self.store = SnapshotStore(rank)
         t = self.trainer
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
         return {"rank": rank, "coords": vars(t.coords), "stages": t.parts.stage_ids, "device": str(t.device),
                 "device_name": name, **self.identity()}
 
-    def train_step(self, fault: dict | None = None) -> dict:
-        return self.trainer.train_step(fault)
+    def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> dict:
+        """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background)."""
+        result = self.trainer.train_step(fault)
+        if snapshot_keep_from is not None:
+            self._take_snapshot(snapshot_keep_from)
+        return {**result, "replicated_step": self.store.replicated}
 
     def ps_reroute(self, shard: int, route: dict) -> None:
         """A parameter-server shard was restarted and resynced: send its keys there again."""
         self.trainer.ps.reroute(shard, route)
 
-    def take_snapshot(self) -> dict:
+    def set_holder(self, holder) -> None:
+        """The actor that keeps this rank's replicas from now on (set at every (re)formation)."""
+        self.store.holder = holder
+
+    def take_snapshot(self, keep_from: int = -1) -> int:
+        self._take_snapshot(keep_from)
+        return self.trainer.step
+
+    def _take_snapshot(self, keep_from: int) -> None:
         from workers import snapshot
 
-        self.snapshot = snapshot.take(self.trainer)
-        return self.snapshot
+        self.store.keep(self.trainer.step, snapshot.take(self.trainer), keep_from)
 
-    def kept_snapshot(self) -> dict | None:
-        """This rank's last snapshot, for the rank of a smaller grid that takes over its position."""
-        return self.snapshot
+    def snapshot_steps(self) -> dict:
+        """The steps this rank can restore and the replicas it holds, once no replica is in flight."""
+        return self.store.settle() if self.store is not None else {"own": [], "replicas": {}}
 
-    def hold_replica(self, rank: int, snap: dict) -> None:
-        self.replicas[rank] = snap
+    def kept_snapshot(self, step: int) -> dict:
+        """This rank's snapshot of ``step``, for the rank of another grid that takes over its position."""
+        return self.store.own[step]
 
-    def replica(self, rank: int) -> dict | None:
-        return self.replicas.get(rank)
+    @ray.method(concurrency_group="replicas")
+    def hold_replica(self, rank: int, step: int, snap: dict) -> None:
+        self.store.hold(rank, step, snap)
 
-    def restore_snapshot(self, snap: dict | None = None) -> int:
-        """Roll back to ``snap`` (a replica handed over for a replaced rank) or to this rank's own."""
+    def replica(self, rank: int, step: int) -> dict:
+        return self.store.replicas[rank][step]
+
+    def restore_snapshot(self, step: int, snap: dict | None = None) -> int:
+        """Roll back to ``step``: to ``snap`` (a replica handed over for a replaced rank) or this rank's own."""
         from workers import snapshot
 
-        self.snapshot = snap if snap is not None else self.snapshot
-        snapshot.restore(self.trainer, self.snapshot)
+        snapshot.restore(self.trainer, snap if snap is not None else self.store.own[step])
+        self.store.roll_back(step)
+        if snap is not None:
+            self.store.own[step] = snap
         return self.trainer.step
 
     def save_checkpoint(self, path: str, async_save: bool) -> None:
@@ -99,6 +123,8 @@ class RankWorker:
 
     def load_checkpoint(self, path: str) -> int:
         self.trainer.checkpoints.load(path)
+        if self.store is not None:
+            self.store.roll_back(self.trainer.step)
         return self.trainer.step
 
     def shutdown(self) -> None:
