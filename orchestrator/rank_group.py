@@ -65,7 +65,9 @@ class RankGroup:
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
         ranks = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
-        ray.get([w.set_holder.remote(self._holder_actor(r)) for r, w in enumerate(self.workers)])
+        # a mirror's holder already has the same state in its own snapshots: nothing to ship
+        ray.get([w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
+                 for r, w in enumerate(self.workers)])
         return ranks
 
     def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[dict]:
@@ -157,6 +159,14 @@ class RankGroup:
         step = p.pp * p.tp if p.dp > 1 else 1
         return (rank + step) % world
 
+    @property
+    def mirrored(self) -> bool:
+        """Under plain all-reduce data parallelism (zero 0) the holder's own state is bit for bit the rank's
+        (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
+        is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped."""
+        p = self.spec.parallel
+        return p.zero == 0 and p.dp > 1 and p.dp_sync == "allreduce"
+
     def _holder_actor(self, rank: int):
         holder = self.holder(rank)
         return None if holder is None else self.workers[holder]
@@ -180,15 +190,20 @@ class RankGroup:
                 raise LookupError(f"the in-memory replica of rank {rank} died with it")
         avail = self._available(r for r in range(len(self.workers)) if r not in replaced)
         lists = [held["own"] for held in avail.values()]
-        lists += [avail[self.holder(r)]["replicas"].get(r, []) for r in replaced]
+        if not self.mirrored:  # a mirror's replica is its holder's own snapshot, already in ``lists``
+            lists += [avail[self.holder(r)]["replicas"].get(r, []) for r in replaced]
         step = newest_common_step(lists, up_to)
         if step is None:
             raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
         calls = []
         for rank, w in enumerate(self.workers):
-            snap = self.workers[self.holder(rank)].replica.remote(rank, step) if rank in replaced else None
+            snap = self._replica(rank, step) if rank in replaced else None
             calls.append(w.restore_snapshot.remote(step, snap))
         return ray.get(calls)[0]
+
+    def _replica(self, rank: int, step: int):
+        holder = self.workers[self.holder(rank)]
+        return holder.kept_snapshot.remote(step) if self.mirrored else holder.replica.remote(rank, step)
 
     def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None:
         """A step and, per (pp, tp) position, a surviving rank's snapshot of it, for a grid with another

@@ -45,7 +45,7 @@ def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, r
     assert recovered.grad_norms == straight.grad_norms
     (rec,) = recovered.recoveries
     assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"]) == ("rank", 1, 7, "memory")
-    assert rec["lost_steps"] <= 1  # 1 when the replica of step 6 was still shipping as rank 1 died
+    assert rec["lost_steps"] == 0  # zero 0: the holder's own snapshot of step 6 is rank 1's replica, never in flight
     assert sum(rec["phases_s"].values()) == pytest.approx(rec["mttr_s"], abs=0.01)  # phases are rounded to ms
     assert rec["mttr_s"] > 0
     after = {r["rank"]: r for r in recovered.layout["ranks"]}

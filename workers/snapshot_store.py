@@ -31,7 +31,7 @@ class SnapshotStore:
         self.rank = rank
         self.own: dict[int, dict] = {}  # step -> this rank's snapshot
         self.replicas: dict[int, dict[int, dict]] = {}  # rank -> step -> that rank's snapshot held here
-        self.holder = None  # the actor keeping this rank's replicas; None in a one-rank job
+        self.holder = None  # the actor keeping this rank's replicas; None in a one-rank job or a mirror (zero 0)
         self.replicated = -1  # the newest step the holder acknowledged
         self._lock = threading.Lock()  # replicas arrive on the replica thread while training prunes them
         self._queue: queue.Queue = queue.Queue()
@@ -41,7 +41,7 @@ class SnapshotStore:
         """Keep ``snap`` of ``step`` and queue its replica; drop what every rank has replicated past."""
         self.own[step] = snap
         if self.holder is None:
-            self.replicated = step  # nothing to ship: the one copy is all a one-rank job can have
+            self.replicated = step  # nothing to ship: a one-rank job has one copy, a mirror's holder has its own
         else:
             self._queue.put((self.holder, step, snap))
         self._keep_only(lambda s: s >= keep_from)
