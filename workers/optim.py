@@ -32,7 +32,7 @@ def build_optimizer(params, optim: dict, zero1_group=None, memory: dict | None =
         kwargs["betas"] = tuple(optim["betas"])
     offload = (memory or {}).get("offload", {})
     if name == "paged_adamw" or (offload.get("optimizer") and name in ("adam", "adamw")):
-        store = OffloadStore(offload.get("tier", "cpu"), offload.get("path"), device, offload.get("prefetch", 1))
+        store = OffloadStore.from_spec(offload, device)
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     cls = OPTIMIZERS[name]
     if zero1_group is not None:

@@ -97,5 +97,5 @@ def _restore(packed: tuple[torch.Tensor, tuple]) -> torch.Tensor:
 def activation_policy(memory: dict, device: torch.device) -> SavedActivations:
     """The job's policy from its ``memory`` section (``offload.activations``, ``activation_compression``)."""
     off = memory["offload"]
-    store = OffloadStore(off["tier"], off["path"], device, off["prefetch"]) if off["activations"] else None
+    store = OffloadStore.from_spec(off, device) if off["activations"] else None
     return SavedActivations(memory["activation_compression"], store)

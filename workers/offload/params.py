@@ -36,8 +36,7 @@ def offload_params(modules: list[nn.Module], memory: dict, device: torch.device)
     off = memory.get("offload", {})
     if not off.get("params"):
         return None
-    store = OffloadStore(off.get("tier", "cpu"), off.get("path"), device, off.get("prefetch", 1))
-    return ParamOffload(modules, store)
+    return ParamOffload(modules, OffloadStore.from_spec(off, device))
 
 
 class ParamOffload:

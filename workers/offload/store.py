@@ -74,6 +74,11 @@ class OffloadStore:
         self._names = itertools.count()
         release_freed_buffers()
 
+    @classmethod
+    def from_spec(cls, offload: dict, device: torch.device | str) -> "OffloadStore":
+        """A store placed as the job's ``memory.offload`` section says (tier, path, prefetch depth)."""
+        return cls(offload.get("tier", "cpu"), offload.get("path"), device, offload.get("prefetch", 1))
+
     # -- sizing ---------------------------------------------------------------------------------
 
     def reserve(self, nbytes: int) -> None:
