@@ -52,7 +52,7 @@ class CheckpointIO:
 
     def save(self, path: str | Path, async_save: bool) -> None:
         self.wait()
-        with self.trainer.resident_params():  # async_save stages its copy before returning
+        with self.trainer.resident_params(write_back=False):  # async_save stages its copy before returning
             state = self._state()
             if async_save:
                 self.pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)

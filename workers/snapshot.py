@@ -30,7 +30,7 @@ def _named_parts(trainer):
 
 def take(trainer) -> dict:
     model, optim = {}, {}
-    with torch.no_grad(), trainer.resident_params():
+    with torch.no_grad(), trainer.resident_params(write_back=False):
         for named, opt in _named_parts(trainer):
             for name, p in named:
                 model[name] = _local(p).to("cpu", copy=True)

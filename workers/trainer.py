@@ -231,9 +231,10 @@ class Trainer:
             if store is not None:
                 store.close()
 
-    def resident_params(self):
-        """Offloaded parameter shards back on the device for the block (checkpoints, snapshots)."""
-        return self.param_offload.resident() if self.param_offload else contextlib.nullcontext()
+    def resident_params(self, write_back: bool = True):
+        """Offloaded parameter shards back on the device for the block (checkpoints, snapshots); ``write_back``
+        False where the block only reads them (saves, snapshots), so nothing is written to the store."""
+        return self.param_offload.resident(write_back) if self.param_offload else contextlib.nullcontext()
 
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -16,7 +16,7 @@ The stored copy is the authoritative value: forward and backward never write
 a shard, so evicting writes nothing; the optimizer step (``OffloadedAdam``
 given ``shards=``) updates the stored tensor in place, on the host; checkpoint
 saves/loads and snapshots run inside ``resident()``, which fetches every shard
-and writes them back on exit.
+(and, after a load or restore, writes them back on exit).
 """
 
 from __future__ import annotations
@@ -111,16 +111,18 @@ class ParamOffload:
             self.store.release(self._keys[self._by_param[param]])
 
     @contextlib.contextmanager
-    def resident(self):
-        """Every shard on the device for the block (checkpoint I/O, snapshots); written back to the store after."""
+    def resident(self, write_back: bool = True):
+        """Every shard on the device for the block (checkpoint I/O, snapshots), then evicted again; written
+        back to the store only when the block changed them (loads, restores), not after saves and snapshots."""
         for fp in self._keys:
             self._fetch(fp)
         try:
             yield
         finally:
             for fp, key in self._keys.items():
-                self.store.get(key).copy_(fp._sharded_param_data)
-                self.store.release(key)
+                if write_back:
+                    self.store.get(key).copy_(fp._sharded_param_data)
+                    self.store.release(key)
                 _free(fp._sharded_param_data)
 
     def close(self) -> None:
