@@ -84,7 +84,7 @@ def _check_nf4(job, gpt, adapted: list[str]) -> None:
                 f"make model.d_model / model.d_ff / model.vocab_size multiples of {BLOCK} for that layer, "
                 "remove it from model.lora.targets, or set model.lora.quantize: null",
             )
-        row_parallel = name.rsplit(".", 1)[-1] in ROW_PARALLEL
+        row_parallel = _row_parallel(name)
         problem = tp > 1 and shard_problem(shape, 1 if row_parallel else 0, tp)
         if problem:
             raise SpecError(
@@ -131,6 +131,10 @@ def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
 ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.parallel.tensor_parallel); others column
 
 
+def _row_parallel(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ROW_PARALLEL
+
+
 def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> dict[str, int]:
     """Parameters by how LoRA stores them, for memory estimates: `trainable` (adapters: grads and optimizer
     state), `frozen` (full precision, no grads), `nf4` (4-bit base, `workers.nf4` bytes per weight).
@@ -152,7 +156,7 @@ def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> d
         if holds is not None and not holds(name):
             continue
         rows, cols = gpt.get_submodule(name).weight.shape
-        row_parallel = name.rsplit(".", 1)[-1] in ROW_PARALLEL
+        row_parallel = _row_parallel(name)
         trainable += lora.rank * (rows + cols // tp if row_parallel else rows // tp + cols)
         base += rows * cols // tp
     nf4 = base if lora.quantize == "nf4" else 0

@@ -39,13 +39,13 @@ class StepFailed(Exception):
 
 class RankGroup:
     worker_extra: dict = {}  # extra keys for the workers' spec dict (``ps_routes`` under dp_sync: ps)
-    _failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
 
     def __init__(self, spec: JobSpec, placement: RankPlacement, use_gpu: bool):
         self.spec = spec
         self.placement = placement
         self.use_gpu = use_gpu
         self.workers: list = [self._new_actor(r) for r in range(spec.parallel.world_size)]
+        self._failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
 
     def _new_actor(self, rank: int):
         p = self.spec.parallel
@@ -209,11 +209,11 @@ class RankGroup:
         """A step and, per (pp, tp) position, a surviving rank's snapshot of it, for a grid with another
         dp to start from.
 
-        Only where data-parallel replicas are full copies (zero 0): ZeRO splits the state over dp,
+        Only where data-parallel replicas are full copies (``mirrored``): ZeRO splits the state over dp,
         which only a DCP checkpoint can reshard. None also when every replica of a position died.
         """
         p = self.spec.parallel
-        if p.zero != 0:
+        if not self.mirrored:
             return None
         chosen = {}
         for rank in range(len(self.workers)):
