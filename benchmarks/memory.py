@@ -2,7 +2,7 @@
 
 Every configuration trains the same GPT for the same steps on the same data
 parallel ranks, each in fresh processes (``torchrun`` running
-``workers.peak_memory_run``), one after the other in this one script, so ratios
+``workers.diagnostics.peak_memory_run``), one after the other in this one script, so ratios
 against the zero=0 row are meaningful where absolute figures are noisy. Peak
 memory is the largest rank's peak (``torch.cuda.max_memory_allocated`` on a
 GPU, peak RSS on CPU). All processes run with glibc's mmap threshold fixed
@@ -12,7 +12,8 @@ row's figure carries heap memory freed but kept by the allocator.
     python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8
     python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8 --profile activations
     python benchmarks/memory.py --data data/stdlib --ranks 2 --steps 8 \
-        --only zero3 zero3+optim-offload-nvme zero3+param-offload-nvme --out benchmarks/results/memory_param_offload.json
+        --only zero3 zero3+optim-offload-nvme zero3+param-offload-nvme \
+        --out benchmarks/results/memory_param_offload.json
 
 Two profiles, since a rank's peak comes from whichever dominates: ``state``
 (a wide model, small batch: the peak is at the optimizer step, where ZeRO and
@@ -83,7 +84,7 @@ def measure(args, spec, workdir: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-         "-m", "workers.peak_memory_run", str(path), str(args.steps)],
+         "-m", "workers.diagnostics.peak_memory_run", str(path), str(args.steps)],
         capture_output=True, text=True, check=True, env=env, cwd=ROOT,
     )
     ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -117,7 +118,8 @@ def main() -> None:
             rows[name]["step_time_ratio"] = rows[name]["step_s"] / base["step_s"]
             r = rows[name]
             print(f"{name:28}{r['peak_memory_bytes'] / 2**20:>10.1f} MiB {r['memory_ratio']:>7.3f}"
-                  f"{r['step_s']:>9.3f} s {r['step_time_ratio']:>7.2f}  offloaded {r['offloaded_bytes'] / 2**20:.1f} MiB",
+                  f"{r['step_s']:>9.3f} s {r['step_time_ratio']:>7.2f}"
+                  f"  offloaded {r['offloaded_bytes'] / 2**20:.1f} MiB",
                   flush=True)
     model, batch, _ = PROFILES[args.profile]
     report = {"profile": args.profile, "ranks": args.ranks, "steps": args.steps, "global_batch_size": batch,

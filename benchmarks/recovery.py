@@ -142,7 +142,8 @@ def main() -> None:
               f"{_num(r['lost_steps_max'], '>10')}{r['goodput']:>9.1%}{r['steps']:>7}")
     for name, r in runs.items():
         if r["mttr_phases_s_mean"]:
-            print(f"{name} MTTR by phase (mean s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["mttr_phases_s_mean"].items()))
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["mttr_phases_s_mean"].items())
+            print(f"{name} MTTR by phase (mean s): {phases}")
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.2f}")
 

@@ -82,7 +82,8 @@ class PSShard:
                                f"nothing applied. Known keys look like {sorted(self.params)[:3]}")
             if grad.shape != held.shape or grad.dtype != held.dtype:
                 raise ValueError(f"shard {self.id}: push of key {key!r} has shape {tuple(grad.shape)} dtype "
-                                 f"{grad.dtype}, expected shape {tuple(held.shape)} dtype {held.dtype}; nothing applied")
+                                 f"{grad.dtype}, expected shape {tuple(held.shape)} dtype {held.dtype}; "
+                                 "nothing applied")
 
     def push(self, worker: int, clock: int, grads: dict[str, torch.Tensor], lr: float) -> int:
         """Stage (bsp) or apply (asp/ssp) ``worker``'s gradients for ``clock``; returns the shard version."""

@@ -56,7 +56,7 @@ class RankWorker:
             dist.destroy_process_group()
         self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
-            from workers.snapshot_store import SnapshotStore
+            from workers.state.snapshot_store import SnapshotStore
 
             self.store = SnapshotStore(rank)
         t = self.trainer
@@ -84,7 +84,7 @@ class RankWorker:
         return self.trainer.step
 
     def _take_snapshot(self, keep_from: int) -> None:
-        from workers import snapshot
+        from workers.state import snapshot
 
         self.store.keep(self.trainer.step, snapshot.take(self.trainer), keep_from)
 
@@ -105,7 +105,7 @@ class RankWorker:
 
     def restore_snapshot(self, step: int, snap: dict | None = None) -> int:
         """Roll back to ``step``: to ``snap`` (a replica handed over for a replaced rank) or this rank's own."""
-        from workers import snapshot
+        from workers.state import snapshot
 
         snapshot.restore(self.trainer, snap if snap is not None else self.store.own[step])
         self.store.roll_back(step)

@@ -15,24 +15,24 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers import faults
-from workers.builder import build_parts
-from workers.checkpoint_io import CheckpointIO
 from workers.data import DataCursor, TokenDataset
-from workers.layout import coordinates
-from workers.loss_scaler import DynamicLossScaler
-from workers.memory_probe import ActivationMeter, model_state_bytes
-from workers.model import lm_loss
+from workers.diagnostics import faults
+from workers.diagnostics.memory_probe import ActivationMeter, model_state_bytes
+from workers.diagnostics.timeline import busy_seconds
+from workers.model.gpt import lm_loss
 from workers.offload.activations import activation_policy
 from workers.offload.host_memory import release_freed_buffers
 from workers.offload.params import offload_params
-from workers.optim import build_optimizer, clip_grads, lr_lambda
+from workers.optim.build import build_optimizer, clip_grads, lr_lambda
+from workers.optim.loss_scaler import DynamicLossScaler
 from workers.parallel.data_parallel import unwrap
+from workers.parallel.layout import coordinates
+from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
-from workers.ps_sync import PSSync
-from workers.process_group import init_mesh, pick_device
-from workers.recompute import checkpointed_modules
-from workers.timeline import busy_seconds
+from workers.parallel.process_group import init_mesh, pick_device
+from workers.parallel.ps_sync import PSSync
+from workers.parallel.recompute import checkpointed_modules
+from workers.state.checkpoint_io import CheckpointIO
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,8 +46,8 @@ class Trainer:
         self.device = pick_device(par["device"])
         if spec["memory"]["offload"].get("params"):
             release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
-        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]), self.device,
-                              timeout_s=spec["fault_tolerance"]["collective_timeout_s"])
+        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]),
+                              self.device, timeout_s=spec["fault_tolerance"]["collective_timeout_s"])
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
         zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
@@ -55,7 +55,8 @@ class Trainer:
         self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, spec["memory"], self.device,
                                            self.param_offload) for m in self.parts.modules]
         self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"])) for o in self.optimizers
+            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"]))
+            for o in self.optimizers
         ]
         self.activations = activation_policy(spec["memory"], self.device)
         dtype = spec["precision"]["dtype"]
@@ -108,7 +109,7 @@ class Trainer:
                 self.schedule.step(*args, target=targets if self.holds_last_stage else None, losses=losses)
             if not self.holds_last_stage:
                 return None
-            return torch.stack([l.detach().float() for l in losses]).mean()
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
         model = self.parts.modules[0]
         total = torch.zeros((), device=self.device)
         chunks = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
@@ -160,7 +161,8 @@ class Trainer:
         if self.ps is not None:  # the shards clip and step; the new weights come back
             grad_norm = self.ps.sync(self.schedulers[0].get_last_lr()[0])
         else:
-            grad_norm = clip_grads(self.params, self.spec["optim"]["grad_clip"], self.pp_group) if applied else float("nan")
+            clip = self.spec["optim"]["grad_clip"]
+            grad_norm = clip_grads(self.params, clip, self.pp_group) if applied else float("nan")
         t3 = time.perf_counter()
         for opt in self.optimizers:
             if applied and self.ps is None:
@@ -227,7 +229,8 @@ class Trainer:
 
     def close_stores(self) -> None:
         """Remove this rank's offload files now (stores also clean up at process exit, which ``ray.kill`` skips)."""
-        for store in [getattr(o, "store", None) for o in self.optimizers] + [self.activations.store, self.param_offload]:
+        stores = [getattr(o, "store", None) for o in self.optimizers] + [self.activations.store, self.param_offload]
+        for store in stores:
             if store is not None:
                 store.close()
 

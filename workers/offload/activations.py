@@ -67,7 +67,7 @@ class SavedActivations:
             return packed
         if self.store is None:
             return _restore(packed)
-        key, shape, dtype, rest, device = packed
+        key, _shape, _dtype, rest, device = packed
         for ahead in range(1, self.store.prefetch_depth + 1):
             if str(key - ahead) in self.store:
                 self.store.prefetch(str(key - ahead))

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from workers.offload.store import OffloadStore
 
 
-def offload_params(modules: list[nn.Module], memory: dict, device: torch.device) -> "ParamOffload | None":
+def offload_params(modules: list[nn.Module], memory: dict, device: torch.device) -> ParamOffload | None:
     """The job's parameter offload over its FSDP2 stage modules, or ``None`` when not asked for."""
     off = memory.get("offload", {})
     if not off.get("params"):

@@ -75,7 +75,7 @@ class OffloadStore:
         release_freed_buffers()
 
     @classmethod
-    def from_spec(cls, offload: dict, device: torch.device | str) -> "OffloadStore":
+    def from_spec(cls, offload: dict, device: torch.device | str) -> OffloadStore:
         """A store placed as the job's ``memory.offload`` section says (tier, path, prefetch depth)."""
         return cls(offload.get("tier", "cpu"), offload.get("path"), device, offload.get("prefetch", 1))
 
@@ -88,7 +88,8 @@ class OffloadStore:
         free = shutil.disk_usage(self._dir).free
         if nbytes > free:
             raise OffloadSpaceError(
-                f"offload path {self._dir.parent} has {free / 2**30:.2f} GiB free, the store needs {nbytes / 2**30:.2f} GiB"
+                f"offload path {self._dir.parent} has {free / 2**30:.2f} GiB free, "
+                f"the store needs {nbytes / 2**30:.2f} GiB"
             )
 
     @property

@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.model import GPT
+from workers.model.gpt import GPT
 
 
 def apply_data_parallel(stage: GPT, dp_mesh: DeviceMesh, zero: int) -> nn.Module:

@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from workers.lora import LoRALinear
-from workers.nf4 import NF4Linear
+from workers.model.lora import LoRALinear
+from workers.model.nf4 import NF4Linear
 from workers.parallel.nf4_tp import NF4Parallel
 
 

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from workers.nf4 import NF4Linear
+from workers.model.nf4 import NF4Linear
 
 
 class NF4Parallel(ParallelStyle):

@@ -1,7 +1,7 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``.
 
 We split the model ourselves (whole blocks per stage, keeping global layer
-names) and hand the stages to PyTorch's schedules; ``workers.layout`` says
+names) and hand the stages to PyTorch's schedules; ``workers.parallel.layout`` says
 which stages a rank owns.
 """
 
@@ -22,8 +22,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from workers.layout import layers_of_stage
-from workers.model import GPT
+from workers.model.gpt import GPT
+from workers.parallel.layout import layers_of_stage
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from workers.model import GPT
+from workers.model.gpt import GPT
 from workers.parallel.lora_tp import adapt_plan
 
 

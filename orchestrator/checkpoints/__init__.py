@@ -1,0 +1,1 @@
+"""Checkpoint bookkeeping on the controller side: directory naming and retention, checksum manifests."""

@@ -1,0 +1,76 @@
+"""Checkpoint bookkeeping on the controller side: naming, sealing, the newest loadable one, retention.
+
+A checkpoint counts as complete once the controller has sealed it with its
+checksum manifest (``orchestrator.checkpoints.checksums``), which happens only after DCP
+reports the save durable; so a save interrupted half way is never picked for
+resume nor counted against ``keep``. ``latest_verified`` checks the bytes
+before a load: a corrupt checkpoint is moved aside to ``step-N.corrupt`` (kept
+for inspection, never picked again), logged, recorded in ``skipped``, and the
+previous one is used.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from orchestrator.checkpoints import checksums
+from orchestrator.observability.events import event
+
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointDir:
+    def __init__(self, root: str | Path, keep: int, on_skip: Callable[[dict], None] | None = None):
+        self.root = Path(root)
+        self.keep = keep
+        self.on_skip = on_skip
+        self.skipped: list[dict] = []  # corrupt or incomplete checkpoints passed over, for the summary
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def seal(self, step: int) -> None:
+        """Write the checksum manifest of a save DCP reported durable; only then is it complete."""
+        checksums.write_manifest(self.path_for(step))
+
+    def complete_steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for child in self.root.iterdir():
+            m = _NAME.match(child.name)
+            if m and (child / checksums.MANIFEST).is_file():
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest(self) -> Path | None:
+        steps = self.complete_steps()
+        return self.path_for(steps[-1]) if steps else None
+
+    def latest_verified(self, purpose: str) -> Path | None:
+        """The newest checkpoint whose files match their manifest; corrupt newer ones are moved aside."""
+        for step in reversed(self.complete_steps()):
+            path = self.path_for(step)
+            why = checksums.problem(path)
+            if why is None:
+                return path
+            aside = path.with_name(path.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            path.rename(aside)
+            record = {"step": step, "path": str(aside), "problem": why, "found_by": purpose}
+            self.skipped.append(record)
+            event("checkpoint_corrupt", step=step, problem=repr(why), moved_to=aside, found_by=purpose,
+                  action="using the previous checkpoint")
+            if self.on_skip is not None:
+                self.on_skip(record)
+        return None
+
+    def prune(self) -> list[int]:
+        """Delete complete checkpoints beyond the newest ``keep``; return the steps removed."""
+        old = self.complete_steps()[: -self.keep]
+        for step in old:
+            shutil.rmtree(self.path_for(step), ignore_errors=True)
+        return old

@@ -1,0 +1,156 @@
+"""``raymesh`` command line: prepare-data, plan, run, export-merged, report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator.cli.jobs import add_client_commands
+from orchestrator.errors import SpecError
+
+DEFAULT_MAX_TOKENS = 20_000_000
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from workers.data.prepare import default_sources, prepare_data
+
+    sources = args.source or default_sources()
+    manifest = prepare_data(sources, args.out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens)
+    print(f"wrote {manifest['total_tokens']:,} tokens in {len(manifest['shards'])} shard(s) to {args.out}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from orchestrator.planning.estimate import render
+    from orchestrator.planning.memory_report import fit_problems
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(args.job, args.set)
+    if args.nodes is None and args.gpus_per_node is None and args.gpu_mem is None:
+        print(render(spec))
+        for problem in fit_problems(spec):
+            print(f"does not fit: {problem}")
+        return 0
+    from orchestrator.planning.layout_picker import pick_layout
+
+    gpu_mem = _gpu_mem(args.gpu_mem, spec)
+    choice = pick_layout(spec, args.nodes or 1, args.gpus_per_node or 8, gpu_mem)
+    p = choice.spec.parallel
+    print(f"picked dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} for {args.nodes or 1} node(s) x "
+          f"{args.gpus_per_node or 8} GPU(s): {choice.reason}")
+    for line in choice.tried:
+        print(f"  tried {line}")
+    print(render(choice.spec, one_per_stage=True))
+    sets = " ".join(f"--set parallel.{k}={getattr(p, k)}" for k in ("dp", "pp", "tp", "zero"))
+    print(f"run it: raymesh run {args.job} {sets} --set train.microbatches={choice.spec.train.microbatches}")
+    return 0
+
+
+def _gpu_mem(text: str | None, spec) -> int:
+    from orchestrator.planning.memory_model import parse_bytes
+
+    if text is None:
+        if spec.parallel.device_memory is None:
+            raise SpecError("--gpu-mem", None, "is needed to pick a layout",
+                            "pass --gpu-mem 80GB (or set parallel.device_memory in the job file)", where="raymesh plan")
+        return spec.parallel.device_memory_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise SpecError("--gpu-mem", text, "is not a size", "write e.g. --gpu-mem 80GB, 80GiB or 85899345920",
+                        where="raymesh plan") from None
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from orchestrator.runtime.controller import TrainingJob
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(args.job, args.set)
+    result = TrainingJob(spec, resume=args.resume, address=args.address, progress=not args.no_progress).run()
+    if args.summary_json:
+        result.write_json(args.summary_json)
+    print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s")
+    return 0
+
+
+def _export_merged(args: argparse.Namespace) -> int:
+    from orchestrator.spec import load_spec
+    from orchestrator.spec.lora import export_merged_weights
+
+    out = export_merged_weights(load_spec(args.job, args.set), args.checkpoint, args.out)
+    print(f"merged weights (W + alpha/rank * B A): {out}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from orchestrator.observability.report import write_report
+
+    report = write_report(args.run_dir, args.out, args.step)
+    bubble = report["bubble"]
+    if bubble["measured"] is not None:
+        print(f"pipeline bubble at step {bubble['step']}: measured {bubble['measured']:.3f}, "
+              f"theory (p-1)/(v*m+p-1) {bubble['theoretical']:.3f} ({bubble['schedule']})")
+    print(f"report: {report['html']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raymesh", description="Ray-hosted 3-D parallel transformer training")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prep = sub.add_parser("prepare-data", help="turn text files into byte-level token Parquet shards")
+    prep.add_argument("--source", action="append", help="file or directory (repeatable); default: Python's stdlib")
+    prep.add_argument("--out", required=True, help="output directory (becomes data.path)")
+    prep.add_argument("--shard-tokens", type=int, default=4_000_000)
+    prep.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    prep.set_defaults(func=_prepare_data)
+
+    for name, func, text in (("plan", _plan, "show the layout and a per-rank memory estimate"),
+                             ("run", _run, "train a job on Ray")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("job", help="job file (YAML)")
+        cmd.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                         help="override a job-file field (repeatable)")
+        cmd.set_defaults(func=func)
+    plan = sub.choices["plan"]
+    plan.add_argument("--nodes", type=_positive_int, help="pick a layout for this many nodes (default 1)")
+    plan.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node when picking a layout (default 8)")
+    plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GB or 80GiB (default: parallel.device_memory)")
+    run = sub.choices["run"]
+    run.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    run.add_argument("--summary-json", help="write the run summary here")
+    run.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local one)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    exp = sub.add_parser("export-merged", help="fold a LoRA run's adapters into plain model weights (.pt)")
+    exp.add_argument("job", help="the LoRA job file the checkpoint was trained with")
+    exp.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
+    exp.add_argument("--out", required=True,
+                     help="output .pt file (a GPT state dict; usable as model.lora.base_checkpoint)")
+    exp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job-file field")
+    exp.set_defaults(func=_export_merged)
+    rep = sub.add_parser("report", help="PNG charts and an HTML page for a run directory")
+    rep.add_argument("run_dir", help="the job's run_dir (holds summary.json, steps.jsonl, timeline.jsonl)")
+    rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    rep.add_argument("--step", type=int, help="step to draw the pipeline timeline for (default: the last)")
+    rep.set_defaults(func=_report)
+    add_client_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, FileNotFoundError) as exc:
+        print(f"raymesh: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

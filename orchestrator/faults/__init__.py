@@ -1,0 +1,1 @@
+"""Fault injection on the controller side: the job file's fault schedule, soak repetition, disk corruption."""

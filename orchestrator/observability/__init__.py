@@ -1,0 +1,1 @@
+"""What a run tells people: event lines, Prometheus metrics, per-step accounting, run records, reports."""

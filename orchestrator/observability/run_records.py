@@ -1,0 +1,64 @@
+"""What a run leaves in its run directory for people and for ``raymesh report``.
+
+``steps.jsonl`` (one line per step: loss, throughput, phase times and memory
+per rank), ``timeline.jsonl`` (pipeline F/B/W events, when
+``metrics.timeline`` is on) and ``summary.json``. A resumed run appends, so
+the files cover the whole training history.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
+
+
+def step_record(results: list[dict], step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
+    """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's)."""
+    return {
+        "step": results[0]["step"],
+        "time": end_time,
+        "loss": statistics.fmean(r["loss"] for r in results if r["loss"] is not None),
+        "grad_norm": results[0]["grad_norm"],
+        "lr": results[0]["lr"],
+        "tokens": tokens,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "phases": {str(r["rank"]): {**{p: r["time_s"].get(p, 0.0) for p in PHASES}, "checkpoint": checkpoint_s}
+                   for r in results},
+        "memory": {
+            str(r["rank"]): {"peak_bytes": r["peak_memory_bytes"], "current_bytes": r["current_memory_bytes"]}
+            for r in results
+        },
+    }
+
+
+class RunRecords:
+    def __init__(self, run_dir: Path, append: bool, timeline: bool):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        mode = "a" if append else "w"
+        self._steps = open(run_dir / "steps.jsonl", mode)  # noqa: SIM115 (open for the whole run, closed by close())
+        self._timeline = open(run_dir / "timeline.jsonl", mode) if timeline else None  # noqa: SIM115
+
+    def step(self, record: dict, results: list[dict]) -> None:
+        self._steps.write(json.dumps(record) + "\n")
+        self._steps.flush()
+        if self._timeline is not None:
+            for r in results:
+                for event in r.get("timeline", ()):
+                    self._timeline.write(json.dumps(event) + "\n")
+            self._timeline.flush()
+
+    @staticmethod
+    def write_summary(run_dir: Path, summary: dict) -> Path:
+        path = run_dir / "summary.json"
+        path.write_text(json.dumps(summary, indent=2))
+        return path
+
+    def close(self) -> None:
+        self._steps.close()
+        if self._timeline is not None:
+            self._timeline.close()

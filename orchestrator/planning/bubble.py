@@ -1,0 +1,67 @@
+"""Pipeline bubble: the share of a step that pipeline ranks spend idle, measured and in theory.
+
+Pure Python so the controller, the report and the tests can all use it without
+matplotlib. Events are the records of ``timeline.jsonl``: ``{"step", "rank",
+"pp_rank", "stage", "microbatch", "kind", "start", "end"}`` (times in seconds).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from workers.diagnostics.timeline import busy_seconds
+
+
+def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of an ideal pipeline step: (p−1)/(v·m + p−1).
+
+    For v=1 this is GPipe's (d−1)/(m+d−1) (the seed article 001, "pipeline
+    bubble"); Megatron's PTD-P interleaving gives each rank v model chunks and
+    divides the bubble time by v (seed 001, "Interleaved Pipeline Schedule"):
+    bubble/ideal = (p−1)/(v·m), hence (p−1)/(v·m + p−1) of the whole step.
+    """
+    if pp < 1 or microbatches < 1 or virtual_stages < 1:
+        raise ValueError(
+            "theoretical_bubble needs pp, microbatches, virtual_stages >= 1; "
+            f"got {pp}, {microbatches}, {virtual_stages}"
+        )
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def measured_bubble(events: list[dict]) -> float:
+    """Mean over pp ranks of the idle share of the step window [first start, last end].
+
+    ``events`` must be one step of one replica (one rank per pp rank, see
+    :func:`step_events`); busy time is the union of a rank's intervals, so
+    overlapping events (e.g. W running beside B) are not counted twice.
+    """
+    if not events:
+        raise ValueError("measured_bubble needs at least one event")
+    lo = min(e["start"] for e in events)
+    hi = max(e["end"] for e in events)
+    window = hi - lo
+    if window <= 0:
+        return 0.0
+    by_pp: dict[int, list[dict]] = defaultdict(list)
+    for e in events:
+        by_pp[e["pp_rank"]].append(e)
+    idle = [1.0 - busy_seconds(rank_events) / window for rank_events in by_pp.values()]
+    return sum(idle) / len(idle)
+
+
+def step_events(timeline: list[dict], step: int) -> list[dict]:
+    """The events of ``step`` for one data/tensor replica: the smallest rank of each pp rank.
+
+    Every replica runs the same schedule, so one is enough and mixing several
+    would double the events on a pp rank.
+    """
+    in_step = [e for e in timeline if e["step"] == step]
+    first_rank: dict[int, int] = {}
+    for e in in_step:
+        first_rank[e["pp_rank"]] = min(e["rank"], first_rank.get(e["pp_rank"], e["rank"]))
+    return [e for e in in_step if e["rank"] == first_rank[e["pp_rank"]]]
+
+
+def bubble_by_step(timeline: list[dict]) -> dict[int, float]:
+    """Measured bubble of every step present in ``timeline``, keyed by step."""
+    return {s: measured_bubble(step_events(timeline, s)) for s in sorted({e["step"] for e in timeline})}

@@ -1,0 +1,31 @@
+"""Model FLOPs per token and per-rank peak FLOP/s, for the MFU estimate.
+
+Training costs ≈ 6·N FLOPs per token for N parameters plus 12·L·d·s for
+attention scores (PaLM's MFU accounting). Peaks are dense bf16 tensor-core
+figures from the vendors' data sheets; a CPU gets a nominal 0.1 TFLOP/s per
+rank (one core's FMA throughput, order of magnitude) unless the job file says
+otherwise, so MFU there is only comparable run to run.
+"""
+
+from __future__ import annotations
+
+from orchestrator.planning.estimate import stage_params
+from orchestrator.spec import JobSpec
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+CPU_TFLOPS = 0.1
+
+
+def model_flops_per_token(spec: JobSpec) -> float:
+    m = spec.model
+    params = sum(stage_params(spec, stage=0, n_stages=1))  # the whole model as one stage
+    return 6.0 * params + 12.0 * m.n_layers * m.d_model * m.seq_len
+
+
+def peak_flops_per_rank(spec: JobSpec, device_name: str) -> float:
+    if spec.metrics.peak_tflops_per_rank is not None:
+        return spec.metrics.peak_tflops_per_rank * 1e12
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in device_name:
+            return tflops * 1e12
+    return CPU_TFLOPS * 1e12

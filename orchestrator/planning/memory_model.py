@@ -1,0 +1,286 @@
+"""Per-rank memory model: bytes of model state, activations and buffers, as pure arithmetic.
+
+No torch, no spec: every function takes plain numbers so the planner, the CLI,
+tests and notebooks can ask "what if" without building anything. The planner
+(``orchestrator.planning.estimate``) maps a job spec onto these functions.
+
+Model state follows the ZeRO paper's accounting (seed articles 003/004):
+``(2 + 2 + K)·Ψ`` bytes for Ψ parameters in mixed precision, K = 12 for Adam
+(fp32 master 4 + momentum 4 + variance 4); ZeRO-1 divides the optimizer state
+by the data-parallel degree N, ZeRO-2 the gradients too, ZeRO-3 the parameters
+too. Three precision layouts:
+
+- ``mixed``: the paper's (DeepSpeed/Megatron): 16-bit parameters and gradients,
+  fp32 master weights counted in the optimizer state.
+- ``fp32``: everything in fp32, no master copy (4 + 4 + K_opt).
+- ``autocast``: what raymesh runs for ``precision.dtype: bf16|fp16``: fp32
+  parameters, gradients and optimizer state under ``torch.autocast`` (so the
+  same state bytes as fp32; only activations shrink).
+
+``fsdp=True`` models ZeRO-2/3 as raymesh runs them (FSDP2): the persistent
+parameter copy is sharded for ZeRO-2 as well, and parameters are all-gathered
+for compute into a transient ``gathered`` term: the whole stage for ZeRO-2
+(``reshard_after_forward=False`` keeps it from forward through backward), the
+root unit with the current and the prefetched block for ZeRO-3. The paper's tables use
+``fsdp=False``, where ZeRO-2 keeps 16-bit parameters replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+# Optimizer state bytes per parameter beyond any fp32 master copy (the paper's K minus 4).
+# adafactor (factored second moment, no first moment by default) and sm3 (one accumulator
+# per row and per column) keep O(rows + cols) per matrix: ~0 per parameter at scale.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "paged_adamw": 8, "sgd": 0, "adafactor": 0, "sm3": 0}
+# optimizers whose state lives in the offload store, not on the device
+HOST_STATE_OPTIMIZERS = frozenset({"paged_adamw"})
+PRECISIONS = {"fp32": (4, 4, 0), "autocast": (4, 4, 0), "mixed": (2, 2, 4)}  # param, grad, master bytes
+BYTES_PER = {"fp32": 4, "bf16": 2, "fp16": 2}
+# QLoRA's NF4 weight (workers.model.nf4): 4-bit codes, an int8 absmax per 64 weights, an fp32 step per 256 absmaxes
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Per-rank model-state bytes on the device; ``offloaded`` is what moved to host/NVMe."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int = 0  # transient: unsharded parameters during compute (FSDP2 ZeRO-2/3)
+    offloaded: int = 0
+
+    @property
+    def persistent(self) -> int:
+        """What lives on the device across steps (what a probe counts after a step)."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + self.gathered
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "persistent": self.persistent, "peak": self.peak}
+
+
+def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
+    """K_opt: state bytes per parameter (SGD keeps a 4-byte buffer only with momentum)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE_BYTES)}")
+    return 4 if optimizer == "sgd" and momentum else OPTIMIZER_STATE_BYTES[optimizer]
+
+
+def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp32", optimizer: str = "adamw",
+                momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
+                offload_optimizer: bool = False, offload_params: bool = False,
+                host_master: bool = False, frozen: int = 0, quantized_bytes: int = 0) -> ModelState:
+    """Model-state bytes of one rank holding ``n_params`` (its pipeline/TP share) under ZeRO ``zero`` over ``dp``.
+
+    ``zero3_gathered_params``: parameters all-gathered at once at ZeRO-3's peak (FSDP2:
+    the root unit plus the block being computed and the one prefetched). ``offload_optimizer`` (ZeRO-Offload)
+    moves the optimizer state, master weights included, off the device;
+    ``host_master``: the offloaded step keeps an fp32
+    master beside the moments even where the precision layout has none, because the device's
+    parameters are not host fp32 tensors (``workers.offload.optimizer.needs_master``: on a GPU).
+    ``offload_params`` (ZeRO-Infinity, needs ZeRO-3) moves the persistent parameter shards off
+    too, so only gathered units stay.
+    ``frozen``: parameters beside ``n_params`` that train not (LoRA's base): weights only,
+    sharded like the rest; ``quantized_bytes``: frozen weights stored quantized (QLoRA's NF4)
+    as module buffers, which ZeRO does not shard.
+    Gradients stay on the device (they are produced there; an offload store may
+    stream them out, which this model does not count as a saving).
+    """
+    p_bytes, g_bytes, master = PRECISIONS[precision]
+    k = master + optimizer_state_bytes(optimizer, momentum)
+    params, grads, optim = p_bytes * (n_params + frozen), g_bytes * n_params, k * n_params
+    gathered = 0
+    if zero >= 1:
+        optim = math.ceil(optim / dp)
+    if zero >= 2:
+        grads = math.ceil(grads / dp)
+    if zero >= 3 or (fsdp and zero == 2):
+        full = params
+        params = math.ceil(params / dp)
+        if fsdp and dp > 1:
+            gathered = full if zero == 2 else p_bytes * min(zero3_gathered_params, n_params + frozen)
+    params += quantized_bytes
+    offloaded = 0
+    if offload_optimizer or optimizer in HOST_STATE_OPTIMIZERS:
+        extra_master = 4 * n_params if host_master and not master else 0
+        offloaded, optim = optim + (math.ceil(extra_master / dp) if zero >= 1 else extra_master), 0
+    if offload_params:
+        offloaded, params = offloaded + params, 0
+    return ModelState(params, grads, optim, gathered, offloaded)
+
+
+def max_trainable_params(device_bytes: float, dp: int, zero: int, precision: str = "mixed",
+                         optimizer: str = "adamw", activation_reserve: float = 0.3) -> int:
+    """Largest Ψ whose model state fits ``device_bytes`` after reserving a fraction for activations.
+
+    The seed article's chart (80 GB GPUs: about 3.5B under DDP at any scale, linear
+    growth under ZeRO-3) keeps ~30% of the device for activations and fragmentation:
+    0.7 · 80 GB / 16 B = 3.5B.
+    """
+    per_param = model_state(1_000_000, dp, zero, precision, optimizer).persistent / 1_000_000
+    return int(device_bytes * (1 - activation_reserve) / per_param)
+
+
+# ------------------------------------------------------------------------------------ activations
+
+
+ALL_LINEARS = frozenset({"wq", "wk", "wv", "wo", "w1", "w2"})
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A block (or the head) of a LoRA run: frozen base, adapters of ``rank`` on the Linears named in ``adapted``.
+
+    Autograd saves only what some gradient needs (measured with ``workers.diagnostics.memory_probe``):
+    a frozen Linear saves nothing (its input would only serve its own weight gradient)
+    but its adapter's A saves that input and B saves A's rank-r output; a frozen norm
+    saves its input (for the input gradient) but not the normalised x (only its weight
+    gradient reads that); and nothing needs a gradient upstream of the first adapter
+    (the embedding is frozen), so ``input_grad`` is False there and ops whose inputs
+    need no gradient save nothing at all.
+    """
+
+    adapted: frozenset = frozenset()
+    rank: int = 0
+    input_grad: bool = True
+
+    def output_grad(self) -> bool:
+        """Whether the block's output needs a gradient (what the next block sees as ``input_grad``)."""
+        return self.input_grad or bool(self.adapted)
+
+
+def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, ffn_dim: int,
+                           tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                           compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None) -> int:
+    """Bytes one transformer block saves for backward for one microbatch (raymesh's GPT block).
+
+    Counted tensor by tensor from what autograd keeps (the probe checks it), with
+    s·b·h = seq · micro_batch · d_model elements and c = ``compute_bytes``:
+
+    - residual input x and the RMSNorm's normalised x, twice (attention and FFN
+      norms): 4 tensors in fp32 (norms compute in float32 whatever autocast says);
+      sharded over tp along the sequence under sequence parallelism, else full.
+    - each norm's output as the column-parallel linears see it: 2 tensors of c bytes,
+      full sequence (sequence parallelism all-gathers before the linear).
+    - attention: rotated q, rotated k, v and the attention output: 4 tensors of c
+      bytes sharded by heads over tp; the SDPA kernel's log-sum-exp (b·a·s fp32);
+      ``attention="math"`` (explicit softmax) adds scores and probabilities,
+      2·c·b·a·s², Korthikanti's 5as/h term without dropout.
+    - MLP: the first linear's output and GELU's output, 2 tensors of b·s·ffn at c
+      bytes, sharded by tp.
+    - small: two rsqrt outputs (b·s fp32) and rotary cos/sin tables (4 · s·head_dim/2 fp32).
+
+    Recompute: ``full`` keeps only the block input (4·s·b·h, fp32 residual, sequence-
+    sharded under SP); ``selective`` recomputes the attention core, dropping what only
+    the core saves (log-sum-exp, and the s² matrices of ``math`` attention).
+
+    ``frozen`` (LoRA, see ``Frozen``) keeps of these only what a gradient needs, plus
+    each adapter's rank-r A output (c·s·b·r, not sharded: A's output is whole on every tp rank).
+    """
+    s, b, h, a = seq, micro_batch, d_model, n_heads
+    sbh = s * b * h
+    seq_shard = tp if sequence_parallel else 1
+    f = frozen or Frozen(ALL_LINEARS, 0, True)
+    trained = frozen is None
+    x_grad, on = f.input_grad, f.adapted.__contains__
+    if recompute == "full":
+        return 4 * sbh // seq_shard if x_grad else 0
+    attn_grad = x_grad or any(map(on, ("wq", "wk", "wv")))
+    mid_grad = attn_grad or on("wo")
+    h1_grad = mid_grad or on("w1")
+
+    def norm(grad: bool) -> int:  # input and rsqrt for the input gradient; normalised x for the weight's
+        return ((4 * sbh + 4 * s * b) * grad + 4 * sbh * trained) // seq_shard
+
+    norms = norm(x_grad) + norm(mid_grad)
+    linear_inputs = compute_bytes * sbh * (any(map(on, ("wq", "wk", "wv"))) + on("w1"))
+    attn = compute_bytes * sbh // tp * (3 * attn_grad + (attn_grad or on("wo")))
+    core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
+    mlp = compute_bytes * s * b * ffn_dim // tp * (h1_grad + on("w2"))
+    rotary = 4 * 4 * s * (h // a) // 2 * attn_grad
+    adapters = compute_bytes * s * b * f.rank * len(f.adapted) * (not trained)
+    return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
+
+
+def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,
+                          sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None) -> int:
+    """Last stage: final norm (input and normalised x, fp32), the output linear's input
+    (c bytes, gathered), log-softmax output (fp32, full vocab: logits are replicated
+    before the loss) and the int64 targets. ``frozen``: the output Linear is adapted
+    when ``"output"`` is in ``frozen.adapted``; the norm keeps its input only."""
+    s, b = seq, micro_batch
+    seq_shard = tp if sequence_parallel else 1
+    if frozen is None:
+        return (2 * 4 * s * b * d_model + 4 * s * b) // seq_shard + compute_bytes * s * b * d_model \
+            + 4 * s * b * vocab + 8 * s * b
+    adapted, logits_grad = "output" in frozen.adapted, frozen.output_grad()
+    return (4 * s * b * d_model + 4 * s * b) * frozen.input_grad // seq_shard \
+        + compute_bytes * s * b * (d_model + frozen.rank) * adapted + (4 * s * b * vocab + 8 * s * b) * logits_grad
+
+
+def embedding_activation_bytes(seq: int, micro_batch: int) -> int:
+    """First stage: the embedding keeps its int64 token indices."""
+    return 8 * seq * micro_batch
+
+
+def device_activation_bytes(saved_bytes: int, largest_layer_bytes: int, offload_activations: bool = False) -> int:
+    """What of ``saved_bytes`` stays on the device. Offloading saved tensors (saved_tensors_hooks that
+    pack to host/NVMe) keeps only a layer being packed and one being prefetched back for backward."""
+    return min(saved_bytes, 2 * largest_layer_bytes) if offload_activations else saved_bytes
+
+
+def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int = 1) -> int:
+    """Stage-microbatches whose activations a pipeline rank holds at its peak, per schedule.
+
+    The unit is one microbatch through one of the rank's stages (chunks).
+    - no pipeline: microbatches run forward+backward one after another (gradient accumulation): 1.
+    - gpipe: all forwards before any backward: every microbatch on every chunk.
+    - 1f1b: rank r runs pp - r forwards before its first backward (Narayanan et al.).
+    - interleaved (1F1B, zero bubble): warm-up of (v-1)·pp + 2·(pp-1-r) chunk forwards, plus
+      the one whose backward comes first (Megatron's interleaved schedule, PyTorch's too).
+    - zbv / dualpipev (V shape, 2 chunks): the ZB-V paper's peak of pp microbatches through
+      the whole rank, i.e. 2·pp chunk-microbatches.
+    """
+    if pp == 1:
+        return 1
+    total = microbatches * stages_per_rank
+    if schedule == "gpipe":
+        return total
+    if schedule == "1f1b":
+        return min(microbatches, pp - pp_rank)
+    if schedule in ("zbv", "dualpipev"):
+        return min(total, 2 * pp)
+    return min(total, (stages_per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+
+
+# ------------------------------------------------------------------------------------ units
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``80GB`` (decimal), ``80GiB`` (binary), ``8.5e10`` or a plain number of bytes -> int."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 85899345920")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, as the ZeRO paper writes them (120 GB = 120e9 bytes)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,75 @@
+"""Driver side of memory: the fit warning before start, and measured-vs-predicted in the summary.
+
+``fit_problems`` runs before any actor exists: it compares the planner's
+per-rank peak with the device memory (``parallel.device_memory``, else the
+first local GPU's size; on a CPU-only driver without the setting there is
+nothing to compare with, so no check). ``MeasuredMemory`` keeps, per rank, the
+bytes each category reached in the latest step (``memory.measure: true``): the
+steady state, since a pipeline's first step also runs PyTorch's shape
+inference, an extra forward that is not the schedule's. It pairs them with the
+prediction and the relative error.
+"""
+
+from __future__ import annotations
+
+from orchestrator.observability.events import event
+from orchestrator.planning.estimate import autocast_copy_bytes, estimate, estimate_rank
+from orchestrator.planning.memory_model import human_bytes
+from orchestrator.spec import JobSpec
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+def device_memory(spec: JobSpec) -> int | None:
+    if spec.parallel.device_memory is not None:
+        return spec.parallel.device_memory_bytes
+    if spec.parallel.device == "cpu":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def fit_problems(spec: JobSpec) -> list[str]:
+    """One line per rank whose predicted peak exceeds the device memory (empty when it fits or is unknown)."""
+    limit = device_memory(spec)
+    if limit is None:
+        return []
+    return [f"rank {r.rank} needs {human_bytes(r.total_bytes)} (state {human_bytes(r.state.peak)}, activations "
+            f"{human_bytes(r.activation_bytes)}, buffers {human_bytes(r.buffer_bytes)}) of {human_bytes(limit)}"
+            for r in estimate(spec) if r.total_bytes > limit]
+
+
+def warn_if_too_big(spec: JobSpec) -> list[str]:
+    problems = fit_problems(spec)
+    if problems:
+        event("memory_warning", problem=f"the layout will not fit: {problems[0]}"
+              + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else ""),
+              fix="run `raymesh plan JOB.yaml --nodes N --gpus-per-node G --gpu-mem SIZE` for a layout that fits, "
+                  "or raise parallel.zero, parallel.pp, parallel.tp, set memory.recompute: full, "
+                  "or lower train.global_batch_size / raise train.microbatches")
+    return problems
+
+
+class MeasuredMemory:
+    def __init__(self, spec: JobSpec):
+        self.spec = spec
+        self.latest: dict[int, dict[str, int]] = {}
+
+    def observe(self, results: list[dict]) -> None:
+        self.latest.update({r["rank"]: r["memory"] for r in results if "memory" in r})
+
+    def summary(self) -> dict[int, dict]:
+        """Per rank: measured and predicted bytes, and (predicted - measured) / measured per category."""
+        out = {}
+        for rank, measured in sorted(self.latest.items()):
+            predicted = estimate_rank(self.spec, rank)
+            # the probe sees autocast's weight copies among the saved tensors, so they join activations here
+            saved = predicted.activation_bytes + autocast_copy_bytes(self.spec, predicted.params)
+            pred = {"params": predicted.state.params, "grads": predicted.state.grads,
+                    "optimizer": predicted.state.optimizer, "activations": saved}
+            pred["model_state"] = pred["params"] + pred["grads"] + pred["optimizer"]
+            meas = {**measured, "model_state": sum(measured[k] for k in CATEGORIES[:3])}
+            out[rank] = {"measured": meas, "predicted": pred,
+                         "relative_error": {k: (pred[k] - meas[k]) / meas[k] for k in pred if meas.get(k)}}
+        return out

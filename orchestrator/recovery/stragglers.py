@@ -1,0 +1,61 @@
+"""Straggler detection: a rank whose step time stays above ``straggler_ratio`` × the others' median.
+
+Each rank reports its own step time (``time_s.step``); a rank is compared
+with the median of the *other* ranks, so one slow rank of two still stands
+out. It is reported after ``straggler_steps`` consecutive slow steps and
+cleared after as many normal ones, so one noisy step neither raises nor
+clears it. Reported only (event line, metric, summary): the step already
+waits for the slowest rank, so there is nothing to roll back. Written here
+because neither Ray nor PyTorch watches per-rank step times.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from orchestrator.observability.events import event
+
+
+class StragglerDetector:
+    def __init__(self, ratio: float, steps: int):
+        self.ratio = ratio
+        self.steps = steps
+        self.slow_run: dict[int, int] = {}  # rank -> consecutive slow steps
+        self.calm_run: dict[int, int] = {}  # rank -> consecutive normal steps while reported
+        self.open: dict[int, dict] = {}  # rank -> its current episode
+        self.episodes: list[dict] = []  # every episode, for the summary's `stragglers`
+
+    def observe(self, step: int, results: list[dict]) -> dict[int, float]:
+        """Each rank's step time over the other ranks' median for ``step``; updates what is reported."""
+        times = {r["rank"]: r["time_s"]["step"] for r in results}
+        ratios = {}
+        for rank, seconds in times.items():
+            others = [t for r, t in times.items() if r != rank]
+            median = statistics.median(others) if others else seconds
+            ratios[rank] = seconds / median if median > 0 else 1.0
+            self._update(step, rank, ratios[rank])
+        return ratios
+
+    def _update(self, step: int, rank: int, ratio: float) -> None:
+        slow = ratio > self.ratio
+        self.slow_run[rank] = self.slow_run.get(rank, 0) + 1 if slow else 0
+        episode = self.open.get(rank)
+        if episode is None:
+            if self.slow_run[rank] >= self.steps:
+                episode = {"rank": rank, "since_step": step - self.steps + 1, "until_step": None, "max_ratio": ratio}
+                self.open[rank] = episode
+                self.episodes.append(episode)
+                self.calm_run[rank] = 0
+                event("straggler", rank=rank, since_step=episode["since_step"], ratio=f"{ratio:.2f}",
+                      threshold=f"{self.ratio:.2f}")
+            return
+        episode["max_ratio"] = max(episode["max_ratio"], ratio)
+        self.calm_run[rank] = 0 if slow else self.calm_run[rank] + 1
+        if self.calm_run[rank] >= self.steps:
+            episode["until_step"] = step - self.steps
+            del self.open[rank]
+            event("straggler_cleared", rank=rank, until_step=episode["until_step"],
+                  max_ratio=f"{episode['max_ratio']:.2f}")
+
+    def flagged(self) -> set[int]:
+        return set(self.open)

@@ -1,0 +1,135 @@
+"""The controller's side of the parameter server: start the shards, keep them alive, snapshot them.
+
+Shards are threaded Ray actors (``PSShard``) spread over the cluster; each also
+serves gRPC so processes outside Ray can read weights (``ps_routes.json`` in
+the run directory says where). Between steps, ``after_step`` pings every
+shard; a dead one is restarted and resynced from the live holders of its keys
+(the successor holds its primary keys, the primaries hold its replicas), then
+every worker is told to use it again. ``kill_ps_shard`` faults are armed here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import ray
+
+from orchestrator.observability.events import event
+from orchestrator.spec import JobSpec
+from parameter_server.clocks import ClockKeeper
+from parameter_server.ring import HashRing
+from parameter_server.shard import PSShard
+
+PING_S = 30.0
+
+
+class PSShards:
+    def __init__(self, spec: JobSpec, run_dir):
+        self.spec = spec
+        self.ps = spec.parameter_server
+        self.run_dir = run_dir
+        self.ring = HashRing(self.ps.shards, self.ps.virtual_nodes)
+        self.handles = [self._new_shard(i) for i in range(self.ps.shards)]
+        self.addresses = ray.get([h.serve_grpc.remote() for h in self.handles])
+        self.keeper = None
+        if self.ps.consistency != "bsp":
+            staleness = self.ps.staleness if self.ps.consistency == "ssp" else None
+            self.keeper = ray.remote(max_concurrency=64)(ClockKeeper).options(num_cpus=0).remote(
+                spec.parallel.dp, staleness, spec.train.steps)
+        self.recoveries: list[dict] = []
+        self._armed: dict[int, tuple[int, float]] = {}  # shard -> (step, time) of its kill_ps_shard
+        self._write_routes()
+        event("ps_shards", shards=self.ps.shards, consistency=self.ps.consistency, transport=self.ps.transport,
+              grpc=",".join(self.addresses))
+
+    def _new_shard(self, shard: int):
+        optim = self.ps.server_optim(self.spec.optim)
+        return ray.remote(max_concurrency=64)(PSShard).options(
+            num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        ).remote(shard, self.ps.consistency, optim, self.spec.parallel.dp)
+
+    def _write_routes(self) -> None:
+        """Where an outside reader finds the shards (``parameter_server.reader``)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        routes = {"addresses": self.addresses, "vnodes": self.ps.virtual_nodes, "chunk_elems": self.ps.chunk_elems}
+        (self.run_dir / "ps_routes.json").write_text(json.dumps(routes, indent=2))
+
+    def route(self, shard: int) -> dict:
+        return {"handle": self.handles[shard], "address": self.addresses[shard]}
+
+    def worker_routes(self) -> dict:
+        """What each rank's ``PSSync`` needs: a route per shard, and the clock keeper under asp/ssp."""
+        return {"shards": [self.route(i) for i in range(self.ps.shards)], "keeper": self.keeper}
+
+    # -- between steps -------------------------------------------------------------------------
+
+    def arm(self, fault: dict) -> None:
+        """A ``kill_ps_shard`` fault (``FaultSchedule.for_controller``): the shard dies during the coming step."""
+        ray.get(self.handles[fault["shard"]].arm_kill.remote(1))
+        event("fault", kind="kill_ps_shard", shard=fault["shard"], at_step=fault["at_step"])
+        self._armed[fault["shard"]] = (fault["at_step"], time.perf_counter())
+
+    def after_step(self, step: int, group) -> None:
+        """Restart and resync dead shards, then snapshot on the cadence (asp/ssp workers paused meanwhile)."""
+        alive = self._alive()
+        every = self.ps.snapshot_every
+        snapshot = every and step % every == 0
+        if all(alive) and not snapshot:
+            return
+        if self.keeper is not None:
+            ray.get(self.keeper.pause.remote())
+        for shard, ok in enumerate(alive):
+            if not ok:
+                self._restart(shard, alive, group, step)
+        if snapshot:
+            paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(self.ps.shards)]
+            ray.get([h.save.remote(p) for h, p in zip(self.handles, paths)])
+        if self.keeper is not None:
+            ray.get(self.keeper.resume.remote())
+
+    def _alive(self) -> list[bool]:
+        refs = [h.ping.remote() for h in self.handles]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_S)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ref in ready and ray.get(ref) is not None)
+            except ray.exceptions.RayActorError:
+                out.append(False)
+        return out
+
+    def _restart(self, shard: int, alive: list[bool], group, step: int) -> None:
+        ray.kill(self.handles[shard], no_restart=True)
+        self.handles[shard] = self._new_shard(shard)
+        self.addresses[shard] = ray.get(self.handles[shard].serve_grpc.remote())
+        keys = 0
+        for other, ok in enumerate(alive):
+            if ok:  # every key this shard holds lives on one live holder too
+                state = ray.get(self.handles[other].state.remote())
+                mine = [k for k in state["params"] if shard in self.ring.holders(k)]
+                state["params"] = {k: state["params"][k] for k in mine}
+                state["opts"] = {k: state["opts"][k] for k in mine}
+                keys = ray.get(self.handles[shard].load.remote(state))
+        group.call("ps_reroute", shard, self.route(shard))
+        self._write_routes()
+        at_step, t0 = self._armed.pop(shard, (step, time.perf_counter()))
+        self.recoveries.append({"kind": "kill_ps_shard", "rank": -1, "shard": shard, "at_step": at_step,
+                                "lost_steps": 0, "source": "replica", "mttr_s": time.perf_counter() - t0})
+        event("ps_shard_restarted", shard=shard, keys=keys, step=step)
+
+    # -- end of run ----------------------------------------------------------------------------
+
+    def write_read_log(self) -> None:
+        """Every asp/ssp read the shards recorded (reader clock, fewest pushes applied), for checking the bound."""
+        with open(self.run_dir / "ps_reads.jsonl", "w") as f:
+            for h in self.handles:
+                try:
+                    log = ray.get(h.read_log.remote(), timeout=PING_S)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    continue  # a shard lost as the job failed: its reads are gone with it
+                f.writelines(json.dumps(r) + "\n" for r in log)
+
+    def stop(self) -> None:
+        for h in self.handles + ([self.keeper] if self.keeper is not None else []):
+            ray.kill(h)

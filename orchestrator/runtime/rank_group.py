@@ -1,0 +1,248 @@
+"""The rank actors of one job: start them, run a step on all, and replace the ones that fail.
+
+A step either completes on every rank or raises ``StepFailed`` naming the
+ranks that died (actor or process gone; reported as soon as the first is
+seen) or hung (no answer within the heartbeat timeout; those are killed so
+they count as dead). Survivors blocked in a collective with a dead peer get an
+error from gloo/NCCL within the collective timeout, so a failed step always
+ends; the replacement starts meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import ray
+from ray.exceptions import RayActorError
+
+from orchestrator.recovery.snapshot_target import newest_common_step
+from orchestrator.runtime.placement import RankPlacement
+from orchestrator.spec import JobSpec
+from workers.parallel.layout import coordinates
+from workers.rank_worker import RankWorker
+
+
+@dataclass
+class StepFailed(Exception):
+    """A step that did not complete on every rank, and why: ``kind`` is ``rank``, ``hang`` or ``nan_loss``."""
+
+    dead: dict[int, str]  # rank -> "died" | "hung"
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or ("hang" if "hung" in self.dead.values() else "rank")
+
+    def __str__(self) -> str:
+        return ", ".join(f"rank {r} {how}" for r, how in sorted(self.dead.items())) or self.kind
+
+
+class RankGroup:
+    worker_extra: ClassVar[dict] = {}  # extra keys for the workers' spec dict (``ps_routes`` under dp_sync: ps)
+
+    def __init__(self, spec: JobSpec, placement: RankPlacement, use_gpu: bool):
+        self.spec = spec
+        self.placement = placement
+        self.use_gpu = use_gpu
+        self.workers: list = [self._new_actor(r) for r in range(spec.parallel.world_size)]
+        self._failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
+
+    def _new_actor(self, rank: int):
+        p = self.spec.parallel
+        # peers' replicas are stored on their own thread, beside the running step
+        return ray.remote(concurrency_groups={"replicas": 1})(RankWorker).options(
+            num_cpus=p.cpus_per_rank,
+            num_gpus=1 if self.use_gpu else 0,
+            scheduling_strategy=self.placement.strategy(rank),
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+            name=f"{self.spec.name}-rank{rank}-{time.time_ns()}",
+        ).remote()
+
+    def form(self) -> list[dict]:
+        """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
+        world = self.spec.parallel.world_size
+        ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
+        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
+        worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
+        ranks = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
+        # a mirror's holder already has the same state in its own snapshots: nothing to ship
+        ray.get([w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
+                 for r, w in enumerate(self.workers)])
+        return ranks
+
+    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[dict]:
+        """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``).
+
+        Fails as soon as one rank's actor is seen dead: the survivors still blocked in a collective
+        with it finish their failed step (gloo/NCCL error, at most the collective timeout) while the
+        replacement starts, because the next calls they get queue behind it.
+        """
+        refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
+        deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
+        results, dead, errors, pending = {}, {}, [], list(refs)
+        while pending and not dead and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                rank = refs.index(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError:
+                    dead[rank] = "died"
+                except ray.exceptions.RayTaskError as exc:
+                    errors.append(exc)  # a survivor whose collective broke with the dead peer, or a real bug
+        if not dead:
+            dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
+        if errors and not dead:
+            raise errors[0]  # every rank alive yet one raised: a bug to report, not a fault to recover from
+        if dead:
+            for rank in dead:
+                ray.kill(self.workers[rank], no_restart=True)
+            self._failed = {refs.index(ref): ref for ref in pending}
+            raise StepFailed(dead)
+        return [results[r] for r in range(len(refs))]
+
+    def finish_failed_step(self) -> dict[int, str]:
+        """Wait for the other ranks' failed step to end (within the collective timeout); returns the ranks
+        found dead meanwhile (a lost node takes several), killed like the first."""
+        refs, self._failed = self._failed, {}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.spec.fault_tolerance.collective_timeout_s + 5)
+        dead = {}
+        for rank, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                dead[rank] = "died"
+                ray.kill(self.workers[rank], no_restart=True)
+            except ray.exceptions.RayError:
+                pass  # its collective broke with the dead peer (or it is still blocked): a survivor
+        return dead
+
+    def replace(self, ranks) -> None:
+        """New actors in the dead ranks' grid positions (their placement bundles are free again); they start
+        importing torch and the trainer at once, while the survivors finish their failed step."""
+        for rank in ranks:
+            self.workers[rank] = self._new_actor(rank)
+            self.workers[rank].preload.remote()
+
+    def placed(self, ranks, timeout_s: float) -> bool:
+        """Whether the new actors of ``ranks`` started within ``timeout_s``.
+
+        One that was scheduled onto a node Ray had not yet declared dead dies unstarted; it is started
+        again (the placement group then moves its bundle to a live node, or waits for room). Those not
+        started by the deadline are killed: their resources are gone, and the caller shrinks the grid.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = {r: self.workers[r].__ray_ready__.remote() for r in ranks}
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for rank, ref in list(pending.items()):
+                if ref not in ready:
+                    continue
+                try:
+                    ray.get(ref)
+                    del pending[rank]
+                except RayActorError:
+                    time.sleep(0.5)  # give Ray a moment to declare the node dead before placing again
+                    self.workers[rank] = self._new_actor(rank)
+                    pending[rank] = self.workers[rank].__ray_ready__.remote()
+        for rank in pending:
+            ray.kill(self.workers[rank], no_restart=True)
+        return not pending
+
+    def holder(self, rank: int) -> int | None:
+        """Where rank's replica lives: the same position in the next data-parallel replica (another node
+        when replicas span nodes), else the next rank."""
+        p = self.spec.parallel
+        world = p.world_size
+        if world == 1:
+            return None
+        step = p.pp * p.tp if p.dp > 1 else 1
+        return (rank + step) % world
+
+    @property
+    def mirrored(self) -> bool:
+        """Under plain all-reduce data parallelism (zero 0) the holder's own state is bit for bit the rank's
+        (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
+        is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped."""
+        p = self.spec.parallel
+        return p.zero == 0 and p.dp > 1 and p.dp_sync == "allreduce"
+
+    def _holder_actor(self, rank: int):
+        holder = self.holder(rank)
+        return None if holder is None else self.workers[holder]
+
+    def snapshot(self, keep_from: int = -1) -> None:
+        """Every rank snapshots its state now; replicas ship to the holders in the background.
+        Snapshots of steps before ``keep_from`` (replicated by every rank) are dropped."""
+        self.call("take_snapshot", keep_from)
+
+    def _available(self, ranks) -> dict[int, dict]:
+        """Each of ``ranks``' complete snapshot steps and replicas, once none is in flight."""
+        ranks = list(ranks)
+        return dict(zip(ranks, ray.get([self.workers[r].snapshot_steps.remote() for r in ranks])))
+
+    def restore(self, replaced: set[int], up_to: int) -> int:
+        """Roll every rank back to the newest snapshot step, at most ``up_to``, complete for all of them:
+        survivors from their own, replaced ranks from their holder's replica. Returns the step."""
+        for rank in replaced:
+            holder = self.holder(rank)
+            if holder is None or holder in replaced:
+                raise LookupError(f"the in-memory replica of rank {rank} died with it")
+        avail = self._available(r for r in range(len(self.workers)) if r not in replaced)
+        lists = [held["own"] for held in avail.values()]
+        if not self.mirrored:  # a mirror's replica is its holder's own snapshot, already in ``lists``
+            lists += [avail[self.holder(r)]["replicas"].get(r, []) for r in replaced]
+        step = newest_common_step(lists, up_to)
+        if step is None:
+            raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
+        calls = []
+        for rank, w in enumerate(self.workers):
+            snap = self._replica(rank, step) if rank in replaced else None
+            calls.append(w.restore_snapshot.remote(step, snap))
+        return ray.get(calls)[0]
+
+    def _replica(self, rank: int, step: int):
+        holder = self.workers[self.holder(rank)]
+        return holder.kept_snapshot.remote(step) if self.mirrored else holder.replica.remote(rank, step)
+
+    def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None:
+        """A step and, per (pp, tp) position, a surviving rank's snapshot of it, for a grid with another
+        dp to start from.
+
+        Only where data-parallel replicas are full copies (``mirrored``): ZeRO splits the state over dp,
+        which only a DCP checkpoint can reshard. None also when every replica of a position died.
+        """
+        p = self.spec.parallel
+        if not self.mirrored:
+            return None
+        chosen = {}
+        for rank in range(len(self.workers)):
+            c = coordinates(rank, p.dp, p.pp, p.tp)
+            if rank not in dead and (c.pp, c.tp) not in chosen:
+                chosen[(c.pp, c.tp)] = rank
+        if len(chosen) < p.pp * p.tp:
+            return None
+        step = newest_common_step((held["own"] for held in self._available(chosen.values()).values()), up_to)
+        if step is None:
+            return None
+        kept = {pos: self.workers[rank].kept_snapshot.remote(step) for pos, rank in chosen.items()}
+        ray.wait(list(kept.values()), num_returns=len(kept))  # in hand before the survivors are stopped
+        return step, kept
+
+    def restore_positions(self, step: int, kept: dict) -> int:
+        """Every rank takes the snapshot of ``step`` kept for its (pp, tp) position; returns the step."""
+        p = self.spec.parallel
+        coords = [coordinates(r, p.dp, p.pp, p.tp) for r in range(p.world_size)]
+        return ray.get([w.restore_snapshot.remote(step, kept[(c.pp, c.tp)])
+                        for w, c in zip(self.workers, coords)])[0]
+
+    def call(self, method: str, *args) -> list:
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):  # a rank that already died cannot shut down cleanly; it is killed below
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        for w in self.workers:
+            ray.kill(w)

@@ -1,0 +1,237 @@
+"""Checks that span sections (layout vs model shape, batching vs schedule, what combines with what).
+
+Each takes the whole `JobSpec` and raises a `SpecError` naming the field, the value and the fix; `JobSpec` runs
+them all, in `CROSS_FIELD_CHECKS` order, after every section validated on its own."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.errors import SpecError
+from orchestrator.faults.soak import check_repetition
+from orchestrator.spec.fields import _INTERLEAVED, _SPLIT_BACKWARD, _divisors, _near_multiples
+from orchestrator.spec.lora import check_lora
+
+if TYPE_CHECKING:
+    from orchestrator.spec.job import JobSpec
+
+
+def check_parameter_server(job: JobSpec) -> None:
+    """What `dp_sync: ps` cannot combine with, and `kill_ps_shard` faults."""
+    p, ps = job.parallel, job.parameter_server
+    kills = [i for i, f in enumerate(job.faults) if f.kind == "kill_ps_shard"]
+    if p.dp_sync != "ps":
+        if kills:
+            raise SpecError(f"faults.{kills[0]}.kind", "kill_ps_shard", "needs parameter-server shards",
+                            "set parallel.dp_sync: ps, or remove the fault")
+        return
+    unsupported = [
+        ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
+         "set parallel.zero: 0"),
+        ("parallel.tp", p.tp, p.tp > 1, "tensor-parallel shards of a parameter are not keyed separately yet",
+         "set parallel.tp: 1, or parallel.dp_sync: allreduce"),
+        ("precision.dtype", job.precision.dtype, job.precision.dtype == "fp16",
+         "a skipped fp16 step would leave the shards waiting for its push", "use bf16 or fp32"),
+        ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.pp > 1,
+         "asynchronous rounds run one stage per worker", "use consistency: bsp with pipeline parallelism, or pp: 1"),
+    ]
+    for field, value, bad, why, fix in unsupported:
+        if bad:
+            raise SpecError(field, value, f"is not supported with parallel.dp_sync: ps ({why})", fix)
+    if ps.optimizer == "momentum" and job.optim.momentum == 0:
+        raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
+                        "set optim.momentum (e.g. 0.9), or optimizer: sgd")
+    for i, f in enumerate(job.faults):
+        if f.kind in ("kill_rank", "kill_node", "hang_rank", "nan_loss"):
+            raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (the "
+                            "shards are not rolled back with the ranks)", "use slow_rank or kill_ps_shard")
+        if f.kind == "kill_ps_shard" and (ps.shards < 2 or f.shard >= ps.shards):
+            raise SpecError(f"faults.{i}.shard", f.shard, f"is not a shard that can die and be taken over "
+                            f"(parameter_server.shards={ps.shards}; a replica needs at least 2)",
+                            f"pick a shard from 0 to {ps.shards - 1} with shards >= 2")
+
+def check_offload(job: JobSpec) -> None:
+    """Offload combinations that cannot work, refused with the fix (workers/offload/)."""
+    off, name, p = job.memory.offload, job.optim.name, job.parallel
+    if off.tier == "nvme" and not off.path:
+        raise SpecError("memory.offload.path", off.path, "is required for tier nvme (where the files go)",
+                        "set memory.offload.path to a directory on a local NVMe drive, or use tier: cpu")
+    if off.path and off.tier != "nvme":
+        raise SpecError("memory.offload.path", off.path, f"is only used by tier nvme, not {off.tier!r}",
+                        "set memory.offload.tier: nvme, or remove memory.offload.path")
+    if off.optimizer and name not in ("adamw", "adam", "paged_adamw"):
+        raise SpecError("memory.offload.optimizer", True, f"is not supported for optim.name {name!r}: the "
+                        "offloaded host step is Adam's", "use optim.name adamw, adam or paged_adamw, "
+                        "or set memory.offload.optimizer: false")
+    if name == "adafactor" and (p.zero >= 2 or p.tp > 1):
+        field, value = ("parallel.zero", p.zero) if p.zero >= 2 else ("parallel.tp", p.tp)
+        raise SpecError(field, value, "shards parameters, which optim.name 'adafactor' (PyTorch's) cannot step "
+                        "exactly: its factored second moment divides row means by column means of whole "
+                        "matrices, and a shard sees only some rows or columns",
+                        "use optim.name sm3 (same O(rows + cols) state, steps shards exactly), adamw with "
+                        "memory.offload.optimizer or paged_adamw, or zero: 0/1 with tp: 1 for adafactor")
+    stored_optim = off.optimizer or name == "paged_adamw"
+    if stored_optim and p.zero == 1 and p.dp > 1:
+        raise SpecError("parallel.zero", 1, "cannot be combined with an offloaded optimizer: "
+                        "ZeroRedundancyOptimizer partitions state with its own inner optimizer",
+                        "use zero: 2 or 3 (FSDP2; the store then holds this rank's shard only) or zero: 0")
+    if off.params:
+        check_param_offload(job, stored_optim)
+
+def check_param_offload(job: JobSpec, stored_optim: bool) -> None:
+    """ZeRO-3 parameter offload (workers/offload/params.py) lives on FSDP2's units; what it does not cover."""
+    p = job.parallel
+    if p.zero != 3 or p.dp_sync == "ps":
+        field, value = ("parallel.zero", p.zero) if p.zero != 3 else ("parallel.dp_sync", p.dp_sync)
+        raise SpecError(field, value, "cannot be combined with memory.offload.params: only ZeRO-3 (FSDP2, "
+                        "parameters sharded between uses) has per-unit shards to offload",
+                        "set parallel.zero: 3 (with dp_sync: allreduce), or memory.offload.params: false")
+    if not stored_optim:
+        raise SpecError("memory.offload.params", True, "needs the optimizer step on the host: the offloaded "
+                        "shards are updated where they are stored",
+                        "also set memory.offload.optimizer: true (optim.name adamw or adam), or use "
+                        "optim.name paged_adamw")
+
+def check_faults(job: JobSpec) -> None:
+    ft, world = job.fault_tolerance, job.parallel.world_size
+    if ft.collective_timeout_s >= ft.heartbeat_timeout_s:
+        raise SpecError(
+            "fault_tolerance.collective_timeout_s", ft.collective_timeout_s,
+            f"is not below fault_tolerance.heartbeat_timeout_s={ft.heartbeat_timeout_s}: survivors blocked on "
+            "a hung rank must give up before the controller declares the hang",
+            "set collective_timeout_s below heartbeat_timeout_s",
+        )
+    if ft.min_dp > job.parallel.dp:
+        raise SpecError("fault_tolerance.min_dp", ft.min_dp, f"is above parallel.dp={job.parallel.dp}: the job "
+                        "would start below its own floor", f"set min_dp to at most {job.parallel.dp}")
+    for i, fault in enumerate(job.faults):
+        if fault.rank != "random" and not (isinstance(fault.rank, int) and 0 <= fault.rank < world):
+            raise SpecError(f"faults.{i}.rank", fault.rank, f"is not a rank of this {world}-rank job",
+                            f"pick a rank from 0 to {world - 1}, or `random` with every_s")
+        if fault.at_step is not None and fault.at_step > job.train.steps:
+            raise SpecError(f"faults.{i}.at_step", fault.at_step, f"is after the last step {job.train.steps}",
+                            f"pick a step from 1 to {job.train.steps}")
+        check_repetition(fault, f"faults.{i}")
+
+def check_zero(job: JobSpec) -> None:
+    """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""
+    p = job.parallel
+    if p.zero == 1 and p.pp > 1 and p.dp > 1:
+        raise SpecError(
+            "parallel.zero",
+            1,
+            f"with parallel.pp={p.pp} is not supported: ZeRO-1 wraps stages in DDP, whose reducer breaks "
+            "when a pipeline schedule runs one backward per microbatch",
+            "use zero: 2 (FSDP2 shards gradients and optimizer state) or zero: 0",
+        )
+    if p.zero == 3 and p.pp > 1 and p.pp_schedule in _SPLIT_BACKWARD:
+        raise SpecError(
+            "parallel.zero",
+            3,
+            f"with pp_schedule {p.pp_schedule!r} gives wrong gradients: its deferred weight-gradient pass "
+            "runs after FSDP2 has resharded the parameters (PyTorch issue 164756)",
+            "use zero: 2 with this schedule, or pp_schedule: interleaved_1f1b with zero: 3",
+        )
+    if p.zero == 1 and p.tp > 1 and p.dp > 1:
+        raise SpecError(
+            "parallel.zero",
+            1,
+            f"with parallel.tp={p.tp} is not supported: ZeRO-1 uses PyTorch's ZeroRedundancyOptimizer, "
+            "which cannot partition tensor-parallel (DTensor) parameters",
+            "use zero: 2 (FSDP2 shards gradients and optimizer state, same all-reduce-sized traffic) "
+            "or zero: 0, or set parallel.tp: 1",
+        )
+
+def check_pipeline_split(job: JobSpec) -> None:
+    p, n_layers = job.parallel, job.model.n_layers
+    spr = p.stages_per_rank
+    stages = p.pp * spr
+    if n_layers % stages == 0:
+        return
+    fixes = [f"set model.n_layers to a multiple of {stages} (e.g. {_near_multiples(n_layers, stages)})"]
+    pps = [q for q in _divisors(n_layers) if n_layers % (q * spr) == 0]
+    if pps:
+        fixes.append(f"pick parallel.pp from {pps}")
+    if spr > 1:
+        fixes.append("use pp_schedule: 1f1b (one stage per rank)")
+    raise SpecError(
+        "model.n_layers",
+        n_layers,
+        f"does not split evenly into parallel.pp * stages_per_rank = {p.pp} * {spr} = {stages} pipeline stages",
+        ", or ".join(fixes),
+    )
+
+def check_tensor_split(job: JobSpec) -> None:
+    m, p = job.model, job.parallel
+    dims = {
+        "model.n_heads": m.n_heads,
+        "model.d_model": m.d_model,
+        "model.d_ff" if m.d_ff is not None else "model.ffn_dim (4*d_model)": m.ffn_dim,
+        "model.vocab_size": m.vocab_size,
+    }
+    if p.sequence_parallel:
+        dims["model.seq_len (split by sequence_parallel)"] = m.seq_len
+    bad = [f"{k}={v}" for k, v in dims.items() if v % p.tp]
+    if not bad:
+        return
+    valid = [t for t in _divisors(min(dims.values())) if all(v % t == 0 for v in dims.values())]
+    fix = f"pick parallel.tp from {valid}, or change the listed model sizes to multiples of {p.tp}"
+    if p.sequence_parallel and m.seq_len % p.tp:
+        fix += ", or set parallel.sequence_parallel: false"
+    raise SpecError("parallel.tp", p.tp, f"does not divide {', '.join(bad)}", fix)
+
+def pipeline_problem(job: JobSpec, microbatches: int) -> str | None:
+    """Why a pipeline schedule cannot run `microbatches` microbatches, or None if it can."""
+    pp, schedule = job.parallel.pp, job.parallel.pp_schedule
+    if pp == 1:
+        return None
+    if schedule in _INTERLEAVED and microbatches % pp:
+        return f"is not a multiple of parallel.pp={pp}, which pp_schedule {schedule!r} requires"
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        return (
+            f"is below the {2 * pp} pipeline stages of pp_schedule 'dualpipev' (two per rank); "
+            "it needs microbatches >= 2*pp"
+        )
+    if microbatches < pp:
+        return (
+            f"is below parallel.pp={pp}; pp_schedule {schedule!r} needs at least one microbatch "
+            "per pipeline rank (microbatches >= pp)"
+        )
+    return None
+
+def check_batching(job: JobSpec) -> None:
+    t, dp, pp = job.train, job.parallel.dp, job.parallel.pp
+    gbs, mb = t.global_batch_size, t.microbatches
+    if gbs % dp:
+        dps = [d for d in _divisors(gbs) if (gbs // d) % mb == 0]
+        raise SpecError(
+            "train.global_batch_size",
+            gbs,
+            f"is not divisible by parallel.dp={dp}",
+            f"use a multiple of dp*microbatches = {dp * mb} (e.g. {_near_multiples(gbs, dp * mb)}), "
+            f"or pick parallel.dp from {dps}",
+        )
+    per_rank = gbs // dp
+    valid = [m for m in _divisors(per_rank) if pipeline_problem(job, m) is None]
+    if valid:
+        fix = f"pick train.microbatches from {valid}"
+    else:
+        step = dp * pp
+        fix = (
+            f"raise train.global_batch_size to a multiple of dp*pp = {step} "
+            f"(e.g. {_near_multiples(gbs, step)[-1]}) and set train.microbatches: {pp}"
+        )
+    if per_rank % mb:
+        raise SpecError(
+            "train.microbatches",
+            mb,
+            f"does not divide the per-data-rank batch global_batch_size/dp = {gbs}/{dp} = {per_rank}",
+            fix,
+        )
+    problem = pipeline_problem(job, mb)
+    if problem:
+        raise SpecError("train.microbatches", mb, problem, fix)
+
+
+CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_faults,
+                      check_parameter_server, check_offload, check_lora)

@@ -1,0 +1,101 @@
+"""`JobSpec`: a whole job file, validated section by section and then across sections."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from orchestrator.errors import SpecError
+from orchestrator.spec.cross_checks import CROSS_FIELD_CHECKS
+from orchestrator.spec.fields import _SECTIONS, _Section
+from orchestrator.spec.messages import to_spec_error
+from orchestrator.spec.model import ModelSpec
+from orchestrator.spec.sections import (
+    CheckpointSpec,
+    DataSpec,
+    FaultSpec,
+    FaultToleranceSpec,
+    MemorySpec,
+    MetricsSpec,
+    OptimSpec,
+    ParallelSpec,
+    ParameterServerSpec,
+    PrecisionSpec,
+    TrainSpec,
+)
+
+
+class JobSpec(_Section):
+    """A whole job file. Build it with `from_dict` or `load_spec` to get `SpecError`s."""
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")] = "raymesh-job"
+    run_dir: str | None = None
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+    memory: MemorySpec = Field(default_factory=MemorySpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    faults: list[FaultSpec] = Field(default_factory=list)
+    parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)
+
+    def resolved_run_dir(self) -> Path:
+        """`run_dir` when set, else `runs/<name>`."""
+        return Path(self.run_dir) if self.run_dir is not None else Path("runs") / self.name
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        """Validate a raw job dict; every failure becomes a `SpecError`."""
+        if not isinstance(data, Mapping):
+            raise SpecError(
+                None,
+                data,
+                "is not a mapping of sections",
+                "write the job as `section:` blocks, e.g. `data:` / `  path: data/tiny`",
+            )
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as exc:
+            error = to_spec_error(exc)
+        raise error  # raised outside `except` so no pydantic traceback is chained
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict that `from_dict` accepts (the checkpoint flag is emitted as `async`)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def worker_dict(self) -> dict[str, Any]:
+        """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`).
+
+        Workers never import the orchestrator, so they get a plain dict with no defaults left to derive.
+        """
+        out = self.to_dict()
+        out["model"]["d_ff"] = self.model.ffn_dim
+        out["parallel"]["virtual_stages"] = self.parallel.stages_per_rank
+        return out
+
+    def with_overrides(self, overrides: Iterable[str]) -> JobSpec:
+        """A new validated copy with `key.path=value` overrides applied (paths kept verbatim)."""
+        from orchestrator.spec.loading import apply_overrides  # loading builds JobSpecs
+
+        return JobSpec.from_dict(apply_overrides(self.to_dict(), overrides))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_mean_defaults(cls, data: Any) -> Any:
+        """`checkpoint:` with every line commented out is YAML null; treat it as an empty section."""
+        if isinstance(data, dict):
+            return {k: ({} if v is None and k in _SECTIONS else v) for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> JobSpec:
+        for check in CROSS_FIELD_CHECKS:
+            check(self)
+        return self

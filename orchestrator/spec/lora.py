@@ -1,0 +1,173 @@
+"""The `model.lora` section (LoRA / QLoRA fine-tuning) and the checks that need the rest of the job.
+
+Kept beside `spec.py` so the LoRA keys and their errors live in one place;
+`JobSpec` calls `check_lora` with the validated sections.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.errors import SpecError
+
+DEFAULT_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2"]
+
+
+class LoraSpec(BaseModel):
+    """Low-rank adapters on the Linear layers named by `targets`; everything else frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: Annotated[int, Field(gt=0)] = 8
+    alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
+    targets: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
+    base_checkpoint: str | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
+
+
+def _linear_names(model):
+    """Names of the model's Linear layers and the model itself, built weightless on the meta device."""
+    import torch
+    from torch import nn
+
+    from workers.model.gpt import GPT
+    from workers.parallel.parallelize import model_config
+
+    raw = model.model_dump()
+    raw["d_ff"] = model.ffn_dim
+    with torch.device("meta"):
+        gpt = GPT(model_config(raw))
+    return [n for n, m in gpt.named_modules() if isinstance(m, nn.Linear)], gpt
+
+
+def check_lora(job) -> None:
+    """Refuse LoRA settings that cannot work with this model and layout, before any actor starts."""
+    lora, par = job.model.lora, job.parallel
+    if lora is None:
+        return
+    from workers.model.lora import target_names
+
+    names, gpt = _linear_names(job.model)
+    found = target_names(gpt, lora.targets)
+    for i, (pattern, hits) in enumerate(found.items()):
+        if not hits:
+            raise SpecError(
+                f"model.lora.targets[{i}]", pattern, "matches no Linear layer of the model",
+                f"use module names or globs such as {', '.join(DEFAULT_TARGETS)}, 'output', 'layers.0.*'; "
+                f"Linear layers: {', '.join(names[:7])}, ...",
+            )
+    if lora.quantize == "nf4":
+        _check_nf4(job, gpt, sorted({n for hits in found.values() for n in hits}))
+    if lora.dropout > 0 and par.tp > 1:
+        raise SpecError(
+            "model.lora.dropout", lora.dropout,
+            f"with parallel.tp={par.tp} is not supported: each tensor-parallel rank would drop different inputs "
+            "of the replicated adapter and its copies would drift apart",
+            "set model.lora.dropout: 0, or parallel.tp: 1",
+        )
+
+
+def _check_nf4(job, gpt, adapted: list[str]) -> None:
+    from workers.model.nf4 import BLOCK, shard_problem
+
+    tp = job.parallel.tp
+    for name in adapted:
+        shape = tuple(gpt.get_submodule(name).weight.shape)
+        if (shape[0] * shape[1]) % BLOCK:
+            raise SpecError(
+                "model.lora.quantize", "nf4",
+                f"cannot quantize {name}: its weight {shape[0]}x{shape[1]} does not split into NF4 blocks of {BLOCK}",
+                f"make model.d_model / model.d_ff / model.vocab_size multiples of {BLOCK} for that layer, "
+                "remove it from model.lora.targets, or set model.lora.quantize: null",
+            )
+        row_parallel = _row_parallel(name)
+        problem = tp > 1 and shard_problem(shape, 1 if row_parallel else 0, tp)
+        if problem:
+            raise SpecError(
+                "model.lora.quantize", "nf4",
+                f"with parallel.tp={tp} cannot shard {name} ({'row' if row_parallel else 'column'}-parallel): "
+                f"{problem}, so ranks would not dequantize the blocks the whole weight was quantized in",
+                f"make that layer's input size (model.d_model for wo, model.d_ff for w2) a multiple of {BLOCK * tp}, "
+                "remove it from model.lora.targets, or lower parallel.tp",
+            )
+
+
+def check_base_checkpoint(job) -> None:
+    """Fail before actors start when `model.lora.base_checkpoint` is not there (kept out of validation, like data)."""
+    lora = job.model.lora
+    if lora is None or lora.base_checkpoint is None:
+        return
+    p = Path(lora.base_checkpoint)
+    if not (p.is_file() or (p / ".metadata").is_file()):
+        raise SpecError(
+            "model.lora.base_checkpoint", lora.base_checkpoint,
+            "is neither a .pt file nor a complete DCP checkpoint directory (no .metadata inside)",
+            "point it at one step directory of a full run, e.g. runs/<job>/checkpoints/step-00000100, "
+            "or at a .pt file written by `raymesh export-merged`",
+        )
+
+
+def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
+    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`."""
+    from orchestrator.checkpoints.directory import CheckpointDir
+    from workers.model.finetune import export_merged
+
+    if job.model.lora is None:
+        raise SpecError("model.lora", None, "is not set, so the job has no adapters to merge",
+                        "pass the job file of a LoRA run (one with a model.lora section)")
+    root = job.checkpoint.resolved_dir(job.resolved_run_dir())
+    path = Path(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
+    if path is None or not (path / ".metadata").is_file():
+        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to merge",
+                        "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
+    check_base_checkpoint(job)
+    return export_merged(job.worker_dict(), path, out)
+
+
+ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.parallel.tensor_parallel); others column
+
+
+def _row_parallel(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ROW_PARALLEL
+
+
+def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> dict[str, int]:
+    """Parameters by how LoRA stores them, for memory estimates: `trainable` (adapters: grads and optimizer
+    state), `frozen` (full precision, no grads), `nf4` (4-bit base, `workers.model.nf4` bytes per weight).
+    Without `model.lora` every parameter is trainable.
+
+    For one rank: `holds(module_name)` says which adapted Linears are in its pipeline stages, `tp` shards
+    base weights and adapters the way `workers.parallel.lora_tp` places them (B sharded beside a
+    column-parallel base, A beside a row-parallel one, the other replicated), and `total` is the rank's
+    base parameters (the planner's count; default the whole model)."""
+    _, gpt = _linear_names(job.model)
+    if total is None:
+        total = sum(p.numel() for p in gpt.parameters())
+    lora = job.model.lora
+    if lora is None:
+        return {"trainable": total, "frozen": 0, "nf4": 0}
+    adapted = adapted_linears(job.model, gpt)
+    trainable = base = 0
+    for name in adapted:
+        if holds is not None and not holds(name):
+            continue
+        rows, cols = gpt.get_submodule(name).weight.shape
+        row_parallel = _row_parallel(name)
+        trainable += lora.rank * (rows + cols // tp if row_parallel else rows // tp + cols)
+        base += rows * cols // tp
+    nf4 = base if lora.quantize == "nf4" else 0
+    return {"trainable": trainable, "frozen": total - nf4, "nf4": nf4}
+
+
+def adapted_linears(model, gpt=None) -> set[str]:
+    """Module names of the Linears the `model` section's `lora.targets` puts adapters on (none without LoRA)."""
+    from workers.model.lora import target_names
+
+    if model.lora is None:
+        return set()
+    gpt = gpt if gpt is not None else _linear_names(model)[1]
+    return {n for hits in target_names(gpt, model.lora.targets).values() for n in hits}

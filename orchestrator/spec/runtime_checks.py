@@ -1,0 +1,55 @@
+"""Checks that need the data directory or the cluster, run just before any actor starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.errors import SpecError
+from orchestrator.spec.job import JobSpec
+
+
+def check_data_path(spec: JobSpec) -> None:
+    """Fail early when `data.path` has not been prepared; kept out of validation because data may live elsewhere."""
+    manifest = Path(spec.data.path) / "manifest.json"
+    if not manifest.is_file():
+        raise SpecError(
+            "data.path",
+            spec.data.path,
+            f"has no prepared data ({manifest} is missing)",
+            f"run `raymesh prepare-data --out {spec.data.path}`, or point data.path at a prepared directory",
+        )
+
+
+def check_resources(spec: JobSpec, available_cpus: float, available_gpus: float, device: str) -> None:
+    """Check the cluster can host dp*pp*tp ranks before any actor is created.
+
+    Each rank takes `parallel.cpus_per_rank` CPUs, plus one GPU when `device` is
+    "cuda" ("auto" means cuda when any GPU is available).
+    """
+    p = spec.parallel
+    ranks = p.world_size
+    shape = f"dp*pp*tp = {p.dp}*{p.pp}*{p.tp} = {ranks} ranks"
+    use_gpu = device == "cuda" or (device == "auto" and available_gpus >= 1)
+    if use_gpu and ranks > available_gpus:
+        raise SpecError(
+            "parallel.dp*pp*tp",
+            ranks,
+            f"needs {ranks} GPUs (one per rank, {shape}) but Ray has {available_gpus:g} available",
+            f"lower parallel.dp/pp/tp so dp*pp*tp <= {int(available_gpus)}, add GPU nodes to the Ray cluster, "
+            "or set parallel.device: cpu",
+        )
+    needed = ranks * p.cpus_per_rank
+    if needed > available_cpus + 1e-9:
+        fit = int(available_cpus // p.cpus_per_rank)
+        fixes = [f"lower parallel.dp/pp/tp so dp*pp*tp <= {fit}"] if fit >= 1 else []
+        fixes += [
+            f"lower parallel.cpus_per_rank to {available_cpus / ranks:g}",
+            "start Ray with more CPUs (`ray start --head --num-cpus N`) or add nodes",
+        ]
+        raise SpecError(
+            "parallel.dp*pp*tp",
+            ranks,
+            f"needs {needed:g} CPUs ({shape} x parallel.cpus_per_rank={p.cpus_per_rank:g}) "
+            f"but Ray has {available_cpus:g} available",
+            ", or ".join(fixes),
+        )

@@ -1,0 +1,230 @@
+"""The job file's sections other than `model`: one pydantic model each, with the checks that need only that section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from orchestrator.errors import SpecError
+from orchestrator.planning.memory_model import parse_bytes
+from orchestrator.spec.fields import (
+    _INTERLEAVED,
+    _SINGLE_STAGE,
+    Beta,
+    PipelineSchedule,
+    PositiveFloat,
+    PositiveInt,
+    _Section,
+)
+from workers.parallel.layout import V_SHAPED
+
+
+class DataSpec(_Section):
+    """Where the prepared token shards live (see `raymesh prepare-data`)."""
+
+    path: Annotated[str, Field(min_length=1)]
+    seed: int = 0
+
+
+class ParallelSpec(_Section):
+    """Mesh shape and placement; world size is dp * pp * tp ranks."""
+
+    dp: Annotated[int, Field(ge=1)] = 1
+    pp: Annotated[int, Field(ge=1)] = 1
+    tp: Annotated[int, Field(ge=1)] = 1
+    zero: Literal[0, 1, 2, 3] = 0
+    pp_schedule: PipelineSchedule = "1f1b"
+    virtual_stages: Annotated[int, Field(ge=1)] | None = None
+    sequence_parallel: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpus_per_rank: PositiveFloat = 1.0
+    dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
+    # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
+    device_memory: int | str | None = None
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        return None if self.device_memory is None else parse_bytes(self.device_memory)
+
+    @model_validator(mode="after")
+    def _check_device_memory(self) -> ParallelSpec:
+        if self.device_memory is not None:
+            try:
+                parse_bytes(self.device_memory)
+            except ValueError:
+                raise SpecError("parallel.device_memory", self.device_memory, "is not a size",
+                                "write bytes with a unit, e.g. 80GB (decimal), 80GiB (binary) or 85899345920") from None
+        return self
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks per pp rank: `virtual_stages`, else 1 for gpipe/1f1b and 2 otherwise."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 1 if self.pp_schedule in _SINGLE_STAGE else 2
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @model_validator(mode="after")
+    def _check_virtual_stages(self) -> ParallelSpec:
+        v, schedule = self.virtual_stages, self.pp_schedule
+        if v is None:
+            return self
+        if schedule in _SINGLE_STAGE and v != 1:
+            raise SpecError(
+                "parallel.virtual_stages",
+                v,
+                f"is not supported by pp_schedule {schedule!r}, which runs one stage per pp rank",
+                "remove virtual_stages, or use pp_schedule: interleaved_1f1b for several stages per rank",
+            )
+        if schedule in _INTERLEAVED and v < 2:
+            raise SpecError(
+                "parallel.virtual_stages",
+                v,
+                f"is too small: pp_schedule {schedule!r} needs at least 2 stages per pp rank",
+                "set virtual_stages to 2 or more (or remove it; the default is 2), or use pp_schedule: 1f1b",
+            )
+        if schedule in V_SHAPED and v != 2:
+            raise SpecError(
+                "parallel.virtual_stages",
+                v,
+                f"is not allowed: pp_schedule {schedule!r} runs exactly 2 stages per pp rank (V shape)",
+                "set virtual_stages: 2, or remove it",
+            )
+        return self
+
+
+class OptimSpec(_Section):
+    """Optimizer and learning-rate schedule."""
+
+    # adafactor: PyTorch's; sm3: ours (workers/optim/sm3.py); paged_adamw: AdamW with its state in the offload store
+    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw"] = "adamw"
+    lr: PositiveFloat = 3e-3
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0  # 0 disables clipping
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
+class PrecisionSpec(_Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    initial_loss_scale: PositiveFloat = 65536.0
+
+
+class OffloadSpec(_Section):
+    """What leaves the device for the offload store (workers/offload/), and which tier holds it."""
+
+    optimizer: bool = False  # Adam moments (+ fp32 master weights off the host) live in the store
+    params: bool = False  # ZeRO-3 parameter shards live in the store between uses (needs optimizer offload)
+    activations: bool = False  # saved activations go to the store in forward, come back for backward
+    tier: Literal["cpu", "nvme"] = "cpu"
+    path: str | None = None  # directory for nvme files (required for tier nvme)
+    prefetch: Annotated[int, Field(ge=0)] = 1  # items fetched ahead of use
+
+
+class MemorySpec(_Section):
+    recompute: Literal["none", "selective", "full"] = "none"
+    offload: OffloadSpec = Field(default_factory=OffloadSpec)
+    activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
+    measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
+
+
+class TrainSpec(_Section):
+    """Loop length and batching.
+
+    `microbatches` is gradient-accumulation steps per data rank when pp == 1,
+    and pipeline microbatches when pp > 1.
+    """
+
+    steps: PositiveInt = 100
+    global_batch_size: PositiveInt = 16
+    microbatches: PositiveInt = 1
+    seed: int = 0
+    log_every: PositiveInt = 1
+
+
+class CheckpointSpec(_Section):
+    """Checkpoint cadence; `every: 0` never checkpoints. YAML key `async` maps to `async_save`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    every: Annotated[int, Field(ge=0)] = 0
+    dir: str | None = None
+    async_save: bool = Field(default=False, alias="async")
+    keep: Annotated[int, Field(ge=1)] = 3
+    memory_every: Annotated[int, Field(ge=0)] = 10  # in-memory snapshot (+ replica on a peer) cadence; 0: off
+
+    def resolved_dir(self, run_dir: str | Path) -> Path:
+        """`dir` when set, else `<run_dir>/checkpoints`."""
+        return Path(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+
+
+class FaultToleranceSpec(_Section):
+    """How failures are detected and how many restarts a job may spend."""
+
+    heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # a step not answered by then: the rank hung
+    collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # survivors' collectives with a dead peer give up
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
+    # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
+    recovery: Literal["replace_failed", "restart_all"] = "replace_failed"
+    straggler_ratio: Annotated[float, Field(gt=1)] = 1 / 0.7  # step time over the other ranks' median
+    straggler_steps: Annotated[int, Field(ge=1)] = 3  # consecutive steps above the ratio before it is reported
+    # elastic data parallelism: a replacement not started by then (its node is gone) shrinks dp instead
+    placement_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    min_dp: Annotated[int, Field(ge=1)] = 1  # never shrink below this many data-parallel replicas
+    grow_check_s: Annotated[float, Field(gt=0)] = 30.0  # below the requested dp, look for room this often
+
+
+class ParameterServerSpec(_Section):
+    """Parameter-server shards, used when `parallel.dp_sync: ps` (see parameter_server/)."""
+
+    shards: PositiveInt = 2
+    consistency: Literal["bsp", "asp", "ssp"] = "bsp"
+    staleness: Annotated[int, Field(ge=0)] = 2  # ssp: a worker at clock c reads once the slowest reached c - staleness
+    transport: Literal["ray", "grpc"] = "ray"  # how workers reach shards; gRPC is served either way
+    optimizer: Literal["sgd", "momentum", "adam", "adamw"] | None = None  # None: optim.name
+    chunk_elems: PositiveInt = 65536  # tensors are cut into chunks of at most this many elements
+    virtual_nodes: PositiveInt = 64  # points per shard on the consistent-hash ring
+    snapshot_every: Annotated[int, Field(ge=0)] = 0  # steps between shard snapshots to <run_dir>/ps; 0: off
+
+    def server_optim(self, optim: OptimSpec) -> dict:
+        """What each shard's optimizer is built from."""
+        return {"name": self.optimizer or optim.name, "lr": optim.lr, "weight_decay": optim.weight_decay,
+                "betas": list(optim.betas), "momentum": optim.momentum}
+
+
+class FaultSpec(_Section):
+    """One injected fault (the fault-injection harness): deterministic by step and rank (or shard)."""
+
+    kind: Literal["kill_rank", "kill_node", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint",
+                  "kill_ps_shard"]
+    rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
+    shard: Annotated[int, Field(ge=0)] = 0  # kill_ps_shard: which parameter-server shard dies
+    at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step
+    factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
+    every_s: Annotated[float, Field(gt=0)] | None = None  # instead of at_step: fire again every this many seconds
+    jitter_s: Annotated[float, Field(ge=0)] = 0.0  # each gap is every_s plus uniform(-jitter_s, jitter_s)
+    seed: int = 0  # draws the gaps and random ranks of a repeating fault
+
+
+class MetricsSpec(_Section):
+    """The controller's Prometheus endpoint and what the run records for reports."""
+
+    port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
+    file_sd: str | None = None  # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
+    timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
+    peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
+
+    def resolved_file_sd(self, run_dir: str | Path) -> Path:
+        """One shared folder beside the run dirs: Prometheus globs only a path's last element."""
+        if self.file_sd is not None:
+            return Path(self.file_sd)
+        return Path(run_dir).parent / "prometheus_targets" / f"{Path(run_dir).name}.json"

@@ -1,0 +1,78 @@
+"""Bad input is refused before any actor starts, with a message naming the field, the value and the fix."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from ray.util.state import list_actors
+
+from orchestrator import SpecError, TrainingJob
+from tests.support.jobs import tiny_spec
+
+
+def raymesh(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env={"PATH": "/usr/bin:/bin", "RAY_ADDRESS": ""}, timeout=120)
+
+
+def write_job(tmp_path, body: str):
+    job = tmp_path / "job.yaml"
+    job.write_text(body)
+    return job
+
+
+def test_missing_data_fails_before_ray_starts(tmp_path):
+    job = write_job(tmp_path, f"data:\n  path: {tmp_path / 'nowhere'}\n")
+    t0 = time.monotonic()
+    proc = raymesh("run", str(job))
+    assert proc.returncode == 2
+    assert "`data.path`" in proc.stderr and "raymesh prepare-data --out" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.n_head=4", r"`model.n_head`: unknown field; fix: did you mean `n_heads`"),
+        ("parallel.tp=3",
+         r"`parallel.tp`: value 3 does not divide model.n_heads=4.*fix: pick parallel.tp from \[1, 2, 4\]"),
+        ("parallel.pp=3", r"`model.n_layers`: value 4 does not split evenly.*fix:"),
+        ("train.microbatches=3", r"`train.microbatches`: value 3 does not divide.*fix: pick train.microbatches from"),
+        ("parallel.zero=5", r"`parallel.zero`: value 5.*"),
+        ("train.global_batch_size=6", r"`train.global_batch_size`: value 6 is not divisible by parallel.dp=4"),
+    ],
+)
+def test_cli_reports_bad_fields(tmp_path, override, expected):
+    job = write_job(tmp_path, "data:\n  path: data\nparallel:\n  dp: 4\n")
+    proc = raymesh("plan", str(job), "--set", override)
+    assert proc.returncode == 2, proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert re.search(expected, proc.stderr), proc.stderr
+
+
+def test_override_without_equals_is_explained(tmp_path):
+    job = write_job(tmp_path, "data:\n  path: data\n")
+    proc = raymesh("plan", str(job), "--set", "parallel.dp")
+    assert proc.returncode == 2 and "key.path=value" in proc.stderr
+
+
+def test_more_ranks_than_the_cluster_has_is_refused_before_any_actor(ray_cluster, token_data, tmp_path):
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 16}, train={"global_batch_size": 16, "microbatches": 1})
+    actors_before = len(list_actors(filters=[("state", "=", "ALIVE")]))
+    with pytest.raises(SpecError, match=r"parallel.dp\*pp\*tp.*16.*fix:"):
+        TrainingJob(spec, progress=False).run()
+    assert len(list_actors(filters=[("state", "=", "ALIVE")])) == actors_before
+
+
+def test_plan_prints_the_layout_and_memory(tmp_path):
+    job = write_job(tmp_path, "data:\n  path: data\nparallel:\n  dp: 2\n  pp: 2\n  tp: 2\ntrain:\n  microbatches: 2\n")
+    proc = raymesh("plan", str(job))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "dp=2 x pp=2 x tp=2 = 8 ranks" in lines[0]
+    assert len(lines) == 2 + 8

@@ -1,0 +1,79 @@
+"""Automatic elastic data parallelism on a real multi-node cluster: a node is lost, the job shrinks, a node
+comes back, the job grows again, and the loss curve is the uninterrupted single-process reference's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import JobSpec, TrainingJob
+from orchestrator.errors import SpecError
+from tests.support.jobs import tiny_spec
+from tests.support.reference import reference_losses
+
+ROOT = Path(__file__).resolve().parents[2]
+PORT = 6395  # the session cluster's GCS listens on 6389
+STEPS = 12
+ELASTIC = {"heartbeat_timeout_s": 60, "collective_timeout_s": 5, "placement_timeout_s": 8, "grow_check_s": 1}
+
+
+def run_on_cluster(spec: JobSpec, tmp_path: Path, *extra: str) -> dict:
+    spec_file, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([sys.executable, "-m", "tests.support.elastic_cluster", str(spec_file), str(out),
+                    "--port", str(PORT), *extra], cwd=ROOT, env=env, check=True, timeout=300)
+    return json.loads(out.read_text())
+
+
+def elastic_spec(token_data, tmp_path, faults, **ft) -> JobSpec:
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2}, train={"steps": STEPS},
+                     checkpoint={"memory_every": 1}, fault_tolerance={**ELASTIC, **ft})
+    return JobSpec.from_dict({**spec.to_dict(), "faults": faults})
+
+
+def test_lost_node_shrinks_data_parallelism_and_a_new_node_grows_it_back(token_data, tmp_path):
+    expected = reference_losses(tiny_spec(token_data, tmp_path / "ref", train={"steps": STEPS}), STEPS)
+    # two 1-CPU nodes: one data replica each. Rank 1's node is lost at step 4; rank 0 is slowed from then on
+    # so the job is still running when the node added after the shrink has joined.
+    faults = [{"kind": "kill_node", "rank": 1, "at_step": 4}, {"kind": "slow_rank", "rank": 0, "at_step": 4,
+                                                                "factor": 6}]
+    out = run_on_cluster(elastic_spec(token_data, tmp_path, faults), tmp_path, "--nodes", "2", "--cpus", "1",
+                         "--add-node-after-shrink")
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    (rec,) = result["recoveries"]
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["dp_from"], rec["dp_to"]) == ("node", 1, 4, 2, 1)
+    assert rec["source"] == "memory" and rec["lost_steps"] == 0 and rec["mttr_s"] > 0
+    assert out["dead_nodes"] == [rec["identities_before"]["1"]["node_id"]]  # rank 1's node, and only it, is gone
+    shrink, grow = result["resizes"]
+    assert (shrink["reason"], shrink["dp_from"], shrink["dp_to"], shrink["microbatches"]) == ("shrink", 2, 1, 4)
+    assert (grow["reason"], grow["dp_from"], grow["dp_to"], grow["microbatches"]) == ("grow", 1, 2, 2)
+    assert shrink["at_step"] == 3 and 3 <= grow["at_step"] < STEPS
+    assert result["layout"]["dp"] == 2
+    # every step once, each on the uninterrupted reference curve: the global batch and the data order held
+    assert result["steps"] == STEPS
+    assert result["losses"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_shrinking_below_min_dp_fails_naming_the_field(token_data, tmp_path):
+    faults = [{"kind": "kill_node", "rank": 1, "at_step": 3}]
+    out = run_on_cluster(elastic_spec(token_data, tmp_path, faults, min_dp=2), tmp_path, "--nodes", "2", "--cpus", "1")
+    assert "fault_tolerance.min_dp=2" in out["error"] and "dp=1" in out["error"] and "fix:" in out["error"]
+
+
+def test_kill_node_on_the_drivers_node_is_refused_before_training(ray_cluster, token_data, tmp_path):
+    spec = elastic_spec(token_data, tmp_path, [{"kind": "kill_node", "rank": 1, "at_step": 3}])
+    with pytest.raises(SpecError, match=r"faults.0.rank.*placed on the head node, where the driver runs.*fix:"):
+        TrainingJob(spec, progress=False).run()
+
+
+def test_min_dp_above_dp_is_refused_naming_field_value_and_fix(token_data, tmp_path):
+    with pytest.raises(SpecError, match=r"`fault_tolerance.min_dp`: value 3 is above parallel.dp=2.*fix: set min_dp"):
+        elastic_spec(token_data, tmp_path, [], min_dp=3)

@@ -1,0 +1,147 @@
+"""Parameter-server data parallelism: BSP equals all-reduce, bad pushes apply nothing, SSP keeps its bound,
+a killed shard loses no acknowledged update, and a process outside Ray reads the same weights over gRPC."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import ray
+import torch
+
+from orchestrator import JobSpec, TrainingJob
+from orchestrator.errors import SpecError
+from parameter_server.client import PSClient, RayConn
+from parameter_server.ring import HashRing, split
+from parameter_server.shard import PSShard
+from tests.support.jobs import tiny_spec
+from tests.support.reference import reference_run
+
+STEPS = 6
+ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
+
+
+def _ps_spec(token_data, tmp_path, faults=(), **ps):
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 4, "dp_sync": "ps"}, train={"steps": STEPS},
+                     parameter_server={"shards": 3, "chunk_elems": 1024, **ps}, checkpoint={"memory_every": 0})
+    return JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)})
+
+
+@pytest.fixture(scope="module")
+def allreduce_dp4(ray_cluster, token_data, tmp_path_factory):
+    spec = tiny_spec(token_data, tmp_path_factory.mktemp("ar"), parallel={"dp": 4}, train={"steps": STEPS})
+    return TrainingJob(spec, progress=False).run()
+
+
+def test_ring_spreads_chunks_and_names_a_distinct_successor():
+    ring = HashRing(4, 64)
+    keys = list(split("w", torch.zeros(64 * 1024), 1024))
+    primaries = [ring.primary(k) for k in keys]
+    assert all(primaries.count(s) >= 4 for s in range(4))  # 64 chunks over 4 shards: none starved
+    assert all(len(set(ring.holders(k))) == 2 for k in keys)
+    assert HashRing(1).holders("w#0") == [0]
+
+
+def test_bsp_matches_allreduce(allreduce_dp4, token_data, tmp_path):
+    result = TrainingJob(_ps_spec(token_data, tmp_path, consistency="bsp"), progress=False).run()
+    assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
+    assert result.grad_norms == pytest.approx(allreduce_dp4.grad_norms, rel=1e-5)
+
+
+def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
+    """pp x dp: each stage's parameters are their own keys; the clip norm is summed over stages."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "pp": 2, "dp_sync": "ps"}, train={"steps": STEPS},
+                     parameter_server={"shards": 2}, checkpoint={"memory_every": 0})
+    result = TrainingJob(spec, progress=False).run()
+    losses, norms = reference_run(spec, STEPS)
+    assert result.losses == pytest.approx(losses, rel=1e-4)
+    assert result.grad_norms == pytest.approx(norms, rel=1e-4)
+
+
+@pytest.mark.parametrize("sections, field", [
+    ({"parallel": {"dp_sync": "ps", "dp": 2, "zero": 2}}, "parallel.zero"),
+    ({"parallel": {"dp_sync": "ps", "dp": 2, "tp": 2}}, "parallel.tp"),
+    ({"parallel": {"dp_sync": "ps", "dp": 2, "pp": 2}, "train": {"microbatches": 2},
+      "parameter_server": {"consistency": "asp"}},
+     "parameter_server.consistency"),
+    ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"optimizer": "momentum"}}, "parameter_server.optimizer"),
+    ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"shards": 1},
+      "faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.shard"),
+    ({"faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.kind"),
+    ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "kill_rank", "at_step": 2}]}, "faults.0.kind"),
+])
+def test_unsupported_combinations_are_spec_errors(sections, field):
+    with pytest.raises(SpecError) as err:
+        JobSpec.from_dict({"data": {"path": "d"}, **sections})
+    assert err.value.field == field and "fix" in str(err.value)
+
+
+def test_bad_push_names_key_and_shapes_and_applies_nothing(ray_cluster):
+    shards = [ray.remote(PSShard).options(max_concurrency=8, num_cpus=0).remote(i, "asp", ADAMW, 1) for i in range(2)]
+    client = PSClient([RayConn(h) for h in shards], chunk_elems=8, vnodes=16, worker=0)
+    params = {"w": torch.randn(4, 6), "b": torch.randn(6)}
+    client.register(params)
+    before = client.pull(["w", "b"])
+    with pytest.raises(ValueError, match=r"'w'.*shape \(4, 5\).*expected shape \(4, 6\)"):
+        client.push(0, {"b": torch.ones(6), "w": torch.ones(4, 5)}, 0.1)
+    with pytest.raises(ValueError, match=r"'b'.*dtype float64"):
+        client.push(0, {"b": torch.ones(6, dtype=torch.float64)}, 0.1)
+    with pytest.raises(KeyError, match=r"'nope'"):
+        client.push(0, {"nope": torch.ones(3)}, 0.1)
+    with pytest.raises(KeyError, match=r"unknown key 'w#9'"):  # a shard checks too (an outside client)
+        RayConn(shards[0]).push(0, 0, {"w#9": torch.ones(8)}, 0.1).result()
+    after = client.pull(["w", "b"])
+    assert all(torch.equal(before[n], after[n]) for n in params)
+    assert [c["version"] for c in client.clocks()] == [0, 0]
+    for h in shards:
+        ray.kill(h)
+
+
+
+def test_ssp_reads_stay_within_the_bound_under_a_straggler(token_data, tmp_path):
+    slow = {"kind": "slow_rank", "rank": 1, "at_step": 1, "factor": 3.0}
+    spec = _ps_spec(token_data, tmp_path, [slow], shards=2, consistency="ssp", staleness=1)
+    result = TrainingJob(spec, progress=False).run()
+    reads = [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
+    assert len(reads) >= STEPS * 4 * 2  # a global batch per step, each local step reading from both shards
+    staleness = [r["clock"] - r["min_applied"] for r in reads]
+    assert max(staleness) <= 1  # the bound, checked against what the shards had really applied
+    assert max(staleness) == 1  # and the straggler really let the others run ahead
+    assert result.losses[-1] < result.losses[0]
+
+
+def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tmp_path):
+    """The shard dies on a push mid-step, after acknowledging another; BSP must still equal all-reduce."""
+    kill = {"kind": "kill_ps_shard", "shard": 1, "at_step": 3}
+    spec = _ps_spec(token_data, tmp_path, [kill], consistency="bsp")
+    result = TrainingJob(spec, progress=False).run()
+    assert result.steps == STEPS and result.status == "finished"
+    assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
+    [recovery] = result.recoveries
+    assert recovery["kind"] == "kill_ps_shard" and recovery["shard"] == 1 and recovery["at_step"] == 3
+
+
+def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_path):
+    shards = [ray.remote(PSShard).options(max_concurrency=8, num_cpus=0).remote(i, "asp", ADAMW, 1) for i in range(2)]
+    addresses = ray.get([h.serve_grpc.remote() for h in shards])
+    worker = PSClient([RayConn(h) for h in shards], chunk_elems=64, vnodes=16, worker=0)
+    params = {"w": torch.randn(16, 20), "b": torch.randn(20).to(torch.bfloat16)}  # bf16 travels as raw bytes too
+    worker.register(params)
+    for clock in range(2):
+        worker.push(clock, {n: torch.randn_like(t) for n, t in params.items()}, 0.1)
+    pulled = worker.pull(list(params))
+    routes = tmp_path / "ps_routes.json"
+    routes.write_text(json.dumps({"addresses": addresses, "vnodes": 16, "chunk_elems": 64}))
+    out = tmp_path / "outside.pt"
+    code = ("import sys; from parameter_server.reader import main; "
+            f"main([{str(routes)!r}, '--out', {str(out)!r}]); assert 'ray' not in sys.modules, 'imported ray'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    outside = torch.load(out)
+    assert set(outside) == set(params)
+    for name in params:
+        assert outside[name].dtype == pulled[name].dtype and torch.equal(outside[name], pulled[name])
+        assert not torch.equal(pulled[name], params[name])  # the pushes were applied
+    for h in shards:
+        ray.kill(h)

@@ -1,0 +1,93 @@
+"""The recorded pipeline timeline of real pp=2 runs shows each schedule's bubble and memory behaviour.
+
+Bubbles are measured from the F/B/W events the stages recorded (wall-clock
+ratios within one run, not absolute timings); in-flight activations are
+counted from the event order alone.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from orchestrator import TrainingJob
+from orchestrator.observability.report import write_report
+from orchestrator.planning.bubble import measured_bubble, step_events, theoretical_bubble
+from tests.support.jobs import tiny_spec
+
+PP, MICROBATCHES, STEPS = 2, 4, 5
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, token_data, tmp_path_factory):
+    """One real pp=2 run per schedule, big enough that compute, not messaging, fills the window."""
+    out = {}
+    for schedule in SCHEDULES:
+        run_dir = tmp_path_factory.mktemp(schedule)
+        spec = tiny_spec(
+            token_data, run_dir,
+            model={"d_model": 256, "n_layers": 8, "n_heads": 4, "d_ff": 1024, "seq_len": 256},
+            parallel={"pp": PP, "pp_schedule": schedule},
+            train={"steps": STEPS, "global_batch_size": 16, "microbatches": MICROBATCHES},
+            metrics={"timeline": True},
+        )
+        TrainingJob(spec, progress=False).run()
+        timeline = [json.loads(line) for line in (spec.resolved_run_dir() / "timeline.jsonl").read_text().splitlines()]
+        out[schedule] = {"run_dir": spec.resolved_run_dir(), "timeline": timeline}
+    return out
+
+
+def bubble(run) -> float:
+    """Median measured bubble over the steps after the first (warm-up) one."""
+    return statistics.median(measured_bubble(step_events(run["timeline"], s)) for s in range(2, STEPS + 1))
+
+
+def peak_in_flight(run, pp_rank: int = 0) -> int:
+    """Most microbatches whose forward ran on ``pp_rank`` but whose backward had not, in the last step."""
+    events = sorted((e for e in step_events(run["timeline"], STEPS) if e["pp_rank"] == pp_rank),
+                    key=lambda e: e["start"])
+    live = peak = 0
+    for e in events:
+        live += {"F": 1, "B": -1}.get(e["kind"], 0)
+        peak = max(peak, live)
+    return peak
+
+
+def test_every_microbatch_runs_forward_and_backward_on_every_stage(runs):
+    for schedule, run in runs.items():
+        events = step_events(run["timeline"], STEPS)
+        stages = {e["stage"] for e in events}
+        for kind in ("F", "B"):
+            got = sorted((e["stage"], e["microbatch"]) for e in events if e["kind"] == kind)
+            assert got == sorted((s, m) for s in stages for m in range(MICROBATCHES)), (schedule, kind)
+
+
+def test_gpipe_bubble_matches_theory(runs):
+    assert bubble(runs["gpipe"]) == pytest.approx(theoretical_bubble(PP, MICROBATCHES), abs=0.1)
+
+
+def test_1f1b_same_bubble_as_gpipe_with_fewer_activations_in_flight(runs):
+    assert bubble(runs["1f1b"]) == pytest.approx(bubble(runs["gpipe"]), abs=0.1)
+    assert peak_in_flight(runs["gpipe"]) == MICROBATCHES
+    assert peak_in_flight(runs["1f1b"]) == PP
+
+
+def test_interleaving_shrinks_the_bubble(runs):
+    assert bubble(runs["interleaved_1f1b"]) < 0.8 * bubble(runs["1f1b"])
+
+
+def test_zero_bubble_schedules_show_the_smallest_bubble(runs):
+    others = min(bubble(runs[s]) for s in ("gpipe", "1f1b", "interleaved_1f1b"))
+    for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev"):
+        assert bubble(runs[schedule]) < others, schedule
+        assert any(e["kind"] == "W" for e in runs[schedule]["timeline"]), schedule
+
+
+def test_report_draws_the_timeline_of_a_real_run(runs):
+    report = write_report(runs["gpipe"]["run_dir"])
+    names = {p.rsplit("/", 1)[-1] for p in report["pngs"]}
+    assert {"loss.png", "throughput.png", "step_breakdown.png", "memory.png", "pipeline_timeline.png"} <= names
+    assert report["bubble"]["theoretical"] == pytest.approx(theoretical_bubble(PP, MICROBATCHES))

@@ -1,0 +1,71 @@
+"""Run one job on its own multi-node ``ray.cluster_utils.Cluster`` and write its summary as JSON.
+
+``tests/test_elastic_nodes.py`` runs this as a subprocess: the test process is
+already a driver of the session's single-node cluster, and a process can be a
+driver of one cluster only. The head gets no CPUs, so every rank lives on a
+worker node that ``kill_node`` may take down; with ``--add-node-after-shrink``
+a fresh node joins once the job has shrunk, as a replaced machine would.
+
+usage: python -m tests.support.elastic_cluster SPEC.json OUT.json --nodes N --cpus C --port P [--add-node-after-shrink]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+from orchestrator import JobSpec, TrainingJob
+
+# a lost node is declared dead after ~1.5 s instead of Ray's default ~15 s
+FAST_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                   "health_check_initial_delay_ms": 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("out")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--cpus", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--add-node-after-shrink", action="store_true")
+    args = parser.parse_args()
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "gcs_server_port": args.port, "include_dashboard": False, "_system_config": FAST_NODE_DEATH})
+    try:
+        for _ in range(args.nodes):
+            cluster.add_node(num_cpus=args.cpus)
+        ray.init(address=cluster.address, log_to_driver=False)
+        job = TrainingJob(JobSpec.from_dict(json.loads(Path(args.spec).read_text())), progress=False)
+        out = {}
+
+        def train() -> None:
+            try:
+                out["result"] = job.run().to_dict()
+            except Exception as exc:  # the test asserts on the message
+                out["error"] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=train)
+        thread.start()
+        if args.add_node_after_shrink:
+            while thread.is_alive() and not any(r["reason"] == "shrink" for r in job.resizes):
+                time.sleep(0.2)
+            if thread.is_alive():
+                cluster.add_node(num_cpus=args.cpus)  # starting a node needs the main thread (signal handlers)
+        thread.join()
+        out["dead_nodes"] = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
+        Path(args.out).write_text(json.dumps(out))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

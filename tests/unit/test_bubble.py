@@ -1,0 +1,85 @@
+"""Bubble math: an ideal GPipe timeline measures exactly the (p−1)/(m+p−1) of the seed articles."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.planning.bubble import bubble_by_step, measured_bubble, step_events, theoretical_bubble
+
+T0 = 1_700_000_000.0  # unix-like times; 0.25 s units keep every sum exact in float64
+
+
+def gpipe_timeline(p: int, m: int, step: int = 1, f: float = 1.0, b: float = 2.0, dp: int = 1,
+                   unit: float = 0.25, t0: float = T0) -> list[dict]:
+    """Simulate GPipe with dependencies: all forwards, flush, then all backwards in reverse stage order.
+
+    F(s, j) waits for F(s−1, j) and the rank's previous op; B(s, j) waits for
+    B(s+1, j) and the rank's previous op. Rank = replica·p + stage (one stage per rank).
+    """
+    free = [0.0] * p
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+    ops: list[tuple[str, int, int, float, float]] = []
+    for j in range(m):
+        for s in range(p):
+            start = max(free[s], f_end.get((s - 1, j), 0.0))
+            free[s] = f_end[s, j] = start + f
+            ops.append(("F", s, j, start, start + f))
+    for j in range(m):
+        for s in reversed(range(p)):
+            start = max(free[s], b_end.get((s + 1, j), 0.0))
+            free[s] = b_end[s, j] = start + b
+            ops.append(("B", s, j, start, start + b))
+    return [
+        {"step": step, "rank": replica * p + s, "pp_rank": s, "stage": s, "microbatch": j, "kind": kind,
+         "start": t0 + replica * 0.5 + start * unit, "end": t0 + replica * 0.5 + end * unit}
+        for replica in range(dp) for kind, s, j, start, end in ops
+    ]
+
+
+def test_ideal_gpipe_measures_the_theoretical_bubble():
+    events = gpipe_timeline(p=4, m=8)
+    assert measured_bubble(events) == pytest.approx(theoretical_bubble(4, 8), rel=1e-12)
+    assert theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 2), (3, 5), (8, 16)])
+def test_ideal_gpipe_matches_theory_for_other_shapes(p, m):
+    assert measured_bubble(gpipe_timeline(p, m, f=1.0, b=2.0)) == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+
+
+def test_interleaving_divides_the_bubble_by_v():
+    assert theoretical_bubble(4, 8, virtual_stages=2) == pytest.approx(3 / (16 + 3))
+    def bubble_time(v):
+        return theoretical_bubble(4, 8, v) / (1 - theoretical_bubble(4, 8, v))  # bubble / ideal
+    assert bubble_time(1) / bubble_time(2) == pytest.approx(2)
+
+
+@pytest.mark.parametrize("args", [(0, 8), (4, 0), (4, 8, 0)])
+def test_theoretical_bubble_refuses_empty_pipelines(args):
+    with pytest.raises(ValueError, match=">= 1"):
+        theoretical_bubble(*args)
+
+
+def test_overlapping_events_count_once():
+    def ev(pp, start, end):
+        return {"step": 1, "rank": pp, "pp_rank": pp, "stage": pp, "microbatch": 0, "kind": "B",
+                                     "start": start, "end": end}
+    # pp 0: [0,2] ∪ [1,3] ∪ [1.5,2.5] = [0,3], fully busy; pp 1: [0,1] ∪ [2,3] = 2 of 3 busy
+    events = [ev(0, 0, 2), ev(0, 1, 3), ev(0, 1.5, 2.5), ev(1, 0, 1), ev(1, 2, 3)]
+    assert measured_bubble(events) == pytest.approx((0 + 1 / 3) / 2)
+
+
+def test_measured_bubble_needs_events():
+    with pytest.raises(ValueError):
+        measured_bubble([])
+
+
+def test_step_events_picks_one_replica_per_step():
+    timeline = gpipe_timeline(4, 8, step=1, dp=2) + gpipe_timeline(4, 8, step=2, dp=2, t0=T0 + 100)
+    events = step_events(timeline, 2)
+    assert {e["rank"] for e in events} == {0, 1, 2, 3}
+    assert {e["step"] for e in events} == {2}
+    assert len(events) == 4 * 8 * 2
+    # mixing the two replicas (shifted by 0.5 s) would change the bubble; one replica keeps theory
+    assert bubble_by_step(timeline) == pytest.approx({1: 3 / 11, 2: 3 / 11})

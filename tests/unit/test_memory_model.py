@@ -1,0 +1,150 @@
+"""The memory model reproduces the ZeRO paper's tables; the layout picker follows the seeds' rule.
+
+Pure arithmetic, no Ray: measured-vs-predicted on real runs is tests/test_memory_measured.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.errors import SpecError
+from orchestrator.planning import memory_model as mm
+from orchestrator.planning.estimate import estimate, peak_rank, stage_params
+from orchestrator.planning.layout_picker import pick_layout
+from orchestrator.spec import JobSpec
+
+PSI, N = 7_500_000_000, 64
+
+
+@pytest.mark.parametrize("zero, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_table(zero, gb):
+    """Ψ=7.5B, N=64, K=12: 120 GB / 31.4 GB / 16.6 GB / 1.9 GB (seed 004's table)."""
+    state = mm.model_state(PSI, N, zero, precision="mixed", optimizer="adamw")
+    assert round(state.peak / 1e9, 1) == gb
+    assert mm.optimizer_state_bytes("adamw") + mm.PRECISIONS["mixed"][2] == 12  # the paper's K
+
+
+def test_largest_trainable_model_on_80gb_gpus():
+    """Seed 003's chart: DDP stays at ~3.5B whatever the GPU count; ZeRO-3 grows linearly with it."""
+    gpus = [1, 4, 8, 16, 32, 64]
+    ddp = [mm.max_trainable_params(80e9, n, zero=0) for n in gpus]
+    zero3 = [mm.max_trainable_params(80e9, n, zero=3) for n in gpus]
+    assert all(3.3e9 <= x <= 3.7e9 for x in ddp) and len(set(ddp)) == 1
+    for n, x in zip(gpus, zero3):
+        assert x == pytest.approx(n * zero3[0], rel=1e-6)
+    assert zero3[-1] > 150e9  # the chart's ~175B at 64 GPUs, same order
+
+
+def test_stages_precision_and_offload():
+    base = mm.model_state(1000, dp=4, zero=0, precision="fp32")
+    assert (base.params, base.grads, base.optimizer) == (4000, 4000, 8000)
+    assert mm.model_state(1000, 4, 0, "autocast").persistent == base.persistent  # raymesh's bf16 keeps fp32 state
+    fsdp2 = mm.model_state(1000, 4, 2, "fp32", fsdp=True)
+    assert (fsdp2.params, fsdp2.grads, fsdp2.optimizer, fsdp2.gathered) == (1000, 1000, 2000, 4000)
+    off = mm.model_state(1000, 4, 1, "mixed", offload_optimizer=True)
+    assert off.optimizer == 0 and off.offloaded == 12 * 1000 // 4
+    assert mm.model_state(1000, 1, 0, optimizer="paged_adamw").optimizer == 0
+    inf = mm.model_state(1000, 4, 3, "fp32", fsdp=True, zero3_gathered_params=100, offload_params=True,
+                         offload_optimizer=True)
+    assert (inf.params, inf.optimizer, inf.gathered) == (0, 0, 400) and inf.offloaded == 1000 + 2000
+    assert mm.model_state(1000, 1, 0, optimizer="sgd", momentum=True).optimizer == 4000
+
+
+def test_in_flight_microbatches_per_schedule():
+    assert mm.in_flight_microbatches("1f1b", 1, 0, 8) == 1
+    assert mm.in_flight_microbatches("gpipe", 4, 3, 8) == 8
+    assert [mm.in_flight_microbatches("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert mm.in_flight_microbatches("interleaved_1f1b", 4, 0, 8, 2) == 11  # (v-1)p + 2(p-1) + 1
+
+
+def test_recompute_and_sequence_parallel_shrink_activations():
+    args = (2048, 1, 4096, 32, 16384)
+    none, sel, full = (mm.layer_activation_bytes(*args, recompute=r, compute_bytes=2, attention="math")
+                       for r in ("none", "selective", "full"))
+    assert full < sel < none and full == 4 * 2048 * 4096
+    tp, sp = (mm.layer_activation_bytes(*args, tp=8, sequence_parallel=s, compute_bytes=2) for s in (False, True))
+    assert sp < tp < mm.layer_activation_bytes(*args, compute_bytes=2)
+
+
+def test_activation_offload_keeps_two_layers_on_the_device():
+    assert mm.device_activation_bytes(10_000, 300) == 10_000
+    assert mm.device_activation_bytes(10_000, 300, offload_activations=True) == 600
+
+
+def test_parse_bytes():
+    assert mm.parse_bytes("80GB") == 80 * 10**9
+    assert mm.parse_bytes("80GiB") == 80 * 2**30
+    assert mm.parse_bytes("1.5e9") == 1_500_000_000
+    with pytest.raises(ValueError, match="80GB"):
+        mm.parse_bytes("eighty")
+
+
+def _spec(**sections) -> JobSpec:
+    raw = {"data": {"path": "data"}, "model": {"d_model": 256, "n_layers": 8, "n_heads": 8, "seq_len": 256},
+           "train": {"global_batch_size": 64, "microbatches": 64}}  # micro-batch 1, kept by the picker
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return JobSpec.from_dict(raw)
+
+
+def test_tensor_parallel_ranks_add_up_to_the_model():
+    spec = _spec(parallel={"tp": 2})
+    total = sum(stage_params(spec, 0, 1))
+    replicated = stage_params(spec, 0, 1)[1]
+    assert sum(r.params for r in estimate(spec)) == total + replicated  # norms live on both tp ranks
+
+
+def test_picker_prefers_plain_data_parallel_when_it_fits():
+    choice = pick_layout(_spec(), nodes=2, gpus_per_node=4, gpu_mem=10**12)
+    p = choice.spec.parallel
+    assert (p.dp, p.pp, p.tp, p.zero) == (8, 1, 1, 0) and "plain data parallelism" in choice.reason
+
+
+def test_picker_goes_to_tensor_parallel_then_zero3_then_pipeline():
+    spec = _spec()
+    peaks = {}
+    for tp, pp, zero in ((1, 1, 2), (2, 1, 0), (4, 1, 2), (4, 1, 3)):
+        mb = 64 // (8 // (tp * pp))
+        peaks[(tp, pp, zero)] = peak_rank(spec.with_overrides(
+            [f"parallel.dp={8 // (tp * pp)}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.zero={zero}",
+             f"train.microbatches={mb}"])).total_bytes
+    # just too small for dp=8 ZeRO-2: tensor parallelism inside the node comes next
+    choice = pick_layout(spec, 2, 4, peaks[(1, 1, 2)] - 1)
+    assert choice.spec.parallel.tp == 2 and choice.spec.parallel.tp <= 4
+    assert any("zero=2" in t for t in choice.tried)
+    # below tp=4 with ZeRO-2: the node's widest tp (4 of 4 GPUs, divides 8 heads) plus ZeRO-3
+    choice = pick_layout(spec, 2, 4, peaks[(4, 1, 2)] - 1)
+    p = choice.spec.parallel
+    assert (p.tp, p.zero) == (4, 3) or p.pp > 1
+    assert p.dp * p.pp * p.tp == 8 and peak_rank(choice.spec).total_bytes < peaks[(4, 1, 2)]
+
+
+def test_picker_error_names_the_flag_value_and_fix():
+    with pytest.raises(SpecError) as info:
+        pick_layout(_spec(), 1, 2, 1000)
+    assert info.value.field == "--gpu-mem" and "too small" in info.value.problem and "--gpu-mem" in info.value.fix
+
+
+def test_plan_cli_picks_and_explains(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("data: {path: data}\nmodel: {d_model: 256, n_layers: 8, n_heads: 8, seq_len: 256}\n"
+                   "train: {global_batch_size: 64, microbatches: 64}\n")
+    assert main(["plan", str(job), "--nodes", "2", "--gpus-per-node", "4", "--gpu-mem", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("picked dp=8 pp=1 tp=1 zero=0 for 2 node(s) x 4 GPU(s): plain data parallelism")
+    assert "run it: raymesh run" in out and "weights" in out
+    assert main(["plan", str(job), "--gpus-per-node", "2", "--gpu-mem", "1KB"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-mem" in err and "too small" in err and "fix: use --gpu-mem" in err
+    assert main(["plan", str(job), "--gpu-mem", "lots"]) == 2
+    assert "is not a size" in capsys.readouterr().err
+    assert main(["plan", str(job), "--set", "parallel.device_memory=1KB"]) == 0
+    assert "does not fit: rank 0 needs" in capsys.readouterr().out
+
+
+def test_bad_device_memory_is_a_spec_error():
+    with pytest.raises(SpecError) as info:
+        _spec(parallel={"device_memory": "lots"})
+    assert info.value.field == "parallel.device_memory" and "80GB" in info.value.fix
+    assert _spec(parallel={"device_memory": "80GiB"}).parallel.device_memory_bytes == 80 * 2**30

@@ -1,0 +1,131 @@
+"""Measures what the planner's memory model predicts, inside a rank, in bytes of real tensors.
+
+Two measurements, both by storage so views and shared buffers count once:
+
+- ``model_state_bytes``: the local shards (a DTensor's local tensor) of the
+  parameters, gradients and optimizer state this rank holds, taken after the
+  optimizer step and before the gradients are dropped, when all three exist.
+- ``ActivationMeter``: the live bytes of tensors saved for backward, peak over
+  a window (a whole step, so the microbatches a pipeline schedule keeps in
+  flight show up). ``torch.autograd.graph.saved_tensors_hooks`` sees each saved
+  tensor; the packed handle's lifetime is the saved tensor's, so when autograd
+  frees a graph the bytes leave the count. Tensors whose storage is a
+  parameter's are weights, not activations, and are skipped. Recompute's
+  ``checkpoint`` saves through its own inner hooks and keeps only the inputs of
+  the modules it wraps (in a closure no hook sees), so the meter counts those
+  inputs with a forward pre-hook for as long as they stay alive (so a pipeline
+  stage's receive buffer, which outlives its backward, stays counted: the one
+  layout where measured exceeds predicted by more than 1%, interleaved 1F1B
+  with full recompute, by that one buffer).
+
+Our own code: PyTorch has hooks but no per-category tensor accounting.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from workers.model.nf4 import NF4Linear
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the memory under wrapper subclasses (DTensor, funcol's AsyncCollectiveTensor)."""
+    while type(t) is not torch.Tensor and type(t) is not nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        inner, _ = t.__tensor_flatten__()
+        t = getattr(t, inner[0])
+    return t
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = _plain(t).untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (local shards of DTensors)."""
+    seen = dict(_storage(t) for t in tensors if t is not None)
+    return sum(seen.values())
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's partition in .optim
+    for state in inner.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def model_state_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """QLoRA's NF4 base weights are module buffers (``workers.model.nf4``): they count as parameters."""
+    params = [p for m in modules for p in m.parameters()]
+    nf4 = [b for m in modules for mod in m.modules() if isinstance(mod, NF4Linear) for b in mod.buffers()]
+    return {
+        "params": tensor_bytes(params + nf4),
+        "grads": tensor_bytes(p.grad for p in params),
+        "optimizer": tensor_bytes(t for o in optimizers for t in _optimizer_tensors(o)),
+    }
+
+
+class _Held:
+    """One saved tensor as autograd stores it; its death releases the bytes it counted."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class ActivationMeter:
+    """Context manager: peak live bytes saved for backward by ``modules`` (see module docstring)."""
+
+    def __init__(self, modules: list[nn.Module], checkpointed: list[nn.Module]):
+        self.modules, self.checkpointed = modules, checkpointed
+        self.live: dict[int, list[int]] = {}  # storage ptr -> [holders alive, bytes]
+        self.current = self.peak = 0
+        self._hooks = None
+        self._handles: list = []
+
+    def _param_storages(self) -> set[int]:
+        # read at each pack: FSDP2 swaps unsharded parameters in and out during forward
+        return {_storage(p)[0] for m in self.modules for p in m.parameters()}
+
+    def _hold(self, t: torch.Tensor, holder: object) -> None:
+        ptr, nbytes = _storage(t)
+        entry = self.live.setdefault(ptr, [0, nbytes])
+        if entry[0] == 0:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        weakref.finalize(holder, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[ptr]
+
+    def _pack(self, t: torch.Tensor):
+        held = _Held(t)
+        # meta tensors (a pipeline stage's shape inference) hold no memory
+        if t.device.type != "meta" and _storage(t)[0] not in self._param_storages():
+            self._hold(t, held)
+        return held
+
+    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                self._hold(a, a)
+
+    def __enter__(self) -> ActivationMeter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+        self._hooks.__enter__()
+        self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self.checkpointed]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()

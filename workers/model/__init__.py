@@ -1,0 +1,1 @@
+"""Model families and what changes their weights' shape: the GPT reference, LoRA/QLoRA adapters, fine-tuning setup."""

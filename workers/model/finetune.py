@@ -1,0 +1,76 @@
+"""Fine-tuning setup: base weights from an earlier run, adapters on top; merged export.
+
+``model.lora.base_checkpoint`` names either one complete DCP checkpoint of a
+full (non-LoRA) raymesh run, e.g. ``runs/pretrain/checkpoints/step-00000100``,
+whose ``model`` weights are read whatever layout wrote them (DCP reshards to
+the full model on load), or a ``.pt`` state dict as written by
+``raymesh export-merged`` — so fine-tunes chain. The base is loaded into the
+full model before adapters are added and before it is quantized, on every
+rank, so the quantized NF4 state never needs to be checkpointed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from workers.model.lora import apply_lora, merged_state_dict
+
+
+def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
+    """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    model.load_state_dict(state["model"])
+
+
+def load_base(model: nn.Module, path: str | Path) -> None:
+    p = Path(path)
+    if p.is_file():
+        model.load_state_dict(torch.load(p, map_location="cpu", weights_only=True))
+        return
+    if not (p / ".metadata").is_file():
+        raise ValueError(
+            f"model.lora.base_checkpoint {str(p)!r} is neither a .pt file nor a complete DCP checkpoint "
+            "(no .metadata); "
+            "point it at one step directory such as runs/<job>/checkpoints/step-00000100"
+        )
+    try:
+        load_dcp_model(model, p)
+    except Exception as exc:  # DCP names the first missing key; say what it means here
+        raise ValueError(
+            f"model.lora.base_checkpoint {str(p)!r} does not hold this model's full weights ({exc}); "
+            "use a checkpoint of a non-LoRA run with the same model section, or merge a LoRA run first "
+            "with `raymesh export-merged` and pass the .pt file"
+        ) from None
+
+
+def prepare_model(model: nn.Module, lora: dict) -> list[str]:
+    """Load the base weights (if any), then freeze, adapt and quantize; returns the adapted layers."""
+    if lora["base_checkpoint"]:
+        load_base(model, lora["base_checkpoint"])
+    return apply_lora(model, lora)
+
+
+def export_merged(spec: dict, checkpoint: str | Path, out: str | Path) -> Path:
+    """Merge the adapters of a LoRA run's checkpoint into a plain-model ``.pt`` state dict.
+
+    The model is rebuilt exactly as the run built it (seed, base checkpoint,
+    adapters, NF4), the checkpoint's adapters are loaded over it, and
+    ``W + (alpha/rank) B A`` replaces every adapted layer; ``GPT(cfg).load_state_dict``
+    takes the result, and so does ``model.lora.base_checkpoint``.
+    """
+    from workers.model.gpt import GPT
+    from workers.parallel.parallelize import model_config
+
+    torch.manual_seed(spec["train"]["seed"])
+    model = GPT(model_config(spec["model"]))
+    prepare_model(model, spec["model"]["lora"])
+    load_dcp_model(model, checkpoint)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(merged_state_dict(model), out)
+    return out

@@ -1,0 +1,102 @@
+"""Optimizers, learning-rate schedules and global gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from workers.offload.optimizer import OffloadedAdam
+from workers.offload.store import OffloadStore
+from workers.optim.sm3 import SM3
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+              "adafactor": torch.optim.Adafactor, "sm3": SM3}
+
+
+def build_optimizer(params, optim: dict, zero1_group=None, memory: dict | None = None,
+                    device: torch.device | str = "cpu", shards=None) -> torch.optim.Optimizer:
+    """The job's optimizer; with ``zero1_group`` its state is partitioned over that group (ZeRO-1).
+
+    ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
+    (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
+    """
+    name = optim["name"]
+    kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
+    if name in ("sgd", "sm3"):
+        kwargs["momentum"] = optim["momentum"]
+    elif name != "adafactor":
+        kwargs["betas"] = tuple(optim["betas"])
+    offload = (memory or {}).get("offload", {})
+    if name == "paged_adamw" or (offload.get("optimizer") and name in ("adam", "adamw")):
+        store = OffloadStore.from_spec(offload, device)
+        return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
+    cls = OPTIMIZERS[name]
+    if zero1_group is not None:
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=zero1_group, **kwargs)
+    return cls(params, **kwargs)
+
+
+def lr_lambda(optim: dict, total_steps: int):
+    """Linear warmup, then constant or cosine decay to ``min_lr_ratio``."""
+    warmup, floor = optim["warmup_steps"], optim["min_lr_ratio"]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if optim["schedule"] == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None) -> torch.Tensor:
+    """L2 norm of all gradients of the job.
+
+    Sums of squares of sharded DTensor gradients are added up per (mesh, sharded
+    dims) and all-reduced once per group, not once per parameter; replicated
+    gradients count once; pipeline stages are summed over ``pp_group``. Every
+    placement but Replicate counts as sharded: FSDP2 on top of TP shards with
+    ``_StridedShard``, whose ``is_shard()`` is False on torch 2.13.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=params[0].device)  # NCCL reduces device tensors only
+    sharded: dict[tuple, torch.Tensor] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            total = total + g.full_tensor().float().pow(2).sum()
+        elif isinstance(g, DTensor):
+            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate()))
+            sharded[key] = sharded.get(key, 0) + g.to_local().float().pow(2).sum()
+        else:
+            total = total + g.float().pow(2).sum()
+    for (mesh, dims), squares in sharded.items():
+        for dim in dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total = total + squares
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> float:
+    """Scale all gradients so their global norm is at most ``max_norm`` (0 disables).
+
+    A per-tensor loop with a Python float rather than ``clip_grads_with_norm_``:
+    TP without sequence parallelism mixes DTensor and plain gradients, which
+    PyTorch's foreach kernels refuse.
+    """
+    norm = float(global_grad_norm(params, pp_group))
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

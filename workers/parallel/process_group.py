@@ -1,0 +1,46 @@
+"""Process-group and DeviceMesh setup for one rank (grid order: see ``workers.parallel.layout``)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp", "pp", "tp")
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_mesh(
+    rank: int, world_size: int, master_addr: str, master_port: int, shape: tuple[int, int, int],
+    device: torch.device, timeout_s: float = 300.0,
+) -> DeviceMesh:
+    """Join the job's process group (gloo on CPU, NCCL on GPU) and build the named 3-D mesh.
+
+    Every group gets ``timeout_s``: when a peer dies, survivors blocked in a collective
+    with it (or with a survivor that already gave up) must fail within that time so the
+    controller can re-form the group; sub-groups would otherwise get PyTorch's 30 minutes.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS,
+                            backend_override={dim: (backend, options) for dim in MESH_DIMS})

@@ -1,0 +1,147 @@
+"""The trainer's side of ``parallel.dp_sync: ps``: gradients go to parameter-server shards, not an all-reduce.
+
+``bsp`` (one call per step, after backward): push this data rank's gradients,
+get the job-wide norm of the *averaged* gradient from the shards (summed over
+pipeline stages) to clip exactly as the all-reduce path does, have the shards
+step, and pull the new parameters; this reproduces all-reduce data
+parallelism. ``asp``/``ssp``: the worker trains on its own thread (pull,
+compute, clip its own gradient, push, tick its clock) while the clock keeper
+has steps left, so a fast worker runs ahead of a straggler (ssp: by at most
+``staleness`` clocks); each controller step reports what it did meanwhile.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from parameter_server.client import PSClient, RayConn
+from workers.diagnostics import faults
+from workers.optim.build import clip_grads
+
+
+def _conn(route: dict, transport: str):
+    if transport == "grpc":
+        from parameter_server.grpc_service import GrpcConn
+
+        return GrpcConn(route["address"])
+    return RayConn(route["handle"])
+
+
+class PSSync:
+    def __init__(self, trainer, spec: dict):
+        ps, routes = spec["parameter_server"], spec["ps_routes"]
+        self.trainer = trainer
+        self.transport = ps["transport"]
+        self.asynchronous = ps["consistency"] != "bsp"
+        self.max_norm = spec["optim"]["grad_clip"]
+        self.worker = trainer.coords.dp
+        self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps["chunk_elems"],
+                               ps["virtual_nodes"], worker=self.worker)
+        self.keeper = routes.get("keeper")
+        self.named = {f"stage{sid}.{n}": p for sid, m in zip(trainer.parts.stage_ids, trainer.parts.modules)
+                      for n, p in m.named_parameters()}
+        self.client.register({n: p.detach() for n, p in self.named.items()})
+        self.clock = 0
+        self.thread: threading.Thread | None = None  # asp/ssp: this worker's free-running steps
+        self.lock = threading.Lock()
+        self.done: list[dict] = []
+        self.fault: dict | None = None
+        self.error: BaseException | None = None
+        self.last_loss: float | None = None
+        self.quiet = threading.Lock()  # held through each free-running step; a checkpoint save takes it
+
+    def reroute(self, shard: int, route: dict) -> None:
+        self.client.reroute(shard, _conn(route, self.transport))
+
+    def _grads(self) -> dict[str, torch.Tensor]:
+        """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named.items()}
+
+    def _load(self, min_version: int = 0, clock: int | None = None) -> None:
+        """Copy the shards' values into the model; ``clock`` -1 marks a read outside training (not recorded)."""
+        fresh = self.client.pull(list(self.named), min_version, clock=self.clock if clock is None else clock)
+        with torch.no_grad():
+            for n, p in self.named.items():
+                p.copy_(fresh[n])
+
+    def sync(self, lr: float) -> float:
+        """bsp: push, clip on the global norm of the averaged gradient, apply, pull; returns that norm."""
+        t = self.clock
+        self.client.push(t, self._grads(), lr)
+        sq = torch.tensor(self.client.grad_sq(t, list(self.named)), dtype=torch.float64)
+        if self.trainer.pp_group is not None:
+            dist.all_reduce(sq, group=self.trainer.pp_group)
+        norm = math.sqrt(float(sq))
+        coef = self.max_norm / (norm + 1e-6)
+        self.client.apply(t, coef if self.max_norm > 0 and coef < 1.0 else 1.0)
+        self.clock += 1
+        self._load(min_version=self.clock)
+        return norm
+
+    def run_round(self, fault: dict | None) -> dict:
+        """asp/ssp: this worker trains on its own thread from the first call on; a controller step returns
+        once ``step * dp`` worker steps have completed, with what this worker did meanwhile."""
+        import ray
+
+        tr = self.trainer
+        faults.before_step(fault)
+        self.fault = fault
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
+            self.thread.start()
+        t0 = time.perf_counter()
+        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec["parallel"]["dp"]))
+        if self.error is not None:
+            raise self.error
+        with self.lock:
+            done, self.done = self.done, []
+        if done:  # a worker that ran ahead may have nothing new: it repeats its latest loss
+            self.last_loss = statistics.fmean(d["loss"] for d in done)
+        lr = tr.schedulers[0].get_last_lr()[0]
+        tr.step += 1
+        for sched in tr.schedulers:
+            sched.step()
+        total = time.perf_counter() - t0
+        busy = sum(d["seconds"] for d in done)
+        return {
+            "rank": tr.rank, "step": tr.step, "loss": self.last_loss,
+            "grad_norm": done[-1]["grad_norm"] if done else float("nan"), "lr": lr,
+            "tokens": sum(d["tokens"] for d in done), "applied": bool(done), "local_steps": len(done),
+            "clock": self.clock,
+            "time_s": {"data": 0.0, "compute": busy, "bubble": 0.0, "communication": max(0.0, total - busy),
+                       "optimizer": 0.0, "step": total},
+            "peak_memory_bytes": tr.peak_memory_bytes(), "current_memory_bytes": tr.current_memory_bytes(),
+        }
+
+    def _run_free(self) -> None:
+        """Pull, compute, clip this worker's gradient, push, tick, while the keeper hands out steps."""
+        import ray
+
+        tr = self.trainer
+        try:
+            while ray.get(self.keeper.enter.remote(self.worker)):
+                s0 = time.perf_counter()
+                with self.quiet:
+                    self._load()
+                    inputs, targets = tr.cursor.next_batch()
+                    loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
+                    norm = clip_grads(tr.params, self.max_norm)
+                    self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
+                    for p in tr.params:
+                        p.grad = None
+                    self.clock += 1
+                seconds = time.perf_counter() - s0
+                seconds += faults.slow_down(self.fault, seconds)  # a slower device: its step takes longer
+                with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
+                    self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
+                                      "seconds": seconds})
+                ray.get(self.keeper.tick.remote(self.worker))
+            self._load(clock=-1)  # leave the newest weights in the model for checkpoints
+        except BaseException as exc:  # handed to the controller by the next run_round
+            self.error = exc
