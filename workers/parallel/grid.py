@@ -1,0 +1,158 @@
+"""The rank grid: one frozen object that owns every degree, coordinate and mesh fact of a job.
+
+Pure arithmetic (no torch at import), shared by the controller (spec checks, placement, recovery) and the
+workers (process groups, stage ownership, data slices), so no module computes "which rank is where" by hand.
+
+Order, outermost to innermost: ``dp × pp × cp × tp``. Tensor-parallel peers are consecutive ranks (the ones a
+placement group packs onto one node), then context, then pipeline, then data parallel: the bandwidth order of
+the seed articles (TP innermost, DP outermost; Llama 3's [TP, CP, PP, DP]). Expert parallelism adds no ranks:
+its groups are carved out of the data-parallel ranks, so ``ep`` must divide ``dp`` and does not count in the
+world size.
+
+Why our own and not torchtitan's ``ParallelDims``: that one lives inside torchtitan and builds its meshes on
+construction; ours must also run where torch is not imported (the planner, the CLI) and carry the
+recovery facts (replica peers) that only raymesh needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+AXES = ("dp", "pp", "cp", "ep", "tp")
+_RANK_AXES = ("dp", "pp", "cp", "tp")  # the axes that multiply into the world size, outermost first
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one rank sits: its index along each rank axis (``ep`` is derived from ``dp``)."""
+
+    dp: int
+    pp: int
+    tp: int
+    cp: int = 0
+    ep: int = 0
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Degrees of a job's parallel axes and everything derived from them."""
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Grid.{axis}={value!r}: every degree is a whole number >= 1")
+        if self.dp % self.ep:
+            raise ValueError(f"Grid.ep={self.ep} does not divide dp={self.dp}: expert groups are carved out of "
+                             "the data-parallel ranks; pick ep from the divisors of dp")
+
+    @classmethod
+    def from_parallel(cls, parallel: Any) -> Grid:
+        """The grid of a job's ``parallel`` section: a ``ParallelSpec``, a worker spec or a plain mapping.
+
+        Axes the section does not name yet (``cp``, ``ep`` before their issues land) are 1.
+        """
+        get = parallel.get if isinstance(parallel, Mapping) else lambda k, d: getattr(parallel, k, d)
+        return cls(**{axis: int(get(axis, 1) or 1) for axis in AXES})
+
+    # -- sizes and switches ------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def positions(self) -> int:
+        """Ranks in one data-parallel replica: each holds a different piece of the model."""
+        return self.pp * self.cp * self.tp
+
+    def describe(self) -> str:
+        """``dp*pp*tp = 2*2*2`` style, naming the enabled optional axes too (for messages)."""
+        axes = [a for a in _RANK_AXES if a != "cp" or self.cp_enabled]
+        return f"{'*'.join(axes)} = {'*'.join(str(getattr(self, a)) for a in axes)}"
+
+    def with_dp(self, dp: int) -> Grid:
+        """The same grid at another data-parallel degree (elastic resize); ``ep`` kept where it still divides."""
+        return Grid(dp=dp, pp=self.pp, cp=self.cp, ep=self.ep if dp % self.ep == 0 else 1, tp=self.tp)
+
+    # -- ranks <-> coordinates ---------------------------------------------------------------
+
+    def ranks(self) -> range:
+        return range(self.world_size)
+
+    def coords(self, rank: int) -> Coordinates:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in this {self.world_size}-rank grid ({self.describe()})")
+        tp = rank % self.tp
+        cp = (rank // self.tp) % self.cp
+        pp = (rank // (self.tp * self.cp)) % self.pp
+        dp = rank // self.positions
+        return Coordinates(dp=dp, pp=pp, tp=tp, cp=cp, ep=dp % self.ep)
+
+    def rank_of(self, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+
+    def coords_dict(self, rank: int) -> dict[str, int]:
+        """A rank's coordinates as the layout JSON shows them: dp, pp, tp, plus cp/ep where enabled."""
+        c = self.coords(rank)
+        out = {"dp": c.dp, "pp": c.pp, "tp": c.tp}
+        if self.cp_enabled:
+            out["cp"] = c.cp
+        if self.ep_enabled:
+            out["ep"] = c.ep
+        return out
+
+    def position(self, rank: int) -> tuple[int, int, int]:
+        """``(pp, cp, tp)``: which piece of the model a rank holds; dp replicas of one position hold the same."""
+        c = self.coords(rank)
+        return c.pp, c.cp, c.tp
+
+    # -- meshes --------------------------------------------------------------------------------
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """Named dims of the job's ``DeviceMesh``: dp, pp, tp always (code indexes them unconditionally),
+        cp only where enabled, in rank order."""
+        return tuple(a for a in _RANK_AXES if a != "cp" or self.cp_enabled)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in self.mesh_dims)
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def replica_peer(self, rank: int) -> int | None:
+        """Where a rank's in-memory replica lives: the same position in the next data-parallel replica (another
+        node when replicas span nodes), else the next rank; None in a one-rank job."""
+        if self.world_size == 1:
+            return None
+        step = self.positions if self.dp_enabled else 1
+        return (rank + step) % self.world_size
