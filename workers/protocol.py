@@ -53,6 +53,11 @@ class StepResult:
     clock: int | None = None
     replicated_step: int = -1  # newest step whose snapshot replica is known to be held by this rank's holder
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepResult:
+        """The inverse of ``to_dict`` (tests and records read back as typed results)."""
+        return cls(**{**data, "time_s": StepTimes(**data["time_s"])})
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):
@@ -84,6 +89,12 @@ class RankInfo:
     def identity(self) -> dict[str, Any]:
         """The process identity a recovery record keeps (to show which processes were replaced)."""
         return {"pid": self.pid, "actor_id": self.actor_id, "node_id": self.node_id}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankInfo:
+        names = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in data.items() if k in names},
+                   extra={k: v for k, v in data.items() if k not in names})
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
