@@ -133,7 +133,8 @@ def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> 
     in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
     heads = 0
     if n_stages - 1 in ids:
-        heads = head_bytes(spec) * (spec.train.microbatches if p.pp > 1 and p.pp_schedule == "gpipe" else 1)
+        every_microbatch = p.pp > 1 and p.pipeline_schedule.all_forwards_first
+        heads = head_bytes(spec) * (spec.train.microbatches if every_microbatch else 1)
     return sum(chunks) * in_flight // len(ids) + heads
 
 
