@@ -16,12 +16,16 @@ from workers.parallel.schedules import schedule as schedule_facts
 
 @dataclass(frozen=True)
 class Coordinates:
+    """A rank's dp/pp/tp indices (see ``coordinates``)."""
+
     dp: int
     pp: int
     tp: int
 
 
 def coordinates(rank: int, dp: int, pp: int, tp: int) -> Coordinates:
+    """Superseded by ``Grid.coords``; kept while workers/trainer.py and orchestrator/runtime/rank_group.py use it
+    (their ``vars(coords)`` must stay dp/pp/tp only: it is the layout JSON)."""
     return Coordinates(dp=rank // (pp * tp), pp=(rank // tp) % pp, tp=rank % tp)
 
 
