@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from orchestrator.planning import memory_model as mm
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
-from workers.parallel.layout import coordinates, layers_of_stage, stage_ids
+from workers.parallel.layout import layers_of_stage, stage_ids
 
 # raymesh's bf16/fp16 keep fp32 weights, gradients and Adam state under torch.autocast
 PRECISION_LAYOUT = {"fp32": "fp32", "bf16": "autocast", "fp16": "autocast"}
@@ -133,7 +133,8 @@ def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> 
     in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
     heads = 0
     if n_stages - 1 in ids:
-        heads = head_bytes(spec) * (spec.train.microbatches if p.pp > 1 and p.pp_schedule == "gpipe" else 1)
+        every_microbatch = p.pp > 1 and p.pipeline_schedule.all_forwards_first
+        heads = head_bytes(spec) * (spec.train.microbatches if every_microbatch else 1)
     return sum(chunks) * in_flight // len(ids) + heads
 
 
@@ -216,7 +217,7 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
 def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     p = spec.parallel
     n_stages = p.pp * p.stages_per_rank
-    coords = vars(coordinates(rank, p.dp, p.pp, p.tp))
+    coords = p.grid.coords_dict(rank)
     ids = stage_ids(coords["pp"], p.pp, p.stages_per_rank, p.pp_schedule)
     params = 0
     for sid in ids:
@@ -231,7 +232,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:
-    return [estimate_rank(spec, rank) for rank in range(spec.parallel.world_size)]
+    return [estimate_rank(spec, rank) for rank in spec.parallel.grid.ranks()]
 
 
 def peak_rank(spec: JobSpec) -> RankEstimate:

@@ -24,6 +24,7 @@ from orchestrator.errors import SpecError
 from orchestrator.planning.estimate import RankEstimate, micro_batch, peak_rank
 from orchestrator.planning.memory_model import human_bytes
 from orchestrator.spec import JobSpec
+from workers.parallel.grid import Grid
 
 TP_MAX = 8
 
@@ -64,7 +65,7 @@ def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int) -> 
     mbs, gbs = micro_batch(spec), spec.train.global_batch_size
     tried, best = [], None
     for tp, pp, zero, why in _candidates(spec, world, gpus_per_node):
-        dp = world // (tp * pp)
+        dp = world // Grid(pp=pp, tp=tp).positions  # the ranks one replica of this model split takes
         mb = max(gbs // (dp * mbs), pp, 1)
         name = f"dp={dp} pp={pp} tp={tp} zero={zero}"
         try:

@@ -31,6 +31,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+from workers.parallel.schedules import schedule as schedule_facts
+
 # Optimizer state bytes per parameter beyond any fp32 master copy (the paper's K minus 4).
 # adafactor (factored second moment, no first moment by default) and sm3 (one accumulator
 # per row and per column) keep O(rows + cols) per matrix: ~0 per parameter at scale.
@@ -237,27 +239,9 @@ def device_activation_bytes(saved_bytes: int, largest_layer_bytes: int, offload_
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int = 1) -> int:
-    """Stage-microbatches whose activations a pipeline rank holds at its peak, per schedule.
-
-    The unit is one microbatch through one of the rank's stages (chunks).
-    - no pipeline: microbatches run forward+backward one after another (gradient accumulation): 1.
-    - gpipe: all forwards before any backward: every microbatch on every chunk.
-    - 1f1b: rank r runs pp - r forwards before its first backward (Narayanan et al.).
-    - interleaved (1F1B, zero bubble): warm-up of (v-1)·pp + 2·(pp-1-r) chunk forwards, plus
-      the one whose backward comes first (Megatron's interleaved schedule, PyTorch's too).
-    - zbv / dualpipev (V shape, 2 chunks): the ZB-V paper's peak of pp microbatches through
-      the whole rank, i.e. 2·pp chunk-microbatches.
-    """
-    if pp == 1:
-        return 1
-    total = microbatches * stages_per_rank
-    if schedule == "gpipe":
-        return total
-    if schedule == "1f1b":
-        return min(microbatches, pp - pp_rank)
-    if schedule in ("zbv", "dualpipev"):
-        return min(total, 2 * pp)
-    return min(total, (stages_per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+    """Stage-microbatches whose activations a pipeline rank holds at its peak: the schedule table's rule
+    (``Schedule.in_flight`` in workers.parallel.schedules, which documents each schedule's peak)."""
+    return schedule_facts(schedule).in_flight(pp, pp_rank, microbatches, stages_per_rank)
 
 
 # ------------------------------------------------------------------------------------ units

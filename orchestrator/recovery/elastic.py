@@ -16,7 +16,7 @@ import time
 import ray
 
 from orchestrator.errors import SpecError
-from orchestrator.runtime.placement import can_reserve
+from orchestrator.runtime.placement import can_reserve, tp_groups_per_replica
 from orchestrator.spec import JobSpec
 
 
@@ -31,7 +31,7 @@ def resized(spec: JobSpec, dp: int) -> JobSpec:
     raw["parallel"]["dp"] = dp
     if microbatches % dp == 0:
         raw["train"]["microbatches"] = microbatches // dp
-    world = dp * spec.parallel.pp * spec.parallel.tp
+    world = spec.parallel.grid.with_dp(dp).world_size
     raw["faults"] = [f for f in raw["faults"] if f["rank"] < world]
     return JobSpec.from_dict(raw)
 
@@ -51,6 +51,8 @@ def groups_that_fit(spec: JobSpec, use_gpu: bool) -> int:
 
 
 class ElasticPolicy:
+    """Decides the dp to shrink to or grow back to; the controller executes the resize."""
+
     def __init__(self, spec: JobSpec):
         self.target_dp = spec.parallel.dp  # what the job asked for (or was last asked to scale to)
         self._next_check = 0.0
@@ -58,7 +60,7 @@ class ElasticPolicy:
     def shrink_options(self, spec: JobSpec, use_gpu: bool) -> list[JobSpec]:
         """Layouts to try, largest dp the live nodes hold first, down to ``fault_tolerance.min_dp``."""
         p, floor = spec.parallel, spec.fault_tolerance.min_dp
-        fit = min(p.dp, groups_that_fit(spec, use_gpu) // p.pp)
+        fit = min(p.dp, groups_that_fit(spec, use_gpu) // tp_groups_per_replica(p.grid))
         options, refused = [], []
         for dp in range(fit, floor - 1, -1):
             try:
@@ -86,12 +88,13 @@ class ElasticPolicy:
         if p.dp >= self.target_dp or now < self._next_check:
             return None
         self._next_check = now + ft.grow_check_s
-        fit = min(self.target_dp, groups_that_fit(spec, use_gpu) // p.pp)
+        per_replica = tp_groups_per_replica(p.grid)
+        fit = min(self.target_dp, groups_that_fit(spec, use_gpu) // per_replica)
         for dp in range(fit, p.dp, -1):
             try:
                 bigger = resized(spec, dp)
             except SpecError:
                 continue
-            if can_reserve(spec, use_gpu, (dp - p.dp) * p.pp, min(ft.placement_timeout_s, 10.0)):
+            if can_reserve(spec, use_gpu, (dp - p.dp) * per_replica, min(ft.placement_timeout_s, 10.0)):
                 return bigger
         return None

@@ -41,8 +41,9 @@ def check_job_faults(faults: list[dict], placement) -> None:
         if fault["kind"] != "kill_node":
             continue
         rank = fault["rank"]
-        table = placement_group_table(placement.groups[rank // placement.tp])
-        problem = refusal(rank, table["bundles_to_node_id"][rank % placement.tp])
+        group, index = placement.bundle(rank)
+        table = placement_group_table(placement.groups[group])
+        problem = refusal(rank, table["bundles_to_node_id"][index])
         if problem:
             raise SpecError(f"faults.{i}.rank", rank, problem, FIX)
 

@@ -15,17 +15,33 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
+from workers.parallel.grid import Grid
+
+
+def tp_groups(grid: Grid) -> int:
+    """Placement groups a grid reserves: one per tensor-parallel group (TP peers are consecutive ranks)."""
+    return grid.world_size // grid.tp
+
+
+def tp_groups_per_replica(grid: Grid) -> int:
+    """TP groups in one data-parallel replica: what growing or shrinking dp by one adds or frees."""
+    return grid.positions // grid.tp
 
 
 @dataclass
 class RankPlacement:
+    """The reserved placement groups, one per TP group, in rank order."""
+
     groups: list[PlacementGroup]
     tp: int
 
+    def bundle(self, rank: int) -> tuple[int, int]:
+        """``(group, bundle index)`` holding ``rank``: TP peers are consecutive ranks packed in one group."""
+        return rank // self.tp, rank % self.tp
+
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(
-            placement_group=self.groups[rank // self.tp], placement_group_bundle_index=rank % self.tp
-        )
+        group, index = self.bundle(rank)
+        return PlacementGroupSchedulingStrategy(placement_group=self.groups[group], placement_group_bundle_index=index)
 
     def release(self) -> None:
         for pg in self.groups:
@@ -51,11 +67,11 @@ def can_reserve(spec: JobSpec, use_gpu: bool, groups: int, timeout_s: float) -> 
 
 def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlacement:
     """Reserve every rank's bundle, or fail naming what could not be placed."""
-    p = spec.parallel
+    p, n_groups = spec.parallel, tp_groups(spec.parallel.grid)
     bundle = rank_bundle(spec, use_gpu)
     groups = [
         placement_group([bundle] * p.tp, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}")
-        for g in range(p.world_size // p.tp)
+        for g in range(n_groups)
     ]
     placement = RankPlacement(groups=groups, tp=p.tp)
     try:
@@ -65,7 +81,7 @@ def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlace
         raise SpecError(
             "parallel.tp",
             p.tp,
-            f"could not place {p.world_size // p.tp} groups of {p.tp} x {bundle} on single nodes "
+            f"could not place {n_groups} groups of {p.tp} x {bundle} on single nodes "
             f"within {timeout_s:.0f}s (tensor-parallel peers must share a node)",
             "lower parallel.tp to what one node holds, or add nodes with more CPUs/GPUs",
         ) from None

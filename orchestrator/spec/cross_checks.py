@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.errors import SpecError
 from orchestrator.faults.soak import check_repetition
-from orchestrator.spec.fields import _INTERLEAVED, _SPLIT_BACKWARD, _divisors, _near_multiples
+from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def check_zero(job: JobSpec) -> None:
             "when a pipeline schedule runs one backward per microbatch",
             "use zero: 2 (FSDP2 shards gradients and optimizer state) or zero: 0",
         )
-    if p.zero == 3 and p.pp > 1 and p.pp_schedule in _SPLIT_BACKWARD:
+    if p.zero == 3 and p.pp > 1 and p.pipeline_schedule.split_backward:
         raise SpecError(
             "parallel.zero",
             3,
@@ -182,15 +182,16 @@ def check_tensor_split(job: JobSpec) -> None:
 
 def pipeline_problem(job: JobSpec, microbatches: int) -> str | None:
     """Why a pipeline schedule cannot run `microbatches` microbatches, or None if it can."""
-    pp, schedule = job.parallel.pp, job.parallel.pp_schedule
+    pp, schedule, facts = job.parallel.pp, job.parallel.pp_schedule, job.parallel.pipeline_schedule
     if pp == 1:
         return None
-    if schedule in _INTERLEAVED and microbatches % pp:
+    if facts.interleaved and microbatches % pp:
         return f"is not a multiple of parallel.pp={pp}, which pp_schedule {schedule!r} requires"
-    if schedule == "dualpipev" and microbatches < 2 * pp:
+    if facts.min_microbatches_per_pp > 1 and microbatches < facts.min_microbatches(pp):
+        # one microbatch per stage: the V-shaped dualpipev runs two stages a rank
         return (
-            f"is below the {2 * pp} pipeline stages of pp_schedule 'dualpipev' (two per rank); "
-            "it needs microbatches >= 2*pp"
+            f"is below the {facts.min_microbatches(pp)} pipeline stages of pp_schedule {schedule!r} (two per rank); "
+            f"it needs microbatches >= {facts.min_microbatches_per_pp}*pp"
         )
     if microbatches < pp:
         return (

@@ -6,16 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# schedules that split backward into input- and weight-gradient passes
-_SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
+from workers.parallel.schedules import SCHEDULE_NAMES
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"]
-_SINGLE_STAGE = ("gpipe", "1f1b")
-_INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
+# the names of workers.parallel.schedules' table, in its order (the order an unknown name's error lists them)
+PipelineSchedule = Literal[SCHEDULE_NAMES]  # type: ignore[valid-type]
 _SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics",
              "fault_tolerance", "parameter_server")
 

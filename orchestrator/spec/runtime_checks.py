@@ -26,9 +26,9 @@ def check_resources(spec: JobSpec, available_cpus: float, available_gpus: float,
     Each rank takes `parallel.cpus_per_rank` CPUs, plus one GPU when `device` is
     "cuda" ("auto" means cuda when any GPU is available).
     """
-    p = spec.parallel
-    ranks = p.world_size
-    shape = f"dp*pp*tp = {p.dp}*{p.pp}*{p.tp} = {ranks} ranks"
+    p, grid = spec.parallel, spec.parallel.grid
+    ranks = grid.world_size
+    shape = f"{grid.describe()} = {ranks} ranks"
     use_gpu = device == "cuda" or (device == "auto" and available_gpus >= 1)
     if use_gpu and ranks > available_gpus:
         raise SpecError(

@@ -10,15 +10,14 @@ from pydantic import ConfigDict, Field, model_validator
 from orchestrator.errors import SpecError
 from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
-    _INTERLEAVED,
-    _SINGLE_STAGE,
     Beta,
     PipelineSchedule,
     PositiveFloat,
     PositiveInt,
     _Section,
 )
-from workers.parallel.layout import V_SHAPED
+from workers.parallel.grid import Grid
+from workers.parallel.schedules import Schedule, schedule
 
 
 class DataSpec(_Section):
@@ -59,36 +58,46 @@ class ParallelSpec(_Section):
         return self
 
     @property
+    def pipeline_schedule(self) -> Schedule:
+        """The facts of `pp_schedule` (workers.parallel.schedules' table)."""
+        return schedule(self.pp_schedule)
+
+    @property
     def stages_per_rank(self) -> int:
-        """Model chunks per pp rank: `virtual_stages`, else 1 for gpipe/1f1b and 2 otherwise."""
+        """Model chunks per pp rank: `virtual_stages`, else the schedule's default (1 for gpipe/1f1b, else 2)."""
         if self.virtual_stages is not None:
             return self.virtual_stages
-        return 1 if self.pp_schedule in _SINGLE_STAGE else 2
+        return self.pipeline_schedule.default_stages_per_rank
+
+    @property
+    def grid(self) -> Grid:
+        """The rank grid of these degrees: coordinates, mesh dims and replica peers come from it."""
+        return Grid.from_parallel(self)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.grid.world_size
 
     @model_validator(mode="after")
     def _check_virtual_stages(self) -> ParallelSpec:
-        v, schedule = self.virtual_stages, self.pp_schedule
+        v, schedule, facts = self.virtual_stages, self.pp_schedule, self.pipeline_schedule
         if v is None:
             return self
-        if schedule in _SINGLE_STAGE and v != 1:
+        if facts.single_stage and v != 1:
             raise SpecError(
                 "parallel.virtual_stages",
                 v,
                 f"is not supported by pp_schedule {schedule!r}, which runs one stage per pp rank",
                 "remove virtual_stages, or use pp_schedule: interleaved_1f1b for several stages per rank",
             )
-        if schedule in _INTERLEAVED and v < 2:
+        if facts.interleaved and v < 2:
             raise SpecError(
                 "parallel.virtual_stages",
                 v,
                 f"is too small: pp_schedule {schedule!r} needs at least 2 stages per pp rank",
                 "set virtual_stages to 2 or more (or remove it; the default is 2), or use pp_schedule: 1f1b",
             )
-        if schedule in V_SHAPED and v != 2:
+        if facts.v_shape and v != 2:
             raise SpecError(
                 "parallel.virtual_stages",
                 v,

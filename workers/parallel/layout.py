@@ -2,35 +2,36 @@
 
 Pure arithmetic (no torch), shared by the workers and the planner. The grid is
 ``dp × pp × tp`` with tensor parallelism innermost, so consecutive ranks form a
-TP group (the ones a placement group packs onto one node). Loop-style
-schedules place stage ``r + v*pp`` on pp rank ``r``; the V-shaped ones (ZBV,
-DualPipeV) place stages ``r`` and ``2*pp-1-r`` so the first and last stage
-share a rank.
+TP group (the ones a placement group packs onto one node). Which stages a pp
+rank owns is the schedule's placement (``workers.parallel.schedules``): loop
+or V shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-V_SHAPED = frozenset({"zbv", "dualpipev"})
+from workers.parallel.schedules import schedule as schedule_facts
 
 
 @dataclass(frozen=True)
 class Coordinates:
+    """A rank's dp/pp/tp indices (see ``coordinates``)."""
+
     dp: int
     pp: int
     tp: int
 
 
 def coordinates(rank: int, dp: int, pp: int, tp: int) -> Coordinates:
+    """Superseded by ``Grid.coords``; kept while workers/trainer.py and orchestrator/runtime/rank_group.py use it
+    (their ``vars(coords)`` must stay dp/pp/tp only: it is the layout JSON)."""
     return Coordinates(dp=rank // (pp * tp), pp=(rank // tp) % pp, tp=rank % tp)
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
-    """Global stage indices owned by ``pp_rank``."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(stages_per_rank)]
+    """Global stage indices owned by ``pp_rank`` under ``schedule``'s placement."""
+    return schedule_facts(schedule).stage_ids(pp_rank, pp, stages_per_rank)
 
 
 def layers_of_stage(stage: int, n_stages: int, n_layers: int) -> range:

@@ -18,6 +18,7 @@ from workers.model.finetune import prepare_model
 from workers.model.gpt import GPT, GPTConfig
 from workers.model.lora import freeze_base
 from workers.parallel.data_parallel import apply_data_parallel
+from workers.parallel.grid import Grid
 from workers.parallel.layout import stage_ids
 from workers.parallel.pipeline import cut_stage
 from workers.parallel.recompute import apply_recompute
@@ -46,14 +47,14 @@ def build_parts(spec: dict, mesh: DeviceMesh, device: torch.device) -> ModelPart
     lora = spec["model"].get("lora")
     if lora:
         prepare_model(full, lora)
-    pp = par["pp"]
-    n_stages = pp * par["virtual_stages"]
-    ids = stage_ids(mesh["pp"].get_local_rank(), pp, par["virtual_stages"], par["pp_schedule"])
+    grid = Grid.from_parallel(par)
+    n_stages = grid.pp * par["virtual_stages"]
+    ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par["virtual_stages"], par["pp_schedule"])
     parts = [full] if n_stages == 1 else [cut_stage(full, sid, n_stages) for sid in ids]
     wrapped = []
     for part in parts:
         part.to(device)
-        if par["tp"] > 1:
+        if grid.tp_enabled:
             apply_tensor_parallel(part, mesh["tp"], par["sequence_parallel"])
             if lora:
                 freeze_base(part)

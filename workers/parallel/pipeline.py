@@ -11,29 +11,13 @@ import copy
 import time
 
 import torch
+import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from workers.model.gpt import GPT
 from workers.parallel.layout import layers_of_stage
-
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
-SINGLE_STAGE = {"gpipe", "1f1b"}
+from workers.parallel.schedules import schedule as schedule_facts
 
 
 def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
@@ -93,7 +77,8 @@ def build_schedule(
 ) -> tuple[object, list[TimedStage]]:
     """Wrap this rank's stage modules in ``TimedStage`` objects and the chosen schedule."""
     pipe_stages = [TimedStage(mod, sid, n_stages, device, group=group) for mod, sid in zip(stages, ids)]
-    cls = SCHEDULES[schedule]
-    if schedule in SINGLE_STAGE:
+    facts = schedule_facts(schedule)
+    cls = getattr(pipelining, facts.torch_class)
+    if facts.single_stage:
         return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn), pipe_stages
     return cls(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn), pipe_stages

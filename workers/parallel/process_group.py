@@ -1,4 +1,4 @@
-"""Process-group and DeviceMesh setup for one rank (grid order: see ``workers.parallel.layout``)."""
+"""Process-group and DeviceMesh setup for one rank (grid order and mesh dims: ``workers.parallel.grid``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp", "pp", "tp")
+from workers.parallel.grid import Grid
 
 
 def pick_device(requested: str) -> torch.device:
@@ -21,10 +21,12 @@ def pick_device(requested: str) -> torch.device:
 
 
 def init_mesh(
-    rank: int, world_size: int, master_addr: str, master_port: int, shape: tuple[int, int, int],
+    rank: int, world_size: int, master_addr: str, master_port: int, grid: Grid | tuple[int, int, int],
     device: torch.device, timeout_s: float = 300.0,
 ) -> DeviceMesh:
-    """Join the job's process group (gloo on CPU, NCCL on GPU) and build the named 3-D mesh.
+    """Join the job's process group (gloo on CPU, NCCL on GPU) and build the mesh named by ``grid.mesh_dims``.
+
+    ``grid`` may still be the older ``(dp, pp, tp)`` tuple, read as that grid, until every caller passes a Grid.
 
     Every group gets ``timeout_s``: when a peer dies, survivors blocked in a collective
     with it (or with a survivor that already gave up) must fail within that time so the
@@ -42,5 +44,8 @@ def init_mesh(
         )
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS,
-                            backend_override={dim: (backend, options) for dim in MESH_DIMS})
+    if not isinstance(grid, Grid):
+        dp, pp, tp = grid
+        grid = Grid(dp=dp, pp=pp, tp=tp)
+    return init_device_mesh(device.type, grid.mesh_shape, mesh_dim_names=grid.mesh_dims,
+                            backend_override={dim: (backend, options) for dim in grid.mesh_dims})
