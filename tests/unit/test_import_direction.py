@@ -1,4 +1,4 @@
-"""Imports point one way: orchestrator -> workers -> parameter_server; tests never import conftest.
+"""Imports point one way: orchestrator -> workers -> parameter_server; tests import only tests/support.
 
 Why a test and not a convention: a worker that imports the controller drags Ray-driver code (and its
 import-time state) into every rank process, and a cycle between the layers makes each one impossible to
@@ -94,6 +94,18 @@ def test_no_test_imports_conftest():
         for path in sorted((ROOT / "tests").rglob("*.py"))
         for line, name in imported_names(path)
         if "conftest" in name.split(".")
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_no_test_imports_another_test_module():
+    """A helper living in a test module drags that module's tests into every importer; tests/support owns them."""
+    rule = "rule: tests import helpers from tests/support, never from another test module"
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: imports {name} ({rule})"
+        for path in sorted((ROOT / "tests").rglob("test_*.py"))
+        for line, name in imported_names(path)
+        if name.split(".")[-1].startswith("test_") and name.startswith("tests.")
     ]
     assert not found, "\n".join(found)
 
