@@ -5,48 +5,18 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from orchestrator.observability.prometheus import MetricsExporter
-
-DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
-DASHBOARD = DASHBOARDS / "grafana" / "raymesh.json"
-PROMETHEUS_YML = DASHBOARDS / "prometheus" / "prometheus.yml"
+from tests.support.dashboards import DASHBOARDS, PROMETHEUS_YML, load_dashboard, panel_exprs, panels
 
 METRIC = re.compile(r"\braymesh_[a-zA-Z0-9_]*")
 SELECTOR = re.compile(r"\b(raymesh_[a-zA-Z0-9_]*)(\{[^}]*\})?")
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
             "gauge": ("",), "summary": ("", "_sum", "_count", "_created")}
-
-
-def load_dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def panels(dashboard: dict) -> list[dict]:
-    """Every non-row panel, including those nested in collapsed rows."""
-    out = []
-    for p in dashboard["panels"]:
-        if p["type"] == "row":
-            out.extend(p.get("panels", []))
-        else:
-            out.append(p)
-    return out
-
-
-def panel_exprs(dashboard: dict) -> list[tuple[str, str]]:
-    """(panel title + refId, expr) for every target of every panel."""
-    return [(f"{p['title']} [{t['refId']}]", t["expr"]) for p in panels(dashboard) for t in p["targets"]]
-
-
-def concrete(expr: str, job: str, rank: str = ".*") -> str:
-    """The expr as Grafana sends it for one job and all ranks."""
-    return (expr.replace("$job", job).replace("${job}", job).replace("$rank", rank).replace("${rank}", rank)
-            .replace("$__rate_interval", "10s"))
 
 
 def exported() -> dict[str, tuple[str, ...] | None]:

@@ -12,8 +12,8 @@ import torch
 from orchestrator import TrainingJob
 from orchestrator.cli import main
 from tests.support.jobs import tiny_spec
+from tests.support.lora import base_and_lora
 from tests.support.reference import reference_run
-from tests.unit.test_lora import build
 from workers.model.finetune import load_dcp_model
 from workers.model.gpt import GPT
 from workers.model.lora import LoRALinear
@@ -24,9 +24,7 @@ LORA = {"rank": 4, "alpha": 8.0}
 
 LAYOUTS = {
     "dp2-zero3": ({"dp": 2, "zero": 3}, {}),
-    "tp2-sp": ({"tp": 2}, {"targets": ["wq", "wk", "wv", "wo", "w1", "w2", "output"]}),
-    "pp2-dp2-zero-bubble": ({"pp": 2, "dp": 2, "pp_schedule": "interleaved_zero_bubble"}, {}),
-}
+}  # tp2-sp and pp2-dp2-zero-bubble run without Ray in tests/integration/test_parity_harness.py
 
 
 def run(spec, resume=False):
@@ -97,7 +95,7 @@ def test_fine_tune_from_a_base_checkpoint_resume_and_export(ray_cluster, token_d
     assert_resumes_exactly(spec, straight, from_step=3)
 
     # 4. on disk: the base is bit-identical to the pre-trained weights, the adapters moved
-    tuned = build(spec)[1]
+    tuned = base_and_lora(spec)[1]
     load_dcp_model(tuned, straight.checkpoints[-1])
     for name, mod in tuned.named_modules():
         if isinstance(mod, LoRALinear):

@@ -8,8 +8,8 @@ import torch
 
 from orchestrator import TrainingJob
 from tests.support.jobs import tiny_spec
+from tests.support.models import SMALL_MODEL, random_batch
 from tests.support.reference import reference_run
-from tests.unit.test_activation_offload import MODEL, _batch
 from workers.model.gpt import GPT, lm_loss
 from workers.optim.build import build_optimizer
 from workers.optim.sm3 import SM3
@@ -47,13 +47,13 @@ def test_sm3_cover_bounds_adagrad_and_costs_a_vector_per_dimension():
 @pytest.mark.parametrize("name, lr", [("sm3", 0.05), ("adafactor", 0.3)])
 def test_trains_the_tiny_gpt(name, lr):
     torch.manual_seed(0)
-    model = GPT(model_config(MODEL))
+    model = GPT(model_config(SMALL_MODEL))
     opt = build_optimizer(model.parameters(), {"name": name, "lr": lr, "weight_decay": 0.0, "momentum": 0.9,
                                                "betas": [0.9, 0.95]})
     assert type(opt) is (SM3 if name == "sm3" else torch.optim.Adafactor)
     losses = []
     for step in range(12):
-        x, y = _batch(step % 2)
+        x, y = random_batch(step % 2)
         loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()

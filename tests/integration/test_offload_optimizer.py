@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.support.jobs import tiny_spec
+from tests.support.probes import peak_memory_probe
 from tests.support.reference import reference_losses
 from workers.offload.optimizer import OffloadedAdam, StoredState
 from workers.offload.store import OffloadStore
 from workers.optim.build import build_optimizer
-
-ROOT = Path(__file__).parents[2]
 
 
 def _pair(seed=0):
@@ -87,15 +80,6 @@ def test_low_precision_parameters_keep_an_fp32_master_in_the_store(tmp_path):
     assert torch.equal(opt.store.get("p0.master"), master.detach())
 
 
-def _probe(spec, path: Path) -> dict:
-    path.write_text(json.dumps(spec.worker_dict()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "workers.diagnostics.peak_memory_run", str(path), "3"],
-                         env=env, cwd=ROOT,
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_nvme_optimizer_offload_cuts_peak_resident_memory(token_data, tmp_path):
     """Same losses as no offload; the peak RSS (each run in a fresh process) drops by >= 80% of the bytes offloaded.
 
@@ -104,9 +88,9 @@ def test_nvme_optimizer_offload_cuts_peak_resident_memory(token_data, tmp_path):
     """
     big = {"model": {"d_model": 384, "n_layers": 8, "n_heads": 6, "d_ff": 1536, "seq_len": 32},
            "train": {"steps": 3, "global_batch_size": 2, "microbatches": 1}}
-    base = _probe(tiny_spec(token_data, tmp_path, **big), tmp_path / "base.json")
+    base = peak_memory_probe(tiny_spec(token_data, tmp_path, **big), tmp_path / "base.json")
     offload = {"offload": {"optimizer": True, "tier": "nvme", "path": str(tmp_path / "nvme")}}
-    off = _probe(tiny_spec(token_data, tmp_path, memory=offload, **big), tmp_path / "off.json")
+    off = peak_memory_probe(tiny_spec(token_data, tmp_path, memory=offload, **big), tmp_path / "off.json")
     assert off["losses"] == base["losses"]
     assert base["offloaded_bytes"] == 0 and off["offloaded_bytes"] > 90 * 2**20
     saved = base["peak_memory_bytes"] - off["peak_memory_bytes"]

@@ -6,8 +6,8 @@ FSDP2 unit shards kept in the NVMe store give the numbers of no offload.
 from __future__ import annotations
 
 from orchestrator.planning.estimate import estimate, render
-from tests.integration.test_offload_optimizer import _probe
 from tests.support.jobs import tiny_spec
+from tests.support.probes import peak_memory_probe
 
 
 def _offload(tmp_path, params: bool) -> dict:
@@ -19,8 +19,10 @@ def test_param_offload_cuts_peak_resident_memory(token_data, tmp_path):
     bit for bit and lowers the peak RSS (fresh processes) by >= 80% of the parameter bytes moved (~55 MB)."""
     big = {"model": {"d_model": 384, "n_layers": 8, "n_heads": 6, "d_ff": 1536, "seq_len": 32},
            "train": {"steps": 3, "global_batch_size": 2, "microbatches": 1}, "parallel": {"zero": 3}}
-    base = _probe(tiny_spec(token_data, tmp_path, memory=_offload(tmp_path, False), **big), tmp_path / "base.json")
-    off = _probe(tiny_spec(token_data, tmp_path, memory=_offload(tmp_path, True), **big), tmp_path / "off.json")
+    base_spec = tiny_spec(token_data, tmp_path, memory=_offload(tmp_path, False), **big)
+    base = peak_memory_probe(base_spec, tmp_path / "base.json")
+    off_spec = tiny_spec(token_data, tmp_path, memory=_offload(tmp_path, True), **big)
+    off = peak_memory_probe(off_spec, tmp_path / "off.json")
     assert off["losses"] == base["losses"]
     moved = off["offloaded_bytes"] - base["offloaded_bytes"]
     assert moved > 50 * 2**20

@@ -29,7 +29,7 @@ import yaml
 from orchestrator import TrainingJob
 from orchestrator.observability.prometheus import MetricsExporter
 from orchestrator.runtime import controller
-from tests.integration.test_dashboards import PROMETHEUS_YML, concrete, load_dashboard, panel_exprs
+from tests.support.dashboards import PROMETHEUS_YML, concrete, load_dashboard, panel_exprs
 from tests.support.jobs import tiny_spec, wait_for
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"  # .ci/run installs Debian's package

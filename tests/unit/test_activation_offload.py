@@ -5,23 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.models import SMALL_MODEL, random_batch
 from workers.model.gpt import GPT, lm_loss
 from workers.offload.activations import SavedActivations
 from workers.offload.store import OffloadStore
 from workers.parallel.parallelize import model_config
 
-MODEL = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "seq_len": 32,
-         "positions": "learned", "norm_eps": 1e-5, "init_std": 0.02}
-
-
-def _batch(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 256, (4, 33), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
 
 def _loss_and_grads(model, policy: SavedActivations, seed: int = 0):
-    x, y = _batch(seed)
+    x, y = random_batch(seed)
     with policy.hooks():
         loss = lm_loss(model(x), y)
         loss.backward()
@@ -32,7 +24,7 @@ def _loss_and_grads(model, policy: SavedActivations, seed: int = 0):
 
 def _model():
     torch.manual_seed(0)
-    return GPT(model_config(MODEL))
+    return GPT(model_config(SMALL_MODEL))
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
@@ -43,7 +35,7 @@ def test_offload_is_exact_and_leaves_nothing_behind(tier, tmp_path):
     loss, grads = _loss_and_grads(model, policy)
     assert loss == ref_loss
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
-    assert policy.peak_bytes > 4 * 32 * 64 * 4 * 2 * MODEL["n_layers"]  # several activations per layer went out
+    assert policy.peak_bytes > 4 * 32 * 64 * 4 * 2 * SMALL_MODEL["n_layers"]  # several activations per layer went out
     assert policy.held_bytes == 0 and policy.store.nbytes == 0
     assert not any(tmp_path.rglob("*.bin"))
 

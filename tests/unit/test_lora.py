@@ -9,23 +9,12 @@ from orchestrator import JobSpec
 from orchestrator.errors import SpecError
 from orchestrator.spec.lora import check_base_checkpoint, parameter_split
 from tests.support.jobs import tiny_spec
+from tests.support.lora import base_and_lora
 from workers.data import DataCursor, TokenDataset
-from workers.model.finetune import prepare_model
 from workers.model.gpt import GPT, lm_loss
 from workers.model.lora import LoRALinear, merged_state_dict
 from workers.model.nf4 import NF4Linear
 from workers.parallel.parallelize import model_config
-
-
-def build(spec: JobSpec) -> tuple[GPT, GPT]:
-    """(base model, LoRA model) from the same seed, as the builder and the reference build them."""
-    cfg = model_config(spec.worker_dict()["model"])
-    torch.manual_seed(spec.train.seed)
-    base = GPT(cfg)
-    torch.manual_seed(spec.train.seed)
-    model = GPT(cfg)
-    prepare_model(model, spec.worker_dict()["model"]["lora"])
-    return base, model
 
 
 def train(model: GPT, spec: JobSpec, steps: int, weight_decay: float = 0.1) -> list[float]:
@@ -45,7 +34,7 @@ def train(model: GPT, spec: JobSpec, steps: int, weight_decay: float = 0.1) -> l
 @pytest.mark.parametrize("quantize", [None, "nf4"])
 def test_only_adapters_train_and_the_base_stays_bit_identical(token_data, tmp_path, quantize):
     spec = tiny_spec(token_data, tmp_path, model={"lora": {"rank": 4, "quantize": quantize}})
-    base, model = build(spec)
+    base, model = base_and_lora(spec)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.rsplit(".", 2)[-2] in ("lora_a", "lora_b") for n in trainable)
     x = torch.randint(0, 256, (2, 32))
@@ -63,7 +52,7 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(token_data, tmp_pa
 
 def test_nf4_base_is_what_qlora_quantizes(token_data, tmp_path):
     spec = tiny_spec(token_data, tmp_path, model={"lora": {"quantize": "nf4", "targets": ["w1", "w2"]}})
-    _, model = build(spec)
+    _, model = base_and_lora(spec)
     adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
     assert len(adapted) == 2 * spec.model.n_layers and all(isinstance(m.base, NF4Linear) for m in adapted)
     assert isinstance(model.layers["0"].attention.wq, torch.nn.Linear)  # untargeted layers stay full precision
@@ -72,13 +61,13 @@ def test_nf4_base_is_what_qlora_quantizes(token_data, tmp_path):
 def test_qlora_fine_tune_lowers_the_loss(token_data, tmp_path):
     targets = ["wq", "wk", "wv", "wo", "w1", "w2", "output"]  # a random base: the head must adapt too
     spec = tiny_spec(token_data, tmp_path, model={"lora": {"rank": 8, "quantize": "nf4", "targets": targets}})
-    losses = train(build(spec)[1], spec, steps=12, weight_decay=0.0)
+    losses = train(base_and_lora(spec)[1], spec, steps=12, weight_decay=0.0)
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
 
 
 def test_merged_weights_are_base_plus_scaled_ba(token_data, tmp_path):
     spec = tiny_spec(token_data, tmp_path, model={"lora": {"rank": 4, "alpha": 8.0, "targets": ["wq", "w2", "output"]}})
-    base, model = build(spec)
+    base, model = base_and_lora(spec)
     torch.manual_seed(1)
     for m in model.modules():
         if isinstance(m, LoRALinear):
@@ -123,7 +112,7 @@ def test_missing_base_checkpoint_is_refused_before_start(tmp_path):
 @pytest.mark.parametrize("quantize", [None, "nf4"])
 def test_parameter_split_for_memory_estimates_matches_the_built_model(token_data, tmp_path, quantize):
     spec = tiny_spec(token_data, tmp_path, model={"lora": {"rank": 4, "quantize": quantize, "targets": ["wq", "w1"]}})
-    _, model = build(spec)
+    _, model = base_and_lora(spec)
     split = parameter_split(spec)
     assert split["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert split["frozen"] == sum(p.numel() for p in model.parameters() if not p.requires_grad)

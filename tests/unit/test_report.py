@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.observability.report import write_report
-from tests.unit.test_bubble import T0, gpipe_timeline
+from tests.support.timelines import T0, gpipe_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DP, PP, M, STEPS = 2, 4, 8, 20

@@ -1,0 +1,21 @@
+"""The base and LoRA models of one spec, built the way the worker builder and the reference build them."""
+
+from __future__ import annotations
+
+import torch
+
+from orchestrator import JobSpec
+from workers.model.finetune import prepare_model
+from workers.model.gpt import GPT
+from workers.parallel.parallelize import model_config
+
+
+def base_and_lora(spec: JobSpec) -> tuple[GPT, GPT]:
+    """(base model, LoRA model) from the same seed, as the builder and the reference build them."""
+    cfg = model_config(spec.worker_dict()["model"])
+    torch.manual_seed(spec.train.seed)
+    base = GPT(cfg)
+    torch.manual_seed(spec.train.seed)
+    model = GPT(cfg)
+    prepare_model(model, spec.worker_dict()["model"]["lora"])
+    return base, model
