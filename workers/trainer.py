@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.data import DataCursor, TokenDataset
-from workers.diagnostics import faults
+from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
 from workers.model.gpt import lm_loss
@@ -32,6 +32,7 @@ from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
+from workers.protocol import StepResult, StepTimes
 from workers.state.checkpoint_io import CheckpointIO
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,7 +75,7 @@ class Trainer:
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
         self.step = 0
-        self._poison = False
+        self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
         self.record_timeline = spec["metrics"]["timeline"]
         self.checkpoints = CheckpointIO(self)
         self.ps = PSSync(self, spec) if par["dp_sync"] == "ps" else None
@@ -91,7 +92,7 @@ class Trainer:
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(logits, targets)
-        if self._poison:
+        if self.fault.poisons_loss:
             loss = loss * float("nan")
         return loss * self.scaler.scale if self.scaler else loss
 
@@ -130,7 +131,7 @@ class Trainer:
             model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def train_step(self, fault: dict | None = None) -> dict:
+    def train_step(self, fault: dict | None = None) -> StepResult:
         """One optimizer step; returns the loss, the time per phase and memory for the controller.
 
         Phases: ``compute`` is time in forward/backward (for pipelines, the union of
@@ -139,10 +140,11 @@ class Trainer:
         neighbour), ``communication`` the explicit collectives after backward
         (global grad norm, loss-scale agreement).
         """
+        hook = StepFault(fault)
         if self.ps is not None and self.ps.asynchronous:
-            return self.ps.run_round(fault)
-        faults.before_step(fault)
-        self._poison = fault is not None and fault["kind"] == "nan_loss"
+            return self.ps.run_round(hook)
+        hook.before()
+        self.fault = hook
         for stage in self.pipe_stages:
             stage.events.clear()
         t0 = time.perf_counter()
@@ -153,53 +155,57 @@ class Trainer:
         with meter:
             loss = self._forward_backward(inputs, targets)
         t2 = time.perf_counter()
+        loss, grad_norm, applied = self._reduce_grads(loss)
+        t3 = time.perf_counter()
+        memory = self._optimizer_step(applied, meter)
+        t4 = time.perf_counter()
+        slowed = hook.slow_down(t4 - t0)
+        events = [e for stage in self.pipe_stages for e in stage.events]
+        compute = busy_seconds(events) if events else t2 - t1
+        times = StepTimes(data=t1 - t0, compute=compute + slowed, bubble=max(0.0, (t2 - t1) - compute),
+                          communication=t3 - t2, optimizer=t4 - t3, step=t4 - t0 + slowed)
+        timeline = None
+        if self.record_timeline:
+            timeline = [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events]
+        return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
+                           lr=self.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
+                           time_s=times, memory=memory, timeline=timeline)
+
+    def _reduce_grads(self, loss: torch.Tensor | None) -> tuple[torch.Tensor | None, float, bool]:
+        """Unscale (fp16), then clip on the global norm or hand the gradients to the PS shards (which clip,
+        step and send the new weights back). Returns the unscaled loss, the norm and whether to step."""
         applied = True
         if self.scaler is not None:
             applied = self.scaler.unscale_and_check(self.params)
             if loss is not None:
                 loss = loss / self.scaler.scale if applied else loss
-        if self.ps is not None:  # the shards clip and step; the new weights come back
+        if self.ps is not None:
             grad_norm = self.ps.sync(self.schedulers[0].get_last_lr()[0])
         else:
             clip = self.spec["optim"]["grad_clip"]
             grad_norm = clip_grads(self.params, clip, self.pp_group) if applied else float("nan")
-        t3 = time.perf_counter()
+        return loss, grad_norm, applied
+
+    def _optimizer_step(self, applied: bool, meter) -> dict | None:
+        """Step, zero and schedule; returns model-state memory (measured while parameters, gradients and
+        optimizer state all exist) when the step is metered, else None."""
         for opt in self.optimizers:
             if applied and self.ps is None:
                 opt.step()
-        # measured while parameters, gradients and optimizer state all exist
-        measuring = isinstance(meter, ActivationMeter)
-        memory = model_state_bytes(self.parts.modules, self.optimizers) if measuring else None
+        memory = None
+        if isinstance(meter, ActivationMeter):
+            memory = {**model_state_bytes(self.parts.modules, self.optimizers), "activations": meter.peak}
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.zero_grad(set_to_none=True)
             sched.step()
         self.step += 1
-        t4 = time.perf_counter()
-        slowed = faults.slow_down(fault, t4 - t0)
-        events = [e for stage in self.pipe_stages for e in stage.events]
-        compute = busy_seconds(events) if events else t2 - t1
-        result = {
-            "rank": self.rank,
-            "step": self.step,
-            "loss": None if loss is None else float(loss),
-            "grad_norm": grad_norm,
-            "lr": self.schedulers[0].get_last_lr()[0],
-            "tokens": int(inputs.numel()),
-            "applied": applied,
-            "time_s": {
-                "data": t1 - t0, "compute": compute + slowed, "bubble": max(0.0, (t2 - t1) - compute),
-                "communication": t3 - t2, "optimizer": t4 - t3, "step": t4 - t0 + slowed,
-            },
-            "peak_memory_bytes": self.peak_memory_bytes(),
-            "current_memory_bytes": self.current_memory_bytes(),
-        }
-        if memory is not None:
-            result["memory"] = {**memory, "activations": meter.peak}
-        if self.record_timeline:
-            result["timeline"] = [
-                {"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events
-            ]
-        return result
+        return memory
+
+    def result(self, **fields) -> StepResult:
+        """The one producer of ``StepResult`` (the synchronous step here, asynchronous PS rounds in ``PSSync``):
+        the step's own fields plus this rank's identity, step count and memory now."""
+        return StepResult(rank=self.rank, step=self.step, peak_memory_bytes=self.peak_memory_bytes(),
+                          current_memory_bytes=self.current_memory_bytes(), **fields)
 
     def _activation_meter(self):
         """An ``ActivationMeter`` over this step when the job asks to measure memory, else a no-op."""

@@ -36,8 +36,8 @@ def probe(spec: dict, steps: int) -> dict:
         stores.append(trainer.param_offload.store)
     return {
         "rank": rank,
-        "losses": [r["loss"] for r in results],
-        "step_s": [r["time_s"]["step"] for r in results],
+        "losses": [r.loss for r in results],
+        "step_s": [r.time_s.step for r in results],
         "peak_memory_bytes": trainer.peak_memory_bytes(),
         "offloaded_bytes": sum(s.nbytes for s in stores) + trainer.activations.peak_bytes,
     }
