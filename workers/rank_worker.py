@@ -89,7 +89,7 @@ class RankWorker:
     def _take_snapshot(self, keep_from: int) -> None:
         from workers.state import snapshot
 
-        self.store.keep(self.trainer.step, snapshot.take(self.trainer), keep_from)
+        self.store.keep(self.trainer.step, snapshot.take(self.trainer.state), keep_from)
 
     def snapshot_steps(self) -> dict:
         """The steps this rank can restore and the replicas it holds, once no replica is in flight."""
@@ -110,7 +110,7 @@ class RankWorker:
         """Roll back to ``step``: to ``snap`` (a replica handed over for a replaced rank) or this rank's own."""
         from workers.state import snapshot
 
-        snapshot.restore(self.trainer, snap if snap is not None else self.store.own[step])
+        snapshot.restore(self.trainer.state, snap if snap is not None else self.store.own[step])
         self.store.roll_back(step)
         if snap is not None:
             self.store.own[step] = snap

@@ -34,6 +34,7 @@ from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
 from workers.protocol import StepResult, StepTimes
 from workers.state.checkpoint_io import CheckpointIO
+from workers.state.train_state import TrainState
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,10 +75,11 @@ class Trainer:
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par["pp_schedule"],
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
-        self.step = 0
+        self.state = TrainState(self.parts.modules, self.optimizers, self.schedulers, self.cursor, self.scaler,
+                                self.param_offload)
         self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
         self.record_timeline = spec["metrics"]["timeline"]
-        self.checkpoints = CheckpointIO(self)
+        self.checkpoints = CheckpointIO(self.state)
         self.ps = PSSync(self, spec) if par["dp_sync"] == "ps" else None
 
     # -- one step -------------------------------------------------------------------------
@@ -198,7 +200,7 @@ class Trainer:
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.zero_grad(set_to_none=True)
             sched.step()
-        self.step += 1
+        self.state.step += 1
         return memory
 
     def result(self, **fields) -> StepResult:
@@ -215,23 +217,9 @@ class Trainer:
         watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy)]
         return ActivationMeter(self.parts.modules, watched)
 
-    # -- progress beyond weights: what a checkpoint or snapshot must carry to resume exactly ----
-
-    def progress_state(self) -> dict:
-        state = {"step": self.step, "data": self.cursor.state_dict(), "lr_scheduler": self.schedulers[0].state_dict()}
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_progress_state(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.cursor.load_state_dict(state["data"])
-        for opt, sched in zip(self.optimizers, self.schedulers):
-            sched.load_state_dict(state["lr_scheduler"])
-            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
-                group["lr"] = lr  # the scheduler's state does not carry the optimizer's current lr
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["loss_scaler"])
+    @property
+    def step(self) -> int:
+        return self.state.step
 
     def close_stores(self) -> None:
         """Remove this rank's offload files now (stores also clean up at process exit, which ``ray.kill`` skips)."""
@@ -239,11 +227,6 @@ class Trainer:
         for store in stores:
             if store is not None:
                 store.close()
-
-    def resident_params(self, write_back: bool = True):
-        """Offloaded parameter shards back on the device for the block (checkpoints, snapshots); ``write_back``
-        False where the block only reads them (saves, snapshots), so nothing is written to the store."""
-        return self.param_offload.resident(write_back) if self.param_offload else contextlib.nullcontext()
 
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":

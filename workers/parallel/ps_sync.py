@@ -104,9 +104,10 @@ class PSSync:
             done, self.done = self.done, []
         if done:  # a worker that ran ahead may have nothing new: it repeats its latest loss
             self.last_loss = statistics.fmean(d["loss"] for d in done)
-        lr = tr.schedulers[0].get_last_lr()[0]
-        tr.step += 1
-        for sched in tr.schedulers:
+        state = tr.state
+        lr = state.schedulers[0].get_last_lr()[0]
+        state.step += 1
+        for sched in state.schedulers:
             sched.step()
         total = time.perf_counter() - t0
         busy = sum(d["seconds"] for d in done)
