@@ -1,7 +1,7 @@
 """One rank's training loop: forward/backward (plain or pipelined), reduce, step.
 
 The trainer knows nothing of Ray or the controller: it takes the plain job
-spec dict and its rank, so the same code runs inside a ``RankWorker`` actor,
+spec dict (parsed once into a ``WorkerSpec``) and its rank, so the same code runs inside a ``RankWorker`` actor,
 under ``torchrun`` (the benchmark baseline) or single-process (the reference).
 """
 
@@ -33,6 +33,7 @@ from workers.parallel.process_group import init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
 from workers.protocol import StepResult, StepTimes
+from workers.spec import WorkerSpec
 from workers.state.checkpoint_io import CheckpointIO
 from workers.state.train_state import TrainState
 
@@ -41,46 +42,46 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class Trainer:
     def __init__(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        self.spec = spec
+        self.spec = WorkerSpec.from_dict(spec)
         self.rank = rank
-        par = spec["parallel"]
-        self.coords = coordinates(rank, par["dp"], par["pp"], par["tp"])
-        self.device = pick_device(par["device"])
-        if spec["memory"]["offload"].get("params"):
+        par, memory = self.spec.parallel, spec["memory"]
+        self.coords = coordinates(rank, par.dp, par.pp, par.tp)
+        self.device = pick_device(par.device)
+        if self.spec.memory.offloads_params:
             release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
-        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]),
-                              self.device, timeout_s=spec["fault_tolerance"]["collective_timeout_s"])
+        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par.dp, par.pp, par.tp),
+                              self.device, timeout_s=self.spec.collective_timeout_s)
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
-        zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
-        self.param_offload = offload_params(self.parts.modules, spec["memory"], self.device)
-        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, spec["memory"], self.device,
+        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
+        self.param_offload = offload_params(self.parts.modules, memory, self.device)
+        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, memory, self.device,
                                            self.param_offload) for m in self.parts.modules]
         self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"]))
+            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], self.spec.train.steps))
             for o in self.optimizers
         ]
-        self.activations = activation_policy(spec["memory"], self.device)
-        dtype = spec["precision"]["dtype"]
+        self.activations = activation_policy(memory, self.device)
+        dtype = self.spec.precision.dtype
         self.autocast_dtype = AUTOCAST.get(dtype)
-        self.scaler = DynamicLossScaler(spec["precision"]["initial_loss_scale"]) if dtype == "fp16" else None
-        train = spec["train"]
-        dataset = TokenDataset(spec["data"]["path"], spec["model"]["seq_len"], spec["data"]["seed"])
-        self.cursor = DataCursor(dataset, train["global_batch_size"], self.coords.dp, par["dp"])
-        self.microbatches = train["microbatches"]
-        self.pp_group = self.mesh["pp"].get_group() if par["pp"] > 1 else None
+        self.scaler = DynamicLossScaler(self.spec.precision.initial_loss_scale) if dtype == "fp16" else None
+        train, data = self.spec.train, self.spec.data
+        dataset = TokenDataset(data.path, self.spec.seq_len, data.seed)
+        self.cursor = DataCursor(dataset, train.global_batch_size, self.coords.dp, par.dp)
+        self.microbatches = train.microbatches
+        self.pp_group = self.mesh["pp"].get_group() if par.pp > 1 else None
         self.schedule, self.pipe_stages = None, []
-        if par["pp"] > 1:
+        if par.pp > 1:
             self.schedule, self.pipe_stages = build_schedule(
-                self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par["pp_schedule"],
+                self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
         self.state = TrainState(self.parts.modules, self.optimizers, self.schedulers, self.cursor, self.scaler,
                                 self.param_offload)
         self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
-        self.record_timeline = spec["metrics"]["timeline"]
+        self.record_timeline = self.spec.record_timeline
         self.checkpoints = CheckpointIO(self.state)
-        self.ps = PSSync(self, spec) if par["dp_sync"] == "ps" else None
+        self.ps = PSSync(self, self.spec) if par.dp_sync == "ps" else None
 
     # -- one step -------------------------------------------------------------------------
 
@@ -184,8 +185,7 @@ class Trainer:
         if self.ps is not None:
             grad_norm = self.ps.sync(self.schedulers[0].get_last_lr()[0])
         else:
-            clip = self.spec["optim"]["grad_clip"]
-            grad_norm = clip_grads(self.params, clip, self.pp_group) if applied else float("nan")
+            grad_norm = clip_grads(self.params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
         return loss, grad_norm, applied
 
     def _optimizer_step(self, applied: bool, meter) -> dict | None:
@@ -211,9 +211,9 @@ class Trainer:
 
     def _activation_meter(self):
         """An ``ActivationMeter`` over this step when the job asks to measure memory, else a no-op."""
-        if not self.spec["memory"].get("measure"):
+        if not self.spec.memory.measure:
             return contextlib.nullcontext()
-        policy = self.spec["memory"]["recompute"]
+        policy = self.spec.memory.recompute
         watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy)]
         return ActivationMeter(self.parts.modules, watched)
 

@@ -24,6 +24,7 @@ from parameter_server.client import PSClient, RayConn
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.optim.build import clip_grads
 from workers.protocol import StepResult, StepTimes
+from workers.spec import WorkerSpec
 
 
 def _conn(route: dict, transport: str):
@@ -35,15 +36,15 @@ def _conn(route: dict, transport: str):
 
 
 class PSSync:
-    def __init__(self, trainer, spec: dict):
-        ps, routes = spec["parameter_server"], spec["ps_routes"]
+    def __init__(self, trainer, spec: WorkerSpec):
+        ps, routes = spec.parameter_server, spec.raw["ps_routes"]
         self.trainer = trainer
-        self.transport = ps["transport"]
-        self.asynchronous = ps["consistency"] != "bsp"
-        self.max_norm = spec["optim"]["grad_clip"]
+        self.transport = ps.transport
+        self.asynchronous = ps.consistency != "bsp"
+        self.max_norm = spec.grad_clip
         self.worker = trainer.coords.dp
-        self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps["chunk_elems"],
-                               ps["virtual_nodes"], worker=self.worker)
+        self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,
+                               ps.virtual_nodes, worker=self.worker)
         self.keeper = routes.get("keeper")
         self.named = {f"stage{sid}.{n}": p for sid, m in zip(trainer.parts.stage_ids, trainer.parts.modules)
                       for n, p in m.named_parameters()}
@@ -97,7 +98,7 @@ class PSSync:
             self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
             self.thread.start()
         t0 = time.perf_counter()
-        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec["parallel"]["dp"]))
+        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp))
         if self.error is not None:
             raise self.error
         with self.lock:
