@@ -63,8 +63,8 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path) -> Path:
     ``W + (alpha/rank) B A`` replaces every adapted layer; ``GPT(cfg).load_state_dict``
     takes the result, and so does ``model.lora.base_checkpoint``.
     """
+    from workers.model.config import model_config
     from workers.model.gpt import GPT
-    from workers.parallel.parallelize import model_config
 
     torch.manual_seed(spec["train"]["seed"])
     model = GPT(model_config(spec["model"]))

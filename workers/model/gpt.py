@@ -12,28 +12,12 @@ only the local heads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    ffn_dim: int = 256
-    seq_len: int = 64
-    positions: str = "rotary"
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+from workers.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +54,7 @@ class CausalCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rotary = cfg.positions == "rotary"
@@ -90,7 +74,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
@@ -100,7 +84,7 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -113,7 +97,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from workers.model.config import model_config
 from workers.model.finetune import prepare_model
-from workers.model.gpt import GPT, GPTConfig
+from workers.model.gpt import GPT
 from workers.model.lora import freeze_base
 from workers.parallel.data_parallel import apply_data_parallel
 from workers.parallel.layout import stage_ids
@@ -29,14 +30,6 @@ class ModelParts:
     modules: list[nn.Module]  # wrapped stage modules, in stage order
     stage_ids: list[int]
     n_stages: int
-
-
-def model_config(model: dict) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=model["vocab_size"], d_model=model["d_model"], n_layers=model["n_layers"],
-        n_heads=model["n_heads"], ffn_dim=model["d_ff"], seq_len=model["seq_len"],
-        positions=model["positions"], norm_eps=model["norm_eps"], init_std=model["init_std"],
-    )
 
 
 def build_parts(spec: dict, mesh: DeviceMesh, device: torch.device) -> ModelParts:
