@@ -64,10 +64,10 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path) -> Path:
     takes the result, and so does ``model.lora.base_checkpoint``.
     """
     from workers.model.config import model_config
-    from workers.model.gpt import GPT
+    from workers.model.registry import build_model
 
     torch.manual_seed(spec["train"]["seed"])
-    model = GPT(model_config(spec["model"]))
+    model = build_model(model_config(spec["model"]))
     prepare_model(model, spec["model"]["lora"])
     load_dcp_model(model, checkpoint)
     out = Path(out)

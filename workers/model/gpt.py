@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import ModelConfig
+from workers.model.registry import ModelFamily, register
 
 
 class RMSNorm(nn.Module):
@@ -139,3 +140,17 @@ class GPT(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy, computed in float32 whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+register(ModelFamily(
+    arch="gpt",
+    config=ModelConfig,
+    build=GPT,
+    lora_targets=("wq", "wk", "wv", "wo", "w1", "w2"),
+    recompute_targets={"full": "", "selective": "attention.core"},
+    hooks={
+        "cut_stage": "workers.parallel.pipeline:cut_stage",
+        "tensor_parallel": "workers.parallel.tensor_parallel:apply_tensor_parallel",
+        "recompute": "workers.parallel.recompute:apply_recompute",
+    },
+))

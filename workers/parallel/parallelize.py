@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from workers.model.config import model_config
 from workers.model.finetune import prepare_model
-from workers.model.gpt import GPT
 from workers.model.lora import freeze_base
+from workers.model.registry import build_model
 from workers.parallel.data_parallel import apply_data_parallel
 from workers.parallel.layout import stage_ids
 from workers.parallel.pipeline import cut_stage
@@ -35,7 +35,7 @@ class ModelParts:
 def build_parts(spec: dict, mesh: DeviceMesh, device: torch.device) -> ModelParts:
     par = spec["parallel"]
     torch.manual_seed(spec["train"]["seed"])
-    full = GPT(model_config(spec["model"]))
+    full = build_model(model_config(spec["model"]))
     lora = spec["model"].get("lora")
     if lora:
         prepare_model(full, lora)
