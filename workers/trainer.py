@@ -41,6 +41,8 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Trainer:
+    """One rank: its share of the model (``parts``), its ``TrainState`` and the step that advances it."""
+
     def __init__(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int):
         self.spec = WorkerSpec.from_dict(spec)
         self.rank = rank
@@ -53,21 +55,11 @@ class Trainer:
                               self.device, timeout_s=self.spec.collective_timeout_s)
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
-        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
         self.param_offload = offload_params(self.parts.modules, memory, self.device)
-        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, memory, self.device,
-                                           self.param_offload) for m in self.parts.modules]
-        self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], self.spec.train.steps))
-            for o in self.optimizers
-        ]
+        self.state = self._train_state(spec)
         self.activations = activation_policy(memory, self.device)
-        dtype = self.spec.precision.dtype
-        self.autocast_dtype = AUTOCAST.get(dtype)
-        self.scaler = DynamicLossScaler(self.spec.precision.initial_loss_scale) if dtype == "fp16" else None
-        train, data = self.spec.train, self.spec.data
-        dataset = TokenDataset(data.path, self.spec.seq_len, data.seed)
-        self.cursor = DataCursor(dataset, train.global_batch_size, self.coords.dp, par.dp)
+        self.autocast_dtype = AUTOCAST.get(self.spec.precision.dtype)
+        train = self.spec.train
         self.microbatches = train.microbatches
         self.pp_group = self.mesh["pp"].get_group() if par.pp > 1 else None
         self.schedule, self.pipe_stages = None, []
@@ -76,12 +68,24 @@ class Trainer:
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
-        self.state = TrainState(self.parts.modules, self.optimizers, self.schedulers, self.cursor, self.scaler,
-                                self.param_offload)
         self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
         self.record_timeline = self.spec.record_timeline
         self.checkpoints = CheckpointIO(self.state)
         self.ps = PSSync(self, self.spec) if par.dp_sync == "ps" else None
+
+    def _train_state(self, spec: dict) -> TrainState:
+        """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
+        par, memory = self.spec.parallel, spec["memory"]
+        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
+        optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, memory, self.device, self.param_offload)
+                      for m in self.parts.modules]
+        steps = self.spec.train.steps
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
+        precision, data = self.spec.precision, self.spec.data
+        scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
+        dataset = TokenDataset(data.path, self.spec.seq_len, data.seed)
+        cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp)
+        return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -97,7 +101,7 @@ class Trainer:
         loss = lm_loss(logits, targets)
         if self.fault.poisons_loss:
             loss = loss * float("nan")
-        return loss * self.scaler.scale if self.scaler else loss
+        return loss * self.state.scaler.scale if self.state.scaler else loss
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -151,7 +155,7 @@ class Trainer:
         for stage in self.pipe_stages:
             stage.events.clear()
         t0 = time.perf_counter()
-        inputs, targets = self.cursor.next_batch()
+        inputs, targets = self.state.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         t1 = time.perf_counter()
         meter = self._activation_meter()
@@ -171,19 +175,19 @@ class Trainer:
         if self.record_timeline:
             timeline = [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events]
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
-                           lr=self.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
+                           lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
                            time_s=times, memory=memory, timeline=timeline)
 
     def _reduce_grads(self, loss: torch.Tensor | None) -> tuple[torch.Tensor | None, float, bool]:
         """Unscale (fp16), then clip on the global norm or hand the gradients to the PS shards (which clip,
         step and send the new weights back). Returns the unscaled loss, the norm and whether to step."""
         applied = True
-        if self.scaler is not None:
-            applied = self.scaler.unscale_and_check(self.params)
+        if self.state.scaler is not None:
+            applied = self.state.scaler.unscale_and_check(self.params)
             if loss is not None:
-                loss = loss / self.scaler.scale if applied else loss
+                loss = loss / self.state.scaler.scale if applied else loss
         if self.ps is not None:
-            grad_norm = self.ps.sync(self.schedulers[0].get_last_lr()[0])
+            grad_norm = self.ps.sync(self.state.schedulers[0].get_last_lr()[0])
         else:
             grad_norm = clip_grads(self.params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
         return loss, grad_norm, applied
@@ -191,13 +195,13 @@ class Trainer:
     def _optimizer_step(self, applied: bool, meter) -> dict | None:
         """Step, zero and schedule; returns model-state memory (measured while parameters, gradients and
         optimizer state all exist) when the step is metered, else None."""
-        for opt in self.optimizers:
+        for opt in self.state.optimizers:
             if applied and self.ps is None:
                 opt.step()
         memory = None
         if isinstance(meter, ActivationMeter):
-            memory = {**model_state_bytes(self.parts.modules, self.optimizers), "activations": meter.peak}
-        for opt, sched in zip(self.optimizers, self.schedulers):
+            memory = {**model_state_bytes(self.parts.modules, self.state.optimizers), "activations": meter.peak}
+        for opt, sched in zip(self.state.optimizers, self.state.schedulers):
             opt.zero_grad(set_to_none=True)
             sched.step()
         self.state.step += 1
@@ -223,7 +227,8 @@ class Trainer:
 
     def close_stores(self) -> None:
         """Remove this rank's offload files now (stores also clean up at process exit, which ``ray.kill`` skips)."""
-        stores = [getattr(o, "store", None) for o in self.optimizers] + [self.activations.store, self.param_offload]
+        stores = [getattr(o, "store", None) for o in self.state.optimizers]
+        stores += [self.activations.store, self.param_offload]
         for store in stores:
             if store is not None:
                 store.close()

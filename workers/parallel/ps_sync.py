@@ -127,10 +127,10 @@ class PSSync:
                 s0 = time.perf_counter()
                 with self.quiet:
                     self._load()
-                    inputs, targets = tr.cursor.next_batch()
+                    inputs, targets = tr.state.cursor.next_batch()
                     loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
                     norm = clip_grads(tr.params, self.max_norm)
-                    self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
+                    self.client.push(self.clock, self._grads(), tr.state.schedulers[0].get_last_lr()[0])
                     for p in tr.params:
                         p.grad = None
                     self.clock += 1
