@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from workers.model.config import ModelConfig, model_config
+
 
 def _section(cls, raw: dict, name: str):
     """``cls`` from the keys of ``raw[name]`` it declares (the dict carries more than a worker reads)."""
@@ -82,7 +84,8 @@ class WorkerSpec:
     data: DataSection
     precision: PrecisionSection
     memory: MemorySection
-    seq_len: int
+    model: ModelConfig
+    lora: dict[str, Any] | None  # model.lora as sent (the LoRA builders read it as a dict)
     grad_clip: float
     collective_timeout_s: float
     record_timeline: bool
@@ -96,7 +99,8 @@ class WorkerSpec:
             data=_section(DataSection, raw, "data"),
             precision=_section(PrecisionSection, raw, "precision"),
             memory=_section(MemorySection, raw, "memory"),
-            seq_len=raw["model"]["seq_len"],
+            model=model_config(raw["model"]),
+            lora=raw["model"].get("lora"),
             grad_clip=raw["optim"]["grad_clip"],
             collective_timeout_s=raw["fault_tolerance"]["collective_timeout_s"],
             record_timeline=raw["metrics"]["timeline"],

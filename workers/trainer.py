@@ -83,7 +83,7 @@ class Trainer:
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
         precision, data = self.spec.precision, self.spec.data
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
-        dataset = TokenDataset(data.path, self.spec.seq_len, data.seed)
+        dataset = TokenDataset(data.path, self.spec.model.seq_len, data.seed)
         cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp)
         return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload)
 
