@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from workers.data import DataCursor, TokenDataset
-from workers.model.gpt import GPT, GPTConfig, lm_loss
+from workers.model.config import ModelConfig
+from workers.model.gpt import GPT, lm_loss
 
 
 def main() -> None:
@@ -35,8 +36,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, ffn_dim=4 * args.d_model,
-                    seq_len=args.seq_len)
+    cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, d_ff=4 * args.d_model,
+                      seq_len=args.seq_len)
     model = GPT(cfg)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)

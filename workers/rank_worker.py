@@ -11,10 +11,13 @@ Replicas of peers' snapshots arrive on a separate concurrency group
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 
 import ray
+
+from workers.protocol import RankInfo, StepResult
 
 
 class RankWorker:
@@ -39,7 +42,7 @@ class RankWorker:
         loaded host, and its peers would spend them waiting in the store, against the collective timeout."""
         import workers.trainer  # noqa: F401
 
-    def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+    def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> RankInfo:
         """Join the process group and build this rank's model; after a peer failed, do it again in place.
 
         A survivor keeps its process (Python and its imports): only the broken process group
@@ -61,15 +64,15 @@ class RankWorker:
             self.store = SnapshotStore(rank)
         t = self.trainer
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
-        return {"rank": rank, "coords": vars(t.coords), "stages": t.parts.stage_ids, "device": str(t.device),
-                "device_name": name, **self.identity()}
+        return RankInfo(rank=rank, coords=vars(t.coords), stages=t.parts.stage_ids, device=str(t.device),
+                        device_name=name, **self.identity())
 
-    def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> dict:
+    def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
         """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background)."""
         result = self.trainer.train_step(fault)
         if snapshot_keep_from is not None:
             self._take_snapshot(snapshot_keep_from)
-        return {**result, "replicated_step": self.store.replicated}
+        return dataclasses.replace(result, replicated_step=self.store.replicated)
 
     def ps_reroute(self, shard: int, route: dict) -> None:
         """A parameter-server shard was restarted and resynced: send its keys there again."""
@@ -86,7 +89,7 @@ class RankWorker:
     def _take_snapshot(self, keep_from: int) -> None:
         from workers.state import snapshot
 
-        self.store.keep(self.trainer.step, snapshot.take(self.trainer), keep_from)
+        self.store.keep(self.trainer.step, snapshot.take(self.trainer.state), keep_from)
 
     def snapshot_steps(self) -> dict:
         """The steps this rank can restore and the replicas it holds, once no replica is in flight."""
@@ -107,7 +110,7 @@ class RankWorker:
         """Roll back to ``step``: to ``snap`` (a replica handed over for a replaced rank) or this rank's own."""
         from workers.state import snapshot
 
-        snapshot.restore(self.trainer, snap if snap is not None else self.store.own[step])
+        snapshot.restore(self.trainer.state, snap if snap is not None else self.store.own[step])
         self.store.roll_back(step)
         if snap is not None:
             self.store.own[step] = snap

@@ -1,7 +1,7 @@
 """One rank's training loop: forward/backward (plain or pipelined), reduce, step.
 
 The trainer knows nothing of Ray or the controller: it takes the plain job
-spec dict and its rank, so the same code runs inside a ``RankWorker`` actor,
+spec dict (parsed once into a ``WorkerSpec``) and its rank, so the same code runs inside a ``RankWorker`` actor,
 under ``torchrun`` (the benchmark baseline) or single-process (the reference).
 """
 
@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.data import DataCursor, TokenDataset
-from workers.diagnostics import faults
+from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
 from workers.model.gpt import lm_loss
@@ -32,52 +32,60 @@ from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
+from workers.protocol import StepResult, StepTimes
+from workers.spec import WorkerSpec
 from workers.state.checkpoint_io import CheckpointIO
+from workers.state.train_state import TrainState
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Trainer:
+    """One rank: its share of the model (``parts``), its ``TrainState`` and the step that advances it."""
+
     def __init__(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        self.spec = spec
+        self.spec = WorkerSpec.from_dict(spec)
         self.rank = rank
-        par = spec["parallel"]
-        self.coords = coordinates(rank, par["dp"], par["pp"], par["tp"])
-        self.device = pick_device(par["device"])
-        if spec["memory"]["offload"].get("params"):
+        par, memory = self.spec.parallel, spec["memory"]
+        self.coords = coordinates(rank, par.dp, par.pp, par.tp)
+        self.device = pick_device(par.device)
+        if self.spec.memory.offloads_params:
             release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
-        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par["dp"], par["pp"], par["tp"]),
-                              self.device, timeout_s=spec["fault_tolerance"]["collective_timeout_s"])
+        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par.dp, par.pp, par.tp),
+                              self.device, timeout_s=self.spec.collective_timeout_s)
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
-        zero1 = self.mesh["dp"].get_group() if par["zero"] == 1 and par["dp"] > 1 else None
-        self.param_offload = offload_params(self.parts.modules, spec["memory"], self.device)
-        self.optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, spec["memory"], self.device,
-                                           self.param_offload) for m in self.parts.modules]
-        self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], spec["train"]["steps"]))
-            for o in self.optimizers
-        ]
-        self.activations = activation_policy(spec["memory"], self.device)
-        dtype = spec["precision"]["dtype"]
-        self.autocast_dtype = AUTOCAST.get(dtype)
-        self.scaler = DynamicLossScaler(spec["precision"]["initial_loss_scale"]) if dtype == "fp16" else None
-        train = spec["train"]
-        dataset = TokenDataset(spec["data"]["path"], spec["model"]["seq_len"], spec["data"]["seed"])
-        self.cursor = DataCursor(dataset, train["global_batch_size"], self.coords.dp, par["dp"])
-        self.microbatches = train["microbatches"]
-        self.pp_group = self.mesh["pp"].get_group() if par["pp"] > 1 else None
+        self.param_offload = offload_params(self.parts.modules, memory, self.device)
+        self.state = self._train_state(spec)
+        self.activations = activation_policy(memory, self.device)
+        self.autocast_dtype = AUTOCAST.get(self.spec.precision.dtype)
+        train = self.spec.train
+        self.microbatches = train.microbatches
+        self.pp_group = self.mesh["pp"].get_group() if par.pp > 1 else None
         self.schedule, self.pipe_stages = None, []
-        if par["pp"] > 1:
+        if par.pp > 1:
             self.schedule, self.pipe_stages = build_schedule(
-                self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par["pp_schedule"],
+                self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
-        self.step = 0
-        self._poison = False
-        self.record_timeline = spec["metrics"]["timeline"]
-        self.checkpoints = CheckpointIO(self)
-        self.ps = PSSync(self, spec) if par["dp_sync"] == "ps" else None
+        self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
+        self.record_timeline = self.spec.record_timeline
+        self.checkpoints = CheckpointIO(self.state)
+        self.ps = PSSync(self, self.spec) if par.dp_sync == "ps" else None
+
+    def _train_state(self, spec: dict) -> TrainState:
+        """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
+        par, memory = self.spec.parallel, spec["memory"]
+        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
+        optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, memory, self.device, self.param_offload)
+                      for m in self.parts.modules]
+        steps = self.spec.train.steps
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
+        precision, data = self.spec.precision, self.spec.data
+        scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
+        dataset = TokenDataset(data.path, self.spec.model.seq_len, data.seed)
+        cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp)
+        return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -91,9 +99,9 @@ class Trainer:
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(logits, targets)
-        if self._poison:
+        if self.fault.poisons_loss:
             loss = loss * float("nan")
-        return loss * self.scaler.scale if self.scaler else loss
+        return loss * self.state.scaler.scale if self.state.scaler else loss
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -130,7 +138,7 @@ class Trainer:
             model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def train_step(self, fault: dict | None = None) -> dict:
+    def train_step(self, fault: dict | None = None) -> StepResult:
         """One optimizer step; returns the loss, the time per phase and memory for the controller.
 
         Phases: ``compute`` is time in forward/backward (for pipelines, the union of
@@ -139,105 +147,91 @@ class Trainer:
         neighbour), ``communication`` the explicit collectives after backward
         (global grad norm, loss-scale agreement).
         """
+        hook = StepFault(fault)
         if self.ps is not None and self.ps.asynchronous:
-            return self.ps.run_round(fault)
-        faults.before_step(fault)
-        self._poison = fault is not None and fault["kind"] == "nan_loss"
+            return self.ps.run_round(hook)
+        hook.before()
+        self.fault = hook
         for stage in self.pipe_stages:
             stage.events.clear()
         t0 = time.perf_counter()
-        inputs, targets = self.cursor.next_batch()
+        inputs, targets = self.state.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         t1 = time.perf_counter()
         meter = self._activation_meter()
         with meter:
             loss = self._forward_backward(inputs, targets)
         t2 = time.perf_counter()
-        applied = True
-        if self.scaler is not None:
-            applied = self.scaler.unscale_and_check(self.params)
-            if loss is not None:
-                loss = loss / self.scaler.scale if applied else loss
-        if self.ps is not None:  # the shards clip and step; the new weights come back
-            grad_norm = self.ps.sync(self.schedulers[0].get_last_lr()[0])
-        else:
-            clip = self.spec["optim"]["grad_clip"]
-            grad_norm = clip_grads(self.params, clip, self.pp_group) if applied else float("nan")
+        loss, grad_norm, applied = self._reduce_grads(loss)
         t3 = time.perf_counter()
-        for opt in self.optimizers:
-            if applied and self.ps is None:
-                opt.step()
-        # measured while parameters, gradients and optimizer state all exist
-        measuring = isinstance(meter, ActivationMeter)
-        memory = model_state_bytes(self.parts.modules, self.optimizers) if measuring else None
-        for opt, sched in zip(self.optimizers, self.schedulers):
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-        self.step += 1
+        memory = self._optimizer_step(applied, meter)
         t4 = time.perf_counter()
-        slowed = faults.slow_down(fault, t4 - t0)
+        slowed = hook.slow_down(t4 - t0)
         events = [e for stage in self.pipe_stages for e in stage.events]
         compute = busy_seconds(events) if events else t2 - t1
-        result = {
-            "rank": self.rank,
-            "step": self.step,
-            "loss": None if loss is None else float(loss),
-            "grad_norm": grad_norm,
-            "lr": self.schedulers[0].get_last_lr()[0],
-            "tokens": int(inputs.numel()),
-            "applied": applied,
-            "time_s": {
-                "data": t1 - t0, "compute": compute + slowed, "bubble": max(0.0, (t2 - t1) - compute),
-                "communication": t3 - t2, "optimizer": t4 - t3, "step": t4 - t0 + slowed,
-            },
-            "peak_memory_bytes": self.peak_memory_bytes(),
-            "current_memory_bytes": self.current_memory_bytes(),
-        }
-        if memory is not None:
-            result["memory"] = {**memory, "activations": meter.peak}
+        times = StepTimes(data=t1 - t0, compute=compute + slowed, bubble=max(0.0, (t2 - t1) - compute),
+                          communication=t3 - t2, optimizer=t4 - t3, step=t4 - t0 + slowed)
+        timeline = None
         if self.record_timeline:
-            result["timeline"] = [
-                {"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events
-            ]
-        return result
+            timeline = [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events]
+        return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
+                           lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
+                           time_s=times, memory=memory, timeline=timeline)
+
+    def _reduce_grads(self, loss: torch.Tensor | None) -> tuple[torch.Tensor | None, float, bool]:
+        """Unscale (fp16), then clip on the global norm or hand the gradients to the PS shards (which clip,
+        step and send the new weights back). Returns the unscaled loss, the norm and whether to step."""
+        applied = True
+        if self.state.scaler is not None:
+            applied = self.state.scaler.unscale_and_check(self.params)
+            if loss is not None:
+                loss = loss / self.state.scaler.scale if applied else loss
+        if self.ps is not None:
+            grad_norm = self.ps.sync(self.state.schedulers[0].get_last_lr()[0])
+        else:
+            grad_norm = clip_grads(self.params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
+        return loss, grad_norm, applied
+
+    def _optimizer_step(self, applied: bool, meter) -> dict | None:
+        """Step, zero and schedule; returns model-state memory (measured while parameters, gradients and
+        optimizer state all exist) when the step is metered, else None."""
+        for opt in self.state.optimizers:
+            if applied and self.ps is None:
+                opt.step()
+        memory = None
+        if isinstance(meter, ActivationMeter):
+            memory = {**model_state_bytes(self.parts.modules, self.state.optimizers), "activations": meter.peak}
+        for opt, sched in zip(self.state.optimizers, self.state.schedulers):
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        self.state.step += 1
+        return memory
+
+    def result(self, **fields) -> StepResult:
+        """The one producer of ``StepResult`` (the synchronous step here, asynchronous PS rounds in ``PSSync``):
+        the step's own fields plus this rank's identity, step count and memory now."""
+        return StepResult(rank=self.rank, step=self.step, peak_memory_bytes=self.peak_memory_bytes(),
+                          current_memory_bytes=self.current_memory_bytes(), **fields)
 
     def _activation_meter(self):
         """An ``ActivationMeter`` over this step when the job asks to measure memory, else a no-op."""
-        if not self.spec["memory"].get("measure"):
+        if not self.spec.memory.measure:
             return contextlib.nullcontext()
-        policy = self.spec["memory"]["recompute"]
+        policy = self.spec.memory.recompute
         watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy)]
         return ActivationMeter(self.parts.modules, watched)
 
-    # -- progress beyond weights: what a checkpoint or snapshot must carry to resume exactly ----
-
-    def progress_state(self) -> dict:
-        state = {"step": self.step, "data": self.cursor.state_dict(), "lr_scheduler": self.schedulers[0].state_dict()}
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_progress_state(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.cursor.load_state_dict(state["data"])
-        for opt, sched in zip(self.optimizers, self.schedulers):
-            sched.load_state_dict(state["lr_scheduler"])
-            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
-                group["lr"] = lr  # the scheduler's state does not carry the optimizer's current lr
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["loss_scaler"])
+    @property
+    def step(self) -> int:
+        return self.state.step
 
     def close_stores(self) -> None:
         """Remove this rank's offload files now (stores also clean up at process exit, which ``ray.kill`` skips)."""
-        stores = [getattr(o, "store", None) for o in self.optimizers] + [self.activations.store, self.param_offload]
+        stores = [getattr(o, "store", None) for o in self.state.optimizers]
+        stores += [self.activations.store, self.param_offload]
         for store in stores:
             if store is not None:
                 store.close()
-
-    def resident_params(self, write_back: bool = True):
-        """Offloaded parameter shards back on the device for the block (checkpoints, snapshots); ``write_back``
-        False where the block only reads them (saves, snapshots), so nothing is written to the store."""
-        return self.param_offload.resident(write_back) if self.param_offload else contextlib.nullcontext()
 
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":

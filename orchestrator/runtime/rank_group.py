@@ -66,7 +66,8 @@ class RankGroup:
         ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
-        ranks = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
+        infos = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
+        ranks = [info.to_dict() for info in infos]  # typed RankInfo from the workers; dicts for callers still
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
         ray.get([w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
                  for r, w in enumerate(self.workers)])
@@ -87,7 +88,7 @@ class RankGroup:
             for ref in ready:
                 rank = refs.index(ref)
                 try:
-                    results[rank] = ray.get(ref)
+                    results[rank] = ray.get(ref).to_dict()  # typed StepResult; dicts for callers still
                 except RayActorError:
                     dead[rank] = "died"
                 except ray.exceptions.RayTaskError as exc:

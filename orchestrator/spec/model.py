@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import PositiveFloat, PositiveInt, _divisors, _Section
+from orchestrator.spec.fields import _divisors, _Section
 from orchestrator.spec.lora import LoraSpec
+from workers.model.config import ModelConfig
 
 
-class ModelSpec(_Section):
-    """Transformer shape."""
+class ModelSpec(ModelConfig, _Section):
+    """Transformer shape (fields in ``workers.model.config.ModelConfig``) and its fine-tuning."""
 
-    vocab_size: PositiveInt = 256
-    d_model: PositiveInt = 64
-    n_layers: PositiveInt = 4
-    n_heads: PositiveInt = 4
-    d_ff: PositiveInt | None = None
-    seq_len: PositiveInt = 64
-    positions: Literal["rotary", "learned"] = "rotary"
-    norm_eps: PositiveFloat = 1e-5
-    init_std: PositiveFloat = 0.02
     lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
-
-    @property
-    def ffn_dim(self) -> int:
-        """Feed-forward width; `d_ff` when given, else the usual 4 * d_model."""
-        return self.d_ff if self.d_ff is not None else 4 * self.d_model
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:

@@ -31,13 +31,13 @@ def probe(spec: dict, steps: int) -> dict:
     port = int(os.environ.get("MASTER_PORT") or _free_port())
     trainer = Trainer(spec, rank, world, addr, port)
     results = [trainer.train_step() for _ in range(steps)]
-    stores = [o.store for o in trainer.optimizers if hasattr(o, "store")]
+    stores = [o.store for o in trainer.state.optimizers if hasattr(o, "store")]
     if trainer.param_offload is not None:
         stores.append(trainer.param_offload.store)
     return {
         "rank": rank,
-        "losses": [r["loss"] for r in results],
-        "step_s": [r["time_s"]["step"] for r in results],
+        "losses": [r.loss for r in results],
+        "step_s": [r.time_s.step for r in results],
         "peak_memory_bytes": trainer.peak_memory_bytes(),
         "offloaded_bytes": sum(s.nbytes for s in stores) + trainer.activations.peak_bytes,
     }

@@ -63,12 +63,13 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path) -> Path:
     ``W + (alpha/rank) B A`` replaces every adapted layer; ``GPT(cfg).load_state_dict``
     takes the result, and so does ``model.lora.base_checkpoint``.
     """
-    from workers.model.gpt import GPT
-    from workers.parallel.parallelize import model_config
+    from workers.model.registry import build_model
+    from workers.spec import WorkerSpec
 
-    torch.manual_seed(spec["train"]["seed"])
-    model = GPT(model_config(spec["model"]))
-    prepare_model(model, spec["model"]["lora"])
+    job = WorkerSpec.from_dict(spec)
+    torch.manual_seed(job.train.seed)
+    model = build_model(job.model)
+    prepare_model(model, job.lora)
     load_dcp_model(model, checkpoint)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

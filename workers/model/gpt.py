@@ -12,28 +12,13 @@ only the local heads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    ffn_dim: int = 256
-    seq_len: int = 64
-    positions: str = "rotary"
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+from workers.model.config import ModelConfig
+from workers.model.registry import ModelFamily, register
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +55,7 @@ class CausalCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rotary = cfg.positions == "rotary"
@@ -90,7 +75,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
@@ -100,7 +85,7 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -113,7 +98,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -155,3 +140,17 @@ class GPT(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy, computed in float32 whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+register(ModelFamily(
+    arch="gpt",
+    config=ModelConfig,
+    build=GPT,
+    lora_targets=("wq", "wk", "wv", "wo", "w1", "w2"),
+    recompute_targets={"full": "", "selective": "attention.core"},
+    hooks={
+        "cut_stage": "workers.parallel.pipeline:cut_stage",
+        "tensor_parallel": "workers.parallel.tensor_parallel:apply_tensor_parallel",
+        "recompute": "workers.parallel.recompute:apply_recompute",
+    },
+))

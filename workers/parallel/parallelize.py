@@ -14,9 +14,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from workers.model.config import model_config
 from workers.model.finetune import prepare_model
-from workers.model.gpt import GPT, GPTConfig
 from workers.model.lora import freeze_base
+from workers.model.registry import build_model
 from workers.parallel.data_parallel import apply_data_parallel
 from workers.parallel.grid import Grid
 from workers.parallel.layout import stage_ids
@@ -32,18 +33,10 @@ class ModelParts:
     n_stages: int
 
 
-def model_config(model: dict) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=model["vocab_size"], d_model=model["d_model"], n_layers=model["n_layers"],
-        n_heads=model["n_heads"], ffn_dim=model["d_ff"], seq_len=model["seq_len"],
-        positions=model["positions"], norm_eps=model["norm_eps"], init_std=model["init_std"],
-    )
-
-
 def build_parts(spec: dict, mesh: DeviceMesh, device: torch.device) -> ModelParts:
     par = spec["parallel"]
     torch.manual_seed(spec["train"]["seed"])
-    full = GPT(model_config(spec["model"]))
+    full = build_model(model_config(spec["model"]))
     lora = spec["model"].get("lora")
     if lora:
         prepare_model(full, lora)

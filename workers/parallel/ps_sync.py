@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from parameter_server.client import PSClient, RayConn
-from workers.diagnostics import faults
+from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.optim.build import clip_grads
+from workers.protocol import StepResult, StepTimes
+from workers.spec import WorkerSpec
 
 
 def _conn(route: dict, transport: str):
@@ -34,15 +36,15 @@ def _conn(route: dict, transport: str):
 
 
 class PSSync:
-    def __init__(self, trainer, spec: dict):
-        ps, routes = spec["parameter_server"], spec["ps_routes"]
+    def __init__(self, trainer, spec: WorkerSpec):
+        ps, routes = spec.parameter_server, spec.raw["ps_routes"]
         self.trainer = trainer
-        self.transport = ps["transport"]
-        self.asynchronous = ps["consistency"] != "bsp"
-        self.max_norm = spec["optim"]["grad_clip"]
+        self.transport = ps.transport
+        self.asynchronous = ps.consistency != "bsp"
+        self.max_norm = spec.grad_clip
         self.worker = trainer.coords.dp
-        self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps["chunk_elems"],
-                               ps["virtual_nodes"], worker=self.worker)
+        self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,
+                               ps.virtual_nodes, worker=self.worker)
         self.keeper = routes.get("keeper")
         self.named = {f"stage{sid}.{n}": p for sid, m in zip(trainer.parts.stage_ids, trainer.parts.modules)
                       for n, p in m.named_parameters()}
@@ -51,7 +53,7 @@ class PSSync:
         self.thread: threading.Thread | None = None  # asp/ssp: this worker's free-running steps
         self.lock = threading.Lock()
         self.done: list[dict] = []
-        self.fault: dict | None = None
+        self.fault = NO_FAULT  # the latest controller step's injected fault (slow_rank slows every local step)
         self.error: BaseException | None = None
         self.last_loss: float | None = None
         self.quiet = threading.Lock()  # held through each free-running step; a checkpoint save takes it
@@ -84,40 +86,36 @@ class PSSync:
         self._load(min_version=self.clock)
         return norm
 
-    def run_round(self, fault: dict | None) -> dict:
+    def run_round(self, fault: StepFault) -> StepResult:
         """asp/ssp: this worker trains on its own thread from the first call on; a controller step returns
         once ``step * dp`` worker steps have completed, with what this worker did meanwhile."""
         import ray
 
         tr = self.trainer
-        faults.before_step(fault)
+        fault.before()
         self.fault = fault
         if self.thread is None:
             self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
             self.thread.start()
         t0 = time.perf_counter()
-        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec["parallel"]["dp"]))
+        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp))
         if self.error is not None:
             raise self.error
         with self.lock:
             done, self.done = self.done, []
         if done:  # a worker that ran ahead may have nothing new: it repeats its latest loss
             self.last_loss = statistics.fmean(d["loss"] for d in done)
-        lr = tr.schedulers[0].get_last_lr()[0]
-        tr.step += 1
-        for sched in tr.schedulers:
+        state = tr.state
+        lr = state.schedulers[0].get_last_lr()[0]
+        state.step += 1
+        for sched in state.schedulers:
             sched.step()
         total = time.perf_counter() - t0
         busy = sum(d["seconds"] for d in done)
-        return {
-            "rank": tr.rank, "step": tr.step, "loss": self.last_loss,
-            "grad_norm": done[-1]["grad_norm"] if done else float("nan"), "lr": lr,
-            "tokens": sum(d["tokens"] for d in done), "applied": bool(done), "local_steps": len(done),
-            "clock": self.clock,
-            "time_s": {"data": 0.0, "compute": busy, "bubble": 0.0, "communication": max(0.0, total - busy),
-                       "optimizer": 0.0, "step": total},
-            "peak_memory_bytes": tr.peak_memory_bytes(), "current_memory_bytes": tr.current_memory_bytes(),
-        }
+        times = StepTimes(compute=busy, communication=max(0.0, total - busy), step=total)
+        return tr.result(loss=self.last_loss, grad_norm=done[-1]["grad_norm"] if done else float("nan"), lr=lr,
+                         tokens=sum(d["tokens"] for d in done), applied=bool(done), local_steps=len(done),
+                         clock=self.clock, time_s=times)
 
     def _run_free(self) -> None:
         """Pull, compute, clip this worker's gradient, push, tick, while the keeper hands out steps."""
@@ -129,15 +127,15 @@ class PSSync:
                 s0 = time.perf_counter()
                 with self.quiet:
                     self._load()
-                    inputs, targets = tr.cursor.next_batch()
+                    inputs, targets = tr.state.cursor.next_batch()
                     loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
                     norm = clip_grads(tr.params, self.max_norm)
-                    self.client.push(self.clock, self._grads(), tr.schedulers[0].get_last_lr()[0])
+                    self.client.push(self.clock, self._grads(), tr.state.schedulers[0].get_last_lr()[0])
                     for p in tr.params:
                         p.grad = None
                     self.clock += 1
                 seconds = time.perf_counter() - s0
-                seconds += faults.slow_down(self.fault, seconds)  # a slower device: its step takes longer
+                seconds += self.fault.slow_down(seconds)  # a slower device: its step takes longer
                 with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
                     self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
                                       "seconds": seconds})

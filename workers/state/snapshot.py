@@ -15,41 +15,35 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor
 
-from workers.parallel.data_parallel import unwrap
-from workers.state.checkpoint_io import local_optimizer
+from workers.state.train_state import TrainState
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _named_parts(trainer):
-    for part, opt in zip(trainer.parts.modules, trainer.optimizers):
-        yield unwrap(part).named_parameters(), local_optimizer(opt)
-
-
-def take(trainer) -> dict:
+def take(state: TrainState) -> dict:
     model, optim = {}, {}
-    with torch.no_grad(), trainer.resident_params(write_back=False):
-        for named, opt in _named_parts(trainer):
+    with torch.no_grad(), state.resident(write_back=False):
+        for named, opt in state.named_parts():
             for name, p in named:
                 model[name] = _local(p).to("cpu", copy=True)
                 if p in opt.state:
                     optim[name] = {
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
                     }
-    return {"model": model, "optim": optim, "progress": copy.deepcopy(trainer.progress_state())}
+    return {"model": model, "optim": optim, "progress": copy.deepcopy(state.progress_state())}
 
 
-def restore(trainer, snap: dict) -> None:
-    """Copy a snapshot taken at this grid position back into ``trainer``'s shards, bit for bit."""
-    with torch.no_grad(), trainer.resident_params():
-        for named, opt in _named_parts(trainer):
+def restore(state: TrainState, snap: dict) -> None:
+    """Copy a snapshot taken at this grid position back into ``state``'s shards, bit for bit."""
+    with torch.no_grad(), state.resident():
+        for named, opt in state.named_parts():
             for name, p in named:
                 _local(p).copy_(snap["model"][name])
                 if name in snap["optim"]:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
-    trainer.load_progress_state(snap["progress"])
+    state.load_progress_state(snap["progress"])
 
 
 def _like(param: torch.Tensor, saved):

@@ -1,0 +1,86 @@
+"""The worker-side seams without Ray: a single-process Trainer returns typed StepResults, its TrainState
+round-trips through snapshots and DCP checkpoints, and fault injection is one StepFault hook."""
+
+from __future__ import annotations
+
+import math
+import socket
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.support.jobs import tiny_spec
+from workers.diagnostics.faults import NO_FAULT, StepFault
+from workers.protocol import StepResult
+from workers.spec import WorkerSpec
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    import torch.distributed as dist
+
+    from workers.data.prepare import prepare_data
+    from workers.trainer import Trainer
+
+    data = tmp_path_factory.mktemp("tokens")
+    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
+    spec = tiny_spec(data, tmp_path_factory.mktemp("run")).worker_dict()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    t = Trainer(spec, 0, 1, "127.0.0.1", port)
+    yield t
+    t.checkpoints.wait()
+    dist.destroy_process_group()
+
+
+def test_train_step_returns_a_step_result(trainer):
+    result = trainer.train_step()
+    assert isinstance(result, StepResult)
+    assert result.step == trainer.step == trainer.state.step
+    assert result.time_s.step >= result.time_s.compute
+    assert StepResult.from_dict(result.to_dict()) == result
+
+
+def test_snapshot_restores_the_train_state_bit_for_bit(trainer):
+    from workers.state import snapshot
+
+    snap = snapshot.take(trainer.state)
+    expected = trainer.train_step().loss
+    snapshot.restore(trainer.state, snap)
+    assert trainer.step == snap["progress"]["step"]
+    assert trainer.train_step().loss == expected
+
+
+def test_checkpoint_restores_the_train_state_bit_for_bit(trainer, tmp_path):
+    trainer.checkpoints.save(tmp_path / "ckpt", async_save=False)
+    expected = trainer.train_step().loss
+    trainer.checkpoints.load(tmp_path / "ckpt")
+    assert trainer.train_step().loss == expected
+
+
+def test_nan_loss_fault_poisons_its_step(trainer):
+    """Last on the shared trainer: the NaN gradients are applied (the controller's recovery rolls back)."""
+    poisoned = trainer.train_step({"kind": "nan_loss"})
+    assert math.isnan(poisoned.loss) and math.isnan(poisoned.grad_norm)
+
+
+def test_step_fault_hooks():
+    assert not NO_FAULT.poisons_loss and NO_FAULT.slow_down(1.0) == 0.0
+    assert StepFault({"kind": "nan_loss"}).poisons_loss
+    assert StepFault({"kind": "slow_rank", "factor": 1.0}).slow_down(0.5) == 0.0
+    NO_FAULT.before()  # no fault: returns at once
+
+
+def test_worker_spec_names_a_missing_section():
+    with pytest.raises(KeyError, match="parallel.dp is missing"):
+        WorkerSpec.from_dict({"parallel": {}})
+
+
+def test_worker_spec_parses_the_dict_the_controller_sends(tmp_path):
+    job = tiny_spec(tmp_path / "tokens", tmp_path, parallel={"device": "cpu", "dp": 2})
+    spec = WorkerSpec.from_dict(job.worker_dict())
+    assert (spec.parallel.dp, spec.parallel.dp_sync, spec.train.microbatches) == (2, "allreduce", 2)
+    assert spec.model.ffn_dim == 64 and spec.model.arch == "gpt" and spec.lora is None
+    assert spec.memory.offloads_params is False and spec.grad_clip == job.optim.grad_clip

@@ -1,0 +1,113 @@
+"""The job spec as the workers read it: frozen sections parsed once from the plain dict the controller sends.
+
+Workers never import the orchestrator (its pydantic ``JobSpec`` validates the job); they receive
+``JobSpec.worker_dict()``, already validated and with derived values filled in, and turn it into these
+records in one place (``WorkerSpec.from_dict``), so the trainer reads attributes, not string subscripts.
+Builders that take a section as a plain dict (optimizer, offload stores, the model builder) get it from
+``raw``, the dict as sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from workers.model.config import ModelConfig, model_config
+
+
+def _section(cls, raw: dict, name: str):
+    """``cls`` from the keys of ``raw[name]`` it declares (the dict carries more than a worker reads)."""
+    values = raw.get(name, {})
+    missing = [f.name for f in fields(cls) if f.name not in values and f.default is MISSING]
+    if missing:
+        raise KeyError(f"worker spec field {name}.{missing[0]} is missing; send the dict JobSpec.worker_dict() "
+                       "builds (it fills in every field)")
+    return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    dp: int
+    pp: int
+    tp: int
+    device: str
+    zero: int
+    pp_schedule: str
+    dp_sync: str
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int
+    global_batch_size: int
+    microbatches: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DataSection:
+    path: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class PrecisionSection:
+    dtype: str
+    initial_loss_scale: float
+
+
+@dataclass(frozen=True)
+class MemorySection:
+    recompute: str
+    offload: dict  # the offload stores read it as a dict
+    measure: bool = False  # older harness dicts leave it out
+
+    @property
+    def offloads_params(self) -> bool:
+        return bool(self.offload.get("params"))
+
+
+@dataclass(frozen=True)
+class ParameterServerSection:
+    transport: str
+    consistency: str
+    chunk_elems: int
+    virtual_nodes: int
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """The sections a rank reads, plus ``raw`` (the dict as sent) for dict-taking builders."""
+
+    parallel: ParallelSection
+    train: TrainSection
+    data: DataSection
+    precision: PrecisionSection
+    memory: MemorySection
+    model: ModelConfig
+    lora: dict[str, Any] | None  # model.lora as sent (the LoRA builders read it as a dict)
+    grad_clip: float
+    collective_timeout_s: float
+    record_timeline: bool
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> WorkerSpec:
+        return cls(
+            parallel=_section(ParallelSection, raw, "parallel"),
+            train=_section(TrainSection, raw, "train"),
+            data=_section(DataSection, raw, "data"),
+            precision=_section(PrecisionSection, raw, "precision"),
+            memory=_section(MemorySection, raw, "memory"),
+            model=model_config(raw["model"]),
+            lora=raw["model"].get("lora"),
+            grad_clip=raw["optim"]["grad_clip"],
+            collective_timeout_s=raw["fault_tolerance"]["collective_timeout_s"],
+            record_timeline=raw["metrics"]["timeline"],
+            raw=raw,
+        )
+
+    @property
+    def parameter_server(self) -> ParameterServerSection:
+        """Read only on the PS path (``parallel.dp_sync: ps``)."""
+        return _section(ParameterServerSection, self.raw, "parameter_server")

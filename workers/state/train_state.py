@@ -1,0 +1,103 @@
+"""``TrainState``: everything a rank must keep to resume training exactly, defined once.
+
+Model parts, their optimizers and LR schedulers, the data cursor, the fp16 loss
+scaler and the step count. DCP checkpoints (``checkpoint_io``), in-memory
+snapshots (``snapshot``) and the parameter-server path all read and write the
+rank's state through this one object, so a new piece of state (another
+scheduler, an RNG) is added here and every path carries it.
+
+``state_dict()``/``load_state_dict()`` follow DCP's ``Stateful`` protocol with
+the layout checkpoints have always had on disk: ``model`` and ``optim`` keyed
+by global parameter names (so DCP reshards across layouts) and ``train`` for
+the progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from workers.parallel.data_parallel import unwrap
+
+# flattened optimizer keys (``state.<fqn>.exp_avg``) merge across stage parts, and each part
+# takes only its own keys back
+_OPTIONS = StateDictOptions(strict=False, flatten_optimizer_state_dict=True)
+
+
+def local_optimizer(opt):
+    """ZeRO-1 keeps this rank's partition in a plain inner optimizer; checkpoints and snapshots keep that."""
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
+class TrainState:
+    """One rank's training state: model parts, optimizers, schedulers, data cursor, loss scaler, step.
+
+    ``param_offload`` (or None) is the store that holds offloaded parameter shards; ``resident`` brings
+    them back to the device around a read or write of the state.
+    """
+
+    def __init__(self, modules: list[nn.Module], optimizers: list, schedulers: list, cursor,
+                 scaler=None, param_offload=None):
+        self.modules = modules
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.cursor = cursor
+        self.scaler = scaler
+        self.param_offload = param_offload
+        self.step = 0
+
+    def resident(self, write_back: bool = True):
+        """Offloaded parameter shards back on the device for the block; ``write_back`` False where the block
+        only reads them (saves, snapshots), so nothing is written to the store."""
+        return self.param_offload.resident(write_back) if self.param_offload else contextlib.nullcontext()
+
+    def named_parts(self) -> Iterator[tuple[Iterator[tuple[str, nn.Parameter]], Any]]:
+        """Per model part: its named parameters (global names) and the optimizer that holds their state."""
+        for part, opt in zip(self.modules, self.optimizers):
+            yield unwrap(part).named_parameters(), local_optimizer(opt)
+
+    # -- progress: what resumes the run beyond weights and optimizer state ---------------------------------
+
+    def progress_state(self) -> dict:
+        state = {"step": self.step, "data": self.cursor.state_dict(), "lr_scheduler": self.schedulers[0].state_dict()}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_progress_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.cursor.load_state_dict(state["data"])
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            sched.load_state_dict(state["lr_scheduler"])
+            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+                group["lr"] = lr  # the scheduler's state does not carry the optimizer's current lr
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    # -- DCP Stateful --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Model and optimizer state keyed by global names, plus progress (call inside ``resident``)."""
+        model, optim = {}, {}
+        for part, opt in zip(self.modules, self.optimizers):
+            model.update(get_model_state_dict(unwrap(part)))
+            optim.update(get_optimizer_state_dict(unwrap(part), local_optimizer(opt), options=_OPTIONS))
+        return {"model": model, "optim": optim, "train": self.progress_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Each part takes its own keys of ``state`` back (call inside ``resident``)."""
+        for part, opt in zip(self.modules, self.optimizers):
+            set_model_state_dict(unwrap(part), state["model"], options=_OPTIONS)
+            set_optimizer_state_dict(unwrap(part), local_optimizer(opt), state["optim"], options=_OPTIONS)
+        self.load_progress_state(state["train"])
