@@ -64,7 +64,7 @@ class RankWorker:
             self.store = SnapshotStore(rank)
         t = self.trainer
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
-        return RankInfo(rank=rank, coords=vars(t.coords), stages=t.parts.stage_ids, device=str(t.device),
+        return RankInfo(rank=rank, coords=t.grid.coords_dict(rank), stages=t.parts.stage_ids, device=str(t.device),
                         device_name=name, **self.identity())
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:

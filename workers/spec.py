@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from workers.model.config import ModelConfig, model_config
+from workers.parallel.grid import Grid
 
 
 def _section(cls, raw: dict, name: str):
@@ -34,6 +35,11 @@ class ParallelSection:
     zero: int
     pp_schedule: str
     dp_sync: str
+
+    @property
+    def grid(self) -> Grid:
+        """This job's rank grid: every degree, coordinate and mesh fact comes from here."""
+        return Grid.from_parallel(self)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from workers.offload.params import offload_params
 from workers.optim.build import build_optimizer, clip_grads, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
 from workers.parallel.data_parallel import unwrap
-from workers.parallel.layout import coordinates
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import init_mesh, pick_device
@@ -47,11 +46,12 @@ class Trainer:
         self.spec = WorkerSpec.from_dict(spec)
         self.rank = rank
         par, memory = self.spec.parallel, spec["memory"]
-        self.coords = coordinates(rank, par.dp, par.pp, par.tp)
+        self.grid = par.grid
+        self.coords = self.grid.coords(rank)
         self.device = pick_device(par.device)
         if self.spec.memory.offloads_params:
             release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
-        self.mesh = init_mesh(rank, world_size, master_addr, master_port, (par.dp, par.pp, par.tp),
+        self.mesh = init_mesh(rank, world_size, master_addr, master_port, self.grid,
                               self.device, timeout_s=self.spec.collective_timeout_s)
         self.parts = build_parts(spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]

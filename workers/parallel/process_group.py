@@ -21,12 +21,10 @@ def pick_device(requested: str) -> torch.device:
 
 
 def init_mesh(
-    rank: int, world_size: int, master_addr: str, master_port: int, grid: Grid | tuple[int, int, int],
+    rank: int, world_size: int, master_addr: str, master_port: int, grid: Grid,
     device: torch.device, timeout_s: float = 300.0,
 ) -> DeviceMesh:
     """Join the job's process group (gloo on CPU, NCCL on GPU) and build the mesh named by ``grid.mesh_dims``.
-
-    ``grid`` may still be the older ``(dp, pp, tp)`` tuple, read as that grid, until every caller passes a Grid.
 
     Every group gets ``timeout_s``: when a peer dies, survivors blocked in a collective
     with it (or with a survivor that already gave up) must fail within that time so the
@@ -44,8 +42,5 @@ def init_mesh(
         )
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    if not isinstance(grid, Grid):
-        dp, pp, tp = grid
-        grid = Grid(dp=dp, pp=pp, tp=tp)
     return init_device_mesh(device.type, grid.mesh_shape, mesh_dim_names=grid.mesh_dims,
                             backend_override={dim: (backend, options) for dim in grid.mesh_dims})
