@@ -12,34 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import ClassVar
 
 import ray
 from ray.exceptions import RayActorError
 
 from orchestrator.recovery.snapshot_target import newest_common_step
+from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from workers.parallel.layout import coordinates
 from workers.rank_worker import RankWorker
 
 
-@dataclass
-class StepFailed(Exception):
-    """A step that did not complete on every rank, and why: ``kind`` is ``rank``, ``hang`` or ``nan_loss``."""
-
-    dead: dict[int, str]  # rank -> "died" | "hung"
-    kind: str = ""
-
-    def __post_init__(self) -> None:
-        self.kind = self.kind or ("hang" if "hung" in self.dead.values() else "rank")
-
-    def __str__(self) -> str:
-        return ", ".join(f"rank {r} {how}" for r, how in sorted(self.dead.items())) or self.kind
-
-
 class RankGroup:
+    """The ``RankWorker`` actors of one grid (what ``group.RankGroupLike`` describes, on Ray)."""
+
     worker_extra: ClassVar[dict] = {}  # extra keys for the workers' spec dict (``ps_routes`` under dp_sync: ps)
 
     def __init__(self, spec: JobSpec, placement: RankPlacement, use_gpu: bool):
