@@ -21,6 +21,7 @@ from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.stragglers import StragglerDetector
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
+from workers.protocol import StepResult
 
 
 class StepAccounting:
@@ -42,7 +43,7 @@ class StepAccounting:
         self.pending: tuple[RecoveryRecord, RecoveryPhases] | None = None  # waiting for its first completed step
         self.t_train = time.perf_counter()
 
-    def step(self, results: list[dict], step_s: float, checkpoint_s: float, world_size: int) -> dict:
+    def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> dict:
         """Account for one completed step; returns its ``steps.jsonl`` record."""
         record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s)
         self.records.step(record, results)
@@ -51,8 +52,8 @@ class StepAccounting:
         self.norms.append(record["grad_norm"])
         self.step_times.append(step_s)
         for r in results:
-            self.peak[r["rank"]] = max(self.peak.get(r["rank"], 0), r["peak_memory_bytes"])
-        self.measured.observe(results)
+            self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
+        self.measured.observe([r.to_dict() for r in results])  # MeasuredMemory (planning) reads the JSON form
         peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
         self.observers.on_step(StepReport(record, self.flops_per_token * record["tokens_per_s"] / peak_flops,
                                           _bubble_ratio(results), self.goodput(), ratios,
@@ -83,8 +84,8 @@ class StepAccounting:
         self.records.close()
 
 
-def _bubble_ratio(results: list[dict]) -> float:
+def _bubble_ratio(results: list[StepResult]) -> float:
     """Idle share of the pipeline window, averaged over ranks (0 without pipeline parallelism)."""
-    shares = [r["time_s"]["bubble"] / (r["time_s"]["bubble"] + r["time_s"]["compute"]) for r in results
-              if r["time_s"]["bubble"] + r["time_s"]["compute"] > 0]
+    shares = [r.time_s.bubble / (r.time_s.bubble + r.time_s.compute) for r in results
+              if r.time_s.bubble + r.time_s.compute > 0]
     return sum(shares) / len(shares) if shares else 0.0

@@ -42,6 +42,7 @@ from orchestrator.runtime.records import ResizeRecord
 from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
+from workers.protocol import StepResult
 
 
 class TrainingJob:
@@ -172,8 +173,12 @@ class TrainingJob:
         return {
             "dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.stages_per_rank, "microbatches": self.spec.train.microbatches,
-            "world_size": p.world_size, "ranks": self.group.form(),
+            "world_size": p.world_size, "ranks": self.form_group(),
         }
+
+    def form_group(self) -> list[dict]:
+        """(Re)form the process group; the layout keeps each rank's info as the JSON the summary shows."""
+        return [info.to_dict() for info in self.group.form()]
 
     def teardown_grid(self) -> None:
         """Stop the rank actors and give their placement back (nothing is left to stop should a relaunch fail)."""
@@ -301,9 +306,9 @@ class TrainingJob:
                 return "stopped"
         return "finished"
 
-    def _after_step(self, acct: StepAccounting, results: list[dict], step_s: float) -> bool:
+    def _after_step(self, acct: StepAccounting, results: list[StepResult], step_s: float) -> bool:
         """Account for a completed step, checkpoint when due, resize when asked; True when stopping."""
-        self.step = results[0]["step"]
+        self.step = results[0].step
         if self.ps is not None:
             self.ps.after_step(self.step, self.group)
             self.recoveries.extend(self.ps.recoveries)
@@ -316,7 +321,7 @@ class TrainingJob:
             self._maybe_resize()
         return stopping
 
-    def _step_once(self) -> list[dict]:
+    def _step_once(self) -> list[StepResult]:
         """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""
         with self._issue_lock:
             self._issued = self.step + 1
@@ -329,11 +334,11 @@ class TrainingJob:
         memory_every = self.spec.checkpoint.memory_every
         keep_from = self._keep_from if memory_every and self._issued % memory_every == 0 else None
         results = self.group.step(faults_now, keep_from)
-        if not all(math.isfinite(r["loss"]) for r in results if r["loss"] is not None):
+        if not all(math.isfinite(r.loss) for r in results if r.loss is not None):
             raise StepFailed({}, kind="nan_loss")
         if keep_from is not None:
             self.snapshot_step = self._issued
-        self._keep_from = min(r["replicated_step"] for r in results)  # replicated on every rank: older can go
+        self._keep_from = min(r.replicated_step for r in results)  # replicated on every rank: older can go
         return results
 
     def _maybe_resize(self) -> None:

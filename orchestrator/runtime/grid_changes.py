@@ -72,7 +72,7 @@ class GridChanges:
                 source = self.shrink(dead)
                 phases.lap("shrink")
                 return kind, source
-            job.layout["ranks"] = job.group.form()
+            job.layout["ranks"] = job.form_group()
             phases.lap("form")
         source = self._roll_back(dead)
         phases.lap("restore")

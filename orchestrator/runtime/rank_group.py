@@ -22,6 +22,7 @@ from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from workers.parallel.layout import coordinates
+from workers.protocol import RankInfo, StepResult
 from workers.rank_worker import RankWorker
 
 
@@ -48,7 +49,7 @@ class RankGroup:
             name=f"{self.spec.name}-rank{rank}-{time.time_ns()}",
         ).remote()
 
-    def form(self) -> list[dict]:
+    def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
         ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
@@ -58,9 +59,10 @@ class RankGroup:
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
         ray.get([w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
                  for r, w in enumerate(self.workers)])
-        return ranks
+        # boundary: workers return dicts until the typed worker side lands
+        return [RankInfo.from_dict(r) for r in ranks]
 
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[dict]:
+    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
         """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``).
 
         Fails as soon as one rank's actor is seen dead: the survivors still blocked in a collective
@@ -75,7 +77,8 @@ class RankGroup:
             for ref in ready:
                 rank = refs.index(ref)
                 try:
-                    results[rank] = ray.get(ref)
+                    # boundary: workers return dicts until the typed worker side lands
+                    results[rank] = StepResult.from_dict(ray.get(ref))
                 except RayActorError:
                     dead[rank] = "died"
                 except ray.exceptions.RayTaskError as exc:

@@ -19,6 +19,7 @@ from orchestrator.recovery.elastic import resized
 from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 from workers.parallel.layout import coordinates
+from workers.protocol import RankInfo, StepResult
 
 
 class FakePlacement:
@@ -98,16 +99,15 @@ class FakeGroup:
         self.replaced: list[set[int]] = []
         self.stopped = False
 
-    def form(self) -> list[dict]:
+    def form(self) -> list[RankInfo]:
         """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
         self.step_now = 0
         p = self.spec.parallel
         coords = [coordinates(r, p.dp, p.pp, p.tp) for r in range(self.world)]
-        return [{"rank": r, "coords": [c.dp, c.pp, c.tp], "stages": [0], "device": "cpu",
-                 "device_name": "cpu", "pid": 1000 + r, "node_id": f"node{r}", "actor_id": f"actor{r}"}
-                for r, c in enumerate(coords)]
+        return [RankInfo(rank=r, coords=vars(c), stages=[0], device="cpu", device_name="cpu", pid=1000 + r,
+                         node_id=f"node{r}", actor_id=f"actor{r}") for r, c in enumerate(coords)]
 
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[dict]:
+    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
         nxt = self.step_now + 1
         action = self.runtime.script.pop(nxt, None)
         if action is not None:
@@ -171,10 +171,10 @@ class FakeGroup:
         self.stopped = True
 
 
-def _result(rank: int, step: int, loss: float) -> dict:
-    """One rank's ``train_step`` answer, as the workers return it today."""
+def _result(rank: int, step: int, loss: float) -> StepResult:
+    """One rank's ``train_step`` answer."""
     times = {"data": 0.001, "compute": 0.01, "bubble": 0.0, "communication": 0.001, "optimizer": 0.001,
              "step": 0.013}
-    return {"rank": rank, "step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256,
+    return StepResult.from_dict({"rank": rank, "step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256,
             "applied": True, "time_s": times, "peak_memory_bytes": 1 << 20, "current_memory_bytes": 1 << 19,
-            "replicated_step": step}
+            "replicated_step": step})
