@@ -104,7 +104,7 @@ class TrainingJob:
         """Schedule ``kind`` on ``rank`` for the next step (validated like a job file's ``faults:`` entry)."""
         with self._issue_lock:  # the first step not yet handed to the ranks
             fault = {"kind": kind, "rank": rank, "at_step": self._issued + 1, "factor": factor}
-            self._add_fault(fault)
+            self.faults.add(validated_fault(fault, self.spec, self.layout, self.runtime))
         event("fault_requested", kind=kind, rank=rank, at_step=fault["at_step"])
         return fault["at_step"]
 
@@ -128,23 +128,6 @@ class TrainingJob:
             at_step = self._issued
         event("scale_requested", dp_from=old.parallel.dp, dp_to=dp, after_step=at_step)
         return at_step
-
-    def _add_fault(self, fault: dict) -> None:
-        """Validate a live fault request like a job file's ``faults:`` entry and schedule it."""
-        try:
-            checked = FaultSpec.model_validate(fault)
-        except ValidationError as exc:
-            raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, kill_node, "
-                             "hang_rank, slow_rank, nan_loss, corrupt_checkpoint and factor > 1") from None
-        if not 0 <= fault["rank"] < self.spec.parallel.world_size:
-            world = self.spec.parallel.world_size
-            raise ValueError(f"fault rank {fault['rank']} is not a rank of this {world}-rank job; "
-                             f"fix: pick a rank from 0 to {self.spec.parallel.world_size - 1}")
-        if checked.kind == "kill_node":
-            problem = self.runtime.kill_node_refusal(fault["rank"], self.layout["ranks"][fault["rank"]]["node_id"])
-            if problem:
-                raise ValueError(f"fault rank {fault['rank']}: {problem}; fix: {node_loss.FIX}")
-        self.faults.add(checked.model_dump())
 
     # -- the grid --------------------------------------------------------------------------
 
@@ -349,3 +332,21 @@ class TrainingJob:
         self.machine.to(JobState.RESIZING)
         self.changes.resize(*decision)
         self.machine.resume()
+
+
+def validated_fault(fault: dict, spec: JobSpec, layout: dict, runtime: Runtime) -> dict:
+    """A live fault request checked like a job file's ``faults:`` entry, ready to schedule; ``ValueError`` if not."""
+    try:
+        checked = FaultSpec.model_validate(fault)
+    except ValidationError as exc:
+        raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, kill_node, "
+                         "hang_rank, slow_rank, nan_loss, corrupt_checkpoint and factor > 1") from None
+    world = spec.parallel.world_size
+    if not 0 <= fault["rank"] < world:
+        raise ValueError(f"fault rank {fault['rank']} is not a rank of this {world}-rank job; "
+                         f"fix: pick a rank from 0 to {world - 1}")
+    if checked.kind == "kill_node":
+        problem = runtime.kill_node_refusal(fault["rank"], layout["ranks"][fault["rank"]]["node_id"])
+        if problem:
+            raise ValueError(f"fault rank {fault['rank']}: {problem}; fix: {node_loss.FIX}")
+    return checked.model_dump()
