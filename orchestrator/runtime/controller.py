@@ -38,7 +38,7 @@ from orchestrator.runtime.checkpointing import Checkpointing
 from orchestrator.runtime.grid_changes import GridChanges
 from orchestrator.runtime.group import RankGroupLike, RayRuntime, Runtime, StepFailed
 from orchestrator.runtime.ps_shards import PSShards
-from orchestrator.runtime.records import ResizeRecord
+from orchestrator.runtime.records import Layout, ResizeRecord
 from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
@@ -61,7 +61,7 @@ class TrainingJob:
         self.group: RankGroupLike | None = None
         self.placement = None
         self.control = None
-        self.layout: dict = {}
+        self.layout: Layout | None = None
         self.step = 0
         self.last: dict = {}
         self.started_unix = time.time()
@@ -89,7 +89,7 @@ class TrainingJob:
         return {
             "job": self.spec.name, "state": self.state, "step": self.step, "total_steps": self.spec.train.steps,
             "loss": self.last.get("loss"), "tokens_per_s": self.last.get("tokens_per_s", 0.0),
-            "layout": self.layout, "started_unix": self.started_unix,
+            "layout": self.layout.to_dict() if self.layout else {}, "started_unix": self.started_unix,
             "health": {int(r): time.time() - self.last.get("time", self.started_unix)
                        for r in self.last.get("phases", {})},
         }
@@ -131,7 +131,7 @@ class TrainingJob:
 
     # -- the grid --------------------------------------------------------------------------
 
-    def _start(self) -> dict:
+    def _start(self) -> Layout:
         p = self.spec.parallel
         self.runtime.preflight(self.spec)
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
@@ -143,25 +143,17 @@ class TrainingJob:
         check_resources(self.spec, cpus, gpus, "cuda" if self.use_gpu else "cpu")
         return self.launch_grid()
 
-    def launch_grid(self, timeout_s: float = 120.0) -> dict:
+    def launch_grid(self, timeout_s: float = 120.0) -> Layout:
         """Reserve placement for ``self.spec``'s grid, start its rank actors and form the process group."""
         p = self.spec.parallel
         self.placement = self.runtime.reserve(self.spec, self.use_gpu, timeout_s)
-        if not self.layout:  # the first grid: a job file's kill_node must hit a node it can take down
+        if self.layout is None:  # the first grid: a job file's kill_node must hit a node it can take down
             self.runtime.check_job_faults(self.faults.pending, self.placement)
         self.group = self.runtime.start_group(self.spec, self.placement, self.use_gpu)
         if p.dp_sync == "ps":
             self.ps = self.ps or PSShards(self.spec, self.run_dir)
             self.group.worker_extra = {"ps_routes": self.ps.worker_routes()}
-        return {
-            "dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "pp_schedule": p.pp_schedule,
-            "virtual_stages": p.stages_per_rank, "microbatches": self.spec.train.microbatches,
-            "world_size": p.world_size, "ranks": self.form_group(),
-        }
-
-    def form_group(self) -> list[dict]:
-        """(Re)form the process group; the layout keeps each rank's info as the JSON the summary shows."""
-        return [info.to_dict() for info in self.group.form()]
+        return Layout.of(self.spec, self.group.form())
 
     def teardown_grid(self) -> None:
         """Stop the rank actors and give their placement back (nothing is left to stop should a relaunch fail)."""
@@ -207,10 +199,10 @@ class TrainingJob:
         event("start", job=spec.name, world_size=spec.parallel.world_size, run_dir=self.run_dir)
         try:
             self.layout = self._start()
-            event("layout", dp=self.layout["dp"], pp=self.layout["pp"], tp=self.layout["tp"],
-                  zero=self.layout["zero"], schedule=self.layout["pp_schedule"],
-                  devices=self.layout["ranks"][0]["device"])
-            metrics = metrics_observer(spec, self.run_dir, self.layout)
+            layout = self.layout
+            event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, schedule=layout.pp_schedule,
+                  devices=layout.ranks[0].device)
+            metrics = metrics_observer(spec, self.run_dir, layout.to_dict())
             if metrics is not None:
                 self.observers.add(metrics)
             resumed_from = self._maybe_resume()
@@ -250,7 +242,7 @@ class TrainingJob:
         return str(latest)
 
     def _loop(self, startup_s: float, resumed_from: str | None) -> RunResult:
-        acct = StepAccounting(self.spec, self.layout["ranks"][0]["device_name"], self.run_dir,
+        acct = StepAccounting(self.spec, self.layout.ranks[0].device_name, self.run_dir,
                               resumed_from is not None, self.observers, self.stragglers, self.recoveries)
         if self.progress:
             self.observers.add(ProgressBar(self.spec.train.steps, self.step))
@@ -265,7 +257,7 @@ class TrainingJob:
         return RunResult(
             steps=self.step, losses=acct.losses, final_loss=acct.losses[-1] if acct.losses else None,
             tokens_per_s=acct.tokens * len(acct.losses) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,
-            layout=self.layout, checkpoints=self.checkpoints.saved, peak_memory_bytes=acct.peak,
+            layout=self.layout.to_dict(), checkpoints=self.checkpoints.saved, peak_memory_bytes=acct.peak,
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
@@ -334,7 +326,7 @@ class TrainingJob:
         self.machine.resume()
 
 
-def validated_fault(fault: dict, spec: JobSpec, layout: dict, runtime: Runtime) -> dict:
+def validated_fault(fault: dict, spec: JobSpec, layout: Layout, runtime: Runtime) -> dict:
     """A live fault request checked like a job file's ``faults:`` entry, ready to schedule; ``ValueError`` if not."""
     try:
         checked = FaultSpec.model_validate(fault)
@@ -346,7 +338,7 @@ def validated_fault(fault: dict, spec: JobSpec, layout: dict, runtime: Runtime) 
         raise ValueError(f"fault rank {fault['rank']} is not a rank of this {world}-rank job; "
                          f"fix: pick a rank from 0 to {world - 1}")
     if checked.kind == "kill_node":
-        problem = runtime.kill_node_refusal(fault["rank"], layout["ranks"][fault["rank"]]["node_id"])
+        problem = runtime.kill_node_refusal(fault["rank"], layout.ranks[fault["rank"]].node_id)
         if problem:
             raise ValueError(f"fault rank {fault['rank']}: {problem}; fix: {node_loss.FIX}")
     return checked.model_dump()

@@ -44,7 +44,7 @@ class GridChanges:
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message) from None
         completed = job.step
-        before = {r["rank"]: {k: r[k] for k in ("pid", "actor_id", "node_id")} for r in job.layout["ranks"]}
+        before = {r.rank: r.identity for r in job.layout.ranks}
         dp_before = job.spec.parallel.dp
         if decision.action is Action.RESTART_ALL:
             kind, source = failure.kind, self._restart_all()
@@ -72,7 +72,7 @@ class GridChanges:
                 source = self.shrink(dead)
                 phases.lap("shrink")
                 return kind, source
-            job.layout["ranks"] = job.form_group()
+            job.layout = job.layout.with_ranks(job.group.form())
             phases.lap("form")
         source = self._roll_back(dead)
         phases.lap("restore")
@@ -93,7 +93,7 @@ class GridChanges:
             dead |= set(more)
             job.restarts += len(more)
         placed = job.group.placed(dead, job.spec.fault_tolerance.placement_timeout_s)
-        gone = job.runtime.nodes_gone(job.layout["ranks"][r]["node_id"] for r in dead)
+        gone = job.runtime.nodes_gone(job.layout.ranks[r].node_id for r in dead)
         phases.lap("replace")
         return ("node" if gone else failure.kind), dead, placed
 
@@ -174,7 +174,7 @@ class GridChanges:
     def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
         """Bookkeeping after the grid was relaunched at a new dp: metrics, event and record."""
         job = self.job
-        job.observers.on_layout(job.layout)
+        job.observers.on_layout(job.layout.to_dict())
         spec = job.spec
         event("resized", reason=reason, dp_from=old_dp, dp_to=spec.parallel.dp, step=job.step, source=source,
               microbatches=spec.train.microbatches)

@@ -8,6 +8,37 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from orchestrator.spec import JobSpec
+from workers.protocol import RankInfo
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The grid a job runs on now: its degrees and every rank's place, device and process (``RankInfo``)."""
+
+    dp: int
+    pp: int
+    tp: int
+    zero: int
+    pp_schedule: str
+    virtual_stages: int
+    microbatches: int
+    world_size: int
+    ranks: tuple[RankInfo, ...]
+
+    @classmethod
+    def of(cls, spec: JobSpec, ranks: list[RankInfo]) -> Layout:
+        p = spec.parallel
+        return cls(p.dp, p.pp, p.tp, p.zero, p.pp_schedule, p.stages_per_rank, spec.train.microbatches,
+                   p.world_size, tuple(ranks))
+
+    def with_ranks(self, ranks: list[RankInfo]) -> Layout:
+        """The same grid after it was re-formed (replaced ranks have new processes)."""
+        return replace(self, ranks=tuple(ranks))
+
+    def to_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "ranks"}, "ranks": [r.to_dict() for r in self.ranks]}
+
 
 @dataclass(frozen=True)
 class RecoveryRecord:

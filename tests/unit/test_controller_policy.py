@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action, Failure, RecoveryPolicy, ScalingPolicy
-from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
+from orchestrator.runtime.records import Layout, RecoveryRecord, ResizeRecord
 from orchestrator.runtime.states import TRANSITIONS, IllegalTransition, JobState, JobStateMachine
 from tests.support.fake_group import FakeElastic
 from tests.support.jobs import tiny_spec
+from workers.protocol import RankInfo
 
 S = JobState
 
@@ -118,3 +119,12 @@ def test_records_keep_the_summary_keys():
     resize = ResizeRecord("shrink", 5, 2, 1, 4, "memory", 0.25)
     assert resize.to_dict() == {"reason": "shrink", "at_step": 5, "dp_from": 2, "dp_to": 1, "microbatches": 4,
                                 "source": "memory", "seconds": 0.25}
+
+
+def test_the_layout_keeps_the_summary_keys_and_each_ranks_info(spec):
+    info = RankInfo(rank=0, coords={"dp": 0, "pp": 0, "tp": 0}, stages=[0], device="cpu", device_name="cpu",
+                    pid=7, node_id="n", actor_id="a")
+    layout = Layout.of(spec, [info, info]).to_dict()
+    assert list(layout) == ["dp", "pp", "tp", "zero", "pp_schedule", "virtual_stages", "microbatches",
+                            "world_size", "ranks"]
+    assert layout["dp"] == 2 and layout["ranks"][0] == info.to_dict()
