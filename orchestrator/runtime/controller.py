@@ -38,7 +38,7 @@ from orchestrator.runtime.checkpointing import Checkpointing
 from orchestrator.runtime.grid_changes import GridChanges
 from orchestrator.runtime.group import RankGroupLike, RayRuntime, Runtime, StepFailed
 from orchestrator.runtime.ps_shards import PSShards
-from orchestrator.runtime.records import Layout, ResizeRecord
+from orchestrator.runtime.records import Layout
 from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
@@ -66,7 +66,7 @@ class TrainingJob:
         self.last: dict = {}
         self.started_unix = time.time()
         self.recoveries: list[dict] = []
-        self.resizes: list[ResizeRecord] = []  # every change of dp: requested, shrunk after a loss, grown back
+        self.resizes: list[dict] = []  # ResizeRecord.to_dict() of every change of dp (tests watch it live)
         self.restarts = 0
         self.snapshot_step: int | None = None
         self._keep_from = -1  # snapshots older than this step are replicated everywhere and can go
@@ -261,7 +261,7 @@ class TrainingJob:
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
-            resizes=[r.to_dict() for r in self.resizes],
+            resizes=self.resizes,
         )
 
     def _train(self, acct: StepAccounting) -> str:

@@ -179,4 +179,4 @@ class GridChanges:
         event("resized", reason=reason, dp_from=old_dp, dp_to=spec.parallel.dp, step=job.step, source=source,
               microbatches=spec.train.microbatches)
         job.resizes.append(ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches,
-                                        source, seconds))
+                                        source, seconds).to_dict())
