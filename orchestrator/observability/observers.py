@@ -1,10 +1,10 @@
 """Who watches a job: the Prometheus exporter and the progress bar, notified by the job instead of inline code.
 
-``TrainingJob`` tells its ``Observers`` what happened (``on_layout``,
-``on_step``, ``on_checkpoint``, ``on_recovery``, ``on_mttr``, ``on_rollback``,
-``on_finish``); each observer picks what it shows. The job neither knows nor
-checks whether metrics or a progress bar are on: with none, nothing is
-notified. ``JobObserver`` is the no-op base, so an observer writes only the
+``TrainingJob`` tells its ``Observers`` what happened (``on_step``, ``on_checkpoint``, ``on_recovered``, ``on_resized``,
+``on_corrupt_checkpoint``, ``on_mttr``, ``on_rollback``, ``on_finish``); each
+observer picks what it shows: ``EventLog`` the event lines, ``MetricsObserver``
+the Prometheus series, ``ProgressBar`` the bar. The job neither knows nor checks
+whether metrics or a progress bar are on. ``JobObserver`` is the no-op base, so an observer writes only the
 hooks it needs.
 """
 
@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from orchestrator.observability.events import event
 from orchestrator.observability.prometheus import MetricsExporter
+from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
 
 
@@ -33,10 +34,12 @@ class StepReport:
 
 
 class JobObserver:
-    def on_layout(self, layout: dict) -> None: ...
     def on_step(self, report: StepReport) -> None: ...
     def on_checkpoint(self, blocking_s: float | None, committed: bool) -> None: ...
-    def on_recovery(self, kind: str, restarted: int, lost_steps: int) -> None: ...
+    def on_recovered(self, record: RecoveryRecord, step: int, restarted: int, phases_s: dict[str, float]) -> None:
+        ...
+    def on_resized(self, record: ResizeRecord, layout: dict) -> None: ...
+    def on_corrupt_checkpoint(self, record: dict) -> None: ...
     def on_mttr(self, seconds: float) -> None: ...
     def on_rollback(self, step: int) -> None: ...
     def on_finish(self) -> None: ...
@@ -51,10 +54,6 @@ class Observers(JobObserver):
     def add(self, observer: JobObserver) -> None:
         self.observers.append(observer)
 
-    def on_layout(self, layout: dict) -> None:
-        for o in self.observers:
-            o.on_layout(layout)
-
     def on_step(self, report: StepReport) -> None:
         for o in self.observers:
             o.on_step(report)
@@ -63,9 +62,17 @@ class Observers(JobObserver):
         for o in self.observers:
             o.on_checkpoint(blocking_s, committed)
 
-    def on_recovery(self, kind: str, restarted: int, lost_steps: int) -> None:
+    def on_recovered(self, record: RecoveryRecord, step: int, restarted: int, phases_s: dict[str, float]) -> None:
         for o in self.observers:
-            o.on_recovery(kind, restarted, lost_steps)
+            o.on_recovered(record, step, restarted, phases_s)
+
+    def on_resized(self, record: ResizeRecord, layout: dict) -> None:
+        for o in self.observers:
+            o.on_resized(record, layout)
+
+    def on_corrupt_checkpoint(self, record: dict) -> None:
+        for o in self.observers:
+            o.on_corrupt_checkpoint(record)
 
     def on_mttr(self, seconds: float) -> None:
         for o in self.observers:
@@ -80,6 +87,18 @@ class Observers(JobObserver):
             o.on_finish()
 
 
+class EventLog(JobObserver):
+    """The ``raymesh event=...`` lines of recoveries and resizes (tests and operators grep them)."""
+
+    def on_recovered(self, record: RecoveryRecord, step: int, restarted: int, phases_s: dict[str, float]) -> None:
+        event("recovered", kind=record.kind, source=record.source, step=step, lost_steps=record.lost_steps,
+              **{f"{k}_s": f"{v:.2f}" for k, v in phases_s.items()})
+
+    def on_resized(self, record: ResizeRecord, layout: dict) -> None:
+        event("resized", reason=record.reason, dp_from=record.dp_from, dp_to=record.dp_to, step=record.at_step,
+              source=record.source, microbatches=record.microbatches)
+
+
 class MetricsObserver(JobObserver):
     """The job's Prometheus endpoint (``metrics.port``) and its file_sd target file."""
 
@@ -91,9 +110,6 @@ class MetricsObserver(JobObserver):
         self.exporter.write_file_sd(target_file)
         event("metrics", address=self.exporter.address(), file_sd=target_file)
 
-    def on_layout(self, layout: dict) -> None:
-        self.exporter.observe_layout(layout)
-
     def on_step(self, report: StepReport) -> None:
         self.exporter.observe_stragglers(report.straggler_ratios, set(report.stragglers))
         self.exporter.observe_step(report.record, report.mfu, report.bubble, report.goodput)
@@ -101,8 +117,14 @@ class MetricsObserver(JobObserver):
     def on_checkpoint(self, blocking_s: float | None, committed: bool) -> None:
         self.exporter.observe_checkpoint(blocking_s, committed=committed)
 
-    def on_recovery(self, kind: str, restarted: int, lost_steps: int) -> None:
-        self.exporter.observe_recovery(kind, restarted, lost_steps)
+    def on_recovered(self, record: RecoveryRecord, step: int, restarted: int, phases_s: dict[str, float]) -> None:
+        self.exporter.observe_recovery(record.kind, restarted, record.lost_steps)
+
+    def on_resized(self, record: ResizeRecord, layout: dict) -> None:
+        self.exporter.observe_layout(layout)
+
+    def on_corrupt_checkpoint(self, record: dict) -> None:
+        self.exporter.observe_recovery("corrupt_checkpoint", 0, 0)
 
     def on_mttr(self, seconds: float) -> None:
         self.exporter.mttr.labels(self.job).set(seconds)

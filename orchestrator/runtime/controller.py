@@ -27,7 +27,7 @@ from orchestrator.errors import SpecError
 from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.observability.events import event
-from orchestrator.observability.observers import Observers, ProgressBar, metrics_observer
+from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.run_records import RunRecords
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.recovery import node_loss
@@ -53,9 +53,9 @@ class TrainingJob:
         self.spec, self.resume, self.address, self.progress = spec, resume, address, progress
         self.runtime: Runtime = runtime or RayRuntime()
         self.run_dir = spec.resolved_run_dir()
-        self.observers = Observers()
+        self.observers = Observers([EventLog()])
         self.ckpt = CheckpointDir(spec.checkpoint.resolved_dir(self.run_dir), spec.checkpoint.keep,
-                                  on_skip=lambda record: self.observers.on_recovery("corrupt_checkpoint", 0, 0))
+                                  on_skip=lambda record: self.observers.on_corrupt_checkpoint(record))
         self.checkpoints = Checkpointing(spec, self.ckpt, self.observers)
         self.machine = JobStateMachine()
         self.group: RankGroupLike | None = None

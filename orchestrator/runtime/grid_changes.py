@@ -54,12 +54,11 @@ class GridChanges:
         if job.spec.checkpoint.memory_every:
             job.take_snapshot()
             phases.lap("snapshot")
-        lost = completed - job.step
-        job.observers.on_recovery(kind, len(failure.dead), lost)
-        event("recovered", kind=kind, source=source, step=job.step, lost_steps=lost,
-              **{f"{k}_s": f"{v:.2f}" for k, v in phases.seconds.items()})
         rank = min(failure.dead) if failure.dead else -1
-        return RecoveryRecord(kind, rank, at_step, lost, source, before, dp_before, job.spec.parallel.dp), phases
+        record = RecoveryRecord(kind, rank, at_step, completed - job.step, source, before, dp_before,
+                                job.spec.parallel.dp)
+        job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
+        return record, phases
 
     def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
         """New actors for the dead ranks only, a re-formed group and a rollback; a smaller grid when the
@@ -172,11 +171,9 @@ class GridChanges:
         self._resized(reason, old_dp, "disk", time.perf_counter() - t0)
 
     def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
-        """Bookkeeping after the grid was relaunched at a new dp: metrics, event and record."""
+        """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record."""
         job = self.job
-        job.observers.on_layout(job.layout.to_dict())
         spec = job.spec
-        event("resized", reason=reason, dp_from=old_dp, dp_to=spec.parallel.dp, step=job.step, source=source,
-              microbatches=spec.train.microbatches)
-        job.resizes.append(ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches,
-                                        source, seconds).to_dict())
+        record = ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches, source, seconds)
+        job.observers.on_resized(record, job.layout.to_dict())
+        job.resizes.append(record.to_dict())

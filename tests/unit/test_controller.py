@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -24,14 +25,14 @@ class Recorder(JobObserver):
     def __init__(self) -> None:
         self.seen: list[tuple] = []
 
-    def on_layout(self, layout: dict) -> None:
-        self.seen.append(("layout", layout["dp"]))
-
     def on_checkpoint(self, blocking_s, committed: bool) -> None:
         self.seen.append(("checkpoint", committed))
 
-    def on_recovery(self, kind: str, restarted: int, lost_steps: int) -> None:
-        self.seen.append(("recovery", kind, restarted, lost_steps))
+    def on_recovered(self, record, step: int, restarted: int, phases_s: dict) -> None:
+        self.seen.append(("recovery", record.kind, restarted, record.lost_steps))
+
+    def on_resized(self, record, layout: dict) -> None:
+        self.seen.append(("layout", layout["dp"]))
 
     def on_mttr(self, seconds: float) -> None:
         self.seen.append(("mttr",))
@@ -290,3 +291,18 @@ def test_status_reports_the_public_state_and_the_last_step(tmp_path):
     job.run()
     status = job.status()
     assert status["state"] == "finished" and status["step"] == 10 and status["loss"] == pytest.approx(0.1)
+
+
+def test_recoveries_and_resizes_are_event_lines(tmp_path):
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("raymesh").addHandler(handler)
+    try:
+        make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(placeable=False)).run()
+    finally:
+        logging.getLogger("raymesh").removeHandler(handler)
+    resized = next(line for line in lines if line.startswith("event=resized"))
+    assert resized == "event=resized reason=shrink dp_from=2 dp_to=1 step=3 source=memory microbatches=4"
+    recovered = next(line for line in lines if line.startswith("event=recovered"))
+    assert recovered.startswith("event=recovered kind=rank source=memory step=3 lost_steps=0 detect_s=")
