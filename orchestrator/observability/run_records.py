@@ -12,24 +12,26 @@ import json
 import statistics
 from pathlib import Path
 
+from workers.protocol import StepResult
+
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
 
 
-def step_record(results: list[dict], step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
+def step_record(results: list[StepResult], step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
     """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's)."""
     return {
-        "step": results[0]["step"],
+        "step": results[0].step,
         "time": end_time,
-        "loss": statistics.fmean(r["loss"] for r in results if r["loss"] is not None),
-        "grad_norm": results[0]["grad_norm"],
-        "lr": results[0]["lr"],
+        "loss": statistics.fmean(r.loss for r in results if r.loss is not None),
+        "grad_norm": results[0].grad_norm,
+        "lr": results[0].lr,
         "tokens": tokens,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
-        "phases": {str(r["rank"]): {**{p: r["time_s"].get(p, 0.0) for p in PHASES}, "checkpoint": checkpoint_s}
+        "phases": {str(r.rank): {**{p: getattr(r.time_s, p, 0.0) for p in PHASES}, "checkpoint": checkpoint_s}
                    for r in results},
         "memory": {
-            str(r["rank"]): {"peak_bytes": r["peak_memory_bytes"], "current_bytes": r["current_memory_bytes"]}
+            str(r.rank): {"peak_bytes": r.peak_memory_bytes, "current_bytes": r.current_memory_bytes}
             for r in results
         },
     }
@@ -43,12 +45,12 @@ class RunRecords:
         self._steps = open(run_dir / "steps.jsonl", mode)  # noqa: SIM115 (open for the whole run, closed by close())
         self._timeline = open(run_dir / "timeline.jsonl", mode) if timeline else None  # noqa: SIM115
 
-    def step(self, record: dict, results: list[dict]) -> None:
+    def step(self, record: dict, results: list[StepResult]) -> None:
         self._steps.write(json.dumps(record) + "\n")
         self._steps.flush()
         if self._timeline is not None:
             for r in results:
-                for event in r.get("timeline", ()):
+                for event in r.timeline or ():
                     self._timeline.write(json.dumps(event) + "\n")
             self._timeline.flush()
 

@@ -13,19 +13,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from orchestrator.observability.prometheus import MetricsExporter
+from orchestrator.observability.observers import JobObserver, StepReport
 from orchestrator.observability.run_records import RunRecords, step_record
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.planning.memory_report import MeasuredMemory
+from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.stragglers import StragglerDetector
+from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
+from workers.protocol import StepResult
 
 
 class StepAccounting:
     def __init__(self, spec: JobSpec, device_name: str, run_dir: Path, append: bool,
-                 exporter: MetricsExporter | None, stragglers: StragglerDetector, recoveries: list[dict]):
+                 observers: JobObserver, stragglers: StragglerDetector, recoveries: list[dict]):
         self.spec = spec
-        self.exporter = exporter
+        self.observers = observers
         self.stragglers = stragglers
         self.recoveries = recoveries  # the job's list: resizes and PS shards append to it too
         self.losses: list[float] = []
@@ -37,10 +40,10 @@ class StepAccounting:
         self.peak_per_rank = peak_flops_per_rank(spec, device_name)
         self.flops_per_token = model_flops_per_token(spec)
         self.records = RunRecords(run_dir, append=append, timeline=spec.metrics.timeline)
-        self.pending: dict | None = None  # a recovery waiting for its first completed step
+        self.pending: tuple[RecoveryRecord, RecoveryPhases] | None = None  # waiting for its first completed step
         self.t_train = time.perf_counter()
 
-    def step(self, results: list[dict], step_s: float, checkpoint_s: float, world_size: int) -> dict:
+    def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> dict:
         """Account for one completed step; returns its ``steps.jsonl`` record."""
         record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s)
         self.records.step(record, results)
@@ -49,16 +52,15 @@ class StepAccounting:
         self.norms.append(record["grad_norm"])
         self.step_times.append(step_s)
         for r in results:
-            self.peak[r["rank"]] = max(self.peak.get(r["rank"], 0), r["peak_memory_bytes"])
-        self.measured.observe(results)
-        if self.exporter is not None:
-            self.exporter.observe_stragglers(ratios, self.stragglers.flagged())
-            peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
-            self.exporter.observe_step(record, self.flops_per_token * record["tokens_per_s"] / peak_flops,
-                                       _bubble_ratio(results), self.goodput())
+            self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
+        self.measured.observe([r.to_dict() for r in results])  # MeasuredMemory (planning) reads the JSON form
+        peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
+        self.observers.on_step(StepReport(record, self.flops_per_token * record["tokens_per_s"] / peak_flops,
+                                          _bubble_ratio(results), self.goodput(), ratios,
+                                          frozenset(self.stragglers.flagged())))
         return record
 
-    def rolled_back(self, recovery: dict, steps_kept: int) -> None:
+    def rolled_back(self, recovery: tuple[RecoveryRecord, RecoveryPhases], steps_kept: int) -> None:
         """A recovery rolled training back to ``steps_kept`` steps of this run; its record waits for
         the next completed step (MTTR ends there)."""
         self.pending = recovery
@@ -68,14 +70,12 @@ class StepAccounting:
         """A step completed: a pending recovery ends here (its MTTR and phase times are recorded)."""
         if self.pending is None:
             return
-        phases = self.pending.pop("phases")
+        record, phases = self.pending
         phases.lap("first_step")
         mttr = phases.total()
-        self.recoveries.append({**self.pending, "mttr_s": mttr,
-                                "phases_s": {k: round(v, 3) for k, v in phases.seconds.items()}})
+        self.recoveries.append(record.completed(mttr, {k: round(v, 3) for k, v in phases.seconds.items()}).to_dict())
         self.pending = None
-        if self.exporter is not None:
-            self.exporter.mttr.labels(self.spec.name).set(mttr)
+        self.observers.on_mttr(mttr)
 
     def goodput(self) -> float:
         return sum(self.step_times) / (time.perf_counter() - self.t_train)
@@ -84,8 +84,8 @@ class StepAccounting:
         self.records.close()
 
 
-def _bubble_ratio(results: list[dict]) -> float:
+def _bubble_ratio(results: list[StepResult]) -> float:
     """Idle share of the pipeline window, averaged over ranks (0 without pipeline parallelism)."""
-    shares = [r["time_s"]["bubble"] / (r["time_s"]["bubble"] + r["time_s"]["compute"]) for r in results
-              if r["time_s"]["bubble"] + r["time_s"]["compute"] > 0]
+    shares = [r.time_s.bubble / (r.time_s.bubble + r.time_s.compute) for r in results
+              if r.time_s.bubble + r.time_s.compute > 0]
     return sum(shares) / len(shares) if shares else 0.0

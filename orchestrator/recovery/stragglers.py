@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 
 from orchestrator.observability.events import event
+from workers.protocol import StepResult
 
 
 class StragglerDetector:
@@ -25,9 +26,9 @@ class StragglerDetector:
         self.open: dict[int, dict] = {}  # rank -> its current episode
         self.episodes: list[dict] = []  # every episode, for the summary's `stragglers`
 
-    def observe(self, step: int, results: list[dict]) -> dict[int, float]:
+    def observe(self, step: int, results: list[StepResult]) -> dict[int, float]:
         """Each rank's step time over the other ranks' median for ``step``; updates what is reported."""
-        times = {r["rank"]: r["time_s"]["step"] for r in results}
+        times = {r.rank: r.time_s.step for r in results}
         ratios = {}
         for rank, seconds in times.items():
             others = [t for r, t in times.items() if r != rank]

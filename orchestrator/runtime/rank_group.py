@@ -12,34 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import ClassVar
 
 import ray
 from ray.exceptions import RayActorError
 
 from orchestrator.recovery.snapshot_target import newest_common_step
+from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
-from workers.parallel.layout import coordinates
+from workers.protocol import RankInfo, StepResult
 from workers.rank_worker import RankWorker
 
 
-@dataclass
-class StepFailed(Exception):
-    """A step that did not complete on every rank, and why: ``kind`` is ``rank``, ``hang`` or ``nan_loss``."""
-
-    dead: dict[int, str]  # rank -> "died" | "hung"
-    kind: str = ""
-
-    def __post_init__(self) -> None:
-        self.kind = self.kind or ("hang" if "hung" in self.dead.values() else "rank")
-
-    def __str__(self) -> str:
-        return ", ".join(f"rank {r} {how}" for r, how in sorted(self.dead.items())) or self.kind
-
-
 class RankGroup:
+    """The ``RankWorker`` actors of one grid (what ``group.RankGroupLike`` describes, on Ray)."""
+
     worker_extra: ClassVar[dict] = {}  # extra keys for the workers' spec dict (``ps_routes`` under dp_sync: ps)
 
     def __init__(self, spec: JobSpec, placement: RankPlacement, use_gpu: bool):
@@ -60,20 +48,19 @@ class RankGroup:
             name=f"{self.spec.name}-rank{rank}-{time.time_ns()}",
         ).remote()
 
-    def form(self) -> list[dict]:
+    def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
         ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
         infos = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
-        ranks = [info.to_dict() for info in infos]  # typed RankInfo from the workers; dicts for callers still
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
         ray.get([w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
                  for r, w in enumerate(self.workers)])
-        return ranks
+        return infos
 
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[dict]:
+    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
         """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``).
 
         Fails as soon as one rank's actor is seen dead: the survivors still blocked in a collective
@@ -88,7 +75,7 @@ class RankGroup:
             for ref in ready:
                 rank = refs.index(ref)
                 try:
-                    results[rank] = ray.get(ref).to_dict()  # typed StepResult; dicts for callers still
+                    results[rank] = ray.get(ref)
                 except RayActorError:
                     dead[rank] = "died"
                 except ray.exceptions.RayTaskError as exc:
@@ -153,14 +140,8 @@ class RankGroup:
         return not pending
 
     def holder(self, rank: int) -> int | None:
-        """Where rank's replica lives: the same position in the next data-parallel replica (another node
-        when replicas span nodes), else the next rank."""
-        p = self.spec.parallel
-        world = p.world_size
-        if world == 1:
-            return None
-        step = p.pp * p.tp if p.dp > 1 else 1
-        return (rank + step) % world
+        """Where rank's replica lives: the grid's replica peer (same position, next data-parallel replica)."""
+        return self.spec.parallel.grid.replica_peer(rank)
 
     @property
     def mirrored(self) -> bool:
@@ -209,21 +190,20 @@ class RankGroup:
         return holder.kept_snapshot.remote(step) if self.mirrored else holder.replica.remote(rank, step)
 
     def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None:
-        """A step and, per (pp, tp) position, a surviving rank's snapshot of it, for a grid with another
+        """A step and, per model position (pp, cp, tp), a surviving rank's snapshot of it, for a grid with another
         dp to start from.
 
         Only where data-parallel replicas are full copies (``mirrored``): ZeRO splits the state over dp,
         which only a DCP checkpoint can reshard. None also when every replica of a position died.
         """
-        p = self.spec.parallel
+        grid = self.spec.parallel.grid
         if not self.mirrored:
             return None
         chosen = {}
-        for rank in range(len(self.workers)):
-            c = coordinates(rank, p.dp, p.pp, p.tp)
-            if rank not in dead and (c.pp, c.tp) not in chosen:
-                chosen[(c.pp, c.tp)] = rank
-        if len(chosen) < p.pp * p.tp:
+        for rank in grid.ranks():
+            if rank not in dead:
+                chosen.setdefault(grid.position(rank), rank)
+        if len(chosen) < grid.positions:
             return None
         step = newest_common_step((held["own"] for held in self._available(chosen.values()).values()), up_to)
         if step is None:
@@ -233,11 +213,10 @@ class RankGroup:
         return step, kept
 
     def restore_positions(self, step: int, kept: dict) -> int:
-        """Every rank takes the snapshot of ``step`` kept for its (pp, tp) position; returns the step."""
-        p = self.spec.parallel
-        coords = [coordinates(r, p.dp, p.pp, p.tp) for r in range(p.world_size)]
-        return ray.get([w.restore_snapshot.remote(step, kept[(c.pp, c.tp)])
-                        for w, c in zip(self.workers, coords)])[0]
+        """Every rank takes the snapshot of ``step`` kept for its model position; returns the step."""
+        grid = self.spec.parallel.grid
+        return ray.get([w.restore_snapshot.remote(step, kept[grid.position(r)])
+                        for r, w in enumerate(self.workers)])[0]
 
     def call(self, method: str, *args) -> list:
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from orchestrator import TrainingJob
+from orchestrator.observability import observers
 from orchestrator.observability.prometheus import MetricsExporter
-from orchestrator.runtime import controller
 from tests.support.dashboards import PROMETHEUS_YML, concrete, load_dashboard, panel_exprs
 from tests.support.jobs import tiny_spec, wait_for
 
@@ -133,7 +133,7 @@ def test_every_dashboard_panel_has_data_from_a_real_job(ray_cluster, token_data,
 
     early, last = threading.Event(), threading.Event()
     monkeypatch.setattr(PacedExporter, "gates", {HOLD_AT: early, STEPS: last})
-    monkeypatch.setattr(controller, "MetricsExporter", PacedExporter)
+    monkeypatch.setattr(observers, "MetricsExporter", PacedExporter)
     outcome: dict = {}
 
     def run_job():

@@ -16,6 +16,7 @@ from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.faults.soak import RepeatingFault
 from orchestrator.recovery.stragglers import StragglerDetector
 from orchestrator.spec import FaultSpec
+from workers.protocol import StepResult, StepTimes
 
 
 def fake_save(ckpt: CheckpointDir, step: int) -> None:
@@ -116,8 +117,10 @@ def test_soak_fault_errors_name_field_value_and_fix(token_data, fault, field, va
     assert f"`{field}`: value {value}" in str(err.value) and fix in str(err.value)
 
 
-def step_results(times: dict[int, float]) -> list[dict]:
-    return [{"rank": r, "time_s": {"step": t}} for r, t in times.items()]
+def step_results(times: dict[int, float]) -> list[StepResult]:
+    return [StepResult(rank=r, step=1, loss=None, grad_norm=0.0, lr=0.0, tokens=0, applied=True,
+                       time_s=StepTimes(step=t), peak_memory_bytes=0, current_memory_bytes=0)
+            for r, t in times.items()]
 
 
 def test_straggler_is_reported_after_consecutive_slow_steps_and_cleared_after_as_many_normal():

@@ -1,0 +1,115 @@
+"""What to do about a failed step or a change of cluster size: pure decisions, no Ray, no I/O.
+
+The controller used to carry these rules inline between the calls that carry
+them out; here they are objects a test can question directly, and the
+controller only executes what they return. ``RecoveryPolicy`` decides, for a
+failed step, between replacing the dead ranks (and then rolling back from
+memory or disk, or shrinking when the replacements found no room), restarting
+the whole grid, and giving up with the error users already know.
+``ScalingPolicy`` decides when the grid changes its data-parallel degree:
+an explicit request first, else growing back (``ElasticPolicy``'s rule).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from enum import Enum
+
+from orchestrator.spec import JobSpec
+
+NAN_WITHOUT_SNAPSHOT = ("a step produced a non-finite loss and there is no in-memory snapshot to roll back to; "
+                        "set checkpoint.memory_every (e.g. 1) to recover from NaN steps")
+
+
+class Action(str, Enum):
+    REPLACE = "replace"  # new actors for the dead ranks, then a placement check
+    RESTART_ALL = "restart_all"  # tear the grid down, start it again, load the last checkpoint
+    ROLL_BACK = "roll_back"  # every rank back to ``Decision.source`` (memory or disk)
+    SHRINK = "shrink"  # the replacements found no room: a smaller grid
+    GIVE_UP = "give_up"  # raise ``Decision.message``
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    source: str | None = None  # ROLL_BACK: "memory" or "disk"
+    message: str | None = None  # GIVE_UP: the error to raise
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the policy needs to know about a failed step."""
+
+    kind: str  # rank | hang | nan_loss (a dead rank's node may make it "node" later)
+    dead: frozenset[int]
+    at_step: int
+    reason: str  # the failure as users read it ("rank 1 died")
+
+
+class RecoveryPolicy:
+    """Rules for one job's ``fault_tolerance`` settings."""
+
+    def __init__(self, spec: JobSpec):
+        ft = spec.fault_tolerance
+        self.mode = ft.recovery
+        self.max_restarts = ft.max_restarts
+
+    def on_failure(self, failure: Failure, restarts: int) -> Decision:
+        """First decision on a failed step; ``restarts`` already counts its dead ranks."""
+        if restarts > self.max_restarts:
+            return Decision(Action.GIVE_UP, message=(
+                f"{failure.reason} at step {failure.at_step}: {restarts} rank restarts exceed "
+                f"fault_tolerance.max_restarts={self.max_restarts}; raise it, or look at the failing rank's log "
+                "(`ray logs actor`)"))
+        if self.mode == "restart_all":
+            return Decision(Action.RESTART_ALL, source="disk")
+        if failure.dead:
+            return Decision(Action.REPLACE)
+        return Decision(Action.ROLL_BACK)  # NaN loss: every rank is alive; ``roll_back`` says from where
+
+    def on_placement(self, placed: bool) -> Decision:
+        """After the replacements had ``placement_timeout_s`` to start."""
+        return Decision(Action.ROLL_BACK) if placed else Decision(Action.SHRINK)
+
+    def roll_back(self, snapshot_usable: bool, replaced: bool) -> Decision:
+        """Where every rank rolls back to: in-memory snapshots first, else the latest checkpoint on disk.
+
+        A NaN step (nothing ``replaced``) has no checkpoint-shaped answer: every rank is alive with the bad
+        state, and the disk would lose the steps since the last save silently, so it is an error to fix.
+        """
+        if snapshot_usable:
+            return Decision(Action.ROLL_BACK, source="memory")
+        if not replaced:
+            return Decision(Action.GIVE_UP, message=NAN_WITHOUT_SNAPSHOT)
+        return Decision(Action.ROLL_BACK, source="disk")
+
+
+class ScalingPolicy:
+    """When the grid changes its data-parallel degree: a request (``raymesh scale``) first, else grow back.
+
+    ``elastic`` is an ``ElasticPolicy`` (or a fake with its ``target_dp``, ``grow`` and ``shrink_options``).
+    Requests arrive on the control API's thread, hence the lock.
+    """
+
+    def __init__(self, elastic):
+        self.elastic = elastic
+        self._lock = threading.Lock()
+        self._requested: JobSpec | None = None
+
+    def request(self, target: JobSpec) -> None:
+        with self._lock:
+            self._requested = target
+            self.elastic.target_dp = target.parallel.dp  # automatic grow-back aims here from now on
+
+    def next_resize(self, spec: JobSpec, use_gpu: bool) -> tuple[JobSpec, str] | None:
+        """The layout to move to after this step and why (``request`` or ``grow``), or None to stay."""
+        with self._lock:
+            target, self._requested = self._requested, None
+        if target is not None:
+            return target, "request"
+        grown = self.elastic.grow(spec, use_gpu)
+        return (grown, "grow") if grown is not None else None
+
+    def shrink_options(self, spec: JobSpec, use_gpu: bool) -> list[JobSpec]:
+        return self.elastic.shrink_options(spec, use_gpu)

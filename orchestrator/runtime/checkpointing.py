@@ -1,0 +1,63 @@
+"""The checkpoint cadence of a running job: when to save, at most one asynchronous save in flight, sealing.
+
+A save is complete only once its checksum manifest is written (``seal``): at
+once for a synchronous save, and for an asynchronous one when the next save
+(or the end of the run, or a resize) waits for it. ``saved`` lists the
+committed checkpoints the summary reports.
+"""
+
+from __future__ import annotations
+
+import time
+
+from orchestrator.checkpoints.directory import CheckpointDir
+from orchestrator.observability.events import event
+from orchestrator.observability.observers import JobObserver
+from orchestrator.spec import JobSpec
+
+
+class Checkpointing:
+    def __init__(self, spec: JobSpec, ckpt: CheckpointDir, observers: JobObserver):
+        self.every = spec.checkpoint.every
+        self.async_save = spec.checkpoint.async_save
+        self.total_steps = spec.train.steps
+        self.ckpt = ckpt
+        self.observers = observers
+        self.saved: list[str] = []
+
+    def due(self, step: int, stopping: bool) -> bool:
+        """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
+        return bool(self.every) and (step % self.every == 0 or step == self.total_steps or stopping)
+
+    def save(self, group, step: int) -> float:
+        """Issue a save; return the seconds training was blocked by it."""
+        if self.async_save:
+            self.wait_async(group)  # at most one save in flight; commit the previous one first
+        t0 = time.perf_counter()
+        group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
+        blocked = time.perf_counter() - t0
+        self.observers.on_checkpoint(blocked, committed=False)
+        if not self.async_save:
+            self.committed(step, blocked)
+        return blocked
+
+    def wait_async(self, group) -> None:
+        done = group.call("wait_checkpoint")
+        if done[0] is not None:
+            self.committed(done[0], None)
+
+    def save_now(self, group, step: int) -> None:
+        """A synchronous save of ``step`` unless it is saved already (before the grid is torn down)."""
+        self.wait_async(group)
+        path = self.ckpt.path_for(step)
+        if str(path) not in self.saved:
+            group.call("save_checkpoint", str(path), False)
+            self.committed(step, None)
+
+    def committed(self, step: int, seconds: float | None) -> None:
+        self.saved.append(str(self.ckpt.path_for(step)))
+        self.ckpt.seal(step)
+        removed = self.ckpt.prune()
+        self.observers.on_checkpoint(None, committed=True)
+        event("checkpoint", step=step, path=self.ckpt.path_for(step),
+              seconds="async" if seconds is None else f"{seconds:.2f}", pruned=removed or "-")

@@ -1,0 +1,179 @@
+"""Carrying out what the policies decide: recover a failed step, shrink, resize.
+
+``RecoveryPolicy`` and ``ScalingPolicy`` decide; ``GridChanges`` executes on
+the job's grid (replace actors, re-form, roll back, relaunch at another dp)
+and keeps the bookkeeping (events, observers, records). Every decision taken
+is appended to ``decisions``, so tests can assert on what was decided, not
+only on where the job ended up.
+"""
+
+from __future__ import annotations
+
+import time
+
+from orchestrator.errors import SpecError
+from orchestrator.observability.events import event
+from orchestrator.recovery.phases import RecoveryPhases
+from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy
+from orchestrator.runtime.group import StepFailed
+from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
+from orchestrator.spec import JobSpec
+
+
+class GridChanges:
+    def __init__(self, job):
+        self.job = job  # a TrainingJob: its grid, step and snapshot bookkeeping are what changes here
+        self.policy = RecoveryPolicy(job.spec)
+        self.decisions: list[Decision] = []
+
+    def _decide(self, decision: Decision) -> Decision:
+        self.decisions.append(decision)
+        return decision
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def recover(self, failure: StepFailed, at_step: int, fault_time: float) -> tuple[RecoveryRecord, RecoveryPhases]:
+        """Replace what died, re-form the group and roll every rank back; returns the pending recovery record."""
+        job = self.job
+        phases = RecoveryPhases(fault_time)
+        phases.lap("detect")
+        job.restarts += len(failure.dead)
+        event("fault", kind=failure.kind, ranks=dict(failure.dead) or "-", at_step=at_step)
+        seen = Failure(failure.kind, frozenset(failure.dead), at_step, str(failure))
+        decision = self._decide(self.policy.on_failure(seen, job.restarts))
+        if decision.action is Action.GIVE_UP:
+            raise RuntimeError(decision.message) from None
+        completed = job.step
+        before = {r.rank: r.identity for r in job.layout.ranks}
+        dp_before = job.spec.parallel.dp
+        if decision.action is Action.RESTART_ALL:
+            kind, source = failure.kind, self._restart_all()
+            phases.lap("restart")
+        else:
+            kind, source = self._replace_failed(failure, phases)
+        if job.spec.checkpoint.memory_every:
+            job.take_snapshot()
+            phases.lap("snapshot")
+        rank = min(failure.dead) if failure.dead else -1
+        record = RecoveryRecord(kind, rank, at_step, completed - job.step, source, before, dp_before,
+                                job.spec.parallel.dp)
+        job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
+        return record, phases
+
+    def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
+        """New actors for the dead ranks only, a re-formed group and a rollback; a smaller grid when the
+        replacements cannot be placed. Returns the recovery's kind and where the state came from."""
+        job = self.job
+        dead, kind = set(), failure.kind
+        if failure.dead:
+            kind, dead, placed = self._start_replacements(failure, phases)
+            if self._decide(self.policy.on_placement(placed)).action is Action.SHRINK:
+                source = self.shrink(dead)
+                phases.lap("shrink")
+                return kind, source
+            job.layout = job.layout.with_ranks(job.group.form())
+            phases.lap("form")
+        source = self._roll_back(dead)
+        phases.lap("restore")
+        return kind, source
+
+    def _start_replacements(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, set[int], bool]:
+        """Start the dead ranks' replacements while the survivors' failed step ends (a lost node shows
+        more dead ranks meanwhile). Returns the kind (``node`` when a dead rank's node is gone), the dead
+        ranks and whether every replacement started within ``placement_timeout_s``."""
+        job = self.job
+        dead = set(failure.dead)
+        job.group.replace(dead)  # starts now, while the survivors' failed step ends
+        more = job.group.finish_failed_step()
+        phases.lap("survivors")
+        if more:
+            job.group.replace(more)
+            failure.dead.update(more)
+            dead |= set(more)
+            job.restarts += len(more)
+        placed = job.group.placed(dead, job.spec.fault_tolerance.placement_timeout_s)
+        gone = job.runtime.nodes_gone(job.layout.ranks[r].node_id for r in dead)
+        phases.lap("replace")
+        return ("node" if gone else failure.kind), dead, placed
+
+    def _roll_back(self, replaced: set[int]) -> str:
+        """Newest consistent state: in-memory snapshots, else the latest checkpoint, else step 0."""
+        job = self.job
+        decision = self._decide(self.policy.roll_back(job.snapshot_step is not None, bool(replaced)))
+        if decision.source == "memory":
+            try:
+                job.step = job.group.restore(replaced, job.step)
+                return "memory"
+            except LookupError as why:
+                event("snapshot_lost", reason=why)
+                decision = self._decide(self.policy.roll_back(False, bool(replaced)))
+        if decision.action is Action.GIVE_UP:
+            raise RuntimeError(decision.message)
+        return job.from_disk("recovery")
+
+    def _restart_all(self) -> str:
+        """What Ray Train and torchrun do on any failure (``recovery: restart_all``, the benchmarks' baseline):
+        tear down every rank, start the whole grid again and load the last checkpoint on disk."""
+        job = self.job
+        job.teardown_grid()
+        job.layout = job.launch_grid()
+        job.snapshot_step = None
+        return job.from_disk("recovery")
+
+    # -- elastic data parallelism ----------------------------------------------------------
+
+    def shrink(self, dead: set[int]) -> str:
+        """The dead ranks' replacements found no room: go on with the largest grid the live nodes hold.
+
+        Where data-parallel replicas are full copies (zero 0) and a survivor of every (pp, tp) position
+        kept its in-memory snapshot, the new grid starts from those (no storage); else from the latest
+        checkpoint (DCP reshards it), else from step 0. Returns where the state came from.
+        """
+        job = self.job
+        t0 = time.perf_counter()
+        old = job.spec
+        kept = job.group.survivor_snapshots(dead, job.step) if job.snapshot_step is not None else None
+        job.teardown_grid()
+        self._launch_smaller(old)
+        if kept is not None:
+            job.step = job.group.restore_positions(*kept)
+            source = "memory"
+        else:
+            source = job.from_disk("shrink")
+        self._resized("shrink", old.parallel.dp, source, time.perf_counter() - t0)
+        return source
+
+    def _launch_smaller(self, old: JobSpec) -> None:
+        """The largest layout the scaling policy offers that can actually be placed."""
+        job = self.job
+        for option in job.scaling.shrink_options(old, job.use_gpu):
+            job.spec = option
+            try:
+                job.layout = job.launch_grid(old.fault_tolerance.placement_timeout_s)
+                return
+            except SpecError as exc:  # not placeable after all (another tenant took the room): one smaller
+                event("shrink_retry", dp=option.parallel.dp, reason=exc.problem)
+        raise RuntimeError(f"no data-parallel degree down to fault_tolerance.min_dp={old.fault_tolerance.min_dp} "
+                           "could be placed; fix: add nodes or lower fault_tolerance.min_dp")
+
+    def resize(self, target: JobSpec, reason: str) -> None:
+        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load."""
+        job = self.job
+        t0 = time.perf_counter()
+        old_dp = job.spec.parallel.dp
+        job.checkpoints.save_now(job.group, job.step)
+        job.teardown_grid()
+        job.spec = target
+        job.layout = job.launch_grid()
+        job.load_from_disk("resize")  # the save just made, unless it fails its checksums
+        if job.spec.checkpoint.memory_every:
+            job.take_snapshot()
+        self._resized(reason, old_dp, "disk", time.perf_counter() - t0)
+
+    def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
+        """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record."""
+        job = self.job
+        spec = job.spec
+        record = ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches, source, seconds)
+        job.observers.on_resized(record, job.layout.to_dict())
+        job.resizes.append(record.to_dict())

@@ -1,0 +1,126 @@
+"""What the controller needs from a rank group and from the cluster, as protocols it is handed.
+
+``TrainingJob`` calls these and nothing else of Ray: ``RayRuntime`` (the
+default) reserves placement groups and starts ``RankGroup`` actors; the unit
+tests hand it a fake runtime whose group fails, hangs and returns NaN on cue,
+so every controller transition runs in milliseconds without a cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from orchestrator.spec import JobSpec
+from workers.protocol import RankInfo, StepResult
+
+
+@dataclass
+class StepFailed(Exception):
+    """A step that did not complete on every rank, and why: ``kind`` is ``rank``, ``hang`` or ``nan_loss``."""
+
+    dead: dict[int, str]  # rank -> "died" | "hung"
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or ("hang" if "hung" in self.dead.values() else "rank")
+
+    def __str__(self) -> str:
+        return ", ".join(f"rank {r} {how}" for r, how in sorted(self.dead.items())) or self.kind
+
+
+class Placement(Protocol):
+    def release(self) -> None: ...
+
+
+class RankGroupLike(Protocol):
+    """The calls ``TrainingJob`` makes on ``RankGroup`` (see it for what each does)."""
+
+    worker_extra: dict
+
+    def form(self) -> list[RankInfo]: ...
+    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]: ...
+    def finish_failed_step(self) -> dict[int, str]: ...
+    def replace(self, ranks) -> None: ...
+    def placed(self, ranks, timeout_s: float) -> bool: ...
+    def snapshot(self, keep_from: int = -1) -> None: ...
+    def restore(self, replaced: set[int], up_to: int) -> int: ...
+    def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None: ...
+    def restore_positions(self, step: int, kept: dict) -> int: ...
+    def call(self, method: str, *args) -> list: ...
+    def stop(self) -> None: ...
+
+
+class Runtime(Protocol):
+    """Where the job runs: cluster connection, start-up checks, placement, groups, node liveness, control API."""
+
+    def preflight(self, spec: JobSpec) -> None: ...
+    def connect(self, address: str | None, needed_cpus: float) -> None: ...
+    def available(self) -> tuple[float, float]: ...
+    def reserve(self, spec: JobSpec, use_gpu: bool, timeout_s: float) -> Placement: ...
+    def start_group(self, spec: JobSpec, placement: Placement, use_gpu: bool) -> RankGroupLike: ...
+    def check_job_faults(self, faults: list[dict], placement: Placement) -> None: ...
+    def kill_node_refusal(self, rank: int, node_id: str) -> str | None: ...
+    def nodes_gone(self, node_ids) -> set[str]: ...
+    def elastic(self, spec: JobSpec): ...
+    def serve_control(self, job): ...
+
+
+class RayRuntime:
+    """The real thing: Ray placement groups and ``RankWorker`` actors (imported lazily, so the fake needs no Ray)."""
+
+    def preflight(self, spec: JobSpec) -> None:
+        from orchestrator.planning.disk_check import check_offload_space
+        from orchestrator.planning.memory_report import warn_if_too_big
+        from orchestrator.spec import check_data_path
+        from orchestrator.spec.lora import check_base_checkpoint
+
+        check_data_path(spec)
+        check_offload_space(spec)
+        check_base_checkpoint(spec)
+        warn_if_too_big(spec)
+
+    def connect(self, address: str | None, needed_cpus: float) -> None:
+        from orchestrator.runtime import cluster
+
+        cluster.connect(address, needed_cpus)
+
+    def available(self) -> tuple[float, float]:
+        from orchestrator.runtime import cluster
+
+        return cluster.available()
+
+    def reserve(self, spec: JobSpec, use_gpu: bool, timeout_s: float):
+        from orchestrator.runtime.placement import reserve
+
+        return reserve(spec, use_gpu, timeout_s)
+
+    def start_group(self, spec: JobSpec, placement, use_gpu: bool):
+        from orchestrator.runtime.rank_group import RankGroup
+
+        return RankGroup(spec, placement, use_gpu)
+
+    def check_job_faults(self, faults: list[dict], placement) -> None:
+        from orchestrator.recovery import node_loss
+
+        node_loss.check_job_faults(faults, placement)
+
+    def kill_node_refusal(self, rank: int, node_id: str) -> str | None:
+        from orchestrator.recovery import node_loss
+
+        return node_loss.refusal(rank, node_id)
+
+    def nodes_gone(self, node_ids) -> set[str]:
+        from orchestrator.recovery import node_loss
+
+        return node_loss.gone(node_ids)
+
+    def elastic(self, spec: JobSpec):
+        from orchestrator.recovery.elastic import ElasticPolicy
+
+        return ElasticPolicy(spec)
+
+    def serve_control(self, job):
+        from orchestrator.api.control_server import ControlServer
+
+        return ControlServer(job)

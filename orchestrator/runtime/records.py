@@ -1,0 +1,82 @@
+"""The controller's own records: frozen dataclasses whose ``to_dict()`` gives exactly the summary's JSON keys.
+
+The summary JSON and ``raymesh report`` read these keys, so the field order
+here is the key order users have always seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from orchestrator.spec import JobSpec
+from workers.protocol import RankInfo
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The grid a job runs on now: its degrees and every rank's place, device and process (``RankInfo``)."""
+
+    dp: int
+    pp: int
+    tp: int
+    zero: int
+    pp_schedule: str
+    virtual_stages: int
+    microbatches: int
+    world_size: int
+    ranks: tuple[RankInfo, ...]
+
+    @classmethod
+    def of(cls, spec: JobSpec, ranks: list[RankInfo]) -> Layout:
+        p = spec.parallel
+        return cls(p.dp, p.pp, p.tp, p.zero, p.pp_schedule, p.stages_per_rank, spec.train.microbatches,
+                   p.world_size, tuple(ranks))
+
+    def with_ranks(self, ranks: list[RankInfo]) -> Layout:
+        """The same grid after it was re-formed (replaced ranks have new processes)."""
+        return replace(self, ranks=tuple(ranks))
+
+    def to_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "ranks"}, "ranks": [r.to_dict() for r in self.ranks]}
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """One recovery: what failed, where the state came from, the steps lost, and (once the next step
+    completed) its MTTR and per-phase seconds."""
+
+    kind: str
+    rank: int
+    at_step: int
+    lost_steps: int
+    source: str
+    identities_before: dict
+    dp_from: int
+    dp_to: int
+    mttr_s: float | None = None
+    phases_s: dict | None = None
+
+    def completed(self, mttr_s: float, phases_s: dict) -> RecoveryRecord:
+        return replace(self, mttr_s=mttr_s, phases_s=phases_s)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        if self.mttr_s is None:  # not ended yet: the summary only ever holds ended recoveries
+            del out["mttr_s"], out["phases_s"]
+        return out
+
+
+@dataclass(frozen=True)
+class ResizeRecord:
+    """One change of dp: ``reason`` request, shrink (after a loss) or grow (back), and where state came from."""
+
+    reason: str
+    at_step: int
+    dp_from: int
+    dp_to: int
+    microbatches: int
+    source: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)

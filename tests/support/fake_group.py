@@ -1,0 +1,178 @@
+"""A fake ``Runtime`` and rank group: the controller's whole life in milliseconds, without Ray or torch.
+
+The group keeps one step counter for all ranks, the steps they snapshotted and
+the checkpoints they saved (a small file per checkpoint, so the real
+``CheckpointDir`` seals and verifies them). It honours the job's fault
+schedule the way the real ranks do (``kill_rank``/``kill_node`` die,
+``hang_rank`` hangs, ``nan_loss`` returns NaN), and ``FakeRuntime.script``
+runs a function before a given step (to request a stop or a resize). Knobs on
+the runtime decide what placement, snapshots and the elastic policy answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from orchestrator.recovery.elastic import resized
+from orchestrator.runtime.group import StepFailed
+from orchestrator.spec import JobSpec
+from workers.protocol import RankInfo, StepResult
+
+
+class FakePlacement:
+    def __init__(self) -> None:
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+class FakeElastic:
+    """``ElasticPolicy``'s answers without asking Ray: every smaller dp down to min_dp fits; ``grow_to`` grows."""
+
+    def __init__(self, spec: JobSpec):
+        self.target_dp = spec.parallel.dp
+        self.grow_to: int | None = None
+
+    def shrink_options(self, spec: JobSpec, use_gpu: bool) -> list[JobSpec]:
+        return [resized(spec, dp) for dp in range(spec.parallel.dp - 1, spec.fault_tolerance.min_dp - 1, -1)]
+
+    def grow(self, spec: JobSpec, use_gpu: bool) -> JobSpec | None:
+        dp, self.grow_to = self.grow_to, None
+        return resized(spec, dp) if dp is not None else None
+
+
+class FakeRuntime:
+    """Knobs: ``placeable`` (replacements start), ``more_dead`` (found when the failed step ends),
+    ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it)."""
+
+    def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
+                 lose_snapshots: bool = False, script: dict | None = None):
+        self.placeable = placeable
+        self.more_dead = dict(more_dead or {})
+        self.lose_snapshots = lose_snapshots
+        self.script = dict(script or {})
+        self.groups: list[FakeGroup] = []
+        self.placements: list[FakePlacement] = []
+        self.elastic_policy: FakeElastic | None = None
+
+    def preflight(self, spec: JobSpec) -> None: ...
+    def connect(self, address: str | None, needed_cpus: float) -> None: ...
+    def check_job_faults(self, faults: list[dict], placement) -> None: ...
+
+    def available(self) -> tuple[float, float]:
+        return 64.0, 0.0
+
+    def reserve(self, spec: JobSpec, use_gpu: bool, timeout_s: float) -> FakePlacement:
+        self.placements.append(FakePlacement())
+        return self.placements[-1]
+
+    def start_group(self, spec: JobSpec, placement, use_gpu: bool) -> FakeGroup:
+        self.groups.append(FakeGroup(self, spec))
+        return self.groups[-1]
+
+    def kill_node_refusal(self, rank: int, node_id: str) -> str | None:
+        return None
+
+    def nodes_gone(self, node_ids) -> set[str]:
+        return set()
+
+    def elastic(self, spec: JobSpec) -> FakeElastic:
+        self.elastic_policy = FakeElastic(spec)
+        return self.elastic_policy
+
+    def serve_control(self, job) -> None:
+        return None
+
+
+class FakeGroup:
+    def __init__(self, runtime: FakeRuntime, spec: JobSpec):
+        self.runtime = runtime
+        self.spec = spec
+        self.world = spec.parallel.world_size
+        self.worker_extra: dict = {}
+        self.step_now = 0
+        self.snapshots: set[int] = set()
+        self.replaced: list[set[int]] = []
+        self.stopped = False
+
+    def form(self) -> list[RankInfo]:
+        """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
+        self.step_now = 0
+        grid = self.spec.parallel.grid
+        return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="cpu",
+                         pid=1000 + r, node_id=f"node{r}", actor_id=f"actor{r}") for r in grid.ranks()]
+
+    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
+        nxt = self.step_now + 1
+        action = self.runtime.script.pop(nxt, None)
+        if action is not None:
+            action()
+        kinds = {rank: f["kind"] for rank, f in faults.items()}
+        dead = {r: "hung" if k == "hang_rank" else "died" for r, k in kinds.items() if k != "nan_loss"}
+        if dead:
+            raise StepFailed(dead)
+        self.step_now = nxt
+        if snapshot_keep_from is not None:
+            self.snapshots.add(nxt)
+        loss = math.nan if "nan_loss" in kinds.values() else 1.0 / nxt
+        return [_result(r, nxt, loss) for r in range(self.world)]
+
+    def finish_failed_step(self) -> dict[int, str]:
+        more, self.runtime.more_dead = self.runtime.more_dead, {}
+        return more
+
+    def replace(self, ranks) -> None:
+        self.replaced.append(set(ranks))
+
+    def placed(self, ranks, timeout_s: float) -> bool:
+        return self.runtime.placeable
+
+    def snapshot(self, keep_from: int = -1) -> None:
+        self.snapshots.add(self.step_now)
+
+    def restore(self, replaced: set[int], up_to: int) -> int:
+        held = [s for s in self.snapshots if s <= up_to]
+        if self.runtime.lose_snapshots or not held:
+            raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
+        self.step_now = max(held)
+        return self.step_now
+
+    def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None:
+        held = [s for s in self.snapshots if s <= up_to]
+        mirrored = self.spec.parallel.zero == 0 and self.spec.parallel.dp > 1
+        return (max(held), {}) if mirrored and held else None
+
+    def restore_positions(self, step: int, kept: dict) -> int:
+        self.step_now = step
+        return step
+
+    def call(self, method: str, *args) -> list:
+        return [getattr(self, f"_{method}")(*args)] * self.world
+
+    def _save_checkpoint(self, path: str, async_save: bool) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / ".metadata").write_text(json.dumps({"step": self.step_now}))  # DCP's file a save must have
+        self._in_flight = self.step_now if async_save else None
+
+    def _wait_checkpoint(self) -> int | None:
+        done, self._in_flight = getattr(self, "_in_flight", None), None
+        return done
+
+    def _load_checkpoint(self, path: str) -> int:
+        self.step_now = json.loads((Path(path) / ".metadata").read_text())["step"]
+        return self.step_now
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _result(rank: int, step: int, loss: float) -> StepResult:
+    """One rank's ``train_step`` answer."""
+    times = {"data": 0.001, "compute": 0.01, "bubble": 0.0, "communication": 0.001, "optimizer": 0.001,
+             "step": 0.013}
+    return StepResult.from_dict({"rank": rank, "step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256,
+            "applied": True, "time_s": times, "peak_memory_bytes": 1 << 20, "current_memory_bytes": 1 << 19,
+            "replicated_step": step})

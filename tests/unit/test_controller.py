@@ -1,0 +1,308 @@
+"""The controller's whole state machine on a fake rank group: every transition, decision and record, no Ray."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from orchestrator import JobSpec, TrainingJob
+from orchestrator.observability.observers import JobObserver
+from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
+from orchestrator.runtime.states import JobState
+from tests.support.fake_group import FakeRuntime
+from tests.support.jobs import tiny_spec
+
+S = JobState
+RECOVERY_KEYS = ["kind", "rank", "at_step", "lost_steps", "source", "identities_before", "dp_from", "dp_to",
+                 "mttr_s", "phases_s"]
+
+
+class Recorder(JobObserver):
+    """Every notification, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def on_checkpoint(self, blocking_s, committed: bool) -> None:
+        self.seen.append(("checkpoint", committed))
+
+    def on_recovered(self, record, step: int, restarted: int, phases_s: dict) -> None:
+        self.seen.append(("recovery", record.kind, restarted, record.lost_steps))
+
+    def on_resized(self, record, layout: dict) -> None:
+        self.seen.append(("layout", layout["dp"]))
+
+    def on_mttr(self, seconds: float) -> None:
+        self.seen.append(("mttr",))
+
+    def on_finish(self) -> None:
+        self.seen.append(("finish",))
+
+
+def make_job(tmp_path, faults=(), runtime=None, **sections):
+    sections.setdefault("parallel", {"dp": 2})
+    sections.setdefault("checkpoint", {"every": 0, "memory_every": 1})
+    spec = tiny_spec(tmp_path / "data", tmp_path, **sections)
+    spec = JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)})
+    job = TrainingJob(spec, progress=False, runtime=runtime or FakeRuntime())
+    job.recorder = Recorder()
+    job.observers.add(job.recorder)
+    return job
+
+
+def kill(rank: int, at_step: int, kind: str = "kill_rank") -> dict:
+    return {"kind": kind, "rank": rank, "at_step": at_step}
+
+
+def actions(job) -> list[Action]:
+    return [d.action for d in job.changes.decisions]
+
+
+# -- finishing and stopping --------------------------------------------------------------
+
+
+def test_a_clean_run_finishes_through_starting_running_finished(tmp_path):
+    job = make_job(tmp_path)
+    result = job.run()
+    assert result.status == "finished" and result.steps == 10 and len(result.losses) == 10
+    assert job.machine.visited == [S.STARTING, S.RUNNING, S.FINISHED]
+    assert job.state == "finished" and job.changes.decisions == [] and result.recoveries == []
+
+
+def test_the_summary_is_written_with_the_status(tmp_path):
+    job = make_job(tmp_path)
+    job.run()
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 10
+
+
+def test_a_stop_request_ends_the_run_stopped_after_the_current_step(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_stop("test")
+    result = job.run()
+    assert result.status == "stopped" and result.steps == 4
+    assert job.machine.visited == [S.STARTING, S.RUNNING, S.STOPPING, S.STOPPED]
+
+
+def test_a_stop_checkpoints_when_checkpoints_are_on(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 100, "memory_every": 1})
+    runtime.script[3] = lambda: job.request_stop()
+    result = job.run()
+    assert [p.rsplit("-", 1)[1] for p in result.checkpoints] == ["00000003"]
+
+
+def test_a_stop_during_a_recovery_reads_stopping_and_ends_stopped(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime)
+    seen = {}
+    real = job.changes.recover
+
+    def recover(*args):
+        job.request_stop("during recovery")
+        seen["state"] = job.status()["state"]
+        return real(*args)
+
+    job.changes.recover = recover
+    result = job.run()
+    assert seen["state"] == "stopping" and result.status == "stopped"
+    assert job.machine.visited == [S.STARTING, S.RUNNING, S.RECOVERING, S.STOPPING, S.STOPPED]
+
+
+def test_every_step_checkpoints_are_sealed_and_observed(tmp_path):
+    job = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 0})
+    result = job.run()
+    assert len(result.checkpoints) == 2 and job.ckpt.complete_steps() == [5, 10]
+    assert job.recorder.seen.count(("checkpoint", True)) == 2
+
+
+# -- replacing failed ranks --------------------------------------------------------------
+
+
+def test_a_dead_rank_is_replaced_and_rolled_back_from_memory(tmp_path):
+    job = make_job(tmp_path, [kill(1, 4)])
+    result = job.run()
+    assert actions(job) == [Action.REPLACE, Action.ROLL_BACK, Action.ROLL_BACK]
+    assert job.changes.decisions[-1].source == "memory"
+    (rec,) = result.recoveries
+    assert list(rec) == RECOVERY_KEYS
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 4, "memory", 0)
+    assert job.machine.visited == [S.STARTING, S.RUNNING, S.RECOVERING, S.RUNNING, S.FINISHED]
+    assert result.status == "finished" and result.steps == 10 and len(result.losses) == 10
+
+
+def test_a_recovery_records_its_identities_phases_and_mttr(tmp_path):
+    job = make_job(tmp_path, [kill(0, 3)])
+    (rec,) = job.run().recoveries
+    assert rec["identities_before"][0] == {"pid": 1000, "actor_id": "actor0", "node_id": "node0"}
+    assert {"detect", "survivors", "replace", "form", "restore", "snapshot", "first_step"} == set(rec["phases_s"])
+    assert rec["mttr_s"] >= 0 and ("recovery", "rank", 1, 0) in job.recorder.seen and ("mttr",) in job.recorder.seen
+
+
+def test_only_the_dead_rank_is_replaced(tmp_path):
+    runtime = FakeRuntime()
+    make_job(tmp_path, [kill(1, 4)], runtime=runtime).run()
+    assert runtime.groups[0].replaced == [{1}] and len(runtime.groups) == 1
+
+
+def test_without_snapshots_the_rollback_is_from_the_latest_checkpoint(tmp_path):
+    job = make_job(tmp_path, [kill(1, 5)], checkpoint={"every": 2, "memory_every": 0})
+    (rec,) = job.run().recoveries
+    assert job.changes.decisions[-1].source == "disk"
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 0)
+
+
+def test_without_snapshots_or_checkpoints_training_starts_over(tmp_path):
+    job = make_job(tmp_path, [kill(1, 4)], checkpoint={"every": 0, "memory_every": 0})
+    result = job.run()
+    assert result.recoveries[0]["source"] == "initial" and result.recoveries[0]["lost_steps"] == 3
+    assert result.steps == 10 and len(result.losses) == 10  # the lost steps' losses were cut back
+
+
+def test_a_lost_snapshot_falls_back_to_disk(tmp_path):
+    runtime = FakeRuntime(lose_snapshots=True)
+    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1})
+    (rec,) = job.run().recoveries
+    assert [d.source for d in job.changes.decisions[-2:]] == ["memory", "disk"] and rec["source"] == "disk"
+
+
+def test_a_hung_rank_is_a_hang_recovery(tmp_path):
+    job = make_job(tmp_path, [kill(1, 4, "hang_rank")])
+    assert job.run().recoveries[0]["kind"] == "hang"
+
+
+def test_ranks_found_dead_when_the_failed_step_ends_are_replaced_too(tmp_path):
+    runtime = FakeRuntime(more_dead={0: "died"})
+    job = make_job(tmp_path, [kill(1, 4)], runtime=runtime)
+    job.run()
+    assert runtime.groups[0].replaced == [{1}, {0}] and job.restarts == 2
+
+
+def test_restart_all_relaunches_the_whole_grid_from_disk(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1},
+                   fault_tolerance={"recovery": "restart_all"})
+    (rec,) = job.run().recoveries
+    assert actions(job) == [Action.RESTART_ALL]
+    assert len(runtime.groups) == 2 and runtime.groups[0].stopped and runtime.placements[0].released
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 0)
+
+
+def test_exceeding_the_restart_budget_gives_up_with_the_known_message(tmp_path):
+    job = make_job(tmp_path, [kill(1, 3), kill(0, 5)], fault_tolerance={"max_restarts": 1})
+    with pytest.raises(RuntimeError, match=r"rank 0 died at step 5: 2 rank restarts exceed "
+                                           r"fault_tolerance.max_restarts=1"):
+        job.run()
+    assert actions(job)[-1] is Action.GIVE_UP and job.state == "failed"
+    assert job.machine.visited[-2:] == [S.RECOVERING, S.FAILED]
+
+
+# -- shrinking when replacements find no room --------------------------------------------
+
+
+def test_unplaceable_replacements_shrink_dp_from_survivor_snapshots(tmp_path):
+    runtime = FakeRuntime(placeable=False)
+    job = make_job(tmp_path, [kill(1, 4)], runtime=runtime, train={"steps": 10, "global_batch_size": 8,
+                                                                   "microbatches": 2})
+    result = job.run()
+    assert actions(job) == [Action.REPLACE, Action.SHRINK]
+    (resize,) = result.resizes
+    assert (resize["reason"], resize["dp_from"], resize["dp_to"], resize["source"]) == ("shrink", 2, 1, "memory")
+    assert resize["microbatches"] == 4 and result.layout["dp"] == 1
+    assert result.recoveries[0]["dp_to"] == 1 and ("layout", 1) in job.recorder.seen
+
+
+def test_a_shrink_without_snapshots_loads_the_checkpoint(tmp_path):
+    job = make_job(tmp_path, [kill(1, 5)], runtime=FakeRuntime(placeable=False),
+                   checkpoint={"every": 2, "memory_every": 0})
+    result = job.run()
+    assert result.resizes[0]["source"] == "disk" and result.status == "finished"
+
+
+# -- NaN losses --------------------------------------------------------------------------
+
+
+def test_a_nan_loss_rolls_back_to_the_snapshot(tmp_path):
+    job = make_job(tmp_path, [kill(0, 6, "nan_loss")])
+    (rec,) = job.run().recoveries
+    assert actions(job) == [Action.ROLL_BACK, Action.ROLL_BACK]
+    assert (rec["kind"], rec["rank"], rec["source"]) == ("nan_loss", -1, "memory")
+
+
+def test_a_nan_loss_without_a_snapshot_is_the_known_error(tmp_path):
+    job = make_job(tmp_path, [kill(0, 6, "nan_loss")], checkpoint={"every": 2, "memory_every": 0})
+    with pytest.raises(RuntimeError, match="non-finite loss and there is no in-memory snapshot") as err:
+        job.run()
+    assert str(err.value) == NAN_WITHOUT_SNAPSHOT and job.state == "failed"
+
+
+# -- resizing ----------------------------------------------------------------------------
+
+
+def test_a_scale_request_resizes_through_a_checkpoint(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_scale(1)
+    result = job.run()
+    (resize,) = result.resizes
+    assert (resize["reason"], resize["at_step"], resize["dp_from"], resize["dp_to"], resize["source"]) == \
+           ("request", 4, 2, 1, "disk")
+    assert job.machine.visited == [S.STARTING, S.RUNNING, S.RESIZING, S.RUNNING, S.FINISHED]
+    assert result.steps == 10 and len(runtime.groups) == 2 and runtime.elastic_policy.target_dp == 1
+
+
+def test_growing_back_is_a_grow_resize(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime, parallel={"dp": 1})
+    runtime.script[3] = lambda: setattr(runtime.elastic_policy, "grow_to", 2)
+    result = job.run()
+    assert [(r["reason"], r["dp_to"]) for r in result.resizes] == [("grow", 2)]
+
+
+def test_a_scale_to_an_impossible_layout_is_refused(tmp_path):
+    job = make_job(tmp_path)
+    with pytest.raises(ValueError):
+        job.request_scale(3)  # the global batch of 8 does not split over 3 replicas
+
+
+# -- the control surface -----------------------------------------------------------------
+
+
+def test_an_injected_fault_outside_the_grid_names_the_ranks(tmp_path):
+    job = make_job(tmp_path)
+    with pytest.raises(ValueError, match="fix: pick a rank from 0 to 1"):
+        job.inject_fault("kill_rank", 7, 2.0)
+
+
+def test_an_injected_fault_hits_the_next_step(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[5] = lambda: job.inject_fault("kill_rank", 1, 2.0)
+    result = job.run()
+    assert [r["at_step"] for r in result.recoveries] == [6]
+
+
+def test_status_reports_the_public_state_and_the_last_step(tmp_path):
+    job = make_job(tmp_path)
+    assert job.status()["state"] == "starting"
+    job.run()
+    status = job.status()
+    assert status["state"] == "finished" and status["step"] == 10 and status["loss"] == pytest.approx(0.1)
+
+
+def test_recoveries_and_resizes_are_event_lines(tmp_path):
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("raymesh").addHandler(handler)
+    try:
+        make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(placeable=False)).run()
+    finally:
+        logging.getLogger("raymesh").removeHandler(handler)
+    resized = next(line for line in lines if line.startswith("event=resized"))
+    assert resized == "event=resized reason=shrink dp_from=2 dp_to=1 step=3 source=memory microbatches=4"
+    recovered = next(line for line in lines if line.startswith("event=recovered"))
+    assert recovered.startswith("event=recovered kind=rank source=memory step=3 lost_steps=0 detect_s=")

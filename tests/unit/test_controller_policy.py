@@ -1,0 +1,130 @@
+"""The controller's pure parts on their own: the state machine's table, the policies' decisions, the records."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action, Failure, RecoveryPolicy, ScalingPolicy
+from orchestrator.runtime.records import Layout, RecoveryRecord, ResizeRecord
+from orchestrator.runtime.states import TRANSITIONS, IllegalTransition, JobState, JobStateMachine
+from tests.support.fake_group import FakeElastic
+from tests.support.jobs import tiny_spec
+from workers.protocol import RankInfo
+
+S = JobState
+
+
+@pytest.fixture
+def spec(tmp_path):
+    return tiny_spec(tmp_path / "data", tmp_path, parallel={"dp": 2}, fault_tolerance={"max_restarts": 2})
+
+
+def dead(*ranks: int, at_step: int = 4) -> Failure:
+    return Failure("rank", frozenset(ranks), at_step, ", ".join(f"rank {r} died" for r in ranks))
+
+
+def test_ended_states_have_no_way_out():
+    assert all(not TRANSITIONS[s] for s in S if s.terminal)
+    machine = JobStateMachine()
+    machine.to(S.RUNNING)
+    machine.to(S.FINISHED)
+    with pytest.raises(IllegalTransition, match="job state finished -> running is not a legal transition"):
+        machine.to(S.RUNNING)
+
+
+def test_starting_cannot_jump_to_recovering():
+    with pytest.raises(IllegalTransition, match="fix: from starting the job may go to"):
+        JobStateMachine().to(S.RECOVERING)
+
+
+def test_fail_keeps_an_ended_job_as_it_ended():
+    machine = JobStateMachine()
+    machine.to(S.RUNNING)
+    machine.to(S.FINISHED)
+    machine.fail()
+    assert machine.state is S.FINISHED
+
+
+def test_recovering_and_resizing_read_as_running_to_users():
+    machine = JobStateMachine()
+    machine.to(S.RUNNING)
+    machine.to(S.RECOVERING)
+    assert machine.public == "running"
+    machine.request_stop()
+    assert machine.public == "stopping" and machine.state is S.RECOVERING
+    machine.resume()
+    assert machine.state is S.STOPPING
+
+
+def test_a_stop_before_the_first_step_starts_the_run_stopping():
+    machine = JobStateMachine()
+    machine.request_stop()
+    assert machine.public == "starting"
+    machine.resume()
+    assert machine.visited == [S.STARTING, S.STOPPING]
+
+
+def test_a_dead_rank_within_budget_is_replaced(spec):
+    assert RecoveryPolicy(spec).on_failure(dead(1), restarts=1).action is Action.REPLACE
+
+
+def test_over_budget_gives_up_naming_the_setting(spec):
+    decision = RecoveryPolicy(spec).on_failure(dead(0, 1), restarts=3)
+    assert decision.action is Action.GIVE_UP
+    assert decision.message == ("rank 0 died, rank 1 died at step 4: 3 rank restarts exceed "
+                                "fault_tolerance.max_restarts=2; raise it, or look at the failing rank's log "
+                                "(`ray logs actor`)")
+
+
+def test_restart_all_mode_restarts_everything(tmp_path):
+    spec = tiny_spec(tmp_path / "data", tmp_path, fault_tolerance={"recovery": "restart_all"})
+    assert RecoveryPolicy(spec).on_failure(dead(0), restarts=1).action is Action.RESTART_ALL
+
+
+def test_a_nan_step_rolls_back_and_placement_decides_shrink(spec):
+    policy = RecoveryPolicy(spec)
+    assert policy.on_failure(Failure("nan_loss", frozenset(), 6, "nan_loss"), restarts=0).action is Action.ROLL_BACK
+    assert policy.on_placement(True).action is Action.ROLL_BACK
+    assert policy.on_placement(False).action is Action.SHRINK
+
+
+@pytest.mark.parametrize(("usable", "replaced", "expected"), [
+    (True, True, (Action.ROLL_BACK, "memory")), (True, False, (Action.ROLL_BACK, "memory")),
+    (False, True, (Action.ROLL_BACK, "disk")), (False, False, (Action.GIVE_UP, None)),
+])
+def test_roll_back_prefers_memory_then_disk_and_never_disk_for_nan(spec, usable, replaced, expected):
+    decision = RecoveryPolicy(spec).roll_back(usable, replaced)
+    assert (decision.action, decision.source) == expected
+    if decision.action is Action.GIVE_UP:
+        assert decision.message == NAN_WITHOUT_SNAPSHOT
+
+
+def test_a_scale_request_beats_growing_back_and_retargets_it(spec):
+    elastic = FakeElastic(spec)
+    elastic.grow_to = 2
+    scaling = ScalingPolicy(elastic)
+    smaller = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp": 1})})
+    scaling.request(smaller)
+    assert scaling.next_resize(spec, False) == (smaller, "request") and elastic.target_dp == 1
+    grown, reason = scaling.next_resize(spec, False)
+    assert reason == "grow" and grown.parallel.dp == 2
+    assert scaling.next_resize(spec, False) is None
+
+
+def test_records_keep_the_summary_keys():
+    rec = RecoveryRecord("rank", 1, 4, 0, "memory", {}, 2, 2)
+    assert list(rec.to_dict()) == ["kind", "rank", "at_step", "lost_steps", "source", "identities_before",
+                                   "dp_from", "dp_to"]
+    assert list(rec.completed(1.5, {"detect": 0.1}).to_dict())[-2:] == ["mttr_s", "phases_s"]
+    resize = ResizeRecord("shrink", 5, 2, 1, 4, "memory", 0.25)
+    assert resize.to_dict() == {"reason": "shrink", "at_step": 5, "dp_from": 2, "dp_to": 1, "microbatches": 4,
+                                "source": "memory", "seconds": 0.25}
+
+
+def test_the_layout_keeps_the_summary_keys_and_each_ranks_info(spec):
+    info = RankInfo(rank=0, coords={"dp": 0, "pp": 0, "tp": 0}, stages=[0], device="cpu", device_name="cpu",
+                    pid=7, node_id="n", actor_id="a")
+    layout = Layout.of(spec, [info, info]).to_dict()
+    assert list(layout) == ["dp", "pp", "tp", "zero", "pp_schedule", "virtual_stages", "microbatches",
+                            "world_size", "ranks"]
+    assert layout["dp"] == 2 and layout["ranks"][0] == info.to_dict()
