@@ -37,8 +37,8 @@ class ModelFamily:
     - ``cut_stage(model, stage, n_stages)``: a copy of the whole model holding only that pipeline stage;
     - ``tensor_parallel(stage, tp_mesh, sequence_parallel)``: shard a stage in place (through
       ``workers.parallel.tensor_parallel.apply_plan``, so LoRA/QLoRA layers follow their base's style);
-    - ``blocks(stage)``: the stage's blocks in order, where ``recompute_targets`` are looked up (the
-      checkpointing itself is generic, ``workers.parallel.recompute``).
+    - ``blocks(stage)``: the stage's blocks in order: where ``recompute_targets`` are looked up (the
+      checkpointing itself is generic, ``workers.parallel.recompute``) and FSDP2's units under ZeRO-2/3.
     """
 
     arch: str

@@ -52,5 +52,5 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
                 freeze_base(part)
         apply_recompute(part, spec.memory.recompute, fam)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
-        wrapped.append(part if ps else apply_data_parallel(part, mesh["dp"], par.zero))
+        wrapped.append(part if ps else apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero))
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages)
