@@ -128,7 +128,7 @@ def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
     return export_merged(job.worker_dict(), path, out)
 
 
-ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.parallel.tensor_parallel); others column
+ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.model.gpt_parallel); others column
 
 
 def _row_parallel(name: str) -> bool:

@@ -33,12 +33,9 @@ from workers.model.gpt import GPT
 from workers.parallel.layout import layers_of_stage
 from workers.parallel.tensor_parallel import activation_layout, apply_plan
 
-# base Linears placed row-parallel by the block plan below (LoRA's memory estimate reads it); the others column
-ROW_PARALLEL = ("wo", "w2")
-
 
 def blocks(model: GPT) -> list[nn.Module]:
-    """The transformer blocks this model (or stage) holds, in order: what recompute wraps."""
+    """The transformer blocks this model (or stage) holds, in order: what recompute and FSDP2 wrap."""
     return list(model.layers.values())
 
 
@@ -84,7 +81,7 @@ def _ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """One block's plan: q/k/v and w1 column-parallel, ``ROW_PARALLEL`` row-parallel back to the activation layout."""
+    """One block's plan: q/k/v and w1 column-parallel, wo and w2 row-parallel back to the activation layout."""
     act = activation_layout(sequence_parallel)
     plan: dict[str, ParallelStyle] = {
         "attention": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
