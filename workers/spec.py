@@ -3,7 +3,7 @@
 Workers never import the orchestrator (its pydantic ``JobSpec`` validates the job); they receive
 ``JobSpec.worker_dict()``, already validated and with derived values filled in, and turn it into these
 records in one place (``WorkerSpec.from_dict``), so the trainer reads attributes, not string subscripts.
-Builders that take a section as a plain dict (optimizer, offload stores, the model builder) get it from
+Builders that take a section as a plain dict (optimizer, offload stores) get it from
 ``raw``, the dict as sent.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from workers.model.config import ModelConfig, model_config
+from workers.model.registry import ModelFamily, family
 from workers.parallel.grid import Grid
 
 
@@ -35,6 +36,8 @@ class ParallelSection:
     zero: int
     pp_schedule: str
     dp_sync: str
+    virtual_stages: int  # model chunks per pp rank (JobSpec.worker_dict fills in the schedule's default)
+    sequence_parallel: bool
 
     @property
     def grid(self) -> Grid:
@@ -112,6 +115,11 @@ class WorkerSpec:
             record_timeline=raw["metrics"]["timeline"],
             raw=raw,
         )
+
+    @property
+    def model_family(self) -> ModelFamily:
+        """The registered family of ``model.arch``: the builder's hooks and recompute targets come from it."""
+        return family(self.model.arch)
 
     @property
     def parameter_server(self) -> ParameterServerSection:

@@ -53,7 +53,7 @@ class Trainer:
             release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
         self.mesh = init_mesh(rank, world_size, master_addr, master_port, self.grid,
                               self.device, timeout_s=self.spec.collective_timeout_s)
-        self.parts = build_parts(spec, self.mesh, self.device)
+        self.parts = build_parts(self.spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
         self.param_offload = offload_params(self.parts.modules, memory, self.device)
         self.state = self._train_state(spec)
@@ -218,7 +218,8 @@ class Trainer:
         if not self.spec.memory.measure:
             return contextlib.nullcontext()
         policy = self.spec.memory.recompute
-        watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy)]
+        fam = self.spec.model_family
+        watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy, fam)]
         return ActivationMeter(self.parts.modules, watched)
 
     @property

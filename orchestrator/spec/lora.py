@@ -12,8 +12,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.errors import SpecError
+from workers.model.config import ModelConfig, model_config
+from workers.model.registry import build_model, family
 
-DEFAULT_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2"]
+# the default family's own default (workers.model.registry), so the list is declared once, beside the model
+DEFAULT_TARGETS = list(family(ModelConfig.model_fields["arch"].default).lora_targets)
 
 
 class LoraSpec(BaseModel):
@@ -34,14 +37,11 @@ def _linear_names(model):
     import torch
     from torch import nn
 
-    from workers.model.gpt import GPT
-    from workers.parallel.parallelize import model_config
-
     raw = model.model_dump()
     raw["d_ff"] = model.ffn_dim
     with torch.device("meta"):
-        gpt = GPT(model_config(raw))
-    return [n for n, m in gpt.named_modules() if isinstance(m, nn.Linear)], gpt
+        built = build_model(model_config(raw))
+    return [n for n, m in built.named_modules() if isinstance(m, nn.Linear)], built
 
 
 def check_lora(job) -> None:
@@ -128,7 +128,7 @@ def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
     return export_merged(job.worker_dict(), path, out)
 
 
-ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.parallel.tensor_parallel); others column
+ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.model.gpt_parallel); others column
 
 
 def _row_parallel(name: str) -> bool:

@@ -14,10 +14,10 @@ from orchestrator.cli import main
 from tests.support.jobs import tiny_spec
 from tests.support.lora import base_and_lora
 from tests.support.reference import reference_run
+from workers.model.config import model_config
 from workers.model.finetune import load_dcp_model
 from workers.model.gpt import GPT
 from workers.model.lora import LoRALinear
-from workers.parallel.parallelize import model_config
 
 STEPS = 5
 LORA = {"rank": 4, "alpha": 8.0}

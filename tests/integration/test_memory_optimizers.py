@@ -10,10 +10,10 @@ from orchestrator import TrainingJob
 from tests.support.jobs import tiny_spec
 from tests.support.models import SMALL_MODEL, random_batch
 from tests.support.reference import reference_run
+from workers.model.config import model_config
 from workers.model.gpt import GPT, lm_loss
 from workers.optim.build import build_optimizer
 from workers.optim.sm3 import SM3
-from workers.parallel.parallelize import model_config
 
 
 def test_sm3_on_vectors_is_adagrad():

@@ -11,10 +11,10 @@ import torch
 
 from orchestrator import JobSpec
 from workers.data import DataCursor, TokenDataset
+from workers.model.config import model_config
 from workers.model.finetune import prepare_model
 from workers.model.gpt import GPT, lm_loss
 from workers.optim.sm3 import SM3
-from workers.parallel.parallelize import model_config
 
 
 def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.support.models import SMALL_MODEL, random_batch
+from workers.model.config import model_config
 from workers.model.gpt import GPT, lm_loss
 from workers.offload.activations import SavedActivations
 from workers.offload.store import OffloadStore
-from workers.parallel.parallelize import model_config
 
 
 def _loss_and_grads(model, policy: SavedActivations, seed: int = 0):

@@ -43,5 +43,11 @@ class ModelConfig(BaseModel):
 
 
 def model_config(model: dict[str, Any]) -> ModelConfig:
-    """The shape from a ``model:`` section dict (the worker dict also carries ``lora``, which is not shape)."""
-    return ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.model_fields})
+    """The shape from a ``model:`` section dict (the worker dict also carries ``lora``, which is not shape).
+
+    Parsed by the config class ``model.arch``'s family registered, so a family's own fields reach its builder.
+    """
+    from workers.model.registry import family  # the registry imports this module for ModelConfig
+
+    cls = family(model.get("arch", ModelConfig.model_fields["arch"].default)).config
+    return cls(**{k: v for k, v in model.items() if k in cls.model_fields})

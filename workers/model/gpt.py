@@ -149,8 +149,8 @@ register(ModelFamily(
     lora_targets=("wq", "wk", "wv", "wo", "w1", "w2"),
     recompute_targets={"full": "", "selective": "attention.core"},
     hooks={
-        "cut_stage": "workers.parallel.pipeline:cut_stage",
-        "tensor_parallel": "workers.parallel.tensor_parallel:apply_tensor_parallel",
-        "recompute": "workers.parallel.recompute:apply_recompute",
+        "cut_stage": "workers.model.gpt_parallel:cut_stage",
+        "tensor_parallel": "workers.model.gpt_parallel:apply_tensor_parallel",
+        "blocks": "workers.model.gpt_parallel:blocks",
     },
 ))

@@ -2,7 +2,7 @@
 
 A family is a config class, a constructor, and the per-family knowledge the
 parallel builder applies from outside the model: how to cut a pipeline stage,
-its tensor-parallel plan, what selective recompute wraps, which Linear layers
+its tensor-parallel plan, where its blocks are and what recompute wraps in them, which Linear layers
 LoRA adapts by default. The hooks are named as ``"module:function"`` and
 imported when first used, so a family's package needs no import of the
 parallel wrappers (which import the model package) and a second family
@@ -31,8 +31,14 @@ class ModelFamily:
     """One model family.
 
     ``lora_targets`` are the Linear names LoRA adapts by default, ``recompute_targets`` what each recompute
-    policy wraps inside every block ("" for the block itself), and ``hooks`` maps a builder step
-    (``cut_stage``, ``tensor_parallel``, ``recompute``) to the ``"module:function"`` doing it for this family.
+    policy wraps inside every block ("" for the block itself), and ``hooks`` maps a builder step to the
+    ``"module:function"`` doing it for this family:
+
+    - ``cut_stage(model, stage, n_stages)``: a copy of the whole model holding only that pipeline stage;
+    - ``tensor_parallel(stage, tp_mesh, sequence_parallel)``: shard a stage in place (through
+      ``workers.parallel.tensor_parallel.apply_plan``, so LoRA/QLoRA layers follow their base's style);
+    - ``blocks(stage)``: the stage's blocks in order: where ``recompute_targets`` are looked up (the
+      checkpointing itself is generic, ``workers.parallel.recompute``) and FSDP2's units under ZeRO-2/3.
     """
 
     arch: str

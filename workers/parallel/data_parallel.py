@@ -16,14 +16,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.model.gpt import GPT
 
+def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero: int) -> nn.Module:
+    """Return ``stage`` wrapped for data parallelism over ``dp_mesh`` (FSDP2 works in place).
 
-def apply_data_parallel(stage: GPT, dp_mesh: DeviceMesh, zero: int) -> nn.Module:
-    """Return ``stage`` wrapped for data parallelism over ``dp_mesh`` (FSDP2 works in place)."""
+    ``blocks`` (the family's ``blocks`` hook) are FSDP2's units under ZeRO-2/3: each block's parameters are
+    gathered just before it runs, so only one block is whole at a time.
+    """
     if zero >= 2:
         reshard = zero == 3
-        for block in stage.layers.values():
+        for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
         return stage

@@ -1,13 +1,13 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``.
 
 We split the model ourselves (whole blocks per stage, keeping global layer
-names) and hand the stages to PyTorch's schedules; ``workers.parallel.layout`` says
-which stages a rank owns.
+names; the family's ``cut_stage`` hook does the cutting, ``workers.parallel.layout``
+says which layers a stage and which stages a rank owns) and hand the stages to
+PyTorch's schedules.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -15,25 +15,7 @@ import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from workers.model.gpt import GPT
-from workers.parallel.layout import layers_of_stage
 from workers.parallel.schedules import schedule as schedule_facts
-
-
-def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
-    """A copy of ``model`` holding only ``stage``'s layers (plus embeddings first, head last)."""
-    part = copy.deepcopy(model)
-    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers)}
-    for name in list(part.layers.keys()):
-        if name not in keep:
-            del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-        part.pos_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
-    return part
 
 
 class TimedStage(PipelineStage):

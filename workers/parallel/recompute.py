@@ -3,9 +3,11 @@
 ``full`` keeps only each block's input and recomputes the block in backward;
 ``selective`` recomputes just the attention core (softmax(QK^T)V), the
 activations that grow with sequence length but cost little to recompute —
-Megatron's selective recompute. PyTorch's composable ``checkpoint`` is used
-because it hooks the module in place: parameter names (and so checkpoints)
-stay the same whatever the policy.
+Megatron's selective recompute. What each policy wraps is the family's
+declaration (``ModelFamily.recompute_targets``, a submodule of every block the
+family's ``blocks`` hook lists), so a new family needs no change here.
+PyTorch's composable ``checkpoint`` is used because it hooks the module in
+place: parameter names (and so checkpoints) stay the same whatever the policy.
 """
 
 from __future__ import annotations
@@ -13,14 +15,22 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable import checkpoint
 
+from workers.model.registry import ModelFamily
 
-def checkpointed_modules(stage: nn.Module, policy: str) -> list[nn.Module]:
+
+def checkpointed_modules(stage: nn.Module, policy: str, family: ModelFamily) -> list[nn.Module]:
     """The modules ``policy`` wraps in ``checkpoint`` (the memory probe watches their inputs)."""
     if policy == "none":
         return []
-    return [block if policy == "full" else block.attention.core for block in stage.layers.values()]
+    try:
+        target = family.recompute_targets[policy]
+    except KeyError:
+        raise ValueError(f"memory.recompute {policy!r} is not declared by model.arch {family.arch!r} (it declares "
+                         f"{sorted(family.recompute_targets)}); pick one of those or 'none', or add it to the "
+                         "family's recompute_targets") from None
+    return [block.get_submodule(target) for block in family.hook("blocks")(stage)]
 
 
-def apply_recompute(stage: nn.Module, policy: str) -> None:
-    for module in checkpointed_modules(stage, policy):
+def apply_recompute(stage: nn.Module, policy: str, family: ModelFamily) -> None:
+    for module in checkpointed_modules(stage, policy, family):
         checkpoint(module)

@@ -1,0 +1,99 @@
+"""The GPT family's builder hooks: how a GPT is cut into pipeline stages, sharded over TP, and where its blocks are.
+
+Everything here is GPT knowledge (attribute names, which Linear is column- or
+row-parallel); the mechanisms (applying a DTensor plan, checkpointing a module,
+which layers a stage owns) stay generic in ``workers.parallel``, so a second
+family writes its own module like this one instead of editing the builder.
+``workers.model.gpt`` names these functions as ``"module:function"`` hooks,
+imported on first use, so importing the model does not import the parallel
+wrappers.
+
+Tensor parallelism is Megatron's: attention and MLP get column-parallel inputs
+and a row-parallel output, so each block costs one all-reduce forward and one
+backward (or, with sequence parallelism, a reduce-scatter/all-gather pair that
+also shards the norms' activations along the sequence).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from workers.model.gpt import GPT
+from workers.parallel.layout import layers_of_stage
+from workers.parallel.tensor_parallel import activation_layout, apply_plan
+
+
+def blocks(model: GPT) -> list[nn.Module]:
+    """The transformer blocks this model (or stage) holds, in order: what recompute and FSDP2 wrap."""
+    return list(model.layers.values())
+
+
+def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
+    """A copy of ``model`` holding only ``stage``'s layers (plus embeddings first, head last)."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers)}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+        part.pos_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def apply_tensor_parallel(stage: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``stage`` (a whole model or one pipeline stage) over ``tp_mesh`` in place: ends first, then blocks."""
+    apply_plan(stage, tp_mesh, _ends_plan(stage, sequence_parallel))
+    for block in stage.layers.values():
+        apply_plan(block, tp_mesh, _block_plan(sequence_parallel))  # fresh style objects for every block
+
+
+def _ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Embeddings, final norm and head, for the ones this stage owns; activations leave as local tensors."""
+    act = activation_layout(sequence_parallel)
+    plan: dict[str, ParallelStyle] = {}
+    if stage.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+    if stage.pos_embeddings is not None:
+        # positions index rows [0, seq): sharding its output on dim 0 lines up with Shard(1) tokens
+        plan["pos_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+        )
+    if stage.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if stage.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=act, output_layouts=Replicate())
+    return plan
+
+
+def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """One block's plan: q/k/v and w1 column-parallel, wo and w2 row-parallel back to the activation layout."""
+    act = activation_layout(sequence_parallel)
+    plan: dict[str, ParallelStyle] = {
+        "attention": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=act),
+        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=act),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
