@@ -61,9 +61,9 @@ class Trainer:
         self.autocast_dtype = AUTOCAST.get(self.spec.precision.dtype)
         train = self.spec.train
         self.microbatches = train.microbatches
-        self.pp_group = self.mesh["pp"].get_group() if par.pp > 1 else None
+        self.pp_group = self.mesh["pp"].get_group() if par.grid.pp_enabled else None
         self.schedule, self.pipe_stages = None, []
-        if par.pp > 1:
+        if par.grid.pp_enabled:
             self.schedule, self.pipe_stages = build_schedule(
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
@@ -76,7 +76,7 @@ class Trainer:
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
         par, memory = self.spec.parallel, spec["memory"]
-        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
+        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.grid.dp_enabled else None
         optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, memory, self.device, self.param_offload)
                       for m in self.parts.modules]
         steps = self.spec.train.steps

@@ -68,6 +68,11 @@ def offload_flags(spec: JobSpec) -> dict[str, bool]:
     return {"optimizer": offload.optimizer, "params": offload.params, "activations": offload.activations}
 
 
+def sequence_split(spec: JobSpec) -> bool:
+    """Whether activations outside attention/MLP are split over tp ranks: sequence parallelism acts only with TP on."""
+    return spec.parallel.grid.tp_enabled and spec.parallel.sequence_parallel
+
+
 def micro_batch(spec: JobSpec) -> int:
     return spec.train.global_batch_size // spec.parallel.dp // spec.train.microbatches
 
@@ -80,7 +85,7 @@ def layer_bytes(spec: JobSpec, layer: int = 0) -> int:
     """Saved for backward by one block (``layer``: which, where LoRA adapts blocks differently) for one microbatch."""
     m, p = spec.model, spec.parallel
     return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
-                                     p.tp > 1 and p.sequence_parallel, spec.memory.recompute, compute_bytes(spec),
+                                     sequence_split(spec), spec.memory.recompute, compute_bytes(spec),
                                      frozen=frozen_parts(spec)[layer])
 
 
@@ -116,7 +121,7 @@ def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
 def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
     return mm.head_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.vocab_size, p.tp,
-                                    p.tp > 1 and p.sequence_parallel, compute_bytes(spec), frozen_parts(spec)[-1])
+                                    sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1])
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -133,7 +138,7 @@ def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> 
     in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
     heads = 0
     if n_stages - 1 in ids:
-        every_microbatch = p.pp > 1 and p.pipeline_schedule.all_forwards_first
+        every_microbatch = p.grid.pp_enabled and p.pipeline_schedule.all_forwards_first
         heads = head_bytes(spec) * (spec.train.microbatches if every_microbatch else 1)
     return sum(chunks) * in_flight // len(ids) + heads
 
@@ -148,10 +153,10 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
     (all but the first stage) and one for its output's gradient (all but the last): fp32
     hidden states, sequence-sharded under sequence parallelism."""
     p, m = spec.parallel, spec.model
-    if p.pp == 1:
+    if not p.grid.pp_enabled:
         return 0
     n_stages = p.pp * p.stages_per_rank
-    hidden = 4 * m.seq_len * micro_batch(spec) * m.d_model // (p.tp if p.tp > 1 and p.sequence_parallel else 1)
+    hidden = 4 * m.seq_len * micro_batch(spec) * m.d_model // (p.tp if sequence_split(spec) else 1)
     edges = sum((sid != 0) + (sid != n_stages - 1) for sid in ids)
     return spec.train.microbatches * hidden * edges
 
@@ -161,7 +166,7 @@ def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int) -> 
     all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
     (``gradient_as_bucket_view`` is off), and the pipeline's receive buffers."""
     p = spec.parallel
-    buckets = 4 * trainable if p.zero == 1 and p.dp > 1 else 0
+    buckets = 4 * trainable if p.zero == 1 and p.grid.dp_enabled else 0
     return buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids)
 
 
@@ -206,7 +211,7 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
                            quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]))
-    if p.tp > 1 and p.zero < 2 and 0 in ids and spec.model.lora is None:
+    if p.grid.tp_enabled and p.zero < 2 and 0 in ids and spec.model.lora is None:
         # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
         # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
         vocab_rows = spec.model.vocab_size * spec.model.d_model

@@ -149,7 +149,7 @@ class RankGroup:
         (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
         is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped."""
         p = self.spec.parallel
-        return p.zero == 0 and p.dp > 1 and p.dp_sync == "allreduce"
+        return p.zero == 0 and p.grid.dp_enabled and p.dp_sync == "allreduce"
 
     def _holder_actor(self, rank: int):
         holder = self.holder(rank)

@@ -28,11 +28,11 @@ def check_parameter_server(job: JobSpec) -> None:
     unsupported = [
         ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
          "set parallel.zero: 0"),
-        ("parallel.tp", p.tp, p.tp > 1, "tensor-parallel shards of a parameter are not keyed separately yet",
+        ("parallel.tp", p.tp, p.grid.tp_enabled, "tensor-parallel shards of a parameter are not keyed separately yet",
          "set parallel.tp: 1, or parallel.dp_sync: allreduce"),
         ("precision.dtype", job.precision.dtype, job.precision.dtype == "fp16",
          "a skipped fp16 step would leave the shards waiting for its push", "use bf16 or fp32"),
-        ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.pp > 1,
+        ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.grid.pp_enabled,
          "asynchronous rounds run one stage per worker", "use consistency: bsp with pipeline parallelism, or pp: 1"),
     ]
     for field, value, bad, why, fix in unsupported:
@@ -63,7 +63,7 @@ def check_offload(job: JobSpec) -> None:
         raise SpecError("memory.offload.optimizer", True, f"is not supported for optim.name {name!r}: the "
                         "offloaded host step is Adam's", "use optim.name adamw, adam or paged_adamw, "
                         "or set memory.offload.optimizer: false")
-    if name == "adafactor" and (p.zero >= 2 or p.tp > 1):
+    if name == "adafactor" and (p.zero >= 2 or p.grid.tp_enabled):
         field, value = ("parallel.zero", p.zero) if p.zero >= 2 else ("parallel.tp", p.tp)
         raise SpecError(field, value, "shards parameters, which optim.name 'adafactor' (PyTorch's) cannot step "
                         "exactly: its factored second moment divides row means by column means of whole "
@@ -71,7 +71,7 @@ def check_offload(job: JobSpec) -> None:
                         "use optim.name sm3 (same O(rows + cols) state, steps shards exactly), adamw with "
                         "memory.offload.optimizer or paged_adamw, or zero: 0/1 with tp: 1 for adafactor")
     stored_optim = off.optimizer or name == "paged_adamw"
-    if stored_optim and p.zero == 1 and p.dp > 1:
+    if stored_optim and p.zero == 1 and p.grid.dp_enabled:
         raise SpecError("parallel.zero", 1, "cannot be combined with an offloaded optimizer: "
                         "ZeroRedundancyOptimizer partitions state with its own inner optimizer",
                         "use zero: 2 or 3 (FSDP2; the store then holds this rank's shard only) or zero: 0")
@@ -116,7 +116,7 @@ def check_faults(job: JobSpec) -> None:
 def check_zero(job: JobSpec) -> None:
     """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""
     p = job.parallel
-    if p.zero == 1 and p.pp > 1 and p.dp > 1:
+    if p.zero == 1 and p.grid.pp_enabled and p.grid.dp_enabled:
         raise SpecError(
             "parallel.zero",
             1,
@@ -124,7 +124,7 @@ def check_zero(job: JobSpec) -> None:
             "when a pipeline schedule runs one backward per microbatch",
             "use zero: 2 (FSDP2 shards gradients and optimizer state) or zero: 0",
         )
-    if p.zero == 3 and p.pp > 1 and p.pipeline_schedule.split_backward:
+    if p.zero == 3 and p.grid.pp_enabled and p.pipeline_schedule.split_backward:
         raise SpecError(
             "parallel.zero",
             3,
@@ -132,7 +132,7 @@ def check_zero(job: JobSpec) -> None:
             "runs after FSDP2 has resharded the parameters (PyTorch issue 164756)",
             "use zero: 2 with this schedule, or pp_schedule: interleaved_1f1b with zero: 3",
         )
-    if p.zero == 1 and p.tp > 1 and p.dp > 1:
+    if p.zero == 1 and p.grid.tp_enabled and p.grid.dp_enabled:
         raise SpecError(
             "parallel.zero",
             1,

@@ -62,7 +62,7 @@ def check_lora(job) -> None:
             )
     if lora.quantize == "nf4":
         _check_nf4(job, gpt, sorted({n for hits in found.values() for n in hits}))
-    if lora.dropout > 0 and par.tp > 1:
+    if lora.dropout > 0 and par.grid.tp_enabled:
         raise SpecError(
             "model.lora.dropout", lora.dropout,
             f"with parallel.tp={par.tp} is not supported: each tensor-parallel rank would drop different inputs "
