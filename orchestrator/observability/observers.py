@@ -1,9 +1,10 @@
-"""Who watches a job: the Prometheus exporter and the progress bar, notified by the job instead of inline code.
+"""Who watches a job: event lines, Prometheus, the progress bar and the run records, notified by the job.
 
 ``TrainingJob`` tells its ``Observers`` what happened (``on_step``, ``on_checkpoint``, ``on_recovered``, ``on_resized``,
 ``on_corrupt_checkpoint``, ``on_mttr``, ``on_rollback``, ``on_finish``); each
 observer picks what it shows: ``EventLog`` the event lines, ``MetricsObserver``
-the Prometheus series, ``ProgressBar`` the bar. The job neither knows nor checks
+the Prometheus series, ``ProgressBar`` the bar, ``RunRecords`` (``run_records.py``) the
+``steps.jsonl``/``timeline.jsonl`` files. The job neither knows nor checks
 whether metrics or a progress bar are on. ``JobObserver`` is the no-op base, so an observer writes only the
 hooks it needs.
 """
@@ -19,6 +20,7 @@ from orchestrator.observability.events import event
 from orchestrator.observability.prometheus import MetricsExporter
 from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
+from workers.protocol import StepResult
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class StepReport:
     goodput: float
     straggler_ratios: dict[int, float] = field(default_factory=dict)
     stragglers: frozenset[int] = frozenset()
+    results: tuple[StepResult, ...] = ()  # every rank's result (the run records keep their pipeline events)
 
 
 class JobObserver:
@@ -51,8 +54,10 @@ class Observers(JobObserver):
     def __init__(self, observers: list[JobObserver] | None = None):
         self.observers = list(observers or [])
 
-    def add(self, observer: JobObserver) -> None:
-        self.observers.append(observer)
+    def add(self, observer: JobObserver, first: bool = False) -> None:
+        """Notify ``observer`` too; ``first`` puts it ahead of the others (the run records are written before
+        anything that may block on a step, such as a scrape-paced exporter in the tests)."""
+        self.observers.insert(0 if first else len(self.observers), observer)
 
     def on_step(self, report: StepReport) -> None:
         for o in self.observers:

@@ -12,6 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
+from orchestrator.observability.observers import JobObserver, StepReport
 from workers.protocol import StepResult
 
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
@@ -37,7 +38,10 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
     }
 
 
-class RunRecords:
+class RunRecords(JobObserver):
+    """The per-step files of a run dir, written as an observer of the job: ``steps.jsonl`` and, with
+    ``metrics.timeline``, ``timeline.jsonl``."""
+
     def __init__(self, run_dir: Path, append: bool, timeline: bool):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
@@ -45,11 +49,11 @@ class RunRecords:
         self._steps = open(run_dir / "steps.jsonl", mode)  # noqa: SIM115 (open for the whole run, closed by close())
         self._timeline = open(run_dir / "timeline.jsonl", mode) if timeline else None  # noqa: SIM115
 
-    def step(self, record: dict, results: list[StepResult]) -> None:
-        self._steps.write(json.dumps(record) + "\n")
+    def on_step(self, report: StepReport) -> None:
+        self._steps.write(json.dumps(report.record) + "\n")
         self._steps.flush()
         if self._timeline is not None:
-            for r in results:
+            for r in report.results:
                 for event in r.timeline or ():
                     self._timeline.write(json.dumps(event) + "\n")
             self._timeline.flush()
@@ -60,7 +64,7 @@ class RunRecords:
         path.write_text(json.dumps(summary, indent=2))
         return path
 
-    def close(self) -> None:
+    def on_finish(self) -> None:
         self._steps.close()
         if self._timeline is not None:
             self._timeline.close()

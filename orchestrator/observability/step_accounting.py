@@ -11,10 +11,9 @@ step time ÷ training wall time, the measure of issue 3.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from orchestrator.observability.observers import JobObserver, StepReport
-from orchestrator.observability.run_records import RunRecords, step_record
+from orchestrator.observability.run_records import step_record
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank
 from orchestrator.planning.memory_report import MeasuredMemory
 from orchestrator.recovery.phases import RecoveryPhases
@@ -25,8 +24,8 @@ from workers.protocol import StepResult
 
 
 class StepAccounting:
-    def __init__(self, spec: JobSpec, device_name: str, run_dir: Path, append: bool,
-                 observers: JobObserver, stragglers: StragglerDetector, recoveries: list[dict]):
+    def __init__(self, spec: JobSpec, device_name: str, observers: JobObserver, stragglers: StragglerDetector,
+                 recoveries: list[dict]):
         self.spec = spec
         self.observers = observers
         self.stragglers = stragglers
@@ -39,14 +38,12 @@ class StepAccounting:
         self.tokens = spec.train.global_batch_size * spec.model.seq_len
         self.peak_per_rank = peak_flops_per_rank(spec, device_name)
         self.flops_per_token = model_flops_per_token(spec)
-        self.records = RunRecords(run_dir, append=append, timeline=spec.metrics.timeline)
         self.pending: tuple[RecoveryRecord, RecoveryPhases] | None = None  # waiting for its first completed step
         self.t_train = time.perf_counter()
 
     def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> dict:
         """Account for one completed step; returns its ``steps.jsonl`` record."""
         record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s)
-        self.records.step(record, results)
         ratios = self.stragglers.observe(record["step"], results)
         self.losses.append(record["loss"])
         self.norms.append(record["grad_norm"])
@@ -57,7 +54,7 @@ class StepAccounting:
         peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
         self.observers.on_step(StepReport(record, self.flops_per_token * record["tokens_per_s"] / peak_flops,
                                           _bubble_ratio(results), self.goodput(), ratios,
-                                          frozenset(self.stragglers.flagged())))
+                                          frozenset(self.stragglers.flagged()), tuple(results)))
         return record
 
     def rolled_back(self, recovery: tuple[RecoveryRecord, RecoveryPhases], steps_kept: int) -> None:
@@ -79,9 +76,6 @@ class StepAccounting:
 
     def goodput(self) -> float:
         return sum(self.step_times) / (time.perf_counter() - self.t_train)
-
-    def close(self) -> None:
-        self.records.close()
 
 
 def _bubble_ratio(results: list[StepResult]) -> float:

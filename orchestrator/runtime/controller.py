@@ -242,18 +242,17 @@ class TrainingJob:
         return str(latest)
 
     def _loop(self, startup_s: float, resumed_from: str | None) -> RunResult:
-        acct = StepAccounting(self.spec, self.layout.ranks[0].device_name, self.run_dir,
-                              resumed_from is not None, self.observers, self.stragglers, self.recoveries)
+        records = RunRecords(self.run_dir, append=resumed_from is not None, timeline=self.spec.metrics.timeline)
+        self.observers.add(records, first=True)
+        acct = StepAccounting(self.spec, self.layout.ranks[0].device_name, self.observers, self.stragglers,
+                              self.recoveries)
         if self.progress:
             self.observers.add(ProgressBar(self.spec.train.steps, self.step))
         if self.spec.checkpoint.memory_every:
             self.take_snapshot()
-        try:
-            status = self._train(acct)
-            if self.checkpoints.every:
-                self.checkpoints.wait_async(self.group)
-        finally:
-            acct.close()
+        status = self._train(acct)
+        if self.checkpoints.every:
+            self.checkpoints.wait_async(self.group)
         return RunResult(
             steps=self.step, losses=acct.losses, final_loss=acct.losses[-1] if acct.losses else None,
             tokens_per_s=acct.tokens * len(acct.losses) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,

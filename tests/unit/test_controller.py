@@ -122,6 +122,17 @@ def test_every_step_checkpoints_are_sealed_and_observed(tmp_path):
 # -- replacing failed ranks --------------------------------------------------------------
 
 
+def test_the_run_records_observer_writes_a_step_line_per_completed_step_and_closes(tmp_path):
+    job = make_job(tmp_path, [kill(1, 4)], checkpoint={"every": 0, "memory_every": 2})
+    result = job.run()
+    lines = [json.loads(line) for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    # step 4 failed (no line); the rollback to the step-2 snapshot trains step 3 again, so it has two lines
+    assert result.recoveries[0]["lost_steps"] == 1
+    assert [r["step"] for r in lines] == [1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert all(r["loss"] == result.losses[r["step"] - 1] for r in lines)
+    assert all(o._steps.closed for o in job.observers.observers if hasattr(o, "_steps"))
+
+
 def test_a_dead_rank_is_replaced_and_rolled_back_from_memory(tmp_path):
     job = make_job(tmp_path, [kill(1, 4)])
     result = job.run()
