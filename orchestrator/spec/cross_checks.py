@@ -50,6 +50,7 @@ def check_parameter_server(job: JobSpec) -> None:
                             f"(parameter_server.shards={ps.shards}; a replica needs at least 2)",
                             f"pick a shard from 0 to {ps.shards - 1} with shards >= 2")
 
+
 def check_offload(job: JobSpec) -> None:
     """Offload combinations that cannot work, refused with the fix (workers/offload/)."""
     off, name, p = job.memory.offload, job.optim.name, job.parallel
@@ -78,6 +79,7 @@ def check_offload(job: JobSpec) -> None:
     if off.params:
         check_param_offload(job, stored_optim)
 
+
 def check_param_offload(job: JobSpec, stored_optim: bool) -> None:
     """ZeRO-3 parameter offload (workers/offload/params.py) lives on FSDP2's units; what it does not cover."""
     p = job.parallel
@@ -91,6 +93,7 @@ def check_param_offload(job: JobSpec, stored_optim: bool) -> None:
                         "shards are updated where they are stored",
                         "also set memory.offload.optimizer: true (optim.name adamw or adam), or use "
                         "optim.name paged_adamw")
+
 
 def check_faults(job: JobSpec) -> None:
     ft, world = job.fault_tolerance, job.parallel.world_size
@@ -113,34 +116,29 @@ def check_faults(job: JobSpec) -> None:
                             f"pick a step from 1 to {job.train.steps}")
         check_repetition(fault, f"faults.{i}")
 
+
 def check_zero(job: JobSpec) -> None:
     """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""
     p = job.parallel
-    if p.zero == 1 and p.grid.pp_enabled and p.grid.dp_enabled:
-        raise SpecError(
-            "parallel.zero",
-            1,
-            f"with parallel.pp={p.pp} is not supported: ZeRO-1 wraps stages in DDP, whose reducer breaks "
-            "when a pipeline schedule runs one backward per microbatch",
-            "use zero: 2 (FSDP2 shards gradients and optimizer state) or zero: 0",
-        )
-    if p.zero == 3 and p.grid.pp_enabled and p.pipeline_schedule.split_backward:
-        raise SpecError(
-            "parallel.zero",
-            3,
-            f"with pp_schedule {p.pp_schedule!r} gives wrong gradients: its deferred weight-gradient pass "
-            "runs after FSDP2 has resharded the parameters (PyTorch issue 164756)",
-            "use zero: 2 with this schedule, or pp_schedule: interleaved_1f1b with zero: 3",
-        )
-    if p.zero == 1 and p.grid.tp_enabled and p.grid.dp_enabled:
-        raise SpecError(
-            "parallel.zero",
-            1,
-            f"with parallel.tp={p.tp} is not supported: ZeRO-1 uses PyTorch's ZeroRedundancyOptimizer, "
-            "which cannot partition tensor-parallel (DTensor) parameters",
-            "use zero: 2 (FSDP2 shards gradients and optimizer state, same all-reduce-sized traffic) "
-            "or zero: 0, or set parallel.tp: 1",
-        )
+    refused = [  # (applies, zero, problem, fix)
+        (p.zero == 1 and p.grid.pp_enabled and p.grid.dp_enabled, 1,
+         f"with parallel.pp={p.pp} is not supported: ZeRO-1 wraps stages in DDP, whose reducer breaks "
+         "when a pipeline schedule runs one backward per microbatch",
+         "use zero: 2 (FSDP2 shards gradients and optimizer state) or zero: 0"),
+        (p.zero == 3 and p.grid.pp_enabled and p.pipeline_schedule.split_backward, 3,
+         f"with pp_schedule {p.pp_schedule!r} gives wrong gradients: its deferred weight-gradient pass "
+         "runs after FSDP2 has resharded the parameters (PyTorch issue 164756)",
+         "use zero: 2 with this schedule, or pp_schedule: interleaved_1f1b with zero: 3"),
+        (p.zero == 1 and p.grid.tp_enabled and p.grid.dp_enabled, 1,
+         f"with parallel.tp={p.tp} is not supported: ZeRO-1 uses PyTorch's ZeroRedundancyOptimizer, "
+         "which cannot partition tensor-parallel (DTensor) parameters",
+         "use zero: 2 (FSDP2 shards gradients and optimizer state, same all-reduce-sized traffic) "
+         "or zero: 0, or set parallel.tp: 1"),
+    ]
+    for applies, zero, problem, fix in refused:
+        if applies:
+            raise SpecError("parallel.zero", zero, problem, fix)
+
 
 def check_pipeline_split(job: JobSpec) -> None:
     p, n_layers = job.parallel, job.model.n_layers
@@ -161,6 +159,7 @@ def check_pipeline_split(job: JobSpec) -> None:
         ", or ".join(fixes),
     )
 
+
 def check_tensor_split(job: JobSpec) -> None:
     m, p = job.model, job.parallel
     dims = {
@@ -179,6 +178,7 @@ def check_tensor_split(job: JobSpec) -> None:
     if p.sequence_parallel and m.seq_len % p.tp:
         fix += ", or set parallel.sequence_parallel: false"
     raise SpecError("parallel.tp", p.tp, f"does not divide {', '.join(bad)}", fix)
+
 
 def pipeline_problem(job: JobSpec, microbatches: int) -> str | None:
     """Why a pipeline schedule cannot run `microbatches` microbatches, or None if it can."""
@@ -199,6 +199,7 @@ def pipeline_problem(job: JobSpec, microbatches: int) -> str | None:
             "per pipeline rank (microbatches >= pp)"
         )
     return None
+
 
 def check_batching(job: JobSpec) -> None:
     t, dp, pp = job.train, job.parallel.dp, job.parallel.pp
