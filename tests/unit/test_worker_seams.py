@@ -27,7 +27,7 @@ def trainer(tmp_path_factory):
     prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
     spec = tiny_spec(data, tmp_path_factory.mktemp("run")).worker_dict()
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t = Trainer(spec, 0, 1, "127.0.0.1", port)
     yield t
