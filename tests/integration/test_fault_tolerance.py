@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.api.control_server import ControlClient
+from orchestrator.observability.observers import JobObserver
 from tests.support.jobs import tiny_spec, wait_for
 from tests.support.reference import reference_losses
 
@@ -21,15 +22,36 @@ def run(token_data, tmp_path, faults=(), **sections):
     return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
 
 
-def start_live(spec):
-    """Run ``spec`` in a thread; once past step 3, return a control client and a function giving the result."""
+class StepGate(JobObserver):
+    """Holds the job in the bookkeeping of step ``step`` until the test has made its control-API calls.
+
+    Without it, a tiny job on an idle machine can run its last step before the test's calls land, and the
+    request meant for a live job arrives at a finished one.
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def on_step(self, report) -> None:
+        if report.record["step"] == self.step:
+            self.reached.set()
+            self.release.wait(300)
+
+
+def start_live(spec, hold_at: int = 3):
+    """Run ``spec`` in a thread held after step ``hold_at``; return a control client and a function that lets
+    the job go on and gives its result."""
     job = TrainingJob(spec, progress=False)
+    gate = StepGate(hold_at)
+    job.observers.add(gate)
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(result=job.run()))
     thread.start()
-    wait_for(lambda: job.control is not None and job.step >= 3, 120, "the job to pass step 3")
+    wait_for(lambda: job.control is not None and gate.reached.is_set(), 120, f"the job to reach step {hold_at}")
 
     def finish():
+        gate.release.set()
         thread.join(300)
         return outcome["result"]
 
