@@ -69,7 +69,6 @@ class Trainer:
                 self.microbatches, self._loss_fn, self.device, self.pp_group,
             )
         self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
-        self.record_timeline = self.spec.record_timeline
         self.checkpoints = CheckpointIO(self.state)
         self.ps = PSSync(self, self.spec) if par.dp_sync == "ps" else None
 
@@ -172,7 +171,7 @@ class Trainer:
         times = StepTimes(data=t1 - t0, compute=compute + slowed, bubble=max(0.0, (t2 - t1) - compute),
                           communication=t3 - t2, optimizer=t4 - t3, step=t4 - t0 + slowed)
         timeline = None
-        if self.record_timeline:
+        if self.spec.record_timeline:
             timeline = [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events]
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
                            lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,

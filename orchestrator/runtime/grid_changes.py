@@ -125,7 +125,7 @@ class GridChanges:
     def shrink(self, dead: set[int]) -> str:
         """The dead ranks' replacements found no room: go on with the largest grid the live nodes hold.
 
-        Where data-parallel replicas are full copies (zero 0) and a survivor of every (pp, tp) position
+        Where data-parallel replicas are full copies (zero 0) and a survivor of every model position (pp, cp, tp)
         kept its in-memory snapshot, the new grid starts from those (no storage); else from the latest
         checkpoint (DCP reshards it), else from step 0. Returns where the state came from.
         """
