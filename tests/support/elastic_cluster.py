@@ -14,17 +14,33 @@ from __future__ import annotations
 import argparse
 import json
 import threading
-import time
 from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
 
 from orchestrator import JobSpec, TrainingJob
+from orchestrator.observability.observers import JobObserver
 
 # a lost node is declared dead after ~1.5 s instead of Ray's default ~15 s
 FAST_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                    "health_check_initial_delay_ms": 0}
+
+
+class ShrinkGate(JobObserver):
+    """Holds the job right after it shrank until the replacement node has joined.
+
+    Without it the few steps left could all run before the node registers (it takes seconds), and the job
+    would end without the grow-back the test is about.
+    """
+
+    def __init__(self) -> None:
+        self.shrunk, self.joined = threading.Event(), threading.Event()
+
+    def on_resized(self, record, layout: dict) -> None:
+        if record.reason == "shrink":
+            self.shrunk.set()
+            self.joined.wait(120)
 
 
 def main() -> None:
@@ -45,6 +61,9 @@ def main() -> None:
         ray.init(address=cluster.address, log_to_driver=False)
         job = TrainingJob(JobSpec.from_dict(json.loads(Path(args.spec).read_text())), progress=False)
         out = {}
+        gate = ShrinkGate()
+        if args.add_node_after_shrink:
+            job.observers.add(gate)
 
         def train() -> None:
             try:
@@ -55,10 +74,11 @@ def main() -> None:
         thread = threading.Thread(target=train)
         thread.start()
         if args.add_node_after_shrink:
-            while thread.is_alive() and not any(r["reason"] == "shrink" for r in job.resizes):
-                time.sleep(0.2)
+            while thread.is_alive() and not gate.shrunk.wait(0.2):
+                pass
             if thread.is_alive():
                 cluster.add_node(num_cpus=args.cpus)  # starting a node needs the main thread (signal handlers)
+            gate.joined.set()
         thread.join()
         out["dead_nodes"] = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
         Path(args.out).write_text(json.dumps(out))
