@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import time
 from collections.abc import Iterator, Sequence
@@ -20,28 +21,52 @@ from typing import Any
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
+from orchestrator.api.auth import client_token, use_ray_token_if_present
 from orchestrator.api.control_server import ControlClient, ControlUnreachable
 from orchestrator.errors import SpecError
+from orchestrator.observability.events import parse_event
 from orchestrator.spec import load_spec
 
-CONTROL_MARK = "event=control address="
 SUMMARY_MARK = "event=summary json="
+TLS_CA_ENV = "RAYMESH_TLS_CA"
+
+
+def newest_event(log: str, name: str) -> dict[str, str] | None:
+    """The fields of the newest whole ``event=NAME`` line (``events.parse_event``: a value quoted inside
+    another event's line, such as a forged stop reason, never counts)."""
+    for line in reversed(log.splitlines()):
+        parsed = parse_event(line)
+        if parsed is not None and parsed[0] == name:
+            return parsed[1]
+    return None
 
 
 def control_address(log: str) -> str | None:
     """HOST:PORT from the newest ``event=control address=...`` log line, if any."""
-    for line in reversed(log.splitlines()):
-        if CONTROL_MARK in line:
-            return line.split(CONTROL_MARK, 1)[1].split()[0]
-    return None
+    fields = newest_event(log, "control")
+    return fields.get("address") if fields else None
+
+
+def control_client(log: str) -> ControlClient | None:
+    """A client for the control API the newest ``event=control`` line announces, with the job's token (and
+    TLS trusting ``RAYMESH_TLS_CA`` or the announced certificate); None before the announcement."""
+    fields = newest_event(log, "control")
+    if fields is None or "address" not in fields:
+        return None
+    root_cert = None
+    if "tls_cert" in fields:
+        ca = Path(os.environ.get(TLS_CA_ENV) or fields["tls_cert"])
+        if not ca.is_file():
+            raise PermissionError(f"the job's control API speaks TLS with certificate {fields['tls_cert']}, which "
+                                  f"is not readable here; fix: point {TLS_CA_ENV} at a copy of it (or of its CA)")
+        root_cert = ca.read_bytes()
+    return ControlClient(fields["address"], client_token(fields.get("token")), root_cert=root_cert)
 
 
 def summary_from_log(log: str) -> dict[str, Any] | None:
     """The summary JSON from the newest ``event=summary json=...`` log line, if any."""
-    for line in reversed(log.splitlines()):
-        if SUMMARY_MARK in line:
-            return json.loads(line.split(SUMMARY_MARK, 1)[1])
-    return None
+    fields = newest_event(log, "summary")
+    return json.loads(fields["json"]) if fields and "json" in fields else None
 
 
 def _job_path(job_file: str | Path, working_dir: str | Path) -> str:
@@ -59,6 +84,7 @@ class Client:
 
     def __init__(self, address: str) -> None:
         self.address = address
+        use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a client without it
         try:
             self._jobs = JobSubmissionClient(address)
         except ConnectionError as exc:
@@ -145,12 +171,13 @@ class Client:
                     "message": info.message}
         log = self._jobs.get_job_logs(submission_id)
         if info.status is JobStatus.RUNNING:
-            address = control_address(log)
-            if address is None:
+            control = control_client(log)
+            if control is None:
                 return {"submission_id": submission_id, "ray_status": "running", "state": "starting"}
             try:
-                live = ControlClient(address).status()
-                return {"submission_id": submission_id, "ray_status": "running", **live, "control_address": address}
+                live = control.status()
+                return {"submission_id": submission_id, "ray_status": "running", **live,
+                        "control_address": control.address}
             except ControlUnreachable:  # fine if the run ended between the two looks, else the user must know
                 info, log = self._info(submission_id), self._jobs.get_job_logs(submission_id)
                 if not info.status.is_terminal() and summary_from_log(log) is None:
@@ -170,10 +197,10 @@ class Client:
         info = self._info(submission_id)
         if info.status.is_terminal():
             return {"accepted": False, "state": info.status.value.lower(), "via": "none"}
-        address = control_address(self._jobs.get_job_logs(submission_id))
-        if address is not None:
+        control = control_client(self._jobs.get_job_logs(submission_id))
+        if control is not None:
             try:
-                return {**ControlClient(address).stop(reason), "via": "control"}
+                return {**control.stop(reason), "via": "control"}
             except ControlUnreachable:
                 pass  # not up yet, or already gone: Ray can still stop the job
         accepted = self._jobs.stop_job(submission_id)
@@ -189,11 +216,11 @@ class Client:
         return self._control(submission_id).request_scale(dp)
 
     def _control(self, submission_id: str) -> ControlClient:
-        address = control_address(self._jobs.get_job_logs(submission_id))
-        if address is None:
+        control = control_client(self._jobs.get_job_logs(submission_id))
+        if control is None:
             raise LookupError(f"job {submission_id} has not announced its control API yet (no `event=control` "
                               f"line in its log); wait until `raymesh status {submission_id}` says running")
-        return ControlClient(address)
+        return control
 
     def summary(self, submission_id: str) -> dict[str, Any]:
         """The summary JSON the controller logs when the run ends (steps, losses, layout, ...)."""

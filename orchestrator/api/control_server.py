@@ -2,21 +2,30 @@
 
 The controller runs inside a Ray job's driver process, which has no port of its
 own that a user could reach; ``ControlServer`` opens one and the controller
-announces ``address`` in its log (``event=control address=HOST:PORT``), where
-``orchestrator.api.client.Client`` finds it.
+announces it in its log (``event=control address=HOST:PORT token=SOURCE``),
+where ``orchestrator.api.client.Client`` finds it.
+
+Closed by default: it listens on 127.0.0.1 unless the job file's ``control.host``
+widens it, every call must carry the job's token (``orchestrator/api/auth.py``;
+otherwise UNAUTHENTICATED before any handler runs), TLS is on when the job file
+names a certificate, and each request is checked like a job-file entry before
+the controller acts (INVALID_ARGUMENT otherwise).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import socket
 import sys
 from concurrent import futures
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
+from parameter_server.auth import TokenInterceptor, call_metadata
 
 DEFAULT_TIMEOUT_S = 5.0
 _STATUS_FIELDS = frozenset(control_pb2.StatusReply.DESCRIPTOR.fields_by_name)
@@ -75,9 +84,39 @@ def status_dict(reply: control_pb2.StatusReply) -> dict[str, Any]:
     }
 
 
+LIVE_FAULT_KINDS = ("kill_rank", "kill_node", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint")
+MAX_REASON_CHARS = 500
+
+
+def check_fault_request(kind: str, rank: int, factor: float) -> None:
+    """What a live fault request must be before the controller sees it (it then checks it against the job
+    like a ``faults:`` entry); ``ValueError`` naming the field, value and fix."""
+    if kind not in LIVE_FAULT_KINDS:
+        raise ValueError(f"fault kind {kind!r} cannot be injected into a running job; fix: use one of "
+                         f"{', '.join(LIVE_FAULT_KINDS)} (kill_ps_shard only in the job file's faults:)")
+    if rank < 0:
+        raise ValueError(f"fault rank {rank} is negative; fix: pick a rank from 0 to the job's world size - 1")
+    if not math.isfinite(factor) or factor <= 1:
+        raise ValueError(f"fault factor {factor} is not a finite number > 1; fix: e.g. --factor 3")
+
+
+def check_scale_request(dp: int) -> None:
+    if dp < 1:
+        raise ValueError(f"scale dp {dp} is below 1; fix: pick a data-parallel degree of at least 1")
+
+
+def _invalid(context: grpc.ServicerContext, call, *args):
+    """``call(*args)``, with a ``ValueError`` answered as INVALID_ARGUMENT (nothing was changed)."""
+    try:
+        return call(*args)
+    except ValueError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
 class _Servicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, handler: ControlHandler) -> None:
+    def __init__(self, handler: ControlHandler, allow_faults: bool) -> None:
         self._handler = handler
+        self._allow_faults = allow_faults
 
     def Status(self, request: control_pb2.StatusRequest, context: grpc.ServicerContext) -> control_pb2.StatusReply:
         try:
@@ -86,27 +125,27 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"controller status failed: {type(exc).__name__}: {exc}")
 
     def Stop(self, request: control_pb2.StopRequest, context: grpc.ServicerContext) -> control_pb2.StopReply:
+        if len(request.reason) > MAX_REASON_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stop reason is {len(request.reason)} characters; "
+                          f"fix: keep it under {MAX_REASON_CHARS}")
         try:
             state = self._handler.request_stop(request.reason)
         except Exception as exc:
             context.abort(grpc.StatusCode.INTERNAL, f"controller stop failed: {type(exc).__name__}: {exc}")
         return control_pb2.StopReply(accepted=state not in ("finished", "failed"), state=state)
 
-
     def InjectFault(self, request: control_pb2.FaultRequest, context: grpc.ServicerContext) -> control_pb2.FaultReply:
-        try:
-            at_step = self._handler.inject_fault(request.kind, request.rank, request.factor or 3.0)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return control_pb2.FaultReply(at_step=at_step)
-
+        if not self._allow_faults:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "live fault injection is off for this job; fix: set "
+                          "control.allow_faults: true in the job file (default: on only when it has faults:)")
+        factor = request.factor or 3.0
+        _invalid(context, check_fault_request, request.kind, request.rank, factor)
+        return control_pb2.FaultReply(at_step=_invalid(context, self._handler.inject_fault, request.kind,
+                                                       request.rank, factor))
 
     def RequestScale(self, request: control_pb2.ScaleRequest, context: grpc.ServicerContext) -> control_pb2.ScaleReply:
-        try:
-            after_step = self._handler.request_scale(request.dp)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return control_pb2.ScaleReply(after_step=after_step)
+        _invalid(context, check_scale_request, request.dp)
+        return control_pb2.ScaleReply(after_step=_invalid(context, self._handler.request_scale, request.dp))
 
 
 def _advertised_host(host: str) -> str:
@@ -119,20 +158,52 @@ def _advertised_host(host: str) -> str:
 
 
 class ControlServer:
-    """Serves ``handler`` on a background thread pool until ``close()``.
+    """Serves ``handler`` on a background thread pool until ``close()``, to callers with ``token`` only.
 
-    ``port=0`` takes a free port; ``address`` is what another machine dials
-    (the node IP when listening on all interfaces).
+    Listens on loopback unless ``host`` widens it; ``port=0`` takes a free port;
+    ``address`` is what a client dials (the node IP when listening on all
+    interfaces). ``tls`` is (certificate chain PEM, private key PEM): TLS only.
+    ``allow_faults=False`` refuses ``InjectFault`` with PERMISSION_DENIED.
     """
 
-    def __init__(self, handler: ControlHandler, host: str = "0.0.0.0", port: int = 0) -> None:
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="raymesh-control"))
-        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(handler), self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+    def __init__(self, handler: ControlHandler, token: str, host: str = "127.0.0.1", port: int = 0,
+                 tls: tuple[bytes, bytes] | None = None, allow_faults: bool = True, token_source: str = "",
+                 cert_path: str = "") -> None:
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="raymesh-control"),
+                                   interceptors=[TokenInterceptor(token)])
+        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(handler, allow_faults), self._server)
+        if tls is None:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        else:
+            cert, key = tls
+            bound = self._server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, cert)]))
         if bound == 0:
-            raise OSError(f"control API cannot listen on {host}:{port}; fix: pick a free port or port=0")
+            raise OSError(f"control API cannot listen on {host}:{port}; fix: pick a free control.port (0: any) "
+                          "and a control.host this node has")
         self._server.start()
         self.address = f"{_advertised_host(host)}:{bound}"
+        self.token_source = token_source
+        self.cert_path = cert_path if tls is not None else ""
+
+    @classmethod
+    def for_job(cls, job) -> ControlServer:
+        """The server a ``TrainingJob`` gets: its ``control:`` section, its token (``orchestrator/api/auth.py``)."""
+        from orchestrator.api.auth import job_token
+
+        settings = job.spec.control
+        token = job_token(job.run_dir)
+        tls = None
+        if settings.tls_cert is not None:
+            tls = (Path(settings.tls_cert).read_bytes(), Path(settings.tls_key).read_bytes())
+        allow = settings.allow_faults if settings.allow_faults is not None else bool(job.spec.faults)
+        return cls(job, token.value, settings.host, settings.port, tls, allow, token.source, settings.tls_cert or "")
+
+    def announcement(self) -> dict[str, str]:
+        """The fields of the ``event=control`` line: where to dial, which token, whether TLS (and its cert)."""
+        out = {"address": self.address, "token": self.token_source or "-"}
+        if self.cert_path:
+            out["tls_cert"] = self.cert_path
+        return out
 
     def close(self, grace_s: float = 1.0) -> None:
         """Stop serving; calls in flight get ``grace_s`` to finish."""
@@ -140,11 +211,15 @@ class ControlServer:
 
 
 class ControlClient:
-    """Calls one controller's control API; every call fails after ``timeout_s`` with ``ControlUnreachable``."""
+    """Calls one controller's control API with ``token``; every call fails after ``timeout_s`` with
+    ``ControlUnreachable``. ``root_cert`` (PEM) makes it speak TLS and trust that certificate."""
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 root_cert: bytes | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self._metadata = call_metadata(token) if token else ()
+        self._root_cert = root_cert
 
     def status(self) -> dict[str, Any]:
         return status_dict(self._call("Status", control_pb2.StatusRequest()))
@@ -161,21 +236,33 @@ class ControlClient:
         """The step after which the job continues at data-parallel degree ``dp``."""
         return self._call("RequestScale", control_pb2.ScaleRequest(dp=dp)).after_step
 
+    def _channel(self) -> grpc.Channel:
+        if self._root_cert is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=self._root_cert))
+
     def _call(self, method: str, request):
         # One channel per call: calls are rare and this leaves nothing open between them.
-        with grpc.insecure_channel(self.address) as channel:
+        with self._channel() as channel:
             rpc = getattr(control_pb2_grpc.ControlStub(channel), method)
             try:
-                return rpc(request, timeout=self.timeout_s)
+                return rpc(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise ControlUnreachable(
-                        f"cannot reach the raymesh control API at {self.address} "
-                        f"({exc.code().name} after at most {self.timeout_s:g}s: {exc.details()}); check that the "
-                        f"job is still running (`raymesh status ID`), that {self.address} is the newest "
-                        "`event=control address=...` line in its log, and that this machine can reach that "
-                        "node's port"
-                    ) from None
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ValueError(exc.details()) from None
-                raise RuntimeError(f"control API at {self.address}: {method} failed: {exc.details()}") from None
+                raise _client_error(exc, self.address, method, self.timeout_s) from None
+
+
+def _client_error(exc: grpc.RpcError, address: str, method: str, timeout_s: float) -> Exception:
+    """The Python exception a caller of ``ControlClient`` gets for a failed call."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ControlUnreachable(
+            f"cannot reach the raymesh control API at {address} ({code.name} after at most {timeout_s:g}s: "
+            f"{exc.details()}); check that the job is still running (`raymesh status ID`), that {address} is the "
+            "newest `event=control address=...` line in its log, and that this machine can reach that node's port "
+            "(the API listens on 127.0.0.1 unless the job file sets control.host)"
+        )
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(exc.details())
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return PermissionError(f"control API at {address}: {method} refused: {exc.details()}")
+    return RuntimeError(f"control API at {address}: {method} failed: {exc.details()}")

@@ -105,7 +105,7 @@ def _guarded(func):
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except (SpecError, LookupError, ConnectionError, TimeoutError, ValueError) as exc:
+        except (SpecError, LookupError, ConnectionError, PermissionError, TimeoutError, ValueError) as exc:
             print(f"raymesh: error: {exc}", file=sys.stderr)
             return 2
     return run

@@ -13,6 +13,9 @@ def connect(address: str | None, needed_cpus: float) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        from orchestrator.api.auth import use_ray_token_if_present
+
+        use_ray_token_if_present()  # Ray sends its token to an explicit address only in token mode
         ray.init(address=address, log_to_driver=False)
     else:
         ray.init(

@@ -137,7 +137,7 @@ class TrainingJob:
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = self.runtime.serve_control(self)  # after connect, so it advertises the node IP
         if self.control is not None:
-            event("control", address=self.control.address)
+            event("control", **self.control.announcement())
         cpus, gpus = self.runtime.available()
         self.use_gpu = p.device == "cuda" or (p.device == "auto" and gpus > 0)
         check_resources(self.spec, cpus, gpus, "cuda" if self.use_gpu else "cpu")
@@ -336,6 +336,10 @@ def validated_fault(fault: dict, spec: JobSpec, layout: Layout, runtime: Runtime
     if not 0 <= fault["rank"] < world:
         raise ValueError(f"fault rank {fault['rank']} is not a rank of this {world}-rank job; "
                          f"fix: pick a rank from 0 to {world - 1}")
+    try:  # the checks across sections too: a fault kind this job cannot recover from is refused as in a job file
+        JobSpec.from_dict({**spec.to_dict(), "faults": [checked.model_dump(mode="json")]})
+    except SpecError as exc:
+        raise ValueError(str(exc)) from None
     if checked.kind == "kill_node":
         problem = runtime.kill_node_refusal(fault["rank"], layout.ranks[fault["rank"]].node_id)
         if problem:

@@ -123,4 +123,4 @@ class RayRuntime:
     def serve_control(self, job):
         from orchestrator.api.control_server import ControlServer
 
-        return ControlServer(job)
+        return ControlServer.for_job(job)

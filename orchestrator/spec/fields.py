@@ -15,7 +15,7 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 # the names of workers.parallel.schedules' table, in its order (the order an unknown name's error lists them)
 PipelineSchedule = Literal[SCHEDULE_NAMES]  # type: ignore[valid-type]
 _SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics",
-             "fault_tolerance", "parameter_server")
+             "fault_tolerance", "parameter_server", "control")
 
 
 def _divisors(n: int) -> list[int]:

@@ -15,6 +15,7 @@ from orchestrator.spec.messages import to_spec_error
 from orchestrator.spec.model import ModelSpec
 from orchestrator.spec.sections import (
     CheckpointSpec,
+    ControlSpec,
     DataSpec,
     FaultSpec,
     FaultToleranceSpec,
@@ -42,6 +43,7 @@ class JobSpec(_Section):
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    control: ControlSpec = Field(default_factory=ControlSpec)
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
     faults: list[FaultSpec] = Field(default_factory=list)
     parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)

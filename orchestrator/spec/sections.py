@@ -228,6 +228,7 @@ class MetricsSpec(_Section):
     """The controller's Prometheus endpoint and what the run records for reports."""
 
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
+    host: str = "127.0.0.1"  # interface the endpoint binds; 0.0.0.0 (or the node's IP) lets a remote Prometheus in
     file_sd: str | None = None  # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
     timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
     peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
@@ -237,3 +238,24 @@ class MetricsSpec(_Section):
         if self.file_sd is not None:
             return Path(self.file_sd)
         return Path(run_dir).parent / "prometheus_targets" / f"{Path(run_dir).name}.json"
+
+
+class ControlSpec(_Section):
+    """The job's control API (`raymesh status/stop/inject/scale`): where it listens and what it allows.
+
+    Every call needs the job's token either way (see orchestrator/api/auth.py).
+    """
+
+    host: str = "127.0.0.1"  # loopback only; 0.0.0.0 or the node's IP lets other machines in (add TLS then)
+    port: Annotated[int, Field(ge=0, le=65535)] = 0  # 0: any free port
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key, the API speaks TLS only
+    tls_key: str | None = None  # PEM private key of tls_cert
+    allow_faults: bool | None = None  # live `raymesh inject`; None: allowed only when the job file has `faults:`
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ControlSpec:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            raise SpecError(f"control.{missing}", None, f"is required when control.{given} is set",
+                            f"set control.{missing} to the matching PEM file, or remove control.{given}")
+        return self

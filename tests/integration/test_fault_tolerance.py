@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from orchestrator import JobSpec, TrainingJob
+from orchestrator.api.auth import job_token
 from orchestrator.api.control_server import ControlClient
 from orchestrator.observability.observers import JobObserver
 from tests.support.jobs import tiny_spec, wait_for
@@ -55,7 +56,7 @@ def start_live(spec, hold_at: int = 3):
         thread.join(300)
         return outcome["result"]
 
-    return ControlClient(job.control.address), finish
+    return ControlClient(job.control.address, job_token(job.run_dir).value), finish
 
 
 @pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2}, {"tp": 2, "dp": 2}], ids=["pp2-dp2", "tp2-dp2"])
@@ -100,7 +101,7 @@ def test_hang_is_detected_and_the_hung_rank_replaced(ray_cluster, token_data, tm
 def test_fault_injected_through_the_control_api_into_a_live_job(ray_cluster, token_data, tmp_path):
     straight = run(token_data, tmp_path / "straight", parallel={"dp": 2}, train={"steps": 30})
     spec = tiny_spec(token_data, tmp_path / "live", parallel={"dp": 2}, train={"steps": 30},
-                     checkpoint={"memory_every": 1}, fault_tolerance=FAST_DETECTION)
+                     checkpoint={"memory_every": 1}, fault_tolerance=FAST_DETECTION, control={"allow_faults": True})
     client, finish = start_live(spec)
     with pytest.raises(ValueError, match="rank 9 is not a rank of this 2-rank job"):
         client.inject_fault("kill_rank", 9)

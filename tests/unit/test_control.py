@@ -9,6 +9,8 @@ import pytest
 
 from orchestrator.api.control_server import ControlClient, ControlServer, ControlUnreachable
 
+TOKEN = "unit-test-token"
+
 LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "ranks": [{"rank": 0, "coords": [0, 0, 0]}]}
 
 
@@ -16,6 +18,8 @@ class FakeController:
     def __init__(self) -> None:
         self.state = "running"
         self.stop_reasons: list[str] = []
+        self.faults: list[tuple] = []
+        self.scales: list[int] = []
 
     def status(self) -> dict:
         return {
@@ -29,18 +33,26 @@ class FakeController:
             self.state = "stopping"
         return self.state
 
+    def inject_fault(self, kind: str, rank: int, factor: float) -> int:
+        self.faults.append((kind, rank, factor))
+        return 13
+
+    def request_scale(self, dp: int) -> int:
+        self.scales.append(dp)
+        return 12
+
 
 @pytest.fixture
 def served():
     controller = FakeController()
-    server = ControlServer(controller, host="127.0.0.1")
+    server = ControlServer(controller, TOKEN)
     yield controller, server
     server.close()
 
 
 def test_status_round_trip(served):
     _, server = served
-    status = ControlClient(server.address).status()
+    status = ControlClient(server.address, TOKEN).status()
     assert status == {
         "job": "gpt-tiny-3d", "state": "running", "step": 12, "total_steps": 200, "loss": 4.25,
         "tokens_per_s": 1234.5, "layout": LAYOUT, "health": {0: 0.25, 7: 1.5}, "started_unix": 1.7e9,
@@ -50,13 +62,13 @@ def test_status_round_trip(served):
 def test_loss_before_the_first_step_is_none(served):
     controller, server = served
     controller.status = lambda: {"job": "j", "state": "starting", "step": 0, "total_steps": 5, "loss": None}
-    status = ControlClient(server.address).status()
+    status = ControlClient(server.address, TOKEN).status()
     assert status["loss"] is None and status["state"] == "starting" and status["layout"] == {}
 
 
 def test_stop_is_accepted_once_then_reports_the_state(served):
     controller, server = served
-    client = ControlClient(server.address)
+    client = ControlClient(server.address, TOKEN)
     assert client.stop("user asked") == {"accepted": True, "state": "stopping"}
     assert controller.stop_reasons == ["user asked"]
     assert client.status()["state"] == "stopping"
@@ -70,15 +82,15 @@ def test_handler_failure_is_reported_with_its_cause(served):
     controller, server = served
     controller.status = lambda: {"job": "j", "steps": 3}
     with pytest.raises(RuntimeError, match=r"controller status failed: ValueError: .*unknown key\(s\) \['steps'\]"):
-        ControlClient(server.address).status()
+        ControlClient(server.address, TOKEN).status()
 
 
 def test_listening_on_all_interfaces_advertises_a_reachable_host():
-    server = ControlServer(FakeController())
+    server = ControlServer(FakeController(), TOKEN, host="0.0.0.0")
     try:
         host, port = server.address.rsplit(":", 1)
         assert host != "0.0.0.0" and int(port) > 0
-        assert ControlClient(server.address).status()["step"] == 12
+        assert ControlClient(server.address, TOKEN).status()["step"] == 12
     finally:
         server.close()
 
@@ -90,7 +102,7 @@ def test_unreachable_address_names_it_and_what_to_check():
     address = f"127.0.0.1:{port}"
     t0 = time.monotonic()
     with pytest.raises(ControlUnreachable) as info:
-        ControlClient(address, timeout_s=2).status()
+        ControlClient(address, TOKEN, timeout_s=2).status()
     assert time.monotonic() - t0 < 10
     message = str(info.value)
     assert address in message and "still running" in message and "event=control address=" in message
@@ -100,4 +112,4 @@ def test_closed_server_is_unreachable(served):
     _, server = served
     server.close()
     with pytest.raises(ControlUnreachable, match=server.address):
-        ControlClient(server.address, timeout_s=2).stop()
+        ControlClient(server.address, TOKEN, timeout_s=2).stop()
