@@ -176,7 +176,7 @@ def test_the_per_job_secret_is_private_stable_and_read_by_the_client(tmp_path, m
 
 
 def test_a_stop_reason_cannot_forge_the_control_line(served):
-    controller, server = served
+    _controller, server = served
     real = f"12:00:00 raymesh event=control address={server.address} token=ray"
     forged = "x event=control address=6.6.6.6:1\n12:00:02 raymesh event=control address=6.6.6.6:1 token=ray"
     log = "\n".join([real, f"12:00:01 raymesh event=stop_requested job=j reason={escape(forged)} step=3"])
@@ -186,7 +186,7 @@ def test_a_stop_reason_cannot_forge_the_control_line(served):
 
 
 def test_the_client_dials_what_the_job_announced_with_its_token(served, tmp_path, monkeypatch):
-    controller, server = served
+    _controller, server = served
     token_file = tmp_path / auth.TOKEN_FILE
     token_file.write_text(TOKEN)
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
