@@ -32,10 +32,11 @@ def transport_mb_s(shards: int, transport: str, numel: int, reps: int) -> float:
     from parameter_server.grpc_service import GrpcConn
     from parameter_server.shard import PSShard
 
-    actors = [ray.remote(PSShard).options(max_concurrency=16, num_cpus=0).remote(i, "asp", SGD, 1)
+    actors = [ray.remote(PSShard).options(max_concurrency=16, num_cpus=0).remote(i, "asp", SGD, 1, [SGD["lr"]])
               for i in range(shards)]
-    conns = ([GrpcConn(a) for a in ray.get([h.serve_grpc.remote() for h in actors])] if transport == "grpc"
-             else [RayConn(h) for h in actors])
+    token = "benchmark"
+    conns = ([GrpcConn(a, token) for a in ray.get([h.serve_grpc.remote(token) for h in actors])]
+             if transport == "grpc" else [RayConn(h) for h in actors])
     client = PSClient(conns, chunk_elems=1 << 18, vnodes=64, worker=0)
     params = {f"layer{i}": torch.randn(numel // 8) for i in range(8)}
     client.register(params)
@@ -43,7 +44,7 @@ def transport_mb_s(shards: int, transport: str, numel: int, reps: int) -> float:
     times = []
     for clock in range(WARMUP + reps):
         t0 = time.perf_counter()
-        client.push(clock, grads, 1e-3)
+        client.push(clock, grads)
         client.pull(list(params))
         times.append(time.perf_counter() - t0)
     for h in actors:

@@ -14,10 +14,15 @@ control API share one check.
 from __future__ import annotations
 
 import hmac
+import os
+from pathlib import Path
 
 import grpc
 
 HEADER = "authorization"
+TOKEN_FILE = "control_token"  # the per-job secret's name in the run directory
+TOKEN_ENV = "RAYMESH_TOKEN"  # a client's override: the token itself
+RAY_SOURCE = "ray"  # what a job announces when its token is Ray's
 _DENIED = ("raymesh: missing or wrong authentication token; fix: use the job's token (Ray's token when Ray's "
            "token authentication is on, else the control_token file in the job's run directory)")
 
@@ -48,14 +53,36 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 def ray_token() -> str | None:
-    """Ray's cluster token as this machine has it (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
-    ``~/.ray/auth_token``), whether or not this process runs in token mode; None when there is none."""
-    from ray._raylet import AuthenticationTokenLoader
+    """Ray's cluster token as this machine has it, whether or not this process runs in Ray's token mode; None
+    when there is none.
 
-    loader = AuthenticationTokenLoader.instance()
-    if not loader.has_token(ignore_auth_mode=True):
-        return None
-    return loader.get_raw_token(ignore_auth_mode=True)
+    Read from Ray's documented places in Ray's order (``RAY_AUTH_TOKEN``, the file
+    ``RAY_AUTH_TOKEN_PATH`` names, ``~/.ray/auth_token``) rather than through Ray's
+    C++ loader, so a reader outside the cluster does not have to import Ray.
+    """
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if path.is_file():
+        return path.read_text().strip() or None
+    return None
+
+
+def client_token(source: str | None) -> str:
+    """The token for a job that announced ``source`` (``ray``, or its secret file's path); ``RAYMESH_TOKEN``
+    wins (e.g. the file was copied off the cluster). ``PermissionError`` naming the fix when there is none."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    if source == RAY_SOURCE:
+        token = ray_token()
+        if token:
+            return token
+        raise PermissionError("the job uses the Ray cluster's token, which this machine does not have; fix: set "
+                              "RAY_AUTH_TOKEN (`ray get-auth-token` on the head node prints it)")
+    if source and Path(source).is_file():
+        return Path(source).read_text().strip()
+    raise PermissionError(f"the job's token file {source or '<run_dir>/' + TOKEN_FILE} is not readable here; "
+                          f"fix: copy its content into {TOKEN_ENV} on this machine")
 
 
 def ray_token_auth_on() -> bool:

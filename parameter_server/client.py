@@ -118,8 +118,9 @@ class PSClient:
         chunks = {k: v for n, t in named.items() for k, v in split(n, t, self.chunk_elems).items()}
         self._to_all_holders(chunks, lambda part: ("register", part, layout))
 
-    def push(self, clock: int, grads: dict[str, torch.Tensor], lr: float) -> None:
-        """Push this worker's gradients for ``clock``; returns once every chunk is acknowledged.
+    def push(self, clock: int, grads: dict[str, torch.Tensor]) -> None:
+        """Push this worker's gradients for ``clock``; returns once every chunk is acknowledged (the shards
+        step at the job's own learning rate).
 
         Checked whole against the registered layout first, so a bad push reaches no shard; each shard
         checks its chunks again (an outside gRPC client has no layout).
@@ -134,10 +135,10 @@ class PSClient:
                 raise ValueError(f"push of key {name!r} has shape {tuple(g.shape)} dtype {dtype}, expected shape "
                                  f"{tuple(want['shape'])} dtype {want['dtype']}; nothing applied")
         chunks = {k: v for n, g in grads.items() for k, v in split(n, g, self.chunk_elems).items()}
-        self._to_all_holders(chunks, lambda part: ("push", self.worker, clock, part, lr))
+        self._to_all_holders(chunks, lambda part: ("push", self.worker, clock, part))
         used = {s for k in chunks for s in self.ring.holders(k)}  # an empty push to the rest advances this
         idle = [s for s in range(len(self.conns)) if self.alive[s] and s not in used]  # worker's clock there
-        self._send({s: ("push", self.worker, clock, {}, lr) for s in idle})
+        self._send({s: ("push", self.worker, clock, {}) for s in idle})
 
     def grad_sq(self, clock: int, names: list[str]) -> float:
         """bsp: squared L2 norm of the averaged gradient of ``names`` for ``clock`` (each key counted once,

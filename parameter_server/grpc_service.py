@@ -2,9 +2,14 @@
 
 The service forwards each RPC to the same ``PSShard`` methods the Ray actor
 exposes, so both transports share one implementation of the semantics. Bad
-input (unknown key, wrong shape or dtype) comes back as ``INVALID_ARGUMENT``
-with the shard's message; a shard that is gone is ``UNAVAILABLE``, which the
-client reports as ``ShardDown`` so it can fail over to the key's successor.
+input (unknown key, wrong shape or dtype, a worker id or clock the job does
+not have) comes back as ``INVALID_ARGUMENT`` with the shard's message; a wait
+that outlasts the caller's deadline as ``DEADLINE_EXCEEDED`` (the shard's
+thread is free again then, so blocked callers cannot starve it); a shard that
+is gone is ``UNAVAILABLE``, which the client reports as ``ShardDown`` so it
+can fail over to the key's successor. It listens on the node's cluster
+address only, and only for callers with the job's token
+(``parameter_server/auth.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +19,24 @@ from concurrent import futures
 
 import grpc
 
+from parameter_server.auth import TokenInterceptor, call_metadata
 from parameter_server.errors import ShardDown
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
-from parameter_server.wire import from_msg, to_dict, to_msg
+from parameter_server.wire import to_dict, to_msg
 
 _MAX_MSG = 512 * 1024 * 1024
 _OPTIONS = [("grpc.max_send_message_length", _MAX_MSG), ("grpc.max_receive_message_length", _MAX_MSG)]
+
+
+def _register_args(request) -> tuple[dict, dict]:
+    """(layout, chunks) of a RegisterRequest; ``ValueError`` for a layout that is not a JSON object."""
+    try:
+        layout = json.loads(request.layout_json) if request.layout_json else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"layout_json is not JSON: {exc}") from None
+    if not isinstance(layout, dict):
+        raise ValueError("layout_json is not a JSON object of {name: {shape, dtype}}")
+    return layout, to_dict(request.chunks)
 
 
 class _Servicer(ps_pb2_grpc.ParameterServerServicer):
@@ -31,25 +48,28 @@ class _Servicer(ps_pb2_grpc.ParameterServerServicer):
             return fn(*args)
         except (KeyError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc.args[0] if exc.args else exc))
+        except TimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
 
     def Register(self, request, context):
-        layout = json.loads(request.layout_json) if request.layout_json else {}
-        return ps_pb2.Version(version=self._call(context, self.shard.register, to_dict(request.chunks), layout))
+        layout, chunks = self._call(context, _register_args, request)
+        return ps_pb2.Version(version=self._call(context, self.shard.register, chunks, layout))
 
     def Push(self, request, context):
-        grads = {m.key: from_msg(m) for m in request.grads}
-        return ps_pb2.Version(version=self._call(context, self.shard.push, request.worker, request.clock, grads,
-                                                 request.lr))
+        grads = self._call(context, to_dict, request.grads)
+        return ps_pb2.Version(version=self._call(context, self.shard.push, request.worker, request.clock, grads))
 
     def GradSq(self, request, context):
-        return ps_pb2.GradSqReply(sq=self._call(context, self.shard.grad_sq, request.clock, list(request.keys)))
+        return ps_pb2.GradSqReply(sq=self._call(context, self.shard.grad_sq, request.clock, list(request.keys),
+                                                context.time_remaining()))
 
     def Apply(self, request, context):
-        return ps_pb2.Version(version=self._call(context, self.shard.apply, request.clock, request.coef))
+        return ps_pb2.Version(version=self._call(context, self.shard.apply, request.clock, request.coef,
+                                                 context.time_remaining()))
 
     def Pull(self, request, context):
         out = self._call(context, self.shard.pull, list(request.keys), request.min_version, request.worker,
-                         request.clock)
+                         request.clock, context.time_remaining())
         return ps_pb2.PullReply(version=out["version"], chunks=[to_msg(k, v) for k, v in out["chunks"].items()])
 
     def Clock(self, request, context):
@@ -64,13 +84,17 @@ class GrpcEndpoint:
         self.address = address
 
 
-def serve(shard, advertise_ip: str) -> GrpcEndpoint:
-    """Serve ``shard`` on a free port of every interface; the address others use is ``advertise_ip:port``."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=_OPTIONS)
+def serve(shard, ip: str, token: str) -> GrpcEndpoint:
+    """Serve ``shard`` to callers with ``token`` on a free port of ``ip`` (the node's cluster address)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=_OPTIONS,
+                         interceptors=[TokenInterceptor(token)])
     ps_pb2_grpc.add_ParameterServerServicer_to_server(_Servicer(shard), server)
-    port = server.add_insecure_port("0.0.0.0:0")
+    port = server.add_insecure_port(f"{ip}:0")
+    if port == 0:
+        raise OSError(f"parameter-server shard cannot listen on {ip}; fix: check that Ray's node IP is this "
+                      "node's address (`ray start --node-ip-address`)")
     server.start()
-    return GrpcEndpoint(server, f"{advertise_ip}:{port}")
+    return GrpcEndpoint(server, f"{ip}:{port}")
 
 
 class _GrpcFuture:
@@ -85,38 +109,45 @@ class _GrpcFuture:
                 raise ValueError(exc.details()) from None
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise ShardDown(exc.details()) from None
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise PermissionError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(exc.details()) from None
             raise
 
 
 class GrpcConn:
-    """A client's connection to one shard over gRPC (no Ray needed: usable from any process)."""
+    """A client's connection to one shard over gRPC (no Ray needed: usable from any process), with ``token``."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=_OPTIONS)
         self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
+        self.metadata = call_metadata(token)
+
+    def _future(self, rpc, request, convert):
+        return _GrpcFuture(rpc.future(request, metadata=self.metadata), convert)
 
     def register(self, chunks, layout):
         req = ps_pb2.RegisterRequest(chunks=[to_msg(k, v) for k, v in chunks.items()], layout_json=json.dumps(layout))
-        return _GrpcFuture(self.stub.Register.future(req), lambda r: r.version)
+        return self._future(self.stub.Register, req, lambda r: r.version)
 
-    def push(self, worker, clock, grads, lr):
-        req = ps_pb2.PushRequest(worker=worker, clock=clock, lr=lr, grads=[to_msg(k, v) for k, v in grads.items()])
-        return _GrpcFuture(self.stub.Push.future(req), lambda r: r.version)
+    def push(self, worker, clock, grads):
+        req = ps_pb2.PushRequest(worker=worker, clock=clock, grads=[to_msg(k, v) for k, v in grads.items()])
+        return self._future(self.stub.Push, req, lambda r: r.version)
 
     def grad_sq(self, clock, keys):
-        return _GrpcFuture(self.stub.GradSq.future(ps_pb2.GradSqRequest(clock=clock, keys=keys)), lambda r: dict(r.sq))
+        return self._future(self.stub.GradSq, ps_pb2.GradSqRequest(clock=clock, keys=keys), lambda r: dict(r.sq))
 
     def apply(self, clock, coef):
-        return _GrpcFuture(self.stub.Apply.future(ps_pb2.ApplyRequest(clock=clock, coef=coef)), lambda r: r.version)
+        return self._future(self.stub.Apply, ps_pb2.ApplyRequest(clock=clock, coef=coef), lambda r: r.version)
 
     def pull(self, keys, min_version=0, worker=-1, clock=-1):
         req = ps_pb2.PullRequest(keys=keys, min_version=min_version, worker=worker, clock=clock)
-        return _GrpcFuture(self.stub.Pull.future(req),
-                           lambda r: {"version": r.version, "chunks": to_dict(r.chunks)})
+        return self._future(self.stub.Pull, req, lambda r: {"version": r.version, "chunks": to_dict(r.chunks)})
 
     def clock(self):
         def convert(r):
             return {"shard": r.shard, "version": r.version, "applied_from": list(r.applied_from), "keys": r.keys,
                     "layout": json.loads(r.layout_json or "{}")}
-        return _GrpcFuture(self.stub.Clock.future(ps_pb2.ClockRequest()), convert)
+        return self._future(self.stub.Clock, ps_pb2.ClockRequest(), convert)

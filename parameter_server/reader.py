@@ -4,7 +4,9 @@
 writes {name: tensor} of the newest weights; ``pull_parameters`` returns them.
 The routes file (written by the controller, rewritten when a shard restarts)
 gives each shard's address and the ring's shape, so the reader finds every
-chunk where a worker would.
+chunk where a worker would, and where the job's token is (``ray``: Ray's token
+on this machine; else the run directory's secret file); ``RAYMESH_TOKEN``
+overrides it. The shards answer no call without it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from pathlib import Path
 
 import torch
 
+from parameter_server.auth import client_token
 from parameter_server.client import PSClient
 from parameter_server.grpc_service import GrpcConn
 
 
 def connect(routes_path: str | Path) -> PSClient:
     routes = json.loads(Path(routes_path).read_text())
-    client = PSClient([GrpcConn(a) for a in routes["addresses"]], routes["chunk_elems"], routes["vnodes"])
+    token = client_token(routes.get("token"))
+    client = PSClient([GrpcConn(a, token) for a in routes["addresses"]], routes["chunk_elems"], routes["vnodes"])
     for info in client.clocks():  # every shard keeps the whole model's layout
         client.layout.update(info["layout"])
     return client

@@ -16,10 +16,19 @@ Consistency (``bsp``/``asp``/``ssp``):
   as one worker's share of a global batch). Each ``pull`` records the reader's
   clock and the fewest pushes this shard has applied from any worker, so the
   SSP bound can be checked from what the shard really held.
+
+A caller steers no more than a worker may: the learning rate comes from the
+job's schedule the shard was built with (``lrs``, one per step), never from a
+request; a clipping coefficient may only shrink the step, down from the bound
+this shard's own share of the gradient norm sets; worker ids, clocks, keys,
+shapes and finiteness are checked before anything is staged or applied; the
+key set is sealed by the first push (a late ``register`` cannot add a key
+every worker would have to push); and a wait ends at the caller's deadline.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -33,25 +42,30 @@ WAIT_S = 600.0
 
 
 class PSShard:
-    def __init__(self, shard_id: int, consistency: str, optim: dict, workers: int):
+    def __init__(self, shard_id: int, consistency: str, optim: dict, workers: int, lrs: list[float],
+                 max_norm: float = 0.0):
+        """``lrs[s]``: the job's learning rate at step ``s`` (the worker's schedule, computed once by the
+        controller); ``max_norm``: the job's gradient clipping norm (0: off)."""
         torch.set_num_threads(1)
         self.id = shard_id
         self.consistency = consistency
         self.optim = optim
         self.workers = workers
+        self.lrs = [float(lr) for lr in lrs]
+        self.max_norm = max_norm
         self.cond = threading.Condition()
         self.params: dict[str, torch.Tensor] = {}
         self.opts: dict[str, torch.optim.Optimizer] = {}
         self.version = 0  # bsp: clocks applied; asp/ssp: pushes applied
         self.applied_from = [0] * workers  # asp/ssp: pushes applied per worker
         self.staged: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # bsp: clock -> key -> worker -> grad
-        self.lrs: dict[int, float] = {}
         self.means: dict[int, dict[str, torch.Tensor]] = {}
         self.sqs: dict[int, dict[str, float]] = {}  # kept past apply: a worker failing over may still ask
         self.reads: list[dict] = []
         self.kill_after: int | None = None  # kill_ps_shard: pushes still to acknowledge before dying
         self.grpc = None
         self.layout: dict[str, dict] = {}
+        self.sealed = False  # the first push fixes the key set
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -64,6 +78,15 @@ class PSShard:
         ``layout`` ({name: {shape, dtype}} of the whole model) is kept so an outside reader can ask for it.
         """
         with self.cond:
+            for key, value in chunks.items():
+                held = self.params.get(key)
+                if held is None and self.sealed:
+                    raise ValueError(f"shard {self.id}: register of new key {key!r} after training started; "
+                                     "nothing registered (every worker registers before its first push)")
+                if held is not None and (held.shape != value.shape or held.dtype != value.dtype):
+                    raise ValueError(f"shard {self.id}: register of key {key!r} with shape {tuple(value.shape)} "
+                                     f"dtype {value.dtype}, held as shape {tuple(held.shape)} dtype {held.dtype}; "
+                                     "nothing registered")
             self.layout.update(layout or {})
             for key, value in chunks.items():
                 if key not in self.params:
@@ -73,8 +96,16 @@ class PSShard:
 
     # -- the push / pull / clock API --------------------------------------------------------------
 
-    def _check(self, grads: dict[str, torch.Tensor]) -> None:
-        """Reject the whole push, before anything is applied, if any chunk is unknown or misshapen."""
+    def _check(self, worker: int, clock: int, grads: dict[str, torch.Tensor]) -> None:
+        """Reject the whole push, before anything is staged or applied: a worker id that is not one of the
+        job's, a clock this shard cannot be at (bsp: past its version), an unknown, misshapen or non-finite
+        chunk."""
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"shard {self.id}: push from worker {worker}, but the job's workers are 0 to "
+                             f"{self.workers - 1}; nothing applied")
+        if clock < 0 or (self.consistency == "bsp" and clock > self.version):
+            raise ValueError(f"shard {self.id}: push for clock {clock} while at version {self.version}; "
+                             "nothing applied")
         for key, grad in grads.items():
             held = self.params.get(key)
             if held is None:
@@ -84,19 +115,30 @@ class PSShard:
                 raise ValueError(f"shard {self.id}: push of key {key!r} has shape {tuple(grad.shape)} dtype "
                                  f"{grad.dtype}, expected shape {tuple(held.shape)} dtype {held.dtype}; "
                                  "nothing applied")
+            if not bool(torch.isfinite(grad).all()):
+                raise ValueError(f"shard {self.id}: push of key {key!r} holds inf or nan; nothing applied")
 
-    def push(self, worker: int, clock: int, grads: dict[str, torch.Tensor], lr: float) -> int:
-        """Stage (bsp) or apply (asp/ssp) ``worker``'s gradients for ``clock``; returns the shard version."""
+    def lr(self, step: int) -> float:
+        """The job's learning rate at ``step`` (the schedule's last value past its end)."""
+        return self.lrs[min(step, len(self.lrs) - 1)]
+
+    def push(self, worker: int, clock: int, grads: dict[str, torch.Tensor]) -> int:
+        """Stage (bsp) or apply (asp/ssp) ``worker``'s gradients for ``clock``; returns the shard version.
+
+        asp/ssp apply at the step the pushes so far amount to (``version // workers``: every worker pushes to
+        every shard once per local step), the step the pushing worker's own schedule is at.
+        """
         with self.cond:
-            self._check(grads)
+            self._check(worker, clock, grads)
             self._maybe_die(grads)
+            self.sealed = True
             if self.consistency == "bsp":
                 if clock >= self.version:  # an already applied clock is a retry after failover
                     staged = self.staged.setdefault(clock, {})
                     for key, grad in grads.items():
                         staged.setdefault(key, {})[worker] = grad
-                    self.lrs[clock] = lr
             else:
+                lr = self.lr(self.version // self.workers)
                 for key, grad in grads.items():
                     optimizers.step(self.opts[key], grad / self.workers, lr)
                 self.applied_from[worker] += 1
@@ -108,9 +150,21 @@ class PSShard:
         staged = self.staged.get(clock, {})
         return all(len(staged.get(key, ())) == self.workers for key in self.params)
 
-    def _wait(self, predicate, what: str) -> None:
-        if not self.cond.wait_for(predicate, timeout=WAIT_S):
-            raise TimeoutError(f"shard {self.id}: waited {WAIT_S:.0f}s for {what}")
+    def _wait(self, predicate, what: str, timeout_s: float | None) -> None:
+        """Wait under the lock until ``predicate``, at most ``timeout_s`` (the caller's deadline) or ``WAIT_S``."""
+        limit = WAIT_S if timeout_s is None else max(0.0, min(timeout_s, WAIT_S))
+        if not self.cond.wait_for(predicate, timeout=limit):
+            raise TimeoutError(f"shard {self.id}: waited {limit:.1f}s for {what}")
+
+    def _check_clock(self, clock: int, what: str) -> None:
+        """bsp: a clock this shard is at or has applied (a later one would wait for pushes that cannot come)."""
+        if not 0 <= clock <= self.version:
+            raise ValueError(f"shard {self.id}: {what} for clock {clock} while at version {self.version}")
+
+    def _check_keys(self, keys: list[str], what: str) -> None:
+        missing = [k for k in keys if k not in self.params]
+        if missing:
+            raise KeyError(f"shard {self.id}: {what} of unknown keys {missing[:3]}")
 
     def _mean(self, clock: int) -> dict[str, torch.Tensor]:
         if clock not in self.means:
@@ -122,44 +176,67 @@ class PSShard:
             self.sqs[clock] = {key: float(m.float().pow(2).sum()) for key, m in self.means[clock].items()}
         return self.means[clock]
 
-    def grad_sq(self, clock: int, keys: list[str]) -> dict[str, float]:
+    def grad_sq(self, clock: int, keys: list[str], timeout_s: float | None = None) -> dict[str, float]:
         """bsp: squared L2 norm of each listed key's averaged gradient for ``clock``, once all have pushed."""
         with self.cond:
-            self._wait(lambda: clock in self.sqs or self._complete(clock), f"every worker's push of clock {clock}")
+            self._check_keys(keys, "grad_sq")
+            if clock not in self.sqs:
+                self._check_clock(clock, "grad_sq")
+            self._wait(lambda: clock in self.sqs or self._complete(clock), f"every worker's push of clock {clock}",
+                       timeout_s)
             if clock not in self.sqs:
                 self._mean(clock)
             return {key: self.sqs[clock][key] for key in keys}
 
-    def apply(self, clock: int, coef: float) -> int:
-        """bsp: one optimizer step on every held key with ``coef * mean gradient`` (idempotent per clock)."""
+    def _check_coef(self, clock: int, coef: float) -> None:
+        """A clipping coefficient a worker could have computed: finite, in (0, 1], exactly 1 with clipping off,
+        and no larger than this shard's own keys allow (the job-wide norm is at least their norm)."""
+        if not (math.isfinite(coef) and 0 < coef <= 1) or (self.max_norm == 0 and coef != 1):
+            raise ValueError(f"shard {self.id}: apply with coefficient {coef} (clipping norm {self.max_norm}); "
+                             "a coefficient is in (0, 1], and 1 with clipping off; nothing applied")
+        own = math.sqrt(sum(self.sqs[clock].values()))
+        bound = min(1.0, self.max_norm / (own + 1e-6)) if self.max_norm > 0 else 1.0
+        if coef > bound * (1 + 1e-6):
+            raise ValueError(f"shard {self.id}: apply with coefficient {coef} above {bound:.6g}, the most this "
+                             f"shard's own gradient norm {own:.6g} allows at clipping norm {self.max_norm}; "
+                             "nothing applied")
+
+    def apply(self, clock: int, coef: float, timeout_s: float | None = None) -> int:
+        """bsp: one optimizer step on every held key with ``coef * mean gradient`` (idempotent per clock), at
+        the job's learning rate for ``clock``."""
         with self.cond:
-            self._wait(lambda: self.version > clock or self._complete(clock), f"every worker's push of clock {clock}")
+            self._check_clock(clock, "apply")
+            self._wait(lambda: self.version > clock or self._complete(clock), f"every worker's push of clock {clock}",
+                       timeout_s)
             if self.version <= clock:
                 means = self._mean(clock)
+                self._check_coef(clock, coef)
                 for key, opt in self.opts.items():
                     grad = means[key] * coef if coef < 1.0 else means[key]
-                    optimizers.step(opt, grad, self.lrs[clock])
+                    optimizers.step(opt, grad, self.lr(clock))
                 self.version = clock + 1
                 for old in [c for c in self.staged if c <= clock]:
                     self.staged.pop(old)
                     self.means.pop(old, None)
-                    self.lrs.pop(old, None)
                 for old in [c for c in self.sqs if c < clock]:
                     self.sqs.pop(old)
                 self.cond.notify_all()
             return self.version
 
-    def pull(self, keys: list[str], min_version: int = 0, worker: int = -1, clock: int = -1) -> dict:
-        """Current values of ``keys`` once the shard's version reaches ``min_version``.
+    def pull(self, keys: list[str], min_version: int = 0, worker: int = -1, clock: int = -1,
+             timeout_s: float | None = None) -> dict:
+        """Current values of ``keys`` once the shard's version reaches ``min_version`` (at most one version
+        ahead: the step in flight).
 
         A worker's training read (``clock >= 0``) under asp/ssp is recorded with the fewest pushes applied
         from any worker.
         """
         with self.cond:
-            self._wait(lambda: self.version >= min_version, f"version {min_version}")
-            missing = [k for k in keys if k not in self.params]
-            if missing:
-                raise KeyError(f"shard {self.id}: pull of unknown keys {missing[:3]}")
+            self._check_keys(keys, "pull")
+            if not -1 <= worker < self.workers or min_version > self.version + 1:
+                raise ValueError(f"shard {self.id}: pull by worker {worker} for version {min_version} while at "
+                                 f"version {self.version} with workers 0 to {self.workers - 1}")
+            self._wait(lambda: self.version >= min_version, f"version {min_version}", timeout_s)
             if worker >= 0 and clock >= 0 and self.consistency != "bsp":
                 self.reads.append({"shard": self.id, "worker": worker, "clock": clock,
                                    "min_applied": min(self.applied_from)})
@@ -221,13 +298,13 @@ class PSShard:
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def serve_grpc(self) -> str:
-        """Start this shard's gRPC endpoint (same push/pull/clock API) on all interfaces; returns ``ip:port``
-        with the node's address as Ray knows it."""
+    def serve_grpc(self, token: str) -> str:
+        """Start this shard's gRPC endpoint (same push/pull/clock API, callers with ``token`` only) on the
+        node's cluster address as Ray knows it, not on every interface; returns ``ip:port``."""
         import ray
 
         from parameter_server.grpc_service import serve
 
         if self.grpc is None:
-            self.grpc = serve(self, ray.util.get_node_ip_address())
+            self.grpc = serve(self, ray.util.get_node_ip_address(), token)
         return self.grpc.address

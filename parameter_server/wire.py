@@ -14,7 +14,18 @@ def to_msg(key: str, tensor: torch.Tensor) -> ps_pb2.Tensor:
 
 
 def from_msg(msg: ps_pb2.Tensor) -> torch.Tensor:
-    dtype = getattr(torch, msg.dtype)
+    """The tensor ``msg`` carries; ``ValueError`` when its dtype is no torch dtype or its bytes do not fill its
+    shape (a message from outside is checked before anything reads it)."""
+    dtype = getattr(torch, msg.dtype, None) if msg.dtype.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"tensor {msg.key!r}: dtype {msg.dtype!r} is not a torch dtype")
+    numel = 1
+    for size in msg.shape:
+        if size < 0:
+            raise ValueError(f"tensor {msg.key!r}: negative size in shape {list(msg.shape)}")
+        numel *= size
+    if len(msg.data) != numel * dtype.itemsize:
+        raise ValueError(f"tensor {msg.key!r}: {len(msg.data)} bytes do not hold shape {list(msg.shape)} of {dtype}")
     raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8) if msg.data else torch.empty(0, dtype=torch.uint8)
     return raw.view(dtype).reshape(tuple(msg.shape))
 

@@ -186,7 +186,7 @@ class Trainer:
             if loss is not None:
                 loss = loss / self.state.scaler.scale if applied else loss
         if self.ps is not None:
-            grad_norm = self.ps.sync(self.state.schedulers[0].get_last_lr()[0])
+            grad_norm = self.ps.sync()
         else:
             grad_norm = clip_grads(self.params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
         return loss, grad_norm, applied

@@ -15,11 +15,10 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from parameter_server.auth import ray_token, ray_token_auth_on
+from parameter_server.auth import RAY_SOURCE, TOKEN_ENV, TOKEN_FILE, client_token, ray_token, ray_token_auth_on
 
-TOKEN_FILE = "control_token"
-TOKEN_ENV = "RAYMESH_TOKEN"
-RAY_SOURCE = "ray"
+__all__ = ["RAY_SOURCE", "TOKEN_ENV", "TOKEN_FILE", "JobToken", "client_token", "job_token",
+           "use_ray_token_if_present"]
 
 
 @dataclass(frozen=True)
@@ -52,23 +51,6 @@ def _read_or_create(path: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32))
     return path.read_text().strip()
-
-
-def client_token(source: str | None) -> str:
-    """The token for a job that announced ``source``; ``RAYMESH_TOKEN`` wins (e.g. the file was copied off
-    the cluster). ``PermissionError`` naming where to find it when this machine has none."""
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    if source == RAY_SOURCE:
-        token = ray_token()
-        if token:
-            return token
-        raise PermissionError("the job uses the Ray cluster's token, which this machine does not have; fix: set "
-                              "RAY_AUTH_TOKEN (or copy ~/.ray/auth_token from the head node, `ray get-auth-token`)")
-    if source and Path(source).is_file():
-        return Path(source).read_text().strip()
-    raise PermissionError(f"the job's token file {source or '<run_dir>/' + TOKEN_FILE} is not readable here; "
-                          f"fix: copy its content into {TOKEN_ENV} on this machine")
 
 
 def use_ray_token_if_present() -> None:

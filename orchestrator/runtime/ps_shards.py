@@ -1,8 +1,9 @@
 """The controller's side of the parameter server: start the shards, keep them alive, snapshot them.
 
 Shards are threaded Ray actors (``PSShard``) spread over the cluster; each also
-serves gRPC so processes outside Ray can read weights (``ps_routes.json`` in
-the run directory says where). Between steps, ``after_step`` pings every
+serves gRPC on its node's cluster address so processes outside Ray can read
+weights (``ps_routes.json`` in the run directory says where, and where the
+job's token is). Between steps, ``after_step`` pings every
 shard; a dead one is restarted and resynced from the live holders of its keys
 (the successor holds its primary keys, the primaries hold its replicas), then
 every worker is told to use it again. ``kill_ps_shard`` faults are armed here.
@@ -15,11 +16,13 @@ import time
 
 import ray
 
+from orchestrator.api.auth import job_token
 from orchestrator.observability.events import event
 from orchestrator.spec import JobSpec
 from parameter_server.clocks import ClockKeeper
 from parameter_server.ring import HashRing
 from parameter_server.shard import PSShard
+from workers.optim.build import lr_lambda
 
 PING_S = 30.0
 
@@ -30,8 +33,9 @@ class PSShards:
         self.ps = spec.parameter_server
         self.run_dir = run_dir
         self.ring = HashRing(self.ps.shards, self.ps.virtual_nodes)
+        self.token = job_token(run_dir)  # the control API's: one secret (or Ray's token) per job
         self.handles = [self._new_shard(i) for i in range(self.ps.shards)]
-        self.addresses = ray.get([h.serve_grpc.remote() for h in self.handles])
+        self.addresses = ray.get([h.serve_grpc.remote(self.token.value) for h in self.handles])
         self.keeper = None
         if self.ps.consistency != "bsp":
             staleness = self.ps.staleness if self.ps.consistency == "ssp" else None
@@ -47,16 +51,25 @@ class PSShards:
         optim = self.ps.server_optim(self.spec.optim)
         return ray.remote(max_concurrency=64)(PSShard).options(
             num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-        ).remote(shard, self.ps.consistency, optim, self.spec.parallel.dp)
+        ).remote(shard, self.ps.consistency, optim, self.spec.parallel.dp, self._learning_rates(),
+                 self.spec.optim.grad_clip)
+
+    def _learning_rates(self) -> list[float]:
+        """The job's learning rate at every step, as each rank's ``LambdaLR`` computes it (base × factor), so
+        a shard steps at the rate the workers' schedule says and no request can set another."""
+        optim, steps = self.spec.optim, self.spec.train.steps
+        factor = lr_lambda(optim.model_dump(), steps)
+        return [optim.lr * factor(step) for step in range(steps)]
 
     def _write_routes(self) -> None:
         """Where an outside reader finds the shards (``parameter_server.reader``)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        routes = {"addresses": self.addresses, "vnodes": self.ps.virtual_nodes, "chunk_elems": self.ps.chunk_elems}
+        routes = {"addresses": self.addresses, "vnodes": self.ps.virtual_nodes, "chunk_elems": self.ps.chunk_elems,
+                  "token": self.token.source}
         (self.run_dir / "ps_routes.json").write_text(json.dumps(routes, indent=2))
 
     def route(self, shard: int) -> dict:
-        return {"handle": self.handles[shard], "address": self.addresses[shard]}
+        return {"handle": self.handles[shard], "address": self.addresses[shard], "token": self.token.value}
 
     def worker_routes(self) -> dict:
         """What each rank's ``PSSync`` needs: a route per shard, and the clock keeper under asp/ssp."""
@@ -102,7 +115,7 @@ class PSShards:
     def _restart(self, shard: int, alive: list[bool], group, step: int) -> None:
         ray.kill(self.handles[shard], no_restart=True)
         self.handles[shard] = self._new_shard(shard)
-        self.addresses[shard] = ray.get(self.handles[shard].serve_grpc.remote())
+        self.addresses[shard] = ray.get(self.handles[shard].serve_grpc.remote(self.token.value))
         keys = 0
         for other, ok in enumerate(alive):
             if ok:  # every key this shard holds lives on one live holder too

@@ -21,6 +21,7 @@ from tests.support.reference import reference_run
 
 STEPS = 6
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
+LRS = [0.1] * 4  # the job's learning rate per step, as the controller hands it to every shard
 
 
 def _ps_spec(token_data, tmp_path, faults=(), **ps):
@@ -79,19 +80,20 @@ def test_unsupported_combinations_are_spec_errors(sections, field):
 
 
 def test_bad_push_names_key_and_shapes_and_applies_nothing(ray_cluster):
-    shards = [ray.remote(PSShard).options(max_concurrency=8, num_cpus=0).remote(i, "asp", ADAMW, 1) for i in range(2)]
+    shards = [ray.remote(PSShard).options(max_concurrency=8, num_cpus=0).remote(i, "asp", ADAMW, 1, LRS)
+              for i in range(2)]
     client = PSClient([RayConn(h) for h in shards], chunk_elems=8, vnodes=16, worker=0)
     params = {"w": torch.randn(4, 6), "b": torch.randn(6)}
     client.register(params)
     before = client.pull(["w", "b"])
     with pytest.raises(ValueError, match=r"'w'.*shape \(4, 5\).*expected shape \(4, 6\)"):
-        client.push(0, {"b": torch.ones(6), "w": torch.ones(4, 5)}, 0.1)
+        client.push(0, {"b": torch.ones(6), "w": torch.ones(4, 5)})
     with pytest.raises(ValueError, match=r"'b'.*dtype float64"):
-        client.push(0, {"b": torch.ones(6, dtype=torch.float64)}, 0.1)
+        client.push(0, {"b": torch.ones(6, dtype=torch.float64)})
     with pytest.raises(KeyError, match=r"'nope'"):
-        client.push(0, {"nope": torch.ones(3)}, 0.1)
+        client.push(0, {"nope": torch.ones(3)})
     with pytest.raises(KeyError, match=r"unknown key 'w#9'"):  # a shard checks too (an outside client)
-        RayConn(shards[0]).push(0, 0, {"w#9": torch.ones(8)}, 0.1).result()
+        RayConn(shards[0]).push(0, 0, {"w#9": torch.ones(8)}).result()
     after = client.pull(["w", "b"])
     assert all(torch.equal(before[n], after[n]) for n in params)
     assert [c["version"] for c in client.clocks()] == [0, 0]
@@ -124,16 +126,19 @@ def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tm
 
 
 def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_path):
-    shards = [ray.remote(PSShard).options(max_concurrency=8, num_cpus=0).remote(i, "asp", ADAMW, 1) for i in range(2)]
-    addresses = ray.get([h.serve_grpc.remote() for h in shards])
+    shards = [ray.remote(PSShard).options(max_concurrency=8, num_cpus=0).remote(i, "asp", ADAMW, 1, LRS)
+              for i in range(2)]
+    token_file = tmp_path / "control_token"  # the per-job secret, as a cluster without Ray's token auth has it
+    token_file.write_text("reader-test-token")
+    addresses = ray.get([h.serve_grpc.remote("reader-test-token") for h in shards])
     worker = PSClient([RayConn(h) for h in shards], chunk_elems=64, vnodes=16, worker=0)
     params = {"w": torch.randn(16, 20), "b": torch.randn(20).to(torch.bfloat16)}  # bf16 travels as raw bytes too
     worker.register(params)
     for clock in range(2):
-        worker.push(clock, {n: torch.randn_like(t) for n, t in params.items()}, 0.1)
+        worker.push(clock, {n: torch.randn_like(t) for n, t in params.items()})
     pulled = worker.pull(list(params))
     routes = tmp_path / "ps_routes.json"
-    routes.write_text(json.dumps({"addresses": addresses, "vnodes": 16, "chunk_elems": 64}))
+    routes.write_text(json.dumps({"addresses": addresses, "vnodes": 16, "chunk_elems": 64, "token": str(token_file)}))
     out = tmp_path / "outside.pt"
     code = ("import sys; from parameter_server.reader import main; "
             f"main([{str(routes)!r}, '--out', {str(out)!r}]); assert 'ray' not in sys.modules, 'imported ray'")
@@ -143,5 +148,9 @@ def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_pa
     for name in params:
         assert outside[name].dtype == pulled[name].dtype and torch.equal(outside[name], pulled[name])
         assert not torch.equal(pulled[name], params[name])  # the pushes were applied
+    token_file.write_text("a-wrong-token")  # the reader authenticates like everyone else
+    refused = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "authentication token" in refused.stderr
+    assert {a.rsplit(":", 1)[0] for a in addresses} == {ray.util.get_node_ip_address()}  # the cluster address only
     for h in shards:
         ray.kill(h)

@@ -31,7 +31,7 @@ def _conn(route: dict, transport: str):
     if transport == "grpc":
         from parameter_server.grpc_service import GrpcConn
 
-        return GrpcConn(route["address"])
+        return GrpcConn(route["address"], route["token"])
     return RayConn(route["handle"])
 
 
@@ -72,10 +72,11 @@ class PSSync:
             for n, p in self.named.items():
                 p.copy_(fresh[n])
 
-    def sync(self, lr: float) -> float:
-        """bsp: push, clip on the global norm of the averaged gradient, apply, pull; returns that norm."""
+    def sync(self) -> float:
+        """bsp: push, clip on the global norm of the averaged gradient, apply, pull; returns that norm (the
+        shards step at the job's learning rate for this clock, the one this rank's scheduler reports)."""
         t = self.clock
-        self.client.push(t, self._grads(), lr)
+        self.client.push(t, self._grads())
         sq = torch.tensor(self.client.grad_sq(t, list(self.named)), dtype=torch.float64)
         if self.trainer.pp_group is not None:
             dist.all_reduce(sq, group=self.trainer.pp_group)
@@ -130,7 +131,7 @@ class PSSync:
                     inputs, targets = tr.state.cursor.next_batch()
                     loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
                     norm = clip_grads(tr.params, self.max_norm)
-                    self.client.push(self.clock, self._grads(), tr.state.schedulers[0].get_last_lr()[0])
+                    self.client.push(self.clock, self._grads())
                     for p in tr.params:
                         p.grad = None
                     self.clock += 1
