@@ -4,7 +4,10 @@ Nothing imports this file; helpers the tests share live in ``tests/support``.
 
 Starting Ray costs ~10 s here, so every test that trains joins the same head
 node; it is a real cluster with a dashboard, so ``ray job submit`` tests use it
-too.
+too. It runs with Ray's default authentication: Ray 2.60's ``ray start --head``
+turns token authentication on when the machine has a token, which any local
+``ray.init()`` leaves in ``~/.ray/auth_token`` (here ``ray get-auth-token
+--generate`` makes sure of it); nothing sets ``RAY_AUTH_MODE``.
 """
 
 from __future__ import annotations
@@ -36,15 +39,20 @@ def ray_cluster():
     """A head node started the way users start one; the test process joins it as a driver."""
     import ray
 
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    from orchestrator.api.auth import use_ray_token_if_present
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}  # a user's shell: Ray's defaults
     subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)
-    subprocess.run(
+    subprocess.run(["ray", "get-auth-token", "--generate"], check=True, capture_output=True, env=env)
+    started = subprocess.run(
         ["ray", "start", "--head", f"--num-cpus={RAY_CPUS}", f"--port={GCS_PORT}",
          "--include-dashboard=true", f"--dashboard-port={DASHBOARD_PORT}", "--disable-usage-stats"],
-        check=True, capture_output=True, env=env,
+        check=True, capture_output=True, text=True, env=env,
     )
+    assert "Token authentication is enabled" in started.stdout + started.stderr, "the head runs without Ray's auth"
     address = f"127.0.0.1:{GCS_PORT}"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.pop("RAY_AUTH_MODE", None)
+    use_ray_token_if_present()  # what raymesh's own entry points do before ray.init(address=...)
     ray.init(address=address, log_to_driver=False)
     yield {"address": address, "dashboard": f"http://127.0.0.1:{DASHBOARD_PORT}", "env": env}
     ray.shutdown()

@@ -27,11 +27,13 @@ class RankWorker:
         self.store = None  # this rank's SnapshotStore, from setup on
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a free port, for rank 0 to host the process-group store."""
+        """This node's cluster IP and a port free on it, for rank 0 to host the process-group store (probed on
+        that address, not on every interface)."""
+        ip = ray.util.get_node_ip_address()
         with socket.socket() as s:
-            s.bind(("", 0))
+            s.bind((ip, 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ip, port
 
     def identity(self) -> dict:
         ctx = ray.get_runtime_context()

@@ -109,7 +109,7 @@ class MetricsObserver(JobObserver):
 
     def __init__(self, spec: JobSpec, run_dir: Path, layout: dict):
         self.job = spec.name
-        self.exporter = MetricsExporter(spec.name, spec.metrics.port)
+        self.exporter = MetricsExporter(spec.name, spec.metrics.port, spec.metrics.host)
         self.exporter.observe_layout(layout)
         target_file = spec.metrics.resolved_file_sd(run_dir)
         self.exporter.write_file_sd(target_file)

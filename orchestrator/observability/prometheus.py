@@ -38,8 +38,11 @@ class _HeartbeatAge:
 
 
 class MetricsExporter:
-    def __init__(self, job: str, port: int):
+    def __init__(self, job: str, port: int, host: str = "127.0.0.1"):
+        """Serve on ``host`` (loopback unless the job's ``metrics.host`` widens it: the metrics name the job, its
+        layout and its nodes, which nobody off this machine needs unless a Prometheus there scrapes them)."""
         self.job = job
+        self.host = host
         self.registry = r = CollectorRegistry()
         j = ("job",)
         self.steps = Counter("raymesh_steps_total", "Optimizer steps completed", j, registry=r)
@@ -82,7 +85,7 @@ class MetricsExporter:
         self.ps_staleness = Gauge("raymesh_ps_staleness_steps", "Largest clock gap between a read and the newest "
                                   "update (0 under all-reduce)", j, registry=r)
         self._file_sd: Path | None = None
-        self.server, self.thread = start_http_server(port, registry=r)
+        self.server, self.thread = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
 
     def observe_layout(self, layout: dict) -> None:
@@ -142,8 +145,9 @@ class MetricsExporter:
             self.ckpts.labels(self.job).inc()
 
     def address(self) -> str:
-        """host:port as other nodes (and Prometheus) reach it."""
-        return f"{ray.util.get_node_ip_address()}:{self.port}"
+        """host:port as Prometheus reaches it (the node's IP when listening on every interface)."""
+        host = ray.util.get_node_ip_address() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
 
     def write_file_sd(self, path: str | Path) -> None:
         """A Prometheus ``file_sd_configs`` target file pointing at this exporter."""

@@ -25,6 +25,7 @@ JOB = REPO / "examples" / "gpt_tiny_3d.yaml"
 
 FAKE_CONTROLLER = """
 import json, threading, time
+from orchestrator.api.auth import job_token
 from orchestrator.api.control_server import ControlServer
 from orchestrator.observability.events import event
 
@@ -44,8 +45,9 @@ class Fake:
         return "stopping"
 
 fake = Fake()
-server = ControlServer(fake)
-event("control", address=server.address)
+token = job_token("run")  # Ray's token on this cluster (its token authentication is on)
+server = ControlServer(fake, token.value, token_source=token.source)
+event("control", **server.announcement())
 while not fake.stopping.is_set() and fake.step < 100000:
     time.sleep(0.05)
     fake.step += 1
@@ -124,6 +126,7 @@ def test_stand_in_controller_status_stop_and_summary(client, ray_cluster, tmp_pa
     live = wait_for(lambda: (s := client.status(job_id))["state"] == "running" and s["step"] > 0 and s,
                     120, "the stand-in controller to report a step")
     assert live["job"] == "fake" and live["ray_status"] == "running" and live["health"] == {0: 0.1}
+    assert "token=ray" in client.logs(job_id)  # the job runs in Ray's token mode and uses Ray's token
     assert live["control_address"] == control_address(client.logs(job_id))
     assert cli("status", job_id, "--address", ray_cluster["dashboard"]) == 0
     assert f"fake {job_id}: running, step" in capsys.readouterr().out
@@ -131,7 +134,7 @@ def test_stand_in_controller_status_stop_and_summary(client, ray_cluster, tmp_pa
     assert cli("stop", job_id, "--address", ray_cluster["dashboard"], "--reason", "test over") == 0
     assert "stopping (the controller finishes" in capsys.readouterr().out
     assert client.wait(job_id, 60) == "succeeded"
-    assert "event=stop reason=test over" in client.logs(job_id)
+    assert 'event=stop reason="test over"' in client.logs(job_id)  # quoted: a value cannot add fields
 
     ended = client.status(job_id)
     assert ended["state"] == "stopped" and ended["ray_status"] == "succeeded"

@@ -25,7 +25,7 @@ ELASTIC = {"heartbeat_timeout_s": 60, "collective_timeout_s": 5, "placement_time
 def run_on_cluster(spec: JobSpec, tmp_path: Path, *extra: str) -> dict:
     spec_file, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec_file.write_text(json.dumps(spec.to_dict()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
     subprocess.run([sys.executable, "-m", "tests.support.elastic_cluster", str(spec_file), str(out),
                     "--port", str(PORT), *extra], cwd=ROOT, env=env, check=True, timeout=300)
