@@ -188,12 +188,14 @@ class PSShard:
                 self._mean(clock)
             return {key: self.sqs[clock][key] for key in keys}
 
-    def _check_coef(self, clock: int, coef: float) -> None:
-        """A clipping coefficient a worker could have computed: finite, in (0, 1], exactly 1 with clipping off,
-        and no larger than this shard's own keys allow (the job-wide norm is at least their norm)."""
+    def _check_coef_range(self, coef: float) -> None:
+        """A clipping coefficient a worker could have computed: finite, in (0, 1], exactly 1 with clipping off."""
         if not (math.isfinite(coef) and 0 < coef <= 1) or (self.max_norm == 0 and coef != 1):
             raise ValueError(f"shard {self.id}: apply with coefficient {coef} (clipping norm {self.max_norm}); "
                              "a coefficient is in (0, 1], and 1 with clipping off; nothing applied")
+
+    def _check_coef(self, clock: int, coef: float) -> None:
+        """No larger than this shard's own keys allow: the job-wide norm is at least their norm."""
         own = math.sqrt(sum(self.sqs[clock].values()))
         bound = min(1.0, self.max_norm / (own + 1e-6)) if self.max_norm > 0 else 1.0
         if coef > bound * (1 + 1e-6):
@@ -205,6 +207,7 @@ class PSShard:
         """bsp: one optimizer step on every held key with ``coef * mean gradient`` (idempotent per clock), at
         the job's learning rate for ``clock``."""
         with self.cond:
+            self._check_coef_range(coef)
             self._check_clock(clock, "apply")
             self._wait(lambda: self.version > clock or self._complete(clock), f"every worker's push of clock {clock}",
                        timeout_s)
