@@ -60,6 +60,6 @@ def test_raymesh_submit_and_status_work_on_the_default_head(ray_cluster, token_d
                     and ", step " in s.stdout and s, 300, "`raymesh status` to show a live step")
     assert "control API: 127.0.0.1:" in live.stdout  # through the loopback-only API, with Ray's token
     stopped = raymesh("stop", job_id, "--address", ray_cluster["dashboard"], "--reason", "enough")
-    assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stderr
+    assert stopped.returncode == 0 and "the controller finishes" in stopped.stdout, stopped.stderr  # via the API
     wait_for(lambda: "stopped" in raymesh("status", job_id, "--address", ray_cluster["dashboard"]).stdout, 300,
              "the job to stop")
