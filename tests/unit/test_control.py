@@ -18,8 +18,6 @@ class FakeController:
     def __init__(self) -> None:
         self.state = "running"
         self.stop_reasons: list[str] = []
-        self.faults: list[tuple] = []
-        self.scales: list[int] = []
 
     def status(self) -> dict:
         return {
@@ -32,14 +30,6 @@ class FakeController:
         if self.state == "running":
             self.state = "stopping"
         return self.state
-
-    def inject_fault(self, kind: str, rank: int, factor: float) -> int:
-        self.faults.append((kind, rank, factor))
-        return 13
-
-    def request_scale(self, dp: int) -> int:
-        self.scales.append(dp)
-        return 12
 
 
 @pytest.fixture
