@@ -87,7 +87,8 @@ class _Axis:
         return 1
 
 
-def test_the_builder_materialises_only_meta_stages(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_the_builder_materialises_only_meta_stages(tmp_path, monkeypatch, recompute):
     seen = []
 
     def spy(module, seed, cfg, device):
@@ -95,8 +96,13 @@ def test_the_builder_materialises_only_meta_stages(tmp_path, monkeypatch):
         return materialize(module, seed, cfg, device)
 
     monkeypatch.setattr("workers.parallel.parallelize.materialize", spy)
-    spec = WorkerSpec.from_dict(tiny_spec(tmp_path, tmp_path, train={"seed": 5}).worker_dict())
+    job = tiny_spec(tmp_path, tmp_path, train={"seed": 5}, memory={"recompute": recompute})
+    spec = WorkerSpec.from_dict(job.worker_dict())
     (stage,) = build_parts(spec, {"pp": _Axis(), "dp": _Axis()}, torch.device("cpu")).modules
     assert seen == [True]
     whole = meta_init.build_full(spec.model, 5)
     assert all(torch.equal(p, whole.get_parameter(n)) for n, p in stage.named_parameters())
+    x = torch.randint(0, 256, (2, 16))
+    stage(x).sum().backward()  # the recompute wrappers, applied on meta, still run
+    whole(x).sum().backward()
+    assert all(torch.allclose(p.grad, whole.get_parameter(n).grad) for n, p in stage.named_parameters())
