@@ -46,6 +46,9 @@ class ByteTokens:
 class HFTokens:
     """A Hugging Face ``tokenizers`` tokenizer: documents decoded as UTF-8 (bad bytes replaced), then encoded.
 
+    Encoded without the tokenizer's own special tokens (a Llama ``tokenizer.json`` would prepend BOS): the
+    end-of-document id between documents is the only separator, as with bytes.
+
     ``kind`` is ``file`` for a given ``tokenizer.json`` and ``bpe`` for one trained here; ``path`` is where
     the tokenizer file lives (recorded in the manifest so the ids can be decoded later).
     """
