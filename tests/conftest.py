@@ -35,6 +35,14 @@ def token_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bpe_token_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The json package as ids of a BPE trained on it (``bpe:4096``, as examples/bpe_pretrain.yaml prepares)."""
+    out = tmp_path_factory.mktemp("bpe-tokens")
+    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], out, tokenizer="bpe:4096")
+    return out
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A head node started the way users start one; the test process joins it as a driver."""
     import ray

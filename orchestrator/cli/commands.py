@@ -15,8 +15,12 @@ def _prepare_data(args: argparse.Namespace) -> int:
     from workers.data.prepare import default_sources, prepare_data
 
     sources = args.source or default_sources()
-    manifest = prepare_data(sources, args.out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens)
-    print(f"wrote {manifest['total_tokens']:,} tokens in {len(manifest['shards'])} shard(s) to {args.out}")
+    manifest = prepare_data(sources, args.out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens,
+                            tokenizer=args.tokenizer)
+    tok = manifest["tokenizer"]
+    print(f"wrote {manifest['total_tokens']:,} tokens in {len(manifest['shards'])} shard(s) to {args.out}; "
+          f"tokenizer {tok['kind']}{' ' + tok['path'] if tok['path'] else ''}, vocab {tok['vocab_size']} "
+          f"(set model.vocab_size to at least that)")
     return 0
 
 
@@ -104,11 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymesh", description="Ray-hosted 3-D parallel transformer training")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prep = sub.add_parser("prepare-data", help="turn text files into byte-level token Parquet shards")
+    prep = sub.add_parser("prepare-data", help="tokenize text files into Parquet token shards")
     prep.add_argument("--source", action="append", help="file or directory (repeatable); default: Python's stdlib")
     prep.add_argument("--out", required=True, help="output directory (becomes data.path)")
     prep.add_argument("--shard-tokens", type=int, default=4_000_000)
     prep.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    prep.add_argument("--tokenizer", default="bytes",
+                      help="bytes (vocab 256, default), a tokenizer.json path, or bpe:SIZE to train a byte-level "
+                           "BPE of SIZE ids on the sources (saved as OUT/tokenizer.json)")
     prep.set_defaults(func=_prepare_data)
 
     for name, func, text in (("plan", _plan, "show the layout and a per-rank memory estimate"),

@@ -166,8 +166,7 @@ def check_tensor_split(job: JobSpec) -> None:
         "model.n_heads": m.n_heads,
         "model.d_model": m.d_model,
         "model.d_ff" if m.d_ff is not None else "model.ffn_dim (4*d_model)": m.ffn_dim,
-        "model.vocab_size": m.vocab_size,
-    }
+    }  # model.vocab_size need not divide: it is padded to a multiple of tp (JobSpec.padded_vocab_size)
     if p.sequence_parallel:
         dims["model.seq_len (split by sequence_parallel)"] = m.seq_len
     bad = [f"{k}={v}" for k, v in dims.items() if v % p.tp]

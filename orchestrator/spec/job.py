@@ -73,14 +73,23 @@ class JobSpec(_Section):
         return self.model_dump(mode="json", by_alias=True)
 
     def worker_dict(self) -> dict[str, Any]:
-        """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`).
+        """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab).
 
         Workers never import the orchestrator, so they get a plain dict with no defaults left to derive.
         """
         out = self.to_dict()
         out["model"]["d_ff"] = self.model.ffn_dim
+        out["model"]["vocab_size"] = self.padded_vocab_size
         out["parallel"]["virtual_stages"] = self.parallel.stages_per_rank
         return out
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The rows the model's embedding and head get: `model.vocab_size` rounded up to a multiple of
+        `parallel.tp`, which shards the vocabulary. Padded ids never occur in the data, so they are never
+        targeted; the single-process reference builds the same padded model, so parity holds."""
+        tp = self.parallel.tp
+        return -(-self.model.vocab_size // tp) * tp
 
     def with_overrides(self, overrides: Iterable[str]) -> JobSpec:
         """A new validated copy with `key.path=value` overrides applied (paths kept verbatim)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from orchestrator.errors import SpecError
@@ -18,6 +19,23 @@ def check_data_path(spec: JobSpec) -> None:
             f"has no prepared data ({manifest} is missing)",
             f"run `raymesh prepare-data --out {spec.data.path}`, or point data.path at a prepared directory",
         )
+    check_data_vocab(spec, json.loads(manifest.read_text()))
+
+
+def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
+    """Refuse a model whose vocabulary cannot hold the data's ids (the embedding lookup would fail mid-run)."""
+    data_vocab = manifest.get("vocab_size")
+    if data_vocab is None or spec.model.vocab_size >= data_vocab:
+        return
+    tok = manifest.get("tokenizer") or {"kind": "bytes"}
+    made_by = f"tokenizer {tok['kind']}" + (f" {tok['path']}" if tok.get("path") else "")
+    tp = spec.parallel.tp
+    raise SpecError(
+        "model.vocab_size", spec.model.vocab_size,
+        f"is smaller than the vocabulary of the data in {spec.data.path} ({data_vocab} ids, {made_by})",
+        f"set model.vocab_size: {data_vocab} (it is padded to {-(-data_vocab // tp) * tp}, a multiple of "
+        f"parallel.tp={tp}, internally), or prepare the data with a smaller tokenizer",
+    )
 
 
 def check_resources(spec: JobSpec, available_cpus: float, available_gpus: float, device: str) -> None:

@@ -13,16 +13,18 @@ from orchestrator import JobSpec
 from workers.data import DataCursor, TokenDataset
 from workers.model.config import model_config
 from workers.model.finetune import prepare_model
-from workers.model.gpt import GPT, lm_loss
+from workers.model.gpt import lm_loss
+from workers.model.meta_init import build_full
 from workers.optim.sm3 import SM3
 
 
 def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
     """Per-step losses and pre-clip gradient norms."""
     torch.manual_seed(spec.train.seed)
-    model = GPT(model_config(spec.worker_dict()["model"]))
+    # the same per-parameter draw the ranks' meta-device build uses (workers.model.meta_init), whole
+    model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
-        prepare_model(model, spec.worker_dict()["model"]["lora"])
+        prepare_model(model, spec.worker_dict()["model"]["lora"], spec.train.seed)
     o = spec.optim
     if o.name == "sm3":  # our own optimizer: its sharded step is what a layout's parity checks
         opt = SM3(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)

@@ -61,7 +61,7 @@ def test_nf4_base_is_what_qlora_quantizes(token_data, tmp_path):
 def test_qlora_fine_tune_lowers_the_loss(token_data, tmp_path):
     targets = ["wq", "wk", "wv", "wo", "w1", "w2", "output"]  # a random base: the head must adapt too
     spec = tiny_spec(token_data, tmp_path, model={"lora": {"rank": 8, "quantize": "nf4", "targets": targets}})
-    losses = train(base_and_lora(spec)[1], spec, steps=12, weight_decay=0.0)
+    losses = train(base_and_lora(spec)[1], spec, steps=16, weight_decay=0.0)  # past a spike lr 1e-2 gives at step 9
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
 
 

@@ -212,14 +212,20 @@ def test_virtual_stages_per_schedule(parallel: dict[str, Any], fix_part: str) ->
 def test_tp_must_divide_model_dims() -> None:
     err = spec_error(job(parallel={"tp": 3}))
     msg = assert_actionable(err, "parallel.tp", 3, "pick parallel.tp from [1, 2, 4]")
-    assert "model.n_heads=4" in msg and "model.vocab_size=256" in msg
+    assert "model.n_heads=4" in msg and "model.vocab_size" not in msg  # the vocabulary is padded instead
 
 
 def test_tp_vocab_and_sequence_parallel() -> None:
     raw = job(model={"vocab_size": 250, "seq_len": 100, "d_model": 128, "n_heads": 8}, parallel={"tp": 8})
     err = spec_error(raw)
-    msg = assert_actionable(err, "parallel.tp", 8, "[1, 2]", "sequence_parallel: false")
-    assert "model.vocab_size=250" in msg and "model.seq_len" in msg
+    msg = assert_actionable(err, "parallel.tp", 8, "[1, 2, 4]", "sequence_parallel: false")
+    assert "model.vocab_size" not in msg and "model.seq_len" in msg
+
+
+def test_the_vocabulary_is_padded_to_a_multiple_of_tp_for_the_workers() -> None:
+    spec = JobSpec.from_dict(job(model={"vocab_size": 250, "d_model": 128, "n_heads": 8}, parallel={"tp": 8}))
+    assert (spec.model.vocab_size, spec.padded_vocab_size, spec.worker_dict()["model"]["vocab_size"]) == (250, 256, 256)
+    assert JobSpec.from_dict(job(model={"vocab_size": 250})).worker_dict()["model"]["vocab_size"] == 250
 
 
 def test_global_batch_divisible_by_dp() -> None:
@@ -384,6 +390,17 @@ def test_check_data_path(tmp_path: Path) -> None:
     assert_actionable(info.value, "data.path", str(tmp_path), f"raymesh prepare-data --out {tmp_path}")
     (tmp_path / "manifest.json").write_text("{}")
     check_data_path(spec)
+
+
+def test_a_model_vocabulary_smaller_than_the_data_is_refused(tmp_path: Path) -> None:
+    tok = {"kind": "bpe", "path": str(tmp_path / "tokenizer.json"), "vocab_size": 1000, "eos_id": 0}
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 1000, "tokenizer": tok}))
+    small = JobSpec.from_dict({"data": {"path": str(tmp_path)}, "parallel": {"tp": 2}})
+    with pytest.raises(SpecError) as info:
+        check_data_path(small)
+    msg = assert_actionable(info.value, "model.vocab_size", 256, "set model.vocab_size: 1000")
+    assert "1000 ids, tokenizer bpe" in msg
+    check_data_path(JobSpec.from_dict({"data": {"path": str(tmp_path)}, "model": {"vocab_size": 1000}}))
 
 
 def test_check_resources_cpu() -> None:

@@ -1,4 +1,4 @@
-"""Deterministic, resumable sample stream over prepared byte shards.
+"""Deterministic, resumable sample stream over prepared token shards (bytes, or any tokenizer's ids).
 
 The global order (epoch permutations seeded by [seed, epoch]) is independent of the
 data-parallel layout; ranks only pick contiguous slices of it. Hence a checkpoint's
@@ -21,12 +21,12 @@ _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
 
 
 def _load_tokens(root: Path, manifest: dict) -> np.ndarray:
-    """All shard tokens as one contiguous uint8 array.
+    """All shard tokens as one contiguous array, in the manifest's ``dtype`` (uint8 for bytes).
 
     Windows straddle row-group and shard boundaries, so a single buffer keeps the gather
     in `batch` one fancy-index. With a single Arrow chunk the array is a zero-copy view of
-    the decoded column; otherwise chunks are concatenated once (1 byte/token, e.g. 20 MB
-    for the default corpus), which is cheaper than per-window chunk bookkeeping.
+    the decoded column; otherwise chunks are concatenated once (1-4 bytes/token, e.g. 20 MB
+    for the default byte corpus), which is cheaper than per-window chunk bookkeeping.
     """
     chunks: list[np.ndarray] = []
     for shard in manifest["shards"]:

@@ -1,7 +1,9 @@
-"""Turn source trees into byte-level token shards (vocab = 256) plus a manifest.
+"""Turn source trees into token shards plus a manifest that records the tokenizer.
 
-Bytes are used as tokens so no tokenizer has to be trained or downloaded; the
-default corpus is the running interpreter's standard library, present everywhere.
+By default bytes are the tokens (vocab 256), so nothing has to be trained or
+downloaded; ``tokenizer`` also takes a Hugging Face ``tokenizer.json`` or
+``bpe:SIZE`` (``workers.data.tokenizer``). The default corpus is the running
+interpreter's standard library, present everywhere.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-FORMAT = "raymesh-bytes-v1"
-VOCAB_SIZE = 256
-SEPARATOR = 0  # byte placed between documents; NUL practically never occurs in text
+from workers.data.tokenizer import TOKENIZER_FILE, bpe_size, load_tokenizer, train_bpe
+
+FORMAT = "raymesh-bytes-v1"  # kept for every tokenizer: ids carry their type in Parquet, the manifest says the rest
 ROW_GROUP_ROWS = 1_000_000
 DEFAULT_EXTENSIONS = (".py", ".txt", ".md", ".rst")
 # Third-party installs nested in a tree (e.g. the stdlib's site-packages) would make the
@@ -54,11 +56,42 @@ def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...]) -> Ite
                 yield data
 
 
-def _write_shard(out: Path, index: int, buf: bytes) -> dict:
+def _write_shard(out: Path, index: int, tokens: np.ndarray) -> dict:
     name = f"shard-{index:05d}.parquet"
-    table = pa.table({"tokens": pa.array(np.frombuffer(buf, dtype=np.uint8))})
-    pq.write_table(table, out / name, row_group_size=ROW_GROUP_ROWS)
-    return {"file": name, "tokens": len(buf)}
+    pq.write_table(pa.table({"tokens": pa.array(tokens)}), out / name, row_group_size=ROW_GROUP_ROWS)
+    return {"file": name, "tokens": len(tokens)}
+
+
+def _write_shards(tok, documents: Iterable[bytes], out: Path, shard_tokens: int, limit: float) -> tuple[list, int]:
+    """Encode ``documents`` (``tok.eos_id`` between them) into shards of ``shard_tokens``; stop at ``limit``."""
+    shards: list[dict] = []
+    pending: list[np.ndarray] = []
+    held = total = 0
+    eos = np.array([tok.eos_id], dtype=tok.dtype)
+    for doc in documents:
+        piece = np.concatenate([eos, tok.encode(doc)]) if total else tok.encode(doc)
+        piece = piece[: int(min(len(piece), limit - total))]
+        pending.append(piece)
+        held, total = held + len(piece), total + len(piece)
+        if held >= shard_tokens:
+            buf = np.concatenate(pending)
+            while len(buf) >= shard_tokens:
+                shards.append(_write_shard(out, len(shards), buf[:shard_tokens]))
+                buf = buf[shard_tokens:]
+            pending, held = [buf], len(buf)
+        if total >= limit:
+            break
+    if held:
+        shards.append(_write_shard(out, len(shards), np.concatenate(pending)))
+    return shards, total
+
+
+def _tokenizer(spec: str, documents: Iterator[bytes], out: Path):
+    """The ``--tokenizer`` named by ``spec``; ``bpe:SIZE`` is trained on ``documents`` and saved beside the shards."""
+    size = bpe_size(spec)
+    if size is None:
+        return load_tokenizer(spec)
+    return train_bpe(documents, size, out / TOKENIZER_FILE)
 
 
 def prepare_data(
@@ -67,10 +100,15 @@ def prepare_data(
     shard_tokens: int = 4_000_000,
     extensions: Iterable[str] = DEFAULT_EXTENSIONS,
     max_tokens: int | None = None,
+    tokenizer: str = "bytes",
 ) -> dict:
-    """Concatenate matching files (NUL-separated) into Parquet shards under `out`; return the manifest.
+    """Tokenize matching files (the tokenizer's end-of-document id between them) into Parquet shards under
+    `out`; return the manifest.
 
-    Stops after `max_tokens` tokens (separators included) so the default corpus stays bounded.
+    `tokenizer` is ``bytes``, a ``tokenizer.json`` path, or ``bpe:SIZE`` (trained on the same documents, at
+    most `max_tokens` bytes of them, and saved as `out`/tokenizer.json). Ids are stored in the narrowest
+    unsigned type that holds the vocabulary. Stops after `max_tokens` tokens (separators included) so the
+    default corpus stays bounded.
     """
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
@@ -85,25 +123,11 @@ def prepare_data(
     exts = tuple(extensions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    limit = max_tokens if max_tokens is not None else float("inf")
+    tok = _tokenizer(tokenizer, _bounded(_iter_documents(paths, exts), limit), out)
     for stale in out.glob("shard-*.parquet"):  # a previous, larger run must not leave orphans
         stale.unlink()
-
-    shards: list[dict] = []
-    buf = bytearray()
-    total = 0
-    limit = max_tokens if max_tokens is not None else float("inf")
-    for doc in _iter_documents(paths, exts):
-        piece = (bytes([SEPARATOR]) + doc) if total else doc
-        piece = piece[: int(min(len(piece), limit - total))]
-        buf += piece
-        total += len(piece)
-        while len(buf) >= shard_tokens:
-            shards.append(_write_shard(out, len(shards), bytes(buf[:shard_tokens])))
-            del buf[:shard_tokens]
-        if total >= limit:
-            break
-    if buf:
-        shards.append(_write_shard(out, len(shards), bytes(buf)))
+    shards, total = _write_shards(tok, _iter_documents(paths, exts), out, shard_tokens, limit)
     if total == 0:
         raise ValueError(
             f"no tokens found in sources {[str(p) for p in paths]} with extensions {list(exts)}"
@@ -111,12 +135,24 @@ def prepare_data(
 
     manifest = {
         "format": FORMAT,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": tok.vocab_size,
         "shards": shards,
         "total_tokens": total,
         "sources": [str(p) for p in paths],
+        "dtype": tok.dtype.name,
+        "tokenizer": tok.describe(),
     }
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(out / "manifest.json")  # atomic: readers never see a half-written manifest
     return manifest
+
+
+def _bounded(documents: Iterator[bytes], limit: float) -> Iterator[bytes]:
+    """``documents`` until ``limit`` bytes have passed: what a tokenizer is trained on."""
+    seen = 0
+    for doc in documents:
+        if seen >= limit:
+            return
+        seen += len(doc)
+        yield doc

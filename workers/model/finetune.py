@@ -48,11 +48,13 @@ def load_base(model: nn.Module, path: str | Path) -> None:
         ) from None
 
 
-def prepare_model(model: nn.Module, lora: dict) -> list[str]:
-    """Load the base weights (if any), then freeze, adapt and quantize; returns the adapted layers."""
+def prepare_model(model: nn.Module, lora: dict, seed: int | None = None) -> list[str]:
+    """Load the base weights (if any), then freeze, adapt and quantize; returns the adapted layers.
+
+    ``seed`` draws the adapters of a materialised model (``workers.model.lora.apply_lora``)."""
     if lora["base_checkpoint"]:
         load_base(model, lora["base_checkpoint"])
-    return apply_lora(model, lora)
+    return apply_lora(model, lora, seed)
 
 
 def export_merged(spec: dict, checkpoint: str | Path, out: str | Path) -> Path:
@@ -63,13 +65,13 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path) -> Path:
     ``W + (alpha/rank) B A`` replaces every adapted layer; ``GPT(cfg).load_state_dict``
     takes the result, and so does ``model.lora.base_checkpoint``.
     """
-    from workers.model.registry import build_model
+    from workers.model.meta_init import build_full
     from workers.spec import WorkerSpec
 
     job = WorkerSpec.from_dict(spec)
     torch.manual_seed(job.train.seed)
-    model = build_model(job.model)
-    prepare_model(model, job.lora)
+    model = build_full(job.model, job.train.seed)
+    prepare_model(model, job.lora, job.train.seed)
     load_dcp_model(model, checkpoint)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

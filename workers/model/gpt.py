@@ -108,17 +108,18 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.init_weights()
+        if not self.layers["0"].attention.wq.weight.is_meta:
+            self.init_weights()
 
-    def init_weights(self) -> None:
-        """GPT-2 style init; residual projections scaled by depth so deep stacks start stable."""
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            std = self.cfg.init_std
-            if name.endswith(("wo.weight", "w2.weight")):
-                std /= math.sqrt(2 * self.cfg.n_layers)
-            nn.init.normal_(p, mean=0.0, std=std)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Every parameter from ``init_parameter`` with its own generator (``workers.model.meta_init``).
+
+        ``seed`` defaults to the last ``torch.manual_seed``, so ``GPT(cfg)`` after ``torch.manual_seed(s)``
+        equals what every layout's meta-device build draws from job seed ``s``.
+        """
+        from workers.model.meta_init import fill  # meta_init imports the registry, which this module uses
+
+        fill(self, torch.initial_seed() if seed is None else seed, self.cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens -> logits on a whole model; hidden -> hidden on a middle pipeline stage."""
@@ -137,6 +138,17 @@ class GPT(nn.Module):
         return h
 
 
+def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
+    """One full parameter's initial value (the ``init_parameter`` hook): GPT-2 style normal weights, the
+    residual projections scaled by depth so deep stacks start stable; norm weights (the 1-D ones) at one."""
+    if len(shape) < 2:
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(("wo.weight", "w2.weight")):
+        std /= math.sqrt(2 * cfg.n_layers)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy, computed in float32 whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
@@ -152,5 +164,6 @@ register(ModelFamily(
         "cut_stage": "workers.model.gpt_parallel:cut_stage",
         "tensor_parallel": "workers.model.gpt_parallel:apply_tensor_parallel",
         "blocks": "workers.model.gpt_parallel:blocks",
+        "init_parameter": "workers.model.gpt:init_parameter",
     },
 ))

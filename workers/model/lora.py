@@ -17,20 +17,23 @@ when it matches its whole name or a dotted suffix (``wq`` matches
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch
 from torch import nn
 
 from workers.model.nf4 import NF4Linear
 
+ADAPTER_NAMES = ("lora_a", "lora_b")  # the child names meta init recognises as adapters (workers.model.meta_init)
+
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, out_features: int, rank: int, alpha: float, dropout: float):
         super().__init__()
         self.base = base
-        self.lora_a = nn.Linear(in_features, rank, bias=False)  # default (Kaiming-uniform) init, as in the paper
-        self.lora_b = nn.Linear(rank, out_features, bias=False)
-        nn.init.zeros_(self.lora_b.weight)
+        with torch.device("meta"):  # values come from init_adapter, per adapter name (see apply_lora)
+            self.lora_a = nn.Linear(in_features, rank, bias=False)
+            self.lora_b = nn.Linear(rank, out_features, bias=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
 
@@ -49,6 +52,15 @@ class LoRALinear(nn.Module):
         return self.base_weight() + self.scaling * delta
 
 
+def init_adapter(name: str, shape: tuple, generator: torch.Generator) -> torch.Tensor:
+    """An adapter's full initial value: ``A`` as ``nn.Linear``'s default (Kaiming-uniform, as in the paper),
+    ``B`` zero so the adapted layer starts equal to its base."""
+    if name.rsplit(".", 2)[-2] == "lora_b":
+        return torch.zeros(shape)
+    bound = 1 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
 def target_names(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
     """For each pattern, the names of the Linear modules of ``model`` it matches."""
     linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
@@ -58,11 +70,12 @@ def target_names(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
     }
 
 
-def apply_lora(model: nn.Module, lora: dict) -> list[str]:
+def apply_lora(model: nn.Module, lora: dict, seed: int | None = None) -> list[str]:
     """Freeze ``model`` and put adapters on the targeted Linears, in place; returns their names.
 
-    Must run at the same point of the seeded RNG stream on every rank and in
-    the reference (right after the model is built), so ``A`` starts identical.
+    On a meta model the adapters stay meta (``workers.model.meta_init`` fills them with the rest); on a
+    materialised one they are drawn here from ``seed`` (default: the last ``torch.manual_seed``), per adapter
+    name, so they equal a meta build's.
     """
     names = sorted({n for found in target_names(model, lora["targets"]).values() for n in found},
                    key=[n for n, _ in model.named_modules()].index)
@@ -73,10 +86,25 @@ def apply_lora(model: nn.Module, lora: dict) -> list[str]:
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
         base = NF4Linear(linear) if lora["quantize"] == "nf4" else linear
-        setattr(parent, child, LoRALinear(base, linear.in_features, linear.out_features,
-                                          lora["rank"], lora["alpha"], lora["dropout"]))
+        adapted = LoRALinear(base, linear.in_features, linear.out_features, lora["rank"], lora["alpha"],
+                             lora["dropout"])
+        setattr(parent, child, adapted)
+        if not linear.weight.is_meta:
+            _draw_adapters(adapted, name, seed, linear.weight.device)
     freeze_base(model)
     return names
+
+
+def _draw_adapters(layer: LoRALinear, name: str, seed: int | None, device: torch.device) -> None:
+    """Materialise a real model's new adapters with their per-name values (the same draw as meta init)."""
+    from workers.model.meta_init import parameter_generator  # meta_init imports this module
+
+    seed = torch.initial_seed() if seed is None else seed  # the last torch.manual_seed, as GPT(cfg) uses
+    for child in ADAPTER_NAMES:
+        linear = getattr(layer, child).to_empty(device=device)
+        full = f"{name}.{child}.weight"
+        with torch.no_grad():
+            linear.weight.copy_(init_adapter(full, tuple(linear.weight.shape), parameter_generator(seed, full)))
 
 
 def freeze_base(model: nn.Module) -> None:

@@ -159,7 +159,8 @@ class NF4Linear(nn.Module):
         if linear.bias is not None:
             raise ValueError("NF4Linear supports bias-free Linear layers (the GPT has no biases)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._use(quantize(linear.weight))
+        self.tp_shard: tuple[int, int, int] | None = None  # (dim, index, count) once shard_ cut it
+        self._use(quantize(linear.weight))  # on meta: shapes only, values come from requantize
 
     def _use(self, q: NF4Tensor) -> None:
         for name in ("codes", "scale_codes", "scale_step", "scale_offset"):
@@ -172,6 +173,17 @@ class NF4Linear(nn.Module):
     def shard_(self, dim: int, index: int, count: int) -> None:
         """Keep only tensor-parallel shard ``index`` of ``count`` along ``dim`` (``workers.parallel.nf4_tp``)."""
         self._use(self.weight_nf4().shard(dim, index, count))
+        self.tp_shard = (dim, index, count)
+
+    def requantize(self, weight: torch.Tensor) -> None:
+        """Quantize the whole ``weight`` again and keep this layer's shard of it (meta-device init: the
+        quantized state is drawn per layer, never from a whole model)."""
+        q = quantize(weight)
+        if self.tp_shard is not None:
+            q = q.shard(*self.tp_shard)
+        device = self.codes.device
+        self._use(NF4Tensor(*(t.to(device) for t in (q.codes, q.scale_codes, q.scale_step, q.scale_offset)),
+                            q.shape, q.first_block, q.row_blocks, q.row_stride))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FrozenNF4Linear.apply(x, self)

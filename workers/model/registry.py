@@ -38,7 +38,11 @@ class ModelFamily:
     - ``tensor_parallel(stage, tp_mesh, sequence_parallel)``: shard a stage in place (through
       ``workers.parallel.tensor_parallel.apply_plan``, so LoRA/QLoRA layers follow their base's style);
     - ``blocks(stage)``: the stage's blocks in order: where ``recompute_targets`` are looked up (the
-      checkpointing itself is generic, ``workers.parallel.recompute``) and FSDP2's units under ZeRO-2/3.
+      checkpointing itself is generic, ``workers.parallel.recompute``) and FSDP2's units under ZeRO-2/3;
+    - ``init_parameter(name, shape, generator, cfg) -> Tensor``: the FULL initial value of parameter ``name``
+      (its name in the unsplit model), drawn only from ``generator`` (seeded from the job seed and ``name``),
+      so every rank cuts its shard from the same values whatever the layout (``workers.model.meta_init``).
+      Without it the model is built whole on every host before being cut (no meta-device init).
     """
 
     arch: str

@@ -1,9 +1,15 @@
 """Builds this rank's share of the model: stages, then TP/SP, recompute, then data parallel.
 
-Every rank first builds the full model from the job seed, so the initial
-weights are identical to the single-process reference whatever the layout;
-each rank then keeps only its stages and shards. (Fine for the reference
-sizes; a meta-device init is the path for models that do not fit one host.)
+Every rank builds the whole model on the ``meta`` device (no storage), cuts
+its pipeline stages, applies TP and (ZeRO-2/3) FSDP2 there, and only then
+materialises its own shards (``workers.model.meta_init``): host memory at
+start-up is the rank's shard plus the largest single tensor, not the model.
+Each parameter is drawn from a generator seeded by the job seed and its name,
+so the initial weights equal the single-process reference on every layout.
+DDP-style data parallelism (ZeRO-0/1) needs real parameters, so it wraps
+after materialising. The model is still built whole on the host first (the
+old path) for LoRA from ``model.lora.base_checkpoint`` and for a family that
+registers no ``init_parameter`` hook (see ``workers.model.meta_init``).
 
 The order of steps is the builder's; how each step applies to a model is the
 family's (``workers.model.registry`` hooks for ``model.arch``), so a new family
@@ -20,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from workers.model.finetune import prepare_model
 from workers.model.lora import freeze_base
+from workers.model.meta_init import build_full, init_hook, materialize
+from workers.model.registry import ModelFamily
 from workers.parallel.data_parallel import apply_data_parallel
 from workers.parallel.layout import stage_ids
 from workers.parallel.recompute import apply_recompute
@@ -33,24 +41,49 @@ class ModelParts:
     n_stages: int
 
 
+def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
+    """Whether this job's model is built on the meta device (see the module docstring for when it is not)."""
+    return init_hook(fam) is not None and not (spec.lora and spec.lora["base_checkpoint"])
+
+
+def whole_model(spec: WorkerSpec, fam: ModelFamily, meta: bool) -> nn.Module:
+    """The unsplit model, adapters on: weightless on meta, else materialised with the reference's values."""
+    if not meta:
+        full = build_full(spec.model, spec.train.seed)
+    else:
+        with torch.device("meta"):
+            full = fam.build(spec.model)
+    if spec.lora:
+        prepare_model(full, spec.lora, spec.train.seed)
+    return full
+
+
 def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> ModelParts:
     par, grid, fam = spec.parallel, spec.parallel.grid, spec.model_family
-    torch.manual_seed(spec.train.seed)
-    full = fam.build(spec.model)
-    if spec.lora:
-        prepare_model(full, spec.lora)
+    torch.manual_seed(spec.train.seed)  # the global stream (dropout) starts where the reference's does
+    meta = on_meta(spec, fam)
+    full = whole_model(spec, fam, meta)
     n_stages = grid.pp * par.virtual_stages
     ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par.virtual_stages, par.pp_schedule)
     cut = fam.hook("cut_stage")
     parts = [full] if n_stages == 1 else [cut(full, sid, n_stages) for sid in ids]
+    del full  # a stage keeps only its layers
     wrapped = []
     for part in parts:
-        part.to(device)
+        if not meta:
+            part.to(device)
         if grid.tp_enabled:
             fam.hook("tensor_parallel")(part, mesh["tp"], par.sequence_parallel)
             if spec.lora:
                 freeze_base(part)
         apply_recompute(part, spec.memory.recompute, fam)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
-        wrapped.append(part if ps else apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero))
+        fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
+        if fsdp:
+            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero)
+        if meta:
+            materialize(part, spec.train.seed, spec.model, device)
+        if not ps and not fsdp:
+            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero)
+        wrapped.append(part)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages)
