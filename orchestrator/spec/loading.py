@@ -88,7 +88,8 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
 def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
     """Make relative path fields absolute against `cwd`, in place (see module docstring)."""
     for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir"), ("metrics", "file_sd"),
-                         ("memory.offload", "path"), ("model.lora", "base_checkpoint")):
+                         ("memory.offload", "path"), ("model.lora", "base_checkpoint"),
+                         ("model", "init_from")):
         holder = raw
         for name in section.split(".") if section else ():
             holder = holder.get(name) if isinstance(holder, dict) else None
