@@ -116,21 +116,35 @@ def check_base_checkpoint(job) -> None:
         )
 
 
-def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
-    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`."""
+def export_merged_weights(job, checkpoint: str | None, out: str, fmt: str = "pt") -> Path:
+    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`,
+    or with `fmt="hf"` into a Hugging Face directory."""
+    if job.model.lora is None:
+        raise SpecError("model.lora", None, "is not set, so the job has no adapters to merge",
+                        "pass the job file of a LoRA run (one with a model.lora section), or use `raymesh export-hf`")
+    return _export(job, checkpoint, out, fmt)
+
+
+def export_hf_weights(job, checkpoint: str | None, out: str) -> Path:
+    """`raymesh export-hf`: a checkpoint of any layout (the job's latest by default) as a Hugging Face
+    directory (config.json + model.safetensors); a LoRA run's adapters are merged in."""
+    return _export(job, checkpoint, out, "hf")
+
+
+def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     from orchestrator.checkpoints.directory import CheckpointDir
     from workers.model.finetune import export_merged
 
-    if job.model.lora is None:
-        raise SpecError("model.lora", None, "is not set, so the job has no adapters to merge",
-                        "pass the job file of a LoRA run (one with a model.lora section)")
+    if fmt == "hf" and job.model.arch != "llama":
+        raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
+                        "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
     root = job.checkpoint.resolved_dir(job.resolved_run_dir())
     path = Path(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
     if path is None or not (path / ".metadata").is_file():
-        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to merge",
+        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to export",
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
     check_base_checkpoint(job)
-    return export_merged(job.worker_dict(), path, out)
+    return export_merged(job.worker_dict(), path, out, fmt)
 
 
 # per family, the base Linears its TP plan places row-parallel (workers.model.gpt_parallel, llama_parallel);

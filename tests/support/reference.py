@@ -13,14 +13,18 @@ from orchestrator import JobSpec
 from workers.data import DataCursor, TokenDataset
 from workers.model.config import model_config
 from workers.model.finetune import prepare_model
-from workers.model.gpt import GPT, lm_loss
+from workers.model.gpt import lm_loss
+from workers.model.hf_io import load_hf_weights
+from workers.model.registry import build_model
 from workers.optim.sm3 import SM3
 
 
 def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
     """Per-step losses and pre-clip gradient norms."""
     torch.manual_seed(spec.train.seed)
-    model = GPT(model_config(spec.worker_dict()["model"]))
+    model = build_model(model_config(spec.worker_dict()["model"]))
+    if spec.model.init_from is not None:  # read whole here; the layouts read their slices
+        load_hf_weights(model, spec.model.init_from)
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
         prepare_model(model, spec.worker_dict()["model"]["lora"])
     o = spec.optim

@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from workers.model.finetune import prepare_model
 from workers.model.lora import freeze_base
-from workers.parallel.data_parallel import apply_data_parallel
+from workers.model.hf_io import load_hf_weights
+from workers.parallel.data_parallel import apply_data_parallel, unwrap
 from workers.parallel.layout import stage_ids
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
@@ -37,6 +38,8 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     par, grid, fam = spec.parallel, spec.parallel.grid, spec.model_family
     torch.manual_seed(spec.train.seed)
     full = fam.build(spec.model)
+    if spec.init_from and spec.lora:  # adapters and NF4 need the base weights first: read whole, before the cut
+        load_hf_weights(full, spec.init_from)
     if spec.lora:
         prepare_model(full, spec.lora)
     n_stages = grid.pp * par.virtual_stages
@@ -53,4 +56,6 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         apply_recompute(part, spec.memory.recompute, fam)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         wrapped.append(part if ps else apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero))
+        if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
+            load_hf_weights(unwrap(wrapped[-1]), spec.init_from)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages)
