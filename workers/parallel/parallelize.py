@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workers.model.finetune import prepare_model
-from workers.model.lora import freeze_base
 from workers.model.hf_io import load_hf_weights
+from workers.model.lora import freeze_base
 from workers.parallel.data_parallel import apply_data_parallel, unwrap
 from workers.parallel.layout import stage_ids
 from workers.parallel.recompute import apply_recompute
