@@ -173,7 +173,8 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     - each norm's output as the column-parallel linears see it: 2 tensors of c bytes,
       full sequence (sequence parallelism all-gathers before the linear).
     - attention: rotated q, rotated k, v and the attention output: 4 tensors of c
-      bytes sharded by heads over tp (k and v are ``kv_heads/n_heads`` of that under grouped-query attention); the SDPA kernel's log-sum-exp (b·a·s fp32);
+      bytes sharded by heads over tp (k and v are ``kv_heads/n_heads`` of that under grouped-query
+      attention); the SDPA kernel's log-sum-exp (b·a·s fp32);
       ``attention="math"`` (explicit softmax) adds scores and probabilities,
       2·c·b·a·s², Korthikanti's 5as/h term without dropout.
     - MLP: the first linear's output and GELU's output, 2 tensors of b·s·ffn at c
