@@ -81,3 +81,7 @@ def test_hf_directory_loads_into_the_model_and_writes_back_exactly(tmp_path, sha
     assert back.keys() == original.keys()
     for key, value in original.items():
         assert torch.equal(back[key], value), key
+    tokens = torch.arange(40)[None]
+    with torch.no_grad():  # the written config.json carries the rotary scaling transformers needs
+        torch.testing.assert_close(LlamaForCausalLM.from_pretrained(out)(tokens).logits, model.eval()(tokens),
+                                   rtol=1e-5, atol=1e-5)

@@ -100,11 +100,15 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` ``transformers`` builds a ``LlamaForCausalLM`` of ``cfg``'s shape from."""
+    """The ``config.json`` ``transformers`` builds a ``LlamaForCausalLM`` of ``cfg``'s shape from: the rotary
+    settings both as v5's ``rope_parameters`` and as v4's ``rope_theta``/``rope_scaling``."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = None
     if cfg.rope_scaling is not None:
-        rope = {**rope, "rope_type": "llama3", **cfg.rope_scaling.model_dump()}
+        scaling = {"rope_type": "llama3", **cfg.rope_scaling.model_dump()}
+        rope = {**rope, **scaling}
     return {
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
