@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from orchestrator.spec.lora import export_hf_weights
-from tests.support.hf import save_hf_llama
+from tests.support.hf import save_hf_llama, transformers_first_step
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layout
 from tests.support.reference import reference_run
-from workers.data import DataCursor, TokenDataset
 from workers.model.hf_io import hf_name
 
 STEPS = 3
@@ -36,21 +34,6 @@ def hf_dir(tmp_path_factory):
     return save_hf_llama(tmp_path_factory.mktemp("hf"), intermediate_size=64, max_shard_size="40KB")
 
 
-def _transformers_first_step(spec, hf_dir) -> tuple[float, float]:
-    """Loss and gradient norm of ``transformers``' model on the job's first global batch."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
-                        spec.train.global_batch_size, dp_rank=0, dp_size=1)
-    inputs, targets = cursor.next_batch()
-    logits = model(inputs).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
-    loss.backward()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-    return loss.item(), norm.item()
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_init_from_layout_matches_transformers_and_exports_exactly(name, hf_dir, token_data, tmp_path):
     from safetensors.torch import load_file
@@ -63,7 +46,7 @@ def test_init_from_layout_matches_transformers_and_exports_exactly(name, hf_dir,
     written = tmp_path / "ckpt" / f"step-{STEPS:08d}"
     run = run_layout(spec.worker_dict(), spec.parallel.world_size, STEPS, checkpoint=str(written))
 
-    loss, norm = _transformers_first_step(spec, hf_dir)
+    loss, norm = transformers_first_step(spec, hf_dir)
     assert run.losses[0] == pytest.approx(loss, rel=1e-5)
     assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
     losses, grad_norms = reference_run(spec, STEPS)

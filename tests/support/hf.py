@@ -33,3 +33,21 @@ def save_hf_llama(directory: Path, seed: int = 0, max_shard_size: str | None = N
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return Path(directory)
+
+
+def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
+    """Loss and global gradient norm of ``transformers``' model on the job's first global batch: what a
+    raymesh layout loading ``hf_dir`` must report for its first step."""
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    from workers.data import DataCursor, TokenDataset
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir)  # float32, as saved
+    cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
+                        spec.train.global_batch_size, dp_rank=0, dp_size=1)
+    inputs, targets = cursor.next_batch()
+    loss = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten(0, 1))
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    return loss.item(), norm.item()

@@ -85,3 +85,16 @@ def test_hf_directory_loads_into_the_model_and_writes_back_exactly(tmp_path, sha
     with torch.no_grad():  # the written config.json carries the rotary scaling transformers needs
         torch.testing.assert_close(LlamaForCausalLM.from_pretrained(out)(tokens).logits, model.eval()(tokens),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_lora_from_an_hf_directory_starts_at_the_base_model(token_data, tmp_path):
+    """With model.init_from and LoRA the base loads before the adapters (B = 0): the first loss is transformers'."""
+    from tests.support.hf import transformers_first_step
+    from tests.support.jobs import tiny_spec
+    from tests.support.reference import reference_run
+
+    src = save_hf_llama(tmp_path / "hf", intermediate_size=64)
+    spec = tiny_spec(token_data, tmp_path, model={"init_from": str(src), "lora": {"rank": 4}}, train={"steps": 1})
+    assert spec.model.lora.targets == ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    losses, _ = reference_run(spec, 1)
+    assert losses[0] == pytest.approx(transformers_first_step(spec, src)[0], rel=1e-5)
