@@ -65,11 +65,12 @@ def test_init_is_per_parameter_and_seeded():
     assert torch.equal(init_parameter("norm.weight", (32,), gen(), cfg), torch.ones(32))
 
 
-@pytest.mark.parametrize("shard", [None, "20KB"], ids=["single-file", "sharded-index"])
-def test_hf_directory_loads_into_the_model_and_writes_back_exactly(tmp_path, shard):
+@pytest.mark.parametrize(("shard", "tied"), [(None, False), ("20KB", False), (None, True)],
+                         ids=["single-file", "sharded-index", "tied"])
+def test_hf_directory_loads_into_the_model_and_writes_back_exactly(tmp_path, shard, tied):
     from transformers import LlamaForCausalLM
 
-    src = save_hf_llama(tmp_path / "hf", max_shard_size=shard)
+    src = save_hf_llama(tmp_path / "hf", max_shard_size=shard, tie_word_embeddings=tied)
     assert (src / hf_io.INDEX).is_file() == (shard is not None)
     cfg = ModelConfig(**{**hf_io.config_fields(hf_io.read_config(src)), "seq_len": 64})
     model = build_model(cfg)
