@@ -95,6 +95,7 @@ class WorkerSpec:
     memory: MemorySection
     model: ModelConfig
     lora: dict[str, Any] | None  # model.lora as sent (the LoRA builders read it as a dict)
+    init_from: str | None  # model.init_from: a Hugging Face directory the builder reads the weights from
     grad_clip: float
     collective_timeout_s: float
     record_timeline: bool
@@ -110,6 +111,7 @@ class WorkerSpec:
             memory=_section(MemorySection, raw, "memory"),
             model=model_config(raw["model"]),
             lora=raw["model"].get("lora"),
+            init_from=raw["model"].get("init_from"),
             grad_clip=raw["optim"]["grad_clip"],
             collective_timeout_s=raw["fault_tolerance"]["collective_timeout_s"],
             record_timeline=raw["metrics"]["timeline"],

@@ -1,4 +1,4 @@
-"""``raymesh`` command line: prepare-data, plan, run, export-merged, report."""
+"""``raymesh`` command line: prepare-data, plan, run, export-merged, export-hf, report."""
 
 from __future__ import annotations
 
@@ -87,8 +87,17 @@ def _export_merged(args: argparse.Namespace) -> int:
     from orchestrator.spec import load_spec
     from orchestrator.spec.lora import export_merged_weights
 
-    out = export_merged_weights(load_spec(args.job, args.set), args.checkpoint, args.out)
+    out = export_merged_weights(load_spec(args.job, args.set), args.checkpoint, args.out, args.format)
     print(f"merged weights (W + alpha/rank * B A): {out}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from orchestrator.spec import load_spec
+    from orchestrator.spec.lora import export_hf_weights
+
+    out = export_hf_weights(load_spec(args.job, args.set), args.checkpoint, args.out)
+    print(f"Hugging Face checkpoint (config.json + model.safetensors): {out}")
     return 0
 
 
@@ -139,8 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
     exp.add_argument("--out", required=True,
                      help="output .pt file (a GPT state dict; usable as model.lora.base_checkpoint)")
+    exp.add_argument("--format", choices=("pt", "hf"), default="pt",
+                     help="pt: one .pt state dict; hf: a Hugging Face directory at --out (model.arch: llama)")
     exp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job-file field")
     exp.set_defaults(func=_export_merged)
+    hf = sub.add_parser("export-hf", help="write a checkpoint (any layout) as a Hugging Face directory (llama)")
+    hf.add_argument("job", help="the job file the checkpoint was trained with")
+    hf.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
+    hf.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    hf.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job-file field")
+    hf.set_defaults(func=_export_hf)
     rep = sub.add_parser("report", help="PNG charts and an HTML page for a run directory")
     rep.add_argument("run_dir", help="the job's run_dir (holds summary.json, steps.jsonl, timeline.jsonl)")
     rep.add_argument("--out", help="output directory (default RUN_DIR/report)")

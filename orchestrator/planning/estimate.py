@@ -51,15 +51,21 @@ def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     if stage == 0:
         sharded += v * d + (m.seq_len * d if m.positions == "learned" else 0)
     if stage == n_stages - 1:
-        sharded += d * v
+        sharded += 0 if m.tie_embeddings else d * v  # a tied head is the embedding (one stage: refused otherwise)
         replicated += d
     return sharded, replicated
 
 
+# feed-forward matrices per block: GPT's up/down, Llama's SwiGLU gate/up/down
+FFN_MATRICES = {"gpt": 2, "llama": 3}
+
+
 def block_params(spec: JobSpec) -> int:
-    """The tensor-parallel-sharded parameters of one block: 4 attention projections, 2 MLP matrices."""
-    d = spec.model.d_model
-    return 4 * d * d + 2 * d * spec.model.ffn_dim
+    """The tensor-parallel-sharded parameters of one block: q and o (d x d), k and v (d x n_kv_heads*head_dim,
+    smaller under grouped-query attention), and the feed-forward's matrices (``FFN_MATRICES``)."""
+    m = spec.model
+    d, kv = m.d_model, m.kv_heads * m.head_dim
+    return 2 * d * d + 2 * d * kv + FFN_MATRICES[m.arch] * d * m.ffn_dim
 
 
 def offload_flags(spec: JobSpec) -> dict[str, bool]:
@@ -86,7 +92,7 @@ def layer_bytes(spec: JobSpec, layer: int = 0) -> int:
     m, p = spec.model, spec.parallel
     return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
                                      sequence_split(spec), spec.memory.recompute, compute_bytes(spec),
-                                     frozen=frozen_parts(spec)[layer])
+                                     frozen=frozen_parts(spec)[layer], kv_heads=m.kv_heads, family=m.arch)
 
 
 def frozen_parts(spec: JobSpec) -> list[mm.Frozen | None]:

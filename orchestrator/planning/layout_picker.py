@@ -43,7 +43,8 @@ def _divisors(n: int) -> list[int]:
 
 def _candidates(spec: JobSpec, world: int, gpus_per_node: int):
     """(tp, pp, zero, why) in the rule's order."""
-    tps = [t for t in _divisors(gpus_per_node) if t <= TP_MAX and spec.model.n_heads % t == 0 and world % t == 0]
+    tps = [t for t in _divisors(gpus_per_node)
+           if t <= TP_MAX and spec.model.n_heads % t == 0 and spec.model.kv_heads % t == 0 and world % t == 0]
     for zero in (0, 1, 2):
         yield 1, 1, zero, f"plain data parallelism with ZeRO-{zero} fits"
     for tp in tps[1:]:

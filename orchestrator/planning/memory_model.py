@@ -160,8 +160,9 @@ class Frozen:
 
 def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, ffn_dim: int,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                           compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None) -> int:
-    """Bytes one transformer block saves for backward for one microbatch (raymesh's GPT block).
+                           compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None,
+                           kv_heads: int | None = None, family: str = "gpt") -> int:
+    """Bytes one transformer block saves for backward for one microbatch (raymesh's GPT or Llama block).
 
     Counted tensor by tensor from what autograd keeps (the probe checks it), with
     s·b·h = seq · micro_batch · d_model elements and c = ``compute_bytes``:
@@ -172,11 +173,14 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     - each norm's output as the column-parallel linears see it: 2 tensors of c bytes,
       full sequence (sequence parallelism all-gathers before the linear).
     - attention: rotated q, rotated k, v and the attention output: 4 tensors of c
-      bytes sharded by heads over tp; the SDPA kernel's log-sum-exp (b·a·s fp32);
+      bytes sharded by heads over tp (k and v are ``kv_heads/n_heads`` of that under grouped-query
+      attention); the SDPA kernel's log-sum-exp (b·a·s fp32);
       ``attention="math"`` (explicit softmax) adds scores and probabilities,
       2·c·b·a·s², Korthikanti's 5as/h term without dropout.
     - MLP: the first linear's output and GELU's output, 2 tensors of b·s·ffn at c
       bytes, sharded by tp.
+    - Llama (``family="llama"``): the SwiGLU keeps 4 tensors of b·s·ffn (gate output, its silu, up output,
+      their product) instead of 2, and its half-rotation keeps full-width cos/sin tables (twice the GPT's).
     - small: two rsqrt outputs (b·s fp32) and rotary cos/sin tables (4 · s·head_dim/2 fp32).
 
     Recompute: ``full`` keeps only the block input (4·s·b·h, fp32 residual, sequence-
@@ -194,19 +198,22 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     x_grad, on = f.input_grad, f.adapted.__contains__
     if recompute == "full":
         return 4 * sbh // seq_shard if x_grad else 0
+    llama = family == "llama"
+    kv = s * b * (h // a) * (kv_heads or a)  # elements of k (and of v) for the microbatch
     attn_grad = x_grad or any(map(on, ("wq", "wk", "wv")))
     mid_grad = attn_grad or on("wo")
-    h1_grad = mid_grad or on("w1")
+    up_adapted = on("w1") or on("w3")
+    h1_grad = mid_grad or up_adapted
 
     def norm(grad: bool) -> int:  # input and rsqrt for the input gradient; normalised x for the weight's
         return ((4 * sbh + 4 * s * b) * grad + 4 * sbh * trained) // seq_shard
 
     norms = norm(x_grad) + norm(mid_grad)
-    linear_inputs = compute_bytes * sbh * (any(map(on, ("wq", "wk", "wv"))) + on("w1"))
-    attn = compute_bytes * sbh // tp * (3 * attn_grad + (attn_grad or on("wo")))
+    linear_inputs = compute_bytes * sbh * (any(map(on, ("wq", "wk", "wv"))) + up_adapted)
+    attn = compute_bytes * ((sbh + 2 * kv) * attn_grad + sbh * (attn_grad or on("wo"))) // tp
     core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
-    mlp = compute_bytes * s * b * ffn_dim // tp * (h1_grad + on("w2"))
-    rotary = 4 * 4 * s * (h // a) // 2 * attn_grad
+    mlp = compute_bytes * s * b * ffn_dim // tp * ((3 if llama else 1) * h1_grad + on("w2"))
+    rotary = 4 * 4 * s * (h // a) // 2 * attn_grad * (2 if llama else 1)
     adapters = compute_bytes * s * b * f.rank * len(f.adapted) * (not trained)
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
 

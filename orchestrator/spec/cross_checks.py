@@ -144,6 +144,11 @@ def check_pipeline_split(job: JobSpec) -> None:
     p, n_layers = job.parallel, job.model.n_layers
     spr = p.stages_per_rank
     stages = p.pp * spr
+    if job.model.tie_embeddings and stages > 1:
+        raise SpecError("model.tie_embeddings", True,
+                        f"with {stages} pipeline stages cannot share one weight: the embedding is on the first "
+                        "stage and the output head on the last",
+                        "set model.tie_embeddings: false, or parallel.pp: 1 (one stage per rank)")
     if n_layers % stages == 0:
         return
     fixes = [f"set model.n_layers to a multiple of {stages} (e.g. {_near_multiples(n_layers, stages)})"]
@@ -165,6 +170,8 @@ def check_tensor_split(job: JobSpec) -> None:
     dims = {
         "model.n_heads": m.n_heads,
         "model.d_model": m.d_model,
+        # grouped K/V heads are split over tp, never replicated (workers.model.llama_parallel)
+        **({"model.n_kv_heads": m.kv_heads} if m.n_kv_heads is not None else {}),
         "model.d_ff" if m.d_ff is not None else "model.ffn_dim (4*d_model)": m.ffn_dim,
     }  # model.vocab_size need not divide: it is padded to a multiple of tp (JobSpec.padded_vocab_size)
     if p.sequence_parallel:

@@ -12,11 +12,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.errors import SpecError
-from workers.model.config import ModelConfig, model_config
+from workers.model.config import model_config
 from workers.model.registry import build_model, family
 
-# the default family's own default (workers.model.registry), so the list is declared once, beside the model
-DEFAULT_TARGETS = list(family(ModelConfig.model_fields["arch"].default).lora_targets)
+
+def default_targets(arch: str) -> list[str]:
+    """The family's own default (``ModelFamily.lora_targets``), so each list is declared once, beside its model."""
+    return list(family(arch).lora_targets)
+
 
 
 class LoraSpec(BaseModel):
@@ -26,7 +29,8 @@ class LoraSpec(BaseModel):
 
     rank: Annotated[int, Field(gt=0)] = 8
     alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
-    targets: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
+    # null: the model family's default (ModelSpec fills it in, e.g. gpt: wq wk wv wo w1 w2; llama adds w3)
+    targets: Annotated[list[str], Field(min_length=1)] | None = None
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
     base_checkpoint: str | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
@@ -57,7 +61,8 @@ def check_lora(job) -> None:
         if not hits:
             raise SpecError(
                 f"model.lora.targets[{i}]", pattern, "matches no Linear layer of the model",
-                f"use module names or globs such as {', '.join(DEFAULT_TARGETS)}, 'output', 'layers.0.*'; "
+                f"use module names or globs such as {', '.join(default_targets(job.model.arch))}, 'output', "
+                "'layers.0.*'; "
                 f"Linear layers: {', '.join(names[:7])}, ...",
             )
     if lora.quantize == "nf4":
@@ -84,7 +89,7 @@ def _check_nf4(job, gpt, adapted: list[str]) -> None:
                 f"make model.d_model / model.d_ff / model.vocab_size multiples of {BLOCK} for that layer, "
                 "remove it from model.lora.targets, or set model.lora.quantize: null",
             )
-        row_parallel = _row_parallel(name)
+        row_parallel = _row_parallel(name, job.model.arch)
         problem = tp > 1 and shard_problem(shape, 1 if row_parallel else 0, tp)
         if problem:
             raise SpecError(
@@ -111,28 +116,44 @@ def check_base_checkpoint(job) -> None:
         )
 
 
-def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
-    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`."""
+def export_merged_weights(job, checkpoint: str | None, out: str, fmt: str = "pt") -> Path:
+    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`,
+    or with `fmt="hf"` into a Hugging Face directory."""
+    if job.model.lora is None:
+        raise SpecError("model.lora", None, "is not set, so the job has no adapters to merge",
+                        "pass the job file of a LoRA run (one with a model.lora section), or use `raymesh export-hf`")
+    return _export(job, checkpoint, out, fmt)
+
+
+def export_hf_weights(job, checkpoint: str | None, out: str) -> Path:
+    """`raymesh export-hf`: a checkpoint of any layout (the job's latest by default) as a Hugging Face
+    directory (config.json + model.safetensors); a LoRA run's adapters are merged in."""
+    return _export(job, checkpoint, out, "hf")
+
+
+def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     from orchestrator.checkpoints.directory import CheckpointDir
     from workers.model.finetune import export_merged
 
-    if job.model.lora is None:
-        raise SpecError("model.lora", None, "is not set, so the job has no adapters to merge",
-                        "pass the job file of a LoRA run (one with a model.lora section)")
+    if fmt == "hf" and job.model.arch != "llama":
+        raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
+                        "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
     root = job.checkpoint.resolved_dir(job.resolved_run_dir())
     path = Path(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
     if path is None or not (path / ".metadata").is_file():
-        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to merge",
+        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to export",
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
     check_base_checkpoint(job)
-    return export_merged(job.worker_dict(), path, out)
+    return export_merged(job.worker_dict(), path, out, fmt)
 
 
-ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.model.gpt_parallel); others column
+# per family, the base Linears its TP plan places row-parallel (workers.model.gpt_parallel, llama_parallel);
+# the others are column-parallel
+ROW_PARALLEL = {"gpt": ("wo", "w2"), "llama": ("wo", "w2")}
 
 
-def _row_parallel(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ROW_PARALLEL
+def _row_parallel(name: str, arch: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ROW_PARALLEL[arch]
 
 
 def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> dict[str, int]:
@@ -156,7 +177,7 @@ def parameter_split(job, holds=None, tp: int = 1, total: int | None = None) -> d
         if holds is not None and not holds(name):
             continue
         rows, cols = gpt.get_submodule(name).weight.shape
-        row_parallel = _row_parallel(name)
+        row_parallel = _row_parallel(name, job.model.arch)
         trainable += lora.rank * (rows + cols // tp if row_parallel else rows // tp + cols)
         base += rows * cols // tp
     nf4 = base if lora.quantize == "nf4" else 0

@@ -1,19 +1,47 @@
-"""The `model:` section: the transformer's shape (and its LoRA/QLoRA fine-tuning, `model.lora`)."""
+"""The `model:` section: the transformer's shape (and its LoRA/QLoRA fine-tuning, `model.lora`).
+
+Two fields fill the shape in for the user before validation: `preset` (a published or small Llama shape,
+`workers.model.llama.PRESETS`; the job's own fields override it) and `init_from` (a Hugging Face
+directory whose `config.json` decides the shape; a field the job also sets must agree with it).
+"""
 
 from __future__ import annotations
+
+from typing import Any, Literal
 
 from pydantic import model_validator
 
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import _divisors, _Section
-from orchestrator.spec.lora import LoraSpec
-from workers.model.config import ModelConfig
+from orchestrator.spec.lora import LoraSpec, default_targets
+from workers.model.config import LLAMA_ONLY, ModelConfig
+from workers.model.llama import PRESETS
+
+Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 
 class ModelSpec(ModelConfig, _Section):
     """Transformer shape (fields in ``workers.model.config.ModelConfig``) and its fine-tuning."""
 
+    preset: Preset | None = None  # a named shape (llama-150m, llama-1b, llama3-8b/70b/405b); own fields override
+    init_from: str | None = None  # a Hugging Face Llama directory: shape from config.json, weights loaded at start
     lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_shape(cls, data: Any) -> Any:
+        """Expand `preset` under the job's fields, then make `init_from`'s config.json decide the shape."""
+        if not isinstance(data, dict):
+            return data
+        preset = data.get("preset")
+        if isinstance(data.get("init_from"), str):
+            if preset is not None:
+                raise SpecError("model.preset", preset, "and model.init_from both set the model's shape",
+                                "remove model.preset: the checkpoint's config.json decides the shape")
+            data = _with_hf_config(data)
+        if isinstance(preset, str) and preset in PRESETS:
+            data = {**PRESETS[preset], **data}
+        return data
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
@@ -34,3 +62,52 @@ class ModelSpec(ModelConfig, _Section):
                 f"pick n_heads from {even}, or set model.positions: learned",
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_family_fields(self) -> ModelSpec:
+        """Llama-only fields on a GPT, a Llama without rotary positions, K/V heads that do not group queries."""
+        if self.lora is not None and self.lora.targets is None:
+            self.lora.targets = default_targets(self.arch)
+        if self.arch == "gpt":
+            given = [f for f in LLAMA_ONLY if getattr(self, f) != ModelConfig.model_fields[f].default]
+            if given:
+                raise SpecError(f"model.{given[0]}", getattr(self, given[0]),
+                                "is a Llama-family field; model.arch: gpt does not read it",
+                                f"set model.arch: llama, or remove {', '.join('model.' + g for g in given)}")
+            return self
+        if self.positions != "rotary":
+            raise SpecError("model.positions", self.positions, "is not supported by model.arch: llama",
+                            "remove model.positions (Llama uses rotary positions)")
+        if self.n_heads % self.kv_heads:
+            raise SpecError("model.n_kv_heads", self.n_kv_heads,
+                            f"does not divide model.n_heads={self.n_heads}: each K/V head must serve a whole "
+                            "group of query heads",
+                            f"pick n_kv_heads from {_divisors(self.n_heads)}")
+        return self
+
+
+def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the shape `config.json` of `init_from` gives; a field set to another value is an error
+    naming both. A missing or unreadable directory is reported here, before any actor starts."""
+    from workers.model.hf_io import config_fields, read_config
+
+    directory = data["init_from"]
+    try:
+        hf = config_fields(read_config(directory))
+    except (ValueError, KeyError, OSError) as exc:
+        raise SpecError("model.init_from", directory, f"is not a readable Hugging Face Llama directory ({exc})",
+                        "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
+    for name, value in hf.items():
+        if data.get(name) is not None and not _same(data[name], value):
+            raise SpecError(f"model.{name}", data[name],
+                            f"disagrees with {directory}/config.json, which gives {name} = {value!r}",
+                            f"remove model.{name} from the job file (init_from sets it), or set it to {value!r}")
+    return {**data, **hf}
+
+
+def _same(ours: Any, theirs: Any) -> bool:
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        return all(_same(ours.get(k), v) for k, v in theirs.items())
+    if isinstance(theirs, float) or isinstance(ours, float):
+        return ours is not None and theirs is not None and float(ours) == float(theirs)
+    return ours == theirs

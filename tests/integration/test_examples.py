@@ -9,19 +9,23 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
+from tests.support.hf import save_hf_llama
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples whose data is not the byte corpus, and the fixture that prepares theirs as their comment says
 DATA = {"bpe_pretrain": "bpe_token_data"}
+# examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
+NEEDS_HF_DIR = {"llama_finetune_lora"}
 
 
 @pytest.mark.parametrize("job", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs(job, ray_cluster, request, tmp_path):
     summary = tmp_path / "summary.json"
     data = request.getfixturevalue(DATA.get(job.stem, "token_data"))
+    extra = ["--set", f"model.init_from={save_hf_llama(tmp_path / 'hf')}"] if job.stem in NEEDS_HF_DIR else []
     rc = main(["run", str(job), "--no-progress", "--summary-json", str(summary),
                "--set", f"data.path={data}", "--set", f"run_dir={tmp_path / 'run'}",
-               "--set", "train.steps=4", "--set", "checkpoint.every=2", "--set", "metrics.port=0"])
+               "--set", "train.steps=4", "--set", "checkpoint.every=2", "--set", "metrics.port=0", *extra])
     assert rc == 0
     result = json.loads(summary.read_text())
     assert result["steps"] == 4 and len(result["losses"]) == 4
@@ -30,3 +34,19 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     assert [Path(p).name for p in result["checkpoints"]] == ["step-00000002", "step-00000004"]
     for key in ("final_loss", "tokens_per_s", "layout", "recoveries", "peak_memory_bytes"):
         assert key in result
+    if job.stem in NEEDS_HF_DIR:
+        _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
+
+
+def _merged_export_loads_in_transformers(job: Path, tmp_path: Path, sets: list[str]) -> None:
+    """`export-merged --format hf` of the fine-tune's last checkpoint: a directory transformers loads, whose
+    logits differ from the base checkpoint's (the adapters trained and were folded in)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "merged"
+    assert main(["export-merged", str(job), "--format", "hf", "--out", str(out), *sets]) == 0
+    merged, base = (LlamaForCausalLM.from_pretrained(d) for d in (out, tmp_path / "hf"))
+    tokens = torch.arange(32)[None]
+    with torch.no_grad():
+        assert not torch.allclose(merged(tokens).logits, base(tokens).logits)

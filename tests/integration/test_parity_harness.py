@@ -41,29 +41,58 @@ LORA_LAYOUTS = {
 }
 
 
+# each layout runs for both families; the Llama (GQA: 4 query heads over 2 K/V heads, SwiGLU) for fewer steps
+ARCHS = {"gpt": ({}, STEPS), "llama": ({"arch": "llama", "n_kv_heads": 2}, 4)}
+# Llama-only: a tied head re-tied after TP and sharded with the embedding under ZeRO-3
+LLAMA_LAYOUTS = {"tp2-dp2-zero3-tied": ({"tp": 2, "dp": 2, "zero": 3}, {"tie_embeddings": True})}
+
+
+def _spec(arch: str, token_data, tmp_path, parallel: dict, model: dict | None = None, train: dict | None = None):
+    fields, steps = ARCHS[arch]
+    return tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"}, model={**fields, **(model or {})},
+                     train={"steps": steps, **(train or {})})
+
+
 @pytest.fixture(scope="module")
-def reference(token_data, tmp_path_factory):
-    return reference_run(tiny_spec(token_data, tmp_path_factory.mktemp("ref")), STEPS)
+def references(token_data, tmp_path_factory):
+    """The single-process reference of the plain tiny job, per family, computed once."""
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            spec = _spec(arch, token_data, tmp_path_factory.mktemp(f"ref-{arch}"), {})
+            cache[arch] = reference_run(spec, spec.train.steps)
+        return cache[arch]
+    return get
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process_reference(name, reference, token_data, tmp_path):
-    parallel = {**LAYOUTS[name], "device": "cpu"}
-    train = {"microbatches": 4} if parallel.get("pp_schedule") == "dualpipev" else {}
-    spec = tiny_spec(token_data, tmp_path, parallel=parallel, train=train)
-    run = run_layout(spec.worker_dict(), spec.parallel.world_size, STEPS)
-    assert len(run.losses) == STEPS
-    losses, grad_norms = reference
+def _assert_matches(spec, expected) -> None:
+    steps = spec.train.steps
+    run = run_layout(spec.worker_dict(), spec.parallel.world_size, steps)
+    assert len(run.losses) == steps
+    losses, grad_norms = expected
     assert run.losses == pytest.approx(losses, rel=1e-4)
     assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)  # the global norm that clipping uses
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process_reference(name, arch, references, token_data, tmp_path):
+    parallel = LAYOUTS[name]
+    train = {"microbatches": 4} if parallel.get("pp_schedule") == "dualpipev" else {}
+    _assert_matches(_spec(arch, token_data, tmp_path, parallel, train=train), references(arch))
+
+
+@pytest.mark.parametrize("name", list(LLAMA_LAYOUTS))
+def test_llama_only_layout_matches_single_process_reference(name, token_data, tmp_path):
+    parallel, model = LLAMA_LAYOUTS[name]
+    spec = _spec("llama", token_data, tmp_path, parallel, model=model)
+    _assert_matches(spec, reference_run(spec, spec.train.steps))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))
-def test_lora_layout_matches_single_process_reference(name, token_data, tmp_path):
+def test_lora_layout_matches_single_process_reference(name, arch, token_data, tmp_path):
     parallel, lora = LORA_LAYOUTS[name]
-    spec = tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"},
-                     model={"lora": {**LORA, **lora}}, train={"steps": LORA_STEPS})
-    losses, grad_norms = reference_run(spec, LORA_STEPS)
-    run = run_layout(spec.worker_dict(), spec.parallel.world_size, LORA_STEPS)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    spec = _spec(arch, token_data, tmp_path, parallel, model={"lora": {**LORA, **lora}}, train={"steps": LORA_STEPS})
+    _assert_matches(spec, reference_run(spec, LORA_STEPS))

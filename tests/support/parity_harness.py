@@ -44,8 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results) -> None:
-    """Body of one spawned rank: build the Trainer, train ``steps`` steps, report (loss, norm) per step."""
+def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
+               checkpoint: str | None = None) -> None:
+    """Body of one spawned rank: build the Trainer, train ``steps`` steps, report (loss, norm) per step,
+    and save a DCP checkpoint of the final state to ``checkpoint`` when given."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
@@ -56,6 +58,8 @@ def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, re
     for _ in range(steps):
         result = trainer.train_step()
         out.append((step_field(result, "loss"), step_field(result, "grad_norm")))
+    if checkpoint is not None:
+        trainer.checkpoints.save(checkpoint, async_save=False)
     results.put((rank, out))
     dist.destroy_process_group()
 
@@ -75,8 +79,10 @@ def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, lis
     return by_rank
 
 
-def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0) -> LayoutRun:
+def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0,
+               checkpoint: str | None = None) -> LayoutRun:
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
+    With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout).
 
     OMP_NUM_THREADS=1 is set for the children (they inherit the environment at spawn): N ranks each
     starting a full thread pool on a small CI machine is slower than one thread each.
@@ -86,7 +92,7 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results),
+        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint),
                                    nprocs=world_size, join=False, start_method="spawn")
         try:
             by_rank = _collect(results, procs, world_size, timeout_s)

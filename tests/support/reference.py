@@ -14,6 +14,7 @@ from workers.data import DataCursor, TokenDataset
 from workers.model.config import model_config
 from workers.model.finetune import prepare_model
 from workers.model.gpt import lm_loss
+from workers.model.hf_io import load_hf_weights
 from workers.model.meta_init import build_full
 from workers.optim.sm3 import SM3
 
@@ -23,6 +24,8 @@ def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
     torch.manual_seed(spec.train.seed)
     # the same per-parameter draw the ranks' meta-device build uses (workers.model.meta_init), whole
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
+    if spec.model.init_from is not None:  # read whole here; the layouts read their slices
+        load_hf_weights(model, spec.model.init_from)
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
         prepare_model(model, spec.worker_dict()["model"]["lora"], spec.train.seed)
     o = spec.optim

@@ -28,8 +28,8 @@ def test_gpt_is_registered_and_builds_from_its_config():
 
 
 def test_unknown_arch_names_the_field_and_the_registered_families():
-    with pytest.raises(ValueError, match=r"model.arch 'llama' is not a registered model family; pick one of \['gpt'"):
-        family("llama")
+    with pytest.raises(ValueError, match=r"model.arch 'mamba' is not a registered model family; pick one of \['gpt'"):
+        family("mamba")
 
 
 def test_a_second_family_plugs_in_by_registering():
@@ -46,7 +46,7 @@ def test_missing_hook_names_the_arch_and_the_step():
 
 def test_model_spec_declares_no_shape_field_of_its_own():
     """One declaration of the shape: the orchestrator's section adds only fine-tuning."""
-    assert set(ModelSpec.model_fields) - set(ModelConfig.model_fields) == {"lora"}
+    assert set(ModelSpec.model_fields) - set(ModelConfig.model_fields) == {"lora", "preset", "init_from"}
     assert ModelSpec().arch == "gpt"
 
 

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from workers.model.lora import apply_lora, merged_state_dict
+from workers.spec import WorkerSpec
 
 
 def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
@@ -57,22 +58,36 @@ def prepare_model(model: nn.Module, lora: dict, seed: int | None = None) -> list
     return apply_lora(model, lora, seed)
 
 
-def export_merged(spec: dict, checkpoint: str | Path, out: str | Path) -> Path:
-    """Merge the adapters of a LoRA run's checkpoint into a plain-model ``.pt`` state dict.
-
-    The model is rebuilt exactly as the run built it (seed, base checkpoint,
-    adapters, NF4), the checkpoint's adapters are loaded over it, and
-    ``W + (alpha/rank) B A`` replaces every adapted layer; ``GPT(cfg).load_state_dict``
-    takes the result, and so does ``model.lora.base_checkpoint``.
-    """
+def rebuilt_model(spec: dict, checkpoint: str | Path) -> tuple[WorkerSpec, nn.Module]:
+    """The whole model rebuilt exactly as the run built it (seed, ``init_from`` or base checkpoint under
+    adapters, NF4), with a checkpoint's weights loaded over it in this process alone (DCP reshards
+    whatever layout wrote it)."""
+    from workers.model.hf_io import load_hf_weights
     from workers.model.meta_init import build_full
-    from workers.spec import WorkerSpec
 
     job = WorkerSpec.from_dict(spec)
     torch.manual_seed(job.train.seed)
     model = build_full(job.model, job.train.seed)
-    prepare_model(model, job.lora, job.train.seed)
+    if job.init_from and job.lora:  # the NF4 base is not checkpointed: it comes from where the run read it
+        load_hf_weights(model, job.init_from)
+    if job.lora:
+        prepare_model(model, job.lora, job.train.seed)
     load_dcp_model(model, checkpoint)
+    return job, model
+
+
+def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str = "pt") -> Path:
+    """Merge the adapters of a LoRA run's checkpoint into plain-model weights: a ``.pt`` state dict, or with
+    ``fmt="hf"`` a Hugging Face directory (Llama family).
+
+    ``W + (alpha/rank) B A`` replaces every adapted layer; ``build_model(cfg).load_state_dict`` takes the
+    ``.pt``, and so does ``model.lora.base_checkpoint``; the directory serves as ``model.init_from``.
+    """
+    job, model = rebuilt_model(spec, checkpoint)
+    if fmt == "hf":
+        from workers.model.hf_io import write_hf
+
+        return write_hf(merged_state_dict(model), job.model, out)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(merged_state_dict(model), out)

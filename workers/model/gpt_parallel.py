@@ -57,12 +57,12 @@ def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
 
 def apply_tensor_parallel(stage: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard ``stage`` (a whole model or one pipeline stage) over ``tp_mesh`` in place: ends first, then blocks."""
-    apply_plan(stage, tp_mesh, _ends_plan(stage, sequence_parallel))
+    apply_plan(stage, tp_mesh, ends_plan(stage, sequence_parallel))
     for block in stage.layers.values():
-        apply_plan(block, tp_mesh, _block_plan(sequence_parallel))  # fresh style objects for every block
+        apply_plan(block, tp_mesh, block_plan(sequence_parallel))  # fresh style objects for every block
 
 
-def _ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Embeddings, final norm and head, for the ones this stage owns; activations leave as local tensors."""
     act = activation_layout(sequence_parallel)
     plan: dict[str, ParallelStyle] = {}
@@ -80,7 +80,7 @@ def _ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """One block's plan: q/k/v and w1 column-parallel, wo and w2 row-parallel back to the activation layout."""
     act = activation_layout(sequence_parallel)
     plan: dict[str, ParallelStyle] = {

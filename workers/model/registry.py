@@ -21,7 +21,7 @@ from torch import nn
 from workers.model.config import ModelConfig
 
 # families shipped with raymesh: imported on first lookup, each registers itself
-_BUILTIN = ("workers.model.gpt",)
+_BUILTIN = ("workers.model.gpt", "workers.model.llama")
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

@@ -8,8 +8,11 @@ Each parameter is drawn from a generator seeded by the job seed and its name,
 so the initial weights equal the single-process reference on every layout.
 DDP-style data parallelism (ZeRO-0/1) needs real parameters, so it wraps
 after materialising. The model is still built whole on the host first (the
-old path) for LoRA from ``model.lora.base_checkpoint`` and for a family that
-registers no ``init_parameter`` hook (see ``workers.model.meta_init``).
+old path) for LoRA over a base (``model.lora.base_checkpoint``, or
+``model.init_from`` with ``model.lora``: adapters and NF4 wrap the loaded base
+weights) and for a family that registers no ``init_parameter`` hook (see
+``workers.model.meta_init``). Without LoRA, ``model.init_from`` is read after
+materialising, each rank reading only the slices it keeps.
 
 The order of steps is the builder's; how each step applies to a model is the
 family's (``workers.model.registry`` hooks for ``model.arch``), so a new family
@@ -25,10 +28,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workers.model.finetune import prepare_model
+from workers.model.hf_io import load_hf_weights
 from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
 from workers.model.registry import ModelFamily
-from workers.parallel.data_parallel import apply_data_parallel
+from workers.parallel.data_parallel import apply_data_parallel, unwrap
 from workers.parallel.layout import stage_ids
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
@@ -43,13 +47,16 @@ class ModelParts:
 
 def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
     """Whether this job's model is built on the meta device (see the module docstring for when it is not)."""
-    return init_hook(fam) is not None and not (spec.lora and spec.lora["base_checkpoint"])
+    whole_base = spec.lora and (spec.lora["base_checkpoint"] or spec.init_from)  # adapters/NF4 need the base first
+    return init_hook(fam) is not None and not whole_base
 
 
 def whole_model(spec: WorkerSpec, fam: ModelFamily, meta: bool) -> nn.Module:
     """The unsplit model, adapters on: weightless on meta, else materialised with the reference's values."""
     if not meta:
         full = build_full(spec.model, spec.train.seed)
+        if spec.init_from and spec.lora:  # read whole, before the cut: LoRA and NF4 wrap the base weights
+            load_hf_weights(full, spec.init_from)
     else:
         with torch.device("meta"):
             full = fam.build(spec.model)
@@ -85,5 +92,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:
             part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero)
+        if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
+            load_hf_weights(unwrap(part), spec.init_from)
         wrapped.append(part)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages)

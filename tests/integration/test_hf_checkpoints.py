@@ -1,0 +1,71 @@
+"""Hugging Face Llama checkpoints in (``model.init_from``, each rank reading its own slices) and out
+(``export-hf``), on parallel layouts, without Ray (tests/support/parity_harness.py).
+
+The checkpoint is made here with ``transformers`` (random weights, sharded save_pretrained). Each layout's
+first step (before any update: loss and global gradient norm) must equal ``transformers``'
+LlamaForCausalLM on the same batch (1e-5), its later steps the single-process reference (1e-4), and the
+DCP checkpoint it writes at the end must export (``export-hf``) to exactly the tensors DCP holds, in a
+directory ``transformers`` loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.spec.lora import export_hf_weights
+from tests.support.hf import save_hf_llama, transformers_first_step
+from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import run_layout
+from tests.support.reference import reference_run
+from workers.model.hf_io import hf_name
+
+STEPS = 3
+LAYOUTS = {
+    "tp2-pp2": {"tp": 2, "pp": 2},
+    "dp2-zero3": {"dp": 2, "zero": 3},
+    "tp2-dp2": {"tp": 2, "dp": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The tiny job's shape (d_model 32, 4 layers, 4 heads over 2 K/V heads, d_ff 64) as a sharded HF directory."""
+    return save_hf_llama(tmp_path_factory.mktemp("hf"), intermediate_size=64, max_shard_size="40KB")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_init_from_layout_matches_transformers_and_exports_exactly(name, hf_dir, token_data, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    spec = tiny_spec(token_data, tmp_path, parallel={**LAYOUTS[name], "device": "cpu"},
+                     model={"init_from": str(hf_dir)}, train={"steps": STEPS},
+                     checkpoint={"dir": str(tmp_path / "ckpt")})
+    assert spec.model.arch == "llama" and spec.model.kv_heads == 2
+    written = tmp_path / "ckpt" / f"step-{STEPS:08d}"
+    run = run_layout(spec.worker_dict(), spec.parallel.world_size, STEPS, checkpoint=str(written))
+
+    loss, norm = transformers_first_step(spec, hf_dir)
+    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
+    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
+    losses, grad_norms = reference_run(spec, STEPS)
+    assert run.losses == pytest.approx(losses, rel=1e-4)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+
+    out = export_hf_weights(spec, str(written), str(tmp_path / "exported"))
+    held = _dcp_model_tensors(written, tmp_path / "ckpt.pt")
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == {hf_name(k) for k in held}
+    for key, value in held.items():
+        assert torch.equal(exported[hf_name(key)], value), key
+    reloaded = LlamaForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in exported.items())
+
+
+def _dcp_model_tensors(checkpoint, scratch) -> dict[str, torch.Tensor]:
+    """The ``model`` entries of a DCP checkpoint, read by DCP's own converter (not raymesh's loader)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(scratch))
+    return torch.load(scratch, weights_only=False)["model"]

@@ -1,0 +1,53 @@
+"""Tiny Hugging Face Llama checkpoints made locally with ``transformers`` (random weights, save_pretrained)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# GQA (4 query heads over 2 K/V heads) and Llama-3 rotary scaling on; the original context is short so the
+# scaling's three frequency bands all occur at head_dim 8
+TINY_HF = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+           "rope_theta": 500000.0, "tie_word_embeddings": False,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 16}}
+
+
+def hf_llama(seed: int = 0, **overrides):
+    """A ``LlamaForCausalLM`` with random weights (std 0.1, so every layer matters to the logits)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_HF, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return model
+
+
+def save_hf_llama(directory: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    """Write a tiny HF Llama directory (``max_shard_size`` small enough gives a sharded one with an index)."""
+    model = hf_llama(seed, **overrides)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return Path(directory)
+
+
+def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
+    """Loss and global gradient norm of ``transformers``' model on the job's first global batch: what a
+    raymesh layout loading ``hf_dir`` must report for its first step."""
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    from workers.data import DataCursor, TokenDataset
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir)  # float32, as saved
+    cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
+                        spec.train.global_batch_size, dp_rank=0, dp_size=1)
+    inputs, targets = cursor.next_batch()
+    loss = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten(0, 1))
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    return loss.item(), norm.item()

@@ -1,0 +1,102 @@
+"""raymesh's Llama against ``transformers``' LlamaForCausalLM on the same weights (float32, CPU, 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.hf import hf_llama, save_hf_llama
+from workers.model import hf_io
+from workers.model.config import ModelConfig
+from workers.model.gpt import init_parameter  # the Llama family registers the GPT's init rule
+from workers.model.llama import Llama
+from workers.model.registry import build_model
+
+
+def _raymesh_from(hf_model, **fields) -> Llama:
+    cfg = ModelConfig(**{**hf_io.config_fields(hf_model.config.to_dict()), "seq_len": 64, **fields})
+    model = build_model(cfg)
+    hf_state = hf_model.state_dict()
+    model.load_state_dict({k: hf_state[hf_io.hf_name(k)] for k in model.state_dict()})
+    return model.eval()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"rope_scaling": None}],
+                         ids=["gqa-llama3-rope", "tied", "plain-rope"])
+def test_logits_equal_transformers(overrides):
+    hf = hf_llama(**overrides)
+    ours = _raymesh_from(hf)
+    assert isinstance(ours, Llama) and ours.cfg.kv_heads == 2
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_scaling_changes_the_logits():
+    """The scaling is exercised at all: the same weights without it give different logits."""
+    hf = hf_llama()
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        scaled = _raymesh_from(hf)(tokens)
+        plain = _raymesh_from(hf, rope_scaling=None)(tokens)
+    assert (scaled - plain).abs().max() > 1e-3
+
+
+def test_swiglu_width_follows_llama_rule():
+    assert ModelConfig(arch="llama", d_model=4096, multiple_of=1024, ffn_dim_multiplier=1.3).ffn_dim == 14336
+    assert ModelConfig(arch="llama", d_model=64, multiple_of=32).ffn_dim == 192  # int(2*256/3)=170 -> 192
+    assert ModelConfig(arch="llama", d_model=64, d_ff=100).ffn_dim == 100
+
+
+def test_init_is_per_parameter_and_seeded():
+    """Same seed, same weights; each parameter from its own generator (what meta-device init calls)."""
+    cfg = ModelConfig(arch="llama", d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=48)
+    torch.manual_seed(3)
+    a = build_model(cfg)
+    torch.manual_seed(3)
+    b = build_model(cfg)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    gen = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    wo = init_parameter("layers.0.attention.wo.weight", (32, 32), gen(), cfg)
+    wq = init_parameter("layers.0.attention.wq.weight", (32, 32), gen(), cfg)
+    assert torch.allclose(wo * 2, wq)  # same draws, residual projection scaled by 1/sqrt(2 * n_layers)
+    assert torch.equal(init_parameter("norm.weight", (32,), gen(), cfg), torch.ones(32))
+
+
+@pytest.mark.parametrize(("shard", "tied"), [(None, False), ("20KB", False), (None, True)],
+                         ids=["single-file", "sharded-index", "tied"])
+def test_hf_directory_loads_into_the_model_and_writes_back_exactly(tmp_path, shard, tied):
+    from transformers import LlamaForCausalLM
+
+    src = save_hf_llama(tmp_path / "hf", max_shard_size=shard, tie_word_embeddings=tied)
+    assert (src / hf_io.INDEX).is_file() == (shard is not None)
+    cfg = ModelConfig(**{**hf_io.config_fields(hf_io.read_config(src)), "seq_len": 64})
+    model = build_model(cfg)
+    read = hf_io.load_hf_weights(model, src)
+    assert len(read) == len(list(model.parameters()))
+    out = hf_io.write_hf(model.state_dict(), cfg, tmp_path / "out")
+    back = LlamaForCausalLM.from_pretrained(out).state_dict()
+    original = LlamaForCausalLM.from_pretrained(src).state_dict()
+    assert back.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(back[key], value), key
+    tokens = torch.arange(40)[None]
+    with torch.no_grad():  # the written config.json carries the rotary scaling transformers needs
+        torch.testing.assert_close(LlamaForCausalLM.from_pretrained(out)(tokens).logits, model.eval()(tokens),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_lora_from_an_hf_directory_starts_at_the_base_model(token_data, tmp_path):
+    """With model.init_from and LoRA the base loads before the adapters (B = 0): the first loss is transformers'."""
+    from tests.support.hf import transformers_first_step
+    from tests.support.jobs import tiny_spec
+    from tests.support.reference import reference_run
+
+    src = save_hf_llama(tmp_path / "hf", intermediate_size=64)
+    spec = tiny_spec(token_data, tmp_path, model={"init_from": str(src), "lora": {"rank": 4}}, train={"steps": 1})
+    assert spec.model.lora.targets == ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    losses, _ = reference_run(spec, 1)
+    assert losses[0] == pytest.approx(transformers_first_step(spec, src)[0], rel=1e-5)

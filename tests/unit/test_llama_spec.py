@@ -1,0 +1,67 @@
+"""The `model:` section for Llamas: presets, `init_from`'s config.json and the errors that name field and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import JobSpec
+from orchestrator.cli import main
+from orchestrator.errors import SpecError
+from tests.support.hf import save_hf_llama
+
+
+def _job(model: dict, **sections) -> JobSpec:
+    return JobSpec.from_dict({"data": {"path": "/tmp/none"}, "run_dir": "/tmp/none", "model": model, **sections})
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return save_hf_llama(tmp_path_factory.mktemp("hf"), tie_word_embeddings=True)
+
+
+def test_init_from_sets_the_shape_from_config_json(hf_dir):
+    m = _job({"init_from": str(hf_dir), "seq_len": 32}).model
+    assert (m.arch, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim) == ("llama", 32, 4, 4, 2, 48)
+    assert m.tie_embeddings and m.rope_theta == 500000.0 and m.rope_scaling.original_max_position_embeddings == 16
+    again = JobSpec.from_dict(_job({"init_from": str(hf_dir), "d_model": 32}).to_dict())  # agreeing fields pass
+    assert again.model.d_model == 32
+
+
+def test_a_field_disagreeing_with_config_json_names_both(hf_dir):
+    with pytest.raises(SpecError, match=r"model.n_kv_heads`: value 4 disagrees with .*config.json, which gives "
+                                        r"n_kv_heads = 2; fix: remove model.n_kv_heads"):
+        _job({"init_from": str(hf_dir), "n_kv_heads": 4})
+
+
+def test_init_from_without_config_json_is_refused(tmp_path):
+    with pytest.raises(SpecError, match=r"model.init_from`: .* is not a readable Hugging Face Llama directory .*"
+                                        r"no config.json"):
+        _job({"init_from": str(tmp_path)})
+
+
+def test_preset_and_init_from_together_are_refused(hf_dir):
+    with pytest.raises(SpecError, match="model.preset`: value 'llama-1b' and model.init_from both set"):
+        _job({"init_from": str(hf_dir), "preset": "llama-1b"})
+
+
+def test_preset_fields_are_overridden_by_the_job():
+    m = _job({"preset": "llama3-8b", "n_layers": 2, "seq_len": 128}).model
+    assert (m.n_layers, m.seq_len, m.d_model, m.ffn_dim) == (2, 128, 4096, 14336)
+
+
+def test_llama_fields_on_a_gpt_are_refused():
+    with pytest.raises(SpecError, match=r"model.rope_theta`: value 500000.0 is a Llama-family field; .*"
+                                        r"fix: set model.arch: llama"):
+        _job({"rope_theta": 500000.0})
+
+
+def test_tied_head_across_pipeline_stages_is_refused():
+    with pytest.raises(SpecError, match="model.tie_embeddings`: value True with 2 pipeline stages"):
+        _job({"arch": "llama", "tie_embeddings": True}, parallel={"pp": 2})
+
+
+def test_export_hf_of_a_gpt_job_names_the_arch(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"data: {{path: {tmp_path}}}\nrun_dir: {tmp_path / 'run'}\n")
+    assert main(["export-hf", str(job), "--out", str(tmp_path / "hf")]) == 2
+    assert "model.arch`: value 'gpt' has no Hugging Face layout" in capsys.readouterr().err

@@ -1,0 +1,189 @@
+"""Hugging Face Llama checkpoints in and out: ``config.json`` <-> model fields, names, sliced safetensors reads.
+
+In: ``model.init_from: DIR`` (``config.json`` plus ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``). The model fields come from ``config.json`` (``config_fields``); the weights
+are read after the model is cut, sharded and wrapped, each parameter's *local* box only
+(``load_hf_weights``: safetensors' lazy ``get_slice`` on the offsets DTensor reports for this rank), so no rank
+reads more than it keeps. Out: ``write_hf`` turns a full raymesh state dict into such a directory
+(``raymesh export-hf``, ``raymesh export-merged --format hf``).
+
+No conversion of the rotary layout is needed: raymesh's Llama rotates head halves, as Hugging Face's does
+(``workers.model.llama``). Only the standard library, torch and safetensors are used here, so a rank needs no
+``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.model.config import ModelConfig
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+# raymesh name -> Hugging Face name; "{}" is the layer index
+_ENDS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+         "output.weight": "lm_head.weight"}
+_LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+          "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
+# wrappers the builder adds around a parameter's module (activation checkpointing), not part of its name
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\.")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a raymesh Llama parameter (``layers.3.attention.wq.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``); wrapper prefixes are dropped."""
+    name = _WRAPPERS.sub("", name)
+    if name in _ENDS:
+        return _ENDS[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m is None or m.group(2) not in _LAYER:
+        raise KeyError(f"{name!r} has no Hugging Face Llama counterpart")
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+
+
+# -- config.json ------------------------------------------------------------------------------------------------
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise ValueError(f"model.init_from {str(directory)!r} has no {CONFIG}; point it at a Hugging Face model "
+                         "directory (config.json and *.safetensors, as save_pretrained writes)")
+    return json.loads(path.read_text())
+
+
+def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """raymesh ``model:`` fields from a Hugging Face Llama ``config.json`` (seq_len is the job's, not taken).
+
+    Raises ``ValueError`` naming the config key for what raymesh's Llama cannot represent."""
+    if hf.get("model_type") != "llama":
+        raise ValueError(f"config.json model_type {hf.get('model_type')!r} is not supported; raymesh reads "
+                         "Hugging Face 'llama' checkpoints (LlamaForCausalLM)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"config.json {key}: true is not supported (raymesh's Llama has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        raise ValueError(f"config.json head_dim {hf['head_dim']} is not hidden_size/num_attention_heads = "
+                         f"{hf['hidden_size'] // heads}, which raymesh's Llama assumes")
+    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
+    return {
+        "arch": "llama", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"], "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads", heads),
+        "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope.get("rope_theta") or 10000.0, "rope_scaling": _rope_scaling(rope),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
+    }
+
+
+def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"config.json rope type {kind!r} is not supported; raymesh implements 'default' and "
+                         "'llama3' rotary scaling")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return {k: rope[k] for k in keys}
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` ``transformers`` builds a ``LlamaForCausalLM`` of ``cfg``'s shape from: the rotary
+    settings both as v5's ``rope_parameters`` and as v4's ``rope_theta``/``rope_scaling``."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = None
+    if cfg.rope_scaling is not None:
+        scaling = {"rope_type": "llama3", **cfg.rope_scaling.model_dump()}
+        rope = {**rope, **scaling}
+    return {
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
+        "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "max_position_embeddings": cfg.seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
+    }
+
+
+# -- weights in -------------------------------------------------------------------------------------------------
+
+def weight_files(directory: str | Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it (sharded via the index, or one file)."""
+    root = Path(directory)
+    if (root / INDEX).is_file():
+        index = json.loads((root / INDEX).read_text())["weight_map"]
+        return {name: root / file for name, file in index.items()}
+    if (root / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(root / SINGLE), framework="pt") as f:
+            return {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    raise ValueError(f"model.init_from {str(root)!r} holds neither {INDEX} nor {SINGLE}")
+
+
+def local_box(param: torch.Tensor) -> tuple[torch.Tensor, list[slice]]:
+    """The tensor this rank stores for ``param`` and the global slices it covers (all of it when not a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.data, [slice(0, n) for n in param.shape]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), [slice(o, o + n) for o, n in zip(offset, shape, strict=True)]
+
+
+def load_hf_weights(model: nn.Module, directory: str | Path) -> list[str]:
+    """Fill every parameter of ``model`` (a whole model, or one rank's cut, sharded and wrapped stage) with
+    its own slice of the checkpoint; returns the Hugging Face names read. A tensor missing from the
+    checkpoint, or of another shape, is an error naming it."""
+    from safetensors import safe_open
+
+    files, handles, read = weight_files(directory), {}, []
+    try:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                key = hf_name(name)
+                if key not in files:
+                    raise ValueError(f"model.init_from {str(directory)!r} has no tensor {key!r} (for {name})")
+                path = files[key]
+                handle = handles.setdefault(path, safe_open(str(path), framework="pt"))
+                source = handle.get_slice(key)
+                if list(source.get_shape()) != list(param.shape):
+                    raise ValueError(f"model.init_from {key} has shape {source.get_shape()}, the model's {name} "
+                                     f"is {list(param.shape)}: config.json and the weights disagree")
+                local, box = local_box(param)
+                local.copy_(source[tuple(box)].to(local.dtype))
+                read.append(key)
+    finally:
+        handles.clear()
+    return read
+
+
+# -- weights out ------------------------------------------------------------------------------------------------
+
+def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) -> Path:
+    """Write a full raymesh Llama state dict as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
+    A tied head is written once, as the embedding (``tie_word_embeddings`` says so)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {hf_name(k): v.detach().cpu().contiguous() for k, v in state.items()
+               if not (cfg.tie_embeddings and hf_name(k) == "lm_head.weight")}
+    save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    return out

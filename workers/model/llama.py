@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama 2/3 shapes): RMSNorm, rotary positions with Llama-3 frequency scaling,
+grouped-query attention and a SwiGLU feed-forward, tied or untied embeddings.
+
+Laid out like ``workers.model.gpt`` (layers in a ``ModuleDict`` keyed by global index, ends that may be
+``None`` on a pipeline stage, attention reshaping with ``-1`` heads), so the GPT's stage cut and blocks
+hooks apply unchanged and only the tensor-parallel plan is this family's (``llama_parallel``).
+
+Rotary convention: raymesh's Llama rotates the two *halves* of each head (Hugging Face's ``rotate_half``
+layout), not Meta's interleaved pairs. Hugging Face checkpoints are then read and written without
+permuting the q/k rows (``workers.model.hf_io``); a Meta-layout checkpoint would need the permutation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import ModelConfig
+from workers.model.gpt import GPT, RMSNorm
+from workers.model.registry import ModelFamily, register
+
+# ``model.preset``: published Llama shapes (the 8B/70B/405B ones are Llama 3.1's, for `raymesh plan`), and two
+# small ones that train here or on one GPU. A job's own fields override the preset's.
+_LLAMA3 = {"arch": "llama", "vocab_size": 128256, "n_kv_heads": 8, "rope_theta": 500000.0, "seq_len": 8192,
+           "norm_eps": 1e-5, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192}}
+PRESETS: dict[str, dict] = {
+    "llama-150m": {"arch": "llama", "vocab_size": 32000, "d_model": 768, "n_layers": 16, "n_heads": 12,
+                   "n_kv_heads": 4, "d_ff": 2048, "seq_len": 1024, "rope_theta": 10000.0},
+    "llama-1b": {**_LLAMA3, "d_model": 2048, "n_layers": 16, "n_heads": 32, "d_ff": 8192, "seq_len": 2048,
+                 "tie_embeddings": True, "rope_scaling": {**_LLAMA3["rope_scaling"], "factor": 32.0}},
+    "llama3-8b": {**_LLAMA3, "d_model": 4096, "n_layers": 32, "n_heads": 32, "multiple_of": 1024,
+                  "ffn_dim_multiplier": 1.3},
+    "llama3-70b": {**_LLAMA3, "d_model": 8192, "n_layers": 80, "n_heads": 64, "multiple_of": 4096,
+                   "ffn_dim_multiplier": 1.3},
+    "llama3-405b": {**_LLAMA3, "d_model": 16384, "n_layers": 126, "n_heads": 128, "multiple_of": 4096,
+                    "ffn_dim_multiplier": 1.2},
+}
+
+
+def rotary_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies of the head's channel pairs, Llama-3-scaled when ``cfg.rope_scaling`` is set.
+
+    Llama 3's rule: wavelengths beyond ``original_max_position_embeddings / low_freq_factor`` are slowed by
+    ``factor``, those below ``... / high_freq_factor`` kept, and the band between interpolated smoothly.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    old = rs.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old / rs.low_freq_factor, inv_freq / rs.factor, inv_freq)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    blended = (1 - smooth) * slowed / rs.factor + smooth * slowed
+    medium = (wavelen >= old / rs.high_freq_factor) & (wavelen <= old / rs.low_freq_factor)
+    return torch.where(medium, blended, slowed)
+
+
+def apply_rotary_halves(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [batch, seq, heads, head_dim] by position, channel i paired with i + head_dim/2.
+
+    Tables come from the sequence length on the fly (as in the GPT), so no stage or TP plan carries a buffer.
+    """
+    angles = torch.outer(torch.arange(x.shape[1], device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    xf = x.float()
+    first, second = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-second, first), dim=-1) * sin).type_as(x)
+
+
+class GroupedCausalCore(nn.Module):
+    """Parameter-free attention core with grouped K/V heads (selective recompute wraps just this)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class GroupedQueryAttention(nn.Module):
+    """Q with ``n_heads`` heads, K/V with ``n_kv_heads``; each K/V head serves n_heads / n_kv_heads query heads.
+    Heads are counted from the weights' local rows, so a TP shard sees only its own heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.cfg = cfg
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.core = GroupedCausalCore()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        inv_freq = rotary_frequencies(self.cfg, x.device)
+        q, k = apply_rotary_halves(q, inv_freq), apply_rotary_halves(k, inv_freq)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: w1 the gate, w3 the up projection, w2 the down projection (Meta's names)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = GroupedQueryAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(GPT):
+    """The Llama decoder. A ``GPT`` subclass for its forward (embed, blocks, norm, head: the same) and so the
+    GPT's stage cut applies; ``__init__`` builds Llama parts instead of calling ``GPT.__init__``."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings = None
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if not self.layers["0"].attention.wq.weight.is_meta:
+            self.init_weights()  # GPT's: every parameter from init_parameter, seeded by (seed, name)
+
+
+register(ModelFamily(
+    arch="llama",
+    config=ModelConfig,
+    build=Llama,
+    lora_targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"),
+    recompute_targets={"full": "", "selective": "attention.core"},
+    hooks={
+        "cut_stage": "workers.model.gpt_parallel:cut_stage",
+        "tensor_parallel": "workers.model.llama_parallel:apply_tensor_parallel",
+        "blocks": "workers.model.gpt_parallel:blocks",
+        "init_parameter": "workers.model.gpt:init_parameter",
+    },
+))

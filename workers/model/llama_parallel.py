@@ -1,0 +1,32 @@
+"""The Llama family's tensor-parallel plan (its stage cut and blocks are the GPT's: same layout of layers and ends).
+
+Megatron's split as for the GPT, with grouped K/V: wq, wk, wv and the SwiGLU's w1 (gate) and w3 (up) are
+column-parallel, wo and w2 (down) row-parallel. Column-splitting wk/wv hands each rank n_kv_heads / tp whole
+K/V heads next to its n_heads / tp query heads, so the query-to-K/V grouping stays local; that needs tp to
+divide n_kv_heads, which the job spec checks (``orchestrator.spec.cross_checks.check_tensor_split``) rather
+than replicating K/V heads.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from workers.model import gpt_parallel
+from workers.model.llama import Llama
+from workers.parallel.tensor_parallel import apply_plan
+
+
+def apply_tensor_parallel(stage: Llama, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``stage`` over ``tp_mesh`` in place: ends (the GPT's plan), then every block; re-tie a tied head."""
+    apply_plan(stage, tp_mesh, gpt_parallel.ends_plan(stage, sequence_parallel))
+    if stage.cfg.tie_embeddings and stage.tok_embeddings is not None and stage.output is not None:
+        # both shard the [vocab, d_model] weight by rows (Shard(0)), so one DTensor serves both again
+        stage.output.weight = stage.tok_embeddings.weight
+    for block in stage.layers.values():
+        apply_plan(block, tp_mesh, block_plan(sequence_parallel))
+
+
+def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The GPT's block plan plus the SwiGLU's up projection w3, column-parallel like the gate w1."""
+    return {**gpt_parallel.block_plan(sequence_parallel), "feed_forward.w3": ColwiseParallel()}
