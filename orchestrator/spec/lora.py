@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from orchestrator.errors import SpecError
+from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import ModelConfig, model_config
 from workers.model.registry import build_model, family
 
@@ -22,14 +23,14 @@ DEFAULT_TARGETS = list(family(ModelConfig.model_fields["arch"].default).lora_tar
 class LoraSpec(BaseModel):
     """Low-rank adapters on the Linear layers named by `targets`; everything else frozen."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     rank: Annotated[int, Field(gt=0)] = 8
     alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
     targets: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
-    base_checkpoint: str | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
+    base_checkpoint: PathStr | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
 
 
 def _linear_names(model):

@@ -5,15 +5,27 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import _divisors, _Section
+from orchestrator.spec.fields import STRICT, _divisors, _Section
 from orchestrator.spec.lora import LoraSpec
 from workers.model.config import ModelConfig
+
+MAX_LAYERS = 10_000
 
 
 class ModelSpec(ModelConfig, _Section):
     """Transformer shape (fields in ``workers.model.config.ModelConfig``) and its fine-tuning."""
 
+    model_config = STRICT  # ModelConfig's fields, validated as strictly as every other section's
+
     lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
+
+    @model_validator(mode="after")
+    def _check_depth(self) -> ModelSpec:
+        if self.n_layers > MAX_LAYERS:
+            raise SpecError("model.n_layers", self.n_layers, f"is above {MAX_LAYERS:,}: the deepest transformers "
+                            "trained have a few hundred layers, and the planner and the pipeline builder walk "
+                            "layers one by one", f"set model.n_layers to at most {MAX_LAYERS:,}")
+        return self
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:

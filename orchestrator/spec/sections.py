@@ -10,10 +10,13 @@ from pydantic import ConfigDict, Field, model_validator
 from orchestrator.errors import SpecError
 from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
-    Beta,
+    STRICT,
+    Betas,
+    PathStr,
     PipelineSchedule,
     PositiveFloat,
     PositiveInt,
+    Seed,
     _Section,
 )
 from workers.parallel.grid import Grid
@@ -23,8 +26,8 @@ from workers.parallel.schedules import Schedule, schedule
 class DataSpec(_Section):
     """Where the prepared token shards live (see `raymesh prepare-data`)."""
 
-    path: Annotated[str, Field(min_length=1)]
-    seed: int = 0
+    path: PathStr
+    seed: Seed = 0
 
 
 class ParallelSpec(_Section):
@@ -33,7 +36,7 @@ class ParallelSpec(_Section):
     dp: Annotated[int, Field(ge=1)] = 1
     pp: Annotated[int, Field(ge=1)] = 1
     tp: Annotated[int, Field(ge=1)] = 1
-    zero: Literal[0, 1, 2, 3] = 0
+    zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None
     sequence_parallel: bool = True
@@ -114,7 +117,7 @@ class OptimSpec(_Section):
     name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw"] = "adamw"
     lr: PositiveFloat = 3e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
-    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    betas: Betas = (0.9, 0.95)
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     grad_clip: Annotated[float, Field(ge=0)] = 1.0  # 0 disables clipping
     warmup_steps: Annotated[int, Field(ge=0)] = 0
@@ -134,7 +137,7 @@ class OffloadSpec(_Section):
     params: bool = False  # ZeRO-3 parameter shards live in the store between uses (needs optimizer offload)
     activations: bool = False  # saved activations go to the store in forward, come back for backward
     tier: Literal["cpu", "nvme"] = "cpu"
-    path: str | None = None  # directory for nvme files (required for tier nvme)
+    path: PathStr | None = None  # directory for nvme files (required for tier nvme)
     prefetch: Annotated[int, Field(ge=0)] = 1  # items fetched ahead of use
 
 
@@ -155,17 +158,17 @@ class TrainSpec(_Section):
     steps: PositiveInt = 100
     global_batch_size: PositiveInt = 16
     microbatches: PositiveInt = 1
-    seed: int = 0
+    seed: Seed = 0
     log_every: PositiveInt = 1
 
 
 class CheckpointSpec(_Section):
     """Checkpoint cadence; `every: 0` never checkpoints. YAML key `async` maps to `async_save`."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(STRICT, populate_by_name=True)
 
     every: Annotated[int, Field(ge=0)] = 0
-    dir: str | None = None
+    dir: PathStr | None = None
     async_save: bool = Field(default=False, alias="async")
     keep: Annotated[int, Field(ge=1)] = 3
     memory_every: Annotated[int, Field(ge=0)] = 10  # in-memory snapshot (+ replica on a peer) cadence; 0: off
@@ -221,14 +224,14 @@ class FaultSpec(_Section):
     factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
     every_s: Annotated[float, Field(gt=0)] | None = None  # instead of at_step: fire again every this many seconds
     jitter_s: Annotated[float, Field(ge=0)] = 0.0  # each gap is every_s plus uniform(-jitter_s, jitter_s)
-    seed: int = 0  # draws the gaps and random ranks of a repeating fault
+    seed: Seed = 0  # draws the gaps and random ranks of a repeating fault
 
 
 class MetricsSpec(_Section):
     """The controller's Prometheus endpoint and what the run records for reports."""
 
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
-    file_sd: str | None = None  # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
+    file_sd: PathStr | None = None  # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
     timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
     peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
 
