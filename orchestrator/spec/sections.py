@@ -231,7 +231,8 @@ class MetricsSpec(_Section):
     """The controller's Prometheus endpoint and what the run records for reports."""
 
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
-    file_sd: PathStr | None = None  # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
+    # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
+    file_sd: PathStr | None = None
     timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
     peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
 

@@ -161,9 +161,9 @@ def _duplicate_mutations(text: str) -> list[Mutation]:
             continue
         indent = line[: len(line) - len(line.lstrip())]
         if rest.strip():
-            dup = lines[: i + 1] + [f"{indent}{key}: null\n"] + lines[i + 1:]
+            dup = [*lines[: i + 1], f"{indent}{key}: null\n", *lines[i + 1:]]
         else:
-            dup = lines[:i] + [f"{indent}{key}: {{}}\n"] + lines[i:]
+            dup = [*lines[:i], f"{indent}{key}: {{}}\n", *lines[i:]]
         out.append(Mutation(f"duplicate {key} (line {i + 1})", "".join(dup).encode(), [], (key, f"{i + 2}"), True))
     return out
 
@@ -172,7 +172,7 @@ def _byte_mutations(text: str, rng: random.Random, count: int) -> list[Mutation]
     """Bytes that are not UTF-8 at seeded offsets, a binary file, UTF-16, and non-UTF-8 `--set` values."""
     data = text.encode()
     out = []
-    for i in range(count):
+    for _ in range(count):
         at = rng.randrange(len(data))
         bad = rng.choice([b"\xff", b"\xc3", b"\x80", b"\xfe\xfe", b"\xed\xa0\x80"])
         out.append(Mutation(f"non-UTF-8 {bad!r} at byte {at}", data[:at] + bad + data[at:], [], ("byte",), True))
@@ -220,7 +220,7 @@ def run_plan(path: Path, sets: list[str]) -> tuple[int | str, str]:
             rc = main(["plan", str(path), *(a for s in sets for a in ("--set", s))])
     except _Hang:
         return "hang", traceback.format_exc()
-    except BaseException:  # noqa: BLE001 - any escape is the finding
+    except BaseException:  # any escape is the finding
         return "traceback", traceback.format_exc()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
