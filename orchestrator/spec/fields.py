@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -19,6 +20,10 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Beta = Annotated[float, Field(ge=0, lt=1)]
+# a wait longer than this is refused by Python's own timers (threading.TIMEOUT_MAX, ~292 years on Linux)
+TIMEOUT_MAX = threading.TIMEOUT_MAX
+Seconds = Annotated[float, Field(gt=0, le=TIMEOUT_MAX)]
+MAX_SLOWDOWN = 1e4
 Seed = Annotated[int, Field(ge=0, lt=2**63)]  # numpy's generators take no negative seed, torch none past 64 bits
 
 

@@ -98,7 +98,8 @@ def _check_nf4(job, gpt, adapted: list[str]) -> None:
 
 
 def check_base_checkpoint(job) -> None:
-    """Fail before actors start when `model.lora.base_checkpoint` is not there (kept out of validation, like data)."""
+    """Refuse `model.lora.base_checkpoint` before actors start when it is not there or fails its checksums
+    (the manifest `--resume` checks; a `.pt` from `export-merged` carries one beside it)."""
     lora = job.model.lora
     if lora is None or lora.base_checkpoint is None:
         return
@@ -110,10 +111,25 @@ def check_base_checkpoint(job) -> None:
             "point it at one step directory of a full run, e.g. runs/<job>/checkpoints/step-00000100, "
             "or at a .pt file written by `raymesh export-merged`",
         )
+    verify_checkpoint("model.lora.base_checkpoint", p)
+
+
+def verify_checkpoint(field: str, path: Path) -> None:
+    """The checksum check `--resume` makes (orchestrator.checkpoints.checksums), as a SpecError naming the file."""
+    from orchestrator.checkpoints import checksums
+
+    why = checksums.file_problem(path) if path.is_file() else checksums.problem(path)
+    if why is not None:
+        raise SpecError(field, str(path), f"fails its checksum verification: {why}",
+                        "use an intact checkpoint (an earlier step directory, or export the .pt again)")
 
 
 def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
-    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`."""
+    """`raymesh export-merged`: fold a LoRA run's adapters (its latest checkpoint by default) into a `.pt`.
+
+    The checkpoint and the base are verified against their checksums first, and the `.pt` gets its own
+    manifest beside it, so a later `base_checkpoint` pointing at it is verified too."""
+    from orchestrator.checkpoints import checksums
     from orchestrator.checkpoints.directory import CheckpointDir
     from workers.model.finetune import export_merged
 
@@ -125,8 +141,11 @@ def export_merged_weights(job, checkpoint: str | None, out: str) -> Path:
     if path is None or not (path / ".metadata").is_file():
         raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to merge",
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
+    verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
-    return export_merged(job.worker_dict(), path, out)
+    merged = export_merged(job.worker_dict(), path, out)
+    checksums.write_file_manifest(merged)
+    return merged
 
 
 ROW_PARALLEL = ("wo", "w2")  # base Linears placed row-parallel (workers.model.gpt_parallel); others column

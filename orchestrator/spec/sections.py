@@ -10,12 +10,15 @@ from pydantic import ConfigDict, Field, model_validator
 from orchestrator.errors import SpecError
 from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
+    MAX_SLOWDOWN,
     STRICT,
+    TIMEOUT_MAX,
     Betas,
     PathStr,
     PipelineSchedule,
     PositiveFloat,
     PositiveInt,
+    Seconds,
     Seed,
     _Section,
 )
@@ -181,8 +184,8 @@ class CheckpointSpec(_Section):
 class FaultToleranceSpec(_Section):
     """How failures are detected and how many restarts a job may spend."""
 
-    heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # a step not answered by then: the rank hung
-    collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # survivors' collectives with a dead peer give up
+    heartbeat_timeout_s: Seconds = 120.0  # a step not answered by then: the rank hung
+    collective_timeout_s: Seconds = 60.0  # survivors' collectives with a dead peer give up
     max_restarts: Annotated[int, Field(ge=0)] = 3
     # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
     # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
@@ -190,9 +193,9 @@ class FaultToleranceSpec(_Section):
     straggler_ratio: Annotated[float, Field(gt=1)] = 1 / 0.7  # step time over the other ranks' median
     straggler_steps: Annotated[int, Field(ge=1)] = 3  # consecutive steps above the ratio before it is reported
     # elastic data parallelism: a replacement not started by then (its node is gone) shrinks dp instead
-    placement_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    placement_timeout_s: Seconds = 60.0
     min_dp: Annotated[int, Field(ge=1)] = 1  # never shrink below this many data-parallel replicas
-    grow_check_s: Annotated[float, Field(gt=0)] = 30.0  # below the requested dp, look for room this often
+    grow_check_s: Seconds = 30.0  # below the requested dp, look for room this often
 
 
 class ParameterServerSpec(_Section):
@@ -221,9 +224,10 @@ class FaultSpec(_Section):
     rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
     shard: Annotated[int, Field(ge=0)] = 0  # kill_ps_shard: which parameter-server shard dies
     at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step
-    factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
-    every_s: Annotated[float, Field(gt=0)] | None = None  # instead of at_step: fire again every this many seconds
-    jitter_s: Annotated[float, Field(ge=0)] = 0.0  # each gap is every_s plus uniform(-jitter_s, jitter_s)
+    # slow_rank: its steps take this many times as long (past MAX_SLOWDOWN the rank is hung: that is hang_rank)
+    factor: Annotated[float, Field(gt=1, le=MAX_SLOWDOWN)] = 3.0
+    every_s: Seconds | None = None  # instead of at_step: fire again every this many seconds
+    jitter_s: Annotated[float, Field(ge=0, le=TIMEOUT_MAX)] = 0.0  # each gap is every_s plus uniform(-jitter_s, jitter_s)
     seed: Seed = 0  # draws the gaps and random ranks of a repeating fault
 
 

@@ -184,13 +184,34 @@ def _byte_mutations(text: str, rng: random.Random, count: int) -> list[Mutation]
     return out
 
 
+def _filesystem_mutations(raw: dict, data: Path) -> list[Mutation]:
+    """Paths the job cannot use, found on disk before any actor starts (`fuzz` makes `foreign` and `empty`).
+
+    A data.path that does not exist is not among them: `plan` accepts it (data may live on the cluster only)."""
+    work = data.parent
+    foreign, empty = work / "foreign.txt", work / "empty"
+    cases = [
+        (("run_dir",), str(foreign), "run_dir"), (("checkpoint", "dir"), str(foreign), "checkpoint.dir"),
+        (("metrics", "file_sd"), str(foreign), "metrics.file_sd"), (("data", "path"), str(empty), "data.path"),
+        (("model", "seq_len"), 4096, "model.seq_len"), (("run_dir",), str(foreign / "run"), "run_dir"),
+    ]
+    out = [Mutation(f"{'.'.join(path)}=unusable", _dump(_set(raw, path, value)), [], (field,), True)
+           for path, value, field in cases]
+    nvme = _set(raw, ("memory", "offload"), {"tier": "nvme", "path": str(foreign)})
+    out.append(Mutation("memory.offload.path=a file", _dump(nvme), [], ("memory.offload.path",), True))
+    ps = _set(_set(raw, ("parallel", "dp_sync"), "ps"), ("optim", "name"), "sm3")
+    ps["faults"] = []
+    out.append(Mutation("ps with an optimizer the shards lack", _dump(ps), [], ("optim.name",), True))
+    return out
+
+
 def mutations(data: Path, run_dir: Path, seed: int = 13) -> list[Mutation]:
     """All mutations of the base job, in a fixed order for a seed."""
     rng = random.Random(seed)
     raw = base_job(data, run_dir)
     text = _dump(raw).decode()
     return (_value_mutations(raw, rng) + _structure_mutations(raw) + _duplicate_mutations(text)
-            + _byte_mutations(text, rng, 40))
+            + _byte_mutations(text, rng, 40) + _filesystem_mutations(raw, data))
 
 
 @dataclass
@@ -245,6 +266,8 @@ def fuzz(workdir: Path, seed: int = 13) -> list[Outcome]:
 
     src, data = workdir / "src.py", workdir / "data"
     src.write_text(TEXT)
+    (workdir / "foreign.txt").write_text("a file raymesh did not write\n")
+    (workdir / "empty").mkdir(exist_ok=True)
     if not (data / "manifest.json").exists():
         prepare_data([src], data)
     job = workdir / "job.yaml"

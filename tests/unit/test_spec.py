@@ -382,7 +382,10 @@ def test_check_data_path(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         check_data_path(spec)
     assert_actionable(info.value, "data.path", str(tmp_path), f"raymesh prepare-data --out {tmp_path}")
-    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "manifest.json").write_text("{}")  # not one prepare-data wrote: no token count
+    with pytest.raises(SpecError, match="manifest.json that is not readable"):
+        check_data_path(spec)
+    (tmp_path / "manifest.json").write_text('{"total_tokens": 100000}')
     check_data_path(spec)
 
 
