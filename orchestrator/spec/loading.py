@@ -97,14 +97,16 @@ def _yaml_error(exc: yaml.YAMLError, source: str) -> SpecError:
     )
 
 
-def parse_yaml(text: str, source: str) -> Any:
-    """YAML text -> Python values with `StrictLoader`; duplicate keys and syntax errors become `SpecError`s."""
+def parse_yaml(text: str, source: str, at: tuple[str, ...] = ()) -> Any:
+    """YAML text -> Python values with `StrictLoader`; duplicate keys and syntax errors become `SpecError`s.
+
+    `at` is where the text sits in the job (an override's key path), so a duplicate key is named in full."""
     loader = StrictLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        _check_duplicates(node, (), source, set())
+        _check_duplicates(node, at, source, set())
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, source) from None
@@ -141,7 +143,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
         raise SpecError(field, raw, "holds bytes that are not UTF-8 text (or a NUL byte)",
                         f"pass `{field}=<value>` as plain UTF-8 text", where=f"override `{field}`")
     try:
-        value = parse_yaml(raw, f"override `{field}`")
+        value = parse_yaml(raw, f"override `{field}`", parts)
     except SpecError as exc:
         if exc.field is not None:  # a duplicate key inside a flow mapping value
             raise
