@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
+from orchestrator.checkpoints import checksums
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
@@ -54,17 +56,18 @@ def check_data_path(spec: JobSpec) -> None:
     repeat windows (or, with fewer than seq_len + 1 tokens, have none)."""
     tokens = _manifest(spec)["total_tokens"]
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
-    if batch * seq + 1 > tokens:
-        fit = (tokens - 1) // batch
-        fixes = [f"set model.seq_len to at most {fit}"] if fit >= 1 else []
-        fixes += [f"lower train.global_batch_size to at most {max(1, (tokens - 1) // seq)}" if tokens > seq
-                  else "", f"prepare more data into {spec.data.path}"]
-        raise SpecError(
-            "model.seq_len", seq,
-            f"with train.global_batch_size={batch} needs {batch * seq + 1:,} tokens for one batch of distinct "
-            f"windows, but data.path {spec.data.path} holds {tokens:,}",
-            ", or ".join(f for f in fixes if f),
-        )
+    if batch * seq + 1 <= tokens:
+        return
+    fixes = [f"set model.seq_len to at most {(tokens - 1) // batch}"] if tokens > batch else []
+    if tokens > seq:
+        fixes.append(f"lower train.global_batch_size to at most {(tokens - 1) // seq}")
+    fixes.append(f"prepare more data into {spec.data.path}")
+    raise SpecError(
+        "model.seq_len", seq,
+        f"with train.global_batch_size={batch} needs {batch * seq + 1:,} tokens for one batch of distinct "
+        f"windows, but data.path {spec.data.path} holds {tokens:,}",
+        ", or ".join(fixes),
+    )
 
 
 def _writable_dir(field: str, path: Path) -> None:
@@ -88,11 +91,38 @@ def _raymesh_file_sd(path: Path) -> bool:
         isinstance(e, dict) and isinstance(e.get("labels"), dict) and "raymesh_job" in e["labels"] for e in entries)
 
 
+# what raymesh writes in a checkpoint step directory: DCP's files, its checksum manifest, temp files
+_STEP_ENTRY = re.compile(r"^step-\d{8}(\.corrupt)?$")
+_CHECKPOINT_FILE = re.compile(rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|.*\.tmp)$")
+
+
+def _foreign_checkpoint_entry(root: Path) -> Path | None:
+    """A file in a `step-N` entry of the checkpoint dir that raymesh did not write (a save or prune would
+    overwrite or delete it), or a `step-N` that is a file."""
+    if not root.is_dir():
+        return None
+    for entry in sorted(root.iterdir()):
+        if not _STEP_ENTRY.match(entry.name):
+            continue
+        if not entry.is_dir():
+            return entry
+        foreign = next((f for f in sorted(entry.rglob("*")) if not _CHECKPOINT_FILE.match(f.name)), None)
+        if foreign is not None:
+            return foreign
+    return None
+
+
 def check_outputs(spec: JobSpec) -> None:
     """Where the job writes: the run dir, checkpoints, the nvme offload dir and the metrics target file."""
     run_dir = spec.resolved_run_dir()
     _writable_dir("run_dir", run_dir)
-    _writable_dir("checkpoint.dir", spec.checkpoint.resolved_dir(run_dir))
+    ckpt = spec.checkpoint.resolved_dir(run_dir)
+    _writable_dir("checkpoint.dir", ckpt)
+    foreign = _foreign_checkpoint_entry(ckpt)
+    if foreign is not None:
+        raise SpecError("checkpoint.dir", str(ckpt), f"holds {foreign}, which raymesh did not write; a save or "
+                        "the retention of old checkpoints would overwrite or delete it",
+                        "point checkpoint.dir at a new directory, or move that file away")
     if spec.memory.offload.tier == "nvme" and spec.memory.offload.path:
         _writable_dir("memory.offload.path", Path(spec.memory.offload.path))
     if spec.metrics.port is None:

@@ -190,6 +190,20 @@ def test_metrics_file_sd_never_overwrites_a_file_raymesh_did_not_write(tmp_path,
         check_before_start(_spec(data_dir, metrics={"port": 0, "file_sd": str(ours)}))
 
 
+def test_checkpoint_dir_never_overwrites_files_raymesh_did_not_write(tmp_path, data_dir):
+    run = data_dir.parent / "run"
+    ours = _dcp_dir(run / "checkpoints" / "step-00000005")  # a raymesh save: passes
+    check_before_start(_spec(data_dir))
+    (ours / "notes.txt").write_text("mine")
+    with pytest.raises(SpecError) as info:
+        check_before_start(_spec(data_dir))
+    assert info.value.field == "checkpoint.dir" and "notes.txt, which raymesh did not write" in str(info.value)
+    (ours / "notes.txt").unlink()
+    (run / "checkpoints" / "step-00000010").write_text("a file where a save would go")
+    with pytest.raises(SpecError, match="step-00000010, which raymesh did not write"):
+        check_before_start(_spec(data_dir))
+
+
 def _dcp_dir(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"meta")
