@@ -252,3 +252,12 @@ def test_export_merged_refuses_a_corrupt_checkpoint_before_merging(tmp_path):
         export_merged_weights(_lora(tmp_path), None, str(tmp_path / "out.pt"))
     assert info.value.field == "checkpoint.dir" and ".metadata" in str(info.value)
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_pt_base_that_is_not_a_state_dict_is_named_by_the_rank_that_loads_it(tmp_path):
+    from workers.model.finetune import load_base
+
+    pt = tmp_path / "base.pt"
+    pt.write_bytes(b"not a zip archive" * 4)
+    with pytest.raises(ValueError, match=r"base_checkpoint '.*base.pt' cannot be read as a state dict"):
+        load_base(torch.nn.Linear(2, 2), pt)
