@@ -100,7 +100,7 @@ class JobSpec(_Section):
     @classmethod
     def _ints_fit_64_bits(cls, data: Any) -> Any:
         """No count, size or seed outlives a 64-bit integer (torch's, numpy's, the planner's arithmetic)."""
-        for path, value in _numbers(data, ()):
+        for path, value in _numbers(data, (), set()):
             if not -(2**63) <= value < 2**63:
                 field = ".".join(map(str, path))
                 raise SpecError(field, value, "does not fit in 64 bits, so no counter, size or seed can hold it",
@@ -114,13 +114,17 @@ class JobSpec(_Section):
         return self
 
 
-def _numbers(node: Any, path: tuple) -> Iterable[tuple[tuple, int]]:
-    """Every whole number in a raw job dict, with its key path."""
+def _numbers(node: Any, path: tuple, seen: set[int]) -> Iterable[tuple[tuple, int]]:
+    """Every whole number in a raw job dict, with its key path; a container YAML aliases twice is walked once."""
+    if isinstance(node, (dict, list)):
+        if id(node) in seen:
+            return
+        seen.add(id(node))
     if isinstance(node, dict):
         for key, value in node.items():
-            yield from _numbers(value, (*path, key))
+            yield from _numbers(value, (*path, key), seen)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            yield from _numbers(value, (*path, i))
+            yield from _numbers(value, (*path, i), seen)
     elif isinstance(node, int) and not isinstance(node, bool):
         yield path, node

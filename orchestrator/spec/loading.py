@@ -73,6 +73,19 @@ def _check_duplicates(node: yaml.Node, path: tuple[str, ...], source: str, seen:
             _check_duplicates(item, (*path, str(i)), source, seen)
 
 
+MAX_VALUES = 100_000  # a job file holds a few hundred values; aliases can make a small file expand past any memory
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """How many values the document holds once aliases are expanded, counted in time linear in the file."""
+    if id(node) not in memo:
+        memo[id(node)] = 0  # a recursive alias counts once
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])
+        memo[id(node)] = 1 + sum(_expanded_size(child, memo) for child in children)
+    return memo[id(node)]
+
+
 def _decode(data: bytes, source: str) -> str:
     """The file's text; bytes that are not UTF-8 are refused with their offset and line, not a traceback."""
     try:
@@ -107,6 +120,10 @@ def parse_yaml(text: str, source: str, at: tuple[str, ...] = ()) -> Any:
         if node is None:
             return None
         _check_duplicates(node, at, source, set())
+        size = _expanded_size(node, {})
+        if size > MAX_VALUES:
+            raise SpecError(None, source, f"expands to {size:,} values through YAML aliases (*name)",
+                            f"write the job without nested aliases; a job file holds far fewer than {MAX_VALUES:,}")
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, source) from None

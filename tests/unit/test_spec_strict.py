@@ -261,3 +261,15 @@ def test_a_pt_base_that_is_not_a_state_dict_is_named_by_the_rank_that_loads_it(t
     pt.write_bytes(b"not a zip archive" * 4)
     with pytest.raises(ValueError, match=r"base_checkpoint '.*base.pt' cannot be read as a state dict"):
         load_base(torch.nn.Linear(2, 2), pt)
+
+
+def test_an_alias_bomb_is_refused_before_it_expands(tmp_path):
+    lines = ["data: {path: d}", "x0: &x0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 10)}]" for i in range(1, 9)]  # 10**9 values
+    err = refused(tmp_path, "\n".join(lines) + "\n")
+    assert "through YAML aliases" in str(err) and err.field is None
+
+
+@pytest.mark.parametrize("line, field", [("x: &a [*a]", "x"), ("faults: &a [*a]", "faults[0]")])
+def test_a_recursive_alias_is_refused_by_name(tmp_path, line, field):
+    assert refused(tmp_path, f"data: {{path: d}}\n{line}\n").field == field
