@@ -127,6 +127,9 @@ def parse_yaml(text: str, source: str, at: tuple[str, ...] = ()) -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, source) from None
+    except RecursionError:  # PyYAML's composer, and these walks, recurse once per level of nesting
+        raise SpecError(None, source, "nests lists or mappings too deep to read",
+                        "a job file nests sections a few levels deep; remove the runaway brackets") from None
     finally:
         loader.dispose()
 

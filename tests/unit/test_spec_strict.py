@@ -270,6 +270,11 @@ def test_an_alias_bomb_is_refused_before_it_expands(tmp_path):
     assert "through YAML aliases" in str(err) and err.field is None
 
 
+def test_runaway_nesting_is_refused_without_a_traceback(tmp_path):
+    err = refused(tmp_path, "data: {path: d}\nx: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert "too deep" in str(err)
+
+
 @pytest.mark.parametrize("line, field", [("x: &a [*a]", "x"), ("faults: &a [*a]", "faults[0]")])
 def test_a_recursive_alias_is_refused_by_name(tmp_path, line, field):
     assert refused(tmp_path, f"data: {{path: d}}\n{line}\n").field == field
