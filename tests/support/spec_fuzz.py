@@ -264,6 +264,7 @@ def fuzz(workdir: Path, seed: int = 13) -> list[Outcome]:
     """Prepare a tiny corpus under `workdir`, then judge every mutation."""
     from workers.data import prepare_data
 
+    workdir.mkdir(parents=True, exist_ok=True)
     src, data = workdir / "src.py", workdir / "data"
     src.write_text(TEXT)
     (workdir / "foreign.txt").write_text("a file raymesh did not write\n")
