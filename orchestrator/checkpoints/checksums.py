@@ -32,14 +32,60 @@ def _files(ckpt: Path) -> list[Path]:
     return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"))
 
 
-def write_manifest(ckpt: str | Path) -> Path:
-    """Record size and CRC-32 of every file of a completed save; the rename makes it all-or-nothing."""
-    ckpt = Path(ckpt)
-    files = {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in _files(ckpt)}
-    tmp = ckpt / f"{MANIFEST}.tmp"
+def _entry(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _write(manifest: Path, files: dict) -> Path:
+    """The rename makes a manifest all-or-nothing."""
+    tmp = manifest.with_name(manifest.name + ".tmp")
     tmp.write_text(json.dumps({"files": files}, indent=1))
-    os.replace(tmp, ckpt / MANIFEST)
-    return ckpt / MANIFEST
+    os.replace(tmp, manifest)
+    return manifest
+
+
+def write_manifest(ckpt: str | Path) -> Path:
+    """Record size and CRC-32 of every file of a completed save."""
+    ckpt = Path(ckpt)
+    return _write(ckpt / MANIFEST, {str(p.relative_to(ckpt)): _entry(p) for p in _files(ckpt)})
+
+
+def sidecar(path: str | Path) -> Path:
+    """The manifest of a single-file checkpoint (an `export-merged` .pt): `<file>.raymesh-manifest.json`."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.{MANIFEST}")
+
+
+def write_file_manifest(path: str | Path) -> Path:
+    """Record size and CRC-32 of one finished file beside it."""
+    path = Path(path)
+    return _write(sidecar(path), {path.name: _entry(path)})
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why the single-file checkpoint at ``path`` must not be loaded; None when it matches its sidecar manifest
+    (or has none: a .pt raymesh did not write, which only loading can judge)."""
+    path = Path(path)
+    try:
+        files = json.loads(sidecar(path).read_text())["files"]
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError):
+        return f"{sidecar(path).name} is not readable"
+    return _mismatch(path.parent, files)
+
+
+def _mismatch(root: Path, files: dict) -> str | None:
+    """The first file under ``root`` that no longer matches its manifest entry."""
+    for name, expected in files.items():
+        path = root / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if _crc32(path) != expected["crc32"]:
+            return f"{name} fails its CRC-32 check"
+    return None
 
 
 def problem(ckpt: str | Path) -> str | None:
@@ -53,12 +99,4 @@ def problem(ckpt: str | Path) -> str | None:
         return f"{MANIFEST} is not readable"
     if ".metadata" not in files:
         return "the manifest lists no .metadata (the save did not complete)"
-    for name, expected in files.items():
-        path = ckpt / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != expected["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _crc32(path) != expected["crc32"]:
-            return f"{name} fails its CRC-32 check"
-    return None
+    return _mismatch(ckpt, files)

@@ -27,9 +27,10 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from orchestrator.planning.estimate import render
     from orchestrator.planning.memory_report import fit_problems
-    from orchestrator.spec import load_spec
+    from orchestrator.spec import check_before_start, load_spec
 
     spec = load_spec(args.job, args.set)
+    check_before_start(spec, data_required=False)  # what `run` would refuse before its actors start
     if args.nodes is None and args.gpus_per_node is None and args.gpu_mem is None:
         print(render(spec))
         for problem in fit_problems(spec):

@@ -72,12 +72,10 @@ class RayRuntime:
     def preflight(self, spec: JobSpec) -> None:
         from orchestrator.planning.disk_check import check_offload_space
         from orchestrator.planning.memory_report import warn_if_too_big
-        from orchestrator.spec import check_data_path
-        from orchestrator.spec.lora import check_base_checkpoint
+        from orchestrator.spec import check_before_start
 
-        check_data_path(spec)
+        check_before_start(spec)
         check_offload_space(spec)
-        check_base_checkpoint(spec)
         warn_if_too_big(spec)
 
     def connect(self, address: str | None, needed_cpus: float) -> None:

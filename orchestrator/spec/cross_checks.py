@@ -5,12 +5,13 @@ them all, in `CROSS_FIELD_CHECKS` order, after every section validated on its ow
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from orchestrator.errors import SpecError
 from orchestrator.faults.soak import check_repetition
 from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
+from orchestrator.spec.sections import ParameterServerSpec
 
 if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec
@@ -38,6 +39,11 @@ def check_parameter_server(job: JobSpec) -> None:
     for field, value, bad, why, fix in unsupported:
         if bad:
             raise SpecError(field, value, f"is not supported with parallel.dp_sync: ps ({why})", fix)
+    shard_optimizers = get_args(get_args(ParameterServerSpec.model_fields["optimizer"].annotation)[0])
+    if ps.optimizer is None and job.optim.name not in shard_optimizers:
+        raise SpecError("optim.name", job.optim.name, "has no parameter-server version (parameter_server.optimizer "
+                        f"is unset, so the shards would run optim.name; they run {', '.join(shard_optimizers)})",
+                        "set parameter_server.optimizer to one of those, or use parallel.dp_sync: allreduce")
     if ps.optimizer == "momentum" and job.optim.momentum == 0:
         raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
                         "set optim.momentum (e.g. 0.9), or optimizer: sgd")

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from orchestrator.errors import SpecError
 from orchestrator.spec.cross_checks import CROSS_FIELD_CHECKS
-from orchestrator.spec.fields import _SECTIONS, _Section
+from orchestrator.spec.fields import _SECTIONS, NAME_MAX, PathStr, _Section
 from orchestrator.spec.messages import to_spec_error
 from orchestrator.spec.model import ModelSpec
 from orchestrator.spec.sections import (
@@ -32,8 +32,10 @@ from orchestrator.spec.sections import (
 class JobSpec(_Section):
     """A whole job file. Build it with `from_dict` or `load_spec` to get `SpecError`s."""
 
-    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")] = "raymesh-job"
-    run_dir: str | None = None
+    # a directory name (runs/<name>) and a file name (<name>.json), so at most NAME_MAX less the suffix
+    name: Annotated[str, Field(min_length=1, max_length=NAME_MAX - len(".json"), pattern=r"^[A-Za-z0-9._-]+$")] = (
+        "raymesh-job")
+    run_dir: PathStr | None = None
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
@@ -105,8 +107,35 @@ class JobSpec(_Section):
             return {k: ({} if v is None and k in _SECTIONS else v) for k, v in data.items()}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _ints_fit_64_bits(cls, data: Any) -> Any:
+        """No count, size or seed outlives a 64-bit integer (torch's, numpy's, the planner's arithmetic)."""
+        for path, value in _numbers(data, (), set()):
+            if not -(2**63) <= value < 2**63:
+                field = ".".join(map(str, path))
+                raise SpecError(field, value, "does not fit in 64 bits, so no counter, size or seed can hold it",
+                                f"set `{field}` to a realistic value (the default is usually right)")
+        return data
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> JobSpec:
         for check in CROSS_FIELD_CHECKS:
             check(self)
         return self
+
+
+def _numbers(node: Any, path: tuple, seen: set[int]) -> Iterable[tuple[tuple, int]]:
+    """Every whole number in a raw job dict, with its key path; a container YAML aliases twice is walked once."""
+    if isinstance(node, (dict, list)):
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _numbers(value, (*path, key), seen)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _numbers(value, (*path, i), seen)
+    elif isinstance(node, int) and not isinstance(node, bool):
+        yield path, node

@@ -19,14 +19,119 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from orchestrator.errors import SpecError
+from orchestrator.errors import NO_VALUE, SpecError
 from orchestrator.spec.job import JobSpec
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, plus YAML 1.2's exponent floats (`1e-3` is a number, not the string "1e-3").
+
+    PyYAML follows YAML 1.1, which wants a dot in a float; with strict number fields a user's `lr: 1e-3` would
+    otherwise be refused as a string. Duplicate keys are caught on the composed node tree (`_check_duplicates`),
+    where the whole key path is known.
+    """
+
+
+EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")  # 1e-3, 2E5, 1.5e3
+
+
+def add_exponent_floats(cls: type) -> None:
+    """Teach a PyYAML loader (or dumper, so it quotes such strings) that `1e-3` is a float, on its own copy."""
+    cls.yaml_implicit_resolvers = {k: list(v) for k, v in cls.yaml_implicit_resolvers.items()}
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+0123456789"))
+
+
+add_exponent_floats(StrictLoader)
+
+
+def _check_duplicates(node: yaml.Node, path: tuple[str, ...], source: str, seen: set[int]) -> None:
+    """Refuse a key written twice in one mapping (PyYAML keeps the last silently), naming the key and both lines."""
+    if id(node) in seen:  # an alias to a node already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[Any, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            if name is not None and name != "<<":
+                line = key.start_mark.line + 1
+                if name in first:
+                    field = ".".join((*path, str(name)))
+                    raise SpecError(field, NO_VALUE, f"is written twice in {source} (lines {first[name]} and {line}); "
+                                    "YAML would silently keep the last", f"keep one `{name}:` and delete the other")
+                first[name] = line
+            _check_duplicates(value, (*path, str(name)), source, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicates(item, (*path, str(i)), source, seen)
+
+
+MAX_VALUES = 100_000  # a job file holds a few hundred values; aliases can make a small file expand past any memory
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """How many values the document holds once aliases are expanded, counted in time linear in the file."""
+    if id(node) not in memo:
+        memo[id(node)] = 0  # a recursive alias counts once
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])
+        memo[id(node)] = 1 + sum(_expanded_size(child, memo) for child in children)
+    return memo[id(node)]
+
+
+def _decode(data: bytes, source: str) -> str:
+    """The file's text; bytes that are not UTF-8 are refused with their offset and line, not a traceback."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        byte = data[exc.start:exc.start + 1]
+        raise SpecError(None, source, f"is not UTF-8 text: byte {exc.start} (line {line}) is {byte!r}",
+                        "save the job file as UTF-8 text (a job file is YAML, not a binary file)") from None
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str) -> SpecError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    reason = getattr(exc, "problem", None) or str(exc)
+    line_fix = f" near line {mark.line + 1}" if mark else ""
+    return SpecError(
+        None,
+        source,
+        f"is not valid YAML{where}: {reason}",
+        f"correct the YAML{line_fix}: check indentation, and that each `key: value` has a space after the colon",
+    )
+
+
+def parse_yaml(text: str, source: str, at: tuple[str, ...] = ()) -> Any:
+    """YAML text -> Python values with `StrictLoader`; duplicate keys and syntax errors become `SpecError`s.
+
+    `at` is where the text sits in the job (an override's key path), so a duplicate key is named in full."""
+    loader = StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicates(node, at, source, set())
+        size = _expanded_size(node, {})
+        if size > MAX_VALUES:
+            raise SpecError(None, source, f"expands to {size:,} values through YAML aliases (*name)",
+                            f"write the job without nested aliases; a job file holds far fewer than {MAX_VALUES:,}")
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
+    except RecursionError:  # PyYAML's composer, and these walks, recurse once per level of nesting
+        raise SpecError(None, source, "nests lists or mappings too deep to read",
+                        "a job file nests sections a few levels deep; remove the runaway brackets") from None
+    finally:
+        loader.dispose()
 
 
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
@@ -53,12 +158,17 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
             "name the field as dotted keys, e.g. `train.steps=10`",
             where="override",
         )
+    field = ".".join(parts)
+    if any("\udc80" <= c <= "\udcff" or c == "\x00" for c in text):  # argv bytes that were not UTF-8
+        raise SpecError(field, raw, "holds bytes that are not UTF-8 text (or a NUL byte)",
+                        f"pass `{field}=<value>` as plain UTF-8 text", where=f"override `{field}`")
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        raise SpecError(
-            ".".join(parts), raw, "is not a valid YAML value", "quote the value, e.g. `name='my job'`", where="override"
-        ) from None
+        value = parse_yaml(raw, f"override `{field}`", parts)
+    except SpecError as exc:
+        if exc.field is not None:  # a duplicate key inside a flow mapping value
+            raise
+        raise SpecError(field, raw, "is not a valid YAML value", "quote the value, e.g. `name='my job'`",
+                        where=f"override `{field}`") from None
     return parts, value
 
 
@@ -105,7 +215,7 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        data = p.read_bytes()
     except FileNotFoundError:
         raise SpecError(
             None,
@@ -116,19 +226,7 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     except OSError as exc:
         problem = f"cannot be read ({exc.strerror})"
         raise SpecError(None, str(path), problem, "pass the path of a readable YAML file") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        reason = getattr(exc, "problem", None) or str(exc)
-        line_fix = f" near line {mark.line + 1}" if mark else ""
-        raise SpecError(
-            None,
-            str(path),
-            f"is not valid YAML{where}: {reason}",
-            f"correct the YAML{line_fix}: check indentation, and that each `key: value` has a space after the colon",
-        ) from None
+    raw = parse_yaml(_decode(data, str(path)), str(path))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from orchestrator.errors import SpecError
+from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import model_config
 from workers.model.registry import build_model, family
 
@@ -25,7 +26,7 @@ def default_targets(arch: str) -> list[str]:
 class LoraSpec(BaseModel):
     """Low-rank adapters on the Linear layers named by `targets`; everything else frozen."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     rank: Annotated[int, Field(gt=0)] = 8
     alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
@@ -33,7 +34,7 @@ class LoraSpec(BaseModel):
     targets: Annotated[list[str], Field(min_length=1)] | None = None
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
-    base_checkpoint: str | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
+    base_checkpoint: PathStr | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
 
 
 def _linear_names(model):
@@ -102,7 +103,8 @@ def _check_nf4(job, gpt, adapted: list[str]) -> None:
 
 
 def check_base_checkpoint(job) -> None:
-    """Fail before actors start when `model.lora.base_checkpoint` is not there (kept out of validation, like data)."""
+    """Refuse `model.lora.base_checkpoint` before actors start when it is not there or fails its checksums
+    (the manifest `--resume` checks; a `.pt` from `export-merged` carries one beside it)."""
     lora = job.model.lora
     if lora is None or lora.base_checkpoint is None:
         return
@@ -114,6 +116,17 @@ def check_base_checkpoint(job) -> None:
             "point it at one step directory of a full run, e.g. runs/<job>/checkpoints/step-00000100, "
             "or at a .pt file written by `raymesh export-merged`",
         )
+    verify_checkpoint("model.lora.base_checkpoint", p)
+
+
+def verify_checkpoint(field: str, path: Path) -> None:
+    """The checksum check `--resume` makes (orchestrator.checkpoints.checksums), as a SpecError naming the file."""
+    from orchestrator.checkpoints import checksums
+
+    why = checksums.file_problem(path) if path.is_file() else checksums.problem(path)
+    if why is not None:
+        raise SpecError(field, str(path), f"fails its checksum verification: {why}",
+                        "use an intact checkpoint (an earlier step directory, or export the .pt again)")
 
 
 def export_merged_weights(job, checkpoint: str | None, out: str, fmt: str = "pt") -> Path:
@@ -132,6 +145,9 @@ def export_hf_weights(job, checkpoint: str | None, out: str) -> Path:
 
 
 def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
+    """Both exports. The checkpoint and the base are verified against their checksums first, and a `.pt`
+    gets its own manifest beside it, so a later `base_checkpoint` pointing at it is verified too."""
+    from orchestrator.checkpoints import checksums
     from orchestrator.checkpoints.directory import CheckpointDir
     from workers.model.finetune import export_merged
 
@@ -143,8 +159,12 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     if path is None or not (path / ".metadata").is_file():
         raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to export",
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
+    verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
-    return export_merged(job.worker_dict(), path, out, fmt)
+    exported = export_merged(job.worker_dict(), path, out, fmt)
+    if fmt == "pt":
+        checksums.write_file_manifest(exported)
+    return exported
 
 
 # per family, the base Linears its TP plan places row-parallel (workers.model.gpt_parallel, llama_parallel);

@@ -21,6 +21,7 @@ _EXPECTED = {
     "int_parsing": "a whole number",
     "int_from_float": "a whole number",
     "float_type": "a number",
+    "finite_number": "a finite number (not .inf or .nan)",
     "float_parsing": "a number",
     "bool_type": "true or false",
     "bool_parsing": "true or false",
@@ -140,11 +141,27 @@ def to_spec_error(exc: ValidationError) -> SpecError:
     elif kind in _BOUNDS:
         op, key = _BOUNDS[kind]
         expected = f"a number {op} {ctx[key]}"
+    elif kind == "value_error":  # a field's own validator (fields._os_path): its message is the problem
+        problem = first["msg"].removeprefix("Value error, ")
+        fix = f"set `{field}` to a shorter path of plain characters"
+        return SpecError(field, first.get("input"), problem, fix, more=more)
     else:
         expected = _EXPECTED.get(kind) or first["msg"].removeprefix("Input should be ")
+        if kind in ("int_type", "float_type") and _looks_numeric(first.get("input")):
+            expected += ", written without quotes (a quoted number is a string)"
+        if kind in ("int_type", "float_type") and isinstance(first.get("input"), bool):
+            expected += " (true/false are not numbers)"
     msg = first["msg"]
     problem = "is not a section" if kind == "model_type" else f"is not valid ({msg[0].lower()}{msg[1:]})"
     return SpecError(field, first.get("input"), problem, f"set `{field}` to {expected}{_default_hint(info)}", more=more)
+
+
+def _looks_numeric(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(value, str)
 
 
 def _default_hint(info: FieldInfo | None) -> str:

@@ -12,19 +12,23 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import _divisors, _Section
+from orchestrator.spec.fields import STRICT, PathStr, _divisors, _Section
 from orchestrator.spec.lora import LoraSpec, default_targets
 from workers.model.config import LLAMA_ONLY, ModelConfig
 from workers.model.llama import PRESETS
 
 Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
+MAX_LAYERS = 10_000
+
 
 class ModelSpec(ModelConfig, _Section):
     """Transformer shape (fields in ``workers.model.config.ModelConfig``) and its fine-tuning."""
 
+    model_config = STRICT  # ModelConfig's fields, validated as strictly as every other section's
+
     preset: Preset | None = None  # a named shape (llama-150m, llama-1b, llama3-8b/70b/405b); own fields override
-    init_from: str | None = None  # a Hugging Face Llama directory: shape from config.json, weights loaded at start
+    init_from: PathStr | None = None  # a Hugging Face Llama directory: shape from config.json, weights loaded at start
     lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
 
     @model_validator(mode="before")
@@ -42,6 +46,14 @@ class ModelSpec(ModelConfig, _Section):
         if isinstance(preset, str) and preset in PRESETS:
             data = {**PRESETS[preset], **data}
         return data
+
+    @model_validator(mode="after")
+    def _check_depth(self) -> ModelSpec:
+        if self.n_layers > MAX_LAYERS:
+            raise SpecError("model.n_layers", self.n_layers, f"is above {MAX_LAYERS:,}: the deepest transformers "
+                            "trained have a few hundred layers, and the planner and the pipeline builder walk "
+                            "layers one by one", f"set model.n_layers to at most {MAX_LAYERS:,}")
+        return self
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:

@@ -1,16 +1,35 @@
-"""Checks that need the data directory or the cluster, run just before any actor starts."""
+"""Checks that need the data directory, the filesystem or the cluster, run before any actor starts.
+
+`check_before_start` runs every filesystem precondition (data prepared and big enough, output paths writable and
+not someone else's files, the offload directory, a base checkpoint's checksums) from the driver, so a job that
+cannot run fails in seconds with a `SpecError` instead of inside a rank after placement. `raymesh plan` runs the
+same checks, except that it tolerates a data directory that is not on this machine (planning happens anywhere).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
+from orchestrator.checkpoints import checksums
 from orchestrator.errors import SpecError
+from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
+from orchestrator.spec.lora import check_base_checkpoint
 
 
-def check_data_path(spec: JobSpec) -> None:
-    """Fail early when `data.path` has not been prepared; kept out of validation because data may live elsewhere."""
+def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
+    """Every filesystem precondition of the job; `data_required=False` (plan) skips data that is not here."""
+    if data_required or Path(spec.data.path).exists():
+        check_data_path(spec)
+    check_outputs(spec)
+    check_base_checkpoint(spec)
+
+
+def _manifest(spec: JobSpec) -> dict:
+    """`data.path`'s manifest.json, refused with the fix when missing or not one `prepare-data` wrote."""
     manifest = Path(spec.data.path) / "manifest.json"
     if not manifest.is_file():
         raise SpecError(
@@ -19,7 +38,38 @@ def check_data_path(spec: JobSpec) -> None:
             f"has no prepared data ({manifest} is missing)",
             f"run `raymesh prepare-data --out {spec.data.path}`, or point data.path at a prepared directory",
         )
-    check_data_vocab(spec, json.loads(manifest.read_text()))
+    try:
+        data = json.loads(manifest.read_bytes())
+        if not isinstance(data, dict) or not isinstance(data.get("total_tokens"), int):
+            raise ValueError("no total_tokens")
+    except (OSError, ValueError) as exc:
+        raise SpecError("data.path", spec.data.path, f"has a manifest.json that is not readable ({exc})",
+                        f"prepare the data again with `raymesh prepare-data --out {spec.data.path}`") from None
+    return data
+
+
+def check_data_path(spec: JobSpec) -> None:
+    """The data is prepared, and holds at least one batch of distinct `seq_len + 1` token windows.
+
+    The loader cuts the token stream into windows of seq_len + 1 tokens that share one boundary token, so one
+    step's global_batch_size windows need global_batch_size * seq_len + 1 tokens; with fewer, one batch would
+    repeat windows (or, with fewer than seq_len + 1 tokens, have none)."""
+    manifest = _manifest(spec)
+    check_data_vocab(spec, manifest)
+    tokens = manifest["total_tokens"]
+    seq, batch = spec.model.seq_len, spec.train.global_batch_size
+    if batch * seq + 1 <= tokens:
+        return
+    fixes = [f"set model.seq_len to at most {(tokens - 1) // batch}"] if tokens > batch else []
+    if tokens > seq:
+        fixes.append(f"lower train.global_batch_size to at most {(tokens - 1) // seq}")
+    fixes.append(f"prepare more data into {spec.data.path}")
+    raise SpecError(
+        "model.seq_len", seq,
+        f"with train.global_batch_size={batch} needs {batch * seq + 1:,} tokens for one batch of distinct "
+        f"windows, but data.path {spec.data.path} holds {tokens:,}",
+        ", or ".join(fixes),
+    )
 
 
 def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
@@ -36,6 +86,75 @@ def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
         f"set model.vocab_size: {data_vocab} (it is padded to {-(-data_vocab // tp) * tp}, a multiple of "
         f"parallel.tp={tp}, internally), or prepare the data with a smaller tokenizer",
     )
+
+
+def _writable_dir(field: str, path: Path) -> None:
+    """`path` is a directory raymesh can write in, or can be created under its nearest existing parent."""
+    if path.exists() and not path.is_dir():
+        raise SpecError(field, str(path), "is a file, not a directory", f"point {field} at a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == path else f"its parent {existing}"
+        raise SpecError(field, str(path), f"cannot be written: {where} is not a writable directory",
+                        f"point {field} at a directory you can write, or fix its permissions")
+
+
+def _raymesh_file_sd(path: Path) -> bool:
+    """Whether `path` is a Prometheus target file raymesh wrote (observability.prometheus): [] or its entries."""
+    try:
+        entries = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("labels"), dict) and "raymesh_job" in e["labels"] for e in entries)
+
+
+# what raymesh writes in a checkpoint step directory: DCP's files, its checksum manifest, temp files
+_STEP_ENTRY = re.compile(r"^step-\d{8}(\.corrupt)?$")
+_CHECKPOINT_FILE = re.compile(rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|.*\.tmp)$")
+
+
+def _foreign_checkpoint_entry(root: Path) -> Path | None:
+    """A file in a `step-N` entry of the checkpoint dir that raymesh did not write (a save or prune would
+    overwrite or delete it), or a `step-N` that is a file."""
+    if not root.is_dir():
+        return None
+    for entry in sorted(root.iterdir()):
+        if not _STEP_ENTRY.match(entry.name):
+            continue
+        if not entry.is_dir():
+            return entry
+        foreign = next((f for f in sorted(entry.rglob("*")) if not _CHECKPOINT_FILE.match(f.name)), None)
+        if foreign is not None:
+            return foreign
+    return None
+
+
+def check_outputs(spec: JobSpec) -> None:
+    """Where the job writes: the run dir, checkpoints, the nvme offload dir and the metrics target file."""
+    run_dir = spec.resolved_run_dir()
+    _writable_dir("run_dir", run_dir)
+    ckpt = spec.checkpoint.resolved_dir(run_dir)
+    _writable_dir("checkpoint.dir", ckpt)
+    foreign = _foreign_checkpoint_entry(ckpt)
+    if foreign is not None:
+        raise SpecError("checkpoint.dir", str(ckpt), f"holds {foreign}, which raymesh did not write; a save or "
+                        "the retention of old checkpoints would overwrite or delete it",
+                        "point checkpoint.dir at a new directory, or move that file away")
+    if spec.memory.offload.tier == "nvme" and spec.memory.offload.path:
+        _writable_dir("memory.offload.path", Path(spec.memory.offload.path))
+    if spec.metrics.port is None:
+        return
+    target = spec.metrics.resolved_file_sd(run_dir)
+    field = "metrics.file_sd"
+    if target.is_dir() or (target.exists() and not _raymesh_file_sd(target)):
+        raise SpecError(field, str(target), "is a file raymesh did not write (not a raymesh Prometheus target "
+                        "list), and the job would overwrite it",
+                        "point metrics.file_sd at a new file, e.g. runs/prometheus_targets/<job>.json")
+    _writable_dir(field, target.parent)
+    if len(os.fsencode(target.name)) > NAME_MAX:
+        raise SpecError(field, str(target), "has a file name over the OS limit NAME_MAX",
+                        "set metrics.file_sd to a shorter path, or shorten the run_dir's last name")
 
 
 def check_resources(spec: JobSpec, available_cpus: float, available_gpus: float, device: str) -> None:

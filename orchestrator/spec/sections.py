@@ -10,10 +10,16 @@ from pydantic import ConfigDict, Field, model_validator
 from orchestrator.errors import SpecError
 from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
-    Beta,
+    MAX_SLOWDOWN,
+    STRICT,
+    TIMEOUT_MAX,
+    Betas,
+    PathStr,
     PipelineSchedule,
     PositiveFloat,
     PositiveInt,
+    Seconds,
+    Seed,
     _Section,
 )
 from workers.parallel.grid import Grid
@@ -23,8 +29,8 @@ from workers.parallel.schedules import Schedule, schedule
 class DataSpec(_Section):
     """Where the prepared token shards live (see `raymesh prepare-data`)."""
 
-    path: Annotated[str, Field(min_length=1)]
-    seed: int = 0
+    path: PathStr
+    seed: Seed = 0
 
 
 class ParallelSpec(_Section):
@@ -33,7 +39,7 @@ class ParallelSpec(_Section):
     dp: Annotated[int, Field(ge=1)] = 1
     pp: Annotated[int, Field(ge=1)] = 1
     tp: Annotated[int, Field(ge=1)] = 1
-    zero: Literal[0, 1, 2, 3] = 0
+    zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None
     sequence_parallel: bool = True
@@ -114,7 +120,7 @@ class OptimSpec(_Section):
     name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw"] = "adamw"
     lr: PositiveFloat = 3e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
-    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    betas: Betas = (0.9, 0.95)
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     grad_clip: Annotated[float, Field(ge=0)] = 1.0  # 0 disables clipping
     warmup_steps: Annotated[int, Field(ge=0)] = 0
@@ -134,7 +140,7 @@ class OffloadSpec(_Section):
     params: bool = False  # ZeRO-3 parameter shards live in the store between uses (needs optimizer offload)
     activations: bool = False  # saved activations go to the store in forward, come back for backward
     tier: Literal["cpu", "nvme"] = "cpu"
-    path: str | None = None  # directory for nvme files (required for tier nvme)
+    path: PathStr | None = None  # directory for nvme files (required for tier nvme)
     prefetch: Annotated[int, Field(ge=0)] = 1  # items fetched ahead of use
 
 
@@ -155,17 +161,17 @@ class TrainSpec(_Section):
     steps: PositiveInt = 100
     global_batch_size: PositiveInt = 16
     microbatches: PositiveInt = 1
-    seed: int = 0
+    seed: Seed = 0
     log_every: PositiveInt = 1
 
 
 class CheckpointSpec(_Section):
     """Checkpoint cadence; `every: 0` never checkpoints. YAML key `async` maps to `async_save`."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(STRICT, populate_by_name=True)
 
     every: Annotated[int, Field(ge=0)] = 0
-    dir: str | None = None
+    dir: PathStr | None = None
     async_save: bool = Field(default=False, alias="async")
     keep: Annotated[int, Field(ge=1)] = 3
     memory_every: Annotated[int, Field(ge=0)] = 10  # in-memory snapshot (+ replica on a peer) cadence; 0: off
@@ -178,8 +184,8 @@ class CheckpointSpec(_Section):
 class FaultToleranceSpec(_Section):
     """How failures are detected and how many restarts a job may spend."""
 
-    heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # a step not answered by then: the rank hung
-    collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # survivors' collectives with a dead peer give up
+    heartbeat_timeout_s: Seconds = 120.0  # a step not answered by then: the rank hung
+    collective_timeout_s: Seconds = 60.0  # survivors' collectives with a dead peer give up
     max_restarts: Annotated[int, Field(ge=0)] = 3
     # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
     # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
@@ -187,9 +193,9 @@ class FaultToleranceSpec(_Section):
     straggler_ratio: Annotated[float, Field(gt=1)] = 1 / 0.7  # step time over the other ranks' median
     straggler_steps: Annotated[int, Field(ge=1)] = 3  # consecutive steps above the ratio before it is reported
     # elastic data parallelism: a replacement not started by then (its node is gone) shrinks dp instead
-    placement_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    placement_timeout_s: Seconds = 60.0
     min_dp: Annotated[int, Field(ge=1)] = 1  # never shrink below this many data-parallel replicas
-    grow_check_s: Annotated[float, Field(gt=0)] = 30.0  # below the requested dp, look for room this often
+    grow_check_s: Seconds = 30.0  # below the requested dp, look for room this often
 
 
 class ParameterServerSpec(_Section):
@@ -218,10 +224,12 @@ class FaultSpec(_Section):
     rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
     shard: Annotated[int, Field(ge=0)] = 0  # kill_ps_shard: which parameter-server shard dies
     at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step
-    factor: Annotated[float, Field(gt=1)] = 3.0  # slow_rank: its steps take this many times as long
-    every_s: Annotated[float, Field(gt=0)] | None = None  # instead of at_step: fire again every this many seconds
-    jitter_s: Annotated[float, Field(ge=0)] = 0.0  # each gap is every_s plus uniform(-jitter_s, jitter_s)
-    seed: int = 0  # draws the gaps and random ranks of a repeating fault
+    # slow_rank: its steps take this many times as long (past MAX_SLOWDOWN the rank is hung: that is hang_rank)
+    factor: Annotated[float, Field(gt=1, le=MAX_SLOWDOWN)] = 3.0
+    every_s: Seconds | None = None  # instead of at_step: fire again every this many seconds
+    # each gap is every_s plus uniform(-jitter_s, jitter_s)
+    jitter_s: Annotated[float, Field(ge=0, le=TIMEOUT_MAX)] = 0.0
+    seed: Seed = 0  # draws the gaps and random ranks of a repeating fault
 
 
 class MetricsSpec(_Section):
@@ -229,7 +237,8 @@ class MetricsSpec(_Section):
 
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
     host: str = "127.0.0.1"  # interface the endpoint binds; 0.0.0.0 (or the node's IP) lets a remote Prometheus in
-    file_sd: str | None = None  # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
+    # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
+    file_sd: PathStr | None = None
     timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
     peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
 

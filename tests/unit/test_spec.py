@@ -138,7 +138,7 @@ def test_unknown_field_reported_before_others_with_count() -> None:
     [
         (job(model={"d_model": "wide"}), "model.d_model", "wide", "a whole number; the default is 64"),
         (job(model={"positions": "rotry"}), "model.positions", "rotry", "did you mean rotary?"),
-        (job(parallel={"zero": 4}), "parallel.zero", 4, "one of 0, 1, 2, 3"),
+        (job(parallel={"zero": 4}), "parallel.zero", 4, "a number <= 3"),
         (job(parallel={"pp_schedule": "zb"}), "parallel.pp_schedule", "zb", "interleaved_zero_bubble"),
         (job(parallel={"dp": 0}), "parallel.dp", 0, ">= 1"),
         (job(train={"steps": 0}), "train.steps", 0, "> 0"),
@@ -388,13 +388,16 @@ def test_check_data_path(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         check_data_path(spec)
     assert_actionable(info.value, "data.path", str(tmp_path), f"raymesh prepare-data --out {tmp_path}")
-    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "manifest.json").write_text("{}")  # not one prepare-data wrote: no token count
+    with pytest.raises(SpecError, match="manifest.json that is not readable"):
+        check_data_path(spec)
+    (tmp_path / "manifest.json").write_text('{"total_tokens": 100000}')
     check_data_path(spec)
 
 
 def test_a_model_vocabulary_smaller_than_the_data_is_refused(tmp_path: Path) -> None:
     tok = {"kind": "bpe", "path": str(tmp_path / "tokenizer.json"), "vocab_size": 1000, "eos_id": 0}
-    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 1000, "tokenizer": tok}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 1000, "tokenizer": tok, "total_tokens": 10**6}))
     small = JobSpec.from_dict({"data": {"path": str(tmp_path)}, "parallel": {"tp": 2}})
     with pytest.raises(SpecError) as info:
         check_data_path(small)

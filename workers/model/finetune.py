@@ -29,9 +29,16 @@ def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
 
 
 def load_base(model: nn.Module, path: str | Path) -> None:
+    """Base weights from a `.pt` or a DCP step directory. The driver has verified its checksums before any actor
+    started (orchestrator.spec.lora.check_base_checkpoint); a `.pt` without a manifest can only be judged here."""
     p = Path(path)
     if p.is_file():
-        model.load_state_dict(torch.load(p, map_location="cpu", weights_only=True))
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as exc:  # pickle, zip and torch errors alike: the file is not a state dict
+            raise ValueError(f"model.lora.base_checkpoint {str(p)!r} cannot be read as a state dict ({exc}); "
+                             "point it at a .pt written by `raymesh export-merged`") from None
+        model.load_state_dict(state)
         return
     if not (p / ".metadata").is_file():
         raise ValueError(
