@@ -14,7 +14,7 @@ import ray
 
 from orchestrator import TrainingJob
 from orchestrator.runtime.hosted import HostedJob
-from tests.support.driver import job_file, kill_group, output, raymesh, start_raymesh
+from tests.support.driver import job_file, kill_group, output, raymesh, slowed, start_raymesh
 from tests.support.jobs import tiny_spec, wait_for
 
 STEPS = 30
@@ -22,6 +22,10 @@ STEPS = 30
 
 def spec_for(token_data, folder):
     return tiny_spec(token_data, folder, train={"steps": STEPS}, checkpoint={"every": 5})
+
+
+def slow_job(token_data, folder):
+    return job_file(slowed(spec_for(token_data, folder)), folder)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def step_of(job_id: str) -> int:
 
 def test_killing_the_driver_leaves_the_run_training_and_attach_shows_it_end(ray_cluster, token_data, tmp_path,
                                                                             uninterrupted):
-    job = job_file(spec_for(token_data, tmp_path), tmp_path)
+    job = slow_job(token_data, tmp_path)
     driver = start_raymesh(ray_cluster, "run", str(job), "--id", "driver-killed", out=tmp_path / "run")
     try:
         wait_for(lambda: step_of("driver-killed") >= 2, 180, "the hosted run to train two steps")
@@ -57,7 +61,7 @@ def test_killing_the_driver_leaves_the_run_training_and_attach_shows_it_end(ray_
 
 
 def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token_data, tmp_path, uninterrupted):
-    job = job_file(spec_for(token_data, tmp_path), tmp_path)
+    job = slow_job(token_data, tmp_path)
     out = tmp_path / "driver"
     driver = start_raymesh(ray_cluster, "run", str(job), "--id", "controller-killed", "--no-progress",
                            "--summary-json", str(tmp_path / "summary.json"), out=out)
@@ -67,7 +71,7 @@ def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token
         assert driver.wait(timeout=300) == 0, output(out)
     finally:
         kill_group(driver)
-    stdout, stderr = output(out)
+    stderr = output(out)[1]
     assert "was lost; waiting for Ray to restart it" in stderr and "event=controller_restarted" in stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     resumed_at = int(summary["resumed_from"].rsplit("-", 1)[1])

@@ -19,6 +19,13 @@ def cli_env(ray_cluster: dict) -> dict:
             "PYTHONUNBUFFERED": "1"}
 
 
+def slowed(spec: JobSpec, factor: float = 30.0) -> JobSpec:
+    """``spec`` with every step of rank 0 stretched ``factor`` times (a sleep: the losses do not change), so a test
+    can act on a tiny job mid-run (its steps take ~15 ms otherwise)."""
+    return JobSpec.from_dict({**spec.to_dict(), "faults": [{"kind": "slow_rank", "rank": 0, "at_step": 1,
+                                                             "factor": factor}]})
+
+
 def job_file(spec: JobSpec, folder: Path) -> Path:
     """``spec`` as a job file (JSON is YAML)."""
     path = folder / "job.yaml"
@@ -29,7 +36,7 @@ def job_file(spec: JobSpec, folder: Path) -> Path:
 def start_raymesh(ray_cluster: dict, *args: str, out: Path) -> subprocess.Popen:
     """``raymesh ARGS`` in the background, stdout and stderr to ``out``.stdout/.stderr."""
     return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=cli_env(ray_cluster), cwd=REPO,
-                            stdout=open(f"{out}.stdout", "w"), stderr=open(f"{out}.stderr", "w"),  # noqa: SIM115
+                            stdout=open(f"{out}.stdout", "w"), stderr=open(f"{out}.stderr", "w"),
                             start_new_session=True)
 
 
