@@ -1,9 +1,10 @@
 """The controller's control API over gRPC: ask a running job for its status, ask it to stop, inject a fault, resize it.
 
-The controller runs inside a Ray job's driver process, which has no port of its
-own that a user could reach; ``ControlServer`` opens one and the controller
-announces ``address`` in its log (``event=control address=HOST:PORT``), where
-``orchestrator.api.client.Client`` finds it.
+The controller runs inside a Ray actor (or a driver process), which has no port
+of its own that a user could reach; ``ControlServer`` opens one and the
+controller announces ``address`` in its log (``event=control address=HOST:PORT``,
+which a following ``raymesh run`` prints into a submitted job's log) and
+through its hosting actor, where ``orchestrator.api.client.Client`` finds it.
 """
 
 from __future__ import annotations
