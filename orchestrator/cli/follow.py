@@ -107,10 +107,9 @@ def follow(job, progress: bool, interrupts: Interrupts | None = None, stop_on_in
                 lost_since = _wait_for_restart(job, lost_since)
                 continue
             lost_since = None
-            if reply["incarnation"] != incarnation:
+            if reply["incarnation"] != incarnation:  # first reply, or a restarted controller: its feed from 0
                 terminal.close()
-                cursor, incarnation = 0, reply["incarnation"]
-                continue
+                incarnation = reply["incarnation"]
             for item in reply["items"]:
                 terminal.show(item, reply["total_steps"])
             cursor = reply["cursor"]

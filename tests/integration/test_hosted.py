@@ -68,6 +68,10 @@ def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token
     try:
         wait_for(lambda: step_of("controller-killed") >= 7, 180, "a checkpoint at step 5 and two more steps")
         ray.kill(HostedJob.find("controller-killed").handle, no_restart=False)  # the process dies, Ray restarts it
+        wait_for(lambda: "event=resume path=" in output(out)[1], 120, "the restarted controller to resume")
+        held = [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"].startswith("raymesh-job-tp") and pg["state"] != "REMOVED"]
+        assert len(held) == 1, held  # the lost controller's reservation was given back, not leaked
         assert driver.wait(timeout=300) == 0, output(out)
     finally:
         kill_group(driver)
