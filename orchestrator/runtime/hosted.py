@@ -129,9 +129,7 @@ class ControllerActor:
         logging.getLogger("raymesh").addHandler(_FeedLines(self.feed))
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:
-            released = release_own_placement_groups()
-            event("controller_restarted", job_id=job_id, released_placement_groups=released,
-                  action="resuming from the newest checkpoint (step 0 if none)")
+            event("controller_restarted", job_id=job_id, action="resuming from the newest checkpoint (step 0 if none)")
         self.job = TrainingJob(JobSpec.from_dict(spec_dict), resume=resume or restarted, progress=False)
         self.job.observers.add(_FeedSteps(self.feed))
         self.outcome: dict | None = None
@@ -174,28 +172,6 @@ class ControllerActor:
 
     def result(self) -> dict | None:
         return self.outcome
-
-
-def release_own_placement_groups() -> int:
-    """Remove the placement groups this actor's previous process reserved; returns how many.
-
-    Ray removes a creator's placement groups when the creator is dead for good, not when it restarts, so
-    without this a restarted controller would find its grid's CPUs/GPUs still held by its former self. The
-    creator actor is only in the GCS table's records (the public state API shows the creator job), so this
-    reads them the way ``ray.util.placement_group_table`` does.
-    """
-    from ray._private.state import state
-    from ray.core.generated import gcs_pb2
-    from ray.util.placement_group import PlacementGroup
-
-    me = ray.get_runtime_context().get_actor_id()
-    removed = 0
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        if pg.creator_actor_id.hex() == me and pg.state != gcs_pb2.PlacementGroupTableData.REMOVED:
-            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-            removed += 1
-    return removed
 
 
 def _runtime_env() -> dict:
