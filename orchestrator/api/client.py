@@ -84,11 +84,9 @@ class Client:
             raise self._unreachable
         return self._dashboard
 
-    def _hosted(self, job_id: str, known: bool | None = None) -> HostedJob | None:
+    def _hosted(self, job_id: str) -> HostedJob | None:
         """The controller actor of a ``raymesh run`` job (one the dashboard does not know), else None."""
-        if known is None:
-            known = self._known(job_id)
-        found = None if known else HostedJob.find(job_id, self.ray_address)
+        found = None if self._known(job_id) else HostedJob.find(job_id, self.ray_address)
         if found is None and self._dashboard is None:
             raise LookupError(f"no running `raymesh run` controller for job {job_id!r} on the Ray cluster "
                               f"({self.ray_address or 'RAY_ADDRESS, else the local one'}), and {self._unreachable}")
