@@ -86,7 +86,7 @@ def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token
     assert {s["step"]: s["loss"] for s in steps} == dict(enumerate(uninterrupted, start=1))
 
 
-def test_status_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster, token_data, tmp_path):
+def test_status_inject_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster, token_data, tmp_path):
     out = tmp_path / "driver"
     driver = start_raymesh(ray_cluster, "run", str(slow_job(token_data, tmp_path)), "--id", "by-id", "--no-progress",
                            out=out)
@@ -95,10 +95,13 @@ def test_status_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster, token_
         assert "raymesh attach by-id" in output(out)[1]
         status = raymesh(ray_cluster, "status", "by-id")
         assert status.returncode == 0 and "raymesh-job by-id: running, step" in status.stdout, status.stderr
+        inject = raymesh(ray_cluster, "inject", "by-id", "--kind", "slow_rank", "--rank", "0", "--factor", "2")
+        assert inject.returncode == 0 and "by-id: slow_rank on rank 0 at step" in inject.stdout, inject.stderr
         stop = raymesh(ray_cluster, "stop", "by-id", "--reason", "test over")
         assert stop.returncode == 0 and "by-id: stopping (the controller finishes" in stop.stdout, stop.stderr
         assert driver.wait(timeout=120) == 0, output(out)
     finally:
         kill_group(driver)
+    assert "event=fault_requested kind=slow_rank rank=0" in output(out)[1]
     assert "event=stop_requested job=raymesh-job reason=test over" in output(out)[1]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "stopped"
