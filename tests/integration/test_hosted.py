@@ -95,7 +95,7 @@ def test_status_inject_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster,
         assert "raymesh attach by-id" in output(out)[1]
         status = raymesh(ray_cluster, "status", "by-id")
         assert status.returncode == 0 and "raymesh-job by-id: running, step" in status.stdout, status.stderr
-        inject = raymesh(ray_cluster, "inject", "by-id", "--kind", "slow_rank", "--rank", "0", "--factor", "2")
+        inject = raymesh(ray_cluster, "inject", "by-id", "--kind", "slow_rank", "--rank", "0", "--factor", "30")
         assert inject.returncode == 0 and "by-id: slow_rank on rank 0 at step" in inject.stdout, inject.stderr
         stop = raymesh(ray_cluster, "stop", "by-id", "--reason", "test over")
         assert stop.returncode == 0 and "by-id: stopping (the controller finishes" in stop.stdout, stop.stderr
