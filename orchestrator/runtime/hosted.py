@@ -157,15 +157,11 @@ class ControllerActor:
             cursor = 0
         outcome = self.outcome  # read first: items taken after it include everything the run produced
         items, cursor = self.feed.since(cursor, 0.0 if outcome else wait_s)
-        return {"items": items, "cursor": cursor, "incarnation": self.incarnation,
-                "outcome": outcome,
+        return {"items": items, "cursor": cursor, "incarnation": self.incarnation, "outcome": outcome,
                 "total_steps": self.job.spec.train.steps}
 
     def control_address(self) -> str | None:
         return self.job.control.address if self.job.control is not None else None
-
-    def status(self) -> dict:
-        return self.job.status()
 
     def request_stop(self, reason: str) -> str:
         return self.job.request_stop(reason)
