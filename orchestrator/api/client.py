@@ -6,13 +6,18 @@ what Ray cannot know: the step, loss and rank health, and a graceful stop that
 finishes the current step and writes the summary. The controller announces
 that API's address, and finally its summary, as lines in the job log, so the
 log is the only channel the client needs besides the dashboard.
+
+A job started with ``raymesh run`` rather than submitted is no Ray job the
+dashboard knows: its controller is a named detached actor
+(``orchestrator.runtime.hosted``), which the client finds through Ray by the
+job id ``raymesh run`` printed (``ray_address``: default ``RAY_ADDRESS``, else
+the local cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shlex
 import time
 from collections.abc import Iterator, Sequence
@@ -21,14 +26,14 @@ from typing import Any
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from orchestrator.api.auth import client_token, use_ray_token_if_present
+from orchestrator.api.auth import use_ray_token_if_present
 from orchestrator.api.control_server import ControlClient, ControlUnreachable
 from orchestrator.errors import SpecError
 from orchestrator.observability.events import parse_event
+from orchestrator.runtime.hosted import HostedJob
 from orchestrator.spec import load_spec
 
 SUMMARY_MARK = "event=summary json="
-TLS_CA_ENV = "RAYMESH_TLS_CA"
 
 
 def newest_event(log: str, name: str) -> dict[str, str] | None:
@@ -48,19 +53,10 @@ def control_address(log: str) -> str | None:
 
 
 def control_client(log: str) -> ControlClient | None:
-    """A client for the control API the newest ``event=control`` line announces, with the job's token (and
-    TLS trusting ``RAYMESH_TLS_CA`` or the announced certificate); None before the announcement."""
+    """A client for the control API the newest ``event=control`` line announces (with the job's token and,
+    when announced, TLS); None before the announcement."""
     fields = newest_event(log, "control")
-    if fields is None or "address" not in fields:
-        return None
-    root_cert = None
-    if "tls_cert" in fields:
-        ca = Path(os.environ.get(TLS_CA_ENV) or fields["tls_cert"])
-        if not ca.is_file():
-            raise PermissionError(f"the job's control API speaks TLS with certificate {fields['tls_cert']}, which "
-                                  f"is not readable here; fix: point {TLS_CA_ENV} at a copy of it (or of its CA)")
-        root_cert = ca.read_bytes()
-    return ControlClient(fields["address"], client_token(fields.get("token")), root_cert=root_cert)
+    return ControlClient.from_announcement(fields) if fields and "address" in fields else None
 
 
 def summary_from_log(log: str) -> dict[str, Any] | None:
@@ -82,17 +78,34 @@ def _job_path(job_file: str | Path, working_dir: str | Path) -> str:
 class Client:
     """One Ray cluster's raymesh jobs, addressed by the dashboard URL (e.g. ``http://127.0.0.1:8265``)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, ray_address: str | None = None) -> None:
         self.address = address
         use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a client without it
+        self.ray_address = ray_address
+        self._unreachable: ConnectionError | None = None
         try:
-            self._jobs = JobSubmissionClient(address)
-        except ConnectionError as exc:
-            raise ConnectionError(
+            self._dashboard = JobSubmissionClient(address)
+        except ConnectionError as exc:  # raised when a call needs it: `raymesh run` jobs are found without it
+            self._dashboard = None
+            self._unreachable = ConnectionError(
                 f"cannot reach the Ray dashboard at {address} ({exc}); check that the cluster is up (`ray status`), "
                 "that its head was started with the dashboard (`ray start --head --include-dashboard=true`), "
                 "and the address (--address or RAY_DASHBOARD_ADDRESS)"
-            ) from None
+            )
+
+    @property
+    def _jobs(self) -> JobSubmissionClient:
+        if self._dashboard is None:
+            raise self._unreachable
+        return self._dashboard
+
+    def _hosted(self, job_id: str) -> HostedJob | None:
+        """The controller actor of a ``raymesh run`` job (one the dashboard does not know), else None."""
+        found = None if self._known(job_id) else HostedJob.find(job_id, self.ray_address)
+        if found is None and self._dashboard is None:
+            raise LookupError(f"no running `raymesh run` controller for job {job_id!r} on the Ray cluster "
+                              f"({self.ray_address or 'RAY_ADDRESS, else the local one'}), and {self._unreachable}")
+        return found
 
     # -- the job, through Ray -------------------------------------------------------------
 
@@ -165,6 +178,9 @@ class Client:
         (a graceful stop exits 0, so Ray says ``succeeded`` where the run says
         ``stopped``), else Ray's status; ``summary`` is None without one.
         """
+        hosted = self._hosted(submission_id)
+        if hosted is not None:
+            return hosted.status()
         info = self._info(submission_id)
         if info.status is JobStatus.PENDING:
             return {"submission_id": submission_id, "ray_status": "pending", "state": "pending",
@@ -183,6 +199,8 @@ class Client:
                 if not info.status.is_terminal() and summary_from_log(log) is None:
                     raise
         summary = summary_from_log(log)
+        if summary is None and (hosted := HostedJob.find(submission_id, self.ray_address)) is not None:
+            return hosted.status()  # its entrypoint ended (killed?) but the controller it started goes on
         ray_status = info.status.value.lower()
         state = summary.get("status", ray_status) if summary else ray_status
         return {"submission_id": submission_id, "ray_status": ray_status, "state": state, "message": info.message,
@@ -194,6 +212,9 @@ class Client:
         Returns ``accepted``, ``state`` and ``via`` (``control``, ``ray``, or
         ``none`` when the job had already ended).
         """
+        hosted = self._hosted(submission_id)
+        if hosted is not None:
+            return hosted.stop(reason)
         info = self._info(submission_id)
         if info.status.is_terminal():
             return {"accepted": False, "state": info.status.value.lower(), "via": "none"}
@@ -216,6 +237,9 @@ class Client:
         return self._control(submission_id).request_scale(dp)
 
     def _control(self, submission_id: str) -> ControlClient:
+        hosted = self._hosted(submission_id)
+        if hosted is not None:
+            return hosted.control()
         control = control_client(self._jobs.get_job_logs(submission_id))
         if control is None:
             raise LookupError(f"job {submission_id} has not announced its control API yet (no `event=control` "
@@ -231,11 +255,24 @@ class Client:
                               f"and `raymesh logs {submission_id}`")
         return summary
 
+    def _known(self, submission_id: str) -> bool:
+        """Whether the dashboard knows ``submission_id`` as a Ray job (False when there is no dashboard)."""
+        if self._dashboard is None:
+            return False
+        try:
+            self._jobs.get_job_info(submission_id)
+        except RuntimeError as exc:
+            if "status code 404" in str(exc):
+                return False
+            raise
+        return True
+
     def _info(self, submission_id: str):
         try:
             return self._jobs.get_job_info(submission_id)
         except RuntimeError as exc:
             if "status code 404" in str(exc):
-                raise LookupError(f"no job {submission_id!r} on {self.address}; list the cluster's jobs with "
+                raise LookupError(f"no job {submission_id!r} on {self.address} (neither a submitted Ray job nor a "
+                                  f"running `raymesh run` controller); list the cluster's jobs with "
                                   f"`ray job list --address {self.address}`") from None
             raise

@@ -1,9 +1,11 @@
 """The controller's control API over gRPC: ask a running job for its status, ask it to stop, inject a fault, resize it.
 
-The controller runs inside a Ray job's driver process, which has no port of its
-own that a user could reach; ``ControlServer`` opens one and the controller
-announces it in its log (``event=control address=HOST:PORT token=SOURCE``),
-where ``orchestrator.api.client.Client`` finds it.
+The controller runs inside a Ray actor (or a driver process), which has no port
+of its own that a user could reach; ``ControlServer`` opens one and the
+controller announces it in its log (``event=control address=HOST:PORT
+token=SOURCE``, which a following ``raymesh run`` prints into a submitted job's
+log) and through its hosting actor, where ``orchestrator.api.client.Client``
+finds it.
 
 Closed by default: it listens on 127.0.0.1 unless the job file's ``control.host``
 widens it, every call must carry the job's token (``orchestrator/api/auth.py``;
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import sys
 from concurrent import futures
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 import grpc
 
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
-from parameter_server.auth import TokenInterceptor, call_metadata
+from parameter_server.auth import TokenInterceptor, call_metadata, client_token
 
 DEFAULT_TIMEOUT_S = 5.0
 _STATUS_FIELDS = frozenset(control_pb2.StatusReply.DESCRIPTOR.fields_by_name)
@@ -210,6 +213,9 @@ class ControlServer:
         self._server.stop(grace_s).wait()
 
 
+TLS_CA_ENV = "RAYMESH_TLS_CA"  # a copy of the control API's certificate (or its CA) on the calling machine
+
+
 class ControlClient:
     """Calls one controller's control API with ``token``; every call fails after ``timeout_s`` with
     ``ControlUnreachable``. ``root_cert`` (PEM) makes it speak TLS and trust that certificate."""
@@ -220,6 +226,21 @@ class ControlClient:
         self.timeout_s = timeout_s
         self._metadata = call_metadata(token) if token else ()
         self._root_cert = root_cert
+
+    @classmethod
+    def from_announcement(cls, fields: dict[str, str]) -> ControlClient:
+        """A client for the API a controller announced (``ControlServer.announcement``: in its log's
+        ``event=control`` line, or from its hosting actor): the job's token, and TLS trusting
+        ``RAYMESH_TLS_CA`` or the announced certificate."""
+        root_cert = None
+        if "tls_cert" in fields:
+            ca = Path(os.environ.get(TLS_CA_ENV) or fields["tls_cert"])
+            if not ca.is_file():
+                raise PermissionError(f"the job's control API speaks TLS with certificate {fields['tls_cert']}, "
+                                      f"which is not readable here; fix: point {TLS_CA_ENV} at a copy of it (or of "
+                                      "its CA)")
+            root_cert = ca.read_bytes()
+        return cls(fields["address"], client_token(fields.get("token")), root_cert=root_cert)
 
     def status(self) -> dict[str, Any]:
         return status_dict(self._call("Status", control_pb2.StatusRequest()))

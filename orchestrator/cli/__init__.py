@@ -1,6 +1,7 @@
 """The ``raymesh`` command line.
 
-``commands``: prepare-data, plan, run, report, export-merged; ``jobs``: submit, status, logs, stop, inject, scale.
+``commands``: prepare-data, plan, run, attach, report, export-merged (``follow`` hosts and follows
+runs); ``jobs``: submit, status, logs, stop, inject, scale.
 """
 
 from orchestrator.cli.commands import main

@@ -1,4 +1,4 @@
-"""``raymesh`` command line: prepare-data, plan, run, export-merged, export-hf, report."""
+"""``raymesh`` command line: prepare-data, plan, run, attach, export-merged, export-hf, report."""
 
 from __future__ import annotations
 
@@ -73,15 +73,15 @@ def _positive_int(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from orchestrator.runtime.controller import TrainingJob
-    from orchestrator.spec import load_spec
+    from orchestrator.cli.follow import run
 
-    spec = load_spec(args.job, args.set)
-    result = TrainingJob(spec, resume=args.resume, address=args.address, progress=not args.no_progress).run()
-    if args.summary_json:
-        result.write_json(args.summary_json)
-    print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s")
-    return 0
+    return run(args)
+
+
+def _attach(args: argparse.Namespace) -> int:
+    from orchestrator.cli.follow import attach
+
+    return attach(args)
 
 
 def _export_merged(args: argparse.Namespace) -> int:
@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--summary-json", help="write the run summary here")
     run.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local one)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--id", help="job id for `raymesh attach/stop/status` (default: the `ray job submit` id, "
+                                  "else the job name and a hash of its run dir)")
+    att = sub.add_parser("attach", help="follow a running job's controller again (progress, events, summary)")
+    att.add_argument("id", help="the job id `raymesh run` printed (or the `ray job submit` id)")
+    att.add_argument("--ray-address", help="Ray cluster address (default: RAY_ADDRESS, else the local cluster)")
+    att.add_argument("--no-progress", action="store_true", help="no progress bar")
+    att.add_argument("--summary-json", help="write the run summary here when it ends")
+    att.set_defaults(func=_attach)
     exp = sub.add_parser("export-merged", help="fold a LoRA run's adapters into plain model weights (.pt)")
     exp.add_argument("job", help="the LoRA job file the checkpoint was trained with")
     exp.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
@@ -172,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, FileNotFoundError) as exc:
+    except (SpecError, FileNotFoundError, LookupError) as exc:
         print(f"raymesh: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("raymesh: interrupted before the job started; nothing to resume", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

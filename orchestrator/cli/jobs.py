@@ -1,4 +1,8 @@
-"""``raymesh submit|status|logs|stop``: the command-line face of ``orchestrator.api.client.Client``."""
+"""``raymesh submit|status|logs|stop|inject|scale``: the command-line face of ``orchestrator.api.client.Client``.
+
+Each takes a submission id (``raymesh submit``, ``ray job submit``) or the job id ``raymesh run`` printed;
+``Client`` finds the latter's detached controller through Ray.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 def _client(args: argparse.Namespace):
     from orchestrator.api.client import Client
 
-    return Client(args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD)
+    return Client(args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD,
+                  ray_address=getattr(args, "ray_address", None))
 
 
 def _duration(seconds: float) -> str:
@@ -80,7 +85,7 @@ def _stop(args: argparse.Namespace) -> int:
     reply = _client(args).stop(args.id, args.reason)
     if reply["via"] == "none":
         print(f"{args.id} has already ended: {reply['state']}")
-    elif reply["via"] == "control":
+    elif reply["via"] in ("control", "actor"):
         print(f"{args.id}: {reply['state']} (the controller finishes the current step and writes its summary)")
     else:
         print(f"{args.id}: {reply['state']} (control API unreachable; Ray is killing the job, no summary)")
@@ -129,7 +134,9 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
                              ("inject", _inject, "make a rank of a running job fail at its next step (a drill)"),
                              ("scale", _scale, "resize a running job's data parallelism after its current step")):
         cmd = subparsers.add_parser(name, help=text)
-        cmd.add_argument("id", help="submission id (printed by `raymesh submit`)")
+        cmd.add_argument("id", help="submission id (printed by `raymesh submit`) or job id (printed by `raymesh run`)")
+        cmd.add_argument("--ray-address", help="Ray cluster address to find a `raymesh run` job's controller "
+                                               "(default: RAY_ADDRESS, else the local cluster)")
         cmd.set_defaults(func=_guarded(func))
     subparsers.choices["logs"].add_argument("--follow", "-f", action="store_true",
                                             help="keep printing until the job ends")

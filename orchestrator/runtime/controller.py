@@ -1,7 +1,8 @@
 """``TrainingJob``: turns a validated spec into a running rank grid and drives it.
 
-The controller runs in the driver process (the ``raymesh run`` process, or the
-entrypoint of a ``ray job submit``): it reserves placement, starts one
+The controller runs in a detached Ray actor (``hosted.ControllerActor``, which
+``raymesh run`` and a ``ray job submit`` entrypoint start and then only follow),
+or in the calling process when used directly: it reserves placement, starts one
 ``RankWorker`` actor per rank, forms the process group, then runs the step
 loop and returns the ``RunResult``. Its life is an explicit state machine
 (``states.JobStateMachine``); what to do about a failed step or a resize is
@@ -43,6 +44,29 @@ from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
 from workers.protocol import StepResult
+
+
+class RunComplete(Exception):
+    """``--resume`` of a run whose newest checkpoint is already at ``train.steps``: there is nothing to train.
+
+    Raised before anything starts or is written, so the finished run's ``summary.json`` and records stay as
+    they are (resuming used to train zero steps and overwrite the summary with empty losses).
+    """
+
+    def __init__(self, step: int, run_dir: Path, checkpoint: Path):
+        self.step, self.run_dir, self.checkpoint = step, run_dir, checkpoint
+        super().__init__(f"the run in {run_dir} is complete: its newest checkpoint {checkpoint} is at step {step}, "
+                         f"the job's train.steps; nothing was changed. To train further, resume with a larger "
+                         f"train.steps (--resume --set train.steps=N)")
+
+
+def refuse_if_complete(spec: JobSpec) -> None:
+    """``RunComplete`` when resuming ``spec`` would train nothing: its newest complete checkpoint is at
+    ``train.steps`` or past it (call before starting anything)."""
+    ckpt = CheckpointDir(spec.checkpoint.resolved_dir(spec.resolved_run_dir()), spec.checkpoint.keep)
+    steps = ckpt.complete_steps()
+    if steps and steps[-1] >= spec.train.steps:
+        raise RunComplete(steps[-1], spec.resolved_run_dir(), ckpt.path_for(steps[-1]))
 
 
 class TrainingJob:
@@ -195,6 +219,8 @@ class TrainingJob:
 
     def run(self) -> RunResult:
         spec = self.spec
+        if self.resume:
+            refuse_if_complete(spec)
         t_start = time.perf_counter()
         event("start", job=spec.name, world_size=spec.parallel.world_size, run_dir=self.run_dir)
         try:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +14,9 @@ import pytest
 from ray.util.state import list_actors
 
 from orchestrator import SpecError, TrainingJob
-from tests.support.jobs import tiny_spec
+from orchestrator.runtime.hosted import HostedJob
+from tests.support import driver as drivers
+from tests.support.jobs import tiny_spec, wait_for
 
 
 def raymesh(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -76,3 +81,40 @@ def test_plan_prints_the_layout_and_memory(tmp_path):
     lines = proc.stdout.splitlines()
     assert "dp=2 x pp=2 x tp=2 = 8 ranks" in lines[0]
     assert len(lines) == 2 + 8
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_run_stays_finished(
+        ray_cluster, token_data, tmp_path):
+    spec = tiny_spec(token_data, tmp_path, train={"steps": 20}, checkpoint={"every": 100})
+    uninterrupted = TrainingJob(tiny_spec(token_data, tmp_path / "ref", train={"steps": 20}), progress=False).run()
+    job = drivers.job_file(drivers.slowed(spec), tmp_path)
+    out = tmp_path / "driver"
+    driver = drivers.start_raymesh(ray_cluster, "run", str(job), "--id", "ctrl-c", "--set", "train.steps=20", out=out)
+    try:
+        wait_for(lambda: (h := HostedJob.find("ctrl-c")) is not None and h.status().get("step", 0) >= 3, 180,
+                 "the run to train three steps")
+        driver.send_signal(signal.SIGINT)
+        assert driver.wait(timeout=120) == 0, drivers.output(out)
+    finally:
+        drivers.kill_group(driver)
+    stdout, stderr = drivers.output(out)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    stopped = json.loads((tmp_path / "run" / "summary.json").read_text())
+    step = stopped["steps"]
+    assert stopped["status"] == "stopped" and 3 <= step < 20
+    assert (tmp_path / "run" / "checkpoints" / f"step-{step:08d}").is_dir()
+    command = f"raymesh run {job} --set train.steps=20 --resume"
+    assert f"stopped at step {step} (checkpoint {tmp_path / 'run' / 'checkpoints'}/step-{step:08d}); resume with:\n" \
+           f"  {command}" in stdout
+
+    resumed = drivers.raymesh(ray_cluster, *shlex.split(command)[1:], "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    summary_file = tmp_path / "run" / "summary.json"
+    finished = json.loads(summary_file.read_text())
+    assert finished["status"] == "finished" and finished["losses"] == uninterrupted.losses[step:]
+
+    before = summary_file.read_bytes()
+    again = drivers.raymesh(ray_cluster, *shlex.split(command)[1:], "--no-progress")
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert f"the run in {tmp_path / 'run'} is complete" in again.stdout and "at step 20" in again.stdout
+    assert summary_file.read_bytes() == before

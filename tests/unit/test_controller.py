@@ -10,6 +10,7 @@ import pytest
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.observability.observers import JobObserver
 from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
+from orchestrator.runtime.controller import RunComplete
 from orchestrator.runtime.states import JobState
 from tests.support.fake_group import FakeRuntime
 from tests.support.jobs import tiny_spec
@@ -93,6 +94,27 @@ def test_a_stop_checkpoints_when_checkpoints_are_on(tmp_path):
     runtime.script[3] = lambda: job.request_stop()
     result = job.run()
     assert [p.rsplit("-", 1)[1] for p in result.checkpoints] == ["00000003"]
+
+
+def test_resuming_a_finished_run_refuses_and_changes_nothing(tmp_path):
+    make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}).run()
+    run_dir = tmp_path / "run"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    job = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1})
+    job.resume = True
+    with pytest.raises(RunComplete, match=r"complete: .*step-00000010 is at step 10.*nothing was changed") as info:
+        job.run()
+    assert info.value.step == 10 and info.value.run_dir == run_dir
+    assert job.machine.visited == [S.STARTING] and job.recorder.seen == []  # nothing started, nothing observed
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_resuming_with_more_steps_than_the_checkpoint_trains_on(tmp_path):
+    make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}).run()
+    job = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, train={"steps": 12})
+    job.resume = True
+    result = job.run()
+    assert result.resumed_from.endswith("step-00000010") and result.steps == 12 and len(result.losses) == 2
 
 
 def test_a_stop_during_a_recovery_reads_stopping_and_ends_stopped(tmp_path):

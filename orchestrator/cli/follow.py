@@ -1,0 +1,227 @@
+"""``raymesh run`` and ``raymesh attach``: start or find a job's hosted controller and follow it in the terminal.
+
+The controller is a detached actor (``orchestrator.runtime.hosted``); this process only shows its event lines
+and a progress bar, and writes ``--summary-json`` at the end. Killing it leaves the run training. Ctrl-C (or
+SIGTERM, which ``ray job stop`` sends) under ``raymesh run`` asks the controller to stop after the current step,
+checkpointing when checkpoints are on, and prints the exact ``--resume`` command; a second one detaches at
+once. Under ``raymesh attach`` Ctrl-C only detaches: the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from orchestrator.observability.observers import ProgressBar, StepReport
+
+LOST_CONTROLLER_WAIT_S = 300.0  # how long a follower waits for Ray to restart a lost controller
+
+
+class Interrupts:
+    """Counts SIGINT/SIGTERM while installed (main thread only) instead of raising ``KeyboardInterrupt``.
+
+    Before there is a controller to stop (``armed`` False), a second one interrupts start-up as usual.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.armed = False
+        self._before: dict[int, object] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._before[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1 and not self.armed:
+            raise KeyboardInterrupt
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The ``raymesh run`` command line that continues this run from its newest checkpoint."""
+    argv = ["raymesh", "run", args.job]
+    for override in args.set:
+        argv += ["--set", override]
+    if args.address:
+        argv += ["--address", args.address]
+    return shlex.join([*argv, "--resume"])
+
+
+class _Terminal:
+    """Shows feed items: event lines on stderr (as the controller logs them), steps on a progress bar."""
+
+    def __init__(self, progress: bool):
+        self.progress = progress
+        self.bar: ProgressBar | None = None
+
+    def show(self, item: dict, total_steps: int) -> None:
+        if "line" in item:
+            print(item["line"], file=sys.stderr, flush=True)
+        elif not self.progress:
+            return
+        elif "step" in item:
+            if self.bar is None:
+                self.bar = ProgressBar(total_steps, item["step"] - 1)
+            self.bar.on_step(StepReport(record=item, mfu=0.0, bubble=0.0, goodput=0.0))
+        elif "rollback" in item and self.bar is not None:
+            self.bar.on_rollback(item["rollback"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.on_finish()
+            self.bar = None
+
+
+def follow(job, progress: bool, interrupts: Interrupts | None = None, stop_on_interrupt: bool = True) -> dict | None:
+    """Show the job until it ends and return its outcome; None when detached by an interrupt.
+
+    A lost controller (its process died) is waited for while Ray restarts it: the new one resumes from the newest
+    checkpoint and its feed starts again, and so does the progress bar.
+    """
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    terminal, cursor, incarnation, stop_asked, lost_since = _Terminal(progress), 0, "", False, None
+    try:
+        while True:
+            if interrupts is not None and interrupts.count:
+                if interrupts.count > 1 or not stop_on_interrupt:
+                    return None
+                if not stop_asked:
+                    stop_asked = _ask_stop(job)
+            try:
+                reply = job.poll(cursor, incarnation, 0.5)
+            except (RayActorError, GetTimeoutError):
+                lost_since = _wait_for_restart(job, lost_since)
+                continue
+            lost_since = None
+            if reply["incarnation"] != incarnation:  # first reply, or a restarted controller: its feed from 0
+                terminal.close()
+                incarnation = reply["incarnation"]
+            for item in reply["items"]:
+                terminal.show(item, reply["total_steps"])
+            cursor = reply["cursor"]
+            if reply["outcome"] is not None:
+                return reply["outcome"]
+    finally:
+        terminal.close()
+
+
+def _ask_stop(job) -> bool:
+    """Ask for a graceful stop; False when the controller could not take it now (asked again next round)."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        state = job.stop("interrupted (Ctrl-C or SIGTERM)")["state"]
+    except (RayActorError, GetTimeoutError, ConnectionError):
+        return False
+    print(f"raymesh: stopping job {job.job_id} after the current step ({state}); press Ctrl-C again to detach "
+          "and leave it training", file=sys.stderr, flush=True)
+    return True
+
+
+def _wait_for_restart(job, lost_since: float | None) -> float:
+    if lost_since is None:
+        print(f"raymesh: the controller of job {job.job_id} was lost; waiting for Ray to restart it (it resumes "
+              "from the newest checkpoint)", file=sys.stderr, flush=True)
+        lost_since = time.monotonic()
+    if time.monotonic() - lost_since > LOST_CONTROLLER_WAIT_S:
+        raise ConnectionError(f"the controller of job {job.job_id} is gone and was not restarted within "
+                              f"{LOST_CONTROLLER_WAIT_S:g}s; the run dir holds its records and checkpoints: "
+                              "continue with `raymesh run JOB --resume`")
+    time.sleep(1.0)
+    return lost_since
+
+
+def report(outcome: dict | None, job_id: str, summary_json: str | None, resume: str | None) -> int:
+    """Print how the run ended (and write ``summary_json``); the exit status."""
+    if outcome is None:
+        print(f"raymesh: detached from job {job_id}; it goes on training. Follow it with `raymesh attach {job_id}`, "
+              f"end it with `raymesh stop {job_id}`", file=sys.stderr)
+        return 130
+    if "complete" in outcome:
+        print(f"raymesh: {outcome['complete']}")
+        return 0
+    if "error" in outcome:
+        print(f"raymesh: error: job {job_id}: {outcome['error']}", file=sys.stderr)
+        return 2 if outcome["user_error"] else 1
+    summary = outcome["summary"]
+    if summary_json:
+        Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_json).write_text(json.dumps(summary, indent=2))
+    loss = f"final loss {summary['final_loss']:.4f}" if summary["final_loss"] is not None else "no step trained"
+    print(f"done: {summary['steps']} steps, {loss}, {summary['tokens_per_s']:,.0f} tokens/s")
+    if summary["status"] == "stopped" and resume is not None:
+        saved = summary["checkpoints"][-1] if summary["checkpoints"] else None
+        where = (f"checkpoint {saved}" if saved else
+                 "no checkpoint (checkpoint.every is 0), so resuming starts over at step 0")
+        print(f"stopped at step {summary['steps']} ({where}); resume with:\n  {resume}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``raymesh run``: check the job here, start its detached controller, follow it to the end."""
+    from orchestrator.runtime import cluster
+    from orchestrator.runtime.controller import RunComplete, refuse_if_complete
+    from orchestrator.runtime.group import RayRuntime
+    from orchestrator.runtime.hosted import AlreadyRunning, HostedJob, job_id_for
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(args.job, args.set)
+    try:
+        if args.resume:
+            refuse_if_complete(spec)
+    except RunComplete as done:
+        return report({"complete": str(done)}, "", None, None)
+    RayRuntime().preflight(spec)  # bad data or disk fails here, before Ray starts
+    with Interrupts() as interrupts:
+        cluster.connect(args.address, spec.parallel.world_size * spec.parallel.cpus_per_rank)
+        job_id = args.id or job_id_for(spec)
+        try:
+            job = HostedJob.start(_hosted_spec(spec), args.resume, job_id)
+        except AlreadyRunning as exc:
+            print(f"raymesh: error: {exc}", file=sys.stderr)
+            return 2
+        interrupts.armed = True
+        print(f"raymesh: job {job_id} runs in a detached controller: `raymesh attach {job_id}` follows it again, "
+              f"`raymesh stop {job_id}` ends it", file=sys.stderr, flush=True)
+        outcome = follow(job, not args.no_progress, interrupts)
+    if outcome is not None:
+        job.release()
+    return report(outcome, job_id, args.summary_json, resume_command(args))
+
+
+def attach(args: argparse.Namespace) -> int:
+    """``raymesh attach ID``: follow a hosted job to its end (Ctrl-C detaches, the job goes on)."""
+    from orchestrator.runtime.hosted import HostedJob
+
+    job = HostedJob.find(args.id, args.ray_address)
+    if job is None:
+        raise LookupError(f"no running raymesh controller for job {args.id!r} on the Ray cluster at "
+                          f"{args.ray_address or 'RAY_ADDRESS (or the local one)'}; an ended run's records are in "
+                          "its run dir (`raymesh report RUN_DIR`)")
+    with Interrupts() as interrupts:
+        interrupts.armed = True
+        outcome = follow(job, not args.no_progress, interrupts, stop_on_interrupt=False)
+    if outcome is not None:
+        job.release()
+    return report(outcome, args.id, args.summary_json, None)
+
+
+def _hosted_spec(spec) -> dict:
+    """The spec as the actor gets it: its run dir absolute, since the actor's working directory is not ours."""
+    raw = spec.to_dict()
+    raw["run_dir"] = str(spec.resolved_run_dir().resolve())
+    return raw

@@ -1,0 +1,270 @@
+"""The controller as a detached Ray actor: a run that outlives the process that started it.
+
+``raymesh run`` (and the entrypoint of a ``ray job submit``) used to *be* the
+controller, so killing that process ended the run. Now it starts
+``ControllerActor`` (``lifetime="detached"``, named ``controller:<job id>`` in
+the ``raymesh`` namespace, as Ray Train V2 hosts its controller) and only
+follows it; ``raymesh attach ID`` follows it again from anywhere that reaches
+the cluster, ``raymesh stop ID`` ends it. The actor has ``max_restarts``: when
+its process is lost, Ray starts it again and the constructor resumes the run
+from the run dir's newest checkpoint (without one the run starts over at step 0).
+
+What a driver shows is a ``Feed``: the controller's event lines and one small
+record per step (for the progress bar), numbered so a follower asks for what
+it has not seen. Ray owns the name, so nothing has to be announced in a log;
+``HostedJob`` is the handle the CLI and ``Client`` use.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from orchestrator.api.auth import use_ray_token_if_present
+from orchestrator.api.control_server import ControlClient
+from orchestrator.observability.events import event
+from orchestrator.observability.observers import JobObserver, StepReport
+
+NAMESPACE = "raymesh"
+MAX_RESTARTS = 3  # losses of the controller process the run survives (each resumes from the newest checkpoint)
+LINGER_S = 600.0  # an ended run's actor waits this long for a follower to collect its outcome, then exits
+FEED_ITEMS = 20_000  # a follower that falls further behind misses the oldest lines (the run dir has them all)
+_EVENT_FORMAT = logging.Formatter("%(asctime)s raymesh %(message)s", "%H:%M:%S")
+
+
+def actor_name(job_id: str) -> str:
+    return f"controller:{job_id}"
+
+
+def job_id_for(spec) -> str:
+    """The job id ``raymesh run`` hosts ``spec`` under: the submission id inside a ``ray job submit``, else the
+    job name and a hash of its run dir (one live controller per run dir; the same id after a restart)."""
+    run_dir = str(spec.resolved_run_dir().resolve())
+    return submission_id() or f"{spec.name}-{hashlib.sha1(run_dir.encode()).hexdigest()[:8]}"
+
+
+def submission_id() -> str | None:
+    """The ``ray job submit`` id when this process is a submitted job's entrypoint (Ray passes it in the job
+    config it hands the entrypoint), else None."""
+    config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    return json.loads(config).get("metadata", {}).get("job_submission_id") if config else None
+
+
+class Feed:
+    """What the controller has shown so far, numbered from 0: ``{"line": ...}`` event lines and
+    ``{"step": ..., "loss": ..., "tokens_per_s": ...}`` / ``{"rollback": step}`` records."""
+
+    def __init__(self, keep: int = FEED_ITEMS):
+        self._items: collections.deque = collections.deque(maxlen=keep)
+        self._next = 0
+        self._changed = threading.Condition()
+
+    def add(self, item: dict) -> None:
+        with self._changed:
+            self._items.append(item)
+            self._next += 1
+            self._changed.notify_all()
+
+    def since(self, cursor: int, wait_s: float) -> tuple[list[dict], int]:
+        """Items from ``cursor`` on (waiting up to ``wait_s`` for one) and the cursor after them."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._next > cursor, timeout=wait_s)
+            first = self._next - len(self._items)
+            return list(self._items)[max(cursor - first, 0):], self._next
+
+    def wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+
+class _FeedLines(logging.Handler):
+    """Copies the ``raymesh`` logger's event lines into the feed (they still go to the actor's log too)."""
+
+    def __init__(self, feed: Feed):
+        super().__init__()
+        self.feed = feed
+        self.setFormatter(_EVENT_FORMAT)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.feed.add({"line": self.format(record)})
+
+
+class _FeedSteps(JobObserver):
+    """The per-step facts a follower's progress bar needs."""
+
+    def __init__(self, feed: Feed):
+        self.feed = feed
+
+    def on_step(self, report: StepReport) -> None:
+        r = report.record
+        self.feed.add({"step": r["step"], "loss": r["loss"], "tokens_per_s": r["tokens_per_s"]})
+
+    def on_rollback(self, step: int) -> None:
+        self.feed.add({"rollback": step})
+
+
+class ControllerActor:
+    """Hosts one ``TrainingJob``: runs it on a thread from the constructor, serves followers and the control API.
+
+    Created by ``start``; ``was_current_actor_reconstructed`` tells a restart after the process was lost, which
+    resumes from the newest checkpoint whatever the first start asked.
+    """
+
+    def __init__(self, spec_dict: dict, resume: bool, job_id: str):
+        from orchestrator.runtime.controller import TrainingJob
+        from orchestrator.spec import JobSpec
+
+        self.job_id = job_id
+        self.incarnation = uuid.uuid4().hex  # a restarted actor's feed starts again at 0
+        self.feed = Feed()
+        logging.getLogger("raymesh").addHandler(_FeedLines(self.feed))
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
+            event("controller_restarted", job_id=job_id, action="resuming from the newest checkpoint (step 0 if none)")
+        self.job = TrainingJob(JobSpec.from_dict(spec_dict), resume=resume or restarted, progress=False)
+        self.job.observers.add(_FeedSteps(self.feed))
+        self.outcome: dict | None = None
+        threading.Thread(target=self._run, name="raymesh-controller", daemon=True).start()
+
+    def _run(self) -> None:
+        from orchestrator.runtime.controller import RunComplete
+
+        try:
+            outcome = {"summary": self.job.run().to_dict()}
+        except RunComplete as done:
+            outcome = {"complete": str(done), "step": done.step, "run_dir": str(done.run_dir)}
+        except Exception as exc:  # the follower shows it; a user's mistake (ValueError, SpecError) exits 2
+            outcome = {"error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc),
+                       "user_error": isinstance(exc, ValueError)}
+            event("failed", job_id=self.job_id, error=repr(exc))
+        self.outcome = outcome
+        self.feed.wake()
+        time.sleep(LINGER_S)  # nobody collected the outcome: the run dir keeps summary.json and the records
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def poll(self, cursor: int, incarnation: str, wait_s: float = 1.0) -> dict:
+        """New feed items for a follower; ``outcome`` only once every item before it was handed out."""
+        if incarnation != self.incarnation:
+            cursor = 0
+        outcome = self.outcome  # read first: items taken after it include everything the run produced
+        items, cursor = self.feed.since(cursor, 0.0 if outcome else wait_s)
+        return {"items": items, "cursor": cursor, "incarnation": self.incarnation, "outcome": outcome,
+                "total_steps": self.job.spec.train.steps}
+
+    def control_announcement(self) -> dict[str, str] | None:
+        """Where and how to call the job's control API (``ControlServer.announcement``); None until it is open."""
+        return self.job.control.announcement() if self.job.control is not None else None
+
+    def request_stop(self, reason: str) -> str:
+        return self.job.request_stop(reason)
+
+    def result(self) -> dict | None:
+        return self.outcome
+
+
+def _runtime_env() -> dict:
+    """What the actor (and the ranks it starts) need from this process's environment: our ``PYTHONPATH``
+    (a checkout that is not installed) and one OpenMP thread (the controller only coordinates). A submitted
+    job's working directory comes with the job's own runtime env, which the actor inherits."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return {"env_vars": env}
+
+
+class AlreadyRunning(RuntimeError):
+    """A live controller already hosts this job id."""
+
+
+@dataclass
+class HostedJob:
+    """A job's controller actor, found by job id: what ``raymesh attach/status/stop/inject/scale`` talk to."""
+
+    job_id: str
+    handle: Any
+
+    @classmethod
+    def start(cls, spec_dict: dict, resume: bool, job_id: str) -> HostedJob:
+        """Create the detached controller (Ray must be initialized); ``AlreadyRunning`` if one runs already."""
+        found = cls.find(job_id)
+        if found is not None:
+            if found.outcome() is None:
+                raise AlreadyRunning(
+                    f"job {job_id} is already running (its controller outlives the process that started it); "
+                    f"follow it with `raymesh attach {job_id}` or end it with `raymesh stop {job_id}`")
+            found.release()  # an ended run still waiting for a follower: this start replaces it
+        handle = ray.remote(ControllerActor).options(
+            name=actor_name(job_id), namespace=NAMESPACE, lifetime="detached", max_restarts=MAX_RESTARTS,
+            max_task_retries=0, max_concurrency=16, num_cpus=0, runtime_env=_runtime_env(),
+        ).remote(spec_dict, resume, job_id)
+        return cls(job_id, handle)
+
+    @classmethod
+    def find(cls, job_id: str, ray_address: str | None = None) -> HostedJob | None:
+        """The live controller of ``job_id``, or None (also when no Ray cluster can be reached)."""
+        if not ray.is_initialized():
+            use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a driver without it
+            try:
+                ray.init(address=ray_address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+            except (ConnectionError, RuntimeError):  # no cluster there
+                return None
+        try:
+            return cls(job_id, ray.get_actor(actor_name(job_id), namespace=NAMESPACE))
+        except ValueError:
+            return None
+
+    def poll(self, cursor: int, incarnation: str, wait_s: float) -> dict:
+        return ray.get(self.handle.poll.remote(cursor, incarnation, wait_s), timeout=wait_s + 60)
+
+    def outcome(self) -> dict | None:
+        return ray.get(self.handle.result.remote(), timeout=60)
+
+    def control_announcement(self) -> dict[str, str] | None:
+        return ray.get(self.handle.control_announcement.remote(), timeout=60)
+
+    def control(self) -> ControlClient:
+        """The control API client of the controller (its address, token and TLS); ``LookupError`` while it has
+        not opened its API yet."""
+        fields = self.control_announcement()
+        if fields is None:
+            raise LookupError(f"job {self.job_id} is still starting (its controller has not opened its control "
+                              f"API yet); try again in a few seconds")
+        return ControlClient.from_announcement(fields)
+
+    def status(self) -> dict:
+        """The same dict as ``Client.status`` (``ray_status`` is the actor's: running until its outcome is in)."""
+        outcome = self.outcome()
+        if outcome is not None:
+            summary = outcome.get("summary")
+            state = summary["status"] if summary else ("finished" if "complete" in outcome else "failed")
+            return {"submission_id": self.job_id, "ray_status": state, "state": state, "summary": summary,
+                    "message": outcome.get("error") or outcome.get("complete")}
+        try:
+            control = self.control()
+        except LookupError:
+            return {"submission_id": self.job_id, "ray_status": "running", "state": "starting"}
+        return {"submission_id": self.job_id, "ray_status": "running", **control.status(),
+                "control_address": control.address}
+
+    def stop(self, reason: str = "") -> dict:
+        """Graceful stop through the control API (through the actor while the API is not open yet)."""
+        if self.outcome() is not None:
+            return {"accepted": False, "state": self.status()["state"], "via": "none"}
+        if self.control_announcement() is None:
+            state = ray.get(self.handle.request_stop.remote(reason), timeout=60)
+            return {"accepted": state not in ("finished", "failed"), "state": state, "via": "actor"}
+        return {**self.control().stop(reason), "via": "control"}
+
+    def release(self) -> None:
+        """End the actor for good: the run has ended and its outcome was collected (or is being replaced)."""
+        ray.kill(self.handle, no_restart=True)

@@ -1,0 +1,107 @@
+"""A controller that outlives its driver: ``raymesh run`` hosts it in a detached actor and only follows it.
+
+Both tests compare against one uninterrupted run of the same tiny job: the driver SIGKILLed mid-run (the
+job trains on, ``raymesh attach`` shows it to the end), and the controller actor itself killed (Ray restarts
+it and it resumes from the newest checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from orchestrator import TrainingJob
+from orchestrator.runtime.hosted import HostedJob
+from tests.support.driver import job_file, kill_group, output, raymesh, slowed, start_raymesh
+from tests.support.jobs import tiny_spec, wait_for
+
+STEPS = 30
+
+
+def spec_for(token_data, folder):
+    return tiny_spec(token_data, folder, train={"steps": STEPS}, checkpoint={"every": 5})
+
+
+def slow_job(token_data, folder):
+    return job_file(slowed(spec_for(token_data, folder)), folder)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, token_data, tmp_path_factory) -> list[float]:
+    return TrainingJob(spec_for(token_data, tmp_path_factory.mktemp("ref")), progress=False).run().losses
+
+
+def step_of(job_id: str) -> int:
+    job = HostedJob.find(job_id)
+    status = job.status() if job is not None else {}
+    return status.get("step", 0)
+
+
+def test_killing_the_driver_leaves_the_run_training_and_attach_shows_it_end(ray_cluster, token_data, tmp_path,
+                                                                            uninterrupted):
+    job = slow_job(token_data, tmp_path)
+    driver = start_raymesh(ray_cluster, "run", str(job), "--id", "driver-killed", out=tmp_path / "run")
+    try:
+        wait_for(lambda: step_of("driver-killed") >= 2, 180, "the hosted run to train two steps")
+        driver.kill()  # SIGKILL: nothing of the driver gets to run
+        driver.wait()
+        assert step_of("driver-killed") < STEPS, "the run ended before its driver was killed: the test proved nothing"
+        attached = raymesh(ray_cluster, "attach", "driver-killed", "--no-progress",
+                           "--summary-json", str(tmp_path / "attached.json"))
+    finally:
+        kill_group(driver)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert f"done: {STEPS} steps" in attached.stdout
+    summary = json.loads((tmp_path / "attached.json").read_text())
+    assert summary["status"] == "finished" and summary["losses"] == uninterrupted
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["losses"] == uninterrupted
+    assert HostedJob.find("driver-killed") is None  # attach collected the outcome and let the actor go
+
+
+def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token_data, tmp_path, uninterrupted):
+    job = slow_job(token_data, tmp_path)
+    out = tmp_path / "driver"
+    driver = start_raymesh(ray_cluster, "run", str(job), "--id", "controller-killed", "--no-progress",
+                           "--summary-json", str(tmp_path / "summary.json"), out=out)
+    try:
+        wait_for(lambda: step_of("controller-killed") >= 7, 180, "a checkpoint at step 5 and two more steps")
+        ray.kill(HostedJob.find("controller-killed").handle, no_restart=False)  # the process dies, Ray restarts it
+        wait_for(lambda: "event=resume path=" in output(out)[1], 120, "the restarted controller to resume")
+        held = [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"].startswith("raymesh-job-tp") and pg["state"] != "REMOVED"]
+        assert len(held) == 1, held  # Ray gave the lost controller's reservation back: nothing is leaked
+        assert driver.wait(timeout=300) == 0, output(out)
+    finally:
+        kill_group(driver)
+    stderr = output(out)[1]
+    assert "was lost; waiting for Ray to restart it" in stderr
+    assert "event=controller_restarted job_id=controller-killed" in stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    resumed_at = int(summary["resumed_from"].rsplit("-", 1)[1])
+    assert resumed_at >= 5 and resumed_at % 5 == 0
+    assert summary["losses"] == uninterrupted[resumed_at:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+    assert {s["step"]: s["loss"] for s in steps} == dict(enumerate(uninterrupted, start=1))
+
+
+def test_status_inject_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster, token_data, tmp_path):
+    out = tmp_path / "driver"
+    driver = start_raymesh(ray_cluster, "run", str(slow_job(token_data, tmp_path)), "--id", "by-id", "--no-progress",
+                           out=out)
+    try:
+        wait_for(lambda: step_of("by-id") >= 2, 180, "the hosted run to train two steps")
+        assert "raymesh attach by-id" in output(out)[1]
+        status = raymesh(ray_cluster, "status", "by-id")
+        assert status.returncode == 0 and "raymesh-job by-id: running, step" in status.stdout, status.stderr
+        inject = raymesh(ray_cluster, "inject", "by-id", "--kind", "slow_rank", "--rank", "0", "--factor", "30")
+        assert inject.returncode == 0 and "by-id: slow_rank on rank 0 at step" in inject.stdout, inject.stderr
+        stop = raymesh(ray_cluster, "stop", "by-id", "--reason", "test over")
+        assert stop.returncode == 0 and "by-id: stopping (the controller finishes" in stop.stdout, stop.stderr
+        assert driver.wait(timeout=120) == 0, output(out)
+    finally:
+        kill_group(driver)
+    assert "event=fault_requested kind=slow_rank rank=0" in output(out)[1]
+    assert "event=stop_requested job=raymesh-job reason=test over" in output(out)[1]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "stopped"

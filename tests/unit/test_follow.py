@@ -1,0 +1,71 @@
+"""What ``raymesh run``/``attach`` show of a hosted controller: the feed a follower polls and the final lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+
+import pytest
+
+from orchestrator.cli.follow import report, resume_command
+from orchestrator.runtime.hosted import Feed
+
+
+def summary(**fields) -> dict:
+    return {"steps": 7, "final_loss": 2.5, "tokens_per_s": 1234.0, "status": "finished", "checkpoints": [],
+            "losses": [3.0, 2.5], **fields}
+
+
+def test_a_follower_gets_what_it_has_not_seen_and_a_late_one_what_is_still_kept():
+    feed = Feed(keep=3)
+    for i in range(5):
+        feed.add({"line": str(i)})
+    assert feed.since(3, 0.0) == ([{"line": "3"}, {"line": "4"}], 5)
+    assert feed.since(0, 0.0) == ([{"line": "2"}, {"line": "3"}, {"line": "4"}], 5)  # 0 and 1 fell out
+    assert feed.since(5, 0.0) == ([], 5)
+
+
+def test_a_waiting_follower_wakes_on_the_next_item():
+    feed = Feed()
+    threading.Timer(0.05, feed.add, [{"step": 1, "loss": 1.0, "tokens_per_s": 5.0}]).start()
+    assert feed.since(0, 10.0) == ([{"step": 1, "loss": 1.0, "tokens_per_s": 5.0}], 1)
+
+
+def test_the_resume_command_repeats_the_overrides_and_address():
+    args = argparse.Namespace(job="jobs/my job.yaml", set=["train.steps=20", "optim.betas=[0.9, 0.99]"],
+                              address="10.0.0.1:6379")
+    assert resume_command(args) == ("raymesh run 'jobs/my job.yaml' --set train.steps=20 "
+                                    "--set 'optim.betas=[0.9, 0.99]' --address 10.0.0.1:6379 --resume")
+
+
+def test_a_stopped_run_names_its_checkpoint_and_the_resume_command(capsys, tmp_path):
+    out = tmp_path / "s.json"
+    stopped = summary(status="stopped", checkpoints=["/runs/a/checkpoints/step-00000007"])
+    assert report({"summary": stopped}, "job-1", str(out), "raymesh run job.yaml --resume") == 0
+    printed = capsys.readouterr().out
+    assert printed == ("done: 7 steps, final loss 2.5000, 1,234 tokens/s\n"
+                       "stopped at step 7 (checkpoint /runs/a/checkpoints/step-00000007); resume with:\n"
+                       "  raymesh run job.yaml --resume\n")
+    assert json.loads(out.read_text()) == stopped
+
+
+def test_a_stop_without_checkpoints_says_resuming_starts_over(capsys):
+    assert report({"summary": summary(status="stopped", steps=0, final_loss=None)}, "j", None, "raymesh run x") == 0
+    assert capsys.readouterr().out == (
+        "done: 0 steps, no step trained, 1,234 tokens/s\n"
+        "stopped at step 0 (no checkpoint (checkpoint.every is 0), so resuming starts over at step 0); "
+        "resume with:\n  raymesh run x\n")
+
+
+@pytest.mark.parametrize(("outcome", "code", "stream", "text"), [
+    ({"complete": "the run in /r is complete"}, 0, "out", "raymesh: the run in /r is complete\n"),
+    ({"error": "`parallel.dp` ...", "user_error": True}, 2, "err", "raymesh: error: job j: `parallel.dp` ...\n"),
+    ({"error": "RuntimeError: gave up", "user_error": False}, 1, "err",
+     "raymesh: error: job j: RuntimeError: gave up\n"),
+    (None, 130, "err", "raymesh: detached from job j; it goes on training. Follow it with `raymesh attach j`, "
+                       "end it with `raymesh stop j`\n"),
+])
+def test_every_other_ending_is_one_line_and_its_exit_status(capsys, outcome, code, stream, text):
+    assert report(outcome, "j", None, None) == code
+    assert getattr(capsys.readouterr(), stream) == text
