@@ -68,9 +68,15 @@ class CheckpointDir:
                 self.on_skip(record)
         return None
 
-    def prune(self) -> list[int]:
-        """Delete complete checkpoints beyond the newest ``keep``; return the steps removed."""
-        old = self.complete_steps()[: -self.keep]
+    def prune(self, newest: int) -> list[int]:
+        """Delete complete checkpoints beyond the ``keep`` newest up to ``newest`` (the step just committed);
+        return the steps removed.
+
+        Steps after ``newest`` are left alone: they are not this run's lineage (the run being trained
+        never saved past its current step), so they can neither push its own checkpoints out of the
+        window nor be deleted by it.
+        """
+        old = [s for s in self.complete_steps() if s <= newest][: -self.keep]
         for step in old:
             shutil.rmtree(self.path_for(step), ignore_errors=True)
         return old

@@ -47,6 +47,17 @@ class Failure:
     reason: str  # the failure as users read it ("rank 1 died")
 
 
+def ranks_that_failed(errors: dict) -> dict[int, str]:
+    """Which of the ranks whose step raised (``RankStepError`` by rank, none dead) failed on their own.
+
+    A rank whose collective broke (``peer_lost``) is a survivor of another rank's failure; the others (out
+    of memory, any other error) are replaced. When every one says ``peer_lost`` none can be told from the
+    rest, and all are replaced.
+    """
+    own = {r: e for r, e in errors.items() if e.kind != "peer_lost"} or errors
+    return {r: ("ran out of memory" if e.kind == "oom" else "raised") + f" ({e.detail})" for r, e in own.items()}
+
+
 class RecoveryPolicy:
     """Rules for one job's ``fault_tolerance`` settings."""
 

@@ -24,6 +24,7 @@ class Checkpointing:
         self.ckpt = ckpt
         self.observers = observers
         self.saved: list[str] = []
+        self.in_flight: int | None = None  # the step of an async save not yet sealed
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
@@ -37,7 +38,9 @@ class Checkpointing:
         group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
         blocked = time.perf_counter() - t0
         self.observers.on_checkpoint(blocked, committed=False)
-        if not self.async_save:
+        if self.async_save:
+            self.in_flight = step
+        else:
             self.committed(step, blocked)
         return blocked
 
@@ -45,6 +48,17 @@ class Checkpointing:
         done = group.call("wait_checkpoint")
         if done[0] is not None:
             self.committed(done[0], None)
+        self.in_flight = None
+
+    def poll(self, group) -> None:
+        """Seal an async save as soon as every rank has it durable, so a failure before the next save can
+        fall back to it (with ``every: 50``, waiting for the next save would leave it unsealed 50 steps)."""
+        if self.in_flight is not None and all(group.call("checkpoint_durable")):
+            self.wait_async(group)  # returns at once: every rank's save is done
+
+    def forget_in_flight(self) -> None:
+        """The grid was formed again (recovery, resize): its ranks' unfinished save died with the old group."""
+        self.in_flight = None
 
     def save_now(self, group, step: int) -> None:
         """A synchronous save of ``step`` unless it is saved already (before the grid is torn down)."""
@@ -57,7 +71,7 @@ class Checkpointing:
     def committed(self, step: int, seconds: float | None) -> None:
         self.saved.append(str(self.ckpt.path_for(step)))
         self.ckpt.seal(step)
-        removed = self.ckpt.prune()
+        removed = self.ckpt.prune(step)
         self.observers.on_checkpoint(None, committed=True)
         event("checkpoint", step=step, path=self.ckpt.path_for(step),
               seconds="async" if seconds is None else f"{seconds:.2f}", pruned=removed or "-")

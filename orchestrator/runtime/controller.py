@@ -80,6 +80,11 @@ class TrainingJob:
         self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
 
     @property
+    def memory_every(self) -> int:
+        """Steps between in-memory snapshots for the current layout (``checkpoint.memory_every``)."""
+        return self.spec.checkpoint.snapshot_every(self.spec.parallel)
+
+    @property
     def state(self) -> str:
         return self.machine.public
 
@@ -133,6 +138,7 @@ class TrainingJob:
 
     def _start(self) -> Layout:
         p = self.spec.parallel
+        self._refuse_foreign_checkpoints()
         self.runtime.preflight(self.spec)
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = self.runtime.serve_control(self)  # after connect, so it advertises the node IP
@@ -142,6 +148,18 @@ class TrainingJob:
         self.use_gpu = p.device == "cuda" or (p.device == "auto" and gpus > 0)
         check_resources(self.spec, cpus, gpus, "cuda" if self.use_gpu else "cpu")
         return self.launch_grid()
+
+    def _refuse_foreign_checkpoints(self) -> None:
+        """A fresh run into a directory that holds another run's checkpoints is refused before any actor starts:
+        a later ``--resume`` would pick whichever run saved the higher step, and mixing two runs' steps in one
+        retention window is how the new run's own checkpoints used to be deleted."""
+        steps = self.ckpt.complete_steps()
+        if self.resume or not steps:
+            return
+        raise SpecError("run_dir", str(self.run_dir),
+                        f"holds another run's checkpoints ({self.ckpt.root}, steps {steps[0]} to {steps[-1]})",
+                        "continue that run with `raymesh run JOB --resume`, or start afresh in another run_dir "
+                        "(or delete the old checkpoints)")
 
     def launch_grid(self, timeout_s: float = 120.0) -> Layout:
         """Reserve placement for ``self.spec``'s grid, start its rank actors and form the process group."""
@@ -248,7 +266,7 @@ class TrainingJob:
                               self.recoveries)
         if self.progress:
             self.observers.add(ProgressBar(self.spec.train.steps, self.step))
-        if self.spec.checkpoint.memory_every:
+        if self.memory_every:
             self.take_snapshot()
         status = self._train(acct)
         if self.checkpoints.every:
@@ -289,6 +307,7 @@ class TrainingJob:
             self.ps.recoveries.clear()
         acct.first_step_done()
         stopping = self.machine.stop_requested.is_set()
+        self.checkpoints.poll(self.group)
         ckpt_s = self.checkpoints.save(self.group, self.step) if self.checkpoints.due(self.step, stopping) else 0.0
         self.last = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
         if not stopping and self.step < self.spec.train.steps:
@@ -305,7 +324,7 @@ class TrainingJob:
                     self.ps.arm(fault)
                 else:  # corrupt_checkpoint
                     corrupt_newest(self.ckpt)
-        memory_every = self.spec.checkpoint.memory_every
+        memory_every = self.memory_every
         keep_from = self._keep_from if memory_every and self._issued % memory_every == 0 else None
         results = self.group.step(faults_now, keep_from)
         if not all(math.isfinite(r.loss) for r in results if r.loss is not None):
@@ -331,7 +350,7 @@ def validated_fault(fault: dict, spec: JobSpec, layout: Layout, runtime: Runtime
         checked = FaultSpec.model_validate(fault)
     except ValidationError as exc:
         raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, kill_node, "
-                         "hang_rank, slow_rank, nan_loss, corrupt_checkpoint and factor > 1") from None
+                         "hang_rank, slow_rank, nan_loss, raise_error, oom, corrupt_checkpoint and factor > 1") from None
     world = spec.parallel.world_size
     if not 0 <= fault["rank"] < world:
         raise ValueError(f"fault rank {fault['rank']} is not a rank of this {world}-rank job; "

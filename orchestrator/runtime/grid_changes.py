@@ -44,6 +44,7 @@ class GridChanges:
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message) from None
         completed = job.step
+        job.checkpoints.forget_in_flight()  # an unsealed async save dies with the failed group
         before = {r.rank: r.identity for r in job.layout.ranks}
         dp_before = job.spec.parallel.dp
         if decision.action is Action.RESTART_ALL:
@@ -51,7 +52,7 @@ class GridChanges:
             phases.lap("restart")
         else:
             kind, source = self._replace_failed(failure, phases)
-        if job.spec.checkpoint.memory_every:
+        if job.memory_every:
             job.take_snapshot()
             phases.lap("snapshot")
         rank = min(failure.dead) if failure.dead else -1
@@ -166,7 +167,7 @@ class GridChanges:
         job.spec = target
         job.layout = job.launch_grid()
         job.load_from_disk("resize")  # the save just made, unless it fails its checksums
-        if job.spec.checkpoint.memory_every:
+        if job.memory_every:
             job.take_snapshot()
         self._resized(reason, old_dp, "disk", time.perf_counter() - t0)
 

@@ -17,16 +17,25 @@ from workers.protocol import RankInfo, StepResult
 
 @dataclass
 class StepFailed(Exception):
-    """A step that did not complete on every rank, and why: ``kind`` is ``rank``, ``hang`` or ``nan_loss``."""
+    """A step that did not complete on every rank, and why: ``kind`` is ``rank`` (died), ``hang``, ``oom``,
+    ``error`` (a live rank's step raised) or ``nan_loss``."""
 
-    dead: dict[int, str]  # rank -> "died" | "hung"
+    dead: dict[int, str]  # rank -> "died" | "hung" | "ran out of memory (...)" | "raised (...)"
     kind: str = ""
 
     def __post_init__(self) -> None:
-        self.kind = self.kind or ("hang" if "hung" in self.dead.values() else "rank")
+        self.kind = self.kind or _kind(self.dead.values())
 
     def __str__(self) -> str:
         return ", ".join(f"rank {r} {how}" for r, how in sorted(self.dead.items())) or self.kind
+
+
+def _kind(hows) -> str:
+    hows = list(hows)
+    for prefix, kind in (("hung", "hang"), ("ran out of memory", "oom"), ("raised", "error")):
+        if any(how.startswith(prefix) for how in hows):
+            return kind
+    return "rank"
 
 
 class Placement(Protocol):

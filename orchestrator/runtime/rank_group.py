@@ -2,10 +2,12 @@
 
 A step either completes on every rank or raises ``StepFailed`` naming the
 ranks that died (actor or process gone; reported as soon as the first is
-seen) or hung (no answer within the heartbeat timeout; those are killed so
-they count as dead). Survivors blocked in a collective with a dead peer get an
-error from gloo/NCCL within the collective timeout, so a failed step always
-ends; the replacement starts meanwhile.
+seen), hung (no answer within the heartbeat timeout) or raised on their own
+(out of memory, an I/O error, a bug); those are killed so they count as dead.
+Survivors blocked in a collective with a dead peer get an error from gloo at
+once (its sockets closed), leave their own groups, and so free their peers in
+turn (``RankWorker._leave_group``): a failed step ends within a second, not
+the collective timeout, and the replacement starts meanwhile.
 """
 
 from __future__ import annotations
@@ -17,12 +19,21 @@ from typing import ClassVar
 import ray
 from ray.exceptions import RayActorError
 
+from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step
 from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
+from orchestrator.spec.sections import dp_replicas_mirror
+from workers.diagnostics.faults import RankStepError
 from workers.protocol import RankInfo, StepResult
 from workers.rank_worker import RankWorker
+
+
+def step_error(exc: ray.exceptions.RayTaskError) -> RankStepError:
+    """The worker's classified failure inside Ray's wrapper (any other exception counts as an ``error``)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, RankStepError) else RankStepError("error", str(exc).splitlines()[0][:300])
 
 
 class RankGroup:
@@ -69,7 +80,7 @@ class RankGroup:
         """
         refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
         deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
-        results, dead, errors, pending = {}, {}, [], list(refs)
+        results, dead, errors, pending = {}, {}, {}, list(refs)
         while pending and not dead and time.monotonic() < deadline:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             for ref in ready:
@@ -79,11 +90,11 @@ class RankGroup:
                 except RayActorError:
                     dead[rank] = "died"
                 except ray.exceptions.RayTaskError as exc:
-                    errors.append(exc)  # a survivor whose collective broke with the dead peer, or a real bug
+                    errors[rank] = step_error(exc)  # a survivor whose collective broke with the dead peer, or not
         if not dead:
             dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
         if errors and not dead:
-            raise errors[0]  # every rank alive yet one raised: a bug to report, not a fault to recover from
+            dead = ranks_that_failed(errors)  # alive but raised (out of memory, I/O, a bug): replaced like the dead
         if dead:
             for rank in dead:
                 ray.kill(self.workers[rank], no_restart=True)
@@ -148,8 +159,7 @@ class RankGroup:
         """Under plain all-reduce data parallelism (zero 0) the holder's own state is bit for bit the rank's
         (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
         is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped."""
-        p = self.spec.parallel
-        return p.zero == 0 and p.grid.dp_enabled and p.dp_sync == "allreduce"
+        return dp_replicas_mirror(self.spec.parallel)
 
     def _holder_actor(self, rank: int):
         holder = self.holder(rank)

@@ -159,16 +159,34 @@ class TrainSpec(_Section):
     log_every: PositiveInt = 1
 
 
+def dp_replicas_mirror(parallel: ParallelSpec) -> bool:
+    """Whether every data-parallel replica holds the whole state bit for bit (zero 0, all-reduce, dp > 1): a
+    replica's own snapshot then is its peers' replica, so a snapshot costs one local copy and ships nothing."""
+    return parallel.zero == 0 and parallel.grid.dp_enabled and parallel.dp_sync == "allreduce"
+
+
 class CheckpointSpec(_Section):
-    """Checkpoint cadence; `every: 0` never checkpoints. YAML key `async` maps to `async_save`."""
+    """Checkpoint cadence; `every: 0` never checkpoints. YAML key `async` maps to `async_save`.
+
+    On by default (every 50 steps, asynchronous, and at the last step): a lost driver, head node, or a
+    rank lost together with its replica holder otherwise loses the whole run.
+    """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    every: Annotated[int, Field(ge=0)] = 0
+    every: Annotated[int, Field(ge=0)] = 50
     dir: str | None = None
-    async_save: bool = Field(default=False, alias="async")
+    async_save: bool = Field(default=True, alias="async")
     keep: Annotated[int, Field(ge=1)] = 3
-    memory_every: Annotated[int, Field(ge=0)] = 10  # in-memory snapshot (+ replica on a peer) cadence; 0: off
+    # in-memory snapshot (+ replica on a peer) cadence; 0: off; unset: every step where the data-parallel
+    # replicas mirror each other (the snapshot ships nothing), else every 10 steps
+    memory_every: Annotated[int, Field(ge=0)] | None = None
+
+    def snapshot_every(self, parallel: ParallelSpec) -> int:
+        """``memory_every``, or its default for this layout."""
+        if self.memory_every is not None:
+            return self.memory_every
+        return 1 if dp_replicas_mirror(parallel) else 10
 
     def resolved_dir(self, run_dir: str | Path) -> Path:
         """`dir` when set, else `<run_dir>/checkpoints`."""
@@ -214,7 +232,7 @@ class FaultSpec(_Section):
     """One injected fault (the fault-injection harness): deterministic by step and rank (or shard)."""
 
     kind: Literal["kill_rank", "kill_node", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint",
-                  "kill_ps_shard"]
+                  "kill_ps_shard", "raise_error", "oom"]
     rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
     shard: Annotated[int, Field(ge=0)] = 0  # kill_ps_shard: which parameter-server shard dies
     at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step

@@ -21,6 +21,11 @@ from orchestrator.spec import JobSpec
 from workers.protocol import RankInfo, StepResult
 
 
+# what the real group reports for each fault kind (``RankGroup.step``: raised steps via ``ranks_that_failed``)
+_FAILS = {"hang_rank": "hung", "oom": "ran out of memory (MemoryError: injected)",
+          "raise_error": "raised (InjectedError: injected)"}
+
+
 class FakePlacement:
     def __init__(self) -> None:
         self.released = False
@@ -101,6 +106,7 @@ class FakeGroup:
     def form(self) -> list[RankInfo]:
         """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
         self.step_now = 0
+        self._in_flight = None  # an unfinished async save dies with the old process group
         grid = self.spec.parallel.grid
         return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="cpu",
                          pid=1000 + r, node_id=f"node{r}", actor_id=f"actor{r}") for r in grid.ranks()]
@@ -111,7 +117,7 @@ class FakeGroup:
         if action is not None:
             action()
         kinds = {rank: f["kind"] for rank, f in faults.items()}
-        dead = {r: "hung" if k == "hang_rank" else "died" for r, k in kinds.items() if k != "nan_loss"}
+        dead = {r: _FAILS.get(k, "died") for r, k in kinds.items() if k != "nan_loss"}
         if dead:
             raise StepFailed(dead)
         self.step_now = nxt
@@ -156,6 +162,9 @@ class FakeGroup:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / ".metadata").write_text(json.dumps({"step": self.step_now}))  # DCP's file a save must have
         self._in_flight = self.step_now if async_save else None
+
+    def _checkpoint_durable(self) -> bool:
+        return True
 
     def _wait_checkpoint(self) -> int | None:
         done, self._in_flight = getattr(self, "_in_flight", None), None

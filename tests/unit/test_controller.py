@@ -160,7 +160,7 @@ def test_only_the_dead_rank_is_replaced(tmp_path):
 
 
 def test_without_snapshots_the_rollback_is_from_the_latest_checkpoint(tmp_path):
-    job = make_job(tmp_path, [kill(1, 5)], checkpoint={"every": 2, "memory_every": 0})
+    job = make_job(tmp_path, [kill(1, 5)], checkpoint={"every": 2, "memory_every": 0, "async": False})
     (rec,) = job.run().recoveries
     assert job.changes.decisions[-1].source == "disk"
     assert (rec["source"], rec["lost_steps"]) == ("disk", 0)
@@ -194,7 +194,7 @@ def test_ranks_found_dead_when_the_failed_step_ends_are_replaced_too(tmp_path):
 
 def test_restart_all_relaunches_the_whole_grid_from_disk(tmp_path):
     runtime = FakeRuntime()
-    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1},
+    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1, "async": False},
                    fault_tolerance={"recovery": "restart_all"})
     (rec,) = job.run().recoveries
     assert actions(job) == [Action.RESTART_ALL]
