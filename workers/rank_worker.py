@@ -70,47 +70,19 @@ class RankWorker:
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
         """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).
 
-        A step that raises (a collective broken by a dead peer, out of memory, any other error) leaves the
-        process group at once and raises ``RankStepError`` saying which (see ``_leave_group``).
+        A step that raises (a collective broken by a dead peer, out of memory, any other error) raises
+        ``RankStepError`` saying which, so the controller replaces a rank that failed on its own and keeps
+        one whose collective only broke with a dead peer.
         """
         from workers.diagnostics.faults import RankStepError
 
         try:
             result = self.trainer.train_step(fault)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, classified, to the controller
-            failure = RankStepError.of(exc)
-        else:
-            if snapshot_keep_from is not None:
-                self._take_snapshot(snapshot_keep_from)
-            return dataclasses.replace(result, replicated_step=self.store.replicated)
-        # outside the ``except``: the exception's traceback (whose frames hold the trainer) is gone by now
-        self._leave_group()
-        raise failure
-
-    def _leave_group(self) -> None:
-        """Drop the trainer and destroy every process group, so this rank's collective sockets close now.
-
-        Why: a peer blocked in a collective with this rank otherwise waits out the collective timeout
-        (``recovery.collective_timeout_s``) before it fails. On gloo, ``ProcessGroup.abort()`` and
-        ``shutdown()`` do not unblock a pending operation (measured on torch 2.13: the peer still waited
-        for the timeout), but closing the connections does: the peer's pending receive fails with
-        "Connection closed by peer" within milliseconds, it leaves in turn, and the failure cascades through
-        the grid from the dead rank outwards in well under a second. The rank's state is not needed: it
-        rolls back from its snapshot store (kept here) after the group is formed again, which rebuilds the
-        trainer anyway. On NCCL the same place would call ``ProcessGroupNCCL.abort()`` (ncclCommAbort), which
-        does unblock pending kernels; destroying the group alone leaves them queued on the stream.
-        """
-        import gc
-
-        import torch.distributed as dist
-
-        self.trainer = None
-        if dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                dist.distributed_c10d._abort_process_group()  # every group; also forgets them, as destroy does
-            else:
-                dist.destroy_process_group()
-        gc.collect()  # the groups live in reference cycles (modules, mesh, hooks): close their sockets now
+            raise RankStepError.of(exc) from None
+        if snapshot_keep_from is not None:
+            self._take_snapshot(snapshot_keep_from)
+        return dataclasses.replace(result, replicated_step=self.store.replicated)
 
     def ps_reroute(self, shard: int, route: dict) -> None:
         """A parameter-server shard was restarted and resynced: send its keys there again."""
@@ -153,6 +125,10 @@ class RankWorker:
         if snap is not None:
             self.store.own[step] = snap
         return self.trainer.step
+
+    def skip_batch(self) -> None:
+        """Pass over the next batch without training on it (its step was NaN again and again)."""
+        self.trainer.state.cursor.next_batch()
 
     def save_checkpoint(self, path: str, async_save: bool) -> None:
         ps = self.trainer.ps  # asp/ssp train on their own thread: save between two of its steps

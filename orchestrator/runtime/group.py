@@ -30,6 +30,11 @@ class StepFailed(Exception):
         return ", ".join(f"rank {r} {how}" for r, how in sorted(self.dead.items())) or self.kind
 
 
+# a survivor still blocked in its failed step after the grace: restarted with the dead ranks, not counted as a
+# failure of its own (``RankGroup.finish_failed_step``)
+ABANDONED = "abandoned"
+
+
 def _kind(hows) -> str:
     hows = list(hows)
     for prefix, kind in (("hung", "hang"), ("ran out of memory", "oom"), ("raised", "error")):

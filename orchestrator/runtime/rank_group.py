@@ -4,10 +4,10 @@ A step either completes on every rank or raises ``StepFailed`` naming the
 ranks that died (actor or process gone; reported as soon as the first is
 seen), hung (no answer within the heartbeat timeout) or raised on their own
 (out of memory, an I/O error, a bug); those are killed so they count as dead.
-Survivors blocked in a collective with a dead peer get an error from gloo at
-once (its sockets closed), leave their own groups, and so free their peers in
-turn (``RankWorker._leave_group``): a failed step ends within a second, not
-the collective timeout, and the replacement starts meanwhile.
+Survivors in a collective with the dead peer get an error from gloo at once
+(its sockets closed); those blocked on another survivor are not waited for
+past a short grace (``finish_failed_step``): a failed step ends within
+seconds, not the collective timeout, and the replacements start meanwhile.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step
-from orchestrator.runtime.group import StepFailed
+from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from orchestrator.spec.sections import dp_replicas_mirror
@@ -47,6 +47,7 @@ class RankGroup:
         self.use_gpu = use_gpu
         self.workers: list = [self._new_actor(r) for r in range(spec.parallel.world_size)]
         self._failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
+        self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
 
     def _new_actor(self, rank: int):
         p = self.spec.parallel
@@ -78,6 +79,7 @@ class RankGroup:
         with it finish their failed step (gloo/NCCL error, at most the collective timeout) while the
         replacement starts, because the next calls they get queue behind it.
         """
+        t0 = time.monotonic()
         refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
         deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
         results, dead, errors, pending = {}, {}, {}, list(refs)
@@ -100,22 +102,43 @@ class RankGroup:
                 ray.kill(self.workers[rank], no_restart=True)
             self._failed = {refs.index(ref): ref for ref in pending}
             raise StepFailed(dead)
+        self._last_step_s = time.monotonic() - t0
         return [results[r] for r in range(len(refs))]
 
     def finish_failed_step(self) -> dict[int, str]:
-        """Wait for the other ranks' failed step to end (within the collective timeout); returns the ranks
-        found dead meanwhile (a lost node takes several), killed like the first."""
+        """Wait a short grace for the other ranks' failed step to end; returns the ranks found dead meanwhile
+        (a lost node takes several) and those still blocked after it (``abandoned``), all killed like the first.
+
+        Why abandon: a survivor whose collective is with the dead rank fails at once (gloo sees the socket
+        close), but one blocked on *another survivor* (the pipeline peer of the dead rank's data-parallel
+        peer, say) waits out ``collective_timeout_s`` (60 s by default): the peer it waits on left its
+        collective, not its process group, and neither ``ProcessGroup.abort()`` nor ``shutdown()`` unblocks a
+        pending gloo operation (measured on torch 2.13), nor does destroying the group while the model,
+        mesh and pending work still hold it. Restarting the blocked survivor costs what replacing the dead
+        rank costs, in parallel with it, and its state comes back from its data-parallel replica (the zero-0
+        mirrors, or the replica it shipped), else from disk. On NCCL the same place is where PyTorch's own
+        error handling would tear the process down after the timeout; abandoning after the grace gets
+        there sooner (the alternative, ``ProcessGroupNCCL.abort()`` from another thread, is not verified here).
+
+        The grace is ``fault_tolerance.survivor_grace_s`` or twice the last completed step, whichever is
+        longer, so a survivor still computing its share of a long step is not mistaken for a blocked one.
+        """
         refs, self._failed = self._failed, {}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.spec.fault_tolerance.collective_timeout_s + 5)
+        grace = min(max(self.spec.fault_tolerance.survivor_grace_s, 2 * self._last_step_s),
+                    self.spec.fault_tolerance.collective_timeout_s + 5)
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace)
         dead = {}
         for rank, ref in refs.items():
             try:
                 ray.get(ref, timeout=0)
             except RayActorError:
                 dead[rank] = "died"
-                ray.kill(self.workers[rank], no_restart=True)
+            except ray.exceptions.GetTimeoutError:
+                dead[rank] = ABANDONED
             except ray.exceptions.RayError:
-                pass  # its collective broke with the dead peer (or it is still blocked): a survivor
+                pass  # its collective broke with the dead peer: a survivor
+        for rank in dead:
+            ray.kill(self.workers[rank], no_restart=True)
         return dead
 
     def replace(self, ranks) -> None:

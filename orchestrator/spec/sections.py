@@ -198,6 +198,14 @@ class FaultToleranceSpec(_Section):
 
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # a step not answered by then: the rank hung
     collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0  # survivors' collectives with a dead peer give up
+    # after a rank failed, survivors still blocked in the failed step this long (or 2 steps, if longer) are
+    # restarted with it and restored from their replicas, instead of waiting out collective_timeout_s
+    survivor_grace_s: Annotated[float, Field(gt=0)] = 2.0
+    # a step whose loss is not finite is rolled back and run again (each counts against max_restarts); after
+    # nan_retries re-runs that are NaN again at the same step: skip_batch (that step's batch is skipped, and
+    # the event log says so) or stop (the run fails with the step and the fix)
+    nan_retries: Annotated[int, Field(ge=0)] = 1
+    on_repeated_nan: Literal["skip_batch", "stop"] = "skip_batch"
     max_restarts: Annotated[int, Field(ge=0)] = 3
     # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
     # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)

@@ -60,8 +60,10 @@ def start_live(spec, hold_at: int = 3):
 
 @pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2}, {"tp": 2, "dp": 2}], ids=["pp2-dp2", "tp2-dp2"])
 def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, ray_cluster, token_data, tmp_path):
-    straight = run(token_data, tmp_path / "straight", parallel=layout)
-    recovered = run(token_data, tmp_path / "killed", parallel=layout,
+    """On the job file's defaults (no recovery tuning): snapshots every step, survivors freed at once."""
+    on_defaults = {"checkpoint": {}, "fault_tolerance": {}}
+    straight = run(token_data, tmp_path / "straight", parallel=layout, **on_defaults)
+    recovered = run(token_data, tmp_path / "killed", parallel=layout, **on_defaults,
                     faults=[{"kind": "kill_rank", "rank": 1, "at_step": 7}])
     assert recovered.losses == straight.losses  # bit-identical at every step, before and after the fault
     assert recovered.grad_norms == straight.grad_norms
@@ -70,6 +72,8 @@ def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, r
     assert rec["lost_steps"] == 0  # zero 0: the holder's own snapshot of step 6 is rank 1's replica, never in flight
     assert sum(rec["phases_s"].values()) == pytest.approx(rec["mttr_s"], abs=0.01)  # phases are rounded to ms
     assert rec["mttr_s"] > 0
+    # the survivors left their collectives with the dead peer at once, not after the 60 s collective timeout
+    assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]
     after = {r["rank"]: r for r in recovered.layout["ranks"]}
     for rank, before in rec["identities_before"].items():
         same = (after[int(rank)]["pid"], after[int(rank)]["actor_id"]) == (before["pid"], before["actor_id"])

@@ -51,14 +51,16 @@ class FakeElastic:
 
 class FakeRuntime:
     """Knobs: ``placeable`` (replacements start), ``more_dead`` (found when the failed step ends),
-    ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it)."""
+    ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it),
+    ``nan_batches`` (data that makes the loss NaN whenever it is trained on)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
-                 lose_snapshots: bool = False, script: dict | None = None):
+                 lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset()):
         self.placeable = placeable
         self.more_dead = dict(more_dead or {})
         self.lose_snapshots = lose_snapshots
         self.script = dict(script or {})
+        self.nan_batches = nan_batches  # batches whose loss is NaN every time they are trained on
         self.groups: list[FakeGroup] = []
         self.placements: list[FakePlacement] = []
         self.elastic_policy: FakeElastic | None = None
@@ -102,6 +104,7 @@ class FakeGroup:
         self.snapshots: set[int] = set()
         self.replaced: list[set[int]] = []
         self.stopped = False
+        self.skipped_at: set[int] = set()  # steps before which the ranks skipped a batch
 
     def form(self) -> list[RankInfo]:
         """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
@@ -117,6 +120,9 @@ class FakeGroup:
         if action is not None:
             action()
         kinds = {rank: f["kind"] for rank, f in faults.items()}
+        batch = nxt + sum(s <= nxt for s in self.skipped_at)  # step n trains on batch n + the batches skipped
+        if batch in self.runtime.nan_batches:
+            kinds[0] = "nan_loss"
         dead = {r: _FAILS.get(k, "died") for r, k in kinds.items() if k != "nan_loss"}
         if dead:
             raise StepFailed(dead)
@@ -162,6 +168,9 @@ class FakeGroup:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / ".metadata").write_text(json.dumps({"step": self.step_now}))  # DCP's file a save must have
         self._in_flight = self.step_now if async_save else None
+
+    def _skip_batch(self) -> None:
+        self.skipped_at.add(self.step_now + 1)
 
     def _checkpoint_durable(self) -> bool:
         return True

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
 import pytest
 
 from orchestrator import JobSpec, TrainingJob
+from orchestrator.checkpoints.directory import CheckpointDir
+from orchestrator.errors import SpecError
 from orchestrator.observability.observers import JobObserver
 from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
 from orchestrator.runtime.states import JobState
@@ -304,16 +307,100 @@ def test_status_reports_the_public_state_and_the_last_step(tmp_path):
     assert status["state"] == "finished" and status["step"] == 10 and status["loss"] == pytest.approx(0.1)
 
 
-def test_recoveries_and_resizes_are_event_lines(tmp_path):
+@contextlib.contextmanager
+def event_lines():
+    """The event log's lines while the block runs."""
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("raymesh").addHandler(handler)
     try:
-        make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(placeable=False)).run()
+        yield lines
     finally:
         logging.getLogger("raymesh").removeHandler(handler)
+
+
+def test_recoveries_and_resizes_are_event_lines(tmp_path):
+    with event_lines() as lines:
+        make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(placeable=False)).run()
     resized = next(line for line in lines if line.startswith("event=resized"))
     assert resized == "event=resized reason=shrink dp_from=2 dp_to=1 step=3 source=memory microbatches=4"
     recovered = next(line for line in lines if line.startswith("event=recovered"))
     assert recovered.startswith("event=recovered kind=rank source=memory step=3 lost_steps=0 detect_s=")
+
+
+# -- every failure class: raised steps, repeated NaN, lost replicas, foreign checkpoints ----
+
+
+@pytest.mark.parametrize(("kind", "recorded"), [("raise_error", "error"), ("oom", "oom")])
+def test_a_step_that_raises_replaces_the_rank_instead_of_failing_the_job(tmp_path, kind, recorded):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(1, 4, kind)], runtime=runtime)
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == (recorded, 1, "memory", 0)
+    assert runtime.groups[0].replaced == [{1}] and result.status == "finished" and result.steps == 10
+
+
+def test_a_nan_that_comes_back_at_the_same_step_skips_its_batch_and_says_so(tmp_path):
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})), fault_tolerance={"max_restarts": 5})
+    with event_lines() as lines:
+        result = job.run()
+    assert [d.action for d in job.changes.decisions if d.action is not Action.ROLL_BACK] == [Action.SKIP_BATCH]
+    assert job.changes.nan_times == {6: 2} and job.restarts == 2  # one re-run (nan_retries: 1), then skipped
+    assert result.status == "finished" and all(loss == loss for loss in result.losses)  # no NaN recorded
+    assert any(line.startswith("event=nan_batch_skipped step=6 times=2") for line in lines)
+
+
+def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})),
+                   fault_tolerance={"on_repeated_nan": "stop", "nan_retries": 2, "max_restarts": 5})
+    with pytest.raises(RuntimeError, match=r"step 6 produced a non-finite loss 3 times .* fix: lower optim.lr"):
+        job.run()
+    assert job.changes.nan_times == {6: 3} and job.state == "failed"
+
+
+def test_nan_rollbacks_count_against_the_restart_budget(tmp_path):
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({3, 5, 7})),
+                   fault_tolerance={"max_restarts": 2, "nan_retries": 0})
+    with pytest.raises(RuntimeError, match="3 rank restarts exceed fault_tolerance.max_restarts=2"):
+        job.run()
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused_before_any_rank_starts(tmp_path):
+    runtime = FakeRuntime()
+    first = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, runtime=runtime)
+    first.run()
+    again = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, runtime=runtime)
+    with pytest.raises(SpecError, match=r"`run_dir`.*holds another run's checkpoints .*steps 5 to 10.*--resume"):
+        again.run()
+    assert len(runtime.groups) == 1  # nothing was started for the refused run
+    assert first.ckpt.complete_steps() == [5, 10]
+
+
+def test_retention_never_deletes_the_checkpoint_just_saved_for_higher_foreign_steps(tmp_path):
+    directory = CheckpointDir(tmp_path / "ckpt", keep=2)
+    for step in (40, 50, 60, 2, 4, 6):  # an old run's steps 40-60, then this run's 2, 4, 6
+        directory.path_for(step).mkdir(parents=True)
+        (directory.path_for(step) / ".metadata").write_text("x")
+        directory.seal(step)
+        directory.prune(step)
+    assert directory.complete_steps() == [4, 6, 50, 60]  # this run keeps its newest two; the old run is untouched
+
+
+def test_a_rank_lost_with_its_replica_falls_back_to_the_checkpoint_and_names_the_lost_steps(tmp_path):
+    runtime = FakeRuntime(lose_snapshots=True)  # what restore answers when a rank's holder died with it
+    job = make_job(tmp_path, [kill(1, 7)], runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    with event_lines() as lines:
+        (rec,) = job.run().recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 2)
+    assert any(line.startswith("event=rolled_back_to_checkpoint step=4 lost_steps=5-6") for line in lines)
+
+
+def test_without_any_checkpoint_starting_over_is_said_loudly(tmp_path):
+    job = make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(lose_snapshots=True),
+                   checkpoint={"every": 0, "memory_every": 1})
+    with event_lines() as lines:
+        (rec,) = job.run().recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("initial", 3)
+    assert any(line.startswith("event=no_checkpoint lost_steps=1-3 action=STARTING OVER FROM STEP 0") for line in lines)

@@ -66,9 +66,8 @@ class RankStepError(Exception):
     (a collective broke because a peer died or left its group: the rank itself is sound) or ``error`` (anything
     else: an I/O error, a full disk, a bug); ``detail`` is the original exception in one line.
 
-    Only strings travel (never the original exception and its traceback), so the frames that still hold the
-    rank's process groups are freed before the controller hears of the failure (see
-    ``RankWorker.train_step``).
+    Only strings travel (never the original exception), so the controller needs neither torch nor the
+    exception's class to read it.
     """
 
     def __init__(self, kind: str, detail: str):
