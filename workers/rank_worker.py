@@ -20,6 +20,17 @@ import ray
 from workers.protocol import RankInfo, StepResult
 
 
+def _remove_orphaned_offload(spec: dict) -> None:
+    """A dead rank's NVMe offload files on this node (its SIGKILL skipped their clean-up), with a log line."""
+    offload = spec.get("memory", {}).get("offload", {})
+    if offload.get("tier") != "nvme":
+        return
+    from workers.offload.store import remove_orphans
+
+    for path in remove_orphans(offload.get("path")):
+        print(f"raymesh event=offload_orphan_removed path={path} why=its rank's process is gone", flush=True)
+
+
 class RankWorker:
     def __init__(self) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -57,6 +68,7 @@ class RankWorker:
         if dist.is_initialized():
             self.trainer = None
             dist.destroy_process_group()
+        _remove_orphaned_offload(spec)
         self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
             from workers.state.snapshot_store import SnapshotStore
@@ -78,7 +90,7 @@ class RankWorker:
 
         try:
             result = self.trainer.train_step(fault)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, classified, to the controller
+        except Exception as exc:
             raise RankStepError.of(exc) from None
         if snapshot_keep_from is not None:
             self._take_snapshot(snapshot_keep_from)

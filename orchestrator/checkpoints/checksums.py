@@ -37,9 +37,23 @@ def write_manifest(ckpt: str | Path) -> Path:
     ckpt = Path(ckpt)
     files = {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in _files(ckpt)}
     tmp = ckpt / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1))
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"files": files}, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, ckpt / MANIFEST)
+    fsync_dir(ckpt)  # the rename itself, so a power loss cannot leave a sealed-looking directory without it
+    fsync_dir(ckpt.parent)  # and the checkpoint directory's own entry
     return ckpt / MANIFEST
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (renames, new files) durable: fsync on the directory itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def problem(ckpt: str | Path) -> str | None:

@@ -140,6 +140,7 @@ class TrainingJob:
     def _start(self) -> Layout:
         p = self.spec.parallel
         self._refuse_foreign_checkpoints()
+        self.ckpt.remove_leftovers()  # nothing is in flight yet: incomplete saves of an earlier life can go
         self.runtime.preflight(self.spec)
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = self.runtime.serve_control(self)  # after connect, so it advertises the node IP
@@ -353,7 +354,8 @@ def validated_fault(fault: dict, spec: JobSpec, layout: Layout, runtime: Runtime
         checked = FaultSpec.model_validate(fault)
     except ValidationError as exc:
         raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, kill_node, "
-                         "hang_rank, slow_rank, nan_loss, raise_error, oom, corrupt_checkpoint and factor > 1") from None
+                         "hang_rank, slow_rank, nan_loss, raise_error, oom, corrupt_checkpoint "
+                         "and factor > 1") from None
     world = spec.parallel.world_size
     if not 0 <= fault["rank"] < world:
         raise ValueError(f"fault rank {fault['rank']} is not a rank of this {world}-rank job; "

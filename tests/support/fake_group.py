@@ -20,7 +20,6 @@ from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 from workers.protocol import RankInfo, StepResult
 
-
 # what the real group reports for each fault kind (``RankGroup.step``: raised steps via ``ranks_that_failed``)
 _FAILS = {"hang_rank": "hung", "oom": "ran out of memory (MemoryError: injected)",
           "raise_error": "raised (InjectedError: injected)"}

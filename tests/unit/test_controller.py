@@ -404,3 +404,20 @@ def test_without_any_checkpoint_starting_over_is_said_loudly(tmp_path):
         (rec,) = job.run().recoveries
     assert (rec["source"], rec["lost_steps"]) == ("initial", 3)
     assert any(line.startswith("event=no_checkpoint lost_steps=1-3 action=STARTING OVER FROM STEP 0") for line in lines)
+
+
+def test_incomplete_saves_and_old_corrupt_checkpoints_are_removed_with_a_log_line(tmp_path):
+    directory = CheckpointDir(tmp_path / "ckpt", keep=2)
+    for step in (2, 4, 6):
+        directory.path_for(step).mkdir(parents=True)
+        (directory.path_for(step) / ".metadata").write_text("x")
+        if step != 4:
+            directory.seal(step)
+    directory.path_for(1).with_name("step-00000001.corrupt").mkdir()
+    directory.path_for(7).with_name("step-00000007.corrupt").mkdir()  # newer than a kept one: for inspection
+    with event_lines() as lines:
+        removed = directory.remove_leftovers()
+    assert sorted(p.name for p in removed) == ["step-00000001.corrupt", "step-00000004"]
+    assert sorted(p.name for p in directory.root.iterdir()) == ["step-00000002", "step-00000006",
+                                                                 "step-00000007.corrupt"]
+    assert sum(line.startswith("event=checkpoint_removed") for line in lines) == 2

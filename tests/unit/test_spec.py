@@ -68,7 +68,7 @@ def test_defaults() -> None:
     c = spec.checkpoint
     assert (c.every, c.dir, c.async_save, c.keep, c.memory_every) == (50, None, True, 3, None)
     assert c.snapshot_every(spec.parallel) == 10  # dp 1: nothing mirrors this rank
-    assert c.snapshot_every(JobSpec.from_dict({"parallel": {"dp": 2}}).parallel) == 1  # zero-0 mirrors: free
+    assert c.snapshot_every(JobSpec.from_dict({**BASE, "parallel": {"dp": 2}}).parallel) == 1  # zero-0 mirrors: free
     assert c.resolved_dir(spec.resolved_run_dir()) == Path("runs/raymesh-job/checkpoints")
 
 

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from workers.data import checksums
+
 FORMAT = "raymesh-bytes-v1"
 VOCAB_SIZE = 256
 SEPARATOR = 0  # byte placed between documents; NUL practically never occurs in text
@@ -58,7 +60,7 @@ def _write_shard(out: Path, index: int, buf: bytes) -> dict:
     name = f"shard-{index:05d}.parquet"
     table = pa.table({"tokens": pa.array(np.frombuffer(buf, dtype=np.uint8))})
     pq.write_table(table, out / name, row_group_size=ROW_GROUP_ROWS)
-    return {"file": name, "tokens": len(buf)}
+    return {"file": name, "tokens": len(buf), checksums.FIELD: checksums.shard_digest(out / name)}
 
 
 def prepare_data(
