@@ -13,6 +13,7 @@ import time
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver
+from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 
 
@@ -31,11 +32,23 @@ class Checkpointing:
         return bool(self.every) and (step % self.every == 0 or step == self.total_steps or stopping)
 
     def save(self, group, step: int) -> float:
-        """Issue a save; return the seconds training was blocked by it."""
-        if self.async_save:
-            self.wait_async(group)  # at most one save in flight; commit the previous one first
+        """Issue a save; return the seconds training was blocked by it.
+
+        A save that raises on a rank (disk full, an I/O error) is logged and skipped: training goes on and the
+        next save tries again (what is left of it is removed as incomplete). A rank lost meanwhile raises
+        ``StepFailed`` (``RankGroup.call``) and is recovered from like a failed step."""
         t0 = time.perf_counter()
-        group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
+        try:
+            if self.async_save:
+                self.wait_async(group)  # at most one save in flight; commit the previous one first
+            group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
+        except StepFailed:
+            raise
+        except Exception as exc:
+            self.in_flight = None
+            event("checkpoint_failed", step=step, reason=repr(str(exc).splitlines()[0][:200]),
+                  action="training goes on; the next save tries again")
+            return time.perf_counter() - t0
         blocked = time.perf_counter() - t0
         self.observers.on_checkpoint(blocked, committed=False)
         if self.async_save:

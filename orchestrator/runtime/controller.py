@@ -290,18 +290,34 @@ class TrainingJob:
             t0 = time.perf_counter()
             try:
                 results = self._step_once()
+                stopping = self._after_step(acct, results, t0)
             except StepFailed as failure:
-                self.machine.to(JobState.RECOVERING)
-                acct.rolled_back(self.changes.recover(failure, self.step + 1, t0), max(0, self.step - first))
-                self.machine.resume()
-                self.observers.on_rollback(self.step)
+                self._recover(acct, failure, t0, first)
                 continue
-            if self._after_step(acct, results, time.perf_counter() - t0):
+            if stopping:
                 return "stopped"
         return "finished"
 
-    def _after_step(self, acct: StepAccounting, results: list[StepResult], step_s: float) -> bool:
-        """Account for a completed step, checkpoint when due, resize when asked; True when stopping."""
+    def _recover(self, acct: StepAccounting, failure: StepFailed, t0: float, first: int) -> None:
+        """Recover from ``failure``; a rank lost during the recovery itself (re-forming, restoring) starts it
+        again with that rank replaced too, until the restart budget says to give up."""
+        self.machine.to(JobState.RECOVERING)
+        while True:
+            try:
+                record = self.changes.recover(failure, self.step + 1, t0)
+                break
+            except StepFailed as again:
+                event("recovery_failed", reason=again, action="recovering again")
+                failure = again
+        acct.rolled_back(record, max(0, self.step - first))
+        self.machine.resume()
+        self.observers.on_rollback(self.step)
+
+    def _after_step(self, acct: StepAccounting, results: list[StepResult], t0: float) -> bool:
+        """Account for a completed step, checkpoint when due, resize when asked; True when stopping.
+
+        A rank lost while saving raises ``StepFailed`` once the step is accounted for (it did complete)."""
+        step_s = time.perf_counter() - t0
         self.step = results[0].step
         if self.ps is not None:
             self.ps.after_step(self.step, self.group)
@@ -309,9 +325,16 @@ class TrainingJob:
             self.ps.recoveries.clear()
         acct.first_step_done()
         stopping = self.machine.stop_requested.is_set()
-        self.checkpoints.poll(self.group)
-        ckpt_s = self.checkpoints.save(self.group, self.step) if self.checkpoints.due(self.step, stopping) else 0.0
+        lost, ckpt_s = None, 0.0
+        try:
+            self.checkpoints.poll(self.group)
+            if self.checkpoints.due(self.step, stopping):
+                ckpt_s = self.checkpoints.save(self.group, self.step)
+        except StepFailed as failure:
+            lost = failure
         self.last = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
+        if lost is not None:
+            raise lost
         if not stopping and self.step < self.spec.train.steps:
             self._maybe_resize()
         return stopping

@@ -63,13 +63,13 @@ class RankGroup:
     def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
-        ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
+        self._gather({r: w.preload.remote() for r, w in enumerate(self.workers)})  # new actors import first
+        addr, port = self._gather({0: self.workers[0].rendezvous_address.remote()})[0]
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
-        infos = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
+        infos = self._gather({r: w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)})
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
-        ray.get([w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
-                 for r, w in enumerate(self.workers)])
+        self._gather({r: w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
+                      for r, w in enumerate(self.workers)})
         return infos
 
     def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
@@ -124,6 +124,8 @@ class RankGroup:
         longer, so a survivor still computing its share of a long step is not mistaken for a blocked one.
         """
         refs, self._failed = self._failed, {}
+        if not refs:
+            return {}
         grace = min(max(self.spec.fault_tolerance.survivor_grace_s, 2 * self._last_step_s),
                     self.spec.fault_tolerance.collective_timeout_s + 5)
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace)
@@ -196,7 +198,7 @@ class RankGroup:
     def _available(self, ranks) -> dict[int, dict]:
         """Each of ``ranks``' complete snapshot steps and replicas, once none is in flight."""
         ranks = list(ranks)
-        return dict(zip(ranks, ray.get([self.workers[r].snapshot_steps.remote() for r in ranks])))
+        return dict(zip(ranks, self._gather({r: self.workers[r].snapshot_steps.remote() for r in ranks})))
 
     def restore(self, replaced: set[int], up_to: int) -> int:
         """Roll every rank back to the newest snapshot step, at most ``up_to``, complete for all of them:
@@ -212,11 +214,11 @@ class RankGroup:
         step = newest_common_step(lists, up_to)
         if step is None:
             raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
-        calls = []
+        calls = {}
         for rank, w in enumerate(self.workers):
             snap = self._replica(rank, step) if rank in replaced else None
-            calls.append(w.restore_snapshot.remote(step, snap))
-        return ray.get(calls)[0]
+            calls[rank] = w.restore_snapshot.remote(step, snap)
+        return self._gather(calls)[0]
 
     def _replica(self, rank: int, step: int):
         holder = self.workers[self.holder(rank)]
@@ -242,17 +244,42 @@ class RankGroup:
         if step is None:
             return None
         kept = {pos: self.workers[rank].kept_snapshot.remote(step) for pos, rank in chosen.items()}
-        ray.wait(list(kept.values()), num_returns=len(kept))  # in hand before the survivors are stopped
+        ready, _ = ray.wait(list(kept.values()), num_returns=len(kept),  # in hand before the survivors are stopped
+                            timeout=5 * self.spec.fault_tolerance.heartbeat_timeout_s)
+        if len(ready) < len(kept):
+            return None  # a survivor did not hand its snapshot over in time: the checkpoint it is
         return step, kept
 
     def restore_positions(self, step: int, kept: dict) -> int:
         """Every rank takes the snapshot of ``step`` kept for its model position; returns the step."""
         grid = self.spec.parallel.grid
-        return ray.get([w.restore_snapshot.remote(step, kept[grid.position(r)])
-                        for r, w in enumerate(self.workers)])[0]
+        return self._gather({r: w.restore_snapshot.remote(step, kept[grid.position(r)])
+                             for r, w in enumerate(self.workers)})[0]
 
     def call(self, method: str, *args) -> list:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return self._gather({r: getattr(w, method).remote(*args) for r, w in enumerate(self.workers)})
+
+    def _gather(self, refs: dict) -> list:
+        """Every rank's answer (rank -> call), in rank order, within a deadline: a rank that died or did not
+        answer by then is killed and fails the call as ``StepFailed``, which the controller recovers from like
+        a failed step (a rank's own exception is raised as it is). The deadline is five heartbeat timeouts
+        (10 minutes by default): long enough to load a large checkpoint, never forever."""
+        timeout = 5 * self.spec.fault_tolerance.heartbeat_timeout_s
+        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        dead = {rank: "hung" for rank, ref in refs.items() if ref in pending}
+        out = {}
+        for rank, ref in refs.items():
+            if rank in dead:
+                continue
+            try:
+                out[rank] = ray.get(ref)
+            except RayActorError:
+                dead[rank] = "died"
+        if dead:
+            for rank in dead:
+                ray.kill(self.workers[rank], no_restart=True)
+            raise StepFailed(dead)
+        return [out[rank] for rank in refs]
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):  # a rank that already died cannot shut down cleanly; it is killed below

@@ -51,15 +51,18 @@ class FakeElastic:
 class FakeRuntime:
     """Knobs: ``placeable`` (replacements start), ``more_dead`` (found when the failed step ends),
     ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it),
-    ``nan_batches`` (data that makes the loss NaN whenever it is trained on)."""
+    ``nan_batches`` (data that makes the loss NaN whenever it is trained on), ``fail_calls`` (a group
+    method -> the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
-                 lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset()):
+                 lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
+                 fail_calls: dict[str, list[Exception]] | None = None):
         self.placeable = placeable
         self.more_dead = dict(more_dead or {})
         self.lose_snapshots = lose_snapshots
         self.script = dict(script or {})
         self.nan_batches = nan_batches  # batches whose loss is NaN every time they are trained on
+        self.fail_calls = {k: list(v) for k, v in (fail_calls or {}).items()}  # method -> what its next calls raise
         self.groups: list[FakeGroup] = []
         self.placements: list[FakePlacement] = []
         self.elastic_policy: FakeElastic | None = None
@@ -105,8 +108,15 @@ class FakeGroup:
         self.stopped = False
         self.skipped_at: set[int] = set()  # steps before which the ranks skipped a batch
 
+    def _maybe_fail(self, method: str) -> None:
+        pending = self.runtime.fail_calls.get(method)
+        failure = pending.pop(0) if pending else None
+        if failure is not None:
+            raise failure
+
     def form(self) -> list[RankInfo]:
         """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
+        self._maybe_fail("form")
         self.step_now = 0
         self._in_flight = None  # an unfinished async save dies with the old process group
         grid = self.spec.parallel.grid
@@ -161,6 +171,7 @@ class FakeGroup:
         return step
 
     def call(self, method: str, *args) -> list:
+        self._maybe_fail(method)
         return [getattr(self, f"_{method}")(*args)] * self.world
 
     def _save_checkpoint(self, path: str, async_save: bool) -> None:

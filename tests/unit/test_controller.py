@@ -13,6 +13,7 @@ from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.errors import SpecError
 from orchestrator.observability.observers import JobObserver
 from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
+from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.states import JobState
 from tests.support.fake_group import FakeRuntime
 from tests.support.jobs import tiny_spec
@@ -421,3 +422,37 @@ def test_incomplete_saves_and_old_corrupt_checkpoints_are_removed_with_a_log_lin
     assert sorted(p.name for p in directory.root.iterdir()) == ["step-00000002", "step-00000006",
                                                                  "step-00000007.corrupt"]
     assert sum(line.startswith("event=checkpoint_removed") for line in lines) == 2
+
+
+def test_a_save_that_raises_is_logged_and_the_next_save_goes_on(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [RuntimeError("No space left on device")]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    with event_lines() as lines:
+        result = job.run()
+    assert result.status == "finished" and job.ckpt.complete_steps() == [8, 10]  # step 4's save failed
+    assert any(line.startswith("event=checkpoint_failed step=4") and "No space left" in line for line in lines)
+
+
+def test_a_rank_lost_while_saving_is_recovered_like_a_failed_step(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"]) == ("rank", 1, "memory")
+    assert result.status == "finished" and len(result.losses) == 10 and job.ckpt.complete_steps() == [8, 10]
+
+
+def test_a_rank_lost_during_a_recovery_starts_the_recovery_again(tmp_path):
+    runtime = FakeRuntime(fail_calls={"form": [StepFailed({0: "died"})]})  # the first re-form after the fault
+    job = make_job(tmp_path, [kill(1, 4)], runtime=runtime)
+    runtime.fail_calls["form"].insert(0, None)  # the start-up form succeeds
+    result = job.run()
+    assert runtime.groups[0].replaced == [{1}, {0}] and job.restarts == 2
+    assert result.recoveries[0]["source"] == "memory" and result.status == "finished" and len(result.losses) == 10
+
+
+def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
+    (rec,) = job.run().recoveries
+    assert runtime.groups[0].replaced == [{0, 1}] and job.restarts == 2 and rec["source"] == "memory"
