@@ -319,6 +319,7 @@ class TrainingJob:
         A rank lost while saving raises ``StepFailed`` once the step is accounted for (it did complete)."""
         step_s = time.perf_counter() - t0
         self.step = results[0].step
+        self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
         if self.ps is not None:
             self.ps.after_step(self.step, self.group)
             self.recoveries.extend(self.ps.recoveries)

@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from orchestrator.recovery.policy import ranks_that_failed
-from orchestrator.recovery.snapshot_target import newest_common_step
+from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
 from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
@@ -47,18 +47,41 @@ class RankGroup:
         self.use_gpu = use_gpu
         self.workers: list = [self._new_actor(r) for r in range(spec.parallel.world_size)]
         self._failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
+        self._holders: dict[int, int | None] = {}  # rank -> its replica holder, chosen at every formation
+        self._node_of: dict[int, str] = {}  # rank -> its node, from every formation
+        self._spares: dict[str, object] = {}  # node -> a preloaded spare rank process (``start_spares``)
         self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
 
-    def _new_actor(self, rank: int):
+    def _new_actor(self, rank: int, spare: bool = False):
+        """A ``RankWorker`` in ``rank``'s placement bundle; a ``spare`` reserves no resources of its own (it takes
+        over the dead rank's, freed in the same bundle's node)."""
         p = self.spec.parallel
         # peers' replicas are stored on their own thread, beside the running step
         return ray.remote(concurrency_groups={"replicas": 1})(RankWorker).options(
-            num_cpus=p.cpus_per_rank,
+            num_cpus=0 if spare else p.cpus_per_rank,
             num_gpus=1 if self.use_gpu else 0,
             scheduling_strategy=self.placement.strategy(rank),
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-            name=f"{self.spec.name}-rank{rank}-{time.time_ns()}",
+            name=f"{self.spec.name}-{'spare' if spare else 'rank'}{rank}-{time.time_ns()}",
         ).remote()
+
+    def start_spares(self) -> None:
+        """One warm spare rank process per node of the grid (CPU jobs), started and preloaded in the background.
+
+        Why: a replacement spends most of its time starting Python and importing torch (3 to 7 s on a loaded
+        host, more for two at once), the largest part of a recovery once survivors are not waited for; a
+        spare has done that already. CPU only: a spare on a GPU would need a GPU of its own. Called after the
+        grid trains, so the spares' imports never compete with the ranks' start-up.
+        """
+        if self.use_gpu:
+            return
+        first_of = {}
+        for rank, node in self._node_of.items():
+            first_of.setdefault(node, rank)
+        for node, rank in first_of.items():
+            if node not in self._spares:
+                self._spares[node] = self._new_actor(rank, spare=True)
+                self._spares[node].preload.remote()
 
     def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
@@ -67,6 +90,8 @@ class RankGroup:
         addr, port = self._gather({0: self.workers[0].rendezvous_address.remote()})[0]
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
         infos = self._gather({r: w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)})
+        self._node_of = {info.rank: info.node_id for info in infos}
+        self._holders = replica_holders(self.spec.parallel.grid, self._node_of)
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
         self._gather({r: w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
                       for r, w in enumerate(self.workers)})
@@ -147,7 +172,8 @@ class RankGroup:
         """New actors in the dead ranks' grid positions (their placement bundles are free again); they start
         importing torch and the trainer at once, while the survivors finish their failed step."""
         for rank in ranks:
-            self.workers[rank] = self._new_actor(rank)
+            spare = self._spares.pop(self._node_of.get(rank), None)
+            self.workers[rank] = spare if spare is not None else self._new_actor(rank)
             self.workers[rank].preload.remote()
 
     def placed(self, ranks, timeout_s: float) -> bool:
@@ -176,8 +202,9 @@ class RankGroup:
         return not pending
 
     def holder(self, rank: int) -> int | None:
-        """Where rank's replica lives: the grid's replica peer (same position, next data-parallel replica)."""
-        return self.spec.parallel.grid.replica_peer(rank)
+        """Where rank's replica lives: a rank of the same position in another data-parallel replica, on another
+        node whenever the cluster has one (``replica_holders``)."""
+        return self._holders.get(rank, self.spec.parallel.grid.replica_peer(rank))
 
     @property
     def mirrored(self) -> bool:
@@ -284,5 +311,6 @@ class RankGroup:
     def stop(self) -> None:
         with contextlib.suppress(Exception):  # a rank that already died cannot shut down cleanly; it is killed below
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        for w in self.workers:
+        for w in [*self.workers, *self._spares.values()]:
             ray.kill(w)
+        self._spares.clear()

@@ -148,6 +148,8 @@ class FakeGroup:
     def replace(self, ranks) -> None:
         self.replaced.append(set(ranks))
 
+    def start_spares(self) -> None: ...
+
     def placed(self, ranks, timeout_s: float) -> bool:
         return self.runtime.placeable
 
