@@ -80,17 +80,32 @@ def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, r
         assert same == (int(rank) != 1), rank  # survivors keep actor and process; rank 1 is new
 
 
-def test_nan_step_is_rolled_back(ray_cluster, token_data, tmp_path):
-    straight = run(token_data, tmp_path / "straight", parallel={"dp": 2})
+@pytest.fixture(scope="module")
+def straight(ray_cluster, token_data, tmp_path_factory):
+    """The uninterrupted dp=2 run the dp=2 fault tests compare with, run once for the module."""
+    return run(token_data, tmp_path_factory.mktemp("straight-dp2"), parallel={"dp": 2})
+
+
+def test_nan_step_is_rolled_back(straight, token_data, tmp_path):
     recovered = run(token_data, tmp_path / "nan", parallel={"dp": 2},
                     faults=[{"kind": "nan_loss", "rank": 0, "at_step": 5}])
     assert recovered.losses == straight.losses
     assert [r["kind"] for r in recovered.recoveries] == ["nan_loss"]
 
 
-def test_hang_is_detected_and_the_hung_rank_replaced(ray_cluster, token_data, tmp_path):
+def test_a_step_that_raises_or_runs_out_of_memory_replaces_the_rank(straight, token_data, tmp_path):
+    """A live rank's exception (here injected inside the step) is a failure to recover from, not the job's end:
+    the rank is replaced (its peer, whose collective broke with it, is kept) and nothing is lost."""
+    recovered = run(token_data, tmp_path / "raised", parallel={"dp": 2}, checkpoint={}, fault_tolerance={},
+                    faults=[{"kind": "raise_error", "rank": 0, "at_step": 4}, {"kind": "oom", "rank": 1, "at_step": 9}])
+    assert recovered.losses == straight.losses
+    assert [(r["kind"], r["rank"], r["lost_steps"]) for r in recovered.recoveries] == [("error", 0, 0), ("oom", 1, 0)]
+    first, second = recovered.recoveries
+    assert first["identities_before"][1]["pid"] == second["identities_before"][1]["pid"]  # rank 1 was kept
+
+
+def test_hang_is_detected_and_the_hung_rank_replaced(straight, token_data, tmp_path):
     spec_ft = {"heartbeat_timeout_s": 8, "collective_timeout_s": 4}
-    straight = run(token_data, tmp_path / "straight", parallel={"dp": 2})
     spec = tiny_spec(token_data, tmp_path / "hang", parallel={"dp": 2}, train={"steps": STEPS},
                      checkpoint={"memory_every": 1}, fault_tolerance=spec_ft)
     hang = {"kind": "hang_rank", "rank": 1, "at_step": 4}
