@@ -117,11 +117,15 @@ class RankGroup:
                 except RayActorError:
                     dead[rank] = "died"
                 except ray.exceptions.RayTaskError as exc:
-                    errors[rank] = step_error(exc)  # a survivor whose collective broke with the dead peer, or not
+                    error = step_error(exc)
+                    if error.kind == "peer_lost":
+                        errors[rank] = error  # a survivor whose collective broke with a dead peer
+                    else:  # failed on its own: killed below at once, so peers blocked on it fail now too
+                        dead.update(ranks_that_failed({rank: error}))
         if not dead:
             dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
         if errors and not dead:
-            dead = ranks_that_failed(errors)  # alive but raised (out of memory, I/O, a bug): replaced like the dead
+            dead = ranks_that_failed(errors)  # only broken collectives, no rank to blame: all are replaced
         if dead:
             for rank in dead:
                 ray.kill(self.workers[rank], no_restart=True)
