@@ -13,6 +13,7 @@ from orchestrator.recovery.policy import (
     ScalingPolicy,
     ranks_that_failed,
 )
+from orchestrator.recovery.snapshot_target import replica_holders
 from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.records import Layout, RecoveryRecord, ResizeRecord
 from orchestrator.runtime.states import TRANSITIONS, IllegalTransition, JobState, JobStateMachine
@@ -156,3 +157,14 @@ def test_a_nan_is_run_again_then_skipped_or_stopped(spec):
     policy = RecoveryPolicy(spec)  # nan_retries 1, on_repeated_nan skip_batch by default
     assert policy.on_nan(6, 1).action is Action.ROLL_BACK
     assert policy.on_nan(6, 2) == Decision(Action.SKIP_BATCH, step=6)
+
+
+def test_replica_holders_go_to_another_node_whenever_one_can_hold_them(tmp_path):
+    spec = tiny_spec(tmp_path / "data", tmp_path, parallel={"dp": 3, "pp": 2}, train={"global_batch_size": 12})
+    grid = spec.parallel.grid  # rank = dp * 2 + pp
+    one_node = {r: "A" for r in grid.ranks()}
+    assert replica_holders(grid, one_node) == {r: grid.replica_peer(r) for r in grid.ranks()}
+    packed = {0: "A", 1: "A", 2: "A", 3: "A", 4: "B", 5: "B"}  # dp replicas 0 and 1 share node A
+    holders = replica_holders(grid, packed)
+    assert holders == {0: 4, 1: 5, 2: 4, 3: 5, 4: 0, 5: 1}  # same pp position, another dp replica, other node
+    assert all(packed[holders[r]] != packed[r] for r in grid.ranks())
