@@ -456,3 +456,26 @@ def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
     job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
     (rec,) = job.run().recoveries
     assert runtime.groups[0].replaced == [{0, 1}] and job.restarts == 2 and rec["source"] == "memory"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chaos_a_seeded_random_schedule_of_every_fault_kind_loses_nothing_silently(tmp_path, seed):
+    """Controller invariants under a random mix of faults (the real ranks' side is in the integration tests):
+    the run finishes every step with the uninterrupted losses, and every step trained again is one a
+    recovery reported as lost (steps.jsonl has exactly that many repeated lines)."""
+    import random
+
+    rng = random.Random(seed)
+    kinds = ["kill_rank", "kill_node", "hang_rank", "nan_loss", "raise_error", "oom", "corrupt_checkpoint"]
+    steps = rng.sample(range(2, 30), 8)
+    faults = [{"kind": rng.choice(kinds), "rank": rng.randrange(4), "at_step": s} for s in steps]
+    job = make_job(tmp_path, faults, parallel={"dp": 4}, train={"steps": 30, "global_batch_size": 8},
+                   checkpoint={"every": 5, "memory_every": rng.choice([1, 3]), "async": rng.random() < 0.5},
+                   fault_tolerance={"max_restarts": 50})
+    result = job.run()
+    assert result.status == "finished" and result.losses == [1.0 / n for n in range(1, 31)]
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert sorted(set(lines)) == list(range(1, 31))
+    assert len(lines) - 30 == sum(r["lost_steps"] for r in result.recoveries)
+    rank_faults = [f for f in faults if f["kind"] != "corrupt_checkpoint"]
+    assert len(result.recoveries) == len(rank_faults)
