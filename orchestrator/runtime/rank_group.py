@@ -234,25 +234,37 @@ class RankGroup:
     def restore(self, replaced: set[int], up_to: int) -> int:
         """Roll every rank back to the newest snapshot step, at most ``up_to``, complete for all of them:
         survivors from their own, replaced ranks from their holder's replica. Returns the step."""
-        for rank in replaced:
-            holder = self.holder(rank)
-            if holder is None or holder in replaced:
+        sources = {rank: self._source(rank, replaced) for rank in replaced}
+        for rank, source in sources.items():
+            if source is None:
                 raise LookupError(f"the in-memory replica of rank {rank} died with it")
         avail = self._available(r for r in range(len(self.workers)) if r not in replaced)
         lists = [held["own"] for held in avail.values()]
         if not self.mirrored:  # a mirror's replica is its holder's own snapshot, already in ``lists``
-            lists += [avail[self.holder(r)]["replicas"].get(r, []) for r in replaced]
+            lists += [avail[sources[r]]["replicas"].get(r, []) for r in replaced]
         step = newest_common_step(lists, up_to)
         if step is None:
             raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
         calls = {}
         for rank, w in enumerate(self.workers):
-            snap = self._replica(rank, step) if rank in replaced else None
+            snap = self._replica(rank, sources[rank], step) if rank in replaced else None
             calls[rank] = w.restore_snapshot.remote(step, snap)
         return self._gather(calls)[0]
 
-    def _replica(self, rank: int, step: int):
-        holder = self.workers[self.holder(rank)]
+    def _source(self, rank: int, replaced: set[int]) -> int | None:
+        """The surviving rank that hands replaced ``rank`` its state: its holder; for mirrors, when the holder was
+        replaced too (a lost node, or survivors restarted after the grace), any surviving rank of the same model
+        position, whose own snapshot is the same state bit for bit. None when there is none."""
+        holder = self.holder(rank)
+        if holder is not None and holder not in replaced:
+            return holder
+        if not self.mirrored:
+            return None
+        grid = self.spec.parallel.grid
+        return next((r for r in grid.ranks() if r not in replaced and grid.position(r) == grid.position(rank)), None)
+
+    def _replica(self, rank: int, source: int, step: int):
+        holder = self.workers[source]
         return holder.kept_snapshot.remote(step) if self.mirrored else holder.replica.remote(rank, step)
 
     def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None:
