@@ -20,6 +20,17 @@ import ray
 from workers.protocol import RankInfo, StepResult
 
 
+def _remove_orphaned_offload(spec: dict) -> None:
+    """A dead rank's NVMe offload files on this node (its SIGKILL skipped their clean-up), with a log line."""
+    offload = spec.get("memory", {}).get("offload", {})
+    if offload.get("tier") != "nvme":
+        return
+    from workers.offload.store import remove_orphans
+
+    for path in remove_orphans(offload.get("path")):
+        print(f"raymesh event=offload_orphan_removed path={path} why=its rank's process is gone", flush=True)
+
+
 class RankWorker:
     def __init__(self) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -59,6 +70,7 @@ class RankWorker:
         if dist.is_initialized():
             self.trainer = None
             dist.destroy_process_group()
+        _remove_orphaned_offload(spec)
         self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
             from workers.state.snapshot_store import SnapshotStore
@@ -70,8 +82,18 @@ class RankWorker:
                         device_name=name, **self.identity())
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
-        """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background)."""
-        result = self.trainer.train_step(fault)
+        """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).
+
+        A step that raises (a collective broken by a dead peer, out of memory, any other error) raises
+        ``RankStepError`` saying which, so the controller replaces a rank that failed on its own and keeps
+        one whose collective only broke with a dead peer.
+        """
+        from workers.diagnostics.faults import RankStepError
+
+        try:
+            result = self.trainer.train_step(fault)
+        except Exception as exc:
+            raise RankStepError.of(exc) from None
         if snapshot_keep_from is not None:
             self._take_snapshot(snapshot_keep_from)
         return dataclasses.replace(result, replicated_step=self.store.replicated)
@@ -118,6 +140,10 @@ class RankWorker:
             self.store.own[step] = snap
         return self.trainer.step
 
+    def skip_batch(self) -> None:
+        """Pass over the next batch without training on it (its step was NaN again and again)."""
+        self.trainer.state.cursor.next_batch()
+
     def save_checkpoint(self, path: str, async_save: bool) -> None:
         ps = self.trainer.ps  # asp/ssp train on their own thread: save between two of its steps
         with ps.quiet if ps is not None else contextlib.nullcontext():
@@ -125,6 +151,9 @@ class RankWorker:
 
     def wait_checkpoint(self) -> int | None:
         return self.trainer.checkpoints.wait()
+
+    def checkpoint_durable(self) -> bool:
+        return self.trainer.checkpoints.durable()
 
     def load_checkpoint(self, path: str) -> int:
         self.trainer.checkpoints.load(path)

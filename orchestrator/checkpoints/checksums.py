@@ -37,10 +37,16 @@ def _entry(path: Path) -> dict:
 
 
 def _write(manifest: Path, files: dict) -> Path:
-    """The rename makes a manifest all-or-nothing."""
+    """The rename makes a manifest all-or-nothing; the fsyncs make it durable: the file, the rename (its
+    directory), and the directory's own entry, so a power loss cannot leave a sealed-looking save without it."""
     tmp = manifest.with_name(manifest.name + ".tmp")
-    tmp.write_text(json.dumps({"files": files}, indent=1))
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"files": files}, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, manifest)
+    fsync_dir(manifest.parent)
+    fsync_dir(manifest.parent.parent)
     return manifest
 
 
@@ -86,6 +92,15 @@ def _mismatch(root: Path, files: dict) -> str | None:
         if _crc32(path) != expected["crc32"]:
             return f"{name} fails its CRC-32 check"
     return None
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (renames, new files) durable: fsync on the directory itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def problem(ckpt: str | Path) -> str | None:

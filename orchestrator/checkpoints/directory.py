@@ -20,6 +20,7 @@ from orchestrator.checkpoints import checksums
 from orchestrator.observability.events import event
 
 _NAME = re.compile(r"^step-(\d{8})$")
+_LEFTOVER = re.compile(r"^step-(\d{8})(\.corrupt)?$")
 
 
 class CheckpointDir:
@@ -68,9 +69,37 @@ class CheckpointDir:
                 self.on_skip(record)
         return None
 
-    def prune(self) -> list[int]:
-        """Delete complete checkpoints beyond the newest ``keep``; return the steps removed."""
-        old = self.complete_steps()[: -self.keep]
+    def prune(self, newest: int) -> list[int]:
+        """Delete complete checkpoints beyond the ``keep`` newest up to ``newest`` (the step just committed);
+        return the steps removed.
+
+        Steps after ``newest`` are left alone: they are not this run's lineage (the run being trained
+        never saved past its current step), so they can neither push its own checkpoints out of the
+        window nor be deleted by it.
+        """
+        old = [s for s in self.complete_steps() if s <= newest][: -self.keep]
         for step in old:
             shutil.rmtree(self.path_for(step), ignore_errors=True)
+        self.remove_leftovers(newest)
         return old
+
+    def remove_leftovers(self, newest: int | None = None) -> list[Path]:
+        """Delete what can never be loaded, with a log line each: saves that never completed (no manifest) and
+        checkpoints set aside as corrupt, older than the oldest complete checkpoint kept (newer ``.corrupt``
+        folders stay for inspection until retention passes them). ``newest``: the step just committed
+        (a save after it may be in flight and is left alone); None at start-up, when nothing is in flight."""
+        kept = self.complete_steps()
+        oldest = kept[0] if kept else None
+        removed = []
+        for child in sorted(self.root.iterdir()) if self.root.is_dir() else []:
+            m = _LEFTOVER.match(child.name)
+            if not m or not child.is_dir():
+                continue
+            step, corrupt = int(m.group(1)), bool(m.group(2))
+            partial = not corrupt and step not in kept and (newest is None or step < newest)
+            if partial or (corrupt and oldest is not None and step < oldest):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+                event("checkpoint_removed", path=child, why="corrupt, older than every kept checkpoint" if corrupt
+                      else "incomplete save (no manifest): it can never be loaded")
+        return removed

@@ -1,7 +1,7 @@
 """Which fault each rank injects at each step, from the job file's ``faults:`` list (deterministic).
 
 One-shot faults (``kill_rank``, ``kill_node``, ``hang_rank``, ``nan_loss``,
-``corrupt_checkpoint``) fire once at ``at_step``, so the step re-run after
+``raise_error``, ``oom``, ``corrupt_checkpoint``) fire once at ``at_step``, so the step re-run after
 recovery is clean; a ``slow_rank`` stays slow from ``at_step`` on; a fault
 with ``every_s`` repeats (``orchestrator.faults.soak``). ``corrupt_checkpoint`` acts
 on storage and ``kill_ps_shard`` on a parameter-server shard, so the controller

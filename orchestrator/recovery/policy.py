@@ -26,6 +26,7 @@ class Action(str, Enum):
     REPLACE = "replace"  # new actors for the dead ranks, then a placement check
     RESTART_ALL = "restart_all"  # tear the grid down, start it again, load the last checkpoint
     ROLL_BACK = "roll_back"  # every rank back to ``Decision.source`` (memory or disk)
+    SKIP_BATCH = "skip_batch"  # roll back, then skip the batch of ``Decision.step`` (NaN again and again there)
     SHRINK = "shrink"  # the replacements found no room: a smaller grid
     GIVE_UP = "give_up"  # raise ``Decision.message``
 
@@ -35,6 +36,7 @@ class Decision:
     action: Action
     source: str | None = None  # ROLL_BACK: "memory" or "disk"
     message: str | None = None  # GIVE_UP: the error to raise
+    step: int | None = None  # SKIP_BATCH: the step whose batch is skipped
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,17 @@ class Failure:
     reason: str  # the failure as users read it ("rank 1 died")
 
 
+def ranks_that_failed(errors: dict) -> dict[int, str]:
+    """Which of the ranks whose step raised (``RankStepError`` by rank, none dead) failed on their own.
+
+    A rank whose collective broke (``peer_lost``) is a survivor of another rank's failure; the others (out
+    of memory, any other error) are replaced. When every one says ``peer_lost`` none can be told from the
+    rest, and all are replaced.
+    """
+    own = {r: e for r, e in errors.items() if e.kind != "peer_lost"} or errors
+    return {r: ("ran out of memory" if e.kind == "oom" else "raised") + f" ({e.detail})" for r, e in own.items()}
+
+
 class RecoveryPolicy:
     """Rules for one job's ``fault_tolerance`` settings."""
 
@@ -54,6 +67,8 @@ class RecoveryPolicy:
         ft = spec.fault_tolerance
         self.mode = ft.recovery
         self.max_restarts = ft.max_restarts
+        self.nan_retries = ft.nan_retries
+        self.on_repeated_nan = ft.on_repeated_nan
 
     def on_failure(self, failure: Failure, restarts: int) -> Decision:
         """First decision on a failed step; ``restarts`` already counts its dead ranks."""
@@ -67,6 +82,21 @@ class RecoveryPolicy:
         if failure.dead:
             return Decision(Action.REPLACE)
         return Decision(Action.ROLL_BACK)  # NaN loss: every rank is alive; ``roll_back`` says from where
+
+    def on_nan(self, at_step: int, times: int) -> Decision:
+        """The ``times``-th non-finite loss at ``at_step``: run it again, skip its batch, or stop.
+
+        A NaN from a transient cause (a flipped bit, a race) is gone when the step runs again; one that
+        comes back at the same step comes from the data or the state, and re-running it forever was a hang.
+        """
+        if times <= self.nan_retries:
+            return Decision(Action.ROLL_BACK)
+        if self.on_repeated_nan == "skip_batch":
+            return Decision(Action.SKIP_BATCH, step=at_step)
+        return Decision(Action.GIVE_UP, message=(
+            f"step {at_step} produced a non-finite loss {times} times (rolled back and run again "
+            f"{times - 1} times): the data or the state at that step makes it NaN; fix: lower optim.lr or "
+            "raise optim.grad_clip, or set fault_tolerance.on_repeated_nan: skip_batch to skip that batch"))
 
     def on_placement(self, placed: bool) -> Decision:
         """After the replacements had ``placement_timeout_s`` to start."""

@@ -21,3 +21,24 @@ def newest_common_step(step_lists: Iterable[Iterable[int]], up_to: int) -> int |
     for steps in step_lists:
         common = set(steps) if common is None else common & set(steps)
     return max((s for s in common or () if s <= up_to), default=None)
+
+
+def replica_holders(grid, node_of: dict[int, str]) -> dict[int, int | None]:
+    """Each rank's replica holder: the grid's replica peer (``Grid.replica_peer``), unless it shares the rank's node
+    while another rank that can hold it (the same model position in another data-parallel replica; any other rank
+    without data parallelism) lives elsewhere: then the first such rank, in the peer's order, on another node.
+
+    Why: a holder on the rank's own node dies with it when the node goes, and the recovery falls back to disk.
+    The grid's order usually gives another node already (data parallelism is outermost), but placement may
+    pack replicas together, and only the placed nodes (``node_of``: rank -> node id) tell.
+    """
+    holders = {}
+    for rank in grid.ranks():
+        peer = grid.replica_peer(rank)
+        if peer is None or node_of.get(peer) != node_of.get(rank):
+            holders[rank] = peer
+            continue
+        step = grid.positions if grid.dp_enabled else 1
+        candidates = [(rank + k * step) % grid.world_size for k in range(1, grid.world_size // step)]
+        holders[rank] = next((c for c in candidates if node_of.get(c) != node_of.get(rank)), peer)
+    return holders

@@ -13,6 +13,7 @@ import time
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver
+from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 
 
@@ -24,20 +25,35 @@ class Checkpointing:
         self.ckpt = ckpt
         self.observers = observers
         self.saved: list[str] = []
+        self.in_flight: int | None = None  # the step of an async save not yet sealed
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
         return bool(self.every) and (step % self.every == 0 or step == self.total_steps or stopping)
 
     def save(self, group, step: int) -> float:
-        """Issue a save; return the seconds training was blocked by it."""
-        if self.async_save:
-            self.wait_async(group)  # at most one save in flight; commit the previous one first
+        """Issue a save; return the seconds training was blocked by it.
+
+        A save that raises on a rank (disk full, an I/O error) is logged and skipped: training goes on and the
+        next save tries again (what is left of it is removed as incomplete). A rank lost meanwhile raises
+        ``StepFailed`` (``RankGroup.call``) and is recovered from like a failed step."""
         t0 = time.perf_counter()
-        group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
+        try:
+            if self.async_save:
+                self.wait_async(group)  # at most one save in flight; commit the previous one first
+            group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
+        except StepFailed:
+            raise
+        except Exception as exc:
+            self.in_flight = None
+            event("checkpoint_failed", step=step, reason=repr(str(exc).splitlines()[0][:200]),
+                  action="training goes on; the next save tries again")
+            return time.perf_counter() - t0
         blocked = time.perf_counter() - t0
         self.observers.on_checkpoint(blocked, committed=False)
-        if not self.async_save:
+        if self.async_save:
+            self.in_flight = step
+        else:
             self.committed(step, blocked)
         return blocked
 
@@ -45,6 +61,17 @@ class Checkpointing:
         done = group.call("wait_checkpoint")
         if done[0] is not None:
             self.committed(done[0], None)
+        self.in_flight = None
+
+    def poll(self, group) -> None:
+        """Seal an async save as soon as every rank has it durable, so a failure before the next save can
+        fall back to it (with ``every: 50``, waiting for the next save would leave it unsealed 50 steps)."""
+        if self.in_flight is not None and all(group.call("checkpoint_durable")):
+            self.wait_async(group)  # returns at once: every rank's save is done
+
+    def forget_in_flight(self) -> None:
+        """The grid was formed again (recovery, resize): its ranks' unfinished save died with the old group."""
+        self.in_flight = None
 
     def save_now(self, group, step: int) -> None:
         """A synchronous save of ``step`` unless it is saved already (before the grid is torn down)."""
@@ -57,7 +84,7 @@ class Checkpointing:
     def committed(self, step: int, seconds: float | None) -> None:
         self.saved.append(str(self.ckpt.path_for(step)))
         self.ckpt.seal(step)
-        removed = self.ckpt.prune()
+        removed = self.ckpt.prune(step)
         self.observers.on_checkpoint(None, committed=True)
         event("checkpoint", step=step, path=self.ckpt.path_for(step),
               seconds="async" if seconds is None else f"{seconds:.2f}", pruned=removed or "-")

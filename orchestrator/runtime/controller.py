@@ -93,6 +93,7 @@ class TrainingJob:
         self.resizes: list[dict] = []  # ResizeRecord.to_dict() of every change of dp (tests watch it live)
         self.restarts = 0
         self.snapshot_step: int | None = None
+        self.skip_batches: set[int] = set()  # steps whose batch is skipped (repeated NaN there)
         self._keep_from = -1  # snapshots older than this step are replicated everywhere and can go
         self.faults = FaultSchedule(spec.faults)
         self.stragglers = StragglerDetector(spec.fault_tolerance.straggler_ratio, spec.fault_tolerance.straggler_steps)
@@ -102,6 +103,11 @@ class TrainingJob:
         self.changes = GridChanges(self)
         self.use_gpu = False
         self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
+
+    @property
+    def memory_every(self) -> int:
+        """Steps between in-memory snapshots for the current layout (``checkpoint.memory_every``)."""
+        return self.spec.checkpoint.snapshot_every(self.spec.parallel)
 
     @property
     def state(self) -> str:
@@ -157,6 +163,8 @@ class TrainingJob:
 
     def _start(self) -> Layout:
         p = self.spec.parallel
+        self._refuse_foreign_checkpoints()
+        self.ckpt.remove_leftovers()  # nothing is in flight yet: incomplete saves of an earlier life can go
         self.runtime.preflight(self.spec)
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = self.runtime.serve_control(self)  # after connect, so it advertises the node IP
@@ -166,6 +174,18 @@ class TrainingJob:
         self.use_gpu = p.device == "cuda" or (p.device == "auto" and gpus > 0)
         check_resources(self.spec, cpus, gpus, "cuda" if self.use_gpu else "cpu")
         return self.launch_grid()
+
+    def _refuse_foreign_checkpoints(self) -> None:
+        """A fresh run into a directory that holds another run's checkpoints is refused before any actor starts:
+        a later ``--resume`` would pick whichever run saved the higher step, and mixing two runs' steps in one
+        retention window is how the new run's own checkpoints used to be deleted."""
+        steps = self.ckpt.complete_steps()
+        if self.resume or not steps:
+            return
+        raise SpecError("run_dir", str(self.run_dir),
+                        f"holds another run's checkpoints ({self.ckpt.root}, steps {steps[0]} to {steps[-1]})",
+                        "continue that run with `raymesh run JOB --resume`, or start afresh in another run_dir "
+                        "(or delete the old checkpoints)")
 
     def launch_grid(self, timeout_s: float = 120.0) -> Layout:
         """Reserve placement for ``self.spec``'s grid, start its rank actors and form the process group."""
@@ -274,7 +294,7 @@ class TrainingJob:
                               self.recoveries)
         if self.progress:
             self.observers.add(ProgressBar(self.spec.train.steps, self.step))
-        if self.spec.checkpoint.memory_every:
+        if self.memory_every:
             self.take_snapshot()
         status = self._train(acct)
         if self.checkpoints.every:
@@ -296,27 +316,52 @@ class TrainingJob:
             t0 = time.perf_counter()
             try:
                 results = self._step_once()
+                stopping = self._after_step(acct, results, t0)
             except StepFailed as failure:
-                self.machine.to(JobState.RECOVERING)
-                acct.rolled_back(self.changes.recover(failure, self.step + 1, t0), max(0, self.step - first))
-                self.machine.resume()
-                self.observers.on_rollback(self.step)
+                self._recover(acct, failure, t0, first)
                 continue
-            if self._after_step(acct, results, time.perf_counter() - t0):
+            if stopping:
                 return "stopped"
         return "finished"
 
-    def _after_step(self, acct: StepAccounting, results: list[StepResult], step_s: float) -> bool:
-        """Account for a completed step, checkpoint when due, resize when asked; True when stopping."""
+    def _recover(self, acct: StepAccounting, failure: StepFailed, t0: float, first: int) -> None:
+        """Recover from ``failure``; a rank lost during the recovery itself (re-forming, restoring) starts it
+        again with that rank replaced too, until the restart budget says to give up."""
+        self.machine.to(JobState.RECOVERING)
+        while True:
+            try:
+                record = self.changes.recover(failure, self.step + 1, t0)
+                break
+            except StepFailed as again:
+                event("recovery_failed", reason=again, action="recovering again")
+                failure = again
+        acct.rolled_back(record, max(0, self.step - first))
+        self.machine.resume()
+        self.observers.on_rollback(self.step)
+
+    def _after_step(self, acct: StepAccounting, results: list[StepResult], t0: float) -> bool:
+        """Account for a completed step, checkpoint when due, resize when asked; True when stopping.
+
+        A rank lost while saving raises ``StepFailed`` once the step is accounted for (it did complete)."""
+        step_s = time.perf_counter() - t0
         self.step = results[0].step
+        self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
         if self.ps is not None:
             self.ps.after_step(self.step, self.group)
             self.recoveries.extend(self.ps.recoveries)
             self.ps.recoveries.clear()
         acct.first_step_done()
         stopping = self.machine.stop_requested.is_set()
-        ckpt_s = self.checkpoints.save(self.group, self.step) if self.checkpoints.due(self.step, stopping) else 0.0
+        lost, ckpt_s = None, 0.0
+        try:
+            self.checkpoints.poll(self.group)
+            if self.checkpoints.due(self.step, stopping):
+                ckpt_s = self.checkpoints.save(self.group, self.step)
+        except StepFailed as failure:
+            lost = failure
         self.last = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
+        if lost is not None:
+            raise lost
         if not stopping and self.step < self.spec.train.steps:
             self._maybe_resize()
         return stopping
@@ -331,7 +376,9 @@ class TrainingJob:
                     self.ps.arm(fault)
                 else:  # corrupt_checkpoint
                     corrupt_newest(self.ckpt)
-        memory_every = self.spec.checkpoint.memory_every
+        if self._issued in self.skip_batches:
+            self.group.call("skip_batch")  # every rank passes over the batch that made this step NaN
+        memory_every = self.memory_every
         keep_from = self._keep_from if memory_every and self._issued % memory_every == 0 else None
         results = self.group.step(faults_now, keep_from)
         if not all(math.isfinite(r.loss) for r in results if r.loss is not None):
@@ -357,7 +404,8 @@ def validated_fault(fault: dict, spec: JobSpec, layout: Layout, runtime: Runtime
         checked = FaultSpec.model_validate(fault)
     except ValidationError as exc:
         raise ValueError(f"fault {fault}: {exc.errors()[0]['msg']}; fix: kind is one of kill_rank, kill_node, "
-                         "hang_rank, slow_rank, nan_loss, corrupt_checkpoint and factor > 1") from None
+                         "hang_rank, slow_rank, nan_loss, raise_error, oom, corrupt_checkpoint "
+                         "and factor > 1") from None
     world = spec.parallel.world_size
     if not 0 <= fault["rank"] < world:
         raise ValueError(f"fault rank {fault['rank']} is not a rank of this {world}-rank job; "

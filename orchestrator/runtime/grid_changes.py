@@ -15,7 +15,7 @@ from orchestrator.errors import SpecError
 from orchestrator.observability.events import event
 from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy
-from orchestrator.runtime.group import StepFailed
+from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
 
@@ -25,6 +25,7 @@ class GridChanges:
         self.job = job  # a TrainingJob: its grid, step and snapshot bookkeeping are what changes here
         self.policy = RecoveryPolicy(job.spec)
         self.decisions: list[Decision] = []
+        self.nan_times: dict[int, int] = {}  # step -> how often its loss was not finite
 
     def _decide(self, decision: Decision) -> Decision:
         self.decisions.append(decision)
@@ -37,13 +38,16 @@ class GridChanges:
         job = self.job
         phases = RecoveryPhases(fault_time)
         phases.lap("detect")
-        job.restarts += len(failure.dead)
+        job.restarts += len(failure.dead) or 1  # a NaN step's rollback counts too: a deterministic NaN must end
         event("fault", kind=failure.kind, ranks=dict(failure.dead) or "-", at_step=at_step)
         seen = Failure(failure.kind, frozenset(failure.dead), at_step, str(failure))
         decision = self._decide(self.policy.on_failure(seen, job.restarts))
+        if decision.action is not Action.GIVE_UP and failure.kind == "nan_loss":
+            decision = self._on_nan(at_step)
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message) from None
         completed = job.step
+        job.checkpoints.forget_in_flight()  # an unsealed async save dies with the failed group
         before = {r.rank: r.identity for r in job.layout.ranks}
         dp_before = job.spec.parallel.dp
         if decision.action is Action.RESTART_ALL:
@@ -51,7 +55,7 @@ class GridChanges:
             phases.lap("restart")
         else:
             kind, source = self._replace_failed(failure, phases)
-        if job.spec.checkpoint.memory_every:
+        if job.memory_every:
             job.take_snapshot()
             phases.lap("snapshot")
         rank = min(failure.dead) if failure.dead else -1
@@ -59,6 +63,16 @@ class GridChanges:
                                 job.spec.parallel.dp)
         job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
         return record, phases
+
+    def _on_nan(self, at_step: int) -> Decision:
+        """Count the NaN at ``at_step``; when the policy says so, have that step's batch skipped from now on."""
+        times = self.nan_times[at_step] = self.nan_times.get(at_step, 0) + 1
+        decision = self.decisions[-1] = self.policy.on_nan(at_step, times)  # refines on_failure's roll back
+        if decision.action is Action.SKIP_BATCH:
+            self.job.skip_batches.add(at_step)
+            event("nan_batch_skipped", step=at_step, times=times,
+                  action=f"the batch of step {at_step} is skipped (fault_tolerance.on_repeated_nan: skip_batch)")
+        return decision
 
     def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
         """New actors for the dead ranks only, a re-formed group and a rollback; a smaller grid when the
@@ -90,7 +104,7 @@ class GridChanges:
             job.group.replace(more)
             failure.dead.update(more)
             dead |= set(more)
-            job.restarts += len(more)
+            job.restarts += sum(how != ABANDONED for how in more.values())  # collateral, not failures
         placed = job.group.placed(dead, job.spec.fault_tolerance.placement_timeout_s)
         gone = job.runtime.nodes_gone(job.layout.ranks[r].node_id for r in dead)
         phases.lap("replace")
@@ -109,7 +123,21 @@ class GridChanges:
                 decision = self._decide(self.policy.roll_back(False, bool(replaced)))
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message)
-        return job.from_disk("recovery")
+        return self.from_disk()
+
+    def from_disk(self) -> str:
+        """Every rank loads the newest good checkpoint; says which steps that loses, and loudly when there is no
+        checkpoint at all and training starts over from step 0 (never silently)."""
+        job = self.job
+        reached = job.step
+        source = job.from_disk("recovery")
+        lost = f"{job.step + 1}-{reached}" if reached > job.step else "none"
+        if source == "disk":
+            event("rolled_back_to_checkpoint", step=job.step, lost_steps=lost, path=job.ckpt.path_for(job.step))
+        else:
+            event("no_checkpoint", lost_steps=lost, action="STARTING OVER FROM STEP 0: no in-memory snapshot and no "
+                  "checkpoint to fall back to; set checkpoint.every (e.g. 50) so a failure loses at most that many")
+        return source
 
     def _restart_all(self) -> str:
         """What Ray Train and torchrun do on any failure (``recovery: restart_all``, the benchmarks' baseline):
@@ -118,7 +146,7 @@ class GridChanges:
         job.teardown_grid()
         job.layout = job.launch_grid()
         job.snapshot_step = None
-        return job.from_disk("recovery")
+        return self.from_disk()
 
     # -- elastic data parallelism ----------------------------------------------------------
 
@@ -166,7 +194,7 @@ class GridChanges:
         job.spec = target
         job.layout = job.launch_grid()
         job.load_from_disk("resize")  # the save just made, unless it fails its checksums
-        if job.spec.checkpoint.memory_every:
+        if job.memory_every:
             job.take_snapshot()
         self._resized(reason, old_dp, "disk", time.perf_counter() - t0)
 

@@ -17,16 +17,30 @@ from workers.protocol import RankInfo, StepResult
 
 @dataclass
 class StepFailed(Exception):
-    """A step that did not complete on every rank, and why: ``kind`` is ``rank``, ``hang`` or ``nan_loss``."""
+    """A step that did not complete on every rank, and why: ``kind`` is ``rank`` (died), ``hang``, ``oom``,
+    ``error`` (a live rank's step raised) or ``nan_loss``."""
 
-    dead: dict[int, str]  # rank -> "died" | "hung"
+    dead: dict[int, str]  # rank -> "died" | "hung" | "ran out of memory (...)" | "raised (...)"
     kind: str = ""
 
     def __post_init__(self) -> None:
-        self.kind = self.kind or ("hang" if "hung" in self.dead.values() else "rank")
+        self.kind = self.kind or _kind(self.dead.values())
 
     def __str__(self) -> str:
         return ", ".join(f"rank {r} {how}" for r, how in sorted(self.dead.items())) or self.kind
+
+
+# a survivor still blocked in its failed step after the grace: restarted with the dead ranks, not counted as a
+# failure of its own (``RankGroup.finish_failed_step``)
+ABANDONED = "abandoned"
+
+
+def _kind(hows) -> str:
+    hows = list(hows)
+    for prefix, kind in (("hung", "hang"), ("ran out of memory", "oom"), ("raised", "error")):
+        if any(how.startswith(prefix) for how in hows):
+            return kind
+    return "rank"
 
 
 class Placement(Protocol):
@@ -42,6 +56,7 @@ class RankGroupLike(Protocol):
     def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]: ...
     def finish_failed_step(self) -> dict[int, str]: ...
     def replace(self, ranks) -> None: ...
+    def start_spares(self) -> None: ...
     def placed(self, ranks, timeout_s: float) -> bool: ...
     def snapshot(self, keep_from: int = -1) -> None: ...
     def restore(self, replaced: set[int], up_to: int) -> int: ...

@@ -2,10 +2,12 @@
 
 A step either completes on every rank or raises ``StepFailed`` naming the
 ranks that died (actor or process gone; reported as soon as the first is
-seen) or hung (no answer within the heartbeat timeout; those are killed so
-they count as dead). Survivors blocked in a collective with a dead peer get an
-error from gloo/NCCL within the collective timeout, so a failed step always
-ends; the replacement starts meanwhile.
+seen), hung (no answer within the heartbeat timeout) or raised on their own
+(out of memory, an I/O error, a bug); those are killed so they count as dead.
+Survivors in a collective with the dead peer get an error from gloo at once
+(its sockets closed); those blocked on another survivor are not waited for
+past a short grace (``finish_failed_step``): a failed step ends within
+seconds, not the collective timeout, and the replacements start meanwhile.
 """
 
 from __future__ import annotations
@@ -17,12 +19,21 @@ from typing import ClassVar
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator.recovery.snapshot_target import newest_common_step
-from orchestrator.runtime.group import StepFailed
+from orchestrator.recovery.policy import ranks_that_failed
+from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
+from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
+from orchestrator.spec.sections import dp_replicas_mirror
+from workers.diagnostics.faults import RankStepError
 from workers.protocol import RankInfo, StepResult
 from workers.rank_worker import RankWorker
+
+
+def step_error(exc: ray.exceptions.RayTaskError) -> RankStepError:
+    """The worker's classified failure inside Ray's wrapper (any other exception counts as an ``error``)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, RankStepError) else RankStepError("error", str(exc).splitlines()[0][:300])
 
 
 class RankGroup:
@@ -36,28 +47,54 @@ class RankGroup:
         self.use_gpu = use_gpu
         self.workers: list = [self._new_actor(r) for r in range(spec.parallel.world_size)]
         self._failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
+        self._holders: dict[int, int | None] = {}  # rank -> its replica holder, chosen at every formation
+        self._node_of: dict[int, str] = {}  # rank -> its node, from every formation
+        self._spares: dict[str, object] = {}  # node -> a preloaded spare rank process (``start_spares``)
+        self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
 
-    def _new_actor(self, rank: int):
+    def _new_actor(self, rank: int, spare: bool = False):
+        """A ``RankWorker`` in ``rank``'s placement bundle; a ``spare`` reserves no resources of its own (it takes
+        over the dead rank's, freed in the same bundle's node)."""
         p = self.spec.parallel
         # peers' replicas are stored on their own thread, beside the running step
         return ray.remote(concurrency_groups={"replicas": 1})(RankWorker).options(
-            num_cpus=p.cpus_per_rank,
+            num_cpus=0 if spare else p.cpus_per_rank,
             num_gpus=1 if self.use_gpu else 0,
             scheduling_strategy=self.placement.strategy(rank),
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-            name=f"{self.spec.name}-rank{rank}-{time.time_ns()}",
+            name=f"{self.spec.name}-{'spare' if spare else 'rank'}{rank}-{time.time_ns()}",
         ).remote()
+
+    def start_spares(self) -> None:
+        """One warm spare rank process per node of the grid (CPU jobs), started and preloaded in the background.
+
+        Why: a replacement spends most of its time starting Python and importing torch (3 to 7 s on a loaded
+        host, more for two at once), the largest part of a recovery once survivors are not waited for; a
+        spare has done that already. CPU only: a spare on a GPU would need a GPU of its own. Called after the
+        grid trains, so the spares' imports never compete with the ranks' start-up.
+        """
+        if self.use_gpu:
+            return
+        first_of = {}
+        for rank, node in self._node_of.items():
+            first_of.setdefault(node, rank)
+        for node, rank in first_of.items():
+            if node not in self._spares:
+                self._spares[node] = self._new_actor(rank, spare=True)
+                self._spares[node].preload.remote()
 
     def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
-        ray.get([w.preload.remote() for w in self.workers])  # survivors return at once; new actors import first
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
+        self._gather({r: w.preload.remote() for r, w in enumerate(self.workers)})  # new actors import first
+        addr, port = self._gather({0: self.workers[0].rendezvous_address.remote()})[0]
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
-        infos = ray.get([w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)])
+        infos = self._gather({r: w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)})
+        self._node_of = {info.rank: info.node_id for info in infos}
+        self._holders = replica_holders(self.spec.parallel.grid, self._node_of)
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
-        ray.get([w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
-                 for r, w in enumerate(self.workers)])
+        self._gather({r: w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
+                      for r, w in enumerate(self.workers)})
         return infos
 
     def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
@@ -67,9 +104,10 @@ class RankGroup:
         with it finish their failed step (gloo/NCCL error, at most the collective timeout) while the
         replacement starts, because the next calls they get queue behind it.
         """
+        t0 = time.monotonic()
         refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
         deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
-        results, dead, errors, pending = {}, {}, [], list(refs)
+        results, dead, errors, pending = {}, {}, {}, list(refs)
         while pending and not dead and time.monotonic() < deadline:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             for ref in ready:
@@ -79,39 +117,67 @@ class RankGroup:
                 except RayActorError:
                     dead[rank] = "died"
                 except ray.exceptions.RayTaskError as exc:
-                    errors.append(exc)  # a survivor whose collective broke with the dead peer, or a real bug
+                    error = step_error(exc)
+                    if error.kind == "peer_lost":
+                        errors[rank] = error  # a survivor whose collective broke with a dead peer
+                    else:  # failed on its own: killed below at once, so peers blocked on it fail now too
+                        dead.update(ranks_that_failed({rank: error}))
         if not dead:
             dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
         if errors and not dead:
-            raise errors[0]  # every rank alive yet one raised: a bug to report, not a fault to recover from
+            dead = ranks_that_failed(errors)  # only broken collectives, no rank to blame: all are replaced
         if dead:
             for rank in dead:
                 ray.kill(self.workers[rank], no_restart=True)
             self._failed = {refs.index(ref): ref for ref in pending}
             raise StepFailed(dead)
+        self._last_step_s = time.monotonic() - t0
         return [results[r] for r in range(len(refs))]
 
     def finish_failed_step(self) -> dict[int, str]:
-        """Wait for the other ranks' failed step to end (within the collective timeout); returns the ranks
-        found dead meanwhile (a lost node takes several), killed like the first."""
+        """Wait a short grace for the other ranks' failed step to end; returns the ranks found dead meanwhile
+        (a lost node takes several) and those still blocked after it (``abandoned``), all killed like the first.
+
+        Why abandon: a survivor whose collective is with the dead rank fails at once (gloo sees the socket
+        close), but one blocked on *another survivor* (the pipeline peer of the dead rank's data-parallel
+        peer, say) waits out ``collective_timeout_s`` (60 s by default): the peer it waits on left its
+        collective, not its process group, and neither ``ProcessGroup.abort()`` nor ``shutdown()`` unblocks a
+        pending gloo operation (measured on torch 2.13), nor does destroying the group while the model,
+        mesh and pending work still hold it. Restarting the blocked survivor costs what replacing the dead
+        rank costs, in parallel with it, and its state comes back from its data-parallel replica (the zero-0
+        mirrors, or the replica it shipped), else from disk. On NCCL the same place is where PyTorch's own
+        error handling would tear the process down after the timeout; abandoning after the grace gets
+        there sooner (the alternative, ``ProcessGroupNCCL.abort()`` from another thread, is not verified here).
+
+        The grace is ``fault_tolerance.survivor_grace_s`` or twice the last completed step, whichever is
+        longer, so a survivor still computing its share of a long step is not mistaken for a blocked one.
+        """
         refs, self._failed = self._failed, {}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.spec.fault_tolerance.collective_timeout_s + 5)
+        if not refs:
+            return {}
+        grace = min(max(self.spec.fault_tolerance.survivor_grace_s, 2 * self._last_step_s),
+                    self.spec.fault_tolerance.collective_timeout_s + 5)
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace)
         dead = {}
         for rank, ref in refs.items():
             try:
                 ray.get(ref, timeout=0)
             except RayActorError:
                 dead[rank] = "died"
-                ray.kill(self.workers[rank], no_restart=True)
+            except ray.exceptions.GetTimeoutError:
+                dead[rank] = ABANDONED
             except ray.exceptions.RayError:
-                pass  # its collective broke with the dead peer (or it is still blocked): a survivor
+                pass  # its collective broke with the dead peer: a survivor
+        for rank in dead:
+            ray.kill(self.workers[rank], no_restart=True)
         return dead
 
     def replace(self, ranks) -> None:
         """New actors in the dead ranks' grid positions (their placement bundles are free again); they start
         importing torch and the trainer at once, while the survivors finish their failed step."""
         for rank in ranks:
-            self.workers[rank] = self._new_actor(rank)
+            spare = self._spares.pop(self._node_of.get(rank), None)
+            self.workers[rank] = spare if spare is not None else self._new_actor(rank)
             self.workers[rank].preload.remote()
 
     def placed(self, ranks, timeout_s: float) -> bool:
@@ -140,16 +206,16 @@ class RankGroup:
         return not pending
 
     def holder(self, rank: int) -> int | None:
-        """Where rank's replica lives: the grid's replica peer (same position, next data-parallel replica)."""
-        return self.spec.parallel.grid.replica_peer(rank)
+        """Where rank's replica lives: a rank of the same position in another data-parallel replica, on another
+        node whenever the cluster has one (``replica_holders``)."""
+        return self._holders.get(rank, self.spec.parallel.grid.replica_peer(rank))
 
     @property
     def mirrored(self) -> bool:
         """Under plain all-reduce data parallelism (zero 0) the holder's own state is bit for bit the rank's
         (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
         is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped."""
-        p = self.spec.parallel
-        return p.zero == 0 and p.grid.dp_enabled and p.dp_sync == "allreduce"
+        return dp_replicas_mirror(self.spec.parallel)
 
     def _holder_actor(self, rank: int):
         holder = self.holder(rank)
@@ -163,30 +229,42 @@ class RankGroup:
     def _available(self, ranks) -> dict[int, dict]:
         """Each of ``ranks``' complete snapshot steps and replicas, once none is in flight."""
         ranks = list(ranks)
-        return dict(zip(ranks, ray.get([self.workers[r].snapshot_steps.remote() for r in ranks])))
+        return dict(zip(ranks, self._gather({r: self.workers[r].snapshot_steps.remote() for r in ranks})))
 
     def restore(self, replaced: set[int], up_to: int) -> int:
         """Roll every rank back to the newest snapshot step, at most ``up_to``, complete for all of them:
         survivors from their own, replaced ranks from their holder's replica. Returns the step."""
-        for rank in replaced:
-            holder = self.holder(rank)
-            if holder is None or holder in replaced:
+        sources = {rank: self._source(rank, replaced) for rank in replaced}
+        for rank, source in sources.items():
+            if source is None:
                 raise LookupError(f"the in-memory replica of rank {rank} died with it")
         avail = self._available(r for r in range(len(self.workers)) if r not in replaced)
         lists = [held["own"] for held in avail.values()]
         if not self.mirrored:  # a mirror's replica is its holder's own snapshot, already in ``lists``
-            lists += [avail[self.holder(r)]["replicas"].get(r, []) for r in replaced]
+            lists += [avail[sources[r]]["replicas"].get(r, []) for r in replaced]
         step = newest_common_step(lists, up_to)
         if step is None:
             raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
-        calls = []
+        calls = {}
         for rank, w in enumerate(self.workers):
-            snap = self._replica(rank, step) if rank in replaced else None
-            calls.append(w.restore_snapshot.remote(step, snap))
-        return ray.get(calls)[0]
+            snap = self._replica(rank, sources[rank], step) if rank in replaced else None
+            calls[rank] = w.restore_snapshot.remote(step, snap)
+        return self._gather(calls)[0]
 
-    def _replica(self, rank: int, step: int):
-        holder = self.workers[self.holder(rank)]
+    def _source(self, rank: int, replaced: set[int]) -> int | None:
+        """The surviving rank that hands replaced ``rank`` its state: its holder; for mirrors, when the holder was
+        replaced too (a lost node, or survivors restarted after the grace), any surviving rank of the same model
+        position, whose own snapshot is the same state bit for bit. None when there is none."""
+        holder = self.holder(rank)
+        if holder is not None and holder not in replaced:
+            return holder
+        if not self.mirrored:
+            return None
+        grid = self.spec.parallel.grid
+        return next((r for r in grid.ranks() if r not in replaced and grid.position(r) == grid.position(rank)), None)
+
+    def _replica(self, rank: int, source: int, step: int):
+        holder = self.workers[source]
         return holder.kept_snapshot.remote(step) if self.mirrored else holder.replica.remote(rank, step)
 
     def survivor_snapshots(self, dead: set[int], up_to: int) -> tuple[int, dict] | None:
@@ -209,20 +287,46 @@ class RankGroup:
         if step is None:
             return None
         kept = {pos: self.workers[rank].kept_snapshot.remote(step) for pos, rank in chosen.items()}
-        ray.wait(list(kept.values()), num_returns=len(kept))  # in hand before the survivors are stopped
+        ready, _ = ray.wait(list(kept.values()), num_returns=len(kept),  # in hand before the survivors are stopped
+                            timeout=5 * self.spec.fault_tolerance.heartbeat_timeout_s)
+        if len(ready) < len(kept):
+            return None  # a survivor did not hand its snapshot over in time: the checkpoint it is
         return step, kept
 
     def restore_positions(self, step: int, kept: dict) -> int:
         """Every rank takes the snapshot of ``step`` kept for its model position; returns the step."""
         grid = self.spec.parallel.grid
-        return ray.get([w.restore_snapshot.remote(step, kept[grid.position(r)])
-                        for r, w in enumerate(self.workers)])[0]
+        return self._gather({r: w.restore_snapshot.remote(step, kept[grid.position(r)])
+                             for r, w in enumerate(self.workers)})[0]
 
     def call(self, method: str, *args) -> list:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return self._gather({r: getattr(w, method).remote(*args) for r, w in enumerate(self.workers)})
+
+    def _gather(self, refs: dict) -> list:
+        """Every rank's answer (rank -> call), in rank order, within a deadline: a rank that died or did not
+        answer by then is killed and fails the call as ``StepFailed``, which the controller recovers from like
+        a failed step (a rank's own exception is raised as it is). The deadline is five heartbeat timeouts
+        (10 minutes by default): long enough to load a large checkpoint, never forever."""
+        timeout = 5 * self.spec.fault_tolerance.heartbeat_timeout_s
+        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        dead = {rank: "hung" for rank, ref in refs.items() if ref in pending}
+        out = {}
+        for rank, ref in refs.items():
+            if rank in dead:
+                continue
+            try:
+                out[rank] = ray.get(ref)
+            except RayActorError:
+                dead[rank] = "died"
+        if dead:
+            for rank in dead:
+                ray.kill(self.workers[rank], no_restart=True)
+            raise StepFailed(dead)
+        return [out[rank] for rank in refs]
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):  # a rank that already died cannot shut down cleanly; it is killed below
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        for w in self.workers:
+        for w in [*self.workers, *self._spares.values()]:
             ray.kill(w)
+        self._spares.clear()

@@ -48,7 +48,7 @@ def check_parameter_server(job: JobSpec) -> None:
         raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
                         "set optim.momentum (e.g. 0.9), or optimizer: sgd")
     for i, f in enumerate(job.faults):
-        if f.kind in ("kill_rank", "kill_node", "hang_rank", "nan_loss"):
+        if f.kind in ("kill_rank", "kill_node", "hang_rank", "nan_loss", "raise_error", "oom"):
             raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (the "
                             "shards are not rolled back with the ranks)", "use slow_rank or kill_ps_shard")
         if f.kind == "kill_ps_shard" and (ps.shards < 2 or f.shard >= ps.shards):

@@ -165,16 +165,34 @@ class TrainSpec(_Section):
     log_every: PositiveInt = 1
 
 
+def dp_replicas_mirror(parallel: ParallelSpec) -> bool:
+    """Whether every data-parallel replica holds the whole state bit for bit (zero 0, all-reduce, dp > 1): a
+    replica's own snapshot then is its peers' replica, so a snapshot costs one local copy and ships nothing."""
+    return parallel.zero == 0 and parallel.grid.dp_enabled and parallel.dp_sync == "allreduce"
+
+
 class CheckpointSpec(_Section):
-    """Checkpoint cadence; `every: 0` never checkpoints. YAML key `async` maps to `async_save`."""
+    """Checkpoint cadence; `every: 0` never checkpoints. YAML key `async` maps to `async_save`.
+
+    On by default (every 50 steps, asynchronous, and at the last step): a lost driver, head node, or a
+    rank lost together with its replica holder otherwise loses the whole run.
+    """
 
     model_config = ConfigDict(STRICT, populate_by_name=True)
 
-    every: Annotated[int, Field(ge=0)] = 0
+    every: Annotated[int, Field(ge=0)] = 50
     dir: PathStr | None = None
-    async_save: bool = Field(default=False, alias="async")
+    async_save: bool = Field(default=True, alias="async")
     keep: Annotated[int, Field(ge=1)] = 3
-    memory_every: Annotated[int, Field(ge=0)] = 10  # in-memory snapshot (+ replica on a peer) cadence; 0: off
+    # in-memory snapshot (+ replica on a peer) cadence; 0: off; unset: every step where the data-parallel
+    # replicas mirror each other (the snapshot ships nothing), else every 10 steps
+    memory_every: Annotated[int, Field(ge=0)] | None = None
+
+    def snapshot_every(self, parallel: ParallelSpec) -> int:
+        """``memory_every``, or its default for this layout."""
+        if self.memory_every is not None:
+            return self.memory_every
+        return 1 if dp_replicas_mirror(parallel) else 10
 
     def resolved_dir(self, run_dir: str | Path) -> Path:
         """`dir` when set, else `<run_dir>/checkpoints`."""
@@ -186,6 +204,14 @@ class FaultToleranceSpec(_Section):
 
     heartbeat_timeout_s: Seconds = 120.0  # a step not answered by then: the rank hung
     collective_timeout_s: Seconds = 60.0  # survivors' collectives with a dead peer give up
+    # after a rank failed, survivors still blocked in the failed step this long (or 2 steps, if longer) are
+    # restarted with it and restored from their replicas, instead of waiting out collective_timeout_s
+    survivor_grace_s: Seconds = 2.0
+    # a step whose loss is not finite is rolled back and run again (each counts against max_restarts); after
+    # nan_retries re-runs that are NaN again at the same step: skip_batch (that step's batch is skipped, and
+    # the event log says so) or stop (the run fails with the step and the fix)
+    nan_retries: Annotated[int, Field(ge=0)] = 1
+    on_repeated_nan: Literal["skip_batch", "stop"] = "skip_batch"
     max_restarts: Annotated[int, Field(ge=0)] = 3
     # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
     # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
@@ -220,7 +246,7 @@ class FaultSpec(_Section):
     """One injected fault (the fault-injection harness): deterministic by step and rank (or shard)."""
 
     kind: Literal["kill_rank", "kill_node", "hang_rank", "slow_rank", "nan_loss", "corrupt_checkpoint",
-                  "kill_ps_shard"]
+                  "kill_ps_shard", "raise_error", "oom"]
     rank: int | str = 0  # or `random`: drawn by seed (repeating faults only); checked by JobSpec._check_faults
     shard: Annotated[int, Field(ge=0)] = 0  # kill_ps_shard: which parameter-server shard dies
     at_step: Annotated[int, Field(ge=1)] | None = None  # a one-shot fault's step

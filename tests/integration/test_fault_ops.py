@@ -8,7 +8,7 @@ from orchestrator.faults.disk import corrupt_newest
 from tests.support.jobs import tiny_spec
 
 FAST_DETECTION = {"heartbeat_timeout_s": 20, "collective_timeout_s": 5}
-DISK_ONLY = {"every": 3, "keep": 3, "memory_every": 0}  # recoveries must come from disk
+DISK_ONLY = {"every": 3, "keep": 3, "memory_every": 0, "async": False}  # recoveries must come from disk
 
 
 def run(spec, faults=(), resume=False):

@@ -103,5 +103,5 @@ def test_status_inject_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster,
     finally:
         kill_group(driver)
     assert "event=fault_requested kind=slow_rank rank=0" in output(out)[1]
-    assert "event=stop_requested job=raymesh-job reason=test over" in output(out)[1]
+    assert "event=stop_requested job=raymesh-job reason=\"test over\"" in output(out)[1]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "stopped"

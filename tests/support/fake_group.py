@@ -20,6 +20,10 @@ from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 from workers.protocol import RankInfo, StepResult
 
+# what the real group reports for each fault kind (``RankGroup.step``: raised steps via ``ranks_that_failed``)
+_FAILS = {"hang_rank": "hung", "oom": "ran out of memory (MemoryError: injected)",
+          "raise_error": "raised (InjectedError: injected)"}
+
 
 class FakePlacement:
     def __init__(self) -> None:
@@ -46,14 +50,19 @@ class FakeElastic:
 
 class FakeRuntime:
     """Knobs: ``placeable`` (replacements start), ``more_dead`` (found when the failed step ends),
-    ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it)."""
+    ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it),
+    ``nan_batches`` (data that makes the loss NaN whenever it is trained on), ``fail_calls`` (a group
+    method -> the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
-                 lose_snapshots: bool = False, script: dict | None = None):
+                 lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
+                 fail_calls: dict[str, list[Exception]] | None = None):
         self.placeable = placeable
         self.more_dead = dict(more_dead or {})
         self.lose_snapshots = lose_snapshots
         self.script = dict(script or {})
+        self.nan_batches = nan_batches  # batches whose loss is NaN every time they are trained on
+        self.fail_calls = {k: list(v) for k, v in (fail_calls or {}).items()}  # method -> what its next calls raise
         self.groups: list[FakeGroup] = []
         self.placements: list[FakePlacement] = []
         self.elastic_policy: FakeElastic | None = None
@@ -97,10 +106,19 @@ class FakeGroup:
         self.snapshots: set[int] = set()
         self.replaced: list[set[int]] = []
         self.stopped = False
+        self.skipped_at: set[int] = set()  # steps before which the ranks skipped a batch
+
+    def _maybe_fail(self, method: str) -> None:
+        pending = self.runtime.fail_calls.get(method)
+        failure = pending.pop(0) if pending else None
+        if failure is not None:
+            raise failure
 
     def form(self) -> list[RankInfo]:
         """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
+        self._maybe_fail("form")
         self.step_now = 0
+        self._in_flight = None  # an unfinished async save dies with the old process group
         grid = self.spec.parallel.grid
         return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="cpu",
                          pid=1000 + r, node_id=f"node{r}", actor_id=f"actor{r}") for r in grid.ranks()]
@@ -111,7 +129,10 @@ class FakeGroup:
         if action is not None:
             action()
         kinds = {rank: f["kind"] for rank, f in faults.items()}
-        dead = {r: "hung" if k == "hang_rank" else "died" for r, k in kinds.items() if k != "nan_loss"}
+        batch = nxt + sum(s <= nxt for s in self.skipped_at)  # step n trains on batch n + the batches skipped
+        if batch in self.runtime.nan_batches:
+            kinds[0] = "nan_loss"
+        dead = {r: _FAILS.get(k, "died") for r, k in kinds.items() if k != "nan_loss"}
         if dead:
             raise StepFailed(dead)
         self.step_now = nxt
@@ -126,6 +147,8 @@ class FakeGroup:
 
     def replace(self, ranks) -> None:
         self.replaced.append(set(ranks))
+
+    def start_spares(self) -> None: ...
 
     def placed(self, ranks, timeout_s: float) -> bool:
         return self.runtime.placeable
@@ -150,12 +173,19 @@ class FakeGroup:
         return step
 
     def call(self, method: str, *args) -> list:
+        self._maybe_fail(method)
         return [getattr(self, f"_{method}")(*args)] * self.world
 
     def _save_checkpoint(self, path: str, async_save: bool) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / ".metadata").write_text(json.dumps({"step": self.step_now}))  # DCP's file a save must have
         self._in_flight = self.step_now if async_save else None
+
+    def _skip_batch(self) -> None:
+        self.skipped_at.add(self.step_now + 1)
+
+    def _checkpoint_durable(self) -> bool:
+        return True
 
     def _wait_checkpoint(self) -> int | None:
         done, self._in_flight = getattr(self, "_in_flight", None), None

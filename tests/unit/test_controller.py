@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
 import pytest
 
 from orchestrator import JobSpec, TrainingJob
+from orchestrator.checkpoints.directory import CheckpointDir
+from orchestrator.errors import SpecError
 from orchestrator.observability.observers import JobObserver
 from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
 from orchestrator.runtime.controller import RunComplete
+from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.states import JobState
 from tests.support.fake_group import FakeRuntime
 from tests.support.jobs import tiny_spec
@@ -182,7 +186,7 @@ def test_only_the_dead_rank_is_replaced(tmp_path):
 
 
 def test_without_snapshots_the_rollback_is_from_the_latest_checkpoint(tmp_path):
-    job = make_job(tmp_path, [kill(1, 5)], checkpoint={"every": 2, "memory_every": 0})
+    job = make_job(tmp_path, [kill(1, 5)], checkpoint={"every": 2, "memory_every": 0, "async": False})
     (rec,) = job.run().recoveries
     assert job.changes.decisions[-1].source == "disk"
     assert (rec["source"], rec["lost_steps"]) == ("disk", 0)
@@ -216,7 +220,7 @@ def test_ranks_found_dead_when_the_failed_step_ends_are_replaced_too(tmp_path):
 
 def test_restart_all_relaunches_the_whole_grid_from_disk(tmp_path):
     runtime = FakeRuntime()
-    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1},
+    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1, "async": False},
                    fault_tolerance={"recovery": "restart_all"})
     (rec,) = job.run().recoveries
     assert actions(job) == [Action.RESTART_ALL]
@@ -326,16 +330,174 @@ def test_status_reports_the_public_state_and_the_last_step(tmp_path):
     assert status["state"] == "finished" and status["step"] == 10 and status["loss"] == pytest.approx(0.1)
 
 
-def test_recoveries_and_resizes_are_event_lines(tmp_path):
+@contextlib.contextmanager
+def event_lines():
+    """The event log's lines while the block runs."""
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("raymesh").addHandler(handler)
     try:
-        make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(placeable=False)).run()
+        yield lines
     finally:
         logging.getLogger("raymesh").removeHandler(handler)
+
+
+def test_recoveries_and_resizes_are_event_lines(tmp_path):
+    with event_lines() as lines:
+        make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(placeable=False)).run()
     resized = next(line for line in lines if line.startswith("event=resized"))
     assert resized == "event=resized reason=shrink dp_from=2 dp_to=1 step=3 source=memory microbatches=4"
     recovered = next(line for line in lines if line.startswith("event=recovered"))
     assert recovered.startswith("event=recovered kind=rank source=memory step=3 lost_steps=0 detect_s=")
+
+
+# -- every failure class: raised steps, repeated NaN, lost replicas, foreign checkpoints ----
+
+
+@pytest.mark.parametrize(("kind", "recorded"), [("raise_error", "error"), ("oom", "oom")])
+def test_a_step_that_raises_replaces_the_rank_instead_of_failing_the_job(tmp_path, kind, recorded):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(1, 4, kind)], runtime=runtime)
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == (recorded, 1, "memory", 0)
+    assert runtime.groups[0].replaced == [{1}] and result.status == "finished" and result.steps == 10
+
+
+def test_a_nan_that_comes_back_at_the_same_step_skips_its_batch_and_says_so(tmp_path):
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})), fault_tolerance={"max_restarts": 5})
+    with event_lines() as lines:
+        result = job.run()
+    assert [d.action for d in job.changes.decisions if d.action is not Action.ROLL_BACK] == [Action.SKIP_BATCH]
+    assert job.changes.nan_times == {6: 2} and job.restarts == 2  # one re-run (nan_retries: 1), then skipped
+    assert result.status == "finished" and all(loss == loss for loss in result.losses)  # no NaN recorded
+    assert any(line.startswith("event=nan_batch_skipped step=6 times=2") for line in lines)
+
+
+def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})),
+                   fault_tolerance={"on_repeated_nan": "stop", "nan_retries": 2, "max_restarts": 5})
+    with pytest.raises(RuntimeError, match=r"step 6 produced a non-finite loss 3 times .* fix: lower optim.lr"):
+        job.run()
+    assert job.changes.nan_times == {6: 3} and job.state == "failed"
+
+
+def test_nan_rollbacks_count_against_the_restart_budget(tmp_path):
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({3, 5, 7})),
+                   fault_tolerance={"max_restarts": 2, "nan_retries": 0})
+    with pytest.raises(RuntimeError, match="3 rank restarts exceed fault_tolerance.max_restarts=2"):
+        job.run()
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused_before_any_rank_starts(tmp_path):
+    runtime = FakeRuntime()
+    first = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, runtime=runtime)
+    first.run()
+    again = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, runtime=runtime)
+    with pytest.raises(SpecError, match=r"`run_dir`.*holds another run's checkpoints .*steps 5 to 10.*--resume"):
+        again.run()
+    assert len(runtime.groups) == 1  # nothing was started for the refused run
+    assert first.ckpt.complete_steps() == [5, 10]
+
+
+def test_retention_never_deletes_the_checkpoint_just_saved_for_higher_foreign_steps(tmp_path):
+    directory = CheckpointDir(tmp_path / "ckpt", keep=2)
+    for step in (40, 50, 60, 2, 4, 6):  # an old run's steps 40-60, then this run's 2, 4, 6
+        directory.path_for(step).mkdir(parents=True)
+        (directory.path_for(step) / ".metadata").write_text("x")
+        directory.seal(step)
+        directory.prune(step)
+    assert directory.complete_steps() == [4, 6, 50, 60]  # this run keeps its newest two; the old run is untouched
+
+
+def test_a_rank_lost_with_its_replica_falls_back_to_the_checkpoint_and_names_the_lost_steps(tmp_path):
+    runtime = FakeRuntime(lose_snapshots=True)  # what restore answers when a rank's holder died with it
+    job = make_job(tmp_path, [kill(1, 7)], runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    with event_lines() as lines:
+        (rec,) = job.run().recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 2)
+    assert any(line.startswith("event=rolled_back_to_checkpoint step=4 lost_steps=5-6") for line in lines)
+
+
+def test_without_any_checkpoint_starting_over_is_said_loudly(tmp_path):
+    job = make_job(tmp_path, [kill(1, 4)], runtime=FakeRuntime(lose_snapshots=True),
+                   checkpoint={"every": 0, "memory_every": 1})
+    with event_lines() as lines:
+        (rec,) = job.run().recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("initial", 3)
+    assert any(line.startswith('event=no_checkpoint lost_steps=1-3 action="STARTING OVER FROM STEP 0') for line in lines)
+
+
+def test_incomplete_saves_and_old_corrupt_checkpoints_are_removed_with_a_log_line(tmp_path):
+    directory = CheckpointDir(tmp_path / "ckpt", keep=2)
+    for step in (2, 4, 6):
+        directory.path_for(step).mkdir(parents=True)
+        (directory.path_for(step) / ".metadata").write_text("x")
+        if step != 4:
+            directory.seal(step)
+    directory.path_for(1).with_name("step-00000001.corrupt").mkdir()
+    directory.path_for(7).with_name("step-00000007.corrupt").mkdir()  # newer than a kept one: for inspection
+    with event_lines() as lines:
+        removed = directory.remove_leftovers()
+    assert sorted(p.name for p in removed) == ["step-00000001.corrupt", "step-00000004"]
+    assert sorted(p.name for p in directory.root.iterdir()) == ["step-00000002", "step-00000006",
+                                                                 "step-00000007.corrupt"]
+    assert sum(line.startswith("event=checkpoint_removed") for line in lines) == 2
+
+
+def test_a_save_that_raises_is_logged_and_the_next_save_goes_on(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [RuntimeError("No space left on device")]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    with event_lines() as lines:
+        result = job.run()
+    assert result.status == "finished" and job.ckpt.complete_steps() == [8, 10]  # step 4's save failed
+    assert any(line.startswith("event=checkpoint_failed step=4") and "No space left" in line for line in lines)
+
+
+def test_a_rank_lost_while_saving_is_recovered_like_a_failed_step(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"]) == ("rank", 1, "memory")
+    assert result.status == "finished" and len(result.losses) == 10 and job.ckpt.complete_steps() == [8, 10]
+
+
+def test_a_rank_lost_during_a_recovery_starts_the_recovery_again(tmp_path):
+    runtime = FakeRuntime(fail_calls={"form": [StepFailed({0: "died"})]})  # the first re-form after the fault
+    job = make_job(tmp_path, [kill(1, 4)], runtime=runtime)
+    runtime.fail_calls["form"].insert(0, None)  # the start-up form succeeds
+    result = job.run()
+    assert runtime.groups[0].replaced == [{1}, {0}] and job.restarts == 2
+    assert result.recoveries[0]["source"] == "memory" and result.status == "finished" and len(result.losses) == 10
+
+
+def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
+    (rec,) = job.run().recoveries
+    assert runtime.groups[0].replaced == [{0, 1}] and job.restarts == 2 and rec["source"] == "memory"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chaos_a_seeded_random_schedule_of_every_fault_kind_loses_nothing_silently(tmp_path, seed):
+    """Controller invariants under a random mix of faults (the real ranks' side is in the integration tests):
+    the run finishes every step with the uninterrupted losses, and every step trained again is one a
+    recovery reported as lost (steps.jsonl has exactly that many repeated lines)."""
+    import random
+
+    rng = random.Random(seed)
+    kinds = ["kill_rank", "kill_node", "hang_rank", "nan_loss", "raise_error", "oom", "corrupt_checkpoint"]
+    steps = rng.sample(range(2, 30), 8)
+    faults = [{"kind": rng.choice(kinds), "rank": rng.randrange(4), "at_step": s} for s in steps]
+    job = make_job(tmp_path, faults, parallel={"dp": 4}, train={"steps": 30, "global_batch_size": 8},
+                   checkpoint={"every": 5, "memory_every": rng.choice([1, 3]), "async": rng.random() < 0.5},
+                   fault_tolerance={"max_restarts": 50})
+    result = job.run()
+    assert result.status == "finished" and result.losses == [1.0 / n for n in range(1, 31)]
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert sorted(set(lines)) == list(range(1, 31))
+    assert len(lines) - 30 == sum(r["lost_steps"] for r in result.recoveries)
+    rank_faults = [f for f in faults if f["kind"] != "corrupt_checkpoint"]
+    assert len(result.recoveries) == len(rank_faults)

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action, Failure, RecoveryPolicy, ScalingPolicy
+from orchestrator.recovery.policy import (
+    NAN_WITHOUT_SNAPSHOT,
+    Action,
+    Decision,
+    Failure,
+    RecoveryPolicy,
+    ScalingPolicy,
+    ranks_that_failed,
+)
+from orchestrator.recovery.snapshot_target import replica_holders
+from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.records import Layout, RecoveryRecord, ResizeRecord
 from orchestrator.runtime.states import TRANSITIONS, IllegalTransition, JobState, JobStateMachine
 from tests.support.fake_group import FakeElastic
 from tests.support.jobs import tiny_spec
+from workers.diagnostics.faults import RankStepError
 from workers.protocol import RankInfo
 
 S = JobState
@@ -128,3 +139,32 @@ def test_the_layout_keeps_the_summary_keys_and_each_ranks_info(spec):
     assert list(layout) == ["dp", "pp", "tp", "zero", "pp_schedule", "virtual_stages", "microbatches",
                             "world_size", "ranks"]
     assert layout["dp"] == 2 and layout["ranks"][0] == info.to_dict()
+
+
+def test_a_raised_step_is_classified_and_only_ranks_that_failed_on_their_own_are_replaced():
+    oom = RankStepError.of(MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    io = RankStepError.of(OSError(28, "No space left on device"))
+    broke = RankStepError.of(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert (oom.kind, io.kind, broke.kind) == ("oom", "error", "peer_lost")
+    assert ranks_that_failed({0: broke, 2: oom, 3: io}) == {
+        2: "ran out of memory (MemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)",
+        3: "raised (OSError: [Errno 28] No space left on device)"}
+    assert set(ranks_that_failed({0: broke, 1: broke})) == {0, 1}  # none can be told apart: all replaced
+    assert StepFailed(ranks_that_failed({2: oom})).kind == "oom"
+
+
+def test_a_nan_is_run_again_then_skipped_or_stopped(spec):
+    policy = RecoveryPolicy(spec)  # nan_retries 1, on_repeated_nan skip_batch by default
+    assert policy.on_nan(6, 1).action is Action.ROLL_BACK
+    assert policy.on_nan(6, 2) == Decision(Action.SKIP_BATCH, step=6)
+
+
+def test_replica_holders_go_to_another_node_whenever_one_can_hold_them(tmp_path):
+    spec = tiny_spec(tmp_path / "data", tmp_path, parallel={"dp": 3, "pp": 2}, train={"global_batch_size": 12})
+    grid = spec.parallel.grid  # rank = dp * 2 + pp
+    one_node = {r: "A" for r in grid.ranks()}
+    assert replica_holders(grid, one_node) == {r: grid.replica_peer(r) for r in grid.ranks()}
+    packed = {0: "A", 1: "A", 2: "A", 3: "A", 4: "B", 5: "B"}  # dp replicas 0 and 1 share node A
+    holders = replica_holders(grid, packed)
+    assert holders == {0: 4, 1: 5, 2: 4, 3: 5, 4: 0, 5: 1}  # same pp position, another dp replica, other node
+    assert all(packed[holders[r]] != packed[r] for r in grid.ranks())

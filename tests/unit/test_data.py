@@ -155,3 +155,17 @@ def test_loader_errors(data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="seq_len=32.*seq_len=16"):
         cursor.load_state_dict({"position": 8, "seed": 0, "seq_len": 32, "global_batch": 8})
     assert cursor.position == 0
+
+
+def test_a_changed_shard_fails_its_checksum_naming_the_shard(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    _write_docs(src)
+    manifest = prepare_data([src], tmp_path / "out", shard_tokens=100)
+    assert all(len(s["sha256"]) == 64 for s in manifest["shards"])
+    TokenDataset(tmp_path / "out", seq_len=8, seed=0)  # intact: loads
+    other = tmp_path / "other"
+    prepare_data([src / "sub"], other, shard_tokens=100)  # same layout, other bytes: still valid Parquet
+    (tmp_path / "out" / "shard-00001.parquet").write_bytes((other / "shard-00001.parquet").read_bytes())
+    with pytest.raises(ValueError, match=r"data shard .*shard-00001.parquet fails its sha256 check.*prepare-data"):
+        TokenDataset(tmp_path / "out", seq_len=8, seed=0)

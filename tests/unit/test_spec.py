@@ -66,7 +66,9 @@ def test_defaults() -> None:
     t = spec.train
     assert (t.steps, t.global_batch_size, t.microbatches, t.seed, t.log_every) == (100, 16, 1, 0, 1)
     c = spec.checkpoint
-    assert (c.every, c.dir, c.async_save, c.keep) == (0, None, False, 3)
+    assert (c.every, c.dir, c.async_save, c.keep, c.memory_every) == (50, None, True, 3, None)
+    assert c.snapshot_every(spec.parallel) == 10  # dp 1: nothing mirrors this rank
+    assert c.snapshot_every(JobSpec.from_dict({**BASE, "parallel": {"dp": 2}}).parallel) == 1  # zero-0 mirrors: free
     assert c.resolved_dir(spec.resolved_run_dir()) == Path("runs/raymesh-job/checkpoints")
 
 

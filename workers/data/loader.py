@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from workers.data import checksums
 from workers.data.prepare import FORMAT
 
 _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
@@ -30,6 +31,7 @@ def _load_tokens(root: Path, manifest: dict) -> np.ndarray:
     """
     chunks: list[np.ndarray] = []
     for shard in manifest["shards"]:
+        checksums.verify_shard(root, shard)
         table = pq.read_table(root / shard["file"], columns=["tokens"], memory_map=True)
         part = [c.to_numpy(zero_copy_only=True) for c in table.column("tokens").chunks]
         if sum(len(c) for c in part) != shard["tokens"]:

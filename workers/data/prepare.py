@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from workers.data import checksums
 from workers.data.tokenizer import TOKENIZER_FILE, bpe_size, load_tokenizer, train_bpe
 
 FORMAT = "raymesh-bytes-v1"  # kept for every tokenizer: ids carry their type in Parquet, the manifest says the rest
@@ -59,7 +60,7 @@ def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...]) -> Ite
 def _write_shard(out: Path, index: int, tokens: np.ndarray) -> dict:
     name = f"shard-{index:05d}.parquet"
     pq.write_table(pa.table({"tokens": pa.array(tokens)}), out / name, row_group_size=ROW_GROUP_ROWS)
-    return {"file": name, "tokens": len(tokens)}
+    return {"file": name, "tokens": len(tokens), checksums.FIELD: checksums.shard_digest(out / name)}
 
 
 def _write_shards(tok, documents: Iterable[bytes], out: Path, shard_tokens: int, limit: float) -> tuple[list, int]:

@@ -45,6 +45,11 @@ class CheckpointIO:
         step, self.pending, self.pending_step = self.pending_step, None, None
         return step
 
+    def durable(self) -> bool:
+        """Whether no async save is still writing (the controller then seals it at once, not only when the
+        next save is due)."""
+        return self.pending is None or self.pending.done()
+
     def load(self, path: str | Path) -> None:
         """Read in place into this rank's current state (DCP reshards to its layout), then adopt it."""
         with self.state.resident():
