@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.data import DataCursor, TokenDataset
 from workers.diagnostics.faults import NO_FAULT, StepFault
-from workers.diagnostics.memory_probe import ActivationMeter, model_state_bytes
+from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
 from workers.model.gpt import lm_loss
 from workers.offload.activations import activation_policy
@@ -199,7 +199,8 @@ class Trainer:
                 opt.step()
         memory = None
         if isinstance(meter, ActivationMeter):
-            memory = {**model_state_bytes(self.parts.modules, self.state.optimizers), "activations": meter.peak}
+            memory = {**model_state_bytes(self.parts.modules, self.state.optimizers), "activations": meter.peak,
+                      "step_peak": meter.step_peak}
         for opt, sched in zip(self.state.optimizers, self.state.schedulers):
             opt.zero_grad(set_to_none=True)
             sched.step()
@@ -219,7 +220,8 @@ class Trainer:
         policy = self.spec.memory.recompute
         fam = self.spec.model_family
         watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy, fam)]
-        return ActivationMeter(self.parts.modules, watched)
+        return ActivationMeter(self.parts.modules, watched,
+                               lambda: live_state_bytes(self.parts.modules, self.state.optimizers))
 
     @property
     def step(self) -> int:

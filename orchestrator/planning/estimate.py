@@ -31,15 +31,28 @@ class RankEstimate:
     activation_bytes: int
     buffer_bytes: int
     offloaded_activation_bytes: int = 0  # saved for backward but packed off the device (memory.offload.activations)
+    grads_at_activation_peak: bool = False  # a backward finished before the rank's activations peak
+    working_bytes: int = 0  # recompute's working memory: one block's activations rebuilt in backward
+    freed_before_gather: int = 0  # activations backward frees before ZeRO-3 gathers its units (the head's)
 
     @property
     def total_bytes(self) -> int:
-        """Peak on the device: persistent state, gathered parameters, activations, buffers."""
-        return self.state.peak + self.activation_bytes + self.buffer_bytes
+        """In-step peak on the device: weights, optimizer state, gathered parameters and buffers all step long,
+        plus the larger of (activations at their peak + gradients already there) and (all gradients, at the end
+        of backward), plus recompute's working memory. Gradients and activations do not peak together: a step's
+        first backward starts producing gradients as it frees activations (``zero_grad(set_to_none=True)``).
+        Under ZeRO-3 without a pipeline every unit is resharded after forward (the root too, measured), and
+        backward gathers the root and two blocks only once the loss and head have freed theirs."""
+        s = self.state
+        carried = s.step_grads if self.grads_at_activation_peak else 0
+        gathered = max(0, s.gathered - self.freed_before_gather)
+        flow = max(self.activation_bytes + carried + gathered, s.step_grads + s.gathered) + self.working_bytes
+        return s.params + s.optimizer + flow + self.buffer_bytes
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "params": self.params, **self.state.as_dict(),
-                "activations": self.activation_bytes, "buffers": self.buffer_bytes, "total": self.total_bytes}
+                "activations": self.activation_bytes, "working": self.working_bytes, "buffers": self.buffer_bytes,
+                "total": self.total_bytes}
 
 
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
@@ -87,11 +100,12 @@ def compute_bytes(spec: JobSpec) -> int:
     return mm.BYTES_PER[spec.precision.dtype]
 
 
-def layer_bytes(spec: JobSpec, layer: int = 0) -> int:
-    """Saved for backward by one block (``layer``: which, where LoRA adapts blocks differently) for one microbatch."""
+def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> int:
+    """Saved for backward by one block (``layer``: which, where LoRA adapts blocks differently) for one microbatch,
+    under ``recompute`` (default: the job's ``memory.recompute``)."""
     m, p = spec.model, spec.parallel
     return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
-                                     sequence_split(spec), spec.memory.recompute, compute_bytes(spec),
+                                     sequence_split(spec), recompute or spec.memory.recompute, compute_bytes(spec),
                                      frozen=frozen_parts(spec)[layer], kv_heads=m.kv_heads, family=m.arch)
 
 
@@ -216,13 +230,44 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
                            momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
-                           quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]))
+                           quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]),
+                           accumulating=accumulates(spec), pipelined=p.grid.pp_enabled)
     if p.grid.tp_enabled and p.zero < 2 and 0 in ids and spec.model.lora is None:
         # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
         # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
         vocab_rows = spec.model.vocab_size * spec.model.d_model
         state = replace(state, grads=state.grads + 4 * (vocab_rows - vocab_rows // p.tp))
     return state
+
+
+def accumulates(spec: JobSpec) -> bool:
+    """Whether gradients build up over several microbatches before they are reduced (pipelines always do)."""
+    return spec.train.microbatches > 1 or spec.parallel.grid.pp_enabled
+
+
+def grads_at_activation_peak(spec: JobSpec, pp_rank: int, stages: int) -> bool:
+    """Whether some microbatch's backward has run when this rank's saved activations peak: with one
+    microbatch in flight per step (no pipeline) from the second microbatch on; in a pipeline when the
+    schedule keeps fewer microbatches in flight than it runs (GPipe keeps all: it peaks before any backward)."""
+    p, mbs = spec.parallel, spec.train.microbatches
+    if not p.grid.pp_enabled:
+        return mbs > 1
+    return mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, mbs, stages) < mbs * stages
+
+
+def regathers_in_backward(spec: JobSpec) -> bool:
+    """ZeRO-3 without a pipeline: parameters are resharded after forward and gathered again in backward
+    (a pipeline stage keeps them gathered from its first backward on)."""
+    p = spec.parallel
+    return p.zero >= 3 and p.grid.dp_enabled and not p.grid.pp_enabled
+
+
+def recompute_working_bytes(spec: JobSpec, layers: list[int]) -> int:
+    """Under full recompute, backward rebuilds one block's activations at a time: the largest of this
+    rank's blocks as if nothing were recomputed (selective rebuilds only the attention core: left out)."""
+    if spec.memory.recompute != "full" or not layers:
+        return 0
+    return max(layer_bytes(spec, i, recompute="none") for i in layers)
 
 
 def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
@@ -238,8 +283,11 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
     largest = max(layer_bytes(spec, i) for i in range(spec.model.n_layers))
     on_device = mm.device_activation_bytes(saved, largest, offload_flags(spec)["activations"])
+    layers = [i for sid in ids for i in layers_of_stage(sid, n_stages, spec.model.n_layers)]
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
-                        buffer_bytes(spec, params, ids, split["trainable"]), saved - on_device)
+                        buffer_bytes(spec, params, ids, split["trainable"]), saved - on_device,
+                        grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
+                        head_bytes(spec) if regathers_in_backward(spec) and n_stages - 1 in ids else 0)
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:
@@ -268,7 +316,7 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         lines.append(
             f"{r.rank:>4} {r.coords['dp']:>3} {r.coords['pp']:>3} {r.coords['tp']:>3} "
             f"{','.join(map(str, r.stages)):>8} {r.params:>12,} "
-            + " ".join(_mib(n) for n in (s.params, s.grads, s.optimizer, s.gathered, r.activation_bytes,
+            + " ".join(_mib(n) for n in (s.params, s.step_grads, s.optimizer, s.gathered, r.activation_bytes,
                                           r.buffer_bytes, r.total_bytes))
         )
     offloaded = max(r.state.offloaded for r in rows)

@@ -21,7 +21,8 @@ too. Three precision layouts:
 parameter copy is sharded for ZeRO-2 as well, and parameters are all-gathered
 for compute into a transient ``gathered`` term: the whole stage for ZeRO-2
 (``reshard_after_forward=False`` keeps it from forward through backward), the
-root unit with the current and the prefetched block for ZeRO-3. The paper's tables use
+root unit with the current and the prefetched block for ZeRO-3; ZeRO-0 runs ``replicate()``, FSDP2 over
+a replicated mesh, which also computes on an unsharded copy beside the replica. The paper's tables use
 ``fsdp=False``, where ZeRO-2 keeps 16-bit parameters replicated.
 """
 
@@ -54,6 +55,12 @@ class ModelState:
     optimizer: int
     gathered: int = 0  # transient: unsharded parameters during compute (FSDP2 ZeRO-2/3)
     offloaded: int = 0
+    accumulating: int = 0  # transient: full-size gradients beyond ``grads`` held until the last microbatch
+
+    @property
+    def step_grads(self) -> int:
+        """Gradient bytes at their in-step high point (the sharded ones plus any held unsharded)."""
+        return self.grads + self.accumulating
 
     @property
     def persistent(self) -> int:
@@ -65,7 +72,7 @@ class ModelState:
         return self.persistent + self.gathered
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "persistent": self.persistent, "peak": self.peak}
+        return {**asdict(self), "persistent": self.persistent, "peak": self.peak, "step_grads": self.step_grads}
 
 
 def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
@@ -78,7 +85,8 @@ def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
 def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp32", optimizer: str = "adamw",
                 momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
                 offload_optimizer: bool = False, offload_params: bool = False,
-                host_master: bool = False, frozen: int = 0, quantized_bytes: int = 0) -> ModelState:
+                host_master: bool = False, frozen: int = 0, quantized_bytes: int = 0,
+                accumulating: bool = False, pipelined: bool = False) -> ModelState:
     """Model-state bytes of one rank holding ``n_params`` (its pipeline/TP share) under ZeRO ``zero`` over ``dp``.
 
     ``zero3_gathered_params``: parameters all-gathered at once at ZeRO-3's peak (FSDP2:
@@ -94,6 +102,12 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
     as module buffers, which ZeRO does not shard.
     Gradients stay on the device (they are produced there; an offload store may
     stream them out, which this model does not count as a saving).
+
+    ``accumulating`` (several microbatches, or any pipeline): FSDP2 skips the reduce-scatter
+    until the last microbatch (``set_requires_gradient_sync(False)``), so ZeRO-2/3 hold full-size
+    gradients meanwhile (the ``accumulating`` term). ``pipelined``: torch's ``PipelineStage`` also
+    turns off resharding after backward, so under ZeRO-3 the whole stage's parameters stay
+    gathered, as under ZeRO-2.
     """
     p_bytes, g_bytes, master = PRECISIONS[precision]
     k = master + optimizer_state_bytes(optimizer, momentum)
@@ -107,7 +121,11 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         full = params
         params = math.ceil(params / dp)
         if fsdp and dp > 1:
-            gathered = full if zero == 2 else p_bytes * min(zero3_gathered_params, n_params + frozen)
+            whole_stage = zero == 2 or pipelined
+            gathered = full if whole_stage else p_bytes * min(zero3_gathered_params, n_params + frozen)
+    if fsdp and zero == 0 and dp > 1:  # replicate() is FSDP2 over a replicated mesh: a second, unsharded copy
+        gathered = params
+    held = g_bytes * n_params - grads if accumulating and zero >= 2 and dp > 1 else 0
     params += quantized_bytes
     offloaded = 0
     if offload_optimizer or optimizer in HOST_STATE_OPTIMIZERS:
@@ -115,7 +133,7 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         offloaded, optim = optim + (math.ceil(extra_master / dp) if zero >= 1 else extra_master), 0
     if offload_params:
         offloaded, params = offloaded + params, 0
-    return ModelState(params, grads, optim, gathered, offloaded)
+    return ModelState(params, grads, optim, gathered, offloaded, held)
 
 
 def max_trainable_params(device_bytes: float, dp: int, zero: int, precision: str = "mixed",
@@ -170,8 +188,9 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     - residual input x and the RMSNorm's normalised x, twice (attention and FFN
       norms): 4 tensors in fp32 (norms compute in float32 whatever autocast says);
       sharded over tp along the sequence under sequence parallelism, else full.
-    - each norm's output as the column-parallel linears see it: 2 tensors of c bytes,
-      full sequence (sequence parallelism all-gathers before the linear).
+    - each norm's output as the column-parallel linears see it: c bytes, full sequence (sequence
+      parallelism all-gathers before the linear); once in fp32, but under autocast once per Linear
+      reading it (each casts its own copy: q, k, v three; GPT's FFN one, Llama's gate and up two).
     - attention: rotated q, rotated k, v and the attention output: 4 tensors of c
       bytes sharded by heads over tp (k and v are ``kv_heads/n_heads`` of that under grouped-query
       attention); the SDPA kernel's log-sum-exp (b·a·s fp32);
@@ -209,13 +228,22 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
         return ((4 * sbh + 4 * s * b) * grad + 4 * sbh * trained) // seq_shard
 
     norms = norm(x_grad) + norm(mid_grad)
-    linear_inputs = compute_bytes * sbh * (any(map(on, ("wq", "wk", "wv"))) + up_adapted)
+    linear_inputs = compute_bytes * sbh * (_copies(on, ("wq", "wk", "wv"), compute_bytes)
+                                           + _copies(on, ("w1", "w3") if llama else ("w1",), compute_bytes))
     attn = compute_bytes * ((sbh + 2 * kv) * attn_grad + sbh * (attn_grad or on("wo"))) // tp
     core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
     mlp = compute_bytes * s * b * ffn_dim // tp * ((3 if llama else 1) * h1_grad + on("w2"))
     rotary = 4 * 4 * s * (h // a) // 2 * attn_grad * (2 if llama else 1)
     adapters = compute_bytes * s * b * f.rank * len(f.adapted) * (not trained)
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
+
+
+def _copies(adapted, linears: tuple[str, ...], compute_bytes: int) -> int:
+    """How many copies of one norm output the ``linears`` reading it save: in fp32 they share the tensor
+    (one copy); under autocast each Linear casts its input itself, and autograd keeps each cast (q, k and v:
+    three low-precision copies; measured with the probe)."""
+    n = sum(map(adapted, linears))
+    return n if compute_bytes < 4 else min(n, 1)
 
 
 def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,

@@ -14,7 +14,7 @@ import queue
 import socket
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -28,6 +28,7 @@ class LayoutRun:
 
     losses: list[float]
     grad_norms: list[float]
+    memory: dict = field(default_factory=dict)  # rank -> its last step's memory record (``memory.measure``)
 
 
 def step_field(result, name: str):
@@ -59,7 +60,7 @@ def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, re
     out = []
     for _ in range(steps):
         result = trainer.train_step()
-        out.append((step_field(result, "loss"), step_field(result, "grad_norm")))
+        out.append((step_field(result, "loss"), step_field(result, "grad_norm"), step_field(result, "memory")))
     if checkpoint is not None:
         trainer.checkpoints.save(checkpoint, async_save=False)
     results.put((rank, out))
@@ -137,4 +138,5 @@ def _as_controller_sees(by_rank: dict[int, list[tuple]], steps: int) -> LayoutRu
     for step in range(steps):
         held = [by_rank[r][step][0] for r in sorted(by_rank) if by_rank[r][step][0] is not None]
         losses.append(statistics.fmean(held))  # as orchestrator/observability/run_records.py
-    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)])
+    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)],
+                     {rank: out[-1][2] for rank, out in by_rank.items()})

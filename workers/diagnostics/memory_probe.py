@@ -18,16 +18,24 @@ Two measurements, both by storage so views and shared buffers count once:
   layout where measured exceeds predicted by more than 1%, interleaved 1F1B
   with full recompute, by that one buffer).
 
+- ``ActivationMeter.step_peak``: the in-step peak of everything above together, sampled at every
+  pack (forward) and unpack (backward) of a saved tensor and at the end of backward: saved tensors
+  plus the live storages of parameters, gradients and optimizer state at that moment
+  (``live_state_bytes``), which sees FSDP2's transient unsharded parameters and the full-size
+  gradients it holds until the last microbatch; the model-state bytes above, taken after the
+  optimizer step, miss both. The optimizer's own step (its temporaries) is not sampled.
+
 Our own code: PyTorch has hooks but no per-category tensor accounting.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from workers.model.nf4 import NF4Linear
 
@@ -68,6 +76,29 @@ def model_state_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Opt
     }
 
 
+def _fsdp_tensors(modules: list[nn.Module]) -> Iterable[torch.Tensor]:
+    """FSDP2's own copies of each parameter: the sharded one, the unsharded one (its storage is resized
+    to 0 while resharded) and their gradients, incl. the unsharded gradient accumulated without sync.
+    Private attributes of ``FSDPParam`` (torch 2.11-2.13), read with ``getattr`` so a rename reads as 0."""
+    for module in (m for part in modules for m in part.modules() if isinstance(m, FSDPModule)):
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            for name in ("sharded_param", "_unsharded_param"):
+                t = getattr(fsdp_param, name, None)
+                if t is not None:
+                    yield t
+                    yield t.grad
+            yield getattr(fsdp_param, "unsharded_accumulated_grad", None)
+
+
+def live_state_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of the distinct storages of parameters, gradients and optimizer state alive right now."""
+    params = [p for m in modules for p in m.parameters()]
+    nf4 = [b for m in modules for mod in m.modules() if isinstance(mod, NF4Linear) for b in mod.buffers()]
+    state = [t for o in optimizers for t in _optimizer_tensors(o)]
+    return tensor_bytes([*params, *(p.grad for p in params), *nf4, *state, *_fsdp_tensors(modules)])
+
+
 class _Held:
     """One saved tensor as autograd stores it; its death releases the bytes it counted."""
 
@@ -80,10 +111,11 @@ class _Held:
 class ActivationMeter:
     """Context manager: peak live bytes saved for backward by ``modules`` (see module docstring)."""
 
-    def __init__(self, modules: list[nn.Module], checkpointed: list[nn.Module]):
-        self.modules, self.checkpointed = modules, checkpointed
+    def __init__(self, modules: list[nn.Module], checkpointed: list[nn.Module],
+                 state_bytes: Callable[[], int] | None = None):
+        self.modules, self.checkpointed, self.state_bytes = modules, checkpointed, state_bytes
         self.live: dict[int, list[int]] = {}  # storage ptr -> [holders alive, bytes]
-        self.current = self.peak = 0
+        self.current = self.peak = self.step_peak = 0
         self._hooks = None
         self._handles: list = []
 
@@ -107,12 +139,22 @@ class ActivationMeter:
             self.current -= entry[1]
             del self.live[ptr]
 
+    def _sample(self) -> None:
+        """In-step peak: saved tensors plus model state as they are now (only with ``state_bytes``)."""
+        if self.state_bytes is not None:
+            self.step_peak = max(self.step_peak, self.current + self.state_bytes())
+
     def _pack(self, t: torch.Tensor):
         held = _Held(t)
         # meta tensors (a pipeline stage's shape inference) hold no memory
         if t.device.type != "meta" and _storage(t)[0] not in self._param_storages():
             self._hold(t, held)
+            self._sample()
         return held
+
+    def _unpack(self, held: _Held) -> torch.Tensor:
+        self._sample()
+        return held.tensor
 
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
         for a in args:
@@ -120,12 +162,13 @@ class ActivationMeter:
                 self._hold(a, a)
 
     def __enter__(self) -> ActivationMeter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self.checkpointed]
         return self
 
     def __exit__(self, *exc) -> None:
+        self._sample()  # the end of backward: every gradient there, few activations left
         self._hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
