@@ -33,21 +33,18 @@ class RankEstimate:
     offloaded_activation_bytes: int = 0  # saved for backward but packed off the device (memory.offload.activations)
     grads_at_activation_peak: bool = False  # a backward finished before the rank's activations peak
     working_bytes: int = 0  # recompute's working memory: one block's activations rebuilt in backward
-    freed_before_gather: int = 0  # activations backward frees before ZeRO-3 gathers its units (the head's)
+    freed_in_backward: int = 0  # activations backward frees first: the head's, or one pipeline microbatch's
+    regathers: bool = False  # ZeRO-3: parameters resharded after forward, gathered again in backward
 
     @property
     def total_bytes(self) -> int:
         """In-step peak on the device: weights, optimizer state, gathered parameters and buffers all step long,
         plus the larger of (activations at their peak + gradients already there) and (all gradients, at the end
         of backward), plus recompute's working memory. Gradients and activations do not peak together: a step's
-        first backward starts producing gradients as it frees activations (``zero_grad(set_to_none=True)``).
-        Under ZeRO-3 without a pipeline every unit is resharded after forward (the root too, measured), and
-        backward gathers the root and two blocks only once the loss and head have freed theirs."""
-        s = self.state
-        carried = s.step_grads if self.grads_at_activation_peak else 0
-        gathered = max(0, s.gathered - self.freed_before_gather)
-        flow = max(self.activation_bytes + carried + gathered, s.step_grads + s.gathered) + self.working_bytes
-        return s.params + s.optimizer + flow + self.buffer_bytes
+        first backward starts producing gradients as it frees activations (``zero_grad(set_to_none=True)``);
+        ZeRO-3 gathers its parameters again only in backward (``memory_model.in_step_peak``)."""
+        return mm.in_step_peak(self.state, self.activation_bytes, self.grads_at_activation_peak,
+                               self.regathers, self.freed_in_backward, self.working_bytes) + self.buffer_bytes
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "params": self.params, **self.state.as_dict(),
@@ -255,11 +252,14 @@ def grads_at_activation_peak(spec: JobSpec, pp_rank: int, stages: int) -> bool:
     return mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, mbs, stages) < mbs * stages
 
 
-def regathers_in_backward(spec: JobSpec) -> bool:
-    """ZeRO-3 without a pipeline: parameters are resharded after forward and gathered again in backward
-    (a pipeline stage keeps them gathered from its first backward on)."""
+def freed_in_backward(spec: JobSpec, saved: int, pp_rank: int, ids: list[int]) -> int:
+    """Activations backward frees before it gathers parameters again: in a pipeline one microbatch's
+    share of what the rank holds in flight; otherwise the head's (the loss backward runs first)."""
     p = spec.parallel
-    return p.zero >= 3 and p.grid.dp_enabled and not p.grid.pp_enabled
+    if p.grid.pp_enabled:
+        return saved // max(1, mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches,
+                                                         len(ids)))
+    return head_bytes(spec) if p.pp * p.stages_per_rank - 1 in ids else 0
 
 
 def recompute_working_bytes(spec: JobSpec, layers: list[int]) -> int:
@@ -287,7 +287,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"]), saved - on_device,
                         grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
-                        head_bytes(spec) if regathers_in_backward(spec) and n_stages - 1 in ids else 0)
+                        freed_in_backward(spec, saved, coords["pp"], ids), p.zero >= 3 and p.grid.dp_enabled)
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:

@@ -75,6 +75,27 @@ class ModelState:
         return {**asdict(self), "persistent": self.persistent, "peak": self.peak, "step_grads": self.step_grads}
 
 
+def in_step_peak(state: ModelState, activations: int, grads_at_activation_peak: bool = False,
+                 regathers: bool = False, freed: int = 0, working: int = 0) -> int:
+    """Model state plus activations at the step's high point (buffers aside; see ``RankEstimate.total_bytes``).
+
+    Weights and optimizer state are there all step; the rest peaks at one of three moments (measured with
+    the probe's in-step sampling, ``ActivationMeter.step_peak``):
+
+    - the end of forward: all saved ``activations``, the gradients of earlier microbatches
+      (``grads_at_activation_peak``) and the gathered parameters, unless ZeRO-3 resharded them
+      after forward (``regathers``; FSDP2 reshards the root too);
+    - backward, once it has ``freed`` the first activations it consumes (the head's; in a pipeline one
+      microbatch's): the parameters gathered again and recompute's rebuilt block (``working``);
+    - the end of backward: every gradient and the gathered parameters, the activations gone.
+    """
+    carried = state.step_grads if grads_at_activation_peak else 0
+    forward_end = activations + carried + (0 if regathers else state.gathered)
+    in_backward = activations - freed + carried + state.gathered + working
+    backward_end = state.step_grads + state.gathered
+    return state.params + state.optimizer + max(forward_end, in_backward, backward_end)
+
+
 def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
     """K_opt: state bytes per parameter (SGD keeps a 4-byte buffer only with momentum)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:

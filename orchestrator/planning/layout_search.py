@@ -1,0 +1,322 @@
+"""Search dp × tp × pp × cp × ZeRO × micro-batch × recompute × schedule for the fastest layout that fits.
+
+Why a second path beside ``estimate``: that one reads a validated ``JobSpec`` (LoRA, offload, NF4) and takes
+milliseconds a rank, and a spec refuses layer counts that do not divide the stages. The search needs
+thousands of candidates in well under a second, uneven stage splits (Llama 3 405B: 126 layers on 16 stages)
+and context parallelism as a formula, so it works on plain numbers (``Shape``) with the same arithmetic
+(``memory_model``: state, activations, in-flight microbatches, in-step peak; ``comm_model``; ``time_model``).
+``tests/unit/test_layout_search.py`` checks that it equals ``estimate`` wherever both apply.
+
+Identical ranks are estimated once: every dp/tp/cp peer of a pipeline rank holds the same bytes, and of the
+pipeline ranks only three classes can hold the peak (the first: embedding and the most microbatches in
+flight; the second: the first of the middle stages, which take the split's extra layers; the last: the
+head), so a candidate costs at most three rank estimates whatever the GPU count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from itertools import product
+
+from orchestrator.planning import comm_model as cm
+from orchestrator.planning import memory_model as mm
+from orchestrator.planning import time_model as tm
+from workers.parallel.layout import stage_ids
+from workers.parallel.schedules import schedule as schedule_facts
+
+FFN_MATRICES = {"gpt": 2, "llama": 3}
+TP_MAX = 8
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A transformer and its batch, in plain numbers."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    ffn_dim: int
+    vocab: int
+    seq: int
+    global_batch: int  # sequences per step
+    kv_heads: int | None = None
+    arch: str = "llama"
+    tied: bool = False
+    learned_positions: bool = False
+    compute_bytes: int = 2  # bf16 under autocast (raymesh keeps fp32 state either way)
+
+    @classmethod
+    def of(cls, spec) -> Shape:
+        m = spec.model
+        return cls(m.n_layers, m.d_model, m.n_heads, m.ffn_dim, spec.padded_vocab_size, m.seq_len,
+                   spec.train.global_batch_size, m.kv_heads, m.arch, m.tie_embeddings, m.positions == "learned",
+                   mm.BYTES_PER[spec.precision.dtype])
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.n_heads
+
+    @property
+    def block_params(self) -> int:
+        """TP-sharded parameters of one block: q, o (h x h), k, v (h x kv·head_dim), the FFN's matrices."""
+        d = self.d_model
+        return 2 * d * d + 2 * d * self.kv * (d // self.n_heads) + FFN_MATRICES[self.arch] * d * self.ffn_dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.d_model + (self.seq * self.d_model if self.learned_positions else 0)
+
+    @property
+    def head_params(self) -> int:
+        return 0 if self.tied else self.vocab * self.d_model
+
+    @property
+    def params(self) -> int:
+        d = self.d_model
+        return self.n_layers * (self.block_params + 2 * d) + self.embedding_params + self.head_params + d
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    cp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def microbatches(self, shape: Shape) -> int:
+        return shape.global_batch // (self.dp * self.micro_batch)
+
+    def label(self) -> str:
+        sched = f" {self.schedule}x{self.stages_per_rank}" if self.pp > 1 else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} zero={self.zero} mbs={self.micro_batch} "
+                f"recompute={self.recompute}{sched}")
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage, as even as possible; the extra layers go to the middle stages first, so the
+    first (embedding) and last (head) stages stay light, as Llama 3 split 126 layers over 16 stages."""
+    base, extra = divmod(n_layers, n_stages)
+    counts = [base] * n_stages
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
+    for stage in order[:extra]:
+        counts[stage] += 1
+    return counts
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    peak: int  # bytes, the largest rank class
+    peak_pp_rank: int
+    time: tm.StepTime
+    bytes_by_dim: dict[str, float]
+
+    @property
+    def step_s(self) -> float:
+        return self.time.total
+
+
+@dataclass
+class SearchResult:
+    best: list[Candidate]  # fitting candidates, fastest first
+    too_big: list[Candidate]  # the fastest of those that do not fit
+    limit: int
+    rank_estimates: int = 0  # distinct rank estimates computed (identical ranks once)
+    considered: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+class Evaluator:
+    """Memory and time of candidates of one shape on one GPU type; counts the rank estimates it makes."""
+
+    def __init__(self, shape: Shape, g: tm.GPU, efficiency: float = tm.DEFAULT_EFFICIENCY):
+        self.shape, self.gpu, self.efficiency = shape, g, efficiency
+        self.rank_estimates = 0
+
+    def rank_classes(self, layout: Layout) -> list[int]:
+        return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
+
+    def stage_layers(self, layout: Layout) -> list[int]:
+        return split_layers(self.shape.n_layers, layout.pp * layout.stages_per_rank)
+
+    def rank_peak(self, layout: Layout, pp_rank: int) -> int:
+        """In-step peak bytes of one rank of pipeline rank ``pp_rank`` (``estimate.RankEstimate.total_bytes``
+        on plain numbers)."""
+        self.rank_estimates += 1
+        s, lay = self.shape, layout
+        n_stages, m = lay.pp * lay.stages_per_rank, lay.microbatches(self.shape)
+        ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
+        counts = self.stage_layers(lay)
+        first, last = 0 in ids, n_stages - 1 in ids
+        layers = sum(counts[i] for i in ids)
+        root = s.embedding_params * first + s.head_params * last  # a tied head is the embedding (one stage)
+        params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model + s.d_model * last
+        state = mm.model_state(params, lay.dp, lay.zero, "autocast" if s.compute_bytes < 4 else "fp32", "adamw",
+                               fsdp=True, zero3_gathered_params=(root + 2 * s.block_params) // lay.tp,
+                               accumulating=m > 1 or lay.pp > 1, pipelined=lay.pp > 1)
+        if lay.tp > 1 and lay.zero < 2 and first:  # DTensor's full-vocabulary embedding gradient (see estimate)
+            rows = s.vocab * s.d_model
+            state = replace(state, grads=state.grads + 4 * (rows - rows // lay.tp))
+        seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
+        layer = mm.layer_activation_bytes(seq, lay.micro_batch, s.d_model, s.n_heads, s.ffn_dim, lay.tp, sp,
+                                          lay.recompute, c, kv_heads=s.kv, family=s.arch)
+        head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c)
+        in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
+        chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
+        all_first = lay.pp > 1 and schedule_facts(lay.schedule).all_forwards_first
+        saved = chunks * in_flight // len(ids) + head * last * (m if all_first else 1)
+        carried = m > 1 if lay.pp == 1 else in_flight < m * len(ids)
+        working = 0
+        if lay.recompute == "full" and layers:
+            working = mm.layer_activation_bytes(seq, lay.micro_batch, s.d_model, s.n_heads, s.ffn_dim, lay.tp, sp,
+                                                "none", c, kv_heads=s.kv, family=s.arch)
+        freed = saved // max(1, in_flight) if lay.pp > 1 else head * last
+        hidden = 4 * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
+        edges = sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0
+        buffers = (c * params if c < 4 else 0) + m * hidden * edges + (4 * params if lay.zero == 1 and lay.dp > 1 else 0)
+        regathers = lay.zero >= 3 and lay.dp > 1
+        return mm.in_step_peak(state, saved, carried, regathers, freed, working) + buffers
+
+    def peak(self, layout: Layout) -> tuple[int, int]:
+        """(bytes, pp rank) of the largest rank class."""
+        return max((self.rank_peak(layout, r), r) for r in self.rank_classes(layout))
+
+    def comm_shape(self, layout: Layout, pp_rank: int) -> cm.CommShape:
+        s, lay = self.shape, layout
+        n_stages = lay.pp * lay.stages_per_rank
+        ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
+        counts = self.stage_layers(lay)
+        layers = sum(counts[i] for i in ids)
+        last = n_stages - 1 in ids
+        root = s.embedding_params * (0 in ids) + s.head_params * last
+        params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model
+        seq, c = s.seq // lay.cp, s.compute_bytes
+        sbh = seq * lay.micro_batch * s.d_model
+        return cm.CommShape(4 * params, 4 * params, c * sbh, 4 * sbh // (lay.tp if lay.tp > 1 else 1),
+                            2 * c * seq * lay.micro_batch * s.kv * (s.d_model // s.n_heads) // lay.tp,
+                            c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
+                            sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0)
+
+    def step_time(self, layout: Layout) -> tuple[tm.StepTime, dict[str, float]]:
+        """The slowest pipeline rank's time: the heaviest stage's FLOPs sets the pace of every stage."""
+        s, lay = self.shape, layout
+        m = lay.microbatches(s)
+        n_stages = lay.pp * lay.stages_per_rank
+        counts = self.stage_layers(lay)
+        per_rank = []
+        for r in self.rank_classes(lay):
+            ids = stage_ids(r, lay.pp, lay.stages_per_rank, lay.schedule)
+            stage_params = sum(counts[i] * s.block_params for i in ids) + s.head_params * (n_stages - 1 in ids)
+            layers = sum(counts[i] for i in ids)
+            per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
+            tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
+            per_rank.append((per_token * tokens / lay.tp, r))
+        flops, r = max(per_rank)
+        shape = self.comm_shape(lay, r)
+        by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m)
+        gathers = by_dim["dp"] - cm.reduce_scatter(shape.grad_bytes, lay.dp)  # ZeRO-2/3: the rest are gathers
+        degrees = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp}
+        time = tm.step_time(flops, by_dim, self.gpu, degrees, m, lay.stages_per_rank, self.efficiency,
+                            gather_bytes=max(0.0, gathers) if lay.zero >= 2 else 0.0,
+                            boundary_bytes=shape.boundary_bytes)
+        return time, by_dim
+
+    def evaluate(self, layout: Layout) -> Candidate:
+        peak, r = self.peak(layout)
+        time, by_dim = self.step_time(layout)
+        return Candidate(layout, peak, r, time, by_dim)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, cps=None,
+               even_splits: bool = False, schedules=("1f1b", "interleaved_1f1b"), rejected: dict | None = None):
+    """Every layout of ``world`` GPUs the formulas can price; ``rejected`` counts the others by reason."""
+    rejected = {} if rejected is None else rejected
+
+    def skip(reason: str) -> None:
+        rejected[reason] = rejected.get(reason, 0) + 1
+
+    tps = [t for t in _powers_of_two(min(TP_MAX, g.gpus_per_node))
+           if shape.n_heads % t == 0 and shape.kv % t == 0 and world % t == 0]
+    cps = cps or [c for c in _powers_of_two(16) if shape.seq % c == 0]
+    for tp, cp in product(tps, cps):
+        if world % (tp * cp):
+            continue
+        rest = world // (tp * cp)
+        for pp in (p for p in range(1, min(rest, shape.n_layers) + 1) if rest % p == 0):
+            dp = rest // pp
+            if shape.global_batch % dp:
+                skip("global batch not divisible by dp")
+                continue
+            yield from _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip)
+
+
+def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip):
+    """The ZeRO x micro-batch x recompute x schedule choices of one dp/tp/pp/cp split."""
+    per_replica = shape.global_batch // dp
+    for sched in (schedules if pp > 1 else ("1f1b",)):
+        v = 1 if sched == "1f1b" else 2
+        if shape.n_layers < pp * v or (even_splits and shape.n_layers % (pp * v)):
+            skip("layers do not split into the stages")
+            continue
+        for mbs in (b for b in _powers_of_two(per_replica) if per_replica % b == 0):
+            m = per_replica // mbs
+            if pp > 1 and m < schedule_facts(sched).min_microbatches(pp):
+                skip("too few microbatches for the schedule")
+                continue
+            for zero, rc in product(zeros if dp > 1 else (0,), recomputes):
+                yield Layout(dp, tp, pp, cp, zero, mbs, rc, sched, v)
+
+
+def search(shape: Shape, world: int, g: tm.GPU, headroom: float = 0.1, efficiency: float = tm.DEFAULT_EFFICIENCY,
+           top: int = 5, **space) -> SearchResult:
+    """The ``top`` fastest layouts whose in-step peak stays below (1 - ``headroom``) of the GPU's memory."""
+    ev = Evaluator(shape, g, efficiency)
+    limit = int(g.memory * (1 - headroom))
+    rejected: dict[str, int] = {}
+    fits, too_big, n = [], [], 0
+    for layout in candidates(shape, world, g, rejected=rejected, **space):
+        n += 1
+        cand = ev.evaluate(layout)
+        (fits if cand.peak <= limit else too_big).append(cand)
+    rejected["does not fit with headroom"] = len(too_big)
+    fits.sort(key=lambda c: c.step_s)
+    too_big.sort(key=lambda c: c.step_s)
+    return SearchResult(fits, too_big[:top], limit, ev.rank_estimates, n, rejected)
+
+
+def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
+    """One line: what makes ``other`` lose to ``winner`` (memory, or the term that grew most)."""
+    if other.peak > limit:
+        return f"needs {mm.human_bytes(other.peak)} > {mm.human_bytes(limit)} with headroom"
+    a, b = winner.time.as_dict(), other.time.as_dict()
+    term = max((k for k in a if k != "step_s"), key=lambda k: b[k] - a[k])
+    return f"{other.step_s - winner.step_s:+.2f} s/step, mostly {term[:-2]} ({a[term]:.2f} -> {b[term]:.2f} s)"
+
+
+def losers_by_axis(result: SearchResult, axes=("tp", "pp", "cp", "zero", "recompute", "micro_batch")) -> list[str]:
+    """Per axis: the fastest layout with a different value there, and why it lost."""
+    if not result.best:
+        return []
+    win = result.best[0]
+    lines = []
+    pool = result.best + result.too_big
+    for axis in axes:
+        others = [c for c in pool if getattr(c.layout, axis) != getattr(win.layout, axis)]
+        if others:
+            alt = min(others, key=lambda c: (c.peak > result.limit, c.step_s))
+            lines.append(f"{axis}={getattr(alt.layout, axis)}: {alt.layout.label()}: {why_not(win, alt, result.limit)}")
+    return lines
