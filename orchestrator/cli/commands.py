@@ -31,33 +31,34 @@ def _plan(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.job, args.set)
     check_before_start(spec, data_required=False)  # what `run` would refuse before its actors start
-    if args.nodes is None and args.gpus_per_node is None and args.gpu_mem is None:
+    if args.nodes is None and args.gpus_per_node is None and args.gpu_mem is None and args.gpu is None:
         print(render(spec))
         for problem in fit_problems(spec):
             print(f"does not fit: {problem}")
         return 0
-    from orchestrator.planning.layout_picker import pick_layout
+    from orchestrator.planning.layout_picker import explain, overrides, pick_layout
+    from orchestrator.planning.layout_search import Shape
 
     gpu_mem = _gpu_mem(args.gpu_mem, spec)
-    choice = pick_layout(spec, args.nodes or 1, args.gpus_per_node or 8, gpu_mem)
+    nodes, per_node = args.nodes or 1, args.gpus_per_node or 8
+    choice = pick_layout(spec, nodes, per_node, gpu_mem, args.gpu)
     p = choice.spec.parallel
-    print(f"picked dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} for {args.nodes or 1} node(s) x "
-          f"{args.gpus_per_node or 8} GPU(s): {choice.reason}")
-    for line in choice.tried:
-        print(f"  tried {line}")
+    print(f"picked dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} microbatches={choice.spec.train.microbatches} "
+          f"recompute={choice.spec.memory.recompute} schedule={p.pp_schedule} for {nodes} node(s) x {per_node} "
+          f"{args.gpu or spec.plan.gpu}(s): {choice.reason}")
+    for line in [*choice.tried[:5], *explain(choice)]:
+        print(f"  {line}")
     print(render(choice.spec, one_per_stage=True))
-    sets = " ".join(f"--set parallel.{k}={getattr(p, k)}" for k in ("dp", "pp", "tp", "zero"))
-    print(f"run it: raymesh run {args.job} {sets} --set train.microbatches={choice.spec.train.microbatches}")
+    sets = " ".join(f"--set {o}" for o in overrides(choice.candidate, Shape.of(spec)))
+    print(f"run it: raymesh run {args.job} {sets}")
     return 0
 
 
-def _gpu_mem(text: str | None, spec) -> int:
+def _gpu_mem(text: str | None, spec) -> int | None:
+    """``--gpu-mem``, else ``parallel.device_memory``, else None (the GPU type's own, ``plan.gpu``)."""
     from orchestrator.planning.memory_model import parse_bytes
 
     if text is None:
-        if spec.parallel.device_memory is None:
-            raise SpecError("--gpu-mem", None, "is needed to pick a layout",
-                            "pass --gpu-mem 80GB (or set parallel.device_memory in the job file)", where="raymesh plan")
         return spec.parallel.device_memory_bytes
     try:
         return parse_bytes(text)
@@ -138,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.choices["plan"]
     plan.add_argument("--nodes", type=_positive_int, help="pick a layout for this many nodes (default 1)")
     plan.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node when picking a layout (default 8)")
-    plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GB or 80GiB (default: parallel.device_memory)")
+    plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GB or 80GiB (default: parallel.device_memory, "
+                                        "else the GPU type's)")
+    plan.add_argument("--gpu", choices=["A100", "H100", "H200"],
+                      help="GPU type whose peak, memory and bandwidths price the layouts (default: plan.gpu)")
     run = sub.choices["run"]
     run.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     run.add_argument("--summary-json", help="write the run summary here")

@@ -100,10 +100,9 @@ def data_parallel_bytes(param_bytes: float, grad_bytes: float, dp: int, zero: in
 def predicted_bytes(spec) -> dict[int, dict[str, float]]:
     """Per pipeline rank of a job spec: bytes sent per step per mesh dimension (every dp/tp/cp peer of a
     pp rank sends the same). What the ``comm`` measurement puts "predicted" beside "measured"."""
-    from orchestrator.planning.estimate import comm_shape
+    from orchestrator.planning.layout_search import Shape, comm_shape, layout_of
 
-    p = spec.parallel
-    grid = p.grid
-    return {pp_rank: step_bytes(comm_shape(spec, pp_rank), grid.dp, grid.tp, grid.pp, grid.cp, grid.ep, p.zero,
-                                spec.train.microbatches)
-            for pp_rank in range(grid.pp)}
+    shape, layout = Shape.of(spec), layout_of(spec)
+    m = layout.microbatches(shape)
+    return {r: step_bytes(comm_shape(shape, layout, r), layout.dp, layout.tp, layout.pp, layout.cp, 1, layout.zero, m)
+            for r in range(layout.pp)}

@@ -1,19 +1,12 @@
-"""Pick a dp × pp × tp × ZeRO layout for a cluster shape, by the seed articles' rule.
+"""Pick the fastest runnable layout of a job for a cluster shape, and say why the others lost.
 
-The order follows the bandwidth each kind of parallelism needs (seeds 000/003):
-
-1. Data parallelism alone with ZeRO-0/1/2 first: ZeRO-1/2 move no more bytes than
-   plain all-reduce, so they are free savings.
-2. Tensor parallelism inside a node, up to 8 ranks and only as wide as divides
-   the heads and the node: it needs the fastest links (NVLink) and splits both
-   state and activations.
-3. Then ZeRO-3, then pipeline stages (with ZeRO-2, then ZeRO-3), until the model
-   fits: ZeRO-3 shards state but not activations; pipeline stages split both.
-4. Data parallelism with what is left: dp = ranks / (tp · pp).
-
-The first candidate whose largest per-rank peak fits ``gpu_mem`` wins; each
-candidate the job file cannot run (batch not divisible, ZeRO-1 with pp ...) is
-skipped with the spec's own reason.
+The search (``layout_search``) prices every dp × tp × pp × ZeRO × micro-batch × recompute × schedule
+split of the GPUs by predicted step time (``time_model``: compute, exposed communication per link class,
+pipeline bubble) and keeps those whose in-step peak stays under (1 - ``memory.headroom``) of the GPU's
+memory. Here it runs over the layouts raymesh can run today (layers divide the stages, no context
+parallelism), and the winner is the first that the job file accepts (``with_overrides`` validates it;
+refusals are listed with the spec's own reason). The unrestricted search (uneven stage splits, context
+parallelism) is reported beside it when it would be faster.
 """
 
 from __future__ import annotations
@@ -21,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.errors import SpecError
-from orchestrator.planning.estimate import RankEstimate, micro_batch, peak_rank
+from orchestrator.planning import layout_search as ls
+from orchestrator.planning import time_model as tm
+from orchestrator.planning.estimate import RankEstimate, peak_rank
 from orchestrator.planning.memory_model import human_bytes
 from orchestrator.spec import JobSpec
-from workers.parallel.grid import Grid
-
-TP_MAX = 8
 
 
 @dataclass
@@ -35,62 +27,85 @@ class Choice:
     peak: RankEstimate
     reason: str
     tried: list[str] = field(default_factory=list)
+    candidate: ls.Candidate | None = None
+    result: ls.SearchResult | None = None
+    unrestricted: ls.Candidate | None = None  # faster on paper, not runnable yet (uneven split or cp > 1)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def plan_gpu(spec: JobSpec, gpus_per_node: int, gpu_mem: int | None, gpu_type: str | None = None) -> tm.GPU:
+    """The GPU type's defaults (``plan.gpu``), with the job's and the command line's overrides."""
+    p = spec.plan
+    gbps = {k: None if v is None else v * 1e9 for k, v in (("intra_bw", p.intra_node_gbps),
+                                                          ("inter_bw", p.inter_node_gbps))}
+    return tm.gpu(gpu_type or p.gpu).with_overrides(memory=gpu_mem, gpus_per_node=gpus_per_node, **gbps)
 
 
-def _candidates(spec: JobSpec, world: int, gpus_per_node: int):
-    """(tp, pp, zero, why) in the rule's order."""
-    tps = [t for t in _divisors(gpus_per_node)
-           if t <= TP_MAX and spec.model.n_heads % t == 0 and spec.model.kv_heads % t == 0 and world % t == 0]
-    for zero in (0, 1, 2):
-        yield 1, 1, zero, f"plain data parallelism with ZeRO-{zero} fits"
-    for tp in tps[1:]:
-        for zero in (0, 2):
-            yield tp, 1, zero, f"tensor parallelism over {tp} GPUs of a node (ZeRO-{zero}) fits"
-    tp = tps[-1]
-    yield tp, 1, 3, f"tp={tp} (the most a node allows) needs ZeRO-3 as well"
-    v = spec.parallel.stages_per_rank
-    for pp in _divisors(world // tp)[1:]:
-        if spec.model.n_layers % (pp * v) == 0:
-            for zero in (2, 3):
-                yield tp, pp, zero, f"tp={tp} with ZeRO-3 did not fit; {pp} pipeline stages (ZeRO-{zero}) do"
+def overrides(c: ls.Candidate, shape: ls.Shape) -> list[str]:
+    lay = c.layout
+    return [f"parallel.dp={lay.dp}", f"parallel.pp={lay.pp}", f"parallel.tp={lay.tp}", f"parallel.zero={lay.zero}",
+            f"parallel.pp_schedule={lay.schedule}", f"train.microbatches={lay.microbatches(shape)}",
+            f"memory.recompute={lay.recompute}"]
 
 
-def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int) -> Choice:
-    """First candidate that fits. The job's micro-batch size (global_batch_size / dp / microbatches
-    as written) is kept; ``train.microbatches`` becomes what the new dp needs for the same global batch."""
-    world = nodes * gpus_per_node
-    mbs, gbs = micro_batch(spec), spec.train.global_batch_size
-    tried, best = [], None
-    for tp, pp, zero, why in _candidates(spec, world, gpus_per_node):
-        dp = world // Grid(pp=pp, tp=tp).positions  # the ranks one replica of this model split takes
-        mb = max(gbs // (dp * mbs), pp, 1)
-        name = f"dp={dp} pp={pp} tp={tp} zero={zero}"
+def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | None = None,
+                gpu_type: str | None = None) -> Choice:
+    """The fastest layout that fits with headroom and that the job file accepts."""
+    g = plan_gpu(spec, gpus_per_node, gpu_mem, gpu_type)
+    world, shape = nodes * gpus_per_node, ls.Shape.of(spec)
+    kw = {"headroom": spec.memory.headroom, "efficiency": spec.plan.efficiency}
+    result = ls.search(shape, world, g, cps=[1], even_splits=True, **kw)
+    tried = []
+    for cand in result.best:
         try:
-            cand = spec.with_overrides([f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}",
-                                        f"parallel.zero={zero}", f"train.microbatches={mb}"])
+            chosen = spec.with_overrides(overrides(cand, shape))
         except SpecError as exc:
-            tried.append(f"{name}: not runnable ({exc.field}: {exc.problem})")
+            tried.append(f"{cand.layout.label()}: not runnable ({exc.field}: {exc.problem})")
             continue
-        peak = peak_rank(cand)
-        if peak.total_bytes <= gpu_mem:
-            reason = f"{why}: peak rank {peak.rank} needs {human_bytes(peak.total_bytes)} of {human_bytes(gpu_mem)}"
-            return Choice(cand, peak, reason, tried)
-        tried.append(f"{name}: rank {peak.rank} needs {human_bytes(peak.total_bytes)}")
-        if best is None or peak.total_bytes < best[1].total_bytes:
-            best = (name, peak)
-    if best is None:
-        raise SpecError("--nodes/--gpus-per-node", f"{nodes}x{gpus_per_node}",
-                        f"gives no layout this job can run ({'; '.join(tried[:3])})",
-                        "pick a GPU count that divides train.global_batch_size and model.n_layers, "
-                        "or change those", where="raymesh plan")
-    name, peak = best
-    raise SpecError("--gpu-mem", human_bytes(gpu_mem),
-                    f"is too small: no layout of {nodes} node(s) x {gpus_per_node} GPU(s) fits; the smallest, {name}, "
-                    f"needs {human_bytes(peak.total_bytes)} on rank {peak.rank} (state {human_bytes(peak.state.peak)}, "
-                    f"activations {human_bytes(peak.activation_bytes)})",
-                    f"use --gpu-mem {human_bytes(peak.total_bytes)} or more, add --nodes, set memory.recompute: full, "
-                    "or lower train.global_batch_size / raise train.microbatches", where="raymesh plan")
+        peak = peak_rank(chosen)
+        t = cand.time
+        reason = (f"fastest of {result.considered} layouts that fit in {human_bytes(result.limit)} "
+                  f"({spec.memory.headroom:.0%} headroom): {t.total:.3g} s/step (compute {t.compute:.3g}, bubble "
+                  f"{t.bubble:.3g}, exposed communication {sum(t.exposed.values()):.3g}); peak rank {peak.rank} "
+                  f"needs {human_bytes(peak.total_bytes)}")
+        free = ls.search(shape, world, g, top=1, **kw).best
+        faster = free[0] if free and free[0].step_s < cand.step_s * 0.99 else None
+        return Choice(chosen, peak, reason, tried, cand, result, faster)
+    free = ls.search(shape, world, g, top=1, **kw).best
+    raise _no_fit(spec, nodes, gpus_per_node, g, result, tried, free[0] if free else None)
+
+
+def _no_fit(spec: JobSpec, nodes: int, gpus_per_node: int, g: tm.GPU, result: ls.SearchResult,
+            tried: list[str], unrestricted: ls.Candidate | None) -> SpecError:
+    if not result.too_big:
+        return SpecError("--nodes/--gpus-per-node", f"{nodes}x{gpus_per_node}",
+                         f"gives no layout this job can run ({'; '.join(tried[:3]) or result.rejected})",
+                         "pick a GPU count that divides train.global_batch_size and model.n_layers, "
+                         "or change those", where="raymesh plan")
+    small = result.too_big[0]
+    return SpecError("--gpu-mem", human_bytes(g.memory),
+                     f"is too small: no layout of {nodes} node(s) x {gpus_per_node} GPU(s) fits with "
+                     f"{spec.memory.headroom:.0%} headroom; the smallest, {small.layout.label()}, needs "
+                     f"{human_bytes(small.peak)} on pp rank {small.peak_pp_rank}"
+                     + (f" (with an uneven stage split or context parallelism, not runnable in raymesh yet, "
+                        f"{unrestricted.layout.label()} would fit: {human_bytes(unrestricted.peak)})"
+                        if unrestricted else ""),
+                     f"use --gpu-mem {human_bytes(small.peak / (1 - spec.memory.headroom))} or more, add --nodes, "
+                     "lower memory.headroom, or lower train.global_batch_size", where="raymesh plan")
+
+
+def explain(choice: Choice, top: int = 5) -> list[str]:
+    """The top choices with their time terms, then per axis the best layout that differs there and why it lost."""
+    res = choice.result
+    lines = [f"{'layout':<68} {'step s':>8} {'compute':>8} {'bubble':>7} {'comm':>7} {'peak':>10}"]
+    for c in res.best[:top]:
+        t = c.time
+        lines.append(f"{c.layout.label():<68} {t.total:>8.3g} {t.compute:>8.3g} {t.bubble:>7.3g} "
+                     f"{sum(t.exposed.values()):>7.3g} {human_bytes(c.peak):>10}")
+    lines.append(f"why the others lost ({res.considered} priced, {res.rank_estimates} distinct rank estimates):")
+    lines += [f"  {line}" for line in ls.losers_by_axis(res)]
+    lines += [f"  {n} {why}" for why, n in res.rejected.items() if n]
+    if choice.unrestricted is not None:
+        u = choice.unrestricted
+        lines.append(f"faster on paper, not runnable in raymesh yet (uneven stage split or context parallelism): "
+                     f"{u.layout.label()}: {u.step_s:.3g} s/step, {human_bytes(u.peak)}")
+    return lines

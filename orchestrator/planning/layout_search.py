@@ -129,7 +129,7 @@ class Candidate:
 @dataclass
 class SearchResult:
     best: list[Candidate]  # fitting candidates, fastest first
-    too_big: list[Candidate]  # the fastest of those that do not fit
+    too_big: list[Candidate]  # the smallest of those that do not fit
     limit: int
     rank_estimates: int = 0  # distinct rank estimates computed (identical ranks once)
     considered: int = 0
@@ -191,22 +191,6 @@ class Evaluator:
         """(bytes, pp rank) of the largest rank class."""
         return max((self.rank_peak(layout, r), r) for r in self.rank_classes(layout))
 
-    def comm_shape(self, layout: Layout, pp_rank: int) -> cm.CommShape:
-        s, lay = self.shape, layout
-        n_stages = lay.pp * lay.stages_per_rank
-        ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
-        counts = self.stage_layers(lay)
-        layers = sum(counts[i] for i in ids)
-        last = n_stages - 1 in ids
-        root = s.embedding_params * (0 in ids) + s.head_params * last
-        params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model
-        seq, c = s.seq // lay.cp, s.compute_bytes
-        sbh = seq * lay.micro_batch * s.d_model
-        return cm.CommShape(4 * params, 4 * params, c * sbh, 4 * sbh // (lay.tp if lay.tp > 1 else 1),
-                            2 * c * seq * lay.micro_batch * s.kv * (s.d_model // s.n_heads) // lay.tp,
-                            c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
-                            sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0)
-
     def step_time(self, layout: Layout) -> tuple[tm.StepTime, dict[str, float]]:
         """The slowest pipeline rank's time: the heaviest stage's FLOPs sets the pace of every stage."""
         s, lay = self.shape, layout
@@ -222,7 +206,7 @@ class Evaluator:
             tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
             per_rank.append((per_token * tokens / lay.tp, r))
         flops, r = max(per_rank)
-        shape = self.comm_shape(lay, r)
+        shape = comm_shape(s, lay, r)
         by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m)
         gathers = by_dim["dp"] - cm.reduce_scatter(shape.grad_bytes, lay.dp)  # ZeRO-2/3: the rest are gathers
         degrees = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp}
@@ -235,6 +219,30 @@ class Evaluator:
         peak, r = self.peak(layout)
         time, by_dim = self.step_time(layout)
         return Candidate(layout, peak, r, time, by_dim)
+
+
+def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
+    """``comm_model.CommShape`` of one rank: raymesh reduces and gathers fp32 parameters and gradients
+    (autocast keeps them fp32), sends fp32 hidden states between stages, reduces activations in compute width."""
+    n_stages = lay.pp * lay.stages_per_rank
+    ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
+    layers = sum(split_layers(s.n_layers, n_stages)[i] for i in ids)
+    last = n_stages - 1 in ids
+    root = s.embedding_params * (0 in ids) + s.head_params * last
+    params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model
+    seq, c = s.seq // lay.cp, s.compute_bytes
+    sbh = seq * lay.micro_batch * s.d_model
+    return cm.CommShape(4 * params, 4 * params, c * sbh, 4 * sbh // lay.tp,
+                        2 * c * seq * lay.micro_batch * s.kv * (s.d_model // s.n_heads) // lay.tp,
+                        c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
+                        sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0)
+
+
+def layout_of(spec) -> Layout:
+    """The layout a job spec runs (raymesh has no context parallelism yet: cp=1)."""
+    p = spec.parallel
+    return Layout(p.dp, p.tp, p.pp, 1, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
+                  spec.memory.recompute, p.pp_schedule, p.stages_per_rank)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -283,19 +291,27 @@ def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedule
 
 def search(shape: Shape, world: int, g: tm.GPU, headroom: float = 0.1, efficiency: float = tm.DEFAULT_EFFICIENCY,
            top: int = 5, **space) -> SearchResult:
-    """The ``top`` fastest layouts whose in-step peak stays below (1 - ``headroom``) of the GPU's memory."""
+    """Every layout whose in-step peak stays below (1 - ``headroom``) of the GPU's memory, fastest first
+    (ties: the lower ZeRO stage, less recompute, less memory), and the ``top`` smallest that do not fit."""
     ev = Evaluator(shape, g, efficiency)
     limit = int(g.memory * (1 - headroom))
     rejected: dict[str, int] = {}
     fits, too_big, n = [], [], 0
     for layout in candidates(shape, world, g, rejected=rejected, **space):
         n += 1
-        cand = ev.evaluate(layout)
-        (fits if cand.peak <= limit else too_big).append(cand)
+        peak, pp_rank = ev.peak(layout)
+        if peak > limit:  # priced only if it fits: the step time of a layout that cannot run decides nothing
+            too_big.append((peak, layout, pp_rank))
+            continue
+        fits.append(Candidate(layout, peak, pp_rank, *ev.step_time(layout)))
     rejected["does not fit with headroom"] = len(too_big)
-    fits.sort(key=lambda c: c.step_s)
-    too_big.sort(key=lambda c: c.step_s)
-    return SearchResult(fits, too_big[:top], limit, ev.rank_estimates, n, rejected)
+    fits.sort(key=lambda c: (round(c.step_s, 6), c.layout.zero, RECOMPUTE.index(c.layout.recompute), c.peak))
+    smallest = [Candidate(lay, peak, r, *ev.step_time(lay)) for peak, lay, r in sorted(too_big, key=_by_peak)[:top]]
+    return SearchResult(fits, smallest, limit, ev.rank_estimates, n, rejected)
+
+
+def _by_peak(item: tuple) -> int:
+    return item[0]
 
 
 def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
@@ -304,7 +320,7 @@ def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
         return f"needs {mm.human_bytes(other.peak)} > {mm.human_bytes(limit)} with headroom"
     a, b = winner.time.as_dict(), other.time.as_dict()
     term = max((k for k in a if k != "step_s"), key=lambda k: b[k] - a[k])
-    return f"{other.step_s - winner.step_s:+.2f} s/step, mostly {term[:-2]} ({a[term]:.2f} -> {b[term]:.2f} s)"
+    return f"{other.step_s - winner.step_s:+.3g} s/step, mostly {term[:-2]} ({a[term]:.3g} -> {b[term]:.3g} s)"
 
 
 def losers_by_axis(result: SearchResult, axes=("tp", "pp", "cp", "zero", "recompute", "micro_batch")) -> list[str]:

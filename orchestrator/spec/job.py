@@ -24,6 +24,7 @@ from orchestrator.spec.sections import (
     OptimSpec,
     ParallelSpec,
     ParameterServerSpec,
+    PlanSpec,
     PrecisionSpec,
     TrainSpec,
 )
@@ -42,6 +43,7 @@ class JobSpec(_Section):
     optim: OptimSpec = Field(default_factory=OptimSpec)
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
     memory: MemorySpec = Field(default_factory=MemorySpec)
+    plan: PlanSpec = Field(default_factory=PlanSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)

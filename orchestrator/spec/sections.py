@@ -149,6 +149,18 @@ class MemorySpec(_Section):
     offload: OffloadSpec = Field(default_factory=OffloadSpec)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
     measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
+    # the planner refuses layouts whose predicted in-step peak passes (1 - headroom) of device memory
+    headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+
+
+class PlanSpec(_Section):
+    """What `raymesh plan --nodes N` prices layouts with: the GPU type's defaults (orchestrator/planning/
+    time_model.py GPUS), overridable; bandwidths in GB/s per GPU and direction."""
+
+    gpu: Literal["A100", "H100", "H200"] = "H100"
+    efficiency: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5  # share of peak FLOP/s the model reaches
+    intra_node_gbps: PositiveFloat | None = None  # NVLink; default per GPU type
+    inter_node_gbps: PositiveFloat | None = None  # InfiniBand share per GPU; default per GPU type
 
 
 class TrainSpec(_Section):
