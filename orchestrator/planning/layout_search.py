@@ -180,7 +180,7 @@ class Evaluator:
         if lay.recompute == "full" and layers:
             working = mm.layer_activation_bytes(seq, lay.micro_batch, s.d_model, s.n_heads, s.ffn_dim, lay.tp, sp,
                                                 "none", c, kv_heads=s.kv, family=s.arch)
-        freed = saved // max(1, in_flight) if lay.pp > 1 else head * last
+        freed = saved // max(1, in_flight) // 2 if lay.pp > 1 else head * last  # est.freed_in_backward
         hidden = 4 * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
         edges = sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0
         buffers = (c * params if c < 4 else 0) + m * hidden * edges + (4 * params if lay.zero == 1 and lay.dp > 1 else 0)
