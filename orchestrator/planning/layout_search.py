@@ -15,6 +15,7 @@ head), so a candidate costs at most three rank estimates whatever the GPU count.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from itertools import product
 
@@ -57,7 +58,7 @@ class Shape:
     def kv(self) -> int:
         return self.kv_heads or self.n_heads
 
-    @property
+    @functools.cached_property
     def block_params(self) -> int:
         """TP-sharded parameters of one block: q, o (h x h), k, v (h x kv·head_dim), the FFN's matrices."""
         d = self.d_model
@@ -102,15 +103,16 @@ class Layout:
                 f"recompute={self.recompute}{sched}")
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def split_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
     """Layers per stage, as even as possible; the extra layers go to the middle stages first, so the
     first (embedding) and last (head) stages stay light, as Llama 3 split 126 layers over 16 stages."""
     base, extra = divmod(n_layers, n_stages)
     counts = [base] * n_stages
-    order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
+    order = [*range(1, n_stages - 1), 0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
     for stage in order[:extra]:
         counts[stage] += 1
-    return counts
+    return tuple(counts)
 
 
 @dataclass
@@ -168,8 +170,7 @@ class Evaluator:
             rows = s.vocab * s.d_model
             state = replace(state, grads=state.grads + 4 * (rows - rows // lay.tp))
         seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
-        layer = mm.layer_activation_bytes(seq, lay.micro_batch, s.d_model, s.n_heads, s.ffn_dim, lay.tp, sp,
-                                          lay.recompute, c, kv_heads=s.kv, family=s.arch)
+        layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute)
         head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c)
         in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
         chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
@@ -178,12 +179,12 @@ class Evaluator:
         carried = m > 1 if lay.pp == 1 else in_flight < m * len(ids)
         working = 0
         if lay.recompute == "full" and layers:
-            working = mm.layer_activation_bytes(seq, lay.micro_batch, s.d_model, s.n_heads, s.ffn_dim, lay.tp, sp,
-                                                "none", c, kv_heads=s.kv, family=s.arch)
+            working = _layer_bytes(s, seq, lay.micro_batch, lay.tp, "none")
         freed = saved // max(1, in_flight) // 2 if lay.pp > 1 else head * last  # est.freed_in_backward
         hidden = 4 * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
         edges = sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0
-        buffers = (c * params if c < 4 else 0) + m * hidden * edges + (4 * params if lay.zero == 1 and lay.dp > 1 else 0)
+        buckets = 4 * params if lay.zero == 1 and lay.dp > 1 else 0  # DDP's flat all-reduce buckets
+        buffers = (c * params if c < 4 else 0) + m * hidden * edges + buckets
         regathers = lay.zero >= 3 and lay.dp > 1
         return mm.in_step_peak(state, saved, carried, regathers, freed, working) + buffers
 
@@ -243,6 +244,14 @@ def layout_of(spec) -> Layout:
     p = spec.parallel
     return Layout(p.dp, p.tp, p.pp, 1, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
                   spec.memory.recompute, p.pp_schedule, p.stages_per_rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str) -> int:
+    """One block's saved bytes (sequence parallel whenever tp > 1), cached: candidates differing only in
+    ZeRO stage or schedule share it."""
+    return mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
+                                     s.compute_bytes, kv_heads=s.kv, family=s.arch)
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.errors import SpecError
 from orchestrator.planning import memory_model as mm
-from orchestrator.planning.estimate import estimate, peak_rank, stage_params
+from orchestrator.planning.estimate import estimate, stage_params
 from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.spec import JobSpec
 
