@@ -7,13 +7,16 @@ nothing to compare with, so no check). ``MeasuredMemory`` keeps, per rank, the
 bytes each category reached in the latest step (``memory.measure: true``): the
 steady state, since a pipeline's first step also runs PyTorch's shape
 inference, an extra forward that is not the schedule's. It pairs them with the
-prediction and the relative error.
+prediction and the relative error; ``step_peak`` is the in-step peak of all of
+them together (sampled during forward and backward), against the planner's
+per-rank peak less the buffers the probe does not see (pipeline receive
+buffers, DDP buckets; autocast's weight copies it does see).
 """
 
 from __future__ import annotations
 
 from orchestrator.observability.events import event
-from orchestrator.planning.estimate import autocast_copy_bytes, estimate, estimate_rank
+from orchestrator.planning.estimate import RankEstimate, autocast_copy_bytes, estimate, estimate_rank
 from orchestrator.planning.memory_model import human_bytes
 from orchestrator.spec import JobSpec
 
@@ -51,6 +54,12 @@ def warn_if_too_big(spec: JobSpec) -> list[str]:
     return problems
 
 
+def probe_visible_peak(spec: JobSpec, predicted: RankEstimate) -> int:
+    """The predicted in-step peak as the probe counts it: less the buffers it cannot see (pipeline receive
+    buffers, DDP buckets), plus autocast's weight copies, which it sees among the saved tensors."""
+    return predicted.total_bytes - predicted.buffer_bytes + autocast_copy_bytes(spec, predicted.params)
+
+
 class MeasuredMemory:
     def __init__(self, spec: JobSpec):
         self.spec = spec
@@ -69,6 +78,8 @@ class MeasuredMemory:
             pred = {"params": predicted.state.params, "grads": predicted.state.grads,
                     "optimizer": predicted.state.optimizer, "activations": saved}
             pred["model_state"] = pred["params"] + pred["grads"] + pred["optimizer"]
+            if "step_peak" in measured:
+                pred["step_peak"] = probe_visible_peak(self.spec, predicted)
             meas = {**measured, "model_state": sum(measured[k] for k in CATEGORIES[:3])}
             out[rank] = {"measured": meas, "predicted": pred,
                          "relative_error": {k: (pred[k] - meas[k]) / meas[k] for k in pred if meas.get(k)}}

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.planning.estimate import autocast_copy_bytes, estimate_rank
+from orchestrator.planning.estimate import estimate_rank
+from orchestrator.planning.memory_report import probe_visible_peak
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layout
 
@@ -35,7 +36,7 @@ def test_predicted_peak_is_the_in_step_peak(name, token_data, tmp_path):
     assert sorted(run.memory) == list(range(spec.parallel.world_size))
     for rank, measured in run.memory.items():
         e = estimate_rank(spec, rank)
-        visible = e.total_bytes - e.buffer_bytes + autocast_copy_bytes(spec, e.params)  # the probe sees the casts
+        visible = probe_visible_peak(spec, e)
         err = (visible - measured["step_peak"]) / measured["step_peak"]
         print(name, rank, measured["step_peak"], visible, f"{err:+.3f}")
         assert abs(err) <= 0.10, (name, rank, measured, e.as_dict())
