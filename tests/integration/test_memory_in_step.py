@@ -5,7 +5,8 @@ autograd saves or reads back and at the end of backward, the live bytes of saved
 parameters, gradients and optimizer state (``ActivationMeter.step_peak``), so FSDP2's full-size gradients
 during accumulation and its gathered parameters count. The prediction (``estimate_rank(...).total_bytes``,
 less the buffers the probe cannot see: pipeline receive buffers, DDP buckets) must be within 10%.
-Integration, not unit: spawning ranks costs seconds per layout.
+Integration, not unit: spawning ranks costs seconds per layout (four layouts; pp=2 1F1B without ZeRO, -0.1%,
+was checked once and left out for time).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from tests.support.parity_harness import run_layout
 LAYOUTS = {
     "dp2-zero2-mb4-full": ({"dp": 2, "zero": 2}, {"microbatches": 4}, "full", "fp32"),
     "dp2-zero3-mb4-bf16": ({"dp": 2, "zero": 3}, {"microbatches": 4}, "none", "bf16"),
-    "pp2-1f1b-mb4": ({"pp": 2, "pp_schedule": "1f1b"}, {"microbatches": 4}, "none", "fp32"),
     "pp2-gpipe-mb4": ({"pp": 2, "pp_schedule": "gpipe"}, {"microbatches": 4}, "none", "fp32"),
-    "pp2-dp2-zero3-mb4": ({"pp": 2, "dp": 2, "zero": 3}, {"microbatches": 4}, "none", "fp32"),
+    "pp2-dp2-zero3-1f1b-mb4": ({"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "1f1b"}, {"microbatches": 4}, "none",
+                               "fp32"),
 }
 
 
