@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from orchestrator.planning import memory_model as mm
+from orchestrator.planning.layout_search import Shape
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
 from workers.parallel.layout import layers_of_stage, stage_ids
@@ -66,16 +67,10 @@ def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     return sharded, replicated
 
 
-# feed-forward matrices per block: GPT's up/down, Llama's SwiGLU gate/up/down
-FFN_MATRICES = {"gpt": 2, "llama": 3}
-
-
 def block_params(spec: JobSpec) -> int:
-    """The tensor-parallel-sharded parameters of one block: q and o (d x d), k and v (d x n_kv_heads*head_dim,
-    smaller under grouped-query attention), and the feed-forward's matrices (``FFN_MATRICES``)."""
-    m = spec.model
-    d, kv = m.d_model, m.kv_heads * m.head_dim
-    return 2 * d * d + 2 * d * kv + FFN_MATRICES[m.arch] * d * m.ffn_dim
+    """The tensor-parallel-sharded parameters of one block (``layout_search.Shape.block_params``: q and o,
+    k and v smaller under grouped-query attention, the feed-forward's matrices)."""
+    return Shape.of(spec).block_params
 
 
 def offload_flags(spec: JobSpec) -> dict[str, bool]:

@@ -25,7 +25,7 @@ from orchestrator.planning import time_model as tm
 from workers.parallel.layout import stage_ids
 from workers.parallel.schedules import schedule as schedule_facts
 
-FFN_MATRICES = {"gpt": 2, "llama": 3}
+FFN_MATRICES = {"gpt": 2, "llama": 3}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
 TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
 
