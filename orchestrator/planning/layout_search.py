@@ -230,7 +230,7 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     layers = sum(split_layers(s.n_layers, n_stages)[i] for i in ids)
     last = n_stages - 1 in ids
     root = s.embedding_params * (0 in ids) + s.head_params * last
-    params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model
+    params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model + s.d_model * last
     seq, c = s.seq // lay.cp, s.compute_bytes
     sbh = seq * lay.micro_batch * s.d_model
     return cm.CommShape(4 * params, 4 * params, c * sbh, 4 * sbh // lay.tp,
