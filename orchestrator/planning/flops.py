@@ -10,16 +10,18 @@ otherwise, so MFU there is only comparable run to run.
 from __future__ import annotations
 
 from orchestrator.planning.estimate import stage_params
+from orchestrator.planning.time_model import GPUS, flops_per_token
 from orchestrator.spec import JobSpec
 
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+# the planner's GPU types (time_model.GPUS) plus two it does not price layouts for
+PEAK_TFLOPS = {**{name: g.peak_flops / 1e12 for name, g in GPUS.items()}, "L40S": 362.0, "A10": 125.0}
 CPU_TFLOPS = 0.1
 
 
 def model_flops_per_token(spec: JobSpec) -> float:
     m = spec.model
     params = sum(stage_params(spec, stage=0, n_stages=1))  # the whole model as one stage
-    return 6.0 * params + 12.0 * m.n_layers * m.d_model * m.seq_len
+    return flops_per_token(params, m.n_layers, m.d_model, m.seq_len)  # model FLOPs: recompute not counted
 
 
 def peak_flops_per_rank(spec: JobSpec, device_name: str) -> float:
