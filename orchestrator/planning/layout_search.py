@@ -327,6 +327,8 @@ def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
     """One line: what makes ``other`` lose to ``winner`` (memory, or the term that grew most)."""
     if other.peak > limit:
         return f"needs {mm.human_bytes(other.peak)} > {mm.human_bytes(limit)} with headroom"
+    if other.step_s - winner.step_s <= 1e-6 * winner.step_s:
+        return "same predicted time; ties go to the lower ZeRO stage, less recompute, then less memory"
     a, b = winner.time.as_dict(), other.time.as_dict()
     term = max((k for k in a if k != "step_s"), key=lambda k: b[k] - a[k])
     return f"{other.step_s - winner.step_s:+.3g} s/step, mostly {term[:-2]} ({a[term]:.3g} -> {b[term]:.3g} s)"
