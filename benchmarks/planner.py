@@ -29,14 +29,15 @@ def row(c: ls.Candidate) -> dict:
 
 def compare(key: str, headroom: float = 0.1) -> dict:
     run = RUNS[key]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = ls.search(run.shape, run.gpus, tm.gpu(run.gpu), headroom=headroom)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     published = [c for c in result.best if all(getattr(c.layout, k) == v for k, v in run.degrees.items())]
     return {"run": run.name, "gpus": run.gpus, "gpu": run.gpu, "published_degrees": run.degrees,
             "choice": row(result.best[0]), "published": row(published[0]) if published else None,
             "published_fits_with_headroom": bool(published), "limit_gb": round(result.limit / 1e9, 1),
-            "search_s": round(wall, 2), "candidates": result.considered, "rank_estimates": result.rank_estimates,
+            "search_s": round(wall, 2), "search_cpu_s": round(cpu, 2), "candidates": result.considered,
+            "rank_estimates": result.rank_estimates,
             "why_others_lost": ls.losers_by_axis(result)}
 
 
@@ -46,7 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     out = {key: compare(key) for key in RUNS}
     for r in out.values():
-        print(f"{r['run']} on {r['gpus']} {r['gpu']} (search {r['search_s']} s, {r['candidates']} candidates, "
+        print(f"{r['run']} on {r['gpus']} {r['gpu']} (search {r['search_s']} s, {r['search_cpu_s']} s CPU, "
+              f"{r['candidates']} candidates, "
               f"{r['rank_estimates']} rank estimates); memory limit {human_bytes(r['limit_gb'] * 1e9)}")
         for name in ("choice", "published"):
             c = r[name]
