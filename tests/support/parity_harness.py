@@ -139,4 +139,4 @@ def _as_controller_sees(by_rank: dict[int, list[tuple]], steps: int) -> LayoutRu
         held = [by_rank[r][step][0] for r in sorted(by_rank) if by_rank[r][step][0] is not None]
         losses.append(statistics.fmean(held))  # as orchestrator/observability/run_records.py
     return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)],
-                     {rank: out[-1][2] for rank, out in by_rank.items()})
+                     {rank: out[-1][2] for rank, out in by_rank.items() if len(out[-1]) > 2})
