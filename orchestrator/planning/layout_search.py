@@ -148,7 +148,7 @@ class Evaluator:
     def rank_classes(self, layout: Layout) -> list[int]:
         return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
 
-    def stage_layers(self, layout: Layout) -> list[int]:
+    def stage_layers(self, layout: Layout) -> tuple[int, ...]:
         return split_layers(self.shape.n_layers, layout.pp * layout.stages_per_rank)
 
     def rank_peak(self, layout: Layout, pp_rank: int) -> int:
@@ -201,7 +201,8 @@ class Evaluator:
         per_rank = []
         for r in self.rank_classes(lay):
             ids = stage_ids(r, lay.pp, lay.stages_per_rank, lay.schedule)
-            stage_params = sum(counts[i] * s.block_params for i in ids) + s.head_params * (n_stages - 1 in ids)
+            # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
+            stage_params = sum(counts[i] * s.block_params for i in ids) + s.vocab * s.d_model * (n_stages - 1 in ids)
             layers = sum(counts[i] for i in ids)
             per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
             tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
