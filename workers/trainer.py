@@ -228,9 +228,9 @@ class Trainer:
         """An ``ActivationMeter`` over this step when the job asks to measure memory, else a no-op."""
         if not self.spec.memory.measure:
             return contextlib.nullcontext()
-        policy = self.spec.memory.recompute
-        fam = self.spec.model_family
-        watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy, fam)]
+        memory, fam = self.spec.memory, self.spec.model_family
+        watched = [m for part in self.parts.modules
+                   for m in checkpointed_modules(unwrap(part), memory.recompute, fam, memory.recompute_every)]
         return ActivationMeter(self.parts.modules, watched)
 
     @property

@@ -91,7 +91,9 @@ def layer_bytes(spec: JobSpec, layer: int = 0) -> int:
     """Saved for backward by one block (``layer``: which, where LoRA adapts blocks differently) for one microbatch."""
     m, p = spec.model, spec.parallel
     return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
-                                     sequence_split(spec), spec.memory.recompute, compute_bytes(spec),
+                                     sequence_split(spec),
+                                     mm.layer_recompute(spec.memory.recompute, spec.memory.recompute_every, layer),
+                                     compute_bytes(spec),
                                      frozen=frozen_parts(spec)[layer], kv_heads=m.kv_heads, family=m.arch)
 
 

@@ -120,6 +120,14 @@ def check_faults(job: JobSpec) -> None:
         check_repetition(fault, f"faults.{i}")
 
 
+def check_recompute(job: JobSpec) -> None:
+    m = job.memory
+    if m.recompute_every > 1 and m.recompute == "none":
+        raise SpecError("memory.recompute_every", m.recompute_every, "picks which blocks memory.recompute applies "
+                        "to, and memory.recompute is 'none'", "set memory.recompute: full or selective, or "
+                        "remove memory.recompute_every")
+
+
 def check_zero(job: JobSpec) -> None:
     """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""
     p = job.parallel
@@ -235,5 +243,5 @@ def check_batching(job: JobSpec) -> None:
         raise SpecError("train.microbatches", mb, problem, fix)
 
 
-CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_faults,
-                      check_parameter_server, check_offload, check_lora)
+CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_recompute,
+                      check_faults, check_parameter_server, check_offload, check_lora)
