@@ -48,7 +48,7 @@ def test_zero1_offloaded_reproduces_the_reference_and_resumes_bit_identically(re
     _assert_reference(straight, reference, STEPS)
     resumed = run_layout(spec.worker_dict(), 2, STEPS - 2, resume=saved)
     assert resumed.losses == straight.losses[2:] and resumed.grad_norms == straight.grad_norms[2:]
-    single = _spec(token_data, tmp_path / "single", {"dp": 1})
+    single = _spec(token_data, tmp_path / "single", {"dp": 1}, **OFFLOAD)  # the offloaded Adam's param groups
     resharded = run_layout(single.worker_dict(), 1, STEPS - 2, resume=saved)
     assert resharded.losses == pytest.approx(straight.losses[2:], rel=1e-4)
     assert resharded.grad_norms == pytest.approx(straight.grad_norms[2:], rel=1e-4)
