@@ -76,9 +76,9 @@ class Trainer:
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
         par, memory = self.spec.parallel, spec["memory"]
-        zero1 = par.zero == 1 and par.grid.dp_enabled and par.dp_sync != "ps"
-        self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh) for m in self.parts.modules
-                      ] if zero1 else []
+        # ZeRO-1: each part's optimizer steps this rank's slices of the part's parameters (distributed_optimizer.py)
+        sliced = self.parts.modules if par.zero == 1 and par.grid.dp_enabled else []
+        self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh) for m in sliced]
         stepped = [z.shards.values() for z in self.zero1] or [m.parameters() for m in self.parts.modules]
         optimizers = [build_optimizer(params, spec["optim"], memory, self.device, self.param_offload)
                       for params in stepped]
