@@ -89,7 +89,7 @@ class DistributedOptimizer:
         mesh, placements = self._placement(p)
         view = local.detach()[start:stop]
         shard = nn.Parameter(DTensor.from_local(view, mesh, placements, run_check=False, shape=p.shape,
-                                                stride=_contiguous_stride(p.shape)))
+                                                stride=p.stride()))
         return _Slot(p, shard, offset, -(-rows // self.dp) * row)
 
     def _placement(self, p: nn.Parameter) -> tuple[DeviceMesh, tuple]:
@@ -160,10 +160,6 @@ class DistributedOptimizer:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
 
 
 def _local_grad(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
