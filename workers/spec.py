@@ -70,6 +70,7 @@ class MemorySection:
     recompute: str
     offload: dict  # the offload stores read it as a dict
     measure: bool = False  # older harness dicts leave it out
+    recompute_every: int = 1
 
     @property
     def offloads_params(self) -> bool:

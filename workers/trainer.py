@@ -26,6 +26,7 @@ from workers.offload.params import offload_params
 from workers.optim.build import build_optimizer, clip_grads, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
 from workers.parallel.data_parallel import unwrap
+from workers.parallel.distributed_optimizer import DistributedOptimizer
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import init_mesh, pick_device
@@ -75,16 +76,20 @@ class Trainer:
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
         par, memory = self.spec.parallel, spec["memory"]
-        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.grid.dp_enabled else None
-        optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, memory, self.device, self.param_offload)
-                      for m in self.parts.modules]
+        # ZeRO-1: each part's optimizer steps this rank's slices of the part's parameters (distributed_optimizer.py)
+        sliced = self.parts.modules if par.zero == 1 and par.grid.dp_enabled else []
+        self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh) for m in sliced]
+        stepped = [z.shards.values() for z in self.zero1] or [m.parameters() for m in self.parts.modules]
+        optimizers = [build_optimizer(params, spec["optim"], memory, self.device, self.param_offload)
+                      for params in stepped]
         steps = self.spec.train.steps
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
         precision, data = self.spec.precision, self.spec.data
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
         dataset = TokenDataset(data.path, self.spec.model.seq_len, data.seed)
         cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp)
-        return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload)
+        named = [z.module() for z in self.zero1] or None
+        return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload, named)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -185,10 +190,12 @@ class Trainer:
             applied = self.state.scaler.unscale_and_check(self.params)
             if loss is not None:
                 loss = loss / self.state.scaler.scale if applied else loss
+        for zero1 in self.zero1:
+            zero1.reduce_scatter()
         if self.ps is not None:
             grad_norm = self.ps.sync()
         else:
-            grad_norm = clip_grads(self.params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
+            grad_norm = clip_grads(self.stepped_params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
         return loss, grad_norm, applied
 
     def _optimizer_step(self, applied: bool, meter) -> dict | None:
@@ -197,6 +204,9 @@ class Trainer:
         for opt in self.state.optimizers:
             if applied and self.ps is None:
                 opt.step()
+        for zero1 in self.zero1:
+            if applied:
+                zero1.all_gather()
         memory = None
         if isinstance(meter, ActivationMeter):
             memory = {**model_state_bytes(self.parts.modules, self.state.optimizers), "activations": meter.peak,
@@ -204,6 +214,8 @@ class Trainer:
         for opt, sched in zip(self.state.optimizers, self.state.schedulers):
             opt.zero_grad(set_to_none=True)
             sched.step()
+        for zero1 in self.zero1:
+            zero1.zero_grad()
         self.state.step += 1
         return memory
 
@@ -217,11 +229,17 @@ class Trainer:
         """An ``ActivationMeter`` over this step when the job asks to measure memory, else a no-op."""
         if not self.spec.memory.measure:
             return contextlib.nullcontext()
-        policy = self.spec.memory.recompute
-        fam = self.spec.model_family
-        watched = [m for part in self.parts.modules for m in checkpointed_modules(unwrap(part), policy, fam)]
+        memory, fam = self.spec.memory, self.spec.model_family
+        watched = [m for part in self.parts.modules
+                   for m in checkpointed_modules(unwrap(part), memory.recompute, fam, memory.recompute_every)]
         return ActivationMeter(self.parts.modules, watched,
                                lambda: live_state_bytes(self.parts.modules, self.state.optimizers))
+
+    @property
+    def stepped_params(self) -> list[torch.Tensor]:
+        """What the optimizers step, whose gradients the clip reads: the parameters, or under ZeRO-1 this rank's
+        slices of them (holding the dp-reduced gradients)."""
+        return [p for opt in self.state.optimizers for group in opt.param_groups for p in group["params"]]
 
     @property
     def step(self) -> int:

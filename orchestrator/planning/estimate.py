@@ -97,7 +97,10 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     under ``recompute`` (default: the job's ``memory.recompute``)."""
     m, p = spec.model, spec.parallel
     return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
-                                     sequence_split(spec), recompute or spec.memory.recompute, compute_bytes(spec),
+                                     sequence_split(spec),
+                                     mm.layer_recompute(recompute or spec.memory.recompute,
+                                                        spec.memory.recompute_every, layer),
+                                     compute_bytes(spec),
                                      frozen=frozen_parts(spec)[layer], kv_heads=m.kv_heads, family=m.arch)
 
 

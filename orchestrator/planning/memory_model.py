@@ -197,6 +197,12 @@ class Frozen:
         return self.input_grad or bool(self.adapted)
 
 
+def layer_recompute(policy: str, every: int, layer: int) -> str:
+    """The recompute policy block ``layer`` runs under with ``memory.recompute_every: every``: ``policy`` on
+    layers whose global index is a multiple of ``every`` (``workers.parallel.recompute``), none on the others."""
+    return policy if layer % every == 0 else "none"
+
+
 def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, ffn_dim: int,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                            compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None,

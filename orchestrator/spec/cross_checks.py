@@ -70,18 +70,15 @@ def check_offload(job: JobSpec) -> None:
         raise SpecError("memory.offload.optimizer", True, f"is not supported for optim.name {name!r}: the "
                         "offloaded host step is Adam's", "use optim.name adamw, adam or paged_adamw, "
                         "or set memory.offload.optimizer: false")
-    if name == "adafactor" and (p.zero >= 2 or p.grid.tp_enabled):
-        field, value = ("parallel.zero", p.zero) if p.zero >= 2 else ("parallel.tp", p.tp)
+    zero_slices = p.zero >= 2 or (p.zero == 1 and p.grid.dp_enabled)  # ZeRO-1 steps row slices too
+    if name == "adafactor" and (zero_slices or p.grid.tp_enabled):
+        field, value = ("parallel.zero", p.zero) if zero_slices else ("parallel.tp", p.tp)
         raise SpecError(field, value, "shards parameters, which optim.name 'adafactor' (PyTorch's) cannot step "
                         "exactly: its factored second moment divides row means by column means of whole "
                         "matrices, and a shard sees only some rows or columns",
                         "use optim.name sm3 (same O(rows + cols) state, steps shards exactly), adamw with "
-                        "memory.offload.optimizer or paged_adamw, or zero: 0/1 with tp: 1 for adafactor")
+                        "memory.offload.optimizer or paged_adamw, or zero: 0 with tp: 1 for adafactor")
     stored_optim = off.optimizer or name == "paged_adamw"
-    if stored_optim and p.zero == 1 and p.grid.dp_enabled:
-        raise SpecError("parallel.zero", 1, "cannot be combined with an offloaded optimizer: "
-                        "ZeroRedundancyOptimizer partitions state with its own inner optimizer",
-                        "use zero: 2 or 3 (FSDP2; the store then holds this rank's shard only) or zero: 0")
     if off.params:
         check_param_offload(job, stored_optim)
 
@@ -123,23 +120,22 @@ def check_faults(job: JobSpec) -> None:
         check_repetition(fault, f"faults.{i}")
 
 
+def check_recompute(job: JobSpec) -> None:
+    m = job.memory
+    if m.recompute_every > 1 and m.recompute == "none":
+        raise SpecError("memory.recompute_every", m.recompute_every, "picks which blocks memory.recompute applies "
+                        "to, and memory.recompute is 'none'", "set memory.recompute: full or selective, or "
+                        "remove memory.recompute_every")
+
+
 def check_zero(job: JobSpec) -> None:
     """Combinations PyTorch 2.13's own pieces get wrong; refused rather than trained silently wrong."""
     p = job.parallel
     refused = [  # (applies, zero, problem, fix)
-        (p.zero == 1 and p.grid.pp_enabled and p.grid.dp_enabled, 1,
-         f"with parallel.pp={p.pp} is not supported: ZeRO-1 wraps stages in DDP, whose reducer breaks "
-         "when a pipeline schedule runs one backward per microbatch",
-         "use zero: 2 (FSDP2 shards gradients and optimizer state) or zero: 0"),
         (p.zero == 3 and p.grid.pp_enabled and p.pipeline_schedule.split_backward, 3,
          f"with pp_schedule {p.pp_schedule!r} gives wrong gradients: its deferred weight-gradient pass "
          "runs after FSDP2 has resharded the parameters (PyTorch issue 164756)",
          "use zero: 2 with this schedule, or pp_schedule: interleaved_1f1b with zero: 3"),
-        (p.zero == 1 and p.grid.tp_enabled and p.grid.dp_enabled, 1,
-         f"with parallel.tp={p.tp} is not supported: ZeRO-1 uses PyTorch's ZeroRedundancyOptimizer, "
-         "which cannot partition tensor-parallel (DTensor) parameters",
-         "use zero: 2 (FSDP2 shards gradients and optimizer state, same all-reduce-sized traffic) "
-         "or zero: 0, or set parallel.tp: 1"),
     ]
     for applies, zero, problem, fix in refused:
         if applies:
@@ -247,5 +243,5 @@ def check_batching(job: JobSpec) -> None:
         raise SpecError("train.microbatches", mb, problem, fix)
 
 
-CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_faults,
-                      check_parameter_server, check_offload, check_lora)
+CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_recompute,
+                      check_faults, check_parameter_server, check_offload, check_lora)

@@ -146,6 +146,7 @@ class OffloadSpec(_Section):
 
 class MemorySpec(_Section):
     recompute: Literal["none", "selective", "full"] = "none"
+    recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSpec = Field(default_factory=OffloadSpec)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
     measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them

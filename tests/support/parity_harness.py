@@ -48,21 +48,24 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
-               checkpoint: str | None = None) -> None:
-    """Body of one spawned rank: build the Trainer, train ``steps`` steps, report (loss, norm) per step,
-    and save a DCP checkpoint of the final state to ``checkpoint`` when given."""
+               checkpoint: str | None = None, resume: str | None = None, save_after: int | None = None) -> None:
+    """Body of one spawned rank: build the Trainer (and load the DCP checkpoint ``resume`` when given), train
+    ``steps`` steps, report (loss, norm) per step, and save the state after ``save_after`` steps (default: the
+    last) to ``checkpoint`` when given."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(spec, rank, world_size, "127.0.0.1", port)
+    if resume is not None:
+        trainer.checkpoints.load(resume)
     out = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         result = trainer.train_step()
         out.append((step_field(result, "loss"), step_field(result, "grad_norm"), step_field(result, "memory")))
-    if checkpoint is not None:
-        trainer.checkpoints.save(checkpoint, async_save=False)
+        if checkpoint is not None and step == (save_after or steps):
+            trainer.checkpoints.save(checkpoint, async_save=False)
     results.put((rank, out))
     dist.destroy_process_group()
 
@@ -83,9 +86,11 @@ def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, lis
 
 
 def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0,
-               checkpoint: str | None = None) -> LayoutRun:
+               checkpoint: str | None = None, resume: str | None = None, save_after: int | None = None) -> LayoutRun:
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
-    With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout).
+    With ``checkpoint``, the ranks save their state there after ``save_after`` steps (default: their final state;
+    a DCP checkpoint written by this layout); with ``resume``, they first load that checkpoint (DCP reshards it
+    to this layout) and go on from its step.
 
     OMP_NUM_THREADS=1 is set for the children (they inherit the environment at spawn): N ranks each
     starting a full thread pool on a small CI machine is slower than one thread each.
@@ -95,8 +100,8 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint),
-                                   nprocs=world_size, join=False, start_method="spawn")
+        args = (spec, world_size, free_port(), steps, results, checkpoint, resume, save_after)
+        procs = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, start_method="spawn")
         try:
             by_rank = _collect(results, procs, world_size, timeout_s)
             _join_all(procs, timeout_s)

@@ -443,14 +443,11 @@ def test_dualpipev_needs_a_microbatch_per_stage() -> None:
         JobSpec.from_dict(raw)
 
 
-def test_zero1_with_tensor_parallel_is_refused_with_a_way_out() -> None:
-    with pytest.raises(SpecError, match=r"parallel\.zero.*value 1.*ZeroRedundancyOptimizer.*fix: use zero: 2"):
-        JobSpec.from_dict(job(parallel={"dp": 2, "tp": 2, "zero": 1}))
-
-
-def test_zero1_with_pipeline_is_refused_with_a_way_out() -> None:
-    with pytest.raises(SpecError, match=r"parallel\.zero.*value 1.*pp=2.*DDP.*fix: use zero: 2"):
-        JobSpec.from_dict(job(parallel={"dp": 2, "pp": 2, "zero": 1}, train={"microbatches": 2}))
+def test_zero1_is_accepted_on_every_layout_and_with_an_offloaded_optimizer() -> None:
+    """The distributed optimizer (workers/parallel/distributed_optimizer.py) takes tp shards and pipeline stages."""
+    JobSpec.from_dict(job(parallel={"dp": 2, "pp": 2, "tp": 2, "zero": 1}, train={"microbatches": 2}))
+    JobSpec.from_dict(job(parallel={"dp": 2, "zero": 1}, memory={"offload": {"optimizer": True}}))
+    JobSpec.from_dict(job(parallel={"dp": 2, "zero": 1}, optim={"name": "paged_adamw"}))
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv", "dualpipev"])

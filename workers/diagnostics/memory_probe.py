@@ -60,8 +60,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's partition in .optim
-    for state in inner.state.values():
+    for state in opt.state.values():
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 

@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from workers.offload.optimizer import OffloadedAdam
@@ -17,9 +16,9 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adafactor": torch.optim.Adafactor, "sm3": SM3}
 
 
-def build_optimizer(params, optim: dict, zero1_group=None, memory: dict | None = None,
+def build_optimizer(params, optim: dict, memory: dict | None = None,
                     device: torch.device | str = "cpu", shards=None) -> torch.optim.Optimizer:
-    """The job's optimizer; with ``zero1_group`` its state is partitioned over that group (ZeRO-1).
+    """The job's optimizer over ``params`` (under ZeRO-1, this rank's slices: ``DistributedOptimizer.shards``).
 
     ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
@@ -34,10 +33,7 @@ def build_optimizer(params, optim: dict, zero1_group=None, memory: dict | None =
     if name == "paged_adamw" or (offload.get("optimizer") and name in ("adam", "adamw")):
         store = OffloadStore.from_spec(offload, device)
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
-    cls = OPTIMIZERS[name]
-    if zero1_group is not None:
-        return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, process_group=zero1_group, **kwargs)
-    return cls(params, **kwargs)
+    return OPTIMIZERS[name](params, **kwargs)
 
 
 def lr_lambda(optim: dict, total_steps: int):

@@ -3,7 +3,7 @@
 | zero | wrapper | what is sharded over dp |
 |---|---|---|
 | 0 | ``replicate`` (FSDP2's DDP, which accepts DTensor/TP parameters) | nothing |
-| 1 | DDP + ZeroRedundancyOptimizer (plain tensors only, so tp must be 1) | optimizer state |
+| 1 | none: ``DistributedOptimizer`` (``distributed_optimizer.py``) reduce-scatters after backward | optimizer state |
 | 2 | FSDP2, params kept unsharded between forward and backward | gradients + optimizer state |
 | 3 | FSDP2, params resharded after forward | parameters + gradients + optimizer state |
 """
@@ -29,11 +29,9 @@ def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: Devi
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
         return stage
-    if dp_mesh.size() == 1:
+    if dp_mesh.size() == 1 or zero == 1:
         return stage
-    if zero == 0:
-        return replicate(stage, mesh=dp_mesh)
-    return DDP(stage, process_group=dp_mesh.get_group())
+    return replicate(stage, mesh=dp_mesh)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

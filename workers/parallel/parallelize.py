@@ -83,7 +83,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             fam.hook("tensor_parallel")(part, mesh["tp"], par.sequence_parallel)
             if spec.lora:
                 freeze_base(part)
-        apply_recompute(part, spec.memory.recompute, fam)
+        apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
         if fsdp:

@@ -25,9 +25,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def take(state: TrainState) -> dict:
     model, optim = {}, {}
     with torch.no_grad(), state.resident(write_back=False):
-        for named, opt in state.named_parts():
+        for named, stepped, opt in state.named_parts():
             for name, p in named:
                 model[name] = _local(p).to("cpu", copy=True)
+            for name, p in stepped:
                 if p in opt.state:
                     optim[name] = {
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
@@ -38,9 +39,10 @@ def take(state: TrainState) -> dict:
 def restore(state: TrainState, snap: dict) -> None:
     """Copy a snapshot taken at this grid position back into ``state``'s shards, bit for bit."""
     with torch.no_grad(), state.resident():
-        for named, opt in state.named_parts():
+        for named, stepped, opt in state.named_parts():
             for name, p in named:
                 _local(p).copy_(snap["model"][name])
+            for name, p in stepped:
                 if name in snap["optim"]:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
     state.load_progress_state(snap["progress"])

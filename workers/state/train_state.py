@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from workers.parallel.data_parallel import unwrap
 
@@ -35,21 +34,19 @@ from workers.parallel.data_parallel import unwrap
 _OPTIONS = StateDictOptions(strict=False, flatten_optimizer_state_dict=True)
 
 
-def local_optimizer(opt):
-    """ZeRO-1 keeps this rank's partition in a plain inner optimizer; checkpoints and snapshots keep that."""
-    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
-
-
 class TrainState:
     """One rank's training state: model parts, optimizers, schedulers, data cursor, loss scaler, step.
 
     ``param_offload`` (or None) is the store that holds offloaded parameter shards; ``resident`` brings
-    them back to the device around a read or write of the state.
+    them back to the device around a read or write of the state. ``optim_modules`` name, per part, what its
+    optimizer steps: the part itself (the default), or under ZeRO-1 this rank's slices of its parameters
+    (``DistributedOptimizer.module``), saved under the same names.
     """
 
     def __init__(self, modules: list[nn.Module], optimizers: list, schedulers: list, cursor,
-                 scaler=None, param_offload=None):
+                 scaler=None, param_offload=None, optim_modules: list[nn.Module] | None = None):
         self.modules = modules
+        self.optim_modules = optim_modules or [unwrap(m) for m in modules]
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.cursor = cursor
@@ -62,10 +59,11 @@ class TrainState:
         only reads them (saves, snapshots), so nothing is written to the store."""
         return self.param_offload.resident(write_back) if self.param_offload else contextlib.nullcontext()
 
-    def named_parts(self) -> Iterator[tuple[Iterator[tuple[str, nn.Parameter]], Any]]:
-        """Per model part: its named parameters (global names) and the optimizer that holds their state."""
-        for part, opt in zip(self.modules, self.optimizers):
-            yield unwrap(part).named_parameters(), local_optimizer(opt)
+    def named_parts(self) -> Iterator[tuple[Iterator[tuple[str, nn.Parameter]], Iterator, Any]]:
+        """Per model part: its named parameters (global names), the named tensors its optimizer steps (the same,
+        or their ZeRO-1 slices) and that optimizer."""
+        for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
+            yield unwrap(part).named_parameters(), named.named_parameters(), opt
 
     # -- progress: what resumes the run beyond weights and optimizer state ---------------------------------
 
@@ -90,14 +88,14 @@ class TrainState:
     def state_dict(self) -> dict:
         """Model and optimizer state keyed by global names, plus progress (call inside ``resident``)."""
         model, optim = {}, {}
-        for part, opt in zip(self.modules, self.optimizers):
+        for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
             model.update(get_model_state_dict(unwrap(part)))
-            optim.update(get_optimizer_state_dict(unwrap(part), local_optimizer(opt), options=_OPTIONS))
+            optim.update(get_optimizer_state_dict(named, opt, options=_OPTIONS))
         return {"model": model, "optim": optim, "train": self.progress_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Each part takes its own keys of ``state`` back (call inside ``resident``)."""
-        for part, opt in zip(self.modules, self.optimizers):
+        for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
             set_model_state_dict(unwrap(part), state["model"], options=_OPTIONS)
-            set_optimizer_state_dict(unwrap(part), local_optimizer(opt), state["optim"], options=_OPTIONS)
+            set_optimizer_state_dict(named, opt, state["optim"], options=_OPTIONS)
         self.load_progress_state(state["train"])
