@@ -28,7 +28,7 @@ from workers.optim.loss_scaler import DynamicLossScaler
 from workers.parallel.data_parallel import unwrap
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
-from workers.parallel.process_group import init_mesh, pick_device
+from workers.parallel.process_group import data_parallel_mesh, init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
 from workers.protocol import StepResult, StepTimes
@@ -75,7 +75,8 @@ class Trainer:
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
         par, memory = self.spec.parallel, spec["memory"]
-        zero1 = self.mesh["dp"].get_group() if par.zero == 1 and par.grid.dp_enabled else None
+        dp_mesh = data_parallel_mesh(self.mesh, par.grid)
+        zero1 = dp_mesh.get_group() if par.zero == 1 and dp_mesh.size() > 1 else None
         optimizers = [build_optimizer(m.parameters(), spec["optim"], zero1, memory, self.device, self.param_offload)
                       for m in self.parts.modules]
         steps = self.spec.train.steps
@@ -83,7 +84,8 @@ class Trainer:
         precision, data = self.spec.precision, self.spec.data
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
         dataset = TokenDataset(data.path, self.spec.model.seq_len, data.seed)
-        cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp)
+        cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp,
+                            cp_rank=self.coords.cp, cp_size=par.grid.cp)
         return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload)
 
     # -- one step -------------------------------------------------------------------------
