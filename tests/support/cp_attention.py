@@ -15,10 +15,8 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.support.parity_harness import _collect, _join_all, _stop_leftovers, free_port
-
 # (name, Hq, Hkv): MHA, GQA, and head counts that do not divide evenly across cp (ring/allgather take any)
-HEADS = (("mha", 4, 4), ("gqa", 4, 2), ("mqa_uneven", 6, 1), ("gqa_uneven", 6, 3))
+HEADS = (("mha", 4, 4), ("gqa", 4, 2), ("gqa8", 8, 2), ("mqa_uneven", 6, 1), ("gqa_uneven", 6, 3))
 
 
 def reference(q, k, v, dout, causal: bool):
@@ -52,54 +50,51 @@ def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool, seq
     return max((g - r[:, :, idx]).abs().max().item() for g, r in zip(got, ref))
 
 
-def refusal(fn, group, hq: int, hkv: int) -> str:
-    """The message ``fn`` raises for a head count it does not allow ('' when it accepts it)."""
-    q, k, v, _ = case_inputs(hq, hkv, 8 * dist_world(group), seed=0)
-    try:
-        fn(q[:, :, :8], k[:, :, :8], v[:, :, :8], group)
-    except ValueError as err:
-        return str(err)
-    return ""
-
-
-def dist_world(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
-
-
-def _rank_main(rank: int, cp: int, port: int, strategies: tuple[str, ...], results) -> None:
+def _rank_main(rank: int, world: int, port: int, strategies: tuple[str, ...], results) -> None:
+    """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group)."""
     import torch.distributed as dist
 
     from workers.parallel import context_parallel as cpa
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
-    group = dist.new_group(list(range(cp)))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    groups = {world: dist.new_group(list(range(world)))}
+    for first in range(0, world, 2):  # every rank must join every new_group call
+        pair = dist.new_group([first, first + 1])
+        if rank in (first, first + 1):
+            groups[2] = pair
     out = {}
-    for name in strategies:
-        fn = getattr(cpa, f"{name}_attention")
-        for label, hq, hkv in HEADS:
-            for causal in (True, False):
-                try:
-                    out[(name, label, causal)] = run_case(fn, group, cp, rank, hq, hkv, causal)
-                except ValueError as err:
-                    out[(name, label, causal)] = f"ValueError: {err}"
+    for cp, group in groups.items():
+        for name in strategies:
+            fn = getattr(cpa, f"{name}_attention")
+            for label, hq, hkv in HEADS:
+                for causal in (True, False):
+                    try:
+                        err = run_case(fn, group, cp, dist.get_rank(group), hq, hkv, causal)
+                    except ValueError as refusal:
+                        err = f"ValueError: {refusal}"
+                    out[(cp, name, label, causal)] = err
     results.put((rank, out))
     dist.destroy_process_group()
 
 
-def run_all(cp: int, strategies: tuple[str, ...], timeout_s: float = 120.0) -> dict:
-    """Every case on ``cp`` spawned gloo ranks: {(strategy, heads, causal): worst error over ranks, or the
-    ValueError text every rank raised}."""
+def run_all(world: int, strategies: tuple[str, ...], timeout_s: float = 300.0) -> dict:
+    """Every case on ``world`` spawned gloo ranks, at cp=world and cp=2: {(cp, strategy, heads, causal): worst
+    error over the ranks, or the ValueError text the ranks raised}.
+
+    The harness is imported here, not at module level: it pulls in ``orchestrator``, which every spawned
+    child (it imports this module to find ``_rank_main``) would otherwise load for nothing.
+    """
+    from tests.support.parity_harness import _collect, _join_all, _stop_leftovers, free_port
+
     results = mp.get_context("spawn").Queue()
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = mp.start_processes(_rank_main, args=(cp, free_port(), strategies, results), nprocs=cp,
+        procs = mp.start_processes(_rank_main, args=(world, free_port(), strategies, results), nprocs=world,
                                    join=False, start_method="spawn")
         try:
-            by_rank = _collect(results, procs, cp, timeout_s)
+            by_rank = _collect(results, procs, world, timeout_s)
             _join_all(procs, timeout_s)
         finally:
             _stop_leftovers(procs)
@@ -110,6 +105,7 @@ def run_all(cp: int, strategies: tuple[str, ...], timeout_s: float = 120.0) -> d
             os.environ["OMP_NUM_THREADS"] = old
     merged = {}
     for case in by_rank[0]:
-        values = [by_rank[r][case] for r in range(cp)]
-        merged[case] = values[0] if isinstance(values[0], str) else max(values)
+        values = [by_rank[r][case] for r in range(world)]
+        refusals = [v for v in values if isinstance(v, str)]
+        merged[case] = refusals[0] if refusals else max(values)
     return merged
