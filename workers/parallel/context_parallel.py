@@ -1,7 +1,23 @@
-"""Context-parallel attention kernels (placeholder until the ``cp-attn`` branch lands its ring and Ulysses).
+"""Context parallelism: attention over a sequence split across the ranks of a cp process group.
 
-Only the shared contract lives here for now: ``zigzag_indices`` and ``allgather_attention``; the ``cp-attn``
-branch owns this module and replaces it.
+Why our own: PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` runs only on CUDA (it
+patches the flash/efficient SDPA kernels); raymesh trains on gloo (CPU) as well as NCCL, so the three
+strategies here use nothing but ``torch.distributed`` point-to-point and collective calls and plain tensor
+maths.
+
+Layout (shared with the data loader and the rotary embeddings): a sequence of ``S`` tokens is cut into
+``2 * cp`` equal chunks and cp rank ``r`` holds chunk ``r`` followed by chunk ``2 * cp - 1 - r``
+(``zigzag_indices``). Under a causal mask every rank then holds one early and one late chunk, so each does
+the same amount of attention work.
+
+Every function takes the local ``q`` ``[B, Hq, S_local, D]`` and ``k``/``v`` ``[B, Hkv, S_local, D]`` (GQA:
+``Hq`` a multiple of ``Hkv``) and returns the local queries' output ``[B, Hq, S_local, D]``, equal to
+single-device ``scaled_dot_product_attention`` over the whole sequence (causal by global position), with
+gradients for q, k and v through autograd:
+
+- ``allgather_attention``: all-gather K/V, attend the local queries to the whole sequence (Llama 3 style);
+- ``ring_attention``: K/V blocks travel round the ring, overlapped with blockwise online-softmax attention;
+- ``ulysses_attention``: all-to-all from sequence-sharded to head-sharded, whole-sequence SDPA, and back.
 """
 
 from __future__ import annotations
@@ -12,40 +28,308 @@ import torch.nn.functional as F
 
 
 def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
-    """Global token positions cp rank ``rank`` holds: chunk ``rank`` then chunk ``2*cp-1-rank`` of ``2*cp``."""
+    """Global token positions cp rank ``rank`` holds: chunk ``rank`` then chunk ``2*cp-1-rank`` of ``2*cp``.
+
+    Why two chunks: with a causal mask the late tokens attend to far more keys than the early ones; pairing
+    an early chunk with its mirror-image late chunk gives every rank the same causal work.
+    """
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"zigzag_indices: rank={rank} must lie in [0, cp) with cp={cp} >= 1")
     if seq_len % (2 * cp):
-        raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}")
+        raise ValueError(
+            f"zigzag_indices: seq_len={seq_len} is not divisible by 2*cp={2 * cp}; "
+            f"use a sequence length that is a multiple of {2 * cp} (each cp rank holds two equal chunks)"
+        )
     chunk = seq_len // (2 * cp)
-    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    mirror = 2 * cp - 1 - rank
+    return torch.cat([first, torch.arange(mirror * chunk, (mirror + 1) * chunk)])
+
+
+def _group_shape(group) -> tuple[int, int]:
+    """(this rank's index in ``group``, the group's size)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.Tensor:
+    """Boolean mask (True = attend) of queries at global positions ``q_pos`` over keys at ``k_pos``."""
+    return (q_pos[:, None] >= k_pos[None, :]).to(device)
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse shapes the contract does not allow before any rank starts communicating."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(
+            f"context-parallel attention wants q [B, Hq, S_local, D] and k, v [B, Hkv, S_local, D]; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads Hq={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]} (GQA)")
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 (slot ``j`` goes to rank ``j``; slot ``j`` of the result came from it)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """``_all_to_all`` with autograd: its gradient is the same exchange run backwards (equal splits)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group), None
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence dim; backward sums every rank's gradient and keeps this rank's slice
-    (an all-reduce: gloo has no reduce-scatter, and PyTorch's autograd all_gather breaks on gloo sub-groups)."""
+    """All-gather a ``[..., S_local, D]`` tensor along the sequence (dim -2); backward reduce-scatters.
+
+    Why our own: ``torch.distributed.nn.functional.all_gather`` is deprecated, and on gloo its backward
+    (an all-to-all of non-contiguous gradient slices) returns wrong gradients; gloo has no reduce-scatter,
+    so the backward here is an ``all_to_all_single`` of contiguous chunks summed on arrival, which moves the
+    same bytes as a reduce-scatter on any backend.
+    """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.rank, ctx.local = group, dist.get_rank(group), x.shape[2]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-2)
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(2, ctx.rank * ctx.local, ctx.local), None
+    def backward(ctx, grad: torch.Tensor):
+        chunks = torch.stack(grad.chunk(dist.get_world_size(ctx.group), dim=-2))
+        return _all_to_all(chunks, ctx.group).sum(0), None
 
 
 def allgather_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
-    """Attention of the local queries over the whole sequence's K/V, all-gathered (Llama 3's way)."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = q.shape[2]
-    keys, values = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
+    """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
+
+    The gathered K/V stay in rank order (zigzag, not natural order): attention does not care about key
+    order as long as the causal mask compares global positions, which it does.
+    """
+    _check_heads(q, k, v)
+    rank, cp = _group_shape(group)
+    s_local = q.shape[2]
+    k_all, v_all = _GatherSequence.apply(torch.stack([k, v]), group)
     mask = None
     if causal:
-        q_pos = zigzag_indices(local * cp, cp, rank).to(q.device)
-        k_pos = torch.cat([zigzag_indices(local * cp, cp, r) for r in range(cp)]).to(q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        seq = s_local * cp
+        k_pos = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)])
+        mask = _causal_mask(zigzag_indices(seq, cp, rank), k_pos, q.device)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# --- ring attention -------------------------------------------------------------------------------------------
+
+
+class _RingShift:
+    """One step of the ring: send ``tensor`` to the next cp rank and receive the previous rank's, asynchronously.
+
+    Started before a block's computation and waited on after it, so the transfer overlaps the maths. ``tag``
+    keeps the K/V stream and the dK/dV stream of the backward apart on backends that match messages by tag.
+    """
+
+    def __init__(self, tensor: torch.Tensor, group, tag: int):
+        rank, cp = _group_shape(group)
+        peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.sent = tensor.contiguous()
+        self.received = torch.empty_like(self.sent)
+        ops = [dist.P2POp(dist.isend, self.sent, peer((rank + 1) % cp), group, tag),
+               dist.P2POp(dist.irecv, self.received, peer((rank - 1) % cp), group, tag)]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+def _block_plan(rank: int, src: int, causal: bool, half: int) -> tuple[slice, slice, bool]:
+    """Which local query rows attend to which key columns of rank ``src``'s block, and whether to mask.
+
+    Zigzag layout, causal: rank r holds chunks (r, 2cp-1-r). Its own block is the diagonal (masked by
+    position). A lower rank's block (src < r): both query chunks come after the key chunk ``src`` and before
+    the key chunk ``2cp-1-src``, so all queries see exactly the first half of the keys, unmasked. A higher
+    rank's block (src > r): query chunk r precedes both key chunks, query chunk ``2cp-1-r`` follows both, so
+    only the second half of the queries attends, to all keys, unmasked. Either way an off-diagonal block costs
+    half a full block on every rank: the load balance the layout exists for.
+    """
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if src == rank:
+        return everything, everything, True
+    if src < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[B, Hq, S, D]`` -> ``[B, Hkv, G, S, D]`` in float32: each KV head's G query heads side by side (GQA)."""
+    b, hq, s, d = q.shape
+    return q.float().reshape(b, hkv, hq // hkv, s, d)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled scores ``[B, Hkv, G, Sq, Sk]`` of grouped queries over ``[B, Hkv, Sk, D]`` keys, masked to -inf."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _block_forward(q, k, v, scale, mask):
+    """One block's attention output and log-sum-exp (float32), for merging into the running result."""
+    s = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2)), lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online softmax: fold a block's (output, lse) into the running (output, lse) in place."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale, mask):
+    """One block's (dq, dk, dv) recomputed from the final log-sum-exp (the flash-attention backward)."""
+    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
+    ds = p * (torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
+
+    Forward: cp steps; at step ``t`` this rank holds rank ``(r - t) % cp``'s K/V, attends its queries to them
+    (the part ``_block_plan`` keeps) and folds the block into a running output and log-sum-exp, while the
+    next block is already in flight. Only q, k, v, the output and the log-sum-exp are saved. Backward:
+    recompute each block's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V
+    block's dK/dV accumulator travels with it and after cp hops arrives back at the block's owner.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal: bool):
+        rank, cp = _group_shape(group)
+        hkv, half, scale = k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
+        qg, mask = _grouped(q, hkv), _diagonal_mask(q, cp, rank) if causal else None
+        out = torch.zeros_like(qg)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
+            rows, cols, masked = _block_plan(rank, (rank - step) % cp, causal, half)
+            block = _block_forward(qg[..., rows, :], kv[0, ..., cols, :].float(), kv[1, ..., cols, :].float(),
+                                   scale, mask if masked else None)
+            _merge(out[..., rows, :], lse[..., rows], *block)
+            kv = shift.wait() if shift else kv
+        out = out.reshape(q.shape).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        rank, cp = _group_shape(ctx.group)
+        hkv, half, scale = k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
+        qg, doutg = _grouped(q, hkv), _grouped(dout, hkv)
+        delta = (doutg * _grouped(out, hkv)).sum(-1)
+        mask = _diagonal_mask(q, cp, rank) if ctx.causal else None
+        dq = torch.zeros_like(qg)
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device)
+        dkv_shift = None
+        for step in range(cp):
+            kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
+            rows, cols, masked = _block_plan(rank, (rank - step) % cp, ctx.causal, half)
+            bdq, bdk, bdv = _block_backward(qg[..., rows, :], kv[0, ..., cols, :].float(), kv[1, ..., cols, :].float(),
+                                            doutg[..., rows, :], lse[..., rows], delta[..., rows], scale,
+                                            mask if masked else None)
+            dq[..., rows, :] += bdq
+            dkv = dkv_shift.wait() if dkv_shift else dkv
+            dkv[0, ..., cols, :] += bdk
+            dkv[1, ..., cols, :] += bdv
+            dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
+            kv = kv_shift.wait() if kv_shift else kv
+        dkv = dkv_shift.wait() if dkv_shift else dkv
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _diagonal_mask(q: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Causal mask of this rank's queries over its own keys, by global position in the zigzag layout."""
+    pos = zigzag_indices(q.shape[2] * cp, cp, rank)
+    return _causal_mask(pos, pos, q.device)
+
+
+def ring_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+    """Attention of the local queries over the whole sequence, K/V blocks passed round the cp ring.
+
+    Memory per rank stays O(S_local): at any time a rank holds its own K/V, one block in flight and one
+    block's scores. GQA is handled by grouping query heads per KV head (no repeated K/V).
+    """
+    _check_heads(q, k, v)
+    return _RingAttention.apply(q, k, v, group, causal)
+
+
+# --- Ulysses ----------------------------------------------------------------------------------------------------
+
+
+def check_ulysses_heads(hq: int, hkv: int, cp: int) -> None:
+    """Refuse head counts Ulysses cannot spread over ``cp`` ranks (called by the spec check too, before launch).
+
+    Each rank attends with ``Hq/cp`` query heads, so ``Hq`` must divide by cp; key/value heads either split
+    the same way (``Hkv % cp == 0``) or, fewer than cp, are replicated so every rank gets one
+    (``cp % Hkv == 0``).
+    """
+    if hq % cp or (hkv % cp and cp % hkv):
+        raise ValueError(
+            f"ulysses attention at cp={cp} cannot split query heads Hq={hq} and key/value heads Hkv={hkv}: "
+            f"Hq must be divisible by cp, and Hkv divisible by cp or cp divisible by Hkv; "
+            f"pick a cp that fits these head counts (tensor-local heads under tp), or use cp_impl: ring"
+        )
+
+
+def _sequence_to_heads(t: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``[B, H, S_local, D]`` -> ``[B, H/cp, S, D]``: this rank's head group over every rank's tokens (rank order)."""
+    b, h, s, d = t.shape
+    parts = _AllToAll.apply(t.reshape(b, cp, h // cp, s, d).transpose(0, 1), group)
+    return parts.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_sequence(t: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``[B, H/cp, S, D]`` (tokens in rank order) -> ``[B, H, S_local, D]``: the inverse of ``_sequence_to_heads``."""
+    b, h, s, d = t.shape
+    parts = _AllToAll.apply(t.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4), group)
+    return parts.transpose(0, 1).reshape(b, cp * h, s // cp, d)
+
+
+def ulysses_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+    """DeepSpeed-Ulysses: all-to-all to head-sharded whole sequences, SDPA, all-to-all back.
+
+    After the first exchange the tokens sit in rank order (each rank's zigzag chunks); they are permuted to
+    natural order so SDPA's own causal mask applies, and back before the return exchange. KV heads fewer than
+    cp are replicated (``check_ulysses_heads`` says which counts work). Under tp the heads are the tp-local
+    ones; nothing here changes.
+    """
+    _check_heads(q, k, v)
+    _, cp = _group_shape(group)
+    hq, hkv = q.shape[1], k.shape[1]
+    check_ulysses_heads(hq, hkv, cp)
+    if hkv < cp:
+        k, v = k.repeat_interleave(cp // hkv, dim=1), v.repeat_interleave(cp // hkv, dim=1)
+    order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
+    natural = torch.argsort(order)
+    qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=qh.shape[1] != kh.shape[1])
+    return _heads_to_sequence(out[:, :, order], group, cp)
