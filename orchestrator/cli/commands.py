@@ -41,12 +41,13 @@ def _plan(args: argparse.Namespace) -> int:
     gpu_mem = _gpu_mem(args.gpu_mem, spec)
     choice = pick_layout(spec, args.nodes or 1, args.gpus_per_node or 8, gpu_mem)
     p = choice.spec.parallel
-    print(f"picked dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} for {args.nodes or 1} node(s) x "
+    cp = f" cp={p.cp}" if p.grid.cp_enabled else ""
+    print(f"picked dp={p.dp} pp={p.pp}{cp} tp={p.tp} zero={p.zero} for {args.nodes or 1} node(s) x "
           f"{args.gpus_per_node or 8} GPU(s): {choice.reason}")
     for line in choice.tried:
         print(f"  tried {line}")
     print(render(choice.spec, one_per_stage=True))
-    sets = " ".join(f"--set parallel.{k}={getattr(p, k)}" for k in ("dp", "pp", "tp", "zero"))
+    sets = " ".join(f"--set parallel.{k}={getattr(p, k)}" for k in ("dp", "pp", "cp", "tp", "zero"))
     print(f"run it: raymesh run {args.job} {sets} --set train.microbatches={choice.spec.train.microbatches}")
     return 0
 

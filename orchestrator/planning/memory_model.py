@@ -218,6 +218,38 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
 
 
+def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int, tp: int = 1,
+                      compute_bytes: int = 4) -> int:
+    """What all-gather context parallelism adds to a block's saved activations: the whole sequence's K and V
+    (the attention kernel saves them for backward), less the local share ``layer_activation_bytes`` already
+    counts for ``seq / cp`` tokens."""
+    kv = micro_batch * seq * d_model // n_heads * kv_heads // tp
+    return 2 * compute_bytes * kv * (cp - 1) // cp
+
+
+def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int,
+                    tp: int = 1, compute_bytes: int = 4) -> int:
+    """Transient buffers of one block's context-parallel attention (one block runs at a time), 0 at cp=1.
+
+    - ring: the K/V block being computed on and the one arriving (2 x K/V of the local share); backward adds
+      the travelling dK/dV pair (float32) and its successor.
+    - ulysses: the all-to-all copies of q, k, v and the output (head-sharded, full sequence: the same
+      elements as the local share), in and out.
+    - allgather: the gathered K/V themselves are saved activations (``gathered_kv_bytes``); its backward
+      reduces one full-sequence dK/dV pair.
+    """
+    if cp == 1:
+        return 0
+    local = seq // cp
+    kv = micro_batch * local * d_model // n_heads * kv_heads // tp  # elements of the local k (and of v)
+    q = micro_batch * local * d_model // tp
+    if impl == "ring":
+        return 2 * 2 * kv * compute_bytes + 2 * 2 * kv * 4
+    if impl == "ulysses":
+        return 2 * (2 * q + 2 * kv) * compute_bytes
+    return 2 * kv * cp * 4
+
+
 def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,
                           sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None) -> int:
     """Last stage: final norm (input and normalised x, fp32), the output linear's input

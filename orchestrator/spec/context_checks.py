@@ -52,16 +52,21 @@ def _check_sequence_split(job: JobSpec) -> None:
                         f"or pick parallel.cp from {cps}")
 
 
+def ulysses_splits(hq: int, hkv: int, cp: int) -> bool:
+    """Whether Ulysses can deal heads to ``cp`` ranks: query heads whole per rank, K/V heads split the same
+    way or, fewer than cp, replicated (the rule ``workers.parallel.context_parallel.check_ulysses_heads``
+    enforces at run time; restated here so the spec check needs no torch)."""
+    return hq % cp == 0 and (hkv % cp == 0 or cp % hkv == 0)
+
+
 def _check_ulysses_heads(job: JobSpec) -> None:
-    """Ulysses trades the sequence split for a head split: each cp rank takes whole query and K/V heads of
-    its tp rank's share."""
+    """Ulysses trades the sequence split for a head split of each tp rank's heads."""
     p, m = job.parallel, job.model
-    for field, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads)):
-        local = heads // p.tp
-        if local % p.cp:
-            cps = [c for c in _divisors(local) if (m.n_heads // p.tp) % c == 0 and (m.kv_heads // p.tp) % c == 0]
-            raise SpecError("parallel.cp", p.cp, f"does not divide the {local} heads per tp rank of {field}={heads} "
-                            f"(tp={p.tp}), which parallel.cp_impl: ulysses deals out whole to the cp ranks",
-                            f"pick parallel.cp from {cps}, or use parallel.cp_impl: ring or allgather")
-
-
+    hq, hkv = m.n_heads // p.tp, m.kv_heads // p.tp
+    if not ulysses_splits(hq, hkv, p.cp):
+        cps = [c for c in range(2, hq + 1) if ulysses_splits(hq, hkv, c) and m.seq_len % (2 * c) == 0]
+        raise SpecError("parallel.cp", p.cp, f"cannot split the heads of one tp rank (model.n_heads/tp = {hq} "
+                        f"query, model.n_kv_heads/tp = {hkv} key/value heads) for parallel.cp_impl: ulysses, "
+                        "which needs query heads divisible by cp and key/value heads divisible by cp or "
+                        "dividing it",
+                        f"pick parallel.cp from {cps}, or use parallel.cp_impl: ring or allgather")
