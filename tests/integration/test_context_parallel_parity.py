@@ -52,3 +52,17 @@ def test_cp_layout_matches_single_process_reference(name, references, token_data
     losses, grad_norms = references(family)
     assert run.losses == pytest.approx(losses, rel=1e-4)
     assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+
+
+def test_cp2_checkpoint_resumes_at_cp1_on_the_reference_curve(references, token_data, tmp_path):
+    """DCP reshards a cp=2 save to one rank: cp ranks hold replicated weights and the data position counts
+    whole samples, so step 3 at cp=1 continues the reference's curve."""
+    losses, grad_norms = references("gpt-learned")
+    saved = str(tmp_path / "cp2-step2")
+    cp2 = _spec(token_data, tmp_path / "cp2", "gpt-learned", {"cp": 2, "cp_impl": "ring"})
+    first = run_layout(cp2.worker_dict(), 2, STEPS - 1, checkpoint=saved)
+    assert first.losses == pytest.approx(losses[:-1], rel=1e-4)
+    single = _spec(token_data, tmp_path / "cp1", "gpt-learned")
+    resumed = run_layout(single.worker_dict(), 1, 1, resume_from=saved)
+    assert resumed.losses == pytest.approx(losses[-1:], rel=1e-4)
+    assert resumed.grad_norms == pytest.approx(grad_norms[-1:], rel=1e-4)

@@ -14,7 +14,7 @@ import queue
 import socket
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -24,10 +24,12 @@ from orchestrator.checkpoints import checksums
 
 @dataclass(frozen=True)
 class LayoutRun:
-    """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm."""
+    """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm;
+    and each rank's activation peak of its last step (bytes saved for backward) where ``memory.measure`` is on."""
 
     losses: list[float]
     grad_norms: list[float]
+    activation_bytes: dict[int, int] = field(default_factory=dict)
 
 
 def step_field(result, name: str):
@@ -47,19 +49,23 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
-               checkpoint: str | None = None) -> None:
-    """Body of one spawned rank: build the Trainer, train ``steps`` steps, report (loss, norm) per step,
-    and save a DCP checkpoint of the final state to ``checkpoint`` when given."""
+               checkpoint: str | None = None, resume_from: str | None = None) -> None:
+    """Body of one spawned rank: build the Trainer, load ``resume_from`` when given (DCP reshards it to this
+    layout), train ``steps`` steps, report (loss, norm) per step, and save a DCP checkpoint of the final state
+    to ``checkpoint`` when given."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(spec, rank, world_size, "127.0.0.1", port)
+    if resume_from is not None:
+        trainer.checkpoints.load(resume_from)
     out = []
     for _ in range(steps):
         result = trainer.train_step()
-        out.append((step_field(result, "loss"), step_field(result, "grad_norm")))
+        memory = step_field(result, "memory")
+        out.append((step_field(result, "loss"), step_field(result, "grad_norm"), memory and memory["activations"]))
     if checkpoint is not None:
         trainer.checkpoints.save(checkpoint, async_save=False)
     results.put((rank, out))
@@ -82,9 +88,10 @@ def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, lis
 
 
 def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0,
-               checkpoint: str | None = None) -> LayoutRun:
+               checkpoint: str | None = None, resume_from: str | None = None) -> LayoutRun:
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
-    With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout).
+    With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout);
+    with ``resume_from``, they start from that checkpoint (written by any layout) instead of step 0.
 
     OMP_NUM_THREADS=1 is set for the children (they inherit the environment at spawn): N ranks each
     starting a full thread pool on a small CI machine is slower than one thread each.
@@ -94,7 +101,8 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint),
+        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint,
+                                                       resume_from),
                                    nprocs=world_size, join=False, start_method="spawn")
         try:
             by_rank = _collect(results, procs, world_size, timeout_s)
@@ -137,4 +145,5 @@ def _as_controller_sees(by_rank: dict[int, list[tuple]], steps: int) -> LayoutRu
     for step in range(steps):
         held = [by_rank[r][step][0] for r in sorted(by_rank) if by_rank[r][step][0] is not None]
         losses.append(statistics.fmean(held))  # as orchestrator/observability/run_records.py
-    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)])
+    activations = {r: by_rank[r][-1][2] for r in sorted(by_rank) if len(by_rank[r][-1]) > 2 and by_rank[r][-1][2]}
+    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)], activations)
