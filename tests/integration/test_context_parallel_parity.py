@@ -66,3 +66,22 @@ def test_cp2_checkpoint_resumes_at_cp1_on_the_reference_curve(references, token_
     resumed = run_layout(single.worker_dict(), 1, 1, resume_from=saved)
     assert resumed.losses == pytest.approx(losses[-1:], rel=1e-4)
     assert resumed.grad_norms == pytest.approx(grad_norms[-1:], rel=1e-4)
+
+
+def test_activation_bytes_per_rank_at_cp4_are_a_quarter_of_cp1s(token_data, tmp_path):
+    """Bytes saved for backward (the trainer's ActivationMeter, one step of a 512-token sequence) on each
+    ring-attention cp=4 rank are within 10% of a quarter of one rank's at cp=1; the planner predicts them."""
+    from orchestrator.planning.estimate import peak_rank
+
+    def measured(cp: int) -> tuple[dict[int, int], object]:
+        spec = tiny_spec(token_data, tmp_path / f"cp{cp}", parallel={"cp": cp, "cp_impl": "ring", "device": "cpu"},
+                         model={"seq_len": 512}, memory={"measure": True},
+                         train={"steps": 1, "global_batch_size": 2, "microbatches": 1})
+        return run_layout(spec.worker_dict(), cp, 1).activation_bytes, spec
+
+    (whole,) = measured(1)[0].values()
+    shares, spec = measured(4)
+    assert len(shares) == 4
+    for share in shares.values():
+        assert share == pytest.approx(whole / 4, rel=0.10)
+    assert peak_rank(spec).activation_bytes == pytest.approx(max(shares.values()), rel=0.01)
