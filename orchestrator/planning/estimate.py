@@ -275,13 +275,15 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         f"{p.world_size} ranks, zero={p.zero}, " + (f"cp_impl={p.cp_impl}, " if p.grid.cp_enabled else "") +
         f"schedule={p.pp_schedule} ({p.stages_per_rank} stage(s)/rank), precision={spec.precision.dtype}, "
         f"recompute={spec.memory.recompute}",
-        f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
+        f"{'rank':>4} {'dp':>3} {'pp':>3} " + (f"{'cp':>3} " if p.grid.cp_enabled else "") +
+        f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
         f"{'optim':>10} {'gathered':>10} {'activ':>10} {'buffers':>10} {'total':>10}",
     ]
     for r in rows:
         s = r.state
         lines.append(
-            f"{r.rank:>4} {r.coords['dp']:>3} {r.coords['pp']:>3} {r.coords['tp']:>3} "
+            f"{r.rank:>4} {r.coords['dp']:>3} {r.coords['pp']:>3} "
+            + (f"{r.coords['cp']:>3} " if p.grid.cp_enabled else "") + f"{r.coords['tp']:>3} "
             f"{','.join(map(str, r.stages)):>8} {r.params:>12,} "
             + " ".join(_mib(n) for n in (s.params, s.grads, s.optimizer, s.gathered, r.activation_bytes,
                                           r.buffer_bytes, r.total_bytes))
