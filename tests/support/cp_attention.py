@@ -9,10 +9,7 @@ the largest absolute difference of the output and of dq, dk, dv on its positions
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 # (name, Hq, Hkv): MHA, GQA, and head counts that do not divide evenly across cp (ring/allgather take any)
@@ -85,24 +82,9 @@ def run_all(world: int, strategies: tuple[str, ...], timeout_s: float = 300.0) -
     The harness is imported here, not at module level: it pulls in ``orchestrator``, which every spawned
     child (it imports this module to find ``_rank_main``) would otherwise load for nothing.
     """
-    from tests.support.parity_harness import _collect, _join_all, _stop_leftovers, free_port
+    from tests.support.parity_harness import free_port, spawn_ranks
 
-    results = mp.get_context("spawn").Queue()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        procs = mp.start_processes(_rank_main, args=(world, free_port(), strategies, results), nprocs=world,
-                                   join=False, start_method="spawn")
-        try:
-            by_rank = _collect(results, procs, world, timeout_s)
-            _join_all(procs, timeout_s)
-        finally:
-            _stop_leftovers(procs)
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    by_rank = spawn_ranks(_rank_main, (world, free_port(), strategies), world, timeout_s)
     merged = {}
     for case in by_rank[0]:
         values = [by_rank[r][case] for r in range(world)]
