@@ -54,6 +54,7 @@ def _rank_main(rank: int, world: int, port: int, strategies: tuple[str, ...], re
     from workers.parallel import context_parallel as cpa
 
     torch.set_num_threads(1)
+    cpa.ROW_TILE = 4  # ring tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6 rows)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = {world: dist.new_group(list(range(world)))}
     for first in range(0, world, 2):  # every rank must join every new_group call

@@ -154,6 +154,21 @@ class _RingShift:
 
 
 Piece = tuple[slice, slice, bool]  # (local query rows, key columns of the block, whether to mask by position)
+ROW_TILE = 512  # query rows per score tile: bounds the transient scores to ROW_TILE x S_local per head
+
+
+def _tiles(pieces: list[Piece], s_local: int) -> list[Piece]:
+    """``pieces`` cut into tiles of at most ``ROW_TILE`` query rows each.
+
+    Why: a piece's scores and probabilities are ``rows x keys`` per head; at long local sequences a whole
+    piece's would be the largest tensor of the step (2048 x 2048 x 32 heads in float32 is 512 MiB), so the
+    rows are taken a tile at a time, as flash attention does, and the working memory stays linear in S.
+    """
+    out = []
+    for rows, cols, masked in pieces:
+        start, stop, _ = rows.indices(s_local)
+        out += [(slice(t, min(t + ROW_TILE, stop)), cols, masked) for t in range(start, stop, ROW_TILE)]
+    return out
 
 
 def _block_plan(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
@@ -238,7 +253,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for step in range(cp):
             shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
-            for rows, cols, masked in _block_plan(rank, (rank - step) % cp, causal, half):
+            for rows, cols, masked in _tiles(_block_plan(rank, (rank - step) % cp, causal, half), q.shape[2]):
                 p, block_lse = _probabilities(qg[..., rows, :], kv[0, ..., cols, :].float(), scale,
                                               mask[rows, cols] if masked else None)
                 block_out = torch.matmul(p, kv[1, ..., cols, :].float()).view(*block_lse.shape, -1)
@@ -266,7 +281,8 @@ class _RingAttention(torch.autograd.Function):
                                                    kv[1, ..., cols, :].float(), doutg[..., rows, :],
                                                    lse[..., rows], delta[..., rows], scale,
                                                    mask[rows, cols] if masked else None))
-                      for rows, cols, masked in _block_plan(rank, (rank - step) % cp, ctx.causal, half)]
+                      for rows, cols, masked in _tiles(_block_plan(rank, (rank - step) % cp, ctx.causal, half),
+                                                      q.shape[2])]
             dkv = dkv_shift.wait() if dkv_shift else dkv  # the dK/dV of this block, from the previous rank
             for rows, cols, (piece_dq, piece_dk, piece_dv) in pieces:
                 dq[..., rows, :] += piece_dq
