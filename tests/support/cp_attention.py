@@ -9,10 +9,7 @@ the largest absolute difference of the output and of dq, dk, dv on its positions
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 # (name, Hq, Hkv): MHA, GQA, and head counts that do not divide evenly across cp (ring/allgather take any)
@@ -57,6 +54,7 @@ def _rank_main(rank: int, world: int, port: int, strategies: tuple[str, ...], re
     from workers.parallel import context_parallel as cpa
 
     torch.set_num_threads(1)
+    cpa.ROW_TILE = 4  # ring tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6 rows)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = {world: dist.new_group(list(range(world)))}
     for first in range(0, world, 2):  # every rank must join every new_group call
@@ -85,24 +83,9 @@ def run_all(world: int, strategies: tuple[str, ...], timeout_s: float = 300.0) -
     The harness is imported here, not at module level: it pulls in ``orchestrator``, which every spawned
     child (it imports this module to find ``_rank_main``) would otherwise load for nothing.
     """
-    from tests.support.parity_harness import _collect, _join_all, _stop_leftovers, free_port
+    from tests.support.parity_harness import free_port, spawn_ranks
 
-    results = mp.get_context("spawn").Queue()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        procs = mp.start_processes(_rank_main, args=(world, free_port(), strategies, results), nprocs=world,
-                                   join=False, start_method="spawn")
-        try:
-            by_rank = _collect(results, procs, world, timeout_s)
-            _join_all(procs, timeout_s)
-        finally:
-            _stop_leftovers(procs)
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    by_rank = spawn_ranks(_rank_main, (world, free_port(), strategies), world, timeout_s)
     merged = {}
     for case in by_rank[0]:
         values = [by_rank[r][case] for r in range(world)]

@@ -48,11 +48,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
-               checkpoint: str | None = None, resume_from: str | None = None) -> None:
+def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, checkpoint: str | None,
+               resume_from: str | None, results) -> None:
     """Body of one spawned rank: build the Trainer, load ``resume_from`` when given (DCP reshards it to this
-    layout), train ``steps`` steps, report (loss, norm) per step, and save a DCP checkpoint of the final state
-    to ``checkpoint`` when given."""
+    layout), train ``steps`` steps, report (loss, norm, activation peak) per step, and save a DCP checkpoint
+    of the final state to ``checkpoint`` when given."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
@@ -92,18 +92,29 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
     With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout);
     with ``resume_from``, they start from that checkpoint (written by any layout) instead of step 0.
-
-    OMP_NUM_THREADS=1 is set for the children (they inherit the environment at spawn): N ranks each
-    starting a full thread pool on a small CI machine is slower than one thread each.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    port = free_port()
+    by_rank = spawn_ranks(_rank_main, (spec, world_size, port, steps, checkpoint, resume_from), world_size,
+                          timeout_s)
+    if checkpoint is not None:  # sealed as the controller seals a save, so export/--resume accept it
+        checksums.write_manifest(checkpoint)
+    return _as_controller_sees(by_rank, steps)
+
+
+def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
+    """Run ``body(rank, *args, results)`` in ``world_size`` spawn children; return ``{rank: what it put}``.
+
+    Each child puts one ``(rank, value)`` on ``results``. A rank that dies raises here at once, ranks still
+    alive after a failure or the timeout are killed. OMP_NUM_THREADS=1 is set for the children (they inherit
+    the environment at spawn): N ranks each starting a full thread pool on a small CI machine is slower than
+    one thread each.
+    """
+    results = mp.get_context("spawn").Queue()
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint,
-                                                       resume_from),
-                                   nprocs=world_size, join=False, start_method="spawn")
+        procs = mp.start_processes(body, args=(*args, results), nprocs=world_size, join=False,
+                                   start_method="spawn")
         try:
             by_rank = _collect(results, procs, world_size, timeout_s)
             _join_all(procs, timeout_s)
@@ -111,9 +122,7 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
             _stop_leftovers(procs)
     finally:
         _restore_env("OMP_NUM_THREADS", old)
-    if checkpoint is not None:  # sealed as the controller seals a save, so export/--resume accept it
-        checksums.write_manifest(checkpoint)
-    return _as_controller_sees(by_rank, steps)
+    return by_rank
 
 
 def _join_all(procs, timeout_s: float) -> None:

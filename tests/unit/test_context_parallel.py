@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.cp_attention import HEADS, run_all
-from workers.parallel.context_parallel import check_ulysses_heads, zigzag_indices
+from workers.parallel.context_parallel import _block_plan, check_ulysses_heads, zigzag_indices
 
 STRATEGIES = ("allgather", "ring", "ulysses")
 TOL = 1e-5
@@ -56,3 +56,28 @@ def test_matches_single_process_sdpa(results, cp, strategy, label, hq, hkv, caus
         return
     assert isinstance(err, float), err
     assert err < TOL, f"{strategy} cp={cp} {label} causal={causal}: max |diff| {err:.3g}"
+
+
+def _pairs_attended(cp: int, rank: int, src: int, seq: int) -> tuple[set, int]:
+    """The (query, key) global positions the ring's pieces let through for one block, and the work (score cells)."""
+    half = seq // (2 * cp)
+    q_pos, k_pos = zigzag_indices(seq, cp, rank), zigzag_indices(seq, cp, src)
+    pairs, work = set(), 0
+    for rows, cols, masked in _block_plan(rank, src, True, half):
+        work += len(q_pos[rows]) * len(k_pos[cols])
+        pairs |= {(int(q), int(k)) for q in q_pos[rows] for k in k_pos[cols] if not masked or q >= k}
+    return pairs, work
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_pieces_cover_exactly_the_causal_pairs_with_equal_work_per_rank(cp):
+    seq = 4 * cp
+    for step in range(cp):
+        works = []
+        for rank in range(cp):
+            src = (rank - step) % cp
+            pairs, work = _pairs_attended(cp, rank, src, seq)
+            q_pos, k_pos = zigzag_indices(seq, cp, rank).tolist(), zigzag_indices(seq, cp, src).tolist()
+            assert pairs == {(q, k) for q in q_pos for k in k_pos if q >= k}
+            works.append(work)
+        assert len(set(works)) == 1, f"step {step}: unequal work per rank {works}"

@@ -153,24 +153,43 @@ class _RingShift:
         return self.received
 
 
-def _block_plan(rank: int, src: int, causal: bool, half: int) -> tuple[slice, slice, bool]:
-    """Which local query rows attend to which key columns of rank ``src``'s block, and whether to mask.
+Piece = tuple[slice, slice, bool]  # (local query rows, key columns of the block, whether to mask by position)
+ROW_TILE = 512  # query rows per score tile: bounds the transient scores to ROW_TILE x S_local per head
 
-    Zigzag layout, causal: rank r holds chunks (r, 2cp-1-r). Its own block is the diagonal (masked by
-    position). A lower rank's block (src < r): both query chunks come after the key chunk ``src`` and before
-    the key chunk ``2cp-1-src``, so all queries see exactly the first half of the keys, unmasked. A higher
-    rank's block (src > r): query chunk r precedes both key chunks, query chunk ``2cp-1-r`` follows both, so
-    only the second half of the queries attends, to all keys, unmasked. Either way an off-diagonal block costs
-    half a full block on every rank: the load balance the layout exists for.
+
+def _tiles(pieces: list[Piece], s_local: int) -> list[Piece]:
+    """``pieces`` cut into tiles of at most ``ROW_TILE`` query rows each.
+
+    Why: a piece's scores and probabilities are ``rows x keys`` per head; at long local sequences a whole
+    piece's would be the largest tensor of the step (2048 x 2048 x 32 heads in float32 is 512 MiB), so the
+    rows are taken a tile at a time, as flash attention does, and the working memory stays linear in S.
     """
-    everything = slice(None)
+    out = []
+    for rows, cols, masked in pieces:
+        start, stop, _ = rows.indices(s_local)
+        out += [(slice(t, min(t + ROW_TILE, stop)), cols, masked) for t in range(start, stop, ROW_TILE)]
+    return out
+
+
+def _block_plan(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
+    """The pieces of rank ``src``'s K/V block this rank's queries attend to; fully masked parts are skipped.
+
+    Zigzag layout, causal: rank r holds chunks (r, 2cp-1-r). Its own block is the diagonal: the early query
+    chunk sees only the early key chunk (masked by position), the late query chunk sees both (masked). A lower
+    rank's block (src < r): both query chunks come after key chunk ``src`` and before key chunk
+    ``2cp-1-src``, so all queries see exactly the first half of the keys, unmasked. A higher rank's block
+    (src > r): query chunk r precedes both key chunks, query chunk ``2cp-1-r`` follows both, so only the
+    second half of the queries attends, to all keys, unmasked. Every rank thus does the same work per step:
+    the load balance the layout exists for.
+    """
+    every, first, second = slice(None), slice(0, half), slice(half, None)
     if not causal:
-        return everything, everything, False
+        return [(every, every, False)]
     if src == rank:
-        return everything, everything, True
+        return [(first, first, True), (second, every, True)]
     if src < rank:
-        return everything, slice(0, half), False
-    return slice(half, None), everything, False
+        return [(every, first, False)]
+    return [(second, every, False)]
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -179,17 +198,21 @@ def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return q.float().reshape(b, hkv, hq // hkv, s, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scaled scores ``[B, Hkv, G, Sq, Sk]`` of grouped queries over ``[B, Hkv, Sk, D]`` keys, masked to -inf."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, G, S, D]`` -> ``[B, Hkv, G*S, D]``: a KV head's query rows stacked, so one matmul against
+    ``[B, Hkv, S_k, D]`` keys serves the whole group without repeating K/V, and products with the transposed
+    rows (dK, dV) sum over the group for free."""
+    return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
 
 
-def _block_forward(q, k, v, scale, mask):
-    """One block's attention output and log-sum-exp (float32), for merging into the running result."""
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2)), lse
+def _probabilities(q, k, scale: float, mask: torch.Tensor | None, lse: torch.Tensor | None = None):
+    """Softmax of the scaled, masked scores of grouped queries ``q`` over keys ``k``, as ``[B, Hkv, G*Sq, Sk]``,
+    with the log-sum-exp ``[B, Hkv, G, Sq]`` it used (computed here unless the forward's is given)."""
+    s = torch.matmul(_flat(q), k.transpose(-1, -2)).mul_(scale).view(*q.shape[:-1], k.shape[-2])
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if lse is None else lse
+    return _flat(s.sub_(lse.unsqueeze(-1)).exp_()), lse
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -200,39 +223,41 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 
 def _block_backward(q, k, v, dout, lse, delta, scale, mask):
-    """One block's (dq, dk, dv) recomputed from the final log-sum-exp (the flash-attention backward)."""
-    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
-    ds = p * (torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
+    """One piece's (dq, dk, dv) recomputed from the final log-sum-exp (the flash-attention backward)."""
+    p, _ = _probabilities(q, k, scale, mask, lse)
+    dout = _flat(dout)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p.mul_(torch.matmul(dout, v.transpose(-1, -2)).sub_(_flat(delta.unsqueeze(-1))))
+    dq = torch.matmul(ds, k).mul_(scale).view(q.shape)
+    dk = torch.matmul(ds.transpose(-1, -2), _flat(q)).mul_(scale)
     return dq, dk, dv
 
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
 
-    Forward: cp steps; at step ``t`` this rank holds rank ``(r - t) % cp``'s K/V, attends its queries to them
-    (the part ``_block_plan`` keeps) and folds the block into a running output and log-sum-exp, while the
-    next block is already in flight. Only q, k, v, the output and the log-sum-exp are saved. Backward:
-    recompute each block's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V
-    block's dK/dV accumulator travels with it and after cp hops arrives back at the block's owner.
+    Forward: cp steps; at step ``t`` this rank holds rank ``(r - t) % cp``'s K/V, attends its queries to the
+    pieces ``_block_plan`` keeps and folds each into a running output and log-sum-exp, while the next block is
+    already in flight. Only q, k, v, the output and the log-sum-exp are saved. Backward: recompute each
+    piece's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V block's dK/dV
+    accumulator travels with it and after cp hops arrives back at the block's owner.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool):
         rank, cp = _group_shape(group)
-        hkv, half, scale = k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
-        qg, mask = _grouped(q, hkv), _diagonal_mask(q, cp, rank) if causal else None
+        half, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
+        qg, mask = _grouped(q, k.shape[1]), _diagonal_mask(q, cp, rank) if causal else None
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
             shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
-            rows, cols, masked = _block_plan(rank, (rank - step) % cp, causal, half)
-            block = _block_forward(qg[..., rows, :], kv[0, ..., cols, :].float(), kv[1, ..., cols, :].float(),
-                                   scale, mask if masked else None)
-            _merge(out[..., rows, :], lse[..., rows], *block)
+            for rows, cols, masked in _tiles(_block_plan(rank, (rank - step) % cp, causal, half), q.shape[2]):
+                p, block_lse = _probabilities(qg[..., rows, :], kv[0, ..., cols, :].float(), scale,
+                                              mask[rows, cols] if masked else None)
+                block_out = torch.matmul(p, kv[1, ..., cols, :].float()).view(*block_lse.shape, -1)
+                _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
             kv = shift.wait() if shift else kv
         out = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -252,14 +277,17 @@ class _RingAttention(torch.autograd.Function):
         dkv_shift = None
         for step in range(cp):
             kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
-            rows, cols, masked = _block_plan(rank, (rank - step) % cp, ctx.causal, half)
-            bdq, bdk, bdv = _block_backward(qg[..., rows, :], kv[0, ..., cols, :].float(), kv[1, ..., cols, :].float(),
-                                            doutg[..., rows, :], lse[..., rows], delta[..., rows], scale,
-                                            mask if masked else None)
-            dq[..., rows, :] += bdq
-            dkv = dkv_shift.wait() if dkv_shift else dkv
-            dkv[0, ..., cols, :] += bdk
-            dkv[1, ..., cols, :] += bdv
+            pieces = [(rows, cols, _block_backward(qg[..., rows, :], kv[0, ..., cols, :].float(),
+                                                   kv[1, ..., cols, :].float(), doutg[..., rows, :],
+                                                   lse[..., rows], delta[..., rows], scale,
+                                                   mask[rows, cols] if masked else None))
+                      for rows, cols, masked in _tiles(_block_plan(rank, (rank - step) % cp, ctx.causal, half),
+                                                      q.shape[2])]
+            dkv = dkv_shift.wait() if dkv_shift else dkv  # the dK/dV of this block, from the previous rank
+            for rows, cols, (piece_dq, piece_dk, piece_dv) in pieces:
+                dq[..., rows, :] += piece_dq
+                dkv[0, ..., cols, :] += piece_dk
+                dkv[1, ..., cols, :] += piece_dv
             dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
             kv = kv_shift.wait() if kv_shift else kv
         dkv = dkv_shift.wait() if dkv_shift else dkv
