@@ -88,46 +88,6 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group), None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather a ``[..., S_local, D]`` tensor along the sequence (dim -2); backward reduce-scatters.
-
-    Why our own: ``torch.distributed.nn.functional.all_gather`` is deprecated, and on gloo its backward
-    (an all-to-all of non-contiguous gradient slices) returns wrong gradients; gloo has no reduce-scatter,
-    so the backward here is an ``all_to_all_single`` of contiguous chunks summed on arrival, which moves the
-    same bytes as a reduce-scatter on any backend.
-    """
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts, dim=-2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        chunks = torch.stack(grad.chunk(dist.get_world_size(ctx.group), dim=-2))
-        return _all_to_all(chunks, ctx.group).sum(0), None
-
-
-def allgather_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
-    """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
-
-    The gathered K/V stay in rank order (zigzag, not natural order): attention does not care about key
-    order as long as the causal mask compares global positions, which it does.
-    """
-    _check_heads(q, k, v)
-    rank, cp = _group_shape(group)
-    s_local = q.shape[2]
-    k_all, v_all = _GatherSequence.apply(torch.stack([k, v]), group)
-    mask = None
-    if causal:
-        seq = s_local * cp
-        k_pos = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)])
-        mask = _causal_mask(zigzag_indices(seq, cp, rank), k_pos, q.device)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
 # --- ring attention -------------------------------------------------------------------------------------------
 
 
@@ -233,6 +193,52 @@ def _block_backward(q, k, v, dout, lse, delta, scale, mask):
     return dq, dk, dv
 
 
+def _attend_block(qg, kv, rank: int, src: int, causal: bool, mask, out, lse) -> None:
+    """Fold rank ``src``'s K/V block ``kv`` ``[2, B, Hkv, S_local, D]`` into the running (out, lse) in place."""
+    s_local, scale = qg.shape[-2], qg.shape[-1] ** -0.5
+    k, v = kv.float()
+    for rows, cols, masked in _tiles(_block_plan(rank, src, causal, s_local // 2), s_local):
+        p, block_lse = _probabilities(qg[..., rows, :], k[..., cols, :], scale, mask[rows, cols] if masked else None)
+        block_out = torch.matmul(p, v[..., cols, :]).view(*block_lse.shape, -1)
+        _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+
+
+def _block_gradients(saved: dict, kv, rank: int, src: int, dq) -> torch.Tensor:
+    """dK/dV ``[2, B, Hkv, S_local, D]`` of rank ``src``'s K/V block; its share of dQ is added to ``dq`` in place.
+
+    ``saved`` holds what every block's backward shares: grouped q and dout, the final lse, delta, the mask.
+    """
+    qg, s_local = saved["qg"], saved["qg"].shape[-2]
+    k, v = kv.float()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for rows, cols, masked in _tiles(_block_plan(rank, src, saved["causal"], s_local // 2), s_local):
+        piece_dq, piece_dk, piece_dv = _block_backward(
+            qg[..., rows, :], k[..., cols, :], v[..., cols, :], saved["doutg"][..., rows, :],
+            saved["lse"][..., rows], saved["delta"][..., rows], qg.shape[-1] ** -0.5,
+            saved["mask"][rows, cols] if masked else None)
+        dq[..., rows, :] += piece_dq
+        dkv[0, ..., cols, :] += piece_dk  # pieces and tiles overlap in keys: accumulate
+        dkv[1, ..., cols, :] += piece_dv
+    return dkv
+
+
+def _forward_state(q, k, group, causal: bool):
+    """(rank, cp, grouped float32 q, diagonal mask, zeroed output, -inf lse): what every forward starts from."""
+    rank, cp = _group_shape(group)
+    qg = _grouped(q, k.shape[1])
+    lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    return rank, cp, qg, _diagonal_mask(q, cp, rank) if causal else None, torch.zeros_like(qg), lse
+
+
+def _backward_state(ctx, dout, q, k, out, lse) -> dict:
+    """What every block's backward shares (``_block_gradients``), from the saved forward and dout."""
+    hkv, rank, cp = k.shape[1], *_group_shape(ctx.group)
+    doutg = _grouped(dout, hkv)
+    return {"qg": _grouped(q, hkv), "doutg": doutg, "lse": lse, "causal": ctx.causal,
+            "delta": (doutg * _grouped(out, hkv)).sum(-1),
+            "mask": _diagonal_mask(q, cp, rank) if ctx.causal else None}
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
 
@@ -245,19 +251,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool):
-        rank, cp = _group_shape(group)
-        half, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
-        qg, mask = _grouped(q, k.shape[1]), _diagonal_mask(q, cp, rank) if causal else None
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        rank, cp, qg, mask, out, lse = _forward_state(q, k, group, causal)
         kv = torch.stack([k, v])
         for step in range(cp):
             shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
-            for rows, cols, masked in _tiles(_block_plan(rank, (rank - step) % cp, causal, half), q.shape[2]):
-                p, block_lse = _probabilities(qg[..., rows, :], kv[0, ..., cols, :].float(), scale,
-                                              mask[rows, cols] if masked else None)
-                block_out = torch.matmul(p, kv[1, ..., cols, :].float()).view(*block_lse.shape, -1)
-                _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+            _attend_block(qg, kv, rank, (rank - step) % cp, causal, mask, out, lse)
             kv = shift.wait() if shift else kv
         out = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -268,30 +266,57 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         rank, cp = _group_shape(ctx.group)
-        hkv, half, scale = k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
-        qg, doutg = _grouped(q, hkv), _grouped(dout, hkv)
-        delta = (doutg * _grouped(out, hkv)).sum(-1)
-        mask = _diagonal_mask(q, cp, rank) if ctx.causal else None
-        dq = torch.zeros_like(qg)
-        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device)
-        dkv_shift = None
+        saved = _backward_state(ctx, dout, q, k, out, lse)
+        dq = torch.zeros_like(saved["qg"])
+        kv, dkv, dkv_shift = torch.stack([k, v]), None, None
         for step in range(cp):
             kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
-            pieces = [(rows, cols, _block_backward(qg[..., rows, :], kv[0, ..., cols, :].float(),
-                                                   kv[1, ..., cols, :].float(), doutg[..., rows, :],
-                                                   lse[..., rows], delta[..., rows], scale,
-                                                   mask[rows, cols] if masked else None))
-                      for rows, cols, masked in _tiles(_block_plan(rank, (rank - step) % cp, ctx.causal, half),
-                                                      q.shape[2])]
-            dkv = dkv_shift.wait() if dkv_shift else dkv  # the dK/dV of this block, from the previous rank
-            for rows, cols, (piece_dq, piece_dk, piece_dv) in pieces:
-                dq[..., rows, :] += piece_dq
-                dkv[0, ..., cols, :] += piece_dk
-                dkv[1, ..., cols, :] += piece_dv
+            block_dkv = _block_gradients(saved, kv, rank, (rank - step) % cp, dq)
+            # the accumulated dK/dV of this block arrives from the previous rank while the block computes
+            dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
             dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
             kv = kv_shift.wait() if kv_shift else kv
         dkv = dkv_shift.wait() if dkv_shift else dkv
         return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """K/V all-gather attention (Llama 3's CP): every rank gathers the whole sequence's K/V and attends its
+    queries to each rank's block with the same blockwise kernels as the ring (so causal work is balanced and
+    no S_local x S mask or score matrix is ever built); the backward returns each block's dK/dV to its owner
+    with one all-to-all summed on arrival, a reduce-scatter that gloo (which has none) can run too.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal: bool):
+        rank, cp, qg, mask, out, lse = _forward_state(q, k, group, causal)
+        blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(cp)]
+        dist.all_gather(blocks, torch.stack([k, v]), group=group)
+        for src, kv in enumerate(blocks):
+            _attend_block(qg, kv, rank, src, causal, mask, out, lse)
+        out = out.reshape(q.shape).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, torch.stack(blocks))
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, blocks = ctx.saved_tensors
+        rank, _ = _group_shape(ctx.group)
+        saved = _backward_state(ctx, dout, q, k, out, lse)
+        dq = torch.zeros_like(saved["qg"])
+        dkv = torch.stack([_block_gradients(saved, kv, rank, src, dq) for src, kv in enumerate(blocks)])
+        dkv = _all_to_all(dkv, ctx.group).sum(0)
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def allgather_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+    """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
+
+    Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank.
+    """
+    _check_heads(q, k, v)
+    return _AllGatherAttention.apply(q, k, v, group, causal)
 
 
 def _diagonal_mask(q: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
