@@ -220,11 +220,10 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
 
 def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int, tp: int = 1,
                       compute_bytes: int = 4) -> int:
-    """What all-gather context parallelism adds to a block's saved activations: the whole sequence's K and V
-    (the attention kernel saves them for backward), less the local share ``layer_activation_bytes`` already
-    counts for ``seq / cp`` tokens."""
-    kv = micro_batch * seq * d_model // n_heads * kv_heads // tp
-    return 2 * compute_bytes * kv * (cp - 1) // cp
+    """What all-gather context parallelism adds to a block's saved activations: the gathered K/V of the whole
+    sequence, every rank's block (this one's too) stacked in one tensor the kernel saves for backward, beside
+    the local k and v ``layer_activation_bytes`` counts for ``seq / cp`` tokens."""
+    return 2 * compute_bytes * micro_batch * seq * d_model // n_heads * kv_heads // tp if cp > 1 else 0
 
 
 def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int,
