@@ -38,6 +38,8 @@ class ParallelSection:
     dp_sync: str
     virtual_stages: int  # model chunks per pp rank (JobSpec.worker_dict fills in the schedule's default)
     sequence_parallel: bool
+    cp: int = 1  # older harness dicts leave the cp fields out
+    cp_impl: str = "ring"
 
     @property
     def grid(self) -> Grid:

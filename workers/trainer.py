@@ -87,7 +87,8 @@ class Trainer:
         precision, data = self.spec.precision, self.spec.data
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
         dataset = TokenDataset(data.path, self.spec.model.seq_len, data.seed)
-        cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp)
+        cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp,
+                            cp_rank=self.coords.cp, cp_size=par.grid.cp)
         named = [z.module() for z in self.zero1] or None
         return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload, named)
 

@@ -43,7 +43,8 @@ def _plan(args: argparse.Namespace) -> int:
     nodes, per_node = args.nodes or 1, args.gpus_per_node or 8
     choice = pick_layout(spec, nodes, per_node, gpu_mem, args.gpu)
     p = choice.spec.parallel
-    print(f"picked dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} microbatches={choice.spec.train.microbatches} "
+    cp = f" cp={p.cp}" if p.grid.cp_enabled else ""
+    print(f"picked dp={p.dp} pp={p.pp}{cp} tp={p.tp} zero={p.zero} microbatches={choice.spec.train.microbatches} "
           f"recompute={choice.spec.memory.recompute} schedule={p.pp_schedule} for {nodes} node(s) x {per_node} "
           f"{args.gpu or spec.plan.gpu}(s): {choice.reason}")
     for line in [*choice.tried[:5], *explain(choice)]:

@@ -84,6 +84,11 @@ def sequence_split(spec: JobSpec) -> bool:
     return spec.parallel.grid.tp_enabled and spec.parallel.sequence_parallel
 
 
+def local_seq(spec: JobSpec) -> int:
+    """Tokens of each sequence one rank holds: ``seq_len / cp`` (context parallelism splits every sequence)."""
+    return spec.model.seq_len // spec.parallel.cp
+
+
 def micro_batch(spec: JobSpec) -> int:
     return spec.train.global_batch_size // spec.parallel.dp // spec.train.microbatches
 
@@ -96,12 +101,16 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     """Saved for backward by one block (``layer``: which, where LoRA adapts blocks differently) for one microbatch,
     under ``recompute`` (default: the job's ``memory.recompute``)."""
     m, p = spec.model, spec.parallel
-    return mm.layer_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
-                                     sequence_split(spec),
-                                     mm.layer_recompute(recompute or spec.memory.recompute,
-                                                        spec.memory.recompute_every, layer),
-                                     compute_bytes(spec),
-                                     frozen=frozen_parts(spec)[layer], kv_heads=m.kv_heads, family=m.arch)
+    frozen = frozen_parts(spec)[layer]
+    rc = mm.layer_recompute(recompute or spec.memory.recompute, spec.memory.recompute_every, layer)
+    block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
+                                      sequence_split(spec), rc, compute_bytes(spec),
+                                      frozen=frozen, kv_heads=m.kv_heads, family=m.arch)
+    attn_grad = frozen is None or frozen.input_grad or bool(frozen.adapted)
+    if p.cp_impl != "allgather" or rc != "none" or not attn_grad:
+        return block
+    return block + mm.gathered_kv_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
+                                        compute_bytes(spec))
 
 
 def frozen_parts(spec: JobSpec) -> list[mm.Frozen | None]:
@@ -129,13 +138,13 @@ def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
     """One microbatch through one pipeline stage's blocks (and embedding where it holds it); no head.
     A frozen (LoRA) embedding saves nothing: its weight needs no gradient."""
     trained_embedding = stage == 0 and spec.model.lora is None
-    embedding = mm.embedding_activation_bytes(spec.model.seq_len, micro_batch(spec)) if trained_embedding else 0
+    embedding = mm.embedding_activation_bytes(local_seq(spec), micro_batch(spec)) if trained_embedding else 0
     return sum(layer_bytes(spec, i) for i in layers_of_stage(stage, n_stages, spec.model.n_layers)) + embedding
 
 
 def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
-    return mm.head_activation_bytes(m.seq_len, micro_batch(spec), m.d_model, m.vocab_size, p.tp,
+    return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.vocab_size, p.tp,
                                     sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1])
 
 
@@ -171,7 +180,7 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
     if not p.grid.pp_enabled:
         return 0
     n_stages = p.pp * p.stages_per_rank
-    hidden = 4 * m.seq_len * micro_batch(spec) * m.d_model // (p.tp if sequence_split(spec) else 1)
+    hidden = 4 * local_seq(spec) * micro_batch(spec) * m.d_model // (p.tp if sequence_split(spec) else 1)
     edges = sum((sid != 0) + (sid != n_stages - 1) for sid in ids)
     return spec.train.microbatches * hidden * edges
 
@@ -179,10 +188,12 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
 def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int) -> int:
     """Buffers beside model state and activations: autocast's weight copies, DDP's flat
     all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
-    (``gradient_as_bucket_view`` is off), and the pipeline's receive buffers."""
-    p = spec.parallel
-    buckets = 4 * trainable if p.zero == 1 and p.grid.dp_enabled else 0
-    return buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids)
+    (``gradient_as_bucket_view`` is off), the pipeline's receive buffers and the cp kernel's."""
+    p, m = spec.parallel, spec.model
+    buckets = 4 * trainable if p.zero == 1 and (p.grid.dp_enabled or p.grid.cp_enabled) else 0
+    cp = mm.cp_buffer_bytes(p.cp_impl, m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
+                            compute_bytes(spec))
+    return buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
 
 
 def rank_parameter_split(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> dict[str, int]:
@@ -221,7 +232,8 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     # backward, plus the block being computed and the one prefetched
     gathered = (root + 2 * block_params(spec)) // p.tp - nf4_gathered_params(spec, ids, n_stages)
     offload = offload_flags(spec)
-    state = mm.model_state(split["trainable"], p.dp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
+    # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
+    state = mm.model_state(split["trainable"], p.dp * p.cp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
                            momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
@@ -308,22 +320,25 @@ def peak_rank(spec: JobSpec) -> RankEstimate:
 
 
 def render(spec: JobSpec, one_per_stage: bool = False) -> str:
-    """The per-rank table; ``one_per_stage`` keeps one rank per pp coordinate (dp and tp peers are alike)."""
+    """The per-rank table; ``one_per_stage`` keeps one rank per pp coordinate (dp, cp and tp peers are alike)."""
     p = spec.parallel
     rows = estimate(spec)
     if one_per_stage:
-        rows = [r for r in rows if r.coords["dp"] == 0 and r.coords["tp"] == 0]
+        rows = [r for r in rows if r.coords["dp"] == 0 and r.coords["tp"] == 0 and r.coords.get("cp", 0) == 0]
     lines = [
-        f"job {spec.name}: dp={p.dp} x pp={p.pp} x tp={p.tp} = {p.world_size} ranks, zero={p.zero}, "
+        f"job {spec.name}: {' x '.join(f'{a}={n}' for a, n in zip(p.grid.mesh_dims, p.grid.mesh_shape))} = "
+        f"{p.world_size} ranks, zero={p.zero}, " + (f"cp_impl={p.cp_impl}, " if p.grid.cp_enabled else "") +
         f"schedule={p.pp_schedule} ({p.stages_per_rank} stage(s)/rank), precision={spec.precision.dtype}, "
         f"recompute={spec.memory.recompute}",
-        f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
+        f"{'rank':>4} {'dp':>3} {'pp':>3} " + (f"{'cp':>3} " if p.grid.cp_enabled else "") +
+        f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
         f"{'optim':>10} {'gathered':>10} {'activ':>10} {'buffers':>10} {'total':>10}",
     ]
     for r in rows:
         s = r.state
         lines.append(
-            f"{r.rank:>4} {r.coords['dp']:>3} {r.coords['pp']:>3} {r.coords['tp']:>3} "
+            f"{r.rank:>4} {r.coords['dp']:>3} {r.coords['pp']:>3} "
+            + (f"{r.coords['cp']:>3} " if p.grid.cp_enabled else "") + f"{r.coords['tp']:>3} "
             f"{','.join(map(str, r.stages)):>8} {r.params:>12,} "
             + " ".join(_mib(n) for n in (s.params, s.step_grads, s.optimizer, s.gathered, r.activation_bytes,
                                           r.buffer_bytes, r.total_bytes))

@@ -3,10 +3,11 @@
 The search (``layout_search``) prices every dp × tp × pp × ZeRO × micro-batch × recompute × schedule
 split of the GPUs by predicted step time (``time_model``: compute, exposed communication per link class,
 pipeline bubble) and keeps those whose in-step peak stays under (1 - ``memory.headroom``) of the GPU's
-memory. Here it runs over the layouts raymesh can run today (layers divide the stages, no context
-parallelism), and the winner is the first that the job file accepts (``with_overrides`` validates it;
-refusals are listed with the spec's own reason). The unrestricted search (uneven stage splits, context
-parallelism) is reported beside it when it would be faster.
+memory. Here it runs over the layouts raymesh can run today (layers divide the stages; context
+parallelism only for sequences of ``LONG_SEQUENCE`` tokens or more, where Llama 3 turns it on), and the
+winner is the first that the job file accepts (``with_overrides`` validates it; refusals are listed with the
+spec's own reason). The unrestricted search (uneven stage splits, context parallelism at any length) is
+reported beside it when it would be faster.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from orchestrator.planning.estimate import RankEstimate, peak_rank
 from orchestrator.planning.memory_model import human_bytes
 from orchestrator.spec import JobSpec
 
+LONG_SEQUENCE = 16384  # tokens from which the picker tries context parallelism (Llama 3 turns it on for 128K)
+
 
 @dataclass
 class Choice:
@@ -29,7 +32,7 @@ class Choice:
     tried: list[str] = field(default_factory=list)
     candidate: ls.Candidate | None = None
     result: ls.SearchResult | None = None
-    unrestricted: ls.Candidate | None = None  # faster on paper, not runnable yet (uneven split or cp > 1)
+    unrestricted: ls.Candidate | None = None  # faster on paper, not runnable yet (uneven split)
 
 
 def plan_gpu(spec: JobSpec, gpus_per_node: int, gpu_mem: int | None, gpu_type: str | None = None) -> tm.GPU:
@@ -42,7 +45,8 @@ def plan_gpu(spec: JobSpec, gpus_per_node: int, gpu_mem: int | None, gpu_type: s
 
 def overrides(c: ls.Candidate, shape: ls.Shape) -> list[str]:
     lay = c.layout
-    return [f"parallel.dp={lay.dp}", f"parallel.pp={lay.pp}", f"parallel.tp={lay.tp}", f"parallel.zero={lay.zero}",
+    return [f"parallel.dp={lay.dp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.tp={lay.tp}",
+            f"parallel.zero={lay.zero}",
             f"parallel.pp_schedule={lay.schedule}", f"train.microbatches={lay.microbatches(shape)}",
             f"memory.recompute={lay.recompute}"]
 
@@ -53,7 +57,8 @@ def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | No
     g = plan_gpu(spec, gpus_per_node, gpu_mem, gpu_type)
     world, shape = nodes * gpus_per_node, ls.Shape.of(spec)
     kw = {"headroom": spec.memory.headroom, "efficiency": spec.plan.efficiency}
-    result = ls.search(shape, world, g, cps=[1], even_splits=True, **kw)
+    cps = None if shape.seq >= LONG_SEQUENCE else [1]  # cp: the search's own degrees, long sequences only
+    result = ls.search(shape, world, g, cps=cps, even_splits=True, **kw)
     tried = []
     for cand in result.best:
         try:

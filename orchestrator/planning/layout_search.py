@@ -241,9 +241,9 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
 
 
 def layout_of(spec) -> Layout:
-    """The layout a job spec runs (raymesh has no context parallelism yet: cp=1)."""
+    """The layout a job spec runs."""
     p = spec.parallel
-    return Layout(p.dp, p.tp, p.pp, 1, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
+    return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
                   spec.memory.recompute, p.pp_schedule, p.stages_per_rank)
 
 

@@ -273,6 +273,37 @@ def _copies(adapted, linears: tuple[str, ...], compute_bytes: int) -> int:
     return n if compute_bytes < 4 else min(n, 1)
 
 
+def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int, tp: int = 1,
+                      compute_bytes: int = 4) -> int:
+    """What all-gather context parallelism adds to a block's saved activations: the gathered K/V of the whole
+    sequence, every rank's block (this one's too) stacked in one tensor the kernel saves for backward, beside
+    the local k and v ``layer_activation_bytes`` counts for ``seq / cp`` tokens."""
+    return 2 * compute_bytes * micro_batch * seq * d_model // n_heads * kv_heads // tp if cp > 1 else 0
+
+
+def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int,
+                    tp: int = 1, compute_bytes: int = 4) -> int:
+    """Transient buffers of one block's context-parallel attention (one block runs at a time), 0 at cp=1.
+
+    - ring: the K/V block being computed on and the one arriving (2 x K/V of the local share); backward adds
+      the travelling dK/dV pair (float32) and its successor.
+    - ulysses: the all-to-all copies of q, k, v and the output (head-sharded, full sequence: the same
+      elements as the local share), in and out.
+    - allgather: the gathered K/V themselves are saved activations (``gathered_kv_bytes``); its backward
+      reduces one full-sequence dK/dV pair.
+    """
+    if cp == 1:
+        return 0
+    local = seq // cp
+    kv = micro_batch * local * d_model // n_heads * kv_heads // tp  # elements of the local k (and of v)
+    q = micro_batch * local * d_model // tp
+    if impl == "ring":
+        return 2 * 2 * kv * compute_bytes + 2 * 2 * kv * 4
+    if impl == "ulysses":
+        return 2 * (2 * q + 2 * kv) * compute_bytes
+    return 2 * kv * cp * 4
+
+
 def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,
                           sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None) -> int:
     """Last stage: final norm (input and normalised x, fp32), the output linear's input

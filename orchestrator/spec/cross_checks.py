@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, get_args
 
 from orchestrator.errors import SpecError
 from orchestrator.faults.soak import check_repetition
+from orchestrator.spec.context_checks import check_context_parallel
 from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
 from orchestrator.spec.sections import ParameterServerSpec
@@ -244,4 +245,4 @@ def check_batching(job: JobSpec) -> None:
 
 
 CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_recompute,
-                      check_faults, check_parameter_server, check_offload, check_lora)
+                      check_faults, check_parameter_server, check_offload, check_lora, check_context_parallel)

@@ -34,11 +34,13 @@ class DataSpec(_Section):
 
 
 class ParallelSpec(_Section):
-    """Mesh shape and placement; world size is dp * pp * tp ranks."""
+    """Mesh shape and placement; world size is dp * pp * cp * tp ranks."""
 
     dp: Annotated[int, Field(ge=1)] = 1
     pp: Annotated[int, Field(ge=1)] = 1
     tp: Annotated[int, Field(ge=1)] = 1
+    cp: Annotated[int, Field(ge=1)] = 1  # context parallel: each sequence split over cp ranks
+    cp_impl: Literal["ring", "ulysses", "allgather"] = "ring"  # which attention kernel joins the cp shares
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None

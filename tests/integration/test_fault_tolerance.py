@@ -105,3 +105,14 @@ def test_request_scale_resizes_data_parallelism_and_stays_on_the_reference_curve
     assert result.layout["dp"] == 2 and result.layout["world_size"] == 2
     assert result.layout["microbatches"] == 2  # the global batch stays 8 through gradient accumulation
     assert result.losses == pytest.approx(expected, rel=1e-4)
+
+
+def test_kill_rank_in_a_context_parallel_layout_recovers_bit_identical(ray_cluster, token_data, tmp_path):
+    """cp=2 (ring attention, each rank half of every sequence): the dead rank's replacement restores its
+    snapshot and both ranks go on exactly as an uninterrupted run (issue 16)."""
+    layout, steps = {"cp": 2, "cp_impl": "ring"}, 8
+    straight = run(token_data, tmp_path / "straight", parallel=layout, train={"steps": steps})
+    recovered = run(token_data, tmp_path / "killed", parallel=layout, train={"steps": steps},
+                    faults=[{"kind": "kill_rank", "rank": 1, "at_step": 4}])
+    assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
+    assert [(r["kind"], r["rank"], r["source"]) for r in recovered.recoveries] == [("rank", 1, "memory")]

@@ -24,11 +24,17 @@ from orchestrator.checkpoints import checksums
 
 @dataclass(frozen=True)
 class LayoutRun:
-    """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm."""
+    """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm;
+    and each rank's activation peak of its last step (bytes saved for backward) where ``memory.measure`` is on."""
 
     losses: list[float]
     grad_norms: list[float]
     memory: dict = field(default_factory=dict)  # rank -> its last step's memory record (``memory.measure``)
+
+    @property
+    def activation_bytes(self) -> dict[int, int]:
+        """Rank -> its last step's activation peak, for the ranks that measured one."""
+        return {rank: record["activations"] for rank, record in self.memory.items() if record}
 
 
 def step_field(result, name: str):
@@ -47,11 +53,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
-               checkpoint: str | None = None, resume: str | None = None, save_after: int | None = None) -> None:
-    """Body of one spawned rank: build the Trainer (and load the DCP checkpoint ``resume`` when given), train
-    ``steps`` steps, report (loss, norm) per step, and save the state after ``save_after`` steps (default: the
-    last) to ``checkpoint`` when given."""
+def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, checkpoint: str | None,
+               resume: str | None, save_after: int | None, results) -> None:
+    """Body of one spawned rank: build the Trainer (and load the DCP checkpoint ``resume`` when given; DCP
+    reshards it to this layout), train ``steps`` steps, report (loss, norm, memory record) per step, and save the
+    state after ``save_after`` steps (default: the last) to ``checkpoint`` when given."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
@@ -89,19 +95,31 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
                checkpoint: str | None = None, resume: str | None = None, save_after: int | None = None) -> LayoutRun:
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
     With ``checkpoint``, the ranks save their state there after ``save_after`` steps (default: their final state;
-    a DCP checkpoint written by this layout); with ``resume``, they first load that checkpoint (DCP reshards it
-    to this layout) and go on from its step.
-
-    OMP_NUM_THREADS=1 is set for the children (they inherit the environment at spawn): N ranks each
-    starting a full thread pool on a small CI machine is slower than one thread each.
+    a DCP checkpoint written by this layout); with ``resume``, they first load that checkpoint (written by any
+    layout: DCP reshards it) and go on from its step.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    port = free_port()
+    by_rank = spawn_ranks(_rank_main, (spec, world_size, port, steps, checkpoint, resume, save_after),
+                          world_size, timeout_s)
+    if checkpoint is not None:  # sealed as the controller seals a save, so export/--resume accept it
+        checksums.write_manifest(checkpoint)
+    return _as_controller_sees(by_rank, steps)
+
+
+def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
+    """Run ``body(rank, *args, results)`` in ``world_size`` spawn children; return ``{rank: what it put}``.
+
+    Each child puts one ``(rank, value)`` on ``results``. A rank that dies raises here at once, ranks still
+    alive after a failure or the timeout are killed. OMP_NUM_THREADS=1 is set for the children (they inherit
+    the environment at spawn): N ranks each starting a full thread pool on a small CI machine is slower than
+    one thread each.
+    """
+    results = mp.get_context("spawn").Queue()
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        args = (spec, world_size, free_port(), steps, results, checkpoint, resume, save_after)
-        procs = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, start_method="spawn")
+        procs = mp.start_processes(body, args=(*args, results), nprocs=world_size, join=False,
+                                   start_method="spawn")
         try:
             by_rank = _collect(results, procs, world_size, timeout_s)
             _join_all(procs, timeout_s)
@@ -109,9 +127,7 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
             _stop_leftovers(procs)
     finally:
         _restore_env("OMP_NUM_THREADS", old)
-    if checkpoint is not None:  # sealed as the controller seals a save, so export/--resume accept it
-        checksums.write_manifest(checkpoint)
-    return _as_controller_sees(by_rank, steps)
+    return by_rank
 
 
 def _join_all(procs, timeout_s: float) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from workers.data import checksums
 from workers.data.prepare import FORMAT
+from workers.parallel.context_layout import split_sequence
 
 _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
 
@@ -96,10 +97,16 @@ class TokenDataset:
 
 
 class DataCursor:
-    """One data-parallel rank's view: each step consumes `global_batch` stream positions."""
+    """One data-parallel rank's view: each step consumes `global_batch` stream positions.
+
+    Under context parallelism (`cp_size` > 1) the rank keeps only its cp share of each sequence, inputs and
+    targets alike (`workers.parallel.context_layout.split_sequence`); the position still counts whole samples,
+    so a checkpoint resumes at any cp degree.
+    """
 
     def __init__(
-        self, dataset: TokenDataset, global_batch: int, dp_rank: int, dp_size: int, position: int = 0
+        self, dataset: TokenDataset, global_batch: int, dp_rank: int, dp_size: int, position: int = 0,
+        cp_rank: int = 0, cp_size: int = 1,
     ) -> None:
         if global_batch <= 0 or dp_size <= 0 or global_batch % dp_size:
             raise ValueError(
@@ -114,6 +121,7 @@ class DataCursor:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.position = position
+        self.cp_rank, self.cp_size = cp_rank, cp_size
 
     @property
     def _start(self) -> int:
@@ -124,9 +132,10 @@ class DataCursor:
         return self.dataset.global_sample_ids(self._start, self.global_batch // self.dp_size)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.dataset.batch(self._start, self.global_batch // self.dp_size)
+        inputs, targets = self.dataset.batch(self._start, self.global_batch // self.dp_size)
         self.position += self.global_batch
-        return out
+        return (split_sequence(inputs, self.cp_size, self.cp_rank),
+                split_sequence(targets, self.cp_size, self.cp_rank))
 
     def state_dict(self) -> dict:
         return {

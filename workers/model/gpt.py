@@ -32,15 +32,21 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def apply_rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of ``x`` [batch, seq, heads, head_dim] by position.
+def token_positions(shard, seq: int, device: torch.device) -> torch.Tensor:
+    """Global positions of the ``seq`` tokens a module sees: ``0..seq-1``, or under context parallelism the
+    positions its ``context_shard`` (``workers.parallel.context_layout.ContextShard``) holds."""
+    return torch.arange(seq, device=device) if shard is None else shard.positions(seq, device)
 
-    Computed from the sequence length on the fly rather than from a buffer, so
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` [batch, seq, heads, head_dim] by each token's global position.
+
+    Computed from the positions on the fly rather than from a buffer, so
     no pipeline stage or TP plan has to carry or shard a frequency table.
     """
-    seq, head_dim = x.shape[1], x.shape[-1]
+    head_dim = x.shape[-1]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     even, odd = x.float()[..., 0::2], x.float()[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
@@ -48,9 +54,20 @@ def apply_rotary(x: torch.Tensor) -> torch.Tensor:
 
 
 class CausalCore(nn.Module):
-    """Parameter-free attention core: a separate module so selective recompute can wrap just it."""
+    """Parameter-free attention core: a separate module so selective recompute can wrap just it, and the one
+    place context parallelism enters attention (its ``context_shard``, set by the builder when cp > 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.context_shard = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.context_shard is not None:
+            return self.context_shard.attend(q, k, v)
+        return self.local(q, k, v)
+
+    def local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention over the sequence this rank holds whole."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -69,7 +86,8 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         if self.rotary:
-            q, k = apply_rotary(q), apply_rotary(k)
+            positions = token_positions(self.core.context_shard, s, x.device)
+            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -108,6 +126,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.context_shard = None  # positions of the tokens this rank holds under cp (see token_positions)
         if not self.layers["0"].attention.wq.weight.is_meta:
             self.init_weights()
 
@@ -126,7 +145,7 @@ class GPT(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(x.shape[1], device=x.device))
+                h = h + self.pos_embeddings(token_positions(self.context_shard, x.shape[1], x.device))
         else:
             h = x
         for layer in self.layers.values():

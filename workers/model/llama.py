@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import ModelConfig
-from workers.model.gpt import GPT, RMSNorm
+from workers.model.gpt import GPT, CausalCore, RMSNorm, token_positions
 from workers.model.registry import ModelFamily, register
 
 # ``model.preset``: published Llama shapes (the 8B/70B/405B ones are Llama 3.1's, for `raymesh plan`), and two
@@ -61,12 +61,13 @@ def rotary_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> 
     return torch.where(medium, blended, slowed)
 
 
-def apply_rotary_halves(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [batch, seq, heads, head_dim] by position, channel i paired with i + head_dim/2.
+def apply_rotary_halves(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [batch, seq, heads, head_dim] by each token's global position, channel i paired with
+    i + head_dim/2.
 
-    Tables come from the sequence length on the fly (as in the GPT), so no stage or TP plan carries a buffer.
+    Tables come from the positions on the fly (as in the GPT), so no stage or TP plan carries a buffer.
     """
-    angles = torch.outer(torch.arange(x.shape[1], device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     xf = x.float()
@@ -74,10 +75,11 @@ def apply_rotary_halves(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     return (xf * cos + torch.cat((-second, first), dim=-1) * sin).type_as(x)
 
 
-class GroupedCausalCore(nn.Module):
-    """Parameter-free attention core with grouped K/V heads (selective recompute wraps just this)."""
+class GroupedCausalCore(CausalCore):
+    """Parameter-free attention core with grouped K/V heads (selective recompute wraps just this; the cp
+    kernels take grouped K/V as they are)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -100,7 +102,8 @@ class GroupedQueryAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         inv_freq = rotary_frequencies(self.cfg, x.device)
-        q, k = apply_rotary_halves(q, inv_freq), apply_rotary_halves(k, inv_freq)
+        positions = token_positions(self.core.context_shard, s, x.device)
+        q, k = apply_rotary_halves(q, inv_freq, positions), apply_rotary_halves(k, inv_freq, positions)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -58,7 +58,7 @@ class Grid:
     def from_parallel(cls, parallel: Any) -> Grid:
         """The grid of a job's ``parallel`` section: a ``ParallelSpec``, a worker spec or a plain mapping.
 
-        Axes the section does not name yet (``cp``, ``ep`` before their issues land) are 1.
+        Axes the section does not name (``ep`` before its issue lands, ``cp`` in older worker dicts) are 1.
         """
         get = parallel.get if isinstance(parallel, Mapping) else lambda k, d: getattr(parallel, k, d)
         return cls(**{axis: int(get(axis, 1) or 1) for axis in AXES})

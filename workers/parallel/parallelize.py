@@ -1,4 +1,4 @@
-"""Builds this rank's share of the model: stages, then TP/SP, recompute, then data parallel.
+"""Builds this rank's share of the model: stages, then TP/SP, context parallel, recompute, then data parallel.
 
 Every rank builds the whole model on the ``meta`` device (no storage), cuts
 its pipeline stages, applies TP and (ZeRO-2/3) FSDP2 there, and only then
@@ -32,8 +32,10 @@ from workers.model.hf_io import load_hf_weights
 from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
 from workers.model.registry import ModelFamily
+from workers.parallel.context_layout import apply_context_parallel
 from workers.parallel.data_parallel import apply_data_parallel, unwrap
 from workers.parallel.layout import stage_ids
+from workers.parallel.process_group import data_parallel_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
 
@@ -75,6 +77,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     cut = fam.hook("cut_stage")
     parts = [full] if n_stages == 1 else [cut(full, sid, n_stages) for sid in ids]
     del full  # a stage keeps only its layers
+    dp_mesh = data_parallel_mesh(mesh, grid)
     wrapped = []
     for part in parts:
         if not meta:
@@ -83,15 +86,17 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             fam.hook("tensor_parallel")(part, mesh["tp"], par.sequence_parallel)
             if spec.lora:
                 freeze_base(part)
+        if grid.cp_enabled:
+            apply_context_parallel(part, mesh["cp"], par.cp_impl)
         apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
         if fsdp:
-            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero)
+            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:
-            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero)
+            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero)
         if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
             load_hf_weights(unwrap(part), spec.init_from)
         wrapped.append(part)

@@ -42,5 +42,21 @@ def init_mesh(
         )
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    return init_device_mesh(device.type, grid.mesh_shape, mesh_dim_names=grid.mesh_dims,
+    mesh = init_device_mesh(device.type, grid.mesh_shape, mesh_dim_names=grid.mesh_dims,
                             backend_override={dim: (backend, options) for dim in grid.mesh_dims})
+    if grid.cp_enabled:  # the flattened dim must exist on the root mesh before anyone slices it
+        mesh["dp", "cp"]._flatten(DP_CP, backend_override=(backend, options))
+    return mesh
+
+
+DP_CP = "dp_cp"
+
+
+def data_parallel_mesh(mesh: DeviceMesh, grid: Grid) -> DeviceMesh:
+    """The mesh gradients are reduced over: dp, or dp x cp flattened when cp > 1.
+
+    cp ranks hold replicated weights but different tokens, so each one's gradient is only its share: they are
+    averaged over cp as over dp (FSDP2 / replicate over the flattened dim, the way torchtitan does), and
+    ZeRO shards optimizer state over the same ranks.
+    """
+    return mesh["dp", "cp"]._flatten(DP_CP) if grid.cp_enabled else mesh["dp"]  # cached since init_mesh

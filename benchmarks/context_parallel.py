@@ -1,0 +1,148 @@
+"""Context-parallel attention: step time and activation memory per rank at cp = 1, 2, 4 and growing sequences.
+
+One run measures every strategy (ring, Ulysses, all-gather) at every cp degree and sequence length, so the
+ratios against cp=1 (single-process ``scaled_dot_product_attention`` on the whole sequence, what context
+parallelism replaces) come from the same machine state. Each cp degree is one spawn of cp gloo ranks, one
+thread each. Per case:
+
+- step time: fwd+bwd of one attention call between two barriers, median over ``--repeats`` (after one
+  warm-up), so a step counts until the slowest rank is done;
+- activation bytes: the bytes autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``,
+  each storage counted once), the largest over the ranks. Measured this way it works on CPU, where there is
+  no allocator peak to read.
+
+    python benchmarks/context_parallel.py --seq 1024 2048 4096 --cp 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+IMPLS = ("ring", "ulysses", "allgather")
+
+
+def saved_bytes(step) -> int:
+    """Bytes autograd keeps for the backward while ``step`` runs its forward (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = step()
+    out.backward(torch.ones_like(out))
+    return sum(storages.values())
+
+
+def step_time(step, repeats: int) -> float:
+    """Median seconds of fwd+bwd between barriers (the slowest rank's time), after one warm-up."""
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = step()
+        out.backward(torch.ones_like(out))
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Case:
+    """One attention call on this rank's share of a sequence: ``case()`` runs the forward."""
+
+    def __init__(self, impl: str, cp: int, rank: int, group, seq: int, args):
+        gen = torch.Generator().manual_seed(rank)
+        s_local = seq // cp
+        self.q = torch.randn(args.batch, args.heads, s_local, args.dim, generator=gen, requires_grad=True)
+        self.k, self.v = (torch.randn(args.batch, args.kv_heads, s_local, args.dim, generator=gen,
+                                      requires_grad=True) for _ in range(2))
+        self.impl, self.group = impl, group
+
+    def __call__(self) -> torch.Tensor:
+        if self.impl == "sdpa":
+            return F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True,
+                                                  enable_gqa=self.q.shape[1] != self.k.shape[1])
+        from workers.parallel import context_parallel
+
+        return getattr(context_parallel, f"{self.impl}_attention")(self.q, self.k, self.v, self.group)
+
+
+def _rank_main(rank: int, cp: int, port: int, args, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    group = dist.group.WORLD
+    out = {}
+    for seq in args.seq:
+        for impl in ("sdpa",) if cp == 1 else args.impl:
+            case = Case(impl, cp, rank, group, seq, args)
+            out[f"{impl}/{seq}"] = {"step_s": step_time(case, args.repeats), "saved_bytes": saved_bytes(case)}
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def run_cp(cp: int, args) -> dict:
+    """Every case at one cp degree: {"impl/seq": {"step_s", "saved_bytes"}}, the worst rank's figures."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").Queue()
+    ctx = mp.start_processes(_rank_main, args=(cp, port, args, results), nprocs=cp, join=False,
+                             start_method="spawn")
+    by_rank = dict(results.get() for _ in range(cp))
+    ctx.join()
+    return {key: {field: max(by_rank[r][key][field] for r in by_rank) for field in ("step_s", "saved_bytes")}
+            for key in by_rank[0]}
+
+
+def table(measured: dict[int, dict], args) -> list[dict]:
+    """One row per (cp, impl, seq) with ratios against cp=1 SDPA at the same sequence length."""
+    rows = []
+    for cp, cases in measured.items():
+        for key, fig in cases.items():
+            impl, seq = key.split("/")
+            base = measured[1][f"sdpa/{seq}"] if 1 in measured else fig
+            rows.append({"cp": cp, "impl": impl, "seq": int(seq), **fig,
+                         "time_ratio": fig["step_s"] / base["step_s"],
+                         "memory_ratio": fig["saved_bytes"] / base["saved_bytes"]})
+    return sorted(rows, key=lambda r: (r["seq"], r["cp"], r["impl"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/context_parallel.json")
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks: one thread per rank
+    measured = {cp: run_cp(cp, args) for cp in sorted(set(args.cp))}
+    rows = table(measured, args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    print(f"{'seq':>6}{'cp':>4} {'impl':<10}{'step s':>9}{'saved MiB':>11}{'time/cp1':>10}{'mem/cp1':>9}")
+    for r in rows:
+        print(f"{r['seq']:>6}{r['cp']:>4} {r['impl']:<10}{r['step_s']:>9.4f}{r['saved_bytes'] / 2**20:>11.2f}"
+              f"{r['time_ratio']:>10.3f}{r['memory_ratio']:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Check the context-parallel attention functions against single-process SDPA, one spawned process per cp rank.
+
+Why spawn and not Ray: what is checked is pure ``torch.distributed`` maths over a gloo group; one spawn per
+world size runs every case (strategy × causal × head counts), so the cost is one process start per cp degree.
+Each rank builds the same full-sequence inputs (fixed seed), computes the reference output and gradients with
+``scaled_dot_product_attention`` on the whole sequence, runs the cp function on its zigzag slice, and reports
+the largest absolute difference of the output and of dq, dk, dv on its positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# (name, Hq, Hkv): MHA, GQA, and head counts that do not divide evenly across cp (ring/allgather take any)
+HEADS = (("mha", 4, 4), ("gqa", 4, 2), ("gqa8", 8, 2), ("mqa_uneven", 6, 1), ("gqa_uneven", 6, 3))
+
+
+def reference(q, k, v, dout, causal: bool):
+    """Single-process attention on the whole sequence: (out, dq, dk, dv)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def case_inputs(hq: int, hkv: int, seq: int, seed: int, batch: int = 2, dim: int = 8):
+    """Full-sequence q, k, v and an upstream gradient, the same on every rank (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, seq, dim, generator=gen)
+    k = torch.randn(batch, hkv, seq, dim, generator=gen)
+    v = torch.randn(batch, hkv, seq, dim, generator=gen)
+    return q, k, v, torch.randn(batch, hq, seq, dim, generator=gen)
+
+
+def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool, seq: int = 24) -> float:
+    """Largest |cp - reference| over out, dq, dk, dv on this rank's positions."""
+    from workers.parallel.context_parallel import zigzag_indices
+
+    q, k, v, dout = case_inputs(hq, hkv, seq, seed=hq * 100 + hkv * 10 + causal)
+    ref = reference(q, k, v, dout, causal)
+    idx = zigzag_indices(seq, cp, rank)
+    ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+    out = fn(ql, kl, vl, group, causal=causal)
+    out.backward(dout[:, :, idx])
+    got = (out.detach(), ql.grad, kl.grad, vl.grad)
+    return max((g - r[:, :, idx]).abs().max().item() for g, r in zip(got, ref))
+
+
+def _rank_main(rank: int, world: int, port: int, strategies: tuple[str, ...], results) -> None:
+    """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group)."""
+    import torch.distributed as dist
+
+    from workers.parallel import context_parallel as cpa
+
+    torch.set_num_threads(1)
+    cpa.ROW_TILE = 4  # ring tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6 rows)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    groups = {world: dist.new_group(list(range(world)))}
+    for first in range(0, world, 2):  # every rank must join every new_group call
+        pair = dist.new_group([first, first + 1])
+        if rank in (first, first + 1):
+            groups[2] = pair
+    out = {}
+    for cp, group in groups.items():
+        for name in strategies:
+            fn = getattr(cpa, f"{name}_attention")
+            for label, hq, hkv in HEADS:
+                for causal in (True, False):
+                    try:
+                        err = run_case(fn, group, cp, dist.get_rank(group), hq, hkv, causal)
+                    except ValueError as refusal:
+                        err = f"ValueError: {refusal}"
+                    out[(cp, name, label, causal)] = err
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def run_all(world: int, strategies: tuple[str, ...], timeout_s: float = 300.0) -> dict:
+    """Every case on ``world`` spawned gloo ranks, at cp=world and cp=2: {(cp, strategy, heads, causal): worst
+    error over the ranks, or the ValueError text the ranks raised}.
+
+    The harness is imported here, not at module level: it pulls in ``orchestrator``, which every spawned
+    child (it imports this module to find ``_rank_main``) would otherwise load for nothing.
+    """
+    from tests.support.parity_harness import free_port, spawn_ranks
+
+    by_rank = spawn_ranks(_rank_main, (world, free_port(), strategies), world, timeout_s)
+    merged = {}
+    for case in by_rank[0]:
+        values = [by_rank[r][case] for r in range(world)]
+        refusals = [v for v in values if isinstance(v, str)]
+        merged[case] = refusals[0] if refusals else max(values)
+    return merged

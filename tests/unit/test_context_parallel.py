@@ -1,0 +1,83 @@
+"""Context-parallel attention (ring, Ulysses, all-gather) equals single-process SDPA on the whole sequence.
+
+One spawn of four gloo ranks runs every case, at cp=4 and at cp=2 (two pairs), in a module-scoped fixture;
+each test reads its case: output and dq/dk/dv to 1e-5 in float32, causal and not, MHA/GQA/MQA head counts,
+and Ulysses' refusal of head counts it cannot split.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.cp_attention import HEADS, run_all
+from workers.parallel.context_parallel import _block_plan, check_ulysses_heads, zigzag_indices
+
+STRATEGIES = ("allgather", "ring", "ulysses")
+TOL = 1e-5
+CASES = [(cp, strategy, label, hq, hkv, causal) for cp in (2, 4) for strategy in STRATEGIES
+         for label, hq, hkv in HEADS for causal in (True, False)]
+
+
+def _ulysses_splits(hq: int, hkv: int, cp: int) -> bool:
+    """Whether Ulysses can place these heads: query heads split by cp, KV heads split or replicated."""
+    return hq % cp == 0 and (hkv % cp == 0 or cp % hkv == 0)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_all(4, STRATEGIES)
+
+
+def test_zigzag_pairs_each_early_chunk_with_its_mirror():
+    assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    every = torch.cat([zigzag_indices(24, 4, r) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(24))
+
+
+def test_zigzag_refuses_a_sequence_it_cannot_split_evenly():
+    with pytest.raises(ValueError, match="seq_len=10 is not divisible by 2\\*cp=4"):
+        zigzag_indices(10, 2, 0)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "cp"), [(6, 3, 2), (6, 2, 4), (4, 3, 2)])
+def test_ulysses_refusal_names_the_rule(hq, hkv, cp):
+    with pytest.raises(ValueError, match=f"cp={cp} cannot split query heads Hq={hq} and key/value heads Hkv={hkv}"):
+        check_ulysses_heads(hq, hkv, cp)
+
+
+@pytest.mark.parametrize(("cp", "strategy", "label", "hq", "hkv", "causal"), CASES,
+                         ids=[f"cp{c[0]}-{c[1]}-{c[2]}-{'causal' if c[5] else 'full'}" for c in CASES])
+def test_matches_single_process_sdpa(results, cp, strategy, label, hq, hkv, causal):
+    err = results[(cp, strategy, label, causal)]
+    if strategy == "ulysses" and not _ulysses_splits(hq, hkv, cp):
+        assert isinstance(err, str) and "Hq must be divisible by cp, and Hkv divisible by cp" in err, err
+        return
+    assert isinstance(err, float), err
+    assert err < TOL, f"{strategy} cp={cp} {label} causal={causal}: max |diff| {err:.3g}"
+
+
+def _pairs_attended(cp: int, rank: int, src: int, seq: int) -> tuple[set, int]:
+    """The (query, key) global positions the ring's pieces let through for one block, and the work (score cells)."""
+    half = seq // (2 * cp)
+    q_pos, k_pos = zigzag_indices(seq, cp, rank), zigzag_indices(seq, cp, src)
+    pairs, work = set(), 0
+    for rows, cols, masked in _block_plan(rank, src, True, half):
+        work += len(q_pos[rows]) * len(k_pos[cols])
+        pairs |= {(int(q), int(k)) for q in q_pos[rows] for k in k_pos[cols] if not masked or q >= k}
+    return pairs, work
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_pieces_cover_exactly_the_causal_pairs_with_equal_work_per_rank(cp):
+    seq = 4 * cp
+    for step in range(cp):
+        works = []
+        for rank in range(cp):
+            src = (rank - step) % cp
+            pairs, work = _pairs_attended(cp, rank, src, seq)
+            q_pos, k_pos = zigzag_indices(seq, cp, rank).tolist(), zigzag_indices(seq, cp, src).tolist()
+            assert pairs == {(q, k) for q in q_pos for k in k_pos if q >= k}
+            works.append(work)
+        assert len(set(works)) == 1, f"step {step}: unequal work per rank {works}"

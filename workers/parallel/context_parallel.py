@@ -1,0 +1,388 @@
+"""Context parallelism: attention over a sequence split across the ranks of a cp process group.
+
+Why our own: PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` runs only on CUDA (it
+patches the flash/efficient SDPA kernels); raymesh trains on gloo (CPU) as well as NCCL, so the three
+strategies here use nothing but ``torch.distributed`` point-to-point and collective calls and plain tensor
+maths.
+
+Layout (shared with the data loader and the rotary embeddings): a sequence of ``S`` tokens is cut into
+``2 * cp`` equal chunks and cp rank ``r`` holds chunk ``r`` followed by chunk ``2 * cp - 1 - r``
+(``zigzag_indices``). Under a causal mask every rank then holds one early and one late chunk, so each does
+the same amount of attention work.
+
+Every function takes the local ``q`` ``[B, Hq, S_local, D]`` and ``k``/``v`` ``[B, Hkv, S_local, D]`` (GQA:
+``Hq`` a multiple of ``Hkv``) and returns the local queries' output ``[B, Hq, S_local, D]``, equal to
+single-device ``scaled_dot_product_attention`` over the whole sequence (causal by global position), with
+gradients for q, k and v through autograd:
+
+- ``allgather_attention``: all-gather K/V, attend the local queries to the whole sequence (Llama 3 style);
+- ``ring_attention``: K/V blocks travel round the ring, overlapped with blockwise online-softmax attention;
+- ``ulysses_attention``: all-to-all from sequence-sharded to head-sharded, whole-sequence SDPA, and back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
+    """Global token positions cp rank ``rank`` holds: chunk ``rank`` then chunk ``2*cp-1-rank`` of ``2*cp``.
+
+    Why two chunks: with a causal mask the late tokens attend to far more keys than the early ones; pairing
+    an early chunk with its mirror-image late chunk gives every rank the same causal work.
+    """
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"zigzag_indices: rank={rank} must lie in [0, cp) with cp={cp} >= 1")
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"zigzag_indices: seq_len={seq_len} is not divisible by 2*cp={2 * cp}; "
+            f"use a sequence length that is a multiple of {2 * cp} (each cp rank holds two equal chunks)"
+        )
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    mirror = 2 * cp - 1 - rank
+    return torch.cat([first, torch.arange(mirror * chunk, (mirror + 1) * chunk)])
+
+
+def _group_shape(group) -> tuple[int, int]:
+    """(this rank's index in ``group``, the group's size)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.Tensor:
+    """Boolean mask (True = attend) of queries at global positions ``q_pos`` over keys at ``k_pos``."""
+    return (q_pos[:, None] >= k_pos[None, :]).to(device)
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse shapes the contract does not allow before any rank starts communicating."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(
+            f"context-parallel attention wants q [B, Hq, S_local, D] and k, v [B, Hkv, S_local, D]; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads Hq={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]} (GQA)")
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 (slot ``j`` goes to rank ``j``; slot ``j`` of the result came from it)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """``_all_to_all`` with autograd: its gradient is the same exchange run backwards (equal splits)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group), None
+
+
+# --- ring attention -------------------------------------------------------------------------------------------
+
+
+class _RingShift:
+    """One step of the ring: send ``tensor`` to the next cp rank and receive the previous rank's, asynchronously.
+
+    Started before a block's computation and waited on after it, so the transfer overlaps the maths. ``tag``
+    keeps the K/V stream and the dK/dV stream of the backward apart on backends that match messages by tag.
+    """
+
+    def __init__(self, tensor: torch.Tensor, group, tag: int):
+        rank, cp = _group_shape(group)
+        peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.sent = tensor.contiguous()
+        self.received = torch.empty_like(self.sent)
+        ops = [dist.P2POp(dist.isend, self.sent, peer((rank + 1) % cp), group, tag),
+               dist.P2POp(dist.irecv, self.received, peer((rank - 1) % cp), group, tag)]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+Piece = tuple[slice, slice, bool]  # (local query rows, key columns of the block, whether to mask by position)
+ROW_TILE = 512  # query rows per score tile: bounds the transient scores to ROW_TILE x S_local per head
+
+
+def _tiles(pieces: list[Piece], s_local: int) -> list[Piece]:
+    """``pieces`` cut into tiles of at most ``ROW_TILE`` query rows each.
+
+    Why: a piece's scores and probabilities are ``rows x keys`` per head; at long local sequences a whole
+    piece's would be the largest tensor of the step (2048 x 2048 x 32 heads in float32 is 512 MiB), so the
+    rows are taken a tile at a time, as flash attention does, and the working memory stays linear in S.
+    """
+    out = []
+    for rows, cols, masked in pieces:
+        start, stop, _ = rows.indices(s_local)
+        out += [(slice(t, min(t + ROW_TILE, stop)), cols, masked) for t in range(start, stop, ROW_TILE)]
+    return out
+
+
+def _block_plan(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
+    """The pieces of rank ``src``'s K/V block this rank's queries attend to; fully masked parts are skipped.
+
+    Zigzag layout, causal: rank r holds chunks (r, 2cp-1-r). Its own block is the diagonal: the early query
+    chunk sees only the early key chunk (masked by position), the late query chunk sees both (masked). A lower
+    rank's block (src < r): both query chunks come after key chunk ``src`` and before key chunk
+    ``2cp-1-src``, so all queries see exactly the first half of the keys, unmasked. A higher rank's block
+    (src > r): query chunk r precedes both key chunks, query chunk ``2cp-1-r`` follows both, so only the
+    second half of the queries attends, to all keys, unmasked. Every rank thus does the same work per step:
+    the load balance the layout exists for.
+    """
+    every, first, second = slice(None), slice(0, half), slice(half, None)
+    if not causal:
+        return [(every, every, False)]
+    if src == rank:
+        return [(first, first, True), (second, every, True)]
+    if src < rank:
+        return [(every, first, False)]
+    return [(second, every, False)]
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[B, Hq, S, D]`` -> ``[B, Hkv, G, S, D]`` in float32: each KV head's G query heads side by side (GQA)."""
+    b, hq, s, d = q.shape
+    return q.float().reshape(b, hkv, hq // hkv, s, d)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, G, S, D]`` -> ``[B, Hkv, G*S, D]``: a KV head's query rows stacked, so one matmul against
+    ``[B, Hkv, S_k, D]`` keys serves the whole group without repeating K/V, and products with the transposed
+    rows (dK, dV) sum over the group for free."""
+    return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+
+
+def _probabilities(q, k, scale: float, mask: torch.Tensor | None, lse: torch.Tensor | None = None):
+    """Softmax of the scaled, masked scores of grouped queries ``q`` over keys ``k``, as ``[B, Hkv, G*Sq, Sk]``,
+    with the log-sum-exp ``[B, Hkv, G, Sq]`` it used (computed here unless the forward's is given)."""
+    s = torch.matmul(_flat(q), k.transpose(-1, -2)).mul_(scale).view(*q.shape[:-1], k.shape[-2])
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if lse is None else lse
+    return _flat(s.sub_(lse.unsqueeze(-1)).exp_()), lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online softmax: fold a block's (output, lse) into the running (output, lse) in place."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale, mask):
+    """One piece's (dq, dk, dv) recomputed from the final log-sum-exp (the flash-attention backward)."""
+    p, _ = _probabilities(q, k, scale, mask, lse)
+    dout = _flat(dout)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p.mul_(torch.matmul(dout, v.transpose(-1, -2)).sub_(_flat(delta.unsqueeze(-1))))
+    dq = torch.matmul(ds, k).mul_(scale).view(q.shape)
+    dk = torch.matmul(ds.transpose(-1, -2), _flat(q)).mul_(scale)
+    return dq, dk, dv
+
+
+def _attend_block(qg, kv, rank: int, src: int, causal: bool, mask, out, lse) -> None:
+    """Fold rank ``src``'s K/V block ``kv`` ``[2, B, Hkv, S_local, D]`` into the running (out, lse) in place."""
+    s_local, scale = qg.shape[-2], qg.shape[-1] ** -0.5
+    k, v = kv.float()
+    for rows, cols, masked in _tiles(_block_plan(rank, src, causal, s_local // 2), s_local):
+        p, block_lse = _probabilities(qg[..., rows, :], k[..., cols, :], scale, mask[rows, cols] if masked else None)
+        block_out = torch.matmul(p, v[..., cols, :]).view(*block_lse.shape, -1)
+        _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+
+
+def _block_gradients(saved: dict, kv, rank: int, src: int, dq) -> torch.Tensor:
+    """dK/dV ``[2, B, Hkv, S_local, D]`` of rank ``src``'s K/V block; its share of dQ is added to ``dq`` in place.
+
+    ``saved`` holds what every block's backward shares: grouped q and dout, the final lse, delta, the mask.
+    """
+    qg, s_local = saved["qg"], saved["qg"].shape[-2]
+    k, v = kv.float()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for rows, cols, masked in _tiles(_block_plan(rank, src, saved["causal"], s_local // 2), s_local):
+        piece_dq, piece_dk, piece_dv = _block_backward(
+            qg[..., rows, :], k[..., cols, :], v[..., cols, :], saved["doutg"][..., rows, :],
+            saved["lse"][..., rows], saved["delta"][..., rows], qg.shape[-1] ** -0.5,
+            saved["mask"][rows, cols] if masked else None)
+        dq[..., rows, :] += piece_dq
+        dkv[0, ..., cols, :] += piece_dk  # pieces and tiles overlap in keys: accumulate
+        dkv[1, ..., cols, :] += piece_dv
+    return dkv
+
+
+def _forward_state(q, k, group, causal: bool):
+    """(rank, cp, grouped float32 q, diagonal mask, zeroed output, -inf lse): what every forward starts from."""
+    rank, cp = _group_shape(group)
+    qg = _grouped(q, k.shape[1])
+    lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    return rank, cp, qg, _diagonal_mask(q, cp, rank) if causal else None, torch.zeros_like(qg), lse
+
+
+def _backward_state(ctx, dout, q, k, out, lse) -> dict:
+    """What every block's backward shares (``_block_gradients``), from the saved forward and dout."""
+    hkv, rank, cp = k.shape[1], *_group_shape(ctx.group)
+    doutg = _grouped(dout, hkv)
+    return {"qg": _grouped(q, hkv), "doutg": doutg, "lse": lse, "causal": ctx.causal,
+            "delta": (doutg * _grouped(out, hkv)).sum(-1),
+            "mask": _diagonal_mask(q, cp, rank) if ctx.causal else None}
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
+
+    Forward: cp steps; at step ``t`` this rank holds rank ``(r - t) % cp``'s K/V, attends its queries to the
+    pieces ``_block_plan`` keeps and folds each into a running output and log-sum-exp, while the next block is
+    already in flight. Only q, k, v, the output and the log-sum-exp are saved. Backward: recompute each
+    piece's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V block's dK/dV
+    accumulator travels with it and after cp hops arrives back at the block's owner.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal: bool):
+        rank, cp, qg, mask, out, lse = _forward_state(q, k, group, causal)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
+            _attend_block(qg, kv, rank, (rank - step) % cp, causal, mask, out, lse)
+            kv = shift.wait() if shift else kv
+        out = out.reshape(q.shape).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        rank, cp = _group_shape(ctx.group)
+        saved = _backward_state(ctx, dout, q, k, out, lse)
+        dq = torch.zeros_like(saved["qg"])
+        kv, dkv, dkv_shift = torch.stack([k, v]), None, None
+        for step in range(cp):
+            kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
+            block_dkv = _block_gradients(saved, kv, rank, (rank - step) % cp, dq)
+            # the accumulated dK/dV of this block arrives from the previous rank while the block computes
+            dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
+            dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
+            kv = kv_shift.wait() if kv_shift else kv
+        dkv = dkv_shift.wait() if dkv_shift else dkv
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """K/V all-gather attention (Llama 3's CP): every rank gathers the whole sequence's K/V and attends its
+    queries to each rank's block with the same blockwise kernels as the ring (so causal work is balanced and
+    no S_local x S mask or score matrix is ever built); the backward returns each block's dK/dV to its owner
+    with one all-to-all summed on arrival, a reduce-scatter that gloo (which has none) can run too.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal: bool):
+        rank, cp, qg, mask, out, lse = _forward_state(q, k, group, causal)
+        blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(cp)]
+        dist.all_gather(blocks, torch.stack([k, v]), group=group)
+        for src, kv in enumerate(blocks):
+            _attend_block(qg, kv, rank, src, causal, mask, out, lse)
+        out = out.reshape(q.shape).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, torch.stack(blocks))
+        ctx.group, ctx.causal = group, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, blocks = ctx.saved_tensors
+        rank, _ = _group_shape(ctx.group)
+        saved = _backward_state(ctx, dout, q, k, out, lse)
+        dq = torch.zeros_like(saved["qg"])
+        dkv = torch.stack([_block_gradients(saved, kv, rank, src, dq) for src, kv in enumerate(blocks)])
+        dkv = _all_to_all(dkv, ctx.group).sum(0)
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def allgather_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+    """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
+
+    Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank.
+    """
+    _check_heads(q, k, v)
+    return _AllGatherAttention.apply(q, k, v, group, causal)
+
+
+def _diagonal_mask(q: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Causal mask of this rank's queries over its own keys, by global position in the zigzag layout."""
+    pos = zigzag_indices(q.shape[2] * cp, cp, rank)
+    return _causal_mask(pos, pos, q.device)
+
+
+def ring_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+    """Attention of the local queries over the whole sequence, K/V blocks passed round the cp ring.
+
+    Memory per rank stays O(S_local): at any time a rank holds its own K/V, one block in flight and one
+    block's scores. GQA is handled by grouping query heads per KV head (no repeated K/V).
+    """
+    _check_heads(q, k, v)
+    return _RingAttention.apply(q, k, v, group, causal)
+
+
+# --- Ulysses ----------------------------------------------------------------------------------------------------
+
+
+def check_ulysses_heads(hq: int, hkv: int, cp: int) -> None:
+    """Refuse head counts Ulysses cannot spread over ``cp`` ranks (called by the spec check too, before launch).
+
+    Each rank attends with ``Hq/cp`` query heads, so ``Hq`` must divide by cp; key/value heads either split
+    the same way (``Hkv % cp == 0``) or, fewer than cp, are replicated so every rank gets one
+    (``cp % Hkv == 0``).
+    """
+    if hq % cp or (hkv % cp and cp % hkv):
+        raise ValueError(
+            f"ulysses attention at cp={cp} cannot split query heads Hq={hq} and key/value heads Hkv={hkv}: "
+            f"Hq must be divisible by cp, and Hkv divisible by cp or cp divisible by Hkv; "
+            f"pick a cp that fits these head counts (tensor-local heads under tp), or use cp_impl: ring"
+        )
+
+
+def _sequence_to_heads(t: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``[B, H, S_local, D]`` -> ``[B, H/cp, S, D]``: this rank's head group over every rank's tokens (rank order)."""
+    b, h, s, d = t.shape
+    parts = _AllToAll.apply(t.reshape(b, cp, h // cp, s, d).transpose(0, 1), group)
+    return parts.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_sequence(t: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``[B, H/cp, S, D]`` (tokens in rank order) -> ``[B, H, S_local, D]``: the inverse of ``_sequence_to_heads``."""
+    b, h, s, d = t.shape
+    parts = _AllToAll.apply(t.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4), group)
+    return parts.transpose(0, 1).reshape(b, cp * h, s // cp, d)
+
+
+def ulysses_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+    """DeepSpeed-Ulysses: all-to-all to head-sharded whole sequences, SDPA, all-to-all back.
+
+    After the first exchange the tokens sit in rank order (each rank's zigzag chunks); they are permuted to
+    natural order so SDPA's own causal mask applies, and back before the return exchange. KV heads fewer than
+    cp are replicated (``check_ulysses_heads`` says which counts work). Under tp the heads are the tp-local
+    ones; nothing here changes.
+    """
+    _check_heads(q, k, v)
+    _, cp = _group_shape(group)
+    hq, hkv = q.shape[1], k.shape[1]
+    check_ulysses_heads(hq, hkv, cp)
+    if hkv < cp:
+        k, v = k.repeat_interleave(cp // hkv, dim=1), v.repeat_interleave(cp // hkv, dim=1)
+    order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
+    natural = torch.argsort(order)
+    qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=qh.shape[1] != kh.shape[1])
+    return _heads_to_sequence(out[:, :, order], group, cp)
