@@ -253,7 +253,7 @@ class FaultSpec(_Section):
     # slow_rank: its steps take this many times as long (past MAX_SLOWDOWN the rank is hung: that is hang_rank)
     factor: Annotated[float, Field(gt=1, le=MAX_SLOWDOWN)] = 3.0
     every_s: Seconds | None = None  # instead of at_step: fire again every this many seconds
-    # each gap is every_s plus uniform(-jitter_s, jitter_s)
+    # the n-th firing is due n * every_s after the first step, plus uniform(-jitter_s, jitter_s) (not cumulative)
     jitter_s: Annotated[float, Field(ge=0, le=TIMEOUT_MAX)] = 0.0
     seed: Seed = 0  # draws the gaps and random ranks of a repeating fault
 
