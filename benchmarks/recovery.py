@@ -83,9 +83,13 @@ def run(args, run_dir: Path, name: str) -> dict:
     job = TrainingJob(JobSpec.from_dict(raw), progress=False)
     duration = args.duration_s if faulty else args.duration_s / 2
     threading.Thread(target=_stop_after, args=(job, duration), daemon=True).start()
-    result = job.run()
+    try:
+        result = job.run()
+    except RuntimeError as exc:  # the restart budget spent (max_restarts): that is this run's result
+        return {"failed": str(exc), "recoveries": len(job.recoveries)}
     recs = result.recoveries
     return {
+        "failures_injected": sum(soak.firings for soak in job.faults.repeating),
         "steps": result.steps,
         "goodput": result.goodput,
         "startup_s": result.startup_s,
@@ -151,6 +155,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"{'run':12}{'failures':>9}{'MTTR mean s':>13}{'MTTR max s':>12}{'lost max':>10}{'goodput':>9}{'steps':>7}")
+    for name, r in [(name, r) for name, r in runs.items() if "failed" in r]:
+        print(f"{name:12} failed after {r['recoveries']} recoveries: {r['failed']}")
+    runs = {name: r for name, r in runs.items() if "failed" not in r}
     for name, r in runs.items():
         print(f"{name:12}{len(r['recoveries']):>9}{_num(r['mttr_s_mean'], '>13.1f')}{_num(r['mttr_s_max'], '>12.1f')}"
               f"{_num(r['lost_steps_max'], '>10')}{r['goodput']:>9.1%}{r['steps']:>7}")
