@@ -69,9 +69,11 @@ class Checkpointing:
         if self.in_flight is not None and all(group.call("checkpoint_durable")):
             self.wait_async(group)  # returns at once: every rank's save is done
 
-    def forget_in_flight(self) -> None:
-        """The grid was formed again (recovery, resize): its ranks' unfinished save died with the old group."""
-        self.in_flight = None
+    def forget_in_flight(self) -> int | None:
+        """The grid is formed again (recovery, resize): its ranks' unfinished save dies with the old group.
+        Returns that save's step, so a recovery that restores exactly that step can save it again."""
+        step, self.in_flight = self.in_flight, None
+        return step
 
     def save_now(self, group, step: int) -> None:
         """A synchronous save of ``step`` unless it is saved already (before the grid is torn down)."""

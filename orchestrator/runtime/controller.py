@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.errors import SpecError
 from orchestrator.faults.disk import corrupt_newest
@@ -61,12 +62,15 @@ class RunComplete(Exception):
 
 
 def refuse_if_complete(spec: JobSpec) -> None:
-    """``RunComplete`` when resuming ``spec`` would train nothing: its newest complete checkpoint is at
-    ``train.steps`` or past it (call before starting anything)."""
+    """``RunComplete`` when resuming ``spec`` would train nothing: its newest intact checkpoint is at
+    ``train.steps`` or past it (call before starting anything). Only one that passes its checksum check
+    counts: a damaged final checkpoint is the resume's to set aside, which then continues from the one before."""
     ckpt = CheckpointDir(spec.checkpoint.resolved_dir(spec.resolved_run_dir()), spec.checkpoint.keep)
-    steps = ckpt.complete_steps()
-    if steps and steps[-1] >= spec.train.steps:
-        raise RunComplete(steps[-1], spec.resolved_run_dir(), ckpt.path_for(steps[-1]))
+    for step in reversed(ckpt.complete_steps()):
+        if step < spec.train.steps:
+            return
+        if checksums.problem(ckpt.path_for(step)) is None:
+            raise RunComplete(step, spec.resolved_run_dir(), ckpt.path_for(step))
 
 
 class TrainingJob:

@@ -47,7 +47,7 @@ class GridChanges:
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message) from None
         completed = job.step
-        job.checkpoints.forget_in_flight()  # an unsealed async save dies with the failed group
+        cut_short = job.checkpoints.forget_in_flight()  # an unsealed async save dies with the failed group
         before = {r.rank: r.identity for r in job.layout.ranks}
         dp_before = job.spec.parallel.dp
         if decision.action is Action.RESTART_ALL:
@@ -58,6 +58,8 @@ class GridChanges:
         if job.memory_every:
             job.take_snapshot()
             phases.lap("snapshot")
+        if cut_short is not None and cut_short == job.step:  # the restored state is the one that save held
+            job.checkpoints.save(job.group, job.step)
         rank = min(failure.dead) if failure.dead else -1
         record = RecoveryRecord(kind, rank, at_step, completed - job.step, source, before, dp_before,
                                 job.spec.parallel.dp)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from orchestrator.checkpoints import checksums
+
 
 @dataclass(frozen=True)
 class LayoutRun:
@@ -101,6 +103,8 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
             _stop_leftovers(procs)
     finally:
         _restore_env("OMP_NUM_THREADS", old)
+    if checkpoint is not None:  # sealed as the controller seals a save, so export/--resume accept it
+        checksums.write_manifest(checkpoint)
     return _as_controller_sees(by_rank, steps)
 
 

@@ -426,7 +426,8 @@ def test_without_any_checkpoint_starting_over_is_said_loudly(tmp_path):
     with event_lines() as lines:
         (rec,) = job.run().recoveries
     assert (rec["source"], rec["lost_steps"]) == ("initial", 3)
-    assert any(line.startswith('event=no_checkpoint lost_steps=1-3 action="STARTING OVER FROM STEP 0') for line in lines)
+    said = 'event=no_checkpoint lost_steps=1-3 action="STARTING OVER FROM STEP 0'
+    assert any(line.startswith(said) for line in lines)
 
 
 def test_incomplete_saves_and_old_corrupt_checkpoints_are_removed_with_a_log_line(tmp_path):
