@@ -14,7 +14,7 @@ import time
 from orchestrator.errors import SpecError
 from orchestrator.observability.events import event
 from orchestrator.recovery.phases import RecoveryPhases
-from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy
+from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy, RestartWindow
 from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
@@ -24,6 +24,7 @@ class GridChanges:
     def __init__(self, job):
         self.job = job  # a TrainingJob: its grid, step and snapshot bookkeeping are what changes here
         self.policy = RecoveryPolicy(job.spec)
+        self.window = RestartWindow(job.spec.fault_tolerance.restart_window_s)  # restarts counted per window
         self.decisions: list[Decision] = []
         self.nan_times: dict[int, int] = {}  # step -> how often its loss was not finite
 
@@ -38,10 +39,11 @@ class GridChanges:
         job = self.job
         phases = RecoveryPhases(fault_time)
         phases.lap("detect")
-        job.restarts += len(failure.dead) or 1  # a NaN step's rollback counts too: a deterministic NaN must end
+        restarted = len(failure.dead) or 1  # a NaN step's rollback counts too: a deterministic NaN must end
+        job.restarts += restarted
         event("fault", kind=failure.kind, ranks=dict(failure.dead) or "-", at_step=at_step)
         seen = Failure(failure.kind, frozenset(failure.dead), at_step, str(failure))
-        decision = self._decide(self.policy.on_failure(seen, job.restarts))
+        decision = self._decide(self.policy.on_failure(seen, self.window.spend(restarted)))
         if decision.action is not Action.GIVE_UP and failure.kind == "nan_loss":
             decision = self._on_nan(at_step)
         if decision.action is Action.GIVE_UP:
@@ -106,7 +108,9 @@ class GridChanges:
             job.group.replace(more)
             failure.dead.update(more)
             dead |= set(more)
-            job.restarts += sum(how != ABANDONED for how in more.values())  # collateral, not failures
+            collateral = sum(how != ABANDONED for how in more.values())  # abandoned survivors are not failures
+            job.restarts += collateral
+            self.window.spend(collateral)
         placed = job.group.placed(dead, job.spec.fault_tolerance.placement_timeout_s)
         gone = job.runtime.nodes_gone(job.layout.ranks[r].node_id for r in dead)
         phases.lap("replace")

@@ -212,7 +212,10 @@ class FaultToleranceSpec(_Section):
     # the event log says so) or stop (the run fails with the step and the fix)
     nan_retries: Annotated[int, Field(ge=0)] = 1
     on_repeated_nan: Literal["skip_batch", "stop"] = "skip_batch"
-    max_restarts: Annotated[int, Field(ge=0)] = 3
+    # a rate, not a lifetime budget: more than max_restarts rank restarts within any restart_window_s seconds
+    # ends the job (a crash loop stops within minutes; a long run that loses a rank a minute goes on)
+    max_restarts: Annotated[int, Field(ge=0)] = 20
+    restart_window_s: Seconds = 600.0
     # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
     # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
     recovery: Literal["replace_failed", "restart_all"] = "replace_failed"

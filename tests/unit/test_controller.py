@@ -230,11 +230,19 @@ def test_restart_all_relaunches_the_whole_grid_from_disk(tmp_path):
 
 def test_exceeding_the_restart_budget_gives_up_with_the_known_message(tmp_path):
     job = make_job(tmp_path, [kill(1, 3), kill(0, 5)], fault_tolerance={"max_restarts": 1})
-    with pytest.raises(RuntimeError, match=r"rank 0 died at step 5: 2 rank restarts exceed "
-                                           r"fault_tolerance.max_restarts=1"):
+    with pytest.raises(RuntimeError, match=r"rank 0 died at step 5: 2 rank restarts within 600 s "
+                                           r"exceed fault_tolerance.max_restarts=1"):
         job.run()
     assert actions(job)[-1] is Action.GIVE_UP and job.state == "failed"
     assert job.machine.visited[-2:] == [S.RECOVERING, S.FAILED]
+
+
+def test_restarts_spread_over_more_than_the_window_never_exhaust_the_budget(tmp_path):
+    now = [0.0]
+    job = make_job(tmp_path, [kill(1, 3), kill(0, 5), kill(1, 7)], fault_tolerance={"max_restarts": 1})
+    job.changes.window.clock = lambda: now.__setitem__(0, now[0] + 700.0) or now[0]  # each failure 700 s apart
+    result = job.run()
+    assert len(result.recoveries) == 3 and job.restarts == 3 and job.state == "finished"
 
 
 # -- shrinking when replacements find no room --------------------------------------------
@@ -386,7 +394,7 @@ def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
 def test_nan_rollbacks_count_against_the_restart_budget(tmp_path):
     job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({3, 5, 7})),
                    fault_tolerance={"max_restarts": 2, "nan_retries": 0})
-    with pytest.raises(RuntimeError, match="3 rank restarts exceed fault_tolerance.max_restarts=2"):
+    with pytest.raises(RuntimeError, match="3 rank restarts within 600 s exceed fault_tolerance.max_restarts=2"):
         job.run()
 
 
