@@ -84,7 +84,10 @@ class Checkpointing:
             self.committed(step, None)
 
     def committed(self, step: int, seconds: float | None) -> None:
-        self.saved.append(str(self.ckpt.path_for(step)))
+        path = str(self.ckpt.path_for(step))
+        if path in self.saved:  # saved again after a rollback to before it (it was corrupt, or its save cut short)
+            self.saved.remove(path)
+        self.saved.append(path)
         self.ckpt.seal(step)
         removed = self.ckpt.prune(step)
         self.observers.on_checkpoint(None, committed=True)

@@ -237,6 +237,15 @@ def test_exceeding_the_restart_budget_gives_up_with_the_known_message(tmp_path):
     assert job.machine.visited[-2:] == [S.RECOVERING, S.FAILED]
 
 
+def test_a_step_saved_again_after_a_disk_rollback_is_listed_once(tmp_path):
+    job = make_job(tmp_path, [{"kind": "corrupt_checkpoint", "at_step": 5}, kill(1, 5)],
+                   checkpoint={"every": 2, "memory_every": 0, "async": False})
+    result = job.run()  # step 4 corrupted, rolled back to 2, steps 3 and 4 run and saved again
+    assert result.recoveries[0]["lost_steps"] == 2 and job.ckpt.skipped
+    steps = [int(p.rsplit("-", 1)[1]) for p in result.checkpoints]
+    assert sorted(steps) == [2, 4, 6, 8, 10] and len(steps) == len(set(steps))
+
+
 def test_restarts_spread_over_more_than_the_window_never_exhaust_the_budget(tmp_path):
     now = [0.0]
     job = make_job(tmp_path, [kill(1, 3), kill(0, 5), kill(1, 7)], fault_tolerance={"max_restarts": 1})
