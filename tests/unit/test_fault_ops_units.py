@@ -152,3 +152,21 @@ def test_shard_kill_and_a_rank_fault_at_the_same_step_both_happen():
     ranks = schedule.for_step(3, 2)
     assert {r: f["kind"] for r, f in ranks.items()} == {0: "slow_rank", 1: "kill_rank"}
     assert [(f["kind"], f["shard"]) for f in schedule.for_controller(3)] == [("kill_ps_shard", 1)]
+
+
+def test_a_parameter_server_call_past_its_deadline_fails_saying_what_was_waited_for(monkeypatch):
+    import ray
+
+    from orchestrator.runtime.ps_shards import answer
+
+    waited = []
+
+    def times_out(refs, timeout):
+        waited.append(timeout)
+        raise ray.exceptions.GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "get", times_out)
+    with pytest.raises(RuntimeError, match=r"parameter server: shard 1 \(its state, to resync shard 0\) did not "
+                                           r"answer within 600 s \(5 x fault_tolerance.heartbeat_timeout_s\); fix: "):
+        answer(["ref"], "shard 1 (its state, to resync shard 0)", 600.0)
+    assert waited == [600.0]  # never an unbounded wait
