@@ -76,10 +76,10 @@ class Checkpointing:
         return step
 
     def save_now(self, group, step: int) -> None:
-        """A synchronous save of ``step`` unless it is saved already (before the grid is torn down)."""
+        """A synchronous save of ``step`` unless it is on disk complete already (before the grid is torn down)."""
         self.wait_async(group)
         path = self.ckpt.path_for(step)
-        if str(path) not in self.saved:
+        if step not in self.ckpt.complete_steps():  # not ``saved``: that save may have been found corrupt since
             group.call("save_checkpoint", str(path), False)
             self.committed(step, None)
 

@@ -191,18 +191,47 @@ class GridChanges:
                            "could be placed; fix: add nodes or lower fault_tolerance.min_dp")
 
     def resize(self, target: JobSpec, reason: str) -> None:
-        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load."""
+        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load.
+
+        Never fatal on its own: a rank lost during the save is recovered from like a failed step (``StepFailed``
+        goes up; a requested resize is asked again, a grow-back comes again by itself); a save that fails
+        otherwise (disk full) leaves the grid as it is; a new grid that cannot be started (placement,
+        a rank lost while forming) gives way to the old layout again, from the save just made."""
         job = self.job
         t0 = time.perf_counter()
-        old_dp = job.spec.parallel.dp
-        job.checkpoints.save_now(job.group, job.step)
+        old = job.spec
+        try:
+            job.checkpoints.save_now(job.group, job.step)
+        except StepFailed:
+            if reason == "request":
+                job.scaling.request(target)  # taken up again once the recovery is done
+            event("resize_failed", dp_to=target.parallel.dp, phase="save", action="recovering the lost rank first")
+            raise
+        except Exception as exc:
+            event("resize_failed", dp_to=target.parallel.dp, phase="save", reason=repr(str(exc)[:200]),
+                  action=f"staying at dp={old.parallel.dp}")
+            return
         job.teardown_grid()
-        job.spec = target
-        job.layout = job.launch_grid()
+        self._relaunch(target, old)
         job.load_from_disk("resize")  # the save just made, unless it fails its checksums
         if job.memory_every:
             job.take_snapshot()
-        self._resized(reason, old_dp, "disk", time.perf_counter() - t0)
+        self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0)
+
+    def _relaunch(self, target: JobSpec, old: JobSpec) -> None:
+        """Start the grid at ``target``; when that fails, at ``old`` again (a failure there too is the job's)."""
+        job = self.job
+        job.spec = target
+        try:
+            job.layout = job.launch_grid()
+            return
+        except (SpecError, StepFailed) as exc:
+            event("resize_failed", dp_to=target.parallel.dp, phase="relaunch", reason=repr(str(exc)[:200]),
+                  action=f"back to dp={old.parallel.dp} from the checkpoint just saved")
+            if job.group is not None:  # placed, then a rank lost while forming
+                job.teardown_grid()
+        job.spec = old
+        job.layout = job.launch_grid()
 
     def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
         """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record."""

@@ -308,6 +308,29 @@ def test_a_scale_request_resizes_through_a_checkpoint(tmp_path):
     assert result.steps == 10 and len(runtime.groups) == 2 and runtime.elastic_policy.target_dp == 1
 
 
+def test_a_rank_lost_while_saving_for_a_resize_is_recovered_and_the_resize_done_after(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_scale(1)
+    result = job.run()
+    assert [(r["kind"], r["source"]) for r in result.recoveries] == [("rank", "memory")]
+    assert [(r["reason"], r["dp_to"]) for r in result.resizes] == [("request", 1)] and result.layout["dp"] == 1
+    assert job.machine.visited == [S.STARTING, S.RUNNING, S.RESIZING, S.RECOVERING, S.RUNNING, S.RESIZING,
+                                   S.RUNNING, S.FINISHED]
+    assert result.status == "finished" and result.steps == 10
+
+
+def test_a_resized_grid_that_cannot_form_falls_back_to_the_old_layout(tmp_path):
+    runtime = FakeRuntime(fail_calls={"form": [None, StepFailed({0: "died"})]})  # start-up forms, the new grid not
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_scale(1)
+    result = job.run()
+    (resize,) = result.resizes
+    assert (resize["dp_from"], resize["dp_to"], resize["source"]) == (2, 2, "disk")
+    assert len(runtime.groups) == 3 and runtime.groups[1].stopped and runtime.placements[1].released
+    assert result.status == "finished" and result.steps == 10 and result.layout["dp"] == 2
+
+
 def test_growing_back_is_a_grow_resize(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, runtime=runtime, parallel={"dp": 1})
