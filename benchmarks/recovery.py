@@ -15,8 +15,9 @@ this script so their ratios are comparable on a noisy machine:
 - ``defaults``: the same failures with the ``checkpoint`` and
   ``fault_tolerance`` sections left out (the job file's defaults: snapshots
   every step for these zero-0 mirrors, async checkpoints every 50 steps,
-  survivors not waited for past ``survivor_grace_s``, a 60 s collective
-  timeout, ``max_restarts: 3``).
+  failed ranks leaving their gloo groups so no survivor stays blocked,
+  a warm spare per node, a 60 s collective timeout, ``max_restarts: 20``
+  within ``restart_window_s: 600``).
 
 The tuned runs (``memory``, ``disk``, ``restart_all``) set
 ``collective_timeout_s: 5`` and ``max_restarts: 1000`` by hand.

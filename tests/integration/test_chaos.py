@@ -8,9 +8,13 @@ its step: a step run again ran on the same data); and no step is lost silently (
 the recoveries' ``lost_steps``, each reported in the summary and on an ``event=recovered`` line).
 
 Recovery runs on the job file's defaults (snapshots every step, survivor grace, warm spares, async disk
-checkpoints). Three settings differ, each only so the run stays short: ``checkpoint.every`` (a checkpoint must
-exist for ``corrupt_checkpoint`` to damage), the detection timeouts (a hang on the defaults is detected after
-120 s) and ``max_restarts`` (the schedule spends more than the default 3).
+checkpoints, the restart budget). Two settings differ, each only so the run stays short: ``checkpoint.every``
+(a checkpoint must exist for ``corrupt_checkpoint`` to damage) and the detection timeouts (a hang on the
+defaults is detected after 120 s).
+
+The schedule's other two kinds have their cases beside the tests they share a job with: ``kill_ps_shard`` in
+``test_parameter_server.py`` (a PS job: drawn from this seed), the killed driver in ``test_hosted.py`` (the
+hosted controller recovers rank faults with nobody attached).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tests.support.jobs import tiny_spec
 SEED = 12
 STEPS = 24
 DP2 = {"parallel": {"dp": 2}, "train": {"steps": STEPS}, "checkpoint": {"every": 4},
-       "fault_tolerance": {"heartbeat_timeout_s": 8, "collective_timeout_s": 4, "max_restarts": 20}}
+       "fault_tolerance": {"heartbeat_timeout_s": 8, "collective_timeout_s": 4}}
 # one fault per slot, at most one slot every 3 steps (a recovery ends before the next fault fires)
 SLOTS = range(2, STEPS - 1, 3)
 RANK_KINDS = ("kill_rank", "hang_rank", "raise_error", "oom", "nan_loss", "slow_rank")
