@@ -17,6 +17,7 @@ import socket
 
 import ray
 
+from workers.group_sockets import GroupSockets
 from workers.protocol import RankInfo, StepResult
 
 
@@ -36,6 +37,7 @@ class RankWorker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.trainer = None
         self.store = None  # this rank's SnapshotStore, from setup on
+        self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's cluster IP and a port free on it, for rank 0 to host the process-group store (probed on
@@ -71,7 +73,7 @@ class RankWorker:
             self.trainer = None
             dist.destroy_process_group()
         _remove_orphaned_offload(spec)
-        self.trainer = Trainer(spec, rank, world_size, master_addr, master_port)
+        self.trainer = self.sockets.record(lambda: Trainer(spec, rank, world_size, master_addr, master_port))
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
             from workers.state.snapshot_store import SnapshotStore
 
@@ -93,10 +95,19 @@ class RankWorker:
         try:
             result = self.trainer.train_step(fault)
         except Exception as exc:
-            raise RankStepError.of(exc) from None
+            error = RankStepError.of(exc)
+            self._leave_group()
+            raise error from None
         if snapshot_keep_from is not None:
             self._take_snapshot(snapshot_keep_from)
         return dataclasses.replace(result, replicated_step=self.store.replicated)
+
+    def _leave_group(self) -> None:
+        """After a failed step, shut this rank's gloo connections: peers still blocked on it fail at once and do the
+        same, instead of waiting out the collective timeout (``workers.group_sockets``). The group is rebuilt by
+        the next ``setup``. Not on NCCL, whose sockets are not known to unblock its kernels this way."""
+        if self.trainer.device.type == "cpu":
+            self.sockets.leave()
 
     def ps_reroute(self, shard: int, route: dict) -> None:
         """A parameter-server shard was restarted and resynced: send its keys there again."""

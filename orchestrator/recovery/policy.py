@@ -13,6 +13,8 @@ an explicit request first, else growing back (``ElasticPolicy``'s rule).
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,6 +62,28 @@ def ranks_that_failed(errors: dict) -> dict[int, str]:
     return {r: ("ran out of memory" if e.kind == "oom" else "raised") + f" ({e.detail})" for r, e in own.items()}
 
 
+class RestartWindow:
+    """Rank restarts within the last ``window_s`` seconds: the restart budget is a rate, not a lifetime count.
+
+    Why: a lifetime budget ends a long run at its n-th failure however far apart they were (a soak losing a rank
+    a minute died at the 4th), while what the budget is for is a crash loop: the same rank failing again at
+    once, which spends a rate budget within minutes just the same. ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, window_s: float, clock=time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._spent: deque[tuple[float, int]] = deque()  # (when, how many ranks), oldest first
+
+    def spend(self, ranks: int) -> int:
+        """Count ``ranks`` restarts now; returns the restarts within the window, these included."""
+        now = self.clock()
+        self._spent.append((now, ranks))
+        while self._spent[0][0] <= now - self.window_s:
+            self._spent.popleft()
+        return sum(n for _, n in self._spent)
+
+
 class RecoveryPolicy:
     """Rules for one job's ``fault_tolerance`` settings."""
 
@@ -67,16 +91,19 @@ class RecoveryPolicy:
         ft = spec.fault_tolerance
         self.mode = ft.recovery
         self.max_restarts = ft.max_restarts
+        self.window_s = ft.restart_window_s
         self.nan_retries = ft.nan_retries
         self.on_repeated_nan = ft.on_repeated_nan
 
     def on_failure(self, failure: Failure, restarts: int) -> Decision:
-        """First decision on a failed step; ``restarts`` already counts its dead ranks."""
+        """First decision on a failed step; ``restarts`` are those within the restart window, its dead ranks
+        already counted (``RestartWindow.spend``)."""
         if restarts > self.max_restarts:
             return Decision(Action.GIVE_UP, message=(
-                f"{failure.reason} at step {failure.at_step}: {restarts} rank restarts exceed "
-                f"fault_tolerance.max_restarts={self.max_restarts}; raise it, or look at the failing rank's log "
-                "(`ray logs actor`)"))
+                f"{failure.reason} at step {failure.at_step}: {restarts} rank restarts within "
+                f"{self.window_s:g} s exceed fault_tolerance.max_restarts={self.max_restarts} (per "
+                f"fault_tolerance.restart_window_s={self.window_s:g}): the run is failing faster than it recovers; "
+                "look at the failing rank's log (`ray logs actor`), or raise max_restarts"))
         if self.mode == "restart_all":
             return Decision(Action.RESTART_ALL, source="disk")
         if failure.dead:

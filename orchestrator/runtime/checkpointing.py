@@ -76,15 +76,18 @@ class Checkpointing:
         return step
 
     def save_now(self, group, step: int) -> None:
-        """A synchronous save of ``step`` unless it is saved already (before the grid is torn down)."""
+        """A synchronous save of ``step`` unless it is on disk complete already (before the grid is torn down)."""
         self.wait_async(group)
         path = self.ckpt.path_for(step)
-        if str(path) not in self.saved:
+        if step not in self.ckpt.complete_steps():  # not ``saved``: that save may have been found corrupt since
             group.call("save_checkpoint", str(path), False)
             self.committed(step, None)
 
     def committed(self, step: int, seconds: float | None) -> None:
-        self.saved.append(str(self.ckpt.path_for(step)))
+        path = str(self.ckpt.path_for(step))
+        if path in self.saved:  # saved again after a rollback to before it (it was corrupt, or its save cut short)
+            self.saved.remove(path)
+        self.saved.append(path)
         self.ckpt.seal(step)
         removed = self.ckpt.prune(step)
         self.observers.on_checkpoint(None, committed=True)

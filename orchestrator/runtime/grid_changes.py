@@ -14,7 +14,7 @@ import time
 from orchestrator.errors import SpecError
 from orchestrator.observability.events import event
 from orchestrator.recovery.phases import RecoveryPhases
-from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy
+from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy, RestartWindow
 from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
@@ -24,6 +24,7 @@ class GridChanges:
     def __init__(self, job):
         self.job = job  # a TrainingJob: its grid, step and snapshot bookkeeping are what changes here
         self.policy = RecoveryPolicy(job.spec)
+        self.window = RestartWindow(job.spec.fault_tolerance.restart_window_s)  # restarts counted per window
         self.decisions: list[Decision] = []
         self.nan_times: dict[int, int] = {}  # step -> how often its loss was not finite
 
@@ -38,10 +39,11 @@ class GridChanges:
         job = self.job
         phases = RecoveryPhases(fault_time)
         phases.lap("detect")
-        job.restarts += len(failure.dead) or 1  # a NaN step's rollback counts too: a deterministic NaN must end
+        restarted = len(failure.dead) or 1  # a NaN step's rollback counts too: a deterministic NaN must end
+        job.restarts += restarted
         event("fault", kind=failure.kind, ranks=dict(failure.dead) or "-", at_step=at_step)
         seen = Failure(failure.kind, frozenset(failure.dead), at_step, str(failure))
-        decision = self._decide(self.policy.on_failure(seen, job.restarts))
+        decision = self._decide(self.policy.on_failure(seen, self.window.spend(restarted)))
         if decision.action is not Action.GIVE_UP and failure.kind == "nan_loss":
             decision = self._on_nan(at_step)
         if decision.action is Action.GIVE_UP:
@@ -106,7 +108,9 @@ class GridChanges:
             job.group.replace(more)
             failure.dead.update(more)
             dead |= set(more)
-            job.restarts += sum(how != ABANDONED for how in more.values())  # collateral, not failures
+            collateral = sum(how != ABANDONED for how in more.values())  # abandoned survivors are not failures
+            job.restarts += collateral
+            self.window.spend(collateral)
         placed = job.group.placed(dead, job.spec.fault_tolerance.placement_timeout_s)
         gone = job.runtime.nodes_gone(job.layout.ranks[r].node_id for r in dead)
         phases.lap("replace")
@@ -187,18 +191,47 @@ class GridChanges:
                            "could be placed; fix: add nodes or lower fault_tolerance.min_dp")
 
     def resize(self, target: JobSpec, reason: str) -> None:
-        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load."""
+        """Checkpoint, stop the grid, start it at the new data-parallel degree and reshard on load.
+
+        Never fatal on its own: a rank lost during the save is recovered from like a failed step (``StepFailed``
+        goes up; a requested resize is asked again, a grow-back comes again by itself); a save that fails
+        otherwise (disk full) leaves the grid as it is; a new grid that cannot be started (placement,
+        a rank lost while forming) gives way to the old layout again, from the save just made."""
         job = self.job
         t0 = time.perf_counter()
-        old_dp = job.spec.parallel.dp
-        job.checkpoints.save_now(job.group, job.step)
+        old = job.spec
+        try:
+            job.checkpoints.save_now(job.group, job.step)
+        except StepFailed:
+            if reason == "request":
+                job.scaling.request(target)  # taken up again once the recovery is done
+            event("resize_failed", dp_to=target.parallel.dp, phase="save", action="recovering the lost rank first")
+            raise
+        except Exception as exc:
+            event("resize_failed", dp_to=target.parallel.dp, phase="save", reason=repr(str(exc)[:200]),
+                  action=f"staying at dp={old.parallel.dp}")
+            return
         job.teardown_grid()
-        job.spec = target
-        job.layout = job.launch_grid()
+        self._relaunch(target, old)
         job.load_from_disk("resize")  # the save just made, unless it fails its checksums
         if job.memory_every:
             job.take_snapshot()
-        self._resized(reason, old_dp, "disk", time.perf_counter() - t0)
+        self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0)
+
+    def _relaunch(self, target: JobSpec, old: JobSpec) -> None:
+        """Start the grid at ``target``; when that fails, at ``old`` again (a failure there too is the job's)."""
+        job = self.job
+        job.spec = target
+        try:
+            job.layout = job.launch_grid()
+            return
+        except (SpecError, StepFailed) as exc:
+            event("resize_failed", dp_to=target.parallel.dp, phase="relaunch", reason=repr(str(exc)[:200]),
+                  action=f"back to dp={old.parallel.dp} from the checkpoint just saved")
+            if job.group is not None:  # placed, then a rank lost while forming
+                job.teardown_grid()
+        job.spec = old
+        job.layout = job.launch_grid()
 
     def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
         """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record."""

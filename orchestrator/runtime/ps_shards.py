@@ -27,6 +27,18 @@ from workers.optim.build import lr_lambda
 PING_S = 30.0
 
 
+def answer(refs, what: str, timeout_s: float):
+    """``ray.get`` with a deadline: a shard (or the clock keeper) that does not answer in time fails the job
+    saying what was waited for, instead of hanging it (the controller's other calls have deadlines too)."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"parameter server: {what} did not answer within {timeout_s:.0f} s (5 x fault_tolerance."
+            "heartbeat_timeout_s); fix: look at the shard's log (`ray logs actor`), or raise heartbeat_timeout_s "
+            "if the shards are large") from None
+
+
 class PSShards:
     def __init__(self, spec: JobSpec, run_dir):
         self.spec = spec
@@ -34,8 +46,10 @@ class PSShards:
         self.run_dir = run_dir
         self.ring = HashRing(self.ps.shards, self.ps.virtual_nodes)
         self.token = job_token(run_dir)  # the control API's: one secret (or Ray's token) per job
+        self.deadline_s = 5 * spec.fault_tolerance.heartbeat_timeout_s  # what any call on a shard may take
         self.handles = [self._new_shard(i) for i in range(self.ps.shards)]
-        self.addresses = ray.get([h.serve_grpc.remote(self.token.value) for h in self.handles])
+        self.addresses = answer([h.serve_grpc.remote(self.token.value) for h in self.handles],
+                                "starting the shards' gRPC servers", self.deadline_s)
         self.keeper = None
         if self.ps.consistency != "bsp":
             staleness = self.ps.staleness if self.ps.consistency == "ssp" else None
@@ -79,7 +93,8 @@ class PSShards:
 
     def arm(self, fault: dict) -> None:
         """A ``kill_ps_shard`` fault (``FaultSchedule.for_controller``): the shard dies during the coming step."""
-        ray.get(self.handles[fault["shard"]].arm_kill.remote(1))
+        answer(self.handles[fault["shard"]].arm_kill.remote(1), f"shard {fault['shard']} (arming kill_ps_shard)",
+               self.deadline_s)
         event("fault", kind="kill_ps_shard", shard=fault["shard"], at_step=fault["at_step"])
         self._armed[fault["shard"]] = (fault["at_step"], time.perf_counter())
 
@@ -91,15 +106,15 @@ class PSShards:
         if all(alive) and not snapshot:
             return
         if self.keeper is not None:
-            ray.get(self.keeper.pause.remote())
+            answer(self.keeper.pause.remote(), "the clock keeper (pausing the workers)", self.deadline_s)
         for shard, ok in enumerate(alive):
             if not ok:
                 self._restart(shard, alive, group, step)
         if snapshot:
             paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(self.ps.shards)]
-            ray.get([h.save.remote(p) for h, p in zip(self.handles, paths)])
+            answer([h.save.remote(p) for h, p in zip(self.handles, paths)], "the shards' snapshot", self.deadline_s)
         if self.keeper is not None:
-            ray.get(self.keeper.resume.remote())
+            answer(self.keeper.resume.remote(), "the clock keeper (resuming the workers)", self.deadline_s)
 
     def _alive(self) -> list[bool]:
         refs = [h.ping.remote() for h in self.handles]
@@ -115,15 +130,18 @@ class PSShards:
     def _restart(self, shard: int, alive: list[bool], group, step: int) -> None:
         ray.kill(self.handles[shard], no_restart=True)
         self.handles[shard] = self._new_shard(shard)
-        self.addresses[shard] = ray.get(self.handles[shard].serve_grpc.remote(self.token.value))
+        self.addresses[shard] = answer(self.handles[shard].serve_grpc.remote(self.token.value),
+                                       f"restarted shard {shard} (its gRPC server)", self.deadline_s)
         keys = 0
         for other, ok in enumerate(alive):
             if ok:  # every key this shard holds lives on one live holder too
-                state = ray.get(self.handles[other].state.remote())
+                state = answer(self.handles[other].state.remote(),
+                               f"shard {other} (its state, to resync shard {shard})", self.deadline_s)
                 mine = [k for k in state["params"] if shard in self.ring.holders(k)]
                 state["params"] = {k: state["params"][k] for k in mine}
                 state["opts"] = {k: state["opts"][k] for k in mine}
-                keys = ray.get(self.handles[shard].load.remote(state))
+                keys = answer(self.handles[shard].load.remote(state), f"restarted shard {shard} (loading its keys)",
+                              self.deadline_s)
         group.call("ps_reroute", shard, self.route(shard))
         self._write_routes()
         at_step, t0 = self._armed.pop(shard, (step, time.perf_counter()))

@@ -5,9 +5,11 @@ ranks that died (actor or process gone; reported as soon as the first is
 seen), hung (no answer within the heartbeat timeout) or raised on their own
 (out of memory, an I/O error, a bug); those are killed so they count as dead.
 Survivors in a collective with the dead peer get an error from gloo at once
-(its sockets closed); those blocked on another survivor are not waited for
-past a short grace (``finish_failed_step``): a failed step ends within
-seconds, not the collective timeout, and the replacements start meanwhile.
+(its sockets closed), and each rank whose step failed shuts its own gloo
+connections (``workers.group_sockets``), so those blocked on a survivor fail
+at once too; any still blocked (NCCL) are not waited for past a short grace
+(``finish_failed_step``): a failed step ends within seconds, not the collective
+timeout, and the replacements start meanwhile.
 """
 
 from __future__ import annotations
@@ -140,14 +142,15 @@ class RankGroup:
 
         Why abandon: a survivor whose collective is with the dead rank fails at once (gloo sees the socket
         close), but one blocked on *another survivor* (the pipeline peer of the dead rank's data-parallel
-        peer, say) waits out ``collective_timeout_s`` (60 s by default): the peer it waits on left its
-        collective, not its process group, and neither ``ProcessGroup.abort()`` nor ``shutdown()`` unblocks a
-        pending gloo operation (measured on torch 2.13), nor does destroying the group while the model,
-        mesh and pending work still hold it. Restarting the blocked survivor costs what replacing the dead
-        rank costs, in parallel with it, and its state comes back from its data-parallel replica (the zero-0
-        mirrors, or the replica it shipped), else from disk. On NCCL the same place is where PyTorch's own
-        error handling would tear the process down after the timeout; abandoning after the grace gets
-        there sooner (the alternative, ``ProcessGroupNCCL.abort()`` from another thread, is not verified here).
+        peer, say) would wait out ``collective_timeout_s`` (60 s by default): neither
+        ``ProcessGroup.abort()`` nor ``shutdown()`` unblocks a pending gloo operation (measured on torch
+        2.13). On gloo a rank whose step failed shuts its connections (``RankWorker._leave_group``), which
+        ends its peers' pending operations at once, so the grace normally ends as soon as every failed step
+        has; it remains the backstop (NCCL, a rank stuck elsewhere). Restarting a still blocked survivor costs
+        what replacing the dead rank costs, in parallel with it, and its state comes back from its
+        data-parallel replica (the zero-0 mirrors, or the replica it shipped), else from disk. On NCCL the
+        same place is where PyTorch's own error handling would tear the process down after the timeout;
+        abandoning after the grace gets there sooner (``ProcessGroupNCCL.abort()`` is not verified here).
 
         The grace is ``fault_tolerance.survivor_grace_s`` or twice the last completed step, whichever is
         longer, so a survivor still computing its share of a long step is not mistaken for a blocked one.

@@ -34,7 +34,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     S.STARTING: frozenset({S.RUNNING, S.STOPPING, S.FAILED}),
     S.RUNNING: frozenset({S.RECOVERING, S.RESIZING, S.STOPPING, S.FINISHED, S.FAILED}),
     S.RECOVERING: frozenset({S.RUNNING, S.STOPPING, S.FAILED}),
-    S.RESIZING: frozenset({S.RUNNING, S.STOPPING, S.FAILED}),
+    S.RESIZING: frozenset({S.RUNNING, S.RECOVERING, S.STOPPING, S.FAILED}),  # recovering: a rank lost while saving
     # a stop finishes the step in flight, which may fail (recover) or be the last (finished)
     S.STOPPING: frozenset({S.RECOVERING, S.RESIZING, S.STOPPED, S.FINISHED, S.FAILED}),
     S.FINISHED: frozenset(),

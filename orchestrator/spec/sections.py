@@ -227,7 +227,10 @@ class FaultToleranceSpec(_Section):
     # the event log says so) or stop (the run fails with the step and the fix)
     nan_retries: Annotated[int, Field(ge=0)] = 1
     on_repeated_nan: Literal["skip_batch", "stop"] = "skip_batch"
-    max_restarts: Annotated[int, Field(ge=0)] = 3
+    # a rate, not a lifetime budget: more than max_restarts rank restarts within any restart_window_s seconds
+    # ends the job (a crash loop stops within minutes; a long run that loses a rank a minute goes on)
+    max_restarts: Annotated[int, Field(ge=0)] = 20
+    restart_window_s: Seconds = 600.0
     # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
     # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
     recovery: Literal["replace_failed", "restart_all"] = "replace_failed"
@@ -268,7 +271,7 @@ class FaultSpec(_Section):
     # slow_rank: its steps take this many times as long (past MAX_SLOWDOWN the rank is hung: that is hang_rank)
     factor: Annotated[float, Field(gt=1, le=MAX_SLOWDOWN)] = 3.0
     every_s: Seconds | None = None  # instead of at_step: fire again every this many seconds
-    # each gap is every_s plus uniform(-jitter_s, jitter_s)
+    # the n-th firing is due n * every_s after the first step, plus uniform(-jitter_s, jitter_s) (not cumulative)
     jitter_s: Annotated[float, Field(ge=0, le=TIMEOUT_MAX)] = 0.0
     seed: Seed = 0  # draws the gaps and random ranks of a repeating fault
 

@@ -3,33 +3,16 @@ comes back, the job grows again, and the loss curve is the uninterrupted single-
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.errors import SpecError
+from tests.support.elastic_cluster import run_on_cluster
 from tests.support.jobs import tiny_spec
 from tests.support.reference import reference_losses
 
-ROOT = Path(__file__).resolve().parents[2]
-PORT = 6395  # the session cluster's GCS listens on 6389
 STEPS = 12
 ELASTIC = {"heartbeat_timeout_s": 60, "collective_timeout_s": 5, "placement_timeout_s": 8, "grow_check_s": 1}
-
-
-def run_on_cluster(spec: JobSpec, tmp_path: Path, *extra: str) -> dict:
-    spec_file, out = tmp_path / "spec.json", tmp_path / "out.json"
-    spec_file.write_text(json.dumps(spec.to_dict()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
-    subprocess.run([sys.executable, "-m", "tests.support.elastic_cluster", str(spec_file), str(out),
-                    "--port", str(PORT), *extra], cwd=ROOT, env=env, check=True, timeout=300)
-    return json.loads(out.read_text())
 
 
 def elastic_spec(token_data, tmp_path, faults, **ft) -> JobSpec:

@@ -1,18 +1,20 @@
 """A controller that outlives its driver: ``raymesh run`` hosts it in a detached actor and only follows it.
 
 Both tests compare against one uninterrupted run of the same tiny job: the driver SIGKILLed mid-run (the
-job trains on, ``raymesh attach`` shows it to the end), and the controller actor itself killed (Ray restarts
-it and it resumes from the newest checkpoint).
+job trains on through a seeded pair of rank faults with no driver attached, and ``raymesh attach`` shows it
+to the end: the chaos schedule's "kill driver"), and the controller actor itself killed (Ray restarts it and
+it resumes from the newest checkpoint).
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import ray
 
-from orchestrator import TrainingJob
+from orchestrator import JobSpec, TrainingJob
 from orchestrator.runtime.hosted import HostedJob
 from tests.support.driver import job_file, kill_group, output, raymesh, slowed, start_raymesh
 from tests.support.jobs import tiny_spec, wait_for
@@ -33,6 +35,16 @@ def uninterrupted(ray_cluster, token_data, tmp_path_factory) -> list[float]:
     return TrainingJob(spec_for(token_data, tmp_path_factory.mktemp("ref")), progress=False).run().losses
 
 
+def with_rank_faults(spec, seed: int):
+    """``spec`` plus a kill and a raised step on seeded ranks and steps, late enough to come after the driver is
+    killed (at step 2): the hosted controller recovers them with nobody attached (from disk: one rank)."""
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(8, STEPS - 2), 2))
+    faults = [{"kind": kind, "rank": rng.randrange(spec.parallel.world_size), "at_step": step}
+              for kind, step in zip(("kill_rank", "raise_error"), steps, strict=True)]
+    return JobSpec.from_dict({**spec.to_dict(), "faults": spec.to_dict()["faults"] + faults}), faults
+
+
 def step_of(job_id: str) -> int:
     job = HostedJob.find(job_id)
     status = job.status() if job is not None else {}
@@ -41,7 +53,8 @@ def step_of(job_id: str) -> int:
 
 def test_killing_the_driver_leaves_the_run_training_and_attach_shows_it_end(ray_cluster, token_data, tmp_path,
                                                                             uninterrupted):
-    job = slow_job(token_data, tmp_path)
+    spec, faults = with_rank_faults(slowed(spec_for(token_data, tmp_path)), seed=12)
+    job = job_file(spec, tmp_path)
     driver = start_raymesh(ray_cluster, "run", str(job), "--id", "driver-killed", out=tmp_path / "run")
     try:
         wait_for(lambda: step_of("driver-killed") >= 2, 180, "the hosted run to train two steps")
@@ -55,7 +68,9 @@ def test_killing_the_driver_leaves_the_run_training_and_attach_shows_it_end(ray_
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert f"done: {STEPS} steps" in attached.stdout
     summary = json.loads((tmp_path / "attached.json").read_text())
-    assert summary["status"] == "finished" and summary["losses"] == uninterrupted
+    assert summary["status"] == "finished" and summary["losses"] == uninterrupted, faults
+    assert [(r["kind"], r["at_step"]) for r in summary["recoveries"]] == [
+        ({"kill_rank": "rank", "raise_error": "error"}[f["kind"]], f["at_step"]) for f in faults], faults
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["losses"] == uninterrupted
     assert HostedJob.find("driver-killed") is None  # attach collected the outcome and let the actor go
 

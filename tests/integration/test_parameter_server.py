@@ -4,6 +4,7 @@ a killed shard loses no acknowledged update, and a process outside Ray reads the
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from tests.support.jobs import tiny_spec
 from tests.support.reference import reference_run
 
 STEPS = 6
+CHAOS_SEED = 12  # tests/integration/test_chaos.py's
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
 LRS = [0.1] * 4  # the job's learning rate per step, as the controller hands it to every shard
 
@@ -115,14 +117,20 @@ def test_ssp_reads_stay_within_the_bound_under_a_straggler(token_data, tmp_path)
 
 
 def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tmp_path):
-    """The shard dies on a push mid-step, after acknowledging another; BSP must still equal all-reduce."""
-    kill = {"kind": "kill_ps_shard", "shard": 1, "at_step": 3}
-    spec = _ps_spec(token_data, tmp_path, [kill], consistency="bsp")
+    """The shard dies on a push mid-step, after acknowledging another; BSP must still equal all-reduce.
+
+    The chaos schedule's PS case (issue 12): which shard dies and when is drawn from the chaos test's seed,
+    and a slowed rank is drawn beside it (rank faults that kill are refused under dp_sync: ps)."""
+    rng = random.Random(CHAOS_SEED)
+    kill = {"kind": "kill_ps_shard", "shard": rng.randrange(3), "at_step": rng.randrange(2, STEPS)}
+    slow = {"kind": "slow_rank", "rank": rng.randrange(4), "at_step": rng.randrange(1, STEPS), "factor": 3.0}
+    spec = _ps_spec(token_data, tmp_path, [kill, slow], consistency="bsp")
     result = TrainingJob(spec, progress=False).run()
     assert result.steps == STEPS and result.status == "finished"
-    assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
+    assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5), (kill, slow)
     [recovery] = result.recoveries
-    assert recovery["kind"] == "kill_ps_shard" and recovery["shard"] == 1 and recovery["at_step"] == 3
+    assert (recovery["kind"], recovery["shard"], recovery["at_step"]) == ("kill_ps_shard", kill["shard"],
+                                                                          kill["at_step"]), (kill, slow)
 
 
 def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_path):

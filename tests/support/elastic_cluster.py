@@ -7,12 +7,16 @@ worker node that ``kill_node`` may take down; with ``--add-node-after-shrink``
 a fresh node joins once the job has shrunk, as a replaced machine would.
 
 usage: python -m tests.support.elastic_cluster SPEC.json OUT.json --nodes N --cpus C --port P [--add-node-after-shrink]
+(``run_on_cluster`` does that from a test).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +25,9 @@ from ray.cluster_utils import Cluster
 
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.observability.observers import JobObserver
+
+ROOT = Path(__file__).resolve().parents[2]
+PORT = 6395  # the session cluster's GCS listens on 6389
 
 # a lost node is declared dead after ~1.5 s instead of Ray's default ~15 s
 FAST_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
@@ -41,6 +48,17 @@ class ShrinkGate(JobObserver):
         if record.reason == "shrink":
             self.shrunk.set()
             self.joined.wait(120)
+
+
+def run_on_cluster(spec: JobSpec, tmp_path: Path, *extra: str) -> dict:
+    """Run ``spec`` on a cluster of its own in a subprocess (``extra``: this script's options); its output JSON."""
+    spec_file, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([sys.executable, "-m", "tests.support.elastic_cluster", str(spec_file), str(out),
+                    "--port", str(PORT), *extra], cwd=ROOT, env=env, check=True, timeout=300)
+    return json.loads(out.read_text())
 
 
 def main() -> None:

@@ -179,6 +179,7 @@ class FakeGroup:
     def _save_checkpoint(self, path: str, async_save: bool) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / ".metadata").write_text(json.dumps({"step": self.step_now}))  # DCP's file a save must have
+        (Path(path) / "__0_0.distcp").write_bytes(bytes(64))  # a shard, for corrupt_checkpoint to damage
         self._in_flight = self.step_now if async_save else None
 
     def _skip_batch(self) -> None:

@@ -230,11 +230,28 @@ def test_restart_all_relaunches_the_whole_grid_from_disk(tmp_path):
 
 def test_exceeding_the_restart_budget_gives_up_with_the_known_message(tmp_path):
     job = make_job(tmp_path, [kill(1, 3), kill(0, 5)], fault_tolerance={"max_restarts": 1})
-    with pytest.raises(RuntimeError, match=r"rank 0 died at step 5: 2 rank restarts exceed "
-                                           r"fault_tolerance.max_restarts=1"):
+    with pytest.raises(RuntimeError, match=r"rank 0 died at step 5: 2 rank restarts within 600 s "
+                                           r"exceed fault_tolerance.max_restarts=1"):
         job.run()
     assert actions(job)[-1] is Action.GIVE_UP and job.state == "failed"
     assert job.machine.visited[-2:] == [S.RECOVERING, S.FAILED]
+
+
+def test_a_step_saved_again_after_a_disk_rollback_is_listed_once(tmp_path):
+    job = make_job(tmp_path, [{"kind": "corrupt_checkpoint", "at_step": 5}, kill(1, 5)],
+                   checkpoint={"every": 2, "memory_every": 0, "async": False})
+    result = job.run()  # step 4 corrupted, rolled back to 2, steps 3 and 4 run and saved again
+    assert result.recoveries[0]["lost_steps"] == 2 and job.ckpt.skipped
+    steps = [int(p.rsplit("-", 1)[1]) for p in result.checkpoints]
+    assert sorted(steps) == [2, 4, 6, 8, 10] and len(steps) == len(set(steps))
+
+
+def test_restarts_spread_over_more_than_the_window_never_exhaust_the_budget(tmp_path):
+    now = [0.0]
+    job = make_job(tmp_path, [kill(1, 3), kill(0, 5), kill(1, 7)], fault_tolerance={"max_restarts": 1})
+    job.changes.window.clock = lambda: now.__setitem__(0, now[0] + 700.0) or now[0]  # each failure 700 s apart
+    result = job.run()
+    assert len(result.recoveries) == 3 and job.restarts == 3 and job.state == "finished"
 
 
 # -- shrinking when replacements find no room --------------------------------------------
@@ -289,6 +306,29 @@ def test_a_scale_request_resizes_through_a_checkpoint(tmp_path):
            ("request", 4, 2, 1, "disk")
     assert job.machine.visited == [S.STARTING, S.RUNNING, S.RESIZING, S.RUNNING, S.FINISHED]
     assert result.steps == 10 and len(runtime.groups) == 2 and runtime.elastic_policy.target_dp == 1
+
+
+def test_a_rank_lost_while_saving_for_a_resize_is_recovered_and_the_resize_done_after(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_scale(1)
+    result = job.run()
+    assert [(r["kind"], r["source"]) for r in result.recoveries] == [("rank", "memory")]
+    assert [(r["reason"], r["dp_to"]) for r in result.resizes] == [("request", 1)] and result.layout["dp"] == 1
+    assert job.machine.visited == [S.STARTING, S.RUNNING, S.RESIZING, S.RECOVERING, S.RUNNING, S.RESIZING,
+                                   S.RUNNING, S.FINISHED]
+    assert result.status == "finished" and result.steps == 10
+
+
+def test_a_resized_grid_that_cannot_form_falls_back_to_the_old_layout(tmp_path):
+    runtime = FakeRuntime(fail_calls={"form": [None, StepFailed({0: "died"})]})  # start-up forms, the new grid not
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_scale(1)
+    result = job.run()
+    (resize,) = result.resizes
+    assert (resize["dp_from"], resize["dp_to"], resize["source"]) == (2, 2, "disk")
+    assert len(runtime.groups) == 3 and runtime.groups[1].stopped and runtime.placements[1].released
+    assert result.status == "finished" and result.steps == 10 and result.layout["dp"] == 2
 
 
 def test_growing_back_is_a_grow_resize(tmp_path):
@@ -386,7 +426,7 @@ def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
 def test_nan_rollbacks_count_against_the_restart_budget(tmp_path):
     job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({3, 5, 7})),
                    fault_tolerance={"max_restarts": 2, "nan_retries": 0})
-    with pytest.raises(RuntimeError, match="3 rank restarts exceed fault_tolerance.max_restarts=2"):
+    with pytest.raises(RuntimeError, match="3 rank restarts within 600 s exceed fault_tolerance.max_restarts=2"):
         job.run()
 
 

@@ -10,6 +10,7 @@ from orchestrator.recovery.policy import (
     Decision,
     Failure,
     RecoveryPolicy,
+    RestartWindow,
     ScalingPolicy,
     ranks_that_failed,
 )
@@ -82,9 +83,24 @@ def test_a_dead_rank_within_budget_is_replaced(spec):
 def test_over_budget_gives_up_naming_the_setting(spec):
     decision = RecoveryPolicy(spec).on_failure(dead(0, 1), restarts=3)
     assert decision.action is Action.GIVE_UP
-    assert decision.message == ("rank 0 died, rank 1 died at step 4: 3 rank restarts exceed "
-                                "fault_tolerance.max_restarts=2; raise it, or look at the failing rank's log "
-                                "(`ray logs actor`)")
+    assert decision.message == ("rank 0 died, rank 1 died at step 4: 3 rank restarts within 600 s exceed "
+                                "fault_tolerance.max_restarts=2 (per fault_tolerance.restart_window_s=600): the run "
+                                "is failing faster than it recovers; look at the failing rank's log "
+                                "(`ray logs actor`), or raise max_restarts")
+
+
+def test_the_restart_budget_is_a_rate_over_a_sliding_window():
+    now = [0.0]
+    window = RestartWindow(600, clock=lambda: now[0])
+    spent = []
+    for minute in range(12):  # a rank lost every minute: never more than 10 within any 600 s
+        now[0] = 60.0 * minute
+        spent.append(window.spend(1))
+    assert spent == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10, 10]
+    now[0] += 1.0  # a crash loop: a node of 4 ranks lost and lost again a second later
+    assert window.spend(4) == 14 and window.spend(4) == 18
+    now[0] += 600.0  # all of it older than the window
+    assert window.spend(2) == 2
 
 
 def test_restart_all_mode_restarts_everything(tmp_path):

@@ -74,9 +74,12 @@ def test_repeating_fault_is_deterministic_by_seed():
 
     first = firings(7)
     assert first == firings(7) and first != firings(8)
-    assert len(first) == pytest.approx(999.5 / 60, abs=2)
-    gaps = [(b - a) * 0.5 for (a, _), (b, _) in itertools.pairwise(first)]
-    assert all(50 <= g <= 70.5 for g in gaps) and len(set(gaps)) > 1  # every_s ± jitter_s
+    # the n-th firing lands n * every_s ± jitter_s after the first step (a step is issued every 0.5 s): the
+    # jitter never adds up, so 999 s hold 16 firings whatever the draws
+    times = [(step - 1) * 0.5 for step, _ in first]
+    assert len(first) == 16 and all(abs(t - 60 * n) <= 10.5 for n, t in enumerate(times, start=1)), times
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(set(gaps)) > 1 and all(gap > 0 for gap in gaps)
     assert len({rank for _, rank in first}) > 1 and all(0 <= rank < 8 for _, rank in first)
 
 
@@ -105,7 +108,7 @@ def test_corrupt_checkpoint_is_the_controllers_and_other_faults_the_ranks(token_
 @pytest.mark.parametrize("fault, field, value, fix", [
     ({"kind": "kill_rank"}, "faults.0.at_step", "None", "set at_step: N"),
     ({"kind": "kill_rank", "at_step": 3, "every_s": 60}, "faults.0.every_s", "60.0", "not both"),
-    ({"kind": "kill_rank", "every_s": 60, "jitter_s": 60}, "faults.0.jitter_s", "60.0", "set jitter_s below 60.0"),
+    ({"kind": "kill_rank", "every_s": 60, "jitter_s": 30}, "faults.0.jitter_s", "30.0", "set jitter_s below 30.0"),
     ({"kind": "kill_rank", "at_step": 3, "rank": "random"}, "faults.0.rank", "'random'", "set every_s"),
     ({"kind": "kill_rank", "at_step": 3, "jitter_s": 5}, "faults.0.jitter_s", "5.0", "remove jitter_s"),
     ({"kind": "slow_rank", "every_s": 60}, "faults.0.every_s", "60.0", "use at_step for slow_rank"),
@@ -149,3 +152,21 @@ def test_shard_kill_and_a_rank_fault_at_the_same_step_both_happen():
     ranks = schedule.for_step(3, 2)
     assert {r: f["kind"] for r, f in ranks.items()} == {0: "slow_rank", 1: "kill_rank"}
     assert [(f["kind"], f["shard"]) for f in schedule.for_controller(3)] == [("kill_ps_shard", 1)]
+
+
+def test_a_parameter_server_call_past_its_deadline_fails_saying_what_was_waited_for(monkeypatch):
+    import ray
+
+    from orchestrator.runtime.ps_shards import answer
+
+    waited = []
+
+    def times_out(refs, timeout):
+        waited.append(timeout)
+        raise ray.exceptions.GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "get", times_out)
+    with pytest.raises(RuntimeError, match=r"parameter server: shard 1 \(its state, to resync shard 0\) did not "
+                                           r"answer within 600 s \(5 x fault_tolerance.heartbeat_timeout_s\); fix: "):
+        answer(["ref"], "shard 1 (its state, to resync shard 0)", 600.0)
+    assert waited == [600.0]  # never an unbounded wait

@@ -1,0 +1,57 @@
+"""A rank that leaves its gloo group (``GroupSockets.leave``) makes a peer blocked on it fail at once, not at the
+collective timeout, and both can form a new group afterwards (the leaver's process is not aborted by gloo)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.support.parity_harness import free_port
+from workers.group_sockets import GroupSockets
+
+TIMEOUT_S = 60  # the blocked peer must fail long before this
+HELD_S = 3.0  # the leaving rank destroys its group only this long after leaving it
+
+
+def _rank_main(rank: int, ports: tuple[int, int], results) -> None:
+    sockets = GroupSockets()
+    sockets.record(lambda: dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2,
+        timeout=timedelta(seconds=TIMEOUT_S)))
+    if rank == 0:  # blocked on a peer that never sends: only the peer leaving its group can end this early
+        t0 = time.monotonic()
+        try:
+            dist.recv(torch.zeros(2), src=1)
+            results.put(("blocked", "received"))
+        except RuntimeError as exc:
+            results.put(("blocked", (time.monotonic() - t0, str(exc).splitlines()[0])))
+    else:  # leaves, but keeps the group alive (as the trainer's objects do) for longer than the peer may wait
+        time.sleep(0.5)
+        results.put(("shut", sockets.leave()))
+        time.sleep(HELD_S)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    x = torch.full((2,), float(rank + 1))
+    dist.all_reduce(x)
+    results.put((f"reformed{rank}", x.tolist()))
+    dist.destroy_process_group()
+
+
+def test_leaving_unblocks_a_peer_and_the_group_forms_again():
+    ctx = mp.get_context("fork")
+    results = ctx.SimpleQueue()
+    procs = mp.start_processes(_rank_main, args=((free_port(), free_port()), results), nprocs=2, join=False,
+                               start_method="fork")
+    while not procs.join(timeout=TIMEOUT_S):
+        pass
+    got = dict(results.get() for _ in range(4))
+    assert got["shut"] >= 1  # at least its connection to the peer
+    waited, message = got["blocked"]
+    assert waited < HELD_S, f"the peer waited {waited:.1f} s: leaving did not unblock it"
+    assert "closed" in message.lower() or "reset" in message.lower(), message
+    assert got["reformed0"] == got["reformed1"] == [3.0, 3.0]
