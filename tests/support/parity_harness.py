@@ -24,10 +24,12 @@ from orchestrator.checkpoints import checksums
 
 @dataclass(frozen=True)
 class LayoutRun:
-    """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm."""
+    """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm;
+    and per rank, per step, the bytes its collectives sent per mesh dimension (``comm_bytes[rank][step]``)."""
 
     losses: list[float]
     grad_norms: list[float]
+    comm_bytes: dict[int, list[dict]] | None = None
 
 
 def step_field(result, name: str):
@@ -59,7 +61,7 @@ def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, re
     out = []
     for _ in range(steps):
         result = trainer.train_step()
-        out.append((step_field(result, "loss"), step_field(result, "grad_norm")))
+        out.append((step_field(result, "loss"), step_field(result, "grad_norm"), step_field(result, "comm_bytes")))
     if checkpoint is not None:
         trainer.checkpoints.save(checkpoint, async_save=False)
     results.put((rank, out))
@@ -137,4 +139,5 @@ def _as_controller_sees(by_rank: dict[int, list[tuple]], steps: int) -> LayoutRu
     for step in range(steps):
         held = [by_rank[r][step][0] for r in sorted(by_rank) if by_rank[r][step][0] is not None]
         losses.append(statistics.fmean(held))  # as orchestrator/observability/run_records.py
-    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)])
+    comm = {r: [(by_rank[r][step][2:] or (None,))[0] for step in range(steps)] for r in by_rank}
+    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)], comm)
