@@ -25,20 +25,15 @@ from orchestrator.checkpoints import checksums
 @dataclass(frozen=True)
 class LayoutRun:
     """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm;
-    and per rank, per step, the bytes its collectives sent per mesh dimension (``comm_bytes[rank][step]``)."""
+    and every rank's step results as dicts (``results[rank][step]``: times, comm_bytes, timeline...)."""
 
     losses: list[float]
     grad_norms: list[float]
-    comm_bytes: dict[int, list[dict]] | None = None
+    results: dict[int, list[dict]] | None = None
 
-
-def step_field(result, name: str):
-    """One field of a rank's step result, whichever form ``Trainer.train_step`` returns.
-
-    The trainer is moving from returning a plain dict to returning a frozen ``workers.protocol.StepResult``;
-    reading through this one helper keeps the harness working on both sides of that change.
-    """
-    return result[name] if isinstance(result, dict) else getattr(result, name)
+    def field(self, name: str) -> dict[int, list]:
+        """One field of every rank's step results: ``{rank: [value per step]}``."""
+        return {rank: [step.get(name) for step in steps] for rank, steps in (self.results or {}).items()}
 
 
 def free_port() -> int:
@@ -50,7 +45,7 @@ def free_port() -> int:
 
 def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
                checkpoint: str | None = None) -> None:
-    """Body of one spawned rank: build the Trainer, train ``steps`` steps, report (loss, norm) per step,
+    """Body of one spawned rank: build the Trainer, train ``steps`` steps, report each step's result dict,
     and save a DCP checkpoint of the final state to ``checkpoint`` when given."""
     import torch.distributed as dist
 
@@ -61,7 +56,7 @@ def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, re
     out = []
     for _ in range(steps):
         result = trainer.train_step()
-        out.append((step_field(result, "loss"), step_field(result, "grad_norm"), step_field(result, "comm_bytes")))
+        out.append(result.to_dict())  # a workers.protocol.StepResult, sent as the JSON form the records use
     if checkpoint is not None:
         trainer.checkpoints.save(checkpoint, async_save=False)
     results.put((rank, out))
@@ -137,7 +132,6 @@ def _as_controller_sees(by_rank: dict[int, list[tuple]], steps: int) -> LayoutRu
     """Per step: the mean loss of the ranks that hold the last stage, and rank 0's global gradient norm."""
     losses = []
     for step in range(steps):
-        held = [by_rank[r][step][0] for r in sorted(by_rank) if by_rank[r][step][0] is not None]
+        held = [by_rank[r][step]["loss"] for r in sorted(by_rank) if by_rank[r][step]["loss"] is not None]
         losses.append(statistics.fmean(held))  # as orchestrator/observability/run_records.py
-    comm = {r: [(by_rank[r][step][2:] or (None,))[0] for step in range(steps)] for r in by_rank}
-    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)], comm)
+    return LayoutRun(losses, [by_rank[0][step]["grad_norm"] for step in range(steps)], by_rank)
