@@ -50,7 +50,7 @@ KINDS = {
     "bf16": ({"parallel": {"grad_compression": "bf16"}}, 2),
     "fp16": ({"parallel": {"grad_compression": "fp16"}}, 2),
     "powersgd": ({"parallel": {"grad_compression": "powersgd", "powersgd_rank": 4}}, 4),
-    "topk": ({"parallel": {"grad_compression": "topk", "topk_ratio": 0.1}}, 4),
+    "topk": ({"parallel": {"grad_compression": "topk", "topk_ratio": 0.2}}, 2),
     "onebit_adam": ({"optim": {"name": "onebit_adam", "warmup_steps": WARMUP}}, 16),
 }
 

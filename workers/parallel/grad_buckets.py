@@ -153,6 +153,7 @@ class GradBuckets:
                         self._futures[bucket.index()].wait()
             for bucket in self.buckets:
                 bucket.scatter(self._futures[bucket.index()].wait())
+                bucket.flat = None  # the flat copies live only from launch to here
         self._reset()
 
     def take_events(self) -> list[dict]:
