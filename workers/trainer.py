@@ -67,7 +67,7 @@ class Trainer:
         if par.grid.pp_enabled:
             self.schedule, self.pipe_stages = build_schedule(
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
-                self.microbatches, self._loss_fn, self.device, self.pp_group,
+                self.microbatches, self._microbatch_loss, self.device, self.pp_group,
             )
         self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
         self.checkpoints = CheckpointIO(self.state)
@@ -106,6 +106,10 @@ class Trainer:
             loss = loss * float("nan")
         return loss * self.state.scaler.scale if self.state.scaler else loss
 
+    def _microbatch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A pipeline microbatch's share of the step's mean loss (the schedules sum gradients, unscaled)."""
+        return self._loss_fn(logits, targets) / self.microbatches
+
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -120,7 +124,7 @@ class Trainer:
                 self.schedule.step(*args, target=targets if self.holds_last_stage else None, losses=losses)
             if not self.holds_last_stage:
                 return None
-            return torch.stack([loss.detach().float() for loss in losses]).mean()
+            return torch.stack([loss.detach().float() for loss in losses]).sum()  # shares of the mean
         model = self.parts.modules[0]
         total = torch.zeros((), device=self.device)
         chunks = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
