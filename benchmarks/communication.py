@@ -33,8 +33,8 @@ COMPRESSION = {
     "bf16": ({"grad_compression": "bf16"}, {}),
     "fp16": ({"grad_compression": "fp16"}, {}),
     "powersgd": ({"grad_compression": "powersgd", "powersgd_rank": 4}, {}),
-    "topk": ({"grad_compression": "topk", "topk_ratio": 0.1}, {}),
-    "onebit_adam": ({}, {"name": "onebit_adam", "warmup_steps": 20}),
+    "topk": ({"grad_compression": "topk", "topk_ratio": 0.2}, {}),
+    "onebit_adam": ({}, {"name": "onebit_adam", "warmup_steps": 100}),  # half of 200 steps: see the README
 }
 
 

@@ -18,7 +18,9 @@ from workers.model.meta_init import build_full
 
 STEPS = 200  # the "loss after 200 steps"
 LAST = 10  # the loss compared is the mean of the last LAST steps (every run sees the same batches)
-WARMUP = 20  # onebit_adam's full-precision Adam steps before its variance freezes
+# onebit_adam's full-precision AdamW steps before its variance freezes: half the run at this size (20 steps end
+# 22% above uncompressed, 50 steps 13%, 100 steps 4.4%)
+WARMUP = 100
 
 
 def _run(token_data, tmp_path, steps: int, parallel: dict | None = None, optim: dict | None = None):
