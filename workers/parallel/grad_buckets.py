@@ -65,11 +65,15 @@ class Bucket:
     def is_last(self) -> bool:
         return self.last
 
-    def nbytes(self) -> int:
-        return sum(local(p).numel() * local(p).element_size() for p in self.params)
 
     def gather(self) -> None:
-        """Copy this rank's gradients into a fresh flat buffer (zeros where a parameter got none)."""
+        """Copy this rank's gradients into a fresh flat buffer (zeros where a parameter got none).
+
+        Shapes are the gradients' own: under tensor parallelism a gradient may still be a Partial DTensor
+        (its local tensor full-size) while its parameter is sharded; every data-parallel peer holds the same
+        placements, and averaging partial sums is still exact.
+        """
+        self.shapes = [local(p.grad).shape if p.grad is not None else local(p).shape for p in self.params]
         with torch.no_grad():
             self.flat = torch.cat([local(p.grad).reshape(-1) if p.grad is not None
                                    else torch.zeros(s.numel(), dtype=p.dtype, device=p.device)
@@ -138,7 +142,9 @@ class GradBuckets:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.gather()
-        event = {"kind": "allreduce", "bucket": bucket.index(), "bytes": bucket.nbytes(), "start": time.time()}
+        flat = bucket.flat
+        event = {"kind": "allreduce", "bucket": bucket.index(), "bytes": flat.numel() * flat.element_size(),
+                 "start": time.time()}
         self.events.append(event)
         fut = self.hook(self.state, bucket)
         self._futures[bucket.index()] = fut.then(lambda f: _ended(event, f))
