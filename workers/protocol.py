@@ -52,6 +52,8 @@ class StepResult:
     local_steps: int | None = None
     clock: int | None = None
     replicated_step: int = -1  # newest step whose snapshot replica is known to be held by this rank's holder
+    # bytes this rank's collectives sent this step per mesh dimension (workers.diagnostics.comm_bytes)
+    comm_bytes: dict[str, int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepResult:
@@ -68,7 +70,7 @@ class StepResult:
         return out
 
 
-_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock"})
+_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes"})
 
 
 @dataclass(frozen=True)

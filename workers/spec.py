@@ -40,6 +40,11 @@ class ParallelSection:
     sequence_parallel: bool
     cp: int = 1  # older harness dicts leave the cp fields out
     cp_impl: str = "ring"
+    # ZeRO-0 gradient buckets (workers.parallel.grad_buckets); older harness dicts leave these out
+    bucket_mb: float = 25.0
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
+    topk_ratio: float = 0.01
 
     @property
     def grid(self) -> Grid:
@@ -102,6 +107,7 @@ class WorkerSpec:
     grad_clip: float
     collective_timeout_s: float
     record_timeline: bool
+    count_comm_bytes: bool  # metrics.comm_bytes: the step's collectives are counted (workers.diagnostics.comm_bytes)
     raw: dict[str, Any]
 
     @classmethod
@@ -118,6 +124,7 @@ class WorkerSpec:
             grad_clip=raw["optim"]["grad_clip"],
             collective_timeout_s=raw["fault_tolerance"]["collective_timeout_s"],
             record_timeline=raw["metrics"]["timeline"],
+            count_comm_bytes=raw["metrics"].get("comm_bytes", False),
             raw=raw,
         )
 

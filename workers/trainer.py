@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.data import DataCursor, TokenDataset
+from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
@@ -29,7 +30,7 @@ from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import DistributedOptimizer
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
-from workers.parallel.process_group import init_mesh, pick_device
+from workers.parallel.process_group import data_parallel_mesh, init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
 from workers.protocol import StepResult, StepTimes
@@ -67,11 +68,13 @@ class Trainer:
         if par.grid.pp_enabled:
             self.schedule, self.pipe_stages = build_schedule(
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
-                self.microbatches, self._loss_fn, self.device, self.pp_group,
+                self.microbatches, self._microbatch_loss, self.device, self.pp_group,
             )
         self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
         self.checkpoints = CheckpointIO(self.state)
         self.ps = PSSync(self, self.spec) if par.dp_sync == "ps" else None
+        self.comm = CommBytes(mesh_dim_groups(self.mesh), self.grid.mesh_dims) if self.spec.count_comm_bytes else None
+        self.compute_events: list[dict] = []  # forward+backward per microbatch without a pipeline schedule
 
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
@@ -80,7 +83,9 @@ class Trainer:
         sliced = self.parts.modules if par.zero == 1 and par.grid.dp_enabled else []
         self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh) for m in sliced]
         stepped = [z.shards.values() for z in self.zero1] or [m.parameters() for m in self.parts.modules]
-        optimizers = [build_optimizer(params, spec["optim"], memory, self.device, self.param_offload)
+        dp_mesh = data_parallel_mesh(self.mesh, par.grid)
+        dp = dp_mesh.get_group() if dp_mesh.size() > 1 else None  # onebit_adam's momentum average
+        optimizers = [build_optimizer(params, spec["optim"], memory, self.device, self.param_offload, dp_group=dp)
                       for params in stepped]
         steps = self.spec.train.steps
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
@@ -108,6 +113,10 @@ class Trainer:
             loss = loss * float("nan")
         return loss * self.state.scaler.scale if self.state.scaler else loss
 
+    def _microbatch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A pipeline microbatch's share of the step's mean loss (the schedules sum gradients, unscaled)."""
+        return self._loss_fn(logits, targets) / self.microbatches
+
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -122,15 +131,17 @@ class Trainer:
                 self.schedule.step(*args, target=targets if self.holds_last_stage else None, losses=losses)
             if not self.holds_last_stage:
                 return None
-            return torch.stack([loss.detach().float() for loss in losses]).mean()
+            return torch.stack([loss.detach().float() for loss in losses]).sum()  # shares of the mean
         model = self.parts.modules[0]
         total = torch.zeros((), device=self.device)
         chunks = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
         for i, (x, y) in enumerate(chunks):
             last = i == len(chunks) - 1
+            start = time.time()
             with self._sync_grads(model, last), self._autocast(), self.activations.hooks():
                 loss = self._loss_fn(model(x), y) / len(chunks)
                 loss.backward()
+            self.compute_events.append({"stage": 0, "microbatch": i, "kind": "FB", "start": start, "end": time.time()})
             total += loss.detach().float()
         return total
 
@@ -159,29 +170,47 @@ class Trainer:
         self.fault = hook
         for stage in self.pipe_stages:
             stage.events.clear()
+        self.compute_events.clear()
+        self._pause_reducers()
         t0 = time.perf_counter()
         inputs, targets = self.state.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         t1 = time.perf_counter()
         meter = self._activation_meter()
-        with meter:
-            loss = self._forward_backward(inputs, targets)
-        t2 = time.perf_counter()
-        loss, grad_norm, applied = self._reduce_grads(loss)
-        t3 = time.perf_counter()
-        memory = self._optimizer_step(applied, meter)
+        with self.comm or contextlib.nullcontext():  # metrics.comm_bytes: count this step's collectives
+            with meter:
+                loss = self._forward_backward(inputs, targets)
+            t2 = time.perf_counter()
+            for reducer in self.parts.reducers:
+                reducer.finish()
+            loss, grad_norm, applied = self._reduce_grads(loss)
+            t3 = time.perf_counter()
+            memory = self._optimizer_step(applied, meter)
         t4 = time.perf_counter()
         slowed = hook.slow_down(t4 - t0)
         events = [e for stage in self.pipe_stages for e in stage.events]
         compute = busy_seconds(events) if events else t2 - t1
         times = StepTimes(data=t1 - t0, compute=compute + slowed, bubble=max(0.0, (t2 - t1) - compute),
                           communication=t3 - t2, optimizer=t4 - t3, step=t4 - t0 + slowed)
-        timeline = None
-        if self.spec.record_timeline:
-            timeline = [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events]
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
                            lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
-                           time_s=times, memory=memory, timeline=timeline)
+                           time_s=times, memory=memory, timeline=self._timeline(events),
+                           comm_bytes=self.comm.take() if self.comm else None)
+
+    def _timeline(self, pipeline_events: list[dict]) -> list[dict] | None:
+        """This step's events when the job records them: pipeline F/B/W (or, without a pipeline, each
+        microbatch's forward+backward as ``FB``) and each gradient bucket's reduction (``allreduce``)."""
+        comm = [e for reducer in self.parts.reducers for e in reducer.take_events()]
+        if not self.spec.record_timeline:
+            return None
+        events = (pipeline_events or self.compute_events) + comm
+        return [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, "stage": 0, **e} for e in events]
+
+    def _pause_reducers(self) -> None:
+        """Gradient buckets stay silent while an optimizer averages over data parallelism itself
+        (``onebit_adam`` after its warm-up: its compressed momentum is what crosses the group)."""
+        for reducer, opt in zip(self.parts.reducers, self.state.optimizers):
+            reducer.paused = bool(getattr(opt, "communicates", False))
 
     def _reduce_grads(self, loss: torch.Tensor | None) -> tuple[torch.Tensor | None, float, bool]:
         """Unscale (fp16), then clip on the global norm or hand the gradients to the PS shards (which clip,

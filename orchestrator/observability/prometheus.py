@@ -79,6 +79,8 @@ class MetricsExporter:
         self.slowdown = Gauge("raymesh_step_slowdown_ratio", "The rank's step time over the other ranks' median",
                               RANK_LABELS, registry=r)
         self.goodput = Gauge("raymesh_goodput_ratio", "Productive step time over wall time since start", j, registry=r)
+        self.comm_bytes = Gauge("raymesh_comm_bytes", "Bytes the busiest rank's collectives sent in the last step, "
+                                "per mesh dimension (metrics.comm_bytes)", [*j, "dim"], registry=r)
         self.ps_push = Counter("raymesh_ps_push_bytes_total", "Bytes pushed to parameter-server shards", j, registry=r)
         self.ps_pull = Counter("raymesh_ps_pull_bytes_total", "Bytes pulled from parameter-server shards", j,
                                registry=r)
@@ -116,6 +118,8 @@ class MetricsExporter:
         self.mfu.labels(j).set(mfu)
         self.bubble.labels(j).set(bubble)
         self.goodput.labels(j).set(goodput)
+        for dim, sent in record.get("comm_bytes", {}).items():
+            self.comm_bytes.labels(j, dim).set(sent)
         now = time.time()
         for rank, phases in record["phases"].items():
             labels = self.rank_labels[int(rank)]

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from orchestrator.planning.bubble import measured_bubble, step_events, theoretical_bubble
+from orchestrator.planning.bubble import PIPELINE_KINDS, measured_bubble, step_events, theoretical_bubble
 
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
 KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
@@ -196,7 +196,7 @@ def _theory(layout: dict) -> float | None:
     return theoretical_bubble(layout["pp"], layout["microbatches"], layout.get("virtual_stages", 1))
 
 
-def _numbers(summary: dict, bubble: dict) -> list[tuple[str, str]]:
+def _numbers(summary: dict, bubble: dict, comm: dict | None = None) -> list[tuple[str, str]]:
     lay = summary.get("layout", {})
     rec = summary.get("recoveries", [])
     peak = summary.get("peak_memory_bytes", {})
@@ -215,6 +215,10 @@ def _numbers(summary: dict, bubble: dict) -> list[tuple[str, str]]:
         ("checkpoints", str(len(summary.get("checkpoints", [])))),
         ("max peak memory", f"{max(peak.values(), default=0) / size:.1f} {unit}"),
     ]
+    if comm:
+        unit, size = _byte_unit(max(comm.values(), default=1))
+        rows.append(("bytes sent per step (busiest rank, last step)",
+                     ", ".join(f"{dim} {sent / size:.3g} {unit}" for dim, sent in comm.items())))
     if bubble["theoretical"] is not None:
         rows.append(("bubble (theory)", f"{bubble['theoretical']:.1%}"))
     if bubble["measured"] is not None:
@@ -232,9 +236,9 @@ CAPTIONS = {
 }
 
 
-def _html(run_dir: Path, summary: dict, bubble: dict, pngs: list[Path]) -> str:
+def _html(run_dir: Path, summary: dict, bubble: dict, pngs: list[Path], comm: dict | None = None) -> str:
     esc = html.escape
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _numbers(summary, bubble))
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _numbers(summary, bubble, comm))
     figures = "".join(
         f'<figure><img src="{esc(p.name)}" alt="{esc(p.stem)}">'
         f'<figcaption>{esc(CAPTIONS[p.name])}</figcaption></figure>'
@@ -262,6 +266,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     summary, steps, timeline = _load(run_dir)
+    timeline = [e for e in timeline or () if e["kind"] in PIPELINE_KINDS]  # the pipeline chart's events
     layout = summary.get("layout", {})
     bubble = {"step": None, "measured": None, "theoretical": _theory(layout), "schedule": layout.get("pp_schedule")}
     figures = {"loss.png": _loss(summary, steps)}
@@ -283,5 +288,5 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
         fig.savefig(out / name, dpi=DPI)
         pngs.append(out / name)
     index = out / "index.html"
-    index.write_text(_html(run_dir, summary, bubble, pngs))
+    index.write_text(_html(run_dir, summary, bubble, pngs, steps[-1].get("comm_bytes") if steps else None))
     return {"pngs": [str(p) for p in pngs], "html": str(index), "bubble": bubble}

@@ -1,7 +1,8 @@
 """What a run leaves in its run directory for people and for ``raymesh report``.
 
 ``steps.jsonl`` (one line per step: loss, throughput, phase times and memory
-per rank), ``timeline.jsonl`` (pipeline F/B/W events, when
+per rank, and bytes sent per mesh dimension with ``metrics.comm_bytes``), ``timeline.jsonl`` (pipeline F/B/W
+events, or forward+backward per microbatch, and gradient bucket reductions, when
 ``metrics.timeline`` is on) and ``summary.json``. A resumed run appends, so
 the files cover the whole training history.
 """
@@ -19,8 +20,10 @@ PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint
 
 
 def step_record(results: list[StepResult], step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
-    """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's)."""
-    return {
+    """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's).
+    With ``metrics.comm_bytes``, ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent."""
+    comm = comm_bytes(results)
+    return {**({"comm_bytes": comm} if comm else {}),
         "step": results[0].step,
         "time": end_time,
         "loss": statistics.fmean(r.loss for r in results if r.loss is not None),
@@ -36,6 +39,14 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
             for r in results
         },
     }
+
+
+def comm_bytes(results: list[StepResult]) -> dict[str, int] | None:
+    """Per mesh dimension, the most bytes any rank's collectives sent this step (None when not counted)."""
+    counted = [r.comm_bytes for r in results if r.comm_bytes]
+    if not counted:
+        return None
+    return {dim: max(c.get(dim, 0) for c in counted) for dim in dict.fromkeys(d for c in counted for d in c)}
 
 
 class RunRecords(JobObserver):

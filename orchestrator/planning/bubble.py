@@ -49,13 +49,16 @@ def measured_bubble(events: list[dict]) -> float:
     return sum(idle) / len(idle)
 
 
+PIPELINE_KINDS = ("F", "B", "W")  # the timeline also holds "FB" (no pipeline) and "allreduce" (gradient buckets)
+
+
 def step_events(timeline: list[dict], step: int) -> list[dict]:
-    """The events of ``step`` for one data/tensor replica: the smallest rank of each pp rank.
+    """The pipeline events of ``step`` for one data/tensor replica: the smallest rank of each pp rank.
 
     Every replica runs the same schedule, so one is enough and mixing several
     would double the events on a pp rank.
     """
-    in_step = [e for e in timeline if e["step"] == step]
+    in_step = [e for e in timeline if e["step"] == step and e["kind"] in PIPELINE_KINDS]
     first_rank: dict[int, int] = {}
     for e in in_step:
         first_rank[e["pp_rank"]] = min(e["rank"], first_rank.get(e["pp_rank"], e["rank"]))

@@ -143,6 +143,46 @@ def check_zero(job: JobSpec) -> None:
             raise SpecError("parallel.zero", zero, problem, fix)
 
 
+def _changed(section, field: str) -> bool:
+    """Whether ``field`` differs from its default (a value, not ``model_fields_set``: specs round-trip through
+    ``to_dict``, which writes every field)."""
+    return getattr(section, field) != type(section).model_fields[field].default
+
+
+def check_comm(job: JobSpec) -> None:
+    """ZeRO-0's bucket and compression settings, and 1-bit Adam: where they apply (workers/parallel/grad_buckets.py)."""
+    p, name = job.parallel, job.optim.name
+    zero0 = p.zero == 0 and p.dp_sync == "allreduce"
+    where = "ZeRO-0's gradient buckets (parallel.zero: 0, dp_sync: allreduce)"
+    for field in ("bucket_mb", "grad_compression"):
+        if _changed(p, field) and not zero0:
+            raise SpecError(f"parallel.{field}", getattr(p, field), f"is only used by {where}; this job has "
+                            f"zero: {p.zero}, dp_sync: {p.dp_sync}", f"remove parallel.{field}, or use zero: 0")
+    if p.grad_compression != "none" and not p.grid.dp_enabled:
+        raise SpecError("parallel.grad_compression", p.grad_compression, "has nothing to compress with "
+                        "parallel.dp=1 (gradients cross only the data-parallel group)",
+                        "set parallel.dp above 1, or grad_compression: none")
+    for field, kind in (("powersgd_rank", "powersgd"), ("topk_ratio", "topk")):
+        if _changed(p, field) and p.grad_compression != kind:
+            raise SpecError(f"parallel.{field}", getattr(p, field), f"is only read by grad_compression: {kind}, "
+                            f"not {p.grad_compression!r}", f"set parallel.grad_compression: {kind}, or remove {field}")
+    if name != "onebit_adam":
+        return
+    refused = [  # (field, value, applies, why, fix)
+        ("parallel.zero", p.zero, not zero0, "its compressed momentum replaces ZeRO-0's gradient all-reduce",
+         "set parallel.zero: 0 with dp_sync: allreduce"),
+        ("parallel.grad_compression", p.grad_compression, p.grad_compression != "none",
+         "it compresses its own traffic (1 bit per parameter after warm-up)", "set grad_compression: none"),
+        ("parallel.tp", p.tp, p.grid.tp_enabled, "its sign compression packs plain (not tensor-parallel) tensors",
+         "set parallel.tp: 1"),
+        ("optim.warmup_steps", job.optim.warmup_steps, job.optim.warmup_steps == 0,
+         "its second moment is measured during warm-up, then frozen", "set optim.warmup_steps (e.g. 10% of steps)"),
+    ]
+    for field, value, applies, why, fix in refused:
+        if applies:
+            raise SpecError(field, value, f"cannot be combined with optim.name onebit_adam: {why}", fix)
+
+
 def check_pipeline_split(job: JobSpec) -> None:
     p, n_layers = job.parallel, job.model.n_layers
     spr = p.stages_per_rank
@@ -245,4 +285,5 @@ def check_batching(job: JobSpec) -> None:
 
 
 CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_recompute,
-                      check_faults, check_parameter_server, check_offload, check_lora, check_context_parallel)
+                      check_faults, check_parameter_server, check_offload, check_lora, check_context_parallel,
+                      check_comm)

@@ -48,6 +48,13 @@ class ParallelSpec(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0
     dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
+    # zero 0: gradients are averaged in buckets of about this many MiB as backward produces them (overlapping
+    # it; 25 is DDP's default); 0: one bucket, averaged after backward (no overlap)
+    bucket_mb: Annotated[float, Field(ge=0)] = 25.0
+    # zero 0: how gradient buckets cross data parallelism (all lossy but none; workers/parallel/grad_compression.py)
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd", "topk"] = "none"
+    powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
+    topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
     # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
     device_memory: int | str | None = None
 
@@ -118,8 +125,9 @@ class ParallelSpec(_Section):
 class OptimSpec(_Section):
     """Optimizer and learning-rate schedule."""
 
-    # adafactor: PyTorch's; sm3: ours (workers/optim/sm3.py); paged_adamw: AdamW with its state in the offload store
-    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw"] = "adamw"
+    # adafactor: PyTorch's; sm3: ours (workers/optim/sm3.py); paged_adamw: AdamW with its state in the offload store;
+    # onebit_adam: AdamW whose momentum crosses data parallelism as signs after warmup_steps (optim/onebit_adam.py)
+    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw", "onebit_adam"] = "adamw"
     lr: PositiveFloat = 3e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     betas: Betas = (0.9, 0.95)
@@ -283,7 +291,10 @@ class MetricsSpec(_Section):
     host: str = "127.0.0.1"  # interface the endpoint binds; 0.0.0.0 (or the node's IP) lets a remote Prometheus in
     # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
     file_sd: PathStr | None = None
-    timeline: bool = False  # record every pipeline F/B/W event for `raymesh report`
+    timeline: bool = False  # record every pipeline F/B/W event (and gradient bucket reduction) for `raymesh report`
+    # count the bytes each collective sends, per mesh dimension, into every step record (`comm_bytes`); off by
+    # default: the counter sees every tensor op (~10 us each in Python), which doubles a tiny CPU model's step
+    comm_bytes: bool = False
     peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
 
     def resolved_file_sd(self, run_dir: str | Path) -> Path:

@@ -14,7 +14,7 @@ import queue
 import socket
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
@@ -25,25 +25,25 @@ from orchestrator.checkpoints import checksums
 @dataclass(frozen=True)
 class LayoutRun:
     """What the controller would have recorded: per-step loss (mean over last-stage ranks) and global norm;
-    and each rank's activation peak of its last step (bytes saved for backward) where ``memory.measure`` is on."""
+    and every rank's step results as dicts (``results[rank][step]``: times, memory, comm_bytes, timeline...)."""
 
     losses: list[float]
     grad_norms: list[float]
-    memory: dict = field(default_factory=dict)  # rank -> its last step's memory record (``memory.measure``)
+    results: dict[int, list[dict]] | None = None
+
+    @property
+    def memory(self) -> dict[int, dict | None]:
+        """Rank -> its last step's memory record (``memory.measure``; None where it is off)."""
+        return {rank: steps[-1].get("memory") for rank, steps in (self.results or {}).items() if steps}
 
     @property
     def activation_bytes(self) -> dict[int, int]:
         """Rank -> its last step's activation peak, for the ranks that measured one."""
         return {rank: record["activations"] for rank, record in self.memory.items() if record}
 
-
-def step_field(result, name: str):
-    """One field of a rank's step result, whichever form ``Trainer.train_step`` returns.
-
-    The trainer is moving from returning a plain dict to returning a frozen ``workers.protocol.StepResult``;
-    reading through this one helper keeps the harness working on both sides of that change.
-    """
-    return result[name] if isinstance(result, dict) else getattr(result, name)
+    def field(self, name: str) -> dict[int, list]:
+        """One field of every rank's step results: ``{rank: [value per step]}``."""
+        return {rank: [step.get(name) for step in steps] for rank, steps in (self.results or {}).items()}
 
 
 def free_port() -> int:
@@ -56,7 +56,7 @@ def free_port() -> int:
 def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, checkpoint: str | None,
                resume: str | None, save_after: int | None, results) -> None:
     """Body of one spawned rank: build the Trainer (and load the DCP checkpoint ``resume`` when given; DCP
-    reshards it to this layout), train ``steps`` steps, report (loss, norm, memory record) per step, and save the
+    reshards it to this layout), train ``steps`` steps, report each step's result dict, and save the
     state after ``save_after`` steps (default: the last) to ``checkpoint`` when given."""
     import torch.distributed as dist
 
@@ -69,7 +69,7 @@ def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, ch
     out = []
     for step in range(1, steps + 1):
         result = trainer.train_step()
-        out.append((step_field(result, "loss"), step_field(result, "grad_norm"), step_field(result, "memory")))
+        out.append(result.to_dict())  # a workers.protocol.StepResult, sent as the JSON form the records use
         if checkpoint is not None and step == (save_after or steps):
             trainer.checkpoints.save(checkpoint, async_save=False)
     results.put((rank, out))
@@ -153,11 +153,10 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _as_controller_sees(by_rank: dict[int, list[tuple]], steps: int) -> LayoutRun:
+def _as_controller_sees(by_rank: dict[int, list[dict]], steps: int) -> LayoutRun:
     """Per step: the mean loss of the ranks that hold the last stage, and rank 0's global gradient norm."""
     losses = []
     for step in range(steps):
-        held = [by_rank[r][step][0] for r in sorted(by_rank) if by_rank[r][step][0] is not None]
+        held = [by_rank[r][step]["loss"] for r in sorted(by_rank) if by_rank[r][step]["loss"] is not None]
         losses.append(statistics.fmean(held))  # as orchestrator/observability/run_records.py
-    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)],
-                     {rank: out[-1][2] for rank, out in by_rank.items() if len(out[-1]) > 2})
+    return LayoutRun(losses, [by_rank[0][step]["grad_norm"] for step in range(steps)], by_rank)

@@ -5,7 +5,7 @@ results match ``torch.optim.AdamW`` bit for bit). What differs is where the
 state lives: the Adam moments — and fp32 master weights, when the device
 parameter is not already an fp32 host tensor — sit in the store, not next to
 the parameters. The step runs on the host, one parameter at a time over this
-rank's *local* shard (FSDP2 zero 2/3 and ``replicate`` hand it DTensors; their
+rank's *local* shard (FSDP2 zero 2/3 and tensor parallelism hand it DTensors; their
 local tensors are exactly the rank's shard), while the next parameter's state
 is prefetched; the updated master is copied back into the device parameter and
 the state is released, so at most a parameter or two of state is resident.

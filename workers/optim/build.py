@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.offload.optimizer import OffloadedAdam
 from workers.offload.store import OffloadStore
+from workers.optim.onebit_adam import OneBitAdam
 from workers.optim.sm3 import SM3
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
@@ -17,8 +18,9 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
 
 
 def build_optimizer(params, optim: dict, memory: dict | None = None,
-                    device: torch.device | str = "cpu", shards=None) -> torch.optim.Optimizer:
+                    device: torch.device | str = "cpu", shards=None, dp_group=None) -> torch.optim.Optimizer:
     """The job's optimizer over ``params`` (under ZeRO-1, this rank's slices: ``DistributedOptimizer.shards``).
+    ``onebit_adam`` averages its compressed momentum over ``dp_group`` (None: one data-parallel rank).
 
     ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
@@ -33,6 +35,8 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
     if name == "paged_adamw" or (offload.get("optimizer") and name in ("adam", "adamw")):
         store = OffloadStore.from_spec(offload, device)
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
+    if name == "onebit_adam":
+        return OneBitAdam(params, dp_group, optim["warmup_steps"], **kwargs)
     return OPTIMIZERS[name](params, **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 | zero | wrapper | what is sharded over dp |
 |---|---|---|
-| 0 | ``replicate`` (FSDP2's DDP, which accepts DTensor/TP parameters) | nothing |
+| 0 | none here: ``workers.parallel.grad_buckets`` averages gradients in buckets during backward | nothing |
 | 1 | none: ``DistributedOptimizer`` (``distributed_optimizer.py``) reduce-scatters after backward | optimizer state |
 | 2 | FSDP2, params kept unsharded between forward and backward | gradients + optimizer state |
 | 3 | FSDP2, params resharded after forward | parameters + gradients + optimizer state |
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -29,9 +28,7 @@ def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: Devi
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
         return stage
-    if dp_mesh.size() == 1 or zero == 1:
-        return stage
-    return replicate(stage, mesh=dp_mesh)
+    return stage  # zero 0: the builder adds gradient buckets (grad_buckets.py); zero 1: DistributedOptimizer
 
 
 def unwrap(module: nn.Module) -> nn.Module:

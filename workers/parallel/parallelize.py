@@ -21,7 +21,7 @@ plugs in without editing this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from workers.model.meta_init import build_full, init_hook, materialize
 from workers.model.registry import ModelFamily
 from workers.parallel.context_layout import apply_context_parallel
 from workers.parallel.data_parallel import apply_data_parallel, unwrap
+from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
 from workers.parallel.process_group import data_parallel_mesh
 from workers.parallel.recompute import apply_recompute
@@ -45,6 +46,7 @@ class ModelParts:
     modules: list[nn.Module]  # wrapped stage modules, in stage order
     stage_ids: list[int]
     n_stages: int
+    reducers: list[GradBuckets] = field(default_factory=list)  # ZeRO-0 gradient buckets, one per module
 
 
 def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
@@ -100,4 +102,14 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
             load_hf_weights(unwrap(part), spec.init_from)
         wrapped.append(part)
-    return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages)
+    reducers = []
+    if not ps and par.zero == 0 and dp_mesh.size() > 1:  # dp, or dp x cp: cp ranks hold shares of the tokens
+        reducers = [grad_buckets(spec, part, fam.hook("blocks")(part), dp_mesh.get_group()) for part in wrapped]
+    return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers)
+
+
+def grad_buckets(spec: WorkerSpec, part: nn.Module, blocks: list[nn.Module], group) -> GradBuckets:
+    """ZeRO-0's bucketed gradient averaging of one stage module, with the job's bucket size and compression."""
+    par = spec.parallel
+    return GradBuckets(part, blocks, group, spec.train.microbatches, bucket_mb=par.bucket_mb,
+                       compression=par.grad_compression, powersgd_rank=par.powersgd_rank, topk_ratio=par.topk_ratio)

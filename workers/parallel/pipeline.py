@@ -57,10 +57,14 @@ def build_schedule(
     device: torch.device,
     group,
 ) -> tuple[object, list[TimedStage]]:
-    """Wrap this rank's stage modules in ``TimedStage`` objects and the chosen schedule."""
+    """Wrap this rank's stage modules in ``TimedStage`` objects and the chosen schedule.
+
+    ``loss_fn`` must already divide by ``n_microbatches`` (``scale_grads=False``): the schedules would otherwise
+    divide the summed gradients after a stage's last backward, when ZeRO-0's buckets
+    (``workers.parallel.grad_buckets``) have already taken them for averaging during that backward.
+    """
     pipe_stages = [TimedStage(mod, sid, n_stages, device, group=group) for mod, sid in zip(stages, ids)]
     facts = schedule_facts(schedule)
     cls = getattr(pipelining, facts.torch_class)
-    if facts.single_stage:
-        return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn), pipe_stages
-    return cls(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn), pipe_stages
+    first = pipe_stages[0] if facts.single_stage else pipe_stages
+    return cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False), pipe_stages

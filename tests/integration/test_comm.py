@@ -1,0 +1,67 @@
+"""ZeRO-0's gradient buckets, compression and 1-bit Adam over real gloo ranks (dp=2), without Ray.
+
+Ranks are spawned processes (tests/support/parity_harness.py). The bytes are the counter's
+(``metrics.comm_bytes``: every collective the step issued), not figures the code claims for itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import run_layout
+from tests.support.reference import reference_run
+from workers.model.config import model_config
+from workers.model.meta_init import build_full
+
+STEPS = 200  # the issue's "loss after 200 steps"
+LAST = 10  # the loss compared is the mean of the last LAST steps (every run sees the same batches)
+# onebit_adam's full-precision AdamW steps before its variance freezes: half the run at this size (20 steps end
+# 22% above uncompressed, 50 steps 13%, 100 steps 4.4%)
+WARMUP = 100
+
+
+def _run(token_data, tmp_path, steps: int, parallel: dict | None = None, optim: dict | None = None):
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "device": "cpu", **(parallel or {})},
+                     optim=optim or {}, train={"steps": steps}, metrics={"comm_bytes": True})
+    return spec, run_layout(spec.worker_dict(), spec.parallel.world_size, steps)
+
+
+def test_bucketed_zero0_matches_the_reference_and_sends_the_parameter_bytes(token_data, tmp_path):
+    """Small buckets (one per block, launched from backward hooks on the last of 2 microbatches) reproduce the
+    single-process reference; on dp=2 a ring all-reduce sends each gradient byte once, so the bytes counted
+    per step are exactly the parameter bytes, and nothing else crosses any dimension."""
+    spec, run = _run(token_data, tmp_path, 5, {"bucket_mb": 0.01})
+    losses, norms = reference_run(spec, 5)
+    assert run.losses == pytest.approx(losses, rel=1e-6)
+    assert run.grad_norms == pytest.approx(norms, rel=1e-6)
+    model = build_full(model_config(spec.worker_dict()["model"]), 0)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert run.field("comm_bytes") == {rank: [{"dp": param_bytes, "pp": 0, "tp": 0}] * 5 for rank in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def uncompressed(token_data, tmp_path_factory):
+    return _run(token_data, tmp_path_factory.mktemp("none"), STEPS)[1]
+
+
+# kind -> (spec sections, the least factor by which the bytes per step must shrink)
+KINDS = {
+    "bf16": ({"parallel": {"grad_compression": "bf16"}}, 2),
+    "fp16": ({"parallel": {"grad_compression": "fp16"}}, 2),
+    "powersgd": ({"parallel": {"grad_compression": "powersgd", "powersgd_rank": 4}}, 4),
+    "topk": ({"parallel": {"grad_compression": "topk", "topk_ratio": 0.2}}, 2),
+    "onebit_adam": ({"optim": {"name": "onebit_adam", "warmup_steps": WARMUP}}, 16),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_compression_keeps_the_loss_and_cuts_the_bytes(kind, uncompressed, token_data, tmp_path):
+    sections, factor = KINDS[kind]
+    _, run = _run(token_data, tmp_path, STEPS, sections.get("parallel"), sections.get("optim"))
+    loss, reference = statistics.fmean(run.losses[-LAST:]), statistics.fmean(uncompressed.losses[-LAST:])
+    assert loss == pytest.approx(reference, rel=0.05)
+    sent, full = (r.field("comm_bytes")[0][-1]["dp"] for r in (run, uncompressed))
+    assert 0 < sent * factor <= full

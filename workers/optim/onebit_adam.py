@@ -1,0 +1,118 @@
+"""1-bit Adam (Tang et al. 2021): Adam's momentum crosses data parallelism as signs once the variance is frozen.
+
+Why our own: neither PyTorch nor any library raymesh uses has it (DeepSpeed's needs its engine).
+For ``warmup_steps`` steps this is AdamW on gradients the ZeRO-0 buckets averaged in full precision. After
+that the second moment v is frozen, the buckets stay silent (``communicates``: the trainer pauses them), and
+each rank folds its *own* gradient into its momentum, adds the error it kept from the last step, and sends
+only the sign of every entry plus one scale per tensor (‖x‖₂/√n, so the compressed tensor has x's norm): 1
+bit per parameter instead of 32. The ranks all-gather the packed signs and scales and every rank averages
+them into the same momentum, so the weights stay identical everywhere; what compression dropped stays in the
+rank's error for the next step (error feedback). The paper's second, server-side compression stage is left
+out: with an all-gather every rank decompresses the same average, so there is no server error to carry.
+
+The step counter, both moments and the error live in the optimizer state, so checkpoints keep them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_BITS = 8
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """1 bit per entry of ``x`` (set where x >= 0), eight to a byte."""
+    bits = (x.reshape(-1) >= 0).to(torch.uint8)
+    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % _BITS)).view(-1, _BITS)
+    return (bits << torch.arange(_BITS, dtype=torch.uint8, device=x.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """±1.0 per entry, the inverse of ``pack_signs`` for its first ``n`` entries."""
+    bits = (packed[:, None] >> torch.arange(_BITS, dtype=torch.uint8, device=packed.device)) & 1
+    return bits.reshape(-1)[:n].float() * 2 - 1
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """AdamW, then sign-compressed momentum with error feedback after ``warmup_steps`` (module docstring)."""
+
+    def __init__(self, params, group=None, warmup_steps: int = 1, lr: float = 1e-3, betas=(0.9, 0.999),
+                 weight_decay: float = 0.0, eps: float = 1e-8):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "eps": eps})
+        self.group, self.warmup_steps = group, warmup_steps
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    @property
+    def steps_done(self) -> int:
+        first = next((self.state[p] for g in self.param_groups for p in g["params"] if self.state[p]), None)
+        return int(first["step"]) if first else 0
+
+    @property
+    def communicates(self) -> bool:
+        """Whether this step's gradients stay local: the compressed momentum is what crosses the group."""
+        return self.steps_done >= self.warmup_steps
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        compressing = self.communicates
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                              error=torch.zeros_like(p))
+                st["step"] += 1
+                st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                if not compressing:
+                    st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+        if compressing:
+            self._average_compressed_momentum()
+        for group in self.param_groups:
+            self._update(group)
+
+    def _update(self, group: dict) -> None:
+        """AdamW's update from the (averaged) momentum and the (frozen after warm-up) second moment."""
+        b1, b2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            t = int(st["step"])
+            v_steps = min(t, self.warmup_steps)
+            denom = (st["exp_avg_sq"] / (1 - b2 ** v_steps)).sqrt_().add_(group["eps"])
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** t))
+
+    def _average_compressed_momentum(self) -> None:
+        """Signs + scales of every momentum (with its error added), all-gathered in one uint8 buffer, averaged."""
+        params = self._params()
+        shipped, scales = [], []
+        for p in params:
+            st = self.state[p]
+            x = st["exp_avg"] + st["error"]
+            scale = x.norm() / x.numel() ** 0.5
+            st["error"] = x - torch.where(x >= 0, scale, -scale)
+            shipped.append(pack_signs(x))
+            scales.append(scale.float().reshape(1))
+        payload = torch.cat([*shipped, torch.cat(scales).view(torch.uint8)])
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        gathered = [torch.empty_like(payload) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(gathered, payload, group=self.group)
+        else:
+            gathered = [payload]
+        for p in params:
+            self.state[p]["exp_avg"].zero_()
+        for buf in gathered:
+            rank_scales = buf[-4 * len(params):].view(torch.float32)
+            offset = 0
+            for p, packed, scale in zip(params, shipped, rank_scales):
+                signs = unpack_signs(buf[offset:offset + packed.numel()], p.numel()).view_as(p)
+                self.state[p]["exp_avg"].add_(signs.to(p.dtype) * scale / world)
+                offset += packed.numel()
