@@ -1,0 +1,85 @@
+"""Expert parallelism: each rank of an ep group holds ``E / ep`` of a MoE layer's experts, tokens travel to them.
+
+The ep group is carved out of the data-parallel ranks (``workers.parallel.grid``: ranks of one model position
+whose dp index differs only in ``dp % ep``). Every rank routes its own tokens (``workers.model.moe.Routing``),
+then ``ExpertParallelDispatcher``:
+
+1. sorts its assignments by global expert id and exchanges the per-expert counts (one ``all_to_all_single`` of
+   ``E`` integers), so every rank knows how many rows it will receive from each peer for each local expert;
+2. sends the token rows with ``all_to_all_single`` and variable splits (dropless routing gives any count,
+   zero included), through the functional collectives' ``all_to_all_single_autograd``, whose backward is the
+   reverse exchange, so gradients flow back to the sending rank's tokens and gates;
+3. regroups the received rows expert-major, runs ``Experts.grouped`` on them, restores the source-major order,
+   sends the results back, and combines them gate-weighted per token exactly as ``LocalDispatcher`` does.
+
+Why our own: PyTorch has the collective but no MoE dispatch, and the libraries that do (torchtitan, Megatron,
+DeepSpeed) bind it to their own MoE modules; this one is ~a page over the shared ``Routing``/``Experts`` contract.
+
+Gradients of the expert weights: a rank's expert receives tokens from all ``ep`` ranks of its group, so its
+gradient is already the sum of ``ep`` ranks' local-loss gradients. The ranks holding the same experts (the
+expert-data-parallel group, ``dp / ep`` of them) then reduce with a divide factor of ``dp`` (not their own
+count), which gives the same mean over all dp ranks a dense weight gets (``expert_data_parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def received_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """``[ep, E_local]``: how many rows each peer sends to each of this rank's experts.
+
+    ``counts`` is ``[E]``, the rows this rank sends to every global expert; expert ``e`` lives on group rank
+    ``e // E_local``, so an equal-split all-to-all of the counts hands each rank its experts' columns.
+    """
+    ep = dist.get_world_size(group)
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out.view(ep, -1)
+
+
+def expert_major(received: torch.Tensor) -> torch.Tensor:
+    """Row order that turns the received buffer (source-major: peer, then local expert) into expert-major runs.
+
+    ``Experts.grouped`` wants local expert j's rows as the j-th consecutive run, whoever sent them.
+    """
+    lengths = received.flatten()
+    starts = torch.cumsum(lengths, 0) - lengths  # where chunk (peer, expert) begins in the received buffer
+    lengths_em, starts_em = received.t().flatten(), starts.view_as(received).t().flatten()
+    run_starts = torch.cumsum(lengths_em, 0) - lengths_em
+    within = torch.arange(int(lengths.sum()), device=received.device) - torch.repeat_interleave(run_starts, lengths_em)
+    return torch.repeat_interleave(starts_em, lengths_em) + within
+
+
+def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of ``rows`` with variable splits, differentiable (the backward sends gradients back)."""
+    return all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
+
+
+class ExpertParallelDispatcher(nn.Module):
+    """``dispatcher(x_flat, routing, experts) -> [T, d]`` over an ep process group (see the module docstring).
+
+    A module (with no parameters) so it can replace the MoE layer's ``LocalDispatcher`` submodule in place.
+    """
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+        ep = dist.get_world_size(self.group)
+        order = torch.argsort(routing.expert, stable=True)
+        token, expert, gate = routing.token[order], routing.expert[order], routing.gate[order]
+        counts = torch.bincount(expert, minlength=experts.num_experts)
+        received = received_counts(counts, self.group)
+        sent_splits = counts.view(ep, -1).sum(1).tolist()
+        received_splits = received.sum(1).tolist()
+        arrived = exchange(x[token], received_splits, sent_splits, self.group)
+        regroup = expert_major(received)
+        done = experts.grouped(arrived[regroup], received.sum(0))
+        back = exchange(done[torch.argsort(regroup)], sent_splits, received_splits, self.group)
+        out = torch.zeros_like(x)
+        return out.index_add(0, token, back * gate.unsqueeze(1).to(back.dtype))
