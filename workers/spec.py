@@ -38,6 +38,7 @@ class ParallelSection:
     dp_sync: str
     virtual_stages: int  # model chunks per pp rank (JobSpec.worker_dict fills in the schedule's default)
     sequence_parallel: bool
+    ep: int = 1  # expert parallelism (older harness dicts leave it out)
 
     @property
     def grid(self) -> Grid:

@@ -55,6 +55,9 @@ class Trainer:
                               self.device, timeout_s=self.spec.collective_timeout_s)
         self.parts = build_parts(self.spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
+        # expert parallelism: the experts' gradient norm is summed over the ep ranks that split them
+        self.expert_norm = ([p for e in self.parts.experts for p in e.parameters()], self.parts.ep_group) \
+            if self.parts.ep_group is not None else ()
         self.param_offload = offload_params(self.parts.modules, memory, self.device)
         self.state = self._train_state(spec)
         self.activations = activation_policy(memory, self.device)
@@ -188,7 +191,9 @@ class Trainer:
         if self.ps is not None:
             grad_norm = self.ps.sync()
         else:
-            grad_norm = clip_grads(self.params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
+            grad_norm = float("nan")
+            if applied:
+                grad_norm = clip_grads(self.params, self.spec.grad_clip, self.pp_group, self.expert_norm)
         return loss, grad_norm, applied
 
     def _optimizer_step(self, applied: bool, meter) -> dict | None:

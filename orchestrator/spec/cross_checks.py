@@ -146,6 +146,33 @@ def check_zero(job: JobSpec) -> None:
             raise SpecError("parallel.zero", zero, problem, fix)
 
 
+def check_expert_parallel(job: JobSpec) -> None:
+    """``parallel.ep`` needs MoE layers whose experts it divides, and a data-parallel mode that reduces the
+    experts over the ranks holding them (``workers.parallel.expert_parallel``); ``ep`` dividing dp is the
+    parallel section's own check."""
+    p, moe = job.parallel, getattr(job.model, "moe", None)
+    if p.ep == 1:
+        return
+    if moe is None:
+        raise SpecError("parallel.ep", p.ep, "splits the experts of MoE layers, and model.moe is not set",
+                        "set parallel.ep: 1, or give the model MoE layers (model.moe: {experts: 8})")
+    if moe.experts % p.ep:
+        raise SpecError("parallel.ep", p.ep, f"does not divide model.moe.experts={moe.experts}: every ep rank "
+                        "holds the same number of experts",
+                        f"pick ep from {', '.join(map(str, _divisors(moe.experts)))} (dividing dp too), "
+                        "or change the expert count")
+    refused = [  # (field, value, applies, problem, fix)
+        ("parallel.zero", p.zero, p.zero == 1, "with parallel.ep > 1 is not supported: ZeroRedundancyOptimizer "
+         "partitions the state over all dp ranks, which hold different experts", "use zero: 0, 2 or 3"),
+        ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps", "with parallel.ep > 1 is not supported: parameter-"
+         "server shards key one copy of each parameter, and ep ranks hold different experts",
+         "use dp_sync: allreduce"),
+    ]
+    for field, value, applies, problem, fix in refused:
+        if applies:
+            raise SpecError(field, value, problem, fix)
+
+
 def check_pipeline_split(job: JobSpec) -> None:
     p, n_layers = job.parallel, job.model.n_layers
     spr = p.stages_per_rank
@@ -248,4 +275,4 @@ def check_batching(job: JobSpec) -> None:
 
 
 CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_faults,
-                      check_parameter_server, check_offload, check_lora)
+                      check_parameter_server, check_offload, check_lora, check_expert_parallel)

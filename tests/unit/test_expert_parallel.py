@@ -1,8 +1,9 @@
 """``ExpertParallelDispatcher`` over 4 spawned gloo ranks equals each rank's tokens run through all experts locally.
 
-Forward and gradients (tokens, gates, expert weights), ep=4 and ep=2 (two groups of two) in one spawn, with uneven
-counts, top-2 assignments with some dropped, a token with no assignment and an expert that receives no token
-anywhere. The reference is a plain per-assignment loop written here, over the whole expert stack.
+Forward and gradients (tokens, gates; expert weights as one rank's share: the group's sum over ep), ep=4 and
+ep=2 (two groups of two) in one spawn, with uneven counts, top-2 assignments with some dropped, a token with no
+assignment and an expert that receives no token anywhere. The reference is a plain per-assignment loop written
+here, over the whole expert stack.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def _check(rank: int, group, group_rank: int, ep: int) -> None:
     torch.testing.assert_close(xe.grad, xr.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ge.grad, gr.grad, rtol=1e-5, atol=1e-6)
     for mine, full in ((experts.w1, w1r), (experts.w2, w2r)):
-        summed = full.grad.clone()  # an expert's gradient sums every group rank's tokens
-        dist.all_reduce(summed, group=group)
-        torch.testing.assert_close(mine.grad, summed[first:first + local], rtol=1e-5, atol=1e-5)
+        share = full.grad / ep  # an expert's gradient: every group rank's tokens, as one rank's share (1 / ep)
+        dist.all_reduce(share, group=group)
+        torch.testing.assert_close(mine.grad, share[first:first + local], rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(experts.w1.grad[EMPTY - first]) == 0 if first <= EMPTY < first + local else True
 
 

@@ -16,9 +16,15 @@ Why our own: PyTorch has the collective but no MoE dispatch, and the libraries t
 DeepSpeed) bind it to their own MoE modules; this one is ~a page over the shared ``Routing``/``Experts`` contract.
 
 Gradients of the expert weights: a rank's expert receives tokens from all ``ep`` ranks of its group, so its
-gradient is already the sum of ``ep`` ranks' local-loss gradients. The ranks holding the same experts (the
-expert-data-parallel group, ``dp / ep`` of them) then reduce with a divide factor of ``dp`` (not their own
-count), which gives the same mean over all dp ranks a dense weight gets (``expert_data_parallel``).
+gradient sums ``ep`` ranks' local-loss gradients. The dispatcher scales the experts' share of the backward by
+``1 / ep`` (and the tokens' gradient back by ``ep``), so an expert's gradient is one rank's share like a dense
+weight's, and the data-parallel wrapper's plain mean over the ``dp / ep`` ranks holding the same experts (the
+expert-data-parallel group, ``edp``) gives the mean over all dp ranks a dense weight gets.
+
+``shard_experts`` turns a built model (on meta or materialised) into this rank's share: each ``Experts`` keeps
+its rows ``[first, first + num_local)`` and each MoE layer gets this dispatcher. ``wrap_experts`` puts every
+``Experts`` under the data-parallel wrapper of its own (over ``edp``) before the stage's (over dp), the way
+FSDP2 nests, so dense weights are reduced over dp and expert weights over edp.
 """
 
 from __future__ import annotations
@@ -59,17 +65,29 @@ def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 
-class ExpertParallelDispatcher(nn.Module):
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` (see the module docstring on expert gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class ExpertParallelDispatcher:
     """``dispatcher(x_flat, routing, experts) -> [T, d]`` over an ep process group (see the module docstring).
 
-    A module (with no parameters) so it can replace the MoE layer's ``LocalDispatcher`` submodule in place.
+    A plain callable like ``LocalDispatcher``, which it replaces on each MoE layer.
     """
 
     def __init__(self, group):
-        super().__init__()
         self.group = group
 
-    def forward(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
         ep = dist.get_world_size(self.group)
         order = torch.argsort(routing.expert, stable=True)
         token, expert, gate = routing.token[order], routing.expert[order], routing.gate[order]
@@ -79,7 +97,36 @@ class ExpertParallelDispatcher(nn.Module):
         received_splits = received.sum(1).tolist()
         arrived = exchange(x[token], received_splits, sent_splits, self.group)
         regroup = expert_major(received)
-        done = experts.grouped(arrived[regroup], received.sum(0))
+        done = experts.grouped(_ScaleGrad.apply(arrived[regroup], float(ep)), received.sum(0))
+        done = _ScaleGrad.apply(done, 1.0 / ep)
         back = exchange(done[torch.argsort(regroup)], sent_splits, received_splits, self.group)
         out = torch.zeros_like(x)
         return out.index_add(0, token, back * gate.unsqueeze(1).to(back.dtype))
+
+
+def experts_modules(module: nn.Module) -> list[nn.Module]:
+    """The ``Experts`` (routed experts: ``num_experts``/``first``/``num_local``) under ``module``, in order."""
+    from workers.model.moe import Experts  # the model package; imported late to keep this module's import light
+
+    return [m for m in module.modules() if isinstance(m, Experts)]
+
+
+@torch.no_grad()
+def shard_experts(module: nn.Module, ep_group) -> list[nn.Module]:
+    """Keep this rank's experts of every MoE layer under ``module`` and dispatch over ``ep_group``.
+
+    Works on meta (before ``materialize``, which then draws each full stack and keeps these rows) or on real
+    weights. Returns the sharded ``Experts`` modules.
+    """
+    from workers.model.moe import MoELayer
+
+    ep, index = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
+        experts = layer.experts
+        local = experts.num_experts // ep
+        experts.first, experts.num_local = index * local, local
+        for name, param in list(experts.named_parameters(recurse=False)):
+            rows = param[experts.first:experts.first + local].clone()
+            setattr(experts, name, nn.Parameter(rows, requires_grad=param.requires_grad))
+        layer.dispatcher = ExpertParallelDispatcher(ep_group)
+    return experts_modules(module)

@@ -21,7 +21,8 @@ plugs in without editing this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,9 @@ from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
 from workers.model.registry import ModelFamily
 from workers.parallel.data_parallel import apply_data_parallel, unwrap
+from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.layout import stage_ids
+from workers.parallel.process_group import init_expert_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
 
@@ -43,6 +46,8 @@ class ModelParts:
     modules: list[nn.Module]  # wrapped stage modules, in stage order
     stage_ids: list[int]
     n_stages: int
+    experts: list[nn.Module] = field(default_factory=list)  # this rank's sharded Experts (expert parallelism)
+    ep_group: Any = None  # the ep process group the experts are split over; None at ep=1
 
 
 def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
@@ -75,7 +80,9 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     cut = fam.hook("cut_stage")
     parts = [full] if n_stages == 1 else [cut(full, sid, n_stages) for sid in ids]
     del full  # a stage keeps only its layers
-    wrapped = []
+    expert_mesh = init_expert_mesh(grid, device, spec.collective_timeout_s)
+    ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
+    wrapped, all_experts = [], []
     for part in parts:
         if not meta:
             part.to(device)
@@ -83,16 +90,19 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             fam.hook("tensor_parallel")(part, mesh["tp"], par.sequence_parallel)
             if spec.lora:
                 freeze_base(part)
+        experts = shard_experts(part, ep_group) if ep_group is not None else []
+        all_experts += experts
         apply_recompute(part, spec.memory.recompute, fam)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
+        edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
-            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero)
+            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero, experts, edp)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:
-            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero)
+            part = apply_data_parallel(part, fam.hook("blocks")(part), mesh["dp"], par.zero, experts, edp)
         if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
             load_hf_weights(unwrap(part), spec.init_from)
         wrapped.append(part)
-    return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages)
+    return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, experts=all_experts, ep_group=ep_group)
