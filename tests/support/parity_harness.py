@@ -47,15 +47,18 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
-               checkpoint: str | None = None) -> None:
-    """Body of one spawned rank: build the Trainer, train ``steps`` steps, report (loss, norm) per step,
-    and save a DCP checkpoint of the final state to ``checkpoint`` when given."""
+               checkpoint: str | None = None, resume: str | None = None) -> None:
+    """Body of one spawned rank: build the Trainer (from the DCP checkpoint ``resume`` when given), train
+    ``steps`` steps, report (loss, norm) per step, and save a DCP checkpoint of the final state to
+    ``checkpoint`` when given."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(spec, rank, world_size, "127.0.0.1", port)
+    if resume is not None:
+        trainer.checkpoints.load(resume)
     out = []
     for _ in range(steps):
         result = trainer.train_step()
@@ -82,9 +85,10 @@ def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, lis
 
 
 def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0,
-               checkpoint: str | None = None) -> LayoutRun:
+               checkpoint: str | None = None, resume: str | None = None) -> LayoutRun:
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
-    With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout).
+    With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout); with
+    ``resume``, they start from that DCP checkpoint (written by any layout: DCP reshards).
 
     OMP_NUM_THREADS=1 is set for the children (they inherit the environment at spawn): N ranks each
     starting a full thread pool on a small CI machine is slower than one thread each.
@@ -94,7 +98,7 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint),
+        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint, resume),
                                    nprocs=world_size, join=False, start_method="spawn")
         try:
             by_rank = _collect(results, procs, world_size, timeout_s)
