@@ -19,6 +19,7 @@ from workers.data import DataCursor, TokenDataset
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
+from workers.model import moe
 from workers.model.gpt import lm_loss
 from workers.offload.activations import activation_policy
 from workers.offload.host_memory import release_freed_buffers
@@ -65,6 +66,7 @@ class Trainer:
         train = self.spec.train
         self.microbatches = train.microbatches
         self.pp_group = self.mesh["pp"].get_group() if par.grid.pp_enabled else None
+        self.dp_group = self.mesh["dp"].get_group() if par.grid.dp_enabled else None
         self.schedule, self.pipe_stages = None, []
         if par.grid.pp_enabled:
             self.schedule, self.pipe_stages = build_schedule(
@@ -157,6 +159,7 @@ class Trainer:
         for stage in self.pipe_stages:
             stage.events.clear()
         t0 = time.perf_counter()
+        self._begin_moe_step()
         inputs, targets = self.state.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         t1 = time.perf_counter()
@@ -167,6 +170,7 @@ class Trainer:
         loss, grad_norm, applied = self._reduce_grads(loss)
         t3 = time.perf_counter()
         memory = self._optimizer_step(applied, meter)
+        moe_figures = moe.end_step(self.parts.modules, self.dp_group) or None
         t4 = time.perf_counter()
         slowed = hook.slow_down(t4 - t0)
         events = [e for stage in self.pipe_stages for e in stage.events]
@@ -178,7 +182,16 @@ class Trainer:
             timeline = [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, **e} for e in events]
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
                            lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
-                           time_s=times, memory=memory, timeline=timeline)
+                           time_s=times, memory=memory, timeline=timeline, moe=moe_figures)
+
+    def _begin_moe_step(self) -> None:
+        """Tell the MoE layers where this rank's sequences start in the data stream (their routing noise is
+        drawn per sequence from it) and the main loss's gradient scale (their auxiliary losses use it: loss
+        scale, over the microbatches unless the pipeline schedule divides the gradients itself)."""
+        scale = self.state.scaler.scale if self.state.scaler else 1.0
+        if self.schedule is None:
+            scale /= self.microbatches
+        moe.begin_step(self.parts.modules, self.spec.train.seed, self.state.cursor.start, scale)
 
     def _reduce_grads(self, loss: torch.Tensor | None) -> tuple[torch.Tensor | None, float, bool]:
         """Unscale (fp16), then clip on the global norm or hand the gradients to the PS shards (which clip,

@@ -11,6 +11,7 @@ from orchestrator.errors import SpecError
 from orchestrator.faults.soak import check_repetition
 from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
+from orchestrator.spec.moe import check_moe
 from orchestrator.spec.sections import ParameterServerSpec
 
 if TYPE_CHECKING:
@@ -275,4 +276,4 @@ def check_batching(job: JobSpec) -> None:
 
 
 CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_faults,
-                      check_parameter_server, check_offload, check_lora, check_expert_parallel)
+                      check_parameter_server, check_offload, check_lora, check_moe, check_expert_parallel)

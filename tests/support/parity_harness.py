@@ -46,27 +46,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, results,
-               checkpoint: str | None = None, resume: str | None = None) -> None:
-    """Body of one spawned rank: build the Trainer (from the DCP checkpoint ``resume`` when given), train
-    ``steps`` steps, report (loss, norm) per step, and save a DCP checkpoint of the final state to
-    ``checkpoint`` when given."""
+def _rank_main(rank: int, specs: list[dict], world_size: int, ports: list[int], steps: int, results,
+               checkpoints: list[str | None], resumes: list[str | None]) -> None:
+    """Body of one spawned rank: for each spec in turn, build the Trainer (from the DCP checkpoint in
+    ``resumes`` when given), train ``steps`` steps and keep (loss, norm) per step, and save a DCP checkpoint of
+    the final state to its entry in ``checkpoints`` when given; report them all at the end."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
 
     torch.set_num_threads(1)
-    trainer = Trainer(spec, rank, world_size, "127.0.0.1", port)
-    if resume is not None:
-        trainer.checkpoints.load(resume)
-    out = []
-    for _ in range(steps):
-        result = trainer.train_step()
-        out.append((step_field(result, "loss"), step_field(result, "grad_norm")))
-    if checkpoint is not None:
-        trainer.checkpoints.save(checkpoint, async_save=False)
-    results.put((rank, out))
-    dist.destroy_process_group()
+    outs = []
+    for spec, port, checkpoint, resume in zip(specs, ports, checkpoints, resumes, strict=True):
+        trainer = Trainer(spec, rank, world_size, "127.0.0.1", port)
+        if resume is not None:
+            trainer.checkpoints.load(resume)
+        out = []
+        for _ in range(steps):
+            result = trainer.train_step()
+            out.append((step_field(result, "loss"), step_field(result, "grad_norm")))
+        if checkpoint is not None:
+            trainer.checkpoints.save(checkpoint, async_save=False)
+        outs.append(out)
+        dist.destroy_process_group()
+    results.put((rank, outs))
 
 
 def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, list[tuple]]:
@@ -88,7 +91,16 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
                checkpoint: str | None = None, resume: str | None = None) -> LayoutRun:
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
     With ``checkpoint``, the ranks save their final state there (a DCP checkpoint written by this layout); with
-    ``resume``, they start from that DCP checkpoint (written by any layout: DCP reshards).
+    ``resume``, they start from that DCP checkpoint (written by any layout: DCP reshards)."""
+    return run_layouts([spec], world_size, steps, timeout_s, [checkpoint], [resume])[0]
+
+
+def run_layouts(specs: list[dict], world_size: int, steps: int, timeout_s: float = 300.0,
+                checkpoints: list[str | None] | None = None, resumes: list[str | None] | None = None,
+                ) -> list[LayoutRun]:
+    """Train each of ``specs`` in turn on the same ``world_size`` spawned ranks (so several small jobs pay for
+    spawning and importing torch once); one ``LayoutRun`` per spec. ``checkpoints``/``resumes``: per spec, where
+    to save its final state and which checkpoint to start from (a later spec may resume an earlier one's save).
 
     OMP_NUM_THREADS=1 is set for the children (they inherit the environment at spawn): N ranks each
     starting a full thread pool on a small CI machine is slower than one thread each.
@@ -97,19 +109,22 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     results = ctx.Queue()
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
+    ports = [free_port() for _ in specs]
+    checkpoints, resumes = checkpoints or [None] * len(specs), resumes or [None] * len(specs)
     try:
-        procs = mp.start_processes(_rank_main, args=(spec, world_size, free_port(), steps, results, checkpoint, resume),
+        procs = mp.start_processes(_rank_main, args=(specs, world_size, ports, steps, results, checkpoints, resumes),
                                    nprocs=world_size, join=False, start_method="spawn")
         try:
-            by_rank = _collect(results, procs, world_size, timeout_s)
+            by_rank = _collect(results, procs, world_size, timeout_s * len(specs))
             _join_all(procs, timeout_s)
         finally:
             _stop_leftovers(procs)
     finally:
         _restore_env("OMP_NUM_THREADS", old)
-    if checkpoint is not None:  # sealed as the controller seals a save, so export/--resume accept it
-        checksums.write_manifest(checkpoint)
-    return _as_controller_sees(by_rank, steps)
+    for checkpoint in checkpoints:  # sealed as the controller seals a save, so export/--resume accept it
+        if checkpoint is not None:
+            checksums.write_manifest(checkpoint)
+    return [_as_controller_sees({rank: outs[i] for rank, outs in by_rank.items()}, steps) for i in range(len(specs))]
 
 
 def _join_all(procs, timeout_s: float) -> None:

@@ -116,6 +116,11 @@ class DataCursor:
         self.position = position
 
     @property
+    def start(self) -> int:
+        """Stream position of this rank's first sample in the next step."""
+        return self._start
+
+    @property
     def _start(self) -> int:
         return self.position + self.dp_rank * (self.global_batch // self.dp_size)
 
