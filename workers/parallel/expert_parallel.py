@@ -111,7 +111,6 @@ def experts_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, Experts)]
 
 
-@torch.no_grad()
 def shard_experts(module: nn.Module, ep_group) -> list[nn.Module]:
     """Keep this rank's experts of every MoE layer under ``module`` and dispatch over ``ep_group``.
 
@@ -120,13 +119,16 @@ def shard_experts(module: nn.Module, ep_group) -> list[nn.Module]:
     """
     from workers.model.moe import MoELayer
 
-    ep, index = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        experts = layer.experts
-        local = experts.num_experts // ep
-        experts.first, experts.num_local = index * local, local
-        for name, param in list(experts.named_parameters(recurse=False)):
-            rows = param[experts.first:experts.first + local].clone()
-            setattr(experts, name, nn.Parameter(rows, requires_grad=param.requires_grad))
+        keep_rows(layer.experts, dist.get_rank(ep_group), dist.get_world_size(ep_group))
         layer.dispatcher = ExpertParallelDispatcher(ep_group)
     return experts_modules(module)
+
+
+def keep_rows(experts: nn.Module, index: int, ep: int) -> None:
+    """Cut ``experts`` to the ``index``-th of ``ep`` equal runs of experts (on meta: shapes only)."""
+    local = experts.num_experts // ep
+    experts.first, experts.num_local = index * local, local
+    for name, param in list(experts.named_parameters(recurse=False)):
+        rows = param[experts.first:experts.first + local].detach().clone()
+        setattr(experts, name, nn.Parameter(rows, requires_grad=param.requires_grad))

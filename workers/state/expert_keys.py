@@ -66,15 +66,15 @@ def split(state: dict, experts: dict[str, int]) -> dict:
 
 def join(state: dict, like: dict, experts: dict[str, int]) -> dict:
     """Undo ``split``: entries shaped as in ``like`` (this rank's current dict) from their per-expert rows."""
-    out = {k: v for k, v in state.items() if ".expert" not in k.rpartition(".")[2]}
+    out = dict(state)
     for key, value in like.items():
         weight = _expert_weight(key, experts)
         if weight is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         rows, at = _rows(value)
         first = experts[weight] + at
-        stacked = torch.stack([state[f"{key}.expert{first + j}"] for j in range(rows.shape[0])]) \
-            if rows.shape[0] else rows.clone()
+        held = [out.pop(f"{key}.expert{first + j}") for j in range(rows.shape[0])]
+        stacked = torch.stack(held) if held else rows.clone()
         if isinstance(value, DTensor):
             stacked = DTensor.from_local(stacked, value.device_mesh, value.placements, run_check=False,
                                          shape=value.shape, stride=value.stride())
