@@ -11,6 +11,9 @@ The order follows the bandwidth each kind of parallelism needs (seeds 000/003):
    fits: ZeRO-3 shards state but not activations; pipeline stages split both.
 4. Data parallelism with what is left: dp = ranks / (tp · pp).
 
+For an MoE model each candidate is tried at ep=1 and then at each larger expert-parallel degree dividing dp and
+the expert count, before the next candidate: experts' state split over ep for an all-to-all within dp.
+
 The first candidate whose largest per-rank peak fits ``gpu_mem`` wins; each
 candidate the job file cannot run (batch not divisible, ZeRO-1 with pp ...) is
 skipped with the spec's own reason.
@@ -59,19 +62,31 @@ def _candidates(spec: JobSpec, world: int, gpus_per_node: int):
                 yield tp, pp, zero, f"tp={tp} with ZeRO-3 did not fit; {pp} pipeline stages (ZeRO-{zero}) do"
 
 
+def _with_ep(spec: JobSpec, candidates, world: int):
+    """Each candidate at ep=1, then (an MoE model) at each larger ep dividing its dp and the expert count:
+    expert parallelism splits the experts' weights, gradients and optimizer state over ep ranks for an
+    all-to-all inside the data-parallel group, so it comes before the next, costlier candidate."""
+    experts = spec.model.moe.experts if spec.model.moe is not None else 1
+    for tp, pp, zero, why in candidates:
+        dp = world // Grid(pp=pp, tp=tp).positions
+        for ep in _divisors(dp):
+            if experts % ep == 0:
+                yield tp, pp, zero, ep, why if ep == 1 else f"{why} with the experts split over ep={ep} ranks"
+
+
 def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int) -> Choice:
     """First candidate that fits. The job's micro-batch size (global_batch_size / dp / microbatches
     as written) is kept; ``train.microbatches`` becomes what the new dp needs for the same global batch."""
     world = nodes * gpus_per_node
     mbs, gbs = micro_batch(spec), spec.train.global_batch_size
     tried, best = [], None
-    for tp, pp, zero, why in _candidates(spec, world, gpus_per_node):
+    for tp, pp, zero, ep, why in _with_ep(spec, _candidates(spec, world, gpus_per_node), world):
         dp = world // Grid(pp=pp, tp=tp).positions  # the ranks one replica of this model split takes
         mb = max(gbs // (dp * mbs), pp, 1)
-        name = f"dp={dp} pp={pp} tp={tp} zero={zero}"
+        name = f"dp={dp} pp={pp} tp={tp} zero={zero}" + (f" ep={ep}" if ep > 1 else "")
         try:
             cand = spec.with_overrides([f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}",
-                                        f"parallel.zero={zero}", f"train.microbatches={mb}"])
+                                        f"parallel.zero={zero}", f"parallel.ep={ep}", f"train.microbatches={mb}"])
         except SpecError as exc:
             tried.append(f"{name}: not runnable ({exc.field}: {exc.problem})")
             continue

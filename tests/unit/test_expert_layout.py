@@ -1,4 +1,5 @@
-"""Expert parallelism without processes: replica peers, spec checks, local experts' initial rows, per-expert keys."""
+"""Expert parallelism without processes: replica peers, spec checks, local experts' initial rows, per-expert keys,
+the planner's share of the experts and the layout picker's ep."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from orchestrator.errors import SpecError
+from orchestrator.planning.estimate import peak_rank
+from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.spec import JobSpec
 from orchestrator.spec.sections import dp_replicas_mirror
 from workers.model.config import ModelConfig
@@ -84,3 +87,26 @@ def test_per_expert_keys_carry_global_ids_and_join_back():
     assert torch.equal(split[f"{weight}.expert3"], state[weight][1])
     joined = expert_keys.join(split, state, experts)
     assert joined.keys() == state.keys() and all(torch.equal(joined[k], state[k]) for k in state)
+
+
+def _moe_plan(**parallel: Any) -> JobSpec:
+    """A 1.3B-ish MoE GPT (8 experts in every other block) as the planner sees it."""
+    raw = _job({"device": "cuda", **parallel}, {"experts": 8, "every": 2}, d_model=1024, n_layers=8, n_heads=8,
+               d_ff=4096, seq_len=512)
+    return JobSpec.from_dict({**raw, "train": {"global_batch_size": 64}})
+
+
+def test_planner_divides_routed_experts_and_their_state_by_ep():
+    routed = 4 * 8 * 2 * 1024 * 4096  # 4 MoE blocks x 8 experts x GPT's two matrices
+    one, four = peak_rank(_moe_plan(dp=8)), peak_rank(_moe_plan(dp=8, ep=4))
+    assert one.params - four.params == routed - routed // 4
+    # weights, gradients and Adam's two moments in fp32: 16 bytes per parameter not held any more
+    assert one.state.persistent - four.state.persistent == 16 * (routed - routed // 4)
+    assert four.buffer_bytes - one.buffer_bytes == 4 * (64 // 8) * 512 * 2 * 1024 * 4  # all-to-all buffers, top-2
+
+
+def test_layout_picker_splits_the_experts_before_sharding_everything():
+    plain = peak_rank(_moe_plan(dp=8)).total_bytes
+    choice = pick_layout(_moe_plan(dp=8), nodes=1, gpus_per_node=8, gpu_mem=plain - 1)
+    p = choice.spec.parallel
+    assert (p.dp, p.tp, p.pp, p.zero) == (8, 1, 1, 0) and p.ep > 1 and "ep=" in choice.reason
