@@ -14,7 +14,7 @@ import queue
 import socket
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -28,6 +28,7 @@ class LayoutRun:
 
     losses: list[float]
     grad_norms: list[float]
+    step_s: list[float] = field(default_factory=list)  # per step, the slowest rank's step time (benchmarks)
 
 
 def step_field(result, name: str):
@@ -64,12 +65,18 @@ def _rank_main(rank: int, specs: list[dict], world_size: int, ports: list[int], 
         out = []
         for _ in range(steps):
             result = trainer.train_step()
-            out.append((step_field(result, "loss"), step_field(result, "grad_norm")))
+            out.append((step_field(result, "loss"), step_field(result, "grad_norm"), _step_seconds(result)))
         if checkpoint is not None:
             trainer.checkpoints.save(checkpoint, async_save=False)
         outs.append(out)
         dist.destroy_process_group()
     results.put((rank, outs))
+
+
+def _step_seconds(result) -> float:
+    """The step's wall time from a typed result (0.0 from the older dict form, which has none)."""
+    times = step_field(result, "time_s") if not isinstance(result, dict) else None
+    return float(times.step) if times is not None else 0.0
 
 
 def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, list[tuple]]:
@@ -156,4 +163,5 @@ def _as_controller_sees(by_rank: dict[int, list[tuple]], steps: int) -> LayoutRu
     for step in range(steps):
         held = [by_rank[r][step][0] for r in sorted(by_rank) if by_rank[r][step][0] is not None]
         losses.append(statistics.fmean(held))  # as orchestrator/observability/run_records.py
-    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)])
+    slowest = [max(out[step][2] if len(out[step]) > 2 else 0.0 for out in by_rank.values()) for step in range(steps)]
+    return LayoutRun(losses, [by_rank[0][step][1] for step in range(steps)], slowest)

@@ -1,4 +1,4 @@
-"""Builds this rank's share of the model: stages, then TP/SP, recompute, then data parallel.
+"""Builds this rank's share of the model: stages, then TP/SP, expert sharding (ep), recompute, then data parallel.
 
 Every rank builds the whole model on the ``meta`` device (no storage), cuts
 its pipeline stages, applies TP and (ZeRO-2/3) FSDP2 there, and only then
