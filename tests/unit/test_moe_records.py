@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -41,3 +44,23 @@ def test_exporter_sets_the_moe_gauges():
         assert samples["raymesh_moe_aux_loss", (("job", "j"), layer, ("loss", "balance"))] == pytest.approx(0.02)
     finally:
         exporter.close()
+
+
+def test_report_plots_expert_load_over_time(tmp_path):
+    from orchestrator.observability.report import write_report
+
+    steps = 6
+    summary = {"steps": steps, "losses": [3.0] * steps, "final_loss": 3.0, "tokens_per_s": 100.0,
+               "layout": {"dp": 1, "pp": 1, "tp": 1, "world_size": 1, "ranks": []}, "recoveries": [],
+               "checkpoints": [], "peak_memory_bytes": {"0": 2**20}, "status": "finished"}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    records = [{"step": s, "time": float(s), "loss": 3.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 64, "step_s": 1.0,
+                "tokens_per_s": 64.0, "phases": {"0": {"compute": 1.0}},
+                "memory": {"0": {"peak_bytes": 2**20, "current_bytes": 2**20}},
+                "moe": {"layers.1.feed_forward": {**FIGURES, "tokens_per_expert": [8 - s, s, 4, 4]}}}
+               for s in range(1, steps + 1)]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = write_report(tmp_path)
+    png = next(p for p in result["pngs"] if p.endswith("expert_load.png"))
+    assert Path(png).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert 'src="expert_load.png"' in Path(result["html"]).read_text()
