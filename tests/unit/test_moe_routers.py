@@ -293,3 +293,19 @@ def test_switch_init_is_truncated_normal_with_scale_point_one_and_noisy_topk_sta
         assert value.abs().max() <= 2 * std and 0.7 * std < value.std() < std
     noisy = cfg.model_copy(update={"moe": MoEConfig(experts=8, router="noisy_topk")})
     assert not moe.init_parameter("layers.0.feed_forward.router.noise_weight", (8, 64), gen, noisy).any()
+
+
+def test_a_slice_of_the_experts_is_drawn_as_the_same_rows_of_the_whole():
+    """Meta-device init of an Experts module holding experts 2..3 of 4 gives rows 2..3 of the whole stack, as
+    expert parallelism needs (the stack is drawn whole from its name's generator, then cut)."""
+    from workers.model.meta_init import fill
+
+    cfg = ModelConfig(d_model=D, d_ff=16, n_layers=1, n_heads=2, moe={"experts": E})
+    whole = moe.MoELayer(cfg, 0, swiglu=False)
+    fill(whole, 9, cfg)
+    part = moe.MoELayer(cfg, 0, swiglu=False)
+    part.experts.first, part.experts.num_local = 2, 2
+    part.experts.w1 = torch.nn.Parameter(torch.empty(2, D, 16))
+    part.experts.w2 = torch.nn.Parameter(torch.empty(2, 16, D))
+    fill(part, 9, cfg)
+    assert torch.equal(part.experts.w1, whole.experts.w1[2:]) and torch.equal(part.experts.w2, whole.experts.w2[2:])

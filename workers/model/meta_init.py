@@ -26,7 +26,6 @@ construction. What else is covered:
 - Buffers: a module holding buffers must define ``reset_buffers()`` (recompute
   them on its own device, e.g. a rotary table); one that does not is refused
   by name, since its values could not be rebuilt.
-- Expert parallelism's sharded experts: each rank keeps rows of the full expert stack (``expert_rows``).
 - Recompute wrappers (composable ``checkpoint``) and FSDP2 work on meta
   modules and keep parameter names; parameter offload runs after this, on the
   materialised shards, so it needs nothing here.
@@ -88,21 +87,6 @@ def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
 
-def expert_rows(module: nn.Module, name: str) -> tuple[slice, int | None]:
-    """Which rows of its full stack parameter ``name`` holds, and the stack's full length (None: not sliced).
-
-    Expert parallelism keeps rows ``[first, first + num_local)`` of a MoE layer's stacked expert weights
-    (``workers.parallel.expert_parallel``); the module holding them says so with the ``Experts`` attributes.
-    The full stack is drawn from its one generator and these rows kept, so an expert's values do not depend on
-    ep. Other parameters: all rows.
-    """
-    owner = module.get_submodule(name.rpartition(".")[0])
-    total = getattr(owner, "num_experts", None)
-    if total is None or getattr(owner, "num_local", total) == total:
-        return slice(None), None
-    return slice(owner.first, owner.first + owner.num_local), total
-
-
 def init_hook(fam: ModelFamily) -> InitFn | None:
     """The family's ``init_parameter`` hook, or None when it registers none (then the model is built whole)."""
     return fam.hook("init_parameter") if "init_parameter" in fam.hooks else None
@@ -116,9 +100,12 @@ def fill(module: nn.Module, seed: int, cfg: ModelConfig) -> None:
     """
     init = family(cfg.arch).hook("init_parameter")
     for name, param in module.named_parameters():
-        rows, total = expert_rows(module, name)
-        shape = tuple(param.shape) if total is None else (total, *param.shape[1:])
-        full = full_value(name, shape, seed, cfg, init)[rows]
+        owner = module.get_submodule(name.rpartition(".")[0])
+        rows = getattr(owner, "held_rows", None)  # a module holding some rows of a stacked parameter (Experts)
+        shape = tuple(param.shape) if rows is None else (rows.full, *param.shape[1:])
+        full = full_value(name, shape, seed, cfg, init)
+        if rows is not None:
+            full = full[rows.start:rows.start + param.shape[0]]
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(local_slice(full, param))
         del full

@@ -74,6 +74,14 @@ class _StackedFFN(nn.Module):
                           self.dropout, self.training)
 
 
+@dataclass(frozen=True)
+class HeldRows:
+    """Rows ``start .. start + local`` of a stacked parameter whose full first dimension is ``full``."""
+
+    full: int
+    start: int
+
+
 class Experts(_StackedFFN):
     """The routed experts of one MoE layer, or this rank's slice of them under expert parallelism.
 
@@ -84,6 +92,12 @@ class Experts(_StackedFFN):
     def __init__(self, num_experts: int, d_model: int, hidden: int, swiglu: bool, dropout: float = 0.0):
         super().__init__(num_experts, d_model, hidden, swiglu, dropout)
         self.num_experts, self.first, self.num_local = num_experts, 0, num_experts
+
+    @property
+    def held_rows(self) -> HeldRows:
+        """Which rows of the full [E, ...] stacks this module holds: meta-device init draws the full stack (one
+        generator per name, so values do not depend on the split) and keeps these rows."""
+        return HeldRows(full=self.num_experts, start=self.first)
 
     def grouped(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Local expert j applied to the j-th consecutive run of ``counts[j]`` rows of ``x_sorted`` [N, d]."""
