@@ -22,9 +22,10 @@ weight's, and the data-parallel wrapper's plain mean over the ``dp / ep`` ranks 
 expert-data-parallel group, ``edp``) gives the mean over all dp ranks a dense weight gets.
 
 ``shard_experts`` turns a built model (on meta or materialised) into this rank's share: each ``Experts`` keeps
-its rows ``[first, first + num_local)`` and each MoE layer gets this dispatcher. ``wrap_experts`` puts every
-``Experts`` under the data-parallel wrapper of its own (over ``edp``) before the stage's (over dp), the way
-FSDP2 nests, so dense weights are reduced over dp and expert weights over edp.
+its rows ``[first, first + num_local)`` and each MoE layer gets this dispatcher. ``apply_data_parallel``
+(``workers.parallel.data_parallel``) then puts every ``Experts`` under a data-parallel wrapper of its own (over
+``edp``) before the stage's (over dp), the way FSDP2 nests, so dense weights are reduced over dp and expert
+weights over edp.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from workers.model.moe import Experts, MoELayer
 
 
 def received_counts(counts: torch.Tensor, group) -> torch.Tensor:
@@ -106,8 +109,6 @@ class ExpertParallelDispatcher:
 
 def experts_modules(module: nn.Module) -> list[nn.Module]:
     """The ``Experts`` (routed experts: ``num_experts``/``first``/``num_local``) under ``module``, in order."""
-    from workers.model.moe import Experts  # the model package; imported late to keep this module's import light
-
     return [m for m in module.modules() if isinstance(m, Experts)]
 
 
@@ -117,8 +118,6 @@ def shard_experts(module: nn.Module, ep_group) -> list[nn.Module]:
     Works on meta (before ``materialize``, which then draws each full stack and keeps these rows) or on real
     weights. Returns the sharded ``Experts`` modules.
     """
-    from workers.model.moe import MoELayer
-
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         keep_rows(layer.experts, dist.get_rank(ep_group), dist.get_world_size(ep_group))
         layer.dispatcher = ExpertParallelDispatcher(ep_group)

@@ -18,17 +18,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from workers.model.moe import moe_layers
+
 
 def sharded_experts(modules: Iterable[nn.Module]) -> dict[str, int]:
     """Global id of local row 0, per full name of an expert-parallel stacked weight (empty at ep=1)."""
-    from workers.model.moe import Experts, _clean
-
     out = {}
-    for module in modules:
-        for name, sub in module.named_modules():
-            if isinstance(sub, Experts) and sub.num_local != sub.num_experts:
-                for param, _ in sub.named_parameters(recurse=False):
-                    out[_clean(f"{name}.{param}")] = sub.first
+    for name, layer in moe_layers(list(modules)).items():
+        experts = layer.experts
+        if experts.num_local != experts.num_experts:
+            for param, _ in experts.named_parameters(recurse=False):
+                out[f"{name}.experts.{param}"] = experts.first
     return out
 
 
