@@ -51,6 +51,7 @@ class StepResult:
     timeline: list[dict[str, Any]] | None = None
     local_steps: int | None = None
     clock: int | None = None
+    moe: dict[str, dict[str, Any]] | None = None  # per MoE layer: load, drops, aux losses (workers.model.moe)
     replicated_step: int = -1  # newest step whose snapshot replica is known to be held by this rank's holder
     # bytes this rank's collectives sent this step per mesh dimension (workers.diagnostics.comm_bytes)
     comm_bytes: dict[str, int] | None = None
@@ -70,7 +71,7 @@ class StepResult:
         return out
 
 
-_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes"})
+_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe"})
 
 
 @dataclass(frozen=True)

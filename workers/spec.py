@@ -45,6 +45,7 @@ class ParallelSection:
     grad_compression: str = "none"
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
+    ep: int = 1  # expert parallelism (older harness dicts leave it out)
 
     @property
     def grid(self) -> Grid:

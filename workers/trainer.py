@@ -20,6 +20,7 @@ from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
+from workers.model import moe
 from workers.model.gpt import lm_loss
 from workers.offload.activations import activation_policy
 from workers.offload.host_memory import release_freed_buffers
@@ -57,6 +58,9 @@ class Trainer:
                               self.device, timeout_s=self.spec.collective_timeout_s)
         self.parts = build_parts(self.spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
+        # expert parallelism: the experts' gradient norm is summed over the ep ranks that split them
+        self.expert_norm = ([p for e in self.parts.experts for p in e.parameters()], self.parts.ep_group) \
+            if self.parts.ep_group is not None else ()
         self.param_offload = offload_params(self.parts.modules, memory, self.device)
         self.state = self._train_state(spec)
         self.activations = activation_policy(memory, self.device)
@@ -64,6 +68,7 @@ class Trainer:
         train = self.spec.train
         self.microbatches = train.microbatches
         self.pp_group = self.mesh["pp"].get_group() if par.grid.pp_enabled else None
+        self.dp_group = self.mesh["dp"].get_group() if par.grid.dp_enabled else None
         self.schedule, self.pipe_stages = None, []
         if par.grid.pp_enabled:
             self.schedule, self.pipe_stages = build_schedule(
@@ -173,6 +178,7 @@ class Trainer:
         self.compute_events.clear()
         self._pause_reducers()
         t0 = time.perf_counter()
+        self._begin_moe_step()
         inputs, targets = self.state.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         t1 = time.perf_counter()
@@ -186,6 +192,7 @@ class Trainer:
             loss, grad_norm, applied = self._reduce_grads(loss)
             t3 = time.perf_counter()
             memory = self._optimizer_step(applied, meter)
+            moe_figures = moe.end_step(self.parts.modules, self.dp_group) or None
         t4 = time.perf_counter()
         slowed = hook.slow_down(t4 - t0)
         events = [e for stage in self.pipe_stages for e in stage.events]
@@ -195,7 +202,7 @@ class Trainer:
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
                            lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
                            time_s=times, memory=memory, timeline=self._timeline(events),
-                           comm_bytes=self.comm.take() if self.comm else None)
+                           comm_bytes=self.comm.take() if self.comm else None, moe=moe_figures)
 
     def _timeline(self, pipeline_events: list[dict]) -> list[dict] | None:
         """This step's events when the job records them: pipeline F/B/W (or, without a pipeline, each
@@ -212,6 +219,13 @@ class Trainer:
         for reducer, opt in zip(self.parts.reducers, self.state.optimizers):
             reducer.paused = bool(getattr(opt, "communicates", False))
 
+    def _begin_moe_step(self) -> None:
+        """Tell the MoE layers where this rank's sequences start in the data stream (their routing noise is
+        drawn per sequence from it) and the main loss's gradient scale (their auxiliary losses use it: loss
+        scale over the microbatches, as ``_microbatch_loss`` divides each microbatch's loss, pipelined or not)."""
+        scale = self.state.scaler.scale if self.state.scaler else 1.0
+        moe.begin_step(self.parts.modules, self.spec.train.seed, self.state.cursor.start, scale / self.microbatches)
+
     def _reduce_grads(self, loss: torch.Tensor | None) -> tuple[torch.Tensor | None, float, bool]:
         """Unscale (fp16), then clip on the global norm or hand the gradients to the PS shards (which clip,
         step and send the new weights back). Returns the unscaled loss, the norm and whether to step."""
@@ -225,7 +239,9 @@ class Trainer:
         if self.ps is not None:
             grad_norm = self.ps.sync()
         else:
-            grad_norm = clip_grads(self.stepped_params, self.spec.grad_clip, self.pp_group) if applied else float("nan")
+            grad_norm = float("nan")
+            if applied:
+                grad_norm = clip_grads(self.stepped_params, self.spec.grad_clip, self.pp_group, self.expert_norm)
         return loss, grad_norm, applied
 
     def _optimizer_step(self, applied: bool, meter) -> dict | None:

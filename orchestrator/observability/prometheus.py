@@ -86,9 +86,19 @@ class MetricsExporter:
                                registry=r)
         self.ps_staleness = Gauge("raymesh_ps_staleness_steps", "Largest clock gap between a read and the newest "
                                   "update (0 under all-reduce)", j, registry=r)
+        moe = ("job", "layer")
+        self.moe_tokens = Gauge("raymesh_moe_expert_tokens", "Token assignments an expert took in the last step "
+                                "(all data-parallel ranks, after drops)", (*moe, "expert"), registry=r)
+        self.moe_drops = Gauge("raymesh_moe_drop_ratio", "Share of the last step's wanted expert assignments "
+                               "dropped for capacity (expert choice: tokens no expert picked)", moe, registry=r)
+        self.moe_balance = Gauge("raymesh_moe_load_imbalance", "Busiest expert's load over the mean load in the "
+                                 "last step (1 is perfect balance)", moe, registry=r)
+        self.moe_aux = Gauge("raymesh_moe_aux_loss", "The MoE layer's weighted auxiliary losses in the last step",
+                             (*moe, "loss"), registry=r)
         self._file_sd: Path | None = None
         self.server, self.thread = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
+
 
     def observe_layout(self, layout: dict) -> None:
         self.rank_labels = {
@@ -120,6 +130,7 @@ class MetricsExporter:
         self.goodput.labels(j).set(goodput)
         for dim, sent in record.get("comm_bytes", {}).items():
             self.comm_bytes.labels(j, dim).set(sent)
+        self.observe_moe(record.get("moe", {}))
         now = time.time()
         for rank, phases in record["phases"].items():
             labels = self.rank_labels[int(rank)]
@@ -128,6 +139,18 @@ class MetricsExporter:
             self.peak_mem.labels(*labels).set(record["memory"][rank]["peak_bytes"])
             self.cur_mem.labels(*labels).set(record["memory"][rank]["current_bytes"])
             self.heartbeat.last_seen[labels] = now
+
+    def observe_moe(self, layers: dict[str, dict]) -> None:
+        """Each MoE layer's figures from the step record (``workers.model.moe.step_figures``)."""
+        for layer, figures in layers.items():
+            labels = (self.job, layer)
+            for expert, tokens in enumerate(figures["tokens_per_expert"]):
+                self.moe_tokens.labels(*labels, str(expert)).set(tokens)
+            self.moe_drops.labels(*labels).set(figures["drop_fraction"])
+            self.moe_balance.labels(*labels).set(figures["balance"])
+            for name, value in figures.items():
+                if name.startswith("aux_"):
+                    self.moe_aux.labels(*labels, name[4:]).set(value)
 
     def observe_stragglers(self, ratios: dict[int, float], flagged: set[int]) -> None:
         """Every rank's slowdown ratio and straggler flag (0 too, so the panels have a series per rank)."""

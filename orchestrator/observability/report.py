@@ -120,6 +120,28 @@ def _step_breakdown(steps: list[dict]) -> Figure:
     return fig
 
 
+def _expert_load(steps: list[dict]) -> Figure:
+    """Per MoE layer, each expert's share of the step's kept assignments over time (stacked; equal bands are
+    perfect balance), and the step's drop fraction on a second axis."""
+    layers = sorted({name for r in steps for name in r.get("moe", {})})
+    fig = _figure(height=2.6 * len(layers) + 0.6)
+    for i, layer in enumerate(layers):
+        ax = fig.add_subplot(len(layers), 1, i + 1)
+        rows = [(r["step"], r["moe"][layer]) for r in steps if layer in r.get("moe", {})]
+        x = [step for step, _ in rows]
+        loads = [figures["tokens_per_expert"] for _, figures in rows]
+        shares = [[load[e] / (sum(load) or 1) for load in loads] for e in range(len(loads[0]))]
+        ax.stackplot(x, shares, labels=[f"expert {e}" for e in range(len(shares))], linewidth=0)
+        drops = ax.twinx()
+        drops.plot(x, [figures["drop_fraction"] for _, figures in rows], color="black", linewidth=1,
+                   label="dropped")
+        drops.set(ylabel="dropped", ylim=(0, 1))
+        ax.set(ylabel="share of tokens", title=f"Expert load: {layer}", ylim=(0, 1))
+        _step_axis(ax)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1), fontsize=7)
+    return fig
+
+
 def _byte_unit(largest: float) -> tuple[str, float]:
     for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if largest >= size:
@@ -231,6 +253,8 @@ CAPTIONS = {
     "throughput.png": "Tokens per second per step against the run mean; recoveries marked.",
     "step_breakdown.png": "Where a step's time goes: phases averaged over ranks, stacked, against the wall time.",
     "memory.png": "Peak accelerator/host memory per rank, and current memory after each step.",
+    "expert_load.png": "Mixture of experts: each MoE layer's share of tokens per expert per step (stacked; equal "
+                       "bands are perfect balance) and the fraction of assignments dropped for capacity.",
     "pipeline_timeline.png": "One step of one replica: forward (F), backward (B) and weight-gradient (W) passes "
                              "per pipeline rank, labelled by microbatch; gaps are the bubble.",
 }
@@ -273,6 +297,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
     if steps:
         figures["throughput.png"] = _throughput(summary, steps)
         figures["step_breakdown.png"] = _step_breakdown(steps)
+    if any("moe" in r for r in steps):
+        figures["expert_load.png"] = _expert_load(steps)
     figures["memory.png"] = _memory(summary, steps)
     if timeline:
         recorded = sorted({e["step"] for e in timeline})

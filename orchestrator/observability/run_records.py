@@ -21,9 +21,12 @@ PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint
 
 def step_record(results: list[StepResult], step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
     """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's).
-    With ``metrics.comm_bytes``, ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent."""
+    With ``metrics.comm_bytes``, ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent.
+
+    An MoE model adds ``moe``: per MoE layer (by name) its figures, already summed over data-parallel ranks
+    by the workers, so any rank holding the layer reports them (pipeline stages hold different layers)."""
     comm = comm_bytes(results)
-    return {**({"comm_bytes": comm} if comm else {}),
+    record = {**({"comm_bytes": comm} if comm else {}),
         "step": results[0].step,
         "time": end_time,
         "loss": statistics.fmean(r.loss for r in results if r.loss is not None),
@@ -39,6 +42,10 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
             for r in results
         },
     }
+    moe = {layer: figures for r in results for layer, figures in (r.moe or {}).items()}
+    if moe:
+        record["moe"] = moe
+    return record
 
 
 def comm_bytes(results: list[StepResult]) -> dict[str, int] | None:

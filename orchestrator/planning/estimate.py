@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 from orchestrator.planning import memory_model as mm
-from orchestrator.planning.layout_search import Shape
+from orchestrator.planning.layout_search import FFN_MATRICES, Shape
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
 from workers.parallel.layout import layers_of_stage, stage_ids
@@ -54,11 +54,13 @@ class RankEstimate:
 
 
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
-    """(tensor-parallel-sharded params, replicated params) of one pipeline stage."""
+    """(tensor-parallel-sharded params, replicated params) of one pipeline stage; routed experts apart
+    (``stage_expert_params``), an MoE block's router and shared experts counted here."""
     m = spec.model
     d, v = m.d_model, m.vocab_size
-    layers = m.n_layers // n_stages
-    sharded, replicated = layers * block_params(spec), layers * 2 * d
+    layers = layers_of_stage(stage, n_stages, m.n_layers)
+    sharded = sum(dense_block_params(spec, i) for i in layers)
+    replicated = len(layers) * 2 * d
     if stage == 0:
         sharded += v * d + (m.seq_len * d if m.positions == "learned" else 0)
     if stage == n_stages - 1:
@@ -71,6 +73,38 @@ def block_params(spec: JobSpec) -> int:
     """The tensor-parallel-sharded parameters of one block (``layout_search.Shape.block_params``: q and o,
     k and v smaller under grouped-query attention, the feed-forward's matrices)."""
     return Shape.of(spec).block_params
+
+
+def dense_block_params(spec: JobSpec, layer: int) -> int:
+    """``block_params`` of block ``layer``, an MoE block's feed-forward being its router and shared experts."""
+    replaced, dense, _ = moe_params(spec, layer)
+    return block_params(spec) - replaced + dense
+
+
+def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
+    """Block ``layer``'s (dense feed-forward it replaces, router + shared experts, routed experts); zeros for a
+    dense block. Routed experts are what expert parallelism splits over ``parallel.ep``."""
+    m, moe = spec.model, spec.model.moe
+    if moe is None or not m.is_moe_layer(layer):
+        return 0, 0, 0
+    ffn = FFN_MATRICES[m.arch] * m.d_model * (moe.d_expert or m.ffn_dim)
+    router = m.d_model * moe.experts * (2 if moe.router == "noisy_topk" else 1)  # noisy top-k: W_g and W_noise
+    return FFN_MATRICES[m.arch] * m.d_model * m.ffn_dim, router + moe.shared_experts * ffn, moe.experts * ffn
+
+
+def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
+    """Routed-expert parameters of one pipeline stage, all experts (a rank holds ``1 / ep`` of them)."""
+    return sum(moe_params(spec, i)[2] for i in layers_of_stage(stage, n_stages, spec.model.n_layers))
+
+
+def all_to_all_bytes(spec: JobSpec) -> int:
+    """Expert parallelism's transient buffers: one MoE layer's dispatch and combine, each a send and a receive
+    buffer of the microbatch's routed rows (tokens × k, d_model wide) at the compute precision."""
+    m, moe = spec.model, spec.model.moe
+    if moe is None or not spec.parallel.grid.ep_enabled:
+        return 0
+    rows = m.seq_len * micro_batch(spec) * (moe.k if moe.router != "expert_choice" else moe.capacity_factor)
+    return math.ceil(4 * rows * m.d_model * compute_bytes(spec))
 
 
 def offload_flags(spec: JobSpec) -> dict[str, bool]:
@@ -188,12 +222,13 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
 def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int) -> int:
     """Buffers beside model state and activations: autocast's weight copies, DDP's flat
     all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
-    (``gradient_as_bucket_view`` is off), the pipeline's receive buffers and the cp kernel's."""
+    (``gradient_as_bucket_view`` is off), the pipeline's receive buffers, the cp kernel's and the all-to-all's."""
     p, m = spec.parallel, spec.model
     buckets = 4 * trainable if p.zero == 1 and (p.grid.dp_enabled or p.grid.cp_enabled) else 0
     cp = mm.cp_buffer_bytes(p.cp_impl, m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
                             compute_bytes(spec))
-    return buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
+    return (buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
+            + all_to_all_bytes(spec))
 
 
 def rank_parameter_split(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> dict[str, int]:
@@ -226,19 +261,27 @@ def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
 
 def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
-    root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - len(ids) * (
-        spec.model.n_layers // n_stages) * block_params(spec)
+    blocks = [i for sid in ids for i in layers_of_stage(sid, n_stages, spec.model.n_layers)]
+    root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(dense_block_params(spec, i) for i in blocks)
     # ZeRO-3 on FSDP2: the root unit (embeddings, head) stays gathered from forward through
     # backward, plus the block being computed and the one prefetched
     gathered = (root + 2 * block_params(spec)) // p.tp - nf4_gathered_params(spec, ids, n_stages)
     offload = offload_flags(spec)
+    experts = split.get("experts", 0)
+    steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled}
     # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
-    state = mm.model_state(split["trainable"], p.dp * p.cp, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
-                           momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
+    state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, PRECISION_LAYOUT[spec.precision.dtype],
+                           o.name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
-                           quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]),
-                           accumulating=accumulates(spec), pipelined=p.grid.pp_enabled)
+                           quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]), **steps)
+    if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp / ep ranks holding them
+        layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // p.ep  # one gathered at a time
+        own = mm.model_state(experts, p.dp // p.ep, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
+                             momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=layer,
+                             offload_optimizer=offload["optimizer"], offload_params=offload["params"],
+                             host_master=p.device != "cpu", **steps)
+        state = mm.ModelState(*(a + b for a, b in zip(astuple(state), astuple(own))))
     if p.grid.tp_enabled and p.zero < 2 and 0 in ids and spec.model.lora is None:
         # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
         # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
@@ -290,7 +333,9 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     for sid in ids:
         sharded, replicated = stage_params(spec, sid, n_stages)
         params += sharded // p.tp + replicated
-    split = rank_parameter_split(spec, params, ids, n_stages)
+    experts = sum(stage_expert_params(spec, sid, n_stages) for sid in ids) // p.ep
+    params += experts
+    split = {**rank_parameter_split(spec, params, ids, n_stages), "experts": experts}
     saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
     largest = max(layer_bytes(spec, i) for i in range(spec.model.n_layers))
     on_device = mm.device_activation_bytes(saved, largest, offload_flags(spec)["activations"])

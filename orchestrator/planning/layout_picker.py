@@ -8,6 +8,10 @@ parallelism only for sequences of ``LONG_SEQUENCE`` tokens or more, where Llama 
 winner is the first that the job file accepts (``with_overrides`` validates it; refusals are listed with the
 spec's own reason). The unrestricted search (uneven stage splits, context parallelism at any length) is
 reported beside it when it would be faster.
+
+For an MoE model the search prices the dense blocks; each candidate is then tried at ep=1 and at each larger
+expert-parallel degree dividing its dp and the expert count, and runs at the first whose estimated peak
+(which counts the routed experts, split over ep) fits.
 """
 
 from __future__ import annotations
@@ -62,21 +66,43 @@ def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | No
     tried = []
     for cand in result.best:
         try:
-            chosen = spec.with_overrides(overrides(cand, shape))
+            chosen = with_experts(spec.with_overrides(overrides(cand, shape)), cand.layout.dp, result.limit)
         except SpecError as exc:
             tried.append(f"{cand.layout.label()}: not runnable ({exc.field}: {exc.problem})")
             continue
         peak = peak_rank(chosen)
         t = cand.time
+        ep = f", routed experts split over ep={chosen.parallel.ep}" if chosen.parallel.ep > 1 else ""
         reason = (f"fastest of {result.considered} layouts that fit in {human_bytes(result.limit)} "
                   f"({spec.memory.headroom:.0%} headroom): {t.total:.3g} s/step (compute {t.compute:.3g}, bubble "
                   f"{t.bubble:.3g}, exposed communication {sum(t.exposed.values()):.3g}); peak rank {peak.rank} "
-                  f"needs {human_bytes(peak.total_bytes)}")
+                  f"needs {human_bytes(peak.total_bytes)}{ep}")
         free = ls.search(shape, world, g, top=1, **kw).best
         faster = free[0] if free and free[0].step_s < cand.step_s * 0.99 else None
         return Choice(chosen, peak, reason, tried, cand, result, faster)
     free = ls.search(shape, world, g, top=1, **kw).best
     raise _no_fit(spec, nodes, gpus_per_node, g, result, tried, free[0] if free else None)
+
+
+def with_experts(chosen: JobSpec, dp: int, limit: float) -> JobSpec:
+    """An MoE candidate at the smallest expert-parallel degree (dividing its dp and the expert count) whose
+    estimated peak fits ``limit``; a dense one as it is. The search priced the dense blocks only, the estimate
+    counts the routed experts (split over ep) and the all-to-all buffers."""
+    moe = chosen.model.moe
+    if moe is None:
+        return chosen
+    problem = None
+    for ep in (e for e in range(1, dp + 1) if dp % e == 0 and moe.experts % e == 0):
+        try:
+            trial = chosen.with_overrides([f"parallel.ep={ep}"])
+        except SpecError as exc:
+            problem = exc
+            continue
+        if peak_rank(trial).total_bytes <= limit:
+            return trial
+    raise problem or SpecError("parallel.ep", "1..dp", f"gives no expert-parallel degree whose peak fits "
+                               f"{human_bytes(limit)} with dp={dp}", "add GPUs or lower the batch",
+                               where="raymesh plan")
 
 
 def _no_fit(spec: JobSpec, nodes: int, gpus_per_node: int, g: tm.GPU, result: ls.SearchResult,

@@ -264,7 +264,7 @@ class RankGroup:
         if not self.mirrored:
             return None
         grid = self.spec.parallel.grid
-        return next((r for r in grid.ranks() if r not in replaced and grid.position(r) == grid.position(rank)), None)
+        return next((r for r in grid.ranks() if r not in replaced and grid.same_state(r, rank)), None)
 
     def _replica(self, rank: int, source: int, step: int):
         holder = self.workers[source]
@@ -278,7 +278,7 @@ class RankGroup:
         which only a DCP checkpoint can reshard. None also when every replica of a position died.
         """
         grid = self.spec.parallel.grid
-        if not self.mirrored:
+        if not self.mirrored or grid.ep_enabled:  # a new dp re-splits the experts: only DCP reshards them
             return None
         chosen = {}
         for rank in grid.ranks():

@@ -12,6 +12,7 @@ from orchestrator.faults.soak import check_repetition
 from orchestrator.spec.context_checks import check_context_parallel
 from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
+from orchestrator.spec.moe import check_moe
 from orchestrator.spec.sections import ParameterServerSpec
 
 if TYPE_CHECKING:
@@ -183,6 +184,38 @@ def check_comm(job: JobSpec) -> None:
             raise SpecError(field, value, f"cannot be combined with optim.name onebit_adam: {why}", fix)
 
 
+def check_expert_parallel(job: JobSpec) -> None:
+    """``parallel.ep`` needs MoE layers whose experts it divides, and a data-parallel mode that reduces the
+    experts over the ranks holding them (``workers.parallel.expert_parallel``); ``ep`` dividing dp is the
+    parallel section's own check."""
+    p, moe = job.parallel, getattr(job.model, "moe", None)
+    if p.ep == 1:
+        return
+    if moe is None:
+        raise SpecError("parallel.ep", p.ep, "splits the experts of MoE layers, and model.moe is not set",
+                        "set parallel.ep: 1, or give the model MoE layers (model.moe: {experts: 8})")
+    if moe.experts % p.ep:
+        raise SpecError("parallel.ep", p.ep, f"does not divide model.moe.experts={moe.experts}: every ep rank "
+                        "holds the same number of experts",
+                        f"pick ep from {', '.join(map(str, _divisors(moe.experts)))} (dividing dp too), "
+                        "or change the expert count")
+    refused = [  # (field, value, applies, problem, fix)
+        ("parallel.zero", p.zero, p.zero == 1, "with parallel.ep > 1 is not supported: the distributed optimizer "
+         "slices every parameter over all dp ranks, which hold different experts", "use zero: 0, 2 or 3"),
+        ("parallel.cp", p.cp, p.cp > 1, "with parallel.ep > 1 is not supported yet: the experts' gradients are "
+         "averaged over the dp ranks holding them, not over cp", "use parallel.cp: 1, or parallel.ep: 1"),
+        ("optim.name", job.optim.name, job.optim.name == "onebit_adam", "with parallel.ep > 1 is not supported: "
+         "1-bit Adam averages every parameter's momentum over all dp ranks, which hold different experts",
+         "use optim.name: adamw, or parallel.ep: 1"),
+        ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps", "with parallel.ep > 1 is not supported: parameter-"
+         "server shards key one copy of each parameter, and ep ranks hold different experts",
+         "use dp_sync: allreduce"),
+    ]
+    for field, value, applies, problem, fix in refused:
+        if applies:
+            raise SpecError(field, value, problem, fix)
+
+
 def check_pipeline_split(job: JobSpec) -> None:
     p, n_layers = job.parallel, job.model.n_layers
     spr = p.stages_per_rank
@@ -286,4 +319,4 @@ def check_batching(job: JobSpec) -> None:
 
 CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_recompute,
                       check_faults, check_parameter_server, check_offload, check_lora, check_context_parallel,
-                      check_comm)
+                      check_comm, check_moe, check_expert_parallel)

@@ -14,6 +14,7 @@ from pydantic import model_validator
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr, _divisors, _Section
 from orchestrator.spec.lora import LoraSpec, default_targets
+from orchestrator.spec.moe import MoESpec
 from workers.model.config import LLAMA_ONLY, ModelConfig
 from workers.model.llama import PRESETS
 
@@ -30,6 +31,7 @@ class ModelSpec(ModelConfig, _Section):
     preset: Preset | None = None  # a named shape (llama-150m, llama-1b, llama3-8b/70b/405b); own fields override
     init_from: PathStr | None = None  # a Hugging Face Llama directory: shape from config.json, weights loaded at start
     lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
+    moe: MoESpec | None = None  # mixture-of-experts feed-forwards (workers.model.moe); null: dense
 
     @model_validator(mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from orchestrator.spec.fields import (
     PositiveInt,
     Seconds,
     Seed,
+    _divisors,
     _Section,
 )
 from workers.parallel.grid import Grid
@@ -41,6 +42,7 @@ class ParallelSpec(_Section):
     tp: Annotated[int, Field(ge=1)] = 1
     cp: Annotated[int, Field(ge=1)] = 1  # context parallel: each sequence split over cp ranks
     cp_impl: Literal["ring", "ulysses", "allgather"] = "ring"  # which attention kernel joins the cp shares
+    ep: Annotated[int, Field(ge=1)] = 1  # expert parallelism: MoE experts split over groups of ep dp ranks
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None
@@ -70,6 +72,14 @@ class ParallelSpec(_Section):
             except ValueError:
                 raise SpecError("parallel.device_memory", self.device_memory, "is not a size",
                                 "write bytes with a unit, e.g. 80GB (decimal), 80GiB (binary) or 85899345920") from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_ep(self) -> ParallelSpec:
+        if self.dp % self.ep:
+            raise SpecError("parallel.ep", self.ep, f"does not divide parallel.dp={self.dp}: expert groups are "
+                            "carved out of the data-parallel ranks",
+                            f"pick ep from the divisors of dp: {', '.join(map(str, _divisors(self.dp)))}")
         return self
 
     @property
@@ -190,8 +200,10 @@ class TrainSpec(_Section):
 
 def dp_replicas_mirror(parallel: ParallelSpec) -> bool:
     """Whether every data-parallel replica holds the whole state bit for bit (zero 0, all-reduce, dp > 1): a
-    replica's own snapshot then is its peers' replica, so a snapshot costs one local copy and ships nothing."""
-    return parallel.zero == 0 and parallel.grid.dp_enabled and parallel.dp_sync == "allreduce"
+    replica's own snapshot then is its peers' replica, so a snapshot costs one local copy and ships nothing.
+    With expert parallelism only the dp / ep ranks holding the same experts mirror, so there must be two."""
+    grid = parallel.grid
+    return parallel.zero == 0 and grid.dp > grid.ep and parallel.dp_sync == "allreduce"
 
 
 class CheckpointSpec(_Section):

@@ -48,7 +48,8 @@ def test_dashboard_is_importable_json():
     ids = [p["id"] for p in d["panels"]] + [p["id"] for r in d["panels"] for p in r.get("panels", [])]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     titles = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert titles == ["Progress", "Time breakdown", "Memory", "Pipeline", "Fault tolerance", "Parameter server"]
+    assert titles == ["Progress", "Time breakdown", "Memory", "Pipeline", "Fault tolerance", "Parameter server",
+                      "Mixture of experts"]
     for p in d["panels"]:
         assert {"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]
 

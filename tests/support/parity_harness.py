@@ -41,6 +41,12 @@ class LayoutRun:
         """Rank -> its last step's activation peak, for the ranks that measured one."""
         return {rank: record["activations"] for rank, record in self.memory.items() if record}
 
+    @property
+    def step_s(self) -> list[float]:
+        """Per step, the slowest rank's step time (what the benchmarks compare)."""
+        steps = len(self.losses)
+        return [max(out[i]["time_s"]["step"] for out in (self.results or {}).values()) for i in range(steps)]
+
     def field(self, name: str) -> dict[int, list]:
         """One field of every rank's step results: ``{rank: [value per step]}``."""
         return {rank: [step.get(name) for step in steps] for rank, steps in (self.results or {}).items()}
@@ -53,30 +59,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, spec: dict, world_size: int, port: int, steps: int, checkpoint: str | None,
-               resume: str | None, save_after: int | None, results) -> None:
-    """Body of one spawned rank: build the Trainer (and load the DCP checkpoint ``resume`` when given; DCP
-    reshards it to this layout), train ``steps`` steps, report each step's result dict, and save the
-    state after ``save_after`` steps (default: the last) to ``checkpoint`` when given."""
+@dataclass(frozen=True)
+class Job:
+    """One spec a spawned group trains: where it starts from and where (after how many steps) it saves."""
+
+    spec: dict
+    port: int
+    checkpoint: str | None = None
+    resume: str | None = None
+    save_after: int | None = None
+
+
+def _rank_main(rank: int, jobs: list[Job], world_size: int, steps: int, results) -> None:
+    """Body of one spawned rank: for each job in turn, build the Trainer (and load the DCP checkpoint
+    ``resume`` when given; DCP reshards it to this layout), train ``steps`` steps keeping each step's result
+    dict, and save the state after ``save_after`` steps (default: the last) to ``checkpoint`` when given;
+    report them all at the end."""
     import torch.distributed as dist
 
     from workers.trainer import Trainer
 
     torch.set_num_threads(1)
-    trainer = Trainer(spec, rank, world_size, "127.0.0.1", port)
-    if resume is not None:
-        trainer.checkpoints.load(resume)
-    out = []
-    for step in range(1, steps + 1):
-        result = trainer.train_step()
-        out.append(result.to_dict())  # a workers.protocol.StepResult, sent as the JSON form the records use
-        if checkpoint is not None and step == (save_after or steps):
-            trainer.checkpoints.save(checkpoint, async_save=False)
-    results.put((rank, out))
-    dist.destroy_process_group()
+    outs = []
+    for job in jobs:
+        trainer = Trainer(job.spec, rank, world_size, "127.0.0.1", job.port)
+        if job.resume is not None:
+            trainer.checkpoints.load(job.resume)
+        out = []
+        for step in range(1, steps + 1):
+            out.append(trainer.train_step().to_dict())  # the JSON form the records use
+            if job.checkpoint is not None and step == (job.save_after or steps):
+                trainer.checkpoints.save(job.checkpoint, async_save=False)
+        outs.append(out)
+        dist.destroy_process_group()
+    results.put((rank, outs))
 
 
-def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, list[tuple]]:
+def _collect(results, procs, world_size: int, timeout_s: float) -> dict[int, list]:
     """Every rank's results; a rank that dies raises here at once (``join`` re-raises its traceback),
     instead of its peers waiting out the collective timeout."""
     by_rank, deadline = {}, time.monotonic() + timeout_s
@@ -96,14 +115,24 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
     With ``checkpoint``, the ranks save their state there after ``save_after`` steps (default: their final state;
     a DCP checkpoint written by this layout); with ``resume``, they first load that checkpoint (written by any
-    layout: DCP reshards it) and go on from its step.
-    """
-    port = free_port()
-    by_rank = spawn_ranks(_rank_main, (spec, world_size, port, steps, checkpoint, resume, save_after),
-                          world_size, timeout_s)
-    if checkpoint is not None:  # sealed as the controller seals a save, so export/--resume accept it
-        checksums.write_manifest(checkpoint)
-    return _as_controller_sees(by_rank, steps)
+    layout: DCP reshards it) and go on from its step."""
+    return run_layouts([spec], world_size, steps, timeout_s, [checkpoint], [resume], [save_after])[0]
+
+
+def run_layouts(specs: list[dict], world_size: int, steps: int, timeout_s: float = 300.0,
+                checkpoints: list[str | None] | None = None, resumes: list[str | None] | None = None,
+                save_afters: list[int | None] | None = None) -> list[LayoutRun]:
+    """Train each of ``specs`` in turn on the same ``world_size`` spawned ranks (so several small jobs pay for
+    spawning and importing torch once); one ``LayoutRun`` per spec. ``checkpoints``/``resumes``/``save_afters``:
+    per spec, as ``run_layout`` takes them (a later spec may resume an earlier one's save)."""
+    n = len(specs)
+    jobs = [Job(spec, free_port(), c, r, s) for spec, c, r, s in
+            zip(specs, checkpoints or [None] * n, resumes or [None] * n, save_afters or [None] * n, strict=True)]
+    by_rank = spawn_ranks(_rank_main, (jobs, world_size, steps), world_size, timeout_s * n)
+    for job in jobs:  # sealed as the controller seals a save, so export/--resume accept it
+        if job.checkpoint is not None:
+            checksums.write_manifest(job.checkpoint)
+    return [_as_controller_sees({rank: outs[i] for rank, outs in by_rank.items()}, steps) for i in range(n)]
 
 
 def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 from orchestrator import JobSpec
 from workers.data import DataCursor, TokenDataset
+from workers.model import moe
 from workers.model.config import model_config
 from workers.model.finetune import prepare_model
 from workers.model.gpt import lm_loss
@@ -37,12 +38,14 @@ def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []
     for _ in range(steps):
+        moe.begin_step([model], spec.train.seed, cursor.start, aux_scale=1.0)  # MoE noise keyed by stream position
         inputs, targets = cursor.next_batch()
         loss = lm_loss(model(inputs), targets)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
         opt.step()
         opt.zero_grad()
+        moe.end_step([model], None)  # balancing biases move after the step, as on the ranks
         losses.append(loss.item())
     return losses, norms
 

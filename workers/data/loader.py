@@ -124,6 +124,11 @@ class DataCursor:
         self.cp_rank, self.cp_size = cp_rank, cp_size
 
     @property
+    def start(self) -> int:
+        """Stream position of this rank's first sample in the next step."""
+        return self._start
+
+    @property
     def _start(self) -> int:
         return self.position + self.dp_rank * (self.global_batch // self.dp_size)
 

@@ -41,6 +41,39 @@ def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> i
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice")
+# routers whose paper fixes k: GShard routes to two experts, Switch to one (model.moe.top_k must agree)
+ROUTER_TOP_K = {"gshard": 2, "switch": 1}
+
+
+class MoEConfig(BaseModel):
+    """``model.moe``: a mixture-of-experts feed-forward in every ``every``-th block (``workers.model.moe``).
+
+    Bounds the spec reports by field (``orchestrator.spec.moe``) are declared here so a worker sees the same.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    experts: Annotated[int, Field(ge=2)] = 8  # routed experts per MoE layer
+    every: Annotated[int, Field(ge=1)] = 1  # blocks every-1, 2*every-1, ... get the MoE feed-forward (2: GShard)
+    router: Literal[ROUTERS] = "topk"  # type: ignore[valid-type]
+    top_k: PositiveInt | None = None  # experts per token (null: 2, or the router's own: gshard 2, switch 1)
+    capacity_factor: PositiveFloat = 1.25  # capacity = ceil(factor * tokens * k / experts) per routing group
+    group: Literal["sequence", "microbatch"] = "sequence"  # the routing group capacity and aux losses are per
+    shared_experts: Annotated[int, Field(ge=0)] = 0  # always-on experts every token passes (DeepSeek)
+    d_expert: PositiveInt | None = None  # each expert's hidden width (null: the dense feed-forward's)
+    aux_loss_weight: Annotated[float, Field(ge=0)] = 0.01  # the router's balancing loss weight
+    z_loss_weight: Annotated[float, Field(ge=0)] = 0.0  # router z-loss weight (ST-MoE): mean logsumexp(logits)^2
+    expert_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0  # dropout inside the experts only (Switch)
+    bias_balancing: bool = False  # DeepSeek-V3's aux-loss-free balancing (router topk only)
+    bias_update_rate: Annotated[float, Field(ge=0)] = 0.001  # its per-step bias change, by the sign of load error
+
+    @property
+    def k(self) -> int:
+        """Experts each token asks for (token-choice routers)."""
+        return self.top_k if self.top_k is not None else ROUTER_TOP_K.get(self.router, 2)
+
+
 class ModelConfig(BaseModel):
     """Transformer shape; unknown keys are errors (a misspelt field never silently takes its default)."""
 
@@ -63,6 +96,12 @@ class ModelConfig(BaseModel):
     multiple_of: PositiveInt = 256  # SwiGLU hidden size rounded up to a multiple of this (when d_ff is null)
     ffn_dim_multiplier: PositiveFloat | None = None  # SwiGLU hidden size scaled by this before rounding
     tie_embeddings: bool = False  # output head shares the token embedding's weight
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forwards; null: dense model
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (global index) has the MoE feed-forward: every ``moe.every``-th block,
+        counting from the ``every``-th (``every: 2`` gives blocks 1, 3, 5, ...: GShard's every other layer)."""
+        return self.moe is not None and layer % self.moe.every == self.moe.every - 1
 
     @property
     def ffn_dim(self) -> int:

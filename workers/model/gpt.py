@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import ModelConfig
+from workers.model.moe import MoELayer
 from workers.model.registry import ModelFamily, register
 
 
@@ -103,12 +104,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoELayer(cfg, layer, swiglu=False) if cfg.is_moe_layer(layer) else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -123,7 +124,7 @@ class GPT(nn.Module):
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
         )
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.context_shard = None  # positions of the tokens this rank holds under cp (see token_positions)
@@ -183,6 +184,6 @@ register(ModelFamily(
         "cut_stage": "workers.model.gpt_parallel:cut_stage",
         "tensor_parallel": "workers.model.gpt_parallel:apply_tensor_parallel",
         "blocks": "workers.model.gpt_parallel:blocks",
-        "init_parameter": "workers.model.gpt:init_parameter",
+        "init_parameter": "workers.model.moe:init_parameter",
     },
 ))

@@ -20,6 +20,7 @@ from torch import nn
 
 from workers.model.config import ModelConfig
 from workers.model.gpt import GPT, CausalCore, RMSNorm, token_positions
+from workers.model.moe import MoELayer
 from workers.model.registry import ModelFamily, register
 
 # ``model.preset``: published Llama shapes (the 8B/70B/405B ones are Llama 3.1's, for `raymesh plan`), and two
@@ -122,12 +123,12 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = GroupedQueryAttention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg)
+        self.feed_forward = MoELayer(cfg, layer, swiglu=True) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -143,7 +144,7 @@ class Llama(GPT):
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = None
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -162,6 +163,6 @@ register(ModelFamily(
         "cut_stage": "workers.model.gpt_parallel:cut_stage",
         "tensor_parallel": "workers.model.llama_parallel:apply_tensor_parallel",
         "blocks": "workers.model.gpt_parallel:blocks",
-        "init_parameter": "workers.model.gpt:init_parameter",
+        "init_parameter": "workers.model.moe:init_parameter",
     },
 ))

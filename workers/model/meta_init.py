@@ -100,7 +100,12 @@ def fill(module: nn.Module, seed: int, cfg: ModelConfig) -> None:
     """
     init = family(cfg.arch).hook("init_parameter")
     for name, param in module.named_parameters():
-        full = full_value(name, tuple(param.shape), seed, cfg, init)
+        owner = module.get_submodule(name.rpartition(".")[0])
+        rows = getattr(owner, "held_rows", None)  # a module holding some rows of a stacked parameter (Experts)
+        shape = tuple(param.shape) if rows is None else (rows.full, *param.shape[1:])
+        full = full_value(name, shape, seed, cfg, init)
+        if rows is not None:
+            full = full[rows.start:rows.start + param.shape[0]]
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(local_slice(full, param))
         del full

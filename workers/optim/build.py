@@ -55,16 +55,33 @@ def lr_lambda(optim: dict, total_steps: int):
     return factor
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None) -> torch.Tensor:
+def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None, experts: tuple = ()) -> torch.Tensor:
     """L2 norm of all gradients of the job.
 
     Sums of squares of sharded DTensor gradients are added up per (mesh, sharded
     dims) and all-reduced once per group, not once per parameter; replicated
     gradients count once; pipeline stages are summed over ``pp_group``. Every
     placement but Replicate counts as sharded: FSDP2 on top of TP shards with
-    ``_StridedShard``, whose ``is_shard()`` is False on torch 2.13.
+    ``_StridedShard``, whose ``is_shard()`` is False on torch 2.13. ``experts``
+    is ``(expert parameters, ep group)`` under expert parallelism: the ep ranks
+    hold different experts, so those squares are summed over the ep group too.
     """
-    total = torch.zeros((), dtype=torch.float32, device=params[0].device)  # NCCL reduces device tensors only
+    device = params[0].device  # NCCL reduces device tensors only
+    expert_params, ep_group = experts or ((), None)
+    ids = {id(p) for p in expert_params}
+    total = _squares([p for p in params if id(p) not in ids], device)
+    if ids:
+        held = _squares([p for p in params if id(p) in ids], device)
+        dist.all_reduce(held, group=ep_group)
+        total = total + held
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def _squares(params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``params``' gradients over the ranks that shard them (see ``global_grad_norm``)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
     sharded: dict[tuple, torch.Tensor] = {}
     for p in params:
         g = p.grad
@@ -81,19 +98,17 @@ def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None) -> torch.T
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total = total + squares
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
+    return total
 
 
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> float:
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group=None, experts: tuple = ()) -> float:
     """Scale all gradients so their global norm is at most ``max_norm`` (0 disables).
 
     A per-tensor loop with a Python float rather than ``clip_grads_with_norm_``:
     TP without sequence parallelism mixes DTensor and plain gradients, which
     PyTorch's foreach kernels refuse.
     """
-    norm = float(global_grad_norm(params, pp_group))
+    norm = float(global_grad_norm(params, pp_group, experts))
     coef = max_norm / (norm + 1e-6)
     if max_norm > 0 and coef < 1.0:
         for p in params:

@@ -12,18 +12,26 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero: int) -> nn.Module:
+def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
+                        experts: list[nn.Module] = (), edp_mesh: DeviceMesh | None = None) -> nn.Module:
     """Return ``stage`` wrapped for data parallelism over ``dp_mesh`` (FSDP2 works in place).
 
     ``blocks`` (the family's ``blocks`` hook) are FSDP2's units under ZeRO-2/3: each block's parameters are
-    gathered just before it runs, so only one block is whole at a time.
+    gathered just before it runs, so only one block is whole at a time. ``experts`` (expert parallelism's
+    sharded ``Experts``) get a wrapper of their own over ``edp_mesh`` first, the ranks holding the same experts;
+    the enclosing wrappers then leave their parameters alone (``workers.parallel.expert_parallel``). ZeRO-0 and
+    ZeRO-1 wrap nothing: the builder's gradient buckets (``grad_buckets.py``) or the ``DistributedOptimizer``
+    reduce the gradients.
     """
     if zero >= 2:
         reshard = zero == 3
+        for unit in experts:
+            fully_shard(unit, mesh=edp_mesh, reshard_after_forward=reshard)
+            register_fsdp_forward_method(unit, "grouped")  # the dispatcher calls grouped, never forward
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)

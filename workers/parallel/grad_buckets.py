@@ -88,13 +88,15 @@ class Bucket:
                     local(p.grad).copy_(view)
 
 
-def plan_buckets(module: nn.Module, blocks: list[nn.Module], cap_bytes: float) -> list[list[nn.Parameter]]:
-    """Trainable parameters in backward order (reverse of registration), cut into buckets at unit boundaries
-    (a block, or one parameter outside every block) once a bucket holds ``cap_bytes``."""
+def plan_buckets(module: nn.Module, blocks: list[nn.Module], cap_bytes: float,
+                 skip: frozenset[int] = frozenset()) -> list[list[nn.Parameter]]:
+    """Trainable parameters (but those whose id is in ``skip``: reduced elsewhere) in backward order (reverse of
+    registration), cut into buckets at unit boundaries (a block, or one parameter outside every block) once a
+    bucket holds ``cap_bytes``."""
     owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     buckets: list[list[nn.Parameter]] = [[]]
     size, unit = 0, None
-    for p in reversed([p for p in module.parameters() if p.requires_grad]):
+    for p in reversed([p for p in module.parameters() if p.requires_grad and id(p) not in skip]):
         this = owner.get(id(p), ("own", id(p)))
         if this != unit and size >= cap_bytes and buckets[-1]:
             buckets.append([])
@@ -110,9 +112,9 @@ class GradBuckets:
 
     def __init__(self, module: nn.Module, blocks: list[nn.Module], group, microbatches: int,
                  bucket_mb: float = 25.0, compression: str = "none", powersgd_rank: int = 4,
-                 topk_ratio: float = 0.01):
+                 topk_ratio: float = 0.01, skip: frozenset[int] = frozenset()):
         cap = float("inf") if bucket_mb == 0 else bucket_mb * MIB  # 0: one bucket, reduced once backward is done
-        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(module, blocks, cap))]
+        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(module, blocks, cap, skip))]
         self.buckets[-1].last = True
         self.state, self.hook = comm_hook(compression, group, powersgd_rank, topk_ratio)
         self.overlaps = not chains(self.hook)

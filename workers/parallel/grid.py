@@ -147,12 +147,32 @@ class Grid:
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in self.mesh_dims)
 
+    EXPERT_MESH_DIMS = ("edp", "ep", "position")
+
+    @property
+    def expert_mesh_shape(self) -> tuple[int, int, int]:
+        """Shape of the expert mesh (dims ``EXPERT_MESH_DIMS``): the dp index split as ``edp * ep + ep_index``.
+
+        ``ep`` groups are ranks of one model position whose dp index differs only in ``dp % ep`` (they split the
+        experts); ``edp`` groups are the ``dp / ep`` ranks of one position holding the same experts (they reduce
+        the experts' gradients, as dp does for dense weights). Row-major over this shape is the rank order.
+        """
+        return self.dp // self.ep, self.ep, self.positions
+
     # -- recovery ------------------------------------------------------------------------------
 
     def replica_peer(self, rank: int) -> int | None:
-        """Where a rank's in-memory replica lives: the same position in the next data-parallel replica (another
-        node when replicas span nodes), else the next rank; None in a one-rank job."""
+        """Where a rank's in-memory replica lives: the same position in the next data-parallel replica holding
+        the same experts (another node when replicas span nodes), else the same position in the next replica,
+        else the next rank; None in a one-rank job."""
         if self.world_size == 1:
             return None
-        step = self.positions if self.dp_enabled else 1
+        step = 1
+        if self.dp_enabled:
+            step = self.positions * (self.ep if self.dp > self.ep else 1)
         return (rank + step) % self.world_size
+
+    def same_state(self, a: int, b: int) -> bool:
+        """Whether ranks ``a`` and ``b`` hold the same piece of the model: same position and, with expert
+        parallelism, the same experts (the same ep index)."""
+        return self.position(a) == self.position(b) and self.coords(a).ep == self.coords(b).ep

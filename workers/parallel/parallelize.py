@@ -1,4 +1,5 @@
-"""Builds this rank's share of the model: stages, then TP/SP, context parallel, recompute, then data parallel.
+"""Builds this rank's share of the model: stages, then TP/SP, context parallel, expert sharding (ep), recompute,
+then data parallel.
 
 Every rank builds the whole model on the ``meta`` device (no storage), cuts
 its pipeline stages, applies TP and (ZeRO-2/3) FSDP2 there, and only then
@@ -22,6 +23,7 @@ plugs in without editing this module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,9 +36,10 @@ from workers.model.meta_init import build_full, init_hook, materialize
 from workers.model.registry import ModelFamily
 from workers.parallel.context_layout import apply_context_parallel
 from workers.parallel.data_parallel import apply_data_parallel, unwrap
+from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
-from workers.parallel.process_group import data_parallel_mesh
+from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
 
@@ -47,6 +50,8 @@ class ModelParts:
     stage_ids: list[int]
     n_stages: int
     reducers: list[GradBuckets] = field(default_factory=list)  # ZeRO-0 gradient buckets, one per module
+    experts: list[nn.Module] = field(default_factory=list)  # this rank's sharded Experts (expert parallelism)
+    ep_group: Any = None  # the ep process group the experts are split over; None at ep=1
 
 
 def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
@@ -80,7 +85,9 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     parts = [full] if n_stages == 1 else [cut(full, sid, n_stages) for sid in ids]
     del full  # a stage keeps only its layers
     dp_mesh = data_parallel_mesh(mesh, grid)
-    wrapped = []
+    expert_mesh = init_expert_mesh(grid, device, spec.collective_timeout_s)
+    ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
+    wrapped, all_experts = [], []
     for part in parts:
         if not meta:
             part.to(device)
@@ -90,26 +97,45 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
                 freeze_base(part)
         if grid.cp_enabled:
             apply_context_parallel(part, mesh["cp"], par.cp_impl)
+        experts = shard_experts(part, ep_group) if ep_group is not None else []
+        all_experts += experts
         apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
+        edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
-            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero)
+            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:
-            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero)
+            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp)
         if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
             load_hf_weights(unwrap(part), spec.init_from)
         wrapped.append(part)
-    reducers = []
-    if not ps and par.zero == 0 and dp_mesh.size() > 1:  # dp, or dp x cp: cp ranks hold shares of the tokens
-        reducers = [grad_buckets(spec, part, fam.hook("blocks")(part), dp_mesh.get_group()) for part in wrapped]
-    return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers)
+    reducers = [] if ps or par.zero != 0 else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
+    return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
+                      ep_group=ep_group)
 
 
-def grad_buckets(spec: WorkerSpec, part: nn.Module, blocks: list[nn.Module], group) -> GradBuckets:
-    """ZeRO-0's bucketed gradient averaging of one stage module, with the job's bucket size and compression."""
+def zero0_buckets(spec: WorkerSpec, fam: ModelFamily, parts: list[nn.Module], dp_mesh, experts: list[nn.Module],
+                  edp_mesh) -> list[GradBuckets]:
+    """ZeRO-0's gradient buckets: one set per stage module over dp (or dp x cp: cp ranks hold shares of the
+    tokens), leaving out expert-parallel experts, whose gradients are averaged over the ranks holding the same
+    experts (``edp``) by buckets of their own. The stage modules' buckets come first, one per optimizer."""
+    held = frozenset(id(p) for unit in experts for p in unit.parameters())
+    out = []
+    if dp_mesh.size() > 1:
+        out = [grad_buckets(spec, part, fam.hook("blocks")(part), dp_mesh.get_group(), held) for part in parts]
+    if edp_mesh is not None and edp_mesh.size() > 1:
+        out += [grad_buckets(spec, unit, [unit], edp_mesh.get_group()) for unit in experts]
+    return out
+
+
+def grad_buckets(spec: WorkerSpec, part: nn.Module, blocks: list[nn.Module], group,
+                 skip: frozenset[int] = frozenset()) -> GradBuckets:
+    """ZeRO-0's bucketed gradient averaging of one module (but the parameters in ``skip``), with the job's
+    bucket size and compression."""
     par = spec.parallel
     return GradBuckets(part, blocks, group, spec.train.microbatches, bucket_mb=par.bucket_mb,
-                       compression=par.grad_compression, powersgd_rank=par.powersgd_rank, topk_ratio=par.topk_ratio)
+                       compression=par.grad_compression, powersgd_rank=par.powersgd_rank, topk_ratio=par.topk_ratio,
+                       skip=skip)

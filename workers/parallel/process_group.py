@@ -30,7 +30,7 @@ def init_mesh(
     with it (or with a survivor that already gave up) must fail within that time so the
     controller can re-form the group; sub-groups would otherwise get PyTorch's 30 minutes.
     """
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = _backend(device)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(
@@ -40,11 +40,32 @@ def init_mesh(
             world_size=world_size,
             timeout=timeout,
         )
+    return _mesh(device, grid.mesh_shape, grid.mesh_dims, timeout_s)
+
+
+def init_expert_mesh(grid: Grid, device: torch.device, timeout_s: float = 300.0) -> DeviceMesh | None:
+    """The ``edp × ep × position`` mesh of an expert-parallel job (``Grid.expert_mesh_shape``), None at ep=1.
+
+    A second mesh over the same ranks, so the job's own mesh keeps its dims: ``ep`` groups exchange tokens,
+    ``edp`` groups reduce the experts' gradients (``workers.parallel.expert_parallel``).
+    """
+    if not grid.ep_enabled:
+        return None
+    return _mesh(device, grid.expert_mesh_shape, Grid.EXPERT_MESH_DIMS, timeout_s)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _mesh(device: torch.device, shape: tuple[int, ...], dims: tuple[str, ...], timeout_s: float) -> DeviceMesh:
+    """A mesh whose every sub-group gets ``timeout_s`` (see ``init_mesh``)."""
+    backend = _backend(device)
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    mesh = init_device_mesh(device.type, grid.mesh_shape, mesh_dim_names=grid.mesh_dims,
-                            backend_override={dim: (backend, options) for dim in grid.mesh_dims})
-    if grid.cp_enabled:  # the flattened dim must exist on the root mesh before anyone slices it
+    options._timeout = timedelta(seconds=timeout_s)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims,
+                            backend_override={dim: (backend, options) for dim in dims})
+    if "cp" in dims:  # the flattened dim must exist on the root mesh before anyone slices it
         mesh["dp", "cp"]._flatten(DP_CP, backend_override=(backend, options))
     return mesh
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from workers.parallel.data_parallel import unwrap
+from workers.state import expert_keys
 
 # flattened optimizer keys (``state.<fqn>.exp_avg``) merge across stage parts, and each part
 # takes only its own keys back
@@ -53,6 +54,7 @@ class TrainState:
         self.scaler = scaler
         self.param_offload = param_offload
         self.step = 0
+        self.experts = expert_keys.sharded_experts(unwrap(m) for m in modules)  # empty unless ep > 1
 
     def resident(self, write_back: bool = True):
         """Offloaded parameter shards back on the device for the block; ``write_back`` False where the block
@@ -85,17 +87,29 @@ class TrainState:
 
     # -- DCP Stateful --------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """Model and optimizer state keyed by global names, plus progress (call inside ``resident``)."""
+    def _model_and_optim(self) -> tuple[dict, dict]:
         model, optim = {}, {}
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
             model.update(get_model_state_dict(unwrap(part)))
             optim.update(get_optimizer_state_dict(named, opt, options=_OPTIONS))
+        return model, optim
+
+    def state_dict(self) -> dict:
+        """Model and optimizer state keyed by global names, plus progress (call inside ``resident``); experts
+        split over ep ranks are keyed one per expert (``workers.state.expert_keys``)."""
+        model, optim = self._model_and_optim()
+        if self.experts:
+            model, optim = expert_keys.split(model, self.experts), expert_keys.split(optim, self.experts)
         return {"model": model, "optim": optim, "train": self.progress_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Each part takes its own keys of ``state`` back (call inside ``resident``)."""
+        model, optim = state["model"], state["optim"]
+        if self.experts:
+            like_model, like_optim = self._model_and_optim()
+            model = expert_keys.join(model, like_model, self.experts)
+            optim = expert_keys.join(optim, like_optim, self.experts)
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
-            set_model_state_dict(unwrap(part), state["model"], options=_OPTIONS)
-            set_optimizer_state_dict(named, opt, state["optim"], options=_OPTIONS)
+            set_model_state_dict(unwrap(part), model, options=_OPTIONS)
+            set_optimizer_state_dict(named, opt, optim, options=_OPTIONS)
         self.load_progress_state(state["train"])

@@ -1,0 +1,59 @@
+"""`model.moe`: the mixture-of-experts section (fields in ``workers.model.config.MoEConfig``) and its checks.
+
+Bounds (experts >= 2, every >= 1, capacity_factor > 0, a known router) are the fields' own and reported by
+``messages.py``; the checks here relate fields to each other and to the model, each naming the fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import model_validator
+
+from orchestrator.errors import SpecError
+from orchestrator.spec.fields import STRICT, _Section
+from workers.model.config import ROUTER_TOP_K, MoEConfig
+
+if TYPE_CHECKING:
+    from orchestrator.spec.job import JobSpec
+
+
+class MoESpec(MoEConfig, _Section):
+    """Mixture-of-experts feed-forwards (``workers.model.moe``)."""
+
+    model_config = STRICT
+
+    @model_validator(mode="after")
+    def _check_routing(self) -> MoESpec:
+        """top_k within the experts and agreeing with a router that fixes it; bias balancing on topk only."""
+        fixed = ROUTER_TOP_K.get(self.router)
+        if self.top_k is not None and self.router == "expert_choice":
+            raise SpecError("model.moe.top_k", self.top_k, "is not read by router: expert_choice (each expert "
+                            "picks its tokens; how many a token gets on average is capacity_factor)",
+                            "remove model.moe.top_k and set model.moe.capacity_factor (e.g. 2)")
+        if self.top_k is not None and fixed is not None and self.top_k != fixed:
+            raise SpecError("model.moe.top_k", self.top_k, f"disagrees with router: {self.router}, whose paper "
+                            f"routes each token to {fixed} expert(s)",
+                            f"set model.moe.top_k: {fixed} or remove it, or use router: topk for another k")
+        if self.top_k is not None and self.top_k > self.experts:
+            raise SpecError("model.moe.top_k", self.top_k, f"is more than model.moe.experts={self.experts}: a token "
+                            "cannot go to more experts than there are",
+                            f"set top_k to at most {self.experts}, or raise model.moe.experts")
+        if self.bias_balancing and self.router != "topk":
+            raise SpecError("model.moe.bias_balancing", True, f"is DeepSeek-V3's balancing for router: topk, not "
+                            f"{self.router}", "set model.moe.router: topk, or bias_balancing: false")
+        return self
+
+
+def check_moe(job: JobSpec) -> None:
+    """An MoE section that places no MoE layer, and layouts the MoE layer does not support yet."""
+    moe, model = job.model.moe, job.model
+    if moe is None:
+        return
+    if moe.every > model.n_layers:
+        raise SpecError("model.moe.every", moe.every, f"is more than model.n_layers={model.n_layers}, so no block "
+                        "would get an MoE feed-forward", f"set model.moe.every to at most {model.n_layers} "
+                        "(1: every block, 2: every other block)")
+    if job.parallel.tp > 1:
+        raise SpecError("parallel.tp", job.parallel.tp, "is not supported with model.moe yet (the tensor-parallel "
+                        "plan has no style for the stacked expert weights)", "set parallel.tp: 1")

@@ -1,0 +1,597 @@
+"""Mixture-of-experts feed-forward: the five routers, stacked experts, and the dispatch seam.
+
+Why our own code: no well-kept library has the seed articles' routers (noisy top-k, GShard, Switch, expert
+choice) behind one interface that also lets expert parallelism replace the dispatch (DESIGN.md lists MoE
+routers and expert dispatch as raymesh's own).
+
+The pieces, and the contract expert parallelism (``workers.parallel.expert_parallel``) plugs into:
+
+- a ``Router`` scores the flattened tokens of one microbatch, split into routing groups (one per sequence under
+  ``group: sequence``, one per microbatch under ``group: microbatch``), and returns a ``Routing``: the kept
+  (token, expert, gate) assignments, its weighted auxiliary losses and detached figures. Capacity and every
+  auxiliary loss are computed per group and averaged over the groups, so with ``group: sequence`` a token's
+  fate and the loss gradient do not depend on which rank holds which sequences (data-parallel parity);
+- ``Experts`` holds the experts' weights stacked ([E_local, d, h]); ``grouped`` runs expert j on the j-th run
+  of rows;
+- the layer's ``dispatcher`` (``LocalDispatcher`` here; expert parallelism swaps in its all-to-all one) sends
+  each kept assignment's token to its expert and scatter-adds the gate-weighted result per token. A token left
+  with no assignment contributes nothing: the block's residual carries it.
+
+Randomness (noisy top-k's noise, GShard's random second expert) is drawn per sequence from a generator seeded by
+(job seed, layer, the sequence's position in the global data stream), so it is the same on every layout and in
+a recompute. Auxiliary losses reach the gradient through ``AuxLossGrad`` (the layer's output is unchanged, its
+backward adds d(aux)/d(router)), so they work inside pipeline stages without threading a second loss through
+the schedule; the step's reported loss stays the language-model loss and the auxiliary ones are reported apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import ModelConfig, MoEConfig
+
+
+@dataclass
+class Routing:
+    """One routing decision for a flattened batch of T tokens; dropped assignments are absent."""
+
+    token: torch.Tensor  # LongTensor [A]: index of the token (0..T-1) in the flattened (T, d) input
+    expert: torch.Tensor  # LongTensor [A]: GLOBAL expert id (0..E-1) of that assignment
+    gate: torch.Tensor  # float [A]: weight applied to that expert's output for that token
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted auxiliary losses (added to the loss)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # detached: tokens_per_expert [E], dropped, ...
+
+
+# -- experts ---------------------------------------------------------------------------------------------------
+
+def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
+               dropout: float, training: bool) -> torch.Tensor:
+    """One expert: ``w2(gelu(x w1))`` (GPT) or ``w2(silu(x w1) * x w3)`` (Llama's SwiGLU), dropout on the hidden."""
+    hidden = F.silu(x @ w1) * (x @ w3) if w3 is not None else F.gelu(x @ w1)
+    return F.dropout(hidden, dropout, training) @ w2
+
+
+class _StackedFFN(nn.Module):
+    """``count`` feed-forwards with their weights stacked on dim 0 (w1, w3: [count, d, h]; w2: [count, h, d])."""
+
+    def __init__(self, count: int, d_model: int, hidden: int, swiglu: bool, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+        self.w1 = nn.Parameter(torch.empty(count, d_model, hidden))
+        self.w2 = nn.Parameter(torch.empty(count, hidden, d_model))
+        self.w3 = nn.Parameter(torch.empty(count, d_model, hidden)) if swiglu else None
+
+    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Feed-forward ``j`` (local index) on rows ``x``."""
+        return expert_ffn(x, self.w1[j], self.w2[j], None if self.w3 is None else self.w3[j],
+                          self.dropout, self.training)
+
+
+@dataclass(frozen=True)
+class HeldRows:
+    """Rows ``start .. start + local`` of a stacked parameter whose full first dimension is ``full``."""
+
+    full: int
+    start: int
+
+
+class Experts(_StackedFFN):
+    """The routed experts of one MoE layer, or this rank's slice of them under expert parallelism.
+
+    ``num_experts`` is the global count E, ``first`` the global id of local expert 0, ``num_local`` how many are
+    held here (expert parallelism slices the stacked weights and sets ``first``/``num_local``).
+    """
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, swiglu: bool, dropout: float = 0.0):
+        super().__init__(num_experts, d_model, hidden, swiglu, dropout)
+        self.num_experts, self.first, self.num_local = num_experts, 0, num_experts
+
+    @property
+    def held_rows(self) -> HeldRows:
+        """Which rows of the full [E, ...] stacks this module holds: meta-device init draws the full stack (one
+        generator per name, so values do not depend on the split) and keeps these rows."""
+        return HeldRows(full=self.num_experts, start=self.first)
+
+    def grouped(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Local expert j applied to the j-th consecutive run of ``counts[j]`` rows of ``x_sorted`` [N, d]."""
+        if _grouped_mm_applies(x_sorted, self):
+            return self._grouped_mm(x_sorted, counts)
+        runs = x_sorted.split(counts.tolist())
+        out = [self.one(j, rows) for j, rows in enumerate(runs)]
+        return torch.cat(out) if out else x_sorted[:0]
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """All experts in three grouped GEMMs (CUDA, bf16): ``torch._grouped_mm`` with the runs' end offsets."""
+        offsets = counts.cumsum(0).to(torch.int32)
+        w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
+        gate = torch._grouped_mm(x, w1, offs=offsets)
+        if self.w3 is not None:
+            hidden = F.silu(gate) * torch._grouped_mm(x, self.w3.to(x.dtype), offs=offsets)
+        else:
+            hidden = F.gelu(gate)
+        return torch._grouped_mm(F.dropout(hidden, self.dropout, self.training), w2, offs=offsets)
+
+
+def _grouped_mm_applies(x: torch.Tensor, experts: Experts) -> bool:
+    """``torch._grouped_mm`` needs CUDA, bf16 and 16-byte aligned rows; elsewhere the per-expert loop runs."""
+    d, h = experts.w1.shape[1], experts.w1.shape[2]
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and d % 8 == 0 and h % 8 == 0)
+
+
+class SharedExperts(_StackedFFN):
+    """Always-on experts (DeepSeek's shared experts): every token passes all of them, gate 1.
+
+    Not an ``Experts``: they are dense (every rank holds all of them), so expert parallelism leaves them alone.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.one(j, x) for j in range(self.w1.shape[0]))
+
+
+class LocalDispatcher:
+    """Dispatch and combine in this process: the one place expert parallelism swaps for its all-to-all version.
+
+    A plain object, not a module, so a layer's ``dispatcher`` can be replaced by any callable.
+    """
+
+    def __call__(self, x_flat: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+        order = torch.argsort(routing.expert, stable=True)
+        token = routing.token[order]
+        counts = torch.bincount(routing.expert - experts.first, minlength=experts.num_local)
+        out = experts.grouped(x_flat[token], counts)
+        out = out * routing.gate[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x_flat).index_add_(0, token, out.to(x_flat.dtype))
+
+
+# -- randomness that does not depend on the layout ----------------------------------------------------------
+
+@dataclass
+class SequenceNoise:
+    """Random draws for one microbatch, made per sequence from (seed, layer, global stream position).
+
+    ``first_sequence`` is the data-stream position of the microbatch's first sequence (the trainer sets it),
+    so sequence i of any rank draws what it draws in the single-process reference.
+    """
+
+    seed: int
+    layer: int
+    first_sequence: int
+    batch: int
+    seq_len: int
+
+    def _generator(self, i: int) -> torch.Generator:
+        digest = hashlib.sha256(f"moe:{self.seed}:{self.layer}:{self.first_sequence + i}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+    def _draw(self, fill, width: int, device: torch.device) -> torch.Tensor:
+        rows = [fill(torch.empty(self.seq_len, width), self._generator(i)) for i in range(self.batch)]
+        return torch.cat(rows).to(device)
+
+    def normal(self, width: int, device: torch.device) -> torch.Tensor:
+        """[batch * seq_len, width] standard normal draws."""
+        return self._draw(lambda t, g: t.normal_(generator=g), width, device)
+
+    def uniform(self, device: torch.device) -> torch.Tensor:
+        """[batch * seq_len] U(0, 1) draws."""
+        return self._draw(lambda t, g: t.uniform_(generator=g), 1, device).squeeze(-1)
+
+
+# -- routers ---------------------------------------------------------------------------------------------------
+
+def cv_squared(x: torch.Tensor) -> torch.Tensor:
+    """Squared coefficient of variation over the last dim (population variance / mean²), per group."""
+    return x.float().var(-1, unbiased=False) / (x.float().mean(-1) ** 2 + 1e-10)
+
+
+def within_capacity(choices: torch.Tensor, wanted: torch.Tensor, capacity: int, experts: int) -> torch.Tensor:
+    """Which wanted assignments fit: each expert takes at most ``capacity`` per group, first choices before
+    second choices, and within a choice rank earlier tokens first (GShard's and Switch's order).
+
+    ``choices``/``wanted``: [G, n, k] expert ids and whether the router asks for them; returns the kept mask.
+    """
+    g, n, k = choices.shape
+    queue = F.one_hot(choices, experts) * wanted.unsqueeze(-1)  # [G, n, k, E]
+    queue = queue.transpose(1, 2).reshape(g, k * n, experts)  # choice rank major, token minor
+    position = ((queue.cumsum(1) - 1) * queue).sum(-1)
+    kept = (position < capacity) & queue.sum(-1).bool()
+    return kept.view(g, k, n).transpose(1, 2)
+
+
+def group_capacity(cfg: MoEConfig, tokens: int, k: int) -> int:
+    """Expert capacity of one routing group: ceil(capacity_factor * tokens * k / experts)."""
+    return math.ceil(cfg.capacity_factor * tokens * k / cfg.experts)
+
+
+class Router(nn.Module):
+    """Scores tokens against experts with ``weight`` [E, d] in float32 (Switch's selective precision, kept for
+    every router since it is cheap) and decides the routing. Subclasses implement ``decide``."""
+
+    def __init__(self, cfg: MoEConfig, d_model: int):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.experts, d_model))
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """[G, n, d] -> float32 [G, n, E], outside any autocast."""
+        weight = self.weight if weight is None else weight
+        with torch.autocast(x.device.type, enabled=False):
+            return x.float() @ weight.float().t()
+
+    def forward(self, x: torch.Tensor, noise: SequenceNoise) -> Routing:
+        logits = self.logits(x)
+        routing = self.decide(x, logits, noise)
+        if self.cfg.z_loss_weight > 0:
+            routing.losses["z"] = self.cfg.z_loss_weight * torch.logsumexp(logits, -1).pow(2).mean()
+        return routing
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        raise NotImplementedError
+
+    def token_choice(self, choices: torch.Tensor, gates: torch.Tensor, wanted: torch.Tensor,
+                     capacity: int | None, losses: dict[str, torch.Tensor]) -> Routing:
+        """A ``Routing`` from each token's [G, n, k] choices and gates: capacity applied when given."""
+        kept = wanted if capacity is None else within_capacity(choices, wanted, capacity, self.cfg.experts)
+        g, n, k = choices.shape
+        token = torch.arange(g * n, device=choices.device).view(g, n, 1).expand(g, n, k)
+        expert = choices[kept]
+        stats = {"tokens_per_expert": torch.bincount(expert, minlength=self.cfg.experts).float(),
+                 "dropped": (wanted.sum() - kept.sum()).float(), "assignments": wanted.sum().float()}
+        return Routing(token[kept], expert, gates[kept], losses, stats)
+
+
+def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, weight: float) -> torch.Tensor:
+    """Switch's α·E·Σ_i f_i·P_i per group, averaged over groups: f_i the fraction of the group's tokens that
+    chose expert i (among their k), P_i the mean router probability of i. ``chosen``: [G, n, k] expert ids."""
+    experts = probs.shape[-1]
+    f = F.one_hot(chosen, experts).sum(2).float().mean(1)  # [G, E]
+    return weight * experts * (f * probs.mean(1)).sum(-1).mean()
+
+
+class TopKRouter(Router):
+    """Plain softmax top-k, dropless (Mixtral): gates are the chosen probabilities renormalised to sum to one;
+    Switch-style balance loss. With ``bias_balancing`` (DeepSeek-V3's auxiliary-loss-free balancing) a
+    per-expert ``bias`` is added to the scores for the choice only (gates use the unbiased probabilities), and
+    ``update_bias`` moves it after each step against the sign of the load error, outside autograd."""
+
+    def __init__(self, cfg: MoEConfig, d_model: int):
+        super().__init__(cfg, d_model)
+        self.register_buffer("bias", torch.zeros(cfg.experts))
+
+    def reset_buffers(self) -> None:
+        """Meta-device init: the balancing bias starts at zero."""
+        self.bias = torch.zeros(self.cfg.experts, device=self.weight.device)
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        probs = logits.softmax(-1)
+        choices = (probs + self.bias).topk(self.cfg.k, -1).indices
+        gates = probs.gather(-1, choices)
+        gates = gates / gates.sum(-1, keepdim=True)
+        losses = {}
+        if self.cfg.aux_loss_weight > 0:
+            losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight)
+        return self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """bias_i += rate * sign(mean load - load_i): underloaded experts become likelier picks."""
+        if self.cfg.bias_balancing:
+            self.bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load).to(self.bias)
+
+
+class NoisyTopKRouter(Router):
+    """Shazeer et al. 2017: H = x W_g + ε·softplus(x W_noise), ε ~ N(0, 1) (training only); gates =
+    softmax(KeepTopK(H, k)); dropless. Losses: importance w·CV(Σ_x G(x))² and load w·CV(Σ_x P(x, i))², with
+    P(x, i) = Φ(((x W_g)_i - kth_excluding(H, k, i)) / softplus((x W_noise)_i)). Both matrices start at zero,
+    as in the paper (no signal, some noise)."""
+
+    def __init__(self, cfg: MoEConfig, d_model: int):
+        super().__init__(cfg, d_model)
+        self.noise_weight = nn.Parameter(torch.empty(cfg.experts, d_model))
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        k, noisy = self.cfg.k, self.training
+        scores, std = logits, None
+        if noisy:
+            std = F.softplus(self.logits(x, self.noise_weight))
+            scores = logits + noise.normal(self.cfg.experts, x.device).view_as(logits) * std
+        top = scores.topk(min(k + 1, self.cfg.experts), -1)
+        choices = top.indices[..., :k]
+        gates = top.values[..., :k].softmax(-1)
+        dense = torch.zeros_like(logits).scatter(-1, choices, gates)  # G(x) over all experts
+        losses = {}
+        if self.cfg.aux_loss_weight > 0:
+            w = self.cfg.aux_loss_weight
+            losses["importance"] = w * cv_squared(dense.sum(1)).mean()
+            losses["load"] = w * cv_squared(self._load(logits, scores, std, top.values, dense)).mean()
+        return self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
+
+    def _load(self, clean, noisy, std, top_values, dense) -> torch.Tensor:
+        """Σ_x P(x, i) per group: the smooth load estimator (the count of routed tokens without noise)."""
+        if std is None:
+            return (dense > 0).float().sum(1)
+        k = self.cfg.k
+        kth = top_values[..., k - 1:k]
+        after = top_values[..., k:k + 1] if top_values.shape[-1] > k else torch.full_like(kth, -math.inf)
+        in_top = noisy >= kth
+        threshold = torch.where(in_top, after, kth)  # kth greatest of H excluding component i
+        p = torch.distributions.Normal(0.0, 1.0).cdf((clean - threshold) / std)
+        return p.sum(1)
+
+
+class GShardRouter(Router):
+    """Lepikhin et al. 2020: top-2 of softmax(x W_g), gates renormalised over the two; the second expert is kept
+    only with probability 2·g2 (random routing); per-group expert capacity, first choices queued before second
+    ones; aux loss w·mean_e(c_e/n · m_e) with c_e the group's top-1 count and m_e its mean gate."""
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        g, n, experts = logits.shape
+        probs = logits.softmax(-1)
+        top = probs.topk(2, -1)
+        choices, gates = top.indices, top.values / top.values.sum(-1, keepdim=True)
+        wanted = torch.ones_like(choices, dtype=torch.bool)
+        if self.training:
+            wanted[..., 1] = 2 * gates[..., 1] > noise.uniform(x.device).view(g, n)
+        losses = {}
+        if self.cfg.aux_loss_weight > 0:
+            first = F.one_hot(choices[..., 0], experts).float().mean(1)
+            losses["balance"] = self.cfg.aux_loss_weight * (first * probs.mean(1)).mean(-1).mean()
+        return self.token_choice(choices, gates, wanted, group_capacity(self.cfg, n, 2), losses)
+
+
+class SwitchRouter(Router):
+    """Fedus et al. 2021: top-1 of softmax(x W_g) (gate = that probability), capacity ceil(c·n/E) per group,
+    aux loss α·E·Σ f_i·P_i; router in float32; truncated-normal init with scale 0.1 (``init_parameter``)."""
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        n = logits.shape[1]
+        probs = logits.softmax(-1)
+        top = probs.topk(1, -1)
+        losses = {}
+        if self.cfg.aux_loss_weight > 0:
+            losses["balance"] = load_balance_loss(probs, top.indices, self.cfg.aux_loss_weight)
+        wanted = torch.ones_like(top.indices, dtype=torch.bool)
+        return self.token_choice(top.indices, top.values, wanted, group_capacity(self.cfg, n, 1), losses)
+
+
+class ExpertChoiceRouter(Router):
+    """Zhou et al. 2022: S = softmax(x W_g); each expert takes its top-k tokens of the group by S, k = n·c/e
+    (c = capacity_factor), gate S; every expert gets exactly k tokens; a token no expert picks is dropped
+    (carried by the residual). No balance loss (the load is balanced by construction)."""
+
+    def tokens_per_expert(self, n: int) -> int:
+        """k = n·c/e, at least one and at most the group's n tokens."""
+        return max(1, min(n, int(n * self.cfg.capacity_factor / self.cfg.experts)))
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        g, n, experts = logits.shape
+        scores = logits.softmax(-1).transpose(1, 2)  # [G, E, n]
+        top = scores.topk(self.tokens_per_expert(n), -1)  # each expert's tokens
+        token = (top.indices + n * torch.arange(g, device=x.device).view(g, 1, 1)).flatten()
+        expert = torch.arange(experts, device=x.device).view(1, experts, 1).expand_as(top.indices).flatten()
+        picked = torch.zeros(g * n, device=x.device).index_fill_(0, token, 1.0)
+        stats = {"tokens_per_expert": torch.bincount(expert, minlength=experts).float(),
+                 "dropped": (g * n - picked.sum()), "assignments": torch.tensor(float(g * n))}
+        return Routing(token, expert, top.values.flatten(), {}, stats)
+
+
+ROUTER_CLASSES: dict[str, type[Router]] = {
+    "topk": TopKRouter, "noisy_topk": NoisyTopKRouter, "gshard": GShardRouter, "switch": SwitchRouter,
+    "expert_choice": ExpertChoiceRouter,
+}
+
+
+# -- the layer -------------------------------------------------------------------------------------------------
+
+class AuxLossGrad(torch.autograd.Function):
+    """Returns ``out`` unchanged; its backward also starts the auxiliary loss's backward with gradient
+    ``scale`` (the main loss's scale: loss scaler / microbatches), so the auxiliary losses train the router
+    wherever the layer sits (a pipeline stage has no loss of its own to add them to)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+@dataclass
+class StepContext:
+    """What the trainer tells each MoE layer at the start of a step (``begin_step``)."""
+
+    seed: int = 0
+    first_sequence: int = 0  # data-stream position of this rank's first sequence this step
+    aux_scale: float = 1.0  # gradient scale of the auxiliary losses (as the main loss's)
+    forwards: int = 0  # microbatches forwarded so far this step (not counting recomputes)
+    offset: int = 0  # stream position of the current microbatch's first sequence
+
+
+class MoELayer(nn.Module):
+    """The MoE feed-forward: router → dispatcher(experts) → plus shared experts. [B, S, d] → [B, S, d]."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, swiglu: bool):
+        super().__init__()
+        moe = cfg.moe
+        hidden = moe.d_expert or cfg.ffn_dim
+        self.cfg, self.layer = moe, layer
+        self.router = ROUTER_CLASSES[moe.router](moe, cfg.d_model)
+        self.experts = Experts(moe.experts, cfg.d_model, hidden, swiglu, moe.expert_dropout)
+        self.shared = SharedExperts(moe.shared_experts, cfg.d_model, hidden, swiglu, 0.0) if moe.shared_experts \
+            else None
+        self.dispatcher = LocalDispatcher()
+        self.context = StepContext()
+        self.tally: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        groups = b if self.cfg.group == "sequence" else 1
+        recompute = _in_backward()
+        if not recompute:
+            self.context.offset = self.context.first_sequence + self.context.forwards * b
+            self.context.forwards += 1
+        noise = SequenceNoise(self.context.seed, self.layer, self.context.offset, b, s)
+        routing = self.router(flat.view(groups, -1, d), noise)
+        out = self.dispatcher(flat, routing, self.experts)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        if routing.losses and torch.is_grad_enabled():
+            out = AuxLossGrad.apply(out, sum(routing.losses.values()), self.context.aux_scale)
+        if not recompute:
+            self._count(routing)
+        return out.view(b, s, d)
+
+    @torch.no_grad()
+    def _count(self, routing: Routing) -> None:
+        """Add this microbatch's figures to the step's tally (losses as sums, averaged in ``step_figures``)."""
+        figures = {**routing.stats, **{f"loss_{k}": v.detach().float() for k, v in routing.losses.items()},
+                   "microbatches": torch.ones(())}
+        for name, value in figures.items():
+            value = value.detach().float().cpu()
+            self.tally[name] = self.tally[name] + value if name in self.tally else value
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (so a forward now is activation recompute, not a new microbatch)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# -- what the trainer calls ----------------------------------------------------------------------------------
+
+def moe_layers(modules: list[nn.Module]) -> dict[str, MoELayer]:
+    """The MoE layers of this rank's model parts, by their name in the unsplit model (global layer index)."""
+    out = {}
+    for module in modules:
+        for name, sub in module.named_modules():
+            if isinstance(sub, MoELayer):
+                out[_clean(name)] = sub
+    return out
+
+
+def _clean(name: str) -> str:
+    """A module name without wrapper hops (DDP's ``module.``, checkpoint and compile wrappers)."""
+    parts = [p for p in name.split(".") if p not in ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
+                                                      "_orig_mod")]
+    return ".".join(parts)
+
+
+def begin_step(modules: list[nn.Module], seed: int, first_sequence: int, aux_scale: float) -> None:
+    """Tell every MoE layer where this step's sequences start in the data stream and the loss scale."""
+    for layer in moe_layers(modules).values():
+        layer.context = StepContext(seed=seed, first_sequence=first_sequence, aux_scale=aux_scale)
+        layer.tally = {}
+
+
+TALLY = ("tokens_per_expert", "dropped", "assignments", "microbatches")
+
+
+def end_step(modules: list[nn.Module], dp_group: dist.ProcessGroup | None) -> dict[str, dict]:
+    """Sum each layer's step tally over the data-parallel ranks (one all-reduce), move the balancing biases,
+    and return the step's figures per MoE layer (``step_figures``). Empty for a dense model."""
+    layers = moe_layers(modules)
+    if not layers:
+        return {}
+    names = sorted(layers)
+    flat = torch.cat([_tally_vector(layers[name]) for name in names])
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        device = layers[names[0]].router.weight.device
+        flat = flat.to(device)
+        dist.all_reduce(flat, group=dp_group)
+        flat = flat.cpu()
+    out, at = {}, 0
+    for name in names:
+        layer = layers[name]
+        size = _tally_vector(layer).numel()
+        summed = _unpack(layer, flat[at:at + size])
+        at += size
+        if isinstance(layer.router, TopKRouter):
+            layer.router.update_bias(summed["tokens_per_expert"].to(layer.router.bias.device))
+        out[name] = step_figures(summed)
+    return out
+
+
+def _tally_vector(layer: MoELayer) -> torch.Tensor:
+    """The layer's tally as one vector (fixed keys first, then its losses sorted by name)."""
+    e = layer.cfg.experts
+    fixed = [layer.tally.get("tokens_per_expert", torch.zeros(e))]
+    fixed += [layer.tally.get(k, torch.zeros(())).reshape(1) for k in TALLY[1:]]
+    losses = [layer.tally[k].reshape(1) for k in sorted(layer.tally) if k.startswith("loss_")]
+    return torch.cat(fixed + losses)
+
+
+def _unpack(layer: MoELayer, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+    e = layer.cfg.experts
+    out = {"tokens_per_expert": vector[:e]}
+    for i, key in enumerate(TALLY[1:]):
+        out[key] = vector[e + i]
+    for i, key in enumerate(k for k in sorted(layer.tally) if k.startswith("loss_")):
+        out[key] = vector[e + len(TALLY) - 1 + i]
+    return out
+
+
+def step_figures(summed: dict[str, torch.Tensor]) -> dict:
+    """Tokens per expert (summed over the step's microbatches and dp ranks), the drop fraction (dropped over
+    wanted assignments; expert choice: tokens no expert picked over tokens), each auxiliary loss (mean over
+    microbatches and ranks) and the balance figure max/mean load (1.0 is perfect balance)."""
+    load = summed["tokens_per_expert"]
+    mean = float(load.mean())
+    figures = {
+        "tokens_per_expert": [int(v) for v in load.tolist()],
+        "drop_fraction": float(summed["dropped"] / summed["assignments"]) if summed["assignments"] > 0 else 0.0,
+        "balance": float(load.max()) / mean if mean > 0 else 0.0,
+    }
+    count = float(summed["microbatches"]) or 1.0
+    for key, value in summed.items():
+        if key.startswith("loss_"):
+            figures[f"aux_{key[5:]}"] = float(value) / count
+    return figures
+
+
+# -- initial values (the families' init_parameter hook) -------------------------------------------------------
+
+SWITCH_INIT_SCALE = 0.1  # Switch Transformer's s in σ = sqrt(s / fan_in)
+
+
+def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
+    """The families' ``init_parameter``: MoE parameters here, every other one from the GPT's rule.
+
+    Stacked expert weights are drawn whole ([E, ...] from the one generator of their name), so an expert's
+    values do not depend on how experts are split over ranks. Noisy top-k's two gating matrices start at
+    zero (the paper's choice); under ``router: switch`` router and expert weights are drawn from a normal
+    truncated at two standard deviations with σ = sqrt(0.1 / fan_in) (the paper's smaller init). Otherwise
+    routers and experts follow the GPT's normal(0, init_std), output projections scaled by depth.
+    """
+    from workers.model.gpt import init_parameter as dense_init  # gpt imports this module for MoELayer
+
+    kind = _moe_kind(name)
+    if kind is None or cfg.moe is None:
+        return dense_init(name, shape, generator, cfg)
+    if cfg.moe.router == "noisy_topk" and kind == "router":
+        return torch.zeros(shape)
+    if cfg.moe.router == "switch":
+        std = math.sqrt(SWITCH_INIT_SCALE / shape[-2 if kind != "router" else -1])
+        return nn.init.trunc_normal_(torch.empty(shape), 0.0, std, -2 * std, 2 * std, generator=generator)
+    std = cfg.init_std / (math.sqrt(2 * cfg.n_layers) if name.endswith(".w2") else 1.0)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def _moe_kind(name: str) -> str | None:
+    """``router`` or ``experts`` for a parameter of an MoE layer (by its name), else None."""
+    parts = name.split(".")
+    if "router" in parts:
+        return "router"
+    if "experts" in parts or "shared" in parts:
+        return "experts"
+    return None

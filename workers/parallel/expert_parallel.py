@@ -1,0 +1,133 @@
+"""Expert parallelism: each rank of an ep group holds ``E / ep`` of a MoE layer's experts, tokens travel to them.
+
+The ep group is carved out of the data-parallel ranks (``workers.parallel.grid``: ranks of one model position
+whose dp index differs only in ``dp % ep``). Every rank routes its own tokens (``workers.model.moe.Routing``),
+then ``ExpertParallelDispatcher``:
+
+1. sorts its assignments by global expert id and exchanges the per-expert counts (one ``all_to_all_single`` of
+   ``E`` integers), so every rank knows how many rows it will receive from each peer for each local expert;
+2. sends the token rows with ``all_to_all_single`` and variable splits (dropless routing gives any count,
+   zero included), through the functional collectives' ``all_to_all_single_autograd``, whose backward is the
+   reverse exchange, so gradients flow back to the sending rank's tokens and gates;
+3. regroups the received rows expert-major, runs ``Experts.grouped`` on them, restores the source-major order,
+   sends the results back, and combines them gate-weighted per token exactly as ``LocalDispatcher`` does.
+
+Why our own: PyTorch has the collective but no MoE dispatch, and the libraries that do (torchtitan, Megatron,
+DeepSpeed) bind it to their own MoE modules; this one is ~a page over the shared ``Routing``/``Experts`` contract.
+
+Gradients of the expert weights: a rank's expert receives tokens from all ``ep`` ranks of its group, so its
+gradient sums ``ep`` ranks' local-loss gradients. The dispatcher scales the experts' share of the backward by
+``1 / ep`` (and the tokens' gradient back by ``ep``), so an expert's gradient is one rank's share like a dense
+weight's, and the data-parallel wrapper's plain mean over the ``dp / ep`` ranks holding the same experts (the
+expert-data-parallel group, ``edp``) gives the mean over all dp ranks a dense weight gets.
+
+``shard_experts`` turns a built model (on meta or materialised) into this rank's share: each ``Experts`` keeps
+its rows ``[first, first + num_local)`` and each MoE layer gets this dispatcher. ``apply_data_parallel``
+(``workers.parallel.data_parallel``) then puts every ``Experts`` under a data-parallel wrapper of its own (over
+``edp``) before the stage's (over dp), the way FSDP2 nests, so dense weights are reduced over dp and expert
+weights over edp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from workers.model.moe import Experts, MoELayer
+
+
+def received_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """``[ep, E_local]``: how many rows each peer sends to each of this rank's experts.
+
+    ``counts`` is ``[E]``, the rows this rank sends to every global expert; expert ``e`` lives on group rank
+    ``e // E_local``, so an equal-split all-to-all of the counts hands each rank its experts' columns.
+    """
+    ep = dist.get_world_size(group)
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out.view(ep, -1)
+
+
+def expert_major(received: torch.Tensor) -> torch.Tensor:
+    """Row order that turns the received buffer (source-major: peer, then local expert) into expert-major runs.
+
+    ``Experts.grouped`` wants local expert j's rows as the j-th consecutive run, whoever sent them.
+    """
+    lengths = received.flatten()
+    starts = torch.cumsum(lengths, 0) - lengths  # where chunk (peer, expert) begins in the received buffer
+    lengths_em, starts_em = received.t().flatten(), starts.view_as(received).t().flatten()
+    run_starts = torch.cumsum(lengths_em, 0) - lengths_em
+    within = torch.arange(int(lengths.sum()), device=received.device) - torch.repeat_interleave(run_starts, lengths_em)
+    return torch.repeat_interleave(starts_em, lengths_em) + within
+
+
+def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of ``rows`` with variable splits, differentiable (the backward sends gradients back)."""
+    return all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` (see the module docstring on expert gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class ExpertParallelDispatcher:
+    """``dispatcher(x_flat, routing, experts) -> [T, d]`` over an ep process group (see the module docstring).
+
+    A plain callable like ``LocalDispatcher``, which it replaces on each MoE layer.
+    """
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+        ep = dist.get_world_size(self.group)
+        order = torch.argsort(routing.expert, stable=True)
+        token, expert, gate = routing.token[order], routing.expert[order], routing.gate[order]
+        counts = torch.bincount(expert, minlength=experts.num_experts)
+        received = received_counts(counts, self.group)
+        sent_splits = counts.view(ep, -1).sum(1).tolist()
+        received_splits = received.sum(1).tolist()
+        arrived = exchange(x[token], received_splits, sent_splits, self.group)
+        regroup = expert_major(received)
+        done = experts.grouped(_ScaleGrad.apply(arrived[regroup], float(ep)), received.sum(0))
+        done = _ScaleGrad.apply(done, 1.0 / ep)
+        back = exchange(done[torch.argsort(regroup)], sent_splits, received_splits, self.group)
+        out = torch.zeros_like(x)
+        return out.index_add(0, token, back * gate.unsqueeze(1).to(back.dtype))
+
+
+def experts_modules(module: nn.Module) -> list[nn.Module]:
+    """The ``Experts`` (routed experts: ``num_experts``/``first``/``num_local``) under ``module``, in order."""
+    return [m for m in module.modules() if isinstance(m, Experts)]
+
+
+def shard_experts(module: nn.Module, ep_group) -> list[nn.Module]:
+    """Keep this rank's experts of every MoE layer under ``module`` and dispatch over ``ep_group``.
+
+    Works on meta (before ``materialize``, which then draws each full stack and keeps these rows) or on real
+    weights. Returns the sharded ``Experts`` modules.
+    """
+    for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
+        keep_rows(layer.experts, dist.get_rank(ep_group), dist.get_world_size(ep_group))
+        layer.dispatcher = ExpertParallelDispatcher(ep_group)
+    return experts_modules(module)
+
+
+def keep_rows(experts: nn.Module, index: int, ep: int) -> None:
+    """Cut ``experts`` to the ``index``-th of ``ep`` equal runs of experts (on meta: shapes only)."""
+    local = experts.num_experts // ep
+    experts.first, experts.num_local = index * local, local
+    for name, param in list(experts.named_parameters(recurse=False)):
+        rows = param[experts.first:experts.first + local].detach().clone()
+        setattr(experts, name, nn.Parameter(rows, requires_grad=param.requires_grad))
