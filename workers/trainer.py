@@ -31,7 +31,7 @@ from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import DistributedOptimizer
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
-from workers.parallel.process_group import data_parallel_mesh, init_mesh, pick_device
+from workers.parallel.process_group import DP_CP, data_parallel_mesh, init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
 from workers.protocol import StepResult, StepTimes
@@ -85,10 +85,11 @@ class Trainer:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
         par, memory = self.spec.parallel, spec["memory"]
         # ZeRO-1: each part's optimizer steps this rank's slices of the part's parameters (distributed_optimizer.py)
-        sliced = self.parts.modules if par.zero == 1 and par.grid.dp_enabled else []
-        self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh) for m in sliced]
+        dp_mesh = data_parallel_mesh(self.mesh, par.grid)  # dp, or dp x cp: the ranks gradients are averaged over
+        sliced = self.parts.modules if par.zero == 1 and dp_mesh.size() > 1 else []
+        dp_dim = DP_CP if par.grid.cp_enabled else "dp"
+        self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh, dp_dim) for m in sliced]
         stepped = [z.shards.values() for z in self.zero1] or [m.parameters() for m in self.parts.modules]
-        dp_mesh = data_parallel_mesh(self.mesh, par.grid)
         dp = dp_mesh.get_group() if dp_mesh.size() > 1 else None  # onebit_adam's momentum average
         optimizers = [build_optimizer(params, spec["optim"], memory, self.device, self.param_offload, dp_group=dp)
                       for params in stepped]

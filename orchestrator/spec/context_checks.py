@@ -31,10 +31,6 @@ def check_context_parallel(job: JobSpec) -> None:
         raise SpecError("parallel.dp_sync", "ps", f"is not supported with parallel.cp={p.cp} (parameter-server "
                         "keys are per data rank, cp ranks would push the same keys)",
                         "use parallel.dp_sync: allreduce, or parallel.cp: 1")
-    if p.zero == 1 and p.dp * p.cp > 1:
-        raise SpecError("parallel.zero", 1, f"is not supported with parallel.cp={p.cp} yet (the distributed "
-                        "optimizer slices over the dp ranks only; cp ranks' gradients must be averaged too)",
-                        "use parallel.zero: 2 or 3 (they shard over dp x cp), or parallel.cp: 1")
     _check_sequence_split(job)
     if p.cp_impl == "ulysses":
         _check_ulysses_heads(job)

@@ -22,7 +22,8 @@ FAMILIES = {
 }
 LAYOUTS = {  # name: (family, parallel)
     "cp2-dp2-ring": ("gpt-learned", {"cp": 2, "dp": 2, "cp_impl": "ring"}),
-    "cp2-tp2-ulysses": ("llama-gqa", {"cp": 2, "tp": 2, "cp_impl": "ulysses"}),
+    # ZeRO-1's distributed optimizer slices over dp x cp (here cp alone) inside each tp shard
+    "cp2-tp2-ulysses-zero1": ("llama-gqa", {"cp": 2, "tp": 2, "cp_impl": "ulysses", "zero": 1}),
     "pp2-cp2-dp2-allgather": ("llama-gqa", {"pp": 2, "cp": 2, "dp": 2, "cp_impl": "allgather"}),
 }
 

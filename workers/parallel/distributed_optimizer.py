@@ -61,8 +61,8 @@ class DistributedOptimizer:
     (``module``) and what the global-norm clip reads.
     """
 
-    def __init__(self, named_params, root_mesh: DeviceMesh):
-        self.dp_mesh = root_mesh["dp"]
+    def __init__(self, named_params, root_mesh: DeviceMesh, dp_dim: str = "dp"):
+        self.dp_mesh, self._dp_dim = root_mesh[dp_dim], dp_dim  # "dp_cp" under context parallelism
         self.group = self.dp_mesh.get_group()
         self.dp, self.index = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
         self._root, self._meshes = root_mesh, {}
@@ -98,7 +98,7 @@ class DistributedOptimizer:
             return self.dp_mesh, (Shard(0),)
         names = p.device_mesh.mesh_dim_names
         if names not in self._meshes:
-            ranks = self._root[("dp", *names)].mesh  # dp is the root's outermost dim: slicing keeps that order
+            ranks = self._root[(self._dp_dim, *names)].mesh  # dp (dp x cp) is outermost: slicing keeps that order
             ranks = ranks.permute(*range(1, ranks.dim()), 0)
             groups = [p.device_mesh.get_group(i) for i in range(len(names))] + [self.group]
             self._meshes[names] = DeviceMesh.from_group(groups, self.dp_mesh.device_type, mesh=ranks,
