@@ -116,3 +116,16 @@ def test_kill_rank_in_a_context_parallel_layout_recovers_bit_identical(ray_clust
                     faults=[{"kind": "kill_rank", "rank": 1, "at_step": 4}])
     assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
     assert [(r["kind"], r["rank"], r["source"]) for r in recovered.recoveries] == [("rank", 1, "memory")]
+
+
+def test_kill_rank_in_an_expert_parallel_layout_recovers_bit_identical(ray_cluster, token_data, tmp_path):
+    """dp=4 x ep=2 (issue 15): ranks 0 and 2 hold one half of the experts, 1 and 3 the other; the dead rank's
+    replacement restores the snapshot its replica peer holding the same experts kept, and the run goes on
+    exactly as an uninterrupted one."""
+    sections = {"parallel": {"dp": 4, "ep": 2}, "train": {"steps": 6, "global_batch_size": 8},
+                "model": {"moe": {"experts": 4, "router": "topk", "top_k": 2, "group": "sequence"}}}
+    straight = run(token_data, tmp_path / "straight", **sections)
+    kill = [{"kind": "kill_rank", "rank": 1, "at_step": 3}]
+    recovered = run(token_data, tmp_path / "killed", **sections, faults=kill)
+    assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
+    assert [(r["kind"], r["rank"], r["source"]) for r in recovered.recoveries] == [("rank", 1, "memory")]
