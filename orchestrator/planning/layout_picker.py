@@ -117,7 +117,8 @@ def _no_fit(spec: JobSpec, nodes: int, gpus_per_node: int, g: tm.GPU, result: ls
                      f"is too small: no layout of {nodes} node(s) x {gpus_per_node} GPU(s) fits with "
                      f"{spec.memory.headroom:.0%} headroom; the smallest, {small.layout.label()}, needs "
                      f"{human_bytes(small.peak)} on pp rank {small.peak_pp_rank}"
-                     + (f" (with an uneven stage split or context parallelism, not runnable in raymesh yet, "
+                     + (f" (with an uneven stage split, not runnable in raymesh yet, or context parallelism below "
+                        f"{LONG_SEQUENCE} tokens, which the picker leaves out, "
                         f"{unrestricted.layout.label()} would fit: {human_bytes(unrestricted.peak)})"
                         if unrestricted else ""),
                      f"use --gpu-mem {human_bytes(small.peak / (1 - spec.memory.headroom))} or more, add --nodes, "
@@ -137,6 +138,7 @@ def explain(choice: Choice, top: int = 5) -> list[str]:
     lines += [f"  {n} {why}" for why, n in res.rejected.items() if n]
     if choice.unrestricted is not None:
         u = choice.unrestricted
-        lines.append(f"faster on paper, not runnable in raymesh yet (uneven stage split or context parallelism): "
+        lines.append(f"faster on paper, not picked (an uneven stage split, not runnable yet, or context "
+                     f"parallelism below {LONG_SEQUENCE} tokens): "
                      f"{u.layout.label()}: {u.step_s:.3g} s/step, {human_bytes(u.peak)}")
     return lines
