@@ -248,8 +248,10 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
 def layout_of(spec) -> Layout:
     """The layout a job spec runs."""
     p = spec.parallel
+    # the search prices one policy for every block: memory.recompute: sqrt is priced as the full recompute it runs
+    recompute = mm.recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
     return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
-                  spec.memory.recompute, p.pp_schedule, p.stages_per_rank)
+                  recompute, p.pp_schedule, p.stages_per_rank)
 
 
 @functools.lru_cache(maxsize=65536)
