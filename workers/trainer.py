@@ -78,7 +78,8 @@ class Trainer:
         self.fault = NO_FAULT  # this step's injected fault (the loss reads it inside pipeline schedules)
         self.checkpoints = CheckpointIO(self.state)
         self.ps = PSSync(self, self.spec) if par.dp_sync == "ps" else None
-        self.comm = CommBytes(mesh_dim_groups(self.mesh), self.grid.mesh_dims) if self.spec.count_comm_bytes else None
+        self.comm = CommBytes(mesh_dim_groups(self.mesh, data_parallel_mesh(self.mesh, self.grid)),
+                              self.grid.mesh_dims) if self.spec.count_comm_bytes else None
         self.compute_events: list[dict] = []  # forward+backward per microbatch without a pipeline schedule
 
     def _train_state(self, spec: dict) -> TrainState:

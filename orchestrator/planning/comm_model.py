@@ -11,20 +11,32 @@ the ZeRO paper's accounting, seed articles 003/004), for a payload of Φ bytes o
 
 Per dimension (``step_bytes``):
 
-- dp: ZeRO-0/1 all-reduce the gradients once a step (2Φ in the paper's units; torch's ZeRO-1 then
-  broadcasts each rank's updated partition, (N-1)/N · Φ more, as the all-gather of Megatron's
-  distributed optimizer); ZeRO-2 reduce-scatters the gradients once (after the last microbatch) and
-  all-gathers the parameters for every microbatch's forward (FSDP2 reshards after backward; a pipeline
-  keeps them after its first backward: once); ZeRO-3 all-gathers for forward and again for backward per
-  microbatch (3Φ for one microbatch, the paper's figure).
+- dp: ZeRO-0 all-reduces the gradients once a step (2Φ in the paper's units); ZeRO-1 (raymesh's
+  distributed optimizer, Megatron's) reduce-scatters them and all-gathers the updated slices, the same
+  2(N-1)/N · Φ; ZeRO-2 reduce-scatters the gradients once (after the last microbatch) and all-gathers the
+  parameters for every microbatch's forward (FSDP2 reshards after backward; a pipeline keeps them after
+  its first backward: once); ZeRO-3 all-gathers for forward and again for backward per microbatch (3Φ for
+  one microbatch, the paper's figure).
 - tp (Megatron): per block and microbatch two all-reduces of the b·s·h activations in forward and two
   in backward; with sequence parallelism each becomes a reduce-scatter plus an all-gather (the same bytes).
-  The vocabulary-parallel head all-gathers its logits in forward and reduce-scatters their gradient.
-- pp: per microbatch each stage boundary sends the b·s·h hidden state forward and its gradient back.
-- cp (ring attention): per block and microbatch, K and V blocks travel cp-1 hops in forward; backward
-  sends them again with their gradients (twice the bytes).
+  The stage holding the embedding reduces its output into the sequence shards (forward) and gathers the
+  gradient back (backward), the stage holding the head gathers its input and reduce-scatters the gradient:
+  one all-reduce's bytes each (``sp_edges``). The vocabulary-parallel head all-gathers its logits in
+  forward; the loss runs replicated, so backward only slices the gradient (no bytes). Under sequence
+  parallelism the norms' weights are replicated while their gradients are partial sums over the sequence
+  shards: the global-norm clip all-reduces them once a step (``norm_bytes``).
+- pp: per microbatch a stage sends the b·s·h hidden state forward across its downstream edge and the
+  gradient back across its upstream edge: one send per edge it has (``boundaries``), not two.
+- cp (ring attention, ``workers/parallel/context_parallel.py``): per block and microbatch, K and V blocks
+  travel cp-1 hops in forward; in backward they travel cp-1 hops again while their dK/dV accumulators
+  travel cp hops (the last one home to the block's owner): (3·cp - 2) blocks' worth in all. The gradients
+  are averaged over dp x cp (cp ranks hold replicated weights, each one's gradient its tokens' share), so
+  the dp row's collectives span dp·cp ranks.
 - ep: per MoE block and microbatch, dispatch and combine all-to-alls of the routed tokens (top_k copies of
   b·s·h), in forward and again in backward.
+
+Checked against the bytes ``workers.diagnostics.comm_bytes`` counts on every parity layout
+(tests/integration/test_comm_model.py, within 5%).
 """
 
 from __future__ import annotations
@@ -68,7 +80,9 @@ class CommShape:
     moe_blocks: int = 0
     top_k: int = 1
     holds_head: bool = True
-    boundaries: int = 0  # stage edges this rank sends across (each direction)
+    boundaries: int = 0  # stage edges this rank has; it sends across each once per microbatch (see module doc)
+    sp_edges: int = 0  # embedding output / head input on this rank: a sequence-parallel reduce and gather each
+    norm_bytes: float = 0.0  # replicated norm weights whose gradients tp all-reduces once a step (SP)
 
 
 def step_bytes(c: CommShape, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0,
@@ -76,11 +90,11 @@ def step_bytes(c: CommShape, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
     """Bytes this rank sends in one step, per mesh dimension (``DIMS``)."""
     m = microbatches
     return {
-        "dp": data_parallel_bytes(c.param_bytes, c.grad_bytes, dp, zero, m, pipelined=pp > 1),
-        "tp": m * (c.blocks * 4 * all_reduce(c.hidden_bytes, tp)
-                   + (all_gather(c.logit_bytes, tp) + reduce_scatter(c.logit_bytes, tp)) * c.holds_head),
-        "pp": m * 2 * c.boundary_bytes * c.boundaries if pp > 1 else 0.0,
-        "cp": m * c.blocks * 3 * (cp - 1) * c.kv_bytes,
+        "dp": data_parallel_bytes(c.param_bytes, c.grad_bytes, dp * cp, zero, m, pipelined=pp > 1),
+        "tp": m * ((c.blocks * 4 + c.sp_edges) * all_reduce(c.hidden_bytes, tp) + all_gather(c.logit_bytes, tp)
+                   * c.holds_head) + all_reduce(c.norm_bytes, tp),
+        "pp": m * c.boundary_bytes * c.boundaries if pp > 1 else 0.0,
+        "cp": m * c.blocks * (3 * cp - 2) * c.kv_bytes if cp > 1 else 0.0,
         "ep": m * c.moe_blocks * 4 * all_to_all(c.top_k * c.hidden_bytes, ep),
     }
 
@@ -90,8 +104,10 @@ def data_parallel_bytes(param_bytes: float, grad_bytes: float, dp: int, zero: in
     """The dp row of ``step_bytes`` (see the module docstring for each ZeRO stage)."""
     if dp <= 1:
         return 0.0
-    if zero <= 1:
-        return all_reduce(grad_bytes, dp) + (all_gather(param_bytes, dp) if zero == 1 else 0.0)
+    if zero == 0:
+        return all_reduce(grad_bytes, dp)
+    if zero == 1:  # reduce-scatter, step the slice, all-gather it (workers/parallel/distributed_optimizer.py)
+        return reduce_scatter(grad_bytes, dp) + all_gather(param_bytes, dp)
     gathers = 1 if pipelined else microbatches
     per_gather = all_gather(param_bytes, dp) * (2 if zero >= 3 else 1)
     return reduce_scatter(grad_bytes, dp) + gathers * per_gather

@@ -136,7 +136,7 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     under ``recompute`` (default: the job's ``memory.recompute``)."""
     m, p = spec.model, spec.parallel
     frozen = frozen_parts(spec)[layer]
-    rc = mm.layer_recompute(recompute or spec.memory.recompute, spec.memory.recompute_every, layer)
+    rc = mm.layer_recompute(recompute or spec.memory.recompute, spec.memory.recompute_every, layer, m.n_layers)
     block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
                                       sequence_split(spec), rc, compute_bytes(spec),
                                       frozen=frozen, kv_heads=m.kv_heads, family=m.arch)
@@ -319,7 +319,7 @@ def freed_in_backward(spec: JobSpec, saved: int, pp_rank: int, ids: list[int]) -
 def recompute_working_bytes(spec: JobSpec, layers: list[int]) -> int:
     """Under full recompute, backward rebuilds one block's activations at a time: the largest of this
     rank's blocks as if nothing were recomputed (selective rebuilds only the attention core: left out)."""
-    if spec.memory.recompute != "full" or not layers:
+    if spec.memory.recompute not in ("full", "sqrt") or not layers:
         return 0
     return max(layer_bytes(spec, i, recompute="none") for i in layers)
 

@@ -231,20 +231,27 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     layers = sum(split_layers(s.n_layers, n_stages)[i] for i in ids)
     last = n_stages - 1 in ids
     root = s.embedding_params * (0 in ids) + s.head_params * last
-    params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model + s.d_model * last
+    norms = layers * 2 * s.d_model + s.d_model * last  # replicated under tp
+    params = (layers * s.block_params + root) // lay.tp + norms
     seq, c = s.seq // lay.cp, s.compute_bytes
     sbh = seq * lay.micro_batch * s.d_model
-    return cm.CommShape(4 * params, 4 * params, c * sbh, 4 * sbh // lay.tp,
+    # under tp the token embedding's gradient comes back from DTensor's embedding backward Replicate, full-size,
+    # and ZeRO-0's buckets reduce it as it is (workers/parallel/grad_buckets.py): vocab x h, not vocab/tp x h
+    embedding_grad = s.vocab * s.d_model * (lay.tp - 1) // lay.tp if 0 in ids and lay.zero == 0 else 0
+    return cm.CommShape(4 * params, 4 * (params + embedding_grad), c * sbh, 4 * sbh // lay.tp,
                         2 * c * seq * lay.micro_batch * s.kv * (s.d_model // s.n_heads) // lay.tp,
                         c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
-                        sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0)
+                        sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0,
+                        (0 in ids) + last, 4 * norms)
 
 
 def layout_of(spec) -> Layout:
     """The layout a job spec runs."""
     p = spec.parallel
+    # the search prices one policy for every block: memory.recompute: sqrt is priced as the full recompute it runs
+    recompute = mm.recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
     return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
-                  spec.memory.recompute, p.pp_schedule, p.stages_per_rank)
+                  recompute, p.pp_schedule, p.stages_per_rank)
 
 
 @functools.lru_cache(maxsize=65536)

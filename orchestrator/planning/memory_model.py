@@ -197,9 +197,24 @@ class Frozen:
         return self.input_grad or bool(self.adapted)
 
 
-def layer_recompute(policy: str, every: int, layer: int) -> str:
+def recompute_plan(policy: str, every: int, n_layers: int) -> tuple[str, int]:
+    """The policy and interval the workers run for ``memory.recompute``/``recompute_every`` on ``n_layers`` blocks.
+
+    ``sqrt`` is Chen et al. 2016's √n rule at block granularity: full recompute on every k-th block, k = round(√n),
+    so about √n blocks are checkpointed (saving only their inputs) and the others keep their activations. Why
+    this and not √n multi-block segments: blocks are the unit the family declares and ``checkpoint`` wraps in
+    place (names and checkpoints unchanged); a segment would need the model's forward to call blocks in groups.
+    """
+    if policy == "sqrt":
+        return "full", max(1, round(math.sqrt(n_layers)))
+    return policy, every
+
+
+def layer_recompute(policy: str, every: int, layer: int, n_layers: int = 1) -> str:
     """The recompute policy block ``layer`` runs under with ``memory.recompute_every: every``: ``policy`` on
-    layers whose global index is a multiple of ``every`` (``workers.parallel.recompute``), none on the others."""
+    layers whose global index is a multiple of ``every`` (``workers.parallel.recompute``), none on the others;
+    ``sqrt`` as ``recompute_plan`` resolves it for ``n_layers`` blocks."""
+    policy, every = recompute_plan(policy, every, n_layers)
     return policy if layer % every == 0 else "none"
 
 

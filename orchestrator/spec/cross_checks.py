@@ -124,6 +124,10 @@ def check_faults(job: JobSpec) -> None:
 
 def check_recompute(job: JobSpec) -> None:
     m = job.memory
+    if m.recompute_every > 1 and m.recompute == "sqrt":
+        raise SpecError("memory.recompute_every", m.recompute_every, "is chosen by memory.recompute: sqrt itself "
+                        "(every round(sqrt(n_layers))-th block)", "remove memory.recompute_every, or set "
+                        "memory.recompute: full to pick the interval yourself")
     if m.recompute_every > 1 and m.recompute == "none":
         raise SpecError("memory.recompute_every", m.recompute_every, "picks which blocks memory.recompute applies "
                         "to, and memory.recompute is 'none'", "set memory.recompute: full or selective, or "

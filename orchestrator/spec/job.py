@@ -77,7 +77,8 @@ class JobSpec(_Section):
         return self.model_dump(mode="json", by_alias=True)
 
     def worker_dict(self) -> dict[str, Any]:
-        """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab).
+        """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab,
+        `memory.recompute: sqrt` as the policy and interval it runs).
 
         Workers never import the orchestrator, so they get a plain dict with no defaults left to derive.
         """
@@ -85,6 +86,11 @@ class JobSpec(_Section):
         out["model"]["d_ff"] = self.model.ffn_dim
         out["model"]["vocab_size"] = self.padded_vocab_size
         out["parallel"]["virtual_stages"] = self.parallel.stages_per_rank
+        from orchestrator.planning.memory_model import recompute_plan  # planning imports the spec: import late
+
+        mem = self.memory
+        out["memory"]["recompute"], out["memory"]["recompute_every"] = recompute_plan(
+            mem.recompute, mem.recompute_every, self.model.n_layers)
         return out
 
     @property

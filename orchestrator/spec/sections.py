@@ -165,7 +165,7 @@ class OffloadSpec(_Section):
 
 
 class MemorySpec(_Section):
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "full", "sqrt"] = "none"  # sqrt: full on every round(√n_layers)-th block
     recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSpec = Field(default_factory=OffloadSpec)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype

@@ -78,10 +78,10 @@ def test_collective_formulas():
     assert cm.reduce_scatter(phi, 8) == cm.all_gather(phi, 8) == pytest.approx(7 / 8 * phi)
     shape = cm.CommShape(phi, phi, 1e6, 2e6, 3e5, 4e6, blocks=10, moe_blocks=5, top_k=2, boundaries=2)
     b = cm.step_bytes(shape, dp=64, tp=4, pp=4, cp=2, ep=8, zero=3, microbatches=1)
-    assert b["dp"] == pytest.approx(3 * 63 / 64 * phi)  # ZeRO-3: 3Φ (reduce-scatter + two all-gathers)
+    assert b["dp"] == pytest.approx(3 * 127 / 128 * phi)  # ZeRO-3: 3Φ (reduce-scatter + two all-gathers) over dp·cp
     assert cm.step_bytes(shape, dp=64, zero=0)["dp"] == pytest.approx(cm.all_reduce(phi, 64))
-    assert b["tp"] == pytest.approx(10 * 4 * cm.all_reduce(1e6, 4) + 2 * cm.all_gather(4e6, 4))
-    assert b["pp"] == 2 * 2e6 * 2 and b["cp"] == 10 * 3 * 1 * 3e5
+    assert b["tp"] == pytest.approx(10 * 4 * cm.all_reduce(1e6, 4) + cm.all_gather(4e6, 4))  # logits: gathered once
+    assert b["pp"] == 2e6 * 2 and b["cp"] == 10 * (3 * 2 - 2) * 3e5
     assert b["ep"] == pytest.approx(5 * 4 * 7 / 8 * 2 * 1e6)
 
 
@@ -132,4 +132,5 @@ def test_predicted_bytes_of_a_job_spec():
     piped = cm.predicted_bytes(_job(GPT, parallel={"pp": 2, "tp": 2}, train={"global_batch_size": 16,
                                                                              "microbatches": 4}))
     hidden = 4 * 4 * 32 * 64 // 2  # fp32 b·s·h of a 4-sequence microbatch, sequence-sharded over tp=2
-    assert piped[0]["pp"] == piped[1]["pp"] == 4 * 2 * hidden and piped[0]["tp"] > 0
+    # per microbatch stage 0 sends the hidden state forward, stage 1 its gradient back: one send each
+    assert piped[0]["pp"] == piped[1]["pp"] == 4 * hidden and piped[0]["tp"] > 0

@@ -22,10 +22,11 @@ from workers.parallel.recompute import apply_recompute, checkpointed_modules
 
 def _measured(spec) -> int:
     torch.manual_seed(0)
-    gpt = GPT(model_config(spec.worker_dict()["model"]))
-    memory = spec.memory
-    apply_recompute(gpt, memory.recompute, family("gpt"), memory.recompute_every)
-    watched = checkpointed_modules(gpt, memory.recompute, family("gpt"), memory.recompute_every)
+    worker = spec.worker_dict()  # what the ranks run (memory.recompute: sqrt arrives as full + an interval)
+    gpt = GPT(model_config(worker["model"]))
+    policy, every = worker["memory"]["recompute"], worker["memory"]["recompute_every"]
+    apply_recompute(gpt, policy, family("gpt"), every)
+    watched = checkpointed_modules(gpt, policy, family("gpt"), every)
     tokens = torch.randint(0, spec.model.vocab_size, (spec.train.global_batch_size, spec.model.seq_len))
     with ActivationMeter([gpt], watched) as meter:
         loss = lm_loss(gpt(tokens), tokens)

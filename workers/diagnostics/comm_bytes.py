@@ -103,10 +103,16 @@ class CommBytes(TorchDispatchMode):
         return out
 
 
-def mesh_dim_groups(mesh) -> dict[str, str]:
+def mesh_dim_groups(mesh, data_parallel=None) -> dict[str, str]:
     """Group name -> mesh dimension for ``mesh``; a group shared by several dimensions goes to the largest one
-    (a size-1 dimension moves nothing, so the one that moves bytes names the group)."""
+    (a size-1 dimension moves nothing, so the one that moves bytes names the group).
+
+    ``data_parallel``: the mesh gradients are reduced over (``process_group.data_parallel_mesh``). Under
+    context parallelism that is dp x cp flattened, a group of no single dimension: its bytes are the
+    data-parallel reduction, so they count under ``dp`` (not ``other``), as the planner predicts them."""
     out: dict[str, str] = {}
     for dim in sorted(mesh.mesh_dim_names, key=lambda d: mesh[d].size()):
         out[mesh.get_group(dim).group_name] = dim
+    if data_parallel is not None and data_parallel.size() > 1:
+        out[data_parallel.get_group().group_name] = "dp"
     return out
