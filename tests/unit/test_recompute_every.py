@@ -8,34 +8,14 @@ per layer) predicts each within 1%, and every second block saves half of what re
 from __future__ import annotations
 
 import pytest
-import torch
 
 from orchestrator.errors import SpecError
-from orchestrator.planning.estimate import head_bytes, layer_bytes
 from tests.support.jobs import tiny_spec
-from workers.diagnostics.memory_probe import ActivationMeter
+from tests.support.recompute import measured_saved_bytes, predicted_saved_bytes
 from workers.model.config import model_config
-from workers.model.gpt import GPT, lm_loss
+from workers.model.gpt import GPT
 from workers.model.registry import family
-from workers.parallel.recompute import apply_recompute, checkpointed_modules
-
-
-def _measured(spec) -> int:
-    torch.manual_seed(0)
-    worker = spec.worker_dict()  # what the ranks run (memory.recompute: sqrt arrives as full + an interval)
-    gpt = GPT(model_config(worker["model"]))
-    policy, every = worker["memory"]["recompute"], worker["memory"]["recompute_every"]
-    apply_recompute(gpt, policy, family("gpt"), every)
-    watched = checkpointed_modules(gpt, policy, family("gpt"), every)
-    tokens = torch.randint(0, spec.model.vocab_size, (spec.train.global_batch_size, spec.model.seq_len))
-    with ActivationMeter([gpt], watched) as meter:
-        loss = lm_loss(gpt(tokens), tokens)
-    loss.backward()
-    return meter.peak
-
-
-def _predicted(spec) -> int:
-    return sum(layer_bytes(spec, i) for i in range(spec.model.n_layers)) + head_bytes(spec)
+from workers.parallel.recompute import checkpointed_modules
 
 
 def test_every_second_block_saves_half_of_what_full_recompute_saves(token_data, tmp_path):
@@ -44,9 +24,9 @@ def test_every_second_block_saves_half_of_what_full_recompute_saves(token_data, 
                          train={"microbatches": 1})
 
     runs = {name: spec(*args) for name, args in {"none": ("none",), "every2": ("full", 2), "all": ("full",)}.items()}
-    measured = {name: _measured(s) for name, s in runs.items()}
+    measured = {name: measured_saved_bytes(s) for name, s in runs.items()}
     for name, s in runs.items():
-        assert _predicted(s) == pytest.approx(measured[name], rel=0.01), name
+        assert predicted_saved_bytes(s) == pytest.approx(measured[name], rel=0.01), name
     assert measured["all"] < measured["every2"] < measured["none"]
     saving = measured["none"] - measured["all"]
     assert measured["none"] - measured["every2"] == pytest.approx(saving / 2, rel=0.02)

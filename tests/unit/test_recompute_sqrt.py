@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.errors import SpecError
 from tests.support.jobs import tiny_spec
-from tests.unit.test_recompute_every import _measured, _predicted
+from tests.support.recompute import measured_saved_bytes, predicted_saved_bytes
 from workers.model.config import model_config
 from workers.model.gpt import GPT
 from workers.model.registry import family
@@ -28,9 +28,9 @@ def test_sqrt_checkpoints_every_third_of_nine_blocks_and_the_model_follows(token
              for name, args in {"none": ("none",), "sqrt": ("sqrt",), "every3": ("full", 3), "all": ("full",)}.items()}
     runs = [specs[name].worker_dict()["memory"] for name in ("sqrt", "every3")]
     assert [(m["recompute"], m["recompute_every"]) for m in runs] == [("full", 3)] * 2
-    measured = {name: _measured(s) for name, s in specs.items()}
+    measured = {name: measured_saved_bytes(s) for name, s in specs.items()}
     for name, s in specs.items():
-        assert _predicted(s) == pytest.approx(measured[name], rel=0.01), name
+        assert predicted_saved_bytes(s) == pytest.approx(measured[name], rel=0.01), name
     assert measured["all"] < measured["sqrt"] < measured["none"] and measured["sqrt"] == measured["every3"]
     saving = measured["none"] - measured["all"]
     assert measured["none"] - measured["sqrt"] == pytest.approx(saving / 3, rel=0.02)
