@@ -1,9 +1,26 @@
-"""The driver side of raymesh: job spec, planner, placement, controller, CLI."""
+"""The driver side of raymesh: job spec, planner, placement, controller, CLI.
 
-from orchestrator.api.client import Client
-from orchestrator.errors import SpecError
-from orchestrator.runtime.controller import TrainingJob
-from orchestrator.runtime.run_result import RunResult
-from orchestrator.spec import JobSpec, load_spec
+The names below load on first use (PEP 562): ``raymesh plan`` and the spec checks are arithmetic and should not
+pay for importing Ray and torch, which the controller and client need.
+"""
 
-__all__ = ["Client", "JobSpec", "RunResult", "SpecError", "TrainingJob", "load_spec"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Client": "orchestrator.api.client",
+    "JobSpec": "orchestrator.spec",
+    "RunResult": "orchestrator.runtime.run_result",
+    "SpecError": "orchestrator.errors",
+    "TrainingJob": "orchestrator.runtime.controller",
+    "load_spec": "orchestrator.spec",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
