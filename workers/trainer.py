@@ -31,7 +31,7 @@ from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import DistributedOptimizer
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
-from workers.parallel.process_group import DP_CP, data_parallel_mesh, init_mesh, pick_device
+from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
 from workers.protocol import StepResult, StepTimes
@@ -88,7 +88,7 @@ class Trainer:
         # ZeRO-1: each part's optimizer steps this rank's slices of the part's parameters (distributed_optimizer.py)
         dp_mesh = data_parallel_mesh(self.mesh, par.grid)  # dp, or dp x cp: the ranks gradients are averaged over
         sliced = self.parts.modules if par.zero == 1 and dp_mesh.size() > 1 else []
-        dp_dim = DP_CP if par.grid.cp_enabled else "dp"
+        dp_dim = data_parallel_dim(par.grid)
         self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh, dp_dim) for m in sliced]
         stepped = [z.shards.values() for z in self.zero1] or [m.parameters() for m in self.parts.modules]
         dp = dp_mesh.get_group() if dp_mesh.size() > 1 else None  # onebit_adam's momentum average

@@ -80,4 +80,10 @@ def data_parallel_mesh(mesh: DeviceMesh, grid: Grid) -> DeviceMesh:
     averaged over cp as over dp (FSDP2 / replicate over the flattened dim, the way torchtitan does), and
     ZeRO shards optimizer state over the same ranks.
     """
-    return mesh["dp", "cp"]._flatten(DP_CP) if grid.cp_enabled else mesh["dp"]  # cached since init_mesh
+    dim = data_parallel_dim(grid)
+    return mesh["dp", "cp"]._flatten(DP_CP) if dim == DP_CP else mesh[dim]  # the flattening is cached since init_mesh
+
+
+def data_parallel_dim(grid: Grid) -> str:
+    """The name of the mesh dim gradients are averaged over: ``dp``, or the flattened ``dp_cp`` when cp > 1."""
+    return DP_CP if grid.cp_enabled else "dp"
