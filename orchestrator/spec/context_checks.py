@@ -31,6 +31,11 @@ def check_context_parallel(job: JobSpec) -> None:
         raise SpecError("parallel.dp_sync", "ps", f"is not supported with parallel.cp={p.cp} (parameter-server "
                         "keys are per data rank, cp ranks would push the same keys)",
                         "use parallel.dp_sync: allreduce, or parallel.cp: 1")
+    if getattr(m, "moe", None) is not None:
+        raise SpecError("model.moe", "set", f"is not supported with parallel.cp={p.cp} yet: routing groups, "
+                        "capacity, auxiliary losses and bias balancing are computed per sequence, and a cp rank "
+                        "holds only part of each, so the layout would change the routing",
+                        "set parallel.cp: 1 for an MoE model, or remove model.moe")
     _check_sequence_split(job)
     if p.cp_impl == "ulysses":
         _check_ulysses_heads(job)

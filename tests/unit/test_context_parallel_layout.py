@@ -66,6 +66,13 @@ def test_cp_with_parameter_server_is_refused():
     assert err.field == "parallel.dp_sync" and err.value == "ps" and "allreduce" in err.fix
 
 
+def test_cp_with_an_moe_model_is_refused():
+    """Routing groups, capacity and aux losses are per sequence: a cp rank holding half of each would route
+    differently from one process, so the combination is refused rather than silently off the reference."""
+    err = _refusal({"moe": {"experts": 4, "router": "switch"}}, parallel={"cp": 2})
+    assert err.field == "model.moe" and "parallel.cp: 1" in err.fix
+
+
 def test_unknown_cp_impl_is_refused_naming_the_choices():
     with pytest.raises(SpecError) as info:
         _job(parallel={"cp": 2, "cp_impl": "flash"})
