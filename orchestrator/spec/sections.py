@@ -52,7 +52,7 @@ class ParallelSpec(_Section):
     dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
     # zero 0: gradients are averaged in buckets of about this many MiB as backward produces them (overlapping
     # it; 25 is DDP's default); 0: one bucket, averaged after backward (no overlap)
-    bucket_mb: Annotated[float, Field(ge=0)] = 25.0
+    bucket_mb: Annotated[float, Field(ge=0, le=1_000_000)] = 25.0  # up to a terabyte: one bucket in practice
     # zero 0: how gradient buckets cross data parallelism (all lossy but none; workers/parallel/grad_compression.py)
     grad_compression: Literal["none", "bf16", "fp16", "powersgd", "topk"] = "none"
     powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
@@ -180,8 +180,9 @@ class PlanSpec(_Section):
 
     gpu: Literal["A100", "H100", "H200"] = "H100"
     efficiency: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5  # share of peak FLOP/s the model reaches
-    intra_node_gbps: PositiveFloat | None = None  # NVLink; default per GPU type
-    inter_node_gbps: PositiveFloat | None = None  # InfiniBand share per GPU; default per GPU type
+    intra_node_gbps: Annotated[float, Field(gt=0, le=1_000_000)] | None = None  # NVLink; default per GPU type
+    # InfiniBand share per GPU; default per GPU type
+    inter_node_gbps: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
 
 
 class TrainSpec(_Section):

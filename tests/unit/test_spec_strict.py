@@ -278,3 +278,16 @@ def test_runaway_nesting_is_refused_without_a_traceback(tmp_path):
 @pytest.mark.parametrize("line, field", [("x: &a [*a]", "x"), ("faults: &a [*a]", "faults[0]")])
 def test_a_recursive_alias_is_refused_by_name(tmp_path, line, field):
     assert refused(tmp_path, f"data: {{path: d}}\n{line}\n").field == field
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.moe.capacity_factor=1e300", "model.moe.capacity_factor"),
+    ("model.moe.aux_loss_weight=1e300", "model.moe.aux_loss_weight"),
+    ("model.moe.bias_update_rate=2", "model.moe.bias_update_rate"),
+    ("parallel.bucket_mb=1e300", "parallel.bucket_mb"),
+    ("plan.inter_node_gbps=1e300", "plan.inter_node_gbps"),
+])
+def test_huge_values_of_the_new_fields_are_refused_naming_the_field(tmp_path, override, field):
+    text = "data: {path: /tmp/none}\nmodel: {d_model: 32, n_layers: 4, n_heads: 4, seq_len: 32, moe: {experts: 4}}\n"
+    err = refused(tmp_path, text, override)
+    assert err.field == field and "<=" in err.fix

@@ -58,15 +58,18 @@ class MoEConfig(BaseModel):
     every: Annotated[int, Field(ge=1)] = 1  # blocks every-1, 2*every-1, ... get the MoE feed-forward (2: GShard)
     router: Literal[ROUTERS] = "topk"  # type: ignore[valid-type]
     top_k: PositiveInt | None = None  # experts per token (null: 2, or the router's own: gshard 2, switch 1)
-    capacity_factor: PositiveFloat = 1.25  # capacity = ceil(factor * tokens * k / experts) per routing group
+    # bounded: past the expert count nothing can be dropped, and a huge factor overflows the integer capacity
+    # capacity = ceil(factor * tokens * k / experts) per routing group
+    capacity_factor: Annotated[float, Field(gt=0, le=1024)] = 1.25
     group: Literal["sequence", "microbatch"] = "sequence"  # the routing group capacity and aux losses are per
     shared_experts: Annotated[int, Field(ge=0)] = 0  # always-on experts every token passes (DeepSeek)
     d_expert: PositiveInt | None = None  # each expert's hidden width (null: the dense feed-forward's)
-    aux_loss_weight: Annotated[float, Field(ge=0)] = 0.01  # the router's balancing loss weight
-    z_loss_weight: Annotated[float, Field(ge=0)] = 0.0  # router z-loss weight (ST-MoE): mean logsumexp(logits)^2
+    aux_loss_weight: Annotated[float, Field(ge=0, le=100)] = 0.01  # the router's balancing loss weight
+    # router z-loss weight (ST-MoE): mean logsumexp(logits)^2
+    z_loss_weight: Annotated[float, Field(ge=0, le=100)] = 0.0
     expert_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0  # dropout inside the experts only (Switch)
     bias_balancing: bool = False  # DeepSeek-V3's aux-loss-free balancing (router topk only)
-    bias_update_rate: Annotated[float, Field(ge=0)] = 0.001  # its per-step bias change, by the sign of load error
+    bias_update_rate: Annotated[float, Field(ge=0, le=1)] = 0.001  # its per-step bias change, by the sign of load error
 
     @property
     def k(self) -> int:
