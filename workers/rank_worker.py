@@ -38,15 +38,22 @@ class RankWorker:
         self.trainer = None
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
+        self._listener: socket.socket | None = None  # the store's socket between rendezvous_address and setup
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """This node's cluster IP and a port free on it, for rank 0 to host the process-group store (probed on
-        that address, not on every interface)."""
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return ip, port
+    def rendezvous_address(self, local_only: bool = False) -> tuple[str, int]:
+        """An address and port for this rank (rank 0) to serve the process-group store on, already bound.
+
+        ``local_only`` (every rank on this node): loopback, so the unauthenticated store is not reachable from
+        other hosts; otherwise this node's cluster IP, not every interface. The socket stays open until
+        ``setup`` hands it to the store, so no other process can take the port in between.
+        """
+        from workers.parallel.process_group import listen_on
+
+        if self._listener is not None:
+            self._listener.close()
+        self._listener = listen_on("127.0.0.1" if local_only else ray.util.get_node_ip_address())
+        host, port = self._listener.getsockname()[:2]
+        return host, port
 
     def identity(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -73,7 +80,9 @@ class RankWorker:
             self.trainer = None
             dist.destroy_process_group()
         _remove_orphaned_offload(spec)
-        self.trainer = self.sockets.record(lambda: Trainer(spec, rank, world_size, master_addr, master_port))
+        listener, self._listener = self._listener, None
+        self.trainer = self.sockets.record(
+            lambda: Trainer(spec, rank, world_size, master_addr, master_port, listener=listener))
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
             from workers.state.snapshot_store import SnapshotStore
 

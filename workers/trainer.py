@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 
 import torch
@@ -45,7 +46,8 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class Trainer:
     """One rank: its share of the model (``parts``), its ``TrainState`` and the step that advances it."""
 
-    def __init__(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int,
+                 listener: socket.socket | None = None):
         self.spec = WorkerSpec.from_dict(spec)
         self.rank = rank
         par, memory = self.spec.parallel, spec["memory"]
@@ -55,7 +57,7 @@ class Trainer:
         if self.spec.memory.offloads_params:
             release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
         self.mesh = init_mesh(rank, world_size, master_addr, master_port, self.grid,
-                              self.device, timeout_s=self.spec.collective_timeout_s)
+                              self.device, timeout_s=self.spec.collective_timeout_s, listener=listener)
         self.parts = build_parts(self.spec, self.mesh, self.device)
         self.params = [p for m in self.parts.modules for p in m.parameters()]
         # expert parallelism: the experts' gradient norm is summed over the ep ranks that split them

@@ -89,7 +89,9 @@ class RankGroup:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
         self._gather({r: w.preload.remote() for r, w in enumerate(self.workers)})  # new actors import first
-        addr, port = self._gather({0: self.workers[0].rendezvous_address.remote()})[0]
+        nodes = self._gather({r: w.identity.remote() for r, w in enumerate(self.workers)})
+        one_node = len({info["node_id"] for info in nodes}) == 1  # then the store listens on loopback only
+        addr, port = self._gather({0: self.workers[0].rendezvous_address.remote(one_node)})[0]
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
         infos = self._gather({r: w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)})
         self._node_of = {info.rank: info.node_id for info in infos}

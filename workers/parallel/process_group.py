@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -22,25 +23,68 @@ def pick_device(requested: str) -> torch.device:
 
 def init_mesh(
     rank: int, world_size: int, master_addr: str, master_port: int, grid: Grid,
-    device: torch.device, timeout_s: float = 300.0,
+    device: torch.device, timeout_s: float = 300.0, listener: socket.socket | None = None,
 ) -> DeviceMesh:
     """Join the job's process group (gloo on CPU, NCCL on GPU) and build the mesh named by ``grid.mesh_dims``.
 
     Every group gets ``timeout_s``: when a peer dies, survivors blocked in a collective
     with it (or with a survivor that already gave up) must fail within that time so the
     controller can re-form the group; sub-groups would otherwise get PyTorch's 30 minutes.
+    ``listener`` is rank 0's socket for the store, already bound (see ``join_store``).
     """
     backend = _backend(device)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        if is_loopback(master_addr):
+            keep_links_on_loopback()
+        store = join_store(rank, world_size, master_addr, master_port, timeout, listener)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return _mesh(device, grid.mesh_shape, grid.mesh_dims, timeout_s)
+
+
+def join_store(rank: int, world_size: int, addr: str, port: int, timeout: timedelta,
+               listener: socket.socket | None = None) -> dist.TCPStore:
+    """The rendezvous store; rank 0 serves it on ``addr`` only.
+
+    Why not ``init_method="tcp://..."``: torch's store then listens on every interface of rank 0's host, so
+    anyone who can reach the host can write into an unauthenticated rendezvous. Rank 0 binds the socket
+    itself, on loopback for a one-node job and on the node's cluster address otherwise, and hands it to the
+    store. The controller's rank 0 binds it when it picks the port (``RankWorker.rendezvous_address``), so no
+    other process can take the port in between.
+    """
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    listener = listener or listen_on(addr, port)
+    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def listen_on(addr: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``addr`` alone (``port`` 0: any free one)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(128)
+    return sock
+
+
+def is_loopback(addr: str) -> bool:
+    return addr in ("localhost", "::1") or addr.startswith("127.")
+
+
+LINK_INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def keep_links_on_loopback() -> None:
+    """Make gloo's and NCCL's own listening sockets loopback-only too, for a job whose ranks share one host.
+
+    Both pick an interface from the host name otherwise, which can be a public one. A value the user set is
+    kept. Nothing changes where no loopback interface is known by name (``lo`` on Linux, ``lo0`` on macOS).
+    """
+    names = {name for _, name in socket.if_nameindex()}
+    lo = next((n for n in ("lo", "lo0") if n in names), None)
+    for var in LINK_INTERFACE_VARS if lo else ():
+        os.environ.setdefault(var, lo)
 
 
 def init_expert_mesh(grid: Grid, device: torch.device, timeout_s: float = 300.0) -> DeviceMesh | None:
