@@ -250,7 +250,8 @@ class TrainingJob:
         try:
             self.layout = self._start()
             layout = self.layout
-            event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, schedule=layout.pp_schedule,
+            pipeline = {"schedule": layout.pp_schedule} if layout.pp > 1 else {}  # no pipeline, no schedule
+            event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, **pipeline,
                   devices=layout.ranks[0].device)
             metrics = metrics_observer(spec, self.run_dir, layout.to_dict())
             if metrics is not None:
@@ -310,7 +311,7 @@ class TrainingJob:
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
-            resizes=self.resizes,
+            resizes=self.resizes, run_dir=str(self.run_dir),
         )
 
     def _train(self, acct: StepAccounting) -> str:

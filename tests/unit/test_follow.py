@@ -41,10 +41,14 @@ def test_the_resume_command_repeats_the_overrides_and_address():
 
 def test_a_stopped_run_names_its_checkpoint_and_the_resume_command(capsys, tmp_path):
     out = tmp_path / "s.json"
-    stopped = summary(status="stopped", checkpoints=["/runs/a/checkpoints/step-00000007"])
+    stopped = summary(status="stopped", checkpoints=["/runs/a/checkpoints/step-00000007"], run_dir="/runs/a")
     assert report({"summary": stopped}, "job-1", str(out), "raymesh run job.yaml --resume") == 0
     printed = capsys.readouterr().out
     assert printed == ("done: 7 steps, final loss 2.5000, 1,234 tokens/s\n"
+                       "  summary: /runs/a/summary.json\n"
+                       f"  summary copy: {out}\n"
+                       "  report: raymesh report /runs/a\n"
+                       "  newest checkpoint: /runs/a/checkpoints/step-00000007\n"
                        "stopped at step 7 (checkpoint /runs/a/checkpoints/step-00000007); resume with:\n"
                        "  raymesh run job.yaml --resume\n")
     assert json.loads(out.read_text()) == stopped
