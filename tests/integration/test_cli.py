@@ -112,6 +112,11 @@ def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_r
     summary_file = tmp_path / "run" / "summary.json"
     finished = json.loads(summary_file.read_text())
     assert finished["status"] == "finished" and finished["losses"] == uninterrupted.losses[step:]
+    run = tmp_path / "run"  # the end of a run: a short summary saying where things are, not kilobytes of JSON
+    assert f"done: 20 steps, final loss {finished['final_loss']:.4f}" in resumed.stdout
+    assert f"  summary: {run / 'summary.json'}\n  report: raymesh report {run}\n" in resumed.stdout
+    assert "event=summary" not in resumed.stdout + resumed.stderr and len(resumed.stdout) < 1000
+    assert "event=layout" in resumed.stderr and "schedule=" not in resumed.stderr  # pp=1: no pipeline fields
 
     before = summary_file.read_bytes()
     again = drivers.raymesh(ray_cluster, *shlex.split(command)[1:], "--no-progress")
