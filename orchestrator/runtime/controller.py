@@ -32,6 +32,7 @@ from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.run_records import RunRecords
 from orchestrator.observability.step_accounting import StepAccounting
+from orchestrator.observability.trackers import tracker_observer
 from orchestrator.recovery import node_loss
 from orchestrator.recovery.elastic import resized
 from orchestrator.recovery.policy import ScalingPolicy
@@ -253,9 +254,10 @@ class TrainingJob:
             pipeline = {"schedule": layout.pp_schedule} if layout.pp > 1 else {}  # no pipeline, no schedule
             event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, **pipeline,
                   devices=layout.ranks[0].device)
-            metrics = metrics_observer(spec, self.run_dir, layout.to_dict())
-            if metrics is not None:
-                self.observers.add(metrics)
+            for observer in (metrics_observer(spec, self.run_dir, layout.to_dict()),
+                             tracker_observer(spec, self.run_dir)):
+                if observer is not None:
+                    self.observers.add(observer)
             resumed_from = self._maybe_resume()
             self.machine.resume()
             result = self._loop(time.perf_counter() - t_start, resumed_from)
