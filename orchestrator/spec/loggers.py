@@ -15,9 +15,14 @@ from pydantic import model_serializer, model_validator
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import PathStr, _Section
 
-# logger -> the module it imports (missing: refused before any actor starts, with the pip command)
-LOGGER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-INSTALL_HINT = "pip install 'raymesh[trackers]'"
+# logger -> (the modules it imports, the pip packages that provide them); a missing one is refused before any actor
+# starts. MLflow's local store is an SQLite database, which it opens through sqlalchemy and alembic.
+LOGGER_PACKAGES = {
+    "tensorboard": (("tensorboard",), "tensorboard"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow-skinny sqlalchemy alembic"),
+    "wandb": (("wandb",), "wandb"),
+}
+INSTALL_HINT = "pip install -e '.[trackers]' in the raymesh checkout"
 
 
 class TensorBoardSpec(_Section):
@@ -82,10 +87,12 @@ class LoggersSpec(_Section):
     def check_installed(self) -> None:
         """Refuse a logger whose package is not installed, naming it and the pip command (before any actor)."""
         for name in self.enabled():
-            module = LOGGER_PACKAGES[name]
-            if importlib.util.find_spec(module) is None:
-                raise SpecError(f"loggers.{name}", {}, f"needs the `{module}` package, which is not installed",
-                                f"{INSTALL_HINT} (or pip install {module}), or remove loggers.{name}")
+            modules, packages = LOGGER_PACKAGES[name]
+            missing = [m for m in modules if importlib.util.find_spec(m) is None]
+            if missing:
+                raise SpecError(f"loggers.{name}", {}, f"needs the `{'`, `'.join(missing)}` package(s), which are "
+                                "not installed",
+                                f"{INSTALL_HINT} (or pip install {packages}), or remove loggers.{name}")
 
     def resolved_dir(self, name: str, run_dir: Path) -> Path:
         """A logger's output directory: its `dir` when set, else its default under the run dir."""

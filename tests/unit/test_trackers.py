@@ -91,7 +91,8 @@ def test_a_logger_whose_package_is_missing_is_refused_naming_it_and_the_pip_comm
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     spec = JobSpec.from_dict({"data": {"path": str(tmp_path / "none")}, "run_dir": str(tmp_path / "run"),
                               "loggers": {"wandb": None}})
-    with pytest.raises(SpecError, match=r"`loggers.wandb`.*needs the `wandb` package.*pip install 'raymesh\[trac"):
+    fix = r"pip install -e '.\[trackers\]'.*pip install wandb"
+    with pytest.raises(SpecError, match=rf"`loggers.wandb`.*needs the `wandb` pack.*{fix}"):
         check_before_start(spec, data_required=False)
 
 
