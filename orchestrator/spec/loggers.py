@@ -90,8 +90,8 @@ class LoggersSpec(_Section):
             modules, packages = LOGGER_PACKAGES[name]
             missing = [m for m in modules if importlib.util.find_spec(m) is None]
             if missing:
-                raise SpecError(f"loggers.{name}", getattr(self, name).model_dump(), f"needs the `{'`, `'.join(missing)}` package(s), which are "
-                                "not installed",
+                raise SpecError(f"loggers.{name}", getattr(self, name).model_dump(),
+                                f"needs the `{'`, `'.join(missing)}` package(s), which are not installed",
                                 f"{INSTALL_HINT} (or pip install {packages}), or remove loggers.{name}")
 
     def resolved_dir(self, name: str, run_dir: Path) -> Path:
