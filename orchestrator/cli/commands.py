@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from orchestrator.cli.default_corpus import DEFAULT_MAX_TOKENS
 from orchestrator.cli.jobs import add_client_commands
 from orchestrator.errors import SpecError
-
-DEFAULT_MAX_TOKENS = 20_000_000
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -44,8 +43,9 @@ def _plan(args: argparse.Namespace) -> int:
     choice = pick_layout(spec, nodes, per_node, gpu_mem, args.gpu)
     p = choice.spec.parallel
     cp = f" cp={p.cp}" if p.grid.cp_enabled else ""
+    schedule = f" schedule={p.pp_schedule}" if p.pp > 1 else ""
     print(f"picked dp={p.dp} pp={p.pp}{cp} tp={p.tp} zero={p.zero} microbatches={choice.spec.train.microbatches} "
-          f"recompute={choice.spec.memory.recompute} schedule={p.pp_schedule} for {nodes} node(s) x {per_node} "
+          f"recompute={choice.spec.memory.recompute}{schedule} for {nodes} node(s) x {per_node} "
           f"{args.gpu or spec.plan.gpu}(s): {choice.reason}")
     for line in [*choice.tried[:5], *explain(choice)]:
         print(f"  {line}")

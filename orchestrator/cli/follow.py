@@ -18,6 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from orchestrator.observability.events import parse_event
 from orchestrator.observability.observers import ProgressBar, StepReport
 
 LOST_CONTROLLER_WAIT_S = 300.0  # how long a follower waits for Ray to restart a lost controller
@@ -60,16 +63,27 @@ def resume_command(args: argparse.Namespace) -> str:
     return shlex.join([*argv, "--resume"])
 
 
-class _Terminal:
-    """Shows feed items: event lines on stderr (as the controller logs them), steps on a progress bar."""
+def _shown(line: str, keep_summary: bool) -> bool:
+    """Whether a feed line goes to the terminal: all but the one-line summary JSON (kilobytes of losses), which
+    only a submitted job prints, because ``raymesh status|summary`` read it from the job server's log; a terminal
+    gets the short summary ``report`` prints and the run dir's ``summary.json``."""
+    parsed = parse_event(line)
+    return keep_summary or parsed is None or parsed[0] != "summary"
 
-    def __init__(self, progress: bool):
-        self.progress = progress
+
+class _Terminal:
+    """Shows feed items: event lines on stderr (as the controller logs them, above the progress bar, never into
+    its line), steps on a progress bar."""
+
+    def __init__(self, progress: bool, keep_summary: bool = False):
+        self.progress, self.keep_summary = progress, keep_summary
         self.bar: ProgressBar | None = None
 
     def show(self, item: dict, total_steps: int) -> None:
         if "line" in item:
-            print(item["line"], file=sys.stderr, flush=True)
+            if _shown(item["line"], self.keep_summary):
+                tqdm.write(item["line"], file=sys.stderr)
+                sys.stderr.flush()
         elif not self.progress:
             return
         elif "step" in item:
@@ -93,7 +107,10 @@ def follow(job, progress: bool, interrupts: Interrupts | None = None, stop_on_in
     """
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    terminal, cursor, incarnation, stop_asked, lost_since = _Terminal(progress), 0, "", False, None
+    from orchestrator.runtime.hosted import submission_id
+
+    terminal = _Terminal(progress, keep_summary=submission_id() is not None)
+    cursor, incarnation, stop_asked, lost_since = 0, "", False, None
     try:
         while True:
             if interrupts is not None and interrupts.count:
@@ -163,6 +180,8 @@ def report(outcome: dict | None, job_id: str, summary_json: str | None, resume: 
         Path(summary_json).write_text(json.dumps(summary, indent=2))
     loss = f"final loss {summary['final_loss']:.4f}" if summary["final_loss"] is not None else "no step trained"
     print(f"done: {summary['steps']} steps, {loss}, {summary['tokens_per_s']:,.0f} tokens/s")
+    for line in _where(summary, summary_json):
+        print(f"  {line}")
     if summary["status"] == "stopped" and resume is not None:
         saved = summary["checkpoints"][-1] if summary["checkpoints"] else None
         where = (f"checkpoint {saved}" if saved else
@@ -171,8 +190,24 @@ def report(outcome: dict | None, job_id: str, summary_json: str | None, resume: 
     return 0
 
 
+def _where(summary: dict, summary_json: str | None) -> list[str]:
+    """Where the run's outputs are: the summary JSON, the report command, the newest checkpoint."""
+    lines = []
+    run_dir = summary.get("run_dir")
+    if run_dir:
+        lines.append(f"summary: {Path(run_dir) / 'summary.json'}")
+    if summary_json:
+        lines.append(f"summary copy: {summary_json}")
+    if run_dir:
+        lines.append(f"report: raymesh report {shlex.quote(run_dir)}")
+    if summary["checkpoints"]:
+        lines.append(f"newest checkpoint: {summary['checkpoints'][-1]}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     """``raymesh run``: check the job here, start its detached controller, follow it to the end."""
+    from orchestrator.cli.default_corpus import prepare_default_corpus
     from orchestrator.runtime import cluster
     from orchestrator.runtime.controller import RunComplete, refuse_if_complete
     from orchestrator.runtime.group import RayRuntime
@@ -180,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.spec import load_spec
 
     spec = load_spec(args.job, args.set)
+    prepare_default_corpus(spec)
     try:
         if args.resume:
             refuse_if_complete(spec)

@@ -15,9 +15,23 @@ import logging
 import re
 import sys
 
+from tqdm import tqdm
+
+
+class AboveProgressBars(logging.StreamHandler):
+    """Writes each line through ``tqdm.write``, which clears any progress bar on the stream, prints the line and
+    redraws the bar below it: a plain stream handler would print into the bar's line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # logging's contract: a failed write never raises into the caller
+            self.handleError(record)
+
+
 _log = logging.getLogger("raymesh")
 if not _log.handlers:
-    _handler = logging.StreamHandler(sys.stderr)
+    _handler = AboveProgressBars(sys.stderr)
     _handler.setFormatter(logging.Formatter("%(asctime)s raymesh %(message)s", "%H:%M:%S"))
     _log.addHandler(_handler)
     _log.setLevel(logging.INFO)

@@ -373,7 +373,8 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
     lines = [
         f"job {spec.name}: {' x '.join(f'{a}={n}' for a, n in zip(p.grid.mesh_dims, p.grid.mesh_shape))} = "
         f"{p.world_size} ranks, zero={p.zero}, " + (f"cp_impl={p.cp_impl}, " if p.grid.cp_enabled else "") +
-        f"schedule={p.pp_schedule} ({p.stages_per_rank} stage(s)/rank), precision={spec.precision.dtype}, "
+        (f"schedule={p.pp_schedule} ({p.stages_per_rank} stage(s)/rank), " if p.pp > 1 else "") +
+        f"precision={spec.precision.dtype}, "
         f"recompute={spec.memory.recompute}",
         f"{'rank':>4} {'dp':>3} {'pp':>3} " + (f"{'cp':>3} " if p.grid.cp_enabled else "") +
         f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "

@@ -32,6 +32,7 @@ from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.run_records import RunRecords
 from orchestrator.observability.step_accounting import StepAccounting
+from orchestrator.observability.trackers import tracker_observer
 from orchestrator.recovery import node_loss
 from orchestrator.recovery.elastic import resized
 from orchestrator.recovery.policy import ScalingPolicy
@@ -250,11 +251,13 @@ class TrainingJob:
         try:
             self.layout = self._start()
             layout = self.layout
-            event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, schedule=layout.pp_schedule,
+            pipeline = {"schedule": layout.pp_schedule} if layout.pp > 1 else {}  # no pipeline, no schedule
+            event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, **pipeline,
                   devices=layout.ranks[0].device)
-            metrics = metrics_observer(spec, self.run_dir, layout.to_dict())
-            if metrics is not None:
-                self.observers.add(metrics)
+            for observer in (metrics_observer(spec, self.run_dir, layout.to_dict()),
+                             tracker_observer(spec, self.run_dir)):
+                if observer is not None:
+                    self.observers.add(observer)
             resumed_from = self._maybe_resume()
             self.machine.resume()
             result = self._loop(time.perf_counter() - t_start, resumed_from)
@@ -310,7 +313,7 @@ class TrainingJob:
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
-            resizes=self.resizes,
+            resizes=self.resizes, run_dir=str(self.run_dir),
         )
 
     def _train(self, acct: StepAccounting) -> str:

@@ -27,6 +27,7 @@ class RunResult:
     goodput: float = 0.0  # productive step time (steps kept, not rolled back) over training wall time
     stragglers: list[dict] = field(default_factory=list)  # {rank, since_step, until_step, max_ratio}
     corrupt_checkpoints: list[dict] = field(default_factory=list)  # skipped on load: {step, path, problem, found_by}
+    run_dir: str = ""  # where summary.json, the step records and (by default) the checkpoints are
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -55,7 +55,7 @@ PathStr = Annotated[str, Field(min_length=1), AfterValidator(_os_path)]
 # the names of workers.parallel.schedules' table, in its order (the order an unknown name's error lists them)
 PipelineSchedule = Literal[SCHEDULE_NAMES]  # type: ignore[valid-type]
 _SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics",
-             "fault_tolerance", "parameter_server", "control", "plan")
+             "fault_tolerance", "parameter_server", "control", "plan", "loggers")
 
 
 def _divisors(n: int, limit: int = 10**12) -> list[int]:

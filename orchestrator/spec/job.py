@@ -11,6 +11,7 @@ from pydantic import Field, ValidationError, model_validator
 from orchestrator.errors import SpecError
 from orchestrator.spec.cross_checks import CROSS_FIELD_CHECKS
 from orchestrator.spec.fields import _SECTIONS, NAME_MAX, PathStr, _Section
+from orchestrator.spec.loggers import LoggersSpec
 from orchestrator.spec.messages import to_spec_error
 from orchestrator.spec.model import ModelSpec
 from orchestrator.spec.sections import (
@@ -51,6 +52,7 @@ class JobSpec(_Section):
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
     faults: list[FaultSpec] = Field(default_factory=list)
     parameter_server: ParameterServerSpec = Field(default_factory=ParameterServerSpec)
+    loggers: LoggersSpec = Field(default_factory=LoggersSpec)
 
     def resolved_run_dir(self) -> Path:
         """`run_dir` when set, else `runs/<name>`."""

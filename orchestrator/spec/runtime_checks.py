@@ -26,6 +26,7 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
         check_data_path(spec)
     check_outputs(spec)
     check_base_checkpoint(spec)
+    spec.loggers.check_installed()
 
 
 def _manifest(spec: JobSpec) -> dict:

@@ -40,6 +40,18 @@ def test_missing_data_fails_before_ray_starts(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_run_prepares_a_missing_default_corpus_then_checks_it_before_ray_starts(tmp_path):
+    """`data.path: .../stdlib` that is not there is prepared by `raymesh run` (the quick start's one command); the
+    pre-start checks then run on the prepared data: here they refuse a vocabulary too small for it, so no Ray."""
+    corpus = tmp_path / "data" / "stdlib"
+    job = write_job(tmp_path, f"data:\n  path: {corpus}\nmodel:\n  vocab_size: 128\nrun_dir: {tmp_path / 'run'}\n")
+    proc = raymesh("run", str(job))
+    assert proc.returncode == 2, proc.stderr
+    assert "event=prepare_data" in proc.stderr and "event=data_ready" in proc.stderr
+    assert json.loads((corpus / "manifest.json").read_text())["tokenizer"]["vocab_size"] == 256
+    assert "`model.vocab_size`" in proc.stderr and "Started a local Ray instance" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -112,6 +124,11 @@ def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_r
     summary_file = tmp_path / "run" / "summary.json"
     finished = json.loads(summary_file.read_text())
     assert finished["status"] == "finished" and finished["losses"] == uninterrupted.losses[step:]
+    run = tmp_path / "run"  # the end of a run: a short summary saying where things are, not kilobytes of JSON
+    assert f"done: 20 steps, final loss {finished['final_loss']:.4f}" in resumed.stdout
+    assert f"  summary: {run / 'summary.json'}\n  report: raymesh report {run}\n" in resumed.stdout
+    assert "event=summary" not in resumed.stdout + resumed.stderr and len(resumed.stdout) < 1000
+    assert "event=layout" in resumed.stderr and "schedule=" not in resumed.stderr  # pp=1: no pipeline fields
 
     before = summary_file.read_bytes()
     again = drivers.raymesh(ray_cluster, *shlex.split(command)[1:], "--no-progress")

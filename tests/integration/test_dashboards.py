@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from orchestrator.observability.prometheus import MetricsExporter
-from tests.support.dashboards import DASHBOARDS, PROMETHEUS_YML, load_dashboard, panel_exprs, panels
+from tests.support.dashboards import DASHBOARDS, PROMETHEUS_YML, PROVISIONING, load_dashboard, panel_exprs, panels
 
 METRIC = re.compile(r"\braymesh_[a-zA-Z0-9_]*")
 SELECTOR = re.compile(r"\b(raymesh_[a-zA-Z0-9_]*)(\{[^}]*\})?")
@@ -134,3 +135,26 @@ def test_prometheus_config_uses_file_sd():
 def test_prometheus_config_passes_promtool():  # promtool ships in Debian's prometheus, which .ci/run installs
     out = subprocess.run(["promtool", "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def docker_mounts() -> dict[str, Path]:
+    """Container path -> repository folder, from the `docker run -v "$PWD/...:..."` lines of dashboards/README.md
+    (the way a Grafana install is given the provisioning and dashboard folders unchanged)."""
+    readme = (DASHBOARDS / "README.md").read_text()
+    return {target: DASHBOARDS.parent / source for source, target in re.findall(r'-v "\$PWD/([^:"]+):([^"]+)"', readme)}
+
+
+def test_grafana_provisioning_adds_the_prometheus_and_loads_this_folders_dashboards():
+    mounts = docker_mounts()
+    assert mounts["/etc/grafana/provisioning"] == PROVISIONING  # Grafana's default provisioning path
+    (source,) = yaml.safe_load((PROVISIONING / "datasources" / "raymesh-prometheus.yaml").read_text())["datasources"]
+    assert source["type"] == load_dashboard()["templating"]["list"][0]["query"] == "prometheus"
+    assert source["url"] == "http://127.0.0.1:9090" and source["isDefault"] and source["access"] == "proxy"
+    providers = yaml.safe_load((PROVISIONING / "dashboards" / "raymesh.yaml").read_text())
+    assert providers["apiVersion"] == 1
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file"
+    folder = mounts[provider["options"]["path"]]  # the provider's path is where this folder is mounted
+    found = sorted(folder.glob("**/*.json"))
+    assert found == [DASHBOARDS / "grafana" / "raymesh.json"]
+    assert all(json.loads(f.read_text())["uid"] for f in found)

@@ -39,6 +39,22 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
         assert key in result
     if job.stem in NEEDS_HF_DIR:
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
+    if job.stem == "experiment_tracking":
+        _trackers_match_the_summary(tmp_path / "run", result)
+
+
+def _trackers_match_the_summary(run_dir: Path, summary: dict) -> None:
+    """Each tracker, read back by its own library, holds the run's per-step losses and grad norms and its
+    recovery count (written by the controller in its actor, not by this process)."""
+    from tests.support.tracker_records import mlflow_series, tensorboard_series, wandb_series
+
+    steps = list(range(1, summary["steps"] + 1))
+    for key, values in (("loss", summary["losses"]), ("grad_norm", summary["grad_norms"])):
+        assert mlflow_series(run_dir, "raymesh", key) == list(zip(steps, values, strict=True)), key
+        assert wandb_series(run_dir, key) == list(zip(steps, values, strict=True)), key
+        read = tensorboard_series(run_dir / "tensorboard", key)
+        assert [s for s, _ in read] == steps and [v for _, v in read] == pytest.approx(values, rel=1e-6), key
+    assert wandb_series(run_dir, "recoveries")[-1] == (summary["steps"], len(summary["recoveries"]))
 
 
 def _merged_export_loads_in_transformers(job: Path, tmp_path: Path, sets: list[str]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 DASHBOARD = DASHBOARDS / "grafana" / "raymesh.json"
 PROMETHEUS_YML = DASHBOARDS / "prometheus" / "prometheus.yml"
+PROVISIONING = DASHBOARDS / "grafana" / "provisioning"
 
 
 def load_dashboard() -> dict:

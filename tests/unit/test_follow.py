@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import threading
 
 import pytest
 
-from orchestrator.cli.follow import report, resume_command
+from orchestrator.cli.follow import _Terminal, report, resume_command
 from orchestrator.runtime.hosted import Feed
 
 
@@ -41,10 +42,14 @@ def test_the_resume_command_repeats_the_overrides_and_address():
 
 def test_a_stopped_run_names_its_checkpoint_and_the_resume_command(capsys, tmp_path):
     out = tmp_path / "s.json"
-    stopped = summary(status="stopped", checkpoints=["/runs/a/checkpoints/step-00000007"])
+    stopped = summary(status="stopped", checkpoints=["/runs/a/checkpoints/step-00000007"], run_dir="/runs/a")
     assert report({"summary": stopped}, "job-1", str(out), "raymesh run job.yaml --resume") == 0
     printed = capsys.readouterr().out
     assert printed == ("done: 7 steps, final loss 2.5000, 1,234 tokens/s\n"
+                       "  summary: /runs/a/summary.json\n"
+                       f"  summary copy: {out}\n"
+                       "  report: raymesh report /runs/a\n"
+                       "  newest checkpoint: /runs/a/checkpoints/step-00000007\n"
                        "stopped at step 7 (checkpoint /runs/a/checkpoints/step-00000007); resume with:\n"
                        "  raymesh run job.yaml --resume\n")
     assert json.loads(out.read_text()) == stopped
@@ -69,3 +74,27 @@ def test_a_stop_without_checkpoints_says_resuming_starts_over(capsys):
 def test_every_other_ending_is_one_line_and_its_exit_status(capsys, outcome, code, stream, text):
     assert report(outcome, "j", None, None) == code
     assert getattr(capsys.readouterr(), stream) == text
+
+
+def _terminal_lines(capsys, keep_summary: bool) -> list[str]:
+    """What a follower's terminal shows for two steps with an event line and the summary line between them,
+    cut at the carriage returns and newlines the progress bar and the lines write."""
+    terminal = _Terminal(progress=True, keep_summary=keep_summary)
+    terminal.show({"step": 1, "loss": 2.0, "tokens_per_s": 100.0}, 10)
+    terminal.show({"line": "12:00:00 raymesh event=checkpoint step=1 path=/r/step-1"}, 10)
+    terminal.show({"line": '12:00:01 raymesh event=summary json={"steps":1}'}, 10)
+    terminal.show({"step": 2, "loss": 1.5, "tokens_per_s": 100.0}, 10)
+    terminal.close()
+    return re.split(r"[\r\n]", capsys.readouterr().err)
+
+
+def test_event_lines_go_above_the_progress_bar_not_into_its_line(capsys):
+    lines = _terminal_lines(capsys, keep_summary=False)
+    assert "12:00:00 raymesh event=checkpoint step=1 path=/r/step-1" in lines  # a whole line of its own
+    assert not any("event=" in line and "/10" in line for line in lines)  # never in the bar's "1/10 ..." line
+    assert any("2/10" in line for line in lines)  # the bar went on below it
+    assert not any("event=summary" in line for line in lines)  # kilobytes of JSON: the run dir has it
+
+
+def test_a_submitted_job_keeps_the_summary_line_its_status_command_reads(capsys):
+    assert '12:00:01 raymesh event=summary json={"steps":1}' in _terminal_lines(capsys, keep_summary=True)

@@ -2,55 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import pytest
 
 from orchestrator.observability.report import write_report
-from tests.support.timelines import T0, gpipe_timeline
+from tests.support.report_runs import STEPS, make_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-DP, PP, M, STEPS = 2, 4, 8, 20
-
-
-def make_run(run_dir: Path, timeline: bool = True) -> Path:
-    """A dp=2 × pp=4 GPipe run of 20 steps with one recovery at step 12, as the controller writes it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    world = DP * PP
-    ranks = [{"rank": r, "coords": {"dp": r // PP, "pp": r % PP, "tp": 0}, "stages": [r % PP], "device": "cpu",
-              "node_id": "n0"} for r in range(world)]
-    losses = [4.0 * math.exp(-s / 8) + 1.5 for s in range(1, STEPS + 1)]
-    summary = {
-        "steps": STEPS, "losses": losses, "final_loss": losses[-1], "tokens_per_s": 4300.0,
-        "layout": {"dp": DP, "pp": PP, "tp": 1, "zero": 0, "pp_schedule": "gpipe", "virtual_stages": 1,
-                   "world_size": world, "microbatches": M, "ranks": ranks},
-        "recoveries": [{"kind": "actor_died", "rank": 5, "at_step": 12, "mttr_s": 7.5, "lost_steps": 2}],
-        "checkpoints": [str(run_dir / "checkpoints" / "step-10"), str(run_dir / "checkpoints" / "step-20")],
-        "peak_memory_bytes": {str(r): (300 + 40 * (PP - r % PP)) * 2**20 for r in range(world)},
-        "status": "finished",
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary))
-    records = []
-    for s in range(1, STEPS + 1):
-        slow = 2.0 if s == 12 else 1.0
-        phases = {str(r): {"data": 0.01, "compute": 0.5 * slow, "communication": 0.1 + 0.01 * (r % PP),
-                           "bubble": 0.2, "optimizer": 0.05, "checkpoint": 0.3 if s in (10, 20) else 0.0}
-                  for r in range(world)}
-        step_s = 0.9 * slow + (0.3 if s in (10, 20) else 0.0)
-        records.append({"step": s, "time": T0 + s, "loss": losses[s - 1], "grad_norm": 1.0, "lr": 1e-3,
-                        "tokens": 4096, "step_s": step_s, "tokens_per_s": 4096 / step_s, "phases": phases,
-                        "memory": {str(r): {"peak_bytes": 350 * 2**20, "current_bytes": (200 + s + 10 * r) * 2**20}
-                                   for r in range(world)}})
-    records.insert(11, {**records[11], "loss": 9.9})  # a replayed step 12 before the recovery: last one wins
-    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    if timeline:
-        events = [e for s in (STEPS - 1, STEPS) for e in gpipe_timeline(PP, M, step=s, dp=DP, t0=T0 + 10 * s)]
-        (run_dir / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    return run_dir
-
-
 def assert_pngs(result: dict, names: set[str]) -> None:
     assert {Path(p).name for p in result["pngs"]} == names
     for p in result["pngs"]:
