@@ -79,8 +79,10 @@ class WeightVersions:
         for v in [v for v in self.stash if v < floor and v not in in_flight]:
             del self.stash[v]
 
-    def bytes_per_version(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.live)
+    def held(self) -> dict:
+        """How many versions are stashed now and their bytes (the timeline records it per event)."""
+        per_version = sum(p.numel() * p.element_size() for p in self.live)
+        return {"stashed": len(self.stash), "stash_bytes": len(self.stash) * per_version}
 
 
 @dataclass(frozen=True)
@@ -178,20 +180,21 @@ class AsyncPipeline:
         pending: list = []
         losses: list[torch.Tensor] = []
         for kind, j in one_f_one_b(self.stage, self.n_stages, microbatches):
-            start = time.time()
             if kind == "F":
-                version = self._forward(j, base + j, xs, ys, saved, losses, pending)
+                version, start = self._forward(j, base + j, xs, ys, saved, losses, pending)
             else:
-                version = self._backward(j, base + j, saved, pending)
+                version, start = self._backward(j, base + j, saved, pending)
             self.events.append({"stage": self.stage, "microbatch": j, "kind": kind, "version": version,
-                                "start": start, "end": time.time()})
+                                "start": start, "end": time.time(), **self.versions.held()})
         for work, _ in pending:
             work.wait()
         current = self.versions.current  # the next step's first forward runs on the newest version (2BW: one late)
         self.versions.release(self.rules.floor(current, current), set())
         return torch.stack(losses).sum() / microbatches if last else None
 
-    def _forward(self, j: int, n: int, xs, ys, saved: dict, losses: list, pending: list) -> int:
+    def _forward(self, j: int, n: int, xs, ys, saved: dict, losses: list, pending: list) -> tuple[int, float]:
+        """Forward of microbatch ``j`` (global ``n``); returns its version and when its compute started (after
+        the activation arrived: waiting on a neighbour is bubble, not work)."""
         if xs is not None:
             x, version = xs[j], self.rules.first_stage_version(n, self.versions.current)
         else:
@@ -199,6 +202,7 @@ class AsyncPipeline:
             if not self.rules.follow_first_stage:
                 version = self.versions.current
         self._newest_seen = version
+        start = time.time()
         weights = [w.detach().requires_grad_() for w in self.versions.weights(version)]
         out = functional_call(self.module, dict(zip(self.versions.names, weights)), (x,))
         if ys is not None:
@@ -208,14 +212,17 @@ class AsyncPipeline:
         else:
             self._send_activation(out, version, pending)
         saved[j] = (x, out, weights, version)
-        return version
+        return version, start
 
-    def _backward(self, j: int, n: int, saved: dict, pending: list) -> int:
+    def _backward(self, j: int, n: int, saved: dict, pending: list) -> tuple[int, float]:
+        """Backward of microbatch ``j`` on its stashed version, then this stage's update when a window ends
+        (its time counts as the backward's: the stage is busy with it)."""
         x, out, weights, version = saved.pop(j)
         grad_out = None
         if self.stage != self.n_stages - 1:
             grad_out = torch.empty_like(out)
             dist.recv(grad_out, self._peer(+1), group=self.pp_group)
+        start = time.time()
         wants_x = x.requires_grad
         grads = torch.autograd.grad(out, ([x] if wants_x else []) + weights, grad_out, allow_unused=True)
         if wants_x:
@@ -226,7 +233,7 @@ class AsyncPipeline:
             self._update()
         floor = self.rules.floor(self.versions.current, self._newest_seen)
         self.versions.release(floor, {v for *_, v in saved.values()})
-        return version
+        return version, start
 
     def _accumulate(self, grads) -> None:
         for p, g in zip(self.versions.live, grads):
