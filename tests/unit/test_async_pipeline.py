@@ -79,3 +79,17 @@ def test_accepted_async_jobs() -> None:
     assert _spec({"pp_vertical_sync": True, "dp": 2}).parallel.pp_vertical_sync
     assert _spec({"pp_schedule": "pipedream_2bw", "pp_2bw_every": 2}).parallel.pp_2bw_every == 2
     assert _spec({"pp_schedule": "pipedream_2bw"}).parallel.pp_2bw_every is None  # one version per step
+
+
+def test_planner_counts_stashed_weight_versions() -> None:
+    """The memory estimate adds a copy of the stage's weights per stashed version: pp - r under PipeDream
+    (rank 0 of pp=2 holds 2), two under 2BW, none under 1F1B."""
+    from orchestrator.planning.estimate import estimate_rank
+
+    def buffers(**parallel) -> int:
+        return estimate_rank(_spec(parallel), 0).buffer_bytes
+
+    base = buffers(pp_schedule="1f1b")
+    stage_weights = (buffers(pp_schedule="pipedream_2bw") - base) // 2
+    assert stage_weights > 0
+    assert buffers(pp_schedule="pipedream") - base == 2 * stage_weights
