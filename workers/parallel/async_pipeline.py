@@ -244,13 +244,12 @@ class AsyncPipeline:
     def _update(self) -> None:
         """Average the window's gradient over dp, clip on this stage's norm, step, zero; the version moves on."""
         live = self.versions.live
-        if self.dp_group is not None:
-            size = dist.get_world_size(self.dp_group)
-            for p in live:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad.div_(size)
+        if self.dp_group is not None:  # one flat all-reduce per update, not one per tensor
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
+            dist.all_reduce(flat, group=self.dp_group)
+            for p, g in zip(live, flat.split([g.numel() for g in grads])):
+                p.grad = g.view_as(p)
         self._last_sq_norm = clip_grads(live, self.grad_clip) ** 2
         self.versions.before_update()
         self.optimizer.step()
