@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 
+from orchestrator.planning.bubble import measured_bubble, step_events
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
 from workers.data import DataCursor, TokenDataset
@@ -67,6 +68,16 @@ def test_pipedream_backward_uses_the_forward_version(runs) -> None:
         assert [v[(0, j, "F")] for j in range(MICROBATCHES)] == [base, base, base + 1, base + 2]
         assert [v[(1, j, "F")] for j in range(MICROBATCHES)] == [base + j for j in range(MICROBATCHES)]
     assert all(loss == loss for loss in run.losses)
+
+
+def test_timeline_shows_the_steady_state(runs) -> None:
+    """What `raymesh report` draws: on stage 0 two warm-up forwards, then forward and backward in turn with each
+    backward on an older version than the forward beside it, then the cool-down; its bubble is measurable."""
+    timeline = [e for steps in runs["pipedream"].results.values() for out in steps for e in out["timeline"]]
+    events = sorted((e for e in step_events(timeline, 2) if e["pp_rank"] == 0), key=lambda e: e["start"])
+    assert [f"{e['kind']}{e['microbatch']}" for e in events] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert events[3]["version"] > events[4]["version"]  # F2 on a newer version than B1 beside it
+    assert 0 < measured_bubble(step_events(timeline, 2)) < 1
 
 
 def test_vertical_sync_runs_the_first_stages_version_everywhere(runs) -> None:
