@@ -93,3 +93,30 @@ def test_planner_counts_stashed_weight_versions() -> None:
     stage_weights = (buffers(pp_schedule="pipedream_2bw") - base) // 2
     assert stage_weights > 0
     assert buffers(pp_schedule="pipedream") - base == 2 * stage_weights
+
+
+def test_snapshots_carry_the_2bw_second_buffer(token_data) -> None:
+    """An in-memory snapshot (the recovery path) keeps 2BW's previous version and gives it back with the step,
+    so a rank rolled back runs its next window on the same weights an uninterrupted run would."""
+    from workers.data import DataCursor, TokenDataset
+    from workers.parallel.async_pipeline import AsyncPipeline
+    from workers.state import snapshot
+    from workers.state.train_state import TrainState
+
+    module = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(module.parameters())
+    state = TrainState([module], [opt], [torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)],
+                       DataCursor(TokenDataset(token_data, 8, 0), 4, dp_rank=0, dp_size=1))
+    pipe = AsyncPipeline(module, 0, 2, 4, rules_for("pipedream_2bw", 4, False), opt, None, None, None, 0.0,
+                         torch.device("cpu"))
+    state.weight_versions = pipe
+    state.step = 3
+    pipe.resume_at(3)  # one version per step: at version 3, the next window runs on version 2
+    previous = [torch.randn_like(p) for p in module.parameters()]
+    pipe.versions.stash[2] = previous
+    snap = snapshot.take(state)
+    state.step = 5
+    pipe.resume_at(5)
+    snapshot.restore(state, snap)
+    assert state.step == 3 and pipe.versions.current == 3
+    assert all(torch.equal(a, b) for a, b in zip(pipe.versions.weights(2), previous))

@@ -257,7 +257,7 @@ class AsyncPipeline:
 
     def grad_norm(self) -> float:
         """The norm, over all stages, of each stage's last update in the step."""
-        sq = torch.tensor([self._last_sq_norm], dtype=torch.float64)
+        sq = torch.tensor([self._last_sq_norm], dtype=torch.float64, device=self.device)  # NCCL: on the device
         dist.all_reduce(sq, group=self.pp_group)
         return float(sq.sqrt())
 
