@@ -70,6 +70,9 @@ class WeightVersions:
         return self.stash[version]
 
     def before_update(self) -> None:
+        """Called just before the optimizer steps the live weights in place: with ``keep_previous`` the version
+        they hold now is copied first (2BW's next window, or a vertically synced microbatch, may still run on
+        it); then the live weights are the next version."""
         if self.keep_previous:
             self.weights(self.current)
         self.current += 1
@@ -109,6 +112,7 @@ class AsyncRules:
 
 
 def rules_for(schedule: str, every: int, vertical_sync: bool) -> AsyncRules:
+    """The rules of ``schedule``: ``every`` is 2BW's m (PipeDream updates after every microbatch)."""
     if schedule == "pipedream_2bw":
         return AsyncRules(every=every, follow_first_stage=True, one_version_late=True)
     return AsyncRules(every=1, follow_first_stage=vertical_sync, one_version_late=False)
@@ -152,6 +156,10 @@ class AsyncPipeline:
         pending.append((dist.isend(tensor, self._peer(offset), group=self.pp_group), tensor))
 
     def _send_activation(self, out: torch.Tensor, version: int, pending: list) -> None:
+        """The activation with a header (its version, shape and dtype), so the next stage needs no shape
+        inference and, under vertical sync or 2BW, runs the version the first stage chose."""
+        if out.dim() > 4:
+            raise ValueError(f"a stage output of {out.dim()} dims does not fit the activation header (4 at most)")
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         header[0], header[1] = version, out.dim()
         header[2:2 + out.dim()] = torch.tensor(out.shape)
