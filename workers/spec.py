@@ -46,6 +46,9 @@ class ParallelSection:
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
     ep: int = 1  # expert parallelism (older harness dicts leave it out)
+    # PipeDream's asynchronous schedules (workers.parallel.async_pipeline); older harness dicts leave these out
+    pp_vertical_sync: bool = False
+    pp_2bw_every: int | None = None  # 2BW: microbatches per weight version (None: train.microbatches)
 
     @property
     def grid(self) -> Grid:

@@ -28,6 +28,7 @@ from workers.offload.host_memory import release_freed_buffers
 from workers.offload.params import offload_params
 from workers.optim.build import build_optimizer, clip_grads, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
+from workers.parallel.async_pipeline import AsyncPipeline, rules_for
 from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import DistributedOptimizer
 from workers.parallel.parallelize import build_parts
@@ -35,6 +36,7 @@ from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
+from workers.parallel.schedules import schedule as schedule_facts
 from workers.protocol import StepResult, StepTimes
 from workers.spec import WorkerSpec
 from workers.state.checkpoint_io import CheckpointIO
@@ -71,8 +73,11 @@ class Trainer:
         self.microbatches = train.microbatches
         self.pp_group = self.mesh["pp"].get_group() if par.grid.pp_enabled else None
         self.dp_group = self.mesh["dp"].get_group() if par.grid.dp_enabled else None
-        self.schedule, self.pipe_stages = None, []
-        if par.grid.pp_enabled:
+        self.schedule, self.pipe_stages, self.async_pipe = None, [], None
+        if par.grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous:
+            self.async_pipe = self._async_pipeline()
+            self.pipe_stages = [self.async_pipe]
+        elif par.grid.pp_enabled:
             self.schedule, self.pipe_stages = build_schedule(
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
                 self.microbatches, self._microbatch_loss, self.device, self.pp_group,
@@ -83,6 +88,17 @@ class Trainer:
         self.comm = CommBytes(mesh_dim_groups(self.mesh, data_parallel_mesh(self.mesh, self.grid)),
                               self.grid.mesh_dims) if self.spec.count_comm_bytes else None
         self.compute_events: list[dict] = []  # forward+backward per microbatch without a pipeline schedule
+
+    def _async_pipeline(self) -> AsyncPipeline:
+        """PipeDream's executor for this rank's one stage; it steps the optimizer itself, between microbatches,
+        and its stashed versions travel with the ``TrainState`` into checkpoints and snapshots."""
+        par = self.spec.parallel
+        rules = rules_for(par.pp_schedule, par.pp_2bw_every or self.microbatches, par.pp_vertical_sync)
+        pipe = AsyncPipeline(self.parts.modules[0], self.parts.stage_ids[0], self.parts.n_stages, self.microbatches,
+                             rules, self.state.optimizers[0], self._loss_fn, self.pp_group, self.dp_group,
+                             self.spec.grad_clip, self.device)
+        self.state.weight_versions = pipe
+        return pipe
 
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
@@ -133,6 +149,9 @@ class Trainer:
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Summed mean loss of this rank's microbatches (``None`` where no last stage lives)."""
+        if self.async_pipe is not None:
+            with self._autocast(), self.activations.hooks():
+                return self.async_pipe.run(inputs, targets, self.step)
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.holds_first_stage else ()
@@ -193,7 +212,10 @@ class Trainer:
             t2 = time.perf_counter()
             for reducer in self.parts.reducers:
                 reducer.finish()
-            loss, grad_norm, applied = self._reduce_grads(loss)
+            if self.async_pipe is not None:  # its updates ran between the microbatches
+                loss, grad_norm, applied = loss, self.async_pipe.grad_norm(), True
+            else:
+                loss, grad_norm, applied = self._reduce_grads(loss)
             t3 = time.perf_counter()
             memory = self._optimizer_step(applied, meter)
             moe_figures = moe.end_step(self.parts.modules, self.dp_group) or None
@@ -252,7 +274,7 @@ class Trainer:
         """Step, zero and schedule; returns model-state memory (measured while parameters, gradients and
         optimizer state all exist) when the step is metered, else None."""
         for opt in self.state.optimizers:
-            if applied and self.ps is None:
+            if applied and self.ps is None and self.async_pipe is None:  # PipeDream stepped between microbatches
                 opt.step()
         for zero1 in self.zero1:
             if applied:

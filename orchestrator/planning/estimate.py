@@ -219,16 +219,26 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
     return spec.train.microbatches * hidden * edges
 
 
-def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int) -> int:
+def stashed_weight_bytes(spec: JobSpec, trainable: int, pp_rank: int) -> int:
+    """PipeDream's stashed weight versions (fp32 copies of the stage's trainable weights) at the rank's peak:
+    one per microbatch in flight (pp - r), two under 2BW, none for the synchronous schedules."""
+    p = spec.parallel
+    if not p.grid.pp_enabled:
+        return 0
+    return 4 * trainable * p.pipeline_schedule.weight_copies(p.pp, pp_rank, spec.train.microbatches)
+
+
+def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int, pp_rank: int = 0) -> int:
     """Buffers beside model state and activations: autocast's weight copies, DDP's flat
     all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
-    (``gradient_as_bucket_view`` is off), the pipeline's receive buffers, the cp kernel's and the all-to-all's."""
+    (``gradient_as_bucket_view`` is off), the pipeline's receive buffers, the cp kernel's and the all-to-all's,
+    PipeDream's stashed weight versions."""
     p, m = spec.parallel, spec.model
     buckets = 4 * trainable if p.zero == 1 and (p.grid.dp_enabled or p.grid.cp_enabled) else 0
     cp = mm.cp_buffer_bytes(p.cp_impl, m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
                             compute_bytes(spec))
     return (buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
-            + all_to_all_bytes(spec))
+            + all_to_all_bytes(spec) + stashed_weight_bytes(spec, trainable, pp_rank))
 
 
 def rank_parameter_split(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> dict[str, int]:
@@ -341,7 +351,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     on_device = mm.device_activation_bytes(saved, largest, offload_flags(spec)["activations"])
     layers = [i for sid in ids for i in layers_of_stage(sid, n_stages, spec.model.n_layers)]
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
-                        buffer_bytes(spec, params, ids, split["trainable"]), saved - on_device,
+                        buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,
                         grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
                         freed_in_backward(spec, saved, coords["pp"], ids), p.zero >= 3 and p.grid.dp_enabled)
 

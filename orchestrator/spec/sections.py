@@ -46,6 +46,10 @@ class ParallelSpec(_Section):
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None
+    # pp_schedule pipedream: every stage runs the version the first stage used for a microbatch (PipeDream's
+    # vertical sync); pipedream_2bw: microbatches per weight version (default: train.microbatches)
+    pp_vertical_sync: bool = False
+    pp_2bw_every: PositiveInt | None = None
     sequence_parallel: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0

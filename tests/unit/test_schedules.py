@@ -24,24 +24,40 @@ def spec(schedule_name: str, pp: int, microbatches: int, **parallel) -> JobSpec:
 
 
 def test_table_names_are_the_job_files_choices() -> None:
-    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev",
+                              "pipedream", "pipedream_2bw")
     assert get_args(PipelineSchedule) == SCHEDULE_NAMES
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+SYNCHRONOUS = [n for n, s in SCHEDULES.items() if not s.asynchronous]
+
+
+@pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_torch_class_exists(name: str) -> None:
     assert isinstance(getattr(pipelining, SCHEDULES[name].torch_class), type)
 
 
+def test_asynchronous_schedules_are_ours() -> None:
+    """PipeDream's schedules have no torch class (workers.parallel.async_pipeline runs them) and stash weights."""
+    assert [n for n, s in SCHEDULES.items() if s.asynchronous] == ["pipedream", "pipedream_2bw"]
+    assert all(SCHEDULES[n].torch_class is None for n in ("pipedream", "pipedream_2bw"))
+    # PipeDream: one version per microbatch in flight on the rank (pp - r); 2BW: two, whatever the depth
+    assert [schedule("pipedream").weight_copies(4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert schedule("pipedream_2bw").weight_copies(4, 0, 8) == 2
+    assert schedule("1f1b").weight_copies(4, 0, 8) == 0
+
+
 def test_facts_per_schedule() -> None:
-    assert [n for n, s in SCHEDULES.items() if s.single_stage] == ["gpipe", "1f1b"]
+    assert [n for n, s in SCHEDULES.items() if s.single_stage] == ["gpipe", "1f1b", "pipedream", "pipedream_2bw"]
     assert [n for n, s in SCHEDULES.items() if s.interleaved] == ["interleaved_1f1b", "interleaved_zero_bubble"]
     assert [n for n, s in SCHEDULES.items() if s.v_shape] == ["zbv", "dualpipev"]
     assert [n for n, s in SCHEDULES.items() if s.split_backward] == ["interleaved_zero_bubble", "zbv", "dualpipev"]
     assert {n: s.default_stages_per_rank for n, s in SCHEDULES.items()} == {
-        "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv": 2, "dualpipev": 2}
+        "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv": 2, "dualpipev": 2,
+        "pipedream": 1, "pipedream_2bw": 1}
     assert {n: s.min_microbatches(4) for n, s in SCHEDULES.items()} == {
-        "gpipe": 4, "1f1b": 4, "interleaved_1f1b": 4, "interleaved_zero_bubble": 4, "zbv": 4, "dualpipev": 8}
+        "gpipe": 4, "1f1b": 4, "interleaved_1f1b": 4, "interleaved_zero_bubble": 4, "zbv": 4, "dualpipev": 8,
+        "pipedream": 4, "pipedream_2bw": 4}
     assert schedule("gpipe").all_forwards_first and not schedule("1f1b").all_forwards_first
 
 
@@ -78,7 +94,7 @@ def test_interleaved_needs_multiple_of_pp(name: str) -> None:
         spec(name, 2, 1)
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_zero3_refused_exactly_for_split_backward(name: str) -> None:
     build = lambda: spec(name, 2, 4, dp=2, zero=3)  # noqa: E731
     if SCHEDULES[name].split_backward:
@@ -96,5 +112,5 @@ def test_memory_model_uses_table(name: str) -> None:
         assert mm.in_flight_microbatches(name, 4, r, 8, v) == facts.in_flight(4, r, 8, v)
     assert facts.in_flight(1, 0, 8, v) == 1
     expected_rank0 = {"gpipe": 8, "1f1b": 4, "interleaved_1f1b": 11, "interleaved_zero_bubble": 11, "zbv": 8,
-                      "dualpipev": 8}
+                      "dualpipev": 8, "pipedream": 4, "pipedream_2bw": 4}
     assert facts.in_flight(4, 0, 8, v) == expected_rank0[name]

@@ -41,6 +41,7 @@ from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
 from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh
 from workers.parallel.recompute import apply_recompute
+from workers.parallel.schedules import schedule as schedule_facts
 from workers.spec import WorkerSpec
 
 
@@ -112,7 +113,9 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
             load_hf_weights(unwrap(part), spec.init_from)
         wrapped.append(part)
-    reducers = [] if ps or par.zero != 0 else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
+    # PipeDream's executor averages each update's gradient itself (workers.parallel.async_pipeline)
+    own_reduce = ps or par.zero != 0 or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous)
+    reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
                       ep_group=ep_group)
 

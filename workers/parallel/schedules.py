@@ -22,7 +22,7 @@ class Schedule:
     """What one pipeline schedule needs and does; the methods turn the facts into numbers for one job."""
 
     name: str
-    torch_class: str  # the class in torch.distributed.pipelining that runs it
+    torch_class: str | None  # the class in torch.distributed.pipelining that runs it (None: ours, asynchronous)
     default_stages_per_rank: int  # when parallel.virtual_stages is not set
     single_stage: bool  # exactly one stage per pp rank (the torch class takes one stage, not a list)
     v_shape: bool  # exactly 2 stages per rank, placed r and 2*pp-1-r, so the first and last share a rank
@@ -30,6 +30,11 @@ class Schedule:
     split_backward: bool  # backward runs as input-gradient then deferred weight-gradient passes
     min_microbatches_per_pp: int  # microbatches >= this * pp (dualpipev: one per stage, two stages a rank)
     in_flight_rule: InFlightRule
+    # PipeDream's asynchronous schedules (workers.parallel.async_pipeline): weights change between microbatches
+    asynchronous: bool = False
+    # weight versions a stage stashes besides its live weights at most: "in_flight" (PipeDream: one per
+    # microbatch in flight, pp - r on rank r), 2 (2BW), 0 (synchronous: forward and backward see the same weights)
+    stashed_versions: Literal[0, 2, "in_flight"] = 0
 
     @property
     def placement(self) -> str:
@@ -40,6 +45,12 @@ class Schedule:
     def all_forwards_first(self) -> bool:
         """Every microbatch's forward runs before any backward, so the loss head is in flight for all of them."""
         return self.in_flight_rule == "all"
+
+    def weight_copies(self, pp: int, pp_rank: int, microbatches: int) -> int:
+        """Stashed weight versions pp rank ``pp_rank`` holds at its peak besides its live weights."""
+        if self.stashed_versions == "in_flight":
+            return self.in_flight(pp, pp_rank, microbatches)
+        return self.stashed_versions
 
     def min_microbatches(self, pp: int) -> int:
         return self.min_microbatches_per_pp * pp
@@ -95,6 +106,12 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
           rule="interleaved_warmup"),
     _v("zbv", "ScheduleZBVZeroBubble", min_per_pp=1),
     _v("dualpipev", "ScheduleDualPipeV", min_per_pp=2),
+    Schedule("pipedream", None, default_stages_per_rank=1, single_stage=True, v_shape=False, interleaved=False,
+             split_backward=False, min_microbatches_per_pp=1, in_flight_rule="warmup", asynchronous=True,
+             stashed_versions="in_flight"),
+    Schedule("pipedream_2bw", None, default_stages_per_rank=1, single_stage=True, v_shape=False,
+             interleaved=False, split_backward=False, min_microbatches_per_pp=1, in_flight_rule="warmup",
+             asynchronous=True, stashed_versions=2),
 )}
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
 

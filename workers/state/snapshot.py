@@ -33,7 +33,9 @@ def take(state: TrainState) -> dict:
                     optim[name] = {
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
                     }
-    return {"model": model, "optim": optim, "progress": copy.deepcopy(state.progress_state())}
+    versions = state.weight_versions.state_dict() if state.weight_versions is not None else {}
+    return {"model": model, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
+            "weight_versions": {name: t.to("cpu", copy=True) for name, t in versions.items()}}
 
 
 def restore(state: TrainState, snap: dict) -> None:
@@ -46,6 +48,7 @@ def restore(state: TrainState, snap: dict) -> None:
                 if name in snap["optim"]:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
     state.load_progress_state(snap["progress"])
+    state.load_weight_versions(snap.get("weight_versions", {}))
 
 
 def _like(param: torch.Tensor, saved):

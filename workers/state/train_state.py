@@ -54,6 +54,9 @@ class TrainState:
         self.scaler = scaler
         self.param_offload = param_offload
         self.step = 0
+        # an asynchronous pipeline's weight versions still in use at a step boundary (2BW's second buffer):
+        # an object with state_dict() and load_state_dict(state, step), set by the trainer (else None)
+        self.weight_versions = None
         self.experts = expert_keys.sharded_experts(unwrap(m) for m in modules)  # empty unless ep > 1
 
     def resident(self, write_back: bool = True):
@@ -100,7 +103,10 @@ class TrainState:
         model, optim = self._model_and_optim()
         if self.experts:
             model, optim = expert_keys.split(model, self.experts), expert_keys.split(optim, self.experts)
-        return {"model": model, "optim": optim, "train": self.progress_state()}
+        out = {"model": model, "optim": optim, "train": self.progress_state()}
+        if self.weight_versions is not None:
+            out["weight_versions"] = self.weight_versions.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Each part takes its own keys of ``state`` back (call inside ``resident``)."""
@@ -113,3 +119,9 @@ class TrainState:
             set_model_state_dict(unwrap(part), model, options=_OPTIONS)
             set_optimizer_state_dict(named, opt, optim, options=_OPTIONS)
         self.load_progress_state(state["train"])
+        self.load_weight_versions(state.get("weight_versions", {}))
+
+    def load_weight_versions(self, versions: dict) -> None:
+        """Hand the asynchronous pipeline its stashed versions back, with the step they belong to."""
+        if self.weight_versions is not None:
+            self.weight_versions.load_state_dict(versions, self.step)

@@ -1,0 +1,122 @@
+"""PipeDream's asynchronous schedules without processes: the 1F1B order, which version a microbatch runs on,
+the stash of weight versions, and the job-file checks (tests/integration/test_pipedream.py runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from orchestrator.errors import SpecError
+from orchestrator.spec import JobSpec
+from workers.parallel.async_pipeline import WeightVersions, one_f_one_b, rules_for
+
+
+def test_one_f_one_b_order() -> None:
+    assert one_f_one_b(0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert one_f_one_b(1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    order = one_f_one_b(0, 4, 2)  # fewer microbatches than warm-up: all forwards, then all backwards
+    assert order == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+def test_2bw_runs_each_window_one_version_late() -> None:
+    rules = rules_for("pipedream_2bw", every=4, vertical_sync=False)
+    # windows 0 and 1 run on the initial weights, window w on version w - 1 (W(t+1) = W(t) - lr*grad f(W(t-1)))
+    assert [rules.first_stage_version(n, current=99) for n in range(0, 16, 2)] == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert rules.follow_first_stage and rules.floor(current=3, newest_seen=0) == 2
+
+
+def test_pipedream_takes_the_newest_version_unless_vertical_sync() -> None:
+    plain, synced = rules_for("pipedream", 4, False), rules_for("pipedream", 4, True)
+    assert (plain.every, synced.every) == (1, 1)  # an update after every microbatch
+    assert plain.first_stage_version(7, current=5) == 5 and not plain.follow_first_stage
+    assert plain.floor(current=5, newest_seen=2) == 5
+    assert synced.follow_first_stage and synced.floor(current=5, newest_seen=2) == 2
+
+
+def test_weight_versions_stash_copies_and_release() -> None:
+    layer = nn.Linear(2, 2)
+    versions = WeightVersions(layer, keep_previous=True)
+    v0 = versions.weights(0)
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(v0, versions.live))
+    versions.before_update()  # keeps version 0 (a later microbatch may still ask for it)
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    assert versions.current == 1 and torch.equal(versions.weights(0)[0], v0[0])
+    assert not torch.equal(versions.weights(1)[0], v0[0])
+    versions.release(floor=1, in_flight={0})  # still running on version 0: kept
+    assert sorted(versions.stash) == [0, 1]
+    versions.release(floor=1, in_flight=set())
+    assert sorted(versions.stash) == [1]
+    with pytest.raises(RuntimeError, match="version 0 is gone"):
+        versions.weights(0)
+
+
+def _spec(parallel: dict, **sections) -> JobSpec:
+    raw = {"model": {"n_layers": 4}, "train": {"global_batch_size": 16, "microbatches": 4},
+           "data": {"path": "data/tiny"}, **sections}
+    return JobSpec.from_dict({**raw, "parallel": {"pp": 2, "pp_schedule": "pipedream", **parallel}})
+
+
+@pytest.mark.parametrize("parallel, sections, field", [
+    ({"zero": 1, "dp": 2}, {}, "parallel.zero"),
+    ({"tp": 2}, {}, "parallel.tp"),
+    ({}, {"memory": {"recompute": "full"}}, "memory.recompute"),
+    ({}, {"precision": {"dtype": "fp16"}}, "precision.dtype"),
+    ({"pp": 1}, {}, "parallel.pp"),
+    ({"pp_schedule": "1f1b", "pp_vertical_sync": True}, {}, "parallel.pp_vertical_sync"),
+    ({"pp_2bw_every": 2}, {}, "parallel.pp_2bw_every"),
+    ({"pp_schedule": "pipedream_2bw", "pp_2bw_every": 1}, {}, "parallel.pp_2bw_every"),  # below pp
+    ({"pp_schedule": "pipedream_2bw", "pp_2bw_every": 3}, {}, "parallel.pp_2bw_every"),  # does not divide 4
+])
+def test_refused_combinations_name_field_and_fix(parallel: dict, sections: dict, field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        _spec(parallel, **sections)
+    assert info.value.field == field and info.value.fix
+
+
+def test_accepted_async_jobs() -> None:
+    assert _spec({"pp_vertical_sync": True, "dp": 2}).parallel.pp_vertical_sync
+    assert _spec({"pp_schedule": "pipedream_2bw", "pp_2bw_every": 2}).parallel.pp_2bw_every == 2
+    assert _spec({"pp_schedule": "pipedream_2bw"}).parallel.pp_2bw_every is None  # one version per step
+
+
+def test_planner_counts_stashed_weight_versions() -> None:
+    """The memory estimate adds a copy of the stage's weights per stashed version: pp - r under PipeDream
+    (rank 0 of pp=2 holds 2), two under 2BW, none under 1F1B."""
+    from orchestrator.planning.estimate import estimate_rank
+
+    def buffers(**parallel) -> int:
+        return estimate_rank(_spec(parallel), 0).buffer_bytes
+
+    base = buffers(pp_schedule="1f1b")
+    stage_weights = (buffers(pp_schedule="pipedream_2bw") - base) // 2
+    assert stage_weights > 0
+    assert buffers(pp_schedule="pipedream") - base == 2 * stage_weights
+
+
+def test_snapshots_carry_the_2bw_second_buffer(token_data) -> None:
+    """An in-memory snapshot (the recovery path) keeps 2BW's previous version and gives it back with the step,
+    so a rank rolled back runs its next window on the same weights an uninterrupted run would."""
+    from workers.data import DataCursor, TokenDataset
+    from workers.parallel.async_pipeline import AsyncPipeline
+    from workers.state import snapshot
+    from workers.state.train_state import TrainState
+
+    module = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(module.parameters())
+    state = TrainState([module], [opt], [torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)],
+                       DataCursor(TokenDataset(token_data, 8, 0), 4, dp_rank=0, dp_size=1))
+    pipe = AsyncPipeline(module, 0, 2, 4, rules_for("pipedream_2bw", 4, False), opt, None, None, None, 0.0,
+                         torch.device("cpu"))
+    state.weight_versions = pipe
+    state.step = 3
+    pipe.resume_at(3)  # one version per step: at version 3, the next window runs on version 2
+    previous = [torch.randn_like(p) for p in module.parameters()]
+    pipe.versions.stash[2] = previous
+    snap = snapshot.take(state)
+    state.step = 5
+    pipe.resume_at(5)
+    snapshot.restore(state, snap)
+    assert state.step == 3 and pipe.versions.current == 3
+    assert all(torch.equal(a, b) for a, b in zip(pipe.versions.weights(2), previous))
