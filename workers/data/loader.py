@@ -36,7 +36,7 @@ class ShardStore:
     tokens whatever the corpus size.
     """
 
-    def __init__(self, root: Path, manifest: dict, cache_groups: int = 8, open_files: int = 4) -> None:
+    def __init__(self, root: Path, manifest: dict, cache_groups: int = 64, open_files: int = 4) -> None:
         self.root = root
         self._names = [root / shard["file"] for shard in manifest["shards"]]
         self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
@@ -64,7 +64,7 @@ class ShardStore:
         if index in self._files:
             self._files.move_to_end(index)
         else:
-            self._files[index] = pq.ParquetFile(self._names[index], memory_map=True)
+            self._files[index] = pq.ParquetFile(self._names[index])  # buffered reads: no mapped pages pile up in RSS
             if len(self._files) > self._limits["files"]:
                 self._files.popitem(last=False)[1].close()
         return self._files[index]
