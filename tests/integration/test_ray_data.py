@@ -12,7 +12,8 @@ from tests.support.jobs import tiny_spec
 def test_a_ray_dataset_of_token_rows_trains_like_the_same_prepared_tokens(ray_cluster, token_data, tmp_path):
     import ray.data
 
-    tokens = np.concatenate([pq.read_table(f).column("tokens").to_numpy() for f in sorted(token_data.glob("*.parquet"))])
+    shards = sorted(token_data.glob("shard-*.parquet"))
+    tokens = np.concatenate([pq.read_table(f).column("tokens").to_numpy() for f in shards])
     rows = [{"tokens": part} for part in np.array_split(tokens, 37)]  # uneven rows, as documents come
     dataset = ray.data.from_items(rows)
     on_disk = TrainingJob(tiny_spec(token_data, tmp_path / "disk", train={"steps": 3}), progress=False).run()
