@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
+from orchestrator.checkpoints.storage import is_url
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
@@ -22,6 +23,11 @@ from orchestrator.spec.lora import check_base_checkpoint
 
 def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     """Every filesystem precondition of the job; `data_required=False` (plan) skips data that is not here."""
+    for field, value in (("data.path", spec.data.path), ("run_dir", spec.run_dir)):
+        if value is not None and "://" in value:
+            raise SpecError(field, value, "is a URL, and only checkpoint.dir may be in object storage",
+                            f"point {field} at a local or shared file system path; keep checkpoints in object "
+                            "storage with checkpoint.dir: s3://BUCKET/PATH")
     if data_required or Path(spec.data.path).exists():
         check_data_path(spec)
     check_outputs(spec)
@@ -88,6 +94,21 @@ def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
     )
 
 
+def _reachable_bucket(field: str, path: Path) -> None:
+    """The bucket of the object-store URL ``path`` exists and these credentials may list it (writing is only
+    tried by the first save: a probe object would be one more thing in someone's bucket)."""
+    bucket = path.path.split("/", 1)[0]
+    try:
+        found = path.fs.exists(bucket)
+    except Exception as exc:  # each fsspec back end raises its own (botocore, google.auth, PermissionError)
+        raise SpecError(field, str(path), f"cannot be reached ({type(exc).__name__}: {exc})",
+                        "check the credentials in the environment (for s3://: AWS_ACCESS_KEY_ID, "
+                        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for a non-AWS server) and the URL") from None
+    if not found:
+        raise SpecError(field, str(path), f"names bucket {bucket!r}, which does not exist (or these credentials "
+                        "cannot see it)", "create the bucket, or fix the URL or the credentials")
+
+
 def _writable_dir(field: str, path: Path) -> None:
     """`path` is a directory raymesh can write in, or can be created under its nearest existing parent."""
     if path.exists() and not path.is_dir():
@@ -135,7 +156,10 @@ def check_outputs(spec: JobSpec) -> None:
     run_dir = spec.resolved_run_dir()
     _writable_dir("run_dir", run_dir)
     ckpt = spec.checkpoint.resolved_dir(run_dir)
-    _writable_dir("checkpoint.dir", ckpt)
+    if is_url(ckpt):
+        _reachable_bucket("checkpoint.dir", ckpt)
+    else:
+        _writable_dir("checkpoint.dir", ckpt)
     foreign = _foreign_checkpoint_entry(ckpt)
     if foreign is not None:
         raise SpecError("checkpoint.dir", str(ckpt), f"holds {foreign}, which raymesh did not write; a save or "

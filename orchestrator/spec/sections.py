@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from orchestrator.checkpoints.storage import location
 from orchestrator.errors import SpecError
 from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
@@ -231,8 +232,9 @@ class CheckpointSpec(_Section):
         return 1 if dp_replicas_mirror(parallel) else 10
 
     def resolved_dir(self, run_dir: str | Path) -> Path:
-        """`dir` when set, else `<run_dir>/checkpoints`."""
-        return Path(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+        """`dir` when set (a local path or an object-store URL: `orchestrator.checkpoints.storage`), else
+        `<run_dir>/checkpoints`."""
+        return location(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
 
 
 class FaultToleranceSpec(_Section):
