@@ -6,7 +6,7 @@ silently wrong weights. The manifest (``MANIFEST``: size and CRC-32 of every
 file) is written after the save completes, atomically (temp file + rename),
 so its presence also means "complete"; ``problem`` names the first file that
 no longer matches. Written here because neither PyTorch nor Ray checksums
-checkpoint files. Paths may be object-store locations (`orchestrator.checkpoints.storage`): there a manifest
+checkpoint files. Paths may be object-store locations (`workers.storage`): there a manifest
 is one PUT, which an object store makes visible all at once, so the temp file, rename and fsyncs are local only.
 """
 
@@ -17,7 +17,7 @@ import os
 import zlib
 from pathlib import Path
 
-from orchestrator.checkpoints.storage import is_url, location
+from workers.storage import is_url, location
 
 MANIFEST = "raymesh-manifest.json"
 _CHUNK = 1 << 20

@@ -6,7 +6,7 @@ reports the save durable; so a save interrupted half way is never picked for
 resume nor counted against ``keep``. ``latest_verified`` checks the bytes
 before a load: a corrupt checkpoint is moved aside to ``step-N.corrupt`` (kept
 for inspection, never picked again), logged, recorded in ``skipped``, and the
-previous one is used. ``root`` may be an object-store URL (`orchestrator.checkpoints.storage`).
+previous one is used. ``root`` may be an object-store URL (`workers.storage`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
-from orchestrator.checkpoints.storage import location, move_tree, remove_tree
 from orchestrator.observability.events import event
+from workers.storage import location, move_tree, remove_tree
 
 _NAME = re.compile(r"^step-(\d{8})$")
 _LEFTOVER = re.compile(r"^step-(\d{8})(\.corrupt)?$")

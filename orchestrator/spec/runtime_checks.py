@@ -14,21 +14,20 @@ import re
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
-from orchestrator.checkpoints.storage import is_url
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from workers.storage import is_url, location
 
 
 def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     """Every filesystem precondition of the job; `data_required=False` (plan) skips data that is not here."""
-    for field, value in (("data.path", spec.data.path), ("run_dir", spec.run_dir)):
-        if value is not None and "://" in value:
-            raise SpecError(field, value, "is a URL, and only checkpoint.dir may be in object storage",
-                            f"point {field} at a local or shared file system path; keep checkpoints in object "
-                            "storage with checkpoint.dir: s3://BUCKET/PATH")
-    if data_required or Path(spec.data.path).exists():
+    if spec.run_dir is not None and "://" in spec.run_dir:
+        raise SpecError("run_dir", spec.run_dir, "is a URL, and run_dir's records, reports and tokens are written as "
+                        "local files", "point run_dir at a local or shared file system path; keep checkpoints in "
+                        "object storage with checkpoint.dir: s3://BUCKET/PATH (data.path may be a URL too)")
+    if data_required or location(spec.data.path).exists():
         check_data_path(spec)
     check_outputs(spec)
     check_base_checkpoint(spec)
@@ -36,7 +35,10 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
 
 def _manifest(spec: JobSpec) -> dict:
     """`data.path`'s manifest.json, refused with the fix when missing or not one `prepare-data` wrote."""
-    manifest = Path(spec.data.path) / "manifest.json"
+    root = location(spec.data.path)
+    if is_url(root):
+        _reachable_bucket("data.path", root)
+    manifest = root / "manifest.json"
     if not manifest.is_file():
         raise SpecError(
             "data.path",
@@ -96,7 +98,8 @@ def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
 
 def _reachable_bucket(field: str, path: Path) -> None:
     """The bucket of the object-store URL ``path`` exists and these credentials may list it (writing is only
-    tried by the first save: a probe object would be one more thing in someone's bucket)."""
+    tried by the first save: a probe object would be one more thing in someone's bucket). The driver's
+    credentials are checked; the ranks use their own node's (the same variables, set on every node)."""
     bucket = path.path.split("/", 1)[0]
     try:
         found = path.fs.exists(bucket)

@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from orchestrator.checkpoints.storage import location
 from orchestrator.errors import SpecError
 from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
@@ -26,6 +25,7 @@ from orchestrator.spec.fields import (
 )
 from workers.parallel.grid import Grid
 from workers.parallel.schedules import Schedule, schedule
+from workers.storage import location
 
 
 class DataSpec(_Section):
@@ -232,7 +232,7 @@ class CheckpointSpec(_Section):
         return 1 if dp_replicas_mirror(parallel) else 10
 
     def resolved_dir(self, run_dir: str | Path) -> Path:
-        """`dir` when set (a local path or an object-store URL: `orchestrator.checkpoints.storage`), else
+        """`dir` when set (a local path or an object-store URL: `workers.storage`), else
         `<run_dir>/checkpoints`."""
         return location(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
 

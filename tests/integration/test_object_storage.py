@@ -1,8 +1,9 @@
-"""Checkpoints in object storage: an S3-compatible server (moto's) on 127.0.0.1, started here.
+"""Checkpoints and token shards in object storage: an S3-compatible server (moto's) on 127.0.0.1, started here.
 
 A dp=2 run saves to ``s3://`` after 2 steps; the same layout resumed from there repeats its next steps bit for
 bit, and a tp=2 layout resumed from it (DCP resharding) matches to 1e-4. The checksum manifest, retention and
-the corrupt-checkpoint path then run against the bucket. No Ray: the ranks are the parity harness's spawned
+the corrupt-checkpoint path then run against the bucket. A dp=2 run reading its shards from the bucket trains
+exactly like the one reading the local copy. No Ray: the ranks are the parity harness's spawned
 processes, which inherit the credentials from this process's environment as Ray workers would from theirs.
 """
 
@@ -45,11 +46,16 @@ def s3():
 def runs(s3, token_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("s3")
     url = f"s3://{BUCKET}/run/checkpoints/step-00000002"
-    specs = [tiny_spec(token_data, tmp / name, parallel=layout).worker_dict()
-             for name, layout in (("saved", {"dp": 2}), ("resumed", {"dp": 2}), ("resharded", {"tp": 2}))]
-    saved, resumed, resharded = run_layouts(specs, 2, STEPS, checkpoints=[url, None, None], resumes=[None, url, url],
-                                            save_afters=[2, None, None])
-    return {"url": url, "saved": saved, "resumed": resumed, "resharded": resharded}
+    data_url = f"s3://{BUCKET}/data"
+    s3.put(str(token_data), data_url, recursive=True)
+    specs = [tiny_spec(data, tmp / name, parallel=layout).worker_dict() for name, layout, data in (
+        ("saved", {"dp": 2}, token_data), ("resumed", {"dp": 2}, token_data), ("resharded", {"tp": 2}, token_data),
+        ("s3_data", {"dp": 2}, data_url))]
+    saved, resumed, resharded, s3_data = run_layouts(
+        specs, 2, STEPS, checkpoints=[url, None, None, None], resumes=[None, url, url, None],
+        save_afters=[2, None, None, None])
+    return {"url": url, "saved": saved, "resumed": resumed, "resharded": resharded, "s3_data": s3_data,
+            "data_url": data_url}
 
 
 def test_a_checkpoint_in_s3_resumes_bit_identically_and_reshards(runs, s3):
@@ -59,6 +65,14 @@ def test_a_checkpoint_in_s3_resumes_bit_identically_and_reshards(runs, s3):
     assert runs["resharded"].losses[:2] == pytest.approx(saved.losses[2:], rel=1e-4)
     names = {path.rsplit("/", 1)[1] for path in s3.find(runs["url"])}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", checksums.MANIFEST} <= names
+
+
+def test_token_shards_in_s3_train_exactly_like_the_local_copy(runs, s3, token_data):
+    assert runs["s3_data"].losses == runs["saved"].losses  # same shards, read by range requests
+    spec = tiny_spec(runs["data_url"], token_data.parent / "s3check")
+    check_before_start(spec)  # the manifest is found and read through the bucket
+    with pytest.raises(SpecError, match=r"data\.path.*has no prepared data"):
+        check_before_start(spec.with_overrides([f"data.path=s3://{BUCKET}/nothing-here"]))
 
 
 def test_checksums_and_retention_work_in_the_bucket(runs, s3):
@@ -92,5 +106,5 @@ def test_checkpoint_dir_urls_are_checked_before_start(s3, token_data, tmp_path):
     check_before_start(ok)
     with pytest.raises(SpecError, match=r"checkpoint\.dir.*bucket 'no-such-bucket', which does not exist"):
         check_before_start(tiny_spec(token_data, tmp_path, checkpoint={"dir": "s3://no-such-bucket/a"}))
-    with pytest.raises(SpecError, match=r"run_dir.*only checkpoint.dir may be in object storage"):
+    with pytest.raises(SpecError, match=r"run_dir.*is a URL.*keep checkpoints in object storage"):
         check_before_start(ok.with_overrides([f"run_dir=s3://{BUCKET}/run"]))

@@ -21,6 +21,7 @@ import torch
 from workers.data import checksums
 from workers.data.prepare import FORMAT
 from workers.parallel.context_layout import split_sequence
+from workers.storage import location, parquet_source
 
 _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
 
@@ -46,7 +47,8 @@ class ShardStore:
         groups, starts = [], [0]
         for index, shard in enumerate(manifest["shards"]):
             checksums.verify_shard(root, shard)
-            meta = pq.read_metadata(self._names[index])
+            source, fs = parquet_source(self._names[index])
+            meta = pq.read_metadata(source, filesystem=fs)
             if meta.num_rows != shard["tokens"]:
                 raise ValueError(f"shard {self._names[index]} does not match its manifest entry")
             for group in range(meta.num_row_groups):
@@ -64,7 +66,9 @@ class ShardStore:
         if index in self._files:
             self._files.move_to_end(index)
         else:
-            self._files[index] = pq.ParquetFile(self._names[index])  # buffered reads: no mapped pages pile up in RSS
+            # buffered reads (no mapped pages pile up in RSS); on object storage, range requests
+            source, fs = parquet_source(self._names[index])
+            self._files[index] = pq.ParquetFile(source, filesystem=fs)
             if len(self._files) > self._limits["files"]:
                 self._files.popitem(last=False)[1].close()
         return self._files[index]
@@ -100,7 +104,7 @@ class TokenDataset:
     """Non-overlapping `seq_len + 1` windows (sharing one boundary token) over the token stream."""
 
     def __init__(self, path: str | Path, seq_len: int, seed: int) -> None:
-        self.path = Path(path)
+        self.path = location(path)  # a directory, or an s3:// / gs:// prefix
         manifest_path = self.path / "manifest.json"
         if not manifest_path.is_file():
             raise FileNotFoundError(f"no prepared data at {manifest_path}; {_MISSING_HINT}")

@@ -1,11 +1,12 @@
-"""Where checkpoints live: a local path, or an object-store URL (``s3://``, ``gs://``, ...) through fsspec.
+"""Where checkpoints and token shards live: a local path, or an object-store URL (``s3://``, ``gs://``) via fsspec.
 
 `location` gives both the same pathlib face (``/``, ``iterdir``, ``is_dir``, ``open``, ``stat``, ``rglob``):
 a local path stays a ``pathlib.Path`` (``file://`` URLs become one), a URL becomes a ``upath.UPath`` over the
-fsspec file system of its scheme (``s3fs`` for ``s3://``, ``gcsfs`` for ``gs://``), so `CheckpointDir` and the
-checksum manifests have one code path. Listings are never cached: ranks write the objects from other processes,
-so a cached listing would hide a save or show a removed one. Credentials come from the scheme's usual places
-(for S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``~/.aws``, an instance role).
+fsspec file system of its scheme (``s3fs`` for ``s3://``, ``gcsfs`` for ``gs://``), so `CheckpointDir`, the
+checksum manifests and the data loader have one code path. Listings are never cached: ranks write the objects
+from other processes, so a cached listing would hide a save or show a removed one. Credentials come from the
+scheme's usual places (for S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``~/.aws``,
+an instance role), on every node: each rank reads and writes its own shards.
 DCP itself writes and reads URLs with its ``FsspecWriter``/``FsspecReader``, which it picks for a
 ``checkpoint_id`` that is one.
 """
@@ -51,3 +52,9 @@ def move_tree(src: Path, dst: Path) -> None:
     for key in src.fs.find(src.path):
         src.fs.copy(key, dst.path + key[len(src.path):])
     remove_tree(src)
+
+
+def parquet_source(path: Path) -> tuple[str | Path, object | None]:
+    """(source, filesystem) for pyarrow's Parquet readers: for a URL its fsspec file system (pyarrow wraps it),
+    so a read fetches only the byte ranges it needs."""
+    return (path.path, path.fs) if is_url(path) else (path, None)
