@@ -27,7 +27,7 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
         raise SpecError("run_dir", spec.run_dir, "is a URL, and run_dir's records, reports and tokens are written as "
                         "local files", "point run_dir at a local or shared file system path; keep checkpoints in "
                         "object storage with checkpoint.dir: s3://BUCKET/PATH (data.path may be a URL too)")
-    if data_required or location(spec.data.path).exists():
+    if data_required or (not is_url(spec.data.path) and Path(spec.data.path).exists()):  # plan: a bucket is elsewhere
         check_data_path(spec)
     check_outputs(spec)
     check_base_checkpoint(spec)
