@@ -3,6 +3,10 @@
 The global order (epoch permutations seeded by [seed, epoch]) is independent of the
 data-parallel layout; ranks only pick contiguous slices of it. Hence a checkpoint's
 `position` alone says which samples were consumed, whatever dp size resumes it.
+
+Shards are read lazily (`ShardStore`: the row groups a window spans, a bounded cache) from a directory or an
+object-store prefix (`workers.storage`), and the next step's batch is read on a background thread (`Prefetch`),
+so a rank's memory does not grow with the corpus.
 """
 
 from __future__ import annotations
