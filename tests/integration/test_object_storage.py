@@ -17,6 +17,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec import check_before_start
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
+from tests.support.s3_server import s3_server
 
 BUCKET = "raymesh-test"
 STEPS = 4
@@ -24,22 +25,8 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server on a free loopback port, the standard AWS variables pointing at it, one bucket."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
-            env.setenv(key, value)
-        import fsspec
-
-        fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
-        fs.mkdir(BUCKET)
+    with s3_server(BUCKET) as fs:
         yield fs
-    server.stop()
 
 
 @pytest.fixture(scope="module")
