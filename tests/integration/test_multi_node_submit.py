@@ -25,8 +25,9 @@ def test_a_submitted_job_spans_both_nodes_and_matches_the_reference(ray_cluster,
         out = submit_on_two_nodes(on_s3.to_dict(), tmp_path)
         assert out["status"] == "SUCCEEDED", out["logs"]
         ckpt = CheckpointDir(f"s3://{BUCKET}/ckpt", keep=3)
-        assert ckpt.complete_steps() == [2] and checksums.problem(ckpt.path_for(2)) is None
-        assert {key.rsplit("/", 1)[1] for key in s3.find(str(ckpt.path_for(2)))} >= {"__0_0.distcp", "__1_0.distcp"}
+        assert ckpt.complete_steps() == [2, 3]  # every 2 steps and at the last
+        assert all(checksums.problem(ckpt.path_for(step)) is None for step in (2, 3))
+        assert {key.rsplit("/", 1)[1] for key in s3.find(str(ckpt.path_for(3)))} >= {"__0_0.distcp", "__1_0.distcp"}
     assert len(out["nodes"]) == 2
     ranks = out["summary"]["layout"]["ranks"]
     assert {r["node_id"] for r in ranks} == set(out["nodes"])  # one rank per node: the ranks really span both
