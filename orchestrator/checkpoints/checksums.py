@@ -6,7 +6,8 @@ silently wrong weights. The manifest (``MANIFEST``: size and CRC-32 of every
 file) is written after the save completes, atomically (temp file + rename),
 so its presence also means "complete"; ``problem`` names the first file that
 no longer matches. Written here because neither PyTorch nor Ray checksums
-checkpoint files.
+checkpoint files. Paths may be object-store locations (`workers.storage`): there a manifest
+is one PUT, which an object store makes visible all at once, so the temp file, rename and fsyncs are local only.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import os
 import zlib
 from pathlib import Path
 
+from workers.storage import is_url, location
+
 MANIFEST = "raymesh-manifest.json"
 _CHUNK = 1 << 20
 
 
 def _crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -39,6 +42,9 @@ def _entry(path: Path) -> dict:
 def _write(manifest: Path, files: dict) -> Path:
     """The rename makes a manifest all-or-nothing; the fsyncs make it durable: the file, the rename (its
     directory), and the directory's own entry, so a power loss cannot leave a sealed-looking save without it."""
+    if is_url(manifest):
+        manifest.write_text(json.dumps({"files": files}, indent=1))
+        return manifest
     tmp = manifest.with_name(manifest.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps({"files": files}, indent=1))
@@ -52,8 +58,8 @@ def _write(manifest: Path, files: dict) -> Path:
 
 def write_manifest(ckpt: str | Path) -> Path:
     """Record size and CRC-32 of every file of a completed save."""
-    ckpt = Path(ckpt)
-    return _write(ckpt / MANIFEST, {str(p.relative_to(ckpt)): _entry(p) for p in _files(ckpt)})
+    ckpt = location(ckpt)
+    return _write(ckpt / MANIFEST, {p.relative_to(ckpt).as_posix(): _entry(p) for p in _files(ckpt)})
 
 
 def sidecar(path: str | Path) -> Path:
@@ -105,7 +111,7 @@ def fsync_dir(path: Path) -> None:
 
 def problem(ckpt: str | Path) -> str | None:
     """Why the checkpoint at ``ckpt`` must not be loaded, or None when every file matches its manifest."""
-    ckpt = Path(ckpt)
+    ckpt = location(ckpt)
     try:
         files = json.loads((ckpt / MANIFEST).read_text())["files"]
     except FileNotFoundError:

@@ -6,18 +6,18 @@ reports the save durable; so a save interrupted half way is never picked for
 resume nor counted against ``keep``. ``latest_verified`` checks the bytes
 before a load: a corrupt checkpoint is moved aside to ``step-N.corrupt`` (kept
 for inspection, never picked again), logged, recorded in ``skipped``, and the
-previous one is used.
+previous one is used. ``root`` may be an object-store URL (`workers.storage`).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
 from orchestrator.observability.events import event
+from workers.storage import location, move_tree, remove_tree
 
 _NAME = re.compile(r"^step-(\d{8})$")
 _LEFTOVER = re.compile(r"^step-(\d{8})(\.corrupt)?$")
@@ -25,7 +25,7 @@ _LEFTOVER = re.compile(r"^step-(\d{8})(\.corrupt)?$")
 
 class CheckpointDir:
     def __init__(self, root: str | Path, keep: int, on_skip: Callable[[dict], None] | None = None):
-        self.root = Path(root)
+        self.root = location(root)
         self.keep = keep
         self.on_skip = on_skip
         self.skipped: list[dict] = []  # corrupt or incomplete checkpoints passed over, for the summary
@@ -59,8 +59,8 @@ class CheckpointDir:
             if why is None:
                 return path
             aside = path.with_name(path.name + ".corrupt")
-            shutil.rmtree(aside, ignore_errors=True)
-            path.rename(aside)
+            remove_tree(aside)
+            move_tree(path, aside)
             record = {"step": step, "path": str(aside), "problem": why, "found_by": purpose}
             self.skipped.append(record)
             event("checkpoint_corrupt", step=step, problem=repr(why), moved_to=aside, found_by=purpose,
@@ -79,7 +79,7 @@ class CheckpointDir:
         """
         old = [s for s in self.complete_steps() if s <= newest][: -self.keep]
         for step in old:
-            shutil.rmtree(self.path_for(step), ignore_errors=True)
+            remove_tree(self.path_for(step))
         self.remove_leftovers(newest)
         return old
 
@@ -98,7 +98,7 @@ class CheckpointDir:
             step, corrupt = int(m.group(1)), bool(m.group(2))
             partial = not corrupt and step not in kept and (newest is None or step < newest)
             if partial or (corrupt and oldest is not None and step < oldest):
-                shutil.rmtree(child, ignore_errors=True)
+                remove_tree(child)
                 removed.append(child)
                 event("checkpoint_removed", path=child, why="corrupt, older than every kept checkpoint" if corrupt
                       else "incomplete save (no manifest): it can never be loaded")

@@ -41,6 +41,7 @@ from orchestrator.runtime.checkpointing import Checkpointing
 from orchestrator.runtime.grid_changes import GridChanges
 from orchestrator.runtime.group import RankGroupLike, RayRuntime, Runtime, StepFailed
 from orchestrator.runtime.ps_shards import PSShards
+from orchestrator.runtime.ray_data import with_ray_dataset
 from orchestrator.runtime.records import Layout
 from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
@@ -78,7 +79,11 @@ class TrainingJob:
     """One job's controller: start-up, the step loop, and the surface the control API serves."""
 
     def __init__(self, spec: JobSpec, resume: bool = False, address: str | None = None, progress: bool = True,
-                 runtime: Runtime | None = None):
+                 runtime: Runtime | None = None, dataset=None):
+        """``dataset``: a ``ray.data.Dataset`` whose ``tokens`` column holds token-id rows, trained on instead of
+        ``data.path`` (written once into the run dir: `orchestrator/runtime/ray_data.py`)."""
+        if dataset is not None:
+            spec = with_ray_dataset(spec, dataset, resume)
         self.spec, self.resume, self.address, self.progress = spec, resume, address, progress
         self.runtime: Runtime = runtime or RayRuntime()
         self.run_dir = spec.resolved_run_dir()

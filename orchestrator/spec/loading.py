@@ -204,8 +204,8 @@ def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
         holder = raw
         for name in section.split(".") if section else ():
             holder = holder.get(name) if isinstance(holder, dict) else None
-        if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key]:
-            holder[key] = str(cwd / Path(holder[key]).expanduser())
+        if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key] and "://" not in holder[key]:
+            holder[key] = str(cwd / Path(holder[key]).expanduser())  # URLs stay as written (checkpoint.dir)
 
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:

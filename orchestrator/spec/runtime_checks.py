@@ -18,11 +18,16 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from workers.storage import is_url, location
 
 
 def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     """Every filesystem precondition of the job; `data_required=False` (plan) skips data that is not here."""
-    if data_required or Path(spec.data.path).exists():
+    if spec.run_dir is not None and "://" in spec.run_dir:
+        raise SpecError("run_dir", spec.run_dir, "is a URL, and run_dir's records, reports and tokens are written as "
+                        "local files", "point run_dir at a local or shared file system path; keep checkpoints in "
+                        "object storage with checkpoint.dir: s3://BUCKET/PATH (data.path may be a URL too)")
+    if data_required or (not is_url(spec.data.path) and Path(spec.data.path).exists()):  # plan: a bucket is elsewhere
         check_data_path(spec)
     check_outputs(spec)
     check_base_checkpoint(spec)
@@ -31,7 +36,10 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
 
 def _manifest(spec: JobSpec) -> dict:
     """`data.path`'s manifest.json, refused with the fix when missing or not one `prepare-data` wrote."""
-    manifest = Path(spec.data.path) / "manifest.json"
+    root = location(spec.data.path)
+    if is_url(root):
+        _reachable_bucket("data.path", root)
+    manifest = root / "manifest.json"
     if not manifest.is_file():
         raise SpecError(
             "data.path",
@@ -89,6 +97,22 @@ def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
     )
 
 
+def _reachable_bucket(field: str, path: Path) -> None:
+    """The bucket of the object-store URL ``path`` exists and these credentials may list it (writing is only
+    tried by the first save: a probe object would be one more thing in someone's bucket). The driver's
+    credentials are checked; the ranks use their own node's (the same variables, set on every node)."""
+    bucket = path.path.split("/", 1)[0]
+    try:
+        found = path.fs.exists(bucket)
+    except Exception as exc:  # each fsspec back end raises its own (botocore, google.auth, PermissionError)
+        raise SpecError(field, str(path), f"cannot be reached ({type(exc).__name__}: {exc})",
+                        "check the credentials in the environment (for s3://: AWS_ACCESS_KEY_ID, "
+                        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for a non-AWS server) and the URL") from None
+    if not found:
+        raise SpecError(field, str(path), f"names bucket {bucket!r}, which does not exist (or these credentials "
+                        "cannot see it)", "create the bucket, or fix the URL or the credentials")
+
+
 def _writable_dir(field: str, path: Path) -> None:
     """`path` is a directory raymesh can write in, or can be created under its nearest existing parent."""
     if path.exists() and not path.is_dir():
@@ -136,7 +160,10 @@ def check_outputs(spec: JobSpec) -> None:
     run_dir = spec.resolved_run_dir()
     _writable_dir("run_dir", run_dir)
     ckpt = spec.checkpoint.resolved_dir(run_dir)
-    _writable_dir("checkpoint.dir", ckpt)
+    if is_url(ckpt):
+        _reachable_bucket("checkpoint.dir", ckpt)
+    else:
+        _writable_dir("checkpoint.dir", ckpt)
     foreign = _foreign_checkpoint_entry(ckpt)
     if foreign is not None:
         raise SpecError("checkpoint.dir", str(ckpt), f"holds {foreign}, which raymesh did not write; a save or "

@@ -25,6 +25,7 @@ from orchestrator.spec.fields import (
 )
 from workers.parallel.grid import Grid
 from workers.parallel.schedules import Schedule, schedule
+from workers.storage import location
 
 
 class DataSpec(_Section):
@@ -235,8 +236,9 @@ class CheckpointSpec(_Section):
         return 1 if dp_replicas_mirror(parallel) else 10
 
     def resolved_dir(self, run_dir: str | Path) -> Path:
-        """`dir` when set, else `<run_dir>/checkpoints`."""
-        return Path(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+        """`dir` when set (a local path or an object-store URL: `workers.storage`), else
+        `<run_dir>/checkpoints`."""
+        return location(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
 
 
 class FaultToleranceSpec(_Section):

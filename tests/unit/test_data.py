@@ -81,12 +81,12 @@ def test_prepare_errors(tmp_path: Path) -> None:
 
 def test_windows_share_boundary_token(data_dir: Path) -> None:
     ds = TokenDataset(data_dir, seq_len=16, seed=0)
-    assert ds.num_samples == (len(ds.tokens) - 1) // 16
+    assert ds.num_samples == (len(ds.store) - 1) // 16
     ids = ds.global_sample_ids(0, 4)
     x, y = ds.batch(0, 4)
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, 16)
     for row, sid in enumerate(ids):
-        window = torch.from_numpy(ds.tokens[sid * 16 : sid * 16 + 17].astype(np.int64))
+        window = torch.from_numpy(ds.store.read(int(sid) * 16, 17).astype(np.int64))
         assert torch.equal(x[row], window[:-1]) and torch.equal(y[row], window[1:])
 
 

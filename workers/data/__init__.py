@@ -5,6 +5,6 @@ layout, so checkpoints can be resumed at a different dp size without re-seeing d
 """
 
 from workers.data.loader import DataCursor, TokenDataset
-from workers.data.prepare import default_sources, prepare_data
+from workers.data.prepare import default_sources, prepare_data, write_token_rows
 
-__all__ = ["DataCursor", "TokenDataset", "default_sources", "prepare_data"]
+__all__ = ["DataCursor", "TokenDataset", "default_sources", "prepare_data", "write_token_rows"]

@@ -16,7 +16,7 @@ _CHUNK = 1 << 20
 
 def shard_digest(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:  # a Path or an object-store UPath (workers.storage)
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()

@@ -3,11 +3,18 @@
 The global order (epoch permutations seeded by [seed, epoch]) is independent of the
 data-parallel layout; ranks only pick contiguous slices of it. Hence a checkpoint's
 `position` alone says which samples were consumed, whatever dp size resumes it.
+
+Shards are read lazily (`ShardStore`: the row groups a window spans, a bounded cache) from a directory or an
+object-store prefix (`workers.storage`), and the next step's batch is read on a background thread (`Prefetch`),
+so a rank's memory does not grow with the corpus.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,37 +25,90 @@ import torch
 from workers.data import checksums
 from workers.data.prepare import FORMAT
 from workers.parallel.context_layout import split_sequence
+from workers.storage import location, parquet_source
 
 _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
 
 
-def _load_tokens(root: Path, manifest: dict) -> np.ndarray:
-    """All shard tokens as one contiguous array, in the manifest's ``dtype`` (uint8 for bytes).
+class ShardStore:
+    """Random access to the token stream of a prepared directory, one Parquet row group at a time.
 
-    Windows straddle row-group and shard boundaries, so a single buffer keeps the gather
-    in `batch` one fancy-index. With a single Arrow chunk the array is a zero-copy view of
-    the decoded column; otherwise chunks are concatenated once (1-4 bytes/token, e.g. 20 MB
-    for the default byte corpus), which is cheaper than per-window chunk bookkeeping.
+    Why our own: a window is `seq_len + 1` tokens anywhere in the corpus, and neither pyarrow's datasets nor
+    ``ray.data`` offer random access by global row. Up front every shard's bytes are checked against the
+    manifest's checksum (streamed, 1 MiB at a time) and only its footer is kept (row-group sizes); a window then
+    decodes the one or two row groups it spans. At most ``cache_groups`` decoded groups and ``open_files``
+    open shards are kept (least recently used first out), so a rank holds ``cache_groups`` x ``ROW_GROUP_ROWS``
+    tokens whatever the corpus size.
     """
-    chunks: list[np.ndarray] = []
-    for shard in manifest["shards"]:
-        checksums.verify_shard(root, shard)
-        table = pq.read_table(root / shard["file"], columns=["tokens"], memory_map=True)
-        part = [c.to_numpy(zero_copy_only=True) for c in table.column("tokens").chunks]
-        if sum(len(c) for c in part) != shard["tokens"]:
-            raise ValueError(f"shard {root / shard['file']} does not match its manifest entry")
-        chunks.extend(part)
-    tokens = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-    if len(tokens) != manifest["total_tokens"]:
-        raise ValueError(f"{root}/manifest.json total_tokens disagrees with its shards")
-    return tokens
+
+    def __init__(self, root: Path, manifest: dict, cache_groups: int = 64, open_files: int = 4) -> None:
+        self.root = root
+        self._names = [root / shard["file"] for shard in manifest["shards"]]
+        self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._limits = {"cache": cache_groups, "files": open_files}
+        self._lock = threading.Lock()  # the prefetch thread and the step thread share the caches
+        groups, starts = [], [0]
+        for index, shard in enumerate(manifest["shards"]):
+            checksums.verify_shard(root, shard)
+            source, fs = parquet_source(self._names[index])
+            meta = pq.read_metadata(source, filesystem=fs)
+            if meta.num_rows != shard["tokens"]:
+                raise ValueError(f"shard {self._names[index]} does not match its manifest entry")
+            for group in range(meta.num_row_groups):
+                groups.append((index, group))
+                starts.append(starts[-1] + meta.row_group(group).num_rows)
+        self._groups = np.array(groups, dtype=np.int64).reshape(-1, 2)  # (shard, row group) per global group
+        self._starts = np.array(starts, dtype=np.int64)
+        if self._starts[-1] != manifest["total_tokens"]:
+            raise ValueError(f"{root}/manifest.json total_tokens disagrees with its shards")
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _open(self, index: int) -> pq.ParquetFile:
+        if index in self._files:
+            self._files.move_to_end(index)
+        else:
+            # buffered reads (no mapped pages pile up in RSS); on object storage, range requests
+            source, fs = parquet_source(self._names[index])
+            self._files[index] = pq.ParquetFile(source, filesystem=fs)
+            if len(self._files) > self._limits["files"]:
+                self._files.popitem(last=False)[1].close()
+        return self._files[index]
+
+    def _group(self, g: int) -> np.ndarray:
+        with self._lock:
+            if g in self._cache:
+                self._cache.move_to_end(g)
+                return self._cache[g]
+            shard, group = (int(v) for v in self._groups[g])
+            column = self._open(shard).read_row_group(group, columns=["tokens"]).column(0)
+            tokens = np.array(column)  # a numpy copy: the Arrow buffers go back to their pool at once
+            self._cache[g] = tokens
+            if len(self._cache) > self._limits["cache"]:
+                self._cache.popitem(last=False)
+            return tokens
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream, across row-group and shard boundaries."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"tokens [{start}, {start + length}) outside the stream of {len(self)}")
+        g = int(np.searchsorted(self._starts, start, side="right")) - 1
+        parts, pos = [], start
+        while pos < start + length:
+            take = min(start + length, int(self._starts[g + 1])) - pos
+            lo = pos - int(self._starts[g])
+            parts.append(self._group(g)[lo:lo + take])
+            pos, g = pos + take, g + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class TokenDataset:
     """Non-overlapping `seq_len + 1` windows (sharing one boundary token) over the token stream."""
 
     def __init__(self, path: str | Path, seq_len: int, seed: int) -> None:
-        self.path = Path(path)
+        self.path = location(path)  # a directory, or an s3:// / gs:// prefix
         manifest_path = self.path / "manifest.json"
         if not manifest_path.is_file():
             raise FileNotFoundError(f"no prepared data at {manifest_path}; {_MISSING_HINT}")
@@ -60,12 +120,12 @@ class TokenDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.vocab_size: int = manifest["vocab_size"]
-        self.tokens = _load_tokens(self.path, manifest)
-        self._num_samples = (len(self.tokens) - 1) // seq_len
+        self.store = ShardStore(self.path, manifest)
+        self._num_samples = (len(self.store) - 1) // seq_len
         if self._num_samples == 0:
             raise ValueError(
                 f"seq_len={seq_len} needs at least {seq_len + 1} tokens but {self.path} "
-                f"has {len(self.tokens)}; lower seq_len or prepare more data"
+                f"has {len(self.store)}; lower seq_len or prepare more data"
             )
         self._epoch_order = lru_cache(maxsize=2)(self._compute_epoch_order)
 
@@ -74,7 +134,9 @@ class TokenDataset:
         return self._num_samples
 
     def _compute_epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self._num_samples)
+        """The epoch's sample order, kept as the narrowest index type (4 bytes a sample below 2**31 samples)."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(self._num_samples)
+        return order.astype(np.int32) if self._num_samples < 2**31 else order
 
     def global_sample_ids(self, start: int, count: int) -> np.ndarray:
         """Sample ids at positions [start, start+count) of the stream epoch0, epoch1, ..."""
@@ -91,9 +153,36 @@ class TokenDataset:
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [count, seq_len], for stream positions [start, start+count)."""
         ids = self.global_sample_ids(start, count)
-        offsets = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        windows = torch.from_numpy(self.tokens[offsets].astype(np.int64))
+        windows = np.empty((count, self.seq_len + 1), dtype=np.int64)
+        for row, sample in enumerate(ids):
+            windows[row] = self.store.read(int(sample) * self.seq_len, self.seq_len + 1)
+        windows = torch.from_numpy(windows)
         return windows[:, :-1], windows[:, 1:]
+
+
+class Prefetch:
+    """The next step's batch, read on a background thread while this step trains.
+
+    A cursor's next start is known once a step is taken, so the read (row-group decodes, object-store range
+    requests) overlaps the step. A batch is used only when asked for the same (start, count): a checkpoint load
+    or a resize that moves the position just reads synchronously, so the order never depends on timing.
+    """
+
+    def __init__(self, dataset: TokenDataset) -> None:
+        self.dataset = dataset
+        self._pending: tuple[tuple[int, int], Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def ahead(self, start: int, count: int) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raymesh-prefetch")
+        self._pending = ((start, count), self._pool.submit(self.dataset.batch, start, count))
+
+    def take(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == (start, count):
+            return pending[1].result()
+        return self.dataset.batch(start, count)
 
 
 class DataCursor:
@@ -122,6 +211,7 @@ class DataCursor:
         self.dp_size = dp_size
         self.position = position
         self.cp_rank, self.cp_size = cp_rank, cp_size
+        self._prefetch = Prefetch(dataset)
 
     @property
     def start(self) -> int:
@@ -137,8 +227,10 @@ class DataCursor:
         return self.dataset.global_sample_ids(self._start, self.global_batch // self.dp_size)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = self.dataset.batch(self._start, self.global_batch // self.dp_size)
+        per_rank = self.global_batch // self.dp_size
+        inputs, targets = self._prefetch.take(self._start, per_rank)
         self.position += self.global_batch
+        self._prefetch.ahead(self._start, per_rank)
         return (split_sequence(inputs, self.cp_size, self.cp_rank),
                 split_sequence(targets, self.cp_size, self.cp_rank))
 

@@ -1,0 +1,43 @@
+"""A ``ray.data.Dataset`` of token rows as a job's data: streamed once into the run dir as prepared shards.
+
+Why shards and not the Dataset itself at every step: the loader's exact-once position in checkpoints needs a
+stream it can address by sample index, the same for every dp layout and after a restart; a Dataset iterator
+cannot seek. Writing the rows once (streamed: one batch of rows at a time, never the whole Dataset) gives the
+ranks the same random access, checksums and resume as a `raymesh prepare-data` directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.errors import SpecError
+from orchestrator.spec import JobSpec
+from workers.data import write_token_rows
+
+DATA_DIR = "ray_data"  # under the run dir
+BATCH_ROWS = 1024
+
+
+def dataset_rows(dataset, column: str) -> Iterator[np.ndarray]:
+    """The ``column`` of each row (a list or array of token ids), in the Dataset's order, batch by batch."""
+    for batch in dataset.iter_batches(batch_format="numpy", batch_size=BATCH_ROWS):
+        if column not in batch:
+            raise SpecError("dataset", f"columns {sorted(batch)}", f"has no {column!r} column of token ids",
+                            f"map the Dataset to a {column!r} column of token-id lists, or pass column=")
+        yield from (np.asarray(row) for row in batch[column])
+
+
+def with_ray_dataset(spec: JobSpec, dataset, resume: bool, column: str = "tokens") -> JobSpec:
+    """``spec`` with ``data.path`` at the run dir's copy of ``dataset`` (ids below ``model.vocab_size``).
+
+    A resumed run reuses the copy it trained on, so its saved position means the same samples even if the
+    Dataset's order is not deterministic; a fresh run writes it again.
+    """
+    out = spec.resolved_run_dir() / DATA_DIR
+    if not (resume and (out / "manifest.json").is_file()):
+        write_token_rows(dataset_rows(dataset, column), out, spec.model.vocab_size, source=f"ray.data:{dataset}")
+    raw = spec.to_dict()
+    return JobSpec.from_dict({**raw, "data": {**raw["data"], "path": str(Path(out).resolve())}})

@@ -1,0 +1,107 @@
+"""The streaming loader: windows read lazily equal the whole stream read at once, a rank's own allocations stay
+flat as the corpus grows 50x, and a resumed cursor (prefetch on) sees each sample exactly once."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from workers.data import DataCursor, TokenDataset, prepare, prepare_data, write_token_rows
+
+ROWS = 4096  # small row groups, so windows straddle groups and shards often
+
+
+def _corpus(root: Path, tokens: int, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A prepared directory of ``tokens`` pseudo-random printable bytes, in shards of 64 Ki tokens."""
+    src = root / "src"
+    src.mkdir(parents=True)
+    (src / "doc.txt").write_bytes((np.random.default_rng(0).integers(32, 127, tokens, dtype=np.uint8)).tobytes())
+    monkeypatch.setattr(prepare, "ROW_GROUP_ROWS", ROWS)
+    prepare_data([src], root / "out", shard_tokens=65_536)
+    return root / "out"
+
+
+def _whole_stream(root: Path) -> np.ndarray:
+    """Every token, read the simple way (the old loader's): an independent reference for the lazy reads."""
+    files = sorted(root.glob("shard-*.parquet"))
+    return np.concatenate([pq.read_table(f).column("tokens").to_numpy() for f in files])
+
+
+def test_lazy_windows_equal_the_whole_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _corpus(tmp_path, 200_000, monkeypatch)
+    whole = _whole_stream(root)
+    ds = TokenDataset(root, seq_len=100, seed=5)
+    assert len(ds.store) == len(whole)
+    x, y = ds.batch(0, ds.num_samples)  # every window, many across row-group and shard boundaries
+    offsets = ds.global_sample_ids(0, ds.num_samples)[:, None] * 100 + np.arange(101)
+    expected = whole[offsets].astype(np.int64)
+    assert np.array_equal(x.numpy(), expected[:, :-1]) and np.array_equal(y.numpy(), expected[:, 1:])
+    with pytest.raises(IndexError, match="outside the stream"):
+        ds.store.read(len(whole) - 5, 10)
+
+
+def _peak_loader_bytes(root: Path, steps: int) -> int:
+    """Peak bytes the dataset and a cursor allocate (Python and numpy via tracemalloc, Arrow's pool beside it)."""
+    arrow_before = pa.total_allocated_bytes()
+    tracemalloc.start()
+    try:
+        cursor = DataCursor(TokenDataset(root, seq_len=64, seed=0), global_batch=16, dp_rank=0, dp_size=1)
+        for _ in range(steps):
+            cursor.next_batch()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak + max(pa.total_allocated_bytes() - arrow_before, 0)
+
+
+def test_loader_memory_stays_flat_as_the_corpus_grows_50x(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small = _corpus(tmp_path / "small", 200_000, monkeypatch)
+    large = _corpus(tmp_path / "large", 50 * 200_000, monkeypatch)
+    small_peak, large_peak = _peak_loader_bytes(small, 20), _peak_loader_bytes(large, 20)
+    # what does grow: the epoch order (4 bytes a sample) and the footer index (16 bytes a row group)
+    index_growth = 4 * (50 - 1) * 200_000 // 64 + 16 * (50 - 1) * 200_000 // ROWS
+    assert large_peak < small_peak + 2 * index_growth + 256 * 1024, (small_peak, large_peak)
+    assert large_peak < 50 * 200_000 / 4  # far below the corpus, which the old loader held whole
+
+
+def test_resumed_cursors_with_prefetch_see_each_sample_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _corpus(tmp_path, 100_000, monkeypatch)
+    ds = TokenDataset(root, seq_len=32, seed=2)
+    whole = _whole_stream(root)
+    seen: list[int] = []
+
+    def take(cursors: list[DataCursor]) -> None:
+        for c in cursors:
+            ids = c.sample_ids_for_step()
+            x, _ = c.next_batch()
+            expected = whole[ids[:, None] * 32 + np.arange(32)].astype(np.int64)
+            assert np.array_equal(x.numpy(), expected)  # a prefetched batch is the one for this position
+            seen.extend(ids.tolist())
+
+    before = [DataCursor(ds, 8, r, 2) for r in range(2)]
+    for _ in range(5):
+        take(before)
+    state = before[0].state_dict()
+    after = [DataCursor(TokenDataset(root, seq_len=32, seed=2), 8, r, 4) for r in range(4)]
+    for c in after:
+        c.next_batch()  # a prefetch for position 0 is now pending: the load must not let it through
+        c.load_state_dict(state)
+    for _ in range(ds.num_samples // 8 - 5):
+        take(after)
+    assert len(seen) == len(set(seen)) == ds.num_samples // 8 * 8
+
+
+def test_token_rows_become_a_stream_read_back_in_order(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 1000, int(n)) for n in rng.integers(1, 400, 60)]
+    manifest = write_token_rows(iter(rows), tmp_path / "rows", vocab_size=1000, source="test", shard_tokens=3000)
+    assert manifest["dtype"] == "uint16" and len(manifest["shards"]) > 1
+    ds = TokenDataset(tmp_path / "rows", seq_len=10, seed=0)
+    assert np.array_equal(ds.store.read(0, len(ds.store)), np.concatenate(rows))
+    with pytest.raises(ValueError, match=r"token id 1000 is outside \[0, vocab_size=1000\).*fix"):
+        write_token_rows(iter([np.array([5, 1000])]), tmp_path / "bad", vocab_size=1000, source="test")
