@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (router, parallel, train)
     "topk-dp4-ep2": ("topk", {"dp": 4, "ep": 2}, {}),
     "noisy_topk-dp4-ep4": ("noisy_topk", {"dp": 4, "ep": 4}, {}),
     "gshard-dp4-ep2-zero2": ("gshard", {"dp": 4, "ep": 2, "zero": 2}, {}),
+    "topk-dp4-ep2-zero1": ("topk", {"dp": 4, "ep": 2, "zero": 1}, {}),  # experts' slices over edp, dense over dp
     "expert_choice-dp4-ep2": ("expert_choice", {"dp": 4, "ep": 2}, {}),
     "topk-dp2-ep2-pp2": ("topk", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
 }
