@@ -4,8 +4,9 @@ The MoE feed-forward is replicated over the tp ranks (``workers.model.gpt_parall
 and the dense blocks are Megatron-split; with sequence parallelism its input is gathered from the sequence
 shards and its output cut back. Checked without Ray (tests/support/parity_harness.py): tp=2 with and without
 sequence parallelism on both families, and dp=4 x ep=2 x tp=2 (world 8: ep borrows its ranks from dp), for the
-topk and switch routers (switch with capacity_factor 1.0, so tokens really drop). The model is tiny (2 layers,
-d_model 32, 4 experts, routing groups per sequence); each spawn trains all of its jobs (``run_layouts``).
+topk and switch routers (switch with capacity_factor 1.0, so tokens really drop, and expert dropout). The model
+is tiny (2 layers, d_model 32, 4 experts, routing groups per sequence); each spawn trains all of its jobs
+(``run_layouts``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tests.support.reference import reference_run
 STEPS = 3
 ROUTERS = {
     "topk": {"router": "topk", "aux_loss_weight": 0.01, "shared_experts": 1},
-    "switch": {"router": "switch", "capacity_factor": 1.0, "aux_loss_weight": 0.01, "z_loss_weight": 0.001},
+    # expert dropout keyed by token stream position (workers.model.moe.keyed_dropout): the same on any layout
+    "switch": {"router": "switch", "capacity_factor": 1.0, "aux_loss_weight": 0.01, "z_loss_weight": 0.001,
+               "expert_dropout": 0.1},
 }
 ARCHS = {"gpt": {}, "llama": {"arch": "llama", "n_kv_heads": 2}}
 TP2 = {  # name: (arch, router, parallel), on 2 ranks
