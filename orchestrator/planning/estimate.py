@@ -123,10 +123,11 @@ def moe_activation_bytes(spec: JobSpec) -> int:
     the router's float32 input (T·d), its float32 probabilities (T·E; the z-loss's logsumexp keeps the logits,
     noisy top-k its noisy and noise-scale scores too) and per choice (T·k) its int64 index, float32 gate and
     renormalised gate and kept mask; the gathered rows each expert's first matmul keeps (A·d, one low-precision
-    copy per matmul reading them under autocast), its hidden activations (A·h, 2 tensors, 4 for SwiGLU), the
-    expert outputs the gate multiply keeps (A·d) and the gate-weighted ones the combining ``index_add`` keeps
-    (A·d, in the input's float32), gates and the int64 token/order indices (A each); shared experts as dense
-    feed-forwards over all T tokens. Checked against autograd's saved tensors (``tests/unit/test_moe_plan.py``).
+    copy per matmul reading them under autocast), its hidden activations (A·h, 2 tensors, 4 for SwiGLU, and
+    expert dropout's mask), the expert outputs the gate multiply keeps (A·d) and the gate-weighted ones the
+    combining ``index_add`` keeps (A·d, in the input's float32), gates and the int64 token/order indices (A
+    each); shared experts as dense feed-forwards over all T tokens. Checked against measured saved tensors by
+    ``tests/integration/test_moe_memory.py``.
     """
     m, moe = spec.model, spec.model.moe
     c, d, h = compute_bytes(spec), m.d_model, moe.d_expert or m.ffn_dim
@@ -135,7 +136,8 @@ def moe_activation_bytes(spec: JobSpec) -> int:
     casts = (2 if glu else 1) if c < 4 else 1  # copies of an expert's input rows its matmuls keep
     scores = 1 + (moe.z_loss_weight > 0) + (2 if moe.router == "noisy_topk" else 0)
     router = 4 * tokens * d + 4 * tokens * moe.experts * scores + tokens * moe.k * (8 + 4 + 4 + 1)
-    per_row = c * (casts * d + (4 if glu else 2) * h + d) + 4 * d + 4 + 3 * 8
+    hidden = (4 if glu else 2) + (moe.expert_dropout > 0)  # expert dropout keeps its mask
+    per_row = c * (casts * d + hidden * h + d) + 4 * d + 4 + 3 * 8
     shared = moe.shared_experts * tokens * c * ((4 if glu else 2) * h + (casts * d if c < 4 else 0))
     return router + rows * per_row + shared
 

@@ -6,7 +6,7 @@ router tensors, routed token copies, expert hidden activations and combine (``es
 in place of a dense feed-forward; it must be within 10% of the measured saved activations and step peak, as
 the dense planner tests require. The layouts route without drops (capacity_factor 2.0: with drops the estimate
 is the capacity's upper bound) and cover expert parallelism under ZeRO-1, tensor parallelism with and without
-sequence parallelism, bf16, shared experts, noisy top-k with the z-loss, and expert choice under ZeRO-3.
+sequence parallelism, bf16, expert dropout, shared experts, noisy top-k with the z-loss, and expert choice under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ LAYOUTS = {  # name: (model, parallel, train, dtype)
     "gpt-topk-dp2-ep2-zero1": ({"moe": {"experts": 4, "router": "topk", "top_k": 2, "shared_experts": 1}},
                                {"dp": 2, "ep": 2, "zero": 1}, {}, "fp32"),
     "llama-switch-tp2-bf16": ({"arch": "llama", "n_kv_heads": 2,
-                               "moe": {"experts": 4, "router": "switch", "capacity_factor": 2.0}},
+                               "moe": {"experts": 4, "router": "switch", "capacity_factor": 2.0,
+                                       "expert_dropout": 0.1}},
                               {"tp": 2}, {}, "bf16"),
     "gpt-noisy-tp2-no-sp": ({"moe": {"experts": 4, "router": "noisy_topk", "z_loss_weight": 0.001}},
                             {"tp": 2, "sequence_parallel": False}, {}, "fp32"),
