@@ -43,18 +43,35 @@ def _spec(token_data, tmp_path, arch: str, router: str, parallel: dict):
                      parallel={**parallel, "device": "cpu"}, train={"steps": STEPS})
 
 
-def _check(token_data, tmp_path, layouts: dict, world: int) -> None:
-    specs = {name: _spec(token_data, tmp_path / name, *job) for name, job in layouts.items()}
-    runs = run_layouts([s.worker_dict() for s in specs.values()], world, STEPS)
-    for (name, spec), run in zip(specs.items(), runs, strict=True):
-        losses, norms = reference_run(_spec(token_data, tmp_path / f"ref-{name}", *layouts[name][:2], {}), STEPS)
-        assert run.losses == pytest.approx(losses, rel=1e-4), name
-        assert run.grad_norms == pytest.approx(norms, rel=1e-4), name
-        assert spec.parallel.tp == 2
+def _reference(token_data, tmp_path, name: str, arch: str, router: str, steps: int = STEPS):
+    spec = _spec(token_data, tmp_path / f"ref-{name}", arch, router, {})
+    return reference_run(spec.with_overrides([f"train.steps={steps}"]), steps)
+
+
+def _check(token_data, tmp_path, layouts: dict, world: int, checkpoints=None, resumes=None) -> dict:
+    """Train ``layouts`` in one spawn of ``world`` ranks; each but those resuming matches its reference."""
+    specs = [_spec(token_data, tmp_path / name, *job).worker_dict() for name, job in layouts.items()]
+    runs = dict(zip(layouts, run_layouts(specs, world, STEPS, checkpoints=checkpoints, resumes=resumes)))
+    for i, (name, (arch, router, _)) in enumerate(layouts.items()):
+        if resumes is None or resumes[i] is None:
+            losses, norms = _reference(token_data, tmp_path, name, arch, router)
+            assert runs[name].losses == pytest.approx(losses, rel=1e-4), name
+            assert runs[name].grad_norms == pytest.approx(norms, rel=1e-4), name
+    return runs
 
 
 def test_moe_tp2_with_and_without_sequence_parallelism_matches_single_process(token_data, tmp_path):
-    _check(token_data, tmp_path, TP2, 2)
+    """Also: the tp=2 switch run's checkpoint (replicated MoE weights) resumes at dp=2 under ZeRO-1 on the
+    reference curve, expert dropout included."""
+    layouts = {**TP2, "resumed-dp2-zero1": ("gpt", "switch", {"dp": 2, "zero": 1})}
+    saved = str(tmp_path / "ckpt")
+    checkpoints = [saved if name == "gpt-switch-tp2-no-sp" else None for name in layouts]
+    resumes = [saved if name == "resumed-dp2-zero1" else None for name in layouts]
+    runs = _check(token_data, tmp_path, layouts, 2, checkpoints, resumes)
+    losses, norms = _reference(token_data, tmp_path, "resumed", "gpt", "switch", 2 * STEPS)
+    both = (runs["gpt-switch-tp2-no-sp"], runs["resumed-dp2-zero1"])
+    assert both[0].losses + both[1].losses == pytest.approx(losses, rel=1e-4)
+    assert both[0].grad_norms + both[1].grad_norms == pytest.approx(norms, rel=1e-4)
 
 
 def test_moe_dp4_ep2_tp2_matches_single_process(token_data, tmp_path):
