@@ -30,7 +30,7 @@ from workers.optim.build import build_optimizer, clip_grads, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
 from workers.parallel.async_pipeline import AsyncPipeline, rules_for
 from workers.parallel.data_parallel import unwrap
-from workers.parallel.distributed_optimizer import DistributedOptimizer
+from workers.parallel.distributed_optimizer import sliced_optimizer
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
@@ -107,7 +107,13 @@ class Trainer:
         dp_mesh = data_parallel_mesh(self.mesh, par.grid)  # dp, or dp x cp: the ranks gradients are averaged over
         sliced = self.parts.modules if par.zero == 1 and dp_mesh.size() > 1 else []
         dp_dim = data_parallel_dim(par.grid)
-        self.zero1 = [DistributedOptimizer(unwrap(m).named_parameters(), self.mesh, dp_dim) for m in sliced]
+        held = frozenset(id(p) for e in self.parts.experts for p in e.parameters())  # sliced over edp instead
+        self.zero1 = [sliced_optimizer(unwrap(m).named_parameters(), self.mesh, dp_dim, held, self.parts.expert_mesh)
+                      for m in sliced]
+        if self.zero1 and held:  # the clip reads the experts' slices: summed over ep, as their weights would be
+            names = {n for m in sliced for n, p in unwrap(m).named_parameters() if id(p) in held}
+            shards = [s for z in self.zero1 for n, s in z.shards.items() if n in names]
+            self.expert_norm = (shards, self.parts.ep_group)
         stepped = [z.shards.values() for z in self.zero1] or [m.parameters() for m in self.parts.modules]
         dp = dp_mesh.get_group() if dp_mesh.size() > 1 else None  # onebit_adam's momentum average
         optimizers = [build_optimizer(params, spec["optim"], memory, self.device, self.param_offload, dp_group=dp)

@@ -16,7 +16,10 @@ from orchestrator.planning import memory_model as mm
 from orchestrator.planning.layout_search import FFN_MATRICES, Shape
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
+from workers.model.moe import group_capacity
 from workers.parallel.layout import layers_of_stage, stage_ids
+
+CAPACITY_ROUTERS = ("gshard", "switch")  # token-choice routers that drop assignments over capacity
 
 # raymesh's bf16/fp16 keep fp32 weights, gradients and Adam state under torch.autocast
 PRECISION_LAYOUT = {"fp32": "fp32", "bf16": "autocast", "fp16": "autocast"}
@@ -55,12 +58,13 @@ class RankEstimate:
 
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     """(tensor-parallel-sharded params, replicated params) of one pipeline stage; routed experts apart
-    (``stage_expert_params``), an MoE block's router and shared experts counted here."""
+    (``stage_expert_params``), an MoE block's router and shared experts counted here as replicated (the MoE
+    feed-forward is whole on every tp rank: ``workers.model.gpt_parallel.moe_style``)."""
     m = spec.model
     d, v = m.d_model, m.vocab_size
     layers = layers_of_stage(stage, n_stages, m.n_layers)
-    sharded = sum(dense_block_params(spec, i) for i in layers)
-    replicated = len(layers) * 2 * d
+    sharded = sum(sharded_block_params(spec, i) for i in layers)
+    replicated = len(layers) * 2 * d + sum(moe_params(spec, i)[1] for i in layers)
     if stage == 0:
         sharded += v * d + (m.seq_len * d if m.positions == "learned" else 0)
     if stage == n_stages - 1:
@@ -75,10 +79,9 @@ def block_params(spec: JobSpec) -> int:
     return Shape.of(spec).block_params
 
 
-def dense_block_params(spec: JobSpec, layer: int) -> int:
-    """``block_params`` of block ``layer``, an MoE block's feed-forward being its router and shared experts."""
-    replaced, dense, _ = moe_params(spec, layer)
-    return block_params(spec) - replaced + dense
+def sharded_block_params(spec: JobSpec, layer: int) -> int:
+    """``block_params`` of block ``layer`` less an MoE block's dense feed-forward (its MoE layer is replicated)."""
+    return block_params(spec) - moe_params(spec, layer)[0]
 
 
 def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
@@ -95,6 +98,48 @@ def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
 def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
     """Routed-expert parameters of one pipeline stage, all experts (a rank holds ``1 / ep`` of them)."""
     return sum(moe_params(spec, i)[2] for i in layers_of_stage(stage, n_stages, spec.model.n_layers))
+
+
+def routed_rows(spec: JobSpec) -> int:
+    """Token copies one MoE layer sends to its experts for one microbatch: tokens × top_k (dropless), capped at
+    each group's expert capacity (gshard, switch: ``workers.model.moe.group_capacity`` per expert and group),
+    or every expert's k = n·c/e tokens of each group (expert_choice)."""
+    m, moe = spec.model, spec.model.moe
+    tokens = m.seq_len * micro_batch(spec)
+    n = m.seq_len if moe.group == "sequence" else tokens  # tokens of one routing group
+    groups = tokens // n
+    if moe.router == "expert_choice":
+        return groups * moe.experts * max(1, min(n, int(n * moe.capacity_factor / moe.experts)))
+    if moe.router in CAPACITY_ROUTERS:
+        return groups * min(n * moe.k, moe.experts * group_capacity(moe, n, moe.k))
+    return tokens * moe.k
+
+
+def moe_activation_bytes(spec: JobSpec) -> int:
+    """What one MoE feed-forward saves for backward for one microbatch, beyond the block's attention half.
+
+    Replicated over tp (``workers.model.gpt_parallel.moe_style``), so whole-microbatch sized under any tp, with
+    T tokens, A = ``routed_rows`` token copies, c the compute bytes, h the expert width, E experts:
+    the router's float32 input (T·d), its float32 probabilities (T·E; the z-loss's logsumexp keeps the logits,
+    noisy top-k its noisy and noise-scale scores too) and per choice (T·k) its int64 index, float32 gate and
+    renormalised gate and kept mask; the gathered rows each expert's first matmul keeps (A·d, one low-precision
+    copy per matmul reading them under autocast), its hidden activations (A·h, 2 tensors, 4 for SwiGLU, and
+    expert dropout's mask), the expert outputs the gate multiply keeps (A·d) and the gate-weighted ones the
+    combining ``index_add`` keeps (A·d, in the input's float32), gates and the int64 token/order indices (A
+    each); shared experts as dense feed-forwards over all T tokens. Checked against measured saved tensors by
+    ``tests/integration/test_moe_memory.py``.
+    """
+    m, moe = spec.model, spec.model.moe
+    c, d, h = compute_bytes(spec), m.d_model, moe.d_expert or m.ffn_dim
+    tokens, rows = m.seq_len * micro_batch(spec), routed_rows(spec)
+    glu = FFN_MATRICES[m.arch] == 3
+    casts = (2 if glu else 1) if c < 4 else 1  # copies of an expert's input rows its matmuls keep
+    scores = 1 + (moe.z_loss_weight > 0) + (2 if moe.router == "noisy_topk" else 0)
+    router = 4 * tokens * d + 4 * tokens * moe.experts * scores + tokens * moe.k * (8 + 4 + 4 + 1)
+    hidden = (4 if glu else 2) + (moe.expert_dropout > 0)  # expert dropout keeps its mask
+    per_row = c * (casts * d + hidden * h + d) + 4 * d + 4 + 3 * 8
+    shared = moe.shared_experts * tokens * c * ((4 if glu else 2) * h + (casts * d if c < 4 else 0))
+    return router + rows * per_row + shared
 
 
 def all_to_all_bytes(spec: JobSpec) -> int:
@@ -137,9 +182,14 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     m, p = spec.model, spec.parallel
     frozen = frozen_parts(spec)[layer]
     rc = mm.layer_recompute(recompute or spec.memory.recompute, spec.memory.recompute_every, layer, m.n_layers)
-    block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads, m.ffn_dim, p.tp,
-                                      sequence_split(spec), rc, compute_bytes(spec),
+    moe = m.moe is not None and m.is_moe_layer(layer)
+    block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads,
+                                      0 if moe else m.ffn_dim, p.tp, sequence_split(spec), rc, compute_bytes(spec),
                                       frozen=frozen, kv_heads=m.kv_heads, family=m.arch)
+    if moe and rc != "full":  # the dense feed-forward's input copies out, the MoE layer's tensors in
+        ffn_inputs = compute_bytes(spec) * local_seq(spec) * micro_batch(spec) * m.d_model * mm.feed_forward_copies(
+            m.arch, compute_bytes(spec), frozen)
+        block += moe_activation_bytes(spec) - ffn_inputs
     attn_grad = frozen is None or frozen.input_grad or bool(frozen.adapted)
     if p.cp_impl != "allgather" or rc != "none" or not attn_grad:
         return block
@@ -272,7 +322,7 @@ def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
 def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
     blocks = [i for sid in ids for i in layers_of_stage(sid, n_stages, spec.model.n_layers)]
-    root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(dense_block_params(spec, i) for i in blocks)
+    root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(sharded_block_params(spec, i) for i in blocks)
     # ZeRO-3 on FSDP2: the root unit (embeddings, head) stays gathered from forward through
     # backward, plus the block being computed and the one prefetched
     gathered = (root + 2 * block_params(spec)) // p.tp - nf4_gathered_params(spec, ids, n_stages)

@@ -280,6 +280,13 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
 
 
+def feed_forward_copies(family: str, compute_bytes: int, frozen: Frozen | None = None) -> int:
+    """Copies of the feed-forward norm's output ``layer_activation_bytes`` counts for the MLP's first linears
+    (what an MoE feed-forward, which keeps its own, replaces)."""
+    f = frozen or Frozen(ALL_LINEARS, 0, True)
+    return _copies(f.adapted.__contains__, ("w1", "w3") if family == "llama" else ("w1",), compute_bytes)
+
+
 def _copies(adapted, linears: tuple[str, ...], compute_bytes: int) -> int:
     """How many copies of one norm output the ``linears`` reading it save: in fp32 they share the tensor
     (one copy); under autocast each Linear casts its input itself, and autograd keeps each cast (q, k and v:

@@ -46,7 +46,7 @@ class MoESpec(MoEConfig, _Section):
 
 
 def check_moe(job: JobSpec) -> None:
-    """An MoE section that places no MoE layer, and layouts the MoE layer does not support yet."""
+    """An MoE section that places no MoE layer."""
     moe, model = job.model.moe, job.model
     if moe is None:
         return
@@ -54,6 +54,3 @@ def check_moe(job: JobSpec) -> None:
         raise SpecError("model.moe.every", moe.every, f"is more than model.n_layers={model.n_layers}, so no block "
                         "would get an MoE feed-forward", f"set model.moe.every to at most {model.n_layers} "
                         "(1: every block, 2: every other block)")
-    if job.parallel.tp > 1:
-        raise SpecError("parallel.tp", job.parallel.tp, "is not supported with model.moe yet (the tensor-parallel "
-                        "plan has no style for the stacked expert weights)", "set parallel.tp: 1")

@@ -21,13 +21,17 @@ LAYOUTS = {  # name: (router, parallel, train)
     "topk-dp4-ep2": ("topk", {"dp": 4, "ep": 2}, {}),
     "noisy_topk-dp4-ep4": ("noisy_topk", {"dp": 4, "ep": 4}, {}),
     "gshard-dp4-ep2-zero2": ("gshard", {"dp": 4, "ep": 2, "zero": 2}, {}),
+    "topk-dp4-ep2-zero1": ("topk", {"dp": 4, "ep": 2, "zero": 1}, {}),  # experts' slices over edp, dense over dp
     "expert_choice-dp4-ep2": ("expert_choice", {"dp": 4, "ep": 2}, {}),
     "topk-dp2-ep2-pp2": ("topk", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
 }
 # switch routing (with drops), saved at ep=2 under ZeRO-3 (each expert's rows an FSDP2 shard over edp), then
-# resumed at ep=4 under ZeRO-0 for the next steps
-SAVED_AT = ("switch", {"dp": 4, "ep": 2, "zero": 3}, {})
-RESUMED_AT = ("switch", {"dp": 4, "ep": 4}, {})
+# resumed at ep=4 under ZeRO-0 for the next steps; and the same from ZeRO-1 to ZeRO-1
+RESHARDS = {  # name: (saved at, resumed at)
+    "zero3-to-zero0": (("switch", {"dp": 4, "ep": 2, "zero": 3}, {}), ("switch", {"dp": 4, "ep": 4}, {})),
+    # ZeRO-1: the experts' optimizer state is sliced over edp (2 ranks at ep=2, 1 at ep=4)
+    "zero1-to-zero1": (("switch", {"dp": 4, "ep": 2, "zero": 1}, {}), ("switch", {"dp": 4, "ep": 4, "zero": 1}, {})),
+}
 
 
 def _spec(token_data, tmp_path, router: str, parallel: dict, train: dict, steps: int = STEPS):
@@ -39,11 +43,12 @@ def _spec(token_data, tmp_path, router: str, parallel: dict, train: dict, steps:
 def runs(token_data, tmp_path_factory):
     """Every job of this module, trained in one spawn of 4 ranks: name -> LayoutRun."""
     tmp = tmp_path_factory.mktemp("ep")
-    jobs = {**LAYOUTS, "saved": SAVED_AT, "resumed": RESUMED_AT}
+    jobs, checkpoints, resumes = dict(LAYOUTS), [None] * len(LAYOUTS), [None] * len(LAYOUTS)
+    for name, (saved_at, resumed_at) in RESHARDS.items():
+        jobs[f"{name}-saved"], jobs[f"{name}-resumed"] = saved_at, resumed_at
+        checkpoints += [str(tmp / name), None]
+        resumes += [None, str(tmp / name)]
     specs = [_spec(token_data, tmp / name, *job).worker_dict() for name, job in jobs.items()]
-    saved = str(tmp / "ckpt")
-    checkpoints = [saved if name == "saved" else None for name in jobs]
-    resumes = [saved if name == "resumed" else None for name in jobs]
     return dict(zip(jobs, run_layouts(specs, 4, STEPS, checkpoints=checkpoints, resumes=resumes)))
 
 
@@ -59,8 +64,9 @@ def test_expert_parallel_layout_matches_single_process_reference(name, runs, tok
     assert runs[name].grad_norms == pytest.approx(grad_norms, rel=1e-4)  # experts' squares summed over ep
 
 
-def test_ep2_checkpoint_resumes_at_ep4_on_the_reference_curve(runs, token_data, tmp_path):
+@pytest.mark.parametrize("name", list(RESHARDS))
+def test_ep2_checkpoint_resumes_at_ep4_on_the_reference_curve(name, runs, token_data, tmp_path):
     losses, grad_norms = _reference(token_data, tmp_path, "switch", {}, 2 * STEPS)
-    saved, resumed = runs["saved"], runs["resumed"]
+    saved, resumed = runs[f"{name}-saved"], runs[f"{name}-resumed"]
     assert saved.losses + resumed.losses == pytest.approx(losses, rel=1e-4)
     assert saved.grad_norms + resumed.grad_norms == pytest.approx(grad_norms, rel=1e-4)

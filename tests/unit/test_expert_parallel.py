@@ -28,7 +28,8 @@ class StackedExperts(nn.Module):
         self.w1, self.w2 = nn.Parameter(w1.clone()), nn.Parameter(w2.clone())
         self.first, self.num_local, self.num_experts = first, w1.shape[0], num_experts
 
-    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        assert keys is None  # no expert dropout here
         runs = x.split(counts.tolist())
         return torch.cat([torch.relu(r @ self.w1[j]) @ self.w2[j] for j, r in enumerate(runs)])
 
@@ -36,6 +37,7 @@ class StackedExperts(nn.Module):
 class Routing:
     def __init__(self, token, expert, gate):
         self.token, self.expert, self.gate, self.losses, self.stats = token, expert, gate, {}, {}
+        self.token_keys = None  # no expert dropout here
 
 
 def _routing(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

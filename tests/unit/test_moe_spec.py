@@ -33,9 +33,9 @@ def test_bad_moe_settings_name_field_value_and_fix(moe, field, words):
     assert err.value.field == field and words in str(err.value)
 
 
-def test_moe_with_tensor_parallel_is_refused_until_supported():
-    with pytest.raises(SpecError, match="parallel.tp: 1"):
-        _job({}, parallel={"tp": 2})
+def test_moe_with_tensor_parallel_is_accepted():
+    job = _job({}, parallel={"tp": 2})  # the MoE feed-forward is replicated over tp (gpt_parallel.moe_style)
+    assert job.parallel.tp == 2 and job.model.moe is not None
 
 
 def test_router_defaults_give_each_paper_its_k():

@@ -11,7 +11,8 @@ wrappers.
 Tensor parallelism is Megatron's: attention and MLP get column-parallel inputs
 and a row-parallel output, so each block costs one all-reduce forward and one
 backward (or, with sequence parallelism, a reduce-scatter/all-gather pair that
-also shards the norms' activations along the sequence).
+also shards the norms' activations along the sequence). An MoE feed-forward is
+replicated over the tensor-parallel ranks instead (``moe_style``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
 from workers.model.gpt import GPT
+from workers.model.moe import MoELayer
 from workers.parallel.layout import layers_of_stage
 from workers.parallel.tensor_parallel import activation_layout, apply_plan
 
@@ -59,7 +62,7 @@ def apply_tensor_parallel(stage: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     """Shard ``stage`` (a whole model or one pipeline stage) over ``tp_mesh`` in place: ends first, then blocks."""
     apply_plan(stage, tp_mesh, ends_plan(stage, sequence_parallel))
     for block in stage.layers.values():
-        apply_plan(block, tp_mesh, block_plan(sequence_parallel))  # fresh style objects for every block
+        apply_plan(block, tp_mesh, block_plan(sequence_parallel, is_moe(block)))  # fresh styles for every block
 
 
 def ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -80,8 +83,14 @@ def ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """One block's plan: q/k/v and w1 column-parallel, wo and w2 row-parallel back to the activation layout."""
+def is_moe(block: nn.Module) -> bool:
+    """Whether ``block``'s feed-forward is a mixture of experts (``workers.model.moe.MoELayer``)."""
+    return isinstance(block.feed_forward, MoELayer)
+
+
+def block_plan(sequence_parallel: bool, moe: bool = False) -> dict[str, ParallelStyle]:
+    """One block's plan: q/k/v and w1 column-parallel, wo and w2 row-parallel back to the activation layout;
+    an MoE feed-forward (``moe``) replicated (``moe_style``)."""
     act = activation_layout(sequence_parallel)
     plan: dict[str, ParallelStyle] = {
         "attention": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
@@ -89,11 +98,36 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
-        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=act),
     }
+    if moe:
+        plan["feed_forward"] = moe_style(sequence_parallel)
+    else:
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),))
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=act)
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
     return plan
+
+
+def moe_style(sequence_parallel: bool) -> ParallelStyle:
+    """An MoE feed-forward under TP: every tensor-parallel rank runs the whole layer (router, dispatch, its
+    experts) on the whole microbatch, as plain tensors; its parameters stay plain tensors, replicated.
+
+    Why replicated rather than each expert split over tp on its hidden dim (a column/row-parallel MLP per
+    expert): routing needs every token's full hidden vector anyway, capacity and the auxiliary losses are per
+    routing group (a sequence), and expert parallelism already splits the experts' memory over ``ep``; a
+    hidden-dim split would add an all-reduce per MoE layer and a second sharding of the stacked expert weights
+    (init, checkpoints, the ep slicing) for memory that ``ep`` can save instead.
+
+    Under sequence parallelism the input (sharded along the sequence) is all-gathered to Replicate and the
+    output cut back to this rank's sequence shard; the backward of the gather is a local cut (every rank
+    computed the same full gradient) and that of the cut an all-gather. The replicated parameters therefore see
+    the same inputs and output gradients on every tp rank and get bitwise the same gradients, as the
+    replicated norm weights of TP without sequence parallelism do.
+    """
+    act = activation_layout(sequence_parallel)
+    return PrepareModuleInputOutput(input_layouts=(act,), desired_input_layouts=(Replicate(),),
+                                    use_local_input=True, output_layouts=(Replicate(),),
+                                    desired_output_layouts=(act,), use_local_output=True)

@@ -24,9 +24,11 @@ def apply_tensor_parallel(stage: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
         # both shard the [vocab, d_model] weight by rows (Shard(0)), so one DTensor serves both again
         stage.output.weight = stage.tok_embeddings.weight
     for block in stage.layers.values():
-        apply_plan(block, tp_mesh, block_plan(sequence_parallel))
+        apply_plan(block, tp_mesh, block_plan(sequence_parallel, gpt_parallel.is_moe(block)))
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The GPT's block plan plus the SwiGLU's up projection w3, column-parallel like the gate w1."""
-    return {**gpt_parallel.block_plan(sequence_parallel), "feed_forward.w3": ColwiseParallel()}
+def block_plan(sequence_parallel: bool, moe: bool = False) -> dict[str, ParallelStyle]:
+    """The GPT's block plan plus the SwiGLU's up projection w3, column-parallel like the gate w1 (an MoE
+    feed-forward is replicated whole, as the GPT's)."""
+    plan = gpt_parallel.block_plan(sequence_parallel, moe)
+    return plan if moe else {**plan, "feed_forward.w3": ColwiseParallel()}

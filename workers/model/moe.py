@@ -19,9 +19,11 @@ The pieces, and the contract expert parallelism (``workers.parallel.expert_paral
 
 Randomness (noisy top-k's noise, GShard's random second expert) is drawn per sequence from a generator seeded by
 (job seed, layer, the sequence's position in the global data stream), so it is the same on every layout and in
-a recompute. Auxiliary losses reach the gradient through ``AuxLossGrad`` (the layer's output is unchanged, its
-backward adds d(aux)/d(router)), so they work inside pipeline stages without threading a second loss through
-the schedule; the step's reported loss stays the language-model loss and the auxiliary ones are reported apart.
+a recompute. Expert dropout's mask is a hash of (seed, layer, expert, the token's stream position, hidden unit)
+(``keyed_dropout``), so it does not depend on where the token's expert runs either. Auxiliary losses reach the
+gradient through ``AuxLossGrad`` (the layer's output is unchanged, its backward adds d(aux)/d(router)), so
+they work inside pipeline stages without threading a second loss through the schedule; the step's reported loss
+stays the language-model loss and the auxiliary ones are reported apart.
 """
 
 from __future__ import annotations
@@ -47,15 +49,57 @@ class Routing:
     gate: torch.Tensor  # float [A]: weight applied to that expert's output for that token
     losses: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted auxiliary losses (added to the loss)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # detached: tokens_per_expert [E], dropped, ...
+    token_keys: torch.Tensor | None = None  # int64 [T]: each token's dropout key (``SequenceNoise.token_keys``)
 
 
 # -- experts ---------------------------------------------------------------------------------------------------
 
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
-               dropout: float, training: bool) -> torch.Tensor:
-    """One expert: ``w2(gelu(x w1))`` (GPT) or ``w2(silu(x w1) * x w3)`` (Llama's SwiGLU), dropout on the hidden."""
+               dropout: float, training: bool, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert: ``w2(gelu(x w1))`` (GPT) or ``w2(silu(x w1) * x w3)`` (Llama's SwiGLU), dropout on the hidden
+    (keyed by the rows' ``keys`` where given, see ``keyed_dropout``)."""
     hidden = F.silu(x @ w1) * (x @ w3) if w3 is not None else F.gelu(x @ w1)
-    return F.dropout(hidden, dropout, training) @ w2
+    return _dropout(hidden, dropout, training, keys) @ w2
+
+
+def _dropout(hidden: torch.Tensor, p: float, training: bool, keys: torch.Tensor | None) -> torch.Tensor:
+    if keys is None or p == 0 or not training:
+        return F.dropout(hidden, p, training)
+    return keyed_dropout(hidden, keys, p)
+
+
+_BITS31 = 0x7FFFFFFF
+
+
+def hash31(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash of int64 ``x`` (Wellons' lowbias32 rounds on 31 bits, so products stay below 2**63)."""
+    for multiplier in (0x7FEB352D, 0x846CA68B):
+        x = x & _BITS31
+        x = (x ^ (x >> 16)) * multiplier
+    x = x & _BITS31
+    return x ^ (x >> 16)
+
+
+def mix(key: torch.Tensor | int, value: torch.Tensor | int) -> torch.Tensor:
+    """A new 31-bit key from ``key`` and a non-negative int64 ``value`` of any size (its three 31-bit chunks)."""
+    key = torch.as_tensor(key, dtype=torch.int64)
+    value = torch.as_tensor(value, dtype=torch.int64)
+    for shift in (0, 31, 62):
+        key = hash31(key + ((value >> shift) & _BITS31))
+    return key
+
+
+def keyed_dropout(hidden: torch.Tensor, keys: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout of ``hidden`` [N, h] whose mask is a hash of each row's key and the hidden unit, not a draw from the
+    global RNG: an expert's row is dropped the same way wherever (and in whichever order) its token arrives.
+
+    Why not ``torch.Generator`` per row as ``SequenceNoise`` does per sequence: one generator per token copy and
+    expert is far too slow; the counter-based hash is a few vectorised integer ops on [N, h].
+    """
+    units = torch.arange(hidden.shape[-1], device=hidden.device)
+    draws = hash31(keys.to(hidden.device).unsqueeze(-1) + units * 0x9E3779B1)
+    keep = draws >= int(p * (_BITS31 + 1))
+    return hidden * keep.to(hidden.dtype) / (1.0 - p)
 
 
 class _StackedFFN(nn.Module):
@@ -68,10 +112,10 @@ class _StackedFFN(nn.Module):
         self.w2 = nn.Parameter(torch.empty(count, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(count, d_model, hidden)) if swiglu else None
 
-    def one(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Feed-forward ``j`` (local index) on rows ``x``."""
+    def one(self, j: int, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed-forward ``j`` (local index) on rows ``x`` (dropout keyed by ``keys`` where given)."""
         return expert_ffn(x, self.w1[j], self.w2[j], None if self.w3 is None else self.w3[j],
-                          self.dropout, self.training)
+                          self.dropout, self.training, keys)
 
 
 @dataclass(frozen=True)
@@ -99,15 +143,28 @@ class Experts(_StackedFFN):
         generator per name, so values do not depend on the split) and keeps these rows."""
         return HeldRows(full=self.num_experts, start=self.first)
 
-    def grouped(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Local expert j applied to the j-th consecutive run of ``counts[j]`` rows of ``x_sorted`` [N, d]."""
+    def grouped(self, x_sorted: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Local expert j applied to the j-th consecutive run of ``counts[j]`` rows of ``x_sorted`` [N, d].
+
+        ``keys`` (int64 [N], the rows' tokens' ``token_keys``) key expert dropout; they are mixed with each
+        row's global expert id here."""
+        keys = self.expert_keys(keys, counts)
         if _grouped_mm_applies(x_sorted, self):
-            return self._grouped_mm(x_sorted, counts)
-        runs = x_sorted.split(counts.tolist())
-        out = [self.one(j, rows) for j, rows in enumerate(runs)]
+            return self._grouped_mm(x_sorted, counts, keys)
+        runs, sizes = x_sorted.split(counts.tolist()), counts.tolist()
+        run_keys = keys.split(sizes) if keys is not None else [None] * len(sizes)
+        out = [self.one(j, rows, k) for j, (rows, k) in enumerate(zip(runs, run_keys, strict=True))]
         return torch.cat(out) if out else x_sorted[:0]
 
-    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def expert_keys(self, keys: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor | None:
+        """Each row's dropout key mixed with its global expert id (None where dropout is off)."""
+        if keys is None or self.dropout == 0 or not self.training:
+            return None
+        expert = torch.repeat_interleave(torch.arange(self.first, self.first + len(counts), device=keys.device),
+                                         counts.to(keys.device))
+        return mix(keys, expert)
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
         """All experts in three grouped GEMMs (CUDA, bf16): ``torch._grouped_mm`` with the runs' end offsets."""
         offsets = counts.cumsum(0).to(torch.int32)
         w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
@@ -116,7 +173,7 @@ class Experts(_StackedFFN):
             hidden = F.silu(gate) * torch._grouped_mm(x, self.w3.to(x.dtype), offs=offsets)
         else:
             hidden = F.gelu(gate)
-        return torch._grouped_mm(F.dropout(hidden, self.dropout, self.training), w2, offs=offsets)
+        return torch._grouped_mm(_dropout(hidden, self.dropout, self.training, keys), w2, offs=offsets)
 
 
 def _grouped_mm_applies(x: torch.Tensor, experts: Experts) -> bool:
@@ -146,7 +203,8 @@ class LocalDispatcher:
         order = torch.argsort(routing.expert, stable=True)
         token = routing.token[order]
         counts = torch.bincount(routing.expert - experts.first, minlength=experts.num_local)
-        out = experts.grouped(x_flat[token], counts)
+        keys = routing.token_keys[token] if routing.token_keys is not None else None
+        out = experts.grouped(x_flat[token], counts, keys)
         out = out * routing.gate[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x_flat).index_add_(0, token, out.to(x_flat.dtype))
 
@@ -182,6 +240,11 @@ class SequenceNoise:
     def uniform(self, device: torch.device) -> torch.Tensor:
         """[batch * seq_len] U(0, 1) draws."""
         return self._draw(lambda t, g: t.uniform_(generator=g), 1, device).squeeze(-1)
+
+    def token_keys(self, device: torch.device) -> torch.Tensor:
+        """int64 [batch * seq_len]: each token's key for expert dropout, from (seed, layer, its stream position)."""
+        position = self.first_sequence * self.seq_len + torch.arange(self.batch * self.seq_len, device=device)
+        return mix(mix(self.seed, self.layer), position)
 
 
 # -- routers ---------------------------------------------------------------------------------------------------
@@ -444,6 +507,8 @@ class MoELayer(nn.Module):
             self.context.forwards += 1
         noise = SequenceNoise(self.context.seed, self.layer, self.context.offset, b, s)
         routing = self.router(flat.view(groups, -1, d), noise)
+        if self.experts.dropout > 0 and self.training:
+            routing.token_keys = noise.token_keys(x.device)
         out = self.dispatcher(flat, routing, self.experts)
         if self.shared is not None:
             out = out + self.shared(flat)

@@ -19,6 +19,11 @@ tp splits the global tensor first, then dp splits the tp-local rows, which is ex
 So the global-norm clip (``workers.optim.build.global_grad_norm``) sums each slice once over dp and tp, and
 DCP saves the state under every parameter's global name and shape, resharding it on load to any dp (or
 to zero 0/2/3, whose state has the same keys and shapes).
+
+Under expert parallelism the dp ranks hold different experts, so ``sliced_optimizer`` slices a part's expert
+weights with a second ``DistributedOptimizer`` over the expert-data-parallel group (``edp``: the ``dp / ep``
+ranks holding the same experts, over which their gradients are averaged, as ``grad_buckets.py`` does at
+ZeRO-0) and everything else over dp; ``SlicedParts`` steps both as one.
 """
 
 from __future__ import annotations
@@ -144,18 +149,62 @@ class DistributedOptimizer:
             slot.param.grad = None
 
     def module(self) -> nn.Module:
-        """The shards under their parameters' names, for DCP's state-dict helpers (they name optimizer state
-        by a module's parameter names; the shards belong to no module of their own)."""
-        root = nn.Module()
-        for name, shard in self.shards.items():
-            *path, leaf = name.split(".")
-            owner = root
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(leaf, shard)
-        return root
+        return shards_module(self.shards)
+
+
+def shards_module(shards: dict[str, nn.Parameter]) -> nn.Module:
+    """The shards under their parameters' names, for DCP's state-dict helpers (they name optimizer state by a
+    module's parameter names; the shards belong to no module of their own)."""
+    root = nn.Module()
+    for name, shard in shards.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, shard)
+    return root
+
+
+class SlicedParts:
+    """Several ``DistributedOptimizer``s over disjoint parameters of one model part (dense weights over dp,
+    expert weights over edp), with the one optimizer interface the trainer drives."""
+
+    def __init__(self, slicers: list[DistributedOptimizer]):
+        self.slicers = slicers
+
+    @property
+    def shards(self) -> dict[str, nn.Parameter]:
+        return {name: shard for slicer in self.slicers for name, shard in slicer.shards.items()}
+
+    def reduce_scatter(self) -> None:
+        for slicer in self.slicers:
+            slicer.reduce_scatter()
+
+    def all_gather(self) -> None:
+        for slicer in self.slicers:
+            slicer.all_gather()
+
+    def zero_grad(self) -> None:
+        for slicer in self.slicers:
+            slicer.zero_grad()
+
+    def module(self) -> nn.Module:
+        return shards_module(self.shards)
+
+
+def sliced_optimizer(named_params, root_mesh: DeviceMesh, dp_dim: str, expert_ids: frozenset[int] = frozenset(),
+                     expert_mesh: DeviceMesh | None = None) -> DistributedOptimizer | SlicedParts:
+    """ZeRO-1 for one model part: its parameters sliced over ``dp_dim`` of ``root_mesh``, but those in
+    ``expert_ids`` (expert-parallel experts) over ``edp`` of ``expert_mesh`` (see the module docstring)."""
+    named = list(named_params)
+    if expert_mesh is None or not expert_ids:
+        return DistributedOptimizer(named, root_mesh, dp_dim)
+    dense = [(n, p) for n, p in named if id(p) not in expert_ids]
+    experts = [(n, p) for n, p in named if id(p) in expert_ids]
+    return SlicedParts([DistributedOptimizer(dense, root_mesh, dp_dim),
+                        DistributedOptimizer(experts, expert_mesh, "edp")])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

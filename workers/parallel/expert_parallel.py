@@ -100,11 +100,24 @@ class ExpertParallelDispatcher:
         received_splits = received.sum(1).tolist()
         arrived = exchange(x[token], received_splits, sent_splits, self.group)
         regroup = expert_major(received)
-        done = experts.grouped(_ScaleGrad.apply(arrived[regroup], float(ep)), received.sum(0))
+        keys = self._keys(routing, token, received_splits, sent_splits)
+        done = experts.grouped(_ScaleGrad.apply(arrived[regroup], float(ep)), received.sum(0),
+                               keys[regroup] if keys is not None else None)
         done = _ScaleGrad.apply(done, 1.0 / ep)
         back = exchange(done[torch.argsort(regroup)], sent_splits, received_splits, self.group)
         out = torch.zeros_like(x)
         return out.index_add(0, token, back * gate.unsqueeze(1).to(back.dtype))
+
+
+    def _keys(self, routing, token: torch.Tensor, received_splits: list[int], sent_splits: list[int]):
+        """The arriving rows' expert-dropout keys (``Routing.token_keys``), sent along with the rows; None
+        where dropout is off."""
+        if routing.token_keys is None:
+            return None
+        out = torch.empty(sum(received_splits), dtype=torch.int64, device=token.device)
+        dist.all_to_all_single(out, routing.token_keys[token].contiguous(), received_splits, sent_splits,
+                               group=self.group)
+        return out
 
 
 def experts_modules(module: nn.Module) -> list[nn.Module]:

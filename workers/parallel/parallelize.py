@@ -53,6 +53,7 @@ class ModelParts:
     reducers: list[GradBuckets] = field(default_factory=list)  # ZeRO-0 gradient buckets, one per module
     experts: list[nn.Module] = field(default_factory=list)  # this rank's sharded Experts (expert parallelism)
     ep_group: Any = None  # the ep process group the experts are split over; None at ep=1
+    expert_mesh: DeviceMesh | None = None  # edp x ep x position (``init_expert_mesh``); None at ep=1
 
 
 def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
@@ -117,7 +118,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     own_reduce = ps or par.zero != 0 or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous)
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
-                      ep_group=ep_group)
+                      ep_group=ep_group, expert_mesh=expert_mesh)
 
 
 def zero0_buckets(spec: WorkerSpec, fam: ModelFamily, parts: list[nn.Module], dp_mesh, experts: list[nn.Module],
