@@ -46,6 +46,12 @@ class ParallelSection:
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
     ep: int = 1  # expert parallelism (older harness dicts leave it out)
+    # layers per pipeline stage (parallel.pp_split resolved by JobSpec.worker_dict); None: an even split
+    pp_split: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pp_split is not None:  # a list in the dict as sent; frozen, so set through object
+            object.__setattr__(self, "pp_split", tuple(self.pp_split))
 
     @property
     def grid(self) -> Grid:

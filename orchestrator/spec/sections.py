@@ -46,6 +46,9 @@ class ParallelSpec(_Section):
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None
+    # layers per pipeline stage: even, auto (profiled costs + PipeDream's dynamic program, see
+    # orchestrator/planning/stage_split.py) or one count per stage, virtual stages included
+    pp_split: Literal["even", "auto"] | list[PositiveInt] = "even"
     sequence_parallel: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0

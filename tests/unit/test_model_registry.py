@@ -91,9 +91,9 @@ class Toy(nn.Module):
         return h
 
 
-def toy_cut_stage(model: Toy, stage: int, n_stages: int) -> Toy:
+def toy_cut_stage(model: Toy, stage: int, n_stages: int, split=None) -> Toy:
     part = copy.deepcopy(model)
-    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers)}
+    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers, split)}
     part.stack = nn.ModuleDict({k: b for k, b in part.stack.items() if k in keep})
     if stage != 0:
         part.embed = None
