@@ -385,6 +385,8 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
         f"{'optim':>10} {'gathered':>10} {'activ':>10} {'buffers':>10} {'total':>10}",
     ]
+    if p.pp * p.stages_per_rank > 1:
+        lines.insert(1, split_line(spec))
     for r in rows:
         s = r.state
         lines.append(
@@ -402,6 +404,15 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         lines.append(f"offloaded to the {off.tier} store, not counted above: up to {_mib(offloaded).strip()} a rank "
                      f"({' + '.join(what)})")
     return "\n".join(lines)
+
+
+def split_line(spec: JobSpec) -> str:
+    """The layers per stage the ranks will build; for ``pp_split: auto`` also the profiled costs it came from."""
+    if spec.parallel.pp_split == "auto":
+        from orchestrator.planning.stage_split import auto_split  # profiles the model: only when asked
+
+        return auto_split(spec).describe()
+    return f"pp_split {list(spec.stage_split)} layers per stage"
 
 
 def _mib(n: int) -> str:

@@ -59,6 +59,17 @@ def resolve_split(spec: JobSpec) -> tuple[int, ...]:
     return even_split(spec.model.n_layers, n_stages)
 
 
+def pin_split(spec: JobSpec) -> JobSpec:
+    """``spec`` with ``pp_split: auto`` replaced by the layer counts it resolves to, so every spec the controller
+    derives later (a shrink, a resize to another dp, hence another microbatch size) keeps the split the run
+    started with, and a checkpoint's stages stay where they were."""
+    if spec.parallel.pp_split != "auto" or spec.parallel.pp * spec.parallel.stages_per_rank == 1:
+        return spec
+    raw = spec.to_dict()
+    raw["parallel"]["pp_split"] = list(auto_split(spec).split)
+    return JobSpec.from_dict(raw)
+
+
 def auto_split(spec: JobSpec) -> AutoSplit:
     """Profile ``spec``'s model and solve for the split (cached on the job's shape)."""
     p, t = spec.parallel, spec.train

@@ -32,6 +32,7 @@ from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.run_records import RunRecords
 from orchestrator.observability.step_accounting import StepAccounting
+from orchestrator.planning.stage_split import auto_split, pin_split
 from orchestrator.recovery import node_loss
 from orchestrator.recovery.elastic import resized
 from orchestrator.recovery.policy import ScalingPolicy
@@ -78,6 +79,8 @@ class TrainingJob:
 
     def __init__(self, spec: JobSpec, resume: bool = False, address: str | None = None, progress: bool = True,
                  runtime: Runtime | None = None):
+        self.split_chosen = auto_split(spec).describe() if spec.parallel.pp_split == "auto" else None
+        spec = pin_split(spec)  # profiled once, before any actor starts; regrids keep it
         self.spec, self.resume, self.address, self.progress = spec, resume, address, progress
         self.runtime: Runtime = runtime or RayRuntime()
         self.run_dir = spec.resolved_run_dir()
@@ -251,7 +254,9 @@ class TrainingJob:
             self.layout = self._start()
             layout = self.layout
             event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, schedule=layout.pp_schedule,
-                  devices=layout.ranks[0].device)
+                  pp_split=",".join(map(str, layout.pp_split)), devices=layout.ranks[0].device)
+            if self.split_chosen:
+                event("pp_split", chosen=self.split_chosen)
             metrics = metrics_observer(spec, self.run_dir, layout.to_dict())
             if metrics is not None:
                 self.observers.add(metrics)

@@ -129,6 +129,7 @@ def _toy_spec(tmp_path, recompute: str) -> WorkerSpec:
                     memory={"recompute": recompute})
     raw = job.worker_dict()  # JobSpec knows only gpt; the worker side takes any registered arch
     raw["model"] = {"arch": "toy", "d_model": 16, "n_layers": 2, "vocab_size": 32, "lora": None}
+    raw["parallel"]["pp_split"] = [1, 1]  # the layers per stage of this model, as worker_dict resolves them
     return WorkerSpec.from_dict(raw)
 
 
