@@ -38,7 +38,9 @@ class Layout:
         return replace(self, ranks=tuple(ranks))
 
     def to_dict(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "ranks"}, "ranks": [r.to_dict() for r in self.ranks]}
+        """The summary's ``layout``: the keys it always had, in their order, then ``pp_split`` (added later)."""
+        head = {k: v for k, v in asdict(self).items() if k not in ("ranks", "pp_split")}
+        return {**head, "ranks": [r.to_dict() for r in self.ranks], "pp_split": list(self.pp_split)}
 
 
 @dataclass(frozen=True)
