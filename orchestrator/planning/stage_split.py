@@ -5,12 +5,14 @@
 (``workers.parallel.partition.balanced_split``) for the contiguous split whose slowest stage is fastest, each
 stage within the device memory (``parallel.device_memory``, when set).
 
-Where the profile runs, and why: in the driver, Ray-free, before any actor starts. The split decides which layers
+Where the profile runs, and why: Ray-free, in the process that resolves the spec (``raymesh plan``, and the
+controller, which ``TrainingJob`` builds in the driver or in its hosted actor), before any rank actor starts. The split decides which layers
 each rank builds, so it must be known before the ranks build; ``raymesh plan`` and the spec checks need it with
 no cluster; and one process measures every unit under the same conditions, which ranks that each profile only
 their own stages could not (their numbers would not compare across ranks). What it costs: it measures this host's
 CPU, not the ranks' accelerators; the program needs each unit's share of the time, which a CPU gives for the
-matmul-bound blocks and head of a model small enough to profile on the host. The profile runs once per process
+matmul-bound blocks and head of a model small enough to profile on the host (a larger one is refused,
+``check_profilable``: give the counts as a list). The profile runs once per process
 and job shape (cached), so the controller's restarts and regrids keep the split they started with.
 """
 
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 
+from orchestrator.errors import SpecError
+from orchestrator.planning.layout_search import Shape
 from orchestrator.planning.memory_model import in_flight_microbatches
 from orchestrator.spec import JobSpec
 from workers.model.config import model_config
@@ -72,6 +77,7 @@ def pin_split(spec: JobSpec) -> JobSpec:
 
 def auto_split(spec: JobSpec) -> AutoSplit:
     """Profile ``spec``'s model and solve for the split (cached on the job's shape)."""
+    check_profilable(spec)
     p, t = spec.parallel, spec.train
     micro = t.global_batch_size // p.dp // t.microbatches
     model = {**spec.model.model_dump(mode="json", exclude={"lora", "init_from", "preset"}),
@@ -92,6 +98,20 @@ def _auto_split(model_json: str, micro: int, pp: int, spr: int, schedule: str, m
     seconds = stage_cost(times, split, costs.embedding.time_s, costs.head.time_s)
     held = [memory(s, layers.start, layers.stop) for s, layers in enumerate(stage_bounds(split))]
     return AutoSplit(split, costs, tuple(seconds), tuple(int(b) for b in held))
+
+
+def check_profilable(spec: JobSpec) -> None:
+    """Refuse ``auto`` for a model whose weights and gradients (8 bytes a parameter, fp32) would take more than
+    a quarter of this host's memory: the profile builds the whole model here (see the module docstring)."""
+    shape = Shape.of(spec)
+    params = shape.n_layers * shape.block_params + 2 * shape.vocab * shape.d_model
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 8 * params > host / 4:
+        even = spec.model.n_layers // (spec.parallel.pp * spec.parallel.stages_per_rank)
+        raise SpecError("parallel.pp_split", "auto", f"would profile a model of {params:,} parameters on this host "
+                        f"(about {8 * params / 2**30:.1f} GiB of weights and gradients, more than a quarter of its "
+                        f"{host / 2**30:.0f} GiB)", f"give the layer counts per stage as a list (e.g. {even} per stage"
+                        ", the heavier first and last stages one or two fewer), or use pp_split: even")
 
 
 def stage_memory(costs: ModelCosts, pp: int, spr: int, schedule: str, microbatches: int) -> StageMemory:

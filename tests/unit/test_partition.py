@@ -164,3 +164,11 @@ def test_auto_keeps_every_stage_within_the_device_memory():
         return
     bounded = auto_split(spec)
     assert bounded.split in fits and bounded.split != free.split and max(bounded.stage_bytes) <= tight
+
+
+def test_auto_refuses_a_model_too_big_to_profile_on_the_host():
+    from orchestrator.planning.stage_split import auto_split
+
+    big = _spec({"pp": 4, "pp_split": "auto"}, d_model=16384, n_heads=128, n_layers=128, vocab_size=128256)
+    with pytest.raises(SpecError, match="parallel.pp_split.*would profile a model of .* give the layer counts"):
+        auto_split(big)
