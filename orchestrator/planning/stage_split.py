@@ -6,14 +6,15 @@
 stage within the device memory (``parallel.device_memory``, when set).
 
 Where the profile runs, and why: Ray-free, in the process that resolves the spec (``raymesh plan``, and the
-controller, which ``TrainingJob`` builds in the driver or in its hosted actor), before any rank actor starts. The split decides which layers
-each rank builds, so it must be known before the ranks build; ``raymesh plan`` and the spec checks need it with
-no cluster; and one process measures every unit under the same conditions, which ranks that each profile only
-their own stages could not (their numbers would not compare across ranks). What it costs: it measures this host's
-CPU, not the ranks' accelerators; the program needs each unit's share of the time, which a CPU gives for the
-matmul-bound blocks and head of a model small enough to profile on the host (a larger one is refused,
-``check_profilable``: give the counts as a list). The profile runs once per process
-and job shape (cached), so the controller's restarts and regrids keep the split they started with.
+controller, which ``TrainingJob`` builds in the driver or in its hosted actor), before any rank actor starts.
+The split decides which layers each rank builds, so it must be known before the ranks build; ``raymesh plan``
+needs it with no cluster; and one process measures every unit under the same conditions, which ranks that each
+profile only their own stages could not (their numbers would not compare across ranks). What it costs: it
+measures this host's CPU, not the ranks' accelerators; the program needs each unit's share of the time, which a
+CPU gives for the matmul-bound blocks and head of a model small enough to profile on the host (a larger one is
+refused, ``check_profilable``: give the counts as a list). The controller pins the result (``pin_split``), so
+its regrids keep the split the run started with; a restarted controller actor profiles again, and DCP reshards
+its checkpoint onto whatever split that gives (checkpoint keys are global layer names).
 """
 
 from __future__ import annotations
