@@ -49,6 +49,12 @@ class ParallelSection:
     # PipeDream's asynchronous schedules (workers.parallel.async_pipeline); older harness dicts leave these out
     pp_vertical_sync: bool = False
     pp_2bw_every: int | None = None  # 2BW: microbatches per weight version (None: train.microbatches)
+    # layers per pipeline stage (parallel.pp_split resolved by JobSpec.worker_dict); None: an even split
+    pp_split: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pp_split is not None:  # a list in the dict as sent; frozen, so set through object
+            object.__setattr__(self, "pp_split", tuple(self.pp_split))
 
     @property
     def grid(self) -> Grid:

@@ -56,13 +56,19 @@ class RankEstimate:
                 "total": self.total_bytes}
 
 
+def stage_layers(spec: JobSpec, stage: int, n_stages: int) -> range:
+    """The global layers of pipeline ``stage``: the job's ``parallel.pp_split`` when ``n_stages`` is the job's
+    stage count, an even split otherwise (the FLOPs count's whole model as one stage)."""
+    return layers_of_stage(stage, n_stages, spec.model.n_layers, spec.stage_split)
+
+
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     """(tensor-parallel-sharded params, replicated params) of one pipeline stage; routed experts apart
     (``stage_expert_params``), an MoE block's router and shared experts counted here as replicated (the MoE
     feed-forward is whole on every tp rank: ``workers.model.gpt_parallel.moe_style``)."""
     m = spec.model
     d, v = m.d_model, m.vocab_size
-    layers = layers_of_stage(stage, n_stages, m.n_layers)
+    layers = stage_layers(spec, stage, n_stages)
     sharded = sum(sharded_block_params(spec, i) for i in layers)
     replicated = len(layers) * 2 * d + sum(moe_params(spec, i)[1] for i in layers)
     if stage == 0:
@@ -97,7 +103,7 @@ def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
 
 def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
     """Routed-expert parameters of one pipeline stage, all experts (a rank holds ``1 / ep`` of them)."""
-    return sum(moe_params(spec, i)[2] for i in layers_of_stage(stage, n_stages, spec.model.n_layers))
+    return sum(moe_params(spec, i)[2] for i in stage_layers(spec, stage, n_stages))
 
 
 def routed_rows(spec: JobSpec) -> int:
@@ -223,7 +229,7 @@ def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
     A frozen (LoRA) embedding saves nothing: its weight needs no gradient."""
     trained_embedding = stage == 0 and spec.model.lora is None
     embedding = mm.embedding_activation_bytes(local_seq(spec), micro_batch(spec)) if trained_embedding else 0
-    return sum(layer_bytes(spec, i) for i in layers_of_stage(stage, n_stages, spec.model.n_layers)) + embedding
+    return sum(layer_bytes(spec, i) for i in stage_layers(spec, stage, n_stages)) + embedding
 
 
 def head_bytes(spec: JobSpec) -> int:
@@ -296,7 +302,7 @@ def rank_parameter_split(spec: JobSpec, params: int, ids: list[int], n_stages: i
     trainable without LoRA): adapters on the Linears of its stages, TP-sharded as placed."""
     if spec.model.lora is None:
         return {"trainable": params, "frozen": 0, "nf4": 0}
-    layers = {i for s in ids for i in layers_of_stage(s, n_stages, spec.model.n_layers)}
+    layers = {i for s in ids for i in stage_layers(spec, s, n_stages)}
 
     def holds(name: str) -> bool:
         if name.startswith("layers."):
@@ -312,7 +318,7 @@ def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
     lora = spec.model.lora
     if lora is None or lora.quantize != "nf4":
         return 0
-    block = min(i for s in ids for i in layers_of_stage(s, n_stages, spec.model.n_layers))
+    block = min(i for s in ids for i in stage_layers(spec, s, n_stages))
     head = n_stages - 1 in ids
     root = parameter_split(spec, lambda name: name == "output" and head, spec.parallel.tp, 0)["nf4"]
     blocks = parameter_split(spec, lambda name: name.startswith(f"layers.{block}."), spec.parallel.tp, 0)["nf4"]
@@ -321,7 +327,7 @@ def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
 
 def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
-    blocks = [i for sid in ids for i in layers_of_stage(sid, n_stages, spec.model.n_layers)]
+    blocks = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(sharded_block_params(spec, i) for i in blocks)
     # ZeRO-3 on FSDP2: the root unit (embeddings, head) stays gathered from forward through
     # backward, plus the block being computed and the one prefetched
@@ -399,7 +405,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
     largest = max(layer_bytes(spec, i) for i in range(spec.model.n_layers))
     on_device = mm.device_activation_bytes(saved, largest, offload_flags(spec)["activations"])
-    layers = [i for sid in ids for i in layers_of_stage(sid, n_stages, spec.model.n_layers)]
+    layers = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,
                         grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
@@ -440,6 +446,8 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
         f"{'optim':>10} {'gathered':>10} {'activ':>10} {'buffers':>10} {'total':>10}",
     ]
+    if p.pp * p.stages_per_rank > 1:
+        lines.insert(1, split_line(spec))
     for r in rows:
         s = r.state
         lines.append(
@@ -457,6 +465,15 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         lines.append(f"offloaded to the {off.tier} store, not counted above: up to {_mib(offloaded).strip()} a rank "
                      f"({' + '.join(what)})")
     return "\n".join(lines)
+
+
+def split_line(spec: JobSpec) -> str:
+    """The layers per stage the ranks will build; for ``pp_split: auto`` also the profiled costs it came from."""
+    if spec.parallel.pp_split == "auto":
+        from orchestrator.planning.stage_split import auto_split  # profiles the model: only when asked
+
+        return auto_split(spec).describe()
+    return f"pp_split {list(spec.stage_split)} layers per stage"
 
 
 def _mib(n: int) -> str:

@@ -33,6 +33,7 @@ from orchestrator.observability.observers import EventLog, Observers, ProgressBa
 from orchestrator.observability.run_records import RunRecords
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
+from orchestrator.planning.stage_split import auto_split, pin_split
 from orchestrator.recovery import node_loss
 from orchestrator.recovery.elastic import resized
 from orchestrator.recovery.policy import ScalingPolicy
@@ -84,6 +85,8 @@ class TrainingJob:
         ``data.path`` (written once into the run dir: `orchestrator/runtime/ray_data.py`)."""
         if dataset is not None:
             spec = with_ray_dataset(spec, dataset, resume)
+        self.split_chosen = auto_split(spec).describe() if spec.parallel.pp_split == "auto" else None
+        spec = pin_split(spec)  # profiled once, before any actor starts; regrids keep it
         self.spec, self.resume, self.address, self.progress = spec, resume, address, progress
         self.runtime: Runtime = runtime or RayRuntime()
         self.run_dir = spec.resolved_run_dir()
@@ -256,9 +259,12 @@ class TrainingJob:
         try:
             self.layout = self._start()
             layout = self.layout
-            pipeline = {"schedule": layout.pp_schedule} if layout.pp > 1 else {}  # no pipeline, no schedule
+            pipeline = {"schedule": layout.pp_schedule, "pp_split": ",".join(map(str, layout.pp_split))} \
+                if layout.pp > 1 else {}  # no pipeline, no schedule
             event("layout", dp=layout.dp, pp=layout.pp, tp=layout.tp, zero=layout.zero, **pipeline,
                   devices=layout.ranks[0].device)
+            if self.split_chosen:
+                event("pp_split", chosen=self.split_chosen)
             for observer in (metrics_observer(spec, self.run_dir, layout.to_dict()),
                              tracker_observer(spec, self.run_dir)):
                 if observer is not None:

@@ -25,19 +25,22 @@ class Layout:
     microbatches: int
     world_size: int
     ranks: tuple[RankInfo, ...]
+    pp_split: tuple[int, ...] = ()  # layers per pipeline stage (parallel.pp_split resolved)
 
     @classmethod
     def of(cls, spec: JobSpec, ranks: list[RankInfo]) -> Layout:
         p = spec.parallel
         return cls(p.dp, p.pp, p.tp, p.zero, p.pp_schedule, p.stages_per_rank, spec.train.microbatches,
-                   p.world_size, tuple(ranks))
+                   p.world_size, tuple(ranks), spec.stage_split)
 
     def with_ranks(self, ranks: list[RankInfo]) -> Layout:
         """The same grid after it was re-formed (replaced ranks have new processes)."""
         return replace(self, ranks=tuple(ranks))
 
     def to_dict(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "ranks"}, "ranks": [r.to_dict() for r in self.ranks]}
+        """The summary's ``layout``: the keys it always had, in their order, then ``pp_split`` (added later)."""
+        head = {k: v for k, v in asdict(self).items() if k not in ("ranks", "pp_split")}
+        return {**head, "ranks": [r.to_dict() for r in self.ranks], "pp_split": list(self.pp_split)}
 
 
 @dataclass(frozen=True)

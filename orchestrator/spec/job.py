@@ -80,7 +80,7 @@ class JobSpec(_Section):
 
     def worker_dict(self) -> dict[str, Any]:
         """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab,
-        `memory.recompute: sqrt` as the policy and interval it runs).
+        `memory.recompute: sqrt` as the policy and interval it runs, `parallel.pp_split` as layer counts per stage).
 
         Workers never import the orchestrator, so they get a plain dict with no defaults left to derive.
         """
@@ -88,12 +88,21 @@ class JobSpec(_Section):
         out["model"]["d_ff"] = self.model.ffn_dim
         out["model"]["vocab_size"] = self.padded_vocab_size
         out["parallel"]["virtual_stages"] = self.parallel.stages_per_rank
+        out["parallel"]["pp_split"] = list(self.stage_split)
         from orchestrator.planning.memory_model import recompute_plan  # planning imports the spec: import late
 
         mem = self.memory
         out["memory"]["recompute"], out["memory"]["recompute_every"] = recompute_plan(
             mem.recompute, mem.recompute_every, self.model.n_layers)
         return out
+
+    @property
+    def stage_split(self) -> tuple[int, ...]:
+        """Layers per pipeline stage, virtual stages included: `parallel.pp_split` resolved (`auto` profiles the
+        model once per process, `orchestrator.planning.stage_split`)."""
+        from orchestrator.planning.stage_split import resolve_split  # planning imports the spec: import late
+
+        return resolve_split(self)
 
     @property
     def padded_vocab_size(self) -> int:

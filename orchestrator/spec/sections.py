@@ -51,6 +51,9 @@ class ParallelSpec(_Section):
     # vertical sync); pipedream_2bw: microbatches per weight version (default: train.microbatches)
     pp_vertical_sync: bool = False
     pp_2bw_every: PositiveInt | None = None
+    # layers per pipeline stage: even, auto (profiled costs + PipeDream's dynamic program, see
+    # orchestrator/planning/stage_split.py) or one count per stage, virtual stages included
+    pp_split: Literal["even", "auto"] | list[PositiveInt] = "even"
     sequence_parallel: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0

@@ -42,6 +42,9 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     assert [Path(p).name for p in result["checkpoints"]] == ["step-00000002", "step-00000004"]
     for key in ("final_loss", "tokens_per_s", "layout", "recoveries", "peak_memory_bytes"):
         assert key in result
+    if job.stem == "pp_auto_split":  # the profiled split reached the ranks through Ray and the summary
+        split = result["layout"]["pp_split"]
+        assert sum(split) == 6 and split[0] > split[1], split  # blocks moved off the heavy head's stage
     if job.stem in NEEDS_HF_DIR:
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
     if job.stem == "experiment_tracking":

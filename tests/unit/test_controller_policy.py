@@ -153,8 +153,9 @@ def test_the_layout_keeps_the_summary_keys_and_each_ranks_info(spec):
                     pid=7, node_id="n", actor_id="a")
     layout = Layout.of(spec, [info, info]).to_dict()
     assert list(layout) == ["dp", "pp", "tp", "zero", "pp_schedule", "virtual_stages", "microbatches",
-                            "world_size", "ranks"]
+                            "world_size", "ranks", "pp_split"]
     assert layout["dp"] == 2 and layout["ranks"][0] == info.to_dict()
+    assert layout["pp_split"] == list(spec.stage_split)
 
 
 def test_a_raised_step_is_classified_and_only_ranks_that_failed_on_their_own_are_replaced():

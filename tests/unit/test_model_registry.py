@@ -91,9 +91,9 @@ class Toy(nn.Module):
         return h
 
 
-def toy_cut_stage(model: Toy, stage: int, n_stages: int) -> Toy:
+def toy_cut_stage(model: Toy, stage: int, n_stages: int, split=None) -> Toy:
     part = copy.deepcopy(model)
-    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers)}
+    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers, split)}
     part.stack = nn.ModuleDict({k: b for k, b in part.stack.items() if k in keep})
     if stage != 0:
         part.embed = None
@@ -129,6 +129,7 @@ def _toy_spec(tmp_path, recompute: str) -> WorkerSpec:
                     memory={"recompute": recompute})
     raw = job.worker_dict()  # JobSpec knows only gpt; the worker side takes any registered arch
     raw["model"] = {"arch": "toy", "d_model": 16, "n_layers": 2, "vocab_size": 32, "lora": None}
+    raw["parallel"]["pp_split"] = [1, 1]  # the layers per stage of this model, as worker_dict resolves them
     return WorkerSpec.from_dict(raw)
 
 

@@ -18,6 +18,7 @@ replicated over the tensor-parallel ranks instead (``moe_style``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,10 +43,11 @@ def blocks(model: GPT) -> list[nn.Module]:
     return list(model.layers.values())
 
 
-def cut_stage(model: GPT, stage: int, n_stages: int) -> GPT:
-    """A copy of ``model`` holding only ``stage``'s layers (plus embeddings first, head last)."""
+def cut_stage(model: GPT, stage: int, n_stages: int, split: Sequence[int] | None = None) -> GPT:
+    """A copy of ``model`` holding only ``stage``'s layers (plus embeddings first, head last); ``split``: layer
+    counts per stage (``parallel.pp_split`` resolved), None for an even split."""
     part = copy.deepcopy(model)
-    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers)}
+    keep = {str(i) for i in layers_of_stage(stage, n_stages, model.cfg.n_layers, split)}
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]

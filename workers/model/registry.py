@@ -34,7 +34,8 @@ class ModelFamily:
     policy wraps inside every block ("" for the block itself), and ``hooks`` maps a builder step to the
     ``"module:function"`` doing it for this family:
 
-    - ``cut_stage(model, stage, n_stages)``: a copy of the whole model holding only that pipeline stage;
+    - ``cut_stage(model, stage, n_stages, split)``: a copy of the whole model holding only that pipeline stage
+      (``split``: layer counts per stage, ``parallel.pp_split`` resolved; None for an even split);
     - ``tensor_parallel(stage, tp_mesh, sequence_parallel)``: shard a stage in place (through
       ``workers.parallel.tensor_parallel.apply_plan``, so LoRA/QLoRA layers follow their base's style);
     - ``blocks(stage)``: the stage's blocks in order: where ``recompute_targets`` are looked up (the

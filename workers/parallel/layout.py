@@ -3,11 +3,15 @@
 Pure arithmetic (no torch), shared by the workers and the planner. Where a rank
 sits is the ``Grid``'s business (``workers.parallel.grid``); which stages a pp
 rank owns is the schedule's placement (``workers.parallel.schedules``): loop
-or V shape.
+or V shape. How many layers each stage holds is ``parallel.pp_split``, resolved before the workers start
+(``workers.parallel.partition``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from workers.parallel.partition import even_split, stage_bounds
 from workers.parallel.schedules import schedule as schedule_facts
 
 
@@ -16,6 +20,8 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> lis
     return schedule_facts(schedule).stage_ids(pp_rank, pp, stages_per_rank)
 
 
-def layers_of_stage(stage: int, n_stages: int, n_layers: int) -> range:
-    per = n_layers // n_stages
-    return range(stage * per, (stage + 1) * per)
+def layers_of_stage(stage: int, n_stages: int, n_layers: int, split: Sequence[int] | None = None) -> range:
+    """Global layer indices of ``stage``: ``split``'s share (layer counts per stage), else an even one."""
+    if split is None or len(split) != n_stages:  # e.g. the planner's whole-model-as-one-stage FLOPs count
+        split = even_split(n_layers, n_stages)
+    return stage_bounds(split)[stage]

@@ -84,7 +84,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     n_stages = grid.pp * par.virtual_stages
     ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par.virtual_stages, par.pp_schedule)
     cut = fam.hook("cut_stage")
-    parts = [full] if n_stages == 1 else [cut(full, sid, n_stages) for sid in ids]
+    parts = [full] if n_stages == 1 else [cut(full, sid, n_stages, par.pp_split) for sid in ids]
     del full  # a stage keeps only its layers
     dp_mesh = data_parallel_mesh(mesh, grid)
     expert_mesh = init_expert_mesh(grid, device, spec.collective_timeout_s)

@@ -1,0 +1,174 @@
+"""parallel.pp_split: the dynamic program against brute force, the layer ranges, the spec's errors, the planner."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from orchestrator.errors import SpecError
+from orchestrator.planning.estimate import estimate, render, stage_params
+from orchestrator.spec import JobSpec
+from workers.parallel.layout import layers_of_stage
+from workers.parallel.partition import balanced_split, split_problem, stage_bounds, stage_cost
+
+
+def brute_force(times, n_stages, first, last, memory, limit):
+    """The smallest slowest-stage cost over every contiguous split that fits ``limit`` (math.inf if none)."""
+    n, best = len(times), math.inf
+    for cuts in itertools.combinations(range(1, n), n_stages - 1):
+        split = [b - a for a, b in itertools.pairwise((0, *cuts, n))]
+        bounds = stage_bounds(split)
+        if limit is not None and any(memory(s, r.start, r.stop) > limit for s, r in enumerate(bounds)):
+            continue
+        best = min(best, max(stage_cost(times, split, first, last)))
+    return best
+
+
+def test_dynamic_program_finds_the_brute_force_optimum_under_a_memory_limit():
+    rng = random.Random(7)
+    checked = infeasible = 0
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        n_stages = rng.randint(1, n)
+        times = [rng.choice([0.5, 1.0, 2.0, rng.uniform(0.1, 5)]) for _ in range(n)]
+        first, last = rng.uniform(0, 3), rng.uniform(0, 8)
+        weights = [rng.uniform(1, 4) for _ in range(n)]
+        flight = [rng.randint(1, n_stages) for _ in range(n_stages)]
+
+        def memory(stage, lo, hi, weights=weights, flight=flight):
+            return flight[stage] * sum(weights[lo:hi])
+
+        limit = rng.choice([None, rng.uniform(2, 20)])
+        expected = brute_force(times, n_stages, first, last, memory, limit)
+        if math.isinf(expected):
+            infeasible += 1
+            with pytest.raises(ValueError, match="no split"):
+                balanced_split(times, n_stages, first, last, memory, limit)
+            continue
+        split = balanced_split(times, n_stages, first, last, memory, limit)
+        assert split_problem(split, n, n_stages) is None
+        assert max(stage_cost(times, split, first, last)) == pytest.approx(expected)
+        if limit is not None:
+            assert all(memory(s, r.start, r.stop) <= limit for s, r in enumerate(stage_bounds(split)))
+        checked += 1
+    assert checked > 150 and infeasible > 10  # both branches were exercised
+
+
+def test_a_heavy_head_moves_layers_to_the_first_stage():
+    assert balanced_split([1.0] * 6, 2, first=0.1, last=3.0) == (4, 2)  # 4.1 vs 5.0, even would be 3.1 vs 6.0
+    assert balanced_split([1.0] * 6, 2) == (3, 3)
+
+
+def test_layers_of_stage_follows_the_split_and_defaults_to_even():
+    assert [layers_of_stage(s, 3, 6) for s in range(3)] == [range(0, 2), range(2, 4), range(4, 6)]
+    assert [layers_of_stage(s, 3, 6, (3, 2, 1)) for s in range(3)] == [range(0, 3), range(3, 5), range(5, 6)]
+    assert layers_of_stage(0, 1, 6, (3, 2, 1)) == range(0, 6)  # a split for another stage count is ignored
+
+
+BASE = {"data": {"path": "/tmp/unused"}, "model": {"d_model": 32, "n_layers": 5, "n_heads": 4, "seq_len": 32},
+        "train": {"global_batch_size": 8, "microbatches": 4}}
+
+
+def _spec(parallel: dict, **model) -> JobSpec:
+    return JobSpec.from_dict({**BASE, "model": {**BASE["model"], **model}, "parallel": {"device": "cpu", **parallel}})
+
+
+@pytest.mark.parametrize(("split", "words"), [
+    ([3, 1], ["sums to 4", "model.n_layers is 5"]),
+    ([5], ["1 entries", "2 stages"]),
+    ([2, 2, 1], ["3 entries"]),
+])
+def test_a_wrong_layer_list_names_the_field_the_value_and_the_fix(split, words):
+    with pytest.raises(SpecError) as err:
+        _spec({"pp": 2, "pp_split": split})
+    message = str(err.value)
+    assert "parallel.pp_split" in message and str(split) in message and "summing to model.n_layers=5" in message
+    assert all(w in message for w in words)
+
+
+def test_zero_layers_and_unknown_words_are_refused():
+    with pytest.raises(SpecError, match="parallel.pp_split"):
+        _spec({"pp": 2, "pp_split": [5, 0]})
+    with pytest.raises(SpecError, match="parallel.pp_split"):
+        _spec({"pp": 2, "pp_split": "balanced"})
+    with pytest.raises(SpecError, match="cannot give each of 4 pipeline stages"):
+        _spec({"pp": 4, "pp_split": "auto"}, n_layers=3)
+
+
+def test_an_uneven_layer_count_suggests_pp_split():
+    with pytest.raises(SpecError, match="pp_split: auto"):
+        _spec({"pp": 2})
+
+
+def test_a_list_covers_virtual_stages_and_reaches_the_workers_and_the_planner():
+    spec = _spec({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_split": [2, 1, 1, 1]})
+    assert spec.worker_dict()["parallel"]["pp_split"] == [2, 1, 1, 1]
+    # rank 0 holds stages 0 and 2 (3 blocks), rank 1 stages 1 and 3 (2 blocks and the head)
+    block = stage_params(spec, 1, 4)[0]
+    assert stage_params(spec, 0, 4)[0] == 2 * block + spec.model.vocab_size * 32  # 2 blocks and the embedding
+    assert "pp_split [2, 1, 1, 1]" in render(spec)
+    ranks = estimate(spec)
+    assert ranks[0].params != ranks[1].params
+
+
+def test_even_stays_the_default_and_is_what_the_workers_get():
+    spec = _spec({"pp": 2}, n_layers=4)
+    assert spec.parallel.pp_split == "even" and spec.worker_dict()["parallel"]["pp_split"] == [2, 2]
+
+
+# a head as wide as 4096 words on a 32-wide model: its matmuls and log-softmax outweigh a block several times
+HEAVY_HEAD = {"n_layers": 6, "vocab_size": 4096}
+
+
+def test_the_profile_attributes_parameters_activations_and_time_to_each_unit():
+    from workers.model.config import model_config
+    from workers.parallel.stage_profile import profile_model
+
+    cfg = model_config({**BASE["model"], **HEAVY_HEAD})
+    costs = profile_model(cfg, micro_batch=2, steps=3)
+    assert costs.embedding.params == 4096 * 32 and costs.head.params == 4096 * 32 + 32  # output + final norm
+    assert len({u.params for u in costs.layers}) == 1 and len(costs.layers) == 6
+    assert costs.head.activation_bytes >= 4 * 2 * 32 * 4096  # the fp32 logits, saved for the loss's backward
+    assert costs.embedding.activation_bytes < costs.layers[0].activation_bytes  # the embedding saves only ids
+    assert all(u.forward_s > 0 and u.backward_s > 0 for u in (costs.embedding, *costs.layers, costs.head))
+    assert costs.head.time_s > max(u.time_s for u in costs.layers)
+
+
+def test_auto_moves_blocks_off_a_heavy_head_and_the_controller_pins_it():
+    from orchestrator.planning.stage_split import auto_split, pin_split
+
+    spec = _spec({"pp": 2, "pp_split": "auto"}, **HEAVY_HEAD)
+    chosen = auto_split(spec)
+    assert chosen.split[0] > chosen.split[1] and sum(chosen.split) == 6
+    assert max(chosen.stage_seconds) < max(stage_cost([u.time_s for u in chosen.costs.layers], (3, 3),
+                                                      chosen.costs.embedding.time_s, chosen.costs.head.time_s))
+    pinned = pin_split(spec)
+    assert pinned.parallel.pp_split == list(chosen.split) == spec.worker_dict()["parallel"]["pp_split"]
+    assert "pp_split auto: " in render(spec)
+
+
+def test_auto_keeps_every_stage_within_the_device_memory():
+    from orchestrator.planning.stage_split import auto_split, stage_memory
+
+    free = auto_split(_spec({"pp": 2, "pp_split": "auto"}, **HEAVY_HEAD))
+    tight = max(free.stage_bytes) - 1  # the unconstrained optimum no longer fits
+    memory = stage_memory(free.costs, 2, 1, "1f1b", 4)
+    fits = [(k, 6 - k) for k in range(1, 6) if memory(0, 0, k) <= tight and memory(1, k, 6) <= tight]
+    spec = _spec({"pp": 2, "pp_split": "auto", "device_memory": tight}, **HEAVY_HEAD)
+    if not fits:
+        with pytest.raises(ValueError, match="no split"):
+            auto_split(spec)
+        return
+    bounded = auto_split(spec)
+    assert bounded.split in fits and bounded.split != free.split and max(bounded.stage_bytes) <= tight
+
+
+def test_auto_refuses_a_model_too_big_to_profile_on_the_host():
+    from orchestrator.planning.stage_split import auto_split
+
+    big = _spec({"pp": 4, "pp_split": "auto"}, d_model=16384, n_heads=128, n_layers=128, vocab_size=128256)
+    with pytest.raises(SpecError, match="parallel.pp_split.*would profile a model of .* give the layer counts"):
+        auto_split(big)

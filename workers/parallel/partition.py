@@ -1,0 +1,100 @@
+"""How many layers each pipeline stage holds: an even split, or PipeDream's dynamic program over profiled costs.
+
+Torch-free, so the spec checks, the planner and the workers share it. A split is a tuple of layer counts, one
+per stage (virtual stages included), in stage order; stage ``s`` holds the contiguous layers that follow the
+previous stages' (``stage_bounds``). The embedding always sits on the first stage and the output head on the
+last, so their costs are added there rather than being units the program may move.
+
+``balanced_split`` is ours: PipeDream's partitioner (Narayanan et al. 2019; the seed article 000's
+"profiler + dynamic program") is not in PyTorch, whose pipelining splits by hand-placed split points. We keep
+its objective (the slowest stage, which sets the steady-state step) and its memory constraint, and leave out
+its communication term: every stage boundary carries the same hidden-state tensor, so the term is the same
+for every split.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+# (stage, first layer, end layer) -> bytes the stage would need with layers [first, end)
+StageMemory = Callable[[int, int, int], float]
+
+
+def even_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """``n_layers / n_stages`` layers a stage (the job spec refuses a count that does not divide)."""
+    return (n_layers // n_stages,) * n_stages
+
+
+def stage_bounds(split: Sequence[int]) -> list[range]:
+    """The global layer indices of each stage of ``split``."""
+    out, start = [], 0
+    for count in split:
+        out.append(range(start, start + count))
+        start += count
+    return out
+
+
+def split_problem(split: Sequence[int], n_layers: int, n_stages: int) -> str | None:
+    """Why ``split`` cannot cut ``n_layers`` layers into ``n_stages`` stages, or None when it can."""
+    if len(split) != n_stages:
+        return f"has {len(split)} entries but the pipeline has {n_stages} stages (one layer count per stage)"
+    if any(count < 1 for count in split):
+        return "has a stage with no layers; every stage holds at least one block"
+    if sum(split) != n_layers:
+        return f"sums to {sum(split)} layers but model.n_layers is {n_layers}"
+    return None
+
+
+def stage_cost(times: Sequence[float], split: Sequence[int], first: float = 0.0, last: float = 0.0) -> list[float]:
+    """Each stage's cost under ``split``: its layers' ``times``, plus ``first`` (embedding) on the first stage
+    and ``last`` (head) on the last."""
+    costs = [sum(times[i] for i in layers) for layers in stage_bounds(split)]
+    costs[0] += first
+    costs[-1] += last
+    return costs
+
+
+def balanced_split(times: Sequence[float], n_stages: int, first: float = 0.0, last: float = 0.0,
+                   memory: StageMemory | None = None, limit: float | None = None) -> tuple[int, ...]:
+    """The contiguous split of ``len(times)`` layers into ``n_stages`` stages (each at least one layer) whose
+    slowest stage is fastest, among those where every stage's ``memory(stage, first, end)`` is at most
+    ``limit`` (PipeDream's dynamic program). Ties keep fewer layers on the earlier stages.
+
+    ``best[s][j]``: the smallest slowest-stage cost of putting layers ``[0, j)`` on stages ``0..s`` with stage
+    ``s`` ending at ``j``; O(stages x layers^2). Raises ValueError when no split fits ``limit``.
+    """
+    n = len(times)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"balanced_split: {n} layers cannot fill {n_stages} stages of at least one layer each")
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+
+    def cost(stage: int, lo: int, hi: int) -> float:
+        if memory is not None and limit is not None and memory(stage, lo, hi) > limit:
+            return math.inf
+        return prefix[hi] - prefix[lo] + (first if stage == 0 else 0.0) + (last if stage == n_stages - 1 else 0.0)
+
+    best = [[math.inf] * (n + 1) for _ in range(n_stages)]
+    start = [[0] * (n + 1) for _ in range(n_stages)]
+    for j in range(1, n - n_stages + 2):
+        best[0][j] = cost(0, 0, j) if n_stages > 1 or j == n else math.inf
+    for s in range(1, n_stages):
+        for j in range(s + 1, n - n_stages + s + 2):
+            if s == n_stages - 1 and j != n:
+                continue
+            for i in range(s, j):
+                value = max(best[s - 1][i], cost(s, i, j))
+                if value < best[s][j]:
+                    best[s][j], start[s][j] = value, i
+    if math.isinf(best[-1][n]):
+        raise ValueError(f"balanced_split: no split of {n} layers into {n_stages} stages keeps every stage "
+                         f"within {limit} bytes")
+    ends = [n]
+    for s in range(n_stages - 1, 0, -1):
+        ends.append(start[s][ends[-1]])
+    ends.append(0)
+    ends.reverse()
+    return tuple(b - a for a, b in itertools.pairwise(ends))
