@@ -66,6 +66,7 @@ class PSShard:
         self.grpc = None
         self.layout: dict[str, dict] = {}
         self.sealed = False  # the first push fixes the key set
+        self.epoch = 0  # bumped by ``restore``: a call waiting across a rollback fails instead of hanging
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -151,10 +152,14 @@ class PSShard:
         return all(len(staged.get(key, ())) == self.workers for key in self.params)
 
     def _wait(self, predicate, what: str, timeout_s: float | None) -> None:
-        """Wait under the lock until ``predicate``, at most ``timeout_s`` (the caller's deadline) or ``WAIT_S``."""
+        """Wait under the lock until ``predicate``, at most ``timeout_s`` (the caller's deadline) or ``WAIT_S``;
+        a ``restore`` meanwhile ends the wait with an error (what it waited for belongs to a discarded past)."""
         limit = WAIT_S if timeout_s is None else max(0.0, min(timeout_s, WAIT_S))
-        if not self.cond.wait_for(predicate, timeout=limit):
+        epoch = self.epoch
+        if not self.cond.wait_for(lambda: self.epoch != epoch or predicate(), timeout=limit):
             raise TimeoutError(f"shard {self.id}: waited {limit:.1f}s for {what}")
+        if self.epoch != epoch:
+            raise RuntimeError(f"shard {self.id}: rolled back to version {self.version} while waiting for {what}")
 
     def _check_clock(self, clock: int, what: str) -> None:
         """bsp: a clock this shard is at or has applied (a later one would wait for pushes that cannot come)."""
@@ -276,6 +281,19 @@ class PSShard:
             self.version = max(self.version, state["version"])
             self.applied_from = [max(a, b) for a, b in zip(self.applied_from, state["applied_from"])]
             return len(self.params)
+
+    def restore(self, state: dict) -> int:
+        """Become exactly ``state`` (every key this shard holds, version and per-worker counts): a resumed job
+        or a rollback. Staged pushes of later clocks are dropped, and a call waiting on them fails at once."""
+        with self.cond:
+            self.params, self.opts = {}, {}
+            self.load(state)
+            self.version = state["version"]
+            self.applied_from = list(state["applied_from"])
+            self.staged, self.means, self.sqs = {}, {}, {}
+            self.epoch += 1
+            self.cond.notify_all()
+            return self.version
 
     def save(self, path: str) -> str:
         """Snapshot every held key to ``path`` (written whole, then renamed, so a reader never sees half)."""

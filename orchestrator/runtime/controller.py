@@ -201,6 +201,7 @@ class TrainingJob:
         if p.dp_sync == "ps":
             self.ps = self.ps or PSShards(self.spec, self.run_dir)
             self.group.worker_extra = {"ps_routes": self.ps.worker_routes()}
+            self.checkpoints.beside_ranks = self.ps.save_checkpoint
         return Layout.of(self.spec, self.group.form())
 
     def teardown_grid(self) -> None:
@@ -281,13 +282,13 @@ class TrainingJob:
     def _maybe_resume(self) -> str | None:
         if not self.resume:
             return None
-        if self.ps is not None and self.ckpt.latest() is not None:
-            raise RuntimeError("--resume with parallel.dp_sync: ps is not supported yet: checkpoints hold the ranks' "
-                               "weights but not the shards' optimizer state; fix: start the run without --resume")
         latest = self.load_from_disk("resume")
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None
+        if self.ps is not None:
+            self.ps.restore_checkpoint(latest, self.step)
+            self.group.call("ps_resume")
         event("resume", path=latest, step=self.step)
         return str(latest)
 

@@ -61,6 +61,14 @@ class PSSync:
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
 
+    def resume_at(self, step: int) -> int:
+        """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp at the
+        clock the keeper gives this worker; returns that clock."""
+        import ray
+
+        self.clock = step if not self.asynchronous else ray.get(self.keeper.state.remote())["clocks"][self.worker]
+        return self.clock
+
     def _grads(self) -> dict[str, torch.Tensor]:
         """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
         return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named.items()}
