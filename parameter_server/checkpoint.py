@@ -14,6 +14,8 @@ the ranks' files.
 from __future__ import annotations
 
 import math
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -60,7 +62,8 @@ def whole(states: list[dict], chunk_elems: int, clocks: dict) -> dict[str, torch
 def save(flat: dict[str, torch.Tensor], ckpt: str | Path) -> Path:
     """Write ``flat`` as a DCP checkpoint in ``ckpt``'s ``ps/`` folder."""
     path = Path(ckpt) / FOLDER
-    dcp.save(flat, checkpoint_id=str(path), no_dist=True)
+    with _one_process():
+        dcp.save(flat, checkpoint_id=str(path), no_dist=True)
     return path
 
 
@@ -71,8 +74,17 @@ def load(ckpt: str | Path) -> dict[str, torch.Tensor] | None:
         return None
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     flat = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in meta.items()}
-    dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+    with _one_process():
+        dcp.load(flat, checkpoint_id=str(path), no_dist=True)
     return flat
+
+
+@contextmanager
+def _one_process():
+    """DCP warns that no process group is set up: here that is the point (the controller writes alone)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def clocks(flat: dict[str, torch.Tensor]) -> dict[str, list[int] | int]:

@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -47,10 +48,31 @@ def test_ring_spreads_chunks_and_names_a_distinct_successor():
     assert HashRing(1).holders("w#0") == [0]
 
 
-def test_bsp_matches_allreduce(allreduce_dp4, token_data, tmp_path):
-    result = TrainingJob(_ps_spec(token_data, tmp_path, consistency="bsp"), progress=False).run()
-    assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
-    assert result.grad_norms == pytest.approx(allreduce_dp4.grad_norms, rel=1e-5)
+@pytest.fixture(scope="module")
+def bsp_dp4(ray_cluster, token_data, tmp_path_factory):
+    return TrainingJob(_ps_spec(token_data, tmp_path_factory.mktemp("bsp"), consistency="bsp"), progress=False).run()
+
+
+def test_bsp_matches_allreduce(allreduce_dp4, bsp_dp4):
+    assert bsp_dp4.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
+    assert bsp_dp4.grad_norms == pytest.approx(allreduce_dp4.grad_norms, rel=1e-5)
+
+
+def test_bsp_resumes_exactly_and_at_another_dp_and_shard_count(bsp_dp4, token_data, tmp_path):
+    """Stopped at step 3 with a checkpoint (shards' weights, Adam moments, clocks in it), then resumed: at the same
+    layout bit-identically, at dp=2 over 2 shards with another chunk size on the uninterrupted curve."""
+    base = _ps_spec(token_data, tmp_path, consistency="bsp").with_overrides(["checkpoint.every=3"])
+    first = TrainingJob(base.with_overrides(["train.steps=3"]), progress=False).run()
+    assert first.losses == bsp_dp4.losses[:3]
+    assert (Path(first.checkpoints[0]) / "ps" / ".metadata").is_file()
+    for layout, exact in ((["parallel.dp=4"], True),
+                          (["parallel.dp=2", "parameter_server.shards=2", "parameter_server.chunk_elems=700"], False)):
+        resumed = TrainingJob(base.with_overrides([*layout, "checkpoint.every=0"]), resume=True, progress=False).run()
+        assert resumed.resumed_from == first.checkpoints[0]
+        if exact:
+            assert resumed.losses == bsp_dp4.losses[3:]
+        else:
+            assert resumed.losses == pytest.approx(bsp_dp4.losses[3:], rel=1e-5), layout
 
 
 def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
