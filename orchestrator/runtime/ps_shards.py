@@ -209,6 +209,24 @@ class PSShards:
                                 "lost_steps": 0, "source": "replica", "mttr_s": time.perf_counter() - t0})
         event("ps_shard_restarted", shard=shard, keys=keys, step=step)
 
+    # -- rolling back with the ranks (bsp) ------------------------------------------------------
+
+    def keep(self, step: int) -> None:
+        """bsp: every shard keeps its state at ``step``, beside the ranks' in-memory snapshot of it. (asp/ssp
+        keep nothing: a rank failure there is refused, and their resume comes from a checkpoint.)"""
+        if self.keeper is None:
+            answer([h.keep.remote(step) for h in self.handles], f"the shards (keeping step {step})", self.deadline_s)
+
+    def roll_back(self, step: int) -> None:
+        """bsp: every shard back to the state it kept at ``step``; ``LookupError`` when one has none."""
+        if self.keeper is None:
+            answer([h.roll_back.remote(step) for h in self.handles], f"the shards (rolling back to step {step})",
+                   self.deadline_s)
+
+    def abort(self) -> None:
+        """A rank died mid-step: the shards drop that step's pushes and end the survivors' waits at once."""
+        answer([h.abort.remote() for h in self.handles], "the shards (aborting the failed step)", self.deadline_s)
+
     # -- end of run ----------------------------------------------------------------------------
 
     def write_read_log(self) -> None:

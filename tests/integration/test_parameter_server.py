@@ -85,6 +85,20 @@ def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
     assert result.grad_norms == pytest.approx(norms, rel=1e-4)
 
 
+def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_dp4, token_data, tmp_path):
+    """Rank 1 dies in step 5; the ranks' newest snapshot is step 3 (memory_every 3), and the shards, which have
+    applied step 4 since, go back with them to the state they kept at step 3 (a survivor blocked on the dead rank's
+    push is freed by the shards at once)."""
+    spec = _ps_spec(token_data, tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 5}], consistency="bsp")
+    spec = spec.with_overrides(["checkpoint.memory_every=3", "fault_tolerance.heartbeat_timeout_s=20",
+                                "fault_tolerance.collective_timeout_s=5"])
+    result = TrainingJob(spec, progress=False).run()
+    assert result.losses == bsp_dp4.losses and result.grad_norms == bsp_dp4.grad_norms
+    [rec] = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 5, "memory", 1)
+    assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
+
+
 @pytest.mark.parametrize("sections, field", [
     ({"parallel": {"dp_sync": "ps", "dp": 2, "zero": 2}}, "parallel.zero"),
     ({"parallel": {"dp_sync": "ps", "dp": 2, "tp": 2}}, "parallel.tp"),
@@ -95,7 +109,9 @@ def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
     ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"shards": 1},
       "faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.shard"),
     ({"faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.kind"),
-    ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "kill_rank", "at_step": 2}]}, "faults.0.kind"),
+    ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"consistency": "ssp"},
+      "faults": [{"kind": "kill_rank", "at_step": 2}]}, "faults.0.kind"),
+    ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "hang_rank", "at_step": 2}]}, "faults.0.kind"),
 ])
 def test_unsupported_combinations_are_spec_errors(sections, field):
     with pytest.raises(SpecError) as err:

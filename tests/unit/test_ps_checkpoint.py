@@ -3,6 +3,7 @@ for another shard count and chunk size take the next BSP step exactly as the sha
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from parameter_server import checkpoint
@@ -88,7 +89,7 @@ def test_restore_ends_a_wait_on_a_discarded_clock():
     state = shard.state()
     shard.restore({**state, "version": 0, "applied_from": [0, 0]})
     waiter.join(timeout=10)
-    assert not waiter.is_alive() and "rolled back to version 0" in str(errors[0])
+    assert not waiter.is_alive() and "aborted or rolled back (version 0)" in str(errors[0])
     assert shard.staged == {}
 
 
@@ -97,3 +98,22 @@ def _catch(errors: list, call) -> None:
         call()
     except RuntimeError as exc:
         errors.append(exc)
+
+
+def test_abort_refuses_pushes_and_waits_until_the_rollback():
+    """A survivor that reaches the shards only after the abort fails at once too (not after WAIT_S)."""
+    shard = PSShard(0, "bsp", ADAMW, WORKERS, LRS)
+    shard.register({"w#0": torch.ones(3)})
+    shard.keep(0)
+    shard.push(0, 0, {"w#0": torch.ones(3)})
+    shard.abort()
+    with pytest.raises(RuntimeError, match="rolled back with the ranks; nothing applied"):
+        shard.push(1, 0, {"w#0": torch.ones(3)})
+    with pytest.raises(RuntimeError, match="aborted or rolled back"):
+        shard.grad_sq(0, ["w#0"], timeout_s=30)
+    shard.roll_back(0)
+    for worker in range(WORKERS):
+        shard.push(worker, 0, {"w#0": torch.ones(3)})
+    assert shard.apply(0, 1.0) == 1
+    with pytest.raises(LookupError, match=r"no state kept at step 3 \(kept: \[0\]\)"):
+        shard.roll_back(3)
