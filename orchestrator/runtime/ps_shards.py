@@ -166,6 +166,7 @@ class PSShards:
                                f"was saved with parallel.dp={clocks['workers']}, this job has dp={dp}, and each "
                                "worker's clock belongs to one data rank; fix: resume at "
                                f"parallel.dp={clocks['workers']}, or with consistency: bsp")
+        self._check_names(flat)
         states = checkpoint.shard_states(flat, self.ring, self.ps.chunk_elems, self.ps.server_optim(self.spec.optim))
         for state in states:
             state["version"] = step if self.keeper is None else clocks["version"]
@@ -208,6 +209,19 @@ class PSShards:
         self.recoveries.append({"kind": "kill_ps_shard", "rank": -1, "shard": shard, "at_step": at_step,
                                 "lost_steps": 0, "source": "replica", "mttr_s": time.perf_counter() - t0})
         event("ps_shard_restarted", shard=shard, keys=keys, step=step)
+
+    def _check_names(self, flat: dict) -> None:
+        """The keys are per pipeline stage and tensor-parallel slice: a checkpoint of another pp or tp layout
+        has other names (refused naming them, before any shard changes)."""
+        clocks = answer([h.clock.remote() for h in self.handles], "the shards' layout", self.deadline_s)
+        held = {name for c in clocks for name in c["layout"]}
+        saved = {k.removeprefix(checkpoint.PARAM) for k in flat if k.startswith(checkpoint.PARAM)}
+        if saved != held:
+            raise RuntimeError(f"--resume with parallel.dp_sync: ps: the checkpoint's shard keys do not match this "
+                               f"layout's (only in the checkpoint: {sorted(saved - held)[:3]}, only here: "
+                               f"{sorted(held - saved)[:3]}): PS keys follow the pipeline stages and tensor-parallel "
+                               "slices; fix: resume at the saving job's parallel.pp and parallel.tp (dp and "
+                               "parameter_server.shards may change)")
 
     # -- rolling back with the ranks (bsp) ------------------------------------------------------
 

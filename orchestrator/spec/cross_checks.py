@@ -31,8 +31,6 @@ def check_parameter_server(job: JobSpec) -> None:
     unsupported = [
         ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
          "set parallel.zero: 0"),
-        ("parallel.tp", p.tp, p.grid.tp_enabled, "tensor-parallel shards of a parameter are not keyed separately yet",
-         "set parallel.tp: 1, or parallel.dp_sync: allreduce"),
         ("precision.dtype", job.precision.dtype, job.precision.dtype == "fp16",
          "a skipped fp16 step would leave the shards waiting for its push", "use bf16 or fp32"),
         ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.grid.pp_enabled,

@@ -99,9 +99,18 @@ def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_
     assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
 
 
+def test_bsp_with_tensor_parallelism_matches_the_reference(token_data, tmp_path):
+    """tp=2 x dp=2: each TP rank's slices are keys of their own, replicated parameters one key for both."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "tp": 2, "dp_sync": "ps"}, train={"steps": STEPS},
+                     parameter_server={"shards": 2}, checkpoint={"memory_every": 0})
+    result = TrainingJob(spec, progress=False).run()
+    losses, norms = reference_run(spec, STEPS)
+    assert result.losses == pytest.approx(losses, rel=1e-4)
+    assert result.grad_norms == pytest.approx(norms, rel=1e-4)
+
+
 @pytest.mark.parametrize("sections, field", [
     ({"parallel": {"dp_sync": "ps", "dp": 2, "zero": 2}}, "parallel.zero"),
-    ({"parallel": {"dp_sync": "ps", "dp": 2, "tp": 2}}, "parallel.tp"),
     ({"parallel": {"dp_sync": "ps", "dp": 2, "pp": 2}, "train": {"microbatches": 2},
       "parameter_server": {"consistency": "asp"}},
      "parameter_server.consistency"),
