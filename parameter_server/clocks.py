@@ -69,6 +69,14 @@ class ClockKeeper:
             self.paused = False
             self.cond.notify_all()
 
+    def restore(self, clocks: list[int], completed: int) -> None:
+        """Continue from a checkpoint (or a rollback): ``completed`` worker steps done, each worker at its clock;
+        the budget stays the whole run's."""
+        with self.cond:
+            self.clocks = list(clocks)
+            self.started = self.completed = completed
+            self.cond.notify_all()
+
     def state(self) -> dict:
         with self.cond:
             return {"clocks": list(self.clocks), "started": self.started, "completed": self.completed}

@@ -28,6 +28,7 @@ every worker would have to push); and a wait ends at the caller's deadline.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -66,6 +67,9 @@ class PSShard:
         self.grpc = None
         self.layout: dict[str, dict] = {}
         self.sealed = False  # the first push fixes the key set
+        self.kept: dict[int, dict] = {}  # step -> state, for rolling back with the ranks
+        self.epoch = 0  # bumped by ``restore``: a call waiting across a rollback fails instead of hanging
+        self.halted = False  # from ``abort`` until the next ``restore``
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -129,6 +133,9 @@ class PSShard:
         every shard once per local step), the step the pushing worker's own schedule is at.
         """
         with self.cond:
+            if self.halted:
+                raise RuntimeError(f"shard {self.id}: push for clock {clock} refused: a rank failed and the shards "
+                                   "are rolled back with the ranks; nothing applied")
             self._check(worker, clock, grads)
             self._maybe_die(grads)
             self.sealed = True
@@ -151,10 +158,15 @@ class PSShard:
         return all(len(staged.get(key, ())) == self.workers for key in self.params)
 
     def _wait(self, predicate, what: str, timeout_s: float | None) -> None:
-        """Wait under the lock until ``predicate``, at most ``timeout_s`` (the caller's deadline) or ``WAIT_S``."""
+        """Wait under the lock until ``predicate``, at most ``timeout_s`` (the caller's deadline) or ``WAIT_S``;
+        a ``restore`` meanwhile ends the wait with an error (what it waited for belongs to a discarded past)."""
         limit = WAIT_S if timeout_s is None else max(0.0, min(timeout_s, WAIT_S))
-        if not self.cond.wait_for(predicate, timeout=limit):
+        epoch = self.epoch
+        if not self.cond.wait_for(lambda: self.halted or self.epoch != epoch or predicate(), timeout=limit):
             raise TimeoutError(f"shard {self.id}: waited {limit:.1f}s for {what}")
+        if self.halted or self.epoch != epoch:
+            raise RuntimeError(f"shard {self.id}: aborted or rolled back (version {self.version}) while waiting for "
+                               f"{what}")
 
     def _check_clock(self, clock: int, what: str) -> None:
         """bsp: a clock this shard is at or has applied (a later one would wait for pushes that cannot come)."""
@@ -276,6 +288,49 @@ class PSShard:
             self.version = max(self.version, state["version"])
             self.applied_from = [max(a, b) for a, b in zip(self.applied_from, state["applied_from"])]
             return len(self.params)
+
+    def restore(self, state: dict) -> int:
+        """Become exactly ``state`` (every key this shard holds, version and per-worker counts): a resumed job
+        or a rollback. Staged pushes of later clocks are dropped, and a call waiting on them fails at once."""
+        with self.cond:
+            self.params, self.opts = {}, {}
+            self.load(state)
+            self.version = state["version"]
+            self.applied_from = list(state["applied_from"])
+            self.staged, self.means, self.sqs = {}, {}, {}
+            self.halted = False
+            self.epoch += 1
+            self.cond.notify_all()
+            return self.version
+
+    def keep(self, step: int) -> list[int]:
+        """Keep this shard's state at ``step`` in memory (beside the ranks' in-memory snapshot of that step), so
+        a rollback of the ranks takes the shards with them; the first kept state and the two newest stay."""
+        with self.cond:
+            self.kept[step] = copy.deepcopy(self.state())
+            steps = sorted(self.kept)
+            for old in steps[1:-2]:
+                self.kept.pop(old)
+            return sorted(self.kept)
+
+    def roll_back(self, step: int) -> int:
+        """Become the state kept at ``step`` (``LookupError`` naming the steps kept when there is none)."""
+        with self.cond:
+            if step not in self.kept:
+                raise LookupError(f"shard {self.id}: no state kept at step {step} (kept: {sorted(self.kept)})")
+            for later in [s for s in self.kept if s > step]:
+                self.kept.pop(later)  # a future that will not happen
+            return self.restore(copy.deepcopy(self.kept[step]))
+
+    def abort(self) -> int:
+        """A rank died mid-step: drop the staged pushes, end every wait at once and refuse pushes and waits
+        until the rollback (``restore``), so its survivors fail their step quickly, wherever in it they are,
+        instead of waiting for a push that cannot come."""
+        with self.cond:
+            self.staged, self.means, self.sqs = {}, {}, {}
+            self.halted = True
+            self.cond.notify_all()
+            return self.version
 
     def save(self, path: str) -> str:
         """Snapshot every held key to ``path`` (written whole, then renamed, so a reader never sees half)."""

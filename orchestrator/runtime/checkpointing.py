@@ -9,6 +9,8 @@ committed checkpoints the summary reports.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.observability.events import event
@@ -26,6 +28,7 @@ class Checkpointing:
         self.observers = observers
         self.saved: list[str] = []
         self.in_flight: int | None = None  # the step of an async save not yet sealed
+        self.beside_ranks: Callable[[Path], None] | None = None  # writes the PS shards' part into a save's folder
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
@@ -41,6 +44,7 @@ class Checkpointing:
         try:
             if self.async_save:
                 self.wait_async(group)  # at most one save in flight; commit the previous one first
+            self._save_beside_ranks(step)
             group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
         except StepFailed:
             raise
@@ -80,8 +84,15 @@ class Checkpointing:
         self.wait_async(group)
         path = self.ckpt.path_for(step)
         if step not in self.ckpt.complete_steps():  # not ``saved``: that save may have been found corrupt since
+            self._save_beside_ranks(step)
             group.call("save_checkpoint", str(path), False)
             self.committed(step, None)
+
+    def _save_beside_ranks(self, step: int) -> None:
+        """The parameter-server shards' state goes into the same folder first (synchronously: the shards are
+        quiet between steps), so the manifest that seals the ranks' save covers it too."""
+        if self.beside_ranks is not None:
+            self.beside_ranks(self.ckpt.path_for(step))
 
     def committed(self, step: int, seconds: float | None) -> None:
         path = str(self.ckpt.path_for(step))

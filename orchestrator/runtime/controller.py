@@ -207,10 +207,15 @@ class TrainingJob:
         if self.layout is None:  # the first grid: a job file's kill_node must hit a node it can take down
             self.runtime.check_job_faults(self.faults.pending, self.placement)
         self.group = self.runtime.start_group(self.spec, self.placement, self.use_gpu)
+        fresh_shards = p.dp_sync == "ps" and self.ps is None
         if p.dp_sync == "ps":
             self.ps = self.ps or PSShards(self.spec, self.run_dir)
             self.group.worker_extra = {"ps_routes": self.ps.worker_routes()}
-        return Layout.of(self.spec, self.group.form())
+            self.checkpoints.beside_ranks = self.ps.save_checkpoint
+        layout = Layout.of(self.spec, self.group.form())
+        if fresh_shards:  # the ranks registered the initial weights: a rollback to step 0 finds them
+            self.ps.keep(0)
+        return layout
 
     def teardown_grid(self) -> None:
         """Stop the rank actors and give their placement back (nothing is left to stop should a relaunch fail)."""
@@ -234,6 +239,8 @@ class TrainingJob:
     def take_snapshot(self) -> None:
         """Every rank snapshots the current step (replicas ship in the background)."""
         self.group.snapshot()
+        if self.ps is not None:
+            self.ps.keep(self.step)
         self.snapshot_step = self.step
         self._keep_from = -1  # a new group, or rolled back: nothing is known replicated past here yet
 
@@ -242,7 +249,19 @@ class TrainingJob:
         (the freshly formed ranks keep their initial state, step 0)."""
         latest = self.ckpt.latest_verified(purpose)
         self.step = self.group.call("load_checkpoint", str(latest))[0] if latest is not None else 0
+        self.roll_back_shards(latest)
         return latest
+
+    def roll_back_shards(self, checkpoint: Path | None) -> None:
+        """Parameter-server shards follow the ranks to ``self.step``: from ``checkpoint``'s ``ps/`` folder, or
+        the state they kept in memory at that step; then each rank pushes from that clock."""
+        if self.ps is None:
+            return
+        if checkpoint is not None:
+            self.ps.restore_checkpoint(checkpoint, self.step)
+        else:
+            self.ps.roll_back(self.step)
+        self.group.call("ps_resume")
 
     def from_disk(self, purpose: str) -> str:
         """The latest checkpoint that passes its checksums (resharded to the current grid), else step 0."""
@@ -295,9 +314,6 @@ class TrainingJob:
     def _maybe_resume(self) -> str | None:
         if not self.resume:
             return None
-        if self.ps is not None and self.ckpt.latest() is not None:
-            raise RuntimeError("--resume with parallel.dp_sync: ps is not supported yet: checkpoints hold the ranks' "
-                               "weights but not the shards' optimizer state; fix: start the run without --resume")
         latest = self.load_from_disk("resume")
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
@@ -402,6 +418,8 @@ class TrainingJob:
         if not all(math.isfinite(r.loss) for r in results if r.loss is not None):
             raise StepFailed({}, kind="nan_loss")
         if keep_from is not None:
+            if self.ps is not None:
+                self.ps.keep(self._issued)
             self.snapshot_step = self._issued
         self._keep_from = min(r.replicated_step for r in results)  # replicated on every rank: older can go
         return results

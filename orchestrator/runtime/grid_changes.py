@@ -102,6 +102,8 @@ class GridChanges:
         job = self.job
         dead = set(failure.dead)
         job.group.replace(dead)  # starts now, while the survivors' failed step ends
+        if job.ps is not None:  # survivors waiting on the shards for the dead rank's push stop waiting
+            job.ps.abort()
         more = job.group.finish_failed_step()
         phases.lap("survivors")
         if more:
@@ -123,6 +125,7 @@ class GridChanges:
         if decision.source == "memory":
             try:
                 job.step = job.group.restore(replaced, job.step)
+                job.roll_back_shards(None)
                 return "memory"
             except LookupError as why:
                 event("snapshot_lost", reason=why)
@@ -164,6 +167,10 @@ class GridChanges:
         checkpoint (DCP reshards it), else from step 0. Returns where the state came from.
         """
         job = self.job
+        if job.ps is not None:
+            raise RuntimeError("the dead ranks' replacements found no room, and a run with parallel.dp_sync: ps does "
+                               "not shrink (its shards count a fixed number of data ranks); fix: add nodes, or "
+                               "`raymesh run JOB --resume --set parallel.dp=N` from the last checkpoint (it reshards)")
         t0 = time.perf_counter()
         old = job.spec
         kept = job.group.survivor_snapshots(dead, job.step) if job.snapshot_step is not None else None

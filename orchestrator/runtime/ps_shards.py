@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import ray
 
 from orchestrator.api.auth import job_token
 from orchestrator.observability.events import event
 from orchestrator.spec import JobSpec
+from parameter_server import checkpoint
 from parameter_server.clocks import ClockKeeper
 from parameter_server.ring import HashRing
 from parameter_server.shard import PSShard
@@ -105,16 +107,75 @@ class PSShards:
         snapshot = every and step % every == 0
         if all(alive) and not snapshot:
             return
+        with self._paused():
+            for shard, ok in enumerate(alive):
+                if not ok:
+                    self._restart(shard, alive, group, step)
+            if snapshot:
+                paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(self.ps.shards)]
+                answer([h.save.remote(p) for h, p in zip(self.handles, paths)], "the shards' snapshot",
+                       self.deadline_s)
+
+    @contextmanager
+    def _paused(self):
+        """asp/ssp: no worker step runs inside (the shards and the clock keeper agree); bsp: nothing to pause,
+        the shards are quiet between steps."""
         if self.keeper is not None:
             answer(self.keeper.pause.remote(), "the clock keeper (pausing the workers)", self.deadline_s)
-        for shard, ok in enumerate(alive):
-            if not ok:
-                self._restart(shard, alive, group, step)
-        if snapshot:
-            paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(self.ps.shards)]
-            answer([h.save.remote(p) for h, p in zip(self.handles, paths)], "the shards' snapshot", self.deadline_s)
+        try:
+            yield
+        finally:
+            if self.keeper is not None:
+                answer(self.keeper.resume.remote(), "the clock keeper (resuming the workers)", self.deadline_s)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def whole_state(self) -> dict:
+        """Every shard's parameters and optimizer state, joined into whole tensors by name, and the clocks
+        (``parameter_server.checkpoint``)."""
+        with self._paused():
+            states = answer([h.state.remote() for h in self.handles], "the shards' state", self.deadline_s)
+            clocks = {"workers": self.spec.parallel.dp, "version": states[0]["version"],
+                      "applied_from": states[0]["applied_from"]}
+            if self.keeper is not None:
+                kept = answer(self.keeper.state.remote(), "the clock keeper's state", self.deadline_s)
+                clocks.update(keeper_clocks=kept["clocks"], completed=kept["completed"])
+        return checkpoint.whole(states, self.ps.chunk_elems, clocks)
+
+    def save_checkpoint(self, path) -> None:
+        """Into a checkpoint's folder, beside the ranks' files (``Checkpointing.beside_ranks``)."""
+        checkpoint.save(self.whole_state(), path)
+        event("ps_checkpoint", path=path, shards=self.ps.shards)
+
+    def restore_checkpoint(self, path, step: int) -> None:
+        """The shards (and under asp/ssp the clocks) as ``path`` holds them, split for this job's ring: another
+        shard count, chunk size or (bsp) number of data ranks than the saving job's is fine."""
+        flat = checkpoint.load(path)
+        if flat is None:
+            raise RuntimeError(f"--resume with parallel.dp_sync: ps: checkpoint {path} holds no parameter-server "
+                               "state (it was saved by a run without dp_sync: ps), so the shards' optimizer state "
+                               "is not there; fix: resume it with parallel.dp_sync: allreduce, or start afresh")
+        self.restore(flat, step)
+
+    def restore(self, flat: dict, step: int) -> None:
+        """Load ``whole_state``'s answer into every shard (bsp: at clock ``step``)."""
+        clocks = checkpoint.clocks(flat)
+        dp = self.spec.parallel.dp
+        if self.keeper is not None and clocks["workers"] != dp:
+            raise RuntimeError(f"--resume with parameter_server.consistency {self.ps.consistency}: the checkpoint "
+                               f"was saved with parallel.dp={clocks['workers']}, this job has dp={dp}, and each "
+                               "worker's clock belongs to one data rank; fix: resume at "
+                               f"parallel.dp={clocks['workers']}, or with consistency: bsp")
+        self._check_names(flat)
+        states = checkpoint.shard_states(flat, self.ring, self.ps.chunk_elems, self.ps.server_optim(self.spec.optim))
+        for state in states:
+            state["version"] = step if self.keeper is None else clocks["version"]
+            state["applied_from"] = clocks["applied_from"] if clocks["workers"] == dp else [0] * dp
+        answer([h.restore.remote(st) for h, st in zip(self.handles, states)], "the shards (restoring)",
+               self.deadline_s)
         if self.keeper is not None:
-            answer(self.keeper.resume.remote(), "the clock keeper (resuming the workers)", self.deadline_s)
+            answer(self.keeper.restore.remote(clocks["keeper_clocks"], clocks["completed"]),
+                   "the clock keeper (restoring)", self.deadline_s)
 
     def _alive(self) -> list[bool]:
         refs = [h.ping.remote() for h in self.handles]
@@ -148,6 +209,37 @@ class PSShards:
         self.recoveries.append({"kind": "kill_ps_shard", "rank": -1, "shard": shard, "at_step": at_step,
                                 "lost_steps": 0, "source": "replica", "mttr_s": time.perf_counter() - t0})
         event("ps_shard_restarted", shard=shard, keys=keys, step=step)
+
+    def _check_names(self, flat: dict) -> None:
+        """The keys are per pipeline stage and tensor-parallel slice: a checkpoint of another pp or tp layout
+        has other names (refused naming them, before any shard changes)."""
+        clocks = answer([h.clock.remote() for h in self.handles], "the shards' layout", self.deadline_s)
+        held = {name for c in clocks for name in c["layout"]}
+        saved = {k.removeprefix(checkpoint.PARAM) for k in flat if k.startswith(checkpoint.PARAM)}
+        if saved != held:
+            raise RuntimeError(f"--resume with parallel.dp_sync: ps: the checkpoint's shard keys do not match this "
+                               f"layout's (only in the checkpoint: {sorted(saved - held)[:3]}, only here: "
+                               f"{sorted(held - saved)[:3]}): PS keys follow the pipeline stages and tensor-parallel "
+                               "slices; fix: resume at the saving job's parallel.pp and parallel.tp (dp and "
+                               "parameter_server.shards may change)")
+
+    # -- rolling back with the ranks (bsp) ------------------------------------------------------
+
+    def keep(self, step: int) -> None:
+        """bsp: every shard keeps its state at ``step``, beside the ranks' in-memory snapshot of it. (asp/ssp
+        keep nothing: a rank failure there is refused, and their resume comes from a checkpoint.)"""
+        if self.keeper is None:
+            answer([h.keep.remote(step) for h in self.handles], f"the shards (keeping step {step})", self.deadline_s)
+
+    def roll_back(self, step: int) -> None:
+        """bsp: every shard back to the state it kept at ``step``; ``LookupError`` when one has none."""
+        if self.keeper is None:
+            answer([h.roll_back.remote(step) for h in self.handles], f"the shards (rolling back to step {step})",
+                   self.deadline_s)
+
+    def abort(self) -> None:
+        """A rank died mid-step: the shards drop that step's pushes and end the survivors' waits at once."""
+        answer([h.abort.remote() for h in self.handles], "the shards (aborting the failed step)", self.deadline_s)
 
     # -- end of run ----------------------------------------------------------------------------
 

@@ -219,8 +219,12 @@ class RankGroup:
     def mirrored(self) -> bool:
         """Under plain all-reduce data parallelism (zero 0) the holder's own state is bit for bit the rank's
         (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
-        is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped."""
-        return dp_replicas_mirror(self.spec.parallel)
+        is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped. BSP parameter-server
+        ranks mirror too: each pulls the same weights after every step (their optimizer state is on the shards,
+        which keep their own state beside the snapshot: ``PSShards.keep``)."""
+        p = self.spec.parallel
+        bsp_ps = p.dp_sync == "ps" and self.spec.parameter_server.consistency == "bsp" and p.grid.dp > 1
+        return dp_replicas_mirror(p) or bsp_ps
 
     def _holder_actor(self, rank: int):
         holder = self.holder(rank)

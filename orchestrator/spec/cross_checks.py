@@ -33,8 +33,6 @@ def check_parameter_server(job: JobSpec) -> None:
     unsupported = [
         ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
          "set parallel.zero: 0"),
-        ("parallel.tp", p.tp, p.grid.tp_enabled, "tensor-parallel shards of a parameter are not keyed separately yet",
-         "set parallel.tp: 1, or parallel.dp_sync: allreduce"),
         ("precision.dtype", job.precision.dtype, job.precision.dtype == "fp16",
          "a skipped fp16 step would leave the shards waiting for its push", "use bf16 or fp32"),
         ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.grid.pp_enabled,
@@ -52,9 +50,14 @@ def check_parameter_server(job: JobSpec) -> None:
         raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
                         "set optim.momentum (e.g. 0.9), or optimizer: sgd")
     for i, f in enumerate(job.faults):
-        if f.kind in ("kill_rank", "kill_node", "hang_rank", "nan_loss", "raise_error", "oom"):
-            raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (the "
-                            "shards are not rolled back with the ranks)", "use slow_rank or kill_ps_shard")
+        if f.kind == "kill_rank" and ps.consistency != "bsp":
+            raise SpecError(f"faults.{i}.kind", f.kind, f"is not recoverable with parameter_server.consistency "
+                            f"{ps.consistency} (a worker's free-running steps are not rolled back or handed over)",
+                            "use consistency: bsp (the shards roll back with the ranks), or slow_rank")
+        if f.kind in ("kill_node", "hang_rank", "nan_loss", "raise_error", "oom"):
+            raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (only a "
+                            "killed rank is: kill_rank under consistency bsp)", "use kill_rank, slow_rank or "
+                            "kill_ps_shard")
         if f.kind == "kill_ps_shard" and (ps.shards < 2 or f.shard >= ps.shards):
             raise SpecError(f"faults.{i}.shard", f.shard, f"is not a shard that can die and be taken over "
                             f"(parameter_server.shards={ps.shards}; a replica needs at least 2)",

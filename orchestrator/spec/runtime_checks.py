@@ -134,9 +134,10 @@ def _raymesh_file_sd(path: Path) -> bool:
         isinstance(e, dict) and isinstance(e.get("labels"), dict) and "raymesh_job" in e["labels"] for e in entries)
 
 
-# what raymesh writes in a checkpoint step directory: DCP's files, its checksum manifest, temp files
+# what raymesh writes in a checkpoint step directory: DCP's files, its checksum manifest, temp files, and the
+# parameter-server shards' own DCP folder (parameter_server.checkpoint.FOLDER)
 _STEP_ENTRY = re.compile(r"^step-\d{8}(\.corrupt)?$")
-_CHECKPOINT_FILE = re.compile(rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|.*\.tmp)$")
+_CHECKPOINT_FILE = re.compile(rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|.*\.tmp|ps)$")
 
 
 def _foreign_checkpoint_entry(root: Path) -> Path | None:

@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -47,15 +48,38 @@ def test_ring_spreads_chunks_and_names_a_distinct_successor():
     assert HashRing(1).holders("w#0") == [0]
 
 
-def test_bsp_matches_allreduce(allreduce_dp4, token_data, tmp_path):
-    result = TrainingJob(_ps_spec(token_data, tmp_path, consistency="bsp"), progress=False).run()
-    assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
-    assert result.grad_norms == pytest.approx(allreduce_dp4.grad_norms, rel=1e-5)
+@pytest.fixture(scope="module")
+def bsp_dp4(ray_cluster, token_data, tmp_path_factory):
+    return TrainingJob(_ps_spec(token_data, tmp_path_factory.mktemp("bsp"), consistency="bsp"), progress=False).run()
 
 
-def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
-    """pp x dp: each stage's parameters are their own keys; the clip norm is summed over stages."""
-    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "pp": 2, "dp_sync": "ps"}, train={"steps": STEPS},
+def test_bsp_matches_allreduce(allreduce_dp4, bsp_dp4):
+    assert bsp_dp4.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
+    assert bsp_dp4.grad_norms == pytest.approx(allreduce_dp4.grad_norms, rel=1e-5)
+
+
+def test_bsp_resumes_exactly_and_at_another_dp_and_shard_count(bsp_dp4, token_data, tmp_path):
+    """Stopped at step 3 with a checkpoint (shards' weights, Adam moments, clocks in it), then resumed: at the same
+    layout bit-identically, at dp=2 over 2 shards with another chunk size on the uninterrupted curve."""
+    base = _ps_spec(token_data, tmp_path, consistency="bsp").with_overrides(["checkpoint.every=3"])
+    first = TrainingJob(base.with_overrides(["train.steps=3"]), progress=False).run()
+    assert first.losses == bsp_dp4.losses[:3]
+    assert (Path(first.checkpoints[0]) / "ps" / ".metadata").is_file()
+    for layout, exact in ((["parallel.dp=4"], True),
+                          (["parallel.dp=2", "parameter_server.shards=2", "parameter_server.chunk_elems=700"], False)):
+        resumed = TrainingJob(base.with_overrides([*layout, "checkpoint.every=0"]), resume=True, progress=False).run()
+        assert resumed.resumed_from == first.checkpoints[0]
+        if exact:
+            assert resumed.losses == bsp_dp4.losses[3:]
+        else:
+            assert resumed.losses == pytest.approx(bsp_dp4.losses[3:], rel=1e-5), layout
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}], ids=["pp2-dp2", "tp2-dp2"])
+def test_bsp_with_model_parallelism_matches_the_reference(layout, token_data, tmp_path):
+    """pp x dp: each stage's parameters are their own keys, the clip norm summed over stages; tp x dp: each TP
+    rank's slices are keys of their own, replicated parameters one key for both, the norm summed over TP."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, **layout, "dp_sync": "ps"}, train={"steps": STEPS},
                      parameter_server={"shards": 2}, checkpoint={"memory_every": 0})
     result = TrainingJob(spec, progress=False).run()
     losses, norms = reference_run(spec, STEPS)
@@ -63,9 +87,22 @@ def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
     assert result.grad_norms == pytest.approx(norms, rel=1e-4)
 
 
+def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_dp4, token_data, tmp_path):
+    """Rank 1 dies in step 5; the ranks' newest snapshot is step 3 (memory_every 3), and the shards, which have
+    applied step 4 since, go back with them to the state they kept at step 3 (a survivor blocked on the dead rank's
+    push is freed by the shards at once)."""
+    spec = _ps_spec(token_data, tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 5}], consistency="bsp")
+    spec = spec.with_overrides(["checkpoint.memory_every=3", "fault_tolerance.heartbeat_timeout_s=20",
+                                "fault_tolerance.collective_timeout_s=5"])
+    result = TrainingJob(spec, progress=False).run()
+    assert result.losses == bsp_dp4.losses and result.grad_norms == bsp_dp4.grad_norms
+    [rec] = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 5, "memory", 1)
+    assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
+
+
 @pytest.mark.parametrize("sections, field", [
     ({"parallel": {"dp_sync": "ps", "dp": 2, "zero": 2}}, "parallel.zero"),
-    ({"parallel": {"dp_sync": "ps", "dp": 2, "tp": 2}}, "parallel.tp"),
     ({"parallel": {"dp_sync": "ps", "dp": 2, "pp": 2}, "train": {"microbatches": 2},
       "parameter_server": {"consistency": "asp"}},
      "parameter_server.consistency"),
@@ -73,7 +110,9 @@ def test_bsp_with_pipeline_stages_matches_the_reference(token_data, tmp_path):
     ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"shards": 1},
       "faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.shard"),
     ({"faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.kind"),
-    ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "kill_rank", "at_step": 2}]}, "faults.0.kind"),
+    ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"consistency": "ssp"},
+      "faults": [{"kind": "kill_rank", "at_step": 2}]}, "faults.0.kind"),
+    ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "hang_rank", "at_step": 2}]}, "faults.0.kind"),
 ])
 def test_unsupported_combinations_are_spec_errors(sections, field):
     with pytest.raises(SpecError) as err:

@@ -222,7 +222,7 @@ def test_a_live_fault_is_checked_against_the_whole_job_like_a_job_file_entry():
     ps = JobSpec.from_dict({"data": {"path": "d"}, "train": {"steps": 5},
                             "parallel": {"dp": 2, "dp_sync": "ps"}})
     with pytest.raises(ValueError, match="not recoverable with parallel.dp_sync: ps"):
-        validated_fault({"kind": "kill_rank", "rank": 1, "at_step": 2, "factor": 3.0}, ps, None, None)
+        validated_fault({"kind": "hang_rank", "rank": 1, "at_step": 2, "factor": 3.0}, ps, None, None)
     with pytest.raises(ValueError, match="after the last step 5"):
         validated_fault({"kind": "slow_rank", "rank": 1, "at_step": 6, "factor": 3.0}, ps, None, None)
     assert validated_fault({"kind": "slow_rank", "rank": 1, "at_step": 2, "factor": 3.0}, ps, None, None)["rank"] == 1

@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from parameter_server.client import PSClient, RayConn
 from workers.diagnostics.faults import NO_FAULT, StepFault
@@ -35,6 +36,29 @@ def _conn(route: dict, transport: str):
     return RayConn(route["handle"])
 
 
+def _tp_sharded(param) -> bool:
+    return isinstance(param, DTensor) and any(not pl.is_replicate() for pl in param.placements)
+
+
+def _key(name: str, param, tp_rank: int) -> str:
+    """A tensor-parallel slice is a key of its own (``name@tp1``): each TP rank pushes and pulls only its slice;
+    a replicated parameter keeps one key that every TP rank of a data rank pushes (the same gradient)."""
+    return f"{name}@tp{tp_rank}" if _tp_sharded(param) else name
+
+
+def _local(param) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor's local tensor: writing it writes the parameter)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _local_grad(param) -> torch.Tensor:
+    """This rank's gradient, laid out like its part of the parameter (a partial one is summed over TP now)."""
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        return grad.redistribute(grad.device_mesh, param.placements).to_local()
+    return grad
+
+
 class PSSync:
     def __init__(self, trainer, spec: WorkerSpec):
         ps, routes = spec.parameter_server, spec.raw["ps_routes"]
@@ -46,9 +70,13 @@ class PSSync:
         self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,
                                ps.virtual_nodes, worker=self.worker)
         self.keeper = routes.get("keeper")
-        self.named = {f"stage{sid}.{n}": p for sid, m in zip(trainer.parts.stage_ids, trainer.parts.modules)
+        self.tp_group = trainer.mesh["tp"].get_group() if spec.parallel.grid.tp_enabled else None
+        stages = zip(trainer.parts.stage_ids, trainer.parts.modules)
+        self.named = {_key(f"stage{sid}.{n}", p, trainer.coords.tp): p for sid, m in stages
                       for n, p in m.named_parameters()}
-        self.client.register({n: p.detach() for n, p in self.named.items()})
+        self.tp_keys = [n for n, p in self.named.items() if _tp_sharded(p)]
+        self.whole_keys = [n for n in self.named if n not in self.tp_keys]
+        self.client.register({n: _local(p).detach() for n, p in self.named.items()})
         self.clock = 0
         self.thread: threading.Thread | None = None  # asp/ssp: this worker's free-running steps
         self.lock = threading.Lock()
@@ -61,23 +89,35 @@ class PSSync:
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
 
+    def resume_at(self, step: int) -> int:
+        """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp at the
+        clock the keeper gives this worker; returns that clock."""
+        import ray
+
+        self.clock = step if not self.asynchronous else ray.get(self.keeper.state.remote())["clocks"][self.worker]
+        return self.clock
+
     def _grads(self) -> dict[str, torch.Tensor]:
         """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
-        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named.items()}
+        return {n: _local_grad(p) if p.grad is not None else torch.zeros_like(_local(p))
+                for n, p in self.named.items()}
 
     def _load(self, min_version: int = 0, clock: int | None = None) -> None:
         """Copy the shards' values into the model; ``clock`` -1 marks a read outside training (not recorded)."""
         fresh = self.client.pull(list(self.named), min_version, clock=self.clock if clock is None else clock)
         with torch.no_grad():
             for n, p in self.named.items():
-                p.copy_(fresh[n])
+                _local(p).copy_(fresh[n])
 
     def sync(self) -> float:
         """bsp: push, clip on the global norm of the averaged gradient, apply, pull; returns that norm (the
         shards step at the job's learning rate for this clock, the one this rank's scheduler reports)."""
         t = self.clock
         self.client.push(t, self._grads())
-        sq = torch.tensor(self.client.grad_sq(t, list(self.named)), dtype=torch.float64)
+        sq = torch.tensor(self.client.grad_sq(t, self.tp_keys), dtype=torch.float64)
+        if self.tp_group is not None:  # each tensor-parallel rank's own slices; the replicated rest once
+            dist.all_reduce(sq, group=self.tp_group)
+        sq += self.client.grad_sq(t, self.whole_keys)
         if self.trainer.pp_group is not None:
             dist.all_reduce(sq, group=self.trainer.pp_group)
         norm = math.sqrt(float(sq))

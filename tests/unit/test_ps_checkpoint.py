@@ -1,0 +1,119 @@
+"""The shards' checkpoint part, no Ray: whole tensors by name survive a DCP round trip, and shards rebuilt from them
+for another shard count and chunk size take the next BSP step exactly as the shards that saved them would have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parameter_server import checkpoint
+from parameter_server.client import PSClient
+from parameter_server.ring import HashRing
+from parameter_server.shard import PSShard
+
+ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
+LRS = [0.1, 0.05, 0.02, 0.01]
+WORKERS = 2
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class LocalConn:
+    """A shard called in this process (the calls of one BSP step never wait: every push comes first)."""
+
+    def __init__(self, shard: PSShard):
+        self.shard = shard
+
+    def __getattr__(self, method):
+        return lambda *args: _Done(getattr(self.shard, method)(*args))
+
+
+def cluster(shards: int, chunk_elems: int, params: dict) -> tuple[list[PSShard], list[PSClient]]:
+    servers = [PSShard(i, "bsp", ADAMW, WORKERS, LRS) for i in range(shards)]
+    clients = [PSClient([LocalConn(s) for s in servers], chunk_elems, 16, worker=w) for w in range(WORKERS)]
+    for c in clients:
+        c.register(params)
+    return servers, clients
+
+
+def bsp_step(clients: list[PSClient], clock: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    for c in clients:
+        c.push(clock, {n: torch.randn(tuple(v["shape"]), generator=gen) for n, v in c.layout.items()})
+    names = list(clients[0].layout)
+    clients[0].apply(clock, 1.0)  # no clipping: the norm's sum over chunks would follow the chunk size
+    return clients[0].pull(names, clock + 1)
+
+
+def test_resharded_shards_take_the_next_step_bit_identically(tmp_path):
+    params = {"stage0.w": torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), "stage0.b": torch.zeros(7)}
+    servers, clients = cluster(3, 5, params)
+    for clock in range(2):
+        bsp_step(clients, clock, seed=clock)
+    flat = checkpoint.whole([s.state() for s in servers], 5, {"workers": WORKERS, "version": 2,
+                                                              "applied_from": [0] * WORKERS})
+    assert set(flat) >= {"ps.param/stage0.w", "ps.opt/stage0.w/exp_avg_sq", "ps.opt/stage0.w/step",
+                         "ps.clock/version"}
+    assert flat["ps.opt/stage0.w/exp_avg"].shape == (24,) and float(flat["ps.opt/stage0.w/step"]) == 2
+    checkpoint.save(flat, tmp_path)
+    loaded = checkpoint.load(tmp_path)
+    assert loaded.keys() == flat.keys() and all(torch.equal(loaded[k], flat[k]) for k in flat)
+    assert checkpoint.load(tmp_path / "elsewhere") is None  # an all-reduce run's checkpoint has no ps/ folder
+
+    fresh, fresh_clients = cluster(2, 4, {n: torch.full_like(p, 9.0) for n, p in params.items()})
+    states = checkpoint.shard_states(loaded, HashRing(2, 16), 4, ADAMW)
+    for shard, state in zip(fresh, states):
+        shard.restore({**state, "version": 2, "applied_from": [0] * WORKERS})
+    assert all(torch.equal(a, b) for a, b in zip(clients[0].pull(list(params)).values(),
+                                                  fresh_clients[0].pull(list(params)).values()))
+    want, got = bsp_step(clients, 2, seed=7), bsp_step(fresh_clients, 2, seed=7)
+    assert all(torch.equal(want[n], got[n]) for n in params)  # Adam's moments and step came along exactly
+
+
+def test_restore_ends_a_wait_on_a_discarded_clock():
+    """A rollback while a worker waits for a clock that will never complete fails that wait at once."""
+    import threading
+
+    shard = PSShard(0, "bsp", ADAMW, WORKERS, LRS)
+    shard.register({"w#0": torch.ones(3)})
+    shard.push(0, 0, {"w#0": torch.ones(3)})  # worker 1 dies before pushing
+    errors = []
+    waiter = threading.Thread(target=lambda: _catch(errors, lambda: shard.apply(0, 1.0, timeout_s=30)))
+    waiter.start()
+    state = shard.state()
+    shard.restore({**state, "version": 0, "applied_from": [0, 0]})
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and "aborted or rolled back (version 0)" in str(errors[0])
+    assert shard.staged == {}
+
+
+def _catch(errors: list, call) -> None:
+    try:
+        call()
+    except RuntimeError as exc:
+        errors.append(exc)
+
+
+def test_abort_refuses_pushes_and_waits_until_the_rollback():
+    """A survivor that reaches the shards only after the abort fails at once too (not after WAIT_S)."""
+    shard = PSShard(0, "bsp", ADAMW, WORKERS, LRS)
+    shard.register({"w#0": torch.ones(3)})
+    shard.keep(0)
+    shard.push(0, 0, {"w#0": torch.ones(3)})
+    shard.abort()
+    with pytest.raises(RuntimeError, match="rolled back with the ranks; nothing applied"):
+        shard.push(1, 0, {"w#0": torch.ones(3)})
+    with pytest.raises(RuntimeError, match="aborted or rolled back"):
+        shard.grad_sq(0, ["w#0"], timeout_s=30)
+    shard.roll_back(0)
+    for worker in range(WORKERS):
+        shard.push(worker, 0, {"w#0": torch.ones(3)})
+    assert shard.apply(0, 1.0) == 1
+    with pytest.raises(LookupError, match=r"no state kept at step 3 \(kept: \[0\]\)"):
+        shard.roll_back(3)
