@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -71,13 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    data = args.data
-    if data is None:
-        from workers.data import prepare_data
+    if args.data is None:
+        from workers.data.prepare import prepare_small_corpus
 
-        data = Path(tempfile.mkdtemp(prefix="moe-bench-data-"))
-        prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
-    rows = measure(data, args.steps, args.d_ff, args.experts, args.top_k)
+        args.data = prepare_small_corpus("moe-bench-data-")
+    rows = measure(args.data, args.steps, args.d_ff, args.experts, args.top_k)
     for name, row in rows.items():
         extra = f"  {row['step_vs_ep1']:.2f}x ep1" if "step_vs_ep1" in row else ""
         print(f"{name:>8}: loss {row['loss']:.4f} after {row['tokens']} tokens, step {row['step_s'] * 1e3:.1f} ms "

@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -88,13 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    data = args.data
-    if data is None:
-        from workers.data import prepare_data
+    if args.data is None:
+        from workers.data.prepare import prepare_small_corpus
 
-        data = Path(tempfile.mkdtemp(prefix="pipedream-bench-data-"))
-        prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
-    rows = measure(data, args.steps, tuple(args.depths))
+        args.data = prepare_small_corpus("pipedream-bench-data-")
+    rows = measure(args.data, args.steps, tuple(args.depths))
     for name, r in rows.items():
         print(f"{name:>20}: {r['tokens_per_s']:8.0f} tok/s ({r['throughput_vs_1f1b']:.2f}x 1f1b), bubble "
               f"{r['bubble']:.1%}, {r['stashed_versions']} stashed version(s) of {r['bytes_per_version'] / 2**10:.0f} "
