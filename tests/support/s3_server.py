@@ -14,7 +14,11 @@ def s3_server(bucket: str) -> Iterator:
     from here inherit them), create ``bucket``; yield an fsspec S3 file system for it (listings uncached)."""
     import fsspec
     from moto.server import ThreadedMotoServer
+    from s3fs import S3FileSystem
 
+    # fsspec keeps one S3FileSystem per set of arguments for the life of the process, bound to the endpoint in
+    # the environment when it was made: an earlier server's instance would be reused and connect to a dead port
+    S3FileSystem.clear_instance_cache()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -28,3 +32,4 @@ def s3_server(bucket: str) -> Iterator:
             yield fs
     finally:
         server.stop()
+        S3FileSystem.clear_instance_cache()
