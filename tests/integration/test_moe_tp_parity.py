@@ -34,6 +34,8 @@ TP2 = {  # name: (arch, router, parallel), on 2 ranks
 WORLD8 = {  # on 8 ranks
     "gpt-topk-dp4-ep2-tp2": ("gpt", "topk", {"dp": 4, "ep": 2, "tp": 2}),
     "llama-switch-dp4-ep2-tp2": ("llama", "switch", {"dp": 4, "ep": 2, "tp": 2}),
+    # after the jobs above in the same processes: the pp schedule's first step used to meet their stale meshes
+    "gpt-topk-dp2-ep2-pp2-tp2": ("gpt", "topk", {"dp": 2, "ep": 2, "pp": 2, "tp": 2}),
 }
 
 

@@ -46,7 +46,7 @@ def init_mesh(
 def forget_previous_meshes() -> None:
     """Drop DTensor's cached sharding decisions, which may hold a mesh of a process group destroyed since.
 
-    Works around torch (2.11 to 2.13 at least): ``DeviceMesh.__eq__``/``__hash__`` compare ranks, layout and dim
+    Works around torch (seen on 2.13): ``DeviceMesh.__eq__``/``__hash__`` compare ranks, layout and dim
     names but not the mesh's process groups, and DTensor caches each op's output spec (mesh included) keyed on
     its inputs' specs. After ``destroy_process_group`` and a new group in the same process (a Ray survivor
     re-forming its group in recovery, or several jobs in one process), an op on the new mesh can hit an entry
