@@ -25,8 +25,7 @@ def _doubled_gather(mesh):
 
     tp = mesh["tp"]
     doubled = distribute_tensor(torch.arange(8.0).reshape(4, 2), tp, [Shard(0)]) * 2
-    names = (list(doubled.device_mesh._dim_group_names), list(tp._dim_group_names))
-    return doubled.full_tensor().tolist(), names
+    return doubled.full_tensor().tolist(), (doubled.device_mesh.get_group().group_name, tp.get_group().group_name)
 
 
 def _rank(rank: int, ports: list[int], results) -> None:
