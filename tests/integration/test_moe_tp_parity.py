@@ -3,10 +3,11 @@
 The MoE feed-forward is replicated over the tp ranks (``workers.model.gpt_parallel.moe_style``) while attention
 and the dense blocks are Megatron-split; with sequence parallelism its input is gathered from the sequence
 shards and its output cut back. Checked without Ray (tests/support/parity_harness.py): tp=2 with and without
-sequence parallelism on both families, and dp=4 x ep=2 x tp=2 (world 8: ep borrows its ranks from dp), for the
-topk and switch routers (switch with capacity_factor 1.0, so tokens really drop, and expert dropout). The model
-is tiny (2 layers, d_model 32, 4 experts, routing groups per sequence); each spawn trains all of its jobs
-(``run_layouts``).
+sequence parallelism on both families, dp=4 x ep=2 x tp=2 (world 8: ep borrows its ranks from dp), for the
+topk and switch routers (switch with capacity_factor 1.0, so tokens really drop, and expert dropout), and
+dp=2 x pp=2 x tp=2 with and without ep=2 (topk). The model is tiny (2 layers, d_model 32, 4 experts, routing
+groups per sequence); each spawn trains all of its jobs (``run_layouts``), so a later job also checks that a
+process re-joining a group computes on the new group's meshes (``process_group.forget_previous_meshes``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ TP2 = {  # name: (arch, router, parallel), on 2 ranks
 WORLD8 = {  # on 8 ranks
     "gpt-topk-dp4-ep2-tp2": ("gpt", "topk", {"dp": 4, "ep": 2, "tp": 2}),
     "llama-switch-dp4-ep2-tp2": ("llama", "switch", {"dp": 4, "ep": 2, "tp": 2}),
+    # after the jobs above in the same processes: the pp schedule's first step used to meet their stale meshes
+    "gpt-topk-dp2-ep2-pp2-tp2": ("gpt", "topk", {"dp": 2, "ep": 2, "pp": 2, "tp": 2}),
+    "llama-topk-dp2-pp2-tp2": ("llama", "topk", {"dp": 2, "pp": 2, "tp": 2}),
 }
 
 

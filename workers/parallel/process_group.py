@@ -39,7 +39,25 @@ def init_mesh(
             keep_links_on_loopback()
         store = join_store(rank, world_size, master_addr, master_port, timeout, listener)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    forget_previous_meshes()
     return _mesh(device, grid.mesh_shape, grid.mesh_dims, timeout_s)
+
+
+def forget_previous_meshes() -> None:
+    """Drop DTensor's cached sharding decisions, which may hold a mesh of a process group destroyed since.
+
+    Works around torch (seen on 2.13): ``DeviceMesh.__eq__``/``__hash__`` compare ranks, layout and dim
+    names but not the mesh's process groups, and DTensor caches each op's output spec (mesh included) keyed on
+    its inputs' specs. After ``destroy_process_group`` and a new group in the same process (a Ray survivor
+    re-forming its group in recovery, or several jobs in one process), an op on the new mesh can hit an entry
+    made with the old one, equal by those rules, and its result then names the old mesh's group names: a
+    name no longer registered ("Could not resolve the process group registered under the name N", as in
+    ``torch.distributed.pipelining``'s first step), or worse, a name the new job gave to another group. Emptying
+    the caches whenever a group is joined makes every spec from then on carry a mesh of the live group.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def join_store(rank: int, world_size: int, addr: str, port: int, timeout: timedelta,
