@@ -108,14 +108,7 @@ class TopK:
 
     def __call__(self, _state, bucket) -> torch.futures.Future:
         buffer, world, key = bucket.buffer(), self.group.size(), bucket.index()
-        if key in self.errors:
-            buffer.add_(self.errors[key])
-        k = max(1, int(buffer.numel() * self.ratio))
-        indices = buffer.abs().topk(k, sorted=False).indices
-        values = buffer[indices]
-        error = buffer.clone()
-        error[indices] = 0
-        self.errors[key] = error
+        indices, values, self.errors[key] = topk_with_feedback(buffer, self.ratio, self.errors.get(key))
         gathered_v = [torch.empty_like(values) for _ in range(world)]
         gathered_i = [torch.empty_like(indices, dtype=torch.int32) for _ in range(world)]
         dist.all_gather(gathered_v, values, group=self.group)
@@ -124,6 +117,21 @@ class TopK:
         for v, i in zip(gathered_v, gathered_i):
             buffer.index_add_(0, i.long(), v)
         return completed(buffer.div_(world))
+
+
+def topk_with_feedback(flat: torch.Tensor, ratio: float, error: torch.Tensor | None):
+    """``(indices, values, error)``: the ``ratio`` largest-magnitude entries of ``flat`` plus the last ``error``
+    (at least one), and what was left out, the next call's error. Adds ``error`` into ``flat`` in place.
+
+    Shared by the all-reduce hook above and the parameter server's wire compression
+    (``parameter_server.compression``)."""
+    if error is not None:
+        flat.add_(error)
+    k = max(1, int(flat.numel() * ratio))
+    indices = flat.abs().topk(k, sorted=False).indices
+    left = flat.clone()
+    left[indices] = 0
+    return indices, flat[indices], left
 
 
 def _views(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
