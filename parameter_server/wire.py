@@ -34,7 +34,7 @@ def _sparse(msg: ps_pb2.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
         raise ValueError(f"tensor {msg.key!r}: a position outside shape {list(msg.shape)}")
     values = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype) if msg.data else \
         torch.empty(0, dtype=dtype)
-    return torch.sparse_coo_tensor(positions.unsqueeze(0), values, (numel,))
+    return torch.sparse_coo_tensor(positions.unsqueeze(0), values, (numel,), check_invariants=True)
 
 
 def from_msg(msg: ps_pb2.Tensor) -> torch.Tensor:
