@@ -70,7 +70,7 @@ def test_bytes_on_the_wire():
 
 
 def test_sparse_message_round_trip_and_refusals():
-    grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), torch.tensor([2.5, -1.0]), (6,))
+    grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), torch.tensor([2.5, -1.0]), (6,), check_invariants=True)
     back = from_msg(to_msg("w#0", grad))
     assert back.is_sparse and torch.equal(back.to_dense(), grad.to_dense())
     bad = to_msg("w#0", grad)
@@ -83,7 +83,8 @@ def test_sparse_message_round_trip_and_refusals():
     shard = PSShard(0, "bsp", SGD, 1, [1.0])
     shard.register({"w#0": torch.zeros(6)})
     with pytest.raises(ValueError, match=r"sparse shape \(7,\), expected \(6,\)"):
-        shard.push(0, 0, {"w#0": torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (7,))})
+        shard.push(0, 0, {"w#0": torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (7,),
+                                                                   check_invariants=True)})
     with pytest.raises(ValueError, match="wire_dtype 'float16'"):
         shard.pull(["w#0"], wire_dtype="float16")
 
@@ -128,3 +129,58 @@ def test_skip_passes_a_clock_without_a_step_and_never_drops_a_push():
     shard.push(1, 1, {"w#0": torch.ones(3)})
     shard.apply(1, 1.0)
     assert shard.opts["w#0"].param_groups[0]["lr"] == 0.2  # the step after a skip runs at its own step's rate
+
+
+def _spec(parallel: dict | None = None, **sections):
+    from orchestrator import JobSpec
+
+    return JobSpec.from_dict({"data": {"path": "d"}, "parallel": {"dp": 2, "dp_sync": "ps", **(parallel or {})},
+                              **sections})
+
+
+@pytest.mark.parametrize(("sections", "field", "value", "fix"), [
+    ({"parameter_server": {"compression": "bf16", "topk_ratio": 0.05}}, "parameter_server.topk_ratio", 0.05,
+     "compression: topk"),
+    ({"parallel": {"grad_compression": "bf16"}}, "parallel.grad_compression", "bf16", "parameter_server.compression"),
+    ({"precision": {"dtype": "fp16"}, "parameter_server": {"consistency": "ssp"}}, "precision.dtype", "fp16",
+     "consistency: bsp"),
+])
+def test_spec_refusals_name_field_value_and_fix(sections, field, value, fix):
+    from orchestrator.errors import SpecError
+
+    parallel = sections.pop("parallel", None)
+    with pytest.raises(SpecError) as info:
+        _spec(parallel, **sections)
+    assert (info.value.field, info.value.value) == (field, value) and fix in info.value.fix
+
+
+def test_spec_accepts_compression_and_fp16_under_bsp():
+    job = _spec(precision={"dtype": "fp16"}, parameter_server={"compression": "topk", "topk_ratio": 0.05})
+    assert job.worker_dict()["parameter_server"]["topk_ratio"] == 0.05
+
+
+@pytest.mark.parametrize("kind", ["bf16", "topk"])
+def test_grpc_carries_the_same_compressed_messages(kind):
+    """The same steps over the shards' real gRPC service (sparse pushes, bf16 pulls) give what in-process calls
+    give, byte for byte."""
+    from parameter_server.grpc_service import GrpcConn, serve
+
+    params = {"w": torch.randn(12, 9, generator=torch.Generator().manual_seed(2))}
+    grads = [{"w": torch.randn(12, 9, generator=torch.Generator().manual_seed(3 + s))} for s in range(3)]
+    shards, (local,) = cluster(1, {"kind": kind, "topk_ratio": 0.2}, ADAMW, params)
+    remote_shards = [PSShard(i, "bsp", ADAMW, 1, [ADAMW["lr"]] * 50) for i in range(2)]
+    endpoints = [serve(s, "127.0.0.1", "t") for s in remote_shards]
+    try:
+        remote = PSClient([GrpcConn(e.address, "t") for e in endpoints], 64, 16, worker=0,
+                          codec=WireCodec(kind, 0.2))
+        remote.register(params)
+        for clock, g in enumerate(grads):
+            for client in (local, remote):
+                client.push(clock, g)
+                client.apply(clock, 1.0)
+            want, got = local.pull(["w"], clock + 1)["w"], remote.pull(["w"], clock + 1)["w"]
+            assert torch.equal(want, got) and local.take_wire_bytes() == remote.take_wire_bytes()
+        assert torch.equal(remote_shards[0].params["w#0"], shards[0].params["w#0"])  # fp32 state, not bf16
+    finally:
+        for e in endpoints:
+            e.server.stop(0)
