@@ -92,10 +92,12 @@ class PSSync:
 
     def resume_at(self, step: int) -> int:
         """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp at the
-        clock the keeper gives this worker; returns that clock."""
+        clock the keeper gives this worker; returns that clock. Top-k's error feedback starts again at zero (it
+        is not in snapshots or checkpoints)."""
         import ray
 
         self.clock = step if not self.asynchronous else ray.get(self.keeper.state.remote())["clocks"][self.worker]
+        self.client.codec.errors.clear()  # top-k's held-back gradient belongs to the discarded steps
         return self.clock
 
     def _grads(self) -> dict[str, torch.Tensor]:
