@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from parameter_server.compression import WireCodec, nbytes
+from parameter_server.compression import nbytes
 from parameter_server.errors import ShardDown
 from parameter_server.ring import HashRing, assemble, chunk_count, chunk_key, split
 
@@ -49,15 +49,27 @@ class _RayFuture:
             raise exc.as_instanceof_cause() from None
 
 
+class _Plain:
+    """No compression: pushes as given, pulls in the held dtype."""
+
+    pull_dtype = ""
+
+    @staticmethod
+    def encode(chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return chunks
+
+
 def _dtype(layout: dict) -> torch.dtype:
     """The registered dtype of a tensor (a bf16 pull is cast back to it)."""
     return getattr(torch, layout["dtype"])
 
 
 class PSClient:
-    def __init__(self, conns: list, chunk_elems: int, vnodes: int, worker: int = -1, codec: WireCodec | None = None):
+    def __init__(self, conns: list, chunk_elems: int, vnodes: int, worker: int = -1, codec=None):
+        """``codec``: ``encode(chunks)`` for each push and ``pull_dtype`` for pulls (a worker's
+        ``grad_compression.WireCodec``); None sends tensors as they are."""
         self.conns = list(conns)
-        self.codec = codec or WireCodec()
+        self.codec = codec or _Plain()
         self.wire_bytes = 0
         self.ring = HashRing(len(conns), vnodes)
         self.chunk_elems = chunk_elems

@@ -251,8 +251,8 @@ class PSShard:
             if self.version > clock:
                 return self.version
             if self.staged.get(clock):
-                raise ValueError(f"shard {self.id}: skip of clock {clock}, for which workers "
-                                 f"{sorted({w for per in self.staged[clock].values() for w in per})} pushed; "
+                raise ValueError(f"shard {self.id}: skip (apply with coefficient 0) of clock {clock}, for which "
+                                 f"workers {sorted({w for per in self.staged[clock].values() for w in per})} pushed; "
                                  "nothing skipped (a skip is agreed by every worker, none of which pushes)")
             self.version = clock + 1
             self.cond.notify_all()

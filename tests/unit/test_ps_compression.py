@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from parameter_server.client import PSClient
-from parameter_server.compression import WireCodec
 from parameter_server.proto import ps_pb2
 from parameter_server.shard import PSShard
 from parameter_server.wire import from_msg, to_msg
-from tests.unit.test_ps_checkpoint import LocalConn
+from tests.support.ps_local import LocalConn
+from workers.parallel.grad_compression import WireCodec
 
 SGD = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "betas": [0.9, 0.95], "momentum": 0.0}
 ADAMW = {"name": "adamw", "lr": 3e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -124,7 +124,7 @@ def test_skip_passes_a_clock_without_a_step_and_never_drops_a_push():
     assert torch.equal(shard.pull(["w#0"])["chunks"]["w#0"], torch.ones(3))
     assert shard.opts["w#0"].state == {}  # no optimizer step ran (AdamW would decay and count it)
     shard.push(0, 1, {"w#0": torch.ones(3)})
-    with pytest.raises(ValueError, match=r"skip of clock 1, for which workers \[0\] pushed; nothing skipped"):
+    with pytest.raises(ValueError, match=r"coefficient 0\) of clock 1, for which workers \[0\] pushed; nothing skipped"):
         shard.apply(1, 0.0)
     shard.push(1, 1, {"w#0": torch.ones(3)})
     shard.apply(1, 1.0)

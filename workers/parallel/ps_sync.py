@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parameter_server.client import PSClient, RayConn
-from parameter_server.compression import WireCodec
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.optim.build import clip_grads
+from workers.parallel.grad_compression import WireCodec
 from workers.protocol import StepResult, StepTimes
 from workers.spec import WorkerSpec
 
@@ -68,8 +68,9 @@ class PSSync:
         self.asynchronous = ps.consistency != "bsp"
         self.max_norm = spec.grad_clip
         self.worker = trainer.coords.dp
+        self.codec = WireCodec(ps.compression, ps.topk_ratio)
         self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,
-                               ps.virtual_nodes, worker=self.worker, codec=WireCodec(ps.compression, ps.topk_ratio))
+                               ps.virtual_nodes, worker=self.worker, codec=self.codec)
         self.keeper = routes.get("keeper")
         self.tp_group = trainer.mesh["tp"].get_group() if spec.parallel.grid.tp_enabled else None
         stages = zip(trainer.parts.stage_ids, trainer.parts.modules)
@@ -97,7 +98,7 @@ class PSSync:
         import ray
 
         self.clock = step if not self.asynchronous else ray.get(self.keeper.state.remote())["clocks"][self.worker]
-        self.client.codec.errors.clear()  # top-k's held-back gradient belongs to the discarded steps
+        self.codec.errors.clear()  # top-k's held-back gradient belongs to the discarded steps
         return self.clock
 
     def _grads(self) -> dict[str, torch.Tensor]:
