@@ -37,9 +37,13 @@ def arrived(key: str, grad: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     match ``held``'s shape (the shard's own check then sees the held dtype); any other is returned as it came,
     for that check to refuse."""
     if grad.is_sparse:
-        if grad.shape != held.shape:
-            raise ValueError(f"push of key {key!r}: sparse shape {tuple(grad.shape)}, expected {tuple(held.shape)}; "
-                             "nothing applied")
+        positions = grad._indices()
+        if grad.shape != held.shape or grad.dim() != 1 or (positions.numel() and not (
+                int(positions.min()) >= 0 and int(positions.max()) < held.numel())):
+            raise ValueError(f"push of key {key!r}: sparse shape {tuple(grad.shape)} (positions "
+                             f"{positions.min().item() if positions.numel() else None} to "
+                             f"{positions.max().item() if positions.numel() else None}), expected a 1-D chunk of "
+                             f"shape {tuple(held.shape)}; nothing applied")
         grad = grad.to_dense()
     if grad.dtype == torch.bfloat16 and held.dtype != torch.bfloat16 and held.is_floating_point():
         grad = grad.to(held.dtype)

@@ -82,9 +82,13 @@ def test_sparse_message_round_trip_and_refusals():
                                indices=torch.tensor([0, 1, 2], dtype=torch.int32).numpy().tobytes()))
     shard = PSShard(0, "bsp", SGD, 1, [1.0])
     shard.register({"w#0": torch.zeros(6)})
-    with pytest.raises(ValueError, match=r"sparse shape \(7,\), expected \(6,\)"):
-        shard.push(0, 0, {"w#0": torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (7,),
-                                                                   check_invariants=True)})
+    for size, position in ((7, 0), (6, 9)):  # a shape not the chunk's; a position past it (unchecked over Ray)
+        sparse = torch.sparse_coo_tensor(torch.tensor([[position]]), torch.tensor([1.0]), (size,),
+                                          check_invariants=False)
+        with pytest.raises(ValueError, match=rf"sparse shape \({size},\) \(positions {position} to {position}\), "
+                                             r"expected a 1-D chunk of shape \(6,\); nothing applied"):
+            shard.push(0, 0, {"w#0": sparse})
+    assert shard.staged == {}
     with pytest.raises(ValueError, match="wire_dtype 'float16'"):
         shard.pull(["w#0"], wire_dtype="float16")
 
