@@ -7,6 +7,9 @@ shard (Ray actor handle or gRPC channel; both return futures with
 acknowledged push is on two shards; reads go to the first live holder. A
 shard that is gone is marked down and its keys are served by their successor
 until the controller restarts it and calls ``reroute``.
+
+With ``codec`` (``parameter_server.compression``) pushes go out compressed and pulls come in bf16 when asked;
+``wire_bytes`` counts the payload bytes of every push and pull message since the last ``take_wire_bytes``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 
 import torch
 
+from parameter_server.compression import nbytes
 from parameter_server.errors import ShardDown
 from parameter_server.ring import HashRing, assemble, chunk_count, chunk_key, split
 
@@ -45,9 +49,28 @@ class _RayFuture:
             raise exc.as_instanceof_cause() from None
 
 
+class _Plain:
+    """No compression: pushes as given, pulls in the held dtype."""
+
+    pull_dtype = ""
+
+    @staticmethod
+    def encode(chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return chunks
+
+
+def _dtype(layout: dict) -> torch.dtype:
+    """The registered dtype of a tensor (a bf16 pull is cast back to it)."""
+    return getattr(torch, layout["dtype"])
+
+
 class PSClient:
-    def __init__(self, conns: list, chunk_elems: int, vnodes: int, worker: int = -1):
+    def __init__(self, conns: list, chunk_elems: int, vnodes: int, worker: int = -1, codec=None):
+        """``codec``: ``encode(chunks)`` for each push and ``pull_dtype`` for pulls (a worker's
+        ``grad_compression.WireCodec``); None sends tensors as they are."""
         self.conns = list(conns)
+        self.codec = codec or _Plain()
+        self.wire_bytes = 0
         self.ring = HashRing(len(conns), vnodes)
         self.chunk_elems = chunk_elems
         self.worker = worker
@@ -134,8 +157,8 @@ class PSClient:
             if list(g.shape) != want["shape"] or dtype != want["dtype"]:
                 raise ValueError(f"push of key {name!r} has shape {tuple(g.shape)} dtype {dtype}, expected shape "
                                  f"{tuple(want['shape'])} dtype {want['dtype']}; nothing applied")
-        chunks = {k: v for n, g in grads.items() for k, v in split(n, g, self.chunk_elems).items()}
-        self._to_all_holders(chunks, lambda part: ("push", self.worker, clock, part))
+        chunks = self.codec.encode({k: v for n, g in grads.items() for k, v in split(n, g, self.chunk_elems).items()})
+        self._to_all_holders(chunks, lambda part: ("push", self.worker, clock, self._counted(part)))
         used = {s for k in chunks for s in self.ring.holders(k)}  # an empty push to the rest advances this
         idle = [s for s in range(len(self.conns)) if self.alive[s] and s not in used]  # worker's clock there
         self._send({s: ("push", self.worker, clock, {}) for s in idle})
@@ -151,12 +174,28 @@ class PSClient:
         """bsp: have every live shard step its keys for ``clock`` (idempotent: the first caller applies)."""
         self._send({s: ("apply", clock, coef) for s in range(len(self.conns)) if self.alive[s]})
 
+    def skip(self, clock: int) -> None:
+        """bsp: every worker skips ``clock`` (an fp16 overflow all agreed on): the shards pass it without a step."""
+        self._send({s: ("apply", clock, 0.0) for s in range(len(self.conns)) if self.alive[s]})
+
     def pull(self, names: list[str], min_version: int = 0, clock: int = -1) -> dict[str, torch.Tensor]:
         """Whole tensors by name, once their shards reach ``min_version``."""
         keys = [k for n in names for k in self.keys_of(n)]
-        chunks = self._from_first_holder(keys, lambda ks: ("pull", ks, min_version, self.worker, clock),
-                                         lambda reply: reply["chunks"])
-        return {n: assemble(n, chunks, self.layout[n]["shape"], self.chunk_elems) for n in names}
+        chunks = self._from_first_holder(keys, lambda ks: ("pull", ks, min_version, self.worker, clock,
+                                                           self.codec.pull_dtype),
+                                         lambda reply: self._counted(reply["chunks"]))
+        return {n: assemble(n, chunks, self.layout[n]["shape"], self.chunk_elems).to(_dtype(self.layout[n]))
+                for n in names}
+
+    def _counted(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``chunks``, after adding their payload bytes to ``wire_bytes``."""
+        self.wire_bytes += sum(nbytes(c) for c in chunks.values())
+        return chunks
+
+    def take_wire_bytes(self) -> int:
+        """Push and pull payload bytes since the last call (the step's ``comm_bytes["ps"]``)."""
+        sent, self.wire_bytes = self.wire_bytes, 0
+        return sent
 
     def clocks(self) -> list[dict]:
         return list(self._send({s: ("clock",) for s in range(len(self.conns)) if self.alive[s]}).values())

@@ -69,7 +69,7 @@ class _Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Pull(self, request, context):
         out = self._call(context, self.shard.pull, list(request.keys), request.min_version, request.worker,
-                         request.clock, context.time_remaining())
+                         request.clock, request.wire_dtype, context.time_remaining())
         return ps_pb2.PullReply(version=out["version"], chunks=[to_msg(k, v) for k, v in out["chunks"].items()])
 
     def Clock(self, request, context):
@@ -142,8 +142,8 @@ class GrpcConn:
     def apply(self, clock, coef):
         return self._future(self.stub.Apply, ps_pb2.ApplyRequest(clock=clock, coef=coef), lambda r: r.version)
 
-    def pull(self, keys, min_version=0, worker=-1, clock=-1):
-        req = ps_pb2.PullRequest(keys=keys, min_version=min_version, worker=worker, clock=clock)
+    def pull(self, keys, min_version=0, worker=-1, clock=-1, wire_dtype=""):
+        req = ps_pb2.PullRequest(keys=keys, min_version=min_version, worker=worker, clock=clock, wire_dtype=wire_dtype)
         return self._future(self.stub.Pull, req, lambda r: {"version": r.version, "chunks": to_dict(r.chunks)})
 
     def clock(self):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from parameter_server import optimizers
+from parameter_server import compression, optimizers
 
 WAIT_S = 600.0
 
@@ -136,6 +136,8 @@ class PSShard:
             if self.halted:
                 raise RuntimeError(f"shard {self.id}: push for clock {clock} refused: a rank failed and the shards "
                                    "are rolled back with the ranks; nothing applied")
+            grads = {k: compression.arrived(k, g, self.params[k]) if k in self.params else g
+                     for k, g in grads.items()}  # bf16 or top-k on the wire: the held dtype, dense
             self._check(worker, clock, grads)
             self._maybe_die(grads)
             self.sealed = True
@@ -217,7 +219,9 @@ class PSShard:
 
     def apply(self, clock: int, coef: float, timeout_s: float | None = None) -> int:
         """bsp: one optimizer step on every held key with ``coef * mean gradient`` (idempotent per clock), at
-        the job's learning rate for ``clock``."""
+        the job's learning rate for ``clock``; ``coef`` 0 skips the clock (``skip``)."""
+        if coef == 0:
+            return self.skip(clock)
         with self.cond:
             self._check_coef_range(coef)
             self._check_clock(clock, "apply")
@@ -238,16 +242,33 @@ class PSShard:
                 self.cond.notify_all()
             return self.version
 
-    def pull(self, keys: list[str], min_version: int = 0, worker: int = -1, clock: int = -1,
+    def skip(self, clock: int) -> int:
+        """bsp: pass ``clock`` without a step (idempotent): every worker's fp16 gradients overflowed, so none
+        pushed; the version still advances so the next clock runs at the job's learning rate for the next step,
+        as the workers' schedules do. Refused once a worker pushed for ``clock`` (a skip drops no pushed step)."""
+        with self.cond:
+            self._check_clock(clock, "skip")
+            if self.version > clock:
+                return self.version
+            if self.staged.get(clock):
+                raise ValueError(f"shard {self.id}: skip (apply with coefficient 0) of clock {clock}, for which "
+                                 f"workers {sorted({w for per in self.staged[clock].values() for w in per})} pushed; "
+                                 "nothing skipped (a skip is agreed by every worker, none of which pushes)")
+            self.version = clock + 1
+            self.cond.notify_all()
+            return self.version
+
+    def pull(self, keys: list[str], min_version: int = 0, worker: int = -1, clock: int = -1, wire_dtype: str = "",
              timeout_s: float | None = None) -> dict:
         """Current values of ``keys`` once the shard's version reaches ``min_version`` (at most one version
-        ahead: the step in flight).
+        ahead: the step in flight), sent as held or cast to ``wire_dtype`` (``parameter_server.compression``).
 
         A worker's training read (``clock >= 0``) under asp/ssp is recorded with the fewest pushes applied
         from any worker.
         """
         with self.cond:
             self._check_keys(keys, "pull")
+            compression.check_wire_dtype(wire_dtype)  # before the wait
             if not -1 <= worker < self.workers or min_version > self.version + 1:
                 raise ValueError(f"shard {self.id}: pull by worker {worker} for version {min_version} while at "
                                  f"version {self.version} with workers 0 to {self.workers - 1}")
@@ -255,7 +276,8 @@ class PSShard:
             if worker >= 0 and clock >= 0 and self.consistency != "bsp":
                 self.reads.append({"shard": self.id, "worker": worker, "clock": clock,
                                    "min_applied": min(self.applied_from)})
-            return {"version": self.version, "chunks": {k: self.params[k].clone() for k in keys}}
+            return {"version": self.version,
+                    "chunks": {k: compression.for_wire(self.params[k], wire_dtype).clone() for k in keys}}
 
     def clock(self) -> dict:
         """The shard's version and, under asp/ssp, how many pushes it applied from each worker."""

@@ -100,6 +100,8 @@ class ParameterServerSection:
     consistency: str
     chunk_elems: int
     virtual_nodes: int
+    compression: str = "none"  # what pushes and pulls carry (parameter_server/compression.py)
+    topk_ratio: float = 0.01
 
 
 @dataclass(frozen=True)

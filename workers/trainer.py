@@ -234,7 +234,14 @@ class Trainer:
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
                            lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
                            time_s=times, memory=memory, timeline=self._timeline(events),
-                           comm_bytes=self.comm.take() if self.comm else None, moe=moe_figures)
+                           comm_bytes=self.comm_bytes(), moe=moe_figures)
+
+    def comm_bytes(self) -> dict[str, int] | None:
+        """With ``metrics.comm_bytes``, this step's bytes per mesh dimension, plus under ``ps`` the payload of this
+        rank's pushes and pulls to the parameter-server shards (their messages, not collectives)."""
+        if self.comm is None:
+            return None
+        return {**self.comm.take(), **({"ps": self.ps.client.take_wire_bytes()} if self.ps is not None else {})}
 
     def _timeline(self, pipeline_events: list[dict]) -> list[dict] | None:
         """This step's events when the job records them: pipeline F/B/W (or, without a pipeline, each
@@ -269,7 +276,7 @@ class Trainer:
         for zero1 in self.zero1:
             zero1.reduce_scatter()
         if self.ps is not None:
-            grad_norm = self.ps.sync()
+            grad_norm = self.ps.sync() if applied else self.ps.skip()
         else:
             grad_norm = float("nan")
             if applied:

@@ -33,8 +33,9 @@ def check_parameter_server(job: JobSpec) -> None:
     unsupported = [
         ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
          "set parallel.zero: 0"),
-        ("precision.dtype", job.precision.dtype, job.precision.dtype == "fp16",
-         "a skipped fp16 step would leave the shards waiting for its push", "use bf16 or fp32"),
+        ("precision.dtype", job.precision.dtype, job.precision.dtype == "fp16" and ps.consistency != "bsp",
+         f"with consistency {ps.consistency}: the loss scaler agrees on an overflow with every rank, which a "
+         "free-running worker cannot wait for", "use consistency: bsp with fp16, or precision.dtype bf16 or fp32"),
         ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.grid.pp_enabled,
          "asynchronous rounds run one stage per worker", "use consistency: bsp with pipeline parallelism, or pp: 1"),
     ]
@@ -49,6 +50,9 @@ def check_parameter_server(job: JobSpec) -> None:
     if ps.optimizer == "momentum" and job.optim.momentum == 0:
         raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
                         "set optim.momentum (e.g. 0.9), or optimizer: sgd")
+    if _changed(ps, "topk_ratio") and ps.compression != "topk":
+        raise SpecError("parameter_server.topk_ratio", ps.topk_ratio, "is only read by compression: topk, not "
+                        f"{ps.compression!r}", "set parameter_server.compression: topk, or remove topk_ratio")
     for i, f in enumerate(job.faults):
         if f.kind == "kill_rank" and ps.consistency != "bsp":
             raise SpecError(f"faults.{i}.kind", f.kind, f"is not recoverable with parameter_server.consistency "
@@ -167,7 +171,8 @@ def check_comm(job: JobSpec) -> None:
     for field in ("bucket_mb", "grad_compression"):
         if _changed(p, field) and not zero0:
             raise SpecError(f"parallel.{field}", getattr(p, field), f"is only used by {where}; this job has "
-                            f"zero: {p.zero}, dp_sync: {p.dp_sync}", f"remove parallel.{field}, or use zero: 0")
+                            f"zero: {p.zero}, dp_sync: {p.dp_sync}", f"remove parallel.{field}, or use zero: 0"
+                            + (" (the shards' wire has parameter_server.compression)" if p.dp_sync == "ps" else ""))
     if p.grad_compression != "none" and not p.grid.dp_enabled:
         raise SpecError("parallel.grad_compression", p.grad_compression, "has nothing to compress with "
                         "parallel.dp=1 (gradients cross only the data-parallel group)",

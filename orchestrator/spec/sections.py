@@ -283,6 +283,9 @@ class ParameterServerSpec(_Section):
     chunk_elems: PositiveInt = 65536  # tensors are cut into chunks of at most this many elements
     virtual_nodes: PositiveInt = 64  # points per shard on the consistent-hash ring
     snapshot_every: Annotated[int, Field(ge=0)] = 0  # steps between shard snapshots to <run_dir>/ps; 0: off
+    # lossy: pushes in bf16 (pulls too), or the top-k share of each gradient chunk with error feedback on the worker
+    compression: Literal["none", "bf16", "topk"] = "none"
+    topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # compression topk: share of each chunk's entries sent
 
     def server_optim(self, optim: OptimSpec) -> dict:
         """What each shard's optimizer is built from."""

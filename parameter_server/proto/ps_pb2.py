@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fparameter_server/proto/ps.proto\x12\nraymesh.ps\"A\n\x06Tensor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"J\n\x0fRegisterRequest\x12\"\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x12.raymesh.ps.Tensor\x12\x13\n\x0blayout_json\x18\x02 \x01(\t\"Y\n\x0bPushRequest\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12!\n\x05grads\x18\x04 \x03(\x0b\x32\x12.raymesh.ps.TensorJ\x04\x08\x03\x10\x04R\x02lr\"\x1a\n\x07Version\x12\x0f\n\x07version\x18\x01 \x01(\x03\",\n\rGradSqRequest\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\x12\x0c\n\x04keys\x18\x02 \x03(\t\"e\n\x0bGradSqReply\x12+\n\x02sq\x18\x01 \x03(\x0b\x32\x1f.raymesh.ps.GradSqReply.SqEntry\x1a)\n\x07SqEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x0c\x41pplyRequest\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\x12\x0c\n\x04\x63oef\x18\x02 \x01(\x01\"O\n\x0bPullRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x0e\n\x06worker\x18\x03 \x01(\x05\x12\r\n\x05\x63lock\x18\x04 \x01(\x03\"@\n\tPullReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.raymesh.ps.Tensor\"\x0e\n\x0c\x43lockRequest\"e\n\nClockReply\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x61pplied_from\x18\x03 \x03(\x03\x12\x0c\n\x04keys\x18\x04 \x01(\x03\x12\x13\n\x0blayout_json\x18\x05 \x01(\t2\xee\x02\n\x0fParameterServer\x12<\n\x08Register\x12\x1b.raymesh.ps.RegisterRequest\x1a\x13.raymesh.ps.Version\x12\x34\n\x04Push\x12\x17.raymesh.ps.PushRequest\x1a\x13.raymesh.ps.Version\x12<\n\x06GradSq\x12\x19.raymesh.ps.GradSqRequest\x1a\x17.raymesh.ps.GradSqReply\x12\x36\n\x05\x41pply\x12\x18.raymesh.ps.ApplyRequest\x1a\x13.raymesh.ps.Version\x12\x36\n\x04Pull\x12\x17.raymesh.ps.PullRequest\x1a\x15.raymesh.ps.PullReply\x12\x39\n\x05\x43lock\x12\x18.raymesh.ps.ClockRequest\x1a\x16.raymesh.ps.ClockReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fparameter_server/proto/ps.proto\x12\nraymesh.ps\"R\n\x06Tensor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0f\n\x07indices\x18\x05 \x01(\x0c\"J\n\x0fRegisterRequest\x12\"\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x12.raymesh.ps.Tensor\x12\x13\n\x0blayout_json\x18\x02 \x01(\t\"Y\n\x0bPushRequest\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12!\n\x05grads\x18\x04 \x03(\x0b\x32\x12.raymesh.ps.TensorJ\x04\x08\x03\x10\x04R\x02lr\"\x1a\n\x07Version\x12\x0f\n\x07version\x18\x01 \x01(\x03\",\n\rGradSqRequest\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\x12\x0c\n\x04keys\x18\x02 \x03(\t\"e\n\x0bGradSqReply\x12+\n\x02sq\x18\x01 \x03(\x0b\x32\x1f.raymesh.ps.GradSqReply.SqEntry\x1a)\n\x07SqEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x0c\x41pplyRequest\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\x12\x0c\n\x04\x63oef\x18\x02 \x01(\x01\"c\n\x0bPullRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x0e\n\x06worker\x18\x03 \x01(\x05\x12\r\n\x05\x63lock\x18\x04 \x01(\x03\x12\x12\n\nwire_dtype\x18\x05 \x01(\t\"@\n\tPullReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.raymesh.ps.Tensor\"\x0e\n\x0c\x43lockRequest\"e\n\nClockReply\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x61pplied_from\x18\x03 \x03(\x03\x12\x0c\n\x04keys\x18\x04 \x01(\x03\x12\x13\n\x0blayout_json\x18\x05 \x01(\t2\xee\x02\n\x0fParameterServer\x12<\n\x08Register\x12\x1b.raymesh.ps.RegisterRequest\x1a\x13.raymesh.ps.Version\x12\x34\n\x04Push\x12\x17.raymesh.ps.PushRequest\x1a\x13.raymesh.ps.Version\x12<\n\x06GradSq\x12\x19.raymesh.ps.GradSqRequest\x1a\x17.raymesh.ps.GradSqReply\x12\x36\n\x05\x41pply\x12\x18.raymesh.ps.ApplyRequest\x1a\x13.raymesh.ps.Version\x12\x36\n\x04Pull\x12\x17.raymesh.ps.PullRequest\x1a\x15.raymesh.ps.PullReply\x12\x39\n\x05\x43lock\x12\x18.raymesh.ps.ClockRequest\x1a\x16.raymesh.ps.ClockReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GRADSQREPLY_SQENTRY']._loaded_options = None
   _globals['_GRADSQREPLY_SQENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=47
-  _globals['_TENSOR']._serialized_end=112
-  _globals['_REGISTERREQUEST']._serialized_start=114
-  _globals['_REGISTERREQUEST']._serialized_end=188
-  _globals['_PUSHREQUEST']._serialized_start=190
-  _globals['_PUSHREQUEST']._serialized_end=279
-  _globals['_VERSION']._serialized_start=281
-  _globals['_VERSION']._serialized_end=307
-  _globals['_GRADSQREQUEST']._serialized_start=309
-  _globals['_GRADSQREQUEST']._serialized_end=353
-  _globals['_GRADSQREPLY']._serialized_start=355
-  _globals['_GRADSQREPLY']._serialized_end=456
-  _globals['_GRADSQREPLY_SQENTRY']._serialized_start=415
-  _globals['_GRADSQREPLY_SQENTRY']._serialized_end=456
-  _globals['_APPLYREQUEST']._serialized_start=458
-  _globals['_APPLYREQUEST']._serialized_end=501
-  _globals['_PULLREQUEST']._serialized_start=503
-  _globals['_PULLREQUEST']._serialized_end=582
-  _globals['_PULLREPLY']._serialized_start=584
-  _globals['_PULLREPLY']._serialized_end=648
-  _globals['_CLOCKREQUEST']._serialized_start=650
-  _globals['_CLOCKREQUEST']._serialized_end=664
-  _globals['_CLOCKREPLY']._serialized_start=666
-  _globals['_CLOCKREPLY']._serialized_end=767
-  _globals['_PARAMETERSERVER']._serialized_start=770
-  _globals['_PARAMETERSERVER']._serialized_end=1136
+  _globals['_TENSOR']._serialized_end=129
+  _globals['_REGISTERREQUEST']._serialized_start=131
+  _globals['_REGISTERREQUEST']._serialized_end=205
+  _globals['_PUSHREQUEST']._serialized_start=207
+  _globals['_PUSHREQUEST']._serialized_end=296
+  _globals['_VERSION']._serialized_start=298
+  _globals['_VERSION']._serialized_end=324
+  _globals['_GRADSQREQUEST']._serialized_start=326
+  _globals['_GRADSQREQUEST']._serialized_end=370
+  _globals['_GRADSQREPLY']._serialized_start=372
+  _globals['_GRADSQREPLY']._serialized_end=473
+  _globals['_GRADSQREPLY_SQENTRY']._serialized_start=432
+  _globals['_GRADSQREPLY_SQENTRY']._serialized_end=473
+  _globals['_APPLYREQUEST']._serialized_start=475
+  _globals['_APPLYREQUEST']._serialized_end=518
+  _globals['_PULLREQUEST']._serialized_start=520
+  _globals['_PULLREQUEST']._serialized_end=619
+  _globals['_PULLREPLY']._serialized_start=621
+  _globals['_PULLREPLY']._serialized_end=685
+  _globals['_CLOCKREQUEST']._serialized_start=687
+  _globals['_CLOCKREQUEST']._serialized_end=701
+  _globals['_CLOCKREPLY']._serialized_start=703
+  _globals['_CLOCKREPLY']._serialized_end=804
+  _globals['_PARAMETERSERVER']._serialized_start=807
+  _globals['_PARAMETERSERVER']._serialized_end=1173
 # @@protoc_insertion_point(module_scope)

@@ -20,11 +20,14 @@ from parameter_server.ring import HashRing, split
 from parameter_server.shard import PSShard
 from tests.support.jobs import tiny_spec
 from tests.support.reference import reference_run
+from workers.model.config import model_config
+from workers.model.meta_init import build_full
 
 STEPS = 6
 CHAOS_SEED = 12  # tests/integration/test_chaos.py's
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
 LRS = [0.1] * 4  # the job's learning rate per step, as the controller hands it to every shard
+FP16_SCALE = 2.0 ** 20  # the tiny model overflows fp16 in steps 1-3 at this loss scale (halved each), then trains
 
 
 def _ps_spec(token_data, tmp_path, faults=(), **ps):
@@ -99,6 +102,38 @@ def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_
     [rec] = result.recoveries
     assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 5, "memory", 1)
     assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
+
+
+def _steps(spec: JobSpec) -> list[dict]:
+    return [json.loads(line) for line in (Path(spec.run_dir) / "steps.jsonl").read_text().splitlines()]
+
+
+def test_bsp_with_bf16_on_the_wire_stays_near_the_uncompressed_run(bsp_dp4, token_data, tmp_path):
+    """bf16 pushes and pulls (fp32 shards): every loss within 1% of the uncompressed run's, and each rank's bytes
+    to and from the shards per step are exactly 2 bytes per parameter for each of its pushes (to 2 holders) and
+    its pull."""
+    spec = _ps_spec(token_data, tmp_path, consistency="bsp", compression="bf16").with_overrides(
+        ["metrics.comm_bytes=true"])
+    result = TrainingJob(spec, progress=False).run()
+    assert result.losses == pytest.approx(bsp_dp4.losses, rel=1e-2) and result.losses != bsp_dp4.losses
+    params = sum(p.numel() for p in build_full(model_config(spec.worker_dict()["model"]), 0).parameters())
+    assert [s["comm_bytes"]["ps"] for s in _steps(spec)] == [3 * params * 2] * STEPS
+
+
+def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(token_data, tmp_path):
+    """fp16 with loss scaling: gradients are unscaled before the push, and a step every rank finds overflowing is
+    skipped on the shards too (its clock passes without an update), so the run follows all-reduce's."""
+    runs = []
+    for sync in ("allreduce", "ps"):
+        spec = tiny_spec(token_data, tmp_path / sync, parallel={"dp": 2, "dp_sync": sync}, train={"steps": STEPS},
+                         precision={"dtype": "fp16", "initial_loss_scale": FP16_SCALE},
+                         checkpoint={"memory_every": 0})
+        runs.append(TrainingJob(spec, progress=False).run())
+    allreduce, ps = runs
+    skipped = [i for i, n in enumerate(allreduce.grad_norms) if n != n]
+    assert skipped and len(skipped) < STEPS, allreduce.grad_norms  # some steps overflowed, later ones trained
+    assert ps.losses == pytest.approx(allreduce.losses, rel=1e-5)
+    assert ps.grad_norms == pytest.approx(allreduce.grad_norms, rel=1e-5, nan_ok=True)
 
 
 @pytest.mark.parametrize("sections, field", [

@@ -10,28 +10,11 @@ from parameter_server import checkpoint
 from parameter_server.client import PSClient
 from parameter_server.ring import HashRing
 from parameter_server.shard import PSShard
+from tests.support.ps_local import LocalConn
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
 LRS = [0.1, 0.05, 0.02, 0.01]
 WORKERS = 2
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-class LocalConn:
-    """A shard called in this process (the calls of one BSP step never wait: every push comes first)."""
-
-    def __init__(self, shard: PSShard):
-        self.shard = shard
-
-    def __getattr__(self, method):
-        return lambda *args: _Done(getattr(self.shard, method)(*args))
 
 
 def cluster(shards: int, chunk_elems: int, params: dict) -> tuple[list[PSShard], list[PSClient]]:

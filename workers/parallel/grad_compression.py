@@ -19,6 +19,9 @@ Ours runs its three all-reduces in order on the calling thread. Top-k has no PyT
 
 Hooks whose ``chains`` attribute is true issue several collectives per bucket; the bucketer runs those
 after backward, one bucket at a time, for the ordering reason above.
+
+``WireCodec`` is the parameter-server counterpart (``parameter_server.compression``: bf16 or top-k messages to
+the shards instead of collectives), sharing top-k's selection (``topk_with_feedback``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 KINDS = ("none", "bf16", "fp16", "powersgd", "topk")
+PS_KINDS = ("none", "bf16", "topk")  # parameter_server.compression (``WireCodec``)
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:
@@ -108,14 +112,7 @@ class TopK:
 
     def __call__(self, _state, bucket) -> torch.futures.Future:
         buffer, world, key = bucket.buffer(), self.group.size(), bucket.index()
-        if key in self.errors:
-            buffer.add_(self.errors[key])
-        k = max(1, int(buffer.numel() * self.ratio))
-        indices = buffer.abs().topk(k, sorted=False).indices
-        values = buffer[indices]
-        error = buffer.clone()
-        error[indices] = 0
-        self.errors[key] = error
+        indices, values, self.errors[key] = topk_with_feedback(buffer, self.ratio, self.errors.get(key))
         gathered_v = [torch.empty_like(values) for _ in range(world)]
         gathered_i = [torch.empty_like(indices, dtype=torch.int32) for _ in range(world)]
         dist.all_gather(gathered_v, values, group=self.group)
@@ -124,6 +121,48 @@ class TopK:
         for v, i in zip(gathered_v, gathered_i):
             buffer.index_add_(0, i.long(), v)
         return completed(buffer.div_(world))
+
+
+def topk_with_feedback(flat: torch.Tensor, ratio: float, error: torch.Tensor | None):
+    """``(indices, values, error)``: the ``ratio`` largest-magnitude entries of ``flat`` plus the last ``error``
+    (at least one), and what was left out, the next call's error. Adds ``error`` into ``flat`` in place.
+
+    Shared by the all-reduce hook above and the parameter server's wire compression
+    (``parameter_server.compression``)."""
+    if error is not None:
+        flat.add_(error)
+    k = max(1, int(flat.numel() * ratio))
+    indices = flat.abs().topk(k, sorted=False).indices
+    left = flat.clone()
+    left[indices] = 0
+    return indices, flat[indices], left
+
+
+class WireCodec:
+    """``parameter_server.compression`` on a worker: encodes each push to the shards, says which dtype pulls
+    come in (the shard casts; ``parameter_server/compression.py`` is the shards' side), keeps top-k's error
+    feedback per chunk key. Here, not in ``parameter_server/``, because the error is the worker's state and the
+    selection is the all-reduce hook's."""
+
+    def __init__(self, kind: str = "none", topk_ratio: float = 0.01):
+        if kind not in PS_KINDS:
+            raise ValueError(f"parameter_server.compression {kind!r} is not one of {', '.join(PS_KINDS)}")
+        self.kind, self.ratio = kind, topk_ratio
+        self.errors: dict[str, torch.Tensor] = {}
+        self.pull_dtype = "bfloat16" if kind == "bf16" else ""  # what a pull asks for
+
+    def encode(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The messages for one push of ``chunks`` (flat gradient chunks by key)."""
+        if self.kind == "bf16":
+            return {k: c.to(torch.bfloat16) for k, c in chunks.items()}
+        if self.kind == "topk":
+            return {k: self._topk(k, c) for k, c in chunks.items()}
+        return chunks
+
+    def _topk(self, key: str, chunk: torch.Tensor) -> torch.Tensor:
+        flat = chunk.detach().reshape(-1).clone()
+        indices, values, self.errors[key] = topk_with_feedback(flat, self.ratio, self.errors.get(key))
+        return torch.sparse_coo_tensor(indices.unsqueeze(0), values, flat.shape, check_invariants=False).coalesce()
 
 
 def _views(flat: torch.Tensor, shapes) -> list[torch.Tensor]:

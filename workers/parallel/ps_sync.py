@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from parameter_server.client import PSClient, RayConn
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.optim.build import clip_grads
+from workers.parallel.grad_compression import WireCodec
 from workers.protocol import StepResult, StepTimes
 from workers.spec import WorkerSpec
 
@@ -67,8 +68,9 @@ class PSSync:
         self.asynchronous = ps.consistency != "bsp"
         self.max_norm = spec.grad_clip
         self.worker = trainer.coords.dp
+        self.codec = WireCodec(ps.compression, ps.topk_ratio)
         self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,
-                               ps.virtual_nodes, worker=self.worker)
+                               ps.virtual_nodes, worker=self.worker, codec=self.codec)
         self.keeper = routes.get("keeper")
         self.tp_group = trainer.mesh["tp"].get_group() if spec.parallel.grid.tp_enabled else None
         stages = zip(trainer.parts.stage_ids, trainer.parts.modules)
@@ -91,10 +93,12 @@ class PSSync:
 
     def resume_at(self, step: int) -> int:
         """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp at the
-        clock the keeper gives this worker; returns that clock."""
+        clock the keeper gives this worker; returns that clock. Top-k's error feedback starts again at zero (it
+        is not in snapshots or checkpoints)."""
         import ray
 
         self.clock = step if not self.asynchronous else ray.get(self.keeper.state.remote())["clocks"][self.worker]
+        self.codec.errors.clear()  # top-k's held-back gradient belongs to the discarded steps
         return self.clock
 
     def _grads(self) -> dict[str, torch.Tensor]:
@@ -127,6 +131,13 @@ class PSSync:
         self._load(min_version=self.clock)
         return norm
 
+    def skip(self) -> float:
+        """bsp, fp16: every rank found an overflow (the loss scaler agrees job-wide), so no worker pushes; the
+        shards pass this clock without a step, keeping clock and step (and so the learning rate) together."""
+        self.client.skip(self.clock)
+        self.clock += 1
+        return float("nan")
+
     def run_round(self, fault: StepFault) -> StepResult:
         """asp/ssp: this worker trains on its own thread from the first call on; a controller step returns
         once ``step * dp`` worker steps have completed, with what this worker did meanwhile."""
@@ -156,7 +167,7 @@ class PSSync:
         times = StepTimes(compute=busy, communication=max(0.0, total - busy), step=total)
         return tr.result(loss=self.last_loss, grad_norm=done[-1]["grad_norm"] if done else float("nan"), lr=lr,
                          tokens=sum(d["tokens"] for d in done), applied=bool(done), local_steps=len(done),
-                         clock=self.clock, time_s=times)
+                         clock=self.clock, time_s=times, comm_bytes=tr.comm_bytes())
 
     def _run_free(self) -> None:
         """Pull, compute, clip this worker's gradient, push, tick, while the keeper hands out steps."""
