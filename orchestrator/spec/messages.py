@@ -83,6 +83,33 @@ def _field_at(loc: tuple[Any, ...]) -> FieldInfo | None:
     return _keys_of(model).get(keys[-1]) if model is not None else None
 
 
+def _without_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`loc` without pydantic's union-member tags (`parallel.pp_split.literal['even','auto']`): past a leaf
+    field only list indices name a place in the job file."""
+    from orchestrator.spec.job import JobSpec
+
+    out: list[Any] = []
+    model: type[BaseModel] | None = JobSpec
+    for part in loc:
+        if isinstance(part, int) or model is not None:
+            out.append(part)
+        if not isinstance(part, int) and model is not None:
+            info = _keys_of(model).get(part)
+            model = _section_model(info) if info is not None else None
+    return tuple(out)
+
+
+def _choices(annotation: Any) -> tuple[list[Any], bool] | None:
+    """A `Literal[...]` field's choices, or those of `Literal[...] | list[...]` and True for the list member."""
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation)), False
+    members = get_args(annotation) if get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    literals = [m for m in members if get_origin(m) is Literal]
+    if len(literals) != 1:
+        return None
+    return list(get_args(literals[0])), any(get_origin(m) is list for m in members)
+
+
 def _dotted(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
@@ -112,7 +139,7 @@ def to_spec_error(exc: ValidationError) -> SpecError:
     ctx = first.get("ctx") or {}
     if isinstance(ctx.get("error"), SpecError):
         return ctx["error"].with_more(more)
-    loc, kind = tuple(first["loc"]), first["type"]
+    loc, kind = _without_union_tags(tuple(first["loc"])), first["type"]
     field = _dotted(loc)
     if kind in ("extra_forbidden", "invalid_key"):
         return _unknown_field(loc).with_more(more)
@@ -132,9 +159,9 @@ def to_spec_error(exc: ValidationError) -> SpecError:
         else:
             fix = f"add `{field}` to the job file"
         return SpecError(field, NO_VALUE, "is required but missing", fix, more=more)
-    if kind == "literal_error" and info is not None and get_origin(info.annotation) is Literal:
-        choices = get_args(info.annotation)
-        expected = f"one of {', '.join(map(str, choices))}"
+    if kind == "literal_error" and info is not None and _choices(info.annotation) is not None:
+        choices, or_list = _choices(info.annotation)
+        expected = f"one of {', '.join(map(str, choices))}" + (", or a list" if or_list else "")
         close = difflib.get_close_matches(str(first["input"]), [str(c) for c in choices], n=1)
         if close:
             expected += f" (did you mean {close[0]}?)"

@@ -98,6 +98,16 @@ def test_zero_layers_and_unknown_words_are_refused():
         _spec({"pp": 4, "pp_split": "auto"}, n_layers=3)
 
 
+@pytest.mark.parametrize("value", ["balanced", float("nan"), 1e300, [1, 1e9]])
+def test_a_bad_split_names_the_field_without_pydantic_union_tags(value):
+    """pydantic locates a union field's error under its member's tag (`pp_split.literal['even','auto']`); the
+    message names the job-file field and every accepted form."""
+    with pytest.raises(SpecError) as err:
+        _spec({"pp": 2, "pp_split": value})
+    assert err.value.field == "parallel.pp_split"
+    assert "one of even, auto, or a list" in str(err.value)
+
+
 def test_an_uneven_layer_count_suggests_pp_split():
     with pytest.raises(SpecError, match="pp_split: auto"):
         _spec({"pp": 2})
