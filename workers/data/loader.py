@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import threading
 import weakref
@@ -36,6 +37,9 @@ from workers.storage import is_url, location, parquet_source
 _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
 log = logging.getLogger(__name__)
 RAW_DIR = ".raw-tokens"  # beside the shards: deleted with them, and shared by every rank and run on the host
+# A raw token file up to this size is memory-mapped whole (a window is then a gather, as fast as the old in-memory
+# loader); a larger one is read by one pread per window, so that no rank maps more than this of its corpus.
+MAP_LIMIT = 64 << 20
 
 
 def _check_range(start: int, length: int, total: int) -> None:
@@ -62,6 +66,7 @@ class ShardStore:
         self._limits = {"cache": cache_groups, "files": open_files}
         self._lock = threading.Lock()  # the prefetch thread and the step thread share the caches
         self.decoded_groups = 0  # row groups decoded so far: what a fast access pattern keeps low
+        self.may_block = True  # a read decodes, and may wait on an object store: worth reading ahead
         groups, starts = [], [0]
         for index, shard in enumerate(manifest["shards"]):
             checksums.verify_shard(root, shard)
@@ -124,6 +129,13 @@ class ShardStore:
             pos, g = pos + take, g + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """int64 [len(starts), length]: row i is tokens [starts[i], starts[i] + length)."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in zip(out, starts.tolist()):
+            row[:] = self.read(start, length)
+        return out
+
 
 class RawTokens:
     """A local corpus's whole token stream in one raw file (little-endian ids, no header), read by ``os.pread``.
@@ -146,7 +158,11 @@ class RawTokens:
             raise ValueError(f"raw token file {path} has {size} bytes, expected {tokens * self.dtype.itemsize}; "
                              f"fix: delete {path.parent} and the loader rebuilds it from the shards")
         self._fd = os.open(path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self._fd)
+        self._mapped: np.ndarray | None = None
+        if size <= MAP_LIMIT:
+            self._mapped = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), self.dtype)
+        weakref.finalize(self, os.close, self._fd)  # the map holds its own descriptor
+        self.may_block = self._mapped is None  # preads may wait on the disk; a mapped gather is memory-speed
         self.decoded_groups = 0  # row groups this process decoded to build the file (ShardStore's count)
 
     @classmethod
@@ -172,10 +188,24 @@ class RawTokens:
         return self._tokens
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the stream (read-only)."""
-        _check_range(start, length, len(self))
+        """Tokens [start, start + length) of the stream."""
+        return self.windows(np.array([start]), length)[0]
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """[len(starts), length] in the file's dtype: row i is tokens [starts[i], starts[i] + length). From a
+        mapped file one gather; else each row one ``preadv`` straight into the result."""
+        if len(starts):
+            _check_range(int(starts.min()), length, len(self))
+            _check_range(int(starts.max()), length, len(self))
+        if self._mapped is not None:
+            return self._mapped[starts[:, None] + np.arange(length)]
+        out = np.empty((len(starts), length), dtype=self.dtype)
         size = self.dtype.itemsize
-        return np.frombuffer(os.pread(self._fd, length * size, start * size), self.dtype)
+        done = sum(os.preadv(self._fd, [row], start) for row, start in zip(out, (starts * size).tolist()))
+        if done != out.nbytes:
+            raise ValueError(f"raw token file {self.path} was cut short while open; fix: delete {self.path.parent} "
+                             "and start again (the loader rebuilds it from the shards)")
+        return out
 
 
 def open_store(root: Path, manifest: dict) -> ShardStore | RawTokens:
@@ -234,6 +264,9 @@ class TokenDataset:
         """Sample ids at positions [start, start+count) of the stream epoch0, epoch1, ..."""
         if start < 0 or count < 0:
             raise ValueError(f"start and count must be non-negative, got {start}, {count}")
+        epoch, first = divmod(start, self._num_samples)
+        if first + count <= self._num_samples:  # within one epoch (all but one step an epoch): a slice
+            return self._epoch_order(epoch)[first:first + count].astype(np.int64)
         positions = np.arange(start, start + count, dtype=np.int64)
         epochs, index = np.divmod(positions, self._num_samples)
         ids = np.empty(count, dtype=np.int64)
@@ -245,10 +278,8 @@ class TokenDataset:
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [count, seq_len], for stream positions [start, start+count)."""
         ids = self.global_sample_ids(start, count)
-        windows = np.empty((count, self.seq_len + 1), dtype=np.int64)
-        for row, sample in enumerate(ids):
-            windows[row] = self.store.read(int(sample) * self.seq_len, self.seq_len + 1)
-        windows = torch.from_numpy(windows)
+        windows = self.store.windows(ids * self.seq_len, self.seq_len + 1)
+        windows = torch.from_numpy(windows.astype(np.int64, copy=False))
         return windows[:, :-1], windows[:, 1:]
 
 
@@ -257,7 +288,9 @@ class Prefetch:
 
     A cursor's next start is known once a step is taken, so the read (row-group decodes, object-store range
     requests) overlaps the step. A batch is used only when asked for the same (start, count): a checkpoint load
-    or a resize that moves the position just reads synchronously, so the order never depends on timing.
+    or a resize that moves the position just reads synchronously, so the order never depends on timing. Where
+    the store never waits on I/O (a memory-mapped raw file: a batch is one gather) nothing is read ahead: handing
+    a batch between threads would cost more than reading it.
     """
 
     def __init__(self, dataset: TokenDataset) -> None:
@@ -266,6 +299,8 @@ class Prefetch:
         self._pool: ThreadPoolExecutor | None = None
 
     def ahead(self, start: int, count: int) -> None:
+        if not self.dataset.store.may_block:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raymesh-prefetch")
         self._pending = ((start, count), self._pool.submit(self.dataset.batch, start, count))
