@@ -65,7 +65,6 @@ class ShardStore:
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._limits = {"cache": cache_groups, "files": open_files}
         self._lock = threading.Lock()  # the prefetch thread and the step thread share the caches
-        self.decoded_groups = 0  # row groups decoded so far: what a fast access pattern keeps low
         self.may_block = True  # a read decodes, and may wait on an object store: worth reading ahead
         groups, starts = [], [0]
         for index, shard in enumerate(manifest["shards"]):
@@ -114,7 +113,6 @@ class ShardStore:
         """Global row group ``g``'s tokens, decoded from its shard (not cached)."""
         shard, group = (int(v) for v in self._groups[g])
         column = self._open(shard).read_row_group(group, columns=["tokens"]).column(0)
-        self.decoded_groups += 1
         return np.array(column)  # a numpy copy: the Arrow buffers go back to their pool at once
 
     def read(self, start: int, length: int) -> np.ndarray:
@@ -163,7 +161,6 @@ class RawTokens:
             self._mapped = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), self.dtype)
         weakref.finalize(self, os.close, self._fd)  # the map holds its own descriptor
         self.may_block = self._mapped is None  # preads may wait on the disk; a mapped gather is memory-speed
-        self.decoded_groups = 0  # row groups this process decoded to build the file (ShardStore's count)
 
     @classmethod
     def build(cls, path: Path, groups: ShardStore, dtype: np.dtype) -> RawTokens:
@@ -180,9 +177,7 @@ class RawTokens:
                     tmp.replace(path)
                 finally:
                     tmp.unlink(missing_ok=True)  # a failed build (disk full) leaves nothing behind
-        raw = cls(path, dtype, len(groups))
-        raw.decoded_groups = groups.decoded_groups
-        return raw
+        return cls(path, dtype, len(groups))
 
     def __len__(self) -> int:
         return self._tokens
