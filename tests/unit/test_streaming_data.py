@@ -172,3 +172,14 @@ def test_a_cut_raw_file_is_refused_naming_the_fix(tmp_path: Path, monkeypatch: p
         f.truncate(1000)
     with pytest.raises(ValueError, match=rf"{raw} has 1000 bytes, expected 100000; fix: delete"):
         TokenDataset(root, seq_len=32, seed=0)
+
+
+def test_a_re_prepared_corpus_reads_its_new_tokens_and_drops_the_old_raw_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _corpus(tmp_path, 100_000, monkeypatch)
+    old = TokenDataset(root, seq_len=32, seed=0).store.read(0, 1000)
+    (tmp_path / "src" / "doc.txt").write_bytes(b"x" * 100_000)
+    prepare_data([tmp_path / "src"], root, shard_tokens=65_536)
+    new = TokenDataset(root, seq_len=32, seed=0).store.read(0, 1000)
+    assert not np.array_equal(old, new) and np.array_equal(new, _whole_stream(root)[:1000])
+    assert len(list((root / loader.RAW_DIR).glob("*.uint8"))) == 1

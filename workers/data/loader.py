@@ -4,9 +4,10 @@ The global order (epoch permutations seeded by [seed, epoch]) is independent of 
 data-parallel layout; ranks only pick contiguous slices of it. Hence a checkpoint's
 `position` alone says which samples were consumed, whatever dp size resumes it.
 
-A local directory's token stream is decoded once into one raw token file beside the shards (`RawTokens`) and
-each window is one positioned read from it; an object-store prefix (`workers.storage`) is read lazily, the row
-groups a window spans with a bounded cache (`ShardStore`). The next step's batch is read on a background thread
+A local directory's token stream is decoded once per host into one raw token file beside the shards
+(`RawTokens`): a batch is then one gather from the file memory-mapped (up to `MAP_LIMIT`) or one pread per
+window. An object-store prefix (`workers.storage`) is read lazily, the row groups a window spans with a bounded
+cache (`ShardStore`). Where a read may wait on I/O the next step's batch is read on a background thread
 (`Prefetch`). Either way a rank's memory does not grow with the corpus.
 """
 
@@ -136,16 +137,17 @@ class ShardStore:
 
 
 class RawTokens:
-    """A local corpus's whole token stream in one raw file (little-endian ids, no header), read by ``os.pread``.
+    """A local corpus's whole token stream in one raw file (little-endian ids, no header).
 
     Why: the sample order is a permutation of the whole corpus, so consecutive windows land in unrelated row groups
     and a bounded cache of decoded groups misses almost always (a group decode per window was 36x slower than
-    the old in-memory loader). Decoding the corpus once into a file makes a window one positioned read of its
-    ``seq_len + 1`` tokens: no decode, no lock, no Arrow buffers; the pages live in the OS page cache (shared by
-    every rank on the host), not in a rank's memory, and nothing is memory-mapped, so RSS does not grow as
-    windows are read. The file is named by the shards' checksums, so a re-prepared corpus gets a new one, and it
-    is built once per host under a file lock (written to a temporary name, then renamed), whichever rank comes
-    first; the others, and later runs, only open it.
+    the old in-memory loader). Decoded once into a file, a window needs no decode, no lock and no Arrow buffers,
+    and the file's pages are the OS page cache, shared by every rank on the host. A file up to `MAP_LIMIT` is
+    memory-mapped, so a batch is one numpy gather (a rank maps at most `MAP_LIMIT`); a larger one is read with one
+    ``preadv`` per window into the batch, mapping nothing, so RSS does not grow as windows are read. The file is
+    named by the shards' checksums, so a re-prepared corpus gets a new one, and it is built once per host under a
+    file lock (written to a temporary name, then renamed) by whichever rank comes first; the others, and later
+    runs, only open it.
     """
 
     def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
@@ -177,6 +179,9 @@ class RawTokens:
                     tmp.replace(path)
                 finally:
                     tmp.unlink(missing_ok=True)  # a failed build (disk full) leaves nothing behind
+                for stale in path.parent.glob(f"*{path.suffix}"):  # the raw files of shards re-prepared since
+                    if stale != path:
+                        stale.unlink(missing_ok=True)  # (a run still reading one keeps its open copy)
         return cls(path, dtype, len(groups))
 
     def __len__(self) -> int:
