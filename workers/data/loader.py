@@ -140,14 +140,14 @@ class RawTokens:
     """A local corpus's whole token stream in one raw file (little-endian ids, no header).
 
     Why: the sample order is a permutation of the whole corpus, so consecutive windows land in unrelated row groups
-    and a bounded cache of decoded groups misses almost always (a group decode per window was 36x slower than
-    the old in-memory loader). Decoded once into a file, a window needs no decode, no lock and no Arrow buffers,
-    and the file's pages are the OS page cache, shared by every rank on the host. A file up to `MAP_LIMIT` is
-    memory-mapped, so a batch is one numpy gather (a rank maps at most `MAP_LIMIT`); a larger one is read with one
-    ``preadv`` per window into the batch, mapping nothing, so RSS does not grow as windows are read. The file is
-    named by the shards' checksums, so a re-prepared corpus gets a new one, and it is built once per host under a
-    file lock (written to a temporary name, then renamed) by whichever rank comes first; the others, and later
-    runs, only open it.
+    and a bounded cache of decoded groups misses almost always (a group decode per window was hundreds of times
+    slower than the old in-memory loader). Decoded once into a file, a window needs no decode, no lock and no
+    Arrow buffers, and the file's pages are the OS page cache, shared by every rank on the host. A file up to
+    `MAP_LIMIT` is memory-mapped, so a batch is one numpy gather (a rank maps at most `MAP_LIMIT`); a larger one
+    is read with one ``preadv`` per window into the batch, mapping nothing, so RSS does not grow as windows are
+    read. The file is named by the shards' checksums, so a re-prepared corpus gets a new one, and it is built
+    once per host under a file lock (written to a temporary name, then renamed) by whichever rank comes first;
+    the others, and later runs, only open it.
     """
 
     def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
@@ -179,8 +179,8 @@ class RawTokens:
                     tmp.replace(path)
                 finally:
                     tmp.unlink(missing_ok=True)  # a failed build (disk full) leaves nothing behind
-                for stale in path.parent.glob(f"*{path.suffix}"):  # the raw files of shards re-prepared since
-                    if stale != path:
+                for stale in path.parent.iterdir():  # the raw files of shards re-prepared since
+                    if not stale.name.startswith(path.stem):
                         stale.unlink(missing_ok=True)  # (a run still reading one keeps its open copy)
         return cls(path, dtype, len(groups))
 
