@@ -63,7 +63,9 @@ def test_lazy_windows_equal_the_whole_stream(tmp_path: Path, monkeypatch: pytest
     assert _reader_of(ds) == reader
     assert len(ds.store) == len(whole)
     x, y = ds.batch(0, ds.num_samples)  # every window, many across row-group and shard boundaries
-    offsets = ds.global_sample_ids(0, ds.num_samples)[:, None] * 100 + np.arange(101)
+    order = ds.global_sample_ids(0, ds.num_samples)  # one epoch: the slice path, against the permutation itself
+    assert np.array_equal(order, np.random.default_rng([5, 0]).permutation(ds.num_samples))
+    offsets = order[:, None] * 100 + np.arange(101)
     expected = whole[offsets].astype(np.int64)
     assert np.array_equal(x.numpy(), expected[:, :-1]) and np.array_equal(y.numpy(), expected[:, 1:])
     with pytest.raises(IndexError, match="outside the stream"):
