@@ -7,8 +7,8 @@ file (what the first rank on a host pays: checksums, then decoding the corpus on
 again (what every other rank and later run pays). The baseline is the loader this one replaced, kept here as the
 reference: every shard read into one array, a batch one fancy index. Throughput is measured in one more
 process holding both loaders, timed in turns (``--repeats`` rounds of ``--steps`` batches, the best), so the
-streaming / in-memory ratio compares the two under the same load; both read the same windows (epoch 0's
-permutation).
+streaming / in-memory ratio compares the two under the same load; both read epoch 0's windows in the same
+order (past its end the streaming loader goes on to the next epoch's permutation, the baseline repeats epoch 0's).
 
     python benchmarks/loader.py --data data/stdlib --scratch /tmp/raymesh-loader-bench
 """
