@@ -3,7 +3,7 @@
 Every writer of a run dir keeps writing local files (step records line by line, the summary, TensorBoard event
 files, an MLflow database or W&B offline run left at their default places, the control token), in the URL's
 staging directory (`workers.storage.staging_dir`). `RunDirUpload` copies the files that changed since its last
-copy to the URL: after every committed checkpoint, at a step once `UPLOAD_EVERY_S` have passed, when the run
+copy to the URL: at the step a checkpoint is committed, at a step once `UPLOAD_EVERY_S` have passed, when the run
 stops (a failure included) and once the summary is written. An object store has no append, so nothing is
 appended to it line by line; each copy replaces whole objects, and what the bucket holds is always a complete
 earlier copy of each file. A crash loses at most what was written since the last copy (the steps after the last
@@ -36,6 +36,7 @@ class RunDirUpload(JobObserver):
         self.remote = location(url)
         self.sent: dict[str, tuple[int, int]] = {}
         self._last = time.monotonic()
+        self._checkpointed = False
 
     def pull(self) -> list[str]:
         """The bucket's copy of the run dir into the staging directory (for a resume); returns the names."""
@@ -59,12 +60,14 @@ class RunDirUpload(JobObserver):
             return []
 
     def on_step(self, report: StepReport) -> None:
-        if time.monotonic() - self._last >= self.every_s:
+        """After the step's record is written (the run records observe first), so a copy made for a checkpoint
+        holds the records up to the checkpoint's step: a resume from it appends the steps after it."""
+        if self._checkpointed or time.monotonic() - self._last >= self.every_s:
+            self._checkpointed = False
             self.push()
 
     def on_checkpoint(self, blocking_s: float | None, committed: bool) -> None:
-        if committed:
-            self.push()
+        self._checkpointed = self._checkpointed or committed  # copied once this step's record is written
 
 
 def run_dir_upload(spec: JobSpec) -> RunDirUpload | None:
