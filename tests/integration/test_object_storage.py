@@ -28,6 +28,7 @@ from orchestrator.spec import check_before_start
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
 from tests.support.s3_server import s3_server
+from tests.support.tracker_records import tensorboard_series
 
 BUCKET = "raymesh-test"
 STEPS = 4
@@ -127,8 +128,8 @@ def staging(tmp_path, monkeypatch):
 def _fake_job(token_data, tmp_path, url, runtime, resume=False):
     from orchestrator.runtime.controller import TrainingJob
 
-    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2}, checkpoint={"every": 5, "async": False,
-                                                                            "dir": str(tmp_path / "ck")})
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2}, loggers={"tensorboard": {}},
+                     checkpoint={"every": 5, "async": False, "dir": str(tmp_path / "ck")})
     return TrainingJob(spec.with_overrides([f"run_dir={url}"]), resume=resume, progress=False, runtime=runtime)
 
 
@@ -162,6 +163,9 @@ def test_a_run_dir_in_the_bucket_survives_a_lost_controller_and_the_report_reads
     summary = json.loads(s3.cat(f"{url}/summary.json"))
     assert summary["status"] == "finished" and summary["steps"] == 10 and summary["run_dir"] == url
     assert not s3.exists(f"{url}/control_token")
+    s3.get(f"{url}/tensorboard", str(tmp_path / "tb"), recursive=True)  # the tracker's files went up too
+    read = dict(tensorboard_series(tmp_path / "tb", "loss"))
+    assert [read[s] for s in range(6, 11)] == pytest.approx(result.losses, rel=1e-6)  # float32 there
 
     assert main(["report", url]) == 0
     assert f"report: {url}/report/index.html" in capsys.readouterr().out
