@@ -100,8 +100,8 @@ def _url_location(field: str, value: str) -> Path:
         return location(value)
     except (ValueError, ImportError, OSError) as exc:
         raise SpecError(field, value, f"is a URL whose scheme no installed file system serves ({exc})",
-                        "use s3:// (pip install 'raymesh[s3]'), gs:// (pip install gcsfs), file:// or a local "
-                        "path") from None
+                        "use s3:// (pip install 'raymesh[s3]'), gs:// (pip install 'raymesh[gcs]'), file:// or a "
+                        "local path") from None
 
 
 def _reachable_bucket(field: str, path: Path) -> None:

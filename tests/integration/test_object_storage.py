@@ -25,6 +25,7 @@ from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.errors import SpecError
 from orchestrator.spec import check_before_start
+from tests.support.gcs_server import gcs_server
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
 from tests.support.s3_server import s3_server
@@ -116,6 +117,18 @@ def test_checkpoint_dir_urls_are_checked_before_start(s3, token_data, tmp_path):
 # -- run_dir, report, prepare-data and export-hf in the bucket (no ranks: the controller runs on a fake group) --
 
 
+@pytest.fixture(scope="module")
+def gcs():
+    with gcs_server(BUCKET) as fs:
+        yield fs
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request):
+    """(scheme, its fsspec file system): moto's S3 server, or the GCS emulator."""
+    return request.param, request.getfixturevalue({"s3": "s3", "gs": "gcs"}[request.param])
+
+
 @pytest.fixture
 def staging(tmp_path, monkeypatch):
     """Run-dir staging directories under this test's tmp_path (they live in the temp directory)."""
@@ -133,12 +146,13 @@ def _fake_job(token_data, tmp_path, url, runtime, resume=False):
     return TrainingJob(spec.with_overrides([f"run_dir={url}"]), resume=resume, progress=False, runtime=runtime)
 
 
-def test_a_run_dir_in_the_bucket_survives_a_lost_controller_and_the_report_reads_it(s3, token_data, tmp_path,
+def test_a_run_dir_in_the_bucket_survives_a_lost_controller_and_the_report_reads_it(store, token_data, tmp_path,
                                                                                    staging, capsys):
     from orchestrator.cli.commands import main
     from tests.support.fake_group import FakeRuntime
 
-    url = f"s3://{BUCKET}/runs/fake"
+    scheme, fs = store
+    url = f"{scheme}://{BUCKET}/runs/fake"
     runtime = FakeRuntime()
     job = _fake_job(token_data, tmp_path, url, runtime)
     local = job.run_dir
@@ -146,31 +160,32 @@ def test_a_run_dir_in_the_bucket_survives_a_lost_controller_and_the_report_reads
     local.mkdir(parents=True)
     (local / "control_token").write_text("secret")
 
-    def lose_the_machine():  # the controller's node dies: its staging directory goes with it
-        shutil.rmtree(local)
+    def lose_the_machine():  # the controller's machine dies: nothing more is copied up from it
+        job.upload.push = list
         raise RuntimeError("node lost")
 
     runtime.script[8] = lose_the_machine
     with pytest.raises(RuntimeError, match="node lost"):
         job.run()
-    steps = [json.loads(line)["step"] for line in s3.cat(f"{url}/steps.jsonl").decode().splitlines()]
+    shutil.rmtree(local)  # and its staging directory is gone with it
+    steps = [json.loads(line)["step"] for line in fs.cat(f"{url}/steps.jsonl").decode().splitlines()]
     assert steps == [1, 2, 3, 4, 5]  # copied at the checkpoint's step, with its record; 6 and 7 were lost
 
     result = _fake_job(token_data, tmp_path, url, FakeRuntime(), resume=True).run()  # a new machine: no staging
     assert result.resumed_from.endswith("step-00000005") and result.run_dir == url
-    steps = [json.loads(line)["step"] for line in s3.cat(f"{url}/steps.jsonl").decode().splitlines()]
+    steps = [json.loads(line)["step"] for line in fs.cat(f"{url}/steps.jsonl").decode().splitlines()]
     assert steps == list(range(1, 11))  # the uploaded records, then the resumed steps: each step once
-    summary = json.loads(s3.cat(f"{url}/summary.json"))
+    summary = json.loads(fs.cat(f"{url}/summary.json"))
     assert summary["status"] == "finished" and summary["steps"] == 10 and summary["run_dir"] == url
-    assert not s3.exists(f"{url}/control_token")
-    s3.get(f"{url}/tensorboard", str(tmp_path / "tb"), recursive=True)  # the tracker's files went up too
+    assert not fs.exists(f"{url}/control_token")
+    fs.get(f"{url}/tensorboard", str(tmp_path / "tb"), recursive=True)  # the tracker's files went up too
     read = dict(tensorboard_series(tmp_path / "tb", "loss"))
     assert [read[s] for s in range(6, 11)] == pytest.approx(result.losses, rel=1e-6)  # float32 there
 
     assert main(["report", url]) == 0
     assert f"report: {url}/report/index.html" in capsys.readouterr().out
-    assert s3.cat(f"{url}/report/loss.png")[:8] == b"\x89PNG\r\n\x1a\n"
-    assert url in s3.cat(f"{url}/report/index.html").decode()
+    assert fs.cat(f"{url}/report/loss.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    assert url in fs.cat(f"{url}/report/index.html").decode()
 
 
 def test_prepare_data_writes_to_the_bucket_as_it_writes_a_directory(s3, tmp_path):
@@ -192,7 +207,7 @@ def test_prepare_data_writes_to_the_bucket_as_it_writes_a_directory(s3, tmp_path
     assert s3.cat(f"{url}/shard-00000.parquet") == (tmp_path / "local" / "shard-00000.parquet").read_bytes()
 
 
-def test_export_hf_reads_a_checkpoint_in_the_bucket_and_writes_to_one(s3, token_data, tmp_path):
+def test_export_hf_reads_a_checkpoint_in_the_bucket_and_writes_to_one(store, token_data, tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -203,14 +218,18 @@ def test_export_hf_reads_a_checkpoint_in_the_bucket_and_writes_to_one(s3, token_
     from workers.model.meta_init import build_full
     from workers.spec import WorkerSpec
 
-    root = f"s3://{BUCKET}/llama/checkpoints"
+    scheme, fs = store
+    root = f"{scheme}://{BUCKET}/llama/checkpoints"
     spec = tiny_spec(token_data, tmp_path, model={"arch": "llama"}, checkpoint={"dir": root})
     model = build_full(WorkerSpec.from_dict(spec.worker_dict()).model, spec.train.seed + 1)  # not the job's init
-    dcp.save({"model": model.state_dict()}, checkpoint_id=f"{root}/step-00000002", no_dist=True)
+    # saved here and copied up: the GCS emulator has no moveTo, so gcsfs's rename of DCP's .metadata.tmp would retry
+    # for 30 s before its copy/delete fallback (saving into a bucket is the ranks' part, tested above for S3)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "saved"), no_dist=True)
+    fs.put(str(tmp_path / "saved"), f"{root}/step-00000002", recursive=True)
     checksums.write_manifest(f"{root}/step-00000002")
-    out = export_hf_weights(spec, None, f"s3://{BUCKET}/llama/hf")  # the job's newest checkpoint, in the bucket
-    assert str(out) == f"s3://{BUCKET}/llama/hf"
-    s3.get(str(out), str(tmp_path / "hf"), recursive=True)
+    out = export_hf_weights(spec, None, f"{scheme}://{BUCKET}/llama/hf")  # the job's newest checkpoint, there
+    assert str(out) == f"{scheme}://{BUCKET}/llama/hf"
+    fs.get(str(out), str(tmp_path / "hf"), recursive=True)
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     held = model.state_dict()
     assert set(exported) == {hf_name(k) for k in held}
