@@ -28,6 +28,7 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     check_outputs(spec)
     check_base_checkpoint(spec)
     spec.loggers.check_installed()
+    _local_tracker_dirs(spec)
 
 
 def _manifest(spec: JobSpec) -> dict:
@@ -102,6 +103,17 @@ def _url_location(field: str, value: str) -> Path:
         raise SpecError(field, value, f"is a URL whose scheme no installed file system serves ({exc})",
                         "use s3:// (pip install 'raymesh[s3]'), gs:// (pip install 'raymesh[gcs]'), file:// or a "
                         "local path") from None
+
+
+def _local_tracker_dirs(spec: JobSpec) -> None:
+    """TensorBoard and W&B write many small appends to a local directory: a URL there is refused (their default,
+    inside the run dir, goes to a URL run dir's bucket with the run's other files)."""
+    for name in ("tensorboard", "wandb"):
+        section = getattr(spec.loggers, name)
+        if section is not None and section.dir and is_url(section.dir):
+            raise SpecError(f"loggers.{name}.dir", section.dir, "is a URL, and the tracker appends to local files",
+                            f"remove loggers.{name}.dir so its files go in the run dir (set run_dir to the URL to "
+                            "have them copied up with the run's records), or give a local path")
 
 
 def _reachable_bucket(field: str, path: Path) -> None:

@@ -108,6 +108,8 @@ def test_checkpoint_dir_urls_are_checked_before_start(s3, token_data, tmp_path):
     check_before_start(ok.with_overrides([f"run_dir=s3://{BUCKET}/run"]))  # staged locally, copied up
     with pytest.raises(SpecError, match=r"run_dir.*bucket 'no-such-bucket', which does not exist"):
         check_before_start(ok.with_overrides(["run_dir=s3://no-such-bucket/run"]))
+    with pytest.raises(SpecError, match=r"loggers\.tensorboard\.dir.*is a URL.*set run_dir to the URL"):
+        check_before_start(ok.with_overrides([f"loggers.tensorboard.dir=s3://{BUCKET}/tb"]))
     for field in ("run_dir", "checkpoint.dir", "data.path"):
         with pytest.raises(SpecError, match=rf"{field}.*nope://b/x.*is a URL whose scheme no installed file system "
                                             r"serves.*use s3://"):
