@@ -241,7 +241,7 @@ class CheckpointSpec(_Section):
     def resolved_dir(self, run_dir: str | Path) -> Path:
         """`dir` when set (a local path or an object-store URL: `workers.storage`), else
         `<run_dir>/checkpoints`."""
-        return location(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+        return location(self.dir) if self.dir is not None else location(run_dir) / "checkpoints"
 
 
 class FaultToleranceSpec(_Section):
