@@ -16,7 +16,7 @@ import pytest
 from orchestrator import JobSpec, TrainingJob
 from tests.support.jobs import tiny_spec
 
-STEPS = 4
+STEPS = 3
 LINEAR = {"name": "sgd", "lr": 0.05, "weight_decay": 0.0, "momentum": 0.0, "grad_clip": 0.0}
 FP16_SCALE = 2.0 ** 20  # the tiny model overflows fp16 in its first steps at this loss scale (halved each)
 
@@ -50,7 +50,7 @@ def test_ssp_bound_holds_per_stage_under_a_straggler_with_fp16_overflows(token_d
     and replica 0 really runs a step ahead in both stages; a replica's two stages read at the same clocks (the
     pipeline keeps them together); the overflowed steps are skipped (no grad norm) and the later ones train."""
     slow = {"kind": "slow_rank", "rank": 3, "at_step": 1, "factor": 3.0}
-    spec = _pp_dp(token_data, tmp_path, "ssp", steps=6, faults=[slow],
+    spec = _pp_dp(token_data, tmp_path, "ssp", steps=4, faults=[slow],
                   precision={"dtype": "fp16", "initial_loss_scale": FP16_SCALE})
     spec = spec.with_overrides(["parameter_server.staleness=1"])
     result = TrainingJob(spec, progress=False).run()
