@@ -1,13 +1,23 @@
-"""``ClockKeeper``: per-worker clocks for asp/ssp, the SSP read gate, and the step budget workers draw from.
+"""``ClockKeeper``: per-stage clocks for asp/ssp, the SSP read gate, and the step budget replicas draw from.
 
-Written here: no library offers bounded-staleness clocks. A worker at clock c
-(it has pushed c updates) may start its next step only once the slowest
-worker has reached c - staleness (``asp``: no bound). Workers run free (a
-straggler holds nobody back) and draw steps from one budget, ``steps *
-workers`` for the whole run, so the run consumes the same samples as BSP
-whoever computes them; the controller's step r is over once ``r * workers``
-worker steps have completed. ``pause`` stops new steps and waits for the
-ones in flight, so the controller can restart a shard on a quiet server.
+Written here: no library offers bounded-staleness clocks. A *worker* is one
+pipeline stage of one data-parallel replica (``stage * workers + replica``;
+without a pipeline, one rank per replica as before). A worker at clock c (it
+has pushed c updates) may start its next step only once the slowest worker of
+*its own stage* has reached c - staleness (``asp``: no bound): each stage's
+keys live on their own clocks.
+
+The stages of one replica are synchronous within a step (the pipeline
+schedule's p2p pairs them), so replicas, not stages, are what drift. Steps are
+therefore granted per replica: the first of a replica's stages to ask for its
+step c takes it from one budget, ``steps * replicas`` for the whole run (the
+run consumes the same samples as BSP whoever computes them), and every other
+stage of that replica is given the same step, so a pipeline never has one
+stage running a step its peer was refused. A replica step is complete once
+each of its stages has ticked; the controller's step r is over once
+``r * replicas`` replica steps have completed. ``pause`` stops new grants and
+waits for the granted steps, so the controller can snapshot or restart a
+shard on a quiet server.
 """
 
 from __future__ import annotations
@@ -18,46 +28,83 @@ WAIT_S = 600.0
 
 
 class ClockKeeper:
-    def __init__(self, workers: int, staleness: int | None, steps: int):
-        self.clocks = [0] * workers
+    def __init__(self, replicas: int, staleness: int | None, steps: int, stages: int = 1):
+        self.replicas, self.stages = replicas, stages
+        self.clocks = [0] * (replicas * stages)  # per worker: stage * replicas + replica
         self.staleness = staleness  # None: asp
-        self.budget = steps * workers
-        self.started = 0
-        self.completed = 0
+        self.budget = steps * replicas
+        self.granted = [0] * replicas  # replica steps handed out, per replica (steps 0 .. granted-1)
+        self.base = [0] * replicas  # replica steps complete at the last restore
+        self.order: list[int] = []  # replicas in the order their steps completed since then
         self.paused = False
         self.cond = threading.Condition()
+
+    @property
+    def started(self) -> int:
+        return sum(self.granted)
+
+    @property
+    def completed(self) -> int:
+        return sum(self.base) + len(self.order)
 
     def _wait(self, predicate, what: str) -> None:
         if not self.cond.wait_for(predicate, timeout=WAIT_S):
             raise TimeoutError(f"clock keeper waited {WAIT_S:.0f}s for {what}")
 
-    def _may_start(self, worker: int) -> bool:
-        bound_ok = self.staleness is None or min(self.clocks) >= self.clocks[worker] - self.staleness
-        return not self.paused and bound_ok
+    def _check(self, worker: int) -> None:
+        if not 0 <= worker < len(self.clocks):
+            raise ValueError(f"clock keeper: worker {worker}, but the job's workers are 0 to {len(self.clocks) - 1} "
+                             f"({self.stages} stage(s) x {self.replicas} replica(s))")
+
+    def _stage_clocks(self, worker: int) -> list[int]:
+        first = worker - worker % self.replicas
+        return self.clocks[first:first + self.replicas]
+
+    def _within_bound(self, worker: int) -> bool:
+        """The stage's slowest worker is at most ``staleness`` clocks behind ``worker``'s next step."""
+        return self.staleness is None or min(self._stage_clocks(worker)) >= self.clocks[worker] - self.staleness
+
+    def _replica_done(self, replica: int) -> int:
+        """Steps of ``replica`` every stage has ticked."""
+        return min(self.clocks[s * self.replicas + replica] for s in range(self.stages))
 
     def enter(self, worker: int) -> bool:
-        """Take one step from the budget for ``worker`` once the staleness bound allows; False: budget spent."""
+        """Start ``worker``'s next step once its stage's staleness bound allows; False: the budget is spent
+        (the same answer for every stage of the replica)."""
         with self.cond:
-            self._wait(lambda: self.started >= self.budget or self._may_start(worker),
-                       f"worker {worker} at clock {self.clocks[worker]} to be within the staleness bound")
-            if self.started >= self.budget:
-                return False
-            self.started += 1
+            self._check(worker)
+            replica, step = worker % self.replicas, self.clocks[worker]
+            what = f"worker {worker} at clock {step} to be within its stage's staleness bound"
+            self._wait(lambda: step < self.granted[replica] or self.started >= self.budget
+                       or (not self.paused and self._within_bound(worker)), what)
+            if step >= self.granted[replica]:
+                if self.started >= self.budget:
+                    return False
+                self.granted[replica] = step + 1
+            self._wait(lambda: self._within_bound(worker), what)  # a step a peer stage took: this stage's bound
             return True
 
     def tick(self, worker: int) -> int:
-        """``worker`` finished a step (its push is acknowledged by every holder)."""
+        """``worker`` finished a step (its push is acknowledged by every holder); returns its clock."""
         with self.cond:
+            self._check(worker)
+            replica = worker % self.replicas
+            before = self._replica_done(replica)
             self.clocks[worker] += 1
-            self.completed += 1
+            if self._replica_done(replica) > before:
+                self.order.append(replica)
             self.cond.notify_all()
             return self.clocks[worker]
 
-    def wait_completed(self, steps: int) -> int:
-        """Block until ``steps`` worker steps have completed in total (the end of a controller step)."""
+    def wait_completed(self, steps: int, worker: int | None = None) -> int:
+        """Block until ``steps`` replica steps have completed in total (the end of a controller step); returns how
+        many of them were ``worker``'s replica's (all of them when None), so each stage reports the same steps."""
         with self.cond:
-            self._wait(lambda: self.completed >= steps, f"{steps} completed worker steps")
-            return self.completed
+            self._wait(lambda: self.completed >= steps, f"{steps} completed replica steps")
+            if worker is None:
+                return steps
+            replica = worker % self.replicas
+            return self.base[replica] + self.order[:steps - sum(self.base)].count(replica)
 
     def pause(self) -> None:
         with self.cond:
@@ -70,11 +117,19 @@ class ClockKeeper:
             self.cond.notify_all()
 
     def restore(self, clocks: list[int], completed: int) -> None:
-        """Continue from a checkpoint (or a rollback): ``completed`` worker steps done, each worker at its clock;
-        the budget stays the whole run's."""
+        """Continue from a checkpoint (or a rollback): each worker at its clock, ``completed`` replica steps done
+        (as ``state`` gave them); the budget stays the whole run's."""
         with self.cond:
+            if len(clocks) != len(self.clocks):
+                raise ValueError(f"clock keeper: restore of {len(clocks)} clocks, but the job has {len(self.clocks)} "
+                                 f"workers ({self.stages} stage(s) x {self.replicas} replica(s))")
             self.clocks = list(clocks)
-            self.started = self.completed = completed
+            self.base = [self._replica_done(r) for r in range(self.replicas)]
+            if sum(self.base) != completed:
+                raise ValueError(f"clock keeper: restore of {completed} completed replica steps, but the clocks "
+                                 f"{clocks} complete {sum(self.base)}")
+            self.granted = list(self.base)
+            self.order = []
             self.cond.notify_all()
 
     def state(self) -> dict:

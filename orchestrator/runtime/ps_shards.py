@@ -56,7 +56,7 @@ class PSShards:
         if self.ps.consistency != "bsp":
             staleness = self.ps.staleness if self.ps.consistency == "ssp" else None
             self.keeper = ray.remote(max_concurrency=64)(ClockKeeper).options(num_cpus=0).remote(
-                spec.parallel.dp, staleness, spec.train.steps)
+                spec.parallel.dp, staleness, spec.train.steps, spec.parallel.pp)
         self.recoveries: list[dict] = []
         self._armed: dict[int, tuple[int, float]] = {}  # shard -> (step, time) of its kill_ps_shard
         self._write_routes()
@@ -68,7 +68,7 @@ class PSShards:
         return ray.remote(max_concurrency=64)(PSShard).options(
             num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
         ).remote(shard, self.ps.consistency, optim, self.spec.parallel.dp, self._learning_rates(),
-                 self.spec.optim.grad_clip)
+                 self.spec.optim.grad_clip, self.spec.parallel.pp)
 
     def _learning_rates(self) -> list[float]:
         """The job's learning rate at every step, as each rank's ``LambdaLR`` computes it (base × factor), so
@@ -160,7 +160,7 @@ class PSShards:
     def restore(self, flat: dict, step: int) -> None:
         """Load ``whole_state``'s answer into every shard (bsp: at clock ``step``)."""
         clocks = checkpoint.clocks(flat)
-        dp = self.spec.parallel.dp
+        dp, pp = self.spec.parallel.dp, self.spec.parallel.pp
         if self.keeper is not None and clocks["workers"] != dp:
             raise RuntimeError(f"--resume with parameter_server.consistency {self.ps.consistency}: the checkpoint "
                                f"was saved with parallel.dp={clocks['workers']}, this job has dp={dp}, and each "
@@ -170,7 +170,7 @@ class PSShards:
         states = checkpoint.shard_states(flat, self.ring, self.ps.chunk_elems, self.ps.server_optim(self.spec.optim))
         for state in states:
             state["version"] = step if self.keeper is None else clocks["version"]
-            state["applied_from"] = clocks["applied_from"] if clocks["workers"] == dp else [0] * dp
+            state["applied_from"] = clocks["applied_from"] if clocks["workers"] == dp else [0] * (dp * pp)
         answer([h.restore.remote(st) for h, st in zip(self.handles, states)], "the shards (restoring)",
                self.deadline_s)
         if self.keeper is not None:
