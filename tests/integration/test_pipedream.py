@@ -18,6 +18,7 @@ The harness jobs share one spawn of the ranks (module-scoped).
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -172,8 +173,8 @@ RAY_STEPS = 6
 def _ray_run(token_data, tmp_path, schedule: str, faults=()):
     spec = tiny_spec(token_data, tmp_path, parallel={"pp": 2, "pp_schedule": schedule},
                      train={"steps": RAY_STEPS, "microbatches": MICROBATCHES}, optim={"lr": 3e-3, "grad_clip": 0.0},
-                     checkpoint={"memory_every": 1}, fault_tolerance={"heartbeat_timeout_s": 20,
-                                                                       "collective_timeout_s": 5})
+                     checkpoint={"memory_every": 1}, metrics={"timeline": True},
+                     fault_tolerance={"heartbeat_timeout_s": 20, "collective_timeout_s": 5})
     return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
 
 
@@ -187,3 +188,9 @@ def test_kill_rank_recovers_bit_identical(schedule, ray_cluster, token_data, tmp
     killed = _ray_run(token_data, tmp_path / "killed", schedule, faults=kill)
     assert killed.losses == straight.losses and killed.grad_norms == straight.grad_norms
     assert [(r["kind"], r["rank"], r["source"]) for r in killed.recoveries] == [("rank", 0, "memory")]
+    # the step re-run after the rollback began with the restored in-flight microbatch's backward, on its version
+    timeline = [json.loads(line) for line in (tmp_path / "killed" / "run" / "timeline.jsonl").read_text().splitlines()]
+    stage0 = sorted((e for e in timeline if e["step"] == 4 and e["pp_rank"] == 0), key=lambda e: e["start"])
+    assert [f"{e['kind']}{e['microbatch']}" for e in stage0[:2]] == ["F12", "B11"]
+    versions = {(e["pp_rank"], e["microbatch"], e["kind"]): e["version"] for e in timeline}
+    assert all(versions[(r, n, "B")] == versions[(r, n, "F")] for r, n, _ in versions)

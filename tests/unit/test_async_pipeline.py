@@ -1,5 +1,6 @@
-"""PipeDream's asynchronous schedules without processes: the 1F1B order, which version a microbatch runs on,
-the stash of weight versions, and the job-file checks (tests/integration/test_pipedream.py runs them)."""
+"""PipeDream's asynchronous schedules without processes: the 1F1B order sliced into steps, which version a
+microbatch runs on, the stash of weight versions, and the job-file checks (tests/integration/test_pipedream.py
+runs them)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,35 @@ from torch import nn
 
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
-from workers.parallel.async_pipeline import WeightVersions, one_f_one_b, rules_for
+from workers.parallel.async_pipeline import WeightVersions, rules_for, step_order
 
 
-def test_one_f_one_b_order() -> None:
-    assert one_f_one_b(0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
-    assert one_f_one_b(1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
-    order = one_f_one_b(0, 4, 2)  # fewer microbatches than warm-up: all forwards, then all backwards
-    assert order == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+def one_f_one_b(stage: int, n_stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The non-interleaved 1F1B order of one stage over ``microbatches`` (Narayanan et al.): pp - s - 1 warm-up
+    forwards, then one forward and one backward in turn, then the remaining backwards."""
+    warm = min(n_stages - stage - 1, microbatches)
+    order = [("F", j) for j in range(warm)]
+    for i in range(microbatches - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", j) for j in range(microbatches - warm, microbatches)]
+
+
+@pytest.mark.parametrize("stage, n_stages, microbatches", [(0, 2, 4), (1, 2, 4), (0, 4, 4), (1, 4, 4), (0, 4, 2)])
+def test_steps_slice_one_endless_1f1b_order(stage: int, n_stages: int, microbatches: int) -> None:
+    """No flush at step ends: three steps' slices, the last drained, are 1F1B over all their microbatches at once
+    (a step's backwards may be the previous step's microbatches), and each step runs its own m forwards."""
+    warm, steps, in_flight, run = n_stages - stage - 1, 3, [], []
+    for step in range(steps):
+        order = step_order(warm, step * microbatches, microbatches, in_flight, drain=step == steps - 1)
+        assert [n for kind, n in order if kind == "F"] == list(range(step * microbatches, (step + 1) * microbatches))
+        done = {n for kind, n in order if kind == "B"}
+        in_flight = [n for n in in_flight + [n for kind, n in order if kind == "F"] if n not in done]
+        assert len(in_flight) == min(warm, (step + 1) * microbatches) or step == steps - 1
+        run += order
+    assert run == one_f_one_b(stage, n_stages, steps * microbatches)
+    assert step_order(1, 4, 4, [3], drain=False) == [("F", 4), ("B", 3), ("F", 5), ("B", 4), ("F", 6), ("B", 5),
+                                                     ("F", 7), ("B", 6)]
+    assert step_order(1, 0, 4, [], drain=True)[-2:] == [("B", 2), ("B", 3)]  # pp_flush_per_step: each step drains
 
 
 def test_2bw_runs_each_window_one_version_late() -> None:

@@ -137,14 +137,19 @@ def rules_for(schedule: str, every: int, vertical_sync: bool) -> AsyncRules:
     return AsyncRules(every=1, follow_first_stage=vertical_sync, one_version_late=False)
 
 
-def one_f_one_b(stage: int, n_stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """A stage's order of forwards and backwards: pp - s - 1 warm-up forwards, then one forward and one
-    backward in turn, then the remaining backwards (the non-interleaved 1F1B order)."""
-    warm = min(n_stages - stage - 1, microbatches)
-    order = [("F", j) for j in range(warm)]
-    for i in range(microbatches - warm):
-        order += [("F", warm + i), ("B", i)]
-    return order + [("B", j) for j in range(microbatches - warm, microbatches)]
+def step_order(warm: int, base: int, microbatches: int, in_flight: list[int], drain: bool) -> list[tuple[str, int]]:
+    """A stage's slice of the endless 1F1B order for the step whose microbatches start at global id ``base``:
+    each forward, then the backwards (oldest first, ``in_flight`` from earlier steps included) that leave
+    ``warm`` = pp - s - 1 in flight; with ``drain``, every backward left after the last forward. Concatenated
+    over steps (the last drained) this is the non-interleaved 1F1B order of the whole run on one stage."""
+    queue, order = list(in_flight), []
+    for n in range(base, base + microbatches):
+        order.append(("F", n))
+        queue.append(n)
+        keep = 0 if drain and n == base + microbatches - 1 else warm
+        while len(queue) > keep:
+            order.append(("B", queue.pop(0)))
+    return order
 
 
 @dataclass
@@ -212,9 +217,10 @@ class AsyncPipeline:
     # -- one step ------------------------------------------------------------------------------------
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, step: int, drain: bool = False) -> torch.Tensor | None:
-        """Run step ``step``'s slice of the 1F1B order: its m forwards, each followed by the backwards (of this
-        step's or the previous one's microbatches) that keep ``warm`` in flight, and with ``drain`` every backward
-        left. Returns the mean of the step's losses on the last stage, else None. The updates happen inside."""
+        """Run step ``step``'s slice of the 1F1B order (``step_order``): its m forwards, each followed by the
+        backwards (of this step's or the previous one's microbatches) that keep ``warm`` in flight, and with
+        ``drain`` every backward left. Returns the mean of the step's losses on the last stage, else None. The
+        updates happen inside."""
         first, last, m = self.stage == 0, self.stage == self.n_stages - 1, self.microbatches
         xs = inputs.chunk(m) if first else None
         ys = targets.chunk(m) if last else None
@@ -226,11 +232,12 @@ class AsyncPipeline:
             self._send(grad, -1, pending)
         self.outbox = []
         self._rerun_restored()
-        for j in range(m):
-            self._timed("F", base + j, self._forward, base + j, xs[j] if first else None, ys[j] if last else None,
-                        losses, pending)
-            while len(self.in_flight) > (0 if drain and j == m - 1 else self.warm):
-                n = next(iter(self.in_flight))
+        for kind, n in step_order(self.warm, base, m, list(self.in_flight), drain):
+            if kind == "F":
+                j = n - base
+                self._timed("F", n, self._forward, n, xs[j] if first else None, ys[j] if last else None, losses,
+                            pending)
+            else:
                 self._timed("B", n, self._backward, n, pending, hold_from is not None and n >= hold_from)
         for work, _ in pending:  # every send of the step is received within it (the outbox waits for the next)
             work.wait()
