@@ -26,13 +26,17 @@ microbatch ids (step k's are k*m .. k*m + m - 1 for m = ``train.microbatches``);
   start while the previous step's backwards are still in flight, the steady state carries across the boundary
   and only the very first step warms up (and the job's last step drains: it runs every backward left).
 - the last stage (w = 0) runs each microbatch's forward and backward in the step, so the step's loss is the
-  mean of its own m microbatch losses, each on its own version; the LR schedule moves once per step and the
-  updates of a step are those of the backwards it ran (windows align with steps: ``every`` divides m).
+  mean of its own m microbatch losses, each on its own version. The LR schedule moves once per step, and an
+  update runs at the LR of the step its microbatches belong to, even when its backward ran in the next one
+  (windows align with steps: ``every`` divides m; a 2BW window's gradient may still span the boundary).
 - no message crosses a boundary: every activation is received in the step it is sent (each stage runs all of
   the step's forwards); the one gradient whose receiver runs that backward in the next step (the last one a
-  stage s > 0 computes in the step) waits in an outbox and is sent first thing in the next step.
+  stage s > 0 computes in the step) waits in an outbox and is sent first thing in the next step. Why: the
+  controller waits for every rank's step before it starts the next, so a send still waiting for its receiver
+  at a step's end would never complete, and a snapshot cannot hold a message on the wire.
 - the state at a step boundary is therefore the live weights, the stashed versions, and per stage the
-  microbatches in flight (their input and version) plus the outbox. ``state_dict`` carries all of it; a restore
+  microbatches in flight (their input and version), the outbox, the gradient accumulated so far and the LR of
+  a step whose updates are still due. ``state_dict`` carries all of it; a restore
   re-runs each in-flight forward on its stashed version from its saved input, which is deterministic, so the
   autograd graph its backward needs is the one the uninterrupted run had (bit for bit). It is per rank (keyed
   by pp and dp coordinate): a checkpoint with microbatches in flight resumes at the layout that wrote it.
