@@ -33,7 +33,7 @@ microbatch ids (step k's are k*m .. k*m + m - 1 for m = ``train.microbatches``);
   the step's forwards); the one gradient whose receiver runs that backward in the next step (the last one a
   stage s > 0 computes in the step) waits in an outbox and is sent first thing in the next step. Why: the
   controller waits for every rank's step before it starts the next, so a send still waiting for its receiver
-  at a step's end would never complete, and a snapshot cannot hold a message on the wire.
+  at a step's end could wait forever, and a snapshot cannot hold a message on the wire.
 - the state at a step boundary is therefore the live weights, the stashed versions, and per stage the
   microbatches in flight (their input and version), the outbox, the gradient accumulated so far and the LR of
   a step whose updates are still due. ``state_dict`` carries all of it; a restore
