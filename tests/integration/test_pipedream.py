@@ -152,8 +152,9 @@ def test_2bw_equals_the_paper_update_rule(runs) -> None:
     v = _versions(runs["2bw"])  # step 1 holds windows 2 and 3: versions 1 and 2
     assert [v[(r, n, k)] for r in (0, 1) for n in range(4, 8) for k in "FB"] == [1, 1, 1, 1, 2, 2, 2, 2] * 2
     # which version a microbatch runs on does not depend on when backwards run: drained or not, the same bits
+    # (the grad_norm records differ: each is of a stage's last update run in the step, on stage 0 carried the
+    # previous window's, drained the step's last)
     assert runs["2bw-flushed"].losses == runs["2bw"].losses
-    assert runs["2bw-flushed"].grad_norms == runs["2bw"].grad_norms
 
 
 @pytest.mark.parametrize("name", ["pipedream", "2bw"])

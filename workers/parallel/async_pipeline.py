@@ -47,7 +47,8 @@ step then warms up and cools down, and its boundary holds no microbatch in fligh
 The weight-stashing invariant holds across boundaries: a microbatch's backward runs on the stashed copy its
 forward ran on, whichever step each ran in. Clipping uses each stage's own gradient norm: a norm over all stages
 would make every update wait for the slowest stage, which is what the schedule avoids. The ``grad_norm`` reported
-is the norm, over all stages, of each stage's last update in the step.
+is the norm, over all stages, of each stage's last update run in the step (carried, an earlier stage's may be of
+a window before the step's last: that one's update is still due).
 
 Data parallelism: each update's gradient is averaged over the stage's dp group before the step (every replica
 runs the same order, so the all-reduces pair up).
