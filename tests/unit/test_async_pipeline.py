@@ -159,5 +159,7 @@ def test_snapshots_carry_the_step_boundary_state(token_data) -> None:
     assert torch.equal(pipe.outbox[0], expected[1]) and torch.equal(module.weight.grad, expected[2])
     other = AsyncPipeline(module, 1, 3, 8, rules_for("pipedream_2bw", 8, False), opt, None, None, None, 0.0,
                           torch.device("cpu"))
-    with pytest.raises(ValueError, match="resume it at the layout that saved it"):
+    with pytest.raises(ValueError, match=r"saved as \[1, 3, 4, 4\].*resume only at the layout that saved them"):
         other.load_state_dict(snap["weight_versions"], 3)
+    with pytest.raises(ValueError, match=r"it holds \['pp2_dp0'\]"):  # another stage's entry only
+        pipe.load_state_dict({"pp2_dp0": snap["weight_versions"]["pp1_dp0"]}, 3)

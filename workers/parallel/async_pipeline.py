@@ -393,16 +393,20 @@ class AsyncPipeline:
 
     def load_state_dict(self, state: dict, step: int) -> None:
         """Take back what ``state_dict`` gave (a checkpoint or snapshot of step ``step``); the in-flight forwards
-        re-run at the next step's start. Without an entry for this rank: a drained state at ``step``."""
+        re-run at the next step's start. Without any entry: a drained state at ``step``. A state saved at another
+        layout (a checkpoint resumed elsewhere, an elastic resize) is refused: its microbatches in flight belong to
+        the data split and stages that wrote it."""
         self.resume_at(step)
-        if self.key not in state:
+        if not state:
             return
-        saved = torch.load(io.BytesIO(state[self.key]), weights_only=True)
         layout = [self.stage, self.n_stages, self.microbatches, self.rules.every]
-        if saved["layout"] != layout:
-            raise ValueError(f"the asynchronous pipeline state of {self.key} was saved as (stage, stages, "
-                             f"microbatches, microbatches per update) {saved['layout']}, this run is {layout}: "
-                             "resume it at the layout that saved it")
+        saved = torch.load(io.BytesIO(state[self.key]), weights_only=True) if self.key in state else None
+        if saved is None or saved["layout"] != layout:
+            raise ValueError(f"the asynchronous pipeline state for {self.key} (stage, stages, microbatches, "
+                             f"microbatches per update: {layout}) is not in this checkpoint or snapshot (it holds "
+                             f"{sorted(state)}{'' if saved is None else ', saved as ' + str(saved['layout'])}): "
+                             "its in-flight microbatches resume only at the layout that saved them (pp, dp, "
+                             "train.microbatches); changing the layout of an asynchronous pipeline is not supported")
         to_device = lambda t: t.to(self.device, copy=True)  # noqa: E731
         self.versions.current, self._newest_seen = saved["current"], saved["newest_seen"]
         self.versions.stash = {v: [to_device(t) for t in ts] for v, ts in saved["stash"].items()}
