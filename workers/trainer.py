@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import time
+import warnings
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -304,7 +305,11 @@ class Trainer:
         for opt, sched in zip(self.state.optimizers, self.state.schedulers):
             if self.async_pipe is None:  # PipeDream zeroes after each update: a 2BW window may span steps
                 opt.zero_grad(set_to_none=True)
-            sched.step()
+            with warnings.catch_warnings():
+                if self.async_pipe is not None:  # 2BW's first update on an early stage may come a step later:
+                    # torch warns of a skipped LR value, but each update runs at its step's LR (step_lrs)
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                sched.step()
         for zero1 in self.zero1:
             zero1.zero_grad()
         self.state.step += 1
