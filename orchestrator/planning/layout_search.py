@@ -169,16 +169,12 @@ class Evaluator:
         self.rank_estimates = 0
 
     def rank_classes(self, layout: Layout) -> list[int]:
-        """The pp ranks that can hold the peak or the most compute. Under ``split_layers`` three classes; under
-        a split of the planner's own, the first and last ranks and, of the middle ranks holding the same number
-        of layers, the first (earlier ranks keep at least as many microbatches in flight)."""
-        if layout.split is None:
-            return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
-        first_with: dict[int, int] = {}
-        for r in range(1, layout.pp - 1):
-            ids = stage_ids(r, layout.pp, layout.stages_per_rank, layout.schedule)
-            first_with.setdefault(sum(layout.split[i] for i in ids), r)
-        return sorted({0, layout.pp - 1, *first_with.values()})
+        """The pp ranks that can hold the peak or the most compute: three classes under ``split_layers``; every
+        rank under a split of the planner's own (which layers a rank holds and how many microbatches it keeps
+        in flight both vary by rank, and their product does not peak at a rank one can name up front)."""
+        if layout.split is not None:
+            return list(range(layout.pp))
+        return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
 
     def stage_layers(self, layout: Layout) -> tuple[int, ...]:
         return layout.stage_layers(self.shape.n_layers)
