@@ -10,7 +10,12 @@ and context parallelism as a formula, so it works on plain numbers (``Shape``) w
 Identical ranks are estimated once: every dp/tp/cp peer of a pipeline rank holds the same bytes, and of the
 pipeline ranks only three classes can hold the peak (the first: embedding and the most microbatches in
 flight; the second: the first of the middle stages, which take the split's extra layers; the last: the
-head), so a candidate costs at most three rank estimates whatever the GPU count.
+head), so a candidate costs at most three rank estimates whatever the GPU count (one per pp rank on a split of
+the planner's own).
+
+Stage splits (``units``, the layout picker's): each pipelined layout is also priced on the split of
+``pp_split: auto``'s program (``balanced_layers``), and one that does not fit on the fastest split that does
+(``Evaluator.fitting_split``).
 """
 
 from __future__ import annotations
