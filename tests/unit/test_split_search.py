@@ -3,7 +3,9 @@
 - a heavy output head: the even split's last stage is the slowest, so the picker runs the pipeline on the
   program's split, ranks the even one behind it, and ``raymesh plan`` prints the split and the override;
 - memory: where the even split's first rank (the most microbatches in flight) does not fit, the search prices
-  the fastest split that fits (``Evaluator.fitting_split``) and picks it.
+  the fastest split that fits (``Evaluator.fitting_split``) and picks it;
+- a ``pp_split: auto`` job is searched on the profiled costs ``auto_split`` uses, so the picker's split is the
+  run's own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import yaml
 from orchestrator.cli import main
 from orchestrator.planning import layout_search as ls
 from orchestrator.planning.layout_picker import pick_layout, plan_gpu
-from orchestrator.planning.stage_split import unit_times
+from orchestrator.planning.stage_split import auto_split, unit_times
 from orchestrator.spec import JobSpec
 
 # a 65,536-word head costs ~18 blocks of width 256; slow links price data parallelism out, one head tp out
@@ -64,3 +66,15 @@ def test_search_fits_memory_with_an_uneven_split():
     assert best.layout.pp == 2 and best.layout.split[0] < 4  # layers moved off the rank with most in flight
     assert best.peak <= result.limit < ev.peak(even)[0]
     assert replace(best.layout, split=None) in [c.layout for c in result.too_big]
+
+
+def test_an_auto_job_is_searched_on_the_costs_auto_split_uses():
+    """``pp_split: auto``: the picker's split of a pp=2 layout is the one the run's own program makes."""
+    raw = {**HEAVY_HEAD, "model": {**HEAVY_HEAD["model"], "d_model": 32, "n_heads": 4, "seq_len": 32,
+                                   "vocab_size": 4096, "n_layers": 6},
+           "parallel": {"pp": 2, "pp_split": "auto"}, "train": {"global_batch_size": 8, "microbatches": 4}}
+    spec = JobSpec.from_dict(raw)
+    units = unit_times(spec)
+    chosen = auto_split(spec)
+    assert units.layers == tuple(u.time_s for u in chosen.costs.layers)
+    assert ls.balanced_layers(units, 2) == chosen.split
