@@ -95,10 +95,10 @@ def test_auto_split_of_five_layers_is_uneven(runs):
 
 
 def _versions(run) -> dict[tuple[int, int, str], int]:
-    """(pp rank, global microbatch, F or B) -> the weight version it ran on, from the ranks' timelines."""
-    m = TRAIN["microbatches"]
-    return {(e["pp_rank"], step * m + e["microbatch"], e["kind"]): e["version"]
-            for steps in run.results.values() for step, out in enumerate(steps) for e in out["timeline"]
+    """(pp rank, global microbatch, F or B) -> the weight version it ran on, from the ranks' timelines (the
+    asynchronous schedules number microbatches globally: a step's last backwards may run in the next step)."""
+    return {(e["pp_rank"], e["microbatch"], e["kind"]): e["version"]
+            for steps in run.results.values() for out in steps for e in out["timeline"]
             if e["kind"] in ("F", "B")}
 
 
