@@ -340,7 +340,7 @@ class TrainingJob:
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
-            resizes=self.resizes, run_dir=str(self.run_dir),
+            resizes=self.resizes, ps_resizes=self.ps.resizes if self.ps else [], run_dir=str(self.run_dir),
         )
 
     def _train(self, acct: StepAccounting) -> str:
