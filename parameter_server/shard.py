@@ -356,6 +356,15 @@ class PSShard:
 
     # -- elastic shards (the shard count changes between steps: ``orchestrator/runtime/ps_resize.py``) ----------
 
+    def set_workers(self, workers: int) -> int:
+        """bsp, between steps: the job now has ``workers`` data ranks (a dp resize); each clock waits for that many
+        pushes from now on. The ranks come back from a checkpoint, which ``restore`` then loads."""
+        with self.cond:
+            self.workers = workers
+            self.applied_from = [0] * workers
+            self.staged, self.means, self.sqs = {}, {}, {}
+            return self.workers
+
     def handover(self, keys: list[str]) -> dict:
         """``keys`` as held now and in every kept step, for the shard that holds them after a resize (``take``):
         the kept steps move too, so a rollback across the resize finds each chunk on its new holders."""

@@ -65,6 +65,11 @@ class PSShards:
         event("ps_shards", shards=self.ps.shards, consistency=self.ps.consistency, transport=self.ps.transport,
               grpc=",".join(self.addresses))
 
+    def set_workers(self, spec: JobSpec) -> None:
+        """bsp: the grid was relaunched at another dp (``raymesh scale``); the shards count its data ranks."""
+        self.spec = spec
+        self.answer([h.set_workers.remote(spec.parallel.dp) for h in self.handles], "the shards (new data ranks)")
+
     def answer(self, refs, what: str):
         """``answer`` at this job's deadline for shard calls."""
         return answer(refs, what, self.deadline_s)

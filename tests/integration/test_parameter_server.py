@@ -257,3 +257,18 @@ def test_bsp_grows_and_shrinks_its_shards_mid_run_bit_identically(bsp_dp4, token
         assert r["bytes_moved"] == sum(3 * 4 * chunks[k] + 4 for k in moved), r
     assert [r["at_step"] for r in result.ps_resizes] == [3, 5]
     assert len(json.loads((spec.resolved_run_dir() / "ps_routes.json").read_text())["addresses"]) == 2
+
+
+def test_bsp_scales_its_data_ranks_on_request(bsp_dp4, token_data, tmp_path):
+    """`raymesh scale` under BSP (asked before the run starts, so it lands after step 1): dp 4 -> 2 through the
+    checkpoint the resize saves, which holds the shards' state; the shards count 2 data ranks from then on and
+    the run stays on the dp=4 curve (1e-5, not bit-identical: each data rank's gradient now averages twice as
+    many sequences, summed in another order)."""
+    spec = _ps_spec(token_data, tmp_path, consistency="bsp").with_overrides(["train.steps=4"])
+    job = TrainingJob(spec, progress=False)
+    job.request_scale(2)
+    result = job.run()
+    assert [(r["reason"], r["at_step"], r["dp_from"], r["dp_to"]) for r in result.resizes] == [("request", 1, 4, 2)]
+    assert result.losses[0] == bsp_dp4.losses[0] and result.layout["dp"] == 2
+    assert result.losses == pytest.approx(bsp_dp4.losses[:4], rel=1e-5)
+    assert result.grad_norms == pytest.approx(bsp_dp4.grad_norms[:4], rel=1e-5)
