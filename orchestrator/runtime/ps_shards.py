@@ -60,6 +60,7 @@ class PSShards:
                 spec.parallel.dp, staleness, spec.train.steps)
         self.recoveries: list[dict] = []
         self.resizes: list[dict] = []  # parameter_server.resize: one record per change of the shard count
+        self.removed_reads: list[dict] = []  # the read logs of shards a resize removed
         self._armed: dict[int, tuple[int, float]] = {}  # shard -> (step, time) of its kill_ps_shard
         self._write_routes()
         event("ps_shards", shards=self.ps.shards, consistency=self.ps.consistency, transport=self.ps.transport,
@@ -81,8 +82,9 @@ class PSShards:
                                           f"new shard {shard} (its gRPC server)"))
 
     def remove_shard(self, shard: int) -> None:
-        """Stop the last shard (a resize moved its chunks away first) and delete its disk snapshot, which holds
-        keys of a ring that is gone."""
+        """Stop the last shard (a resize moved its chunks away first), keeping the reads it recorded for
+        ``write_read_log``, and delete its disk snapshot, which holds keys of a ring that is gone."""
+        self.removed_reads += self.answer(self.handles[shard].read_log.remote(), f"shard {shard} (its read log)")
         ray.kill(self.handles.pop(shard))
         self.addresses.pop(shard)
         (self.run_dir / "ps" / f"shard-{shard}.pt").unlink(missing_ok=True)
@@ -275,6 +277,7 @@ class PSShards:
     def write_read_log(self) -> None:
         """Every asp/ssp read the shards recorded (reader clock, fewest pushes applied), for checking the bound."""
         with open(self.run_dir / "ps_reads.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.removed_reads)
             for h in self.handles:
                 try:
                     log = ray.get(h.read_log.remote(), timeout=PING_S)
