@@ -37,8 +37,9 @@ class ClockKeeper:
 
     def enter(self, worker: int) -> bool:
         """Take one step from the budget for ``worker`` once the staleness bound allows; False: budget spent."""
-        with self.cond:
-            self._wait(lambda: self.started >= self.budget or self._may_start(worker),
+        with self.cond:  # paused, even a worker whose budget is spent waits: its last pull must not meet a
+            # shard restart or a resize half done
+            self._wait(lambda: not self.paused and (self.started >= self.budget or self._may_start(worker)),
                        f"worker {worker} at clock {self.clocks[worker]} to be within the staleness bound")
             if self.started >= self.budget:
                 return False

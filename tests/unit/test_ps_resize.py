@@ -5,6 +5,7 @@ removed shard's, about 1/(n+1) of the chunks plus their replicas), and shards th
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from orchestrator.errors import SpecError
 from orchestrator.runtime.ps_resize import _moves
 from orchestrator.spec import JobSpec
 from parameter_server.client import PSClient
+from parameter_server.clocks import ClockKeeper
 from parameter_server.ring import HashRing, rebalance
 from parameter_server.shard import PSShard
 from tests.support.ps_local import LocalConn
@@ -145,3 +147,19 @@ def test_resize_needs_the_parameter_server_and_moves_kill_ps_shard_checks_with_i
         JobSpec.from_dict({"data": {"path": "d"}, "parallel": ps[0], "parameter_server": ps[1],
                            "faults": [{"kind": "kill_ps_shard", "shard": 2, "at_step": 7}]})
     assert err.value.field == "faults.0.shard"
+
+
+def test_a_paused_keeper_holds_even_a_worker_whose_budget_is_spent():
+    """asp/ssp: a worker past its last step pulls the final weights; while the controller resizes (paused), that
+    pull must wait, or it would read a ring whose chunks are half moved."""
+    keeper = ClockKeeper(workers=1, staleness=None, steps=1)
+    assert keeper.enter(0) and keeper.tick(0) == 1
+    keeper.pause()
+    answer: list[bool] = []
+    late = threading.Thread(target=lambda: answer.append(keeper.enter(0)))
+    late.start()
+    late.join(timeout=0.3)
+    assert late.is_alive() and answer == []
+    keeper.resume()
+    late.join(timeout=5)
+    assert answer == [False]  # budget spent: it ends, after the resize
