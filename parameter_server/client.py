@@ -94,6 +94,12 @@ class PSClient:
         self.conns[shard] = conn
         self.alive[shard] = True
 
+    def reshard(self, conns: list) -> None:
+        """The controller changed the shard count (and moved the chunks): place keys on the new ring from now on."""
+        self.conns = list(conns)
+        self.ring = HashRing(len(conns), self.ring.vnodes)
+        self.alive = [True] * len(conns)
+
     # -- fan-out with failover -------------------------------------------------------------------
 
     def _send(self, per_shard: dict[int, tuple]) -> dict[int, object]:

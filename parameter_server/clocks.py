@@ -75,8 +75,10 @@ class ClockKeeper:
             self._check(worker)
             replica, step = worker % self.replicas, self.clocks[worker]
             what = f"worker {worker} at clock {step} to be within its stage's staleness bound"
-            self._wait(lambda: step < self.granted[replica] or self.started >= self.budget
-                       or (not self.paused and self._within_bound(worker)), what)
+            # paused, even a replica whose budget is spent waits: its last pull must not meet a shard restart
+            # or a resize half done; a step a peer stage already took is never held (that could deadlock)
+            self._wait(lambda: step < self.granted[replica]
+                       or (not self.paused and (self.started >= self.budget or self._within_bound(worker))), what)
             if step >= self.granted[replica]:
                 if self.started >= self.budget:
                     return False

@@ -67,3 +67,41 @@ class HashRing:
 
     def primary(self, key: str) -> int:
         return self.holders(key)[0]
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """What changing the shard count does to each chunk: the copies to make and the keys each shard drops.
+
+    ``copies[dest][key]`` is the old holder ``dest`` takes ``key`` from; ``drops[shard]`` the keys ``shard`` held
+    and holds no more. A chunk whose holders stay the same is in neither: adding shard ``n`` to a ring of ``n``
+    copies only what the new shard now holds (its primary share, about 1/(n+1) of the chunks, and as many
+    replicas), and removing the highest shard copies only what it held.
+    """
+
+    copies: dict[int, dict[str, int]]
+    drops: dict[int, list[str]]
+    primaries_moved: int  # chunks whose primary changed
+    chunks: int  # chunks in all
+
+    @property
+    def chunks_copied(self) -> int:
+        return sum(len(keys) for keys in self.copies.values())
+
+
+def rebalance(old: HashRing, new: HashRing, keys: list[str]) -> Rebalance:
+    """The moves from ``old`` to ``new`` for ``keys`` (both rings number their shards from 0, so growing adds the
+    highest ids and shrinking removes them, and every other shard keeps its points: consistent hashing)."""
+    copies: dict[int, dict[str, int]] = {}
+    drops: dict[int, list[str]] = {}
+    moved = 0
+    for key in keys:
+        before, after = old.holders(key), new.holders(key)
+        moved += before[0] != after[0]
+        for dest in after:
+            if dest not in before:
+                copies.setdefault(dest, {})[key] = before[0]
+        for shard in before:
+            if shard not in after and shard < new.shards:
+                drops.setdefault(shard, []).append(key)
+    return Rebalance(copies, drops, moved, len(keys))

@@ -366,6 +366,46 @@ class PSShard:
             self.cond.notify_all()
             return self.version
 
+    # -- elastic shards (the shard count changes between steps: ``orchestrator/runtime/ps_resize.py``) ----------
+
+    def set_workers(self, workers: int) -> int:
+        """bsp, between steps: the job now has ``workers`` data ranks (a dp resize); each clock waits for that many
+        pushes from now on. The ranks come back from a checkpoint, which ``restore`` then loads."""
+        with self.cond:
+            self.workers = workers
+            self.applied_from = [0] * workers
+            self.staged, self.means, self.sqs = {}, {}, {}
+            return self.workers
+
+    def handover(self, keys: list[str]) -> dict:
+        """``keys`` as held now and in every kept step, for the shard that holds them after a resize (``take``):
+        the kept steps move too, so a rollback across the resize finds each chunk on its new holders."""
+        with self.cond:
+            kept = {step: _only(state, keys) for step, state in self.kept.items()}
+            return {"now": self.state(keys), "kept": kept}
+
+    def take(self, bundle: dict) -> int:
+        """Hold what ``handover`` gave, now and in each kept step (a step this shard kept nothing of yet, as a new
+        shard, starts from the giver's clocks at that step)."""
+        bundle = copy.deepcopy(bundle)  # in one process (tests) the giver's optimizer tensors would be shared
+        with self.cond:
+            self.load(bundle["now"])
+            for step, part in bundle["kept"].items():
+                mine = self.kept.setdefault(step, {**part, "params": {}, "opts": {}})
+                mine["params"].update(part["params"])
+                mine["opts"].update(part["opts"])
+            return len(self.params)
+
+    def drop(self, keys: list[str]) -> int:
+        """Stop holding ``keys``, now and in the kept steps (after a resize they belong to other shards; a key
+        left here would make every BSP apply wait for pushes that now go elsewhere)."""
+        with self.cond:
+            for state in [{"params": self.params, "opts": self.opts}, *self.kept.values()]:
+                for key in keys:
+                    state["params"].pop(key, None)
+                    state["opts"].pop(key, None)
+            return len(self.params)
+
     def save(self, path: str) -> str:
         """Snapshot every held key to ``path`` (written whole, then renamed, so a reader never sees half)."""
         state = self.state()
@@ -400,3 +440,9 @@ class PSShard:
         if self.grpc is None:
             self.grpc = serve(self, ray.util.get_node_ip_address(), token)
         return self.grpc.address
+
+
+def _only(state: dict, keys: list[str]) -> dict:
+    """``state`` (a kept ``PSShard.state()``) restricted to ``keys``."""
+    return {**state, "params": {k: state["params"][k] for k in keys if k in state["params"]},
+            "opts": {k: state["opts"][k] for k in keys if k in state["opts"]}}

@@ -122,6 +122,10 @@ class RankWorker:
         """A parameter-server shard was restarted and resynced: send its keys there again."""
         self.trainer.ps.reroute(shard, route)
 
+    def ps_reshard(self, routes: list[dict]) -> None:
+        """The parameter server was resized between steps (chunks moved): push and pull on the new ring."""
+        self.trainer.ps.reshard(routes)
+
     def ps_resume(self) -> int:
         """The shards were restored to this rank's step (resume, rollback): push and pull from its clock there."""
         return self.trainer.ps.resume_at(self.trainer.step)

@@ -161,9 +161,10 @@ class TrainingJob:
         absorbs the difference); a layout the job file could not have is refused as ``ValueError``.
         """
         old = self.spec
-        if old.parallel.dp_sync == "ps":
-            raise ValueError("resizing is not supported with parallel.dp_sync: ps (the shards count a fixed number "
-                             "of data ranks); fix: use dp_sync: allreduce to scale")
+        if old.parallel.dp_sync == "ps" and old.parameter_server.consistency != "bsp":
+            raise ValueError(f"resizing is not supported with parameter_server.consistency "
+                             f"{old.parameter_server.consistency} (each worker's clock belongs to one data rank); "
+                             "fix: use consistency: bsp to scale a parameter-server job")
         try:
             target = resized(old, dp)
         except SpecError as exc:
@@ -212,6 +213,8 @@ class TrainingJob:
         fresh_shards = p.dp_sync == "ps" and self.ps is None
         if p.dp_sync == "ps":
             self.ps = self.ps or PSShards(self.spec, self.run_dir)
+            if self.ps.spec.parallel.dp != p.dp:  # bsp, a requested resize: the ranks load its checkpoint next
+                self.ps.set_workers(self.spec)
             self.group.worker_extra = {"ps_routes": self.ps.worker_routes()}
             self.checkpoints.beside_ranks = self.ps.save_checkpoint
         layout = Layout.of(self.spec, self.group.form())
@@ -350,7 +353,8 @@ class TrainingJob:
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
-            resizes=self.resizes, run_dir=self.spec.run_dir_url() or str(self.run_dir),
+            resizes=self.resizes, ps_resizes=self.ps.resizes if self.ps else [],
+            run_dir=self.spec.run_dir_url() or str(self.run_dir),
         )
 
     def _train(self, acct: StepAccounting) -> str:

@@ -169,8 +169,9 @@ class GridChanges:
         job = self.job
         if job.ps is not None:
             raise RuntimeError("the dead ranks' replacements found no room, and a run with parallel.dp_sync: ps does "
-                               "not shrink (its shards count a fixed number of data ranks); fix: add nodes, or "
-                               "`raymesh run JOB --resume --set parallel.dp=N` from the last checkpoint (it reshards)")
+                               "not shrink after a failure (only `raymesh scale` resizes it, under bsp, through a "
+                               "checkpoint); fix: add nodes, or `raymesh run JOB --resume --set parallel.dp=N` from "
+                               "the last checkpoint (it reshards)")
         t0 = time.perf_counter()
         old = job.spec
         kept = job.group.survivor_snapshots(dead, job.step) if job.snapshot_step is not None else None

@@ -19,6 +19,7 @@ import ray
 
 from orchestrator.api.auth import job_token
 from orchestrator.observability.events import event
+from orchestrator.runtime import ps_resize
 from orchestrator.spec import JobSpec
 from parameter_server import checkpoint
 from parameter_server.clocks import ClockKeeper
@@ -58,10 +59,35 @@ class PSShards:
             self.keeper = ray.remote(max_concurrency=64)(ClockKeeper).options(num_cpus=0).remote(
                 spec.parallel.dp, staleness, spec.train.steps, spec.parallel.pp)
         self.recoveries: list[dict] = []
+        self.resizes: list[dict] = []  # parameter_server.resize: one record per change of the shard count
+        self.removed_reads: list[dict] = []  # the read logs of shards a resize removed
         self._armed: dict[int, tuple[int, float]] = {}  # shard -> (step, time) of its kill_ps_shard
         self._write_routes()
         event("ps_shards", shards=self.ps.shards, consistency=self.ps.consistency, transport=self.ps.transport,
               grpc=",".join(self.addresses))
+
+    def set_workers(self, spec: JobSpec) -> None:
+        """bsp: the grid was relaunched at another dp (``raymesh scale``); the shards count its data ranks."""
+        self.spec = spec
+        self.answer([h.set_workers.remote(spec.parallel.dp) for h in self.handles], "the shards (new data ranks)")
+
+    def answer(self, refs, what: str):
+        """``answer`` at this job's deadline for shard calls."""
+        return answer(refs, what, self.deadline_s)
+
+    def add_shard(self, shard: int) -> None:
+        """Start shard ``shard`` (empty, serving gRPC) at the end of the list (a resize fills it)."""
+        self.handles.append(self._new_shard(shard))
+        self.addresses.append(self.answer(self.handles[shard].serve_grpc.remote(self.token.value),
+                                          f"new shard {shard} (its gRPC server)"))
+
+    def remove_shard(self, shard: int) -> None:
+        """Stop the last shard (a resize moved its chunks away first), keeping the reads it recorded for
+        ``write_read_log``, and delete its disk snapshot, which holds keys of a ring that is gone."""
+        self.removed_reads += self.answer(self.handles[shard].read_log.remote(), f"shard {shard} (its read log)")
+        ray.kill(self.handles.pop(shard))
+        self.addresses.pop(shard)
+        (self.run_dir / "ps" / f"shard-{shard}.pt").unlink(missing_ok=True)
 
     def _new_shard(self, shard: int):
         optim = self.ps.server_optim(self.spec.optim)
@@ -89,7 +115,7 @@ class PSShards:
 
     def worker_routes(self) -> dict:
         """What each rank's ``PSSync`` needs: a route per shard, and the clock keeper under asp/ssp."""
-        return {"shards": [self.route(i) for i in range(self.ps.shards)], "keeper": self.keeper}
+        return {"shards": [self.route(i) for i in range(len(self.handles))], "keeper": self.keeper}
 
     # -- between steps -------------------------------------------------------------------------
 
@@ -101,18 +127,23 @@ class PSShards:
         self._armed[fault["shard"]] = (fault["at_step"], time.perf_counter())
 
     def after_step(self, step: int, group) -> None:
-        """Restart and resync dead shards, then snapshot on the cadence (asp/ssp workers paused meanwhile)."""
+        """Restart and resync dead shards, change the shard count when ``parameter_server.resize`` says the next
+        step runs on another, then snapshot on the cadence or after a resize (asp/ssp workers paused meanwhile)."""
         alive = self._alive()
         every = self.ps.snapshot_every
-        snapshot = every and step % every == 0
-        if all(alive) and not snapshot:
+        count = self.ps.shards_at(step + 1)
+        snapshot = every and (step % every == 0 or count != len(self.handles))
+        if all(alive) and not snapshot and count == len(self.handles):
             return
         with self._paused():
             for shard, ok in enumerate(alive):
                 if not ok:
                     self._restart(shard, alive, group, step)
+            if count != len(self.handles):
+                self.resizes.append(ps_resize.resize(self, count, group, step))
+                self._write_routes()
             if snapshot:
-                paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(self.ps.shards)]
+                paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(len(self.handles))]
                 answer([h.save.remote(p) for h, p in zip(self.handles, paths)], "the shards' snapshot",
                        self.deadline_s)
 
@@ -145,7 +176,7 @@ class PSShards:
     def save_checkpoint(self, path) -> None:
         """Into a checkpoint's folder, beside the ranks' files (``Checkpointing.beside_ranks``)."""
         checkpoint.save(self.whole_state(), path)
-        event("ps_checkpoint", path=path, shards=self.ps.shards)
+        event("ps_checkpoint", path=path, shards=len(self.handles))
 
     def restore_checkpoint(self, path, step: int) -> None:
         """The shards (and under asp/ssp the clocks) as ``path`` holds them, split for this job's ring: another
@@ -246,6 +277,7 @@ class PSShards:
     def write_read_log(self) -> None:
         """Every asp/ssp read the shards recorded (reader clock, fewest pushes applied), for checking the bound."""
         with open(self.run_dir / "ps_reads.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.removed_reads)
             for h in self.handles:
                 try:
                     log = ray.get(h.read_log.remote(), timeout=PING_S)

@@ -16,6 +16,8 @@ class RunResult:
     layout: dict
     recoveries: list[dict] = field(default_factory=list)
     resizes: list[dict] = field(default_factory=list)  # dp changes: reason shrink/grow/request, at_step, dp_from/to
+    # parameter_server.resize: at_step, shards_from/to, chunks, primaries_moved, chunks_moved, bytes_moved, seconds
+    ps_resizes: list[dict] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     peak_memory_bytes: dict[int, int] = field(default_factory=dict)
     memory: dict[int, dict] = field(default_factory=dict)  # measured vs predicted bytes per rank (memory.measure)

@@ -14,6 +14,7 @@ from orchestrator.spec.context_checks import check_context_parallel
 from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
 from orchestrator.spec.moe import check_moe
+from orchestrator.spec.ps_resize_checks import check_ps_resize
 from orchestrator.spec.sections import ParameterServerSpec
 from workers.parallel.partition import split_problem
 
@@ -61,10 +62,11 @@ def check_parameter_server(job: JobSpec) -> None:
             raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (only a "
                             "killed rank is: kill_rank under consistency bsp)", "use kill_rank, slow_rank or "
                             "kill_ps_shard")
-        if f.kind == "kill_ps_shard" and (ps.shards < 2 or f.shard >= ps.shards):
+        shards = ps.shards_at(f.at_step or 1)  # the count in force at the fault's step (parameter_server.resize)
+        if f.kind == "kill_ps_shard" and (shards < 2 or f.shard >= shards):
             raise SpecError(f"faults.{i}.shard", f.shard, f"is not a shard that can die and be taken over "
-                            f"(parameter_server.shards={ps.shards}; a replica needs at least 2)",
-                            f"pick a shard from 0 to {ps.shards - 1} with shards >= 2")
+                            f"({shards} shards at step {f.at_step}; a replica needs at least 2)",
+                            f"pick a shard from 0 to {shards - 1} with shards >= 2 at that step")
 
 
 def check_offload(job: JobSpec) -> None:
@@ -345,4 +347,4 @@ def check_batching(job: JobSpec) -> None:
 
 CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_recompute,
                       check_faults, check_parameter_server, check_offload, check_lora, check_context_parallel,
-                      check_comm, check_moe, check_expert_parallel, check_async_pipeline)
+                      check_comm, check_moe, check_expert_parallel, check_async_pipeline, check_ps_resize)

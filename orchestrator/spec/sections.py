@@ -274,6 +274,13 @@ class FaultToleranceSpec(_Section):
     grow_check_s: Seconds = 30.0  # below the requested dp, look for room this often
 
 
+class PSResizeSpec(_Section):
+    """One scheduled change of the shard count: step ``at_step`` and the ones after it run on ``shards`` shards."""
+
+    at_step: Annotated[int, Field(ge=2)]  # the chunks move between step at_step - 1 and step at_step
+    shards: PositiveInt
+
+
 class ParameterServerSpec(_Section):
     """Parameter-server shards, used when `parallel.dp_sync: ps` (see parameter_server/)."""
 
@@ -288,6 +295,12 @@ class ParameterServerSpec(_Section):
     # lossy: pushes in bf16 (pulls too), or the top-k share of each gradient chunk with error feedback on the worker
     compression: Literal["none", "bf16", "topk"] = "none"
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # compression topk: share of each chunk's entries sent
+    # add or remove shards between steps ({at_step, shards} each; consistent hashing moves only the affected chunks)
+    resize: list[PSResizeSpec] = Field(default_factory=list)
+
+    def shards_at(self, step: int) -> int:
+        """The shard count step ``step`` runs on (``resize``)."""
+        return next((r.shards for r in reversed(self.resize) if r.at_step <= step), self.shards)
 
     def server_optim(self, optim: OptimSpec) -> dict:
         """What each shard's optimizer is built from."""

@@ -45,6 +45,11 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     if job.stem == "pp_auto_split":  # the profiled split reached the ranks through Ray and the summary
         split = result["layout"]["pp_split"]
         assert sum(split) == 6 and split[0] > split[1], split  # blocks moved off the heavy head's stage
+    if job.stem == "parameter_server":  # a shard joined and left mid-run (ssp, gRPC): workers paused, rerouted
+        assert [(r["at_step"], r["shards_to"]) for r in result["ps_resizes"]] == [(2, 3), (4, 2)], result["ps_resizes"]
+        reads = [json.loads(line) for line in (tmp_path / "run" / "ps_reads.jsonl").read_text().splitlines()]
+        assert any(r["shard"] == 2 for r in reads)  # the removed shard's reads are kept
+        assert max(r["clock"] - r["min_applied"] for r in reads) <= 1  # the example's staleness bound held
     if job.stem in NEEDS_HF_DIR:
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
     if job.stem == "experiment_tracking":

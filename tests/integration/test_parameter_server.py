@@ -16,7 +16,7 @@ import torch
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.errors import SpecError
 from parameter_server.client import PSClient, RayConn
-from parameter_server.ring import HashRing, split
+from parameter_server.ring import HashRing, rebalance, split
 from parameter_server.shard import PSShard
 from tests.support.jobs import tiny_spec
 from tests.support.reference import reference_run
@@ -235,3 +235,39 @@ def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_pa
     assert {a.rsplit(":", 1)[0] for a in addresses} == {ray.util.get_node_ip_address()}  # the cluster address only
     for h in shards:
         ray.kill(h)
+
+
+def test_bsp_grows_and_shrinks_its_shards_mid_run_bit_identically(bsp_dp4, token_data, tmp_path):
+    """2 shards, a third added before step 3 and removed again before step 5: the losses are bit-identical to the
+    fixed 3-shard run's (a BSP step sums over workers and chunks in a fixed order wherever a chunk lives, so the
+    shard count never enters the arithmetic), and only the chunks the ring says changed holders moved, each with
+    its AdamW state (value and two moments in fp32, and the step count)."""
+    spec = _ps_spec(token_data, tmp_path, consistency="bsp", shards=2,
+                    resize=[{"at_step": 3, "shards": 3}, {"at_step": 5, "shards": 2}])
+    result = TrainingJob(spec, progress=False).run()
+    assert result.losses == bsp_dp4.losses and result.grad_norms == bsp_dp4.grad_norms
+    model = build_full(model_config(spec.worker_dict()["model"]), 0)
+    chunks = {k: c.numel() for n, p in model.named_parameters() for k, c in split(f"stage0.{n}", p, 1024).items()}
+    for r, (old, new) in zip(result.ps_resizes, ((2, 3), (3, 2)), strict=True):
+        plan = rebalance(HashRing(old), HashRing(new), sorted(chunks))
+        moved = [k for keys in plan.copies.values() for k in keys]
+        assert (r["shards_from"], r["shards_to"], r["chunks"]) == (old, new, len(chunks))
+        assert (r["primaries_moved"], r["chunks_moved"]) == (plan.primaries_moved, len(moved)) != (0, 0)
+        assert r["bytes_moved"] == sum(3 * 4 * chunks[k] + 4 for k in moved), r
+    assert [r["at_step"] for r in result.ps_resizes] == [3, 5]
+    assert len(json.loads((spec.resolved_run_dir() / "ps_routes.json").read_text())["addresses"]) == 2
+
+
+def test_bsp_scales_its_data_ranks_on_request(bsp_dp4, token_data, tmp_path):
+    """`raymesh scale` under BSP (asked before the run starts, so it lands after step 1): dp 4 -> 2 through the
+    checkpoint the resize saves, which holds the shards' state; the shards count 2 data ranks from then on and
+    the run stays on the dp=4 curve (1e-5, not bit-identical: each data rank's gradient now averages twice as
+    many sequences, summed in another order)."""
+    spec = _ps_spec(token_data, tmp_path, consistency="bsp").with_overrides(["train.steps=3"])
+    job = TrainingJob(spec, progress=False)
+    job.request_scale(2)
+    result = job.run()
+    assert [(r["reason"], r["at_step"], r["dp_from"], r["dp_to"]) for r in result.resizes] == [("request", 1, 4, 2)]
+    assert result.losses[0] == bsp_dp4.losses[0] and result.layout["dp"] == 2
+    assert result.losses == pytest.approx(bsp_dp4.losses[:3], rel=1e-5)
+    assert result.grad_norms == pytest.approx(bsp_dp4.grad_norms[:3], rel=1e-5)

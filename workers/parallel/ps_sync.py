@@ -101,6 +101,10 @@ class PSSync:
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
 
+    def reshard(self, routes: list[dict]) -> None:
+        """The shard count changed between steps: one route per shard of the new ring."""
+        self.client.reshard([_conn(r, self.transport) for r in routes])
+
     def resume_at(self, step: int) -> int:
         """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp at the
         clock the keeper gives this worker; returns that clock. Top-k's error feedback starts again at zero (it
