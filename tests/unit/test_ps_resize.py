@@ -152,7 +152,7 @@ def test_resize_needs_the_parameter_server_and_moves_kill_ps_shard_checks_with_i
 def test_a_paused_keeper_holds_even_a_worker_whose_budget_is_spent():
     """asp/ssp: a worker past its last step pulls the final weights; while the controller resizes (paused), that
     pull must wait, or it would read a ring whose chunks are half moved."""
-    keeper = ClockKeeper(workers=1, staleness=None, steps=1)
+    keeper = ClockKeeper(replicas=1, staleness=None, steps=1)
     assert keeper.enter(0) and keeper.tick(0) == 1
     keeper.pause()
     answer: list[bool] = []
