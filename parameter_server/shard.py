@@ -130,7 +130,8 @@ class PSShard:
         """Stage (bsp) or apply (asp/ssp) ``worker``'s gradients for ``clock``; returns the shard version.
 
         asp/ssp apply at the step the pushes so far amount to (``version // workers``: every worker pushes to
-        every shard once per local step), the step the pushing worker's own schedule is at.
+        every shard once per local step), the step the pushing worker's own schedule is at; a push for a clock
+        this shard applied from that worker already (a retry) is acknowledged and not applied again.
         """
         with self.cond:
             if self.halted:
@@ -146,6 +147,8 @@ class PSShard:
                     staged = self.staged.setdefault(clock, {})
                     for key, grad in grads.items():
                         staged.setdefault(key, {})[worker] = grad
+            elif clock < self.applied_from[worker]:
+                pass  # applied already: a replaced worker redoes the step its predecessor died in, this shard had it
             else:
                 lr = self.lr(self.version // self.workers)
                 for key, grad in grads.items():

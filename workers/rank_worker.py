@@ -122,9 +122,10 @@ class RankWorker:
         """A parameter-server shard was restarted and resynced: send its keys there again."""
         self.trainer.ps.reroute(shard, route)
 
-    def ps_resume(self) -> int:
-        """The shards were restored to this rank's step (resume, rollback): push and pull from its clock there."""
-        return self.trainer.ps.resume_at(self.trainer.step)
+    def ps_resume(self, step: int | None = None) -> int:
+        """The shards were restored to this rank's step (resume, rollback): push and pull from its clock there;
+        ``step``: the controller's, for a rank rebuilt at step 0 that rejoins asp/ssp training (``PSSync.rejoin``)."""
+        return self.trainer.ps.resume_at(self.trainer.step if step is None else step)
 
     def set_holder(self, holder) -> None:
         """The actor that keeps this rank's replicas from now on (set at every (re)formation)."""

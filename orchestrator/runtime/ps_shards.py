@@ -227,7 +227,7 @@ class PSShards:
 
     def keep(self, step: int) -> None:
         """bsp: every shard keeps its state at ``step``, beside the ranks' in-memory snapshot of it. (asp/ssp
-        keep nothing: a rank failure there is refused, and their resume comes from a checkpoint.)"""
+        keep nothing: a lost rank's replacement rejoins at the shards' current state, ``rejoin``.)"""
         if self.keeper is None:
             answer([h.keep.remote(step) for h in self.handles], f"the shards (keeping step {step})", self.deadline_s)
 
@@ -237,9 +237,30 @@ class PSShards:
             answer([h.roll_back.remote(step) for h in self.handles], f"the shards (rolling back to step {step})",
                    self.deadline_s)
 
-    def abort(self) -> None:
-        """A rank died mid-step: the shards drop that step's pushes and end the survivors' waits at once."""
-        answer([h.abort.remote() for h in self.handles], "the shards (aborting the failed step)", self.deadline_s)
+    @property
+    def asynchronous(self) -> bool:
+        return self.keeper is not None
+
+    def abort(self, dead: set[int]) -> None:
+        """Ranks ``dead`` died mid-step. bsp: the shards drop that step's pushes and end the survivors' waits at
+        once. asp/ssp: the shards keep everything (an acknowledged push stays applied); the clock keeper hands
+        the dead workers' unfinished steps back and ends the survivors' rounds once their steps in flight are
+        done (``ClockKeeper.hand_over``); nobody starts a step until ``rejoin``."""
+        if self.keeper is None:
+            answer([h.abort.remote() for h in self.handles], "the shards (aborting the failed step)", self.deadline_s)
+            return
+        grid = self.spec.parallel.grid
+        workers = sorted({grid.coords(r).dp for r in dead})
+        kept = answer(self.keeper.hand_over.remote(workers), "the clock keeper (handing over lost workers)",
+                      self.deadline_s)
+        event("ps_workers_lost", workers=",".join(map(str, workers)), clocks=",".join(map(str, kept["clocks"])))
+
+    def rejoin(self, group, step: int) -> None:
+        """asp/ssp, after a re-formed group: every worker (replacement or survivor) continues at its clock from
+        the shards' current parameters, then the keeper lets steps start again. Nothing is rolled back."""
+        clocks = group.call("ps_resume", step)
+        answer(self.keeper.resume.remote(), "the clock keeper (resuming the workers)", self.deadline_s)
+        event("ps_workers_rejoined", step=step, clocks=",".join(map(str, clocks)))
 
     # -- end of run ----------------------------------------------------------------------------
 

@@ -8,6 +8,11 @@ parallelism. ``asp``/``ssp``: the worker trains on its own thread (pull,
 compute, clip its own gradient, push, tick its clock) while the clock keeper
 has steps left, so a fast worker runs ahead of a straggler (ssp: by at most
 ``staleness`` clocks); each controller step reports what it did meanwhile.
+
+A rank lost under asp/ssp is not rolled back: the keeper hands its unfinished
+step back (``ClockKeeper.hand_over``), the group is re-formed, and every
+worker ``rejoin``s at the clock the keeper holds for it, pulling the current
+parameters from the shards at its next local step.
 """
 
 from __future__ import annotations
@@ -87,19 +92,46 @@ class PSSync:
         self.error: BaseException | None = None
         self.last_loss: float | None = None
         self.quiet = threading.Lock()  # held through each free-running step; a checkpoint save takes it
+        self.generation = 0  # the keeper's, this worker's loop runs under (``ClockKeeper.hand_over`` ends it)
+        trainer.state.wire_feedback = self  # top-k's held-back gradient travels with snapshots and checkpoints
 
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
 
     def resume_at(self, step: int) -> int:
-        """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp at the
-        clock the keeper gives this worker; returns that clock. Top-k's error feedback starts again at zero (it
-        is not in snapshots or checkpoints)."""
+        """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp
+        ``rejoin``; returns the clock. Top-k's error feedback came back with the snapshot or checkpoint."""
+        if self.asynchronous:
+            return self.rejoin(step)
+        self.clock = step
+        return self.clock
+
+    def rejoin(self, step: int) -> int:
+        """asp/ssp: continue at controller step ``step`` and at the clock the keeper holds for this worker (a
+        replacement at its predecessor's, whose unfinished step went back to the budget), reading the data
+        where that many local steps end (each reads one global batch's share: the cursor and the clock stay
+        one fact, whatever a checkpoint or a lost step left in the cursor). Returns the clock."""
         import ray
 
-        self.clock = step if not self.asynchronous else ray.get(self.keeper.state.remote())["clocks"][self.worker]
-        self.codec.errors.clear()  # top-k's held-back gradient belongs to the discarded steps
+        kept = ray.get(self.keeper.state.remote())
+        self.clock, self.generation = kept["clocks"][self.worker], kept["generation"]
+        self.last_loss = kept["losses"][self.worker]  # reported until this worker completes a step again
+        state = self.trainer.state
+        state.cursor.load_state_dict({**state.cursor.state_dict(), "position": self.clock * state.cursor.global_batch})
+        if state.step > step:
+            raise RuntimeError(f"worker {self.worker} is at step {state.step}, past the controller's {step}")
+        while state.step < step:  # a rebuilt trainer starts at step 0: its schedule catches up
+            state.step += 1
+            for sched in state.schedulers:
+                sched.step()
         return self.clock
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Top-k's error feedback per chunk key (what this worker held back from its pushes so far)."""
+        return {k: e.detach().to("cpu", copy=True) for k, e in self.codec.errors.items()}
+
+    def load_state_dict(self, errors: dict[str, torch.Tensor]) -> None:
+        self.codec.errors = {k: e.clone() for k, e in errors.items()}
 
     def _grads(self) -> dict[str, torch.Tensor]:
         """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
@@ -150,7 +182,7 @@ class PSSync:
             self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
             self.thread.start()
         t0 = time.perf_counter()
-        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp))
+        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.generation))
         if self.error is not None:
             raise self.error
         with self.lock:
@@ -175,7 +207,7 @@ class PSSync:
 
         tr = self.trainer
         try:
-            while ray.get(self.keeper.enter.remote(self.worker)):
+            while ray.get(self.keeper.enter.remote(self.worker, self.generation)):
                 s0 = time.perf_counter()
                 with self.quiet:
                     self._load()
@@ -191,7 +223,7 @@ class PSSync:
                 with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
                     self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
                                       "seconds": seconds})
-                ray.get(self.keeper.tick.remote(self.worker))
+                ray.get(self.keeper.tick.remote(self.worker, float(loss)))
             self._load(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round
             self.error = exc

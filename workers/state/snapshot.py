@@ -34,8 +34,10 @@ def take(state: TrainState) -> dict:
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
                     }
     versions = state.weight_versions.state_dict() if state.weight_versions is not None else {}
+    feedback = state.wire_feedback.state_dict() if state.wire_feedback is not None else {}
     return {"model": model, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
-            "weight_versions": {name: t.to("cpu", copy=True) for name, t in versions.items()}}
+            "weight_versions": {name: t.to("cpu", copy=True) for name, t in versions.items()},
+            "wire_feedback": feedback}
 
 
 def restore(state: TrainState, snap: dict) -> None:
@@ -49,6 +51,8 @@ def restore(state: TrainState, snap: dict) -> None:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
     state.load_progress_state(snap["progress"])
     state.load_weight_versions(snap.get("weight_versions", {}))
+    if state.wire_feedback is not None:
+        state.wire_feedback.load_state_dict(snap.get("wire_feedback", {}))
 
 
 def _like(param: torch.Tensor, saved):
