@@ -21,7 +21,7 @@ def _in_thread(call) -> tuple[threading.Thread, list]:
     def run():
         try:
             out.append(call())
-        except Exception as exc:  # noqa: BLE001 - handed to the test
+        except Exception as exc:
             out.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
