@@ -104,6 +104,26 @@ def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_
     assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
 
 
+def _topk_spec(token_data, tmp_path, faults=()) -> JobSpec:
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": STEPS},
+                     parameter_server={"shards": 2, "compression": "topk", "topk_ratio": 0.05},
+                     checkpoint={"memory_every": 0, "every": 3, "async": False},
+                     fault_tolerance={"heartbeat_timeout_s": 20, "collective_timeout_s": 5})
+    return JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)})
+
+
+def test_bsp_topk_kill_rank_recovers_its_error_feedback_from_the_checkpoint(token_data, tmp_path):
+    """Top-k holds back most of each gradient as the worker's error feedback; rank 1 dies in step 5 and every rank
+    loads the step-3 checkpoint, whose ranks' part holds each worker's feedback: the run ends bit-identical to the
+    uninterrupted one (with the feedback reset to zero it would not)."""
+    whole = TrainingJob(_topk_spec(token_data, tmp_path / "whole"), progress=False).run()
+    kill = [{"kind": "kill_rank", "rank": 1, "at_step": 5}]
+    killed = TrainingJob(_topk_spec(token_data, tmp_path / "killed", kill), progress=False).run()
+    [rec] = killed.recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 1)
+    assert killed.losses == whole.losses and killed.grad_norms == whole.grad_norms
+
+
 def _steps(spec: JobSpec) -> list[dict]:
     return [json.loads(line) for line in (Path(spec.run_dir) / "steps.jsonl").read_text().splitlines()]
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parameter_server.client import PSClient, RayConn
+from parameter_server.ring import split
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.optim.build import clip_grads
 from workers.parallel.grad_compression import WireCodec
@@ -132,6 +133,29 @@ class PSSync:
 
     def load_state_dict(self, errors: dict[str, torch.Tensor]) -> None:
         self.codec.errors = {k: e.clone() for k, e in errors.items()}
+
+    def _dcp_prefix(self) -> str:
+        """Each worker's error feedback is its own: DCP keys name the data-parallel degree and the worker, so a
+        checkpoint resumed at another dp finds none of them (and starts top-k's feedback at zero)."""
+        return f"dp{self.trainer.spec.parallel.dp}.w{self.worker}/"
+
+    def dcp_state(self, template: bool = False) -> dict[str, torch.Tensor]:
+        """The error feedback keyed for a DCP checkpoint; ``template``: every chunk key this worker pushes,
+        filled with NaN (a residual is always finite, so a NaN left after a partial load marks a key the
+        checkpoint did not hold)."""
+        if not template:
+            return {self._dcp_prefix() + k: e for k, e in self.state_dict().items()}
+        chunks = {k: c for n, p in self.named.items()
+                  for k, c in split(n, _local(p).detach(), self.client.chunk_elems).items()}
+        return {self._dcp_prefix() + k: torch.full_like(c, float("nan"), device="cpu") for k, c in chunks.items()}
+
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> bool:
+        """Take ``dcp_state(template=True)`` after DCP filled it: all keys found, or none taken (zero feedback,
+        as a run that never pushed has). Returns whether it was taken."""
+        found = all(bool(torch.isfinite(t).all()) for t in loaded.values()) and bool(loaded)
+        prefix = self._dcp_prefix()
+        self.load_state_dict({k.removeprefix(prefix): t for k, t in loaded.items()} if found else {})
+        return found
 
     def _grads(self) -> dict[str, torch.Tensor]:
         """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
