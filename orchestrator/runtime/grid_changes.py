@@ -38,6 +38,8 @@ class GridChanges:
         """Replace what died, re-form the group and roll every rank back; returns the pending recovery record."""
         job = self.job
         phases = RecoveryPhases(fault_time)
+        if job.ps is not None:  # both holders of a key lost: nothing to recover it from (says which updates)
+            job.ps.check_keys_held(job.step)
         phases.lap("detect")
         restarted = len(failure.dead) or 1  # a NaN step's rollback counts too: a deterministic NaN must end
         job.restarts += restarted

@@ -1,6 +1,6 @@
 """Losing an asp/ssp worker, no Ray: the clock keeper hands the lost step back and ends the old generation's loops
 and rounds, the staleness bound holds while the worker is gone, and a shard acknowledges a retried push without
-applying it twice."""
+applying it twice; losing both holders of a key names what is lost."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import threading
 import pytest
 import torch
 
+from orchestrator.runtime.ps_shards import lost_updates
 from parameter_server.clocks import LOST, ClockKeeper
+from parameter_server.ring import HashRing, chunk_key
 from parameter_server.shard import PSShard
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -79,3 +81,19 @@ def test_restore_lets_the_workers_start_again_after_a_hand_over(consistency):
     keeper.hand_over([0])
     keeper.restore([1, 1], 2)  # a recovery that loads a checkpoint instead (recovery: restart_all)
     assert keeper.enter(0, keeper.state()["generation"])
+
+
+def test_losing_both_holders_of_keys_names_them_and_the_steps_lost():
+    """Three shards, two gone: exactly the chunks whose two holders were those two are named, with the steps since
+    the newest disk snapshot that holds each; one gone loses nothing (its successor or primary has every key)."""
+    ring = HashRing(3, 16)
+    layout = {"stage0.w": {"shape": [40, 10], "dtype": "float32"}}
+    keys = [chunk_key("stage0.w", i) for i in range(40)]
+    both = [k for k in keys if set(ring.holders(k)) == {0, 2}]
+    assert both and len(both) < len(keys)
+    message = lost_updates(ring, 10, layout, [0, 2], {0: 4, 2: None}, step=7)
+    assert "shards 0, 2 are all gone" in message and f"{len(both)} chunks ({', '.join(both[:8])}" in message
+    assert "lose the updates of steps 5 to 7 (their newest disk snapshot is of step 4)" in message
+    assert "fix: resume from the latest checkpoint" in message
+    assert "steps 1 to 7 (no disk snapshot holds them)" in lost_updates(ring, 10, layout, [0, 2], {}, step=7)
+    assert lost_updates(ring, 10, layout, [1], {}, step=7) == ""
