@@ -4,6 +4,7 @@ a killed shard loses no acknowledged update, and a process outside Ray reads the
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.errors import SpecError
+from parameter_server import checkpoint
 from parameter_server.client import PSClient, RayConn
 from parameter_server.ring import HashRing, split
 from parameter_server.shard import PSShard
@@ -218,6 +220,26 @@ def test_ssp_reads_stay_within_the_bound_under_a_straggler_and_a_killed_rank(tok
 
 def _reads(spec: JobSpec) -> list[dict]:
     return [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
+
+
+def test_asp_resumes_from_a_checkpoint_at_the_saved_clocks(token_data, tmp_path):
+    """Stopped at step 3 and resumed to step 5: every worker continues at the clock the checkpoint holds for it
+    (its data where that many local steps end), and the run's budget of worker steps is spent exactly. Not
+    bit-identical, not even run to run: the shards apply pushes in the order they arrive."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": 3},
+                     parameter_server={"shards": 2, "consistency": "asp"},
+                     checkpoint={"memory_every": 0, "every": 3, "async": False})
+    first = TrainingJob(spec, progress=False).run()
+    saved = checkpoint.clocks(checkpoint.load(first.checkpoints[0]))
+    assert sum(saved["keeper_clocks"]) == saved["completed"] >= 3 * 2
+    resumed = TrainingJob(spec.with_overrides(["train.steps=5"]), resume=True, progress=False).run()
+    assert resumed.resumed_from == first.checkpoints[0] and resumed.status == "finished"
+    assert len(resumed.losses) == 2 and all(math.isfinite(loss) for loss in resumed.losses)
+    reads = _reads(spec)
+    clocks = [sorted({r["clock"] for r in reads if r["worker"] == w}) for w in range(2)]
+    for worker, (at, seen) in enumerate(zip(saved["keeper_clocks"], clocks)):
+        assert seen == list(range(at, at + len(seen))), (worker, at, seen)  # from its saved clock on, none skipped
+    assert sum(at + len(seen) for at, seen in zip(saved["keeper_clocks"], clocks)) == 5 * 2
 
 
 def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tmp_path):
