@@ -259,6 +259,23 @@ def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tm
                                                                           kill["at_step"]), (kill, slow)
 
 
+def test_losing_both_holders_of_keys_ends_the_run_naming_what_was_lost(token_data, tmp_path):
+    """Shards 0 and 1 of 3 die in the same push of step 2: the chunks whose two holders they were have no copy
+    left, and the run stops saying which chunks and which steps' updates are gone (no disk snapshot here)."""
+    kills = [{"kind": "kill_ps_shard", "shard": s, "at_step": 2} for s in (0, 1)]
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": 3},
+                     parameter_server={"shards": 3, "chunk_elems": 1024}, checkpoint={"memory_every": 0})
+    spec = JobSpec.from_dict({**spec.to_dict(), "faults": kills})
+    ring = HashRing(3, spec.parameter_server.virtual_nodes)
+    params = dict(build_full(model_config(spec.worker_dict()["model"]), 0).named_parameters())
+    lost = [k for n, p in sorted(params.items()) for k in split(f"stage0.{n}", p, 1024)
+            if set(ring.holders(k)) == {0, 1}]
+    with pytest.raises(RuntimeError, match=r"shards 0, 1 are all gone") as err:
+        TrainingJob(spec, progress=False).run()
+    assert f"{len(lost)} chunks (" in str(err.value) and lost[0] in str(err.value)
+    assert "lose the updates of steps 1 to 1 (no disk snapshot holds them)" in str(err.value)
+
+
 def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_path):
     shards = [ray.remote(PSShard).options(max_concurrency=8, num_cpus=0).remote(i, "asp", ADAMW, 1, LRS)
               for i in range(2)]
