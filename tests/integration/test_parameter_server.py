@@ -106,7 +106,7 @@ def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_
     assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
 
 
-def test_bsp_topk_kill_rank_recovers_its_error_feedback_from_the_checkpoint(token_data, tmp_path):
+def test_bsp_topk_kill_rank_recovers_its_error_feedback_from_the_checkpoint(ray_cluster, token_data, tmp_path):
     """Top-k holds back most of each gradient as the worker's error feedback; rank 1 dies in step 5 and every rank
     loads the step-3 checkpoint, whose ranks' part holds each worker's feedback: step 4 runs again bit-identically
     (its clipping norm is the norm of what the workers pushed, feedback included; with the feedback reset to zero
@@ -195,7 +195,7 @@ def test_bad_push_names_key_and_shapes_and_applies_nothing(ray_cluster):
 
 
 
-def test_ssp_reads_stay_within_the_bound_under_a_straggler_and_a_killed_rank(token_data, tmp_path):
+def test_ssp_reads_stay_within_the_bound_under_a_straggler_and_a_killed_rank(ray_cluster, token_data, tmp_path):
     """Rank 1 is 3x slow; rank 2 dies in step 3: nothing rolls back, its replacement pulls the shards' current
     parameters and continues at its predecessor's clock (the step it died in handed back), and every pull, the
     others' while it was gone and its own after, stays within the staleness bound."""
@@ -222,7 +222,7 @@ def _reads(spec: JobSpec) -> list[dict]:
     return [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
 
 
-def test_asp_resumes_from_a_checkpoint_at_the_saved_clocks(token_data, tmp_path):
+def test_asp_resumes_from_a_checkpoint_at_the_saved_clocks(ray_cluster, token_data, tmp_path):
     """Stopped at step 3 and resumed to step 5: every worker continues at the clock the checkpoint holds for it
     (its data where that many local steps end), and the run's budget of worker steps is spent exactly. Not
     bit-identical, not even run to run: the shards apply pushes in the order they arrive."""
@@ -259,7 +259,7 @@ def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tm
                                                                           kill["at_step"]), (kill, slow)
 
 
-def test_losing_both_holders_of_keys_ends_the_run_naming_what_was_lost(token_data, tmp_path):
+def test_losing_both_holders_of_keys_ends_the_run_naming_what_was_lost(ray_cluster, token_data, tmp_path):
     """Shards 0 and 1 of 3 die in the same push of step 2: the chunks whose two holders they were have no copy
     left, and the run stops saying which chunks and which steps' updates are gone (no disk snapshot here)."""
     kills = [{"kind": "kill_ps_shard", "shard": s, "at_step": 2} for s in (0, 1)]
