@@ -1,5 +1,7 @@
-"""Parameter-server data parallelism: BSP equals all-reduce, bad pushes apply nothing, SSP keeps its bound,
-a killed shard loses no acknowledged update, and a process outside Ray reads the same weights over gRPC."""
+"""Parameter-server data parallelism: BSP equals all-reduce, bad pushes apply nothing, SSP keeps its bound (through
+a rank's replacement too), a killed shard loses no acknowledged update and losing both holders of keys names them,
+killed ranks and resumes continue (top-k's feedback included), and a process outside Ray reads the same weights
+over gRPC."""
 
 from __future__ import annotations
 
