@@ -2,7 +2,9 @@
 
 Each layout trains the job of ``examples/pipedream.yaml`` (its model, batch and learning rate; only
 ``pp_schedule`` and ``pp`` change, dp=1) on spawned ranks over gloo (``tests/support/parity_harness.py``, no
-Ray), one spawn per pipeline depth for its three schedules. Reported per layout:
+Ray), one spawn per pipeline depth for its schedules. The asynchronous schedules run twice: as they run by
+default, their steady state carried across step boundaries, and with ``pp_flush_per_step`` (``-flush`` rows),
+draining at every step end. Reported per layout:
 
 - throughput: tokens per second from the median step time of the slowest rank after warm-up;
 - measured bubble: the idle share of each step's window per pp rank (``orchestrator.planning.bubble``), median;
@@ -33,14 +35,19 @@ from orchestrator.planning.bubble import measured_bubble, step_events  # noqa: E
 from tests.support.parity_harness import run_layouts  # noqa: E402
 
 WARMUP, LAST, TOLERANCE = 3, 5, 0.05
-SCHEDULES = ("1f1b", "pipedream", "pipedream_2bw")
+# name -> (pp_schedule, pp_flush_per_step)
+SCHEDULES = {"1f1b": ("1f1b", False), "pipedream": ("pipedream", False), "pipedream_2bw": ("pipedream_2bw", False),
+             "pipedream-flush": ("pipedream", True), "pipedream_2bw-flush": ("pipedream_2bw", True)}
 EXAMPLE = ROOT / "examples" / "pipedream.yaml"
 
 
-def job(data: Path, run_dir: Path, pp: int, schedule: str, steps: int) -> JobSpec:
-    """The example's job at depth ``pp`` under ``schedule`` (the schedule's own fields dropped elsewhere)."""
+def job(data: Path, run_dir: Path, pp: int, name: str, steps: int) -> JobSpec:
+    """The example's job at depth ``pp`` under schedule ``name`` (the schedule's own fields dropped elsewhere)."""
     raw = yaml.safe_load(EXAMPLE.read_text())
+    schedule, flush = SCHEDULES[name]
     parallel = {"pp": pp, "dp": 1, "pp_schedule": schedule, "device": "cpu"}
+    if flush:
+        parallel["pp_flush_per_step"] = True
     if schedule == "pipedream":
         parallel["pp_vertical_sync"] = raw["parallel"].get("pp_vertical_sync", False)
     raw.update(parallel={**parallel}, data={"path": str(data)}, run_dir=str(run_dir),
@@ -70,7 +77,7 @@ def measure(data: Path, steps: int, depths: tuple[int, ...]) -> dict[str, dict]:
         specs = [job(data, tmp / f"pp{pp}-{s}", pp, s, steps) for s in SCHEDULES]
         tokens = specs[0].train.global_batch_size * specs[0].model.seq_len
         runs = run_layouts([s.worker_dict() for s in specs], pp, steps, timeout_s=1800)
-        for schedule, run in zip(SCHEDULES, runs):
+        for schedule, run in zip(SCHEDULES, runs, strict=True):
             rows[f"pp{pp}-{schedule}"] = row(run, tokens)
         base = rows[f"pp{pp}-1f1b"]
         for schedule in SCHEDULES:

@@ -14,8 +14,13 @@ Consistency (``bsp``/``asp``/``ssp``):
   holders compute bit-identical results. ``pull(min_version=t+1)`` waits for it.
 - ``asp``/``ssp``: a push is applied on arrival (its gradient weighted 1/workers,
   as one worker's share of a global batch). Each ``pull`` records the reader's
-  clock and the fewest pushes this shard has applied from any worker, so the
-  SSP bound can be checked from what the shard really held.
+  clock and the fewest pushes this shard has applied from any worker of the
+  reader's pipeline stage, so the SSP bound can be checked, per stage, from
+  what the shard really held.
+
+A pusher's id is ``stage * workers + replica`` (``stages`` pipeline stages of
+``workers`` data-parallel replicas; without a pipeline, the data rank): each
+stage's keys are its own, and so are its clocks.
 
 A caller steers no more than a worker may: the learning rate comes from the
 job's schedule the shard was built with (``lrs``, one per step), never from a
@@ -44,21 +49,23 @@ WAIT_S = 600.0
 
 class PSShard:
     def __init__(self, shard_id: int, consistency: str, optim: dict, workers: int, lrs: list[float],
-                 max_norm: float = 0.0):
+                 max_norm: float = 0.0, stages: int = 1):
         """``lrs[s]``: the job's learning rate at step ``s`` (the worker's schedule, computed once by the
-        controller); ``max_norm``: the job's gradient clipping norm (0: off)."""
+        controller); ``max_norm``: the job's gradient clipping norm (0: off); ``workers``: data-parallel
+        replicas, ``stages``: pipeline stages of each."""
         torch.set_num_threads(1)
         self.id = shard_id
         self.consistency = consistency
         self.optim = optim
         self.workers = workers
+        self.stages = stages
         self.lrs = [float(lr) for lr in lrs]
         self.max_norm = max_norm
         self.cond = threading.Condition()
         self.params: dict[str, torch.Tensor] = {}
         self.opts: dict[str, torch.optim.Optimizer] = {}
         self.version = 0  # bsp: clocks applied; asp/ssp: pushes applied
-        self.applied_from = [0] * workers  # asp/ssp: pushes applied per worker
+        self.applied_from = [0] * (workers * stages)  # asp/ssp: pushes applied per pusher (stage, replica)
         self.staged: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # bsp: clock -> key -> worker -> grad
         self.means: dict[int, dict[str, torch.Tensor]] = {}
         self.sqs: dict[int, dict[str, float]] = {}  # kept past apply: a worker failing over may still ask
@@ -104,9 +111,9 @@ class PSShard:
         """Reject the whole push, before anything is staged or applied: a worker id that is not one of the
         job's, a clock this shard cannot be at (bsp: past its version), an unknown, misshapen or non-finite
         chunk."""
-        if not 0 <= worker < self.workers:
+        if not 0 <= worker < self.workers * self.stages:
             raise ValueError(f"shard {self.id}: push from worker {worker}, but the job's workers are 0 to "
-                             f"{self.workers - 1}; nothing applied")
+                             f"{self.workers * self.stages - 1}; nothing applied")
         if clock < 0 or (self.consistency == "bsp" and clock > self.version):
             raise ValueError(f"shard {self.id}: push for clock {clock} while at version {self.version}; "
                              "nothing applied")
@@ -129,9 +136,9 @@ class PSShard:
     def push(self, worker: int, clock: int, grads: dict[str, torch.Tensor]) -> int:
         """Stage (bsp) or apply (asp/ssp) ``worker``'s gradients for ``clock``; returns the shard version.
 
-        asp/ssp apply at the step the pushes so far amount to (``version // workers``: every worker pushes to
-        every shard once per local step), the step the pushing worker's own schedule is at; a push for a clock
-        this shard applied from that worker already (a retry) is acknowledged and not applied again.
+        asp/ssp apply at the step the pushing stage's pushes so far amount to (every worker pushes to every
+        shard once per local step, so that is their count // workers), the step its own schedule is at; a push
+        for a clock this shard applied from that pusher already (a retry) is acknowledged and not applied again.
         """
         with self.cond:
             if self.halted:
@@ -146,17 +153,22 @@ class PSShard:
                 if clock >= self.version:  # an already applied clock is a retry after failover
                     staged = self.staged.setdefault(clock, {})
                     for key, grad in grads.items():
-                        staged.setdefault(key, {})[worker] = grad
+                        staged.setdefault(key, {})[worker % self.workers] = grad  # a key is one stage's
             elif clock < self.applied_from[worker]:
                 pass  # applied already: a replaced worker redoes the step its predecessor died in, this shard had it
             else:
-                lr = self.lr(self.version // self.workers)
+                lr = self.lr(sum(self._stage_counts(worker)) // self.workers)
                 for key, grad in grads.items():
                     optimizers.step(self.opts[key], grad / self.workers, lr)
                 self.applied_from[worker] += 1
                 self.version += 1
             self.cond.notify_all()
             return self.version
+
+    def _stage_counts(self, worker: int) -> list[int]:
+        """Pushes applied from each worker of ``worker``'s pipeline stage."""
+        first = worker - worker % self.workers
+        return self.applied_from[first:first + self.workers]
 
     def _complete(self, clock: int) -> bool:
         staged = self.staged.get(clock, {})
@@ -267,18 +279,18 @@ class PSShard:
         ahead: the step in flight), sent as held or cast to ``wire_dtype`` (``parameter_server.compression``).
 
         A worker's training read (``clock >= 0``) under asp/ssp is recorded with the fewest pushes applied
-        from any worker.
+        from any worker of its stage.
         """
         with self.cond:
             self._check_keys(keys, "pull")
             compression.check_wire_dtype(wire_dtype)  # before the wait
-            if not -1 <= worker < self.workers or min_version > self.version + 1:
+            if not -1 <= worker < self.workers * self.stages or min_version > self.version + 1:
                 raise ValueError(f"shard {self.id}: pull by worker {worker} for version {min_version} while at "
-                                 f"version {self.version} with workers 0 to {self.workers - 1}")
+                                 f"version {self.version} with workers 0 to {self.workers * self.stages - 1}")
             self._wait(lambda: self.version >= min_version, f"version {min_version}", timeout_s)
             if worker >= 0 and clock >= 0 and self.consistency != "bsp":
-                self.reads.append({"shard": self.id, "worker": worker, "clock": clock,
-                                   "min_applied": min(self.applied_from)})
+                self.reads.append({"shard": self.id, "worker": worker, "stage": worker // self.workers,
+                                   "clock": clock, "min_applied": min(self._stage_counts(worker))})
             return {"version": self.version,
                     "chunks": {k: compression.for_wire(self.params[k], wire_dtype).clone() for k in keys}}
 

@@ -49,6 +49,7 @@ class ParallelSection:
     # PipeDream's asynchronous schedules (workers.parallel.async_pipeline); older harness dicts leave these out
     pp_vertical_sync: bool = False
     pp_2bw_every: int | None = None  # 2BW: microbatches per weight version (None: train.microbatches)
+    pp_flush_per_step: bool = False  # drain at every step end (default: the steady state carries over)
     # layers per pipeline stage (parallel.pp_split resolved by JobSpec.worker_dict); None: an even split
     pp_split: tuple[int, ...] | None = None
 

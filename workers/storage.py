@@ -9,11 +9,20 @@ scheme's usual places (for S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, 
 an instance role), on every node: each rank reads and writes its own shards.
 DCP itself writes and reads URLs with its ``FsspecWriter``/``FsspecReader``, which it picks for a
 ``checkpoint_id`` that is one.
+
+What is written as many small appends (a run dir's step records, TensorBoard event files) or by a library
+that wants a local path (Parquet shards, safetensors) is written to a local directory first and copied up as
+whole objects (`staging_dir`, `upload_tree`, `staged_output`): an object store has no append, and a half-written
+object is never visible.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -58,3 +67,59 @@ def parquet_source(path: Path) -> tuple[str | Path, object | None]:
     """(source, filesystem) for pyarrow's Parquet readers: for a URL its fsspec file system (pyarrow wraps it),
     so a read fetches only the byte ranges it needs."""
     return (path.path, path.fs) if is_url(path) else (path, None)
+
+
+def staging_dir(url: str) -> Path:
+    """The local directory whose files are copied up to the object-store directory ``url``: one per URL, in
+    the temp directory, so every process on a machine (driver, controller) finds the same one."""
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "run"
+    return Path(tempfile.gettempdir()) / "raymesh-staging" / f"{name}-{hashlib.sha1(url.encode()).hexdigest()[:8]}"
+
+
+def upload_tree(local: Path, dest: Path, skip: Iterable[str] = (), last: Iterable[str] = (),
+                sent: dict[str, tuple[int, int]] | None = None) -> list[str]:
+    """Copy every file under ``local`` to the object-store directory ``dest`` (one PUT each, whole files);
+    returns the relative names copied. ``skip``: names never copied (secrets). ``last``: names copied after the
+    others, so a manifest never names an object that is not there yet. ``sent``: (size, mtime) of what an
+    earlier call copied, updated here; a file unchanged since is not copied again."""
+    skip, last = set(skip), list(last)
+    files = sorted(str(f.relative_to(local)) for f in local.rglob("*") if f.is_file())
+    files = [f for f in files if f not in skip and f not in last] + [f for f in last if f in files]
+    copied = []
+    for name in files:
+        stat = (local / name).stat()
+        if sent is not None and sent.get(name) == (stat.st_size, stat.st_mtime_ns):
+            continue
+        dest.fs.put_file(str(local / name), f"{dest.path}/{name}")
+        copied.append(name)
+        if sent is not None:
+            sent[name] = (stat.st_size, stat.st_mtime_ns)
+    return copied
+
+
+def download_tree(src: Path, local: Path, skip_dirs: Iterable[str] = ()) -> list[str]:
+    """Copy every object under the object-store directory ``src`` into ``local`` (overwriting), except those
+    under the top-level folders ``skip_dirs``; returns the relative names copied."""
+    skip_dirs = set(skip_dirs)
+    copied = []
+    for key in src.fs.find(src.path):
+        name = key[len(src.path):].lstrip("/")
+        if not name or name.split("/", 1)[0] in skip_dirs:
+            continue
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        src.fs.get_file(key, str(local / name))
+        copied.append(name)
+    return copied
+
+
+@contextmanager
+def staged_output(out: str | Path, last: Iterable[str] = ()) -> Iterator[Path]:
+    """A directory to write an output into: ``out`` itself when local, else a fresh temporary one whose files
+    are copied to the URL ``out`` once the block succeeds (``last`` as in `upload_tree`); a failed block
+    copies nothing."""
+    if not is_url(out):
+        yield location(out)
+        return
+    with tempfile.TemporaryDirectory(prefix="raymesh-out-") as tmp:
+        yield Path(tmp)
+        upload_tree(Path(tmp), location(out), last=last)

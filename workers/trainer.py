@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import time
+import warnings
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -157,7 +158,7 @@ class Trainer:
         """Summed mean loss of this rank's microbatches (``None`` where no last stage lives)."""
         if self.async_pipe is not None:
             with self._autocast(), self.activations.hooks():
-                return self.async_pipe.run(inputs, targets, self.step)
+                return self.async_pipe.run(inputs, targets, self.step, drain=self._drains_pipeline())
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.holds_first_stage else ()
@@ -178,6 +179,11 @@ class Trainer:
             self.compute_events.append({"stage": 0, "microbatch": i, "kind": "FB", "start": start, "end": time.time()})
             total += loss.detach().float()
         return total
+
+    def _drains_pipeline(self) -> bool:
+        """Whether this step ends with no microbatch in flight: the job's last step, or every step with
+        ``pp_flush_per_step`` (the asynchronous pipeline otherwise carries its steady state into the next step)."""
+        return self.spec.parallel.pp_flush_per_step or self.step + 1 >= self.spec.train.steps
 
     @staticmethod
     def _sync_grads(model, last: bool):
@@ -297,8 +303,13 @@ class Trainer:
             memory = {**model_state_bytes(self.parts.modules, self.state.optimizers), "activations": meter.peak,
                       "step_peak": meter.step_peak}
         for opt, sched in zip(self.state.optimizers, self.state.schedulers):
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+            if self.async_pipe is None:  # PipeDream zeroes after each update: a 2BW window may span steps
+                opt.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                if self.async_pipe is not None:  # 2BW's first update on an early stage may come a step later:
+                    # torch warns of a skipped LR value, but each update runs at its step's LR (step_lrs)
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                sched.step()
         for zero1 in self.zero1:
             zero1.zero_grad()
         self.state.step += 1

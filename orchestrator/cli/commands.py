@@ -3,24 +3,54 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from orchestrator.cli.default_corpus import DEFAULT_MAX_TOKENS
 from orchestrator.cli.jobs import add_client_commands
 from orchestrator.errors import SpecError
 
+MANIFEST = "manifest.json"  # prepare-data's index of the shards (workers.data.prepare)
+
 
 def _prepare_data(args: argparse.Namespace) -> int:
     from workers.data.prepare import default_sources, prepare_data
+    from workers.storage import is_url, staged_output
 
     sources = args.source or default_sources()
-    manifest = prepare_data(sources, args.out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens,
-                            tokenizer=args.tokenizer)
+    with staged_output(args.out, last=(MANIFEST,)) as out:  # a URL: written here, then copied up, manifest last
+        manifest = prepare_data(sources, out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens,
+                                tokenizer=args.tokenizer)
+        if is_url(args.out):
+            manifest = _manifest_at_url(out, args.out, manifest)
+    if is_url(args.out):
+        _remove_stale_shards(args.out, manifest)
     tok = manifest["tokenizer"]
     print(f"wrote {manifest['total_tokens']:,} tokens in {len(manifest['shards'])} shard(s) to {args.out}; "
           f"tokenizer {tok['kind']}{' ' + tok['path'] if tok['path'] else ''}, vocab {tok['vocab_size']} "
           f"(set model.vocab_size to at least that)")
     return 0
+
+
+def _manifest_at_url(staged: Path, url: str, manifest: dict) -> dict:
+    """The staged manifest rewritten to name the trained tokenizer's file at ``url``, where it is copied (the
+    staging directory is temporary)."""
+    tok = manifest["tokenizer"]
+    if tok.get("path") and Path(tok["path"]).parent == staged:
+        manifest = {**manifest, "tokenizer": {**tok, "path": f"{url.rstrip('/')}/{Path(tok['path']).name}"}}
+        (staged / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _remove_stale_shards(url: str, manifest: dict) -> None:
+    """Shards a previous, larger prepare left at ``url`` (as `prepare_data` does in a local directory)."""
+    from workers.storage import location
+
+    keep = {shard["file"] for shard in manifest["shards"]}
+    for stale in location(url).glob("shard-*.parquet"):
+        if stale.name not in keep:
+            stale.unlink()
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -43,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
     choice = pick_layout(spec, nodes, per_node, gpu_mem, args.gpu)
     p = choice.spec.parallel
     cp = f" cp={p.cp}" if p.grid.cp_enabled else ""
-    schedule = f" schedule={p.pp_schedule}" if p.pp > 1 else ""
+    schedule = f" schedule={p.pp_schedule} pp_split={list(choice.spec.stage_split)}" if p.pp > 1 else ""
     print(f"picked dp={p.dp} pp={p.pp}{cp} tp={p.tp} zero={p.zero} microbatches={choice.spec.train.microbatches} "
           f"recompute={choice.spec.memory.recompute}{schedule} for {nodes} node(s) x {per_node} "
           f"{args.gpu or spec.plan.gpu}(s): {choice.reason}")
@@ -122,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("prepare-data", help="tokenize text files into Parquet token shards")
     prep.add_argument("--source", action="append", help="file or directory (repeatable); default: Python's stdlib")
-    prep.add_argument("--out", required=True, help="output directory (becomes data.path)")
+    prep.add_argument("--out", required=True,
+                      help="output directory or object-store URL, e.g. s3://BUCKET/data (becomes data.path)")
     prep.add_argument("--shard-tokens", type=int, default=4_000_000)
     prep.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     prep.add_argument("--tokenizer", default="bytes",
@@ -169,12 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     hf = sub.add_parser("export-hf", help="write a checkpoint (any layout) as a Hugging Face directory (llama)")
     hf.add_argument("job", help="the job file the checkpoint was trained with")
     hf.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
-    hf.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    hf.add_argument("--out", required=True,
+                    help="output directory or object-store URL (config.json + model.safetensors)")
     hf.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job-file field")
     hf.set_defaults(func=_export_hf)
     rep = sub.add_parser("report", help="PNG charts and an HTML page for a run directory")
-    rep.add_argument("run_dir", help="the job's run_dir (holds summary.json, steps.jsonl, timeline.jsonl)")
-    rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    rep.add_argument("run_dir", help="the job's run_dir, a directory or an object-store URL (holds summary.json, "
+                                     "steps.jsonl, timeline.jsonl)")
+    rep.add_argument("--out", help="output directory or URL (default RUN_DIR/report)")
     rep.add_argument("--step", type=int, help="step to draw the pipeline timeline for (default: the last)")
     rep.set_defaults(func=_report)
     add_client_commands(sub)

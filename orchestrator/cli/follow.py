@@ -195,7 +195,7 @@ def _where(summary: dict, summary_json: str | None) -> list[str]:
     lines = []
     run_dir = summary.get("run_dir")
     if run_dir:
-        lines.append(f"summary: {Path(run_dir) / 'summary.json'}")
+        lines.append(f"summary: {run_dir.rstrip('/')}/summary.json")  # a URL too (Path would fold its //)
     if summary_json:
         lines.append(f"summary copy: {summary_json}")
     if run_dir:
@@ -257,7 +257,8 @@ def attach(args: argparse.Namespace) -> int:
 
 
 def _hosted_spec(spec) -> dict:
-    """The spec as the actor gets it: its run dir absolute, since the actor's working directory is not ours."""
+    """The spec as the actor gets it: its run dir absolute (or its URL), since the actor's working directory is
+    not ours."""
     raw = spec.to_dict()
-    raw["run_dir"] = str(spec.resolved_run_dir().resolve())
+    raw["run_dir"] = spec.run_dir_url() or str(spec.resolved_run_dir().resolve())
     return raw

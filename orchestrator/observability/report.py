@@ -3,7 +3,8 @@
 Reads ``summary.json``, ``steps.jsonl`` and, when the job recorded pipeline
 events, ``timeline.jsonl``. Figures are drawn with matplotlib's object API on an
 Agg canvas, so building a report touches no pyplot global state and needs no
-display.
+display. The run dir and the output may be object-store URLs (``s3://...``): each file is read, and each
+PNG and the page written, as one whole object through fsspec (`workers.storage.location`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from orchestrator.planning.bubble import PIPELINE_KINDS, measured_bubble, step_events, theoretical_bubble
+from workers.storage import is_url, location
 
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
 KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
@@ -287,8 +289,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
     "measured", "theoretical", "schedule"}}``; measured and step are None
     without a ``timeline.jsonl``.
     """
-    run_dir = Path(run_dir)
-    out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    run_dir = location(run_dir)
+    out = location(out_dir) if out_dir is not None else run_dir / "report"
     summary, steps, timeline = _load(run_dir)
     timeline = [e for e in timeline or () if e["kind"] in PIPELINE_KINDS]  # the pipeline chart's events
     layout = summary.get("layout", {})
@@ -308,10 +310,12 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
         events = step_events(timeline, chosen)
         bubble.update(step=chosen, measured=measured_bubble(events))
         figures["pipeline_timeline.png"] = _pipeline(events, layout, chosen, bubble)
-    out.mkdir(parents=True, exist_ok=True)
+    if not is_url(out):  # an object store has no directories to make
+        out.mkdir(parents=True, exist_ok=True)
     pngs = []
     for name, fig in figures.items():
-        fig.savefig(out / name, dpi=DPI)
+        with (out / name).open("wb") as f:
+            fig.savefig(f, dpi=DPI, format="png")
         pngs.append(out / name)
     index = out / "index.html"
     index.write_text(_html(run_dir, summary, bubble, pngs, steps[-1].get("comm_bytes") if steps else None))

@@ -3,11 +3,16 @@
 The search (``layout_search``) prices every dp × tp × pp × ZeRO × micro-batch × recompute × schedule
 split of the GPUs by predicted step time (``time_model``: compute, exposed communication per link class,
 pipeline bubble) and keeps those whose in-step peak stays under (1 - ``memory.headroom``) of the GPU's
-memory. Here it runs over the layouts raymesh can run today (layers divide the stages; context
-parallelism only for sequences of ``LONG_SEQUENCE`` tokens or more, where Llama 3 turns it on), and the
-winner is the first that the job file accepts (``with_overrides`` validates it; refusals are listed with the
-spec's own reason). The unrestricted search (uneven stage splits, context parallelism at any length) is
-reported beside it when it would be faster.
+memory. Here it runs over the layouts raymesh can run today (context parallelism only for sequences of
+``LONG_SEQUENCE`` tokens or more, where Llama 3 turns it on), and the winner is the first that the job file
+accepts (``with_overrides`` validates it; refusals are listed with the spec's own reason). The unrestricted
+search (context parallelism at any length) is reported beside it when it would be faster.
+
+Stage splits: every pipelined layout is priced with the even split (where the layers divide the stages) and
+with the split of ``pp_split: auto``'s program (``balanced_layers``, over ``stage_split.unit_times``: the
+profiled costs when the job asks for ``auto``), which lowers the slowest stage where the head or embedding
+outweighs a block; a layout that does not fit is priced again on the fastest split that does
+(``Evaluator.fitting_split``). The winner's split goes into the job as ``parallel.pp_split``.
 
 For an MoE model the search prices the dense blocks; each candidate is then tried at ep=1 and at each larger
 expert-parallel degree dividing its dp and the expert count, and runs at the first whose estimated peak
@@ -23,6 +28,7 @@ from orchestrator.planning import layout_search as ls
 from orchestrator.planning import time_model as tm
 from orchestrator.planning.estimate import RankEstimate, peak_rank
 from orchestrator.planning.memory_model import human_bytes
+from orchestrator.planning.stage_split import unit_times
 from orchestrator.spec import JobSpec
 
 LONG_SEQUENCE = 16384  # tokens from which the picker tries context parallelism (Llama 3 turns it on for 128K)
@@ -36,7 +42,7 @@ class Choice:
     tried: list[str] = field(default_factory=list)
     candidate: ls.Candidate | None = None
     result: ls.SearchResult | None = None
-    unrestricted: ls.Candidate | None = None  # faster on paper, not runnable yet (uneven split)
+    unrestricted: ls.Candidate | None = None  # faster on paper, not picked (context parallelism below LONG_SEQUENCE)
 
 
 def plan_gpu(spec: JobSpec, gpus_per_node: int, gpu_mem: int | None, gpu_type: str | None = None) -> tm.GPU:
@@ -51,8 +57,13 @@ def overrides(c: ls.Candidate, shape: ls.Shape) -> list[str]:
     lay = c.layout
     return [f"parallel.dp={lay.dp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.tp={lay.tp}",
             f"parallel.zero={lay.zero}",
-            f"parallel.pp_schedule={lay.schedule}", f"train.microbatches={lay.microbatches(shape)}",
-            f"memory.recompute={lay.recompute}"]
+            f"parallel.pp_schedule={lay.schedule}", f"parallel.pp_split={split_value(lay)}",
+            f"train.microbatches={lay.microbatches(shape)}", f"memory.recompute={lay.recompute}"]
+
+
+def split_value(lay: ls.Layout) -> str:
+    """``parallel.pp_split`` of a layout as an override value: its layer counts, or ``even``."""
+    return f"[{','.join(map(str, lay.split))}]" if lay.split else "even"
 
 
 def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | None = None,
@@ -62,6 +73,7 @@ def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | No
     world, shape = nodes * gpus_per_node, ls.Shape.of(spec)
     kw = {"headroom": spec.memory.headroom, "efficiency": spec.plan.efficiency}
     cps = None if shape.seq >= LONG_SEQUENCE else [1]  # cp: the search's own degrees, long sequences only
+    kw["units"] = unit_times(spec)
     result = ls.search(shape, world, g, cps=cps, even_splits=True, **kw)
     tried = []
     for cand in result.best:
@@ -77,10 +89,10 @@ def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | No
                   f"({spec.memory.headroom:.0%} headroom): {t.total:.3g} s/step (compute {t.compute:.3g}, bubble "
                   f"{t.bubble:.3g}, exposed communication {sum(t.exposed.values()):.3g}); peak rank {peak.rank} "
                   f"needs {human_bytes(peak.total_bytes)}{ep}")
-        free = ls.search(shape, world, g, top=1, **kw).best
+        free = ls.search(shape, world, g, top=1, even_splits=True, **kw).best
         faster = free[0] if free and free[0].step_s < cand.step_s * 0.99 else None
         return Choice(chosen, peak, reason, tried, cand, result, faster)
-    free = ls.search(shape, world, g, top=1, **kw).best
+    free = ls.search(shape, world, g, top=1, even_splits=True, **kw).best
     raise _no_fit(spec, nodes, gpus_per_node, g, result, tried, free[0] if free else None)
 
 
@@ -117,8 +129,7 @@ def _no_fit(spec: JobSpec, nodes: int, gpus_per_node: int, g: tm.GPU, result: ls
                      f"is too small: no layout of {nodes} node(s) x {gpus_per_node} GPU(s) fits with "
                      f"{spec.memory.headroom:.0%} headroom; the smallest, {small.layout.label()}, needs "
                      f"{human_bytes(small.peak)} on pp rank {small.peak_pp_rank}"
-                     + (f" (with an uneven stage split, not runnable in raymesh yet, or context parallelism below "
-                        f"{LONG_SEQUENCE} tokens, which the picker leaves out, "
+                     + (f" (with context parallelism below {LONG_SEQUENCE} tokens, which the picker leaves out, "
                         f"{unrestricted.layout.label()} would fit: {human_bytes(unrestricted.peak)})"
                         if unrestricted else ""),
                      f"use --gpu-mem {human_bytes(small.peak / (1 - spec.memory.headroom))} or more, add --nodes, "
@@ -138,7 +149,6 @@ def explain(choice: Choice, top: int = 5) -> list[str]:
     lines += [f"  {n} {why}" for why, n in res.rejected.items() if n]
     if choice.unrestricted is not None:
         u = choice.unrestricted
-        lines.append(f"faster on paper, not picked (an uneven stage split, not runnable yet, or context "
-                     f"parallelism below {LONG_SEQUENCE} tokens): "
+        lines.append(f"faster on paper, not picked (context parallelism below {LONG_SEQUENCE} tokens): "
                      f"{u.layout.label()}: {u.step_s:.3g} s/step, {human_bytes(u.peak)}")
     return lines

@@ -10,7 +10,12 @@ and context parallelism as a formula, so it works on plain numbers (``Shape``) w
 Identical ranks are estimated once: every dp/tp/cp peer of a pipeline rank holds the same bytes, and of the
 pipeline ranks only three classes can hold the peak (the first: embedding and the most microbatches in
 flight; the second: the first of the middle stages, which take the split's extra layers; the last: the
-head), so a candidate costs at most three rank estimates whatever the GPU count.
+head), so a candidate costs at most three rank estimates whatever the GPU count (one per pp rank on a split of
+the planner's own).
+
+Stage splits (``units``, the layout picker's): each pipelined layout is also priced on the split of
+``pp_split: auto``'s program (``balanced_layers``), and one that does not fit on the fastest split that does
+(``Evaluator.fitting_split``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from orchestrator.planning import comm_model as cm
 from orchestrator.planning import memory_model as mm
 from orchestrator.planning import time_model as tm
 from workers.parallel.layout import stage_ids
+from workers.parallel.partition import balanced_split
 from workers.parallel.schedules import schedule as schedule_facts
 
 FFN_MATRICES = {"gpt": 2, "llama": 3}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
@@ -89,6 +95,7 @@ class Layout:
     recompute: str = "none"
     schedule: str = "1f1b"
     stages_per_rank: int = 1
+    split: tuple[int, ...] | None = None  # layers per stage; None: ``split_layers`` (even where they divide)
 
     @property
     def world(self) -> int:
@@ -99,8 +106,13 @@ class Layout:
 
     def label(self) -> str:
         sched = f" {self.schedule}x{self.stages_per_rank}" if self.pp > 1 else ""
+        split = f" split={','.join(map(str, self.split))}" if self.split else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} zero={self.zero} mbs={self.micro_batch} "
-                f"recompute={self.recompute}{sched}")
+                f"recompute={self.recompute}{sched}{split}")
+
+    def stage_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Layers per stage: ``split``, else ``split_layers``'s."""
+        return self.split or split_layers(n_layers, self.pp * self.stages_per_rank)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -113,6 +125,22 @@ def split_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
     for stage in order[:extra]:
         counts[stage] += 1
     return tuple(counts)
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """Relative costs of the units a stage cut moves (``orchestrator.planning.stage_split.unit_times``): the
+    embedding (first stage), each block, the head (last stage)."""
+
+    first: float
+    layers: tuple[float, ...]
+    last: float
+
+
+@functools.lru_cache(maxsize=256)
+def balanced_layers(units: UnitTimes, n_stages: int) -> tuple[int, ...]:
+    """PipeDream's program over ``units`` (``pp_split: auto``'s): the split whose slowest stage is fastest."""
+    return balanced_split(units.layers, n_stages, units.first, units.last)
 
 
 @dataclass
@@ -146,10 +174,15 @@ class Evaluator:
         self.rank_estimates = 0
 
     def rank_classes(self, layout: Layout) -> list[int]:
+        """The pp ranks that can hold the peak or the most compute: three classes under ``split_layers``; every
+        rank under a split of the planner's own (which layers a rank holds and how many microbatches it keeps
+        in flight both vary by rank, and their product does not peak at a rank one can name up front)."""
+        if layout.split is not None:
+            return list(range(layout.pp))
         return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
 
     def stage_layers(self, layout: Layout) -> tuple[int, ...]:
-        return split_layers(self.shape.n_layers, layout.pp * layout.stages_per_rank)
+        return layout.stage_layers(self.shape.n_layers)
 
     def rank_peak(self, layout: Layout, pp_rank: int) -> int:
         """In-step peak bytes of one rank of pipeline rank ``pp_rank`` (``estimate.RankEstimate.total_bytes``
@@ -187,6 +220,37 @@ class Evaluator:
         buffers = (c * params if c < 4 else 0) + m * hidden * edges + buckets
         regathers = lay.zero >= 3 and lay.dp > 1
         return mm.in_step_peak(state, saved, carried, regathers, freed, working) + buffers
+
+    def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:
+        """The split whose slowest stage (by ``units``) is fastest among those where every pp rank's in-step peak
+        stays within ``limit``, or None when none does: PipeDream's program, each stage capped at the most layers
+        its rank holds within ``limit`` (``max_layers``). One stage per rank only (a cap per stage)."""
+        if layout.stages_per_rank != 1 or layout.pp > self.shape.n_layers:
+            return None
+        n, pp = self.shape.n_layers, layout.pp
+        if not any(self.rank_fits(layout, stage, -(-n // pp), limit) for stage in range(pp)):
+            return None  # some stage holds at least n / pp layers: most layouts that do not fit end here
+        caps = [self.max_layers(layout, stage, limit) for stage in range(pp)]
+        if sum(caps) < n or min(caps) < 1:
+            return None
+
+        def over_cap(stage: int, lo: int, hi: int) -> int:
+            return hi - lo - caps[stage]  # the program refuses a stage where this passes its limit, 0
+        return balanced_split(units.layers, layout.pp, units.first, units.last, over_cap, 0)
+
+    def max_layers(self, layout: Layout, stage: int, limit: int) -> int:
+        """The most layers pp rank ``stage`` (one stage per rank) holds with its peak within ``limit``, 0 if not
+        one: a binary search, as a rank's peak grows with its layers (a rank's peak reads its own count only)."""
+        lo, hi = 0, self.shape.n_layers - layout.pp + 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.rank_fits(layout, stage, mid, limit) else (lo, mid - 1)
+        return lo
+
+    def rank_fits(self, layout: Layout, stage: int, layers: int, limit: int) -> bool:
+        """Whether pp rank ``stage`` (one stage per rank) holding ``layers`` layers peaks within ``limit``."""
+        counts = tuple(layers if i == stage else 1 for i in range(layout.pp))
+        return self.rank_peak(replace(layout, split=counts), stage) <= limit
 
     def peak(self, layout: Layout) -> tuple[int, int]:
         """(bytes, pp rank) of the largest rank class."""
@@ -228,7 +292,7 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     (autocast keeps them fp32), sends fp32 hidden states between stages, reduces activations in compute width."""
     n_stages = lay.pp * lay.stages_per_rank
     ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
-    layers = sum(split_layers(s.n_layers, n_stages)[i] for i in ids)
+    layers = sum(lay.stage_layers(s.n_layers)[i] for i in ids)
     last = n_stages - 1 in ids
     root = s.embedding_params * (0 in ids) + s.head_params * last
     norms = layers * 2 * s.d_model + s.d_model * last  # replicated under tp
@@ -267,8 +331,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, cps=None,
-               even_splits: bool = False, schedules=("1f1b", "interleaved_1f1b"), rejected: dict | None = None):
-    """Every layout of ``world`` GPUs the formulas can price; ``rejected`` counts the others by reason."""
+               even_splits: bool = False, schedules=("1f1b", "interleaved_1f1b"), rejected: dict | None = None,
+               units: UnitTimes | None = None):
+    """Every layout of ``world`` GPUs the formulas can price; ``rejected`` counts the others by reason. With
+    ``units``, each pipelined layout also comes with ``balanced_layers``' split where it differs (and where the
+    layers do not divide the stages, only with it under ``even_splits``)."""
     rejected = {} if rejected is None else rejected
 
     def skip(reason: str) -> None:
@@ -286,15 +353,21 @@ def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomput
             if shape.global_batch % dp:
                 skip("global batch not divisible by dp")
                 continue
-            yield from _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip)
+            for layout in _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units):
+                only_split = even_splits and shape.n_layers % (pp * layout.stages_per_rank) != 0
+                if not only_split:
+                    yield layout
+                balanced = balanced_layers(units, pp * layout.stages_per_rank) if units and pp > 1 else None
+                if balanced is not None and (only_split or balanced != layout.stage_layers(shape.n_layers)):
+                    yield replace(layout, split=balanced)
 
 
-def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip):
+def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units=None):
     """The ZeRO x micro-batch x recompute x schedule choices of one dp/tp/pp/cp split."""
     per_replica = shape.global_batch // dp
     for sched in (schedules if pp > 1 else ("1f1b",)):
         v = 1 if sched == "1f1b" else 2
-        if shape.n_layers < pp * v or (even_splits and shape.n_layers % (pp * v)):
+        if shape.n_layers < pp * v or (even_splits and shape.n_layers % (pp * v) and units is None):
             skip("layers do not split into the stages")
             continue
         for mbs in (b for b in _powers_of_two(per_replica) if per_replica % b == 0):
@@ -314,9 +387,9 @@ def search(shape: Shape, world: int, g: tm.GPU, headroom: float = 0.1, efficienc
     limit = int(g.memory * (1 - headroom))
     rejected: dict[str, int] = {}
     fits, too_big, n = [], [], 0
-    for layout in candidates(shape, world, g, rejected=rejected, **space):
+    for layout, peak, pp_rank in _priced(ev, candidates(shape, world, g, rejected=rejected, **space),
+                                          space.get("units"), limit):
         n += 1
-        peak, pp_rank = ev.peak(layout)
         if peak > limit:  # priced only if it fits: the step time of a layout that cannot run decides nothing
             too_big.append((peak, layout, pp_rank))
             continue
@@ -325,6 +398,27 @@ def search(shape: Shape, world: int, g: tm.GPU, headroom: float = 0.1, efficienc
     fits.sort(key=lambda c: (round(c.step_s, 6), c.layout.zero, RECOMPUTE.index(c.layout.recompute), c.peak))
     smallest = [Candidate(lay, peak, r, *ev.step_time(lay)) for peak, lay, r in sorted(too_big, key=_by_peak)[:top]]
     return SearchResult(fits, smallest, limit, ev.rank_estimates, n, rejected)
+
+
+def _priced(ev: Evaluator, layouts, units: UnitTimes | None, limit: int):
+    """Each layout once with its (peak, pp rank of the peak); with ``units``, a pipelined layout that does not fit
+    is followed by the same layout on ``Evaluator.fitting_split``'s split, when there is one."""
+    seen, refitted = set(), set()
+    for layout in layouts:
+        todo = [layout]
+        while todo:
+            lay = todo.pop()
+            if lay in seen:
+                continue
+            seen.add(lay)
+            peak, pp_rank = ev.peak(lay)
+            yield lay, peak, pp_rank
+            key = replace(lay, split=None)
+            if peak > limit and units is not None and lay.pp > 1 and key not in refitted:
+                refitted.add(key)
+                fitted = ev.fitting_split(lay, units, limit)
+                if fitted is not None:
+                    todo.append(replace(lay, split=fitted))
 
 
 def _by_peak(item: tuple) -> int:
@@ -342,8 +436,10 @@ def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
     return f"{other.step_s - winner.step_s:+.3g} s/step, mostly {term[:-2]} ({a[term]:.3g} -> {b[term]:.3g} s)"
 
 
-def losers_by_axis(result: SearchResult, axes=("tp", "pp", "cp", "zero", "recompute", "micro_batch")) -> list[str]:
-    """Per axis: the fastest layout with a different value there, and why it lost."""
+def losers_by_axis(result: SearchResult,
+                   axes=("tp", "pp", "cp", "zero", "recompute", "micro_batch", "split")) -> list[str]:
+    """Per axis: the fastest layout with a different value there, and why it lost (``split``: the same layout
+    otherwise, on another stage split)."""
     if not result.best:
         return []
     win = result.best[0]
@@ -351,7 +447,11 @@ def losers_by_axis(result: SearchResult, axes=("tp", "pp", "cp", "zero", "recomp
     pool = result.best + result.too_big
     for axis in axes:
         others = [c for c in pool if getattr(c.layout, axis) != getattr(win.layout, axis)]
+        if axis == "split":
+            others = [c for c in others if replace(c.layout, split=None) == replace(win.layout, split=None)]
         if others:
             alt = min(others, key=lambda c: (c.peak > result.limit, c.step_s))
-            lines.append(f"{axis}={getattr(alt.layout, axis)}: {alt.layout.label()}: {why_not(win, alt, result.limit)}")
+            value = getattr(alt.layout, axis)
+            shown = "even" if axis == "split" and value is None else value
+            lines.append(f"{axis}={shown}: {alt.layout.label()}: {why_not(win, alt, result.limit)}")
     return lines

@@ -25,7 +25,8 @@ import os
 from dataclasses import dataclass
 
 from orchestrator.errors import SpecError
-from orchestrator.planning.layout_search import Shape
+from orchestrator.planning import time_model as tm
+from orchestrator.planning.layout_search import Shape, UnitTimes
 from orchestrator.planning.memory_model import in_flight_microbatches
 from orchestrator.spec import JobSpec
 from workers.model.config import model_config
@@ -78,19 +79,43 @@ def pin_split(spec: JobSpec) -> JobSpec:
 
 def auto_split(spec: JobSpec) -> AutoSplit:
     """Profile ``spec``'s model and solve for the split (cached on the job's shape)."""
+    p, t = spec.parallel, spec.train
+    return _auto_split(profiled_costs(spec), p.pp, p.stages_per_rank, p.pp_schedule, t.microbatches,
+                       p.device_memory_bytes)
+
+
+def profiled_costs(spec: JobSpec) -> ModelCosts:
+    """``spec``'s model profiled for one of its microbatches (cached on the model, micro-batch size and seed)."""
     check_profilable(spec)
     p, t = spec.parallel, spec.train
     micro = t.global_batch_size // p.dp // t.microbatches
     model = {**spec.model.model_dump(mode="json", exclude={"lora", "init_from", "preset"}),
              "d_ff": spec.model.ffn_dim, "vocab_size": spec.padded_vocab_size}
-    return _auto_split(json.dumps(model, sort_keys=True), micro, p.pp, p.stages_per_rank, p.pp_schedule,
-                       t.microbatches, p.device_memory_bytes, t.seed)
+    return _profile(json.dumps(model, sort_keys=True), micro, t.seed)
+
+
+def unit_times(spec: JobSpec) -> UnitTimes:
+    """The unit costs the layout picker splits stages by (``layout_search.balanced_layers``). For a job that asks
+    for ``pp_split: auto``, the profiled costs ``auto_split`` uses, so the picker prices the split the run's
+    program would make. Otherwise the time model's FLOPs per token of each unit (6 x parameters, plus a block's
+    attention scores; the embedding is a lookup): arithmetic, the same on every host and instant, as the rest of
+    ``raymesh plan`` is, and known for models too large to profile here."""
+    if spec.parallel.pp_split == "auto":
+        costs = profiled_costs(spec)
+        return UnitTimes(costs.embedding.time_s, tuple(u.time_s for u in costs.layers), costs.head.time_s)
+    shape = Shape.of(spec)
+    block = tm.flops_per_token(shape.block_params, 1, shape.d_model, shape.seq)
+    return UnitTimes(0.0, (block,) * shape.n_layers, tm.flops_per_token(shape.vocab * shape.d_model, 0, 0, 0))
 
 
 @functools.lru_cache(maxsize=8)
-def _auto_split(model_json: str, micro: int, pp: int, spr: int, schedule: str, microbatches: int,
-                limit: int | None, seed: int) -> AutoSplit:
-    costs = profile_model(model_config(json.loads(model_json)), micro, seed=seed)
+def _profile(model_json: str, micro: int, seed: int) -> ModelCosts:
+    return profile_model(model_config(json.loads(model_json)), micro, seed=seed)
+
+
+@functools.lru_cache(maxsize=8)
+def _auto_split(costs: ModelCosts, pp: int, spr: int, schedule: str, microbatches: int,
+                limit: int | None) -> AutoSplit:
     times = [u.time_s for u in costs.layers]
     n_stages = pp * spr
     memory = stage_memory(costs, pp, spr, schedule, microbatches)

@@ -30,6 +30,7 @@ from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
+from orchestrator.observability.remote_run_dir import run_dir_upload
 from orchestrator.observability.run_records import RunRecords
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
@@ -57,7 +58,7 @@ class RunComplete(Exception):
     they are (resuming used to train zero steps and overwrite the summary with empty losses).
     """
 
-    def __init__(self, step: int, run_dir: Path, checkpoint: Path):
+    def __init__(self, step: int, run_dir: str | Path, checkpoint: Path):
         self.step, self.run_dir, self.checkpoint = step, run_dir, checkpoint
         super().__init__(f"the run in {run_dir} is complete: its newest checkpoint {checkpoint} is at step {step}, "
                          f"the job's train.steps; nothing was changed. To train further, resume with a larger "
@@ -68,12 +69,12 @@ def refuse_if_complete(spec: JobSpec) -> None:
     """``RunComplete`` when resuming ``spec`` would train nothing: its newest intact checkpoint is at
     ``train.steps`` or past it (call before starting anything). Only one that passes its checksum check
     counts: a damaged final checkpoint is the resume's to set aside, which then continues from the one before."""
-    ckpt = CheckpointDir(spec.checkpoint.resolved_dir(spec.resolved_run_dir()), spec.checkpoint.keep)
+    ckpt = CheckpointDir(spec.checkpoint_dir(), spec.checkpoint.keep)
     for step in reversed(ckpt.complete_steps()):
         if step < spec.train.steps:
             return
         if checksums.problem(ckpt.path_for(step)) is None:
-            raise RunComplete(step, spec.resolved_run_dir(), ckpt.path_for(step))
+            raise RunComplete(step, spec.run_dir_url() or spec.resolved_run_dir(), ckpt.path_for(step))
 
 
 class TrainingJob:
@@ -90,8 +91,9 @@ class TrainingJob:
         self.spec, self.resume, self.address, self.progress = spec, resume, address, progress
         self.runtime: Runtime = runtime or RayRuntime()
         self.run_dir = spec.resolved_run_dir()
-        self.observers = Observers([EventLog()])
-        self.ckpt = CheckpointDir(spec.checkpoint.resolved_dir(self.run_dir), spec.checkpoint.keep,
+        self.upload = run_dir_upload(spec)  # run_dir: s3://...: the staged files go up at checkpoints and the end
+        self.observers = Observers([EventLog(), *([self.upload] if self.upload else [])])
+        self.ckpt = CheckpointDir(spec.checkpoint_dir(), spec.checkpoint.keep,
                                   on_skip=lambda record: self.observers.on_corrupt_checkpoint(record))
         self.checkpoints = Checkpointing(spec, self.ckpt, self.observers)
         self.machine = JobStateMachine()
@@ -235,6 +237,11 @@ class TrainingJob:
             self.placement.release()
             self.placement = None
         self.observers.on_finish()
+        self._upload()  # after the trackers closed their files; on a failure too
+
+    def _upload(self) -> None:
+        if self.upload is not None:
+            self.upload.push()
 
     def take_snapshot(self) -> None:
         """Every rank snapshots the current step (replicas ship in the background)."""
@@ -273,8 +280,10 @@ class TrainingJob:
         spec = self.spec
         if self.resume:
             refuse_if_complete(spec)
+            if self.upload is not None:  # the records uploaded before a crash, to append to
+                self.upload.pull()
         t_start = time.perf_counter()
-        event("start", job=spec.name, world_size=spec.parallel.world_size, run_dir=self.run_dir)
+        event("start", job=spec.name, world_size=spec.parallel.world_size, run_dir=spec.run_dir_url() or self.run_dir)
         try:
             self.layout = self._start()
             layout = self.layout
@@ -300,6 +309,7 @@ class TrainingJob:
         self.machine.to(JobState(result.status))
         summary = result.to_dict()
         RunRecords.write_summary(self.run_dir, summary)
+        self._upload()
         event("finish", job=spec.name, status=result.status, steps=len(result.losses),
               final_loss=result.final_loss, tokens_per_s=f"{result.tokens_per_s:.0f}")
         event("summary", json=json.dumps(summary, separators=(",", ":")))
@@ -340,7 +350,7 @@ class TrainingJob:
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
-            resizes=self.resizes, run_dir=str(self.run_dir),
+            resizes=self.resizes, run_dir=self.spec.run_dir_url() or str(self.run_dir),
         )
 
     def _train(self, acct: StepAccounting) -> str:

@@ -58,7 +58,7 @@ class PSShards:
         if self.ps.consistency != "bsp":
             staleness = self.ps.staleness if self.ps.consistency == "ssp" else None
             self.keeper = ray.remote(max_concurrency=64)(ClockKeeper).options(num_cpus=0).remote(
-                spec.parallel.dp, staleness, spec.train.steps)
+                spec.parallel.dp, staleness, spec.train.steps, spec.parallel.pp)
         self.recoveries: list[dict] = []
         self._armed: dict[int, tuple[int, float]] = {}  # shard -> (step, time) of its kill_ps_shard
         self._write_routes()
@@ -70,7 +70,7 @@ class PSShards:
         return ray.remote(max_concurrency=64)(PSShard).options(
             num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
         ).remote(shard, self.ps.consistency, optim, self.spec.parallel.dp, self._learning_rates(),
-                 self.spec.optim.grad_clip)
+                 self.spec.optim.grad_clip, self.spec.parallel.pp)
 
     def _learning_rates(self) -> list[float]:
         """The job's learning rate at every step, as each rank's ``LambdaLR`` computes it (base × factor), so
@@ -162,7 +162,7 @@ class PSShards:
     def restore(self, flat: dict, step: int) -> None:
         """Load ``whole_state``'s answer into every shard (bsp: at clock ``step``)."""
         clocks = checkpoint.clocks(flat)
-        dp = self.spec.parallel.dp
+        dp, pp = self.spec.parallel.dp, self.spec.parallel.pp
         if self.keeper is not None and clocks["workers"] != dp:
             raise RuntimeError(f"--resume with parameter_server.consistency {self.ps.consistency}: the checkpoint "
                                f"was saved with parallel.dp={clocks['workers']}, this job has dp={dp}, and each "
@@ -172,7 +172,7 @@ class PSShards:
         states = checkpoint.shard_states(flat, self.ring, self.ps.chunk_elems, self.ps.server_optim(self.spec.optim))
         for state in states:
             state["version"] = step if self.keeper is None else clocks["version"]
-            state["applied_from"] = clocks["applied_from"] if clocks["workers"] == dp else [0] * dp
+            state["applied_from"] = clocks["applied_from"] if clocks["workers"] == dp else [0] * (dp * pp)
         answer([h.restore.remote(st) for h, st in zip(self.handles, states)], "the shards (restoring)",
                self.deadline_s)
         if self.keeper is not None:
@@ -234,8 +234,9 @@ class PSShards:
         for shard in shards:
             path = self.run_dir / "ps" / f"shard-{shard}.pt"
             version = int(torch.load(path, weights_only=False)["version"]) if path.is_file() else None
-            # bsp counts steps; asp/ssp count pushes, one per worker per local step
-            out[shard] = version // self.spec.parallel.dp if version is not None and self.keeper else version
+            # bsp counts steps; asp/ssp count pushes, one per worker (stage of a replica) per local step
+            pushers = self.spec.parallel.dp * self.spec.parallel.pp
+            out[shard] = version // pushers if version is not None and self.keeper else version
         return out
 
     def _check_names(self, flat: dict) -> None:

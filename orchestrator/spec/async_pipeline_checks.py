@@ -39,7 +39,7 @@ def check_async_pipeline(job: JobSpec) -> None:
 
 
 def _check_own_fields(job: JobSpec) -> None:
-    """`pp_vertical_sync` and `pp_2bw_every` belong to one schedule each."""
+    """`pp_vertical_sync` and `pp_2bw_every` belong to one schedule each, `pp_flush_per_step` to both."""
     p = job.parallel
     if p.pp_vertical_sync and p.pp_schedule != "pipedream":
         raise SpecError("parallel.pp_vertical_sync", True, f"applies to pp_schedule 'pipedream' only (this job "
@@ -48,6 +48,10 @@ def _check_own_fields(job: JobSpec) -> None:
     if p.pp_2bw_every is not None and p.pp_schedule != "pipedream_2bw":
         raise SpecError("parallel.pp_2bw_every", p.pp_2bw_every, f"applies to pp_schedule 'pipedream_2bw' only "
                         f"(this job runs {p.pp_schedule!r})", "remove pp_2bw_every, or set pp_schedule: pipedream_2bw")
+    if p.pp_flush_per_step and p.pp_schedule not in ASYNC:
+        raise SpecError("parallel.pp_flush_per_step", True, f"applies to the asynchronous schedules {list(ASYNC)} "
+                        f"only (this job runs {p.pp_schedule!r}, which drains at every step end anyway)",
+                        "remove pp_flush_per_step, or set pp_schedule: pipedream or pipedream_2bw")
 
 
 def _unsupported(job: JobSpec) -> list[tuple[str, object, bool, str, str]]:

@@ -33,11 +33,10 @@ def check_parameter_server(job: JobSpec) -> None:
     unsupported = [
         ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
          "set parallel.zero: 0"),
-        ("precision.dtype", job.precision.dtype, job.precision.dtype == "fp16" and ps.consistency != "bsp",
-         f"with consistency {ps.consistency}: the loss scaler agrees on an overflow with every rank, which a "
-         "free-running worker cannot wait for", "use consistency: bsp with fp16, or precision.dtype bf16 or fp32"),
-        ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.grid.pp_enabled,
-         "asynchronous rounds run one stage per worker", "use consistency: bsp with pipeline parallelism, or pp: 1"),
+        ("parameter_server.consistency", ps.consistency, ps.consistency != "bsp" and p.grid.tp_enabled,
+         f"with parallel.tp={p.tp}: a free-running replica's tensor-parallel ranks would each push its replicated "
+         "weights and tick its clock, applying them tp times", "use consistency: bsp with tensor parallelism, or "
+         "parallel.tp: 1 (asp/ssp work with pipeline parallelism)"),
     ]
     for field, value, bad, why, fix in unsupported:
         if bad:

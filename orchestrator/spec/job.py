@@ -29,6 +29,7 @@ from orchestrator.spec.sections import (
     PrecisionSpec,
     TrainSpec,
 )
+from workers.storage import is_url, location, staging_dir
 
 
 class JobSpec(_Section):
@@ -55,8 +56,20 @@ class JobSpec(_Section):
     loggers: LoggersSpec = Field(default_factory=LoggersSpec)
 
     def resolved_run_dir(self) -> Path:
-        """`run_dir` when set, else `runs/<name>`."""
-        return Path(self.run_dir) if self.run_dir is not None else Path("runs") / self.name
+        """Where the run's files are written: `run_dir` when set, else `runs/<name>`. For an object-store URL
+        this is its local staging directory, copied up by `orchestrator.observability.remote_run_dir`."""
+        if self.run_dir is None:
+            return Path("runs") / self.name
+        return staging_dir(self.run_dir) if is_url(self.run_dir) else location(self.run_dir)
+
+    def run_dir_url(self) -> str | None:
+        """`run_dir` when it is an object-store URL (its files are staged locally and uploaded), else None."""
+        return self.run_dir if self.run_dir is not None and is_url(self.run_dir) else None
+
+    def checkpoint_dir(self) -> Path:
+        """`checkpoint.dir`, else `<run_dir>/checkpoints`: in the bucket itself for a URL run_dir (DCP writes
+        there directly, never through the staging directory)."""
+        return self.checkpoint.resolved_dir(self.run_dir_url() or self.resolved_run_dir())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:

@@ -15,6 +15,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import model_config
 from workers.model.registry import build_model, family
+from workers.storage import is_url, location, staged_output
 
 
 def default_targets(arch: str) -> list[str]:
@@ -154,16 +155,22 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     if fmt == "hf" and job.model.arch != "llama":
         raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
                         "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
-    root = job.checkpoint.resolved_dir(job.resolved_run_dir())
-    path = Path(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
+    if fmt == "pt" and is_url(out):
+        raise SpecError("--out", out, "is a URL, and a .pt is written as one local file",
+                        "write it to a local path (then copy it), or export with --format hf, which writes to a URL")
+    root = job.checkpoint_dir()
+    path = location(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
     if path is None or not (path / ".metadata").is_file():
         raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to export",
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
     verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
+    if fmt == "hf":  # a URL: the directory is written locally, then copied up
+        with staged_output(out) as target:
+            export_merged(job.worker_dict(), path, target, fmt)
+        return location(out)
     exported = export_merged(job.worker_dict(), path, out, fmt)
-    if fmt == "pt":
-        checksums.write_file_manifest(exported)
+    checksums.write_file_manifest(exported)
     return exported
 
 

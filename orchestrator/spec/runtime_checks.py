@@ -23,20 +23,17 @@ from workers.storage import is_url, location
 
 def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     """Every filesystem precondition of the job; `data_required=False` (plan) skips data that is not here."""
-    if spec.run_dir is not None and "://" in spec.run_dir:
-        raise SpecError("run_dir", spec.run_dir, "is a URL, and run_dir's records, reports and tokens are written as "
-                        "local files", "point run_dir at a local or shared file system path; keep checkpoints in "
-                        "object storage with checkpoint.dir: s3://BUCKET/PATH (data.path may be a URL too)")
     if data_required or (not is_url(spec.data.path) and Path(spec.data.path).exists()):  # plan: a bucket is elsewhere
         check_data_path(spec)
     check_outputs(spec)
     check_base_checkpoint(spec)
     spec.loggers.check_installed()
+    _local_tracker_dirs(spec)
 
 
 def _manifest(spec: JobSpec) -> dict:
     """`data.path`'s manifest.json, refused with the fix when missing or not one `prepare-data` wrote."""
-    root = location(spec.data.path)
+    root = _url_location("data.path", spec.data.path)
     if is_url(root):
         _reachable_bucket("data.path", root)
     manifest = root / "manifest.json"
@@ -95,6 +92,28 @@ def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
         f"set model.vocab_size: {data_vocab} (it is padded to {-(-data_vocab // tp) * tp}, a multiple of "
         f"parallel.tp={tp}, internally), or prepare the data with a smaller tokenizer",
     )
+
+
+def _url_location(field: str, value: str) -> Path:
+    """`workers.storage.location` of a path field, with a URL whose scheme no installed fsspec file system
+    serves refused by name (fsspec raises ValueError, ImportError or OSError, depending on the scheme)."""
+    try:
+        return location(value)
+    except (ValueError, ImportError, OSError) as exc:
+        raise SpecError(field, value, f"is a URL whose scheme no installed file system serves ({exc})",
+                        "use s3:// (pip install 'raymesh[s3]'), gs:// (pip install 'raymesh[gcs]'), file:// or a "
+                        "local path") from None
+
+
+def _local_tracker_dirs(spec: JobSpec) -> None:
+    """TensorBoard and W&B write many small appends to a local directory: a URL there is refused (their default,
+    inside the run dir, goes to a URL run dir's bucket with the run's other files)."""
+    for name in ("tensorboard", "wandb"):
+        section = getattr(spec.loggers, name)
+        if section is not None and section.dir and is_url(section.dir):
+            raise SpecError(f"loggers.{name}.dir", section.dir, "is a URL, and the tracker appends to local files",
+                            f"remove loggers.{name}.dir so its files go in the run dir (set run_dir to the URL to "
+                            "have them copied up with the run's records), or give a local path")
 
 
 def _reachable_bucket(field: str, path: Path) -> None:
@@ -158,9 +177,14 @@ def _foreign_checkpoint_entry(root: Path) -> Path | None:
 
 def check_outputs(spec: JobSpec) -> None:
     """Where the job writes: the run dir, checkpoints, the nvme offload dir and the metrics target file."""
+    url = spec.run_dir_url()
+    if url is not None:  # its files are staged in a local directory (below) and copied up
+        _reachable_bucket("run_dir", _url_location("run_dir", url))
     run_dir = spec.resolved_run_dir()
     _writable_dir("run_dir", run_dir)
-    ckpt = spec.checkpoint.resolved_dir(run_dir)
+    if spec.checkpoint.dir is not None:
+        _url_location("checkpoint.dir", spec.checkpoint.dir)
+    ckpt = spec.checkpoint_dir()
     if is_url(ckpt):
         _reachable_bucket("checkpoint.dir", ckpt)
     else:

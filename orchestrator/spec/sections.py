@@ -51,6 +51,8 @@ class ParallelSpec(_Section):
     # vertical sync); pipedream_2bw: microbatches per weight version (default: train.microbatches)
     pp_vertical_sync: bool = False
     pp_2bw_every: PositiveInt | None = None
+    # pipedream, pipedream_2bw: drain the pipeline at every step end (default: its steady state carries over)
+    pp_flush_per_step: bool = False
     # layers per pipeline stage: even, auto (profiled costs + PipeDream's dynamic program, see
     # orchestrator/planning/stage_split.py) or one count per stage, virtual stages included
     pp_split: Literal["even", "auto"] | list[PositiveInt] = "even"
@@ -241,7 +243,7 @@ class CheckpointSpec(_Section):
     def resolved_dir(self, run_dir: str | Path) -> Path:
         """`dir` when set (a local path or an object-store URL: `workers.storage`), else
         `<run_dir>/checkpoints`."""
-        return location(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+        return location(self.dir) if self.dir is not None else location(run_dir) / "checkpoints"
 
 
 class FaultToleranceSpec(_Section):

@@ -18,8 +18,8 @@ DATA = {"bpe_pretrain": "bpe_token_data"}
 NEEDS_HF_DIR = {"llama_finetune_lora"}
 # examples too slow at their full size for 4 steps here, and what the test overrides (the layout stays theirs)
 SHORTER = {"long_context": ["--set", "model.seq_len=1024"]}  # 8192 tokens at cp=4: ~50 s a step on 2 busy cores
-# examples whose checkpoint.dir is a bucket: here a file:// URL (the same URL path through the real job); the
-# ranks of the session's cluster cannot see an S3 server's credentials, so test_object_storage.py covers S3
+# examples whose run_dir (and so checkpoints) is a bucket: here a file:// URL (the same URL path through the real
+# job); the ranks of the session's cluster cannot see an S3 server's credentials, so test_object_storage.py covers S3
 URL_CHECKPOINTS = {"object_storage"}
 
 
@@ -30,7 +30,7 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     extra = ["--set", f"model.init_from={save_hf_llama(tmp_path / 'hf')}"] if job.stem in NEEDS_HF_DIR else []
     extra += SHORTER.get(job.stem, [])
     if job.stem in URL_CHECKPOINTS:
-        extra += ["--set", f"checkpoint.dir=file://{tmp_path / 'bucket'}"]
+        extra += ["--set", f"run_dir=file://{tmp_path / 'run'}"]
     rc = main(["run", str(job), "--no-progress", "--summary-json", str(summary),
                "--set", f"data.path={data}", "--set", f"run_dir={tmp_path / 'run'}",
                "--set", "train.steps=4", "--set", "checkpoint.every=2", "--set", "metrics.port=0", *extra])

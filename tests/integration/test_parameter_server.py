@@ -159,8 +159,7 @@ def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(token_data, tm
 
 @pytest.mark.parametrize("sections, field", [
     ({"parallel": {"dp_sync": "ps", "dp": 2, "zero": 2}}, "parallel.zero"),
-    ({"parallel": {"dp_sync": "ps", "dp": 2, "pp": 2}, "train": {"microbatches": 2},
-      "parameter_server": {"consistency": "asp"}},
+    ({"parallel": {"dp_sync": "ps", "dp": 2, "tp": 2}, "parameter_server": {"consistency": "asp"}},
      "parameter_server.consistency"),
     ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"optimizer": "momentum"}}, "parameter_server.optimizer"),
     ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"shards": 1},

@@ -1,20 +1,29 @@
-"""PipeDream's asynchronous schedules on spawned ranks (tests/support/parity_harness.py, no Ray), pp=2 x dp=2.
+"""PipeDream's asynchronous schedules on spawned ranks (tests/support/parity_harness.py, no Ray), pp=2 x dp=2,
+and their recovery on Ray.
 
-- weight stashing: every microbatch's backward runs on the weight version its forward ran on, while later
-  microbatches already run on newer versions; with vertical sync every stage runs the first stage's version;
+- no flush at step ends: each step's last backward on stage 0 runs in the next step, after that step's first
+  forward, and versions advance without a jump at the boundary; the final step drains;
+- weight stashing: every microbatch's backward runs on the weight version its forward ran on (whichever step
+  each ran in), while later microbatches already run on newer versions; with vertical sync every stage runs the
+  first stage's version;
 - PipeDream-2BW equals a single-process reference written here from the paper's update rule
-  W(t+1) = W(t) - lr * grad f(W(t-1)), the gradient accumulated over each window of m microbatches, to 1e-5;
-- a 2BW run saved and resumed (its second weight buffer in the checkpoint) continues bit for bit.
-All four jobs share one spawn of the ranks (module-scoped).
+  W(t+1) = W(t) - lr * grad f(W(t-1)), the gradient accumulated over each window of m microbatches, to 1e-5,
+  carried across steps or drained at each (``pp_flush_per_step``: bit-identical, the version rule is timing-free);
+- a run saved and resumed (stashed versions and in-flight microbatches in the checkpoint) continues bit for bit;
+- on Ray, a killed rank is replaced and rolled back to its snapshot (versions, in-flight microbatches, outbox):
+  the run is bit-identical to the uninterrupted one.
+The harness jobs share one spawn of the ranks (module-scoped).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
+from orchestrator import JobSpec, TrainingJob
 from orchestrator.planning.bubble import measured_bubble, step_events
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
@@ -23,7 +32,7 @@ from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.meta_init import build_full
 
-STEPS, MICROBATCHES, EVERY, DP = 4, 4, 2, 2
+STEPS, MICROBATCHES, EVERY, DP, SAVE_AFTER = 4, 4, 2, 2, 2
 
 
 def _spec(token_data, tmp_path, **parallel):
@@ -38,52 +47,72 @@ def runs(token_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipedream")
     specs = {"pipedream": _spec(token_data, tmp, pp_schedule="pipedream"),
              "vertical": _spec(token_data, tmp, pp_schedule="pipedream", pp_vertical_sync=True),
-             "2bw": _spec(token_data, tmp, pp_schedule="pipedream_2bw", pp_2bw_every=EVERY)}
-    ckpt = str(tmp / "ckpt")
-    out = run_layouts([s.worker_dict() for s in specs.values()] + [specs["2bw"].worker_dict()], 2 * DP, STEPS,
-                      checkpoints=[None, None, ckpt, None], resumes=[None, None, None, ckpt],
-                      save_afters=[None, None, 2, None])
-    return {**dict(zip(specs, out)), "2bw-resumed": out[3], "specs": specs}
+             "2bw": _spec(token_data, tmp, pp_schedule="pipedream_2bw", pp_2bw_every=EVERY),
+             "2bw-flushed": _spec(token_data, tmp, pp_schedule="pipedream_2bw", pp_2bw_every=EVERY,
+                                  pp_flush_per_step=True)}
+    saved = {"pipedream": str(tmp / "ckpt-pd"), "2bw": str(tmp / "ckpt-2bw")}
+    names = [*specs, "pipedream-resumed", "2bw-resumed"]
+    out = run_layouts([s.worker_dict() for s in specs.values()] + [specs["pipedream"].worker_dict(),
+                                                                  specs["2bw"].worker_dict()], 2 * DP, STEPS,
+                      checkpoints=[saved.get(n) for n in names], resumes=[None] * 4 + list(saved.values()),
+                      save_afters=[SAVE_AFTER if n in saved else None for n in names])
+    return {**dict(zip(names, out)), "specs": specs}
 
 
-def _versions(run, step: int) -> dict[tuple[int, int, str], int]:
-    """(pp rank, microbatch, F or B) -> weight version, from dp rank 0's replica of each stage at ``step``."""
+def _versions(run) -> dict[tuple[int, int, str], int]:
+    """(pp rank, global microbatch, F or B) -> weight version, over all steps, from each rank's events (dp
+    replicas agree)."""
     out = {}
     for steps in run.results.values():
-        for e in steps[step]["timeline"]:
-            out[(e["pp_rank"], e["microbatch"], e["kind"])] = e["version"]
+        for record in steps:
+            for e in record["timeline"]:
+                out[(e["pp_rank"], e["microbatch"], e["kind"])] = e["version"]
     return out
 
 
-def test_pipedream_backward_uses_the_forward_version(runs) -> None:
+def _order(run, step: int, pp_rank: int) -> list[str]:
+    """Stage ``pp_rank``'s events of ``step`` (counted from 1, as the records are) in the order they ran."""
+    events = sorted((e for e in step_events(_timeline(run), step) if e["pp_rank"] == pp_rank), key=lambda e: e["start"])
+    return [f"{e['kind']}{e['microbatch']}" for e in events]
+
+
+def _timeline(run) -> list[dict]:
+    return [e for steps in run.results.values() for out in steps for e in out["timeline"]]
+
+
+def test_pipedream_backward_uses_the_forward_version_across_steps(runs) -> None:
+    v = _versions(runs["pipedream"])
+    every = range(STEPS * MICROBATCHES)
+    for pp_rank in (0, 1):
+        assert [v[(pp_rank, n, "F")] for n in every] == [v[(pp_rank, n, "B")] for n in every]
+    # one update per microbatch and no flush: stage 0 runs one microbatch ahead, so microbatch n runs on the
+    # version after n - 1 updates, steadily across step boundaries (a flush would restart each step at its base)
+    assert [v[(0, n, "F")] for n in every] == [max(0, n - 1) for n in every]
+    assert [v[(1, n, "F")] for n in every] == list(every)
+    assert all(loss == loss for loss in runs["pipedream"].losses)
+
+
+def test_the_steady_state_carries_across_step_boundaries(runs) -> None:
+    """What `raymesh report` draws: stage 0 warms up once (F0 F1), its last backward of a step runs in the next
+    step after that step's first forward, and only the job's last step drains; the bubble is measurable."""
     run = runs["pipedream"]
-    for step in range(STEPS):
-        v = _versions(run, step)
-        for pp_rank in (0, 1):
-            assert [v[(pp_rank, j, "F")] for j in range(MICROBATCHES)] == \
-                   [v[(pp_rank, j, "B")] for j in range(MICROBATCHES)]
-        # one update per microbatch: stage 0 is two microbatches ahead in 1F1B, so microbatch 1 ran on the
-        # step's first version and microbatch 2 on a newer one while microbatch 1's backward was still to come
-        base = step * MICROBATCHES
-        assert [v[(0, j, "F")] for j in range(MICROBATCHES)] == [base, base, base + 1, base + 2]
-        assert [v[(1, j, "F")] for j in range(MICROBATCHES)] == [base + j for j in range(MICROBATCHES)]
-    assert all(loss == loss for loss in run.losses)
-
-
-def test_timeline_shows_the_steady_state(runs) -> None:
-    """What `raymesh report` draws: on stage 0 two warm-up forwards, then forward and backward in turn with each
-    backward on an older version than the forward beside it, then the cool-down; its bubble is measurable."""
-    timeline = [e for steps in runs["pipedream"].results.values() for out in steps for e in out["timeline"]]
-    events = sorted((e for e in step_events(timeline, 2) if e["pp_rank"] == 0), key=lambda e: e["start"])
-    assert [f"{e['kind']}{e['microbatch']}" for e in events] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
-    assert events[3]["version"] > events[4]["version"]  # F2 on a newer version than B1 beside it
-    assert 0 < measured_bubble(step_events(timeline, 2)) < 1
+    assert _order(run, 1, 0) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2"]
+    assert _order(run, 2, 0) == ["F4", "B3", "F5", "B4", "F6", "B5", "F7", "B6"]
+    assert _order(run, STEPS, 0) == ["F12", "B11", "F13", "B12", "F14", "B13", "F15", "B14", "B15"]
+    assert _order(run, 2, 1) == ["F4", "B4", "F5", "B5", "F6", "B6", "F7", "B7"]  # the last stage: its own only
+    assert 0 < measured_bubble(step_events(_timeline(run), 2)) < 1
+    # a carried backward runs on an older version than the forward before it: B3 (version 2) after F4 (version 3)
+    v = _versions(run)
+    assert v[(0, 3, "B")] < v[(0, 4, "F")]
+    flushed = runs["2bw-flushed"]  # pp_flush_per_step: every step warms up and drains
+    assert _order(flushed, 2, 0) == ["F4", "F5", "B4", "F6", "B5", "F7", "B6", "B7"]
 
 
 def test_vertical_sync_runs_the_first_stages_version_everywhere(runs) -> None:
-    v = _versions(runs["vertical"], STEPS - 1)
-    assert [v[(1, j, "F")] for j in range(MICROBATCHES)] == [v[(0, j, "F")] for j in range(MICROBATCHES)]
-    assert all(v[(r, j, "F")] == v[(r, j, "B")] for r in (0, 1) for j in range(MICROBATCHES))
+    v = _versions(runs["vertical"])
+    every = range(STEPS * MICROBATCHES)
+    assert [v[(1, n, "F")] for n in every] == [v[(0, n, "F")] for n in every]
+    assert all(v[(r, n, "F")] == v[(r, n, "B")] for r in (0, 1) for n in every)
     assert runs["vertical"].losses != runs["pipedream"].losses  # stage 1 ran on older weights
 
 
@@ -120,11 +149,49 @@ def reference_2bw(spec, steps: int, every: int) -> list[float]:
 def test_2bw_equals_the_paper_update_rule(runs) -> None:
     spec = runs["specs"]["2bw"]
     assert runs["2bw"].losses == pytest.approx(reference_2bw(spec, STEPS, EVERY), rel=1e-5)
-    v = _versions(runs["2bw"], 1)  # step 1 holds windows 2 and 3: versions 1 and 2
-    assert [v[(r, j, k)] for r in (0, 1) for j in range(MICROBATCHES) for k in "FB"] == [1, 1, 1, 1, 2, 2, 2, 2] * 2
+    v = _versions(runs["2bw"])  # step 1 holds windows 2 and 3: versions 1 and 2
+    assert [v[(r, n, k)] for r in (0, 1) for n in range(4, 8) for k in "FB"] == [1, 1, 1, 1, 2, 2, 2, 2] * 2
+    # which version a microbatch runs on does not depend on when backwards run: drained or not, the same bits
+    # (the grad_norm records differ: each is of a stage's last update run in the step, on stage 0 carried the
+    # previous window's, drained the step's last)
+    assert runs["2bw-flushed"].losses == runs["2bw"].losses
 
 
-def test_2bw_resumes_bit_for_bit(runs) -> None:
-    # saved after step 2 with its second buffer; the resumed job's steps 3 and 4 are the straight run's
-    assert runs["2bw-resumed"].losses[:2] == runs["2bw"].losses[2:]
-    assert runs["2bw-resumed"].grad_norms[:2] == runs["2bw"].grad_norms[2:]
+@pytest.mark.parametrize("name", ["pipedream", "2bw"])
+def test_resumes_bit_for_bit_with_microbatches_in_flight(runs, name) -> None:
+    # saved after step 2 (stage 0 holds microbatch 7 in flight, stage 1 its gradient; 2BW also its second buffer);
+    # the resumed job's steps 3 and 4 are the straight run's (it drains at step 4, the job's last, as that did)
+    resumed, straight = runs[f"{name}-resumed"], runs[name]
+    assert resumed.losses[:2] == straight.losses[SAVE_AFTER:]
+    assert resumed.grad_norms[:2] == straight.grad_norms[SAVE_AFTER:]
+
+
+# -- recovery on Ray -----------------------------------------------------------------------------------------
+
+RAY_STEPS = 6
+
+
+def _ray_run(token_data, tmp_path, schedule: str, faults=()):
+    spec = tiny_spec(token_data, tmp_path, parallel={"pp": 2, "pp_schedule": schedule},
+                     train={"steps": RAY_STEPS, "microbatches": MICROBATCHES}, optim={"lr": 3e-3, "grad_clip": 0.0},
+                     checkpoint={"memory_every": 1}, metrics={"timeline": True},
+                     fault_tolerance={"heartbeat_timeout_s": 20, "collective_timeout_s": 5})
+    return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+def test_kill_rank_recovers_bit_identical(schedule, ray_cluster, token_data, tmp_path):
+    """Rank 0 (stage 0, holding a microbatch in flight and two weight versions at every boundary) dies at step 4:
+    its replacement restores the snapshot of step 3, re-runs the in-flight forward, and the run goes on as the
+    uninterrupted one, bit for bit."""
+    straight = _ray_run(token_data, tmp_path / "straight", schedule)
+    kill = [{"kind": "kill_rank", "rank": 0, "at_step": 4}]
+    killed = _ray_run(token_data, tmp_path / "killed", schedule, faults=kill)
+    assert killed.losses == straight.losses and killed.grad_norms == straight.grad_norms
+    assert [(r["kind"], r["rank"], r["source"]) for r in killed.recoveries] == [("rank", 0, "memory")]
+    # the step re-run after the rollback began with the restored in-flight microbatch's backward, on its version
+    timeline = [json.loads(line) for line in (tmp_path / "killed" / "run" / "timeline.jsonl").read_text().splitlines()]
+    stage0 = sorted((e for e in timeline if e["step"] == 4 and e["pp_rank"] == 0), key=lambda e: e["start"])
+    assert [f"{e['kind']}{e['microbatch']}" for e in stage0[:2]] == ["F12", "B11"]
+    versions = {(e["pp_rank"], e["microbatch"], e["kind"]): e["version"] for e in timeline}
+    assert all(versions[(r, n, "B")] == versions[(r, n, "F")] for r, n, _ in versions)

@@ -2,6 +2,10 @@
 
 - ``auto`` over 5 layers and 2 stages, and lists on every schedule raymesh runs (V-shaped and interleaved
   ones over 4 stages), reproduce the single-process reference (fp32, CPU, 1e-4 relative);
+- PipeDream and PipeDream-2BW on uneven stages (``auto``, [1, 4], [3, 2]) follow their update rules, written
+  in plain PyTorch over the whole model (``reference_versioned``): 2BW's W(t+1) = W(t) - lr * grad f(W(t-1))
+  to 1e-5 (the rule does not depend on the split); PipeDream runs every microbatch's backward on its forward's
+  version and equals the rule replayed with the versions each stage recorded;
 - a checkpoint saved with even stages loads into uneven ones (DCP keys are global layer names) and the run
   goes on as the reference does;
 - on a model with a heavy output head, ``auto`` lowers the bubble that stage imbalance causes. Measured from
@@ -22,7 +26,7 @@ import pytest
 from orchestrator.planning.stage_split import auto_split
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
-from tests.support.reference import reference_run
+from tests.support.reference import reference_run, reference_versioned
 
 STEPS = 3
 TRAIN = {"global_batch_size": 8, "microbatches": 4}  # dualpipev needs 2 microbatches a stage
@@ -34,6 +38,13 @@ SCHEDULES = {  # name -> (pp_schedule, pp_split) over 5 layers
     "zbv": ("zbv", [1, 2, 1, 1]),
     "dualpipev": ("dualpipev", [1, 1, 1, 2]),
 }
+ASYNC = {  # name -> (pp_schedule, pp_split) over 5 layers; 2BW: a version every 2 of the 4 microbatches
+    "pipedream-auto": ("pipedream", "auto"),
+    "pipedream-1-4": ("pipedream", [1, 4]),
+    "2bw-auto": ("pipedream_2bw", "auto"),
+    "2bw-3-2": ("pipedream_2bw", [3, 2]),
+}
+EVERY = 2
 # 6 blocks of width 32 under a 4096-word head: the head costs several blocks (tests/unit/test_partition.py)
 HEAVY = {"n_layers": 6, "vocab_size": 4096}
 HEAVY_TRAIN = {"global_batch_size": 32, "microbatches": 4, "steps": 6}
@@ -50,6 +61,12 @@ def runs(token_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp
     specs = {name: _spec(tmp(name), token_data, {"n_layers": 5}, {"pp_schedule": sched, "pp_split": split},
                          {"steps": STEPS}) for name, (sched, split) in SCHEDULES.items()}
+    for name, (sched, split) in ASYNC.items():
+        window = {"pp_2bw_every": EVERY} if sched == "pipedream_2bw" else {}
+        # grad_clip 0: the asynchronous schedules clip per stage, the reference clips nothing
+        specs[name] = tiny_spec(token_data, tmp(name), model={"n_layers": 5}, optim={"lr": 3e-3, "grad_clip": 0.0},
+                                parallel={"pp": 2, "device": "cpu", "pp_schedule": sched, "pp_split": split, **window},
+                                train={**TRAIN, "steps": STEPS}, metrics={"timeline": True})
     specs["save-even"] = _spec(tmp("even"), token_data, {"n_layers": 4}, {}, {"steps": 2 * STEPS})
     specs["resume-uneven"] = _spec(tmp("uneven"), token_data, {"n_layers": 4}, {"pp_split": [3, 1]},
                                    {"steps": 2 * STEPS})
@@ -75,6 +92,34 @@ def test_auto_split_of_five_layers_is_uneven(runs):
     specs, _ = runs
     split = specs["1f1b-auto"].worker_dict()["parallel"]["pp_split"]
     assert sorted(split) == [2, 3]
+
+
+def _versions(run) -> dict[tuple[int, int, str], int]:
+    """(pp rank, global microbatch, F or B) -> the weight version it ran on, from the ranks' timelines."""
+    m = TRAIN["microbatches"]
+    return {(e["pp_rank"], step * m + e["microbatch"], e["kind"]): e["version"]
+            for steps in run.results.values() for step, out in enumerate(steps) for e in out["timeline"]
+            if e["kind"] in ("F", "B")}
+
+
+@pytest.mark.parametrize("name", [n for n in ASYNC if n.startswith("2bw")])
+def test_uneven_2bw_follows_the_paper_update_rule(name, runs):
+    specs, out = runs
+    assert len(set(specs[name].stage_split)) == 2  # uneven
+    rule = reference_versioned(specs[name], STEPS, lambda stage, n: max(0, n // EVERY - 1), every=EVERY)
+    assert out[name].losses == pytest.approx(rule, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in ASYNC if n.startswith("pipedream")])
+def test_uneven_pipedream_stashes_each_microbatchs_version(name, runs):
+    specs, out = runs
+    assert len(set(specs[name].stage_split)) == 2  # uneven
+    v = _versions(out[name])
+    n = STEPS * TRAIN["microbatches"]
+    assert all(v[(r, j, "F")] == v[(r, j, "B")] for r in (0, 1) for j in range(n))
+    assert len({v[(0, j, "F")] for j in range(TRAIN["microbatches"])}) > 1  # newer versions within a step
+    rule = reference_versioned(specs[name], STEPS, lambda stage, j: v[(stage, j, "F")], every=1)
+    assert out[name].losses == pytest.approx(rule, rel=1e-5)
 
 
 def test_an_even_checkpoint_resumes_on_uneven_stages(runs):

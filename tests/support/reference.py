@@ -8,6 +8,7 @@ so a bug there cannot hide in both sides of a parity test.
 from __future__ import annotations
 
 import torch
+from torch.func import functional_call
 
 from orchestrator import JobSpec
 from workers.data import DataCursor, TokenDataset
@@ -18,6 +19,7 @@ from workers.model.gpt import lm_loss
 from workers.model.hf_io import load_hf_weights
 from workers.model.meta_init import build_full
 from workers.optim.sm3 import SM3
+from workers.parallel.partition import stage_bounds
 
 
 def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
@@ -52,3 +54,56 @@ def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
 
 def reference_losses(spec: JobSpec, steps: int) -> list[float]:
     return reference_run(spec, steps)[0]
+
+
+def reference_versioned(spec: JobSpec, steps: int, version_of, every: int = 1) -> list[float]:
+    """Per-step losses of an asynchronous pipeline (PipeDream, 2BW) from its update rule, single process.
+
+    Stage ``s`` runs global microbatch ``n`` (per dp rank) forward and backward on weight version
+    ``version_of(s, n)``, the weights after that many updates; the gradients of ``every`` microbatches,
+    averaged over them and over dp, make one AdamW update of every stage. The stages are ``spec``'s
+    ``pp_split`` (embeddings on the first, final norm and head on the last), so an uneven split is checked
+    against the same rule as an even one. No clipping (the schedules clip per stage; give grad_clip 0).
+    """
+    model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
+    stage_of = _stage_of_parameters(model, spec.stage_split)
+    o = spec.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    live = dict(model.named_parameters())
+    versions = [{k: p.detach().clone() for k, p in live.items()}]  # versions[k]: the weights after k updates
+    cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
+                        spec.train.global_batch_size, dp_rank=0, dp_size=1)
+    m, dp, losses = spec.train.microbatches, spec.parallel.dp, []
+    for step in range(steps):
+        inputs, targets = cursor.next_batch()
+        # microbatch j of every dp rank's slice, the replicas side by side (their gradients are averaged)
+        cut = [(x.chunk(m), y.chunk(m)) for x, y in zip(inputs.chunk(dp), targets.chunk(dp))]
+        step_losses = []
+        for j in range(m):
+            n = step * m + j
+            x, y = torch.cat([xs[j] for xs, _ in cut]), torch.cat([ys[j] for _, ys in cut])
+            weights = {k: versions[version_of(stage_of[k], n)][k].clone().requires_grad_() for k in live}
+            loss = lm_loss(functional_call(model, weights, (x,)), y)
+            for p, g in zip(live.values(), torch.autograd.grad(loss / every, list(weights.values()))):
+                p.grad = g if p.grad is None else p.grad + g
+            step_losses.append(loss.item())
+            if (n + 1) % every == 0:
+                opt.step()
+                opt.zero_grad()
+                versions.append({k: p.detach().clone() for k, p in live.items()})
+        losses.append(sum(step_losses) / m)
+    return losses
+
+
+def _stage_of_parameters(model: torch.nn.Module, split) -> dict[str, int]:
+    """Parameter name -> the pipeline stage holding it under ``split`` (layer counts per stage): a block's
+    parameters go with its layer, the embeddings to the first stage, the rest (final norm, head) to the last."""
+    layer_stage = {str(i): s for s, layers in enumerate(stage_bounds(split)) for i in layers}
+    out = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            out[name] = layer_stage[parts[1]]
+        else:
+            out[name] = 0 if parts[0].endswith("embeddings") else len(split) - 1
+    return out

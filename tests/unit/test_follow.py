@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
-from orchestrator.cli.follow import _Terminal, report, resume_command
+from orchestrator.cli.follow import _hosted_spec, _Terminal, report, resume_command
 from orchestrator.runtime.hosted import Feed
+from orchestrator.spec import JobSpec
 
 
 def summary(**fields) -> dict:
@@ -53,6 +54,15 @@ def test_a_stopped_run_names_its_checkpoint_and_the_resume_command(capsys, tmp_p
                        "stopped at step 7 (checkpoint /runs/a/checkpoints/step-00000007); resume with:\n"
                        "  raymesh run job.yaml --resume\n")
     assert json.loads(out.read_text()) == stopped
+
+
+def test_a_run_dir_in_a_bucket_is_named_by_its_url(capsys):
+    assert report({"summary": summary(run_dir="s3://bkt/runs/a")}, "j", None, None) == 0
+    printed = capsys.readouterr().out
+    assert "summary: s3://bkt/runs/a/summary.json\n" in printed
+    assert "report: raymesh report s3://bkt/runs/a\n" in printed
+    spec = JobSpec.from_dict({"data": {"path": "/d"}, "run_dir": "s3://bkt/runs/a"})
+    assert _hosted_spec(spec)["run_dir"] == "s3://bkt/runs/a"  # the controller stages it on its own machine
 
 
 def test_a_stop_without_checkpoints_says_resuming_starts_over(capsys):

@@ -146,7 +146,7 @@ def _spec(parallel: dict | None = None, **sections):
     ({"parameter_server": {"compression": "bf16", "topk_ratio": 0.05}}, "parameter_server.topk_ratio", 0.05,
      "compression: topk"),
     ({"parallel": {"grad_compression": "bf16"}}, "parallel.grad_compression", "bf16", "parameter_server.compression"),
-    ({"precision": {"dtype": "fp16"}, "parameter_server": {"consistency": "ssp"}}, "precision.dtype", "fp16",
+    ({"parallel": {"tp": 2}, "parameter_server": {"consistency": "ssp"}}, "parameter_server.consistency", "ssp",
      "consistency: bsp"),
 ])
 def test_spec_refusals_name_field_value_and_fix(sections, field, value, fix):
@@ -161,6 +161,14 @@ def test_spec_refusals_name_field_value_and_fix(sections, field, value, fix):
 def test_spec_accepts_compression_and_fp16_under_bsp():
     job = _spec(precision={"dtype": "fp16"}, parameter_server={"compression": "topk", "topk_ratio": 0.05})
     assert job.worker_dict()["parameter_server"]["topk_ratio"] == 0.05
+
+
+def test_spec_accepts_asp_and_ssp_with_pipelines_and_fp16():
+    """Once refused: each stage's keys run on their own clocks, and an fp16 overflow is one replica's to skip."""
+    for consistency in ("asp", "ssp"):
+        job = _spec({"pp": 2}, precision={"dtype": "fp16"}, train={"microbatches": 2},
+                    parameter_server={"consistency": consistency})
+        assert job.worker_dict()["parallel"]["pp"] == 2
 
 
 @pytest.mark.parametrize("kind", ["bf16", "topk"])

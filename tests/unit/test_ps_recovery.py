@@ -32,7 +32,7 @@ def _in_thread(call) -> tuple[threading.Thread, list]:
 
 
 def test_hand_over_returns_the_lost_step_and_the_bound_holds_until_the_replacement_rejoins():
-    keeper = ClockKeeper(workers=2, staleness=1, steps=3)  # budget: 6 worker steps
+    keeper = ClockKeeper(replicas=2, staleness=1, steps=3)  # budget: 6 worker steps
     assert keeper.enter(1)  # worker 1 takes a step and dies in it
     for _ in range(2):  # worker 0 runs ahead up to the bound (worker 1 still at clock 0)
         assert keeper.enter(0)
@@ -75,9 +75,27 @@ def test_a_retried_push_is_acknowledged_and_not_applied_twice():
     assert holders[1].clock()["applied_from"] == [0, 2]
 
 
+def test_a_pipelined_replica_handed_over_redoes_its_step_in_every_stage():
+    """Two replicas of two stages (workers 0, 1: stage 0; 2, 3: stage 1). Replica 1's stage 1 finished its step
+    and its stage 0 died in it: both stages go back to clock 0, and a late tick of the old generation is not
+    counted, so the replacement and its surviving peer redo the step together."""
+    keeper = ClockKeeper(replicas=2, staleness=None, steps=2, stages=2)
+    assert keeper.enter(1) and keeper.enter(3)
+    keeper.tick(3, 2.5, generation=0)
+    kept = keeper.hand_over([1])
+    assert {k: kept[k] for k in ("clocks", "started", "completed", "generation")} == {
+        "clocks": [0, 0, 0, 0], "started": 0, "completed": 0, "generation": 1}
+    keeper.tick(1, None, generation=0)  # the dead stage's step, finishing late: handed back already
+    assert keeper.state()["clocks"] == [0, 0, 0, 0]
+    keeper.resume()
+    assert keeper.enter(1, 1) and keeper.enter(3, 1)
+    keeper.tick(1, None, generation=1), keeper.tick(3, 2.0, generation=1)
+    assert keeper.state()["clocks"] == [0, 1, 0, 1] and keeper.wait_completed(1, 3, generation=1) == 1
+
+
 @pytest.mark.parametrize("consistency", ["asp", "ssp"])
 def test_restore_lets_the_workers_start_again_after_a_hand_over(consistency):
-    keeper = ClockKeeper(workers=2, staleness=None if consistency == "asp" else 1, steps=2)
+    keeper = ClockKeeper(replicas=2, staleness=None if consistency == "asp" else 1, steps=2)
     keeper.hand_over([0])
     keeper.restore([1, 1], 2)  # a recovery that loads a checkpoint instead (recovery: restart_all)
     assert keeper.enter(0, keeper.state()["generation"])

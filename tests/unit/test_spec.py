@@ -79,6 +79,19 @@ def test_explicit_dirs_and_d_ff() -> None:
     assert spec.model.ffn_dim == 96
 
 
+def test_a_url_run_dir_is_staged_locally_and_keeps_its_checkpoints_in_the_bucket() -> None:
+    from workers.storage import staging_dir
+
+    spec = JobSpec.from_dict(job(run_dir="s3://bkt/runs/a"))
+    assert spec.run_dir_url() == "s3://bkt/runs/a" and spec.resolved_run_dir() == staging_dir("s3://bkt/runs/a")
+    assert spec.resolved_run_dir().name.startswith("a-") and spec.resolved_run_dir().is_absolute()
+    assert str(spec.checkpoint_dir()) == "s3://bkt/runs/a/checkpoints"  # written by DCP there, never staged
+    assert staging_dir("s3://bkt/runs/b/a") != spec.resolved_run_dir()  # one per URL, not per last name
+    local = JobSpec.from_dict(job(run_dir="file:///r"))
+    assert local.run_dir_url() is None and local.resolved_run_dir() == Path("/r")
+    assert local.checkpoint_dir() == Path("/r/checkpoints")
+
+
 @pytest.mark.parametrize(
     ("schedule", "stages"),
     [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)],

@@ -1,8 +1,11 @@
-"""The streaming loader: windows read lazily equal the whole stream read at once, a rank's own allocations stay
-flat as the corpus grows 50x, and a resumed cursor (prefetch on) sees each sample exactly once."""
+"""The streaming loader: windows read lazily equal the whole stream read at once (from a mapped raw file, by pread,
+or by row groups), a rank's own allocations stay flat as the corpus grows 50x, a resumed cursor sees each sample
+exactly once, and the corpus is decoded once per host, not once per window."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import tracemalloc
 from pathlib import Path
 
@@ -11,9 +14,30 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from workers.data import DataCursor, TokenDataset, prepare, prepare_data, write_token_rows
+from workers.data import DataCursor, TokenDataset, loader, prepare, prepare_data, write_token_rows
 
 ROWS = 4096  # small row groups, so windows straddle groups and shards often
+
+
+def _refuse_raw_file(*args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+@pytest.fixture(params=["mapped", "pread", "row groups"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way the loader reads windows: the raw file mapped (small corpora), by pread (beyond MAP_LIMIT), and
+    row group by row group (object storage, or a directory the raw file cannot be written into)."""
+    if request.param == "pread":
+        monkeypatch.setattr(loader, "MAP_LIMIT", 0)
+    if request.param == "row groups":
+        monkeypatch.setattr(loader.RawTokens, "build", _refuse_raw_file)
+    return request.param
+
+
+def _reader_of(ds: TokenDataset) -> str:
+    if isinstance(ds.store, loader.ShardStore):
+        return "row groups"
+    return "pread" if ds.store.may_block else "mapped"
 
 
 def _corpus(root: Path, tokens: int, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -32,13 +56,16 @@ def _whole_stream(root: Path) -> np.ndarray:
     return np.concatenate([pq.read_table(f).column("tokens").to_numpy() for f in files])
 
 
-def test_lazy_windows_equal_the_whole_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lazy_windows_equal_the_whole_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str) -> None:
     root = _corpus(tmp_path, 200_000, monkeypatch)
     whole = _whole_stream(root)
     ds = TokenDataset(root, seq_len=100, seed=5)
+    assert _reader_of(ds) == reader
     assert len(ds.store) == len(whole)
     x, y = ds.batch(0, ds.num_samples)  # every window, many across row-group and shard boundaries
-    offsets = ds.global_sample_ids(0, ds.num_samples)[:, None] * 100 + np.arange(101)
+    order = ds.global_sample_ids(0, ds.num_samples)  # one epoch: the slice path, against the permutation itself
+    assert np.array_equal(order, np.random.default_rng([5, 0]).permutation(ds.num_samples))
+    offsets = order[:, None] * 100 + np.arange(101)
     expected = whole[offsets].astype(np.int64)
     assert np.array_equal(x.numpy(), expected[:, :-1]) and np.array_equal(y.numpy(), expected[:, 1:])
     with pytest.raises(IndexError, match="outside the stream"):
@@ -69,9 +96,11 @@ def test_loader_memory_stays_flat_as_the_corpus_grows_50x(tmp_path: Path, monkey
     assert large_peak < 50 * 200_000 / 4  # far below the corpus, which the old loader held whole
 
 
-def test_resumed_cursors_with_prefetch_see_each_sample_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resumed_cursors_with_prefetch_see_each_sample_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            reader: str) -> None:
     root = _corpus(tmp_path, 100_000, monkeypatch)
     ds = TokenDataset(root, seq_len=32, seed=2)
+    assert _reader_of(ds) == reader  # a mapped file reads no batch ahead: its batches are read when asked for
     whole = _whole_stream(root)
     seen: list[int] = []
 
@@ -105,3 +134,54 @@ def test_token_rows_become_a_stream_read_back_in_order(tmp_path: Path) -> None:
     assert np.array_equal(ds.store.read(0, len(ds.store)), np.concatenate(rows))
     with pytest.raises(ValueError, match=r"token id 1000 is outside \[0, vocab_size=1000\).*fix"):
         write_token_rows(iter([np.array([5, 1000])]), tmp_path / "bad", vocab_size=1000, source="test")
+
+
+def test_the_corpus_is_decoded_once_per_host_not_once_per_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """What makes the loader fast, counted (not timed): an epoch of random windows decodes each Parquet row group
+    once, into the raw token file, and a second rank opening the directory decodes none; the row-group reader
+    (object storage) decodes a group for most windows instead: in a random order its 64-group cache (of 245 here)
+    rarely holds the next one."""
+    root = _corpus(tmp_path, 1_000_000, monkeypatch)
+    groups = 15 * (65_536 // ROWS) + -(-(1_000_000 - 15 * 65_536) // ROWS)
+    decoded = []
+    read_row_group = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, i, *a, **k: decoded.append(i) or read_row_group(self, i, *a, **k))
+
+    def decodes_in_an_epoch() -> int:
+        decoded.clear()
+        ds = TokenDataset(root, seq_len=512, seed=0)
+        cursor = DataCursor(ds, global_batch=32, dp_rank=0, dp_size=1)
+        for _ in range(ds.num_samples // 32):
+            cursor.next_batch()
+        return len(decoded)
+
+    assert decodes_in_an_epoch() == groups  # the first rank on the host builds the raw file
+    assert decodes_in_an_epoch() == 0  # every later rank and run only opens it
+    raw = next((root / loader.RAW_DIR).glob("*.uint8"))
+    monkeypatch.setattr(loader.RawTokens, "build", _refuse_raw_file)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        assert decodes_in_an_epoch() > 5 * groups  # 1,952 windows: 1,691 decodes
+    assert f"cannot write {raw}" in caplog.text and "fix: make" in caplog.text
+
+
+def test_a_cut_raw_file_is_refused_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _corpus(tmp_path, 100_000, monkeypatch)
+    TokenDataset(root, seq_len=32, seed=0)
+    raw = next((root / loader.RAW_DIR).glob("*.uint8"))
+    with raw.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ValueError, match=rf"{raw} has 1000 bytes, expected 100000; fix: delete"):
+        TokenDataset(root, seq_len=32, seed=0)
+
+
+def test_a_re_prepared_corpus_reads_its_new_tokens_and_drops_the_old_raw_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _corpus(tmp_path, 100_000, monkeypatch)
+    old = TokenDataset(root, seq_len=32, seed=0).store.read(0, 1000)
+    (tmp_path / "src" / "doc.txt").write_bytes(b"x" * 100_000)
+    prepare_data([tmp_path / "src"], root, shard_tokens=65_536)
+    new = TokenDataset(root, seq_len=32, seed=0).store.read(0, 1000)
+    assert not np.array_equal(old, new) and np.array_equal(new, _whole_stream(root)[:1000])
+    assert len(list((root / loader.RAW_DIR).glob("*.uint8"))) == 1

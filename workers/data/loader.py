@@ -4,15 +4,23 @@ The global order (epoch permutations seeded by [seed, epoch]) is independent of 
 data-parallel layout; ranks only pick contiguous slices of it. Hence a checkpoint's
 `position` alone says which samples were consumed, whatever dp size resumes it.
 
-Shards are read lazily (`ShardStore`: the row groups a window spans, a bounded cache) from a directory or an
-object-store prefix (`workers.storage`), and the next step's batch is read on a background thread (`Prefetch`),
-so a rank's memory does not grow with the corpus.
+A local directory's token stream is decoded once per host into one raw token file beside the shards
+(`RawTokens`): a batch is then one gather from the file memory-mapped (up to `MAP_LIMIT`) or one pread per
+window. An object-store prefix (`workers.storage`) is read lazily, the row groups a window spans with a bounded
+cache (`ShardStore`). Where a read may wait on I/O the next step's batch is read on a background thread
+(`Prefetch`). Either way a rank's memory does not grow with the corpus.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import logging
+import mmap
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
@@ -25,9 +33,19 @@ import torch
 from workers.data import checksums
 from workers.data.prepare import FORMAT
 from workers.parallel.context_layout import split_sequence
-from workers.storage import location, parquet_source
+from workers.storage import is_url, location, parquet_source
 
 _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
+log = logging.getLogger(__name__)
+RAW_DIR = ".raw-tokens"  # beside the shards: deleted with them, and shared by every rank and run on the host
+# A raw token file up to this size is memory-mapped whole (a window is then a gather, as fast as the old in-memory
+# loader); a larger one is read by one pread per window, so that no rank maps more than this of its corpus.
+MAP_LIMIT = 64 << 20
+
+
+def _check_range(start: int, length: int, total: int) -> None:
+    if start < 0 or start + length > total:
+        raise IndexError(f"tokens [{start}, {start + length}) outside the stream of {total}")
 
 
 class ShardStore:
@@ -48,6 +66,7 @@ class ShardStore:
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._limits = {"cache": cache_groups, "files": open_files}
         self._lock = threading.Lock()  # the prefetch thread and the step thread share the caches
+        self.may_block = True  # a read decodes, and may wait on an object store: worth reading ahead
         groups, starts = [], [0]
         for index, shard in enumerate(manifest["shards"]):
             checksums.verify_shard(root, shard)
@@ -66,6 +85,10 @@ class ShardStore:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
     def _open(self, index: int) -> pq.ParquetFile:
         if index in self._files:
             self._files.move_to_end(index)
@@ -82,18 +105,20 @@ class ShardStore:
             if g in self._cache:
                 self._cache.move_to_end(g)
                 return self._cache[g]
-            shard, group = (int(v) for v in self._groups[g])
-            column = self._open(shard).read_row_group(group, columns=["tokens"]).column(0)
-            tokens = np.array(column)  # a numpy copy: the Arrow buffers go back to their pool at once
-            self._cache[g] = tokens
+            tokens = self._cache[g] = self.decode(g)
             if len(self._cache) > self._limits["cache"]:
                 self._cache.popitem(last=False)
             return tokens
 
+    def decode(self, g: int) -> np.ndarray:
+        """Global row group ``g``'s tokens, decoded from its shard (not cached)."""
+        shard, group = (int(v) for v in self._groups[g])
+        column = self._open(shard).read_row_group(group, columns=["tokens"]).column(0)
+        return np.array(column)  # a numpy copy: the Arrow buffers go back to their pool at once
+
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream, across row-group and shard boundaries."""
-        if start < 0 or start + length > len(self):
-            raise IndexError(f"tokens [{start}, {start + length}) outside the stream of {len(self)}")
+        _check_range(start, length, len(self))
         g = int(np.searchsorted(self._starts, start, side="right")) - 1
         parts, pos = [], start
         while pos < start + length:
@@ -102,6 +127,103 @@ class ShardStore:
             parts.append(self._group(g)[lo:lo + take])
             pos, g = pos + take, g + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """int64 [len(starts), length]: row i is tokens [starts[i], starts[i] + length)."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in zip(out, starts.tolist()):
+            row[:] = self.read(start, length)
+        return out
+
+
+class RawTokens:
+    """A local corpus's whole token stream in one raw file (little-endian ids, no header).
+
+    Why: the sample order is a permutation of the whole corpus, so consecutive windows land in unrelated row groups
+    and a bounded cache of decoded groups misses almost always (a group decode per window was hundreds of times
+    slower than the old in-memory loader). Decoded once into a file, a window needs no decode, no lock and no
+    Arrow buffers, and the file's pages are the OS page cache, shared by every rank on the host. A file up to
+    `MAP_LIMIT` is memory-mapped, so a batch is one numpy gather (a rank maps at most `MAP_LIMIT`); a larger one
+    is read with one ``preadv`` per window into the batch, mapping nothing, so RSS does not grow as windows are
+    read. The file is named by the shards' checksums, so a re-prepared corpus gets a new one, and it is built
+    once per host under a file lock (written to a temporary name, then renamed) by whichever rank comes first;
+    the others, and later runs, only open it.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
+        self.path, self.dtype = path, np.dtype(dtype).newbyteorder("<")
+        self._tokens = tokens
+        size = path.stat().st_size
+        if size != tokens * self.dtype.itemsize:
+            raise ValueError(f"raw token file {path} has {size} bytes, expected {tokens * self.dtype.itemsize}; "
+                             f"fix: delete {path.parent} and the loader rebuilds it from the shards")
+        self._fd = os.open(path, os.O_RDONLY)
+        self._mapped: np.ndarray | None = None
+        if size <= MAP_LIMIT:
+            self._mapped = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), self.dtype)
+        weakref.finalize(self, os.close, self._fd)  # the map holds its own descriptor
+        self.may_block = self._mapped is None  # preads may wait on the disk; a mapped gather is memory-speed
+
+    @classmethod
+    def build(cls, path: Path, groups: ShardStore, dtype: np.dtype) -> RawTokens:
+        """The raw file of ``groups``' stream at ``path`` (decoded now unless another rank or run has), opened."""
+        path.parent.mkdir(exist_ok=True)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not path.exists():
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                try:
+                    with open(tmp, "wb") as out:
+                        for g in range(groups.num_groups):  # one group in memory at a time
+                            out.write(groups.decode(g).astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
+                    tmp.replace(path)
+                finally:
+                    tmp.unlink(missing_ok=True)  # a failed build (disk full) leaves nothing behind
+                for stale in path.parent.iterdir():  # the raw files of shards re-prepared since
+                    if not stale.name.startswith(path.stem):
+                        stale.unlink(missing_ok=True)  # (a run still reading one keeps its open copy)
+        return cls(path, dtype, len(groups))
+
+    def __len__(self) -> int:
+        return self._tokens
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream."""
+        return self.windows(np.array([start]), length)[0]
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """[len(starts), length] in the file's dtype: row i is tokens [starts[i], starts[i] + length). From a
+        mapped file one gather; else each row one ``preadv`` straight into the result."""
+        if len(starts):
+            _check_range(int(starts.min()), length, len(self))
+            _check_range(int(starts.max()), length, len(self))
+        if self._mapped is not None:
+            return self._mapped[starts[:, None] + np.arange(length)]
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        size = self.dtype.itemsize
+        done = sum(os.preadv(self._fd, [row], start) for row, start in zip(out, (starts * size).tolist()))
+        if done != out.nbytes:
+            raise ValueError(f"raw token file {self.path} was cut short while open; fix: delete {self.path.parent} "
+                             "and start again (the loader rebuilds it from the shards)")
+        return out
+
+
+def open_store(root: Path, manifest: dict) -> ShardStore | RawTokens:
+    """The fastest reader ``root`` allows: `RawTokens` for a local directory whose manifest carries checksums and
+    dtype (what names the raw file), else the row-group `ShardStore` (object storage, directories prepared before
+    checksums, or a directory this process cannot write its raw file into)."""
+    groups = ShardStore(root, manifest)  # checks every shard's checksum and footer first, either way
+    digests = [shard.get(checksums.FIELD) for shard in manifest["shards"]]
+    if is_url(root) or None in digests or "dtype" not in manifest:
+        return groups
+    key = hashlib.sha256(json.dumps([manifest["dtype"], digests]).encode()).hexdigest()[:32]
+    path = root / RAW_DIR / f"{key}.{manifest['dtype']}"
+    try:
+        return RawTokens.build(path, groups, np.dtype(manifest["dtype"]))
+    except OSError as err:  # a read-only or full file system: still correct, one row-group decode per window
+        log.warning("data loader cannot write %s (%s); reading row groups instead, much slower; fix: make %s "
+                    "writable or give data.path a directory that is", path, err, root)
+        return groups
 
 
 class TokenDataset:
@@ -120,7 +242,7 @@ class TokenDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.vocab_size: int = manifest["vocab_size"]
-        self.store = ShardStore(self.path, manifest)
+        self.store = open_store(self.path, manifest)
         self._num_samples = (len(self.store) - 1) // seq_len
         if self._num_samples == 0:
             raise ValueError(
@@ -142,6 +264,9 @@ class TokenDataset:
         """Sample ids at positions [start, start+count) of the stream epoch0, epoch1, ..."""
         if start < 0 or count < 0:
             raise ValueError(f"start and count must be non-negative, got {start}, {count}")
+        epoch, first = divmod(start, self._num_samples)
+        if first + count <= self._num_samples:  # within one epoch (all but one step an epoch): a slice
+            return self._epoch_order(epoch)[first:first + count].astype(np.int64)
         positions = np.arange(start, start + count, dtype=np.int64)
         epochs, index = np.divmod(positions, self._num_samples)
         ids = np.empty(count, dtype=np.int64)
@@ -153,10 +278,8 @@ class TokenDataset:
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [count, seq_len], for stream positions [start, start+count)."""
         ids = self.global_sample_ids(start, count)
-        windows = np.empty((count, self.seq_len + 1), dtype=np.int64)
-        for row, sample in enumerate(ids):
-            windows[row] = self.store.read(int(sample) * self.seq_len, self.seq_len + 1)
-        windows = torch.from_numpy(windows)
+        windows = self.store.windows(ids * self.seq_len, self.seq_len + 1)
+        windows = torch.from_numpy(windows.astype(np.int64, copy=False))
         return windows[:, :-1], windows[:, 1:]
 
 
@@ -165,7 +288,9 @@ class Prefetch:
 
     A cursor's next start is known once a step is taken, so the read (row-group decodes, object-store range
     requests) overlaps the step. A batch is used only when asked for the same (start, count): a checkpoint load
-    or a resize that moves the position just reads synchronously, so the order never depends on timing.
+    or a resize that moves the position just reads synchronously, so the order never depends on timing. Where
+    the store never waits on I/O (a memory-mapped raw file: a batch is one gather) nothing is read ahead: handing
+    a batch between threads would cost more than reading it.
     """
 
     def __init__(self, dataset: TokenDataset) -> None:
@@ -174,6 +299,8 @@ class Prefetch:
         self._pool: ThreadPoolExecutor | None = None
 
     def ahead(self, start: int, count: int) -> None:
+        if not self.dataset.store.may_block:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raymesh-prefetch")
         self._pending = ((start, count), self._pool.submit(self.dataset.batch, start, count))

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+EVERY_RANK = object()  # ``unscale_and_check``'s default group: the job's default process group
+
 
 class DynamicLossScaler:
     def __init__(self, initial_scale: float, growth_interval: int = 200, factor: float = 2.0):
@@ -20,8 +22,10 @@ class DynamicLossScaler:
         self.factor = factor
         self.good_steps = 0
 
-    def unscale_and_check(self, params: list[torch.nn.Parameter]) -> bool:
-        """Divide grads by the scale in place; return True when every rank's grads are finite."""
+    def unscale_and_check(self, params: list[torch.nn.Parameter], group=EVERY_RANK) -> bool:
+        """Divide grads by the scale in place; return True when the grads of every rank in ``group`` are finite
+        (every rank of the job by default; None: this rank alone, as a free-running parameter-server worker
+        without a pipeline decides for itself)."""
         finite = torch.ones(1, device=params[0].device)
         for p in params:
             if p.grad is None:
@@ -30,8 +34,8 @@ class DynamicLossScaler:
             g.div_(self.scale)
             if not torch.isfinite(g).all():
                 finite.zero_()
-        if dist.is_initialized():
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if group is not None and dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, **({} if group is EVERY_RANK else {"group": group}))
         ok = bool(finite.item())
         if ok:
             self.good_steps += 1

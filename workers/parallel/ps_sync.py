@@ -9,6 +9,16 @@ compute, clip its own gradient, push, tick its clock) while the clock keeper
 has steps left, so a fast worker runs ahead of a straggler (ssp: by at most
 ``staleness`` clocks); each controller step reports what it did meanwhile.
 
+A worker is one pipeline stage of one data-parallel replica (id ``stage * dp +
+replica``, the same on the shards and the clock keeper): each stage's keys are
+on their own clocks. The stages of a replica run each step together (the
+schedule's p2p pairs them; their clip norm and fp16 overflow vote are summed
+over the replica's pipeline group, never across replicas), and the keeper hands
+a replica's step to all its stages at once, so only replicas drift. Under fp16
+an overflowed step is the replica's alone: it pushes nothing (an empty push
+passes its clock on every shard), its scaler backs off, and no other worker
+waits for it: there is no global step to skip.
+
 A rank lost under asp/ssp is not rolled back: the keeper hands its unfinished
 step back (``ClockKeeper.hand_over``), the group is re-formed, and every
 worker ``rejoin``s at the clock the keeper holds for it, pulling the current
@@ -73,7 +83,7 @@ class PSSync:
         self.transport = ps.transport
         self.asynchronous = ps.consistency != "bsp"
         self.max_norm = spec.grad_clip
-        self.worker = trainer.coords.dp
+        self.worker = trainer.coords.pp * spec.parallel.dp + trainer.coords.dp  # this stage of this replica
         self.codec = WireCodec(ps.compression, ps.topk_ratio)
         self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,
                                ps.virtual_nodes, worker=self.worker, codec=self.codec)
@@ -88,7 +98,7 @@ class PSSync:
         self.clock = 0
         self.thread: threading.Thread | None = None  # asp/ssp: this worker's free-running steps
         self.lock = threading.Lock()
-        self.done: list[dict] = []
+        self.done: list[dict] = []  # the free-running steps not reported yet, each with its clock
         self.fault = NO_FAULT  # the latest controller step's injected fault (slow_rank slows every local step)
         self.error: BaseException | None = None
         self.last_loss: float | None = None
@@ -206,13 +216,16 @@ class PSSync:
             self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
             self.thread.start()
         t0 = time.perf_counter()
-        ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.generation))
+        mine = ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.worker,
+                                                         self.generation))
         if self.error is not None:
             raise self.error
-        with self.lock:
-            done, self.done = self.done, []
-        if done:  # a worker that ran ahead may have nothing new: it repeats its latest loss
-            self.last_loss = statistics.fmean(d["loss"] for d in done)
+        with self.lock:  # this replica's steps among the first (step + 1) * dp completed: the same for its stages
+            done = [d for d in self.done if d["clock"] < mine]
+            self.done = [d for d in self.done if d["clock"] >= mine]
+        losses = [d["loss"] for d in done if d["loss"] is not None]  # None off the last stage
+        if losses:  # a worker that ran ahead may have nothing new: it repeats its latest loss
+            self.last_loss = statistics.fmean(losses)
         state = tr.state
         lr = state.schedulers[0].get_last_lr()[0]
         state.step += 1
@@ -222,32 +235,43 @@ class PSSync:
         busy = sum(d["seconds"] for d in done)
         times = StepTimes(compute=busy, communication=max(0.0, total - busy), step=total)
         return tr.result(loss=self.last_loss, grad_norm=done[-1]["grad_norm"] if done else float("nan"), lr=lr,
-                         tokens=sum(d["tokens"] for d in done), applied=bool(done), local_steps=len(done),
+                         tokens=sum(d["tokens"] for d in done), applied=any(d["applied"] for d in done),
+                         local_steps=len(done),
                          clock=self.clock, time_s=times, comm_bytes=tr.comm_bytes())
 
     def _run_free(self) -> None:
-        """Pull, compute, clip this worker's gradient, push, tick, while the keeper hands out steps."""
+        """Take a step from the keeper, run it, tick, while the keeper hands out steps."""
         import ray
 
-        tr = self.trainer
         try:
             while ray.get(self.keeper.enter.remote(self.worker, self.generation)):
                 s0 = time.perf_counter()
                 with self.quiet:
-                    self._load()
-                    inputs, targets = tr.state.cursor.next_batch()
-                    loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
-                    norm = clip_grads(tr.params, self.max_norm)
-                    self.client.push(self.clock, self._grads())
-                    for p in tr.params:
-                        p.grad = None
-                    self.clock += 1
+                    record = self._free_step()
                 seconds = time.perf_counter() - s0
-                seconds += self.fault.slow_down(seconds)  # a slower device: its step takes longer
+                record["seconds"] = seconds + self.fault.slow_down(seconds)  # a slower device: its step takes longer
                 with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
-                    self.done.append({"loss": float(loss), "grad_norm": norm, "tokens": int(inputs.numel()),
-                                      "seconds": seconds})
-                ray.get(self.keeper.tick.remote(self.worker, float(loss)))
+                    self.done.append(record)
+                ray.get(self.keeper.tick.remote(self.worker, record["loss"], self.generation))
             self._load(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round
             self.error = exc
+
+    def _free_step(self) -> dict:
+        """Pull, compute, clip this replica's gradient (its norm summed over the replica's stages) and push it;
+        after an fp16 overflow in any of the replica's stages, push nothing but the clock (the scaler has backed
+        off). Returns the step's record."""
+        tr = self.trainer
+        self._load()
+        inputs, targets = tr.state.cursor.next_batch()
+        scale = tr.state.scaler.scale if tr.state.scaler else 1.0
+        loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
+        finite = tr.state.scaler is None or tr.state.scaler.unscale_and_check(tr.params, group=tr.pp_group)
+        norm = clip_grads(tr.params, self.max_norm, tr.pp_group) if finite else float("nan")
+        self.client.push(self.clock, self._grads() if finite else {})
+        for p in tr.params:
+            p.grad = None
+        record = {"clock": self.clock, "loss": None if loss is None else float(loss) / scale, "grad_norm": norm,
+                  "tokens": int(inputs.numel()), "applied": finite}
+        self.clock += 1
+        return record

@@ -33,11 +33,11 @@ def take(state: TrainState) -> dict:
                     optim[name] = {
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
                     }
+    # an asynchronous pipeline's versions and in-flight microbatches, already serialized (a copy) by its state_dict
     versions = state.weight_versions.state_dict() if state.weight_versions is not None else {}
     feedback = state.wire_feedback.state_dict() if state.wire_feedback is not None else {}
     return {"model": model, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
-            "weight_versions": {name: t.to("cpu", copy=True) for name, t in versions.items()},
-            "wire_feedback": feedback}
+            "weight_versions": versions, "wire_feedback": feedback}
 
 
 def restore(state: TrainState, snap: dict) -> None:

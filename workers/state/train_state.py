@@ -54,7 +54,7 @@ class TrainState:
         self.scaler = scaler
         self.param_offload = param_offload
         self.step = 0
-        # an asynchronous pipeline's weight versions still in use at a step boundary (2BW's second buffer):
+        # an asynchronous pipeline's state at a step boundary (stashed weight versions, microbatches in flight):
         # an object with state_dict() and load_state_dict(state, step), set by the trainer (else None)
         self.weight_versions = None
         # parameter-server top-k's error feedback (``PSSync``): state_dict() and load_state_dict(errors), or None
