@@ -3,7 +3,8 @@
 SSP with bound 0 reproduces BSP (with the one shard optimizer for which a push applied on arrival is the same
 update as BSP's averaged one: SGD, no weight decay, no clipping). Under a straggler every stage's reads stay
 within the bound, from the shards' own per-stage counts, while fp16 steps that overflow are skipped by the
-replica that overflowed and the loss scaler backs off until the replica trains.
+replica that overflowed and the loss scaler backs off until the replica trains. A rank killed under SSP is
+replaced without a rollback, and both stages of its replica redo the lost step together.
 """
 
 from __future__ import annotations
