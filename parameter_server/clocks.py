@@ -18,6 +18,15 @@ each of its stages has ticked; the controller's step r is over once
 ``r * replicas`` replica steps have completed. ``pause`` stops new grants and
 waits for the granted steps, so the controller can snapshot or restart a
 shard on a quiet server.
+
+A replica that loses a rank mid-step never completes that step:
+``hand_over`` gives it back to the budget, sets every stage of the replica back
+to the steps all its stages completed (so they redo the step together; the
+shards acknowledge a push they applied already without applying it twice), and
+ends this *generation* (every free-running loop and every controller round
+started under it), so the group can be re-formed and each worker, a
+replacement included, rejoins at its clock. The replica's clocks stay where
+they are meanwhile, so under SSP the others wait for it within the bound.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import threading
 
 WAIT_S = 600.0
+LOST = "a peer worker was lost; the group is re-formed and every worker rejoins at its clock"
 
 
 class ClockKeeper:
@@ -37,6 +47,9 @@ class ClockKeeper:
         self.base = [0] * replicas  # replica steps complete at the last restore
         self.order: list[int] = []  # replicas in the order their steps completed since then
         self.paused = False
+        self.losses: list[float | None] = [None] * len(self.clocks)  # each worker's latest, again after a rejoin
+        self.generation = 0  # bumped by ``hand_over``: the loops and rounds of an older one end
+        self.handed: dict[int, int] = {}  # replica -> the generation its latest hand-over started
         self.cond = threading.Condition()
 
     @property
@@ -68,17 +81,20 @@ class ClockKeeper:
         """Steps of ``replica`` every stage has ticked."""
         return min(self.clocks[s * self.replicas + replica] for s in range(self.stages))
 
-    def enter(self, worker: int) -> bool:
+    def enter(self, worker: int, generation: int = 0) -> bool:
         """Start ``worker``'s next step once its stage's staleness bound allows; False: the budget is spent
-        (the same answer for every stage of the replica)."""
+        (the same answer for every stage of the replica), or ``generation`` (the caller's loop's) was ended by
+        ``hand_over``."""
         with self.cond:
             self._check(worker)
             replica, step = worker % self.replicas, self.clocks[worker]
             what = f"worker {worker} at clock {step} to be within its stage's staleness bound"
             # paused, even a replica whose budget is spent waits: its last pull must not meet a shard restart
             # or a resize half done; a step a peer stage already took is never held (that could deadlock)
-            self._wait(lambda: step < self.granted[replica]
+            self._wait(lambda: generation != self.generation or step < self.granted[replica]
                        or (not self.paused and (self.started >= self.budget or self._within_bound(worker))), what)
+            if generation != self.generation:
+                return False
             if step >= self.granted[replica]:
                 if self.started >= self.budget:
                     return False
@@ -86,11 +102,16 @@ class ClockKeeper:
             self._wait(lambda: self._within_bound(worker), what)  # a step a peer stage took: this stage's bound
             return True
 
-    def tick(self, worker: int) -> int:
-        """``worker`` finished a step (its push is acknowledged by every holder); returns its clock."""
+    def tick(self, worker: int, loss: float | None = None, generation: int | None = None) -> int:
+        """``worker`` finished a step (its push is acknowledged by every holder) with ``loss`` (None off the last
+        stage); returns its clock. A step begun under ``generation`` by a replica handed over since is not
+        counted (a surviving stage finishing late): it was given back, and the replica's stages do it again."""
         with self.cond:
             self._check(worker)
             replica = worker % self.replicas
+            if generation is not None and self.handed.get(replica, -1) > generation:
+                return self.clocks[worker]
+            self.losses[worker] = loss
             before = self._replica_done(replica)
             self.clocks[worker] += 1
             if self._replica_done(replica) > before:
@@ -98,15 +119,37 @@ class ClockKeeper:
             self.cond.notify_all()
             return self.clocks[worker]
 
-    def wait_completed(self, steps: int, worker: int | None = None) -> int:
+    def wait_completed(self, steps: int, worker: int | None = None, generation: int = 0) -> int:
         """Block until ``steps`` replica steps have completed in total (the end of a controller step); returns how
-        many of them were ``worker``'s replica's (all of them when None), so each stage reports the same steps."""
+        many of them were ``worker``'s replica's (all of them when None), so each stage reports the same steps.
+        A ``hand_over`` meanwhile ends the wait with an error (the round is abandoned with the lost replica)."""
         with self.cond:
-            self._wait(lambda: self.completed >= steps, f"{steps} completed replica steps")
+            self._wait(lambda: self.completed >= steps or generation != self.generation,
+                       f"{steps} completed replica steps")
+            if generation != self.generation:
+                raise RuntimeError(f"round abandoned at {self.completed} of {steps} replica steps: {LOST}")
             if worker is None:
                 return steps
             replica = worker % self.replicas
             return self.base[replica] + self.order[:steps - sum(self.base)].count(replica)
+
+    def hand_over(self, lost: list[int]) -> dict:
+        """Replicas ``lost`` lost a rank: their steps in flight go back to the budget and each of their stages is
+        set back to the steps the whole replica completed (a replacement does the step again with its peers, at
+        the same clock), this generation's loops and rounds end, and no step starts until ``resume``. Returns
+        once the survivors' steps in flight are done, with the state to rejoin from."""
+        with self.cond:
+            self.paused = True
+            self.generation += 1
+            for replica in lost:
+                done = self._replica_done(replica)
+                self.granted[replica] = done
+                for stage in range(self.stages):
+                    self.clocks[stage * self.replicas + replica] = done
+                self.handed[replica] = self.generation
+            self.cond.notify_all()
+            self._wait(lambda: self.completed == self.started, "the survivors' steps in flight")
+            return self._state()
 
     def pause(self) -> None:
         with self.cond:
@@ -132,8 +175,13 @@ class ClockKeeper:
                                  f"{clocks} complete {sum(self.base)}")
             self.granted = list(self.base)
             self.order = []
+            self.paused = False
             self.cond.notify_all()
 
     def state(self) -> dict:
         with self.cond:
-            return {"clocks": list(self.clocks), "started": self.started, "completed": self.completed}
+            return self._state()
+
+    def _state(self) -> dict:
+        return {"clocks": list(self.clocks), "started": self.started, "completed": self.completed,
+                "generation": self.generation, "losses": list(self.losses)}

@@ -137,7 +137,8 @@ class PSShard:
         """Stage (bsp) or apply (asp/ssp) ``worker``'s gradients for ``clock``; returns the shard version.
 
         asp/ssp apply at the step the pushing stage's pushes so far amount to (every worker pushes to every
-        shard once per local step, so that is their count // workers), the step its own schedule is at.
+        shard once per local step, so that is their count // workers), the step its own schedule is at; a push
+        for a clock this shard applied from that pusher already (a retry) is acknowledged and not applied again.
         """
         with self.cond:
             if self.halted:
@@ -153,6 +154,8 @@ class PSShard:
                     staged = self.staged.setdefault(clock, {})
                     for key, grad in grads.items():
                         staged.setdefault(key, {})[worker % self.workers] = grad  # a key is one stage's
+            elif clock < self.applied_from[worker]:
+                pass  # applied already: a replaced worker redoes the step its predecessor died in, this shard had it
             else:
                 lr = self.lr(sum(self._stage_counts(worker)) // self.workers)
                 for key, grad in grads.items():

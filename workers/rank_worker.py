@@ -126,9 +126,10 @@ class RankWorker:
         """The parameter server was resized between steps (chunks moved): push and pull on the new ring."""
         self.trainer.ps.reshard(routes)
 
-    def ps_resume(self) -> int:
-        """The shards were restored to this rank's step (resume, rollback): push and pull from its clock there."""
-        return self.trainer.ps.resume_at(self.trainer.step)
+    def ps_resume(self, step: int | None = None) -> int:
+        """The shards were restored to this rank's step (resume, rollback): push and pull from its clock there;
+        ``step``: the controller's, for a rank rebuilt at step 0 that rejoins asp/ssp training (``PSSync.rejoin``)."""
+        return self.trainer.ps.resume_at(self.trainer.step if step is None else step)
 
     def set_holder(self, holder) -> None:
         """The actor that keeps this rank's replicas from now on (set at every (re)formation)."""

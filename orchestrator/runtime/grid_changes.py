@@ -38,6 +38,8 @@ class GridChanges:
         """Replace what died, re-form the group and roll every rank back; returns the pending recovery record."""
         job = self.job
         phases = RecoveryPhases(fault_time)
+        if job.ps is not None:  # both holders of a key lost: nothing to recover it from (says which updates)
+            job.ps.check_keys_held(job.step)
         phases.lap("detect")
         restarted = len(failure.dead) or 1  # a NaN step's rollback counts too: a deterministic NaN must end
         job.restarts += restarted
@@ -91,6 +93,10 @@ class GridChanges:
                 return kind, source
             job.layout = job.layout.with_ranks(job.group.form())
             phases.lap("form")
+        if job.ps is not None and job.ps.asynchronous and dead:  # nothing rolls back: the shards are current
+            job.ps.rejoin(job.group, job.step)
+            phases.lap("restore")
+            return kind, "shards"
         source = self._roll_back(dead)
         phases.lap("restore")
         return kind, source
@@ -102,8 +108,8 @@ class GridChanges:
         job = self.job
         dead = set(failure.dead)
         job.group.replace(dead)  # starts now, while the survivors' failed step ends
-        if job.ps is not None:  # survivors waiting on the shards for the dead rank's push stop waiting
-            job.ps.abort()
+        if job.ps is not None:  # survivors waiting on the shards (or the clock keeper) for the dead rank stop
+            job.ps.abort(dead)
         more = job.group.finish_failed_step()
         phases.lap("survivors")
         if more:

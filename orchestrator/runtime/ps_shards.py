@@ -12,10 +12,12 @@ every worker is told to use it again. ``kill_ps_shard`` faults are armed here.
 from __future__ import annotations
 
 import json
+import math
 import time
 from contextlib import contextmanager
 
 import ray
+import torch
 
 from orchestrator.api.auth import job_token
 from orchestrator.observability.events import event
@@ -23,7 +25,7 @@ from orchestrator.runtime import ps_resize
 from orchestrator.spec import JobSpec
 from parameter_server import checkpoint
 from parameter_server.clocks import ClockKeeper
-from parameter_server.ring import HashRing
+from parameter_server.ring import HashRing, chunk_count, chunk_key
 from parameter_server.shard import PSShard
 from workers.optim.build import lr_lambda
 
@@ -241,6 +243,33 @@ class PSShards:
                                 "lost_steps": 0, "source": "replica", "mttr_s": time.perf_counter() - t0})
         event("ps_shard_restarted", shard=shard, keys=keys, step=step)
 
+    def check_keys_held(self, step: int) -> None:
+        """Before recovering a failed step: when two or more shards are gone, a key whose holders all died has no
+        copy left to resync from. The run ends here, naming those keys and the steps whose updates went with
+        them (since the dead holders' latest disk snapshot, ``parameter_server.snapshot_every``), instead of
+        replacing ranks that would only fail again on the same keys. (Restoring such a shard from its snapshot
+        plus replayed pushes is not done: no push is kept for replay.)"""
+        alive = self._alive()
+        dead = [s for s, ok in enumerate(alive) if not ok]
+        if len(dead) < 2:
+            return
+        layout = next(answer(self.handles[s].clock.remote(), f"shard {s} (its layout)", self.deadline_s)["layout"]
+                      for s, ok in enumerate(alive) if ok) if any(alive) else {}
+        message = lost_updates(self.ring, self.ps.chunk_elems, layout, dead, self._snapshot_versions(dead), step)
+        if message:
+            raise RuntimeError(message)
+
+    def _snapshot_versions(self, shards: list[int]) -> dict[int, int | None]:
+        """The version each shard's latest disk snapshot holds (None: it has none)."""
+        out = {}
+        for shard in shards:
+            path = self.run_dir / "ps" / f"shard-{shard}.pt"
+            version = int(torch.load(path, weights_only=False)["version"]) if path.is_file() else None
+            # bsp counts steps; asp/ssp count pushes, one per worker (stage of a replica) per local step
+            pushers = self.spec.parallel.dp * self.spec.parallel.pp
+            out[shard] = version // pushers if version is not None and self.keeper else version
+        return out
+
     def _check_names(self, flat: dict) -> None:
         """The keys are per pipeline stage and tensor-parallel slice: a checkpoint of another pp or tp layout
         has other names (refused naming them, before any shard changes)."""
@@ -258,7 +287,7 @@ class PSShards:
 
     def keep(self, step: int) -> None:
         """bsp: every shard keeps its state at ``step``, beside the ranks' in-memory snapshot of it. (asp/ssp
-        keep nothing: a rank failure there is refused, and their resume comes from a checkpoint.)"""
+        keep nothing: a lost rank's replacement rejoins at the shards' current state, ``rejoin``.)"""
         if self.keeper is None:
             answer([h.keep.remote(step) for h in self.handles], f"the shards (keeping step {step})", self.deadline_s)
 
@@ -268,9 +297,30 @@ class PSShards:
             answer([h.roll_back.remote(step) for h in self.handles], f"the shards (rolling back to step {step})",
                    self.deadline_s)
 
-    def abort(self) -> None:
-        """A rank died mid-step: the shards drop that step's pushes and end the survivors' waits at once."""
-        answer([h.abort.remote() for h in self.handles], "the shards (aborting the failed step)", self.deadline_s)
+    @property
+    def asynchronous(self) -> bool:
+        return self.keeper is not None
+
+    def abort(self, dead: set[int]) -> None:
+        """Ranks ``dead`` died mid-step. bsp: the shards drop that step's pushes and end the survivors' waits at
+        once. asp/ssp: the shards keep everything (an acknowledged push stays applied); the clock keeper hands
+        the dead workers' unfinished steps back and ends the survivors' rounds once their steps in flight are
+        done (``ClockKeeper.hand_over``); nobody starts a step until ``rejoin``."""
+        if self.keeper is None:
+            answer([h.abort.remote() for h in self.handles], "the shards (aborting the failed step)", self.deadline_s)
+            return
+        grid = self.spec.parallel.grid
+        workers = sorted({grid.coords(r).dp for r in dead})
+        kept = answer(self.keeper.hand_over.remote(workers), "the clock keeper (handing over lost workers)",
+                      self.deadline_s)
+        event("ps_workers_lost", workers=",".join(map(str, workers)), clocks=",".join(map(str, kept["clocks"])))
+
+    def rejoin(self, group, step: int) -> None:
+        """asp/ssp, after a re-formed group: every worker (replacement or survivor) continues at its clock from
+        the shards' current parameters, then the keeper lets steps start again. Nothing is rolled back."""
+        clocks = group.call("ps_resume", step)
+        answer(self.keeper.resume.remote(), "the clock keeper (resuming the workers)", self.deadline_s)
+        event("ps_workers_rejoined", step=step, clocks=",".join(map(str, clocks)))
 
     # -- end of run ----------------------------------------------------------------------------
 
@@ -288,3 +338,34 @@ class PSShards:
     def stop(self) -> None:
         for h in self.handles + ([self.keeper] if self.keeper is not None else []):
             ray.kill(h)
+
+
+def lost_updates(ring: HashRing, chunk_elems: int, layout: dict, dead: list[int], snapshots: dict[int, int | None],
+                 step: int) -> str:
+    """What is lost when shards ``dead`` are all gone (``""``: every key still has a live holder): the chunk keys
+    whose holders all died, and, per key, the steps since the newest disk snapshot that holds it (``snapshots``:
+    shard -> the version, the step, its snapshot was taken at)."""
+    lost: dict[int, list[str]] = {}  # steps since the snapshot -> keys
+    for name, info in sorted(layout.items()):
+        for i in range(chunk_count(math.prod(info["shape"]), chunk_elems)):
+            key = chunk_key(name, i)
+            holders = ring.holders(key)
+            if all(h in dead for h in holders):
+                since = max((snapshots.get(h) or 0) for h in holders)
+                lost.setdefault(since, []).append(key)
+    if not lost:
+        return ""
+    parts = [f"{len(keys)} chunks ({', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}) " + _since(since, step)
+             for since, keys in sorted(lost.items())]
+    return (f"parameter server: shards {', '.join(map(str, dead))} are all gone, and with them both holders of some "
+            f"keys: {'; '.join(parts)}. The run stops rather than train on without them; fix: resume from the "
+            "latest checkpoint (`raymesh run JOB --resume`), and set parameter_server.snapshot_every (or "
+            "checkpoint.every) to bound what such a loss costs")
+
+
+def _since(snapshot: int, step: int) -> str:
+    if snapshot >= step:
+        return (f"lose no update, their disk snapshot being of step {snapshot}, but a shard is not restored from its "
+                "snapshot")
+    held = f"their newest disk snapshot is of step {snapshot}" if snapshot else "no disk snapshot holds them"
+    return f"lose the updates of steps {snapshot + 1} to {step} ({held})"

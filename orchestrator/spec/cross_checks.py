@@ -54,14 +54,9 @@ def check_parameter_server(job: JobSpec) -> None:
         raise SpecError("parameter_server.topk_ratio", ps.topk_ratio, "is only read by compression: topk, not "
                         f"{ps.compression!r}", "set parameter_server.compression: topk, or remove topk_ratio")
     for i, f in enumerate(job.faults):
-        if f.kind == "kill_rank" and ps.consistency != "bsp":
-            raise SpecError(f"faults.{i}.kind", f.kind, f"is not recoverable with parameter_server.consistency "
-                            f"{ps.consistency} (a worker's free-running steps are not rolled back or handed over)",
-                            "use consistency: bsp (the shards roll back with the ranks), or slow_rank")
         if f.kind in ("kill_node", "hang_rank", "nan_loss", "raise_error", "oom"):
             raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (only a "
-                            "killed rank is: kill_rank under consistency bsp)", "use kill_rank, slow_rank or "
-                            "kill_ps_shard")
+                            "killed rank is: kill_rank)", "use kill_rank, slow_rank or kill_ps_shard")
         shards = ps.shards_at(f.at_step or 1)  # the count in force at the fault's step (parameter_server.resize)
         if f.kind == "kill_ps_shard" and (shards < 2 or f.shard >= shards):
             raise SpecError(f"faults.{i}.shard", f.shard, f"is not a shard that can die and be taken over "

@@ -1,9 +1,12 @@
-"""Parameter-server data parallelism: BSP equals all-reduce, bad pushes apply nothing, SSP keeps its bound,
-a killed shard loses no acknowledged update, and a process outside Ray reads the same weights over gRPC."""
+"""Parameter-server data parallelism: BSP equals all-reduce, bad pushes apply nothing, SSP keeps its bound (through
+a rank's replacement too), a killed shard loses no acknowledged update and losing both holders of keys names them,
+killed ranks and resumes continue (top-k's feedback included), and a process outside Ray reads the same weights
+over gRPC."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -15,6 +18,7 @@ import torch
 
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.errors import SpecError
+from parameter_server import checkpoint
 from parameter_server.client import PSClient, RayConn
 from parameter_server.ring import HashRing, rebalance, split
 from parameter_server.shard import PSShard
@@ -104,6 +108,23 @@ def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_
     assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
 
 
+def test_bsp_topk_kill_rank_recovers_its_error_feedback_from_the_checkpoint(ray_cluster, token_data, tmp_path):
+    """Top-k holds back most of each gradient as the worker's error feedback; rank 1 dies in step 5 and every rank
+    loads the step-3 checkpoint, whose ranks' part holds each worker's feedback: step 4 runs again bit-identically
+    (its clipping norm is the norm of what the workers pushed, feedback included; with the feedback reset to zero
+    it is not the same)."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": 5},
+                     parameter_server={"shards": 2, "compression": "topk", "topk_ratio": 0.05},
+                     checkpoint={"memory_every": 0, "every": 3, "async": False},
+                     fault_tolerance={"heartbeat_timeout_s": 20, "collective_timeout_s": 5})
+    spec = JobSpec.from_dict({**spec.to_dict(), "faults": [{"kind": "kill_rank", "rank": 1, "at_step": 5}]})
+    result = TrainingJob(spec, progress=False).run()
+    [rec] = result.recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 1)
+    first, again = [(s["loss"], s["grad_norm"]) for s in _steps(spec) if s["step"] == 4]
+    assert again == first
+
+
 def _steps(spec: JobSpec) -> list[dict]:
     return [json.loads(line) for line in (Path(spec.run_dir) / "steps.jsonl").read_text().splitlines()]
 
@@ -144,8 +165,6 @@ def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(token_data, tm
     ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"shards": 1},
       "faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.shard"),
     ({"faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.kind"),
-    ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"consistency": "ssp"},
-      "faults": [{"kind": "kill_rank", "at_step": 2}]}, "faults.0.kind"),
     ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "hang_rank", "at_step": 2}]}, "faults.0.kind"),
 ])
 def test_unsupported_combinations_are_spec_errors(sections, field):
@@ -177,16 +196,51 @@ def test_bad_push_names_key_and_shapes_and_applies_nothing(ray_cluster):
 
 
 
-def test_ssp_reads_stay_within_the_bound_under_a_straggler(token_data, tmp_path):
-    slow = {"kind": "slow_rank", "rank": 1, "at_step": 1, "factor": 3.0}
-    spec = _ps_spec(token_data, tmp_path, [slow], shards=2, consistency="ssp", staleness=1)
+def test_ssp_reads_stay_within_the_bound_under_a_straggler_and_a_killed_rank(ray_cluster, token_data, tmp_path):
+    """Rank 1 is 3x slow; rank 2 dies in step 3: nothing rolls back, its replacement pulls the shards' current
+    parameters and continues at its predecessor's clock (the step it died in handed back), and every pull, the
+    others' while it was gone and its own after, stays within the staleness bound."""
+    faults = [{"kind": "slow_rank", "rank": 1, "at_step": 1, "factor": 3.0}, {"kind": "kill_rank", "rank": 2,
+                                                                                "at_step": 3}]
+    spec = _ps_spec(token_data, tmp_path, faults, shards=2, consistency="ssp", staleness=1).with_overrides(
+        ["fault_tolerance.heartbeat_timeout_s=20", "fault_tolerance.collective_timeout_s=5"])
     result = TrainingJob(spec, progress=False).run()
-    reads = [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
+    assert result.status == "finished" and result.steps == STEPS
+    [rec] = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 2, 3, "shards", 0)
+    reads = _reads(spec)
     assert len(reads) >= STEPS * 4 * 2  # a global batch per step, each local step reading from both shards
     staleness = [r["clock"] - r["min_applied"] for r in reads]
     assert max(staleness) <= 1  # the bound, checked against what the shards had really applied
     assert max(staleness) == 1  # and the straggler really let the others run ahead
+    clocks = [sorted({r["clock"] for r in reads if r["worker"] == w}) for w in range(4)]
+    assert all(c == list(range(len(c))) for c in clocks), clocks  # no worker's clock went back or skipped one
+    assert sum(map(len, clocks)) == STEPS * 4  # the run's budget of worker steps, the lost one done once again
     assert result.losses[-1] < result.losses[0]
+
+
+def _reads(spec: JobSpec) -> list[dict]:
+    return [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
+
+
+def test_asp_resumes_from_a_checkpoint_at_the_saved_clocks(ray_cluster, token_data, tmp_path):
+    """Stopped at step 3 and resumed to step 5: every worker continues at the clock the checkpoint holds for it
+    (its data where that many local steps end), and the run's budget of worker steps is spent exactly. Not
+    bit-identical, not even run to run: the shards apply pushes in the order they arrive."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": 3},
+                     parameter_server={"shards": 2, "consistency": "asp"},
+                     checkpoint={"memory_every": 0, "every": 3, "async": False})
+    first = TrainingJob(spec, progress=False).run()
+    saved = checkpoint.clocks(checkpoint.load(first.checkpoints[0]))
+    assert sum(saved["keeper_clocks"]) == saved["completed"] >= 3 * 2
+    resumed = TrainingJob(spec.with_overrides(["train.steps=5"]), resume=True, progress=False).run()
+    assert resumed.resumed_from == first.checkpoints[0] and resumed.status == "finished"
+    assert len(resumed.losses) == 2 and all(math.isfinite(loss) for loss in resumed.losses)
+    reads = _reads(spec)
+    clocks = [sorted({r["clock"] for r in reads if r["worker"] == w}) for w in range(2)]
+    for worker, (at, seen) in enumerate(zip(saved["keeper_clocks"], clocks)):
+        assert seen == list(range(at, at + len(seen))), (worker, at, seen)  # from its saved clock on, none skipped
+    assert sum(at + len(seen) for at, seen in zip(saved["keeper_clocks"], clocks)) == 5 * 2
 
 
 def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tmp_path):
@@ -204,6 +258,23 @@ def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tm
     [recovery] = result.recoveries
     assert (recovery["kind"], recovery["shard"], recovery["at_step"]) == ("kill_ps_shard", kill["shard"],
                                                                           kill["at_step"]), (kill, slow)
+
+
+def test_losing_both_holders_of_keys_ends_the_run_naming_what_was_lost(ray_cluster, token_data, tmp_path):
+    """Shards 0 and 1 of 3 die in the same push of step 2: the chunks whose two holders they were have no copy
+    left, and the run stops saying which chunks and which steps' updates are gone (no disk snapshot here)."""
+    kills = [{"kind": "kill_ps_shard", "shard": s, "at_step": 2} for s in (0, 1)]
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": 3},
+                     parameter_server={"shards": 3, "chunk_elems": 1024}, checkpoint={"memory_every": 0})
+    spec = JobSpec.from_dict({**spec.to_dict(), "faults": kills})
+    ring = HashRing(3, spec.parameter_server.virtual_nodes)
+    params = dict(build_full(model_config(spec.worker_dict()["model"]), 0).named_parameters())
+    lost = [k for n, p in sorted(params.items()) for k in split(f"stage0.{n}", p, 1024)
+            if set(ring.holders(k)) == {0, 1}]
+    with pytest.raises(RuntimeError, match=r"shards 0, 1 are all gone") as err:
+        TrainingJob(spec, progress=False).run()
+    assert f"{len(lost)} chunks (" in str(err.value) and lost[0] in str(err.value)
+    assert "lose the updates of steps 1 to 1 (no disk snapshot holds them)" in str(err.value)
 
 
 def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_path):

@@ -97,7 +97,8 @@ class RankStepError(Exception):
 
 # what gloo and NCCL say when a collective's peer died, timed out or left its process group
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
-              "NCCL", "gloo", "ProcessGroup", "process group")
+              "NCCL", "gloo", "ProcessGroup", "process group",
+              "a peer worker was lost")  # parameter_server.clocks.LOST: an asp/ssp round ended by hand_over
 
 
 class InjectedError(RuntimeError):

@@ -18,6 +18,11 @@ a replica's step to all its stages at once, so only replicas drift. Under fp16
 an overflowed step is the replica's alone: it pushes nothing (an empty push
 passes its clock on every shard), its scaler backs off, and no other worker
 waits for it: there is no global step to skip.
+
+A rank lost under asp/ssp is not rolled back: the keeper hands its unfinished
+step back (``ClockKeeper.hand_over``), the group is re-formed, and every
+worker ``rejoin``s at the clock the keeper holds for it, pulling the current
+parameters from the shards at its next local step.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parameter_server.client import PSClient, RayConn
+from parameter_server.ring import split
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.optim.build import clip_grads
 from workers.parallel.grad_compression import WireCodec
@@ -97,6 +103,8 @@ class PSSync:
         self.error: BaseException | None = None
         self.last_loss: float | None = None
         self.quiet = threading.Lock()  # held through each free-running step; a checkpoint save takes it
+        self.generation = 0  # the keeper's, this worker's loop runs under (``ClockKeeper.hand_over`` ends it)
+        trainer.state.wire_feedback = self  # top-k's held-back gradient travels with snapshots and checkpoints
 
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
@@ -106,14 +114,62 @@ class PSSync:
         self.client.reshard([_conn(r, self.transport) for r in routes])
 
     def resume_at(self, step: int) -> int:
-        """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp at the
-        clock the keeper gives this worker; returns that clock. Top-k's error feedback starts again at zero (it
-        is not in snapshots or checkpoints)."""
+        """The shards were restored (a checkpoint, a rollback): bsp continues at clock ``step``, asp/ssp
+        ``rejoin``; returns the clock. Top-k's error feedback came back with the snapshot or checkpoint."""
+        if self.asynchronous:
+            return self.rejoin(step)
+        self.clock = step
+        return self.clock
+
+    def rejoin(self, step: int) -> int:
+        """asp/ssp: continue at controller step ``step`` and at the clock the keeper holds for this worker (a
+        replacement at its predecessor's, whose unfinished step went back to the budget), reading the data
+        where that many local steps end (each reads one global batch's share: the cursor and the clock stay
+        one fact, whatever a checkpoint or a lost step left in the cursor). Returns the clock."""
         import ray
 
-        self.clock = step if not self.asynchronous else ray.get(self.keeper.state.remote())["clocks"][self.worker]
-        self.codec.errors.clear()  # top-k's held-back gradient belongs to the discarded steps
+        kept = ray.get(self.keeper.state.remote())
+        self.clock, self.generation = kept["clocks"][self.worker], kept["generation"]
+        self.last_loss = kept["losses"][self.worker]  # reported until this worker completes a step again
+        state = self.trainer.state
+        state.cursor.load_state_dict({**state.cursor.state_dict(), "position": self.clock * state.cursor.global_batch})
+        if state.step > step:
+            raise RuntimeError(f"worker {self.worker} is at step {state.step}, past the controller's {step}")
+        while state.step < step:  # a rebuilt trainer starts at step 0: its schedule catches up
+            state.step += 1
+            for sched in state.schedulers:
+                sched.step()
         return self.clock
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Top-k's error feedback per chunk key (what this worker held back from its pushes so far)."""
+        return {k: e.detach().to("cpu", copy=True) for k, e in self.codec.errors.items()}
+
+    def load_state_dict(self, errors: dict[str, torch.Tensor]) -> None:
+        self.codec.errors = {k: e.clone() for k, e in errors.items()}
+
+    def _dcp_prefix(self) -> str:
+        """Each worker's error feedback is its own: DCP keys name the data-parallel degree and the worker, so a
+        checkpoint resumed at another dp finds none of them (and starts top-k's feedback at zero)."""
+        return f"dp{self.trainer.spec.parallel.dp}.w{self.worker}/"
+
+    def dcp_state(self, template: bool = False) -> dict[str, torch.Tensor]:
+        """The error feedback keyed for a DCP checkpoint; ``template``: every chunk key this worker pushes,
+        filled with NaN (a residual is always finite, so a NaN left after a partial load marks a key the
+        checkpoint did not hold)."""
+        if not template:
+            return {self._dcp_prefix() + k: e for k, e in self.state_dict().items()}
+        chunks = {k: c for n, p in self.named.items()
+                  for k, c in split(n, _local(p).detach(), self.client.chunk_elems).items()}
+        return {self._dcp_prefix() + k: torch.full_like(c, float("nan"), device="cpu") for k, c in chunks.items()}
+
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> bool:
+        """Take ``dcp_state(template=True)`` after DCP filled it: all keys found, or none taken (zero feedback,
+        as a run that never pushed has). Returns whether it was taken."""
+        found = all(bool(torch.isfinite(t).all()) for t in loaded.values()) and bool(loaded)
+        prefix = self._dcp_prefix()
+        self.load_state_dict({k.removeprefix(prefix): t for k, t in loaded.items()} if found else {})
+        return found
 
     def _grads(self) -> dict[str, torch.Tensor]:
         """Every key, every step (a parameter without a gradient pushes zeros, so BSP never waits on it)."""
@@ -164,7 +220,8 @@ class PSSync:
             self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
             self.thread.start()
         t0 = time.perf_counter()
-        mine = ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.worker))
+        mine = ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.worker,
+                                                         self.generation))
         if self.error is not None:
             raise self.error
         with self.lock:  # this replica's steps among the first (step + 1) * dp completed: the same for its stages
@@ -191,7 +248,7 @@ class PSSync:
         import ray
 
         try:
-            while ray.get(self.keeper.enter.remote(self.worker)):
+            while ray.get(self.keeper.enter.remote(self.worker, self.generation)):
                 s0 = time.perf_counter()
                 with self.quiet:
                     record = self._free_step()
@@ -199,7 +256,7 @@ class PSSync:
                 record["seconds"] = seconds + self.fault.slow_down(seconds)  # a slower device: its step takes longer
                 with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
                     self.done.append(record)
-                ray.get(self.keeper.tick.remote(self.worker))
+                ray.get(self.keeper.tick.remote(self.worker, record["loss"], self.generation))
             self._load(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round
             self.error = exc

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from workers.state.train_state import TrainState
 
@@ -31,6 +32,8 @@ class CheckpointIO:
         self.wait()
         with self.state.resident(write_back=False):  # async_save stages its copy before returning
             state = self.state.state_dict()
+            if self.state.wire_feedback is not None:  # parameter-server top-k: what each worker held back
+                state["wire_feedback"] = self.state.wire_feedback.dcp_state()
             if async_save:
                 self.pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
                 self.pending_step = self.state.step
@@ -56,3 +59,14 @@ class CheckpointIO:
             state = self.state.state_dict()
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
             self.state.load_state_dict(state)
+        if self.state.wire_feedback is not None:
+            self._load_wire_feedback(path)
+
+    def _load_wire_feedback(self, path: str | Path) -> None:
+        """Parameter-server top-k's error feedback, where the checkpoint has this worker's (same dp, a run with
+        top-k); otherwise it starts at zero. A partial load, apart from the strict one above, so a checkpoint
+        without it (another dp, no top-k, an older run) still loads."""
+        feedback = {"wire_feedback": self.state.wire_feedback.dcp_state(template=True)}
+        dcp.load(feedback, checkpoint_id=str(path), process_group=self.group,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        self.state.wire_feedback.load_dcp_state(feedback["wire_feedback"])

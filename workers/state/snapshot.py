@@ -35,8 +35,9 @@ def take(state: TrainState) -> dict:
                     }
     # an asynchronous pipeline's versions and in-flight microbatches, already serialized (a copy) by its state_dict
     versions = state.weight_versions.state_dict() if state.weight_versions is not None else {}
+    feedback = state.wire_feedback.state_dict() if state.wire_feedback is not None else {}
     return {"model": model, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
-            "weight_versions": versions}
+            "weight_versions": versions, "wire_feedback": feedback}
 
 
 def restore(state: TrainState, snap: dict) -> None:
@@ -50,6 +51,8 @@ def restore(state: TrainState, snap: dict) -> None:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
     state.load_progress_state(snap["progress"])
     state.load_weight_versions(snap.get("weight_versions", {}))
+    if state.wire_feedback is not None:
+        state.wire_feedback.load_state_dict(snap.get("wire_feedback", {}))
 
 
 def _like(param: torch.Tensor, saved):

@@ -1,0 +1,117 @@
+"""Losing an asp/ssp worker, no Ray: the clock keeper hands the lost step back and ends the old generation's loops
+and rounds, the staleness bound holds while the worker is gone, and a shard acknowledges a retried push without
+applying it twice; losing both holders of a key names what is lost."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from orchestrator.runtime.ps_shards import lost_updates
+from parameter_server.clocks import LOST, ClockKeeper
+from parameter_server.ring import HashRing, chunk_key
+from parameter_server.shard import PSShard
+
+ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
+
+
+def _in_thread(call) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run():
+        try:
+            out.append(call())
+        except Exception as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_hand_over_returns_the_lost_step_and_the_bound_holds_until_the_replacement_rejoins():
+    keeper = ClockKeeper(replicas=2, staleness=1, steps=3)  # budget: 6 worker steps
+    assert keeper.enter(1)  # worker 1 takes a step and dies in it
+    for _ in range(2):  # worker 0 runs ahead up to the bound (worker 1 still at clock 0)
+        assert keeper.enter(0)
+        keeper.tick(0)
+    blocked, entered = _in_thread(lambda: keeper.enter(0))
+    waiting, ended = _in_thread(lambda: keeper.wait_completed(2 * 2))
+    blocked.join(0.2)
+    assert blocked.is_alive()  # 2 ahead of the lost worker with staleness 1: held back
+    kept = keeper.hand_over([1])
+    blocked.join(5), waiting.join(5)
+    assert entered == [False]  # the old generation's loop ends
+    assert isinstance(ended[0], RuntimeError) and LOST in str(ended[0])  # and its round is abandoned
+    assert {k: kept[k] for k in ("clocks", "started", "completed", "generation")} == {
+        "clocks": [2, 0], "started": 2, "completed": 2, "generation": 1}  # the lost step is back
+    keeper.resume()
+    gen = kept["generation"]
+    assert keeper.enter(1, gen)  # the replacement redoes clock 0
+    keeper.tick(1)
+    for _ in range(2):
+        for worker in (0, 1):
+            if keeper.enter(worker, gen):
+                keeper.tick(worker)
+    assert keeper.state()["completed"] == 6 and not keeper.enter(0, gen)  # the whole budget, no step twice
+
+
+def test_a_retried_push_is_acknowledged_and_not_applied_twice():
+    """A worker died pushing clock 0: one holder applied it, the other did not; its replacement pushes clock 0
+    again, which the first acknowledges unchanged and the second applies, so both count one push from it."""
+    holders = [PSShard(i, "ssp", ADAMW, 2, [0.1]) for i in range(2)]
+    for shard in holders:
+        shard.register({"w#0": torch.ones(4)})
+    holders[0].push(1, 0, {"w#0": torch.full((4,), 2.0)})
+    before = holders[0].state()["params"]["w#0"]
+    for shard in holders:
+        shard.push(1, 0, {"w#0": torch.full((4,), 3.0)})
+    assert torch.equal(holders[0].state()["params"]["w#0"], before)
+    assert not torch.equal(holders[1].state()["params"]["w#0"], torch.ones(4))
+    assert [s.clock()["applied_from"] for s in holders] == [[0, 1], [0, 1]]
+    holders[1].push(1, 1, {"w#0": torch.full((4,), 3.0)})
+    assert holders[1].clock()["applied_from"] == [0, 2]
+
+
+def test_a_pipelined_replica_handed_over_redoes_its_step_in_every_stage():
+    """Two replicas of two stages (workers 0, 1: stage 0; 2, 3: stage 1). Replica 1's stage 1 finished its step
+    and its stage 0 died in it: both stages go back to clock 0, and a late tick of the old generation is not
+    counted, so the replacement and its surviving peer redo the step together."""
+    keeper = ClockKeeper(replicas=2, staleness=None, steps=2, stages=2)
+    assert keeper.enter(1) and keeper.enter(3)
+    keeper.tick(3, 2.5, generation=0)
+    kept = keeper.hand_over([1])
+    assert {k: kept[k] for k in ("clocks", "started", "completed", "generation")} == {
+        "clocks": [0, 0, 0, 0], "started": 0, "completed": 0, "generation": 1}
+    keeper.tick(1, None, generation=0)  # the dead stage's step, finishing late: handed back already
+    assert keeper.state()["clocks"] == [0, 0, 0, 0]
+    keeper.resume()
+    assert keeper.enter(1, 1) and keeper.enter(3, 1)
+    keeper.tick(1, None, generation=1), keeper.tick(3, 2.0, generation=1)
+    assert keeper.state()["clocks"] == [0, 1, 0, 1] and keeper.wait_completed(1, 3, generation=1) == 1
+
+
+@pytest.mark.parametrize("consistency", ["asp", "ssp"])
+def test_restore_lets_the_workers_start_again_after_a_hand_over(consistency):
+    keeper = ClockKeeper(replicas=2, staleness=None if consistency == "asp" else 1, steps=2)
+    keeper.hand_over([0])
+    keeper.restore([1, 1], 2)  # a recovery that loads a checkpoint instead (recovery: restart_all)
+    assert keeper.enter(0, keeper.state()["generation"])
+
+
+def test_losing_both_holders_of_keys_names_them_and_the_steps_lost():
+    """Three shards, two gone: exactly the chunks whose two holders were those two are named, with the steps since
+    the newest disk snapshot that holds each; one gone loses nothing (its successor or primary has every key)."""
+    ring = HashRing(3, 16)
+    layout = {"stage0.w": {"shape": [40, 10], "dtype": "float32"}}
+    keys = [chunk_key("stage0.w", i) for i in range(40)]
+    both = [k for k in keys if set(ring.holders(k)) == {0, 2}]
+    assert both and len(both) < len(keys)
+    message = lost_updates(ring, 10, layout, [0, 2], {0: 4, 2: None}, step=7)
+    assert "shards 0, 2 are all gone" in message and f"{len(both)} chunks ({', '.join(both[:8])}" in message
+    assert "lose the updates of steps 5 to 7 (their newest disk snapshot is of step 4)" in message
+    assert "fix: resume from the latest checkpoint" in message
+    assert "steps 1 to 7 (no disk snapshot holds them)" in lost_updates(ring, 10, layout, [0, 2], {}, step=7)
+    assert lost_updates(ring, 10, layout, [1], {}, step=7) == ""
