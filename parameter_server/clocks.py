@@ -50,6 +50,7 @@ class ClockKeeper:
         self.losses: list[float | None] = [None] * len(self.clocks)  # each worker's latest, again after a rejoin
         self.generation = 0  # bumped by ``hand_over``: the loops and rounds of an older one end
         self.handed: dict[int, int] = {}  # replica -> the generation its latest hand-over started
+        self.abandoned: set[int] = set()  # surviving replicas a hand-over left with a step one stage never began
         self.cond = threading.Condition()
 
     @property
@@ -99,7 +100,13 @@ class ClockKeeper:
                 if self.started >= self.budget:
                     return False
                 self.granted[replica] = step + 1
-            self._wait(lambda: self._within_bound(worker), what)  # a step a peer stage took: this stage's bound
+            # a step a peer stage took: this stage's bound, unless ``hand_over`` ends the generation first (the
+            # bound may be waiting on the lost replica): then the replica's step is abandoned half done
+            self._wait(lambda: generation != self.generation or self._within_bound(worker), what)
+            if generation != self.generation:
+                self.abandoned.add(replica)
+                self.cond.notify_all()
+                return False
             return True
 
     def tick(self, worker: int, loss: float | None = None, generation: int | None = None) -> int:
@@ -141,15 +148,23 @@ class ClockKeeper:
         with self.cond:
             self.paused = True
             self.generation += 1
-            for replica in lost:
-                done = self._replica_done(replica)
-                self.granted[replica] = done
-                for stage in range(self.stages):
-                    self.clocks[stage * self.replicas + replica] = done
-                self.handed[replica] = self.generation
+            self._set_back(lost)
             self.cond.notify_all()
-            self._wait(lambda: self.completed == self.started, "the survivors' steps in flight")
+            self._wait(lambda: all(self.granted[r] == self._replica_done(r) or r in self.abandoned
+                                   for r in range(self.replicas)), "the survivors' steps in flight")
+            self._set_back(sorted(self.abandoned))  # a stage of theirs never began the step: they redo it too
+            self.abandoned.clear()
             return self._state()
+
+    def _set_back(self, replicas: list[int]) -> None:
+        """Give ``replicas``' steps in flight back to the budget and set each of their stages to the steps the
+        whole replica completed; a late tick from the ended generation is ignored (``tick``)."""
+        for replica in replicas:
+            done = self._replica_done(replica)
+            self.granted[replica] = done
+            for stage in range(self.stages):
+                self.clocks[stage * self.replicas + replica] = done
+            self.handed[replica] = self.generation
 
     def pause(self) -> None:
         with self.cond:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from orchestrator.runtime.ps_shards import lost_updates
+from parameter_server import clocks
 from parameter_server.clocks import LOST, ClockKeeper
 from parameter_server.ring import HashRing, chunk_key
 from parameter_server.shard import PSShard
@@ -91,6 +92,28 @@ def test_a_pipelined_replica_handed_over_redoes_its_step_in_every_stage():
     assert keeper.enter(1, 1) and keeper.enter(3, 1)
     keeper.tick(1, None, generation=1), keeper.tick(3, 2.0, generation=1)
     assert keeper.state()["clocks"] == [0, 1, 0, 1] and keeper.wait_completed(1, 3, generation=1) == 1
+
+
+def test_a_hand_over_does_not_wait_for_a_survivor_stage_held_by_the_lost_replica(monkeypatch):
+    """SSP bound 0, two replicas of two stages (workers 0, 1: stage 0; 2, 3: stage 1). Replica 1 finished step 0
+    and its stage 0 took step 1; its stage 1 waits for stage 1's slowest, replica 0's, which dies in step 0. The
+    hand-over must not wait for that step (it cannot finish without the lost replica): the waiting stage leaves
+    the generation, and replica 1 is set back to the step both its stages completed, to redo step 1."""
+    monkeypatch.setattr(clocks, "WAIT_S", 5.0)  # a keeper that waits for the held step fails fast instead of hanging
+    keeper = ClockKeeper(replicas=2, staleness=0, steps=4, stages=2)
+    assert keeper.enter(0) and keeper.enter(1) and keeper.enter(3)
+    keeper.tick(0), keeper.tick(1), keeper.tick(3, 2.5)
+    assert keeper.enter(1)  # replica 1, step 1: granted to both its stages
+    held: list[bool] = []
+    stage1 = threading.Thread(target=lambda: held.append(keeper.enter(3)))
+    stage1.start()
+    stage1.join(timeout=0.3)
+    assert stage1.is_alive()  # stage 1's slowest (worker 2) is at 0
+    kept = keeper.hand_over([0])
+    stage1.join(timeout=5)
+    assert held == [False]
+    assert {k: kept[k] for k in ("clocks", "started", "completed")} == {
+        "clocks": [0, 1, 0, 1], "started": 1, "completed": 1}
 
 
 @pytest.mark.parametrize("consistency", ["asp", "ssp"])
