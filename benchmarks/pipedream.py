@@ -87,24 +87,38 @@ def measure(data: Path, steps: int, depths: tuple[int, ...]) -> dict[str, dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str, argv: list[str] | None, data_prefix: str, extra=None) -> argparse.Namespace:
+    """The PipeDream benchmarks' shared options (``extra`` adds a script's own); the default corpus is prepared
+    into a temporary directory named by ``data_prefix``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data", type=Path, help="prepared token shards (default: the stdlib json package)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", type=Path)
+    if extra:
+        extra(parser)
     args = parser.parse_args(argv)
     if args.data is None:
         from workers.data.prepare import prepare_small_corpus
 
-        args.data = prepare_small_corpus("pipedream-bench-data-")
+        args.data = prepare_small_corpus(data_prefix)
+    return args
+
+
+def write_rows(args: argparse.Namespace, rows: dict) -> None:
+    """The rows, with the arguments that produced them, to ``--out`` when given."""
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__.splitlines()[0], argv, "pipedream-bench-data-")
     rows = measure(args.data, args.steps, tuple(args.depths))
     for name, r in rows.items():
         print(f"{name:>20}: {r['tokens_per_s']:8.0f} tok/s ({r['throughput_vs_1f1b']:.2f}x 1f1b), bubble "
               f"{r['bubble']:.1%}, {r['stashed_versions']} stashed version(s) of {r['bytes_per_version'] / 2**10:.0f} "
               f"KiB, loss {r['loss']:.4f} ({r['loss_vs_1f1b']:.3f}x 1f1b)")
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    write_rows(args, rows)
     worse = {n: r["loss_vs_1f1b"] for n, r in rows.items() if r["loss_vs_1f1b"] > 1 + TOLERANCE}
     if worse:
         raise SystemExit(f"asynchronous schedules more than {TOLERANCE:.0%} above 1f1b's loss: {worse}")

@@ -15,7 +15,6 @@ last tokens is within 5% of that reference's, either way. 1F1B of the unchanged 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pipedream import job  # noqa: E402
+from benchmarks.pipedream import job, parse_args, write_rows  # noqa: E402
 from orchestrator import JobSpec  # noqa: E402
 from tests.support.parity_harness import run_layouts  # noqa: E402
 
@@ -78,24 +77,16 @@ def measure(data: Path, steps: int, depths: tuple[int, ...], lr: float | None) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, help="prepared token shards (default: the stdlib json package)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--depths", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--lr", type=float, help="optim.lr for every run (default: the example's)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    if args.data is None:
-        from workers.data.prepare import prepare_small_corpus
+    def lr_option(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--lr", type=float, help="optim.lr for every run (default: the example's)")
 
-        args.data = prepare_small_corpus("pipedream-conv-data-")
+    args = parse_args(__doc__.splitlines()[0], argv, "pipedream-conv-data-", lr_option)
     rows = measure(args.data, args.steps, tuple(args.depths), args.lr)
     for name, r in rows.items():
         print(f"{name:>18} lr {r['lr']:.2e}: loss {r['loss']:.4f}; 1f1b at {r['sync_batch']} sequences a step "
               f"{r['sync_loss']:.4f} ({r['vs_sync']:+.1%}); 1f1b of the job {r['job_1f1b_loss']:.4f} "
               f"({r['vs_job_1f1b']:+.1%})")
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    write_rows(args, rows)
     off = {n: f"{r['vs_sync']:+.1%}" for n, r in rows.items() if abs(r["vs_sync"]) > TOLERANCE}
     if off:
         raise SystemExit(f"asynchronous loss more than {TOLERANCE:.0%} from synchronous training at the same batch "
