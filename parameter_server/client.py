@@ -14,13 +14,11 @@ With ``codec`` (``parameter_server.compression``) pushes go out compressed and p
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from parameter_server.compression import nbytes
 from parameter_server.errors import ShardDown
-from parameter_server.ring import HashRing, assemble, chunk_count, chunk_key, split
+from parameter_server.ring import HashRing, assemble, chunk_keys, split
 
 
 class RayConn:
@@ -86,8 +84,7 @@ class PSClient:
         return live
 
     def keys_of(self, name: str) -> list[str]:
-        numel = math.prod(self.layout[name]["shape"])
-        return [chunk_key(name, i) for i in range(chunk_count(numel, self.chunk_elems))]
+        return chunk_keys(name, self.layout[name]["shape"], self.chunk_elems)
 
     def reroute(self, shard: int, conn) -> None:
         """The controller restarted ``shard`` (resynced): use it again."""

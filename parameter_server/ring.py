@@ -32,6 +32,11 @@ def chunk_count(numel: int, chunk_elems: int) -> int:
     return max(1, math.ceil(numel / chunk_elems))
 
 
+def chunk_keys(name: str, shape, chunk_elems: int) -> list[str]:
+    """Every chunk key of tensor ``name`` of ``shape``, in order."""
+    return [chunk_key(name, i) for i in range(chunk_count(math.prod(shape), chunk_elems))]
+
+
 def split(name: str, tensor: torch.Tensor, chunk_elems: int) -> dict[str, torch.Tensor]:
     """``tensor`` as flat contiguous chunks keyed ``name#i``."""
     flat = tensor.detach().reshape(-1)
@@ -40,8 +45,7 @@ def split(name: str, tensor: torch.Tensor, chunk_elems: int) -> dict[str, torch.
 
 def assemble(name: str, chunks: dict[str, torch.Tensor], shape: torch.Size | tuple, chunk_elems: int) -> torch.Tensor:
     """The inverse of ``split``."""
-    n = chunk_count(math.prod(shape), chunk_elems)
-    return torch.cat([chunks[chunk_key(name, i)] for i in range(n)]).reshape(shape)
+    return torch.cat([chunks[key] for key in chunk_keys(name, shape, chunk_elems)]).reshape(shape)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,13 @@ fixed-shard run's curve (bit-identical on CPU).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from orchestrator.observability.events import event
-from parameter_server.ring import HashRing, chunk_count, chunk_key, rebalance
+from parameter_server.ring import HashRing, chunk_keys, rebalance
 
 if TYPE_CHECKING:
     from orchestrator.runtime.ps_shards import PSShards
@@ -41,8 +40,7 @@ def resize(shards: PSShards, count: int, group, step: int) -> dict:
     t0 = time.perf_counter()
     before, ps = len(shards.handles), shards.ps
     layout = shards.answer(shards.handles[0].clock.remote(), "shard 0 (the model's layout)")["layout"]
-    keys = [chunk_key(n, i) for n in sorted(layout)
-            for i in range(chunk_count(math.prod(layout[n]["shape"]), ps.chunk_elems))]
+    keys = [key for n in sorted(layout) for key in chunk_keys(n, layout[n]["shape"], ps.chunk_elems)]
     plan = rebalance(shards.ring, HashRing(count, ps.virtual_nodes), keys)
     for shard in range(before, count):
         shards.add_shard(shard)

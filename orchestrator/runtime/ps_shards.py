@@ -12,7 +12,6 @@ every worker is told to use it again. ``kill_ps_shard`` faults are armed here.
 from __future__ import annotations
 
 import json
-import math
 import time
 from contextlib import contextmanager
 
@@ -25,7 +24,7 @@ from orchestrator.runtime import ps_resize
 from orchestrator.spec import JobSpec
 from parameter_server import checkpoint
 from parameter_server.clocks import ClockKeeper
-from parameter_server.ring import HashRing, chunk_count, chunk_key
+from parameter_server.ring import HashRing, chunk_keys
 from parameter_server.shard import PSShard
 from workers.optim.build import lr_lambda
 
@@ -347,8 +346,7 @@ def lost_updates(ring: HashRing, chunk_elems: int, layout: dict, dead: list[int]
     shard -> the version, the step, its snapshot was taken at)."""
     lost: dict[int, list[str]] = {}  # steps since the snapshot -> keys
     for name, info in sorted(layout.items()):
-        for i in range(chunk_count(math.prod(info["shape"]), chunk_elems)):
-            key = chunk_key(name, i)
+        for key in chunk_keys(name, info["shape"], chunk_elems):
             holders = ring.holders(key)
             if all(h in dead for h in holders):
                 since = max((snapshots.get(h) or 0) for h in holders)
