@@ -94,20 +94,19 @@ class ClockKeeper:
             # or a resize half done; a step a peer stage already took is never held (that could deadlock)
             self._wait(lambda: generation != self.generation or step < self.granted[replica]
                        or (not self.paused and (self.started >= self.budget or self._within_bound(worker))), what)
-            if generation != self.generation:
-                return False
-            if step >= self.granted[replica]:
+            if generation == self.generation and step >= self.granted[replica]:
                 if self.started >= self.budget:
                     return False
                 self.granted[replica] = step + 1
             # a step a peer stage took: this stage's bound, unless ``hand_over`` ends the generation first (the
-            # bound may be waiting on the lost replica): then the replica's step is abandoned half done
+            # bound may be waiting on the lost replica)
             self._wait(lambda: generation != self.generation or self._within_bound(worker), what)
-            if generation != self.generation:
+            if generation == self.generation:
+                return True
+            if step < self.granted[replica]:  # granted, never begun here: the replica's step is abandoned half done
                 self.abandoned.add(replica)
                 self.cond.notify_all()
-                return False
-            return True
+            return False
 
     def tick(self, worker: int, loss: float | None = None, generation: int | None = None) -> int:
         """``worker`` finished a step (its push is acknowledged by every holder) with ``loss`` (None off the last

@@ -116,6 +116,20 @@ def test_a_hand_over_does_not_wait_for_a_survivor_stage_held_by_the_lost_replica
         "clocks": [0, 1, 0, 1], "started": 1, "completed": 1}
 
 
+def test_a_stage_arriving_after_the_hand_over_abandons_the_step_its_peer_took(monkeypatch):
+    """Replica 1's stage 0 took step 0; before its stage 1 asks for it, replica 0 is lost. Stage 1, still of the
+    ended generation, must not begin the step, and the hand-over must not wait for it: replica 1 goes back to 0."""
+    monkeypatch.setattr(clocks, "WAIT_S", 5.0)
+    keeper = ClockKeeper(replicas=2, staleness=0, steps=4, stages=2)
+    assert keeper.enter(1)
+    handing, kept = _in_thread(lambda: keeper.hand_over([0]))
+    handing.join(timeout=0.3)
+    assert keeper.enter(3, generation=0) is False
+    handing.join(timeout=5)
+    assert {k: kept[0][k] for k in ("clocks", "started", "completed")} == {
+        "clocks": [0, 0, 0, 0], "started": 0, "completed": 0}
+
+
 @pytest.mark.parametrize("consistency", ["asp", "ssp"])
 def test_restore_lets_the_workers_start_again_after_a_hand_over(consistency):
     keeper = ClockKeeper(replicas=2, staleness=None if consistency == "asp" else 1, steps=2)
