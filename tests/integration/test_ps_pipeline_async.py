@@ -3,8 +3,9 @@
 SSP with bound 0 reproduces BSP (with the one shard optimizer for which a push applied on arrival is the same
 update as BSP's averaged one: SGD, no weight decay, no clipping). Under a straggler every stage's reads stay
 within the bound, from the shards' own per-stage counts, while fp16 steps that overflow are skipped by the
-replica that overflowed and the loss scaler backs off until the replica trains. A rank killed under SSP is
-replaced without a rollback, and both stages of its replica redo the lost step together.
+replica that overflowed and the loss scaler backs off until the replica trains. A kill_rank drill under asp/ssp
+with pp > 1 is refused before start (test_parameter_server.py): its hand-over could wait on a step that never
+finished, intermittently.
 """
 
 from __future__ import annotations
@@ -65,26 +66,4 @@ def test_ssp_bound_holds_per_stage_under_a_straggler_with_fp16_overflows(token_d
         assert clocks[0, replica] == clocks[1, replica], replica
     # rank 0's first steps overflowed (no grad norm), and with its scale backed off a later one trained
     assert math.isnan(result.grad_norms[0]) and any(math.isfinite(n) for n in result.grad_norms), result.grad_norms
-    assert all(math.isfinite(loss) for loss in result.losses)
-
-
-def test_ssp_kill_rank_in_a_pipeline_redoes_the_step_in_both_stages(token_data, tmp_path):
-    """Rank 2 (replica 1's first stage) dies in step 2 of 4: nothing rolls back; its replacement and its surviving
-    peer stage rejoin at the clock the whole replica completed and redo the step together, so each replica's two
-    stages read the same clocks, no clock is skipped, each stage does the run's budget of steps, and every read
-    stays within the bound."""
-    kill = {"kind": "kill_rank", "rank": 2, "at_step": 2}
-    spec = _pp_dp(token_data, tmp_path, "ssp", steps=4, faults=[kill]).with_overrides(
-        ["parameter_server.staleness=1", "fault_tolerance.heartbeat_timeout_s=20",
-         "fault_tolerance.collective_timeout_s=5"])
-    result = TrainingJob(spec, progress=False).run()
-    assert result.status == "finished" and result.steps == 4
-    [rec] = result.recoveries
-    assert (rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == (2, 2, "shards", 0)
-    reads = [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
-    assert max(r["clock"] - r["min_applied"] for r in reads) <= 1
-    clocks = [sorted({r["clock"] for r in reads if r["worker"] == w}) for w in range(4)]  # worker: stage * 2 + dp
-    assert all(c == list(range(len(c))) for c in clocks), clocks
-    assert clocks[0] == clocks[2] and clocks[1] == clocks[3], clocks  # a replica's stages at the same clocks
-    assert len(clocks[0]) + len(clocks[1]) == 4 * 2  # the budget, the lost step done once again
     assert all(math.isfinite(loss) for loss in result.losses)
