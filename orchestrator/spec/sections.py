@@ -274,17 +274,22 @@ class FaultToleranceSpec(_Section):
     grow_check_s: Seconds = 30.0  # below the requested dp, look for room this often
 
 
+# shards are Ray actors (one CPU-light process each, plus its gRPC port): far more than any cluster runs
+MAX_PS_SHARDS = 1024
+PSShardCount = Annotated[int, Field(ge=1, le=MAX_PS_SHARDS)]
+
+
 class PSResizeSpec(_Section):
     """One scheduled change of the shard count: step ``at_step`` and the ones after it run on ``shards`` shards."""
 
     at_step: Annotated[int, Field(ge=2)]  # the chunks move between step at_step - 1 and step at_step
-    shards: PositiveInt
+    shards: PSShardCount
 
 
 class ParameterServerSpec(_Section):
     """Parameter-server shards, used when `parallel.dp_sync: ps` (see parameter_server/)."""
 
-    shards: PositiveInt = 2
+    shards: PSShardCount = 2
     consistency: Literal["bsp", "asp", "ssp"] = "bsp"
     staleness: Annotated[int, Field(ge=0)] = 2  # ssp: a worker at clock c reads once the slowest reached c - staleness
     transport: Literal["ray", "grpc"] = "ray"  # how workers reach shards; gRPC is served either way
