@@ -16,7 +16,8 @@ Per dimension (``step_bytes``):
   2(N-1)/N · Φ; ZeRO-2 reduce-scatters the gradients once (after the last microbatch) and all-gathers the
   parameters for every microbatch's forward (FSDP2 reshards after backward; a pipeline keeps them after
   its first backward: once); ZeRO-3 all-gathers for forward and again for backward per microbatch (3Φ for
-  one microbatch, the paper's figure).
+  one microbatch, the paper's figure), in a pipeline m + 1 times (each forward reshards, backward does not).
+  Under FSDP2's bf16 policy the gathers move bf16 parameters and the reduction ``precision.reduce_dtype``.
 - tp (Megatron): per block and microbatch two all-reduces of the b·s·h activations in forward and two
   in backward; with sequence parallelism each becomes a reduce-scatter plus an all-gather (the same bytes).
   The stage holding the embedding reduces its output into the sequence shards (forward) and gathers the
@@ -108,9 +109,20 @@ def data_parallel_bytes(param_bytes: float, grad_bytes: float, dp: int, zero: in
         return all_reduce(grad_bytes, dp)
     if zero == 1:  # reduce-scatter, step the slice, all-gather it (workers/parallel/distributed_optimizer.py)
         return reduce_scatter(grad_bytes, dp) + all_gather(param_bytes, dp)
-    gathers = 1 if pipelined else microbatches
-    per_gather = all_gather(param_bytes, dp) * (2 if zero >= 3 else 1)
-    return reduce_scatter(grad_bytes, dp) + gathers * per_gather
+    gathers = parameter_gathers(zero, microbatches, pipelined)
+    return reduce_scatter(grad_bytes, dp) + gathers * all_gather(param_bytes, dp)
+
+
+def parameter_gathers(zero: int, microbatches: int, pipelined: bool) -> int:
+    """All-gathers of a stage's parameters per step under FSDP2 (ZeRO-2/3).
+
+    Without a pipeline, each microbatch gathers for forward, and under ZeRO-3 again for backward. A
+    ``PipelineStage`` keeps parameters gathered after backward: ZeRO-2 gathers once; under ZeRO-3 each forward
+    still reshards, so a forward or backward finding them sharded gathers: m + 1 in all (measured on 1F1B).
+    """
+    if pipelined:
+        return microbatches + 1 if zero >= 3 else 1
+    return microbatches * (2 if zero >= 3 else 1)
 
 
 def predicted_bytes(spec) -> dict[int, dict[str, float]]:

@@ -10,29 +10,19 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.planning.comm_model import predicted_bytes
+from tests.support.comm import compare
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
-from workers.parallel.grid import Grid
 
 STEPS = 2  # the last is compared: a pipelined tp layout moves extra tp bytes in its first step (one-off set-up)
 # world size -> {layout name: parallel fields}; the parity layouts tests/integration/test_parity*.py use
 LAYOUTS = {
     2: {"dp2-zero0": {"dp": 2}, "dp2-zero1": {"dp": 2, "zero": 1}, "dp2-zero2": {"dp": 2, "zero": 2},
         "dp2-zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2}},
-    4: {"pp2-dp2": {"pp": 2, "dp": 2}, "tp2-dp2": {"tp": 2, "dp": 2}, "cp2-dp2": {"cp": 2, "dp": 2}},
+    4: {"pp2-dp2": {"pp": 2, "dp": 2}, "tp2-dp2": {"tp": 2, "dp": 2}, "cp2-dp2": {"cp": 2, "dp": 2},
+        "pp2-dp2-zero3": {"pp": 2, "dp": 2, "zero": 3}},
     8: {"pp2-tp2-dp2": {"pp": 2, "tp": 2, "dp": 2}},
 }
-
-
-def compare(spec, measured: dict[int, list[dict]]) -> dict[int, dict[str, tuple[float, int]]]:
-    """Rank -> dimension -> (predicted, measured) in the last step, for every dimension either one names."""
-    predicted, grid = predicted_bytes(spec), Grid.from_parallel(spec.parallel)
-    out = {}
-    for rank, steps in measured.items():
-        want, got = predicted[grid.coords_dict(rank)["pp"]], steps[-1]
-        out[rank] = {dim: (want.get(dim, 0.0), got.get(dim, 0)) for dim in set(want) | set(got)}
-    return out
 
 
 @pytest.mark.parametrize("world", list(LAYOUTS))
