@@ -15,6 +15,7 @@ from typing import Any
 from workers.model.config import ModelConfig, model_config
 from workers.model.registry import ModelFamily, family
 from workers.parallel.grid import Grid
+from workers.parallel.mixed_precision import uses_fsdp_mixed
 
 
 def _section(cls, raw: dict, name: str):
@@ -81,6 +82,8 @@ class DataSection:
 class PrecisionSection:
     dtype: str
     initial_loss_scale: float
+    policy: str = "auto"  # older harness dicts leave these out (workers.parallel.mixed_precision)
+    reduce_dtype: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -150,3 +153,8 @@ class WorkerSpec:
     def parameter_server(self) -> ParameterServerSection:
         """Read only on the PS path (``parallel.dp_sync: ps``)."""
         return _section(ParameterServerSection, self.raw, "parameter_server")
+
+    def fsdp_mixed(self, on_cuda: bool) -> bool:
+        """Whether bf16 runs through FSDP2's mixed-precision policy here (``workers.parallel.mixed_precision``)."""
+        p = self.parallel
+        return uses_fsdp_mixed(self.precision.dtype, self.precision.policy, p.zero, p.dp_sync, on_cuda)

@@ -69,7 +69,9 @@ class Trainer:
         self.param_offload = offload_params(self.parts.modules, memory, self.device)
         self.state = self._train_state(spec)
         self.activations = activation_policy(memory, self.device)
-        self.autocast_dtype = AUTOCAST.get(self.spec.precision.dtype)
+        # under FSDP2's mixed-precision policy the bf16 parameters set the compute dtype; no autocast on top
+        mixed = self.spec.fsdp_mixed(self.device.type == "cuda")
+        self.autocast_dtype = None if mixed else AUTOCAST.get(self.spec.precision.dtype)
         train = self.spec.train
         self.microbatches = train.microbatches
         self.pp_group = self.mesh["pp"].get_group() if par.grid.pp_enabled else None

@@ -18,6 +18,7 @@ from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
 from workers.model.moe import group_capacity
 from workers.parallel.layout import layers_of_stage, stage_ids
+from workers.parallel.mixed_precision import uses_fsdp_mixed
 
 CAPACITY_ROUTERS = ("gshard", "switch")  # token-choice routers that drop assignments over capacity
 
@@ -191,10 +192,10 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     moe = m.moe is not None and m.is_moe_layer(layer)
     block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads,
                                       0 if moe else m.ffn_dim, p.tp, sequence_split(spec), rc, compute_bytes(spec),
-                                      frozen=frozen, kv_heads=m.kv_heads, family=m.arch)
+                                      frozen=frozen, kv_heads=m.kv_heads, family=m.arch, fsdp_mixed=fsdp_mixed(spec))
     if moe and rc != "full":  # the dense feed-forward's input copies out, the MoE layer's tensors in
         ffn_inputs = compute_bytes(spec) * local_seq(spec) * micro_batch(spec) * m.d_model * mm.feed_forward_copies(
-            m.arch, compute_bytes(spec), frozen)
+            m.arch, compute_bytes(spec), frozen, fsdp_mixed(spec))
         block += moe_activation_bytes(spec) - ffn_inputs
     attn_grad = frozen is None or frozen.input_grad or bool(frozen.adapted)
     if p.cp_impl != "allgather" or rc != "none" or not attn_grad:
@@ -235,7 +236,7 @@ def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
 def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
     return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.vocab_size, p.tp,
-                                    sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1])
+                                    sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec))
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -257,20 +258,34 @@ def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> 
     return sum(chunks) * in_flight // len(ids) + heads
 
 
+def fsdp_mixed(spec: JobSpec) -> bool:
+    """Whether bf16 runs through FSDP2's mixed-precision policy (``precision.policy``, resolved as the ranks
+    resolve it; ``parallel.device: auto`` is planned as a GPU)."""
+    pr, p = spec.precision, spec.parallel
+    return uses_fsdp_mixed(pr.dtype, pr.policy, p.zero, p.dp_sync, on_cuda=p.device != "cpu")
+
+
+def precision_layout(spec: JobSpec) -> str:
+    """The memory model's precision layout (``memory_model.PRECISIONS``) of this job."""
+    return "fsdp_mixed" if fsdp_mixed(spec) else PRECISION_LAYOUT[spec.precision.dtype]
+
+
 def autocast_copy_bytes(spec: JobSpec, params: int) -> int:
-    """autocast's 16-bit copy of every weight it casts, saved for backward by the matmuls."""
-    return compute_bytes(spec) * params if spec.precision.dtype != "fp32" else 0
+    """autocast's 16-bit copy of every weight it casts, saved for backward by the matmuls (none under FSDP2's
+    policy: its bf16 weights are the gathered parameters, freed and gathered again as ZeRO-2/3 say)."""
+    return compute_bytes(spec) * params if spec.precision.dtype != "fp32" and not fsdp_mixed(spec) else 0
 
 
 def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
     """PyTorch's PipelineStage allocates, per microbatch, a receive buffer for a stage's input
     (all but the first stage) and one for its output's gradient (all but the last): fp32
-    hidden states, sequence-sharded under sequence parallelism."""
+    hidden states (bf16 under FSDP2's policy), sequence-sharded under sequence parallelism."""
     p, m = spec.parallel, spec.model
     if not p.grid.pp_enabled:
         return 0
     n_stages = p.pp * p.stages_per_rank
-    hidden = 4 * local_seq(spec) * micro_batch(spec) * m.d_model // (p.tp if sequence_split(spec) else 1)
+    width = compute_bytes(spec) if fsdp_mixed(spec) else 4  # FSDP2's policy: the stages send bf16
+    hidden = width * local_seq(spec) * micro_batch(spec) * m.d_model // (p.tp if sequence_split(spec) else 1)
     edges = sum((sid != 0) + (sid != n_stages - 1) for sid in ids)
     return spec.train.microbatches * hidden * edges
 
@@ -336,14 +351,14 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     experts = split.get("experts", 0)
     steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled}
     # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
-    state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, PRECISION_LAYOUT[spec.precision.dtype],
+    state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, precision_layout(spec),
                            o.name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
                            quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]), **steps)
     if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp / ep ranks holding them
         layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // p.ep  # one gathered at a time
-        own = mm.model_state(experts, p.dp // p.ep, p.zero, PRECISION_LAYOUT[spec.precision.dtype], o.name,
+        own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), o.name,
                              momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=layer,
                              offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                              host_master=p.device != "cpu", **steps)

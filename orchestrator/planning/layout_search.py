@@ -52,13 +52,26 @@ class Shape:
     tied: bool = False
     learned_positions: bool = False
     compute_bytes: int = 2  # bf16 under autocast (raymesh keeps fp32 state either way)
+    # bf16 layouts with ZeRO-2/3 run FSDP2's mixed-precision policy (precision.policy fsdp, or auto on a GPU)
+    fsdp_policy: bool = False
+    reduce_bytes: int = 4  # gradient reduction width under that policy (precision.reduce_dtype)
 
     @classmethod
     def of(cls, spec) -> Shape:
         m = spec.model
         return cls(m.n_layers, m.d_model, m.n_heads, m.ffn_dim, spec.padded_vocab_size, m.seq_len,
                    spec.train.global_batch_size, m.kv_heads, m.arch, m.tie_embeddings, m.positions == "learned",
-                   mm.BYTES_PER[spec.precision.dtype])
+                   mm.BYTES_PER[spec.precision.dtype], fsdp_policy_asked(spec),
+                   mm.BYTES_PER[spec.precision.reduce_dtype])
+
+    def fsdp_mixed(self, zero: int) -> bool:
+        """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (16-bit compute only)."""
+        return self.fsdp_policy and self.compute_bytes < 4 and zero >= 2
+
+    def boundary_width(self, zero: int) -> int:
+        """Bytes per element of the hidden state a pipeline stage sends: fp32 under autocast (the residual
+        stream stays fp32), the compute width under FSDP2's policy."""
+        return self.compute_bytes if self.fsdp_mixed(zero) else 4
 
     @property
     def kv(self) -> int:
@@ -196,15 +209,17 @@ class Evaluator:
         layers = sum(counts[i] for i in ids)
         root = s.embedding_params * first + s.head_params * last  # a tied head is the embedding (one stage)
         params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model + s.d_model * last
-        state = mm.model_state(params, lay.dp, lay.zero, "autocast" if s.compute_bytes < 4 else "fp32", "adamw",
+        mixed = s.fsdp_mixed(lay.zero)
+        precision = "fsdp_mixed" if mixed else "autocast" if s.compute_bytes < 4 else "fp32"
+        state = mm.model_state(params, lay.dp, lay.zero, precision, "adamw",
                                fsdp=True, zero3_gathered_params=(root + 2 * s.block_params) // lay.tp,
                                accumulating=m > 1 or lay.pp > 1, pipelined=lay.pp > 1)
         if lay.tp > 1 and lay.zero < 2 and first:  # DTensor's full-vocabulary embedding gradient (see estimate)
             rows = s.vocab * s.d_model
             state = replace(state, grads=state.grads + 4 * (rows - rows // lay.tp))
         seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
-        layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute)
-        head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c)
+        layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute, mixed)
+        head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed)
         in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
         chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
         all_first = lay.pp > 1 and schedule_facts(lay.schedule).all_forwards_first
@@ -212,12 +227,12 @@ class Evaluator:
         carried = m > 1 if lay.pp == 1 else in_flight < m * len(ids)
         working = 0
         if lay.recompute == "full" and layers:
-            working = _layer_bytes(s, seq, lay.micro_batch, lay.tp, "none")
+            working = _layer_bytes(s, seq, lay.micro_batch, lay.tp, "none", mixed)
         freed = saved // max(1, in_flight) // 2 if lay.pp > 1 else head * last  # est.freed_in_backward
-        hidden = 4 * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
+        hidden = s.boundary_width(lay.zero) * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
         edges = sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0
         buckets = 4 * params if lay.zero == 1 and lay.dp > 1 else 0  # DDP's flat all-reduce buckets
-        buffers = (c * params if c < 4 else 0) + m * hidden * edges + buckets
+        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + buckets  # autocast's copies
         regathers = lay.zero >= 3 and lay.dp > 1
         return mm.in_step_peak(state, saved, carried, regathers, freed, working) + buffers
 
@@ -289,7 +304,8 @@ class Evaluator:
 
 def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     """``comm_model.CommShape`` of one rank: raymesh reduces and gathers fp32 parameters and gradients
-    (autocast keeps them fp32), sends fp32 hidden states between stages, reduces activations in compute width."""
+    (autocast keeps them fp32; FSDP2's bf16 policy gathers bf16), sends fp32 hidden states between stages
+    (bf16 under that policy), reduces activations in compute width."""
     n_stages = lay.pp * lay.stages_per_rank
     ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
     layers = sum(lay.stage_layers(s.n_layers)[i] for i in ids)
@@ -302,7 +318,10 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     # under tp the token embedding's gradient comes back from DTensor's embedding backward Replicate, full-size,
     # and ZeRO-0's buckets reduce it as it is (workers/parallel/grad_buckets.py): vocab x h, not vocab/tp x h
     embedding_grad = s.vocab * s.d_model * (lay.tp - 1) // lay.tp if 0 in ids and lay.zero == 0 else 0
-    return cm.CommShape(4 * params, 4 * (params + embedding_grad), c * sbh, 4 * sbh // lay.tp,
+    # FSDP2's policy gathers 16-bit parameters and reduces in precision.reduce_dtype; autocast moves fp32
+    gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, 4)
+    return cm.CommShape(gather * params, reduce * (params + embedding_grad), c * sbh,
+                        s.boundary_width(lay.zero) * sbh // lay.tp,
                         2 * c * seq * lay.micro_batch * s.kv * (s.d_model // s.n_heads) // lay.tp,
                         c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
                         sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0,
@@ -319,11 +338,18 @@ def layout_of(spec) -> Layout:
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str) -> int:
+def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, fsdp_mixed: bool = False) -> int:
     """One block's saved bytes (sequence parallel whenever tp > 1), cached: candidates differing only in
     ZeRO stage or schedule share it."""
     return mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
-                                     s.compute_bytes, kv_heads=s.kv, family=s.arch)
+                                     s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed)
+
+
+def fsdp_policy_asked(spec) -> bool:
+    """Whether the job's bf16 ZeRO-2/3 layouts would run FSDP2's mixed-precision policy
+    (``workers.parallel.mixed_precision``: ``fsdp``, or ``auto`` on a device that is not the CPU)."""
+    policy = spec.precision.policy
+    return policy == "fsdp" or (policy == "auto" and spec.parallel.device != "cpu")
 
 
 def _powers_of_two(limit: int) -> list[int]:

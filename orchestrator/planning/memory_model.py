@@ -13,9 +13,10 @@ too. Three precision layouts:
 - ``mixed``: the paper's (DeepSpeed/Megatron): 16-bit parameters and gradients,
   fp32 master weights counted in the optimizer state.
 - ``fp32``: everything in fp32, no master copy (4 + 4 + K_opt).
-- ``autocast``: what raymesh runs for ``precision.dtype: bf16|fp16``: fp32
-  parameters, gradients and optimizer state under ``torch.autocast`` (so the
-  same state bytes as fp32; only activations shrink).
+- ``autocast``: what raymesh runs for ``precision.dtype: bf16|fp16`` under ``torch.autocast``: fp32
+  parameters, gradients and optimizer state (so the same state bytes as fp32; only activations shrink).
+- ``fsdp_mixed``: bf16 through FSDP2's mixed-precision policy (``workers/parallel/mixed_precision.py``): the
+  same fp32 state, but the parameters all-gathered for compute are bf16 (half the ``gathered`` term).
 
 ``fsdp=True`` models ZeRO-2/3 as raymesh runs them (FSDP2): the persistent
 parameter copy is sharded for ZeRO-2 as well, and parameters are all-gathered
@@ -40,7 +41,10 @@ from workers.parallel.schedules import schedule as schedule_facts
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "paged_adamw": 8, "sgd": 0, "adafactor": 0, "sm3": 0}
 # optimizers whose state lives in the offload store, not on the device
 HOST_STATE_OPTIMIZERS = frozenset({"paged_adamw"})
-PRECISIONS = {"fp32": (4, 4, 0), "autocast": (4, 4, 0), "mixed": (2, 2, 4)}  # param, grad, master bytes
+# param, grad, master bytes; fsdp_mixed: FSDP2's bf16 policy keeps fp32 shards (the optimizer's masters) and
+# gathers bf16 copies for compute (``GATHERED_BYTES``)
+PRECISIONS = {"fp32": (4, 4, 0), "autocast": (4, 4, 0), "mixed": (2, 2, 4), "fsdp_mixed": (4, 4, 0)}
+GATHERED_BYTES = {"fsdp_mixed": 2}  # bytes per all-gathered parameter where not the persistent width
 BYTES_PER = {"fp32": 4, "bf16": 2, "fp16": 2}
 # QLoRA's NF4 weight (workers.model.nf4): 4-bit codes, an int8 absmax per 64 weights, an fp32 step per 256 absmaxes
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
@@ -138,12 +142,12 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         optim = math.ceil(optim / dp)
     if zero >= 2:
         grads = math.ceil(grads / dp)
+    width = GATHERED_BYTES.get(precision, p_bytes)
     if zero >= 3 or (fsdp and zero == 2):
-        full = params
         params = math.ceil(params / dp)
         if fsdp and dp > 1:
             whole_stage = zero == 2 or pipelined
-            gathered = full if whole_stage else p_bytes * min(zero3_gathered_params, n_params + frozen)
+            gathered = width * (n_params + frozen if whole_stage else min(zero3_gathered_params, n_params + frozen))
     if fsdp and zero == 0 and dp > 1:  # replicate() is FSDP2 over a replicated mesh: a second, unsharded copy
         gathered = params
     held = g_bytes * n_params - grads if accumulating and zero >= 2 and dp > 1 else 0
@@ -221,7 +225,7 @@ def layer_recompute(policy: str, every: int, layer: int, n_layers: int = 1) -> s
 def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, ffn_dim: int,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                            compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None,
-                           kv_heads: int | None = None, family: str = "gpt") -> int:
+                           kv_heads: int | None = None, family: str = "gpt", fsdp_mixed: bool = False) -> int:
     """Bytes one transformer block saves for backward for one microbatch (raymesh's GPT or Llama block).
 
     Counted tensor by tensor from what autograd keeps (the probe checks it), with
@@ -250,6 +254,10 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
 
     ``frozen`` (LoRA, see ``Frozen``) keeps of these only what a gradient needs, plus
     each adapter's rank-r A output (c·s·b·r, not sharded: A's output is whole on every tp rank).
+
+    ``fsdp_mixed`` (FSDP2's bf16 policy, not autocast): weights and the residual stream already are c-byte
+    tensors, so a norm's normalised x is saved at c bytes, its output once for every Linear reading it (nothing
+    casts), and full recompute keeps a c-byte block input. A norm still saves its float32 copy of the input.
     """
     s, b, h, a = seq, micro_batch, d_model, n_heads
     sbh = s * b * h
@@ -257,8 +265,9 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     f = frozen or Frozen(ALL_LINEARS, 0, True)
     trained = frozen is None
     x_grad, on = f.input_grad, f.adapted.__contains__
+    residual = compute_bytes if fsdp_mixed else 4  # the stream between blocks: fp32 under autocast
     if recompute == "full":
-        return 4 * sbh // seq_shard if x_grad else 0
+        return residual * sbh // seq_shard if x_grad else 0
     llama = family == "llama"
     kv = s * b * (h // a) * (kv_heads or a)  # elements of k (and of v) for the microbatch
     attn_grad = x_grad or any(map(on, ("wq", "wk", "wv")))
@@ -267,11 +276,12 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     h1_grad = mid_grad or up_adapted
 
     def norm(grad: bool) -> int:  # input and rsqrt for the input gradient; normalised x for the weight's
-        return ((4 * sbh + 4 * s * b) * grad + 4 * sbh * trained) // seq_shard
+        return ((4 * sbh + 4 * s * b) * grad + residual * sbh * trained) // seq_shard
 
     norms = norm(x_grad) + norm(mid_grad)
-    linear_inputs = compute_bytes * sbh * (_copies(on, ("wq", "wk", "wv"), compute_bytes)
-                                           + _copies(on, ("w1", "w3") if llama else ("w1",), compute_bytes))
+    casts = 4 if fsdp_mixed else compute_bytes  # _copies: one shared copy where no Linear casts its input
+    linear_inputs = compute_bytes * sbh * (_copies(on, ("wq", "wk", "wv"), casts)
+                                           + _copies(on, ("w1", "w3") if llama else ("w1",), casts))
     attn = compute_bytes * ((sbh + 2 * kv) * attn_grad + sbh * (attn_grad or on("wo"))) // tp
     core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
     mlp = compute_bytes * s * b * ffn_dim // tp * ((3 if llama else 1) * h1_grad + on("w2"))
@@ -280,11 +290,13 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
 
 
-def feed_forward_copies(family: str, compute_bytes: int, frozen: Frozen | None = None) -> int:
+def feed_forward_copies(family: str, compute_bytes: int, frozen: Frozen | None = None,
+                        fsdp_mixed: bool = False) -> int:
     """Copies of the feed-forward norm's output ``layer_activation_bytes`` counts for the MLP's first linears
     (what an MoE feed-forward, which keeps its own, replaces)."""
     f = frozen or Frozen(ALL_LINEARS, 0, True)
-    return _copies(f.adapted.__contains__, ("w1", "w3") if family == "llama" else ("w1",), compute_bytes)
+    return _copies(f.adapted.__contains__, ("w1", "w3") if family == "llama" else ("w1",),
+                   4 if fsdp_mixed else compute_bytes)
 
 
 def _copies(adapted, linears: tuple[str, ...], compute_bytes: int) -> int:
@@ -327,15 +339,18 @@ def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads
 
 
 def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,
-                          sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None) -> int:
-    """Last stage: final norm (input and normalised x, fp32), the output linear's input
+                          sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None,
+                          fsdp_mixed: bool = False) -> int:
+    """Last stage: final norm (input and normalised x, fp32; the normalised x at c bytes under ``fsdp_mixed``,
+    as in ``layer_activation_bytes``), the output linear's input
     (c bytes, gathered), log-softmax output (fp32, full vocab: logits are replicated
     before the loss) and the int64 targets. ``frozen``: the output Linear is adapted
     when ``"output"`` is in ``frozen.adapted``; the norm keeps its input only."""
     s, b = seq, micro_batch
     seq_shard = tp if sequence_parallel else 1
     if frozen is None:
-        return (2 * 4 * s * b * d_model + 4 * s * b) // seq_shard + compute_bytes * s * b * d_model \
+        normed = compute_bytes if fsdp_mixed else 4
+        return ((4 + normed) * s * b * d_model + 4 * s * b) // seq_shard + compute_bytes * s * b * d_model \
             + 4 * s * b * vocab + 8 * s * b
     adapted, logits_grad = "output" in frozen.adapted, frozen.output_grad()
     return (4 * s * b * d_model + 4 * s * b) * frozen.input_grad // seq_shard \

@@ -16,6 +16,7 @@ from orchestrator.spec.lora import check_lora
 from orchestrator.spec.moe import check_moe
 from orchestrator.spec.ps_resize_checks import check_ps_resize
 from orchestrator.spec.sections import ParameterServerSpec
+from workers.parallel.mixed_precision import fsdp_applies
 from workers.parallel.partition import split_problem
 
 if TYPE_CHECKING:
@@ -156,6 +157,30 @@ def check_zero(job: JobSpec) -> None:
     for applies, zero, problem, fix in refused:
         if applies:
             raise SpecError("parallel.zero", zero, problem, fix)
+
+
+def check_precision(job: JobSpec) -> None:
+    """``precision.policy`` and ``reduce_dtype``: FSDP2's mixed-precision policy needs bf16 and FSDP2's units
+    (``workers/parallel/mixed_precision.py``); a field that could never take effect is refused, not ignored."""
+    pr, p = job.precision, job.parallel
+    if pr.policy != "auto" and pr.dtype == "fp32":
+        raise SpecError("precision.policy", pr.policy, "picks how bf16 (or fp16) computes, and precision.dtype is fp32",
+                        "set precision.dtype: bf16, or remove precision.policy")
+    if pr.policy == "fsdp" and not fsdp_applies(pr.dtype, p.zero, p.dp_sync):
+        why = (f"needs precision.dtype bf16 (fp16 needs loss scaling, which runs under autocast), not {pr.dtype!r}"
+               if pr.dtype != "bf16" else
+               f"needs FSDP2's units (parallel.zero 2 or 3 with dp_sync allreduce); this job has zero: {p.zero}, "
+               f"dp_sync: {p.dp_sync}")
+        raise SpecError("precision.policy", "fsdp", why, "set parallel.zero: 2 or 3 (dp_sync: allreduce) with "
+                        "precision.dtype: bf16, or precision.policy: autocast")
+    fsdp_possible = fsdp_applies(pr.dtype, p.zero, p.dp_sync) and (pr.policy == "fsdp" or (
+        pr.policy == "auto" and p.device != "cpu"))
+    if pr.reduce_dtype != "fp32" and not fsdp_possible:
+        raise SpecError("precision.reduce_dtype", pr.reduce_dtype, "is the gradient reduction dtype of FSDP2's "
+                        "mixed-precision policy, which this job does not run (it needs precision.dtype bf16, "
+                        "parallel.zero 2 or 3, and precision.policy fsdp, or auto on a GPU)",
+                        "remove precision.reduce_dtype, or set precision.policy: fsdp with zero 2 or 3 (ZeRO-0 "
+                        "compresses its buckets with parallel.grad_compression: bf16)")
 
 
 def _changed(section, field: str) -> bool:
@@ -345,6 +370,7 @@ def check_batching(job: JobSpec) -> None:
         raise SpecError("train.microbatches", mb, problem, fix)
 
 
-CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_recompute,
-                      check_faults, check_parameter_server, check_offload, check_lora, check_context_parallel,
-                      check_comm, check_moe, check_expert_parallel, check_async_pipeline, check_ps_resize)
+CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_precision,
+                      check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
+                      check_context_parallel, check_comm, check_moe, check_expert_parallel, check_async_pipeline,
+                      check_ps_resize)

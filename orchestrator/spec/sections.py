@@ -159,8 +159,14 @@ class OptimSpec(_Section):
 
 
 class PrecisionSpec(_Section):
+    """Compute precision. bf16 runs through FSDP2's mixed-precision policy or autocast (``policy``; the rule and
+    what each keeps: workers/parallel/mixed_precision.py); fp16 runs under autocast with dynamic loss scaling."""
+
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     initial_loss_scale: PositiveFloat = 65536.0
+    # auto: FSDP2's policy for bf16 with ZeRO-2/3 on a GPU, autocast elsewhere; fsdp: that policy wherever it applies
+    policy: Literal["auto", "autocast", "fsdp"] = "auto"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient reduction (and accumulation) under FSDP2's policy
 
 
 class OffloadSpec(_Section):

@@ -7,6 +7,8 @@ so a bug there cannot hide in both sides of a parity test.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.func import functional_call
 
@@ -107,3 +109,40 @@ def _stage_of_parameters(model: torch.nn.Module, split) -> dict[str, int]:
         else:
             out[name] = 0 if parts[0].endswith("embeddings") else len(split) - 1
     return out
+
+
+def reference_bf16_fsdp(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
+    """Per-step losses and pre-clip gradient norms of bf16 under FSDP2's mixed-precision policy, spelled out
+    without FSDP: each data-parallel rank's microbatches run forward and backward on a bf16 copy of the fp32
+    weights (buffers keep their dtype, as FSDP2 casts parameters only); the bf16 gradients are summed in float32
+    (``precision.reduce_dtype: fp32``), averaged over the ranks, clipped, and AdamW steps the fp32 weights."""
+    torch.manual_seed(spec.train.seed)
+    model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
+    o, m, dp = spec.optim, spec.train.microbatches, spec.parallel.dp
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
+                        spec.train.global_batch_size, dp_rank=0, dp_size=1)
+    losses, norms = [], []
+    for _ in range(steps):
+        inputs, targets = cursor.next_batch()
+        low = copy.deepcopy(model)
+        for p in low.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        sums = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+        rank_losses = []
+        for x_rank, y_rank in zip(inputs.chunk(dp), targets.chunk(dp)):  # each rank's slice of the batch
+            total = 0.0
+            for x, y in zip(x_rank.chunk(m), y_rank.chunk(m)):
+                loss = lm_loss(low(x), y) / m
+                grads = torch.autograd.grad(loss, list(low.parameters()))
+                for (name, _), g in zip(low.named_parameters(), grads):
+                    sums[name] += g.float()
+                total += loss.item()
+            rank_losses.append(total)
+        for name, p in model.named_parameters():
+            p.grad = sums[name] / dp
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(sum(rank_losses) / dp)
+    return losses, norms

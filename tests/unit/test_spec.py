@@ -18,33 +18,13 @@ from orchestrator.spec import (
     load_spec,
     parse_override,
 )
+from tests.support.spec_errors import assert_actionable, spec_error
 
 BASE: dict[str, Any] = {"data": {"path": "data/tiny"}}
 
 
 def job(**sections: Any) -> dict[str, Any]:
     return {**BASE, **sections}
-
-
-def spec_error(raw: dict[str, Any]) -> SpecError:
-    with pytest.raises(SpecError) as info:
-        JobSpec.from_dict(raw)
-    return info.value
-
-
-def assert_actionable(err: SpecError, field: str | None, value: Any, *fix_parts: str) -> str:
-    """The message must name the field, show the value and carry a fix."""
-    msg = str(err)
-    assert err.field == field
-    assert err.value == value
-    if field is not None:
-        assert f"`{field}`" in msg
-    if value is not None:
-        assert f"value {value!r}" in msg
-    assert "; fix: " in msg and err.fix and err.fix in msg
-    for part in fix_parts:
-        assert part in err.fix, (part, err.fix)
-    return msg
 
 
 # ---------------------------------------------------------------- defaults and round trip

@@ -35,7 +35,7 @@ from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
 from workers.model.registry import ModelFamily
 from workers.parallel.context_layout import apply_context_parallel
-from workers.parallel.data_parallel import apply_data_parallel, unwrap
+from workers.parallel.data_parallel import apply_data_parallel, bf16_policy, unwrap
 from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
@@ -106,7 +106,8 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
         edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
-            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp)
+            mixed = bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda") else None
+            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp, mixed)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:
