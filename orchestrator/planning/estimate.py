@@ -270,6 +270,13 @@ def precision_layout(spec: JobSpec) -> str:
     return "fsdp_mixed" if fsdp_mixed(spec) else PRECISION_LAYOUT[spec.precision.dtype]
 
 
+def precision_note(spec: JobSpec) -> str:
+    """How 16-bit precision runs, for the plan's job line (nothing for fp32)."""
+    if spec.precision.dtype == "fp32":
+        return ""
+    return " (FSDP2 policy)" if fsdp_mixed(spec) else " (autocast)"
+
+
 def autocast_copy_bytes(spec: JobSpec, params: int) -> int:
     """autocast's 16-bit copy of every weight it casts, saved for backward by the matmuls (none under FSDP2's
     policy: its bf16 weights are the gathered parameters, freed and gathered again as ZeRO-2/3 say)."""
@@ -455,7 +462,7 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         f"job {spec.name}: {' x '.join(f'{a}={n}' for a, n in zip(p.grid.mesh_dims, p.grid.mesh_shape))} = "
         f"{p.world_size} ranks, zero={p.zero}, " + (f"cp_impl={p.cp_impl}, " if p.grid.cp_enabled else "") +
         (f"schedule={p.pp_schedule} ({p.stages_per_rank} stage(s)/rank), " if p.pp > 1 else "") +
-        f"precision={spec.precision.dtype}, "
+        f"precision={spec.precision.dtype}{precision_note(spec)}, "
         f"recompute={spec.memory.recompute}",
         f"{'rank':>4} {'dp':>3} {'pp':>3} " + (f"{'cp':>3} " if p.grid.cp_enabled else "") +
         f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "

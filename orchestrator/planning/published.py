@@ -27,10 +27,10 @@ class PublishedRun:
 RUNS = {
     "megatron-1t": PublishedRun(
         "Megatron 1T (Narayanan et al. 2021)",
-        Shape(128, 25600, 160, 4 * 25600, 51200, 2048, 3072, arch="gpt", learned_positions=True),
+        Shape(128, 25600, 160, 4 * 25600, 51200, 2048, 3072, arch="gpt", learned_positions=True, fsdp_policy=True),
         "A100", 3072, {"dp": 6, "tp": 8, "pp": 64, "cp": 1}),
     "llama3-405b": PublishedRun(
         "Llama 3 405B (Dubey et al. 2024)",
-        Shape(126, 16384, 128, 53248, 128256, 8192, 2048, kv_heads=8, arch="llama"),
+        Shape(126, 16384, 128, 53248, 128256, 8192, 2048, kv_heads=8, arch="llama", fsdp_policy=True),
         "H100", 16384, {"dp": 128, "tp": 8, "pp": 16, "cp": 1}),
 }
