@@ -176,8 +176,8 @@ def _outcome(device_kind: str, env: dict[str, str], timeout_s: float, seen: dict
     out = {"backend": "nccl" if device_kind == "cuda" else "gloo", "env": env, "group_timeout_s": timeout_s,
            "group_formed": seen.get("formed") == 2.0, "formation_error": seen.get("formation_failed"),
            "collective_failed": failed is not None,
-           "failed_after_kill_s": failed and failed["at"] - seen["killed_at"],
-           "within_timeout": bool(failed) and failed["at"] - seen["killed_at"] <= timeout_s + 5,
+           "failed_after_kill_s": failed and failed["at"] - seen.get("killed_at", failed["at"]),
+           "within_timeout": bool(failed) and failed["at"] - seen.get("killed_at", failed["at"]) <= timeout_s + 5,
            "error_kind": failed and failed["kind"], "error": failed and failed["detail"],
            "survivor_alive": reformed is not None, "survivor_exit_code": exit_code,
            "reformed_all_reduce": reformed, "reformed_ok": reformed == 2.0 and seen.get("replacement_reduced") == 2.0}

@@ -73,8 +73,9 @@ def with_ratios(raymesh: dict, titan: dict) -> dict:
     return {**titan, "mfu_same_formula": same, "ratio": ratio}
 
 
-def write_assets(folder: Path, tokens_needed: int) -> tuple[Path, Path]:
-    """A local text dataset of random words and a byte-level BPE tokenizer trained on it."""
+def write_assets(folder: Path, tokens_needed: int, vocab_size: int) -> tuple[Path, Path]:
+    """A local text dataset of random words and a byte-level BPE tokenizer trained on it, with no more ids than
+    the model's vocabulary (the alphabet is the 27 characters the words use, merges fill the rest)."""
     import numpy as np
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -91,7 +92,7 @@ def write_assets(folder: Path, tokens_needed: int) -> tuple[Path, Path]:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(docs[:50], trainers.BpeTrainer(vocab_size=512, special_tokens=[BOS, EOS]))
+    tokenizer.train_from_iterator(docs[:50], trainers.BpeTrainer(vocab_size=min(512, vocab_size), special_tokens=[BOS, EOS]))
     assets = folder / "torchtitan-tokenizer"
     assets.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(assets / "tokenizer.json"))
@@ -115,7 +116,8 @@ def run_torchtitan(job: dict, device: str, warmup: int, steps: int, folder: Path
         return skipped("torchtitan trains on an accelerator only (it falls back to cuda with none)")
     from importlib.metadata import version
 
-    data, assets = write_assets(folder, (warmup + steps) * job["global_batch_size"] * (job["seq_len"] + 1))
+    tokens = (warmup + steps) * job["global_batch_size"] * (job["seq_len"] + 1)
+    data, assets = write_assets(folder, tokens, job["vocab_size"])
     env = {**os.environ, JOB_ENV: json.dumps({**job, "steps": warmup + steps, "dataset_dir": str(data),
                                               "tokenizer_dir": str(assets), "dump_folder": str(folder / "tt")}),
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
