@@ -33,8 +33,9 @@ Figures, all over the timed steps only (``--warmup`` steps first are left out):
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
-import os
+import shutil
 import sys
 import tempfile
 import time
@@ -79,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--abort-timeout-s", type=float, default=30.0, help="the abort check's group timeout")
     p.add_argument("--torchtitan", choices=("auto", "off"), default="auto",
                    help="auto: run torchtitan on the same job when it is importable")
+    p.add_argument("--torchtitan-timeout-s", type=float, default=420.0,
+                   help="torchtitan's run is stopped after this long (a device lease runs one command <= 10 min)")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--markdown", help="also write the Markdown table here")
     args = p.parse_args(argv)
@@ -145,11 +148,26 @@ def train(spec: JobSpec, warmup: int, steps: int, trace: str | None) -> dict:
         return {"results": timed, "wall_s": wall, "device": trainer.device, "profile": profile}
     finally:
         dist.destroy_process_group()
+        release(trainer)
+
+
+def release(trainer) -> None:
+    """Give the device memory back before torchtitan and the abort check's processes need it: the trainer's
+    tensors are only freed once their reference cycles are collected, and the caching allocator keeps what
+    it reserved until emptied."""
+    import gc
+
+    device = trainer.device
+    trainer.__dict__.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def profile_steps(trainer, folder: str, steps: int = 2, top: int = 10) -> dict:
-    """``steps`` steps under ``torch.profiler``: the chrome trace in ``folder`` and the ``top`` ops by self
-    time on the device (CPU time on a CPU), as a table and as rows."""
+    """``steps`` steps under ``torch.profiler``: the chrome trace in ``folder`` (gzipped: Perfetto and
+    chrome://tracing open it as it is) and the ``top`` ops by self time on the device (CPU time on a CPU), as a
+    table and as rows."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.device.type == "cuda"
@@ -158,8 +176,11 @@ def profile_steps(trainer, folder: str, steps: int = 2, top: int = 10) -> dict:
         run_steps(trainer, steps)
         synchronize(trainer.device)
     Path(folder).mkdir(parents=True, exist_ok=True)
-    trace = Path(folder) / "trace.json"
-    prof.export_chrome_trace(str(trace))
+    raw, trace = Path(folder) / "trace.json", Path(folder) / "trace.json.gz"
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(trace, "wb") as dst:  # a 1B model's trace is tens of MB uncompressed
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
     table = prof.key_averages().table(sort_by=key, row_limit=top)
@@ -225,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
                   "throughput": throughput(spec, out["results"], out["wall_s"], name),
                   "memory": memory(spec, out["results"], out["device"]), "profile": out["profile"]}
         titan = skipped("--torchtitan off") if args.torchtitan == "off" else run_torchtitan(
-            report["job"], args.device, args.warmup, args.steps, Path(tmp))
+            report["job"], args.device, args.warmup, args.steps, Path(tmp), args.torchtitan_timeout_s)
         report["torchtitan"] = with_ratios(report["throughput"], titan)
     report["abort"] = check_abort(args.device, args.abort_timeout_s) if args.check_abort else None
     return report
@@ -240,7 +261,7 @@ def markdown(report: dict) -> str:
                     f"batch {job['global_batch_size']}, {job['precision']}, recompute {job['recompute']}"),
             ("steps timed (warm-up left out)", f"{report['steps']} ({report['warmup_steps']})"),
             ("raymesh tokens/s (wall clock)", f"{t['tokens_per_s']:,.0f} ({t['wall_tokens_per_s']:,.0f})"),
-            ("raymesh MFU (HFU)", f"{t['mfu']:.1%} ({t['hfu']:.1%})"),
+            ("raymesh MFU (HFU)", f"{t['mfu']:.2%} ({t['hfu']:.2%})"),
             ("peak memory measured / predicted", f"{m['measured_peak_bytes'] / 2**30:.2f} / "
                                                  f"{m['predicted_peak_bytes'] / 2**30:.2f} GiB "
                                                  f"({m['relative_error']:+.1%})")]
@@ -259,7 +280,6 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1" if args.device == "cuda" else str(os.cpu_count() or 1))
     report = run(args)
     table = markdown(report)
     if report["profile"] is not None:

@@ -92,7 +92,8 @@ def write_assets(folder: Path, tokens_needed: int, vocab_size: int) -> tuple[Pat
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(docs[:50], trainers.BpeTrainer(vocab_size=min(512, vocab_size), special_tokens=[BOS, EOS]))
+    trainer = trainers.BpeTrainer(vocab_size=min(512, vocab_size), special_tokens=[BOS, EOS])
+    tokenizer.train_from_iterator(docs[:50], trainer)
     assets = folder / "torchtitan-tokenizer"
     assets.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(assets / "tokenizer.json"))
@@ -101,13 +102,17 @@ def write_assets(folder: Path, tokens_needed: int, vocab_size: int) -> tuple[Pat
     return data, assets
 
 
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
 def command() -> list[str]:
     """torchtitan's own entry point under torchrun, one process, our config function."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
             "-m", "torchtitan.train", "--module", "benchmarks.torchtitan_job", "--config", "raymesh_job"]
 
 
-def run_torchtitan(job: dict, device: str, warmup: int, steps: int, folder: Path, timeout_s: float = 1200) -> dict:
+def run_torchtitan(job: dict, device: str, warmup: int, steps: int, folder: Path, timeout_s: float) -> dict:
     """Train the job with torchtitan for ``warmup + steps`` steps; its figures over the timed ones."""
     if importlib.util.find_spec("torchtitan") is None:
         return skipped(f"torchtitan is not importable by {sys.executable} (pip install torchtitan: "
@@ -121,7 +126,11 @@ def run_torchtitan(job: dict, device: str, warmup: int, steps: int, folder: Path
     env = {**os.environ, JOB_ENV: json.dumps({**job, "steps": warmup + steps, "dataset_dir": str(data),
                                               "tokenizer_dir": str(assets), "dump_folder": str(folder / "tt")}),
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run(command(), cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run(command(), cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        return {**skipped(f"torchtitan ran past {timeout_s:.0f}s (--torchtitan-timeout-s)"),
+                "version": version("torchtitan"), "log_tail": _text(exc.stdout)[-3000:] + _text(exc.stderr)[-3000:]}
     log = proc.stdout + proc.stderr
     per_step = parse_steps(log)
     figures = summarize(per_step, warmup)

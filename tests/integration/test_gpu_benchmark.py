@@ -8,6 +8,7 @@ and the abort check's outcome on gloo (the survivor fails at once as ``peer_lost
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -99,7 +100,7 @@ def test_the_abort_check_on_gloo_fails_the_survivor_at_once_and_it_reforms(run):
 def test_the_trace_and_the_top_ops(run):
     report, tmp = run
     profile = report["profile"]
-    trace = json.loads(Path(profile["trace"]).read_text())
+    trace = json.loads(gzip.decompress(Path(profile["trace"]).read_bytes()))
     assert trace["traceEvents"]
     assert 0 < len(profile["top_ops"]) <= 10
     assert all(row["self_us"] >= 0 and row["calls"] > 0 for row in profile["top_ops"])
