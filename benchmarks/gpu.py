@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", help="a prepared token directory (default: synthetic tokens in a temporary one)")
     p.add_argument("--trace", help="profile two more steps: chrome trace and top-10 ops table into this folder")
     p.add_argument("--check-abort", action="store_true", help="run the abort check of a killed peer")
-    p.add_argument("--abort-timeout-s", type=float, default=30.0, help="the abort check's group timeout")
+    p.add_argument("--abort-timeout-s", type=float, default=20.0, help="the abort check's group timeout")
     p.add_argument("--torchtitan", choices=("auto", "off"), default="auto",
                    help="auto: run torchtitan on the same job when it is importable")
     p.add_argument("--torchtitan-timeout-s", type=float, default=420.0,

@@ -148,7 +148,7 @@ def run_variant(device_kind: str, timeout_s: float, env: dict[str, str]) -> dict
         survivor.start()
         victim = _spawn(ctx, _peer, ports[0], device_kind, timeout_s, events, "victim")
         procs += [survivor, victim]
-        deadline = time.monotonic() + 3 * timeout_s + 60
+        deadline = time.monotonic() + 2 * timeout_s + 30
         if _wait_for(events, seen, "entering", deadline, survivor):
             time.sleep(1.0)  # let the survivor's collective start and block on the victim
             os.kill(victim.pid, signal.SIGKILL)
