@@ -1,17 +1,19 @@
 """torchtitan on the GPU benchmark's job, through its own entry point, and the raymesh/torchtitan ratios.
 
-torchtitan (PyPI ``torchtitan``, 0.3) trains from a config function (``benchmarks/torchtitan_job.py`` gives it
-the job's shape) with a Hugging Face text dataset and tokenizer: both are made here, offline (a few hundred
-thousand characters of random words as a local ``json`` dataset; a byte-level BPE ``tokenizer.json`` trained on
-them with ``tokenizers``), since the GPU machine reaches no hub. The token ids differ from raymesh's run;
-a step's cost does not depend on them. It logs one line per step (``step: N loss: ... tps: N tflops: ...
-mfu: N%``); the warm-up steps are dropped as on raymesh's side, and tokens/s and MFU are aggregated as
-total tokens over total time (the harmonic mean of per-step figures: every step has the same tokens).
+torchtitan (PyPI ``torchtitan``; 0.2 and 0.3 are both driven, ``command``) trains the job's shape from
+``benchmarks/torchtitan_job.py`` with a Hugging Face text dataset and tokenizer: both are made here, offline (a few
+hundred thousand characters of random words as a local ``json`` dataset; a byte-level BPE ``tokenizer.json``
+trained on them with ``tokenizers``), since the GPU machine reaches no hub. The token ids differ from raymesh's
+run; a step's cost does not depend on them. It logs one line per step (``step: N loss: ... tps: N tflops: ...
+mfu: N%``); the warm-up steps are dropped as on raymesh's side, and tokens/s and MFU are aggregated as total
+tokens over total time (the harmonic mean of per-step figures: every step has the same tokens).
 
-Known differences, reported rather than hidden: torchtitan's Llama attends with flex attention under a
-block-causal mask (0.3 refuses SDPA for language models), raymesh's with SDPA under a causal mask; torchtitan's
-MFU counts FLOPs without the embedding, raymesh's with it (``mfu_same_formula`` recomputes torchtitan's MFU with
-raymesh's FLOPs per token and peak, so the MFU ratio compares like with like).
+Known differences, reported rather than hidden: torchtitan counts FLOPs without the embedding, raymesh with it
+(``mfu_same_formula`` recomputes torchtitan's MFU with raymesh's FLOPs per token and peak, so that MFU ratio
+compares like with like). 0.2's Llama attends with SDPA under a causal mask as raymesh's does, but ties no
+weights (its head is a matrix of its own: same FLOPs, more parameters); 0.3's ties them but attends with flex
+attention under a block-causal mask (it refuses SDPA for language models). Each torchtitan release pins the
+PyTorch nightly of its day: 0.2.2 (February 2026) is the one nearest torch 2.11, 0.3.0 (September 2026) later.
 """
 
 from __future__ import annotations
@@ -106,10 +108,38 @@ def _text(out: bytes | str | None) -> str:
     return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
 
 
-def command() -> list[str]:
-    """torchtitan's own entry point under torchrun, one process, our config function."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            "-m", "torchtitan.train", "--module", "benchmarks.torchtitan_job", "--config", "raymesh_job"]
+def command(version: str, folder: Path, job: dict) -> list[str]:
+    """torchtitan's own entry point under torchrun, one process: on 0.3 our config function, on 0.2 a TOML job
+    (written into ``folder``) that imports our module, which adds the job's shape as a flavour."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+           "-m", "torchtitan.train"]
+    if tuple(int(x) for x in version.split(".")[:2]) >= (0, 3):
+        return [*run, "--module", "benchmarks.torchtitan_job", "--config", "raymesh_job"]
+    toml = folder / "raymesh_job.toml"
+    toml.write_text(toml_job(job))
+    return [*run, "--job.config_file", str(toml)]
+
+
+def toml_job(job: dict) -> str:
+    """torchtitan 0.2's job file for the job (every value a string, number or boolean: written by hand, as
+    Python reads TOML but does not write it)."""
+    sections = {
+        "job": {"dump_folder": job["dump_folder"]},
+        "model": {"name": "llama3", "flavor": "raymesh", "hf_assets_path": job["tokenizer_dir"]},
+        "optimizer": {"name": "AdamW", "lr": 3e-4},
+        "lr_scheduler": {"warmup_steps": 0},
+        "training": {"local_batch_size": job["global_batch_size"], "seq_len": job["seq_len"],
+                     "steps": job["steps"], "dataset": "c4_test", "dataset_path": job["dataset_dir"],
+                     "mixed_precision_param": "bfloat16" if job["precision"] == "bf16" else "float32"},
+        "activation_checkpoint": {"mode": job["recompute"]},
+        "metrics": {"log_freq": 1},
+        "checkpoint": {"enable": False},
+        "validation": {"enable": False},
+        "compile": {"enable": False},
+        "experimental": {"custom_import": "benchmarks.torchtitan_job"},
+    }
+    return "".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()) + "\n"
+                   for name, values in sections.items())
 
 
 def run_torchtitan(job: dict, device: str, warmup: int, steps: int, folder: Path, timeout_s: float) -> dict:
@@ -123,11 +153,13 @@ def run_torchtitan(job: dict, device: str, warmup: int, steps: int, folder: Path
 
     tokens = (warmup + steps) * job["global_batch_size"] * (job["seq_len"] + 1)
     data, assets = write_assets(folder, tokens, job["vocab_size"])
-    env = {**os.environ, JOB_ENV: json.dumps({**job, "steps": warmup + steps, "dataset_dir": str(data),
-                                              "tokenizer_dir": str(assets), "dump_folder": str(folder / "tt")}),
+    titan = {**job, "steps": warmup + steps, "dataset_dir": str(data), "tokenizer_dir": str(assets),
+             "dump_folder": str(folder / "tt")}
+    env = {**os.environ, JOB_ENV: json.dumps(titan),
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = command(version("torchtitan"), folder, titan)
     try:
-        proc = subprocess.run(command(), cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         return {**skipped(f"torchtitan ran past {timeout_s:.0f}s (--torchtitan-timeout-s)"),
                 "version": version("torchtitan"), "log_tail": _text(exc.stdout)[-3000:] + _text(exc.stderr)[-3000:]}
@@ -138,4 +170,4 @@ def run_torchtitan(job: dict, device: str, warmup: int, steps: int, folder: Path
         return {**skipped(f"torchtitan exited {proc.returncode} with {len(per_step)} step lines"),
                 "version": version("torchtitan"), "log_tail": log[-3000:]}
     return {"version": version("torchtitan"), **figures, "mfu_same_formula": None, "steps": per_step,
-            "attention": "flex, block-causal", "reason": None}
+            "command": " ".join(cmd[2:]), "reason": None}

@@ -1,19 +1,25 @@
-"""torchtitan's config for the GPU benchmark's job: imported by torchtitan's own entry point, not by raymesh.
+"""torchtitan's side of the GPU benchmark's job: imported by torchtitan's own entry point, not by raymesh.
 
     python -m torch.distributed.run --nproc_per_node 1 -m torchtitan.train \
-        --module benchmarks.torchtitan_job --config raymesh_job
+        --module benchmarks.torchtitan_job --config raymesh_job          # torchtitan 0.3
+    python -m torch.distributed.run --nproc_per_node 1 -m torchtitan.train \
+        --job.config_file raymesh_job.toml                                # torchtitan 0.2 (the TOML names this
+                                                                          # module in experimental.custom_import)
 
-torchtitan (0.3) takes a config function from a module (``--module``/``--config``) and CLI overrides; a job
-whose model shape is not one of its flavours needs a function of its own, so this module holds it. It reads
-the job raymesh trained from ``RAYMESH_TORCHTITAN_JOB`` (the JSON ``benchmarks/gpu_torchtitan.py`` writes:
-the ``job`` section of the benchmark's report plus steps, data and tokenizer folders) and returns the same
-model shape, sequence length, batch, precision (bf16 autocast over fp32 weights, which is what torchtitan does on
-one device) and recompute. The layer list is built by torchtitan's Llama 3 builder (``_build_llama3_layers``,
-private: the one place its flavours get their blocks from), the ends as its ``_1b`` flavour builds them.
+A job whose model shape is not one of torchtitan's flavours needs code of its own: torchtitan 0.3 takes a config
+function (``raymesh_job``); 0.2 takes a TOML job and a flavour name, so importing this module there adds the
+flavour ``raymesh`` to its Llama 3 table. Either reads the job raymesh trained from ``RAYMESH_TORCHTITAN_JOB``
+(the JSON ``benchmarks/gpu_torchtitan.py`` writes: the ``job`` section of the benchmark's report plus steps,
+data and tokenizer folders): the same model shape, sequence length, batch, precision (bf16 autocast over fp32
+weights, which is what torchtitan does on one device) and recompute. On 0.3 the layer list is built by
+torchtitan's Llama 3 builder (``_build_llama3_layers``, private: the one place its flavours get their blocks
+from), the ends as its ``_1b`` flavour builds them; 0.2's Llama has no weight tying, so its head is a matrix of
+its own there (same FLOPs, 0.26B more parameters at the 1B shape).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -83,3 +89,21 @@ def raymesh_job():
         activation_checkpoint=_recompute(job["recompute"]),
         validator=Validator.Config(enable=False),
     )
+
+
+def _register_flavour() -> None:
+    """torchtitan 0.2: the job's shape as the Llama 3 flavour ``raymesh`` (its trainer imports this module,
+    ``experimental.custom_import``, before it looks the flavour up)."""
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+
+    job = json.loads(os.environ[JOB_ENV])
+    d = job["d_model"]  # SwiGLU width 2/3 of 4d, then rounded: d_ff exactly when multiple_of is d_ff itself
+    llama3_args["raymesh"] = TransformerModelArgs(
+        dim=d, n_layers=job["n_layers"], n_heads=job["n_heads"], n_kv_heads=job["n_kv_heads"],
+        vocab_size=job["vocab_size"], multiple_of=job["d_ff"], ffn_dim_multiplier=3 * job["d_ff"] / (8 * d),
+        rope_theta=500000, max_seq_len=max(job["seq_len"], 8192))
+
+
+if JOB_ENV in os.environ and importlib.util.find_spec("torchtitan.config.job_config") is not None:
+    _register_flavour()
