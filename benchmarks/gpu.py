@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import shlex
 import shutil
 import sys
 import tempfile
@@ -74,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps run first and left out of every figure")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="a job-file field over the default job, as `raymesh run --set` takes it (repeatable)")
+    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="'KEY=VALUE ...'",
+                   help="also train the job with these fields changed (space-separated, over --set; repeatable): "
+                        "one row each of tokens/s, MFU and memory, e.g. --variant 'train.compile=true'")
     p.add_argument("--data", help="a prepared token directory (default: synthetic tokens in a temporary one)")
     p.add_argument("--trace", help="profile two more steps: chrome trace and top-10 ops table into this folder")
     p.add_argument("--check-abort", action="store_true", help="run the abort check of a killed peer")
@@ -228,26 +232,36 @@ def job_summary(spec: JobSpec) -> dict:
             "recompute": spec.memory.recompute, "parameters": sum(stage_params(spec, stage=0, n_stages=1))}
 
 
+def measure(args: argparse.Namespace, overrides: list[str], folder: Path, trace: str | None) -> dict:
+    """Train one job (the default with ``overrides``) and take its figures: job, throughput, memory, profile."""
+    total = args.warmup + args.steps + (2 if trace else 0)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = args.data or synthetic_data(build_spec(overrides, args.device, str(folder), total), folder, total)
+    spec = build_spec(overrides, args.device, data, total)
+    out = train(spec, args.warmup, args.steps, trace)
+    name = device_name(out["device"])
+    return {"device": name, "overrides": overrides, "job": job_summary(spec),
+            "throughput": throughput(spec, out["results"], out["wall_s"], name),
+            "memory": memory(spec, out["results"], out["device"]), "profile": out["profile"]}
+
+
 def run(args: argparse.Namespace) -> dict:
+    """The job's figures, torchtitan's on the same job, each ``--variant``'s, then the abort check."""
     from benchmarks.gpu_abort import check_abort
     from benchmarks.gpu_torchtitan import run_torchtitan, skipped, with_ratios
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
                          "pass --device cpu to check the benchmark's logic on a CPU")
-    total = args.warmup + args.steps + (2 if args.trace else 0)
     with tempfile.TemporaryDirectory(prefix="raymesh-gpu-bench-") as tmp:
-        data = args.data or synthetic_data(build_spec(args.overrides, args.device, tmp, total), Path(tmp), total)
-        spec = build_spec(args.overrides, args.device, data, total)
-        out = train(spec, args.warmup, args.steps, args.trace)
-        name = device_name(out["device"])
-        report = {"device": name, "torch": torch.__version__, "warmup_steps": args.warmup, "steps": args.steps,
-                  "overrides": args.overrides, "job": job_summary(spec),
-                  "throughput": throughput(spec, out["results"], out["wall_s"], name),
-                  "memory": memory(spec, out["results"], out["device"]), "profile": out["profile"]}
+        base = measure(args, args.overrides, Path(tmp) / "job", args.trace)
+        report = {"device": base.pop("device"), "torch": torch.__version__, "warmup_steps": args.warmup,
+                  "steps": args.steps, **base}
         titan = skipped("--torchtitan off") if args.torchtitan == "off" else run_torchtitan(
             report["job"], args.device, args.warmup, args.steps, Path(tmp), args.torchtitan_timeout_s)
         report["torchtitan"] = with_ratios(report["throughput"], titan)
+        report["variants"] = [measure(args, [*args.overrides, *shlex.split(v)], Path(tmp) / f"variant-{i}", None)
+                              for i, v in enumerate(args.variants)]
     report["abort"] = check_abort(args.device, args.abort_timeout_s) if args.check_abort else None
     return report
 
@@ -275,7 +289,18 @@ def markdown(report: dict) -> str:
             rows.append((f"abort check ({variant['backend']}, {variant['env'] or 'default env'})",
                          variant["summary"]))
     lines = ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    if report["variants"]:
+        lines += ["", "| job | tokens/s | MFU | peak memory measured / predicted |", "|---|---|---|---|"]
+        lines += [variant_row(v) for v in [report, *report["variants"]]]
     return "\n".join(lines)
+
+
+def variant_row(v: dict) -> str:
+    """One job's row of the variants table: the fields changed over the default job, then its figures."""
+    t, m = v["throughput"], v["memory"]
+    return (f"| {' '.join(v['overrides']) or 'default job'} | {t['tokens_per_s']:,.0f} | {t['mfu']:.2%} | "
+            f"{m['measured_peak_bytes'] / 2**30:.2f} / {m['predicted_peak_bytes'] / 2**30:.2f} GiB "
+            f"({m['relative_error']:+.1%}) |")
 
 
 def main(argv: list[str] | None = None) -> None:

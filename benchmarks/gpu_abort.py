@@ -165,10 +165,10 @@ def run_variant(device_kind: str, timeout_s: float, env: dict[str, str]) -> dict
             proc.join()
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    return _outcome(device_kind, env, timeout_s, seen, exit_code)
+    return outcome(device_kind, env, timeout_s, seen, exit_code)
 
 
-def _outcome(device_kind: str, env: dict[str, str], timeout_s: float, seen: dict, exit_code: int | None) -> dict:
+def outcome(device_kind: str, env: dict[str, str], timeout_s: float, seen: dict, exit_code: int | None) -> dict:
     """The variant's JSON: whether the group formed, the survivor's collective failed in time, how it was
     classified, whether the survivor lived on (exit 0 after re-forming) and the re-formed all-reduce's value."""
     failed = seen.get("failed")

@@ -33,7 +33,8 @@ def run(tmp_path_factory):
     sets = [f"model.{k}={v}" for k, v in TINY.items()] + [f"train.global_batch_size={BATCH}"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--steps", str(STEPS),
            "--warmup", str(WARMUP), "--trace", str(tmp / "trace"), "--check-abort", "--abort-timeout-s", "10",
-           "--markdown", str(tmp / "table.md"), *(a for s in sets for a in ("--set", s))]
+           "--markdown", str(tmp / "table.md"), "--variant", "memory.recompute=none",
+           *(a for s in sets for a in ("--set", s))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,8 +114,19 @@ def test_torchtitan_missing_or_off_an_accelerator_is_a_reason_not_a_crash(run):
     assert "torchtitan" in titan["reason"]
 
 
+def test_a_variant_trains_the_job_with_its_fields_changed(run):
+    report, _ = run
+    (variant,) = report["variants"]
+    assert variant["overrides"][-1] == "memory.recompute=none"
+    assert variant["job"]["recompute"] == "none" and report["job"]["recompute"] == "full"
+    t = variant["throughput"]
+    assert t["tokens"] == report["throughput"]["tokens"] and t["hfu"] == t["mfu"] > 0  # nothing recomputed
+    assert variant["memory"]["predicted"]["activations"] > report["memory"]["predicted"]["activations"]
+
+
 def test_the_markdown_table_names_the_figures(run):
     table = (run[1] / "table.md").read_text()
     for row in ("raymesh tokens/s", "raymesh MFU", "peak memory measured / predicted", "torchtitan", "abort check"):
         assert f"| {row}" in table
+    assert "| default job |" not in table and " memory.recompute=none |" in table  # the variants' rows
     assert not math.isnan(run[0]["throughput"]["mfu"])
