@@ -81,6 +81,7 @@ def test_abort_outcomes_read_as_what_happened():
                                                                   "Duplicate GPU detected")
     torn_down = outcome("cuda", {}, 20.0, {"formed": 2.0, "entering": 1.0, "killed_at": 2.0}, -6)
     assert torn_down["group_formed"] and not torn_down["collective_failed"] and not torn_down["survivor_alive"]
+    assert torn_down["summary"] == "survivor torn down inside the collective (exit code -6), no error raised"
     failed = {"at": 23.0, "in_collective_s": 22.0, "kind": "peer_lost", "detail": "DistBackendError: NCCL"}
     died = outcome("cuda", {}, 20.0, {"formed": 2.0, "killed_at": 2.0, "failed": failed}, -6)
     assert died["failed_after_kill_s"] == 21.0 and died["within_timeout"] and not died["reformed_ok"]
