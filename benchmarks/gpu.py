@@ -2,8 +2,10 @@
 torchtitan on the same job, a profiler trace, and the NCCL abort check.
 
     python benchmarks/gpu.py --steps 10 --trace runs/gpu-trace --check-abort --out runs/gpu.json
-    python benchmarks/gpu.py --set parallel.zero=3 --set precision.policy=fsdp   # any job-file field
-    python benchmarks/gpu.py --device cpu --set model.d_model=64 ...             # the logic, on a CPU
+    python benchmarks/gpu.py --set train.global_batch_size=16 --variant 'train.compile=true'  # any job field
+    python benchmarks/gpu.py --device cpu --set model.d_model=64 ...                          # the logic, on a CPU
+
+The JSON goes to stdout (and ``--out``), the Markdown table to stderr (and ``--markdown``).
 
 Why no Ray: the GPU machine may have none, and nothing measured here needs it. The job runs at world size 1
 through the worker-level code the Ray actor runs (``workers.trainer.Trainer`` fed ``JobSpec.worker_dict()``,
@@ -28,6 +30,9 @@ Figures, all over the timed steps only (``--warmup`` steps first are left out):
   (``benchmarks/gpu_torchtitan.py``); null with the reason when torchtitan is not importable.
 - ``profile`` (``--trace DIR``): two more steps under ``torch.profiler``: a chrome trace and the top-10 ops.
 - ``abort`` (``--check-abort``): a killed peer in a two-process group on one device (``benchmarks/gpu_abort.py``).
+- ``variants`` (``--variant 'KEY=VALUE ...'``, repeatable): the job trained again with those fields changed over
+  ``--set``, each with its own throughput and memory figures (compile on/off, a precision policy, an optimizer
+  implementation: one lease, one table).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from orchestrator.errors import SpecError  # noqa: E402
 from orchestrator.planning.estimate import estimate_rank, stage_params  # noqa: E402
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank  # noqa: E402
 from orchestrator.planning.time_model import flops_per_token  # noqa: E402
@@ -305,7 +311,10 @@ def variant_row(v: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report = run(args)
+    try:
+        report = run(args)
+    except SpecError as exc:  # a --set or --variant the job file would refuse: its field, value and fix
+        raise SystemExit(f"benchmarks/gpu.py: {exc}") from None
     table = markdown(report)
     if report["profile"] is not None:
         table += "\n\n```\n" + report["profile"]["table"] + "\n```"
