@@ -259,6 +259,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
                          "pass --device cpu to check the benchmark's logic on a CPU")
+    for variant in ["", *args.variants]:  # every job checked before minutes go into the first
+        build_spec([*args.overrides, *shlex.split(variant)], args.device, "unchecked", 1)
     with tempfile.TemporaryDirectory(prefix="raymesh-gpu-bench-") as tmp:
         base = measure(args, args.overrides, Path(tmp) / "job", args.trace)
         report = {"device": base.pop("device"), "torch": torch.__version__, "warmup_steps": args.warmup,
