@@ -1,0 +1,333 @@
+"""Every figure issue 19 asks of one GPU, from one command: tokens/s and MFU, memory against the planner,
+torchtitan on the same job, a profiler trace, and the NCCL abort check.
+
+    python benchmarks/gpu.py --steps 10 --trace runs/gpu-trace --check-abort --out runs/gpu.json
+    python benchmarks/gpu.py --set train.global_batch_size=16 --variant 'train.compile=true'  # any job field
+    python benchmarks/gpu.py --device cpu --set model.d_model=64 ...                          # the logic, on a CPU
+
+The JSON goes to stdout (and ``--out``), the Markdown table to stderr (and ``--markdown``).
+
+Why no Ray: the GPU machine may have none, and nothing measured here needs it. The job runs at world size 1
+through the worker-level code the Ray actor runs (``workers.trainer.Trainer`` fed ``JobSpec.worker_dict()``,
+as ``tests/support/parity_harness.py`` does), so its ``StepResult``s are the records a Ray run would hand the
+controller. Default job: ``model.preset: llama-1b`` at seq 2048, bf16, full recompute, batch 8, AdamW, on
+synthetic tokens; ``--set key.path=value`` changes any job field (as ``raymesh run --set`` does), so fields
+added later (``precision.policy``, ``train.compile``, ``optim.implementation``) pass through unchanged.
+
+Figures, all over the timed steps only (``--warmup`` steps first are left out):
+
+- ``throughput``: tokens/s = tokens / step seconds summed from the ``StepResult``s (``time_s.step``, what the
+  controller's step record divides by, less the Ray round trip), and a wall-clock cross-check with the device
+  synchronised at both ends; MFU = model FLOPs per token (``orchestrator.planning.flops``, recompute not
+  counted) × tokens/s ÷ peak FLOP/s of the device by name (H100/H200: 989 TFLOP/s bf16 dense), the
+  controller's formula (``orchestrator.observability.step_accounting``); HFU counts the recomputed forward too.
+- ``memory``: the largest ``StepResult.peak_memory_bytes`` against the planner's in-step peak for the same
+  job (``estimate_rank(spec, 0).total_bytes``: the ``total`` column of ``raymesh plan``), relative error
+  (predicted - measured) / measured as the summary's ``memory`` section reports it. On a GPU the peak is
+  ``torch.cuda.max_memory_allocated`` with the peak reset before each step; on a CPU it is the process's
+  ``VmHWM`` (what the trainer reports there), which holds Python and torch themselves: not comparable.
+- ``torchtitan``: the same shape, seq, batch, precision and recompute through torchtitan's own entry point
+  (``benchmarks/gpu_torchtitan.py``); null with the reason when torchtitan is not importable.
+- ``profile`` (``--trace DIR``): two more steps under ``torch.profiler``: a chrome trace and the top-10 ops.
+- ``abort`` (``--check-abort``): a killed peer in a two-process group on one device (``benchmarks/gpu_abort.py``).
+- ``variants`` (``--variant 'KEY=VALUE ...'``, repeatable): the job trained again with those fields changed over
+  ``--set``, each with its own throughput and memory figures (compile on/off, a precision policy, an optimizer
+  implementation: one lease, one table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from orchestrator.errors import SpecError  # noqa: E402
+from orchestrator.planning.estimate import estimate_rank, stage_params  # noqa: E402
+from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank  # noqa: E402
+from orchestrator.planning.time_model import flops_per_token  # noqa: E402
+from orchestrator.spec import JobSpec  # noqa: E402
+from orchestrator.spec.loading import apply_overrides  # noqa: E402
+from workers.data import write_token_rows  # noqa: E402
+from workers.parallel.process_group import listen_on  # noqa: E402
+from workers.protocol import StepResult  # noqa: E402
+
+BASE_JOB = {
+    "name": "gpu-benchmark",
+    "model": {"preset": "llama-1b", "seq_len": 2048},
+    "precision": {"dtype": "bf16"},
+    "memory": {"recompute": "full"},
+    "train": {"global_batch_size": 8, "microbatches": 1},
+    "optim": {"name": "adamw", "lr": 3e-4},
+    "checkpoint": {"every": 0},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=3, help="steps run first and left out of every figure")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="a job-file field over the default job, as `raymesh run --set` takes it (repeatable)")
+    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="'KEY=VALUE ...'",
+                   help="also train the job with these fields changed (space-separated, over --set; repeatable): "
+                        "one row each of tokens/s, MFU and memory, e.g. --variant 'train.compile=true'")
+    p.add_argument("--data", help="a prepared token directory (default: synthetic tokens in a temporary one)")
+    p.add_argument("--trace", help="profile two more steps: chrome trace and top-10 ops table into this folder")
+    p.add_argument("--check-abort", action="store_true", help="run the abort check of a killed peer")
+    p.add_argument("--abort-timeout-s", type=float, default=20.0, help="the abort check's group timeout")
+    p.add_argument("--torchtitan", choices=("auto", "off"), default="auto",
+                   help="auto: run torchtitan on the same job when it is importable")
+    p.add_argument("--torchtitan-timeout-s", type=float, default=420.0,
+                   help="torchtitan's run is stopped after this long (a device lease runs one command <= 10 min)")
+    p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--markdown", help="also write the Markdown table here")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"--steps must be >= 1 and --warmup >= 0 (got --steps {args.steps} --warmup {args.warmup})")
+    return args
+
+
+def build_spec(overrides: list[str], device: str, data: str, steps: int) -> JobSpec:
+    """The default job with ``overrides`` applied; the device, data and step count are the benchmark's own
+    (``train.steps`` shapes the LR schedule, so it is the number of steps this run takes)."""
+    raw = apply_overrides(BASE_JOB, overrides)
+    raw["parallel"] = {**raw.get("parallel", {}), "device": device}
+    raw["data"] = {**raw.get("data", {}), "path": data}
+    raw["train"] = {**raw.get("train", {}), "steps": steps}
+    return JobSpec.from_dict(raw)
+
+
+def synthetic_data(spec_without_data: JobSpec, out: Path, steps: int) -> str:
+    """Uniform random token ids (seeded), enough for ``steps`` steps without repeating a sample: what a step
+    costs does not depend on the ids, and the GPU machine has no corpus."""
+    m, batch = spec_without_data.model, spec_without_data.train.global_batch_size
+    ids = np.random.default_rng(0).integers(0, m.vocab_size, size=(steps + 1) * batch * (m.seq_len + 1))
+    write_token_rows([ids], out, m.vocab_size, "synthetic: uniform random ids, seed 0")
+    return str(out)
+
+
+def device_name(device: torch.device) -> str:
+    """As ``RankWorker.setup`` names it for the controller's peak FLOP/s lookup."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def run_steps(trainer, n: int) -> list[StepResult]:
+    """``n`` steps; on a GPU the allocator's peak is reset before each, so a result's peak is its own step's."""
+    out = []
+    for _ in range(n):
+        if trainer.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        out.append(trainer.train_step())
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(spec: JobSpec, warmup: int, steps: int, trace: str | None) -> dict:
+    """Build the rank-0 ``Trainer`` of a one-rank job, run warm-up and timed steps (and the profiled ones)."""
+    import torch.distributed as dist
+
+    from workers.trainer import Trainer
+
+    listener = listen_on("127.0.0.1")
+    trainer = Trainer(spec.worker_dict(), 0, 1, "127.0.0.1", listener.getsockname()[1], listener=listener)
+    try:
+        run_steps(trainer, warmup)
+        synchronize(trainer.device)
+        start = time.perf_counter()
+        timed = run_steps(trainer, steps)
+        synchronize(trainer.device)
+        wall = time.perf_counter() - start
+        profile = profile_steps(trainer, trace) if trace else None
+        return {"results": timed, "wall_s": wall, "device": trainer.device, "profile": profile}
+    finally:
+        dist.destroy_process_group()
+        release(trainer)
+
+
+def release(trainer) -> None:
+    """Give the device memory back before torchtitan and the abort check's processes need it: the trainer's
+    tensors are only freed once their reference cycles are collected, and the caching allocator keeps what
+    it reserved until emptied."""
+    import gc
+
+    device = trainer.device
+    trainer.__dict__.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def profile_steps(trainer, folder: str, steps: int = 2, top: int = 10) -> dict:
+    """``steps`` steps under ``torch.profiler``: the chrome trace in ``folder`` (gzipped: Perfetto and
+    chrome://tracing open it as it is) and the ``top`` ops by self time on the device (CPU time on a CPU), as a
+    table and as rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run_steps(trainer, steps)
+        synchronize(trainer.device)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    raw, trace = Path(folder) / "trace.json", Path(folder) / "trace.json.gz"
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(trace, "wb") as dst:  # a 1B model's trace is tens of MB uncompressed
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    table = prof.key_averages().table(sort_by=key, row_limit=top)
+    (Path(folder) / "top_ops.txt").write_text(table)
+    rows = [{"op": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1)} for e in events]
+    return {"trace": str(trace), "steps": steps, "sorted_by": key, "top_ops": rows, "table": table}
+
+
+def throughput(spec: JobSpec, results: list[StepResult], wall_s: float, name: str) -> dict:
+    """tokens/s and MFU from the step results, by the controller's own FLOPs and peak (world size 1)."""
+    tokens = sum(r.tokens for r in results)
+    step_s = sum(r.time_s.step for r in results)
+    per_token = model_flops_per_token(spec)
+    m = spec.model
+    params = sum(stage_params(spec, stage=0, n_stages=1))
+    hardware = flops_per_token(params, m.n_layers, m.d_model, m.seq_len, spec.memory.recompute)
+    peak = peak_flops_per_rank(spec, name)
+    tps = tokens / step_s
+    return {"tokens": tokens, "step_s": step_s, "tokens_per_s": tps, "wall_s": wall_s,
+            "wall_tokens_per_s": tokens / wall_s, "model_flops_per_token": per_token,
+            "hardware_flops_per_token": hardware, "peak_flops": peak, "mfu": per_token * tps / peak,
+            "hfu": hardware * tps / peak,
+            "per_step": [{"step": r.step, "step_s": r.time_s.step, "tokens_per_s": r.tokens / r.time_s.step,
+                          "mfu": per_token * r.tokens / r.time_s.step / peak} for r in results]}
+
+
+def memory(spec: JobSpec, results: list[StepResult], device: torch.device) -> dict:
+    """Measured in-step peak against the planner's, as the run summary's ``memory`` section compares them."""
+    measured = max(r.peak_memory_bytes for r in results)
+    predicted = estimate_rank(spec, 0)
+    source = ("torch.cuda.max_memory_allocated, peak reset before each step" if device.type == "cuda" else
+              "VmHWM of the process (Python and torch included): not comparable with the prediction")
+    return {"measured_peak_bytes": measured, "predicted_peak_bytes": predicted.total_bytes,
+            "relative_error": (predicted.total_bytes - measured) / measured, "source": source,
+            "predicted": predicted.as_dict(), "per_step_peak_bytes": [r.peak_memory_bytes for r in results]}
+
+
+def job_summary(spec: JobSpec) -> dict:
+    """What was trained, as the figures need it to be read (and torchtitan to train the same)."""
+    m = spec.model
+    return {"arch": m.arch, "preset": m.preset, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
+            "n_kv_heads": m.kv_heads, "d_ff": m.ffn_dim, "vocab_size": m.vocab_size, "seq_len": m.seq_len,
+            "tie_embeddings": m.tie_embeddings, "global_batch_size": spec.train.global_batch_size,
+            "microbatches": spec.train.microbatches, "precision": spec.precision.dtype,
+            "recompute": spec.memory.recompute, "parameters": sum(stage_params(spec, stage=0, n_stages=1))}
+
+
+def measure(args: argparse.Namespace, overrides: list[str], folder: Path, trace: str | None) -> dict:
+    """Train one job (the default with ``overrides``) and take its figures: job, throughput, memory, profile."""
+    total = args.warmup + args.steps + (2 if trace else 0)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = args.data or synthetic_data(build_spec(overrides, args.device, str(folder), total), folder, total)
+    spec = build_spec(overrides, args.device, data, total)
+    out = train(spec, args.warmup, args.steps, trace)
+    name = device_name(out["device"])
+    return {"device": name, "overrides": overrides, "job": job_summary(spec),
+            "throughput": throughput(spec, out["results"], out["wall_s"], name),
+            "memory": memory(spec, out["results"], out["device"]), "profile": out["profile"]}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The job's figures, torchtitan's on the same job, each ``--variant``'s, then the abort check."""
+    from benchmarks.gpu_abort import check_abort
+    from benchmarks.gpu_torchtitan import run_torchtitan, skipped, with_ratios
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
+                         "pass --device cpu to check the benchmark's logic on a CPU")
+    for variant in ["", *args.variants]:  # every job checked before minutes go into the first
+        build_spec([*args.overrides, *shlex.split(variant)], args.device, "unchecked", 1)
+    with tempfile.TemporaryDirectory(prefix="raymesh-gpu-bench-") as tmp:
+        base = measure(args, args.overrides, Path(tmp) / "job", args.trace)
+        report = {"device": base.pop("device"), "torch": torch.__version__, "warmup_steps": args.warmup,
+                  "steps": args.steps, **base}
+        titan = skipped("--torchtitan off") if args.torchtitan == "off" else run_torchtitan(
+            report["job"], args.device, args.warmup, args.steps, Path(tmp), args.torchtitan_timeout_s)
+        report["torchtitan"] = with_ratios(report["throughput"], titan)
+        report["variants"] = [measure(args, [*args.overrides, *shlex.split(v)], Path(tmp) / f"variant-{i}", None)
+                              for i, v in enumerate(args.variants)]
+    report["abort"] = check_abort(args.device, args.abort_timeout_s) if args.check_abort else None
+    return report
+
+
+def markdown(report: dict) -> str:
+    """The figures as the README's table."""
+    t, m, tt = report["throughput"], report["memory"], report["torchtitan"]
+    job = report["job"]
+    rows = [("device", report["device"]), ("torch", report["torch"]),
+            ("job", f"{job['preset'] or job['arch']} d={job['d_model']} L={job['n_layers']}, seq {job['seq_len']}, "
+                    f"batch {job['global_batch_size']}, {job['precision']}, recompute {job['recompute']}"),
+            ("steps timed (warm-up left out)", f"{report['steps']} ({report['warmup_steps']})"),
+            ("raymesh tokens/s (wall clock)", f"{t['tokens_per_s']:,.0f} ({t['wall_tokens_per_s']:,.0f})"),
+            ("raymesh MFU (HFU)", f"{t['mfu']:.2%} ({t['hfu']:.2%})"),
+            ("peak memory measured / predicted", f"{m['measured_peak_bytes'] / 2**30:.2f} / "
+                                                 f"{m['predicted_peak_bytes'] / 2**30:.2f} GiB "
+                                                 f"({m['relative_error']:+.1%})")]
+    if tt["tokens_per_s"] is None:
+        rows.append(("torchtitan", f"not run: {tt['reason']}"))
+    else:
+        rows += [("torchtitan tokens/s, its MFU", f"{tt['tokens_per_s']:,.0f}, {tt['mfu']:.1%}"),
+                 ("raymesh / torchtitan tokens/s", f"{tt['ratio']['tokens_per_s']:.2f}")]
+    if report["abort"] is not None:
+        for variant in report["abort"]["variants"]:
+            rows.append((f"abort check ({variant['backend']}, {variant['env'] or 'default env'})",
+                         variant["summary"]))
+    lines = ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    if report["variants"]:
+        lines += ["", "| job | tokens/s | MFU | peak memory measured / predicted |", "|---|---|---|---|"]
+        lines += [variant_row(v) for v in [report, *report["variants"]]]
+    return "\n".join(lines)
+
+
+def variant_row(v: dict) -> str:
+    """One job's row of the variants table: the fields changed over the default job, then its figures."""
+    t, m = v["throughput"], v["memory"]
+    return (f"| {' '.join(v['overrides']) or 'default job'} | {t['tokens_per_s']:,.0f} | {t['mfu']:.2%} | "
+            f"{m['measured_peak_bytes'] / 2**30:.2f} / {m['predicted_peak_bytes'] / 2**30:.2f} GiB "
+            f"({m['relative_error']:+.1%}) |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except SpecError as exc:  # a --set or --variant the job file would refuse: its field, value and fix
+        raise SystemExit(f"benchmarks/gpu.py: {exc}") from None
+    table = markdown(report)
+    if report["profile"] is not None:
+        table += "\n\n```\n" + report["profile"]["table"] + "\n```"
+    text = json.dumps(report, indent=2, default=str)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    print(text)
+    print(table, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
