@@ -10,7 +10,8 @@ The JSON goes to stdout (and ``--out``), the Markdown table to stderr (and ``--m
 Why no Ray: the GPU machine may have none, and nothing measured here needs it. The job runs at world size 1
 through the worker-level code the Ray actor runs (``workers.trainer.Trainer`` fed ``JobSpec.worker_dict()``,
 as ``tests/support/parity_harness.py`` does), so its ``StepResult``s are the records a Ray run would hand the
-controller. Default job: ``model.preset: llama-1b`` at seq 2048, bf16, full recompute, batch 8, AdamW, on
+controller. Default job: ``model.preset: llama-1b`` at seq 2048, bf16 (ZeRO-2 on one rank, so FSDP2's
+mixed-precision policy on a GPU), full recompute, batch 8, AdamW, on
 synthetic tokens; ``--set key.path=value`` changes any job field (as ``raymesh run --set`` does), so fields
 added later (``precision.policy``, ``train.compile``, ``optim.implementation``) pass through unchanged.
 
@@ -66,6 +67,9 @@ from workers.protocol import StepResult  # noqa: E402
 BASE_JOB = {
     "name": "gpu-benchmark",
     "model": {"preset": "llama-1b", "seq_len": 2048},
+    # ZeRO-2 on a one-rank mesh: FSDP2 units with nothing to shard, so bf16 runs through FSDP2's mixed-precision
+    # policy (precision.policy auto on a GPU), as it does on every multi-GPU ZeRO-2/3 job
+    "parallel": {"zero": 2},
     "precision": {"dtype": "bf16"},
     "memory": {"recompute": "full"},
     "train": {"global_batch_size": 8, "microbatches": 1},

@@ -145,7 +145,7 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
     width = GATHERED_BYTES.get(precision, p_bytes)
     if zero >= 3 or (fsdp and zero == 2):
         params = math.ceil(params / dp)
-        if fsdp and dp > 1:
+        if fsdp and (dp > 1 or precision in GATHERED_BYTES):  # a 16-bit gather is a copy even on one rank
             whole_stage = zero == 2 or pipelined
             gathered = width * (n_params + frozen if whole_stage else min(zero3_gathered_params, n_params + frozen))
     if fsdp and zero == 0 and dp > 1:  # replicate() is FSDP2 over a replicated mesh: a second, unsharded copy
