@@ -37,6 +37,8 @@ def init_mesh(
     if not dist.is_initialized():
         if is_loopback(master_addr):
             keep_links_on_loopback()
+        if backend == "nccl":
+            keep_survivors_on_nccl_errors()
         store = join_store(rank, world_size, master_addr, master_port, timeout, listener)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     forget_previous_meshes()
@@ -103,6 +105,23 @@ def keep_links_on_loopback() -> None:
     lo = next((n for n in ("lo", "lo0") if n in names), None)
     for var in LINK_INTERFACE_VARS if lo else ():
         os.environ.setdefault(var, lo)
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def keep_survivors_on_nccl_errors() -> None:
+    """Have NCCL's watchdog abort a failed or timed-out communicator and raise, without ending the process.
+
+    PyTorch's default (3 on the torch versions raymesh runs) tears the whole process down when a collective
+    fails or times out: every survivor of a lost rank would die with it, and the in-memory recovery that
+    keeps survivors and re-forms the group (``RankWorker.setup``) would have nobody left to keep. ``2``
+    (CleanUpOnly) aborts the communicator, so its kernels end and the next collective raises
+    ``RankStepError``'s ``peer_lost``; the rank then destroys the group and joins the new one. Set before the
+    group exists (NCCL reads it then); a value the user set is kept. Read on a GPU only: not yet measured
+    there (``benchmarks/gpu.py --check-abort`` compares both settings).
+    """
+    os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
 
 
 def init_expert_mesh(grid: Grid, device: torch.device, timeout_s: float = 300.0) -> DeviceMesh | None:
