@@ -11,8 +11,8 @@ here with a replacement process for the killed one, and one all-reduce over the 
 On a GPU it runs twice: as raymesh runs (``init_mesh`` sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: abort the
 communicator and raise, without tearing the process down; ``process_group.keep_survivors_on_nccl_errors``) and
 with PyTorch's own default (``3``: tear the process down), so one lease shows whether the default would take
-survivors down with the lost rank and whether raymesh's setting keeps them. NCCL may refuse two ranks on one device ("Duplicate GPU"): the variant then reports
-that, which is the documented limit the issue allows.
+survivors down with the lost rank and whether raymesh's setting keeps them. NCCL may refuse two ranks on one
+device ("Duplicate GPU"): the variant then reports that, which is the documented limit the issue allows.
 """
 
 from __future__ import annotations
