@@ -9,7 +9,8 @@ shard that is gone is marked down and its keys are served by their successor
 until the controller restarts it and calls ``reroute``.
 
 With ``codec`` (``parameter_server.compression``) pushes go out compressed and pulls come in bf16 when asked;
-``wire_bytes`` counts the payload bytes of every push and pull message since the last ``take_wire_bytes``.
+``traffic`` counts the payload bytes of every push and pull message, and the staleness of asp/ssp reads, since
+the last ``take_traffic``.
 """
 
 from __future__ import annotations
@@ -62,13 +63,17 @@ def _dtype(layout: dict) -> torch.dtype:
     return getattr(torch, layout["dtype"])
 
 
+def new_traffic() -> dict[str, int]:
+    return {"push": 0, "pull": 0, "staleness": 0}
+
+
 class PSClient:
     def __init__(self, conns: list, chunk_elems: int, vnodes: int, worker: int = -1, codec=None):
         """``codec``: ``encode(chunks)`` for each push and ``pull_dtype`` for pulls (a worker's
         ``grad_compression.WireCodec``); None sends tensors as they are."""
         self.conns = list(conns)
         self.codec = codec or _Plain()
-        self.wire_bytes = 0
+        self.traffic = new_traffic()
         self.ring = HashRing(len(conns), vnodes)
         self.chunk_elems = chunk_elems
         self.worker = worker
@@ -161,7 +166,7 @@ class PSClient:
                 raise ValueError(f"push of key {name!r} has shape {tuple(g.shape)} dtype {dtype}, expected shape "
                                  f"{tuple(want['shape'])} dtype {want['dtype']}; nothing applied")
         chunks = self.codec.encode({k: v for n, g in grads.items() for k, v in split(n, g, self.chunk_elems).items()})
-        self._to_all_holders(chunks, lambda part: ("push", self.worker, clock, self._counted(part)))
+        self._to_all_holders(chunks, lambda part: ("push", self.worker, clock, self._counted("push", part)))
         used = {s for k in chunks for s in self.ring.holders(k)}  # an empty push to the rest advances this
         idle = [s for s in range(len(self.conns)) if self.alive[s] and s not in used]  # worker's clock there
         self._send({s: ("push", self.worker, clock, {}) for s in idle})
@@ -186,19 +191,32 @@ class PSClient:
         keys = [k for n in names for k in self.keys_of(n)]
         chunks = self._from_first_holder(keys, lambda ks: ("pull", ks, min_version, self.worker, clock,
                                                            self.codec.pull_dtype),
-                                         lambda reply: self._counted(reply["chunks"]))
+                                         lambda reply: self._read(reply, clock))
         return {n: assemble(n, chunks, self.layout[n]["shape"], self.chunk_elems).to(_dtype(self.layout[n]))
                 for n in names}
 
-    def _counted(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``chunks``, after adding their payload bytes to ``wire_bytes``."""
-        self.wire_bytes += sum(nbytes(c) for c in chunks.values())
+    def _counted(self, direction: str, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``chunks``, after adding their payload bytes to ``traffic[direction]`` (``push`` or ``pull``)."""
+        self.traffic[direction] += sum(nbytes(c) for c in chunks.values())
         return chunks
 
+    def _read(self, reply: dict, clock: int) -> dict[str, torch.Tensor]:
+        """A pull reply's chunks, counted; an asp/ssp training read also records how many steps the reader's clock
+        is ahead of the fewest pushes the shard applied from its stage (the SSP bound's quantity)."""
+        applied = reply.get("min_applied", -1)
+        if clock >= 0 and applied >= 0:
+            self.traffic["staleness"] = max(self.traffic["staleness"], clock - applied)
+        return self._counted("pull", reply["chunks"])
+
+    def take_traffic(self) -> dict[str, int]:
+        """Push and pull payload bytes and the largest read staleness since the last call (a step's ``ps``)."""
+        out, self.traffic = self.traffic, new_traffic()
+        return out
+
     def take_wire_bytes(self) -> int:
-        """Push and pull payload bytes since the last call (the step's ``comm_bytes["ps"]``)."""
-        sent, self.wire_bytes = self.wire_bytes, 0
-        return sent
+        """Push plus pull payload bytes since the last call (and the rest of ``take_traffic`` dropped)."""
+        out = self.take_traffic()
+        return out["push"] + out["pull"]
 
     def clocks(self) -> list[dict]:
         return list(self._send({s: ("clock",) for s in range(len(self.conns)) if self.alive[s]}).values())

@@ -70,7 +70,8 @@ class _Servicer(ps_pb2_grpc.ParameterServerServicer):
     def Pull(self, request, context):
         out = self._call(context, self.shard.pull, list(request.keys), request.min_version, request.worker,
                          request.clock, request.wire_dtype, context.time_remaining())
-        return ps_pb2.PullReply(version=out["version"], chunks=[to_msg(k, v) for k, v in out["chunks"].items()])
+        return ps_pb2.PullReply(version=out["version"], chunks=[to_msg(k, v) for k, v in out["chunks"].items()],
+                                min_applied=out["min_applied"])
 
     def Clock(self, request, context):
         c = self.shard.clock()
@@ -144,7 +145,8 @@ class GrpcConn:
 
     def pull(self, keys, min_version=0, worker=-1, clock=-1, wire_dtype=""):
         req = ps_pb2.PullRequest(keys=keys, min_version=min_version, worker=worker, clock=clock, wire_dtype=wire_dtype)
-        return self._future(self.stub.Pull, req, lambda r: {"version": r.version, "chunks": to_dict(r.chunks)})
+        return self._future(self.stub.Pull, req, lambda r: {"version": r.version, "chunks": to_dict(r.chunks),
+                                                                  "min_applied": r.min_applied})
 
     def clock(self):
         def convert(r):

@@ -288,10 +288,12 @@ class PSShard:
                 raise ValueError(f"shard {self.id}: pull by worker {worker} for version {min_version} while at "
                                  f"version {self.version} with workers 0 to {self.workers * self.stages - 1}")
             self._wait(lambda: self.version >= min_version, f"version {min_version}", timeout_s)
+            applied = -1  # the reply says how stale the read is (the worker's Prometheus gauge), as the log does
             if worker >= 0 and clock >= 0 and self.consistency != "bsp":
+                applied = min(self._stage_counts(worker))
                 self.reads.append({"shard": self.id, "worker": worker, "stage": worker // self.workers,
-                                   "clock": clock, "min_applied": min(self._stage_counts(worker))})
-            return {"version": self.version,
+                                   "clock": clock, "min_applied": applied})
+            return {"version": self.version, "min_applied": applied,
                     "chunks": {k: compression.for_wire(self.params[k], wire_dtype).clone() for k in keys}}
 
     def clock(self) -> dict:

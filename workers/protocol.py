@@ -55,6 +55,8 @@ class StepResult:
     replicated_step: int = -1  # newest step whose snapshot replica is known to be held by this rank's holder
     # bytes this rank's collectives sent this step per mesh dimension (workers.diagnostics.comm_bytes)
     comm_bytes: dict[str, int] | None = None
+    # under dp_sync ps: this rank's push and pull payload bytes and its largest asp/ssp read staleness this step
+    ps: dict[str, int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepResult:
@@ -71,7 +73,7 @@ class StepResult:
         return out
 
 
-_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe"})
+_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe", "ps"})
 
 
 @dataclass(frozen=True)

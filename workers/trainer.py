@@ -245,11 +245,8 @@ class Trainer:
                            comm_bytes=self.comm_bytes(), moe=moe_figures)
 
     def comm_bytes(self) -> dict[str, int] | None:
-        """With ``metrics.comm_bytes``, this step's bytes per mesh dimension, plus under ``ps`` the payload of this
-        rank's pushes and pulls to the parameter-server shards (their messages, not collectives)."""
-        if self.comm is None:
-            return None
-        return {**self.comm.take(), **({"ps": self.ps.client.take_wire_bytes()} if self.ps is not None else {})}
+        """With ``metrics.comm_bytes``, this step's bytes per mesh dimension (``result`` adds the shards' ``ps``)."""
+        return None if self.comm is None else self.comm.take()
 
     def _timeline(self, pipeline_events: list[dict]) -> list[dict] | None:
         """This step's events when the job records them: pipeline F/B/W (or, without a pipeline, each
@@ -320,6 +317,11 @@ class Trainer:
     def result(self, **fields) -> StepResult:
         """The one producer of ``StepResult`` (the synchronous step here, asynchronous PS rounds in ``PSSync``):
         the step's own fields plus this rank's identity, step count and memory now."""
+        if self.ps is not None:  # the shards' traffic: payload of this rank's pushes and pulls (messages, not
+            traffic = self.ps.client.take_traffic()  # collectives), and the staleness of its reads
+            fields["ps"] = traffic
+            if fields.get("comm_bytes") is not None:
+                fields["comm_bytes"] = {**fields["comm_bytes"], "ps": traffic["push"] + traffic["pull"]}
         return StepResult(rank=self.rank, step=self.step, peak_memory_bytes=self.peak_memory_bytes(),
                           current_memory_bytes=self.current_memory_bytes(), **fields)
 

@@ -131,6 +131,10 @@ class MetricsExporter:
         for dim, sent in record.get("comm_bytes", {}).items():
             self.comm_bytes.labels(j, dim).set(sent)
         self.observe_moe(record.get("moe", {}))
+        if "ps" in record:
+            self.ps_push.labels(j).inc(record["ps"]["push_bytes"])
+            self.ps_pull.labels(j).inc(record["ps"]["pull_bytes"])
+            self.ps_staleness.labels(j).set(record["ps"]["staleness"])
         now = time.time()
         for rank, phases in record["phases"].items():
             labels = self.rank_labels[int(rank)]

@@ -45,6 +45,10 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
     moe = {layer: figures for r in results for layer, figures in (r.moe or {}).items()}
     if moe:
         record["moe"] = moe
+    traffic = [r.ps for r in results if r.ps is not None]
+    if traffic:  # dp_sync ps: every rank's pushes and pulls this step, and the stalest read any rank made
+        record["ps"] = {"push_bytes": sum(t["push"] for t in traffic), "pull_bytes": sum(t["pull"] for t in traffic),
+                        "staleness": max(t["staleness"] for t in traffic)}
     return record
 
 

@@ -138,7 +138,11 @@ def test_bsp_with_bf16_on_the_wire_stays_near_the_uncompressed_run(bsp_dp4, toke
     result = TrainingJob(spec, progress=False).run()
     assert result.losses == pytest.approx(bsp_dp4.losses, rel=1e-2) and result.losses != bsp_dp4.losses
     params = sum(p.numel() for p in build_full(model_config(spec.worker_dict()["model"]), 0).parameters())
-    assert [s["comm_bytes"]["ps"] for s in _steps(spec)] == [3 * params * 2] * STEPS
+    steps = _steps(spec)
+    assert [s["comm_bytes"]["ps"] for s in steps] == [3 * params * 2] * STEPS
+    # the step record's (and Prometheus') traffic: all 4 ranks' pushes (2 holders each) and pulls, never stale
+    assert [s["ps"] for s in steps] == [{"push_bytes": 4 * 2 * params * 2, "pull_bytes": 4 * params * 2,
+                                         "staleness": 0}] * STEPS
 
 
 def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(token_data, tmp_path):
@@ -216,6 +220,7 @@ def test_ssp_reads_stay_within_the_bound_under_a_straggler_and_a_killed_rank(ray
     staleness = [r["clock"] - r["min_applied"] for r in reads]
     assert max(staleness) <= 1  # the bound, checked against what the shards had really applied
     assert max(staleness) == 1  # and the straggler really let the others run ahead
+    assert max(s["ps"]["staleness"] for s in _steps(spec)) == 1  # what the workers saw: the step record's gauge
     clocks = [sorted({r["clock"] for r in reads if r["worker"] == w}) for w in range(4)]
     assert all(c == list(range(len(c))) for c in clocks), clocks  # no worker's clock went back or skipped one
     assert sum(map(len, clocks)) == STEPS * 4  # the run's budget of worker steps, the lost one done once again
