@@ -41,6 +41,7 @@ from workers.parallel.schedules import schedule as schedule_facts
 from workers.protocol import StepResult, StepTimes
 from workers.spec import WorkerSpec
 from workers.state.checkpoint_io import CheckpointIO
+from workers.state.compression_feedback import CompressionFeedback
 from workers.state.train_state import TrainState
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,6 +69,9 @@ class Trainer:
             if self.parts.ep_group is not None else ()
         self.param_offload = offload_params(self.parts.modules, memory, self.device)
         self.state = self._train_state(spec)
+        if par.grad_compression in ("powersgd", "topk") and self.parts.reducers:  # feedback kept across recoveries
+            layout = f"dp{par.dp}.pp{par.pp}.tp{par.tp}.cp{par.grid.cp}.ep{par.grid.ep}.v{par.virtual_stages}"
+            self.state.wire_feedback = CompressionFeedback(self.parts.reducers, layout, rank, self.device)
         self.activations = activation_policy(memory, self.device)
         # under FSDP2's mixed-precision policy the bf16 parameters set the compute dtype; no autocast on top
         mixed = self.spec.fsdp_mixed(self.device.type == "cuda")

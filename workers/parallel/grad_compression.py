@@ -59,6 +59,18 @@ class PowerSGD:
         self.qs: dict[int, torch.Tensor] = {}
         self.generator = torch.Generator().manual_seed(seed)  # same on every rank: Q starts identical
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Error feedback and warm-started Q per bucket, and the generator new Qs come from (CPU copies)."""
+        out = {f"error.{k}": e.detach().to("cpu", copy=True) for k, e in self.errors.items()}
+        out.update({f"q.{k}": q.detach().to("cpu", copy=True) for k, q in self.qs.items()})
+        return {**out, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
+        self.errors = _per_bucket(state, "error", device)
+        self.qs = _per_bucket(state, "q", device)
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+
     def compressible(self, t: torch.Tensor) -> bool:
         n, m = t.shape[0], t.numel() // max(1, t.shape[0])
         return t.dim() >= 2 and (n + m) * self.rank < n * m
@@ -109,6 +121,13 @@ class TopK:
     def __init__(self, group, ratio: float):
         self.group, self.ratio = group, ratio
         self.errors: dict[int, torch.Tensor] = {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What each bucket held back so far (CPU copies)."""
+        return {f"error.{k}": e.detach().to("cpu", copy=True) for k, e in self.errors.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
+        self.errors = _per_bucket(state, "error", device)
 
     def __call__(self, _state, bucket) -> torch.futures.Future:
         buffer, world, key = bucket.buffer(), self.group.size(), bucket.index()
@@ -163,6 +182,11 @@ class WireCodec:
         flat = chunk.detach().reshape(-1).clone()
         indices, values, self.errors[key] = topk_with_feedback(flat, self.ratio, self.errors.get(key))
         return torch.sparse_coo_tensor(indices.unsqueeze(0), values, flat.shape, check_invariants=False).coalesce()
+
+
+def _per_bucket(state: dict[str, torch.Tensor], kind: str, device) -> dict[int, torch.Tensor]:
+    """``{bucket: tensor}`` of the ``kind.<bucket>`` entries of a hook's ``state_dict``, copied to ``device``."""
+    return {int(k.split(".", 1)[1]): t.to(device, copy=True) for k, t in state.items() if k.startswith(kind + ".")}
 
 
 def _views(flat: torch.Tensor, shapes) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ class CheckpointIO:
         self.wait()
         with self.state.resident(write_back=False):  # async_save stages its copy before returning
             state = self.state.state_dict()
-            if self.state.wire_feedback is not None:  # parameter-server top-k: what each worker held back
+            if self.state.wire_feedback is not None:  # compression's error feedback: what each rank held back
                 state["wire_feedback"] = self.state.wire_feedback.dcp_state()
             if async_save:
                 self.pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
@@ -63,9 +63,10 @@ class CheckpointIO:
             self._load_wire_feedback(path)
 
     def _load_wire_feedback(self, path: str | Path) -> None:
-        """Parameter-server top-k's error feedback, where the checkpoint has this worker's (same dp, a run with
-        top-k); otherwise it starts at zero. A partial load, apart from the strict one above, so a checkpoint
-        without it (another dp, no top-k, an older run) still loads."""
+        """Compression's error feedback (parameter-server top-k's, or ZeRO-0 PowerSGD's and top-k's), where the
+        checkpoint has this rank's (same layout, a run with that compression); otherwise it starts at zero. A
+        partial load, apart from the strict one above, so a checkpoint without it (another layout, no
+        compression, an older run) still loads."""
         feedback = {"wire_feedback": self.state.wire_feedback.dcp_state(template=True)}
         dcp.load(feedback, checkpoint_id=str(path), process_group=self.group,
                  planner=DefaultLoadPlanner(allow_partial_load=True))

@@ -57,7 +57,8 @@ class TrainState:
         # an asynchronous pipeline's state at a step boundary (stashed weight versions, microbatches in flight):
         # an object with state_dict() and load_state_dict(state, step), set by the trainer (else None)
         self.weight_versions = None
-        # parameter-server top-k's error feedback (``PSSync``): state_dict() and load_state_dict(errors), or None
+        # a rank's compression state outside the optimizer: parameter-server top-k's error feedback (``PSSync``) or
+        # ZeRO-0 compression's (``CompressionFeedback``); state_dict() and load_state_dict(), or None
         self.wire_feedback = None
         self.experts = expert_keys.sharded_experts(unwrap(m) for m in modules)  # empty unless ep > 1
 

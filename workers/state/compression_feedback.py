@@ -1,0 +1,53 @@
+"""ZeRO-0 gradient compression's per-rank state (PowerSGD's and top-k's error feedback, PowerSGD's warm-started
+Q and its generator), carried by in-memory snapshots and DCP checkpoints so that a recovered or resumed run
+continues bit-identically instead of restarting the feedback at zero.
+
+Each rank's state is its own (it differs across data-parallel ranks and belongs to its own buckets), so a
+checkpoint keeps it as one opaque entry per rank, named by the layout and the rank: DCP stores a ``BytesIO``
+value as is, and a checkpoint resumed at another layout finds no entry and starts the feedback at zero, as a
+fresh run does (the buckets differ there anyway).
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+
+class CompressionFeedback:
+    """The hooks' state of one rank's ``GradBuckets`` (one per stage module), in ``TrainState.wire_feedback``'s
+    interface: ``state_dict``/``load_state_dict`` for snapshots, ``dcp_state``/``load_dcp_state`` for
+    checkpoints."""
+
+    def __init__(self, reducers: list, layout: str, rank: int, device: torch.device):
+        self.hooks = [r.hook for r in reducers]
+        self.key = f"grad_compression/{layout}/rank{rank}"
+        self.device = device
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{i}/{k}": t for i, hook in enumerate(self.hooks) for k, t in hook.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for i, hook in enumerate(self.hooks):
+            prefix = f"{i}/"
+            hook.load_state_dict({k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)},
+                                 self.device)
+
+    def dcp_state(self, template: bool = False) -> dict[str, io.BytesIO]:
+        """This rank's state as one DCP bytes entry; ``template``: an empty one for DCP to fill on load."""
+        blob = io.BytesIO()
+        if not template:
+            torch.save(self.state_dict(), blob)
+            blob.seek(0)
+        return {self.key: blob}
+
+    def load_dcp_state(self, loaded: dict[str, io.BytesIO]) -> bool:
+        """Take what DCP filled in; an entry left empty (another layout, an older run) means zero feedback.
+        Returns whether it was taken."""
+        blob = loaded.get(self.key)
+        found = blob is not None and blob.getbuffer().nbytes > 0
+        if found:
+            blob.seek(0)
+        self.load_state_dict(torch.load(blob, weights_only=True) if found else {})
+        return found
