@@ -69,6 +69,7 @@ class TrainSection:
     global_batch_size: int
     microbatches: int
     seed: int
+    compile: bool = False  # each block through torch.compile (workers.parallel.compile); older dicts leave it out
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,9 @@ class OptimSpec(_Section):
     warmup_steps: Annotated[int, Field(ge=0)] = 0
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    # PyTorch's kernels for the update: auto (fused for adam/adamw/sgd on CUDA, else PyTorch's default),
+    # fused, foreach or for_loop (workers/optim/implementations.py)
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
 
 
 class PrecisionSpec(_Section):
@@ -207,6 +210,7 @@ class TrainSpec(_Section):
     microbatches: PositiveInt = 1
     seed: Seed = 0
     log_every: PositiveInt = 1
+    compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
 
 
 def dp_replicas_mirror(parallel: ParallelSpec) -> bool:
