@@ -23,9 +23,6 @@ def check_compile(job: JobSpec) -> None:
         return
     p, m = job.parallel, job.memory
     refused = [  # (applies, field, value, problem, fix)
-        (p.tp > 1, "parallel.tp", p.tp, "cannot combine with train.compile on torch 2.13: the backward of a "
-         "compiled block hands a plain gradient to DTensor's redistribute outside it (AttributeError "
-         "'_local_tensor')", f"use parallel.tp: 1 (dp/zero or pp instead), {_OFF}"),
         (p.cp > 1, "parallel.cp", p.cp, "cannot combine with train.compile: the context-parallel attention "
          "exchanges K/V with point-to-point sends inside the block, which Dynamo cannot trace",
          f"use parallel.cp: 1, {_OFF}"),
@@ -51,6 +48,12 @@ def check_optim_implementation(job: JobSpec) -> None:
     if p.dp_sync == "ps":
         raise SpecError("optim.implementation", o.implementation, "is not used under parallel.dp_sync: ps: the "
                         "parameter-server shards step the optimizer", "remove optim.implementation (auto)")
+    if o.implementation in ("fused", "foreach") and p.tp > 1 and (not p.sequence_parallel or job.model.moe):
+        why = "the plain norms beside" if not p.sequence_parallel else "the replicated MoE experts beside"
+        raise SpecError("optim.implementation", o.implementation, f"cannot step {why} the TP-sharded DTensors: "
+                        "PyTorch's multi-tensor kernels refuse a list mixing DTensors and plain tensors",
+                        "use for_loop or auto" + ("" if p.sequence_parallel else
+                                                  ", or parallel.sequence_parallel: true"))
     if o.implementation not in choices:
         whose = "the offloaded Adam (memory.offload.optimizer)" if offloaded else f"optim.name {o.name!r}"
         fix = (f"use one of {', '.join(choices)} or auto" if choices else

@@ -42,7 +42,8 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
         return OneBitAdam(params, dp_group, optim["warmup_steps"], **kwargs)
     params = list(params)
     on_cuda = any(p.is_cuda for p in params)  # a DTensor is where its local shard is
-    kwargs.update(kernel_kwargs(name, optim.get("implementation", "auto"), on_cuda))
+    mixed = len({isinstance(p, DTensor) for p in params}) > 1
+    kwargs.update(kernel_kwargs(name, optim.get("implementation", "auto"), on_cuda, mixed))
     return OPTIMIZERS[name](params, **kwargs)
 
 

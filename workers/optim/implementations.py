@@ -5,7 +5,12 @@ PyTorch's optimizers offer up to three implementations of one update: ``for_loop
 ``foreach`` (one multi-tensor kernel per step of the formula) and ``fused`` (the whole update in one kernel).
 They compute the same update; fused and foreach round differently from the loop only in the last bits.
 ``auto`` picks fused for Adam, AdamW and SGD when the parameters live on CUDA (what torchtitan and Megatron run
-there) and otherwise leaves PyTorch's own default (foreach on CUDA, the loop on CPU and for DTensors).
+there) and otherwise leaves PyTorch's own default (foreach on CUDA, the loop on CPU).
+
+The multi-tensor kernels refuse a list mixing DTensors and plain tensors (torch 2.13: "got mixed torch.Tensor
+and DTensor"), which a rank holds under TP without sequence parallelism (plain norms) or with an MoE
+feed-forward (replicated experts): there ``auto`` steps with the loop, and a forced fused or foreach is refused
+(by the spec for those layouts, here for any other).
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ def offered(name: str, offloaded: bool = False) -> tuple[str, ...]:
     return () if offloaded else OFFERED.get(name, ())
 
 
-def kernel_kwargs(name: str, implementation: str, on_cuda: bool) -> dict[str, bool]:
+def kernel_kwargs(name: str, implementation: str, on_cuda: bool, mixed: bool = False) -> dict[str, bool]:
     """The ``fused``/``foreach`` arguments of ``optim.name``'s class for ``implementation`` (``on_cuda``: where
-    the parameters live, which ``auto`` reads)."""
+    the parameters live; ``mixed``: whether they mix DTensors and plain tensors, see the module docstring)."""
+    if mixed and implementation in ("fused", "foreach"):
+        raise ValueError(f"optim.implementation {implementation!r}: this rank's parameters mix DTensors and plain "
+                         "tensors, which PyTorch's multi-tensor kernels refuse; use for_loop or auto")
+    if implementation == "auto" and mixed:
+        return {"foreach": False} if name in OFFERED else {}
     if implementation == "auto":
         return {"fused": True} if on_cuda and "fused" in OFFERED.get(name, ()) else {}
     if implementation == "fused":

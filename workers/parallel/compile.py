@@ -15,13 +15,18 @@ How it composes (torch 2.13 and 2.11; measured on CPU with inductor, gloo):
 - Recompute: the composable ``checkpoint``'s hooks enter a generator context that Dynamo cannot trace, so
   with compile the builder recomputes through ``torch.utils.checkpoint`` called from ``forward``
   (``workers.parallel.recompute``), which Dynamo turns into its activation-checkpoint operator.
-- TP's DTensor plans (hooks on a block's submodules) are traced inside the block's ``forward``.
+- TP's DTensor plans (hooks on a block's submodules) are traced inside the block's ``forward``. What enters
+  the first block is an ``AsyncCollectiveTensor`` (the embedding's all-reduce or reduce-scatter, not yet
+  waited on); a compiled block taking one hands the eager redistribute before it a plain gradient in backward
+  (AttributeError ``'_local_tensor'`` on torch 2.13), so an eager pre-hook waits on it first (``_waited``).
 - What does not trace is refused before start (``orchestrator/spec/compile_checks.py``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 
 from workers.model.registry import ModelFamily
 
@@ -31,8 +36,15 @@ def compile_blocks(stage: nn.Module, family: ModelFamily) -> list[nn.Module]:
     break is an error at the first step rather than a silently slower block. Returns the blocks."""
     blocks = family.hook("blocks")(stage)
     for block in blocks:
+        block.register_forward_pre_hook(_waited)
         block.compile(fullgraph=True)
     return blocks
+
+
+@torch.compiler.disable
+def _waited(module: nn.Module, args: tuple) -> tuple:
+    """A block's inputs with pending collectives waited on (see the module docstring); runs eagerly."""
+    return tuple(wait_tensor(a) if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
 def is_compiled(module: nn.Module) -> bool:
