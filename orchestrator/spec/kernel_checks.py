@@ -29,6 +29,10 @@ def check_compile(job: JobSpec) -> None:
         (job.model.moe is not None, "model.moe", "set", "cannot combine with train.compile: the MoE layer's "
          "routing (data-dependent token counts, autograd state read in forward) does not trace as one graph",
          f"remove model.moe, {_OFF}"),
+        (p.tp > 1 and m.recompute != "none", "memory.recompute", m.recompute, "cannot combine with parallel.tp "
+         "> 1 under train.compile on torch 2.13: AOTAutograd's activation-checkpoint region over DTensors saves a "
+         "DeviceMesh for backward and fails at the first step", f"set memory.recompute: none, or parallel.tp: 1, "
+         f"{_OFF}"),
         (m.measure and m.recompute != "none", "memory.measure", True, f"with memory.recompute {m.recompute!r} "
          "cannot combine with train.compile: the meter watches the recomputed modules from forward hooks that "
          "would run inside the compiled block", f"set memory.measure: false or memory.recompute: none, {_OFF}"),
