@@ -67,6 +67,8 @@ class ParallelSpec(_Section):
     grad_compression: Literal["none", "bf16", "fp16", "powersgd", "topk"] = "none"
     powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
+    # zero 2/3: FSDP2 all-gathers issued this many blocks ahead in forward and backward; 0: FSDP2's own order
+    fsdp_prefetch: Annotated[int, Field(ge=0, le=64)] = 0
     # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
     device_memory: int | str | None = None
 

@@ -38,6 +38,7 @@ from workers.parallel.compile import compile_blocks
 from workers.parallel.context_layout import apply_context_parallel
 from workers.parallel.data_parallel import apply_data_parallel, unwrap
 from workers.parallel.expert_parallel import shard_experts
+from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
 from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh
@@ -110,6 +111,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
             part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp)
+            set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:

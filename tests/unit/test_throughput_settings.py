@@ -1,8 +1,9 @@
-"""train.compile and optim.implementation: blocks compiled in place (names kept), the three optimizer kernels
-agreeing, and what neither can combine with refused in the spec with the field and the fix.
+"""train.compile, optim.implementation and parallel.fsdp_prefetch: blocks compiled in place (names kept), the three
+optimizer kernels agreeing, prefetch lists set on FSDP2's units, and what none can combine with refused in the
+spec with the field and the fix.
 
 Compiling is lazy: these tests build and wrap, but never run a compiled block (that costs seconds on CPU and
-is checked against the reference in tests/integration/test_compile_parity.py).
+is checked against the reference in tests/integration/test_throughput_parity.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from orchestrator import JobSpec
 from orchestrator.errors import SpecError
@@ -19,6 +23,7 @@ from workers.model.meta_init import build_full
 from workers.model.registry import family
 from workers.optim.build import build_optimizer
 from workers.parallel.compile import compile_blocks, is_compiled
+from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.recompute import apply_recompute
 
 TINY_LLAMA = {"arch": "llama", "d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
@@ -93,6 +98,7 @@ def test_the_implementation_reaches_pytorchs_optimizer():
      "remove optim.implementation"),
     ({"optim": {"implementation": "fused"}, "parallel": {"tp": 2, "sequence_parallel": False}},
      "optim.implementation", "parallel.sequence_parallel: true"),
+    ({"parallel": {"dp": 2, "zero": 1, "fsdp_prefetch": 2}}, "parallel.fsdp_prefetch", "parallel.zero: 2 or 3"),
 ])
 def test_refused_with_field_and_fix(tmp_path, sections, field, fix):
     with pytest.raises(SpecError) as info:
@@ -101,7 +107,35 @@ def test_refused_with_field_and_fix(tmp_path, sections, field, fix):
 
 
 def test_accepted_combinations_reach_the_workers(tmp_path):
-    spec = _spec(tmp_path, train={"compile": True}, parallel={"dp": 2, "zero": 3, "tp": 2},
+    spec = _spec(tmp_path, train={"compile": True}, parallel={"dp": 2, "zero": 3, "tp": 2, "fsdp_prefetch": 2},
                  memory={"measure": True}, optim={"implementation": "fused"})
     raw = spec.worker_dict()
     assert raw["train"]["compile"] is True and raw["optim"]["implementation"] == "fused"
+    assert raw["parallel"]["fsdp_prefetch"] == 2
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo group in this process (FSDP2 needs a mesh to shard over), torn down after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_prefetch_lists_reach_fsdp2(one_rank_mesh):
+    model = build_full(model_config(TINY_LLAMA), seed=0)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, mesh=one_rank_mesh)
+    set_prefetch(blocks, 2)
+
+    def states(block, direction):
+        return getattr(block._get_fsdp_state(), f"_states_to_{direction}_prefetch")
+
+    def of(*indices):
+        return [blocks[i]._get_fsdp_state() for i in indices]
+
+    assert [states(b, "forward") for b in blocks] == [of(1, 2), of(2, 3), of(3), of()]
+    assert [states(b, "backward") for b in blocks] == [of(), of(0), of(1, 0), of(2, 1)]  # nearest first

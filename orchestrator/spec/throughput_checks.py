@@ -1,4 +1,5 @@
-"""`train.compile` and `optim.implementation`: how a step's kernels are chosen, and the combinations refused.
+"""The throughput settings: `train.compile`, `optim.implementation` and `parallel.fsdp_prefetch`, and the
+combinations they refuse.
 
 What `train.compile` refuses was tried on torch 2.13 (CPU, inductor, gloo; `workers/parallel/compile.py`) and
 fails at the first step; it is refused here, before any actor starts, instead.
@@ -64,3 +65,11 @@ def check_optim_implementation(job: JobSpec) -> None:
                "remove optim.implementation (auto), or use optim.name adamw, adam or sgd"
                + (" without memory.offload.optimizer" if offloaded else ""))
         raise SpecError("optim.implementation", o.implementation, f"is not offered by {whose}", fix)
+
+
+def check_fsdp_prefetch(job: JobSpec) -> None:
+    """Explicit prefetch is set on FSDP2's units, which exist only under ZeRO-2/3 (which `dp_sync: ps` refuses)."""
+    p = job.parallel
+    if p.fsdp_prefetch and p.zero < 2:
+        raise SpecError("parallel.fsdp_prefetch", p.fsdp_prefetch, f"needs FSDP2's units, and parallel.zero={p.zero} "
+                        "has none to gather ahead", "set parallel.zero: 2 or 3, or remove parallel.fsdp_prefetch")

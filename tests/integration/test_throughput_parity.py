@@ -1,4 +1,5 @@
-"""train.compile and optim.implementation reproduce the single-process reference (fp32, CPU, 1e-4 relative).
+"""train.compile, optim.implementation and parallel.fsdp_prefetch reproduce the single-process reference (fp32,
+CPU, 1e-4 relative).
 
 Each layout's blocks are compiled by inductor (what users run; about 15 s per layout on a cold cache on this
 2-core CPU, the blocks of one rank sharing one graph) and the reference steps PyTorch's per-parameter AdamW,
@@ -19,9 +20,10 @@ from tests.support.reference import reference_run
 STEPS = 3
 LLAMA = {"arch": "llama", "n_kv_heads": 2}
 LAYOUTS = {  # name -> sections over the tiny Llama job, each on 2 ranks
-    # FSDP2 units compiled before fully_shard, recompute from inside the compiled forward, fused AdamW on shards
-    "dp2-zero3-full-recompute-fused": {"parallel": {"dp": 2, "zero": 3}, "memory": {"recompute": "full"},
-                                       "optim": {"implementation": "fused"}},
+    # FSDP2 units compiled before fully_shard and gathering 2 blocks ahead, recompute from inside the compiled
+    # forward, fused AdamW on the shards
+    "dp2-zero3-prefetch2-full-recompute-fused": {"parallel": {"dp": 2, "zero": 3, "fsdp_prefetch": 2},
+                                                 "memory": {"recompute": "full"}, "optim": {"implementation": "fused"}},
     # TP's DTensor plans traced inside each block, sequence parallel, foreach AdamW on DTensors
     "tp2-foreach": {"parallel": {"tp": 2}, "optim": {"implementation": "foreach"}},
 }
