@@ -24,6 +24,10 @@ def check_compile(job: JobSpec) -> None:
         return
     p, m = job.parallel, job.memory
     refused = [  # (applies, field, value, problem, fix)
+        (p.grid.pp_enabled and p.pipeline_schedule.split_backward, "parallel.pp_schedule", p.pp_schedule,
+         "cannot combine with train.compile: it splits each stage's backward into an input-gradient and a "
+         "deferred weight-gradient pass, and a compiled block's backward computes both at once (the input pass "
+         "fails at the first step)", f"use pp_schedule 1f1b, gpipe or interleaved_1f1b, {_OFF}"),
         (p.cp > 1, "parallel.cp", p.cp, "cannot combine with train.compile: the context-parallel attention "
          "exchanges K/V with point-to-point sends inside the block, which Dynamo cannot trace",
          f"use parallel.cp: 1, {_OFF}"),
