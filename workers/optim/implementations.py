@@ -11,6 +11,9 @@ The multi-tensor kernels refuse a list mixing DTensors and plain tensors (torch 
 and DTensor"), which a rank holds under TP without sequence parallelism (plain norms) or with an MoE
 feed-forward (replicated experts): there ``auto`` steps with the loop, and a forced fused or foreach is refused
 (by the spec for those layouts, here for any other).
+
+Measured on CPU only (torch 2.13): the three agree to 1e-6 over a few steps of a tiny Llama, and fused/foreach
+AdamW over FSDP2 and TP DTensors match the reference; what each is worth in speed is a GPU figure (issue 19).
 """
 
 from __future__ import annotations
