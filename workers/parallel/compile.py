@@ -6,12 +6,12 @@ or recompile stays inside one block. ``nn.Module.compile`` keeps the module wher
 stay the same (no ``_orig_mod.`` prefix from wrapping in ``torch.compile(module)``): meta-init, Hugging Face
 I/O, ZeRO-1 slices, parameter-server keys and checkpoints are all keyed on those names.
 
-How it composes (torch 2.13 and 2.11; measured on CPU with inductor, gloo):
+How it composes (measured on torch 2.13, CPU, inductor, gloo; not tried on 2.11 or a GPU):
 
 - ``nn.Module.compile`` compiles ``_call_impl``, which Dynamo skips: each frame it calls (every forward
   pre-hook, ``forward``, every forward hook) is compiled on its own, ``fullgraph`` each.
 - FSDP2's hooks are ``torch._dynamo.disable``d, so they run eagerly around the compiled ``forward``: the
-  builder compiles before ``fully_shard`` (torchtitan's order), which also works after.
+  builder compiles before ``fully_shard`` (torchtitan's order; after it also worked, on one rank).
 - Recompute: the composable ``checkpoint``'s hooks enter a generator context that Dynamo cannot trace, so
   with compile the builder recomputes through ``torch.utils.checkpoint`` called from ``forward``
   (``workers.parallel.recompute``), which Dynamo turns into its activation-checkpoint operator.
@@ -19,7 +19,7 @@ How it composes (torch 2.13 and 2.11; measured on CPU with inductor, gloo):
   the first block is an ``AsyncCollectiveTensor`` (the embedding's all-reduce or reduce-scatter, not yet
   waited on); a compiled block taking one hands the eager redistribute before it a plain gradient in backward
   (AttributeError ``'_local_tensor'`` on torch 2.13), so an eager pre-hook waits on it first (``_waited``).
-- What does not trace is refused before start (``orchestrator/spec/compile_checks.py``).
+- What does not trace is refused before start (``orchestrator/spec/throughput_checks.py``).
 """
 
 from __future__ import annotations
