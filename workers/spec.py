@@ -53,6 +53,7 @@ class ParallelSection:
     pp_flush_per_step: bool = False  # drain at every step end (default: the steady state carries over)
     # layers per pipeline stage (parallel.pp_split resolved by JobSpec.worker_dict); None: an even split
     pp_split: tuple[int, ...] | None = None
+    fsdp_prefetch: int = 0  # FSDP2 blocks gathered ahead (workers.parallel.fsdp_prefetch); 0: FSDP2's own order
 
     def __post_init__(self) -> None:
         if self.pp_split is not None:  # a list in the dict as sent; frozen, so set through object
@@ -70,6 +71,7 @@ class TrainSection:
     global_batch_size: int
     microbatches: int
     seed: int
+    compile: bool = False  # each block through torch.compile (workers.parallel.compile); older dicts leave it out
 
 
 @dataclass(frozen=True)

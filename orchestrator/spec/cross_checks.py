@@ -16,6 +16,7 @@ from orchestrator.spec.lora import check_lora
 from orchestrator.spec.moe import check_moe
 from orchestrator.spec.ps_resize_checks import check_ps_resize
 from orchestrator.spec.sections import ParameterServerSpec
+from orchestrator.spec.throughput_checks import check_compile, check_fsdp_prefetch, check_optim_implementation
 from workers.parallel.mixed_precision import fsdp_applies
 from workers.parallel.partition import split_problem
 
@@ -373,4 +374,4 @@ def check_batching(job: JobSpec) -> None:
 CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_precision,
                       check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_comm, check_moe, check_expert_parallel, check_async_pipeline,
-                      check_ps_resize)
+                      check_ps_resize, check_compile, check_optim_implementation, check_fsdp_prefetch)

@@ -67,6 +67,8 @@ class ParallelSpec(_Section):
     grad_compression: Literal["none", "bf16", "fp16", "powersgd", "topk"] = "none"
     powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
+    # zero 2/3: FSDP2 all-gathers issued this many blocks ahead in forward and backward; 0: FSDP2's own order
+    fsdp_prefetch: Annotated[int, Field(ge=0, le=64)] = 0
     # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
     device_memory: int | str | None = None
 
@@ -156,6 +158,9 @@ class OptimSpec(_Section):
     warmup_steps: Annotated[int, Field(ge=0)] = 0
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    # PyTorch's kernels for the update: auto (fused for adam/adamw/sgd on CUDA, else PyTorch's default),
+    # fused, foreach or for_loop (workers/optim/implementations.py)
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
 
 
 class PrecisionSpec(_Section):
@@ -213,6 +218,7 @@ class TrainSpec(_Section):
     microbatches: PositiveInt = 1
     seed: Seed = 0
     log_every: PositiveInt = 1
+    compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
 
 
 def dp_replicas_mirror(parallel: ParallelSpec) -> bool:

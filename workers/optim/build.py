@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.offload.optimizer import OffloadedAdam
 from workers.offload.store import OffloadStore
+from workers.optim.implementations import kernel_kwargs
 from workers.optim.onebit_adam import OneBitAdam
 from workers.optim.sm3 import SM3
 
@@ -24,6 +25,8 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
 
     ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
+    ``optim.implementation`` picks PyTorch's fused, foreach or per-parameter kernels
+    (``workers.optim.implementations``; the spec refuses it for optimizers that have no choice).
     """
     name = optim["name"]
     kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
@@ -37,6 +40,10 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     if name == "onebit_adam":
         return OneBitAdam(params, dp_group, optim["warmup_steps"], **kwargs)
+    params = list(params)
+    on_cuda = any(p.is_cuda for p in params)  # a DTensor is where its local shard is
+    mixed = len({isinstance(p, DTensor) for p in params}) > 1
+    kwargs.update(kernel_kwargs(name, optim.get("implementation", "auto"), on_cuda, mixed))
     return OPTIMIZERS[name](params, **kwargs)
 
 

@@ -1,5 +1,5 @@
 """Builds this rank's share of the model: stages, then TP/SP, context parallel, expert sharding (ep), recompute,
-then data parallel.
+compile (``train.compile``), then data parallel.
 
 Every rank builds the whole model on the ``meta`` device (no storage), cuts
 its pipeline stages, applies TP and (ZeRO-2/3) FSDP2 there, and only then
@@ -34,9 +34,11 @@ from workers.model.hf_io import load_hf_weights
 from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
 from workers.model.registry import ModelFamily
+from workers.parallel.compile import compile_blocks
 from workers.parallel.context_layout import apply_context_parallel
 from workers.parallel.data_parallel import apply_data_parallel, bf16_policy, unwrap
 from workers.parallel.expert_parallel import shard_experts
+from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
 from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh
@@ -101,13 +103,16 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             apply_context_parallel(part, mesh["cp"], par.cp_impl)
         experts = shard_experts(part, ep_group) if ep_group is not None else []
         all_experts += experts
-        apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every)
+        apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every, spec.train.compile)
+        if spec.train.compile:  # before FSDP2, as torchtitan: its hooks then run eagerly around each block
+            compile_blocks(part, fam)
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
         edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
             mixed = bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda") else None
             part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp, mixed)
+            set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:

@@ -7,7 +7,9 @@ Megatron's selective recompute. What each policy wraps is the family's
 declaration (``ModelFamily.recompute_targets``, a submodule of every block the
 family's ``blocks`` hook lists), so a new family needs no change here.
 PyTorch's composable ``checkpoint`` is used because it hooks the module in
-place: parameter names (and so checkpoints) stay the same whatever the policy.
+place: parameter names (and so checkpoints) stay the same whatever the policy. Under ``train.compile`` its
+hooks (a generator context entered in a pre-hook) do not trace, so there the module's ``forward`` calls
+``torch.utils.checkpoint`` instead (``recompute_in_forward``), also in place.
 
 ``memory.recompute_every: k`` applies the policy to every k-th block only (global
 layer index divisible by k, so every layout recomputes the same blocks): a
@@ -16,8 +18,11 @@ memory/compute dial between recomputing all blocks and none.
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from workers.model.registry import ModelFamily
 
@@ -43,6 +48,24 @@ def checkpointed_modules(stage: nn.Module, policy: str, family: ModelFamily, eve
     return [block.get_submodule(target) for block in blocks if block_index(stage, block) % every == 0]
 
 
-def apply_recompute(stage: nn.Module, policy: str, family: ModelFamily, every: int = 1) -> None:
+def apply_recompute(stage: nn.Module, policy: str, family: ModelFamily, every: int = 1,
+                    compiled: bool = False) -> None:
+    """Recompute ``policy``'s modules in backward: by the composable ``checkpoint``'s hooks, or with
+    ``compiled`` (the blocks will be compiled, ``workers.parallel.compile``) from inside their ``forward``."""
     for module in checkpointed_modules(stage, policy, family, every):
-        checkpoint(module)
+        if compiled:
+            recompute_in_forward(module)
+        else:
+            checkpoint(module)
+
+
+def recompute_in_forward(module: nn.Module) -> None:
+    """Make ``module``'s own ``forward`` run under ``torch.utils.checkpoint`` (non-reentrant, the same
+    mechanism as the composable ``checkpoint``), which Dynamo traces as its activation-checkpoint operator:
+    AOTAutograd's partitioner then recomputes the region in the backward graph. A bound method on the
+    instance, so a ``deepcopy`` of the module is bound to the copy; hooks (FSDP2's gathers) stay outside it."""
+    module.forward = types.MethodType(_checkpointed_forward, module)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    return checkpoint_call(type(self).forward, self, *args, use_reentrant=False, **kwargs)

@@ -1,0 +1,143 @@
+"""train.compile, optim.implementation and parallel.fsdp_prefetch: blocks compiled in place (names kept), the three
+optimizer kernels agreeing, prefetch lists set on FSDP2's units, and what none can combine with refused in the
+spec with the field and the fix.
+
+Compiling is lazy: these tests build and wrap, but never run a compiled block (that costs seconds on CPU and
+is checked against the reference in tests/integration/test_throughput_parity.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from orchestrator import JobSpec
+from orchestrator.errors import SpecError
+from workers.model.config import model_config
+from workers.model.meta_init import build_full
+from workers.model.registry import family
+from workers.optim.build import build_optimizer
+from workers.parallel.compile import compile_blocks, is_compiled
+from workers.parallel.fsdp_prefetch import set_prefetch
+from workers.parallel.recompute import apply_recompute
+
+TINY_LLAMA = {"arch": "llama", "d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
+              "seq_len": 16, "vocab_size": 64}
+
+
+def _spec(tmp_path, **sections) -> JobSpec:
+    return JobSpec.from_dict({"data": {"path": str(tmp_path)}, **sections})
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_blocks_are_compiled_in_place_and_names_do_not_change(recompute):
+    model = build_full(model_config(TINY_LLAMA), seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    fam = family("llama")
+    apply_recompute(model, recompute, fam, compiled=True)
+    blocks = compile_blocks(model, fam)
+    assert [n for n, _ in model.named_parameters()] == names  # no _orig_mod. prefix
+    assert blocks == list(model.layers.values()) and all(is_compiled(b) for b in blocks)
+    assert not is_compiled(model) and not is_compiled(model.tok_embeddings)  # the ends stay eager
+    target = {"none": None, "full": blocks[0], "selective": blocks[0].attention.core}[recompute]
+    if target is not None:  # recomputed from inside forward, bound to the module (a deepcopy binds to the copy)
+        assert target.forward.__self__ is target
+        twin = copy.deepcopy(target)
+        assert twin.forward.__self__ is twin
+
+
+def _trained(name: str, implementation: str, steps: int = 3) -> list[torch.Tensor]:
+    model = build_full(model_config(TINY_LLAMA), seed=0)
+    optim = {"name": name, "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.9,
+             "implementation": implementation}
+    opt = build_optimizer(model.parameters(), optim)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+def test_fused_foreach_and_for_loop_step_alike(name):
+    loop = _trained(name, "for_loop")
+    for implementation in ("fused", "foreach"):
+        for a, b in zip(_trained(name, implementation), loop, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_the_implementation_reaches_pytorchs_optimizer():
+    params = [torch.nn.Parameter(torch.ones(2))]
+    base = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.95]}
+    assert build_optimizer(params, {**base, "implementation": "fused"}).defaults["fused"] is True
+    assert build_optimizer(params, {**base, "implementation": "foreach"}).defaults["foreach"] is True
+    loop = build_optimizer(params, {**base, "implementation": "for_loop"}).defaults
+    assert loop["foreach"] is False and not loop["fused"]
+    assert not build_optimizer(params, {**base, "implementation": "auto"}).defaults["fused"]  # CPU: PyTorch's default
+
+
+@pytest.mark.parametrize("sections, field, fix", [
+    ({"train": {"compile": True}, "parallel": {"cp": 2}}, "parallel.cp", "parallel.cp: 1"),
+    ({"train": {"compile": True, "microbatches": 4}, "parallel": {"pp": 2, "pp_schedule": "zbv"}},
+     "parallel.pp_schedule", "interleaved_1f1b"),
+    ({"train": {"compile": True}, "model": {"moe": {"experts": 4}}}, "model.moe", "remove model.moe"),
+    ({"train": {"compile": True}, "parallel": {"tp": 2}, "memory": {"recompute": "full"}}, "memory.recompute",
+     "memory.recompute: none"),
+    ({"train": {"compile": True}, "memory": {"measure": True, "recompute": "selective"}}, "memory.measure",
+     "memory.measure: false"),
+    ({"optim": {"name": "sm3", "implementation": "fused"}}, "optim.implementation", "remove optim.implementation"),
+    ({"optim": {"name": "adafactor", "implementation": "fused"}}, "optim.implementation", "foreach, for_loop"),
+    ({"optim": {"implementation": "foreach"}, "memory": {"offload": {"optimizer": True}}}, "optim.implementation",
+     "without memory.offload.optimizer"),
+    ({"optim": {"implementation": "fused"}, "parallel": {"dp": 2, "dp_sync": "ps"}}, "optim.implementation",
+     "remove optim.implementation"),
+    ({"optim": {"implementation": "fused"}, "parallel": {"tp": 2, "sequence_parallel": False}},
+     "optim.implementation", "parallel.sequence_parallel: true"),
+    ({"parallel": {"dp": 2, "zero": 1, "fsdp_prefetch": 2}}, "parallel.fsdp_prefetch", "parallel.zero: 2 or 3"),
+])
+def test_refused_with_field_and_fix(tmp_path, sections, field, fix):
+    with pytest.raises(SpecError) as info:
+        _spec(tmp_path, **sections)
+    assert info.value.field == field and fix in str(info.value)
+
+
+def test_accepted_combinations_reach_the_workers(tmp_path):
+    spec = _spec(tmp_path, train={"compile": True}, parallel={"dp": 2, "zero": 3, "tp": 2, "fsdp_prefetch": 2},
+                 memory={"measure": True}, optim={"implementation": "fused"})
+    raw = spec.worker_dict()
+    assert raw["train"]["compile"] is True and raw["optim"]["implementation"] == "fused"
+    assert raw["parallel"]["fsdp_prefetch"] == 2
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo group in this process (FSDP2 needs a mesh to shard over), torn down after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_prefetch_lists_reach_fsdp2(one_rank_mesh):
+    model = build_full(model_config(TINY_LLAMA), seed=0)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, mesh=one_rank_mesh)
+    set_prefetch(blocks, 2)
+
+    def states(block, direction):
+        return getattr(block._get_fsdp_state(), f"_states_to_{direction}_prefetch")
+
+    def of(*indices):
+        return [blocks[i]._get_fsdp_state() for i in indices]
+
+    assert [states(b, "forward") for b in blocks] == [of(1, 2), of(2, 3), of(3), of()]
+    assert [states(b, "backward") for b in blocks] == [of(), of(0), of(1, 0), of(2, 1)]  # nearest first
