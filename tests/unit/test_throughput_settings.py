@@ -141,3 +141,16 @@ def test_prefetch_lists_reach_fsdp2(one_rank_mesh):
 
     assert [states(b, "forward") for b in blocks] == [of(1, 2), of(2, 3), of(3), of()]
     assert [states(b, "backward") for b in blocks] == [of(), of(0), of(1, 0), of(2, 1)]  # nearest first
+
+
+def test_planner_holds_the_prefetched_blocks_gathered(tmp_path):
+    """ZeRO-3 keeps the root unit, the block computing and the ones prefetched gathered: prefetching 3 blocks
+    holds 2 more blocks' parameters than FSDP2's own one."""
+    from orchestrator.planning.estimate import block_params, estimate_rank
+
+    def gathered(prefetch: int) -> tuple[int, int]:
+        spec = _spec(tmp_path, parallel={"dp": 2, "zero": 3, "fsdp_prefetch": prefetch, "device": "cpu"})
+        return estimate_rank(spec, 0).state.gathered, block_params(spec)
+
+    (own, block), (three, _) = gathered(0), gathered(3)
+    assert gathered(1)[0] == own and three - own == 2 * block * 4  # fp32 gathers
