@@ -18,7 +18,7 @@ from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
 from workers.model.moe import group_capacity
 from workers.parallel.layout import layers_of_stage, stage_ids
-from workers.parallel.mixed_precision import uses_fsdp_mixed
+from workers.parallel.mixed_precision import planned_fsdp_mixed
 
 CAPACITY_ROUTERS = ("gshard", "switch")  # token-choice routers that drop assignments over capacity
 
@@ -262,7 +262,7 @@ def fsdp_mixed(spec: JobSpec) -> bool:
     """Whether bf16 runs through FSDP2's mixed-precision policy (``precision.policy``, resolved as the ranks
     resolve it; ``parallel.device: auto`` is planned as a GPU)."""
     pr, p = spec.precision, spec.parallel
-    return uses_fsdp_mixed(pr.dtype, pr.policy, p.zero, p.dp_sync, on_cuda=p.device != "cpu")
+    return planned_fsdp_mixed(pr.dtype, pr.policy, p.zero, p.dp_sync, p.device)
 
 
 def precision_layout(spec: JobSpec) -> str:

@@ -28,6 +28,7 @@ from orchestrator.planning import comm_model as cm
 from orchestrator.planning import memory_model as mm
 from orchestrator.planning import time_model as tm
 from workers.parallel.layout import stage_ids
+from workers.parallel.mixed_precision import planned_fsdp_mixed
 from workers.parallel.partition import balanced_split
 from workers.parallel.schedules import schedule as schedule_facts
 
@@ -52,7 +53,8 @@ class Shape:
     tied: bool = False
     learned_positions: bool = False
     compute_bytes: int = 2  # bf16 under autocast (raymesh keeps fp32 state either way)
-    # bf16 layouts with ZeRO-2/3 run FSDP2's mixed-precision policy (precision.policy fsdp, or auto on a GPU)
+    # the job's layouts with ZeRO-2/3 would run bf16 through FSDP2's mixed-precision policy
+    # (workers.parallel.mixed_precision: bf16 with precision.policy fsdp, or auto on a GPU)
     fsdp_policy: bool = False
     reduce_bytes: int = 4  # gradient reduction width under that policy (precision.reduce_dtype)
 
@@ -61,12 +63,13 @@ class Shape:
         m = spec.model
         return cls(m.n_layers, m.d_model, m.n_heads, m.ffn_dim, spec.padded_vocab_size, m.seq_len,
                    spec.train.global_batch_size, m.kv_heads, m.arch, m.tie_embeddings, m.positions == "learned",
-                   mm.BYTES_PER[spec.precision.dtype], fsdp_policy_asked(spec),
+                   mm.BYTES_PER[spec.precision.dtype], planned_fsdp_mixed(
+                       spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
                    mm.BYTES_PER[spec.precision.reduce_dtype])
 
     def fsdp_mixed(self, zero: int) -> bool:
-        """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (16-bit compute only)."""
-        return self.fsdp_policy and self.compute_bytes < 4 and zero >= 2
+        """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
+        return self.fsdp_policy and zero >= 2
 
     def boundary_width(self, zero: int) -> int:
         """Bytes per element of the hidden state a pipeline stage sends: fp32 under autocast (the residual
@@ -344,12 +347,6 @@ def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, 
     return mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
                                      s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed)
 
-
-def fsdp_policy_asked(spec) -> bool:
-    """Whether the job's bf16 ZeRO-2/3 layouts would run FSDP2's mixed-precision policy
-    (``workers.parallel.mixed_precision``: ``fsdp``, or ``auto`` on a device that is not the CPU)."""
-    policy = spec.precision.policy
-    return policy == "fsdp" or (policy == "auto" and spec.parallel.device != "cpu")
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -279,9 +279,9 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
         return ((4 * sbh + 4 * s * b) * grad + residual * sbh * trained) // seq_shard
 
     norms = norm(x_grad) + norm(mid_grad)
-    casts = 4 if fsdp_mixed else compute_bytes  # _copies: one shared copy where no Linear casts its input
-    linear_inputs = compute_bytes * sbh * (_copies(on, ("wq", "wk", "wv"), casts)
-                                           + _copies(on, ("w1", "w3") if llama else ("w1",), casts))
+    linear_inputs = compute_bytes * sbh * (_copies(on, ("wq", "wk", "wv"), compute_bytes, fsdp_mixed)
+                                           + _copies(on, ("w1", "w3") if llama else ("w1",), compute_bytes,
+                                                     fsdp_mixed))
     attn = compute_bytes * ((sbh + 2 * kv) * attn_grad + sbh * (attn_grad or on("wo"))) // tp
     core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
     mlp = compute_bytes * s * b * ffn_dim // tp * ((3 if llama else 1) * h1_grad + on("w2"))
@@ -295,16 +295,16 @@ def feed_forward_copies(family: str, compute_bytes: int, frozen: Frozen | None =
     """Copies of the feed-forward norm's output ``layer_activation_bytes`` counts for the MLP's first linears
     (what an MoE feed-forward, which keeps its own, replaces)."""
     f = frozen or Frozen(ALL_LINEARS, 0, True)
-    return _copies(f.adapted.__contains__, ("w1", "w3") if family == "llama" else ("w1",),
-                   4 if fsdp_mixed else compute_bytes)
+    return _copies(f.adapted.__contains__, ("w1", "w3") if family == "llama" else ("w1",), compute_bytes,
+                   fsdp_mixed)
 
 
-def _copies(adapted, linears: tuple[str, ...], compute_bytes: int) -> int:
-    """How many copies of one norm output the ``linears`` reading it save: in fp32 they share the tensor
-    (one copy); under autocast each Linear casts its input itself, and autograd keeps each cast (q, k and v:
-    three low-precision copies; measured with the probe)."""
+def _copies(adapted, linears: tuple[str, ...], compute_bytes: int, fsdp_mixed: bool = False) -> int:
+    """How many copies of one norm output the ``linears`` reading it save: in fp32, or in bf16 under FSDP2's
+    policy (nothing casts), they share the tensor (one copy); under autocast each Linear casts its input
+    itself, and autograd keeps each cast (q, k and v: three low-precision copies; measured with the probe)."""
     n = sum(map(adapted, linears))
-    return n if compute_bytes < 4 else min(n, 1)
+    return n if compute_bytes < 4 and not fsdp_mixed else min(n, 1)
 
 
 def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int, tp: int = 1,

@@ -17,7 +17,7 @@ from orchestrator.spec.moe import check_moe
 from orchestrator.spec.ps_resize_checks import check_ps_resize
 from orchestrator.spec.sections import ParameterServerSpec
 from orchestrator.spec.throughput_checks import check_compile, check_fsdp_prefetch, check_optim_implementation
-from workers.parallel.mixed_precision import fsdp_applies
+from workers.parallel.mixed_precision import fsdp_applies, planned_fsdp_mixed
 from workers.parallel.partition import split_problem
 
 if TYPE_CHECKING:
@@ -174,9 +174,7 @@ def check_precision(job: JobSpec) -> None:
                f"dp_sync: {p.dp_sync}")
         raise SpecError("precision.policy", "fsdp", why, "set parallel.zero: 2 or 3 (dp_sync: allreduce) with "
                         "precision.dtype: bf16, or precision.policy: autocast")
-    fsdp_possible = fsdp_applies(pr.dtype, p.zero, p.dp_sync) and (pr.policy == "fsdp" or (
-        pr.policy == "auto" and p.device != "cpu"))
-    if pr.reduce_dtype != "fp32" and not fsdp_possible:
+    if pr.reduce_dtype != "fp32" and not planned_fsdp_mixed(pr.dtype, pr.policy, p.zero, p.dp_sync, p.device):
         raise SpecError("precision.reduce_dtype", pr.reduce_dtype, "is the gradient reduction dtype of FSDP2's "
                         "mixed-precision policy, which this job does not run (it needs precision.dtype bf16, "
                         "parallel.zero 2 or 3, and precision.policy fsdp, or auto on a GPU)",

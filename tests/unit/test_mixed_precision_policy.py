@@ -58,10 +58,13 @@ def test_planner_prices_bf16_gathers_and_no_autocast_copies_under_the_fsdp_polic
     assert est.autocast_copy_bytes(_spec(), mixed.params) == 0 < est.autocast_copy_bytes(
         _spec(policy="autocast"), autocast.params)
     assert mixed.activation_bytes < autocast.activation_bytes  # bf16 residual stream, one copy per norm output
-    # the layout search prices the job's own layout as the estimate does, on both policies
-    for spec, rank in ((_spec(), mixed), (_spec(policy="autocast"), autocast)):
+    # the layout search prices the job's own layout as the estimate does, on both policies; fp16 (loss scaling,
+    # so autocast) is never priced as the FSDP2 policy, also on a GPU with ZeRO-3
+    fp16 = _spec(dtype="fp16")
+    assert not est.fsdp_mixed(fp16) and not Shape.of(fp16).fsdp_mixed(3)
+    for spec in (_spec(), _spec(policy="autocast"), fp16):
         peak, _ = Evaluator(Shape.of(spec), est.mm.parse_bytes("80GB")).peak(layout_of(spec))
-        assert peak == pytest.approx(rank.total_bytes, rel=0.05)
+        assert peak == pytest.approx(est.estimate_rank(spec, 0).total_bytes, rel=0.05)
 
 
 def test_comm_model_gathers_bf16_and_reduces_in_the_reduce_dtype():

@@ -28,3 +28,9 @@ def uses_fsdp_mixed(dtype: str, policy: str, zero: int, dp_sync: str, on_cuda: b
     if not fsdp_applies(dtype, zero, dp_sync):
         return False
     return policy == "fsdp" or (policy == "auto" and on_cuda)
+
+
+def planned_fsdp_mixed(dtype: str, policy: str, zero: int, dp_sync: str, device: str) -> bool:
+    """``uses_fsdp_mixed`` as the driver (spec checks, planner) decides it from ``parallel.device``: ``auto`` is
+    planned as a GPU, since the driver itself may have none."""
+    return uses_fsdp_mixed(dtype, policy, zero, dp_sync, on_cuda=device != "cpu")
