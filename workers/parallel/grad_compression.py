@@ -43,7 +43,20 @@ def completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-class PowerSGD:
+class _ErrorFeedback:
+    """Per-bucket error feedback (``errors``) as a ``state_dict`` of CPU copies, for snapshots and checkpoints
+    (``workers.state.compression_feedback``)."""
+
+    errors: dict[int, torch.Tensor]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"error.{k}": e.detach().to("cpu", copy=True) for k, e in self.errors.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
+        self.errors = _per_bucket(state, "error", device)
+
+
+class PowerSGD(_ErrorFeedback):
     """Rank-``rank`` PowerSGD per gradient matrix, with error feedback and warm-started Q.
 
     Per matrix M (the gradient plus this rank's last error): P = M Q, all-reduce P, orthonormalise,
@@ -61,12 +74,11 @@ class PowerSGD:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Error feedback and warm-started Q per bucket, and the generator new Qs come from (CPU copies)."""
-        out = {f"error.{k}": e.detach().to("cpu", copy=True) for k, e in self.errors.items()}
-        out.update({f"q.{k}": q.detach().to("cpu", copy=True) for k, q in self.qs.items()})
-        return {**out, "generator": self.generator.get_state()}
+        qs = {f"q.{k}": q.detach().to("cpu", copy=True) for k, q in self.qs.items()}
+        return {**super().state_dict(), **qs, "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
-        self.errors = _per_bucket(state, "error", device)
+        super().load_state_dict(state, device)
         self.qs = _per_bucket(state, "q", device)
         if "generator" in state:
             self.generator.set_state(state["generator"])
@@ -112,7 +124,7 @@ class PowerSGD:
             m.copy_(p @ q.t()).div_(world)
 
 
-class TopK:
+class TopK(_ErrorFeedback):
     """Keep the ``ratio`` largest-magnitude entries of the bucket (plus this rank's last error), all-gather
     (value, index) pairs, and sum them into the average; what was not sent is the next step's error."""
 
@@ -121,13 +133,6 @@ class TopK:
     def __init__(self, group, ratio: float):
         self.group, self.ratio = group, ratio
         self.errors: dict[int, torch.Tensor] = {}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """What each bucket held back so far (CPU copies)."""
-        return {f"error.{k}": e.detach().to("cpu", copy=True) for k, e in self.errors.items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
-        self.errors = _per_bucket(state, "error", device)
 
     def __call__(self, _state, bucket) -> torch.futures.Future:
         buffer, world, key = bucket.buffer(), self.group.size(), bucket.index()
