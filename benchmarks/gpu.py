@@ -57,7 +57,6 @@ import torch  # noqa: E402
 from orchestrator.errors import SpecError  # noqa: E402
 from orchestrator.planning.estimate import estimate_rank, stage_params  # noqa: E402
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank  # noqa: E402
-from orchestrator.planning.time_model import flops_per_token  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
 from orchestrator.spec.loading import apply_overrides  # noqa: E402
 from workers.data import write_token_rows  # noqa: E402
@@ -208,9 +207,7 @@ def throughput(spec: JobSpec, results: list[StepResult], wall_s: float, name: st
     tokens = sum(r.tokens for r in results)
     step_s = sum(r.time_s.step for r in results)
     per_token = model_flops_per_token(spec)
-    m = spec.model
-    params = sum(stage_params(spec, stage=0, n_stages=1))
-    hardware = flops_per_token(params, m.n_layers, m.d_model, m.seq_len, spec.memory.recompute)
+    hardware = model_flops_per_token(spec, spec.memory.recompute)
     peak = peak_flops_per_rank(spec, name)
     tps = tokens / step_s
     return {"tokens": tokens, "step_s": step_s, "tokens_per_s": tps, "wall_s": wall_s,

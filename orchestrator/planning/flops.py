@@ -18,10 +18,12 @@ PEAK_TFLOPS = {**{name: g.peak_flops / 1e12 for name, g in GPUS.items()}, "L40S"
 CPU_TFLOPS = 0.1
 
 
-def model_flops_per_token(spec: JobSpec) -> float:
+def model_flops_per_token(spec: JobSpec, recompute: str = "none") -> float:
+    """Model FLOPs per token (recompute not counted, as MFU wants); with the job's ``memory.recompute`` as
+    ``recompute``, the hardware FLOPs (HFU) its recomputed forwards add."""
     m = spec.model
     params = sum(stage_params(spec, stage=0, n_stages=1))  # the whole model as one stage
-    return flops_per_token(params, m.n_layers, m.d_model, m.seq_len)  # model FLOPs: recompute not counted
+    return flops_per_token(params, m.n_layers, m.d_model, m.seq_len, recompute)
 
 
 def peak_flops_per_rank(spec: JobSpec, device_name: str) -> float:
