@@ -37,6 +37,11 @@ def chunk_keys(name: str, shape, chunk_elems: int) -> list[str]:
     return [chunk_key(name, i) for i in range(chunk_count(math.prod(shape), chunk_elems))]
 
 
+def layout_keys(layout: dict[str, dict], chunk_elems: int) -> list[str]:
+    """Every chunk key of a registered layout (tensor name -> ``{"shape": ...}``), tensors in name order."""
+    return [key for name in sorted(layout) for key in chunk_keys(name, layout[name]["shape"], chunk_elems)]
+
+
 def split(name: str, tensor: torch.Tensor, chunk_elems: int) -> dict[str, torch.Tensor]:
     """``tensor`` as flat contiguous chunks keyed ``name#i``."""
     flat = tensor.detach().reshape(-1)

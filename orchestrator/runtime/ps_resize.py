@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from orchestrator.observability.events import event
-from parameter_server.ring import HashRing, chunk_keys, rebalance
+from parameter_server.ring import HashRing, layout_keys, rebalance
 
 if TYPE_CHECKING:
     from orchestrator.runtime.ps_shards import PSShards
@@ -39,8 +39,7 @@ def resize(shards: PSShards, count: int, group, step: int) -> dict:
     returns the record of the move (also in the event log)."""
     t0 = time.perf_counter()
     before, ps = len(shards.handles), shards.ps
-    layout = shards.answer(shards.handles[0].clock.remote(), "shard 0 (the model's layout)")["layout"]
-    keys = [key for n in sorted(layout) for key in chunk_keys(n, layout[n]["shape"], ps.chunk_elems)]
+    keys = layout_keys(shards.layout(), ps.chunk_elems)
     plan = rebalance(shards.ring, HashRing(count, ps.virtual_nodes), keys)
     for shard in range(before, count):
         shards.add_shard(shard)

@@ -24,7 +24,7 @@ from orchestrator.runtime import ps_resize
 from orchestrator.spec import JobSpec
 from parameter_server import checkpoint
 from parameter_server.clocks import ClockKeeper
-from parameter_server.ring import HashRing, chunk_keys
+from parameter_server.ring import HashRing, layout_keys
 from parameter_server.shard import PSShard
 from workers.optim.build import lr_lambda
 
@@ -209,6 +209,10 @@ class PSShards:
             answer(self.keeper.restore.remote(clocks["keeper_clocks"], clocks["completed"]),
                    "the clock keeper (restoring)", self.deadline_s)
 
+    def layout(self, shard: int = 0) -> dict[str, dict]:
+        """The model's layout (tensor name -> shape, dtype) as shard ``shard`` (a live one) registered it."""
+        return self.answer(self.handles[shard].clock.remote(), f"shard {shard} (the model's layout)")["layout"]
+
     def _alive(self) -> list[bool]:
         refs = [h.ping.remote() for h in self.handles]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_S)
@@ -252,8 +256,7 @@ class PSShards:
         dead = [s for s, ok in enumerate(alive) if not ok]
         if len(dead) < 2:
             return
-        layout = next(answer(self.handles[s].clock.remote(), f"shard {s} (its layout)", self.deadline_s)["layout"]
-                      for s, ok in enumerate(alive) if ok) if any(alive) else {}
+        layout = self.layout(alive.index(True)) if any(alive) else {}
         message = lost_updates(self.ring, self.ps.chunk_elems, layout, dead, self._snapshot_versions(dead), step)
         if message:
             raise RuntimeError(message)
@@ -345,12 +348,11 @@ def lost_updates(ring: HashRing, chunk_elems: int, layout: dict, dead: list[int]
     whose holders all died, and, per key, the steps since the newest disk snapshot that holds it (``snapshots``:
     shard -> the version, the step, its snapshot was taken at)."""
     lost: dict[int, list[str]] = {}  # steps since the snapshot -> keys
-    for name, info in sorted(layout.items()):
-        for key in chunk_keys(name, info["shape"], chunk_elems):
-            holders = ring.holders(key)
-            if all(h in dead for h in holders):
-                since = max((snapshots.get(h) or 0) for h in holders)
-                lost.setdefault(since, []).append(key)
+    for key in layout_keys(layout, chunk_elems):
+        holders = ring.holders(key)
+        if all(h in dead for h in holders):
+            since = max((snapshots.get(h) or 0) for h in holders)
+            lost.setdefault(since, []).append(key)
     if not lost:
         return ""
     parts = [f"{len(keys)} chunks ({', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}) " + _since(since, step)
