@@ -30,6 +30,7 @@ def _job(model: dict, **sections) -> JobSpec:
 @pytest.mark.parametrize("parallel, train, recompute, dtype", [
     ({"dp": 2, "zero": 2}, {"microbatches": 4}, "none", "bf16"),
     ({"dp": 4, "zero": 3}, {"microbatches": 1}, "full", "fp32"),
+    ({"dp": 4, "zero": 3, "fsdp_prefetch": 3}, {"microbatches": 2}, "selective", "bf16"),
     ({"dp": 2, "tp": 2, "zero": 0}, {"microbatches": 2}, "selective", "bf16"),
     ({"dp": 4, "zero": 1}, {"microbatches": 1}, "none", "fp32"),
     ({"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "interleaved_1f1b"}, {"microbatches": 4}, "none", "bf16"),
