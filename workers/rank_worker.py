@@ -76,6 +76,8 @@ class RankWorker:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         from workers.trainer import Trainer
 
+        old_ps = getattr(self.trainer, "ps", None)
+        carried = old_ps.feedback_to_carry() if old_ps is not None else None
         if dist.is_initialized():
             self.trainer = None
             dist.destroy_process_group()
@@ -83,6 +85,8 @@ class RankWorker:
         listener, self._listener = self._listener, None
         self.trainer = self.sockets.record(
             lambda: Trainer(spec, rank, world_size, master_addr, master_port, listener=listener))
+        if self.trainer.ps is not None:
+            self.trainer.ps.carry_over(carried)
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
             from workers.state.snapshot_store import SnapshotStore
 
@@ -130,6 +134,11 @@ class RankWorker:
         """The shards were restored to this rank's step (resume, rollback): push and pull from its clock there;
         ``step``: the controller's, for a rank rebuilt at step 0 that rejoins asp/ssp training (``PSSync.rejoin``)."""
         return self.trainer.ps.resume_at(self.trainer.step if step is None else step)
+
+    def ps_feedback_chunks(self) -> int:
+        """How many chunk keys of top-k error feedback this rank's worker holds (reported when asp/ssp workers
+        rejoin: a replacement starts with none, its predecessor's went with its process)."""
+        return len(self.trainer.ps.codec.errors)
 
     def set_holder(self, holder) -> None:
         """The actor that keeps this rank's replicas from now on (set at every (re)formation)."""

@@ -215,7 +215,7 @@ class TrainingJob:
             self.ps = self.ps or PSShards(self.spec, self.run_dir)
             if self.ps.spec.parallel.dp != p.dp:  # bsp, a requested resize: the ranks load its checkpoint next
                 self.ps.set_workers(self.spec)
-            self.group.worker_extra = {"ps_routes": self.ps.worker_routes()}
+            self.ps.publish_routes(self.group)
             self.checkpoints.beside_ranks = self.ps.save_checkpoint
         layout = Layout.of(self.spec, self.group.form())
         if fresh_shards:  # the ranks registered the initial weights: a rollback to step 0 finds them

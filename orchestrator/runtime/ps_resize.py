@@ -54,7 +54,7 @@ def resize(shards: PSShards, count: int, group, step: int) -> dict:
         shards.remove_shard(shard)
     shards.ring = HashRing(count, ps.virtual_nodes)
     group.call("ps_reshard", [shards.route(i) for i in range(count)])
-    group.worker_extra = {"ps_routes": shards.worker_routes()}  # ranks started later (replacements) too
+    shards.publish_routes(group)
     record = {"at_step": step + 1, "shards_from": before, "shards_to": count, "chunks": plan.chunks,
               "primaries_moved": plan.primaries_moved, "chunks_moved": plan.chunks_copied,
               "bytes_moved": sum(state_bytes(b["now"]) for b in bundles), "seconds": time.perf_counter() - t0}

@@ -118,6 +118,11 @@ class PSShards:
         """What each rank's ``PSSync`` needs: a route per shard, and the clock keeper under asp/ssp."""
         return {"shards": [self.route(i) for i in range(len(self.handles))], "keeper": self.keeper}
 
+    def publish_routes(self, group) -> None:
+        """Every rank the group forms from now on (a replacement, a relaunched grid) gets the shards' current
+        routes: a restarted or added shard has a new actor and gRPC address."""
+        group.worker_extra = {"ps_routes": self.worker_routes()}
+
     # -- between steps -------------------------------------------------------------------------
 
     def arm(self, fault: dict) -> None:
@@ -240,6 +245,7 @@ class PSShards:
                 keys = answer(self.handles[shard].load.remote(state), f"restarted shard {shard} (loading its keys)",
                               self.deadline_s)
         group.call("ps_reroute", shard, self.route(shard))
+        self.publish_routes(group)
         self._write_routes()
         at_step, t0 = self._armed.pop(shard, (step, time.perf_counter()))
         self.recoveries.append({"kind": "kill_ps_shard", "rank": -1, "shard": shard, "at_step": at_step,
@@ -322,7 +328,10 @@ class PSShards:
         the shards' current parameters, then the keeper lets steps start again. Nothing is rolled back."""
         clocks = group.call("ps_resume", step)
         answer(self.keeper.resume.remote(), "the clock keeper (resuming the workers)", self.deadline_s)
-        event("ps_workers_rejoined", step=step, clocks=",".join(map(str, clocks)))
+        fields = {"clocks": ",".join(map(str, clocks))}
+        if self.ps.compression == "topk":  # survivors keep their held-back gradient; a replacement starts at 0
+            fields["feedback_chunks"] = ",".join(map(str, group.call("ps_feedback_chunks")))
+        event("ps_workers_rejoined", step=step, **fields)
 
     # -- end of run ----------------------------------------------------------------------------
 

@@ -20,15 +20,13 @@ hosted controller recovers rank faults with nobody attached).
 from __future__ import annotations
 
 import json
-import logging
 import random
-from contextlib import contextmanager
 
 import pytest
 
 from orchestrator import JobSpec, TrainingJob
-from orchestrator.observability.events import parse_event
 from tests.support.elastic_cluster import run_on_cluster
+from tests.support.events import recorded_events
 from tests.support.jobs import tiny_spec
 
 SEED = 12
@@ -57,22 +55,6 @@ def chaos_schedule(seed: int, world_size: int) -> list[dict]:
     faults.append({"kind": "corrupt_checkpoint", "at_step": corrupt_at})
     faults += [{"kind": "kill_rank", "rank": rank, "at_step": corrupt_at} for rank in range(world_size)]
     return sorted(faults, key=lambda f: f["at_step"])
-
-
-@contextmanager
-def recorded_events():
-    """The ``event=`` lines logged while the block runs, parsed into (name, fields)."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.setFormatter(logging.getLogger("raymesh").handlers[0].formatter)  # whole lines, as users see them
-    handler.emit = lambda record: lines.append(handler.format(record))
-    logging.getLogger("raymesh").addHandler(handler)
-    parsed: list[tuple[str, dict]] = []
-    try:
-        yield parsed
-    finally:
-        logging.getLogger("raymesh").removeHandler(handler)
-        parsed.extend(e for e in map(parse_event, lines) if e is not None)
 
 
 def steps_lines(run_dir) -> list[dict]:

@@ -22,6 +22,7 @@ from parameter_server import checkpoint
 from parameter_server.client import PSClient, RayConn
 from parameter_server.ring import HashRing, rebalance, split
 from parameter_server.shard import PSShard
+from tests.support.events import recorded_events
 from tests.support.jobs import tiny_spec
 from tests.support.reference import reference_run
 from workers.model.config import model_config
@@ -106,6 +107,25 @@ def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_
     [rec] = result.recoveries
     assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 5, "memory", 1)
     assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
+
+
+def test_a_rank_replaced_after_a_shard_restart_reaches_the_restarted_shard(bsp_dp4, token_data, tmp_path):
+    """Shard 0 dies in step 2 and is restarted on a new actor and address; rank 1 dies in step 5. Its
+    replacement, and the survivors formed again, must get the restarted shard's route, not the dead one's
+    (a rank with the dead route sends shard 0's keys to their other holder only, which hides the loss until
+    that holder dies too), and the run still equals the uninterrupted one bit for bit."""
+    faults = [{"kind": "kill_ps_shard", "shard": 0, "at_step": 2}, {"kind": "kill_rank", "rank": 1, "at_step": 5}]
+    spec = _ps_spec(token_data, tmp_path, faults, consistency="bsp", snapshot_every=STEPS)
+    spec = spec.with_overrides(["checkpoint.memory_every=3", "fault_tolerance.heartbeat_timeout_s=20",
+                                "fault_tolerance.collective_timeout_s=5"])
+    result = TrainingJob(spec, progress=False).run()
+    assert result.losses == bsp_dp4.losses and result.grad_norms == bsp_dp4.grad_norms
+    assert [(r["kind"], r["at_step"]) for r in result.recoveries] == [("kill_ps_shard", 2), ("rank", 5)]
+    final = [torch.load(Path(spec.run_dir) / "ps" / f"shard-{s}.pt", weights_only=False) for s in range(3)]
+    assert [f["version"] for f in final] == [STEPS] * 3
+    for key, value in final[0]["params"].items():  # the restarted shard holds what its keys' other holder does
+        [other] = [f for f in final[1:] if key in f["params"]]
+        assert torch.equal(value, other["params"][key]), key
 
 
 def test_bsp_topk_kill_rank_recovers_its_error_feedback_from_the_checkpoint(ray_cluster, token_data, tmp_path):
@@ -206,13 +226,19 @@ def test_bad_push_names_key_and_shapes_and_applies_nothing(ray_cluster):
 def test_ssp_reads_stay_within_the_bound_under_a_straggler_and_a_killed_rank(ray_cluster, token_data, tmp_path):
     """Rank 1 is 3x slow; rank 2 dies in step 3: nothing rolls back, its replacement pulls the shards' current
     parameters and continues at its predecessor's clock (the step it died in handed back), and every pull, the
-    others' while it was gone and its own after, stays within the staleness bound."""
+    others' while it was gone and its own after, stays within the staleness bound. Under top-k the survivors
+    keep the gradient they held back through the re-formed group; the replacement starts with none."""
     faults = [{"kind": "slow_rank", "rank": 1, "at_step": 1, "factor": 3.0}, {"kind": "kill_rank", "rank": 2,
                                                                                 "at_step": 3}]
-    spec = _ps_spec(token_data, tmp_path, faults, shards=2, consistency="ssp", staleness=1).with_overrides(
+    spec = _ps_spec(token_data, tmp_path, faults, shards=2, consistency="ssp", staleness=1,
+                    compression="topk").with_overrides(
         ["fault_tolerance.heartbeat_timeout_s=20", "fault_tolerance.collective_timeout_s=5"])
-    result = TrainingJob(spec, progress=False).run()
+    with recorded_events() as events:
+        result = TrainingJob(spec, progress=False).run()
     assert result.status == "finished" and result.steps == STEPS
+    [rejoined] = [fields for name, fields in events if name == "ps_workers_rejoined"]
+    held = [int(c) for c in rejoined["feedback_chunks"].split(",")]  # chunk keys of feedback, per rank
+    assert held[2] == 0 and held[0] == held[1] == held[3] > 0, held
     [rec] = result.recoveries
     assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 2, 3, "shards", 0)
     reads = _reads(spec)

@@ -44,6 +44,8 @@ from workers.parallel.grad_compression import WireCodec
 from workers.protocol import StepResult, StepTimes
 from workers.spec import WorkerSpec
 
+CARRY_WAIT_S = 30.0  # how long a re-formed survivor waits for its free-running step to end (feedback_to_carry)
+
 
 def _conn(route: dict, transport: str):
     if transport == "grpc":
@@ -140,6 +142,24 @@ class PSSync:
             for sched in state.schedulers:
                 sched.step()
         return self.clock
+
+    def feedback_to_carry(self) -> dict | None:
+        """asp/ssp: this worker's top-k error feedback for the trainer a survivor rebuilds when the group is
+        re-formed. Nothing rolls back there, so the gradient it held back must outlive the trainer (bsp rolls
+        back to a snapshot, which holds its feedback). Taken between free-running steps; a step that never ends
+        (``CARRY_WAIT_S``) leaves the rebuilt trainer at zero feedback rather than the group waiting forever."""
+        if not self.asynchronous or not self.codec.errors or not self.quiet.acquire(timeout=CARRY_WAIT_S):
+            return None
+        try:
+            return {"worker": self.worker, "dp": self.trainer.spec.parallel.dp, "errors": self.state_dict()}
+        finally:
+            self.quiet.release()
+
+    def carry_over(self, carried: dict | None) -> None:
+        """Continue with the feedback ``feedback_to_carry`` took from this rank's previous trainer, when it was
+        the same worker of the same data-parallel degree (a changed grid starts at zero, as a resume does)."""
+        if carried and (carried["worker"], carried["dp"]) == (self.worker, self.trainer.spec.parallel.dp):
+            self.load_state_dict(carried["errors"])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Top-k's error feedback per chunk key (what this worker held back from its pushes so far)."""
