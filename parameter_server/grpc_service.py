@@ -8,8 +8,9 @@ that outlasts the caller's deadline as ``DEADLINE_EXCEEDED`` (the shard's
 thread is free again then, so blocked callers cannot starve it); a shard that
 is gone is ``UNAVAILABLE``, which the client reports as ``ShardDown`` so it
 can fail over to the key's successor. It listens on the node's cluster
-address only, and only for callers with the job's token
-(``parameter_server/auth.py``).
+address only, only for callers with the job's token
+(``parameter_server/auth.py``), and TLS only when the job file names a
+certificate (``parameter_server/tls.py``, shared with the control API).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import grpc
 from parameter_server.auth import TokenInterceptor, call_metadata
 from parameter_server.errors import ShardDown
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
+from parameter_server.tls import PemPair, add_port, channel
 from parameter_server.wire import to_dict, to_msg
 
 _MAX_MSG = 512 * 1024 * 1024
@@ -85,12 +87,13 @@ class GrpcEndpoint:
         self.address = address
 
 
-def serve(shard, ip: str, token: str) -> GrpcEndpoint:
-    """Serve ``shard`` to callers with ``token`` on a free port of ``ip`` (the node's cluster address)."""
+def serve(shard, ip: str, token: str, tls: PemPair | None = None) -> GrpcEndpoint:
+    """Serve ``shard`` to callers with ``token`` on a free port of ``ip`` (the node's cluster address); TLS only
+    with ``tls`` (certificate chain PEM, key PEM)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=_OPTIONS,
                          interceptors=[TokenInterceptor(token)])
     ps_pb2_grpc.add_ParameterServerServicer_to_server(_Servicer(shard), server)
-    port = server.add_insecure_port(f"{ip}:0")
+    port = add_port(server, f"{ip}:0", tls)
     if port == 0:
         raise OSError(f"parameter-server shard cannot listen on {ip}; fix: check that Ray's node IP is this "
                       "node's address (`ray start --node-ip-address`)")
@@ -118,11 +121,12 @@ class _GrpcFuture:
 
 
 class GrpcConn:
-    """A client's connection to one shard over gRPC (no Ray needed: usable from any process), with ``token``."""
+    """A client's connection to one shard over gRPC (no Ray needed: usable from any process), with ``token``;
+    TLS trusting ``root_cert`` (PEM) when the shards speak TLS (a plaintext call to them fails as ``ShardDown``)."""
 
-    def __init__(self, address: str, token: str):
+    def __init__(self, address: str, token: str, root_cert: bytes | None = None):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.channel = channel(address, root_cert, _OPTIONS)
         self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
         self.metadata = call_metadata(token)
 

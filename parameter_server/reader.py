@@ -6,7 +6,10 @@ The routes file (written by the controller, rewritten when a shard restarts)
 gives each shard's address and the ring's shape, so the reader finds every
 chunk where a worker would, and where the job's token is (``ray``: Ray's token
 on this machine; else the run directory's secret file); ``RAYMESH_TOKEN``
-overrides it. The shards answer no call without it.
+overrides it. The shards answer no call without it. When the job file gives the
+shards a certificate (``parameter_server.tls_cert``), the file names it too and
+the reader speaks TLS trusting it, or ``RAYMESH_TLS_CA`` (a copy of it, or of
+its CA, on this machine), as a control API client does.
 """
 
 from __future__ import annotations
@@ -19,14 +22,23 @@ import torch
 
 from parameter_server.auth import client_token
 from parameter_server.client import PSClient
+from parameter_server.errors import ShardDown
 from parameter_server.grpc_service import GrpcConn
+from parameter_server.tls import TLS_CA_ENV, trusted_root
 
 
 def connect(routes_path: str | Path) -> PSClient:
     routes = json.loads(Path(routes_path).read_text())
     token = client_token(routes.get("token"))
-    client = PSClient([GrpcConn(a, token) for a in routes["addresses"]], routes["chunk_elems"], routes["vnodes"])
-    for info in client.clocks():  # every shard keeps the whole model's layout
+    root = trusted_root(routes["tls_cert"], "the job's parameter-server shards") if "tls_cert" in routes else None
+    client = PSClient([GrpcConn(a, token, root) for a in routes["addresses"]], routes["chunk_elems"],
+                      routes["vnodes"])
+    infos = client.clocks()
+    if not infos:  # else an empty layout: the reader would write {} as the job's weights
+        raise ShardDown(f"none of the {len(client.conns)} parameter-server shards in {routes_path} answered; fix: "
+                        "check that the job is still running and that this machine reaches their addresses (and, "
+                        f"when the file names a tls_cert, that it or {TLS_CA_ENV} is the shards' certificate)")
+    for info in infos:  # every shard keeps the whole model's layout
         client.layout.update(info["layout"])
     return client
 

@@ -435,15 +435,16 @@ class PSShard:
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def serve_grpc(self, token: str) -> str:
-        """Start this shard's gRPC endpoint (same push/pull/clock API, callers with ``token`` only) on the
-        node's cluster address as Ray knows it, not on every interface; returns ``ip:port``."""
+    def serve_grpc(self, token: str, tls: tuple[bytes, bytes] | None = None) -> str:
+        """Start this shard's gRPC endpoint (same push/pull/clock API, callers with ``token`` only, TLS only with
+        ``tls``: certificate chain and key PEM) on the node's cluster address as Ray knows it, not on every
+        interface; returns ``ip:port``."""
         import ray
 
         from parameter_server.grpc_service import serve
 
         if self.grpc is None:
-            self.grpc = serve(self, ray.util.get_node_ip_address(), token)
+            self.grpc = serve(self, ray.util.get_node_ip_address(), token, tls)
         return self.grpc.address
 
 

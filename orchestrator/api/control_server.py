@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import sys
 from concurrent import futures
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
+from parameter_server import tls as tls_wire
 from parameter_server.auth import TokenInterceptor, call_metadata, client_token
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -175,11 +174,7 @@ class ControlServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="raymesh-control"),
                                    interceptors=[TokenInterceptor(token)])
         control_pb2_grpc.add_ControlServicer_to_server(_Servicer(handler, allow_faults), self._server)
-        if tls is None:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
-        else:
-            cert, key = tls
-            bound = self._server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, cert)]))
+        bound = tls_wire.add_port(self._server, f"{host}:{port}", tls)
         if bound == 0:
             raise OSError(f"control API cannot listen on {host}:{port}; fix: pick a free control.port (0: any) "
                           "and a control.host this node has")
@@ -195,9 +190,7 @@ class ControlServer:
 
         settings = job.spec.control
         token = job_token(job.run_dir)
-        tls = None
-        if settings.tls_cert is not None:
-            tls = (Path(settings.tls_cert).read_bytes(), Path(settings.tls_key).read_bytes())
+        tls = tls_wire.read_pair("control", settings.tls_cert, settings.tls_key)
         allow = settings.allow_faults if settings.allow_faults is not None else bool(job.spec.faults)
         return cls(job, token.value, settings.host, settings.port, tls, allow, token.source, settings.tls_cert or "")
 
@@ -211,9 +204,6 @@ class ControlServer:
     def close(self, grace_s: float = 1.0) -> None:
         """Stop serving; calls in flight get ``grace_s`` to finish."""
         self._server.stop(grace_s).wait()
-
-
-TLS_CA_ENV = "RAYMESH_TLS_CA"  # a copy of the control API's certificate (or its CA) on the calling machine
 
 
 class ControlClient:
@@ -234,12 +224,7 @@ class ControlClient:
         ``RAYMESH_TLS_CA`` or the announced certificate."""
         root_cert = None
         if "tls_cert" in fields:
-            ca = Path(os.environ.get(TLS_CA_ENV) or fields["tls_cert"])
-            if not ca.is_file():
-                raise PermissionError(f"the job's control API speaks TLS with certificate {fields['tls_cert']}, "
-                                      f"which is not readable here; fix: point {TLS_CA_ENV} at a copy of it (or of "
-                                      "its CA)")
-            root_cert = ca.read_bytes()
+            root_cert = tls_wire.trusted_root(fields["tls_cert"], "the job's control API")
         return cls(fields["address"], client_token(fields.get("token")), root_cert=root_cert)
 
     def status(self) -> dict[str, Any]:
@@ -257,14 +242,9 @@ class ControlClient:
         """The step after which the job continues at data-parallel degree ``dp``."""
         return self._call("RequestScale", control_pb2.ScaleRequest(dp=dp)).after_step
 
-    def _channel(self) -> grpc.Channel:
-        if self._root_cert is None:
-            return grpc.insecure_channel(self.address)
-        return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=self._root_cert))
-
     def _call(self, method: str, request):
         # One channel per call: calls are rare and this leaves nothing open between them.
-        with self._channel() as channel:
+        with tls_wire.channel(self.address, self._root_cert) as channel:
             rpc = getattr(control_pb2_grpc.ControlStub(channel), method)
             try:
                 return rpc(request, timeout=self.timeout_s, metadata=self._metadata)

@@ -2,8 +2,9 @@
 
 Shards are threaded Ray actors (``PSShard``) spread over the cluster; each also
 serves gRPC on its node's cluster address so processes outside Ray can read
-weights (``ps_routes.json`` in the run directory says where, and where the
-job's token is). Between steps, ``after_step`` pings every
+weights (``ps_routes.json`` in the run directory says where, where the job's
+token is, and, with ``parameter_server.tls_cert``, that the wire is TLS and
+which certificate to trust). Between steps, ``after_step`` pings every
 shard; a dead one is restarted and resynced from the live holders of its keys
 (the successor holds its primary keys, the primaries hold its replicas), then
 every worker is told to use it again. ``kill_ps_shard`` faults are armed here.
@@ -26,6 +27,7 @@ from parameter_server import checkpoint
 from parameter_server.clocks import ClockKeeper
 from parameter_server.ring import HashRing, layout_keys
 from parameter_server.shard import PSShard
+from parameter_server.tls import read_pair
 from workers.optim.build import lr_lambda
 
 PING_S = 30.0
@@ -50,9 +52,10 @@ class PSShards:
         self.run_dir = run_dir
         self.ring = HashRing(self.ps.shards, self.ps.virtual_nodes)
         self.token = job_token(run_dir)  # the control API's: one secret (or Ray's token) per job
+        self.tls = read_pair("parameter_server", self.ps.tls_cert, self.ps.tls_key)  # read here: shards need no copy
         self.deadline_s = 5 * spec.fault_tolerance.heartbeat_timeout_s  # what any call on a shard may take
         self.handles = [self._new_shard(i) for i in range(self.ps.shards)]
-        self.addresses = answer([h.serve_grpc.remote(self.token.value) for h in self.handles],
+        self.addresses = answer([self._serve(i) for i in range(len(self.handles))],
                                 "starting the shards' gRPC servers", self.deadline_s)
         self.keeper = None
         if self.ps.consistency != "bsp":
@@ -79,8 +82,7 @@ class PSShards:
     def add_shard(self, shard: int) -> None:
         """Start shard ``shard`` (empty, serving gRPC) at the end of the list (a resize fills it)."""
         self.handles.append(self._new_shard(shard))
-        self.addresses.append(self.answer(self.handles[shard].serve_grpc.remote(self.token.value),
-                                          f"new shard {shard} (its gRPC server)"))
+        self.addresses.append(self.answer(self._serve(shard), f"new shard {shard} (its gRPC server)"))
 
     def remove_shard(self, shard: int) -> None:
         """Stop the last shard (a resize moved its chunks away first), keeping the reads it recorded for
@@ -89,6 +91,10 @@ class PSShards:
         ray.kill(self.handles.pop(shard))
         self.addresses.pop(shard)
         (self.run_dir / "ps" / f"shard-{shard}.pt").unlink(missing_ok=True)
+
+    def _serve(self, shard: int):
+        """Start shard ``shard``'s gRPC server with the job's token and TLS (the ref of its address)."""
+        return self.handles[shard].serve_grpc.remote(self.token.value, self.tls)
 
     def _new_shard(self, shard: int):
         optim = self.ps.server_optim(self.spec.optim)
@@ -109,10 +115,13 @@ class PSShards:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         routes = {"addresses": self.addresses, "vnodes": self.ps.virtual_nodes, "chunk_elems": self.ps.chunk_elems,
                   "token": self.token.source}
+        if self.tls is not None:  # the wire is TLS: the reader trusts this file (or RAYMESH_TLS_CA)
+            routes["tls_cert"] = self.ps.tls_cert
         (self.run_dir / "ps_routes.json").write_text(json.dumps(routes, indent=2))
 
     def route(self, shard: int) -> dict:
-        return {"handle": self.handles[shard], "address": self.addresses[shard], "token": self.token.value}
+        return {"handle": self.handles[shard], "address": self.addresses[shard], "token": self.token.value,
+                "root_cert": self.tls[0] if self.tls else None}
 
     def worker_routes(self) -> dict:
         """What each rank's ``PSSync`` needs: a route per shard, and the clock keeper under asp/ssp."""
@@ -232,8 +241,8 @@ class PSShards:
     def _restart(self, shard: int, alive: list[bool], group, step: int) -> None:
         ray.kill(self.handles[shard], no_restart=True)
         self.handles[shard] = self._new_shard(shard)
-        self.addresses[shard] = answer(self.handles[shard].serve_grpc.remote(self.token.value),
-                                       f"restarted shard {shard} (its gRPC server)", self.deadline_s)
+        self.addresses[shard] = answer(self._serve(shard), f"restarted shard {shard} (its gRPC server)",
+                                       self.deadline_s)
         keys = 0
         for other, ok in enumerate(alive):
             if ok:  # every key this shard holds lives on one live holder too

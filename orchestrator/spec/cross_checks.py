@@ -32,6 +32,10 @@ def check_parameter_server(job: JobSpec) -> None:
         if kills:
             raise SpecError(f"faults.{kills[0]}.kind", "kill_ps_shard", "needs parameter-server shards",
                             "set parallel.dp_sync: ps, or remove the fault")
+        if ps.tls_cert is not None:  # refused, not ignored: the job file would promise an encrypted wire
+            raise SpecError("parameter_server.tls_cert", ps.tls_cert, "needs parameter-server shards (this job "
+                            f"has parallel.dp_sync: {p.dp_sync}, so there is no shard wire to encrypt)",
+                            "set parallel.dp_sync: ps, or remove parameter_server.tls_cert and tls_key")
         return
     unsupported = [
         ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",

@@ -199,8 +199,8 @@ def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
     """Make relative path fields absolute against `cwd`, in place (see module docstring)."""
     for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir"), ("metrics", "file_sd"),
                          ("memory.offload", "path"), ("model.lora", "base_checkpoint"), ("control", "tls_cert"),
-                         ("control", "tls_key"), ("model", "init_from"), ("loggers.tensorboard", "dir"),
-                         ("loggers.wandb", "dir")):
+                         ("control", "tls_key"), ("parameter_server", "tls_cert"), ("parameter_server", "tls_key"),
+                         ("model", "init_from"), ("loggers.tensorboard", "dir"), ("loggers.wandb", "dir")):
         holder = raw
         for name in section.split(".") if section else ():
             holder = holder.get(name) if isinstance(holder, dict) else None

@@ -28,6 +28,16 @@ from workers.parallel.schedules import Schedule, schedule
 from workers.storage import location
 
 
+def tls_pair(section: str, spec):
+    """``spec`` (a section with ``tls_cert`` and ``tls_key``: control, parameter_server) when it names both PEM
+    files or neither: a certificate cannot be served without its key, nor a key without its certificate."""
+    if (spec.tls_cert is None) != (spec.tls_key is None):
+        given, missing = ("tls_cert", "tls_key") if spec.tls_key is None else ("tls_key", "tls_cert")
+        raise SpecError(f"{section}.{missing}", None, f"is required when {section}.{given} is set",
+                        f"set {section}.{missing} to the matching PEM file, or remove {section}.{given}")
+    return spec
+
+
 class DataSpec(_Section):
     """Where the prepared token shards live (see `raymesh prepare-data`)."""
 
@@ -314,6 +324,12 @@ class ParameterServerSpec(_Section):
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # compression topk: share of each chunk's entries sent
     # add or remove shards between steps ({at_step, shards} each; consistent hashing moves only the affected chunks)
     resize: list[PSResizeSpec] = Field(default_factory=list)
+    tls_cert: str | None = None  # PEM certificate chain naming the shards' addresses; with tls_key, gRPC is TLS only
+    tls_key: str | None = None  # PEM private key of tls_cert
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ParameterServerSpec:
+        return tls_pair("parameter_server", self)
 
     def shards_at(self, step: int) -> int:
         """The shard count step ``step`` runs on (``resize``)."""
@@ -375,8 +391,4 @@ class ControlSpec(_Section):
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ControlSpec:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            given, missing = ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
-            raise SpecError(f"control.{missing}", None, f"is required when control.{given} is set",
-                            f"set control.{missing} to the matching PEM file, or remove control.{given}")
-        return self
+        return tls_pair("control", self)

@@ -25,6 +25,7 @@ from parameter_server.ring import split
 from parameter_server.wire import to_msg
 from tests.support.jobs import tiny_spec
 from tests.support.live_job import start_live
+from tests.support.tls import pem_files
 
 STEPS = 6
 HOLD_AT = 3
@@ -153,3 +154,26 @@ def test_parameter_server_shards_over_the_wire(ray_cluster, token_data, tmp_path
     finally:
         result = finish()
     assert result.status == "finished" and result.steps == STEPS and result.recoveries == []
+
+
+def test_parameter_server_shards_speak_tls_only_with_a_certificate(ray_cluster, token_data, tmp_path):
+    """The ranks push and pull over TLS (the job finishes with transport grpc), the outside reader dials TLS from
+    ps_routes.json, and a plaintext caller with the token gets no answer."""
+    cert, key = pem_files(tmp_path / "pki", ray.util.get_node_ip_address())  # the address the shards announce
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": 4},
+                     parameter_server={"shards": 2, "transport": "grpc", "chunk_elems": 1024,
+                                       "tls_cert": str(cert), "tls_key": str(key)},
+                     checkpoint={"memory_every": 0})
+    _, finish = start_live(spec, hold_at=2)
+    try:
+        routes_file = spec.resolved_run_dir() / "ps_routes.json"
+        routes = json.loads(routes_file.read_text())
+        assert routes["tls_cert"] == str(cert)
+        assert shard_state(routes_file)[1] == [2, 2]  # the reader, over TLS
+        token = call_metadata(client_token(routes["token"]))
+        for address in routes["addresses"]:
+            stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(address))
+            assert code_of(stub.Clock, ps_pb2.ClockRequest(), token) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        result = finish()
+    assert result.status == "finished" and result.steps == 4 and result.recoveries == []

@@ -3,7 +3,6 @@ and event lines no caller can forge. A real gRPC server with a fake controller; 
 
 from __future__ import annotations
 
-import datetime
 import socket
 import stat
 
@@ -16,6 +15,7 @@ from orchestrator.api.control_server import ControlClient, ControlServer, Contro
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
 from orchestrator.observability.events import escape, parse_event
 from orchestrator.spec import JobSpec
+from tests.support.tls import self_signed
 
 TOKEN = "s3cret-token"
 
@@ -124,30 +124,8 @@ def test_live_faults_can_be_switched_off():
         server.close()
 
 
-def self_signed(tmp_path) -> tuple[bytes, bytes]:
-    """A certificate for 127.0.0.1 and its key, in PEM."""
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "raymesh-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .sign(key, hashes.SHA256()))
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-
-def test_tls_serves_a_client_that_trusts_the_certificate_and_no_plaintext_client(tmp_path):
-    cert, key = self_signed(tmp_path)
+def test_tls_serves_a_client_that_trusts_the_certificate_and_no_plaintext_client():
+    cert, key = self_signed()
     controller = RecordingController()
     server = ControlServer(controller, TOKEN, tls=(cert, key))
     try:

@@ -4,6 +4,7 @@ shapes, finiteness checked before any state changes; waits end at the caller's d
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -12,11 +13,17 @@ import grpc
 import pytest
 import torch
 
-from parameter_server.auth import call_metadata
+from orchestrator.spec import load_spec
+from parameter_server.auth import TOKEN_ENV, call_metadata
+from parameter_server.errors import ShardDown
 from parameter_server.grpc_service import GrpcConn, serve
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
+from parameter_server.reader import pull_parameters
 from parameter_server.shard import PSShard
+from parameter_server.tls import TLS_CA_ENV, read_pair
 from parameter_server.wire import to_msg
+from tests.support.spec_errors import assert_actionable, spec_error
+from tests.support.tls import self_signed
 
 TOKEN = "shard-token"
 SGD = {"name": "sgd", "lr": 0.5, "weight_decay": 0.0, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -266,3 +273,90 @@ def test_fuzzed_requests_with_the_token_are_refused_and_change_nothing(bsp):
     assert same(snapshot(shard), before)
     conn.apply(0, 1.0).result()  # and the real step still goes through
     assert shard.version == 1 and torch.allclose(shard.params["b#0"], torch.full((3,), -LRS[0]))
+
+
+# -- TLS (parameter_server.tls_cert / tls_key): the same rule as the control API's -------------------------------
+
+
+@pytest.fixture(scope="module")
+def pems():
+    """The shards' certificate and key for 127.0.0.1, and an unrelated certificate (another job's)."""
+    return (*self_signed(), self_signed()[0])
+
+
+def tls_start(pems):
+    """A bsp shard serving TLS only with the first certificate, registered over TLS."""
+    cert, key, _ = pems
+    shard = PSShard(0, "bsp", SGD, 2, LRS, 0.0)
+    endpoint = serve(shard, "127.0.0.1", TOKEN, tls=(cert, key))
+    layout = {"w": {"shape": [4, 3], "dtype": "float32"}, "b": {"shape": [3], "dtype": "float32"}}
+    GrpcConn(endpoint.address, TOKEN, cert).register({"w#0": torch.ones(4, 3), "b#0": torch.zeros(3)}, layout).result()
+    return shard, endpoint
+
+
+def test_a_tls_shard_serves_a_client_trusting_its_certificate_and_no_other(pems):
+    cert, _, other = pems
+    shard, endpoint = tls_start(pems)
+    try:
+        before = snapshot(shard)
+        for root in (None, other):  # plaintext, and TLS trusting another certificate: no handshake, no call
+            with pytest.raises(ShardDown):
+                GrpcConn(endpoint.address, TOKEN, root).push(0, 0, {"b#0": torch.ones(3)}).result()
+        with pytest.raises(grpc.RpcError) as err:  # a raw plaintext call with the token
+            stub(endpoint).Clock(ps_pb2.ClockRequest(), timeout=5, metadata=call_metadata(TOKEN))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert same(snapshot(shard), before)
+        conn = GrpcConn(endpoint.address, TOKEN, cert)
+        bsp_step(conn, 0, [{"b#0": torch.ones(3), "w#0": torch.zeros(4, 3)}] * 2)
+        assert torch.allclose(conn.pull(["b#0"], min_version=1).result()["chunks"]["b#0"], torch.full((3,), -LRS[0]))
+    finally:
+        endpoint.server.stop(0)
+
+
+def test_the_outside_reader_dials_tls_as_the_routes_file_says(pems, tmp_path, monkeypatch):
+    cert, _, other = pems
+    _shard, endpoint = tls_start(pems)
+    try:
+        (tmp_path / "token").write_text(TOKEN)
+        (tmp_path / "tls.pem").write_bytes(cert)
+        (tmp_path / "other.pem").write_bytes(other)
+        routes = tmp_path / "ps_routes.json"  # as PSShards._write_routes writes it for a TLS wire
+        routes.write_text(json.dumps({"addresses": [endpoint.address], "vnodes": 16, "chunk_elems": 1 << 16,
+                                      "token": str(tmp_path / "token"), "tls_cert": str(tmp_path / "tls.pem")}))
+        monkeypatch.delenv(TOKEN_ENV, raising=False)
+        monkeypatch.delenv(TLS_CA_ENV, raising=False)
+        assert torch.equal(pull_parameters(routes)["w"], torch.ones(4, 3))
+        monkeypatch.setenv(TLS_CA_ENV, str(tmp_path / "other.pem"))  # the override wins, and is not trusted
+        with pytest.raises(ShardDown, match=f"none of the 1 parameter-server shards .*{TLS_CA_ENV}"):
+            pull_parameters(routes)
+        monkeypatch.setenv(TLS_CA_ENV, str(tmp_path / "missing.pem"))
+        with pytest.raises(PermissionError, match=f"shards .*missing.pem is not readable.*fix: point {TLS_CA_ENV}"):
+            pull_parameters(routes)
+    finally:
+        endpoint.server.stop(0)
+
+
+PS_JOB = {"data": {"path": "d"}, "parallel": {"dp": 2, "dp_sync": "ps"}}
+
+
+@pytest.mark.parametrize("section", ["control", "parameter_server"])
+@pytest.mark.parametrize(("given", "missing"), [("tls_cert", "tls_key"), ("tls_key", "tls_cert")])
+def test_a_certificate_without_its_key_is_refused_alike_in_both_sections(section, given, missing):
+    err = spec_error({**PS_JOB, section: {given: "x.pem"}})
+    assert_actionable(err, f"{section}.{missing}", None, f"set {section}.{missing}", f"remove {section}.{given}")
+
+
+def test_shard_tls_without_shards_is_refused():
+    err = spec_error({"data": {"path": "d"}, "parameter_server": {"tls_cert": "c.pem", "tls_key": "k.pem"}})
+    assert_actionable(err, "parameter_server.tls_cert", "c.pem", "set parallel.dp_sync: ps", "remove")
+
+
+def test_shard_tls_paths_resolve_like_the_control_apis(tmp_path, monkeypatch):
+    job = tmp_path / "job.yaml"
+    job.write_text("data: {path: d}\nparallel: {dp: 2, dp_sync: ps}\n"
+                   "parameter_server: {tls_cert: pki/ps.pem, tls_key: pki/ps.key}\n")
+    monkeypatch.chdir(tmp_path)
+    ps = load_spec(job).parameter_server
+    assert (ps.tls_cert, ps.tls_key) == (str(tmp_path / "pki/ps.pem"), str(tmp_path / "pki/ps.key"))
+    with pytest.raises(FileNotFoundError, match=r"parameter_server.tls_cert .*ps.pem cannot be read.*fix"):
+        read_pair("parameter_server", ps.tls_cert, ps.tls_key)

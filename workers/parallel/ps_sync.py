@@ -51,7 +51,7 @@ def _conn(route: dict, transport: str):
     if transport == "grpc":
         from parameter_server.grpc_service import GrpcConn
 
-        return GrpcConn(route["address"], route["token"])
+        return GrpcConn(route["address"], route["token"], route.get("root_cert"))
     return RayConn(route["handle"])
 
 
