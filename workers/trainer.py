@@ -167,7 +167,9 @@ class Trainer:
                 return self.async_pipe.run(inputs, targets, self.step, drain=self._drains_pipeline())
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            args = (inputs,) if self.holds_first_stage else ()
+            # contiguous: the loader's token windows are views ([:, :-1] has stride seq+1), and torch 2.11's
+            # PipelineStage refuses an input whose strides differ from the contiguous ones it expects
+            args = (inputs.contiguous(),) if self.holds_first_stage else ()
             with self._autocast(), self.activations.hooks():
                 self.schedule.step(*args, target=targets if self.holds_last_stage else None, losses=losses)
             if not self.holds_last_stage:
