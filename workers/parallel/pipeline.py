@@ -37,6 +37,12 @@ class TimedStage(PipelineStage):
                             "start": start, "end": time.time()})
         return out
 
+    def _get_init_p2p_neighbors_ops(self):
+        """The warm-up sends and receives that open the links to the neighbouring stages, less those to this rank
+        itself: a V-shaped schedule (zbv, dualpipev) puts two neighbouring stages on one rank, and gloo has no
+        link to itself. torch 2.11 queues them anyway and gloo fails the pair; 2.13 rarely calls this at all."""
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         return self._timed("F", super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
 
