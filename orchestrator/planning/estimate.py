@@ -351,10 +351,8 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     p, o = spec.parallel, spec.optim
     blocks = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(sharded_block_params(spec, i) for i in blocks)
-    # ZeRO-3 on FSDP2: the root unit (embeddings, head) stays gathered from forward through
-    # backward, plus the block being computed and the one prefetched (parallel.fsdp_prefetch of them if more)
-    ahead = max(1, p.fsdp_prefetch)
-    gathered = (root + (1 + ahead) * block_params(spec)) // p.tp - nf4_gathered_params(spec, ids, n_stages)
+    gathered = (mm.zero3_gathered_params(root, block_params(spec), p.tp, p.fsdp_prefetch)
+                - nf4_gathered_params(spec, ids, n_stages))
     offload = offload_flags(spec)
     experts = split.get("experts", 0)
     steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled}

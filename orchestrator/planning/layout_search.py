@@ -57,7 +57,7 @@ class Shape:
     # (workers.parallel.mixed_precision: bf16 with precision.policy fsdp, or auto on a GPU)
     fsdp_policy: bool = False
     reduce_bytes: int = 4  # gradient reduction width under that policy (precision.reduce_dtype)
-    gathered_ahead: int = 1  # ZeRO-3 blocks gathered ahead of the one computing (parallel.fsdp_prefetch, 1 if 0)
+    fsdp_prefetch: int = 0  # parallel.fsdp_prefetch: ZeRO-3 blocks gathered ahead (FSDP2's one when 0)
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -66,7 +66,7 @@ class Shape:
                    spec.train.global_batch_size, m.kv_heads, m.arch, m.tie_embeddings, m.positions == "learned",
                    mm.BYTES_PER[spec.precision.dtype], planned_fsdp_mixed(
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
-                   mm.BYTES_PER[spec.precision.reduce_dtype], max(1, spec.parallel.fsdp_prefetch))
+                   mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch)
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -216,8 +216,8 @@ class Evaluator:
         mixed = s.fsdp_mixed(lay.zero)
         precision = "fsdp_mixed" if mixed else "autocast" if s.compute_bytes < 4 else "fp32"
         state = mm.model_state(params, lay.dp, lay.zero, precision, "adamw",
-                               fsdp=True,
-                               zero3_gathered_params=(root + (1 + s.gathered_ahead) * s.block_params) // lay.tp,
+                               fsdp=True, zero3_gathered_params=mm.zero3_gathered_params(
+                                   root, s.block_params, lay.tp, s.fsdp_prefetch),
                                accumulating=m > 1 or lay.pp > 1, pipelined=lay.pp > 1)
         if lay.tp > 1 and lay.zero < 2 and first:  # DTensor's full-vocabulary embedding gradient (see estimate)
             rows = s.vocab * s.d_model

@@ -107,6 +107,13 @@ def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
     return 4 if optimizer == "sgd" and momentum else OPTIMIZER_STATE_BYTES[optimizer]
 
 
+def zero3_gathered_params(root: int, block: int, tp: int, fsdp_prefetch: int) -> int:
+    """Parameters a ZeRO-3 rank holds gathered at once on FSDP2: the root unit (embeddings, head) from forward
+    through backward, the block being computed, and the blocks gathered ahead of it (FSDP2's one, or
+    ``parallel.fsdp_prefetch`` of them when more), each split over ``tp``."""
+    return (root + (1 + max(1, fsdp_prefetch)) * block) // tp
+
+
 def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp32", optimizer: str = "adamw",
                 momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
                 offload_optimizer: bool = False, offload_params: bool = False,
