@@ -166,7 +166,9 @@ class PSSync:
         return {k: e.detach().to("cpu", copy=True) for k, e in self.codec.errors.items()}
 
     def load_state_dict(self, errors: dict[str, torch.Tensor]) -> None:
-        self.codec.errors = {k: e.clone() for k, e in errors.items()}
+        """Take error feedback held as CPU copies (a snapshot, a checkpoint, a survivor's previous trainer) onto
+        this rank's device, where the gradient chunks it is added to live."""
+        self.codec.errors = {k: e.to(self.trainer.device, copy=True) for k, e in errors.items()}
 
     def _dcp_prefix(self) -> str:
         """Each worker's error feedback is its own: DCP keys name the data-parallel degree and the worker, so a
