@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 from orchestrator.errors import SpecError  # noqa: E402
 from orchestrator.planning.estimate import estimate_rank, stage_params  # noqa: E402
-from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank  # noqa: E402
+from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank, utilization  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
 from orchestrator.spec.loading import apply_overrides  # noqa: E402
 from workers.data import write_token_rows  # noqa: E402
@@ -212,10 +212,10 @@ def throughput(spec: JobSpec, results: list[StepResult], wall_s: float, name: st
     tps = tokens / step_s
     return {"tokens": tokens, "step_s": step_s, "tokens_per_s": tps, "wall_s": wall_s,
             "wall_tokens_per_s": tokens / wall_s, "model_flops_per_token": per_token,
-            "hardware_flops_per_token": hardware, "peak_flops": peak, "mfu": per_token * tps / peak,
-            "hfu": hardware * tps / peak,
+            "hardware_flops_per_token": hardware, "peak_flops": peak, "mfu": utilization(per_token, tps, peak),
+            "hfu": utilization(hardware, tps, peak),
             "per_step": [{"step": r.step, "step_s": r.time_s.step, "tokens_per_s": r.tokens / r.time_s.step,
-                          "mfu": per_token * r.tokens / r.time_s.step / peak} for r in results]}
+                          "mfu": utilization(per_token, r.tokens / r.time_s.step, peak)} for r in results]}
 
 
 def memory(spec: JobSpec, results: list[StepResult], device: torch.device) -> dict:

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.torchtitan_job import JOB_ENV
+from orchestrator.planning.flops import utilization
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:.*?tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+%|N/A)")
@@ -69,7 +70,7 @@ def with_ratios(raymesh: dict, titan: dict) -> dict:
     raymesh / torchtitan ratios: tokens/s, MFU as each reports it, MFU by the same formula."""
     if titan["tokens_per_s"] is None:
         return {**titan, "ratio": None}
-    same = raymesh["model_flops_per_token"] * titan["tokens_per_s"] / raymesh["peak_flops"]
+    same = utilization(raymesh["model_flops_per_token"], titan["tokens_per_s"], raymesh["peak_flops"])
     ratio = {"tokens_per_s": raymesh["tokens_per_s"] / titan["tokens_per_s"],
              "mfu": raymesh["mfu"] / titan["mfu"] if titan["mfu"] else None, "mfu_same_formula": raymesh["mfu"] / same}
     return {**titan, "mfu_same_formula": same, "ratio": ratio}

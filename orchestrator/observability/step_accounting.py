@@ -14,7 +14,7 @@ import time
 
 from orchestrator.observability.observers import JobObserver, StepReport
 from orchestrator.observability.run_records import step_record
-from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank
+from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank, utilization
 from orchestrator.planning.memory_report import MeasuredMemory
 from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.stragglers import StragglerDetector
@@ -52,7 +52,7 @@ class StepAccounting:
             self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
         self.measured.observe([r.to_dict() for r in results])  # MeasuredMemory (planning) reads the JSON form
         peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
-        self.observers.on_step(StepReport(record, self.flops_per_token * record["tokens_per_s"] / peak_flops,
+        self.observers.on_step(StepReport(record, utilization(self.flops_per_token, record["tokens_per_s"], peak_flops),
                                           _bubble_ratio(results), self.goodput(), ratios,
                                           frozenset(self.stragglers.flagged()), tuple(results)))
         return record

@@ -33,3 +33,9 @@ def peak_flops_per_rank(spec: JobSpec, device_name: str) -> float:
         if key in device_name:
             return tflops * 1e12
     return CPU_TFLOPS * 1e12
+
+
+def utilization(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """The share of ``peak_flops`` that ``tokens_per_s`` at ``flops_per_token`` is: MFU with the model FLOPs,
+    HFU with the hardware ones. One rule for the step records, the dashboards and benchmarks/gpu.py."""
+    return flops_per_token * tokens_per_s / peak_flops
