@@ -7,7 +7,9 @@ not have) comes back as ``INVALID_ARGUMENT`` with the shard's message; a wait
 that outlasts the caller's deadline as ``DEADLINE_EXCEEDED`` (the shard's
 thread is free again then, so blocked callers cannot starve it); a shard that
 is gone is ``UNAVAILABLE``, which the client reports as ``ShardDown`` so it
-can fail over to the key's successor. It listens on the node's cluster
+can fail over to the key's successor; a refused TLS handshake is
+``CertificateRefused``, never failed over (every shard would refuse it
+alike), with what the certificate must name. It listens on the node's cluster
 address only, only for callers with the job's token
 (``parameter_server/auth.py``), and TLS only when the job file names a
 certificate (``parameter_server/tls.py``, shared with the control API).
@@ -21,9 +23,9 @@ from concurrent import futures
 import grpc
 
 from parameter_server.auth import TokenInterceptor, call_metadata
-from parameter_server.errors import ShardDown
+from parameter_server.errors import CertificateRefused, ShardDown
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
-from parameter_server.tls import PemPair, add_port, channel
+from parameter_server.tls import PemPair, add_port, channel, handshake_failed, handshake_fix
 from parameter_server.wire import to_dict, to_msg
 
 _MAX_MSG = 512 * 1024 * 1024
@@ -102,8 +104,8 @@ def serve(shard, ip: str, token: str, tls: PemPair | None = None) -> GrpcEndpoin
 
 
 class _GrpcFuture:
-    def __init__(self, future, convert):
-        self.future, self.convert = future, convert
+    def __init__(self, future, convert, address: str):
+        self.future, self.convert, self.address = future, convert, address
 
     def result(self):
         try:
@@ -111,6 +113,9 @@ class _GrpcFuture:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and handshake_failed(exc.details()):
+                raise CertificateRefused(handshake_fix("parameter_server.tls_cert", self.address,
+                                                       exc.details())) from None
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise ShardDown(exc.details()) from None
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -122,7 +127,8 @@ class _GrpcFuture:
 
 class GrpcConn:
     """A client's connection to one shard over gRPC (no Ray needed: usable from any process), with ``token``;
-    TLS trusting ``root_cert`` (PEM) when the shards speak TLS (a plaintext call to them fails as ``ShardDown``)."""
+    TLS trusting ``root_cert`` (PEM) when the shards speak TLS (a plaintext call to them fails as ``ShardDown``, a
+    certificate that does not name ``address`` as ``CertificateRefused``)."""
 
     def __init__(self, address: str, token: str, root_cert: bytes | None = None):
         self.address = address
@@ -131,7 +137,7 @@ class GrpcConn:
         self.metadata = call_metadata(token)
 
     def _future(self, rpc, request, convert):
-        return _GrpcFuture(rpc.future(request, metadata=self.metadata), convert)
+        return _GrpcFuture(rpc.future(request, metadata=self.metadata), convert, self.address)
 
     def register(self, chunks, layout):
         req = ps_pb2.RegisterRequest(chunks=[to_msg(k, v) for k, v in chunks.items()], layout_json=json.dumps(layout))
@@ -157,3 +163,16 @@ class GrpcConn:
             return {"shard": r.shard, "version": r.version, "applied_from": list(r.applied_from), "keys": r.keys,
                     "layout": json.loads(r.layout_json or "{}")}
         return self._future(self.stub.Clock, ps_pb2.ClockRequest(), convert)
+
+
+def check_handshake(address: str, token: str, root_cert: bytes, timeout_s: float = 10.0) -> None:
+    """Dial ``address`` as a rank will, trusting ``root_cert``: ``CertificateRefused`` when the TLS handshake is
+    refused. Anything else (this process cannot reach that node, the call is slow) is left to the ranks."""
+    conn = GrpcConn(address, token, root_cert)
+    try:
+        conn.stub.Clock(ps_pb2.ClockRequest(), metadata=conn.metadata, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and handshake_failed(exc.details()):
+            raise CertificateRefused(handshake_fix("parameter_server.tls_cert", address, exc.details())) from None
+    finally:
+        conn.channel.close()

@@ -64,3 +64,22 @@ def trusted_root(cert_path: str, what: str) -> bytes:
         raise PermissionError(f"TLS to {what} (certificate {cert_path}): {ca} is not readable here; fix: point "
                               f"{TLS_CA_ENV} at a readable copy of that certificate (or of its CA)")
     return ca.read_bytes()
+
+
+# what gRPC's details say when the TLS handshake, not the network, failed (grpcio 1.85's wording)
+_HANDSHAKE_MARKERS = ("Hostname Verification Check failed", "CERTIFICATE_VERIFY_FAILED", "Tls handshake failed",
+                      "SSL_ERROR_SSL")
+
+
+def handshake_failed(details: str | None) -> bool:
+    """Whether a failed call's gRPC ``details`` say the TLS handshake was refused (a certificate that does not
+    name the address, or another certificate than the one trusted), rather than that nothing answered."""
+    return any(marker in (details or "") for marker in _HANDSHAKE_MARKERS)
+
+
+def handshake_fix(field: str, address: str, details: str) -> str:
+    """The message for a refused handshake with ``address``, naming the job-file ``field`` and the fix."""
+    host = address.rsplit(":", 1)[0]
+    return (f"TLS handshake with {address} refused ({details.strip()}); fix: {field} must name {host} among its "
+            "subject alternative names (the address Ray reports for that node: list them with `ray list nodes`), "
+            f"and the caller must trust that certificate or its CA ({TLS_CA_ENV} outside the cluster)")

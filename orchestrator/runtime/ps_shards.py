@@ -25,6 +25,8 @@ from orchestrator.runtime import ps_resize
 from orchestrator.spec import JobSpec
 from parameter_server import checkpoint
 from parameter_server.clocks import ClockKeeper
+from parameter_server.errors import CertificateRefused
+from parameter_server.grpc_service import check_handshake
 from parameter_server.ring import HashRing, layout_keys
 from parameter_server.shard import PSShard
 from parameter_server.tls import read_pair
@@ -57,6 +59,12 @@ class PSShards:
         self.handles = [self._new_shard(i) for i in range(self.ps.shards)]
         self.addresses = answer([self._serve(i) for i in range(len(self.handles))],
                                 "starting the shards' gRPC servers", self.deadline_s)
+        try:
+            self._check_certificate(range(len(self.handles)))
+        except CertificateRefused:
+            for h in self.handles:  # the controller has no PSShards to stop yet
+                ray.kill(h)
+            raise
         self.keeper = None
         if self.ps.consistency != "bsp":
             staleness = self.ps.staleness if self.ps.consistency == "ssp" else None
@@ -83,6 +91,7 @@ class PSShards:
         """Start shard ``shard`` (empty, serving gRPC) at the end of the list (a resize fills it)."""
         self.handles.append(self._new_shard(shard))
         self.addresses.append(self.answer(self._serve(shard), f"new shard {shard} (its gRPC server)"))
+        self._check_certificate([shard])
 
     def remove_shard(self, shard: int) -> None:
         """Stop the last shard (a resize moved its chunks away first), keeping the reads it recorded for
@@ -95,6 +104,14 @@ class PSShards:
     def _serve(self, shard: int):
         """Start shard ``shard``'s gRPC server with the job's token and TLS (the ref of its address)."""
         return self.handles[shard].serve_grpc.remote(self.token.value, self.tls)
+
+    def _check_certificate(self, shards) -> None:
+        """With TLS, dial each of ``shards`` trusting the job's certificate, as the ranks will: one that does not
+        name a shard's node address (a shard started, or restarted, on a node the certificate forgot) fails the
+        job here naming parameter_server.tls_cert, the address and the fix, instead of every rank finding every
+        shard refusing it."""
+        for shard in shards if self.tls is not None else ():
+            check_handshake(self.addresses[shard], self.token.value, self.tls[0])
 
     def _new_shard(self, shard: int):
         optim = self.ps.server_optim(self.spec.optim)
@@ -243,6 +260,7 @@ class PSShards:
         self.handles[shard] = self._new_shard(shard)
         self.addresses[shard] = answer(self._serve(shard), f"restarted shard {shard} (its gRPC server)",
                                        self.deadline_s)
+        self._check_certificate([shard])
         keys = 0
         for other, ok in enumerate(alive):
             if ok:  # every key this shard holds lives on one live holder too

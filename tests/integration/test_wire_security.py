@@ -15,15 +15,18 @@ import grpc
 import pytest
 import ray
 import torch
+from ray.util.state import list_actors
 
+from orchestrator import TrainingJob
 from orchestrator.api.auth import job_token
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
 from parameter_server.auth import call_metadata, client_token
+from parameter_server.errors import CertificateRefused
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
 from parameter_server.reader import connect
 from parameter_server.ring import split
 from parameter_server.wire import to_msg
-from tests.support.jobs import tiny_spec
+from tests.support.jobs import tiny_spec, wait_for
 from tests.support.live_job import start_live
 from tests.support.tls import pem_files
 
@@ -177,3 +180,21 @@ def test_parameter_server_shards_speak_tls_only_with_a_certificate(ray_cluster, 
     finally:
         result = finish()
     assert result.status == "finished" and result.steps == 4 and result.recoveries == []
+
+
+def test_a_certificate_that_does_not_name_the_shards_node_fails_the_job_at_start(ray_cluster, token_data, tmp_path):
+    """A certificate made for another address: the controller dials each shard as a rank would and the job ends
+    before its first step, naming the field, the address and the fix (not with every rank finding every shard
+    down); the shards it started are stopped."""
+    cert, key = pem_files(tmp_path / "pki", "10.9.9.9")
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "dp_sync": "ps"}, train={"steps": 2},
+                     parameter_server={"shards": 2, "transport": "grpc", "tls_cert": str(cert), "tls_key": str(key)})
+    before = _live_shards()
+    with pytest.raises(CertificateRefused, match=rf"fix: parameter_server.tls_cert must name "
+                                                 rf"{ray.util.get_node_ip_address()} among"):
+        TrainingJob(spec, progress=False).run()
+    wait_for(lambda: _live_shards() == before, 30, "the job's shards to be stopped")
+
+
+def _live_shards() -> int:
+    return len(list_actors(filters=[("class_name", "=", "PSShard"), ("state", "=", "ALIVE")]))

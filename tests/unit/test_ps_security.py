@@ -15,8 +15,8 @@ import torch
 
 from orchestrator.spec import load_spec
 from parameter_server.auth import TOKEN_ENV, call_metadata
-from parameter_server.errors import ShardDown
-from parameter_server.grpc_service import GrpcConn, serve
+from parameter_server.errors import CertificateRefused, ShardDown
+from parameter_server.grpc_service import GrpcConn, check_handshake, serve
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
 from parameter_server.reader import pull_parameters
 from parameter_server.shard import PSShard
@@ -299,9 +299,10 @@ def test_a_tls_shard_serves_a_client_trusting_its_certificate_and_no_other(pems)
     shard, endpoint = tls_start(pems)
     try:
         before = snapshot(shard)
-        for root in (None, other):  # plaintext, and TLS trusting another certificate: no handshake, no call
-            with pytest.raises(ShardDown):
-                GrpcConn(endpoint.address, TOKEN, root).push(0, 0, {"b#0": torch.ones(3)}).result()
+        with pytest.raises(ShardDown):  # plaintext: no handshake, no call
+            GrpcConn(endpoint.address, TOKEN, None).push(0, 0, {"b#0": torch.ones(3)}).result()
+        with pytest.raises(CertificateRefused, match="parameter_server.tls_cert must name 127.0.0.1"):
+            GrpcConn(endpoint.address, TOKEN, other).push(0, 0, {"b#0": torch.ones(3)}).result()  # not trusted
         with pytest.raises(grpc.RpcError) as err:  # a raw plaintext call with the token
             stub(endpoint).Clock(ps_pb2.ClockRequest(), timeout=5, metadata=call_metadata(TOKEN))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -327,13 +328,40 @@ def test_the_outside_reader_dials_tls_as_the_routes_file_says(pems, tmp_path, mo
         monkeypatch.delenv(TLS_CA_ENV, raising=False)
         assert torch.equal(pull_parameters(routes)["w"], torch.ones(4, 3))
         monkeypatch.setenv(TLS_CA_ENV, str(tmp_path / "other.pem"))  # the override wins, and is not trusted
-        with pytest.raises(ShardDown, match=f"none of the 1 parameter-server shards .*{TLS_CA_ENV}"):
+        with pytest.raises(CertificateRefused, match=f"CERTIFICATE_VERIFY_FAILED.*fix: .*{TLS_CA_ENV}"):
             pull_parameters(routes)
         monkeypatch.setenv(TLS_CA_ENV, str(tmp_path / "missing.pem"))
         with pytest.raises(PermissionError, match=f"shards .*missing.pem is not readable.*fix: point {TLS_CA_ENV}"):
             pull_parameters(routes)
     finally:
         endpoint.server.stop(0)
+
+
+def test_a_certificate_that_does_not_name_the_shards_address_is_refused_naming_the_field_and_address():
+    """The shards listen on the node's address; a certificate for another one fails the handshake. The caller is
+    told so (not that every shard is down, which failing over would conclude), and the controller's check at
+    start says the same; an address with nothing listening is left to the ranks."""
+    cert, key = self_signed("10.9.9.9")
+    shard = PSShard(0, "bsp", SGD, 2, LRS, 0.0)
+    endpoint = serve(shard, "127.0.0.1", TOKEN, tls=(cert, key))
+    try:
+        before = snapshot(shard)
+        fix = rf"{endpoint.address} refused \(.*Hostname Verification.*\); fix: parameter_server.tls_cert must name " \
+              r"127.0.0.1 among its subject alternative names"
+        with pytest.raises(CertificateRefused, match=fix):
+            GrpcConn(endpoint.address, TOKEN, cert).push(0, 0, {"b#0": torch.ones(3)}).result()
+        with pytest.raises(CertificateRefused, match=fix):
+            check_handshake(endpoint.address, TOKEN, cert)
+        assert same(snapshot(shard), before)
+    finally:
+        endpoint.server.stop(0)
+    good, good_key = self_signed()
+    endpoint = serve(PSShard(0, "bsp", SGD, 2, LRS, 0.0), "127.0.0.1", TOKEN, tls=(good, good_key))
+    try:
+        check_handshake(endpoint.address, TOKEN, good)  # the right certificate: passes
+    finally:
+        endpoint.server.stop(0)
+    check_handshake(endpoint.address, TOKEN, good, timeout_s=2)  # nothing listens now: not a certificate error
 
 
 PS_JOB = {"data": {"path": "d"}, "parallel": {"dp": 2, "dp_sync": "ps"}}
