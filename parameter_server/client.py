@@ -15,11 +15,15 @@ the last ``take_traffic``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from parameter_server.compression import nbytes
 from parameter_server.errors import ShardDown
 from parameter_server.ring import HashRing, assemble, chunk_keys, split
+
+UNAVAILABLE_RETRY_S = (0.5, 1.0, 2.0)  # waits before each new try of a call to a shard Ray says is unavailable
 
 
 class RayConn:
@@ -30,22 +34,35 @@ class RayConn:
 
     def __getattr__(self, method):
         remote = getattr(self.handle, method).remote
-        return lambda *args: _RayFuture(remote(*args))
+        return lambda *args: _RayFuture(lambda: remote(*args))
 
 
 class _RayFuture:
-    def __init__(self, ref):
-        self.ref = ref
+    """A shard call's result. Ray's ``ActorUnavailableError`` says the actor may answer again and the call may
+    or may not have run (a dropped connection: seen on a live shard when a rank on the node was SIGKILLed), so
+    the call is made again; every shard call is idempotent (a push for a clock the shard applied from that
+    worker is acknowledged, not applied twice). Only a shard Ray declares dead, or one still unavailable after
+    the retries, is ``ShardDown``: marking a live shard down loses it for the rest of the worker's life."""
+
+    def __init__(self, submit):
+        self.submit = submit
+        self.ref = submit()
 
     def result(self):
         import ray
 
-        try:
-            return ray.get(self.ref)
-        except ray.exceptions.RayActorError as exc:
-            raise ShardDown(str(exc)) from None
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
+        for wait_s in (*UNAVAILABLE_RETRY_S, None):
+            try:
+                return ray.get(self.ref)
+            except ray.exceptions.ActorUnavailableError as exc:
+                if wait_s is None:
+                    raise ShardDown(str(exc)) from None
+                time.sleep(wait_s)
+                self.ref = self.submit()
+            except ray.exceptions.RayActorError as exc:
+                raise ShardDown(str(exc)) from None
+            except ray.exceptions.RayTaskError as exc:
+                raise exc.as_instanceof_cause() from None
 
 
 class _Plain:

@@ -19,7 +19,8 @@ each of its stages has ticked; the controller's step r is over once
 waits for the granted steps, so the controller can snapshot or restart a
 shard on a quiet server.
 
-A replica that loses a rank mid-step never completes that step:
+A replica that loses a rank mid-step never completes that step, nor does one
+whose surviving stage's step failed with it (``give_up``):
 ``hand_over`` gives it back to the budget, sets every stage of the replica back
 to the steps all its stages completed (so they redo the step together; the
 shards acknowledge a push they applied already without applying it twice), and
@@ -154,6 +155,18 @@ class ClockKeeper:
             self._set_back(sorted(self.abandoned))  # a stage of theirs never began the step: they redo it too
             self.abandoned.clear()
             return self._state()
+
+    def give_up(self, worker: int) -> None:
+        """``worker``'s loop ended in an error mid-step (a shard call or a pipeline transfer failed): it will
+        never tick the step its replica was granted, so that step is abandoned as one a stage never began is.
+        A ``hand_over`` (now, or the one the error leads to) then does not wait for it, and the replica's stages
+        redo it together once the group is re-formed."""
+        with self.cond:
+            self._check(worker)
+            replica = worker % self.replicas
+            if self.clocks[worker] < self.granted[replica]:
+                self.abandoned.add(replica)
+                self.cond.notify_all()
 
     def _set_back(self, replicas: list[int]) -> None:
         """Give ``replicas``' steps in flight back to the budget and set each of their stages to the steps the

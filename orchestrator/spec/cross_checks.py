@@ -60,11 +60,6 @@ def check_parameter_server(job: JobSpec) -> None:
         raise SpecError("parameter_server.topk_ratio", ps.topk_ratio, "is only read by compression: topk, not "
                         f"{ps.compression!r}", "set parameter_server.compression: topk, or remove topk_ratio")
     for i, f in enumerate(job.faults):
-        if f.kind == "kill_rank" and ps.consistency != "bsp" and job.parallel.pp > 1:
-            raise SpecError(f"faults.{i}.kind", f.kind, f"is not reliably recoverable with parameter_server."
-                            f"consistency {ps.consistency} and parallel.pp {job.parallel.pp} (the clock keeper's "
-                            "hand-over of a pipelined replica can wait on a step that never finishes)",
-                            "use consistency: bsp, or pp: 1, for a kill_rank drill")
         if f.kind in ("kill_node", "hang_rank", "nan_loss", "raise_error", "oom"):
             raise SpecError(f"faults.{i}.kind", f.kind, "is not recoverable with parallel.dp_sync: ps (only a "
                             "killed rank is: kill_rank)", "use kill_rank, slow_rank or kill_ps_shard")

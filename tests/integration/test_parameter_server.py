@@ -190,9 +190,6 @@ def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(token_data, tm
       "faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.shard"),
     ({"faults": [{"kind": "kill_ps_shard", "at_step": 2}]}, "faults.0.kind"),
     ({"parallel": {"dp_sync": "ps"}, "faults": [{"kind": "hang_rank", "at_step": 2}]}, "faults.0.kind"),
-    ({"parallel": {"dp_sync": "ps", "dp": 2, "pp": 2}, "model": {"n_layers": 2}, "train": {"microbatches": 2},
-      "parameter_server": {"consistency": "ssp"}, "faults": [{"kind": "kill_rank", "rank": 2, "at_step": 2}]},
-     "faults.0.kind"),
 ])
 def test_unsupported_combinations_are_spec_errors(sections, field):
     with pytest.raises(SpecError) as err:

@@ -3,9 +3,8 @@
 SSP with bound 0 reproduces BSP (with the one shard optimizer for which a push applied on arrival is the same
 update as BSP's averaged one: SGD, no weight decay, no clipping). Under a straggler every stage's reads stay
 within the bound, from the shards' own per-stage counts, while fp16 steps that overflow are skipped by the
-replica that overflowed and the loss scaler backs off until the replica trains. A kill_rank drill under asp/ssp
-with pp > 1 is refused before start (test_parameter_server.py): its hand-over could wait on a step that never
-finished, intermittently.
+replica that overflowed and the loss scaler backs off until the replica trains. A rank killed under ssp is taken
+over: its replica's stages redo the lost step together, the other replica's do not wait for it.
 """
 
 from __future__ import annotations
@@ -67,3 +66,25 @@ def test_ssp_bound_holds_per_stage_under_a_straggler_with_fp16_overflows(token_d
     # rank 0's first steps overflowed (no grad norm), and with its scale backed off a later one trained
     assert math.isnan(result.grad_norms[0]) and any(math.isfinite(n) for n in result.grad_norms), result.grad_norms
     assert all(math.isfinite(loss) for loss in result.losses)
+
+
+def test_ssp_recovers_a_killed_last_stage_rank_with_every_stage_at_its_clock(token_data, tmp_path):
+    """Rank 1 (replica 0's last stage) dies in step 3. Its replica's stage 0 is set back with it and both redo the
+    step; replica 1 finishes its step in flight. This drill once hung intermittently: the other replica's stage lost
+    a shard call to a connection Ray dropped as the rank died, marked both holders down, and its step was never
+    ticked nor given up. Each stage's reads stay within the bound, no worker's clock skips one, and the run's
+    budget of worker steps is done exactly (the lost step once again)."""
+    kill = {"kind": "kill_rank", "rank": 1, "at_step": 3}
+    spec = _pp_dp(token_data, tmp_path, "ssp", steps=5, faults=[kill]).with_overrides(
+        ["parameter_server.staleness=1", "fault_tolerance.heartbeat_timeout_s=20",
+         "fault_tolerance.collective_timeout_s=5"])
+    result = TrainingJob(spec, progress=False).run()
+    assert result.status == "finished" and result.steps == 5
+    [rec] = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == ("rank", 1, "shards", 0)
+    reads = [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
+    assert max(r["clock"] - r["min_applied"] for r in reads) <= 1
+    clocks = [sorted({r["clock"] for r in reads if r["worker"] == w}) for w in range(4)]
+    assert all(c == list(range(len(c))) for c in clocks), clocks
+    assert clocks[0] == clocks[2] and clocks[1] == clocks[3]  # a replica's stages read at the same clocks
+    assert len(clocks[0]) + len(clocks[1]) == 5 * 2  # the run's budget of replica steps

@@ -1,6 +1,7 @@
 """Losing an asp/ssp worker, no Ray: the clock keeper hands the lost step back and ends the old generation's loops
-and rounds, the staleness bound holds while the worker is gone, and a shard acknowledges a retried push without
-applying it twice; losing both holders of a key names what is lost."""
+and rounds, the staleness bound holds while the worker is gone, a survivor stage whose step failed gives it up, a
+shard acknowledges a retried push without applying it twice and a call Ray answers "unavailable" is made again;
+losing both holders of a key names what is lost."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from orchestrator.runtime.ps_shards import lost_updates
-from parameter_server import clocks
+from parameter_server import client, clocks
+from parameter_server.client import _RayFuture
 from parameter_server.clocks import LOST, ClockKeeper
+from parameter_server.errors import ShardDown
 from parameter_server.ring import HashRing, chunk_key
 from parameter_server.shard import PSShard
 
@@ -128,6 +131,59 @@ def test_a_stage_arriving_after_the_hand_over_abandons_the_step_its_peer_took(mo
     handing.join(timeout=5)
     assert {k: kept[0][k] for k in ("clocks", "started", "completed")} == {
         "clocks": [0, 0, 0, 0], "started": 0, "completed": 0}
+
+
+def test_a_survivor_stage_whose_step_failed_gives_it_up_and_the_hand_over_does_not_wait_for_it(monkeypatch):
+    """The state a kill_rank drill under ssp with pp=2 once hung in: replica 1 is lost; replica 0's stage 0 ticked
+    its step 2, but its stage 1's step failed (a shard call broke as the other rank died), so that stage will never
+    tick it. Without ``give_up`` the hand-over waits for it until the keeper's deadline; with it, the hand-over
+    returns and replica 0 is set back to redo step 2 with both stages (the shards acknowledge the repeated push
+    of stage 0 without applying it twice)."""
+    monkeypatch.setattr(clocks, "WAIT_S", 2.0)
+    keeper = ClockKeeper(replicas=2, staleness=1, steps=10, stages=2)  # workers 0, 1: stage 0; 2, 3: stage 1
+    for _ in range(2):
+        assert keeper.enter(0) and keeper.enter(2) and keeper.enter(1) and keeper.enter(3)
+        keeper.tick(0), keeper.tick(2), keeper.tick(1), keeper.tick(3)
+    assert keeper.enter(0) and keeper.enter(2)  # replica 0's step 2, both stages
+    keeper.tick(0)
+    with pytest.raises(TimeoutError, match="the survivors' steps in flight"):
+        keeper.hand_over([1])  # worker 2 neither ticks nor gives up: nothing ends the wait
+    keeper.give_up(2)
+    kept = keeper.hand_over([1])
+    assert {k: kept[k] for k in ("clocks", "started", "completed")} == {
+        "clocks": [2, 2, 2, 2], "started": 4, "completed": 4}
+    keeper.give_up(0)  # a worker with no step in flight gives up nothing
+    assert keeper.abandoned == set()
+
+
+def test_a_shard_call_ray_says_is_unavailable_is_made_again_and_only_a_dead_shard_is_down(monkeypatch):
+    """Ray's ActorUnavailableError (a dropped connection to a live shard) once made a worker mark both holders of
+    a key down for good. The call is made again (shard calls are idempotent); a shard still unavailable after the
+    retries, or one Ray says died, is ``ShardDown``."""
+    import ray
+
+    answers: list = []
+    monkeypatch.setattr(client, "UNAVAILABLE_RETRY_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(ray, "get", lambda ref: ref() if callable(ref) else ref)
+
+    def unavailable():
+        raise ray.exceptions.ActorUnavailableError("Socket closed", None)
+
+    def died():
+        raise ray.exceptions.ActorDiedError()
+
+    def submit():  # each try takes the next answer
+        return answers.pop(0)
+
+    answers[:] = [unavailable, unavailable, 7]
+    assert _RayFuture(submit).result() == 7 and answers == []
+    answers[:] = [unavailable] * 4
+    with pytest.raises(ShardDown, match="Socket closed"):
+        _RayFuture(submit).result()
+    answers[:] = [died, 7]
+    with pytest.raises(ShardDown, match="died"):
+        _RayFuture(submit).result()
+    assert answers == [7]  # a dead shard is not asked again
 
 
 @pytest.mark.parametrize("consistency", ["asp", "ssp"])

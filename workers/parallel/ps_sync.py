@@ -27,6 +27,7 @@ parameters from the shards at its next local step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import threading
@@ -45,6 +46,7 @@ from workers.protocol import StepResult, StepTimes
 from workers.spec import WorkerSpec
 
 CARRY_WAIT_S = 30.0  # how long a re-formed survivor waits for its free-running step to end (feedback_to_carry)
+GIVE_UP_S = 30.0  # how long a worker whose step failed waits for the clock keeper to take the step back
 
 
 def _conn(route: dict, transport: str):
@@ -282,6 +284,15 @@ class PSSync:
             self._load(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round
             self.error = exc
+            self._give_up()
+
+    def _give_up(self) -> None:
+        """Tell the keeper this worker's step will not be ticked, so a hand-over does not wait for it; best
+        effort (the keeper may be what failed)."""
+        import ray
+
+        with contextlib.suppress(Exception):  # the step's own error is what the controller must see
+            ray.get(self.keeper.give_up.remote(self.worker), timeout=GIVE_UP_S)
 
     def _free_step(self) -> dict:
         """Pull, compute, clip this replica's gradient (its norm summed over the replica's stages) and push it;
