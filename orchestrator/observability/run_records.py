@@ -10,6 +10,7 @@ the files cover the whole training history.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
         "step": results[0].step,
         "time": end_time,
         "loss": statistics.fmean(r.loss for r in results if r.loss is not None),
-        "grad_norm": results[0].grad_norm,
+        "grad_norm": grad_norm(results),
         "lr": results[0].lr,
         "tokens": tokens,
         "step_s": step_s,
@@ -50,6 +51,17 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
         record["ps"] = {"push_bytes": sum(t["push"] for t in traffic), "pull_bytes": sum(t["pull"] for t in traffic),
                         "staleness": max(t["staleness"] for t in traffic)}
     return record
+
+
+def grad_norm(results: list[StepResult]) -> float:
+    """The step's gradient norm before clipping. All-reduce and bsp: every rank holds the job's one norm, rank
+    0's. asp/ssp (``local_steps`` set): each replica clipped its own local steps, and a rank with none this step
+    reports NaN, so the mean of the ranks' finite norms (each the mean of its local steps'); NaN only when no
+    replica applied a step (every one overflowed in fp16, or none ran)."""
+    if results[0].local_steps is None:
+        return results[0].grad_norm
+    norms = [r.grad_norm for r in results if math.isfinite(r.grad_norm)]
+    return statistics.fmean(norms) if norms else float("nan")
 
 
 def comm_bytes(results: list[StepResult]) -> dict[str, int] | None:

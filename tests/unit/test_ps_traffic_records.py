@@ -1,8 +1,10 @@
 """Parameter-server traffic reaches the step record and Prometheus: each rank's push and pull payload bytes
 (summed over ranks) and its stalest asp/ssp read (the largest over ranks), counted by the client from the
-shards' replies."""
+shards' replies; an asynchronous step's gradient norm is the replicas' mean, not rank 0's."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from prometheus_client import generate_latest
@@ -30,6 +32,23 @@ def test_step_record_sums_bytes_and_keeps_the_stalest_read():
     record = _record({"push": 100, "pull": 40, "staleness": 0}, {"push": 60, "pull": 40, "staleness": 2})
     assert record["ps"] == {"push_bytes": 160, "pull_bytes": 80, "staleness": 2}
     assert "ps" not in _record(None) and "ps" not in _result(0, None).to_dict()
+
+
+def test_an_asynchronous_step_reports_the_mean_of_the_replicas_norms_not_rank_0s():
+    """asp/ssp: a rank that ran no local step this controller step reports NaN; rank 0 being that rank must not make
+    the step's norm NaN (it read NaN in a finished run without fp16). Synchronous steps keep rank 0's, the job's."""
+    def result(rank: int, norm: float, local_steps: int | None) -> StepResult:
+        return StepResult(rank=rank, step=3, loss=2.0, grad_norm=norm, lr=1e-3, tokens=8, applied=True,
+                          time_s=StepTimes(step=1.0), peak_memory_bytes=1, current_memory_bytes=1,
+                          local_steps=local_steps)
+
+    def norm(*per_rank: tuple[float, int | None]) -> float:
+        return step_record([result(r, n, k) for r, (n, k) in enumerate(per_rank)], 1.0, 8, 0.0, 0.0)["grad_norm"]
+
+    nan = float("nan")
+    assert norm((nan, 0), (2.0, 2), (4.0, 1)) == 3.0
+    assert math.isnan(norm((nan, 1), (nan, 1)))  # every replica's step overflowed in fp16
+    assert norm((1.5, None), (1.5, None)) == 1.5 and math.isnan(norm((nan, None), (2.0, None)))
 
 
 def test_exporter_counts_the_bytes_and_sets_the_staleness():

@@ -262,7 +262,8 @@ class PSSync:
         total = time.perf_counter() - t0
         busy = sum(d["seconds"] for d in done)
         times = StepTimes(compute=busy, communication=max(0.0, total - busy), step=total)
-        return tr.result(loss=self.last_loss, grad_norm=done[-1]["grad_norm"] if done else float("nan"), lr=lr,
+        norms = [d["grad_norm"] for d in done if math.isfinite(d["grad_norm"])]  # an fp16 overflow has none
+        return tr.result(loss=self.last_loss, grad_norm=statistics.fmean(norms) if norms else float("nan"), lr=lr,
                          tokens=sum(d["tokens"] for d in done), applied=any(d["applied"] for d in done),
                          local_steps=len(done),
                          clock=self.clock, time_s=times, comm_bytes=tr.comm_bytes())
