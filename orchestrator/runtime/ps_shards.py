@@ -295,11 +295,12 @@ class PSShards:
             raise RuntimeError(message)
 
     def _snapshot_versions(self, shards: list[int]) -> dict[int, int | None]:
-        """The version each shard's latest disk snapshot holds (None: it has none)."""
+        """The version each shard's latest disk snapshot holds (None: it has none); memory-mapped, so a shard file
+        of many GB is not read to learn one integer."""
         out = {}
         for shard in shards:
             path = self.run_dir / "ps" / f"shard-{shard}.pt"
-            version = int(torch.load(path, weights_only=False)["version"]) if path.is_file() else None
+            version = int(torch.load(path, mmap=True, weights_only=False)["version"]) if path.is_file() else None
             # bsp counts steps; asp/ssp count pushes, one per worker (stage of a replica) per local step
             pushers = self.spec.parallel.dp * self.spec.parallel.pp
             out[shard] = version // pushers if version is not None and self.keeper else version
