@@ -15,6 +15,7 @@ from orchestrator.api.control_server import ControlClient, ControlServer, Contro
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
 from orchestrator.observability.events import escape, parse_event
 from orchestrator.spec import JobSpec
+from parameter_server.errors import CertificateRefused
 from tests.support.tls import self_signed
 
 TOKEN = "s3cret-token"
@@ -132,6 +133,16 @@ def test_tls_serves_a_client_that_trusts_the_certificate_and_no_plaintext_client
         assert ControlClient(server.address, TOKEN, root_cert=cert).status()["step"] == 3
         with pytest.raises(ControlUnreachable):
             ControlClient(server.address, TOKEN, timeout_s=2).status()
+        with pytest.raises(CertificateRefused, match=r"fix: control.tls_cert must name 127.0.0.1 among"):
+            ControlClient(server.address, TOKEN, timeout_s=2, root_cert=self_signed()[0]).status()  # another one
+        assert controller.calls == [("status",)]
+    finally:
+        server.close()
+    cert, key = self_signed("10.9.9.9")  # a certificate for another address than the one the API announces
+    server = ControlServer(controller, TOKEN, tls=(cert, key))
+    try:
+        with pytest.raises(CertificateRefused, match=r"Hostname Verification.*fix: control.tls_cert must name"):
+            ControlClient(server.address, TOKEN, timeout_s=2, root_cert=cert).status()
         assert controller.calls == [("status",)]
     finally:
         server.close()
