@@ -103,6 +103,12 @@ def serve(shard, ip: str, token: str, tls: PemPair | None = None) -> GrpcEndpoin
     return GrpcEndpoint(server, f"{ip}:{port}")
 
 
+def _raise_if_refused(exc: grpc.RpcError, address: str) -> None:
+    """``CertificateRefused`` naming what to fix when ``exc`` is a refused TLS handshake with ``address``."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and handshake_failed(exc.details()):
+        raise CertificateRefused(handshake_fix("parameter_server.tls_cert", address, exc.details())) from None
+
+
 class _GrpcFuture:
     def __init__(self, future, convert, address: str):
         self.future, self.convert, self.address = future, convert, address
@@ -113,9 +119,7 @@ class _GrpcFuture:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from None
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and handshake_failed(exc.details()):
-                raise CertificateRefused(handshake_fix("parameter_server.tls_cert", self.address,
-                                                       exc.details())) from None
+            _raise_if_refused(exc, self.address)
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise ShardDown(exc.details()) from None
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -172,7 +176,6 @@ def check_handshake(address: str, token: str, root_cert: bytes, timeout_s: float
     try:
         conn.stub.Clock(ps_pb2.ClockRequest(), metadata=conn.metadata, timeout=timeout_s)
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and handshake_failed(exc.details()):
-            raise CertificateRefused(handshake_fix("parameter_server.tls_cert", address, exc.details())) from None
+        _raise_if_refused(exc, address)
     finally:
         conn.channel.close()
