@@ -6,6 +6,7 @@ losing both holders of a key names what is lost."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from parameter_server.clocks import LOST, ClockKeeper
 from parameter_server.errors import ShardDown
 from parameter_server.ring import HashRing, chunk_key
 from parameter_server.shard import PSShard
+from workers.parallel.ps_sync import ROUND_POLL_S, PSSync
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
 
@@ -184,6 +186,28 @@ def test_a_shard_call_ray_says_is_unavailable_is_made_again_and_only_a_dead_shar
     with pytest.raises(ShardDown, match="died"):
         _RayFuture(submit).result()
     assert answers == [7]  # a dead shard is not asked again
+
+
+def test_a_round_ends_with_its_free_running_loops_own_error_as_soon_as_there_is_one(monkeypatch):
+    """A worker's loop that failed on its own (no holder of a key left, a bug) may leave its round waiting for a
+    step that never completes; the round raises that error at its next look instead of the keeper's answer."""
+    import ray
+
+    looks: list = []
+    worker = SimpleNamespace(error=None)
+
+    def get(ref, timeout=None):
+        looks.append(timeout)
+        if len(looks) == 3:  # the loop fails while the round waits
+            worker.error = ShardDown("every holder of 'stage0.w#0' ([0, 1]) is down")
+        raise ray.exceptions.GetTimeoutError()
+
+    monkeypatch.setattr(ray, "get", get)
+    with pytest.raises(ShardDown, match="every holder"):
+        PSSync._wait_round(worker, "ref")
+    assert looks == [ROUND_POLL_S] * 3
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: 4)
+    assert PSSync._wait_round(SimpleNamespace(error=None), "ref") == 4
 
 
 @pytest.mark.parametrize("consistency", ["asp", "ssp"])

@@ -46,6 +46,7 @@ from workers.protocol import StepResult, StepTimes
 from workers.spec import WorkerSpec
 
 CARRY_WAIT_S = 30.0  # how long a re-formed survivor waits for its free-running step to end (feedback_to_carry)
+ROUND_POLL_S = 1.0  # how often a round's wait looks at the free-running loop's error
 GIVE_UP_S = 30.0  # how long a worker whose step failed waits for the clock keeper to take the step back
 
 
@@ -235,8 +236,6 @@ class PSSync:
     def run_round(self, fault: StepFault) -> StepResult:
         """asp/ssp: this worker trains on its own thread from the first call on; a controller step returns
         once ``step * dp`` worker steps have completed, with what this worker did meanwhile."""
-        import ray
-
         tr = self.trainer
         fault.before()
         self.fault = fault
@@ -244,10 +243,8 @@ class PSSync:
             self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
             self.thread.start()
         t0 = time.perf_counter()
-        mine = ray.get(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.worker,
-                                                         self.generation))
-        if self.error is not None:
-            raise self.error
+        mine = self._wait_round(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.worker,
+                                                                  self.generation))
         with self.lock:  # this replica's steps among the first (step + 1) * dp completed: the same for its stages
             done = [d for d in self.done if d["clock"] < mine]
             self.done = [d for d in self.done if d["clock"] >= mine]
@@ -267,6 +264,23 @@ class PSSync:
                          tokens=sum(d["tokens"] for d in done), applied=any(d["applied"] for d in done),
                          local_steps=len(done),
                          clock=self.clock, time_s=times, comm_bytes=tr.comm_bytes())
+
+    def _wait_round(self, ref) -> int:
+        """``ref``'s answer (the keeper's ``wait_completed``), or this worker's own loop's error as soon as it
+        has one: a push no shard took, or a bug, would otherwise surface only after the heartbeat timeout
+        declared the rank hung, because a round whose replica cannot step may never end."""
+        import ray
+
+        while True:
+            try:
+                mine = ray.get(ref, timeout=ROUND_POLL_S)
+                break
+            except ray.exceptions.GetTimeoutError:
+                if self.error is not None:
+                    raise self.error from None
+        if self.error is not None:
+            raise self.error
+        return mine
 
     def _run_free(self) -> None:
         """Take a step from the keeper, run it, tick, while the keeper hands out steps."""
