@@ -23,9 +23,9 @@ from concurrent import futures
 import grpc
 
 from parameter_server.auth import TokenInterceptor, call_metadata
-from parameter_server.errors import CertificateRefused, ShardDown
+from parameter_server.errors import ShardDown
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
-from parameter_server.tls import PemPair, add_port, channel, handshake_failed, handshake_fix
+from parameter_server.tls import PemPair, add_port, channel, refused_handshake
 from parameter_server.wire import to_dict, to_msg
 
 _MAX_MSG = 512 * 1024 * 1024
@@ -105,8 +105,9 @@ def serve(shard, ip: str, token: str, tls: PemPair | None = None) -> GrpcEndpoin
 
 def _raise_if_refused(exc: grpc.RpcError, address: str) -> None:
     """``CertificateRefused`` naming what to fix when ``exc`` is a refused TLS handshake with ``address``."""
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and handshake_failed(exc.details()):
-        raise CertificateRefused(handshake_fix("parameter_server.tls_cert", address, exc.details())) from None
+    refused = refused_handshake(exc, "parameter_server.tls_cert", address)
+    if refused is not None:
+        raise refused from None
 
 
 class _GrpcFuture:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import grpc
 
+from parameter_server.errors import CertificateRefused
+
 TLS_CA_ENV = "RAYMESH_TLS_CA"  # a copy of the announced certificate (or its CA) on the calling machine
 
 PemPair = tuple[bytes, bytes]  # (certificate chain PEM, private key PEM)
@@ -71,15 +73,15 @@ _HANDSHAKE_MARKERS = ("Hostname Verification Check failed", "CERTIFICATE_VERIFY_
                       "SSL_ERROR_SSL")
 
 
-def handshake_failed(details: str | None) -> bool:
-    """Whether a failed call's gRPC ``details`` say the TLS handshake was refused (a certificate that does not
-    name the address, or another certificate than the one trusted), rather than that nothing answered."""
-    return any(marker in (details or "") for marker in _HANDSHAKE_MARKERS)
-
-
-def handshake_fix(field: str, address: str, details: str) -> str:
-    """The message for a refused handshake with ``address``, naming the job-file ``field`` and the fix."""
+def refused_handshake(exc: grpc.RpcError, field: str, address: str) -> CertificateRefused | None:
+    """``CertificateRefused`` naming the job-file ``field`` and the fix when the failed call ``exc`` to
+    ``address`` was a refused TLS handshake (a certificate that does not name the address, or another one than
+    the caller trusts), None when it failed otherwise (nothing answered, a refused request)."""
+    details = exc.details() or ""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in _HANDSHAKE_MARKERS):
+        return None
     host = address.rsplit(":", 1)[0]
-    return (f"TLS handshake with {address} refused ({details.strip()}); fix: {field} must name {host} among its "
-            "subject alternative names (the address Ray reports for that node: list them with `ray list nodes`), "
-            f"and the caller must trust that certificate or its CA ({TLS_CA_ENV} outside the cluster)")
+    return CertificateRefused(
+        f"TLS handshake with {address} refused ({details.strip()}); fix: {field} must name {host} among its "
+        "subject alternative names (the address Ray reports for that node: list them with `ray list nodes`), "
+        f"and the caller must trust that certificate or its CA ({TLS_CA_ENV} outside the cluster)")

@@ -28,7 +28,6 @@ import grpc
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
 from parameter_server import tls as tls_wire
 from parameter_server.auth import TokenInterceptor, call_metadata, client_token
-from parameter_server.errors import CertificateRefused
 
 DEFAULT_TIMEOUT_S = 5.0
 _STATUS_FIELDS = frozenset(control_pb2.StatusReply.DESCRIPTOR.fields_by_name)
@@ -255,9 +254,10 @@ class ControlClient:
 
 def _client_error(exc: grpc.RpcError, address: str, method: str, timeout_s: float) -> Exception:
     """The Python exception a caller of ``ControlClient`` gets for a failed call."""
+    refused = tls_wire.refused_handshake(exc, "control.tls_cert", address)
+    if refused is not None:
+        return refused
     code = exc.code()
-    if code == grpc.StatusCode.UNAVAILABLE and tls_wire.handshake_failed(exc.details()):
-        return CertificateRefused(tls_wire.handshake_fix("control.tls_cert", address, exc.details()))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ControlUnreachable(
             f"cannot reach the raymesh control API at {address} ({code.name} after at most {timeout_s:g}s: "
