@@ -196,17 +196,18 @@ def test_a_round_ends_with_its_free_running_loops_own_error_as_soon_as_there_is_
     looks: list = []
     worker = SimpleNamespace(error=None)
 
-    def get(ref, timeout=None):
+    def wait(refs, timeout=None):  # the keeper's answer never comes
         looks.append(timeout)
         if len(looks) == 3:  # the loop fails while the round waits
             worker.error = ShardDown("every holder of 'stage0.w#0' ([0, 1]) is down")
-        raise ray.exceptions.GetTimeoutError()
+        return [], refs
 
-    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", wait)
     with pytest.raises(ShardDown, match="every holder"):
         PSSync._wait_round(worker, "ref")
     assert looks == [ROUND_POLL_S] * 3
-    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: 4)
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout=None: (refs, []))
+    monkeypatch.setattr(ray, "get", lambda ref: 4)
     assert PSSync._wait_round(SimpleNamespace(error=None), "ref") == 4
 
 

@@ -271,16 +271,11 @@ class PSSync:
         declared the rank hung, because a round whose replica cannot step may never end."""
         import ray
 
-        while True:
-            try:
-                mine = ray.get(ref, timeout=ROUND_POLL_S)
-                break
-            except ray.exceptions.GetTimeoutError:
-                if self.error is not None:
-                    raise self.error from None
+        while self.error is None and not ray.wait([ref], timeout=ROUND_POLL_S)[0]:
+            pass  # the round has not ended and the loop has not failed: look again
         if self.error is not None:
             raise self.error
-        return mine
+        return ray.get(ref)
 
     def _run_free(self) -> None:
         """Take a step from the keeper, run it, tick, while the keeper hands out steps."""
