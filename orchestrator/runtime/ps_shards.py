@@ -5,7 +5,7 @@ serves gRPC on its node's cluster address so processes outside Ray can read
 weights (``ps_routes.json`` in the run directory says where, where the job's
 token is, and, with ``parameter_server.tls_cert``, that the wire is TLS and
 which certificate to trust). Between steps, ``after_step`` pings every
-shard; a dead one is restarted and resynced from the live holders of its keys
+shard (``ping_shards``); a dead one is restarted and resynced from the live holders of its keys
 (the successor holds its primary keys, the primaries hold its replicas), then
 every worker is told to use it again. ``kill_ps_shard`` faults are armed here.
 """
@@ -24,6 +24,7 @@ from orchestrator.observability.events import event
 from orchestrator.runtime import ps_resize
 from orchestrator.spec import JobSpec
 from parameter_server import checkpoint
+from parameter_server.client import UNAVAILABLE_RETRY_S
 from parameter_server.clocks import ClockKeeper
 from parameter_server.errors import CertificateRefused
 from parameter_server.grpc_service import check_handshake
@@ -245,15 +246,8 @@ class PSShards:
         return self.answer(self.handles[shard].clock.remote(), f"shard {shard} (the model's layout)")["layout"]
 
     def _alive(self) -> list[bool]:
-        refs = [h.ping.remote() for h in self.handles]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_S)
-        out = []
-        for ref in refs:
-            try:
-                out.append(ref in ready and ray.get(ref) is not None)
-            except ray.exceptions.RayActorError:
-                out.append(False)
-        return out
+        """Which shards answer a ping (``ping_shards``)."""
+        return ping_shards(self.handles)
 
     def _restart(self, shard: int, alive: list[bool], group, step: int) -> None:
         ray.kill(self.handles[shard], no_restart=True)
@@ -377,6 +371,37 @@ class PSShards:
     def stop(self) -> None:
         for h in self.handles + ([self.keeper] if self.keeper is not None else []):
             ray.kill(h)
+
+
+def ping_shards(handles: list) -> list[bool]:
+    """Which shards answer a ping within ``PING_S``. One Ray calls unavailable (a dropped connection, seen on a
+    live shard when a rank on its node was SIGKILLed) is pinged again after the shards' client's waits
+    (``UNAVAILABLE_RETRY_S``): restarting a live shard costs a resync and drops the reads it logged. Only a shard
+    that does not answer, that Ray says died, or that stays unavailable is reported dead."""
+    state = _ping(handles)
+    for wait_s in UNAVAILABLE_RETRY_S:
+        again = [i for i, s in enumerate(state) if s == "unavailable"]
+        if not again:
+            break
+        time.sleep(wait_s)
+        for i, s in zip(again, _ping([handles[i] for i in again])):
+            state[i] = s
+    return [s == "alive" for s in state]
+
+
+def _ping(handles: list) -> list[str]:
+    """One ping of each shard at once: "alive", "unavailable" (Ray may reach it again) or "dead"."""
+    refs = [h.ping.remote() for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_S)
+    out = []
+    for ref in refs:
+        try:
+            out.append("alive" if ref in ready and ray.get(ref) is not None else "dead")
+        except ray.exceptions.ActorUnavailableError:
+            out.append("unavailable")
+        except ray.exceptions.RayActorError:
+            out.append("dead")
+    return out
 
 
 def lost_updates(ring: HashRing, chunk_elems: int, layout: dict, dead: list[int], snapshots: dict[int, int | None],

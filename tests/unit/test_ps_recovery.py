@@ -1,6 +1,7 @@
 """Losing an asp/ssp worker, no Ray: the clock keeper hands the lost step back and ends the old generation's loops
 and rounds, the staleness bound holds while the worker is gone, a survivor stage whose step failed gives it up, a
-shard acknowledges a retried push without applying it twice and a call Ray answers "unavailable" is made again;
+shard acknowledges a retried push without applying it twice and a call (or the controller's ping) Ray answers
+"unavailable" is made again;
 losing both holders of a key names what is lost."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from orchestrator.runtime.ps_shards import lost_updates
+from orchestrator.runtime import ps_shards
+from orchestrator.runtime.ps_shards import lost_updates, ping_shards
 from parameter_server import client, clocks
 from parameter_server.client import _RayFuture
 from parameter_server.clocks import LOST, ClockKeeper
@@ -210,6 +212,34 @@ def test_a_round_ends_with_its_free_running_loops_own_error_as_soon_as_there_is_
     monkeypatch.setattr(ray, "get", lambda ref: 4)
     assert PSSync._wait_round(SimpleNamespace(error=None), "ref") == 4
 
+
+
+def test_the_controller_restarts_only_shards_that_stay_unavailable_or_died(monkeypatch):
+    """The controller's ping once took a dropped connection to a live shard for its death and restarted it.
+    Shard 0 answers, shard 1 is unavailable once then answers, shard 2 stays unavailable, shard 3 died and
+    shard 4 does not answer in time: only 2, 3 and 4 are dead, and only 1 and 2 are asked again."""
+    import ray
+
+    def unavailable():
+        raise ray.exceptions.ActorUnavailableError("Socket closed", None)
+
+    def died():
+        raise ray.exceptions.ActorDiedError()
+
+    answers = {0: [True], 1: [unavailable, True], 2: [unavailable] * 4, 3: [died], 4: ["late"]}
+    asked: list = []
+
+    def handle(i):
+        def remote():
+            asked.append(i)
+            return answers[i].pop(0)
+        return SimpleNamespace(ping=SimpleNamespace(remote=remote))
+
+    monkeypatch.setattr(ps_shards, "UNAVAILABLE_RETRY_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: ([r for r in refs if r != "late"], []))
+    monkeypatch.setattr(ray, "get", lambda ref: ref() if callable(ref) else ref)
+    assert ping_shards([handle(i) for i in range(5)]) == [True, True, False, False, False]
+    assert sorted(asked) == [0, 1, 1, 2, 2, 2, 2, 3, 4]
 
 @pytest.mark.parametrize("consistency", ["asp", "ssp"])
 def test_restore_lets_the_workers_start_again_after_a_hand_over(consistency):
