@@ -140,7 +140,8 @@ def _report(args: argparse.Namespace) -> int:
     report = write_report(args.run_dir, args.out, args.step)
     bubble = report["bubble"]
     if bubble["measured"] is not None:
-        print(f"pipeline bubble at step {bubble['step']}: measured {bubble['measured']:.3f}, "
+        order = "" if bubble["ordered"] is None else f", its order at ideal costs {bubble['ordered']:.3f}"
+        print(f"pipeline bubble at step {bubble['step']}: measured {bubble['measured']:.3f}{order}, "
               f"theory (p-1)/(v*m+p-1) {bubble['theoretical']:.3f} ({bubble['schedule']})")
     print(f"report: {report['html']}")
     return 0

@@ -18,7 +18,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from orchestrator.planning.bubble import PIPELINE_KINDS, measured_bubble, step_events, theoretical_bubble
+from orchestrator.planning.bubble import (
+    PIPELINE_KINDS,
+    measured_bubble,
+    ordered_bubble,
+    step_events,
+    theoretical_bubble,
+)
 from workers.storage import is_url, location
 
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
@@ -205,8 +211,9 @@ def _pipeline(events: list[dict], layout: dict, step: int, bubble: dict) -> Figu
     ax.legend(handles=[Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in kinds],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="label: microbatch")
     theory = "n/a" if bubble["theoretical"] is None else f"{bubble['theoretical']:.1%}"
+    order = "" if bubble["ordered"] is None else f", its order {bubble['ordered']:.1%}"
     ax.set_title(
-        f"{bubble['schedule']}, step {step}: measured bubble {bubble['measured']:.1%} vs theory {theory} "
+        f"{bubble['schedule']}, step {step}: measured bubble {bubble['measured']:.1%} vs theory {theory}{order} "
         f"(p={layout.get('pp')}, m={layout.get('microbatches')}, v={layout.get('virtual_stages', 1)})",
         fontsize=10,
     )
@@ -218,6 +225,15 @@ def _theory(layout: dict) -> float | None:
     if "pp" not in layout or "microbatches" not in layout:
         return None
     return theoretical_bubble(layout["pp"], layout["microbatches"], layout.get("virtual_stages", 1))
+
+
+def _ordered(events: list[dict]) -> float | None:
+    """``ordered_bubble`` of a synchronous pipeline's step; None for an asynchronous one (PipeDream's backward of
+    a microbatch may belong to an earlier step's forward, so one step's order has no replay)."""
+    try:
+        return ordered_bubble(events)
+    except ValueError:
+        return None
 
 
 def _numbers(summary: dict, bubble: dict, comm: dict | None = None) -> list[tuple[str, str]]:
@@ -247,6 +263,9 @@ def _numbers(summary: dict, bubble: dict, comm: dict | None = None) -> list[tupl
         rows.append(("bubble (theory)", f"{bubble['theoretical']:.1%}"))
     if bubble["measured"] is not None:
         rows.append((f"bubble (measured, step {bubble['step']})", f"{bubble['measured']:.1%}"))
+    if bubble["ordered"] is not None:
+        rows.append((f"bubble (step {bubble['step']}'s order at ideal costs; measured minus it is messaging "
+                     "and imbalance)", f"{bubble['ordered']:.1%}"))
     return rows
 
 
@@ -286,15 +305,17 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
 
     ``step`` picks the step of the pipeline timeline (default: the last one
     recorded). Returns ``{"pngs": [...], "html": ..., "bubble": {"step",
-    "measured", "theoretical", "schedule"}}``; measured and step are None
-    without a ``timeline.jsonl``.
+    "measured", "ordered", "theoretical", "schedule"}}``; step, measured and ordered
+    (``ordered_bubble``) are None without a ``timeline.jsonl``, ordered also for an
+    asynchronous pipeline.
     """
     run_dir = location(run_dir)
     out = location(out_dir) if out_dir is not None else run_dir / "report"
     summary, steps, timeline = _load(run_dir)
     timeline = [e for e in timeline or () if e["kind"] in PIPELINE_KINDS]  # the pipeline chart's events
     layout = summary.get("layout", {})
-    bubble = {"step": None, "measured": None, "theoretical": _theory(layout), "schedule": layout.get("pp_schedule")}
+    bubble = {"step": None, "measured": None, "ordered": None, "theoretical": _theory(layout),
+              "schedule": layout.get("pp_schedule")}
     figures = {"loss.png": _loss(summary, steps)}
     if steps:
         figures["throughput.png"] = _throughput(summary, steps)
@@ -308,7 +329,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
         if chosen not in recorded:
             raise ValueError(f"step {chosen} is not in {run_dir / 'timeline.jsonl'}; recorded steps: {recorded}")
         events = step_events(timeline, chosen)
-        bubble.update(step=chosen, measured=measured_bubble(events))
+        bubble.update(step=chosen, measured=measured_bubble(events), ordered=_ordered(events))
         figures["pipeline_timeline.png"] = _pipeline(events, layout, chosen, bubble)
     if not is_url(out):  # an object store has no directories to make
         out.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,57 @@ def measured_bubble(events: list[dict]) -> float:
     return sum(idle) / len(idle)
 
 
+
+def ordered_bubble(events: list[dict]) -> float:
+    """The bubble the recorded order alone leaves: each pp rank's events replayed in the order they started, at
+    ideal costs (a forward 1, a backward 2, or 1 and 1 when the schedule splits the weight gradient off into W
+    passes; each divided by the rank's stage count), with no time for messaging.
+
+    Why: on a small model the measured bubble is mostly messaging between stages and this machine's noise, so
+    two schedules' measured bubbles can swap places from run to run. This one is what the schedule as it ran
+    costs (GPipe and 1F1B give exactly (p−1)/(m+p−1), interleaving divides it by v), and measured minus it is
+    what the machine added. Dependencies: a stage's forward waits for the previous stage's, its backward for
+    its own forward and the next stage's backward, a W for its backward (stages numbered in model order).
+    Written here because PyTorch's pipelining has no simulator of an executed order.
+    """
+    if not events:
+        raise ValueError("ordered_bubble needs at least one event")
+    last = max(e["stage"] for e in events)
+    queues: dict[int, list[dict]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: e["start"]):
+        queues[e["pp_rank"]].append(e)
+    split = any(e["kind"] == "W" for e in events)
+    cost = {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
+    share = {p: 1.0 / len({e["stage"] for e in q}) for p, q in queues.items()}
+    done: dict[tuple, float] = {}
+    clock, busy = dict.fromkeys(queues, 0.0), dict.fromkeys(queues, 0.0)
+    while any(queues.values()):
+        moved = False
+        for p, queue in queues.items():
+            while queue and all(d in done for d in _needs(queue[0], last)):
+                e = queue.pop(0)
+                start = max([clock[p]] + [done[d] for d in _needs(e, last)])
+                clock[p] = start + cost[e["kind"]] * share[p]
+                busy[p] += cost[e["kind"]] * share[p]
+                done[(e["kind"], e["stage"], e["microbatch"])] = clock[p]
+                moved = True
+        if not moved:
+            stuck = {p: (q[0]["kind"], q[0]["stage"], q[0]["microbatch"]) for p, q in queues.items() if q}
+            raise ValueError(f"ordered_bubble: the recorded order waits on itself (pp rank -> its next event "
+                             f"(kind, stage, microbatch): {stuck}); one step of one synchronous pipeline only")
+    span = max(clock.values())
+    return sum(1.0 - b / span for b in busy.values()) / len(busy)
+
+
+def _needs(event: dict, last_stage: int) -> list[tuple]:
+    """The events (kind, stage, microbatch) that must end before ``event`` can start."""
+    kind, stage, mb = event["kind"], event["stage"], event["microbatch"]
+    if kind == "F":
+        return [("F", stage - 1, mb)] if stage > 0 else []
+    if kind == "B":
+        return [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < last_stage else [])
+    return [("B", stage, mb)]
+
 PIPELINE_KINDS = ("F", "B", "W")  # the timeline also holds "FB" (no pipeline) and "allreduce" (gradient buckets)
 
 

@@ -1,8 +1,8 @@
 """The recorded pipeline timeline of real pp=2 runs shows each schedule's bubble and memory behaviour.
 
-Bubbles are measured from the F/B/W events the stages recorded (wall-clock
-ratios within one run, not absolute timings); in-flight activations are
-counted from the event order alone.
+Bubbles come from the F/B/W events the stages recorded: measured (wall-clock ratios within one run, checked
+loosely against theory for GPipe only) and ordered (the recorded order replayed at ideal costs, exact and free of
+this machine's noise: schedules are compared on it). In-flight activations are counted from the event order alone.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator import TrainingJob
 from orchestrator.observability.report import write_report
-from orchestrator.planning.bubble import measured_bubble, step_events, theoretical_bubble
+from orchestrator.planning.bubble import measured_bubble, ordered_bubble, step_events, theoretical_bubble
 from tests.support.jobs import tiny_spec
 
 PP, MICROBATCHES, STEPS = 2, 4, 5
@@ -45,6 +45,11 @@ def bubble(run) -> float:
     return statistics.median(measured_bubble(step_events(run["timeline"], s)) for s in range(2, STEPS + 1))
 
 
+def ordered(run) -> float:
+    """The bubble of the last step's recorded order at ideal costs (``ordered_bubble``); every step's is the same."""
+    return ordered_bubble(step_events(run["timeline"], STEPS))
+
+
 def peak_in_flight(run, pp_rank: int = 0) -> int:
     """Most microbatches whose forward ran on ``pp_rank`` but whose backward had not, in the last step."""
     events = sorted((e for e in step_events(run["timeline"], STEPS) if e["pp_rank"] == pp_rank),
@@ -66,23 +71,26 @@ def test_every_microbatch_runs_forward_and_backward_on_every_stage(runs):
 
 
 def test_gpipe_bubble_matches_theory(runs):
+    assert ordered(runs["gpipe"]) == pytest.approx(theoretical_bubble(PP, MICROBATCHES), rel=1e-9)
     assert bubble(runs["gpipe"]) == pytest.approx(theoretical_bubble(PP, MICROBATCHES), abs=0.1)
 
 
 def test_1f1b_same_bubble_as_gpipe_with_fewer_activations_in_flight(runs):
-    assert bubble(runs["1f1b"]) == pytest.approx(bubble(runs["gpipe"]), abs=0.1)
+    assert ordered(runs["1f1b"]) == pytest.approx(ordered(runs["gpipe"]), rel=1e-9)
     assert peak_in_flight(runs["gpipe"]) == MICROBATCHES
     assert peak_in_flight(runs["1f1b"]) == PP
 
 
-def test_interleaving_shrinks_the_bubble(runs):
-    assert bubble(runs["interleaved_1f1b"]) < 0.8 * bubble(runs["1f1b"])
+def test_interleaving_divides_the_bubble_by_the_stages_per_rank(runs):
+    assert ordered(runs["interleaved_1f1b"]) == pytest.approx(theoretical_bubble(PP, MICROBATCHES, 2), rel=1e-9)
 
 
 def test_zero_bubble_schedules_show_the_smallest_bubble(runs):
-    others = min(bubble(runs[s]) for s in ("gpipe", "1f1b", "interleaved_1f1b"))
+    """Measured on this machine, their bubbles swapped places with interleaved 1F1B's from run to run (messaging
+    dominates a tiny model's pipeline); the order they ran in is what makes them zero-bubble."""
+    others = min(ordered(runs[s]) for s in ("gpipe", "1f1b", "interleaved_1f1b"))
     for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev"):
-        assert bubble(runs[schedule]) < others, schedule
+        assert ordered(runs[schedule]) < 0.5 * others, schedule
         assert any(e["kind"] == "W" for e in runs[schedule]["timeline"]), schedule
 
 
@@ -91,3 +99,4 @@ def test_report_draws_the_timeline_of_a_real_run(runs):
     names = {p.rsplit("/", 1)[-1] for p in report["pngs"]}
     assert {"loss.png", "throughput.png", "step_breakdown.png", "memory.png", "pipeline_timeline.png"} <= names
     assert report["bubble"]["theoretical"] == pytest.approx(theoretical_bubble(PP, MICROBATCHES))
+    assert report["bubble"]["ordered"] == pytest.approx(ordered(runs["gpipe"]))

@@ -1,10 +1,17 @@
-"""Bubble math: an ideal GPipe timeline measures exactly the (p−1)/(m+p−1) of the seed articles."""
+"""Bubble math: an ideal GPipe timeline measures exactly the (p−1)/(m+p−1) of the seed articles, and so does its
+recorded order replayed at ideal costs, whatever the events' real durations."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.planning.bubble import bubble_by_step, measured_bubble, step_events, theoretical_bubble
+from orchestrator.planning.bubble import (
+    bubble_by_step,
+    measured_bubble,
+    ordered_bubble,
+    step_events,
+    theoretical_bubble,
+)
 from tests.support.timelines import T0, gpipe_timeline
 
 
@@ -54,3 +61,35 @@ def test_step_events_picks_one_replica_per_step():
     assert len(events) == 4 * 8 * 2
     # mixing the two replicas (shifted by 0.5 s) would change the bubble; one replica keeps theory
     assert bubble_by_step(timeline) == pytest.approx({1: 3 / 11, 2: 3 / 11})
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_the_recorded_order_replayed_gives_the_schedules_bubble_whatever_the_durations(p, m):
+    """Messaging between stages (here half a forward per message) adds to the measured bubble but not to the
+    order; replayed at ideal costs it gives theory exactly."""
+    slow = gpipe_timeline(p, m, latency=0.5)
+    assert measured_bubble(slow) > theoretical_bubble(p, m) + 0.01
+    assert ordered_bubble(slow) == pytest.approx(theoretical_bubble(p, m), rel=1e-12)
+
+
+def test_weight_passes_fill_the_gap_a_later_stages_backward_leaves():
+    """p=2, m=1: stage 0 waits for stage 1's backward either way; with the backward split into B and W, stage 1's
+    W runs while stage 0 does its B, so the step is one unit shorter than F,F,B(2),B(2)."""
+    def ev(pp, kind, start):
+        return {"step": 1, "rank": pp, "pp_rank": pp, "stage": pp, "microbatch": 0, "kind": kind,
+                "start": start, "end": start + 0.1}
+    whole = [ev(0, "F", 0), ev(1, "F", 1), ev(1, "B", 2), ev(0, "B", 3)]
+    split = [ev(0, "F", 0), ev(1, "F", 1), ev(1, "B", 2), ev(1, "W", 3), ev(0, "B", 3.5), ev(0, "W", 4)]
+    assert ordered_bubble(whole) == pytest.approx(1 - 3 / 6)  # each rank busy 3 of a 6-unit step
+    assert ordered_bubble(split) == pytest.approx(1 - 3 / 5)  # F, B, W at 1 each; the step ends at 5
+
+
+def test_an_order_that_waits_on_itself_is_named():
+    events = [{"step": 1, "rank": 0, "pp_rank": 0, "stage": 0, "microbatch": 0, "kind": "B", "start": 0.0,
+               "end": 1.0},
+              {"step": 1, "rank": 0, "pp_rank": 0, "stage": 0, "microbatch": 0, "kind": "F", "start": 1.0,
+               "end": 2.0}]
+    with pytest.raises(ValueError, match=r"waits on itself .*0: \('B', 0, 0\)"):
+        ordered_bubble(events)
+    with pytest.raises(ValueError, match="at least one event"):
+        ordered_bubble([])

@@ -26,9 +26,10 @@ def test_report_writes_every_chart_and_the_bubble(tmp_path):
     assert Path(result["html"]) == run / "report" / "index.html"
     assert_pngs(result, {"loss.png", "throughput.png", "step_breakdown.png", "memory.png", "pipeline_timeline.png"})
     assert result["bubble"] == {"step": STEPS, "measured": pytest.approx(3 / 11, rel=1e-9),
-                                "theoretical": pytest.approx(3 / 11), "schedule": "gpipe"}
+                                "ordered": pytest.approx(3 / 11, rel=1e-9), "theoretical": pytest.approx(3 / 11),
+                                "schedule": "gpipe"}
     page = Path(result["html"]).read_text()
-    assert "27.3%" in page
+    assert "27.3%" in page and f"bubble (step {STEPS}&#x27;s order at ideal costs" in page
     assert "1 (lost steps 2, mean MTTR 7.5 s)" in page
 
 
@@ -44,8 +45,8 @@ def test_report_step_and_out_dir(tmp_path):
 def test_report_without_timeline_skips_the_gantt(tmp_path):
     result = write_report(make_run(tmp_path / "run", timeline=False))
     assert_pngs(result, {"loss.png", "throughput.png", "step_breakdown.png", "memory.png"})
-    assert result["bubble"] == {"step": None, "measured": None, "theoretical": pytest.approx(3 / 11),
-                                "schedule": "gpipe"}
+    assert result["bubble"] == {"step": None, "measured": None, "ordered": None,
+                                "theoretical": pytest.approx(3 / 11), "schedule": "gpipe"}
 
 
 def test_report_needs_a_summary(tmp_path):
