@@ -47,22 +47,24 @@ def uncompressed(token_data, tmp_path_factory):
     return _run(token_data, tmp_path_factory.mktemp("none"), STEPS)[1]
 
 
-# kind -> (spec sections, the least factor by which the bytes per step must shrink)
+# kind -> (spec sections, the least factor by which the bytes per step must shrink, how far above uncompressed
+# the loss may end). PowerSGD rank 4's gap depends on the path: over train.seed 0-2 it ended 4.0%, 2.3%, 2.4% above
+# on AVX2 kernels and 7.9%, 2.1%, 2.6% on AVX-512 (uncompressed agrees to 1e-6 on both), hence its 10%.
 KINDS = {
-    "bf16": ({"parallel": {"grad_compression": "bf16"}}, 2),
-    "fp16": ({"parallel": {"grad_compression": "fp16"}}, 2),
-    "powersgd": ({"parallel": {"grad_compression": "powersgd", "powersgd_rank": 4}}, 4),
-    "topk": ({"parallel": {"grad_compression": "topk", "topk_ratio": 0.2}}, 2),
-    "onebit_adam": ({"optim": {"name": "onebit_adam", "warmup_steps": WARMUP}}, 16),
+    "bf16": ({"parallel": {"grad_compression": "bf16"}}, 2, 0.05),
+    "fp16": ({"parallel": {"grad_compression": "fp16"}}, 2, 0.05),
+    "powersgd": ({"parallel": {"grad_compression": "powersgd", "powersgd_rank": 4}}, 4, 0.10),
+    "topk": ({"parallel": {"grad_compression": "topk", "topk_ratio": 0.2}}, 2, 0.05),
+    "onebit_adam": ({"optim": {"name": "onebit_adam", "warmup_steps": WARMUP}}, 16, 0.05),
 }
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_compression_keeps_the_loss_and_cuts_the_bytes(kind, uncompressed, token_data, tmp_path):
-    sections, factor = KINDS[kind]
+    sections, factor, above = KINDS[kind]
     _, run = _run(token_data, tmp_path, STEPS, sections.get("parallel"), sections.get("optim"))
     loss, reference = statistics.fmean(run.losses[-LAST:]), statistics.fmean(uncompressed.losses[-LAST:])
-    assert loss == pytest.approx(reference, rel=0.05)
+    assert loss == pytest.approx(reference, rel=above)
     sent, full = (r.field("comm_bytes")[0][-1]["dp"] for r in (run, uncompressed))
     assert 0 < sent * factor <= full
 

@@ -177,8 +177,10 @@ def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(token_data, tm
     allreduce, ps = runs
     skipped = [i for i, n in enumerate(allreduce.grad_norms) if n != n]
     assert skipped and len(skipped) < STEPS, allreduce.grad_norms  # some steps overflowed, later ones trained
-    assert ps.losses == pytest.approx(allreduce.losses, rel=1e-5)
-    assert ps.grad_norms == pytest.approx(allreduce.grad_norms, rel=1e-5, nan_ok=True)
+    # the parity bound (1e-4): the two sum the ranks' gradients in another order, and fp16 compute turns that
+    # last-bit difference into 2.2e-5 of the trained step's gradient norm on AVX-512 kernels (under 1e-5 on AVX2)
+    assert ps.losses == pytest.approx(allreduce.losses, rel=1e-4)
+    assert ps.grad_norms == pytest.approx(allreduce.grad_norms, rel=1e-4, nan_ok=True)
 
 
 @pytest.mark.parametrize("sections, field", [
