@@ -49,7 +49,6 @@ def measured_bubble(events: list[dict]) -> float:
     return sum(idle) / len(idle)
 
 
-
 def ordered_bubble(events: list[dict]) -> float:
     """The bubble the recorded order alone leaves: each pp rank's events replayed in the order they started, at
     ideal costs (a forward 1, a backward 2, or 1 and 1 when the schedule splits the weight gradient off into W
@@ -76,11 +75,14 @@ def ordered_bubble(events: list[dict]) -> float:
     while any(queues.values()):
         moved = False
         for p, queue in queues.items():
-            while queue and all(d in done for d in _needs(queue[0], last)):
+            while queue:
+                needs = _needs(queue[0], last)
+                if any(d not in done for d in needs):
+                    break
                 e = queue.pop(0)
-                start = max([clock[p]] + [done[d] for d in _needs(e, last)])
-                clock[p] = start + cost[e["kind"]] * share[p]
-                busy[p] += cost[e["kind"]] * share[p]
+                took = cost[e["kind"]] * share[p]
+                clock[p] = max([clock[p]] + [done[d] for d in needs]) + took
+                busy[p] += took
                 done[(e["kind"], e["stage"], e["microbatch"])] = clock[p]
                 moved = True
         if not moved:
@@ -99,6 +101,7 @@ def _needs(event: dict, last_stage: int) -> list[tuple]:
     if kind == "B":
         return [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < last_stage else [])
     return [("B", stage, mb)]
+
 
 PIPELINE_KINDS = ("F", "B", "W")  # the timeline also holds "FB" (no pipeline) and "allreduce" (gradient buckets)
 
