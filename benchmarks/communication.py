@@ -32,7 +32,8 @@ COMPRESSION = {
     "none": ({}, {}),
     "bf16": ({"grad_compression": "bf16"}, {}),
     "fp16": ({"grad_compression": "fp16"}, {}),
-    "powersgd": ({"grad_compression": "powersgd", "powersgd_rank": 4}, {}),
+    "powersgd": ({"grad_compression": "powersgd", "powersgd_rank": 4}, {}),  # its default 10-step warm-up
+    "powersgd_no_warmup": ({"grad_compression": "powersgd", "powersgd_rank": 4, "powersgd_warmup_steps": 0}, {}),
     "topk": ({"grad_compression": "topk", "topk_ratio": 0.2}, {}),
     "onebit_adam": ({}, {"name": "onebit_adam", "warmup_steps": 100}),  # half of 200 steps: see the README
 }

@@ -45,6 +45,7 @@ class ParallelSection:
     bucket_mb: float = 25.0
     grad_compression: str = "none"
     powersgd_rank: int = 4
+    powersgd_warmup_steps: int = 10
     topk_ratio: float = 0.01
     ep: int = 1  # expert parallelism (older harness dicts leave it out)
     # PipeDream's asynchronous schedules (workers.parallel.async_pipeline); older harness dicts leave these out

@@ -219,7 +219,7 @@ class Trainer:
         for stage in self.pipe_stages:
             stage.events.clear()
         self.compute_events.clear()
-        self._pause_reducers()
+        self._begin_reducers()
         t0 = time.perf_counter()
         self._begin_moe_step()
         inputs, targets = self.state.cursor.next_batch()
@@ -263,11 +263,12 @@ class Trainer:
         events = (pipeline_events or self.compute_events) + comm
         return [{"step": self.step, "rank": self.rank, "pp_rank": self.coords.pp, "stage": 0, **e} for e in events]
 
-    def _pause_reducers(self) -> None:
-        """Gradient buckets stay silent while an optimizer averages over data parallelism itself
-        (``onebit_adam`` after its warm-up: its compressed momentum is what crosses the group)."""
+    def _begin_reducers(self) -> None:
+        """Tell the gradient buckets the step (PowerSGD's warm-up counts it), and keep them silent while an
+        optimizer averages over data parallelism itself (``onebit_adam`` after its warm-up: its compressed
+        momentum is what crosses the group)."""
         for reducer, opt in zip(self.parts.reducers, self.state.optimizers):
-            reducer.paused = bool(getattr(opt, "communicates", False))
+            reducer.begin(self.step, paused=bool(getattr(opt, "communicates", False)))
 
     def _begin_moe_step(self) -> None:
         """Tell the MoE layers where this rank's sequences start in the data stream (their routing noise is

@@ -201,10 +201,17 @@ def check_comm(job: JobSpec) -> None:
         raise SpecError("parallel.grad_compression", p.grad_compression, "has nothing to compress with "
                         "parallel.dp=1 (gradients cross only the data-parallel group)",
                         "set parallel.dp above 1, or grad_compression: none")
-    for field, kind in (("powersgd_rank", "powersgd"), ("topk_ratio", "topk")):
+    for field, kind in (("powersgd_rank", "powersgd"), ("powersgd_warmup_steps", "powersgd"), ("topk_ratio", "topk")):
         if _changed(p, field) and p.grad_compression != kind:
             raise SpecError(f"parallel.{field}", getattr(p, field), f"is only read by grad_compression: {kind}, "
                             f"not {p.grad_compression!r}", f"set parallel.grad_compression: {kind}, or remove {field}")
+    warmup = p.powersgd_warmup_steps
+    if p.grad_compression == "powersgd" and warmup >= job.train.steps:
+        default = "" if _changed(p, "powersgd_warmup_steps") else "(the default) "
+        raise SpecError("parallel.powersgd_warmup_steps", warmup, f"{default}leaves none of train.steps "
+                        f"{job.train.steps} compressed: the first {warmup} steps all-reduce plainly",
+                        f"set parallel.powersgd_warmup_steps below {job.train.steps} (0 compresses from the first "
+                        "step), or train longer")
     if name != "onebit_adam":
         return
     refused = [  # (field, value, applies, why, fix)

@@ -29,6 +29,11 @@ def _spec(tmp_path, **sections):
     ({"parallel": {"dp": 2, "zero": 3, "grad_compression": "bf16"}}, "parallel.grad_compression", "use zero: 0"),
     ({"parallel": {"grad_compression": "powersgd"}}, "parallel.grad_compression", "parallel.dp above 1"),
     ({"parallel": {"dp": 2, "powersgd_rank": 2}}, "parallel.powersgd_rank", "grad_compression: powersgd"),
+    ({"parallel": {"dp": 2, "grad_compression": "topk", "powersgd_warmup_steps": 5}},
+     "parallel.powersgd_warmup_steps", "grad_compression: powersgd"),
+    # the default 10-step warm-up would cover a 10-step run: nothing compressed is refused, not run
+    ({"parallel": {"dp": 2, "grad_compression": "powersgd"}, "train": {"steps": 10}},
+     "parallel.powersgd_warmup_steps", "below 10"),
     ({"parallel": {"dp": 2, "grad_compression": "bf16", "topk_ratio": 0.1}}, "parallel.topk_ratio",
      "grad_compression: topk"),
     ({"optim": {"name": "onebit_adam", "warmup_steps": 5}, "parallel": {"dp": 2, "zero": 2}}, "parallel.zero",

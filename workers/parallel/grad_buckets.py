@@ -112,12 +112,15 @@ class GradBuckets:
 
     def __init__(self, module: nn.Module, blocks: list[nn.Module], group, microbatches: int,
                  bucket_mb: float = 25.0, compression: str = "none", powersgd_rank: int = 4,
-                 topk_ratio: float = 0.01, skip: frozenset[int] = frozenset()):
+                 topk_ratio: float = 0.01, skip: frozenset[int] = frozenset(), warmup_steps: int = 0):
         cap = float("inf") if bucket_mb == 0 else bucket_mb * MIB  # 0: one bucket, reduced once backward is done
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(module, blocks, cap, skip))]
         self.buckets[-1].last = True
-        self.state, self.hook = comm_hook(compression, group, powersgd_rank, topk_ratio)
-        self.overlaps = not chains(self.hook)
+        # (state, hook) pairs: the job's, and the plain all-reduce of PowerSGD's warm-up steps (``begin``)
+        self.compressed, self.plain = comm_hook(compression, group, powersgd_rank, topk_ratio), comm_hook("none", group)
+        self.hook, self.warmup_steps = self.compressed[1], warmup_steps  # hook: whose feedback a checkpoint keeps
+        self.state, self.active = self.compressed
+        self.overlaps = not chains(self.active)
         self.expected = [len(b.params) * microbatches for b in self.buckets]
         self.paused = False  # set by an optimizer that communicates itself (onebit_adam after warm-up)
         self.events: list[dict] = []  # this step's bucket reductions (start, end), for the timeline
@@ -125,6 +128,16 @@ class GradBuckets:
         self._reset()
         for p in (p for b in self.buckets for p in b.params):
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def begin(self, step: int, paused: bool = False) -> None:
+        """Before step ``step`` (0-based, the run's global count, so a resumed run's warm-up ends where the
+        uninterrupted run's did): the first ``warmup_steps`` steps average plainly, overlapping backward, as
+        PyTorch's PowerSGD hook does before ``start_powerSGD_iter``; the compressed hook, its error feedback
+        starting at zero, takes over after them. ``paused``: an optimizer averages over data parallelism itself
+        (``onebit_adam`` after its warm-up), so the buckets stay silent."""
+        self.paused = paused
+        self.state, self.active = self.plain if step < self.warmup_steps else self.compressed
+        self.overlaps = not chains(self.active)
 
     def _reset(self) -> None:
         self._fired = [0] * len(self.buckets)
@@ -148,7 +161,7 @@ class GradBuckets:
         event = {"kind": "allreduce", "bucket": bucket.index(), "bytes": flat.numel() * flat.element_size(),
                  "start": time.time()}
         self.events.append(event)
-        fut = self.hook(self.state, bucket)
+        fut = self.active(self.state, bucket)
         self._futures[bucket.index()] = fut.then(lambda f: _ended(event, f))
 
     def finish(self) -> None:

@@ -17,6 +17,9 @@ order than the next bucket's all-reduce (gloo pairs collectives by order, so the
 and the byte counter (``workers.diagnostics.comm_bytes``), which watches the step's thread, would miss them.
 Ours runs its three all-reduces in order on the calling thread. Top-k has no PyTorch hook.
 
+PowerSGD's first ``parallel.powersgd_warmup_steps`` steps use the plain all-reduce hook instead
+(``GradBuckets.begin`` picks the hook per step, as PyTorch's ``start_powerSGD_iter`` does).
+
 Hooks whose ``chains`` attribute is true issue several collectives per bucket; the bucketer runs those
 after backward, one bucket at a time, for the ordering reason above.
 

@@ -148,4 +148,4 @@ def grad_buckets(spec: WorkerSpec, part: nn.Module, blocks: list[nn.Module], gro
     par = spec.parallel
     return GradBuckets(part, blocks, group, spec.train.microbatches, bucket_mb=par.bucket_mb,
                        compression=par.grad_compression, powersgd_rank=par.powersgd_rank, topk_ratio=par.topk_ratio,
-                       skip=skip)
+                       skip=skip, warmup_steps=par.powersgd_warmup_steps if par.grad_compression == "powersgd" else 0)
