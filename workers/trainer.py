@@ -29,6 +29,7 @@ from workers.offload.host_memory import release_freed_buffers
 from workers.offload.params import offload_params
 from workers.optim.build import build_optimizer, clip_grads, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
+from workers.optim.onebit_adam import OneBitAdam
 from workers.parallel.async_pipeline import AsyncPipeline, rules_for
 from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import sliced_optimizer
@@ -69,9 +70,10 @@ class Trainer:
             if self.parts.ep_group is not None else ()
         self.param_offload = offload_params(self.parts.modules, memory, self.device)
         self.state = self._train_state(spec)
-        if par.grad_compression in ("powersgd", "topk") and self.parts.reducers:  # feedback kept across recoveries
+        feedback = self._error_feedback()
+        if feedback:  # each rank's own, kept across recoveries and resumes
             layout = f"dp{par.dp}.pp{par.pp}.tp{par.tp}.cp{par.grid.cp}.ep{par.grid.ep}.v{par.virtual_stages}"
-            self.state.wire_feedback = CompressionFeedback(self.parts.reducers, layout, rank, self.device)
+            self.state.wire_feedback = CompressionFeedback(feedback, layout, rank, self.device)
         self.activations = activation_policy(memory, self.device)
         # under FSDP2's mixed-precision policy the bf16 parameters set the compute dtype; no autocast on top
         mixed = self.spec.fsdp_mixed(self.device.type == "cuda")
@@ -95,6 +97,13 @@ class Trainer:
         self.comm = CommBytes(mesh_dim_groups(self.mesh, data_parallel_mesh(self.mesh, self.grid)),
                               self.grid.mesh_dims) if self.spec.count_comm_bytes else None
         self.compute_events: list[dict] = []  # forward+backward per microbatch without a pipeline schedule
+
+    def _error_feedback(self) -> list:
+        """What compression held back on this rank, one holder per stage module: PowerSGD's and top-k's hooks,
+        or 1-bit Adam's optimizers (``feedback``); empty when nothing is compressed with error feedback."""
+        if self.spec.parallel.grad_compression in ("powersgd", "topk"):
+            return [r.hook for r in self.parts.reducers]
+        return [opt.feedback for opt in self.state.optimizers if isinstance(opt, OneBitAdam)]
 
     def _async_pipeline(self) -> AsyncPipeline:
         """PipeDream's executor for this rank's one stage; it steps the optimizer itself, between microbatches,

@@ -10,13 +10,18 @@ them into the same momentum, so the weights stay identical everywhere; what comp
 rank's error for the next step (error feedback). The paper's second, server-side compression stage is left
 out: with an all-gather every rank decompresses the same average, so there is no server error to carry.
 
-The step counter, both moments and the error live in the optimizer state, so checkpoints keep them.
+The step counter and both moments live in the optimizer state: the same on every rank, so a checkpoint's one
+copy serves all replicas. The error is each rank's own, so it lives outside, in ``feedback`` (per parameter),
+which the trainer hands to snapshots and checkpoints under the rank's name
+(``workers.state.compression_feedback``), as it does PowerSGD's and top-k's.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from workers.parallel.grad_compression import ErrorFeedback
 
 _BITS = 8
 
@@ -41,9 +46,11 @@ class OneBitAdam(torch.optim.Optimizer):
                  weight_decay: float = 0.0, eps: float = 1e-8):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "eps": eps})
         self.group, self.warmup_steps = group, warmup_steps
+        self.feedback = ErrorFeedback()  # this rank's error per parameter (by position), see the module docstring
 
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _params(self) -> list[tuple[int, torch.nn.Parameter]]:
+        """The parameters with a gradient, each with its position among all of them (its error's key)."""
+        return [(i, p) for i, p in enumerate(p for g in self.param_groups for p in g["params"]) if p.grad is not None]
 
     @property
     def steps_done(self) -> int:
@@ -65,8 +72,7 @@ class OneBitAdam(torch.optim.Optimizer):
                     continue
                 st = self.state[p]
                 if not st:
-                    st.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                              error=torch.zeros_like(p))
+                    st.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 st["step"] += 1
                 st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
                 if not compressing:
@@ -91,13 +97,13 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def _average_compressed_momentum(self) -> None:
         """Signs + scales of every momentum (with its error added), all-gathered in one uint8 buffer, averaged."""
-        params = self._params()
+        indexed = self._params()
+        params, errors = [p for _, p in indexed], self.feedback.errors
         shipped, scales = [], []
-        for p in params:
-            st = self.state[p]
-            x = st["exp_avg"] + st["error"]
+        for i, p in indexed:
+            x = self.state[p]["exp_avg"] + errors.get(i, 0.0)
             scale = x.norm() / x.numel() ** 0.5
-            st["error"] = x - torch.where(x >= 0, scale, -scale)
+            errors[i] = x - torch.where(x >= 0, scale, -scale)
             shipped.append(pack_signs(x))
             scales.append(scale.float().reshape(1))
         payload = torch.cat([*shipped, torch.cat(scales).view(torch.uint8)])

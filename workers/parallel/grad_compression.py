@@ -46,11 +46,12 @@ def completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-class _ErrorFeedback:
-    """Per-bucket error feedback (``errors``) as a ``state_dict`` of CPU copies, for snapshots and checkpoints
-    (``workers.state.compression_feedback``)."""
+class ErrorFeedback:
+    """Per-bucket (or, for 1-bit Adam, per-parameter) error feedback (``errors``) as a ``state_dict`` of CPU
+    copies, for snapshots and checkpoints (``workers.state.compression_feedback``)."""
 
-    errors: dict[int, torch.Tensor]
+    def __init__(self):
+        self.errors: dict[int, torch.Tensor] = {}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"error.{k}": e.detach().to("cpu", copy=True) for k, e in self.errors.items()}
@@ -59,7 +60,7 @@ class _ErrorFeedback:
         self.errors = _per_bucket(state, "error", device)
 
 
-class PowerSGD(_ErrorFeedback):
+class PowerSGD(ErrorFeedback):
     """Rank-``rank`` PowerSGD per gradient matrix, with error feedback and warm-started Q.
 
     Per matrix M (the gradient plus this rank's last error): P = M Q, all-reduce P, orthonormalise,
@@ -127,7 +128,7 @@ class PowerSGD(_ErrorFeedback):
             m.copy_(p @ q.t()).div_(world)
 
 
-class TopK(_ErrorFeedback):
+class TopK(ErrorFeedback):
     """Keep the ``ratio`` largest-magnitude entries of the bucket (plus this rank's last error), all-gather
     (value, index) pairs, and sum them into the average; what was not sent is the next step's error."""
 

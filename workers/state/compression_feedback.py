@@ -1,6 +1,6 @@
-"""ZeRO-0 gradient compression's per-rank state (PowerSGD's and top-k's error feedback, PowerSGD's warm-started
-Q and its generator), carried by in-memory snapshots and DCP checkpoints so that a recovered or resumed run
-continues bit-identically instead of restarting the feedback at zero.
+"""Compression's per-rank state under ZeRO-0 (PowerSGD's and top-k's error feedback, PowerSGD's warm-started
+Q and its generator; 1-bit Adam's error), carried by in-memory snapshots and DCP checkpoints so that a recovered
+or resumed run continues bit-identically instead of restarting the feedback at zero.
 
 Each rank's state is its own (it differs across data-parallel ranks and belongs to its own buckets), so a
 checkpoint keeps it as one opaque entry per rank, named by the layout and the rank: DCP stores a ``BytesIO``
@@ -16,12 +16,13 @@ import torch
 
 
 class CompressionFeedback:
-    """The hooks' state of one rank's ``GradBuckets`` (one per stage module), in ``TrainState.wire_feedback``'s
-    interface: ``state_dict``/``load_state_dict`` for snapshots, ``dcp_state``/``load_dcp_state`` for
-    checkpoints."""
+    """The state of one rank's ``holders`` (one per stage module: its ``GradBuckets``' hook, or its 1-bit Adam's
+    ``feedback``; each with ``state_dict()`` and ``load_state_dict(state, device)``), in
+    ``TrainState.wire_feedback``'s interface: ``state_dict``/``load_state_dict`` for snapshots,
+    ``dcp_state``/``load_dcp_state`` for checkpoints."""
 
-    def __init__(self, reducers: list, layout: str, rank: int, device: torch.device):
-        self.hooks = [r.hook for r in reducers]
+    def __init__(self, holders: list, layout: str, rank: int, device: torch.device):
+        self.hooks = holders
         self.key = f"grad_compression/{layout}/rank{rank}"
         self.device = device
 
