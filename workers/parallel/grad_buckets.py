@@ -116,11 +116,10 @@ class GradBuckets:
         cap = float("inf") if bucket_mb == 0 else bucket_mb * MIB  # 0: one bucket, reduced once backward is done
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(module, blocks, cap, skip))]
         self.buckets[-1].last = True
-        # (state, hook) pairs: the job's, and the plain all-reduce of PowerSGD's warm-up steps (``begin``)
-        self.compressed, self.plain = comm_hook(compression, group, powersgd_rank, topk_ratio), comm_hook("none", group)
-        self.hook, self.warmup_steps = self.compressed[1], warmup_steps  # hook: whose feedback a checkpoint keeps
-        self.state, self.active = self.compressed
-        self.overlaps = not chains(self.active)
+        self.state, self.hook = comm_hook(compression, group, powersgd_rank, topk_ratio)  # the job's
+        self.plain = comm_hook("none", group)  # (state, hook) of PowerSGD's warm-up steps
+        self.warmup_steps = warmup_steps
+        self.active = (self.state, self.hook)  # this step's (state, hook), picked by ``begin``
         self.expected = [len(b.params) * microbatches for b in self.buckets]
         self.paused = False  # set by an optimizer that communicates itself (onebit_adam after warm-up)
         self.events: list[dict] = []  # this step's bucket reductions (start, end), for the timeline
@@ -136,8 +135,12 @@ class GradBuckets:
         starting at zero, takes over after them. ``paused``: an optimizer averages over data parallelism itself
         (``onebit_adam`` after its warm-up), so the buckets stay silent."""
         self.paused = paused
-        self.state, self.active = self.plain if step < self.warmup_steps else self.compressed
-        self.overlaps = not chains(self.active)
+        self.active = self.plain if step < self.warmup_steps else (self.state, self.hook)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether this step's hook is launched from backward (one collective per bucket) or after it."""
+        return not chains(self.active[1])
 
     def _reset(self) -> None:
         self._fired = [0] * len(self.buckets)
@@ -161,7 +164,8 @@ class GradBuckets:
         event = {"kind": "allreduce", "bucket": bucket.index(), "bytes": flat.numel() * flat.element_size(),
                  "start": time.time()}
         self.events.append(event)
-        fut = self.active(self.state, bucket)
+        state, hook = self.active
+        fut = hook(state, bucket)
         self._futures[bucket.index()] = fut.then(lambda f: _ended(event, f))
 
     def finish(self) -> None:

@@ -22,18 +22,18 @@ class CompressionFeedback:
     ``dcp_state``/``load_dcp_state`` for checkpoints."""
 
     def __init__(self, holders: list, layout: str, rank: int, device: torch.device):
-        self.hooks = holders
+        self.holders = holders
         self.key = f"grad_compression/{layout}/rank{rank}"
         self.device = device
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{i}/{k}": t for i, hook in enumerate(self.hooks) for k, t in hook.state_dict().items()}
+        return {f"{i}/{k}": t for i, holder in enumerate(self.holders) for k, t in holder.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for i, hook in enumerate(self.hooks):
+        for i, holder in enumerate(self.holders):
             prefix = f"{i}/"
-            hook.load_state_dict({k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)},
-                                 self.device)
+            holder.load_state_dict({k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)},
+                                   self.device)
 
     def dcp_state(self, template: bool = False) -> dict[str, io.BytesIO]:
         """This rank's state as one DCP bytes entry; ``template``: an empty one for DCP to fill on load."""
