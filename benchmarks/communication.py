@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.provenance import write_result
 from orchestrator import JobSpec
 from tests.support.parity_harness import run_layout
 from workers.diagnostics.timeline import overlap_fraction
@@ -93,7 +94,7 @@ def main() -> None:
         print(json.dumps(result, indent=2), flush=True)
         if args.compression_steps:
             result["compression"] = compression(args.data, args.compression_steps, tmp)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, args.data)
     print(json.dumps(result, indent=2))
 
 

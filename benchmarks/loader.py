@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
+from benchmarks.provenance import write_result
+
 FACTOR = 50
 LOADERS = ("streaming", "in-memory")
 
@@ -164,7 +167,7 @@ def main() -> None:
         runs["peak_rss_ratio"] = round(runs["streaming"]["peak_rss_mib"] / runs["in-memory"]["peak_rss_mib"], 2)
         print(name, json.dumps(runs), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, args.data)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import write_result  # noqa: E402
 
 WARMUP = 2
 PROFILES = {  # model, global batch, configurations measured
@@ -126,7 +127,7 @@ def main() -> None:
               "device": args.device, "model": model, "rows": rows}
     out = Path(args.out or ROOT / f"benchmarks/results/memory_{args.profile}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_result(out, report, args.data)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ slowest rank after warm-up, with ratios against ``dense`` and ``moe-ep1`` measur
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.pipedream import write_rows  # noqa: E402
 from tests.support.jobs import tiny_spec  # noqa: E402
 from tests.support.parity_harness import run_layouts  # noqa: E402
 
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         extra = f"  {row['step_vs_ep1']:.2f}x ep1" if "step_vs_ep1" in row else ""
         print(f"{name:>8}: loss {row['loss']:.4f} after {row['tokens']} tokens, step {row['step_s'] * 1e3:.1f} ms "
               f"({row['step_vs_dense']:.2f}x dense){extra}")
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    write_rows(args, rows)
 
 
 if __name__ == "__main__":

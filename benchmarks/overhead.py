@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
+from benchmarks.provenance import write_result
+
 WARMUP = 3
 
 
@@ -62,7 +65,7 @@ def main() -> None:
         "step_time_ratio": ours["step_s"] / baseline["step_s"],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_result(args.out, report, args.data)
     print(f"{'':10}{'startup s':>12}{'median step s':>16}")
     for name in ("torchrun", "raymesh"):
         print(f"{name:10}{report[name]['startup_s']:>12.2f}{report[name]['step_s']:>16.4f}")

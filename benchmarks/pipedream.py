@@ -19,7 +19,6 @@ draining at every step end. Reported per layout:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import write_result  # noqa: E402
 from orchestrator import JobSpec  # noqa: E402
 from orchestrator.planning.bubble import measured_bubble, step_events  # noqa: E402
 from tests.support.parity_harness import run_layouts  # noqa: E402
@@ -108,7 +108,7 @@ def parse_args(description: str, argv: list[str] | None, data_prefix: str, extra
 def write_rows(args: argparse.Namespace, rows: dict) -> None:
     """The rows, with the arguments that produced them, to ``--out`` when given."""
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+        write_result(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, args.data)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import write_result  # noqa: E402
 from orchestrator.planning.bubble import measured_bubble, step_events  # noqa: E402
 from orchestrator.planning.stage_split import auto_split  # noqa: E402
 from tests.support.jobs import tiny_spec  # noqa: E402
@@ -81,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = measure(args.data, args.steps, args.batch)
     print(json.dumps(rows, indent=2))
-    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    write_result(args.out, rows, args.data)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import ray
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
+from benchmarks.provenance import write_result
 
 WARMUP = 2
 SGD = {"name": "sgd", "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -91,7 +95,7 @@ def main() -> None:
     for part, measure in (("transport", transport_report), ("consistency", consistency_report)):
         if part in args.parts:
             report[part] = measure(args)
-            out.write_text(json.dumps(report, indent=2))
+            write_result(out, report, args.data)
     print(json.dumps(report, indent=2))
 
 

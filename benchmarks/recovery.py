@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
+from benchmarks.provenance import write_result
 
 LOCK = "/tmp/raymesh-ray.lock"
 
@@ -154,7 +157,7 @@ def main() -> None:
         "args": vars(args), "runs": runs, "ratios": _ratios(runs),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_result(args.out, report, args.data)
     print(f"{'run':12}{'failures':>9}{'MTTR mean s':>13}{'MTTR max s':>12}{'lost max':>10}{'goodput':>9}{'steps':>7}")
     for name, r in [(name, r) for name, r in runs.items() if "failed" in r]:
         print(f"{name:12} failed after {r['recoveries']} recoveries: {r['failed']}")
