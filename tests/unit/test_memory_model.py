@@ -81,7 +81,7 @@ def test_parse_bytes():
 
 
 def _spec(**sections) -> JobSpec:
-    raw = {"data": {"path": "data"}, "model": {"d_model": 256, "n_layers": 8, "n_heads": 8, "seq_len": 256},
+    raw = {"data": {"path": "/absent/data"}, "model": {"d_model": 256, "n_layers": 8, "n_heads": 8, "seq_len": 256},
            "train": {"global_batch_size": 64, "microbatches": 64}}  # micro-batch 1, kept by the picker
     for k, v in sections.items():
         raw.setdefault(k, {}).update(v)
@@ -123,7 +123,7 @@ def test_picker_error_names_the_flag_value_and_fix():
 
 def test_plan_cli_picks_and_explains(tmp_path, capsys):
     job = tmp_path / "job.yaml"
-    job.write_text("data: {path: data}\nmodel: {d_model: 256, n_layers: 8, n_heads: 8, seq_len: 256}\n"
+    job.write_text("data: {path: /absent/data}\nmodel: {d_model: 256, n_layers: 8, n_heads: 8, seq_len: 256}\n"
                    "train: {global_batch_size: 64, microbatches: 64}\n")
     assert main(["plan", str(job), "--nodes", "2", "--gpus-per-node", "4", "--gpu-mem", "80GB"]) == 0
     out = capsys.readouterr().out

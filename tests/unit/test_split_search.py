@@ -21,11 +21,11 @@ from orchestrator.planning.stage_split import auto_split, unit_times
 from orchestrator.spec import JobSpec
 
 # a 65,536-word head costs ~18 blocks of width 256; slow links price data parallelism out, one head tp out
-HEAVY_HEAD = {"data": {"path": "data"},
+HEAVY_HEAD = {"data": {"path": "/absent/data"},
               "model": {"d_model": 256, "n_layers": 8, "n_heads": 8, "seq_len": 256, "vocab_size": 65536},
               "train": {"global_batch_size": 16, "microbatches": 16}, "plan": {"intra_node_gbps": 1}}
 # a light head: the program's time-balanced split is the even one; rank 0 keeps 2 microbatches in flight
-LIGHT_HEAD = {"data": {"path": "data"},
+LIGHT_HEAD = {"data": {"path": "/absent/data"},
               "model": {"d_model": 256, "n_layers": 8, "n_heads": 1, "seq_len": 1024, "vocab_size": 512},
               "train": {"global_batch_size": 8, "microbatches": 8}}
 
