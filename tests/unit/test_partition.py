@@ -182,3 +182,16 @@ def test_auto_refuses_a_model_too_big_to_profile_on_the_host():
     big = _spec({"pp": 4, "pp_split": "auto"}, d_model=16384, n_heads=128, n_layers=128, vocab_size=128256)
     with pytest.raises(SpecError, match="parallel.pp_split.*would profile a model of .* give the layer counts"):
         auto_split(big)
+
+
+def test_auto_profiles_in_a_fresh_process_that_measures_what_the_in_process_profile_does():
+    from workers.model.config import model_config
+    from workers.parallel.stage_profile import profile_in_fresh_process, profile_model
+
+    fields = {**BASE["model"], **HEAVY_HEAD}
+    here, fresh = profile_model(model_config(fields), micro_batch=2, steps=1), profile_in_fresh_process(fields, 2)
+    sizes = [[(u.params, u.activation_bytes) for u in (c.embedding, *c.layers, c.head)] for c in (here, fresh)]
+    assert sizes[0] == sizes[1]
+    assert all(u.forward_s > 0 and u.backward_s > 0 for u in (fresh.embedding, *fresh.layers, fresh.head))
+    with pytest.raises(RuntimeError, match="pp_split: auto failed"):
+        profile_in_fresh_process({**fields, "n_heads": 5}, 2)  # 32 wide does not split into 5 heads

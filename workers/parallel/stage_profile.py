@@ -8,20 +8,32 @@ Why ours: ``torch.profiler`` reports operators, not which module's forward or ba
 autograd runs them, and attributing saved tensors to a module needs ``saved_tensors_hooks`` anyway; module
 hooks give both directly. Times are the fastest of ``steps`` measured steps after a warm-up step, on one
 thread: interference from other processes only ever adds time, and a thread pool on a shared machine stalls
-on its barriers (medians of three steps on a loaded 2-core machine were off by 100x). Backward
+on its barriers (medians of three steps on a loaded 2-core machine were off by 100x).
+
+``profile_in_fresh_process`` is what ``parallel.pp_split: auto`` calls: the same profile in a new interpreter
+whose allocator keeps freed memory (glibc's ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``). In the
+caller's process a large tensor (the head's logits, its gradient) was often served by fresh pages from the
+kernel, faulted in on first touch, and whether it was depended on that process's heap history: on a 6-block
+model under an 8192-word head, six profiles in fresh processes put the head at 5.97-8.63 blocks, and ten in
+one process at 5.15-9.23 (each the fastest of 5 steps); with memory kept they gave 5.23-5.84 and 5.47-5.98.
+A training rank reuses its memory from step to step, as the kept allocator does. Backward
 times come from when each block's output gradient arrives (``register_full_backward_pre_hook``): autograd
 runs the head's backward, then each block's in reverse order, then the embedding's.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from workers.model.config import ModelConfig
+from workers.model.config import ModelConfig, model_config
 from workers.model.gpt import lm_loss
 from workers.model.registry import build_model
 
@@ -143,3 +155,33 @@ def profile_model(cfg: ModelConfig, micro_batch: int, steps: int = 5, seed: int 
     units = [UnitCost(min(r[u][0] for r in runs), min(r[u][1] for r in runs), sum(rec.saved[u].values()),
                       params[u]) for u in range(len(params))]
     return ModelCosts(units[0], tuple(units[1:-1]), units[-1])
+
+
+# glibc reads these at start-up: serve every allocation from the heap and never hand its top back to the kernel,
+# so a step reuses the pages the previous one faulted in (see the module docstring); other C libraries ignore them
+KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+def profile_in_fresh_process(model: dict, micro_batch: int, seed: int = 0, timeout_s: float = 600.0) -> ModelCosts:
+    """``profile_model`` of the model fields ``model`` run in a new interpreter that keeps its freed memory, so
+    the profile neither depends on the caller's heap nor pays page faults a training rank does not."""
+    env = {**os.environ, **KEEP_MEMORY, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what the caller imports, the child does
+    args = json.dumps({"model": model, "micro_batch": micro_batch, "seed": seed})
+    proc = subprocess.run([sys.executable, "-m", __name__, args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"profiling the model for parallel.pp_split: auto failed (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-2000:]}")
+    return costs_from_dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def costs_from_dict(raw: dict) -> ModelCosts:
+    """``ModelCosts.to_dict`` read back."""
+    return ModelCosts(UnitCost(**raw["embedding"]), tuple(UnitCost(**u) for u in raw["layers"]),
+                      UnitCost(**raw["head"]))
+
+
+if __name__ == "__main__":  # profile_in_fresh_process's child: one JSON line of costs on stdout
+    job = json.loads(sys.argv[1])
+    print(json.dumps(profile_model(model_config(job["model"]), job["micro_batch"], seed=job["seed"]).to_dict()))
