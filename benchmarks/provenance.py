@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 
+from workers.data import checksums
+
 
 def corpus(path: str | Path) -> dict:
     """The prepared corpus at ``path``: its sources, size, tokenizer and one digest over its shards' checksums
     (from the manifest, so nothing is re-read)."""
     manifest = json.loads((Path(path) / "manifest.json").read_text())
-    digest = hashlib.sha256("".join(s.get("sha256", s["file"]) for s in manifest["shards"]).encode())
+    digest = hashlib.sha256("".join(s.get(checksums.FIELD, s["file"]) for s in manifest["shards"]).encode())
     return {"path": str(path), "sources": manifest.get("sources"), "total_tokens": manifest["total_tokens"],
             "tokenizer": manifest.get("tokenizer", {}).get("kind", "bytes"), "digest": digest.hexdigest()[:16]}
 

@@ -8,7 +8,9 @@ Why ours: ``torch.profiler`` reports operators, not which module's forward or ba
 autograd runs them, and attributing saved tensors to a module needs ``saved_tensors_hooks`` anyway; module
 hooks give both directly. Times are the fastest of ``steps`` measured steps after a warm-up step, on one
 thread: interference from other processes only ever adds time, and a thread pool on a shared machine stalls
-on its barriers (medians of three steps on a loaded 2-core machine were off by 100x).
+on its barriers (medians of three steps on a loaded 2-core machine were off by 100x). Backward
+times come from when each block's output gradient arrives (``register_full_backward_pre_hook``): autograd
+runs the head's backward, then each block's in reverse order, then the embedding's.
 
 ``profile_in_fresh_process`` is what ``parallel.pp_split: auto`` calls: the same profile in a new interpreter
 whose allocator keeps freed memory (glibc's ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``). In the
@@ -16,9 +18,7 @@ caller's process a large tensor (the head's logits, its gradient) was often serv
 kernel, faulted in on first touch, and whether it was depended on that process's heap history: on a 6-block
 model under an 8192-word head, six profiles in fresh processes put the head at 5.97-8.63 blocks, and ten in
 one process at 5.15-9.23 (each the fastest of 5 steps); with memory kept they gave 5.23-5.84 and 5.47-5.98.
-A training rank reuses its memory from step to step, as the kept allocator does. Backward
-times come from when each block's output gradient arrives (``register_full_backward_pre_hook``): autograd
-runs the head's backward, then each block's in reverse order, then the embedding's.
+A training rank reuses its memory from step to step, as the kept allocator does.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ class ModelCosts:
     def to_dict(self) -> dict:
         return {"embedding": asdict(self.embedding), "layers": [asdict(u) for u in self.layers],
                 "head": asdict(self.head)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelCosts:
+        """``to_dict`` read back (``profile_in_fresh_process``'s child sends its costs this way)."""
+        return cls(UnitCost(**raw["embedding"]), tuple(UnitCost(**u) for u in raw["layers"]), UnitCost(**raw["head"]))
 
 
 class _Recorder:
@@ -173,13 +178,7 @@ def profile_in_fresh_process(model: dict, micro_batch: int, seed: int = 0, timeo
     if proc.returncode != 0:
         raise RuntimeError(f"profiling the model for parallel.pp_split: auto failed (exit {proc.returncode}): "
                            f"{proc.stderr.strip()[-2000:]}")
-    return costs_from_dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def costs_from_dict(raw: dict) -> ModelCosts:
-    """``ModelCosts.to_dict`` read back."""
-    return ModelCosts(UnitCost(**raw["embedding"]), tuple(UnitCost(**u) for u in raw["layers"]),
-                      UnitCost(**raw["head"]))
+    return ModelCosts.from_dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 if __name__ == "__main__":  # profile_in_fresh_process's child: one JSON line of costs on stdout
