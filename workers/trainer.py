@@ -33,6 +33,7 @@ from workers.optim.onebit_adam import OneBitAdam
 from workers.parallel.async_pipeline import AsyncPipeline, rules_for
 from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import sliced_optimizer
+from workers.parallel.grad_compression import WITH_FEEDBACK
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
@@ -101,7 +102,7 @@ class Trainer:
     def _error_feedback(self) -> list:
         """What compression held back on this rank, one holder per stage module: PowerSGD's and top-k's hooks,
         or 1-bit Adam's optimizers (``feedback``); empty when nothing is compressed with error feedback."""
-        if self.spec.parallel.grad_compression in ("powersgd", "topk"):
+        if self.spec.parallel.grad_compression in WITH_FEEDBACK:
             return [r.hook for r in self.parts.reducers]
         return [opt.feedback for opt in self.state.optimizers if isinstance(opt, OneBitAdam)]
 

@@ -122,7 +122,7 @@ class TrainingJob:
     @property
     def memory_every(self) -> int:
         """Steps between in-memory snapshots for the current layout (``checkpoint.memory_every``)."""
-        return self.spec.checkpoint.snapshot_every(self.spec.parallel)
+        return self.spec.checkpoint.snapshot_every(self.spec.parallel, self.spec.optim)
 
     @property
     def state(self) -> str:

@@ -219,13 +219,14 @@ class RankGroup:
     def mirrored(self) -> bool:
         """Under plain all-reduce data parallelism (zero 0) the holder's own state is bit for bit the rank's
         (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
-        is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped. BSP parameter-server
-        ranks mirror too: each pulls the same weights after every step (their optimizer state is on the shards,
-        which keep their own state beside the snapshot: ``PSShards.keep``), unless top-k compresses their pushes:
-        each rank's error feedback is its own."""
+        is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped, and so is the state
+        a rank keeps of its own (``dp_ranks_keep_their_own``: error feedback, microbatches in flight). BSP
+        parameter-server ranks mirror too: each pulls the same weights after every step (their optimizer state
+        is on the shards, which keep their own state beside the snapshot: ``PSShards.keep``), unless top-k
+        compresses their pushes: each rank's error feedback is its own."""
         p, ps = self.spec.parallel, self.spec.parameter_server
         bsp_ps = p.dp_sync == "ps" and ps.consistency == "bsp" and ps.compression != "topk" and p.grid.dp > 1
-        return dp_replicas_mirror(p) or bsp_ps
+        return dp_replicas_mirror(p, self.spec.optim) or bsp_ps
 
     def _holder_actor(self, rank: int):
         holder = self.holder(rank)

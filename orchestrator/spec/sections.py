@@ -23,6 +23,7 @@ from orchestrator.spec.fields import (
     _divisors,
     _Section,
 )
+from workers.parallel.grad_compression import WITH_FEEDBACK
 from workers.parallel.grid import Grid
 from workers.parallel.schedules import Schedule, schedule
 from workers.storage import location
@@ -234,12 +235,24 @@ class TrainSpec(_Section):
     compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
 
 
-def dp_replicas_mirror(parallel: ParallelSpec) -> bool:
+def dp_replicas_mirror(parallel: ParallelSpec, optim: OptimSpec) -> bool:
     """Whether every data-parallel replica holds the whole state bit for bit (zero 0, all-reduce, dp > 1): a
     replica's own snapshot then is its peers' replica, so a snapshot costs one local copy and ships nothing.
-    With expert parallelism only the dp / ep ranks holding the same experts mirror, so there must be two."""
+    With expert parallelism only the dp / ep ranks holding the same experts mirror, so there must be two.
+
+    Not where each rank also keeps state of its own (``dp_ranks_keep_their_own``): a peer's snapshot would hand
+    a replaced rank the peer's, and the run would leave the uninterrupted one's path or stop."""
     grid = parallel.grid
-    return parallel.zero == 0 and grid.dp > grid.ep and parallel.dp_sync == "allreduce"
+    return (parallel.zero == 0 and grid.dp > grid.ep and parallel.dp_sync == "allreduce"
+            and not dp_ranks_keep_their_own(parallel, optim))
+
+
+def dp_ranks_keep_their_own(parallel: ParallelSpec, optim: OptimSpec) -> bool:
+    """Whether data-parallel ranks with the same weights still differ: in what PowerSGD, top-k or 1-bit Adam
+    held back from the wire (their error feedback), or in an asynchronous pipeline's microbatches in flight
+    and gradient accumulated so far (each rank's own data)."""
+    feedback = parallel.grad_compression in WITH_FEEDBACK or optim.name == "onebit_adam"
+    return feedback or parallel.pipeline_schedule.asynchronous
 
 
 class CheckpointSpec(_Section):
@@ -259,11 +272,11 @@ class CheckpointSpec(_Section):
     # replicas mirror each other (the snapshot ships nothing), else every 10 steps
     memory_every: Annotated[int, Field(ge=0)] | None = None
 
-    def snapshot_every(self, parallel: ParallelSpec) -> int:
+    def snapshot_every(self, parallel: ParallelSpec, optim: OptimSpec) -> int:
         """``memory_every``, or its default for this layout."""
         if self.memory_every is not None:
             return self.memory_every
-        return 1 if dp_replicas_mirror(parallel) else 10
+        return 1 if dp_replicas_mirror(parallel, optim) else 10
 
     def resolved_dir(self, run_dir: str | Path) -> Path:
         """`dir` when set (a local path or an object-store URL: `workers.storage`), else

@@ -129,3 +129,24 @@ def test_kill_rank_in_an_expert_parallel_layout_recovers_bit_identical(ray_clust
     recovered = run(token_data, tmp_path / "killed", **sections, faults=kill)
     assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
     assert [(r["kind"], r["rank"], r["source"]) for r in recovered.recoveries] == [("rank", 1, "memory")]
+
+
+@pytest.mark.parametrize("sections", [
+    {"parallel": {"dp": 2, "grad_compression": "powersgd", "powersgd_warmup_steps": 2, "bucket_mb": 0.01}},
+    {"parallel": {"dp": 2}, "optim": {"name": "onebit_adam", "warmup_steps": 2}},
+], ids=["powersgd", "onebit_adam"])
+def test_kill_rank_under_compression_recovers_bit_identical_with_its_error_feedback(sections, ray_cluster,
+                                                                                   token_data, tmp_path):
+    """Each rank's error feedback (PowerSGD's, with its warm-started Q; 1-bit Adam's) differs from its peer's and
+    lives outside the model and optimizer: the dead rank's replacement takes its own back from the snapshot its
+    holder kept (its peer's own snapshot, the mirror that plain all-reduce uses, would hand it the peer's
+    feedback), so the run after the kill, past the warm-up, equals the uninterrupted run bit for bit."""
+    steps, on_defaults = 8, {"checkpoint": {}, "fault_tolerance": {}}
+    straight = run(token_data, tmp_path / "straight", train={"steps": steps}, **sections, **on_defaults)
+    recovered = run(token_data, tmp_path / "killed", train={"steps": steps}, **sections, **on_defaults,
+                    faults=[{"kind": "kill_rank", "rank": 1, "at_step": 5}])
+    assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
+    (rec,) = recovered.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"]) == ("rank", 1, "memory")
+    # replicas ship, so the default cadence is every 10 steps: the kill before step 5 rolls back to step 0's
+    assert rec["lost_steps"] == 4

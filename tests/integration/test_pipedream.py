@@ -171,10 +171,10 @@ def test_resumes_bit_for_bit_with_microbatches_in_flight(runs, name) -> None:
 RAY_STEPS = 6
 
 
-def _ray_run(token_data, tmp_path, schedule: str, faults=()):
-    spec = tiny_spec(token_data, tmp_path, parallel={"pp": 2, "pp_schedule": schedule},
+def _ray_run(token_data, tmp_path, schedule: str, faults=(), dp: int = 1, checkpoint: dict | None = None):
+    spec = tiny_spec(token_data, tmp_path, parallel={"pp": 2, "dp": dp, "pp_schedule": schedule},
                      train={"steps": RAY_STEPS, "microbatches": MICROBATCHES}, optim={"lr": 3e-3, "grad_clip": 0.0},
-                     checkpoint={"memory_every": 1}, metrics={"timeline": True},
+                     checkpoint={"memory_every": 1} if checkpoint is None else checkpoint, metrics={"timeline": True},
                      fault_tolerance={"heartbeat_timeout_s": 20, "collective_timeout_s": 5})
     return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
 
@@ -195,3 +195,16 @@ def test_kill_rank_recovers_bit_identical(schedule, ray_cluster, token_data, tmp
     assert [f"{e['kind']}{e['microbatch']}" for e in stage0[:2]] == ["F12", "B11"]
     versions = {(e["pp_rank"], e["microbatch"], e["kind"]): e["version"] for e in timeline}
     assert all(versions[(r, n, "B")] == versions[(r, n, "F")] for r, n, _ in versions)
+
+
+def test_kill_rank_with_data_parallel_stages_recovers_bit_identical_on_defaults(ray_cluster, token_data, tmp_path):
+    """pp=2 x dp=2: the two dp ranks of a stage share weights but not their microbatches in flight (each holds
+    its own data's), so a peer's snapshot is not a dead rank's replica; its holder's shipped copy is, and the
+    run goes on as the uninterrupted one, bit for bit. On the job file's defaults: replicas ship, so snapshots
+    are every 10 steps and the kill before step 4 rolls back to step 0's."""
+    straight = _ray_run(token_data, tmp_path / "straight", "pipedream_2bw", dp=2, checkpoint={})
+    kill = [{"kind": "kill_rank", "rank": 1, "at_step": 4}]
+    killed = _ray_run(token_data, tmp_path / "killed", "pipedream_2bw", faults=kill, dp=2, checkpoint={})
+    assert killed.losses == straight.losses and killed.grad_norms == straight.grad_norms
+    (rec,) = killed.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == ("rank", 1, "memory", 3)

@@ -40,8 +40,9 @@ def _job(parallel: dict[str, Any], moe: dict | None = None, **model: Any) -> dic
 
 def test_only_data_parallel_replicas_holding_the_same_experts_mirror():
     mirror = JobSpec.from_dict(_job({"dp": 4, "ep": 2}, {"experts": 4}))
-    assert dp_replicas_mirror(mirror.parallel)
-    assert not dp_replicas_mirror(JobSpec.from_dict(_job({"dp": 2, "ep": 2}, {"experts": 4})).parallel)
+    assert dp_replicas_mirror(mirror.parallel, mirror.optim)
+    flat = JobSpec.from_dict(_job({"dp": 2, "ep": 2}, {"experts": 4}))
+    assert not dp_replicas_mirror(flat.parallel, flat.optim)
 
 
 @pytest.mark.parametrize(("parallel", "moe", "field", "value", "fix"), [

@@ -18,6 +18,7 @@ from orchestrator.spec import (
     load_spec,
     parse_override,
 )
+from orchestrator.spec.sections import dp_replicas_mirror
 from tests.support.spec_errors import assert_actionable, spec_error
 
 BASE: dict[str, Any] = {"data": {"path": "data/tiny"}}
@@ -47,9 +48,26 @@ def test_defaults() -> None:
     assert (t.steps, t.global_batch_size, t.microbatches, t.seed, t.log_every) == (100, 16, 1, 0, 1)
     c = spec.checkpoint
     assert (c.every, c.dir, c.async_save, c.keep, c.memory_every) == (50, None, True, 3, None)
-    assert c.snapshot_every(spec.parallel) == 10  # dp 1: nothing mirrors this rank
-    assert c.snapshot_every(JobSpec.from_dict({**BASE, "parallel": {"dp": 2}}).parallel) == 1  # zero-0 mirrors: free
+    assert c.snapshot_every(spec.parallel, spec.optim) == 10  # dp 1: nothing mirrors this rank
+    dp2 = JobSpec.from_dict({**BASE, "parallel": {"dp": 2}})
+    assert c.snapshot_every(dp2.parallel, dp2.optim) == 1  # zero-0 mirrors: free
     assert c.resolved_dir(spec.resolved_run_dir()) == Path("runs/raymesh-job/checkpoints")
+
+
+@pytest.mark.parametrize(("parallel", "optim", "mirrors"), [
+    ({"grad_compression": "bf16"}, {}, True),  # nothing held back: the ranks' state stays the same
+    ({"grad_compression": "powersgd"}, {}, False),
+    ({"grad_compression": "topk"}, {}, False),
+    ({}, {"name": "onebit_adam", "warmup_steps": 10}, False),
+    ({"pp": 2, "pp_schedule": "pipedream_2bw"}, {}, False),  # in-flight microbatches of each rank's own data
+    ({"pp": 2, "pp_schedule": "1f1b"}, {}, True),
+])
+def test_data_parallel_ranks_that_keep_their_own_state_ship_replicas(parallel, optim, mirrors) -> None:
+    """A rank's error feedback, or its asynchronous pipeline's microbatches in flight, are its own, so a peer's
+    snapshot is not its replica: replicas ship, and the snapshot cadence is the shipped one's default."""
+    spec = JobSpec.from_dict({**BASE, "parallel": {"dp": 2, **parallel}, "optim": optim, "train": {"microbatches": 2}})
+    assert dp_replicas_mirror(spec.parallel, spec.optim) is mirrors
+    assert spec.checkpoint.snapshot_every(spec.parallel, spec.optim) == (1 if mirrors else 10)
 
 
 def test_explicit_dirs_and_d_ff() -> None:

@@ -37,6 +37,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 KINDS = ("none", "bf16", "fp16", "powersgd", "topk")
 PS_KINDS = ("none", "bf16", "topk")  # parameter_server.compression (``WireCodec``)
+# the kinds whose error feedback is each rank's own (what it held back differs from its peers')
+WITH_FEEDBACK = ("powersgd", "topk")
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:
