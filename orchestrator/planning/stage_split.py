@@ -114,7 +114,12 @@ def unit_times(spec: JobSpec) -> UnitTimes:
 
 @functools.lru_cache(maxsize=8)
 def _profile(model_json: str, micro: int, seed: int) -> ModelCosts:
-    return profile_in_fresh_process(json.loads(model_json), micro, seed)
+    """The profile, or a ``SpecError`` on ``parallel.pp_split`` saying why it could not run and what to set."""
+    try:
+        return profile_in_fresh_process(json.loads(model_json), micro, seed)
+    except RuntimeError as exc:
+        raise SpecError("parallel.pp_split", "auto", f"could not profile the model on this host: {exc}",
+                        "give the layer counts per stage as a list, or use pp_split: even") from None
 
 
 @functools.lru_cache(maxsize=8)

@@ -195,3 +195,16 @@ def test_auto_profiles_in_a_fresh_process_that_measures_what_the_in_process_prof
     assert all(u.forward_s > 0 and u.backward_s > 0 for u in (fresh.embedding, *fresh.layers, fresh.head))
     with pytest.raises(RuntimeError, match="pp_split: auto failed"):
         profile_in_fresh_process({**fields, "n_heads": 5}, 2)  # 32 wide does not split into 5 heads
+    with pytest.raises(RuntimeError, match="took longer than 0.01 s"):
+        profile_in_fresh_process(fields, 2, timeout_s=0.01)
+
+
+def test_a_profile_that_cannot_run_is_refused_on_the_field_with_a_fix():
+    import json
+
+    from orchestrator.planning import stage_split
+
+    with pytest.raises(SpecError) as raised:
+        stage_split._profile(json.dumps({**BASE["model"], "n_heads": 5}), 2, 0)
+    assert raised.value.field == "parallel.pp_split" and raised.value.value == "auto"
+    assert "pp_split: even" in raised.value.fix and "exit 1" in raised.value.problem

@@ -173,8 +173,12 @@ def profile_in_fresh_process(model: dict, micro_batch: int, seed: int = 0, timeo
     env = {**os.environ, **KEEP_MEMORY, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what the caller imports, the child does
     args = json.dumps({"model": model, "micro_batch": micro_batch, "seed": seed})
-    proc = subprocess.run([sys.executable, "-m", __name__, args], env=env, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, args], env=env, capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"profiling the model for parallel.pp_split: auto took longer than {timeout_s:g} s, "
+                           "and was stopped") from None
     if proc.returncode != 0:
         raise RuntimeError(f"profiling the model for parallel.pp_split: auto failed (exit {proc.returncode}): "
                            f"{proc.stderr.strip()[-2000:]}")
