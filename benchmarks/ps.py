@@ -25,7 +25,7 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
-from benchmarks.provenance import write_result
+from benchmarks.provenance import provenance, write_result
 
 WARMUP = 2
 SGD = {"name": "sgd", "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -90,12 +90,15 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # dp=4 ranks + driver-side clients
     out = Path(args.out)
     report: dict = json.loads(out.read_text()) if out.is_file() else {}  # a part run alone keeps the other's
-    report.update({"numel": args.numel, "steps": args.steps})
+    for stale in ("numel", "steps"):  # an older layout's run-wide arguments: each part names its own now
+        report.pop(stale, None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for part, measure in (("transport", transport_report), ("consistency", consistency_report)):
-        if part in args.parts:
-            report[part] = measure(args)
-            write_result(out, report, args.data)
+    for part, measure, used in (("transport", transport_report, ("numel", "reps")),
+                                ("consistency", consistency_report, ("steps",))):
+        if part in args.parts:  # the part's own arguments and provenance, so one kept from an older run says so
+            report[part] = {**measure(args), "args": {a: getattr(args, a) for a in used},
+                            "provenance": provenance(args.data if part == "consistency" else None)}
+            write_result(out, report)  # the corpus is in the part that read it
     print(json.dumps(report, indent=2))
 
 
