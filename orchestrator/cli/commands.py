@@ -56,12 +56,14 @@ def _remove_stale_shards(url: str, manifest: dict) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from orchestrator.planning.estimate import render
     from orchestrator.planning.memory_report import fit_problems
+    from orchestrator.planning.snapshot_memory import describe
     from orchestrator.spec import check_before_start, load_spec
 
     spec = load_spec(args.job, args.set)
     check_before_start(spec, data_required=False)  # what `run` would refuse before its actors start
     if args.nodes is None and args.gpus_per_node is None and args.gpu_mem is None and args.gpu is None:
         print(render(spec))
+        print(describe(spec))
         for problem in fit_problems(spec):
             print(f"does not fit: {problem}")
         return 0
@@ -80,6 +82,7 @@ def _plan(args: argparse.Namespace) -> int:
     for line in [*choice.tried[:5], *explain(choice)]:
         print(f"  {line}")
     print(render(choice.spec, one_per_stage=True))
+    print(describe(choice.spec))
     sets = " ".join(f"--set {o}" for o in overrides(choice.candidate, Shape.of(spec)))
     print(f"run it: raymesh run {args.job} {sets}")
     return 0

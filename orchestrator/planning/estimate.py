@@ -17,6 +17,7 @@ from orchestrator.planning.layout_search import FFN_MATRICES, Shape
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
 from workers.model.moe import group_capacity
+from workers.parallel.grad_compression import WITH_FEEDBACK
 from workers.parallel.layout import layers_of_stage, stage_ids
 from workers.parallel.mixed_precision import planned_fsdp_mixed
 
@@ -40,6 +41,7 @@ class RankEstimate:
     working_bytes: int = 0  # recompute's working memory: one block's activations rebuilt in backward
     freed_in_backward: int = 0  # activations backward frees first: the head's, or one pipeline microbatch's
     regathers: bool = False  # ZeRO-3: parameters resharded after forward, gathered again in backward
+    feedback_bytes: int = 0  # compression's error feedback, within ``buffer_bytes`` (``error_feedback_bytes``)
 
     @property
     def total_bytes(self) -> int:
@@ -306,17 +308,26 @@ def stashed_weight_bytes(spec: JobSpec, trainable: int, pp_rank: int) -> int:
     return 4 * trainable * p.pipeline_schedule.weight_copies(p.pp, pp_rank, spec.train.microbatches)
 
 
+def error_feedback_bytes(spec: JobSpec, trainable: int) -> int:
+    """What compression holds back on a rank for the next step, one fp32 value per trainable weight: PowerSGD's
+    and top-k's error per gradient bucket, 1-bit Adam's per parameter. PowerSGD's Q factors (rank x columns per
+    matrix) are left out: under 1% at rank 4 of any matrix wider than 400. In-memory snapshots copy it too."""
+    on = spec.parallel.grad_compression in WITH_FEEDBACK or spec.optim.name == "onebit_adam"
+    return 4 * trainable if on else 0
+
+
 def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int, pp_rank: int = 0) -> int:
     """Buffers beside model state and activations: autocast's weight copies, DDP's flat
     all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
     (``gradient_as_bucket_view`` is off), the pipeline's receive buffers, the cp kernel's and the all-to-all's,
-    PipeDream's stashed weight versions."""
+    PipeDream's stashed weight versions, compression's error feedback."""
     p, m = spec.parallel, spec.model
     buckets = 4 * trainable if p.zero == 1 and (p.grid.dp_enabled or p.grid.cp_enabled) else 0
     cp = mm.cp_buffer_bytes(p.cp_impl, m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
                             compute_bytes(spec))
     return (buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
-            + all_to_all_bytes(spec) + stashed_weight_bytes(spec, trainable, pp_rank))
+            + all_to_all_bytes(spec) + stashed_weight_bytes(spec, trainable, pp_rank)
+            + error_feedback_bytes(spec, trainable))
 
 
 def rank_parameter_split(spec: JobSpec, params: int, ids: list[int], n_stages: int) -> dict[str, int]:
@@ -430,7 +441,8 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,
                         grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
-                        freed_in_backward(spec, saved, coords["pp"], ids), p.zero >= 3 and p.grid.dp_enabled)
+                        freed_in_backward(spec, saved, coords["pp"], ids), p.zero >= 3 and p.grid.dp_enabled,
+                        error_feedback_bytes(spec, split["trainable"]))
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:

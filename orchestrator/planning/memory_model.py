@@ -38,7 +38,9 @@ from workers.parallel.schedules import schedule as schedule_facts
 # Optimizer state bytes per parameter beyond any fp32 master copy (the paper's K minus 4).
 # adafactor (factored second moment, no first moment by default) and sm3 (one accumulator
 # per row and per column) keep O(rows + cols) per matrix: ~0 per parameter at scale.
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "paged_adamw": 8, "sgd": 0, "adafactor": 0, "sm3": 0}
+# onebit_adam: AdamW's two moments; its error feedback is not optimizer state (``estimate.error_feedback_bytes``)
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "paged_adamw": 8, "onebit_adam": 8, "sgd": 0, "adafactor": 0,
+                         "sm3": 0}
 # optimizers whose state lives in the offload store, not on the device
 HOST_STATE_OPTIMIZERS = frozenset({"paged_adamw"})
 # param, grad, master bytes; fsdp_mixed: FSDP2's bf16 policy keeps fp32 shards (the optimizer's masters) and

@@ -14,6 +14,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.errors import SpecError
+from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
 from orchestrator.spec import JobSpec
 from workers.parallel.grid import Grid
 
@@ -49,9 +50,14 @@ class RankPlacement:
 
 
 def rank_bundle(spec: JobSpec, use_gpu: bool) -> dict:
+    """One rank's resources: its CPUs, its GPU, and the host memory its in-memory snapshots will hold (so Ray puts
+    no more ranks on a node than its memory keeps: ``orchestrator.planning.snapshot_memory``)."""
     bundle = {"CPU": spec.parallel.cpus_per_rank}
     if use_gpu:
         bundle["GPU"] = 1
+    snapshots = host_bytes_per_rank(spec)
+    if snapshots:
+        bundle["memory"] = snapshots
     return bundle
 
 
@@ -67,6 +73,7 @@ def can_reserve(spec: JobSpec, use_gpu: bool, groups: int, timeout_s: float) -> 
 
 def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlacement:
     """Reserve every rank's bundle, or fail naming what could not be placed."""
+    check_nodes(spec, [node["Resources"].get("memory", 0.0) for node in ray.nodes() if node["Alive"]])
     p, n_groups = spec.parallel, tp_groups(spec.parallel.grid)
     bundle = rank_bundle(spec, use_gpu)
     groups = [

@@ -21,12 +21,12 @@ from typing import ClassVar
 import ray
 from ray.exceptions import RayActorError
 
+from orchestrator.planning.snapshot_memory import replicas_mirror
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
 from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
-from orchestrator.spec.sections import dp_replicas_mirror
 from workers.diagnostics.faults import RankStepError
 from workers.protocol import RankInfo, StepResult
 from workers.rank_worker import RankWorker
@@ -221,12 +221,8 @@ class RankGroup:
         (same all-reduced gradients, same optimizer steps, same global data position), so its own snapshot
         is the replica and none is shipped; ZeRO shards differ per dp rank and are shipped, and so is the state
         a rank keeps of its own (``dp_ranks_keep_their_own``: error feedback, microbatches in flight). BSP
-        parameter-server ranks mirror too: each pulls the same weights after every step (their optimizer state
-        is on the shards, which keep their own state beside the snapshot: ``PSShards.keep``), unless top-k
-        compresses their pushes: each rank's error feedback is its own."""
-        p, ps = self.spec.parallel, self.spec.parameter_server
-        bsp_ps = p.dp_sync == "ps" and ps.consistency == "bsp" and ps.compression != "topk" and p.grid.dp > 1
-        return dp_replicas_mirror(p, self.spec.optim) or bsp_ps
+        parameter-server ranks mirror too (``ps_replicas_mirror``)."""
+        return replicas_mirror(self.spec)
 
     def _holder_actor(self, rank: int):
         holder = self.holder(rank)

@@ -247,6 +247,13 @@ def dp_replicas_mirror(parallel: ParallelSpec, optim: OptimSpec) -> bool:
             and not dp_ranks_keep_their_own(parallel, optim))
 
 
+def ps_replicas_mirror(parallel: ParallelSpec, ps: ParameterServerSpec) -> bool:
+    """BSP parameter-server ranks mirror each other too: each pulls the same weights after every step (their
+    optimizer state is on the shards, which keep their own beside the snapshot: ``PSShards.keep``), unless top-k
+    compresses their pushes: each rank's error feedback is its own."""
+    return parallel.dp_sync == "ps" and ps.consistency == "bsp" and ps.compression != "topk" and parallel.grid.dp > 1
+
+
 def dp_ranks_keep_their_own(parallel: ParallelSpec, optim: OptimSpec) -> bool:
     """Whether data-parallel ranks with the same weights still differ: in what PowerSGD, top-k or 1-bit Adam
     held back from the wire (their error feedback), or in an asynchronous pipeline's microbatches in flight

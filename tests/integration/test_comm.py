@@ -94,3 +94,39 @@ def test_compressed_run_resumes_bit_identically_with_its_error_feedback(kind, to
     assert resumed.losses[:2] == whole.losses[2:] and resumed.grad_norms[:2] == whole.grad_norms[2:]
     assert {r: sent[:2] for r, sent in resumed.field("comm_bytes").items()} == \
         {r: sent[2:] for r, sent in whole.field("comm_bytes").items()}
+
+
+def _snapshot_bytes(rank: int, specs: list[dict], ports: list[int], results) -> None:
+    """Body of a spawned rank: per spec, two steps (past a one-step warm-up), then the bytes of the tensors one
+    in-memory snapshot of this rank copies."""
+    import torch.distributed as dist
+
+    from workers.state import snapshot
+    from workers.trainer import Trainer
+
+    held = []
+    for spec, port in zip(specs, ports, strict=True):
+        trainer = Trainer(spec, rank, 2, "127.0.0.1", port)
+        trainer.train_step()
+        trainer.train_step()
+        snap = snapshot.take(trainer.state)
+        tensors = [*snap["model"].values(), *(v for s in snap["optim"].values() for v in s.values()),
+                   *snap["wire_feedback"].values()]
+        held.append(sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel") and t.is_floating_point()))
+        dist.destroy_process_group()
+    results.put((rank, held))
+
+
+def test_a_snapshot_with_error_feedback_holds_the_bytes_the_planner_reserves(token_data, tmp_path):
+    """Top-k's and 1-bit Adam's error feedback is a fp32 copy of every trainable weight that each snapshot
+    carries: what a real snapshot copies equals the planner's ``snapshot_bytes`` (the figure each rank's
+    placement asks Ray's ``memory`` for, per copy) to 1%."""
+    from orchestrator.planning.snapshot_memory import snapshot_bytes
+    from tests.support.parity_harness import free_port, spawn_ranks
+
+    kinds = [RESUMED[kind] for kind in ("topk", "onebit_adam")]
+    specs = [tiny_spec(token_data, tmp_path / str(i), parallel={"dp": 2, "device": "cpu", **parallel}, optim=optim,
+                       train={"steps": 2}) for i, (parallel, optim) in enumerate(kinds)]
+    held = spawn_ranks(_snapshot_bytes, ([s.worker_dict() for s in specs], [free_port() for _ in specs]), 2, 300)
+    for i, spec in enumerate(specs):
+        assert held[0][i] == held[1][i] == pytest.approx(snapshot_bytes(spec), rel=0.01)

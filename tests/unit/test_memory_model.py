@@ -129,13 +129,15 @@ def test_plan_cli_picks_and_explains(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("picked dp=") and "for 2 node(s) x 4 H100(s): fastest of" in out
     assert "why the others lost" in out and "run it: raymesh run" in out and "weights" in out
+    assert "in-memory snapshots: 4 copies of up to" in out  # zero 2: the peer's replicas ship
     assert main(["plan", str(job), "--gpus-per-node", "2", "--gpu-mem", "1KB"]) == 2
     err = capsys.readouterr().err
     assert "--gpu-mem" in err and "too small" in err and "fix: use --gpu-mem" in err
     assert main(["plan", str(job), "--gpu-mem", "lots"]) == 2
     assert "is not a size" in capsys.readouterr().err
     assert main(["plan", str(job), "--set", "parallel.device_memory=1KB"]) == 0
-    assert "does not fit: rank 0 needs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "does not fit: rank 0 needs" in out and "of host memory a rank, reserved with its placement" in out
 
 
 def test_bad_device_memory_is_a_spec_error():

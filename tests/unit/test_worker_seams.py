@@ -53,6 +53,19 @@ def test_snapshot_restores_the_train_state_bit_for_bit(trainer):
     assert trainer.train_step().loss == expected
 
 
+def test_a_snapshot_holds_the_bytes_the_planner_reserves_host_memory_for(trainer, tmp_path):
+    """``snapshot_memory.snapshot_bytes`` (what each rank's placement asks Ray for, per copy) is the planner's
+    weights plus optimizer state: the tensors a real snapshot copies add up to it, to 1%."""
+    from orchestrator.planning.snapshot_memory import snapshot_bytes
+    from workers.state import snapshot
+
+    trainer.train_step()  # the optimizer's state exists from its first step on
+    snap = snapshot.take(trainer.state)
+    tensors = [*snap["model"].values(), *(v for state in snap["optim"].values() for v in state.values())]
+    held = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
+    assert held == pytest.approx(snapshot_bytes(tiny_spec(Path("unused"), tmp_path)), rel=0.01)
+
+
 def test_checkpoint_restores_the_train_state_bit_for_bit(trainer, tmp_path):
     trainer.checkpoints.save(tmp_path / "ckpt", async_save=False)
     expected = trainer.train_step().loss
