@@ -93,7 +93,8 @@ def test_plan_prints_the_layout_and_memory(tmp_path):
     lines = proc.stdout.splitlines()
     assert "dp=2 x pp=2 x tp=2 = 8 ranks" in lines[0]
     assert lines[1].startswith("pp_split [") and "layers per stage" in lines[1]  # pp > 1: how layers are split
-    assert len(lines) == 3 + 8
+    assert len(lines) == 3 + 8 + 1
+    assert lines[-1].startswith("in-memory snapshots: 2 copies")  # the host memory each rank's placement reserves
 
 
 def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_run_stays_finished(
