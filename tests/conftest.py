@@ -35,6 +35,15 @@ def token_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def heldout_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Byte tokens of the stdlib's html package (~97K: 2,945 windows of 33): text the tiny jobs never train on,
+    their ``eval.path``."""
+    out = tmp_path_factory.mktemp("heldout")
+    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "html"], out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def bpe_token_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The json package as ids of a BPE trained on it (``bpe:4096``, as examples/bpe_pretrain.yaml prepares)."""
     out = tmp_path_factory.mktemp("bpe-tokens")

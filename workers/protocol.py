@@ -57,6 +57,10 @@ class StepResult:
     comm_bytes: dict[str, int] | None = None
     # under dp_sync ps: this rank's push and pull payload bytes and its largest asp/ssp read staleness this step
     ps: dict[str, int] | None = None
+    # after an evaluated step (eval.every): the held-out loss of this rank's share (None off the last pipeline
+    # stage) and the seconds the evaluation took on this rank (workers.evaluation)
+    eval_loss: float | None = None
+    eval_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepResult:
@@ -73,7 +77,7 @@ class StepResult:
         return out
 
 
-_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe", "ps"})
+_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe", "ps", "eval_loss", "eval_s"})
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,20 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class EvalSection:
+    """The held-out loss (``workers.evaluation``); older harness dicts leave the section out: never."""
+
+    every: int = 0
+    path: str | None = None
+    batches: int = 4
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether the model is scored after optimizer step ``step`` (1-based) of a run ending at step ``last``:
+        after every ``every``-th step and after the last."""
+        return self.every > 0 and (step % self.every == 0 or step == last)
+
+
+@dataclass(frozen=True)
 class DataSection:
     path: str
     seed: int
@@ -118,6 +132,7 @@ class WorkerSpec:
     parallel: ParallelSection
     train: TrainSection
     data: DataSection
+    eval: EvalSection
     precision: PrecisionSection
     memory: MemorySection
     model: ModelConfig
@@ -135,6 +150,7 @@ class WorkerSpec:
             parallel=_section(ParallelSection, raw, "parallel"),
             train=_section(TrainSection, raw, "train"),
             data=_section(DataSection, raw, "data"),
+            eval=_section(EvalSection, raw, "eval"),
             precision=_section(PrecisionSection, raw, "precision"),
             memory=_section(MemorySection, raw, "memory"),
             model=model_config(raw["model"]),

@@ -22,6 +22,7 @@ from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
+from workers.evaluation import EvalData, Evaluator, PipelineSweep
 from workers.model import moe
 from workers.model.gpt import lm_loss
 from workers.offload.activations import activation_policy
@@ -34,6 +35,7 @@ from workers.parallel.async_pipeline import AsyncPipeline, rules_for
 from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import sliced_optimizer
 from workers.parallel.grad_compression import WITH_FEEDBACK
+from workers.parallel.layout import stage_owners
 from workers.parallel.parallelize import build_parts
 from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
@@ -98,6 +100,7 @@ class Trainer:
         self.comm = CommBytes(mesh_dim_groups(self.mesh, data_parallel_mesh(self.mesh, self.grid)),
                               self.grid.mesh_dims) if self.spec.count_comm_bytes else None
         self.compute_events: list[dict] = []  # forward+backward per microbatch without a pipeline schedule
+        self.evaluator = self._evaluator()
 
     def _error_feedback(self) -> list:
         """What compression held back on this rank, one holder per stage module: PowerSGD's and top-k's hooks,
@@ -116,6 +119,20 @@ class Trainer:
                              self.spec.grad_clip, self.device)
         self.state.weight_versions = pipe
         return pipe
+
+    def _evaluator(self) -> Evaluator | None:
+        """The held-out scorer when the job has ``eval.every`` (``workers.evaluation``), else None."""
+        ev, par, train = self.spec.eval, self.spec.parallel, self.spec.train
+        if not ev.every:
+            return None
+        data = EvalData(ev.path, self.spec.model.seq_len, self.spec.data.seed, ev.batches, train.global_batch_size,
+                        self.coords.dp, par.dp, self.coords.cp, par.grid.cp)
+        sweep = None
+        if par.grid.pp_enabled:
+            sweep = PipelineSweep(dict(zip(self.parts.stage_ids, self.parts.modules)),
+                                  stage_owners(par.pp, par.virtual_stages, par.pp_schedule), self.pp_group, self.device)
+        return Evaluator(self.parts.modules, data, self.microbatches, self.device, self._autocast, sweep,
+                         self.holds_last_stage)
 
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
@@ -255,10 +272,18 @@ class Trainer:
         compute = busy_seconds(events) if events else t2 - t1
         times = StepTimes(data=t1 - t0, compute=compute + slowed, bubble=max(0.0, (t2 - t1) - compute),
                           communication=t3 - t2, optimizer=t4 - t3, step=t4 - t0 + slowed)
+        eval_loss, eval_s = self._evaluate()
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
                            lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
                            time_s=times, memory=memory, timeline=self._timeline(events),
-                           comm_bytes=self.comm_bytes(), moe=moe_figures)
+                           comm_bytes=self.comm_bytes(), moe=moe_figures, eval_loss=eval_loss, eval_s=eval_s)
+
+    def _evaluate(self) -> tuple[float | None, float | None]:
+        """The held-out loss and its seconds when this step is one ``eval.every`` names (after the update: the
+        figure is the model's at this step), else (None, None)."""
+        if self.evaluator is None or not self.spec.eval.due(self.step, self.spec.train.steps):
+            return None, None
+        return self.evaluator.run()
 
     def comm_bytes(self) -> dict[str, int] | None:
         """With ``metrics.comm_bytes``, this step's bytes per mesh dimension (``result`` adds the shards' ``ps``)."""

@@ -12,6 +12,7 @@ from orchestrator.cli.jobs import add_client_commands
 from orchestrator.errors import SpecError
 
 MANIFEST = "manifest.json"  # prepare-data's index of the shards (workers.data.prepare)
+HELDOUT_DIR = "heldout"  # prepare-data --heldout's folder (workers.data.prepare.HELDOUT_DIR)
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -19,9 +20,10 @@ def _prepare_data(args: argparse.Namespace) -> int:
     from workers.storage import is_url, staged_output
 
     sources = args.source or default_sources()
-    with staged_output(args.out, last=(MANIFEST,)) as out:  # a URL: written here, then copied up, manifest last
+    last = (f"{HELDOUT_DIR}/{MANIFEST}", MANIFEST)
+    with staged_output(args.out, last=last) as out:  # a URL: written here, then copied up, manifests last
         manifest = prepare_data(sources, out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens,
-                                tokenizer=args.tokenizer)
+                                tokenizer=args.tokenizer, heldout=args.heldout)
         if is_url(args.out):
             manifest = _manifest_at_url(out, args.out, manifest)
     if is_url(args.out):
@@ -30,27 +32,42 @@ def _prepare_data(args: argparse.Namespace) -> int:
     print(f"wrote {manifest['total_tokens']:,} tokens in {len(manifest['shards'])} shard(s) to {args.out}; "
           f"tokenizer {tok['kind']}{' ' + tok['path'] if tok['path'] else ''}, vocab {tok['vocab_size']} "
           f"(set model.vocab_size to at least that)")
+    if "heldout" in manifest:
+        out = args.out.rstrip("/")
+        print(f"held out {manifest['heldout']['tokens']:,} tokens of {args.heldout:.3g} of the documents in "
+              f"{out}/{HELDOUT_DIR} (set eval.path to it)")
     return 0
 
 
 def _manifest_at_url(staged: Path, url: str, manifest: dict) -> dict:
-    """The staged manifest rewritten to name the trained tokenizer's file at ``url``, where it is copied (the
-    staging directory is temporary)."""
+    """The staged manifests (the held-out one too) rewritten to name the trained tokenizer's file at ``url``, where
+    it is copied (the staging directory is temporary)."""
     tok = manifest["tokenizer"]
-    if tok.get("path") and Path(tok["path"]).parent == staged:
-        manifest = {**manifest, "tokenizer": {**tok, "path": f"{url.rstrip('/')}/{Path(tok['path']).name}"}}
-        (staged / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return manifest
+    if not (tok.get("path") and Path(tok["path"]).parent == staged):
+        return manifest
+    named = {**tok, "path": f"{url.rstrip('/')}/{Path(tok['path']).name}"}
+    for folder in (staged / HELDOUT_DIR, staged):
+        if (folder / MANIFEST).is_file():
+            written = {**json.loads((folder / MANIFEST).read_text()), "tokenizer": named}
+            (folder / MANIFEST).write_text(json.dumps(written, indent=2))
+    return {**manifest, "tokenizer": named}
 
 
 def _remove_stale_shards(url: str, manifest: dict) -> None:
-    """Shards a previous, larger prepare left at ``url`` (as `prepare_data` does in a local directory)."""
+    """Shards a previous, larger prepare left at ``url`` and in its held-out folder (as `prepare_data` does in a
+    local directory)."""
     from workers.storage import location
 
-    keep = {shard["file"] for shard in manifest["shards"]}
-    for stale in location(url).glob("shard-*.parquet"):
-        if stale.name not in keep:
-            stale.unlink()
+    root = location(url)
+    folders = {root: manifest}
+    held = root / HELDOUT_DIR / MANIFEST
+    if "heldout" in manifest:
+        folders[root / HELDOUT_DIR] = json.loads(held.read_text())
+    for folder, listed in folders.items():
+        keep = {shard["file"] for shard in listed["shards"]}
+        for stale in folder.glob("shard-*.parquet"):
+            if stale.name not in keep:
+                stale.unlink()
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -163,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="bytes",
                       help="bytes (vocab 256, default), a tokenizer.json path, or bpe:SIZE to train a byte-level "
                            "BPE of SIZE ids on the sources (saved as OUT/tokenizer.json)")
+    prep.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
+                      help="keep this share of the documents (spread evenly) out of training and write them to "
+                           "OUT/heldout, a prepared directory for eval.path (default 0: none)")
     prep.set_defaults(func=_prepare_data)
 
     for name, func, text in (("plan", _plan, "show the layout and a per-rank memory estimate"),

@@ -1,4 +1,5 @@
-"""The corpus the examples name (``data/stdlib``, ``data/stdlib-bpe``), prepared by ``raymesh run`` when missing.
+"""The corpora the examples name (``data/stdlib``, ``data/stdlib-bpe``, ``data/stdlib-split`` with its held-out
+``heldout/``), prepared by ``raymesh run`` when missing.
 
 The quick start is then one install-and-run command: the main job's ``data.path`` names the default corpus
 (Python's standard library, tokenized here in seconds, no download), so a fresh clone need not run
@@ -16,8 +17,12 @@ from orchestrator.observability.events import event
 from orchestrator.spec import JobSpec
 
 DEFAULT_MAX_TOKENS = 20_000_000  # `raymesh prepare-data --max-tokens`' default: the corpus stays bounded
-# directory name -> the `--tokenizer` the examples prepared it with (examples/gpt_tiny_3d.yaml, bpe_pretrain.yaml)
-DEFAULT_CORPORA = {"stdlib": "bytes", "stdlib-bpe": "bpe:4096"}
+# directory name -> the `--tokenizer` the examples prepared it with (examples/gpt_tiny_3d.yaml, bpe_pretrain.yaml,
+# evaluation.yaml)
+DEFAULT_CORPORA = {"stdlib": "bytes", "stdlib-bpe": "bpe:4096", "stdlib-split": "bytes"}
+# directory name -> its `--heldout` share: stdlib-split keeps 1% of the documents for eval.path (`DIR/heldout`);
+# the others hold none out, so their training stream (and every figure measured on it) is what it always was
+HELDOUT = {"stdlib-split": 0.01}
 
 
 def names_default_corpus(path: Path) -> bool:
@@ -38,8 +43,10 @@ def prepare_default_corpus(spec: JobSpec) -> bool:
     event("prepare_data", path=path, source=default_sources()[0], tokenizer=tokenizer,
           reason="data.path names the default corpus and is missing")
     t0 = time.perf_counter()
-    manifest = prepare_data(default_sources(), path, max_tokens=DEFAULT_MAX_TOKENS, tokenizer=tokenizer)
-    event("data_ready", path=path, tokens=manifest["total_tokens"], shards=len(manifest["shards"]),
+    manifest = prepare_data(default_sources(), path, max_tokens=DEFAULT_MAX_TOKENS, tokenizer=tokenizer,
+                            heldout=HELDOUT.get(path.name, 0.0))
+    held = {"heldout_tokens": manifest["heldout"]["tokens"]} if "heldout" in manifest else {}
+    event("data_ready", path=path, tokens=manifest["total_tokens"], shards=len(manifest["shards"]), **held,
           seconds=f"{time.perf_counter() - t0:.1f}")
     sys.stderr.flush()
     return True

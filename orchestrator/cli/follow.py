@@ -179,6 +179,9 @@ def report(outcome: dict | None, job_id: str, summary_json: str | None, resume: 
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=2))
     loss = f"final loss {summary['final_loss']:.4f}" if summary["final_loss"] is not None else "no step trained"
+    held = summary.get("eval_losses")  # older summaries (a controller of an earlier version) have none
+    if held:
+        loss += f", held-out loss {held[-1]['loss']:.4f} (step {held[-1]['step']})"
     print(f"done: {summary['steps']} steps, {loss}, {summary['tokens_per_s']:,.0f} tokens/s")
     for line in _where(summary, summary_json):
         print(f"  {line}")

@@ -93,7 +93,12 @@ class Observers(JobObserver):
 
 
 class EventLog(JobObserver):
-    """The ``raymesh event=...`` lines of recoveries and resizes (tests and operators grep them)."""
+    """The ``raymesh event=...`` lines of evaluations, recoveries and resizes (tests and operators grep them)."""
+
+    def on_step(self, report: StepReport) -> None:
+        record = report.record
+        if "eval_loss" in record:
+            event("eval", step=record["step"], loss=f"{record['eval_loss']:.4f}", seconds=f"{record['eval_s']:.2f}")
 
     def on_recovered(self, record: RecoveryRecord, step: int, restarted: int, phases_s: dict[str, float]) -> None:
         event("recovered", kind=record.kind, source=record.source, step=step, lost_steps=record.lost_steps,
@@ -139,14 +144,18 @@ class MetricsObserver(JobObserver):
 
 
 class ProgressBar(JobObserver):
-    """The terminal progress bar of ``raymesh run`` (loss and tokens/s as its postfix)."""
+    """The terminal progress bar of ``raymesh run`` (loss, the latest held-out loss and tokens/s as its postfix)."""
 
     def __init__(self, total: int, initial: int):
         self.total = total
         self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+        self.eval_loss: float | None = None
 
     def on_step(self, report: StepReport) -> None:
-        self.bar.set_postfix(loss=f"{report.record['loss']:.4f}", tok_s=f"{report.record['tokens_per_s']:.0f}")
+        record = report.record
+        self.eval_loss = record.get("eval_loss", self.eval_loss)
+        held = {} if self.eval_loss is None else {"eval": f"{self.eval_loss:.4f}"}
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", **held, tok_s=f"{record['tokens_per_s']:.0f}")
         self.bar.update(1)
 
     def on_rollback(self, step: int) -> None:

@@ -48,6 +48,8 @@ class MetricsExporter:
         self.steps = Counter("raymesh_steps_total", "Optimizer steps completed", j, registry=r)
         self.tokens = Counter("raymesh_tokens_total", "Tokens trained on", j, registry=r)
         self.loss = Gauge("raymesh_loss", "Training loss of the last step", j, registry=r)
+        self.eval_loss = Gauge("raymesh_eval_loss", "Held-out loss of the last evaluation (eval.every)", j,
+                               registry=r)
         self.grad_norm = Gauge("raymesh_grad_norm", "Global gradient norm before clipping", j, registry=r)
         self.lr = Gauge("raymesh_learning_rate", "Learning rate of the last step", j, registry=r)
         self.step_seconds = Histogram(
@@ -121,6 +123,8 @@ class MetricsExporter:
         self.steps.labels(j).inc()
         self.tokens.labels(j).inc(record["tokens"])
         self.loss.labels(j).set(record["loss"])
+        if "eval_loss" in record:
+            self.eval_loss.labels(j).set(record["eval_loss"])
         self.grad_norm.labels(j).set(record["grad_norm"])
         self.lr.labels(j).set(record["lr"])
         self.step_seconds.labels(j).observe(record["step_s"])

@@ -85,8 +85,12 @@ def _loss(summary: dict, steps: list[dict]) -> Figure:
     fig = _figure()
     ax = fig.add_subplot()
     ax.plot(x, y, color="#4C72B0", linewidth=1.5, label="loss")
+    held = summary.get("eval_losses") or []  # eval.every: the held-out loss at the steps that evaluated
+    if held:
+        ax.plot([e["step"] for e in held], [e["loss"] for e in held], color="#DD8452", linewidth=1.5, marker="o",
+                markersize=4, label="held-out loss")
     _mark_recoveries(ax, summary.get("recoveries", []))
-    ax.set(ylabel="loss", title="Training loss")
+    ax.set(ylabel="loss", title="Training loss" + (" and held-out loss" if held else ""))
     _step_axis(ax)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
@@ -245,6 +249,8 @@ def _numbers(summary: dict, bubble: dict, comm: dict | None = None) -> list[tupl
         ("status", str(summary.get("status", "-"))),
         ("steps", str(summary["steps"])),
         ("final loss", "-" if summary.get("final_loss") is None else f"{summary['final_loss']:.4f}"),
+        *([(f"held-out loss (step {summary['eval_losses'][-1]['step']})",
+            f"{summary['eval_losses'][-1]['loss']:.4f}")] if summary.get("eval_losses") else []),
         ("tokens / s", f"{summary['tokens_per_s']:,.0f}"),
         ("layout", f"dp={lay.get('dp')} × pp={lay.get('pp')} × tp={lay.get('tp')} "
                    f"({lay.get('world_size')} ranks), zero={lay.get('zero')}"),
@@ -270,7 +276,8 @@ def _numbers(summary: dict, bubble: dict, comm: dict | None = None) -> list[tupl
 
 
 CAPTIONS = {
-    "loss.png": "Training loss per step; dashed red lines mark recoveries and their kind.",
+    "loss.png": "Training loss per step (and the held-out loss where the job evaluates); dashed red lines mark "
+                "recoveries and their kind.",
     "throughput.png": "Tokens per second per step against the run mean; recoveries marked.",
     "step_breakdown.png": "Where a step's time goes: phases averaged over ranks, stacked, against the wall time.",
     "memory.png": "Peak accelerator/host memory per rank, and current memory after each step.",

@@ -25,7 +25,9 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
     With ``metrics.comm_bytes``, ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent.
 
     An MoE model adds ``moe``: per MoE layer (by name) its figures, already summed over data-parallel ranks
-    by the workers, so any rank holding the layer reports them (pipeline stages hold different layers)."""
+    by the workers, so any rank holding the layer reports them (pipeline stages hold different layers).
+    A step that evaluated (``eval.every``) adds ``eval_loss`` and ``eval_s``; ``step_s`` leaves the evaluation
+    out (the controller subtracts it), so throughput is training's."""
     comm = comm_bytes(results)
     record = {**({"comm_bytes": comm} if comm else {}),
         "step": results[0].step,
@@ -46,6 +48,10 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
     moe = {layer: figures for r in results for layer, figures in (r.moe or {}).items()}
     if moe:
         record["moe"] = moe
+    evaluated = [r for r in results if r.eval_s is not None]
+    if evaluated:  # eval.every: the held-out loss (mean over the last stage's shares) and the slowest rank's time
+        record["eval_loss"] = statistics.fmean(r.eval_loss for r in evaluated if r.eval_loss is not None)
+        record["eval_s"] = max(r.eval_s for r in evaluated)
     traffic = [r.ps for r in results if r.ps is not None]
     if traffic:  # dp_sync ps: every rank's pushes and pulls this step, and the stalest read any rank made
         record["ps"] = {"push_bytes": sum(t["push"] for t in traffic), "pull_bytes": sum(t["pull"] for t in traffic),

@@ -33,6 +33,7 @@ class StepAccounting:
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.step_times: list[float] = []
+        self.evals: list[tuple[int, float] | None] = []  # per step, (step, held-out loss) where it evaluated
         self.peak: dict[int, int] = {}
         self.measured = MeasuredMemory(spec)
         self.tokens = spec.train.global_batch_size * spec.model.seq_len
@@ -48,6 +49,7 @@ class StepAccounting:
         self.losses.append(record["loss"])
         self.norms.append(record["grad_norm"])
         self.step_times.append(step_s)
+        self.evals.append((record["step"], record["eval_loss"]) if "eval_loss" in record else None)
         for r in results:
             self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
         self.measured.observe([r.to_dict() for r in results])  # MeasuredMemory (planning) reads the JSON form
@@ -61,7 +63,12 @@ class StepAccounting:
         """A recovery rolled training back to ``steps_kept`` steps of this run; its record waits for
         the next completed step (MTTR ends there)."""
         self.pending = recovery
-        del self.losses[steps_kept:], self.norms[steps_kept:], self.step_times[steps_kept:]
+        del self.losses[steps_kept:], self.norms[steps_kept:], self.step_times[steps_kept:], self.evals[steps_kept:]
+
+    @property
+    def eval_losses(self) -> list[dict]:
+        """The summary's ``eval_losses``: ``{step, loss}`` for every step kept that evaluated."""
+        return [{"step": step, "loss": loss} for step, loss in filter(None, self.evals)]
 
     def first_step_done(self) -> None:
         """A step completed: a pending recovery ends here (its MTTR and phase times are recorded)."""

@@ -353,7 +353,7 @@ class TrainingJob:
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
-            resizes=self.resizes, ps_resizes=self.ps.resizes if self.ps else [],
+            resizes=self.resizes, ps_resizes=self.ps.resizes if self.ps else [], eval_losses=acct.eval_losses,
             run_dir=self.spec.run_dir_url() or str(self.run_dir),
         )
 
@@ -391,7 +391,8 @@ class TrainingJob:
         """Account for a completed step, checkpoint when due, resize when asked; True when stopping.
 
         A rank lost while saving raises ``StepFailed`` once the step is accounted for (it did complete)."""
-        step_s = time.perf_counter() - t0
+        # an evaluation (eval.every) ran inside the step call: not training time, so out of step time and tokens/s
+        step_s = time.perf_counter() - t0 - max((r.eval_s or 0.0 for r in results), default=0.0)
         self.step = results[0].step
         self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
         if self.ps is not None:

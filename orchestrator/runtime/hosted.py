@@ -107,7 +107,8 @@ class _FeedSteps(JobObserver):
 
     def on_step(self, report: StepReport) -> None:
         r = report.record
-        self.feed.add({"step": r["step"], "loss": r["loss"], "tokens_per_s": r["tokens_per_s"]})
+        held = {"eval_loss": r["eval_loss"]} if "eval_loss" in r else {}  # the follower's bar shows the newest
+        self.feed.add({"step": r["step"], "loss": r["loss"], "tokens_per_s": r["tokens_per_s"], **held})
 
     def on_rollback(self, step: int) -> None:
         self.feed.add({"rollback": step})

@@ -30,6 +30,7 @@ class RunResult:
     stragglers: list[dict] = field(default_factory=list)  # {rank, since_step, until_step, max_ratio}
     corrupt_checkpoints: list[dict] = field(default_factory=list)  # skipped on load: {step, path, problem, found_by}
     run_dir: str = ""  # where summary.json, the step records and (by default) the checkpoints are
+    eval_losses: list[dict] = field(default_factory=list)  # eval.every: {step, loss} of the held-out set
 
     def to_dict(self) -> dict:
         d = asdict(self)

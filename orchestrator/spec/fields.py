@@ -54,7 +54,7 @@ PathStr = Annotated[str, Field(min_length=1), AfterValidator(_os_path)]
 
 # the names of workers.parallel.schedules' table, in its order (the order an unknown name's error lists them)
 PipelineSchedule = Literal[SCHEDULE_NAMES]  # type: ignore[valid-type]
-_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "checkpoint", "metrics",
+_SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "eval", "checkpoint", "metrics",
              "fault_tolerance", "parameter_server", "control", "plan", "loggers")
 
 

@@ -18,6 +18,7 @@ from orchestrator.spec.sections import (
     CheckpointSpec,
     ControlSpec,
     DataSpec,
+    EvalSpec,
     FaultSpec,
     FaultToleranceSpec,
     MemorySpec,
@@ -47,6 +48,7 @@ class JobSpec(_Section):
     memory: MemorySpec = Field(default_factory=MemorySpec)
     plan: PlanSpec = Field(default_factory=PlanSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     control: ControlSpec = Field(default_factory=ControlSpec)

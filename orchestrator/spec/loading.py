@@ -7,8 +7,8 @@ touching the cluster or the data is checked here, so a bad job fails before
 any Ray actor starts, with a `SpecError` that names the field, the value and a
 fix.
 
-Path rule: `load_spec` resolves relative `data.path`, `run_dir` and
-`checkpoint.dir` (from the file or from overrides) against the CURRENT WORKING
+Path rule: `load_spec` resolves relative `data.path`, `eval.path`, `run_dir`,
+`checkpoint.dir` and the other path fields (from the file or from overrides) against the CURRENT WORKING
 DIRECTORY, not the job file's directory. That is what `ray job submit
 --working-dir .` needs: the driver runs inside the uploaded copy of the
 directory the user submitted from. `JobSpec.from_dict` and `with_overrides`
@@ -197,10 +197,11 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
 
 def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
     """Make relative path fields absolute against `cwd`, in place (see module docstring)."""
-    for section, key in ((None, "run_dir"), ("data", "path"), ("checkpoint", "dir"), ("metrics", "file_sd"),
-                         ("memory.offload", "path"), ("model.lora", "base_checkpoint"), ("control", "tls_cert"),
-                         ("control", "tls_key"), ("parameter_server", "tls_cert"), ("parameter_server", "tls_key"),
-                         ("model", "init_from"), ("loggers.tensorboard", "dir"), ("loggers.wandb", "dir")):
+    for section, key in ((None, "run_dir"), ("data", "path"), ("eval", "path"), ("checkpoint", "dir"),
+                         ("metrics", "file_sd"), ("memory.offload", "path"), ("model.lora", "base_checkpoint"),
+                         ("control", "tls_cert"), ("control", "tls_key"), ("parameter_server", "tls_cert"),
+                         ("parameter_server", "tls_key"), ("model", "init_from"), ("loggers.tensorboard", "dir"),
+                         ("loggers.wandb", "dir")):
         holder = raw
         for name in section.split(".") if section else ():
             holder = holder.get(name) if isinstance(holder, dict) else None

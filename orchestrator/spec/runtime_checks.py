@@ -23,34 +23,39 @@ from workers.storage import is_url, location
 
 def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     """Every filesystem precondition of the job; `data_required=False` (plan) skips data that is not here."""
-    if data_required or (not is_url(spec.data.path) and Path(spec.data.path).exists()):  # plan: a bucket is elsewhere
+    if _checkable(spec.data.path, data_required):
         check_data_path(spec)
+    if spec.eval.path is not None and _checkable(spec.eval.path, data_required):
+        check_eval_path(spec, data_required)
     check_outputs(spec)
     check_base_checkpoint(spec)
     spec.loggers.check_installed()
     _local_tracker_dirs(spec)
 
 
-def _manifest(spec: JobSpec) -> dict:
-    """`data.path`'s manifest.json, refused with the fix when missing or not one `prepare-data` wrote."""
-    root = _url_location("data.path", spec.data.path)
+def _checkable(path: str, data_required: bool) -> bool:
+    """Whether the prepared data at `path` is checked: always before a run; by `plan` (`data_required=False`) only
+    when it is a local directory that is here (planning happens anywhere, and a bucket is elsewhere)."""
+    return data_required or (not is_url(path) and Path(path).exists())
+
+
+def _manifest(field: str, value: str) -> dict:
+    """The manifest.json of the prepared directory `value` (the job's `field`: `data.path`, `eval.path`), refused
+    with the fix when missing or not one `prepare-data` wrote."""
+    root = _url_location(field, value)
     if is_url(root):
-        _reachable_bucket("data.path", root)
+        _reachable_bucket(field, root)
     manifest = root / "manifest.json"
     if not manifest.is_file():
-        raise SpecError(
-            "data.path",
-            spec.data.path,
-            f"has no prepared data ({manifest} is missing)",
-            f"run `raymesh prepare-data --out {spec.data.path}`, or point data.path at a prepared directory",
-        )
+        raise SpecError(field, value, f"has no prepared data ({manifest} is missing)",
+                        f"run `raymesh prepare-data --out {value}`, or point {field} at a prepared directory")
     try:
         data = json.loads(manifest.read_bytes())
         if not isinstance(data, dict) or not isinstance(data.get("total_tokens"), int):
             raise ValueError("no total_tokens")
     except (OSError, ValueError) as exc:
-        raise SpecError("data.path", spec.data.path, f"has a manifest.json that is not readable ({exc})",
-                        f"prepare the data again with `raymesh prepare-data --out {spec.data.path}`") from None
+        raise SpecError(field, value, f"has a manifest.json that is not readable ({exc})",
+                        f"prepare the data again with `raymesh prepare-data --out {value}`") from None
     return data
 
 
@@ -60,8 +65,8 @@ def check_data_path(spec: JobSpec) -> None:
     The loader cuts the token stream into windows of seq_len + 1 tokens that share one boundary token, so one
     step's global_batch_size windows need global_batch_size * seq_len + 1 tokens; with fewer, one batch would
     repeat windows (or, with fewer than seq_len + 1 tokens, have none)."""
-    manifest = _manifest(spec)
-    check_data_vocab(spec, manifest)
+    manifest = _manifest("data.path", spec.data.path)
+    check_data_vocab(spec, manifest, "data.path", spec.data.path)
     tokens = manifest["total_tokens"]
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
     if batch * seq + 1 <= tokens:
@@ -78,20 +83,57 @@ def check_data_path(spec: JobSpec) -> None:
     )
 
 
-def check_data_vocab(spec: JobSpec, manifest: dict) -> None:
-    """Refuse a model whose vocabulary cannot hold the data's ids (the embedding lookup would fail mid-run)."""
+def check_data_vocab(spec: JobSpec, manifest: dict, field: str, value: str) -> None:
+    """Refuse a model whose vocabulary cannot hold the ids of `field` (`value`), whose manifest is `manifest` (the
+    embedding lookup would fail mid-run)."""
     data_vocab = manifest.get("vocab_size")
     if data_vocab is None or spec.model.vocab_size >= data_vocab:
         return
-    tok = manifest.get("tokenizer") or {"kind": "bytes"}
-    made_by = f"tokenizer {tok['kind']}" + (f" {tok['path']}" if tok.get("path") else "")
     tp = spec.parallel.tp
     raise SpecError(
         "model.vocab_size", spec.model.vocab_size,
-        f"is smaller than the vocabulary of the data in {spec.data.path} ({data_vocab} ids, {made_by})",
+        f"is smaller than the vocabulary of the data in {field} {value} ({data_vocab} ids, {_made_by(manifest)})",
         f"set model.vocab_size: {data_vocab} (it is padded to {-(-data_vocab // tp) * tp}, a multiple of "
         f"parallel.tp={tp}, internally), or prepare the data with a smaller tokenizer",
     )
+
+
+def _made_by(manifest: dict) -> str:
+    """The tokenizer a manifest records, as a message names it."""
+    tok = manifest.get("tokenizer") or {"kind": "bytes"}
+    return f"tokenizer {tok['kind']}" + (f" {tok['path']}" if tok.get("path") else "")
+
+
+def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
+    """`eval.path` is prepared with the training data's tokenizer (scoring other ids would mean nothing) and holds
+    `eval.batches` batches of distinct `seq_len + 1` windows (the same ones at every evaluation)."""
+    manifest = _manifest("eval.path", spec.eval.path)
+    check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
+    if _checkable(spec.data.path, data_required):
+        data = _manifest("data.path", spec.data.path)
+        if _ids(manifest) != _ids(data):
+            raise SpecError("eval.path", spec.eval.path, f"holds ids of {_made_by(manifest)} (vocab "
+                            f"{manifest.get('vocab_size')}), but data.path holds those of {_made_by(data)} "
+                            f"(vocab {data.get('vocab_size')})", "prepare the held-out text with the training "
+                            "data's --tokenizer (`raymesh prepare-data --heldout` does), or point eval.path at such "
+                            "a directory")
+    windows = (manifest["total_tokens"] - 1) // spec.model.seq_len
+    ev, batch = spec.eval, spec.train.global_batch_size
+    if ev.batches * batch <= windows:
+        return
+    fix = f"set eval.batches to at most {windows // batch}" if windows >= batch else \
+        "lower train.global_batch_size or model.seq_len"
+    raise SpecError("eval.batches", ev.batches, f"needs {ev.batches * batch:,} distinct sequences of "
+                    f"model.seq_len + 1 = {spec.model.seq_len + 1} tokens (eval.batches x train.global_batch_size="
+                    f"{batch}), but eval.path {ev.path} holds {windows:,}",
+                    f"{fix}, or hold out more text (a larger --heldout)")
+
+
+def _ids(manifest: dict) -> tuple:
+    """What makes two prepared directories' ids the same ids: the tokenizer's kind, vocabulary and end-of-document
+    id (its file may have been copied elsewhere)."""
+    tok = manifest.get("tokenizer") or {"kind": "bytes"}
+    return tok.get("kind"), manifest.get("vocab_size"), tok.get("eos_id")
 
 
 def _url_location(field: str, value: str) -> Path:

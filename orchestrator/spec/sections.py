@@ -235,6 +235,16 @@ class TrainSpec(_Section):
     compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
 
 
+class EvalSpec(_Section):
+    """Held-out loss during training (``workers/evaluation.py``): the same sequences of a prepared directory the
+    model does not train on, scored with gradients off after every `every`-th step and after the last."""
+
+    every: Annotated[int, Field(ge=0)] = 0  # steps between evaluations; 0: never
+    path: PathStr | None = None  # a prepared directory (`raymesh prepare-data --heldout` writes DATA/heldout)
+    # batches of train.global_batch_size sequences per evaluation (a million batches is far past any eval set)
+    batches: Annotated[int, Field(gt=0, le=1_000_000)] = 4
+
+
 def dp_replicas_mirror(parallel: ParallelSpec, optim: OptimSpec) -> bool:
     """Whether every data-parallel replica holds the whole state bit for bit (zero 0, all-reduce, dp > 1): a
     replica's own snapshot then is its peers' replica, so a snapshot costs one local copy and ships nothing.

@@ -14,6 +14,8 @@ from tests.support.hf import save_hf_llama
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples whose data is not the byte corpus, and the fixture that prepares theirs as their comment says
 DATA = {"bpe_pretrain": "bpe_token_data"}
+# examples scoring a held-out loss (eval.path), and the fixture that prepares their held-out text
+EVAL_DATA = {"evaluation": "heldout_data"}
 # examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
 NEEDS_HF_DIR = {"llama_finetune_lora"}
 # examples whose settings do not fit 4 steps here (too slow at full size, a warm-up longer than the run), and what
@@ -32,6 +34,8 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     data = request.getfixturevalue(DATA.get(job.stem, "token_data"))
     extra = ["--set", f"model.init_from={save_hf_llama(tmp_path / 'hf')}"] if job.stem in NEEDS_HF_DIR else []
     extra += SHORTER.get(job.stem, [])
+    if job.stem in EVAL_DATA:
+        extra += ["--set", f"eval.path={request.getfixturevalue(EVAL_DATA[job.stem])}"]
     if job.stem in URL_CHECKPOINTS:
         extra += ["--set", f"run_dir=file://{tmp_path / 'run'}"]
     rc = main(["run", str(job), "--no-progress", "--summary-json", str(summary),
@@ -53,6 +57,8 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
         reads = [json.loads(line) for line in (tmp_path / "run" / "ps_reads.jsonl").read_text().splitlines()]
         assert any(r["shard"] == 2 for r in reads)  # the removed shard's reads are kept
         assert max(r["clock"] - r["min_applied"] for r in reads) <= 1  # the example's staleness bound held
+    if job.stem in EVAL_DATA:  # every 50 steps and after the last: scored once in 4 steps, at the end
+        assert [e["step"] for e in result["eval_losses"]] == [4] and math.isfinite(result["eval_losses"][0]["loss"])
     if job.stem in NEEDS_HF_DIR:
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
     if job.stem == "experiment_tracking":

@@ -44,9 +44,14 @@ def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, r
 
 
 @pytest.fixture(scope="module")
-def straight(ray_cluster, token_data, tmp_path_factory):
-    """The uninterrupted dp=2 run the dp=2 fault tests compare with, run once for the module."""
-    return run(token_data, tmp_path_factory.mktemp("straight-dp2"), parallel={"dp": 2})
+def straight(ray_cluster, token_data, heldout_data, tmp_path_factory):
+    """The uninterrupted dp=2 run the dp=2 fault tests compare with, run once for the module. It scores its held-out
+    loss after every 4th step, which changes no bit of its training (tests/integration/test_eval_parity.py)."""
+    return run(token_data, tmp_path_factory.mktemp("straight-dp2"), parallel={"dp": 2}, eval=held_out(heldout_data))
+
+
+def held_out(heldout_data) -> dict:
+    return {"every": 4, "path": str(heldout_data), "batches": 2}
 
 
 def test_nan_step_is_rolled_back(straight, token_data, tmp_path):
@@ -56,12 +61,16 @@ def test_nan_step_is_rolled_back(straight, token_data, tmp_path):
     assert [r["kind"] for r in recovered.recoveries] == ["nan_loss"]
 
 
-def test_a_step_that_raises_or_runs_out_of_memory_replaces_the_rank(straight, token_data, tmp_path):
+def test_a_step_that_raises_or_runs_out_of_memory_replaces_the_rank(straight, token_data, heldout_data, tmp_path):
     """A live rank's exception (here injected inside the step) is a failure to recover from, not the job's end:
-    the rank is replaced (its peer, whose collective broke with it, is kept) and nothing is lost."""
+    the rank is replaced (its peer, whose collective broke with it, is kept) and nothing is lost: step 4, which
+    failed, is scored once it is trained again, and every held-out loss equals the uninterrupted run's."""
     recovered = run(token_data, tmp_path / "raised", parallel={"dp": 2}, checkpoint={}, fault_tolerance={},
+                    eval=held_out(heldout_data),
                     faults=[{"kind": "raise_error", "rank": 0, "at_step": 4}, {"kind": "oom", "rank": 1, "at_step": 9}])
     assert recovered.losses == straight.losses
+    assert recovered.eval_losses == straight.eval_losses
+    assert [e["step"] for e in straight.eval_losses] == [4, 8, 12, 16, 20]
     assert [(r["kind"], r["rank"], r["lost_steps"]) for r in recovered.recoveries] == [("error", 0, 0), ("oom", 1, 0)]
     first, second = recovered.recoveries
     assert first["identities_before"][1]["pid"] == second["identities_before"][1]["pid"]  # rank 1 was kept

@@ -19,6 +19,7 @@ from orchestrator.recovery.elastic import resized
 from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 from workers.protocol import RankInfo, StepResult
+from workers.spec import EvalSection
 
 # what the real group reports for each fault kind (``RankGroup.step``: raised steps via ``ranks_that_failed``)
 _FAILS = {"hang_rank": "hung", "oom": "ran out of memory (MemoryError: injected)",
@@ -139,7 +140,9 @@ class FakeGroup:
         if snapshot_keep_from is not None:
             self.snapshots.add(nxt)
         loss = math.nan if "nan_loss" in kinds.values() else 1.0 / nxt
-        return [_result(r, nxt, loss) for r in range(self.world)]
+        ev = self.spec.eval  # the ranks' rule: scored after every eval.every-th step and the last (held-out 2/step)
+        held = 2.0 / nxt if EvalSection(ev.every, ev.path, ev.batches).due(nxt, self.spec.train.steps) else None
+        return [_result(r, nxt, loss, held) for r in range(self.world)]
 
     def finish_failed_step(self) -> dict[int, str]:
         more, self.runtime.more_dead = self.runtime.more_dead, {}
@@ -200,10 +203,10 @@ class FakeGroup:
         self.stopped = True
 
 
-def _result(rank: int, step: int, loss: float) -> StepResult:
-    """One rank's ``train_step`` answer."""
+def _result(rank: int, step: int, loss: float, eval_loss: float | None = None) -> StepResult:
+    """One rank's ``train_step`` answer (with ``eval_loss``, one of a step that evaluated)."""
     times = {"data": 0.001, "compute": 0.01, "bubble": 0.0, "communication": 0.001, "optimizer": 0.001,
              "step": 0.013}
     return StepResult.from_dict({"rank": rank, "step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256,
             "applied": True, "time_s": times, "peak_memory_bytes": 1 << 20, "current_memory_bytes": 1 << 19,
-            "replicated_step": step})
+            "replicated_step": step, **({} if eval_loss is None else {"eval_loss": eval_loss, "eval_s": 0.0})})

@@ -48,6 +48,17 @@ class LayoutRun:
         steps = len(self.losses)
         return [max(out[i]["time_s"]["step"] for out in (self.results or {}).values()) for i in range(steps)]
 
+    @property
+    def eval_losses(self) -> dict[int, float]:
+        """Step -> the held-out loss the controller would record (the mean over the ranks that report one, as
+        ``orchestrator/observability/run_records.py``), for the steps that evaluated."""
+        out = {}
+        for steps in zip(*(self.results or {}).values()):
+            held = [r["eval_loss"] for r in steps if r.get("eval_loss") is not None]
+            if held:
+                out[steps[0]["step"]] = statistics.fmean(held)
+        return out
+
     def field(self, name: str) -> dict[int, list]:
         """One field of every rank's step results: ``{rank: [value per step]}``."""
         return {rank: [step.get(name) for step in steps] for rank, steps in (self.results or {}).items()}

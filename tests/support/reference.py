@@ -24,8 +24,9 @@ from workers.optim.sm3 import SM3
 from workers.parallel.partition import stage_bounds
 
 
-def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
-    """Per-step losses and pre-clip gradient norms."""
+def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[float], list[float]]:
+    """Per-step losses and pre-clip gradient norms; ``after_step(model, step)`` (1-based) sees the model after
+    each update."""
     torch.manual_seed(spec.train.seed)
     # the same per-parameter draw the ranks' meta-device build uses (workers.model.meta_init), whole
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
@@ -51,7 +52,30 @@ def reference_run(spec: JobSpec, steps: int) -> tuple[list[float], list[float]]:
         opt.zero_grad()
         moe.end_step([model], None)  # balancing biases move after the step, as on the ranks
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(model, len(losses))
     return losses, norms
+
+
+def reference_eval(spec: JobSpec, steps: int) -> dict[int, float]:
+    """Step -> the held-out loss after it, where ``eval.every`` (and the last step) names one: the whole evaluation
+    set (its first ``eval.batches`` x ``train.global_batch_size`` sequences) through the whole model at once, in
+    eval mode without gradients, its mean token cross entropy."""
+    ev = spec.eval
+    inputs, targets = TokenDataset(ev.path, spec.model.seq_len, spec.data.seed).batch(
+        0, ev.batches * spec.train.global_batch_size)
+    scores = {}
+
+    def score(model: torch.nn.Module, step: int) -> None:
+        if step % ev.every and step != spec.train.steps:
+            return
+        model.eval()
+        with torch.no_grad():
+            scores[step] = lm_loss(model(inputs), targets).item()
+        model.train()
+
+    reference_run(spec, steps, score)
+    return scores
 
 
 def reference_losses(spec: JobSpec, steps: int) -> list[float]:

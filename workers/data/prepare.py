@@ -9,7 +9,9 @@ interpreter's standard library, present everywhere.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ FORMAT = "raymesh-bytes-v1"  # kept for every tokenizer: ids carry their type in
 # ~25 ms), and a corpus of 1e9 tokens still has only 61 Ki groups to index.
 ROW_GROUP_ROWS = 16_384
 DEFAULT_EXTENSIONS = (".py", ".txt", ".md", ".rst")
+HELDOUT_DIR = "heldout"  # `--heldout`'s documents, a prepared directory of their own inside the training one
 # Third-party installs nested in a tree (e.g. the stdlib's site-packages) would make the
 # corpus depend on what happens to be installed; a source that *is* such a dir still works.
 PRUNED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -107,6 +110,27 @@ def _tokenizer(spec: str, documents: Iterator[bytes], out: Path):
     return train_bpe(documents, size, out / TOKENIZER_FILE)
 
 
+def is_heldout(index: int, fraction: float) -> bool:
+    """Whether document ``index`` (0-based, in the sources' sorted walk) is held out of training: those where
+    ``index · fraction`` crosses a whole number, so of the first n documents ⌊n · fraction⌋ are held out,
+    spread evenly through the sources instead of taken from one end (which would hold out whole packages)."""
+    return fraction > 0 and math.floor((index + 1) * fraction) > math.floor(index * fraction)
+
+
+def _one_side(documents: Iterable[bytes], fraction: float, heldout: bool, passed: list[int] | None = None,
+              upto: int | None = None) -> Iterator[bytes]:
+    """The training (``heldout`` False) or held-out documents of ``documents``. ``passed[0]`` is kept at the
+    count of documents walked so far (the training pass records where its token limit stopped it); ``upto``
+    ends the walk there (the held-out pass takes only documents the training pass reached)."""
+    for index, doc in enumerate(documents):
+        if upto is not None and index >= upto:
+            return
+        if passed is not None:
+            passed[0] = index + 1
+        if is_heldout(index, fraction) == heldout:
+            yield doc
+
+
 def prepare_data(
     sources: list[str | Path],
     out: str | Path,
@@ -114,6 +138,7 @@ def prepare_data(
     extensions: Iterable[str] = DEFAULT_EXTENSIONS,
     max_tokens: int | None = None,
     tokenizer: str = "bytes",
+    heldout: float = 0.0,
 ) -> dict:
     """Tokenize matching files (the tokenizer's end-of-document id between them) into Parquet shards under
     `out`; return the manifest.
@@ -122,11 +147,19 @@ def prepare_data(
     most `max_tokens` bytes of them, and saved as `out`/tokenizer.json). Ids are stored in the narrowest
     unsigned type that holds the vocabulary. Stops after `max_tokens` tokens (separators included) so the
     default corpus stays bounded.
+
+    `heldout` (a fraction below 1) keeps that share of the documents out of training (``is_heldout``: spread
+    evenly, never split) and writes them, with the same tokenizer, as a prepared directory of their own,
+    `out`/heldout, for ``eval.path``; `max_tokens` bounds the training tokens, and the held-out documents are
+    those among the documents walked until then. A BPE is trained on the training documents only.
     """
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive or None, got {max_tokens}")
+    if not 0 <= heldout < 1:
+        raise ValueError(f"heldout must be a fraction in [0, 1), got {heldout}; fix: e.g. --heldout 0.01 keeps one "
+                         "document in a hundred out of training")
     paths = [Path(s).expanduser().resolve() for s in sources]
     for p in paths:
         if not p.exists():
@@ -137,16 +170,21 @@ def prepare_data(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     limit = max_tokens if max_tokens is not None else float("inf")
-    tok = _tokenizer(tokenizer, _bounded(_iter_documents(paths, exts), limit), out)
+
+    def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None) -> Iterator[bytes]:
+        return _one_side(_iter_documents(paths, exts), heldout, side, passed, upto)
+
+    tok = _tokenizer(tokenizer, _bounded(documents(), limit), out)
     for stale in out.glob("shard-*.parquet"):  # a previous, larger run must not leave orphans
         stale.unlink()
-    shards, total = _write_shards(tok, _iter_documents(paths, exts), out, shard_tokens, limit)
+    _remove_heldout(out)
+    walked = [0]
+    shards, total = _write_shards(tok, documents(passed=walked), out, shard_tokens, limit)
     if total == 0:
         raise ValueError(
             f"no tokens found in sources {[str(p) for p in paths]} with extensions {list(exts)}"
         )
-
-    return _write_manifest(out, {
+    manifest = {
         "format": FORMAT,
         "vocab_size": tok.vocab_size,
         "shards": shards,
@@ -154,7 +192,36 @@ def prepare_data(
         "sources": [str(p) for p in paths],
         "dtype": tok.dtype.name,
         "tokenizer": tok.describe(),
-    })
+    }
+    if heldout:
+        held = _write_heldout(tok, documents(True, upto=walked[0]), out, shard_tokens, manifest, heldout, walked[0])
+        manifest["heldout"] = {"path": HELDOUT_DIR, "fraction": heldout, "tokens": held["total_tokens"]}
+    return _write_manifest(out, manifest)
+
+
+def _write_heldout(tok, documents: Iterator[bytes], out: Path, shard_tokens: int, parent: dict, fraction: float,
+                   walked: int) -> dict:
+    """`out`/heldout: the held-out documents as shards and a manifest like the training directory's."""
+    root = out / HELDOUT_DIR
+    root.mkdir()
+    shards, total = _write_shards(tok, documents, root, shard_tokens, float("inf"))
+    if total == 0:
+        shutil.rmtree(root)
+        raise ValueError(f"--heldout {fraction} of the {walked} documents prepared holds out none; fix: raise "
+                         f"--heldout to at least {1 / walked:.3g}, or add sources")
+    return _write_manifest(root, {**parent, "shards": shards, "total_tokens": total, "heldout_of": ".."})
+
+
+def _remove_heldout(out: Path) -> None:
+    """An earlier prepare's held-out directory (one this module wrote: its manifest says ``heldout_of``), which
+    would no longer match the new training shards."""
+    manifest = out / HELDOUT_DIR / "manifest.json"
+    try:
+        written_here = "heldout_of" in json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return
+    if written_here:
+        shutil.rmtree(out / HELDOUT_DIR)
 
 
 def _write_manifest(out: Path, manifest: dict) -> dict:

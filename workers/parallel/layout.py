@@ -20,6 +20,12 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> lis
     return schedule_facts(schedule).stage_ids(pp_rank, pp, stages_per_rank)
 
 
+def stage_owners(pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The pp rank owning each global stage, in stage order (``stage_ids`` the other way round)."""
+    owner = {s: r for r in range(pp) for s in stage_ids(r, pp, stages_per_rank, schedule)}
+    return [owner[s] for s in range(pp * stages_per_rank)]
+
+
 def layers_of_stage(stage: int, n_stages: int, n_layers: int, split: Sequence[int] | None = None) -> range:
     """Global layer indices of ``stage``: ``split``'s share (layer counts per stage), else an even one."""
     if split is None or len(split) != n_stages:  # e.g. the planner's whole-model-as-one-stage FLOPs count
