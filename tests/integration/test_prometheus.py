@@ -125,12 +125,15 @@ class PacedExporter(MetricsExporter):
             gate.wait(timeout=45)
 
 
-def test_every_dashboard_panel_has_data_from_a_real_job(ray_cluster, token_data, tmp_path, prometheus, monkeypatch):
-    # an MoE model (switch, capacity 1: drops happen) counting its bytes, so the MoE and communication rows have data
+def test_every_dashboard_panel_has_data_from_a_real_job(ray_cluster, token_data, heldout_data, tmp_path, prometheus,
+                                                        monkeypatch):
+    # an MoE model (switch, capacity 1: drops happen) counting its bytes, so the MoE and communication rows have
+    # data, scoring a held-out loss, so the loss panel's second query has data too
     moe = {"experts": 4, "router": "switch", "capacity_factor": 1.0}
     spec = tiny_spec(token_data, tmp_path, parallel={"pp": 2, "dp": 2}, model={"moe": moe},
                      metrics={"port": 0, "timeline": True, "comm_bytes": True},
-                     train={"steps": STEPS}, checkpoint={"every": 10})
+                     train={"steps": STEPS}, checkpoint={"every": 10},
+                     eval={"every": 5, "path": str(heldout_data), "batches": 1})
     job = spec.name
     prom = prometheus(spec.metrics.resolved_file_sd(spec.resolved_run_dir()))
 
