@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout, run_layouts
+from tests.support.parity_harness import ran, run_grouped, run_layouts
 from tests.support.reference import reference_run
 from workers.model.config import model_config
 from workers.model.meta_init import build_full
@@ -23,28 +23,9 @@ LAST = 10  # the loss compared is the mean of the last LAST steps (every run see
 WARMUP = 100
 
 
-def _run(token_data, tmp_path, steps: int, parallel: dict | None = None, optim: dict | None = None):
-    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "device": "cpu", **(parallel or {})},
+def _spec(token_data, tmp_path, steps: int, parallel: dict | None = None, optim: dict | None = None):
+    return tiny_spec(token_data, tmp_path, parallel={"dp": 2, "device": "cpu", **(parallel or {})},
                      optim=optim or {}, train={"steps": steps}, metrics={"comm_bytes": True})
-    return spec, run_layout(spec.worker_dict(), spec.parallel.world_size, steps)
-
-
-def test_bucketed_zero0_matches_the_reference_and_sends_the_parameter_bytes(token_data, tmp_path):
-    """Small buckets (one per block, launched from backward hooks on the last of 2 microbatches) reproduce the
-    single-process reference; on dp=2 a ring all-reduce sends each gradient byte once, so the bytes counted
-    per step are exactly the parameter bytes, and nothing else crosses any dimension."""
-    spec, run = _run(token_data, tmp_path, 5, {"bucket_mb": 0.01})
-    losses, norms = reference_run(spec, 5)
-    assert run.losses == pytest.approx(losses, rel=1e-6)
-    assert run.grad_norms == pytest.approx(norms, rel=1e-6)
-    model = build_full(model_config(spec.worker_dict()["model"]), 0)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert run.field("comm_bytes") == {rank: [{"dp": param_bytes, "pp": 0, "tp": 0}] * 5 for rank in (0, 1)}
-
-
-@pytest.fixture(scope="module")
-def uncompressed(token_data, tmp_path_factory):
-    return _run(token_data, tmp_path_factory.mktemp("none"), STEPS)[1]
 
 
 # kind -> (spec sections, the least factor by which the bytes per step must shrink, how far above uncompressed
@@ -59,10 +40,39 @@ KINDS = {
 }
 
 
+@pytest.fixture(scope="module")
+def specs(token_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("comm")
+    out = {"bucketed": _spec(token_data, tmp / "bucketed", 5, {"bucket_mb": 0.01}),
+           "none": _spec(token_data, tmp / "none", STEPS)}
+    for kind, (sections, *_) in KINDS.items():
+        out[kind] = _spec(token_data, tmp / kind, STEPS, sections.get("parallel"), sections.get("optim"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(specs):
+    """Every run here is dp=2: all in one spawn (``run_grouped``)."""
+    return run_grouped(specs)
+
+
+def test_bucketed_zero0_matches_the_reference_and_sends_the_parameter_bytes(specs, runs):
+    """Small buckets (one per block, launched from backward hooks on the last of 2 microbatches) reproduce the
+    single-process reference; on dp=2 a ring all-reduce sends each gradient byte once, so the bytes counted
+    per step are exactly the parameter bytes, and nothing else crosses any dimension."""
+    spec, run = specs["bucketed"], ran(runs, "bucketed")
+    losses, norms = reference_run(spec, 5)
+    assert run.losses == pytest.approx(losses, rel=1e-6)
+    assert run.grad_norms == pytest.approx(norms, rel=1e-6)
+    model = build_full(model_config(spec.worker_dict()["model"]), 0)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert run.field("comm_bytes") == {rank: [{"dp": param_bytes, "pp": 0, "tp": 0}] * 5 for rank in (0, 1)}
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_compression_keeps_the_loss_and_cuts_the_bytes(kind, uncompressed, token_data, tmp_path):
-    sections, factor, above, warmup = KINDS[kind]
-    _, run = _run(token_data, tmp_path, STEPS, sections.get("parallel"), sections.get("optim"))
+def test_compression_keeps_the_loss_and_cuts_the_bytes(kind, runs):
+    _, factor, above, warmup = KINDS[kind]
+    run, uncompressed = ran(runs, kind), ran(runs, "none")
     loss, reference = statistics.fmean(run.losses[-LAST:]), statistics.fmean(uncompressed.losses[-LAST:])
     assert loss == pytest.approx(reference, rel=above)
     sent, full = ([step["dp"] for step in r.field("comm_bytes")[0]] for r in (run, uncompressed))
@@ -78,19 +88,32 @@ RESUMED = {  # id -> (parallel, optim)
 }
 
 
+@pytest.fixture(scope="module")
+def resumed_runs(token_data, tmp_path_factory):
+    """Per kind, (the uninterrupted 4-step run, the run resumed from its checkpoint after step 2); every pair in
+    one spawn of 2 ranks, each save before its resume."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    specs, checkpoints, resumes, save_afters = [], [], [], []
+    for kind, (parallel, optim) in RESUMED.items():
+        spec = tiny_spec(token_data, tmp / kind, parallel={"dp": 2, "device": "cpu", "bucket_mb": 0.01, **parallel},
+                         optim=optim, train={"steps": 4}, metrics={"comm_bytes": True})
+        ckpt = str(tmp / kind / "ckpt")
+        specs += [spec.worker_dict()] * 2
+        checkpoints += [ckpt, None]
+        resumes += [None, ckpt]
+        save_afters += [2, None]
+    runs = run_layouts(specs, 2, 4, checkpoints=checkpoints, resumes=resumes, save_afters=save_afters)
+    return {kind: (runs[2 * i], runs[2 * i + 1]) for i, kind in enumerate(RESUMED)}
+
+
 @pytest.mark.parametrize("kind", list(RESUMED))
-def test_compressed_run_resumes_bit_identically_with_its_error_feedback(kind, token_data, tmp_path):
+def test_compressed_run_resumes_bit_identically_with_its_error_feedback(kind, resumed_runs):
     """A checkpoint after step 2 carries each rank's error feedback (and PowerSGD's warm-started Q): steps 3-4
     resumed from it equal the uninterrupted run's bit for bit. With a 3-step PowerSGD warm-up the resumed run
     counts the run's steps, not its own, so it compresses step 4 as the uninterrupted run does. 1-bit Adam's
     error differs per rank too, though its moments are the same on every rank. The loss records only round-trip
     through JSON, so equality here is the bits of every step's loss and gradient norm."""
-    parallel, optim = RESUMED[kind]
-    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "device": "cpu", "bucket_mb": 0.01, **parallel},
-                     optim=optim, train={"steps": 4}, metrics={"comm_bytes": True})
-    ckpt = str(tmp_path / "ckpt")
-    whole, resumed = run_layouts([spec.worker_dict()] * 2, 2, 4, checkpoints=[ckpt, None], resumes=[None, ckpt],
-                                 save_afters=[2, None])
+    whole, resumed = resumed_runs[kind]
     assert resumed.losses[:2] == whole.losses[2:] and resumed.grad_norms[:2] == whole.grad_norms[2:]
     assert {r: sent[:2] for r, sent in resumed.field("comm_bytes").items()} == \
         {r: sent[2:] for r, sent in whole.field("comm_bytes").items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import ran, run_grouped, run_layout
 from tests.support.reference import reference_run
 
 STEPS = 3
@@ -45,11 +45,30 @@ def references(token_data, tmp_path_factory):
     return get
 
 
+def _activation_spec(token_data, tmp_path, cp: int):
+    """One step of a 512-token sequence with ring attention over ``cp`` ranks, its activation bytes measured."""
+    return tiny_spec(token_data, tmp_path / f"cp{cp}", parallel={"cp": cp, "cp_impl": "ring", "device": "cpu"},
+                     model={"seq_len": 512}, memory={"measure": True},
+                     train={"steps": 1, "global_batch_size": 2, "microbatches": 1})
+
+
+@pytest.fixture(scope="module")
+def specs(token_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp-parity")
+    out = {name: _spec(token_data, tmp / name, family, parallel) for name, (family, parallel) in LAYOUTS.items()}
+    return {**out, **{f"activations-cp{cp}": _activation_spec(token_data, tmp, cp) for cp in (1, 4)}}
+
+
+@pytest.fixture(scope="module")
+def runs(specs):
+    """Every layout's ranks, those of one size in one spawn (``run_grouped``)."""
+    return run_grouped(specs)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_cp_layout_matches_single_process_reference(name, references, token_data, tmp_path):
-    family, parallel = LAYOUTS[name]
-    spec = _spec(token_data, tmp_path, family, parallel)
-    run = run_layout(spec.worker_dict(), spec.parallel.world_size, STEPS)
+def test_cp_layout_matches_single_process_reference(name, references, runs):
+    family, _ = LAYOUTS[name]
+    run = ran(runs, name)
     losses, grad_norms = references(family)
     assert run.losses == pytest.approx(losses, rel=1e-4)
     assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
@@ -69,19 +88,13 @@ def test_cp2_checkpoint_resumes_at_cp1_on_the_reference_curve(references, token_
     assert resumed.grad_norms == pytest.approx(grad_norms[-1:], rel=1e-4)
 
 
-def test_activation_bytes_per_rank_at_cp4_are_a_quarter_of_cp1s(token_data, tmp_path):
+def test_activation_bytes_per_rank_at_cp4_are_a_quarter_of_cp1s(specs, runs):
     """Bytes saved for backward (the trainer's ActivationMeter, one step of a 512-token sequence) on each
     ring-attention cp=4 rank are within 10% of a quarter of one rank's at cp=1; the planner predicts them."""
     from orchestrator.planning.estimate import peak_rank
 
-    def measured(cp: int) -> tuple[dict[int, int], object]:
-        spec = tiny_spec(token_data, tmp_path / f"cp{cp}", parallel={"cp": cp, "cp_impl": "ring", "device": "cpu"},
-                         model={"seq_len": 512}, memory={"measure": True},
-                         train={"steps": 1, "global_batch_size": 2, "microbatches": 1})
-        return run_layout(spec.worker_dict(), cp, 1).activation_bytes, spec
-
-    (whole,) = measured(1)[0].values()
-    shares, spec = measured(4)
+    (whole,) = ran(runs, "activations-cp1").activation_bytes.values()
+    shares, spec = ran(runs, "activations-cp4").activation_bytes, specs["activations-cp4"]
     assert len(shares) == 4
     for share in shares.values():
         assert share == pytest.approx(whole / 4, rel=0.10)

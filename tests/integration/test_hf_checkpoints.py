@@ -16,7 +16,7 @@ import torch
 from orchestrator.spec.lora import export_hf_weights
 from tests.support.hf import save_hf_llama, transformers_first_step
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import reference_run
 from workers.model.hf_io import hf_name
 
@@ -34,17 +34,28 @@ def hf_dir(tmp_path_factory):
     return save_hf_llama(tmp_path_factory.mktemp("hf"), intermediate_size=64, max_shard_size="40KB")
 
 
+@pytest.fixture(scope="module")
+def layouts(hf_dir, token_data, tmp_path_factory):
+    """Each layout's spec, its final checkpoint and its run, those of one size in one spawn (``run_grouped``)."""
+    specs, written = {}, {}
+    for name, parallel in LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        specs[name] = tiny_spec(token_data, tmp, parallel={**parallel, "device": "cpu"},
+                                model={"init_from": str(hf_dir)}, train={"steps": STEPS},
+                                checkpoint={"dir": str(tmp / "ckpt")})
+        written[name] = tmp / "ckpt" / f"step-{STEPS:08d}"
+    runs = run_grouped(specs, checkpoints={name: str(path) for name, path in written.items()})
+    return {name: (specs[name], written[name], runs) for name in LAYOUTS}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_init_from_layout_matches_transformers_and_exports_exactly(name, hf_dir, token_data, tmp_path):
+def test_init_from_layout_matches_transformers_and_exports_exactly(name, hf_dir, layouts, tmp_path):
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    spec = tiny_spec(token_data, tmp_path, parallel={**LAYOUTS[name], "device": "cpu"},
-                     model={"init_from": str(hf_dir)}, train={"steps": STEPS},
-                     checkpoint={"dir": str(tmp_path / "ckpt")})
+    spec, written, runs = layouts[name]
     assert spec.model.arch == "llama" and spec.model.kv_heads == 2
-    written = tmp_path / "ckpt" / f"step-{STEPS:08d}"
-    run = run_layout(spec.worker_dict(), spec.parallel.world_size, STEPS, checkpoint=str(written))
+    run = ran(runs, name)
 
     loss, norm = transformers_first_step(spec, hf_dir)
     assert run.losses[0] == pytest.approx(loss, rel=1e-5)

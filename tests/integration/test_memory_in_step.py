@@ -16,7 +16,7 @@ import pytest
 from orchestrator.planning.estimate import estimate_rank
 from orchestrator.planning.memory_report import probe_visible_peak
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import ran, run_grouped
 
 # parallel fields, train fields, recompute, dtype
 LAYOUTS = {
@@ -28,12 +28,27 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_predicted_peak_is_the_in_step_peak(name, token_data, tmp_path):
+def _spec(name: str, token_data, tmp_path):
     parallel, train, recompute, dtype = LAYOUTS[name]
-    spec = tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"}, train={"steps": 2, **train},
+    return tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"}, train={"steps": 2, **train},
                      memory={"measure": True, "recompute": recompute}, precision={"dtype": dtype})
-    run = run_layout(spec.worker_dict(), spec.parallel.world_size, 2)
+
+
+@pytest.fixture(scope="module")
+def specs(token_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("in-step")
+    return {name: _spec(name, token_data, tmp / name) for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def runs(specs):
+    """Every layout's ranks, those of one size in one spawn (``run_grouped``)."""
+    return run_grouped(specs)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_predicted_peak_is_the_in_step_peak(name, specs, runs):
+    spec, run = specs[name], ran(runs, name)
     assert sorted(run.memory) == list(range(spec.parallel.world_size))
     for rank, measured in run.memory.items():
         e = estimate_rank(spec, rank)

@@ -1,6 +1,7 @@
 """On real runs of the example GPT, the memory model predicts what each rank measures.
 
-Each layout trains 2 steps with ``memory.measure: true``: every rank counts the
+Each layout trains 2 steps with ``memory.measure: true`` (its ranks spawned without Ray, one Ray job checks the
+summary the controller writes): every rank counts the
 local tensor bytes of its parameters, gradients and optimizer state after the
 optimizer step, and the peak bytes saved for backward over the step. The
 prediction comes from the planner alone (no torch). Model state must be within
@@ -14,7 +15,9 @@ import logging
 import pytest
 
 from orchestrator import TrainingJob
+from orchestrator.planning.memory_report import MeasuredMemory
 from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import ran, run_grouped
 
 LAYOUTS = {
     "dp2-zero0-bf16": ({"dp": 2, "zero": 0}, "none"),
@@ -36,27 +39,58 @@ LORA_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_prediction_matches_measured_bytes(name, ray_cluster, token_data, tmp_path):
+def _spec(name: str, token_data, tmp_path):
+    """The layout's 2-step job with ``memory.measure`` on."""
+    if name in LORA_LAYOUTS:
+        parallel, model = LORA_LAYOUTS[name]
+        return tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"}, model=model,
+                         memory={"measure": True}, train={"steps": 2}, checkpoint={"memory_every": 0})
     parallel, recompute = LAYOUTS[name]
-    check_measured(name, tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"},
-                                   memory={"recompute": recompute, "measure": True}, train={"steps": 2},
-                                   checkpoint={"memory_every": 0},
-                                   precision={"dtype": "bf16" if "bf16" in name else "fp32"}))
+    return tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"},
+                     memory={"recompute": recompute, "measure": True}, train={"steps": 2},
+                     checkpoint={"memory_every": 0}, precision={"dtype": "bf16" if "bf16" in name else "fp32"})
+
+
+@pytest.fixture(scope="module")
+def specs(token_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memory-measured")
+    return {name: _spec(name, token_data, tmp / name) for name in [*LAYOUTS, *LORA_LAYOUTS]}
+
+
+@pytest.fixture(scope="module")
+def runs(specs):
+    """Every layout's ranks without Ray (tests/support/parity_harness.py), those of one size in one spawn: what
+    each rank measures is the trainer's; the controller's part, pairing it with the planner, is
+    ``MeasuredMemory``, applied here as the controller applies it (and through Ray below)."""
+    return run_grouped(specs)
+
+
+def _measured(spec, run) -> dict[int, dict]:
+    """The summary's ``memory``: each rank's last step's measured bytes beside the planner's prediction."""
+    memory = MeasuredMemory(spec)
+    memory.observe([steps[-1] for steps in run.results.values()])
+    return memory.summary()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_prediction_matches_measured_bytes(name, specs, runs):
+    check_measured(name, specs[name], _measured(specs[name], ran(runs, name)))
 
 
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))
-def test_lora_prediction_matches_measured_bytes(name, ray_cluster, token_data, tmp_path):
-    parallel, model = LORA_LAYOUTS[name]
-    check_measured(name, tiny_spec(token_data, tmp_path, parallel={**parallel, "device": "cpu"}, model=model,
-                                   memory={"measure": True}, train={"steps": 2}, checkpoint={"memory_every": 0}),
-                   activation_limit=0.10)  # frozen bases save only what the adapters' gradients need
+def test_lora_prediction_matches_measured_bytes(name, specs, runs):
+    # frozen bases save only what the adapters' gradients need
+    check_measured(name, specs[name], _measured(specs[name], ran(runs, name)), activation_limit=0.10)
 
 
-def check_measured(name, spec, activation_limit: float = 0.25):
-    result = TrainingJob(spec, progress=False).run()
-    assert sorted(result.memory) == list(range(spec.parallel.world_size))
-    for rank, row in result.memory.items():
+def test_a_ray_job_reports_the_measured_and_predicted_bytes_in_its_summary(ray_cluster, token_data, tmp_path):
+    spec = _spec("dp2-zero3-full", token_data, tmp_path)
+    check_measured("dp2-zero3-full", spec, TrainingJob(spec, progress=False).run().memory)
+
+
+def check_measured(name, spec, memory: dict[int, dict], activation_limit: float = 0.25):
+    assert sorted(memory) == list(range(spec.parallel.world_size))
+    for rank, row in memory.items():
         err = row["relative_error"]
         print(name, rank, {k: f"{v:+.3f}" for k, v in err.items()})
         assert abs(err["model_state"]) <= 0.10, (rank, row)

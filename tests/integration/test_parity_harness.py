@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import reference_run
 
 STEPS = 10
@@ -53,6 +53,34 @@ def _spec(arch: str, token_data, tmp_path, parallel: dict, model: dict | None = 
                      train={"steps": steps, **(train or {})})
 
 
+def _cases(token_data, tmp_path) -> dict[str, tuple]:
+    """Every test's spec and whether it is checked against the plain job's reference (else its own), by test id."""
+    cases = {}
+    for arch in ARCHS:
+        for name, parallel in LAYOUTS.items():
+            train = {"microbatches": 4} if parallel.get("pp_schedule") == "dualpipev" else {}
+            cases[f"{name}-{arch}"] = (_spec(arch, token_data, tmp_path / f"{name}-{arch}", parallel, train=train),
+                                       True)
+        for name, (parallel, lora) in LORA_LAYOUTS.items():
+            spec = _spec(arch, token_data, tmp_path / f"lora-{name}-{arch}", parallel,
+                         model={"lora": {**LORA, **lora}}, train={"steps": LORA_STEPS})
+            cases[f"lora-{name}-{arch}"] = (spec, False)
+    for name, (parallel, model) in LLAMA_LAYOUTS.items():
+        cases[f"llama-{name}"] = (_spec("llama", token_data, tmp_path / f"llama-{name}", parallel, model=model), False)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def cases(token_data, tmp_path_factory):
+    return _cases(token_data, tmp_path_factory.mktemp("parity-harness"))
+
+
+@pytest.fixture(scope="module")
+def runs(cases):
+    """Every case trained, the layouts of one world size and step count sharing one spawn (``run_grouped``)."""
+    return run_grouped({name: spec for name, (spec, _) in cases.items()})
+
+
 @pytest.fixture(scope="module")
 def references(token_data, tmp_path_factory):
     """The single-process reference of the plain tiny job, per family, computed once."""
@@ -66,10 +94,10 @@ def references(token_data, tmp_path_factory):
     return get
 
 
-def _assert_matches(spec, expected) -> None:
-    steps = spec.train.steps
-    run = run_layout(spec.worker_dict(), spec.parallel.world_size, steps)
-    assert len(run.losses) == steps
+def _assert_matches(name: str, cases, runs, expected) -> None:
+    spec = cases[name][0]
+    run = ran(runs, name)
+    assert len(run.losses) == spec.train.steps
     losses, grad_norms = expected
     assert run.losses == pytest.approx(losses, rel=1e-4)
     assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)  # the global norm that clipping uses
@@ -77,22 +105,18 @@ def _assert_matches(spec, expected) -> None:
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process_reference(name, arch, references, token_data, tmp_path):
-    parallel = LAYOUTS[name]
-    train = {"microbatches": 4} if parallel.get("pp_schedule") == "dualpipev" else {}
-    _assert_matches(_spec(arch, token_data, tmp_path, parallel, train=train), references(arch))
+def test_layout_matches_single_process_reference(name, arch, cases, runs, references):
+    _assert_matches(f"{name}-{arch}", cases, runs, references(arch))
 
 
 @pytest.mark.parametrize("name", list(LLAMA_LAYOUTS))
-def test_llama_only_layout_matches_single_process_reference(name, token_data, tmp_path):
-    parallel, model = LLAMA_LAYOUTS[name]
-    spec = _spec("llama", token_data, tmp_path, parallel, model=model)
-    _assert_matches(spec, reference_run(spec, spec.train.steps))
+def test_llama_only_layout_matches_single_process_reference(name, cases, runs):
+    spec = cases[f"llama-{name}"][0]
+    _assert_matches(f"llama-{name}", cases, runs, reference_run(spec, spec.train.steps))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))
-def test_lora_layout_matches_single_process_reference(name, arch, token_data, tmp_path):
-    parallel, lora = LORA_LAYOUTS[name]
-    spec = _spec(arch, token_data, tmp_path, parallel, model={"lora": {**LORA, **lora}}, train={"steps": LORA_STEPS})
-    _assert_matches(spec, reference_run(spec, LORA_STEPS))
+def test_lora_layout_matches_single_process_reference(name, arch, cases, runs):
+    spec = cases[f"lora-{name}-{arch}"][0]
+    _assert_matches(f"lora-{name}-{arch}", cases, runs, reference_run(spec, LORA_STEPS))

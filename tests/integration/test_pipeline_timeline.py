@@ -16,6 +16,7 @@ from orchestrator import TrainingJob
 from orchestrator.observability.report import write_report
 from orchestrator.planning.bubble import measured_bubble, ordered_bubble, step_events, theoretical_bubble
 from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import ran, run_grouped
 
 PP, MICROBATCHES, STEPS = 2, 4, 5
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
@@ -26,22 +27,28 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zb
 BIG = {"d_model": 256, "n_layers": 8, "n_heads": 4, "d_ff": 1024, "seq_len": 256}
 
 
+def _spec(schedule: str, token_data, run_dir):
+    return tiny_spec(token_data, run_dir, model=BIG if schedule == "gpipe" else {},
+                     parallel={"pp": PP, "pp_schedule": schedule},
+                     train={"steps": STEPS, "global_batch_size": 16, "microbatches": MICROBATCHES},
+                     metrics={"timeline": True})
+
+
 @pytest.fixture(scope="module")
 def runs(ray_cluster, token_data, tmp_path_factory):
-    """One real pp=2 run per schedule."""
-    out = {}
-    for schedule in SCHEDULES:
-        run_dir = tmp_path_factory.mktemp(schedule)
-        spec = tiny_spec(
-            token_data, run_dir,
-            model=BIG if schedule == "gpipe" else {},
-            parallel={"pp": PP, "pp_schedule": schedule},
-            train={"steps": STEPS, "global_batch_size": 16, "microbatches": MICROBATCHES},
-            metrics={"timeline": True},
-        )
-        TrainingJob(spec, progress=False).run()
-        timeline = [json.loads(line) for line in (spec.resolved_run_dir() / "timeline.jsonl").read_text().splitlines()]
-        out[schedule] = {"run_dir": spec.resolved_run_dir(), "timeline": timeline}
+    """One real pp=2 run per schedule: GPipe's through Ray (its run dir's records feed the report test), the others
+    without Ray in one spawn (``run_grouped``: the timeline is the ranks' own events either way, which the
+    controller only writes to ``timeline.jsonl``)."""
+    run_dir = tmp_path_factory.mktemp("gpipe")
+    spec = _spec("gpipe", token_data, run_dir)
+    TrainingJob(spec, progress=False).run()
+    timeline = [json.loads(line) for line in (spec.resolved_run_dir() / "timeline.jsonl").read_text().splitlines()]
+    out = {"gpipe": {"run_dir": spec.resolved_run_dir(), "timeline": timeline}}
+    others = {s: _spec(s, token_data, tmp_path_factory.mktemp(s)) for s in SCHEDULES if s != "gpipe"}
+    spawned = run_grouped(others)
+    for schedule in others:
+        results = ran(spawned, schedule).results
+        out[schedule] = {"timeline": [e for steps in results.values() for step in steps for e in step["timeline"]]}
     return out
 
 
