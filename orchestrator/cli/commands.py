@@ -1,4 +1,4 @@
-"""``raymesh`` command line: prepare-data, plan, run, attach, export-merged, export-hf, report."""
+"""``raymesh`` command line: prepare-data, plan, run, attach, export-merged, export-hf, generate, report."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.cli.default_corpus import DEFAULT_MAX_TOKENS
+from orchestrator.cli.generate import add_generate_command
 from orchestrator.cli.jobs import add_client_commands
 from orchestrator.errors import SpecError
 
@@ -228,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output directory or object-store URL (config.json + model.safetensors)")
     hf.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job-file field")
     hf.set_defaults(func=_export_hf)
+    add_generate_command(sub)
     rep = sub.add_parser("report", help="PNG charts and an HTML page for a run directory")
     rep.add_argument("run_dir", help="the job's run_dir, a directory or an object-store URL (holds summary.json, "
                                      "steps.jsonl, timeline.jsonl)")

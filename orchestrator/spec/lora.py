@@ -149,7 +149,6 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     """Both exports. The checkpoint and the base are verified against their checksums first, and a `.pt`
     gets its own manifest beside it, so a later `base_checkpoint` pointing at it is verified too."""
     from orchestrator.checkpoints import checksums
-    from orchestrator.checkpoints.directory import CheckpointDir
     from workers.model.finetune import export_merged
 
     if fmt == "hf" and job.model.arch != "llama":
@@ -158,13 +157,7 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     if fmt == "pt" and is_url(out):
         raise SpecError("--out", out, "is a URL, and a .pt is written as one local file",
                         "write it to a local path (then copy it), or export with --format hf, which writes to a URL")
-    root = job.checkpoint_dir()
-    path = location(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
-    if path is None or not (path / ".metadata").is_file():
-        raise SpecError("checkpoint.dir", str(path or root), "holds no complete checkpoint to export",
-                        "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
-    verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
-    check_base_checkpoint(job)
+    path = checkpoint_to_read(job, checkpoint, "export")
     if fmt == "hf":  # a URL: the directory is written locally, then copied up
         with staged_output(out) as target:
             export_merged(job.worker_dict(), path, target, fmt)
@@ -172,6 +165,23 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     exported = export_merged(job.worker_dict(), path, out, fmt)
     checksums.write_file_manifest(exported)
     return exported
+
+
+def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
+    """The complete checkpoint an export or `raymesh generate` reads: `checkpoint` (a step directory, `--checkpoint`)
+    or the job's latest, verified against its checksums, with the LoRA base it sits on (refused naming the field
+    and the fix otherwise)."""
+    from orchestrator.checkpoints.directory import CheckpointDir
+
+    root = job.checkpoint_dir()
+    path = location(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
+    if path is None or not (path / ".metadata").is_file():
+        raise SpecError("--checkpoint" if checkpoint else "checkpoint.dir", str(path or root),
+                        f"holds no complete checkpoint to {purpose}",
+                        "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
+    verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
+    check_base_checkpoint(job)
+    return path
 
 
 # per family, the base Linears its TP plan places row-parallel (workers.model.gpt_parallel, llama_parallel);

@@ -39,7 +39,7 @@ def _checkable(path: str, data_required: bool) -> bool:
     return data_required or (not is_url(path) and Path(path).exists())
 
 
-def _manifest(field: str, value: str) -> dict:
+def prepared_manifest(field: str, value: str) -> dict:
     """The manifest.json of the prepared directory `value` (the job's `field`: `data.path`, `eval.path`), refused
     with the fix when missing or not one `prepare-data` wrote."""
     root = _url_location(field, value)
@@ -65,7 +65,7 @@ def check_data_path(spec: JobSpec) -> None:
     The loader cuts the token stream into windows of seq_len + 1 tokens that share one boundary token, so one
     step's global_batch_size windows need global_batch_size * seq_len + 1 tokens; with fewer, one batch would
     repeat windows (or, with fewer than seq_len + 1 tokens, have none)."""
-    manifest = _manifest("data.path", spec.data.path)
+    manifest = prepared_manifest("data.path", spec.data.path)
     check_data_vocab(spec, manifest, "data.path", spec.data.path)
     tokens = manifest["total_tokens"]
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
@@ -107,10 +107,10 @@ def _made_by(manifest: dict) -> str:
 def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     """`eval.path` is prepared with the training data's tokenizer (scoring other ids would mean nothing) and holds
     `eval.batches` batches of distinct `seq_len + 1` windows (the same ones at every evaluation)."""
-    manifest = _manifest("eval.path", spec.eval.path)
+    manifest = prepared_manifest("eval.path", spec.eval.path)
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
     if _checkable(spec.data.path, data_required):
-        data = _manifest("data.path", spec.data.path)
+        data = prepared_manifest("data.path", spec.data.path)
         if _ids(manifest) != _ids(data):
             raise SpecError("eval.path", spec.eval.path, f"holds ids of {_made_by(manifest)} (vocab "
                             f"{manifest.get('vocab_size')}), but data.path holds those of {_made_by(data)} "

@@ -5,13 +5,19 @@ The checkpoint is made here with ``transformers`` (random weights, sharded save_
 first step (before any update: loss and global gradient norm) must equal ``transformers``'
 LlamaForCausalLM on the same batch (1e-5), its later steps the single-process reference (1e-4), and the
 DCP checkpoint it writes at the end must export (``export-hf``) to exactly the tensors DCP holds, in a
-directory ``transformers`` loads.
+directory ``transformers`` loads. ``raymesh generate`` on such a checkpoint decodes greedily what
+``transformers``' ``generate`` decodes from the exported directory.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
+import yaml
 
 from orchestrator.spec.lora import export_hf_weights
 from tests.support.hf import save_hf_llama, transformers_first_step
@@ -80,3 +86,25 @@ def _dcp_model_tensors(checkpoint, scratch) -> dict[str, torch.Tensor]:
 
     dcp_to_torch_save(str(checkpoint), str(scratch))
     return torch.load(scratch, weights_only=False)["model"]
+
+
+def test_generate_from_a_layout_checkpoint_decodes_as_transformers_does(layouts, tmp_path):
+    """`raymesh generate --temperature 0` on the tp2-pp2 run's checkpoint (read whole, through DCP) picks the
+    tokens ``transformers`` picks from the same checkpoint exported, and prints them as the data's text."""
+    from transformers import LlamaForCausalLM
+
+    spec, written, _ = layouts["tp2-pp2"]
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec.to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", str(job), "--prompt", "def ",
+                           "--temperature", "0", "--max-new-tokens", "20", "--no-stop", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["checkpoint"] == str(written) and got["prompt_tokens"] == 5  # end-of-document id, then "def "
+    hf = LlamaForCausalLM.from_pretrained(export_hf_weights(spec, str(written), str(tmp_path / "hf")))
+    prompt = torch.tensor([[0, *b"def "]])
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    ids = expected[0, 5:].tolist()
+    assert got["samples"] == [{"text": bytes(ids).decode("utf-8", errors="replace"), "ids": ids, "ended": False}]

@@ -27,6 +27,19 @@ def hf_llama(seed: int = 0, **overrides):
     return model
 
 
+def raymesh_llama_from(hf_model, **fields):
+    """raymesh's Llama with ``hf_model``'s shape (seq_len 64 unless ``fields`` says otherwise) and its weights."""
+    from workers.model import hf_io
+    from workers.model.config import ModelConfig
+    from workers.model.registry import build_model
+
+    cfg = ModelConfig(**{**hf_io.config_fields(hf_model.config.to_dict()), "seq_len": 64, **fields})
+    model = build_model(cfg)
+    hf_state = hf_model.state_dict()
+    model.load_state_dict({k: hf_state[hf_io.hf_name(k)] for k in model.state_dict()})
+    return model.eval()
+
+
 def save_hf_llama(directory: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
     """Write a tiny HF Llama directory (``max_shard_size`` small enough gives a sharded one with an index)."""
     model = hf_llama(seed, **overrides)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.hf import hf_llama, save_hf_llama
+from tests.support.hf import hf_llama, raymesh_llama_from, save_hf_llama
 from workers.model import hf_io
 from workers.model.config import ModelConfig
 from workers.model.gpt import init_parameter  # the Llama family registers the GPT's init rule
@@ -13,19 +13,11 @@ from workers.model.llama import Llama
 from workers.model.registry import build_model
 
 
-def _raymesh_from(hf_model, **fields) -> Llama:
-    cfg = ModelConfig(**{**hf_io.config_fields(hf_model.config.to_dict()), "seq_len": 64, **fields})
-    model = build_model(cfg)
-    hf_state = hf_model.state_dict()
-    model.load_state_dict({k: hf_state[hf_io.hf_name(k)] for k in model.state_dict()})
-    return model.eval()
-
-
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"rope_scaling": None}],
                          ids=["gqa-llama3-rope", "tied", "plain-rope"])
 def test_logits_equal_transformers(overrides):
     hf = hf_llama(**overrides)
-    ours = _raymesh_from(hf)
+    ours = raymesh_llama_from(hf)
     assert isinstance(ours, Llama) and ours.cfg.kv_heads == 2
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -39,8 +31,8 @@ def test_rope_scaling_changes_the_logits():
     hf = hf_llama()
     tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        scaled = _raymesh_from(hf)(tokens)
-        plain = _raymesh_from(hf, rope_scaling=None)(tokens)
+        scaled = raymesh_llama_from(hf)(tokens)
+        plain = raymesh_llama_from(hf, rope_scaling=None)(tokens)
     assert (scaled - plain).abs().max() > 1e-3
 
 

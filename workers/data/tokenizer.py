@@ -39,6 +39,10 @@ class ByteTokens:
     def encode(self, doc: bytes) -> np.ndarray:
         return np.frombuffer(doc, dtype=np.uint8)
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; a byte sequence that is not UTF-8 (a character cut short) shows as U+FFFD."""
+        return bytes(ids).decode("utf-8", errors="replace")
+
     def describe(self) -> dict:
         return {"kind": "bytes", "path": None, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
@@ -62,6 +66,9 @@ class HFTokens:
     def encode(self, doc: bytes) -> np.ndarray:
         ids = self.tokenizer.encode(doc.decode("utf-8", errors="replace"), add_special_tokens=False).ids
         return np.asarray(ids, dtype=self.dtype)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def describe(self) -> dict:
         return {"kind": self.kind, "path": str(self.path), "vocab_size": self.vocab_size, "eos_id": self.eos_id}
@@ -117,3 +124,21 @@ def load_tokenizer(spec: str):
     from tokenizers import Tokenizer
 
     return HFTokens(Tokenizer.from_file(str(path)), "file", path)
+
+
+def recorded_tokenizer(record: dict, root):
+    """The tokenizer a manifest's ``tokenizer`` entry ``record`` names, for the prepared directory ``root`` (a
+    ``Path`` or an fsspec path): bytes, or the ``tokenizer.json`` it names, looked for beside the shards first
+    (a trained BPE travels with its data, wherever the directory was moved). ``ids`` rows have no tokenizer."""
+    kind = record.get("kind", "bytes")
+    if kind == "bytes":
+        return ByteTokens()
+    if kind == "ids":
+        raise LookupError("the data was written as token ids (no tokenizer), so ids cannot be turned into text")
+    from tokenizers import Tokenizer
+
+    beside = root / TOKENIZER_FILE
+    path = beside if beside.is_file() else Path(record["path"])
+    if not path.is_file():
+        raise FileNotFoundError(f"the data's tokenizer {record['path']} is not there (nor {beside})")
+    return HFTokens(Tokenizer.from_str(path.read_text()), kind, path)

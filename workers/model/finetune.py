@@ -11,6 +11,7 @@ rank, so the quantized NF4 state never needs to be checkpointed.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,7 +25,9 @@ from workers.spec import WorkerSpec
 def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
     """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone."""
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: what this function is for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     model.load_state_dict(state["model"])
 
 
