@@ -17,6 +17,8 @@ GREEDY = Sampling(temperature=0.0)
 SHAPES = {
     "gpt-learned": {"positions": "learned"},
     "gpt-rotary": {"positions": "rotary"},
+    # every token routed (capacity 8x): with drops, which tokens drop depends on how many are routed at once
+    "gpt-moe": {"moe": {"experts": 4, "router": "topk", "capacity_factor": 8.0}},
     "llama-gqa": {"arch": "llama", "n_kv_heads": 2, "tie_embeddings": True,
                   "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 8}},
