@@ -7,10 +7,15 @@ resume nor counted against ``keep``. ``latest_verified`` checks the bytes
 before a load: a corrupt checkpoint is moved aside to ``step-N.corrupt`` (kept
 for inspection, never picked again), logged, recorded in ``skipped``, and the
 previous one is used. ``root`` may be an object-store URL (`workers.storage`).
+
+A checkpoint saved at a step that scored the held-out loss (``eval.every``) carries it in ``eval.json``, written
+before the seal so the checksums cover it; ``best`` is the complete one with the lowest, which retention spares
+under ``checkpoint.keep_best``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -21,12 +26,15 @@ from workers.storage import location, move_tree, remove_tree
 
 _NAME = re.compile(r"^step-(\d{8})$")
 _LEFTOVER = re.compile(r"^step-(\d{8})(\.corrupt)?$")
+SCORE = "eval.json"  # {"step", "eval_loss"}: the held-out loss of the weights a checkpoint holds
 
 
 class CheckpointDir:
-    def __init__(self, root: str | Path, keep: int, on_skip: Callable[[dict], None] | None = None):
+    def __init__(self, root: str | Path, keep: int, on_skip: Callable[[dict], None] | None = None,
+                 keep_best: bool = False):
         self.root = location(root)
         self.keep = keep
+        self.keep_best = keep_best
         self.on_skip = on_skip
         self.skipped: list[dict] = []  # corrupt or incomplete checkpoints passed over, for the summary
 
@@ -36,6 +44,22 @@ class CheckpointDir:
     def seal(self, step: int) -> None:
         """Write the checksum manifest of a save DCP reported durable; only then is it complete."""
         checksums.write_manifest(self.path_for(step))
+
+    def record_score(self, step: int, eval_loss: float) -> None:
+        """The held-out loss of the weights saved at ``step``, beside them (call before ``seal``)."""
+        (self.path_for(step) / SCORE).write_text(json.dumps({"step": step, "eval_loss": eval_loss}))
+
+    def score(self, step: int) -> float | None:
+        """The held-out loss ``step``'s checkpoint was saved with, if that step scored one."""
+        path = self.path_for(step) / SCORE
+        return json.loads(path.read_text())["eval_loss"] if path.is_file() else None
+
+    def best(self, upto: int | None = None) -> int | None:
+        """The complete checkpoint (at or before ``upto``) with the lowest held-out loss, the earliest of equals;
+        None when none has one."""
+        scored = [(loss, step) for step in self.complete_steps() if upto is None or step <= upto
+                  if (loss := self.score(step)) is not None]
+        return min(scored)[1] if scored else None
 
     def complete_steps(self) -> list[int]:
         if not self.root.is_dir():
@@ -75,9 +99,10 @@ class CheckpointDir:
 
         Steps after ``newest`` are left alone: they are not this run's lineage (the run being trained
         never saved past its current step), so they can neither push its own checkpoints out of the
-        window nor be deleted by it.
+        window nor be deleted by it. Under ``keep_best`` the best checkpoint up to ``newest`` stays too.
         """
-        old = [s for s in self.complete_steps() if s <= newest][: -self.keep]
+        best = self.best(newest) if self.keep_best else None
+        old = [s for s in [s for s in self.complete_steps() if s <= newest][: -self.keep] if s != best]
         for step in old:
             remove_tree(self.path_for(step))
         self.remove_leftovers(newest)

@@ -13,6 +13,8 @@ from orchestrator.cli.jobs import add_client_commands
 from orchestrator.errors import SpecError
 
 MANIFEST = "manifest.json"  # prepare-data's index of the shards (workers.data.prepare)
+CHECKPOINT_HELP = ("one checkpoint step directory, or best: the one saved with the lowest held-out loss (default: the "
+                   "job's latest)")
 HELDOUT_DIR = "heldout"  # prepare-data --heldout's folder (workers.data.prepare.HELDOUT_DIR)
 
 
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     att.set_defaults(func=_attach)
     exp = sub.add_parser("export-merged", help="fold a LoRA run's adapters into plain model weights (.pt)")
     exp.add_argument("job", help="the LoRA job file the checkpoint was trained with")
-    exp.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
+    exp.add_argument("--checkpoint", help=CHECKPOINT_HELP)
     exp.add_argument("--out", required=True,
                      help="output .pt file (a GPT state dict; usable as model.lora.base_checkpoint)")
     exp.add_argument("--format", choices=("pt", "hf"), default="pt",
@@ -224,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_export_merged)
     hf = sub.add_parser("export-hf", help="write a checkpoint (any layout) as a Hugging Face directory (llama)")
     hf.add_argument("job", help="the job file the checkpoint was trained with")
-    hf.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
+    hf.add_argument("--checkpoint", help=CHECKPOINT_HELP)
     hf.add_argument("--out", required=True,
                     help="output directory or object-store URL (config.json + model.safetensors)")
     hf.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job-file field")

@@ -194,7 +194,7 @@ def report(outcome: dict | None, job_id: str, summary_json: str | None, resume: 
 
 
 def _where(summary: dict, summary_json: str | None) -> list[str]:
-    """Where the run's outputs are: the summary JSON, the report command, the newest checkpoint."""
+    """Where the run's outputs are: the summary JSON, the report command, the newest and best checkpoints."""
     lines = []
     run_dir = summary.get("run_dir")
     if run_dir:
@@ -205,6 +205,9 @@ def _where(summary: dict, summary_json: str | None) -> list[str]:
         lines.append(f"report: raymesh report {shlex.quote(run_dir)}")
     if summary["checkpoints"]:
         lines.append(f"newest checkpoint: {summary['checkpoints'][-1]}")
+    best = summary.get("best_checkpoint")  # older summaries have none
+    if best:
+        lines.append(f"best checkpoint (held-out loss {best['eval_loss']:.4f}): {best['path']}")
     return lines
 
 

@@ -23,7 +23,8 @@ def add_generate_command(sub) -> None:
     """The ``generate`` subcommand and its options."""
     gen = sub.add_parser("generate", help="sample text from a job's checkpoint (any layout)")
     gen.add_argument("job", help="the job file the checkpoint was trained with")
-    gen.add_argument("--checkpoint", help="one checkpoint step directory (default: the job's latest)")
+    gen.add_argument("--checkpoint", help="one checkpoint step directory, or best: the one saved with the lowest "
+                                          "held-out loss (default: the job's latest)")
     gen.add_argument("--prompt", default="", help="text to continue (default: empty, the start of a document)")
     gen.add_argument("--max-new-tokens", type=_whole(1), default=200, help="at most this many new tokens (200)")
     gen.add_argument("--temperature", type=_number(0.0, None), default=0.8,

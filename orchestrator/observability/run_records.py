@@ -20,6 +20,13 @@ from workers.protocol import StepResult
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
 
 
+def held_out_loss(results) -> float | None:
+    """A step's held-out loss (``eval.every``): the mean over the last stage's shares; None when it did not
+    evaluate."""
+    scored = [r.eval_loss for r in results if r.eval_s is not None and r.eval_loss is not None]
+    return statistics.fmean(scored) if scored else None
+
+
 def step_record(results: list[StepResult], step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
     """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's).
     With ``metrics.comm_bytes``, ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent.
@@ -49,8 +56,8 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
     if moe:
         record["moe"] = moe
     evaluated = [r for r in results if r.eval_s is not None]
-    if evaluated:  # eval.every: the held-out loss (mean over the last stage's shares) and the slowest rank's time
-        record["eval_loss"] = statistics.fmean(r.eval_loss for r in evaluated if r.eval_loss is not None)
+    if evaluated:  # eval.every: the held-out loss and the slowest rank's time
+        record["eval_loss"] = held_out_loss(results)
         record["eval_s"] = max(r.eval_s for r in evaluated)
     traffic = [r.ps for r in results if r.ps is not None]
     if traffic:  # dp_sync ps: every rank's pushes and pulls this step, and the stalest read any rank made

@@ -3,7 +3,9 @@
 A save is complete only once its checksum manifest is written (``seal``): at
 once for a synchronous save, and for an asynchronous one when the next save
 (or the end of the run, or a resize) waits for it. ``saved`` lists the
-committed checkpoints the summary reports.
+committed checkpoints the summary reports. A save of a step that scored the held-out loss gets that loss
+beside it before the seal (``CheckpointDir.record_score``), which ``checkpoint.keep_best`` and
+``--checkpoint best`` go by.
 """
 
 from __future__ import annotations
@@ -28,11 +30,19 @@ class Checkpointing:
         self.observers = observers
         self.saved: list[str] = []
         self.in_flight: int | None = None  # the step of an async save not yet sealed
+        self.scores: dict[int, float] = {}  # step -> held-out loss, for the saves of steps that evaluated
         self.beside_ranks: Callable[[Path], None] | None = None  # writes the PS shards' part into a save's folder
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
         return bool(self.every) and (step % self.every == 0 or step == self.total_steps or stopping)
+
+    def scored(self, step: int, eval_loss: float | None) -> None:
+        """``step``'s held-out loss (None: it did not evaluate), for a save of that step to carry."""
+        if eval_loss is None:
+            self.scores.pop(step, None)  # a step trained again after a rollback scores as it did, or not at all
+        else:
+            self.scores[step] = eval_loss
 
     def save(self, group, step: int) -> float:
         """Issue a save; return the seconds training was blocked by it.
@@ -99,6 +109,8 @@ class Checkpointing:
         if path in self.saved:  # saved again after a rollback to before it (it was corrupt, or its save cut short)
             self.saved.remove(path)
         self.saved.append(path)
+        if step in self.scores:
+            self.ckpt.record_score(step, self.scores[step])
         self.ckpt.seal(step)
         removed = self.ckpt.prune(step)
         self.observers.on_checkpoint(None, committed=True)

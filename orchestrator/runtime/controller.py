@@ -31,7 +31,7 @@ from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.remote_run_dir import run_dir_upload
-from orchestrator.observability.run_records import RunRecords
+from orchestrator.observability.run_records import RunRecords, held_out_loss
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
 from orchestrator.planning.stage_split import auto_split, pin_split
@@ -94,7 +94,8 @@ class TrainingJob:
         self.upload = run_dir_upload(spec)  # run_dir: s3://...: the staged files go up at checkpoints and the end
         self.observers = Observers([EventLog(), *([self.upload] if self.upload else [])])
         self.ckpt = CheckpointDir(spec.checkpoint_dir(), spec.checkpoint.keep,
-                                  on_skip=lambda record: self.observers.on_corrupt_checkpoint(record))
+                                  on_skip=lambda record: self.observers.on_corrupt_checkpoint(record),
+                                  keep_best=spec.checkpoint.keep_best)
         self.checkpoints = Checkpointing(spec, self.ckpt, self.observers)
         self.machine = JobStateMachine()
         self.group: RankGroupLike | None = None
@@ -354,8 +355,15 @@ class TrainingJob:
             resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
             resizes=self.resizes, ps_resizes=self.ps.resizes if self.ps else [], eval_losses=acct.eval_losses,
-            run_dir=self.spec.run_dir_url() or str(self.run_dir),
+            run_dir=self.spec.run_dir_url() or str(self.run_dir), best_checkpoint=self._best_checkpoint(),
         )
+
+    def _best_checkpoint(self) -> dict | None:
+        """The summary's ``best_checkpoint``: the kept checkpoint with the lowest held-out loss, if any has one."""
+        step = self.ckpt.best()
+        if step is None:
+            return None
+        return {"step": step, "path": str(self.ckpt.path_for(step)), "eval_loss": self.ckpt.score(step)}
 
     def _train(self, acct: StepAccounting) -> str:
         """Steps until the last one or a stop; a failed step is recovered and training goes on."""
@@ -402,6 +410,7 @@ class TrainingJob:
         acct.first_step_done()
         stopping = self.machine.stop_requested.is_set()
         lost, ckpt_s = None, 0.0
+        self.checkpoints.scored(self.step, held_out_loss(results))
         try:
             self.checkpoints.poll(self.group)
             if self.checkpoints.due(self.step, stopping):

@@ -31,6 +31,7 @@ class RunResult:
     corrupt_checkpoints: list[dict] = field(default_factory=list)  # skipped on load: {step, path, problem, found_by}
     run_dir: str = ""  # where summary.json, the step records and (by default) the checkpoints are
     eval_losses: list[dict] = field(default_factory=list)  # eval.every: {step, loss} of the held-out set
+    best_checkpoint: dict | None = None  # {step, path, eval_loss}: the kept checkpoint with the lowest held-out loss
 
     def to_dict(self) -> dict:
         d = asdict(self)

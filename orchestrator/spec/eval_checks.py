@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 def check_eval(job: JobSpec) -> None:
+    check_keep_best(job)
     ev, p = job.eval, job.parallel
     if ev.every == 0:
         if ev.path is not None:  # refused, not ignored: the job file would promise a held-out loss
@@ -37,3 +38,25 @@ def check_eval(job: JobSpec) -> None:
         raise SpecError("eval.every", ev.every, f"needs pp_schedule {p.pp_schedule!r} drained at each step end "
                         "(otherwise its stages hold different weight versions and microbatches in flight)",
                         "set parallel.pp_flush_per_step: true, or remove the eval section")
+
+
+def check_keep_best(job: JobSpec) -> None:
+    """`checkpoint.keep_best` goes by the held-out loss saved with each checkpoint, so every checkpoint step must
+    be an evaluation step: evaluations on, checkpoints on, and `eval.every` dividing `checkpoint.every`."""
+    ck, ev = job.checkpoint, job.eval
+    if not ck.keep_best:
+        return
+    if ev.every == 0:
+        raise SpecError("checkpoint.keep_best", True, "needs a held-out loss to rank checkpoints by, and eval.every "
+                        "is 0", "set eval.every and eval.path (e.g. eval.every equal to checkpoint.every), or remove "
+                        "checkpoint.keep_best")
+    if ck.every == 0:
+        raise SpecError("checkpoint.keep_best", True, "has no checkpoints to keep: checkpoint.every is 0",
+                        f"set checkpoint.every to a multiple of eval.every ({ev.every}), or remove "
+                        "checkpoint.keep_best")
+    if ck.every % ev.every:
+        near = ev.every * max(1, round(ck.every / ev.every))
+        raise SpecError("checkpoint.every", ck.every, f"is not a multiple of eval.every={ev.every}, so with "
+                        "checkpoint.keep_best some checkpoints would have no held-out loss to be ranked by",
+                        f"set checkpoint.every to a multiple of {ev.every} (e.g. {near}), or eval.every to a "
+                        "divisor of it")

@@ -167,14 +167,18 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     return exported
 
 
+BEST = "best"  # --checkpoint best: the checkpoint saved with the lowest held-out loss
+
+
 def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
-    """The complete checkpoint an export or `raymesh generate` reads: `checkpoint` (a step directory, `--checkpoint`)
-    or the job's latest, verified against its checksums, with the LoRA base it sits on (refused naming the field
-    and the fix otherwise)."""
+    """The complete checkpoint an export or `raymesh generate` reads: `checkpoint` (a step directory, `--checkpoint`;
+    `best`: the one with the lowest held-out loss) or the job's latest, verified against its checksums, with the
+    LoRA base it sits on (refused naming the field and the fix otherwise)."""
     from orchestrator.checkpoints.directory import CheckpointDir
 
     root = job.checkpoint_dir()
-    path = location(checkpoint) if checkpoint else CheckpointDir(root, 1).latest()
+    path = _best_checkpoint(root, purpose) if checkpoint == BEST else (
+        location(checkpoint) if checkpoint else CheckpointDir(root, 1).latest())
     if path is None or not (path / ".metadata").is_file():
         raise SpecError("--checkpoint" if checkpoint else "checkpoint.dir", str(path or root),
                         f"holds no complete checkpoint to {purpose}",
@@ -182,6 +186,19 @@ def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
     verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
     return path
+
+
+def _best_checkpoint(root, purpose: str) -> Path:
+    """`--checkpoint best`: the complete checkpoint with the lowest held-out loss."""
+    from orchestrator.checkpoints.directory import CheckpointDir
+
+    ckpt = CheckpointDir(root, 1)
+    step = ckpt.best()
+    if step is None:
+        raise SpecError("--checkpoint", BEST, f"finds no checkpoint in {root} saved with a held-out loss to "
+                        f"{purpose}", "train with eval.every dividing checkpoint.every (and checkpoint.keep_best: "
+                        "true so it is not pruned), or pass --checkpoint STEP_DIR")
+    return ckpt.path_for(step)
 
 
 # per family, the base Linears its TP plan places row-parallel (workers.model.gpt_parallel, llama_parallel);

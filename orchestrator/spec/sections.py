@@ -285,6 +285,7 @@ class CheckpointSpec(_Section):
     dir: PathStr | None = None
     async_save: bool = Field(default=True, alias="async")
     keep: Annotated[int, Field(ge=1)] = 3
+    keep_best: bool = False  # also keep the checkpoint with the lowest held-out loss (eval.every), whatever its age
     # in-memory snapshot (+ replica on a peer) cadence; 0: off; unset: every step where the data-parallel
     # replicas mirror each other (the snapshot ships nothing), else every 10 steps
     memory_every: Annotated[int, Field(ge=0)] | None = None

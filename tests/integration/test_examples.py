@@ -34,8 +34,8 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     data = request.getfixturevalue(DATA.get(job.stem, "token_data"))
     extra = ["--set", f"model.init_from={save_hf_llama(tmp_path / 'hf')}"] if job.stem in NEEDS_HF_DIR else []
     extra += SHORTER.get(job.stem, [])
-    if job.stem in EVAL_DATA:
-        extra += ["--set", f"eval.path={request.getfixturevalue(EVAL_DATA[job.stem])}"]
+    if job.stem in EVAL_DATA:  # scored at both checkpoints (keep_best needs every checkpoint scored)
+        extra += ["--set", f"eval.path={request.getfixturevalue(EVAL_DATA[job.stem])}", "--set", "eval.every=2"]
     if job.stem in URL_CHECKPOINTS:
         extra += ["--set", f"run_dir=file://{tmp_path / 'run'}"]
     rc = main(["run", str(job), "--no-progress", "--summary-json", str(summary),
@@ -57,8 +57,12 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
         reads = [json.loads(line) for line in (tmp_path / "run" / "ps_reads.jsonl").read_text().splitlines()]
         assert any(r["shard"] == 2 for r in reads)  # the removed shard's reads are kept
         assert max(r["clock"] - r["min_applied"] for r in reads) <= 1  # the example's staleness bound held
-    if job.stem in EVAL_DATA:  # every 50 steps and after the last: scored once in 4 steps, at the end
-        assert [e["step"] for e in result["eval_losses"]] == [4] and math.isfinite(result["eval_losses"][0]["loss"])
+    if job.stem in EVAL_DATA:  # scored at steps 2 and 4; keep_best names the checkpoint with the lower loss
+        held = {e["step"]: e["loss"] for e in result["eval_losses"]}
+        assert list(held) == [2, 4] and all(math.isfinite(x) for x in held.values())
+        best = min(held, key=held.get)
+        assert result["best_checkpoint"] == {"step": best, "eval_loss": held[best],
+                                             "path": str(tmp_path / "run" / "checkpoints" / f"step-{best:08d}")}
     if job.stem in NEEDS_HF_DIR:
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
     if job.stem == "experiment_tracking":

@@ -53,12 +53,14 @@ class FakeRuntime:
     """Knobs: ``placeable`` (replacements start), ``more_dead`` (found when the failed step ends),
     ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it),
     ``nan_batches`` (data that makes the loss NaN whenever it is trained on), ``fail_calls`` (a group
-    method -> the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost)."""
+    method -> the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost), ``held_out``
+    (step -> the held-out loss of a step that evaluates)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
                  lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
-                 fail_calls: dict[str, list[Exception]] | None = None):
+                 fail_calls: dict[str, list[Exception]] | None = None, held_out=lambda step: 2.0 / step):
         self.placeable = placeable
+        self.held_out = held_out  # step -> the held-out loss a step that evaluates reports
         self.more_dead = dict(more_dead or {})
         self.lose_snapshots = lose_snapshots
         self.script = dict(script or {})
@@ -140,8 +142,9 @@ class FakeGroup:
         if snapshot_keep_from is not None:
             self.snapshots.add(nxt)
         loss = math.nan if "nan_loss" in kinds.values() else 1.0 / nxt
-        ev = self.spec.eval  # the ranks' rule: scored after every eval.every-th step and the last (held-out 2/step)
-        held = 2.0 / nxt if EvalSection(ev.every, ev.path, ev.batches).due(nxt, self.spec.train.steps) else None
+        ev = self.spec.eval  # the ranks' rule: scored after every eval.every-th step and the last
+        due = EvalSection(ev.every, ev.path, ev.batches).due(nxt, self.spec.train.steps)
+        held = self.runtime.held_out(nxt) if due else None
         return [_result(r, nxt, loss, held) for r in range(self.world)]
 
     def finish_failed_step(self) -> dict[int, str]:
