@@ -79,10 +79,20 @@ def run_generate(args: argparse.Namespace) -> int:
     stream = _Stream(tok, sys.stdout, args.prompt) if args.samples == 1 and not args.json else None
     samples = sample(model, tok, prompt, args, job.model.seq_len, stream)
     seconds = time.perf_counter() - loaded
-    texts = [tok.decode(_without_stop(ids, tok.eos_id)) for ids in samples]
+    _print_samples(args, tok, len(prompt), samples, str(checkpoint), seconds, stream)
     new = sum(len(ids) for ids in samples)
+    print(f"raymesh: {new} tokens in {seconds:.2f} s ({new / seconds:.1f} tokens/s) from {checkpoint} "
+          f"(loaded in {loaded - started:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def _print_samples(args, tok, prompt_tokens: int, samples: list[list[int]], checkpoint: str, seconds: float,
+                   stream) -> None:
+    """The samples on stdout: the streamed one's last characters, each sample in turn, or one JSON object."""
+    texts = [tok.decode(_without_stop(ids, tok.eos_id)) for ids in samples]
     if args.json:
-        print(json.dumps({"checkpoint": str(checkpoint), "prompt": args.prompt, "prompt_tokens": len(prompt),
+        new = sum(len(ids) for ids in samples)
+        print(json.dumps({"checkpoint": checkpoint, "prompt": args.prompt, "prompt_tokens": prompt_tokens,
                           "samples": [{"text": t, "ids": ids, "ended": bool(ids) and ids[-1] == tok.eos_id}
                                       for t, ids in zip(texts, samples, strict=True)],
                           "seconds": seconds, "tokens_per_s": new / seconds}))
@@ -91,9 +101,6 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"--- sample {i + 1} ---\n{args.prompt}{text}")
     else:
         stream.finish()
-    print(f"raymesh: {new} tokens in {seconds:.2f} s ({new / seconds:.1f} tokens/s) from {checkpoint} "
-          f"(loaded in {loaded - started:.1f} s)", file=sys.stderr)
-    return 0
 
 
 def load_for_generation(job, checkpoint: str | None, device: str):
