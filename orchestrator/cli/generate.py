@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -59,8 +60,8 @@ def _number(low: float, high: float | None):
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not (value >= low if high is None else low < value <= high):
-            span = f">= {low:g}" if high is None else f"in ({low:g}, {high:g}]"
+        if not (math.isfinite(value) and (value >= low if high is None else low < value <= high)):
+            span = f">= {low:g} and finite" if high is None else f"in ({low:g}, {high:g}]"
             raise argparse.ArgumentTypeError(f"{text!r} is not a number {span}")
         return value
     return parse

@@ -180,3 +180,14 @@ def test_generate_refuses_data_without_a_tokenizer(tiny_job, capsys):
     assert main(["generate", str(tiny_job)]) == 2
     err = capsys.readouterr().err
     assert "`data.path`" in err and "token ids" in err and "prepare-data" in err
+
+
+@pytest.mark.parametrize(("option", "value"), [("--temperature", "inf"), ("--temperature", "-1"),
+                                               ("--temperature", "nan"), ("--top-p", "0"), ("--top-p", "1.5"),
+                                               ("--top-k", "-3"), ("--max-new-tokens", "0"), ("--samples", "x")])
+def test_generate_options_out_of_range_are_refused_by_name(tiny_job, option, value, capsys):
+    from orchestrator.cli.commands import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", str(tiny_job), option, value])
+    assert exit_.value.code == 2 and f"argument {option}: {value!r} is not" in capsys.readouterr().err
