@@ -37,7 +37,6 @@ from workers.parallel.distributed_optimizer import sliced_optimizer
 from workers.parallel.grad_compression import WITH_FEEDBACK
 from workers.parallel.layout import stage_owners
 from workers.parallel.parallelize import build_parts
-from workers.parallel.pipeline import build_schedule
 from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
 from workers.parallel.ps_sync import PSSync
 from workers.parallel.recompute import checkpointed_modules
@@ -90,6 +89,8 @@ class Trainer:
             self.async_pipe = self._async_pipeline()
             self.pipe_stages = [self.async_pipe]
         elif par.grid.pp_enabled:
+            from workers.parallel.pipeline import build_schedule  # here: torch's pipelining imports Dynamo (~1 s)
+
             self.schedule, self.pipe_stages = build_schedule(
                 self.parts.modules, self.parts.stage_ids, self.parts.n_stages, par.pp_schedule,
                 self.microbatches, self._microbatch_loss, self.device, self.pp_group,

@@ -20,6 +20,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -42,13 +43,15 @@ from orchestrator.recovery.stragglers import StragglerDetector
 from orchestrator.runtime.checkpointing import Checkpointing
 from orchestrator.runtime.grid_changes import GridChanges
 from orchestrator.runtime.group import RankGroupLike, RayRuntime, Runtime, StepFailed
-from orchestrator.runtime.ps_shards import PSShards
 from orchestrator.runtime.ray_data import with_ray_dataset
 from orchestrator.runtime.records import Layout
 from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
 from workers.protocol import StepResult
+
+if TYPE_CHECKING:
+    from orchestrator.runtime.ps_shards import PSShards
 
 
 class RunComplete(Exception):
@@ -213,6 +216,8 @@ class TrainingJob:
         self.group = self.runtime.start_group(self.spec, self.placement, self.use_gpu)
         fresh_shards = p.dp_sync == "ps" and self.ps is None
         if p.dp_sync == "ps":
+            from orchestrator.runtime.ps_shards import PSShards  # here: it imports DCP (~1.5 s), PS jobs only
+
             self.ps = self.ps or PSShards(self.spec, self.run_dir)
             if self.ps.spec.parallel.dp != p.dp:  # bsp, a requested resize: the ranks load its checkpoint next
                 self.ps.set_workers(self.spec)

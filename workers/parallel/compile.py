@@ -35,15 +35,16 @@ def compile_blocks(stage: nn.Module, family: ModelFamily) -> list[nn.Module]:
     """Compile each of ``stage``'s blocks (the family's ``blocks`` hook) in place, ``fullgraph``: a graph
     break is an error at the first step rather than a silently slower block. Returns the blocks."""
     blocks = family.hook("blocks")(stage)
+    eager_wait = torch.compiler.disable(_waited)  # here, not as a decorator: it imports Dynamo (~1 s a process)
     for block in blocks:
-        block.register_forward_pre_hook(_waited)
+        block.register_forward_pre_hook(eager_wait)
         block.compile(fullgraph=True)
     return blocks
 
 
-@torch.compiler.disable
 def _waited(module: nn.Module, args: tuple) -> tuple:
-    """A block's inputs with pending collectives waited on (see the module docstring); runs eagerly."""
+    """A block's inputs with pending collectives waited on (see the module docstring); run eagerly
+    (``compile_blocks`` registers it through ``torch.compiler.disable``)."""
     return tuple(wait_tensor(a) if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
