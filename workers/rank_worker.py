@@ -34,6 +34,8 @@ def _remove_orphaned_offload(spec: dict) -> None:
 
 class RankWorker:
     def __init__(self) -> None:
+        # Ray sets OMP_NUM_THREADS to the actor's whole CPUs (at least 1) unless the environment has it already;
+        # torch is first imported after this, in ``preload``
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.trainer = None
         self.store = None  # this rank's SnapshotStore, from setup on

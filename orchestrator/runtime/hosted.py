@@ -173,14 +173,15 @@ class ControllerActor:
         return self.outcome
 
 
-def _runtime_env() -> dict:
+def _runtime_env() -> dict | None:
     """What the actor (and the ranks it starts) need from this process's environment: our ``PYTHONPATH``
-    (a checkout that is not installed) and one OpenMP thread (the controller only coordinates). A submitted
-    job's working directory comes with the job's own runtime env, which the actor inherits."""
-    env = {"OMP_NUM_THREADS": "1"}
+    (a checkout that is not installed), else nothing. A submitted job's working directory comes with the job's
+    own runtime env, which the actor inherits. Nothing else, because an actor with a runtime env of its own
+    starts in a fresh process through Ray's runtime-env setup (~1 s more on a loaded host) where one without
+    can take a worker Ray has already started; Ray gives an actor of ``num_cpus=0`` one OpenMP thread anyway."""
     if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return {"env_vars": env}
+        return {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+    return None
 
 
 class AlreadyRunning(RuntimeError):

@@ -63,7 +63,6 @@ class RankGroup:
             num_cpus=0 if spare else p.cpus_per_rank,
             num_gpus=1 if self.use_gpu else 0,
             scheduling_strategy=self.placement.strategy(rank),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
             name=f"{self.spec.name}-{'spare' if spare else 'rank'}{rank}-{time.time_ns()}",
         ).remote()
 
@@ -73,9 +72,10 @@ class RankGroup:
         Why: a replacement spends most of its time starting Python and importing torch (3 to 7 s on a loaded
         host, more for two at once), the largest part of a recovery once survivors are not waited for; a
         spare has done that already. CPU only: a spare on a GPU would need a GPU of its own. Called after the
-        grid trains, so the spares' imports never compete with the ranks' start-up.
+        grid trains, so the spares' imports never compete with the ranks' start-up. Off with
+        ``fault_tolerance.warm_spares: false``.
         """
-        if self.use_gpu:
+        if self.use_gpu or not self.spec.fault_tolerance.warm_spares:
             return
         first_of = {}
         for rank, node in self._node_of.items():
