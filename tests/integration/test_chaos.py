@@ -32,7 +32,7 @@ from tests.support.jobs import tiny_spec
 SEED = 12
 STEPS = 24
 DP2 = {"parallel": {"dp": 2}, "train": {"steps": STEPS}, "checkpoint": {"every": 4},
-       "fault_tolerance": {"heartbeat_timeout_s": 8, "collective_timeout_s": 4}}
+       "fault_tolerance": {"heartbeat_timeout_s": 8, "collective_timeout_s": 4, "warm_spares": True}}
 # one fault per slot, at most one slot every 3 steps (a recovery ends before the next fault fires)
 SLOTS = range(2, STEPS - 1, 3)
 RANK_KINDS = ("kill_rank", "hang_rank", "raise_error", "oom", "nan_loss", "slow_rank")

@@ -23,6 +23,9 @@ NEEDS_HF_DIR = {"llama_finetune_lora"}
 SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp=4: ~50 s a step on 2 busy cores
            # PowerSGD's 10-step warm-up would cover all 4 steps (the spec refuses that): 2 plain, 2 compressed
            "grad_compression": ["--set", "parallel.powersgd_warmup_steps=2"]}
+# examples that lose ranks on purpose keep their warm spare; the others run without one (a spare is a process
+# importing torch after step 1, ~5 s of CPU on this 2-core machine, and none of them loses a rank)
+KEEP_SPARES = {"fault_injection", "soak"}
 # examples whose run_dir (and so checkpoints) is a bucket: here a file:// URL (the same URL path through the real
 # job); the ranks of the session's cluster cannot see an S3 server's credentials, so test_object_storage.py covers S3
 URL_CHECKPOINTS = {"object_storage"}
@@ -34,6 +37,8 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     data = request.getfixturevalue(DATA.get(job.stem, "token_data"))
     extra = ["--set", f"model.init_from={save_hf_llama(tmp_path / 'hf')}"] if job.stem in NEEDS_HF_DIR else []
     extra += SHORTER.get(job.stem, [])
+    if job.stem not in KEEP_SPARES:
+        extra += ["--set", "fault_tolerance.warm_spares=false"]
     if job.stem in EVAL_DATA:  # scored at both checkpoints (keep_best needs every checkpoint scored)
         extra += ["--set", f"eval.path={request.getfixturevalue(EVAL_DATA[job.stem])}", "--set", "eval.every=2"]
     if job.stem in URL_CHECKPOINTS:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from ray.util.state import get_actor
 
 from orchestrator import JobSpec, TrainingJob
-from tests.support.jobs import tiny_spec
+from tests.support.jobs import ON_DEFAULTS, tiny_spec
 from tests.support.live_job import start_live
 from tests.support.reference import reference_losses
 
@@ -21,10 +22,10 @@ def run(token_data, tmp_path, faults=(), **sections):
 
 @pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2}, {"tp": 2, "dp": 2}], ids=["pp2-dp2", "tp2-dp2"])
 def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, ray_cluster, token_data, tmp_path):
-    """On the job file's defaults (no recovery tuning): snapshots every step, survivors freed at once."""
-    on_defaults = {"checkpoint": {}, "fault_tolerance": {}}
-    straight = run(token_data, tmp_path / "straight", parallel=layout, **on_defaults)
-    recovered = run(token_data, tmp_path / "killed", parallel=layout, **on_defaults,
+    """On the job file's defaults (no recovery tuning): snapshots every step, survivors freed at once, the warm
+    spare takes the dead rank's place."""
+    straight = run(token_data, tmp_path / "straight", parallel=layout, checkpoint={}, fault_tolerance={})
+    recovered = run(token_data, tmp_path / "killed", parallel=layout, **ON_DEFAULTS,
                     faults=[{"kind": "kill_rank", "rank": 1, "at_step": 7}])
     assert recovered.losses == straight.losses  # bit-identical at every step, before and after the fault
     assert recovered.grad_norms == straight.grad_norms
@@ -41,6 +42,7 @@ def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, r
     # only rank 1 is new: its direct peers (0 and 3) fail at once and leave their gloo groups, which frees rank 2
     # (blocked only on survivors) at once too, so no survivor is restarted for being blocked past the grace
     assert new == {1}, (new, rec["phases_s"])
+    assert "-spare" in get_actor(after[1]["actor_id"]).name  # the warm spare, started after step 1, took over
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def test_a_step_that_raises_or_runs_out_of_memory_replaces_the_rank(straight, to
     """A live rank's exception (here injected inside the step) is a failure to recover from, not the job's end:
     the rank is replaced (its peer, whose collective broke with it, is kept) and nothing is lost: step 4, which
     failed, is scored once it is trained again, and every held-out loss equals the uninterrupted run's."""
-    recovered = run(token_data, tmp_path / "raised", parallel={"dp": 2}, checkpoint={}, fault_tolerance={},
+    recovered = run(token_data, tmp_path / "raised", parallel={"dp": 2}, **ON_DEFAULTS,
                     eval=held_out(heldout_data),
                     faults=[{"kind": "raise_error", "rank": 0, "at_step": 4}, {"kind": "oom", "rank": 1, "at_step": 9}])
     assert recovered.losses == straight.losses
@@ -150,9 +152,10 @@ def test_kill_rank_under_compression_recovers_bit_identical_with_its_error_feedb
     lives outside the model and optimizer: the dead rank's replacement takes its own back from the snapshot its
     holder kept (its peer's own snapshot, the mirror that plain all-reduce uses, would hand it the peer's
     feedback), so the run after the kill, past the warm-up, equals the uninterrupted run bit for bit."""
-    steps, on_defaults = 8, {"checkpoint": {}, "fault_tolerance": {}}
-    straight = run(token_data, tmp_path / "straight", train={"steps": steps}, **sections, **on_defaults)
-    recovered = run(token_data, tmp_path / "killed", train={"steps": steps}, **sections, **on_defaults,
+    steps = 8
+    straight = run(token_data, tmp_path / "straight", train={"steps": steps}, **sections, checkpoint={},
+                   fault_tolerance={})
+    recovered = run(token_data, tmp_path / "killed", train={"steps": steps}, **sections, **ON_DEFAULTS,
                     faults=[{"kind": "kill_rank", "rank": 1, "at_step": 5}])
     assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
     (rec,) = recovered.recoveries

@@ -12,7 +12,12 @@ TINY = {
     "parallel": {"device": "cpu"},
     "optim": {"lr": 3e-3},
     "train": {"steps": 10, "global_batch_size": 8, "microbatches": 2},
+    # no warm spare: its start-up (a process importing torch, ~5 s of CPU here) buys nothing in a job that
+    # loses no rank; the recovery tests that run on the job file's defaults set it back (``ON_DEFAULTS``)
+    "fault_tolerance": {"warm_spares": False},
 }
+# the job file's recovery defaults, for a test that says it recovers on them (``tiny_spec`` turns spares off)
+ON_DEFAULTS = {"checkpoint": {}, "fault_tolerance": {"warm_spares": True}}
 
 
 def tiny_spec(token_data: Path, tmp_path: Path, **sections) -> JobSpec:
