@@ -141,6 +141,11 @@ class GrpcConn:
         self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
         self.metadata = call_metadata(token)
 
+    def close(self) -> None:
+        """Cancel this connection's calls still in flight and release its channel: a process that exits with a
+        call pending on an open channel can wait on gRPC's threads for good."""
+        self.channel.close()
+
     def _future(self, rpc, request, convert):
         return _GrpcFuture(rpc.future(request, metadata=self.metadata), convert, self.address)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -28,13 +29,19 @@ from parameter_server.tls import TLS_CA_ENV, trusted_root
 
 
 def connect(routes_path: str | Path) -> PSClient:
+    """A client of the shards ``routes_path`` names, their layout read; close it with ``close(client)``."""
     routes = json.loads(Path(routes_path).read_text())
     token = client_token(routes.get("token"))
     root = trusted_root(routes["tls_cert"], "the job's parameter-server shards") if "tls_cert" in routes else None
     client = PSClient([GrpcConn(a, token, root) for a in routes["addresses"]], routes["chunk_elems"],
                       routes["vnodes"])
-    infos = client.clocks()
+    try:
+        infos = client.clocks()
+    except BaseException:
+        close(client)
+        raise
     if not infos:  # else an empty layout: the reader would write {} as the job's weights
+        close(client)
         raise ShardDown(f"none of the {len(client.conns)} parameter-server shards in {routes_path} answered; fix: "
                         "check that the job is still running and that this machine reaches their addresses (and, "
                         f"when the file names a tls_cert, that it or {TLS_CA_ENV} is the shards' certificate)")
@@ -43,9 +50,19 @@ def connect(routes_path: str | Path) -> PSClient:
     return client
 
 
+def close(client: PSClient) -> None:
+    """Release every channel: one left open with a call in flight (a shard that refused another's token, one
+    that did not answer) can keep the process from exiting."""
+    for conn in client.conns:
+        conn.close()
+
+
 def pull_parameters(routes_path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     client = connect(routes_path)
-    return client.pull(names or sorted(client.layout))
+    try:
+        return client.pull(names or sorted(client.layout))
+    finally:
+        close(client)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("routes", help="ps_routes.json in the job's run directory")
     parser.add_argument("--out", required=True, help="where to torch.save the {name: tensor} dict")
     args = parser.parse_args(argv)
-    torch.save(pull_parameters(args.routes), args.out)
+    try:
+        params = pull_parameters(args.routes)
+    except (PermissionError, ShardDown, TimeoutError) as exc:  # each names its fix: no traceback to read
+        sys.exit(f"raymesh reader: {exc}")
+    torch.save(params, args.out)
 
 
 if __name__ == "__main__":

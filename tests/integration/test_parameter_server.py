@@ -336,6 +336,7 @@ def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_pa
     token_file.write_text("a-wrong-token")  # the reader authenticates like everyone else
     refused = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "authentication token" in refused.stderr
+    assert "Traceback" not in refused.stderr  # the message names the fix; exits at once, its channels closed
     assert {a.rsplit(":", 1)[0] for a in addresses} == {ray.util.get_node_ip_address()}  # the cluster address only
     for h in shards:
         ray.kill(h)
