@@ -99,11 +99,11 @@ def test_plan_prints_the_layout_and_memory(tmp_path):
 
 def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_run_stays_finished(
         ray_cluster, token_data, tmp_path):
-    spec = tiny_spec(token_data, tmp_path, train={"steps": 20}, checkpoint={"every": 100})
-    uninterrupted = TrainingJob(tiny_spec(token_data, tmp_path / "ref", train={"steps": 20}), progress=False).run()
+    spec = tiny_spec(token_data, tmp_path, train={"steps": 12}, checkpoint={"every": 100})
+    uninterrupted = TrainingJob(tiny_spec(token_data, tmp_path / "ref", train={"steps": 12}), progress=False).run()
     job = drivers.job_file(drivers.slowed(spec), tmp_path)
     out = tmp_path / "driver"
-    driver = drivers.start_raymesh(ray_cluster, "run", str(job), "--id", "ctrl-c", "--set", "train.steps=20", out=out)
+    driver = drivers.start_raymesh(ray_cluster, "run", str(job), "--id", "ctrl-c", "--set", "train.steps=12", out=out)
     try:
         wait_for(lambda: (h := HostedJob.find("ctrl-c")) is not None and h.status().get("step", 0) >= 3, 180,
                  "the run to train three steps")
@@ -115,9 +115,9 @@ def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_r
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     stopped = json.loads((tmp_path / "run" / "summary.json").read_text())
     step = stopped["steps"]
-    assert stopped["status"] == "stopped" and 3 <= step < 20
+    assert stopped["status"] == "stopped" and 3 <= step < 12
     assert (tmp_path / "run" / "checkpoints" / f"step-{step:08d}").is_dir()
-    command = f"raymesh run {job} --set train.steps=20 --resume"
+    command = f"raymesh run {job} --set train.steps=12 --resume"
     assert f"stopped at step {step} (checkpoint {tmp_path / 'run' / 'checkpoints'}/step-{step:08d}); resume with:\n" \
            f"  {command}" in stdout
 
@@ -127,7 +127,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_r
     finished = json.loads(summary_file.read_text())
     assert finished["status"] == "finished" and finished["losses"] == uninterrupted.losses[step:]
     run = tmp_path / "run"  # the end of a run: a short summary saying where things are, not kilobytes of JSON
-    assert f"done: 20 steps, final loss {finished['final_loss']:.4f}" in resumed.stdout
+    assert f"done: 12 steps, final loss {finished['final_loss']:.4f}" in resumed.stdout
     assert f"  summary: {run / 'summary.json'}\n  report: raymesh report {run}\n" in resumed.stdout
     assert "event=summary" not in resumed.stdout + resumed.stderr and len(resumed.stdout) < 1000
     assert "event=layout" in resumed.stderr and "schedule=" not in resumed.stderr  # pp=1: no pipeline fields
@@ -135,5 +135,5 @@ def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_r
     before = summary_file.read_bytes()
     again = drivers.raymesh(ray_cluster, *shlex.split(command)[1:], "--no-progress")
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
-    assert f"the run in {tmp_path / 'run'} is complete" in again.stdout and "at step 20" in again.stdout
+    assert f"the run in {tmp_path / 'run'} is complete" in again.stdout and "at step 12" in again.stdout
     assert summary_file.read_bytes() == before

@@ -146,13 +146,14 @@ def test_stand_in_controller_status_stop_and_summary(client, ray_cluster, tmp_pa
 
 
 def test_submit_status_logs_and_summary_of_a_real_run(client, token_data, tmp_path):
-    steps = 40
+    steps = 16  # seconds of "running" for the status polls (0.5 s apart) to see, on a fast machine too
     job_id = client.submit(JOB, [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", f"train.steps={steps}",
-                                 "checkpoint.every=0"], working_dir=REPO)
+                                 "checkpoint.every=0", "parallel.pp=1", "parallel.tp=1"],  # 2 ranks: the 8-rank grid
+                           working_dir=REPO)  # is test_job_submit's README recipe
     live = wait_for(lambda: (s := client.status(job_id))["state"] == "running" and s["step"] > 0 and s,
                     300, "the controller to report a step")
     assert live["job"] == "gpt-tiny-3d" and live["total_steps"] == steps and live["loss"] > 0
-    assert live["layout"]["world_size"] == 8 and len(live["health"]) == 8
+    assert live["layout"]["world_size"] == 2 and len(live["health"]) == 2
 
     assert client.wait(job_id, 600) == "succeeded", client.logs(job_id)[-3000:]
     assert "event=start" in client.logs(job_id)
@@ -163,7 +164,8 @@ def test_submit_status_logs_and_summary_of_a_real_run(client, token_data, tmp_pa
 
 def test_stop_a_real_run_gracefully(client, token_data, tmp_path):
     job_id = client.submit(JOB, [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", "train.steps=100000",
-                                 "checkpoint.every=0"], working_dir=REPO)
+                                 "checkpoint.every=0", "parallel.pp=1", "parallel.tp=1"],  # 2 ranks: any grid stops
+                           working_dir=REPO)
     wait_for(lambda: (s := client.status(job_id))["state"] == "running" and s["step"] > 0,
              300, "the controller to report a step")
     reply = client.stop(job_id, reason="test")

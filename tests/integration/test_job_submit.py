@@ -51,7 +51,8 @@ def raymesh(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_raymesh_submit_and_status_work_on_the_default_head(ray_cluster, token_data, tmp_path):
-    overrides = [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", "train.steps=200", "checkpoint.every=0"]
+    overrides = [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", "train.steps=200", "checkpoint.every=0",
+                 "parallel.pp=1", "parallel.tp=1"]  # 2 ranks: submit, status and stop do not depend on the grid
     submitted = raymesh("submit", "examples/gpt_tiny_3d.yaml", *[a for o in overrides for a in ("--set", o)],
                         "--address", ray_cluster["dashboard"])
     assert submitted.returncode == 0, submitted.stderr[-3000:]
