@@ -184,4 +184,4 @@ def check_handshake(address: str, token: str, root_cert: bytes, timeout_s: float
     except grpc.RpcError as exc:
         _raise_if_refused(exc, address)
     finally:
-        conn.channel.close()
+        conn.close()

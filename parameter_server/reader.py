@@ -37,14 +37,14 @@ def connect(routes_path: str | Path) -> PSClient:
                       routes["vnodes"])
     try:
         infos = client.clocks()
+        if not infos:  # else an empty layout: the reader would write {} as the job's weights
+            raise ShardDown(f"none of the {len(client.conns)} parameter-server shards in {routes_path} answered; "
+                            "fix: check that the job is still running and that this machine reaches their addresses "
+                            f"(and, when the file names a tls_cert, that it or {TLS_CA_ENV} is the shards' "
+                            "certificate)")
     except BaseException:
         close(client)
         raise
-    if not infos:  # else an empty layout: the reader would write {} as the job's weights
-        close(client)
-        raise ShardDown(f"none of the {len(client.conns)} parameter-server shards in {routes_path} answered; fix: "
-                        "check that the job is still running and that this machine reaches their addresses (and, "
-                        f"when the file names a tls_cert, that it or {TLS_CA_ENV} is the shards' certificate)")
     for info in infos:  # every shard keeps the whole model's layout
         client.layout.update(info["layout"])
     return client
