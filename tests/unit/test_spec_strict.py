@@ -86,6 +86,8 @@ def test_exponent_floats_are_numbers_as_in_yaml_1_2(tmp_path):
     ("optim", "betas", [float("nan"), 0.9], "finite number"),
     ("optim", "lr", True, "true/false are not numbers"),
     ("parallel", "sequence_parallel", 1, "true or false"),
+    ("fault_tolerance", "warm_spares", "yes", "true or false"),
+    ("fault_tolerance", "warm_spares", float("nan"), "true or false"),
     ("fault_tolerance", "heartbeat_timeout_s", 1e300, "<="),
     ("train", "seed", -1, ">= 0"),
     ("train", "steps", 2**64, "64 bits"),
