@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from orchestrator.planning.estimate import estimate, render
 from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import ran, run_grouped
 from tests.support.probes import peak_memory_probe
 
 
@@ -51,15 +52,16 @@ def test_zero3_param_offload_job_matches_and_resumes(ray_cluster, token_data, tm
     assert resumed.grad_norms == plain.grad_norms[5:]
 
 
-def test_param_offload_with_pipeline_and_tensor_parallel_matches(ray_cluster, token_data, tmp_path):
+def test_param_offload_with_pipeline_and_tensor_parallel_matches(token_data, tmp_path):
     """pp=2 x tp=2 x dp=2 ZeRO-3: each stage's units (TP-sharded DTensors, sharded again over dp) fetched from the
-    NVMe store before their all-gather give the losses and gradient norms of the same job without offload."""
-    from orchestrator import TrainingJob
-
+    NVMe store before their all-gather give the losses and gradient norms of the same job without offload. Both
+    jobs train on one spawn of 8 rank processes (the Ray-free harness): the offload lives in the ranks, and the
+    Ray job above covers it through the controller."""
     par, train = {"dp": 2, "pp": 2, "tp": 2, "zero": 3, "device": "cpu"}, {"steps": 2}
-    plain = TrainingJob(tiny_spec(token_data, tmp_path / "a", parallel=par, train=train), progress=False).run()
-    off = TrainingJob(tiny_spec(token_data, tmp_path / "b", parallel=par, train=train,
-                                memory=_offload(tmp_path, True)), progress=False).run()
+    specs = {"plain": tiny_spec(token_data, tmp_path / "a", parallel=par, train=train),
+             "off": tiny_spec(token_data, tmp_path / "b", parallel=par, train=train, memory=_offload(tmp_path, True))}
+    runs = run_grouped(specs)
+    plain, off = ran(runs, "plain"), ran(runs, "off")
     assert off.losses == plain.losses and off.grad_norms == plain.grad_norms
 
 
