@@ -406,28 +406,38 @@ class TrainingJob:
         A rank lost while saving raises ``StepFailed`` once the step is accounted for (it did complete)."""
         # an evaluation (eval.every) ran inside the step call: not training time, so out of step time and tokens/s
         step_s = time.perf_counter() - t0 - max((r.eval_s or 0.0 for r in results), default=0.0)
-        self.step = results[0].step
-        self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
-        if self.ps is not None:
-            self.ps.after_step(self.step, self.group)
-            self.recoveries.extend(self.ps.recoveries)
-            self.ps.recoveries.clear()
-        acct.first_step_done()
-        stopping = self.machine.stop_requested.is_set()
-        lost, ckpt_s = None, 0.0
-        self.checkpoints.scored(self.step, held_out_loss(results))
+        step = results[0].step
         try:
-            self.checkpoints.poll(self.group)
-            if self.checkpoints.due(self.step, stopping):
-                ckpt_s = self.checkpoints.save(self.group, self.step)
-        except StepFailed as failure:
-            lost = failure
-        self.last = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
+            stopping, lost = self._account(acct, results, step, step_s)
+        finally:  # the step and its record become visible together: `status` (another thread) read step 1 with
+            self.step = step  # no loss while the step's checkpoint was saving; a failure here still finds it done
         if lost is not None:
             raise lost
         if not stopping and self.step < self.spec.train.steps:
             self._maybe_resize()
         return stopping
+
+    def _account(self, acct: StepAccounting, results: list[StepResult], step: int,
+                 step_s: float) -> tuple[bool, StepFailed | None]:
+        """Everything a completed step sets off (spares, shards, checkpoint) and its record in ``self.last``;
+        returns whether the job is stopping and the failure of a rank lost while saving, if any."""
+        self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
+        if self.ps is not None:
+            self.ps.after_step(step, self.group)
+            self.recoveries.extend(self.ps.recoveries)
+            self.ps.recoveries.clear()
+        acct.first_step_done()
+        stopping = self.machine.stop_requested.is_set()
+        lost, ckpt_s = None, 0.0
+        self.checkpoints.scored(step, held_out_loss(results))
+        try:
+            self.checkpoints.poll(self.group)
+            if self.checkpoints.due(step, stopping):
+                ckpt_s = self.checkpoints.save(self.group, step)
+        except StepFailed as failure:
+            lost = failure
+        self.last = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
+        return stopping, lost
 
     def _step_once(self) -> list[StepResult]:
         """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""

@@ -16,7 +16,7 @@ from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
 from orchestrator.runtime.controller import RunComplete
 from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.states import JobState
-from tests.support.fake_group import FakeRuntime
+from tests.support.fake_group import FakeGroup, FakeRuntime
 from tests.support.jobs import tiny_spec
 
 S = JobState
@@ -98,6 +98,22 @@ def test_a_stop_checkpoints_when_checkpoints_are_on(tmp_path):
     runtime.script[3] = lambda: job.request_stop()
     result = job.run()
     assert [p.rsplit("-", 1)[1] for p in result.checkpoints] == ["00000003"]
+
+
+def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path, monkeypatch):
+    """`raymesh status` reads the controller from another thread: while step N's checkpoint saves, it shows step
+    N-1 and N-1's loss (it showed step N with N-1's loss, and step 1 with none, which a status poll saw)."""
+    job = make_job(tmp_path, checkpoint={"every": 2, "memory_every": 1})
+    seen, save = [], FakeGroup._save_checkpoint
+
+    def saving(group, path: str, async_save: bool) -> None:
+        status = job.status()
+        seen.append((status["step"], status["loss"]))
+        save(group, path, async_save)
+
+    monkeypatch.setattr(FakeGroup, "_save_checkpoint", saving)
+    job.run()
+    assert seen == [(step - 1, 1.0 / (step - 1)) for step in (2, 4, 6, 8, 10)]  # the fake's loss is 1/step
 
 
 def test_resuming_a_finished_run_refuses_and_changes_nothing(tmp_path):
