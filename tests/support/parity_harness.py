@@ -2,9 +2,9 @@
 
 Why: a parity test through Ray pays for actors, placement and the controller on every layout, although
 what it checks (the parallel wrappers, the schedules, the sharded optimizer) all lives in
-``workers.trainer.Trainer``. Here each rank is a ``torch.multiprocessing`` spawn child that builds the
-Trainer exactly as ``RankWorker.setup`` does and sends its per-step results back through a queue; the
-Ray path keeps one parity test per axis to cover what only it adds.
+``workers.trainer.Trainer``. Here each rank is a ``torch.multiprocessing`` child (forked from the fork
+server, ``spawn_ranks``) that builds the Trainer exactly as ``RankWorker.setup`` does and sends its per-step
+results back through a queue; the Ray path keeps one parity test per axis to cover what only it adds.
 """
 
 from __future__ import annotations
@@ -209,20 +209,37 @@ def _alone(spec: JobSpec, timeout_s: float, checkpoint: str | None) -> LayoutRun
         return exc
 
 
+# Ranks are forked from Python's fork server, which imports these once, not spawned fresh: each rank then starts
+# with torch, DTensor and the Trainer already imported (~4.5 s of CPU a rank on a 2-core machine, most of a tiny
+# layout's cost). The server imports only; it runs no torch op and starts no thread, so a fork of it is as clean
+# as a new process. It lives as long as the test process, started on first use with OMP_NUM_THREADS=1 set.
+PRELOAD = ["workers.trainer"]
+
+
+def _rank_context():
+    """The multiprocessing context ranks start from: the fork server, preloading ``PRELOAD`` (a no-op once it
+    runs)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
-    """Run ``body(rank, *args, results)`` in ``world_size`` spawn children; return ``{rank: what it put}``.
+    """Run ``body(rank, *args, results)`` in ``world_size`` child processes (forked from the fork server,
+    ``_rank_context``); return ``{rank: what it put}``.
 
     Each child puts one ``(rank, value)`` on ``results``. A rank that dies raises here at once, ranks still
-    alive after a failure or the timeout are killed. OMP_NUM_THREADS=1 is set for the children (they inherit
-    the environment at spawn): N ranks each starting a full thread pool on a small CI machine is slower than
-    one thread each.
+    alive after a failure or the timeout are killed. OMP_NUM_THREADS=1 is set for the children (and the fork
+    server, started by the first call): N ranks each starting a full thread pool on a small CI machine is
+    slower than one thread each.
     """
-    results = mp.get_context("spawn").Queue()
+    ctx = _rank_context()
+    results = ctx.Queue()
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = mp.start_processes(body, args=(*args, results), nprocs=world_size, join=False,
-                                   start_method="spawn")
+        procs = mp.start_processes(_as_spawned, args=(body, dict(os.environ), *args, results),
+                                   nprocs=world_size, join=False, start_method="forkserver")
         try:
             by_rank = _collect(results, procs, world_size, timeout_s)
             _join_all(procs, timeout_s)
@@ -231,6 +248,15 @@ def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
     finally:
         _restore_env("OMP_NUM_THREADS", old)
     return by_rank
+
+
+def _as_spawned(rank: int, body, env: dict, *args) -> None:
+    """Run ``body(rank, *args)`` in the caller's environment, as a spawned child would: a fork of the server has
+    the server's, from its first start (a test's S3 credentials, or a variable a test set for its ranks, would be
+    missing). ``sys.path`` and the working directory multiprocessing already sends with every start."""
+    os.environ.clear()
+    os.environ.update(env)
+    body(rank, *args)
 
 
 def _join_all(procs, timeout_s: float) -> None:
