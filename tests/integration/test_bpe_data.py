@@ -28,12 +28,14 @@ def test_tp2_with_an_odd_vocabulary_matches_the_reference(bpe_token_data, tmp_pa
 
 
 def test_bpe_training_falls_and_resumes_bit_identically(ray_cluster, bpe_token_data, tmp_path):
-    def run(where, steps, resume=False, **checkpoint):
-        spec = tiny_spec(bpe_token_data, tmp_path / where, model={"vocab_size": data_vocab(bpe_token_data)},
+    def spec(where, steps, **checkpoint):
+        return tiny_spec(bpe_token_data, tmp_path / where, model={"vocab_size": data_vocab(bpe_token_data)},
                          parallel={"dp": 2}, optim={"lr": 1e-2}, train={"steps": steps}, checkpoint=checkpoint)
-        return TrainingJob(spec, resume=resume, progress=False).run()
 
-    straight = run("a", 8)
+    def run(where, steps, resume=False, **checkpoint):
+        return TrainingJob(spec(where, steps, **checkpoint), resume=resume, progress=False).run()
+
+    straight = run_layout(spec("a", 8).worker_dict(), 2, 8)  # uninterrupted, in the harness: a Ray job's bits
     first = run("b", 4, every=4)
     second = run("b", 8, resume=True)
     assert sum(straight.losses[-2:]) / 2 < straight.losses[0] - 0.5, straight.losses

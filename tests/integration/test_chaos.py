@@ -28,6 +28,7 @@ from orchestrator import JobSpec, TrainingJob
 from tests.support.elastic_cluster import run_on_cluster
 from tests.support.events import recorded_events
 from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import run_layout
 
 SEED = 12
 STEPS = 24
@@ -77,14 +78,17 @@ def chaos_spec(token_data, tmp_path, faults=()) -> JobSpec:
 
 
 @pytest.fixture(scope="module")
-def straight(ray_cluster, token_data, tmp_path_factory):
-    """The uninterrupted run: its result and its step lines by step."""
-    spec = chaos_spec(token_data, tmp_path_factory.mktemp("chaos-straight"))
-    result = TrainingJob(spec, progress=False).run()
-    return result, {line["step"]: line for line in steps_lines(spec.resolved_run_dir())}
+def straight(token_data, tmp_path_factory):
+    """The uninterrupted run, trained in the Ray-free harness (the same Trainer gives a Ray job's bits): its
+    losses and norms, and per step its loss and norm as a step line has them."""
+    run = run_layout(chaos_spec(token_data, tmp_path_factory.mktemp("chaos-straight")).worker_dict(), 2, STEPS)
+    lines = {step: {"loss": loss, "grad_norm": norm}
+             for step, (loss, norm) in enumerate(zip(run.losses, run.grad_norms, strict=True), start=1)}
+    return run, lines
 
 
-def test_chaos_random_faults_of_every_kind_lose_nothing_and_change_nothing(straight, token_data, tmp_path):
+def test_chaos_random_faults_of_every_kind_lose_nothing_and_change_nothing(straight, ray_cluster, token_data,
+                                                                          tmp_path):
     reference, reference_lines = straight
     schedule = chaos_schedule(SEED, 2)
     why = f"seed {SEED}, schedule {schedule}"

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.faults.disk import corrupt_newest
 from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import ran, run_grouped
 
 FAST_DETECTION = {"heartbeat_timeout_s": 20, "collective_timeout_s": 5}
 DISK_ONLY = {"every": 3, "keep": 3, "memory_every": 0, "async": False}  # recoveries must come from disk
+
+
+@pytest.fixture(scope="module")
+def straights(token_data, tmp_path_factory):
+    """The uninterrupted dp=2 runs (15 and 10 steps) the tests compare with, in one spawn of the Ray-free harness
+    (the same Trainer gives a Ray job's bits)."""
+    tmp = tmp_path_factory.mktemp("straights")
+    return run_grouped({f"{steps} steps": tiny_spec(token_data, tmp / str(steps), parallel={"dp": 2},
+                                                    train={"steps": steps}) for steps in (15, 10)})
 
 
 def run(spec, faults=(), resume=False):
@@ -16,8 +28,8 @@ def run(spec, faults=(), resume=False):
                        progress=False).run()
 
 
-def test_corrupt_checkpoint_is_skipped_by_disk_recovery_and_by_resume(ray_cluster, token_data, tmp_path):
-    straight = run(tiny_spec(token_data, tmp_path / "straight", parallel={"dp": 2}, train={"steps": 15}))
+def test_corrupt_checkpoint_is_skipped_by_disk_recovery_and_by_resume(ray_cluster, token_data, tmp_path, straights):
+    straight = ran(straights, "15 steps")
     spec = tiny_spec(token_data, tmp_path / "faulty", parallel={"dp": 2}, train={"steps": 12},
                      checkpoint=DISK_ONLY, fault_tolerance=FAST_DETECTION)
     # before step 8: step-6 (the newest) is corrupted, then rank 1 dies; recovery must fall back to step-3
@@ -47,8 +59,8 @@ def test_slow_rank_is_reported_as_a_straggler(ray_cluster, token_data, tmp_path)
     assert 0 < result.goodput <= 1
 
 
-def test_restart_all_baseline_restarts_every_rank_from_disk(ray_cluster, token_data, tmp_path):
-    straight = run(tiny_spec(token_data, tmp_path / "straight", parallel={"dp": 2}, train={"steps": 10}))
+def test_restart_all_baseline_restarts_every_rank_from_disk(ray_cluster, token_data, tmp_path, straights):
+    straight = ran(straights, "10 steps")
     spec = tiny_spec(token_data, tmp_path / "all", parallel={"dp": 2}, train={"steps": 10}, checkpoint=DISK_ONLY,
                      fault_tolerance={**FAST_DETECTION, "recovery": "restart_all"})
     result = run(spec, faults=[{"kind": "kill_rank", "rank": 1, "at_step": 5}])

@@ -1,4 +1,9 @@
-"""Restart only what failed, from memory, and lose nothing: compared with an uninterrupted run."""
+"""Restart only what failed, from memory, and lose nothing: compared with an uninterrupted run.
+
+The uninterrupted runs train in the Ray-free harness (``straights``): the same ``Trainer`` on spawned ranks gives
+the Ray job's losses bit for bit (no fault, no controller decision changes a bit), and the module's runs of one
+world size share one spawn instead of each starting a controller and its own rank actors.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +13,60 @@ from ray.util.state import get_actor
 from orchestrator import JobSpec, TrainingJob
 from tests.support.jobs import ON_DEFAULTS, tiny_spec
 from tests.support.live_job import start_live
+from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import reference_losses
 
 STEPS = 20
 FAST_DETECTION = {"heartbeat_timeout_s": 20, "collective_timeout_s": 5}
 
 
-def run(token_data, tmp_path, faults=(), **sections):
+def _spec(token_data, tmp_path, **sections) -> JobSpec:
     defaults = {"train": {"steps": STEPS}, "checkpoint": {"memory_every": 1}, "fault_tolerance": FAST_DETECTION}
-    spec = tiny_spec(token_data, tmp_path, **{**defaults, **sections})
+    return tiny_spec(token_data, tmp_path, **{**defaults, **sections})
+
+
+def run(token_data, tmp_path, faults=(), **sections):
+    spec = _spec(token_data, tmp_path, **sections)
     return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
 
 
+def held_out(heldout_data) -> dict:
+    return {"every": 4, "path": str(heldout_data), "batches": 2}
+
+
+CP = {"parallel": {"cp": 2, "cp_impl": "ring"}, "train": {"steps": 8}}
+EP = {"parallel": {"dp": 4, "ep": 2}, "train": {"steps": 6, "global_batch_size": 8},
+      "model": {"moe": {"experts": 4, "router": "topk", "top_k": 2, "group": "sequence"}}}
+COMPRESSED = {
+    "powersgd": {"parallel": {"dp": 2, "grad_compression": "powersgd", "powersgd_warmup_steps": 2, "bucket_mb": 0.01},
+                 "train": {"steps": 8}},
+    "onebit_adam": {"parallel": {"dp": 2}, "optim": {"name": "onebit_adam", "warmup_steps": 2}, "train": {"steps": 8}},
+}
+
+
+@pytest.fixture(scope="module")
+def straights(token_data, heldout_data, tmp_path_factory):
+    """Every uninterrupted run the module compares with, by name. The dp=2 one scores its held-out loss after
+    every 4th step, which changes no bit of its training (tests/integration/test_eval_parity.py)."""
+    tmp = tmp_path_factory.mktemp("straights")
+    sections = {"pp2-dp2": {"parallel": {"pp": 2, "dp": 2}}, "tp2-dp2": {"parallel": {"tp": 2, "dp": 2}},
+                "dp2": {"parallel": {"dp": 2}, "eval": held_out(heldout_data)},
+                "dp2-30": {"parallel": {"dp": 2}, "train": {"steps": 30}}, "cp2": CP, "ep": EP, **COMPRESSED}
+    return run_grouped({name: _spec(token_data, tmp / name, **s) for name, s in sections.items()})
+
+
+@pytest.fixture
+def straight(straights):
+    """The uninterrupted dp=2 run of STEPS steps."""
+    return ran(straights, "dp2")
+
+
 @pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2}, {"tp": 2, "dp": 2}], ids=["pp2-dp2", "tp2-dp2"])
-def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, ray_cluster, token_data, tmp_path):
+def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, ray_cluster, token_data, tmp_path,
+                                                                     straights):
     """On the job file's defaults (no recovery tuning): snapshots every step, survivors freed at once, the warm
     spare takes the dead rank's place."""
-    straight = run(token_data, tmp_path / "straight", parallel=layout, checkpoint={}, fault_tolerance={})
+    straight = ran(straights, "-".join(f"{k}{v}" for k, v in layout.items()))
     recovered = run(token_data, tmp_path / "killed", parallel=layout, **ON_DEFAULTS,
                     faults=[{"kind": "kill_rank", "rank": 1, "at_step": 7}])
     assert recovered.losses == straight.losses  # bit-identical at every step, before and after the fault
@@ -45,25 +87,15 @@ def test_kill_rank_recovers_bit_identical_replacing_only_the_dead_rank(layout, r
     assert "-spare" in get_actor(after[1]["actor_id"]).name  # the warm spare, started after step 1, took over
 
 
-@pytest.fixture(scope="module")
-def straight(ray_cluster, token_data, heldout_data, tmp_path_factory):
-    """The uninterrupted dp=2 run the dp=2 fault tests compare with, run once for the module. It scores its held-out
-    loss after every 4th step, which changes no bit of its training (tests/integration/test_eval_parity.py)."""
-    return run(token_data, tmp_path_factory.mktemp("straight-dp2"), parallel={"dp": 2}, eval=held_out(heldout_data))
-
-
-def held_out(heldout_data) -> dict:
-    return {"every": 4, "path": str(heldout_data), "batches": 2}
-
-
-def test_nan_step_is_rolled_back(straight, token_data, tmp_path):
+def test_nan_step_is_rolled_back(straight, ray_cluster, token_data, tmp_path):
     recovered = run(token_data, tmp_path / "nan", parallel={"dp": 2},
                     faults=[{"kind": "nan_loss", "rank": 0, "at_step": 5}])
     assert recovered.losses == straight.losses
     assert [r["kind"] for r in recovered.recoveries] == ["nan_loss"]
 
 
-def test_a_step_that_raises_or_runs_out_of_memory_replaces_the_rank(straight, token_data, heldout_data, tmp_path):
+def test_a_step_that_raises_or_runs_out_of_memory_replaces_the_rank(straight, ray_cluster, token_data, heldout_data,
+                                                                  tmp_path):
     """A live rank's exception (here injected inside the step) is a failure to recover from, not the job's end:
     the rank is replaced (its peer, whose collective broke with it, is kept) and nothing is lost: step 4, which
     failed, is scored once it is trained again, and every held-out loss equals the uninterrupted run's."""
@@ -71,14 +103,14 @@ def test_a_step_that_raises_or_runs_out_of_memory_replaces_the_rank(straight, to
                     eval=held_out(heldout_data),
                     faults=[{"kind": "raise_error", "rank": 0, "at_step": 4}, {"kind": "oom", "rank": 1, "at_step": 9}])
     assert recovered.losses == straight.losses
-    assert recovered.eval_losses == straight.eval_losses
-    assert [e["step"] for e in straight.eval_losses] == [4, 8, 12, 16, 20]
+    assert {e["step"]: e["loss"] for e in recovered.eval_losses} == straight.eval_losses
+    assert list(straight.eval_losses) == [4, 8, 12, 16, 20]
     assert [(r["kind"], r["rank"], r["lost_steps"]) for r in recovered.recoveries] == [("error", 0, 0), ("oom", 1, 0)]
     first, second = recovered.recoveries
     assert first["identities_before"][1]["pid"] == second["identities_before"][1]["pid"]  # rank 1 was kept
 
 
-def test_hang_is_detected_and_the_hung_rank_replaced(straight, token_data, tmp_path):
+def test_hang_is_detected_and_the_hung_rank_replaced(straight, ray_cluster, token_data, tmp_path):
     spec_ft = {"heartbeat_timeout_s": 8, "collective_timeout_s": 4}
     spec = tiny_spec(token_data, tmp_path / "hang", parallel={"dp": 2}, train={"steps": STEPS},
                      checkpoint={"memory_every": 1}, fault_tolerance=spec_ft)
@@ -90,8 +122,8 @@ def test_hang_is_detected_and_the_hung_rank_replaced(straight, token_data, tmp_p
     assert rec["mttr_s"] < spec_ft["heartbeat_timeout_s"] + 30  # detected by the heartbeat timeout, not later
 
 
-def test_fault_injected_through_the_control_api_into_a_live_job(ray_cluster, token_data, tmp_path):
-    straight = run(token_data, tmp_path / "straight", parallel={"dp": 2}, train={"steps": 30})
+def test_fault_injected_through_the_control_api_into_a_live_job(ray_cluster, token_data, tmp_path, straights):
+    straight = ran(straights, "dp2-30")
     spec = tiny_spec(token_data, tmp_path / "live", parallel={"dp": 2}, train={"steps": 30},
                      checkpoint={"memory_every": 1}, fault_tolerance=FAST_DETECTION, control={"allow_faults": True})
     client, finish = start_live(spec)
@@ -118,44 +150,34 @@ def test_request_scale_resizes_data_parallelism_and_stays_on_the_reference_curve
     assert result.losses == pytest.approx(expected, rel=1e-4)
 
 
-def test_kill_rank_in_a_context_parallel_layout_recovers_bit_identical(ray_cluster, token_data, tmp_path):
+def test_kill_rank_in_a_context_parallel_layout_recovers_bit_identical(ray_cluster, token_data, tmp_path, straights):
     """cp=2 (ring attention, each rank half of every sequence): the dead rank's replacement restores its
     snapshot and both ranks go on exactly as an uninterrupted run (issue 16)."""
-    layout, steps = {"cp": 2, "cp_impl": "ring"}, 8
-    straight = run(token_data, tmp_path / "straight", parallel=layout, train={"steps": steps})
-    recovered = run(token_data, tmp_path / "killed", parallel=layout, train={"steps": steps},
-                    faults=[{"kind": "kill_rank", "rank": 1, "at_step": 4}])
+    straight = ran(straights, "cp2")
+    recovered = run(token_data, tmp_path / "killed", **CP, faults=[{"kind": "kill_rank", "rank": 1, "at_step": 4}])
     assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
     assert [(r["kind"], r["rank"], r["source"]) for r in recovered.recoveries] == [("rank", 1, "memory")]
 
 
-def test_kill_rank_in_an_expert_parallel_layout_recovers_bit_identical(ray_cluster, token_data, tmp_path):
+def test_kill_rank_in_an_expert_parallel_layout_recovers_bit_identical(ray_cluster, token_data, tmp_path, straights):
     """dp=4 x ep=2 (issue 15): ranks 0 and 2 hold one half of the experts, 1 and 3 the other; the dead rank's
     replacement restores the snapshot its replica peer holding the same experts kept, and the run goes on
     exactly as an uninterrupted one."""
-    sections = {"parallel": {"dp": 4, "ep": 2}, "train": {"steps": 6, "global_batch_size": 8},
-                "model": {"moe": {"experts": 4, "router": "topk", "top_k": 2, "group": "sequence"}}}
-    straight = run(token_data, tmp_path / "straight", **sections)
-    kill = [{"kind": "kill_rank", "rank": 1, "at_step": 3}]
-    recovered = run(token_data, tmp_path / "killed", **sections, faults=kill)
+    straight = ran(straights, "ep")
+    recovered = run(token_data, tmp_path / "killed", **EP, faults=[{"kind": "kill_rank", "rank": 1, "at_step": 3}])
     assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
     assert [(r["kind"], r["rank"], r["source"]) for r in recovered.recoveries] == [("rank", 1, "memory")]
 
 
-@pytest.mark.parametrize("sections", [
-    {"parallel": {"dp": 2, "grad_compression": "powersgd", "powersgd_warmup_steps": 2, "bucket_mb": 0.01}},
-    {"parallel": {"dp": 2}, "optim": {"name": "onebit_adam", "warmup_steps": 2}},
-], ids=["powersgd", "onebit_adam"])
-def test_kill_rank_under_compression_recovers_bit_identical_with_its_error_feedback(sections, ray_cluster,
-                                                                                   token_data, tmp_path):
+@pytest.mark.parametrize("kind", list(COMPRESSED))
+def test_kill_rank_under_compression_recovers_bit_identical_with_its_error_feedback(kind, ray_cluster, token_data,
+                                                                                   tmp_path, straights):
     """Each rank's error feedback (PowerSGD's, with its warm-started Q; 1-bit Adam's) differs from its peer's and
     lives outside the model and optimizer: the dead rank's replacement takes its own back from the snapshot its
     holder kept (its peer's own snapshot, the mirror that plain all-reduce uses, would hand it the peer's
     feedback), so the run after the kill, past the warm-up, equals the uninterrupted run bit for bit."""
-    steps = 8
-    straight = run(token_data, tmp_path / "straight", train={"steps": steps}, **sections, checkpoint={},
-                   fault_tolerance={})
-    recovered = run(token_data, tmp_path / "killed", train={"steps": steps}, **sections, **ON_DEFAULTS,
+    straight = ran(straights, kind)
+    recovered = run(token_data, tmp_path / "killed", **COMPRESSED[kind], **ON_DEFAULTS,
                     faults=[{"kind": "kill_rank", "rank": 1, "at_step": 5}])
     assert recovered.losses == straight.losses and recovered.grad_norms == straight.grad_norms
     (rec,) = recovered.recoveries

@@ -14,10 +14,11 @@ import random
 import pytest
 import ray
 
-from orchestrator import JobSpec, TrainingJob
+from orchestrator import JobSpec
 from orchestrator.runtime.hosted import HostedJob
 from tests.support.driver import job_file, kill_group, output, raymesh, slowed, start_raymesh
 from tests.support.jobs import tiny_spec, wait_for
+from tests.support.parity_harness import run_layout
 
 STEPS = 20  # slowed: ~3 s a step on 2 busy cores, ~0.5 s on a fast machine
 
@@ -31,8 +32,9 @@ def slow_job(token_data, folder):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, token_data, tmp_path_factory) -> list[float]:
-    return TrainingJob(spec_for(token_data, tmp_path_factory.mktemp("ref")), progress=False).run().losses
+def uninterrupted(token_data, tmp_path_factory) -> list[float]:
+    """The job's losses uninterrupted, from the Ray-free harness (the same Trainer gives a Ray job's bits)."""
+    return run_layout(spec_for(token_data, tmp_path_factory.mktemp("ref")).worker_dict(), 1, STEPS).losses
 
 
 def with_rank_faults(spec, seed: int):

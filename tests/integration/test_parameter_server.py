@@ -24,6 +24,7 @@ from parameter_server.ring import HashRing, rebalance, split
 from parameter_server.shard import PSShard
 from tests.support.events import recorded_events
 from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import run_layout
 from tests.support.reference import reference_run
 from workers.model.config import model_config
 from workers.model.meta_init import build_full
@@ -42,9 +43,10 @@ def _ps_spec(token_data, tmp_path, faults=(), **ps):
 
 
 @pytest.fixture(scope="module")
-def allreduce_dp4(ray_cluster, token_data, tmp_path_factory):
+def allreduce_dp4(token_data, tmp_path_factory):
+    """The all-reduce run, in the Ray-free harness (the same Trainer gives a Ray job's bits)."""
     spec = tiny_spec(token_data, tmp_path_factory.mktemp("ar"), parallel={"dp": 4}, train={"steps": STEPS})
-    return TrainingJob(spec, progress=False).run()
+    return run_layout(spec.worker_dict(), 4, STEPS)
 
 
 def test_ring_spreads_chunks_and_names_a_distinct_successor():
@@ -165,16 +167,14 @@ def test_bsp_with_bf16_on_the_wire_stays_near_the_uncompressed_run(bsp_dp4, toke
                                          "staleness": 0}] * STEPS
 
 
-def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(token_data, tmp_path):
+def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(ray_cluster, token_data, tmp_path):
     """fp16 with loss scaling: gradients are unscaled before the push, and a step every rank finds overflowing is
     skipped on the shards too (its clock passes without an update), so the run follows all-reduce's."""
-    runs = []
-    for sync in ("allreduce", "ps"):
-        spec = tiny_spec(token_data, tmp_path / sync, parallel={"dp": 2, "dp_sync": sync}, train={"steps": STEPS},
-                         precision={"dtype": "fp16", "initial_loss_scale": FP16_SCALE},
-                         checkpoint={"memory_every": 0})
-        runs.append(TrainingJob(spec, progress=False).run())
-    allreduce, ps = runs
+    specs = [tiny_spec(token_data, tmp_path / sync, parallel={"dp": 2, "dp_sync": sync}, train={"steps": STEPS},
+                       precision={"dtype": "fp16", "initial_loss_scale": FP16_SCALE}, checkpoint={"memory_every": 0})
+             for sync in ("allreduce", "ps")]
+    allreduce = run_layout(specs[0].worker_dict(), 2, STEPS)  # in the harness: no shards to start
+    ps = TrainingJob(specs[1], progress=False).run()
     skipped = [i for i, n in enumerate(allreduce.grad_norms) if n != n]
     assert skipped and len(skipped) < STEPS, allreduce.grad_norms  # some steps overflowed, later ones trained
     # the parity bound (1e-4): the two sum the ranks' gradients in another order, and fp16 compute turns that
@@ -276,7 +276,7 @@ def test_asp_resumes_from_a_checkpoint_at_the_saved_clocks(ray_cluster, token_da
     assert sum(at + len(seen) for at, seen in zip(saved["keeper_clocks"], clocks)) == 5 * 2
 
 
-def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, token_data, tmp_path):
+def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, ray_cluster, token_data, tmp_path):
     """The shard dies on a push mid-step, after acknowledging another; BSP must still equal all-reduce.
 
     The chaos schedule's PS case (issue 12): which shard dies and when is drawn from the chaos test's seed,

@@ -11,7 +11,7 @@ and their recovery on Ray.
   carried across steps or drained at each (``pp_flush_per_step``: bit-identical, the version rule is timing-free);
 - a run saved and resumed (stashed versions and in-flight microbatches in the checkpoint) continues bit for bit;
 - on Ray, a killed rank is replaced and rolled back to its snapshot (versions, in-flight microbatches, outbox):
-  the run is bit-identical to the uninterrupted one.
+  the run is bit-identical to the uninterrupted one (trained in the harness, which gives a Ray job's bits).
 The harness jobs share one spawn of the ranks (module-scoped).
 """
 
@@ -26,7 +26,7 @@ import torch
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.planning.bubble import measured_bubble, step_events
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layouts
+from tests.support.parity_harness import ran, run_grouped, run_layouts
 from workers.data import DataCursor, TokenDataset
 from workers.model.config import model_config
 from workers.model.gpt import lm_loss
@@ -169,24 +169,38 @@ def test_resumes_bit_for_bit_with_microbatches_in_flight(runs, name) -> None:
 # -- recovery on Ray -----------------------------------------------------------------------------------------
 
 RAY_STEPS = 6
+# the Ray recovery tests' layouts: pp=2 under each asynchronous schedule, and pp=2 x dp=2 on the job file's defaults
+RAY_LAYOUTS = {"pipedream": ("pipedream", 1, None), "pipedream_2bw": ("pipedream_2bw", 1, None),
+               "2bw-dp2-defaults": ("pipedream_2bw", 2, {})}
 
 
-def _ray_run(token_data, tmp_path, schedule: str, faults=(), dp: int = 1, checkpoint: dict | None = None):
-    spec = tiny_spec(token_data, tmp_path, parallel={"pp": 2, "dp": dp, "pp_schedule": schedule},
+def _ray_spec(token_data, tmp_path, schedule: str, dp: int = 1, checkpoint: dict | None = None) -> JobSpec:
+    return tiny_spec(token_data, tmp_path, parallel={"pp": 2, "dp": dp, "pp_schedule": schedule},
                      train={"steps": RAY_STEPS, "microbatches": MICROBATCHES}, optim={"lr": 3e-3, "grad_clip": 0.0},
                      checkpoint={"memory_every": 1} if checkpoint is None else checkpoint, metrics={"timeline": True},
                      fault_tolerance={"heartbeat_timeout_s": 20, "collective_timeout_s": 5})
-    return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)}), progress=False).run()
+
+
+@pytest.fixture(scope="module")
+def straights(token_data, tmp_path_factory):
+    """The uninterrupted runs the Ray recovery tests compare with, trained in the harness (the same Trainer gives
+    the Ray job's bits; one spawn per world size instead of a controller and rank actors each)."""
+    tmp = tmp_path_factory.mktemp("pipedream-straight")
+    return run_grouped({name: _ray_spec(token_data, tmp / name, *layout) for name, layout in RAY_LAYOUTS.items()})
+
+
+def _killed(token_data, tmp_path, name: str, kill: dict):
+    spec = _ray_spec(token_data, tmp_path, *RAY_LAYOUTS[name])
+    return TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": [kill]}), progress=False).run()
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
-def test_kill_rank_recovers_bit_identical(schedule, ray_cluster, token_data, tmp_path):
+def test_kill_rank_recovers_bit_identical(schedule, ray_cluster, token_data, tmp_path, straights):
     """Rank 0 (stage 0, holding a microbatch in flight and two weight versions at every boundary) dies at step 4:
     its replacement restores the snapshot of step 3, re-runs the in-flight forward, and the run goes on as the
     uninterrupted one, bit for bit."""
-    straight = _ray_run(token_data, tmp_path / "straight", schedule)
-    kill = [{"kind": "kill_rank", "rank": 0, "at_step": 4}]
-    killed = _ray_run(token_data, tmp_path / "killed", schedule, faults=kill)
+    straight = ran(straights, schedule)
+    killed = _killed(token_data, tmp_path / "killed", schedule, {"kind": "kill_rank", "rank": 0, "at_step": 4})
     assert killed.losses == straight.losses and killed.grad_norms == straight.grad_norms
     assert [(r["kind"], r["rank"], r["source"]) for r in killed.recoveries] == [("rank", 0, "memory")]
     # the step re-run after the rollback began with the restored in-flight microbatch's backward, on its version
@@ -197,14 +211,15 @@ def test_kill_rank_recovers_bit_identical(schedule, ray_cluster, token_data, tmp
     assert all(versions[(r, n, "B")] == versions[(r, n, "F")] for r, n, _ in versions)
 
 
-def test_kill_rank_with_data_parallel_stages_recovers_bit_identical_on_defaults(ray_cluster, token_data, tmp_path):
+def test_kill_rank_with_data_parallel_stages_recovers_bit_identical_on_defaults(ray_cluster, token_data, tmp_path,
+                                                                               straights):
     """pp=2 x dp=2: the two dp ranks of a stage share weights but not their microbatches in flight (each holds
     its own data's), so a peer's snapshot is not a dead rank's replica; its holder's shipped copy is, and the
     run goes on as the uninterrupted one, bit for bit. On the job file's defaults: replicas ship, so snapshots
     are every 10 steps and the kill before step 4 rolls back to step 0's."""
-    straight = _ray_run(token_data, tmp_path / "straight", "pipedream_2bw", dp=2, checkpoint={})
-    kill = [{"kind": "kill_rank", "rank": 1, "at_step": 4}]
-    killed = _ray_run(token_data, tmp_path / "killed", "pipedream_2bw", faults=kill, dp=2, checkpoint={})
+    straight = ran(straights, "2bw-dp2-defaults")
+    kill = {"kind": "kill_rank", "rank": 1, "at_step": 4}
+    killed = _killed(token_data, tmp_path / "killed", "2bw-dp2-defaults", kill)
     assert killed.losses == straight.losses and killed.grad_norms == straight.grad_norms
     (rec,) = killed.recoveries
     assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == ("rank", 1, "memory", 3)
