@@ -9,7 +9,7 @@ import pytest
 from orchestrator import TrainingJob
 from orchestrator.cli import main
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_layout, run_spec
 from tests.support.reference import reference_run
 
 
@@ -35,7 +35,7 @@ def test_bpe_training_falls_and_resumes_bit_identically(ray_cluster, bpe_token_d
     def run(where, steps, resume=False, **checkpoint):
         return TrainingJob(spec(where, steps, **checkpoint), resume=resume, progress=False).run()
 
-    straight = run_layout(spec("a", 8).worker_dict(), 2, 8)  # uninterrupted, in the harness: a Ray job's bits
+    straight = run_spec(spec("a", 8))  # uninterrupted, in the harness: a Ray job's bits
     first = run("b", 4, every=4)
     second = run("b", 8, resume=True)
     assert sum(straight.losses[-2:]) / 2 < straight.losses[0] - 0.5, straight.losses

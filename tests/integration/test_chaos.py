@@ -28,7 +28,7 @@ from orchestrator import JobSpec, TrainingJob
 from tests.support.elastic_cluster import run_on_cluster
 from tests.support.events import recorded_events
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 
 SEED = 12
 STEPS = 24
@@ -81,7 +81,7 @@ def chaos_spec(token_data, tmp_path, faults=()) -> JobSpec:
 def straight(token_data, tmp_path_factory):
     """The uninterrupted run, trained in the Ray-free harness (the same Trainer gives a Ray job's bits): its
     losses and norms, and per step its loss and norm as a step line has them."""
-    run = run_layout(chaos_spec(token_data, tmp_path_factory.mktemp("chaos-straight")).worker_dict(), 2, STEPS)
+    run = run_spec(chaos_spec(token_data, tmp_path_factory.mktemp("chaos-straight")))
     lines = {step: {"loss": loss, "grad_norm": norm}
              for step, (loss, norm) in enumerate(zip(run.losses, run.grad_norms, strict=True), start=1)}
     return run, lines

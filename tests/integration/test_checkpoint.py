@@ -9,7 +9,7 @@ import pytest
 from orchestrator import TrainingJob
 from orchestrator.checkpoints.directory import CheckpointDir
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_losses
 
 PP_DP = {"pp": 2, "dp": 2}
@@ -21,8 +21,7 @@ def run(spec, resume=False):
 
 def test_resume_at_step_20_matches_an_uninterrupted_40_step_run(ray_cluster, token_data, tmp_path):
     # uninterrupted: in the Ray-free harness, which gives a Ray job's bits without its controller and actors
-    straight = run_layout(tiny_spec(token_data, tmp_path / "a", parallel=PP_DP, train={"steps": 40}).worker_dict(),
-                          4, 40)
+    straight = run_spec(tiny_spec(token_data, tmp_path / "a", parallel=PP_DP, train={"steps": 40}))
     first = run(tiny_spec(token_data, tmp_path / "b", parallel=PP_DP, train={"steps": 20},
                           checkpoint={"every": 20, "async": True}))
     second = run(tiny_spec(token_data, tmp_path / "b", parallel=PP_DP, train={"steps": 40}), resume=True)

@@ -17,7 +17,7 @@ from orchestrator import SpecError, TrainingJob
 from orchestrator.runtime.hosted import HostedJob
 from tests.support import driver as drivers
 from tests.support.jobs import tiny_spec, wait_for
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 
 
 def raymesh(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -101,7 +101,7 @@ def test_plan_prints_the_layout_and_memory(tmp_path):
 def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_run_stays_finished(
         ray_cluster, token_data, tmp_path):
     spec = tiny_spec(token_data, tmp_path, train={"steps": 12}, checkpoint={"every": 100})
-    uninterrupted = run_layout(tiny_spec(token_data, tmp_path / "ref", train={"steps": 12}).worker_dict(), 1, 12)
+    uninterrupted = run_spec(tiny_spec(token_data, tmp_path / "ref", train={"steps": 12}))
     job = drivers.job_file(drivers.slowed(spec), tmp_path)
     out = tmp_path / "driver"
     driver = drivers.start_raymesh(ray_cluster, "run", str(job), "--id", "ctrl-c", "--set", "train.steps=12", out=out)

@@ -18,7 +18,7 @@ from orchestrator import JobSpec
 from orchestrator.runtime.hosted import HostedJob
 from tests.support.driver import job_file, kill_group, output, raymesh, slowed, start_raymesh
 from tests.support.jobs import tiny_spec, wait_for
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 
 STEPS = 20  # slowed: ~3 s a step on 2 busy cores, ~0.5 s on a fast machine
 
@@ -34,7 +34,7 @@ def slow_job(token_data, folder):
 @pytest.fixture(scope="module")
 def uninterrupted(token_data, tmp_path_factory) -> list[float]:
     """The job's losses uninterrupted, from the Ray-free harness (the same Trainer gives a Ray job's bits)."""
-    return run_layout(spec_for(token_data, tmp_path_factory.mktemp("ref")).worker_dict(), 1, STEPS).losses
+    return run_spec(spec_for(token_data, tmp_path_factory.mktemp("ref"))).losses
 
 
 def with_rank_faults(spec, seed: int):

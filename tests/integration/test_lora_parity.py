@@ -14,7 +14,7 @@ from orchestrator import TrainingJob
 from orchestrator.cli import main
 from tests.support.jobs import tiny_spec
 from tests.support.lora import base_and_lora
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_run
 from workers.model.config import model_config
 from workers.model.finetune import load_dcp_model
@@ -73,7 +73,7 @@ def test_qlora_tensor_parallel_matches_the_reference(token_data, tmp_path):
     spec = tiny_spec(token_data, tmp_path, parallel={"tp": 2, "device": "cpu"}, model=model,
                      train={"steps": STEPS})
     losses, grad_norms = reference_run(spec, STEPS)
-    result = run_layout(spec.worker_dict(), 2, STEPS)
+    result = run_spec(spec)
     assert result.losses == pytest.approx(losses, rel=1e-4)
     assert result.grad_norms == pytest.approx(grad_norms, rel=1e-4)
 

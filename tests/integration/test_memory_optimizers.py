@@ -8,7 +8,7 @@ import torch
 
 from tests.support.jobs import tiny_spec
 from tests.support.models import SMALL_MODEL, random_batch
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_run
 from workers.model.config import model_config
 from workers.model.gpt import GPT, lm_loss
@@ -68,6 +68,6 @@ def test_sm3_steps_fsdp_and_tensor_parallel_shards_like_one_process(token_data, 
     spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2, "tp": 2, "zero": 3, "device": "cpu"},
                      optim={"name": "sm3", "lr": 0.05, "momentum": 0.9}, train={"steps": 5})
     losses, grad_norms = reference_run(spec, 5)
-    result = run_layout(spec.worker_dict(), spec.parallel.world_size, 5)  # the optimizer lives in the ranks
+    result = run_spec(spec)  # the optimizer lives in the ranks
     assert result.losses == pytest.approx(losses, rel=1e-4)
     assert result.grad_norms == pytest.approx(grad_norms, rel=1e-4)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 from tests.support.probes import peak_memory_probe
 from tests.support.reference import reference_losses
 from workers.offload.optimizer import OffloadedAdam, StoredState
@@ -104,8 +104,7 @@ def test_zero3_job_with_nvme_optimizer_offload_matches_and_resumes(ray_cluster, 
     from orchestrator import TrainingJob
 
     par = {"dp": 2, "zero": 3, "device": "cpu"}
-    plain_spec = tiny_spec(token_data, tmp_path / "a", parallel=par)  # no offload: in the harness, a Ray job's bits
-    plain = run_layout(plain_spec.worker_dict(), 2, plain_spec.train.steps)
+    plain = run_spec(tiny_spec(token_data, tmp_path / "a", parallel=par))  # no offload: harness, a Ray job's bits
     memory = {"offload": {"optimizer": True, "tier": "nvme", "path": str(tmp_path / "nvme")}}
     first = TrainingJob(tiny_spec(token_data, tmp_path / "b", parallel=par, memory=memory, train={"steps": 5},
                                   checkpoint={"every": 5}), progress=False).run()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from orchestrator.planning.estimate import estimate, render
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import ran, run_grouped, run_layout
+from tests.support.parity_harness import ran, run_grouped, run_spec
 from tests.support.probes import peak_memory_probe
 
 
@@ -38,8 +38,7 @@ def test_zero3_param_offload_job_matches_and_resumes(ray_cluster, token_data, tm
     from orchestrator import JobSpec, TrainingJob
 
     par = {"dp": 2, "zero": 3, "device": "cpu"}
-    plain_spec = tiny_spec(token_data, tmp_path / "a", parallel=par)  # no offload: in the harness, a Ray job's bits
-    plain = run_layout(plain_spec.worker_dict(), 2, plain_spec.train.steps)
+    plain = run_spec(tiny_spec(token_data, tmp_path / "a", parallel=par))  # no offload: harness, a Ray job's bits
     memory = _offload(tmp_path, True)
     first = TrainingJob(tiny_spec(token_data, tmp_path / "b", parallel=par, memory=memory, train={"steps": 5},
                                   checkpoint={"every": 5}), progress=False).run()

@@ -24,7 +24,7 @@ from parameter_server.ring import HashRing, rebalance, split
 from parameter_server.shard import PSShard
 from tests.support.events import recorded_events
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout
+from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_run
 from workers.model.config import model_config
 from workers.model.meta_init import build_full
@@ -46,7 +46,7 @@ def _ps_spec(token_data, tmp_path, faults=(), **ps):
 def allreduce_dp4(token_data, tmp_path_factory):
     """The all-reduce run, in the Ray-free harness (the same Trainer gives a Ray job's bits)."""
     spec = tiny_spec(token_data, tmp_path_factory.mktemp("ar"), parallel={"dp": 4}, train={"steps": STEPS})
-    return run_layout(spec.worker_dict(), 4, STEPS)
+    return run_spec(spec)
 
 
 def test_ring_spreads_chunks_and_names_a_distinct_successor():
@@ -173,7 +173,7 @@ def test_fp16_under_bsp_skips_overflowing_steps_as_allreduce_does(ray_cluster, t
     specs = [tiny_spec(token_data, tmp_path / sync, parallel={"dp": 2, "dp_sync": sync}, train={"steps": STEPS},
                        precision={"dtype": "fp16", "initial_loss_scale": FP16_SCALE}, checkpoint={"memory_every": 0})
              for sync in ("allreduce", "ps")]
-    allreduce = run_layout(specs[0].worker_dict(), 2, STEPS)  # in the harness: no shards to start
+    allreduce = run_spec(specs[0])  # in the harness: no shards to start
     ps = TrainingJob(specs[1], progress=False).run()
     skipped = [i for i, n in enumerate(allreduce.grad_norms) if n != n]
     assert skipped and len(skipped) < STEPS, allreduce.grad_norms  # some steps overflowed, later ones trained

@@ -147,6 +147,12 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     return run_layouts([spec], world_size, steps, timeout_s, [checkpoint], [resume], [save_after])[0]
 
 
+def run_spec(spec: JobSpec, timeout_s: float = 300.0, checkpoint: str | None = None) -> LayoutRun:
+    """Train ``spec`` for its ``train.steps`` on its own world size of ranks (``run_layout``): e.g. the uninterrupted
+    run a recovery test compares a Ray job with, bit for bit (the same Trainer, no controller decision in it)."""
+    return run_layout(spec.worker_dict(), spec.parallel.world_size, spec.train.steps, timeout_s, checkpoint)
+
+
 def run_layouts(specs: list[dict], world_size: int, steps: int | list[int], timeout_s: float = 300.0,
                 checkpoints: list[str | None] | None = None, resumes: list[str | None] | None = None,
                 save_afters: list[int | None] | None = None) -> list[LayoutRun]:
@@ -204,15 +210,16 @@ def ran(runs: dict[str, LayoutRun | Exception], name: str) -> LayoutRun:
 def _alone(spec: JobSpec, timeout_s: float, checkpoint: str | None) -> LayoutRun | Exception:
     """``spec`` trained in a spawn of its own: its run, or the error it raised."""
     try:
-        return run_layout(spec.worker_dict(), spec.parallel.world_size, spec.train.steps, timeout_s, checkpoint)
+        return run_spec(spec, timeout_s, checkpoint)
     except Exception as exc:
         return exc
 
 
 # Ranks are forked from Python's fork server, which imports these once, not spawned fresh: each rank then starts
 # with torch, DTensor and the Trainer already imported (~4.5 s of CPU a rank on a 2-core machine, most of a tiny
-# layout's cost). The server imports only; it runs no torch op and starts no thread, so a fork of it is as clean
-# as a new process. It lives as long as the test process, started on first use with OMP_NUM_THREADS=1 set.
+# layout's cost). The server imports only and runs no torch op; the one thread the imports start is pyarrow's
+# jemalloc background purger, which jemalloc's own fork handlers reset in the child. It lives as long as the test
+# process, started on first use with OMP_NUM_THREADS=1 set.
 PRELOAD = ["workers.trainer"]
 
 
