@@ -42,8 +42,9 @@ class StepAccounting:
         self.pending: tuple[RecoveryRecord, RecoveryPhases] | None = None  # waiting for its first completed step
         self.t_train = time.perf_counter()
 
-    def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> dict:
-        """Account for one completed step; returns its ``steps.jsonl`` record."""
+    def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
+        """Account for one completed step; returns its report (``.record`` is its ``steps.jsonl`` record). The
+        observers hear of it through ``report`` once the job shows the step (an observer may read its status)."""
         record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s)
         ratios = self.stragglers.observe(record["step"], results)
         self.losses.append(record["loss"])
@@ -54,10 +55,13 @@ class StepAccounting:
             self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
         self.measured.observe([r.to_dict() for r in results])  # MeasuredMemory (planning) reads the JSON form
         peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
-        self.observers.on_step(StepReport(record, utilization(self.flops_per_token, record["tokens_per_s"], peak_flops),
-                                          _bubble_ratio(results), self.goodput(), ratios,
-                                          frozenset(self.stragglers.flagged()), tuple(results)))
-        return record
+        return StepReport(record, utilization(self.flops_per_token, record["tokens_per_s"], peak_flops),
+                          _bubble_ratio(results), self.goodput(), ratios, frozenset(self.stragglers.flagged()),
+                          tuple(results))
+
+    def report(self, report: StepReport) -> None:
+        """Tell the observers of a step ``step`` accounted for."""
+        self.observers.on_step(report)
 
     def rolled_back(self, recovery: tuple[RecoveryRecord, RecoveryPhases], steps_kept: int) -> None:
         """A recovery rolled training back to ``steps_kept`` steps of this run; its record waits for

@@ -30,7 +30,7 @@ from orchestrator.errors import SpecError
 from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.observability.events import event
-from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
+from orchestrator.observability.observers import EventLog, Observers, ProgressBar, StepReport, metrics_observer
 from orchestrator.observability.remote_run_dir import run_dir_upload
 from orchestrator.observability.run_records import RunRecords, held_out_loss
 from orchestrator.observability.step_accounting import StepAccounting
@@ -408,9 +408,10 @@ class TrainingJob:
         step_s = time.perf_counter() - t0 - max((r.eval_s or 0.0 for r in results), default=0.0)
         step = results[0].step
         try:
-            stopping, lost = self._account(acct, results, step, step_s)
+            stopping, lost, report = self._account(acct, results, step, step_s)
         finally:  # the step and its record become visible together: `status` (another thread) read step 1 with
             self.step = step  # no loss while the step's checkpoint was saving; a failure here still finds it done
+        acct.report(report)  # after the step is shown: an observer (a dashboard, a test's gate) reads status
         if lost is not None:
             raise lost
         if not stopping and self.step < self.spec.train.steps:
@@ -418,9 +419,10 @@ class TrainingJob:
         return stopping
 
     def _account(self, acct: StepAccounting, results: list[StepResult], step: int,
-                 step_s: float) -> tuple[bool, StepFailed | None]:
+                 step_s: float) -> tuple[bool, StepFailed | None, StepReport]:
         """Everything a completed step sets off (spares, shards, checkpoint) and its record in ``self.last``;
-        returns whether the job is stopping and the failure of a rank lost while saving, if any."""
+        returns whether the job is stopping, the failure of a rank lost while saving (if any) and the step's
+        report for the observers."""
         self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
         if self.ps is not None:
             self.ps.after_step(step, self.group)
@@ -436,8 +438,9 @@ class TrainingJob:
                 ckpt_s = self.checkpoints.save(self.group, step)
         except StepFailed as failure:
             lost = failure
-        self.last = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
-        return stopping, lost
+        report = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
+        self.last = report.record
+        return stopping, lost, report
 
     def _step_once(self) -> list[StepResult]:
         """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""

@@ -116,6 +116,23 @@ def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path
     assert seen == [(step - 1, 1.0 / (step - 1)) for step in (2, 4, 6, 8, 10)]  # the fake's loss is 1/step
 
 
+def test_an_observer_told_of_a_step_finds_status_at_that_step_with_its_loss(tmp_path):
+    """Observers hear of step N once the job shows it: a test gate (and a dashboard) holding the job in ``on_step``
+    reads step N and N's loss, with the step's checkpoint saved (CI saw step N-1 from a gate at step N)."""
+    job = make_job(tmp_path, checkpoint={"every": 2, "memory_every": 1})
+    seen = []
+
+    class Reader(JobObserver):
+        def on_step(self, report) -> None:
+            status = job.status()
+            seen.append((report.record["step"], status["step"], status["loss"], report.record["loss"]))
+
+    job.observers.add(Reader())
+    job.run()
+    assert [(s, shown) for s, shown, _, _ in seen] == [(s, s) for s in range(1, 11)]
+    assert all(shown_loss == loss == 1.0 / s for s, _, shown_loss, loss in seen)  # the fake's loss is 1/step
+
+
 def test_resuming_a_finished_run_refuses_and_changes_nothing(tmp_path):
     make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}).run()
     run_dir = tmp_path / "run"
