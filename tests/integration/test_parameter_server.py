@@ -30,22 +30,23 @@ from workers.model.config import model_config
 from workers.model.meta_init import build_full
 
 STEPS = 6
+DP = 2  # the data ranks of most jobs here: each rank is a process importing torch (~5 s of CPU on 2 cores)
 CHAOS_SEED = 12  # tests/integration/test_chaos.py's
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
 LRS = [0.1] * 4  # the job's learning rate per step, as the controller hands it to every shard
 FP16_SCALE = 2.0 ** 20  # the tiny model overflows fp16 in steps 1-3 at this loss scale (halved each), then trains
 
 
-def _ps_spec(token_data, tmp_path, faults=(), **ps):
-    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 4, "dp_sync": "ps"}, train={"steps": STEPS},
+def _ps_spec(token_data, tmp_path, faults=(), dp=DP, **ps):
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": dp, "dp_sync": "ps"}, train={"steps": STEPS},
                      parameter_server={"shards": 3, "chunk_elems": 1024, **ps}, checkpoint={"memory_every": 0})
     return JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)})
 
 
 @pytest.fixture(scope="module")
-def allreduce_dp4(token_data, tmp_path_factory):
+def allreduce_run(token_data, tmp_path_factory):
     """The all-reduce run, in the Ray-free harness (the same Trainer gives a Ray job's bits)."""
-    spec = tiny_spec(token_data, tmp_path_factory.mktemp("ar"), parallel={"dp": 4}, train={"steps": STEPS})
+    spec = tiny_spec(token_data, tmp_path_factory.mktemp("ar"), parallel={"dp": DP}, train={"steps": STEPS})
     return run_spec(spec)
 
 
@@ -59,30 +60,30 @@ def test_ring_spreads_chunks_and_names_a_distinct_successor():
 
 
 @pytest.fixture(scope="module")
-def bsp_dp4(ray_cluster, token_data, tmp_path_factory):
+def bsp_run(ray_cluster, token_data, tmp_path_factory):
     return TrainingJob(_ps_spec(token_data, tmp_path_factory.mktemp("bsp"), consistency="bsp"), progress=False).run()
 
 
-def test_bsp_matches_allreduce(allreduce_dp4, bsp_dp4):
-    assert bsp_dp4.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5)
-    assert bsp_dp4.grad_norms == pytest.approx(allreduce_dp4.grad_norms, rel=1e-5)
+def test_bsp_matches_allreduce(allreduce_run, bsp_run):
+    assert bsp_run.losses == pytest.approx(allreduce_run.losses, rel=1e-5)
+    assert bsp_run.grad_norms == pytest.approx(allreduce_run.grad_norms, rel=1e-5)
 
 
-def test_bsp_resumes_exactly_and_at_another_dp_and_shard_count(bsp_dp4, token_data, tmp_path):
+def test_bsp_resumes_exactly_and_at_another_dp_and_shard_count(bsp_run, token_data, tmp_path):
     """Stopped at step 3 with a checkpoint (shards' weights, Adam moments, clocks in it), then resumed: at the same
-    layout bit-identically, at dp=2 over 2 shards with another chunk size on the uninterrupted curve."""
+    layout bit-identically, at dp=4 over 2 shards with another chunk size on the uninterrupted curve."""
     base = _ps_spec(token_data, tmp_path, consistency="bsp").with_overrides(["checkpoint.every=3"])
     first = TrainingJob(base.with_overrides(["train.steps=3"]), progress=False).run()
-    assert first.losses == bsp_dp4.losses[:3]
+    assert first.losses == bsp_run.losses[:3]
     assert (Path(first.checkpoints[0]) / "ps" / ".metadata").is_file()
-    for layout, exact in ((["parallel.dp=4"], True),
-                          (["parallel.dp=2", "parameter_server.shards=2", "parameter_server.chunk_elems=700"], False)):
+    for layout, exact in ((["parallel.dp=2"], True),
+                          (["parallel.dp=4", "parameter_server.shards=2", "parameter_server.chunk_elems=700"], False)):
         resumed = TrainingJob(base.with_overrides([*layout, "checkpoint.every=0"]), resume=True, progress=False).run()
         assert resumed.resumed_from == first.checkpoints[0]
         if exact:
-            assert resumed.losses == bsp_dp4.losses[3:]
+            assert resumed.losses == bsp_run.losses[3:]
         else:
-            assert resumed.losses == pytest.approx(bsp_dp4.losses[3:], rel=1e-5), layout
+            assert resumed.losses == pytest.approx(bsp_run.losses[3:], rel=1e-5), layout
 
 
 @pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}], ids=["pp2-dp2", "tp2-dp2"])
@@ -97,7 +98,7 @@ def test_bsp_with_model_parallelism_matches_the_reference(layout, token_data, tm
     assert result.grad_norms == pytest.approx(norms, rel=1e-4)
 
 
-def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_dp4, token_data, tmp_path):
+def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_run, token_data, tmp_path):
     """Rank 1 dies in step 5; the ranks' newest snapshot is step 3 (memory_every 3), and the shards, which have
     applied step 4 since, go back with them to the state they kept at step 3 (a survivor blocked on the dead rank's
     push is freed by the shards at once)."""
@@ -105,13 +106,13 @@ def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_
     spec = spec.with_overrides(["checkpoint.memory_every=3", "fault_tolerance.heartbeat_timeout_s=20",
                                 "fault_tolerance.collective_timeout_s=5"])
     result = TrainingJob(spec, progress=False).run()
-    assert result.losses == bsp_dp4.losses and result.grad_norms == bsp_dp4.grad_norms
+    assert result.losses == bsp_run.losses and result.grad_norms == bsp_run.grad_norms
     [rec] = result.recoveries
     assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 5, "memory", 1)
     assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
 
 
-def test_a_rank_replaced_after_a_shard_restart_reaches_the_restarted_shard(bsp_dp4, token_data, tmp_path):
+def test_a_rank_replaced_after_a_shard_restart_reaches_the_restarted_shard(bsp_run, token_data, tmp_path):
     """Shard 0 dies in step 2 and is restarted on a new actor and address; rank 1 dies in step 5. Its
     replacement, and the survivors formed again, must get the restarted shard's route, not the dead one's
     (a rank with the dead route sends shard 0's keys to their other holder only, which hides the loss until
@@ -121,7 +122,7 @@ def test_a_rank_replaced_after_a_shard_restart_reaches_the_restarted_shard(bsp_d
     spec = spec.with_overrides(["checkpoint.memory_every=3", "fault_tolerance.heartbeat_timeout_s=20",
                                 "fault_tolerance.collective_timeout_s=5"])
     result = TrainingJob(spec, progress=False).run()
-    assert result.losses == bsp_dp4.losses and result.grad_norms == bsp_dp4.grad_norms
+    assert result.losses == bsp_run.losses and result.grad_norms == bsp_run.grad_norms
     assert [(r["kind"], r["at_step"]) for r in result.recoveries] == [("kill_ps_shard", 2), ("rank", 5)]
     final = [torch.load(Path(spec.run_dir) / "ps" / f"shard-{s}.pt", weights_only=False) for s in range(3)]
     assert [f["version"] for f in final] == [STEPS] * 3
@@ -151,19 +152,19 @@ def _steps(spec: JobSpec) -> list[dict]:
     return [json.loads(line) for line in (Path(spec.run_dir) / "steps.jsonl").read_text().splitlines()]
 
 
-def test_bsp_with_bf16_on_the_wire_stays_near_the_uncompressed_run(bsp_dp4, token_data, tmp_path):
+def test_bsp_with_bf16_on_the_wire_stays_near_the_uncompressed_run(bsp_run, token_data, tmp_path):
     """bf16 pushes and pulls (fp32 shards): every loss within 1% of the uncompressed run's, and each rank's bytes
     to and from the shards per step are exactly 2 bytes per parameter for each of its pushes (to 2 holders) and
     its pull."""
     spec = _ps_spec(token_data, tmp_path, consistency="bsp", compression="bf16").with_overrides(
         ["metrics.comm_bytes=true"])
     result = TrainingJob(spec, progress=False).run()
-    assert result.losses == pytest.approx(bsp_dp4.losses, rel=1e-2) and result.losses != bsp_dp4.losses
+    assert result.losses == pytest.approx(bsp_run.losses, rel=1e-2) and result.losses != bsp_run.losses
     params = sum(p.numel() for p in build_full(model_config(spec.worker_dict()["model"]), 0).parameters())
     steps = _steps(spec)
     assert [s["comm_bytes"]["ps"] for s in steps] == [3 * params * 2] * STEPS
-    # the step record's (and Prometheus') traffic: all 4 ranks' pushes (2 holders each) and pulls, never stale
-    assert [s["ps"] for s in steps] == [{"push_bytes": 4 * 2 * params * 2, "pull_bytes": 4 * params * 2,
+    # the step record's (and Prometheus') traffic: all DP ranks' pushes (2 holders each) and pulls, never stale
+    assert [s["ps"] for s in steps] == [{"push_bytes": DP * 2 * params * 2, "pull_bytes": DP * params * 2,
                                          "staleness": 0}] * STEPS
 
 
@@ -229,7 +230,7 @@ def test_ssp_reads_stay_within_the_bound_under_a_straggler_and_a_killed_rank(ray
     keep the gradient they held back through the re-formed group; the replacement starts with none."""
     faults = [{"kind": "slow_rank", "rank": 1, "at_step": 1, "factor": 3.0}, {"kind": "kill_rank", "rank": 2,
                                                                                 "at_step": 3}]
-    spec = _ps_spec(token_data, tmp_path, faults, shards=2, consistency="ssp", staleness=1,
+    spec = _ps_spec(token_data, tmp_path, faults, dp=4, shards=2, consistency="ssp", staleness=1,
                     compression="topk").with_overrides(
         ["fault_tolerance.heartbeat_timeout_s=20", "fault_tolerance.collective_timeout_s=5"])
     with recorded_events() as events:
@@ -276,18 +277,18 @@ def test_asp_resumes_from_a_checkpoint_at_the_saved_clocks(ray_cluster, token_da
     assert sum(at + len(seen) for at, seen in zip(saved["keeper_clocks"], clocks)) == 5 * 2
 
 
-def test_killed_shard_loses_no_acknowledged_update(allreduce_dp4, ray_cluster, token_data, tmp_path):
+def test_killed_shard_loses_no_acknowledged_update(allreduce_run, ray_cluster, token_data, tmp_path):
     """The shard dies on a push mid-step, after acknowledging another; BSP must still equal all-reduce.
 
     The chaos schedule's PS case (issue 12): which shard dies and when is drawn from the chaos test's seed,
     and a slowed rank is drawn beside it (rank faults that kill are refused under dp_sync: ps)."""
     rng = random.Random(CHAOS_SEED)
     kill = {"kind": "kill_ps_shard", "shard": rng.randrange(3), "at_step": rng.randrange(2, STEPS)}
-    slow = {"kind": "slow_rank", "rank": rng.randrange(4), "at_step": rng.randrange(1, STEPS), "factor": 3.0}
+    slow = {"kind": "slow_rank", "rank": rng.randrange(DP), "at_step": rng.randrange(1, STEPS), "factor": 3.0}
     spec = _ps_spec(token_data, tmp_path, [kill, slow], consistency="bsp")
     result = TrainingJob(spec, progress=False).run()
     assert result.steps == STEPS and result.status == "finished"
-    assert result.losses == pytest.approx(allreduce_dp4.losses, rel=1e-5), (kill, slow)
+    assert result.losses == pytest.approx(allreduce_run.losses, rel=1e-5), (kill, slow)
     [recovery] = result.recoveries
     assert (recovery["kind"], recovery["shard"], recovery["at_step"]) == ("kill_ps_shard", kill["shard"],
                                                                           kill["at_step"]), (kill, slow)
@@ -342,7 +343,7 @@ def test_outside_process_pulls_over_grpc_what_a_worker_pulls(ray_cluster, tmp_pa
         ray.kill(h)
 
 
-def test_bsp_grows_and_shrinks_its_shards_mid_run_bit_identically(bsp_dp4, token_data, tmp_path):
+def test_bsp_grows_and_shrinks_its_shards_mid_run_bit_identically(bsp_run, token_data, tmp_path):
     """2 shards, a third added before step 3 and removed again before step 5: the losses are bit-identical to the
     fixed 3-shard run's (a BSP step sums over workers and chunks in a fixed order wherever a chunk lives, so the
     shard count never enters the arithmetic), and only the chunks the ring says changed holders moved, each with
@@ -350,7 +351,7 @@ def test_bsp_grows_and_shrinks_its_shards_mid_run_bit_identically(bsp_dp4, token
     spec = _ps_spec(token_data, tmp_path, consistency="bsp", shards=2,
                     resize=[{"at_step": 3, "shards": 3}, {"at_step": 5, "shards": 2}])
     result = TrainingJob(spec, progress=False).run()
-    assert result.losses == bsp_dp4.losses and result.grad_norms == bsp_dp4.grad_norms
+    assert result.losses == bsp_run.losses and result.grad_norms == bsp_run.grad_norms
     model = build_full(model_config(spec.worker_dict()["model"]), 0)
     chunks = {k: c.numel() for n, p in model.named_parameters() for k, c in split(f"stage0.{n}", p, 1024).items()}
     for r, (old, new) in zip(result.ps_resizes, ((2, 3), (3, 2)), strict=True):
@@ -363,16 +364,16 @@ def test_bsp_grows_and_shrinks_its_shards_mid_run_bit_identically(bsp_dp4, token
     assert len(json.loads((spec.resolved_run_dir() / "ps_routes.json").read_text())["addresses"]) == 2
 
 
-def test_bsp_scales_its_data_ranks_on_request(bsp_dp4, token_data, tmp_path):
+def test_bsp_scales_its_data_ranks_on_request(bsp_run, token_data, tmp_path):
     """`raymesh scale` under BSP (asked before the run starts, so it lands after step 1): dp 4 -> 2 through the
     checkpoint the resize saves, which holds the shards' state; the shards count 2 data ranks from then on and
-    the run stays on the dp=4 curve (1e-5, not bit-identical: each data rank's gradient now averages twice as
-    many sequences, summed in another order)."""
-    spec = _ps_spec(token_data, tmp_path, consistency="bsp").with_overrides(["train.steps=3"])
+    the run stays on the dp=2 run's curve (1e-5, not bit-identical: its first step summed four ranks' gradients,
+    in another order)."""
+    spec = _ps_spec(token_data, tmp_path, dp=4, consistency="bsp").with_overrides(["train.steps=3"])
     job = TrainingJob(spec, progress=False)
     job.request_scale(2)
     result = job.run()
     assert [(r["reason"], r["at_step"], r["dp_from"], r["dp_to"]) for r in result.resizes] == [("request", 1, 4, 2)]
-    assert result.losses[0] == bsp_dp4.losses[0] and result.layout["dp"] == 2
-    assert result.losses == pytest.approx(bsp_dp4.losses[:3], rel=1e-5)
-    assert result.grad_norms == pytest.approx(bsp_dp4.grad_norms[:3], rel=1e-5)
+    assert result.layout["dp"] == 2
+    assert result.losses == pytest.approx(bsp_run.losses[:3], rel=1e-5)
+    assert result.grad_norms == pytest.approx(bsp_run.grad_norms[:3], rel=1e-5)
