@@ -20,7 +20,7 @@ from tests.support.driver import job_file, kill_group, output, raymesh, slowed, 
 from tests.support.jobs import tiny_spec, wait_for
 from tests.support.parity_harness import run_spec
 
-STEPS = 20  # slowed: ~3 s a step on 2 busy cores, ~0.5 s on a fast machine
+STEPS = 14  # slowed: ~3 s a step on 2 busy cores, ~0.5 s on a fast machine (a sleep: wall time, no CPU)
 
 
 def spec_for(token_data, folder):
