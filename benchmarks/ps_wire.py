@@ -25,7 +25,8 @@ from parameter_server.shard import PSShard
 from tests.support.ps_local import LocalConn
 from workers.model.config import model_config
 from workers.model.meta_init import build_full
-from workers.parallel.grad_compression import PS_KINDS, WireCodec
+from workers.parallel.compression_kinds import PS_KINDS
+from workers.parallel.grad_compression import WireCodec
 
 
 def step_bytes(params: dict, kind: str, ps, optim: dict) -> dict:

@@ -32,9 +32,9 @@ from workers.optim.build import build_optimizer, clip_grads, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
 from workers.optim.onebit_adam import OneBitAdam
 from workers.parallel.async_pipeline import AsyncPipeline, rules_for
+from workers.parallel.compression_kinds import WITH_FEEDBACK
 from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import sliced_optimizer
-from workers.parallel.grad_compression import WITH_FEEDBACK
 from workers.parallel.layout import stage_owners
 from workers.parallel.parallelize import build_parts
 from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device

@@ -16,8 +16,7 @@ from orchestrator.planning import memory_model as mm
 from orchestrator.planning.layout_search import FFN_MATRICES, Shape
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
-from workers.model.moe import group_capacity
-from workers.parallel.grad_compression import WITH_FEEDBACK
+from workers.parallel.compression_kinds import WITH_FEEDBACK
 from workers.parallel.layout import layers_of_stage, stage_ids
 from workers.parallel.mixed_precision import planned_fsdp_mixed
 
@@ -111,7 +110,7 @@ def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
 
 def routed_rows(spec: JobSpec) -> int:
     """Token copies one MoE layer sends to its experts for one microbatch: tokens × top_k (dropless), capped at
-    each group's expert capacity (gshard, switch: ``workers.model.moe.group_capacity`` per expert and group),
+    each group's expert capacity (gshard, switch: ``MoEConfig.capacity`` per expert and group),
     or every expert's k = n·c/e tokens of each group (expert_choice)."""
     m, moe = spec.model, spec.model.moe
     tokens = m.seq_len * micro_batch(spec)
@@ -120,7 +119,7 @@ def routed_rows(spec: JobSpec) -> int:
     if moe.router == "expert_choice":
         return groups * moe.experts * max(1, min(n, int(n * moe.capacity_factor / moe.experts)))
     if moe.router in CAPACITY_ROUTERS:
-        return groups * min(n * moe.k, moe.experts * group_capacity(moe, n, moe.k))
+        return groups * min(n * moe.k, moe.experts * moe.capacity(n, moe.k))
     return tokens * moe.k
 
 

@@ -28,6 +28,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orchestrator.errors import SpecError
 from orchestrator.planning import time_model as tm
@@ -36,7 +37,9 @@ from orchestrator.planning.memory_model import in_flight_microbatches
 from orchestrator.spec import JobSpec
 from workers.parallel.layout import stage_ids
 from workers.parallel.partition import StageMemory, balanced_split, even_split, stage_bounds, stage_cost
-from workers.parallel.stage_profile import ModelCosts, profile_in_fresh_process
+
+if TYPE_CHECKING:  # the profiler's module imports torch; the controller and `raymesh plan` need it only to profile
+    from workers.parallel.stage_profile import ModelCosts
 
 # fp32 weights and gradients plus Adam's two moments (seed 003's 16 bytes a parameter): the program's memory
 # term, per stage, beside the activations the schedule keeps in flight there
@@ -115,6 +118,8 @@ def unit_times(spec: JobSpec) -> UnitTimes:
 @functools.lru_cache(maxsize=8)
 def _profile(model_json: str, micro: int, seed: int) -> ModelCosts:
     """The profile, or a ``SpecError`` on ``parallel.pp_split`` saying why it could not run and what to set."""
+    from workers.parallel.stage_profile import profile_in_fresh_process
+
     try:
         return profile_in_fresh_process(json.loads(model_json), micro, seed)
     except RuntimeError as exc:

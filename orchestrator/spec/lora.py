@@ -14,12 +14,16 @@ from pydantic import BaseModel, Field
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import model_config
-from workers.model.registry import build_model, family
 from workers.storage import is_url, location, staged_output
 
 
 def default_targets(arch: str) -> list[str]:
-    """The family's own default (``ModelFamily.lora_targets``), so each list is declared once, beside its model."""
+    """The family's own default (``ModelFamily.lora_targets``), so each list is declared once, beside its model.
+
+    The registry is imported here, not at the top: it loads the model code (torch), and the CLI checks a job
+    file without LoRA, and the controller runs one, without importing torch."""
+    from workers.model.registry import family
+
     return list(family(arch).lora_targets)
 
 
@@ -42,6 +46,8 @@ def _linear_names(model):
     """Names of the model's Linear layers and the model itself, built weightless on the meta device."""
     import torch
     from torch import nn
+
+    from workers.model.registry import build_model
 
     raw = model.model_dump()
     raw["d_ff"] = model.ffn_dim

@@ -1,7 +1,7 @@
 """The `model:` section: the transformer's shape (and its LoRA/QLoRA fine-tuning, `model.lora`).
 
 Two fields fill the shape in for the user before validation: `preset` (a published or small Llama shape,
-`workers.model.llama.PRESETS`; the job's own fields override it) and `init_from` (a Hugging Face
+`workers.model.presets.PRESETS`; the job's own fields override it) and `init_from` (a Hugging Face
 directory whose `config.json` decides the shape; a field the job also sets must agree with it).
 """
 
@@ -16,7 +16,7 @@ from orchestrator.spec.fields import STRICT, PathStr, _divisors, _Section
 from orchestrator.spec.lora import LoraSpec, default_targets
 from orchestrator.spec.moe import MoESpec
 from workers.model.config import LLAMA_ONLY, ModelConfig
-from workers.model.llama import PRESETS
+from workers.model.presets import PRESETS
 
 Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 

@@ -23,7 +23,7 @@ from orchestrator.spec.fields import (
     _divisors,
     _Section,
 )
-from workers.parallel.grad_compression import WITH_FEEDBACK
+from workers.parallel.compression_kinds import WITH_FEEDBACK
 from workers.parallel.grid import Grid
 from workers.parallel.schedules import Schedule, schedule
 from workers.storage import location

@@ -9,6 +9,8 @@ made inside functions, which is where such shortcuts usually hide.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,35 @@ def test_checker_sees_nested_and_relative_imports(tmp_path):
     assert imported_names(pkg / "rel.py", tmp_path) == [(1, "workers.trainer")]
     (report,) = violations("workers", tmp_path)
     assert report.startswith("workers/sub/mod.py:4: workers.sub.mod imports orchestrator.runtime")
+
+
+# what runs without training a model: the CLI (`raymesh --help`, `status`, `plan`), the controller (in its own
+# actor for a hosted run) and the Python client. torch costs ~3 s of CPU to import on a 2-core machine.
+TORCH_FREE = ["orchestrator.cli", "orchestrator.runtime.controller", "orchestrator.runtime.hosted",
+              "orchestrator.api.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare"]
+
+
+def test_the_cli_controller_and_client_import_without_torch():
+    """Each imports in a fresh interpreter without loading torch; the failure names the chain that pulled it in."""
+    probe = ("import importlib, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    importlib.import_module(name)\n"
+             "    assert 'torch' not in sys.modules, name\n")
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", probe, *TORCH_FREE], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, _chain_to_torch(proc.stderr) + "\n" + proc.stderr[-2000:]
+
+
+def _chain_to_torch(importtime: str) -> str:
+    """``-X importtime``'s output read back: the modules from the first one importing torch up to the top."""
+    rows = [line.split("|")[2] for line in importtime.splitlines()
+            if line.startswith("import time:") and line.split("|")[0][12:].strip().isdigit()]
+    start = next((i for i, n in enumerate(rows) if n.strip() == "torch"), None)
+    if start is None:
+        return "(no torch import seen)"
+    depth, chain = len(rows[start]) - len(rows[start].lstrip()), ["torch"]
+    for name in rows[start + 1:]:
+        if len(name) - len(name.lstrip()) < depth:
+            chain.append(name.strip())
+            depth = len(name) - len(name.lstrip())
+    return " <- ".join(chain)

@@ -4,7 +4,16 @@ The global sample order depends only on (seed, seq_len), never on the data-paral
 layout, so checkpoints can be resumed at a different dp size without re-seeing data.
 """
 
-from workers.data.loader import DataCursor, TokenDataset
-from workers.data.prepare import default_sources, prepare_data, write_token_rows
+import importlib
 
-__all__ = ["DataCursor", "TokenDataset", "default_sources", "prepare_data", "write_token_rows"]
+_HOME = {"DataCursor": "loader", "TokenDataset": "loader", "default_sources": "prepare", "prepare_data": "prepare",
+         "write_token_rows": "prepare"}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    """The package's names, each imported from its module on first use: the loader imports torch (seconds of
+    CPU), which preparing data and the controller (it writes Ray Data rows) never need."""
+    if name not in _HOME:
+        raise AttributeError(f"module 'workers.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"workers.data.{_HOME[name]}"), name)

@@ -8,6 +8,7 @@ registry (``workers.model.registry``).
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,6 +76,12 @@ class MoEConfig(BaseModel):
     def k(self) -> int:
         """Experts each token asks for (token-choice routers)."""
         return self.top_k if self.top_k is not None else ROUTER_TOP_K.get(self.router, 2)
+
+    def capacity(self, tokens: int, k: int) -> int:
+        """Expert capacity of one routing group of ``tokens`` asking ``k`` experts each:
+        ceil(capacity_factor * tokens * k / experts). Here, not in ``workers.model.moe``, so the planner sizes
+        it without importing torch."""
+        return math.ceil(self.capacity_factor * tokens * k / self.experts)
 
 
 class ModelConfig(BaseModel):

@@ -268,11 +268,6 @@ def within_capacity(choices: torch.Tensor, wanted: torch.Tensor, capacity: int, 
     return kept.view(g, k, n).transpose(1, 2)
 
 
-def group_capacity(cfg: MoEConfig, tokens: int, k: int) -> int:
-    """Expert capacity of one routing group: ceil(capacity_factor * tokens * k / experts)."""
-    return math.ceil(cfg.capacity_factor * tokens * k / cfg.experts)
-
-
 class Router(nn.Module):
     """Scores tokens against experts with ``weight`` [E, d] in float32 (Switch's selective precision, kept for
     every router since it is cheap) and decides the routing. Subclasses implement ``decide``."""
@@ -406,7 +401,7 @@ class GShardRouter(Router):
         if self.cfg.aux_loss_weight > 0:
             first = F.one_hot(choices[..., 0], experts).float().mean(1)
             losses["balance"] = self.cfg.aux_loss_weight * (first * probs.mean(1)).mean(-1).mean()
-        return self.token_choice(choices, gates, wanted, group_capacity(self.cfg, n, 2), losses)
+        return self.token_choice(choices, gates, wanted, self.cfg.capacity(n, 2), losses)
 
 
 class SwitchRouter(Router):
@@ -421,7 +416,7 @@ class SwitchRouter(Router):
         if self.cfg.aux_loss_weight > 0:
             losses["balance"] = load_balance_loss(probs, top.indices, self.cfg.aux_loss_weight)
         wanted = torch.ones_like(top.indices, dtype=torch.bool)
-        return self.token_choice(top.indices, top.values, wanted, group_capacity(self.cfg, n, 1), losses)
+        return self.token_choice(top.indices, top.values, wanted, self.cfg.capacity(n, 1), losses)
 
 
 class ExpertChoiceRouter(Router):

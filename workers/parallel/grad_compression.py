@@ -35,10 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-KINDS = ("none", "bf16", "fp16", "powersgd", "topk")
-PS_KINDS = ("none", "bf16", "topk")  # parameter_server.compression (``WireCodec``)
-# the kinds whose error feedback is each rank's own (what it held back differs from its peers')
-WITH_FEEDBACK = ("powersgd", "topk")
+from workers.parallel.compression_kinds import KINDS, PS_KINDS, WITH_FEEDBACK  # noqa: F401 (named here too)
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:
