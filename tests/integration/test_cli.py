@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import ray
 from ray.util.state import list_actors
 
 from orchestrator import SpecError, TrainingJob
@@ -122,11 +123,13 @@ def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_r
     assert f"stopped at step {step} (checkpoint {tmp_path / 'run' / 'checkpoints'}/step-{step:08d}); resume with:\n" \
            f"  {command}" in stdout
 
-    resumed = drivers.raymesh(ray_cluster, *shlex.split(command)[1:], "--no-progress")
+    # typed as printed, in a shell with no RAY_ADDRESS: the run joins the head `ray start` runs on this machine
+    resumed = drivers.raymesh(ray_cluster, *shlex.split(command)[1:], "--no-progress", by_address=False)
     assert resumed.returncode == 0, resumed.stderr
     summary_file = tmp_path / "run" / "summary.json"
     finished = json.loads(summary_file.read_text())
     assert finished["status"] == "finished" and finished["losses"] == uninterrupted.losses[step:]
+    assert {r["node_id"] for r in finished["layout"]["ranks"]} <= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     run = tmp_path / "run"  # the end of a run: a short summary saying where things are, not kilobytes of JSON
     assert f"done: 12 steps, final loss {finished['final_loss']:.4f}" in resumed.stdout
     assert f"  summary: {run / 'summary.json'}\n  report: raymesh report {run}\n" in resumed.stdout

@@ -13,10 +13,14 @@ from orchestrator import JobSpec
 REPO = Path(__file__).parents[2]
 
 
-def cli_env(ray_cluster: dict) -> dict:
-    """The session cluster's environment with this checkout first on the path (the actors get it from us)."""
-    return {**ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"], "PYTHONPATH": str(REPO),
-            "PYTHONUNBUFFERED": "1"}
+def cli_env(ray_cluster: dict, by_address: bool = True) -> dict:
+    """The session cluster's environment with this checkout first on the path (the actors get it from us).
+
+    ``by_address=False``: no ``RAY_ADDRESS``, as in the shell of a user who ran ``ray start --head`` on this
+    machine; raymesh must find that cluster itself."""
+    env = {**ray_cluster["env"], "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return {**env, "RAY_ADDRESS": ray_cluster["address"]} if by_address else env
 
 
 def slowed(spec: JobSpec, factor: float = 15.0) -> JobSpec:
@@ -44,10 +48,11 @@ def output(out: Path) -> tuple[str, str]:
     return Path(f"{out}.stdout").read_text(), Path(f"{out}.stderr").read_text()
 
 
-def raymesh(ray_cluster: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``raymesh ARGS`` to its end."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=cli_env(ray_cluster), cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+def raymesh(ray_cluster: dict, *args: str, timeout: float = 300,
+            by_address: bool = True) -> subprocess.CompletedProcess:
+    """``raymesh ARGS`` to its end (``by_address``: see ``cli_env``)."""
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=cli_env(ray_cluster, by_address),
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
