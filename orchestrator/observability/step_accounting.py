@@ -43,8 +43,8 @@ class StepAccounting:
         self.t_train = time.perf_counter()
 
     def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
-        """Account for one completed step; returns its report (``.record`` is its ``steps.jsonl`` record). The
-        observers hear of it through ``report`` once the job shows the step (an observer may read its status)."""
+        """Account for one completed step; returns its report (``.record`` is its ``steps.jsonl`` record) for the
+        controller to hand the observers once the job shows the step (an observer may read its status)."""
         record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s)
         ratios = self.stragglers.observe(record["step"], results)
         self.losses.append(record["loss"])
@@ -58,10 +58,6 @@ class StepAccounting:
         return StepReport(record, utilization(self.flops_per_token, record["tokens_per_s"], peak_flops),
                           _bubble_ratio(results), self.goodput(), ratios, frozenset(self.stragglers.flagged()),
                           tuple(results))
-
-    def report(self, report: StepReport) -> None:
-        """Tell the observers of a step ``step`` accounted for."""
-        self.observers.on_step(report)
 
     def rolled_back(self, recovery: tuple[RecoveryRecord, RecoveryPhases], steps_kept: int) -> None:
         """A recovery rolled training back to ``steps_kept`` steps of this run; its record waits for

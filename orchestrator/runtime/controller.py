@@ -411,7 +411,7 @@ class TrainingJob:
             stopping, lost, report = self._account(acct, results, step, step_s)
         finally:  # the step and its record become visible together: `status` (another thread) read step 1 with
             self.step = step  # no loss while the step's checkpoint was saving; a failure here still finds it done
-        acct.report(report)  # after the step is shown: an observer (a dashboard, a test's gate) reads status
+        self.observers.on_step(report)  # after the step is shown: an observer (a dashboard, a test's gate) reads status
         if lost is not None:
             raise lost
         if not stopping and self.step < self.spec.train.steps:

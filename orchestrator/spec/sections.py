@@ -23,7 +23,7 @@ from orchestrator.spec.fields import (
     _divisors,
     _Section,
 )
-from workers.parallel.compression_kinds import WITH_FEEDBACK
+from workers.parallel.compression_kinds import KINDS, PS_KINDS, WITH_FEEDBACK
 from workers.parallel.grid import Grid
 from workers.parallel.schedules import Schedule, schedule
 from workers.storage import location
@@ -75,7 +75,7 @@ class ParallelSpec(_Section):
     # it; 25 is DDP's default); 0: one bucket, averaged after backward (no overlap)
     bucket_mb: Annotated[float, Field(ge=0, le=1_000_000)] = 25.0  # up to a terabyte: one bucket in practice
     # zero 0: how gradient buckets cross data parallelism (all lossy but none; workers/parallel/grad_compression.py)
-    grad_compression: Literal["none", "bf16", "fp16", "powersgd", "topk"] = "none"
+    grad_compression: Literal[KINDS] = "none"  # type: ignore[valid-type]
     powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
     # grad_compression powersgd: steps of plain all-reduce before compressing (PyTorch's start_powerSGD_iter);
     # 10 cut the worst loss gap over 200 steps from 7.9% to 2.2% (README, "Gradient communication")
@@ -357,7 +357,7 @@ class ParameterServerSpec(_Section):
     virtual_nodes: PositiveInt = 64  # points per shard on the consistent-hash ring
     snapshot_every: Annotated[int, Field(ge=0)] = 0  # steps between shard snapshots to <run_dir>/ps; 0: off
     # lossy: pushes in bf16 (pulls too), or the top-k share of each gradient chunk with error feedback on the worker
-    compression: Literal["none", "bf16", "topk"] = "none"
+    compression: Literal[PS_KINDS] = "none"  # type: ignore[valid-type]
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # compression topk: share of each chunk's entries sent
     # add or remove shards between steps ({at_step, shards} each; consistent hashing moves only the affected chunks)
     resize: list[PSResizeSpec] = Field(default_factory=list)
