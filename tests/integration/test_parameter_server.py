@@ -98,32 +98,26 @@ def test_bsp_with_model_parallelism_matches_the_reference(layout, token_data, tm
     assert result.grad_norms == pytest.approx(norms, rel=1e-4)
 
 
-def test_bsp_kill_rank_rolls_the_shards_back_with_the_ranks_bit_identically(bsp_run, token_data, tmp_path):
-    """Rank 1 dies in step 5; the ranks' newest snapshot is step 3 (memory_every 3), and the shards, which have
-    applied step 4 since, go back with them to the state they kept at step 3 (a survivor blocked on the dead rank's
-    push is freed by the shards at once)."""
-    spec = _ps_spec(token_data, tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 5}], consistency="bsp")
-    spec = spec.with_overrides(["checkpoint.memory_every=3", "fault_tolerance.heartbeat_timeout_s=20",
-                                "fault_tolerance.collective_timeout_s=5"])
-    result = TrainingJob(spec, progress=False).run()
-    assert result.losses == bsp_run.losses and result.grad_norms == bsp_run.grad_norms
-    [rec] = result.recoveries
-    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("rank", 1, 5, "memory", 1)
-    assert rec["phases_s"]["detect"] + rec["phases_s"]["survivors"] < 5, rec["phases_s"]  # shards freed them
+def test_a_killed_rank_rolls_the_shards_back_and_its_replacement_reaches_a_restarted_shard(bsp_run, token_data,
+                                                                                             tmp_path):
+    """Shard 0 dies in step 2 and is restarted on a new actor and address; rank 1 dies in step 5.
 
-
-def test_a_rank_replaced_after_a_shard_restart_reaches_the_restarted_shard(bsp_run, token_data, tmp_path):
-    """Shard 0 dies in step 2 and is restarted on a new actor and address; rank 1 dies in step 5. Its
-    replacement, and the survivors formed again, must get the restarted shard's route, not the dead one's
-    (a rank with the dead route sends shard 0's keys to their other holder only, which hides the loss until
-    that holder dies too), and the run still equals the uninterrupted one bit for bit."""
+    The ranks' newest snapshot is step 3 (memory_every 3), and the shards, which have applied step 4 since, go
+    back with them to the state they kept at step 3 (a survivor blocked on the dead rank's push is freed by the
+    shards at once). The replacement, and the survivors formed again, must get the restarted shard's route, not
+    the dead one's (a rank with the dead route sends shard 0's keys to their other holder only, which hides the
+    loss until that holder dies too). The run equals the uninterrupted one bit for bit."""
     faults = [{"kind": "kill_ps_shard", "shard": 0, "at_step": 2}, {"kind": "kill_rank", "rank": 1, "at_step": 5}]
     spec = _ps_spec(token_data, tmp_path, faults, consistency="bsp", snapshot_every=STEPS)
     spec = spec.with_overrides(["checkpoint.memory_every=3", "fault_tolerance.heartbeat_timeout_s=20",
                                 "fault_tolerance.collective_timeout_s=5"])
     result = TrainingJob(spec, progress=False).run()
     assert result.losses == bsp_run.losses and result.grad_norms == bsp_run.grad_norms
-    assert [(r["kind"], r["at_step"]) for r in result.recoveries] == [("kill_ps_shard", 2), ("rank", 5)]
+    shard, rank = result.recoveries
+    assert (shard["kind"], shard["at_step"]) == ("kill_ps_shard", 2)
+    assert (rank["kind"], rank["rank"], rank["at_step"], rank["source"], rank["lost_steps"]) == ("rank", 1, 5,
+                                                                                                 "memory", 1)
+    assert rank["phases_s"]["detect"] + rank["phases_s"]["survivors"] < 5, rank["phases_s"]  # shards freed them
     final = [torch.load(Path(spec.run_dir) / "ps" / f"shard-{s}.pt", weights_only=False) for s in range(3)]
     assert [f["version"] for f in final] == [STEPS] * 3
     for key, value in final[0]["params"].items():  # the restarted shard holds what its keys' other holder does
