@@ -19,6 +19,7 @@ from tests.support.reference import reference_run
 STEPS = 10
 
 LAYOUTS = {
+    "dp4": {"dp": 4},
     "tp2-no-sp": {"tp": 2, "sequence_parallel": False},
     "tp2-dp2-zero3": {"tp": 2, "dp": 2, "zero": 3},
     "pp2-dp2-gpipe": {"pp": 2, "dp": 2, "pp_schedule": "gpipe"},
