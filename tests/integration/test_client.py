@@ -1,7 +1,8 @@
 """``orchestrator.Client`` and ``raymesh submit|status|logs|stop`` against the session's real Ray cluster.
 
 A stand-in controller job (a real ``ControlServer`` in a real Ray job) checks the
-client's side on its own; the ``gpt_tiny_3d`` jobs check it with the real controller.
+client's side on its own; a ``gpt_tiny_3d`` job checks it with the real controller. Stopping a real run is
+checked in tests/integration/test_job_submit.py, whose job is stopped through its control API.
 """
 
 from __future__ import annotations
@@ -161,17 +162,3 @@ def test_submit_status_logs_and_summary_of_a_real_run(client, token_data, tmp_pa
     assert len(summary["losses"]) == steps and summary["final_loss"] == summary["losses"][-1]
     assert client.status(job_id)["summary"] == summary
 
-
-def test_stop_a_real_run_gracefully(client, token_data, tmp_path):
-    job_id = client.submit(JOB, [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", "train.steps=100000",
-                                 "checkpoint.every=0", "parallel.pp=1", "parallel.tp=1"],  # 2 ranks: any grid stops
-                           working_dir=REPO)
-    wait_for(lambda: (s := client.status(job_id))["state"] == "running" and s["step"] > 0,
-             300, "the controller to report a step")
-    reply = client.stop(job_id, reason="test")
-    assert reply == {"accepted": True, "state": "stopping", "via": "control"}
-
-    assert client.wait(job_id, 300) == "succeeded", client.logs(job_id)[-3000:]
-    status = client.status(job_id)
-    assert status["state"] == "stopped"
-    assert 0 < len(status["summary"]["losses"]) < 100000

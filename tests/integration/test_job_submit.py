@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from orchestrator import Client
 from tests.support.jobs import wait_for
 
 REPO = Path(__file__).parents[2]
@@ -64,3 +65,8 @@ def test_raymesh_submit_and_status_work_on_the_default_head(ray_cluster, token_d
     assert stopped.returncode == 0 and "the controller finishes" in stopped.stdout, stopped.stderr  # via the API
     wait_for(lambda: "stopped" in raymesh("status", job_id, "--address", ray_cluster["dashboard"]).stdout, 300,
              "the job to stop")
+    client = Client(ray_cluster["dashboard"])
+    assert client.wait(job_id, 300) == "succeeded", client.logs(job_id)[-3000:]  # the driver ended on its own
+    ended = client.status(job_id)  # gracefully: it finished its step and wrote its summary
+    assert ended["state"] == "stopped"
+    assert 0 < len(ended["summary"]["losses"]) < 200
