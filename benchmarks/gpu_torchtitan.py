@@ -59,10 +59,15 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     timed = [s for s in steps if s["step"] > warmup]
     if not timed:
         return {"tokens_per_s": None, "mfu": None}
-    tps = len(timed) / sum(1 / s["tokens_per_s"] for s in timed)
     mfus = [s["mfu"] for s in timed]
-    mfu = None if None in mfus else len(mfus) / sum(1 / m for m in mfus)
-    return {"tokens_per_s": tps, "mfu": mfu}
+    return {"tokens_per_s": _harmonic_mean([s["tokens_per_s"] for s in timed]),
+            "mfu": None if None in mfus else _harmonic_mean(mfus)}
+
+
+def _harmonic_mean(rates: list[float]) -> float:
+    """The mean rate over steps of equal work. torchtitan prints MFU to 0.01 %, so a small model's steps read
+    ``mfu: 0.00%`` (torchtitan 0.2.2 on torch 2.11 does): a zero rate makes the mean 0, not a ZeroDivisionError."""
+    return 0.0 if 0 in rates else len(rates) / sum(1 / r for r in rates)
 
 
 def with_ratios(raymesh: dict, titan: dict) -> dict:

@@ -47,6 +47,18 @@ def test_warm_up_steps_are_left_out_and_steps_weigh_by_time():
     assert summarize(parse_steps(LOG), warmup=3) == {"tokens_per_s": None, "mfu": None}
 
 
+def test_a_small_models_zero_mfu_reads_as_zero():
+    # torchtitan 0.2.2's own line on torch 2.11 (a 107k-parameter model, run on a CPU): 24-bit colour codes
+    # between the fields, MFU rounded to 0.00 %
+    colour = "\x1b[38;2;180;60;0m"
+    real = (f"[titan] 2026-11-28 23:35:35,318 - root - INFO - {RED}step:  {{}}  \x1b[32mloss:  6.15821  {colour}"
+            f"grad_norm:  1.0335  {colour}memory: -0.00GiB(-0.00%)  {BLUE}tps: {{}}  \x1b[36mtflops: 0.00  "
+            f"\x1b[35mmfu: 0.00%{RESET}")
+    steps = parse_steps("\n".join(real.format(step, tps) for step, tps in ((1, 847), (2, 1840), (3, 1966))))
+    assert [(s["step"], s["tokens_per_s"], s["mfu"]) for s in steps] == [(1, 847, 0), (2, 1840, 0), (3, 1966, 0)]
+    assert summarize(steps, warmup=1) == {"tokens_per_s": pytest.approx(2 / (1 / 1840 + 1 / 1966)), "mfu": 0.0}
+
+
 def test_ratios_use_raymeshs_formula_on_both_sides():
     raymesh = {"tokens_per_s": 24000.0, "mfu": 0.3, "model_flops_per_token": 1e10, "peak_flops": 1e15}
     titan = {**skipped("x"), "tokens_per_s": 48000.0, "mfu": 0.5, "reason": None}
