@@ -13,7 +13,8 @@ Known differences, reported rather than hidden: torchtitan counts FLOPs without 
 compares like with like). 0.2's Llama attends with SDPA under a causal mask as raymesh's does, but ties no
 weights (its head is a matrix of its own: same FLOPs, more parameters); 0.3's ties them but attends with flex
 attention under a block-causal mask (it refuses SDPA for language models). Each torchtitan release pins the
-PyTorch nightly of its day: 0.2.2 (February 2026) is the one nearest torch 2.11, 0.3.0 (September 2026) later.
+PyTorch nightly of its day: 0.2.2 (February 2026) is the one nearest torch 2.11 and trains on it; 0.3.0
+(September 2026) needs a later torch (on 2.11 it fails at import, wanting ``DataParallelMeshDims`` from FSDP).
 """
 
 from __future__ import annotations
