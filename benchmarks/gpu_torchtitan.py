@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -61,14 +62,10 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     if not timed:
         return {"tokens_per_s": None, "mfu": None}
     mfus = [s["mfu"] for s in timed]
-    return {"tokens_per_s": _harmonic_mean([s["tokens_per_s"] for s in timed]),
-            "mfu": None if None in mfus else _harmonic_mean(mfus)}
-
-
-def _harmonic_mean(rates: list[float]) -> float:
-    """The mean rate over steps of equal work. torchtitan prints MFU to 0.01 %, so a small model's steps read
-    ``mfu: 0.00%`` (torchtitan 0.2.2 on torch 2.11 does): a zero rate makes the mean 0, not a ZeroDivisionError."""
-    return 0.0 if 0 in rates else len(rates) / sum(1 / r for r in rates)
+    # statistics.harmonic_mean is 0 when a value is: torchtitan prints MFU to 0.01 %, so a small model's steps
+    # read ``mfu: 0.00%`` (0.2.2 on torch 2.11 does)
+    return {"tokens_per_s": statistics.harmonic_mean([s["tokens_per_s"] for s in timed]),
+            "mfu": None if None in mfus else statistics.harmonic_mean(mfus)}
 
 
 def with_ratios(raymesh: dict, titan: dict) -> dict:
