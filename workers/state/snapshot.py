@@ -1,20 +1,24 @@
 """In-memory snapshots of one rank's training state, for recovery without storage (Gemini-style).
 
 A snapshot holds this rank's *local* shards (plain CPU tensors, keyed by
-parameter name) of the weights and optimizer state plus the training
-progress. It is restored into a trainer rebuilt at the same grid position,
-so shards map one to one and no resharding (hence no DCP) is needed; being
-plain tensors it pickles, so a peer on another node can hold a replica.
+parameter name) of the weights, persistent buffers (an MoE router's balancing
+bias moves every step) and optimizer state, plus the training progress. It is
+restored into a trainer rebuilt at the same grid position, or into the live one
+after a NaN step, so shards map one to one and no resharding (hence no DCP) is
+needed; being plain tensors it pickles, so a peer on another node can hold a
+replica.
 DCP checkpoints on disk remain the fallback when both copies are gone.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from workers.parallel.data_parallel import unwrap
 from workers.state.train_state import TrainState
 
 
@@ -22,8 +26,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _persistent_buffers(state: TrainState) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers the model parts' state dicts carry (a DCP checkpoint has them too); non-persistent ones
+    (NF4's quantisation tables) are rebuilt from the weights and stay out."""
+    for part in state.modules:
+        for prefix, mod in unwrap(part).named_modules():
+            for name, buf in mod.named_buffers(recurse=False):
+                if name not in mod._non_persistent_buffers_set:
+                    yield f"{prefix}.{name}" if prefix else name, buf
+
+
 def take(state: TrainState) -> dict:
-    model, optim = {}, {}
+    model, buffers, optim = {}, {}, {}
     with torch.no_grad(), state.resident(write_back=False):
         for named, stepped, opt in state.named_parts():
             for name, p in named:
@@ -33,15 +47,22 @@ def take(state: TrainState) -> dict:
                     optim[name] = {
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
                     }
+        for name, b in _persistent_buffers(state):
+            buffers[name] = _local(b).to("cpu", copy=True)
     # an asynchronous pipeline's versions and in-flight microbatches, already serialized (a copy) by its state_dict
     versions = state.weight_versions.state_dict() if state.weight_versions is not None else {}
     feedback = state.wire_feedback.state_dict() if state.wire_feedback is not None else {}
-    return {"model": model, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
+    return {"model": model, "buffers": buffers, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
             "weight_versions": versions, "wire_feedback": feedback}
 
 
 def restore(state: TrainState, snap: dict) -> None:
-    """Copy a snapshot taken at this grid position back into ``state``'s shards, bit for bit."""
+    """Copy a snapshot taken at this grid position back into ``state``'s shards, bit for bit.
+
+    A parameter the snapshot holds no optimizer state for (a snapshot taken before the first step) loses the
+    state it gained since, so its next step starts the moments afresh as the snapshotted run did; a NaN step's
+    poisoned moments would otherwise survive the rollback and poison every retry.
+    """
     with torch.no_grad(), state.resident():
         for named, stepped, opt in state.named_parts():
             for name, p in named:
@@ -49,6 +70,10 @@ def restore(state: TrainState, snap: dict) -> None:
             for name, p in stepped:
                 if name in snap["optim"]:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
+                else:
+                    opt.state.pop(p, None)
+        for name, b in _persistent_buffers(state):
+            _local(b).copy_(snap["buffers"][name])
     state.load_progress_state(snap["progress"])
     state.load_weight_versions(snap.get("weight_versions", {}))
     if state.wire_feedback is not None:
