@@ -24,8 +24,9 @@ from orchestrator.checkpoints import checksums
 from orchestrator.observability.events import event
 from workers.storage import location, move_tree, remove_tree
 
-_NAME = re.compile(r"^step-(\d{8})$")
-_LEFTOVER = re.compile(r"^step-(\d{8})(\.corrupt)?$")
+# at least 8 digits: `step:08d` pads to eight and writes step 100,000,000 and beyond with more
+_NAME = re.compile(r"^step-(\d{8,})$")
+_LEFTOVER = re.compile(r"^step-(\d{8,})(\.corrupt)?$")
 SCORE = "eval.json"  # {"step", "eval_loss"}: the held-out loss of the weights a checkpoint holds
 
 

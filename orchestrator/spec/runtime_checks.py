@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
+from orchestrator.checkpoints.directory import SCORE
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
@@ -195,10 +196,12 @@ def _raymesh_file_sd(path: Path) -> bool:
         isinstance(e, dict) and isinstance(e.get("labels"), dict) and "raymesh_job" in e["labels"] for e in entries)
 
 
-# what raymesh writes in a checkpoint step directory: DCP's files, its checksum manifest, temp files, and the
-# parameter-server shards' own DCP folder (parameter_server.checkpoint.FOLDER)
-_STEP_ENTRY = re.compile(r"^step-\d{8}(\.corrupt)?$")
-_CHECKPOINT_FILE = re.compile(rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|.*\.tmp|ps)$")
+# what raymesh writes in a checkpoint step directory: DCP's files, its checksum manifest, the held-out score of a
+# scored save (directory.SCORE), temp files, and the parameter-server shards' own DCP folder
+# (parameter_server.checkpoint.FOLDER)
+_STEP_ENTRY = re.compile(r"^step-\d{8,}(\.corrupt)?$")
+_CHECKPOINT_FILE = re.compile(
+    rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|{re.escape(SCORE)}|.*\.tmp|ps)$")
 
 
 def _foreign_checkpoint_entry(root: Path) -> Path | None:

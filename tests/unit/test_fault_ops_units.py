@@ -59,6 +59,19 @@ def test_latest_verified_moves_corrupt_checkpoints_aside_and_returns_the_previou
     assert (tmp_path / "step-00000009.corrupt").is_dir()
 
 
+def test_steps_past_eight_digits_are_found_ordered_and_pruned(tmp_path):
+    """`step-%08d` writes step 10**8 with nine digits: such a save is complete, newest and resumable, and retention
+    still takes the older eight-digit ones (the names once matched exactly eight, and hid them)."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    for step in (99_999_999, 100_000_000, 100_000_001):
+        fake_save(ckpt, step)
+        ckpt.seal(step)
+        ckpt.prune(step)
+    assert ckpt.complete_steps() == [100_000_000, 100_000_001]
+    assert ckpt.latest_verified("resume") == tmp_path / "step-100000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-100000000", "step-100000001"]
+
+
 def test_repeating_fault_is_deterministic_by_seed():
     def firings(seed):
         now = [0.0]

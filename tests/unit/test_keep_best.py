@@ -14,6 +14,7 @@ from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.cli.follow import _where
 from orchestrator.errors import SpecError
 from orchestrator.spec.lora import checkpoint_to_read
+from orchestrator.spec.runtime_checks import check_outputs
 from tests.support.fake_group import FakeRuntime
 from tests.support.jobs import tiny_spec
 from tests.support.spec_errors import assert_actionable, spec_error
@@ -60,6 +61,7 @@ def test_a_resumed_run_ranks_the_checkpoints_its_first_part_saved(tmp_path):
     _, job = _job(tmp_path, steps=6)
     job.run()
     spec = JobSpec.from_dict({**job.spec.to_dict(), "train": {**job.spec.to_dict()["train"], "steps": 10}})
+    check_outputs(spec)  # the Ray runtime's preflight: each scored save's eval.json is raymesh's own file
     resumed = TrainingJob(spec, resume=True, progress=False, runtime=FakeRuntime(held_out=CURVE.__getitem__))
     assert resumed.run().best_checkpoint["step"] == 6
     assert resumed.ckpt.complete_steps() == [6, 8, 10]
