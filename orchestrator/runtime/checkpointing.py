@@ -60,7 +60,7 @@ class Checkpointing:
             raise
         except Exception as exc:
             self.in_flight = None
-            event("checkpoint_failed", step=step, reason=repr(str(exc).splitlines()[0][:200]),
+            event("checkpoint_failed", step=step, reason=_reason(exc),
                   action="training goes on; the next save tries again")
             return time.perf_counter() - t0
         blocked = time.perf_counter() - t0
@@ -71,11 +71,39 @@ class Checkpointing:
             self.committed(step, blocked)
         return blocked
 
-    def wait_async(self, group) -> None:
-        done = group.call("wait_checkpoint")
+    def wait_async(self, group, then: str = "training goes on; the next save tries again") -> int | None:
+        """Commit the async save in flight once every rank has it written; return its step.
+
+        One that failed in the background (disk full, an I/O error) is logged and forgotten like a failed
+        synchronous save (its leftovers are removed as incomplete), so what comes next (the next save, the end
+        of the run, a re-formed grid) goes on (``then`` says how, in the event); it returns None then. A rank lost
+        meanwhile raises ``StepFailed``."""
+        step = self.in_flight
+        try:
+            done = group.call("wait_checkpoint")
+        except StepFailed:
+            raise  # still in flight: the recovery's ``forget_in_flight`` learns which save was cut short
+        except Exception as exc:
+            self.in_flight = None
+            event("checkpoint_failed", step=step if step is not None else "-", reason=_reason(exc), action=then)
+            return None
+        self.in_flight = None
         if done[0] is not None:
             self.committed(done[0], None)
-        self.in_flight = None
+        return done[0]
+
+    def finish(self, group, step: int) -> None:
+        """At the end of the run: commit the save in flight; if that was the last step's and it failed in the
+        background, save the step again synchronously (no later save would), else the run would end without
+        the checkpoint of its last step."""
+        in_flight = self.in_flight
+        if self.wait_async(group, then="saving it again, synchronously") is None and in_flight == step:
+            try:
+                self.save_now(group, step)
+            except StepFailed:
+                raise
+            except Exception as exc:
+                event("checkpoint_failed", step=step, reason=_reason(exc), action="the run ends without it")
 
     def poll(self, group) -> None:
         """Seal an async save as soon as every rank has it durable, so a failure before the next save can
@@ -116,3 +144,8 @@ class Checkpointing:
         self.observers.on_checkpoint(None, committed=True)
         event("checkpoint", step=step, path=self.ckpt.path_for(step),
               seconds="async" if seconds is None else f"{seconds:.2f}", pruned=removed or "-")
+
+
+def _reason(exc: Exception) -> str:
+    """A failed save's error as one short quoted line for its ``checkpoint_failed`` event."""
+    return repr(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)

@@ -351,7 +351,7 @@ class TrainingJob:
             self.take_snapshot()
         status = self._train(acct)
         if self.checkpoints.every:
-            self.checkpoints.wait_async(self.group)
+            self.checkpoints.finish(self.group, self.step)
         return RunResult(
             steps=self.step, losses=acct.losses, final_loss=acct.losses[-1] if acct.losses else None,
             tokens_per_s=acct.tokens * len(acct.losses) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,

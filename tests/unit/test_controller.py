@@ -529,6 +529,31 @@ def test_a_save_that_raises_is_logged_and_the_next_save_goes_on(tmp_path):
     assert any(line.startswith("event=checkpoint_failed step=4") and "No space left" in line for line in lines)
 
 
+def test_an_async_save_that_fails_in_the_background_is_logged_and_the_next_save_goes_on(tmp_path):
+    """The rank's write fails after the save call returned (the default ``async: true``): the wait that finds it
+    (here the poll after step 5) logs it and training goes on, as for a synchronous save."""
+    runtime = FakeRuntime(fail_calls={"wait_checkpoint": [None, OSError("[Errno 28] No space left on device")]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": True})
+    with event_lines() as lines:
+        result = job.run()
+    assert result.status == "finished" and job.ckpt.complete_steps() == [8, 10]  # step 4's save failed
+    assert any(line.startswith("event=checkpoint_failed step=4") and "No space left" in line for line in lines)
+
+
+def test_a_last_async_save_that_fails_is_saved_again_before_the_run_ends(tmp_path):
+    """No later save would retry it: the run's end saves its last step again, synchronously."""
+    # waits: the saves of steps 4, 8 and 10 (none in flight), the polls after 5 and 9, then the run's end
+    failure = OSError("[Errno 5] Input/output error")
+    runtime = FakeRuntime(fail_calls={"wait_checkpoint": [None] * 5 + [failure]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": True})
+    with event_lines() as lines:
+        result = job.run()
+    assert result.status == "finished" and job.ckpt.complete_steps() == [4, 8, 10]
+    assert any(line.startswith("event=checkpoint_failed step=10") and "Input/output" in line
+               and "saving it again" in line for line in lines)
+    assert result.checkpoints[-1] == str(job.ckpt.path_for(10))
+
+
 def test_a_rank_lost_while_saving_is_recovered_like_a_failed_step(tmp_path):
     runtime = FakeRuntime(fail_calls={"save_checkpoint": [StepFailed({1: "died"})]})
     job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})

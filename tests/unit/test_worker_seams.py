@@ -73,6 +73,21 @@ def test_checkpoint_restores_the_train_state_bit_for_bit(trainer, tmp_path):
     assert trainer.train_step().loss == expected
 
 
+def test_an_async_save_that_failed_raises_once_and_the_next_save_is_written(trainer, tmp_path):
+    """A background write's error reaches the controller through one wait; kept, it refused every later save."""
+    from concurrent.futures import Future
+
+    failed = Future()
+    failed.set_exception(OSError(28, "No space left on device"))
+    trainer.checkpoints.pending, trainer.checkpoints.pending_step = failed, trainer.step  # what dcp.async_save left
+    assert trainer.checkpoints.durable()
+    with pytest.raises(OSError, match="No space left"):
+        trainer.checkpoints.wait()
+    assert trainer.checkpoints.wait() is None
+    trainer.checkpoints.save(tmp_path / "again", async_save=True)
+    assert trainer.checkpoints.wait() == trainer.step and (tmp_path / "again" / ".metadata").is_file()
+
+
 def test_nan_loss_fault_poisons_its_step(trainer):
     """Last on the shared trainer: the NaN gradients are applied (the controller's recovery rolls back)."""
     poisoned = trainer.train_step({"kind": "nan_loss"})

@@ -41,11 +41,13 @@ class CheckpointIO:
                 dcp.save(state, checkpoint_id=str(path), process_group=self.group)
 
     def wait(self) -> int | None:
-        """Block until an in-flight async save is durable; return its step."""
+        """Block until an in-flight async save is durable; return its step. A save that failed raises its error
+        here once and is forgotten, so the next save is not refused for it."""
         if self.pending is None:
             return None
-        self.pending.result()
-        step, self.pending, self.pending_step = self.pending_step, None, None
+        pending, step = self.pending, self.pending_step
+        self.pending = self.pending_step = None
+        pending.result()
         return step
 
     def durable(self) -> bool:
