@@ -32,7 +32,10 @@ def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {token}"),)
 
 
-def _deny(request, context: grpc.ServicerContext):
+def _deny(requests, context: grpc.ServicerContext):
+    """Refuse without reading the request: a unary handler would first wait on a server thread for the whole
+    message, so a caller without the token could hold every thread by never sending it, or make the server
+    buffer a message up to its size limit (512 MiB for a shard) before being refused."""
     context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
 
 
@@ -43,7 +46,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if not token:
             raise ValueError("an empty token would let every caller in; fix: pass the job's token")
         self._expected = f"Bearer {token}".encode()
-        self._denied = grpc.unary_unary_rpc_method_handler(_deny)
+        self._denied = grpc.stream_unary_rpc_method_handler(_deny)  # streamed: the body is never read
 
     def intercept_service(self, continuation, handler_call_details):
         given = dict(handler_call_details.invocation_metadata or ()).get(HEADER, "")

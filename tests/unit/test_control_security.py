@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import stat
+import threading
 
 import grpc
 import pytest
@@ -73,6 +74,38 @@ def test_a_call_without_the_token_is_unauthenticated_and_changes_nothing(served)
     assert controller.calls == []
     assert raw_stop(server.address, (("authorization", f"Bearer {TOKEN}"),)) == grpc.StatusCode.OK
     assert controller.calls == [("stop", "x")]
+
+
+def test_callers_without_the_token_cannot_hold_the_servers_threads(served):
+    """Calls that send their metadata but never their message, more of them than the server has threads: each
+    is refused at once, without waiting for the message, and the token holder is still answered."""
+    controller, server = served
+    release = threading.Event()
+
+    def never_sends():
+        release.wait()
+        yield from ()
+
+    channels = [grpc.insecure_channel(server.address) for _ in range(6)]
+    try:
+        held = [ch.stream_unary("/raymesh.control.Control/Stop", request_serializer=bytes,
+                                response_deserializer=bytes).future(never_sends()) for ch in channels]
+        assert ControlClient(server.address, TOKEN, timeout_s=10).stop("mine")["state"] == "stopping"
+        assert controller.calls == [("stop", "mine")]
+        codes = [_code(call) for call in held]
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(held)  # refused with the message still unsent
+    finally:
+        release.set()
+        for ch in channels:
+            ch.close()
+
+
+def _code(call) -> grpc.StatusCode:
+    try:
+        call.result(timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
 
 
 def non_loopback_ip() -> str:
