@@ -435,16 +435,16 @@ class PSShard:
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def serve_grpc(self, token: str, tls: tuple[bytes, bytes] | None = None) -> str:
+    def serve_grpc(self, token: str, tls: tuple[bytes, bytes] | None = None, host: str | None = None) -> str:
         """Start this shard's gRPC endpoint (same push/pull/clock API, callers with ``token`` only, TLS only with
-        ``tls``: certificate chain and key PEM) on the node's cluster address as Ray knows it, not on every
-        interface; returns ``ip:port``."""
+        ``tls``: certificate chain and key PEM) on ``host``, by default the node's cluster address as Ray knows
+        it, never every interface; returns ``ip:port``."""
         import ray
 
         from parameter_server.grpc_service import serve
 
         if self.grpc is None:
-            self.grpc = serve(self, ray.util.get_node_ip_address(), token, tls)
+            self.grpc = serve(self, host or ray.util.get_node_ip_address(), token, tls)
         return self.grpc.address
 
 

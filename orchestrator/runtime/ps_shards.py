@@ -104,7 +104,14 @@ class PSShards:
 
     def _serve(self, shard: int):
         """Start shard ``shard``'s gRPC server with the job's token and TLS (the ref of its address)."""
-        return self.handles[shard].serve_grpc.remote(self.token.value, self.tls)
+        return self.handles[shard].serve_grpc.remote(self.token.value, self.tls, self._grpc_host())
+
+    def _grpc_host(self) -> str | None:
+        """Where the shards' gRPC listens: loopback when only an outside reader on this machine can use it (the
+        ranks reach the shards through Ray, and the cluster is this one node), else the shard's node address
+        (None), which ranks and readers on other nodes must reach."""
+        one_node = sum(node["Alive"] for node in ray.nodes()) == 1
+        return "127.0.0.1" if self.ps.transport == "ray" and one_node else None
 
     def _check_certificate(self, shards) -> None:
         """With TLS, dial each of ``shards`` trusting the job's certificate, as the ranks will: one that does not

@@ -351,7 +351,8 @@ class ParameterServerSpec(_Section):
     shards: PSShardCount = 2
     consistency: Literal["bsp", "asp", "ssp"] = "bsp"
     staleness: Annotated[int, Field(ge=0)] = 2  # ssp: a worker at clock c reads once the slowest reached c - staleness
-    transport: Literal["ray", "grpc"] = "ray"  # how workers reach shards; gRPC is served either way
+    # how workers reach shards; gRPC is served either way (on loopback under "ray" on a one-node cluster)
+    transport: Literal["ray", "grpc"] = "ray"
     optimizer: Literal["sgd", "momentum", "adam", "adamw"] | None = None  # None: optim.name
     chunk_elems: PositiveInt = 65536  # tensors are cut into chunks of at most this many elements
     virtual_nodes: PositiveInt = 64  # points per shard on the consistent-hash ring
