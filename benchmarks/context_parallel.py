@@ -82,8 +82,10 @@ class Case:
 
 
 def _rank_main(rank: int, cp: int, port: int, args, results) -> None:
+    from workers.parallel.process_group import join_on_loopback
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    join_on_loopback(rank, cp, port)
     group = dist.group.WORLD
     out = {}
     for seq in args.seq:

@@ -52,10 +52,11 @@ def _rank_main(rank: int, world: int, port: int, strategies: tuple[str, ...], re
     import torch.distributed as dist
 
     from workers.parallel import context_parallel as cpa
+    from workers.parallel.process_group import join_on_loopback
 
     torch.set_num_threads(1)
     cpa.ROW_TILE = 4  # ring tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6 rows)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_on_loopback(rank, world, port)
     groups = {world: dist.new_group(list(range(world)))}
     for first in range(0, world, 2):  # every rank must join every new_group call
         pair = dist.new_group([first, first + 1])

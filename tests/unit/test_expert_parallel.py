@@ -15,6 +15,7 @@ from torch import nn
 
 from tests.support.parity_harness import free_port
 from workers.parallel.expert_parallel import ExpertParallelDispatcher, expert_major
+from workers.parallel.process_group import join_on_loopback
 
 WORLD, E, D, H, T = 4, 8, 6, 5, 7
 EMPTY = 5  # no rank routes a token to this expert
@@ -90,7 +91,7 @@ def _check(rank: int, group, group_rank: int, ep: int) -> None:
 
 def _rank_main(rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    join_on_loopback(rank, WORLD, port)
     _check(rank, dist.group.WORLD, rank, WORLD)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     _check(rank, pairs[rank // 2], rank % 2, 2)

@@ -32,17 +32,23 @@ def init_mesh(
     controller can re-form the group; sub-groups would otherwise get PyTorch's 30 minutes.
     ``listener`` is rank 0's socket for the store, already bound (see ``join_store``).
     """
-    backend = _backend(device)
-    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if is_loopback(master_addr):
-            keep_links_on_loopback()
-        if backend == "nccl":
-            keep_survivors_on_nccl_errors()
-        store = join_store(rank, world_size, master_addr, master_port, timeout, listener)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        join_group(rank, world_size, master_addr, master_port, _backend(device), timeout_s, listener)
     forget_previous_meshes()
     return _mesh(device, grid.mesh_shape, grid.mesh_dims, timeout_s)
+
+
+def join_group(rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float,
+               listener: socket.socket | None = None) -> None:
+    """Join the default process group through rank 0's store on ``addr`` (``join_store``); a loopback ``addr``
+    keeps gloo's and NCCL's links on loopback too."""
+    timeout = timedelta(seconds=timeout_s)
+    if is_loopback(addr):
+        keep_links_on_loopback()
+    if backend == "nccl":
+        keep_survivors_on_nccl_errors()
+    store = join_store(rank, world_size, addr, port, timeout, listener)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def forget_previous_meshes() -> None:
@@ -76,6 +82,13 @@ def join_store(rank: int, world_size: int, addr: str, port: int, timeout: timede
         return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     listener = listener or listen_on(addr, port)
     return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def join_on_loopback(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -> None:
+    """Join a gloo group of processes on this host alone (the benchmarks' and tests' own ranks): the store and
+    gloo's links listen on loopback only, as a one-node job's do (``init_method="tcp://..."`` would open the
+    store on every interface, see ``join_store``)."""
+    join_group(rank, world_size, "127.0.0.1", port, "gloo", timeout_s)
 
 
 def listen_on(addr: str, port: int = 0) -> socket.socket:
