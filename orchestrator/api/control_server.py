@@ -182,6 +182,7 @@ class ControlServer:
         self.address = f"{_advertised_host(host)}:{bound}"
         self.token_source = token_source
         self.cert_path = cert_path if tls is not None else ""
+        self.beyond_loopback = not (host.startswith("127.") or host in ("localhost", "::1"))
 
     @classmethod
     def for_job(cls, job) -> ControlServer:
@@ -199,6 +200,9 @@ class ControlServer:
         out = {"address": self.address, "token": self.token_source or "-"}
         if self.cert_path:
             out["tls_cert"] = self.cert_path
+        elif self.beyond_loopback:  # the user widened it (control.host), and may not know the wire is clear text
+            out["warning"] = ("reachable beyond loopback without TLS: the token and requests travel in clear text; "
+                              "fix: set control.tls_cert and control.tls_key")
         return out
 
     def close(self, grace_s: float = 1.0) -> None:

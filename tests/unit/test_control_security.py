@@ -125,6 +125,24 @@ def test_it_listens_on_loopback_only_by_default(served):
         socket.create_connection((outside, int(port)), timeout=5).close()
 
 
+def test_a_widened_plaintext_api_says_so_in_its_announcement(served):
+    """``control.host`` beyond loopback without TLS is the user's choice, but the ``event=control`` line says the
+    token travels in clear and how to fix it; on loopback, or with TLS, it says nothing of the kind."""
+    _, server = served
+    assert "warning" not in server.announcement()
+    wide = ControlServer(RecordingController(), TOKEN, host=non_loopback_ip())
+    try:
+        assert "clear text" in wide.announcement()["warning"] and "control.tls_cert" in wide.announcement()["warning"]
+    finally:
+        wide.close()
+    cert, key = self_signed(non_loopback_ip())
+    secured = ControlServer(RecordingController(), TOKEN, host=non_loopback_ip(), tls=(cert, key), cert_path="c.pem")
+    try:
+        assert "warning" not in secured.announcement() and secured.announcement()["tls_cert"] == "c.pem"
+    finally:
+        secured.close()
+
+
 BAD_REQUESTS = [
     ("inject_fault", ("slow_rank", 0, float("inf")), "finite number > 1"),
     ("inject_fault", ("slow_rank", 0, float("nan")), "finite number > 1"),
