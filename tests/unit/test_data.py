@@ -25,12 +25,16 @@ def _write_docs(root: Path) -> None:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    _write_docs(src)
-    body = b"".join(bytes([i % 200 + 32]) for i in range(3000))
-    (src / "z_big.txt").write_bytes(body)
+    _write_sources(src)
     out = tmp_path_factory.mktemp("prepared")
     prepare_data([src], out, shard_tokens=1000)
     return out
+
+
+def _write_sources(root: Path, offset: int = 32) -> None:
+    """``data_dir``'s sources (``offset`` 32); another offset gives a corpus as long with other text."""
+    _write_docs(root)
+    (root / "z_big.txt").write_bytes(b"".join(bytes([i % 200 + offset]) for i in range(3000)))
 
 
 def test_prepare_roundtrip(tmp_path: Path) -> None:
@@ -128,7 +132,7 @@ def test_resume_at_different_dp_sees_each_sample_once(data_dir: Path) -> None:
             seen += c.sample_ids_for_step().tolist()
             c.next_batch()
     state = before[0].state_dict()
-    assert state == {"position": 3 * gb, "seed": 3, "seq_len": 16, "global_batch": gb}
+    assert state == {"position": 3 * gb, "seed": 3, "seq_len": 16, "global_batch": gb, "corpus": ds.corpus}
     after = [DataCursor(ds, gb, r, 2) for r in range(2)]
     for c in after:
         c.load_state_dict(state)
@@ -155,6 +159,27 @@ def test_loader_errors(data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="seq_len=32.*seq_len=16"):
         cursor.load_state_dict({"position": 8, "seed": 0, "seq_len": 32, "global_batch": 8})
     assert cursor.position == 0
+
+
+def test_a_position_saved_over_another_corpus_is_refused(data_dir: Path, tmp_path: Path) -> None:
+    """Prepared again from other sources, the same seed and seq_len give another order: the saved position would
+    resume on samples the run has seen and skip others, so the cursor refuses it, naming the fix. The same corpus
+    prepared again gives the same fingerprint; a checkpoint from before the fingerprint carries none."""
+    for name, offset in (("other", 40), ("again", 32)):
+        (tmp_path / name / "src").mkdir(parents=True)
+        _write_sources(tmp_path / name / "src", offset)
+        prepare_data([tmp_path / name / "src"], tmp_path / name / "out", shard_tokens=1000)
+    other = TokenDataset(tmp_path / "other" / "out", seq_len=16, seed=0)
+    ds = TokenDataset(data_dir, seq_len=16, seed=0)
+    assert ds.num_samples == other.num_samples and ds.corpus != other.corpus
+    saved = DataCursor(other, 8, 0, 1, position=24).state_dict()
+    cursor = DataCursor(ds, 8, 0, 1)
+    with pytest.raises(ValueError, match=rf"another corpus \(fingerprint {other.corpus}\).*fix: point data.path"):
+        cursor.load_state_dict(saved)
+    assert cursor.position == 0
+    cursor.load_state_dict({k: v for k, v in saved.items() if k != "corpus"})
+    assert cursor.position == 24
+    assert TokenDataset(tmp_path / "again" / "out", seq_len=16, seed=0).corpus == ds.corpus
 
 
 def test_a_changed_shard_fails_its_checksum_naming_the_shard(tmp_path: Path) -> None:

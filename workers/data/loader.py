@@ -226,6 +226,14 @@ def open_store(root: Path, manifest: dict) -> ShardStore | RawTokens:
         return groups
 
 
+def corpus_fingerprint(manifest: dict) -> str:
+    """A short digest of a prepared corpus's content (its shards' checksums and token counts, in order), which a
+    data position is only meaningful against: prepared again from other sources, the same position is another
+    sample of another order."""
+    shards = [[shard.get("sha256"), shard["tokens"]] for shard in manifest["shards"]]
+    return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
+
+
 class TokenDataset:
     """Non-overlapping `seq_len + 1` windows (sharing one boundary token) over the token stream."""
 
@@ -242,6 +250,7 @@ class TokenDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.vocab_size: int = manifest["vocab_size"]
+        self.corpus = corpus_fingerprint(manifest)
         self.store = open_store(self.path, manifest)
         self._num_samples = (len(self.store) - 1) // seq_len
         if self._num_samples == 0:
@@ -367,14 +376,22 @@ class DataCursor:
             "seed": self.dataset.seed,
             "seq_len": self.dataset.seq_len,
             "global_batch": self.global_batch,
+            "corpus": self.dataset.corpus,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore position; global_batch may differ (position counts samples, not steps)."""
+        """Restore position; global_batch may differ (position counts samples, not steps). A position saved over
+        another corpus is refused (checkpoints from before the fingerprint carry none and are taken as they are)."""
         for key in ("seed", "seq_len"):
             mine = getattr(self.dataset, key)
             if state[key] != mine:
                 raise ValueError(f"data checkpoint {key}={state[key]} does not match dataset {key}={mine}")
+        if state.get("corpus", self.dataset.corpus) != self.dataset.corpus:
+            raise ValueError(
+                f"the checkpoint's data position counts samples of another corpus (fingerprint {state['corpus']}) "
+                f"than {self.dataset.path} holds now ({self.dataset.corpus}): it was prepared again or data.path "
+                "changed, and the position would resume in another order, repeating and skipping samples; fix: "
+                "point data.path at the corpus the run trained on, or start a new run_dir for the new data")
         if state["position"] < 0:
             raise ValueError(f"checkpoint position must be non-negative, got {state['position']}")
         self.position = int(state["position"])
