@@ -78,24 +78,47 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         raise ValueError(f"config.json head_dim {hf['head_dim']} is not hidden_size/num_attention_heads = "
                          f"{hf['hidden_size'] // heads}, which raymesh's Llama assumes")
-    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
+    rope = rope_settings(hf)
     return {
         "arch": "llama", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
         "n_layers": hf["num_hidden_layers"], "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads", heads),
         "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": rope.get("rope_theta") or 10000.0, "rope_scaling": _rope_scaling(rope),
+        "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
     }
 
 
+# transformers' LlamaConfig defaults for keys a config.json may leave out
+DEFAULT_THETA = 10000.0
+DEFAULT_MAX_POSITIONS = 2048
+
+
+def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings ``transformers`` resolves from ``config.json`` (v5,
+    ``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``), so the same file gives the same model: a v4
+    ``rope_scaling`` replaces ``rope_parameters`` whole; a ``rope_theta`` missing there comes from the top level,
+    else 10000; a scaled type missing ``original_max_position_embeddings`` takes ``max_position_embeddings``."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "llama3":
+        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    return rope
+
+
 def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    """raymesh's ``rope_scaling`` from resolved settings (``rope_settings``); a llama3 key missing is named."""
+    kind = rope["rope_type"]
     if kind == "default":
         return None
     if kind != "llama3":
         raise ValueError(f"config.json rope type {kind!r} is not supported; raymesh implements 'default' and "
                          "'llama3' rotary scaling")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise ValueError(f"config.json llama3 rope settings lack {', '.join(missing)}; transformers needs them "
+                         "too: add them to rope_scaling (or rope_parameters)")
     return {k: rope[k] for k in keys}
 
 
