@@ -58,6 +58,17 @@ class ModelSpec(ModelConfig, _Section):
         return self
 
     @model_validator(mode="after")
+    def _check_one_base(self) -> ModelSpec:
+        """`init_from` and `lora.base_checkpoint` both name the weights the adapters start from; the ranks
+        load the base checkpoint over init_from's, so one of them would be silently ignored."""
+        if self.init_from is not None and self.lora is not None and self.lora.base_checkpoint is not None:
+            raise SpecError("model.lora.base_checkpoint", self.lora.base_checkpoint,
+                            f"and model.init_from {self.init_from!r} both give the base weights, and the base "
+                            "checkpoint would overwrite init_from's", "remove model.lora.base_checkpoint to adapt "
+                            "the Hugging Face checkpoint, or remove model.init_from to adapt the base checkpoint")
+        return self
+
+    @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
         if self.d_model % self.n_heads:
             raise SpecError(

@@ -65,3 +65,12 @@ def test_export_hf_of_a_gpt_job_names_the_arch(tmp_path, capsys):
     job.write_text(f"data: {{path: {tmp_path}}}\nrun_dir: {tmp_path / 'run'}\n")
     assert main(["export-hf", str(job), "--out", str(tmp_path / "hf")]) == 2
     assert "model.arch`: value 'gpt' has no Hugging Face layout" in capsys.readouterr().err
+
+
+def test_init_from_with_a_lora_base_checkpoint_is_refused(hf_dir, tmp_path):
+    """Both name the base weights; the ranks would load the base checkpoint over init_from's without a word."""
+    base = tmp_path / "base.pt"
+    base.write_bytes(b"")
+    with pytest.raises(SpecError, match=r"model.lora.base_checkpoint`: value .*base.pt.* and model.init_from .* "
+                                        r"both give the base weights.*fix: remove model.lora.base_checkpoint"):
+        _job({"init_from": str(hf_dir), "lora": {"rank": 4, "base_checkpoint": str(base)}})
