@@ -74,3 +74,13 @@ def test_init_from_with_a_lora_base_checkpoint_is_refused(hf_dir, tmp_path):
     with pytest.raises(SpecError, match=r"model.lora.base_checkpoint`: value .*base.pt.* and model.init_from .* "
                                         r"both give the base weights.*fix: remove model.lora.base_checkpoint"):
         _job({"init_from": str(hf_dir), "lora": {"rank": 4, "base_checkpoint": str(base)}})
+
+
+def test_init_from_vocab_that_tp_does_not_divide_is_refused_before_start(tmp_path):
+    """A checkpoint's vocabulary is not padded (padded head rows would change the softmax against transformers'),
+    so tp must divide it: refused naming parallel.tp, the checkpoint's vocab_size and the tp values that work."""
+    src = save_hf_llama(tmp_path / "hf", vocab_size=258, num_key_value_heads=4, rope_scaling=None)
+    with pytest.raises(SpecError, match=r"parallel.tp`: value 4 does not divide vocab_size = 258 of "
+                                        r"model.init_from .*config.json.*fix: pick parallel.tp from \[1, 2\]"):
+        _job({"init_from": str(src)}, parallel={"tp": 4})
+    assert _job({"init_from": str(src)}, parallel={"tp": 2}).padded_vocab_size == 258
