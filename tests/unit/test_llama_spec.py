@@ -84,3 +84,21 @@ def test_init_from_vocab_that_tp_does_not_divide_is_refused_before_start(tmp_pat
                                         r"model.init_from .*config.json.*fix: pick parallel.tp from \[1, 2\]"):
         _job({"init_from": str(src)}, parallel={"tp": 4})
     assert _job({"init_from": str(src)}, parallel={"tp": 2}).padded_vocab_size == 258
+
+
+def test_attention_dropout_of_config_json_is_refused_naming_the_key(tmp_path):
+    """raymesh's Llama has no attention dropout: a checkpoint asking for it in training is refused, not ignored."""
+    src = save_hf_llama(tmp_path / "hf", attention_dropout=0.1)
+    with pytest.raises(SpecError, match=r"model.init_from`: .* holds a model raymesh's Llama cannot represent "
+                                        r"\(config.json attention_dropout 0.1 is not supported.*set "
+                                        r"attention_dropout: 0.0 in config.json"):
+        _job({"init_from": str(src)})
+    assert _job({"init_from": str(save_hf_llama(tmp_path / "zero", attention_dropout=0.0))}).model.arch == "llama"
+
+
+def test_pad_token_id_comes_from_config_json_and_must_be_in_the_vocabulary(tmp_path):
+    assert _job({"init_from": str(save_hf_llama(tmp_path / "hf", pad_token_id=5))}).model.pad_token_id == 5
+    with pytest.raises(SpecError, match=r"model.pad_token_id`: value 256 is not an id of the vocabulary"):
+        _job({"arch": "llama", "pad_token_id": 256})
+    with pytest.raises(SpecError, match=r"model.pad_token_id`: value 5 is a Llama-family field"):
+        _job({"pad_token_id": 5})

@@ -74,6 +74,10 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"config.json {key}: true is not supported (raymesh's Llama has no biases)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    if hf.get("attention_dropout"):
+        raise ValueError(f"config.json attention_dropout {hf['attention_dropout']} is not supported (raymesh's Llama "
+                         "has no attention dropout; transformers applies it in training); set attention_dropout: "
+                         "0.0 in config.json to fine-tune without it")
     heads = hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         raise ValueError(f"config.json head_dim {hf['head_dim']} is not hidden_size/num_attention_heads = "
@@ -85,6 +89,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
         "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
+        "pad_token_id": hf.get("pad_token_id"),
     }
 
 
