@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +142,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "max_position_embeddings": cfg.seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
+        "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
     }
 
 
@@ -203,9 +204,19 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> list[str]:
 
 # -- weights out ------------------------------------------------------------------------------------------------
 
-def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) -> Path:
+# config.json keys of a source checkpoint that raymesh's model fields do not hold, carried into its export
+CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# files beside a source checkpoint's weights that say how its ids are text and how it generates: copied as they are
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
+             source: str | Path | None = None) -> Path:
     """Write a full raymesh Llama state dict as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
-    A tied head is written once, as the embedding (``tie_word_embeddings`` says so)."""
+    A tied head is written once, as the embedding (``tie_word_embeddings`` says so). With ``source`` (the run's
+    ``model.init_from``) its special-token ids, context length, tokenizer and generation files come along, so
+    the export is the same model to ``transformers``' tokenizer and ``generate`` as the checkpoint it came from."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -213,5 +224,19 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) 
     tensors = {hf_name(k): v.detach().cpu().contiguous() for k, v in state.items()
                if not (cfg.tie_embeddings and hf_name(k) == "lm_head.weight")}
     save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    config = hf_config(cfg)
+    if source is not None:
+        config = carried_config(config, read_config(source), cfg.seq_len)
+        for name in SIDE_FILES:
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, out / name)
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def carried_config(config: dict[str, Any], source: dict[str, Any], seq_len: int) -> dict[str, Any]:
+    """``config`` with the source's ``CARRIED_KEYS``; the context length is the source's unless the run trained
+    on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not what the model can take)."""
+    carried = {**config, **{k: source[k] for k in CARRIED_KEYS if k in source}}
+    carried["max_position_embeddings"] = max(carried["max_position_embeddings"], seq_len)
+    return carried
