@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from orchestrator.checkpoints import checksums
+from orchestrator.checkpoints.base_pin import check_base_unchanged, record_base
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.errors import SpecError
 from orchestrator.faults.disk import corrupt_newest
@@ -186,6 +187,7 @@ class TrainingJob:
         self._refuse_foreign_checkpoints()
         self.ckpt.remove_leftovers()  # nothing is in flight yet: incomplete saves of an earlier life can go
         self.runtime.preflight(self.spec)
+        self._pin_base()
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = self.runtime.serve_control(self)  # after connect, so it advertises the node IP
         if self.control is not None:
@@ -194,6 +196,14 @@ class TrainingJob:
         self.use_gpu = p.device == "cuda" or (p.device == "auto" and gpus > 0)
         check_resources(self.spec, cpus, gpus, "cuda" if self.use_gpu else "cpu")
         return self.launch_grid()
+
+    def _pin_base(self) -> None:
+        """A QLoRA run re-reads its init_from base at every start: a resume checks it is the one pinned at the fresh
+        start (`orchestrator.checkpoints.base_pin`), which records it."""
+        if self.resume:
+            check_base_unchanged(self.spec, self.ckpt.root, "resume")
+        else:
+            record_base(self.spec, self.ckpt.root)
 
     def _refuse_foreign_checkpoints(self) -> None:
         """A fresh run into a directory that holds another run's checkpoints is refused before any actor starts:

@@ -321,6 +321,21 @@ def check_tensor_split(job: JobSpec) -> None:
     raise SpecError("parallel.tp", p.tp, f"does not divide {', '.join(bad)}", fix)
 
 
+def check_init_from_vocab(job: JobSpec) -> None:
+    """A Hugging Face checkpoint's vocabulary must split evenly over `parallel.tp`: it is not padded as a model
+    trained from scratch is (`JobSpec.padded_vocab_size`), because the padded rows of a loaded output head would
+    add logits to the softmax that transformers' model does not have, and the loss and gradients would differ."""
+    m, tp = job.model, job.parallel.tp
+    if m.init_from is None or m.vocab_size % tp == 0:
+        return
+    shape = (m.n_heads, m.d_model, m.kv_heads, m.ffn_dim)
+    valid = [t for t in _divisors(m.vocab_size) if all(v % t == 0 for v in shape)]
+    raise SpecError("parallel.tp", tp, f"does not divide vocab_size = {m.vocab_size} of model.init_from "
+                    f"{m.init_from}/config.json; a loaded vocabulary is not padded (padded rows would add logits "
+                    "transformers' model does not have)", f"pick parallel.tp from {valid}, or resize the "
+                    f"checkpoint's vocabulary to a multiple of {tp} (transformers' resize_token_embeddings)")
+
+
 def pipeline_problem(job: JobSpec, microbatches: int) -> str | None:
     """Why a pipeline schedule cannot run `microbatches` microbatches, or None if it can."""
     pp, schedule, facts = job.parallel.pp, job.parallel.pp_schedule, job.parallel.pipeline_schedule
@@ -376,7 +391,7 @@ def check_batching(job: JobSpec) -> None:
         raise SpecError("train.microbatches", mb, problem, fix)
 
 
-CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_batching, check_zero, check_precision,
-                      check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
+CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_init_from_vocab, check_batching, check_zero,
+                      check_precision, check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_comm, check_moe, check_expert_parallel, check_async_pipeline,
                       check_ps_resize, check_compile, check_optim_implementation, check_fsdp_prefetch, check_eval)

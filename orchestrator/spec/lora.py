@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from orchestrator.checkpoints.base_pin import check_base_unchanged
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import model_config
@@ -191,6 +192,7 @@ def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
     verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
+    check_base_unchanged(job, path.parent, purpose)
     return path
 
 

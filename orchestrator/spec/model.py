@@ -58,6 +58,24 @@ class ModelSpec(ModelConfig, _Section):
         return self
 
     @model_validator(mode="after")
+    def _check_one_base(self) -> ModelSpec:
+        """`init_from` and `lora.base_checkpoint` both name the weights the adapters start from; the ranks
+        load the base checkpoint over init_from's, so one of them would be silently ignored."""
+        if self.init_from is not None and self.lora is not None and self.lora.base_checkpoint is not None:
+            raise SpecError("model.lora.base_checkpoint", self.lora.base_checkpoint,
+                            f"and model.init_from {self.init_from!r} both give the base weights, and the base "
+                            "checkpoint would overwrite init_from's", "remove model.lora.base_checkpoint to adapt "
+                            "the Hugging Face checkpoint, or remove model.init_from to adapt the base checkpoint")
+        return self
+
+    @model_validator(mode="after")
+    def _check_pad_token(self) -> ModelSpec:
+        if self.pad_token_id is not None and self.pad_token_id >= self.vocab_size:
+            raise SpecError("model.pad_token_id", self.pad_token_id, f"is not an id of the vocabulary "
+                            f"(model.vocab_size={self.vocab_size})", f"set it below {self.vocab_size}, or remove it")
+        return self
+
+    @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
         if self.d_model % self.n_heads:
             raise SpecError(
@@ -107,10 +125,16 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
 
     directory = data["init_from"]
     try:
-        hf = config_fields(read_config(directory))
-    except (ValueError, KeyError, OSError) as exc:
+        config = read_config(directory)
+    except (ValueError, OSError) as exc:
         raise SpecError("model.init_from", directory, f"is not a readable Hugging Face Llama directory ({exc})",
                         "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
+    try:
+        hf = config_fields(config)
+    except (ValueError, KeyError) as exc:
+        raise SpecError("model.init_from", directory, f"holds a model raymesh's Llama cannot represent ({exc})",
+                        "use a checkpoint without that setting, or change its config.json as the message says"
+                        ) from None
     for name, value in hf.items():
         if data.get(name) is not None and not _same(data[name], value):
             raise SpecError(f"model.{name}", data[name],

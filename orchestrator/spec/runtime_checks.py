@@ -19,6 +19,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from workers.data.tokenizer import TOKENIZER_FILE, tokenizer_sha256
 from workers.storage import is_url, location
 
 
@@ -68,6 +69,7 @@ def check_data_path(spec: JobSpec) -> None:
     repeat windows (or, with fewer than seq_len + 1 tokens, have none)."""
     manifest = prepared_manifest("data.path", spec.data.path)
     check_data_vocab(spec, manifest, "data.path", spec.data.path)
+    check_init_from_tokenizer(spec, manifest)
     tokens = manifest["total_tokens"]
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
     if batch * seq + 1 <= tokens:
@@ -97,6 +99,51 @@ def check_data_vocab(spec: JobSpec, manifest: dict, field: str, value: str) -> N
         f"set model.vocab_size: {data_vocab} (it is padded to {-(-data_vocab // tp) * tp}, a multiple of "
         f"parallel.tp={tp}, internally), or prepare the data with a smaller tokenizer",
     )
+
+
+def check_init_from_tokenizer(spec: JobSpec, manifest: dict) -> None:
+    """When `model.init_from` ships a tokenizer.json, the data in `data.path` must have been tokenized with it:
+    otherwise a pretrained model is fine-tuned on ids that mean other tokens. Data written as bare ids
+    (`write_token_rows`, kind `ids`) records no tokenizer and is taken as the user's word."""
+    if spec.model.init_from is None:
+        return
+    model_tok = Path(spec.model.init_from) / TOKENIZER_FILE
+    record = manifest.get("tokenizer") or {"kind": "bytes"}
+    if not model_tok.is_file() or record.get("kind") == "ids":
+        return
+    problem = _tokenizer_difference(record, _data_tokenizer_sha(record, spec.data.path), model_tok)
+    if problem is None:
+        return
+    raise SpecError("data.path", spec.data.path, f"holds ids of {_made_by(manifest)}, but model.init_from "
+                    f"{spec.model.init_from} was trained with its own {TOKENIZER_FILE}: {problem}",
+                    f"prepare the data with `raymesh prepare-data --tokenizer {model_tok} --out DIR` and point "
+                    "data.path at DIR")
+
+
+def _tokenizer_difference(record: dict, data_sha: str | None, model_tok: Path) -> str | None:
+    """How the data's tokenizer (its manifest `record`, its file's hash if known) differs from `model_tok`."""
+    from tokenizers import Tokenizer
+
+    if record.get("kind") == "bytes":
+        return "the data is raw bytes"
+    vocab = Tokenizer.from_file(str(model_tok)).get_vocab_size(with_added_tokens=True)
+    if record.get("vocab_size") != vocab:
+        return f"the data's tokenizer has {record.get('vocab_size')} ids, the checkpoint's {vocab}"
+    if data_sha is not None and data_sha != tokenizer_sha256(model_tok):
+        return "the two tokenizer.json files differ in content (sha256)"
+    return None
+
+
+def _data_tokenizer_sha(record: dict, data_path: str) -> str | None:
+    """The data tokenizer's content hash: the manifest's, else (a manifest written before it recorded one) the
+    hash of its tokenizer.json found beside the shards or at its recorded path; None when neither is here."""
+    if record.get("sha256"):
+        return record["sha256"]
+    root = location(data_path)
+    for candidate in (root / TOKENIZER_FILE, Path(record["path"]) if record.get("path") else None):
+        if candidate is not None and candidate.is_file():
+            return tokenizer_sha256(candidate)
+    return None
 
 
 def _made_by(manifest: dict) -> str:

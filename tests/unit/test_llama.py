@@ -92,3 +92,93 @@ def test_lora_from_an_hf_directory_starts_at_the_base_model(token_data, tmp_path
     assert spec.model.lora.targets == ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
     losses, _ = reference_run(spec, 1)
     assert losses[0] == pytest.approx(transformers_first_step(spec, src)[0], rel=1e-5)
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def _theta_at_top_level(c):
+    c["rope_parameters"] = {"rope_type": "default"}
+
+
+def _scaling_beside_parameters(c):
+    c["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    c["rope_scaling"] = {**_LLAMA3, "original_max_position_embeddings": 16}
+
+
+def _scaling_without_original_length(c):
+    c["rope_parameters"] = {**_LLAMA3}
+
+
+@pytest.mark.parametrize("edit", [_theta_at_top_level, _scaling_beside_parameters, _scaling_without_original_length],
+                         ids=["theta-top-level", "rope_scaling-wins", "llama3-no-original-length"])
+def test_rope_spellings_of_config_json_resolve_as_in_transformers(tmp_path, edit):
+    """Each way a config.json may spell the rotary settings gives transformers' logits: rope_theta from the top
+    level when rope_parameters lacks it, rope_scaling over rope_parameters, a missing llama3
+    original_max_position_embeddings taken from max_position_embeddings."""
+    import json
+
+    from transformers import LlamaForCausalLM
+
+    src = save_hf_llama(tmp_path, rope_scaling=None)
+    config = json.loads((src / hf_io.CONFIG).read_text())
+    config.pop("rope_scaling", None)
+    config["rope_theta"] = 500000.0
+    edit(config)
+    (src / hf_io.CONFIG).write_text(json.dumps(config))
+    cfg = ModelConfig(**{**hf_io.config_fields(hf_io.read_config(src)), "seq_len": 64})
+    ours = build_model(cfg)
+    hf_io.load_hf_weights(ours, src)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = LlamaForCausalLM.from_pretrained(src).eval()(tokens).logits
+        got = ours.eval()(tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_rope_missing_a_factor_names_it():
+    config = hf_llama(rope_scaling=None).config.to_dict()
+    config["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}
+    with pytest.raises(ValueError, match="lack low_freq_factor, high_freq_factor"):
+        hf_io.config_fields(config)
+
+
+def test_export_of_an_init_from_run_keeps_the_checkpoints_ids_context_and_files(token_data, tmp_path):
+    """export-hf of a run that started from an HF directory: its bos/eos/pad ids and context length (not the
+    job's seq_len), its tokenizer and generation files come along, and transformers reads the same model."""
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    from tests.support.jobs import tiny_spec
+    from workers.model.finetune import export_merged
+    from workers.model.meta_init import build_full
+    from workers.spec import WorkerSpec
+
+    src = save_hf_llama(tmp_path / "hf", intermediate_size=64, bos_token_id=250, eos_token_id=[251, 252],
+                        pad_token_id=253, max_position_embeddings=4096)
+    GenerationConfig(bos_token_id=250, eos_token_id=[251, 252], max_new_tokens=7).save_pretrained(src)
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 4096}')
+    worker = tiny_spec(token_data, tmp_path, model={"init_from": str(src)}).worker_dict()
+    job = WorkerSpec.from_dict(worker)
+    model = build_full(job.model, job.train.seed)
+    hf_io.load_hf_weights(model, src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's warning about saving without a process group
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    out = export_merged(worker, tmp_path / "ckpt", tmp_path / "out", "hf")
+    config, original = (json.loads((d / hf_io.CONFIG).read_text()) for d in (out, src))
+    for key in hf_io.CARRIED_KEYS:
+        assert config[key] == original[key], key
+    assert config["max_position_embeddings"] == 4096  # not the job's seq_len 32
+    for name in ("generation_config.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    exported = LlamaForCausalLM.from_pretrained(out)
+    assert exported.generation_config.max_new_tokens == 7
+    assert exported.model.embed_tokens.padding_idx == 253
+    tokens = torch.arange(40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, LlamaForCausalLM.from_pretrained(src)(tokens).logits,
+                                   rtol=1e-5, atol=1e-5)

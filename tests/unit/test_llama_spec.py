@@ -65,3 +65,40 @@ def test_export_hf_of_a_gpt_job_names_the_arch(tmp_path, capsys):
     job.write_text(f"data: {{path: {tmp_path}}}\nrun_dir: {tmp_path / 'run'}\n")
     assert main(["export-hf", str(job), "--out", str(tmp_path / "hf")]) == 2
     assert "model.arch`: value 'gpt' has no Hugging Face layout" in capsys.readouterr().err
+
+
+def test_init_from_with_a_lora_base_checkpoint_is_refused(hf_dir, tmp_path):
+    """Both name the base weights; the ranks would load the base checkpoint over init_from's without a word."""
+    base = tmp_path / "base.pt"
+    base.write_bytes(b"")
+    with pytest.raises(SpecError, match=r"model.lora.base_checkpoint`: value .*base.pt.* and model.init_from .* "
+                                        r"both give the base weights.*fix: remove model.lora.base_checkpoint"):
+        _job({"init_from": str(hf_dir), "lora": {"rank": 4, "base_checkpoint": str(base)}})
+
+
+def test_init_from_vocab_that_tp_does_not_divide_is_refused_before_start(tmp_path):
+    """A checkpoint's vocabulary is not padded (padded head rows would change the softmax against transformers'),
+    so tp must divide it: refused naming parallel.tp, the checkpoint's vocab_size and the tp values that work."""
+    src = save_hf_llama(tmp_path / "hf", vocab_size=258, num_key_value_heads=4, rope_scaling=None)
+    with pytest.raises(SpecError, match=r"parallel.tp`: value 4 does not divide vocab_size = 258 of "
+                                        r"model.init_from .*config.json.*fix: pick parallel.tp from \[1, 2\]"):
+        _job({"init_from": str(src)}, parallel={"tp": 4})
+    assert _job({"init_from": str(src)}, parallel={"tp": 2}).padded_vocab_size == 258
+
+
+def test_attention_dropout_of_config_json_is_refused_naming_the_key(tmp_path):
+    """raymesh's Llama has no attention dropout: a checkpoint asking for it in training is refused, not ignored."""
+    src = save_hf_llama(tmp_path / "hf", attention_dropout=0.1)
+    with pytest.raises(SpecError, match=r"model.init_from`: .* holds a model raymesh's Llama cannot represent "
+                                        r"\(config.json attention_dropout 0.1 is not supported.*set "
+                                        r"attention_dropout: 0.0 in config.json"):
+        _job({"init_from": str(src)})
+    assert _job({"init_from": str(save_hf_llama(tmp_path / "zero", attention_dropout=0.0))}).model.arch == "llama"
+
+
+def test_pad_token_id_comes_from_config_json_and_must_be_in_the_vocabulary(tmp_path):
+    assert _job({"init_from": str(save_hf_llama(tmp_path / "hf", pad_token_id=5))}).model.pad_token_id == 5
+    with pytest.raises(SpecError, match=r"model.pad_token_id`: value 256 is not an id of the vocabulary"):
+        _job({"arch": "llama", "pad_token_id": 256})
+    with pytest.raises(SpecError, match=r"model.pad_token_id`: value 5 is a Llama-family field"):
+        _job({"pad_token_id": 5})

@@ -8,6 +8,8 @@ ids can be turned back into text.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -71,7 +73,17 @@ class HFTokens:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "path": str(self.path), "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+        """The manifest's record; ``sha256`` lets a job tell whether a model's tokenizer.json is this one
+        wherever either file was copied (manifests written before it have none)."""
+        return {"kind": self.kind, "path": str(self.path), "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "sha256": tokenizer_sha256(self.path)}
+
+
+def tokenizer_sha256(path) -> str:
+    """Hex SHA-256 of a tokenizer.json's content (a ``Path`` or an fsspec path), as canonical JSON (keys sorted,
+    no spaces), so the same tokenizer re-saved with other indentation or key order hashes the same."""
+    canonical = json.dumps(json.loads(path.read_bytes()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _eos_id(tokenizer, path: Path) -> int:

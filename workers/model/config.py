@@ -30,7 +30,8 @@ class RopeScaling(BaseModel):
 
 
 # fields only the Llama family reads; a GPT job setting one is refused rather than silently ignoring it
-LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_dim_multiplier", "tie_embeddings")
+LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_dim_multiplier", "tie_embeddings",
+              "pad_token_id")
 
 
 def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> int:
@@ -106,6 +107,8 @@ class ModelConfig(BaseModel):
     multiple_of: PositiveInt = 256  # SwiGLU hidden size rounded up to a multiple of this (when d_ff is null)
     ffn_dim_multiplier: PositiveFloat | None = None  # SwiGLU hidden size scaled by this before rounding
     tie_embeddings: bool = False  # output head shares the token embedding's weight
+    # the token whose embedding row gets no gradient from the lookup (transformers' padding_idx); null: none
+    pad_token_id: Annotated[int, Field(ge=0)] | None = None
     moe: MoEConfig | None = None  # mixture-of-experts feed-forwards; null: dense model
 
     def is_moe_layer(self, layer: int) -> bool:

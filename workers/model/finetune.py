@@ -97,7 +97,7 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str 
     if fmt == "hf":
         from workers.model.hf_io import write_hf
 
-        return write_hf(merged_state_dict(model), job.model, out)
+        return write_hf(merged_state_dict(model), job.model, out, source=job.init_from)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(merged_state_dict(model), out)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -74,28 +75,56 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"config.json {key}: true is not supported (raymesh's Llama has no biases)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    if hf.get("attention_dropout"):
+        raise ValueError(f"config.json attention_dropout {hf['attention_dropout']} is not supported (raymesh's Llama "
+                         "has no attention dropout; transformers applies it in training); set attention_dropout: "
+                         "0.0 in config.json to fine-tune without it")
     heads = hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         raise ValueError(f"config.json head_dim {hf['head_dim']} is not hidden_size/num_attention_heads = "
                          f"{hf['hidden_size'] // heads}, which raymesh's Llama assumes")
-    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
+    rope = rope_settings(hf)
     return {
         "arch": "llama", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
         "n_layers": hf["num_hidden_layers"], "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads", heads),
         "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": rope.get("rope_theta") or 10000.0, "rope_scaling": _rope_scaling(rope),
+        "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
+        "pad_token_id": hf.get("pad_token_id"),
     }
 
 
+# transformers' LlamaConfig defaults for keys a config.json may leave out
+DEFAULT_THETA = 10000.0
+DEFAULT_MAX_POSITIONS = 2048
+
+
+def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings ``transformers`` resolves from ``config.json`` (v5,
+    ``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``), so the same file gives the same model: a v4
+    ``rope_scaling`` replaces ``rope_parameters`` whole; a ``rope_theta`` missing there comes from the top level,
+    else 10000; a scaled type missing ``original_max_position_embeddings`` takes ``max_position_embeddings``."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "llama3":
+        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    return rope
+
+
 def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    """raymesh's ``rope_scaling`` from resolved settings (``rope_settings``); a llama3 key missing is named."""
+    kind = rope["rope_type"]
     if kind == "default":
         return None
     if kind != "llama3":
         raise ValueError(f"config.json rope type {kind!r} is not supported; raymesh implements 'default' and "
                          "'llama3' rotary scaling")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise ValueError(f"config.json llama3 rope settings lack {', '.join(missing)}; transformers needs them "
+                         "too: add them to rope_scaling (or rope_parameters)")
     return {k: rope[k] for k in keys}
 
 
@@ -113,8 +142,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "max_position_embeddings": cfg.seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
+        "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
     }
 
 
@@ -175,9 +204,19 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> list[str]:
 
 # -- weights out ------------------------------------------------------------------------------------------------
 
-def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) -> Path:
+# config.json keys of a source checkpoint that raymesh's model fields do not hold, carried into its export
+CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# files beside a source checkpoint's weights that say how its ids are text and how it generates: copied as they are
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
+             source: str | Path | None = None) -> Path:
     """Write a full raymesh Llama state dict as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
-    A tied head is written once, as the embedding (``tie_word_embeddings`` says so)."""
+    A tied head is written once, as the embedding (``tie_word_embeddings`` says so). With ``source`` (the run's
+    ``model.init_from``) its special-token ids, context length, tokenizer and generation files come along, so
+    the export is the same model to ``transformers``' tokenizer and ``generate`` as the checkpoint it came from."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -185,5 +224,19 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) 
     tensors = {hf_name(k): v.detach().cpu().contiguous() for k, v in state.items()
                if not (cfg.tie_embeddings and hf_name(k) == "lm_head.weight")}
     save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    config = hf_config(cfg)
+    if source is not None:
+        config = carried_config(config, read_config(source), cfg.seq_len)
+        for name in SIDE_FILES:
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, out / name)
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def carried_config(config: dict[str, Any], source: dict[str, Any], seq_len: int) -> dict[str, Any]:
+    """``config`` with the source's ``CARRIED_KEYS``; the context length is the source's unless the run trained
+    on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not what the model can take)."""
+    carried = {**config, **{k: source[k] for k in CARRIED_KEYS if k in source}}
+    carried["max_position_embeddings"] = max(carried["max_position_embeddings"], seq_len)
+    return carried

@@ -124,7 +124,10 @@ class Llama(GPT):
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
         self.cfg = cfg
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # padding_idx only stops the lookup's gradient to that row (as in transformers); the ids stay global
+        # under a vocab-sharded (TP) embedding, whose DTensor backward is computed in global ids
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                                                padding_idx=cfg.pad_token_id)
         self.pos_embeddings = None
         self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
