@@ -154,9 +154,9 @@ def test_loader_errors(data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="global_batch=10.*dp_size=4"):
         DataCursor(ds, 10, 0, 4)
     cursor = DataCursor(ds, 8, 0, 2)
-    with pytest.raises(ValueError, match="seed=9.*seed=0"):
+    with pytest.raises(ValueError, match="seed=9.*seed=0.*fix: set data.seed: 9"):
         cursor.load_state_dict({"position": 8, "seed": 9, "seq_len": 16, "global_batch": 8})
-    with pytest.raises(ValueError, match="seq_len=32.*seq_len=16"):
+    with pytest.raises(ValueError, match="seq_len=32.*seq_len=16.*fix: set model.seq_len: 32"):
         cursor.load_state_dict({"position": 8, "seed": 0, "seq_len": 32, "global_batch": 8})
     assert cursor.position == 0
 

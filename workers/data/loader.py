@@ -385,7 +385,10 @@ class DataCursor:
         for key in ("seed", "seq_len"):
             mine = getattr(self.dataset, key)
             if state[key] != mine:
-                raise ValueError(f"data checkpoint {key}={state[key]} does not match dataset {key}={mine}")
+                field = "data.seed" if key == "seed" else "model.seq_len"
+                raise ValueError(f"data checkpoint {key}={state[key]} does not match dataset {key}={mine}: the "
+                                 f"saved position counts samples of another order; fix: set {field}: {state[key]} "
+                                 "as the run that saved it had, or start a new run_dir")
         if state.get("corpus", self.dataset.corpus) != self.dataset.corpus:
             raise ValueError(
                 f"the checkpoint's data position counts samples of another corpus (fingerprint {state['corpus']}) "
