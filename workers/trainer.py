@@ -265,6 +265,7 @@ class Trainer:
             else:
                 loss, grad_norm, applied = self._reduce_grads(loss)
             t3 = time.perf_counter()
+            lr = self.state.schedulers[0].get_last_lr()[0]  # the rate this step trains at, before the schedule moves
             memory = self._optimizer_step(applied, meter)
             moe_figures = moe.end_step(self.parts.modules, self.dp_group) or None
         t4 = time.perf_counter()
@@ -275,7 +276,7 @@ class Trainer:
                           communication=t3 - t2, optimizer=t4 - t3, step=t4 - t0 + slowed)
         eval_loss, eval_s = self._evaluate()
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
-                           lr=self.state.schedulers[0].get_last_lr()[0], tokens=int(inputs.numel()), applied=applied,
+                           lr=lr, tokens=int(inputs.numel()), applied=applied,
                            time_s=times, memory=memory, timeline=self._timeline(events),
                            comm_bytes=self.comm_bytes(), moe=moe_figures, eval_loss=eval_loss, eval_s=eval_s)
 
@@ -318,9 +319,10 @@ class Trainer:
         step and send the new weights back). Returns the unscaled loss, the norm and whether to step."""
         applied = True
         if self.state.scaler is not None:
-            applied = self.state.scaler.unscale_and_check(self.params)
+            scale = self.state.scaler.scale  # the forward's: the check moves it (halved on overflow, grown after
+            applied = self.state.scaler.unscale_and_check(self.params)  # a run of good steps)
             if loss is not None:
-                loss = loss / self.state.scaler.scale if applied else loss
+                loss = loss / scale  # a skipped step's loss is recorded too, unscaled like any other
         for zero1 in self.zero1:
             zero1.reduce_scatter()
         if self.ps is not None:
