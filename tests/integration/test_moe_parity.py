@@ -39,3 +39,28 @@ def test_moe_dp2_matches_single_process_for_every_router(token_data, tmp_path):
         losses, norms = reference_run(spec, STEPS)
         assert run.losses == pytest.approx(losses, rel=1e-4), case
         assert run.grad_norms == pytest.approx(norms, rel=1e-4), case
+
+
+# under a pipeline the schedule runs several forwards before their backwards, probes each stage's shapes once
+# before the first step and recomputes a microbatch long after its forward: each must place its sequences (noise,
+# dropout keys) by the schedule's microbatch index, and the probe must not count as a microbatch
+PIPELINED = {
+    "noisy_topk": ({"router": "noisy_topk"}, "none", "1f1b"),
+    "topk-bias-dropout-recompute": ({"router": "topk", "bias_balancing": True, "bias_update_rate": 0.01,
+                                     "expert_dropout": 0.1}, "full", "1f1b"),
+    "gshard-recompute-gpipe": ({"router": "gshard", "capacity_factor": 1.0}, "full", "gpipe"),
+}
+
+
+def test_moe_pp2_matches_single_process_with_noise_dropout_and_recompute(token_data, tmp_path):
+    specs = {}
+    for case, (router, recompute, schedule) in PIPELINED.items():
+        moe = {"experts": 4, "aux_loss_weight": 0.01, "group": "sequence", **router}
+        specs[case] = tiny_spec(token_data, tmp_path / case, parallel={"pp": 2, "pp_schedule": schedule},
+                                model={"n_layers": 2, "moe": moe}, memory={"recompute": recompute},
+                                train={"steps": STEPS, "microbatches": 4})
+    runs = run_layouts([s.worker_dict() for s in specs.values()], 2, STEPS)
+    for (case, spec), run in zip(specs.items(), runs, strict=True):
+        losses, norms = reference_run(spec, STEPS)
+        assert run.losses == pytest.approx(losses, rel=1e-4), case
+        assert run.grad_norms == pytest.approx(norms, rel=1e-4), case

@@ -28,6 +28,7 @@ stays the language-model loss and the auxiliary ones are reported apart.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -380,7 +381,8 @@ class NoisyTopKRouter(Router):
         after = top_values[..., k:k + 1] if top_values.shape[-1] > k else torch.full_like(kth, -math.inf)
         in_top = noisy >= kth
         threshold = torch.where(in_top, after, kth)  # kth greatest of H excluding component i
-        p = torch.distributions.Normal(0.0, 1.0).cdf((clean - threshold) / std)
+        # unvalidated: a pipeline stage's shape probe runs on uninitialised input, which the check refuses
+        p = torch.distributions.Normal(0.0, 1.0, validate_args=False).cdf((clean - threshold) / std)
         return p.sum(1)
 
 
@@ -491,15 +493,15 @@ class MoELayer(nn.Module):
         self.dispatcher = LocalDispatcher()
         self.context = StepContext()
         self.tally: dict[str, torch.Tensor] = {}
+        # set by the pipeline stage holding this layer (``workers.parallel.pipeline``): the schedule's microbatch
+        # index while it runs one of its chunks, None otherwise (its shape probe before the first step)
+        self.pipelined, self.microbatch = False, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         groups = b if self.cfg.group == "sequence" else 1
-        recompute = _in_backward()
-        if not recompute:
-            self.context.offset = self.context.first_sequence + self.context.forwards * b
-            self.context.forwards += 1
+        counted = self._locate(b)
         noise = SequenceNoise(self.context.seed, self.layer, self.context.offset, b, s)
         routing = self.router(flat.view(groups, -1, d), noise)
         if self.experts.dropout > 0 and self.training:
@@ -509,9 +511,26 @@ class MoELayer(nn.Module):
             out = out + self.shared(flat)
         if routing.losses and torch.is_grad_enabled():
             out = AuxLossGrad.apply(out, sum(routing.losses.values()), self.context.aux_scale)
-        if not recompute:
+        if counted:
             self._count(routing)
         return out.view(b, s, d)
+
+    def _locate(self, b: int) -> bool:
+        """Set the stream position of this forward's first sequence (its routing noise and dropout keys are drawn
+        from it); True when the forward is one of the step's microbatches, to be tallied.
+
+        Outside a pipeline, forwards come in microbatch order and a forward during a backward recomputes the one
+        being backpropagated, the last counted. A pipeline stage runs several forwards before their backwards and
+        probes its shapes once before the first step, so there the schedule's own microbatch index decides: a
+        recompute takes its chunk's index, and the probe (no index) is neither placed nor tallied."""
+        if self.pipelined:
+            self.context.offset = self.context.first_sequence + (self.microbatch or 0) * b
+            return self.microbatch is not None and not _in_backward()
+        if _in_backward():
+            return False
+        self.context.offset = self.context.first_sequence + self.context.forwards * b
+        self.context.forwards += 1
+        return True
 
     @torch.no_grad()
     def _count(self, routing: Routing) -> None:
@@ -545,6 +564,27 @@ def _clean(name: str) -> str:
     parts = [p for p in name.split(".") if p not in ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
                                                       "_orig_mod")]
     return ".".join(parts)
+
+
+def pipeline_layers(stage_module: nn.Module) -> list[MoELayer]:
+    """A pipeline stage's MoE layers, marked as placed by the schedule's microbatch index from now on (its shape
+    probe included, which runs before any chunk)."""
+    layers = list(moe_layers([stage_module]).values())
+    for layer in layers:
+        layer.pipelined = True
+    return layers
+
+
+@contextlib.contextmanager
+def running_microbatch(layers: list[MoELayer], index: int):
+    """Tell a pipeline stage's MoE layers which microbatch of the step the block runs (see ``MoELayer._locate``)."""
+    for layer in layers:
+        layer.microbatch = index
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.microbatch = None
 
 
 def begin_step(modules: list[nn.Module], seed: int, first_sequence: int, aux_scale: float) -> None:

@@ -15,6 +15,7 @@ import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from workers.model import moe
 from workers.parallel.schedules import schedule as schedule_facts
 
 
@@ -29,10 +30,12 @@ class TimedStage(PipelineStage):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.events: list[dict] = []
+        self.moe_layers = moe.pipeline_layers(self.submod)  # told each chunk's microbatch index
 
     def _timed(self, kind: str, run, chunk: int, *args, **kwargs):
         start = time.time()
-        out = run(chunk, *args, **kwargs)
+        with moe.running_microbatch(self.moe_layers, chunk):
+            out = run(chunk, *args, **kwargs)
         self.events.append({"stage": self.stage_index, "microbatch": chunk, "kind": kind,
                             "start": start, "end": time.time()})
         return out
