@@ -67,6 +67,22 @@ def test_sign_packing_round_trips_at_any_length():
         assert torch.equal(unpack_signs(packed, n), torch.where(x >= 0, 1.0, -1.0))
 
 
+def test_onebit_adam_compresses_parameters_whose_sign_bytes_leave_the_scales_unaligned():
+    """3 + 5 entries pack into 1 + 1 sign bytes, so the scales after them start at byte 2; the compressed step
+    leaves each momentum at ± its own scale (one rank: the average is its own)."""
+    from workers.optim.onebit_adam import OneBitAdam
+
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(5))]
+    opt = OneBitAdam(params, None, warmup_steps=1, lr=1e-2)
+    for _ in range(3):  # one warm-up step, then two compressed ones
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p in params:
+        magnitude = opt.state[p]["exp_avg"].abs()
+        assert torch.allclose(magnitude, magnitude[0].expand_as(magnitude)) and magnitude[0] > 0
+
+
 @pytest.mark.parametrize("kind, payload, n, sent", [
     ("all_reduce", 1000, 2, 1000),  # ring all-reduce: 2(N-1)/N of the tensor
     ("all_reduce", 1000, 4, 1500),

@@ -116,7 +116,9 @@ class OneBitAdam(torch.optim.Optimizer):
         for p in params:
             self.state[p]["exp_avg"].zero_()
         for buf in gathered:
-            rank_scales = buf[-4 * len(params):].view(torch.float32)
+            # a copy: the sign bytes before them need not add up to a multiple of 4, and a float32 view must start
+            # at an aligned offset
+            rank_scales = buf[-4 * len(params):].clone().view(torch.float32)
             offset = 0
             for p, packed, scale in zip(params, shipped, rank_scales):
                 signs = unpack_signs(buf[offset:offset + packed.numel()], p.numel()).view_as(p)
