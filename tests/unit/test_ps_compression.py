@@ -196,3 +196,40 @@ def test_grpc_carries_the_same_compressed_messages(kind):
     finally:
         for e in endpoints:
             e.server.stop(0)
+
+
+def _feedback_keys(chunk_elems: int):
+    """A PSSync with only what its checkpoint keys read: one parameter, its chunk size, dp 2, worker 0."""
+    from types import SimpleNamespace
+
+    from workers.parallel.ps_sync import PSSync
+
+    sync = object.__new__(PSSync)
+    sync.named = {"stage0.w": torch.nn.Parameter(torch.zeros(4, 6))}
+    sync.client = SimpleNamespace(chunk_elems=chunk_elems)
+    sync.trainer = SimpleNamespace(spec=SimpleNamespace(parallel=SimpleNamespace(dp=2)), device="cpu")
+    sync.worker, sync.codec = 0, SimpleNamespace(errors={})
+    return sync
+
+
+def test_topk_feedback_resumed_at_another_chunk_size_starts_at_zero(tmp_path):
+    """Chunks of 10 and of 16 share names (``stage0.w#0``) but not sizes: a resume at another
+    ``parameter_server.chunk_elems`` finds no feedback of its own and starts from zero, as at another dp, instead
+    of DCP refusing the load over the sizes."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    saved = _feedback_keys(10)
+    saved.codec.errors = {k.split("/", 1)[1]: torch.randn(v.shape) for k, v in saved.dcp_state(template=True).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialised
+        dcp.save({"wire_feedback": saved.dcp_state()}, checkpoint_id=str(tmp_path), no_dist=True)
+        for chunk_elems, taken in ((16, False), (10, True)):
+            sync = _feedback_keys(chunk_elems)
+            feedback = {"wire_feedback": sync.dcp_state(template=True)}
+            dcp.load(feedback, checkpoint_id=str(tmp_path), planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
+            assert sync.load_dcp_state(feedback["wire_feedback"]) is taken, chunk_elems
+    assert all(torch.equal(sync.codec.errors[k], e) for k, e in saved.codec.errors.items())

@@ -174,9 +174,10 @@ class PSSync:
         self.codec.errors = {k: e.to(self.trainer.device, copy=True) for k, e in errors.items()}
 
     def _dcp_prefix(self) -> str:
-        """Each worker's error feedback is its own: DCP keys name the data-parallel degree and the worker, so a
-        checkpoint resumed at another dp finds none of them (and starts top-k's feedback at zero)."""
-        return f"dp{self.trainer.spec.parallel.dp}.w{self.worker}/"
+        """Each worker's error feedback is its own, per chunk: DCP keys name the data-parallel degree, the chunk
+        size and the worker, so a checkpoint resumed at another dp or ``chunk_elems`` finds none of them (and
+        starts top-k's feedback at zero) rather than chunks of the same name and another size, which DCP refuses."""
+        return f"dp{self.trainer.spec.parallel.dp}.c{self.client.chunk_elems}.w{self.worker}/"
 
     def dcp_state(self, template: bool = False) -> dict[str, torch.Tensor]:
         """The error feedback keyed for a DCP checkpoint; ``template``: every chunk key this worker pushes,
