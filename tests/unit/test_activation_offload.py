@@ -52,6 +52,24 @@ def test_compression_error_is_bounded(compression, bound, tmp_path):
         assert 0 < error < bound, error
 
 
+@pytest.mark.parametrize("compression", ["bf16", "fp8"])
+def test_weights_saved_as_views_are_neither_rounded_nor_moved(compression, tmp_path):
+    """``Linear`` saves ``weight.t()`` (a view, not the Parameter) for the input's gradient: that gradient is
+    exact under compression, and offload moves only the input it saved, not the weight."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64, bias=False)
+    x = torch.randn(32, 64)
+    grads = {}
+    for name, policy in (("exact", SavedActivations()),
+                         ("compressed", SavedActivations(compression, OffloadStore("cpu", str(tmp_path))))):
+        inp = x.clone().requires_grad_()
+        with policy.hooks():
+            layer(inp).sum().backward()
+        grads[name] = inp.grad
+    assert torch.equal(grads["compressed"], grads["exact"])
+    assert policy.peak_bytes == x.numel() * {"bf16": 2, "fp8": 1}[compression]  # the input alone went out
+
+
 def test_fp8_compressed_training_converges_like_uncompressed():
     losses = {}
     for compression in ("none", "fp8"):

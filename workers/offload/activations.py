@@ -50,7 +50,7 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or not t.is_floating_point() or t.numel() < MIN_NUMEL:
+        if _is_parameter(t) or not t.is_floating_point() or t.numel() < MIN_NUMEL:
             return t
         packed = _compress(t, self.compression)
         if self.store is None:
@@ -74,6 +74,12 @@ class SavedActivations:
         value = self.store.pop(str(key), device)
         self.held_bytes -= value.numel() * value.element_size()
         return _restore((value, rest))
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``Linear`` saves ``weight.t()`` for its input gradient): resident anyway,
+    and rounding it would move every gradient computed through the weight, not only the activation's share."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def _compress(t: torch.Tensor, compression: str) -> tuple[torch.Tensor, tuple]:
