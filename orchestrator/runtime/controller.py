@@ -235,7 +235,7 @@ class TrainingJob:
             self.checkpoints.beside_ranks = self.ps.save_checkpoint
         layout = Layout.of(self.spec, self.group.form())
         if fresh_shards:  # the ranks registered the initial weights: a rollback to step 0 finds them
-            self.ps.keep(0)
+            self.ps.keep(0, self.group)
         return layout
 
     def teardown_grid(self) -> None:
@@ -266,7 +266,7 @@ class TrainingJob:
         """Every rank snapshots the current step (replicas ship in the background)."""
         self.group.snapshot()
         if self.ps is not None:
-            self.ps.keep(self.step)
+            self.ps.keep(self.step, self.group)
         self.snapshot_step = self.step
         self._keep_from = -1  # a new group, or rolled back: nothing is known replicated past here yet
 
@@ -283,6 +283,7 @@ class TrainingJob:
         the state they kept in memory at that step; then each rank pushes from that clock."""
         if self.ps is None:
             return
+        self.ps.heal(self.step, self.group)  # a shard lost meanwhile would fail the restore: restarted first
         if checkpoint is not None:
             self.ps.restore_checkpoint(checkpoint, self.step)
         else:
@@ -471,7 +472,7 @@ class TrainingJob:
             raise StepFailed({}, kind="nan_loss")
         if keep_from is not None:
             if self.ps is not None:
-                self.ps.keep(self._issued)
+                self.ps.keep(self._issued, self.group)
             self.snapshot_step = self._issued
         self._keep_from = min(r.replicated_step for r in results)  # replicated on every rank: older can go
         return results

@@ -109,7 +109,7 @@ class GridChanges:
         dead = set(failure.dead)
         job.group.replace(dead)  # starts now, while the survivors' failed step ends
         if job.ps is not None:  # survivors waiting on the shards (or the clock keeper) for the dead rank stop
-            job.ps.abort(dead)
+            job.ps.abort(dead, job.group, job.step)
         more = job.group.finish_failed_step()
         phases.lap("survivors")
         if more:

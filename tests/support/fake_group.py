@@ -193,6 +193,14 @@ class FakeGroup:
     def _skip_batch(self) -> None:
         self.skipped_at.add(self.step_now + 1)
 
+    def _ps_resume(self, step: int | None = None) -> int:
+        return self.step_now if step is None else step
+
+    def _ps_reroute(self, shard: int, route: dict) -> None:
+        self.rerouted = [*getattr(self, "rerouted", []), shard]
+
+    def _ps_reshard(self, routes: list[dict]) -> None: ...
+
     def _checkpoint_durable(self) -> bool:
         return True
 
