@@ -398,13 +398,15 @@ class TrainingJob:
 
     def _recover(self, acct: StepAccounting, failure: StepFailed, t0: float, first: int) -> None:
         """Recover from ``failure``; a rank lost during the recovery itself (re-forming, restoring) starts it
-        again with that rank replaced too, until the restart budget says to give up."""
+        again with that rank replaced too, until the restart budget, or the cap on failed attempts in a row
+        (``GridChanges.recovery_failed``), says to give up."""
         self.machine.to(JobState.RECOVERING)
         while True:
             try:
                 record = self.changes.recover(failure, self.step + 1, t0)
                 break
             except StepFailed as again:
+                self.changes.recovery_failed(again, self.step + 1)
                 event("recovery_failed", reason=again, action="recovering again")
                 failure = again
         acct.rolled_back(record, max(0, self.step - first))
@@ -440,6 +442,7 @@ class TrainingJob:
             self.recoveries.extend(self.ps.recoveries)
             self.ps.recoveries.clear()
         acct.first_step_done()
+        self.changes.step_completed()
         stopping = self.machine.stop_requested.is_set()
         lost, ckpt_s = None, 0.0
         self.checkpoints.scored(step, held_out_loss(results))

@@ -27,6 +27,7 @@ class GridChanges:
         self.window = RestartWindow(job.spec.fault_tolerance.restart_window_s)  # restarts counted per window
         self.decisions: list[Decision] = []
         self.nan_times: dict[int, int] = {}  # step -> how often its loss was not finite
+        self.failed_in_a_row = 0  # recovery attempts that failed since the last completed step
 
     def _decide(self, decision: Decision) -> Decision:
         self.decisions.append(decision)
@@ -69,6 +70,18 @@ class GridChanges:
                                 job.spec.parallel.dp)
         job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
         return record, phases
+
+    def recovery_failed(self, again: StepFailed, at_step: int) -> None:
+        """A recovery attempt failed (``again``): the policy says whether to try once more; ``RuntimeError`` with
+        its message when the attempts in a row reach the cap (``RecoveryPolicy.on_failed_recovery``)."""
+        self.failed_in_a_row += 1
+        decision = self._decide(self.policy.on_failed_recovery(str(again), at_step, self.failed_in_a_row))
+        if decision.action is Action.GIVE_UP:
+            raise RuntimeError(decision.message) from None
+
+    def step_completed(self) -> None:
+        """A step completed: the recoveries before it succeeded, the count of failed ones in a row starts over."""
+        self.failed_in_a_row = 0
 
     def _on_nan(self, at_step: int) -> Decision:
         """Count the NaN at ``at_step``; when the policy says so, have that step's batch skipped from now on."""

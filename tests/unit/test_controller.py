@@ -572,6 +572,48 @@ def test_a_rank_lost_during_a_recovery_starts_the_recovery_again(tmp_path):
     assert result.recoveries[0]["source"] == "memory" and result.status == "finished" and len(result.losses) == 10
 
 
+class Endless(BaseException):
+    """A retry loop that does not end (a ``BaseException``: no recovery path may catch it)."""
+
+
+def test_a_recovery_failing_again_and_again_gives_up_after_max_restarts_attempts_in_a_row(tmp_path):
+    """Every re-form hangs as long as the restart window: the restarts leave the window as fast as they come, so
+    only the cap on failed attempts in a row (max_restarts, with no step completed) ends the retries."""
+    now = [0.0]
+
+    class Hangs(list):  # the start-up form succeeds; each re-form fails after the real group's wait for a hung rank
+        def pop(self, i=0):
+            self.append(None)
+            if len(self) == 1:
+                return None
+            if len(self) > 100:  # still retrying: end the test instead of looping forever
+                raise Endless
+            now[0] += 600.0
+            return StepFailed({1: "hung"})
+
+        def __bool__(self):
+            return True
+
+    runtime = FakeRuntime()
+    runtime.fail_calls["form"] = Hangs()
+    job = make_job(tmp_path, [kill(1, 4)], runtime=runtime, fault_tolerance={"max_restarts": 5})
+    job.changes.window.clock = lambda: now[0]
+    with pytest.raises(RuntimeError, match=r"failed 5 times in a row.*rank 1 hung.*raise fault_tolerance.max_restarts"):
+        job.run()
+    assert len(runtime.groups[0].replaced) == 5 and job.changes.decisions[-1].action is Action.GIVE_UP
+    assert job.state == "failed"
+
+
+def test_failed_recoveries_in_a_row_start_over_after_a_completed_step(tmp_path):
+    """Two failed attempts, a completed step, two more: under a cap of 3 in a row the run goes on."""
+    runtime = FakeRuntime(fail_calls={"form": [None, StepFailed({0: "died"}), StepFailed({0: "died"}), None,
+                                               StepFailed({0: "died"}), StepFailed({0: "died"})]})
+    job = make_job(tmp_path, [kill(1, 4), kill(1, 6)], runtime=runtime,
+                   fault_tolerance={"max_restarts": 3, "restart_window_s": 0.001})
+    result = job.run()
+    assert result.status == "finished" and len(result.losses) == 10 and job.changes.failed_in_a_row == 0
+
+
 def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
