@@ -113,7 +113,7 @@ class TrainingJob:
         self.resizes: list[dict] = []  # ResizeRecord.to_dict() of every change of dp (tests watch it live)
         self.restarts = 0
         self.snapshot_step: int | None = None
-        self.skip_batches: set[int] = set()  # steps whose batch is skipped (repeated NaN there)
+        self.skip_batches: dict[int, int] = {}  # step -> batches skipped before it (repeated NaN there)
         self._keep_from = -1  # snapshots older than this step are replicated everywhere and can go
         self.faults = FaultSchedule(spec.faults)
         self.stragglers = StragglerDetector(spec.fault_tolerance.straggler_ratio, spec.fault_tolerance.straggler_steps)
@@ -466,8 +466,8 @@ class TrainingJob:
                     self.ps.arm(fault)
                 else:  # corrupt_checkpoint
                     corrupt_newest(self.ckpt)
-        if self._issued in self.skip_batches:
-            self.group.call("skip_batch")  # every rank passes over the batch that made this step NaN
+        for _ in range(self.skip_batches.get(self._issued, 0)):  # the batches after a skipped one may be bad too
+            self.group.call("skip_batch")  # every rank passes over a batch that made this step NaN
         memory_every = self.memory_every
         keep_from = self._keep_from if memory_every and self._issued % memory_every == 0 else None
         results = self.group.step(faults_now, keep_from)

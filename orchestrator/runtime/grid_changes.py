@@ -87,10 +87,11 @@ class GridChanges:
         """Count the NaN at ``at_step``; when the policy says so, have that step's batch skipped from now on."""
         times = self.nan_times[at_step] = self.nan_times.get(at_step, 0) + 1
         decision = self.decisions[-1] = self.policy.on_nan(at_step, times)  # refines on_failure's roll back
-        if decision.action is Action.SKIP_BATCH:
-            self.job.skip_batches.add(at_step)
-            event("nan_batch_skipped", step=at_step, times=times,
-                  action=f"the batch of step {at_step} is skipped (fault_tolerance.on_repeated_nan: skip_batch)")
+        if decision.action is Action.SKIP_BATCH:  # counted: the batch trained at this step next may be bad too
+            skips = self.job.skip_batches[at_step] = self.job.skip_batches.get(at_step, 0) + 1
+            event("nan_batch_skipped", step=at_step, times=times, batches=skips,
+                  action=f"{skips} batch(es) from step {at_step} on are skipped "
+                         "(fault_tolerance.on_repeated_nan: skip_batch)")
         return decision
 
     def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:

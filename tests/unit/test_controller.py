@@ -448,6 +448,18 @@ def test_a_nan_that_comes_back_at_the_same_step_skips_its_batch_and_says_so(tmp_
     assert any(line.startswith("event=nan_batch_skipped step=6 times=2") for line in lines)
 
 
+def test_two_bad_batches_in_a_row_are_both_skipped(tmp_path):
+    """Batch 6 skipped, step 6 trains on batch 7, NaN as well: it is skipped too (step 6 then trains on batch 8),
+    instead of the same NaN again until the restart budget ends the run."""
+    runtime = FakeRuntime(nan_batches=frozenset({6, 7}))
+    job = make_job(tmp_path, runtime=runtime, fault_tolerance={"max_restarts": 5})
+    with event_lines() as lines:
+        result = job.run()
+    assert job.skip_batches == {6: 2} and runtime.groups[0].skipped_at[6] == 2
+    assert result.status == "finished" and len(result.losses) == 10 and all(x == x for x in result.losses)
+    assert any(line.startswith("event=nan_batch_skipped step=6 times=3 batches=2") for line in lines)
+
+
 def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
     job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})),
                    fault_tolerance={"on_repeated_nan": "stop", "nan_retries": 2, "max_restarts": 5})
