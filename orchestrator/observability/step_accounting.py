@@ -70,12 +70,13 @@ class StepAccounting:
         """The summary's ``eval_losses``: ``{step, loss}`` for every step kept that evaluated."""
         return [{"step": step, "loss": loss} for step, loss in filter(None, self.evals)]
 
-    def first_step_done(self) -> None:
-        """A step completed: a pending recovery ends here (its MTTR and phase times are recorded)."""
+    def first_step_done(self, phase: str = "first_step") -> None:
+        """A step completed: a pending recovery ends here (its MTTR and phase times are recorded, the time since
+        the recovery as ``phase``; ``final_save`` for one in the run's last wait, which no step follows)."""
         if self.pending is None:
             return
         record, phases = self.pending
-        phases.lap("first_step")
+        phases.lap(phase)
         mttr = phases.total()
         self.recoveries.append(record.completed(mttr, {k: round(v, 3) for k, v in phases.seconds.items()}).to_dict())
         self.pending = None

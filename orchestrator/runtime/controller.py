@@ -52,7 +52,9 @@ from orchestrator.spec import FaultSpec, JobSpec, check_resources
 from workers.protocol import StepResult
 
 if TYPE_CHECKING:
+    from orchestrator.recovery.phases import RecoveryPhases
     from orchestrator.runtime.ps_shards import PSShards
+    from orchestrator.runtime.records import RecoveryRecord
 
 
 class RunComplete(Exception):
@@ -123,6 +125,7 @@ class TrainingJob:
         self.changes = GridChanges(self)
         self.use_gpu = False
         self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
+        self._resume_recovery = None  # the record of a rank lost while the resume loaded, until the first step
 
     @property
     def memory_every(self) -> int:
@@ -344,12 +347,24 @@ class TrainingJob:
     def _maybe_resume(self) -> str | None:
         if not self.resume:
             return None
-        latest = self.load_from_disk("resume")
+        try:
+            latest = self.load_from_disk("resume")
+        except StepFailed as failure:
+            latest = self._resume_after_loss(failure)
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None
         event("resume", path=latest, step=self.step)
         return str(latest)
+
+    def _resume_after_loss(self, failure: StepFailed) -> Path | None:
+        """A rank lost while the resume loaded the checkpoint: recovered as the same loss is mid-run (replaced,
+        and every rank loads the newest good checkpoint again), instead of failing the run. Returns what was
+        loaded; the recovery's record waits for the first step (``_loop``)."""
+        self.machine.resume()  # a recovery starts from running
+        self.step = max(self.ckpt.complete_steps(), default=0)  # the step being resumed: nothing trained is lost
+        self._resume_recovery = self._recover(failure, time.perf_counter())
+        return self.ckpt.path_for(self.step) if self.step in self.ckpt.complete_steps() else None
 
     def _loop(self, startup_s: float, resumed_from: str | None) -> RunResult:
         records = RunRecords(self.run_dir, append=resumed_from is not None, timeline=self.spec.metrics.timeline)
@@ -358,11 +373,11 @@ class TrainingJob:
                               self.recoveries)
         if self.progress:
             self.observers.add(ProgressBar(self.spec.train.steps, self.step))
+        if self._resume_recovery is not None:  # a rank lost while the resume loaded: its record waits for a step
+            acct.rolled_back(self._resume_recovery, 0)
         if self.memory_every:
             self.take_snapshot()
         status = self._train(acct)
-        if self.checkpoints.every:
-            self.checkpoints.finish(self.group, self.step)
         return RunResult(
             steps=self.step, losses=acct.losses, final_loss=acct.losses[-1] if acct.losses else None,
             tokens_per_s=acct.tokens * len(acct.losses) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,
@@ -382,36 +397,54 @@ class TrainingJob:
         return {"step": step, "path": str(self.ckpt.path_for(step)), "eval_loss": self.ckpt.score(step)}
 
     def _train(self, acct: StepAccounting) -> str:
-        """Steps until the last one or a stop; a failed step is recovered and training goes on."""
-        first = self.step
+        """Steps until the last one or a stop, then the wait for the last save; a rank lost in a step or in that
+        wait is recovered and training goes on (the wait's recovery saves the restored step again)."""
+        first, status = self.step, "finished"
+        while True:
+            if self._steps(acct, first):
+                status = "stopped"
+            try:
+                if self.checkpoints.every:
+                    self.checkpoints.finish(self.group, self.step)
+                acct.first_step_done("final_save")  # a recovery in that wait ends with it: no step follows
+                return status
+            except StepFailed as failure:  # at the step whose save it waited for
+                acct.rolled_back(self._recover(failure, time.perf_counter(), self.step), max(0, self.step - first))
+
+    def _steps(self, acct: StepAccounting, first: int) -> bool:
+        """Steps until the last one or a stop (True when stopping); a failed step is recovered and training
+        goes on."""
         while self.step < self.spec.train.steps:
             t0 = time.perf_counter()
             try:
                 results = self._step_once()
                 stopping = self._after_step(acct, results, t0)
             except StepFailed as failure:
-                self._recover(acct, failure, t0, first)
+                acct.rolled_back(self._recover(failure, t0), max(0, self.step - first))
                 continue
             if stopping:
-                return "stopped"
-        return "finished"
+                return True
+        return False
 
-    def _recover(self, acct: StepAccounting, failure: StepFailed, t0: float, first: int) -> None:
-        """Recover from ``failure``; a rank lost during the recovery itself (re-forming, restoring) starts it
-        again with that rank replaced too, until the restart budget, or the cap on failed attempts in a row
-        (``GridChanges.recovery_failed``), says to give up."""
+    def _recover(self, failure: StepFailed, t0: float, at_step: int | None = None) -> tuple[RecoveryRecord,
+                                                                                              RecoveryPhases]:
+        """Recover from ``failure`` at ``at_step`` (default: the next step); a rank lost during the recovery
+        itself (re-forming, restoring) starts it again with that rank replaced too, until the restart budget, or
+        the cap on failed attempts in a row (``GridChanges.recovery_failed``), says to give up. Returns the
+        pending recovery record."""
         self.machine.to(JobState.RECOVERING)
+        at_step = self.step + 1 if at_step is None else at_step
         while True:
             try:
-                record = self.changes.recover(failure, self.step + 1, t0)
+                record = self.changes.recover(failure, at_step, t0)
                 break
             except StepFailed as again:
-                self.changes.recovery_failed(again, self.step + 1)
+                self.changes.recovery_failed(again, at_step)
                 event("recovery_failed", reason=again, action="recovering again")
                 failure = again
-        acct.rolled_back(record, max(0, self.step - first))
         self.machine.resume()
         self.observers.on_rollback(self.step)
+        return record
 
     def _after_step(self, acct: StepAccounting, results: list[StepResult], t0: float) -> bool:
         """Account for a completed step, checkpoint when due, resize when asked; True when stopping.

@@ -626,6 +626,29 @@ def test_failed_recoveries_in_a_row_start_over_after_a_completed_step(tmp_path):
     assert result.status == "finished" and len(result.losses) == 10 and job.changes.failed_in_a_row == 0
 
 
+def test_a_rank_lost_waiting_for_the_last_async_save_is_recovered_and_the_save_made_again(tmp_path):
+    """wait_checkpoint calls: the saves of 4 and 8, the polls after 5 and 9, the save of 10, then the run's end,
+    where rank 1 is lost: recovered like the same loss mid-run, and step 10 is saved again."""
+    runtime = FakeRuntime(fail_calls={"wait_checkpoint": [None] * 5 + [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": True})
+    result = job.run()
+    assert result.status == "finished" and result.steps == 10 and len(result.losses) == 10
+    assert [(r["at_step"], r["source"], r["lost_steps"]) for r in result.recoveries] == [(10, "memory", 0)]
+    assert job.ckpt.complete_steps()[-1] == 10 and runtime.groups[0].replaced == [{1}]
+
+
+def test_a_rank_lost_while_a_resume_loads_is_recovered(tmp_path):
+    make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}).run()
+    runtime = FakeRuntime(fail_calls={"load_checkpoint": [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 5, "memory_every": 1}, train={"steps": 12})
+    job.resume = True
+    result = job.run()
+    assert result.status == "finished" and result.steps == 12 and result.resumed_from.endswith("step-00000010")
+    assert [(r["kind"], r["at_step"], r["source"], r["lost_steps"]) for r in result.recoveries] == [
+        ("rank", 11, "disk", 0)]
+    assert runtime.groups[0].replaced == [{1}] and result.losses == [1 / 11, 1 / 12]
+
+
 def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
