@@ -649,6 +649,24 @@ def test_a_rank_lost_while_a_resume_loads_is_recovered(tmp_path):
     assert runtime.groups[0].replaced == [{1}] and result.losses == [1 / 11, 1 / 12]
 
 
+def test_two_recoveries_with_no_step_between_them_are_both_recorded(tmp_path):
+    """Step 5 fails (rolled back to the snapshot of 3, step 4 lost), then step 4 fails as it is run again: both
+    recoveries are in the result and the summary, and their lost steps add up to the repeated steps.jsonl lines."""
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 0, "memory_every": 3})
+
+    def fail_now():
+        raise StepFailed({1: "died"})
+
+    runtime.script[5] = lambda: (runtime.script.__setitem__(4, fail_now), fail_now())
+    result = job.run()
+    assert [(r["at_step"], r["lost_steps"]) for r in result.recoveries] == [(5, 1), (4, 0)]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert [(r["at_step"], r["lost_steps"]) for r in summary["recoveries"]] == [(5, 1), (4, 0)]
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert len(lines) - 10 == sum(r["lost_steps"] for r in result.recoveries) == 1
+
+
 def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
