@@ -35,8 +35,11 @@ class GridChanges:
 
     # -- recovery --------------------------------------------------------------------------
 
-    def recover(self, failure: StepFailed, at_step: int, fault_time: float) -> tuple[RecoveryRecord, RecoveryPhases]:
-        """Replace what died, re-form the group and roll every rank back; returns the pending recovery record."""
+    def recover(self, failure: StepFailed, at_step: int, fault_time: float,
+                cut_short: int | None = None) -> tuple[RecoveryRecord, RecoveryPhases]:
+        """Replace what died, re-form the group and roll every rank back; returns the pending recovery record.
+        ``cut_short``: the step of an async save the failure cut short (``Checkpointing.forget_in_flight``, taken
+        by the caller once for all attempts), saved again when the rollback restores exactly that step."""
         job = self.job
         phases = RecoveryPhases(fault_time)
         if job.ps is not None:  # both holders of a key lost: nothing to recover it from (says which updates)
@@ -52,7 +55,6 @@ class GridChanges:
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message) from None
         completed = job.step
-        cut_short = job.checkpoints.forget_in_flight()  # an unsealed async save dies with the failed group
         before = {r.rank: r.identity for r in job.layout.ranks}
         dp_before = job.spec.parallel.dp
         if decision.action is Action.RESTART_ALL:

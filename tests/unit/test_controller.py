@@ -667,6 +667,17 @@ def test_two_recoveries_with_no_step_between_them_are_both_recorded(tmp_path):
     assert len(lines) - 10 == sum(r["lost_steps"] for r in result.recoveries) == 1
 
 
+def test_a_save_cut_short_is_saved_again_when_the_recovery_is_retried(tmp_path):
+    """Step 5 fails while the async save of 4 is in flight; the first re-form loses rank 0 too. The retried
+    recovery restores step 4 and still saves it again, or the run would have no checkpoint of step 4."""
+    runtime = FakeRuntime(fail_calls={"form": [None, StepFailed({0: "died"})]})
+    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime,
+                   checkpoint={"every": 4, "memory_every": 1, "async": True})
+    result = job.run()
+    assert result.status == "finished" and runtime.groups[0].replaced == [{1}, {0}]
+    assert str(job.ckpt.path_for(4)) in result.checkpoints and 4 in job.ckpt.complete_steps()
+
+
 def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
