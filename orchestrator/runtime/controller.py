@@ -471,24 +471,37 @@ class TrainingJob:
         returns whether the job is stopping, the failure of a rank lost while saving (if any) and the step's
         report for the observers."""
         self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
-        if self.ps is not None:
-            self.ps.after_step(step, self.group)
-            self.recoveries.extend(self.ps.recoveries)
-            self.ps.recoveries.clear()
+        lost = self._shards_after_step(step)
         acct.first_step_done()
         self.changes.step_completed()
         stopping = self.machine.stop_requested.is_set()
-        lost, ckpt_s = None, 0.0
+        ckpt_s = 0.0
         self.checkpoints.scored(step, held_out_loss(results))
         try:
-            self.checkpoints.poll(self.group)
-            if self.checkpoints.due(step, stopping):
-                ckpt_s = self.checkpoints.save(self.group, step)
+            if lost is None:  # a rank lost already: a save could only fail the same way
+                self.checkpoints.poll(self.group)
+                if self.checkpoints.due(step, stopping):
+                    ckpt_s = self.checkpoints.save(self.group, step)
         except StepFailed as failure:
             lost = failure
         report = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
         self.last = report.record
         return stopping, lost, report
+
+    def _shards_after_step(self, step: int) -> StepFailed | None:
+        """The parameter-server shards' work between steps (``PSShards.after_step``) and its records; returns the
+        failure of a rank lost while the ranks were pointed at a restarted shard or a resized ring, for the
+        caller to raise once the completed step is accounted for (as a rank lost while saving is)."""
+        if self.ps is None:
+            return None
+        try:
+            self.ps.after_step(step, self.group)
+            return None
+        except StepFailed as failure:
+            return failure
+        finally:
+            self.recoveries.extend(self.ps.recoveries)
+            self.ps.recoveries.clear()
 
     def _step_once(self) -> list[StepResult]:
         """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""

@@ -176,15 +176,29 @@ class PSShards:
         snapshot = every and (step % every == 0 or count != len(self.handles))
         if all(alive) and not snapshot and count == len(self.handles):
             return
+        restarted = [shard for shard, ok in enumerate(alive) if not ok]
         with self._paused():
-            self._restart_dead(alive, group, step)
-            if count != len(self.handles):
-                self.resizes.append(ps_resize.resize(self, count, group, step))
+            self._restart_dead(alive, group, step, reroute=False)
+            resizing = count != len(self.handles)
+            if resizing:
+                self.resizes.append(ps_resize.resize(self, count, step))
                 self._write_routes()
             if snapshot:
                 paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(len(self.handles))]
                 answer([h.save.remote(p) for h, p in zip(self.handles, paths)], "the shards' snapshot",
                        self.deadline_s)
+            self._tell_ranks(group, restarted, resizing)
+
+    def _tell_ranks(self, group, restarted: list[int], resized: bool) -> None:
+        """Point the ranks at restarted shards or the new ring, last: every shard-side change is done and recorded
+        by then, and the routes published, so a rank lost here (``StepFailed``, recovered by the controller) loses
+        no record and its replacement is formed with the live shards."""
+        self.publish_routes(group)
+        if resized:  # every route, the restarted shards' too
+            group.call("ps_reshard", [self.route(i) for i in range(len(self.handles))])
+            return
+        for shard in restarted:
+            group.call("ps_reroute", shard, self.route(shard))
 
     def heal(self, step: int, group, reroute: bool = True) -> None:
         """Restart and resync every shard that does not answer a ping, before a call that reaches every shard

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from orchestrator.runtime.group import StepFailed
+from tests.support.fake_group import FakeRuntime
 from tests.support.fake_shards import fake_ps
 from tests.unit.test_controller import kill, make_job
 
@@ -57,3 +61,39 @@ def test_a_shard_restarted_during_a_recovery_rolls_back_from_memory_with_its_key
     assert [(r["at_step"], r["source"], r["lost_steps"]) for r in rank] == [(4, "memory", 0)]
     assert seen["now"][0] == before["keys"] and 3 in seen["now"][1]
     assert seen["route"]["shards"][1]["handle"] is job_handles[1]  # ranks formed in the recovery get the live shard
+
+
+def steps_lines(job) -> list[int]:
+    return [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+
+
+def test_a_rank_lost_while_the_ranks_reshard_keeps_the_step_and_the_resize(tmp_path, monkeypatch):
+    """After step 4 the shards go from 3 to 2 and rank 1 is lost as the ranks are pointed at the new ring: step 4
+    is accounted for, the resize recorded, and the rank recovered; nothing is trained twice unreported."""
+    fake_ps(monkeypatch)
+    runtime = FakeRuntime(fail_calls={"ps_reshard": [StepFailed({1: "died"})]})
+    job = ps_job(tmp_path, runtime=runtime, memory_every=1, resize=[{"at_step": 5, "shards": 2}])
+    result = job.run()
+    assert result.status == "finished" and result.losses == [1 / n for n in range(1, 11)]
+    assert [(r["at_step"], r["shards_from"], r["shards_to"]) for r in result.ps_resizes] == [(5, 3, 2)]
+    assert [(r["kind"], r["at_step"]) for r in result.recoveries] == [("rank", 5)]
+    lines = steps_lines(job)
+    assert sorted(set(lines)) == list(range(1, 11)) and len(lines) - 10 == sum(r["lost_steps"] for r in
+                                                                              result.recoveries)
+
+
+def test_a_rank_lost_while_rerouted_to_a_restarted_shard_keeps_every_record(tmp_path, monkeypatch):
+    """Shard 1 dies in step 4 and rank 1 is lost as the ranks are rerouted to its restart: the step, the shard's
+    restart and the rank's recovery are all recorded, and the ranks formed in that recovery use the live shard."""
+    fake_ps(monkeypatch)
+    runtime = FakeRuntime(fail_calls={"ps_reroute": [StepFailed({1: "died"})]})
+    job = ps_job(tmp_path, [shard_kill(4)], runtime=runtime)
+    seen = {}
+    runtime.script[6] = lambda: seen.update(route=job.group.worker_extra["ps_routes"]["shards"][1]["handle"],
+                                            live=job.ps.handles[1])
+    result = job.run()
+    assert result.status == "finished" and len(result.losses) == 10
+    assert [(r["kind"], r["at_step"]) for r in result.recoveries] == [("kill_ps_shard", 4), ("rank", 5)]
+    lines = steps_lines(job)
+    assert 4 in lines and len(lines) - 10 == sum(r["lost_steps"] for r in result.recoveries)
+    assert seen["route"] is seen["live"]
