@@ -64,6 +64,11 @@ class StepAccounting:
         the next completed step (MTTR ends there), beside any earlier one that no step has followed yet (a step
         failing again as it is re-run): each is kept, so the lost steps of all of them add up."""
         self.pending.append(recovery)
+        self.cut_back(steps_kept)
+
+    def cut_back(self, steps_kept: int) -> None:
+        """Training went back to ``steps_kept`` steps of this run (a rollback, or a resize whose load fell back to
+        an older checkpoint): the steps after it are trained again and reported once."""
         del self.losses[steps_kept:], self.norms[steps_kept:], self.step_times[steps_kept:], self.evals[steps_kept:]
 
     @property

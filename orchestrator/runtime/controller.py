@@ -462,7 +462,7 @@ class TrainingJob:
         if lost is not None:
             raise lost
         if not stopping and self.step < self.spec.train.steps:
-            self._maybe_resize()
+            self._maybe_resize(acct)
         return stopping
 
     def _account(self, acct: StepAccounting, results: list[StepResult], step: int,
@@ -527,13 +527,18 @@ class TrainingJob:
         self._keep_from = min(r.replicated_step for r in results)  # replicated on every rank: older can go
         return results
 
-    def _maybe_resize(self) -> None:
-        """Resize when one was requested, or grow back when the cluster has room again after a shrink."""
+    def _maybe_resize(self, acct: StepAccounting) -> None:
+        """Resize when one was requested, or grow back when the cluster has room again after a shrink; a resize
+        that went back in steps (its load fell back to an older checkpoint) cuts the account back to match."""
         decision = self.scaling.next_resize(self.spec, self.use_gpu)
         if decision is None:
             return
         self.machine.to(JobState.RESIZING)
+        reached = self.step
         self.changes.resize(*decision)
+        if self.step < reached:
+            acct.cut_back(max(0, len(acct.losses) - (reached - self.step)))
+            self.observers.on_rollback(self.step)
         self.machine.resume()
 
 

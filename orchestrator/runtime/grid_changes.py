@@ -243,10 +243,11 @@ class GridChanges:
             return
         job.teardown_grid()
         self._relaunch(target, old)
-        job.load_from_disk("resize")  # the save just made, unless it fails its checksums
+        reached = job.step
+        job.load_from_disk("resize")  # the save just made, unless it fails its checksums (then an older one)
         if job.memory_every:
             job.take_snapshot()
-        self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0)
+        self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0, reached - job.step)
 
     def _relaunch(self, target: JobSpec, old: JobSpec) -> None:
         """Start the grid at ``target``; when that fails, at ``old`` again (a failure there too is the job's)."""
@@ -263,10 +264,13 @@ class GridChanges:
         job.spec = old
         job.layout = job.launch_grid()
 
-    def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
-        """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record."""
+    def _resized(self, reason: str, old_dp: int, source: str, seconds: float, lost_steps: int = 0) -> None:
+        """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record, with
+        the steps to train again when the load fell back to an older checkpoint (the controller cuts its
+        account back by as many)."""
         job = self.job
         spec = job.spec
-        record = ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches, source, seconds)
+        record = ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches, source, seconds,
+                              lost_steps)
         job.observers.on_resized(record, job.layout.to_dict())
         job.resizes.append(record.to_dict())

@@ -678,6 +678,29 @@ def test_a_save_cut_short_is_saved_again_when_the_recovery_is_retried(tmp_path):
     assert str(job.ckpt.path_for(4)) in result.checkpoints and 4 in job.ckpt.complete_steps()
 
 
+def test_a_resize_whose_save_fails_its_checksums_goes_back_and_says_so(tmp_path, monkeypatch):
+    """The resize's save (step 5) is damaged before the new grid loads it: the load falls back to step 4, the
+    record says one step is trained again, and the account is cut back (each step reported once)."""
+    from orchestrator.faults.disk import corrupt_newest
+    from orchestrator.runtime.grid_changes import GridChanges
+
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 2, "memory_every": 1, "async": False})
+    runtime.script[5] = lambda: job.request_scale(1)
+    real = GridChanges._relaunch
+
+    def relaunch(self, target, old):
+        corrupt_newest(self.job.ckpt)
+        return real(self, target, old)
+
+    monkeypatch.setattr(GridChanges, "_relaunch", relaunch)
+    result = job.run()
+    assert result.losses == [1 / n for n in range(1, 11)]
+    assert [(r["at_step"], r["source"], r["lost_steps"]) for r in result.resizes] == [(4, "disk", 1)]
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert len(lines) - 10 == 1 and sorted(set(lines)) == list(range(1, 11))
+
+
 def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
