@@ -242,9 +242,14 @@ class GridChanges:
                   action=f"staying at dp={old.parallel.dp}")
             return
         job.teardown_grid()
+        job.snapshot_step = None  # the old grid's snapshots went with it
         self._relaunch(target, old)
         reached = job.step
-        job.load_from_disk("resize")  # the save just made, unless it fails its checksums (then an older one)
+        try:
+            job.load_from_disk("resize")  # the save just made, unless it fails its checksums (then an older one)
+        except StepFailed:  # the grid did change: recorded, then the lost rank's recovery loads the save again
+            self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0)
+            raise
         if job.memory_every:
             job.take_snapshot()
         self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0, reached - job.step)

@@ -701,6 +701,20 @@ def test_a_resize_whose_save_fails_its_checksums_goes_back_and_says_so(tmp_path,
     assert len(lines) - 10 == 1 and sorted(set(lines)) == list(range(1, 11))
 
 
+def test_a_rank_lost_while_the_resized_grid_loads_keeps_the_resize_record(tmp_path):
+    """The relaunched grid (dp 1) loses a rank while loading the resize's checkpoint: the resize is recorded and
+    observed, then the rank is recovered at the new dp from that checkpoint, nothing lost."""
+    runtime = FakeRuntime(fail_calls={"load_checkpoint": [StepFailed({0: "died"})]})
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_scale(1)
+    result = job.run()
+    assert result.status == "finished" and result.layout["dp"] == 1 and len(result.losses) == 10
+    assert [(r["reason"], r["dp_from"], r["dp_to"], r["at_step"]) for r in result.resizes] == [("request", 2, 1, 4)]
+    assert ("layout", 1) in job.recorder.seen
+    assert [(r["kind"], r["dp_from"], r["dp_to"], r["source"], r["lost_steps"]) for r in result.recoveries] == [
+        ("rank", 1, 1, "disk", 0)]
+
+
 def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, [kill(0, 4), kill(1, 4, "oom")], runtime=runtime, parallel={"dp": 4})
