@@ -8,7 +8,6 @@ import logging
 
 import pytest
 
-from orchestrator import JobSpec, TrainingJob
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.errors import SpecError
 from orchestrator.observability.observers import JobObserver
@@ -16,49 +15,12 @@ from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
 from orchestrator.runtime.controller import RunComplete
 from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.states import JobState
+from tests.support.controller_jobs import kill, make_job
 from tests.support.fake_group import FakeGroup, FakeRuntime
-from tests.support.jobs import tiny_spec
 
 S = JobState
 RECOVERY_KEYS = ["kind", "rank", "at_step", "lost_steps", "source", "identities_before", "dp_from", "dp_to",
                  "mttr_s", "phases_s"]
-
-
-class Recorder(JobObserver):
-    """Every notification, in order."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple] = []
-
-    def on_checkpoint(self, blocking_s, committed: bool) -> None:
-        self.seen.append(("checkpoint", committed))
-
-    def on_recovered(self, record, step: int, restarted: int, phases_s: dict) -> None:
-        self.seen.append(("recovery", record.kind, restarted, record.lost_steps))
-
-    def on_resized(self, record, layout: dict) -> None:
-        self.seen.append(("layout", layout["dp"]))
-
-    def on_mttr(self, seconds: float) -> None:
-        self.seen.append(("mttr",))
-
-    def on_finish(self) -> None:
-        self.seen.append(("finish",))
-
-
-def make_job(tmp_path, faults=(), runtime=None, **sections):
-    sections.setdefault("parallel", {"dp": 2})
-    sections.setdefault("checkpoint", {"every": 0, "memory_every": 1})
-    spec = tiny_spec(tmp_path / "data", tmp_path, **sections)
-    spec = JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)})
-    job = TrainingJob(spec, progress=False, runtime=runtime or FakeRuntime())
-    job.recorder = Recorder()
-    job.observers.add(job.recorder)
-    return job
-
-
-def kill(rank: int, at_step: int, kind: str = "kill_rank") -> dict:
-    return {"kind": kind, "rank": rank, "at_step": at_step}
 
 
 def actions(job) -> list[Action]:

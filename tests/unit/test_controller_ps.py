@@ -7,9 +7,9 @@ import json
 import pytest
 
 from orchestrator.runtime.group import StepFailed
+from tests.support.controller_jobs import kill, make_job
 from tests.support.fake_group import FakeRuntime
 from tests.support.fake_shards import fake_ps
-from tests.unit.test_controller import kill, make_job
 
 
 def ps_job(tmp_path, faults=(), runtime=None, memory_every=3, **sections):
