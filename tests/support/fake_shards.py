@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import ray
 import torch
 
-from orchestrator.runtime import ps_shards
 from orchestrator.runtime.ps_shards import PSShards
 from parameter_server.ring import HashRing, split
 from parameter_server.shard import PSShard
@@ -69,5 +68,4 @@ def fake_ps(monkeypatch) -> None:
     monkeypatch.setattr(ray, "kill", _kill)
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs), []))
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}])
-    monkeypatch.setattr(ps_shards.ray, "get", _get)
     monkeypatch.setattr(PSShards, "_new_shard", _new_shard)
