@@ -106,7 +106,8 @@ class EventLog(JobObserver):
 
     def on_resized(self, record: ResizeRecord, layout: dict) -> None:
         event("resized", reason=record.reason, dp_from=record.dp_from, dp_to=record.dp_to, step=record.at_step,
-              source=record.source, microbatches=record.microbatches)
+              source=record.source, microbatches=record.microbatches,
+              **({"lost_steps": record.lost_steps} if record.lost_steps else {}))  # only when it went back
 
 
 class MetricsObserver(JobObserver):

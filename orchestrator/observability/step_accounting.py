@@ -39,7 +39,7 @@ class StepAccounting:
         self.tokens = spec.train.global_batch_size * spec.model.seq_len
         self.peak_per_rank = peak_flops_per_rank(spec, device_name)
         self.flops_per_token = model_flops_per_token(spec)
-        self.pending: tuple[RecoveryRecord, RecoveryPhases] | None = None  # waiting for its first completed step
+        self.pending: list[tuple[RecoveryRecord, RecoveryPhases]] = []  # waiting for the next completed step
         self.t_train = time.perf_counter()
 
     def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
@@ -61,8 +61,14 @@ class StepAccounting:
 
     def rolled_back(self, recovery: tuple[RecoveryRecord, RecoveryPhases], steps_kept: int) -> None:
         """A recovery rolled training back to ``steps_kept`` steps of this run; its record waits for
-        the next completed step (MTTR ends there)."""
-        self.pending = recovery
+        the next completed step (MTTR ends there), beside any earlier one that no step has followed yet (a step
+        failing again as it is re-run): each is kept, so the lost steps of all of them add up."""
+        self.pending.append(recovery)
+        self.cut_back(steps_kept)
+
+    def cut_back(self, steps_kept: int) -> None:
+        """Training went back to ``steps_kept`` steps of this run (a rollback, or a resize whose load fell back to
+        an older checkpoint): the steps after it are trained again and reported once."""
         del self.losses[steps_kept:], self.norms[steps_kept:], self.step_times[steps_kept:], self.evals[steps_kept:]
 
     @property
@@ -70,16 +76,16 @@ class StepAccounting:
         """The summary's ``eval_losses``: ``{step, loss}`` for every step kept that evaluated."""
         return [{"step": step, "loss": loss} for step, loss in filter(None, self.evals)]
 
-    def first_step_done(self) -> None:
-        """A step completed: a pending recovery ends here (its MTTR and phase times are recorded)."""
-        if self.pending is None:
-            return
-        record, phases = self.pending
-        phases.lap("first_step")
-        mttr = phases.total()
-        self.recoveries.append(record.completed(mttr, {k: round(v, 3) for k, v in phases.seconds.items()}).to_dict())
-        self.pending = None
-        self.observers.on_mttr(mttr)
+    def first_step_done(self, phase: str = "first_step") -> None:
+        """A step completed: a pending recovery ends here (its MTTR and phase times are recorded, the time since
+        the recovery as ``phase``; ``final_save`` for one in the run's last wait, which no step follows)."""
+        pending, self.pending = self.pending, []
+        for record, phases in pending:
+            phases.lap(phase)
+            mttr = phases.total()
+            self.recoveries.append(record.completed(mttr, {k: round(v, 3) for k, v in phases.seconds.items()})
+                                   .to_dict())
+            self.observers.on_mttr(mttr)
 
     def goodput(self) -> float:
         return sum(self.step_times) / (time.perf_counter() - self.t_train)

@@ -110,6 +110,21 @@ class RecoveryPolicy:
             return Decision(Action.REPLACE)
         return Decision(Action.ROLL_BACK)  # NaN loss: every rank is alive; ``roll_back`` says from where
 
+    def on_failed_recovery(self, reason: str, at_step: int, attempts: int) -> Decision:
+        """The ``attempts``-th recovery in a row that failed (a rank lost while re-forming or restoring) with no
+        step completed since: try again, or give up once ``max_restarts`` attempts failed.
+
+        Why ``max_restarts`` without its window: every failed attempt restarted at least one rank, and attempts
+        that each take as long as the window (a replacement hanging while it forms) leave it as fast as they
+        arrive, so the rate never reaches the budget and the run retried forever without training a step."""
+        if attempts < self.max_restarts:
+            return Decision(Action.REPLACE)
+        return Decision(Action.GIVE_UP, message=(
+            f"the recovery from the failure at step {at_step} failed {attempts} times in a row, no step completing "
+            f"in between (the last time: {reason}); fault_tolerance.max_restarts={self.max_restarts} also caps "
+            "failed recoveries in a row, whatever restart_window_s; look at the failing rank's log "
+            "(`ray logs actor`), or raise fault_tolerance.max_restarts"))
+
     def on_nan(self, at_step: int, times: int) -> Decision:
         """The ``times``-th non-finite loss at ``at_step``: run it again, skip its batch, or stop.
 

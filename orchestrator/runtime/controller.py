@@ -52,7 +52,9 @@ from orchestrator.spec import FaultSpec, JobSpec, check_resources
 from workers.protocol import StepResult
 
 if TYPE_CHECKING:
+    from orchestrator.recovery.phases import RecoveryPhases
     from orchestrator.runtime.ps_shards import PSShards
+    from orchestrator.runtime.records import RecoveryRecord
 
 
 class RunComplete(Exception):
@@ -113,7 +115,7 @@ class TrainingJob:
         self.resizes: list[dict] = []  # ResizeRecord.to_dict() of every change of dp (tests watch it live)
         self.restarts = 0
         self.snapshot_step: int | None = None
-        self.skip_batches: set[int] = set()  # steps whose batch is skipped (repeated NaN there)
+        self.skip_batches: dict[int, int] = {}  # step -> batches skipped before it (repeated NaN there)
         self._keep_from = -1  # snapshots older than this step are replicated everywhere and can go
         self.faults = FaultSchedule(spec.faults)
         self.stragglers = StragglerDetector(spec.fault_tolerance.straggler_ratio, spec.fault_tolerance.straggler_steps)
@@ -123,6 +125,7 @@ class TrainingJob:
         self.changes = GridChanges(self)
         self.use_gpu = False
         self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
+        self._resume_recovery = None  # the record of a rank lost while the resume loaded, until the first step
 
     @property
     def memory_every(self) -> int:
@@ -235,7 +238,7 @@ class TrainingJob:
             self.checkpoints.beside_ranks = self.ps.save_checkpoint
         layout = Layout.of(self.spec, self.group.form())
         if fresh_shards:  # the ranks registered the initial weights: a rollback to step 0 finds them
-            self.ps.keep(0)
+            self.ps.keep(0, self.group)
         return layout
 
     def teardown_grid(self) -> None:
@@ -266,7 +269,7 @@ class TrainingJob:
         """Every rank snapshots the current step (replicas ship in the background)."""
         self.group.snapshot()
         if self.ps is not None:
-            self.ps.keep(self.step)
+            self.ps.keep(self.step, self.group)
         self.snapshot_step = self.step
         self._keep_from = -1  # a new group, or rolled back: nothing is known replicated past here yet
 
@@ -283,6 +286,7 @@ class TrainingJob:
         the state they kept in memory at that step; then each rank pushes from that clock."""
         if self.ps is None:
             return
+        self.ps.heal(self.step, self.group)  # a shard lost meanwhile would fail the restore: restarted first
         if checkpoint is not None:
             self.ps.restore_checkpoint(checkpoint, self.step)
         else:
@@ -343,12 +347,24 @@ class TrainingJob:
     def _maybe_resume(self) -> str | None:
         if not self.resume:
             return None
-        latest = self.load_from_disk("resume")
+        try:
+            latest = self.load_from_disk("resume")
+        except StepFailed as failure:
+            latest = self._resume_after_loss(failure)
         if latest is None:
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None
         event("resume", path=latest, step=self.step)
         return str(latest)
+
+    def _resume_after_loss(self, failure: StepFailed) -> Path | None:
+        """A rank lost while the resume loaded the checkpoint: recovered as the same loss is mid-run (replaced,
+        and every rank loads the newest good checkpoint again), instead of failing the run. Returns what was
+        loaded; the recovery's record waits for the first step (``_loop``)."""
+        self.machine.resume()  # a recovery starts from running
+        self.step = max(self.ckpt.complete_steps(), default=0)  # the step being resumed: nothing trained is lost
+        self._resume_recovery = self._recover(failure, time.perf_counter())
+        return self.ckpt.path_for(self.step) if self.step in self.ckpt.complete_steps() else None
 
     def _loop(self, startup_s: float, resumed_from: str | None) -> RunResult:
         records = RunRecords(self.run_dir, append=resumed_from is not None, timeline=self.spec.metrics.timeline)
@@ -357,11 +373,11 @@ class TrainingJob:
                               self.recoveries)
         if self.progress:
             self.observers.add(ProgressBar(self.spec.train.steps, self.step))
+        if self._resume_recovery is not None:  # a rank lost while the resume loaded: its record waits for a step
+            acct.rolled_back(self._resume_recovery, 0)
         if self.memory_every:
             self.take_snapshot()
         status = self._train(acct)
-        if self.checkpoints.every:
-            self.checkpoints.finish(self.group, self.step)
         return RunResult(
             steps=self.step, losses=acct.losses, final_loss=acct.losses[-1] if acct.losses else None,
             tokens_per_s=acct.tokens * len(acct.losses) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,
@@ -381,34 +397,55 @@ class TrainingJob:
         return {"step": step, "path": str(self.ckpt.path_for(step)), "eval_loss": self.ckpt.score(step)}
 
     def _train(self, acct: StepAccounting) -> str:
-        """Steps until the last one or a stop; a failed step is recovered and training goes on."""
-        first = self.step
+        """Steps until the last one or a stop, then the wait for the last save; a rank lost in a step or in that
+        wait is recovered and training goes on (the wait's recovery saves the restored step again)."""
+        first, status = self.step, "finished"
+        while True:
+            if self._steps(acct, first):
+                status = "stopped"
+            try:
+                if self.checkpoints.every:
+                    self.checkpoints.finish(self.group, self.step)
+                acct.first_step_done("final_save")  # a recovery in that wait ends with it: no step follows
+                return status
+            except StepFailed as failure:  # at the step whose save it waited for
+                acct.rolled_back(self._recover(failure, time.perf_counter(), self.step), max(0, self.step - first))
+
+    def _steps(self, acct: StepAccounting, first: int) -> bool:
+        """Steps until the last one or a stop (True when stopping); a failed step is recovered and training
+        goes on."""
         while self.step < self.spec.train.steps:
             t0 = time.perf_counter()
             try:
                 results = self._step_once()
                 stopping = self._after_step(acct, results, t0)
             except StepFailed as failure:
-                self._recover(acct, failure, t0, first)
+                acct.rolled_back(self._recover(failure, t0), max(0, self.step - first))
                 continue
             if stopping:
-                return "stopped"
-        return "finished"
+                return True
+        return False
 
-    def _recover(self, acct: StepAccounting, failure: StepFailed, t0: float, first: int) -> None:
-        """Recover from ``failure``; a rank lost during the recovery itself (re-forming, restoring) starts it
-        again with that rank replaced too, until the restart budget says to give up."""
+    def _recover(self, failure: StepFailed, t0: float, at_step: int | None = None) -> tuple[RecoveryRecord,
+                                                                                              RecoveryPhases]:
+        """Recover from ``failure`` at ``at_step`` (default: the next step); a rank lost during the recovery
+        itself (re-forming, restoring) starts it again with that rank replaced too, until the restart budget, or
+        the cap on failed attempts in a row (``GridChanges.recovery_failed``), says to give up. Returns the
+        pending recovery record."""
         self.machine.to(JobState.RECOVERING)
+        at_step = self.step + 1 if at_step is None else at_step
+        cut_short = self.checkpoints.forget_in_flight()  # once: a retried attempt must still save it again
         while True:
             try:
-                record = self.changes.recover(failure, self.step + 1, t0)
+                record = self.changes.recover(failure, at_step, t0, cut_short)
                 break
             except StepFailed as again:
+                self.changes.recovery_failed(again, at_step)
                 event("recovery_failed", reason=again, action="recovering again")
                 failure = again
-        acct.rolled_back(record, max(0, self.step - first))
         self.machine.resume()
         self.observers.on_rollback(self.step)
+        return record
 
     def _after_step(self, acct: StepAccounting, results: list[StepResult], t0: float) -> bool:
         """Account for a completed step, checkpoint when due, resize when asked; True when stopping.
@@ -425,7 +462,7 @@ class TrainingJob:
         if lost is not None:
             raise lost
         if not stopping and self.step < self.spec.train.steps:
-            self._maybe_resize()
+            self._maybe_resize(acct)
         return stopping
 
     def _account(self, acct: StepAccounting, results: list[StepResult], step: int,
@@ -434,23 +471,37 @@ class TrainingJob:
         returns whether the job is stopping, the failure of a rank lost while saving (if any) and the step's
         report for the observers."""
         self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
-        if self.ps is not None:
-            self.ps.after_step(step, self.group)
-            self.recoveries.extend(self.ps.recoveries)
-            self.ps.recoveries.clear()
+        lost = self._shards_after_step(step)
         acct.first_step_done()
+        self.changes.step_completed()
         stopping = self.machine.stop_requested.is_set()
-        lost, ckpt_s = None, 0.0
+        ckpt_s = 0.0
         self.checkpoints.scored(step, held_out_loss(results))
         try:
-            self.checkpoints.poll(self.group)
-            if self.checkpoints.due(step, stopping):
-                ckpt_s = self.checkpoints.save(self.group, step)
+            if lost is None:  # a rank lost already: a save could only fail the same way
+                self.checkpoints.poll(self.group)
+                if self.checkpoints.due(step, stopping):
+                    ckpt_s = self.checkpoints.save(self.group, step)
         except StepFailed as failure:
             lost = failure
         report = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
         self.last = report.record
         return stopping, lost, report
+
+    def _shards_after_step(self, step: int) -> StepFailed | None:
+        """The parameter-server shards' work between steps (``PSShards.after_step``) and its records; returns the
+        failure of a rank lost while the ranks were pointed at a restarted shard or a resized ring, for the
+        caller to raise once the completed step is accounted for (as a rank lost while saving is)."""
+        if self.ps is None:
+            return None
+        try:
+            self.ps.after_step(step, self.group)
+            return None
+        except StepFailed as failure:
+            return failure
+        finally:
+            self.recoveries.extend(self.ps.recoveries)
+            self.ps.recoveries.clear()
 
     def _step_once(self) -> list[StepResult]:
         """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""
@@ -462,8 +513,8 @@ class TrainingJob:
                     self.ps.arm(fault)
                 else:  # corrupt_checkpoint
                     corrupt_newest(self.ckpt)
-        if self._issued in self.skip_batches:
-            self.group.call("skip_batch")  # every rank passes over the batch that made this step NaN
+        for _ in range(self.skip_batches.get(self._issued, 0)):  # the batches after a skipped one may be bad too
+            self.group.call("skip_batch")  # every rank passes over a batch that made this step NaN
         memory_every = self.memory_every
         keep_from = self._keep_from if memory_every and self._issued % memory_every == 0 else None
         results = self.group.step(faults_now, keep_from)
@@ -471,18 +522,23 @@ class TrainingJob:
             raise StepFailed({}, kind="nan_loss")
         if keep_from is not None:
             if self.ps is not None:
-                self.ps.keep(self._issued)
+                self.ps.keep(self._issued, self.group)
             self.snapshot_step = self._issued
         self._keep_from = min(r.replicated_step for r in results)  # replicated on every rank: older can go
         return results
 
-    def _maybe_resize(self) -> None:
-        """Resize when one was requested, or grow back when the cluster has room again after a shrink."""
+    def _maybe_resize(self, acct: StepAccounting) -> None:
+        """Resize when one was requested, or grow back when the cluster has room again after a shrink; a resize
+        that went back in steps (its load fell back to an older checkpoint) cuts the account back to match."""
         decision = self.scaling.next_resize(self.spec, self.use_gpu)
         if decision is None:
             return
         self.machine.to(JobState.RESIZING)
+        reached = self.step
         self.changes.resize(*decision)
+        if self.step < reached:
+            acct.cut_back(max(0, len(acct.losses) - (reached - self.step)))
+            self.observers.on_rollback(self.step)
         self.machine.resume()
 
 

@@ -27,6 +27,7 @@ class GridChanges:
         self.window = RestartWindow(job.spec.fault_tolerance.restart_window_s)  # restarts counted per window
         self.decisions: list[Decision] = []
         self.nan_times: dict[int, int] = {}  # step -> how often its loss was not finite
+        self.failed_in_a_row = 0  # recovery attempts that failed since the last completed step
 
     def _decide(self, decision: Decision) -> Decision:
         self.decisions.append(decision)
@@ -34,8 +35,11 @@ class GridChanges:
 
     # -- recovery --------------------------------------------------------------------------
 
-    def recover(self, failure: StepFailed, at_step: int, fault_time: float) -> tuple[RecoveryRecord, RecoveryPhases]:
-        """Replace what died, re-form the group and roll every rank back; returns the pending recovery record."""
+    def recover(self, failure: StepFailed, at_step: int, fault_time: float,
+                cut_short: int | None = None) -> tuple[RecoveryRecord, RecoveryPhases]:
+        """Replace what died, re-form the group and roll every rank back; returns the pending recovery record.
+        ``cut_short``: the step of an async save the failure cut short (``Checkpointing.forget_in_flight``, taken
+        by the caller once for all attempts), saved again when the rollback restores exactly that step."""
         job = self.job
         phases = RecoveryPhases(fault_time)
         if job.ps is not None:  # both holders of a key lost: nothing to recover it from (says which updates)
@@ -51,7 +55,6 @@ class GridChanges:
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message) from None
         completed = job.step
-        cut_short = job.checkpoints.forget_in_flight()  # an unsealed async save dies with the failed group
         before = {r.rank: r.identity for r in job.layout.ranks}
         dp_before = job.spec.parallel.dp
         if decision.action is Action.RESTART_ALL:
@@ -70,14 +73,27 @@ class GridChanges:
         job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
         return record, phases
 
+    def recovery_failed(self, again: StepFailed, at_step: int) -> None:
+        """A recovery attempt failed (``again``): the policy says whether to try once more; ``RuntimeError`` with
+        its message when the attempts in a row reach the cap (``RecoveryPolicy.on_failed_recovery``)."""
+        self.failed_in_a_row += 1
+        decision = self._decide(self.policy.on_failed_recovery(str(again), at_step, self.failed_in_a_row))
+        if decision.action is Action.GIVE_UP:
+            raise RuntimeError(decision.message) from None
+
+    def step_completed(self) -> None:
+        """A step completed: the recoveries before it succeeded, the count of failed ones in a row starts over."""
+        self.failed_in_a_row = 0
+
     def _on_nan(self, at_step: int) -> Decision:
         """Count the NaN at ``at_step``; when the policy says so, have that step's batch skipped from now on."""
         times = self.nan_times[at_step] = self.nan_times.get(at_step, 0) + 1
         decision = self.decisions[-1] = self.policy.on_nan(at_step, times)  # refines on_failure's roll back
-        if decision.action is Action.SKIP_BATCH:
-            self.job.skip_batches.add(at_step)
-            event("nan_batch_skipped", step=at_step, times=times,
-                  action=f"the batch of step {at_step} is skipped (fault_tolerance.on_repeated_nan: skip_batch)")
+        if decision.action is Action.SKIP_BATCH:  # counted: the batch trained at this step next may be bad too
+            skips = self.job.skip_batches[at_step] = self.job.skip_batches.get(at_step, 0) + 1
+            event("nan_batch_skipped", step=at_step, times=times, batches=skips,
+                  action=f"{skips} batch(es) from step {at_step} on are skipped "
+                         "(fault_tolerance.on_repeated_nan: skip_batch)")
         return decision
 
     def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
@@ -109,7 +125,7 @@ class GridChanges:
         dead = set(failure.dead)
         job.group.replace(dead)  # starts now, while the survivors' failed step ends
         if job.ps is not None:  # survivors waiting on the shards (or the clock keeper) for the dead rank stop
-            job.ps.abort(dead)
+            job.ps.abort(dead, job.group, job.step)
         more = job.group.finish_failed_step()
         phases.lap("survivors")
         if more:
@@ -226,11 +242,17 @@ class GridChanges:
                   action=f"staying at dp={old.parallel.dp}")
             return
         job.teardown_grid()
+        job.snapshot_step = None  # the old grid's snapshots went with it
         self._relaunch(target, old)
-        job.load_from_disk("resize")  # the save just made, unless it fails its checksums
+        reached = job.step
+        try:
+            job.load_from_disk("resize")  # the save just made, unless it fails its checksums (then an older one)
+        except StepFailed:  # the grid did change: recorded, then the lost rank's recovery loads the save again
+            self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0)
+            raise
         if job.memory_every:
             job.take_snapshot()
-        self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0)
+        self._resized(reason, old.parallel.dp, "disk", time.perf_counter() - t0, reached - job.step)
 
     def _relaunch(self, target: JobSpec, old: JobSpec) -> None:
         """Start the grid at ``target``; when that fails, at ``old`` again (a failure there too is the job's)."""
@@ -247,10 +269,13 @@ class GridChanges:
         job.spec = old
         job.layout = job.launch_grid()
 
-    def _resized(self, reason: str, old_dp: int, source: str, seconds: float) -> None:
-        """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record."""
+    def _resized(self, reason: str, old_dp: int, source: str, seconds: float, lost_steps: int = 0) -> None:
+        """Bookkeeping after the grid was relaunched at a new dp: observers (metrics, event) and the record, with
+        the steps to train again when the load fell back to an older checkpoint (the controller cuts its
+        account back by as many)."""
         job = self.job
         spec = job.spec
-        record = ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches, source, seconds)
+        record = ResizeRecord(reason, job.step, old_dp, spec.parallel.dp, spec.train.microbatches, source, seconds,
+                              lost_steps)
         job.observers.on_resized(record, job.layout.to_dict())
         job.resizes.append(record.to_dict())

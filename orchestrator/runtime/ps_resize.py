@@ -7,7 +7,7 @@ replica changed (about 2/(n+1) of the chunks on adding a shard to ``n``: the new
 shard's primaries and as many replicas). The move goes through the controller:
 each giver's ``handover`` (values, optimizer state, and the same keys in every
 step the shards kept for a rollback) is handed to its new holder's ``take``, the
-old holders ``drop`` what is no longer theirs, removed shards stop, and every
+old holders ``drop`` what is no longer theirs, removed shards stop, and (``PSShards.after_step``) every
 rank's client is pointed at the new ring. Nothing else changes: a BSP step's
 arithmetic does not depend on where a chunk lives, so the run stays on the
 fixed-shard run's curve (bit-identical on CPU).
@@ -34,9 +34,10 @@ def state_bytes(state: dict) -> int:
     return sum(v.numel() * v.element_size() for v in values if torch.is_tensor(v))
 
 
-def resize(shards: PSShards, count: int, group, step: int) -> dict:
+def resize(shards: PSShards, count: int, step: int) -> dict:
     """Change ``shards`` to ``count`` shards between steps (workers quiet), moving only the affected chunks;
-    returns the record of the move (also in the event log)."""
+    returns the record of the move (also in the event log). The ranks are pointed at the new ring by the
+    caller (``PSShards.after_step``), after the move is recorded: a rank lost then leaves the record whole."""
     t0 = time.perf_counter()
     before, ps = len(shards.handles), shards.ps
     keys = layout_keys(shards.layout(), ps.chunk_elems)
@@ -53,8 +54,6 @@ def resize(shards: PSShards, count: int, group, step: int) -> dict:
     for shard in reversed(range(count, before)):
         shards.remove_shard(shard)
     shards.ring = HashRing(count, ps.virtual_nodes)
-    group.call("ps_reshard", [shards.route(i) for i in range(count)])
-    shards.publish_routes(group)
     record = {"at_step": step + 1, "shards_from": before, "shards_to": count, "chunks": plan.chunks,
               "primaries_moved": plan.primaries_moved, "chunks_moved": plan.chunks_copied,
               "bytes_moved": sum(state_bytes(b["now"]) for b in bundles), "seconds": time.perf_counter() - t0}

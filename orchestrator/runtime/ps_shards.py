@@ -176,17 +176,44 @@ class PSShards:
         snapshot = every and (step % every == 0 or count != len(self.handles))
         if all(alive) and not snapshot and count == len(self.handles):
             return
+        restarted = [shard for shard, ok in enumerate(alive) if not ok]
         with self._paused():
-            for shard, ok in enumerate(alive):
-                if not ok:
-                    self._restart(shard, alive, group, step)
-            if count != len(self.handles):
-                self.resizes.append(ps_resize.resize(self, count, group, step))
+            self._restart_dead(alive, group, step, reroute=False)
+            resizing = count != len(self.handles)
+            if resizing:
+                self.resizes.append(ps_resize.resize(self, count, step))
                 self._write_routes()
             if snapshot:
                 paths = [str(self.run_dir / "ps" / f"shard-{i}.pt") for i in range(len(self.handles))]
                 answer([h.save.remote(p) for h, p in zip(self.handles, paths)], "the shards' snapshot",
                        self.deadline_s)
+            self._tell_ranks(group, restarted, resizing)
+
+    def _tell_ranks(self, group, restarted: list[int], resized: bool) -> None:
+        """Point the ranks at restarted shards or the new ring, last: every shard-side change is done and recorded
+        by then, and the routes published, so a rank lost here (``StepFailed``, recovered by the controller) loses
+        no record and its replacement is formed with the live shards."""
+        self.publish_routes(group)
+        if resized:  # every route, the restarted shards' too
+            group.call("ps_reshard", [self.route(i) for i in range(len(self.handles))])
+            return
+        for shard in restarted:
+            group.call("ps_reroute", shard, self.route(shard))
+
+    def heal(self, step: int, group, reroute: bool = True) -> None:
+        """Restart and resync every shard that does not answer a ping, before a call that reaches every shard
+        (``keep``, ``abort``, a rollback or restore): a shard lost during the step would fail that call, and the run
+        with it, although the restart ``after_step`` does recovers it. ``reroute=False``: the group's step failed
+        and it cannot be called; its next ``form`` hands every rank the new routes (``publish_routes``)."""
+        alive = self._alive()
+        if not all(alive):
+            self._restart_dead(alive, group, step, reroute)
+
+    def _restart_dead(self, alive: list[bool], group, step: int, reroute: bool = True) -> None:
+        """Restart every shard ``alive`` says is dead (see ``_restart``)."""
+        for shard, ok in enumerate(alive):
+            if not ok:
+                self._restart(shard, alive, group, step, reroute)
 
     @contextmanager
     def _paused(self):
@@ -257,29 +284,37 @@ class PSShards:
         """Which shards answer a ping (``ping_shards``)."""
         return ping_shards(self.handles)
 
-    def _restart(self, shard: int, alive: list[bool], group, step: int) -> None:
+    def _restart(self, shard: int, alive: list[bool], group, step: int, reroute: bool = True) -> None:
+        """A new actor for dead shard ``shard``, resynced from the live holders of its keys; the routes are
+        published before the group is called, so a rank formed after a failed reroute gets the live shard."""
         ray.kill(self.handles[shard], no_restart=True)
         self.handles[shard] = self._new_shard(shard)
         self.addresses[shard] = answer(self._serve(shard), f"restarted shard {shard} (its gRPC server)",
                                        self.deadline_s)
         self._check_certificate([shard])
-        keys = 0
-        for other, ok in enumerate(alive):
-            if ok:  # every key this shard holds lives on one live holder too
-                state = answer(self.handles[other].state.remote(),
-                               f"shard {other} (its state, to resync shard {shard})", self.deadline_s)
-                mine = [k for k in state["params"] if shard in self.ring.holders(k)]
-                state["params"] = {k: state["params"][k] for k in mine}
-                state["opts"] = {k: state["opts"][k] for k in mine}
-                keys = answer(self.handles[shard].load.remote(state), f"restarted shard {shard} (loading its keys)",
-                              self.deadline_s)
-        group.call("ps_reroute", shard, self.route(shard))
+        keys = self._resync(shard, alive)
         self.publish_routes(group)
         self._write_routes()
         at_step, t0 = self._armed.pop(shard, (step, time.perf_counter()))
         self.recoveries.append({"kind": "kill_ps_shard", "rank": -1, "shard": shard, "at_step": at_step,
                                 "lost_steps": 0, "source": "replica", "mttr_s": time.perf_counter() - t0})
         event("ps_shard_restarted", shard=shard, keys=keys, step=step)
+        if reroute:  # last: a rank lost here (``StepFailed``) finds the shard restarted and recorded
+            group.call("ps_reroute", shard, self.route(shard))
+
+    def _resync(self, shard: int, alive: list[bool]) -> int:
+        """Every key of restarted shard ``shard`` from its live holder, now and in every step kept for a rollback
+        (``handover``/``take``, as a resize moves chunks): a rollback of the ranks to a kept step then finds the
+        restarted shard's part too, instead of falling back to disk. Returns how many keys it holds."""
+        live = [other for other, ok in enumerate(alive) if ok]
+        if not live:
+            return 0
+        mine = [k for k in layout_keys(self.layout(live[0]), self.ps.chunk_elems) if shard in self.ring.holders(k)]
+        bundles = answer([self.handles[other].handover.remote(mine) for other in live],
+                         f"the live shards (their keys, to resync shard {shard})", self.deadline_s)
+        held = answer([self.handles[shard].take.remote(b) for b in bundles],
+                      f"restarted shard {shard} (loading its keys)", self.deadline_s)
+        return held[-1]
 
     def check_keys_held(self, step: int) -> None:
         """Before recovering a failed step: when two or more shards are gone, a key whose holders all died has no
@@ -323,10 +358,12 @@ class PSShards:
 
     # -- rolling back with the ranks (bsp) ------------------------------------------------------
 
-    def keep(self, step: int) -> None:
-        """bsp: every shard keeps its state at ``step``, beside the ranks' in-memory snapshot of it. (asp/ssp
-        keep nothing: a lost rank's replacement rejoins at the shards' current state, ``rejoin``.)"""
+    def keep(self, step: int, group) -> None:
+        """bsp: every shard keeps its state at ``step``, beside the ranks' in-memory snapshot of it (a shard lost
+        in the step is restarted first). (asp/ssp keep nothing: a lost rank's replacement rejoins at the shards'
+        current state, ``rejoin``.)"""
         if self.keeper is None:
+            self.heal(step, group)
             answer([h.keep.remote(step) for h in self.handles], f"the shards (keeping step {step})", self.deadline_s)
 
     def roll_back(self, step: int) -> None:
@@ -339,12 +376,13 @@ class PSShards:
     def asynchronous(self) -> bool:
         return self.keeper is not None
 
-    def abort(self, dead: set[int]) -> None:
+    def abort(self, dead: set[int], group, step: int) -> None:
         """Ranks ``dead`` died mid-step. bsp: the shards drop that step's pushes and end the survivors' waits at
         once. asp/ssp: the shards keep everything (an acknowledged push stays applied); the clock keeper hands
         the dead workers' unfinished steps back and ends the survivors' rounds once their steps in flight are
         done (``ClockKeeper.hand_over``); nobody starts a step until ``rejoin``."""
         if self.keeper is None:
+            self.heal(step, group, reroute=False)  # the group's step failed: its re-forming hands out the routes
             answer([h.abort.remote() for h in self.handles], "the shards (aborting the failed step)", self.deadline_s)
             return
         grid = self.spec.parallel.grid

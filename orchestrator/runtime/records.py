@@ -80,6 +80,7 @@ class ResizeRecord:
     microbatches: int
     source: str
     seconds: float
+    lost_steps: int = 0  # steps trained again: the resize's load fell back to an older checkpoint
 
     def to_dict(self) -> dict:
         return asdict(self)

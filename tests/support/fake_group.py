@@ -109,7 +109,8 @@ class FakeGroup:
         self.snapshots: set[int] = set()
         self.replaced: list[set[int]] = []
         self.stopped = False
-        self.skipped_at: set[int] = set()  # steps before which the ranks skipped a batch
+        self.skipped_at: dict[int, int] = {}  # step -> batches the ranks skipped before its latest run
+        self._skips_now = 0  # skip_batch calls since the last step (a rank's data cursor, restored on rollback)
 
     def _maybe_fail(self, method: str) -> None:
         pending = self.runtime.fail_calls.get(method)
@@ -132,7 +133,8 @@ class FakeGroup:
         if action is not None:
             action()
         kinds = {rank: f["kind"] for rank, f in faults.items()}
-        batch = nxt + sum(s <= nxt for s in self.skipped_at)  # step n trains on batch n + the batches skipped
+        self.skipped_at[nxt], self._skips_now = self._skips_now, 0
+        batch = nxt + sum(n for s, n in self.skipped_at.items() if s <= nxt)  # batch n + the batches skipped
         if batch in self.runtime.nan_batches:
             kinds[0] = "nan_loss"
         dead = {r: _FAILS.get(k, "died") for r, k in kinds.items() if k != "nan_loss"}
@@ -191,7 +193,15 @@ class FakeGroup:
         self._in_flight = self.step_now if async_save else None
 
     def _skip_batch(self) -> None:
-        self.skipped_at.add(self.step_now + 1)
+        self._skips_now += 1
+
+    def _ps_resume(self, step: int | None = None) -> int:
+        return self.step_now if step is None else step
+
+    def _ps_reroute(self, shard: int, route: dict) -> None:
+        self.rerouted = [*getattr(self, "rerouted", []), shard]
+
+    def _ps_reshard(self, routes: list[dict]) -> None: ...
 
     def _checkpoint_durable(self) -> bool:
         return True

@@ -8,7 +8,6 @@ import logging
 
 import pytest
 
-from orchestrator import JobSpec, TrainingJob
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.errors import SpecError
 from orchestrator.observability.observers import JobObserver
@@ -16,49 +15,12 @@ from orchestrator.recovery.policy import NAN_WITHOUT_SNAPSHOT, Action
 from orchestrator.runtime.controller import RunComplete
 from orchestrator.runtime.group import StepFailed
 from orchestrator.runtime.states import JobState
+from tests.support.controller_jobs import kill, make_job
 from tests.support.fake_group import FakeGroup, FakeRuntime
-from tests.support.jobs import tiny_spec
 
 S = JobState
 RECOVERY_KEYS = ["kind", "rank", "at_step", "lost_steps", "source", "identities_before", "dp_from", "dp_to",
                  "mttr_s", "phases_s"]
-
-
-class Recorder(JobObserver):
-    """Every notification, in order."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple] = []
-
-    def on_checkpoint(self, blocking_s, committed: bool) -> None:
-        self.seen.append(("checkpoint", committed))
-
-    def on_recovered(self, record, step: int, restarted: int, phases_s: dict) -> None:
-        self.seen.append(("recovery", record.kind, restarted, record.lost_steps))
-
-    def on_resized(self, record, layout: dict) -> None:
-        self.seen.append(("layout", layout["dp"]))
-
-    def on_mttr(self, seconds: float) -> None:
-        self.seen.append(("mttr",))
-
-    def on_finish(self) -> None:
-        self.seen.append(("finish",))
-
-
-def make_job(tmp_path, faults=(), runtime=None, **sections):
-    sections.setdefault("parallel", {"dp": 2})
-    sections.setdefault("checkpoint", {"every": 0, "memory_every": 1})
-    spec = tiny_spec(tmp_path / "data", tmp_path, **sections)
-    spec = JobSpec.from_dict({**spec.to_dict(), "faults": list(faults)})
-    job = TrainingJob(spec, progress=False, runtime=runtime or FakeRuntime())
-    job.recorder = Recorder()
-    job.observers.add(job.recorder)
-    return job
-
-
-def kill(rank: int, at_step: int, kind: str = "kill_rank") -> dict:
-    return {"kind": kind, "rank": rank, "at_step": at_step}
 
 
 def actions(job) -> list[Action]:
@@ -448,6 +410,18 @@ def test_a_nan_that_comes_back_at_the_same_step_skips_its_batch_and_says_so(tmp_
     assert any(line.startswith("event=nan_batch_skipped step=6 times=2") for line in lines)
 
 
+def test_two_bad_batches_in_a_row_are_both_skipped(tmp_path):
+    """Batch 6 skipped, step 6 trains on batch 7, NaN as well: it is skipped too (step 6 then trains on batch 8),
+    instead of the same NaN again until the restart budget ends the run."""
+    runtime = FakeRuntime(nan_batches=frozenset({6, 7}))
+    job = make_job(tmp_path, runtime=runtime, fault_tolerance={"max_restarts": 5})
+    with event_lines() as lines:
+        result = job.run()
+    assert job.skip_batches == {6: 2} and runtime.groups[0].skipped_at[6] == 2
+    assert result.status == "finished" and len(result.losses) == 10 and all(x == x for x in result.losses)
+    assert any(line.startswith("event=nan_batch_skipped step=6 times=3 batches=2") for line in lines)
+
+
 def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
     job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})),
                    fault_tolerance={"on_repeated_nan": "stop", "nan_retries": 2, "max_restarts": 5})
@@ -570,6 +544,137 @@ def test_a_rank_lost_during_a_recovery_starts_the_recovery_again(tmp_path):
     result = job.run()
     assert runtime.groups[0].replaced == [{1}, {0}] and job.restarts == 2
     assert result.recoveries[0]["source"] == "memory" and result.status == "finished" and len(result.losses) == 10
+
+
+class Endless(BaseException):
+    """A retry loop that does not end (a ``BaseException``: no recovery path may catch it)."""
+
+
+def test_a_recovery_failing_again_and_again_gives_up_after_max_restarts_attempts_in_a_row(tmp_path):
+    """Every re-form hangs as long as the restart window: the restarts leave the window as fast as they come, so
+    only the cap on failed attempts in a row (max_restarts, with no step completed) ends the retries."""
+    now = [0.0]
+
+    class Hangs(list):  # the start-up form succeeds; each re-form fails after the real group's wait for a hung rank
+        def pop(self, i=0):
+            self.append(None)
+            if len(self) == 1:
+                return None
+            if len(self) > 100:  # still retrying: end the test instead of looping forever
+                raise Endless
+            now[0] += 600.0
+            return StepFailed({1: "hung"})
+
+        def __bool__(self):
+            return True
+
+    runtime = FakeRuntime()
+    runtime.fail_calls["form"] = Hangs()
+    job = make_job(tmp_path, [kill(1, 4)], runtime=runtime, fault_tolerance={"max_restarts": 5})
+    job.changes.window.clock = lambda: now[0]
+    with pytest.raises(RuntimeError, match=r"failed 5 times in a row.*rank 1 hung.*raise fault_tolerance.max_restarts"):
+        job.run()
+    assert len(runtime.groups[0].replaced) == 5 and job.changes.decisions[-1].action is Action.GIVE_UP
+    assert job.state == "failed"
+
+
+def test_failed_recoveries_in_a_row_start_over_after_a_completed_step(tmp_path):
+    """Two failed attempts, a completed step, two more: under a cap of 3 in a row the run goes on."""
+    runtime = FakeRuntime(fail_calls={"form": [None, StepFailed({0: "died"}), StepFailed({0: "died"}), None,
+                                               StepFailed({0: "died"}), StepFailed({0: "died"})]})
+    job = make_job(tmp_path, [kill(1, 4), kill(1, 6)], runtime=runtime,
+                   fault_tolerance={"max_restarts": 3, "restart_window_s": 0.001})
+    result = job.run()
+    assert result.status == "finished" and len(result.losses) == 10 and job.changes.failed_in_a_row == 0
+
+
+def test_a_rank_lost_waiting_for_the_last_async_save_is_recovered_and_the_save_made_again(tmp_path):
+    """wait_checkpoint calls: the saves of 4 and 8, the polls after 5 and 9, the save of 10, then the run's end,
+    where rank 1 is lost: recovered like the same loss mid-run, and step 10 is saved again."""
+    runtime = FakeRuntime(fail_calls={"wait_checkpoint": [None] * 5 + [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": True})
+    result = job.run()
+    assert result.status == "finished" and result.steps == 10 and len(result.losses) == 10
+    assert [(r["at_step"], r["source"], r["lost_steps"]) for r in result.recoveries] == [(10, "memory", 0)]
+    assert job.ckpt.complete_steps()[-1] == 10 and runtime.groups[0].replaced == [{1}]
+
+
+def test_a_rank_lost_while_a_resume_loads_is_recovered(tmp_path):
+    make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}).run()
+    runtime = FakeRuntime(fail_calls={"load_checkpoint": [StepFailed({1: "died"})]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 5, "memory_every": 1}, train={"steps": 12})
+    job.resume = True
+    result = job.run()
+    assert result.status == "finished" and result.steps == 12 and result.resumed_from.endswith("step-00000010")
+    assert [(r["kind"], r["at_step"], r["source"], r["lost_steps"]) for r in result.recoveries] == [
+        ("rank", 11, "disk", 0)]
+    assert runtime.groups[0].replaced == [{1}] and result.losses == [1 / 11, 1 / 12]
+
+
+def test_two_recoveries_with_no_step_between_them_are_both_recorded(tmp_path):
+    """Step 5 fails (rolled back to the snapshot of 3, step 4 lost), then step 4 fails as it is run again: both
+    recoveries are in the result and the summary, and their lost steps add up to the repeated steps.jsonl lines."""
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 0, "memory_every": 3})
+
+    def fail_now():
+        raise StepFailed({1: "died"})
+
+    runtime.script[5] = lambda: (runtime.script.__setitem__(4, fail_now), fail_now())
+    result = job.run()
+    assert [(r["at_step"], r["lost_steps"]) for r in result.recoveries] == [(5, 1), (4, 0)]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert [(r["at_step"], r["lost_steps"]) for r in summary["recoveries"]] == [(5, 1), (4, 0)]
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert len(lines) - 10 == sum(r["lost_steps"] for r in result.recoveries) == 1
+
+
+def test_a_save_cut_short_is_saved_again_when_the_recovery_is_retried(tmp_path):
+    """Step 5 fails while the async save of 4 is in flight; the first re-form loses rank 0 too. The retried
+    recovery restores step 4 and still saves it again, or the run would have no checkpoint of step 4."""
+    runtime = FakeRuntime(fail_calls={"form": [None, StepFailed({0: "died"})]})
+    job = make_job(tmp_path, [kill(1, 5)], runtime=runtime,
+                   checkpoint={"every": 4, "memory_every": 1, "async": True})
+    result = job.run()
+    assert result.status == "finished" and runtime.groups[0].replaced == [{1}, {0}]
+    assert str(job.ckpt.path_for(4)) in result.checkpoints and 4 in job.ckpt.complete_steps()
+
+
+def test_a_resize_whose_save_fails_its_checksums_goes_back_and_says_so(tmp_path, monkeypatch):
+    """The resize's save (step 5) is damaged before the new grid loads it: the load falls back to step 4, the
+    record says one step is trained again, and the account is cut back (each step reported once)."""
+    from orchestrator.faults.disk import corrupt_newest
+    from orchestrator.runtime.grid_changes import GridChanges
+
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 2, "memory_every": 1, "async": False})
+    runtime.script[5] = lambda: job.request_scale(1)
+    real = GridChanges._relaunch
+
+    def relaunch(self, target, old):
+        corrupt_newest(self.job.ckpt)
+        return real(self, target, old)
+
+    monkeypatch.setattr(GridChanges, "_relaunch", relaunch)
+    result = job.run()
+    assert result.losses == [1 / n for n in range(1, 11)]
+    assert [(r["at_step"], r["source"], r["lost_steps"]) for r in result.resizes] == [(4, "disk", 1)]
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert len(lines) - 10 == 1 and sorted(set(lines)) == list(range(1, 11))
+
+
+def test_a_rank_lost_while_the_resized_grid_loads_keeps_the_resize_record(tmp_path):
+    """The relaunched grid (dp 1) loses a rank while loading the resize's checkpoint: the resize is recorded and
+    observed, then the rank is recovered at the new dp from that checkpoint, nothing lost."""
+    runtime = FakeRuntime(fail_calls={"load_checkpoint": [StepFailed({0: "died"})]})
+    job = make_job(tmp_path, runtime=runtime)
+    runtime.script[4] = lambda: job.request_scale(1)
+    result = job.run()
+    assert result.status == "finished" and result.layout["dp"] == 1 and len(result.losses) == 10
+    assert [(r["reason"], r["dp_from"], r["dp_to"], r["at_step"]) for r in result.resizes] == [("request", 2, 1, 4)]
+    assert ("layout", 1) in job.recorder.seen
+    assert [(r["kind"], r["dp_from"], r["dp_to"], r["source"], r["lost_steps"]) for r in result.recoveries] == [
+        ("rank", 1, 1, "disk", 0)]
 
 
 def test_two_ranks_failing_at_once_are_replaced_in_one_recovery(tmp_path):

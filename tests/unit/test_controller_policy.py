@@ -145,7 +145,7 @@ def test_records_keep_the_summary_keys():
     assert list(rec.completed(1.5, {"detect": 0.1}).to_dict())[-2:] == ["mttr_s", "phases_s"]
     resize = ResizeRecord("shrink", 5, 2, 1, 4, "memory", 0.25)
     assert resize.to_dict() == {"reason": "shrink", "at_step": 5, "dp_from": 2, "dp_to": 1, "microbatches": 4,
-                                "source": "memory", "seconds": 0.25}
+                                "source": "memory", "seconds": 0.25, "lost_steps": 0}
 
 
 def test_the_layout_keeps_the_summary_keys_and_each_ranks_info(spec):
