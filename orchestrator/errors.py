@@ -46,8 +46,10 @@ class SpecError(ValueError):
         self.where = where
         self.more = more
         self._raw_value = value
-        if where is None:
-            where = f"job file field `{field}`" if field is not None else "job file"
+        if where is None and field is not None:  # a command-line option (`--checkpoint`) is not a job-file field
+            where = f"option `{field}`" if field.startswith("--") else f"job file field `{field}`"
+        elif where is None:
+            where = "job file"
         detail = problem if value is NO_VALUE else f"value {_repr.repr(value)} {problem}"
         message = f"{where}: {detail}; fix: {fix}"
         if more:

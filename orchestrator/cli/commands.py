@@ -243,14 +243,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user's mistake (a bad value, a path that is missing or of the wrong kind, a file that is
+    not what it should be) is one line naming it and exit 2, not a traceback."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, FileNotFoundError, LookupError) as exc:
+    except (SpecError, OSError, ValueError, LookupError) as exc:
         print(f"raymesh: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("raymesh: interrupted before the job started; nothing to resume", file=sys.stderr)
+    except KeyboardInterrupt:  # `run` handles its own once a controller exists: here it had not started one
+        said = " before the job started; nothing to resume" if args.func is _run else ""
+        print(f"raymesh: interrupted{said}", file=sys.stderr)
         return 130
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import sys
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -34,7 +35,20 @@ DPI = 110
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a JSON-lines file; a line that is not a whole record (a write cut short when a controller
+    was killed mid-line, its restarted life appending after it) is skipped and counted on stderr, not fatal."""
+    records, torn = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            torn += 1
+    if torn:
+        print(f"raymesh: warning: skipped {torn} line(s) of {path} that are not whole JSON records (a write cut "
+              "short, e.g. by a controller killed mid-line)", file=sys.stderr)
+    return records
 
 
 def _load(run_dir: Path) -> tuple[dict, list[dict], list[dict] | None]:

@@ -152,6 +152,19 @@ def export_hf_weights(job, checkpoint: str | None, out: str) -> Path:
     return _export(job, checkpoint, out, "hf")
 
 
+def _check_out_kind(out: str, fmt: str) -> None:
+    """Before the checkpoint is read: a `.pt` cannot be written over a directory, nor a Hugging Face directory
+    over a file."""
+    if is_url(out):
+        return
+    if fmt == "pt" and Path(out).is_dir():
+        raise SpecError("--out", out, "is a directory, and export-merged writes one .pt file",
+                        f"name the file, e.g. --out {Path(out) / 'merged.pt'}")
+    if fmt == "hf" and Path(out).exists() and not Path(out).is_dir():
+        raise SpecError("--out", out, "is a file, and a Hugging Face checkpoint is a directory",
+                        "name a directory (new or empty)")
+
+
 def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     """Both exports. The checkpoint and the base are verified against their checksums first, and a `.pt`
     gets its own manifest beside it, so a later `base_checkpoint` pointing at it is verified too."""
@@ -164,6 +177,7 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     if fmt == "pt" and is_url(out):
         raise SpecError("--out", out, "is a URL, and a .pt is written as one local file",
                         "write it to a local path (then copy it), or export with --format hf, which writes to a URL")
+    _check_out_kind(out, fmt)
     path = checkpoint_to_read(job, checkpoint, "export")
     if fmt == "hf":  # a URL: the directory is written locally, then copied up
         with staged_output(out) as target:

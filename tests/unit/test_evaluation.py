@@ -89,6 +89,35 @@ def test_preparing_again_without_heldout_removes_the_old_split(sources, tmp_path
     assert (mine / "notes.txt").exists()
 
 
+def test_a_failed_prepare_leaves_the_earlier_dataset_whole(sources, tmp_path):
+    """Nothing in --out is replaced until the new data is complete: preparing again from sources with no tokens,
+    or with a held-out split that holds out nothing, fails and the earlier dataset (shards, split, manifest)
+    still loads."""
+    from workers.data import TokenDataset
+
+    before = prepare_data([sources], tmp_path, heldout=0.1)
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    empty, one = tmp_path.parent / "empty-src", tmp_path.parent / "one-src"
+    empty.mkdir()
+    one.mkdir()
+    (one / "a.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="no tokens found"):
+        prepare_data([empty], tmp_path)
+    with pytest.raises(ValueError, match="fix: add sources: one document cannot be split"):
+        prepare_data([one], tmp_path, heldout=0.5)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == files
+    assert TokenDataset(tmp_path, 16, 0).num_samples > 0  # its shards are all there and pass their checksums
+    assert json.loads((tmp_path / "manifest.json").read_text()) == before
+
+
+def test_a_held_out_split_never_replaces_a_folder_of_the_users(sources, tmp_path):
+    (tmp_path / "heldout").mkdir()
+    (tmp_path / "heldout" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not a held-out split prepare-data wrote; fix: move it away"):
+        prepare_data([sources], tmp_path, heldout=0.1)
+    assert (tmp_path / "heldout" / "notes.txt").read_text() == "mine" and not (tmp_path / "manifest.json").exists()
+
+
 @pytest.mark.parametrize("fraction", [-0.1, 1.0, 2.0, math.nan])
 def test_a_fraction_outside_zero_to_one_is_refused(sources, tmp_path, fraction):
     with pytest.raises(ValueError, match=r"heldout must be a fraction in \[0, 1\).*fix: e.g. --heldout 0.01"):
@@ -250,3 +279,17 @@ def test_the_done_line_and_the_progress_bar_show_the_newest_held_out_loss(capsys
         bar.on_step(StepReport(record, 0.0, 0.0, 1.0))
     assert bar.bar.postfix == "eval=2.7500, loss=3.0000, tok_s=10"  # the newest evaluation, kept between them
     bar.on_finish()
+
+
+def test_prepare_data_mistakes_are_one_line_each(tmp_path, capsys):
+    """The command's own mistakes exit 2 with one line naming them, never a traceback."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.json").write_text('{"not": "a tokenizer"')
+    cases = {("--source", str(tmp_path / "empty")): "no tokens found",
+             ("--tokenizer", str(tmp_path / "bad.json")): "is not a tokenizer file `tokenizers` can read",
+             ("--heldout", "1"): "heldout must be a fraction in [0, 1)",
+             ("--tokenizer", "bpe:10"): "SIZE"}
+    for flags, said in cases.items():
+        assert main(["prepare-data", *flags, "--out", str(tmp_path / "out")]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith("raymesh: error:") and said in err and "Traceback" not in err, (flags, err)

@@ -191,3 +191,24 @@ def test_generate_options_out_of_range_are_refused_by_name(tiny_job, option, val
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(tiny_job), option, value])
     assert exit_.value.code == 2 and f"argument {option}: {value!r} is not" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path):
+    """`generate` and the exports rebuild the model from the job file: edited since the run (here d_model), the
+    load names the first tensor that does not fit and the fix, instead of DCP's tens of lines."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from tests.support.models import SMALL_MODEL
+    from workers.model.config import model_config
+    from workers.model.finetune import load_dcp_model
+    from workers.model.gpt import GPT
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it saves in one process
+        dcp.save({"model": GPT(model_config(SMALL_MODEL)).state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    other = GPT(model_config({**SMALL_MODEL, "d_model": SMALL_MODEL["d_model"] * 2}))
+    with pytest.raises(ValueError, match=r"another shape than the job file describes \(.*Size mismatch.*\); fix: "
+                                         r"pass the job file"):
+        load_dcp_model(other, tmp_path)

@@ -59,3 +59,22 @@ def test_report_from_a_summary_alone(tmp_path):
     run = make_run(tmp_path / "run", timeline=False)
     (run / "steps.jsonl").unlink()
     assert_pngs(write_report(run), {"loss.png", "memory.png"})
+
+
+def test_a_torn_line_in_the_records_is_skipped_and_said(tmp_path, capsys):
+    """A controller killed mid-line, restarted, appends after the torn line: the report still draws every whole
+    record and says how many lines it skipped."""
+    run = make_run(tmp_path / "run", timeline=False)
+    lines = (run / "steps.jsonl").read_text().splitlines()
+    torn = [*lines[:5], lines[5][:40], *lines[6:]]
+    (run / "steps.jsonl").write_text("\n".join(torn) + "\n")
+    assert_pngs(write_report(run), {"loss.png", "throughput.png", "step_breakdown.png", "memory.png"})
+    assert "skipped 1 line(s) of" in capsys.readouterr().err
+
+
+def test_the_cli_prints_a_step_not_recorded_as_one_line(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert main(["report", str(make_run(tmp_path / "run")), "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raymesh: error: step 3 is not in") and "Traceback" not in err

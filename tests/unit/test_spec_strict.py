@@ -256,6 +256,18 @@ def test_export_merged_refuses_a_corrupt_checkpoint_before_merging(tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_exports_refuse_an_out_of_the_wrong_kind_before_reading_the_checkpoint(tmp_path):
+    """No checkpoint here: the --out check comes first, naming the flag and the fix."""
+    with pytest.raises(SpecError, match=r"`--out`: value .* is a directory, and export-merged writes one .pt file"):
+        export_merged_weights(_lora(tmp_path), None, str(tmp_path))
+    afile = tmp_path / "a.txt"
+    afile.write_text("mine")
+    llama = JobSpec.from_dict({**_lora(tmp_path).to_dict(), "model": {"arch": "llama", "lora": {"rank": 4}}})
+    with pytest.raises(SpecError, match=r"`--out`: value .* is a file, and a Hugging Face checkpoint is a directory"):
+        export_merged_weights(llama, None, str(afile), "hf")
+    assert afile.read_text() == "mine"
+
+
 def test_a_pt_base_that_is_not_a_state_dict_is_named_by_the_rank_that_loads_it(tmp_path):
     from workers.model.finetune import load_base
 

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import sysconfig
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -169,21 +170,36 @@ def prepare_data(
     exts = tuple(extensions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if heldout:
+        _check_heldout_free(out)
+    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+    try:
+        manifest = _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout)
+        _swap_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, ...], max_tokens: int | None,
+                  shard_tokens: int, tokenizer: str, heldout: float) -> dict:
+    """Everything ``prepare_data`` writes, written into ``staging`` (a BPE's tokenizer.json too, recorded at the
+    path it will have in ``out``); returns the manifest, also written there."""
     limit = max_tokens if max_tokens is not None else float("inf")
 
     def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None) -> Iterator[bytes]:
         return _one_side(_iter_documents(paths, exts), heldout, side, passed, upto)
 
-    tok = _tokenizer(tokenizer, _bounded(documents(), limit), out)
-    for stale in out.glob("shard-*.parquet"):  # a previous, larger run must not leave orphans
-        stale.unlink()
-    _remove_heldout(out)
+    tok = _tokenizer(tokenizer, _bounded(documents(), limit), staging)
     walked = [0]
-    shards, total = _write_shards(tok, documents(passed=walked), out, shard_tokens, limit)
+    shards, total = _write_shards(tok, documents(passed=walked), staging, shard_tokens, limit)
     if total == 0:
         raise ValueError(
             f"no tokens found in sources {[str(p) for p in paths]} with extensions {list(exts)}"
         )
+    described = tok.describe()
+    if described.get("path") and Path(described["path"]).parent == staging:  # a BPE trained here: out's copy
+        described["path"] = str(out / Path(described["path"]).name)
     manifest = {
         "format": FORMAT,
         "vocab_size": tok.vocab_size,
@@ -191,12 +207,34 @@ def prepare_data(
         "total_tokens": total,
         "sources": [str(p) for p in paths],
         "dtype": tok.dtype.name,
-        "tokenizer": tok.describe(),
+        "tokenizer": described,
     }
     if heldout:
-        held = _write_heldout(tok, documents(True, upto=walked[0]), out, shard_tokens, manifest, heldout, walked[0])
+        held = _write_heldout(tok, documents(True, upto=walked[0]), staging, shard_tokens, manifest, heldout,
+                              walked[0])
         manifest["heldout"] = {"path": HELDOUT_DIR, "fraction": heldout, "tokens": held["total_tokens"]}
-    return _write_manifest(out, manifest)
+    return _write_manifest(staging, manifest)
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Replace what an earlier prepare wrote in ``out`` (its shards, which a smaller run must not leave as
+    orphans, and its held-out split) by ``staging``'s, the manifest last. Nothing in ``out`` is touched until
+    the new data is complete, so a failed or interrupted prepare leaves the earlier dataset whole."""
+    for stale in out.glob("shard-*.parquet"):
+        stale.unlink()
+    _remove_heldout(out)
+    for item in sorted(staging.iterdir()):
+        if item.name != "manifest.json":
+            item.replace(out / item.name)
+    (staging / "manifest.json").replace(out / "manifest.json")
+
+
+def _check_heldout_free(out: Path) -> None:
+    """``out``/heldout must be free, or a split an earlier prepare wrote (replaced): never a folder of the user's."""
+    root = out / HELDOUT_DIR
+    if root.exists() and not _written_here(root):
+        raise FileExistsError(f"{root} exists and is not a held-out split prepare-data wrote; fix: move it away, "
+                              "or pass another --out")
 
 
 def _write_heldout(tok, documents: Iterator[bytes], out: Path, shard_tokens: int, parent: dict, fraction: float,
@@ -207,21 +245,25 @@ def _write_heldout(tok, documents: Iterator[bytes], out: Path, shard_tokens: int
     shards, total = _write_shards(tok, documents, root, shard_tokens, float("inf"))
     if total == 0:
         shutil.rmtree(root)
-        raise ValueError(f"--heldout {fraction} of the {walked} documents prepared holds out none; fix: raise "
-                         f"--heldout to at least {1 / walked:.3g}, or add sources")
+        fix = f"raise --heldout to at least {1 / walked:.3g}, or add sources" if walked > 1 else \
+            "add sources: one document cannot be split into training and held-out ones"
+        raise ValueError(f"--heldout {fraction} of the {walked} documents prepared holds out none; fix: {fix}")
     return _write_manifest(root, {**parent, "shards": shards, "total_tokens": total, "heldout_of": ".."})
 
 
 def _remove_heldout(out: Path) -> None:
     """An earlier prepare's held-out directory (one this module wrote: its manifest says ``heldout_of``), which
     would no longer match the new training shards."""
-    manifest = out / HELDOUT_DIR / "manifest.json"
-    try:
-        written_here = "heldout_of" in json.loads(manifest.read_text())
-    except (OSError, ValueError):
-        return
-    if written_here:
+    if _written_here(out / HELDOUT_DIR):
         shutil.rmtree(out / HELDOUT_DIR)
+
+
+def _written_here(root: Path) -> bool:
+    """Whether ``root`` is a held-out split this module wrote (its manifest says ``heldout_of``)."""
+    try:
+        return "heldout_of" in json.loads((root / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _write_manifest(out: Path, manifest: dict) -> dict:

@@ -135,7 +135,13 @@ def load_tokenizer(spec: str):
                                 "tokenizer.json file; pass one of those")
     from tokenizers import Tokenizer
 
-    return HFTokens(Tokenizer.from_file(str(path)), "file", path)
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"--tokenizer {spec!r} is not a tokenizer file `tokenizers` can read ({exc}); fix: pass "
+                         "the tokenizer.json saved with the model (not tokenizer_config.json), 'bytes' or "
+                         "'bpe:SIZE'") from None
+    return HFTokens(tokenizer, "file", path)
 
 
 def recorded_tokenizer(record: dict, root):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.model.lora import apply_lora, merged_state_dict
 from workers.spec import WorkerSpec
@@ -25,10 +26,22 @@ from workers.spec import WorkerSpec
 def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
     """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone."""
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process: what this function is for
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    model.load_state_dict(state["model"])
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: what this function is for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        model.load_state_dict(state["model"])
+    except (CheckpointException, RuntimeError) as exc:  # DCP's is a BaseException, tens of lines long
+        raise ValueError(f"checkpoint {checkpoint} holds a model of another shape than the job file describes "
+                         f"({_first_mismatch(exc)}); fix: pass the job file, and the --set overrides, it was trained "
+                         "with") from None
+
+
+def _first_mismatch(exc: BaseException) -> str:
+    """The line of a failed load that names the first tensor that does not fit (DCP wraps it in tracebacks)."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    marks = ("Size mismatch", "Missing key", "Unexpected key", "size mismatch")
+    return next((line for line in lines if any(m in line for m in marks)), lines[0] if lines else type(exc).__name__)
 
 
 def load_base(model: nn.Module, path: str | Path) -> None:
