@@ -494,20 +494,14 @@ def test_incomplete_saves_and_old_corrupt_checkpoints_are_removed_with_a_log_lin
     assert sum(line.startswith("event=checkpoint_removed") for line in lines) == 2
 
 
-def test_a_save_that_raises_is_logged_and_the_next_save_goes_on(tmp_path):
-    runtime = FakeRuntime(fail_calls={"save_checkpoint": [RuntimeError("No space left on device")]})
-    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
-    with event_lines() as lines:
-        result = job.run()
-    assert result.status == "finished" and job.ckpt.complete_steps() == [8, 10]  # step 4's save failed
-    assert any(line.startswith("event=checkpoint_failed step=4") and "No space left" in line for line in lines)
-
-
-def test_an_async_save_that_fails_in_the_background_is_logged_and_the_next_save_goes_on(tmp_path):
-    """The rank's write fails after the save call returned (the default ``async: true``): the wait that finds it
-    (here the poll after step 5) logs it and training goes on, as for a synchronous save."""
-    runtime = FakeRuntime(fail_calls={"wait_checkpoint": [None, OSError("[Errno 28] No space left on device")]})
-    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": True})
+@pytest.mark.parametrize("async_save, fail_calls", [
+    (False, {"save_checkpoint": [RuntimeError("No space left on device")]}),
+    # the rank's write fails after the save call returned: the wait that finds it is the poll after step 5
+    (True, {"wait_checkpoint": [None, OSError("[Errno 28] No space left on device")]}),
+], ids=["sync", "async-in-the-background"])
+def test_a_save_that_fails_is_logged_and_the_next_save_goes_on(tmp_path, async_save, fail_calls):
+    runtime = FakeRuntime(fail_calls=fail_calls)
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": async_save})
     with event_lines() as lines:
         result = job.run()
     assert result.status == "finished" and job.ckpt.complete_steps() == [8, 10]  # step 4's save failed

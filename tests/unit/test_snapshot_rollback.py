@@ -5,14 +5,11 @@ holds no state yet, and with an MoE router whose balancing bias is a buffer that
 from __future__ import annotations
 
 import math
-import socket
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.jobs import tiny_spec
+from tests.support.one_rank import one_rank_trainer
 
 MOE = {"experts": 4, "router": "topk", "bias_balancing": True, "bias_update_rate": 0.05}
 
@@ -20,22 +17,10 @@ MOE = {"experts": 4, "router": "topk", "bias_balancing": True, "bias_update_rate
 @pytest.fixture(scope="module")
 def trainer_and_first_snapshot(tmp_path_factory):
     """A one-rank MoE trainer with bias balancing, and its snapshot at step 0 (``TrainingJob`` takes one there)."""
-    import torch.distributed as dist
-
-    from workers.data.prepare import prepare_data
     from workers.state import snapshot
-    from workers.trainer import Trainer
 
-    data = tmp_path_factory.mktemp("tokens")
-    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
-    spec = tiny_spec(data, tmp_path_factory.mktemp("run"), model={"moe": MOE}).worker_dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t = Trainer(spec, 0, 1, "127.0.0.1", port)
-    yield t, snapshot.take(t.state)
-    t.checkpoints.wait()
-    dist.destroy_process_group()
+    with one_rank_trainer(tmp_path_factory, model={"moe": MOE}) as t:
+        yield t, snapshot.take(t.state)
 
 
 def _router_biases(trainer) -> dict[str, torch.Tensor]:

@@ -5,34 +5,17 @@ computed, unscaled by the scale it ran at), and the learning rate is the one the
 from __future__ import annotations
 
 import math
-import socket
-import sysconfig
-from pathlib import Path
 
 import pytest
 
-from tests.support.jobs import tiny_spec
+from tests.support.one_rank import one_rank_trainer
 
 
 @pytest.fixture(scope="module")
 def fp16_trainer(tmp_path_factory):
-    import torch.distributed as dist
-
-    from workers.data.prepare import prepare_data
-    from workers.trainer import Trainer
-
-    data = tmp_path_factory.mktemp("tokens")
-    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
-    spec = tiny_spec(data, tmp_path_factory.mktemp("run"),
-                     precision={"dtype": "fp16", "initial_loss_scale": 2.0 ** 60},
-                     optim={"lr": 0.01, "warmup_steps": 1000}).worker_dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t = Trainer(spec, 0, 1, "127.0.0.1", port)
-    yield t
-    t.checkpoints.wait()
-    dist.destroy_process_group()
+    with one_rank_trainer(tmp_path_factory, precision={"dtype": "fp16", "initial_loss_scale": 2.0 ** 60},
+                          optim={"lr": 0.01, "warmup_steps": 1000}) as t:
+        yield t
 
 
 def test_a_skipped_and_a_growing_step_record_the_unscaled_loss(fp16_trainer):

@@ -4,13 +4,12 @@ round-trips through snapshots and DCP checkpoints, and fault injection is one St
 from __future__ import annotations
 
 import math
-import socket
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from tests.support.jobs import tiny_spec
+from tests.support.one_rank import one_rank_trainer
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.protocol import StepResult
 from workers.spec import WorkerSpec
@@ -18,21 +17,8 @@ from workers.spec import WorkerSpec
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    import torch.distributed as dist
-
-    from workers.data.prepare import prepare_data
-    from workers.trainer import Trainer
-
-    data = tmp_path_factory.mktemp("tokens")
-    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
-    spec = tiny_spec(data, tmp_path_factory.mktemp("run")).worker_dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t = Trainer(spec, 0, 1, "127.0.0.1", port)
-    yield t
-    t.checkpoints.wait()
-    dist.destroy_process_group()
+    with one_rank_trainer(tmp_path_factory) as t:
+        yield t
 
 
 def test_train_step_returns_a_step_result(trainer):

@@ -1,0 +1,34 @@
+"""A ``Trainer`` of the tiny job on one gloo rank in the test's own process: the worker seam without Ray or the
+harness's child processes, for unit tests of what one rank does (snapshots, checkpoints, step records)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sysconfig
+from pathlib import Path
+
+from tests.support.jobs import tiny_spec
+
+
+@contextlib.contextmanager
+def one_rank_trainer(tmp_path_factory, **sections):
+    """The trainer of ``tiny_spec`` with ``sections`` over a small prepared corpus; its group is destroyed after
+    (one process holds one default group, so a module holds one of these at a time)."""
+    import torch.distributed as dist
+
+    from workers.data.prepare import prepare_data
+    from workers.trainer import Trainer
+
+    data = tmp_path_factory.mktemp("tokens")
+    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
+    spec = tiny_spec(data, tmp_path_factory.mktemp("run"), **sections).worker_dict()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = Trainer(spec, 0, 1, "127.0.0.1", port)
+    try:
+        yield trainer
+    finally:
+        trainer.checkpoints.wait()
+        dist.destroy_process_group()
