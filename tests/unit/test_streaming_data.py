@@ -134,6 +134,14 @@ def test_token_rows_become_a_stream_read_back_in_order(tmp_path: Path) -> None:
     assert np.array_equal(ds.store.read(0, len(ds.store)), np.concatenate(rows))
     with pytest.raises(ValueError, match=r"token id 1000 is outside \[0, vocab_size=1000\).*fix"):
         write_token_rows(iter([np.array([5, 1000])]), tmp_path / "bad", vocab_size=1000, source="test")
+    # a failed write over the stream leaves it as it was (staged, swapped in only once whole)
+    with pytest.raises(ValueError, match="token id 1000"):
+        write_token_rows(iter([np.array([5, 7]), np.array([1000])]), tmp_path / "rows", vocab_size=1000,
+                         source="test", shard_tokens=1)
+    with pytest.raises(ValueError, match="no tokens in the rows of test"):
+        write_token_rows(iter([]), tmp_path / "rows", vocab_size=1000, source="test")
+    again = TokenDataset(tmp_path / "rows", seq_len=10, seed=0)
+    assert np.array_equal(again.store.read(0, len(again.store)), np.concatenate(rows))
 
 
 def test_the_corpus_is_decoded_once_per_host_not_once_per_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -8,6 +8,7 @@ interpreter's standard library, present everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -172,12 +173,8 @@ def prepare_data(
     out.mkdir(parents=True, exist_ok=True)
     if heldout:
         _check_heldout_free(out)
-    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
-    try:
+    with _staged(out, drop_heldout=True) as staging:
         manifest = _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout)
-        _swap_in(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 
@@ -216,13 +213,26 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
     return _write_manifest(staging, manifest)
 
 
-def _swap_in(staging: Path, out: Path) -> None:
+@contextlib.contextmanager
+def _staged(out: Path, drop_heldout: bool) -> Iterator[Path]:
+    """A staging folder inside ``out`` for everything a prepare writes, swapped in (``_swap_in``) when the block
+    ends without an error and removed either way: nothing in ``out`` is touched until the new data is complete,
+    so a failed or interrupted prepare leaves the earlier dataset whole."""
+    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+    try:
+        yield staging
+        _swap_in(staging, out, drop_heldout)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _swap_in(staging: Path, out: Path, drop_heldout: bool) -> None:
     """Replace what an earlier prepare wrote in ``out`` (its shards, which a smaller run must not leave as
-    orphans, and its held-out split) by ``staging``'s, the manifest last. Nothing in ``out`` is touched until
-    the new data is complete, so a failed or interrupted prepare leaves the earlier dataset whole."""
+    orphans, and with ``drop_heldout`` its held-out split) by ``staging``'s, the manifest last."""
     for stale in out.glob("shard-*.parquet"):
         stale.unlink()
-    _remove_heldout(out)
+    if drop_heldout:
+        _remove_heldout(out)
     for item in sorted(staging.iterdir()):
         if item.name != "manifest.json":
             item.replace(out / item.name)
@@ -297,16 +307,16 @@ def write_token_rows(rows: Iterable[np.ndarray], out: str | Path, vocab_size: in
     that ends a document carries its own end-of-document id. Rows are consumed one at a time."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("shard-*.parquet"):
-        stale.unlink()
     ids = _Ids(vocab_size)
-    shards, total = _write_shards(ids, rows, out, shard_tokens, float("inf"))
-    if total == 0:
-        raise ValueError(f"no tokens in the rows of {source}")
-    return _write_manifest(out, {
-        "format": FORMAT, "vocab_size": vocab_size, "shards": shards, "total_tokens": total,
-        "sources": [source], "dtype": ids.dtype.name, "tokenizer": {"kind": "ids", "vocab_size": vocab_size},
-    })
+    with _staged(out, drop_heldout=False) as staging:  # an id out of range, or no rows, leaves out as it was
+        shards, total = _write_shards(ids, rows, staging, shard_tokens, float("inf"))
+        if total == 0:
+            raise ValueError(f"no tokens in the rows of {source}")
+        manifest = _write_manifest(staging, {
+            "format": FORMAT, "vocab_size": vocab_size, "shards": shards, "total_tokens": total,
+            "sources": [source], "dtype": ids.dtype.name, "tokenizer": {"kind": "ids", "vocab_size": vocab_size},
+        })
+    return manifest
 
 
 def _bounded(documents: Iterator[bytes], limit: float) -> Iterator[bytes]:
