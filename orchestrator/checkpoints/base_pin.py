@@ -9,14 +9,13 @@ base without a word. A fresh start records the SHA-256 of the directory's weight
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from orchestrator.errors import SpecError
+from workers.data.checksums import file_digest
 
 PIN = "init_from.json"  # {"init_from": DIR, "sha256": {file name: hex digest}}
-_CHUNK = 8 << 20
 
 
 def pinned(job) -> bool:
@@ -30,15 +29,7 @@ def base_digest(directory: str | Path) -> dict[str, str]:
     root = Path(directory)
     names = sorted(p.name for p in root.iterdir()
                    if p.name == "config.json" or p.name.endswith((".safetensors", ".safetensors.index.json")))
-    return {name: _sha256(root / name) for name in names}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return {name: file_digest(root / name) for name in names}
 
 
 def record_base(job, checkpoint_root) -> None:

@@ -14,7 +14,8 @@ FIELD = "sha256"
 _CHUNK = 1 << 20
 
 
-def shard_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in chunks (a token shard, a pinned base's weights)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:  # a Path or an object-store UPath (workers.storage)
         while chunk := f.read(_CHUNK):
@@ -29,6 +30,6 @@ def verify_shard(root: Path, entry: dict) -> None:
     if expected is None:
         return
     path = root / entry["file"]
-    if shard_digest(path) != expected:
+    if file_digest(path) != expected:
         raise ValueError(f"data shard {path} fails its {FIELD} check against {root / 'manifest.json'} (changed or "
                          "truncated since it was prepared); fix: run `raymesh prepare-data` again for this directory")

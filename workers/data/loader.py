@@ -230,7 +230,7 @@ def corpus_fingerprint(manifest: dict) -> str:
     """A short digest of a prepared corpus's content (its shards' checksums and token counts, in order), which a
     data position is only meaningful against: prepared again from other sources, the same position is another
     sample of another order."""
-    shards = [[shard.get("sha256"), shard["tokens"]] for shard in manifest["shards"]]
+    shards = [[shard.get(checksums.FIELD), shard["tokens"]] for shard in manifest["shards"]]
     return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
 
 

@@ -77,7 +77,7 @@ def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...]) -> Ite
 def _write_shard(out: Path, index: int, tokens: np.ndarray) -> dict:
     name = f"shard-{index:05d}.parquet"
     pq.write_table(pa.table({"tokens": pa.array(tokens)}), out / name, row_group_size=ROW_GROUP_ROWS)
-    return {"file": name, "tokens": len(tokens), checksums.FIELD: checksums.shard_digest(out / name)}
+    return {"file": name, "tokens": len(tokens), checksums.FIELD: checksums.file_digest(out / name)}
 
 
 def _write_shards(tok, documents: Iterable[bytes], out: Path, shard_tokens: int, limit: float) -> tuple[list, int]:
