@@ -576,8 +576,9 @@ def test_failed_recoveries_in_a_row_start_over_after_a_completed_step(tmp_path):
     """Two failed attempts, a completed step, two more: under a cap of 3 in a row the run goes on."""
     runtime = FakeRuntime(fail_calls={"form": [None, StepFailed({0: "died"}), StepFailed({0: "died"}), None,
                                                StepFailed({0: "died"}), StepFailed({0: "died"})]})
-    job = make_job(tmp_path, [kill(1, 4), kill(1, 6)], runtime=runtime,
-                   fault_tolerance={"max_restarts": 3, "restart_window_s": 0.001})
+    job = make_job(tmp_path, [kill(1, 4), kill(1, 6)], runtime=runtime, fault_tolerance={"max_restarts": 3})
+    hours = iter(range(0, 10**6, 3600))  # every restart an hour after the last: only the in-a-row cap can trip
+    job.changes.window.clock = lambda: float(next(hours))
     result = job.run()
     assert result.status == "finished" and len(result.losses) == 10 and job.changes.failed_in_a_row == 0
 
