@@ -17,7 +17,9 @@ for the step.
 the store, so ``state_dict``/DCP checkpoints and in-memory snapshots see the
 moments like any PyTorch optimizer's; plain dicts put there by
 ``load_state_dict`` or a snapshot restore are moved into the store on the next
-step.
+step. A parameter narrower than fp32 (bf16) also saves its master: rebuilt from
+the rounded parameter, a resumed run would step other weights than an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -43,11 +45,23 @@ def needs_master(param: torch.Tensor) -> bool:
     return local.device.type != "cpu" or local.dtype != torch.float32
 
 
-class StoredState(MutableMapping):
-    """One parameter's optimizer state: scalars in memory, tensors in the store (read as copies)."""
+def _host_fp32(t: torch.Tensor) -> torch.Tensor:
+    """What the store keeps of a tensor of state: a host fp32 copy of the local shard."""
+    return _local(t).detach().to("cpu", torch.float32, copy=True)
 
-    def __init__(self, store: OffloadStore, prefix: str):
-        self.store, self.prefix, self.small = store, prefix, {}
+
+def saved_keys(param: torch.Tensor) -> tuple[str, ...]:
+    """The stored tensors a checkpoint of ``param`` carries: the moments, and the master where the parameter
+    rounds it (an fp32 parameter on the device equals its master after every step, so it is left out)."""
+    return (*MOMENTS, "master") if _local(param).dtype != torch.float32 else MOMENTS
+
+
+class StoredState(MutableMapping):
+    """One parameter's optimizer state: scalars in memory, tensors in the store (read as copies); it lists the
+    stored ``saved`` keys only."""
+
+    def __init__(self, store: OffloadStore, prefix: str, saved: tuple[str, ...] = MOMENTS):
+        self.store, self.prefix, self.small, self.saved = store, prefix, {}, saved
 
     def __getitem__(self, k):
         if k in self.small:
@@ -58,7 +72,7 @@ class StoredState(MutableMapping):
 
     def __setitem__(self, k, v):
         if torch.is_tensor(v) and v.dim() > 0:
-            self.store.put(self.prefix + k, _local(v).detach().to("cpu", torch.float32, copy=True))
+            self.store.put(self.prefix + k, _host_fp32(v))
         else:
             self.small[k] = v
 
@@ -70,7 +84,7 @@ class StoredState(MutableMapping):
 
     def __iter__(self):
         yield from self.small
-        yield from (k for k in MOMENTS if self.prefix + k in self.store)
+        yield from (k for k in self.saved if self.prefix + k in self.store)
 
     def __len__(self):
         return len(list(iter(self)))
@@ -105,15 +119,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         state = self.state[p]
         if isinstance(state, StoredState):
             return state
-        stored = StoredState(self.store, self._keys[p])
+        stored = StoredState(self.store, self._keys[p], saved_keys(local))
         for k in MOMENTS:
             if k in state:
-                stored[k] = state[k]
+                self.store.put(stored.prefix + k, _host_fp32(state[k]))
             else:
                 self.store.zeros(stored.prefix + k, local.shape)
         stored["step"] = state.get("step", torch.tensor(0.0))
-        if needs_master(local):
-            self.store.put(stored.prefix + "master", local.detach().to("cpu", torch.float32, copy=True))
+        if needs_master(local):  # the saved master, else (a first step, an older checkpoint) the parameter
+            self.store.put(stored.prefix + "master", _host_fp32(state.get("master", local)))
         self.state[p] = stored
         return stored
 
@@ -161,6 +175,16 @@ class OffloadedAdam(torch.optim.Optimizer):
             if index in out["state"]:
                 out["state"][index] = {k: _like(p, v) for k, v in self.state[p].items()}
         return out
+
+    def load_state_dict(self, state_dict):
+        """PyTorch's load, then each parameter's tensors as saved: PyTorch casts them to the parameter's dtype,
+        which would round a bf16 parameter's fp32 moments and master."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for index, p in zip(ids, self._params()):
+            if index in saved:
+                self.state[p] = dict(saved[index])
 
 
 def _like(param: torch.Tensor, value):

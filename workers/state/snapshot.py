@@ -81,11 +81,12 @@ def restore(state: TrainState, snap: dict) -> None:
 
 
 def _like(param: torch.Tensor, saved):
-    """Optimizer state shaped like the parameter becomes a tensor placed like it; scalars stay as saved."""
+    """Optimizer state shaped like the parameter becomes a tensor placed like it, in the dtype it was saved in
+    (an offloaded optimizer's fp32 moments of a bf16 parameter); scalars stay as saved."""
     if not torch.is_tensor(saved):
         return saved
     if saved.shape == _local(param).shape and saved.dim() > 0:
-        state = torch.zeros_like(param)
+        state = torch.zeros_like(param, dtype=saved.dtype)
         _local(state).copy_(saved)
         return state
     return saved.clone()
