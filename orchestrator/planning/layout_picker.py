@@ -121,9 +121,9 @@ def _no_fit(spec: JobSpec, nodes: int, gpus_per_node: int, g: tm.GPU, result: ls
             tried: list[str], unrestricted: ls.Candidate | None) -> SpecError:
     if not result.too_big:
         return SpecError("--nodes/--gpus-per-node", f"{nodes}x{gpus_per_node}",
-                         f"gives no layout this job can run ({'; '.join(tried[:3]) or result.rejected})",
+                         f"gives no layout this job can run ({'; '.join(tried[:3]) or _refusals(result.rejected)})",
                          "pick a GPU count that divides train.global_batch_size and model.n_layers, "
-                         "or change those", where="raymesh plan")
+                         "or change those")
     small = result.too_big[0]
     return SpecError("--gpu-mem", human_bytes(g.memory),
                      f"is too small: no layout of {nodes} node(s) x {gpus_per_node} GPU(s) fits with "
@@ -134,6 +134,12 @@ def _no_fit(spec: JobSpec, nodes: int, gpus_per_node: int, g: tm.GPU, result: ls
                         if unrestricted else ""),
                      f"use --gpu-mem {human_bytes(small.peak / (1 - spec.memory.headroom))} or more, add --nodes, "
                      "lower memory.headroom, or lower train.global_batch_size", where="raymesh plan")
+
+
+def _refusals(rejected: dict[str, int]) -> str:
+    """Why the search priced no layout, in words ("3 layouts: global batch not divisible by dp; ..."), most first."""
+    counts = sorted(((n, why) for why, n in rejected.items() if n), reverse=True)
+    return "; ".join(f"{n} layout{'s' if n > 1 else ''}: {why}" for n, why in counts) or "no layout to price"
 
 
 def explain(choice: Choice, top: int = 5) -> list[str]:

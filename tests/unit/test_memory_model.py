@@ -121,6 +121,15 @@ def test_picker_error_names_the_flag_value_and_fix():
     assert info.value.field == "--gpu-mem" and "too small" in info.value.problem and "--gpu-mem" in info.value.fix
 
 
+def test_picker_error_without_a_runnable_layout_counts_the_refusals_in_words():
+    """Three GPUs split a batch of 2 no way (dp=3): the error printed the search's counters as a Python dict, under
+    "raymesh plan" instead of the options' names."""
+    with pytest.raises(SpecError) as info:
+        pick_layout(_spec(model={"n_layers": 2}, train={"global_batch_size": 2, "microbatches": 1}), 1, 3, 10**12)
+    assert str(info.value).startswith("option `--nodes/--gpus-per-node`: value '1x3' gives no layout this job can "
+                                      "run (1 layout: global batch not divisible by dp); fix: pick a GPU count")
+
+
 def test_plan_cli_picks_and_explains(tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text("data: {path: /absent/data}\nmodel: {d_model: 256, n_layers: 8, n_heads: 8, seq_len: 256}\n"
