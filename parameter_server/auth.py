@@ -13,8 +13,10 @@ control API share one check.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
+import stat
 from pathlib import Path
 
 import grpc
@@ -82,10 +84,51 @@ def client_token(source: str | None) -> str:
             return token
         raise PermissionError("the job uses the Ray cluster's token, which this machine does not have; fix: set "
                               "RAY_AUTH_TOKEN (`ray get-auth-token` on the head node prints it)")
-    if source and Path(source).is_file():
-        return Path(source).read_text().strip()
+    if source and os.path.lexists(source):
+        return read_secret(source, f"delete it and restart the job, which makes a new one, or put the job's token "
+                                   f"in {TOKEN_ENV} on this machine")
     raise PermissionError(f"the job's token file {source or '<run_dir>/' + TOKEN_FILE} is not readable here; "
                           f"fix: copy its content into {TOKEN_ENV} on this machine")
+
+
+def read_secret(path: str | Path, fix: str, mode: int | None = None) -> str:
+    """The token in ``path``, which must be a regular file of this user's with one name: a link planted there by
+    someone who may write the directory would let them choose the token (a file whose content they know) or have
+    ``mode`` set on a file of the user's. Checked, chmod-ed and read through one descriptor opened without
+    following a link, so nothing can be swapped in between. ``PermissionError`` naming the path, the problem and
+    ``fix`` otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # NONBLOCK: a FIFO's open
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW's refusal of a link (EMLINK on FreeBSD)
+            raise
+        raise PermissionError(_unsafe(path, "is a symbolic link", fix)) from None
+    try:
+        problem = _problem(os.fstat(fd))
+        if problem:
+            raise PermissionError(_unsafe(path, problem, fix))
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with open(fd, closefd=False) as f:
+            return f.read().strip()
+    finally:
+        os.close(fd)
+
+
+def _problem(info: os.stat_result) -> str | None:
+    """What makes the opened file unfit to hold a token, None when nothing does."""
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+    if info.st_nlink != 1:
+        return f"has {info.st_nlink} names (hard links)"
+    return None
+
+
+def _unsafe(path: str | Path, problem: str, fix: str) -> str:
+    return (f"the token file {path} {problem}; a token file must be a regular file of this user's with one name, "
+            f"else whoever may write its directory could choose the token or a file to chmod; fix: {fix}")
 
 
 def ray_token_auth_on() -> bool:

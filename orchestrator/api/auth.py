@@ -5,7 +5,8 @@ e.g. ``~/.ray/auth_token``), the job uses Ray's own token: whoever may submit
 to the cluster may also steer its jobs, and there is nothing new to hand out.
 Otherwise it is a per-job secret written with mode 0600 into the run
 directory as ``control_token``; the CLI and ``orchestrator.Client`` read it
-from the path the controller announces, or from ``RAYMESH_TOKEN``.
+from the path the controller announces, or from ``RAYMESH_TOKEN``. Both read it
+with ``parameter_server.auth.read_secret``, which refuses a link planted there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from parameter_server.auth import RAY_SOURCE, TOKEN_ENV, TOKEN_FILE, client_token, ray_token, ray_token_auth_on
+from parameter_server.auth import (
+    RAY_SOURCE,
+    TOKEN_ENV,
+    TOKEN_FILE,
+    client_token,
+    ray_token,
+    ray_token_auth_on,
+    read_secret,
+)
 
 __all__ = ["RAY_SOURCE", "TOKEN_ENV", "TOKEN_FILE", "JobToken", "client_token", "job_token",
            "use_ray_token_if_present"]
@@ -41,16 +50,17 @@ def job_token(run_dir: str | Path) -> JobToken:
 
 
 def _read_or_create(path: Path) -> str:
-    """The secret in ``path``, created 0600 if absent (O_EXCL: two callers of one job read the same secret)."""
+    """The secret in ``path``, created 0600 if absent (O_EXCL: two callers of one job read the same secret; a
+    link there counts as present, and ``read_secret`` refuses it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        os.chmod(path, 0o600)  # a copied run directory may have widened it
-        return path.read_text().strip()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:  # 0600 again: a copied run directory may have widened it
+        return read_secret(path, "delete it; the job makes a new one", mode=0o600)
+    token = secrets.token_urlsafe(32)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
-    return path.read_text().strip()
+        f.write(token)
+    return token
 
 
 def use_ray_token_if_present() -> None:

@@ -3,6 +3,8 @@ and event lines no caller can forge. A real gRPC server with a fake controller; 
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import stat
 import threading
@@ -206,6 +208,8 @@ def test_the_per_job_secret_is_private_stable_and_read_by_the_client(tmp_path, m
     path = tmp_path / "run" / auth.TOKEN_FILE
     assert first == again and first.source == str(path) and len(first.value) >= 32
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.chmod(0o644)  # a copied run directory
+    assert auth.job_token(tmp_path / "run") == first and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert first.value not in repr(first)
     assert auth.client_token(first.source) == first.value
     monkeypatch.setenv(auth.TOKEN_ENV, "from-env")
@@ -213,6 +217,38 @@ def test_the_per_job_secret_is_private_stable_and_read_by_the_client(tmp_path, m
     monkeypatch.delenv(auth.TOKEN_ENV)
     with pytest.raises(PermissionError, match=auth.TOKEN_ENV):
         auth.client_token(str(tmp_path / "elsewhere" / auth.TOKEN_FILE))
+
+
+def _plant(kind: str, path, victim, monkeypatch) -> None:
+    """What someone who may write the run directory leaves at ``path``, its control_token, before the job starts."""
+    if kind == "symlink":
+        path.symlink_to(victim)
+    elif kind == "hard link":
+        os.link(victim, path)
+    elif kind == "directory":
+        path.mkdir()
+    else:  # their own file: this process plays another user
+        path.write_text("known-to-the-planter")
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link", "directory", "another user's file"])
+def test_a_planted_token_file_is_refused_and_its_target_left_alone(tmp_path, monkeypatch, kind):
+    """Before: the job chmod-ed a link's target to 0600 and took its content, which the planter knows, as the
+    secret, and a client sent it as the token."""
+    monkeypatch.setattr(auth, "ray_token_auth_on", lambda: False)
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    victim = tmp_path / "victim"
+    victim.write_text("known-to-the-planter")
+    victim.chmod(0o644)
+    path = tmp_path / "run" / auth.TOKEN_FILE
+    path.parent.mkdir()
+    _plant(kind, path, victim, monkeypatch)
+    with pytest.raises(PermissionError, match=f"{re.escape(str(path))} .*; fix: delete it; the job makes a new one"):
+        auth.job_token(tmp_path / "run")
+    with pytest.raises(PermissionError, match=f"{re.escape(str(path))} .*; fix: .*{auth.TOKEN_ENV}"):
+        auth.client_token(str(path))
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644 and victim.read_text() == "known-to-the-planter"
 
 
 def test_a_stop_reason_cannot_forge_the_control_line(served):
