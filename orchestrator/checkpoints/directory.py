@@ -42,6 +42,11 @@ class CheckpointDir:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
 
+    @staticmethod
+    def step_of(path: Path) -> int:
+        """The step the checkpoint folder ``path`` (a ``path_for``) holds."""
+        return int(_NAME.match(path.name).group(1))
+
     def seal(self, step: int) -> None:
         """Write the checksum manifest of a save DCP reported durable; only then is it complete."""
         checksums.write_manifest(self.path_for(step))

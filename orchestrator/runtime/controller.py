@@ -273,10 +273,10 @@ class TrainingJob:
         self.snapshot_step = self.step
         self._keep_from = -1  # a new group, or rolled back: nothing is known replicated past here yet
 
-    def load_from_disk(self, purpose: str) -> Path | None:
-        """Load the newest checkpoint that passes its checksums into every rank; None when there is none
-        (the freshly formed ranks keep their initial state, step 0)."""
-        latest = self.ckpt.latest_verified(purpose)
+    def load_from_disk(self, purpose: str, verified: Path | None = None) -> Path | None:
+        """Load the newest checkpoint that passes its checksums into every rank (``verified``: that one, checked
+        already); None when there is none (the freshly formed ranks keep their initial state, step 0)."""
+        latest = verified or self.ckpt.latest_verified(purpose)
         self.step = self.group.call("load_checkpoint", str(latest))[0] if latest is not None else 0
         self.roll_back_shards(latest)
         return latest
@@ -293,9 +293,9 @@ class TrainingJob:
             self.ps.roll_back(self.step)
         self.group.call("ps_resume")
 
-    def from_disk(self, purpose: str) -> str:
+    def from_disk(self, purpose: str, verified: Path | None = None) -> str:
         """The latest checkpoint that passes its checksums (resharded to the current grid), else step 0."""
-        return "disk" if self.load_from_disk(purpose) is not None else "initial"
+        return "disk" if self.load_from_disk(purpose, verified) is not None else "initial"
 
     # -- the run -------------------------------------------------------------------------
 

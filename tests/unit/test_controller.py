@@ -201,6 +201,62 @@ def test_a_lost_snapshot_falls_back_to_disk(tmp_path):
     assert [d.source for d in job.changes.decisions[-2:]] == ["memory", "disk"] and rec["source"] == "disk"
 
 
+def repeated_steps(job) -> int:
+    """How many ``steps.jsonl`` lines are steps trained again (a recovery's lost steps)."""
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    return len(lines) - len(set(lines))
+
+
+@pytest.mark.parametrize("fault", ["kill_rank", "nan_loss"])
+def test_a_checkpoint_newer_than_the_snapshot_is_restored_instead(tmp_path, fault):
+    """Step 7 fails with the snapshot of step 5 and the checkpoint of step 6 at hand: the checkpoint loses no
+    step, the snapshot one, so every rank loads the checkpoint (a NaN step too: step 6 was finite)."""
+    job = make_job(tmp_path, [kill(1, 7, fault)], checkpoint={"every": 2, "memory_every": 5, "async": False})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["at_step"], rec["source"], rec["lost_steps"]) == (7, "disk", 0)
+    assert job.changes.decisions[-1].source == "disk" and repeated_steps(job) == 0
+    assert result.losses == [1 / n for n in range(1, 11)]
+
+
+def test_a_snapshot_as_new_as_the_checkpoint_is_restored_from_memory(tmp_path):
+    job = make_job(tmp_path, [kill(1, 7)], checkpoint={"every": 2, "memory_every": 3, "async": False})
+    (rec,) = job.run().recoveries  # the snapshot of step 6 and the checkpoint of step 6: memory is faster
+    assert (rec["source"], rec["lost_steps"]) == ("memory", 0)
+
+
+def test_a_snapshot_older_than_hoped_gives_way_to_a_newer_checkpoint(tmp_path):
+    """The snapshot of step 6 is not complete everywhere (a replica still in flight), so the restore goes back to
+    step 5; the checkpoint of step 6 loses nothing, and is loaded after all."""
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(1, 7)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1,
+                                                                        "async": False})
+    runtime.script[7] = lambda: runtime.groups[0].snapshots.discard(6)
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 0) and repeated_steps(job) == 0
+    assert [d.source for d in job.changes.decisions[-2:]] == ["memory", "disk"]
+
+
+def test_a_corrupt_newer_checkpoint_leaves_the_snapshot_to_restore(tmp_path):
+    """The checkpoint of step 6 is damaged: the good one (step 4) would lose two steps, the snapshot of step 5
+    one, so the snapshot is restored."""
+    job = make_job(tmp_path, [{"kind": "corrupt_checkpoint", "at_step": 7}, kill(1, 7)],
+                   checkpoint={"every": 2, "memory_every": 5, "async": False})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("memory", 1) and [c["step"] for c in job.ckpt.skipped] == [6]
+    assert result.losses == [1 / n for n in range(1, 11)] and repeated_steps(job) == 1
+
+
+def test_a_shrink_loads_a_checkpoint_newer_than_the_survivors_snapshots(tmp_path):
+    job = make_job(tmp_path, [kill(1, 7)], runtime=FakeRuntime(placeable=False),
+                   checkpoint={"every": 2, "memory_every": 5, "async": False})
+    result = job.run()
+    assert [(r["source"], r["at_step"], r["lost_steps"]) for r in result.resizes] == [("disk", 6, 0)]
+    assert result.recoveries[0]["source"] == "disk" and repeated_steps(job) == 0
+
+
 def test_a_hung_rank_is_a_hang_recovery(tmp_path):
     job = make_job(tmp_path, [kill(1, 4, "hang_rank")])
     assert job.run().recoveries[0]["kind"] == "hang"
