@@ -397,23 +397,25 @@ class TrainingJob:
         return {"step": step, "path": str(self.ckpt.path_for(step)), "eval_loss": self.ckpt.score(step)}
 
     def _train(self, acct: StepAccounting) -> str:
-        """Steps until the last one or a stop, then the wait for the last save; a rank lost in a step or in that
-        wait is recovered and training goes on (the wait's recovery saves the restored step again)."""
-        first, status = self.step, "finished"
+        """Steps until the last one or a stop, then the last save (``Checkpointing.finish``: of the step the run
+        ends at); a rank lost in a step or in that save is recovered and training goes on, unless stopping: a
+        stop saves the step restored and trains no further."""
+        first, stopping = self.step, False
         while True:
-            if self._steps(acct, first):
-                status = "stopped"
+            stopping = stopping or self._steps(acct, first)
             try:
                 if self.checkpoints.every:
                     self.checkpoints.finish(self.group, self.step)
                 acct.first_step_done("final_save")  # a recovery in that wait ends with it: no step follows
-                return status
+                return "stopped" if stopping else "finished"
             except StepFailed as failure:  # at the step whose save it waited for
                 acct.rolled_back(self._recover(failure, time.perf_counter(), self.step), max(0, self.step - first))
+                stopping = stopping or self.machine.stop_requested.is_set()
 
     def _steps(self, acct: StepAccounting, first: int) -> bool:
         """Steps until the last one or a stop (True when stopping); a failed step is recovered and training
-        goes on."""
+        goes on, unless a stop was asked for (its own save lost a rank, or it came meanwhile): the caller
+        then saves the step restored, with no step more."""
         while self.step < self.spec.train.steps:
             t0 = time.perf_counter()
             try:
@@ -421,6 +423,8 @@ class TrainingJob:
                 stopping = self._after_step(acct, results, t0)
             except StepFailed as failure:
                 acct.rolled_back(self._recover(failure, t0), max(0, self.step - first))
+                if self.machine.stop_requested.is_set():
+                    return True
                 continue
             if stopping:
                 return True

@@ -62,6 +62,21 @@ def test_a_stop_checkpoints_when_checkpoints_are_on(tmp_path):
     assert [p.rsplit("-", 1)[1] for p in result.checkpoints] == ["00000003"]
 
 
+@pytest.mark.parametrize("async_save, fail_calls", [
+    (False, {"save_checkpoint": [StepFailed({1: "died"})]}),
+    (True, {"wait_checkpoint": [None, StepFailed({1: "died"})]}),  # the wait before the save, then the run's end
+], ids=["sync", "async"])
+def test_a_rank_lost_in_a_stops_save_is_recovered_and_saved_without_training_further(tmp_path, async_save,
+                                                                                    fail_calls):
+    runtime = FakeRuntime(fail_calls=fail_calls)
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 100, "memory_every": 1, "async": async_save})
+    runtime.script[4] = lambda: job.request_stop("test")
+    result = job.run()
+    assert result.status == "stopped" and result.steps == 4 and len(result.losses) == 4
+    assert [(r["source"], r["lost_steps"]) for r in result.recoveries] == [("memory", 0)]
+    assert job.ckpt.complete_steps() == [4] and result.checkpoints == [str(job.ckpt.path_for(4))]
+
+
 def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path, monkeypatch):
     """`raymesh status` reads the controller from another thread: while step N's checkpoint saves, it shows step
     N-1 and N-1's loss (it showed step N with N-1's loss, and step 1 with none, which a status poll saw)."""
@@ -130,6 +145,7 @@ def test_a_stop_during_a_recovery_reads_stopping_and_ends_stopped(tmp_path):
     job.changes.recover = recover
     result = job.run()
     assert seen["state"] == "stopping" and result.status == "stopped"
+    assert result.steps == 4 and len(result.losses) == 4  # the step restored; the failed one is not run again
     assert job.machine.visited == [S.STARTING, S.RUNNING, S.RECOVERING, S.STOPPING, S.STOPPED]
 
 
@@ -576,6 +592,12 @@ def test_a_last_async_save_that_fails_is_saved_again_before_the_run_ends(tmp_pat
     assert any(line.startswith("event=checkpoint_failed step=10") and "Input/output" in line
                and "saving it again" in line for line in lines)
     assert result.checkpoints[-1] == str(job.ckpt.path_for(10))
+
+
+def test_a_last_save_that_fails_is_made_again_before_the_run_ends(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [None, None, RuntimeError("No space left on device")]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    assert job.run().checkpoints[-1] == str(job.ckpt.path_for(10)) and job.ckpt.complete_steps() == [4, 8, 10]
 
 
 def test_a_rank_lost_while_saving_is_recovered_like_a_failed_step(tmp_path):
