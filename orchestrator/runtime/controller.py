@@ -191,6 +191,7 @@ class TrainingJob:
         self.ckpt.remove_leftovers()  # nothing is in flight yet: incomplete saves of an earlier life can go
         self.runtime.preflight(self.spec)
         self._pin_base()
+        self._carry_skipped_batches()
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = self.runtime.serve_control(self)  # after connect, so it advertises the node IP
         if self.control is not None:
@@ -207,6 +208,15 @@ class TrainingJob:
             check_base_unchanged(self.spec, self.ckpt.root, "resume")
         else:
             record_base(self.spec, self.ckpt.root)
+
+    def _carry_skipped_batches(self) -> None:
+        """A resume (a hosted controller's restart too) skips the batches the run skipped before (recorded beside
+        the checkpoints as they were), else it trains a known-bad batch into NaN again; a fresh start forgets an
+        earlier run's."""
+        if self.resume:
+            self.skip_batches = self.ckpt.skipped_batches()
+        else:
+            self.ckpt.forget_skipped_batches()
 
     def _refuse_foreign_checkpoints(self) -> None:
         """A fresh run into a directory that holds another run's checkpoints is refused before any actor starts:

@@ -92,6 +92,7 @@ class GridChanges:
         decision = self.decisions[-1] = self.policy.on_nan(at_step, times)  # refines on_failure's roll back
         if decision.action is Action.SKIP_BATCH:  # counted: the batch trained at this step next may be bad too
             skips = self.job.skip_batches[at_step] = self.job.skip_batches.get(at_step, 0) + 1
+            self.job.ckpt.record_skipped_batches(self.job.skip_batches)  # a resume skips it too
             event("nan_batch_skipped", step=at_step, times=times, batches=skips,
                   action=f"{skips} batch(es) from step {at_step} on are skipped "
                          "(fault_tolerance.on_repeated_nan: skip_batch)")

@@ -494,6 +494,54 @@ def test_two_bad_batches_in_a_row_are_both_skipped(tmp_path):
     assert any(line.startswith("event=nan_batch_skipped step=6 times=3 batches=2") for line in lines)
 
 
+class ControllerLost(BaseException):
+    """The controller's process dies mid-run (a hosted controller's restart resumes from the checkpoints)."""
+
+
+def lose_controller():
+    raise ControllerLost
+
+
+def resumed_after_loss(tmp_path, at_step: int, nan_batches: frozenset, **sections):
+    """A job that skipped ``nan_batches`` and lost its controller before step ``at_step``, and its resume."""
+    lost = make_job(tmp_path, runtime=FakeRuntime(nan_batches=nan_batches, script={at_step: lose_controller}),
+                    **sections)
+    with pytest.raises(ControllerLost):
+        lost.run()
+    resumed = make_job(tmp_path, runtime=FakeRuntime(nan_batches=nan_batches), **sections)
+    resumed.resume = True
+    return lost, resumed
+
+
+SKIPPING = {"checkpoint": {"every": 4, "memory_every": 1, "async": False}, "fault_tolerance": {"max_restarts": 5}}
+
+
+def test_a_resume_skips_the_batches_skipped_since_its_checkpoint(tmp_path):
+    """Batch 6 was skipped (NaN twice at step 6), then the controller was lost at step 8: the resume from the
+    checkpoint of step 4 skips batch 6 at step 6 again at once, instead of training it into NaN again."""
+    lost, resumed = resumed_after_loss(tmp_path, 8, frozenset({6}), **SKIPPING)
+    assert lost.skip_batches == {6: 1}
+    result = resumed.run()
+    assert result.resumed_from.endswith("step-00000004") and result.recoveries == []
+    assert resumed.skip_batches == {6: 1} and resumed.runtime.groups[0].skipped_at[6] == 1
+    assert result.losses == [1 / n for n in range(5, 11)]
+
+
+def test_a_resume_from_a_checkpoint_after_the_skip_does_not_skip_again(tmp_path):
+    """The checkpoint of step 8 holds the data position past batch 6 already: nothing more is skipped."""
+    _, resumed = resumed_after_loss(tmp_path, 10, frozenset({6}), **SKIPPING)
+    result = resumed.run()
+    assert result.resumed_from.endswith("step-00000008") and result.recoveries == []
+    assert [n for step, n in resumed.runtime.groups[0].skipped_at.items() if step > 8] == [0, 0]
+
+
+def test_a_fresh_run_forgets_the_batches_an_earlier_run_skipped(tmp_path):
+    make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6}))).run()  # no checkpoints: not refused
+    fresh = make_job(tmp_path)
+    fresh.run()
+    assert fresh.ckpt.skipped_batches() == {}
+
+
 def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
     job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})),
                    fault_tolerance={"on_repeated_nan": "stop", "nan_retries": 2, "max_restarts": 5})
