@@ -33,7 +33,13 @@ from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, StepReport, metrics_observer
 from orchestrator.observability.remote_run_dir import run_dir_upload
-from orchestrator.observability.run_records import RunRecords, held_out_loss
+from orchestrator.observability.run_records import (
+    RunRecords,
+    held_out_loss,
+    kept_steps,
+    read_jsonl,
+    summary_fields,
+)
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
 from orchestrator.planning.stage_split import auto_split, pin_split
@@ -340,14 +346,42 @@ class TrainingJob:
         finally:
             self._stop()
         self.machine.to(JobState(result.status))
+        self._publish(result)
+        self._close_control()  # only now: `raymesh status` needs the API or the summary line, never neither
+        return result
+
+    def _publish(self, result: RunResult) -> None:
+        """The run's summary.json (uploaded with a URL run dir) and its ``finish`` and ``summary`` event lines."""
         summary = result.to_dict()
         RunRecords.write_summary(self.run_dir, summary)
         self._upload()
-        event("finish", job=spec.name, status=result.status, steps=len(result.losses),
+        event("finish", job=self.spec.name, status=result.status, steps=len(result.losses),
               final_loss=result.final_loss, tokens_per_s=f"{result.tokens_per_s:.0f}")
         event("summary", json=json.dumps(summary, separators=(",", ":")))
-        self._close_control()  # only now: `raymesh status` needs the API or the summary line, never neither
-        return result
+
+    def finished_summary(self, done: RunComplete) -> dict:
+        """The summary of a run this resume found complete (``done``), which a controller Ray restarted after the
+        final save hands over: its summary.json, else (the lost controller died before writing it) one rebuilt
+        from the run dir's step records and checkpoints, and written."""
+        if self.upload is not None:  # the bucket's copy of the run dir
+            self.upload.pull()
+        path = self.run_dir / "summary.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        event("summary_rebuilt", step=done.step, why="the run was complete without its summary.json",
+              missing="recoveries, resizes, layout (the event log has them)")
+        result = self._rebuilt_result(done.step)
+        self._publish(result)
+        return result.to_dict()
+
+    def _rebuilt_result(self, step: int) -> RunResult:
+        """What the run's step records (``steps.jsonl``) and checkpoints tell of its steps up to ``step``; the
+        recoveries, resizes and layout of the controller that trained them are not in either."""
+        path = self.run_dir / "steps.jsonl"
+        records = [r for r in kept_steps(read_jsonl(path)) if r["step"] <= step] if path.is_file() else []
+        checkpoints = [str(self.ckpt.path_for(s)) for s in self.ckpt.complete_steps()]
+        return RunResult(steps=step, layout={}, checkpoints=checkpoints, best_checkpoint=self._best_checkpoint(),
+                         run_dir=self.spec.run_dir_url() or str(self.run_dir), **summary_fields(records))
 
     def _close_control(self) -> None:
         if self.control is not None:

@@ -123,6 +123,40 @@ def test_resuming_a_finished_run_refuses_and_changes_nothing(tmp_path):
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
+def test_a_controller_restarted_after_the_final_save_writes_the_summary(tmp_path, monkeypatch):
+    """The controller is lost after the last save, before summary.json: the restarted one finds the run complete
+    and writes its summary from the run's step records and checkpoints, which its followers get too."""
+    from orchestrator.observability.run_records import RunRecords
+    from orchestrator.runtime.hosted import run_outcome
+
+    lost = make_job(tmp_path, [kill(1, 7)], checkpoint={"every": 5, "memory_every": 3})  # step 7 trained twice
+    with monkeypatch.context() as patched:
+        patched.setattr(RunRecords, "write_summary", staticmethod(lambda run_dir, summary: lose_controller()))
+        with pytest.raises(ControllerLost):
+            lost.run()
+    assert not (lost.run_dir / "summary.json").exists()
+    restarted = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 3})
+    restarted.resume = True
+    outcome = run_outcome(restarted, "job")
+    summary = json.loads((lost.run_dir / "summary.json").read_text())
+    assert outcome == {"summary": summary} and summary["status"] == "finished" and summary["steps"] == 10
+    assert summary["losses"] == [1 / n for n in range(1, 11)] and summary["final_loss"] == 0.1
+    assert summary["checkpoints"] == [str(lost.ckpt.path_for(s)) for s in (5, 10)]
+    assert len(summary["grad_norms"]) == len(summary["step_time_s"]) == 10 and summary["tokens_per_s"] > 0
+
+
+def test_a_controller_restarted_after_the_summary_hands_it_over_unchanged(tmp_path):
+    from orchestrator.runtime.hosted import run_outcome
+
+    finished = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1})
+    finished.run()
+    written = (finished.run_dir / "summary.json").read_text()
+    restarted = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1})
+    restarted.resume = True
+    assert run_outcome(restarted, "job") == {"summary": json.loads(written)}
+    assert (finished.run_dir / "summary.json").read_text() == written
+
+
 def test_resuming_with_more_steps_than_the_checkpoint_trains_on(tmp_path):
     make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}).run()
     job = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, train={"steps": 12})
