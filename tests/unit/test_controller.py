@@ -27,6 +27,14 @@ def actions(job) -> list[Action]:
     return [d.action for d in job.changes.decisions]
 
 
+class ControllerLost(BaseException):
+    """The controller's process dies mid-run (a hosted controller's restart resumes from the checkpoints)."""
+
+
+def lose_controller():
+    raise ControllerLost
+
+
 # -- finishing and stopping --------------------------------------------------------------
 
 
@@ -526,14 +534,6 @@ def test_two_bad_batches_in_a_row_are_both_skipped(tmp_path):
     assert job.skip_batches == {6: 2} and runtime.groups[0].skipped_at[6] == 2
     assert result.status == "finished" and len(result.losses) == 10 and all(x == x for x in result.losses)
     assert any(line.startswith("event=nan_batch_skipped step=6 times=3 batches=2") for line in lines)
-
-
-class ControllerLost(BaseException):
-    """The controller's process dies mid-run (a hosted controller's restart resumes from the checkpoints)."""
-
-
-def lose_controller():
-    raise ControllerLost
 
 
 def resumed_after_loss(tmp_path, at_step: int, nan_batches: frozenset, **sections):
