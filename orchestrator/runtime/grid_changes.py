@@ -92,11 +92,20 @@ class GridChanges:
         decision = self.decisions[-1] = self.policy.on_nan(at_step, times)  # refines on_failure's roll back
         if decision.action is Action.SKIP_BATCH:  # counted: the batch trained at this step next may be bad too
             skips = self.job.skip_batches[at_step] = self.job.skip_batches.get(at_step, 0) + 1
-            self.job.ckpt.record_skipped_batches(self.job.skip_batches)  # a resume skips it too
+            self._record_skips()
             event("nan_batch_skipped", step=at_step, times=times, batches=skips,
                   action=f"{skips} batch(es) from step {at_step} on are skipped "
                          "(fault_tolerance.on_repeated_nan: skip_batch)")
         return decision
+
+    def _record_skips(self) -> None:
+        """The skipped batches beside the checkpoints, for a resume to skip too; a write that fails (disk full, the
+        bucket unreachable) is logged, never the run's end: only a resume from before the skip meets the batch."""
+        try:
+            self.job.ckpt.record_skipped_batches(self.job.skip_batches)
+        except Exception as exc:  # OSError locally, each fsspec back end its own
+            event("skipped_batches_not_recorded", reason=repr(str(exc)[:200]),
+                  action="training goes on; a resume from a checkpoint before the skip would train the batch again")
 
     def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
         """New actors for the dead ranks only, a re-formed group and a rollback; a smaller grid when the

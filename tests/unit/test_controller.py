@@ -569,6 +569,18 @@ def test_a_resume_from_a_checkpoint_after_the_skip_does_not_skip_again(tmp_path)
     assert [n for step, n in resumed.runtime.groups[0].skipped_at.items() if step > 8] == [0, 0]
 
 
+def test_skipped_batches_that_cannot_be_recorded_are_logged_and_training_goes_on(tmp_path, monkeypatch):
+    def disk_full(self, skips):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckpointDir, "record_skipped_batches", disk_full)
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})), **SKIPPING)
+    with event_lines() as lines:
+        result = job.run()
+    assert result.status == "finished" and job.skip_batches == {6: 1}
+    assert any(line.startswith("event=skipped_batches_not_recorded") and "No space left" in line for line in lines)
+
+
 def test_a_fresh_run_forgets_the_batches_an_earlier_run_skipped(tmp_path):
     make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6}))).run()  # no checkpoints: not refused
     fresh = make_job(tmp_path)
