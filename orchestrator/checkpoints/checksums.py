@@ -39,21 +39,26 @@ def _entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
 
 
-def _write(manifest: Path, files: dict) -> Path:
-    """The rename makes a manifest all-or-nothing; the fsyncs make it durable: the file, the rename (its
-    directory), and the directory's own entry, so a power loss cannot leave a sealed-looking save without it."""
-    if is_url(manifest):
-        manifest.write_text(json.dumps({"files": files}, indent=1))
-        return manifest
-    tmp = manifest.with_name(manifest.name + ".tmp")
+def write_json(path: Path, data: dict) -> Path:
+    """``data`` as JSON at ``path``, all or nothing (the rename) and durably (the fsyncs: the file, the rename in
+    its directory, and that directory's own entry), so a power loss cannot leave a sealed-looking save without its
+    manifest, nor a half-written file a resume reads; on an object store, one PUT."""
+    if is_url(path):
+        path.write_text(json.dumps(data, indent=1))
+        return path
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        f.write(json.dumps({"files": files}, indent=1))
+        f.write(json.dumps(data, indent=1))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, manifest)
-    fsync_dir(manifest.parent)
-    fsync_dir(manifest.parent.parent)
-    return manifest
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    fsync_dir(path.parent.parent)
+    return path
+
+
+def _write(manifest: Path, files: dict) -> Path:
+    return write_json(manifest, {"files": files})
 
 
 def write_manifest(ckpt: str | Path) -> Path:

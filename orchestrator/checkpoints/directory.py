@@ -10,7 +10,8 @@ previous one is used. ``root`` may be an object-store URL (`workers.storage`).
 
 A checkpoint saved at a step that scored the held-out loss (``eval.every``) carries it in ``eval.json``, written
 before the seal so the checksums cover it; ``best`` is the complete one with the lowest, which retention spares
-under ``checkpoint.keep_best``.
+under ``checkpoint.keep_best``. The batches a repeated NaN made the run skip are at the root (``SKIPPED``), for a
+resume to skip them again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from workers.storage import location, move_tree, remove_tree
 _NAME = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER = re.compile(r"^step-(\d{8,})(\.corrupt)?$")
 SCORE = "eval.json"  # {"step", "eval_loss"}: the held-out loss of the weights a checkpoint holds
+SKIPPED = "skipped_batches.json"  # {"skip_batches": {step: n}}: batches skipped before a step (repeated NaN)
 
 
 class CheckpointDir:
@@ -41,6 +43,11 @@ class CheckpointDir:
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
+
+    @staticmethod
+    def step_of(path: Path) -> int:
+        """The step the checkpoint folder ``path`` (a ``path_for``) holds."""
+        return int(_NAME.match(path.name).group(1))
 
     def seal(self, step: int) -> None:
         """Write the checksum manifest of a save DCP reported durable; only then is it complete."""
@@ -61,6 +68,24 @@ class CheckpointDir:
         scored = [(loss, step) for step in self.complete_steps() if upto is None or step <= upto
                   if (loss := self.score(step)) is not None]
         return min(scored)[1] if scored else None
+
+    def record_skipped_batches(self, skips: dict[int, int]) -> None:
+        """The batches skipped before each step (``TrainingJob.skip_batches``), at the root as soon as one is, not
+        in the next save: a resume from the checkpoint before the skip must skip them too, and the next save may
+        never come. A later checkpoint's data position is past them already (a resume skips only steps ahead)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        checksums.write_json(self.root / SKIPPED, {"skip_batches": {str(k): n for k, n in skips.items()}})
+
+    def skipped_batches(self) -> dict[int, int]:
+        """What ``record_skipped_batches`` wrote; none in a directory from before it was written."""
+        path = self.root / SKIPPED
+        if not path.is_file():
+            return {}
+        return {int(k): n for k, n in json.loads(path.read_text())["skip_batches"].items()}
+
+    def forget_skipped_batches(self) -> None:
+        """A fresh run's data skips nothing an earlier run in this directory skipped."""
+        (self.root / SKIPPED).unlink(missing_ok=True)
 
     def complete_steps(self) -> list[int]:
         if not self.root.is_dir():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import json
-import sys
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -19,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from orchestrator.observability.run_records import kept_steps, read_jsonl
 from orchestrator.planning.bubble import (
     PIPELINE_KINDS,
     measured_bubble,
@@ -34,23 +34,6 @@ KIND_NAMES = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
 DPI = 110
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file; a line that is not a whole record (a write cut short when a controller
-    was killed mid-line, its restarted life appending after it) is skipped and counted on stderr, not fatal."""
-    records, torn = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            torn += 1
-    if torn:
-        print(f"raymesh: warning: skipped {torn} line(s) of {path} that are not whole JSON records (a write cut "
-              "short, e.g. by a controller killed mid-line)", file=sys.stderr)
-    return records
-
-
 def _load(run_dir: Path) -> tuple[dict, list[dict], list[dict] | None]:
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
@@ -61,10 +44,8 @@ def _load(run_dir: Path) -> tuple[dict, list[dict], list[dict] | None]:
         )
     summary = json.loads(summary_path.read_text())
     steps_path, timeline_path = run_dir / "steps.jsonl", run_dir / "timeline.jsonl"
-    # A recovered run replays its lost steps; the last record of a step is the one the model kept.
-    by_step = {r["step"]: r for r in _read_jsonl(steps_path)} if steps_path.is_file() else {}
-    steps = [by_step[s] for s in sorted(by_step)]
-    timeline = _read_jsonl(timeline_path) if timeline_path.is_file() else None
+    steps = kept_steps(read_jsonl(steps_path)) if steps_path.is_file() else []
+    timeline = read_jsonl(timeline_path) if timeline_path.is_file() else None
     return summary, steps, timeline
 
 

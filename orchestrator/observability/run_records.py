@@ -12,12 +12,54 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 from orchestrator.observability.observers import JobObserver, StepReport
 from workers.protocol import StepResult
 
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; a line that is not a whole record (a write cut short when a controller
+    was killed mid-line, its restarted life appending after it) is skipped and counted on stderr, not fatal."""
+    records, torn = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            torn += 1
+    if torn:
+        print(f"raymesh: warning: skipped {torn} line(s) of {path} that are not whole JSON records (a write cut "
+              "short, e.g. by a controller killed mid-line)", file=sys.stderr)
+    return records
+
+
+def kept_steps(records: list[dict]) -> list[dict]:
+    """The ``steps.jsonl`` record of each step the model kept, in step order: a recovered run trains its lost
+    steps again, and the last record of a step is the one kept."""
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def summary_fields(records: list[dict]) -> dict:
+    """The summary's per-step fields (``RunResult``'s names) from the kept step records, for a summary rebuilt
+    without the controller that trained them; ``tokens_per_s`` is then over the steps' own time (the gaps
+    between a lost controller's lives are not in the records)."""
+    losses = [r["loss"] for r in records]
+    trained_s = sum(r["step_s"] for r in records)
+    peak: dict[int, int] = {}
+    for r in records:
+        for rank, memory in r["memory"].items():
+            peak[int(rank)] = max(peak.get(int(rank), 0), memory["peak_bytes"])
+    return {"losses": losses, "final_loss": losses[-1] if losses else None,
+            "tokens_per_s": sum(r["tokens"] for r in records) / trained_s if trained_s else 0.0,
+            "grad_norms": [r["grad_norm"] for r in records], "step_time_s": [r["step_s"] for r in records],
+            "peak_memory_bytes": peak,
+            "eval_losses": [{"step": r["step"], "loss": r["eval_loss"]} for r in records if "eval_loss" in r]}
 
 
 def held_out_loss(results) -> float | None:

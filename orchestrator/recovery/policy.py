@@ -144,12 +144,17 @@ class RecoveryPolicy:
         """After the replacements had ``placement_timeout_s`` to start."""
         return Decision(Action.ROLL_BACK) if placed else Decision(Action.SHRINK)
 
-    def roll_back(self, snapshot_usable: bool, replaced: bool) -> Decision:
-        """Where every rank rolls back to: in-memory snapshots first, else the latest checkpoint on disk.
+    def roll_back(self, snapshot_usable: bool, replaced: bool, newer_on_disk: bool = False) -> Decision:
+        """Where every rank rolls back to: whichever of the in-memory snapshots and the latest good checkpoint
+        loses fewer steps (``newer_on_disk``: the checkpoint holds a later step); the snapshots on a tie, as
+        nothing is read from storage; the checkpoint when there is no snapshot.
 
-        A NaN step (nothing ``replaced``) has no checkpoint-shaped answer: every rank is alive with the bad
-        state, and the disk would lose the steps since the last save silently, so it is an error to fix.
+        A NaN step (nothing ``replaced``) with no snapshot has no checkpoint-shaped answer: every rank is alive
+        with the bad state, and the disk would lose the steps since the last save silently, so it is an error to
+        fix. A checkpoint newer than the snapshot is fine for it: its step completed with a finite loss.
         """
+        if newer_on_disk:
+            return Decision(Action.ROLL_BACK, source="disk")
         if snapshot_usable:
             return Decision(Action.ROLL_BACK, source="memory")
         if not replaced:

@@ -93,17 +93,16 @@ class Checkpointing:
         return done[0]
 
     def finish(self, group, step: int) -> None:
-        """At the end of the run: commit the save in flight; if that was the last step's and it failed in the
-        background, save the step again synchronously (no later save would), else the run would end without
-        the checkpoint of its last step."""
-        in_flight = self.in_flight
-        if self.wait_async(group, then="saving it again, synchronously") is None and in_flight == step:
-            try:
-                self.save_now(group, step)
-            except StepFailed:
-                raise
-            except Exception as exc:
-                event("checkpoint_failed", step=step, reason=_reason(exc), action="the run ends without it")
+        """At the end of the run: commit the save in flight, then, unless ``step`` (the one the run ends at) is
+        complete on disk, save it synchronously: its save failed, or lost a rank whose recovery restored the step
+        (a stop's save too), and no later save would; else the run would end without the checkpoint of its last
+        step."""
+        try:
+            self.save_now(group, step, then="saving it again, synchronously")
+        except StepFailed:
+            raise
+        except Exception as exc:
+            event("checkpoint_failed", step=step, reason=_reason(exc), action="the run ends without it")
 
     def poll(self, group) -> None:
         """Seal an async save as soon as every rank has it durable, so a failure before the next save can
@@ -117,9 +116,10 @@ class Checkpointing:
         step, self.in_flight = self.in_flight, None
         return step
 
-    def save_now(self, group, step: int) -> None:
-        """A synchronous save of ``step`` unless it is on disk complete already (before the grid is torn down)."""
-        self.wait_async(group)
+    def save_now(self, group, step: int, then: str = "training goes on; the next save tries again") -> None:
+        """A synchronous save of ``step`` unless it is on disk complete already (before the grid is torn down, and
+        at the end); ``then``: what follows an async save in flight that failed (``wait_async``)."""
+        self.wait_async(group, then)
         path = self.ckpt.path_for(step)
         if step not in self.ckpt.complete_steps():  # not ``saved``: that save may have been found corrupt since
             self._save_beside_ranks(step)

@@ -33,7 +33,13 @@ from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, StepReport, metrics_observer
 from orchestrator.observability.remote_run_dir import run_dir_upload
-from orchestrator.observability.run_records import RunRecords, held_out_loss
+from orchestrator.observability.run_records import (
+    RunRecords,
+    held_out_loss,
+    kept_steps,
+    read_jsonl,
+    summary_fields,
+)
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
 from orchestrator.planning.stage_split import auto_split, pin_split
@@ -191,6 +197,7 @@ class TrainingJob:
         self.ckpt.remove_leftovers()  # nothing is in flight yet: incomplete saves of an earlier life can go
         self.runtime.preflight(self.spec)
         self._pin_base()
+        self._carry_skipped_batches()
         self.runtime.connect(self.address, p.world_size * p.cpus_per_rank)
         self.control = self.runtime.serve_control(self)  # after connect, so it advertises the node IP
         if self.control is not None:
@@ -207,6 +214,15 @@ class TrainingJob:
             check_base_unchanged(self.spec, self.ckpt.root, "resume")
         else:
             record_base(self.spec, self.ckpt.root)
+
+    def _carry_skipped_batches(self) -> None:
+        """A resume (a hosted controller's restart too) skips the batches the run skipped before (recorded beside
+        the checkpoints as they were), else it trains a known-bad batch into NaN again; a fresh start forgets an
+        earlier run's."""
+        if self.resume:
+            self.skip_batches = self.ckpt.skipped_batches()
+        else:
+            self.ckpt.forget_skipped_batches()
 
     def _refuse_foreign_checkpoints(self) -> None:
         """A fresh run into a directory that holds another run's checkpoints is refused before any actor starts:
@@ -273,10 +289,10 @@ class TrainingJob:
         self.snapshot_step = self.step
         self._keep_from = -1  # a new group, or rolled back: nothing is known replicated past here yet
 
-    def load_from_disk(self, purpose: str) -> Path | None:
-        """Load the newest checkpoint that passes its checksums into every rank; None when there is none
-        (the freshly formed ranks keep their initial state, step 0)."""
-        latest = self.ckpt.latest_verified(purpose)
+    def load_from_disk(self, purpose: str, verified: Path | None = None) -> Path | None:
+        """Load the newest checkpoint that passes its checksums into every rank (``verified``: that one, checked
+        already); None when there is none (the freshly formed ranks keep their initial state, step 0)."""
+        latest = verified or self.ckpt.latest_verified(purpose)
         self.step = self.group.call("load_checkpoint", str(latest))[0] if latest is not None else 0
         self.roll_back_shards(latest)
         return latest
@@ -293,9 +309,9 @@ class TrainingJob:
             self.ps.roll_back(self.step)
         self.group.call("ps_resume")
 
-    def from_disk(self, purpose: str) -> str:
+    def from_disk(self, purpose: str, verified: Path | None = None) -> str:
         """The latest checkpoint that passes its checksums (resharded to the current grid), else step 0."""
-        return "disk" if self.load_from_disk(purpose) is not None else "initial"
+        return "disk" if self.load_from_disk(purpose, verified) is not None else "initial"
 
     # -- the run -------------------------------------------------------------------------
 
@@ -330,14 +346,42 @@ class TrainingJob:
         finally:
             self._stop()
         self.machine.to(JobState(result.status))
+        self._publish(result)
+        self._close_control()  # only now: `raymesh status` needs the API or the summary line, never neither
+        return result
+
+    def _publish(self, result: RunResult) -> None:
+        """The run's summary.json (uploaded with a URL run dir) and its ``finish`` and ``summary`` event lines."""
         summary = result.to_dict()
         RunRecords.write_summary(self.run_dir, summary)
         self._upload()
-        event("finish", job=spec.name, status=result.status, steps=len(result.losses),
+        event("finish", job=self.spec.name, status=result.status, steps=len(result.losses),
               final_loss=result.final_loss, tokens_per_s=f"{result.tokens_per_s:.0f}")
         event("summary", json=json.dumps(summary, separators=(",", ":")))
-        self._close_control()  # only now: `raymesh status` needs the API or the summary line, never neither
-        return result
+
+    def finished_summary(self, done: RunComplete) -> dict:
+        """The summary of a run this resume found complete (``done``), which a controller Ray restarted after the
+        final save hands over: its summary.json, else (the lost controller died before writing it) one rebuilt
+        from the run dir's step records and checkpoints, and written."""
+        if self.upload is not None:  # the bucket's copy of the run dir
+            self.upload.pull()
+        path = self.run_dir / "summary.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        event("summary_rebuilt", step=done.step, why="the run was complete without its summary.json",
+              missing="recoveries, resizes, layout (the event log has them)")
+        result = self._rebuilt_result(done.step)
+        self._publish(result)
+        return result.to_dict()
+
+    def _rebuilt_result(self, step: int) -> RunResult:
+        """What the run's step records (``steps.jsonl``) and checkpoints tell of its steps up to ``step``; the
+        recoveries, resizes and layout of the controller that trained them are not in either."""
+        path = self.run_dir / "steps.jsonl"
+        records = [r for r in kept_steps(read_jsonl(path)) if r["step"] <= step] if path.is_file() else []
+        checkpoints = [str(self.ckpt.path_for(s)) for s in self.ckpt.complete_steps()]
+        return RunResult(steps=step, layout={}, checkpoints=checkpoints, best_checkpoint=self._best_checkpoint(),
+                         run_dir=self.spec.run_dir_url() or str(self.run_dir), **summary_fields(records))
 
     def _close_control(self) -> None:
         if self.control is not None:
@@ -397,23 +441,25 @@ class TrainingJob:
         return {"step": step, "path": str(self.ckpt.path_for(step)), "eval_loss": self.ckpt.score(step)}
 
     def _train(self, acct: StepAccounting) -> str:
-        """Steps until the last one or a stop, then the wait for the last save; a rank lost in a step or in that
-        wait is recovered and training goes on (the wait's recovery saves the restored step again)."""
-        first, status = self.step, "finished"
+        """Steps until the last one or a stop, then the last save (``Checkpointing.finish``: of the step the run
+        ends at); a rank lost in a step or in that save is recovered and training goes on, unless stopping: a
+        stop saves the step restored and trains no further."""
+        first, stopping = self.step, False
         while True:
-            if self._steps(acct, first):
-                status = "stopped"
+            stopping = stopping or self._steps(acct, first)
             try:
                 if self.checkpoints.every:
                     self.checkpoints.finish(self.group, self.step)
                 acct.first_step_done("final_save")  # a recovery in that wait ends with it: no step follows
-                return status
+                return "stopped" if stopping else "finished"
             except StepFailed as failure:  # at the step whose save it waited for
                 acct.rolled_back(self._recover(failure, time.perf_counter(), self.step), max(0, self.step - first))
+                stopping = stopping or self.machine.stop_requested.is_set()
 
     def _steps(self, acct: StepAccounting, first: int) -> bool:
         """Steps until the last one or a stop (True when stopping); a failed step is recovered and training
-        goes on."""
+        goes on, unless a stop was asked for (its own save lost a rank, or it came meanwhile): the caller
+        then saves the step restored, with no step more."""
         while self.step < self.spec.train.steps:
             t0 = time.perf_counter()
             try:
@@ -421,6 +467,8 @@ class TrainingJob:
                 stopping = self._after_step(acct, results, t0)
             except StepFailed as failure:
                 acct.rolled_back(self._recover(failure, t0), max(0, self.step - first))
+                if self.machine.stop_requested.is_set():
+                    return True
                 continue
             if stopping:
                 return True

@@ -10,6 +10,7 @@ only on where the job ended up.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from orchestrator.errors import SpecError
 from orchestrator.observability.events import event
@@ -91,10 +92,20 @@ class GridChanges:
         decision = self.decisions[-1] = self.policy.on_nan(at_step, times)  # refines on_failure's roll back
         if decision.action is Action.SKIP_BATCH:  # counted: the batch trained at this step next may be bad too
             skips = self.job.skip_batches[at_step] = self.job.skip_batches.get(at_step, 0) + 1
+            self._record_skips()
             event("nan_batch_skipped", step=at_step, times=times, batches=skips,
                   action=f"{skips} batch(es) from step {at_step} on are skipped "
                          "(fault_tolerance.on_repeated_nan: skip_batch)")
         return decision
+
+    def _record_skips(self) -> None:
+        """The skipped batches beside the checkpoints, for a resume to skip too; a write that fails (disk full, the
+        bucket unreachable) is logged, never the run's end: only a resume from before the skip meets the batch."""
+        try:
+            self.job.ckpt.record_skipped_batches(self.job.skip_batches)
+        except Exception as exc:  # OSError locally, each fsspec back end its own
+            event("skipped_batches_not_recorded", reason=repr(str(exc)[:200]),
+                  action="training goes on; a resume from a checkpoint before the skip would train the batch again")
 
     def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
         """New actors for the dead ranks only, a re-formed group and a rollback; a smaller grid when the
@@ -141,27 +152,47 @@ class GridChanges:
         return ("node" if gone else failure.kind), dead, placed
 
     def _roll_back(self, replaced: set[int]) -> str:
-        """Newest consistent state: in-memory snapshots, else the latest checkpoint, else step 0."""
+        """Newest consistent state: the in-memory snapshots or the latest good checkpoint, whichever loses fewer
+        steps (the snapshots on a tie), else step 0. A restore that had to go back past the newest snapshot (one
+        not complete everywhere) still gives way to a checkpoint newer than what it restored."""
         job = self.job
-        decision = self._decide(self.policy.roll_back(job.snapshot_step is not None, bool(replaced)))
+        reached = job.step
+        newer = self._checkpoint_after(job.snapshot_step, reached, "recovery")
+        decision = self._decide(self.policy.roll_back(job.snapshot_step is not None, bool(replaced), bool(newer)))
         if decision.source == "memory":
             try:
                 job.step = job.group.restore(replaced, job.step)
                 job.roll_back_shards(None)
-                return "memory"
             except LookupError as why:
                 event("snapshot_lost", reason=why)
                 decision = self._decide(self.policy.roll_back(False, bool(replaced)))
+            else:
+                newer = self._checkpoint_after(job.step, reached, "recovery")
+                if newer is None:
+                    return "memory"
+                decision = self._decide(self.policy.roll_back(True, bool(replaced), newer_on_disk=True))
         if decision.action is Action.GIVE_UP:
             raise RuntimeError(decision.message)
-        return self.from_disk()
+        return self.from_disk(newer, reached)
 
-    def from_disk(self) -> str:
-        """Every rank loads the newest good checkpoint; says which steps that loses, and loudly when there is no
-        checkpoint at all and training starts over from step 0 (never silently)."""
+    def _checkpoint_after(self, step: int | None, reached: int, purpose: str) -> Path | None:
+        """The latest good checkpoint when it holds a step after ``step`` (a snapshot's; None: no snapshot) and
+        not after ``reached`` (the last completed): rolling back to it loses fewer steps than to the snapshot.
+        Its checksums are read only then, and a corrupt one is set aside as a load would (the one before it may
+        lose more steps than the snapshot, and the snapshot wins)."""
+        ckpt = self.job.ckpt
+        if step is None or not any(step < s <= reached for s in ckpt.complete_steps()):
+            return None
+        latest = ckpt.latest_verified(purpose)
+        return latest if latest is not None and step < ckpt.step_of(latest) <= reached else None
+
+    def from_disk(self, verified: Path | None = None, reached: int | None = None) -> str:
+        """Every rank loads the newest good checkpoint (``verified``: that one, checked already); says which steps
+        that loses since ``reached`` (default: the current step), and loudly when there is no checkpoint at all
+        and training starts over from step 0 (never silently)."""
         job = self.job
-        reached = job.step
-        source = job.from_disk("recovery")
+        reached = job.step if reached is None else reached
+        source = job.from_disk("recovery", verified)
         lost = f"{job.step + 1}-{reached}" if reached > job.step else "none"
         if source == "disk":
             event("rolled_back_to_checkpoint", step=job.step, lost_steps=lost, path=job.ckpt.path_for(job.step))
@@ -197,13 +228,14 @@ class GridChanges:
         t0 = time.perf_counter()
         old = job.spec
         kept = job.group.survivor_snapshots(dead, job.step) if job.snapshot_step is not None else None
+        newer = self._checkpoint_after(kept[0] if kept else None, job.step, "shrink")  # it loses fewer steps
         job.teardown_grid()
         self._launch_smaller(old)
-        if kept is not None:
+        if kept is not None and newer is None:
             job.step = job.group.restore_positions(*kept)
             source = "memory"
         else:
-            source = job.from_disk("shrink")
+            source = job.from_disk("shrink", newer)
         self._resized("shrink", old.parallel.dp, source, time.perf_counter() - t0)
         return source
 

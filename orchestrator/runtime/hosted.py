@@ -138,17 +138,7 @@ class ControllerActor:
         threading.Thread(target=self._run, name="raymesh-controller", daemon=True).start()
 
     def _run(self) -> None:
-        from orchestrator.runtime.controller import RunComplete
-
-        try:
-            outcome = {"summary": self.job.run().to_dict()}
-        except RunComplete as done:
-            outcome = {"complete": str(done), "step": done.step, "run_dir": str(done.run_dir)}
-        except Exception as exc:  # the follower shows it; a user's mistake (ValueError, SpecError) exits 2
-            outcome = {"error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc),
-                       "user_error": isinstance(exc, ValueError)}
-            event("failed", job_id=self.job_id, error=repr(exc))
-        self.outcome = outcome
+        self.outcome = run_outcome(self.job, self.job_id)
         self.feed.wake()
         time.sleep(LINGER_S)  # nobody collected the outcome: the run dir keeps summary.json and the records
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
@@ -171,6 +161,28 @@ class ControllerActor:
 
     def result(self) -> dict | None:
         return self.outcome
+
+
+def run_outcome(job, job_id: str) -> dict:
+    """Run ``job`` (a ``TrainingJob``) to its end; what a follower collects of it: ``summary`` or ``error``."""
+    try:
+        return {"summary": _summary(job)}
+    except Exception as exc:  # the follower shows it; a user's mistake (ValueError, SpecError) exits 2
+        event("failed", job_id=job_id, error=repr(exc))
+        return {"error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc),
+                "user_error": isinstance(exc, ValueError)}
+
+
+def _summary(job) -> dict:
+    """The run's summary. A resume that finds the run complete (the CLI refuses a ``--resume`` of one before it
+    starts the actor, so here Ray restarted the controller after the final save) hands over the run's summary,
+    written if the lost controller had not (``TrainingJob.finished_summary``)."""
+    from orchestrator.runtime.controller import RunComplete
+
+    try:
+        return job.run().to_dict()
+    except RunComplete as done:
+        return job.finished_summary(done)
 
 
 def _runtime_env() -> dict | None:

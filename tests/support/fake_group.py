@@ -188,7 +188,8 @@ class FakeGroup:
 
     def _save_checkpoint(self, path: str, async_save: bool) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / ".metadata").write_text(json.dumps({"step": self.step_now}))  # DCP's file a save must have
+        skipped = sum(n for s, n in self.skipped_at.items() if s <= self.step_now)  # in a real rank's data position
+        (Path(path) / ".metadata").write_text(json.dumps({"step": self.step_now, "skipped": skipped}))  # DCP's file
         (Path(path) / "__0_0.distcp").write_bytes(bytes(64))  # a shard, for corrupt_checkpoint to damage
         self._in_flight = self.step_now if async_save else None
 
@@ -211,7 +212,8 @@ class FakeGroup:
         return done
 
     def _load_checkpoint(self, path: str) -> int:
-        self.step_now = json.loads((Path(path) / ".metadata").read_text())["step"]
+        saved = json.loads((Path(path) / ".metadata").read_text())
+        self.step_now, self.skipped_at = saved["step"], {0: saved.get("skipped", 0)}  # the data position loaded
         return self.step_now
 
     def stop(self) -> None:

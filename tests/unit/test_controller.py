@@ -27,6 +27,14 @@ def actions(job) -> list[Action]:
     return [d.action for d in job.changes.decisions]
 
 
+class ControllerLost(BaseException):
+    """The controller's process dies mid-run (a hosted controller's restart resumes from the checkpoints)."""
+
+
+def lose_controller():
+    raise ControllerLost
+
+
 # -- finishing and stopping --------------------------------------------------------------
 
 
@@ -60,6 +68,21 @@ def test_a_stop_checkpoints_when_checkpoints_are_on(tmp_path):
     runtime.script[3] = lambda: job.request_stop()
     result = job.run()
     assert [p.rsplit("-", 1)[1] for p in result.checkpoints] == ["00000003"]
+
+
+@pytest.mark.parametrize("async_save, fail_calls", [
+    (False, {"save_checkpoint": [StepFailed({1: "died"})]}),
+    (True, {"wait_checkpoint": [None, StepFailed({1: "died"})]}),  # the wait before the save, then the run's end
+], ids=["sync", "async"])
+def test_a_rank_lost_in_a_stops_save_is_recovered_and_saved_without_training_further(tmp_path, async_save,
+                                                                                    fail_calls):
+    runtime = FakeRuntime(fail_calls=fail_calls)
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 100, "memory_every": 1, "async": async_save})
+    runtime.script[4] = lambda: job.request_stop("test")
+    result = job.run()
+    assert result.status == "stopped" and result.steps == 4 and len(result.losses) == 4
+    assert [(r["source"], r["lost_steps"]) for r in result.recoveries] == [("memory", 0)]
+    assert job.ckpt.complete_steps() == [4] and result.checkpoints == [str(job.ckpt.path_for(4))]
 
 
 def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path, monkeypatch):
@@ -108,6 +131,40 @@ def test_resuming_a_finished_run_refuses_and_changes_nothing(tmp_path):
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
+def test_a_controller_restarted_after_the_final_save_writes_the_summary(tmp_path, monkeypatch):
+    """The controller is lost after the last save, before summary.json: the restarted one finds the run complete
+    and writes its summary from the run's step records and checkpoints, which its followers get too."""
+    from orchestrator.observability.run_records import RunRecords
+    from orchestrator.runtime.hosted import run_outcome
+
+    lost = make_job(tmp_path, [kill(1, 7)], checkpoint={"every": 5, "memory_every": 3})  # step 7 trained twice
+    with monkeypatch.context() as patched:
+        patched.setattr(RunRecords, "write_summary", staticmethod(lambda run_dir, summary: lose_controller()))
+        with pytest.raises(ControllerLost):
+            lost.run()
+    assert not (lost.run_dir / "summary.json").exists()
+    restarted = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 3})
+    restarted.resume = True
+    outcome = run_outcome(restarted, "job")
+    summary = json.loads((lost.run_dir / "summary.json").read_text())
+    assert outcome == {"summary": summary} and summary["status"] == "finished" and summary["steps"] == 10
+    assert summary["losses"] == [1 / n for n in range(1, 11)] and summary["final_loss"] == 0.1
+    assert summary["checkpoints"] == [str(lost.ckpt.path_for(s)) for s in (5, 10)]
+    assert len(summary["grad_norms"]) == len(summary["step_time_s"]) == 10 and summary["tokens_per_s"] > 0
+
+
+def test_a_controller_restarted_after_the_summary_hands_it_over_unchanged(tmp_path):
+    from orchestrator.runtime.hosted import run_outcome
+
+    finished = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1})
+    finished.run()
+    written = (finished.run_dir / "summary.json").read_text()
+    restarted = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1})
+    restarted.resume = True
+    assert run_outcome(restarted, "job") == {"summary": json.loads(written)}
+    assert (finished.run_dir / "summary.json").read_text() == written
+
+
 def test_resuming_with_more_steps_than_the_checkpoint_trains_on(tmp_path):
     make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}).run()
     job = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, train={"steps": 12})
@@ -130,6 +187,7 @@ def test_a_stop_during_a_recovery_reads_stopping_and_ends_stopped(tmp_path):
     job.changes.recover = recover
     result = job.run()
     assert seen["state"] == "stopping" and result.status == "stopped"
+    assert result.steps == 4 and len(result.losses) == 4  # the step restored; the failed one is not run again
     assert job.machine.visited == [S.STARTING, S.RUNNING, S.RECOVERING, S.STOPPING, S.STOPPED]
 
 
@@ -199,6 +257,62 @@ def test_a_lost_snapshot_falls_back_to_disk(tmp_path):
     job = make_job(tmp_path, [kill(1, 5)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1})
     (rec,) = job.run().recoveries
     assert [d.source for d in job.changes.decisions[-2:]] == ["memory", "disk"] and rec["source"] == "disk"
+
+
+def repeated_steps(job) -> int:
+    """How many ``steps.jsonl`` lines are steps trained again (a recovery's lost steps)."""
+    lines = [json.loads(line)["step"] for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    return len(lines) - len(set(lines))
+
+
+@pytest.mark.parametrize("fault", ["kill_rank", "nan_loss"])
+def test_a_checkpoint_newer_than_the_snapshot_is_restored_instead(tmp_path, fault):
+    """Step 7 fails with the snapshot of step 5 and the checkpoint of step 6 at hand: the checkpoint loses no
+    step, the snapshot one, so every rank loads the checkpoint (a NaN step too: step 6 was finite)."""
+    job = make_job(tmp_path, [kill(1, 7, fault)], checkpoint={"every": 2, "memory_every": 5, "async": False})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["at_step"], rec["source"], rec["lost_steps"]) == (7, "disk", 0)
+    assert job.changes.decisions[-1].source == "disk" and repeated_steps(job) == 0
+    assert result.losses == [1 / n for n in range(1, 11)]
+
+
+def test_a_snapshot_as_new_as_the_checkpoint_is_restored_from_memory(tmp_path):
+    job = make_job(tmp_path, [kill(1, 7)], checkpoint={"every": 2, "memory_every": 3, "async": False})
+    (rec,) = job.run().recoveries  # the snapshot of step 6 and the checkpoint of step 6: memory is faster
+    assert (rec["source"], rec["lost_steps"]) == ("memory", 0)
+
+
+def test_a_snapshot_older_than_hoped_gives_way_to_a_newer_checkpoint(tmp_path):
+    """The snapshot of step 6 is not complete everywhere (a replica still in flight), so the restore goes back to
+    step 5; the checkpoint of step 6 loses nothing, and is loaded after all."""
+    runtime = FakeRuntime()
+    job = make_job(tmp_path, [kill(1, 7)], runtime=runtime, checkpoint={"every": 2, "memory_every": 1,
+                                                                        "async": False})
+    runtime.script[7] = lambda: runtime.groups[0].snapshots.discard(6)
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("disk", 0) and repeated_steps(job) == 0
+    assert [d.source for d in job.changes.decisions[-2:]] == ["memory", "disk"]
+
+
+def test_a_corrupt_newer_checkpoint_leaves_the_snapshot_to_restore(tmp_path):
+    """The checkpoint of step 6 is damaged: the good one (step 4) would lose two steps, the snapshot of step 5
+    one, so the snapshot is restored."""
+    job = make_job(tmp_path, [{"kind": "corrupt_checkpoint", "at_step": 7}, kill(1, 7)],
+                   checkpoint={"every": 2, "memory_every": 5, "async": False})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["source"], rec["lost_steps"]) == ("memory", 1) and [c["step"] for c in job.ckpt.skipped] == [6]
+    assert result.losses == [1 / n for n in range(1, 11)] and repeated_steps(job) == 1
+
+
+def test_a_shrink_loads_a_checkpoint_newer_than_the_survivors_snapshots(tmp_path):
+    job = make_job(tmp_path, [kill(1, 7)], runtime=FakeRuntime(placeable=False),
+                   checkpoint={"every": 2, "memory_every": 5, "async": False})
+    result = job.run()
+    assert [(r["source"], r["at_step"], r["lost_steps"]) for r in result.resizes] == [("disk", 6, 0)]
+    assert result.recoveries[0]["source"] == "disk" and repeated_steps(job) == 0
 
 
 def test_a_hung_rank_is_a_hang_recovery(tmp_path):
@@ -422,6 +536,58 @@ def test_two_bad_batches_in_a_row_are_both_skipped(tmp_path):
     assert any(line.startswith("event=nan_batch_skipped step=6 times=3 batches=2") for line in lines)
 
 
+def resumed_after_loss(tmp_path, at_step: int, nan_batches: frozenset, **sections):
+    """A job that skipped ``nan_batches`` and lost its controller before step ``at_step``, and its resume."""
+    lost = make_job(tmp_path, runtime=FakeRuntime(nan_batches=nan_batches, script={at_step: lose_controller}),
+                    **sections)
+    with pytest.raises(ControllerLost):
+        lost.run()
+    resumed = make_job(tmp_path, runtime=FakeRuntime(nan_batches=nan_batches), **sections)
+    resumed.resume = True
+    return lost, resumed
+
+
+SKIPPING = {"checkpoint": {"every": 4, "memory_every": 1, "async": False}, "fault_tolerance": {"max_restarts": 5}}
+
+
+def test_a_resume_skips_the_batches_skipped_since_its_checkpoint(tmp_path):
+    """Batch 6 was skipped (NaN twice at step 6), then the controller was lost at step 8: the resume from the
+    checkpoint of step 4 skips batch 6 at step 6 again at once, instead of training it into NaN again."""
+    lost, resumed = resumed_after_loss(tmp_path, 8, frozenset({6}), **SKIPPING)
+    assert lost.skip_batches == {6: 1}
+    result = resumed.run()
+    assert result.resumed_from.endswith("step-00000004") and result.recoveries == []
+    assert resumed.skip_batches == {6: 1} and resumed.runtime.groups[0].skipped_at[6] == 1
+    assert result.losses == [1 / n for n in range(5, 11)]
+
+
+def test_a_resume_from_a_checkpoint_after_the_skip_does_not_skip_again(tmp_path):
+    """The checkpoint of step 8 holds the data position past batch 6 already: nothing more is skipped."""
+    _, resumed = resumed_after_loss(tmp_path, 10, frozenset({6}), **SKIPPING)
+    result = resumed.run()
+    assert result.resumed_from.endswith("step-00000008") and result.recoveries == []
+    assert [n for step, n in resumed.runtime.groups[0].skipped_at.items() if step > 8] == [0, 0]
+
+
+def test_skipped_batches_that_cannot_be_recorded_are_logged_and_training_goes_on(tmp_path, monkeypatch):
+    def disk_full(self, skips):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckpointDir, "record_skipped_batches", disk_full)
+    job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})), **SKIPPING)
+    with event_lines() as lines:
+        result = job.run()
+    assert result.status == "finished" and job.skip_batches == {6: 1}
+    assert any(line.startswith("event=skipped_batches_not_recorded") and "No space left" in line for line in lines)
+
+
+def test_a_fresh_run_forgets_the_batches_an_earlier_run_skipped(tmp_path):
+    make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6}))).run()  # no checkpoints: not refused
+    fresh = make_job(tmp_path)
+    fresh.run()
+    assert fresh.ckpt.skipped_batches() == {}
+
+
 def test_a_repeated_nan_stops_with_the_step_when_asked_to(tmp_path):
     job = make_job(tmp_path, runtime=FakeRuntime(nan_batches=frozenset({6})),
                    fault_tolerance={"on_repeated_nan": "stop", "nan_retries": 2, "max_restarts": 5})
@@ -520,6 +686,12 @@ def test_a_last_async_save_that_fails_is_saved_again_before_the_run_ends(tmp_pat
     assert any(line.startswith("event=checkpoint_failed step=10") and "Input/output" in line
                and "saving it again" in line for line in lines)
     assert result.checkpoints[-1] == str(job.ckpt.path_for(10))
+
+
+def test_a_last_save_that_fails_is_made_again_before_the_run_ends(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [None, None, RuntimeError("No space left on device")]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    assert job.run().checkpoints[-1] == str(job.ckpt.path_for(10)) and job.ckpt.complete_steps() == [4, 8, 10]
 
 
 def test_a_rank_lost_while_saving_is_recovered_like_a_failed_step(tmp_path):

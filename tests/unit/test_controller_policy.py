@@ -126,6 +126,13 @@ def test_roll_back_prefers_memory_then_disk_and_never_disk_for_nan(spec, usable,
         assert decision.message == NAN_WITHOUT_SNAPSHOT
 
 
+@pytest.mark.parametrize("replaced", [True, False])
+def test_roll_back_takes_a_checkpoint_newer_than_the_snapshot(spec, replaced):
+    """It loses fewer steps; for a NaN step too (the checkpoint's step was finite)."""
+    decision = RecoveryPolicy(spec).roll_back(True, replaced, newer_on_disk=True)
+    assert (decision.action, decision.source) == (Action.ROLL_BACK, "disk")
+
+
 def test_a_scale_request_beats_growing_back_and_retargets_it(spec):
     elastic = FakeElastic(spec)
     elastic.grow_to = 2
