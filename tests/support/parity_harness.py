@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from orchestrator.checkpoints import checksums
 from orchestrator.spec import JobSpec
+from tests.support.environ import kept_env
 
 
 @dataclass(frozen=True)
@@ -242,9 +243,8 @@ def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
     """
     ctx = _rank_context()
     results = ctx.Queue()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with kept_env("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = "1"
         procs = mp.start_processes(_as_spawned, args=(body, dict(os.environ), *args, results),
                                    nprocs=world_size, join=False, start_method="forkserver")
         try:
@@ -252,8 +252,6 @@ def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
             _join_all(procs, timeout_s)
         finally:
             _stop_leftovers(procs)
-    finally:
-        _restore_env("OMP_NUM_THREADS", old)
     return by_rank
 
 
@@ -280,13 +278,6 @@ def _stop_leftovers(procs) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-
-
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 def _as_controller_sees(by_rank: dict[int, list[dict]], steps: int) -> LayoutRun:
