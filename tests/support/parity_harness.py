@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import random
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ import torch.multiprocessing as mp
 from orchestrator.checkpoints import checksums
 from orchestrator.spec import JobSpec
 from tests.support.environ import kept_env
+from tests.support.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -64,26 +63,6 @@ class LayoutRun:
     def field(self, name: str) -> dict[int, list]:
         """One field of every rank's step results: ``{rank: [value per step]}``."""
         return {rank: [step.get(name) for step in steps] for rank, steps in (self.results or {}).items()}
-
-
-# Below Linux's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): the kernel never hands
-# these to an outgoing connection, so a port picked here for a job that starts minutes later (run_layouts picks
-# every job's port up front) is not taken meanwhile by one of gloo's connections (EADDRINUSE at rank 0's bind).
-PORTS = range(20000, 32768)
-
-
-def free_port() -> int:
-    """A loopback port nobody is bound to right now, outside the ephemeral range (see ``PORTS``)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.choice(PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port in {PORTS.start}-{PORTS.stop - 1} after 200 tries")
 
 
 @dataclass(frozen=True)
