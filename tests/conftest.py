@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -24,6 +25,18 @@ from workers.data import prepare_data
 RAY_CPUS = 8
 DASHBOARD_PORT = 8265
 GCS_PORT = 6389
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_as_found():
+    """Each test leaves torch's intra-op thread count as it found it. Why: ``PSShard`` sets the process's count to
+    1 (right in its own actor process), and the unit tests build shards in the test session's process: every
+    later test then ran on one thread, so a test computed (and rounded) differently alone and in the suite."""
+    torch = sys.modules.get("torch")  # imported by collection already; this file itself does not need it
+    threads = torch.get_num_threads() if torch else None
+    yield
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

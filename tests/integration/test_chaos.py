@@ -114,8 +114,10 @@ def test_chaos_random_faults_of_every_kind_lose_nothing_and_change_nothing(strai
     assert [(r["kind"], r["at_step"]) for r in recoveries] == expected, (why, recoveries)
     assert [r["source"] for r in recoveries] == ["disk" if r["at_step"] == corrupt_at else "memory"
                                                  for r in recoveries], (why, recoveries)
-    (hang,) = [r for r in recoveries if r["kind"] == "hang"]  # found by the heartbeat timeout, not later
-    assert hang["mttr_s"] < spec.fault_tolerance.heartbeat_timeout_s + 30, (why, hang)
+    # found by the heartbeat timeout, not later: the detection phase alone (the whole MTTR adds the replacement's
+    # start, the re-formed group and the first step, which a slow machine stretches and the heartbeat has no part in)
+    (hang,) = [r for r in recoveries if r["kind"] == "hang"]
+    assert hang["phases_s"]["detect"] < spec.fault_tolerance.heartbeat_timeout_s + 30, (why, hang)
 
     # nothing lost silently: the repeated lines are exactly the lost steps each recovery reported, in the
     # summary and in the event log, and only the disk fallback lost any

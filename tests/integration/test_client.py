@@ -147,12 +147,14 @@ def test_stand_in_controller_status_stop_and_summary(client, ray_cluster, tmp_pa
 
 
 def test_submit_status_logs_and_summary_of_a_real_run(client, token_data, tmp_path):
-    steps = 16  # seconds of "running" for the status polls (0.5 s apart) to see, on a fast machine too
+    steps = 16  # seconds of "running" on 2 busy cores; a fast machine may run them in less than a second
     job_id = client.submit(JOB, [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", f"train.steps={steps}",
                                  "checkpoint.every=0", "parallel.pp=1", "parallel.tp=1"],  # 2 ranks: the 8-rank grid
                            working_dir=REPO)  # is test_job_submit's README recipe
+    # polled nearly back to back (a status call is itself a few round trips): polls 0.5 s apart, the default, can
+    # straddle a run whose steps take tens of milliseconds and never see it running
     live = wait_for(lambda: (s := client.status(job_id))["state"] == "running" and s["step"] > 0 and s,
-                    300, "the controller to report a step")
+                    300, "the controller to report a step", poll_s=0.05)
     assert live["job"] == "gpt-tiny-3d" and live["total_steps"] == steps and live["loss"] > 0
     assert live["layout"]["world_size"] == 2 and len(live["health"]) == 2
 

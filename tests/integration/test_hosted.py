@@ -23,12 +23,12 @@ from tests.support.parity_harness import run_spec
 STEPS = 14  # slowed (tests/support/driver.py): the driver and controller kills land mid-run
 
 
-def spec_for(token_data, folder):
-    return tiny_spec(token_data, folder, train={"steps": STEPS}, checkpoint={"every": 5})
+def spec_for(token_data, folder, steps: int = STEPS):
+    return tiny_spec(token_data, folder, train={"steps": steps}, checkpoint={"every": 5})
 
 
-def slow_job(token_data, folder):
-    return job_file(slowed(spec_for(token_data, folder)), folder)
+def slow_job(token_data, folder, steps: int = STEPS):
+    return job_file(slowed(spec_for(token_data, folder, steps)), folder)
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +104,12 @@ def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token
 
 
 def test_status_inject_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster, token_data, tmp_path):
+    """The run is stopped, so it may be long: after its second step it must outlast three CLI processes (status,
+    inject, stop), a second or more each, which the 12 steps left of STEPS (~0.25 s each slowed on a fast machine)
+    need not do."""
     out = tmp_path / "driver"
-    driver = start_raymesh(ray_cluster, "run", str(slow_job(token_data, tmp_path)), "--id", "by-id", "--no-progress",
-                           out=out)
+    job = slow_job(token_data, tmp_path, steps=100)
+    driver = start_raymesh(ray_cluster, "run", str(job), "--id", "by-id", "--no-progress", out=out)
     try:
         wait_for(lambda: step_of("by-id") >= 2, 180, "the hosted run to train two steps")
         assert "raymesh attach by-id" in output(out)[1]

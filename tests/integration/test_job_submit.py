@@ -52,8 +52,12 @@ def raymesh(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_raymesh_submit_and_status_work_on_the_default_head(ray_cluster, token_data, tmp_path):
-    overrides = [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", "train.steps=200", "checkpoint.every=0",
-                 "parallel.pp=1", "parallel.tp=1"]  # 2 ranks: submit, status and stop do not depend on the grid
+    # stopped, never finished: the run only has to outlast a `raymesh status` and a `raymesh stop`, CLI processes
+    # of a second or more each, which 200 tiny steps need not do on a fast machine
+    steps = 1000
+    # 2 ranks: submit, status and stop do not depend on the grid
+    overrides = [f"data.path={token_data}", f"run_dir={tmp_path / 'run'}", f"train.steps={steps}",
+                 "checkpoint.every=0", "parallel.pp=1", "parallel.tp=1"]
     submitted = raymesh("submit", "examples/gpt_tiny_3d.yaml", *[a for o in overrides for a in ("--set", o)],
                         "--address", ray_cluster["dashboard"])
     assert submitted.returncode == 0, submitted.stderr[-3000:]
@@ -68,4 +72,4 @@ def test_raymesh_submit_and_status_work_on_the_default_head(ray_cluster, token_d
     assert "stopped" in raymesh("status", job_id, "--address", ray_cluster["dashboard"]).stdout
     ended = client.status(job_id)  # gracefully: it finished its step and wrote its summary
     assert ended["state"] == "stopped"
-    assert 0 < len(ended["summary"]["losses"]) < 200
+    assert 0 < len(ended["summary"]["losses"]) < steps

@@ -30,11 +30,13 @@ def tiny_spec(token_data: Path, tmp_path: Path, **sections) -> JobSpec:
     return JobSpec.from_dict(raw)
 
 
-def wait_for(predicate, timeout_s: float, what: str):
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
+    """``predicate()``'s first true value, looked at every ``poll_s`` until ``timeout_s`` (a safety net: a test
+    waits for a state, never for a time)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -8,6 +8,7 @@ import socket
 import sysconfig
 from pathlib import Path
 
+from tests.support.environ import kept_env
 from tests.support.jobs import tiny_spec
 
 
@@ -18,6 +19,7 @@ def one_rank_trainer(tmp_path_factory, **sections):
     import torch.distributed as dist
 
     from workers.data.prepare import prepare_data
+    from workers.parallel.process_group import LINK_INTERFACE_VARS
     from workers.trainer import Trainer
 
     data = tmp_path_factory.mktemp("tokens")
@@ -26,9 +28,10 @@ def one_rank_trainer(tmp_path_factory, **sections):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    trainer = Trainer(spec, 0, 1, "127.0.0.1", port)
-    try:
-        yield trainer
-    finally:
-        trainer.checkpoints.wait()
-        dist.destroy_process_group()
+    with kept_env(*LINK_INTERFACE_VARS):  # a loopback group sets them in this process: the test session's
+        trainer = Trainer(spec, 0, 1, "127.0.0.1", port)
+        try:
+            yield trainer
+        finally:
+            trainer.checkpoints.wait()
+            dist.destroy_process_group()

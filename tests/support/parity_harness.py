@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import random
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,6 +20,8 @@ import torch.multiprocessing as mp
 
 from orchestrator.checkpoints import checksums
 from orchestrator.spec import JobSpec
+from tests.support.environ import kept_env
+from tests.support.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -63,26 +63,6 @@ class LayoutRun:
     def field(self, name: str) -> dict[int, list]:
         """One field of every rank's step results: ``{rank: [value per step]}``."""
         return {rank: [step.get(name) for step in steps] for rank, steps in (self.results or {}).items()}
-
-
-# Below Linux's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): the kernel never hands
-# these to an outgoing connection, so a port picked here for a job that starts minutes later (run_layouts picks
-# every job's port up front) is not taken meanwhile by one of gloo's connections (EADDRINUSE at rank 0's bind).
-PORTS = range(20000, 32768)
-
-
-def free_port() -> int:
-    """A loopback port nobody is bound to right now, outside the ephemeral range (see ``PORTS``)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.choice(PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port in {PORTS.start}-{PORTS.stop - 1} after 200 tries")
 
 
 @dataclass(frozen=True)
@@ -242,9 +222,8 @@ def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
     """
     ctx = _rank_context()
     results = ctx.Queue()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with kept_env("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = "1"
         procs = mp.start_processes(_as_spawned, args=(body, dict(os.environ), *args, results),
                                    nprocs=world_size, join=False, start_method="forkserver")
         try:
@@ -252,8 +231,6 @@ def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
             _join_all(procs, timeout_s)
         finally:
             _stop_leftovers(procs)
-    finally:
-        _restore_env("OMP_NUM_THREADS", old)
     return by_rank
 
 
@@ -280,13 +257,6 @@ def _stop_leftovers(procs) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-
-
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 def _as_controller_sees(by_rank: dict[int, list[dict]], steps: int) -> LayoutRun:

@@ -1,9 +1,10 @@
 """Submit one job through the job server of a two-node ``ray.cluster_utils.Cluster`` and write what came back.
 
 Run as a subprocess (``submit_on_two_nodes``): the test process is already a driver of the session's cluster.
-The head has one CPU, the second node one, so a dp=2 job's two ranks must land one on each node; its GCS,
-dashboard and dashboard-agent ports differ from the session cluster's (6389/8265/52365) and the elastic tests'
-(6395): an agent that cannot bind leaves the job server with "No available agent to submit job".
+The head has one CPU, the second node one, so a dp=2 job's two ranks must land one on each node. Its GCS,
+dashboard and two dashboard-agent ports are picked free, outside the ephemeral range (``tests/support/ports.py``):
+an agent that cannot bind leaves the job server with "No available agent to submit job", and the agents' fixed
+52375/52376 lay in the range the suite's other processes take ports from.
 
 usage: python -m tests.support.two_node_submit JOB.json OUT.json
 """
@@ -20,9 +21,9 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.support.ports import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
-GCS_PORT, DASHBOARD_PORT = 6397, 8267
-AGENT_PORTS = (52375, 52376)  # each node's dashboard agent (Ray's default 52365 is the session head's)
 
 
 def submit_on_two_nodes(job: dict, tmp_path: Path) -> dict:
@@ -52,14 +53,15 @@ def main() -> None:
     job_file, out = Path(sys.argv[1]), Path(sys.argv[2])
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    gcs_port, dashboard_port, *agent_ports = free_ports(4)  # each node's dashboard agent has its own
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "gcs_server_port": GCS_PORT, "include_dashboard": True, "dashboard_port": DASHBOARD_PORT,
-        "dashboard_agent_listen_port": AGENT_PORTS[0]})
+        "num_cpus": 1, "gcs_server_port": gcs_port, "include_dashboard": True, "dashboard_port": dashboard_port,
+        "dashboard_agent_listen_port": agent_ports[0]})
     try:
-        cluster.add_node(num_cpus=1, dashboard_agent_listen_port=AGENT_PORTS[1])
+        cluster.add_node(num_cpus=1, dashboard_agent_listen_port=agent_ports[1])
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
-        client = JobSubmissionClient(f"http://127.0.0.1:{DASHBOARD_PORT}")
+        client = JobSubmissionClient(f"http://127.0.0.1:{dashboard_port}")
         summary = job_file.with_name("summary.json")
         job_id = _submit(client, entrypoint=f"{sys.executable} -m orchestrator.cli run {job_file} --summary-json "
                          f"{summary}", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})

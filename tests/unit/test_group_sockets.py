@@ -14,10 +14,12 @@ from tests.support.parity_harness import free_port
 from workers.group_sockets import GroupSockets
 
 TIMEOUT_S = 60  # the blocked peer must fail long before this
-HELD_S = 3.0  # the leaving rank destroys its group only this long after leaving it
+# the leaving rank keeps its group until the peer is unblocked, or at most this long: only leaving can unblock the
+# peer sooner, however slow the machine (a fixed hold of 3 s was a window a loaded machine could cross)
+HELD_S = 30.0
 
 
-def _rank_main(rank: int, ports: tuple[int, int], results) -> None:
+def _rank_main(rank: int, ports: tuple[int, int], results, unblocked) -> None:
     sockets = GroupSockets()
     sockets.record(lambda: dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2,
@@ -29,10 +31,11 @@ def _rank_main(rank: int, ports: tuple[int, int], results) -> None:
             results.put(("blocked", "received"))
         except RuntimeError as exc:
             results.put(("blocked", (time.monotonic() - t0, str(exc).splitlines()[0])))
+        unblocked.set()
     else:  # leaves, but keeps the group alive (as the trainer's objects do) for longer than the peer may wait
         time.sleep(0.5)
         results.put(("shut", sockets.leave()))
-        time.sleep(HELD_S)
+        unblocked.wait(HELD_S)
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=TIMEOUT_S))
@@ -44,9 +47,9 @@ def _rank_main(rank: int, ports: tuple[int, int], results) -> None:
 
 def test_leaving_unblocks_a_peer_and_the_group_forms_again():
     ctx = mp.get_context("fork")
-    results = ctx.SimpleQueue()
-    procs = mp.start_processes(_rank_main, args=((free_port(), free_port()), results), nprocs=2, join=False,
-                               start_method="fork")
+    results, unblocked = ctx.SimpleQueue(), ctx.Event()
+    procs = mp.start_processes(_rank_main, args=((free_port(), free_port()), results, unblocked), nprocs=2,
+                               join=False, start_method="fork")
     while not procs.join(timeout=TIMEOUT_S):
         pass
     got = dict(results.get() for _ in range(4))

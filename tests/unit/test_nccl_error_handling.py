@@ -38,7 +38,9 @@ def test_init_mesh_sets_nccl_error_handling_only_for_nccl(device, expected, monk
 
 
 def _unset(monkeypatch) -> None:
-    """Remove the variable so that monkeypatch restores the process's own state afterwards (a plain delenv of an
-    absent variable records nothing, and what the test then sets would outlive it)."""
-    monkeypatch.setenv(pg.NCCL_ERROR_HANDLING, "")
-    monkeypatch.delenv(pg.NCCL_ERROR_HANDLING)
+    """Remove the variables ``init_mesh`` sets (on loopback the link interfaces too) so that monkeypatch restores the
+    process's own state afterwards (a plain delenv of an absent variable records nothing, and what the test then
+    sets would outlive it: in every later test, and in the Ray cluster the integration tests start)."""
+    for name in (pg.NCCL_ERROR_HANDLING, *pg.LINK_INTERFACE_VARS):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)

@@ -10,6 +10,8 @@ from parameter_server import checkpoint
 from parameter_server.client import PSClient
 from parameter_server.ring import HashRing
 from parameter_server.shard import PSShard
+from tests.support.blocking import CountingCondition
+from tests.support.jobs import wait_for
 from tests.support.ps_local import LocalConn
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -64,11 +66,13 @@ def test_restore_ends_a_wait_on_a_discarded_clock():
     import threading
 
     shard = PSShard(0, "bsp", ADAMW, WORKERS, LRS)
+    shard.cond = CountingCondition()
     shard.register({"w#0": torch.ones(3)})
     shard.push(0, 0, {"w#0": torch.ones(3)})  # worker 1 dies before pushing
     errors = []
     waiter = threading.Thread(target=lambda: _catch(errors, lambda: shard.apply(0, 1.0, timeout_s=30)))
     waiter.start()
+    wait_for(lambda: shard.cond.waits, 60, "the apply to wait for worker 1's push", poll_s=0.001)
     state = shard.state()
     shard.restore({**state, "version": 0, "applied_from": [0, 0]})
     waiter.join(timeout=10)

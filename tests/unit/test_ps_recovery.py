@@ -20,6 +20,7 @@ from parameter_server.clocks import LOST, ClockKeeper
 from parameter_server.errors import ShardDown
 from parameter_server.ring import HashRing, chunk_key
 from parameter_server.shard import PSShard
+from tests.support.jobs import wait_for
 from workers.parallel.ps_sync import ROUND_POLL_S, PSSync
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.0}
@@ -130,7 +131,7 @@ def test_a_stage_arriving_after_the_hand_over_abandons_the_step_its_peer_took(mo
     keeper = ClockKeeper(replicas=2, staleness=0, steps=4, stages=2)
     assert keeper.enter(1)
     handing, kept = _in_thread(lambda: keeper.hand_over([0]))
-    handing.join(timeout=0.3)
+    wait_for(lambda: keeper.generation == 1, 60, "the hand-over to begin", poll_s=0.001)
     assert keeper.enter(3, generation=0) is False
     handing.join(timeout=5)
     assert {k: kept[0][k] for k in ("clocks", "started", "completed")} == {

@@ -15,6 +15,7 @@ from orchestrator.observability.trackers import flat_params, tracker_observer
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import check_before_start
 from tests.support import wandb_records
+from tests.support.environ import kept_env
 from tests.support.tracker_records import mlflow_run, mlflow_series, tensorboard_series, wandb_series
 
 STEPS = 4
@@ -35,12 +36,16 @@ def logged(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("trackers") / "run"
     spec = JobSpec.from_dict({"name": "tracked", "data": {"path": "data/x"}, "run_dir": str(run_dir),
                               "loggers": ["tensorboard", {"mlflow": {"experiment": "exp"}}, "wandb"]})
-    observer = tracker_observer(spec, run_dir)
-    for step in range(1, STEPS + 1):
-        observer.on_step(fake_report(step))
-        if step == 2:
-            observer.on_recovered(RecoveryRecord("rank", 0, 2, 0, "memory", {}, 1, 1), 2, 1, {})
-    observer.on_finish()
+    # wandb.init leaves its service's address in the process's environment for child processes to share: the test
+    # session's, so the integration tests' `ray start` would pass it to every actor (a controller logging to W&B
+    # then used this process's service in the full suite and its own when run alone)
+    with kept_env("WANDB_SERVICE"):
+        observer = tracker_observer(spec, run_dir)
+        for step in range(1, STEPS + 1):
+            observer.on_step(fake_report(step))
+            if step == 2:
+                observer.on_recovered(RecoveryRecord("rank", 0, 2, 0, "memory", {}, 1, 1), 2, 1, {})
+        observer.on_finish()
     return spec, run_dir
 
 
