@@ -159,7 +159,7 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
     if _checkable(spec.data.path, data_required):
         data = prepared_manifest("data.path", spec.data.path)
-        if _ids(manifest) != _ids(data):
+        if not _same_ids(manifest, spec.eval.path, data, spec.data.path):
             raise SpecError("eval.path", spec.eval.path, f"holds ids of {_made_by(manifest)} (vocab "
                             f"{manifest.get('vocab_size')}), but data.path holds those of {_made_by(data)} "
                             f"(vocab {data.get('vocab_size')})", "prepare the held-out text with the training "
@@ -177,11 +177,25 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
                     f"{fix}, or hold out more text (a larger --heldout)")
 
 
+def _same_ids(manifest: dict, path: str, other: dict, other_path: str) -> bool:
+    """Whether two prepared directories (their manifests and paths) hold the same tokenizer's ids: the same
+    vocabulary and end-of-document id and, for a tokenizer.json, the same content (sha256) where both are known.
+    Its kind does not count: a BPE trained by one prepare (``bpe``) and given to the next as ``--tokenizer``
+    (``file``) is one tokenizer, while two BPEs trained on different text share kind, size and eos id."""
+    if _ids(manifest) != _ids(other):
+        return False
+    if _ids(manifest)[0] != "tokenizer.json":
+        return True
+    shas = [_data_tokenizer_sha(m.get("tokenizer") or {}, p) for m, p in ((manifest, path), (other, other_path))]
+    return None in shas or shas[0] == shas[1]
+
+
 def _ids(manifest: dict) -> tuple:
-    """What makes two prepared directories' ids the same ids: the tokenizer's kind, vocabulary and end-of-document
-    id (its file may have been copied elsewhere)."""
+    """What two prepared directories' ids must share to be the same tokenizer's ids, wherever its file was copied:
+    its family (bytes, bare ids, or a tokenizer.json: ``file`` or ``bpe``), vocabulary and end-of-document id."""
     tok = manifest.get("tokenizer") or {"kind": "bytes"}
-    return tok.get("kind"), manifest.get("vocab_size"), tok.get("eos_id")
+    family = "tokenizer.json" if tok.get("kind") in ("file", "bpe") else tok.get("kind")
+    return family, manifest.get("vocab_size"), tok.get("eos_id")
 
 
 def _url_location(field: str, value: str) -> Path:
