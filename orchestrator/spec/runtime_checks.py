@@ -19,6 +19,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from workers.data.checksums import FIELD as SHARD_CHECKSUM
 from workers.data.tokenizer import TOKENIZER_FILE, tokenizer_sha256
 from workers.storage import is_url, location
 
@@ -165,6 +166,7 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
                             f"(vocab {data.get('vocab_size')})", "prepare the held-out text with the training "
                             "data's --tokenizer (`raymesh prepare-data --heldout` does), or point eval.path at such "
                             "a directory")
+        _check_not_trained_on(spec, manifest, data)
     windows = (manifest["total_tokens"] - 1) // spec.model.seq_len
     ev, batch = spec.eval, spec.train.global_batch_size
     if ev.batches * batch <= windows:
@@ -175,6 +177,20 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
                     f"model.seq_len + 1 = {spec.model.seq_len + 1} tokens (eval.batches x train.global_batch_size="
                     f"{batch}), but eval.path {ev.path} holds {windows:,}",
                     f"{fix}, or hold out more text (a larger --heldout)")
+
+
+def _check_not_trained_on(spec: JobSpec, manifest: dict, data: dict) -> None:
+    """Refuse an `eval.path` (its manifest `manifest`) holding a shard of `data.path` (`data`): its loss would be
+    the training loss of sequences the model learns from, not a held-out one. A shard is known by its checksum
+    (manifests from before checksums have none and are not compared), so a copy of the data is caught too."""
+    trained = {shard.get(SHARD_CHECKSUM) for shard in data["shards"]} - {None}
+    shared = next((s["file"] for s in manifest["shards"] if s.get(SHARD_CHECKSUM) in trained), None)
+    if shared is not None:
+        raise SpecError("eval.path", spec.eval.path, f"holds tokens the job trains on (its {shared} is a shard of "
+                        f"data.path {spec.data.path}), so its loss would not be a held-out one",
+                        "point eval.path at a held-out split (`raymesh prepare-data --heldout 0.01 --out DIR` "
+                        "writes DIR/heldout and keeps its documents out of DIR), or at other text prepared with "
+                        "the same --tokenizer")
 
 
 def _same_ids(manifest: dict, path: str, other: dict, other_path: str) -> bool:

@@ -314,3 +314,14 @@ def test_the_eval_path_is_checked_by_its_tokenizer_not_by_how_it_was_made(source
     with pytest.raises(SpecError) as err:
         check_before_start(spec("other"))
     assert_actionable(err.value, "eval.path", str(tmp_path / "other"), "training data's --tokenizer")
+
+
+def test_an_eval_path_holding_the_training_data_is_refused(split, tmp_path):
+    def spec(path):
+        return tiny_spec(split, tmp_path, eval={"every": 2, "path": str(path)},
+                         train={"global_batch_size": 2, "microbatches": 1})
+
+    with pytest.raises(SpecError) as err:
+        check_before_start(spec(split))  # the training directory itself: a training loss, named held-out
+    assert_actionable(err.value, "eval.path", str(split), "--heldout 0.01")
+    check_before_start(spec(split / "heldout"))
