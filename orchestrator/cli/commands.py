@@ -35,6 +35,9 @@ def _prepare_data(args: argparse.Namespace) -> int:
     print(f"wrote {manifest['total_tokens']:,} tokens in {len(manifest['shards'])} shard(s) to {args.out}; "
           f"tokenizer {tok['kind']}{' ' + tok['path'] if tok['path'] else ''}, vocab {tok['vocab_size']} "
           f"(set model.vocab_size to at least that)")
+    if manifest["total_tokens"] >= args.max_tokens:  # else a corpus past the default limit is cut without a word
+        print(f"stopped at --max-tokens {args.max_tokens:,}: the sources may hold more, which was not prepared; "
+              "raise --max-tokens to prepare it")
     if "heldout" in manifest:
         out = args.out.rstrip("/")
         print(f"held out {manifest['heldout']['tokens']:,} tokens of {args.heldout:.3g} of the documents in "

@@ -19,6 +19,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from workers.data.checksums import FIELD as SHARD_CHECKSUM
 from workers.data.tokenizer import TOKENIZER_FILE, tokenizer_sha256
 from workers.storage import is_url, location
 
@@ -159,12 +160,13 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
     if _checkable(spec.data.path, data_required):
         data = prepared_manifest("data.path", spec.data.path)
-        if _ids(manifest) != _ids(data):
+        if not _same_ids(manifest, spec.eval.path, data, spec.data.path):
             raise SpecError("eval.path", spec.eval.path, f"holds ids of {_made_by(manifest)} (vocab "
                             f"{manifest.get('vocab_size')}), but data.path holds those of {_made_by(data)} "
                             f"(vocab {data.get('vocab_size')})", "prepare the held-out text with the training "
                             "data's --tokenizer (`raymesh prepare-data --heldout` does), or point eval.path at such "
                             "a directory")
+        _check_not_trained_on(spec, manifest, data)
     windows = (manifest["total_tokens"] - 1) // spec.model.seq_len
     ev, batch = spec.eval, spec.train.global_batch_size
     if ev.batches * batch <= windows:
@@ -177,11 +179,39 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
                     f"{fix}, or hold out more text (a larger --heldout)")
 
 
+def _check_not_trained_on(spec: JobSpec, manifest: dict, data: dict) -> None:
+    """Refuse an `eval.path` (its manifest `manifest`) holding a shard of `data.path` (`data`): its loss would be
+    the training loss of sequences the model learns from, not a held-out one. A shard is known by its checksum
+    (manifests from before checksums have none and are not compared), so a copy of the data is caught too."""
+    trained = {shard.get(SHARD_CHECKSUM) for shard in data["shards"]} - {None}
+    shared = next((s["file"] for s in manifest["shards"] if s.get(SHARD_CHECKSUM) in trained), None)
+    if shared is not None:
+        raise SpecError("eval.path", spec.eval.path, f"holds tokens the job trains on (its {shared} is a shard of "
+                        f"data.path {spec.data.path}), so its loss would not be a held-out one",
+                        "point eval.path at a held-out split (`raymesh prepare-data --heldout 0.01 --out DIR` "
+                        "writes DIR/heldout and keeps its documents out of DIR), or at other text prepared with "
+                        "the same --tokenizer")
+
+
+def _same_ids(manifest: dict, path: str, other: dict, other_path: str) -> bool:
+    """Whether two prepared directories (their manifests and paths) hold the same tokenizer's ids: the same
+    vocabulary and end-of-document id and, for a tokenizer.json, the same content (sha256) where both are known.
+    Its kind does not count: a BPE trained by one prepare (``bpe``) and given to the next as ``--tokenizer``
+    (``file``) is one tokenizer, while two BPEs trained on different text share kind, size and eos id."""
+    if _ids(manifest) != _ids(other):
+        return False
+    if _ids(manifest)[0] != "tokenizer.json":
+        return True
+    shas = [_data_tokenizer_sha(m.get("tokenizer") or {}, p) for m, p in ((manifest, path), (other, other_path))]
+    return None in shas or shas[0] == shas[1]
+
+
 def _ids(manifest: dict) -> tuple:
-    """What makes two prepared directories' ids the same ids: the tokenizer's kind, vocabulary and end-of-document
-    id (its file may have been copied elsewhere)."""
+    """What two prepared directories' ids must share to be the same tokenizer's ids, wherever its file was copied:
+    its family (bytes, bare ids, or a tokenizer.json: ``file`` or ``bpe``), vocabulary and end-of-document id."""
     tok = manifest.get("tokenizer") or {"kind": "bytes"}
-    return tok.get("kind"), manifest.get("vocab_size"), tok.get("eos_id")
+    family = "tokenizer.json" if tok.get("kind") in ("file", "bpe") else tok.get("kind")
+    return family, manifest.get("vocab_size"), tok.get("eos_id")
 
 
 def _url_location(field: str, value: str) -> Path:

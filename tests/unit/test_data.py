@@ -194,3 +194,14 @@ def test_a_changed_shard_fails_its_checksum_naming_the_shard(tmp_path: Path) -> 
     (tmp_path / "out" / "shard-00001.parquet").write_bytes((other / "shard-00001.parquet").read_bytes())
     with pytest.raises(ValueError, match=r"data shard .*shard-00001.parquet fails its sha256 check.*prepare-data"):
         TokenDataset(tmp_path / "out", seq_len=8, seed=0)
+
+
+def test_the_cli_says_when_the_token_limit_cut_the_sources(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from orchestrator.cli import main
+
+    _write_docs(tmp_path / "src")
+    whole = sum(len(d) for d in DOCS.values()) + len(DOCS) - 1  # the documents and the separators between them
+    for limit, cut in ((whole + 1, False), (whole - 1, True)):
+        assert main(["prepare-data", "--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
+                     "--max-tokens", str(limit)]) == 0
+        assert ("stopped at --max-tokens" in capsys.readouterr().out) is cut, limit

@@ -293,3 +293,35 @@ def test_prepare_data_mistakes_are_one_line_each(tmp_path, capsys):
         assert main(["prepare-data", *flags, "--out", str(tmp_path / "out")]) == 2, flags
         err = capsys.readouterr().err
         assert err.startswith("raymesh: error:") and said in err and "Traceback" not in err, (flags, err)
+
+
+def test_the_eval_path_is_checked_by_its_tokenizer_not_by_how_it_was_made(sources, tmp_path):
+    """Held-out text prepared with the training data's trained BPE (kind ``file``) is accepted; text prepared with
+    another BPE of the same size (the same kind, size and eos id) is refused by its tokenizer.json's hash."""
+    train, other_text = tmp_path / "train", tmp_path / "other-text"
+    other_text.mkdir()
+    for i in range(DOCS):
+        (other_text / f"doc{i:02d}.txt").write_text(f"quite different words {i} " * 20)
+    prepare_data([sources], train, tokenizer="bpe:300")
+    prepare_data([other_text], tmp_path / "same", tokenizer=str(train / "tokenizer.json"))
+    prepare_data([other_text], tmp_path / "other", tokenizer="bpe:300")
+
+    def spec(name):
+        return tiny_spec(train, tmp_path, eval={"every": 2, "path": str(tmp_path / name)},
+                         model={"vocab_size": 300, "seq_len": 8}, train={"global_batch_size": 2, "microbatches": 1})
+
+    check_before_start(spec("same"))
+    with pytest.raises(SpecError) as err:
+        check_before_start(spec("other"))
+    assert_actionable(err.value, "eval.path", str(tmp_path / "other"), "training data's --tokenizer")
+
+
+def test_an_eval_path_holding_the_training_data_is_refused(split, tmp_path):
+    def spec(path):
+        return tiny_spec(split, tmp_path, eval={"every": 2, "path": str(path)},
+                         train={"global_batch_size": 2, "microbatches": 1})
+
+    with pytest.raises(SpecError) as err:
+        check_before_start(spec(split))  # the training directory itself: a training loss, named held-out
+    assert_actionable(err.value, "eval.path", str(split), "--heldout 0.01")
+    check_before_start(spec(split / "heldout"))

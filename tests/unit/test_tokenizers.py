@@ -88,3 +88,14 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused(tmp_path):
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "t.json"))
     with pytest.raises(ValueError, match="has none of the end-of-document tokens"):
         prepare_data([SOURCE], tmp_path / "out", tokenizer=str(tmp_path / "t.json"))
+
+
+def test_a_document_that_mentions_the_end_of_document_token_is_not_cut_by_it(bpe, tmp_path):
+    text = 'SEP = "<|endoftext|>"  # GPT-2\'s separator\n'
+    (tmp_path / "doc.py").write_text(text)
+    manifest = prepare_data([tmp_path / "doc.py"], tmp_path / "out", tokenizer=str(bpe / "tokenizer.json"))
+    ids = _ids(tmp_path / "out")
+    assert manifest["tokenizer"]["eos_id"] not in ids  # one document: no end-of-document id at all
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(bpe / "tokenizer.json")).decode(ids.tolist()) == text

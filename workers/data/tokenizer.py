@@ -53,7 +53,9 @@ class HFTokens:
     """A Hugging Face ``tokenizers`` tokenizer: documents decoded as UTF-8 (bad bytes replaced), then encoded.
 
     Encoded without the tokenizer's own special tokens (a Llama ``tokenizer.json`` would prepend BOS): the
-    end-of-document id between documents is the only separator, as with bytes.
+    end-of-document id between documents is the only separator, as with bytes. So a special token's text inside
+    a document (a source file or page that mentions ``<|endoftext|>``) is encoded as the text it is, not as the
+    special id: else it would cut its document in two with a false end-of-document.
 
     ``kind`` is ``file`` for a given ``tokenizer.json`` and ``bpe`` for one trained here; ``path`` is where
     the tokenizer file lives (recorded in the manifest so the ids can be decoded later).
@@ -61,6 +63,7 @@ class HFTokens:
 
     def __init__(self, tokenizer, kind: str, path: Path):
         self.tokenizer, self.kind, self.path = tokenizer, kind, path
+        tokenizer.encode_special_tokens = True  # special tokens' text in a document stays text (see above)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = _eos_id(tokenizer, path)
         self.dtype = narrowest_dtype(self.vocab_size)
