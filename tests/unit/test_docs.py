@@ -196,3 +196,18 @@ def test_every_file_and_symbol_pair_the_docs_name_is_defined_there():
             if not found:
                 wrong.append(f"{doc}: {path}::{dotted}")
     assert not wrong
+
+
+def test_every_class_member_the_docs_name_exists():
+    """`Class.member` where Class is one of the repository's: a method, a property or an attribute it sets."""
+    bodies = {}
+    for text in SOURCES.values():
+        for match in re.finditer(r"^class (\w+)\b.*?(?=^class |\Z)", text, re.S | re.M):
+            bodies[match.group(1)] = bodies.get(match.group(1), "") + match.group(0)
+    wrong = []
+    for doc, text in DOCS.items():
+        for cls, member in set(re.findall(r"`([A-Z]\w+)\.(_?[a-z]\w*)(?:\([^`]*\))?`", text)):
+            if cls in bodies and not re.search(
+                    rf"^\s*(?:async\s+)?def {member}\b|^\s*{member}\s*[:=]|self\.{member}\s*[:=]", bodies[cls], re.M):
+                wrong.append(f"{doc}: {cls}.{member}")
+    assert not wrong
