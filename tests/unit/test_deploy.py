@@ -87,3 +87,25 @@ def test_the_manifests_fit_together_and_carry_a_valid_job() -> None:
                for g in cluster["spec"]["workerGroupSpecs"])
     assert spec.parallel.grid.world_size == gpus  # one rank per GPU the workers offer
     assert spec.resolved_run_dir().is_relative_to(mounts["shared"])  # checkpoints on the shared volume
+
+
+def test_no_container_overrides_the_nccl_error_handling_that_keeps_survivors() -> None:
+    """Each rank sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 unless the environment has it; 1 or 3 would end every
+    survivor's process with a lost rank, so a manifest may leave it out or say 2, nothing else."""
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        for doc in _docs(name).values():
+            for env in _values_named(doc, "env"):
+                for var in env:
+                    if var.get("name") == "TORCH_NCCL_ASYNC_ERROR_HANDLING":
+                        assert var.get("value") == "2", f"{name}: {var}"
+
+
+def _values_named(node, key: str):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key:
+                yield v
+            yield from _values_named(v, key)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _values_named(item, key)

@@ -1,0 +1,213 @@
+"""README.md and docs/*.md against the code: the claims a reader acts on first (commands and their options, job-file
+fields and defaults, event names, metric labels, examples, paths and names) must be the code's, checked without Ray."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from orchestrator.cli.commands import build_parser
+from orchestrator.observability.prometheus import RECOVERY_KINDS
+from orchestrator.runtime.group import _kind
+from orchestrator.spec.job import JobSpec
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+DOCS = {path.relative_to(REPO).as_posix(): path.read_text()
+        for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+SOURCES = {path: path.read_text() for folder in ("orchestrator", "workers", "parameter_server", "tests/support")
+           for path in (REPO / folder).rglob("*.py")}
+CODE = {path: text for path, text in SOURCES.items() if path.parts[len(REPO.parts)] != "tests"}
+
+
+def _section(title: str) -> str:
+    """README's text from the heading ``title`` to the next heading of any level."""
+    start = README.index(f"\n{title}\n")
+    end = re.search(r"\n#{1,4} ", README[start + len(title) + 2:])
+    return README[start:start + len(title) + 2 + (end.start() if end else len(README))]
+
+
+def test_the_event_list_is_every_event_the_code_emits():
+    paragraph = README[README.index("**Logs.** One line per event"):]
+    paragraph = paragraph[:paragraph.index("The controller actor writes them")]
+    listed = set(re.findall(r"`([a-z_]+)`", paragraph.split(":", 1)[1]))
+    emitted = {name for text in CODE.values() for name in re.findall(r"\bevent\(\s*\"([a-z_]+)\"", text)}
+    assert emitted - listed == set(), "emitted but not in README's event list"
+    assert listed - emitted == set(), "in README's event list but never emitted"
+
+
+def test_every_event_line_the_docs_quote_is_emitted():
+    emitted = {name for text in CODE.values()
+               for name in re.findall(r"\bevent\(\s*\"([a-z_]+)\"|raymesh event=([a-z_]+)", text) for name in name}
+    for doc, text in DOCS.items():
+        quoted = set(re.findall(r"event=([a-z_]+)", text))
+        assert quoted <= emitted, f"{doc} quotes events nothing emits: {quoted - emitted}"
+
+
+def _options() -> dict[str, set[str]]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {s for action in parser._actions for s in action.option_strings}
+            for name, parser in sub.choices.items()}
+
+
+def _command_lines(text: str):
+    """(command, the rest of its line) for each ``raymesh CMD ...`` in a code span or block."""
+    for piece in re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", text):
+        for match in re.finditer(r"\braymesh ([a-z][a-z-]+)([^\n`|;#]*)", piece.replace("\\\n", " ")):
+            yield match.group(1), re.split(r"\braymesh |&&|\|\|", match.group(2))[0], match.group(0)
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_every_command_and_option_the_docs_give_exists(doc):
+    options = _options()
+    wrong = []
+    for command, rest, said in _command_lines(DOCS[doc]):
+        if command == "event" or (command == "namespace" and "raymesh namespace" in said):
+            continue  # log lines, Ray's namespace
+        if command not in options:
+            wrong.append(f"no command: {said}")
+            continue
+        wrong += [f"{command} has no {o}: {said}" for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)
+                  if o not in options[command]]
+    assert not wrong
+
+
+def test_the_command_table_names_every_command():
+    table = _section("## Commands")
+    named = {name for name, _, _ in _command_lines(table)}
+    assert set(_options()) - named == set()
+
+
+def test_the_examples_table_lists_every_example_and_only_those():
+    listed = re.findall(r"^\| `(examples/[^`]+\.yaml)` \|", _section("## Examples"), re.M)
+    assert len(listed) == len(set(listed))
+    assert set(listed) == {p.relative_to(REPO).as_posix() for p in (REPO / "examples").glob("*.yaml")}
+
+
+def _field(path: str):
+    """The pydantic field at a dotted job-file path (aliases count), or None."""
+    model, field = JobSpec, None
+    for part in path.split("."):
+        if model is None:
+            return None
+        field = next((f for name, f in model.model_fields.items() if (f.alias or name) == part), None)
+        if field is None:
+            return None
+        model = next((a for a in (field.annotation, *typing.get_args(field.annotation),
+                                  *(b for a in typing.get_args(field.annotation) for b in typing.get_args(a)))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return field
+
+
+def _literal(text: str):
+    """A table default the code can be compared with: a number, true/false, null/none or a backticked value;
+    None for prose (`runs/<name>`, "by device") and for another field's name."""
+    text = text.strip()
+    if text in ("null", "none"):
+        return (None,)
+    if text in ("true", "false"):
+        return (text == "true",)
+    if re.fullmatch(r"`[A-Za-z0-9_.]+`", text) and _field(text.strip("`")) is None:  # a value, not another field
+        return (text.strip("`"),)
+    try:
+        return (float(text),)
+    except ValueError:
+        return None
+
+
+def _field_rows():
+    table = _section("## Job file reference")
+    for line in table.splitlines():
+        row = re.match(r"^\| ((?:`[^`]+`(?:, )?)+) \| ([^|]*) \|", line)
+        if not row:
+            continue
+        names = re.findall(r"`([^`]+)`", row.group(1))
+        prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
+        full = [names[0]] + [n if n.split(".")[0] in JobSpec.model_fields else prefix + n.lstrip(".")
+                             for n in names[1:]]
+        defaults = re.split(r",(?![^\[]*\])", row.group(2))
+        yield line, full, defaults if len(defaults) == len(full) else [row.group(2)] * len(full)
+
+
+def test_every_job_file_field_in_the_table_exists_with_its_stated_default():
+    wrong, compared = [], 0
+    for line, names, defaults in _field_rows():
+        for name, stated in zip(names, defaults):
+            if name.endswith(".*"):
+                assert _field(name[:-2]) is not None, line
+                continue
+            field = _field(name)
+            if field is None:
+                wrong.append(f"no field {name}")
+                continue
+            literal = _literal(stated)
+            if literal is None or field.default is PydanticUndefined:
+                continue
+            compared += 1
+            code = field.default
+            if isinstance(literal[0], float) and not isinstance(code, bool) and isinstance(code, (int, float)):
+                code = float(code)
+            if code != literal[0]:
+                wrong.append(f"{name}: README says {stated.strip()}, the code {field.default!r}")
+    assert compared > 80  # the table is found and parsed
+    assert not wrong
+
+
+def test_the_recovery_kinds_metric_starts_every_kind_a_recovery_can_have():
+    row = next(line for line in _section("### Metrics").splitlines() if line.startswith("| `raymesh_recoveries_total`"))
+    assert set(re.search(r"`kind` \(([^)]*)\)", row).group(1).replace("`", "").split(", ")) == set(RECOVERY_KINDS)
+    # StepFailed's kinds (a lost rank, a hang, a rank's own OOM or exception), a lost node, a NaN, a bad checkpoint
+    kinds = {_kind(["killed"]), _kind(["hung"]), _kind(["ran out of memory"]), _kind(["raised (x)"]),
+             "node", "nan_loss", "corrupt_checkpoint"}
+    assert kinds <= set(RECOVERY_KINDS)
+
+
+def test_every_repository_path_the_docs_name_exists():
+    missing = []
+    for doc, text in DOCS.items():
+        for span in set(re.findall(r"`([^`\s]+)`", text)):
+            path = span.split("::")[0]
+            if re.fullmatch(r"(orchestrator|workers|parameter_server|benchmarks|tests|deploy|dashboards|examples|docs)"
+                            r"/[\w./-]*", path) and "*" not in path and not (REPO / path).exists():
+                missing.append(f"{doc}: {span}")
+    assert not missing
+
+
+def test_every_file_and_symbol_pair_the_docs_name_is_defined_there():
+    wrong = []
+    for doc, text in DOCS.items():
+        for path, dotted in set(re.findall(r"`([\w/]+\.py)::([\w.]+)`", text)):
+            files = [p for p in SOURCES if p.relative_to(REPO).as_posix().endswith(path)]
+            head, _, method = dotted.partition(".")
+            found = False
+            for file in files:
+                body = SOURCES[file]
+                if method:
+                    cls = re.search(rf"^class {head}\b.*?(?=^class |\Z)", body, re.S | re.M)
+                    body = cls.group(0) if cls else ""
+                found |= re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{method or head}\b|^{method or head}\s*[:=]",
+                                   body, re.M) is not None
+            if not found:
+                wrong.append(f"{doc}: {path}::{dotted}")
+    assert not wrong
+
+
+def test_every_class_member_the_docs_name_exists():
+    """`Class.member` where Class is one of the repository's: a method, a property or an attribute it sets."""
+    bodies = {}
+    for text in SOURCES.values():
+        for match in re.finditer(r"^class (\w+)\b.*?(?=^class |\Z)", text, re.S | re.M):
+            bodies[match.group(1)] = bodies.get(match.group(1), "") + match.group(0)
+    wrong = []
+    for doc, text in DOCS.items():
+        for cls, member in set(re.findall(r"`([A-Z]\w+)\.(_?[a-z]\w*)(?:\([^`]*\))?`", text)):
+            if cls in bodies and not re.search(
+                    rf"^\s*(?:async\s+)?def {member}\b|^\s*{member}\s*[:=]|self\.{member}\s*[:=]", bodies[cls], re.M):
+                wrong.append(f"{doc}: {cls}.{member}")
+    assert not wrong
