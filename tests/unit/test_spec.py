@@ -161,6 +161,8 @@ def test_unknown_field_reported_before_others_with_count() -> None:
         (job(checkpoint={"keep": 0}), "checkpoint.keep", 0, ">= 1"),
         (job(parallel={"sequence_parallel": "maybe"}), "parallel.sequence_parallel", "maybe", "true or false"),
         (job(name="my job"), "name", "my job", "letters, digits"),
+        (job(name=".."), "name", "..", "a letter or digit"),  # runs/.. is the current directory
+        (job(name="."), "name", ".", "a letter or digit"),
         (job(model=5), "model", 5, "key: value"),
     ],
 )
