@@ -73,6 +73,24 @@ def test_exponent_floats_are_numbers_as_in_yaml_1_2(tmp_path):
     assert spec.optim.lr == 5e-4 and spec.optim.weight_decay == 0.02
 
 
+@pytest.mark.parametrize("text, sets, field, value, words", [
+    ("checkpoint: {every: 0050}\n", (), "checkpoint.every", "0050", "octal number 40; fix: write 50"),
+    ("train: {seed: 0_17}\n", (), "train.seed", "0_17", "octal number 15"),
+    ("fault_tolerance: {heartbeat_timeout_s: 2:00}\n", (), "fault_tolerance.heartbeat_timeout_s", "2:00",
+     "base 60 number 120"),
+    ("", ("train.steps=010",), "train.steps", "010", "octal number 8; fix: write 10"),
+])
+def test_numbers_yaml_1_1_reads_as_octal_or_base_60_are_refused(tmp_path, text, sets, field, value, words):
+    """PyYAML would silently read `0050` as 40 and `2:00` as 120; YAML 1.2 and a reader of the file would not."""
+    err = refused(tmp_path, "data: {path: d}\n" + text, *sets)
+    assert err.field == field and err.value == value and words in str(err), str(err)
+
+
+def test_zero_quoted_and_prefixed_numbers_still_load(tmp_path):
+    spec = load_text(tmp_path, "data: {path: d}\ntrain: {seed: 00, steps: 0x10}\nname: '010'\n")
+    assert (spec.train.seed, spec.train.steps, spec.name) == (0, 16, "010")
+
+
 # ---------------------------------------------------------------- strict types
 
 
