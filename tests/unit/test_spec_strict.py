@@ -14,6 +14,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec, check_before_start, load_spec, parse_override
 from orchestrator.spec.fields import NAME_MAX, PATH_MAX, _divisors
 from orchestrator.spec.lora import check_base_checkpoint, export_merged_weights
+from tests.support.spec_errors import assert_actionable
 
 
 def load_text(tmp_path: Path, text: str | bytes, *sets: str) -> JobSpec:
@@ -196,6 +197,19 @@ def test_output_paths_must_be_writable_directories(tmp_path, data_dir):
         with pytest.raises(SpecError) as info:
             check_before_start(JobSpec.from_dict({"data": {"path": str(data_dir)}, **sections}))
         assert info.value.field == field
+
+
+@pytest.mark.parametrize("section, extra", [("control", {}), ("parameter_server", {"dp": 2, "dp_sync": "ps"})])
+def test_tls_files_must_be_readable_before_any_actor_starts(tmp_path, data_dir, section, extra):
+    """The controller reads the control pair after Ray is up, the shards' pair after the ranks started."""
+    cert = tmp_path / "cert.pem"
+    cert.write_text("PEM")
+    for key_path, why in ((tmp_path / "missing.pem", "is not a readable file"), (tmp_path, "is a directory")):
+        spec = _spec(data_dir, parallel=extra, **{section: {"tls_cert": str(cert), "tls_key": str(key_path)}})
+        with pytest.raises(SpecError) as info:
+            check_before_start(spec, data_required=False)
+        assert why in assert_actionable(info.value, f"{section}.tls_key", str(key_path), "readable PEM file")
+    check_before_start(_spec(data_dir, parallel=extra, **{section: {"tls_cert": str(cert), "tls_key": str(cert)}}))
 
 
 def test_metrics_file_sd_never_overwrites_a_file_raymesh_did_not_write(tmp_path, data_dir):
