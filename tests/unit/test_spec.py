@@ -277,6 +277,22 @@ def test_pipeline_batch_too_small_suggests_bigger_batch() -> None:
     assert_actionable(spec_error(raw), "train.microbatches", 2, "global_batch_size to a multiple of dp*pp = 8")
 
 
+PS = {"dp": 2, "dp_sync": "ps"}
+
+
+@pytest.mark.parametrize(("raw", "field", "value", "fix_part"), [
+    (job(parameter_server={"consistency": "asp"}), "parameter_server.consistency", "asp", "set parallel.dp_sync: ps"),
+    (job(parameter_server={"shards": 8}), "parameter_server.shards", 8, "remove the parameter_server section"),
+    (job(parallel=PS, parameter_server={"staleness": 5}), "parameter_server.staleness", 5, "consistency: ssp"),
+    (job(parallel=PS, parameter_server={"consistency": "asp", "staleness": 0}), "parameter_server.staleness", 0,
+     "consistency: ssp"),
+])
+def test_parameter_server_settings_nothing_reads_are_refused(raw, field, value, fix_part) -> None:
+    """Without shards every `parameter_server:` setting is ignored, and `staleness` is ssp's bound only."""
+    assert_actionable(spec_error(raw), field, value, fix_part)
+    JobSpec.from_dict(job(parallel=PS, parameter_server={"consistency": "ssp", "staleness": 5}))
+
+
 # ---------------------------------------------------------------- overrides
 
 
