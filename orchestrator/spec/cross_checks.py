@@ -37,6 +37,7 @@ def check_parameter_server(job: JobSpec) -> None:
             raise SpecError("parameter_server.tls_cert", ps.tls_cert, "needs parameter-server shards (this job "
                             f"has parallel.dp_sync: {p.dp_sync}, so there is no shard wire to encrypt)",
                             "set parallel.dp_sync: ps, or remove parameter_server.tls_cert and tls_key")
+        _refuse_ps_settings_without_shards(job)
         return
     unsupported = [
         ("parallel.zero", p.zero, p.zero > 0, "the shards already hold the only optimizer state",
@@ -57,6 +58,10 @@ def check_parameter_server(job: JobSpec) -> None:
     if ps.optimizer == "momentum" and job.optim.momentum == 0:
         raise SpecError("parameter_server.optimizer", "momentum", "needs optim.momentum > 0",
                         "set optim.momentum (e.g. 0.9), or optimizer: sgd")
+    if _changed(ps, "staleness") and ps.consistency != "ssp":
+        raise SpecError("parameter_server.staleness", ps.staleness, "is only read by consistency: ssp (bsp waits for "
+                        f"every replica, asp for none), not {ps.consistency!r}",
+                        "set parameter_server.consistency: ssp, or remove staleness")
     if _changed(ps, "topk_ratio") and ps.compression != "topk":
         raise SpecError("parameter_server.topk_ratio", ps.topk_ratio, "is only read by compression: topk, not "
                         f"{ps.compression!r}", "set parameter_server.compression: topk, or remove topk_ratio")
@@ -69,6 +74,17 @@ def check_parameter_server(job: JobSpec) -> None:
             raise SpecError(f"faults.{i}.shard", f.shard, f"is not a shard that can die and be taken over "
                             f"({shards} shards at step {f.at_step}; a replica needs at least 2)",
                             f"pick a shard from 0 to {shards - 1} with shards >= 2 at that step")
+
+
+def _refuse_ps_settings_without_shards(job: JobSpec) -> None:
+    """A `parameter_server:` setting in a job without shards is refused, not ignored: `consistency: asp` would
+    promise asynchronous training that the all-reduce never does (`resize` has its own check)."""
+    ps = job.parameter_server
+    given = [f for f in ParameterServerSpec.model_fields if f != "resize" and _changed(ps, f)]
+    if given:
+        raise SpecError(f"parameter_server.{given[0]}", getattr(ps, given[0]), "is only read by parameter-server "
+                        f"shards, and this job has parallel.dp_sync: {job.parallel.dp_sync}",
+                        "set parallel.dp_sync: ps to train through the shards, or remove the parameter_server section")
 
 
 def check_offload(job: JobSpec) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import SpecError
 from orchestrator.spec.cross_checks import CROSS_FIELD_CHECKS
@@ -132,6 +132,17 @@ class JobSpec(_Section):
         from orchestrator.spec.loading import apply_overrides  # loading builds JobSpecs
 
         return JobSpec.from_dict(apply_overrides(self.to_dict(), overrides))
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_not_a_relative_dir(cls, name: str) -> str:
+        """`.` and `..` pass the name pattern but are not a directory of their own: `runs/..` is the current
+        directory and `runs/.` the folder every job's run dir sits in, so the run's files would spill there."""
+        if name in (".", ".."):
+            raise SpecError("name", name, "is a relative directory name, so the run dir runs/<name> would be "
+                            f"{Path('runs') / name}, not a directory of this job's own",
+                            "give the job a name with a letter or digit, e.g. `name: my-job`")
+        return name
 
     @model_validator(mode="before")
     @classmethod

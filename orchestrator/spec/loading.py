@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,8 @@ class StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader, plus YAML 1.2's exponent floats (`1e-3` is a number, not the string "1e-3").
 
     PyYAML follows YAML 1.1, which wants a dot in a float; with strict number fields a user's `lr: 1e-3` would
-    otherwise be refused as a string. Duplicate keys are caught on the composed node tree (`_check_duplicates`),
-    where the whole key path is known.
+    otherwise be refused as a string. Duplicate keys, and numbers YAML 1.1 reads as octal or base 60, are caught
+    on the composed node tree (`_check_nodes`), where the whole key path is known.
     """
 
 
@@ -51,26 +51,66 @@ def add_exponent_floats(cls: type) -> None:
 add_exponent_floats(StrictLoader)
 
 
-def _check_duplicates(node: yaml.Node, path: tuple[str, ...], source: str, seen: set[int]) -> None:
-    """Refuse a key written twice in one mapping (PyYAML keeps the last silently), naming the key and both lines."""
-    if id(node) in seen:  # an alias to a node already walked
+def _nodes(node: yaml.Node, path: tuple[str, ...], seen: set[int]) -> Iterator[tuple[yaml.Node, tuple[str, ...]]]:
+    """Every node of a composed document with its key path (list items by index); an alias is walked once."""
+    if id(node) in seen:
         return
     seen.add(id(node))
+    yield node, path
     if isinstance(node, yaml.MappingNode):
-        first: dict[Any, int] = {}
         for key, value in node.value:
-            name = key.value if isinstance(key, yaml.ScalarNode) else None
-            if name is not None and name != "<<":
-                line = key.start_mark.line + 1
-                if name in first:
-                    field = ".".join((*path, str(name)))
-                    raise SpecError(field, NO_VALUE, f"is written twice in {source} (lines {first[name]} and {line}); "
-                                    "YAML would silently keep the last", f"keep one `{name}:` and delete the other")
-                first[name] = line
-            _check_duplicates(value, (*path, str(name)), source, seen)
+            yield from _nodes(value, (*path, str(key.value if isinstance(key, yaml.ScalarNode) else None)), seen)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _check_duplicates(item, (*path, str(i)), source, seen)
+            yield from _nodes(item, (*path, str(i)), seen)
+
+
+def _check_duplicates(node: yaml.MappingNode, path: tuple[str, ...], source: str) -> None:
+    """Refuse a key written twice in one mapping (PyYAML keeps the last silently), naming the key and both lines."""
+    first: dict[Any, int] = {}
+    for key, _ in node.value:
+        name = key.value if isinstance(key, yaml.ScalarNode) else None
+        if name is None or name == "<<":
+            continue
+        line = key.start_mark.line + 1
+        if name in first:
+            field = ".".join((*path, str(name)))
+            raise SpecError(field, NO_VALUE, f"is written twice in {source} (lines {first[name]} and {line}); "
+                            "YAML would silently keep the last", f"keep one `{name}:` and delete the other")
+        first[name] = line
+
+
+# plain scalars PyYAML (YAML 1.1) reads as numbers that YAML 1.2 and every reader of the file do not: a leading
+# zero makes octal (`010` is 8) and colons make base 60 (`1:30` is 90)
+YAML11_OCTAL = re.compile(r"^[-+]?0[0-7_]+$")
+YAML11_BASE60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+
+
+def _check_yaml11_number(node: yaml.ScalarNode, path: tuple[str, ...], source: str) -> None:
+    """Refuse a plain number YAML 1.1 reads another way than it looks (`checkpoint.every: 0050` would be 40)."""
+    if node.style is not None or node.tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"):
+        return
+    kind = "octal" if YAML11_OCTAL.match(node.value) else "base 60" if YAML11_BASE60.match(node.value) else None
+    if kind is None or node.value.strip("-+0_") == "":
+        return
+    read = yaml.load(node.value, Loader=StrictLoader)
+    if kind == "octal":
+        fix = f"write {int(node.value.replace('_', ''), 10)} without the leading zero for that decimal number"
+    else:
+        fix = f"write {read} if that is the number you mean"
+    field = ".".join(path) or None
+    line = node.start_mark.line + 1
+    raise SpecError(field, node.value, f"(line {line} of {source}) is read by YAML 1.1 as the {kind} number {read}",
+                    f"{fix}, or quote it if it is text")
+
+
+def _check_nodes(node: yaml.Node, path: tuple[str, ...], source: str) -> None:
+    """What PyYAML would silently get wrong: duplicate keys, and numbers read as octal or base 60."""
+    for each, at in _nodes(node, path, set()):
+        if isinstance(each, yaml.MappingNode):
+            _check_duplicates(each, at, source)
+        elif isinstance(each, yaml.ScalarNode):
+            _check_yaml11_number(each, at, source)
 
 
 MAX_VALUES = 100_000  # a job file holds a few hundred values; aliases can make a small file expand past any memory
@@ -119,7 +159,7 @@ def parse_yaml(text: str, source: str, at: tuple[str, ...] = ()) -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
-        _check_duplicates(node, at, source, set())
+        _check_nodes(node, at, source)
         size = _expanded_size(node, {})
         if size > MAX_VALUES:
             raise SpecError(None, source, f"expands to {size:,} values through YAML aliases (*name)",

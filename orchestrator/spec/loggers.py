@@ -51,6 +51,14 @@ class WandbSpec(_Section):
     run_name: str | None = None  # default: the run dir's name
 
 
+def _refuse_twice(mapping: dict[str, Any], item: dict[str, Any]) -> None:
+    """A logger listed twice would silently keep its last settings, as a YAML key written twice would."""
+    name = next(iter(item))
+    if name in mapping:
+        raise SpecError(f"loggers.{name}", item[name], "is listed twice in loggers; only the last entry's settings "
+                        "would be used", f"keep one `{name}` entry in loggers, with all its settings")
+
+
 class LoggersSpec(_Section):
     tensorboard: TensorBoardSpec | None = None
     mlflow: MLflowSpec | None = None
@@ -65,12 +73,12 @@ class LoggersSpec(_Section):
             mapping: dict[str, Any] = {}
             for item in data:
                 if isinstance(item, str):
-                    mapping[item] = {}
-                elif isinstance(item, dict) and len(item) == 1:
-                    mapping.update(item)
-                else:
+                    item = {item: {}}
+                elif not (isinstance(item, dict) and len(item) == 1):
                     raise SpecError("loggers", item, "is not a logger name or a one-key mapping of its settings",
                                     "write e.g. `loggers: [tensorboard, {mlflow: {tracking_uri: runs/mlruns}}]`")
+                _refuse_twice(mapping, item)
+                mapping.update(item)
             data = mapping
         if isinstance(data, dict):
             return {k: ({} if v is None else v) for k, v in data.items()}

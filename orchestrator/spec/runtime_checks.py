@@ -32,6 +32,7 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
         check_eval_path(spec, data_required)
     check_outputs(spec)
     check_base_checkpoint(spec)
+    check_tls_files(spec)
     spec.loggers.check_installed()
     _local_tracker_dirs(spec)
 
@@ -223,6 +224,20 @@ def _url_location(field: str, value: str) -> Path:
         raise SpecError(field, value, f"is a URL whose scheme no installed file system serves ({exc})",
                         "use s3:// (pip install 'raymesh[s3]'), gs:// (pip install 'raymesh[gcs]'), file:// or a "
                         "local path") from None
+
+
+def check_tls_files(spec: JobSpec) -> None:
+    """The PEM files `control.tls_*` and (with shards) `parameter_server.tls_*` name are readable files here: the
+    controller reads them only after Ray is up, and the shards' pair after the rank actors have started."""
+    sections = ["control"] + (["parameter_server"] if spec.parallel.dp_sync == "ps" else [])
+    for section in sections:
+        for key in ("tls_cert", "tls_key"):
+            path = getattr(getattr(spec, section), key)
+            if path is not None and not (Path(path).is_file() and os.access(path, os.R_OK)):
+                why = "is a directory" if Path(path).is_dir() else "is not a readable file"
+                raise SpecError(f"{section}.{key}", path, f"{why} (the PEM {key.removeprefix('tls_')} TLS needs)",
+                                f"point {section}.{key} at a readable PEM file where the controller runs, or remove "
+                                f"{section}.tls_cert and tls_key to serve without TLS")
 
 
 def _local_tracker_dirs(spec: JobSpec) -> None:

@@ -161,6 +161,8 @@ def test_unknown_field_reported_before_others_with_count() -> None:
         (job(checkpoint={"keep": 0}), "checkpoint.keep", 0, ">= 1"),
         (job(parallel={"sequence_parallel": "maybe"}), "parallel.sequence_parallel", "maybe", "true or false"),
         (job(name="my job"), "name", "my job", "letters, digits"),
+        (job(name=".."), "name", "..", "a letter or digit"),  # runs/.. is the current directory
+        (job(name="."), "name", ".", "a letter or digit"),
         (job(model=5), "model", 5, "key: value"),
     ],
 )
@@ -273,6 +275,22 @@ def test_interleaved_needs_multiple_of_pp(schedule: str) -> None:
 def test_pipeline_batch_too_small_suggests_bigger_batch() -> None:
     raw = job(parallel={"pp": 4, "dp": 2}, train={"global_batch_size": 4, "microbatches": 2})
     assert_actionable(spec_error(raw), "train.microbatches", 2, "global_batch_size to a multiple of dp*pp = 8")
+
+
+PS = {"dp": 2, "dp_sync": "ps"}
+
+
+@pytest.mark.parametrize(("raw", "field", "value", "fix_part"), [
+    (job(parameter_server={"consistency": "asp"}), "parameter_server.consistency", "asp", "set parallel.dp_sync: ps"),
+    (job(parameter_server={"shards": 8}), "parameter_server.shards", 8, "remove the parameter_server section"),
+    (job(parallel=PS, parameter_server={"staleness": 5}), "parameter_server.staleness", 5, "consistency: ssp"),
+    (job(parallel=PS, parameter_server={"consistency": "asp", "staleness": 0}), "parameter_server.staleness", 0,
+     "consistency: ssp"),
+])
+def test_parameter_server_settings_nothing_reads_are_refused(raw, field, value, fix_part) -> None:
+    """Without shards every `parameter_server:` setting is ignored, and `staleness` is ssp's bound only."""
+    assert_actionable(spec_error(raw), field, value, fix_part)
+    JobSpec.from_dict(job(parallel=PS, parameter_server={"consistency": "ssp", "staleness": 5}))
 
 
 # ---------------------------------------------------------------- overrides

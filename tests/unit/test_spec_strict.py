@@ -14,6 +14,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec, check_before_start, load_spec, parse_override
 from orchestrator.spec.fields import NAME_MAX, PATH_MAX, _divisors
 from orchestrator.spec.lora import check_base_checkpoint, export_merged_weights
+from tests.support.spec_errors import assert_actionable
 
 
 def load_text(tmp_path: Path, text: str | bytes, *sets: str) -> JobSpec:
@@ -71,6 +72,24 @@ def test_an_override_holding_bytes_that_are_not_utf8_names_the_field(tmp_path):
 def test_exponent_floats_are_numbers_as_in_yaml_1_2(tmp_path):
     spec = load_text(tmp_path, "data: {path: d}\noptim: {lr: 1e-3, weight_decay: 2E-2}\n", "optim.lr=5e-4")
     assert spec.optim.lr == 5e-4 and spec.optim.weight_decay == 0.02
+
+
+@pytest.mark.parametrize("text, sets, field, value, words", [
+    ("checkpoint: {every: 0050}\n", (), "checkpoint.every", "0050", "octal number 40; fix: write 50"),
+    ("train: {seed: 0_17}\n", (), "train.seed", "0_17", "octal number 15"),
+    ("fault_tolerance: {heartbeat_timeout_s: 2:00}\n", (), "fault_tolerance.heartbeat_timeout_s", "2:00",
+     "base 60 number 120"),
+    ("", ("train.steps=010",), "train.steps", "010", "octal number 8; fix: write 10"),
+])
+def test_numbers_yaml_1_1_reads_as_octal_or_base_60_are_refused(tmp_path, text, sets, field, value, words):
+    """PyYAML would silently read `0050` as 40 and `2:00` as 120; YAML 1.2 and a reader of the file would not."""
+    err = refused(tmp_path, "data: {path: d}\n" + text, *sets)
+    assert err.field == field and err.value == value and words in str(err), str(err)
+
+
+def test_zero_quoted_and_prefixed_numbers_still_load(tmp_path):
+    spec = load_text(tmp_path, "data: {path: d}\ntrain: {seed: 00, steps: 0x10}\nname: '010'\n")
+    assert (spec.train.seed, spec.train.steps, spec.name) == (0, 16, "010")
 
 
 # ---------------------------------------------------------------- strict types
@@ -178,6 +197,19 @@ def test_output_paths_must_be_writable_directories(tmp_path, data_dir):
         with pytest.raises(SpecError) as info:
             check_before_start(JobSpec.from_dict({"data": {"path": str(data_dir)}, **sections}))
         assert info.value.field == field
+
+
+@pytest.mark.parametrize("section, extra", [("control", {}), ("parameter_server", {"dp": 2, "dp_sync": "ps"})])
+def test_tls_files_must_be_readable_before_any_actor_starts(tmp_path, data_dir, section, extra):
+    """The controller reads the control pair after Ray is up, the shards' pair after the ranks started."""
+    cert = tmp_path / "cert.pem"
+    cert.write_text("PEM")
+    for key_path, why in ((tmp_path / "missing.pem", "is not a readable file"), (tmp_path, "is a directory")):
+        spec = _spec(data_dir, parallel=extra, **{section: {"tls_cert": str(cert), "tls_key": str(key_path)}})
+        with pytest.raises(SpecError) as info:
+            check_before_start(spec, data_required=False)
+        assert why in assert_actionable(info.value, f"{section}.tls_key", str(key_path), "readable PEM file")
+    check_before_start(_spec(data_dir, parallel=extra, **{section: {"tls_cert": str(cert), "tls_key": str(cert)}}))
 
 
 def test_metrics_file_sd_never_overwrites_a_file_raymesh_did_not_write(tmp_path, data_dir):

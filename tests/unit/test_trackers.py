@@ -16,6 +16,7 @@ from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import check_before_start
 from tests.support import wandb_records
 from tests.support.environ import kept_env
+from tests.support.spec_errors import assert_actionable, spec_error
 from tests.support.tracker_records import mlflow_run, mlflow_series, tensorboard_series, wandb_series
 
 STEPS = 4
@@ -112,3 +113,11 @@ def test_loggers_as_a_list_or_a_mapping_mean_the_same_and_survive_a_round_trip()
         JobSpec.from_dict({"data": {"path": "d"}, "loggers": ["tensorbord"]})
     with pytest.raises(SpecError, match=r"`loggers`.*not a logger name"):
         JobSpec.from_dict({"data": {"path": "d"}, "loggers": [{"tensorboard": {}, "wandb": {}}]})
+
+
+@pytest.mark.parametrize("loggers", [["tensorboard", "tensorboard"], [{"wandb": {"project": "a"}}, {"wandb": {}}]])
+def test_a_logger_listed_twice_is_refused_not_merged(loggers):
+    """A list has no duplicate-key check of its own: the second entry's settings would silently win."""
+    err = spec_error({"data": {"path": "d"}, "loggers": loggers})
+    name = next(iter(loggers[0])) if isinstance(loggers[0], dict) else loggers[0]
+    assert "listed twice" in assert_actionable(err, f"loggers.{name}", {}, f"keep one `{name}` entry")
