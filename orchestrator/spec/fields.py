@@ -52,6 +52,25 @@ def _os_path(value: str | None) -> str | None:
 
 PathStr = Annotated[str, Field(min_length=1), AfterValidator(_os_path)]
 
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
+
+
+def _host(value: str) -> str:
+    """An interface address to bind: an IP address or a host name, nothing else. Why: an empty string binds every
+    interface (gRPC's ``:port``, ``http.server``'s ``""``), so a blank ``host:`` would open a port to the network
+    that nobody asked for; a scheme or port in it fails only when the server starts, after the actors."""
+    fix = "; fix: write 127.0.0.1 (this machine only), or 0.0.0.0 or the node's IP to let other machines in"
+    if not value.strip():
+        raise ValueError(f"is empty, which would listen on every interface{fix}")
+    bad = sorted(set(value) - _HOST_CHARS)
+    if bad or value.count(":") == 1:  # one colon: host:port; an IPv6 address has two or more
+        what = f"holds {''.join(bad)!r}" if bad else "holds a port (the port has its own field)"
+        raise ValueError(f"{what}: it must be an IP address or a host name, without scheme or port{fix}")
+    return value
+
+
+Host = Annotated[str, AfterValidator(_host)]
+
 # the names of workers.parallel.schedules' table, in its order (the order an unknown name's error lists them)
 PipelineSchedule = Literal[SCHEDULE_NAMES]  # type: ignore[valid-type]
 _SECTIONS = ("model", "data", "parallel", "optim", "precision", "memory", "train", "eval", "checkpoint", "metrics",

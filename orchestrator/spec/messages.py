@@ -168,9 +168,9 @@ def to_spec_error(exc: ValidationError) -> SpecError:
     elif kind in _BOUNDS:
         op, key = _BOUNDS[kind]
         expected = f"a number {op} {ctx[key]}"
-    elif kind == "value_error":  # a field's own validator (fields._os_path): its message is the problem
-        problem = first["msg"].removeprefix("Value error, ")
-        fix = f"set `{field}` to a shorter path of plain characters"
+    elif kind == "value_error":  # a field's own validator (fields._os_path, _host): its message is the problem
+        problem, _, fix = first["msg"].removeprefix("Value error, ").partition("; fix: ")  # and its own fix, if any
+        fix = fix or f"set `{field}` to a shorter path of plain characters"
         return SpecError(field, first.get("input"), problem, fix, more=more)
     else:
         expected = _EXPECTED.get(kind) or first["msg"].removeprefix("Input should be ")

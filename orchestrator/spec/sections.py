@@ -14,6 +14,7 @@ from orchestrator.spec.fields import (
     STRICT,
     TIMEOUT_MAX,
     Betas,
+    Host,
     PathStr,
     PipelineSchedule,
     PositiveFloat,
@@ -399,7 +400,7 @@ class MetricsSpec(_Section):
     """The controller's Prometheus endpoint and what the run records for reports."""
 
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
-    host: str = "127.0.0.1"  # interface the endpoint binds; 0.0.0.0 (or the node's IP) lets a remote Prometheus in
+    host: Host = "127.0.0.1"  # interface the endpoint binds; 0.0.0.0 (or the node's IP) lets a remote Prometheus in
     # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
     file_sd: PathStr | None = None
     timeline: bool = False  # record every pipeline F/B/W event (and gradient bucket reduction) for `raymesh report`
@@ -421,7 +422,7 @@ class ControlSpec(_Section):
     Every call needs the job's token either way (see orchestrator/api/auth.py).
     """
 
-    host: str = "127.0.0.1"  # loopback only; 0.0.0.0 or the node's IP lets other machines in (add TLS then)
+    host: Host = "127.0.0.1"  # loopback only; 0.0.0.0 or the node's IP lets other machines in (add TLS then)
     port: Annotated[int, Field(ge=0, le=65535)] = 0  # 0: any free port
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, the API speaks TLS only
     tls_key: str | None = None  # PEM private key of tls_cert

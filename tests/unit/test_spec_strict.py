@@ -337,3 +337,22 @@ def test_huge_values_of_the_new_fields_are_refused_naming_the_field(tmp_path, ov
     text = "data: {path: /tmp/none}\nmodel: {d_model: 32, n_layers: 4, n_heads: 4, seq_len: 32, moe: {experts: 4}}\n"
     err = refused(tmp_path, text, override)
     assert err.field == field and "<=" in err.fix
+
+
+@pytest.mark.parametrize("section", ["control", "metrics"])
+@pytest.mark.parametrize("host, words", [
+    ("", "every interface"),
+    ("  ", "every interface"),
+    ("http://node1", "without scheme or port"),
+    ("node1:9000", "holds a port"),
+])
+def test_a_host_that_is_blank_or_not_an_address_is_refused_before_start(section, host, words):
+    """A blank host binds every interface (the network, not loopback); a URL or host:port fails only at bind."""
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict({"data": {"path": "d"}, section: {"host": host}})
+    assert info.value.field == f"{section}.host" and words in str(info.value) and "127.0.0.1" in str(info.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "node-1.cluster.local"])
+def test_addresses_and_host_names_are_taken_as_hosts(host):
+    assert JobSpec.from_dict({"data": {"path": "d"}, "control": {"host": host}}).control.host == host
