@@ -63,11 +63,14 @@ def resume_command(args: argparse.Namespace) -> str:
     return shlex.join([*argv, "--resume"])
 
 
-def _shown(line: str, keep_summary: bool) -> bool:
+def _shown(line: str, keep_summary: bool, progress: bool = False) -> bool:
     """Whether a feed line goes to the terminal: all but the one-line summary JSON (kilobytes of losses), which
     only a submitted job prints, because ``raymesh status|summary`` read it from the job server's log; a terminal
-    gets the short summary ``report`` prints and the run dir's ``summary.json``."""
+    gets the short summary ``report`` prints and the run dir's ``summary.json``. With a progress bar, no ``step``
+    lines either: the bar shows the same figures."""
     parsed = parse_event(line)
+    if parsed is not None and parsed[0] == "step":
+        return not progress
     return keep_summary or parsed is None or parsed[0] != "summary"
 
 
@@ -81,7 +84,7 @@ class _Terminal:
 
     def show(self, item: dict, total_steps: int) -> None:
         if "line" in item:
-            if _shown(item["line"], self.keep_summary):
+            if _shown(item["line"], self.keep_summary, self.progress):
                 tqdm.write(item["line"], file=sys.stderr)
                 sys.stderr.flush()
         elif not self.progress:

@@ -92,11 +92,26 @@ class Observers(JobObserver):
             o.on_finish()
 
 
+def logged(record: dict, train) -> bool:
+    """Whether a step's figures go to the log and the trackers: every ``train.log_every``-th step, the last one
+    and any that evaluated (its held-out loss would be lost otherwise). ``steps.jsonl`` keeps every step."""
+    step = record["step"]
+    return step % train.log_every == 0 or step >= train.steps or "eval_loss" in record
+
+
 class EventLog(JobObserver):
-    """The ``raymesh event=...`` lines of evaluations, recoveries and resizes (tests and operators grep them)."""
+    """The ``raymesh event=...`` lines of evaluations, recoveries and resizes (tests and operators grep them), and
+    with ``steps`` (a train section: no progress bar shows the steps) an ``event=step`` line per logged step."""
+
+    def __init__(self, steps=None):
+        self.train = steps
 
     def on_step(self, report: StepReport) -> None:
         record = report.record
+        if self.train is not None and logged(record, self.train):
+            event("step", step=record["step"], loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}",
+                  grad_norm=f"{record['grad_norm']:.3f}", tokens_per_s=f"{record['tokens_per_s']:.0f}",
+                  step_s=f"{record['step_s']:.3f}")
         if "eval_loss" in record:
             event("eval", step=record["step"], loss=f"{record['eval_loss']:.4f}", seconds=f"{record['eval_s']:.2f}")
 

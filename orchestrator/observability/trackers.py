@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.observability.observers import JobObserver, StepReport
+from orchestrator.observability.observers import JobObserver, StepReport, logged
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
 
@@ -152,13 +152,15 @@ class TrackerObserver(JobObserver):
     """Sends the job's parameters once and every completed step's figures to its trackers."""
 
     def __init__(self, spec: JobSpec, trackers: list[Tracker]):
-        self.trackers = trackers
+        self.trackers, self.train = trackers, spec.train
         self.recoveries = 0
         params = flat_params(spec)
         for tracker in trackers:
             tracker.log_params(params)
 
     def on_step(self, report: StepReport) -> None:
+        if not logged(report.record, self.train):  # train.log_every
+            return
         metrics = step_metrics(report, self.recoveries)
         for tracker in self.trackers:
             tracker.log_metrics(metrics, report.record["step"])

@@ -104,7 +104,8 @@ class TrainingJob:
         self.runtime: Runtime = runtime or RayRuntime()
         self.run_dir = spec.resolved_run_dir()
         self.upload = run_dir_upload(spec)  # run_dir: s3://...: the staged files go up at checkpoints and the end
-        self.observers = Observers([EventLog(), *([self.upload] if self.upload else [])])
+        steps_logged = None if progress else spec.train  # event=step lines where no progress bar shows the steps
+        self.observers = Observers([EventLog(steps_logged), *([self.upload] if self.upload else [])])
         self.ckpt = CheckpointDir(spec.checkpoint_dir(), spec.checkpoint.keep,
                                   on_skip=lambda record: self.observers.on_corrupt_checkpoint(record),
                                   keep_best=spec.checkpoint.keep_best)

@@ -108,3 +108,13 @@ def test_event_lines_go_above_the_progress_bar_not_into_its_line(capsys):
 
 def test_a_submitted_job_keeps_the_summary_line_its_status_command_reads(capsys):
     assert '12:00:01 raymesh event=summary json={"steps":1}' in _terminal_lines(capsys, keep_summary=True)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_step_lines_show_only_where_no_progress_bar_shows_the_steps(capsys, progress):
+    terminal = _Terminal(progress=progress)
+    terminal.show({"line": "12:00:00 raymesh event=step step=1 loss=2.0000"}, 10)
+    terminal.show({"line": "12:00:00 raymesh event=checkpoint step=1 path=/r/step-1"}, 10)
+    terminal.close()
+    err = capsys.readouterr().err
+    assert ("event=step step=1" in err) is not progress and "event=checkpoint" in err

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import JobSpec, SpecError
-from orchestrator.observability.observers import StepReport
-from orchestrator.observability.trackers import flat_params, tracker_observer
+from orchestrator.observability.observers import EventLog, StepReport
+from orchestrator.observability.trackers import TrackerObserver, flat_params, tracker_observer
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import check_before_start
 from tests.support import wandb_records
 from tests.support.environ import kept_env
+from tests.support.events import recorded_events
 from tests.support.spec_errors import assert_actionable, spec_error
 from tests.support.tracker_records import mlflow_run, mlflow_series, tensorboard_series, wandb_series
 
@@ -121,3 +122,35 @@ def test_a_logger_listed_twice_is_refused_not_merged(loggers):
     err = spec_error({"data": {"path": "d"}, "loggers": loggers})
     name = next(iter(loggers[0])) if isinstance(loggers[0], dict) else loggers[0]
     assert "listed twice" in assert_actionable(err, f"loggers.{name}", {}, f"keep one `{name}` entry")
+
+
+class Kept:
+    """A tracker that keeps the steps it was given."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def log_params(self, params):
+        pass
+
+    def log_metrics(self, metrics, step):
+        self.steps.append(step)
+
+    def close(self):
+        pass
+
+
+def test_log_every_sends_every_nth_step_the_last_and_each_that_evaluated_to_trackers_and_the_log():
+    """train.log_every 3 over 8 steps, step 4 evaluated: 3, 4, 6 and 8 are logged; steps.jsonl keeps all."""
+    spec = JobSpec.from_dict({"data": {"path": "d"}, "train": {"steps": 8, "log_every": 3}})
+    kept, reports = Kept(), [fake_report(step) for step in range(1, 9)]
+    reports[3].record["eval_loss"], reports[3].record["eval_s"] = 1.0, 0.1
+    observer = TrackerObserver(spec, [kept])
+    with recorded_events() as events:
+        for report in reports:
+            observer.on_step(report)
+            EventLog(spec.train).on_step(report)
+            EventLog(None).on_step(report)  # a progress bar shows the steps: no step lines
+    assert kept.steps == [3, 4, 6, 8]
+    lines = [fields for name, fields in events if name == "step"]
+    assert [int(f["step"]) for f in lines] == [3, 4, 6, 8] and lines[0]["loss"] == f"{5.0 / 3:.4f}"
