@@ -74,6 +74,23 @@ def test_prepare_real_source_bounded(tmp_path: Path) -> None:
     assert manifest == prepare_data([src], tmp_path, shard_tokens=12_000, max_tokens=30_000)
 
 
+def test_overlapping_sources_prepare_each_file_once(tmp_path: Path) -> None:
+    """A directory, one inside it and a file in it named again: each document once, as the directory alone."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _write_docs(src)
+    alone = prepare_data([src], tmp_path / "alone")["total_tokens"]
+    again = prepare_data([src, src / "sub", src / "a.txt"], tmp_path / "again")["total_tokens"]
+    assert again == alone
+
+
+@pytest.mark.parametrize("option, kwargs", [("--max-tokens", {"max_tokens": 0}),
+                                            ("--shard-tokens", {"shard_tokens": -1})])
+def test_a_token_count_that_is_not_positive_names_the_option_and_the_fix(tmp_path: Path, option, kwargs) -> None:
+    with pytest.raises(ValueError, match=f"{option} -?[01] is not a positive token count; fix: give a positive"):
+        prepare_data([tmp_path], tmp_path / "out", **kwargs)
+
+
 def test_prepare_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.*pass an existing directory to --source"):
         prepare_data([tmp_path / "nope"], tmp_path / "out")

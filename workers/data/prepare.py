@@ -64,8 +64,14 @@ def _iter_files(source: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
 
 
 def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...]) -> Iterator[bytes]:
+    """Each matching file's bytes once, even when sources overlap (a directory and one inside it, a file named
+    again): else a document could be trained on twice, or land in training and in the held-out split."""
+    seen: set[Path] = set()
     for source in sources:
         for path in _iter_files(source, extensions):
+            if path.resolve() in seen:
+                continue
+            seen.add(path.resolve())
             try:
                 data = path.read_bytes()
             except OSError:
@@ -156,9 +162,11 @@ def prepare_data(
     those among the documents walked until then. A BPE is trained on the training documents only.
     """
     if shard_tokens <= 0:
-        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+        raise ValueError(f"--shard-tokens {shard_tokens} is not a positive token count; fix: give a positive number, "
+                         "or leave the option out for its default")
     if max_tokens is not None and max_tokens <= 0:
-        raise ValueError(f"max_tokens must be positive or None, got {max_tokens}")
+        raise ValueError(f"--max-tokens {max_tokens} is not a positive token count; fix: give a positive number, "
+                         "or leave the option out for its default")
     if not 0 <= heldout < 1:
         raise ValueError(f"heldout must be a fraction in [0, 1), got {heldout}; fix: e.g. --heldout 0.01 keeps one "
                          "document in a hundred out of training")
