@@ -592,7 +592,10 @@ class TrainingJob:
 
 
 def validated_fault(fault: dict, spec: JobSpec, layout: Layout, runtime: Runtime) -> dict:
-    """A live fault request checked like a job file's ``faults:`` entry, ready to schedule; ``ValueError`` if not."""
+    """A live fault request checked like a job file's ``faults:`` entry, ready to schedule; ``ValueError`` if not.
+    Its ``factor`` is dropped unless the kind is slow_rank: every request carries one (the API's default)."""
+    if fault.get("kind") != "slow_rank":
+        fault = {k: v for k, v in fault.items() if k != "factor"}
     try:
         checked = FaultSpec.model_validate(fault)
     except ValidationError as exc:

@@ -356,3 +356,21 @@ def test_a_host_that_is_blank_or_not_an_address_is_refused_before_start(section,
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "node-1.cluster.local"])
 def test_addresses_and_host_names_are_taken_as_hosts(host):
     assert JobSpec.from_dict({"data": {"path": "d"}, "control": {"host": host}}).control.host == host
+
+
+@pytest.mark.parametrize("fault, field", [
+    ({"kind": "kill_rank", "factor": 5}, "faults.0.factor"),
+    ({"kind": "nan_loss", "shard": 1}, "faults.0.shard"),
+])
+def test_a_fault_option_its_kind_never_reads_is_refused(fault, field):
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict({"data": {"path": "d"}, "parallel": {"dp": 2}, "faults": [{"rank": 1, "at_step": 2,
+                                                                                    **fault}]})
+    assert info.value.field == field and f"remove {field}" in str(info.value)
+
+
+def test_a_slow_rank_keeps_its_factor_through_a_round_trip():
+    spec = JobSpec.from_dict({"data": {"path": "d"}, "parallel": {"dp": 2},
+                              "faults": [{"kind": "slow_rank", "rank": 1, "at_step": 2, "factor": 5},
+                                         {"kind": "kill_rank", "rank": 0, "at_step": 3}]})
+    assert JobSpec.from_dict(spec.to_dict()).faults[0].factor == 5
