@@ -62,7 +62,7 @@ class MetricsExporter:
                            (*RANK_LABELS, "phase"), registry=r)
         self.tokens_per_s = Gauge("raymesh_tokens_per_second", "Throughput of the last step", j, registry=r)
         self.mfu = Gauge("raymesh_model_flops_utilization_ratio",
-                         "Model FLOPs (6·N·tokens) per second over the ranks' peak", j, registry=r)
+                         "Model FLOPs (6·N + 12·L·d·s per token) per second over the ranks' peak", j, registry=r)
         self.peak_mem = Gauge("raymesh_memory_peak_bytes", "Peak memory per rank", RANK_LABELS, registry=r)
         self.cur_mem = Gauge("raymesh_memory_current_bytes", "Current memory per rank", RANK_LABELS, registry=r)
         self.heartbeat = _HeartbeatAge(job)
