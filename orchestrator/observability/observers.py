@@ -1,7 +1,7 @@
 """Who watches a job: event lines, Prometheus, the progress bar and the run records, notified by the job.
 
 ``TrainingJob`` tells its ``Observers`` what happened (``on_step``, ``on_checkpoint``, ``on_recovered``, ``on_resized``,
-``on_corrupt_checkpoint``, ``on_mttr``, ``on_rollback``, ``on_finish``); each
+``on_corrupt_checkpoint``, ``on_ps_shard_recovered``, ``on_mttr``, ``on_rollback``, ``on_finish``); each
 observer picks what it shows: ``EventLog`` the event lines, ``MetricsObserver``
 the Prometheus series, ``ProgressBar`` the bar, ``RunRecords`` (``run_records.py``) the
 ``steps.jsonl``/``timeline.jsonl`` files. The job neither knows nor checks
@@ -43,6 +43,7 @@ class JobObserver:
         ...
     def on_resized(self, record: ResizeRecord, layout: dict) -> None: ...
     def on_corrupt_checkpoint(self, record: dict) -> None: ...
+    def on_ps_shard_recovered(self, record: dict) -> None: ...
     def on_mttr(self, seconds: float) -> None: ...
     def on_rollback(self, step: int) -> None: ...
     def on_finish(self) -> None: ...
@@ -78,6 +79,10 @@ class Observers(JobObserver):
     def on_corrupt_checkpoint(self, record: dict) -> None:
         for o in self.observers:
             o.on_corrupt_checkpoint(record)
+
+    def on_ps_shard_recovered(self, record: dict) -> None:
+        for o in self.observers:
+            o.on_ps_shard_recovered(record)
 
     def on_mttr(self, seconds: float) -> None:
         for o in self.observers:
@@ -151,6 +156,10 @@ class MetricsObserver(JobObserver):
 
     def on_corrupt_checkpoint(self, record: dict) -> None:
         self.exporter.observe_recovery("corrupt_checkpoint", 0, 0)
+
+    def on_ps_shard_recovered(self, record: dict) -> None:
+        """A restarted parameter-server shard: its own kind, as no rank restarts and no step is lost."""
+        self.exporter.observe_recovery("ps_shard", 0, 0)
 
     def on_mttr(self, seconds: float) -> None:
         self.exporter.mttr.labels(self.job).set(seconds)

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 
 RANK_LABELS = ("job", "rank", "stage", "dp", "pp", "tp")  # stage: the rank's pipeline stages, e.g. "0,2"
-# every kind a recovery can have (StepFailed.kind, "node" for a lost node) and a corrupt checkpoint set aside,
-# exported at 0 from the start so rates and panels have series
-RECOVERY_KINDS = ("rank", "node", "hang", "oom", "error", "nan_loss", "corrupt_checkpoint")
+# every kind a recovery can have (StepFailed.kind, "node" for a lost node), a corrupt checkpoint set aside and a
+# parameter-server shard restarted (the summary's kill_ps_shard), exported at 0 from the start so rates and panels
+# have series
+RECOVERY_KINDS = ("rank", "node", "hang", "oom", "error", "nan_loss", "corrupt_checkpoint", "ps_shard")
 
 
 class _HeartbeatAge:
@@ -61,7 +62,7 @@ class MetricsExporter:
                            (*RANK_LABELS, "phase"), registry=r)
         self.tokens_per_s = Gauge("raymesh_tokens_per_second", "Throughput of the last step", j, registry=r)
         self.mfu = Gauge("raymesh_model_flops_utilization_ratio",
-                         "Model FLOPs (6·N·tokens) per second over the ranks' peak", j, registry=r)
+                         "Model FLOPs (6·N + 12·L·d·s per token) per second over the ranks' peak", j, registry=r)
         self.peak_mem = Gauge("raymesh_memory_peak_bytes", "Peak memory per rank", RANK_LABELS, registry=r)
         self.cur_mem = Gauge("raymesh_memory_current_bytes", "Current memory per rank", RANK_LABELS, registry=r)
         self.heartbeat = _HeartbeatAge(job)
@@ -99,24 +100,46 @@ class MetricsExporter:
         self.moe_aux = Gauge("raymesh_moe_aux_loss", "The MoE layer's weighted auxiliary losses in the last step",
                              (*moe, "loss"), registry=r)
         self._file_sd: Path | None = None
+        self.rank_labels: dict[int, tuple] = {}
+        self._phases: set[str] = set()  # every phase a step reported, to drop a departed rank's
+        self._start_series()
         self.server, self.thread = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
 
-
-    def observe_layout(self, layout: dict) -> None:
-        self.rank_labels = {
-            info["rank"]: (self.job, str(info["rank"]), ",".join(map(str, info["stages"])),
-                           *(str(info["coords"][d]) for d in ("dp", "pp", "tp")))
-            for info in layout["ranks"]
-        }
-        for dim in ("dp", "pp", "tp"):
-            self.world.labels(self.job, dim).set(layout[dim])
+    def _start_series(self) -> None:
+        """Every recovery kind and counter at 0, and the gauges read before the first step or fault, once: so
+        rates and panels have series, and a later layout change (a resize) does not zero the last MTTR."""
         for kind in RECOVERY_KINDS:
             self.recoveries.labels(self.job, kind)
         for counter in (self.restarts, self.lost_steps, self.ps_push, self.ps_pull, self.ckpts):
             counter.labels(self.job)
         self.ps_staleness.labels(self.job).set(0)
         self.mttr.labels(self.job).set(0)
+
+    def observe_layout(self, layout: dict) -> None:
+        """The grid's ranks and sizes, at start and after each resize. Ranks a resize removed or moved (other
+        labels) lose their per-rank series: a departed rank's heartbeat age would grow as a hang's does, and its
+        last straggler flag stay raised. A rank's heartbeat starts when it joins, so a hang in its first step
+        shows too."""
+        labels = {info["rank"]: (self.job, str(info["rank"]), ",".join(map(str, info["stages"])),
+                                 *(str(info["coords"][d]) for d in ("dp", "pp", "tp")))
+                  for info in layout["ranks"]}
+        for gone in set(self.rank_labels.values()) - set(labels.values()):
+            self._drop_rank(gone)
+        self.rank_labels = labels
+        now = time.time()
+        for rank in labels.values():
+            self.heartbeat.last_seen.setdefault(rank, now)
+        for dim in ("dp", "pp", "tp"):
+            self.world.labels(self.job, dim).set(layout[dim])
+
+    def _drop_rank(self, labels: tuple) -> None:
+        """Remove every per-rank series of the rank with ``labels``."""
+        self.heartbeat.last_seen.pop(labels, None)
+        for gauge in (self.peak_mem, self.cur_mem, self.straggler, self.slowdown):
+            gauge.remove(*labels)
+        for phase in self._phases:
+            self.phase.remove(*labels, phase)
 
     def observe_step(self, record: dict, mfu: float, bubble: float, goodput: float) -> None:
         """Export one ``steps.jsonl`` record (see ``orchestrator.observability.run_records``)."""
@@ -145,6 +168,7 @@ class MetricsExporter:
             labels = self.rank_labels[int(rank)]
             for phase, seconds in phases.items():
                 self.phase.labels(*labels, phase).set(seconds)
+                self._phases.add(phase)
             self.peak_mem.labels(*labels).set(record["memory"][rank]["peak_bytes"])
             self.cur_mem.labels(*labels).set(record["memory"][rank]["current_bytes"])
             self.heartbeat.last_seen[labels] = now

@@ -60,11 +60,19 @@ def _step_axis(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _recovery_label(record: dict) -> str:
+    """What failed in a recovery: the rank lost, the parameter-server shard restarted, or only the kind where no
+    rank died (a NaN step's rollback records rank -1, which no rank is)."""
+    if "shard" in record:
+        return f"{record['kind']} (shard {record['shard']})"
+    return record["kind"] if record["rank"] < 0 else f"{record['kind']} (rank {record['rank']})"
+
+
 def _mark_recoveries(ax, recoveries: list[dict]) -> None:
     """Dashed vertical line per recovery step, labelled with its kinds, so dips line up with faults."""
     by_step: dict[int, list[str]] = {}
     for r in recoveries:
-        by_step.setdefault(r["at_step"], []).append(f"{r['kind']} (rank {r['rank']})")
+        by_step.setdefault(r["at_step"], []).append(_recovery_label(r))
     for i, (step, labels) in enumerate(sorted(by_step.items())):
         ax.axvline(step, color="#C44E52", linestyle="--", linewidth=1, label="recovery" if i == 0 else None)
         ax.annotate(", ".join(labels), (step, 0.98), xycoords=ax.get_xaxis_transform(), xytext=(-3, 0),

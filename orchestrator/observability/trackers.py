@@ -168,6 +168,10 @@ class TrackerObserver(JobObserver):
     def on_recovered(self, record: RecoveryRecord, step: int, restarted: int, phases_s: dict[str, float]) -> None:
         self.recoveries += 1
 
+    def on_ps_shard_recovered(self, record: dict) -> None:
+        """A restarted shard is one of the summary's recoveries too, so it counts here as there."""
+        self.recoveries += 1
+
     def on_finish(self) -> None:
         for tracker in self.trackers:
             tracker.close()

@@ -1,7 +1,8 @@
 """Model FLOPs per token and per-rank peak FLOP/s, for the MFU estimate.
 
 Training costs ≈ 6·N FLOPs per token for N parameters plus 12·L·d·s for
-attention scores (PaLM's MFU accounting). Peaks are dense bf16 tensor-core
+attention scores (PaLM's MFU accounting); in an MoE model N counts the routed
+experts a token passes through, not all of them (nor none). Peaks are dense bf16 tensor-core
 figures from the vendors' data sheets; a CPU gets a nominal 0.1 TFLOP/s per
 rank (one core's FMA throughput, order of magnitude) unless the job file says
 otherwise, so MFU there is only comparable run to run.
@@ -9,7 +10,7 @@ otherwise, so MFU there is only comparable run to run.
 
 from __future__ import annotations
 
-from orchestrator.planning.estimate import stage_params
+from orchestrator.planning.estimate import moe_params, stage_params
 from orchestrator.planning.time_model import GPUS, flops_per_token
 from orchestrator.spec import JobSpec
 
@@ -22,8 +23,19 @@ def model_flops_per_token(spec: JobSpec, recompute: str = "none") -> float:
     """Model FLOPs per token (recompute not counted, as MFU wants); with the job's ``memory.recompute`` as
     ``recompute``, the hardware FLOPs (HFU) its recomputed forwards add."""
     m = spec.model
-    params = sum(stage_params(spec, stage=0, n_stages=1))  # the whole model as one stage
+    params = sum(stage_params(spec, stage=0, n_stages=1)) + active_expert_params(spec)  # the model as one stage
     return flops_per_token(params, m.n_layers, m.d_model, m.seq_len, recompute)
+
+
+def active_expert_params(spec: JobSpec) -> float:
+    """The routed-expert parameters one token's compute goes through (``stage_params`` leaves routed experts
+    out): per MoE layer ``k`` experts under a token-choice router, ``capacity_factor`` on average under
+    expert choice (each expert picks its tokens). 0 for a dense model."""
+    moe = spec.model.moe
+    if moe is None:
+        return 0.0
+    per_token = moe.capacity_factor if moe.router == "expert_choice" else moe.k
+    return per_token * sum(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) / moe.experts
 
 
 def peak_flops_per_rank(spec: JobSpec, device_name: str) -> float:

@@ -549,8 +549,15 @@ class TrainingJob:
         except StepFailed as failure:
             return failure
         finally:
-            self.recoveries.extend(self.ps.recoveries)
-            self.ps.recoveries.clear()
+            self._record_shard_recoveries()
+
+    def _record_shard_recoveries(self) -> None:
+        """The shards restarted since the last step: into the summary's recoveries and to the observers (the
+        ``ps_shard`` kind of ``raymesh_recoveries_total``, the trackers' count), which saw none of them before."""
+        for record in self.ps.recoveries:
+            self.recoveries.append(record)
+            self.observers.on_ps_shard_recovered(record)
+        self.ps.recoveries.clear()
 
     def _step_once(self) -> list[StepResult]:
         """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""

@@ -20,6 +20,9 @@ class Recorder(JobObserver):
     def on_recovered(self, record, step: int, restarted: int, phases_s: dict) -> None:
         self.seen.append(("recovery", record.kind, restarted, record.lost_steps))
 
+    def on_ps_shard_recovered(self, record: dict) -> None:
+        self.seen.append(("ps_shard", record["shard"], record["at_step"]))
+
     def on_resized(self, record, layout: dict) -> None:
         self.seen.append(("layout", layout["dp"]))
 

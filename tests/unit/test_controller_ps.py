@@ -97,3 +97,13 @@ def test_a_rank_lost_while_rerouted_to_a_restarted_shard_keeps_every_record(tmp_
     lines = steps_lines(job)
     assert 4 in lines and len(lines) - 10 == sum(r["lost_steps"] for r in result.recoveries)
     assert seen["route"] is seen["live"]
+
+
+def test_a_restarted_shard_reaches_the_observers_as_a_recovery(tmp_path, monkeypatch):
+    """A shard's restart is one of the summary's recoveries, so the observers are told of it too (the exporter's
+    ``raymesh_recoveries_total{kind="ps_shard"}``, the trackers' count): only the summary had it."""
+    fake_ps(monkeypatch)
+    job = ps_job(tmp_path, [shard_kill(4)])
+    result = job.run()
+    assert [(r["kind"], r["shard"], r["at_step"]) for r in result.recoveries] == [("kill_ps_shard", 1, 4)]
+    assert [seen for seen in job.recorder.seen if seen[0] == "ps_shard"] == [("ps_shard", 1, 4)]

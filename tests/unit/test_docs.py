@@ -162,9 +162,10 @@ def test_every_job_file_field_in_the_table_exists_with_its_stated_default():
 def test_the_recovery_kinds_metric_starts_every_kind_a_recovery_can_have():
     row = next(line for line in _section("### Metrics").splitlines() if line.startswith("| `raymesh_recoveries_total`"))
     assert set(re.search(r"`kind` \(([^)]*)\)", row).group(1).replace("`", "").split(", ")) == set(RECOVERY_KINDS)
-    # StepFailed's kinds (a lost rank, a hang, a rank's own OOM or exception), a lost node, a NaN, a bad checkpoint
+    # StepFailed's kinds (a lost rank, a hang, a rank's own OOM or exception), a lost node, a NaN, a bad checkpoint,
+    # a restarted parameter-server shard
     kinds = {_kind(["killed"]), _kind(["hung"]), _kind(["ran out of memory"]), _kind(["raised (x)"]),
-             "node", "nan_loss", "corrupt_checkpoint"}
+             "node", "nan_loss", "corrupt_checkpoint", "ps_shard"}
     assert kinds <= set(RECOVERY_KINDS)
 
 

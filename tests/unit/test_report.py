@@ -78,3 +78,13 @@ def test_the_cli_prints_a_step_not_recorded_as_one_line(tmp_path, capsys):
     assert main(["report", str(make_run(tmp_path / "run")), "--step", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("raymesh: error: step 3 is not in") and "Traceback" not in err
+
+
+def test_recovery_marks_name_the_shard_or_only_the_kind_where_no_rank_died():
+    """A shard restart and a NaN rollback record rank -1: the chart said "rank -1" for both."""
+    from orchestrator.observability.report import _figure, _mark_recoveries
+
+    ax = _figure().add_subplot()
+    _mark_recoveries(ax, [{"kind": "kill_ps_shard", "rank": -1, "shard": 1, "at_step": 4},
+                          {"kind": "nan_loss", "rank": -1, "at_step": 6}, {"kind": "rank", "rank": 2, "at_step": 6}])
+    assert sorted(t.get_text() for t in ax.texts) == ["kill_ps_shard (shard 1)", "nan_loss, rank (rank 2)"]

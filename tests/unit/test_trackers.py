@@ -125,16 +125,18 @@ def test_a_logger_listed_twice_is_refused_not_merged(loggers):
 
 
 class Kept:
-    """A tracker that keeps the steps it was given."""
+    """A tracker that keeps the steps and figures it was given."""
 
     def __init__(self):
         self.steps: list[int] = []
+        self.metrics: list[dict[str, float]] = []
 
     def log_params(self, params):
         pass
 
     def log_metrics(self, metrics, step):
         self.steps.append(step)
+        self.metrics.append(metrics)
 
     def close(self):
         pass
@@ -154,3 +156,13 @@ def test_log_every_sends_every_nth_step_the_last_and_each_that_evaluated_to_trac
     assert kept.steps == [3, 4, 6, 8]
     lines = [fields for name, fields in events if name == "step"]
     assert [int(f["step"]) for f in lines] == [3, 4, 6, 8] and lines[0]["loss"] == f"{5.0 / 3:.4f}"
+
+
+def test_a_restarted_parameter_server_shard_counts_in_the_recoveries_as_in_the_summary():
+    spec = JobSpec.from_dict({"data": {"path": "d"}, "train": {"steps": 3}})
+    kept = Kept()
+    observer = TrackerObserver(spec, [kept])
+    observer.on_step(fake_report(1))
+    observer.on_ps_shard_recovered({"kind": "kill_ps_shard", "rank": -1, "shard": 1, "at_step": 2})
+    observer.on_step(fake_report(2))
+    assert [m["recoveries"] for m in kept.metrics] == [0.0, 1.0]
