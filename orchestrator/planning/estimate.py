@@ -413,6 +413,12 @@ def freed_in_backward(spec: JobSpec, saved: int, pp_rank: int, ids: list[int]) -
     return head_bytes(spec) if p.pp * p.stages_per_rank - 1 in ids else 0
 
 
+def regathers(spec: JobSpec) -> bool:
+    """Whether ZeRO-3 reshards after forward and gathers again in backward: FSDP2 does on a mesh of more than
+    one rank, and its mesh is dp x cp (``data_parallel_mesh``), so cp ranks alone reshard too."""
+    return spec.parallel.zero >= 3 and spec.parallel.dp * spec.parallel.cp > 1
+
+
 def recompute_working_bytes(spec: JobSpec, layers: list[int]) -> int:
     """Under full recompute, backward rebuilds one block's activations at a time: the largest of this
     rank's blocks as if nothing were recomputed (selective rebuilds only the attention core: left out)."""
@@ -440,7 +446,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,
                         grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
-                        freed_in_backward(spec, saved, coords["pp"], ids), p.zero >= 3 and p.grid.dp_enabled,
+                        freed_in_backward(spec, saved, coords["pp"], ids), regathers(spec),
                         error_feedback_bytes(spec, split["trainable"]))
 
 

@@ -39,6 +39,7 @@ def _job(model: dict, **sections) -> JobSpec:
     ({"dp": 2, "cp": 2, "zero": 3}, {"microbatches": 2}, "none", "bf16"),
     ({"cp": 2, "zero": 0}, {"microbatches": 2}, "none", "fp32"),
     ({"dp": 2, "cp": 2, "zero": 1, "cp_impl": "allgather"}, {"microbatches": 1}, "none", "fp32"),
+    ({"cp": 2, "zero": 3}, {"microbatches": 1}, "none", "fp32"),
 ])
 def test_search_path_equals_the_spec_estimate(model, parallel, train, recompute, dtype):
     """Where both apply (layers divide the stages, no LoRA), the search's arithmetic is the estimate's."""
