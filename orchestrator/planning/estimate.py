@@ -41,6 +41,7 @@ class RankEstimate:
     freed_in_backward: int = 0  # activations backward frees first: the head's, or one pipeline microbatch's
     regathers: bool = False  # ZeRO-3: parameters resharded after forward, gathered again in backward
     feedback_bytes: int = 0  # compression's error feedback, within ``buffer_bytes`` (``error_feedback_bytes``)
+    loss_bytes: int = 0  # the loss backward's transient gradients on the head's rank (``loss_bytes``)
 
     @property
     def total_bytes(self) -> int:
@@ -48,9 +49,11 @@ class RankEstimate:
         plus the larger of (activations at their peak + gradients already there) and (all gradients, at the end
         of backward), plus recompute's working memory. Gradients and activations do not peak together: a step's
         first backward starts producing gradients as it frees activations (``zero_grad(set_to_none=True)``);
-        ZeRO-3 gathers its parameters again only in backward (``memory_model.in_step_peak``)."""
+        ZeRO-3 gathers its parameters again only in backward (``memory_model.in_step_peak``). The head's rank
+        adds the loss backward's float32 gradients over the vocabulary to the first moment."""
         return mm.in_step_peak(self.state, self.activation_bytes, self.grads_at_activation_peak,
-                               self.regathers, self.freed_in_backward, self.working_bytes) + self.buffer_bytes
+                               self.regathers, self.freed_in_backward, self.working_bytes,
+                               self.loss_bytes) + self.buffer_bytes
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "params": self.params, **self.state.as_dict(),
@@ -238,6 +241,15 @@ def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
     return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.vocab_size, p.tp,
                                     sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec))
+
+
+def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
+    """The loss backward's transient (``memory_model.loss_backward_bytes``) where this rank holds the head and
+    its logits need a gradient (a LoRA run with nothing trainable before the head has no backward)."""
+    p, head = spec.parallel, frozen_parts(spec)[-1]
+    if p.pp * p.stages_per_rank - 1 not in ids or not (head is None or head.output_grad()):
+        return 0
+    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), spec.model.vocab_size)
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -447,7 +459,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
                         buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,
                         grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
                         freed_in_backward(spec, saved, coords["pp"], ids), regathers(spec),
-                        error_feedback_bytes(spec, split["trainable"]))
+                        error_feedback_bytes(spec, split["trainable"]), loss_bytes(spec, ids))
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:

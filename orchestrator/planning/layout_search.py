@@ -248,7 +248,8 @@ class Evaluator:
                                        c)
         buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + buckets + cp_kernel  # autocast
         regathers = lay.zero >= 3 and lay.shards > 1
-        return mm.in_step_peak(state, saved, carried, regathers, freed, working) + buffers
+        loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab) * last
+        return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:
         """The split whose slowest stage (by ``units``) is fastest among those where every pp rank's in-step peak
