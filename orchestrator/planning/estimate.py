@@ -41,6 +41,7 @@ class RankEstimate:
     freed_in_backward: int = 0  # activations backward frees first: the head's, or one pipeline microbatch's
     regathers: bool = False  # ZeRO-3: parameters resharded after forward, gathered again in backward
     feedback_bytes: int = 0  # compression's error feedback, within ``buffer_bytes`` (``error_feedback_bytes``)
+    loss_bytes: int = 0  # the loss backward's transient gradients on the head's rank (``loss_bytes``)
 
     @property
     def total_bytes(self) -> int:
@@ -48,9 +49,11 @@ class RankEstimate:
         plus the larger of (activations at their peak + gradients already there) and (all gradients, at the end
         of backward), plus recompute's working memory. Gradients and activations do not peak together: a step's
         first backward starts producing gradients as it frees activations (``zero_grad(set_to_none=True)``);
-        ZeRO-3 gathers its parameters again only in backward (``memory_model.in_step_peak``)."""
+        ZeRO-3 gathers its parameters again only in backward (``memory_model.in_step_peak``). The head's rank
+        adds the loss backward's float32 gradients over the vocabulary to the first moment."""
         return mm.in_step_peak(self.state, self.activation_bytes, self.grads_at_activation_peak,
-                               self.regathers, self.freed_in_backward, self.working_bytes) + self.buffer_bytes
+                               self.regathers, self.freed_in_backward, self.working_bytes,
+                               self.loss_bytes) + self.buffer_bytes
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "params": self.params, **self.state.as_dict(),
@@ -240,6 +243,15 @@ def head_bytes(spec: JobSpec) -> int:
                                     sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec))
 
 
+def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
+    """The loss backward's transient (``memory_model.loss_backward_bytes``) where this rank holds the head and
+    its logits need a gradient (a LoRA run with nothing trainable before the head has no backward)."""
+    p, head = spec.parallel, frozen_parts(spec)[-1]
+    if p.pp * p.stages_per_rank - 1 not in ids or not (head is None or head.output_grad()):
+        return 0
+    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), spec.model.vocab_size)
+
+
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     """Saved for backward on this rank, before activation offload packs any away: its average chunk
     times the chunk-microbatches its schedule keeps in flight, plus the head.
@@ -413,6 +425,12 @@ def freed_in_backward(spec: JobSpec, saved: int, pp_rank: int, ids: list[int]) -
     return head_bytes(spec) if p.pp * p.stages_per_rank - 1 in ids else 0
 
 
+def regathers(spec: JobSpec) -> bool:
+    """Whether ZeRO-3 reshards after forward and gathers again in backward: FSDP2 does on a mesh of more than
+    one rank, and its mesh is dp x cp (``data_parallel_mesh``), so cp ranks alone reshard too."""
+    return spec.parallel.zero >= 3 and spec.parallel.dp * spec.parallel.cp > 1
+
+
 def recompute_working_bytes(spec: JobSpec, layers: list[int]) -> int:
     """Under full recompute, backward rebuilds one block's activations at a time: the largest of this
     rank's blocks as if nothing were recomputed (selective rebuilds only the attention core: left out)."""
@@ -440,8 +458,8 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,
                         grads_at_activation_peak(spec, coords["pp"], len(ids)), recompute_working_bytes(spec, layers),
-                        freed_in_backward(spec, saved, coords["pp"], ids), p.zero >= 3 and p.grid.dp_enabled,
-                        error_feedback_bytes(spec, split["trainable"]))
+                        freed_in_backward(spec, saved, coords["pp"], ids), regathers(spec),
+                        error_feedback_bytes(spec, split["trainable"]), loss_bytes(spec, ids))
 
 
 def estimate(spec: JobSpec) -> list[RankEstimate]:

@@ -58,6 +58,7 @@ class Shape:
     fsdp_policy: bool = False
     reduce_bytes: int = 4  # gradient reduction width under that policy (precision.reduce_dtype)
     fsdp_prefetch: int = 0  # parallel.fsdp_prefetch: ZeRO-3 blocks gathered ahead (FSDP2's one when 0)
+    cp_impl: str = "ring"  # parallel.cp_impl: the kernel's buffers, and allgather's saved K/V
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -66,7 +67,7 @@ class Shape:
                    spec.train.global_batch_size, m.kv_heads, m.arch, m.tie_embeddings, m.positions == "learned",
                    mm.BYTES_PER[spec.precision.dtype], planned_fsdp_mixed(
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
-                   mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch)
+                   mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl)
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -117,6 +118,12 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shards(self) -> int:
+        """Ranks ZeRO shards over and gradients are reduced over: dp x cp, as the workers' ``data_parallel_mesh``
+        (cp ranks hold the same weights), so dp=1 cp=8 shards eight ways and replicates under ZeRO-0."""
+        return self.dp * self.cp
 
     def microbatches(self, shape: Shape) -> int:
         return shape.global_batch // (self.dp * self.micro_batch)
@@ -215,7 +222,7 @@ class Evaluator:
         params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model + s.d_model * last
         mixed = s.fsdp_mixed(lay.zero)
         precision = "fsdp_mixed" if mixed else "autocast" if s.compute_bytes < 4 else "fp32"
-        state = mm.model_state(params, lay.dp, lay.zero, precision, "adamw",
+        state = mm.model_state(params, lay.shards, lay.zero, precision, "adamw",
                                fsdp=True, zero3_gathered_params=mm.zero3_gathered_params(
                                    root, s.block_params, lay.tp, s.fsdp_prefetch),
                                accumulating=m > 1 or lay.pp > 1, pipelined=lay.pp > 1)
@@ -223,7 +230,7 @@ class Evaluator:
             rows = s.vocab * s.d_model
             state = replace(state, grads=state.grads + 4 * (rows - rows // lay.tp))
         seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
-        layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute, mixed)
+        layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute, mixed, lay.cp)
         head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed)
         in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
         chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
@@ -236,10 +243,13 @@ class Evaluator:
         freed = saved // max(1, in_flight) // 2 if lay.pp > 1 else head * last  # est.freed_in_backward
         hidden = s.boundary_width(lay.zero) * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
         edges = sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0
-        buckets = 4 * params if lay.zero == 1 and lay.dp > 1 else 0  # DDP's flat all-reduce buckets
-        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + buckets  # autocast's copies
-        regathers = lay.zero >= 3 and lay.dp > 1
-        return mm.in_step_peak(state, saved, carried, regathers, freed, working) + buffers
+        buckets = 4 * params if lay.zero == 1 and lay.shards > 1 else 0  # DDP's flat all-reduce buckets
+        cp_kernel = mm.cp_buffer_bytes(s.cp_impl, s.seq, lay.micro_batch, s.d_model, s.n_heads, s.kv, lay.cp, lay.tp,
+                                       c)
+        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + buckets + cp_kernel  # autocast
+        regathers = lay.zero >= 3 and lay.shards > 1
+        loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab) * last
+        return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:
         """The split whose slowest stage (by ``units``) is fastest among those where every pp rank's in-step peak
@@ -294,7 +304,7 @@ class Evaluator:
         flops, r = max(per_rank)
         shape = comm_shape(s, lay, r)
         by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m)
-        gathers = by_dim["dp"] - cm.reduce_scatter(shape.grad_bytes, lay.dp)  # ZeRO-2/3: the rest are gathers
+        gathers = by_dim["dp"] - cm.reduce_scatter(shape.grad_bytes, lay.shards)  # ZeRO-2/3: the rest are gathers
         degrees = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp}
         time = tm.step_time(flops, by_dim, self.gpu, degrees, m, lay.stages_per_rank, self.efficiency,
                             gather_bytes=max(0.0, gathers) if lay.zero >= 2 else 0.0,
@@ -343,11 +353,15 @@ def layout_of(spec) -> Layout:
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, fsdp_mixed: bool = False) -> int:
-    """One block's saved bytes (sequence parallel whenever tp > 1), cached: candidates differing only in
-    ZeRO stage or schedule share it."""
-    return mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
-                                     s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed)
+def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, fsdp_mixed: bool = False,
+                 cp: int = 1) -> int:
+    """One block's saved bytes (sequence parallel whenever tp > 1; allgather's gathered K/V without recompute,
+    as ``estimate.layer_bytes``), cached: candidates differing only in ZeRO stage or schedule share it."""
+    block = mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
+                                      s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed)
+    if s.cp_impl != "allgather" or recompute != "none":
+        return block
+    return block + mm.gathered_kv_bytes(s.seq, micro_batch, s.d_model, s.n_heads, s.kv, cp, tp, s.compute_bytes)
 
 
 
@@ -400,7 +414,7 @@ def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedule
             if pp > 1 and m < schedule_facts(sched).min_microbatches(pp):
                 skip("too few microbatches for the schedule")
                 continue
-            for zero, rc in product(zeros if dp > 1 else (0,), recomputes):
+            for zero, rc in product(zeros if dp * cp > 1 else (0,), recomputes):  # ZeRO shards over dp x cp
                 yield Layout(dp, tp, pp, cp, zero, mbs, rc, sched, v)
 
 

@@ -82,21 +82,22 @@ class ModelState:
 
 
 def in_step_peak(state: ModelState, activations: int, grads_at_activation_peak: bool = False,
-                 regathers: bool = False, freed: int = 0, working: int = 0) -> int:
+                 regathers: bool = False, freed: int = 0, working: int = 0, loss: int = 0) -> int:
     """Model state plus activations at the step's high point (buffers aside; see ``RankEstimate.total_bytes``).
 
     Weights and optimizer state are there all step; the rest peaks at one of three moments (measured with
     the probe's in-step sampling, ``ActivationMeter.step_peak``):
 
-    - the end of forward: all saved ``activations``, the gradients of earlier microbatches
-      (``grads_at_activation_peak``) and the gathered parameters, unless ZeRO-3 resharded them
-      after forward (``regathers``; FSDP2 reshards the root too);
+    - the end of forward, through the loss backward: all saved ``activations``, the gradients of earlier
+      microbatches (``grads_at_activation_peak``), the gathered parameters, unless ZeRO-3 resharded them
+      after forward (``regathers``; FSDP2 reshards the root too), and on the head's rank the loss's transient
+      gradients (``loss``: ``loss_backward_bytes``, which the probe does not see and a GPU's allocator does);
     - backward, once it has ``freed`` the first activations it consumes (the head's; in a pipeline one
       microbatch's): the parameters gathered again and recompute's rebuilt block (``working``);
     - the end of backward: every gradient and the gathered parameters, the activations gone.
     """
     carried = state.step_grads if grads_at_activation_peak else 0
-    forward_end = activations + carried + (0 if regathers else state.gathered)
+    forward_end = activations + carried + (0 if regathers else state.gathered) + loss
     in_backward = activations - freed + carried + state.gathered + working
     backward_end = state.step_grads + state.gathered
     return state.params + state.optimizer + max(forward_end, in_backward, backward_end)
@@ -364,6 +365,16 @@ def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, 
     adapted, logits_grad = "output" in frozen.adapted, frozen.output_grad()
     return (4 * s * b * d_model + 4 * s * b) * frozen.input_grad // seq_shard \
         + compute_bytes * s * b * (d_model + frozen.rank) * adapted + (4 * s * b * vocab + 8 * s * b) * logits_grad
+
+
+def loss_backward_bytes(seq: int, micro_batch: int, vocab: int) -> int:
+    """What the loss backward allocates beside the saved activations on the head's rank, before it frees any:
+    cross entropy's gradient w.r.t. the log-probabilities (``nll_loss`` backward writes a dense s·b·V float32
+    tensor) and log-softmax's w.r.t. the float32 logits (another), both live with the saved log-probabilities.
+    Full vocabulary on every tp rank (the head's logits are replicated before the loss). Why it matters: at
+    Llama's 128,256 words and 8K tokens that is 8.4 GB a microbatch, often the step's peak. It also covers
+    the forward's own transient at the loss (the 16-bit logits and their float32 copy: 6 or 4 bytes a logit)."""
+    return 2 * 4 * seq * micro_batch * vocab
 
 
 def embedding_activation_bytes(seq: int, micro_batch: int) -> int:

@@ -15,6 +15,8 @@ buffers, DDP buckets; autocast's weight copies it does see).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from orchestrator.observability.events import event
 from orchestrator.planning.estimate import RankEstimate, autocast_copy_bytes, estimate, estimate_rank
 from orchestrator.planning.memory_model import human_bytes
@@ -56,8 +58,10 @@ def warn_if_too_big(spec: JobSpec) -> list[str]:
 
 def probe_visible_peak(spec: JobSpec, predicted: RankEstimate) -> int:
     """The predicted in-step peak as the probe counts it: less the buffers it cannot see (pipeline receive
-    buffers, DDP buckets), plus autocast's weight copies, which it sees among the saved tensors."""
-    return predicted.total_bytes - predicted.buffer_bytes + autocast_copy_bytes(spec, predicted.params)
+    buffers, DDP buckets) and the loss backward's transient gradients (no saved tensor holds them), plus
+    autocast's weight copies, which it sees among the saved tensors."""
+    seen = replace(predicted, loss_bytes=0)
+    return seen.total_bytes - seen.buffer_bytes + autocast_copy_bytes(spec, seen.params)
 
 
 class MeasuredMemory:

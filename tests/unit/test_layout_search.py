@@ -12,6 +12,7 @@ from orchestrator.planning import estimate as est
 from orchestrator.planning import layout_search as ls
 from orchestrator.planning import memory_model as mm
 from orchestrator.planning import time_model as tm
+from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.planning.published import RUNS
 from workers.diagnostics.memory_probe import ActivationMeter
 from workers.model.config import model_config
@@ -35,6 +36,10 @@ def _job(model: dict, **sections) -> JobSpec:
     ({"dp": 4, "zero": 1}, {"microbatches": 1}, "none", "fp32"),
     ({"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "interleaved_1f1b"}, {"microbatches": 4}, "none", "bf16"),
     ({"pp": 4, "tp": 2, "pp_schedule": "gpipe"}, {"microbatches": 8}, "full", "fp32"),
+    ({"dp": 2, "cp": 2, "zero": 3}, {"microbatches": 2}, "none", "bf16"),
+    ({"cp": 2, "zero": 0}, {"microbatches": 2}, "none", "fp32"),
+    ({"dp": 2, "cp": 2, "zero": 1, "cp_impl": "allgather"}, {"microbatches": 1}, "none", "fp32"),
+    ({"cp": 2, "zero": 3}, {"microbatches": 1}, "none", "fp32"),
 ])
 def test_search_path_equals_the_spec_estimate(model, parallel, train, recompute, dtype):
     """Where both apply (layers divide the stages, no LoRA), the search's arithmetic is the estimate's."""
@@ -135,3 +140,21 @@ def test_predicted_bytes_of_a_job_spec():
     hidden = 4 * 4 * 32 * 64 // 2  # fp32 b·s·h of a 4-sequence microbatch, sequence-sharded over tp=2
     # per microbatch stage 0 sends the hidden state forward, stage 1 its gradient back: one send each
     assert piped[0]["pp"] == piped[1]["pp"] == 4 * hidden and piped[0]["tp"] > 0
+
+
+def test_picker_shards_over_context_parallel_ranks_as_the_ranks_do():
+    """ZeRO shards (and ZeRO-0's replicate() copies) over dp x cp, the workers' ``data_parallel_mesh``; the
+    search used dp alone and left out the ring kernel's buffers. Llama 3 8B at 32K tokens, one sequence a step on
+    8 GPUs of 170 GB, so dp=1: the picker chose dp=1 cp=8 zero=0, priced at 145.58 GB within the 153 GB limit,
+    which the ranks (and the estimate ``raymesh run`` checks) put at 177.80 GB: (4 + 4 + 8) · 8,030,261,248 of
+    replicated state, replicate()'s unsharded fp32 copy (32.1 GB) and autocast's bf16 one (16.1 GB) on top.
+    ZeRO over the eight cp ranks (16 bytes · 8.03e9 / 8 = 16.06 GB of state) was never offered."""
+    spec = _job({"preset": "llama3-8b", "seq_len": 32768}, precision={"dtype": "bf16"},
+                train={"global_batch_size": 1, "microbatches": 1}, memory={"recompute": "full"})
+    choice = pick_layout(spec, nodes=1, gpus_per_node=8, gpu_mem=170 * 10**9)
+    assert choice.candidate.peak == est.peak_rank(choice.spec).total_bytes <= choice.result.limit
+    ev = ls.Evaluator(ls.Shape.of(spec), tm.gpu("H100"))
+    zero3 = est.estimate_rank(spec.with_overrides(["parallel.cp=8", "parallel.zero=3"]), 0)
+    assert zero3.state.persistent == 16 * 8_030_261_248 // 8
+    assert ev.rank_peak(ls.Layout(1, 1, 1, 8, 3, 1, "full"), 0) == zero3.total_bytes
+    assert any(lay.zero == 3 for lay in ls.candidates(ls.Shape.of(spec), 8, tm.gpu("H100"), cps=[8]))
