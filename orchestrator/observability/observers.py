@@ -106,10 +106,11 @@ def logged(record: dict, train) -> bool:
 
 class EventLog(JobObserver):
     """The ``raymesh event=...`` lines of evaluations, recoveries and resizes (tests and operators grep them), and
-    with ``steps`` (a train section: no progress bar shows the steps) an ``event=step`` line per logged step."""
+    with ``train`` (the job's train section, given where no progress bar shows the steps) an ``event=step`` line
+    per logged step."""
 
-    def __init__(self, steps=None):
-        self.train = steps
+    def __init__(self, train=None):
+        self.train = train
 
     def on_step(self, report: StepReport) -> None:
         record = report.record

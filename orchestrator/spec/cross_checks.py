@@ -153,13 +153,11 @@ def check_faults(job: JobSpec) -> None:
 
 def _check_fault_options(fault, where: str) -> None:
     """``factor`` and ``shard`` mean something to one kind each; set on another, the user expects an effect that
-    never comes (a slow kill, a shard picked for a rank's death). A default value is not flagged: a job file read
-    back from ``to_dict`` carries every default."""
+    never comes (a slow kill, a shard picked for a rank's death). A default value is not flagged (``_changed``)."""
     for option, kind in (("factor", "slow_rank"), ("shard", "kill_ps_shard")):
-        value, default = getattr(fault, option), type(fault).model_fields[option].default
-        if value != default and fault.kind != kind:
-            raise SpecError(f"{where}.{option}", value, f"is read by kind {kind} only, and this fault is "
-                            f"{fault.kind}", f"remove {where}.{option}, or set {where}.kind: {kind}")
+        if _changed(fault, option) and fault.kind != kind:
+            raise SpecError(f"{where}.{option}", getattr(fault, option), f"is read by kind {kind} only, and this "
+                            f"fault is {fault.kind}", f"remove {where}.{option}, or set {where}.kind: {kind}")
 
 
 def check_recompute(job: JobSpec) -> None:
