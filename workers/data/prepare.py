@@ -69,9 +69,10 @@ def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...]) -> Ite
     seen: set[Path] = set()
     for source in sources:
         for path in _iter_files(source, extensions):
-            if path.resolve() in seen:
+            real = path.resolve()
+            if real in seen:
                 continue
-            seen.add(path.resolve())
+            seen.add(real)
             try:
                 data = path.read_bytes()
             except OSError:
