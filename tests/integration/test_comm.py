@@ -141,7 +141,7 @@ def test_compressed_run_resumes_bit_identically_with_its_error_feedback(kind, re
         {r: sent[2:] for r, sent in whole.field("comm_bytes").items()}
 
 
-def _snapshot_bytes(rank: int, specs: list[dict], ports: list[int], results) -> None:
+def _snapshot_bytes(rank: int, specs: list[dict], ports, results) -> None:
     """Body of a spawned rank: per spec, two steps (past a one-step warm-up), then the bytes of the tensors one
     in-memory snapshot of this rank copies."""
     import torch.distributed as dist
@@ -150,8 +150,9 @@ def _snapshot_bytes(rank: int, specs: list[dict], ports: list[int], results) -> 
     from workers.trainer import Trainer
 
     held = []
-    for spec, port in zip(specs, ports, strict=True):
-        trainer = Trainer(spec, rank, 2, "127.0.0.1", port)
+    for i, spec in enumerate(specs):
+        port, listener = ports.join(rank, i)
+        trainer = Trainer(spec, rank, 2, "127.0.0.1", port, listener=listener)
         trainer.train_step()
         trainer.train_step()
         snap = snapshot.take(trainer.state)
@@ -167,11 +168,11 @@ def test_a_snapshot_with_error_feedback_holds_the_bytes_the_planner_reserves(tok
     carries: what a real snapshot copies equals the planner's ``snapshot_bytes`` (the figure each rank's
     placement asks Ray's ``memory`` for, per copy) to 1%."""
     from orchestrator.planning.snapshot_memory import snapshot_bytes
-    from tests.support.parity_harness import free_port, spawn_ranks
+    from tests.support.parity_harness import rank_ports, spawn_ranks
 
     kinds = [RESUMED[kind] for kind in ("topk", "onebit_adam")]
     specs = [tiny_spec(token_data, tmp_path / str(i), parallel={"dp": 2, "device": "cpu", **parallel}, optim=optim,
                        train={"steps": 2}) for i, (parallel, optim) in enumerate(kinds)]
-    held = spawn_ranks(_snapshot_bytes, ([s.worker_dict() for s in specs], [free_port() for _ in specs]), 2, 300)
+    held = spawn_ranks(_snapshot_bytes, ([s.worker_dict() for s in specs], rank_ports(len(specs))), 2, 300)
     for i, spec in enumerate(specs):
         assert held[0][i] == held[1][i] == pytest.approx(snapshot_bytes(spec), rel=0.01)

@@ -47,7 +47,7 @@ def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool, seq
     return max((g - r[:, :, idx]).abs().max().item() for g, r in zip(got, ref))
 
 
-def _rank_main(rank: int, world: int, port: int, strategies: tuple[str, ...], results) -> None:
+def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], results) -> None:
     """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group)."""
     import torch.distributed as dist
 
@@ -56,7 +56,8 @@ def _rank_main(rank: int, world: int, port: int, strategies: tuple[str, ...], re
 
     torch.set_num_threads(1)
     cpa.ROW_TILE = 4  # ring tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6 rows)
-    join_on_loopback(rank, world, port)
+    port, listener = ports.join(rank, 0)
+    join_on_loopback(rank, world, port, listener=listener)
     groups = {world: dist.new_group(list(range(world)))}
     for first in range(0, world, 2):  # every rank must join every new_group call
         pair = dist.new_group([first, first + 1])
@@ -84,9 +85,9 @@ def run_all(world: int, strategies: tuple[str, ...], timeout_s: float = 300.0) -
     The harness is imported here, not at module level: it pulls in ``orchestrator``, which every spawned
     child (it imports this module to find ``_rank_main``) would otherwise load for nothing.
     """
-    from tests.support.parity_harness import free_port, spawn_ranks
+    from tests.support.parity_harness import rank_ports, spawn_ranks
 
-    by_rank = spawn_ranks(_rank_main, (world, free_port(), strategies), world, timeout_s)
+    by_rank = spawn_ranks(_rank_main, (world, rank_ports(1), strategies), world, timeout_s)
     merged = {}
     for case in by_rank[0]:
         values = [by_rank[r][case] for r in range(world)]

@@ -4,7 +4,6 @@ harness's child processes, for unit tests of what one rank does (snapshots, chec
 from __future__ import annotations
 
 import contextlib
-import socket
 import sysconfig
 from pathlib import Path
 
@@ -19,17 +18,15 @@ def one_rank_trainer(tmp_path_factory, **sections):
     import torch.distributed as dist
 
     from workers.data.prepare import prepare_data
-    from workers.parallel.process_group import LINK_INTERFACE_VARS
+    from workers.parallel.process_group import LINK_INTERFACE_VARS, listen_on
     from workers.trainer import Trainer
 
     data = tmp_path_factory.mktemp("tokens")
     prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
     spec = tiny_spec(data, tmp_path_factory.mktemp("run"), **sections).worker_dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    listener = listen_on("127.0.0.1")  # bound until the store takes it: no other process can take the port
     with kept_env(*LINK_INTERFACE_VARS):  # a loopback group sets them in this process: the test session's
-        trainer = Trainer(spec, 0, 1, "127.0.0.1", port)
+        trainer = Trainer(spec, 0, 1, "127.0.0.1", listener.getsockname()[1], listener=listener)
         try:
             yield trainer
         finally:

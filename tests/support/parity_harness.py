@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from orchestrator.checkpoints import checksums
 from orchestrator.spec import JobSpec
 from tests.support.environ import kept_env
-from tests.support.ports import free_port
+from tests.support.ports import GroupPorts
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,13 @@ class Job:
     it saves."""
 
     spec: dict
-    port: int
     steps: int
     checkpoint: str | None = None
     resume: str | None = None
     save_after: int | None = None
 
 
-def _rank_main(rank: int, jobs: list[Job], world_size: int, results) -> None:
+def _rank_main(rank: int, jobs: list[Job], ports: GroupPorts, world_size: int, results) -> None:
     """Body of one spawned rank: for each job in turn, build the Trainer (and load the DCP checkpoint
     ``resume`` when given; DCP reshards it to this layout), train its ``steps`` steps keeping each step's result
     dict, and save the state after ``save_after`` steps (default: the last) to ``checkpoint`` when given;
@@ -89,8 +88,9 @@ def _rank_main(rank: int, jobs: list[Job], world_size: int, results) -> None:
 
     torch.set_num_threads(1)
     outs = []
-    for job in jobs:
-        trainer = Trainer(job.spec, rank, world_size, "127.0.0.1", job.port)
+    for i, job in enumerate(jobs):
+        port, listener = ports.join(rank, i)
+        trainer = Trainer(job.spec, rank, world_size, "127.0.0.1", port, listener=listener)
         if job.resume is not None:
             trainer.checkpoints.load(job.resume)
         out = []
@@ -142,10 +142,10 @@ def run_layouts(specs: list[dict], world_size: int, steps: int | list[int], time
     resume an earlier one's save)."""
     n = len(specs)
     counts = [steps] * n if isinstance(steps, int) else steps
-    jobs = [Job(spec, free_port(), k, c, r, s) for spec, k, c, r, s in
+    jobs = [Job(spec, k, c, r, s) for spec, k, c, r, s in
             zip(specs, counts, checkpoints or [None] * n, resumes or [None] * n, save_afters or [None] * n,
                 strict=True)]
-    by_rank = spawn_ranks(_rank_main, (jobs, world_size), world_size, timeout_s * n)
+    by_rank = spawn_ranks(_rank_main, (jobs, rank_ports(n), world_size), world_size, timeout_s * n)
     for job in jobs:  # sealed as the controller seals a save, so export/--resume accept it
         if job.checkpoint is not None:
             checksums.write_manifest(job.checkpoint)
@@ -209,6 +209,11 @@ def _rank_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def rank_ports(groups: int) -> GroupPorts:
+    """Ports for ``groups`` gloo groups that ranks of ``spawn_ranks`` form one after another (``GroupPorts``)."""
+    return GroupPorts(groups, _rank_context())
 
 
 def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:

@@ -43,7 +43,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _rank_main(rank: int, spec: dict, world_size: int, port: int, results) -> None:
+def _rank_main(rank: int, spec: dict, world_size: int, ports, results) -> None:
     import torch.distributed as dist
 
     from workers.model.registry import build_model
@@ -53,7 +53,8 @@ def _rank_main(rank: int, spec: dict, world_size: int, port: int, results) -> No
 
     torch.set_num_threads(1)
     ws = WorkerSpec.from_dict(spec)
-    mesh = init_mesh(rank, world_size, "127.0.0.1", port, ws.parallel.grid, torch.device("cpu"))
+    port, listener = ports.join(rank, 0)
+    mesh = init_mesh(rank, world_size, "127.0.0.1", port, ws.parallel.grid, torch.device("cpu"), listener=listener)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
     before = _status_kib("VmRSS")
     parts = build_parts(ws, mesh, torch.device("cpu"))
@@ -71,14 +72,15 @@ def _rank_main(rank: int, spec: dict, world_size: int, port: int, results) -> No
 def measure(layout: dict, model: dict | None = None, timeout_s: float = 240.0) -> list[RankMemory]:
     """Every rank's start-up memory for ``layout`` (parallel fields) on ``model`` (default ``MODEL``)."""
     from tests.support.jobs import tiny_spec
-    from tests.support.parity_harness import free_port
+    from tests.support.ports import GroupPorts
 
     with tempfile.TemporaryDirectory() as tmp:
         job = tiny_spec(Path(tmp), Path(tmp), model=model or MODEL, parallel={**layout, "device": "cpu"})
         spec, world = job.worker_dict(), job.parallel.grid.world_size
         ctx = mp.get_context("spawn")
         results = ctx.SimpleQueue()
-        procs = mp.start_processes(_rank_main, args=(spec, world, free_port(), results), nprocs=world,
+        ports = GroupPorts(1, ctx)  # held here until the ranks are done: a spawned rank unpickles it as it starts
+        procs = mp.start_processes(_rank_main, args=(spec, world, ports, results), nprocs=world,
                                    join=False, start_method="spawn")
         procs.join(timeout=timeout_s)
         out = [results.get() for _ in range(world)]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.support.parity_harness import free_port
+from tests.support.ports import GroupPorts
 from workers.parallel.expert_parallel import ExpertParallelDispatcher, expert_major
 from workers.parallel.process_group import join_on_loopback
 
@@ -89,9 +89,10 @@ def _check(rank: int, group, group_rank: int, ep: int) -> None:
     assert torch.count_nonzero(experts.w1.grad[EMPTY - first]) == 0 if first <= EMPTY < first + local else True
 
 
-def _rank_main(rank: int, port: int) -> None:
+def _rank_main(rank: int, ports: GroupPorts) -> None:
     torch.set_num_threads(1)
-    join_on_loopback(rank, WORLD, port)
+    port, listener = ports.join(rank, 0)
+    join_on_loopback(rank, WORLD, port, listener=listener)
     _check(rank, dist.group.WORLD, rank, WORLD)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     _check(rank, pairs[rank // 2], rank % 2, 2)
@@ -99,7 +100,8 @@ def _rank_main(rank: int, port: int) -> None:
 
 
 def test_dispatch_over_ep4_and_ep2_matches_local_experts_forward_and_backward():
-    mp.start_processes(_rank_main, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")
+    ports = GroupPorts(1, mp.get_context("spawn"))  # held until the ranks are done (each unpickles it as it starts)
+    mp.start_processes(_rank_main, args=(ports,), nprocs=WORLD, join=True, start_method="spawn")
 
 
 def test_expert_major_reorders_peer_major_chunks():

@@ -4,14 +4,14 @@ collective timeout, and both can form a new group afterwards (the leaver's proce
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.support.parity_harness import free_port
+from tests.support.ports import GroupPorts
 from workers.group_sockets import GroupSockets
+from workers.parallel.process_group import join_on_loopback
 
 TIMEOUT_S = 60  # the blocked peer must fail long before this
 # the leaving rank keeps its group until the peer is unblocked, or at most this long: only leaving can unblock the
@@ -19,11 +19,14 @@ TIMEOUT_S = 60  # the blocked peer must fail long before this
 HELD_S = 30.0
 
 
-def _rank_main(rank: int, ports: tuple[int, int], results, unblocked) -> None:
+def _join(rank: int, ports: GroupPorts, group: int) -> None:
+    port, listener = ports.join(rank, group)
+    join_on_loopback(rank, 2, port, TIMEOUT_S, listener)
+
+
+def _rank_main(rank: int, ports: GroupPorts, results, unblocked) -> None:
     sockets = GroupSockets()
-    sockets.record(lambda: dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=TIMEOUT_S)))
+    sockets.record(lambda: _join(rank, ports, 0))
     if rank == 0:  # blocked on a peer that never sends: only the peer leaving its group can end this early
         t0 = time.monotonic()
         try:
@@ -37,8 +40,7 @@ def _rank_main(rank: int, ports: tuple[int, int], results, unblocked) -> None:
         results.put(("shut", sockets.leave()))
         unblocked.wait(HELD_S)
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+    _join(rank, ports, 1)
     x = torch.full((2,), float(rank + 1))
     dist.all_reduce(x)
     results.put((f"reformed{rank}", x.tolist()))
@@ -48,7 +50,7 @@ def _rank_main(rank: int, ports: tuple[int, int], results, unblocked) -> None:
 def test_leaving_unblocks_a_peer_and_the_group_forms_again():
     ctx = mp.get_context("fork")
     results, unblocked = ctx.SimpleQueue(), ctx.Event()
-    procs = mp.start_processes(_rank_main, args=((free_port(), free_port()), results, unblocked), nprocs=2,
+    procs = mp.start_processes(_rank_main, args=(GroupPorts(2, ctx), results, unblocked), nprocs=2,
                                join=False, start_method="fork")
     while not procs.join(timeout=TIMEOUT_S):
         pass

@@ -10,10 +10,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.support.hf import save_hf_llama
-from tests.support.parity_harness import free_port
+from tests.support.ports import GroupPorts
 from workers.model import hf_io
 from workers.model.config import ModelConfig
 from workers.model.registry import build_model
+from workers.parallel.process_group import join_on_loopback
 
 PAD = 5
 
@@ -61,11 +62,12 @@ def test_pad_token_row_gets_transformers_gradient(tmp_path, tied):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def _rank_main(rank: int, port: int, src: str, expected: dict) -> None:
+def _rank_main(rank: int, ports: GroupPorts, src: str, expected: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    port, listener = ports.join(rank, 0)
+    join_on_loopback(rank, 2, port, listener=listener)
     try:
         mesh = init_device_mesh("cpu", (2,))
         for sequence_parallel in (False, True):
@@ -79,5 +81,6 @@ def test_pad_token_row_gets_no_gradient_with_a_vocab_sharded_embedding(tmp_path)
     src = save_hf_llama(tmp_path, pad_token_id=PAD, rope_scaling=None)
     expected = _transformers_embedding_grad(src)
     assert expected[PAD].abs().max() == 0
-    mp.start_processes(_rank_main, args=(free_port(), str(src), {"grad": expected}), nprocs=2, join=True,
+    ports = GroupPorts(1, mp.get_context("spawn"))
+    mp.start_processes(_rank_main, args=(ports, str(src), {"grad": expected}), nprocs=2, join=True,
                        start_method="spawn")

@@ -10,7 +10,7 @@ sharding DTensor had cached from the first job handed back the first mesh, and t
 
 from __future__ import annotations
 
-from tests.support.parity_harness import free_port, spawn_ranks
+from tests.support.parity_harness import rank_ports, spawn_ranks
 from workers.parallel.grid import Grid
 
 WORLD = 4
@@ -28,22 +28,23 @@ def _doubled_gather(mesh):
     return doubled.full_tensor().tolist(), (doubled.device_mesh.get_group().group_name, tp.get_group().group_name)
 
 
-def _rank(rank: int, ports: list[int], results) -> None:
+def _rank(rank: int, ports, results) -> None:
     import torch
     import torch.distributed as dist
 
     from workers.parallel.process_group import init_mesh
 
     out = []
-    for grid, port in zip(GRIDS, ports, strict=True):
-        mesh = init_mesh(rank, WORLD, "127.0.0.1", port, grid, torch.device("cpu"), timeout_s=60)
+    for i, grid in enumerate(GRIDS):
+        port, listener = ports.join(rank, i)
+        mesh = init_mesh(rank, WORLD, "127.0.0.1", port, grid, torch.device("cpu"), timeout_s=60, listener=listener)
         out.append(_doubled_gather(mesh))
         dist.destroy_process_group()
     results.put((rank, out))
 
 
 def test_an_op_after_the_group_is_reformed_runs_on_the_new_mesh():
-    by_rank = spawn_ranks(_rank, ([free_port() for _ in GRIDS],), WORLD, timeout_s=120)
+    by_rank = spawn_ranks(_rank, (rank_ports(len(GRIDS)),), WORLD, timeout_s=120)
     expected = [[2.0 * (2 * row + col) for col in range(2)] for row in range(4)]
     for rank, jobs in by_rank.items():
         for (gathered, (result_groups, mesh_groups)), grid in zip(jobs, GRIDS, strict=True):

@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from tests.support.parity_harness import free_port, spawn_ranks
+from tests.support.parity_harness import rank_ports, spawn_ranks
 from workers.parallel.grid import Grid
 
 LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
@@ -42,16 +42,18 @@ def _address(hex_addr: str) -> str:
     return host
 
 
-def _rank(rank: int, port: int, world: int, how: str, results) -> None:
+def _rank(rank: int, ports, world: int, how: str, results) -> None:
     import torch
 
     from workers.parallel.process_group import init_mesh, join_on_loopback
 
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    port, listener = ports.join(rank, 0)
     if how == "job":
-        init_mesh(rank, world, "127.0.0.1", port, Grid(dp=world), torch.device("cpu"), timeout_s=60)
+        init_mesh(rank, world, "127.0.0.1", port, Grid(dp=world), torch.device("cpu"), timeout_s=60,
+                  listener=listener)
     else:  # the benchmarks' and the Ray-free tests' own groups
-        join_on_loopback(rank, world, port, timeout_s=60)
+        join_on_loopback(rank, world, port, timeout_s=60, listener=listener)
     results.put((rank, listening_addresses()))
 
 
@@ -65,7 +67,7 @@ def test_listening_addresses_sees_an_all_interfaces_socket():
 
 @pytest.mark.parametrize("how", ["job", "join_on_loopback"])
 def test_a_one_host_job_listens_on_loopback_only(how):
-    by_rank = spawn_ranks(_rank, (free_port(), 2, how), world_size=2, timeout_s=120)
+    by_rank = spawn_ranks(_rank, (rank_ports(1), 2, how), world_size=2, timeout_s=120)
     assert by_rank[0], "rank 0 serves the store: it must be listening somewhere"
     for rank, addresses in by_rank.items():
         assert addresses and all(a.startswith("127.") for a in addresses), (rank, addresses)

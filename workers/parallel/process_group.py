@@ -84,11 +84,12 @@ def join_store(rank: int, world_size: int, addr: str, port: int, timeout: timede
     return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
 
 
-def join_on_loopback(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -> None:
+def join_on_loopback(rank: int, world_size: int, port: int, timeout_s: float = 300.0,
+                     listener: socket.socket | None = None) -> None:
     """Join a gloo group of processes on this host alone (the benchmarks' and tests' own ranks): the store and
     gloo's links listen on loopback only, as a one-node job's do (``init_method="tcp://..."`` would open the
-    store on every interface, see ``join_store``)."""
-    join_group(rank, world_size, "127.0.0.1", port, "gloo", timeout_s)
+    store on every interface, see ``join_store``). ``listener``: rank 0's socket already bound to ``port``."""
+    join_group(rank, world_size, "127.0.0.1", port, "gloo", timeout_s, listener)
 
 
 def listen_on(addr: str, port: int = 0) -> socket.socket:
