@@ -1,6 +1,6 @@
 """Peak host memory of each rank while it builds its share of the model (``build_parts``), without Ray.
 
-Each rank is a spawned process over gloo on loopback (as in ``tests.support.parity_harness``). It resets its
+Each rank is a process of the parity harness (``spawn_ranks``) over gloo on loopback. It resets its
 RSS high-water mark (``/proc/self/clear_refs``), builds, and reports how far ``VmHWM`` rose above the RSS it
 had before, beside the bytes of parameters it holds and the largest single full parameter.
 
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 MiB = 2**20
 # ~151 MB of fp32 weights in 12 blocks; the largest tensor (w1/w2, 512 x 2048) is 4 MiB
@@ -64,7 +63,7 @@ def _rank_main(rank: int, spec: dict, world_size: int, ports, results) -> None:
     largest = max(p.numel() * p.element_size() for p in params)  # a DTensor's numel is its full size
     with torch.device("meta"):
         full = sum(p.numel() * 4 for p in build_model(ws.model).parameters())
-    results.put(RankMemory(rank, rise, held, largest, full))
+    results.put((rank, RankMemory(rank, rise, held, largest, full)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -72,19 +71,13 @@ def _rank_main(rank: int, spec: dict, world_size: int, ports, results) -> None:
 def measure(layout: dict, model: dict | None = None, timeout_s: float = 240.0) -> list[RankMemory]:
     """Every rank's start-up memory for ``layout`` (parallel fields) on ``model`` (default ``MODEL``)."""
     from tests.support.jobs import tiny_spec
-    from tests.support.ports import GroupPorts
+    from tests.support.parity_harness import rank_ports, spawn_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         job = tiny_spec(Path(tmp), Path(tmp), model=model or MODEL, parallel={**layout, "device": "cpu"})
         spec, world = job.worker_dict(), job.parallel.grid.world_size
-        ctx = mp.get_context("spawn")
-        results = ctx.SimpleQueue()
-        ports = GroupPorts(1, ctx)  # held here until the ranks are done: a spawned rank unpickles it as it starts
-        procs = mp.start_processes(_rank_main, args=(spec, world, ports, results), nprocs=world,
-                                   join=False, start_method="spawn")
-        procs.join(timeout=timeout_s)
-        out = [results.get() for _ in range(world)]
-    return sorted(out, key=lambda r: r.rank)
+        by_rank = spawn_ranks(_rank_main, (spec, world, rank_ports(1)), world, timeout_s)
+    return [by_rank[rank] for rank in range(world)]
 
 
 def main() -> None:

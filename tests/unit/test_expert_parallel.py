@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from tests.support.ports import GroupPorts
+from tests.support.parity_harness import rank_ports, spawn_ranks
 from workers.parallel.expert_parallel import ExpertParallelDispatcher, expert_major
 from workers.parallel.process_group import join_on_loopback
 
@@ -89,7 +88,7 @@ def _check(rank: int, group, group_rank: int, ep: int) -> None:
     assert torch.count_nonzero(experts.w1.grad[EMPTY - first]) == 0 if first <= EMPTY < first + local else True
 
 
-def _rank_main(rank: int, ports: GroupPorts) -> None:
+def _rank_main(rank: int, ports, results) -> None:
     torch.set_num_threads(1)
     port, listener = ports.join(rank, 0)
     join_on_loopback(rank, WORLD, port, listener=listener)
@@ -97,11 +96,11 @@ def _rank_main(rank: int, ports: GroupPorts) -> None:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     _check(rank, pairs[rank // 2], rank % 2, 2)
     dist.destroy_process_group()
+    results.put((rank, "checked"))
 
 
 def test_dispatch_over_ep4_and_ep2_matches_local_experts_forward_and_backward():
-    ports = GroupPorts(1, mp.get_context("spawn"))  # held until the ranks are done (each unpickles it as it starts)
-    mp.start_processes(_rank_main, args=(ports,), nprocs=WORLD, join=True, start_method="spawn")
+    assert spawn_ranks(_rank_main, (rank_ports(1),), WORLD, timeout_s=120) == dict.fromkeys(range(WORLD), "checked")
 
 
 def test_expert_major_reorders_peer_major_chunks():

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.support.hf import save_hf_llama
-from tests.support.ports import GroupPorts
+from tests.support.parity_harness import rank_ports, spawn_ranks
 from workers.model import hf_io
 from workers.model.config import ModelConfig
 from workers.model.registry import build_model
@@ -62,7 +61,9 @@ def test_pad_token_row_gets_transformers_gradient(tmp_path, tied):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def _rank_main(rank: int, ports: GroupPorts, src: str, expected: dict) -> None:
+def _rank_main(rank: int, ports, src: str, results) -> None:
+    """One of two ranks: the embedding's full gradient with the vocabulary sharded over both, without and with
+    sequence parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -70,9 +71,7 @@ def _rank_main(rank: int, ports: GroupPorts, src: str, expected: dict) -> None:
     join_on_loopback(rank, 2, port, listener=listener)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        for sequence_parallel in (False, True):
-            got = _embedding_grad(_ours(src, mesh, sequence_parallel))
-            torch.testing.assert_close(got, expected["grad"], rtol=1e-5, atol=1e-6)
+        results.put((rank, [_embedding_grad(_ours(src, mesh, sp)).tolist() for sp in (False, True)]))
     finally:
         dist.destroy_process_group()
 
@@ -81,6 +80,7 @@ def test_pad_token_row_gets_no_gradient_with_a_vocab_sharded_embedding(tmp_path)
     src = save_hf_llama(tmp_path, pad_token_id=PAD, rope_scaling=None)
     expected = _transformers_embedding_grad(src)
     assert expected[PAD].abs().max() == 0
-    ports = GroupPorts(1, mp.get_context("spawn"))
-    mp.start_processes(_rank_main, args=(ports, str(src), {"grad": expected}), nprocs=2, join=True,
-                       start_method="spawn")
+    for rank, grads in spawn_ranks(_rank_main, (rank_ports(1), str(src)), 2, timeout_s=120).items():
+        for sequence_parallel, got in zip((False, True), grads, strict=True):
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, sp=sequence_parallel: f"rank {r}, sp={sp}: {m}")
