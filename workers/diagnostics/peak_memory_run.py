@@ -16,20 +16,24 @@ import os
 import socket
 import sys
 
+from workers.parallel.process_group import listen_on
 from workers.trainer import Trainer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> tuple[str, int, socket.socket | None]:
+    """torchrun's MASTER_ADDR/MASTER_PORT; alone, a loopback port this process binds now and hands to its store
+    (a port picked and released here could be taken before the store binds it)."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if os.environ.get("MASTER_PORT"):
+        return addr, int(os.environ["MASTER_PORT"]), None
+    listener = listen_on(addr)
+    return addr, listener.getsockname()[1], listener
 
 
 def probe(spec: dict, steps: int) -> dict:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT") or _free_port())
-    trainer = Trainer(spec, rank, world, addr, port)
+    addr, port, listener = _rendezvous()
+    trainer = Trainer(spec, rank, world, addr, port, listener=listener)
     results = [trainer.train_step() for _ in range(steps)]
     stores = [o.store for o in trainer.state.optimizers if hasattr(o, "store")]
     if trainer.param_offload is not None:
