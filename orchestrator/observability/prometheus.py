@@ -9,6 +9,7 @@ name, ``_total`` for counters.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -37,6 +38,16 @@ class _HeartbeatAge:
         for labels, seen in self.last_seen.items():
             family.add_metric(labels, now - seen)
         yield family
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """``text`` at ``path`` by a rename. Why: Prometheus re-reads a target file as soon as it changes; written in
+    place it can read it truncated, log a parse error and keep its old targets until the next change or refresh
+    (minutes), e.g. go on scraping a job that emptied the file as it stopped. The temporary name ends in ``.tmp``,
+    which a ``*.json`` ``file_sd`` glob does not match."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class MetricsExporter:
@@ -213,11 +224,11 @@ class MetricsExporter:
         """A Prometheus ``file_sd_configs`` target file pointing at this exporter."""
         self._file_sd = Path(path)
         self._file_sd.parent.mkdir(parents=True, exist_ok=True)
-        self._file_sd.write_text(json.dumps([{"targets": [self.address()], "labels": {"raymesh_job": self.job}}]))
+        _replace_text(self._file_sd, json.dumps([{"targets": [self.address()], "labels": {"raymesh_job": self.job}}]))
 
     def close(self) -> None:
         """Stop serving, and empty the target file so Prometheus drops the target instead of scraping a dead one."""
         if self._file_sd is not None:
-            self._file_sd.write_text("[]")
+            _replace_text(self._file_sd, "[]")
         self.server.shutdown()
         self.server.server_close()

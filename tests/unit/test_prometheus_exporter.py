@@ -3,6 +3,8 @@ parses a scrape (no Ray: the exporter serves on loopback)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -86,3 +88,21 @@ def test_a_rank_a_resize_removed_loses_its_series_and_a_joined_one_has_a_heartbe
         assert per_rank(exporter, name) == {"0"}, name
     observer.on_resized(resized(2), layout(2))
     assert per_rank(exporter, "raymesh_heartbeat_age_seconds") == {"0", "1"}
+
+
+def test_the_target_file_is_replaced_whole_when_written_and_when_emptied(tmp_path):
+    """Prometheus re-reads the file as it changes: each write is a new file renamed over the old one (a new inode),
+    never the old one truncated and rewritten, and it leaves no temporary file behind."""
+    target = tmp_path / "sd" / "j.json"
+    exporter = MetricsExporter("j", 0)
+    try:
+        exporter.write_file_sd(target)
+        first = target.stat().st_ino
+        assert json.loads(target.read_text())[0]["labels"] == {"raymesh_job": "j"}
+        with target.open() as held:  # what Prometheus holds open while it reads
+            exporter.close()
+            assert json.loads(held.read())[0]["targets"] == [exporter.address()]  # the old file, still whole
+        assert target.stat().st_ino != first and json.loads(target.read_text()) == []
+        assert [p.name for p in target.parent.iterdir()] == ["j.json"]
+    finally:
+        exporter.close()  # again after the test's own close: a no-op but the empty file
