@@ -159,8 +159,10 @@ class MetricsObserver(JobObserver):
         self.exporter.observe_recovery("corrupt_checkpoint", 0, 0)
 
     def on_ps_shard_recovered(self, record: dict) -> None:
-        """A restarted parameter-server shard: its own kind, as no rank restarts and no step is lost."""
+        """A restarted parameter-server shard: its own kind, as no rank restarts and no step is lost; the MTTR
+        gauge shows its restart time, the figure its record in ``summary.json`` and the report carry."""
         self.exporter.observe_recovery("ps_shard", 0, 0)
+        self.on_mttr(record["mttr_s"])
 
     def on_mttr(self, seconds: float) -> None:
         self.exporter.mttr.labels(self.job).set(seconds)

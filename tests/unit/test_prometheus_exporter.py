@@ -50,6 +50,7 @@ def test_every_recovery_kind_starts_at_zero_and_a_shard_restart_counts_as_ps_sha
     scraped = samples(exporter)
     assert scraped["raymesh_restarts_total", (("job", "j"),)] == 0  # no rank actor restarted
     assert scraped["raymesh_lost_steps_total", (("job", "j"),)] == 0
+    assert scraped["raymesh_mttr_seconds", (("job", "j"),)] == 0.5  # the shard's restart, as summary.json has it
 
 
 def record(step: int, ranks: int) -> dict:
