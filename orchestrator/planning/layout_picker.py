@@ -30,6 +30,7 @@ from orchestrator.planning.estimate import RankEstimate, peak_rank
 from orchestrator.planning.memory_model import human_bytes
 from orchestrator.planning.stage_split import unit_times
 from orchestrator.spec import JobSpec
+from orchestrator.spec.sections import ParallelSpec
 
 LONG_SEQUENCE = 16384  # tokens from which the picker tries context parallelism (Llama 3 turns it on for 128K)
 
@@ -54,9 +55,12 @@ def plan_gpu(spec: JobSpec, gpus_per_node: int, gpu_mem: int | None, gpu_type: s
 
 
 def overrides(c: ls.Candidate, shape: ls.Shape) -> list[str]:
+    """The job-file settings of candidate ``c``. At cp=1 ``cp_impl`` goes back to its default: the job's own
+    choice for its cp>1 layout would be refused as a setting without its feature."""
     lay = c.layout
+    no_cp = [f"parallel.cp_impl={ParallelSpec.model_fields['cp_impl'].default}"] if lay.cp == 1 else []
     return [f"parallel.dp={lay.dp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.tp={lay.tp}",
-            f"parallel.zero={lay.zero}",
+            f"parallel.zero={lay.zero}", *no_cp,
             f"parallel.pp_schedule={lay.schedule}", f"parallel.pp_split={split_value(lay)}",
             f"train.microbatches={lay.microbatches(shape)}", f"memory.recompute={lay.recompute}"]
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, get_args
 
 from orchestrator.errors import SpecError
 from orchestrator.faults.soak import check_repetition
-from orchestrator.spec.async_pipeline_checks import check_async_pipeline
+from orchestrator.spec.async_pipeline_checks import ASYNC, check_async_pipeline
 from orchestrator.spec.context_checks import check_context_parallel
 from orchestrator.spec.eval_checks import check_eval
 from orchestrator.spec.fields import _divisors, _near_multiples
@@ -212,6 +212,29 @@ def _changed(section, field: str) -> bool:
     """Whether ``field`` differs from its default (a value, not ``model_fields_set``: specs round-trip through
     ``to_dict``, which writes every field)."""
     return getattr(section, field) != type(section).model_fields[field].default
+
+
+def check_settings_without_their_feature(job: JobSpec) -> None:
+    """A setting read only by a feature this job does not run is refused, not ignored: the user believes it shapes
+    the run. ``pp_schedule`` without a pipeline (an interleaved schedule at pp=1 would also count two stages, then
+    refuse the layer count or tied embeddings for a pipeline that never runs), ``cp_impl`` without context
+    parallelism, ``initial_loss_scale`` without fp16's loss scaling. The asynchronous schedules refuse pp=1 in
+    ``check_async_pipeline``, naming what they need."""
+    p, pr = job.parallel, job.precision
+    inert = [  # (field, value, ignored, what it sets and why this job has none, fix)
+        ("parallel.pp_schedule", p.pp_schedule, p.pp == 1 and p.pp_schedule not in ASYNC,
+         "orders a pipeline's microbatches, and this job has parallel.pp: 1 (no pipeline)",
+         "set parallel.pp: 2 or more, or remove parallel.pp_schedule"),
+        ("parallel.cp_impl", p.cp_impl, p.cp == 1, "joins the context-parallel shares of attention, and this job "
+         "has parallel.cp: 1", "set parallel.cp: 2 or more, or remove parallel.cp_impl"),
+        ("precision.initial_loss_scale", pr.initial_loss_scale, pr.dtype != "fp16", "is fp16's first loss scale, "
+         f"and this job has precision.dtype: {pr.dtype} (no loss scaling)",
+         "set precision.dtype: fp16, or remove precision.initial_loss_scale"),
+    ]
+    for field, value, ignored, why, fix in inert:
+        section, name = field.split(".")
+        if ignored and _changed(getattr(job, section), name):
+            raise SpecError(field, value, why, fix)
 
 
 def check_comm(job: JobSpec) -> None:
@@ -417,7 +440,8 @@ def check_batching(job: JobSpec) -> None:
         raise SpecError("train.microbatches", mb, problem, fix)
 
 
-CROSS_FIELD_CHECKS = (check_pipeline_split, check_tensor_split, check_init_from_vocab, check_batching, check_zero,
-                      check_precision, check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
-                      check_context_parallel, check_comm, check_moe, check_expert_parallel, check_async_pipeline,
-                      check_ps_resize, check_compile, check_optim_implementation, check_fsdp_prefetch, check_eval)
+CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
+                      check_init_from_vocab, check_batching, check_zero, check_precision, check_recompute, check_faults,
+                      check_parameter_server, check_offload, check_lora, check_context_parallel, check_comm, check_moe,
+                      check_expert_parallel, check_async_pipeline, check_ps_resize, check_compile,
+                      check_optim_implementation, check_fsdp_prefetch, check_eval)

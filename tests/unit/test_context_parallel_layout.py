@@ -142,3 +142,13 @@ def test_picker_gives_a_128k_token_llama_cp_on_80gb_gpus():
 def test_picker_leaves_short_sequences_without_cp():
     choice = pick_layout(_job(train={"global_batch_size": 8, "microbatches": 1}), 1, 4, 10**9)
     assert choice.spec.parallel.cp == 1
+
+
+def test_picker_puts_a_cp_job_on_cp1_without_its_cp_impl():
+    """The job's kernel for its cp=2 layout means nothing at cp=1, where it would be refused as ignored: the
+    picked spec goes back to the default instead of every cp=1 layout being listed as not runnable."""
+    job = _job({"seq_len": 64}, parallel={"cp": 2, "cp_impl": "ulysses"},
+               train={"global_batch_size": 8, "microbatches": 1})
+    choice = pick_layout(job, 1, 4, 10**9)
+    assert choice.spec.parallel.cp == 1 and choice.spec.parallel.cp_impl == "ring"
+    assert not [t for t in choice.tried if "cp_impl" in t]

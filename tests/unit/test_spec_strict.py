@@ -374,3 +374,30 @@ def test_a_slow_rank_keeps_its_factor_through_a_round_trip():
                               "faults": [{"kind": "slow_rank", "rank": 1, "at_step": 2, "factor": 5},
                                          {"kind": "kill_rank", "rank": 0, "at_step": 3}]})
     assert JobSpec.from_dict(spec.to_dict()).faults[0].factor == 5
+
+
+@pytest.mark.parametrize("sections, field, fix", [
+    ({"parallel": {"pp_schedule": "interleaved_1f1b"}}, "parallel.pp_schedule", "set parallel.pp: 2 or more"),
+    ({"parallel": {"pp_schedule": "gpipe"}}, "parallel.pp_schedule", "remove parallel.pp_schedule"),
+    ({"parallel": {"dp": 2, "cp_impl": "ulysses"}}, "parallel.cp_impl", "set parallel.cp: 2 or more"),
+    ({"precision": {"initial_loss_scale": 1024}}, "precision.initial_loss_scale", "set precision.dtype: fp16"),
+    ({"precision": {"dtype": "bf16", "initial_loss_scale": 1024}}, "precision.initial_loss_scale",
+     "remove precision.initial_loss_scale"),
+])
+def test_a_setting_whose_feature_the_job_does_not_run_is_refused(sections, field, fix):
+    """Each would be ignored: no pipeline at pp=1, no context split at cp=1, no loss scaling without fp16."""
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict({"data": {"path": "d"}, **sections})
+    section, name = field.split(".")
+    assert_actionable(info.value, field, sections[section][name], fix)
+
+
+@pytest.mark.parametrize("sections", [
+    {"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b"}, "model": {"n_layers": 4},
+     "train": {"microbatches": 2}},
+    {"parallel": {"cp": 2, "cp_impl": "allgather"}, "model": {"seq_len": 64}},
+    {"precision": {"dtype": "fp16", "initial_loss_scale": 1024}},
+    {"parallel": {"pp_schedule": "1f1b", "cp_impl": "ring"}, "precision": {"initial_loss_scale": 65536}},  # defaults
+])
+def test_the_same_settings_with_their_feature_or_at_their_defaults_load(sections):
+    assert JobSpec.from_dict({"data": {"path": "d"}, **sections})
