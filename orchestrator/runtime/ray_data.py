@@ -27,7 +27,20 @@ def dataset_rows(dataset, column: str) -> Iterator[np.ndarray]:
         if column not in batch:
             raise SpecError("dataset", f"columns {sorted(batch)}", f"has no {column!r} column of token ids",
                             f"map the Dataset to a {column!r} column of token-id lists, or pass column=")
-        yield from (np.asarray(row) for row in batch[column])
+        yield from (_token_row(row, column) for row in batch[column])
+
+
+def _token_row(row, column: str) -> np.ndarray:
+    """One row's ids as a 1-D integer array. A scalar, text, floats or a nested list is refused naming what the
+    column holds (the shard writer would fail on it with a bare TypeError, or silently truncate floats)."""
+    ids = np.asarray(row)
+    if ids.ndim == 1 and (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        return ids
+    held = (f"single {ids.dtype} values" if ids.ndim == 0 else
+            f"{ids.ndim}-D arrays" if ids.ndim > 1 else f"lists of {ids.dtype}")
+    raise SpecError("dataset", f"column {column!r} of {held}", "is not a list of integer token ids per row",
+                    f"map each row's {column!r} to a list of token ids (text: tokenize it first, or write it to files "
+                    "and use `raymesh prepare-data`)")
 
 
 def with_ray_dataset(spec: JobSpec, dataset, resume: bool, column: str = "tokens") -> JobSpec:
