@@ -72,7 +72,7 @@ def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     (``stage_expert_params``), an MoE block's router and shared experts counted here as replicated (the MoE
     feed-forward is whole on every tp rank: ``workers.model.gpt_parallel.moe_style``)."""
     m = spec.model
-    d, v = m.d_model, m.vocab_size
+    d, v = m.d_model, spec.padded_vocab_size  # the rows the ranks build (a multiple of tp)
     layers = stage_layers(spec, stage, n_stages)
     sharded = sum(sharded_block_params(spec, i) for i in layers)
     replicated = len(layers) * 2 * d + sum(moe_params(spec, i)[1] for i in layers)
@@ -239,7 +239,7 @@ def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
 
 def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
-    return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.vocab_size, p.tp,
+    return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, spec.padded_vocab_size, p.tp,
                                     sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec))
 
 
@@ -249,7 +249,7 @@ def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
     p, head = spec.parallel, frozen_parts(spec)[-1]
     if p.pp * p.stages_per_rank - 1 not in ids or not (head is None or head.output_grad()):
         return 0
-    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), spec.model.vocab_size)
+    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), spec.padded_vocab_size)
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -394,7 +394,7 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     if p.grid.tp_enabled and p.zero < 2 and 0 in ids and spec.model.lora is None:
         # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
         # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
-        vocab_rows = spec.model.vocab_size * spec.model.d_model
+        vocab_rows = spec.padded_vocab_size * spec.model.d_model
         state = replace(state, grads=state.grads + 4 * (vocab_rows - vocab_rows // p.tp))
     return state
 

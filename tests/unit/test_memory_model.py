@@ -95,6 +95,19 @@ def test_tensor_parallel_ranks_add_up_to_the_model():
     assert sum(r.params for r in estimate(spec)) == total + replicated  # norms live on both tp ranks
 
 
+def test_the_estimate_counts_the_vocabulary_rows_the_ranks_build():
+    """tp=2 pads a 257-token vocabulary to 258 rows in the embedding and the head; the estimate counts them."""
+    import torch
+
+    from workers.model.registry import build_model
+    from workers.spec import WorkerSpec
+
+    spec = _spec(model={"vocab_size": 257}, parallel={"tp": 2})
+    with torch.device("meta"):
+        built = sum(p.numel() for p in build_model(WorkerSpec.from_dict(spec.worker_dict()).model).parameters())
+    assert sum(stage_params(spec, 0, 1)) == built
+
+
 def test_picker_prefers_plain_data_parallel_when_compute_hides_the_all_reduce():
     """A big batch: the gradient all-reduce hides under the last microbatch's backward, so no pipeline
     bubble or tensor-parallel traffic is worth paying for (the seeds' rule, now from the time model)."""
