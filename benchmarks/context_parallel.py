@@ -19,15 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.parity_harness import rank_ports, spawn_ranks  # noqa: E402
 
 IMPLS = ("ring", "ulysses", "allgather")
 
@@ -81,11 +85,12 @@ class Case:
         return getattr(context_parallel, f"{self.impl}_attention")(self.q, self.k, self.v, self.group)
 
 
-def _rank_main(rank: int, cp: int, port: int, args, results) -> None:
+def _rank_main(rank: int, cp: int, ports, args, results) -> None:
     from workers.parallel.process_group import join_on_loopback
 
     torch.set_num_threads(1)
-    join_on_loopback(rank, cp, port)
+    port, listener = ports.join(rank, 0)
+    join_on_loopback(rank, cp, port, listener=listener)
     group = dist.group.WORLD
     out = {}
     for seq in args.seq:
@@ -98,14 +103,7 @@ def _rank_main(rank: int, cp: int, port: int, args, results) -> None:
 
 def run_cp(cp: int, args) -> dict:
     """Every case at one cp degree: {"impl/seq": {"step_s", "saved_bytes"}}, the worst rank's figures."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").Queue()
-    ctx = mp.start_processes(_rank_main, args=(cp, port, args, results), nprocs=cp, join=False,
-                             start_method="spawn")
-    by_rank = dict(results.get() for _ in range(cp))
-    ctx.join()
+    by_rank = spawn_ranks(_rank_main, (cp, rank_ports(1), args), cp, timeout_s=3600)
     return {key: {field: max(by_rank[r][key][field] for r in by_rank) for field in ("step_s", "saved_bytes")}
             for key in by_rank[0]}
 
