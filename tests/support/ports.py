@@ -53,8 +53,9 @@ class GroupPorts:
     def __init__(self, groups: int, ctx):
         self._ports = ctx.Array("i", groups)
 
-    def join(self, rank: int, group: int, timeout_s: float = 120.0) -> tuple[int, socket.socket | None]:
-        """Group ``group``'s port, and on rank 0 the socket listening on it (for the store: ``listener=``)."""
+    def join(self, rank: int, group: int, timeout_s: float = 300.0) -> tuple[int, socket.socket | None]:
+        """Group ``group``'s port, and on rank 0 the socket listening on it (for the store: ``listener=``). A peer
+        waits for rank 0 as long as a store client would (``timeout_s``: the collective timeout's default)."""
         from workers.parallel.process_group import listen_on
 
         if rank == 0:
