@@ -42,7 +42,7 @@ def base_job(data: Path, run_dir: Path) -> dict[str, Any]:
                      "device": "cpu", "cpus_per_rank": 1.0, "device_memory": "8GB"},
         "optim": {"name": "adamw", "lr": 0.003, "weight_decay": 0.01, "betas": [0.9, 0.95], "momentum": 0.0,
                   "grad_clip": 1.0, "warmup_steps": 2, "schedule": "cosine", "min_lr_ratio": 0.1},
-        "precision": {"dtype": "fp32", "initial_loss_scale": 1024.0},
+        "precision": {"dtype": "fp32", "initial_loss_scale": 65536.0},  # the default: fp32 has no loss scaling
         "memory": {"recompute": "none", "activation_compression": "none", "measure": False,
                    "offload": {"optimizer": False, "tier": "cpu", "prefetch": 1}},
         "train": {"steps": 10, "global_batch_size": 8, "microbatches": 2, "seed": 3, "log_every": 1},
