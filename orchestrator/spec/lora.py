@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field
 
 from orchestrator.checkpoints.base_pin import check_base_unchanged
+from orchestrator.checkpoints.job_record import check_readable
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import model_config
@@ -207,6 +208,7 @@ def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
     verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
     check_base_unchanged(job, path.parent, purpose)
+    check_readable(job, path, purpose)
     return path
 
 
