@@ -179,6 +179,8 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
         raise SpecError("--out", out, "is a URL, and a .pt is written as one local file",
                         "write it to a local path (then copy it), or export with --format hf, which writes to a URL")
     _check_out_kind(out, fmt)
+    if fmt == "pt":
+        _check_tied_head(job)
     path = checkpoint_to_read(job, checkpoint, "export")
     if fmt == "hf":  # a URL: the directory is written locally, then copied up
         with staged_output(out) as target:
@@ -187,6 +189,19 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     exported = export_merged(job.worker_dict(), path, out, fmt)
     checksums.write_file_manifest(exported)
     return exported
+
+
+def _check_tied_head(job) -> None:
+    """A `.pt` of a tied model (`model.tie_embeddings`) holds one matrix for the embedding and the head; an adapter
+    on `output` makes the merged head another one, so the `.pt` would load into the job's model with one of them
+    wrong. The Hugging Face directory is written untied instead (`workers.model.hf_io.written_config`)."""
+    if not job.model.tie_embeddings or "output" not in adapted_linears(job.model):
+        return
+    raise SpecError("model.lora.targets", job.model.lora.targets,
+                    "adapts the output head, which model.tie_embeddings: true shares with the token embedding; merged, "
+                    "the head is no longer the embedding, and a .pt of this tied model holds only one of them",
+                    "export with --format hf (written untied, tie_word_embeddings: false), or leave output out of "
+                    "model.lora.targets in the next run")
 
 
 BEST = "best"  # --checkpoint best: the checkpoint saved with the lowest held-out loss
