@@ -172,9 +172,8 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     from orchestrator.checkpoints import checksums
     from workers.model.finetune import export_merged
 
-    if fmt == "hf" and job.model.arch != "llama":
-        raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
-                        "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
+    if fmt == "hf":
+        _check_hf_layout(job)
     if fmt == "pt" and is_url(out):
         raise SpecError("--out", out, "is a URL, and a .pt is written as one local file",
                         "write it to a local path (then copy it), or export with --format hf, which writes to a URL")
@@ -189,6 +188,18 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     exported = export_merged(job.worker_dict(), path, out, fmt)
     checksums.write_file_manifest(exported)
     return exported
+
+
+def _check_hf_layout(job) -> None:
+    """Before the checkpoint is read: only a dense Llama has a Hugging Face layout here (`LlamaForCausalLM`); an MoE
+    Llama's routers and experts have no name in it, which used to end the export after the whole read."""
+    if job.model.arch != "llama":
+        raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
+                        "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
+    if job.model.moe is not None:
+        raise SpecError("model.moe", {"experts": job.model.moe.experts}, "has no Hugging Face layout in raymesh: "
+                        "LlamaForCausalLM's feed-forward is dense, so the routers and experts have no names there",
+                        "export a dense job (model.moe: null), or use the checkpoint with `raymesh generate`")
 
 
 def _check_tied_head(job) -> None:

@@ -215,3 +215,17 @@ def test_a_pt_export_of_a_tied_model_with_an_adapted_head_is_refused_naming_the_
     with pytest.raises(SpecError, match=r"`model.lora.targets`: value \['wq', 'output'\] adapts the output head.*"
                                         r"fix: export with --format hf"):
         export_merged_weights(job, None, str(tmp_path / "merged.pt"))
+
+
+def test_an_hf_export_of_an_moe_llama_is_refused_naming_model_moe_before_the_checkpoint_is_read(tmp_path):
+    """It used to read the whole checkpoint, then end on a KeyError naming a router weight, with no fix."""
+    from orchestrator import JobSpec
+    from orchestrator.errors import SpecError
+    from orchestrator.spec.lora import export_hf_weights
+
+    job = JobSpec.from_dict({"data": {"path": "d"}, "run_dir": str(tmp_path / "run"),
+                             "model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_layers": 2,
+                                       "moe": {"experts": 4}}})
+    with pytest.raises(SpecError, match=r"`model.moe`: value .* has no Hugging Face layout in raymesh: "
+                                        r"LlamaForCausalLM's feed-forward is dense.*fix: export a dense job"):
+        export_hf_weights(job, None, str(tmp_path / "hf"))
