@@ -68,6 +68,15 @@ def test_a_resume_the_checkpoint_cannot_be_read_by_is_refused_before_any_rank_st
     assert runtime.groups == []
 
 
+@pytest.mark.parametrize(("override", "field"), [("model.n_kv_heads=4", "model.n_kv_heads"),
+                                               ("model.lora.rank=4", "model.lora.rank"),
+                                               ("model.lora.targets=[wq,wv]", "model.lora.targets")])
+def test_a_llama_lora_resume_with_other_heads_or_adapters_is_refused(tmp_path, override, field):
+    spec = _saved_run(tmp_path, model={"arch": "llama", "n_kv_heads": 2, "lora": {"rank": 8}})
+    with pytest.raises(SpecError, match=rf"`{field}`: value .* is not what the checkpoint"):
+        _resume(spec, override)
+
+
 def test_layout_precision_and_adam_changes_still_resume(tmp_path):
     """What DCP reshards or reads the same (dp, tp padding to the same rows, bf16 over fp32 masters, adam over
     adamw's moments, the rate) is not refused."""
