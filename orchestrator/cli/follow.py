@@ -216,6 +216,7 @@ def _where(summary: dict, summary_json: str | None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """``raymesh run``: check the job here, start its detached controller, follow it to the end."""
+    from orchestrator.checkpoints.job_record import check_resume
     from orchestrator.cli.default_corpus import prepare_default_corpus
     from orchestrator.runtime import cluster
     from orchestrator.runtime.controller import RunComplete, refuse_if_complete
@@ -228,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.resume:
             refuse_if_complete(spec)
+            check_resume(spec)  # a job file that reads the checkpoint otherwise: refused before Ray starts
     except RunComplete as done:
         return report({"complete": str(done)}, "", None, None)
     RayRuntime().preflight(spec)  # bad data or disk fails here, before Ray starts

@@ -5,7 +5,8 @@ once for a synchronous save, and for an asynchronous one when the next save
 (or the end of the run, or a resize) waits for it. ``saved`` lists the
 committed checkpoints the summary reports. A save of a step that scored the held-out loss gets that loss
 beside it before the seal (``CheckpointDir.record_score``), which ``checkpoint.keep_best`` and
-``--checkpoint best`` go by.
+``--checkpoint best`` go by; every save gets the job fields its tensors are read by
+(``orchestrator.checkpoints.job_record``), which a resume or an export checks before it starts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.checkpoints import job_record
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver
@@ -32,6 +34,7 @@ class Checkpointing:
         self.in_flight: int | None = None  # the step of an async save not yet sealed
         self.scores: dict[int, float] = {}  # step -> held-out loss, for the saves of steps that evaluated
         self.beside_ranks: Callable[[Path], None] | None = None  # writes the PS shards' part into a save's folder
+        self.record = job_record.record(spec)  # what the saves' tensors are read by (a resize changes only dp)
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
@@ -139,6 +142,7 @@ class Checkpointing:
         self.saved.append(path)
         if step in self.scores:
             self.ckpt.record_score(step, self.scores[step])
+        job_record.write(self.ckpt.path_for(step), self.record)
         self.ckpt.seal(step)
         removed = self.ckpt.prune(step)
         self.observers.on_checkpoint(None, committed=True)

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.base_pin import check_base_unchanged, record_base
 from orchestrator.checkpoints.directory import CheckpointDir
+from orchestrator.checkpoints.job_record import check_resume
 from orchestrator.errors import SpecError
 from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
@@ -195,6 +196,8 @@ class TrainingJob:
     def _start(self) -> Layout:
         p = self.spec.parallel
         self._refuse_foreign_checkpoints()
+        if self.resume:  # a job file that reads the checkpoint otherwise: refused before any actor starts
+            check_resume(self.spec)
         self.ckpt.remove_leftovers()  # nothing is in flight yet: incomplete saves of an earlier life can go
         self.runtime.preflight(self.spec)
         self._pin_base()

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field
 
 from orchestrator.checkpoints.base_pin import check_base_unchanged
+from orchestrator.checkpoints.job_record import check_readable
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import model_config
@@ -171,13 +172,14 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     from orchestrator.checkpoints import checksums
     from workers.model.finetune import export_merged
 
-    if fmt == "hf" and job.model.arch != "llama":
-        raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
-                        "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
+    if fmt == "hf":
+        _check_hf_layout(job)
     if fmt == "pt" and is_url(out):
         raise SpecError("--out", out, "is a URL, and a .pt is written as one local file",
                         "write it to a local path (then copy it), or export with --format hf, which writes to a URL")
     _check_out_kind(out, fmt)
+    if fmt == "pt":
+        _check_tied_head(job)
     path = checkpoint_to_read(job, checkpoint, "export")
     if fmt == "hf":  # a URL: the directory is written locally, then copied up
         with staged_output(out) as target:
@@ -186,6 +188,31 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     exported = export_merged(job.worker_dict(), path, out, fmt)
     checksums.write_file_manifest(exported)
     return exported
+
+
+def _check_hf_layout(job) -> None:
+    """Before the checkpoint is read: only a dense Llama has a Hugging Face layout here (`LlamaForCausalLM`); an MoE
+    Llama's routers and experts have no name in it, which used to end the export after the whole read."""
+    if job.model.arch != "llama":
+        raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
+                        "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
+    if job.model.moe is not None:
+        raise SpecError("model.moe", {"experts": job.model.moe.experts}, "has no Hugging Face layout in raymesh: "
+                        "LlamaForCausalLM's feed-forward is dense, so the routers and experts have no names there",
+                        "export a dense job (model.moe: null), or use the checkpoint with `raymesh generate`")
+
+
+def _check_tied_head(job) -> None:
+    """A `.pt` of a tied model (`model.tie_embeddings`) holds one matrix for the embedding and the head; an adapter
+    on `output` makes the merged head another one, so the `.pt` would load into the job's model with one of them
+    wrong. The Hugging Face directory is written untied instead (`workers.model.hf_io.written_config`)."""
+    if not job.model.tie_embeddings or "output" not in adapted_linears(job.model):
+        return
+    raise SpecError("model.lora.targets", job.model.lora.targets,
+                    "adapts the output head, which model.tie_embeddings: true shares with the token embedding; merged, "
+                    "the head is no longer the embedding, and a .pt of this tied model holds only one of them",
+                    "export with --format hf (written untied, tie_word_embeddings: false), or leave output out of "
+                    "model.lora.targets in the next run")
 
 
 BEST = "best"  # --checkpoint best: the checkpoint saved with the lowest held-out loss
@@ -207,6 +234,7 @@ def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
     verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
     check_base_unchanged(job, path.parent, purpose)
+    check_readable(job, path, purpose)
     return path
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.directory import SCORE
+from orchestrator.checkpoints.job_record import RECORD
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
@@ -289,11 +290,12 @@ def _raymesh_file_sd(path: Path) -> bool:
 
 
 # what raymesh writes in a checkpoint step directory: DCP's files, its checksum manifest, the held-out score of a
-# scored save (directory.SCORE), temp files, and the parameter-server shards' own DCP folder
-# (parameter_server.checkpoint.FOLDER)
+# scored save (directory.SCORE), the job fields it is read by (job_record.RECORD), temp files, and the
+# parameter-server shards' own DCP folder (parameter_server.checkpoint.FOLDER)
 _STEP_ENTRY = re.compile(r"^step-\d{8,}(\.corrupt)?$")
 _CHECKPOINT_FILE = re.compile(
-    rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|{re.escape(SCORE)}|.*\.tmp|ps)$")
+    rf"^(\.metadata|__\d+_\d+\.distcp|{re.escape(checksums.MANIFEST)}|{re.escape(SCORE)}|{re.escape(RECORD)}"
+    r"|.*\.tmp|ps)$")
 
 
 def _foreign_checkpoint_entry(root: Path) -> Path | None:

@@ -182,3 +182,50 @@ def test_export_of_an_init_from_run_keeps_the_checkpoints_ids_context_and_files(
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, LlamaForCausalLM.from_pretrained(src)(tokens).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_merged_export_of_a_tied_model_with_an_adapted_head_gives_transformers_our_logits(tmp_path):
+    """LoRA on a tied model's `output` makes the merged head another matrix than the embedding: the export is
+    written untied (it used to drop the merged head and keep the tie, off by ~1 in the logits)."""
+    from transformers import LlamaForCausalLM
+
+    from workers.model.lora import LoRALinear, apply_lora, merged_state_dict
+
+    ours = raymesh_llama_from(hf_llama(tie_word_embeddings=True))
+    apply_lora(ours, {"rank": 4, "alpha": 8.0, "targets": ["output", "wq"], "dropout": 0.0, "quantize": None}, 0)
+    with torch.no_grad():  # trained adapters: B is no longer zero
+        for layer in (m for m in ours.modules() if isinstance(m, LoRALinear)):
+            layer.lora_b.weight.normal_(0.0, 0.1)
+    out = hf_io.write_hf(merged_state_dict(ours), ours.cfg, tmp_path / "out")
+    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    assert exported.config.tie_word_embeddings is False
+    tokens = torch.arange(40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_pt_export_of_a_tied_model_with_an_adapted_head_is_refused_naming_the_targets(tmp_path):
+    from orchestrator import JobSpec
+    from orchestrator.errors import SpecError
+    from orchestrator.spec.lora import export_merged_weights
+
+    job = JobSpec.from_dict({"data": {"path": "d"}, "run_dir": str(tmp_path / "run"),
+                             "model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_layers": 2,
+                                       "tie_embeddings": True, "lora": {"targets": ["wq", "output"]}}})
+    with pytest.raises(SpecError, match=r"`model.lora.targets`: value \['wq', 'output'\] adapts the output head.*"
+                                        r"fix: export with --format hf"):
+        export_merged_weights(job, None, str(tmp_path / "merged.pt"))
+
+
+def test_an_hf_export_of_an_moe_llama_is_refused_naming_model_moe_before_the_checkpoint_is_read(tmp_path):
+    """It used to read the whole checkpoint, then end on a KeyError naming a router weight, with no fix."""
+    from orchestrator import JobSpec
+    from orchestrator.errors import SpecError
+    from orchestrator.spec.lora import export_hf_weights
+
+    job = JobSpec.from_dict({"data": {"path": "d"}, "run_dir": str(tmp_path / "run"),
+                             "model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_layers": 2,
+                                       "moe": {"experts": 4}}})
+    with pytest.raises(SpecError, match=r"`model.moe`: value .* has no Hugging Face layout in raymesh: "
+                                        r"LlamaForCausalLM's feed-forward is dense.*fix: export a dense job"):
+        export_hf_weights(job, None, str(tmp_path / "hf"))

@@ -214,11 +214,13 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
              source: str | Path | None = None) -> Path:
     """Write a full raymesh Llama state dict as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
-    A tied head is written once, as the embedding (``tie_word_embeddings`` says so). With ``source`` (the run's
-    ``model.init_from``) its special-token ids, context length, tokenizer and generation files come along, so
-    the export is the same model to ``transformers``' tokenizer and ``generate`` as the checkpoint it came from."""
+    A tied head is written once, as the embedding (``tie_word_embeddings`` says so), unless a merged adapter made it
+    another matrix (``written_config``). With ``source`` (the run's ``model.init_from``) its special-token ids,
+    context length, tokenizer and generation files come along, so the export is the same model to ``transformers``'
+    tokenizer and ``generate`` as the checkpoint it came from."""
     from safetensors.torch import save_file
 
+    cfg = written_config(state, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(k): v.detach().cpu().contiguous() for k, v in state.items()
@@ -232,6 +234,16 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
                 shutil.copyfile(Path(source) / name, out / name)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def written_config(state: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` untied when ``state``'s head is not its embedding: a LoRA adapter on a tied model's ``output``,
+    merged, changes the head alone, and a tied export would drop the merged head (``transformers`` would compute
+    other logits than the checkpoint's model)."""
+    head, embedding = state.get("output.weight"), state.get("tok_embeddings.weight")
+    if not cfg.tie_embeddings or head is None or embedding is None or torch.equal(head, embedding):
+        return cfg
+    return cfg.model_copy(update={"tie_embeddings": False})
 
 
 def carried_config(config: dict[str, Any], source: dict[str, Any], seq_len: int) -> dict[str, Any]:

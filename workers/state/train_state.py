@@ -85,7 +85,7 @@ class TrainState:
         self.step = int(state["step"])
         self.cursor.load_state_dict(state["data"])
         for opt, sched in zip(self.optimizers, self.schedulers):
-            sched.load_state_dict(state["lr_scheduler"])
+            sched.load_state_dict(_rescheduled(state["lr_scheduler"], sched))
             for group, lr in zip(opt.param_groups, sched.get_last_lr()):
                 group["lr"] = lr  # the scheduler's state does not carry the optimizer's current lr
         if self.scaler is not None:
@@ -112,7 +112,9 @@ class TrainState:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Each part takes its own keys of ``state`` back (call inside ``resident``)."""
+        """Each part takes its own keys of ``state`` back (call inside ``resident``). The optimizer's state (moments,
+        step counts) comes from ``state``, its hyperparameters (weight decay, betas, momentum, the rate) stay the job
+        file's: a resume with ``--set optim.lr=...`` must train at that rate, not at the checkpoint's."""
         model, optim = state["model"], state["optim"]
         if self.experts:
             like_model, like_optim = self._model_and_optim()
@@ -120,7 +122,10 @@ class TrainState:
             optim = expert_keys.join(optim, like_optim, self.experts)
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
             set_model_state_dict(unwrap(part), model, options=_OPTIONS)
+            job_groups = _hyperparameters(opt)
             set_optimizer_state_dict(named, opt, optim, options=_OPTIONS)
+            for group, job in zip(opt.param_groups, job_groups, strict=True):
+                group.update(job)
         self.load_progress_state(state["train"])
         self.load_weight_versions(state.get("weight_versions", {}))
 
@@ -128,3 +133,17 @@ class TrainState:
         """Hand the asynchronous pipeline its stashed versions back, with the step they belong to."""
         if self.weight_versions is not None:
             self.weight_versions.load_state_dict(versions, self.step)
+
+
+def _hyperparameters(opt) -> list[dict]:
+    """Each param group's settings as this job built them (everything but its parameters), to put back over those a
+    checkpoint's param groups carry."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+
+
+def _rescheduled(saved: dict, sched) -> dict:
+    """A saved LR schedule's position (``last_epoch``) under this job's base rate: the saved ``base_lrs`` and last
+    rates are the run's that saved it, and a resume with another ``optim.lr`` must not train at those."""
+    epoch = saved["last_epoch"]
+    rates = [base * factor(epoch) for base, factor in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+    return {**saved, "base_lrs": list(sched.base_lrs), "_last_lr": rates}
