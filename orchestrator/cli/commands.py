@@ -242,7 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--step", type=int, help="step to draw the pipeline timeline for (default: the last)")
     rep.set_defaults(func=_report)
     add_client_commands(sub)
+    _describe_commands(sub)
     return parser
+
+
+def _describe_commands(sub: argparse._SubParsersAction) -> None:
+    """Give each subcommand's ``--help`` its one-line ``help=`` as description: argparse shows that line only in
+    ``raymesh --help``'s list, so ``raymesh plan --help`` listed options without saying what ``plan`` does."""
+    for action in sub._choices_actions:  # one per add_parser(help=...), named by its command
+        command = sub.choices[action.dest]
+        command.description = command.description or action.help
 
 
 def main(argv: list[str] | None = None) -> int:
