@@ -19,9 +19,12 @@ HELDOUT_DIR = "heldout"  # prepare-data --heldout's folder (workers.data.prepare
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
+    from orchestrator.spec import check_writable_dir
     from workers.data.prepare import default_sources, prepare_data
     from workers.storage import is_url, staged_output
 
+    if not is_url(args.out):  # else mkdir's bare "[Errno 17] File exists" names neither --out nor the fix
+        check_writable_dir("--out", Path(args.out))
     sources = args.source or default_sources()
     last = (f"{HELDOUT_DIR}/{MANIFEST}", MANIFEST)
     with staged_output(args.out, last=last) as out:  # a URL: written here, then copied up, manifests last

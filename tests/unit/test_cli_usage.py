@@ -22,3 +22,15 @@ def test_each_subcommand_help_says_what_it_does(command, capsys):
     assert exited.value.code == 0
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
     assert _commands()[command] in shown
+
+
+def test_prepare_data_out_on_a_file_names_the_option_and_the_fix(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("def f(): pass\n")
+    taken = tmp_path / "job.yaml"
+    taken.write_text("name: kept\n")
+    code = main(["prepare-data", "--source", str(tmp_path / "notes.txt"), "--out", str(taken)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"option `--out`: value '{taken}' is a file, not a directory; fix: point --out at a directory" in err
+    assert "Traceback" not in err
+    assert taken.read_text() == "name: kept\n"
