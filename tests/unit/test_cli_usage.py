@@ -34,3 +34,29 @@ def test_prepare_data_out_on_a_file_names_the_option_and_the_fix(tmp_path, capsy
     assert f"option `--out`: value '{taken}' is a file, not a directory; fix: point --out at a directory" in err
     assert "Traceback" not in err
     assert taken.read_text() == "name: kept\n"
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fail the test if a command goes on to prepare data, check the run or reach Ray."""
+    from orchestrator.runtime.hosted import HostedJob
+
+    def started(*args, **kwargs):
+        raise AssertionError("the command went on past its arguments' check")
+
+    monkeypatch.setattr("orchestrator.cli.default_corpus.prepare_default_corpus", started)
+    monkeypatch.setattr(HostedJob, "find", started)
+
+
+@pytest.mark.parametrize("command", ["run", "attach"])
+@pytest.mark.parametrize("where, problem", [(".", "is a directory; fix: give a file path"),
+                                            ("job.yaml/summary.json", "is not a writable directory")])
+def test_summary_json_that_cannot_be_written_is_refused_before_the_run(command, where, problem, tmp_path,
+                                                                       monkeypatch, capsys, nothing_starts):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("data:\n  path: data/tiny\n")
+    target = "job.yaml" if command == "run" else "some-job-id"
+    code = main([command, target, "--summary-json", where])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"option `--summary-json`: value '{where}' " in err and problem in err
