@@ -60,3 +60,35 @@ def test_summary_json_that_cannot_be_written_is_refused_before_the_run(command, 
     err = capsys.readouterr().err
     assert code == 2
     assert f"option `--summary-json`: value '{where}' " in err and problem in err
+
+
+CLOSED = "127.0.0.1:1"  # nothing listens on port 1: an unreachable cluster, and no local Ray is ever started
+
+
+@pytest.mark.parametrize("argv", [["status", "some-job", "--ray-address", CLOSED], ["logs", "some-job"],
+                                  ["stop", "some-job", "--ray-address", CLOSED],
+                                  ["scale", "some-job", "--dp", "2", "--ray-address", CLOSED], ["submit", "job.yaml"]])
+def test_an_unreachable_cluster_is_one_line_naming_the_address_given(argv, tmp_path, monkeypatch, capsys):
+    """--address wins over RAY_ADDRESS (Ray's job SDK let RAY_ADDRESS replace it: a traceback after a 35 s wait on
+    that address's GCS, or another cluster's jobs)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("data:\n  path: data/tiny\n")
+    monkeypatch.setenv("RAY_ADDRESS", CLOSED)
+    code = main([*argv, "--address", f"http://{CLOSED}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"cannot reach the Ray dashboard at http://{CLOSED}" in err
+    assert "Traceback" not in err
+
+
+def test_run_against_an_unreachable_cluster_names_it_and_the_fix(tmp_path, monkeypatch, capsys):
+    """``ray.init`` retries an unreachable head for over ten minutes before it says so."""
+    from orchestrator.runtime.group import RayRuntime
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("data:\n  path: data/tiny\n")
+    monkeypatch.setattr(RayRuntime, "preflight", lambda self, spec: None)  # no data needed to reach the cluster
+    code = main(["run", "job.yaml", "--address", CLOSED])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"cannot reach a Ray cluster at {CLOSED} (from --address" in err and "fix: start it" in err
