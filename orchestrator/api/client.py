@@ -18,22 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RpcError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from orchestrator.api.auth import use_ray_token_if_present
 from orchestrator.api.control_server import ControlClient, ControlUnreachable
 from orchestrator.errors import SpecError
 from orchestrator.observability.events import parse_event
+from orchestrator.runtime.cluster import check_reachable
 from orchestrator.runtime.hosted import HostedJob
 from orchestrator.spec import load_spec
 
 SUMMARY_MARK = "event=summary json="
+_SDK_ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # what Ray's job SDK lets override its address
 
 
 def newest_event(log: str, name: str) -> dict[str, str] | None:
@@ -75,6 +79,19 @@ def _job_path(job_file: str | Path, working_dir: str | Path) -> str:
     return job.relative_to(root).as_posix()
 
 
+def _job_client(address: str) -> JobSubmissionClient:
+    """Ray's job client for ``address`` as given. Ray's SDK replaces its address by ``RAY_API_SERVER_ADDRESS`` or
+    ``RAY_ADDRESS`` when either is set, which silently sent an explicit dashboard URL's requests to another cluster
+    (or, with a stale ``RAY_ADDRESS``, to a GCS that made the client wait ~35 s and fail with a traceback)."""
+    if "://" not in address:  # a GCS address HOST:PORT, which Ray resolves to its dashboard through the GCS
+        check_reachable(address, "the dashboard address")
+    hidden = {name: os.environ.pop(name) for name in _SDK_ADDRESS_ENV if name in os.environ}
+    try:
+        return JobSubmissionClient(address)
+    finally:
+        os.environ.update(hidden)
+
+
 class Client:
     """One Ray cluster's raymesh jobs, addressed by the dashboard URL (e.g. ``http://127.0.0.1:8265``)."""
 
@@ -84,8 +101,8 @@ class Client:
         self.ray_address = ray_address
         self._unreachable: ConnectionError | None = None
         try:
-            self._dashboard = JobSubmissionClient(address)
-        except ConnectionError as exc:  # raised when a call needs it: `raymesh run` jobs are found without it
+            self._dashboard = _job_client(address)
+        except (ConnectionError, RpcError) as exc:  # raised when a call needs it: `raymesh run` jobs need no dashboard
             self._dashboard = None
             self._unreachable = ConnectionError(
                 f"cannot reach the Ray dashboard at {address} ({exc}); check that the cluster is up (`ray status`), "

@@ -19,9 +19,12 @@ HELDOUT_DIR = "heldout"  # prepare-data --heldout's folder (workers.data.prepare
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
+    from orchestrator.spec import check_writable_dir
     from workers.data.prepare import default_sources, prepare_data
     from workers.storage import is_url, staged_output
 
+    if not is_url(args.out):  # else mkdir's bare "[Errno 17] File exists" names neither --out nor the fix
+        check_writable_dir("--out", Path(args.out))
     sources = args.source or default_sources()
     last = (f"{HELDOUT_DIR}/{MANIFEST}", MANIFEST)
     with staged_output(args.out, last=last) as out:  # a URL: written here, then copied up, manifests last
@@ -242,7 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--step", type=int, help="step to draw the pipeline timeline for (default: the last)")
     rep.set_defaults(func=_report)
     add_client_commands(sub)
+    _describe_commands(sub)
     return parser
+
+
+def _describe_commands(sub: argparse._SubParsersAction) -> None:
+    """Give each subcommand's ``--help`` its one-line ``help=`` as description: argparse shows that line only in
+    ``raymesh --help``'s list, so ``raymesh plan --help`` listed options without saying what ``plan`` does."""
+    for action in sub._choices_actions:  # one per add_parser(help=...), named by its command
+        command = sub.choices[action.dest]
+        command.description = command.description or action.help
 
 
 def main(argv: list[str] | None = None) -> int:

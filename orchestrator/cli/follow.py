@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from orchestrator.errors import SpecError
 from orchestrator.observability.events import parse_event
 from orchestrator.observability.observers import ProgressBar, StepReport
 
@@ -214,6 +216,21 @@ def _where(summary: dict, summary_json: str | None) -> list[str]:
     return lines
 
 
+def check_summary_json(path: str | None) -> None:
+    """``--summary-json`` can be written (as a file, its missing folders made): checked before anything starts,
+    because it is written only when the run ends, where a directory or a read-only folder there would be reported
+    after the whole run had trained."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise SpecError("--summary-json", path, "is a directory", f"give a file path, e.g. {target / 'summary.json'}")
+    folder = next(p for p in target.absolute().parents if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise SpecError("--summary-json", path, f"cannot be written: {folder} is not a writable directory",
+                        "give a file path in a directory you can write")
+
+
 def run(args: argparse.Namespace) -> int:
     """``raymesh run``: check the job here, start its detached controller, follow it to the end."""
     from orchestrator.checkpoints.job_record import check_resume
@@ -225,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.spec import load_spec
 
     spec = load_spec(args.job, args.set)
+    check_summary_json(args.summary_json)
     prepare_default_corpus(spec)
     try:
         if args.resume:
@@ -254,6 +272,7 @@ def attach(args: argparse.Namespace) -> int:
     """``raymesh attach ID``: follow a hosted job to its end (Ctrl-C detaches, the job goes on)."""
     from orchestrator.runtime.hosted import HostedJob
 
+    check_summary_json(args.summary_json)
     job = HostedJob.find(args.id, args.ray_address)
     if job is None:
         raise LookupError(f"no running raymesh controller for job {args.id!r} on the Ray cluster at "

@@ -18,10 +18,12 @@ DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 
 
 def _client(args: argparse.Namespace):
+    """The client of the cluster ``--address`` names, else ``RAY_DASHBOARD_ADDRESS``, else the one ``RAY_ADDRESS``
+    names (whose GCS knows its dashboard), else the local dashboard."""
     from orchestrator.api.client import Client
 
-    return Client(args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_DASHBOARD,
-                  ray_address=getattr(args, "ray_address", None))
+    address = args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    return Client(address or DEFAULT_DASHBOARD, ray_address=getattr(args, "ray_address", None))
 
 
 def _duration(seconds: float) -> str:
@@ -118,7 +120,8 @@ def _guarded(func):
 
 def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add submit, status, logs, stop, inject and scale to ``raymesh``'s subcommands."""
-    address_help = f"Ray dashboard URL (default: RAY_DASHBOARD_ADDRESS, else {DEFAULT_DASHBOARD})"
+    address_help = (f"Ray dashboard URL, used as given (default: RAY_DASHBOARD_ADDRESS, else the cluster RAY_ADDRESS "
+                    f"names, else {DEFAULT_DASHBOARD})")
 
     submit = subparsers.add_parser("submit", help="validate a job file and submit it to a Ray cluster")
     submit.add_argument("job", help="job file (YAML), inside --working-dir")

@@ -227,9 +227,13 @@ class HostedJob:
     def find(cls, job_id: str, ray_address: str | None = None) -> HostedJob | None:
         """The live controller of ``job_id``, or None (also when no Ray cluster can be reached)."""
         if not ray.is_initialized():
+            from orchestrator.runtime.cluster import check_reachable
+
             use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a driver without it
+            address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"
             try:
-                ray.init(address=ray_address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+                check_reachable(address, "--ray-address" if ray_address else "RAY_ADDRESS")
+                ray.init(address=address, log_to_driver=False)
             except (ConnectionError, RuntimeError):  # no cluster there
                 return None
         try:

@@ -7,7 +7,12 @@ Every public name is re-exported here: callers import from `orchestrator.spec`, 
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.loading import apply_overrides, load_spec, parse_override
 from orchestrator.spec.model import ModelSpec
-from orchestrator.spec.runtime_checks import check_before_start, check_data_path, check_resources
+from orchestrator.spec.runtime_checks import (
+    check_before_start,
+    check_data_path,
+    check_resources,
+    check_writable_dir,
+)
 from orchestrator.spec.sections import (
     CheckpointSpec,
     DataSpec,
@@ -26,5 +31,6 @@ from orchestrator.spec.sections import (
 __all__ = [
     "CheckpointSpec", "DataSpec", "FaultSpec", "FaultToleranceSpec", "JobSpec", "MemorySpec", "MetricsSpec",
     "ModelSpec", "OffloadSpec", "OptimSpec", "ParallelSpec", "ParameterServerSpec", "PrecisionSpec", "TrainSpec",
-    "apply_overrides", "check_before_start", "check_data_path", "check_resources", "load_spec", "parse_override",
+    "apply_overrides", "check_before_start", "check_data_path", "check_resources", "check_writable_dir", "load_spec",
+    "parse_override",
 ]

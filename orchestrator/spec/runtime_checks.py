@@ -268,7 +268,7 @@ def _reachable_bucket(field: str, path: Path) -> None:
                         "cannot see it)", "create the bucket, or fix the URL or the credentials")
 
 
-def _writable_dir(field: str, path: Path) -> None:
+def check_writable_dir(field: str, path: Path) -> None:
     """`path` is a directory raymesh can write in, or can be created under its nearest existing parent."""
     if path.exists() and not path.is_dir():
         raise SpecError(field, str(path), "is a file, not a directory", f"point {field} at a directory")
@@ -320,21 +320,21 @@ def check_outputs(spec: JobSpec) -> None:
     if url is not None:  # its files are staged in a local directory (below) and copied up
         _reachable_bucket("run_dir", _url_location("run_dir", url))
     run_dir = spec.resolved_run_dir()
-    _writable_dir("run_dir", run_dir)
+    check_writable_dir("run_dir", run_dir)
     if spec.checkpoint.dir is not None:
         _url_location("checkpoint.dir", spec.checkpoint.dir)
     ckpt = spec.checkpoint_dir()
     if is_url(ckpt):
         _reachable_bucket("checkpoint.dir", ckpt)
     else:
-        _writable_dir("checkpoint.dir", ckpt)
+        check_writable_dir("checkpoint.dir", ckpt)
     foreign = _foreign_checkpoint_entry(ckpt)
     if foreign is not None:
         raise SpecError("checkpoint.dir", str(ckpt), f"holds {foreign}, which raymesh did not write; a save or "
                         "the retention of old checkpoints would overwrite or delete it",
                         "point checkpoint.dir at a new directory, or move that file away")
     if spec.memory.offload.tier == "nvme" and spec.memory.offload.path:
-        _writable_dir("memory.offload.path", Path(spec.memory.offload.path))
+        check_writable_dir("memory.offload.path", Path(spec.memory.offload.path))
     if spec.metrics.port is None:
         return
     target = spec.metrics.resolved_file_sd(run_dir)
@@ -343,7 +343,7 @@ def check_outputs(spec: JobSpec) -> None:
         raise SpecError(field, str(target), "is a file raymesh did not write (not a raymesh Prometheus target "
                         "list), and the job would overwrite it",
                         "point metrics.file_sd at a new file, e.g. runs/prometheus_targets/<job>.json")
-    _writable_dir(field, target.parent)
+    check_writable_dir(field, target.parent)
     if len(os.fsencode(target.name)) > NAME_MAX:
         raise SpecError(field, str(target), "has a file name over the OS limit NAME_MAX",
                         "set metrics.file_sd to a shorter path, or shorten the run_dir's last name")

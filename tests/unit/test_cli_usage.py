@@ -1,0 +1,94 @@
+"""``raymesh``'s own face, Ray-free: what ``--help`` says and how a user's mistake on the command line is reported
+(one line naming the option, its value and the fix, exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.cli.commands import build_parser
+
+
+def _commands() -> dict[str, str]:
+    """Each subcommand and the one-line help ``raymesh --help`` lists for it."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return {action.dest: action.help for action in sub._choices_actions}
+
+
+@pytest.mark.parametrize("command", sorted(_commands()))
+def test_each_subcommand_help_says_what_it_does(command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
+    assert _commands()[command] in shown
+
+
+def test_prepare_data_out_on_a_file_names_the_option_and_the_fix(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("def f(): pass\n")
+    taken = tmp_path / "job.yaml"
+    taken.write_text("name: kept\n")
+    code = main(["prepare-data", "--source", str(tmp_path / "notes.txt"), "--out", str(taken)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"option `--out`: value '{taken}' is a file, not a directory; fix: point --out at a directory" in err
+    assert "Traceback" not in err
+    assert taken.read_text() == "name: kept\n"
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fail the test if a command goes on to prepare data, check the run or reach Ray."""
+    from orchestrator.runtime.hosted import HostedJob
+
+    def started(*args, **kwargs):
+        raise AssertionError("the command went on past its arguments' check")
+
+    monkeypatch.setattr("orchestrator.cli.default_corpus.prepare_default_corpus", started)
+    monkeypatch.setattr(HostedJob, "find", started)
+
+
+@pytest.mark.parametrize("command", ["run", "attach"])
+@pytest.mark.parametrize("where, problem", [(".", "is a directory; fix: give a file path"),
+                                            ("job.yaml/summary.json", "is not a writable directory")])
+def test_summary_json_that_cannot_be_written_is_refused_before_the_run(command, where, problem, tmp_path,
+                                                                       monkeypatch, capsys, nothing_starts):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("data:\n  path: data/tiny\n")
+    target = "job.yaml" if command == "run" else "some-job-id"
+    code = main([command, target, "--summary-json", where])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"option `--summary-json`: value '{where}' " in err and problem in err
+
+
+CLOSED = "127.0.0.1:1"  # nothing listens on port 1: an unreachable cluster, and no local Ray is ever started
+
+
+@pytest.mark.parametrize("argv", [["status", "some-job", "--ray-address", CLOSED], ["logs", "some-job"],
+                                  ["stop", "some-job", "--ray-address", CLOSED],
+                                  ["scale", "some-job", "--dp", "2", "--ray-address", CLOSED], ["submit", "job.yaml"]])
+def test_an_unreachable_cluster_is_one_line_naming_the_address_given(argv, tmp_path, monkeypatch, capsys):
+    """--address wins over RAY_ADDRESS (Ray's job SDK let RAY_ADDRESS replace it: a traceback after a 35 s wait on
+    that address's GCS, or another cluster's jobs)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("data:\n  path: data/tiny\n")
+    monkeypatch.setenv("RAY_ADDRESS", CLOSED)
+    code = main([*argv, "--address", f"http://{CLOSED}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"cannot reach the Ray dashboard at http://{CLOSED}" in err
+    assert "Traceback" not in err
+
+
+def test_run_against_an_unreachable_cluster_names_it_and_the_fix(tmp_path, monkeypatch, capsys):
+    """``ray.init`` retries an unreachable head for over ten minutes before it says so."""
+    from orchestrator.runtime.group import RayRuntime
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("data:\n  path: data/tiny\n")
+    monkeypatch.setattr(RayRuntime, "preflight", lambda self, spec: None)  # no data needed to reach the cluster
+    code = main(["run", "job.yaml", "--address", CLOSED])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"cannot reach a Ray cluster at {CLOSED} (from --address" in err and "fix: start it" in err
