@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
 import sys
@@ -222,11 +221,13 @@ def check_summary_json(path: str | None) -> None:
     after the whole run had trained."""
     if path is None:
         return
+    from orchestrator.spec.runtime_checks import unwritable_ancestor
+
     target = Path(path)
     if target.is_dir():
         raise SpecError("--summary-json", path, "is a directory", f"give a file path, e.g. {target / 'summary.json'}")
-    folder = next(p for p in target.absolute().parents if p.exists())
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+    folder = unwritable_ancestor(target.absolute().parent)
+    if folder is not None:
         raise SpecError("--summary-json", path, f"cannot be written: {folder} is not a writable directory",
                         "give a file path in a directory you can write")
 

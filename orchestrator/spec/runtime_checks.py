@@ -268,12 +268,19 @@ def _reachable_bucket(field: str, path: Path) -> None:
                         "cannot see it)", "create the bucket, or fix the URL or the credentials")
 
 
+def unwritable_ancestor(path: Path) -> Path | None:
+    """The nearest existing of `path` and its parents when it is not a directory this process can write in (so
+    `path` cannot be written or created there); None when it is."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return None if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK) else existing
+
+
 def check_writable_dir(field: str, path: Path) -> None:
     """`path` is a directory raymesh can write in, or can be created under its nearest existing parent."""
     if path.exists() and not path.is_dir():
         raise SpecError(field, str(path), "is a file, not a directory", f"point {field} at a directory")
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    existing = unwritable_ancestor(path)
+    if existing is not None:
         where = "it" if existing == path else f"its parent {existing}"
         raise SpecError(field, str(path), f"cannot be written: {where} is not a writable directory",
                         f"point {field} at a directory you can write, or fix its permissions")
