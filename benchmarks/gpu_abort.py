@@ -24,26 +24,25 @@ import time
 
 import torch.multiprocessing as mp
 
+from tests.support.ports import GroupPorts
+
 ADDR = "127.0.0.1"
 DEFAULT_ENV: dict[str, str] = {}  # raymesh's own: init_mesh sets the NCCL error handling to 2 on a GPU
 TORCH_DEFAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}  # PyTorch's default, which raymesh overrides
 
 
-def _free_port() -> int:
-    from workers.parallel.process_group import listen_on
-
-    with listen_on(ADDR) as sock:
-        return sock.getsockname()[1]
-
-
-def _join(rank: int, port: int, device_kind: str, timeout_s: float, sockets=None):
-    """Join a two-rank group on device 0 the way a rank does; returns the device."""
+def _join(rank: int, ports, group: int, device_kind: str, timeout_s: float, sockets=None):
+    """Join two-rank group ``group`` (0: first, 1: re-formed) on device 0 the way a rank does; returns the device.
+    Rank 0 binds the group's port as it forms and its peer reads it from ``ports`` (``GroupPorts``), so no port
+    picked earlier can have been taken meanwhile."""
     from workers.parallel.grid import Grid
     from workers.parallel.process_group import init_mesh, pick_device
 
     os.environ["LOCAL_RANK"] = "0"  # both processes on device 0
     device = pick_device(device_kind)
-    build = lambda: init_mesh(rank, 2, ADDR, port, Grid(dp=2), device, timeout_s=timeout_s)  # noqa: E731
+    port, listener = ports.join(rank, group, timeout_s)
+    build = lambda: init_mesh(rank, 2, ADDR, port, Grid(dp=2), device, timeout_s=timeout_s,  # noqa: E731
+                              listener=listener)
     if sockets is None:
         build()
     else:
@@ -74,7 +73,7 @@ def _all_reduce(device) -> float:
     return value
 
 
-def _survivor(rank: int, ports: tuple[int, int], device_kind: str, timeout_s: float, events) -> None:
+def _survivor(rank: int, ports, device_kind: str, timeout_s: float, events) -> None:
     """Rank 0: form the group, enter a collective the killed peer never joins, then fail, leave and re-form."""
     import torch.distributed as dist
 
@@ -83,7 +82,7 @@ def _survivor(rank: int, ports: tuple[int, int], device_kind: str, timeout_s: fl
 
     sockets = GroupSockets()
     try:
-        device = _join(0, ports[0], device_kind, timeout_s, sockets)
+        device = _join(0, ports, 0, device_kind, timeout_s, sockets)
         events.put(("formed", _all_reduce(device)))
     except Exception as exc:  # NCCL may refuse two ranks on one device
         events.put(("formation_failed", RankStepError.of(exc).detail))
@@ -100,18 +99,18 @@ def _survivor(rank: int, ports: tuple[int, int], device_kind: str, timeout_s: fl
     if device.type == "cpu":
         sockets.leave()  # RankWorker._leave_group
     dist.destroy_process_group()
-    _join(0, ports[1], device_kind, timeout_s)
+    _join(0, ports, 1, device_kind, timeout_s)
     events.put(("reformed", _all_reduce(device)))
     dist.destroy_process_group()
 
 
-def _peer(rank: int, port: int, device_kind: str, timeout_s: float, events, role: str) -> None:
+def _peer(rank: int, ports, group: int, device_kind: str, timeout_s: float, events, role: str) -> None:
     """Rank 1: the ``victim`` joins, takes part in the first all-reduce and then waits to be killed; the
     ``replacement`` joins the re-formed group and takes part in its all-reduce."""
     import torch.distributed as dist
 
     try:
-        device = _join(1, port, device_kind, timeout_s)
+        device = _join(1, ports, group, device_kind, timeout_s)
         value = _all_reduce(device)
     except Exception as exc:
         events.put((f"{role}_failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
@@ -147,7 +146,7 @@ def _wait_for(events, seen: dict, name: str, deadline: float, survivor) -> bool:
 def run_variant(device_kind: str, timeout_s: float, env: dict[str, str]) -> dict:
     """One survivor, one victim killed while the survivor is inside a collective with it, one replacement."""
     ctx = mp.get_context("spawn")
-    events, ports = ctx.Queue(), (_free_port(), _free_port())
+    events, ports = ctx.Queue(), GroupPorts(2, ctx)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # spawn children inherit the environment at start
     seen: dict = {}
@@ -155,14 +154,14 @@ def run_variant(device_kind: str, timeout_s: float, env: dict[str, str]) -> dict
     try:
         survivor = ctx.Process(target=_survivor, args=(0, ports, device_kind, timeout_s, events), daemon=True)
         survivor.start()
-        victim = _spawn(ctx, _peer, ports[0], device_kind, timeout_s, events, "victim")
+        victim = _spawn(ctx, _peer, ports, 0, device_kind, timeout_s, events, "victim")
         procs += [survivor, victim]
         deadline = time.monotonic() + 2 * timeout_s + 30
         if _wait_for(events, seen, "entering", deadline, survivor):
             time.sleep(1.0)  # let the survivor's collective start and block on the victim
             os.kill(victim.pid, signal.SIGKILL)
             seen["killed_at"] = time.monotonic()
-            procs.append(_spawn(ctx, _peer, ports[1], device_kind, timeout_s, events, "replacement"))
+            procs.append(_spawn(ctx, _peer, ports, 1, device_kind, timeout_s, events, "replacement"))
             _wait_for(events, seen, "reformed", deadline, survivor)
         _wait_for(events, seen, "replacement_reduced", min(deadline, time.monotonic() + 10), survivor)
         survivor.join(timeout=5)
