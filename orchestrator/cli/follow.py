@@ -64,6 +64,13 @@ def resume_command(args: argparse.Namespace) -> str:
     return shlex.join([*argv, "--resume"])
 
 
+def shows_progress(args: argparse.Namespace) -> bool:
+    """A progress bar only where a terminal shows it (stderr, where tqdm draws): in a log file, a CI job or a
+    ``ray job submit``'s stream each redraw becomes a line of its own and the figures are hard to read back, so
+    there the ``event=step`` lines stand in for it, as with ``--no-progress``."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def _shown(line: str, keep_summary: bool, progress: bool = False) -> bool:
     """Whether a feed line goes to the terminal: all but the one-line summary JSON (kilobytes of losses), which
     only a submitted job prints, because ``raymesh status|summary`` read it from the job server's log; a terminal
@@ -263,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         interrupts.armed = True
         print(f"raymesh: job {job_id} runs in a detached controller: `raymesh attach {job_id}` follows it again, "
               f"`raymesh stop {job_id}` ends it", file=sys.stderr, flush=True)
-        outcome = follow(job, not args.no_progress, interrupts)
+        outcome = follow(job, shows_progress(args), interrupts)
     if outcome is not None:
         job.release()
     return report(outcome, job_id, args.summary_json, resume_command(args))
@@ -281,7 +288,7 @@ def attach(args: argparse.Namespace) -> int:
                           "its run dir (`raymesh report RUN_DIR`)")
     with Interrupts() as interrupts:
         interrupts.armed = True
-        outcome = follow(job, not args.no_progress, interrupts, stop_on_interrupt=False)
+        outcome = follow(job, shows_progress(args), interrupts, stop_on_interrupt=False)
     if outcome is not None:
         job.release()
     return report(outcome, args.id, args.summary_json, None)

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from orchestrator.cli.follow import _hosted_spec, _Terminal, report, resume_command
+from orchestrator.cli.follow import _hosted_spec, _Terminal, report, resume_command, shows_progress
 from orchestrator.runtime.hosted import Feed
 from orchestrator.spec import JobSpec
 
@@ -118,3 +118,10 @@ def test_step_lines_show_only_where_no_progress_bar_shows_the_steps(capsys, prog
     terminal.close()
     err = capsys.readouterr().err
     assert ("event=step step=1" in err) is not progress and "event=checkpoint" in err
+
+
+@pytest.mark.parametrize("tty, no_progress, bar", [(True, False, True), (True, True, False), (False, False, False)])
+def test_the_bar_draws_only_on_a_terminal_a_log_gets_step_lines(monkeypatch, tty, no_progress, bar):
+    """A ``ray job submit`` stream or a redirected run is no terminal: each redraw would be a line of its own."""
+    monkeypatch.setattr("sys.stderr.isatty", lambda: tty)
+    assert shows_progress(argparse.Namespace(no_progress=no_progress)) is bar
