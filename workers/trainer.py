@@ -350,8 +350,12 @@ class Trainer:
             if self.async_pipe is None:  # PipeDream zeroes after each update: a 2BW window may span steps
                 opt.zero_grad(set_to_none=True)
             with warnings.catch_warnings():
-                if self.async_pipe is not None:  # 2BW's first update on an early stage may come a step later:
-                    # torch warns of a skipped LR value, but each update runs at its step's LR (step_lrs)
+                # torch warns of a skipped LR value when no update ran before the schedule's first step. Expected
+                # twice: 2BW's first update on an early stage may come a step later (each update runs at its
+                # step's LR, step_lrs), and an fp16 step that overflowed is skipped while its LR value passes, as
+                # in PyTorch's own AMP recipe (GradScaler.step, then the scheduler's), so the schedule follows
+                # the step count, which a resume and the records count by too.
+                if self.async_pipe is not None or not applied:
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
                 sched.step()
         for zero1 in self.zero1:
