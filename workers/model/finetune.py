@@ -99,9 +99,11 @@ def rebuilt_model(spec: dict, checkpoint: str | Path) -> tuple[WorkerSpec, nn.Mo
     return job, model
 
 
-def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str = "pt") -> Path:
+def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str = "pt",
+                  vocab: int | None = None) -> Path:
     """Merge the adapters of a LoRA run's checkpoint into plain-model weights: a ``.pt`` state dict, or with
-    ``fmt="hf"`` a Hugging Face directory (Llama family).
+    ``fmt="hf"`` a Hugging Face directory (Llama family) of ``vocab`` tokens (the job's ``model.vocab_size``,
+    without the rows tp padded it with; the ``.pt`` keeps them, as the job's model it loads into has them).
 
     ``W + (alpha/rank) B A`` replaces every adapted layer; ``build_model(cfg).load_state_dict`` takes the
     ``.pt``, and so does ``model.lora.base_checkpoint``; the directory serves as ``model.init_from``.
@@ -110,7 +112,7 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str 
     if fmt == "hf":
         from workers.model.hf_io import write_hf
 
-        return write_hf(merged_state_dict(model), job.model, out, source=job.init_from)
+        return write_hf(merged_state_dict(model), job.model, out, source=job.init_from, vocab=vocab)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(merged_state_dict(model), out)
