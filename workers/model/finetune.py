@@ -15,21 +15,22 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.model.lora import apply_lora, merged_state_dict
 from workers.spec import WorkerSpec
+from workers.state.known_weights import load_known
 
 
 def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
-    """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone."""
+    """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone; one holding weights
+    ``model`` has none of (more layers) is refused (``workers.state.known_weights``)."""
     state = {"model": model.state_dict()}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: what this function is for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+            load_known(state, checkpoint, state["model"], no_dist=True)
         model.load_state_dict(state["model"])
     except (CheckpointException, RuntimeError) as exc:  # DCP's is a BaseException, tens of lines long
         raise ValueError(f"checkpoint {checkpoint} holds a model of another shape than the job file describes "
