@@ -6,7 +6,8 @@ DCP loads by name and shape, and the ranks load only the names the job's model a
 the actors had started, as a DCP traceback tens of lines long; fewer layers, or more heads over the same width,
 loaded without a word (the checkpoint's other layers dropped, the same matrices cut into other heads); another
 optimizer's state, or an fp16 run's loss scale, is not there to load. The controller writes `RECORD` into each save
-before its seal (so its checksums cover it); a checkpoint saved before it was written has none and is not checked.
+before its seal (so its checksums cover it); a checkpoint saved before it was written has none and is not checked
+here (the ranks still refuse one holding model weights the job's model lacks: `workers.state.known_weights`).
 Layout fields (dp, pp, tp, ZeRO, cp, ep) are not recorded: DCP reshards them, except where tp pads the vocabulary
 to other rows (`JobSpec.padded_vocab_size`), which is checked on its own.
 """

@@ -183,7 +183,7 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     path = checkpoint_to_read(job, checkpoint, "export")
     if fmt == "hf":  # a URL: the directory is written locally, then copied up
         with staged_output(out) as target:
-            export_merged(job.worker_dict(), path, target, fmt)
+            export_merged(job.worker_dict(), path, target, fmt, vocab=job.model.vocab_size)
         return location(out)
     exported = export_merged(job.worker_dict(), path, out, fmt)
     checksums.write_file_manifest(exported)

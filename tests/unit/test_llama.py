@@ -229,3 +229,40 @@ def test_an_hf_export_of_an_moe_llama_is_refused_naming_model_moe_before_the_che
     with pytest.raises(SpecError, match=r"`model.moe`: value .* has no Hugging Face layout in raymesh: "
                                         r"LlamaForCausalLM's feed-forward is dense.*fix: export a dense job"):
         export_hf_weights(job, None, str(tmp_path / "hf"))
+
+
+def test_export_hf_of_a_tp_padded_vocabulary_writes_the_jobs_vocabulary(token_data, tmp_path):
+    """A tp=4 run pads model.vocab_size 258 to 260 rows; `raymesh export-hf` writes the job's 258 (config.json,
+    embedding, head), the tokenizer's size, and transformers' logits on real ids are raymesh's own (float32, CPU)."""
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    from orchestrator.checkpoints import checksums
+    from orchestrator.spec.lora import export_hf_weights
+    from tests.support.jobs import tiny_spec
+    from workers.model.meta_init import build_full
+    from workers.spec import WorkerSpec
+
+    spec = tiny_spec(token_data, tmp_path, model={"arch": "llama", "vocab_size": 258}, parallel={"tp": 4})
+    assert spec.padded_vocab_size == 260
+    job = WorkerSpec.from_dict(spec.worker_dict())
+    model = build_full(job.model, job.train.seed).eval()
+    ckpt = spec.checkpoint_dir() / "step-00000001"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's warning about saving without a process group
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    checksums.write_manifest(ckpt)
+    out = export_hf_weights(spec, str(ckpt), str(tmp_path / "out"))
+    assert json.loads((out / hf_io.CONFIG).read_text())["vocab_size"] == 258
+    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    assert exported.model.embed_tokens.weight.shape[0] == exported.lm_head.weight.shape[0] == 258
+    tokens = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, model(tokens)[..., :258], rtol=1e-4, atol=1e-4)
+    again = tiny_spec(token_data, tmp_path, model={"init_from": str(out)}, parallel={"tp": 2})  # and back in
+    reread = build_full(WorkerSpec.from_dict(again.worker_dict()).model, 0)
+    hf_io.load_hf_weights(reread, out)
+    assert torch.equal(reread.output.weight, model.output.weight[:258])

@@ -104,3 +104,40 @@ def test_abort_refuses_pushes_and_waits_until_the_rollback():
     assert shard.apply(0, 1.0) == 1
     with pytest.raises(LookupError, match=r"no state kept at step 3 \(kept: \[0\]\)"):
         shard.roll_back(3)
+
+
+def test_a_resume_steps_the_shards_at_the_job_files_hyperparameters_with_the_checkpoints_moments(tmp_path):
+    """`--resume --set optim.weight_decay=... optim.betas=... optim.lr=...` under dp_sync: ps: the shards are rebuilt
+    from the job file (`shard_states` gets its optimizer, `PSShard` its learning rates), so they step at its values;
+    the moments and step counts are the checkpoint's, as on the ranks (`TrainState.load_state_dict`)."""
+    params = {"stage0.w": torch.randn(4, 6, generator=torch.Generator().manual_seed(0))}
+    servers, clients = cluster(2, 5, params)
+    for clock in range(2):
+        bsp_step(clients, clock, seed=clock)
+    flat = checkpoint.whole([s.state() for s in servers], 5, {"workers": WORKERS, "version": 2,
+                                                              "applied_from": [0] * WORKERS})
+    checkpoint.save(flat, tmp_path)
+    changed, lrs = {**ADAMW, "lr": 5e-3, "weight_decay": 0.0, "betas": [0.8, 0.9]}, [0.5] * 4
+    fresh = [PSShard(i, "bsp", changed, WORKERS, lrs) for i in range(2)]
+    for shard, state in zip(fresh, checkpoint.shard_states(checkpoint.load(tmp_path), HashRing(2, 16), 5, changed)):
+        shard.restore({**state, "version": 2, "applied_from": [0] * WORKERS})
+    fresh_clients = [PSClient([LocalConn(s) for s in fresh], 5, 16, worker=w) for w in range(WORKERS)]
+    for c in fresh_clients:
+        c.register({n: torch.zeros_like(p) for n, p in params.items()})  # held keys: the restored values win
+    opts = [opt for s in fresh for opt in s.opts.values()]
+    groups = [opt.param_groups[0] for opt in opts]
+    assert {(g["weight_decay"], tuple(g["betas"])) for g in groups} == {(0.0, (0.8, 0.9))}
+    assert {float(opt.state[opt.param_groups[0]["params"][0]]["step"]) for opt in opts} == {2.0}
+    before = fresh_clients[0].pull(list(params), 2)["stage0.w"]
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(4, 6, generator=gen) for _ in range(WORKERS)]
+    for c, g in zip(fresh_clients, grads):
+        c.push(2, {"stage0.w": g})
+    fresh_clients[0].apply(2, 1.0)
+    expected = torch.nn.Parameter(before.clone())  # torch's AdamW at the job's values, the checkpoint's moments
+    adamw = torch.optim.AdamW([expected], lr=0.5, weight_decay=0.0, betas=(0.8, 0.9), foreach=False)
+    adamw.state[expected] = {"step": torch.tensor(2.0), "exp_avg": flat["ps.opt/stage0.w/exp_avg"].view(4, 6).clone(),
+                             "exp_avg_sq": flat["ps.opt/stage0.w/exp_avg_sq"].view(4, 6).clone()}
+    expected.grad = sum(grads) / WORKERS
+    adamw.step()
+    torch.testing.assert_close(fresh_clients[0].pull(list(params), 3)["stage0.w"], expected.detach(), rtol=0, atol=1e-6)

@@ -108,3 +108,44 @@ def test_a_checkpoint_saved_before_the_record_is_not_checked(tmp_path):
         (spec.checkpoint_dir() / f"step-{step:08d}" / job_record.RECORD).unlink()
         checksums.write_manifest(spec.checkpoint_dir() / f"step-{step:08d}")
     assert _resume(spec, "model.n_layers=2").groups
+
+
+def test_a_checkpoint_without_its_record_holding_more_layers_is_refused_on_the_rank(tmp_path_factory, tmp_path):
+    """A checkpoint saved before `job.json` existed is not checked by the controller; its layers 2 and 3 used to be
+    dropped without a word by a job of 2 layers (DCP reads only the keys the model asks for)."""
+    from workers.state.known_weights import UnknownWeights
+
+    with one_rank_trainer(tmp_path_factory) as t:
+        t.checkpoints.save(tmp_path / "ckpt", async_save=False)
+    with one_rank_trainer(tmp_path_factory, model={"n_layers": 2}) as t, \
+            pytest.raises(UnknownWeights, match=r"^checkpoint .*ckpt holds model weights this job's model has none "
+                                                r"of \(layers\.2\.\S+, layers\.2\.\S+, layers\.2\.\S+ and \d+ more\); "
+                                                r"it was saved with 4 layers, the job builds 2, .*fix: load it with "
+                                                r"the job file it was trained with \(--set model.n_layers=4\)"):
+        t.checkpoints.load(tmp_path / "ckpt")
+
+
+def test_the_layer_check_reads_every_stages_keys_and_one_process_loads_are_checked_too(tmp_path):
+    """A pipeline stage asks for its own layers only: against the names of all stages nothing is refused. The
+    exports' and `generate`'s whole-model read (`load_dcp_model`) refuses fewer layers the same way."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from workers.model.config import ModelConfig
+    from workers.model.finetune import load_dcp_model
+    from workers.model.registry import build_model
+    from workers.state.known_weights import UnknownWeights, load_known
+
+    model = build_model(ModelConfig(d_model=32, n_layers=4, n_heads=4, d_ff=64, seq_len=32)).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's warnings about one process
+        dcp.save({"model": model}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+        later = ("layers.2.", "layers.3.", "norm", "output")  # the second stage's
+        first = {k: v.clone() for k, v in model.items() if not k.startswith(later)}
+        load_known({"model": first}, tmp_path / "ckpt", model, no_dist=True)
+        with pytest.raises(UnknownWeights, match=r"layers\.2\..* saved with 4 layers, the job builds 2"):
+            load_known({"model": first}, tmp_path / "ckpt", first, no_dist=True)
+        with pytest.raises(UnknownWeights, match=r"--set model.n_layers=4"):
+            load_dcp_model(build_model(ModelConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=32)),
+                           tmp_path / "ckpt")

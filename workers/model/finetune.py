@@ -15,21 +15,22 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.model.lora import apply_lora, merged_state_dict
 from workers.spec import WorkerSpec
+from workers.state.known_weights import load_known
 
 
 def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
-    """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone."""
+    """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone; one holding weights
+    ``model`` has none of (more layers) is refused (``workers.state.known_weights``)."""
     state = {"model": model.state_dict()}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: what this function is for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+            load_known(state, checkpoint, state["model"], no_dist=True)
         model.load_state_dict(state["model"])
     except (CheckpointException, RuntimeError) as exc:  # DCP's is a BaseException, tens of lines long
         raise ValueError(f"checkpoint {checkpoint} holds a model of another shape than the job file describes "
@@ -99,9 +100,11 @@ def rebuilt_model(spec: dict, checkpoint: str | Path) -> tuple[WorkerSpec, nn.Mo
     return job, model
 
 
-def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str = "pt") -> Path:
+def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str = "pt",
+                  vocab: int | None = None) -> Path:
     """Merge the adapters of a LoRA run's checkpoint into plain-model weights: a ``.pt`` state dict, or with
-    ``fmt="hf"`` a Hugging Face directory (Llama family).
+    ``fmt="hf"`` a Hugging Face directory (Llama family) of ``vocab`` tokens (the job's ``model.vocab_size``,
+    without the rows tp padded it with; the ``.pt`` keeps them, as the job's model it loads into has them).
 
     ``W + (alpha/rank) B A`` replaces every adapted layer; ``build_model(cfg).load_state_dict`` takes the
     ``.pt``, and so does ``model.lora.base_checkpoint``; the directory serves as ``model.init_from``.
@@ -110,7 +113,7 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str 
     if fmt == "hf":
         from workers.model.hf_io import write_hf
 
-        return write_hf(merged_state_dict(model), job.model, out, source=job.init_from)
+        return write_hf(merged_state_dict(model), job.model, out, source=job.init_from, vocab=vocab)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(merged_state_dict(model), out)

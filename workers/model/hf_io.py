@@ -212,14 +212,16 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 
 def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
-             source: str | Path | None = None) -> Path:
+             source: str | Path | None = None, vocab: int | None = None) -> Path:
     """Write a full raymesh Llama state dict as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
     A tied head is written once, as the embedding (``tie_word_embeddings`` says so), unless a merged adapter made it
     another matrix (``written_config``). With ``source`` (the run's ``model.init_from``) its special-token ids,
     context length, tokenizer and generation files come along, so the export is the same model to ``transformers``'
-    tokenizer and ``generate`` as the checkpoint it came from."""
+    tokenizer and ``generate`` as the checkpoint it came from. With ``vocab`` (the job's ``model.vocab_size``) the
+    rows tp padded the vocabulary with are left out (``unpadded``)."""
     from safetensors.torch import save_file
 
+    state, cfg = unpadded(state, cfg, vocab)
     cfg = written_config(state, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,6 +236,18 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
                 shutil.copyfile(Path(source) / name, out / name)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def unpadded(state: dict[str, torch.Tensor], cfg: ModelConfig,
+             vocab: int | None) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """``state`` and ``cfg`` cut to the first ``vocab`` embedding and head rows. Under tp the ranks build
+    ``model.vocab_size`` rounded up to a multiple of tp (``JobSpec.padded_vocab_size``); ids past the job's vocabulary
+    never occur, and an export that kept their rows would not match its tokenizer in ``transformers``."""
+    if vocab is None or vocab == cfg.vocab_size:
+        return state, cfg
+    rows = {"tok_embeddings.weight", "output.weight"}
+    state = {k: v[:vocab] if _WRAPPERS.sub("", k) in rows else v for k, v in state.items()}
+    return state, cfg.model_copy(update={"vocab_size": vocab})
 
 
 def written_config(state: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelConfig:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from workers.state.known_weights import load_known
 from workers.state.train_state import TrainState
 
 
@@ -56,13 +57,21 @@ class CheckpointIO:
         return self.pending is None or self.pending.done()
 
     def load(self, path: str | Path) -> None:
-        """Read in place into this rank's current state (DCP reshards to its layout), then adopt it."""
+        """Read in place into this rank's current state (DCP reshards to its layout), then adopt it. A checkpoint
+        holding model weights no rank's model has (more layers than the job's) is refused (``known_weights``)."""
         with self.state.resident():
             state = self.state.state_dict()
-            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+            load_known(state, path, self._model_names(state["model"]), process_group=self.group)
             self.state.load_state_dict(state)
         if self.state.wire_feedback is not None:
             self._load_wire_feedback(path)
+
+    def _model_names(self, model: dict) -> set[str]:
+        """Every rank's model keys: a stage or shard reads only its own, and a checkpoint key none of them reads is
+        one the job's model lacks. Gathered once per load (a resume or a rollback from disk)."""
+        names: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(names, sorted(model), group=self.group)
+        return set().union(*names)
 
     def _load_wire_feedback(self, path: str | Path) -> None:
         """Compression's error feedback (parameter-server top-k's, or ZeRO-0 PowerSGD's and top-k's), where the
