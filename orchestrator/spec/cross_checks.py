@@ -5,6 +5,7 @@ them all, in `CROSS_FIELD_CHECKS` order, after every section validated on its ow
 
 from __future__ import annotations
 
+from functools import reduce
 from typing import TYPE_CHECKING, get_args
 
 from orchestrator.errors import SpecError
@@ -219,9 +220,12 @@ def check_settings_without_their_feature(job: JobSpec) -> None:
     the run. ``pp_schedule`` without a pipeline (an interleaved schedule at pp=1 would also count two stages, then
     refuse the layer count or tied embeddings for a pipeline that never runs), ``cp_impl`` without context
     parallelism, ``initial_loss_scale`` without fp16's loss scaling. The asynchronous schedules refuse pp=1 in
-    ``check_async_pipeline``, naming what they need."""
+    ``check_async_pipeline``, naming what they need. Likewise settings of the offload store, the Prometheus
+    endpoint, checkpoints, the held-out loss and the optimizer (``workers/optim/build.py`` reads ``momentum`` for
+    sgd and sm3 only, ``betas`` for the Adam family only; ``min_lr_ratio`` is the cosine schedule's floor) when
+    the job runs none of them."""
     p, pr = job.parallel, job.precision
-    inert = [  # (field, value, ignored, what it sets and why this job has none, fix)
+    inert = [*_inert_settings(job),   # (field, value, ignored, what it sets and why this job has none, fix)
         ("parallel.pp_schedule", p.pp_schedule, p.pp == 1 and p.pp_schedule not in ASYNC,
          "orders a pipeline's microbatches, and this job has parallel.pp: 1 (no pipeline)",
          "set parallel.pp: 2 or more, or remove parallel.pp_schedule"),
@@ -232,9 +236,37 @@ def check_settings_without_their_feature(job: JobSpec) -> None:
          "set precision.dtype: fp16, or remove precision.initial_loss_scale"),
     ]
     for field, value, ignored, why, fix in inert:
-        section, name = field.split(".")
-        if ignored and _changed(getattr(job, section), name):
+        *sections, name = field.split(".")
+        if ignored and _changed(reduce(getattr, sections, job), "async_save" if name == "async" else name):
             raise SpecError(field, value, why, fix)
+
+
+def _inert_settings(job: JobSpec) -> list[tuple]:
+    """`check_settings_without_their_feature`'s rows for the offload store, metrics, checkpoints, eval and optim."""
+    off, m, ck, o = job.memory.offload, job.metrics, job.checkpoint, job.optim
+    stored = off.optimizer or off.params or off.activations or o.name == "paged_adamw"
+    no_store = ("places what memory.offload moves, and this job offloads nothing (memory.offload.optimizer, "
+                "params and activations are false, optim.name is not paged_adamw)")
+    no_port = "belongs to the Prometheus endpoint, and metrics.port is unset (no endpoint)"
+    no_ckpt = "shapes checkpoint saves, and checkpoint.every is 0 (never checkpoints)"
+    local = job.parallel.dp_sync == "allreduce"  # with shards, parameter_server.optimizer may read them
+    return [
+        *[(f"memory.offload.{k}", getattr(off, k), not stored, no_store, "set memory.offload.optimizer (or params, "
+           f"activations) to true, or remove memory.offload.{k}") for k in ("tier", "prefetch")],
+        *[(f"metrics.{k}", getattr(m, k), m.port is None, no_port, "set metrics.port (0: any free port), or "
+           f"remove metrics.{k}") for k in ("host", "file_sd")],
+        *[(f"checkpoint.{k}", v, ck.every == 0, no_ckpt, "set checkpoint.every to the steps between saves, or "
+           f"remove checkpoint.{k}") for k, v in (("keep", ck.keep), ("async", ck.async_save))],
+        ("eval.batches", job.eval.batches, job.eval.every == 0, "sizes each held-out evaluation, and eval.every is 0 "
+         "(never evaluates)", "set eval.every and eval.path, or remove eval.batches"),
+        ("optim.momentum", o.momentum, local and o.name not in ("sgd", "sm3"), f"is read by optim.name sgd and "
+         f"sm3 only, not {o.name!r}", "remove optim.momentum (set optim.betas for the Adam family), or use sgd"),
+        ("optim.betas", list(o.betas), local and o.name in ("sgd", "sm3", "adafactor"), "are the Adam family's "
+         f"moment decays, and optim.name {o.name!r} does not read them", "remove optim.betas (sgd and sm3 take "
+         "optim.momentum)"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, o.schedule == "constant", "is the floor the cosine schedule decays "
+         "to, and optim.schedule is constant", "set optim.schedule: cosine, or remove optim.min_lr_ratio"),
+    ]
 
 
 def check_comm(job: JobSpec) -> None:
