@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.errors import SpecError
 from tests.support.spec_errors import assert_actionable, spec_error
 
 DATA = {"data": {"path": "d"}}
@@ -47,3 +48,36 @@ def test_the_same_settings_where_the_job_reads_them_load(sections: dict[str, Any
     from orchestrator.spec import JobSpec
 
     JobSpec.from_dict({**DATA, **sections})
+
+
+@pytest.mark.parametrize(("loggers", "field"), [
+    ({"mlflow": {"experiment": ""}}, "loggers.mlflow.experiment"),  # was silently the job's name
+    ({"mlflow": {"run_name": ""}}, "loggers.mlflow.run_name"),
+    ({"wandb": {"project": ""}}, "loggers.wandb.project"),
+    ({"wandb": {"entity": ""}}, "loggers.wandb.entity"),
+])
+def test_a_blank_tracker_name_is_refused(loggers, field):
+    assert_actionable(spec_error({**DATA, "loggers": loggers}), field, "", "a non-empty string")
+
+
+@pytest.mark.parametrize(("sections", "field", "fix_part"), [
+    ({"loggers": {"tensorboard": {"dir": "FILE"}}}, "loggers.tensorboard.dir", "at a directory"),
+    ({"loggers": {"wandb": {"dir": "FILE"}}}, "loggers.wandb.dir", "at a directory"),
+    ({"data": {"path": "FILE"}}, "data.path", "raymesh prepare-data --out DIR"),
+    ({"eval": {"every": 5, "path": "FILE"}}, "eval.path", "raymesh prepare-data --out DIR"),
+])
+def test_a_file_where_a_folder_belongs_is_refused_before_start(tmp_path, sections, field, fix_part):
+    """A tracker opens its folder in the controller after the actors started; `prepare-data --out` a file fails."""
+    import json
+
+    from orchestrator.spec import JobSpec, check_before_start
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"total_tokens": 10**6, "shards": []}))
+    raw = json.loads(json.dumps({"data": {"path": str(tmp_path / "data")}, "run_dir": str(tmp_path / "run"),
+                                 **sections}).replace('"FILE"', json.dumps(str(a_file))))
+    with pytest.raises(SpecError) as info:
+        check_before_start(JobSpec.from_dict(raw), data_required=False)
+    assert_actionable(info.value, field, str(a_file), fix_part)
