@@ -311,6 +311,17 @@ def check_comm(job: JobSpec) -> None:
             raise SpecError(field, value, f"cannot be combined with optim.name onebit_adam: {why}", fix)
 
 
+def check_warmup(job: JobSpec) -> None:
+    """``optim.warmup_steps`` must end before the run does: otherwise the learning rate is still rising at the last
+    step (the cosine decay never starts), and 1-bit Adam, whose warm-up it is too, never compresses."""
+    warmup, steps = job.optim.warmup_steps, job.train.steps
+    if warmup >= steps:
+        raise SpecError("optim.warmup_steps", warmup, f"is not below train.steps={steps}, so the learning rate "
+                        f"never reaches optim.lr={job.optim.lr:g} before the run ends",
+                        f"set optim.warmup_steps below {steps} (e.g. {max(1, steps // 10)}, a tenth of the run), "
+                        "or train longer")
+
+
 def check_expert_parallel(job: JobSpec) -> None:
     """``parallel.ep`` needs MoE layers whose experts it divides, and a data-parallel mode that reduces the
     experts over the ranks holding them (``workers.parallel.expert_parallel``); ``ep`` dividing dp is the
@@ -473,7 +484,7 @@ def check_batching(job: JobSpec) -> None:
 
 
 CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
-                      check_init_from_vocab, check_batching, check_zero, check_precision, check_recompute, check_faults,
-                      check_parameter_server, check_offload, check_lora, check_context_parallel, check_comm, check_moe,
-                      check_expert_parallel, check_async_pipeline, check_ps_resize, check_compile,
-                      check_optim_implementation, check_fsdp_prefetch, check_eval)
+                      check_init_from_vocab, check_batching, check_warmup, check_zero, check_precision,
+                      check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
+                      check_context_parallel, check_comm, check_moe, check_expert_parallel, check_async_pipeline,
+                      check_ps_resize, check_compile, check_optim_implementation, check_fsdp_prefetch, check_eval)

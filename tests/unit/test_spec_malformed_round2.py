@@ -27,6 +27,15 @@ DATA = {"data": {"path": "d"}}
     ({"optim": {"name": "adamw", "momentum": 0.9}}, "optim.momentum", 0.9, "remove optim.momentum"),
     ({"optim": {"name": "sgd", "betas": [0.8, 0.9]}}, "optim.betas", [0.8, 0.9], "remove optim.betas"),
     ({"optim": {"min_lr_ratio": 0.0}}, "optim.min_lr_ratio", 0.0, "optim.schedule: cosine"),
+    ({"model": {"moe": {"bias_update_rate": 0.01}}}, "model.moe.bias_update_rate", 0.01,
+     "set model.moe.bias_balancing: true"),
+    ({"faults": [{"kind": "slow_rank", "at_step": 3, "seed": 7}]}, "faults.0.seed", 7, "set every_s"),
+    # contradictions and values no run can use
+    ({"optim": {"warmup_steps": 500}, "train": {"steps": 200}}, "optim.warmup_steps", 500, "below 200"),
+    ({"optim": {"warmup_steps": 200}, "train": {"steps": 200}}, "optim.warmup_steps", 200, "below 200"),
+    ({"parallel": {"device_memory": 0}}, "parallel.device_memory", 0, "80GB"),
+    ({"parallel": {"device_memory": -5}}, "parallel.device_memory", -5, "80GB"),
+    ({"parallel": {"device_memory": "0GiB"}}, "parallel.device_memory", "0GiB", "80GB"),
 ])
 def test_second_round_malformed_job_files_are_refused_naming_field_value_and_fix(sections, field, value, fix_part):
     assert_actionable(spec_error({**DATA, **sections}), field, value, fix_part)
@@ -41,6 +50,10 @@ def test_second_round_malformed_job_files_are_refused_naming_field_value_and_fix
     {"optim": {"name": "sgd", "momentum": 0.9}},
     {"optim": {"name": "sm3", "momentum": 0.9}},
     {"optim": {"schedule": "cosine", "min_lr_ratio": 0.0}},
+    {"model": {"moe": {"bias_balancing": True, "bias_update_rate": 0.01}}},
+    {"faults": [{"kind": "kill_rank", "rank": "random", "every_s": 60, "seed": 7}]},
+    {"optim": {"warmup_steps": 199}, "train": {"steps": 200}},
+    {"parallel": {"device_memory": "80GB"}},
     {"parallel": {"dp": 2, "dp_sync": "ps"}, "parameter_server": {"optimizer": "momentum"},
      "optim": {"name": "sgd", "momentum": 0.9, "betas": [0.8, 0.9]}},  # the shards read what they read
 ])
