@@ -94,3 +94,15 @@ def test_a_file_where_a_folder_belongs_is_refused_before_start(tmp_path, section
     with pytest.raises(SpecError) as info:
         check_before_start(JobSpec.from_dict(raw), data_required=False)
     assert_actionable(info.value, field, str(a_file), fix_part)
+
+
+@pytest.mark.parametrize(("sections", "field", "value", "fix_part"), [
+    ({"optim": {"betas": [0.9]}}, "optim.betas", [0.9], "a list of 2 items"),  # was "set to a list", value unshown
+    ({"model": {"lora": {"targets": []}}}, "model.lora.targets", [], "a list of at least 1 item"),
+    ({"faults": {"kind": "oom"}}, "faults", {"kind": "oom"}, "one `- ` line per item"),
+    ({"optim": {"lr": "nan"}}, "optim.lr", "nan", "a number (not nan or inf)"),  # was "written without quotes"
+    ({"train": {"steps": "inf"}}, "train.steps", "inf", "a whole number (not nan or inf)"),
+])
+def test_wrong_shapes_say_what_to_write(sections, field, value, fix_part):
+    msg = assert_actionable(spec_error({**DATA, **sections}), field, value, fix_part)
+    assert "without quotes" not in msg
