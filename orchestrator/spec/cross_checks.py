@@ -221,7 +221,7 @@ def check_settings_without_their_feature(job: JobSpec) -> None:
     refuse the layer count or tied embeddings for a pipeline that never runs), ``cp_impl`` without context
     parallelism, ``initial_loss_scale`` without fp16's loss scaling. The asynchronous schedules refuse pp=1 in
     ``check_async_pipeline``, naming what they need. Likewise settings of the offload store, the Prometheus
-    endpoint, checkpoints, the held-out loss and the optimizer (``workers/optim/build.py`` reads ``momentum`` for
+    endpoint, the held-out loss and the optimizer (``workers/optim/build.py`` reads ``momentum`` for
     sgd and sm3 only, ``betas`` for the Adam family only; ``min_lr_ratio`` is the cosine schedule's floor) when
     the job runs none of them."""
     p, pr = job.parallel, job.precision
@@ -242,21 +242,20 @@ def check_settings_without_their_feature(job: JobSpec) -> None:
 
 
 def _inert_settings(job: JobSpec) -> list[tuple]:
-    """`check_settings_without_their_feature`'s rows for the offload store, metrics, checkpoints, eval and optim."""
-    off, m, ck, o = job.memory.offload, job.metrics, job.checkpoint, job.optim
+    """`check_settings_without_their_feature`'s rows for the offload store, metrics, eval and optim. Not those of
+    checkpoints: checkpoints are on by default, so ``checkpoint.every: 0`` is always a deliberate off (often a
+    ``--set`` for a quick run of a job file that sets ``keep``), and ``keep``/``async`` then mislead nobody."""
+    off, m, o = job.memory.offload, job.metrics, job.optim
     stored = off.optimizer or off.params or off.activations or o.name == "paged_adamw"
     no_store = ("places what memory.offload moves, and this job offloads nothing (memory.offload.optimizer, "
                 "params and activations are false, optim.name is not paged_adamw)")
     no_port = "belongs to the Prometheus endpoint, and metrics.port is unset (no endpoint)"
-    no_ckpt = "shapes checkpoint saves, and checkpoint.every is 0 (never checkpoints)"
     local = job.parallel.dp_sync == "allreduce"  # with shards, parameter_server.optimizer may read them
     return [
         *[(f"memory.offload.{k}", getattr(off, k), not stored, no_store, "set memory.offload.optimizer (or params, "
            f"activations) to true, or remove memory.offload.{k}") for k in ("tier", "prefetch")],
         *[(f"metrics.{k}", getattr(m, k), m.port is None, no_port, "set metrics.port (0: any free port), or "
            f"remove metrics.{k}") for k in ("host", "file_sd")],
-        *[(f"checkpoint.{k}", v, ck.every == 0, no_ckpt, "set checkpoint.every to the steps between saves, or "
-           f"remove checkpoint.{k}") for k, v in (("keep", ck.keep), ("async", ck.async_save))],
         ("eval.batches", job.eval.batches, job.eval.every == 0, "sizes each held-out evaluation, and eval.every is 0 "
          "(never evaluates)", "set eval.every and eval.path, or remove eval.batches"),
         ("optim.momentum", o.momentum, local and o.name not in ("sgd", "sm3"), f"is read by optim.name sgd and "
@@ -309,17 +308,6 @@ def check_comm(job: JobSpec) -> None:
     for field, value, applies, why, fix in refused:
         if applies:
             raise SpecError(field, value, f"cannot be combined with optim.name onebit_adam: {why}", fix)
-
-
-def check_warmup(job: JobSpec) -> None:
-    """``optim.warmup_steps`` must end before the run does: otherwise the learning rate is still rising at the last
-    step (the cosine decay never starts), and 1-bit Adam, whose warm-up it is too, never compresses."""
-    warmup, steps = job.optim.warmup_steps, job.train.steps
-    if warmup >= steps:
-        raise SpecError("optim.warmup_steps", warmup, f"is not below train.steps={steps}, so the learning rate "
-                        f"never reaches optim.lr={job.optim.lr:g} before the run ends",
-                        f"set optim.warmup_steps below {steps} (e.g. {max(1, steps // 10)}, a tenth of the run), "
-                        "or train longer")
 
 
 def check_expert_parallel(job: JobSpec) -> None:
@@ -484,7 +472,7 @@ def check_batching(job: JobSpec) -> None:
 
 
 CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
-                      check_init_from_vocab, check_batching, check_warmup, check_zero, check_precision,
+                      check_init_from_vocab, check_batching, check_zero, check_precision,
                       check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_comm, check_moe, check_expert_parallel, check_async_pipeline,
                       check_ps_resize, check_compile, check_optim_implementation, check_fsdp_prefetch, check_eval)

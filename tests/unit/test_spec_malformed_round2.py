@@ -22,8 +22,6 @@ DATA = {"data": {"path": "d"}}
      "memory.offload.optimizer"),
     ({"metrics": {"file_sd": "/t.json"}}, "metrics.file_sd", "/t.json", "set metrics.port"),
     ({"metrics": {"host": "0.0.0.0"}}, "metrics.host", "0.0.0.0", "set metrics.port"),
-    ({"checkpoint": {"every": 0, "keep": 5}}, "checkpoint.keep", 5, "set checkpoint.every"),
-    ({"checkpoint": {"every": 0, "async": False}}, "checkpoint.async", False, "set checkpoint.every"),
     ({"optim": {"name": "adamw", "momentum": 0.9}}, "optim.momentum", 0.9, "remove optim.momentum"),
     ({"optim": {"name": "sgd", "betas": [0.8, 0.9]}}, "optim.betas", [0.8, 0.9], "remove optim.betas"),
     ({"optim": {"min_lr_ratio": 0.0}}, "optim.min_lr_ratio", 0.0, "optim.schedule: cosine"),
@@ -31,8 +29,6 @@ DATA = {"data": {"path": "d"}}
      "set model.moe.bias_balancing: true"),
     ({"faults": [{"kind": "slow_rank", "at_step": 3, "seed": 7}]}, "faults.0.seed", 7, "set every_s"),
     # contradictions and values no run can use
-    ({"optim": {"warmup_steps": 500}, "train": {"steps": 200}}, "optim.warmup_steps", 500, "below 200"),
-    ({"optim": {"warmup_steps": 200}, "train": {"steps": 200}}, "optim.warmup_steps", 200, "below 200"),
     ({"parallel": {"device_memory": 0}}, "parallel.device_memory", 0, "80GB"),
     ({"parallel": {"device_memory": -5}}, "parallel.device_memory", -5, "80GB"),
     ({"parallel": {"device_memory": "0GiB"}}, "parallel.device_memory", "0GiB", "80GB"),
@@ -53,6 +49,10 @@ def test_second_round_malformed_job_files_are_refused_naming_field_value_and_fix
     {"model": {"moe": {"bias_balancing": True, "bias_update_rate": 0.01}}},
     {"faults": [{"kind": "kill_rank", "rank": "random", "every_s": 60, "seed": 7}]},
     {"optim": {"warmup_steps": 199}, "train": {"steps": 200}},
+    # a quick run of a job file (--set train.steps=5, --set checkpoint.every=0): warm-up cut short and
+    # checkpoints turned off on purpose (on by default, so every: 0 is never an oversight)
+    {"optim": {"warmup_steps": 500}, "train": {"steps": 5}},
+    {"checkpoint": {"every": 0, "keep": 5, "async": False}},
     {"parallel": {"device_memory": "80GB"}},
     {"parallel": {"dp": 2, "dp_sync": "ps"}, "parameter_server": {"optimizer": "momentum"},
      "optim": {"name": "sgd", "momentum": 0.9, "betas": [0.8, 0.9]}},  # the shards read what they read
