@@ -66,9 +66,10 @@ def check_repetition(fault, where: str) -> None:
         if fault.rank == "random":
             raise SpecError(f"{where}.rank", "random", "only applies to a repeating fault",
                             "give a rank number, or set every_s")
-        if fault.jitter_s:
-            raise SpecError(f"{where}.jitter_s", fault.jitter_s, "only applies to a repeating fault",
-                            "remove jitter_s, or set every_s")
+        for key in ("jitter_s", "seed"):  # both shape the draws of repeating firings only
+            if getattr(fault, key):
+                raise SpecError(f"{where}.{key}", getattr(fault, key), "only applies to a repeating fault",
+                                f"remove {key}, or set every_s")
         return
     if fault.kind == "slow_rank":
         raise SpecError(f"{where}.every_s", fault.every_s, "does not apply to slow_rank, which stays slow from "

@@ -5,6 +5,7 @@ them all, in `CROSS_FIELD_CHECKS` order, after every section validated on its ow
 
 from __future__ import annotations
 
+from functools import reduce
 from typing import TYPE_CHECKING, get_args
 
 from orchestrator.errors import SpecError
@@ -219,9 +220,12 @@ def check_settings_without_their_feature(job: JobSpec) -> None:
     the run. ``pp_schedule`` without a pipeline (an interleaved schedule at pp=1 would also count two stages, then
     refuse the layer count or tied embeddings for a pipeline that never runs), ``cp_impl`` without context
     parallelism, ``initial_loss_scale`` without fp16's loss scaling. The asynchronous schedules refuse pp=1 in
-    ``check_async_pipeline``, naming what they need."""
+    ``check_async_pipeline``, naming what they need. Likewise settings of the offload store, the Prometheus
+    endpoint, the held-out loss and the optimizer (``workers/optim/build.py`` reads ``momentum`` for
+    sgd and sm3 only, ``betas`` for the Adam family only; ``min_lr_ratio`` is the cosine schedule's floor) when
+    the job runs none of them."""
     p, pr = job.parallel, job.precision
-    inert = [  # (field, value, ignored, what it sets and why this job has none, fix)
+    inert = [*_inert_settings(job),   # (field, value, ignored, what it sets and why this job has none, fix)
         ("parallel.pp_schedule", p.pp_schedule, p.pp == 1 and p.pp_schedule not in ASYNC,
          "orders a pipeline's microbatches, and this job has parallel.pp: 1 (no pipeline)",
          "set parallel.pp: 2 or more, or remove parallel.pp_schedule"),
@@ -232,9 +236,36 @@ def check_settings_without_their_feature(job: JobSpec) -> None:
          "set precision.dtype: fp16, or remove precision.initial_loss_scale"),
     ]
     for field, value, ignored, why, fix in inert:
-        section, name = field.split(".")
-        if ignored and _changed(getattr(job, section), name):
+        *sections, name = field.split(".")
+        if ignored and _changed(reduce(getattr, sections, job), "async_save" if name == "async" else name):
             raise SpecError(field, value, why, fix)
+
+
+def _inert_settings(job: JobSpec) -> list[tuple]:
+    """`check_settings_without_their_feature`'s rows for the offload store, metrics, eval and optim. Not those of
+    checkpoints: checkpoints are on by default, so ``checkpoint.every: 0`` is always a deliberate off (often a
+    ``--set`` for a quick run of a job file that sets ``keep``), and ``keep``/``async`` then mislead nobody."""
+    off, m, o = job.memory.offload, job.metrics, job.optim
+    stored = off.optimizer or off.params or off.activations or o.name == "paged_adamw"
+    no_store = ("places what memory.offload moves, and this job offloads nothing (memory.offload.optimizer, "
+                "params and activations are false, optim.name is not paged_adamw)")
+    no_port = "belongs to the Prometheus endpoint, and metrics.port is unset (no endpoint)"
+    local = job.parallel.dp_sync == "allreduce"  # with shards, parameter_server.optimizer may read them
+    return [
+        *[(f"memory.offload.{k}", getattr(off, k), not stored, no_store, "set memory.offload.optimizer (or params, "
+           f"activations) to true, or remove memory.offload.{k}") for k in ("tier", "prefetch")],
+        *[(f"metrics.{k}", getattr(m, k), m.port is None, no_port, "set metrics.port (0: any free port), or "
+           f"remove metrics.{k}") for k in ("host", "file_sd")],
+        ("eval.batches", job.eval.batches, job.eval.every == 0, "sizes each held-out evaluation, and eval.every is 0 "
+         "(never evaluates)", "set eval.every and eval.path, or remove eval.batches"),
+        ("optim.momentum", o.momentum, local and o.name not in ("sgd", "sm3"), f"is read by optim.name sgd and "
+         f"sm3 only, not {o.name!r}", "remove optim.momentum (set optim.betas for the Adam family), or use sgd"),
+        ("optim.betas", list(o.betas), local and o.name in ("sgd", "sm3", "adafactor"), "are the Adam family's "
+         f"moment decays, and optim.name {o.name!r} does not read them", "remove optim.betas (sgd and sm3 take "
+         "optim.momentum)"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, o.schedule == "constant", "is the floor the cosine schedule decays "
+         "to, and optim.schedule is constant", "set optim.schedule: cosine, or remove optim.min_lr_ratio"),
+    ]
 
 
 def check_comm(job: JobSpec) -> None:
@@ -441,7 +472,7 @@ def check_batching(job: JobSpec) -> None:
 
 
 CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
-                      check_init_from_vocab, check_batching, check_zero, check_precision, check_recompute, check_faults,
-                      check_parameter_server, check_offload, check_lora, check_context_parallel, check_comm, check_moe,
-                      check_expert_parallel, check_async_pipeline, check_ps_resize, check_compile,
-                      check_optim_implementation, check_fsdp_prefetch, check_eval)
+                      check_init_from_vocab, check_batching, check_zero, check_precision,
+                      check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
+                      check_context_parallel, check_comm, check_moe, check_expert_parallel, check_async_pipeline,
+                      check_ps_resize, check_compile, check_optim_implementation, check_fsdp_prefetch, check_eval)

@@ -51,6 +51,8 @@ def _os_path(value: str | None) -> str | None:
 
 
 PathStr = Annotated[str, Field(min_length=1), AfterValidator(_os_path)]
+# a name handed to another tool (an MLflow experiment, a W&B project): "" fails there, after the actors started
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
 

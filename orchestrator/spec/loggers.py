@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import model_serializer, model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import PathStr, _Section
+from orchestrator.spec.fields import NonEmptyStr, PathStr, _Section
 
 # logger -> (the modules it imports, the pip packages that provide them); a missing one is refused before any actor
 # starts. MLflow's local store is an SQLite database, which it opens through sqlalchemy and alembic.
@@ -36,19 +36,19 @@ class MLflowSpec(_Section):
 
     # a URI (http://host:5000, sqlite:///path.db, file:/dir) or an SQLite file path (relative: under the run dir);
     # default RUN_DIR/mlflow.db
-    tracking_uri: str | None = None
-    experiment: str | None = None  # default: the job's name
-    run_name: str | None = None  # default: the run dir's name
+    tracking_uri: NonEmptyStr | None = None
+    experiment: NonEmptyStr | None = None  # default: the job's name
+    run_name: NonEmptyStr | None = None  # default: the run dir's name
 
 
 class WandbSpec(_Section):
     """A Weights & Biases run; offline by default, so it needs no network or account (`wandb sync` uploads it)."""
 
-    project: str = "raymesh"
+    project: NonEmptyStr = "raymesh"
     mode: Literal["offline", "online"] = "offline"
     dir: PathStr | None = None  # where its `wandb/` folder goes; default the run dir
-    entity: str | None = None
-    run_name: str | None = None  # default: the run dir's name
+    entity: NonEmptyStr | None = None
+    run_name: NonEmptyStr | None = None  # default: the run dir's name
 
 
 def _refuse_twice(mapping: dict[str, Any], item: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import json
+import math
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -30,9 +31,10 @@ _EXPECTED = {
     "string_pattern_mismatch": "a name of letters, digits, '.', '_' or '-' (it becomes a directory name)",
     "model_type": "a section: indented `key: value` lines under it",
     "tuple_type": "a list",
-    "too_short": "a list with the right number of items",
-    "too_long": "a list with the right number of items",
+    "list_type": "a list: one `- ` line per item under it (or `[a, b]`)",
 }
+# a list of the wrong length: the bound pydantic reports, as the fix states it
+_LENGTHS = {"too_short": ("min_length", "at least"), "too_long": ("max_length", "at most")}
 
 _BOUNDS = {
     "greater_than": (">", "gt"),
@@ -146,8 +148,12 @@ def to_spec_error(exc: ValidationError) -> SpecError:
     info = _field_at(loc)
     if kind == "missing" and isinstance(loc[-1], int):  # short list for a fixed-size tuple such as optim.betas
         field = _dotted(loc[:-1])
-        fix = f"set `{field}` to a list{_default_hint(info)}"
-        return SpecError(field, NO_VALUE, "has too few items", fix, more=more)
+        info = _field_at(loc[:-1])
+        size = len(get_args(info.annotation)) if info is not None else 0
+        items = f" of {size} items" if size else ""
+        fix = f"set `{field}` to a list{items}{_default_hint(info)}"
+        return SpecError(field, list(first.get("input") or ()), f"has too few items{items and f' (needs {size})'}",
+                         fix, more=more)
     if kind == "missing":
         if field == "data":
             fix = (
@@ -168,6 +174,9 @@ def to_spec_error(exc: ValidationError) -> SpecError:
     elif kind in _BOUNDS:
         op, key = _BOUNDS[kind]
         expected = f"a number {op} {ctx[key]}"
+    elif kind in _LENGTHS and ctx.get(_LENGTHS[kind][0]) is not None:
+        key, words = _LENGTHS[kind]
+        expected = f"a list of {words} {ctx[key]} item{'s' if ctx[key] != 1 else ''}"
     elif kind == "value_error":  # a field's own validator (fields._os_path, _host): its message is the problem
         problem, _, fix = first["msg"].removeprefix("Value error, ").partition("; fix: ")  # and its own fix, if any
         fix = fix or f"set `{field}` to a shorter path of plain characters"
@@ -176,6 +185,8 @@ def to_spec_error(exc: ValidationError) -> SpecError:
         expected = _EXPECTED.get(kind) or first["msg"].removeprefix("Input should be ")
         if kind in ("int_type", "float_type") and _looks_numeric(first.get("input")):
             expected += ", written without quotes (a quoted number is a string)"
+        elif kind in ("int_type", "float_type") and isinstance(first.get("input"), str) and _non_finite(first["input"]):
+            expected += " (not nan or inf)"
         if kind in ("int_type", "float_type") and isinstance(first.get("input"), bool):
             expected += " (true/false are not numbers)"
     msg = first["msg"]
@@ -184,11 +195,19 @@ def to_spec_error(exc: ValidationError) -> SpecError:
 
 
 def _looks_numeric(value: Any) -> bool:
+    """A string holding a finite number: the user quoted it (`"4"`); `nan`/`inf` are not numbers a field takes."""
     try:
-        float(value)
+        return isinstance(value, str) and math.isfinite(float(value))
     except (TypeError, ValueError):
         return False
-    return isinstance(value, str)
+
+
+def _non_finite(text: str) -> bool:
+    """`nan`, `inf`, `-Infinity` as written in a `--set` or a quoted YAML value."""
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _default_hint(info: FieldInfo | None) -> str:

@@ -39,6 +39,10 @@ class MoESpec(MoEConfig, _Section):
             raise SpecError("model.moe.top_k", self.top_k, f"is more than model.moe.experts={self.experts}: a token "
                             "cannot go to more experts than there are",
                             f"set top_k to at most {self.experts}, or raise model.moe.experts")
+        if self.bias_update_rate != MoEConfig.model_fields["bias_update_rate"].default and not self.bias_balancing:
+            raise SpecError("model.moe.bias_update_rate", self.bias_update_rate, "is the step of bias_balancing, "
+                            "which is off", "set model.moe.bias_balancing: true (router: topk), or remove "
+                            "model.moe.bias_update_rate")
         if self.bias_balancing and self.router != "topk":
             raise SpecError("model.moe.bias_balancing", True, f"is DeepSeek-V3's balancing for router: topk, not "
                             f"{self.router}", "set model.moe.router: topk, or bias_balancing: false")

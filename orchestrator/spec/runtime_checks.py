@@ -51,6 +51,10 @@ def prepared_manifest(field: str, value: str) -> dict:
     if is_url(root):
         _reachable_bucket(field, root)
     manifest = root / "manifest.json"
+    if root.is_file():  # `prepare-data --out` a file fails too, so that fix would not help
+        raise SpecError(field, value, "is a file, not a prepared directory",
+                        f"point {field} at the directory `raymesh prepare-data --out DIR` wrote (it holds "
+                        "manifest.json and the shards)")
     if not manifest.is_file():
         raise SpecError(field, value, f"has no prepared data ({manifest} is missing)",
                         f"run `raymesh prepare-data --out {value}`, or point {field} at a prepared directory")
@@ -243,13 +247,17 @@ def check_tls_files(spec: JobSpec) -> None:
 
 def _local_tracker_dirs(spec: JobSpec) -> None:
     """TensorBoard and W&B write many small appends to a local directory: a URL there is refused (their default,
-    inside the run dir, goes to a URL run dir's bucket with the run's other files)."""
+    inside the run dir, goes to a URL run dir's bucket with the run's other files), and so is a file or a folder
+    this process cannot write (the tracker opens it in the controller, after the actors started)."""
     for name in ("tensorboard", "wandb"):
         section = getattr(spec.loggers, name)
-        if section is not None and section.dir and is_url(section.dir):
+        if section is None or not section.dir:
+            continue
+        if is_url(section.dir):
             raise SpecError(f"loggers.{name}.dir", section.dir, "is a URL, and the tracker appends to local files",
                             f"remove loggers.{name}.dir so its files go in the run dir (set run_dir to the URL to "
                             "have them copied up with the run's records), or give a local path")
+        check_writable_dir(f"loggers.{name}.dir", Path(section.dir))
 
 
 def _reachable_bucket(field: str, path: Path) -> None:

@@ -93,12 +93,17 @@ class ParallelSpec(_Section):
 
     @model_validator(mode="after")
     def _check_device_memory(self) -> ParallelSpec:
-        if self.device_memory is not None:
-            try:
-                parse_bytes(self.device_memory)
-            except ValueError:
-                raise SpecError("parallel.device_memory", self.device_memory, "is not a size",
-                                "write bytes with a unit, e.g. 80GB (decimal), 80GiB (binary) or 85899345920") from None
+        """A size in bytes above zero: 0 or a negative count would make every layout "not fit" in `plan`."""
+        if self.device_memory is None:
+            return self
+        try:
+            size = parse_bytes(self.device_memory)
+        except ValueError:
+            size = None
+        if size is None or size <= 0:
+            raise SpecError("parallel.device_memory", self.device_memory, "is not a size" if size is None else
+                            "is not a positive size", "write bytes with a unit, e.g. 80GB (decimal), 80GiB (binary) "
+                            "or 85899345920, or remove it for the GPU's own (plan.gpu)")
         return self
 
     @model_validator(mode="after")

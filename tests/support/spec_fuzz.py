@@ -197,7 +197,7 @@ def _filesystem_mutations(raw: dict, data: Path) -> list[Mutation]:
     ]
     out = [Mutation(f"{'.'.join(path)}=unusable", _dump(_set(raw, path, value)), [], (field,), True)
            for path, value, field in cases]
-    nvme = _set(raw, ("memory", "offload"), {"tier": "nvme", "path": str(foreign)})
+    nvme = _set(raw, ("memory", "offload"), {"optimizer": True, "tier": "nvme", "path": str(foreign)})
     out.append(Mutation("memory.offload.path=a file", _dump(nvme), [], ("memory.offload.path",), True))
     ps = _set(_set(raw, ("parallel", "dp_sync"), "ps"), ("optim", "name"), "sm3")
     ps["faults"] = []

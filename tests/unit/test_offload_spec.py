@@ -16,7 +16,7 @@ def _spec(tmp_path, **sections):
 
 
 @pytest.mark.parametrize("sections, field, fix", [
-    ({"memory": {"offload": {"tier": "nvme"}}}, "memory.offload.path", "set memory.offload.path"),
+    ({"memory": {"offload": {"optimizer": True, "tier": "nvme"}}}, "memory.offload.path", "set memory.offload.path"),
     ({"memory": {"offload": {"path": "/x"}}}, "memory.offload.path", "tier: nvme"),
     ({"memory": {"offload": {"optimizer": True}}, "optim": {"name": "sgd"}}, "memory.offload.optimizer", "adamw"),
     ({"optim": {"name": "adafactor"}, "parallel": {"dp": 2, "zero": 1}}, "parallel.zero", "optim.name sm3"),

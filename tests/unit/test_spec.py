@@ -171,7 +171,7 @@ def test_type_errors_become_spec_errors(raw: dict[str, Any], field: str, value: 
 
 
 def test_short_betas() -> None:
-    assert_actionable(spec_error(job(optim={"betas": [0.9]})), "optim.betas", None, "[0.9, 0.95]")
+    assert_actionable(spec_error(job(optim={"betas": [0.9]})), "optim.betas", [0.9], "a list of 2 items", "[0.9, 0.95]")
 
 
 @pytest.mark.parametrize(("raw", "field"), [({}, "data"), ({"data": {}}, "data.path")])

@@ -193,7 +193,8 @@ def test_output_paths_must_be_writable_directories(tmp_path, data_dir):
     a_file.write_text("x")
     for sections, field in [({"run_dir": str(a_file)}, "run_dir"),
                             ({"checkpoint": {"dir": str(a_file / "sub")}}, "checkpoint.dir"),
-                            ({"memory": {"offload": {"tier": "nvme", "path": str(a_file)}}}, "memory.offload.path")]:
+                            ({"memory": {"offload": {"optimizer": True, "tier": "nvme", "path": str(a_file)}}},
+                             "memory.offload.path")]:
         with pytest.raises(SpecError) as info:
             check_before_start(JobSpec.from_dict({"data": {"path": str(data_dir)}, **sections}))
         assert info.value.field == field

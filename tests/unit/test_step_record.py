@@ -15,7 +15,7 @@ from tests.support.one_rank import one_rank_trainer
 @pytest.fixture(scope="module")
 def fp16_trainer(tmp_path_factory):
     with one_rank_trainer(tmp_path_factory, precision={"dtype": "fp16", "initial_loss_scale": 2.0 ** 60},
-                          optim={"lr": 0.01, "warmup_steps": 1000}) as t:
+                          optim={"lr": 0.01, "warmup_steps": 1000}, train={"steps": 2000}) as t:
         yield t
 
 
