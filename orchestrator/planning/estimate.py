@@ -328,15 +328,14 @@ def error_feedback_bytes(spec: JobSpec, trainable: int) -> int:
 
 
 def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int, pp_rank: int = 0) -> int:
-    """Buffers beside model state and activations: autocast's weight copies, DDP's flat
-    all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
-    (``gradient_as_bucket_view`` is off), the pipeline's receive buffers, the cp kernel's and the all-to-all's,
-    PipeDream's stashed weight versions, compression's error feedback."""
+    """Buffers beside model state and activations: autocast's weight copies, the pipeline's receive buffers, the
+    cp kernel's and the all-to-all's, PipeDream's stashed weight versions, compression's error feedback. ZeRO-0/1's
+    flat gradient copies for their reduction are model state (``ModelState.reducing``): they exist only after
+    backward, so they do not add to the activations' peak as these do."""
     p, m = spec.parallel, spec.model
-    buckets = 4 * trainable if p.zero == 1 and (p.grid.dp_enabled or p.grid.cp_enabled) else 0
     cp = mm.cp_buffer_bytes(p.cp_impl, m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
                             compute_bytes(spec))
-    return (buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
+    return (autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
             + all_to_all_bytes(spec) + stashed_weight_bytes(spec, trainable, pp_rank)
             + error_feedback_bytes(spec, trainable))
 
@@ -377,7 +376,7 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
                 - nf4_gathered_params(spec, ids, n_stages))
     offload = offload_flags(spec)
     experts = split.get("experts", 0)
-    steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled}
+    steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled, "gloo": p.device == "cpu"}
     # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
     state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, precision_layout(spec),
                            o.name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,

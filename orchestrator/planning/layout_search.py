@@ -243,10 +243,9 @@ class Evaluator:
         freed = saved // max(1, in_flight) // 2 if lay.pp > 1 else head * last  # est.freed_in_backward
         hidden = s.boundary_width(lay.zero) * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
         edges = sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0
-        buckets = 4 * params if lay.zero == 1 and lay.shards > 1 else 0  # DDP's flat all-reduce buckets
         cp_kernel = mm.cp_buffer_bytes(s.cp_impl, s.seq, lay.micro_batch, s.d_model, s.n_heads, s.kv, lay.cp, lay.tp,
                                        c)
-        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + buckets + cp_kernel  # autocast
+        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + cp_kernel  # autocast
         regathers = lay.zero >= 3 and lay.shards > 1
         loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab) * last
         return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers

@@ -22,9 +22,17 @@ too. Three precision layouts:
 parameter copy is sharded for ZeRO-2 as well, and parameters are all-gathered
 for compute into a transient ``gathered`` term: the whole stage for ZeRO-2
 (``reshard_after_forward=False`` keeps it from forward through backward), the
-root unit with the current and the prefetched block for ZeRO-3; ZeRO-0 runs ``replicate()``, FSDP2 over
-a replicated mesh, which also computes on an unsharded copy beside the replica. The paper's tables use
+root unit with the current and the prefetched block for ZeRO-3. The paper's tables use
 ``fsdp=False``, where ZeRO-2 keeps 16-bit parameters replicated.
+
+ZeRO-0 and ZeRO-1 over more than one rank reduce through a flat copy of the gradients (``reducing``,
+``reduction_bytes``): ZeRO-0's buckets (``workers/parallel/grad_buckets.py``: each bucket's flat copy lives from
+its launch, late in backward, until ``finish``) and ZeRO-1's reduce-scatter buffer and gradient slices
+(``distributed_optimizer.py``, after backward). They exist only once backward has produced the gradients, when
+the activations are gone, so they join the end-of-backward moment of ``in_step_peak``, not the whole step
+(measured with torch's ``MemTracker`` at dp=2, ``tests/unit/test_zero_reduction_memory.py``: ZeRO-0 counted as an
+unsharded parameter copy all step, which ``replicate()`` made and the buckets that replaced it do not, was
++15.5%, +18.2% at tp=2; ZeRO-1's buffer counted on top of the activations hid its own under-count).
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ class ModelState:
     gathered: int = 0  # transient: unsharded parameters during compute (FSDP2 ZeRO-2/3)
     offloaded: int = 0
     accumulating: int = 0  # transient: full-size gradients beyond ``grads`` held until the last microbatch
+    reducing: int = 0  # transient, after backward: ZeRO-0/1's flat copy of the gradients being reduced
 
     @property
     def step_grads(self) -> int:
@@ -94,12 +103,13 @@ def in_step_peak(state: ModelState, activations: int, grads_at_activation_peak: 
       gradients (``loss``: ``loss_backward_bytes``, which the probe does not see and a GPU's allocator does);
     - backward, once it has ``freed`` the first activations it consumes (the head's; in a pipeline one
       microbatch's): the parameters gathered again and recompute's rebuilt block (``working``);
-    - the end of backward: every gradient and the gathered parameters, the activations gone.
+    - the end of backward: every gradient, the gathered parameters and ZeRO-0/1's flat copy of the gradients
+      for their reduction (``reducing``), the activations gone.
     """
     carried = state.step_grads if grads_at_activation_peak else 0
     forward_end = activations + carried + (0 if regathers else state.gathered) + loss
     in_backward = activations - freed + carried + state.gathered + working
-    backward_end = state.step_grads + state.gathered
+    backward_end = state.step_grads + state.gathered + state.reducing
     return state.params + state.optimizer + max(forward_end, in_backward, backward_end)
 
 
@@ -121,7 +131,7 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
                 momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
                 offload_optimizer: bool = False, offload_params: bool = False,
                 host_master: bool = False, frozen: int = 0, quantized_bytes: int = 0,
-                accumulating: bool = False, pipelined: bool = False) -> ModelState:
+                accumulating: bool = False, pipelined: bool = False, gloo: bool = False) -> ModelState:
     """Model-state bytes of one rank holding ``n_params`` (its pipeline/TP share) under ZeRO ``zero`` over ``dp``.
 
     ``zero3_gathered_params``: parameters all-gathered at once at ZeRO-3's peak (FSDP2:
@@ -142,7 +152,8 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
     until the last microbatch (``set_requires_gradient_sync(False)``), so ZeRO-2/3 hold full-size
     gradients meanwhile (the ``accumulating`` term). ``pipelined``: torch's ``PipelineStage`` also
     turns off resharding after backward, so under ZeRO-3 the whole stage's parameters stay
-    gathered, as under ZeRO-2.
+    gathered, as under ZeRO-2. ``gloo`` (a CPU job): gloo runs ZeRO-1's ``reduce_scatter_tensor`` through a
+    full-size copy of its input (measured at dp=2; NCCL reduce-scatters without one).
     """
     p_bytes, g_bytes, master = PRECISIONS[precision]
     k = master + optimizer_state_bytes(optimizer, momentum)
@@ -158,8 +169,7 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         if fsdp and (dp > 1 or precision in GATHERED_BYTES):  # a 16-bit gather is a copy even on one rank
             whole_stage = zero == 2 or pipelined
             gathered = width * (n_params + frozen if whole_stage else min(zero3_gathered_params, n_params + frozen))
-    if fsdp and zero == 0 and dp > 1:  # replicate() is FSDP2 over a replicated mesh: a second, unsharded copy
-        gathered = params
+    reducing = reduction_bytes(g_bytes * n_params, dp, zero, gloo) if zero <= 1 else 0
     held = g_bytes * n_params - grads if accumulating and zero >= 2 and dp > 1 else 0
     params += quantized_bytes
     offloaded = 0
@@ -168,7 +178,18 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         offloaded, optim = optim + (math.ceil(extra_master / dp) if zero >= 1 else extra_master), 0
     if offload_params:
         offloaded, params = offloaded + params, 0
-    return ModelState(params, grads, optim, gathered, offloaded, held)
+    return ModelState(params, grads, optim, gathered, offloaded, held, reducing)
+
+
+def reduction_bytes(grad_bytes: int, dp: int, zero: int, gloo: bool = False) -> int:
+    """ZeRO-0/1's transient bytes for reducing ``grad_bytes`` of gradients over ``dp`` ranks (module docstring):
+    the flat copy of every gradient (ZeRO-0's buckets, ZeRO-1's reduce-scatter input, twice on gloo), and under
+    ZeRO-1 this rank's slice of the average, the sliced optimizer's gradients until the step ends."""
+    if dp == 1:
+        return 0
+    if zero == 0:
+        return grad_bytes
+    return grad_bytes * (2 if gloo else 1) + math.ceil(grad_bytes / dp)
 
 
 def max_trainable_params(device_bytes: float, dp: int, zero: int, precision: str = "mixed",
