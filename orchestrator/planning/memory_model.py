@@ -415,6 +415,56 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: i
     return schedule_facts(schedule).in_flight(pp, pp_rank, microbatches, stages_per_rank)
 
 
+# ------------------------------------------------------------------------------------ one rank's terms
+# What a rank's in-step peak reads besides model state and per-block activations, in plain numbers: the spec
+# estimate (``estimate.estimate_rank``) and the layout search (``layout_search.Evaluator.rank_peak``) both derive
+# their terms here, so the two cannot price a rank differently.
+
+
+def head_copies(holds_head: bool, pipelined: bool, all_forwards_first: bool, microbatches: int) -> int:
+    """Microbatches whose head activations (final norm, log-softmax) a rank holds at its peak: none off the last
+    stage; all of them under a pipeline schedule that runs every forward first (GPipe); else one, as every other
+    schedule runs a microbatch's loss backward right after its forward (measured on interleaved 1F1B: averaging
+    the head into the chunks over-predicted by 30%)."""
+    if not holds_head:
+        return 0
+    return microbatches if pipelined and all_forwards_first else 1
+
+
+def rank_saved_bytes(chunks: int, n_chunks: int, in_flight: int, head: int, heads: int) -> int:
+    """Saved for backward on a rank, before activation offload: its average chunk (``chunks`` bytes over its
+    ``n_chunks`` stages, one microbatch each) times the chunk-microbatches in flight, plus ``heads`` heads."""
+    return chunks * in_flight // n_chunks + head * heads
+
+
+def carries_grads(pipelined: bool, in_flight: int, microbatches: int, n_chunks: int) -> bool:
+    """Whether some microbatch's backward has run when the rank's saved activations peak: without a pipeline from
+    the second microbatch on; in a pipeline when the schedule keeps fewer in flight than it runs (GPipe keeps all:
+    it peaks before any backward)."""
+    return in_flight < microbatches * n_chunks if pipelined else microbatches > 1
+
+
+def freed_first(saved: int, in_flight: int, pipelined: bool, head: int) -> int:
+    """Activations backward frees before it gathers parameters again: in a pipeline half of one microbatch's share
+    of what the rank holds in flight (the stage's blocks are gathered one by one as backward frees theirs: measured
+    between the ZeRO-3 pipeline's ranks); otherwise ``head``, the head's (the loss backward runs first)."""
+    return saved // max(1, in_flight) // 2 if pipelined else head
+
+
+def pipeline_edges(ids: list[int], n_stages: int) -> int:
+    """Receive buffers per microbatch of a rank holding stages ``ids``: PyTorch's PipelineStage keeps one for a
+    stage's input (all but the first stage) and one for its output's gradient (all but the last)."""
+    return sum((sid != 0) + (sid != n_stages - 1) for sid in ids) if n_stages > 1 else 0
+
+
+def tp_embedding_grad_bytes(vocab: int, d_model: int, tp: int) -> int:
+    """What tensor parallelism adds to the first stage's gradients under ZeRO-0/1 (measured: DTensor gives the
+    vocabulary-sharded embedding a gradient of the full vocabulary on every tp rank; FSDP2 reshards it): the fp32
+    rows of the other tp ranks, 14% of the tiny model's gradients."""
+    rows = vocab * d_model
+    return 4 * (rows - rows // tp)
+
+
 # ------------------------------------------------------------------------------------ units
 
 
