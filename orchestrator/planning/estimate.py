@@ -253,22 +253,15 @@ def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
-    """Saved for backward on this rank, before activation offload packs any away: its average chunk
-    times the chunk-microbatches its schedule keeps in flight, plus the head.
-
-    The head (final norm, logits' log-softmax) is in flight once: every schedule but
-    GPipe runs a microbatch's loss backward right after its forward (measured on
-    interleaved 1F1B: averaging the head into the chunks over-predicted by 30%).
-    """
+    """Saved for backward on this rank, before activation offload packs any away (``mm.rank_saved_bytes``: its
+    average chunk times the chunk-microbatches its schedule keeps in flight, plus ``mm.head_copies`` heads)."""
     p = spec.parallel
     n_stages = p.pp * p.stages_per_rank
-    chunks = [chunk_activation_bytes(spec, sid, n_stages) for sid in ids]
+    chunks = sum(chunk_activation_bytes(spec, sid, n_stages) for sid in ids)
     in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
-    heads = 0
-    if n_stages - 1 in ids:
-        every_microbatch = p.grid.pp_enabled and p.pipeline_schedule.all_forwards_first
-        heads = head_bytes(spec) * (spec.train.microbatches if every_microbatch else 1)
-    return sum(chunks) * in_flight // len(ids) + heads
+    heads = mm.head_copies(n_stages - 1 in ids, p.grid.pp_enabled, p.pipeline_schedule.all_forwards_first,
+                           spec.train.microbatches)
+    return mm.rank_saved_bytes(chunks, len(ids), in_flight, head_bytes(spec) if heads else 0, heads)
 
 
 def fsdp_mixed(spec: JobSpec) -> bool:
@@ -306,8 +299,7 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
     n_stages = p.pp * p.stages_per_rank
     width = compute_bytes(spec) if fsdp_mixed(spec) else 4  # FSDP2's policy: the stages send bf16
     hidden = width * local_seq(spec) * micro_batch(spec) * m.d_model // (p.tp if sequence_split(spec) else 1)
-    edges = sum((sid != 0) + (sid != n_stages - 1) for sid in ids)
-    return spec.train.microbatches * hidden * edges
+    return spec.train.microbatches * hidden * mm.pipeline_edges(ids, n_stages)
 
 
 def stashed_weight_bytes(spec: JobSpec, trainable: int, pp_rank: int) -> int:
@@ -328,15 +320,14 @@ def error_feedback_bytes(spec: JobSpec, trainable: int) -> int:
 
 
 def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int, pp_rank: int = 0) -> int:
-    """Buffers beside model state and activations: autocast's weight copies, DDP's flat
-    all-reduce buckets (ZeRO-1 with dp > 1), as large as the gradients
-    (``gradient_as_bucket_view`` is off), the pipeline's receive buffers, the cp kernel's and the all-to-all's,
-    PipeDream's stashed weight versions, compression's error feedback."""
+    """Buffers beside model state and activations: autocast's weight copies, the pipeline's receive buffers, the
+    cp kernel's and the all-to-all's, PipeDream's stashed weight versions, compression's error feedback. ZeRO-0/1's
+    flat gradient copies for their reduction are model state (``ModelState.reducing``): they exist only after
+    backward, so they do not add to the activations' peak as these do."""
     p, m = spec.parallel, spec.model
-    buckets = 4 * trainable if p.zero == 1 and (p.grid.dp_enabled or p.grid.cp_enabled) else 0
     cp = mm.cp_buffer_bytes(p.cp_impl, m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
                             compute_bytes(spec))
-    return (buckets + autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
+    return (autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
             + all_to_all_bytes(spec) + stashed_weight_bytes(spec, trainable, pp_rank)
             + error_feedback_bytes(spec, trainable))
 
@@ -377,7 +368,7 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
                 - nf4_gathered_params(spec, ids, n_stages))
     offload = offload_flags(spec)
     experts = split.get("experts", 0)
-    steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled}
+    steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled, "gloo": p.device == "cpu"}
     # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
     state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, precision_layout(spec),
                            o.name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
@@ -392,10 +383,8 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
                              host_master=p.device != "cpu", **steps)
         state = mm.ModelState(*(a + b for a, b in zip(astuple(state), astuple(own))))
     if p.grid.tp_enabled and p.zero < 2 and 0 in ids and spec.model.lora is None:
-        # measured: DTensor gives the vocabulary-sharded embedding a gradient of the full vocabulary
-        # on every tp rank (FSDP2, zero >= 2, reshards it); 14% of the tiny model's gradients
-        vocab_rows = spec.padded_vocab_size * spec.model.d_model
-        state = replace(state, grads=state.grads + 4 * (vocab_rows - vocab_rows // p.tp))
+        extra = mm.tp_embedding_grad_bytes(spec.padded_vocab_size, spec.model.d_model, p.tp)
+        state = replace(state, grads=state.grads + extra)
     return state
 
 
@@ -405,24 +394,18 @@ def accumulates(spec: JobSpec) -> bool:
 
 
 def grads_at_activation_peak(spec: JobSpec, pp_rank: int, stages: int) -> bool:
-    """Whether some microbatch's backward has run when this rank's saved activations peak: with one
-    microbatch in flight per step (no pipeline) from the second microbatch on; in a pipeline when the
-    schedule keeps fewer microbatches in flight than it runs (GPipe keeps all: it peaks before any backward)."""
+    """Whether some microbatch's backward has run when this rank's saved activations peak (``mm.carries_grads``)."""
     p, mbs = spec.parallel, spec.train.microbatches
-    if not p.grid.pp_enabled:
-        return mbs > 1
-    return mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, mbs, stages) < mbs * stages
+    in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, mbs, stages)
+    return mm.carries_grads(p.grid.pp_enabled, in_flight, mbs, stages)
 
 
 def freed_in_backward(spec: JobSpec, saved: int, pp_rank: int, ids: list[int]) -> int:
-    """Activations backward frees before it gathers parameters again: in a pipeline half of one microbatch's
-    share of what the rank holds in flight (the stage's blocks are gathered one by one as backward frees
-    theirs: measured between the ZeRO-3 pipeline's ranks); otherwise the head's (the loss backward runs first)."""
+    """Activations backward frees before it gathers parameters again (``mm.freed_first``)."""
     p = spec.parallel
-    if p.grid.pp_enabled:
-        return saved // max(1, mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches,
-                                                         len(ids))) // 2
-    return head_bytes(spec) if p.pp * p.stages_per_rank - 1 in ids else 0
+    in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
+    head = head_bytes(spec) if p.pp * p.stages_per_rank - 1 in ids else 0
+    return mm.freed_first(saved, in_flight, p.grid.pp_enabled, head)
 
 
 def regathers(spec: JobSpec) -> bool:

@@ -3,9 +3,11 @@
 Why a second path beside ``estimate``: that one reads a validated ``JobSpec`` (LoRA, offload, NF4) and takes
 milliseconds a rank, and a spec refuses layer counts that do not divide the stages. The search needs
 thousands of candidates in well under a second, uneven stage splits (Llama 3 405B: 126 layers on 16 stages)
-and context parallelism as a formula, so it works on plain numbers (``Shape``) with the same arithmetic
-(``memory_model``: state, activations, in-flight microbatches, in-step peak; ``comm_model``; ``time_model``).
-``tests/unit/test_layout_search.py`` checks that it equals ``estimate`` wherever both apply.
+and context parallelism as a formula, so it works on plain numbers (``Shape``) through the same functions
+(``memory_model``: state, activations, in-flight microbatches, the rank's terms ``estimate`` derives its own from:
+saved bytes and heads, gradients carried, activations freed first, pipeline edges, tp's embedding gradient, and
+the in-step peak; ``comm_model``; ``time_model``). ``tests/unit/test_layout_search.py`` checks that it equals
+``estimate`` wherever both apply.
 
 Identical ranks are estimated once: every dp/tp/cp peer of a pipeline rank holds the same bytes, and of the
 pipeline ranks only three classes can hold the peak (the first: embedding and the most microbatches in
@@ -226,27 +228,25 @@ class Evaluator:
                                fsdp=True, zero3_gathered_params=mm.zero3_gathered_params(
                                    root, s.block_params, lay.tp, s.fsdp_prefetch),
                                accumulating=m > 1 or lay.pp > 1, pipelined=lay.pp > 1)
-        if lay.tp > 1 and lay.zero < 2 and first:  # DTensor's full-vocabulary embedding gradient (see estimate)
-            rows = s.vocab * s.d_model
-            state = replace(state, grads=state.grads + 4 * (rows - rows // lay.tp))
+        if lay.tp > 1 and lay.zero < 2 and first:
+            state = replace(state, grads=state.grads + mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp))
         seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
         layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute, mixed, lay.cp)
         head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed)
         in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
         chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
-        all_first = lay.pp > 1 and schedule_facts(lay.schedule).all_forwards_first
-        saved = chunks * in_flight // len(ids) + head * last * (m if all_first else 1)
-        carried = m > 1 if lay.pp == 1 else in_flight < m * len(ids)
+        heads = mm.head_copies(last, lay.pp > 1, schedule_facts(lay.schedule).all_forwards_first, m)
+        saved = mm.rank_saved_bytes(chunks, len(ids), in_flight, head, heads)
+        carried = mm.carries_grads(lay.pp > 1, in_flight, m, len(ids))
         working = 0
         if lay.recompute == "full" and layers:
             working = _layer_bytes(s, seq, lay.micro_batch, lay.tp, "none", mixed)
-        freed = saved // max(1, in_flight) // 2 if lay.pp > 1 else head * last  # est.freed_in_backward
+        freed = mm.freed_first(saved, in_flight, lay.pp > 1, head * last)
         hidden = s.boundary_width(lay.zero) * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
-        edges = sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0
-        buckets = 4 * params if lay.zero == 1 and lay.shards > 1 else 0  # DDP's flat all-reduce buckets
+        edges = mm.pipeline_edges(ids, n_stages)
         cp_kernel = mm.cp_buffer_bytes(s.cp_impl, s.seq, lay.micro_batch, s.d_model, s.n_heads, s.kv, lay.cp, lay.tp,
                                        c)
-        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + buckets + cp_kernel  # autocast
+        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + cp_kernel  # autocast
         regathers = lay.zero >= 3 and lay.shards > 1
         loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab) * last
         return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers

@@ -22,9 +22,17 @@ too. Three precision layouts:
 parameter copy is sharded for ZeRO-2 as well, and parameters are all-gathered
 for compute into a transient ``gathered`` term: the whole stage for ZeRO-2
 (``reshard_after_forward=False`` keeps it from forward through backward), the
-root unit with the current and the prefetched block for ZeRO-3; ZeRO-0 runs ``replicate()``, FSDP2 over
-a replicated mesh, which also computes on an unsharded copy beside the replica. The paper's tables use
+root unit with the current and the prefetched block for ZeRO-3. The paper's tables use
 ``fsdp=False``, where ZeRO-2 keeps 16-bit parameters replicated.
+
+ZeRO-0 and ZeRO-1 over more than one rank reduce through a flat copy of the gradients (``reducing``,
+``reduction_bytes``): ZeRO-0's buckets (``workers/parallel/grad_buckets.py``: each bucket's flat copy lives from
+its launch, late in backward, until ``finish``) and ZeRO-1's reduce-scatter buffer and gradient slices
+(``distributed_optimizer.py``, after backward). They exist only once backward has produced the gradients, when
+the activations are gone, so they join the end-of-backward moment of ``in_step_peak``, not the whole step
+(measured with torch's ``MemTracker`` at dp=2, ``tests/unit/test_zero_reduction_memory.py``: ZeRO-0 counted as an
+unsharded parameter copy all step, which ``replicate()`` made and the buckets that replaced it do not, was
++15.5%, +18.2% at tp=2; ZeRO-1's buffer counted on top of the activations hid its own under-count).
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ class ModelState:
     gathered: int = 0  # transient: unsharded parameters during compute (FSDP2 ZeRO-2/3)
     offloaded: int = 0
     accumulating: int = 0  # transient: full-size gradients beyond ``grads`` held until the last microbatch
+    reducing: int = 0  # transient, after backward: ZeRO-0/1's flat copy of the gradients being reduced
 
     @property
     def step_grads(self) -> int:
@@ -94,12 +103,13 @@ def in_step_peak(state: ModelState, activations: int, grads_at_activation_peak: 
       gradients (``loss``: ``loss_backward_bytes``, which the probe does not see and a GPU's allocator does);
     - backward, once it has ``freed`` the first activations it consumes (the head's; in a pipeline one
       microbatch's): the parameters gathered again and recompute's rebuilt block (``working``);
-    - the end of backward: every gradient and the gathered parameters, the activations gone.
+    - the end of backward: every gradient, the gathered parameters and ZeRO-0/1's flat copy of the gradients
+      for their reduction (``reducing``), the activations gone.
     """
     carried = state.step_grads if grads_at_activation_peak else 0
     forward_end = activations + carried + (0 if regathers else state.gathered) + loss
     in_backward = activations - freed + carried + state.gathered + working
-    backward_end = state.step_grads + state.gathered
+    backward_end = state.step_grads + state.gathered + state.reducing
     return state.params + state.optimizer + max(forward_end, in_backward, backward_end)
 
 
@@ -121,7 +131,7 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
                 momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
                 offload_optimizer: bool = False, offload_params: bool = False,
                 host_master: bool = False, frozen: int = 0, quantized_bytes: int = 0,
-                accumulating: bool = False, pipelined: bool = False) -> ModelState:
+                accumulating: bool = False, pipelined: bool = False, gloo: bool = False) -> ModelState:
     """Model-state bytes of one rank holding ``n_params`` (its pipeline/TP share) under ZeRO ``zero`` over ``dp``.
 
     ``zero3_gathered_params``: parameters all-gathered at once at ZeRO-3's peak (FSDP2:
@@ -142,7 +152,8 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
     until the last microbatch (``set_requires_gradient_sync(False)``), so ZeRO-2/3 hold full-size
     gradients meanwhile (the ``accumulating`` term). ``pipelined``: torch's ``PipelineStage`` also
     turns off resharding after backward, so under ZeRO-3 the whole stage's parameters stay
-    gathered, as under ZeRO-2.
+    gathered, as under ZeRO-2. ``gloo`` (a CPU job): gloo runs ZeRO-1's ``reduce_scatter_tensor`` through a
+    full-size copy of its input (measured at dp=2; NCCL reduce-scatters without one).
     """
     p_bytes, g_bytes, master = PRECISIONS[precision]
     k = master + optimizer_state_bytes(optimizer, momentum)
@@ -158,8 +169,7 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         if fsdp and (dp > 1 or precision in GATHERED_BYTES):  # a 16-bit gather is a copy even on one rank
             whole_stage = zero == 2 or pipelined
             gathered = width * (n_params + frozen if whole_stage else min(zero3_gathered_params, n_params + frozen))
-    if fsdp and zero == 0 and dp > 1:  # replicate() is FSDP2 over a replicated mesh: a second, unsharded copy
-        gathered = params
+    reducing = reduction_bytes(g_bytes * n_params, dp, zero, gloo) if zero <= 1 else 0
     held = g_bytes * n_params - grads if accumulating and zero >= 2 and dp > 1 else 0
     params += quantized_bytes
     offloaded = 0
@@ -168,7 +178,18 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
         offloaded, optim = optim + (math.ceil(extra_master / dp) if zero >= 1 else extra_master), 0
     if offload_params:
         offloaded, params = offloaded + params, 0
-    return ModelState(params, grads, optim, gathered, offloaded, held)
+    return ModelState(params, grads, optim, gathered, offloaded, held, reducing)
+
+
+def reduction_bytes(grad_bytes: int, dp: int, zero: int, gloo: bool = False) -> int:
+    """ZeRO-0/1's transient bytes for reducing ``grad_bytes`` of gradients over ``dp`` ranks (module docstring):
+    the flat copy of every gradient (ZeRO-0's buckets, ZeRO-1's reduce-scatter input, twice on gloo), and under
+    ZeRO-1 this rank's slice of the average, the sliced optimizer's gradients until the step ends."""
+    if dp == 1:
+        return 0
+    if zero == 0:
+        return grad_bytes
+    return grad_bytes * (2 if gloo else 1) + math.ceil(grad_bytes / dp)
 
 
 def max_trainable_params(device_bytes: float, dp: int, zero: int, precision: str = "mixed",
@@ -392,6 +413,56 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: i
     """Stage-microbatches whose activations a pipeline rank holds at its peak: the schedule table's rule
     (``Schedule.in_flight`` in workers.parallel.schedules, which documents each schedule's peak)."""
     return schedule_facts(schedule).in_flight(pp, pp_rank, microbatches, stages_per_rank)
+
+
+# ------------------------------------------------------------------------------------ one rank's terms
+# What a rank's in-step peak reads besides model state and per-block activations, in plain numbers: the spec
+# estimate (``estimate.estimate_rank``) and the layout search (``layout_search.Evaluator.rank_peak``) both derive
+# their terms here, so the two cannot price a rank differently.
+
+
+def head_copies(holds_head: bool, pipelined: bool, all_forwards_first: bool, microbatches: int) -> int:
+    """Microbatches whose head activations (final norm, log-softmax) a rank holds at its peak: none off the last
+    stage; all of them under a pipeline schedule that runs every forward first (GPipe); else one, as every other
+    schedule runs a microbatch's loss backward right after its forward (measured on interleaved 1F1B: averaging
+    the head into the chunks over-predicted by 30%)."""
+    if not holds_head:
+        return 0
+    return microbatches if pipelined and all_forwards_first else 1
+
+
+def rank_saved_bytes(chunks: int, n_chunks: int, in_flight: int, head: int, heads: int) -> int:
+    """Saved for backward on a rank, before activation offload: its average chunk (``chunks`` bytes over its
+    ``n_chunks`` stages, one microbatch each) times the chunk-microbatches in flight, plus ``heads`` heads."""
+    return chunks * in_flight // n_chunks + head * heads
+
+
+def carries_grads(pipelined: bool, in_flight: int, microbatches: int, n_chunks: int) -> bool:
+    """Whether some microbatch's backward has run when the rank's saved activations peak: without a pipeline from
+    the second microbatch on; in a pipeline when the schedule keeps fewer in flight than it runs (GPipe keeps all:
+    it peaks before any backward)."""
+    return in_flight < microbatches * n_chunks if pipelined else microbatches > 1
+
+
+def freed_first(saved: int, in_flight: int, pipelined: bool, head: int) -> int:
+    """Activations backward frees before it gathers parameters again: in a pipeline half of one microbatch's share
+    of what the rank holds in flight (the stage's blocks are gathered one by one as backward frees theirs: measured
+    between the ZeRO-3 pipeline's ranks); otherwise ``head``, the head's (the loss backward runs first)."""
+    return saved // max(1, in_flight) // 2 if pipelined else head
+
+
+def pipeline_edges(ids: list[int], n_stages: int) -> int:
+    """Receive buffers per microbatch of a rank holding stages ``ids``: PyTorch's PipelineStage keeps one for a
+    stage's input (all but the first stage) and one for its output's gradient (all but the last)."""
+    return sum((sid != 0) + (sid != n_stages - 1) for sid in ids) if n_stages > 1 else 0
+
+
+def tp_embedding_grad_bytes(vocab: int, d_model: int, tp: int) -> int:
+    """What tensor parallelism adds to the first stage's gradients under ZeRO-0/1 (measured: DTensor gives the
+    vocabulary-sharded embedding a gradient of the full vocabulary on every tp rank; FSDP2 reshards it): the fp32
+    rows of the other tp ranks, 14% of the tiny model's gradients."""
+    rows = vocab * d_model
+    return 4 * (rows - rows // tp)
 
 
 # ------------------------------------------------------------------------------------ units

@@ -10,7 +10,7 @@ inference, an extra forward that is not the schedule's. It pairs them with the
 prediction and the relative error; ``step_peak`` is the in-step peak of all of
 them together (sampled during forward and backward), against the planner's
 per-rank peak less the buffers the probe does not see (pipeline receive
-buffers, DDP buckets; autocast's weight copies it does see).
+buffers, ZeRO-0/1's flat gradient copies; autocast's weight copies it does see).
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ def warn_if_too_big(spec: JobSpec) -> list[str]:
 
 def probe_visible_peak(spec: JobSpec, predicted: RankEstimate) -> int:
     """The predicted in-step peak as the probe counts it: less the buffers it cannot see (pipeline receive
-    buffers, DDP buckets) and the loss backward's transient gradients (no saved tensor holds them), plus
+    buffers), ZeRO-0/1's flat gradient copies for their reduction (``ModelState.reducing``: no parameter, gradient
+    or optimizer state holds them) and the loss backward's transient gradients (no saved tensor holds them), plus
     autocast's weight copies, which it sees among the saved tensors."""
-    seen = replace(predicted, loss_bytes=0)
+    seen = replace(predicted, loss_bytes=0, state=replace(predicted.state, reducing=0))
     return seen.total_bytes - seen.buffer_bytes + autocast_copy_bytes(spec, seen.params)
 
 

@@ -4,7 +4,7 @@ Each layout trains 2 steps of the tiny GPT with ``memory.measure: true``; every 
 autograd saves or reads back and at the end of backward, the live bytes of saved activations plus
 parameters, gradients and optimizer state (``ActivationMeter.step_peak``), so FSDP2's full-size gradients
 during accumulation and its gathered parameters count. The prediction (``estimate_rank(...).total_bytes``,
-less the buffers the probe cannot see: pipeline receive buffers, DDP buckets) must be within 10%.
+less the buffers the probe cannot see: pipeline receive buffers, ZeRO-0/1's flat gradient copies) must be within 10%.
 Integration, not unit: spawning ranks costs seconds per layout (four layouts; pp=2 1F1B without ZeRO, -0.1%,
 was checked once and left out for time).
 """

@@ -143,7 +143,7 @@ def test_predicted_bytes_of_a_job_spec():
 
 
 def test_picker_shards_over_context_parallel_ranks_as_the_ranks_do():
-    """ZeRO shards (and ZeRO-0's replicate() copies) over dp x cp, the workers' ``data_parallel_mesh``; the
+    """ZeRO shards (and ZeRO-0/1 reduce) over dp x cp, the workers' ``data_parallel_mesh``; the
     search used dp alone and left out the ring kernel's buffers. Llama 3 8B at 32K tokens, one sequence a step on
     8 GPUs of 170 GB, so dp=1: the picker chose dp=1 cp=8 zero=0, priced at 145.58 GB within the 153 GB limit,
     which the ranks (and the estimate ``raymesh run`` checks) put at 177.80 GB: (4 + 4 + 8) · 8,030,261,248 of
