@@ -1,5 +1,5 @@
 """The planner's in-step peak against every live tensor of a real step (torch's ``MemTracker``, Ray-free
-ranks), per ZeRO stage at dp=2 and on a tp=2 x dp=2 layout, within the 10% the planner is held to.
+ranks), for ZeRO 0-2 at dp=2 and ZeRO 0-1 on a tp=2 x dp=2 layout, within the 10% the planner is held to.
 
 What it guards: ZeRO-0 and ZeRO-1 reduce through a flat copy of the gradients that exists only after backward
 (``ModelState.reducing``). The model used to count ZeRO-0's as ``replicate()``'s unsharded parameter copy, all
@@ -37,9 +37,12 @@ def _errors(specs, peaks) -> list[tuple]:
 
 
 @pytest.mark.parametrize("layouts", [
-    [{"dp": 2, "zero": z} for z in range(4)],
+    # not ZeRO-3: FSDP2 regathers each block, and how many gathered blocks live at once depends on when gloo's
+    # asynchronous all-gathers end, so its MemTracker peak varies run to run (-7.5% alone, past 10% once in a
+    # full unit run); tests/integration/test_memory_in_step.py holds ZeRO-3 to the memory probe
+    [{"dp": 2, "zero": z} for z in range(3)],
     [{"dp": 2, "tp": 2, "zero": 0}, {"dp": 2, "tp": 2, "zero": 1}],
-], ids=["dp2-zero0123", "tp2-dp2-zero01"])
+], ids=["dp2-zero012", "tp2-dp2-zero01"])
 def test_predicted_peak_is_every_live_tensor_of_the_step(layouts, token_data, tmp_path):
     specs = _specs(token_data, tmp_path, layouts)
     errors = _errors(specs, step_peaks(specs))
