@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from orchestrator.cli import main
@@ -22,6 +24,22 @@ def test_each_subcommand_help_says_what_it_does(command, capsys):
     assert exited.value.code == 0
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
     assert _commands()[command] in shown
+
+
+def _flags_without_help(parser: argparse.ArgumentParser, command: str = "raymesh") -> list[str]:
+    """Every option or positional of ``parser`` and its subcommands (walked down) that ``--help`` lists bare."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _flags_without_help(sub, f"{command} {name}")
+        elif not action.help and action.help is not argparse.SUPPRESS:
+            missing.append(f"{command} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_flag_of_every_subcommand_has_help():
+    assert _flags_without_help(build_parser()) == []
 
 
 def test_prepare_data_out_on_a_file_names_the_option_and_the_fix(tmp_path, capsys):
