@@ -110,3 +110,20 @@ def test_run_against_an_unreachable_cluster_names_it_and_the_fix(tmp_path, monke
     err = capsys.readouterr().err
     assert code == 2
     assert f"cannot reach a Ray cluster at {CLOSED} (from --address" in err and "fix: start it" in err
+
+
+def test_attach_to_an_unreachable_cluster_says_so_not_that_no_controller_runs(monkeypatch, capsys):
+    """``HostedJob.find`` answers None for an unreachable cluster too; attach said "no running raymesh controller",
+    sending the user to look for a job that may be training fine on the cluster they mistyped."""
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("ray.init was called: the address should have been refused before it")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code = main(["attach", "some-job", "--ray-address", CLOSED])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"cannot reach a Ray cluster at {CLOSED} (from --ray-address" in err and "fix: start it" in err
+    assert "no running raymesh controller" not in err and "Traceback" not in err
