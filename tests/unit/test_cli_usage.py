@@ -127,3 +127,27 @@ def test_attach_to_an_unreachable_cluster_says_so_not_that_no_controller_runs(mo
     assert code == 2
     assert f"cannot reach a Ray cluster at {CLOSED} (from --ray-address" in err and "fix: start it" in err
     assert "no running raymesh controller" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["bad --tokenizer", "no tokens in the sources", "interrupted"])
+def test_a_failed_prepare_data_leaves_no_out_folder_behind(how, tmp_path, monkeypatch, capsys):
+    """A first prepare that fails part-way removes the --out folders it made (an empty one passed for a dataset's
+    place), and never a folder the user already had."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / ("notes.bin" if how == "no tokens in the sources" else "a.txt")).write_text("def f(): pass\n")
+    argv = ["prepare-data", "--source", str(source)]
+    if how == "bad --tokenizer":
+        argv += ["--tokenizer", str(tmp_path / "missing.json")]
+    if how == "interrupted":
+        def interrupt(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr("workers.data.prepare._write_shards", interrupt)
+    fresh = tmp_path / "new" / "data"
+    assert main([*argv, "--out", str(fresh)]) == (130 if how == "interrupted" else 2)
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    main([*argv, "--out", str(mine)])
+    assert mine.is_dir() and list(mine.iterdir()) == []
+    assert "Traceback" not in capsys.readouterr().err

@@ -179,12 +179,11 @@ def prepare_data(
             )
     exts = tuple(extensions)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if heldout:
-        _check_heldout_free(out)
-    with _staged(out, drop_heldout=True) as staging:
-        manifest = _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout)
-    return manifest
+    with _made_for(out):
+        if heldout:
+            _check_heldout_free(out)
+        with _staged(out, drop_heldout=True) as staging:
+            return _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout)
 
 
 def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, ...], max_tokens: int | None,
@@ -220,6 +219,22 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
                               walked[0])
         manifest["heldout"] = {"path": HELDOUT_DIR, "fraction": heldout, "tokens": held["total_tokens"]}
     return _write_manifest(staging, manifest)
+
+
+@contextlib.contextmanager
+def _made_for(out: Path) -> Iterator[None]:
+    """``out`` and its missing parents, made for the block and removed again when it fails or is interrupted
+    (Ctrl-C): a failed first prepare leaves no empty folder that passes for a dataset's place. Only folders made
+    here, and only while empty (``_staged`` has removed its staging by then): never one the user had."""
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty (someone wrote there meanwhile): kept
+                folder.rmdir()
+        raise
 
 
 @contextlib.contextmanager
@@ -315,9 +330,8 @@ def write_token_rows(rows: Iterable[np.ndarray], out: str | Path, vocab_size: in
     (e.g. the rows of a ``ray.data.Dataset``, already tokenized): rows are concatenated as they are, so a row
     that ends a document carries its own end-of-document id. Rows are consumed one at a time."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     ids = _Ids(vocab_size)
-    with _staged(out, drop_heldout=False) as staging:  # an id out of range, or no rows, leaves out as it was
+    with _made_for(out), _staged(out, drop_heldout=False) as staging:  # an id out of range, or no rows: out as it was
         shards, total = _write_shards(ids, rows, staging, shard_tokens, float("inf"))
         if total == 0:
             raise ValueError(f"no tokens in the rows of {source}")
