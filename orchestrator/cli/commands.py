@@ -184,8 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--source", action="append", help="file or directory (repeatable); default: Python's stdlib")
     prep.add_argument("--out", required=True,
                       help="output directory or object-store URL, e.g. s3://BUCKET/data (becomes data.path)")
-    prep.add_argument("--shard-tokens", type=int, default=4_000_000)
-    prep.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    prep.add_argument("--shard-tokens", type=int, default=4_000_000, metavar="N",
+                      help="tokens per Parquet shard file (default 4,000,000)")
+    prep.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                      help=f"stop after this many tokens, separators included (default {DEFAULT_MAX_TOKENS:,}); "
+                           "the rest of the sources is not prepared")
     prep.add_argument("--tokenizer", default="bytes",
                       help="bytes (vocab 256, default), a tokenizer.json path, or bpe:SIZE to train a byte-level "
                            "BPE of SIZE ids on the sources (saved as OUT/tokenizer.json)")

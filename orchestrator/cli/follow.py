@@ -278,9 +278,10 @@ def run(args: argparse.Namespace) -> int:
 
 def attach(args: argparse.Namespace) -> int:
     """``raymesh attach ID``: follow a hosted job to its end (Ctrl-C detaches, the job goes on)."""
-    from orchestrator.runtime.hosted import HostedJob
+    from orchestrator.runtime.hosted import HostedJob, join_cluster
 
     check_summary_json(args.summary_json)
+    join_cluster(args.ray_address)  # an unreachable cluster is said as such, not as "no running controller"
     job = HostedJob.find(args.id, args.ray_address)
     if job is None:
         raise LookupError(f"no running raymesh controller for job {args.id!r} on the Ray cluster at "

@@ -148,8 +148,10 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     inject = subparsers.choices["inject"]
     inject.add_argument("--kind", required=True,
                         choices=("kill_rank", "kill_node", "hang_rank", "slow_rank", "nan_loss", "raise_error", "oom",
-                                 "corrupt_checkpoint"))
-    inject.add_argument("--rank", type=int, default=0)
+                                 "corrupt_checkpoint"),
+                        help="the fault: kill, hang, slow, poison (nan_loss), raise or OOM the rank, kill its node, "
+                             "or corrupt the newest checkpoint")
+    inject.add_argument("--rank", type=int, default=0, help="the global rank it hits (default 0)")
     inject.add_argument("--factor", type=float, default=3.0, help="slow_rank: how many times slower")
     subparsers.choices["scale"].add_argument("--dp", type=int, required=True, help="the new data-parallel degree")
     for name in ("submit", "status", "logs", "stop", "inject", "scale"):

@@ -200,6 +200,28 @@ class AlreadyRunning(RuntimeError):
     """A live controller already hosts this job id."""
 
 
+def join_cluster(ray_address: str | None) -> None:
+    """Connect this driver to the cluster at ``ray_address`` (else ``RAY_ADDRESS``, else this machine's head);
+    never starts one. ``ConnectionError`` naming the address, where it came from and the fix when there is none:
+    ``raymesh attach`` must say the cluster is unreachable, not that it holds no controller."""
+    if ray.is_initialized():
+        return
+    from orchestrator.runtime.cluster import check_reachable
+
+    use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a driver without it
+    source = "--ray-address" if ray_address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else None
+    address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+    if source is not None:
+        check_reachable(address, source)
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:  # no cluster there (Ray raises either)
+        where = f"at {address} (from {source})" if source else "running on this machine"
+        raise ConnectionError(f"cannot reach a Ray cluster {where}: {exc}; fix: start it (`ray start --head`), or "
+                              "pass --ray-address HOST:PORT (or set RAY_ADDRESS) naming the cluster the job runs "
+                              "on") from None
+
+
 @dataclass
 class HostedJob:
     """A job's controller actor, found by job id: what ``raymesh attach/status/stop/inject/scale`` talk to."""
@@ -226,16 +248,10 @@ class HostedJob:
     @classmethod
     def find(cls, job_id: str, ray_address: str | None = None) -> HostedJob | None:
         """The live controller of ``job_id``, or None (also when no Ray cluster can be reached)."""
-        if not ray.is_initialized():
-            from orchestrator.runtime.cluster import check_reachable
-
-            use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a driver without it
-            address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-            try:
-                check_reachable(address, "--ray-address" if ray_address else "RAY_ADDRESS")
-                ray.init(address=address, log_to_driver=False)
-            except (ConnectionError, RuntimeError):  # no cluster there
-                return None
+        try:
+            join_cluster(ray_address)
+        except ConnectionError:
+            return None
         try:
             return cls(job_id, ray.get_actor(actor_name(job_id), namespace=NAMESPACE))
         except ValueError:

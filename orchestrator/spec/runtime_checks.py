@@ -44,6 +44,31 @@ def _checkable(path: str, data_required: bool) -> bool:
     return data_required or (not is_url(path) and Path(path).exists())
 
 
+MISSING, NOT_A_FILE = "is missing", "is not a file"  # what preparing the data again fixes
+
+
+def _read_problem(path: Path) -> str | None:
+    """Why this process cannot read the local file `path` (`MISSING`, `NOT_A_FILE`, or a permission), None when it
+    can. ``os.access`` asks with the real user's rights, as the ranks on this host read, down every folder on the
+    way."""
+    if os.access(path, os.R_OK):
+        return None if path.is_file() else NOT_A_FILE
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return MISSING
+    except OSError as exc:  # a folder on the way that this user may not enter
+        return f"cannot be reached ({exc.strerror})"
+    return "cannot be read by this user (permission denied)"
+
+
+def _unreadable(field: str, value: str, path: Path, problem: str) -> SpecError:
+    """The refusal of prepared data in `field` (`value`) whose file `path` this user cannot read."""
+    return SpecError(field, value, f"holds {path}, which {problem}",
+                     f"make the directory and its files readable by the user raymesh runs as (e.g. `chmod -R a+rX "
+                     f"{value}`), or point {field} at a copy this user can read")
+
+
 def prepared_manifest(field: str, value: str) -> dict:
     """The manifest.json of the prepared directory `value` (the job's `field`: `data.path`, `eval.path`), refused
     with the fix when missing or not one `prepare-data` wrote."""
@@ -55,8 +80,11 @@ def prepared_manifest(field: str, value: str) -> dict:
         raise SpecError(field, value, "is a file, not a prepared directory",
                         f"point {field} at the directory `raymesh prepare-data --out DIR` wrote (it holds "
                         "manifest.json and the shards)")
-    if not manifest.is_file():
-        raise SpecError(field, value, f"has no prepared data ({manifest} is missing)",
+    problem = None if is_url(root) else _read_problem(manifest)
+    if problem not in (None, MISSING, NOT_A_FILE):
+        raise _unreadable(field, value, manifest, problem)
+    if problem is not None or not manifest.is_file():
+        raise SpecError(field, value, f"has no prepared data ({manifest} {problem or MISSING})",
                         f"run `raymesh prepare-data --out {value}`, or point {field} at a prepared directory")
     try:
         data = json.loads(manifest.read_bytes())
@@ -68,6 +96,23 @@ def prepared_manifest(field: str, value: str) -> dict:
     return data
 
 
+def check_shards_readable(field: str, value: str, manifest: dict) -> None:
+    """Every shard the manifest of `field` (`value`, a local directory) lists is there and readable: else the first
+    rank to load the data fails after placement with a bare PermissionError or FileNotFoundError. A bucket's
+    shards are read by the ranks with their own credentials, and are left to them."""
+    root = location(value)
+    if is_url(root):
+        return
+    for shard in manifest.get("shards", ()):
+        path = root / shard["file"]
+        problem = _read_problem(path)
+        if problem in (MISSING, NOT_A_FILE):
+            raise SpecError(field, value, f"lists shard {path} in its manifest.json, which {problem}",
+                            f"prepare the data again with `raymesh prepare-data --out {value}`")
+        if problem is not None:
+            raise _unreadable(field, value, path, problem)
+
+
 def check_data_path(spec: JobSpec) -> None:
     """The data is prepared, and holds at least one batch of distinct `seq_len + 1` token windows.
 
@@ -75,6 +120,7 @@ def check_data_path(spec: JobSpec) -> None:
     step's global_batch_size windows need global_batch_size * seq_len + 1 tokens; with fewer, one batch would
     repeat windows (or, with fewer than seq_len + 1 tokens, have none)."""
     manifest = prepared_manifest("data.path", spec.data.path)
+    check_shards_readable("data.path", spec.data.path, manifest)
     check_data_vocab(spec, manifest, "data.path", spec.data.path)
     check_init_from_tokenizer(spec, manifest)
     tokens = manifest["total_tokens"]
@@ -163,6 +209,7 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     """`eval.path` is prepared with the training data's tokenizer (scoring other ids would mean nothing) and holds
     `eval.batches` batches of distinct `seq_len + 1` windows (the same ones at every evaluation)."""
     manifest = prepared_manifest("eval.path", spec.eval.path)
+    check_shards_readable("eval.path", spec.eval.path, manifest)
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
     if _checkable(spec.data.path, data_required):
         data = prepared_manifest("data.path", spec.data.path)

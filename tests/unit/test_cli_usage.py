@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from orchestrator.cli import main
@@ -22,6 +24,22 @@ def test_each_subcommand_help_says_what_it_does(command, capsys):
     assert exited.value.code == 0
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
     assert _commands()[command] in shown
+
+
+def _flags_without_help(parser: argparse.ArgumentParser, command: str = "raymesh") -> list[str]:
+    """Every option or positional of ``parser`` and its subcommands (walked down) that ``--help`` lists bare."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _flags_without_help(sub, f"{command} {name}")
+        elif not action.help and action.help is not argparse.SUPPRESS:
+            missing.append(f"{command} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_flag_of_every_subcommand_has_help():
+    assert _flags_without_help(build_parser()) == []
 
 
 def test_prepare_data_out_on_a_file_names_the_option_and_the_fix(tmp_path, capsys):
@@ -92,3 +110,44 @@ def test_run_against_an_unreachable_cluster_names_it_and_the_fix(tmp_path, monke
     err = capsys.readouterr().err
     assert code == 2
     assert f"cannot reach a Ray cluster at {CLOSED} (from --address" in err and "fix: start it" in err
+
+
+def test_attach_to_an_unreachable_cluster_says_so_not_that_no_controller_runs(monkeypatch, capsys):
+    """``HostedJob.find`` answers None for an unreachable cluster too; attach said "no running raymesh controller",
+    sending the user to look for a job that may be training fine on the cluster they mistyped."""
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("ray.init was called: the address should have been refused before it")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code = main(["attach", "some-job", "--ray-address", CLOSED])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"cannot reach a Ray cluster at {CLOSED} (from --ray-address" in err and "fix: start it" in err
+    assert "no running raymesh controller" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["bad --tokenizer", "no tokens in the sources", "interrupted"])
+def test_a_failed_prepare_data_leaves_no_out_folder_behind(how, tmp_path, monkeypatch, capsys):
+    """A first prepare that fails part-way removes the --out folders it made (an empty one passed for a dataset's
+    place), and never a folder the user already had."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / ("notes.bin" if how == "no tokens in the sources" else "a.txt")).write_text("def f(): pass\n")
+    argv = ["prepare-data", "--source", str(source)]
+    if how == "bad --tokenizer":
+        argv += ["--tokenizer", str(tmp_path / "missing.json")]
+    if how == "interrupted":
+        def interrupt(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr("workers.data.prepare._write_shards", interrupt)
+    fresh = tmp_path / "new" / "data"
+    assert main([*argv, "--out", str(fresh)]) == (130 if how == "interrupted" else 2)
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    main([*argv, "--out", str(mine)])
+    assert mine.is_dir() and list(mine.iterdir()) == []
+    assert "Traceback" not in capsys.readouterr().err

@@ -13,6 +13,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec import (
     JobSpec,
     apply_overrides,
+    check_before_start,
     check_data_path,
     check_resources,
     load_spec,
@@ -424,6 +425,54 @@ def test_check_data_path(tmp_path: Path) -> None:
         check_data_path(spec)
     (tmp_path / "manifest.json").write_text('{"total_tokens": 100000}')
     check_data_path(spec)
+
+
+def _unreadable_to_this_user(path: Path, monkeypatch) -> None:
+    """Make `path` unreadable to this process: chmod 000, and where that does not stop reads (root), os.access, the
+    call the check asks, answering for it as it would for another user."""
+    path.chmod(0)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != path and real(p, mode, **kw))
+
+
+@pytest.mark.parametrize("field", ["data.path", "eval.path"])
+@pytest.mark.parametrize("which", ["shard-00001.parquet", "manifest.json"])
+def test_prepared_data_this_user_cannot_read_is_refused_naming_the_file_and_the_fix(field, which, tmp_path,
+                                                                                  monkeypatch):
+    """A shard (or manifest) with no read permission passed the pre-start checks, and the first rank to load the
+    data failed after placement with a bare PermissionError."""
+    from workers.data import prepare_data
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("x" * 400)
+    (tmp_path / "src" / "b.txt").write_text("y" * 400)
+    prepare_data([tmp_path / "src"], tmp_path / "data", shard_tokens=300, heldout=0.5)  # b.txt: data/heldout
+    folder = {"data.path": tmp_path / "data", "eval.path": tmp_path / "data" / "heldout"}
+    spec = JobSpec.from_dict({"data": {"path": str(folder["data.path"])}, "model": {"seq_len": 8},
+                              "train": {"global_batch_size": 2}, "run_dir": str(tmp_path / "runs"),
+                              "eval": {"path": str(folder["eval.path"]), "every": 1, "batches": 1}})
+    check_before_start(spec)
+    target = folder[field] / which
+    _unreadable_to_this_user(target, monkeypatch)
+    with pytest.raises(SpecError) as info:
+        check_before_start(spec)
+    msg = assert_actionable(info.value, field, str(target.parent), f"chmod -R a+rX {target.parent}")
+    assert f"holds {target}, which cannot be read by this user (permission denied)" in msg
+
+
+def test_a_shard_missing_from_prepared_data_is_refused_before_start(tmp_path):
+    from workers.data import prepare_data
+
+    (tmp_path / "a.txt").write_text("x" * 400)
+    prepare_data([tmp_path / "a.txt"], tmp_path / "data", shard_tokens=300)
+    (tmp_path / "data" / "shard-00001.parquet").unlink()
+    spec = JobSpec.from_dict({"data": {"path": str(tmp_path / "data")}, "model": {"seq_len": 8},
+                              "train": {"global_batch_size": 2}})
+    with pytest.raises(SpecError) as info:
+        check_data_path(spec)
+    msg = assert_actionable(info.value, "data.path", str(tmp_path / "data"), "raymesh prepare-data --out")
+    assert f"lists shard {tmp_path / 'data' / 'shard-00001.parquet'} in its manifest.json, which is missing" in msg
 
 
 def test_a_model_vocabulary_smaller_than_the_data_is_refused(tmp_path: Path) -> None:

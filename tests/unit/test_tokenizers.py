@@ -99,3 +99,19 @@ def test_a_document_that_mentions_the_end_of_document_token_is_not_cut_by_it(bpe
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file(str(bpe / "tokenizer.json")).decode(ids.tolist()) == text
+
+
+def test_a_document_holding_the_bytes_end_of_document_byte_is_refused_naming_file_and_offset(bpe, tmp_path):
+    """Under --tokenizer bytes a NUL inside a file would be read as an end of document (the file silently cut in
+    two): refused, naming the file and the offset, before anything is written. A tokenizer.json, whose
+    end-of-document id is a special token, keeps the file one document."""
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "a.txt").write_text("plain text\n")
+    (sources / "b.txt").write_bytes(b"header\x00\x01binary tail\n")
+    with pytest.raises(ValueError, match=rf"{sources / 'b.txt'} holds byte 0x00 at offset 6, .*; fix: remove that "
+                                         "byte from the file"):
+        prepare_data([sources], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    manifest = prepare_data([sources / "b.txt"], tmp_path / "bpe-out", tokenizer=str(bpe / "tokenizer.json"))
+    assert manifest["tokenizer"]["eos_id"] not in _ids(tmp_path / "bpe-out")  # one document, not two

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workers.data import checksums
-from workers.data.tokenizer import TOKENIZER_FILE, bpe_size, load_tokenizer, train_bpe
+from workers.data.tokenizer import TOKENIZER_FILE, ByteTokens, bpe_size, load_tokenizer, train_bpe
 
 FORMAT = "raymesh-bytes-v1"  # kept for every tokenizer: ids carry their type in Parquet, the manifest says the rest
 # The loader decodes one row group per window it reads: 16 Ki rows decode in well under a millisecond (1 Mi took
@@ -63,9 +63,11 @@ def _iter_files(source: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
                 yield Path(root, name)
 
 
-def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...]) -> Iterator[bytes]:
+def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...], eos_byte: int | None = None
+                    ) -> Iterator[bytes]:
     """Each matching file's bytes once, even when sources overlap (a directory and one inside it, a file named
-    again): else a document could be trained on twice, or land in training and in the held-out split."""
+    again): else a document could be trained on twice, or land in training and in the held-out split. A file
+    holding ``eos_byte`` (the bytes tokenizer's end-of-document id) is refused (``_check_no_eos_byte``)."""
     seen: set[Path] = set()
     for source in sources:
         for path in _iter_files(source, extensions):
@@ -77,8 +79,22 @@ def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...]) -> Ite
                 data = path.read_bytes()
             except OSError:
                 continue  # unreadable (permissions, broken link): skip rather than abort the corpus
+            if eos_byte is not None:
+                _check_no_eos_byte(path, data, eos_byte)
             if data:
                 yield data
+
+
+def _check_no_eos_byte(path: Path, data: bytes, eos_byte: int) -> None:
+    """Refuse a document holding the byte the bytes tokenizer separates documents with: the model would read it
+    as an end of document, silently cutting the file in two. Refused rather than changed (the end-of-document
+    id stays 0 in a vocabulary of 256, which every prepared directory and checkpoint was made with)."""
+    at = data.find(bytes([eos_byte]))
+    if at >= 0:
+        raise ValueError(f"{path} holds byte {eos_byte:#04x} at offset {at}, the end-of-document id of --tokenizer "
+                         "bytes, so it would be cut into two documents there; fix: remove that byte from the file "
+                         "(it may not be text) or move the file out of --source, or prepare with --tokenizer "
+                         "bpe:SIZE or a tokenizer.json, whose end-of-document id is a special token")
 
 
 def _write_shard(out: Path, index: int, tokens: np.ndarray) -> dict:
@@ -179,12 +195,11 @@ def prepare_data(
             )
     exts = tuple(extensions)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if heldout:
-        _check_heldout_free(out)
-    with _staged(out, drop_heldout=True) as staging:
-        manifest = _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout)
-    return manifest
+    with _made_for(out):
+        if heldout:
+            _check_heldout_free(out)
+        with _staged(out, drop_heldout=True) as staging:
+            return _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout)
 
 
 def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, ...], max_tokens: int | None,
@@ -193,12 +208,14 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
     path it will have in ``out``); returns the manifest, also written there."""
     limit = max_tokens if max_tokens is not None else float("inf")
 
-    def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None) -> Iterator[bytes]:
-        return _one_side(_iter_documents(paths, exts), heldout, side, passed, upto)
+    def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None,
+                  eos_byte: int | None = None) -> Iterator[bytes]:
+        return _one_side(_iter_documents(paths, exts, eos_byte), heldout, side, passed, upto)
 
     tok = _tokenizer(tokenizer, _bounded(documents(), limit), staging)
+    eos_byte = tok.eos_id if isinstance(tok, ByteTokens) else None
     walked = [0]
-    shards, total = _write_shards(tok, documents(passed=walked), staging, shard_tokens, limit)
+    shards, total = _write_shards(tok, documents(passed=walked, eos_byte=eos_byte), staging, shard_tokens, limit)
     if total == 0:
         raise ValueError(
             f"no tokens found in sources {[str(p) for p in paths]} with extensions {list(exts)}"
@@ -216,10 +233,26 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
         "tokenizer": described,
     }
     if heldout:
-        held = _write_heldout(tok, documents(True, upto=walked[0]), staging, shard_tokens, manifest, heldout,
-                              walked[0])
+        held = _write_heldout(tok, documents(True, upto=walked[0], eos_byte=eos_byte), staging, shard_tokens,
+                              manifest, heldout, walked[0])
         manifest["heldout"] = {"path": HELDOUT_DIR, "fraction": heldout, "tokens": held["total_tokens"]}
     return _write_manifest(staging, manifest)
+
+
+@contextlib.contextmanager
+def _made_for(out: Path) -> Iterator[None]:
+    """``out`` and its missing parents, made for the block and removed again when it fails or is interrupted
+    (Ctrl-C): a failed first prepare leaves no empty folder that passes for a dataset's place. Only folders made
+    here, and only while empty (``_staged`` has removed its staging by then): never one the user had."""
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty (someone wrote there meanwhile): kept
+                folder.rmdir()
+        raise
 
 
 @contextlib.contextmanager
@@ -315,9 +348,8 @@ def write_token_rows(rows: Iterable[np.ndarray], out: str | Path, vocab_size: in
     (e.g. the rows of a ``ray.data.Dataset``, already tokenized): rows are concatenated as they are, so a row
     that ends a document carries its own end-of-document id. Rows are consumed one at a time."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     ids = _Ids(vocab_size)
-    with _staged(out, drop_heldout=False) as staging:  # an id out of range, or no rows, leaves out as it was
+    with _made_for(out), _staged(out, drop_heldout=False) as staging:  # an id out of range, or no rows: out as it was
         shards, total = _write_shards(ids, rows, staging, shard_tokens, float("inf"))
         if total == 0:
             raise ValueError(f"no tokens in the rows of {source}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 BYTE_VOCAB = 256
-BYTE_EOS = 0  # NUL practically never occurs in text
+BYTE_EOS = 0  # NUL practically never occurs in text; prepare_data refuses a file that holds one
 # end-of-document tokens as common tokenizer.json files name them, tried in this order
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 TRAINED_EOS = "<|endoftext|>"
