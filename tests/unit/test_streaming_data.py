@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +194,80 @@ def test_a_re_prepared_corpus_reads_its_new_tokens_and_drops_the_old_raw_file(
     new = TokenDataset(root, seq_len=32, seed=0).store.read(0, 1000)
     assert not np.array_equal(old, new) and np.array_equal(new, _whole_stream(root)[:1000])
     assert len(list((root / loader.RAW_DIR).glob("*.uint8"))) == 1
+
+
+def _read_only(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``root`` read-only to the loader. chmod does not stop root (these tests may run as root), so the two
+    calls the loader writes there through are refused instead: ``Path.mkdir`` (the raw folder) and the loader's
+    ``open`` (the build lock), as a read-only mount or another user's directory refuses them."""
+    def refused(path) -> bool:
+        return Path(path).resolve().is_relative_to(root.resolve())
+
+    mkdir, open_ = Path.mkdir, open
+
+    def no_mkdir(self: Path, *args, **kwargs):
+        if refused(self):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    def no_write(file, mode: str = "r", *args, **kwargs):
+        if mode != "r" and refused(file):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return open_(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", no_mkdir)
+    monkeypatch.setattr(loader, "open", no_write, raising=False)
+
+
+def _decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row groups decoded from now on, one entry each."""
+    decoded: list[int] = []
+    read_row_group = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, i, *a, **k: decoded.append(i) or read_row_group(self, i, *a, **k))
+    return decoded
+
+
+def test_a_read_only_data_directory_gets_its_raw_file_in_the_users_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared read-only storage: the raw file goes to $XDG_CACHE_HOME, is read like one beside the shards (same
+    windows, same order), is built once (a second rank decodes nothing), and nothing is written into the data."""
+    root = _corpus(tmp_path, 200_000, monkeypatch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    before = sorted(root.rglob("*"))
+    _read_only(root, monkeypatch)
+    decoded = _decodes(monkeypatch)
+    ds = TokenDataset(root, seq_len=100, seed=5)
+    assert isinstance(ds.store, loader.RawTokens) and ds.store.path.is_relative_to(tmp_path / "cache")
+    x, _ = ds.batch(0, ds.num_samples)
+    order = np.random.default_rng([5, 0]).permutation(ds.num_samples)
+    assert np.array_equal(x.numpy(), _whole_stream(root)[order[:, None] * 100 + np.arange(100)])
+    built = len(decoded)
+    assert TokenDataset(root, seq_len=100, seed=5).store.path == ds.store.path and len(decoded) == built
+    assert sorted(root.rglob("*")) == before
+
+
+def test_a_raw_file_another_user_built_in_a_read_only_directory_is_opened(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data's owner trained on it first, so its raw file is beside the shards, but this user may not take the
+    build lock there: the file is opened as it is (it only ever appears whole), nothing decoded, nothing cached."""
+    root = _corpus(tmp_path, 100_000, monkeypatch)
+    owners = TokenDataset(root, seq_len=32, seed=0).store.path
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _read_only(root, monkeypatch)
+    decoded = _decodes(monkeypatch)
+    assert TokenDataset(root, seq_len=32, seed=0).store.path == owners
+    assert decoded == [] and not (tmp_path / "cache").exists()
+
+
+def test_ranks_building_the_raw_file_at_once_decode_the_corpus_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks of a host start together: the file lock lets one build while the other waits, then opens it."""
+    root = _corpus(tmp_path, 200_000, monkeypatch)
+    decoded = _decodes(monkeypatch)
+    with ThreadPoolExecutor(2) as pool:
+        stores = list(pool.map(lambda _: TokenDataset(root, seq_len=32, seed=0).store, range(2)))
+    full = 200_000 // 65_536  # whole shards, then the rest in one
+    assert stores[0].path == stores[1].path
+    assert len(decoded) == full * (65_536 // ROWS) + -(-(200_000 - full * 65_536) // ROWS)  # both ranks together
+    assert np.array_equal(stores[0].read(0, len(stores[0])), stores[1].read(0, len(stores[1])))

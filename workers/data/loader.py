@@ -4,8 +4,9 @@ The global order (epoch permutations seeded by [seed, epoch]) is independent of 
 data-parallel layout; ranks only pick contiguous slices of it. Hence a checkpoint's
 `position` alone says which samples were consumed, whatever dp size resumes it.
 
-A local directory's token stream is decoded once per host into one raw token file beside the shards
-(`RawTokens`): a batch is then one gather from the file memory-mapped (up to `MAP_LIMIT`) or one pread per
+A local directory's token stream is decoded once per host into one raw token file beside the shards, or, where
+the data directory is read-only (shared storage, another user's folder), in the user's cache (`raw_folders`,
+`RawTokens`): a batch is then one gather from the file memory-mapped (up to `MAP_LIMIT`) or one pread per
 window. An object-store prefix (`workers.storage`) is read lazily, the row groups a window spans with a bounded
 cache (`ShardStore`). Where a read may wait on I/O the next step's batch is read on a background thread
 (`Prefetch`). Either way a rank's memory does not grow with the corpus.
@@ -38,6 +39,7 @@ from workers.storage import is_url, location, parquet_source
 _MISSING_HINT = "run `raymesh prepare-data --out PATH` first or set data.path"
 log = logging.getLogger(__name__)
 RAW_DIR = ".raw-tokens"  # beside the shards: deleted with them, and shared by every rank and run on the host
+CACHE_DIR = "raymesh/raw-tokens"  # under $XDG_CACHE_HOME (~/.cache): where a read-only data directory's raw file goes
 # A raw token file up to this size is memory-mapped whole (a window is then a gather, as fast as the old in-memory
 # loader); a larger one is read by one pread per window, so that no rank maps more than this of its corpus.
 MAP_LIMIT = 64 << 20
@@ -166,8 +168,13 @@ class RawTokens:
 
     @classmethod
     def build(cls, path: Path, groups: ShardStore, dtype: np.dtype) -> RawTokens:
-        """The raw file of ``groups``' stream at ``path`` (decoded now unless another rank or run has), opened."""
-        path.parent.mkdir(exist_ok=True)
+        """The raw file of ``groups``' stream at ``path`` (decoded now unless another rank or run has), opened.
+
+        One already there is opened without the lock: it only ever appears whole, by rename, so a folder this user
+        may read but not write (where another user's run built it) still serves it."""
+        if path.exists():
+            return cls(path, dtype, len(groups))
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not path.exists():
@@ -210,20 +217,34 @@ class RawTokens:
 
 def open_store(root: Path, manifest: dict) -> ShardStore | RawTokens:
     """The fastest reader ``root`` allows: `RawTokens` for a local directory whose manifest carries checksums and
-    dtype (what names the raw file), else the row-group `ShardStore` (object storage, directories prepared before
-    checksums, or a directory this process cannot write its raw file into)."""
+    dtype (what names the raw file), built beside the shards or in the user's cache (`raw_folders`), else the
+    row-group `ShardStore` (object storage, directories prepared before checksums, or neither folder writable)."""
     groups = ShardStore(root, manifest)  # checks every shard's checksum and footer first, either way
     digests = [shard.get(checksums.FIELD) for shard in manifest["shards"]]
     if is_url(root) or None in digests or "dtype" not in manifest:
         return groups
     key = hashlib.sha256(json.dumps([manifest["dtype"], digests]).encode()).hexdigest()[:32]
-    path = root / RAW_DIR / f"{key}.{manifest['dtype']}"
-    try:
-        return RawTokens.build(path, groups, np.dtype(manifest["dtype"]))
-    except OSError as err:  # a read-only or full file system: still correct, one row-group decode per window
-        log.warning("data loader cannot write %s (%s); reading row groups instead, much slower; fix: make %s "
-                    "writable or give data.path a directory that is", path, err, root)
-        return groups
+    name = f"{key}.{manifest['dtype']}"
+    failures = []
+    for folder in raw_folders(root):
+        try:
+            return RawTokens.build(folder / name, groups, np.dtype(manifest["dtype"]))
+        except OSError as err:  # read-only or full: the next folder, at last the row groups (correct, much slower)
+            failures.append(f"{folder / name} ({err})")
+    log.warning("data loader cannot write %s; reading row groups instead, much slower; fix: make %s writable, or "
+                "set XDG_CACHE_HOME to a writable directory", " nor ".join(failures), root)
+    return groups
+
+
+def raw_folders(root: Path) -> tuple[Path, Path]:
+    """Where the raw file of the prepared directory ``root`` may go, in order: beside the shards (deleted with them,
+    shared by every user's runs), else, for a directory this user cannot write (shared read-only storage), the
+    user's cache, in a folder of its own per directory: the raw file in it is still named by the shards' checksums,
+    and a re-prepared directory's old one is dropped there as beside the shards (`RawTokens.build`)."""
+    resolved = root.resolve()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    per_dir = f"{resolved.name[:64]}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:16]}"
+    return root / RAW_DIR, cache / CACHE_DIR / per_dir
 
 
 def corpus_fingerprint(manifest: dict) -> str:
