@@ -20,7 +20,7 @@ HELDOUT_DIR = "heldout"  # prepare-data --heldout's folder (workers.data.prepare
 
 def _prepare_data(args: argparse.Namespace) -> int:
     from orchestrator.spec import check_writable_dir
-    from workers.data.prepare import default_sources, prepare_data
+    from workers.data.prepare import default_sources, prepare_data, unreadable_message
     from workers.storage import is_url, staged_output
 
     if not is_url(args.out):  # else mkdir's bare "[Errno 17] File exists" names neither --out nor the fix
@@ -41,6 +41,8 @@ def _prepare_data(args: argparse.Namespace) -> int:
     if manifest["total_tokens"] >= args.max_tokens:  # else a corpus past the default limit is cut without a word
         print(f"stopped at --max-tokens {args.max_tokens:,}: the sources may hold more, which was not prepared; "
               "raise --max-tokens to prepare it")
+    if "unreadable" in manifest:  # else the user trains on less than the sources hold without a word
+        print(f"warning: {unreadable_message(manifest['unreadable'])}", file=sys.stderr)
     if "heldout" in manifest:
         out = args.out.rstrip("/")
         print(f"held out {manifest['heldout']['tokens']:,} tokens of {args.heldout:.3g} of the documents in "

@@ -222,3 +222,46 @@ def test_the_cli_says_when_the_token_limit_cut_the_sources(tmp_path: Path, capsy
         assert main(["prepare-data", "--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
                      "--max-tokens", str(limit)]) == 0
         assert ("stopped at --max-tokens" in capsys.readouterr().out) is cut, limit
+
+
+def _unlistable(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``os.walk`` unable to list ``folder``, as for a folder this user may not read (chmod does not stop root,
+    who may run these tests, so the one call os.walk lists a folder with is refused instead)."""
+    import os
+
+    scandir = os.scandir
+
+    def refuse(path=".", *args):
+        if isinstance(path, (str, os.PathLike)) and Path(path) == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path, *args)
+
+    monkeypatch.setattr(os, "scandir", refuse)
+
+
+def test_unreadable_sources_are_counted_and_named_not_skipped_silently(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from orchestrator.cli import main
+
+    src = tmp_path / "src"
+    _write_docs(src)
+    (src / "gone.txt").symlink_to(src / "deleted.txt")  # a broken link: a file that cannot be read
+    assert "unreadable" not in prepare_data([src / "sub"], tmp_path / "readable")
+    _unlistable(src / "sub", monkeypatch)
+    manifest = prepare_data([src], tmp_path / "out")
+    assert manifest["total_tokens"] == len(DOCS["a.txt"])  # sub/'s two files are not in it
+    assert manifest["unreadable"] == {"files": 1, "folders": 1, "first": [
+        f"{src / 'sub'} (Permission denied)", f"{src / 'gone.txt'} (No such file or directory)"]}
+    assert main(["prepare-data", "--source", str(src), "--out", str(tmp_path / "cli")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 source file(s) and 1 folder(s) could not be read and are not in the data" in err
+    assert str(src / "sub") in err and "fix: make them readable" in err
+
+
+def test_sources_that_are_all_unreadable_are_refused_saying_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    (tmp_path / "src").mkdir()
+    _unlistable(tmp_path / "src", monkeypatch)
+    with pytest.raises(ValueError, match=r"no tokens found .* 0 source file\(s\) and 1 folder\(s\) could not be "
+                                         r"read .*src \(Permission denied\); fix: make them readable"):
+        prepare_data([tmp_path / "src"], tmp_path / "out")

@@ -51,34 +51,74 @@ def prepare_small_corpus(prefix: str) -> Path:
     return out
 
 
-def _iter_files(source: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
-    """Matching files under `source` in sorted order; an explicitly named file is always included."""
+class Unreadable:
+    """The source files and folders a prepare could not read (permissions, a broken link, an I/O error).
+
+    Why: one such path should not end a prepare of a large tree, but leaving it out without a word has the user
+    train on less data than they think; so each is counted once (the sources are walked once per pass) and the
+    manifest and the command say how many, naming the first `SHOWN`."""
+
+    SHOWN = 3
+
+    def __init__(self) -> None:
+        self.files: dict[str, str] = {}  # path -> why, in walk order
+        self.folders: dict[str, str] = {}
+
+    def file(self, path: Path, err: OSError) -> None:
+        self.files.setdefault(str(path), err.strerror or str(err))
+
+    def folder(self, err: OSError) -> None:
+        """``os.walk``'s ``onerror``: a folder it could not list, whose files it would otherwise pass over."""
+        self.folders.setdefault(str(err.filename), err.strerror or str(err))
+
+    def record(self) -> dict:
+        """What the manifest keeps (``unreadable``): the counts, and the first paths with why."""
+        first = [f"{path} ({why})" for path, why in [*self.folders.items(), *self.files.items()][:self.SHOWN]]
+        return {"files": len(self.files), "folders": len(self.folders), "first": first}
+
+    def __bool__(self) -> bool:
+        return bool(self.files or self.folders)
+
+
+def unreadable_message(record: dict) -> str:
+    """One line on the sources left out as unreadable (``Unreadable.record``), with the fix."""
+    more = record["files"] + record["folders"] - len(record["first"])
+    return (f"{record['files']} source file(s) and {record['folders']} folder(s) could not be read and are not in "
+            f"the data: {', '.join(record['first'])}{f' and {more} more' if more else ''}; fix: make them readable "
+            "by this user (e.g. `chmod -R a+rX SOURCE`) and prepare again, or leave them out of --source")
+
+
+def _iter_files(source: Path, extensions: tuple[str, ...], unreadable: Unreadable) -> Iterator[Path]:
+    """Matching files under `source` in sorted order; an explicitly named file is always included. A folder that
+    cannot be listed is noted in `unreadable`."""
     if source.is_file():
         yield source
         return
-    for root, dirs, files in os.walk(source):  # does not follow dir symlinks: no cycles
+    for root, dirs, files in os.walk(source, onerror=unreadable.folder):  # does not follow dir symlinks: no cycles
         dirs[:] = sorted(d for d in dirs if d not in PRUNED_DIRS)
         for name in sorted(files):
             if name.endswith(extensions):
                 yield Path(root, name)
 
 
-def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...], eos_byte: int | None = None
-                    ) -> Iterator[bytes]:
+def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...], unreadable: Unreadable,
+                    eos_byte: int | None = None) -> Iterator[bytes]:
     """Each matching file's bytes once, even when sources overlap (a directory and one inside it, a file named
     again): else a document could be trained on twice, or land in training and in the held-out split. A file
-    holding ``eos_byte`` (the bytes tokenizer's end-of-document id) is refused (``_check_no_eos_byte``)."""
+    holding ``eos_byte`` (the bytes tokenizer's end-of-document id) is refused (``_check_no_eos_byte``); one that
+    cannot be read is left out and noted in `unreadable`."""
     seen: set[Path] = set()
     for source in sources:
-        for path in _iter_files(source, extensions):
+        for path in _iter_files(source, extensions, unreadable):
             real = path.resolve()
             if real in seen:
                 continue
             seen.add(real)
             try:
                 data = path.read_bytes()
-            except OSError:
-                continue  # unreadable (permissions, broken link): skip rather than abort the corpus
+            except OSError as err:
+                unreadable.file(path, err)
+                continue
             if eos_byte is not None:
                 _check_no_eos_byte(path, data, eos_byte)
             if data:
@@ -207,18 +247,20 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
     """Everything ``prepare_data`` writes, written into ``staging`` (a BPE's tokenizer.json too, recorded at the
     path it will have in ``out``); returns the manifest, also written there."""
     limit = max_tokens if max_tokens is not None else float("inf")
+    unreadable = Unreadable()
 
     def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None,
                   eos_byte: int | None = None) -> Iterator[bytes]:
-        return _one_side(_iter_documents(paths, exts, eos_byte), heldout, side, passed, upto)
+        return _one_side(_iter_documents(paths, exts, unreadable, eos_byte), heldout, side, passed, upto)
 
     tok = _tokenizer(tokenizer, _bounded(documents(), limit), staging)
     eos_byte = tok.eos_id if isinstance(tok, ByteTokens) else None
     walked = [0]
     shards, total = _write_shards(tok, documents(passed=walked, eos_byte=eos_byte), staging, shard_tokens, limit)
     if total == 0:
+        because = f"; {unreadable_message(unreadable.record())}" if unreadable else ""
         raise ValueError(
-            f"no tokens found in sources {[str(p) for p in paths]} with extensions {list(exts)}"
+            f"no tokens found in sources {[str(p) for p in paths]} with extensions {list(exts)}{because}"
         )
     described = tok.describe()
     if described.get("path") and Path(described["path"]).parent == staging:  # a BPE trained here: out's copy
@@ -232,6 +274,8 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
         "dtype": tok.dtype.name,
         "tokenizer": described,
     }
+    if unreadable:
+        manifest["unreadable"] = unreadable.record()
     if heldout:
         held = _write_heldout(tok, documents(True, upto=walked[0], eos_byte=eos_byte), staging, shard_tokens,
                               manifest, heldout, walked[0])
