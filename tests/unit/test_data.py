@@ -265,3 +265,39 @@ def test_sources_that_are_all_unreadable_are_refused_saying_so(tmp_path: Path, m
     with pytest.raises(ValueError, match=r"no tokens found .* 0 source file\(s\) and 1 folder\(s\) could not be "
                                          r"read .*src \(Permission denied\); fix: make them readable"):
         prepare_data([tmp_path / "src"], tmp_path / "out")
+
+
+def test_a_prepare_removes_the_staging_a_killed_prepare_left_and_no_other_folder(tmp_path: Path) -> None:
+    """A prepare SIGKILLed while writing leaves its hidden staging folder in --out; the next prepare there removes
+    it, and leaves every folder it cannot prove dead: a running prepare's, another host's (its pids are not this
+    host's), one named before staging folders carried a pid, and the user's own."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    from workers import orphans
+
+    out = tmp_path / "out"
+    out.mkdir()
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal; from pathlib import Path; from workers.data.prepare import _staged\n"
+        f"with _staged(Path({str(out)!r}), False) as staging:\n"
+        "    (staging / 'shard-00000.parquet').write_bytes(b'half')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = out.glob(".prepare-*")
+    dead = left.name.removeprefix(".prepare-").split("@")[0]  # the killed prepare's pid
+    kept = [Path(tempfile.mkdtemp(prefix=orphans.owned_prefix(".prepare-"), dir=out)),  # running: this process
+            out / f".prepare-{dead}@not-{socket.gethostname()}-x1",
+            out / ".prepare-k3j2h1g0", out / ".prepare-notes"]
+    for folder in kept[1:]:
+        folder.mkdir()
+    src = tmp_path / "src"
+    _write_docs(src)
+    prepare_data([src], out)
+    assert not left.exists() and all(folder.is_dir() for folder in kept)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["manifest.json",
+                                                                                  "shard-00000.parquet"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -22,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from workers import orphans
 from workers.data import checksums
 from workers.data.tokenizer import TOKENIZER_FILE, ByteTokens, bpe_size, load_tokenizer, train_bpe
 
@@ -30,10 +32,12 @@ FORMAT = "raymesh-bytes-v1"  # kept for every tokenizer: ids carry their type in
 # ~25 ms), and a corpus of 1e9 tokens still has only 61 Ki groups to index.
 ROW_GROUP_ROWS = 16_384
 DEFAULT_EXTENSIONS = (".py", ".txt", ".md", ".rst")
+STAGING_PREFIX = ".prepare-"  # the hidden folder inside --out a prepare writes into before swapping it in
 HELDOUT_DIR = "heldout"  # `--heldout`'s documents, a prepared directory of their own inside the training one
 # Third-party installs nested in a tree (e.g. the stdlib's site-packages) would make the
 # corpus depend on what happens to be installed; a source that *is* such a dir still works.
 PRUNED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+log = logging.getLogger(__name__)
 
 
 def default_sources() -> list[Path]:
@@ -303,8 +307,12 @@ def _made_for(out: Path) -> Iterator[None]:
 def _staged(out: Path, drop_heldout: bool) -> Iterator[Path]:
     """A staging folder inside ``out`` for everything a prepare writes, swapped in (``_swap_in``) when the block
     ends without an error and removed either way: nothing in ``out`` is touched until the new data is complete,
-    so a failed or interrupted prepare leaves the earlier dataset whole."""
-    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+    so a failed or interrupted prepare leaves the earlier dataset whole. A prepare killed hard (SIGKILL, SIGTERM)
+    runs no clean-up, so the staging folders such a prepare left in ``out`` are removed first (``workers.orphans``:
+    named with their maker's pid and host, removed only once it is gone)."""
+    for stale in orphans.remove_orphans(out, STAGING_PREFIX):
+        log.info("removed %s, left by a prepare that was killed", stale)
+    staging = Path(tempfile.mkdtemp(prefix=orphans.owned_prefix(STAGING_PREFIX), dir=out))
     try:
         yield staging
         _swap_in(staging, out, drop_heldout)

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workers import orphans
 from workers.offload.host_memory import release_freed_buffers
 
 TIERS = ("cpu", "nvme")
@@ -48,25 +49,7 @@ ORPHAN_PREFIX = "raymesh-offload-"
 def remove_orphans(root: str | Path | None) -> list[Path]:
     """Delete offload directories under ``root`` whose owning process is gone (a SIGKILLed rank skips the
     store's own clean-up); returns them. A directory whose pid is alive, or reused, is left alone."""
-    root = Path(root or tempfile.gettempdir())
-    removed = []
-    for child in root.glob(f"{ORPHAN_PREFIX}*-*") if root.is_dir() else []:
-        pid = child.name[len(ORPHAN_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        shutil.rmtree(child, ignore_errors=True)
-        removed.append(child)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return orphans.remove_orphans(Path(root or tempfile.gettempdir()), ORPHAN_PREFIX)
 
 
 class OffloadSpaceError(OSError):
@@ -95,7 +78,7 @@ class OffloadStore:
             root = Path(path or tempfile.gettempdir())
             root.mkdir(parents=True, exist_ok=True)
             # the pid in the name lets a later rank on this node remove it should this process be SIGKILLed
-            self._dir = Path(tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=root))
+            self._dir = Path(tempfile.mkdtemp(prefix=orphans.owned_prefix(ORPHAN_PREFIX), dir=root))
             # the files go with the store, or at the latest when the rank's process exits
             self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._files: dict[str, Path] = {}
