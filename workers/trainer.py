@@ -161,7 +161,8 @@ class Trainer:
         cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp,
                             cp_rank=self.coords.cp, cp_size=par.grid.cp)
         named = [z.module() for z in self.zero1] or None
-        return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload, named)
+        return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload, named,
+                          self.parts.expert_mesh)
 
     # -- one step -------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""Expert parallelism without processes: replica peers, spec checks, local experts' initial rows, per-expert keys,
-the planner's share of the experts and the layout picker's ep."""
+"""Expert parallelism without processes: replica peers, spec checks, local experts' initial rows, which stacks a
+checkpoint saves whole, the planner's share of the experts and the layout picker's ep."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from workers.model.moe import Experts
 from workers.model.registry import family
 from workers.parallel.expert_parallel import experts_modules, keep_rows
 from workers.parallel.grid import Grid
-from workers.state import expert_keys
+from workers.state import expert_stacks
 
 MOE_CFG = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, seq_len=8, moe={"experts": 4})
 
@@ -81,17 +81,14 @@ def test_each_rank_materialises_its_rows_of_the_full_expert_stack():
     assert any(isinstance(m, Experts) and m.num_local == 2 for m in part.modules())
 
 
-def test_per_expert_keys_carry_global_ids_and_join_back():
+def test_checkpoints_save_every_split_expert_stack_at_its_global_expert_count():
+    """Each stacked weight an ep rank holds rows of is named with the full stack's expert count (DCP's global
+    shape); at ep=1 nothing is split, so nothing is re-placed."""
     part = _local_model(1, 2)
-    experts = expert_keys.sharded_experts([part])
-    assert set(experts.values()) == {2}
-    state = {k: v.detach() for k, v in part.state_dict().items()}
-    split = expert_keys.split(state, experts)
-    weight = next(iter(experts))
-    assert sorted(k for k in split if k.startswith(weight)) == [f"{weight}.expert2", f"{weight}.expert3"]
-    assert torch.equal(split[f"{weight}.expert3"], state[weight][1])
-    joined = expert_keys.join(split, state, experts)
-    assert joined.keys() == state.keys() and all(torch.equal(joined[k], state[k]) for k in state)
+    stacks = expert_stacks.sharded_experts([part])
+    assert stacks and set(stacks.values()) == {4}
+    assert all(part.get_parameter(name).shape[0] == 2 for name in stacks)
+    assert expert_stacks.sharded_experts([_local_model(0, 1)]) == {}
 
 
 def _moe_plan(**parallel: Any) -> JobSpec:

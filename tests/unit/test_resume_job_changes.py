@@ -149,3 +149,23 @@ def test_the_layer_check_reads_every_stages_keys_and_one_process_loads_are_check
         with pytest.raises(UnknownWeights, match=r"--set model.n_layers=4"):
             load_dcp_model(build_model(ModelConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=32)),
                            tmp_path / "ckpt")
+
+
+def test_a_checkpoint_keeping_experts_one_key_per_expert_is_refused_naming_them(tmp_path):
+    """Expert-parallel saves once split each expert stack into ``<weight>.expert<e>`` keys, which no layout reads
+    now that stacks are saved whole: refused in one line naming them, not DCP's "Missing key" per rank."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from workers.state.known_weights import UnknownWeights, load_known
+
+    weight = "layers.0.feed_forward.experts.w1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's warnings about one process
+        dcp.save({"model": {f"{weight}.expert{e}": torch.ones(3, 2) for e in range(2)}},
+                 checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+        with pytest.raises(UnknownWeights, match=rf"keeps its experts one key per expert \({weight}\.expert0, "
+                                                 rf"{weight}\.expert1\).*fix: resume it with the raymesh version"):
+            load_known({"model": {weight: torch.zeros(2, 3, 2)}}, tmp_path / "ckpt", [weight], no_dist=True)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 MODEL = "model."  # DCP's flattened prefix of the model's entries
 SHOWN = 3  # extra keys named in the refusal
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.expert\d+$")  # workers.state.expert_keys: per-expert rows, which DCP reshards over ep
+_PER_EXPERT = re.compile(r"\.expert\d+$")  # expert-parallel saves before experts were saved as whole stacks
 
 
 class UnknownWeights(ValueError):
@@ -37,13 +37,18 @@ def layer_count(names: Iterable[str]) -> int:
 def unknown(saved: Iterable[str], known: Iterable[str]) -> list[str]:
     """The checkpoint's model keys (``saved``, DCP's flattened names) that no name in ``known`` (the model's state
     dict keys) reads, without the ``model.`` prefix and in order."""
-    known = {_EXPERT.sub("", name) for name in known}
-    return sorted(key[len(MODEL):] for key in saved
-                  if key.startswith(MODEL) and _EXPERT.sub("", key[len(MODEL):]) not in known)
+    known = set(known)
+    return sorted(key[len(MODEL):] for key in saved if key.startswith(MODEL) and key[len(MODEL):] not in known)
 
 
 def refusal(checkpoint: str | Path, extra: list[str], saved_layers: int, job_layers: int) -> str:
     """The one-line refusal: a few of the extra keys, the layer counts and the fix."""
+    per_expert = [key for key in extra if _PER_EXPERT.search(key)]
+    if per_expert:
+        return (f"checkpoint {checkpoint} keeps its experts one key per expert ({', '.join(per_expert[:SHOWN])}), "
+                "as expert-parallel saves of an older raymesh did; this one reads each expert stack whole "
+                "(workers/state/expert_stacks.py); fix: resume it with the raymesh version that saved it, or start "
+                "a fresh run in another run_dir or checkpoint.dir")
     more = f" and {len(extra) - SHOWN} more" if len(extra) > SHOWN else ""
     fix = (f"load it with the job file it was trained with (--set model.n_layers={saved_layers})"
            if saved_layers > job_layers else "load it with the job file (model section) it was trained with")

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from workers.parallel.data_parallel import unwrap
-from workers.state import expert_keys
+from workers.state import expert_stacks
 
 # flattened optimizer keys (``state.<fqn>.exp_avg``) merge across stage parts, and each part
 # takes only its own keys back
@@ -41,11 +41,13 @@ class TrainState:
     ``param_offload`` (or None) is the store that holds offloaded parameter shards; ``resident`` brings
     them back to the device around a read or write of the state. ``optim_modules`` name, per part, what its
     optimizer steps: the part itself (the default), or under ZeRO-1 this rank's slices of its parameters
-    (``DistributedOptimizer.module``), saved under the same names.
+    (``DistributedOptimizer.module``), saved under the same names. ``expert_mesh`` (expert parallelism's
+    ``edp × ep × position`` mesh, None at ep=1) places this rank's experts in their full stacks for checkpoints.
     """
 
     def __init__(self, modules: list[nn.Module], optimizers: list, schedulers: list, cursor,
-                 scaler=None, param_offload=None, optim_modules: list[nn.Module] | None = None):
+                 scaler=None, param_offload=None, optim_modules: list[nn.Module] | None = None,
+                 expert_mesh=None):
         self.modules = modules
         self.optim_modules = optim_modules or [unwrap(m) for m in modules]
         self.optimizers = optimizers
@@ -60,7 +62,8 @@ class TrainState:
         # a rank's compression state outside the optimizer: parameter-server top-k's error feedback (``PSSync``) or
         # ZeRO-0 compression's (``CompressionFeedback``); state_dict() and load_state_dict(), or None
         self.wire_feedback = None
-        self.experts = expert_keys.sharded_experts(unwrap(m) for m in modules)  # empty unless ep > 1
+        self.experts = expert_stacks.sharded_experts(unwrap(m) for m in modules)  # empty unless ep > 1
+        self.expert_mesh = expert_mesh
 
     def resident(self, write_back: bool = True):
         """Offloaded parameter shards back on the device for the block; ``write_back`` False where the block
@@ -102,10 +105,12 @@ class TrainState:
 
     def state_dict(self) -> dict:
         """Model and optimizer state keyed by global names, plus progress (call inside ``resident``); experts
-        split over ep ranks are keyed one per expert (``workers.state.expert_keys``)."""
+        split over ep ranks are handed to DCP as their full stacks (``workers.state.expert_stacks``), so any ep reads
+        them."""
         model, optim = self._model_and_optim()
         if self.experts:
-            model, optim = expert_keys.split(model, self.experts), expert_keys.split(optim, self.experts)
+            model = expert_stacks.whole(model, self.experts, self.expert_mesh)
+            optim = expert_stacks.whole(optim, self.experts, self.expert_mesh)
         out = {"model": model, "optim": optim, "train": self.progress_state()}
         if self.weight_versions is not None:
             out["weight_versions"] = self.weight_versions.state_dict()
@@ -118,8 +123,8 @@ class TrainState:
         model, optim = state["model"], state["optim"]
         if self.experts:
             like_model, like_optim = self._model_and_optim()
-            model = expert_keys.join(model, like_model, self.experts)
-            optim = expert_keys.join(optim, like_optim, self.experts)
+            model = expert_stacks.held(model, like_model, self.experts)
+            optim = expert_stacks.held(optim, like_optim, self.experts)
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
             set_model_state_dict(unwrap(part), model, options=_OPTIONS)
             job_groups = _hyperparameters(opt)
