@@ -30,6 +30,7 @@ from parameter_server.client import UNAVAILABLE_RETRY_S
 from parameter_server.clocks import ClockKeeper
 from parameter_server.errors import CertificateRefused
 from parameter_server.grpc_service import check_handshake
+from parameter_server.reader import write_routes
 from parameter_server.ring import HashRing, layout_keys
 from parameter_server.shard import PSShard
 from parameter_server.tls import read_pair
@@ -145,7 +146,7 @@ class PSShards:
                   "token": self.token.source}
         if self.tls is not None:  # the wire is TLS: the reader trusts this file (or RAYMESH_TLS_CA)
             routes["tls_cert"] = self.ps.tls_cert
-        (self.run_dir / "ps_routes.json").write_text(json.dumps(routes, indent=2))
+        write_routes(self.run_dir, routes)
 
     def route(self, shard: int) -> dict:
         return {"handle": self.handles[shard], "address": self.addresses[shard], "token": self.token.value,
