@@ -91,22 +91,33 @@ def client_token(source: str | None) -> str:
                           f"fix: copy its content into {TOKEN_ENV} on this machine")
 
 
+_TOKEN_RISK = "could choose the token or a file to chmod"
+
+
 def read_secret(path: str | Path, fix: str, mode: int | None = None) -> str:
     """The token in ``path``, which must be a regular file of this user's with one name: a link planted there by
     someone who may write the directory would let them choose the token (a file whose content they know) or have
-    ``mode`` set on a file of the user's. Checked, chmod-ed and read through one descriptor opened without
-    following a link, so nothing can be swapped in between. ``PermissionError`` naming the path, the problem and
-    ``fix`` otherwise."""
+    ``mode`` set on a file of the user's. ``PermissionError`` naming the path, the problem and ``fix`` otherwise
+    (``read_own_file``)."""
+    return read_own_file(path, "token file", _TOKEN_RISK, fix, mode)
+
+
+def read_own_file(path: str | Path, what: str, risk: str, fix: str, mode: int | None = None,
+                  others_may_write: bool = True) -> str:
+    """The text of ``path`` (a ``what``), a regular file of this user's with one name and, unless
+    ``others_may_write``, writable by this user alone: else whoever may write it or its directory ``risk``.
+    Checked, chmod-ed to ``mode`` and read through one descriptor opened without following a link, so nothing can
+    be swapped in between. ``PermissionError`` naming the path, the problem and ``fix`` otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # NONBLOCK: a FIFO's open
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW's refusal of a link (EMLINK on FreeBSD)
             raise
-        raise PermissionError(_unsafe(path, "is a symbolic link", fix)) from None
+        raise PermissionError(_unsafe(path, what, "is a symbolic link", risk, fix)) from None
     try:
-        problem = _problem(os.fstat(fd))
+        problem = _problem(os.fstat(fd), others_may_write)
         if problem:
-            raise PermissionError(_unsafe(path, problem, fix))
+            raise PermissionError(_unsafe(path, what, problem, risk, fix))
         if mode is not None:
             os.fchmod(fd, mode)
         with open(fd, closefd=False) as f:
@@ -115,20 +126,22 @@ def read_secret(path: str | Path, fix: str, mode: int | None = None) -> str:
         os.close(fd)
 
 
-def _problem(info: os.stat_result) -> str | None:
-    """What makes the opened file unfit to hold a token, None when nothing does."""
+def _problem(info: os.stat_result, others_may_write: bool) -> str | None:
+    """What makes the opened file unfit to be trusted, None when nothing does."""
     if not stat.S_ISREG(info.st_mode):
         return "is not a regular file"
     if info.st_uid != os.geteuid():
         return f"belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
     if info.st_nlink != 1:
         return f"has {info.st_nlink} names (hard links)"
+    if not others_may_write and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"may be written by its group or others (mode {stat.S_IMODE(info.st_mode):o})"
     return None
 
 
-def _unsafe(path: str | Path, problem: str, fix: str) -> str:
-    return (f"the token file {path} {problem}; a token file must be a regular file of this user's with one name, "
-            f"else whoever may write its directory could choose the token or a file to chmod; fix: {fix}")
+def _unsafe(path: str | Path, what: str, problem: str, risk: str, fix: str) -> str:
+    return (f"the {what} {path} {problem}; a {what} must be a regular file of this user's with one name, else "
+            f"whoever may write its directory {risk}; fix: {fix}")
 
 
 def ray_token_auth_on() -> bool:

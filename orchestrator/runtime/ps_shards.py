@@ -13,8 +13,10 @@ every worker is told to use it again. ``kill_ps_shard`` faults are armed here.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import ray
 import torch
@@ -28,6 +30,7 @@ from parameter_server.client import UNAVAILABLE_RETRY_S
 from parameter_server.clocks import ClockKeeper
 from parameter_server.errors import CertificateRefused
 from parameter_server.grpc_service import check_handshake
+from parameter_server.reader import write_routes
 from parameter_server.ring import HashRing, layout_keys
 from parameter_server.shard import PSShard
 from parameter_server.tls import read_pair
@@ -143,7 +146,7 @@ class PSShards:
                   "token": self.token.source}
         if self.tls is not None:  # the wire is TLS: the reader trusts this file (or RAYMESH_TLS_CA)
             routes["tls_cert"] = self.ps.tls_cert
-        (self.run_dir / "ps_routes.json").write_text(json.dumps(routes, indent=2))
+        write_routes(self.run_dir, routes)
 
     def route(self, shard: int) -> dict:
         return {"handle": self.handles[shard], "address": self.addresses[shard], "token": self.token.value,
@@ -332,12 +335,11 @@ class PSShards:
             raise RuntimeError(message)
 
     def _snapshot_versions(self, shards: list[int]) -> dict[int, int | None]:
-        """The version each shard's latest disk snapshot holds (None: it has none); memory-mapped, so a shard file
-        of many GB is not read to learn one integer."""
+        """The version each shard's latest disk snapshot holds (None: it has none, or none that reads as one);
+        memory-mapped, so a shard file of many GB is not read to learn one integer."""
         out = {}
         for shard in shards:
-            path = self.run_dir / "ps" / f"shard-{shard}.pt"
-            version = int(torch.load(path, mmap=True, weights_only=False)["version"]) if path.is_file() else None
+            version = _snapshot_version(self.run_dir / "ps" / f"shard-{shard}.pt")
             # bsp counts steps; asp/ssp count pushes, one per worker (stage of a replica) per local step
             pushers = self.spec.parallel.dp * self.spec.parallel.pp
             out[shard] = version // pushers if version is not None and self.keeper else version
@@ -417,6 +419,19 @@ class PSShards:
     def stop(self) -> None:
         for h in self.handles + ([self.keeper] if self.keeper is not None else []):
             ray.kill(h)
+
+
+def _snapshot_version(path: Path) -> int | None:
+    """The version in the shard snapshot at ``path``, None when there is none. Read as tensors and plain values
+    only (``weights_only``): the file lies in the run directory, and a full unpickle would run whatever code a
+    file planted there names, in the controller. One that does not read so (planted, half written) counts as
+    no snapshot, so the lost-keys message still names what is lost."""
+    if not path.is_file():
+        return None
+    try:
+        return int(torch.load(path, mmap=True, weights_only=True)["version"])
+    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError):
+        return None
 
 
 def ping_shards(handles: list) -> list[bool]:

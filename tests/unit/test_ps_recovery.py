@@ -14,7 +14,7 @@ import torch
 
 from orchestrator.runtime import ps_shards
 from orchestrator.runtime.ps_shards import lost_updates, ping_shards
-from parameter_server import client, clocks
+from parameter_server import client, clocks, optimizers
 from parameter_server.client import _RayFuture
 from parameter_server.clocks import LOST, ClockKeeper
 from parameter_server.errors import ShardDown
@@ -264,3 +264,31 @@ def test_losing_both_holders_of_keys_names_them_and_the_steps_lost():
     assert "fix: resume from the latest checkpoint" in message
     assert "steps 1 to 7 (no disk snapshot holds them)" in lost_updates(ring, 10, layout, [0, 2], {}, step=7)
     assert lost_updates(ring, 10, layout, [1], {}, step=7) == ""
+
+
+class _Planted:
+    """What someone who may write the run directory leaves as a shard snapshot: unpickling it runs ``touch``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (type(self.marker).touch, (self.marker,))
+
+
+def test_a_snapshot_is_read_as_tensors_only_so_a_planted_one_runs_no_code(tmp_path):
+    """Before: the controller read each dead shard's snapshot with ``weights_only=False``, so a pickle planted in
+    ``run_dir/ps`` ran its code in the controller when two shards were lost. A real snapshot still gives its step."""
+    (tmp_path / "ps").mkdir()
+    shard = PSShard(0, "bsp", ADAMW, 1, [1e-2] * 4)
+    shard.register({"w#0": torch.ones(3)}, {"w": {"shape": [3], "dtype": "float32"}})
+    optimizers.step(shard.opts["w#0"], torch.ones(3), 1e-2)  # AdamW's state too: a snapshot's whole content
+    shard.version = 3
+    shard.save(str(tmp_path / "ps" / "shard-0.pt"))
+    marker = tmp_path / "ran"
+    torch.save({"version": _Planted(marker)}, tmp_path / "ps" / "shard-1.pt")
+    shards = ps_shards.PSShards.__new__(ps_shards.PSShards)
+    shards.run_dir, shards.keeper = tmp_path, None
+    shards.spec = SimpleNamespace(parallel=SimpleNamespace(dp=1, pp=1))
+    assert shards._snapshot_versions([0, 1, 2]) == {0: 3, 1: None, 2: None}
+    assert not marker.exists()

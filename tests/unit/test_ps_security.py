@@ -4,8 +4,9 @@ shapes, finiteness checked before any state changes; waits end at the caller's d
 
 from __future__ import annotations
 
-import json
+import os
 import random
+import stat
 import threading
 import time
 
@@ -14,11 +15,11 @@ import pytest
 import torch
 
 from orchestrator.spec import load_spec
-from parameter_server.auth import TOKEN_ENV, call_metadata
+from parameter_server.auth import TOKEN_ENV, TOKEN_FILE, call_metadata
 from parameter_server.errors import CertificateRefused, ShardDown
 from parameter_server.grpc_service import GrpcConn, check_handshake, serve
 from parameter_server.proto import ps_pb2, ps_pb2_grpc
-from parameter_server.reader import pull_parameters
+from parameter_server.reader import ROUTES_FILE, pull_parameters, read_routes, write_routes
 from parameter_server.shard import PSShard
 from parameter_server.tls import TLS_CA_ENV, read_pair
 from parameter_server.wire import to_msg
@@ -287,10 +288,16 @@ def pems():
 def tls_start(pems):
     """A bsp shard serving TLS only with the first certificate, registered over TLS."""
     cert, key, _ = pems
+    return start_with_layout((cert, key))
+
+
+def start_with_layout(tls=None):
+    """A bsp shard holding a whole layout (what an outside reader reads), TLS only with ``tls``."""
     shard = PSShard(0, "bsp", SGD, 2, LRS, 0.0)
-    endpoint = serve(shard, "127.0.0.1", TOKEN, tls=(cert, key))
+    endpoint = serve(shard, "127.0.0.1", TOKEN, tls=tls)
     layout = {"w": {"shape": [4, 3], "dtype": "float32"}, "b": {"shape": [3], "dtype": "float32"}}
-    GrpcConn(endpoint.address, TOKEN, cert).register({"w#0": torch.ones(4, 3), "b#0": torch.zeros(3)}, layout).result()
+    root = tls[0] if tls else None
+    GrpcConn(endpoint.address, TOKEN, root).register({"w#0": torch.ones(4, 3), "b#0": torch.zeros(3)}, layout).result()
     return shard, endpoint
 
 
@@ -318,12 +325,12 @@ def test_the_outside_reader_dials_tls_as_the_routes_file_says(pems, tmp_path, mo
     cert, _, other = pems
     _shard, endpoint = tls_start(pems)
     try:
-        (tmp_path / "token").write_text(TOKEN)
+        (tmp_path / TOKEN_FILE).write_text(TOKEN)
         (tmp_path / "tls.pem").write_bytes(cert)
         (tmp_path / "other.pem").write_bytes(other)
-        routes = tmp_path / "ps_routes.json"  # as PSShards._write_routes writes it for a TLS wire
-        routes.write_text(json.dumps({"addresses": [endpoint.address], "vnodes": 16, "chunk_elems": 1 << 16,
-                                      "token": str(tmp_path / "token"), "tls_cert": str(tmp_path / "tls.pem")}))
+        routes = tmp_path / ROUTES_FILE  # as PSShards._write_routes writes it for a TLS wire
+        write_routes(tmp_path, {"addresses": [endpoint.address], "vnodes": 16, "chunk_elems": 1 << 16,
+                                "token": str(tmp_path / TOKEN_FILE), "tls_cert": str(tmp_path / "tls.pem")})
         monkeypatch.delenv(TOKEN_ENV, raising=False)
         monkeypatch.delenv(TLS_CA_ENV, raising=False)
         assert torch.equal(pull_parameters(routes)["w"], torch.ones(4, 3))
@@ -335,6 +342,62 @@ def test_the_outside_reader_dials_tls_as_the_routes_file_says(pems, tmp_path, mo
             pull_parameters(routes)
     finally:
         endpoint.server.stop(0)
+
+
+def test_the_reader_sends_the_token_beside_the_routes_file_never_a_file_they_name(tmp_path, monkeypatch):
+    """Before: the reader read whatever path the routes file's ``token`` named (any one-line file of the user's,
+    e.g. a cloud credential) and sent its content as the bearer token to the addresses the file names."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    _shard, endpoint = start_with_layout()
+    try:
+        (tmp_path / TOKEN_FILE).write_text(TOKEN)
+        (tmp_path / "credential").write_text("someone-elses-secret")
+        write_routes(tmp_path, {"addresses": [endpoint.address], "vnodes": 16, "chunk_elems": 1 << 16,
+                                "token": str(tmp_path / "credential")})
+        assert torch.equal(pull_parameters(tmp_path / ROUTES_FILE)["w"], torch.ones(4, 3))
+    finally:
+        endpoint.server.stop(0)
+
+
+def _tamper(kind: str, routes, monkeypatch) -> None:
+    """What someone else leaves of the routes file: it then points the reader (and its token) where they like."""
+    if kind == "symlink":
+        routes.rename(routes.with_name("theirs.json"))
+        routes.symlink_to(routes.with_name("theirs.json"))
+    elif kind == "another user's file":
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    else:
+        routes.chmod({"group-writable": 0o664, "world-writable": 0o646}[kind])
+
+
+@pytest.mark.parametrize("kind", ["group-writable", "world-writable", "another user's file", "symlink"])
+def test_a_routes_file_someone_else_may_change_is_refused_before_any_call(tmp_path, monkeypatch, kind):
+    """Before: the reader trusted any routes file, so whoever could write it sent the reader, and the job's token
+    (or Ray's cluster token), to an address of theirs."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    (tmp_path / TOKEN_FILE).write_text(TOKEN)
+    write_routes(tmp_path, {"addresses": ["127.0.0.1:1"], "vnodes": 16, "chunk_elems": 1 << 16,
+                            "token": str(tmp_path / TOKEN_FILE)})
+    routes = tmp_path / ROUTES_FILE
+    _tamper(kind, routes, monkeypatch)
+    with pytest.raises(PermissionError, match=f"routes file {routes} .*; fix: read the one the job's controller"):
+        pull_parameters(routes)  # refused before dialling: nothing listens at 127.0.0.1:1 (ShardDown otherwise)
+
+
+def test_routes_are_written_for_the_user_alone_to_change_whatever_the_umask(tmp_path):
+    """Under a umask of 002 (user-private groups) a plain write left the file group-writable; a link planted at
+    its name is replaced, its target left alone."""
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    (tmp_path / ROUTES_FILE).symlink_to(victim)
+    old = os.umask(0o002)
+    try:
+        write_routes(tmp_path, {"addresses": ["127.0.0.1:5"]})
+    finally:
+        os.umask(old)
+    routes = tmp_path / ROUTES_FILE
+    assert not routes.is_symlink() and stat.S_IMODE(routes.stat().st_mode) == 0o644 and victim.read_text() == "mine"
+    assert read_routes(routes) == {"addresses": ["127.0.0.1:5"]}
 
 
 def test_a_certificate_that_does_not_name_the_shards_address_is_refused_naming_the_field_and_address():
