@@ -165,9 +165,8 @@ def _mesh(device: torch.device, shape: tuple[int, ...], dims: tuple[str, ...], t
     return mesh
 
 
-def mesh_in_order(root: DeviceMesh, dims: tuple[str, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
-    """The sub-mesh of ``root`` over ``dims`` in the order given (named ``names``, default ``dims``), on the root's
-    own groups.
+def mesh_in_order(root: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """The sub-mesh of ``root`` over ``dims`` in the order given, on the root's own groups.
 
     ``root[dims]`` refuses dims out of the root's order, and a DTensor's placements shard left to right over its
     mesh dims: a tensor split first over an inner dim of the root (an ep rank's expert rows of the full stack,
@@ -176,7 +175,7 @@ def mesh_in_order(root: DeviceMesh, dims: tuple[str, ...], names: tuple[str, ...
     ascending = tuple(sorted(dims, key=root.mesh_dim_names.index))
     ranks = root[ascending].mesh.permute(*(ascending.index(d) for d in dims))
     groups = [root[d].get_group() for d in dims]
-    return DeviceMesh.from_group(groups, root.device_type, mesh=ranks, mesh_dim_names=names or dims)
+    return DeviceMesh.from_group(groups, root.device_type, mesh=ranks, mesh_dim_names=dims)
 
 
 DP_CP = "dp_cp"
