@@ -222,8 +222,8 @@ def check_settings_without_their_feature(job: JobSpec) -> None:
     parallelism, ``initial_loss_scale`` without fp16's loss scaling. The asynchronous schedules refuse pp=1 in
     ``check_async_pipeline``, naming what they need. Likewise settings of the offload store, the Prometheus
     endpoint, the held-out loss and the optimizer (``workers/optim/build.py`` reads ``momentum`` for
-    sgd and sm3 only, ``betas`` for the Adam family only; ``min_lr_ratio`` is the cosine schedule's floor) when
-    the job runs none of them."""
+    sgd and sm3 only, ``betas`` for the Adam family only; ``min_lr_ratio`` is the decaying schedules' floor,
+    ``decay_steps``/``decay_ratio``/``decay_shape`` wsd's decay) when the job runs none of them."""
     p, pr = job.parallel, job.precision
     inert = [*_inert_settings(job),   # (field, value, ignored, what it sets and why this job has none, fix)
         ("parallel.pp_schedule", p.pp_schedule, p.pp == 1 and p.pp_schedule not in ASYNC,
@@ -263,8 +263,12 @@ def _inert_settings(job: JobSpec) -> list[tuple]:
         ("optim.betas", list(o.betas), local and o.name in ("sgd", "sm3", "adafactor"), "are the Adam family's "
          f"moment decays, and optim.name {o.name!r} does not read them", "remove optim.betas (sgd and sm3 take "
          "optim.momentum)"),
-        ("optim.min_lr_ratio", o.min_lr_ratio, o.schedule == "constant", "is the floor the cosine schedule decays "
-         "to, and optim.schedule is constant", "set optim.schedule: cosine, or remove optim.min_lr_ratio"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, o.schedule == "constant", "is the floor the cosine, linear and wsd "
+         "schedules decay to, and optim.schedule is constant", "set optim.schedule: cosine (or linear, wsd), or "
+         "remove optim.min_lr_ratio"),
+        *[(f"optim.{k}", getattr(o, k), o.schedule != "wsd", f"shapes the wsd schedule's decay, and optim.schedule "
+           f"is {o.schedule}", f"set optim.schedule: wsd, or remove optim.{k}")
+          for k in ("decay_steps", "decay_ratio", "decay_shape")],
     ]
 
 

@@ -176,11 +176,25 @@ class OptimSpec(_Section):
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     grad_clip: Annotated[float, Field(ge=0)] = 1.0  # 0 disables clipping
     warmup_steps: Annotated[int, Field(ge=0)] = 0
-    schedule: Literal["constant", "cosine"] = "constant"
+    # after warm-up: constant; cosine or linear decay to min_lr_ratio at train.steps; wsd: constant, then the last
+    # decay_steps (or decay_ratio of train.steps) decay to min_lr_ratio in decay_shape (workers/optim/build.py)
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    decay_steps: PositiveInt | None = None  # wsd: the decay's length in steps (instead of decay_ratio)
+    decay_ratio: Annotated[float, Field(gt=0, le=1)] = 0.1  # wsd: the decay's share of train.steps
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"  # wsd: the decay's curve
     # PyTorch's kernels for the update: auto (fused for adam/adamw/sgd on CUDA, else PyTorch's default),
     # fused, foreach or for_loop (workers/optim/implementations.py)
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_decay_length(self) -> OptimSpec:
+        """``decay_steps`` and ``decay_ratio`` both size wsd's decay: with both, one would be ignored."""
+        if self.decay_steps is not None and "decay_ratio" in self.model_fields_set:
+            raise SpecError("optim.decay_ratio", self.decay_ratio, f"and optim.decay_steps {self.decay_steps} both "
+                            "set the length of wsd's decay", "keep one of them (decay_steps counts steps, "
+                            "decay_ratio is a share of train.steps)")
+        return self
 
 
 class PrecisionSpec(_Section):

@@ -47,19 +47,45 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
     return OPTIMIZERS[name](params, **kwargs)
 
 
+# a decay's curve: the share of (1 - min_lr_ratio) left at progress p in [0, 1]
+DECAY_SHAPES = {"cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)), "linear": lambda p: 1 - p,
+                "1-sqrt": lambda p: 1 - math.sqrt(p)}
+
+
 def lr_lambda(optim: dict, total_steps: int):
-    """Linear warmup, then constant or cosine decay to ``min_lr_ratio``."""
-    warmup, floor = optim["warmup_steps"], optim["min_lr_ratio"]
+    """The factor of ``optim.lr`` at each step (0-based): linear warmup over ``warmup_steps``, then ``schedule``:
+    constant, or a decay to ``min_lr_ratio`` at ``total_steps`` (cosine, linear; wsd holds 1 until its decay
+    window, ``decay_window``, then decays in ``decay_shape``).
+
+    Computed from the step alone, with ``total_steps`` the job's ``train.steps``: a ``--resume`` continues the
+    saved position exactly, and one with a longer ``train.steps`` stretches the decay to the new end from there.
+    """
+    warmup, floor, schedule = optim["warmup_steps"], optim["min_lr_ratio"], optim["schedule"]
+    start, length = decay_window(optim, total_steps)
+    shape = DECAY_SHAPES.get(optim["decay_shape"] if schedule == "wsd" else schedule)  # None: constant
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if optim["schedule"] == "constant":
+        if shape is None:
             return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        progress = min(1.0, max(0.0, (step - start) / length))
+        return floor + (1 - floor) * shape(progress)
 
     return factor
+
+
+def decay_window(optim: dict, total_steps: int) -> tuple[int, int]:
+    """``(first step, length)`` of the decay: every step after warm-up for cosine and linear; wsd's last
+    ``decay_steps`` (else ``decay_ratio`` of ``total_steps``), cut to the steps after warm-up rather than refused,
+    as a smoke run of a long job (``--set train.steps=3``) must still start (torchtitan cuts it the same way)."""
+    warmup = optim["warmup_steps"]
+    after = max(1, total_steps - warmup)
+    if optim["schedule"] != "wsd":
+        return warmup, after
+    wanted = optim.get("decay_steps") or max(1, round(optim["decay_ratio"] * total_steps))
+    length = min(wanted, after)
+    return total_steps - length, length
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], pp_group=None, experts: tuple = ()) -> torch.Tensor:
