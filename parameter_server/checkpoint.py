@@ -104,14 +104,15 @@ def shard_states(flat: dict[str, torch.Tensor], ring: HashRing, chunk_elems: int
             state = {f: (parts[ck] if parts is not None else fields[f].clone()) for f, parts in split_fields.items()}
             for s in ring.holders(ck):
                 states[s]["params"][ck] = chunk.clone()
-                states[s]["opts"][ck] = _opt_state_dict(chunk, optim, state)
+                states[s]["opts"][ck] = _opt_state_dict(chunk, optim, state, value.dim())
                 states[s]["layout"][name] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix(
                     "torch.")}
     return states
 
 
-def _opt_state_dict(chunk: torch.Tensor, optim: dict, state: dict) -> dict:
-    """``torch.optim`` state dict of one chunk's optimizer holding ``state`` (its groups as the job builds them)."""
-    groups = optimizers.build(chunk.clone(), optim).state_dict()["param_groups"]
+def _opt_state_dict(chunk: torch.Tensor, optim: dict, state: dict, ndim: int) -> dict:
+    """``torch.optim`` state dict of one chunk (of a tensor of ``ndim`` dimensions) holding ``state``: its groups as
+    the job builds them, so a resume takes the job's weight decay for it, not the saving run's."""
+    groups = optimizers.build(chunk.clone(), optim, ndim).state_dict()["param_groups"]
     own = {field: value.clone() for field, value in state.items()}  # each holder steps its own moments in place
     return {"state": {0: own} if own else {}, "param_groups": groups}

@@ -98,12 +98,30 @@ class PSShard:
                     raise ValueError(f"shard {self.id}: register of key {key!r} with shape {tuple(value.shape)} "
                                      f"dtype {value.dtype}, held as shape {tuple(held.shape)} dtype {held.dtype}; "
                                      "nothing registered")
+                self._ndim(key, {**self.layout, **(layout or {})})
             self.layout.update(layout or {})
             for key, value in chunks.items():
                 if key not in self.params:
                     self.params[key] = value.detach().clone()
-                    self.opts[key] = optimizers.build(self.params[key], self.optim)
+                    self.opts[key] = self._optimizer(key)
             return len(self.params)
+
+    def _ndim(self, key: str, layout: dict) -> int:
+        """Dimensions of the tensor chunk ``key`` is cut from (``layout``), which pick its weight decay
+        (``optimizers.decay_for``). Unknown is refused only where it matters (``weight_decay_exclude: 1d`` with a
+        decay): an outside client may register without a layout."""
+        info = layout.get(key.rpartition("#")[0])
+        if info is not None:
+            return len(info["shape"])
+        if optimizers.decay_for(self.optim, 1) != optimizers.decay_for(self.optim, 2):
+            raise ValueError(f"shard {self.id}: register of key {key!r} without its tensor's layout (shape), so "
+                             "whether optim.weight_decay_exclude: 1d spares it is unknown; nothing registered "
+                             "(send the layout with the chunks)")
+        return 2
+
+    def _optimizer(self, key: str) -> torch.optim.Optimizer:
+        """The optimizer of chunk ``key`` (registered, with its tensor's layout known)."""
+        return optimizers.build(self.params[key], self.optim, self._ndim(key, self.layout))
 
     # -- the push / pull / clock API --------------------------------------------------------------
 
@@ -322,7 +340,7 @@ class PSShard:
             self.layout.update(state["layout"])
             for key, value in state["params"].items():
                 self.params[key] = value.clone()
-                self.opts[key] = optimizers.build(self.params[key], self.optim)
+                self.opts[key] = self._optimizer(key)
                 self.opts[key].load_state_dict(state["opts"][key])
             self.version = max(self.version, state["version"])
             self.applied_from = [max(a, b) for a, b in zip(self.applied_from, state["applied_from"])]

@@ -263,6 +263,9 @@ def _inert_settings(job: JobSpec) -> list[tuple]:
         ("optim.betas", list(o.betas), local and o.name in ("sgd", "sm3", "adafactor"), "are the Adam family's "
          f"moment decays, and optim.name {o.name!r} does not read them", "remove optim.betas (sgd and sm3 take "
          "optim.momentum)"),
+        ("optim.weight_decay_exclude", o.weight_decay_exclude, o.weight_decay == 0, "chooses the parameters "
+         "optim.weight_decay spares, and optim.weight_decay is 0 (nothing decays)", "set optim.weight_decay, or "
+         "remove optim.weight_decay_exclude"),
         ("optim.min_lr_ratio", o.min_lr_ratio, o.schedule == "constant", "is the floor the cosine, linear and wsd "
          "schedules decay to, and optim.schedule is constant", "set optim.schedule: cosine (or linear, wsd), or "
          "remove optim.min_lr_ratio"),

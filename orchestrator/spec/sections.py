@@ -172,6 +172,9 @@ class OptimSpec(_Section):
     name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw", "onebit_adam"] = "adamw"
     lr: PositiveFloat = 3e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    # which parameters weight_decay spares: 1d, those of fewer than 2 dimensions (norm weights, biases), as Megatron
+    # and nanoGPT; none: every parameter decays (torchtitan). Every optimizer path and the PS shards alike
+    weight_decay_exclude: Literal["1d", "none"] = "1d"
     betas: Betas = (0.9, 0.95)
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     grad_clip: Annotated[float, Field(ge=0)] = 1.0  # 0 disables clipping
@@ -396,7 +399,8 @@ class ParameterServerSpec(_Section):
     def server_optim(self, optim: OptimSpec) -> dict:
         """What each shard's optimizer is built from."""
         return {"name": self.optimizer or optim.name, "lr": optim.lr, "weight_decay": optim.weight_decay,
-                "betas": list(optim.betas), "momentum": optim.momentum}
+                "weight_decay_exclude": optim.weight_decay_exclude, "betas": list(optim.betas),
+                "momentum": optim.momentum}
 
 
 class FaultSpec(_Section):

@@ -24,6 +24,19 @@ from workers.optim.sm3 import SM3
 from workers.parallel.partition import stage_bounds
 
 
+def _decay_groups(model: torch.nn.Module, optim) -> list[dict]:
+    """``model``'s parameters by weight decay, spelled out here rather than taken from the ranks' plumbing: under
+    ``weight_decay_exclude: 1d`` the 1-D ones (norm weights, biases) do not decay, the matrices do."""
+    spared = [p for p in model.parameters() if optim.weight_decay_exclude == "1d" and p.dim() < 2]
+    decayed = [p for p in model.parameters() if all(p is not q for q in spared)]
+    return [{"params": decayed, "weight_decay": optim.weight_decay}, {"params": spared, "weight_decay": 0.0}]
+
+
+def _adamw(model: torch.nn.Module, optim) -> torch.optim.AdamW:
+    """The job's AdamW over ``model``, in ``_decay_groups``."""
+    return torch.optim.AdamW(_decay_groups(model, optim), lr=optim.lr, betas=optim.betas)
+
+
 def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[float], list[float]]:
     """Per-step losses and pre-clip gradient norms; ``after_step(model, step)`` (1-based) sees the model after
     each update."""
@@ -35,10 +48,8 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
         prepare_model(model, spec.worker_dict()["model"]["lora"], spec.train.seed)
     o = spec.optim
-    if o.name == "sm3":  # our own optimizer: its sharded step is what a layout's parity checks
-        opt = SM3(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    # sm3 is our own optimizer: its sharded step is what a layout's parity checks
+    opt = SM3(_decay_groups(model, o), lr=o.lr, momentum=o.momentum) if o.name == "sm3" else _adamw(model, o)
     data = TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed)
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []
@@ -94,7 +105,7 @@ def reference_versioned(spec: JobSpec, steps: int, version_of, every: int = 1) -
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     stage_of = _stage_of_parameters(model, spec.stage_split)
     o = spec.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    opt = _adamw(model, o)
     live = dict(model.named_parameters())
     versions = [{k: p.detach().clone() for k, p in live.items()}]  # versions[k]: the weights after k updates
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
@@ -143,7 +154,7 @@ def reference_bf16_fsdp(spec: JobSpec, steps: int) -> tuple[list[float], list[fl
     torch.manual_seed(spec.train.seed)
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     o, m, dp = spec.optim, spec.train.microbatches, spec.parallel.dp
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    opt = _adamw(model, o)
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
                         spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []

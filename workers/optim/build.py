@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from parameter_server.optimizers import decay_for
 from workers.offload.optimizer import OffloadedAdam
 from workers.offload.store import OffloadStore
 from workers.optim.implementations import kernel_kwargs
@@ -27,8 +28,10 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
     ``optim.implementation`` picks PyTorch's fused, foreach or per-parameter kernels
     (``workers.optim.implementations``; the spec refuses it for optimizers that have no choice).
+    Every path takes ``decay_groups``: the parameters ``optim.weight_decay_exclude`` spares in a group of their own.
     """
     name = optim["name"]
+    params = decay_groups(params, optim)
     kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
     if name in ("sgd", "sm3"):
         kwargs["momentum"] = optim["momentum"]
@@ -40,11 +43,21 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     if name == "onebit_adam":
         return OneBitAdam(params, dp_group, optim["warmup_steps"], **kwargs)
-    params = list(params)
-    on_cuda = any(p.is_cuda for p in params)  # a DTensor is where its local shard is
-    mixed = len({isinstance(p, DTensor) for p in params}) > 1
+    tensors = [p for group in params for p in group["params"]]
+    on_cuda = any(p.is_cuda for p in tensors)  # a DTensor is where its local shard is
+    mixed = len({isinstance(p, DTensor) for p in tensors}) > 1
     kwargs.update(kernel_kwargs(name, optim.get("implementation", "auto"), on_cuda, mixed))
     return OPTIMIZERS[name](params, **kwargs)
+
+
+def decay_groups(params, optim: dict) -> list[dict]:
+    """``params`` as optimizer param groups by weight decay (``parameter_server.optimizers.decay_for``, by each
+    tensor's dimensions: a ZeRO-1 slice and an FSDP2 shard are DTensors of their parameter's global shape, so they
+    keep its group). One group where all decay alike (the default ``weight_decay: 0``), as before the rule."""
+    groups: dict[float, list] = {}
+    for p in params:
+        groups.setdefault(decay_for(optim, p.dim()), []).append(p)
+    return [{"params": members, "weight_decay": decay} for decay, members in groups.items()]
 
 
 # a decay's curve: the share of (1 - min_lr_ratio) left at progress p in [0, 1]
