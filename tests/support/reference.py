@@ -13,7 +13,7 @@ import torch
 from torch.func import functional_call
 
 from orchestrator import JobSpec
-from workers.data import DataCursor, TokenDataset
+from workers.data import DataCursor, TokenDataset, open_data
 from workers.model import moe
 from workers.model.config import model_config
 from workers.model.finetune import prepare_model
@@ -39,7 +39,7 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
         opt = SM3(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    data = TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed)
+    data = open_data(spec.data.path, spec.data.mix and spec.data.sources(), spec.model.seq_len, spec.data.seed)
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []
     for _ in range(steps):
