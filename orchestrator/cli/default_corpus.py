@@ -35,9 +35,9 @@ def names_default_corpus(path: Path) -> bool:
 def prepare_default_corpus(spec: JobSpec) -> bool:
     """Prepare each training directory (``data.path``, or a ``data.mix`` entry) that names a missing default corpus
     from the default sources; True if it prepared any."""
-    missing = [Path(path) for path, _ in spec.data.sources() if names_default_corpus(Path(path))]
+    missing = [path for path, _ in spec.data.sources() if names_default_corpus(Path(path))]
     for path in missing:
-        _prepare(path, spec.data.field_of(str(path)))
+        _prepare(Path(path), spec.data.field_of(path))
     return bool(missing)
 
 

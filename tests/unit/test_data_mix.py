@@ -204,3 +204,23 @@ def test_a_mixture_trains_as_the_reference_does(tmp_path_factory):
     assert all(math.isfinite(r.loss) for r in results)
     assert [r.loss for r in results] == pytest.approx(losses, rel=1e-4)
     assert results[-1].data_mix == {sources[0]["path"]: 12, sources[1]["path"]: 4}  # 16 samples at 3:1
+
+
+def test_run_prepares_a_missing_default_corpus_named_in_a_mixture(tmp_path, dirs, monkeypatch):
+    """`raymesh run` prepares `data/stdlib` when a mixture names it, as it does for `data.path`, and the mixture
+    then passes the checks."""
+    from orchestrator.cli.default_corpus import prepare_default_corpus
+
+    monkeypatch.setattr("workers.data.prepare.default_sources",
+                        lambda: [Path(sysconfig.get_paths()["stdlib"]) / "json"])  # the default corpus in small
+    spec = _spec(tmp_path, _entries((dirs[0], 0.5), (tmp_path / "data" / "stdlib", 0.5)))
+    assert prepare_default_corpus(spec)
+    check_before_start(spec)
+    assert not prepare_default_corpus(spec)
+
+
+def test_generate_reads_the_mixtures_tokenizer(tmp_path, dirs):
+    from orchestrator.cli.generate import job_tokenizer
+
+    tokenizer = job_tokenizer(_spec(tmp_path, _entries((dirs[0], 0.5), (dirs[1], 0.5))))
+    assert tokenizer.decode(tokenizer.encode(b"mix").tolist()) == "mix"

@@ -5,8 +5,9 @@ contiguous slices and a checkpoint's `position` alone resumes it), and a resume 
 choices. Megatron-Core's greedy blend (the source whose ``weight * (i + 1) - count`` is largest) is sequential;
 this is its closed-form cousin, the Sainte-Laguë (Webster) divisor order: source ``j``'s ``m``-th sample has the
 key ``(m + 1/2) / w_j`` and the stream is every source's keys merged in increasing order (ties to the lower
-source). A source's count after ``n`` samples is then within one of ``w_j * n`` for two or three sources (as
-Megatron's), a sample or two off with more, and the first ``n`` positions are found by arithmetic plus a merge of
+source). A source's count after ``n`` samples is then within one of ``w_j * n`` for two sources (it is rounding)
+and three (measured over thousands of random weights), as Megatron's; a sample or two off with more (so is
+Megatron's greedy rule past five), and the first ``n`` positions are found by arithmetic plus a merge of
 a few keys, vectorised with numpy. Torch-free: the controller imports it to report each source's share.
 """
 
