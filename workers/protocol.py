@@ -61,6 +61,8 @@ class StepResult:
     # stage) and the seconds the evaluation took on this rank (workers.evaluation)
     eval_loss: float | None = None
     eval_s: float | None = None
+    # under data.mix: the samples each source (by path) has supplied up to this step (workers.data.blend)
+    data_mix: dict[str, int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepResult:
@@ -77,7 +79,8 @@ class StepResult:
         return out
 
 
-_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe", "ps", "eval_loss", "eval_s"})
+_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe", "ps", "eval_loss", "eval_s",
+                       "data_mix"})
 
 
 @dataclass(frozen=True)

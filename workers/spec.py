@@ -91,8 +91,13 @@ class EvalSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    path: str
+    path: str | None
     seed: int
+    mix: list[dict] | None = None  # data.mix: [{path, weight}, ...] (older harness dicts leave it out)
+
+    def sources(self) -> list[tuple[str, float]] | None:
+        """The mixture's (path, weight) pairs, None for one directory (`workers.data.loader.open_data`)."""
+        return [(entry["path"], entry["weight"]) for entry in self.mix] if self.mix else None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.data import DataCursor, TokenDataset
+from workers.data import DataCursor, MixedDataset, open_data
 from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
@@ -157,7 +157,7 @@ class Trainer:
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
         precision, data = self.spec.precision, self.spec.data
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
-        dataset = TokenDataset(data.path, self.spec.model.seq_len, data.seed)
+        dataset = open_data(data.path, data.sources(), self.spec.model.seq_len, data.seed)
         cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp,
                             cp_rank=self.coords.cp, cp_size=par.grid.cp)
         named = [z.module() for z in self.zero1] or None
@@ -373,7 +373,13 @@ class Trainer:
             if fields.get("comm_bytes") is not None:
                 fields["comm_bytes"] = {**fields["comm_bytes"], "ps": traffic["push"] + traffic["pull"]}
         return StepResult(rank=self.rank, step=self.step, peak_memory_bytes=self.peak_memory_bytes(),
-                          current_memory_bytes=self.current_memory_bytes(), **fields)
+                          current_memory_bytes=self.current_memory_bytes(), data_mix=self.data_mix(), **fields)
+
+    def data_mix(self) -> dict[str, int] | None:
+        """Under `data.mix`, the samples each source has supplied so far (the whole job's, from the stream position,
+        so every rank reports the same): the run's records show the mix is the one asked for."""
+        cursor = self.state.cursor
+        return cursor.dataset.contributed(cursor.position) if isinstance(cursor.dataset, MixedDataset) else None
 
     def _activation_meter(self):
         """An ``ActivationMeter`` over this step when the job asks to measure memory, else a no-op."""

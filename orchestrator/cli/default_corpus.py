@@ -33,15 +33,21 @@ def names_default_corpus(path: Path) -> bool:
 
 
 def prepare_default_corpus(spec: JobSpec) -> bool:
-    """Prepare ``data.path`` from the default sources when it names a missing default corpus; True if it did."""
+    """Prepare each training directory (``data.path``, or a ``data.mix`` entry) that names a missing default corpus
+    from the default sources; True if it prepared any."""
+    missing = [path for path, _ in spec.data.sources() if names_default_corpus(Path(path))]
+    for path in missing:
+        _prepare(Path(path), spec.data.field_of(path))
+    return bool(missing)
+
+
+def _prepare(path: Path, field: str) -> None:
+    """The default corpus ``path`` (its name says which tokenizer), prepared with events saying why and how big."""
     from workers.data.prepare import default_sources, prepare_data
 
-    path = Path(spec.data.path)
-    if not names_default_corpus(path):
-        return False
     tokenizer = DEFAULT_CORPORA[path.name]
     event("prepare_data", path=path, source=default_sources()[0], tokenizer=tokenizer,
-          reason="data.path names the default corpus and is missing")
+          reason=f"{field} names the default corpus and is missing")
     t0 = time.perf_counter()
     manifest = prepare_data(default_sources(), path, max_tokens=DEFAULT_MAX_TOKENS, tokenizer=tokenizer,
                             heldout=HELDOUT.get(path.name, 0.0))
@@ -49,4 +55,3 @@ def prepare_default_corpus(spec: JobSpec) -> bool:
     event("data_ready", path=path, tokens=manifest["total_tokens"], shards=len(manifest["shards"]), **held,
           seconds=f"{time.perf_counter() - t0:.1f}")
     sys.stderr.flush()
-    return True

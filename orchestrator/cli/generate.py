@@ -118,18 +118,20 @@ def load_for_generation(job, checkpoint: str | None, device: str):
 
 
 def job_tokenizer(job):
-    """The tokenizer `data.path` was prepared with (its manifest says which), refused with the fix when the data
-    has none."""
+    """The tokenizer the training data was prepared with (its manifest says which; a `data.mix`'s sources share one,
+    checked before the run, so the first one's), refused with the fix when the data has none."""
     from orchestrator.spec.runtime_checks import prepared_manifest
     from workers.data.tokenizer import recorded_tokenizer
     from workers.storage import location
 
-    manifest = prepared_manifest("data.path", job.data.path)
+    path, _ = job.data.sources()[0]
+    field = job.data.field_of(path)
+    manifest = prepared_manifest(field, path)
     try:
-        return recorded_tokenizer(manifest.get("tokenizer") or {"kind": "bytes"}, location(job.data.path))
+        return recorded_tokenizer(manifest.get("tokenizer") or {"kind": "bytes"}, location(path))
     except (LookupError, FileNotFoundError) as exc:
-        raise SpecError("data.path", job.data.path, f"gives no tokenizer to turn text into ids and back ({exc})",
-                        "point data.path (--set data.path=DIR) at a directory `raymesh prepare-data` wrote with "
+        raise SpecError(field, path, f"gives no tokenizer to turn text into ids and back ({exc})",
+                        f"point {field} (--set {field}=DIR) at a directory `raymesh prepare-data` wrote with "
                         "the same tokenizer") from None
 
 

@@ -59,7 +59,8 @@ def summary_fields(records: list[dict]) -> dict:
             "tokens_per_s": sum(r["tokens"] for r in records) / trained_s if trained_s else 0.0,
             "grad_norms": [r["grad_norm"] for r in records], "step_time_s": [r["step_s"] for r in records],
             "peak_memory_bytes": peak,
-            "eval_losses": [{"step": r["step"], "loss": r["eval_loss"]} for r in records if "eval_loss" in r]}
+            "eval_losses": [{"step": r["step"], "loss": r["eval_loss"]} for r in records if "eval_loss" in r],
+            **({"data_mix": records[-1]["data_mix"]} if records and "data_mix" in records[-1] else {})}
 
 
 def held_out_loss(results) -> float | None:
@@ -101,6 +102,9 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
     if evaluated:  # eval.every: the held-out loss and the slowest rank's time
         record["eval_loss"] = held_out_loss(results)
         record["eval_s"] = max(r.eval_s for r in evaluated)
+    mix = next((r.data_mix for r in results if r.data_mix is not None), None)
+    if mix is not None:  # data.mix: samples each source has supplied so far (every rank reports the same)
+        record["data_mix"] = mix
     traffic = [r.ps for r in results if r.ps is not None]
     if traffic:  # dp_sync ps: every rank's pushes and pulls this step, and the stalest read any rank made
         record["ps"] = {"push_bytes": sum(t["push"] for t in traffic), "pull_bytes": sum(t["pull"] for t in traffic),

@@ -49,6 +49,11 @@ def with_ray_dataset(spec: JobSpec, dataset, resume: bool, column: str = "tokens
     A resumed run reuses the copy it trained on, so its saved position means the same samples even if the
     Dataset's order is not deterministic; a fresh run writes it again.
     """
+    if spec.data.mix:  # the Dataset becomes data.path: it would replace the mixture, not join it
+        raise SpecError("data.mix", f"{len(spec.data.mix)} sources", "is set, but a ray.data.Dataset handed to "
+                        "TrainingJob(dataset=) replaces the job's data with its one copy in the run dir",
+                        "blend the sources into the Dataset before handing it over (ray.data's union), or prepare "
+                        "each with `raymesh prepare-data` and train on data.mix without a Dataset")
     out = spec.resolved_run_dir() / DATA_DIR
     if not (resume and (out / "manifest.json").is_file()):
         write_token_rows(dataset_rows(dataset, column), out, spec.model.vocab_size, source=f"ray.data:{dataset}")

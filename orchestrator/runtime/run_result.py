@@ -32,6 +32,7 @@ class RunResult:
     run_dir: str = ""  # where summary.json, the step records and (by default) the checkpoints are
     eval_losses: list[dict] = field(default_factory=list)  # eval.every: {step, loss} of the held-out set
     best_checkpoint: dict | None = None  # {step, path, eval_loss}: the kept checkpoint with the lowest held-out loss
+    data_mix: dict | None = None  # data.mix: the samples each source (by path) supplied, through the last step
 
     def to_dict(self) -> dict:
         d = asdict(self)

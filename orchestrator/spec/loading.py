@@ -2,12 +2,12 @@
 
 A job file is YAML with optional sections (`model`, `data`, `parallel`, `optim`,
 `precision`, `memory`, `train`, `checkpoint`) plus top-level `name` and
-`run_dir`; only `data.path` is required. Everything that can be checked without
+`run_dir`; only `data.path` (or `data.mix`, a weighted list of them) is required. Everything that can be checked without
 touching the cluster or the data is checked here, so a bad job fails before
 any Ray actor starts, with a `SpecError` that names the field, the value and a
 fix.
 
-Path rule: `load_spec` resolves relative `data.path`, `eval.path`, `run_dir`,
+Path rule: `load_spec` resolves relative `data.path`, each `data.mix` path, `eval.path`, `run_dir`,
 `checkpoint.dir` and the other path fields (from the file or from overrides) against the CURRENT WORKING
 DIRECTORY, not the job file's directory. That is what `ray job submit
 --working-dir .` needs: the driver runs inside the uploaded copy of the
@@ -245,14 +245,22 @@ def _resolve_paths(raw: dict[str, Any], cwd: Path) -> None:
         holder = raw
         for name in section.split(".") if section else ():
             holder = holder.get(name) if isinstance(holder, dict) else None
-        if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key] and "://" not in holder[key]:
-            holder[key] = str(cwd / Path(holder[key]).expanduser())  # URLs stay as written (checkpoint.dir)
+        _resolve_entry(holder, key, cwd)
+    mix = raw.get("data", {}).get("mix") if isinstance(raw.get("data"), dict) else None
+    for entry in mix if isinstance(mix, list) else ():
+        _resolve_entry(entry, "path", cwd)
+
+
+def _resolve_entry(holder: Any, key: str, cwd: Path) -> None:
+    """`holder[key]` absolute against `cwd` when it is a relative path (URLs stay as written: checkpoint.dir)."""
+    if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key] and "://" not in holder[key]:
+        holder[key] = str(cwd / Path(holder[key]).expanduser())
 
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     """Read a YAML job file, apply `key.path=value` overrides and validate.
 
-    Relative `data.path`, `run_dir` and `checkpoint.dir` become absolute against
+    Relative `data.path` (and `data.mix` paths), `run_dir` and `checkpoint.dir` become absolute against
     the current working directory.
     """
     p = Path(path)

@@ -160,8 +160,6 @@ def to_spec_error(exc: ValidationError) -> SpecError:
                 "add a `data:` section with `path: <dir>`, "
                 "the directory written by `raymesh prepare-data --out <dir>`"
             )
-        elif field == "data.path":
-            fix = "add `path: <dir>` under `data:`, the directory written by `raymesh prepare-data --out <dir>`"
         else:
             fix = f"add `{field}` to the job file"
         return SpecError(field, NO_VALUE, "is required but missing", fix, more=more)

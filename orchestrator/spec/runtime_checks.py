@@ -9,6 +9,7 @@ same checks, except that it tolerates a data directory that is not on this machi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -27,8 +28,7 @@ from workers.storage import is_url, location
 
 def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     """Every filesystem precondition of the job; `data_required=False` (plan) skips data that is not here."""
-    if _checkable(spec.data.path, data_required):
-        check_data_path(spec)
+    check_data_path(spec, data_required)
     if spec.eval.path is not None and _checkable(spec.eval.path, data_required):
         check_eval_path(spec, data_required)
     check_outputs(spec)
@@ -42,6 +42,13 @@ def _checkable(path: str, data_required: bool) -> bool:
     """Whether the prepared data at `path` is checked: always before a run; by `plan` (`data_required=False`) only
     when it is a local directory that is here (planning happens anywhere, and a bucket is elsewhere)."""
     return data_required or (not is_url(path) and Path(path).exists())
+
+
+def training_manifests(spec: JobSpec, data_required: bool = True) -> list[tuple[str, float, dict]]:
+    """(path, weight, manifest) of every training directory (`data.path`, or each `data.mix` entry) that is checked
+    (`_checkable`), each refused with the fix when missing or not one `prepare-data` wrote."""
+    return [(path, weight, prepared_manifest(spec.data.field_of(path), path))
+            for path, weight in spec.data.sources() if _checkable(path, data_required)]
 
 
 MISSING, NOT_A_FILE = "is missing", "is not a file"  # what preparing the data again fixes
@@ -113,17 +120,41 @@ def check_shards_readable(field: str, value: str, manifest: dict) -> None:
             raise _unreadable(field, value, path, problem)
 
 
-def check_data_path(spec: JobSpec) -> None:
-    """The data is prepared, and holds at least one batch of distinct `seq_len + 1` token windows.
+def check_data_path(spec: JobSpec, data_required: bool = True) -> None:
+    """Every training directory is prepared, readable, in the model's vocabulary and holds its share of one batch
+    of distinct windows; a mixture's directories hold one tokenizer's ids."""
+    sources = training_manifests(spec, data_required)
+    for path, _, manifest in sources[:1]:  # first: another tokenizer's vocabulary is not the model's to grow
+        _check_one_tokenizer(spec, path, manifest, sources[1:])
+    for path, weight, manifest in sources:
+        field = spec.data.field_of(path)
+        check_shards_readable(field, path, manifest)
+        check_data_vocab(spec, manifest, field, path)
+        check_init_from_tokenizer(spec, manifest, field, path)
+        if spec.data.mix:
+            _check_share_of_batch(spec, path, weight, manifest["total_tokens"])
+        else:
+            _check_one_batch(spec, manifest["total_tokens"])
+
+
+def _check_one_tokenizer(spec: JobSpec, path: str, manifest: dict, others: list[tuple[str, float, dict]]) -> None:
+    """Refuse a `data.mix` source whose ids are another tokenizer's than `path`'s (its manifest `manifest`): one
+    embedding row would mean two tokens."""
+    for other, _, theirs in others:
+        if not _same_ids(theirs, other, manifest, path):
+            raise SpecError(spec.data.field_of(other), other, f"holds ids of {_made_by(theirs)} (vocab "
+                            f"{theirs.get('vocab_size')}), but {spec.data.field_of(path)} {path} holds those of "
+                            f"{_made_by(manifest)} (vocab {manifest.get('vocab_size')}): a mixture's sources must be "
+                            "one tokenizer's ids", f"prepare {other} again with the --tokenizer {path} was prepared "
+                            "with (its tokenizer.json), or drop it from data.mix")
+
+
+def _check_one_batch(spec: JobSpec, tokens: int) -> None:
+    """`data.path` holds one batch of distinct `seq_len + 1` token windows.
 
     The loader cuts the token stream into windows of seq_len + 1 tokens that share one boundary token, so one
     step's global_batch_size windows need global_batch_size * seq_len + 1 tokens; with fewer, one batch would
     repeat windows (or, with fewer than seq_len + 1 tokens, have none)."""
-    manifest = prepared_manifest("data.path", spec.data.path)
-    check_shards_readable("data.path", spec.data.path, manifest)
-    check_data_vocab(spec, manifest, "data.path", spec.data.path)
-    check_init_from_tokenizer(spec, manifest)
-    tokens = manifest["total_tokens"]
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
     if batch * seq + 1 <= tokens:
         return
@@ -137,6 +168,23 @@ def check_data_path(spec: JobSpec) -> None:
         f"windows, but data.path {spec.data.path} holds {tokens:,}",
         ", or ".join(fixes),
     )
+
+
+def _check_share_of_batch(spec: JobSpec, path: str, weight: float, tokens: int) -> None:
+    """A `data.mix` source holds its share of one batch in distinct windows: the blend gives it within one sample of
+    share x global_batch_size of every batch, so with fewer windows a batch repeats some of them (a source smaller
+    than that is better given a lower weight, or more text)."""
+    share = weight / sum(w for _, w in spec.data.sources())
+    seq, batch = spec.model.seq_len, spec.train.global_batch_size
+    windows = min(batch, math.ceil(share * batch - 1e-9) + 1)  # blind to float dust: 0.7 / 1.0 x 10 is 7
+    if windows * seq + 1 <= tokens:
+        return
+    field = spec.data.field_of(path)
+    raise SpecError(field, path, f"holds {tokens:,} tokens, but its weight {weight:g} (share {share:.3g}) draws up "
+                    f"to {windows} windows of model.seq_len + 1 = {seq + 1} tokens into each train.global_batch_size="
+                    f"{batch} batch, which needs {windows * seq + 1:,} tokens of distinct windows",
+                    f"prepare more data into {path}, lower {field.removesuffix('.path')}.weight, or lower "
+                    "model.seq_len")
 
 
 def check_data_vocab(spec: JobSpec, manifest: dict, field: str, value: str) -> None:
@@ -154,8 +202,9 @@ def check_data_vocab(spec: JobSpec, manifest: dict, field: str, value: str) -> N
     )
 
 
-def check_init_from_tokenizer(spec: JobSpec, manifest: dict) -> None:
-    """When `model.init_from` ships a tokenizer.json, the data in `data.path` must have been tokenized with it:
+def check_init_from_tokenizer(spec: JobSpec, manifest: dict, field: str, value: str) -> None:
+    """When `model.init_from` ships a tokenizer.json, the data in `field` (`value`: `data.path`, a `data.mix`
+    entry) must have been tokenized with it:
     otherwise a pretrained model is fine-tuned on ids that mean other tokens. Data written as bare ids
     (`write_token_rows`, kind `ids`) records no tokenizer and is taken as the user's word."""
     if spec.model.init_from is None:
@@ -164,13 +213,13 @@ def check_init_from_tokenizer(spec: JobSpec, manifest: dict) -> None:
     record = manifest.get("tokenizer") or {"kind": "bytes"}
     if not model_tok.is_file() or record.get("kind") == "ids":
         return
-    problem = _tokenizer_difference(record, _data_tokenizer_sha(record, spec.data.path), model_tok)
+    problem = _tokenizer_difference(record, _data_tokenizer_sha(record, value), model_tok)
     if problem is None:
         return
-    raise SpecError("data.path", spec.data.path, f"holds ids of {_made_by(manifest)}, but model.init_from "
+    raise SpecError(field, value, f"holds ids of {_made_by(manifest)}, but model.init_from "
                     f"{spec.model.init_from} was trained with its own {TOKENIZER_FILE}: {problem}",
                     f"prepare the data with `raymesh prepare-data --tokenizer {model_tok} --out DIR` and point "
-                    "data.path at DIR")
+                    f"{field} at DIR")
 
 
 def _tokenizer_difference(record: dict, data_sha: str | None, model_tok: Path) -> str | None:
@@ -211,15 +260,14 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     manifest = prepared_manifest("eval.path", spec.eval.path)
     check_shards_readable("eval.path", spec.eval.path, manifest)
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
-    if _checkable(spec.data.path, data_required):
-        data = prepared_manifest("data.path", spec.data.path)
-        if not _same_ids(manifest, spec.eval.path, data, spec.data.path):
+    for path, _, data in training_manifests(spec, data_required):
+        if not _same_ids(manifest, spec.eval.path, data, path):
             raise SpecError("eval.path", spec.eval.path, f"holds ids of {_made_by(manifest)} (vocab "
-                            f"{manifest.get('vocab_size')}), but data.path holds those of {_made_by(data)} "
-                            f"(vocab {data.get('vocab_size')})", "prepare the held-out text with the training "
-                            "data's --tokenizer (`raymesh prepare-data --heldout` does), or point eval.path at such "
-                            "a directory")
-        _check_not_trained_on(spec, manifest, data)
+                            f"{manifest.get('vocab_size')}), but {spec.data.field_of(path)} {path} holds those of "
+                            f"{_made_by(data)} (vocab {data.get('vocab_size')})", "prepare the held-out text with "
+                            "the training data's --tokenizer (`raymesh prepare-data --heldout` does), or point "
+                            "eval.path at such a directory")
+        _check_not_trained_on(spec, manifest, data, path)
     windows = (manifest["total_tokens"] - 1) // spec.model.seq_len
     ev, batch = spec.eval, spec.train.global_batch_size
     if ev.batches * batch <= windows:
@@ -232,15 +280,16 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
                     f"{fix}, or hold out more text (a larger --heldout)")
 
 
-def _check_not_trained_on(spec: JobSpec, manifest: dict, data: dict) -> None:
-    """Refuse an `eval.path` (its manifest `manifest`) holding a shard of `data.path` (`data`): its loss would be
+def _check_not_trained_on(spec: JobSpec, manifest: dict, data: dict, path: str) -> None:
+    """Refuse an `eval.path` (its manifest `manifest`) holding a shard of the training directory `path` (its
+    manifest `data`): its loss would be
     the training loss of sequences the model learns from, not a held-out one. A shard is known by its checksum
     (manifests from before checksums have none and are not compared), so a copy of the data is caught too."""
     trained = {shard.get(SHARD_CHECKSUM) for shard in data["shards"]} - {None}
     shared = next((s["file"] for s in manifest["shards"] if s.get(SHARD_CHECKSUM) in trained), None)
     if shared is not None:
         raise SpecError("eval.path", spec.eval.path, f"holds tokens the job trains on (its {shared} is a shard of "
-                        f"data.path {spec.data.path}), so its loss would not be a held-out one",
+                        f"{spec.data.field_of(path)} {path}), so its loss would not be a held-out one",
                         "point eval.path at a held-out split (`raymesh prepare-data --heldout 0.01 --out DIR` "
                         "writes DIR/heldout and keeps its documents out of DIR), or at other text prepared with "
                         "the same --tokenizer")

@@ -40,11 +40,48 @@ def tls_pair(section: str, spec):
     return spec
 
 
-class DataSpec(_Section):
-    """Where the prepared token shards live (see `raymesh prepare-data`)."""
+class MixSource(_Section):
+    """One entry of `data.mix`: a prepared directory (or object-store prefix) and its weight in the blend."""
 
     path: PathStr
+    weight: PositiveFloat  # > 0 and finite (STRICT refuses inf and nan); the weights are normalised to shares
+
+
+class DataSpec(_Section):
+    """Where the prepared token shards live (see `raymesh prepare-data`): one directory (`path`), or a weighted
+    mixture of several (`mix`, Megatron-Core's blended datasets; the order in `workers/data/blend.py`)."""
+
+    path: PathStr | None = None
+    mix: list[MixSource] | None = Field(default=None, min_length=1)
     seed: Seed = 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        """`path` or `mix`, not both (which one would the job train on?) and not neither."""
+        if self.path is not None and self.mix is not None:
+            raise SpecError("data.path", self.path, "is set together with data.mix, and a job trains on one or the "
+                            "other", "remove data.path and list that directory as a data.mix entry (`- {path: DIR, "
+                            "weight: W}`), or remove data.mix")
+        if self.path is None and self.mix is None:
+            raise SpecError("data.path", None, "is required but missing", "add `path: <dir>` under `data:`, the "
+                            "directory written by `raymesh prepare-data --out <dir>` (or `mix:`, a list of "
+                            "`{path: DIR, weight: W}` entries, to blend several)")
+        paths = [entry.path for entry in self.mix or ()]
+        repeated = next((p for i, p in enumerate(paths) if p in paths[:i]), None)
+        if repeated is not None:
+            raise SpecError("data.mix", repeated, "is listed twice", "list each directory once, with the sum of "
+                            "the two weights")
+        return self
+
+    def sources(self) -> list[tuple[str, float]]:
+        """Every training directory and its weight (one directory: weight 1), for the checks that apply to each."""
+        return [(entry.path, entry.weight) for entry in self.mix] if self.mix else [(self.path, 1.0)]
+
+    def field_of(self, path: str) -> str:
+        """The job-file field naming the training directory `path` (`data.path`, `data.mix[i].path`)."""
+        if not self.mix:
+            return "data.path"
+        return f"data.mix[{[entry.path for entry in self.mix].index(path)}].path"
 
 
 class ParallelSpec(_Section):

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orchestrator.checkpoints import checksums
 from orchestrator.cli import main
@@ -36,6 +37,9 @@ RANK_EXAMPLES = [p for p in EXAMPLES if p.stem not in THROUGH_RAY]
 STEPS = 4
 # examples whose data is not the byte corpus, and the fixture that prepares theirs as their comment says
 DATA = {"bpe_pretrain": "bpe_token_data"}
+# examples training on a mixture (data.mix), and the fixtures that prepare its sources in order (two byte corpora:
+# the json and html packages), each kept at the example's own weight
+MIX_DATA = {"data_mix": ["token_data", "heldout_data"]}
 # examples scoring a held-out loss (eval.path), and the fixture that prepares their held-out text
 EVAL_DATA = {"evaluation": "heldout_data"}
 # examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
@@ -65,14 +69,23 @@ def rank_runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("examples")
     specs, saves = {}, {}
     for job in RANK_EXAMPLES:
-        data = request.getfixturevalue(DATA.get(job.stem, "token_data"))
-        sets = [f"data.path={data}", f"run_dir={tmp / job.stem / 'run'}", f"train.steps={STEPS}",
+        sets = [_data_override(job, request), f"run_dir={tmp / job.stem / 'run'}", f"train.steps={STEPS}",
                 "metrics.port=0", *SHORTER.get(job.stem, [])[1::2]]
         spec = load_spec(job, sets)
         RayRuntime().preflight(spec)  # what `raymesh run` checks before it starts Ray
         specs[job.stem] = spec
         saves[job.stem] = str(tmp / job.stem / "final")
     return run_grouped(specs, checkpoints=saves), saves
+
+
+def _data_override(job: Path, request) -> str:
+    """The ``--set`` pointing the example at the test's prepared data: ``data.path``, or for a mixture each
+    ``data.mix`` entry's path (the example's weights kept)."""
+    if job.stem not in MIX_DATA:
+        return f"data.path={request.getfixturevalue(DATA.get(job.stem, 'token_data'))}"
+    weights = [entry["weight"] for entry in yaml.safe_load(job.read_text())["data"]["mix"]]
+    paths = [request.getfixturevalue(name) for name in MIX_DATA[job.stem]]
+    return "data.mix=[" + ", ".join(f"{{path: '{p}', weight: {w}}}" for p, w in zip(paths, weights, strict=True)) + "]"
 
 
 @pytest.mark.parametrize("job", RANK_EXAMPLES, ids=[p.stem for p in RANK_EXAMPLES])

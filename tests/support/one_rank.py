@@ -7,23 +7,28 @@ import contextlib
 import sysconfig
 from pathlib import Path
 
+from orchestrator.spec import JobSpec
 from tests.support.environ import kept_env
 from tests.support.jobs import tiny_spec
 
 
 @contextlib.contextmanager
-def one_rank_trainer(tmp_path_factory, **sections):
-    """The trainer of ``tiny_spec`` with ``sections`` over a small prepared corpus; its group is destroyed after
-    (one process holds one default group, so a module holds one of these at a time)."""
+def one_rank_trainer(tmp_path_factory, data: dict | None = None, **sections):
+    """The trainer of ``tiny_spec`` with ``sections`` over a small prepared corpus (or the ``data`` section given,
+    e.g. a ``mix``); its group is destroyed after (one process holds one default group, so a module holds one of
+    these at a time)."""
     import torch.distributed as dist
 
     from workers.data.prepare import prepare_data
     from workers.parallel.process_group import LINK_INTERFACE_VARS, listen_on
     from workers.trainer import Trainer
 
-    data = tmp_path_factory.mktemp("tokens")
-    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], data)
-    spec = tiny_spec(data, tmp_path_factory.mktemp("run"), **sections).worker_dict()
+    corpus = tmp_path_factory.mktemp("tokens")
+    prepare_data([Path(sysconfig.get_paths()["stdlib"]) / "json"], corpus)
+    spec = tiny_spec(corpus, tmp_path_factory.mktemp("run"), **sections)
+    if data is not None:
+        spec = JobSpec.from_dict({**spec.to_dict(), "data": data})
+    spec = spec.worker_dict()
     listener = listen_on("127.0.0.1")  # bound until the store takes it: no other process can take the port
     with kept_env(*LINK_INTERFACE_VARS):  # a loopback group sets them in this process: the test session's
         trainer = Trainer(spec, 0, 1, "127.0.0.1", listener.getsockname()[1], listener=listener)

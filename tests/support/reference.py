@@ -13,7 +13,7 @@ import torch
 from torch.func import functional_call
 
 from orchestrator import JobSpec
-from workers.data import DataCursor, TokenDataset
+from workers.data import DataCursor, TokenDataset, open_data
 from workers.model import moe
 from workers.model.config import model_config
 from workers.model.finetune import prepare_model
@@ -50,7 +50,7 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
     o = spec.optim
     # sm3 is our own optimizer: its sharded step is what a layout's parity checks
     opt = SM3(_decay_groups(model, o), lr=o.lr, momentum=o.momentum) if o.name == "sm3" else _adamw(model, o)
-    data = TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed)
+    data = open_data(spec.data.path, spec.data.mix and spec.data.sources(), spec.model.seq_len, spec.data.seed)
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []
     for _ in range(steps):

@@ -6,8 +6,8 @@ layout, so checkpoints can be resumed at a different dp size without re-seeing d
 
 import importlib
 
-_HOME = {"DataCursor": "loader", "TokenDataset": "loader", "default_sources": "prepare", "prepare_data": "prepare",
-         "write_token_rows": "prepare"}
+_HOME = {"DataCursor": "loader", "MixedDataset": "loader", "TokenDataset": "loader", "open_data": "loader",
+         "default_sources": "prepare", "prepare_data": "prepare", "write_token_rows": "prepare"}
 __all__ = sorted(_HOME)
 
 

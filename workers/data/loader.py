@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from workers.data import checksums
+from workers.data import blend, checksums
 from workers.data.prepare import FORMAT
 from workers.parallel.context_layout import split_sequence
 from workers.storage import is_url, location, parquet_source
@@ -285,6 +285,11 @@ class TokenDataset:
     def num_samples(self) -> int:
         return self._num_samples
 
+    @property
+    def may_block(self) -> bool:
+        """Whether a batch may wait on I/O (then `Prefetch` reads the next one ahead)."""
+        return self.store.may_block
+
     def _compute_epoch_order(self, epoch: int) -> np.ndarray:
         """The epoch's sample order, kept as the narrowest index type (4 bytes a sample below 2**31 samples)."""
         order = np.random.default_rng([self.seed, epoch]).permutation(self._num_samples)
@@ -313,6 +318,61 @@ class TokenDataset:
         return windows[:, :-1], windows[:, 1:]
 
 
+class MixedDataset:
+    """A weighted mixture of prepared directories (`data.mix`), read as one stream.
+
+    Position ``i`` comes from the source `workers.data.blend` picks for it and is that source's next sample in its
+    own order (its epochs permuted by [seed, epoch], as a `TokenDataset` alone): a small source repeats while a
+    large one does not, and the order, like a single directory's, depends on the position alone, so ranks take
+    contiguous slices and a checkpoint's `position` resumes it at any dp size.
+    """
+
+    def __init__(self, sources: list[tuple[str, float]], seq_len: int, seed: int) -> None:
+        self.sources = [TokenDataset(path, seq_len, seed) for path, _ in sources]
+        self.shares = blend.normalised([weight for _, weight in sources])
+        self.seq_len, self.seed = seq_len, seed
+        self.vocab_size = max(source.vocab_size for source in self.sources)
+        self.path = " + ".join(str(source.path) for source in self.sources)  # as messages name the data
+        # the position counts samples of this order: the sources' contents and their weights
+        self.corpus = hashlib.sha256(json.dumps([[s.corpus for s in self.sources], self.shares.tolist()])
+                                     .encode()).hexdigest()[:16]
+
+    @property
+    def may_block(self) -> bool:
+        return any(source.may_block for source in self.sources)
+
+    def contributed(self, position: int) -> dict[str, int]:
+        """How many of the first ``position`` samples each source supplied, by its path (the run's records)."""
+        return {str(source.path): int(n) for source, n in zip(self.sources, blend.counts(self.shares, position))}
+
+    def global_sample_ids(self, start: int, count: int) -> np.ndarray:
+        """int64 [count, 2]: (source, sample id within it) at positions [start, start+count)."""
+        which, index = blend.take(self.shares, start, count)
+        ids = np.empty_like(index)
+        for j, source in enumerate(self.sources):
+            mine = which == j
+            if mine.any():  # a source's positions in this slice are consecutive in its own stream
+                ids[mine] = source.global_sample_ids(int(index[mine][0]), int(mine.sum()))
+        return np.stack([which, ids], axis=1)
+
+    def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 [count, seq_len], for stream positions [start, start+count)."""
+        pairs = self.global_sample_ids(start, count)
+        windows = np.empty((count, self.seq_len + 1), dtype=np.int64)
+        for j, source in enumerate(self.sources):
+            mine = pairs[:, 0] == j
+            if mine.any():
+                windows[mine] = source.store.windows(pairs[mine, 1] * self.seq_len, self.seq_len + 1)
+        tokens = torch.from_numpy(windows)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def open_data(path: str | None, mix: list[tuple[str, float]] | None, seq_len: int,
+              seed: int) -> TokenDataset | MixedDataset:
+    """The job's training stream: one prepared directory (`data.path`) or a weighted mixture (`data.mix`)."""
+    return MixedDataset(mix, seq_len, seed) if mix else TokenDataset(path, seq_len, seed)
+
+
 class Prefetch:
     """The next step's batch, read on a background thread while this step trains.
 
@@ -323,13 +383,13 @@ class Prefetch:
     a batch between threads would cost more than reading it.
     """
 
-    def __init__(self, dataset: TokenDataset) -> None:
+    def __init__(self, dataset: TokenDataset | MixedDataset) -> None:
         self.dataset = dataset
         self._pending: tuple[tuple[int, int], Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     def ahead(self, start: int, count: int) -> None:
-        if not self.dataset.store.may_block:
+        if not self.dataset.may_block:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raymesh-prefetch")
@@ -351,7 +411,7 @@ class DataCursor:
     """
 
     def __init__(
-        self, dataset: TokenDataset, global_batch: int, dp_rank: int, dp_size: int, position: int = 0,
+        self, dataset: TokenDataset | MixedDataset, global_batch: int, dp_rank: int, dp_size: int, position: int = 0,
         cp_rank: int = 0, cp_size: int = 1,
     ) -> None:
         if global_batch <= 0 or dp_size <= 0 or global_batch % dp_size:
@@ -413,9 +473,10 @@ class DataCursor:
         if state.get("corpus", self.dataset.corpus) != self.dataset.corpus:
             raise ValueError(
                 f"the checkpoint's data position counts samples of another corpus (fingerprint {state['corpus']}) "
-                f"than {self.dataset.path} holds now ({self.dataset.corpus}): it was prepared again or data.path "
-                "changed, and the position would resume in another order, repeating and skipping samples; fix: "
-                "point data.path at the corpus the run trained on, or start a new run_dir for the new data")
+                f"than {self.dataset.path} holds now ({self.dataset.corpus}): it was prepared again, or data.path "
+                "or data.mix (a path or a weight) changed, and the position would resume in another order, "
+                "repeating and skipping samples; fix: point data.path or data.mix at the corpus and weights the run "
+                "trained on, or start a new run_dir for the new data")
         if state["position"] < 0:
             raise ValueError(f"checkpoint position must be non-negative, got {state['position']}")
         self.position = int(state["position"])
