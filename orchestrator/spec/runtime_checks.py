@@ -21,7 +21,7 @@ from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
 from workers.data.checksums import FIELD as SHARD_CHECKSUM
-from workers.data.tokenizer import TOKENIZER_FILE, tokenizer_sha256
+from workers.data.tokenizer import TOKENIZER_FILE, manifest_eos_id, tokenizer_sha256
 from workers.storage import is_url, location
 
 
@@ -122,6 +122,7 @@ def check_data_path(spec: JobSpec) -> None:
     manifest = prepared_manifest("data.path", spec.data.path)
     check_shards_readable("data.path", spec.data.path, manifest)
     check_data_vocab(spec, manifest, "data.path", spec.data.path)
+    check_document_eos(spec, manifest, "data.path", spec.data.path)
     check_init_from_tokenizer(spec, manifest)
     tokens = manifest["total_tokens"]
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
@@ -152,6 +153,18 @@ def check_data_vocab(spec: JobSpec, manifest: dict, field: str, value: str) -> N
         f"set model.vocab_size: {data_vocab} (it is padded to {-(-data_vocab // tp) * tp}, a multiple of "
         f"parallel.tp={tp}, internally), or prepare the data with a smaller tokenizer",
     )
+
+
+def check_document_eos(spec: JobSpec, manifest: dict, field: str, value: str) -> None:
+    """`model.attention_mask: document` counts documents by the end-of-document id `field` (`value`) records in
+    its manifest; ids written as bare rows (`write_token_rows`, a Ray dataset) record none, so the ranks could
+    not tell where a document ends."""
+    if spec.model.attention_mask != "document" or manifest_eos_id(manifest) is not None:
+        return
+    raise SpecError("model.attention_mask", "document", f"needs the end-of-document id of the data in {field} "
+                    f"{value}, but its manifest records none ({_made_by(manifest)}: ids written as bare rows, with "
+                    "no separator between documents)", "prepare the data with `raymesh prepare-data` (it puts the "
+                    "tokenizer's end-of-document id between documents), or set model.attention_mask: causal")
 
 
 def check_init_from_tokenizer(spec: JobSpec, manifest: dict) -> None:
@@ -211,6 +224,7 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     manifest = prepared_manifest("eval.path", spec.eval.path)
     check_shards_readable("eval.path", spec.eval.path, manifest)
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
+    check_document_eos(spec, manifest, "eval.path", spec.eval.path)
     if _checkable(spec.data.path, data_required):
         data = prepared_manifest("data.path", spec.data.path)
         if not _same_ids(manifest, spec.eval.path, data, spec.data.path):
