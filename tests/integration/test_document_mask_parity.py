@@ -38,6 +38,7 @@ LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
     "pp2-cp2-allgather-selective": ("llama-gqa", {"pp": 2, "cp": 2, "cp_impl": "allgather"},
                                     {"recompute": "selective"}, True),
     "cp2-tp2-ulysses": ("llama-gqa", {"cp": 2, "tp": 2, "cp_impl": "ulysses"}, {}, False),
+    "dp4-measured": ("gpt", {"dp": 4}, {"measure": True}, False),
 }
 
 
@@ -103,3 +104,18 @@ def test_document_masked_layout_matches_single_process_reference(name, reference
     assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
     if evaluates:
         assert run.eval_losses == pytest.approx(held_out, rel=1e-4)
+
+
+def test_the_planner_counts_one_saved_mask_per_microbatch(runs, documents, tmp_path):
+    """The activation bytes a rank saves (the trainer's meter) are the planner's, whose figure holds one additive
+    mask per microbatch in flight for the whole chunk (shared by the blocks), not one per block."""
+    from orchestrator.planning.estimate import peak_rank
+
+    family, parallel, memory, _ = LAYOUTS["dp4-measured"]
+    spec = _spec(documents, tmp_path, family, parallel, memory, evaluates=False)
+    causal = spec.with_overrides(["model.attention_mask=causal"])
+    mask = peak_rank(spec).activation_bytes - peak_rank(causal).activation_bytes
+    seq, micro_batch = spec.model.seq_len, 8 // 4 // spec.train.microbatches
+    assert mask == 4 * micro_batch * seq * seq  # fp32, [micro_batch, 1, seq, seq]
+    for measured in ran(runs, "dp4-measured").activation_bytes.values():
+        assert measured == pytest.approx(peak_rank(spec).activation_bytes, rel=1e-3)

@@ -36,7 +36,7 @@ def reference(q, k, v, dout, causal: bool | str):
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     masking = {"is_causal": causal} if causal != "documents" else \
-        {"attn_mask": Documents(document_layout(q.shape[2])).whole(q.shape[2], q.device)}
+        {"attn_mask": Documents(document_layout(q.shape[2])).whole(q)}
     out = F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **masking)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad

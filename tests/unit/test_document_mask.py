@@ -70,7 +70,8 @@ def test_llama_equals_transformers_eager_attention_on_the_same_4d_mask():
     ours = raymesh_llama_from(hf)
     tokens = torch.cat([_packed([5, 11, 1, 7])[0], _packed([20, 4], seed=1)[0]])
     ids = document_ids(tokens, EOS)
-    allowed = Documents(ids).whole(tokens.shape[1], tokens.device)
+    seq = tokens.shape[1]
+    allowed = ((ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril())[:, None]
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
     with torch.no_grad():
         theirs = hf(tokens, attention_mask=additive).logits
@@ -78,3 +79,31 @@ def test_llama_equals_transformers_eager_attention_on_the_same_4d_mask():
             mine = ours(tokens)
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(mine, hf(tokens).logits, atol=1e-3)  # the mask matters on this window
+
+
+def test_one_mask_serves_every_layer_and_is_freed_with_its_microbatchs_graph():
+    """Every block's SDPA saves the one mask of the microbatch (not a copy per block), and once the microbatch's
+    backward has run nothing holds it, although its ``Documents`` may live on in the step's list."""
+    import gc
+    import weakref
+
+    model = _model("llama")
+    tokens, _ = _packed([7, 1, 12, 9])
+    documents = Documents(document_ids(tokens, EOS))
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    with attending([model], documents), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = model(tokens).sum()
+    masks = {id(t): t for t in saved if t.dim() == 4 and t.shape[-2:] == (tokens.shape[1], tokens.shape[1])}
+    assert len(masks) == 1  # shared by both blocks
+    freed = weakref.ref(next(iter(masks.values())))
+    saved.clear()
+    del masks
+    loss.backward()
+    del loss
+    gc.collect()
+    assert freed() is None and documents is not None

@@ -80,7 +80,7 @@ class CausalCore(nn.Module):
         within each document."""
         if self.documents is None:
             return {"is_causal": True}
-        return {"attn_mask": self.documents.whole(q.shape[2], q.device)}
+        return {"attn_mask": self.documents.whole(q)}
 
     def local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention over the sequence this rank holds whole."""

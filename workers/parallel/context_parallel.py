@@ -353,7 +353,7 @@ def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tens
     kv = _AllGather.apply(torch.stack([k, v]), group)  # [cp, 2, B, Hkv, S_local, D]
     k_all, v_all = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [B, Hkv, S, D] each, rank order
     order = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)]).to(q.device)
-    mask = documents.mask("allgather", zigzag_indices(seq, cp, rank).to(q.device), order)
+    mask = documents.mask("allgather", zigzag_indices(seq, cp, rank).to(q.device), order, q.dtype)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -423,6 +423,6 @@ def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents 
     order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
     natural = torch.argsort(order)
     qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
-    masking = {"is_causal": causal} if documents is None else {"attn_mask": documents.whole(qh.shape[2], q.device)}
+    masking = {"is_causal": causal} if documents is None else {"attn_mask": documents.whole(qh)}
     out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], **masking)
     return _heads_to_sequence(out[:, :, order], group, cp)
