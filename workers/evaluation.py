@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from workers.data import TokenDataset
+from workers.data.loader import document_eos, document_ids
+from workers.model.documents import Documents, attending, split_documents
 from workers.model.gpt import lm_loss
 from workers.parallel.context_layout import split_sequence
 
@@ -40,27 +42,31 @@ _HEADER = 8  # int64 slots: [dtype code, ndim, dims...]
 
 
 class EvalData:
-    """This rank's slices of the held-out batches: ``batches`` x (inputs, targets), read once and kept (the same
-    sequences are scored at every evaluation; a rank holds ``batches`` x its slice, at most a few MiB)."""
+    """This rank's slices of the held-out batches: ``batches`` x (inputs, targets, document ids), read once and
+    kept (the same sequences are scored at every evaluation; a rank holds ``batches`` x its slice, at most a few
+    MiB). Document ids (whole windows, before the cp split) only under ``attention_mask: document``, else None."""
 
     def __init__(self, path: str, seq_len: int, seed: int, batches: int, global_batch: int, dp_rank: int,
-                 dp_size: int, cp_rank: int = 0, cp_size: int = 1):
+                 dp_size: int, cp_rank: int = 0, cp_size: int = 1, attention_mask: str = "causal"):
         self.path, self.seq_len, self.seed, self.batches = path, seq_len, seed, batches
         self.per_rank = global_batch // dp_size
         self.global_batch, self.dp_rank = global_batch, dp_rank
         self.cp_rank, self.cp_size = cp_rank, cp_size
-        self._batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.attention_mask = attention_mask
+        self._batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
 
     def __iter__(self):
         if self._batches is None:
             dataset = TokenDataset(self.path, self.seq_len, self.seed)
-            self._batches = [self._slice(dataset, b) for b in range(self.batches)]
+            eos = document_eos(self.attention_mask, dataset)
+            self._batches = [self._slice(dataset, b, eos) for b in range(self.batches)]
         return iter(self._batches)
 
-    def _slice(self, dataset: TokenDataset, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slice(self, dataset: TokenDataset, b: int, eos: int | None):
         inputs, targets = dataset.batch(b * self.global_batch + self.dp_rank * self.per_rank, self.per_rank)
         return (split_sequence(inputs, self.cp_size, self.cp_rank).contiguous(),
-                split_sequence(targets, self.cp_size, self.cp_rank).contiguous())
+                split_sequence(targets, self.cp_size, self.cp_rank).contiguous(),
+                None if eos is None else document_ids(inputs, eos))
 
 
 class PipelineSweep:
@@ -80,15 +86,17 @@ class PipelineSweep:
         self.stages, self.owner, self.group, self.device = stages, owner, group, device
         self.me = dist.get_rank(group)
 
-    def __call__(self, chunks: list[torch.Tensor], score) -> None:
+    def __call__(self, chunks: list[torch.Tensor], score, documents: list[Documents | None]) -> None:
         """Run ``chunks`` (the microbatches' tokens; read only where this rank holds the first stage) through the
-        pipeline; ``score(j, logits)`` for each microbatch ``j`` where this rank holds the last stage."""
+        pipeline, each stage's attention masked by its microbatch's ``documents`` (None: causal);
+        ``score(j, logits)`` for each microbatch ``j`` where this rank holds the last stage."""
         last, sends, kept = len(self.owner) - 1, [], list(chunks)
         for s in sorted(self.stages):
             outputs = []
             for j in range(len(chunks)):
                 x = kept[j] if s == 0 or self.owner[s - 1] == self.me else self._recv(self.owner[s - 1])
-                y = self.stages[s](x)
+                with attending([self.stages[s]], documents[j]):
+                    y = self.stages[s](x)
                 if s == last:
                     score(j, y)
                 elif self.owner[s + 1] == self.me:
@@ -135,16 +143,23 @@ class Evaluator:
         start = time.perf_counter()
         losses = []
         with _eval_mode(self.modules), torch.no_grad(), self.autocast():
-            for inputs, targets in self.data:
+            for inputs, targets, ids in self.data:
                 xs = [x.to(self.device) for x in inputs.chunk(self.microbatches)]
                 ys = [y.to(self.device) for y in targets.chunk(self.microbatches)]
+                documents = split_documents(ids, self.microbatches, self.device)
                 if self.sweep is not None:
-                    self.sweep(xs, lambda j, logits, ys=ys: losses.append(lm_loss(logits, ys[j])))
+                    self.sweep(xs, lambda j, logits, ys=ys: losses.append(lm_loss(logits, ys[j])), documents)
                 else:
-                    losses.extend(lm_loss(self.modules[0](x), y) for x, y in zip(xs, ys))
+                    losses.extend(self._score(x, y, d) for x, y, d in zip(xs, ys, documents))
         _reshard(self.modules)
         loss = float(torch.stack(losses).mean()) if self.holds_last else None
         return loss, time.perf_counter() - start
+
+
+    def _score(self, x: torch.Tensor, y: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        """One microbatch's mean token loss through the whole model part."""
+        with attending([self.modules[0]], documents):
+            return lm_loss(self.modules[0](x), y)
 
 
 @contextlib.contextmanager

@@ -18,12 +18,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.data import DataCursor, MixedDataset, open_data
+from workers.data.loader import document_eos
 from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
 from workers.diagnostics.timeline import busy_seconds
 from workers.evaluation import EvalData, Evaluator, PipelineSweep
 from workers.model import moe
+from workers.model.documents import attending, split_documents
 from workers.model.gpt import lm_loss
 from workers.offload.activations import activation_policy
 from workers.offload.host_memory import release_freed_buffers
@@ -127,7 +129,7 @@ class Trainer:
         if not ev.every:
             return None
         data = EvalData(ev.path, self.spec.model.seq_len, self.spec.data.seed, ev.batches, train.global_batch_size,
-                        self.coords.dp, par.dp, self.coords.cp, par.grid.cp)
+                        self.coords.dp, par.dp, self.coords.cp, par.grid.cp, self.spec.model.attention_mask)
         sweep = None
         if par.grid.pp_enabled:
             sweep = PipelineSweep(dict(zip(self.parts.stage_ids, self.parts.modules)),
@@ -159,7 +161,8 @@ class Trainer:
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
         dataset = open_data(data.path, data.sources(), self.spec.model.seq_len, data.seed)
         cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp,
-                            cp_rank=self.coords.cp, cp_size=par.grid.cp)
+                            cp_rank=self.coords.cp, cp_size=par.grid.cp,
+                            eos_id=document_eos(self.spec.model.attention_mask, dataset))
         named = [z.module() for z in self.zero1] or None
         return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload, named,
                           self.parts.expert_mesh)
@@ -190,7 +193,12 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Summed mean loss of this rank's microbatches (``None`` where no last stage lives)."""
+        """Summed mean loss of this rank's microbatches (``None`` where no last stage lives).
+
+        Under ``model.attention_mask: document`` each microbatch's document ids (of the batch the cursor just
+        gave, whole windows: every rank has them, pipeline stages without tokens and cp shares too) are on the
+        attention cores while it runs forward and backward (recompute replays the forward there)."""
+        documents = split_documents(self.state.cursor.documents, self.microbatches, self.device)
         if self.async_pipe is not None:
             with self._autocast(), self.activations.hooks():
                 return self.async_pipe.run(inputs, targets, self.step, drain=self._drains_pipeline())
@@ -199,6 +207,8 @@ class Trainer:
             # contiguous: the loader's token windows are views ([:, :-1] has stride seq+1), and torch 2.11's
             # PipelineStage refuses an input whose strides differ from the contiguous ones it expects
             args = (inputs.contiguous(),) if self.holds_first_stage else ()
+            for stage in self.pipe_stages:
+                stage.documents = documents  # each chunk's, put on its cores by TimedStage._timed
             with self._autocast(), self.activations.hooks():
                 self.schedule.step(*args, target=targets if self.holds_last_stage else None, losses=losses)
             if not self.holds_last_stage:
@@ -210,7 +220,8 @@ class Trainer:
         for i, (x, y) in enumerate(chunks):
             last = i == len(chunks) - 1
             start = time.time()
-            with self._sync_grads(model, last), self._autocast(), self.activations.hooks():
+            with self._sync_grads(model, last), self._autocast(), self.activations.hooks(), \
+                    attending([model], documents[i]):
                 loss = self._loss_fn(model(x), y) / len(chunks)
                 loss.backward()
             self.compute_events.append({"stage": 0, "microbatch": i, "kind": "FB", "start": start, "end": time.time()})

@@ -234,7 +234,18 @@ def chunk_activation_bytes(spec: JobSpec, stage: int, n_stages: int) -> int:
     A frozen (LoRA) embedding saves nothing: its weight needs no gradient."""
     trained_embedding = stage == 0 and spec.model.lora is None
     embedding = mm.embedding_activation_bytes(local_seq(spec), micro_batch(spec)) if trained_embedding else 0
-    return sum(layer_bytes(spec, i) for i in stage_layers(spec, stage, n_stages)) + embedding
+    layers = stage_layers(spec, stage, n_stages)
+    return sum(layer_bytes(spec, i) for i in layers) + embedding + document_bytes(spec, layers)
+
+
+def document_bytes(spec: JobSpec, layers) -> int:
+    """The document mask a chunk of ``layers`` saves per microbatch (``mm.document_mask_bytes``): under
+    ``model.attention_mask: document`` where one of its blocks keeps its attention's inputs (no recompute)."""
+    m, p, mem = spec.model, spec.parallel, spec.memory
+    kept = any(mm.layer_recompute(mem.recompute, mem.recompute_every, i, m.n_layers) == "none" for i in layers)
+    if m.attention_mask != "document" or not kept:
+        return 0
+    return mm.document_mask_bytes(m.seq_len, micro_batch(spec), p.cp, p.cp_impl, compute_bytes(spec))
 
 
 def head_bytes(spec: JobSpec) -> int:

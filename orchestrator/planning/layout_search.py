@@ -61,6 +61,7 @@ class Shape:
     reduce_bytes: int = 4  # gradient reduction width under that policy (precision.reduce_dtype)
     fsdp_prefetch: int = 0  # parallel.fsdp_prefetch: ZeRO-3 blocks gathered ahead (FSDP2's one when 0)
     cp_impl: str = "ring"  # parallel.cp_impl: the kernel's buffers, and allgather's saved K/V
+    document_mask: bool = False  # model.attention_mask: document: each microbatch's saved mask
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -69,7 +70,8 @@ class Shape:
                    spec.train.global_batch_size, m.kv_heads, m.arch, m.tie_embeddings, m.positions == "learned",
                    mm.BYTES_PER[spec.precision.dtype], planned_fsdp_mixed(
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
-                   mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl)
+                   mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
+                   m.attention_mask == "document")
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -235,6 +237,8 @@ class Evaluator:
         head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed)
         in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
         chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
+        if s.document_mask and lay.recompute == "none" and layers:  # one mask per microbatch, shared by the blocks
+            chunks += len(ids) * mm.document_mask_bytes(s.seq, lay.micro_batch, lay.cp, s.cp_impl, c)
         heads = mm.head_copies(last, lay.pp > 1, schedule_facts(lay.schedule).all_forwards_first, m)
         saved = mm.rank_saved_bytes(chunks, len(ids), in_flight, head, heads)
         carried = mm.carries_grads(lay.pp > 1, in_flight, m, len(ids))

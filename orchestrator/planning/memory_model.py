@@ -346,6 +346,16 @@ def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv
     return 2 * compute_bytes * micro_batch * seq * d_model // n_heads * kv_heads // tp if cp > 1 else 0
 
 
+def document_mask_bytes(seq: int, micro_batch: int, cp: int, impl: str, compute_bytes: int = 4) -> int:
+    """What ``model.attention_mask: document`` adds to a pipeline chunk's saved activations per microbatch: the
+    additive ``[micro_batch, 1, queries, seq]`` mask SDPA saves, built once per microbatch and shared by every
+    block (``workers.model.documents``), in the compute dtype. Queries: the rank's ``seq / cp`` under all-gather
+    CP, the whole sequence otherwise (Ulysses attends it whole, head-split). Measured: one 2 x 512 x 512 fp32
+    mask for a 4-block model, not one per block."""
+    queries = seq // cp if impl == "allgather" else seq
+    return compute_bytes * micro_batch * queries * seq
+
+
 def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int,
                     tp: int = 1, compute_bytes: int = 4) -> int:
     """Transient buffers of one block's context-parallel attention (one block runs at a time), 0 at cp=1.

@@ -22,7 +22,7 @@ from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
 from workers.data.checksums import FIELD as SHARD_CHECKSUM
-from workers.data.tokenizer import TOKENIZER_FILE, tokenizer_sha256
+from workers.data.tokenizer import TOKENIZER_FILE, manifest_eos_id, tokenizer_sha256
 from workers.storage import is_url, location
 
 
@@ -130,6 +130,7 @@ def check_data_path(spec: JobSpec, data_required: bool = True) -> None:
         field = spec.data.field_of(path)
         check_shards_readable(field, path, manifest)
         check_data_vocab(spec, manifest, field, path)
+        check_document_eos(spec, manifest, field, path)
         check_init_from_tokenizer(spec, manifest, field, path)
         if spec.data.mix:
             _check_share_of_batch(spec, path, weight, manifest["total_tokens"])
@@ -202,6 +203,18 @@ def check_data_vocab(spec: JobSpec, manifest: dict, field: str, value: str) -> N
     )
 
 
+def check_document_eos(spec: JobSpec, manifest: dict, field: str, value: str) -> None:
+    """`model.attention_mask: document` counts documents by the end-of-document id `field` (`value`) records in
+    its manifest; ids written as bare rows (`write_token_rows`, a Ray dataset) record none, so the ranks could
+    not tell where a document ends."""
+    if spec.model.attention_mask != "document" or manifest_eos_id(manifest) is not None:
+        return
+    raise SpecError("model.attention_mask", "document", f"needs the end-of-document id of the data in {field} "
+                    f"{value}, but its manifest records none ({_made_by(manifest)}: ids written as bare rows, with "
+                    "no separator between documents)", "prepare the data with `raymesh prepare-data` (it puts the "
+                    "tokenizer's end-of-document id between documents), or set model.attention_mask: causal")
+
+
 def check_init_from_tokenizer(spec: JobSpec, manifest: dict, field: str, value: str) -> None:
     """When `model.init_from` ships a tokenizer.json, the data in `field` (`value`: `data.path`, a `data.mix`
     entry) must have been tokenized with it:
@@ -260,6 +273,7 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     manifest = prepared_manifest("eval.path", spec.eval.path)
     check_shards_readable("eval.path", spec.eval.path, manifest)
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
+    check_document_eos(spec, manifest, "eval.path", spec.eval.path)
     for path, _, data in training_manifests(spec, data_required):
         if not _same_ids(manifest, spec.eval.path, data, path):
             raise SpecError("eval.path", spec.eval.path, f"holds ids of {_made_by(manifest)} (vocab "

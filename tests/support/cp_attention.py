@@ -14,12 +14,30 @@ import torch.nn.functional as F
 
 # (name, Hq, Hkv): MHA, GQA, and head counts that do not divide evenly across cp (ring/allgather take any)
 HEADS = (("mha", 4, 4), ("gqa", 4, 2), ("gqa8", 8, 2), ("mqa_uneven", 6, 1), ("gqa_uneven", 6, 3))
+# masks: causal, none, and causal within documents (model.attention_mask: document), which ring does not take
+MASKS = (True, False, "documents")
+DOCUMENT_STRATEGIES = ("allgather", "ulysses")
+# where each sequence's documents open (24 tokens): a one-token document, boundaries inside and at the edges of
+# the zigzag chunks (cp=2: 6-token chunks; cp=4: 3-token chunks), and a sequence that is one document
+OPENINGS = ((1, 2, 6, 11, 19), ())
 
 
-def reference(q, k, v, dout, causal: bool):
+def document_layout(seq: int, batch: int = 2) -> torch.Tensor:
+    """Document ids [batch, seq] with documents opening at ``OPENINGS`` (as ``document_ids`` counts them)."""
+    flags = torch.zeros(batch, seq, dtype=torch.long)
+    for b, opens in enumerate(OPENINGS[:batch]):
+        flags[b, list(opens)] = 1
+    return flags.cumsum(-1)
+
+
+def reference(q, k, v, dout, causal: bool | str):
     """Single-process attention on the whole sequence: (out, dq, dk, dv)."""
+    from workers.model.documents import Documents
+
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    masking = {"is_causal": causal} if causal != "documents" else \
+        {"attn_mask": Documents(document_layout(q.shape[2])).whole(q)}
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **masking)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -33,22 +51,27 @@ def case_inputs(hq: int, hkv: int, seq: int, seed: int, batch: int = 2, dim: int
     return q, k, v, torch.randn(batch, hq, seq, dim, generator=gen)
 
 
-def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool, seq: int = 24) -> float:
-    """Largest |cp - reference| over out, dq, dk, dv on this rank's positions."""
+def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool | str, seq: int = 24) -> float:
+    """Largest |cp - reference| over out, dq, dk, dv on this rank's positions (``causal`` "documents": causal
+    within ``document_layout``'s documents, handed to the kernel as the trainer does)."""
+    from workers.model.documents import Documents
     from workers.parallel.context_parallel import zigzag_indices
 
-    q, k, v, dout = case_inputs(hq, hkv, seq, seed=hq * 100 + hkv * 10 + causal)
+    q, k, v, dout = case_inputs(hq, hkv, seq, seed=hq * 100 + hkv * 10 + MASKS.index(causal))
     ref = reference(q, k, v, dout, causal)
     idx = zigzag_indices(seq, cp, rank)
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    out = fn(ql, kl, vl, group, causal=causal)
+    kwargs = {"causal": causal} if causal != "documents" else \
+        {"causal": True, "documents": Documents(document_layout(seq))}
+    out = fn(ql, kl, vl, group, **kwargs)
     out.backward(dout[:, :, idx])
     got = (out.detach(), ql.grad, kl.grad, vl.grad)
     return max((g - r[:, :, idx]).abs().max().item() for g, r in zip(got, ref))
 
 
 def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], results) -> None:
-    """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group)."""
+    """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group);
+    the document mask only for the kernels that take one."""
     import torch.distributed as dist
 
     from workers.parallel import context_parallel as cpa
@@ -67,8 +90,9 @@ def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], result
     for cp, group in groups.items():
         for name in strategies:
             fn = getattr(cpa, f"{name}_attention")
+            masks = MASKS if name in DOCUMENT_STRATEGIES else MASKS[:2]
             for label, hq, hkv in HEADS:
-                for causal in (True, False):
+                for causal in masks:
                     try:
                         err = run_case(fn, group, cp, dist.get_rank(group), hq, hkv, causal)
                     except ValueError as refusal:

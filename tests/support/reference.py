@@ -14,8 +14,10 @@ from torch.func import functional_call
 
 from orchestrator import JobSpec
 from workers.data import DataCursor, TokenDataset, open_data
+from workers.data.loader import document_eos, document_ids
 from workers.model import moe
 from workers.model.config import model_config
+from workers.model.documents import Documents, attending
 from workers.model.finetune import prepare_model
 from workers.model.gpt import lm_loss
 from workers.model.hf_io import load_hf_weights
@@ -51,13 +53,15 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
     # sm3 is our own optimizer: its sharded step is what a layout's parity checks
     opt = SM3(_decay_groups(model, o), lr=o.lr, momentum=o.momentum) if o.name == "sm3" else _adamw(model, o)
     data = open_data(spec.data.path, spec.data.mix and spec.data.sources(), spec.model.seq_len, spec.data.seed)
-    cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1)
+    cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1,
+                        eos_id=document_eos(spec.model.attention_mask, data))
     losses, norms = [], []
     for _ in range(steps):
         moe.begin_step([model], spec.train.seed, cursor.start, aux_scale=1.0)  # MoE noise keyed by stream position
         inputs, targets = cursor.next_batch()
-        loss = lm_loss(model(inputs), targets)
-        loss.backward()
+        with _within_documents(model, cursor.documents):  # model.attention_mask: document, the whole batch at once
+            loss = lm_loss(model(inputs), targets)
+            loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
         opt.step()
         opt.zero_grad()
@@ -73,20 +77,27 @@ def reference_eval(spec: JobSpec, steps: int) -> dict[int, float]:
     set (its first ``eval.batches`` x ``train.global_batch_size`` sequences) through the whole model at once, in
     eval mode without gradients, its mean token cross entropy."""
     ev = spec.eval
-    inputs, targets = TokenDataset(ev.path, spec.model.seq_len, spec.data.seed).batch(
-        0, ev.batches * spec.train.global_batch_size)
+    data = TokenDataset(ev.path, spec.model.seq_len, spec.data.seed)
+    inputs, targets = data.batch(0, ev.batches * spec.train.global_batch_size)
+    eos = document_eos(spec.model.attention_mask, data)
+    documents = None if eos is None else document_ids(inputs, eos)
     scores = {}
 
     def score(model: torch.nn.Module, step: int) -> None:
         if step % ev.every and step != spec.train.steps:
             return
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), _within_documents(model, documents):
             scores[step] = lm_loss(model(inputs), targets).item()
         model.train()
 
     reference_run(spec, steps, score)
     return scores
+
+
+def _within_documents(model: torch.nn.Module, ids: torch.Tensor | None):
+    """``model``'s attention masked by the documents ``ids`` for the block (None: causal, as without the mask)."""
+    return attending([model], None if ids is None else Documents(ids))
 
 
 def reference_losses(spec: JobSpec, steps: int) -> list[float]:

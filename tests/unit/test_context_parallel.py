@@ -1,8 +1,9 @@
 """Context-parallel attention (ring, Ulysses, all-gather) equals single-process SDPA on the whole sequence.
 
 One spawn of four gloo ranks runs every case, at cp=4 and at cp=2 (two pairs), in a module-scoped fixture;
-each test reads its case: output and dq/dk/dv to 1e-5 in float32, causal and not, MHA/GQA/MQA head counts,
-and Ulysses' refusal of head counts it cannot split.
+each test reads its case: output and dq/dk/dv to 1e-5 in float32, causal, not, and (all-gather, Ulysses)
+causal within documents (``model.attention_mask: document``), MHA/GQA/MQA head counts, and Ulysses' refusal of
+head counts it cannot split.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cp_attention import HEADS, run_all
+from tests.support.cp_attention import DOCUMENT_STRATEGIES, HEADS, MASKS, run_all
 from workers.parallel.context_parallel import _block_plan, check_ulysses_heads, zigzag_indices
 
 STRATEGIES = ("allgather", "ring", "ulysses")
 TOL = 1e-5
 CASES = [(cp, strategy, label, hq, hkv, causal) for cp in (2, 4) for strategy in STRATEGIES
-         for label, hq, hkv in HEADS for causal in (True, False)]
+         for label, hq, hkv in HEADS for causal in MASKS if causal != "documents" or strategy in DOCUMENT_STRATEGIES]
+NAMES = {True: "causal", False: "full", "documents": "documents"}
 
 
 def _ulysses_splits(hq: int, hkv: int, cp: int) -> bool:
@@ -48,7 +50,7 @@ def test_ulysses_refusal_names_the_rule(hq, hkv, cp):
 
 
 @pytest.mark.parametrize(("cp", "strategy", "label", "hq", "hkv", "causal"), CASES,
-                         ids=[f"cp{c[0]}-{c[1]}-{c[2]}-{'causal' if c[5] else 'full'}" for c in CASES])
+                         ids=[f"cp{c[0]}-{c[1]}-{c[2]}-{NAMES[c[5]]}" for c in CASES])
 def test_matches_single_process_sdpa(results, cp, strategy, label, hq, hkv, causal):
     err = results[(cp, strategy, label, causal)]
     if strategy == "ulysses" and not _ulysses_splits(hq, hkv, cp):

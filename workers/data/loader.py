@@ -33,6 +33,7 @@ import torch
 
 from workers.data import blend, checksums
 from workers.data.prepare import FORMAT
+from workers.data.tokenizer import manifest_eos_id
 from workers.parallel.context_layout import split_sequence
 from workers.storage import is_url, location, parquet_source
 
@@ -271,6 +272,7 @@ class TokenDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.vocab_size: int = manifest["vocab_size"]
+        self.eos_id: int | None = manifest_eos_id(manifest)  # between documents; None for bare rows of ids
         self.corpus = corpus_fingerprint(manifest)
         self.store = open_store(self.path, manifest)
         self._num_samples = (len(self.store) - 1) // seq_len
@@ -332,6 +334,7 @@ class MixedDataset:
         self.shares = blend.normalised([weight for _, weight in sources])
         self.seq_len, self.seed = seq_len, seed
         self.vocab_size = max(source.vocab_size for source in self.sources)
+        self.eos_id = self.sources[0].eos_id  # one tokenizer's ids: the spec checks every source's against the first
         self.path = " + ".join(str(source.path) for source in self.sources)  # as messages name the data
         # the position counts samples of this order: the sources' contents and their weights
         self.corpus = hashlib.sha256(json.dumps([[s.corpus for s in self.sources], self.shares.tolist()])
@@ -402,17 +405,37 @@ class Prefetch:
         return self.dataset.batch(start, count)
 
 
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Each token's document in its window ``tokens`` [batch, seq]: the running count of ``eos_id``, which
+    opens the next document (the token before it still learns to predict it): ``workers.model.documents``."""
+    return (tokens == eos_id).cumsum(-1)
+
+
+def document_eos(attention_mask: str, dataset: TokenDataset | MixedDataset) -> int | None:
+    """The id ``DataCursor`` counts documents by: the data's end-of-document id under ``model.attention_mask:
+    document``, else None (no document ids kept). Data without one is refused before start too
+    (``orchestrator.spec.runtime_checks``); here for a rank handed such data anyway."""
+    if attention_mask != "document":
+        return None
+    if dataset.eos_id is None:
+        raise ValueError(f"model.attention_mask: document needs the end-of-document id of the data in "
+                         f"{dataset.path}, whose manifest records none (ids written as bare rows); fix: prepare it "
+                         "with `raymesh prepare-data`, or set model.attention_mask: causal")
+    return dataset.eos_id
+
+
 class DataCursor:
     """One data-parallel rank's view: each step consumes `global_batch` stream positions.
 
     Under context parallelism (`cp_size` > 1) the rank keeps only its cp share of each sequence, inputs and
     targets alike (`workers.parallel.context_layout.split_sequence`); the position still counts whole samples,
-    so a checkpoint resumes at any cp degree.
+    so a checkpoint resumes at any cp degree. With `eos_id` (document masking) `documents` holds the last
+    batch's document ids over the whole windows, before the cp split: a cp rank's attention needs every key's.
     """
 
     def __init__(
         self, dataset: TokenDataset | MixedDataset, global_batch: int, dp_rank: int, dp_size: int, position: int = 0,
-        cp_rank: int = 0, cp_size: int = 1,
+        cp_rank: int = 0, cp_size: int = 1, eos_id: int | None = None,
     ) -> None:
         if global_batch <= 0 or dp_size <= 0 or global_batch % dp_size:
             raise ValueError(
@@ -428,6 +451,8 @@ class DataCursor:
         self.dp_size = dp_size
         self.position = position
         self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.eos_id = eos_id
+        self.documents: torch.Tensor | None = None
         self._prefetch = Prefetch(dataset)
 
     @property
@@ -448,6 +473,7 @@ class DataCursor:
         inputs, targets = self._prefetch.take(self._start, per_rank)
         self.position += self.global_batch
         self._prefetch.ahead(self._start, per_rank)
+        self.documents = None if self.eos_id is None else document_ids(inputs, self.eos_id)
         return (split_sequence(inputs, self.cp_size, self.cp_rank),
                 split_sequence(targets, self.cp_size, self.cp_rank))
 

@@ -147,6 +147,13 @@ def load_tokenizer(spec: str):
     return HFTokens(tokenizer, "file", path)
 
 
+def manifest_eos_id(manifest: dict) -> int | None:
+    """The end-of-document id between the documents of a prepared directory whose manifest is ``manifest``, or
+    None for ids written as bare rows (``write_token_rows``: no separator). A manifest from before the
+    ``tokenizer`` record holds bytes, separated by ``BYTE_EOS``."""
+    return (manifest.get("tokenizer") or {"eos_id": BYTE_EOS}).get("eos_id")
+
+
 def recorded_tokenizer(record: dict, root):
     """The tokenizer a manifest's ``tokenizer`` entry ``record`` names, for the prepared directory ``root`` (a
     ``Path`` or an fsspec path): bytes, or the ``tokenizer.json`` it names, looked for beside the shards first

@@ -97,6 +97,8 @@ class ModelConfig(BaseModel):
     d_ff: PositiveInt | None = None
     seq_len: PositiveInt = 64
     positions: Literal["rotary", "learned"] = "rotary"
+    # document: each token attends only to earlier tokens of its own document (workers.model.documents)
+    attention_mask: Literal["causal", "document"] = "causal"
     norm_eps: PositiveFloat = 1e-5
     init_std: PositiveFloat = 0.02
     arch: Literal["gpt", "llama"] = "gpt"  # the model family (see workers.model.registry)

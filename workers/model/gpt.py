@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import ModelConfig
+from workers.model.documents import Documents
 from workers.model.moe import MoELayer
 from workers.model.registry import ModelFamily, register
 
@@ -57,20 +58,33 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 class CausalCore(nn.Module):
     """Parameter-free attention core: a separate module so selective recompute can wrap just it, and the one
-    place context parallelism enters attention (its ``context_shard``, set by the builder when cp > 1)."""
+    place context parallelism enters attention (its ``context_shard``, set by the builder when cp > 1) and
+    document masking (its ``documents``, set per microbatch: ``workers.model.documents.attending``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.context_shard = None
+        self.documents: Documents | None = None  # None: plain causal attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.context_shard is not None:
-            return self.context_shard.attend(q, k, v)
+            return self.context_shard.attend(q, k, v, **self.document_kwargs())
         return self.local(q, k, v)
+
+    def document_kwargs(self) -> dict:
+        """What a context-parallel kernel is told of the documents: nothing when attention is causal."""
+        return {} if self.documents is None else {"documents": self.documents}
+
+    def masking(self, q: torch.Tensor) -> dict:
+        """SDPA's mask arguments for a whole sequence ``q`` [batch, heads, seq, head_dim]: causal, or causal
+        within each document."""
+        if self.documents is None:
+            return {"is_causal": True}
+        return {"attn_mask": self.documents.whole(q)}
 
     def local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention over the sequence this rank holds whole."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, **self.masking(q))
 
 
 class Attention(nn.Module):

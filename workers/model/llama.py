@@ -63,7 +63,7 @@ class GroupedCausalCore(CausalCore):
     kernels take grouped K/V as they are)."""
 
     def local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **self.masking(q))
 
 
 class GroupedQueryAttention(nn.Module):

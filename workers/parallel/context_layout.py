@@ -42,10 +42,12 @@ class ContextShard:
         """Global positions of this rank's ``local_len`` tokens (what embeddings and rotary must use)."""
         return context_parallel.zigzag_indices(local_len * self.size, self.size, self.rank).to(device)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the local queries over the whole sequence, by the ``cp_impl`` kernel."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **documents) -> torch.Tensor:
+        """Causal attention of the local queries over the whole sequence, by the ``cp_impl`` kernel; with
+        ``documents`` (a ``workers.model.documents.Documents``), causal within each document (allgather and
+        ulysses only: the spec refuses ring, ``orchestrator.spec.context_checks``)."""
         kernel = getattr(context_parallel, KERNELS[self.impl])
-        return kernel(q, k, v, self.group, causal=True)
+        return kernel(q, k, v, self.group, causal=True, **documents)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, impl: str) -> ContextShard:

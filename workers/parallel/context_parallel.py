@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from workers.model.documents import Documents
+
 
 def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
     """Global token positions cp rank ``rank`` holds: chunk ``rank`` then chunk ``2*cp-1-rank`` of ``2*cp``.
@@ -310,13 +312,49 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def allgather_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+def allgather_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
     """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
 
-    Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank.
+    Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank. With
+    ``documents`` each query sees only its own document's earlier keys (``_attend_within_documents``).
     """
     _check_heads(q, k, v)
+    if documents is not None:
+        return _attend_within_documents(q, k, v, group, documents)
     return _AllGatherAttention.apply(q, k, v, group, causal)
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along a new dim 0 (slot ``j``: rank ``j``'s tensor) with autograd: each rank's gradient is the
+    sum of every rank's slot for it, an all-to-all summed on arrival (the reduce-scatter gloo has not)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(_group_shape(group)[1])]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group).sum(0), None
+
+
+def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tensor:
+    """The local queries over the gathered K/V of the whole sequence with SDPA and a document mask.
+
+    Why not the blockwise kernels: their pieces are planned by position alone, and a document boundary can mask
+    a piece's whole row, which their online softmax does not take. All-gather CP sees every key anyway, so the
+    mask is direct: queries at this rank's zigzag positions, keys at every rank's in rank order. This is why
+    Llama 3 chose all-gather CP for document-masked training (ring attention would need per-block masks).
+    """
+    rank, cp = _group_shape(group)
+    seq = q.shape[2] * cp
+    kv = _AllGather.apply(torch.stack([k, v]), group)  # [cp, 2, B, Hkv, S_local, D]
+    k_all, v_all = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [B, Hkv, S, D] each, rank order
+    order = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)]).to(q.device)
+    mask = documents.mask("allgather", zigzag_indices(seq, cp, rank).to(q.device), order, q.dtype)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _diagonal_mask(q: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -367,13 +405,14 @@ def _heads_to_sequence(t: torch.Tensor, group, cp: int) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-def ulysses_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
     """DeepSpeed-Ulysses: all-to-all to head-sharded whole sequences, SDPA, all-to-all back.
 
     After the first exchange the tokens sit in rank order (each rank's zigzag chunks); they are permuted to
     natural order so SDPA's own causal mask applies, and back before the return exchange. KV heads fewer than
     cp are replicated (``check_ulysses_heads`` says which counts work). Under tp the heads are the tp-local
-    ones; nothing here changes.
+    ones; nothing here changes. With ``documents`` every rank sees the whole sequence, so the document mask of
+    the whole window applies as it is.
     """
     _check_heads(q, k, v)
     _, cp = _group_shape(group)
@@ -384,5 +423,6 @@ def ulysses_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
     order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
     natural = torch.argsort(order)
     qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=qh.shape[1] != kh.shape[1])
+    masking = {"is_causal": causal} if documents is None else {"attn_mask": documents.whole(qh)}
+    out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], **masking)
     return _heads_to_sequence(out[:, :, order], group, cp)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from workers.model import moe
+from workers.model.documents import Documents, attending
 from workers.parallel.schedules import schedule as schedule_facts
 
 
@@ -31,10 +32,15 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.events: list[dict] = []
         self.moe_layers = moe.pipeline_layers(self.submod)  # told each chunk's microbatch index
+        # model.attention_mask: document: each microbatch's document ids, set by the trainer for the step
+        self.documents: list[Documents | None] = []
 
     def _timed(self, kind: str, run, chunk: int, *args, **kwargs):
+        """Run one chunk's forward, backward or weight pass, its microbatch's MoE index and documents set (a
+        backward may replay the forward under recompute), and record when it ran."""
         start = time.time()
-        with moe.running_microbatch(self.moe_layers, chunk):
+        documents = self.documents[chunk] if self.documents else None
+        with moe.running_microbatch(self.moe_layers, chunk), attending([self.submod], documents):
             out = run(chunk, *args, **kwargs)
         self.events.append({"stage": self.stage_index, "microbatch": chunk, "kind": kind,
                             "start": start, "end": time.time()})

@@ -1,0 +1,43 @@
+"""What `model.attention_mask: document` (each token attends only within its own document,
+`workers.model.documents`) cannot combine with.
+
+Checked before any actor starts, each refusal naming the field, the value and the fix. Whether the data records
+an end-of-document id to count documents by is checked with the data (`runtime_checks.check_document_eos`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.errors import SpecError
+from orchestrator.spec.async_pipeline_checks import ASYNC
+
+if TYPE_CHECKING:
+    from orchestrator.spec.job import JobSpec
+
+_OFF = "or set model.attention_mask: causal"
+
+
+def check_document_mask(job: JobSpec) -> None:
+    """Refuse what would train with another mask than the one asked for, or fail at the first step."""
+    if job.model.attention_mask != "document":
+        return
+    p = job.parallel
+    refused = [  # (applies, field, value, problem, fix)
+        (job.model.positions == "learned", "model.positions", "learned", "cannot combine with "
+         "model.attention_mask: document: learned positions are absolute, so a document would be seen at its "
+         "place in the window rather than from its start", f"set model.positions: rotary (relative: a document "
+         f"attends to itself alike wherever it starts), {_OFF}"),
+        (p.cp > 1 and p.cp_impl == "ring", "parallel.cp_impl", "ring", "cannot mask by document: ring attention "
+         "plans its K/V blocks by position alone and never holds the whole sequence's keys (Llama 3 chose "
+         "all-gather context parallelism for document-masked training for this reason)",
+         f"set parallel.cp_impl: allgather (or ulysses), {_OFF}"),
+        (job.train.compile, "train.compile", True, "cannot combine with model.attention_mask: document: the mask "
+         "reaches attention per microbatch from outside the compiled blocks", f"set train.compile: false, {_OFF}"),
+        (p.pp_schedule in ASYNC, "parallel.pp_schedule", p.pp_schedule, "cannot combine with "
+         "model.attention_mask: document: the asynchronous pipeline runs its own microbatches, which are not told "
+         "their documents", f"use pp_schedule: 1f1b, {_OFF}"),
+    ]
+    for applies, field, value, problem, fix in refused:
+        if applies:
+            raise SpecError(field, value, problem, fix)

@@ -1,0 +1,109 @@
+"""Document masking (``model.attention_mask: document``) on one process: a packed window gives each token the
+logits its document gives alone, and Llama's equal ``transformers``' on the same 4-D mask (eager attention, an
+independent implementation). float32, CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.hf import hf_llama, raymesh_llama_from
+from workers.data.loader import document_ids
+from workers.model.config import ModelConfig
+from workers.model.documents import Documents, attending
+from workers.model.registry import build_model
+
+EOS = 0
+FAMILIES = {
+    "gpt": {"arch": "gpt", "positions": "rotary"},
+    "llama": {"arch": "llama", "n_kv_heads": 2, "d_ff": 48},
+}
+
+
+def _packed(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, list[slice]]:
+    """One window [1, sum(lengths)] of documents of ``lengths``, each after the first opened by ``EOS`` as
+    ``prepare_data`` writes them, and each document's positions in it."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 256, (1, sum(lengths)), generator=gen)
+    spans, start = [], 0
+    for n in lengths:
+        if start:
+            tokens[0, start] = EOS
+        spans.append(slice(start, start + n))
+        start += n
+    return tokens, spans
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**FAMILIES[family], d_model=32, n_layers=2, n_heads=4, seq_len=32)
+    return build_model(cfg).eval()
+
+
+def test_document_ids_count_the_eos_and_it_opens_the_next_document():
+    ids = document_ids(torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8]]), EOS)
+    assert ids.tolist() == [[0, 0, 1, 1, 2, 3, 3]]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_packed_window_gives_each_document_its_own_logits(family):
+    """Rotary positions are relative, so a document attending only to itself scores as it does alone, wherever
+    it starts in the window; without the mask the later documents' logits change (they see the earlier ones)."""
+    model = _model(family)
+    tokens, spans = _packed([7, 1, 12, 9])
+    with torch.no_grad():
+        causal = model(tokens)
+        with attending([model], Documents(document_ids(tokens, EOS))):
+            masked = model(tokens)
+        for span in spans:
+            alone = model(tokens[:, span])
+            torch.testing.assert_close(masked[:, span], alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(causal[:, spans[2]], masked[:, spans[2]], atol=1e-3)
+    torch.testing.assert_close(model(tokens), causal)  # the cores are causal again after the block
+
+
+def test_llama_equals_transformers_eager_attention_on_the_same_4d_mask():
+    """``transformers``' LlamaModel takes a custom 4-D additive mask as it is; with eager attention (its own
+    softmax over masked scores, not SDPA) it gives our document-masked logits, GQA and Llama-3 rotary on."""
+    hf = hf_llama()
+    hf.config._attn_implementation = "eager"
+    ours = raymesh_llama_from(hf)
+    tokens = torch.cat([_packed([5, 11, 1, 7])[0], _packed([20, 4], seed=1)[0]])
+    ids = document_ids(tokens, EOS)
+    seq = tokens.shape[1]
+    allowed = ((ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril())[:, None]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        theirs = hf(tokens, attention_mask=additive).logits
+        with attending([ours], Documents(ids)):
+            mine = ours(tokens)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(mine, hf(tokens).logits, atol=1e-3)  # the mask matters on this window
+
+
+def test_one_mask_serves_every_layer_and_is_freed_with_its_microbatchs_graph():
+    """Every block's SDPA saves the one mask of the microbatch (not a copy per block), and once the microbatch's
+    backward has run nothing holds it, although its ``Documents`` may live on in the step's list."""
+    import gc
+    import weakref
+
+    model = _model("llama")
+    tokens, _ = _packed([7, 1, 12, 9])
+    documents = Documents(document_ids(tokens, EOS))
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    with attending([model], documents), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = model(tokens).sum()
+    masks = {id(t): t for t in saved if t.dim() == 4 and t.shape[-2:] == (tokens.shape[1], tokens.shape[1])}
+    assert len(masks) == 1  # shared by both blocks
+    freed = weakref.ref(next(iter(masks.values())))
+    saved.clear()
+    del masks
+    loss.backward()
+    del loss
+    gc.collect()
+    assert freed() is None and documents is not None

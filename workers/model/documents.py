@@ -1,0 +1,103 @@
+"""Document masking (``model.attention_mask: document``): a token attends only to earlier tokens of its own
+document, as Llama 3 trained and torchtitan offers (``attn_mask_type: block_causal``).
+
+A window is a slice of a stream of documents joined by the tokenizer's end-of-document id, which
+``workers.data.prepare`` writes before every document after the first. A token's document is the running count of
+that id in the window (``workers.data.loader.document_ids``): the id itself opens the next document, so the last
+token of a document still learns to predict it.
+
+The ids reach attention from outside the model, the way a context shard does: while one microbatch runs forward
+(and backward: recompute replays the forward inside it) its ``Documents`` sits on every attention core
+(``attending``). The trainer sets it per microbatch, a pipeline stage per schedule chunk
+(``workers.parallel.pipeline.TimedStage``), so stages that receive activations rather than tokens mask the same
+way. A model used without it (generation, a causal job) attends causally.
+
+Attention is ``F.scaled_dot_product_attention`` with a ``[batch, 1, q, k]`` mask, on CPU and CUDA alike: the
+boolean document mask made additive once per microbatch in the compute dtype and shared by every layer
+(``Documents``), q x k elements per microbatch. FlexAttention's block mask (``torch.nn.attention.flex_attention``),
+which skips whole masked tiles on the GPU instead of scoring them, is the faster path, left for later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def document_mask(documents: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, len(q_pos), len(k_pos)]`` bool, True where the query at global position ``q_pos[i]`` may see
+    the key at ``k_pos[j]``: an earlier (or the same) position of the same document. ``documents`` [batch, seq]
+    holds the whole window's document ids, indexed by global position."""
+    same = documents[:, q_pos, None] == documents[:, None, k_pos]
+    return (same & (q_pos[:, None] >= k_pos[None, :]))[:, None]
+
+
+class Documents:
+    """One microbatch's document ids [batch, seq] over the whole window (global positions, whatever share of
+    the sequence a context-parallel rank holds), and the masks built from them.
+
+    Why a class: SDPA saves its mask for backward, and given a boolean one it saves the additive copy it makes on
+    each call: one ``[batch, 1, q, k]`` float tensor per layer (measured: 4 layers of 2 x 512 x 512 fp32, 8 MiB
+    where the whole causal block's activations are 9 MiB). The additive mask is built here once per (query, key)
+    layout and dtype, so every layer's attention shares the one tensor.
+    """
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def mask(self, layout: str, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``document_mask`` for queries ``q_pos`` over keys ``k_pos`` as SDPA's additive mask in ``dtype`` (0
+        where attended, -inf where not), built on the first call for ``layout`` (a name for that pair of
+        positions, which every layer of a rank uses alike)."""
+        key = (layout, dtype)
+        if key not in self._masks:
+            allowed = document_mask(self.ids, q_pos, k_pos)
+            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._masks[key]
+
+    def whole(self, q: torch.Tensor) -> torch.Tensor:
+        """The mask of a whole window over itself, in natural order, for queries ``q`` [batch, heads, seq, dim]."""
+        pos = torch.arange(q.shape[2], device=q.device)
+        return self.mask("whole", pos, pos, q.dtype)
+
+    def release(self) -> None:
+        """Forget the masks built: those a graph saved live on in it until its backward, and no more than the
+        microbatches in flight are kept (a step's list of ``Documents`` would otherwise hold every one's)."""
+        self._masks.clear()
+
+
+def split_documents(ids: torch.Tensor | None, chunks: int, device: torch.device) -> list[Documents | None]:
+    """``ids`` [batch, seq] cut into ``chunks`` microbatches along the batch (as the inputs are), on ``device``;
+    ``chunks`` Nones when the job masks causally (``ids`` None)."""
+    if ids is None:
+        return [None] * chunks
+    return [Documents(part.to(device)) for part in ids.chunk(chunks)]
+
+
+def attention_cores(module: nn.Module) -> list[nn.Module]:
+    """The attention cores (``workers.model.gpt.CausalCore`` and its subclasses) inside ``module``."""
+    from workers.model.gpt import CausalCore  # gpt imports this module for the mask
+
+    return [m for m in module.modules() if isinstance(m, CausalCore)]
+
+
+@contextlib.contextmanager
+def attending(modules: list[nn.Module], documents: Documents | None):
+    """Every attention core inside ``modules`` masks by ``documents`` for the block (a forward, or a backward
+    that recomputes one), then causally again, the masks built for it released; with None, nothing changes."""
+    if documents is None:
+        yield
+        return
+    cores = [core for module in modules for core in attention_cores(module)]
+    for core in cores:
+        core.documents = documents
+    try:
+        yield
+    finally:
+        for core in cores:
+            core.documents = None
+        documents.release()
