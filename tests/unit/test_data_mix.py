@@ -188,22 +188,39 @@ def test_step_records_and_summary_carry_each_sources_count():
     assert "data_mix" not in step_record([StepResult(**{**results[0].__dict__, "data_mix": None})], 1.0, 8, 0, 0)
 
 
-def test_a_mixture_trains_as_the_reference_does(tmp_path_factory):
+def _short_documents(root: Path, offset: int) -> Path:
+    """A prepared corpus of 60 short documents (30 to 89 bytes), so most windows of TINY's seq_len cross one."""
+    (root / "src").mkdir(parents=True)
+    for i in range(60):
+        (root / "src" / f"{i:02d}.txt").write_bytes(bytes((i * 7 + j) % 90 + offset for j in range(30 + i)))
+    prepare_data([root / "src"], root / "out")
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory) -> list[dict]:
+    return [{"path": str(_short_documents(tmp_path_factory.mktemp(name), offset)), "weight": weight}
+            for name, offset, weight in (("a", 32, 0.75), ("b", 40, 0.25))]
+
+
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_a_mixture_trains_as_the_reference_does(tmp_path_factory, short_docs, mask):
     """One rank's Trainer on a mixture (no Ray): finite losses equal to the single-process reference's, and each
-    step's result counts the samples each source supplied."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = []
-    for name, weight in (("json", 0.75), ("html", 0.25)):
-        out = tmp_path_factory.mktemp(name)
-        prepare_data([stdlib / name], out)
-        sources.append({"path": str(out), "weight": weight})
-    with one_rank_trainer(tmp_path_factory, data={"mix": sources}) as t:
+    step's result counts the samples each source supplied. Under the document mask the sources' shared
+    end-of-document id splits the windows on both sides (the loss then differs from causal attention's)."""
+    model = {**TINY["model"], "attention_mask": mask}
+    with one_rank_trainer(tmp_path_factory, data={"mix": short_docs}, model=model) as t:
         results = [t.train_step() for _ in range(2)]
-        spec = JobSpec.from_dict({**TINY, "data": {"mix": sources}, "run_dir": str(tmp_path_factory.mktemp("r"))})
+    spec = JobSpec.from_dict({**TINY, "model": model, "data": {"mix": short_docs},
+                              "run_dir": str(tmp_path_factory.mktemp("r"))})
     losses, _ = reference_run(spec, 2)
     assert all(math.isfinite(r.loss) for r in results)
     assert [r.loss for r in results] == pytest.approx(losses, rel=1e-4)
-    assert results[-1].data_mix == {sources[0]["path"]: 12, sources[1]["path"]: 4}  # 16 samples at 3:1
+    assert results[-1].data_mix == {short_docs[0]["path"]: 12, short_docs[1]["path"]: 4}  # 16 samples at 3:1
+    if mask == "document":
+        causal = JobSpec.from_dict({**spec.to_dict(), "model": TINY["model"]})
+        # an untrained model attends almost evenly, so the mask moves the first loss by ~1e-4, far above float noise
+        assert abs(reference_run(causal, 1)[0][0] - losses[0]) > 1e-5
 
 
 def test_run_prepares_a_missing_default_corpus_named_in_a_mixture(tmp_path, dirs, monkeypatch):
