@@ -111,3 +111,16 @@ def test_muon_knobs_are_refused_with_another_optimizer(knob, value):
         if k != knob:
             raw["optim"].pop(k)
     assert_actionable(spec_error(raw), f"optim.{knob}", value, "optim.name: muon")
+
+
+def test_the_planner_counts_one_buffer_per_block_matrix_and_adams_two_moments_elsewhere():
+    """Muon's state is one fp32 buffer per block matrix; the AdamW part (here the embedding and head, and the norms
+    within the blocks' count) keeps two moments."""
+    from orchestrator.planning.estimate import estimate
+
+    plain = _raw(name="adamw")
+    plain["optim"] = {k: v for k, v in plain["optim"].items() if not k.startswith("muon_")}
+    muon, adamw = (estimate(JobSpec.from_dict(raw))[0] for raw in (_raw(), plain))
+    cfg = TINY["model"]
+    blocks = cfg["n_layers"] * (4 * cfg["d_model"] ** 2 + 2 * cfg["d_model"] * cfg["d_ff"])  # BLOCK_MATRICES' sizes
+    assert adamw.state.optimizer - muon.state.optimizer == pytest.approx(4 * blocks, rel=0.02)
