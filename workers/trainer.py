@@ -151,10 +151,11 @@ class Trainer:
             names = {n for m in sliced for n, p in unwrap(m).named_parameters() if id(p) in held}
             shards = [s for z in self.zero1 for n, s in z.shards.items() if n in names]
             self.expert_norm = (shards, self.parts.ep_group)
-        stepped = [z.shards.values() for z in self.zero1] or [m.parameters() for m in self.parts.modules]
+        stepped = [list(z.shards.items()) for z in self.zero1] or [list(unwrap(m).named_parameters())
+                                                                   for m in self.parts.modules]
         dp = dp_mesh.get_group() if dp_mesh.size() > 1 else None  # onebit_adam's momentum average
-        optimizers = [build_optimizer(params, spec["optim"], memory, self.device, self.param_offload, dp_group=dp)
-                      for params in stepped]
+        optimizers = [build_optimizer([p for _, p in named], spec["optim"], memory, self.device, self.param_offload,
+                                      dp_group=dp, names=[n for n, _ in named]) for named in stepped]
         steps = self.spec.train.steps
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
         precision, data = self.spec.precision, self.spec.data

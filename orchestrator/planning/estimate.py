@@ -386,9 +386,11 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
                            quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]), **steps)
+    if o.name == "muon":  # the embeddings and head step with AdamW: 4 bytes each beyond Muon's one buffer
+        state = replace(state, optimizer=state.optimizer + math.ceil(4 * root / (p.dp * p.cp if p.zero else 1)))
     if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp / ep ranks holding them
         layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // p.ep  # one gathered at a time
-        own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), o.name,
+        own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(o.name),
                              momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=layer,
                              offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                              host_master=p.device != "cpu", **steps)
@@ -397,6 +399,11 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
         extra = mm.tp_embedding_grad_bytes(spec.padded_vocab_size, spec.model.d_model, p.tp)
         state = replace(state, grads=state.grads + extra)
     return state
+
+
+def _adamw_if_muon(name: str) -> str:
+    """The optimizer a 3-D expert stack steps with: AdamW under muon (workers/optim/muon.py), else the job's."""
+    return "adamw" if name == "muon" else name
 
 
 def accumulates(spec: JobSpec) -> bool:

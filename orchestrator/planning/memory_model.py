@@ -47,8 +47,10 @@ from workers.parallel.schedules import schedule as schedule_facts
 # adafactor (factored second moment, no first moment by default) and sm3 (one accumulator
 # per row and per column) keep O(rows + cols) per matrix: ~0 per parameter at scale.
 # onebit_adam: AdamW's two moments; its error feedback is not optimizer state (``estimate.error_feedback_bytes``)
+# muon: one momentum buffer per block matrix (workers/optim/muon.py); its AdamW share (embeddings, head, norms,
+# experts) is counted at AdamW's 8 by ``estimate.rank_model_state``
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "paged_adamw": 8, "onebit_adam": 8, "sgd": 0, "adafactor": 0,
-                         "sm3": 0}
+                         "sm3": 0, "muon": 4}
 # optimizers whose state lives in the offload store, not on the device
 HOST_STATE_OPTIMIZERS = frozenset({"paged_adamw"})
 # param, grad, master bytes; fsdp_mixed: FSDP2's bf16 policy keeps fp32 shards (the optimizer's masters) and

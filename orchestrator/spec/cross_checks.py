@@ -130,6 +130,28 @@ def check_param_offload(job: JobSpec, stored_optim: bool) -> None:
                         "optim.name paged_adamw")
 
 
+def check_muon(job: JobSpec) -> None:
+    """Where ``optim.name: muon`` cannot orthogonalise whole matrices (workers/optim/muon.py), refused before start:
+    ZeRO-1 steps flat slices of the parameters, the parameter-server shards flat chunks of them, and the offloaded
+    host step is Adam's."""
+    p, off = job.parallel, job.memory.offload
+    if job.optim.name != "muon":
+        return
+    refused = [  # (field, value, applies, why, fix)
+        ("parallel.zero", p.zero, p.zero == 1 and p.dp * p.cp > 1, "steps each rank's flat slice of the "
+         "parameters (workers/parallel/distributed_optimizer.py), and Muon's Newton-Schulz needs whole matrices",
+         "use parallel.zero: 2 or 3 (FSDP2 shards, which Muon gathers per matrix) or 0"),
+        ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps", "steps flat chunks of the parameters on the "
+         "parameter-server shards, and Muon's Newton-Schulz needs whole matrices",
+         "use parallel.dp_sync: allreduce with optim.name muon, or another optim.name"),
+        ("memory.offload.optimizer", off.optimizer, off.optimizer, "runs an offloaded Adam step on the host, "
+         "which Muon's matrices do not have", "set memory.offload.optimizer: false, or use optim.name adamw"),
+    ]
+    for field, value, applies, why, fix in refused:
+        if applies:
+            raise SpecError(field, value, f"is not supported with optim.name muon: it {why}", fix)
+
+
 def check_faults(job: JobSpec) -> None:
     ft, world = job.fault_tolerance, job.parallel.world_size
     if ft.collective_timeout_s >= ft.heartbeat_timeout_s:
@@ -267,6 +289,8 @@ def _inert_settings(job: JobSpec) -> list[tuple]:
         ("optim.weight_decay_exclude", o.weight_decay_exclude, o.weight_decay == 0, "chooses the parameters "
          "optim.weight_decay spares, and optim.weight_decay is 0 (nothing decays)", "set optim.weight_decay, or "
          "remove optim.weight_decay_exclude"),
+        *[(f"optim.{k}", getattr(o, k), o.name != "muon", f"is read by optim.name muon only, not {o.name!r}",
+           f"remove optim.{k}, or set optim.name: muon") for k in ("muon_momentum", "muon_nesterov", "muon_ns_steps")],
         ("optim.min_lr_ratio", o.min_lr_ratio, o.schedule == "constant", "is the floor the cosine, linear and wsd "
          "schedules decay to, and optim.schedule is constant", "set optim.schedule: cosine (or linear, wsd), or "
          "remove optim.min_lr_ratio"),
@@ -481,7 +505,7 @@ def check_batching(job: JobSpec) -> None:
 
 CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
                       check_init_from_vocab, check_batching, check_zero, check_precision,
-                      check_recompute, check_faults, check_parameter_server, check_offload, check_lora,
+                      check_recompute, check_faults, check_muon, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_document_mask, check_comm, check_moe, check_expert_parallel,
                       check_async_pipeline, check_ps_resize, check_compile, check_optim_implementation,
                       check_fsdp_prefetch, check_eval)

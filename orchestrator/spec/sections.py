@@ -205,8 +205,9 @@ class OptimSpec(_Section):
     """Optimizer and learning-rate schedule."""
 
     # adafactor: PyTorch's; sm3: ours (workers/optim/sm3.py); paged_adamw: AdamW with its state in the offload store;
-    # onebit_adam: AdamW whose momentum crosses data parallelism as signs after warmup_steps (optim/onebit_adam.py)
-    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw", "onebit_adam"] = "adamw"
+    # onebit_adam: AdamW whose momentum crosses data parallelism as signs after warmup_steps (optim/onebit_adam.py);
+    # muon: PyTorch's Muon for the blocks' matrices, AdamW (betas) for embeddings, head, norms, experts (optim/muon.py)
+    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw", "onebit_adam", "muon"] = "adamw"
     lr: PositiveFloat = 3e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     # which parameters weight_decay spares: 1d, those of fewer than 2 dimensions (norm weights, biases), as Megatron
@@ -226,6 +227,12 @@ class OptimSpec(_Section):
     # PyTorch's kernels for the update: auto (fused for adam/adamw/sgd on CUDA, else PyTorch's default),
     # fused, foreach or for_loop (workers/optim/implementations.py)
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    # muon only (torch.optim.Muon's knobs): momentum of each matrix's one buffer, Nesterov's look-ahead, Newton-Schulz
+    # iterations. Its rate is scaled per matrix as Moonlight's (match_rms_adamw), so optim.lr and weight_decay tuned
+    # for AdamW carry over, and one optim.lr serves both parts (workers/optim/muon.py)
+    muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
 
     @model_validator(mode="after")
     def _one_decay_length(self) -> OptimSpec:

@@ -26,17 +26,49 @@ from workers.optim.sm3 import SM3
 from workers.parallel.partition import stage_bounds
 
 
-def _decay_groups(model: torch.nn.Module, optim) -> list[dict]:
-    """``model``'s parameters by weight decay, spelled out here rather than taken from the ranks' plumbing: under
+def _decay_groups(params: list[torch.nn.Parameter], optim) -> list[dict]:
+    """``params`` by weight decay, spelled out here rather than taken from the ranks' plumbing: under
     ``weight_decay_exclude: 1d`` the 1-D ones (norm weights, biases) do not decay, the matrices do."""
-    spared = [p for p in model.parameters() if optim.weight_decay_exclude == "1d" and p.dim() < 2]
-    decayed = [p for p in model.parameters() if all(p is not q for q in spared)]
+    spared = [p for p in params if optim.weight_decay_exclude == "1d" and p.dim() < 2]
+    decayed = [p for p in params if all(p is not q for q in spared)]
     return [{"params": decayed, "weight_decay": optim.weight_decay}, {"params": spared, "weight_decay": 0.0}]
 
 
-def _adamw(model: torch.nn.Module, optim) -> torch.optim.AdamW:
-    """The job's AdamW over ``model``, in ``_decay_groups``."""
-    return torch.optim.AdamW(_decay_groups(model, optim), lr=optim.lr, betas=optim.betas)
+def _adamw(params: list[torch.nn.Parameter], optim) -> torch.optim.AdamW:
+    """The job's AdamW over ``params``, in ``_decay_groups``."""
+    return torch.optim.AdamW(_decay_groups(params, optim), lr=optim.lr, betas=optim.betas)
+
+
+class _MuonAndAdamW:
+    """``optim.name: muon`` spelled out: PyTorch's Muon over the blocks' 2-D weights (names ``layers.<i>.``), AdamW
+    over everything else (embeddings, head, norms, 3-D expert stacks), both stepped."""
+
+    def __init__(self, model: torch.nn.Module, optim):
+        named = list(model.named_parameters())
+        matrices = [p for n, p in named if n.startswith("layers.") and p.dim() == 2]
+        rest = [p for _, p in named if all(p is not q for q in matrices)]
+        self.parts = [torch.optim.Muon(matrices, lr=optim.lr, weight_decay=optim.weight_decay,
+                                       momentum=optim.muon_momentum, nesterov=optim.muon_nesterov,
+                                       ns_steps=optim.muon_ns_steps, adjust_lr_fn="match_rms_adamw"),
+                      _adamw(rest, optim)]
+
+    def step(self) -> None:
+        for opt in self.parts:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.parts:
+            opt.zero_grad()
+
+
+def _optimizer(model: torch.nn.Module, optim):
+    """The job's optimizer over the whole ``model``: AdamW, SM3 (our own: its sharded step is what a layout's
+    parity checks) or Muon with AdamW."""
+    if optim.name == "muon":
+        return _MuonAndAdamW(model, optim)
+    if optim.name == "sm3":
+        return SM3(_decay_groups(list(model.parameters()), optim), lr=optim.lr, momentum=optim.momentum)
+    return _adamw(list(model.parameters()), optim)
 
 
 def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[float], list[float]]:
@@ -50,8 +82,7 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
         prepare_model(model, spec.worker_dict()["model"]["lora"], spec.train.seed)
     o = spec.optim
-    # sm3 is our own optimizer: its sharded step is what a layout's parity checks
-    opt = SM3(_decay_groups(model, o), lr=o.lr, momentum=o.momentum) if o.name == "sm3" else _adamw(model, o)
+    opt = _optimizer(model, o)
     data = open_data(spec.data.path, spec.data.mix and spec.data.sources(), spec.model.seq_len, spec.data.seed)
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1,
                         eos_id=document_eos(spec.model.attention_mask, data))
@@ -116,7 +147,7 @@ def reference_versioned(spec: JobSpec, steps: int, version_of, every: int = 1) -
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     stage_of = _stage_of_parameters(model, spec.stage_split)
     o = spec.optim
-    opt = _adamw(model, o)
+    opt = _adamw(list(model.parameters()), o)
     live = dict(model.named_parameters())
     versions = [{k: p.detach().clone() for k, p in live.items()}]  # versions[k]: the weights after k updates
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
@@ -165,7 +196,7 @@ def reference_bf16_fsdp(spec: JobSpec, steps: int) -> tuple[list[float], list[fl
     torch.manual_seed(spec.train.seed)
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     o, m, dp = spec.optim, spec.train.microbatches, spec.parallel.dp
-    opt = _adamw(model, o)
+    opt = _adamw(list(model.parameters()), o)
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
                         spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []

@@ -12,6 +12,7 @@ from parameter_server.optimizers import decay_for
 from workers.offload.optimizer import OffloadedAdam
 from workers.offload.store import OffloadStore
 from workers.optim.implementations import kernel_kwargs
+from workers.optim.muon import Hybrid, muon_optimizer, muon_owns
 from workers.optim.onebit_adam import OneBitAdam
 from workers.optim.sm3 import SM3
 
@@ -19,10 +20,11 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adafactor": torch.optim.Adafactor, "sm3": SM3}
 
 
-def build_optimizer(params, optim: dict, memory: dict | None = None,
-                    device: torch.device | str = "cpu", shards=None, dp_group=None) -> torch.optim.Optimizer:
+def build_optimizer(params, optim: dict, memory: dict | None = None, device: torch.device | str = "cpu",
+                    shards=None, dp_group=None, names: list[str] | None = None) -> torch.optim.Optimizer:
     """The job's optimizer over ``params`` (under ZeRO-1, this rank's slices: ``DistributedOptimizer.shards``).
     ``onebit_adam`` averages its compressed momentum over ``dp_group`` (None: one data-parallel rank).
+    ``muon`` needs the parameters' global ``names`` (which ones Muon steps: ``workers.optim.muon.muon_owns``).
 
     ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
@@ -31,6 +33,8 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
     Every path takes ``decay_groups``: the parameters ``optim.weight_decay_exclude`` spares in a group of their own.
     """
     name = optim["name"]
+    if name == "muon":
+        return _muon_hybrid(list(zip(names, params, strict=True)), optim)
     params = decay_groups(params, optim)
     kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
     if name in ("sgd", "sm3"):
@@ -48,6 +52,20 @@ def build_optimizer(params, optim: dict, memory: dict | None = None,
     mixed = len({isinstance(p, DTensor) for p in tensors}) > 1
     kwargs.update(kernel_kwargs(name, optim.get("implementation", "auto"), on_cuda, mixed))
     return OPTIMIZERS[name](params, **kwargs)
+
+
+def _muon_hybrid(named: list[tuple[str, torch.Tensor]], optim: dict) -> Hybrid:
+    """Muon over the blocks' matrices and AdamW (``optim.betas``, PyTorch's default kernels as ``adamw`` picks
+    them, ``decay_groups``) over the rest, as one optimizer; a part without one kind (a stage of norms and
+    matrices only still has norms) builds only the other."""
+    matrices = [p for n, p in named if muon_owns(n, p)]
+    rest = [p for n, p in named if not muon_owns(n, p)]
+    parts = [muon_optimizer(matrices, optim)] if matrices else []
+    if rest:
+        on_cuda, mixed = any(p.is_cuda for p in rest), len({isinstance(p, DTensor) for p in rest}) > 1
+        parts.append(torch.optim.AdamW(decay_groups(rest, optim), lr=optim["lr"], betas=tuple(optim["betas"]),
+                                       **kernel_kwargs("adamw", "auto", on_cuda, mixed)))
+    return Hybrid(parts)
 
 
 def decay_groups(params, optim: dict) -> list[dict]:
