@@ -115,3 +115,17 @@ def test_ring_tiles_under_the_document_mask_keep_exactly_the_pairs_within_docume
             skipped += len(cpa._tiles(cpa._block_plan(rank, src, True, seq // cp // 2), seq // cp)) - len(tiles)
             blind_rows += sum(int((~mask.any(-1)).sum()) for _, _, mask in tiles)
     assert skipped > 0 and blind_rows > 0, (skipped, blind_rows)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_planner_counts_the_tile_masks_ring_keeps_per_microbatch(cp, monkeypatch):
+    """Ring CP's document mask in the planner is the bytes of the boolean tiles a rank caches for a microbatch
+    (one document, so none is skipped), not a whole-window additive mask."""
+    from orchestrator.planning.memory_model import document_mask_bytes
+
+    monkeypatch.setattr(cpa, "ROW_TILE", 4)
+    seq, batch = 48, 2
+    for rank in range(cp):
+        masks = cpa._BlockMasks(rank, cp, seq // cp, True, Documents(torch.zeros(batch, seq, dtype=torch.long)))
+        kept = sum(mask.numel() for src in range(cp) for _, _, mask in masks.tiles(src))
+        assert kept == document_mask_bytes(seq, batch, cp, "ring")
