@@ -11,7 +11,12 @@ thread each. Per case:
   each storage counted once), the largest over the ranks. Measured this way it works on CPU, where there is
   no allocator peak to read.
 
+With ``--doc-len N`` every case also runs under the document mask (``model.attention_mask: document``) of a
+window packed with N-token documents, as ``IMPL+documents`` (its cp=1 row: SDPA with the same mask); the
+kernel's per-microbatch masks are built inside the timed step, as the first layer of a microbatch builds them.
+
     python benchmarks/context_parallel.py --seq 1024 2048 4096 --cp 1 2 4
+    python benchmarks/context_parallel.py --seq 2048 --cp 1 4 --doc-len 256
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ class Case:
     """One attention call on this rank's share of a sequence: ``case()`` runs the forward."""
 
     def __init__(self, impl: str, cp: int, rank: int, group, seq: int, args):
+        impl, _, masked = impl.partition("+")
+        self.doc_ids = torch.arange(seq).div(args.doc_len, rounding_mode="floor").expand(args.batch, seq) \
+            if masked else None
         gen = torch.Generator().manual_seed(rank)
         s_local = seq // cp
         self.q = torch.randn(args.batch, args.heads, s_local, args.dim, generator=gen, requires_grad=True)
@@ -77,12 +85,17 @@ class Case:
         self.impl, self.group = impl, group
 
     def __call__(self) -> torch.Tensor:
+        from workers.model.documents import Documents
+
+        documents = None if self.doc_ids is None else Documents(self.doc_ids)  # a microbatch's, built afresh
         if self.impl == "sdpa":
-            return F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True,
+            masking = {"is_causal": True} if documents is None else {"attn_mask": documents.whole(self.q)}
+            return F.scaled_dot_product_attention(self.q, self.k, self.v, **masking,
                                                   enable_gqa=self.q.shape[1] != self.k.shape[1])
         from workers.parallel import context_parallel
 
-        return getattr(context_parallel, f"{self.impl}_attention")(self.q, self.k, self.v, self.group)
+        masking = {} if documents is None else {"documents": documents}
+        return getattr(context_parallel, f"{self.impl}_attention")(self.q, self.k, self.v, self.group, **masking)
 
 
 def _rank_main(rank: int, cp: int, ports, args, results) -> None:
@@ -94,11 +107,16 @@ def _rank_main(rank: int, cp: int, ports, args, results) -> None:
     group = dist.group.WORLD
     out = {}
     for seq in args.seq:
-        for impl in ("sdpa",) if cp == 1 else args.impl:
+        for impl in with_documents(("sdpa",) if cp == 1 else args.impl, args):
             case = Case(impl, cp, rank, group, seq, args)
             out[f"{impl}/{seq}"] = {"step_s": step_time(case, args.repeats), "saved_bytes": saved_bytes(case)}
     results.put((rank, out))
     dist.destroy_process_group()
+
+
+def with_documents(impls, args) -> list[str]:
+    """``impls``, and with ``--doc-len`` each again under the document mask (``IMPL+documents``)."""
+    return [*impls, *(f"{impl}+documents" for impl in impls if args.doc_len)]
 
 
 def run_cp(cp: int, args) -> dict:
@@ -114,7 +132,8 @@ def table(measured: dict[int, dict], args) -> list[dict]:
     for cp, cases in measured.items():
         for key, fig in cases.items():
             impl, seq = key.split("/")
-            base = measured[1][f"sdpa/{seq}"] if 1 in measured else fig
+            baseline = "sdpa+documents" if impl.endswith("+documents") else "sdpa"
+            base = measured[1][f"{baseline}/{seq}"] if 1 in measured else fig
             rows.append({"cp": cp, "impl": impl, "seq": int(seq), **fig,
                          "time_ratio": fig["step_s"] / base["step_s"],
                          "memory_ratio": fig["saved_bytes"] / base["saved_bytes"]})
@@ -131,6 +150,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--doc-len", type=int, default=0, help="also run each case under a document mask of "
+                    "documents this many tokens long (0: causal only)")
     ap.add_argument("--out", default="benchmarks/results/context_parallel.json")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks: one thread per rank
@@ -138,9 +159,9 @@ def main() -> None:
     rows = table(measured, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    print(f"{'seq':>6}{'cp':>4} {'impl':<10}{'step s':>9}{'saved MiB':>11}{'time/cp1':>10}{'mem/cp1':>9}")
+    print(f"{'seq':>6}{'cp':>4} {'impl':<20}{'step s':>9}{'saved MiB':>11}{'time/cp1':>10}{'mem/cp1':>9}")
     for r in rows:
-        print(f"{r['seq']:>6}{r['cp']:>4} {r['impl']:<10}{r['step_s']:>9.4f}{r['saved_bytes'] / 2**20:>11.2f}"
+        print(f"{r['seq']:>6}{r['cp']:>4} {r['impl']:<20}{r['step_s']:>9.4f}{r['saved_bytes'] / 2**20:>11.2f}"
               f"{r['time_ratio']:>10.3f}{r['memory_ratio']:>9.3f}")
 
 

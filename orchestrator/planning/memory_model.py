@@ -353,7 +353,12 @@ def document_mask_bytes(seq: int, micro_batch: int, cp: int, impl: str, compute_
     additive ``[micro_batch, 1, queries, seq]`` mask SDPA saves, built once per microbatch and shared by every
     block (``workers.model.documents``), in the compute dtype. Queries: the rank's ``seq / cp`` under all-gather
     CP, the whole sequence otherwise (Ulysses attends it whole, head-split). Measured: one 2 x 512 x 512 fp32
-    mask for a 4-block model, not one per block."""
+    mask for a 4-block model, not one per block. Ring CP (cp > 1) saves no mask but keeps its tiles' boolean
+    masks for the microbatch instead (one byte a pair): with chunks of ``h = seq / 2cp`` tokens its diagonal
+    block's 3 h^2 pairs and 2 h^2 of every other rank's block, at most (tiles no sequence attends are dropped)."""
+    if impl == "ring" and cp > 1:
+        h = seq // (2 * cp)
+        return micro_batch * (3 + 2 * (cp - 1)) * h * h
     queries = seq // cp if impl == "allgather" else seq
     return compute_bytes * micro_batch * queries * seq
 

@@ -28,10 +28,6 @@ def check_document_mask(job: JobSpec) -> None:
          "model.attention_mask: document: learned positions are absolute, so a document would be seen at its "
          "place in the window rather than from its start", f"set model.positions: rotary (relative: a document "
          f"attends to itself alike wherever it starts), {_OFF}"),
-        (p.cp > 1 and p.cp_impl == "ring", "parallel.cp_impl", "ring", "cannot mask by document: ring attention "
-         "plans its K/V blocks by position alone and never holds the whole sequence's keys (Llama 3 chose "
-         "all-gather context parallelism for document-masked training for this reason)",
-         f"set parallel.cp_impl: allgather (or ulysses), {_OFF}"),
         (job.train.compile, "train.compile", True, "cannot combine with model.attention_mask: document: the mask "
          "reaches attention per microbatch from outside the compiled blocks", f"set train.compile: false, {_OFF}"),
         (p.pp_schedule in ASYNC, "parallel.pp_schedule", p.pp_schedule, "cannot combine with "

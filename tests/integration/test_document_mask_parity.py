@@ -5,10 +5,10 @@ Each layout hands the attention cores every microbatch's document ids its own wa
 dp/ZeRO 0-3 and tp with and without sequence parallelism, the pipeline's chunks (stages that receive activations,
 not tokens, and a backward that replays the forward under recompute, full or selective), the evaluation's
 microbatches (a pipeline sweep among them), and context parallelism, where a cp rank masks its zigzag share of
-the queries over the whole window's keys (all-gather, Ulysses). The data are many short documents, a few per
-32-token window, so most windows cross a boundary. Ranks are spawned processes over gloo
-(tests/support/parity_harness.py, no Ray), every layout at world size 4 in one spawn, 3 steps each; the reference
-is computed once per family.
+the queries over the whole window's keys (all-gather, Ulysses) or over each K/V block passed round the ring.
+The data are many short documents, a few per 32-token window, so most windows cross a boundary. Ranks are
+spawned processes over gloo (tests/support/parity_harness.py, no Ray), every layout at world size 4 in one spawn,
+3 steps each; the reference is computed once per family.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
     "pp2-cp2-allgather-selective": ("llama-gqa", {"pp": 2, "cp": 2, "cp_impl": "allgather"},
                                     {"recompute": "selective"}, True),
     "cp2-tp2-ulysses": ("llama-gqa", {"cp": 2, "tp": 2, "cp_impl": "ulysses"}, {}, False),
+    "cp4-ring": ("gpt", {"cp": 4, "cp_impl": "ring"}, {}, True),
     "dp4-measured": ("gpt", {"dp": 4}, {"measure": True}, False),
 }
 

@@ -14,18 +14,21 @@ import torch.nn.functional as F
 
 # (name, Hq, Hkv): MHA, GQA, and head counts that do not divide evenly across cp (ring/allgather take any)
 HEADS = (("mha", 4, 4), ("gqa", 4, 2), ("gqa8", 8, 2), ("mqa_uneven", 6, 1), ("gqa_uneven", 6, 3))
-# masks: causal, none, and causal within documents (model.attention_mask: document), which ring does not take
-MASKS = (True, False, "documents")
-DOCUMENT_STRATEGIES = ("allgather", "ulysses")
-# where each sequence's documents open (24 tokens): a one-token document, boundaries inside and at the edges of
-# the zigzag chunks (cp=2: 6-token chunks; cp=4: 3-token chunks), and a sequence that is one document
-OPENINGS = ((1, 2, 6, 11, 19), ())
+# Where each sequence's documents open (24 tokens), per document-masked case (model.attention_mask: document):
+# a one-token document, boundaries inside and at the edges of the zigzag chunks (cp=2: 6-token chunks, so 6 and
+# 12 are chunk and rank edges; cp=4: 3-token chunks), documents crossing chunks and ranks, rows that see no key
+# of some rank's block (at cp=2 queries 19-23 over rank 1's keys 6-17), and either a sequence that is one
+# document or, in "split documents", one cut at 12, so that ring attention skips tiles no sequence attends to
+DOCUMENTS = {"documents": ((1, 2, 6, 11, 19), ()), "split documents": ((1, 2, 6, 11, 19), (12,))}
+# masks: causal, none, and causal within documents
+MASKS = (True, False, *DOCUMENTS)
 
 
-def document_layout(seq: int, batch: int = 2) -> torch.Tensor:
-    """Document ids [batch, seq] with documents opening at ``OPENINGS`` (as ``document_ids`` counts them)."""
-    flags = torch.zeros(batch, seq, dtype=torch.long)
-    for b, opens in enumerate(OPENINGS[:batch]):
+def document_layout(seq: int, openings: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Document ids [len(openings), seq], each sequence's documents opening at its ``openings`` (as
+    ``document_ids`` counts them)."""
+    flags = torch.zeros(len(openings), seq, dtype=torch.long)
+    for b, opens in enumerate(openings):
         flags[b, list(opens)] = 1
     return flags.cumsum(-1)
 
@@ -35,8 +38,8 @@ def reference(q, k, v, dout, causal: bool | str):
     from workers.model.documents import Documents
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    masking = {"is_causal": causal} if causal != "documents" else \
-        {"attn_mask": Documents(document_layout(q.shape[2])).whole(q)}
+    masking = {"is_causal": causal} if causal not in DOCUMENTS else \
+        {"attn_mask": Documents(document_layout(q.shape[2], DOCUMENTS[causal])).whole(q)}
     out = F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **masking)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
@@ -52,8 +55,8 @@ def case_inputs(hq: int, hkv: int, seq: int, seed: int, batch: int = 2, dim: int
 
 
 def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool | str, seq: int = 24) -> float:
-    """Largest |cp - reference| over out, dq, dk, dv on this rank's positions (``causal`` "documents": causal
-    within ``document_layout``'s documents, handed to the kernel as the trainer does)."""
+    """Largest |cp - reference| over out, dq, dk, dv on this rank's positions (``causal`` a ``DOCUMENTS`` name:
+    causal within those documents, handed to the kernel as the trainer does)."""
     from workers.model.documents import Documents
     from workers.parallel.context_parallel import zigzag_indices
 
@@ -61,8 +64,8 @@ def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool | st
     ref = reference(q, k, v, dout, causal)
     idx = zigzag_indices(seq, cp, rank)
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    kwargs = {"causal": causal} if causal != "documents" else \
-        {"causal": True, "documents": Documents(document_layout(seq))}
+    kwargs = {"causal": causal} if causal not in DOCUMENTS else \
+        {"causal": True, "documents": Documents(document_layout(seq, DOCUMENTS[causal]))}
     out = fn(ql, kl, vl, group, **kwargs)
     out.backward(dout[:, :, idx])
     got = (out.detach(), ql.grad, kl.grad, vl.grad)
@@ -70,8 +73,7 @@ def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool | st
 
 
 def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], results) -> None:
-    """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group);
-    the document mask only for the kernels that take one."""
+    """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group)."""
     import torch.distributed as dist
 
     from workers.parallel import context_parallel as cpa
@@ -90,9 +92,8 @@ def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], result
     for cp, group in groups.items():
         for name in strategies:
             fn = getattr(cpa, f"{name}_attention")
-            masks = MASKS if name in DOCUMENT_STRATEGIES else MASKS[:2]
             for label, hq, hkv in HEADS:
-                for causal in masks:
+                for causal in MASKS:
                     try:
                         err = run_case(fn, group, cp, dist.get_rank(group), hq, hkv, causal)
                     except ValueError as refusal:

@@ -1,9 +1,9 @@
 """Context-parallel attention (ring, Ulysses, all-gather) equals single-process SDPA on the whole sequence.
 
 One spawn of four gloo ranks runs every case, at cp=4 and at cp=2 (two pairs), in a module-scoped fixture;
-each test reads its case: output and dq/dk/dv to 1e-5 in float32, causal, not, and (all-gather, Ulysses)
-causal within documents (``model.attention_mask: document``), MHA/GQA/MQA head counts, and Ulysses' refusal of
-head counts it cannot split.
+each test reads its case: output and dq/dk/dv to 1e-5 in float32, causal, not, and causal within documents
+(``model.attention_mask: document``), MHA/GQA/MQA head counts, and Ulysses' refusal of head counts it cannot
+split. Ring attention's tiles under the document mask are checked without a group too.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cp_attention import DOCUMENT_STRATEGIES, HEADS, MASKS, run_all
+from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, document_layout, run_all
+from workers.model.documents import Documents
+from workers.parallel import context_parallel as cpa
 from workers.parallel.context_parallel import _block_plan, check_ulysses_heads, zigzag_indices
 
 STRATEGIES = ("allgather", "ring", "ulysses")
 TOL = 1e-5
 CASES = [(cp, strategy, label, hq, hkv, causal) for cp in (2, 4) for strategy in STRATEGIES
-         for label, hq, hkv in HEADS for causal in MASKS if causal != "documents" or strategy in DOCUMENT_STRATEGIES]
-NAMES = {True: "causal", False: "full", "documents": "documents"}
+         for label, hq, hkv in HEADS for causal in MASKS]
+NAMES = {True: "causal", False: "full", **{name: name.replace(" ", "-") for name in DOCUMENTS}}
 
 
 def _ulysses_splits(hq: int, hkv: int, cp: int) -> bool:
@@ -83,3 +85,47 @@ def test_ring_pieces_cover_exactly_the_causal_pairs_with_equal_work_per_rank(cp)
             assert pairs == {(q, k) for q in q_pos for k in k_pos if q >= k}
             works.append(work)
         assert len(set(works)) == 1, f"step {step}: unequal work per rank {works}"
+
+
+def _document_pairs(ids: torch.Tensor, tiles, q_pos, k_pos) -> set:
+    """The (sequence, query, key) global positions ring attention's document-masked tiles of one block let through."""
+    pairs = set()
+    for rows, cols, mask in tiles:
+        for b, _, _, i, j in mask.nonzero().tolist():
+            pairs.add((b, int(q_pos[rows][i]), int(k_pos[cols][j])))
+    return pairs
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_tiles_under_the_document_mask_keep_exactly_the_pairs_within_documents(cp, monkeypatch):
+    """Every block's tiles let through each (query, key) of one document in causal order and nothing else, skip
+    tiles no sequence attends to, and keep some whose rows see no key (the kernel's -inf lse case)."""
+    monkeypatch.setattr(cpa, "ROW_TILE", 4)
+    seq = 24
+    ids = document_layout(seq, DOCUMENTS["split documents"])
+    documents, skipped, blind_rows = Documents(ids), 0, 0
+    for rank in range(cp):
+        masks = cpa._BlockMasks(rank, cp, seq // cp, True, documents)
+        for src in range(cp):
+            q_pos, k_pos = zigzag_indices(seq, cp, rank), zigzag_indices(seq, cp, src)
+            tiles = masks.tiles(src)
+            assert _document_pairs(ids, tiles, q_pos, k_pos) == {
+                (b, int(q), int(k)) for b in range(len(ids)) for q in q_pos for k in k_pos
+                if q >= k and ids[b, q] == ids[b, k]}
+            skipped += len(cpa._tiles(cpa._block_plan(rank, src, True, seq // cp // 2), seq // cp)) - len(tiles)
+            blind_rows += sum(int((~mask.any(-1)).sum()) for _, _, mask in tiles)
+    assert skipped > 0 and blind_rows > 0, (skipped, blind_rows)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_planner_counts_the_tile_masks_ring_keeps_per_microbatch(cp, monkeypatch):
+    """Ring CP's document mask in the planner is the bytes of the boolean tiles a rank caches for a microbatch
+    (one document, so none is skipped), not a whole-window additive mask."""
+    from orchestrator.planning.memory_model import document_mask_bytes
+
+    monkeypatch.setattr(cpa, "ROW_TILE", 4)
+    seq, batch = 48, 2
+    for rank in range(cp):
+        masks = cpa._BlockMasks(rank, cp, seq // cp, True, Documents(torch.zeros(batch, seq, dtype=torch.long)))
+        kept = sum(mask.numel() for src in range(cp) for _, _, mask in masks.tiles(src))
+        assert kept == document_mask_bytes(seq, batch, cp, "ring")

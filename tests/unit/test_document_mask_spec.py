@@ -26,8 +26,6 @@ def _raw(run_dir: str = "runs", **sections) -> dict:
 REFUSED = {  # name: (sections, field, value, a part of the fix)
     "learned-positions": ({"model": {"positions": "learned"}}, "model.positions", "learned",
                           "set model.positions: rotary"),
-    "ring-cp": ({"parallel": {"cp": 2, "cp_impl": "ring"}}, "parallel.cp_impl", "ring",
-                "set parallel.cp_impl: allgather"),
     "compile": ({"train": {"compile": True}}, "train.compile", True, "set train.compile: false"),
     "pipedream": ({"parallel": {"pp": 2, "pp_schedule": "pipedream"}, "train": {"microbatches": 2}},
                   "parallel.pp_schedule", "pipedream",
@@ -42,13 +40,8 @@ def test_what_the_document_mask_cannot_combine_with_is_refused_naming_the_fix(na
     assert "model.attention_mask: document" in msg or "mask by document" in msg
 
 
-def test_ring_is_refused_saying_llama_3_chose_allgather_for_it():
-    msg = str(spec_error(_raw(parallel={"cp": 2, "cp_impl": "ring"})))
-    assert "Llama 3 chose all-gather context parallelism" in msg
-
-
 @pytest.mark.parametrize("parallel", [{"cp": 2, "cp_impl": "allgather"}, {"cp": 2, "cp_impl": "ulysses"},
-                                      {"pp": 2, "dp": 2, "tp": 2}])
+                                      {"cp": 2, "cp_impl": "ring"}, {"cp": 2}, {"pp": 2, "dp": 2, "tp": 2}])
 def test_the_layouts_it_masks_are_accepted(parallel):
     raw = _raw(parallel=parallel, train={"global_batch_size": 4, "microbatches": 2})
     assert JobSpec.from_dict(raw).model.attention_mask == "document"

@@ -46,17 +46,22 @@ class Documents:
 
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
-        self._masks: dict[tuple, torch.Tensor] = {}
+        self._masks: dict[tuple, object] = {}
 
     def mask(self, layout: str, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``document_mask`` for queries ``q_pos`` over keys ``k_pos`` as SDPA's additive mask in ``dtype`` (0
         where attended, -inf where not), built on the first call for ``layout`` (a name for that pair of
         positions, which every layer of a rank uses alike)."""
-        key = (layout, dtype)
-        if key not in self._masks:
+        def additive() -> torch.Tensor:
             allowed = document_mask(self.ids, q_pos, k_pos)
-            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-                ~allowed, float("-inf"))
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return self.cached((layout, dtype), additive)
+
+    def cached(self, key: tuple, build):
+        """``build()``'s result for ``key``, built on the first call: what every layer (and its backward) asks
+        alike is built once per microbatch (ring attention's block masks too), then kept until ``release``."""
+        if key not in self._masks:
+            self._masks[key] = build()
         return self._masks[key]
 
     def whole(self, q: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from workers.model.documents import Documents
+from workers.model.documents import Documents, document_mask
 
 
 def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
@@ -116,6 +116,7 @@ class _RingShift:
 
 
 Piece = tuple[slice, slice, bool]  # (local query rows, key columns of the block, whether to mask by position)
+Tile = tuple[slice, slice, "torch.Tensor | None"]  # (query rows, key columns, boolean mask: None attends to all)
 ROW_TILE = 512  # query rows per score tile: bounds the transient scores to ROW_TILE x S_local per head
 
 
@@ -167,20 +168,30 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row whose every key is masked) as 0, to subtract: exp(-inf - -inf) would be NaN,
+    exp(-inf - 0) is the 0 such a row must contribute. Finite entries are unchanged, so is the causal path."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def _probabilities(q, k, scale: float, mask: torch.Tensor | None, lse: torch.Tensor | None = None):
     """Softmax of the scaled, masked scores of grouped queries ``q`` over keys ``k``, as ``[B, Hkv, G*Sq, Sk]``,
-    with the log-sum-exp ``[B, Hkv, G, Sq]`` it used (computed here unless the forward's is given)."""
+    with the log-sum-exp ``[B, Hkv, G, Sq]`` it used (computed here unless the forward's is given).
+
+    A row the mask hides entirely (a document boundary can, in a block) gets probabilities 0 and lse -inf."""
     s = torch.matmul(_flat(q), k.transpose(-1, -2)).mul_(scale).view(*q.shape[:-1], k.shape[-2])
     if mask is not None:
         s.masked_fill_(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1) if lse is None else lse
-    return _flat(s.sub_(lse.unsqueeze(-1)).exp_()), lse
+    return _flat(s.sub_(_finite(lse).unsqueeze(-1)).exp_()), lse
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Online softmax: fold a block's (output, lse) into the running (output, lse) in place."""
+    """Online softmax: fold a block's (output, lse) into the running (output, lse) in place. A block lse of -inf
+    (no key seen) leaves the row as it was, even while its running lse is -inf too (``_finite``)."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    shift = _finite(new)
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - shift).unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -195,91 +206,122 @@ def _block_backward(q, k, v, dout, lse, delta, scale, mask):
     return dq, dk, dv
 
 
-def _attend_block(qg, kv, rank: int, src: int, causal: bool, mask, out, lse) -> None:
-    """Fold rank ``src``'s K/V block ``kv`` ``[2, B, Hkv, S_local, D]`` into the running (out, lse) in place."""
-    s_local, scale = qg.shape[-2], qg.shape[-1] ** -0.5
+class _BlockMasks:
+    """Which tiles of each rank's K/V block this rank's queries attend to, each with its mask.
+
+    Causal: the pieces ``_block_plan`` keeps by position, masked (by ``_diagonal_mask``) only on the diagonal.
+    With ``documents``: the same pieces, each tile masked causally within documents (``document_mask`` of the
+    whole window's ids at the tile's global positions: no communication), and a tile whose every pair crosses a
+    document boundary skipped. A tile's rows can still be all masked; ``_probabilities`` and ``_merge`` take that.
+    """
+
+    def __init__(self, rank: int, cp: int, s_local: int, causal: bool, documents: Documents | None, device=None):
+        self.rank, self.cp, self.s_local, self.documents = rank, cp, s_local, documents
+        self.causal = causal or documents is not None  # the document mask is causal within each document
+        self.diagonal = _diagonal_mask(s_local, cp, rank, device) if causal and documents is None else None
+
+    def tiles(self, src: int) -> list[Tile]:
+        """The tiles of rank ``src``'s block, with their masks (None: every key attended)."""
+        plan = _tiles(_block_plan(self.rank, src, self.causal, self.s_local // 2), self.s_local)
+        if self.documents is None:
+            return [(rows, cols, self.diagonal[rows, cols] if masked else None) for rows, cols, masked in plan]
+        key = ("ring", self.rank, src, self.s_local, ROW_TILE)  # every layer, forward and backward, asks alike
+        return self.documents.cached(key, lambda: self._document_tiles(src, plan))
+
+    def _document_tiles(self, src: int, plan: list[Piece]) -> list[Tile]:
+        """``plan``'s tiles masked within documents, those with nothing to attend dropped (one device sync)."""
+        ids, seq = self.documents.ids, self.s_local * self.cp
+        q_pos, k_pos = (zigzag_indices(seq, self.cp, r).to(ids.device) for r in (self.rank, src))
+        masks = [document_mask(ids, q_pos[rows], k_pos[cols]).unsqueeze(1) for rows, cols, _ in plan]
+        kept = torch.stack([m.any() for m in masks]).tolist() if masks else []
+        return [(rows, cols, m) for (rows, cols, _), m, keep in zip(plan, masks, kept) if keep]
+
+
+def _attend_block(qg, kv, tiles: list[Tile], out, lse) -> None:
+    """Fold a K/V block ``kv`` ``[2, B, Hkv, S_local, D]`` into the running (out, lse) in place, tile by tile."""
+    scale = qg.shape[-1] ** -0.5
     k, v = kv.float()
-    for rows, cols, masked in _tiles(_block_plan(rank, src, causal, s_local // 2), s_local):
-        p, block_lse = _probabilities(qg[..., rows, :], k[..., cols, :], scale, mask[rows, cols] if masked else None)
+    for rows, cols, mask in tiles:
+        p, block_lse = _probabilities(qg[..., rows, :], k[..., cols, :], scale, mask)
         block_out = torch.matmul(p, v[..., cols, :]).view(*block_lse.shape, -1)
         _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
 
 
-def _block_gradients(saved: dict, kv, rank: int, src: int, dq) -> torch.Tensor:
-    """dK/dV ``[2, B, Hkv, S_local, D]`` of rank ``src``'s K/V block; its share of dQ is added to ``dq`` in place.
+def _block_gradients(saved: dict, kv, tiles: list[Tile], dq) -> torch.Tensor:
+    """dK/dV ``[2, B, Hkv, S_local, D]`` of a K/V block; its share of dQ is added to ``dq`` in place.
 
-    ``saved`` holds what every block's backward shares: grouped q and dout, the final lse, delta, the mask.
+    ``saved`` holds what every block's backward shares: grouped q and dout, the final lse, delta.
     """
-    qg, s_local = saved["qg"], saved["qg"].shape[-2]
+    qg = saved["qg"]
     k, v = kv.float()
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for rows, cols, masked in _tiles(_block_plan(rank, src, saved["causal"], s_local // 2), s_local):
+    for rows, cols, mask in tiles:
         piece_dq, piece_dk, piece_dv = _block_backward(
             qg[..., rows, :], k[..., cols, :], v[..., cols, :], saved["doutg"][..., rows, :],
-            saved["lse"][..., rows], saved["delta"][..., rows], qg.shape[-1] ** -0.5,
-            saved["mask"][rows, cols] if masked else None)
+            saved["lse"][..., rows], saved["delta"][..., rows], qg.shape[-1] ** -0.5, mask)
         dq[..., rows, :] += piece_dq
         dkv[0, ..., cols, :] += piece_dk  # pieces and tiles overlap in keys: accumulate
         dkv[1, ..., cols, :] += piece_dv
     return dkv
 
 
-def _forward_state(q, k, group, causal: bool):
-    """(rank, cp, grouped float32 q, diagonal mask, zeroed output, -inf lse): what every forward starts from."""
-    rank, cp = _group_shape(group)
+def _forward_state(q, k, group, causal: bool, documents: Documents | None = None):
+    """(block masks, grouped float32 q, zeroed output, -inf lse): what every forward starts from."""
     qg = _grouped(q, k.shape[1])
     lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    return rank, cp, qg, _diagonal_mask(q, cp, rank) if causal else None, torch.zeros_like(qg), lse
+    masks = _BlockMasks(*_group_shape(group), q.shape[2], causal, documents, q.device)
+    return masks, qg, torch.zeros_like(qg), lse
 
 
 def _backward_state(ctx, dout, q, k, out, lse) -> dict:
     """What every block's backward shares (``_block_gradients``), from the saved forward and dout."""
-    hkv, rank, cp = k.shape[1], *_group_shape(ctx.group)
+    hkv = k.shape[1]
     doutg = _grouped(dout, hkv)
-    return {"qg": _grouped(q, hkv), "doutg": doutg, "lse": lse, "causal": ctx.causal,
-            "delta": (doutg * _grouped(out, hkv)).sum(-1),
-            "mask": _diagonal_mask(q, cp, rank) if ctx.causal else None}
+    return {"qg": _grouped(q, hkv), "doutg": doutg, "lse": lse,
+            "delta": (doutg * _grouped(out, hkv)).sum(-1)}
 
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
 
     Forward: cp steps; at step ``t`` this rank holds rank ``(r - t) % cp``'s K/V, attends its queries to the
-    pieces ``_block_plan`` keeps and folds each into a running output and log-sum-exp, while the next block is
+    tiles ``_BlockMasks`` keeps and folds each into a running output and log-sum-exp, while the next block is
     already in flight. Only q, k, v, the output and the log-sum-exp are saved. Backward: recompute each
-    piece's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V block's dK/dV
+    tile's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V block's dK/dV
     accumulator travels with it and after cp hops arrives back at the block's owner.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool):
-        rank, cp, qg, mask, out, lse = _forward_state(q, k, group, causal)
+    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None):
+        masks, qg, out, lse = _forward_state(q, k, group, causal, documents)
+        rank, cp = masks.rank, masks.cp
         kv = torch.stack([k, v])
         for step in range(cp):
             shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
-            _attend_block(qg, kv, rank, (rank - step) % cp, causal, mask, out, lse)
+            _attend_block(qg, kv, masks.tiles((rank - step) % cp), out, lse)
             kv = shift.wait() if shift else kv
         out = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal = group, causal
+        ctx.group, ctx.masks = group, masks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rank, cp = _group_shape(ctx.group)
+        masks = ctx.masks
+        rank, cp = masks.rank, masks.cp
         saved = _backward_state(ctx, dout, q, k, out, lse)
         dq = torch.zeros_like(saved["qg"])
         kv, dkv, dkv_shift = torch.stack([k, v]), None, None
         for step in range(cp):
             kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
-            block_dkv = _block_gradients(saved, kv, rank, (rank - step) % cp, dq)
+            block_dkv = _block_gradients(saved, kv, masks.tiles((rank - step) % cp), dq)
             # the accumulated dK/dV of this block arrives from the previous rank while the block computes
             dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
             dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
             kv = kv_shift.wait() if kv_shift else kv
         dkv = dkv_shift.wait() if dkv_shift else dkv
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -291,23 +333,22 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool):
-        rank, cp, qg, mask, out, lse = _forward_state(q, k, group, causal)
-        blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(cp)]
+        masks, qg, out, lse = _forward_state(q, k, group, causal)
+        blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(masks.cp)]
         dist.all_gather(blocks, torch.stack([k, v]), group=group)
         for src, kv in enumerate(blocks):
-            _attend_block(qg, kv, rank, src, causal, mask, out, lse)
+            _attend_block(qg, kv, masks.tiles(src), out, lse)
         out = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, torch.stack(blocks))
-        ctx.group, ctx.causal = group, causal
+        ctx.group, ctx.masks = group, masks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, blocks = ctx.saved_tensors
-        rank, _ = _group_shape(ctx.group)
         saved = _backward_state(ctx, dout, q, k, out, lse)
         dq = torch.zeros_like(saved["qg"])
-        dkv = torch.stack([_block_gradients(saved, kv, rank, src, dq) for src, kv in enumerate(blocks)])
+        dkv = torch.stack([_block_gradients(saved, kv, ctx.masks.tiles(src), dq) for src, kv in enumerate(blocks)])
         dkv = _all_to_all(dkv, ctx.group).sum(0)
         return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
@@ -343,10 +384,9 @@ class _AllGather(torch.autograd.Function):
 def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tensor:
     """The local queries over the gathered K/V of the whole sequence with SDPA and a document mask.
 
-    Why not the blockwise kernels: their pieces are planned by position alone, and a document boundary can mask
-    a piece's whole row, which their online softmax does not take. All-gather CP sees every key anyway, so the
-    mask is direct: queries at this rank's zigzag positions, keys at every rank's in rank order. This is why
-    Llama 3 chose all-gather CP for document-masked training (ring attention would need per-block masks).
+    Why SDPA rather than the blockwise kernels (which ring uses under the mask): all-gather CP sees every key
+    anyway, so the mask is direct and one fused SDPA call (on the GPU) attends to all of it: queries at this
+    rank's zigzag positions, keys at every rank's in rank order, as Llama 3 did for document-masked training.
     """
     rank, cp = _group_shape(group)
     seq = q.shape[2] * cp
@@ -357,20 +397,23 @@ def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tens
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _diagonal_mask(q: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+def _diagonal_mask(s_local: int, cp: int, rank: int, device) -> torch.Tensor:
     """Causal mask of this rank's queries over its own keys, by global position in the zigzag layout."""
-    pos = zigzag_indices(q.shape[2] * cp, cp, rank)
-    return _causal_mask(pos, pos, q.device)
+    pos = zigzag_indices(s_local * cp, cp, rank)
+    return _causal_mask(pos, pos, device)
 
 
-def ring_attention(q, k, v, group, causal: bool = True) -> torch.Tensor:
+def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
     """Attention of the local queries over the whole sequence, K/V blocks passed round the cp ring.
 
     Memory per rank stays O(S_local): at any time a rank holds its own K/V, one block in flight and one
-    block's scores. GQA is handled by grouping query heads per KV head (no repeated K/V).
+    block's scores. GQA is handled by grouping query heads per KV head (no repeated K/V). With ``documents``
+    each query sees only its own document's earlier keys: every block's mask comes from the whole window's
+    document ids, which every rank holds, and tiles that cross only document boundaries are skipped
+    (``_BlockMasks``).
     """
     _check_heads(q, k, v)
-    return _RingAttention.apply(q, k, v, group, causal)
+    return _RingAttention.apply(q, k, v, group, causal, documents)
 
 
 # --- Ulysses ----------------------------------------------------------------------------------------------------
