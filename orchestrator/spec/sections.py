@@ -66,8 +66,8 @@ class DataSpec(_Section):
             raise SpecError("data.path", None, "is required but missing", "add `path: <dir>` under `data:`, the "
                             "directory written by `raymesh prepare-data --out <dir>` (or `mix:`, a list of "
                             "`{path: DIR, weight: W}` entries, to blend several)")
-        paths = [entry.path for entry in self.mix or ()]
-        repeated = next((p for i, p in enumerate(paths) if p in paths[:i]), None)
+        paths = [entry.path.rstrip("/") or entry.path for entry in self.mix or ()]  # `s3://b/x/` is `s3://b/x`
+        repeated = next((self.mix[i].path for i, p in enumerate(paths) if p in paths[:i]), None)
         if repeated is not None:
             raise SpecError("data.mix", repeated, "is listed twice", "list each directory once, with the sum of "
                             "the two weights")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -123,6 +124,7 @@ def _entries(*pairs) -> dict:
     ({"mix": [{"path": "/a", "weight": -1.0}]}, "data.mix[0].weight", "greater than 0"),
     ({"mix": [{"path": "/a", "weight": math.inf}]}, "data.mix[0].weight", "finite"),
     ({"mix": [{"path": "/a", "weight": 1.0}, {"path": "/a", "weight": 2.0}]}, "data.mix", "listed twice"),
+    ({"mix": [{"path": "s3://b/a", "weight": 1.0}, {"path": "s3://b/a/", "weight": 2.0}]}, "data.mix", "listed twice"),
     ({"seed": 1}, "data.path", "required"),
 ])
 def test_a_bad_mixture_is_refused_naming_the_entry(tmp_path, data, field, says):
@@ -143,6 +145,19 @@ def test_every_source_passes_the_checks_a_data_path_does(tmp_path, dirs):
     assert err.value.field == "data.mix[1].path" and "lower data.mix[1].weight" in err.value.fix
 
 
+def test_one_directory_written_two_ways_or_copied_is_refused(tmp_path, dirs):
+    """Both entries would draw the same sample ids in the same order: every sample twice in a row."""
+    (tmp_path / "link").symlink_to(dirs[0])
+    copy = tmp_path / "copy"
+    shutil.copytree(dirs[0], copy)
+    same = "is the same directory as"
+    for twin, says in [(dirs[1] / ".." / ".." / dirs[0].parent.name / dirs[0].name, same),
+                       (tmp_path / "link", same), (copy, r"holds a shard \(shard-00000.parquet\) of")]:
+        with pytest.raises(SpecError, match=f"{says} data.mix\\[0\\].path {dirs[0]}") as err:
+            check_before_start(_spec(tmp_path, _entries((dirs[0], 0.5), (twin, 0.25))))
+        assert err.value.field == "data.mix[1].path" and "sum of the two weights (0.5 + 0.25 = 0.75)" in err.value.fix
+
+
 def test_sources_must_hold_one_tokenizers_ids(tmp_path, dirs):
     ids = tmp_path / "ids"
     write_token_rows([np.arange(3000) % 1000], ids, vocab_size=1000, source="test")
@@ -150,7 +165,7 @@ def test_sources_must_hold_one_tokenizers_ids(tmp_path, dirs):
         check_before_start(_spec(tmp_path, _entries((dirs[0], 0.5), (ids, 0.5)), model={"vocab_size": 1000}))
     assert err.value.field == "data.mix[1].path"
     more = tmp_path / "ids2"
-    write_token_rows([np.arange(3000) % 1000], more, vocab_size=1000, source="test")
+    write_token_rows([(np.arange(3000) + 1) % 1000], more, vocab_size=1000, source="test")
     with pytest.raises(SpecError, match="smaller than the vocabulary") as err:  # model.vocab_size covers each
         check_before_start(_spec(tmp_path, _entries((ids, 0.5), (more, 0.5))))
     assert err.value.field == "model.vocab_size"
