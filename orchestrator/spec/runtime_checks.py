@@ -21,6 +21,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from workers.data import blend
 from workers.data.checksums import FIELD as SHARD_CHECKSUM
 from workers.data.tokenizer import TOKENIZER_FILE, manifest_eos_id, tokenizer_sha256
 from workers.storage import is_url, location
@@ -176,7 +177,8 @@ def _check_share_of_batch(spec: JobSpec, path: str, weight: float, tokens: int) 
     """A `data.mix` source holds its share of one batch in distinct windows: the blend gives it within one sample of
     share x global_batch_size of every batch, so with fewer windows a batch repeats some of them (a source smaller
     than that is better given a lower weight, or more text)."""
-    share = weight / sum(w for _, w in spec.data.sources())
+    paths, weights = zip(*spec.data.sources())
+    share = float(blend.normalised(list(weights))[paths.index(path)])  # the blend's own shares (huge weights too)
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
     windows = min(batch, math.ceil(share * batch - 1e-9) + 1)  # blind to float dust: 0.7 / 1.0 x 10 is 7
     if windows * seq + 1 <= tokens:

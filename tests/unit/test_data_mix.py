@@ -53,6 +53,19 @@ def test_blend_counts_stay_within_one_of_the_weights(weights):
         assert np.abs(blend.counts(shares, far) - shares * far).max() < 1
 
 
+def test_weights_near_floats_limit_blend_as_their_ratio(tmp_path, dirs):
+    """1e308 + 1e308 overflows to inf: the shares must still be the weights' ratio, in the blend and in the check
+    of each source's share of a batch (which refuses the small source's half of a 256-sample batch)."""
+    for huge, ratio in [([1e308, 1e308], [1.0, 1.0]), ([1.5e308, 5e307], [3.0, 1.0]), ([1e-320, 1e-320], [1, 1])]:
+        shares = blend.normalised(huge)
+        assert np.allclose(shares, blend.normalised(ratio))
+        assert np.array_equal(blend.take(shares, 0, 50)[0], blend.take(blend.normalised(ratio), 0, 50)[0])
+    with pytest.raises(SpecError, match="share 0.5") as err:
+        check_before_start(_spec(tmp_path, _entries((dirs[0], 1e308), (dirs[1], 1e308)),
+                                 train={"global_batch_size": 256}))
+    assert err.value.field == "data.mix[1].path"
+
+
 def test_blend_far_positions_continue_the_order():
     """The samples taken from position n are what the counts at n and at n + c differ by, at any n; near the start
     they are the same slice of one long take."""

@@ -17,8 +17,10 @@ import numpy as np
 
 
 def normalised(weights: list[float]) -> np.ndarray:
-    """The weights as shares summing to one (a job file's weights need not)."""
+    """The weights as shares summing to one (a job file's weights need not). Scaled by the largest first: weights
+    near float's limit (`1e308`) would sum to inf, and tiny ones lose digits, which would leave every share 0."""
     w = np.asarray(weights, dtype=np.float64)
+    w = w / w.max()
     return w / w.sum()
 
 
