@@ -60,6 +60,8 @@ def test_weights_near_floats_limit_blend_as_their_ratio(tmp_path, dirs):
         shares = blend.normalised(huge)
         assert np.allclose(shares, blend.normalised(ratio))
         assert np.array_equal(blend.take(shares, 0, 50)[0], blend.take(blend.normalised(ratio), 0, 50)[0])
+    ordinary = np.array([0.37, 1.9, 4.21])  # their shares fingerprint a checkpoint's position: kept bit for bit
+    assert blend.normalised(ordinary.tolist()).tolist() == (ordinary / ordinary.sum()).tolist()
     with pytest.raises(SpecError, match="share 0.5") as err:
         check_before_start(_spec(tmp_path, _entries((dirs[0], 1e308), (dirs[1], 1e308)),
                                  train={"global_batch_size": 256}))
