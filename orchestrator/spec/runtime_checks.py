@@ -21,6 +21,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from workers.data import blend
 from workers.data.checksums import FIELD as SHARD_CHECKSUM
 from workers.data.tokenizer import TOKENIZER_FILE, manifest_eos_id, tokenizer_sha256
 from workers.storage import is_url, location
@@ -124,6 +125,7 @@ def check_data_path(spec: JobSpec, data_required: bool = True) -> None:
     """Every training directory is prepared, readable, in the model's vocabulary and holds its share of one batch
     of distinct windows; a mixture's directories hold one tokenizer's ids."""
     sources = training_manifests(spec, data_required)
+    _check_distinct_sources(spec, sources)
     for path, _, manifest in sources[:1]:  # first: another tokenizer's vocabulary is not the model's to grow
         _check_one_tokenizer(spec, path, manifest, sources[1:])
     for path, weight, manifest in sources:
@@ -175,7 +177,8 @@ def _check_share_of_batch(spec: JobSpec, path: str, weight: float, tokens: int) 
     """A `data.mix` source holds its share of one batch in distinct windows: the blend gives it within one sample of
     share x global_batch_size of every batch, so with fewer windows a batch repeats some of them (a source smaller
     than that is better given a lower weight, or more text)."""
-    share = weight / sum(w for _, w in spec.data.sources())
+    paths, weights = zip(*spec.data.sources())
+    share = float(blend.normalised(list(weights))[paths.index(path)])  # the blend's own shares (huge weights too)
     seq, batch = spec.model.seq_len, spec.train.global_batch_size
     windows = min(batch, math.ceil(share * batch - 1e-9) + 1)  # blind to float dust: 0.7 / 1.0 x 10 is 7
     if windows * seq + 1 <= tokens:
@@ -299,14 +302,37 @@ def _check_not_trained_on(spec: JobSpec, manifest: dict, data: dict, path: str) 
     manifest `data`): its loss would be
     the training loss of sequences the model learns from, not a held-out one. A shard is known by its checksum
     (manifests from before checksums have none and are not compared), so a copy of the data is caught too."""
-    trained = {shard.get(SHARD_CHECKSUM) for shard in data["shards"]} - {None}
-    shared = next((s["file"] for s in manifest["shards"] if s.get(SHARD_CHECKSUM) in trained), None)
+    shared = _shared_shard(manifest, data)
     if shared is not None:
         raise SpecError("eval.path", spec.eval.path, f"holds tokens the job trains on (its {shared} is a shard of "
                         f"{spec.data.field_of(path)} {path}), so its loss would not be a held-out one",
                         "point eval.path at a held-out split (`raymesh prepare-data --heldout 0.01 --out DIR` "
                         "writes DIR/heldout and keeps its documents out of DIR), or at other text prepared with "
                         "the same --tokenizer")
+
+
+def _shared_shard(manifest: dict, other: dict) -> str | None:
+    """The first shard file of `manifest` whose checksum is one of `other`'s shards' (the same tokens, wherever they
+    live: a copy, a symlink, an object-store upload), or None. Manifests from before checksums have none, so are
+    never matched."""
+    theirs = {shard.get(SHARD_CHECKSUM) for shard in other["shards"]} - {None}
+    return next((s["file"] for s in manifest["shards"] if s.get(SHARD_CHECKSUM) in theirs), None)
+
+
+def _check_distinct_sources(spec: JobSpec, sources: list[tuple[str, float, dict]]) -> None:
+    """Refuse two `data.mix` entries that are one directory written two ways (`a/../b`, a symlink) or hold the same
+    tokens (a shard in common): both draw the same sample ids in the same order (one seed), so every sample would
+    be trained on twice in a row, not at the weights written."""
+    for i, (path, weight, manifest) in enumerate(sources):
+        for other, other_weight, theirs in sources[:i]:
+            same_dir = not is_url(path) and not is_url(other) and os.path.realpath(path) == os.path.realpath(other)
+            shard = None if same_dir else _shared_shard(manifest, theirs)
+            if same_dir or shard is not None:
+                what = "is the same directory as" if same_dir else f"holds a shard ({shard}) of"
+                raise SpecError(spec.data.field_of(path), path, f"{what} {spec.data.field_of(other)} {other}, so the "
+                                "mixture would train on those samples twice in a row",
+                                f"list it once, with the sum of the two weights ({other_weight:g} + {weight:g} = "
+                                f"{other_weight + weight:g})")
 
 
 def _same_ids(manifest: dict, path: str, other: dict, other_path: str) -> bool:

@@ -66,8 +66,8 @@ class DataSpec(_Section):
             raise SpecError("data.path", None, "is required but missing", "add `path: <dir>` under `data:`, the "
                             "directory written by `raymesh prepare-data --out <dir>` (or `mix:`, a list of "
                             "`{path: DIR, weight: W}` entries, to blend several)")
-        paths = [entry.path for entry in self.mix or ()]
-        repeated = next((p for i, p in enumerate(paths) if p in paths[:i]), None)
+        paths = [entry.path.rstrip("/") or entry.path for entry in self.mix or ()]  # `s3://b/x/` is `s3://b/x`
+        repeated = next((self.mix[i].path for i, p in enumerate(paths) if p in paths[:i]), None)
         if repeated is not None:
             raise SpecError("data.mix", repeated, "is listed twice", "list each directory once, with the sum of "
                             "the two weights")
@@ -236,11 +236,14 @@ class OptimSpec(_Section):
 
     @model_validator(mode="after")
     def _one_decay_length(self) -> OptimSpec:
-        """``decay_steps`` and ``decay_ratio`` both size wsd's decay: with both, one would be ignored."""
-        if self.decay_steps is not None and "decay_ratio" in self.model_fields_set:
+        """``decay_steps`` and ``decay_ratio`` both size wsd's decay: with both, one would be ignored. A ratio other
+        than its default counts as set (a value, not ``model_fields_set``, as ``cross_checks._changed``: a spec
+        round-trips through ``to_dict``, which writes every field, on its way to the hosted controller)."""
+        if self.decay_steps is not None and self.decay_ratio != type(self).model_fields["decay_ratio"].default:
             raise SpecError("optim.decay_ratio", self.decay_ratio, f"and optim.decay_steps {self.decay_steps} both "
                             "set the length of wsd's decay", "keep one of them (decay_steps counts steps, "
-                            "decay_ratio is a share of train.steps)")
+                            "decay_ratio is a share of train.steps; `--set optim.decay_ratio=0.1`, its default, "
+                            "leaves decay_steps alone)")
         return self
 
 

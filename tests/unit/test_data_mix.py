@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -50,6 +51,21 @@ def test_blend_counts_stay_within_one_of_the_weights(weights):
     assert np.abs(counts - shares * n).max() < 1
     for far in (10**9, 10**12 + 7):  # a resume late in a long run: no replay of the choices before it
         assert np.abs(blend.counts(shares, far) - shares * far).max() < 1
+
+
+def test_weights_near_floats_limit_blend_as_their_ratio(tmp_path, dirs):
+    """1e308 + 1e308 overflows to inf: the shares must still be the weights' ratio, in the blend and in the check
+    of each source's share of a batch (which refuses the small source's half of a 256-sample batch)."""
+    for huge, ratio in [([1e308, 1e308], [1.0, 1.0]), ([1.5e308, 5e307], [3.0, 1.0]), ([1e-320, 1e-320], [1, 1])]:
+        shares = blend.normalised(huge)
+        assert np.allclose(shares, blend.normalised(ratio))
+        assert np.array_equal(blend.take(shares, 0, 50)[0], blend.take(blend.normalised(ratio), 0, 50)[0])
+    ordinary = np.array([0.37, 1.9, 4.21])  # their shares fingerprint a checkpoint's position: kept bit for bit
+    assert blend.normalised(ordinary.tolist()).tolist() == (ordinary / ordinary.sum()).tolist()
+    with pytest.raises(SpecError, match="share 0.5") as err:
+        check_before_start(_spec(tmp_path, _entries((dirs[0], 1e308), (dirs[1], 1e308)),
+                                 train={"global_batch_size": 256}))
+    assert err.value.field == "data.mix[1].path"
 
 
 def test_blend_far_positions_continue_the_order():
@@ -123,6 +139,7 @@ def _entries(*pairs) -> dict:
     ({"mix": [{"path": "/a", "weight": -1.0}]}, "data.mix[0].weight", "greater than 0"),
     ({"mix": [{"path": "/a", "weight": math.inf}]}, "data.mix[0].weight", "finite"),
     ({"mix": [{"path": "/a", "weight": 1.0}, {"path": "/a", "weight": 2.0}]}, "data.mix", "listed twice"),
+    ({"mix": [{"path": "s3://b/a", "weight": 1.0}, {"path": "s3://b/a/", "weight": 2.0}]}, "data.mix", "listed twice"),
     ({"seed": 1}, "data.path", "required"),
 ])
 def test_a_bad_mixture_is_refused_naming_the_entry(tmp_path, data, field, says):
@@ -143,6 +160,19 @@ def test_every_source_passes_the_checks_a_data_path_does(tmp_path, dirs):
     assert err.value.field == "data.mix[1].path" and "lower data.mix[1].weight" in err.value.fix
 
 
+def test_one_directory_written_two_ways_or_copied_is_refused(tmp_path, dirs):
+    """Both entries would draw the same sample ids in the same order: every sample twice in a row."""
+    (tmp_path / "link").symlink_to(dirs[0])
+    copy = tmp_path / "copy"
+    shutil.copytree(dirs[0], copy)
+    same = "is the same directory as"
+    for twin, says in [(dirs[1] / ".." / ".." / dirs[0].parent.name / dirs[0].name, same),
+                       (tmp_path / "link", same), (copy, r"holds a shard \(shard-00000.parquet\) of")]:
+        with pytest.raises(SpecError, match=f"{says} data.mix\\[0\\].path {dirs[0]}") as err:
+            check_before_start(_spec(tmp_path, _entries((dirs[0], 0.5), (twin, 0.25))))
+        assert err.value.field == "data.mix[1].path" and "sum of the two weights (0.5 + 0.25 = 0.75)" in err.value.fix
+
+
 def test_sources_must_hold_one_tokenizers_ids(tmp_path, dirs):
     ids = tmp_path / "ids"
     write_token_rows([np.arange(3000) % 1000], ids, vocab_size=1000, source="test")
@@ -150,7 +180,7 @@ def test_sources_must_hold_one_tokenizers_ids(tmp_path, dirs):
         check_before_start(_spec(tmp_path, _entries((dirs[0], 0.5), (ids, 0.5)), model={"vocab_size": 1000}))
     assert err.value.field == "data.mix[1].path"
     more = tmp_path / "ids2"
-    write_token_rows([np.arange(3000) % 1000], more, vocab_size=1000, source="test")
+    write_token_rows([(np.arange(3000) + 1) % 1000], more, vocab_size=1000, source="test")
     with pytest.raises(SpecError, match="smaller than the vocabulary") as err:  # model.vocab_size covers each
         check_before_start(_spec(tmp_path, _entries((ids, 0.5), (more, 0.5))))
     assert err.value.field == "model.vocab_size"

@@ -60,6 +60,17 @@ def test_a_wsd_setting_the_schedule_does_not_read_is_refused(optim, field, fix):
         JobSpec.from_dict({"data": {"path": "d"}, "optim": optim})
 
 
+def test_a_wsd_job_with_decay_steps_survives_the_round_trip_to_the_hosted_controller():
+    """`raymesh run` hands the hosted controller ``spec.to_dict()``, which writes decay_ratio's default beside
+    decay_steps; shrinks and resizes rebuild the spec the same way. None of them may read it as both set."""
+    spec = JobSpec.from_dict({"data": {"path": "d"}, "optim": {"schedule": "wsd", "decay_steps": 10}})
+    assert JobSpec.from_dict(spec.to_dict()).optim.decay_steps == 10
+    assert spec.with_overrides(["parallel.dp=2"]).optim.decay_steps == 10
+    ratio = JobSpec.from_dict({"data": {"path": "d"}, "optim": {"schedule": "wsd", "decay_ratio": 0.2}})
+    # a job file's decay_ratio, switched to decay_steps from the command line: set the ratio back to its default
+    assert ratio.with_overrides(["optim.decay_steps=5", "optim.decay_ratio=0.1"]).optim.decay_steps == 5
+
+
 def test_a_resume_mid_decay_trains_at_the_uninterrupted_runs_rates_and_a_longer_run_stretches_the_decay(
         tmp_path_factory, tmp_path):
     """The schedule's position is the saved step count (``TrainState.progress_state``), and the factor is computed

@@ -157,6 +157,21 @@ def test_a_checkpoint_saved_with_one_group_resumes_into_two(tmp_path_factory, tm
         t.train_step()
 
 
+def test_a_checkpoint_saved_with_two_groups_resumes_into_one(tmp_path_factory, tmp_path):
+    """The reverse (README): saved under `1d`, resumed under `none`, every parameter decays at the job's rate."""
+    optim = {"lr": 1e-3, "weight_decay": 0.1}
+    with one_rank_trainer(tmp_path_factory, optim=optim) as t:
+        t.train_step()
+        t.checkpoints.save(tmp_path / "ckpt", async_save=False)
+    with one_rank_trainer(tmp_path_factory, optim={**optim, "weight_decay_exclude": "none"}) as t:
+        t.checkpoints.load(tmp_path / "ckpt")
+        opt = t.state.optimizers[0]
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1]
+        assert len(opt.state) == len(opt.param_groups[0]["params"])
+        assert all(float(s["step"]) == 1 for s in opt.state.values())
+        t.train_step()
+
+
 def test_an_exclusion_without_weight_decay_is_refused():
     with pytest.raises(SpecError, match=r"`optim.weight_decay_exclude`: value 'none' chooses the parameters "
                                         r"optim.weight_decay spares, and optim.weight_decay is 0.*fix: set "

@@ -17,8 +17,14 @@ import numpy as np
 
 
 def normalised(weights: list[float]) -> np.ndarray:
-    """The weights as shares summing to one (a job file's weights need not)."""
+    """The weights as shares summing to one (a job file's weights need not). Weights near float's limit (`1e308`
+    twice) sum to inf, which would leave every share 0: those are scaled by the largest first (only those, so the
+    shares of other weights, which a checkpoint's data position is fingerprinted by, stay bit for bit)."""
     w = np.asarray(weights, dtype=np.float64)
+    with np.errstate(over="ignore"):  # the overflow is what this looks for
+        overflows = not np.isfinite(w.sum())
+    if overflows:
+        w = w / w.max()
     return w / w.sum()
 
 
