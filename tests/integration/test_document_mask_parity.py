@@ -28,6 +28,13 @@ STEPS = 3
 FAMILIES = {
     "gpt": {"attention_mask": "document", "init_std": 0.1},
     "llama-gqa": {"attention_mask": "document", "init_std": 0.1, "arch": "llama", "n_kv_heads": 2},
+    # MoE keys capacity (per sequence) and expert dropout by stream position: the mask must leave both alone
+    "gpt-moe": {"attention_mask": "document", "init_std": 0.1, "n_layers": 2,
+                "moe": {"experts": 4, "group": "sequence", "router": "switch", "capacity_factor": 1.0,
+                        "aux_loss_weight": 0.01, "expert_dropout": 0.1}},
+    # QLoRA over a Hugging Face Llama (``model.init_from``: the ``hf_llama`` fixture's directory, set in ``_spec``)
+    "hf-qlora": {"attention_mask": "document", "d_model": 64, "n_layers": 2, "d_ff": 128,
+                 "lora": {"rank": 4, "alpha": 8.0, "quantize": "nf4"}},
 }
 EVAL = {"every": 2, "batches": 1}
 LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
@@ -40,6 +47,10 @@ LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
     "cp2-tp2-ulysses": ("llama-gqa", {"cp": 2, "tp": 2, "cp_impl": "ulysses"}, {}, False),
     "cp4-ring": ("gpt", {"cp": 4, "cp_impl": "ring"}, {}, True),
     "dp4-measured": ("gpt", {"dp": 4}, {"measure": True}, False),
+    "dp4-ep2-moe": ("gpt-moe", {"dp": 4, "ep": 2}, {}, False),
+    # two stages a rank, split backward: the W chunks (and every chunk of the second stage) take their documents
+    "pp2-dp2-zbv": ("llama-gqa", {"pp": 2, "dp": 2, "pp_schedule": "zbv"}, {}, False),
+    "dp2-pp2-hf-qlora": ("hf-qlora", {"dp": 2, "pp": 2}, {}, False),
 }
 
 
@@ -53,20 +64,30 @@ def _write_documents(folder, count: int, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def documents(tmp_path_factory):
-    """(training data, held-out data): ~300 and ~60 short documents, prepared as bytes."""
+def documents(tmp_path_factory, hf_llama):
+    """(training data, held-out data, a Hugging Face Llama): ~300 and ~60 short documents, prepared as bytes."""
     root = tmp_path_factory.mktemp("documents")
     for name, count, seed in (("train", 300, 0), ("heldout", 60, 1)):
         _write_documents(root / f"{name}-src", count, seed)
         prepare_data([root / f"{name}-src"], root / name)
-    return root / "train", root / "heldout"
+    return root / "train", root / "heldout", hf_llama
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny Hugging Face Llama directory (GQA, Llama-3 rotary), 64 wide so NF4's blocks divide its weights."""
+    from tests.support.hf import save_hf_llama
+
+    return save_hf_llama(tmp_path_factory.mktemp("hf-llama"), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2)
 
 
 def _spec(documents, tmp_path, family: str, parallel: dict | None = None, memory: dict | None = None,
           evaluates: bool = True):
-    train, heldout = documents
+    train, heldout, hf_dir = documents
     held_out = {"eval": {**EVAL, "path": str(heldout)}} if evaluates else {}
-    return tiny_spec(train, tmp_path, parallel={**(parallel or {}), "device": "cpu"}, model=FAMILIES[family],
+    model = {**FAMILIES[family], **({"init_from": str(hf_dir)} if "lora" in FAMILIES[family] else {})}
+    return tiny_spec(train, tmp_path, parallel={**(parallel or {}), "device": "cpu"}, model=model,
                      memory=memory or {}, train={"steps": STEPS}, **held_out)
 
 
