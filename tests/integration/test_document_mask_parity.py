@@ -13,10 +13,9 @@ spawned processes over gloo (tests/support/parity_harness.py, no Ray), every lay
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
+from tests.support.documents import write_documents
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import reference_eval, reference_run
@@ -54,21 +53,12 @@ LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
 }
 
 
-def _write_documents(folder, count: int, seed: int) -> None:
-    """``count`` text files of 3 to 30 letters: prepare_data joins them with the end-of-document byte."""
-    rng = random.Random(seed)
-    folder.mkdir()
-    for i in range(count):
-        text = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(rng.randint(3, 30)))
-        (folder / f"{i:04d}.txt").write_text(text)
-
-
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory, hf_llama):
     """(training data, held-out data, a Hugging Face Llama): ~300 and ~60 short documents, prepared as bytes."""
     root = tmp_path_factory.mktemp("documents")
     for name, count, seed in (("train", 300, 0), ("heldout", 60, 1)):
-        _write_documents(root / f"{name}-src", count, seed)
+        write_documents(root / f"{name}-src", count, seed)
         prepare_data([root / f"{name}-src"], root / name)
     return root / "train", root / "heldout", hf_llama
 
