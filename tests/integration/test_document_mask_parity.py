@@ -13,7 +13,10 @@ spawned processes over gloo (tests/support/parity_harness.py, no Ray), every lay
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
 
 from tests.support.documents import write_documents
 from tests.support.jobs import tiny_spec
@@ -36,6 +39,7 @@ FAMILIES = {
                  "lora": {"rank": 4, "alpha": 8.0, "quantize": "nf4"}},
 }
 EVAL = {"every": 2, "batches": 1}
+SAVES = "pp2-dp2-zbv"  # the layout whose last step is saved, for generate and export-hf to read
 LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
     "dp2-tp2-nosp-zero0": ("gpt", {"dp": 2, "tp": 2, "sequence_parallel": False}, {}, True),
     "dp2-tp2-sp-zero3": ("llama-gqa", {"dp": 2, "tp": 2, "zero": 3}, {}, False),
@@ -95,10 +99,19 @@ def references(documents, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(documents, tmp_path_factory):
-    """Every layout's ranks in one spawn of four (``run_grouped``)."""
+def specs(documents, tmp_path_factory):
+    """Every layout's job; ``SAVES``' checkpoints into its own directory."""
     tmp = tmp_path_factory.mktemp("document-parity")
-    return run_grouped({name: _spec(documents, tmp / name, *layout) for name, layout in LAYOUTS.items()})
+    out = {name: _spec(documents, tmp / name, *layout) for name, layout in LAYOUTS.items()}
+    out[SAVES] = out[SAVES].with_overrides([f"checkpoint.dir={tmp / SAVES / 'ckpt'}"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(specs):
+    """Every layout's ranks in one spawn of four (``run_grouped``), ``SAVES``' last step saved."""
+    saved = specs[SAVES].checkpoint_dir() / f"step-{STEPS:08d}"
+    return run_grouped(specs, checkpoints={SAVES: str(saved)})
 
 
 def test_the_reference_masks_documents(documents, references, tmp_path):
@@ -131,3 +144,18 @@ def test_the_planner_counts_one_saved_mask_per_microbatch(runs, documents, tmp_p
     assert mask == 4 * micro_batch * seq * seq  # fp32, [micro_batch, 1, seq, seq]
     for measured in ran(runs, "dp4-measured").activation_bytes.values():
         assert measured == pytest.approx(peak_rank(spec).activation_bytes, rel=1e-3)
+
+
+def test_generate_and_export_hf_read_a_document_masked_checkpoint(runs, specs, tmp_path, capsys):
+    """The mask is how training attends, not a weight or a field the checkpoint's job record holds: `raymesh
+    generate` (causal over its one prompt) and `export-hf` read a document-masked run's checkpoint as any other."""
+    from orchestrator.cli.commands import main
+
+    ran(runs, SAVES)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(specs[SAVES].to_dict()))
+    args = ["--prompt", "ab", "--temperature", "0", "--max-new-tokens", "4", "--no-stop", "--json"]
+    assert main(["generate", str(job), *args]) == 0
+    assert len(json.loads(capsys.readouterr().out)["samples"][0]["ids"]) == 4
+    assert main(["export-hf", str(job), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
