@@ -269,10 +269,24 @@ def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> 
     p = spec.parallel
     n_stages = p.pp * p.stages_per_rank
     chunks = sum(chunk_activation_bytes(spec, sid, n_stages) for sid in ids)
-    in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
     heads = mm.head_copies(n_stages - 1 in ids, p.grid.pp_enabled, p.pipeline_schedule.all_forwards_first,
                            spec.train.microbatches)
-    return mm.rank_saved_bytes(chunks, len(ids), in_flight, head_bytes(spec) if heads else 0, heads)
+    return mm.rank_saved_bytes(chunks, len(ids), _in_flight(spec, ids, pp_rank), head_bytes(spec) if heads else 0,
+                               heads)
+
+
+def rank_mask_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
+    """The document masks among ``rank_saved_activation_bytes`` (one per chunk-microbatch in flight): activation
+    offload and compression leave them on the device as they are (``workers.model.documents.is_shared_mask``)."""
+    n_stages = spec.parallel.pp * spec.parallel.stages_per_rank
+    masks = sum(document_bytes(spec, stage_layers(spec, sid, n_stages)) for sid in ids)
+    return mm.rank_saved_bytes(masks, len(ids), _in_flight(spec, ids, pp_rank), 0, 0)
+
+
+def _in_flight(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
+    """Chunk-microbatches whose activations this rank holds at its peak (``mm.in_flight_microbatches``)."""
+    p = spec.parallel
+    return mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
 
 
 def fsdp_mixed(spec: JobSpec) -> bool:
@@ -454,7 +468,8 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     split = {**rank_parameter_split(spec, params, ids, n_stages), "experts": experts}
     saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
     largest = max(layer_bytes(spec, i) for i in range(spec.model.n_layers))
-    on_device = mm.device_activation_bytes(saved, largest, offload_flags(spec)["activations"])
+    masks = rank_mask_bytes(spec, ids, coords["pp"])  # kept on the device by activation offload
+    on_device = mm.device_activation_bytes(saved - masks, largest, offload_flags(spec)["activations"]) + masks
     layers = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,

@@ -13,10 +13,12 @@ spawned processes over gloo (tests/support/parity_harness.py, no Ray), every lay
 
 from __future__ import annotations
 
-import random
+import json
 
 import pytest
+import yaml
 
+from tests.support.documents import write_documents
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import reference_eval, reference_run
@@ -28,8 +30,16 @@ STEPS = 3
 FAMILIES = {
     "gpt": {"attention_mask": "document", "init_std": 0.1},
     "llama-gqa": {"attention_mask": "document", "init_std": 0.1, "arch": "llama", "n_kv_heads": 2},
+    # MoE keys capacity (per sequence) and expert dropout by stream position: the mask must leave both alone
+    "gpt-moe": {"attention_mask": "document", "init_std": 0.1, "n_layers": 2,
+                "moe": {"experts": 4, "group": "sequence", "router": "switch", "capacity_factor": 1.0,
+                        "aux_loss_weight": 0.01, "expert_dropout": 0.1}},
+    # QLoRA over a Hugging Face Llama (``model.init_from``: the ``hf_llama`` fixture's directory, set in ``_spec``)
+    "hf-qlora": {"attention_mask": "document", "d_model": 64, "n_layers": 2, "d_ff": 128,
+                 "lora": {"rank": 4, "alpha": 8.0, "quantize": "nf4"}},
 }
 EVAL = {"every": 2, "batches": 1}
+SAVES = "pp2-dp2-zbv"  # the layout whose last step is saved, for generate and export-hf to read
 LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
     "dp2-tp2-nosp-zero0": ("gpt", {"dp": 2, "tp": 2, "sequence_parallel": False}, {}, True),
     "dp2-tp2-sp-zero3": ("llama-gqa", {"dp": 2, "tp": 2, "zero": 3}, {}, False),
@@ -40,33 +50,38 @@ LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
     "cp2-tp2-ulysses": ("llama-gqa", {"cp": 2, "tp": 2, "cp_impl": "ulysses"}, {}, False),
     "cp4-ring": ("gpt", {"cp": 4, "cp_impl": "ring"}, {}, True),
     "dp4-measured": ("gpt", {"dp": 4}, {"measure": True}, False),
+    "dp4-ep2-moe": ("gpt-moe", {"dp": 4, "ep": 2}, {}, False),
+    # two stages a rank, split backward: the W chunks (and every chunk of the second stage) take their documents
+    "pp2-dp2-zbv": ("llama-gqa", {"pp": 2, "dp": 2, "pp_schedule": "zbv"}, {}, False),
+    "dp2-pp2-hf-qlora": ("hf-qlora", {"dp": 2, "pp": 2}, {}, False),
 }
 
 
-def _write_documents(folder, count: int, seed: int) -> None:
-    """``count`` text files of 3 to 30 letters: prepare_data joins them with the end-of-document byte."""
-    rng = random.Random(seed)
-    folder.mkdir()
-    for i in range(count):
-        text = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(rng.randint(3, 30)))
-        (folder / f"{i:04d}.txt").write_text(text)
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory, hf_llama):
+    """(training data, held-out data, a Hugging Face Llama): ~300 and ~60 short documents, prepared as bytes."""
+    root = tmp_path_factory.mktemp("documents")
+    for name, count, seed in (("train", 300, 0), ("heldout", 60, 1)):
+        write_documents(root / f"{name}-src", count, seed)
+        prepare_data([root / f"{name}-src"], root / name)
+    return root / "train", root / "heldout", hf_llama
 
 
 @pytest.fixture(scope="module")
-def documents(tmp_path_factory):
-    """(training data, held-out data): ~300 and ~60 short documents, prepared as bytes."""
-    root = tmp_path_factory.mktemp("documents")
-    for name, count, seed in (("train", 300, 0), ("heldout", 60, 1)):
-        _write_documents(root / f"{name}-src", count, seed)
-        prepare_data([root / f"{name}-src"], root / name)
-    return root / "train", root / "heldout"
+def hf_llama(tmp_path_factory):
+    """A tiny Hugging Face Llama directory (GQA, Llama-3 rotary), 64 wide so NF4's blocks divide its weights."""
+    from tests.support.hf import save_hf_llama
+
+    return save_hf_llama(tmp_path_factory.mktemp("hf-llama"), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2)
 
 
 def _spec(documents, tmp_path, family: str, parallel: dict | None = None, memory: dict | None = None,
           evaluates: bool = True):
-    train, heldout = documents
+    train, heldout, hf_dir = documents
     held_out = {"eval": {**EVAL, "path": str(heldout)}} if evaluates else {}
-    return tiny_spec(train, tmp_path, parallel={**(parallel or {}), "device": "cpu"}, model=FAMILIES[family],
+    model = {**FAMILIES[family], **({"init_from": str(hf_dir)} if "lora" in FAMILIES[family] else {})}
+    return tiny_spec(train, tmp_path, parallel={**(parallel or {}), "device": "cpu"}, model=model,
                      memory=memory or {}, train={"steps": STEPS}, **held_out)
 
 
@@ -84,10 +99,19 @@ def references(documents, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(documents, tmp_path_factory):
-    """Every layout's ranks in one spawn of four (``run_grouped``)."""
+def specs(documents, tmp_path_factory):
+    """Every layout's job; ``SAVES``' checkpoints into its own directory."""
     tmp = tmp_path_factory.mktemp("document-parity")
-    return run_grouped({name: _spec(documents, tmp / name, *layout) for name, layout in LAYOUTS.items()})
+    out = {name: _spec(documents, tmp / name, *layout) for name, layout in LAYOUTS.items()}
+    out[SAVES] = out[SAVES].with_overrides([f"checkpoint.dir={tmp / SAVES / 'ckpt'}"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(specs):
+    """Every layout's ranks in one spawn of four (``run_grouped``), ``SAVES``' last step saved."""
+    saved = specs[SAVES].checkpoint_dir() / f"step-{STEPS:08d}"
+    return run_grouped(specs, checkpoints={SAVES: str(saved)})
 
 
 def test_the_reference_masks_documents(documents, references, tmp_path):
@@ -120,3 +144,18 @@ def test_the_planner_counts_one_saved_mask_per_microbatch(runs, documents, tmp_p
     assert mask == 4 * micro_batch * seq * seq  # fp32, [micro_batch, 1, seq, seq]
     for measured in ran(runs, "dp4-measured").activation_bytes.values():
         assert measured == pytest.approx(peak_rank(spec).activation_bytes, rel=1e-3)
+
+
+def test_generate_and_export_hf_read_a_document_masked_checkpoint(runs, specs, tmp_path, capsys):
+    """The mask is how training attends, not a weight or a field the checkpoint's job record holds: `raymesh
+    generate` (causal over its one prompt) and `export-hf` read a document-masked run's checkpoint as any other."""
+    from orchestrator.cli.commands import main
+
+    ran(runs, SAVES)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(specs[SAVES].to_dict()))
+    args = ["--prompt", "ab", "--temperature", "0", "--max-new-tokens", "4", "--no-stop", "--json"]
+    assert main(["generate", str(job), *args]) == 0
+    assert len(json.loads(capsys.readouterr().out)["samples"][0]["ids"]) == 4
+    assert main(["export-hf", str(job), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()

@@ -107,3 +107,48 @@ def test_one_mask_serves_every_layer_and_is_freed_with_its_microbatchs_graph():
     del loss
     gc.collect()
     assert freed() is None and documents is not None
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_every_query_sees_itself_on_the_sdpa_paths(cp):
+    """The additive mask is -inf wherever a query may not look; a row of nothing but -inf would make SDPA's
+    softmax NaN. Its own position is always allowed (same document, not later), under whole-window attention
+    (plain, Ulysses) and all-gather CP's zigzag queries over rank-ordered keys alike, even for one-token documents
+    and a window that opens with the end-of-document id."""
+    from workers.model.documents import document_mask
+    from workers.parallel.context_parallel import zigzag_indices
+
+    seq = 32
+    tokens = torch.tensor([[EOS, EOS, 3, EOS, EOS, EOS] + [4] * (seq - 6), [5] * (seq - 1) + [EOS]])
+    ids = document_ids(tokens, EOS)
+    keys = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)])
+    for rank in range(cp):
+        queries = zigzag_indices(seq, cp, rank)
+        itself = queries[:, None] == keys[None, :]  # [queries, keys]: each query's own key
+        allowed = document_mask(ids, queries, keys)
+        assert allowed[:, 0][:, itself].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_low_precision_masked_forward_and_backward_is_the_fp32_one_within_its_rounding(family, dtype):
+    """Under autocast (``precision.dtype`` bf16, or fp16 with loss scaling) the additive mask is built in the
+    compute dtype, -inf included: logits stay finite and within the dtype's rounding of the fp32 masked ones, and
+    so do the gradients (an fp16 loss scale multiplies the loss, never the mask)."""
+    model = _model(family)
+    tokens, _ = _packed([7, 1, 12, 9, 3])
+    ids = document_ids(tokens, EOS)
+    out = {}
+    for run_dtype in (torch.float32, dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=run_dtype != torch.float32), \
+                attending([model], Documents(ids)):
+            logits = model(tokens)
+            (logits.float().square().mean() * (1024.0 if dtype == torch.float16 else 1.0)).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        out[run_dtype] = logits.detach().float(), grads
+    (ref, ref_grads), (low, low_grads) = out[torch.float32], out[dtype]
+    assert low.isfinite().all() and low_grads.isfinite().all()
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    assert float((low - ref).norm() / ref.norm()) < tol
+    assert float((low_grads - ref_grads).norm() / ref_grads.norm()) < 5 * tol

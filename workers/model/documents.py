@@ -54,7 +54,9 @@ class Documents:
         positions, which every layer of a rank uses alike)."""
         def additive() -> torch.Tensor:
             allowed = document_mask(self.ids, q_pos, k_pos)
-            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            mask.shared_document_mask = True  # kept as it is by saved-tensor hooks: ``is_shared_mask``
+            return mask
         return self.cached((layout, dtype), additive)
 
     def cached(self, key: tuple, build):
@@ -73,6 +75,14 @@ class Documents:
         """Forget the masks built: those a graph saved live on in it until its backward, and no more than the
         microbatches in flight are kept (a step's list of ``Documents`` would otherwise hold every one's)."""
         self._masks.clear()
+
+
+def is_shared_mask(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) an additive mask ``Documents.mask`` built. Saved-tensor hooks
+    (``workers.offload.activations``) keep it as it is: every layer saves the one tensor, so a packed copy per
+    layer would undo the sharing, and its -inf cannot be rounded (fp8 e4m3 has no infinity: a compressed mask
+    came back NaN, and so did every gradient)."""
+    return getattr(t, "shared_document_mask", False) or getattr(t._base, "shared_document_mask", False)
 
 
 def split_documents(ids: torch.Tensor | None, chunks: int, device: torch.device) -> list[Documents | None]:

@@ -10,9 +10,10 @@ backward runs; these hooks intercept each one as it is saved:
   pops it back, prefetching the next ``prefetch`` tensors it will need (saved
   tensors come back in reverse order).
 
-Parameters (and tensors sharing a parameter's storage), integer tensors and
-tiny tensors stay as they are: they are resident anyway, must not be rounded,
-or cost more to move than they save. Tensors saved inside a recompute region
+Parameters (and tensors sharing a parameter's storage), the document mask
+every layer shares (``workers.model.documents.is_shared_mask``), integer
+tensors and tiny tensors stay as they are: they are resident anyway, must not
+be rounded, or cost more to move than they save. Tensors saved inside a recompute region
 are the checkpoint's business (its own hooks win), so these hooks see only
 what recompute keeps.
 """
@@ -24,6 +25,7 @@ import itertools
 
 import torch
 
+from workers.model.documents import is_shared_mask
 from workers.offload.store import OffloadStore
 
 MIN_NUMEL = 1024
@@ -50,7 +52,7 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        if _is_parameter(t) or not t.is_floating_point() or t.numel() < MIN_NUMEL:
+        if _is_parameter(t) or is_shared_mask(t) or not t.is_floating_point() or t.numel() < MIN_NUMEL:
             return t
         packed = _compress(t, self.compression)
         if self.store is None:
