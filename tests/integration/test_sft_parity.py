@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
-from tests.support.reference import reference_eval, reference_run
+from tests.support.reference import assert_matches, references_by_family
 from workers.data import TokenDataset, prepare_data
 from workers.data.loader import IGNORE_INDEX
 
@@ -58,21 +58,8 @@ def _spec(sft_data, tmp_path, family: str, parallel: dict | None = None, evaluat
 
 @pytest.fixture(scope="module")
 def references(sft_data, tmp_path_factory):
-    cache: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in cache:
-            spec = _spec(sft_data, tmp_path_factory.mktemp(family), family)
-            cache[family] = (*reference_run(spec, STEPS), reference_eval(spec, STEPS))
-        return cache[family]
-    return get
-
-
-@pytest.fixture(scope="module")
-def runs(sft_data, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sft-parity")
-    return run_grouped({name: _spec(sft_data, tmp / name, family, parallel, evaluates)
-                        for name, (family, parallel, evaluates) in LAYOUTS.items()})
+    """Per family: (losses, grad norms, held-out losses by step) of one process, computed once."""
+    return references_by_family(lambda family: _spec(sft_data, tmp_path_factory.mktemp(family), family), STEPS)
 
 
 def test_microbatches_hold_different_counts_of_counted_targets(sft_data):
@@ -82,12 +69,14 @@ def test_microbatches_hold_different_counts_of_counted_targets(sft_data):
     assert len(set(counts)) > 3 and 0 < sum(counts) < targets.numel()
 
 
+@pytest.fixture(scope="module")
+def runs(sft_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft-parity")
+    return run_grouped({name: _spec(sft_data, tmp / name, family, parallel, evaluates)
+                        for name, (family, parallel, evaluates) in LAYOUTS.items()})
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_masked_layout_matches_single_process_reference(name, references, runs):
     family, _, evaluates = LAYOUTS[name]
-    run = ran(runs, name)
-    losses, grad_norms, held_out = references(family)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
-    if evaluates:
-        assert run.eval_losses == pytest.approx(held_out, rel=1e-4)
+    assert_matches(ran(runs, name), references(family), evaluates)

@@ -126,6 +126,31 @@ def reference_eval(spec: JobSpec, steps: int) -> dict[int, float]:
     return scores
 
 
+def references_by_family(spec_of, steps: int):
+    """``get(family)``: (losses, grad norms, held-out losses by step) of one process for ``spec_of(family)``,
+    computed once per family (a parity module's layouts of one family share it)."""
+    cache: dict[str, tuple] = {}
+
+    def get(family: str) -> tuple:
+        if family not in cache:
+            spec = spec_of(family)
+            cache[family] = (*reference_run(spec, steps), reference_eval(spec, steps))
+        return cache[family]
+    return get
+
+
+def assert_matches(run, reference: tuple, evaluates: bool, rel: float = 1e-4) -> None:
+    """A layout's run (``parity_harness.LayoutRun``) has the reference's losses, grad norms and, where it
+    evaluates, held-out losses (``references_by_family``'s tuple), within ``rel``."""
+    import pytest
+
+    losses, grad_norms, held_out = reference
+    assert run.losses == pytest.approx(losses, rel=rel)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=rel)
+    if evaluates:
+        assert run.eval_losses == pytest.approx(held_out, rel=rel)
+
+
 def _within_documents(model: torch.nn.Module, ids: torch.Tensor | None):
     """``model``'s attention masked by the documents ``ids`` for the block (None: causal, as without the mask)."""
     return attending([model], None if ids is None else Documents(ids))
