@@ -197,3 +197,13 @@ def test_an_eval_path_scored_otherwise_than_training_is_refused(masked, tmp_path
         spec = tiny_spec(data, tmp_path, model={"seq_len": 16}, eval={"every": 1, "path": str(held)})
         message = _refusal(spec)
         assert "eval.path" in message and says in message and str(data) in message and "fix:" in message
+
+
+def test_the_cli_prepares_prompt_completion_pairs(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    _write_jsonl(tmp_path / "src" / "a.jsonl", PAIRS)
+    assert main(["prepare-data", "--format", "prompt-completion", "--source", str(tmp_path / "src"),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert "only completion tokens are targets" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["loss_mask"] is True
