@@ -73,7 +73,8 @@ def _optimizer(model: torch.nn.Module, optim):
 
 def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[float], list[float]]:
     """Per-step losses and pre-clip gradient norms; ``after_step(model, step)`` (1-based) sees the model after
-    each update."""
+    each update. Data with a loss mask gives targets of -100 where no completion token is predicted, which the
+    whole batch's mean cross entropy leaves out: the mean over the global batch's counted targets."""
     torch.manual_seed(spec.train.seed)
     # the same per-parameter draw the ranks' meta-device build uses (workers.model.meta_init), whole
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)

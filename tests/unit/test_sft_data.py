@@ -98,6 +98,10 @@ def test_the_loader_ignores_targets_that_are_not_completion_tokens(masked, reade
         (tmp_path / "no").write_text("a file, so no folder can be made under it")
     ds = TokenDataset(masked, seq_len=16, seed=0)
     assert isinstance(ds.flags, loader.ShardStore if reader == "row groups" else loader.RawTokens)
+    if reader == "raw":  # the flags' raw file sits beside the ids', neither dropped as another corpus's
+        assert ds.store.path.exists() and ds.flags.path.exists() and ds.flags.path != ds.store.path
+        ds.flags.path.unlink()  # built again alone (say a full disk failed it): the ids' file is the same corpus's
+        assert TokenDataset(masked, seq_len=16, seed=0).flags.path.exists() and ds.store.path.exists()
     inputs, targets = ds.batch(0, 4)
     assert (inputs >= 0).all()  # every token is read: only targets are masked
     assert torch.equal(targets, _expected_targets(PAIRS * 8, 16, ds.global_sample_ids(0, 4)))
