@@ -100,8 +100,10 @@ def test_the_loader_ignores_targets_that_are_not_completion_tokens(masked, reade
     assert isinstance(ds.flags, loader.ShardStore if reader == "row groups" else loader.RawTokens)
     if reader == "raw":  # the flags' raw file sits beside the ids', neither dropped as another corpus's
         assert ds.store.path.exists() and ds.flags.path.exists() and ds.flags.path != ds.store.path
+        ids_file = ds.store.path.stat().st_ino  # (ds keeps it open: a rebuilt file cannot reuse the inode)
         ds.flags.path.unlink()  # built again alone (say a full disk failed it): the ids' file is the same corpus's
-        assert TokenDataset(masked, seq_len=16, seed=0).flags.path.exists() and ds.store.path.exists()
+        assert TokenDataset(masked, seq_len=16, seed=0).flags.path.exists()
+        assert ds.store.path.stat().st_ino == ids_file  # neither dropped as stale nor decoded again
     inputs, targets = ds.batch(0, 4)
     assert (inputs >= 0).all()  # every token is read: only targets are masked
     assert torch.equal(targets, _expected_targets(PAIRS * 8, 16, ds.global_sample_ids(0, 4)))
