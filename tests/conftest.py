@@ -65,6 +65,14 @@ def bpe_token_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sft_pairs_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/sft's prompt/completion pairs, prepared as examples/sft_lora.yaml says (completions alone scored)."""
+    out = tmp_path_factory.mktemp("sft-pairs")
+    prepare_data([Path(__file__).parents[1] / "examples" / "sft"], out, format="prompt-completion")
+    return out
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A head node started the way users start one; the test process joins it as a driver."""
     import ray

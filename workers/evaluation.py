@@ -17,7 +17,9 @@ The model is put in eval mode for the pass (dropout off, MoE routers without noi
 restored after it, and it draws nothing from the global random generator, so a run with evaluations trains
 bit for bit as one without. The loss is the mean next-token cross entropy over this rank's tokens; the
 controller averages the last-stage ranks' figures as it does the training loss (every share holds as many
-tokens, and tensor-parallel peers hold the same figure).
+tokens, and tensor-parallel peers hold the same figure). Data with a loss mask is scored as training scores it:
+the sum of cross entropy over the counted targets of the whole evaluation set over their count (read once by every
+rank, with the batches), each rank's figure its share times the dp x cp ranks the controller averages over.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from workers.data import TokenDataset
-from workers.data.loader import document_eos, document_ids
+from workers.data.loader import IGNORE_INDEX, document_eos, document_ids
 from workers.model.documents import Documents, attending, split_documents
 from workers.model.gpt import lm_loss
 from workers.parallel.context_layout import split_sequence
@@ -49,7 +51,8 @@ class EvalData:
     def __init__(self, path: str, seq_len: int, seed: int, batches: int, global_batch: int, dp_rank: int,
                  dp_size: int, cp_rank: int = 0, cp_size: int = 1, attention_mask: str = "causal"):
         self.path, self.seq_len, self.seed, self.batches = path, seq_len, seed, batches
-        self.per_rank = global_batch // dp_size
+        self.per_rank, self.dp_size = global_batch // dp_size, dp_size
+        self.counted: int | None = None  # under a loss mask, the whole set's count of counted targets
         self.global_batch, self.dp_rank = global_batch, dp_rank
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.attention_mask = attention_mask
@@ -60,7 +63,14 @@ class EvalData:
             dataset = TokenDataset(self.path, self.seq_len, self.seed)
             eos = document_eos(self.attention_mask, dataset)
             self._batches = [self._slice(dataset, b, eos) for b in range(self.batches)]
+            if dataset.loss_mask:
+                self.counted = int((dataset.batch(0, self.batches * self.global_batch)[1] != IGNORE_INDEX).sum())
         return iter(self._batches)
+
+    @property
+    def shares(self) -> int:
+        """The ranks whose figures the controller averages and which hold other targets: dp x cp."""
+        return self.dp_size * self.cp_size
 
     def _slice(self, dataset: TokenDataset, b: int, eos: int | None):
         inputs, targets = dataset.batch(b * self.global_batch + self.dp_rank * self.per_rank, self.per_rank)
@@ -142,24 +152,36 @@ class Evaluator:
         """(mean token loss of this rank's share, or None off the last stage; seconds it took)."""
         start = time.perf_counter()
         losses = []
+        batches = list(self.data)  # read now: whether the data carries a loss mask says how a loss is taken
         with _eval_mode(self.modules), torch.no_grad(), self.autocast():
-            for inputs, targets, ids in self.data:
+            for inputs, targets, ids in batches:
                 xs = [x.to(self.device) for x in inputs.chunk(self.microbatches)]
                 ys = [y.to(self.device) for y in targets.chunk(self.microbatches)]
                 documents = split_documents(ids, self.microbatches, self.device)
                 if self.sweep is not None:
-                    self.sweep(xs, lambda j, logits, ys=ys: losses.append(lm_loss(logits, ys[j])), documents)
+                    self.sweep(xs, lambda j, logits, ys=ys: losses.append(self._loss(logits, ys[j])), documents)
                 else:
                     losses.extend(self._score(x, y, d) for x, y, d in zip(xs, ys, documents))
         _reshard(self.modules)
-        loss = float(torch.stack(losses).mean()) if self.holds_last else None
+        loss = self._figure(losses) if self.holds_last else None
         return loss, time.perf_counter() - start
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One microbatch's token loss: the mean, or under a loss mask the counted targets' sum."""
+        return lm_loss(logits, targets, "mean" if self.data.counted is None else "sum")
+
+    def _figure(self, losses: list[torch.Tensor]) -> float:
+        """This rank's figure from its microbatches' losses (``_loss``): their mean, or under a loss mask their
+        sum as a share of the whole set's count (0 when nothing counts)."""
+        if self.data.counted is None:
+            return float(torch.stack(losses).mean())
+        return float(torch.stack(losses).sum()) * self.data.shares / max(self.data.counted, 1)
 
 
     def _score(self, x: torch.Tensor, y: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         """One microbatch's mean token loss through the whole model part."""
         with attending([self.modules[0]], documents):
-            return lm_loss(self.modules[0](x), y)
+            return self._loss(self.modules[0](x), y)
 
 
 @contextlib.contextmanager

@@ -8,17 +8,19 @@ under ``torchrun`` (the benchmark baseline) or single-process (the reference).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import time
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers.data import DataCursor, MixedDataset, open_data
-from workers.data.loader import document_eos
+from workers.data.loader import IGNORE_INDEX, document_eos
 from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.faults import NO_FAULT, StepFault
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
@@ -50,6 +52,7 @@ from workers.state.compression_feedback import CompressionFeedback
 from workers.state.train_state import TrainState
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -103,6 +106,8 @@ class Trainer:
         self.comm = CommBytes(mesh_dim_groups(self.mesh, data_parallel_mesh(self.mesh, self.grid)),
                               self.grid.mesh_dims) if self.spec.count_comm_bytes else None
         self.compute_events: list[dict] = []  # forward+backward per microbatch without a pipeline schedule
+        # under a loss mask, a counted target's share of the step's loss (`_count_targets`); None: the mean
+        self.counted_scale: float | None = None
         self.evaluator = self._evaluator()
 
     def _error_feedback(self) -> list:
@@ -179,14 +184,39 @@ class Trainer:
         return 0 in self.parts.stage_ids
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(logits, targets)
+        """The microbatch's mean token loss, or under a loss mask its counted targets' summed loss times their
+        share (`counted_scale`); poisoned by a NaN fault, times the fp16 loss scale."""
+        if self.counted_scale is None:
+            loss = lm_loss(logits, targets)
+        else:
+            loss = lm_loss(logits, targets, reduction="sum") * self.counted_scale
         if self.fault.poisons_loss:
             loss = loss * float("nan")
         return loss * self.state.scaler.scale if self.state.scaler else loss
 
-    def _microbatch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A pipeline microbatch's share of the step's mean loss (the schedules sum gradients, unscaled)."""
-        return self._loss_fn(logits, targets) / self.microbatches
+    def _microbatch_loss(self, logits: torch.Tensor, targets: torch.Tensor, parts: int | None = None) -> torch.Tensor:
+        """A microbatch's share of the step's loss (pipeline schedules and accumulation sum gradients, unscaled):
+        its mean over ``parts`` (the microbatches), or under a loss mask its counted targets' share already."""
+        loss = self._loss_fn(logits, targets)
+        return loss if self.counted_scale is not None else loss / (parts or self.microbatches)
+
+    def _count_targets(self, targets: torch.Tensor) -> None:
+        """Under a loss mask, set `counted_scale` so that the step's loss is the sum of cross entropy over every
+        counted target of the global batch over their global count, whatever the layout: microbatches and ranks
+        hold different counts, so a mean per microbatch averaged would weigh their targets unequally. One
+        all-reduce of this rank's count over the ranks gradients are averaged over (dp, x cp: those hold other
+        targets; tp and pp peers the same), whose averaging the scale undoes (x their number)."""
+        if not self.state.cursor.dataset.loss_mask:
+            return
+        count = (targets != IGNORE_INDEX).sum()
+        dp_mesh = data_parallel_mesh(self.mesh, self.grid)
+        if dp_mesh.size() > 1:
+            dist.all_reduce(count, group=dp_mesh.get_group())
+        total = int(count)
+        if total == 0 and self.rank == 0:
+            log.warning("step %d: no target of the global batch is a completion token (the loss mask of %s hides "
+                        "them all); its loss is 0 and its gradients zero", self.step, self.state.cursor.dataset.path)
+        self.counted_scale = dp_mesh.size() / max(total, 1)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -223,7 +253,7 @@ class Trainer:
             start = time.time()
             with self._sync_grads(model, last), self._autocast(), self.activations.hooks(), \
                     attending([model], documents[i]):
-                loss = self._loss_fn(model(x), y) / len(chunks)
+                loss = self._microbatch_loss(model(x), y, len(chunks))
                 loss.backward()
             self.compute_events.append({"stage": 0, "microbatch": i, "kind": "FB", "start": start, "end": time.time()})
             total += loss.detach().float()
@@ -265,6 +295,7 @@ class Trainer:
         self._begin_moe_step()
         inputs, targets = self.state.cursor.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
+        self._count_targets(targets)
         t1 = time.perf_counter()
         meter = self._activation_meter()
         with self.comm or contextlib.nullcontext():  # metrics.comm_bytes: count this step's collectives

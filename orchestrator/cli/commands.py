@@ -29,7 +29,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
     last = (f"{HELDOUT_DIR}/{MANIFEST}", MANIFEST)
     with staged_output(args.out, last=last) as out:  # a URL: written here, then copied up, manifests last
         manifest = prepare_data(sources, out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens,
-                                tokenizer=args.tokenizer, heldout=args.heldout)
+                                tokenizer=args.tokenizer, heldout=args.heldout, format=args.format)
         if is_url(args.out):
             manifest = _manifest_at_url(out, args.out, manifest)
     if is_url(args.out):
@@ -43,6 +43,8 @@ def _prepare_data(args: argparse.Namespace) -> int:
               "raise --max-tokens to prepare it")
     if "unreadable" in manifest:  # else the user trains on less than the sources hold without a word
         print(f"warning: {unreadable_message(manifest['unreadable'])}", file=sys.stderr)
+    if manifest.get("loss_mask"):
+        print("the data carries a loss mask: only completion tokens are targets")
     if "heldout" in manifest:
         out = args.out.rstrip("/")
         print(f"held out {manifest['heldout']['tokens']:,} tokens of {args.heldout:.3g} of the documents in "
@@ -197,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
                       help="keep this share of the documents (spread evenly) out of training and write them to "
                            "OUT/heldout, a prepared directory for eval.path (default 0: none)")
+    prep.add_argument("--format", choices=("text", "prompt-completion"), default="text",
+                      help="text (default: each file a document, every token a target) or prompt-completion "
+                           '(supervised fine-tuning: .jsonl files of {"prompt": ..., "completion": ...} lines; only '
+                           "completion tokens are targets)")
     prep.set_defaults(func=_prepare_data)
 
     for name, func, text in (("plan", _plan, "show the layout and a per-rank memory estimate"),

@@ -21,6 +21,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
+from orchestrator.spec.loss_mask_checks import check_eval_mask, check_training_mask
 from workers.data import blend
 from workers.data.checksums import FIELD as SHARD_CHECKSUM
 from workers.data.tokenizer import TOKENIZER_FILE, manifest_eos_id, tokenizer_sha256
@@ -128,6 +129,7 @@ def check_data_path(spec: JobSpec, data_required: bool = True) -> None:
     _check_distinct_sources(spec, sources)
     for path, _, manifest in sources[:1]:  # first: another tokenizer's vocabulary is not the model's to grow
         _check_one_tokenizer(spec, path, manifest, sources[1:])
+    check_training_mask(spec, sources)
     for path, weight, manifest in sources:
         field = spec.data.field_of(path)
         check_shards_readable(field, path, manifest)
@@ -277,6 +279,7 @@ def check_eval_path(spec: JobSpec, data_required: bool = True) -> None:
     check_shards_readable("eval.path", spec.eval.path, manifest)
     check_data_vocab(spec, manifest, "eval.path", spec.eval.path)
     check_document_eos(spec, manifest, "eval.path", spec.eval.path)
+    check_eval_mask(spec, manifest, training_manifests(spec, data_required))
     for path, _, data in training_manifests(spec, data_required):
         if not _same_ids(manifest, spec.eval.path, data, path):
             raise SpecError("eval.path", spec.eval.path, f"holds ids of {_made_by(manifest)} (vocab "

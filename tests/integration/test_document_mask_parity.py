@@ -21,7 +21,7 @@ import yaml
 from tests.support.documents import write_documents
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
-from tests.support.reference import reference_eval, reference_run
+from tests.support.reference import assert_matches, reference_run, references_by_family
 from workers.data import prepare_data
 
 STEPS = 3
@@ -88,14 +88,7 @@ def _spec(documents, tmp_path, family: str, parallel: dict | None = None, memory
 @pytest.fixture(scope="module")
 def references(documents, tmp_path_factory):
     """Per family: (losses, grad norms, held-out losses by step) of one process, computed once."""
-    cache: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in cache:
-            spec = _spec(documents, tmp_path_factory.mktemp(family), family)
-            cache[family] = (*reference_run(spec, STEPS), reference_eval(spec, STEPS))
-        return cache[family]
-    return get
+    return references_by_family(lambda family: _spec(documents, tmp_path_factory.mktemp(family), family), STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +116,7 @@ def test_the_reference_masks_documents(documents, references, tmp_path):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_document_masked_layout_matches_single_process_reference(name, references, runs):
     family, _, _, evaluates = LAYOUTS[name]
-    run = ran(runs, name)
-    losses, grad_norms, held_out = references(family)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
-    if evaluates:
-        assert run.eval_losses == pytest.approx(held_out, rel=1e-4)
+    assert_matches(ran(runs, name), references(family), evaluates)
 
 
 def test_the_planner_counts_one_saved_mask_per_microbatch(runs, documents, tmp_path):

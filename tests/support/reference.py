@@ -73,7 +73,8 @@ def _optimizer(model: torch.nn.Module, optim):
 
 def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[float], list[float]]:
     """Per-step losses and pre-clip gradient norms; ``after_step(model, step)`` (1-based) sees the model after
-    each update."""
+    each update. Data with a loss mask gives targets of -100 where no completion token is predicted, which the
+    whole batch's mean cross entropy leaves out: the mean over the global batch's counted targets."""
     torch.manual_seed(spec.train.seed)
     # the same per-parameter draw the ranks' meta-device build uses (workers.model.meta_init), whole
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
@@ -124,6 +125,31 @@ def reference_eval(spec: JobSpec, steps: int) -> dict[int, float]:
 
     reference_run(spec, steps, score)
     return scores
+
+
+def references_by_family(spec_of, steps: int):
+    """``get(family)``: (losses, grad norms, held-out losses by step) of one process for ``spec_of(family)``,
+    computed once per family (a parity module's layouts of one family share it)."""
+    cache: dict[str, tuple] = {}
+
+    def get(family: str) -> tuple:
+        if family not in cache:
+            spec = spec_of(family)
+            cache[family] = (*reference_run(spec, steps), reference_eval(spec, steps))
+        return cache[family]
+    return get
+
+
+def assert_matches(run, reference: tuple, evaluates: bool, rel: float = 1e-4) -> None:
+    """A layout's run (``parity_harness.LayoutRun``) has the reference's losses, grad norms and, where it
+    evaluates, held-out losses (``references_by_family``'s tuple), within ``rel``."""
+    import pytest
+
+    losses, grad_norms, held_out = reference
+    assert run.losses == pytest.approx(losses, rel=rel)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=rel)
+    if evaluates:
+        assert run.eval_losses == pytest.approx(held_out, rel=rel)
 
 
 def _within_documents(model: torch.nn.Module, ids: torch.Tensor | None):

@@ -14,6 +14,7 @@ cache (`ShardStore`). Where a read may wait on I/O the next step's batch is read
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -32,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from workers.data import blend, checksums
-from workers.data.prepare import FORMAT
+from workers.data.prepare import FORMAT, LOSS_MASK
 from workers.data.tokenizer import manifest_eos_id
 from workers.parallel.context_layout import split_sequence
 from workers.storage import is_url, location, parquet_source
@@ -44,6 +45,7 @@ CACHE_DIR = "raymesh/raw-tokens"  # under $XDG_CACHE_HOME (~/.cache): where a re
 # A raw token file up to this size is memory-mapped whole (a window is then a gather, as fast as the old in-memory
 # loader); a larger one is read by one pread per window, so that no rank maps more than this of its corpus.
 MAP_LIMIT = 64 << 20
+IGNORE_INDEX = -100  # a target no loss counts (F.cross_entropy's default ignore_index): a prompt token's
 
 
 def _check_range(start: int, length: int, total: int) -> None:
@@ -64,6 +66,7 @@ class ShardStore:
 
     def __init__(self, root: Path, manifest: dict, cache_groups: int = 64, open_files: int = 4) -> None:
         self.root = root
+        self.column = "tokens"  # the Parquet column read (`column_view`: the loss mask's)
         self._names = [root / shard["file"] for shard in manifest["shards"]]
         self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -84,6 +87,12 @@ class ShardStore:
         self._starts = np.array(starts, dtype=np.int64)
         if self._starts[-1] != manifest["total_tokens"]:
             raise ValueError(f"{root}/manifest.json total_tokens disagrees with its shards")
+
+    def column_view(self, column: str) -> ShardStore:
+        """The same shards read for ``column`` (checked once already), with caches of its own."""
+        view = copy.copy(self)
+        view.column, view._files, view._cache, view._lock = column, OrderedDict(), OrderedDict(), threading.Lock()
+        return view
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -116,7 +125,7 @@ class ShardStore:
     def decode(self, g: int) -> np.ndarray:
         """Global row group ``g``'s tokens, decoded from its shard (not cached)."""
         shard, group = (int(v) for v in self._groups[g])
-        column = self._open(shard).read_row_group(group, columns=["tokens"]).column(0)
+        column = self._open(shard).read_row_group(group, columns=[self.column]).column(0)
         return np.array(column)  # a numpy copy: the Arrow buffers go back to their pool at once
 
     def read(self, start: int, length: int) -> np.ndarray:
@@ -187,8 +196,9 @@ class RawTokens:
                     tmp.replace(path)
                 finally:
                     tmp.unlink(missing_ok=True)  # a failed build (disk full) leaves nothing behind
+                key = path.name.split(".")[0]  # a corpus's raw files (tokens, loss mask) share it
                 for stale in path.parent.iterdir():  # the raw files of shards re-prepared since
-                    if not stale.name.startswith(path.stem):
+                    if not stale.name.startswith(key):
                         stale.unlink(missing_ok=True)  # (a run still reading one keeps its open copy)
         return cls(path, dtype, len(groups))
 
@@ -216,20 +226,28 @@ class RawTokens:
         return out
 
 
-def open_store(root: Path, manifest: dict) -> ShardStore | RawTokens:
-    """The fastest reader ``root`` allows: `RawTokens` for a local directory whose manifest carries checksums and
-    dtype (what names the raw file), built beside the shards or in the user's cache (`raw_folders`), else the
-    row-group `ShardStore` (object storage, directories prepared before checksums, or neither folder writable)."""
+def open_stores(root: Path, manifest: dict) -> tuple[ShardStore | RawTokens, ShardStore | RawTokens | None]:
+    """(tokens, loss-mask flags or None) of ``root``, each by `open_store`; the shards are checked once."""
     groups = ShardStore(root, manifest)  # checks every shard's checksum and footer first, either way
+    flags = open_store(root, manifest, groups.column_view(LOSS_MASK)) if manifest.get(LOSS_MASK) else None
+    return open_store(root, manifest, groups), flags
+
+
+def open_store(root: Path, manifest: dict, groups: ShardStore) -> ShardStore | RawTokens:
+    """The fastest reader of ``groups``' column ``root`` allows: `RawTokens` for a local directory whose manifest
+    carries checksums and dtype (what names the raw file; the loss mask's, uint8, is named after the tokens' with
+    its column), built beside the shards or in the user's cache (`raw_folders`), else the row-group `ShardStore`
+    (object storage, directories prepared before checksums, or neither folder writable)."""
     digests = [shard.get(checksums.FIELD) for shard in manifest["shards"]]
     if is_url(root) or None in digests or "dtype" not in manifest:
         return groups
     key = hashlib.sha256(json.dumps([manifest["dtype"], digests]).encode()).hexdigest()[:32]
-    name = f"{key}.{manifest['dtype']}"
+    dtype = manifest["dtype"] if groups.column == "tokens" else "uint8"
+    name = f"{key}.{dtype}" if groups.column == "tokens" else f"{key}.{groups.column}.{dtype}"
     failures = []
     for folder in raw_folders(root):
         try:
-            return RawTokens.build(folder / name, groups, np.dtype(manifest["dtype"]))
+            return RawTokens.build(folder / name, groups, np.dtype(dtype))
         except OSError as err:  # read-only or full: the next folder, at last the row groups (correct, much slower)
             failures.append(f"{folder / name} ({err})")
     log.warning("data loader cannot write %s; reading row groups instead, much slower; fix: make %s writable, or "
@@ -274,7 +292,7 @@ class TokenDataset:
         self.vocab_size: int = manifest["vocab_size"]
         self.eos_id: int | None = manifest_eos_id(manifest)  # between documents; None for bare rows of ids
         self.corpus = corpus_fingerprint(manifest)
-        self.store = open_store(self.path, manifest)
+        self.store, self.flags = open_stores(self.path, manifest)  # flags: the loss mask, or None
         self._num_samples = (len(self.store) - 1) // seq_len
         if self._num_samples == 0:
             raise ValueError(
@@ -312,12 +330,29 @@ class TokenDataset:
             ids[mask] = self._epoch_order(int(epoch))[index[mask]]
         return ids
 
+    @property
+    def loss_mask(self) -> bool:
+        """Whether targets may be `IGNORE_INDEX` (data of ``prepare-data --format prompt-completion``)."""
+        return self.flags is not None
+
+    def read(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The samples' `seq_len + 1` windows, and their loss-mask flags (None for data without)."""
+        starts, length = sample_ids * self.seq_len, self.seq_len + 1
+        return self.store.windows(starts, length), None if self.flags is None else self.flags.windows(starts, length)
+
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [count, seq_len], for stream positions [start, start+count)."""
-        ids = self.global_sample_ids(start, count)
-        windows = self.store.windows(ids * self.seq_len, self.seq_len + 1)
-        windows = torch.from_numpy(windows.astype(np.int64, copy=False))
-        return windows[:, :-1], windows[:, 1:]
+        return inputs_targets(*self.read(self.global_sample_ids(start, count)))
+
+
+def inputs_targets(windows: np.ndarray, flags: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of token ``windows``; with loss-mask ``flags`` a target whose token is not flagged (a
+    prompt token) is `IGNORE_INDEX`: so a window's last prompt token still predicts the first completion token."""
+    tokens = torch.from_numpy(windows.astype(np.int64, copy=False))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if flags is None:
+        return inputs, targets
+    return inputs, targets.masked_fill(torch.from_numpy(flags[:, 1:] == 0), IGNORE_INDEX)
 
 
 class MixedDataset:
@@ -344,6 +379,11 @@ class MixedDataset:
     def may_block(self) -> bool:
         return any(source.may_block for source in self.sources)
 
+    @property
+    def loss_mask(self) -> bool:
+        """Whether any source carries a loss mask; every target of a source without one counts."""
+        return any(source.loss_mask for source in self.sources)
+
     def contributed(self, position: int) -> dict[str, int]:
         """How many of the first ``position`` samples each source supplied, by its path (the run's records)."""
         return {str(source.path): int(n) for source, n in zip(self.sources, blend.counts(self.shares, position))}
@@ -362,12 +402,14 @@ class MixedDataset:
         """(inputs, targets), int64 [count, seq_len], for stream positions [start, start+count)."""
         pairs = self.global_sample_ids(start, count)
         windows = np.empty((count, self.seq_len + 1), dtype=np.int64)
+        flags = np.ones_like(windows, dtype=np.uint8) if self.loss_mask else None
         for j, source in enumerate(self.sources):
             mine = pairs[:, 0] == j
             if mine.any():
-                windows[mine] = source.store.windows(pairs[mine, 1] * self.seq_len, self.seq_len + 1)
-        tokens = torch.from_numpy(windows)
-        return tokens[:, :-1], tokens[:, 1:]
+                windows[mine], theirs = source.read(pairs[mine, 1])
+                if theirs is not None:
+                    flags[mine] = theirs
+        return inputs_targets(windows, flags)
 
 
 def open_data(path: str | None, mix: list[tuple[str, float]] | None, seq_len: int,

@@ -18,6 +18,7 @@ import sysconfig
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +33,10 @@ FORMAT = "raymesh-bytes-v1"  # kept for every tokenizer: ids carry their type in
 # ~25 ms), and a corpus of 1e9 tokens still has only 61 Ki groups to index.
 ROW_GROUP_ROWS = 16_384
 DEFAULT_EXTENSIONS = (".py", ".txt", ".md", ".rst")
+# --format: `text` (every file a document, every token a target) or `prompt-completion` (JSONL lines of TRL's
+# prompt-completion form; only completion tokens are targets, flagged in the shards' LOSS_MASK column)
+FORMATS = {"text": DEFAULT_EXTENSIONS, "prompt-completion": (".jsonl",)}
+LOSS_MASK = "loss_mask"  # the shards' column (uint8, 1: a completion token, whose prediction counts) and manifest key
 STAGING_PREFIX = ".prepare-"  # the hidden folder inside --out a prepare writes into before swapping it in
 HELDOUT_DIR = "heldout"  # `--heldout`'s documents, a prepared directory of their own inside the training one
 # Third-party installs nested in a tree (e.g. the stdlib's site-packages) would make the
@@ -107,10 +112,19 @@ def _iter_files(source: Path, extensions: tuple[str, ...], unreadable: Unreadabl
 
 def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...], unreadable: Unreadable,
                     eos_byte: int | None = None) -> Iterator[bytes]:
-    """Each matching file's bytes once, even when sources overlap (a directory and one inside it, a file named
-    again): else a document could be trained on twice, or land in training and in the held-out split. A file
-    holding ``eos_byte`` (the bytes tokenizer's end-of-document id) is refused (``_check_no_eos_byte``); one that
-    cannot be read is left out and noted in `unreadable`."""
+    """Each matching file's bytes once (``_iter_sources``), a file holding ``eos_byte`` (the bytes tokenizer's
+    end-of-document id) refused (``_check_no_eos_byte``)."""
+    for path, data in _iter_sources(sources, extensions, unreadable):
+        if eos_byte is not None:
+            _check_no_eos_byte(path, data, eos_byte)
+        yield data
+
+
+def _iter_sources(sources: Iterable[Path], extensions: tuple[str, ...],
+                  unreadable: Unreadable) -> Iterator[tuple[Path, bytes]]:
+    """(path, bytes) of each matching, non-empty file once, even when sources overlap (a directory and one inside
+    it, a file named again): else a document could be trained on twice, or land in training and in the held-out
+    split. A file that cannot be read is left out and noted in `unreadable`."""
     seen: set[Path] = set()
     for source in sources:
         for path in _iter_files(source, extensions, unreadable):
@@ -123,13 +137,48 @@ def _iter_documents(sources: Iterable[Path], extensions: tuple[str, ...], unread
             except OSError as err:
                 unreadable.file(path, err)
                 continue
-            if eos_byte is not None:
-                _check_no_eos_byte(path, data, eos_byte)
             if data:
-                yield data
+                yield path, data
 
 
-def _check_no_eos_byte(path: Path, data: bytes, eos_byte: int) -> None:
+class Example(NamedTuple):
+    """One prompt-completion pair (UTF-8 text): prompt tokens are read, completion tokens are also targets."""
+
+    prompt: bytes
+    completion: bytes
+
+
+def _iter_examples(sources: Iterable[Path], extensions: tuple[str, ...], unreadable: Unreadable,
+                   eos_byte: int | None = None) -> Iterator[Example]:
+    """Each JSONL line ``{"prompt": str, "completion": str}`` of the matching files, in order; blank lines are
+    skipped, anything else is refused naming ``file:line`` (a bad line dropped would shrink the data unseen)."""
+    for path, data in _iter_sources(sources, extensions, unreadable):
+        for number, line in enumerate(data.splitlines(), 1):
+            if line.strip():
+                yield _example(f"{path}:{number}", line, eos_byte)
+
+
+def _example(where: str, line: bytes, eos_byte: int | None) -> Example:
+    """The `Example` of one JSONL ``line`` (at ``where``, file:line), or a ValueError naming it and the fix."""
+    fix = 'fix: make every line one JSON object {"prompt": "...", "completion": "..."} with string values'
+    try:
+        record = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"{where} is not JSON ({err}); {fix}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} holds a JSON {type(record).__name__}, not an object; {fix}")
+    fields = []
+    for key in ("prompt", "completion"):
+        if not isinstance(record.get(key), str):
+            why = f"has no {key!r}" if key not in record else f"has {json.dumps(record[key])[:40]} as its {key!r}"
+            raise ValueError(f"{where} {why}, not a string; {fix}")
+        fields.append(record[key].encode("utf-8", errors="surrogatepass"))
+    if eos_byte is not None:
+        _check_no_eos_byte(where, b"".join(fields), eos_byte)
+    return Example(*fields)
+
+
+def _check_no_eos_byte(path: Path | str, data: bytes, eos_byte: int) -> None:
     """Refuse a document holding the byte the bytes tokenizer separates documents with: the model would read it
     as an end of document, silently cutting the file in two. Refused rather than changed (the end-of-document
     id stays 0 in a vocabulary of 256, which every prepared directory and checkpoint was made with)."""
@@ -141,34 +190,67 @@ def _check_no_eos_byte(path: Path, data: bytes, eos_byte: int) -> None:
                          "bpe:SIZE or a tokenizer.json, whose end-of-document id is a special token")
 
 
-def _write_shard(out: Path, index: int, tokens: np.ndarray) -> dict:
+def _write_shard(out: Path, index: int, tokens: np.ndarray, flags: np.ndarray | None) -> dict:
+    """One Parquet shard: the ``tokens`` column, and the `LOSS_MASK` column beside it when ``flags`` are given."""
     name = f"shard-{index:05d}.parquet"
-    pq.write_table(pa.table({"tokens": pa.array(tokens)}), out / name, row_group_size=ROW_GROUP_ROWS)
+    columns = {"tokens": pa.array(tokens)} | ({} if flags is None else {LOSS_MASK: pa.array(flags)})
+    pq.write_table(pa.table(columns), out / name, row_group_size=ROW_GROUP_ROWS)
     return {"file": name, "tokens": len(tokens), checksums.FIELD: checksums.file_digest(out / name)}
 
 
-def _write_shards(tok, documents: Iterable[bytes], out: Path, shard_tokens: int, limit: float) -> tuple[list, int]:
-    """Encode ``documents`` (``tok.eos_id`` between them) into shards of ``shard_tokens``; stop at ``limit``."""
-    shards: list[dict] = []
-    pending: list[np.ndarray] = []
-    held = total = 0
-    eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=tok.dtype)
+def _encode(tok, item) -> tuple[np.ndarray, np.ndarray | None]:
+    """(ids, loss-mask flags or None) of one document (bytes, or a row of ids) or `Example`: prompt then
+    completion, each encoded alone (so the boundary is the one the user wrote, whatever the tokenizer merges)."""
+    if not isinstance(item, Example):
+        return tok.encode(item), None
+    prompt, completion = tok.encode(item.prompt), tok.encode(item.completion)
+    flags = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)])
+    return np.concatenate([prompt, completion]).astype(tok.dtype, copy=False), flags
+
+
+def _pieces(tok, documents: Iterable, limit: float) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """Each document's (ids, flags), ``tok.eos_id`` before every one but the first, cut to ``limit`` tokens in all.
+    The separator ends the previous example's completion, so it is flagged a target: the model learns to stop."""
+    total = 0
     for doc in documents:
-        piece = np.concatenate([eos, tok.encode(doc)]) if total and eos is not None else tok.encode(doc)
-        piece = piece[: int(min(len(piece), limit - total))]
-        pending.append(piece)
-        held, total = held + len(piece), total + len(piece)
-        if held >= shard_tokens:
-            buf = np.concatenate(pending)
-            while len(buf) >= shard_tokens:
-                shards.append(_write_shard(out, len(shards), buf[:shard_tokens]))
-                buf = buf[shard_tokens:]
-            pending, held = [buf], len(buf)
+        ids, flags = _encode(tok, doc)
+        if total and tok.eos_id is not None:
+            ids = np.concatenate([np.array([tok.eos_id], dtype=tok.dtype), ids])
+            flags = None if flags is None else np.concatenate([np.ones(1, np.uint8), flags])
+        keep = int(min(len(ids), limit - total))
+        total += keep
+        yield ids[:keep], None if flags is None else flags[:keep]
         if total >= limit:
-            break
+            return
+
+
+def _write_shards(tok, documents: Iterable, out: Path, shard_tokens: int, limit: float) -> tuple[list, int]:
+    """Encode ``documents`` (``_pieces``) into shards of ``shard_tokens``; stop at ``limit``."""
+    shards: list[dict] = []
+    pending: list[tuple[np.ndarray, np.ndarray | None]] = []
+    held = total = 0
+    for piece in _pieces(tok, documents, limit):
+        pending.append(piece)
+        held, total = held + len(piece[0]), total + len(piece[0])
+        if held >= shard_tokens:
+            ids, flags = _joined(pending)
+            while len(ids) >= shard_tokens:
+                shards.append(_write_shard(out, len(shards), ids[:shard_tokens], _head(flags, shard_tokens)))
+                ids, flags = ids[shard_tokens:], None if flags is None else flags[shard_tokens:]
+            pending, held = [(ids, flags)], len(ids)
     if held:
-        shards.append(_write_shard(out, len(shards), np.concatenate(pending)))
+        shards.append(_write_shard(out, len(shards), *_joined(pending)))
     return shards, total
+
+
+def _joined(pieces: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The pieces' ids, and their flags (None for documents without)."""
+    flags = [f for _, f in pieces]
+    return np.concatenate([i for i, _ in pieces]), None if flags[0] is None else np.concatenate(flags)
+
+
+def _head(flags: np.ndarray | None, n: int) -> np.ndarray | None:
+    return None if flags is None else flags[:n]
 
 
 def _tokenizer(spec: str, documents: Iterator[bytes], out: Path):
@@ -186,8 +268,8 @@ def is_heldout(index: int, fraction: float) -> bool:
     return fraction > 0 and math.floor((index + 1) * fraction) > math.floor(index * fraction)
 
 
-def _one_side(documents: Iterable[bytes], fraction: float, heldout: bool, passed: list[int] | None = None,
-              upto: int | None = None) -> Iterator[bytes]:
+def _one_side(documents: Iterable, fraction: float, heldout: bool, passed: list[int] | None = None,
+              upto: int | None = None) -> Iterator:
     """The training (``heldout`` False) or held-out documents of ``documents``. ``passed[0]`` is kept at the
     count of documents walked so far (the training pass records where its token limit stopped it); ``upto``
     ends the walk there (the held-out pass takes only documents the training pass reached)."""
@@ -204,10 +286,11 @@ def prepare_data(
     sources: list[str | Path],
     out: str | Path,
     shard_tokens: int = 4_000_000,
-    extensions: Iterable[str] = DEFAULT_EXTENSIONS,
+    extensions: Iterable[str] | None = None,
     max_tokens: int | None = None,
     tokenizer: str = "bytes",
     heldout: float = 0.0,
+    format: str = "text",
 ) -> dict:
     """Tokenize matching files (the tokenizer's end-of-document id between them) into Parquet shards under
     `out`; return the manifest.
@@ -221,7 +304,15 @@ def prepare_data(
     evenly, never split) and writes them, with the same tokenizer, as a prepared directory of their own,
     `out`/heldout, for ``eval.path``; `max_tokens` bounds the training tokens, and the held-out documents are
     those among the documents walked until then. A BPE is trained on the training documents only.
+
+    `format` ``prompt-completion`` reads JSONL files (`extensions` default ``.jsonl``) of ``{"prompt": str,
+    "completion": str}`` lines (``_iter_examples``), each one a document of its prompt's then its completion's
+    ids; the shards carry a `LOSS_MASK` column flagging the completion tokens (and the separator that ends each
+    completion), the manifest ``loss_mask: true``, and the loader makes only those tokens targets.
     """
+    if format not in FORMATS:
+        raise ValueError(f"--format {format!r} is not one of {', '.join(FORMATS)}; fix: pass text (every token a "
+                         "target) or prompt-completion (JSONL prompt/completion pairs, completions scored)")
     if shard_tokens <= 0:
         raise ValueError(f"--shard-tokens {shard_tokens} is not a positive token count; fix: give a positive number, "
                          "or leave the option out for its default")
@@ -237,27 +328,29 @@ def prepare_data(
             raise FileNotFoundError(
                 f"data source {p} does not exist; pass an existing directory to --source"
             )
-    exts = tuple(extensions)
+    exts = tuple(FORMATS[format] if extensions is None else extensions)
     out = Path(out)
     with _made_for(out):
         if heldout:
             _check_heldout_free(out)
         with _staged(out, drop_heldout=True) as staging:
-            return _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout)
+            return _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout, format)
 
 
 def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, ...], max_tokens: int | None,
-                  shard_tokens: int, tokenizer: str, heldout: float) -> dict:
+                  shard_tokens: int, tokenizer: str, heldout: float, format: str) -> dict:
     """Everything ``prepare_data`` writes, written into ``staging`` (a BPE's tokenizer.json too, recorded at the
     path it will have in ``out``); returns the manifest, also written there."""
     limit = max_tokens if max_tokens is not None else float("inf")
     unreadable = Unreadable()
 
-    def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None,
-                  eos_byte: int | None = None) -> Iterator[bytes]:
-        return _one_side(_iter_documents(paths, exts, unreadable, eos_byte), heldout, side, passed, upto)
+    read = _iter_examples if format == "prompt-completion" else _iter_documents
 
-    tok = _tokenizer(tokenizer, _bounded(documents(), limit), staging)
+    def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None,
+                  eos_byte: int | None = None) -> Iterator:
+        return _one_side(read(paths, exts, unreadable, eos_byte), heldout, side, passed, upto)
+
+    tok = _tokenizer(tokenizer, _bounded(map(_text, documents()), limit), staging)
     eos_byte = tok.eos_id if isinstance(tok, ByteTokens) else None
     walked = [0]
     shards, total = _write_shards(tok, documents(passed=walked, eos_byte=eos_byte), staging, shard_tokens, limit)
@@ -278,6 +371,8 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
         "dtype": tok.dtype.name,
         "tokenizer": described,
     }
+    if format == "prompt-completion":
+        manifest[LOSS_MASK] = True
     if unreadable:
         manifest["unreadable"] = unreadable.record()
     if heldout:
@@ -341,7 +436,7 @@ def _check_heldout_free(out: Path) -> None:
                               "or pass another --out")
 
 
-def _write_heldout(tok, documents: Iterator[bytes], out: Path, shard_tokens: int, parent: dict, fraction: float,
+def _write_heldout(tok, documents: Iterator, out: Path, shard_tokens: int, parent: dict, fraction: float,
                    walked: int) -> dict:
     """`out`/heldout: the held-out documents as shards and a manifest like the training directory's."""
     root = out / HELDOUT_DIR
@@ -410,6 +505,11 @@ def write_token_rows(rows: Iterable[np.ndarray], out: str | Path, vocab_size: in
             "sources": [source], "dtype": ids.dtype.name, "tokenizer": {"kind": "ids", "vocab_size": vocab_size},
         })
     return manifest
+
+
+def _text(document: bytes | Example) -> bytes:
+    """What a BPE is trained on of a document: its bytes, an example's prompt and completion."""
+    return document.prompt + document.completion if isinstance(document, Example) else document
 
 
 def _bounded(documents: Iterator[bytes], limit: float) -> Iterator[bytes]:

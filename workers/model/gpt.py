@@ -184,9 +184,11 @@ def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: Mod
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in float32 whatever the compute dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy over the targets that count (ignore_index -100: a loss mask's prompt tokens), in
+    float32 whatever the compute dtype: their mean, or with ``reduction="sum"`` their sum (a masked step divides
+    it by the global batch's count of counted targets, ``Trainer._count_targets``)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction=reduction)
 
 
 register(ModelFamily(
