@@ -21,14 +21,17 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from parameter_server.optimizers import decay_for
+from workers.model.lora import ADAPTER_NAMES
 
 
 def muon_owns(name: str, param: torch.Tensor) -> bool:
     """Whether Muon steps ``name``: the 2-D weights inside the blocks (``layers.<i>.``: attention and feed-forward
     projections, the MoE router). Outside the blocks live the embeddings, the final norm and the output head, whose
     rows are looked up or scored one token at a time (an orthogonalised update does not fit them); inside, norm
-    weights and biases are 1-D and expert stacks 3-D. A DTensor's ``dim()`` is its parameter's."""
-    return name.startswith("layers.") and param.dim() == 2
+    weights and biases are 1-D and expert stacks 3-D. LoRA's adapters are 2-D but low-rank factors of one update
+    (orthogonalising each apart is not Muon's update of their product): AdamW, as PEFT trains them (the spec refuses
+    muon with LoRA, which would leave Muon nothing). A DTensor's ``dim()`` is its parameter's."""
+    return name.startswith("layers.") and param.dim() == 2 and name.rsplit(".", 2)[-2] not in ADAPTER_NAMES
 
 
 class WholeMatrixMuon(torch.optim.Muon):
