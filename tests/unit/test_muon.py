@@ -101,6 +101,29 @@ def test_a_muon_run_resumes_from_its_checkpoint_bit_identically(tmp_path_factory
             assert torch.equal(p, weights[n]), n
 
 
+def test_an_fp16_step_that_overflows_leaves_muon_and_adamw_untouched(tmp_path_factory):
+    """Loss scaling at 2**18: step 1 applies, step 2 overflows (skipped on every rank: the check is all-reduced),
+    step 3 applies at the halved scale. The skipped step moves no weight and no Muon buffer or AdamW moment."""
+    with one_rank_trainer(tmp_path_factory, optim=dict(MUON), train={"steps": 3},
+                          precision={"dtype": "fp16", "initial_loss_scale": 2.0**18}) as t:
+        model, hybrid = t.parts.modules[0], t.state.optimizers[0]
+
+        def snapshot():
+            return ({n: p.detach().clone() for n, p in model.named_parameters()},
+                    [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in hybrid.state.values()])
+
+        assert t.train_step().grad_norm > 0
+        weights, states = snapshot()
+        assert len(states) == len(list(model.parameters()))  # both parts stepped every parameter
+        skipped = t.train_step()
+        assert skipped.grad_norm != skipped.grad_norm  # NaN: the overflow
+        after_weights, after_states = snapshot()
+        assert all(torch.equal(after_weights[n], w) for n, w in weights.items())
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(after_states, states) for k in b)
+        assert t.train_step().grad_norm > 0
+        assert any(not torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
 @pytest.mark.parametrize("sections, field, value, fix", [
     ({"parallel": {"dp": 2, "zero": 1}}, "parallel.zero", 1, "zero: 2 or 3"),
     ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"optimizer": "adamw"}}, "parallel.dp_sync", "ps",
