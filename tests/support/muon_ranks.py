@@ -52,45 +52,58 @@ def rank_main(rank: int, world: int, ports, cases: list[dict], results) -> None:
     port, listener = ports.join(rank, 0)
     join_on_loopback(rank, world, port, listener=listener)
     mesh = init_device_mesh("cpu", (world,))
-    calls = [0]
-    newton_schulz = module._zeropower_via_newtonschulz
+    calls = [0] * len(cases)
+    newton_schulz, running = module._zeropower_via_newtonschulz, [0]
 
     def counted(*args):
-        calls[0] += 1
+        calls[running[0]] += 1
         return newton_schulz(*args)
 
-    module._zeropower_via_newtonschulz = counted
-    out = {}
-    for i, case in enumerate(cases):
-        calls[0] = 0
-        out[i] = _run_case(case, mesh, dist.group.WORLD)
-        out[i]["newton_schulz"] = calls[0]
-    results.put((rank, out))
+    module._zeropower_via_newtonschulz = torch.optim._muon._zeropower_via_newtonschulz = counted  # ours, PyTorch's
+    built = [_build(case, mesh, dist.group.WORLD) for case in cases]
+    times: list[list[float]] = [[] for _ in cases]
+    for step in range(max(case["steps"] for case in cases)):  # the cases in turns: each step sees the same load
+        for i, (case, (params, opt)) in enumerate(zip(cases, built)):
+            if step < case["steps"]:
+                running[0] = i
+                times[i].append(_step(case, mesh, params, opt, step))
+    results.put((rank, {i: {"matrices": _whole(params), "step_s": times[i], "newton_schulz": calls[i]}
+                        for i, (params, _) in enumerate(built)}))
     dist.destroy_process_group()
 
 
-def _run_case(case: dict, mesh, group) -> dict:
-    """One case's steps: the whole matrices after them and each step's optimizer seconds."""
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+def _build(case: dict, mesh, group) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """One case's matrices, laid out as ``layout`` says, and its optimizer (one param group per matrix)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    shapes, sharded = case["shapes"], case["layout"] == "sharded"
+    sharded = case["layout"] == "sharded"
     params = [torch.nn.Parameter(distribute_tensor(m, mesh, [Shard(case.get("shard_dim", 0))]) if sharded else m)
-              for m in matrices(shapes)]
+              for m in matrices(case["shapes"])]
     kwargs = dict(case["muon"])
     if case.get("split") is not None:
         kwargs.update(replicated_group=group, split_replicated=case["split"])
-    opt = case["optimizer"]([{"params": [p]} for p in params], **kwargs)
-    times = []
-    for step in range(case["steps"]):
-        for p, g in zip(params, gradients(shapes, step)):
-            p.grad = distribute_tensor(g, mesh, p.placements) if sharded else g
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        opt.step()
-        torch.distributed.barrier()
-        times.append(time.perf_counter() - start)
-    whole = [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
-    return {"matrices": [m.numpy() for m in whole], "step_s": times}  # by value: a tensor goes by shared memory
+    return params, case["optimizer"]([{"params": [p]} for p in params], **kwargs)
+
+
+def _step(case: dict, mesh, params: list, opt: torch.optim.Optimizer, step: int) -> float:
+    """Step ``step``'s gradients in, one optimizer step: its seconds, from every rank ready to every rank done."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for p, g in zip(params, gradients(case["shapes"], step)):
+        p.grad = distribute_tensor(g, mesh, p.placements) if isinstance(p, DTensor) else g
+    dist.barrier()
+    start = time.perf_counter()
+    opt.step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _whole(params: list) -> list:
+    """The whole matrices, by value (a tensor would go through shared memory, gone once the rank exits)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).numpy() for p in params]
 
 
 def run(world: int, cases: list[dict], timeout_s: float = 300.0) -> dict[int, dict]:
