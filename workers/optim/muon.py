@@ -84,7 +84,10 @@ class WholeMatrixMuon(torch.optim.Muon):
             if p.grad is None:
                 continue
             grad = _without_partial(p.grad)
-            buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(grad))
+            state = self.state[p]
+            if "momentum_buffer" not in state:  # not setdefault: that would allocate a zero matrix every step
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - group["momentum"])
             update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
             out.append(_Matrix(p, update, group, self._owners[id(p)], self.replicated_group))
