@@ -133,7 +133,8 @@ def check_param_offload(job: JobSpec, stored_optim: bool) -> None:
 def check_muon(job: JobSpec) -> None:
     """Where ``optim.name: muon`` cannot orthogonalise whole matrices (workers/optim/muon.py), refused before start:
     ZeRO-1 steps flat slices of the parameters, the parameter-server shards flat chunks of them, and the offloaded
-    host step is Adam's."""
+    host step is Adam's; and LoRA, where no parameter Muon would step trains (``muon_owns`` leaves adapters to
+    AdamW), so the job would be AdamW under Muon's name."""
     p, off = job.parallel, job.memory.offload
     if job.optim.name != "muon":
         return
@@ -146,6 +147,10 @@ def check_muon(job: JobSpec) -> None:
          "use parallel.dp_sync: allreduce with optim.name muon, or another optim.name"),
         ("memory.offload.optimizer", off.optimizer, off.optimizer, "runs an offloaded Adam step on the host, "
          "which Muon's matrices do not have", "set memory.offload.optimizer: false, or use optim.name adamw"),
+        ("model.lora", "set", job.model.lora is not None, "freezes the blocks' matrices Muon steps and trains only "
+         "the adapters, which get AdamW (each is a low-rank factor: orthogonalising A and B apart is not Muon's "
+         "update of the product B·A, and the AdamW-matched rate is Moonlight's for whole matrices), so Muon would "
+         "step nothing", "use optim.name: adamw with model.lora (the same update), or remove model.lora"),
     ]
     for field, value, applies, why, fix in refused:
         if applies:

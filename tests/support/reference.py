@@ -166,14 +166,14 @@ def reference_versioned(spec: JobSpec, steps: int, version_of, every: int = 1) -
 
     Stage ``s`` runs global microbatch ``n`` (per dp rank) forward and backward on weight version
     ``version_of(s, n)``, the weights after that many updates; the gradients of ``every`` microbatches,
-    averaged over them and over dp, make one AdamW update of every stage. The stages are ``spec``'s
-    ``pp_split`` (embeddings on the first, final norm and head on the last), so an uneven split is checked
-    against the same rule as an even one. No clipping (the schedules clip per stage; give grad_clip 0).
+    averaged over them and over dp, make one update of every stage (the job's optimizer, ``_optimizer``). The
+    stages are ``spec``'s ``pp_split`` (embeddings on the first, final norm and head on the last), so an uneven
+    split is checked against the same rule as an even one. No clipping (the schedules clip per stage; give grad_clip 0).
     """
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     stage_of = _stage_of_parameters(model, spec.stage_split)
     o = spec.optim
-    opt = _adamw(list(model.parameters()), o)
+    opt = _optimizer(model, o)
     live = dict(model.named_parameters())
     versions = [{k: p.detach().clone() for k, p in live.items()}]  # versions[k]: the weights after k updates
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
@@ -218,11 +218,12 @@ def reference_bf16_fsdp(spec: JobSpec, steps: int) -> tuple[list[float], list[fl
     """Per-step losses and pre-clip gradient norms of bf16 under FSDP2's mixed-precision policy, spelled out
     without FSDP: each data-parallel rank's microbatches run forward and backward on a bf16 copy of the fp32
     weights (buffers keep their dtype, as FSDP2 casts parameters only); the bf16 gradients are summed in float32
-    (``precision.reduce_dtype: fp32``), averaged over the ranks, clipped, and AdamW steps the fp32 weights."""
+    (``precision.reduce_dtype: fp32``), averaged over the ranks, clipped, and the job's optimizer (``_optimizer``)
+    steps the fp32 weights."""
     torch.manual_seed(spec.train.seed)
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     o, m, dp = spec.optim, spec.train.microbatches, spec.parallel.dp
-    opt = _adamw(list(model.parameters()), o)
+    opt = _optimizer(model, o)
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
                         spec.train.global_batch_size, dp_rank=0, dp_size=1)
     losses, norms = [], []

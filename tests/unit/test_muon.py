@@ -17,6 +17,7 @@ from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.meta_init import build_full
 from workers.optim.build import build_optimizer
+from workers.optim.muon import muon_owns
 
 MUON = {"name": "muon", "lr": 0.01, "weight_decay": 0.1, "muon_momentum": 0.9, "muon_ns_steps": 4}
 # the tiny GPT's hidden matrices, listed rather than derived: what Muon must step and nothing else
@@ -73,6 +74,15 @@ def test_one_step_is_torch_muon_on_the_block_matrices_and_adamw_on_the_rest():
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), build_full(model.cfg, 0).parameters()))
 
 
+def test_lora_adapters_are_left_to_adamw():
+    """An adapter is 2-D inside a block, yet not Muon's: its factor is not the layer's update."""
+    from workers.model.lora import LoRALinear
+
+    layer = LoRALinear(torch.nn.Linear(16, 16, bias=False), 16, 16, rank=4, alpha=8.0, dropout=0.0)
+    named = dict(layer.named_parameters(prefix="layers.0.attention.wq"))
+    assert {n for n, p in named.items() if muon_owns(n, p)} == {"layers.0.attention.wq.base.weight"}
+
+
 def test_a_muon_run_resumes_from_its_checkpoint_bit_identically(tmp_path_factory, tmp_path):
     optim = {k: v for k, v in MUON.items()}
     with one_rank_trainer(tmp_path_factory, optim=optim, train={"steps": 4}) as t:
@@ -91,13 +101,37 @@ def test_a_muon_run_resumes_from_its_checkpoint_bit_identically(tmp_path_factory
             assert torch.equal(p, weights[n]), n
 
 
+def test_an_fp16_step_that_overflows_leaves_muon_and_adamw_untouched(tmp_path_factory):
+    """Loss scaling at 2**18: step 1 applies, step 2 overflows (skipped on every rank: the check is all-reduced),
+    step 3 applies at the halved scale. The skipped step moves no weight and no Muon buffer or AdamW moment."""
+    with one_rank_trainer(tmp_path_factory, optim=dict(MUON), train={"steps": 3},
+                          precision={"dtype": "fp16", "initial_loss_scale": 2.0**18}) as t:
+        model, hybrid = t.parts.modules[0], t.state.optimizers[0]
+
+        def snapshot():
+            return ({n: p.detach().clone() for n, p in model.named_parameters()},
+                    [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in hybrid.state.values()])
+
+        assert t.train_step().grad_norm > 0
+        weights, states = snapshot()
+        assert len(states) == len(list(model.parameters()))  # both parts stepped every parameter
+        skipped = t.train_step()
+        assert skipped.grad_norm != skipped.grad_norm  # NaN: the overflow
+        after_weights, after_states = snapshot()
+        assert all(torch.equal(after_weights[n], w) for n, w in weights.items())
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(after_states, states) for k in b)
+        assert t.train_step().grad_norm > 0
+        assert any(not torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
 @pytest.mark.parametrize("sections, field, value, fix", [
     ({"parallel": {"dp": 2, "zero": 1}}, "parallel.zero", 1, "zero: 2 or 3"),
     ({"parallel": {"dp_sync": "ps"}, "parameter_server": {"optimizer": "adamw"}}, "parallel.dp_sync", "ps",
      "allreduce"),
     ({"memory": {"offload": {"optimizer": True}}}, "memory.offload.optimizer", True, "false"),
+    ({"model": {"lora": {"rank": 4}}}, "model.lora", "set", "optim.name: adamw"),
 ])
-def test_muon_is_refused_where_it_cannot_step_whole_matrices(sections, field, value, fix):
+def test_muon_is_refused_where_it_cannot_step_whole_matrices_or_would_step_none(sections, field, value, fix):
     raw = _raw()
     for name, fields in sections.items():
         raw.setdefault(name, {}).update(fields)

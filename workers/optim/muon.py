@@ -15,57 +15,174 @@ from __future__ import annotations
 from collections import ChainMap
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from parameter_server.optimizers import decay_for
+from workers.model.lora import ADAPTER_NAMES
 
 
 def muon_owns(name: str, param: torch.Tensor) -> bool:
     """Whether Muon steps ``name``: the 2-D weights inside the blocks (``layers.<i>.``: attention and feed-forward
     projections, the MoE router). Outside the blocks live the embeddings, the final norm and the output head, whose
     rows are looked up or scored one token at a time (an orthogonalised update does not fit them); inside, norm
-    weights and biases are 1-D and expert stacks 3-D. A DTensor's ``dim()`` is its parameter's."""
-    return name.startswith("layers.") and param.dim() == 2
+    weights and biases are 1-D and expert stacks 3-D. LoRA's adapters are 2-D but low-rank factors of one update
+    (orthogonalising each apart is not Muon's update of their product): AdamW, as PEFT trains them (the spec refuses
+    muon with LoRA, which would leave Muon nothing). A DTensor's ``dim()`` is its parameter's."""
+    return name.startswith("layers.") and param.dim() == 2 and name.rsplit(".", 2)[-2] not in ADAPTER_NAMES
 
 
 class WholeMatrixMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` whose Newton-Schulz iteration sees each matrix whole on every layout.
+    """``torch.optim.Muon`` whose Newton-Schulz iteration sees each matrix whole, run once per matrix by its owner.
 
-    Why: on a sharded DTensor (FSDP2's dim-0 shards under ZeRO-2/3, TP's row or column shards) PyTorch's Muon runs
-    its matmuls through DTensor, which sums bf16 partial products across ranks: 2.7% off the single-process update
-    in a 2-rank check. Here each sharded gradient and momentum buffer is gathered (``Replicate``) for the step, so
-    the update is PyTorch's on the whole matrix, the same on every rank as on one process; the parameter keeps its
-    shard (a replicated update added to a shard is sliced locally) and the buffer goes back to its shard right after.
-    One param group per matrix (``muon_optimizer``) keeps one gathered matrix alive at a time: ``Muon.step`` prepares
-    a group (``_init_group``) only after the previous group's update ran.
+    Why whole: on a sharded DTensor (FSDP2's dim-0 shards under ZeRO-2/3, TP's row or column shards) PyTorch's Muon
+    runs its matmuls through DTensor, which sums bf16 partial products across ranks: 2.7% off the single-process
+    update in a 2-rank check. Why an owner (Moonlight's distributed Muon): gathering every matrix on every rank and
+    orthogonalising it there repeats the iteration on each rank of the group, N-fold at dp=N.
+
+    So a step is three phases over all the matrices (``_Matrix``): each rank applies the momentum and Nesterov's
+    look-ahead to its own shard (elementwise, so the same bits as on the whole matrix); the shards of each look-ahead
+    are gathered in bf16 (Newton-Schulz's first act is that cast, so nothing changes) and the matrix's owner, one
+    rank of the group it is sharded over chosen by size (``owners``), keeps it; every rank orthogonalises only its own
+    matrices, in parallel; each result then goes back as the owner's partial sum over zeros, which DTensor turns into
+    a reduce-scatter (each rank receives its shard: exact, a sum with zeros), and each rank decays and moves its shard.
+    Gradients that data parallelism replicated (ZeRO-0's plain tensors over ``replicated_group``) split the same way
+    when ``split_replicated`` (the owner broadcasts), else every rank repeats the iteration without communicating.
+
+    The math is PyTorch's: the owner calls ``torch.optim._muon._zeropower_via_newtonschulz`` with the group's
+    coefficients, steps and eps, and the rate is its ``_adjust_lr``; the elementwise steps around them are applied
+    in ``_single_tensor_muon``'s order and ops, so one process reproduces ``torch.optim.Muon`` bit for bit
+    (tests/unit/test_muon.py) and every layout the single-process update (tests/integration/test_muon_parity.py).
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._gathered: list[tuple[DTensor, DTensor]] = []  # (buffer's shard, its whole copy) of the group in step
-
-    def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs):
-        """PyTorch's preparation of ``group``, then its sharded gradients and buffers gathered whole."""
-        self._reshard()
-        has_complex = super()._init_group(group, params_with_grad, grads, muon_momentum_bufs)
-        for i, grad in enumerate(grads):
-            if isinstance(grad, DTensor):
-                whole = _replicated(muon_momentum_bufs[i])
-                self._gathered.append((muon_momentum_bufs[i], whole))
-                grads[i], muon_momentum_bufs[i] = _replicated(grad), whole
-        return has_complex
+    def __init__(self, params, *, replicated_group=None, split_replicated: bool = True, **kwargs):
+        super().__init__(params, **kwargs)
+        self.replicated_group = replicated_group if split_replicated else None
+        self._owners: dict[int, int] | None = None  # id(param) -> its owner's index in its group
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = super().step(closure)
-        self._reshard()
+        loss = torch.enable_grad()(closure)() if closure is not None else None
+        matrices = [m for group in self.param_groups for m in self._looked_ahead(group)]
+        for m in matrices:
+            m.gather()
+        for m in matrices:
+            m.orthogonalise()
+        for m in matrices:
+            m.apply()
         return loss
 
-    def _reshard(self) -> None:
-        """The stepped whole buffers back into their shards (a local slice: no communication)."""
-        for shard, whole in self._gathered:
-            shard.copy_(whole.redistribute(shard.device_mesh, shard.placements))
-        self._gathered.clear()
+    def _looked_ahead(self, group: dict) -> list[_Matrix]:
+        """``group``'s matrices with a gradient, their momentum buffers stepped and look-ahead taken on this rank's
+        shard (as ``_single_tensor_muon``)."""
+        if self._owners is None:
+            self._owners = owners([p for g in self.param_groups for p in g["params"]], self.replicated_group)
+        out = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = _without_partial(p.grad)
+            state = self.state[p]
+            if "momentum_buffer" not in state:  # not setdefault: that would allocate a zero matrix every step
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - group["momentum"])
+            update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            out.append(_Matrix(p, update, group, self._owners[id(p)], self.replicated_group))
+        return out
+
+
+class _Matrix:
+    """One matrix through a step: its look-ahead (this rank's shard), gathered whole on its owner, orthogonalised
+    there, and back as this rank's shard of the orthogonal update."""
+
+    def __init__(self, param: torch.Tensor, update: torch.Tensor, group: dict, owner: int, replicated_group):
+        self.param, self.update, self.group, self.owner = param, update, group, owner
+        self.process_group = None if isinstance(param, DTensor) else replicated_group
+        self.mine = _my_index(param, self.process_group) == owner
+
+    def gather(self) -> None:
+        """The whole look-ahead in bf16 on the owner (all-gathered over a DTensor's mesh, kept by the owner alone)."""
+        if isinstance(self.update, DTensor):
+            whole = _replicated(self.update.bfloat16()).to_local()
+            self.update = whole if self.mine else None
+        elif not self.mine:
+            self.update = None
+
+    def orthogonalise(self) -> None:
+        """PyTorch's Newton-Schulz on the owner's matrices."""
+        if self.mine:
+            g = self.group
+            self.update = _zeropower_via_newtonschulz(self.update, g["ns_coefficients"], g["ns_steps"], g["eps"])
+
+    def apply(self) -> None:
+        """This rank's shard of the orthogonal update from the owner, then PyTorch's decay and step on the shard."""
+        ortho = self._received()
+        g = self.group
+        self.param.mul_(1 - g["lr"] * g["weight_decay"])
+        self.param.add_(ortho, alpha=-_adjust_lr(g["lr"], g["adjust_lr_fn"], self.param.shape))
+
+    def _received(self) -> torch.Tensor:
+        """The owner's update as this rank holds the parameter: the shard of a DTensor (a reduce-scatter of the
+        owner's matrix summed with the others' zeros), the whole matrix of a split replicated one (a broadcast)."""
+        p = self.param
+        if isinstance(p, DTensor):
+            local = self.update.contiguous() if self.mine else torch.zeros(p.shape, dtype=torch.bfloat16,
+                                                                           device=p.to_local().device)
+            mesh = p.device_mesh
+            return DTensor.from_local(local, mesh, [Partial()] * mesh.ndim).redistribute(mesh, p.placements)
+        if self.process_group is None:
+            return self.update
+        whole = self.update.contiguous() if self.mine else torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+        dist.broadcast(whole, group=self.process_group, group_src=self.owner)
+        return whole
+
+
+def owners(params: list[torch.Tensor], replicated_group=None) -> dict[int, int]:
+    """id(param) -> the index of the rank that orthogonalises it, within the ranks that share it (a DTensor's mesh;
+    ``replicated_group`` for plain tensors, or this rank alone). Size-balanced (longest first, each to the least
+    loaded rank, by Newton-Schulz's cost rows·cols·min(rows, cols)): the blocks' matrices come in a few sizes,
+    and round-robin would give one rank every wide feed-forward matrix when their count divides the group's size.
+    The same on every rank of a group: it reads only shapes and the parameters' order."""
+    out: dict[int, int] = {}
+    by_group: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_group.setdefault(p.device_mesh if isinstance(p, DTensor) else replicated_group, []).append(p)
+    for key, members in by_group.items():
+        load = [0] * _group_size(key)
+        for p in sorted(members, key=lambda q: -_ns_cost(q.shape)):  # sorted() is stable: ties keep their order
+            rank = load.index(min(load))
+            load[rank] += _ns_cost(p.shape)
+            out[id(p)] = rank
+    return out
+
+
+def _ns_cost(shape: torch.Size) -> int:
+    rows, cols = shape
+    return rows * cols * min(rows, cols)
+
+
+def _group_size(key) -> int:
+    """Ranks of a DTensor mesh, of a process group, or 1 (None: this rank alone)."""
+    if isinstance(key, DeviceMesh):
+        return key.size()
+    return 1 if key is None else dist.get_world_size(key)
+
+
+def _my_index(param: torch.Tensor, process_group) -> int:
+    """This rank's index among those sharing ``param`` (the order ``owners`` counts in)."""
+    if isinstance(param, DTensor):
+        return param.device_mesh.mesh.flatten().tolist().index(dist.get_rank())
+    return 0 if process_group is None else dist.get_rank(process_group)
+
+
+def _without_partial(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with any pending partial sum reduced (a momentum step is not linear in bf16 pieces' rounding)."""
+    if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+        return grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl for pl in grad.placements])
+    return grad
 
 
 def _replicated(tensor: DTensor) -> DTensor:
@@ -119,12 +236,13 @@ class Hybrid(torch.optim.Optimizer):
         self._join()
 
 
-def muon_optimizer(matrices: list[torch.Tensor], optim: dict) -> WholeMatrixMuon:
+def muon_optimizer(matrices: list[torch.Tensor], optim: dict, replicated_group=None) -> WholeMatrixMuon:
     """``WholeMatrixMuon`` over ``matrices`` (``muon_owns``'), one param group each, at ``optim.weight_decay``
     (decoupled, as AdamW's; every matrix decays under either ``weight_decay_exclude`` rule). The rate is scaled per
     matrix shape as Moonlight's (``match_rms_adamw``: 0.2·sqrt(max(rows, cols))), so the update's RMS is AdamW's
     and the AdamW part's ``optim.lr`` and ``weight_decay`` carry over; Keller Jordan's ``original`` scaling wants a
     rate 10-50x AdamW's, which one ``optim.lr`` for both parts cannot give, so it is not offered."""
     return WholeMatrixMuon([{"params": [p], "weight_decay": decay_for(optim, p.dim())} for p in matrices],
+                           replicated_group=replicated_group,
                            lr=optim["lr"], momentum=optim["muon_momentum"], nesterov=optim["muon_nesterov"],
                            ns_steps=optim["muon_ns_steps"], adjust_lr_fn="match_rms_adamw")
