@@ -9,7 +9,7 @@ ZeRO-0 and ZeRO-3 on a MoE model against its own reference; PipeDream-2BW (weigh
 live weights between microbatches, the stash keeps copies) against the paper's update rule with Muon
 (``reference_versioned``); bf16 under FSDP2's policy against the policy written out (``reference_bf16_fsdp``).
 Ranks are spawned processes over gloo (tests/support/parity_harness.py, no Ray), every layout at world size 2 in one
-spawn, 3 steps each; each reference is computed once.
+spawn (ZeRO-3 × tp in a second, of 4), 3 steps each; each reference is computed once.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ LAYOUTS = {
     "dp2-zero3": {"dp": 2, "zero": 3},
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
+    # FSDP2 over dp on top of TP: a 2-D mesh, whose gather and reduce-scatter go over both dims (a second spawn, of 4)
+    "dp2-tp2-zero3": {"dp": 2, "tp": 2, "zero": 3},
 }
+# Newton-Schulz runs in bf16, so a last-bit difference in a gradient's reduction order (tp's partial sums; measured:
+# tp2 6e-5 on the third step's gradient norm, losses within 5e-6) can flip a rounding it then amplifies; tp under
+# FSDP2 adds dp's reduction order to it (1.02e-4 measured, losses within 4.2e-6: a misplaced shard moves the loss)
+GRAD_NORM_REL = {"dp2-tp2-zero3": 2e-4}
 MOE = {"n_layers": 2, "moe": {"experts": 4, "group": "sequence", "router": "topk"}}
 EP_LAYOUTS = {"ep2-zero0": {"dp": 2, "ep": 2}, "ep2-zero3": {"dp": 2, "ep": 2, "zero": 3}}
 EVERY = 2  # 2BW: a weight version every 2 microbatches
@@ -75,7 +81,7 @@ def test_muon_layout_matches_single_process_reference(name, reference, runs):
     run = ran(runs, name)
     losses, grad_norms = reference
     assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=GRAD_NORM_REL.get(name, 1e-4))
 
 
 @pytest.mark.parametrize("name", list(EP_LAYOUTS))
