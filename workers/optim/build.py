@@ -55,17 +55,16 @@ def build_optimizer(params, optim: dict, memory: dict | None = None, device: tor
 
 
 def _muon_hybrid(named: list[tuple[str, torch.Tensor]], optim: dict, dp_group=None) -> Hybrid:
-    """Muon over the blocks' matrices and AdamW (``optim.betas``, PyTorch's default kernels as ``adamw`` picks
-    them, ``decay_groups``) over the rest, as one optimizer; a part without one kind (a stage of norms and
-    matrices only still has norms) builds only the other. ``dp_group``: the ranks ZeRO-0's plain gradients are
-    replicated over, which split the Newton-Schulz work (``WholeMatrixMuon``)."""
+    """Muon over the blocks' matrices and, over the rest, the optimizer an ``adamw`` job builds (``decay_groups``,
+    ``optim.betas``, PyTorch's kernels as ``auto`` picks them: the spec refuses ``optim.implementation`` and
+    optimizer offload with muon), as one optimizer; a part without one kind (a stage of norms and matrices only
+    still has norms) builds only the other. ``dp_group``: the ranks ZeRO-0's plain gradients are replicated over,
+    which split the Newton-Schulz work (``WholeMatrixMuon``)."""
     matrices = [p for n, p in named if muon_owns(n, p)]
     rest = [p for n, p in named if not muon_owns(n, p)]
     parts = [muon_optimizer(matrices, optim, dp_group)] if matrices else []
     if rest:
-        on_cuda, mixed = any(p.is_cuda for p in rest), len({isinstance(p, DTensor) for p in rest}) > 1
-        parts.append(torch.optim.AdamW(decay_groups(rest, optim), lr=optim["lr"], betas=tuple(optim["betas"]),
-                                       **kernel_kwargs("adamw", "auto", on_cuda, mixed)))
+        parts.append(build_optimizer(rest, {**optim, "name": "adamw"}))
     return Hybrid(parts)
 
 
