@@ -179,7 +179,7 @@ class Evaluator:
 
 
     def _score(self, x: torch.Tensor, y: torch.Tensor, documents: Documents | None) -> torch.Tensor:
-        """One microbatch's mean token loss through the whole model part."""
+        """One microbatch's token loss (``_loss``) through the whole model part."""
         with attending([self.modules[0]], documents):
             return self._loss(self.modules[0](x), y)
 
