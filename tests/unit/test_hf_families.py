@@ -120,3 +120,30 @@ def test_family_fields_that_disagree_are_refused_by_field(model, field, fix):
 def test_a_gpt_refuses_the_families_fields():
     with pytest.raises(SpecError, match="model.qk_norm.*Llama-family field"):
         _job_model({"qk_norm": True})
+
+
+PLANNED = {"qwen3": {"head_dim": 16, "qk_norm": True, "tie_embeddings": True},
+           "qwen2": {"qkv_bias": True}, "mistral": {"head_dim": 4}}
+
+
+@pytest.mark.parametrize("kind", list(PLANNED))
+def test_the_planner_counts_the_parameters_the_model_has(kind):
+    from orchestrator.planning.estimate import stage_params
+    from orchestrator.planning.layout_search import Shape
+    from workers.spec import WorkerSpec
+
+    spec = JobSpec.from_dict({"data": {"path": "/tmp/none"}, "run_dir": "/tmp/none", "parallel": {"tp": 2},
+                              "model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 48,
+                                        "hf_model_type": kind, **PLANNED[kind]}})
+    with torch.device("meta"):
+        built = sum(p.numel() for p in build_model(WorkerSpec.from_dict(spec.worker_dict()).model).parameters())
+    assert sum(stage_params(spec, 0, 1)) == Shape.of(spec).params == built
+
+
+def test_activations_follow_head_dim():
+    """Qwen3's heads twice as wide save twice the q/k/v/output elements of d_model / n_heads heads."""
+    from orchestrator.planning import memory_model as mm
+
+    narrow, wide = (mm.layer_activation_bytes(64, 1, 32, 4, 48, kv_heads=2, family="llama", head_dim=hd)
+                    for hd in (8, 16))
+    assert wide - narrow == 4 * 64 * (2 * 4 * 8 + 2 * 2 * 8) + 4 * 4 * 64 * 8 // 2 * 2
