@@ -118,7 +118,8 @@ class Shape:
     @property
     def params(self) -> int:
         d = self.d_model
-        return self.n_layers * (self.block_params + self.block_replicated) + self.embedding_params + self.head_params + d
+        blocks = self.n_layers * (self.block_params + self.block_replicated)
+        return blocks + self.embedding_params + self.head_params + d
 
 
 @dataclass(frozen=True)

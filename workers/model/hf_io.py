@@ -48,7 +48,8 @@ _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face name (the same in all ``FAMILIES``) of a raymesh Llama parameter (``layers.3.attention.wq.weight`` ->
+    """The Hugging Face name (the same in all ``FAMILIES``) of a raymesh Llama parameter
+    (``layers.3.attention.wq.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``); wrapper prefixes are dropped."""
     name = _WRAPPERS.sub("", name)
     if name in _ENDS:
@@ -348,7 +349,8 @@ def written_config(state: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelCon
 
 
 def carried_config(config: dict[str, Any], source: dict[str, Any], seq_len: int) -> dict[str, Any]:
-    """``config`` with the source's ``CARRIED_KEYS`` and ``WINDOW_KEYS``; the context length is the source's unless the run trained
+    """``config`` with the source's ``CARRIED_KEYS`` and ``WINDOW_KEYS``; the context length is the source's unless the
+    run trained
     on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not what the model can take)."""
     carried = {**config, **{k: source[k] for k in (*CARRIED_KEYS, *WINDOW_KEYS) if k in source}}
     carried["max_position_embeddings"] = max(carried["max_position_embeddings"], seq_len)

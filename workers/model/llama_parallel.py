@@ -35,5 +35,6 @@ def block_plan(sequence_parallel: bool, moe: bool = False, qk_norm: bool = False
     head dim (``SequenceParallel(sequence_dim=2)``), whose replicated weight's gradient is then summed over tp."""
     plan = gpt_parallel.block_plan(sequence_parallel, moe)
     if qk_norm:
-        plan |= {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_norm", "k_norm")}
+        for name in ("q_norm", "k_norm"):
+            plan[f"attention.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan if moe else {**plan, "feed_forward.w3": ColwiseParallel()}
