@@ -147,3 +147,16 @@ def test_activations_follow_head_dim():
     narrow, wide = (mm.layer_activation_bytes(64, 1, 32, 4, 48, kv_heads=2, family="llama", head_dim=hd)
                     for hd in (8, 16))
     assert wide - narrow == 4 * 64 * (2 * 4 * 8 + 2 * 2 * 8) + 4 * 4 * 64 * 8 // 2 * 2
+
+
+def test_a_merged_lora_state_of_qwen2_keeps_its_biases(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from workers.model.lora import apply_lora, merged_state_dict
+
+    ours = raymesh_llama_from(hf_family("qwen2"))
+    apply_lora(ours, {"targets": ["wq", "wk", "wv"], "rank": 2, "alpha": 4.0, "dropout": 0.0, "quantize": None}, 0)
+    out = hf_io.write_hf(merged_state_dict(ours), ours.cfg, tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(TOKENS).logits, ours(TOKENS),
+                                   rtol=1e-5, atol=1e-5)
