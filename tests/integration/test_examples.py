@@ -23,13 +23,14 @@ from orchestrator.checkpoints import checksums
 from orchestrator.cli import main
 from orchestrator.runtime.group import RayRuntime
 from orchestrator.spec import load_spec
-from tests.support.hf import save_hf_llama
+from tests.support.hf import save_hf_family, save_hf_llama
 from tests.support.parity_harness import ran, run_grouped
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples that need the controller or the CLI (see the docstring); the rest train in the harness
 THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tracking", "fault_injection",
-               "llama_finetune_lora", "memory_measured", "monitoring", "object_storage", "parameter_server",
+               "llama_finetune_lora", "qwen3_finetune",
+               "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
                "pp_auto_split", "soak"}
 RAY_EXAMPLES = [p for p in EXAMPLES if p.stem in THROUGH_RAY]
@@ -43,7 +44,8 @@ MIX_DATA = {"data_mix": ["token_data", "heldout_data"]}
 # examples scoring a held-out loss (eval.path), and the fixture that prepares their held-out text
 EVAL_DATA = {"evaluation": "heldout_data"}
 # examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
-NEEDS_HF_DIR = {"llama_finetune_lora"}
+NEEDS_HF_DIR = {"llama_finetune_lora": save_hf_llama,
+                "qwen3_finetune": lambda directory: save_hf_family(directory, "qwen3", vocab_size=256)}
 # examples whose settings do not fit 4 steps here (too slow at full size, a warm-up longer than the run), and what
 # the test overrides (the layout stays theirs)
 SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp=4: ~50 s a step on 2 busy cores
@@ -101,7 +103,8 @@ def test_rank_side_example_trains_its_layout(job, rank_runs):
 def test_example_runs(job, ray_cluster, request, tmp_path):
     summary = tmp_path / "summary.json"
     data = request.getfixturevalue(DATA.get(job.stem, "token_data"))
-    extra = ["--set", f"model.init_from={save_hf_llama(tmp_path / 'hf')}"] if job.stem in NEEDS_HF_DIR else []
+    make_hf = NEEDS_HF_DIR.get(job.stem)
+    extra = ["--set", f"model.init_from={make_hf(tmp_path / 'hf')}"] if make_hf else []
     extra += SHORTER.get(job.stem, [])
     if job.stem not in KEEP_SPARES:
         extra += ["--set", "fault_tolerance.warm_spares=false"]
@@ -134,7 +137,7 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
         best = min(held, key=held.get)
         assert result["best_checkpoint"] == {"step": best, "eval_loss": held[best],
                                              "path": str(tmp_path / "run" / "checkpoints" / f"step-{best:08d}")}
-    if job.stem in NEEDS_HF_DIR:
+    if job.stem == "llama_finetune_lora":  # a LoRA run: its adapters folded into a Hugging Face directory
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
     if job.stem == "experiment_tracking":
         _trackers_match_the_summary(tmp_path / "run", result)
