@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from workers.model.config import HF_FAMILY_FIELDS, ModelConfig
+from workers.parallel.data_parallel import plain_name
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -43,15 +44,13 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
-# wrappers the builder adds around a parameter's module (activation checkpointing), not part of its name
-_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\.")
 
 
 def hf_name(name: str) -> str:
     """The Hugging Face name (the same in all ``FAMILIES``) of a raymesh Llama parameter
     (``layers.3.attention.wq.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``); wrapper prefixes are dropped."""
-    name = _WRAPPERS.sub("", name)
+    name = plain_name(name)
     if name in _ENDS:
         return _ENDS[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -334,7 +333,7 @@ def unpadded(state: dict[str, torch.Tensor], cfg: ModelConfig,
     if vocab is None or vocab == cfg.vocab_size:
         return state, cfg
     rows = {"tok_embeddings.weight", "output.weight"}
-    state = {k: v[:vocab] if _WRAPPERS.sub("", k) in rows else v for k, v in state.items()}
+    state = {k: v[:vocab] if plain_name(k) in rows else v for k, v in state.items()}
     return state, cfg.model_copy(update={"vocab_size": vocab})
 
 
