@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -79,8 +80,7 @@ class Trainer:
         self.state = self._train_state(spec)
         feedback = self._error_feedback()
         if feedback:  # each rank's own, kept across recoveries and resumes
-            layout = f"dp{par.dp}.pp{par.pp}.tp{par.tp}.cp{par.grid.cp}.ep{par.grid.ep}.v{par.virtual_stages}"
-            self.state.wire_feedback = CompressionFeedback(feedback, layout, rank, self.device)
+            self.state.wire_feedback = CompressionFeedback(feedback, self._feedback_layout(), rank, self.device)
         self.activations = activation_policy(memory, self.device)
         # under FSDP2's mixed-precision policy the bf16 parameters set the compute dtype; no autocast on top
         mixed = self.spec.fsdp_mixed(self.device.type == "cuda")
@@ -116,6 +116,21 @@ class Trainer:
         if self.spec.parallel.grad_compression in WITH_FEEDBACK:
             return [r.hook for r in self.parts.reducers]
         return [opt.feedback for opt in self.state.optimizers if isinstance(opt, OneBitAdam)]
+
+    def _feedback_layout(self) -> str:
+        """What decides which tensors a rank's error feedback belongs to, naming its checkpoint entry: the layout,
+        and for PowerSGD's and top-k's (one residual per gradient bucket) how the gradients are bucketed, since
+        another ``parallel.bucket_mb`` may cut other buckets under the same indices (a residual of one size added
+        to a bucket of another failed the step; of equal sizes, it went to other parameters). The buckets are
+        named by their sizes in elements: cut from the same ordered parameters, equal sizes are equal buckets,
+        so a bucket_mb change that cuts the same buckets keeps the feedback. Another entry name: the feedback
+        starts at zero, as at another layout."""
+        par = self.spec.parallel
+        layout = f"dp{par.dp}.pp{par.pp}.tp{par.tp}.cp{par.grid.cp}.ep{par.grid.ep}.v{par.virtual_stages}"
+        if par.grad_compression not in WITH_FEEDBACK:
+            return layout
+        sizes = [[sum(p.numel() for p in b.params) for b in r.buckets] for r in self.parts.reducers]
+        return f"{layout}.buckets{zlib.crc32(repr(sizes).encode()):08x}"
 
     def _async_pipeline(self) -> AsyncPipeline:
         """PipeDream's executor for this rank's one stage; it steps the optimizer itself, between microbatches,

@@ -124,8 +124,17 @@ def resumed_runs(token_data, tmp_path_factory):
         checkpoints += [ckpt, None]
         resumes += [None, ckpt]
         save_afters += [2, None]
-    runs = run_layouts(specs, 2, 4, checkpoints=checkpoints, resumes=resumes, save_afters=save_afters)
-    return {kind: (runs[2 * i], runs[2 * i + 1]) for i, kind in enumerate(RESUMED)}
+    # PowerSGD's checkpoint resumed with one bucket for all: other buckets under the same indices
+    rebucketed = tiny_spec(token_data, tmp / "rebucketed", parallel={"dp": 2, "device": "cpu", "bucket_mb": 1000,
+                                                                       **RESUMED["powersgd"][0]},
+                           optim={}, train={"steps": 4})
+    specs.append(rebucketed.worker_dict())
+    checkpoints.append(None)
+    resumes.append(str(tmp / "powersgd" / "ckpt"))
+    save_afters.append(None)
+    runs = run_layouts(specs, 2, [4] * (len(specs) - 1) + [2], checkpoints=checkpoints, resumes=resumes,
+                       save_afters=save_afters)
+    return {**{kind: (runs[2 * i], runs[2 * i + 1]) for i, kind in enumerate(RESUMED)}, "rebucketed": runs[-1]}
 
 
 @pytest.mark.parametrize("kind", list(RESUMED))
@@ -139,6 +148,16 @@ def test_compressed_run_resumes_bit_identically_with_its_error_feedback(kind, re
     assert resumed.losses[:2] == whole.losses[2:] and resumed.grad_norms[:2] == whole.grad_norms[2:]
     assert {r: sent[:2] for r, sent in resumed.field("comm_bytes").items()} == \
         {r: sent[2:] for r, sent in whole.field("comm_bytes").items()}
+
+
+def test_a_resume_at_another_bucket_size_restarts_powersgds_feedback_instead_of_misplacing_it(resumed_runs):
+    """Residuals are per bucket index; at another ``parallel.bucket_mb`` the indices hold other parameters (a
+    residual of another size failed the resumed step). Now the feedback starts at zero: the first resumed step
+    differs from the uninterrupted one's only by what the dropped residual carried."""
+    whole, _ = resumed_runs["powersgd"]
+    rebucketed = resumed_runs["rebucketed"]
+    assert len(rebucketed.losses) == 2 and rebucketed.losses[0] == pytest.approx(whole.losses[2], rel=1e-2)
+    assert rebucketed.grad_norms[0] != whole.grad_norms[2]
 
 
 def _snapshot_bytes(rank: int, specs: list[dict], ports, results) -> None:

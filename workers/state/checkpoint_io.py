@@ -8,6 +8,7 @@ travel with it, so a resumed run continues with exactly the unseen samples.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from workers.state.compression_feedback import saved_decays
 from workers.state.known_weights import load_known
 from workers.state.train_state import TrainState
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointIO:
@@ -83,4 +86,6 @@ class CheckpointIO:
         feedback = {"wire_feedback": self.state.wire_feedback.dcp_state(template=True)}
         dcp.load(feedback, checkpoint_id=str(path), process_group=self.group,
                  planner=DefaultLoadPlanner(allow_partial_load=True))
-        self.state.wire_feedback.load_dcp_state(feedback["wire_feedback"], str(path), saved_decay)
+        if not self.state.wire_feedback.load_dcp_state(feedback["wire_feedback"], str(path), saved_decay):
+            log.warning("checkpoint %s holds no compression error feedback for this rank (saved at another layout "
+                        "or parallel.bucket_mb, or without compression): it starts at zero", path)

@@ -3,9 +3,10 @@ Q and its generator; 1-bit Adam's error), carried by in-memory snapshots and DCP
 or resumed run continues bit-identically instead of restarting the feedback at zero.
 
 Each rank's state is its own (it differs across data-parallel ranks and belongs to its own buckets), so a
-checkpoint keeps it as one opaque entry per rank, named by the layout and the rank: DCP stores a ``BytesIO``
-value as is, and a checkpoint resumed at another layout finds no entry and starts the feedback at zero, as a
-fresh run does (the buckets differ there anyway).
+checkpoint keeps it as one opaque entry per rank, named by the layout (with the bucket size for PowerSGD's and
+top-k's per-bucket residuals, ``Trainer._feedback_layout``) and the rank: DCP stores a ``BytesIO`` value as is,
+and a checkpoint resumed at another layout or bucket size finds no entry and starts the feedback at zero, as a
+fresh run does (the buckets differ there anyway), which the rank logs.
 """
 
 from __future__ import annotations
