@@ -179,6 +179,12 @@ class GPT(nn.Module):
             h = self.output(h)
         return h
 
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The head and loss on the last stage's ``hidden`` output, ``loss_chunks`` chunks of tokens at a time
+        (``chunked_lm_loss``). A method of the stage, so FSDP2 gathers the sharded head around it as around the
+        forward (``register_fsdp_forward_method`` in ``workers.parallel.data_parallel``)."""
+        return chunked_lm_loss(hidden, targets, self.output, self.loss_chunks, reduction)
+
 
 def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
     """One full parameter's initial value (the ``init_parameter`` hook): GPT-2 style normal weights, the
@@ -203,7 +209,7 @@ def model_loss(model: nn.Module, out: torch.Tensor, targets: torch.Tensor, reduc
     its final hidden state, taken through the head chunk by chunk (``chunked_lm_loss``)."""
     if model.loss_chunks == 1:
         return lm_loss(out, targets, reduction)
-    return chunked_lm_loss(out, targets, model.output, model.loss_chunks, reduction)
+    return model.head_loss(out, targets, reduction)
 
 
 def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int,
