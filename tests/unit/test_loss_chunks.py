@@ -101,3 +101,52 @@ def test_chunks_reach_the_workers():
 
     spec = JobSpec.from_dict(_raw(train={"loss_chunks": 32}))
     assert spec.worker_dict()["train"]["loss_chunks"] == 32
+
+
+def test_the_planners_logits_terms_follow_the_chunk_count():
+    from orchestrator.planning.memory_model import head_activation_bytes, loss_backward_bytes
+
+    seq, mb, d, vocab = 4096, 8, 4096, 128_256
+    assert loss_backward_bytes(seq, mb, vocab) == 8 * seq * mb * vocab  # 16 GiB: today's whole logits
+    assert loss_backward_bytes(seq, mb, vocab, 16) == 12 * 256 * mb * vocab  # one chunk's, recomputed
+    assert loss_backward_bytes(seq, mb, vocab, 3) == 12 * 1366 * mb * vocab  # the largest of uneven chunks
+    whole, chunked = (head_activation_bytes(seq, mb, d, vocab, loss_chunks=n) for n in (1, 16))
+    assert whole - chunked == 4 * seq * mb * vocab  # no log-probabilities saved for backward
+
+
+def _plan_job(tmp_path, **train) -> str:
+    job = tmp_path / "job.yaml"
+    job.write_text("data: {path: /absent/data}\nmodel: {d_model: 256, n_layers: 2, n_heads: 4, seq_len: 2048, "
+                   f"vocab_size: 128256}}\ntrain: {{global_batch_size: 8, microbatches: 1, {_fields(train)}}}\n")
+    return str(job)
+
+
+def _fields(train: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in train.items())
+
+
+def test_plan_advises_loss_chunks_where_the_logits_dominate_and_counts_them(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert main(["plan", _plan_job(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    advice = next(line for line in out.splitlines() if line.startswith("advice: "))
+    assert "set train.loss_chunks: 512" in advice and "logits take" in advice  # 128256 / 256 words a chunk
+    assert main(["plan", _plan_job(tmp_path, loss_chunks=512)]) == 0
+    chunked = capsys.readouterr().out
+    assert "advice:" not in chunked
+    from orchestrator.planning.estimate import estimate
+    from orchestrator.spec import load_spec
+
+    before, after = (max(r.total_bytes for r in estimate(load_spec(_plan_job(tmp_path, **t), [])))
+                     for t in ({}, {"loss_chunks": 512}))
+    assert after < before / 2
+
+
+def test_plan_gives_no_chunk_advice_for_a_small_vocabulary(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text("data: {path: /absent/data}\nmodel: {d_model: 256, n_layers: 2, n_heads: 4, seq_len: 256}\n")
+    assert main(["plan", str(job)]) == 0
+    assert "advice:" not in capsys.readouterr().out
