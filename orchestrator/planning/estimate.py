@@ -261,7 +261,9 @@ def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
     p, head = spec.parallel, frozen_parts(spec)[-1]
     if p.pp * p.stages_per_rank - 1 not in ids or not (head is None or head.output_grad()):
         return 0
-    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), spec.padded_vocab_size, spec.train.loss_chunks)
+    vocab = spec.padded_vocab_size
+    head_grad = 4 * vocab * spec.model.d_model // p.tp if head is None else 0  # LoRA: the head weight is frozen
+    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), vocab, spec.train.loss_chunks, head_grad)
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:

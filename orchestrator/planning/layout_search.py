@@ -254,7 +254,8 @@ class Evaluator:
                                        c)
         buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + cp_kernel  # autocast
         regathers = lay.zero >= 3 and lay.shards > 1
-        loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab, s.loss_chunks) * last
+        loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab, s.loss_chunks,
+                                      4 * s.vocab * s.d_model // lay.tp) * last
         return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:

@@ -408,7 +408,7 @@ def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, 
         + compute_bytes * s * b * (d_model + frozen.rank) * adapted + (logprobs + 8 * s * b) * logits_grad
 
 
-def loss_backward_bytes(seq: int, micro_batch: int, vocab: int, loss_chunks: int = 1) -> int:
+def loss_backward_bytes(seq: int, micro_batch: int, vocab: int, loss_chunks: int = 1, head_grad: int = 0) -> int:
     """What the loss backward allocates beside the saved activations on the head's rank, before it frees any:
     cross entropy's gradient w.r.t. the log-probabilities (``nll_loss`` backward writes a dense s·b·V float32
     tensor) and log-softmax's w.r.t. the float32 logits (another), both live with the saved log-probabilities.
@@ -416,10 +416,12 @@ def loss_backward_bytes(seq: int, micro_batch: int, vocab: int, loss_chunks: int
     Llama's 128,256 words and 8K tokens that is 8.4 GB a microbatch, often the step's peak. It also covers
     the forward's own transient at the loss (the 16-bit logits and their float32 copy: 6 or 4 bytes a logit).
     With ``loss_chunks`` > 1 one chunk at a time (its largest: ``ceil(seq / loss_chunks)`` tokens a sequence):
-    its recomputed log-probabilities and those two gradients."""
+    its recomputed log-probabilities and those two gradients, and its share of the head weight's gradient
+    (``head_grad`` bytes) beside the sum autograd accumulates the chunks' shares in (measured by
+    ``benchmarks/loss_chunks.py``: below ~d_model tokens that pair outweighs the logits chunking saves)."""
     if loss_chunks == 1:
         return 2 * 4 * seq * micro_batch * vocab
-    return 3 * 4 * -(-seq // loss_chunks) * micro_batch * vocab
+    return 3 * 4 * -(-seq // loss_chunks) * micro_batch * vocab + head_grad
 
 
 def suggested_loss_chunks(vocab: int, d_model: int, seq: int) -> int:

@@ -110,6 +110,8 @@ def test_the_planners_logits_terms_follow_the_chunk_count():
     assert loss_backward_bytes(seq, mb, vocab) == 8 * seq * mb * vocab  # 16 GiB: today's whole logits
     assert loss_backward_bytes(seq, mb, vocab, 16) == 12 * 256 * mb * vocab  # one chunk's, recomputed
     assert loss_backward_bytes(seq, mb, vocab, 3) == 12 * 1366 * mb * vocab  # the largest of uneven chunks
+    grad = 4 * vocab * d  # a chunk's share of the head's gradient beside their running sum
+    assert loss_backward_bytes(seq, mb, vocab, 16, grad) == 12 * 256 * mb * vocab + grad
     whole, chunked = (head_activation_bytes(seq, mb, d, vocab, loss_chunks=n) for n in (1, 16))
     assert whole - chunked == 4 * seq * mb * vocab  # no log-probabilities saved for backward
 
@@ -150,3 +152,15 @@ def test_plan_gives_no_chunk_advice_for_a_small_vocabulary(tmp_path, capsys):
     job.write_text("data: {path: /absent/data}\nmodel: {d_model: 256, n_layers: 2, n_heads: 4, seq_len: 256}\n")
     assert main(["plan", str(job)]) == 0
     assert "advice:" not in capsys.readouterr().out
+
+
+def test_the_stage_profile_runs_the_head_as_the_job_will():
+    """`parallel.pp_split: auto` weighs the head by its profile: chunked, it saves no logits for backward."""
+    from workers.model.config import model_config
+    from workers.parallel.stage_profile import profile_model
+
+    vocab, seq, mb = 8192, 32, 2
+    fields = {"d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64, "seq_len": seq, "vocab_size": vocab}
+    whole, chunked = (profile_model(model_config(fields), mb, steps=1, loss_chunks=n).head for n in (1, 4))
+    logits = 4 * mb * seq * vocab
+    assert whole.activation_bytes >= logits > chunked.activation_bytes
