@@ -32,6 +32,9 @@ def saved_fields(job) -> dict[str, Any]:
     fields = {"model.arch": m.arch, "model.vocab_size": m.vocab_size, "model.d_model": m.d_model,
               "model.n_layers": m.n_layers, "model.n_heads": m.n_heads, "model.n_kv_heads": m.kv_heads,
               "model.d_ff": m.ffn_dim, "model.positions": m.positions, "model.tie_embeddings": m.tie_embeddings,
+              # a head width over the same q/k/v rows cuts them into other heads; biases or q/k norms missing
+              # from the checkpoint are DCP's "Missing key" on every rank
+              "model.head_dim": m.head_size, "model.qkv_bias": m.qkv_bias, "model.qk_norm": m.qk_norm,
               "model.seq_len": m.seq_len if m.positions == "learned" else None,  # learned positions: a table of it
               "optim.name": job.optim.name, "precision.dtype": job.precision.dtype}
     fields.update(_section("model.moe", m.moe, ("experts", "every", "shared_experts", "d_expert")))

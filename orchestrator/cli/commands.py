@@ -175,9 +175,12 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from orchestrator.observability.report import write_report
+    from orchestrator.observability.report import mix_text, write_report
 
     report = write_report(args.run_dir, args.out, args.step)
+    if report["data_mix"]:
+        step, mix = report["data_mix"]
+        print(f"data mix through step {step}: {mix_text(mix)}")
     bubble = report["bubble"]
     if bubble["measured"] is not None:
         order = "" if bubble["ordered"] is None else f", its order at ideal costs {bubble['ordered']:.3f}"

@@ -1,7 +1,7 @@
 """``raymesh report RUN_DIR``: PNG charts and an ``index.html`` from the files a run left behind.
 
-Reads ``summary.json``, ``steps.jsonl`` and, when the job recorded pipeline
-events, ``timeline.jsonl``. Figures are drawn with matplotlib's object API on an
+Reads ``summary.json``, ``steps.jsonl`` (under ``data.mix`` with each step's samples per source) and, when the
+job recorded pipeline events, ``timeline.jsonl``. Figures are drawn with matplotlib's object API on an
 Agg canvas, so building a report touches no pyplot global state and needs no
 display. The run dir and the output may be object-store URLs (``s3://...``): each file is read, and each
 PNG and the page written, as one whole object through fsspec (`workers.storage.location`).
@@ -157,6 +157,37 @@ def _expert_load(steps: list[dict]) -> Figure:
     return fig
 
 
+def _data_mix(steps: list[dict]) -> Figure:
+    """Under ``data.mix``: each source's share of the samples supplied so far, per step (the counts steps.jsonl
+    carries), so a reader sees the shares settle on the weights the job asked for."""
+    rows = [(r["step"], r["data_mix"]) for r in steps if r.get("data_mix")]
+    fig = _figure()
+    ax = fig.add_subplot()
+    for source in rows[-1][1]:
+        ax.plot([step for step, _ in rows], [mix.get(source, 0) / (sum(mix.values()) or 1) for _, mix in rows],
+                linewidth=1.5, label=source)
+    ax.set(ylabel="share of samples so far", title="Data mixture", ylim=(0, 1))
+    _step_axis(ax)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    return fig
+
+
+def last_mix(summary: dict, steps: list[dict]) -> tuple[int, dict[str, int]] | None:
+    """``(step, samples per source)`` through the run's last recorded step under ``data.mix`` (steps.jsonl's, else
+    the summary's); None for a run without a mixture."""
+    mixed = [r for r in steps if r.get("data_mix")]
+    if mixed:
+        return mixed[-1]["step"], mixed[-1]["data_mix"]
+    return (summary["steps"], summary["data_mix"]) if summary.get("data_mix") else None
+
+
+def mix_text(mix: dict[str, int]) -> str:
+    """``source count (share), ...``: the samples each source supplied."""
+    total = sum(mix.values()) or 1
+    return ", ".join(f"{source} {count:,} ({count / total:.1%})" for source, count in mix.items())
+
+
 def _byte_unit(largest: float) -> tuple[str, float]:
     for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if largest >= size:
@@ -243,7 +274,8 @@ def _ordered(events: list[dict]) -> float | None:
         return None
 
 
-def _numbers(summary: dict, bubble: dict, comm: dict | None = None) -> list[tuple[str, str]]:
+def _numbers(summary: dict, bubble: dict, comm: dict | None = None,
+             mix: tuple[int, dict[str, int]] | None = None) -> list[tuple[str, str]]:
     lay = summary.get("layout", {})
     rec = summary.get("recoveries", [])
     peak = summary.get("peak_memory_bytes", {})
@@ -264,6 +296,8 @@ def _numbers(summary: dict, bubble: dict, comm: dict | None = None) -> list[tupl
         ("checkpoints", str(len(summary.get("checkpoints", [])))),
         ("max peak memory", f"{max(peak.values(), default=0) / size:.1f} {unit}"),
     ]
+    if mix:
+        rows.append((f"data mix (samples per source through step {mix[0]})", mix_text(mix[1])))
     if comm:
         unit, size = _byte_unit(max(comm.values(), default=1))
         rows.append(("bytes sent per step (busiest rank, last step)",
@@ -286,14 +320,16 @@ CAPTIONS = {
     "memory.png": "Peak accelerator/host memory per rank, and current memory after each step.",
     "expert_load.png": "Mixture of experts: each MoE layer's share of tokens per expert per step (stacked; equal "
                        "bands are perfect balance) and the fraction of assignments dropped for capacity.",
+    "data_mix.png": "Data mixture (data.mix): each source's share of the samples supplied so far, per step.",
     "pipeline_timeline.png": "One step of one replica: forward (F), backward (B) and weight-gradient (W) passes "
                              "per pipeline rank, labelled by microbatch; gaps are the bubble.",
 }
 
 
-def _html(run_dir: Path, summary: dict, bubble: dict, pngs: list[Path], comm: dict | None = None) -> str:
+def _html(run_dir: Path, summary: dict, bubble: dict, pngs: list[Path], comm: dict | None = None,
+          mix: tuple[int, dict[str, int]] | None = None) -> str:
     esc = html.escape
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _numbers(summary, bubble, comm))
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _numbers(summary, bubble, comm, mix))
     figures = "".join(
         f'<figure><img src="{esc(p.name)}" alt="{esc(p.stem)}">'
         f'<figcaption>{esc(CAPTIONS[p.name])}</figcaption></figure>'
@@ -315,8 +351,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
 
     ``step`` picks the step of the pipeline timeline (default: the last one
     recorded). Returns ``{"pngs": [...], "html": ..., "bubble": {"step",
-    "measured", "ordered", "theoretical", "schedule"}}``; step, measured and ordered
-    (``ordered_bubble``) are None without a ``timeline.jsonl``, ordered also for an
+    "measured", "ordered", "theoretical", "schedule"}, "data_mix": (step, {source: samples}) or None}``; step,
+    measured and ordered (``ordered_bubble``) are None without a ``timeline.jsonl``, ordered also for an
     asynchronous pipeline.
     """
     run_dir = location(run_dir)
@@ -332,6 +368,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
         figures["step_breakdown.png"] = _step_breakdown(steps)
     if any("moe" in r for r in steps):
         figures["expert_load.png"] = _expert_load(steps)
+    if any(r.get("data_mix") for r in steps):
+        figures["data_mix.png"] = _data_mix(steps)
     figures["memory.png"] = _memory(summary, steps)
     if timeline:
         recorded = sorted({e["step"] for e in timeline})
@@ -349,5 +387,6 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, step: i
             fig.savefig(f, dpi=DPI, format="png")
         pngs.append(out / name)
     index = out / "index.html"
-    index.write_text(_html(run_dir, summary, bubble, pngs, steps[-1].get("comm_bytes") if steps else None))
-    return {"pngs": [str(p) for p in pngs], "html": str(index), "bubble": bubble}
+    mix = last_mix(summary, steps)
+    index.write_text(_html(run_dir, summary, bubble, pngs, steps[-1].get("comm_bytes") if steps else None, mix))
+    return {"pngs": [str(p) for p in pngs], "html": str(index), "bubble": bubble, "data_mix": mix}

@@ -75,7 +75,7 @@ def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     d, v = m.d_model, spec.padded_vocab_size  # the rows the ranks build (a multiple of tp)
     layers = stage_layers(spec, stage, n_stages)
     sharded = sum(sharded_block_params(spec, i) for i in layers)
-    replicated = len(layers) * 2 * d + sum(moe_params(spec, i)[1] for i in layers)
+    replicated = len(layers) * Shape.of(spec).block_replicated + sum(moe_params(spec, i)[1] for i in layers)
     if stage == 0:
         sharded += v * d + (m.seq_len * d if m.positions == "learned" else 0)
     if stage == n_stages - 1:
@@ -196,7 +196,8 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     moe = m.moe is not None and m.is_moe_layer(layer)
     block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads,
                                       0 if moe else m.ffn_dim, p.tp, sequence_split(spec), rc, compute_bytes(spec),
-                                      frozen=frozen, kv_heads=m.kv_heads, family=m.arch, fsdp_mixed=fsdp_mixed(spec))
+                                      frozen=frozen, kv_heads=m.kv_heads, family=m.arch, fsdp_mixed=fsdp_mixed(spec),
+                                      head_dim=m.head_size)
     if moe and rc != "full":  # the dense feed-forward's input copies out, the MoE layer's tensors in
         ffn_inputs = compute_bytes(spec) * local_seq(spec) * micro_batch(spec) * m.d_model * mm.feed_forward_copies(
             m.arch, compute_bytes(spec), frozen, fsdp_mixed(spec))
@@ -205,7 +206,7 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     if p.cp_impl != "allgather" or rc != "none" or not attn_grad:
         return block
     return block + mm.gathered_kv_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
-                                        compute_bytes(spec))
+                                        compute_bytes(spec), m.head_size)
 
 
 def frozen_parts(spec: JobSpec) -> list[mm.Frozen | None]:
@@ -354,7 +355,7 @@ def buffer_bytes(spec: JobSpec, params: int, ids: list[int], trainable: int, pp_
     backward, so they do not add to the activations' peak as these do."""
     p, m = spec.parallel, spec.model
     cp = mm.cp_buffer_bytes(p.cp_impl, m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
-                            compute_bytes(spec))
+                            compute_bytes(spec), m.head_size)
     return (autocast_copy_bytes(spec, params) + pipeline_buffer_bytes(spec, ids) + cp
             + all_to_all_bytes(spec) + stashed_weight_bytes(spec, trainable, pp_rank)
             + error_feedback_bytes(spec, trainable))

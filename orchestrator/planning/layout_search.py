@@ -62,6 +62,9 @@ class Shape:
     fsdp_prefetch: int = 0  # parallel.fsdp_prefetch: ZeRO-3 blocks gathered ahead (FSDP2's one when 0)
     cp_impl: str = "ring"  # parallel.cp_impl: the kernel's buffers, and allgather's saved K/V
     document_mask: bool = False  # model.attention_mask: document: each microbatch's saved mask
+    head_dim: int | None = None  # model.head_dim (Qwen3's wider heads); None: d_model / n_heads
+    qkv_bias: bool = False  # model.qkv_bias: Qwen2's q/k/v biases, sharded with their columns
+    qk_norm: bool = False  # model.qk_norm: Qwen3's two per-head norm weights, replicated
     loss_chunks: int = 1  # train.loss_chunks: the head's logits one chunk of tokens at a time
 
     @classmethod
@@ -72,7 +75,8 @@ class Shape:
                    mm.BYTES_PER[spec.precision.dtype], planned_fsdp_mixed(
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
-                   m.attention_mask == "document", spec.train.loss_chunks)
+                   m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
+                   spec.train.loss_chunks)
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -87,11 +91,23 @@ class Shape:
     def kv(self) -> int:
         return self.kv_heads or self.n_heads
 
+    @property
+    def head_size(self) -> int:
+        """Each head's width (``ModelConfig.head_size``)."""
+        return self.head_dim or self.d_model // self.n_heads
+
     @functools.cached_property
     def block_params(self) -> int:
-        """TP-sharded parameters of one block: q, o (h x h), k, v (h x kv·head_dim), the FFN's matrices."""
-        d = self.d_model
-        return 2 * d * d + 2 * d * self.kv * (d // self.n_heads) + FFN_MATRICES[self.arch] * d * self.ffn_dim
+        """TP-sharded parameters of one block: q, o (h x n_heads·head_dim), k, v (h x kv·head_dim), q/k/v biases
+        under ``qkv_bias``, the FFN's matrices."""
+        d, q, kv = self.d_model, self.n_heads * self.head_size, self.kv * self.head_size
+        bias = q + 2 * kv if self.qkv_bias else 0
+        return 2 * d * q + 2 * d * kv + bias + FFN_MATRICES[self.arch] * d * self.ffn_dim
+
+    @property
+    def block_replicated(self) -> int:
+        """Parameters of one block every tp rank holds whole: the two norms, Qwen3's q/k norms (``qk_norm``)."""
+        return 2 * self.d_model + (2 * self.head_size if self.qk_norm else 0)
 
     @property
     def embedding_params(self) -> int:
@@ -104,7 +120,8 @@ class Shape:
     @property
     def params(self) -> int:
         d = self.d_model
-        return self.n_layers * (self.block_params + 2 * d) + self.embedding_params + self.head_params + d
+        blocks = self.n_layers * (self.block_params + self.block_replicated)
+        return blocks + self.embedding_params + self.head_params + d
 
 
 @dataclass(frozen=True)
@@ -251,7 +268,7 @@ class Evaluator:
         hidden = s.boundary_width(lay.zero) * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
         edges = mm.pipeline_edges(ids, n_stages)
         cp_kernel = mm.cp_buffer_bytes(s.cp_impl, s.seq, lay.micro_batch, s.d_model, s.n_heads, s.kv, lay.cp, lay.tp,
-                                       c)
+                                       c, s.head_size)
         buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + cp_kernel  # autocast
         regathers = lay.zero >= 3 and lay.shards > 1
         loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab, s.loss_chunks,
@@ -344,7 +361,7 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, 4)
     return cm.CommShape(gather * params, reduce * (params + embedding_grad), c * sbh,
                         s.boundary_width(lay.zero) * sbh // lay.tp,
-                        2 * c * seq * lay.micro_batch * s.kv * (s.d_model // s.n_heads) // lay.tp,
+                        2 * c * seq * lay.micro_batch * s.kv * s.head_size // lay.tp,
                         c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
                         sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0,
                         (0 in ids) + last, 4 * norms)
@@ -365,10 +382,12 @@ def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, 
     """One block's saved bytes (sequence parallel whenever tp > 1; allgather's gathered K/V without recompute,
     as ``estimate.layer_bytes``), cached: candidates differing only in ZeRO stage or schedule share it."""
     block = mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
-                                      s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed)
+                                      s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed,
+                                      head_dim=s.head_size)
     if s.cp_impl != "allgather" or recompute != "none":
         return block
-    return block + mm.gathered_kv_bytes(s.seq, micro_batch, s.d_model, s.n_heads, s.kv, cp, tp, s.compute_bytes)
+    return block + mm.gathered_kv_bytes(s.seq, micro_batch, s.d_model, s.n_heads, s.kv, cp, tp, s.compute_bytes,
+                                        s.head_size)
 
 
 

@@ -258,7 +258,8 @@ def layer_recompute(policy: str, every: int, layer: int, n_layers: int = 1) -> s
 def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, ffn_dim: int,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                            compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None,
-                           kv_heads: int | None = None, family: str = "gpt", fsdp_mixed: bool = False) -> int:
+                           kv_heads: int | None = None, family: str = "gpt", fsdp_mixed: bool = False,
+                           head_dim: int | None = None) -> int:
     """Bytes one transformer block saves for backward for one microbatch (raymesh's GPT or Llama block).
 
     Counted tensor by tensor from what autograd keeps (the probe checks it), with
@@ -271,8 +272,8 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
       parallelism all-gathers before the linear); once in fp32, but under autocast once per Linear
       reading it (each casts its own copy: q, k, v three; GPT's FFN one, Llama's gate and up two).
     - attention: rotated q, rotated k, v and the attention output: 4 tensors of c
-      bytes sharded by heads over tp (k and v are ``kv_heads/n_heads`` of that under grouped-query
-      attention); the SDPA kernel's log-sum-exp (b·a·s fp32);
+      bytes sharded by heads over tp, q and the output n_heads·head_dim wide (``head_dim``: d_model/n_heads
+      unless given, Qwen3's wider heads), k and v kv_heads·head_dim; the SDPA kernel's log-sum-exp (b·a·s fp32);
       ``attention="math"`` (explicit softmax) adds scores and probabilities,
       2·c·b·a·s², Korthikanti's 5as/h term without dropout.
     - MLP: the first linear's output and GELU's output, 2 tensors of b·s·ffn at c
@@ -302,7 +303,9 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     if recompute == "full":
         return residual * sbh // seq_shard if x_grad else 0
     llama = family == "llama"
-    kv = s * b * (h // a) * (kv_heads or a)  # elements of k (and of v) for the microbatch
+    hd = head_dim or h // a
+    kv = s * b * hd * (kv_heads or a)  # elements of k (and of v) for the microbatch
+    sba = s * b * a * hd  # elements of q (and of the attention output)
     attn_grad = x_grad or any(map(on, ("wq", "wk", "wv")))
     mid_grad = attn_grad or on("wo")
     up_adapted = on("w1") or on("w3")
@@ -315,10 +318,10 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     linear_inputs = compute_bytes * sbh * (_copies(on, ("wq", "wk", "wv"), compute_bytes, fsdp_mixed)
                                            + _copies(on, ("w1", "w3") if llama else ("w1",), compute_bytes,
                                                      fsdp_mixed))
-    attn = compute_bytes * ((sbh + 2 * kv) * attn_grad + sbh * (attn_grad or on("wo"))) // tp
+    attn = compute_bytes * ((sba + 2 * kv) * attn_grad + sba * (attn_grad or on("wo"))) // tp
     core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
     mlp = compute_bytes * s * b * ffn_dim // tp * ((3 if llama else 1) * h1_grad + on("w2"))
-    rotary = 4 * 4 * s * (h // a) // 2 * attn_grad * (2 if llama else 1)
+    rotary = 4 * 4 * s * hd // 2 * attn_grad * (2 if llama else 1)
     adapters = compute_bytes * s * b * f.rank * len(f.adapted) * (not trained)
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
 
@@ -341,11 +344,11 @@ def _copies(adapted, linears: tuple[str, ...], compute_bytes: int, fsdp_mixed: b
 
 
 def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int, tp: int = 1,
-                      compute_bytes: int = 4) -> int:
+                      compute_bytes: int = 4, head_dim: int | None = None) -> int:
     """What all-gather context parallelism adds to a block's saved activations: the gathered K/V of the whole
     sequence, every rank's block (this one's too) stacked in one tensor the kernel saves for backward, beside
     the local k and v ``layer_activation_bytes`` counts for ``seq / cp`` tokens."""
-    return 2 * compute_bytes * micro_batch * seq * d_model // n_heads * kv_heads // tp if cp > 1 else 0
+    return 2 * compute_bytes * micro_batch * seq * (head_dim or d_model // n_heads) * kv_heads // tp if cp > 1 else 0
 
 
 def document_mask_bytes(seq: int, micro_batch: int, cp: int, impl: str, compute_bytes: int = 4) -> int:
@@ -364,7 +367,7 @@ def document_mask_bytes(seq: int, micro_batch: int, cp: int, impl: str, compute_
 
 
 def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int,
-                    tp: int = 1, compute_bytes: int = 4) -> int:
+                    tp: int = 1, compute_bytes: int = 4, head_dim: int | None = None) -> int:
     """Transient buffers of one block's context-parallel attention (one block runs at a time), 0 at cp=1.
 
     - ring: the K/V block being computed on and the one arriving (2 x K/V of the local share); backward adds
@@ -377,8 +380,9 @@ def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads
     if cp == 1:
         return 0
     local = seq // cp
-    kv = micro_batch * local * d_model // n_heads * kv_heads // tp  # elements of the local k (and of v)
-    q = micro_batch * local * d_model // tp
+    hd = head_dim or d_model // n_heads
+    kv = micro_batch * local * hd * kv_heads // tp  # elements of the local k (and of v)
+    q = micro_batch * local * hd * n_heads // tp
     if impl == "ring":
         return 2 * 2 * kv * compute_bytes + 2 * 2 * kv * 4
     if impl == "ulysses":

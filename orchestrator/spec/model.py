@@ -15,7 +15,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr, _divisors, _Section
 from orchestrator.spec.lora import LoraSpec, default_targets
 from orchestrator.spec.moe import MoESpec
-from workers.model.config import LLAMA_ONLY, ModelConfig
+from workers.model.config import HF_FAMILY_FIELDS, LLAMA_ONLY, ModelConfig
 from workers.model.presets import PRESETS
 
 Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
@@ -29,7 +29,8 @@ class ModelSpec(ModelConfig, _Section):
     model_config = STRICT  # ModelConfig's fields, validated as strictly as every other section's
 
     preset: Preset | None = None  # a named shape (llama-150m, llama-1b, llama3-8b/70b/405b); own fields override
-    init_from: PathStr | None = None  # a Hugging Face Llama directory: shape from config.json, weights loaded at start
+    # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory: shape from config.json, weights loaded at start
+    init_from: PathStr | None = None
     lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
     moe: MoESpec | None = None  # mixture-of-experts feed-forwards (workers.model.moe); null: dense
 
@@ -77,6 +78,9 @@ class ModelSpec(ModelConfig, _Section):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
+        """Heads that split d_model (or an explicit ``head_dim``) and an even head width for rotary."""
+        if self.head_dim is not None:
+            return self._check_head_dim()
         if self.d_model % self.n_heads:
             raise SpecError(
                 "model.n_heads",
@@ -84,15 +88,23 @@ class ModelSpec(ModelConfig, _Section):
                 f"does not divide model.d_model={self.d_model}",
                 f"pick n_heads from {_divisors(self.d_model)}, or make d_model a multiple of {self.n_heads}",
             )
-        if self.positions == "rotary" and self.head_dim % 2:
+        if self.positions == "rotary" and self.head_size % 2:
             even = [h for h in _divisors(self.d_model) if (self.d_model // h) % 2 == 0]
             raise SpecError(
                 "model.n_heads",
                 self.n_heads,
-                f"gives an odd head_dim d_model/n_heads = {self.d_model}/{self.n_heads} = {self.head_dim}, "
+                f"gives an odd head_dim d_model/n_heads = {self.d_model}/{self.n_heads} = {self.head_size}, "
                 "which rotary positions cannot rotate in pairs",
                 f"pick n_heads from {even}, or set model.positions: learned",
             )
+        return self
+
+    def _check_head_dim(self) -> ModelSpec:
+        """An explicit ``head_dim`` (Qwen3's, a Mistral's): even for rotary; q/k/v/o are n_heads * head_dim wide."""
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise SpecError("model.head_dim", self.head_dim, "is odd, and rotary positions rotate channels in pairs",
+                            f"set model.head_dim to an even width such as {self.head_dim + 1}, or remove it "
+                            f"(d_model/n_heads = {self.d_model // self.n_heads})")
         return self
 
     @model_validator(mode="after")
@@ -117,17 +129,31 @@ class ModelSpec(ModelConfig, _Section):
                             f"pick n_kv_heads from {_divisors(self.n_heads)}")
         return self
 
+    @model_validator(mode="after")
+    def _check_hf_family(self) -> ModelSpec:
+        """The fields ``hf_model_type``'s weights always have (Qwen2's q/k/v biases, Qwen3's q/k norms) and no
+        other family's: an export's config.json must build a model with exactly our tensors."""
+        if self.arch == "gpt":
+            return self  # its Llama-only fields are refused by _check_family_fields
+        for name, value in HF_FAMILY_FIELDS[self.hf_model_type].items():
+            if getattr(self, name) != value:
+                kinds = [k for k, f in HF_FAMILY_FIELDS.items() if f[name] == getattr(self, name)]
+                raise SpecError(f"model.{name}", getattr(self, name), f"does not match model.hf_model_type "
+                                f"{self.hf_model_type!r}, whose checkpoints {'have' if value else 'lack'} it",
+                                f"set model.{name}: {str(value).lower()}, or model.hf_model_type to one of {kinds}")
+        return self
+
 
 def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with the shape `config.json` of `init_from` gives; a field set to another value is an error
     naming both. A missing or unreadable directory is reported here, before any actor starts."""
-    from workers.model.hf_io import config_fields, read_config
+    from workers.model.hf_io import check_sliding_window, config_fields, read_config
 
     directory = data["init_from"]
     try:
         config = read_config(directory)
     except (ValueError, OSError) as exc:
-        raise SpecError("model.init_from", directory, f"is not a readable Hugging Face Llama directory ({exc})",
+        raise SpecError("model.init_from", directory, f"is not a readable Hugging Face model directory ({exc})",
                         "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
     try:
         hf = config_fields(config)
@@ -135,6 +161,11 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
         raise SpecError("model.init_from", directory, f"holds a model raymesh's Llama cannot represent ({exc})",
                         "use a checkpoint without that setting, or change its config.json as the message says"
                         ) from None
+    try:
+        check_sliding_window(config, data.get("seq_len") or ModelConfig.model_fields["seq_len"].default)
+    except ValueError as exc:
+        raise SpecError("model.init_from", directory, f"uses sliding-window attention ({exc})",
+                        "lower model.seq_len to the window as the message says") from None
     for name, value in hf.items():
         if data.get(name) is not None and not _same(data[name], value):
             raise SpecError(f"model.{name}", data[name],

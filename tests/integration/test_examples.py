@@ -23,13 +23,14 @@ from orchestrator.checkpoints import checksums
 from orchestrator.cli import main
 from orchestrator.runtime.group import RayRuntime
 from orchestrator.spec import load_spec
-from tests.support.hf import save_hf_llama
+from tests.support.hf import save_hf_family, save_hf_llama
 from tests.support.parity_harness import ran, run_grouped
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples that need the controller or the CLI (see the docstring); the rest train in the harness
 THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tracking", "fault_injection",
-               "llama_finetune_lora", "memory_measured", "monitoring", "object_storage", "parameter_server",
+               "llama_finetune_lora", "qwen3_finetune",
+               "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
                "pp_auto_split", "soak"}
 RAY_EXAMPLES = [p for p in EXAMPLES if p.stem in THROUGH_RAY]
@@ -43,12 +44,16 @@ MIX_DATA = {"data_mix": ["token_data", "heldout_data"]}
 # examples scoring a held-out loss (eval.path), and the fixture that prepares their held-out text
 EVAL_DATA = {"evaluation": "heldout_data"}
 # examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
-NEEDS_HF_DIR = {"llama_finetune_lora"}
+NEEDS_HF_DIR = {"llama_finetune_lora": save_hf_llama,
+                "qwen3_finetune": lambda directory: save_hf_family(directory, "qwen3", vocab_size=256)}
 # examples whose settings do not fit 4 steps here (too slow at full size, a warm-up longer than the run), and what
 # the test overrides (the layout stays theirs)
 SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp=4: ~50 s a step on 2 busy cores
            # PowerSGD's 10-step warm-up would cover all 4 steps (the spec refuses that): 2 plain, 2 compressed
-           "grad_compression": ["--set", "parallel.powersgd_warmup_steps=2"]}
+           "grad_compression": ["--set", "parallel.powersgd_warmup_steps=2"],
+           # a full fine-tune's rate for 0.6B weights barely moves a random 256-token model in 4 steps (its loss
+           # stays at ln 256, where noise decides the sign of the change)
+           "qwen3_finetune": ["--set", "optim.lr=3e-3"]}
 # examples that lose ranks on purpose keep their warm spare; the others run without one (a spare is a process
 # importing torch after step 1, ~5 s of CPU on this 2-core machine, and none of them loses a rank)
 KEEP_SPARES = {"fault_injection", "soak"}
@@ -101,7 +106,8 @@ def test_rank_side_example_trains_its_layout(job, rank_runs):
 def test_example_runs(job, ray_cluster, request, tmp_path):
     summary = tmp_path / "summary.json"
     data = request.getfixturevalue(DATA.get(job.stem, "token_data"))
-    extra = ["--set", f"model.init_from={save_hf_llama(tmp_path / 'hf')}"] if job.stem in NEEDS_HF_DIR else []
+    make_hf = NEEDS_HF_DIR.get(job.stem)
+    extra = ["--set", f"model.init_from={make_hf(tmp_path / 'hf')}"] if make_hf else []
     extra += SHORTER.get(job.stem, [])
     if job.stem not in KEEP_SPARES:
         extra += ["--set", "fault_tolerance.warm_spares=false"]
@@ -134,7 +140,7 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
         best = min(held, key=held.get)
         assert result["best_checkpoint"] == {"step": best, "eval_loss": held[best],
                                              "path": str(tmp_path / "run" / "checkpoints" / f"step-{best:08d}")}
-    if job.stem in NEEDS_HF_DIR:
+    if job.stem == "llama_finetune_lora":  # a LoRA run: its adapters folded into a Hugging Face directory
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
     if job.stem == "experiment_tracking":
         _trackers_match_the_summary(tmp_path / "run", result)

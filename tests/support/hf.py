@@ -27,6 +27,36 @@ def hf_llama(seed: int = 0, **overrides):
     return model
 
 
+# the families raymesh reads beside Llama, each on the tiny shape: Qwen3 with heads wider than d_model/n_heads
+# (head_dim 16 at d_model 32 over 4 heads) and tied embeddings, Qwen2 with its q/k/v biases, Mistral with no window
+TINY_FAMILIES = {
+    "qwen3": {"head_dim": 16, "tie_word_embeddings": True},
+    "qwen2": {},
+    "mistral": {"head_dim": 8, "sliding_window": None},
+}
+
+
+def hf_family(kind: str, seed: int = 0, **overrides):
+    """A tiny ``AutoModelForCausalLM`` of family ``kind`` (``TINY_FAMILIES``), random weights as ``hf_llama``'s
+    (biases drawn too, so they matter to the logits)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = {k: v for k, v in TINY_HF.items() if k != "rope_scaling"}
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(kind, **{**shape, **TINY_FAMILIES[kind], **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 or name.endswith("bias") else p.uniform_(0.5, 1.5)
+    return model
+
+
+def save_hf_family(directory: Path, kind: str, seed: int = 0, **overrides) -> Path:
+    """Write a tiny HF directory of family ``kind`` (``hf_family``)."""
+    hf_family(kind, seed, **overrides).save_pretrained(directory)
+    return Path(directory)
+
+
 def raymesh_llama_from(hf_model, **fields):
     """raymesh's Llama with ``hf_model``'s shape (seq_len 64 unless ``fields`` says otherwise) and its weights."""
     from workers.model import hf_io

@@ -9,10 +9,18 @@ from pathlib import Path
 from tests.support.timelines import T0, gpipe_timeline
 
 DP, PP, M, STEPS = 2, 4, 8, 20
+MIX_SOURCES = ("/data/stdlib", "s3://bucket/docs")  # a data.mix of 70% and 30%, 8 samples a step
 
 
-def make_run(run_dir: Path, timeline: bool = True) -> Path:
-    """A dp=2 × pp=4 GPipe run of 20 steps with one recovery at step 12, as the controller writes it."""
+def mixed_samples(step: int) -> dict[str, int]:
+    """The samples each of ``MIX_SOURCES`` supplied through ``step``."""
+    first = round(0.7 * 8 * step)
+    return {MIX_SOURCES[0]: first, MIX_SOURCES[1]: 8 * step - first}
+
+
+def make_run(run_dir: Path, timeline: bool = True, mix: bool = False) -> Path:
+    """A dp=2 × pp=4 GPipe run of 20 steps with one recovery at step 12, as the controller writes it; ``mix``: a
+    ``data.mix`` run, whose records and summary count the samples per source."""
     run_dir.mkdir(parents=True, exist_ok=True)
     world = DP * PP
     ranks = [{"rank": r, "coords": {"dp": r // PP, "pp": r % PP, "tp": 0}, "stages": [r % PP], "device": "cpu",
@@ -26,6 +34,7 @@ def make_run(run_dir: Path, timeline: bool = True) -> Path:
         "checkpoints": [str(run_dir / "checkpoints" / "step-10"), str(run_dir / "checkpoints" / "step-20")],
         "peak_memory_bytes": {str(r): (300 + 40 * (PP - r % PP)) * 2**20 for r in range(world)},
         "status": "finished",
+        **({"data_mix": mixed_samples(STEPS)} if mix else {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     records = []
@@ -38,7 +47,7 @@ def make_run(run_dir: Path, timeline: bool = True) -> Path:
         records.append({"step": s, "time": T0 + s, "loss": losses[s - 1], "grad_norm": 1.0, "lr": 1e-3,
                         "tokens": 4096, "step_s": step_s, "tokens_per_s": 4096 / step_s, "phases": phases,
                         "memory": {str(r): {"peak_bytes": 350 * 2**20, "current_bytes": (200 + s + 10 * r) * 2**20}
-                                   for r in range(world)}})
+                                   for r in range(world)}, **({"data_mix": mixed_samples(s)} if mix else {})})
     records.insert(11, {**records[11], "loss": 9.9})  # a replayed step 12 before the recovery: last one wins
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if timeline:

@@ -34,7 +34,7 @@ def test_a_field_disagreeing_with_config_json_names_both(hf_dir):
 
 
 def test_init_from_without_config_json_is_refused(tmp_path):
-    with pytest.raises(SpecError, match=r"model.init_from`: .* is not a readable Hugging Face Llama directory .*"
+    with pytest.raises(SpecError, match=r"model.init_from`: .* is not a readable Hugging Face model directory .*"
                                         r"no config.json"):
         _job({"init_from": str(tmp_path)})
 

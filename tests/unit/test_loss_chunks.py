@@ -164,3 +164,10 @@ def test_the_stage_profile_runs_the_head_as_the_job_will():
     whole, chunked = (profile_model(model_config(fields), mb, steps=1, loss_chunks=n).head for n in (1, 4))
     logits = 4 * mb * seq * vocab
     assert whole.activation_bytes >= logits > chunked.activation_bytes
+
+
+def test_the_benchmark_measures_a_step_peak_and_time_per_chunk_count():
+    from benchmarks.loss_chunks import child
+
+    row = child(chunks=4, tokens=64, d_model=16, vocab=512, repeats=1)
+    assert row["chunks"] == 4 and row["step_peak_bytes"] >= 0 and row["seconds"] > 0

@@ -52,7 +52,7 @@ def test_model_spec_declares_no_shape_field_of_its_own():
 
 def test_model_config_takes_the_worker_dict_model_section():
     cfg = model_config({"d_model": 32, "n_heads": 4, "d_ff": 64, "lora": None})
-    assert cfg.ffn_dim == 64 and cfg.head_dim == 8
+    assert cfg.ffn_dim == 64 and cfg.head_size == 8
 
 
 # -- a second family, registered here, built by the unchanged builder ------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.observability.report import write_report
-from tests.support.report_runs import STEPS, make_run
+from tests.support.report_runs import MIX_SOURCES, STEPS, make_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def assert_pngs(result: dict, names: set[str]) -> None:
@@ -88,3 +88,28 @@ def test_recovery_marks_name_the_shard_or_only_the_kind_where_no_rank_died():
     _mark_recoveries(ax, [{"kind": "kill_ps_shard", "rank": -1, "shard": 1, "at_step": 4},
                           {"kind": "nan_loss", "rank": -1, "at_step": 6}, {"kind": "rank", "rank": 2, "at_step": 6}])
     assert sorted(t.get_text() for t in ax.texts) == ["kill_ps_shard (shard 1)", "nan_loss, rank (rank 2)"]
+
+
+def test_a_mixture_run_shows_the_samples_per_source_in_the_table_chart_and_cli(tmp_path, capsys):
+    """`data.mix`: the page's table and the CLI name each source's samples and share through the last step, and a
+    chart draws the shares per step; from the summary alone the table still has them."""
+    from orchestrator.cli import main
+
+    run = make_run(tmp_path / "run", timeline=False, mix=True)
+    result = write_report(run)
+    assert_pngs(result, {"loss.png", "throughput.png", "step_breakdown.png", "memory.png", "data_mix.png"})
+    shown = f"{MIX_SOURCES[0]} 112 (70.0%), {MIX_SOURCES[1]} 48 (30.0%)"
+    assert result["data_mix"] == (STEPS, {MIX_SOURCES[0]: 112, MIX_SOURCES[1]: 48})
+    assert f"<th>data mix (samples per source through step {STEPS})</th><td>{shown}</td>" in Path(
+        result["html"]).read_text()
+    assert main(["report", str(run)]) == 0
+    assert f"data mix through step {STEPS}: {shown}" in capsys.readouterr().out
+    (run / "steps.jsonl").unlink()
+    alone = write_report(run)
+    assert_pngs(alone, {"loss.png", "memory.png"})
+    assert shown in Path(alone["html"]).read_text()
+
+
+def test_a_run_without_a_mixture_shows_none(tmp_path):
+    result = write_report(make_run(tmp_path / "run", timeline=False))
+    assert result["data_mix"] is None and "data mix" not in Path(result["html"]).read_text()

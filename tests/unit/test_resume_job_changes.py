@@ -77,6 +77,16 @@ def test_a_llama_lora_resume_with_other_heads_or_adapters_is_refused(tmp_path, o
         _resume(spec, override)
 
 
+@pytest.mark.parametrize(("override", "field"), [("model.head_dim=16", "model.head_dim"),
+                                               ("model.qk_norm=false,model.hf_model_type=llama", "model.qk_norm")])
+def test_a_qwen3_resume_with_another_head_width_or_without_its_norms_is_refused(tmp_path, override, field):
+    """Qwen3's fields: heads 16 wide make q/k/v/o of other shapes (DCP's traceback on every rank), and a model
+    without q/k norms leaves the saved ones unread."""
+    spec = _saved_run(tmp_path, model={"arch": "llama", "n_kv_heads": 2, "qk_norm": True, "hf_model_type": "qwen3"})
+    with pytest.raises(SpecError, match=rf"`{field}`: value .* is not what the checkpoint"):
+        _resume(spec, *override.split(","))
+
+
 def test_layout_precision_and_adam_changes_still_resume(tmp_path):
     """What DCP reshards or reads the same (dp, tp padding to the same rows, bf16 over fp32 masters, adam over
     adamw's moments, the rate) is not refused."""

@@ -213,3 +213,44 @@ def test_the_cli_prepares_prompt_completion_pairs(tmp_path, capsys):
                  "--out", str(tmp_path / "out")]) == 0
     assert "only completion tokens are targets" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["loss_mask"] is True
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["sft", "sft-and-plain-text-mix"])
+def test_an_interrupted_sft_run_resumed_from_checkpoint_or_snapshot_is_the_uninterrupted_one(mixed, tmp_path,
+                                                                                             tmp_path_factory):
+    """Stopped after 2 of 4 steps and resumed, from its DCP checkpoint or from an in-memory snapshot restored into
+    a freshly built trainer (a replaced rank), the run's losses, held-out losses and weights are the uninterrupted
+    run's bit for bit: the masked batches (alone, or mixed with text whose every target counts), their
+    counted-target scale and the held-out set continue where they were."""
+    from workers.state import snapshot
+
+    pairs = [(f"prompt {i} " + "p" * (i % 7), " completion" * (i % 4)) for i in range(64)]
+    _write_jsonl(tmp_path / "src" / "a.jsonl", pairs)
+    prepare_data([tmp_path / "src"], tmp_path / "sft", format="prompt-completion", heldout=0.2)
+    data = {"path": str(tmp_path / "sft")}
+    if mixed:
+        (tmp_path / "text").mkdir()
+        (tmp_path / "text" / "a.txt").write_text("plain text, every token a target " * 20)
+        prepare_data([tmp_path / "text"], tmp_path / "plain")
+        data = {"mix": [{"path": data["path"], "weight": 0.7}, {"path": str(tmp_path / "plain"), "weight": 0.3}]}
+    sections = {"data": data, "model": {"seq_len": 16}, "train": {"steps": 4},
+                "eval": {"every": 1, "batches": 1, "path": str(tmp_path / "sft" / "heldout")}}
+
+    def steps(trainer, n: int) -> list[tuple[float, float]]:
+        return [(r.loss, r.eval_loss) for r in (trainer.train_step() for _ in range(n))]
+
+    def weights(trainer) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in trainer.parts.modules[0].named_parameters()}
+
+    with one_rank_trainer(tmp_path_factory, **sections) as t:
+        assert t.state.cursor.dataset.loss_mask
+        steps(t, 2)
+        t.checkpoints.save(tmp_path / "ckpt", async_save=False)
+        snap = snapshot.take(t.state)
+        straight, final = steps(t, 2), weights(t)
+    assert t.counted_scale is not None and all(eval_loss is not None for _, eval_loss in straight)
+    for resume in (lambda r: r.checkpoints.load(tmp_path / "ckpt"), lambda r: snapshot.restore(r.state, snap)):
+        with one_rank_trainer(tmp_path_factory, **sections) as r:
+            resume(r)
+            assert steps(r, 2) == straight
+            assert all(torch.equal(p, final[n]) for n, p in weights(r).items())

@@ -31,7 +31,12 @@ class RopeScaling(BaseModel):
 
 # fields only the Llama family reads; a GPT job setting one is refused rather than silently ignoring it
 LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_dim_multiplier", "tie_embeddings",
-              "pad_token_id")
+              "pad_token_id", "head_dim", "qkv_bias", "qk_norm", "hf_model_type")
+# the Hugging Face families raymesh's one Llama implementation reads and writes (workers.model.hf_io.FAMILIES)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# the model fields a family's weights always have (the rest off): Qwen2's q/k/v biases, Qwen3's q/k norms; here,
+# torch-free, so the job-file checks read it without importing hf_io
+HF_FAMILY_FIELDS = {kind: {"qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3"} for kind in HF_MODEL_TYPES}
 
 
 def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> int:
@@ -111,6 +116,13 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = False  # output head shares the token embedding's weight
     # the token whose embedding row gets no gradient from the lookup (transformers' padding_idx); null: none
     pad_token_id: Annotated[int, Field(ge=0)] | None = None
+    # each attention head's width; null: d_model / n_heads. Qwen3 (and some Mistral/Llama) checkpoints give
+    # another, and q/k/v/o are then n_heads * head_dim wide
+    head_dim: PositiveInt | None = None
+    qkv_bias: bool = False  # biases on the q, k and v projections (not o): Qwen2/2.5
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary: Qwen3
+    # the Hugging Face family an export writes (config.json model_type); init_from sets it from its config.json
+    hf_model_type: Literal[HF_MODEL_TYPES] = "llama"  # type: ignore[valid-type]
     moe: MoEConfig | None = None  # mixture-of-experts feed-forwards; null: dense model
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -133,8 +145,14 @@ class ModelConfig(BaseModel):
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim`` when given, else d_model / n_heads."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def attention_width(self) -> int:
+        """The query (and attention output) width, n_heads * head_size: d_model unless ``head_dim`` says else."""
+        return self.n_heads * self.head_size
 
 
 def model_config(model: dict[str, Any]) -> ModelConfig:

@@ -92,7 +92,7 @@ class CausalCore(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_size
         self.rotary = cfg.positions == "rotary"
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
@@ -188,7 +188,10 @@ class GPT(nn.Module):
 
 def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
     """One full parameter's initial value (the ``init_parameter`` hook): GPT-2 style normal weights, the
-    residual projections scaled by depth so deep stacks start stable; norm weights (the 1-D ones) at one."""
+    residual projections scaled by depth so deep stacks start stable; biases (Qwen2's q/k/v) at zero, as
+    ``transformers`` starts them; norm weights (the other 1-D ones) at one."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     if len(shape) < 2:
         return torch.ones(shape)
     std = cfg.init_std

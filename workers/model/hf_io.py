@@ -1,4 +1,6 @@
-"""Hugging Face Llama checkpoints in and out: ``config.json`` <-> model fields, names, sliced safetensors reads.
+"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 checkpoints in and out: ``config.json`` <-> model fields, names,
+sliced safetensors reads. All four are raymesh's one Llama (``workers.model.llama``) with the fields ``FAMILIES``
+names; ``hf_model_type`` remembers which, so an export is the family it came from.
 
 In: ``model.init_from: DIR`` (``config.json`` plus ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``). The model fields come from ``config.json`` (``config_fields``); the weights
@@ -17,13 +19,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from workers.model.config import ModelConfig
+from workers.model.config import HF_FAMILY_FIELDS, ModelConfig
+from workers.parallel.data_parallel import plain_name
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -34,17 +38,19 @@ _ENDS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "m
          "output.weight": "lm_head.weight"}
 _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
           "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
+          "attention.wv.bias": "self_attn.v_proj.bias", "attention.q_norm.weight": "self_attn.q_norm.weight",
+          "attention.k_norm.weight": "self_attn.k_norm.weight",
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
-# wrappers the builder adds around a parameter's module (activation checkpointing), not part of its name
-_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\.")
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face name of a raymesh Llama parameter (``layers.3.attention.wq.weight`` ->
+    """The Hugging Face name (the same in all ``FAMILIES``) of a raymesh Llama parameter
+    (``layers.3.attention.wq.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``); wrapper prefixes are dropped."""
-    name = _WRAPPERS.sub("", name)
+    name = plain_name(name)
     if name in _ENDS:
         return _ENDS[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -63,35 +69,111 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+@dataclass(frozen=True)
+class HfFamily:
+    """What a Hugging Face family is to raymesh's one Llama: its ``architectures`` class, the model fields its
+    weights always have (Qwen2's q/k/v biases, Qwen3's q/k norms), and the config.json keys it writes."""
+
+    architecture: str
+    written: dict[str, Any]  # family keys of config.json: sliding windows off, no o_proj/MLP biases
+
+    @property
+    def kind(self) -> str:
+        return self.architecture.removesuffix("ForCausalLM").lower()
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The model fields its weights fix (``workers.model.config.HF_FAMILY_FIELDS``)."""
+        return HF_FAMILY_FIELDS[self.kind]
+
+
+FAMILIES = {
+    "llama": HfFamily("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
+    "mistral": HfFamily("MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": HfFamily("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": None}),
+    "qwen3": HfFamily("Qwen3ForCausalLM", {"attention_bias": False, "use_sliding_window": False,
+                                           "sliding_window": None}),
+}
+
+
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """raymesh ``model:`` fields from a Hugging Face Llama ``config.json`` (seq_len is the job's, not taken).
+    """raymesh ``model:`` fields from a Hugging Face Llama, Mistral, Qwen2 or Qwen3 ``config.json`` (seq_len is the
+    job's, not taken; sliding windows are checked against it by ``check_sliding_window``).
 
     Raises ``ValueError`` naming the config key for what raymesh's Llama cannot represent."""
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"config.json model_type {hf.get('model_type')!r} is not supported; raymesh reads "
-                         "Hugging Face 'llama' checkpoints (LlamaForCausalLM)")
+    kind = hf.get("model_type")
+    if kind not in FAMILIES:
+        raise ValueError(f"config.json model_type {kind!r} is not supported; raymesh reads Hugging Face "
+                         f"{', '.join(repr(k) for k in FAMILIES)} checkpoints "
+                         f"({', '.join(f.architecture for f in FAMILIES.values())})")
+    _check_unsupported(hf)
+    heads = hf["num_attention_heads"]
+    rope = rope_settings(hf)
+    return {
+        "arch": "llama", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"], "n_heads": heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or heads, "head_dim": _head_dim(hf),
+        "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
+        "pad_token_id": hf.get("pad_token_id"), "hf_model_type": kind, **FAMILIES[kind].fields,
+    }
+
+
+def _head_dim(hf: dict[str, Any]) -> int | None:
+    """config.json's ``head_dim`` when it is not hidden_size / num_attention_heads (Qwen3-0.6B: 128, not 64); None
+    otherwise, so the job's fields read as a plain Llama's."""
+    given, heads, hidden = hf.get("head_dim"), hf["num_attention_heads"], hf["hidden_size"]
+    return None if given is None or (hidden % heads == 0 and given == hidden // heads) else given
+
+
+def _check_unsupported(hf: dict[str, Any]) -> None:
+    """Refuse, naming the key and its fix, a config.json setting raymesh's Llama does not compute."""
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
-            raise ValueError(f"config.json {key}: true is not supported (raymesh's Llama has no biases)")
+            raise ValueError(f"config.json {key}: true is not supported (raymesh's {hf['model_type']} has no "
+                             f"{'o_proj or MLP' if key == 'attention_bias' else 'MLP'} biases); it needs a "
+                             f"checkpoint trained with {key}: false")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
     if hf.get("attention_dropout"):
         raise ValueError(f"config.json attention_dropout {hf['attention_dropout']} is not supported (raymesh's Llama "
                          "has no attention dropout; transformers applies it in training); set attention_dropout: "
                          "0.0 in config.json to fine-tune without it")
-    heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise ValueError(f"config.json head_dim {hf['head_dim']} is not hidden_size/num_attention_heads = "
-                         f"{hf['hidden_size'] // heads}, which raymesh's Llama assumes")
-    rope = rope_settings(hf)
-    return {
-        "arch": "llama", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
-        "n_layers": hf["num_hidden_layers"], "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads", heads),
-        "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
-        "pad_token_id": hf.get("pad_token_id"),
-    }
+
+
+# transformers' Qwen2/Qwen3 defaults for the sliding-window keys a config.json may leave out
+DEFAULT_WINDOW = 4096
+DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def sliding_window(hf: dict[str, Any]) -> int | None:
+    """The attention window ``transformers`` applies to some layer of this config.json, or None when every layer
+    attends to the whole causal prefix: Mistral's ``sliding_window`` when set; Qwen's only under
+    ``use_sliding_window: true``, and then only if some layer is a ``sliding_attention`` one (``layer_types``,
+    else the layers from ``max_window_layers`` on, as Qwen2Config/Qwen3Config derive them)."""
+    kind = hf.get("model_type")
+    if kind == "mistral":
+        return hf.get("sliding_window")
+    if kind not in ("qwen2", "qwen3") or not hf.get("use_sliding_window"):
+        return None
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
+                                      else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return hf.get("sliding_window", DEFAULT_WINDOW) if "sliding_attention" in types else None
+
+
+def check_sliding_window(hf: dict[str, Any], seq_len: int) -> None:
+    """Refuse a sliding window that would cut attention at the job's ``seq_len`` (raymesh does not implement
+    sliding-window attention). A window of at least ``seq_len`` tokens is accepted: a token then attends to
+    every earlier token of its sequence either way (``transformers`` masks keys ``window`` or more positions
+    back), so the model computes exactly what ``transformers`` does."""
+    window = sliding_window(hf)
+    if window is not None and window < seq_len:
+        key = "sliding_window" if hf["model_type"] == "mistral" else "use_sliding_window"
+        value = window if key == "sliding_window" else "true"
+        raise ValueError(f"config.json {key} {value} makes attention look back only {window} tokens, less than "
+                         f"model.seq_len {seq_len}, and raymesh does not implement sliding-window attention; set "
+                         f"model.seq_len to at most {window}, or train a checkpoint without the window")
 
 
 # transformers' LlamaConfig defaults for keys a config.json may leave out
@@ -129,8 +211,9 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` ``transformers`` builds a ``LlamaForCausalLM`` of ``cfg``'s shape from: the rotary
-    settings both as v5's ``rope_parameters`` and as v4's ``rope_theta``/``rope_scaling``."""
+    """The ``config.json`` ``transformers`` builds a model of ``cfg``'s family (``hf_model_type``: its
+    ``*ForCausalLM``) and shape from: the rotary settings both as v5's ``rope_parameters`` and as v4's
+    ``rope_theta``/``rope_scaling``; sliding windows off (``carried_config`` brings back a source's own)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     scaling = None
     if cfg.rope_scaling is not None:
@@ -138,12 +221,13 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         rope = {**rope, **scaling}
     return {
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": [FAMILIES[cfg.hf_model_type].architecture], "model_type": cfg.hf_model_type,
+        "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "intermediate_size": cfg.ffn_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "max_position_embeddings": cfg.seq_len,
         "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
+        "initializer_range": cfg.init_std, "torch_dtype": "float32", **FAMILIES[cfg.hf_model_type].written,
     }
 
 
@@ -206,6 +290,9 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> list[str]:
 
 # config.json keys of a source checkpoint that raymesh's model fields do not hold, carried into its export
 CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# a Mistral's or Qwen's sliding-window keys, carried where the source has them: accepted only where the window cuts
+# nothing at the job's seq_len (``check_sliding_window``), the window stays the model's at longer contexts
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
 # files beside a source checkpoint's weights that say how its ids are text and how it generates: copied as they are
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
               "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -246,7 +333,7 @@ def unpadded(state: dict[str, torch.Tensor], cfg: ModelConfig,
     if vocab is None or vocab == cfg.vocab_size:
         return state, cfg
     rows = {"tok_embeddings.weight", "output.weight"}
-    state = {k: v[:vocab] if _WRAPPERS.sub("", k) in rows else v for k, v in state.items()}
+    state = {k: v[:vocab] if plain_name(k) in rows else v for k, v in state.items()}
     return state, cfg.model_copy(update={"vocab_size": vocab})
 
 
@@ -261,8 +348,9 @@ def written_config(state: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelCon
 
 
 def carried_config(config: dict[str, Any], source: dict[str, Any], seq_len: int) -> dict[str, Any]:
-    """``config`` with the source's ``CARRIED_KEYS``; the context length is the source's unless the run trained
+    """``config`` with the source's ``CARRIED_KEYS`` and ``WINDOW_KEYS``; the context length is the source's unless the
+    run trained
     on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not what the model can take)."""
-    carried = {**config, **{k: source[k] for k in CARRIED_KEYS if k in source}}
+    carried = {**config, **{k: source[k] for k in (*CARRIED_KEYS, *WINDOW_KEYS) if k in source}}
     carried["max_position_embeddings"] = max(carried["max_position_embeddings"], seq_len)
     return carried

@@ -1,5 +1,8 @@
-"""Llama-family decoder (Llama 2/3 shapes): RMSNorm, rotary positions with Llama-3 frequency scaling,
-grouped-query attention and a SwiGLU feed-forward, tied or untied embeddings.
+"""Llama-family decoder (Llama 2/3 shapes, and Mistral's, Qwen2's and Qwen3's): RMSNorm, rotary positions with
+Llama-3 frequency scaling, grouped-query attention and a SwiGLU feed-forward, tied or untied embeddings. The
+families' differences are model fields, not a second implementation: ``head_dim`` (heads wider or narrower than
+d_model / n_heads, Qwen3), ``qkv_bias`` (Qwen2's q/k/v biases) and ``qk_norm`` (Qwen3's per-head RMSNorm of
+queries and keys before rotary).
 
 Laid out like ``workers.model.gpt`` (layers in a ``ModuleDict`` keyed by global index, ends that may be
 ``None`` on a pipeline stage, attention reshaping with ``-1`` heads), so the GPT's stage cut and blocks
@@ -30,7 +33,7 @@ def rotary_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> 
     Llama 3's rule: wavelengths beyond ``original_max_position_embeddings / low_freq_factor`` are slowed by
     ``factor``, those below ``... / high_freq_factor`` kept, and the band between interpolated smoothly.
     """
-    dim = cfg.head_dim
+    dim = cfg.head_size
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
     rs = cfg.rope_scaling
     if rs is None:
@@ -68,22 +71,28 @@ class GroupedCausalCore(CausalCore):
 
 class GroupedQueryAttention(nn.Module):
     """Q with ``n_heads`` heads, K/V with ``n_kv_heads``; each K/V head serves n_heads / n_kv_heads query heads.
-    Heads are counted from the weights' local rows, so a TP shard sees only its own heads."""
+    Heads are counted from the weights' local rows, so a TP shard sees only its own heads. With ``qk_norm``
+    each query and key head is RMS-normalised over its ``head_size`` channels (one weight shared by all heads)
+    before rotary, as Qwen3 does."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_size
         self.cfg = cfg
-        kv_dim = cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        kv_dim = cfg.kv_heads * cfg.head_size
+        self.wq = nn.Linear(cfg.d_model, cfg.attention_width, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.attention_width, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
         self.core = GroupedCausalCore()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rotary_frequencies(self.cfg, x.device)
         positions = token_positions(self.core.context_shard, s, x.device)
         q, k = apply_rotary_halves(q, inv_freq, positions), apply_rotary_halves(k, inv_freq, positions)

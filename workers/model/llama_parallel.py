@@ -10,7 +10,7 @@ than replicating K/V heads.
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 from workers.model import gpt_parallel
 from workers.model.llama import Llama
@@ -24,11 +24,17 @@ def apply_tensor_parallel(stage: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
         # both shard the [vocab, d_model] weight by rows (Shard(0)), so one DTensor serves both again
         stage.output.weight = stage.tok_embeddings.weight
     for block in stage.layers.values():
-        apply_plan(block, tp_mesh, block_plan(sequence_parallel, gpt_parallel.is_moe(block)))
+        apply_plan(block, tp_mesh, block_plan(sequence_parallel, gpt_parallel.is_moe(block), stage.cfg.qk_norm))
 
 
-def block_plan(sequence_parallel: bool, moe: bool = False) -> dict[str, ParallelStyle]:
+def block_plan(sequence_parallel: bool, moe: bool = False, qk_norm: bool = False) -> dict[str, ParallelStyle]:
     """The GPT's block plan plus the SwiGLU's up projection w3, column-parallel like the gate w1 (an MoE
-    feed-forward is replicated whole, as the GPT's)."""
+    feed-forward is replicated whole, as the GPT's). Qwen2's q/k/v biases shard with their columns
+    (``ColwiseParallel`` splits a bias as its rows). Qwen3's q/k norms (``qk_norm``) are per head, so their
+    weight is replicated; each rank norms only its own heads, so the style marks the input as sharded on the
+    head dim (``SequenceParallel(sequence_dim=2)``), whose replicated weight's gradient is then summed over tp."""
     plan = gpt_parallel.block_plan(sequence_parallel, moe)
+    if qk_norm:
+        for name in ("q_norm", "k_norm"):
+            plan[f"attention.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan if moe else {**plan, "feed_forward.w3": ColwiseParallel()}

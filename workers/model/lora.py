@@ -121,6 +121,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     adapted = {name: mod for name, mod in model.named_modules() if isinstance(mod, LoRALinear)}
     for name, mod in adapted.items():
         out[f"{name}.weight"] = mod.merged_weight()
+        if getattr(mod.base, "bias", None) is not None:  # Qwen2's q/k/v: LoRA adapts the weight, the bias stays
+            out[f"{name}.bias"] = mod.base.bias.detach().clone()
     for key, value in model.state_dict().items():
         owner = next((n for n in adapted if key.startswith(n + ".")), None)
         if owner is None:

@@ -24,7 +24,8 @@ def build_optimizer(params, optim: dict, memory: dict | None = None, device: tor
                     shards=None, dp_group=None, names: list[str] | None = None) -> torch.optim.Optimizer:
     """The job's optimizer over ``params`` (under ZeRO-1, this rank's slices: ``DistributedOptimizer.shards``).
     ``onebit_adam`` averages its compressed momentum over ``dp_group`` (None: one data-parallel rank).
-    ``muon`` needs the parameters' global ``names`` (which ones Muon steps: ``workers.optim.muon.muon_owns``).
+    ``muon`` needs the parameters' global ``names`` (which ones Muon steps: ``workers.optim.muon.muon_owns``);
+    ``onebit_adam`` keys each parameter's error feedback by them.
 
     ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
@@ -35,6 +36,8 @@ def build_optimizer(params, optim: dict, memory: dict | None = None, device: tor
     name = optim["name"]
     if name == "muon":
         return _muon_hybrid(list(zip(names, params, strict=True)), optim, dp_group)
+    params = list(params)
+    named = {id(p): n for n, p in zip(names, params, strict=True)} if names is not None else None
     params = decay_groups(params, optim)
     kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
     if name in ("sgd", "sm3"):
@@ -46,7 +49,7 @@ def build_optimizer(params, optim: dict, memory: dict | None = None, device: tor
         store = OffloadStore.from_spec(offload, device)
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     if name == "onebit_adam":
-        return OneBitAdam(params, dp_group, optim["warmup_steps"], **kwargs)
+        return OneBitAdam(params, dp_group, optim["warmup_steps"], names=named, **kwargs)
     tensors = [p for group in params for p in group["params"]]
     on_cuda = any(p.is_cuda for p in tensors)  # a DTensor is where its local shard is
     mixed = len({isinstance(p, DTensor) for p in tensors}) > 1

@@ -13,7 +13,10 @@ out: with an all-gather every rank decompresses the same average, so there is no
 The step counter and both moments live in the optimizer state: the same on every rank, so a checkpoint's one
 copy serves all replicas. The error is each rank's own, so it lives outside, in ``feedback`` (per parameter),
 which the trainer hands to snapshots and checkpoints under the rank's name
-(``workers.state.compression_feedback``), as it does PowerSGD's and top-k's.
+(``workers.state.compression_feedback``), as it does PowerSGD's and top-k's. It is keyed by the parameter's
+global name (``ParameterErrors``), not its position in the optimizer: a resume whose param groups differ
+(``optim.weight_decay_exclude`` puts the 1-D parameters in a group of their own) would otherwise hand one
+parameter's error to another of the same shape.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.parallel.grad_compression import ErrorFeedback
+from workers.parallel.data_parallel import plain_name
 
 _BITS = 8
 
@@ -43,14 +46,25 @@ class OneBitAdam(torch.optim.Optimizer):
     """AdamW, then sign-compressed momentum with error feedback after ``warmup_steps`` (module docstring)."""
 
     def __init__(self, params, group=None, warmup_steps: int = 1, lr: float = 1e-3, betas=(0.9, 0.999),
-                 weight_decay: float = 0.0, eps: float = 1e-8):
+                 weight_decay: float = 0.0, eps: float = 1e-8, names: dict[int, str] | None = None):
+        """``names``: each parameter's global name by ``id``, in the model's order (its error's key; the order is
+        what older checkpoints' positions are read by); without them (a bare optimizer, as in tests) its
+        position in the param groups."""
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "eps": eps})
         self.group, self.warmup_steps = group, warmup_steps
-        self.feedback = ErrorFeedback()  # this rank's error per parameter (by position), see the module docstring
+        if names is None:
+            names = {id(p): str(i) for i, p in enumerate(_in_order(self.param_groups))}
+        self.name_of = {i: plain_name(n) for i, n in names.items()}
+        self.model_order = list(self.name_of.values())
+        self.feedback = ParameterErrors(self)  # this rank's error per parameter name, see the module docstring
 
-    def _params(self) -> list[tuple[int, torch.nn.Parameter]]:
-        """The parameters with a gradient, each with its position among all of them (its error's key)."""
-        return [(i, p) for i, p in enumerate(p for g in self.param_groups for p in g["params"]) if p.grad is not None]
+    def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters with a gradient, each with its name (its error's key)."""
+        return [(self.name_of[id(p)], p) for p in _in_order(self.param_groups) if p.grad is not None]
+
+    def step_order(self) -> list[str]:
+        """Every parameter's name in the order the param groups hold them (what older checkpoints keyed by)."""
+        return [self.name_of[id(p)] for p in _in_order(self.param_groups)]
 
     @property
     def steps_done(self) -> int:
@@ -100,10 +114,10 @@ class OneBitAdam(torch.optim.Optimizer):
         indexed = self._params()
         params, errors = [p for _, p in indexed], self.feedback.errors
         shipped, scales = [], []
-        for i, p in indexed:
-            x = self.state[p]["exp_avg"] + errors.get(i, 0.0)
+        for name, p in indexed:
+            x = self.state[p]["exp_avg"] + errors.get(name, 0.0)
             scale = x.norm() / x.numel() ** 0.5
-            errors[i] = x - torch.where(x >= 0, scale, -scale)
+            errors[name] = x - torch.where(x >= 0, scale, -scale)
             shipped.append(pack_signs(x))
             scales.append(scale.float().reshape(1))
         payload = torch.cat([*shipped, torch.cat(scales).view(torch.uint8)])
@@ -124,3 +138,68 @@ class OneBitAdam(torch.optim.Optimizer):
                 signs = unpack_signs(buf[offset:offset + packed.numel()], p.numel()).view_as(p)
                 self.state[p]["exp_avg"].add_(signs.to(p.dtype) * scale / world)
                 offset += packed.numel()
+
+
+def _in_order(param_groups: list[dict]) -> list[torch.Tensor]:
+    """The parameters of ``param_groups``, group after group."""
+    return [p for g in param_groups for p in g["params"]]
+
+
+class ParameterErrors:
+    """1-bit Adam's error per parameter name (``errors``) as a ``state_dict`` of CPU copies, for snapshots and
+    checkpoints (``workers.state.compression_feedback``). Checkpoints of older versions keyed it by position
+    in the param groups (``OLD``); ``upgrade`` reads those by name where that is safe."""
+
+    KEY, OLD = "named_error.", "error."
+
+    def __init__(self, optimizer: OneBitAdam):
+        self.optimizer = optimizer
+        self.errors: dict[str, torch.Tensor] = {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {self.KEY + n: e.detach().to("cpu", copy=True) for n, e in self.errors.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
+        self.errors = {k[len(self.KEY):]: t.to(device, copy=True) for k, t in state.items() if k.startswith(self.KEY)}
+
+    def upgrade(self, state: dict[str, torch.Tensor], saved_decay: dict[str, float], checkpoint: str) -> dict:
+        """``state`` keyed by name. A position-keyed one (an older save) is read in this job's param-group order
+        only where the checkpoint's groups, rebuilt from each parameter's ``saved_decay`` as ``decay_groups``
+        built them, held the parameters in that same order (and shapes agree); otherwise a position would name
+        another parameter, so it is refused, naming ``checkpoint``, why and the fix."""
+        old = {int(k[len(self.OLD):]): t for k, t in state.items() if k.startswith(self.OLD)}
+        if not old:
+            return state
+        order = self.optimizer.step_order()
+        shapes = {self.optimizer.name_of[id(p)]: p.shape for p in _in_order(self.optimizer.param_groups)}
+        saved = _saved_order(self.optimizer.model_order, saved_decay)
+        if saved != order or any(i >= len(order) or t.shape != shapes[order[i]] for i, t in old.items()):
+            raise ValueError(_old_order_refusal(checkpoint, saved, saved_decay, len(self.optimizer.param_groups)))
+        return {self.KEY + order[i]: t for i, t in old.items()}
+
+
+def _saved_order(model_order: list[str], saved_decay: dict[str, float]) -> list[str] | None:
+    """The parameters in the order a save's param groups held them (one group per weight decay, in the order
+    each decay first occurs along the model, as ``workers.optim.build.decay_groups`` builds them and, before it,
+    one group); None when the checkpoint lacks a parameter's group settings."""
+    if any(n not in saved_decay for n in model_order):
+        return None
+    first: dict[float, int] = {}
+    for n in model_order:
+        first.setdefault(saved_decay[n], len(first))
+    return sorted(model_order, key=lambda n: first[saved_decay[n]])
+
+
+def _old_order_refusal(checkpoint: str, saved: list[str] | None, saved_decay: dict[str, float], groups: int) -> str:
+    """The one-line refusal of a position-keyed error feedback whose positions no longer name its parameters."""
+    if saved is None:
+        why = "the checkpoint has no param-group settings for some of this job's parameters"
+        fix = "resume it with the job file it was saved with"
+    else:
+        n_saved = len(set(saved_decay.values()))
+        why = f"its optimizer held the parameters in {n_saved} param group(s), this job's in {groups}"
+        fix = ("resume it once with --set optim.weight_decay_exclude=none (one group, as it was saved)" if n_saved == 1
+               else "resume it once with the optim.weight_decay and optim.weight_decay_exclude it was saved with")
+    return (f"checkpoint {checkpoint} keeps 1-bit Adam's error feedback by parameter position, as raymesh did before "
+            f"keying it by name, and {why}, so a position would name another parameter; fix: {fix} (its next save "
+            "keys it by name), or start a fresh run in another run_dir or checkpoint.dir")

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,3 +56,13 @@ def bf16_policy(reduce_dtype: str) -> MixedPrecisionPolicy:
 def unwrap(module: nn.Module) -> nn.Module:
     """The model under a DDP wrapper, so parameter names match every other layout."""
     return module.module if isinstance(module, DDP) else module
+
+
+# wrappers the builder adds around a parameter's module (activation checkpointing, FSDP, compile): not its name
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\.")
+
+
+def plain_name(name: str) -> str:
+    """``name`` without the wrapper hops, as DCP's state dicts key it, so it is the same under every recompute,
+    compile and ZeRO setting (``unwrap`` takes DDP's ``module.`` away before a name is read)."""
+    return _WRAPPERS.sub("", name)

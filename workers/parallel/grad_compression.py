@@ -46,8 +46,8 @@ def completed(value: torch.Tensor) -> torch.futures.Future:
 
 
 class ErrorFeedback:
-    """Per-bucket (or, for 1-bit Adam, per-parameter) error feedback (``errors``) as a ``state_dict`` of CPU
-    copies, for snapshots and checkpoints (``workers.state.compression_feedback``)."""
+    """Per-bucket error feedback (``errors``) as a ``state_dict`` of CPU copies, for snapshots and checkpoints
+    (``workers.state.compression_feedback``); 1-bit Adam's, per parameter name, is ``onebit_adam.ParameterErrors``."""
 
     def __init__(self):
         self.errors: dict[int, torch.Tensor] = {}

@@ -189,9 +189,11 @@ class PSSync:
                   for k, c in split(n, _local(p).detach(), self.client.chunk_elems).items()}
         return {self._dcp_prefix() + k: torch.full_like(c, float("nan"), device="cpu") for k, c in chunks.items()}
 
-    def load_dcp_state(self, loaded: dict[str, torch.Tensor]) -> bool:
+    def load_dcp_state(self, loaded: dict[str, torch.Tensor], checkpoint: str = "",
+                       saved_decay: dict[str, float] | None = None) -> bool:
         """Take ``dcp_state(template=True)`` after DCP filled it: all keys found, or none taken (zero feedback,
-        as a run that never pushed has). Returns whether it was taken."""
+        as a run that never pushed has). Returns whether it was taken. ``checkpoint`` and ``saved_decay``
+        (``CompressionFeedback``'s, for keys an older save wrote otherwise) are not needed: chunk keys are names."""
         found = all(bool(torch.isfinite(t).all()) for t in loaded.values()) and bool(loaded)
         prefix = self._dcp_prefix()
         self.load_state_dict({k.removeprefix(prefix): t for k, t in loaded.items()} if found else {})

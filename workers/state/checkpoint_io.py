@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from workers.state.compression_feedback import saved_decays
 from workers.state.known_weights import load_known
 from workers.state.train_state import TrainState
 
@@ -64,7 +65,7 @@ class CheckpointIO:
             load_known(state, path, self._model_names(state["model"]), process_group=self.group)
             self.state.load_state_dict(state)
         if self.state.wire_feedback is not None:
-            self._load_wire_feedback(path)
+            self._load_wire_feedback(path, saved_decays(state["optim"]))
 
     def _model_names(self, model: dict) -> set[str]:
         """Every rank's model keys: a stage or shard reads only its own, and a checkpoint key none of them reads is
@@ -73,12 +74,13 @@ class CheckpointIO:
         dist.all_gather_object(names, sorted(model), group=self.group)
         return set().union(*names)
 
-    def _load_wire_feedback(self, path: str | Path) -> None:
-        """Compression's error feedback (parameter-server top-k's, or ZeRO-0 PowerSGD's and top-k's), where the
-        checkpoint has this rank's (same layout, a run with that compression); otherwise it starts at zero. A
-        partial load, apart from the strict one above, so a checkpoint without it (another layout, no
-        compression, an older run) still loads."""
+    def _load_wire_feedback(self, path: str | Path, saved_decay: dict[str, float]) -> None:
+        """Compression's error feedback (parameter-server top-k's, or ZeRO-0 PowerSGD's and top-k's, or 1-bit
+        Adam's), where the checkpoint has this rank's (same layout, a run with that compression); otherwise it
+        starts at zero. A partial load, apart from the strict one above, so a checkpoint without it (another
+        layout, no compression, an older run) still loads. ``saved_decay``: the checkpoint's param groups, by
+        which 1-bit Adam reads an older save's position-keyed errors."""
         feedback = {"wire_feedback": self.state.wire_feedback.dcp_state(template=True)}
         dcp.load(feedback, checkpoint_id=str(path), process_group=self.group,
                  planner=DefaultLoadPlanner(allow_partial_load=True))
-        self.state.wire_feedback.load_dcp_state(feedback["wire_feedback"])
+        self.state.wire_feedback.load_dcp_state(feedback["wire_feedback"], str(path), saved_decay)

@@ -31,9 +31,18 @@ class CompressionFeedback:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for i, holder in enumerate(self.holders):
-            prefix = f"{i}/"
-            holder.load_state_dict({k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)},
-                                   self.device)
+            holder.load_state_dict(_part(state, i), self.device)
+
+    def _upgraded(self, state: dict[str, torch.Tensor], checkpoint: str, saved_decay: dict[str, float]) -> dict:
+        """``state`` with each part keyed as its holder now keys it: a holder whose keys changed (1-bit Adam's,
+        from positions to names) reads an older save's through its ``upgrade``, or refuses it."""
+        out = {}
+        for i, holder in enumerate(self.holders):
+            part = _part(state, i)
+            if hasattr(holder, "upgrade"):
+                part = holder.upgrade(part, saved_decay, checkpoint)
+            out.update({f"{i}/{k}": t for k, t in part.items()})
+        return out
 
     def dcp_state(self, template: bool = False) -> dict[str, io.BytesIO]:
         """This rank's state as one DCP bytes entry; ``template``: an empty one for DCP to fill on load."""
@@ -43,12 +52,28 @@ class CompressionFeedback:
             blob.seek(0)
         return {self.key: blob}
 
-    def load_dcp_state(self, loaded: dict[str, io.BytesIO]) -> bool:
-        """Take what DCP filled in; an entry left empty (another layout, an older run) means zero feedback.
-        Returns whether it was taken."""
+    def load_dcp_state(self, loaded: dict[str, io.BytesIO], checkpoint: str = "",
+                       saved_decay: dict[str, float] | None = None) -> bool:
+        """Take what DCP filled in from ``checkpoint``; an entry left empty (another layout, an older run) means
+        zero feedback. ``saved_decay``: each parameter's weight decay in the checkpoint's optimizer
+        (``saved_decays``), by which an older save's position-keyed state is read. Returns whether it was taken."""
         blob = loaded.get(self.key)
         found = blob is not None and blob.getbuffer().nbytes > 0
         if found:
             blob.seek(0)
-        self.load_state_dict(torch.load(blob, weights_only=True) if found else {})
+        state = torch.load(blob, weights_only=True) if found else {}
+        self.load_state_dict(self._upgraded(state, checkpoint, saved_decay or {}))
         return found
+
+
+def _part(state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Holder ``i``'s entries of a ``CompressionFeedback`` state, without their ``i/`` prefix."""
+    prefix = f"{i}/"
+    return {k.removeprefix(prefix): t for k, t in state.items() if k.startswith(prefix)}
+
+
+def saved_decays(optim: dict) -> dict[str, float]:
+    """Each parameter's weight decay as a loaded checkpoint's optimizer held it (DCP's flattened
+    ``param_groups.<name>.weight_decay`` entries): which param group it was in when it was saved."""
+    head, tail = "param_groups.", ".weight_decay"
+    return {k[len(head):-len(tail)]: v for k, v in optim.items() if k.startswith(head) and k.endswith(tail)}
