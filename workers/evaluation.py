@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from workers.data import TokenDataset
 from workers.data.loader import IGNORE_INDEX, document_eos, document_ids
 from workers.model.documents import Documents, attending, split_documents
-from workers.model.gpt import lm_loss
+from workers.model.gpt import model_loss
 from workers.parallel.context_layout import split_sequence
 
 # dtypes an activation may cross a stage boundary in, by the code the sweep's header carries
@@ -144,9 +144,12 @@ class Evaluator:
     """Scores this rank's model parts on ``EvalData``; ``sweep`` is set where the model is pipelined."""
 
     def __init__(self, modules: list[nn.Module], data: EvalData, microbatches: int, device: torch.device,
-                 autocast, sweep: PipelineSweep | None = None, holds_last: bool = True):
+                 autocast, sweep: PipelineSweep | None = None, head_part: nn.Module | None = None):
+        """``head_part``: the (unwrapped) part holding the last stage, whose ``loss_chunks`` says how a loss is
+        taken (``model_loss``); None where this rank holds no last stage."""
         self.modules, self.data, self.microbatches, self.device = modules, data, microbatches, device
-        self.autocast, self.sweep, self.holds_last = autocast, sweep, holds_last
+        self.autocast, self.sweep, self.head_part = autocast, sweep, head_part
+        self.holds_last = head_part is not None
 
     def run(self) -> tuple[float | None, float]:
         """(mean token loss of this rank's share, or None off the last stage; seconds it took)."""
@@ -168,7 +171,7 @@ class Evaluator:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One microbatch's token loss: the mean, or under a loss mask the counted targets' sum."""
-        return lm_loss(logits, targets, "mean" if self.data.counted is None else "sum")
+        return model_loss(self.head_part, logits, targets, "mean" if self.data.counted is None else "sum")
 
     def _figure(self, losses: list[torch.Tensor]) -> float:
         """This rank's figure from its microbatches' losses (``_loss``): their mean, or under a loss mask their

@@ -73,6 +73,7 @@ class TrainSection:
     microbatches: int
     seed: int
     compile: bool = False  # each block through torch.compile (workers.parallel.compile); older dicts leave it out
+    loss_chunks: int = 1  # the head and loss per chunk of tokens (workers.model.gpt.chunked_lm_loss); 1: whole
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from workers.diagnostics.timeline import busy_seconds
 from workers.evaluation import EvalData, Evaluator, PipelineSweep
 from workers.model import moe
 from workers.model.documents import attending, split_documents
-from workers.model.gpt import lm_loss
+from workers.model.gpt import model_loss
 from workers.offload.activations import activation_policy
 from workers.offload.host_memory import release_freed_buffers
 from workers.offload.params import offload_params
@@ -155,7 +155,7 @@ class Trainer:
             sweep = PipelineSweep(dict(zip(self.parts.stage_ids, self.parts.modules)),
                                   stage_owners(par.pp, par.virtual_stages, par.pp_schedule), self.pp_group, self.device)
         return Evaluator(self.parts.modules, data, self.microbatches, self.device, self._autocast, sweep,
-                         self.holds_last_stage)
+                         self.head_part)
 
     def _train_state(self, spec: dict) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
@@ -198,13 +198,21 @@ class Trainer:
     def holds_first_stage(self) -> bool:
         return 0 in self.parts.stage_ids
 
+    @property
+    def head_part(self) -> torch.nn.Module | None:
+        """The model part holding the last stage (its head), unwrapped; None where this rank holds none."""
+        if not self.holds_last_stage:
+            return None
+        return unwrap(self.parts.modules[self.parts.stage_ids.index(self.parts.n_stages - 1)])
+
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The microbatch's mean token loss, or under a loss mask its counted targets' summed loss times their
-        share (`counted_scale`); poisoned by a NaN fault, times the fp16 loss scale."""
+        share (`counted_scale`); poisoned by a NaN fault, times the fp16 loss scale. ``logits``: the last stage's
+        output, its final hidden state under ``train.loss_chunks`` > 1 (``model_loss`` applies the head)."""
         if self.counted_scale is None:
-            loss = lm_loss(logits, targets)
+            loss = model_loss(self.head_part, logits, targets)
         else:
-            loss = lm_loss(logits, targets, reduction="sum") * self.counted_scale
+            loss = model_loss(self.head_part, logits, targets, reduction="sum") * self.counted_scale
         if self.fault.poisons_loss:
             loss = loss * float("nan")
         return loss * self.state.scaler.scale if self.state.scaler else loss

@@ -85,7 +85,7 @@ def _remove_stale_shards(url: str, manifest: dict) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from orchestrator.planning.estimate import render
-    from orchestrator.planning.memory_report import fit_problems
+    from orchestrator.planning.memory_report import fit_problems, loss_chunks_advice
     from orchestrator.planning.snapshot_memory import describe
     from orchestrator.spec import check_before_start, load_spec
 
@@ -96,6 +96,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(describe(spec))
         for problem in fit_problems(spec):
             print(f"does not fit: {problem}")
+        _print_advice(loss_chunks_advice(spec))
         return 0
     from orchestrator.planning.layout_picker import explain, overrides, pick_layout
     from orchestrator.planning.layout_search import Shape
@@ -113,9 +114,15 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  {line}")
     print(render(choice.spec, one_per_stage=True))
     print(describe(choice.spec))
+    _print_advice(loss_chunks_advice(choice.spec))
     sets = " ".join(f"--set {o}" for o in overrides(choice.candidate, Shape.of(spec)))
     print(f"run it: raymesh run {args.job} {sets}")
     return 0
+
+
+def _print_advice(line: str | None) -> None:
+    if line:
+        print(f"advice: {line}")
 
 
 def _gpu_mem(text: str | None, spec) -> int | None:

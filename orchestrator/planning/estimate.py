@@ -252,7 +252,8 @@ def document_bytes(spec: JobSpec, layers) -> int:
 def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
     return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, spec.padded_vocab_size, p.tp,
-                                    sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec))
+                                    sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec),
+                                    spec.train.loss_chunks)
 
 
 def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
@@ -261,7 +262,9 @@ def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
     p, head = spec.parallel, frozen_parts(spec)[-1]
     if p.pp * p.stages_per_rank - 1 not in ids or not (head is None or head.output_grad()):
         return 0
-    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), spec.padded_vocab_size)
+    vocab = spec.padded_vocab_size
+    head_grad = 4 * vocab * spec.model.d_model // p.tp if head is None else 0  # LoRA: the head weight is frozen
+    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), vocab, spec.train.loss_chunks, head_grad)
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -508,7 +511,8 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         f"{p.world_size} ranks, zero={p.zero}, " + (f"cp_impl={p.cp_impl}, " if p.grid.cp_enabled else "") +
         (f"schedule={p.pp_schedule} ({p.stages_per_rank} stage(s)/rank), " if p.pp > 1 else "") +
         f"precision={spec.precision.dtype}{precision_note(spec)}, "
-        f"recompute={spec.memory.recompute}",
+        f"recompute={spec.memory.recompute}"
+        + (f", loss_chunks={spec.train.loss_chunks}" if spec.train.loss_chunks > 1 else ""),
         f"{'rank':>4} {'dp':>3} {'pp':>3} " + (f"{'cp':>3} " if p.grid.cp_enabled else "") +
         f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
         f"{'optim':>10} {'gathered':>10} {'activ':>10} {'buffers':>10} {'total':>10}",

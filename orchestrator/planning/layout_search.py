@@ -65,6 +65,7 @@ class Shape:
     head_dim: int | None = None  # model.head_dim (Qwen3's wider heads); None: d_model / n_heads
     qkv_bias: bool = False  # model.qkv_bias: Qwen2's q/k/v biases, sharded with their columns
     qk_norm: bool = False  # model.qk_norm: Qwen3's two per-head norm weights, replicated
+    loss_chunks: int = 1  # train.loss_chunks: the head's logits one chunk of tokens at a time
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -74,7 +75,8 @@ class Shape:
                    mm.BYTES_PER[spec.precision.dtype], planned_fsdp_mixed(
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
-                   m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm)
+                   m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
+                   spec.train.loss_chunks)
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -250,7 +252,8 @@ class Evaluator:
             state = replace(state, grads=state.grads + mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp))
         seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
         layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute, mixed, lay.cp)
-        head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed)
+        head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed,
+                                        loss_chunks=s.loss_chunks)
         in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
         chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
         if s.document_mask and lay.recompute == "none" and layers:  # one mask per microbatch, shared by the blocks
@@ -268,7 +271,8 @@ class Evaluator:
                                        c, s.head_size)
         buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + cp_kernel  # autocast
         regathers = lay.zero >= 3 and lay.shards > 1
-        loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab) * last
+        loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab, s.loss_chunks,
+                                      4 * s.vocab * s.d_model // lay.tp) * last
         return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:

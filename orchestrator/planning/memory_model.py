@@ -392,31 +392,47 @@ def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads
 
 def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,
                           sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None,
-                          fsdp_mixed: bool = False) -> int:
+                          fsdp_mixed: bool = False, loss_chunks: int = 1) -> int:
     """Last stage: final norm (input and normalised x, fp32; the normalised x at c bytes under ``fsdp_mixed``,
     as in ``layer_activation_bytes``), the output linear's input
     (c bytes, gathered), log-softmax output (fp32, full vocab: logits are replicated
     before the loss) and the int64 targets. ``frozen``: the output Linear is adapted
-    when ``"output"`` is in ``frozen.adapted``; the norm keeps its input only."""
+    when ``"output"`` is in ``frozen.adapted``; the norm keeps its input only. With ``loss_chunks`` > 1
+    (``train.loss_chunks``) no log-softmax output is saved: each chunk's is recomputed in backward
+    (``loss_backward_bytes``)."""
     s, b = seq, micro_batch
     seq_shard = tp if sequence_parallel else 1
+    logprobs = 4 * s * b * vocab if loss_chunks == 1 else 0
     if frozen is None:
         normed = compute_bytes if fsdp_mixed else 4
         return ((4 + normed) * s * b * d_model + 4 * s * b) // seq_shard + compute_bytes * s * b * d_model \
-            + 4 * s * b * vocab + 8 * s * b
+            + logprobs + 8 * s * b
     adapted, logits_grad = "output" in frozen.adapted, frozen.output_grad()
     return (4 * s * b * d_model + 4 * s * b) * frozen.input_grad // seq_shard \
-        + compute_bytes * s * b * (d_model + frozen.rank) * adapted + (4 * s * b * vocab + 8 * s * b) * logits_grad
+        + compute_bytes * s * b * (d_model + frozen.rank) * adapted + (logprobs + 8 * s * b) * logits_grad
 
 
-def loss_backward_bytes(seq: int, micro_batch: int, vocab: int) -> int:
+def loss_backward_bytes(seq: int, micro_batch: int, vocab: int, loss_chunks: int = 1, head_grad: int = 0) -> int:
     """What the loss backward allocates beside the saved activations on the head's rank, before it frees any:
     cross entropy's gradient w.r.t. the log-probabilities (``nll_loss`` backward writes a dense s·b·V float32
     tensor) and log-softmax's w.r.t. the float32 logits (another), both live with the saved log-probabilities.
     Full vocabulary on every tp rank (the head's logits are replicated before the loss). Why it matters: at
     Llama's 128,256 words and 8K tokens that is 8.4 GB a microbatch, often the step's peak. It also covers
-    the forward's own transient at the loss (the 16-bit logits and their float32 copy: 6 or 4 bytes a logit)."""
-    return 2 * 4 * seq * micro_batch * vocab
+    the forward's own transient at the loss (the 16-bit logits and their float32 copy: 6 or 4 bytes a logit).
+    With ``loss_chunks`` > 1 one chunk at a time (its largest: ``ceil(seq / loss_chunks)`` tokens a sequence):
+    its recomputed log-probabilities and those two gradients, and its share of the head weight's gradient
+    (``head_grad`` bytes) beside the sum autograd accumulates the chunks' shares in (measured by
+    ``benchmarks/loss_chunks.py``: below ~d_model tokens that pair outweighs the logits chunking saves)."""
+    if loss_chunks == 1:
+        return 2 * 4 * seq * micro_batch * vocab
+    return 3 * 4 * -(-seq // loss_chunks) * micro_batch * vocab + head_grad
+
+
+def suggested_loss_chunks(vocab: int, d_model: int, seq: int) -> int:
+    """A ``train.loss_chunks`` whose chunk's logits are about the size of the hidden state (vocab / d_model
+    chunks, up to a power of two: Liger-Kernel's fused linear cross entropy splits its tokens by the same
+    ratio), at most the tokens of a sequence."""
+    return min(seq, 1 << max(0, math.ceil(math.log2(vocab / d_model))))
 
 
 def embedding_activation_bytes(seq: int, micro_batch: int) -> int:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from orchestrator.observability.events import event
-from orchestrator.planning.estimate import RankEstimate, autocast_copy_bytes, estimate, estimate_rank
-from orchestrator.planning.memory_model import human_bytes
+from orchestrator.planning.estimate import RankEstimate, autocast_copy_bytes, estimate, estimate_rank, local_seq
+from orchestrator.planning.memory_model import human_bytes, suggested_loss_chunks
 from orchestrator.spec import JobSpec
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -45,6 +45,28 @@ def fit_problems(spec: JobSpec) -> list[str]:
             for r in estimate(spec) if r.total_bytes > limit]
 
 
+def loss_chunks_advice(spec: JobSpec) -> str | None:
+    """Under ``train.loss_chunks: 1``, a line naming the chunk count to set when the loss's [tokens, vocab] logits
+    (saved log-probabilities and the loss backward's gradients) are a quarter or more of the largest rank's
+    peak, the share a real vocabulary often takes; else None."""
+    chunks = _suggested_chunks(spec)
+    if spec.train.loss_chunks != 1 or chunks == 1:
+        return None
+    whole = max(estimate(spec), key=lambda r: r.total_bytes)
+    chunked = estimate_rank(spec.with_overrides([f"train.loss_chunks={chunks}"]), whole.rank)
+    saved = whole.total_bytes - chunked.total_bytes
+    if 4 * saved < whole.total_bytes:
+        return None
+    return (f"the loss's [tokens, vocab] logits take {human_bytes(saved)} of rank {whole.rank}'s "
+            f"{human_bytes(whole.total_bytes)}: set train.loss_chunks: {chunks} (the head and loss a chunk of tokens "
+            f"at a time, recomputed in backward) for {human_bytes(chunked.total_bytes)}")
+
+
+def _suggested_chunks(spec: JobSpec) -> int:
+    """``memory_model.suggested_loss_chunks`` for this job's vocabulary, width and tokens a rank's sequence holds."""
+    return suggested_loss_chunks(spec.padded_vocab_size, spec.model.d_model, local_seq(spec))
+
+
 def warn_if_too_big(spec: JobSpec) -> list[str]:
     problems = fit_problems(spec)
     if problems:
@@ -52,6 +74,7 @@ def warn_if_too_big(spec: JobSpec) -> list[str]:
               + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else ""),
               fix="run `raymesh plan JOB.yaml --nodes N --gpus-per-node G --gpu-mem SIZE` for a layout that fits, "
                   "or raise parallel.zero, parallel.pp, parallel.tp, set memory.recompute: full, "
+                  + ("" if spec.train.loss_chunks > 1 else f"train.loss_chunks: {_suggested_chunks(spec)}, ") +
                   "or lower train.global_batch_size / raise train.microbatches")
     return problems
 

@@ -92,13 +92,14 @@ def auto_split(spec: JobSpec) -> AutoSplit:
 
 
 def profiled_costs(spec: JobSpec) -> ModelCosts:
-    """``spec``'s model profiled for one of its microbatches (cached on the model, micro-batch size and seed)."""
+    """``spec``'s model profiled for one of its microbatches (cached on the model, micro-batch size, seed and
+    ``train.loss_chunks``, which changes what the head saves and recomputes)."""
     check_profilable(spec)
     p, t = spec.parallel, spec.train
     micro = t.global_batch_size // p.dp // t.microbatches
     model = {**spec.model.model_dump(mode="json", exclude={"lora", "init_from", "preset"}),
              "d_ff": spec.model.ffn_dim, "vocab_size": spec.padded_vocab_size}
-    return _profile(json.dumps(model, sort_keys=True), micro, t.seed)
+    return _profile(json.dumps(model, sort_keys=True), micro, t.seed, t.loss_chunks)
 
 
 def unit_times(spec: JobSpec) -> UnitTimes:
@@ -116,12 +117,12 @@ def unit_times(spec: JobSpec) -> UnitTimes:
 
 
 @functools.lru_cache(maxsize=8)
-def _profile(model_json: str, micro: int, seed: int) -> ModelCosts:
+def _profile(model_json: str, micro: int, seed: int, loss_chunks: int = 1) -> ModelCosts:
     """The profile, or a ``SpecError`` on ``parallel.pp_split`` saying why it could not run and what to set."""
     from workers.parallel.stage_profile import profile_in_fresh_process
 
     try:
-        return profile_in_fresh_process(json.loads(model_json), micro, seed)
+        return profile_in_fresh_process(json.loads(model_json), micro, seed, loss_chunks=loss_chunks)
     except RuntimeError as exc:
         raise SpecError("parallel.pp_split", "auto", f"could not profile the model on this host: {exc}",
                         "give the layer counts per stage as a list, or use pp_split: even") from None

@@ -16,6 +16,7 @@ from orchestrator.spec.document_checks import check_document_mask
 from orchestrator.spec.eval_checks import check_eval
 from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
+from orchestrator.spec.loss_chunk_checks import check_loss_chunks
 from orchestrator.spec.moe import check_moe
 from orchestrator.spec.ps_resize_checks import check_ps_resize
 from orchestrator.spec.sections import ParameterServerSpec
@@ -513,4 +514,4 @@ CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split
                       check_recompute, check_faults, check_muon, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_document_mask, check_comm, check_moe, check_expert_parallel,
                       check_async_pipeline, check_ps_resize, check_compile, check_optim_implementation,
-                      check_fsdp_prefetch, check_eval)
+                      check_fsdp_prefetch, check_eval, check_loss_chunks)

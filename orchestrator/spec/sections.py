@@ -303,6 +303,9 @@ class TrainSpec(_Section):
     seed: Seed = 0
     log_every: PositiveInt = 1
     compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
+    # the head and cross entropy per chunk of each sequence under torch.utils.checkpoint, so the [tokens, vocab]
+    # logits never exist whole (workers/model/gpt.py::chunked_lm_loss); 1: the whole logits, as before
+    loss_chunks: PositiveInt = 1
 
 
 class EvalSpec(_Section):

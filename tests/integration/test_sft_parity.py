@@ -10,15 +10,13 @@ one spawn, 3 steps each.
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import assert_matches, references_by_family
-from workers.data import TokenDataset, prepare_data
+from tests.support.sft import prepare_sft
+from workers.data import TokenDataset
 from workers.data.loader import IGNORE_INDEX
 
 STEPS = 3
@@ -37,16 +35,7 @@ LAYOUTS = {  # name: (family, parallel, with evaluation)
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory):
     """(training data, held-out data) of ~400 prompt/completion pairs of very different lengths."""
-    root = tmp_path_factory.mktemp("sft")
-    rng = random.Random(0)
-    letters = "abcdefghij klmnop"
-    lines = [json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(rng.randint(1, 40))),
-                         "completion": "".join(rng.choice(letters) for _ in range(rng.choice([0, 1, 3, 60])))})
-             for _ in range(400)]
-    (root / "src").mkdir()
-    (root / "src" / "pairs.jsonl").write_text("\n".join(lines) + "\n")
-    prepare_data([root / "src"], root / "train", format="prompt-completion", heldout=0.2)
-    return root / "train", root / "train" / "heldout"
+    return prepare_sft(tmp_path_factory.mktemp("sft"))
 
 
 def _spec(sft_data, tmp_path, family: str, parallel: dict | None = None, evaluates: bool = True):

@@ -214,7 +214,8 @@ def test_scoring_changes_no_mode_draws_no_random_number_and_equals_the_whole_set
     frozen.eval()  # a part left in eval mode on purpose stays so
     data = EvalData(str(split / "heldout"), 32, 0, 2, 2, dp_rank=0, dp_size=1)
     rng = torch.random.get_rng_state()
-    loss, seconds = Evaluator([model], data, 1, torch.device("cpu"), torch.no_grad).run()
+    loss, seconds = Evaluator([model], data, 1, torch.device("cpu"), torch.no_grad,
+                              head_part=model).run()
     assert torch.equal(torch.random.get_rng_state(), rng) and seconds > 0
     assert model.training and not frozen.training
     inputs, targets = TokenDataset(split / "heldout", 32, 0).batch(0, 4)

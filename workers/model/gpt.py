@@ -16,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
 
 from workers.model.config import ModelConfig
 from workers.model.documents import Documents
@@ -132,6 +134,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # > 1 (``train.loss_chunks``, set by the builder): forward stops before the head and ``model_loss`` runs it
+    # chunk by chunk, so the whole [tokens, vocab] logits never exist; 1: forward returns logits (generation)
+    loss_chunks = 1
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -157,7 +163,8 @@ class GPT(nn.Module):
         fill(self, torch.initial_seed() if seed is None else seed, self.cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens -> logits on a whole model; hidden -> hidden on a middle pipeline stage."""
+        """Tokens -> logits on a whole model; hidden -> hidden on a middle pipeline stage, and on the last one
+        when the loss applies the head (``loss_chunks`` > 1, ``model_loss``)."""
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
@@ -168,9 +175,15 @@ class GPT(nn.Module):
             h = layer(h)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and self.loss_chunks == 1:
             h = self.output(h)
         return h
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The head and loss on the last stage's ``hidden`` output, ``loss_chunks`` chunks of tokens at a time
+        (``chunked_lm_loss``). A method of the stage, so FSDP2 gathers the sharded head around it as around the
+        forward (``register_fsdp_forward_method`` in ``workers.parallel.data_parallel``)."""
+        return chunked_lm_loss(hidden, targets, self.output, self.loss_chunks, reduction)
 
 
 def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
@@ -192,6 +205,36 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     float32 whatever the compute dtype: their mean, or with ``reduction="sum"`` their sum (a masked step divides
     it by the global batch's count of counted targets, ``Trainer._count_targets``)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction=reduction)
+
+
+def model_loss(model: nn.Module, out: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``lm_loss`` of what ``model`` (the part holding the head) returned: its logits, or under ``loss_chunks`` > 1
+    its final hidden state, taken through the head chunk by chunk (``chunked_lm_loss``)."""
+    if model.loss_chunks == 1:
+        return lm_loss(out, targets, reduction)
+    return model.head_loss(out, targets, reduction)
+
+
+def chunked_lm_loss(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int,
+                    reduction: str = "mean") -> torch.Tensor:
+    """``lm_loss(head(hidden), targets)`` without the whole logits: the sequence cut into ``chunks`` (uneven when
+    it does not divide), each chunk's head and float32 cross entropy summed under ``torch.utils.checkpoint``, so
+    a chunk's logits are freed after its forward and recomputed one chunk at a time in backward; the sum, or
+    divided by the count of counted targets as ``F.cross_entropy``'s mean is.
+
+    Under sequence parallelism the hidden state is a DTensor split along the sequence: it is gathered first (it
+    is vocab/d_model times smaller than the logits), so every chunk lines up with its targets and the TP head
+    gathers one chunk's logits over the vocabulary at a time."""
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    pieces = zip(hidden.tensor_split(chunks, dim=1), targets.tensor_split(chunks, dim=1))
+    total = sum(checkpoint(_summed_loss, head, h, t, use_reentrant=False) for h, t in pieces if t.numel())
+    return total if reduction == "sum" else total / (targets != -100).sum()
+
+
+def _summed_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One chunk's summed token loss: what ``chunked_lm_loss`` recomputes in backward."""
+    return lm_loss(head(hidden), targets, reduction="sum")
 
 
 register(ModelFamily(

@@ -40,6 +40,8 @@ def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: Devi
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, **kw)
         fully_shard(stage, mesh=dp_mesh, **kw)
+        if getattr(stage, "loss_chunks", 1) > 1:  # the head runs in the loss (train.loss_chunks), gathered there
+            register_fsdp_forward_method(stage, "head_loss")
         return stage
     return stage  # zero 0: the builder adds gradient buckets (grad_buckets.py); zero 1: DistributedOptimizer
 

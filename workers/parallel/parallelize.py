@@ -93,6 +93,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
     wrapped, all_experts = [], []
     for part in parts:
+        part.loss_chunks = spec.train.loss_chunks  # the last stage's forward then leaves the head to the loss
         if not meta:
             part.to(device)
         if grid.tp_enabled:

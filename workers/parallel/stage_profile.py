@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from workers.model.config import ModelConfig, model_config
-from workers.model.gpt import lm_loss
+from workers.model.gpt import model_loss
 from workers.model.registry import build_model
 
 
@@ -142,11 +142,17 @@ def _unit_params(model: nn.Module) -> list[int]:
     return [embedding, *blocks, total - embedding - sum(blocks)]
 
 
-def profile_model(cfg: ModelConfig, micro_batch: int, steps: int = 5, seed: int = 0, loss_fn=lm_loss) -> ModelCosts:
+def profile_model(cfg: ModelConfig, micro_batch: int, steps: int = 5, seed: int = 0,
+                  loss_chunks: int = 1) -> ModelCosts:
     """Profile ``cfg``'s model on the CPU for one microbatch of ``micro_batch`` sequences of ``cfg.seq_len``
-    random tokens: a warm-up step, then the fastest of ``steps`` steps per unit, on one thread."""
+    random tokens: a warm-up step, then the fastest of ``steps`` steps per unit, on one thread. The head runs
+    its loss as the job will (``train.loss_chunks``): chunked, it saves less and recomputes in backward."""
     torch.manual_seed(seed)
     model = build_model(cfg)
+    model.loss_chunks = loss_chunks
+
+    def loss_fn(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return model_loss(model, out, targets)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1))
     rec, threads = _Recorder(model), torch.get_num_threads()
     torch.set_num_threads(1)
@@ -167,12 +173,13 @@ def profile_model(cfg: ModelConfig, micro_batch: int, steps: int = 5, seed: int 
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
-def profile_in_fresh_process(model: dict, micro_batch: int, seed: int = 0, timeout_s: float = 600.0) -> ModelCosts:
+def profile_in_fresh_process(model: dict, micro_batch: int, seed: int = 0, timeout_s: float = 600.0,
+                             loss_chunks: int = 1) -> ModelCosts:
     """``profile_model`` of the model fields ``model`` run in a new interpreter that keeps its freed memory, so
     the profile neither depends on the caller's heap nor pays page faults a training rank does not."""
     env = {**os.environ, **KEEP_MEMORY, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what the caller imports, the child does
-    args = json.dumps({"model": model, "micro_batch": micro_batch, "seed": seed})
+    args = json.dumps({"model": model, "micro_batch": micro_batch, "seed": seed, "loss_chunks": loss_chunks})
     try:
         proc = subprocess.run([sys.executable, "-m", __name__, args], env=env, capture_output=True, text=True,
                               timeout=timeout_s, check=False)
@@ -187,4 +194,5 @@ def profile_in_fresh_process(model: dict, micro_batch: int, seed: int = 0, timeo
 
 if __name__ == "__main__":  # profile_in_fresh_process's child: one JSON line of costs on stdout
     job = json.loads(sys.argv[1])
-    print(json.dumps(profile_model(model_config(job["model"]), job["micro_batch"], seed=job["seed"]).to_dict()))
+    print(json.dumps(profile_model(model_config(job["model"]), job["micro_batch"], seed=job["seed"],
+                                   loss_chunks=job["loss_chunks"]).to_dict()))
