@@ -377,7 +377,9 @@ class Trainer:
     def _begin_moe_step(self) -> None:
         """Tell the MoE layers where this rank's sequences start in the data stream (their routing noise is
         drawn per sequence from it) and the main loss's gradient scale (their auxiliary losses use it: loss
-        scale over the microbatches, as ``_microbatch_loss`` divides each microbatch's loss, pipelined or not)."""
+        scale over the microbatches, as ``_microbatch_loss`` divides each microbatch's loss, pipelined or not).
+        Under a loss mask too: the auxiliary losses are means over a microbatch's sequences, not sums over its
+        counted targets, so ``counted_scale`` does not apply to them (``tests/integration/test_sft_parity.py``)."""
         scale = self.state.scaler.scale if self.state.scaler else 1.0
         moe.begin_step(self.parts.modules, self.spec.train.seed, self.state.cursor.start, scale / self.microbatches)
 

@@ -408,7 +408,7 @@ def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomput
 
     tps = [t for t in _powers_of_two(min(TP_MAX, g.gpus_per_node))
            if shape.n_heads % t == 0 and shape.kv % t == 0 and world % t == 0]
-    cps = cps or [c for c in _powers_of_two(16) if shape.seq % c == 0]
+    cps = _chunkable(shape, cps or [c for c in _powers_of_two(16) if shape.seq % c == 0], skip)
     for tp, cp in product(tps, cps):
         if world % (tp * cp):
             continue
@@ -425,6 +425,16 @@ def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomput
                 balanced = balanced_layers(units, pp * layout.stages_per_rank) if units and pp > 1 else None
                 if balanced is not None and (only_split or balanced != layout.stage_layers(shape.n_layers)):
                     yield replace(layout, split=balanced)
+
+
+def _chunkable(shape: Shape, cps: list[int], skip) -> list[int]:
+    """The cp degrees of ``cps`` that leave each rank at least ``train.loss_chunks`` tokens of a sequence: the
+    spec refuses the others (``orchestrator/spec/loss_chunk_checks.py``), so the picker neither picks nor offers
+    them."""
+    for cp in cps:
+        if shape.seq // cp < shape.loss_chunks:
+            skip("train.loss_chunks over a rank's tokens (model.seq_len / cp)")
+    return [cp for cp in cps if shape.seq // cp >= shape.loss_chunks]
 
 
 def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units=None):

@@ -24,10 +24,6 @@ def check_document_mask(job: JobSpec) -> None:
         return
     p = job.parallel
     refused = [  # (applies, field, value, problem, fix)
-        (job.model.positions == "learned", "model.positions", "learned", "cannot combine with "
-         "model.attention_mask: document: learned positions are absolute, so a document would be seen at its "
-         "place in the window rather than from its start", f"set model.positions: rotary (relative: a document "
-         f"attends to itself alike wherever it starts), {_OFF}"),
         (job.train.compile, "train.compile", True, "cannot combine with model.attention_mask: document: the mask "
          "reaches attention per microbatch from outside the compiled blocks", f"set train.compile: false, {_OFF}"),
         (p.pp_schedule in ASYNC, "parallel.pp_schedule", p.pp_schedule, "cannot combine with "

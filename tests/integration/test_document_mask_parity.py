@@ -1,14 +1,14 @@
 """Document masking (``model.attention_mask: document``) on parallel layouts reproduces the document-masked
 single-process reference (fp32, CPU, 1e-4 relative): losses, global gradient norms and held-out losses.
 
-Each layout hands the attention cores every microbatch's document ids its own way: the plain loop under
-dp/ZeRO 0-3 and tp with and without sequence parallelism, the pipeline's chunks (stages that receive activations,
-not tokens, and a backward that replays the forward under recompute, full or selective), the evaluation's
-microbatches (a pipeline sweep among them), and context parallelism, where a cp rank masks its zigzag share of
-the queries over the whole window's keys (all-gather, Ulysses) or over each K/V block passed round the ring.
-The data are many short documents, a few per 32-token window, so most windows cross a boundary. Ranks are
-spawned processes over gloo (tests/support/parity_harness.py, no Ray), every layout at world size 4 in one spawn,
-3 steps each; the reference is computed once per family.
+Each layout hands the attention cores every microbatch's document ids its own way: the plain loop under dp/ZeRO 0-3
+and tp with and without sequence parallelism, the pipeline's chunks (stages that receive activations, not tokens,
+and a backward that replays the forward under recompute, full or selective), the evaluation's microbatches (a
+pipeline sweep among them), and context parallelism, where a cp rank masks its zigzag share of the queries over the
+whole window's keys (all-gather, Ulysses) or over each K/V block passed round the ring. The data are many short
+documents, a few per 32-token window, so most windows cross a boundary. Learned positions restart at each document
+(cp2, dp2, tp2 with sequence parallelism). Ranks are spawned processes over gloo (tests/support/parity_harness.py,
+no Ray), the layouts of one world size in one spawn, 3 steps each; the reference is computed once per family.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ STEPS = 3
 FAMILIES = {
     "gpt": {"attention_mask": "document", "init_std": 0.1},
     "llama-gqa": {"attention_mask": "document", "init_std": 0.1, "arch": "llama", "n_kv_heads": 2},
+    # learned positions restart at each document (Megatron's --reset-position-ids), also on a cp rank's share
+    "gpt-learned": {"attention_mask": "document", "init_std": 0.1, "positions": "learned"},
     # MoE keys capacity (per sequence) and expert dropout by stream position: the mask must leave both alone
     "gpt-moe": {"attention_mask": "document", "init_std": 0.1, "n_layers": 2,
                 "moe": {"experts": 4, "group": "sequence", "router": "switch", "capacity_factor": 1.0,
@@ -54,6 +56,10 @@ LAYOUTS = {  # name: (family, parallel, memory, with evaluation)
     # two stages a rank, split backward: the W chunks (and every chunk of the second stage) take their documents
     "pp2-dp2-zbv": ("llama-gqa", {"pp": 2, "dp": 2, "pp_schedule": "zbv"}, {}, False),
     "dp2-pp2-hf-qlora": ("hf-qlora", {"dp": 2, "pp": 2}, {}, False),
+    "cp2-learned": ("gpt-learned", {"cp": 2}, {}, True),
+    "dp2-learned": ("gpt-learned", {"dp": 2}, {}, False),
+    # the position table's output sharded over the tokens of a [batch, seq] lookup under sequence parallelism
+    "tp2-sp-learned": ("gpt-learned", {"tp": 2}, {}, False),
 }
 
 

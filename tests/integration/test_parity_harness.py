@@ -46,6 +46,8 @@ LORA_LAYOUTS = {
 ARCHS = {"gpt": ({}, STEPS), "llama": ({"arch": "llama", "n_kv_heads": 2}, 4)}
 # Llama-only: a tied head re-tied after TP and sharded with the embedding under ZeRO-3
 LLAMA_LAYOUTS = {"tp2-dp2-zero3-tied": ({"tp": 2, "dp": 2, "zero": 3}, {"tie_embeddings": True})}
+# GPT-only: the learned position table under sequence parallelism, its [1, seq] lookup's output sharded over tokens
+GPT_LAYOUTS = {"tp2-sp-learned": ({"tp": 2}, {"positions": "learned"})}
 
 
 def _spec(arch: str, token_data, tmp_path, parallel: dict, model: dict | None = None, train: dict | None = None):
@@ -66,8 +68,10 @@ def _cases(token_data, tmp_path) -> dict[str, tuple]:
             spec = _spec(arch, token_data, tmp_path / f"lora-{name}-{arch}", parallel,
                          model={"lora": {**LORA, **lora}}, train={"steps": LORA_STEPS})
             cases[f"lora-{name}-{arch}"] = (spec, False)
-    for name, (parallel, model) in LLAMA_LAYOUTS.items():
-        cases[f"llama-{name}"] = (_spec("llama", token_data, tmp_path / f"llama-{name}", parallel, model=model), False)
+    for arch, layouts in (("llama", LLAMA_LAYOUTS), ("gpt", GPT_LAYOUTS)):
+        for name, (parallel, model) in layouts.items():
+            cases[f"{arch}-{name}"] = (_spec(arch, token_data, tmp_path / f"{arch}-{name}", parallel, model=model),
+                                       False)
     return cases
 
 
@@ -110,10 +114,10 @@ def test_layout_matches_single_process_reference(name, arch, cases, runs, refere
     _assert_matches(f"{name}-{arch}", cases, runs, references(arch))
 
 
-@pytest.mark.parametrize("name", list(LLAMA_LAYOUTS))
-def test_llama_only_layout_matches_single_process_reference(name, cases, runs):
-    spec = cases[f"llama-{name}"][0]
-    _assert_matches(f"llama-{name}", cases, runs, reference_run(spec, spec.train.steps))
+@pytest.mark.parametrize("name", [f"llama-{n}" for n in LLAMA_LAYOUTS] + [f"gpt-{n}" for n in GPT_LAYOUTS])
+def test_one_family_layout_matches_its_single_process_reference(name, cases, runs):
+    spec = cases[name][0]
+    _assert_matches(name, cases, runs, reference_run(spec, spec.train.steps))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

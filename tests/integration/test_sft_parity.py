@@ -4,8 +4,10 @@ single-process reference (fp32, CPU, 1e-4 relative): losses, global gradient nor
 The reference takes the mean cross entropy over the counted targets of the whole global batch; the layouts split the
 batch over dp ranks, microbatches, cp shares and pipeline microbatches, each holding a different count (examples'
 completions run from none to ~60 bytes, prompts from 1 to ~40), so a mean per microbatch averaged would differ.
-Ranks are spawned processes over gloo (tests/support/parity_harness.py, no Ray), every layout at world size 4 in
-one spawn, 3 steps each.
+An MoE model's auxiliary losses (through ``AuxLossGrad``, per microbatch) keep the scale they have without a mask:
+means over the sequences, whatever count of completion tokens a microbatch holds (dp=2, and dp=2 x ep=2).
+Ranks are spawned processes over gloo (tests/support/parity_harness.py, no Ray), the layouts of one world size in one
+spawn, 3 steps each.
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ from workers.data.loader import IGNORE_INDEX
 STEPS = 3
 EVAL = {"every": 2, "batches": 1}
 FAMILIES = {"gpt": {"init_std": 0.1}, "llama-document": {"arch": "llama", "attention_mask": "document",
-                                                          "init_std": 0.1}}
+                                                          "init_std": 0.1},
+            # aux losses weighted up, so a scale that followed the count of completion tokens moves the norms
+            "gpt-moe": {"init_std": 0.1, "n_layers": 2,
+                        "moe": {"experts": 4, "group": "sequence", "router": "switch", "capacity_factor": 1.0,
+                                "aux_loss_weight": 1.0, "z_loss_weight": 0.1}}}
 LAYOUTS = {  # name: (family, parallel, with evaluation)
     "dp2-tp2-microbatches2": ("gpt", {"dp": 2, "tp": 2}, True),
     "pp2-dp2-zero1": ("gpt", {"pp": 2, "dp": 2, "zero": 1}, True),
     "cp2-dp2-zero2": ("gpt", {"cp": 2, "dp": 2, "zero": 2}, True),
     "dp4-zero3": ("gpt", {"dp": 4, "zero": 3}, False),
     "document-pp2-tp2": ("llama-document", {"pp": 2, "tp": 2}, True),
+    "moe-dp2": ("gpt-moe", {"dp": 2}, True),
+    "moe-dp2-ep2": ("gpt-moe", {"dp": 2, "ep": 2}, False),
 }
 
 

@@ -16,6 +16,7 @@ from workers.model.registry import build_model
 EOS = 0
 FAMILIES = {
     "gpt": {"arch": "gpt", "positions": "rotary"},
+    "gpt-learned": {"arch": "gpt", "positions": "learned"},
     "llama": {"arch": "llama", "n_kv_heads": 2, "d_ff": 48},
 }
 
@@ -45,10 +46,23 @@ def test_document_ids_count_the_eos_and_it_opens_the_next_document():
     assert ids.tolist() == [[0, 0, 1, 1, 2, 3, 3]]
 
 
+def test_learned_positions_restart_at_each_document_on_a_context_parallel_share():
+    """A cp rank's tokens (the zigzag share of the window) look up their index within their document, as the
+    whole window's do at those positions."""
+    from workers.parallel.context_parallel import zigzag_indices
+
+    ids = document_ids(torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8, 9], [EOS, 1, 2, 3, 4, 5, EOS, 6]]), EOS)
+    documents = Documents(ids)
+    assert documents.positions(torch.arange(8)).tolist() == [[0, 1, 0, 1, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]]
+    share = zigzag_indices(8, 2, 1)  # rank 1 of cp 2: positions 2, 3, 4, 5
+    assert documents.positions(share).tolist() == [[0, 1, 0, 0], [2, 3, 4, 5]]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_packed_window_gives_each_document_its_own_logits(family):
-    """Rotary positions are relative, so a document attending only to itself scores as it does alone, wherever
-    it starts in the window; without the mask the later documents' logits change (they see the earlier ones)."""
+    """Rotary positions are relative, and learned ones restart at each document (Megatron's
+    ``--reset-position-ids``), so a document attending only to itself scores as it does alone, wherever it starts
+    in the window; without the mask the later documents' logits change (they see the earlier ones)."""
     model = _model(family)
     tokens, spans = _packed([7, 1, 12, 9])
     with torch.no_grad():

@@ -24,8 +24,6 @@ def _raw(run_dir: str = "runs", **sections) -> dict:
 
 
 REFUSED = {  # name: (sections, field, value, a part of the fix)
-    "learned-positions": ({"model": {"positions": "learned"}}, "model.positions", "learned",
-                          "set model.positions: rotary"),
     "compile": ({"train": {"compile": True}}, "train.compile", True, "set train.compile: false"),
     "pipedream": ({"parallel": {"pp": 2, "pp_schedule": "pipedream"}, "train": {"microbatches": 2}},
                   "parallel.pp_schedule", "pipedream",
@@ -45,6 +43,11 @@ def test_what_the_document_mask_cannot_combine_with_is_refused_naming_the_fix(na
 def test_the_layouts_it_masks_are_accepted(parallel):
     raw = _raw(parallel=parallel, train={"global_batch_size": 4, "microbatches": 2})
     assert JobSpec.from_dict(raw).model.attention_mask == "document"
+
+
+def test_learned_positions_are_accepted_restarting_at_each_document():
+    raw = _raw(model={"positions": "learned"}, parallel={"cp": 2})
+    assert JobSpec.from_dict(raw).model.positions == "learned"
 
 
 def test_the_default_is_causal_and_ring_stays_allowed_with_it():

@@ -116,6 +116,37 @@ def test_the_planners_logits_terms_follow_the_chunk_count():
     assert whole - chunked == 4 * seq * mb * vocab  # no log-probabilities saved for backward
 
 
+def _llama_8b(seq_len: int, loss_chunks: int):
+    from orchestrator.spec import JobSpec
+
+    return JobSpec.from_dict({"data": {"path": "/tmp/none"}, "run_dir": "/tmp/none",
+                              "model": {"preset": "llama3-8b", "seq_len": seq_len},
+                              "train": {"global_batch_size": 16, "microbatches": 16, "loss_chunks": loss_chunks},
+                              "precision": {"dtype": "bf16"}, "memory": {"recompute": "full"}})
+
+
+@pytest.mark.parametrize(("seq_len", "loss_chunks", "gpu_gb"), [
+    (131072, 65536, 60),  # cp=8 was priced fastest, listed first and refused when tried
+    (8192, 8192, 24),  # a cp=2 layout was offered as "faster on paper", which the job refuses
+], ids=["priced-fastest", "faster-on-paper"])
+def test_the_layout_picker_offers_no_cp_that_leaves_a_rank_fewer_tokens_than_chunks(seq_len, loss_chunks, gpu_gb):
+    """Every layout the picker prices, shows or offers is one the job file accepts: none whose cp leaves a rank
+    fewer tokens than ``train.loss_chunks`` (the spec refuses those), and the search counts the cp degrees that
+    left out."""
+    from orchestrator.planning.layout_picker import LONG_SEQUENCE, overrides, pick_layout
+    from orchestrator.planning.layout_search import Shape
+
+    spec = _llama_8b(seq_len, loss_chunks)
+    choice = pick_layout(spec, nodes=2, gpus_per_node=8, gpu_mem=gpu_gb * 10**9)
+    shown = [*choice.result.best, *([choice.unrestricted] if choice.unrestricted else [])]
+    assert all(seq_len // c.layout.cp >= loss_chunks for c in shown)
+    assert not choice.tried
+    for c in [*choice.result.best[:5], *shown[len(choice.result.best):]]:  # what `raymesh plan --pick` prints
+        spec.with_overrides(overrides(c, Shape.of(spec)))
+    left_out = choice.result.rejected.get("train.loss_chunks over a rank's tokens (model.seq_len / cp)", 0)
+    assert left_out > 0 or seq_len < LONG_SEQUENCE  # below it the picked search tries cp=1 only
+
+
 def _plan_job(tmp_path, **train) -> str:
     job = tmp_path / "job.yaml"
     job.write_text("data: {path: /absent/data}\nmodel: {d_model: 256, n_layers: 2, n_heads: 4, seq_len: 2048, "

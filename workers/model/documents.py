@@ -6,11 +6,13 @@ A window is a slice of a stream of documents joined by the tokenizer's end-of-do
 that id in the window (``workers.data.loader.document_ids``): the id itself opens the next document, so the last
 token of a document still learns to predict it.
 
-The ids reach attention from outside the model, the way a context shard does: while one microbatch runs forward
-(and backward: recompute replays the forward inside it) its ``Documents`` sits on every attention core
-(``attending``). The trainer sets it per microbatch, a pipeline stage per schedule chunk
-(``workers.parallel.pipeline.TimedStage``), so stages that receive activations rather than tokens mask the same
-way. A model used without it (generation, a causal job) attends causally.
+The ids reach attention from outside the model, the way a context shard does: while one microbatch runs forward (and
+backward: recompute replays the forward inside it) its ``Documents`` sits on every attention core (``attending``),
+and on a GPT root with learned positions, which then looks up each token's index within its document rather than in
+the window (``Documents.positions``, Megatron's ``--reset-position-ids``): learned positions are absolute, so
+without it a document would be seen at its place in the window. The trainer sets it per microbatch, a pipeline stage
+per schedule chunk (``workers.parallel.pipeline.TimedStage``), so stages that receive activations rather than tokens
+mask the same way. A model used without it (generation, a causal job) attends causally.
 
 Attention is ``F.scaled_dot_product_attention`` with a ``[batch, 1, q, k]`` mask, on CPU and CUDA alike: the
 boolean document mask made additive once per microbatch in the compute dtype and shared by every layer
@@ -32,6 +34,15 @@ def document_mask(documents: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Ten
     holds the whole window's document ids, indexed by global position."""
     same = documents[:, q_pos, None] == documents[:, None, k_pos]
     return (same & (q_pos[:, None] >= k_pos[None, :]))[:, None]
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """[batch, seq]: each token's index within its document, from the document ids [batch, seq] (0 where one
+    opens: at its end-of-document id, or at the window's start for one cut by the window)."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    opens = torch.ones_like(documents, dtype=torch.bool)
+    opens[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(opens, index, 0).cummax(dim=1).values
 
 
 class Documents:
@@ -66,6 +77,11 @@ class Documents:
             self._masks[key] = build()
         return self._masks[key]
 
+    def positions(self, window_pos: torch.Tensor) -> torch.Tensor:
+        """[batch, len(window_pos)]: the index within its document of the token at each window position
+        ``window_pos`` (a context-parallel rank's share, or the whole window), what learned positions look up."""
+        return self.cached(("positions",), lambda: document_positions(self.ids))[:, window_pos]
+
     def whole(self, q: torch.Tensor) -> torch.Tensor:
         """The mask of a whole window over itself, in natural order, for queries ``q`` [batch, heads, seq, dim]."""
         pos = torch.arange(q.shape[2], device=q.device)
@@ -93,26 +109,30 @@ def split_documents(ids: torch.Tensor | None, chunks: int, device: torch.device)
     return [Documents(part.to(device)) for part in ids.chunk(chunks)]
 
 
-def attention_cores(module: nn.Module) -> list[nn.Module]:
-    """The attention cores (``workers.model.gpt.CausalCore`` and its subclasses) inside ``module``."""
-    from workers.model.gpt import CausalCore  # gpt imports this module for the mask
+def document_readers(module: nn.Module) -> list[nn.Module]:
+    """The modules inside ``module`` that read a microbatch's documents: the attention cores
+    (``workers.model.gpt.CausalCore`` and its subclasses: the mask) and a GPT root holding learned position
+    embeddings (each token's position within its document)."""
+    from workers.model.gpt import GPT, CausalCore  # gpt imports this module for the mask
 
-    return [m for m in module.modules() if isinstance(m, CausalCore)]
+    return [m for m in module.modules()
+            if isinstance(m, CausalCore) or (isinstance(m, GPT) and m.pos_embeddings is not None)]
 
 
 @contextlib.contextmanager
 def attending(modules: list[nn.Module], documents: Documents | None):
     """Every attention core inside ``modules`` masks by ``documents`` for the block (a forward, or a backward
-    that recomputes one), then causally again, the masks built for it released; with None, nothing changes."""
+    that recomputes one), and learned positions restart at each document, then causally and by window position
+    again, the masks built for it released; with None, nothing changes."""
     if documents is None:
         yield
         return
-    cores = [core for module in modules for core in attention_cores(module)]
-    for core in cores:
-        core.documents = documents
+    readers = [reader for module in modules for reader in document_readers(module)]
+    for reader in readers:
+        reader.documents = documents
     try:
         yield
     finally:
-        for core in cores:
-            core.documents = None
+        for reader in readers:
+            reader.documents = None
         documents.release()

@@ -149,6 +149,7 @@ class GPT(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.context_shard = None  # positions of the tokens this rank holds under cp (see token_positions)
+        self.documents: Documents | None = None  # under the document mask, per microbatch (``learned_positions``)
         if not self.layers["0"].attention.wq.weight.is_meta:
             self.init_weights()
 
@@ -168,7 +169,7 @@ class GPT(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(token_positions(self.context_shard, x.shape[1], x.device))
+                h = h + self.pos_embeddings(self.learned_positions(x))
         else:
             h = x
         for layer in self.layers.values():
@@ -178,6 +179,14 @@ class GPT(nn.Module):
         if self.output is not None and self.loss_chunks == 1:
             h = self.output(h)
         return h
+
+    def learned_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """The learned table's row for each token of ``x`` [batch, seq], as [1 or batch, seq]: its position in the
+        window (``token_positions``), or under the document mask (``documents``, set by
+        ``workers.model.documents.attending``) its index within its document, as Megatron's
+        ``--reset-position-ids``: so a document is seen from its start wherever it sits in the window."""
+        positions = token_positions(self.context_shard, x.shape[1], x.device)
+        return positions[None] if self.documents is None else self.documents.positions(positions)
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The head and loss on the last stage's ``hidden`` output, ``loss_chunks`` chunks of tokens at a time

@@ -74,9 +74,10 @@ def ends_plan(stage: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     if stage.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
     if stage.pos_embeddings is not None:
-        # positions index rows [0, seq): sharding its output on dim 0 lines up with Shard(1) tokens
+        # positions are [1 or batch, seq] (``GPT.learned_positions``): its output sharded on dim 1 lines up with
+        # Shard(1) tokens
         plan["pos_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+            input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate()
         )
     if stage.norm is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()

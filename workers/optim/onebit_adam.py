@@ -148,7 +148,7 @@ def _in_order(param_groups: list[dict]) -> list[torch.Tensor]:
 class ParameterErrors:
     """1-bit Adam's error per parameter name (``errors``) as a ``state_dict`` of CPU copies, for snapshots and
     checkpoints (``workers.state.compression_feedback``). Checkpoints of older versions keyed it by position
-    in the param groups (``OLD``); ``upgrade`` reads those by name where that is safe."""
+    in the param groups (``OLD``); ``upgrade`` reads those by the order the saved param groups held them."""
 
     KEY, OLD = "named_error.", "error."
 
@@ -163,19 +163,20 @@ class ParameterErrors:
         self.errors = {k[len(self.KEY):]: t.to(device, copy=True) for k, t in state.items() if k.startswith(self.KEY)}
 
     def upgrade(self, state: dict[str, torch.Tensor], saved_decay: dict[str, float], checkpoint: str) -> dict:
-        """``state`` keyed by name. A position-keyed one (an older save) is read in this job's param-group order
-        only where the checkpoint's groups, rebuilt from each parameter's ``saved_decay`` as ``decay_groups``
-        built them, held the parameters in that same order (and shapes agree); otherwise a position would name
-        another parameter, so it is refused, naming ``checkpoint``, why and the fix."""
+        """``state`` keyed by name. A position-keyed one (an older save) is read by the order the checkpoint's
+        param groups held the parameters, rebuilt exactly from each one's ``saved_decay`` as ``decay_groups``
+        built them (``_saved_order``), so it resumes under any ``optim.weight_decay_exclude``. Refused, naming
+        ``checkpoint``, why and the fix, only where no order can be rebuilt: the checkpoint lacks some parameter's
+        group settings, or a position is past this job's parameters or holds another shape (another model)."""
         old = {int(k[len(self.OLD):]): t for k, t in state.items() if k.startswith(self.OLD)}
         if not old:
             return state
-        order = self.optimizer.step_order()
         shapes = {self.optimizer.name_of[id(p)]: p.shape for p in _in_order(self.optimizer.param_groups)}
         saved = _saved_order(self.optimizer.model_order, saved_decay)
-        if saved != order or any(i >= len(order) or t.shape != shapes[order[i]] for i, t in old.items()):
-            raise ValueError(_old_order_refusal(checkpoint, saved, saved_decay, len(self.optimizer.param_groups)))
-        return {self.KEY + order[i]: t for i, t in old.items()}
+        why = _unmappable(old, saved, shapes)
+        if why:
+            raise ValueError(_old_order_refusal(checkpoint, why))
+        return {self.KEY + saved[i]: t for i, t in old.items()}
 
 
 def _saved_order(model_order: list[str], saved_decay: dict[str, float]) -> list[str] | None:
@@ -190,16 +191,23 @@ def _saved_order(model_order: list[str], saved_decay: dict[str, float]) -> list[
     return sorted(model_order, key=lambda n: first[saved_decay[n]])
 
 
-def _old_order_refusal(checkpoint: str, saved: list[str] | None, saved_decay: dict[str, float], groups: int) -> str:
-    """The one-line refusal of a position-keyed error feedback whose positions no longer name its parameters."""
+def _unmappable(old: dict[int, torch.Tensor], saved: list[str] | None, shapes: dict[str, torch.Size]) -> str:
+    """Why the position-keyed errors ``old`` cannot be read in the ``saved`` order of parameters (of ``shapes``
+    in this job), or "" where they can."""
     if saved is None:
-        why = "the checkpoint has no param-group settings for some of this job's parameters"
-        fix = "resume it with the job file it was saved with"
-    else:
-        n_saved = len(set(saved_decay.values()))
-        why = f"its optimizer held the parameters in {n_saved} param group(s), this job's in {groups}"
-        fix = ("resume it once with --set optim.weight_decay_exclude=none (one group, as it was saved)" if n_saved == 1
-               else "resume it once with the optim.weight_decay and optim.weight_decay_exclude it was saved with")
+        return "it has no param-group settings for some of this job's parameters"
+    for i, t in sorted(old.items()):
+        if i >= len(saved):
+            return f"it holds an error at position {i}, past this job's {len(saved)} parameters"
+        if t.shape != shapes[saved[i]]:
+            return (f"its error at position {i} has shape {tuple(t.shape)}, where this job's parameter there, "
+                    f"{saved[i]}, has {tuple(shapes[saved[i]])}")
+    return ""
+
+
+def _old_order_refusal(checkpoint: str, why: str) -> str:
+    """The one-line refusal of a position-keyed error feedback whose positions cannot be mapped to names."""
     return (f"checkpoint {checkpoint} keeps 1-bit Adam's error feedback by parameter position, as raymesh did before "
-            f"keying it by name, and {why}, so a position would name another parameter; fix: {fix} (its next save "
-            "keys it by name), or start a fresh run in another run_dir or checkpoint.dir")
+            f"keying it by name, and {why}, so its positions cannot be read as this model's parameters; fix: resume "
+            "it with the model it was saved with (its next save keys the errors by name), or start a fresh run in "
+            "another run_dir or checkpoint.dir")
