@@ -140,3 +140,15 @@ def test_an_export_refuses_a_learnt_balancing_bias(tmp_path):
     ours.layers["1"].feed_forward.router.bias += 0.5
     with pytest.raises(ValueError, match="router.bias is model.moe.bias_balancing's learnt bias"):
         hf_io.write_hf(ours.state_dict(), ours.cfg, tmp_path / "out")
+
+
+def test_an_export_carries_the_sources_aux_loss_settings_it_does_not_map(tmp_path):
+    """router_aux_loss_coef weighs transformers' pooled balance loss, not raymesh's per-layer one (hf_moe): the job's
+    aux_loss_weight trains, and the export keeps the source's coefficient for transformers' own training."""
+    src = save_hf_family(tmp_path / "src", "mixtral", router_aux_loss_coef=0.02, output_router_logits=True)
+    cfg = ModelConfig(**{**hf_io.config_fields(hf_io.read_config(src)), "seq_len": 64})
+    assert cfg.moe.aux_loss_weight == 0.01  # raymesh's default, not the checkpoint's 0.02
+    model = build_model(cfg)
+    hf_io.load_hf_weights(model, src)
+    config = hf_io.read_config(hf_io.write_hf(model.state_dict(), cfg, tmp_path / "out", source=src))
+    assert (config["router_aux_loss_coef"], config["output_router_logits"]) == (0.02, True)

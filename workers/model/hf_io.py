@@ -336,10 +336,10 @@ def _read_experts(reader: _Reader, name: str, kind: str, first: int, shape: torc
 # -- weights out ------------------------------------------------------------------------------------------------
 
 # config.json keys of a source checkpoint that raymesh's model fields do not hold, carried into its export
-# (an MoE's aux-loss settings too: raymesh does not map them, ``workers.model.hf_moe``, but transformers' training
-# of the export reads them)
-CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "router_aux_loss_coef",
-                "output_router_logits")
+CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# an MoE's aux-loss settings, carried where the source has them: raymesh does not map them (``workers.model.hf_moe``),
+# but transformers' own training of the export reads them
+AUX_LOSS_KEYS = ("router_aux_loss_coef", "output_router_logits")
 # a Mistral's or Qwen's sliding-window keys, carried where the source has them: accepted only where the window cuts
 # nothing at the job's seq_len (``check_sliding_window``), the window stays the model's at longer contexts
 WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
@@ -423,9 +423,9 @@ def written_config(state: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelCon
 
 
 def carried_config(config: dict[str, Any], source: dict[str, Any], seq_len: int) -> dict[str, Any]:
-    """``config`` with the source's ``CARRIED_KEYS`` and ``WINDOW_KEYS``; the context length is the source's unless the
-    run trained
-    on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not what the model can take)."""
-    carried = {**config, **{k: source[k] for k in (*CARRIED_KEYS, *WINDOW_KEYS) if k in source}}
+    """``config`` with the source's ``CARRIED_KEYS``, ``WINDOW_KEYS`` and ``AUX_LOSS_KEYS``; the context length is the
+    source's unless the run trained on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not
+    what the model can take)."""
+    carried = {**config, **{k: source[k] for k in (*CARRIED_KEYS, *WINDOW_KEYS, *AUX_LOSS_KEYS) if k in source}}
     carried["max_position_embeddings"] = max(carried["max_position_embeddings"], seq_len)
     return carried

@@ -15,7 +15,7 @@ stacks them: ``w1``/``w3`` [E, d, h] hold expert e's gate/up weights transposed,
 Not mapped: ``router_aux_loss_coef``. transformers' balance loss (only with ``output_router_logits``) is one
 E * sum_e f_e * P_e over the tokens of all layers pooled; raymesh's topk loss is that product per layer and per
 routing group, summed over layers, so the same weight would not weigh the same loss. The job's
-``model.moe.aux_loss_weight`` applies (the export carries the source's key along, ``hf_io.CARRIED_KEYS``).
+``model.moe.aux_loss_weight`` applies (the export carries the source's key along, ``hf_io.AUX_LOSS_KEYS``).
 """
 
 from __future__ import annotations
