@@ -15,7 +15,7 @@ from orchestrator.checkpoints.base_pin import check_base_unchanged
 from orchestrator.checkpoints.job_record import check_readable
 from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr
-from workers.model.config import model_config
+from workers.model.config import HF_MOE_TYPES, model_config
 from workers.storage import is_url, location, staged_output
 
 
@@ -191,15 +191,18 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
 
 
 def _check_hf_layout(job) -> None:
-    """Before the checkpoint is read: only a dense Llama has a Hugging Face layout here (`LlamaForCausalLM`); an MoE
-    Llama's routers and experts have no name in it, which used to end the export after the whole read."""
+    """Before the checkpoint is read: only a Llama has a Hugging Face layout here, and an MoE one only as a
+    Qwen3-MoE or Mixtral (`model.hf_model_type`; `ModelSpec` checks its MoE is one they hold); a dense family's
+    feed-forward has no name for routers and experts, which used to end the export after the whole read."""
     if job.model.arch != "llama":
         raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
                         "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
-    if job.model.moe is not None:
-        raise SpecError("model.moe", {"experts": job.model.moe.experts}, "has no Hugging Face layout in raymesh: "
-                        "LlamaForCausalLM's feed-forward is dense, so the routers and experts have no names there",
-                        "export a dense job (model.moe: null), or use the checkpoint with `raymesh generate`")
+    if job.model.moe is not None and job.model.hf_model_type not in HF_MOE_TYPES:
+        raise SpecError("model.moe", {"experts": job.model.moe.experts}, "has no Hugging Face layout in raymesh "
+                        f"under model.hf_model_type {job.model.hf_model_type!r}: its feed-forward is dense, so the "
+                        "routers and experts have no names there", "set model.hf_model_type: mixtral (a topk MoE in "
+                        "every layer) or qwen3_moe (with model.qk_norm: true) where the job's MoE is one, or export "
+                        "a dense job (model.moe: null), or use the checkpoint with `raymesh generate`")
 
 
 def _check_tied_head(job) -> None:

@@ -15,12 +15,25 @@ from orchestrator.errors import SpecError
 from orchestrator.spec.fields import STRICT, PathStr, _divisors, _Section
 from orchestrator.spec.lora import LoraSpec, default_targets
 from orchestrator.spec.moe import MoESpec
-from workers.model.config import HF_FAMILY_FIELDS, LLAMA_ONLY, ModelConfig
+from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, LLAMA_ONLY, ModelConfig
 from workers.model.presets import PRESETS
 
 Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 MAX_LAYERS = 10_000
+
+
+def _hf_moe_fixes(kind: str, moe: MoESpec) -> list[tuple[str, str, str]]:
+    """The ``model.moe`` fields a ``kind`` checkpoint cannot hold: (field, the value it needs, why)."""
+    fixes = [("router", "topk", "its router is a dropless softmax top-k over every expert; noisy, capacity-limited "
+              "and expert-choice routing would compute another model than transformers'"),
+             ("bias_balancing", "false", "the learnt bias would change which experts a token gets, and the "
+              "checkpoint has no place for it"),
+             ("shared_experts", "0", "it has no shared experts")]
+    if kind == "mixtral":
+        fixes += [("every", "1", "Mixtral has experts in every layer"),
+                  ("norm_topk", "true", "Mixtral always renormalises the top-k gates")]
+    return [fix for fix in fixes if str(getattr(moe, fix[0])).lower() != fix[1]]
 
 
 class ModelSpec(ModelConfig, _Section):
@@ -143,6 +156,26 @@ class ModelSpec(ModelConfig, _Section):
                                 f"set model.{name}: {str(value).lower()}, or model.hf_model_type to one of {kinds}")
         return self
 
+    @model_validator(mode="after")
+    def _check_hf_moe(self) -> ModelSpec:
+        """A Qwen3-MoE or Mixtral model (``hf_model_type``) computes what ``transformers``' does: a dropless,
+        unbiased softmax top-k router and no shared experts, Mixtral's in every layer and renormalised; anything
+        else would train (and export) a model the checkpoint's family cannot hold. ``expert_dropout``, the aux
+        and z losses are training choices the job may make (the model in eval mode is the same)."""
+        kind, moe = self.hf_model_type, self.moe
+        if kind not in HF_MOE_TYPES:
+            return self
+        if moe is None:
+            raise SpecError("model.moe", None, f"is null, but model.hf_model_type {kind!r} is a mixture-of-experts "
+                            "family", f"set model.init_from to a {kind} checkpoint (it fills model.moe in), or "
+                            "set model.moe, or another model.hf_model_type")
+        fixes = _hf_moe_fixes(kind, moe)
+        if fixes:
+            field, value, fix = fixes[0]
+            raise SpecError(f"model.moe.{field}", getattr(moe, field), f"cannot be held by a Hugging Face {kind} "
+                            f"checkpoint: {fix}", f"set model.moe.{field}: {value}")
+        return self
+
 
 def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with the shape `config.json` of `init_from` gives; a field set to another value is an error
@@ -166,12 +199,24 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     except ValueError as exc:
         raise SpecError("model.init_from", directory, f"uses sliding-window attention ({exc})",
                         "lower model.seq_len to the window as the message says") from None
-    for name, value in hf.items():
-        if data.get(name) is not None and not _same(data[name], value):
-            raise SpecError(f"model.{name}", data[name],
-                            f"disagrees with {directory}/config.json, which gives {name} = {value!r}",
-                            f"remove model.{name} from the job file (init_from sets it), or set it to {value!r}")
+    _check_agrees(data, hf, directory)
+    if isinstance(data.get("moe"), dict) and hf.get("moe") is not None:  # the job's own MoE settings are kept
+        hf = {**hf, "moe": {**data["moe"], **hf["moe"]}}
     return {**data, **hf}
+
+
+def _check_agrees(data: dict[str, Any], hf: dict[str, Any], directory: str, prefix: str = "") -> None:
+    """Refuse a field the job sets to another value than `init_from`'s config.json gives, naming it (an MoE
+    checkpoint's `model.moe` fields one by one)."""
+    for name, value in hf.items():
+        ours = data.get(name)
+        if name == "moe" and isinstance(ours, dict) and isinstance(value, dict):
+            _check_agrees(ours, value, directory, "moe.")
+        elif ours is not None and not _same(ours, value):
+            raise SpecError(f"model.{prefix}{name}", ours,
+                            f"disagrees with {directory}/config.json, which gives {prefix}{name} = {value!r}",
+                            f"remove model.{prefix}{name} from the job file (init_from sets it), or set it to "
+                            f"{value!r}")
 
 
 def _same(ours: Any, theirs: Any) -> bool:

@@ -48,6 +48,14 @@ class MoESpec(MoEConfig, _Section):
                             f"{self.router}", "set model.moe.router: topk, or bias_balancing: false")
         return self
 
+    @model_validator(mode="after")
+    def _check_norm_topk(self) -> MoESpec:
+        """Only ``router: topk`` reads ``norm_topk``; the other routers' gates are their papers'."""
+        if not self.norm_topk and self.router != "topk":
+            raise SpecError("model.moe.norm_topk", False, f"is read by router: topk only, not {self.router}",
+                            "set model.moe.router: topk, or remove model.moe.norm_topk")
+        return self
+
 
 def check_moe(job: JobSpec) -> None:
     """An MoE section that places no MoE layer."""

@@ -29,7 +29,7 @@ from tests.support.parity_harness import ran, run_grouped
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples that need the controller or the CLI (see the docstring); the rest train in the harness
 THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tracking", "fault_injection",
-               "llama_finetune_lora", "qwen3_finetune",
+               "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
                "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
                "pp_auto_split", "soak"}
@@ -45,7 +45,8 @@ MIX_DATA = {"data_mix": ["token_data", "heldout_data"]}
 EVAL_DATA = {"evaluation": "heldout_data"}
 # examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
 NEEDS_HF_DIR = {"llama_finetune_lora": save_hf_llama,
-                "qwen3_finetune": lambda directory: save_hf_family(directory, "qwen3", vocab_size=256)}
+                "qwen3_finetune": lambda directory: save_hf_family(directory, "qwen3", vocab_size=256),
+                "qwen3_moe_finetune": lambda directory: save_hf_family(directory, "qwen3_moe", vocab_size=256)}
 # examples whose settings do not fit 4 steps here (too slow at full size, a warm-up longer than the run), and what
 # the test overrides (the layout stays theirs)
 SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp=4: ~50 s a step on 2 busy cores
@@ -53,7 +54,7 @@ SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp
            "grad_compression": ["--set", "parallel.powersgd_warmup_steps=2"],
            # a full fine-tune's rate for 0.6B weights barely moves a random 256-token model in 4 steps (its loss
            # stays at ln 256, where noise decides the sign of the change)
-           "qwen3_finetune": ["--set", "optim.lr=3e-3"]}
+           "qwen3_finetune": ["--set", "optim.lr=3e-3"], "qwen3_moe_finetune": ["--set", "optim.lr=3e-3"]}
 # examples that lose ranks on purpose keep their warm spare; the others run without one (a spare is a process
 # importing torch after step 1, ~5 s of CPU on this 2-core machine, and none of them loses a rank)
 KEEP_SPARES = {"fault_injection", "soak"}

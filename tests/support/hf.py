@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,11 +29,16 @@ def hf_llama(seed: int = 0, **overrides):
 
 
 # the families raymesh reads beside Llama, each on the tiny shape: Qwen3 with heads wider than d_model/n_heads
-# (head_dim 16 at d_model 32 over 4 heads) and tied embeddings, Qwen2 with its q/k/v biases, Mistral with no window
+# (head_dim 16 at d_model 32 over 4 heads) and tied embeddings, Qwen2 with its q/k/v biases, Mistral with no window;
+# Qwen3-MoE with 8 experts (top-2, renormalised) in every other layer (1 and 3; 0 and 2 dense, 48 wide) 24 wide,
+# Mixtral with 4 experts in every layer
 TINY_FAMILIES = {
     "qwen3": {"head_dim": 16, "tie_word_embeddings": True},
     "qwen2": {},
     "mistral": {"head_dim": 8, "sliding_window": None},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                  "decoder_sparse_step": 2, "norm_topk_prob": True},
+    "mixtral": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 }
 
 
@@ -58,15 +64,17 @@ def save_hf_family(directory: Path, kind: str, seed: int = 0, **overrides) -> Pa
 
 
 def raymesh_llama_from(hf_model, **fields):
-    """raymesh's Llama with ``hf_model``'s shape (seq_len 64 unless ``fields`` says otherwise) and its weights."""
+    """raymesh's Llama with ``hf_model``'s shape (seq_len 64 unless ``fields`` says otherwise) and its weights, read
+    from its ``save_pretrained`` directory (``transformers`` fuses an MoE's experts in memory, not on disk)."""
     from workers.model import hf_io
     from workers.model.config import ModelConfig
     from workers.model.registry import build_model
 
     cfg = ModelConfig(**{**hf_io.config_fields(hf_model.config.to_dict()), "seq_len": 64, **fields})
     model = build_model(cfg)
-    hf_state = hf_model.state_dict()
-    model.load_state_dict({k: hf_state[hf_io.hf_name(k)] for k in model.state_dict()})
+    with tempfile.TemporaryDirectory() as directory:  # read as init_from does: an MoE's experts are fused in memory
+        hf_model.save_pretrained(directory)
+        hf_io.load_hf_weights(model, directory)
     return model.eval()
 
 

@@ -123,12 +123,16 @@ def test_a_gpt_refuses_the_families_fields():
 
 
 PLANNED = {"qwen3": {"head_dim": 16, "qk_norm": True, "tie_embeddings": True},
-           "qwen2": {"qkv_bias": True}, "mistral": {"head_dim": 4}}
+           "qwen2": {"qkv_bias": True}, "mistral": {"head_dim": 4},
+           # experts narrower than the dense layers, every other layer: d_expert counted, not d_ff
+           "qwen3_moe": {"head_dim": 16, "qk_norm": True, "moe": {"experts": 8, "top_k": 2, "d_expert": 24,
+                                                                  "every": 2, "norm_topk": False}},
+           "mixtral": {"moe": {"experts": 4, "top_k": 2}}}
 
 
 @pytest.mark.parametrize("kind", list(PLANNED))
 def test_the_planner_counts_the_parameters_the_model_has(kind):
-    from orchestrator.planning.estimate import stage_params
+    from orchestrator.planning.estimate import stage_expert_params, stage_params
     from orchestrator.planning.layout_search import Shape
     from workers.spec import WorkerSpec
 
@@ -137,7 +141,9 @@ def test_the_planner_counts_the_parameters_the_model_has(kind):
                                         "hf_model_type": kind, **PLANNED[kind]}})
     with torch.device("meta"):
         built = sum(p.numel() for p in build_model(WorkerSpec.from_dict(spec.worker_dict()).model).parameters())
-    assert sum(stage_params(spec, 0, 1)) == Shape.of(spec).params == built
+    assert sum(stage_params(spec, 0, 1)) + stage_expert_params(spec, 0, 1) == built  # routed experts apart
+    if spec.model.moe is None:
+        assert Shape.of(spec).params == built  # the layout search's dense shape
 
 
 def test_activations_follow_head_dim():

@@ -226,9 +226,15 @@ def test_an_hf_export_of_an_moe_llama_is_refused_naming_model_moe_before_the_che
     job = JobSpec.from_dict({"data": {"path": "d"}, "run_dir": str(tmp_path / "run"),
                              "model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_layers": 2,
                                        "moe": {"experts": 4}}})
-    with pytest.raises(SpecError, match=r"`model.moe`: value .* has no Hugging Face layout in raymesh: "
-                                        r"LlamaForCausalLM's feed-forward is dense.*fix: export a dense job"):
+    with pytest.raises(SpecError, match=r"`model.moe`: value .* has no Hugging Face layout in raymesh under "
+                                        r"model.hf_model_type 'llama': its feed-forward is dense.*"
+                                        r"fix: set model.hf_model_type: mixtral"):
         export_hf_weights(job, None, str(tmp_path / "hf"))
+    mixtral = JobSpec.from_dict({**job.model_dump(mode="json", exclude_none=True),
+                                 "model": {**job.model.model_dump(exclude_none=True), "hf_model_type": "mixtral"}})
+    with pytest.raises(SpecError) as refused:  # past the layout check: there is no checkpoint to export yet
+        export_hf_weights(mixtral, None, str(tmp_path / "hf"))
+    assert "model.moe" not in str(refused.value)
 
 
 def test_export_hf_of_a_tp_padded_vocabulary_writes_the_jobs_vocabulary(token_data, tmp_path):

@@ -33,10 +33,13 @@ class RopeScaling(BaseModel):
 LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_dim_multiplier", "tie_embeddings",
               "pad_token_id", "head_dim", "qkv_bias", "qk_norm", "hf_model_type")
 # the Hugging Face families raymesh's one Llama implementation reads and writes (workers.model.hf_io.FAMILIES)
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# the model fields a family's weights always have (the rest off): Qwen2's q/k/v biases, Qwen3's q/k norms; here,
-# torch-free, so the job-file checks read it without importing hf_io
-HF_FAMILY_FIELDS = {kind: {"qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3"} for kind in HF_MODEL_TYPES}
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# the mixture-of-experts ones among them: their checkpoints need ``model.moe`` (router topk, no shared experts)
+HF_MOE_TYPES = ("qwen3_moe", "mixtral")
+# the model fields a family's weights always have (the rest off): Qwen2's q/k/v biases, Qwen3's (and Qwen3-MoE's)
+# q/k norms; here, torch-free, so the job-file checks read it without importing hf_io
+HF_FAMILY_FIELDS = {kind: {"qkv_bias": kind == "qwen2", "qk_norm": kind in ("qwen3", "qwen3_moe")}
+                    for kind in HF_MODEL_TYPES}
 
 
 def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> int:
@@ -77,6 +80,9 @@ class MoEConfig(BaseModel):
     expert_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0  # dropout inside the experts only (Switch)
     bias_balancing: bool = False  # DeepSeek-V3's aux-loss-free balancing (router topk only)
     bias_update_rate: Annotated[float, Field(ge=0, le=1)] = 0.001  # its per-step bias change, by the sign of load error
+    # router topk: the k chosen probabilities renormalised to sum to one (Mixtral; Qwen3-MoE's norm_topk_prob); false
+    # keeps them as the softmax over all experts gave them
+    norm_topk: bool = True
 
     @property
     def k(self) -> int:

@@ -1,12 +1,14 @@
-"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 checkpoints in and out: ``config.json`` <-> model fields, names,
-sliced safetensors reads. All four are raymesh's one Llama (``workers.model.llama``) with the fields ``FAMILIES``
-names; ``hf_model_type`` remembers which, so an export is the family it came from.
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral checkpoints in and out: ``config.json`` <-> model
+fields, names, sliced safetensors reads. All six are raymesh's one Llama (``workers.model.llama``) with the fields
+``FAMILIES`` names, the last two with ``model.moe`` (``workers.model.hf_moe``: their keys, each expert's tensors
+<-> raymesh's expert stacks); ``hf_model_type`` remembers which, so an export is the family it came from.
 
 In: ``model.init_from: DIR`` (``config.json`` plus ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``). The model fields come from ``config.json`` (``config_fields``); the weights
 are read after the model is cut, sharded and wrapped, each parameter's *local* box only
 (``load_hf_weights``: safetensors' lazy ``get_slice`` on the offsets DTensor reports for this rank), so no rank
-reads more than it keeps. Out: ``write_hf`` turns a full raymesh state dict into such a directory
+reads more than it keeps (an expert stack's box is the experts this rank keeps, each read from its own tensors).
+Out: ``write_hf`` turns a full raymesh state dict into such a directory
 (``raymesh export-hf``, ``raymesh export-merged --format hf``).
 
 No conversion of the rotary layout is needed: raymesh's Llama rotates head halves, as Hugging Face's does
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.model.config import HF_FAMILY_FIELDS, ModelConfig
+from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, ModelConfig
+from workers.model.hf_moe import ROUTER_BIAS, STACK, expert_name, moe_config, moe_fields, router_name
+from workers.model.moe import Experts
 from workers.parallel.data_parallel import plain_name
 
 CONFIG = "config.json"
@@ -46,13 +50,16 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "ffn_norm.weight": "post_attention_layernorm.weight"}
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name (the same in all ``FAMILIES``) of a raymesh Llama parameter
-    (``layers.3.attention.wq.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); wrapper prefixes are dropped."""
+def hf_name(name: str, kind: str = "llama") -> str:
+    """The Hugging Face name of a raymesh Llama parameter in family ``kind`` (``layers.3.attention.wq.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``, the same in all ``FAMILIES`` but an MoE router's); wrapper prefixes
+    are dropped. An expert stack is several tensors: ``hf_tensors``, ``hf_moe.expert_name``."""
     name = plain_name(name)
     if name in _ENDS:
         return _ENDS[name]
+    router = router_name(name, kind)
+    if router is not None:
+        return router
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"{name!r} has no Hugging Face Llama counterpart")
@@ -71,15 +78,13 @@ def read_config(directory: str | Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class HfFamily:
-    """What a Hugging Face family is to raymesh's one Llama: its ``architectures`` class, the model fields its
-    weights always have (Qwen2's q/k/v biases, Qwen3's q/k norms), and the config.json keys it writes."""
+    """What a Hugging Face family is to raymesh's one Llama: its ``model_type`` and ``architectures`` class, the
+    model fields its weights always have (Qwen2's q/k/v biases, Qwen3's q/k norms), and the config.json keys it
+    writes."""
 
+    kind: str
     architecture: str
     written: dict[str, Any]  # family keys of config.json: sliding windows off, no o_proj/MLP biases
-
-    @property
-    def kind(self) -> str:
-        return self.architecture.removesuffix("ForCausalLM").lower()
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -87,18 +92,23 @@ class HfFamily:
         return HF_FAMILY_FIELDS[self.kind]
 
 
-FAMILIES = {
-    "llama": HfFamily("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
-    "mistral": HfFamily("MistralForCausalLM", {"sliding_window": None}),
-    "qwen2": HfFamily("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": None}),
-    "qwen3": HfFamily("Qwen3ForCausalLM", {"attention_bias": False, "use_sliding_window": False,
+_FAMILIES = (
+    HfFamily("llama", "LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
+    HfFamily("mistral", "MistralForCausalLM", {"sliding_window": None}),
+    HfFamily("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": None}),
+    HfFamily("qwen3", "Qwen3ForCausalLM", {"attention_bias": False, "use_sliding_window": False,
                                            "sliding_window": None}),
-}
+    HfFamily("qwen3_moe", "Qwen3MoeForCausalLM", {"attention_bias": False, "use_sliding_window": False,
+                                                   "sliding_window": None}),
+    HfFamily("mixtral", "MixtralForCausalLM", {"sliding_window": None}),
+)
+FAMILIES = {family.kind: family for family in _FAMILIES}
 
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """raymesh ``model:`` fields from a Hugging Face Llama, Mistral, Qwen2 or Qwen3 ``config.json`` (seq_len is the
-    job's, not taken; sliding windows are checked against it by ``check_sliding_window``).
+    """raymesh ``model:`` fields from a Hugging Face ``FAMILIES`` ``config.json`` (seq_len is the job's, not taken;
+    sliding windows are checked against it by ``check_sliding_window``); ``moe`` is None for a dense family, so a
+    job's ``model.moe`` over a dense checkpoint is refused as a disagreement.
 
     Raises ``ValueError`` naming the config key for what raymesh's Llama cannot represent."""
     kind = hf.get("model_type")
@@ -117,6 +127,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
         "pad_token_id": hf.get("pad_token_id"), "hf_model_type": kind, **FAMILIES[kind].fields,
+        "moe": None, **(moe_fields(hf) if kind in HF_MOE_TYPES else {}),
     }
 
 
@@ -145,18 +156,23 @@ def _check_unsupported(hf: dict[str, Any]) -> None:
 # transformers' Qwen2/Qwen3 defaults for the sliding-window keys a config.json may leave out
 DEFAULT_WINDOW = 4096
 DEFAULT_MAX_WINDOW_LAYERS = 28
+# the families whose ``sliding_window`` applies whenever it is set (no ``use_sliding_window`` switch)
+WINDOWED_ALWAYS = ("mistral", "mixtral")
 
 
 def sliding_window(hf: dict[str, Any]) -> int | None:
     """The attention window ``transformers`` applies to some layer of this config.json, or None when every layer
-    attends to the whole causal prefix: Mistral's ``sliding_window`` when set; Qwen's only under
-    ``use_sliding_window: true``, and then only if some layer is a ``sliding_attention`` one (``layer_types``,
-    else the layers from ``max_window_layers`` on, as Qwen2Config/Qwen3Config derive them)."""
+    attends to the whole causal prefix: Mistral's (and Mixtral's) ``sliding_window`` when set; Qwen's only under
+    ``use_sliding_window: true``, and then (Qwen2/Qwen3) only if some layer is a ``sliding_attention`` one
+    (``layer_types``, else the layers from ``max_window_layers`` on, as Qwen2Config/Qwen3Config derive them);
+    Qwen3-MoE windows every layer."""
     kind = hf.get("model_type")
-    if kind == "mistral":
+    if kind in WINDOWED_ALWAYS:
         return hf.get("sliding_window")
-    if kind not in ("qwen2", "qwen3") or not hf.get("use_sliding_window"):
+    if kind not in ("qwen2", "qwen3", "qwen3_moe") or not hf.get("use_sliding_window"):
         return None
+    if kind == "qwen3_moe":
+        return hf.get("sliding_window", DEFAULT_WINDOW)
     types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
                                       else "full_attention" for i in range(hf["num_hidden_layers"])]
     return hf.get("sliding_window", DEFAULT_WINDOW) if "sliding_attention" in types else None
@@ -169,7 +185,7 @@ def check_sliding_window(hf: dict[str, Any], seq_len: int) -> None:
     back), so the model computes exactly what ``transformers`` does."""
     window = sliding_window(hf)
     if window is not None and window < seq_len:
-        key = "sliding_window" if hf["model_type"] == "mistral" else "use_sliding_window"
+        key = "sliding_window" if hf["model_type"] in WINDOWED_ALWAYS else "use_sliding_window"
         value = window if key == "sliding_window" else "true"
         raise ValueError(f"config.json {key} {value} makes attention look back only {window} tokens, less than "
                          f"model.seq_len {seq_len}, and raymesh does not implement sliding-window attention; set "
@@ -228,6 +244,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "max_position_embeddings": cfg.seq_len,
         "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "initializer_range": cfg.init_std, "torch_dtype": "float32", **FAMILIES[cfg.hf_model_type].written,
+        **(moe_config(cfg) if cfg.hf_model_type in HF_MOE_TYPES else {}),
     }
 
 
@@ -261,35 +278,68 @@ def local_box(param: torch.Tensor) -> tuple[torch.Tensor, list[slice]]:
 
 def load_hf_weights(model: nn.Module, directory: str | Path) -> list[str]:
     """Fill every parameter of ``model`` (a whole model, or one rank's cut, sharded and wrapped stage) with
-    its own slice of the checkpoint; returns the Hugging Face names read. A tensor missing from the
-    checkpoint, or of another shape, is an error naming it."""
-    from safetensors import safe_open
-
-    files, handles, read = weight_files(directory), {}, []
+    its own slice of the checkpoint; returns the Hugging Face names read. An expert stack reads only the experts
+    this rank keeps (its box's rows, from ``Experts.first`` under expert parallelism), each from its own tensors.
+    A tensor missing from the checkpoint, or of another shape, is an error naming it."""
+    reader, kind, stacks = _Reader(directory), read_config(directory).get("model_type"), _expert_stacks(model)
     try:
         with torch.no_grad():
             for name, param in model.named_parameters():
-                key = hf_name(name)
-                if key not in files:
-                    raise ValueError(f"model.init_from {str(directory)!r} has no tensor {key!r} (for {name})")
-                path = files[key]
-                handle = handles.setdefault(path, safe_open(str(path), framework="pt"))
-                source = handle.get_slice(key)
-                if list(source.get_shape()) != list(param.shape):
-                    raise ValueError(f"model.init_from {key} has shape {source.get_shape()}, the model's {name} "
-                                     f"is {list(param.shape)}: config.json and the weights disagree")
                 local, box = local_box(param)
-                local.copy_(source[tuple(box)].to(local.dtype))
-                read.append(key)
+                if name in stacks:
+                    _read_experts(reader, name, kind, stacks[name], param.shape, local, box)
+                else:
+                    source = reader.slice(hf_name(name, kind), name, param.shape)
+                    local.copy_(source[tuple(box)].to(local.dtype))
     finally:
-        handles.clear()
-    return read
+        reader.handles.clear()
+    return reader.read
+
+
+class _Reader:
+    """Lazy safetensors slices of a Hugging Face directory, each file opened once; ``read`` lists the names read."""
+
+    def __init__(self, directory: str | Path):
+        self.directory, self.files, self.handles, self.read = directory, weight_files(directory), {}, []
+
+    def slice(self, key: str, name: str, shape: tuple[int, ...]):
+        """The lazy slice of tensor ``key`` (raymesh's ``name``), refused unless it is ``shape`` on disk."""
+        from safetensors import safe_open
+
+        if key not in self.files:
+            raise ValueError(f"model.init_from {str(self.directory)!r} has no tensor {key!r} (for {name})")
+        path = self.files[key]
+        source = self.handles.setdefault(path, safe_open(str(path), framework="pt")).get_slice(key)
+        if list(source.get_shape()) != list(shape):
+            raise ValueError(f"model.init_from {key} has shape {source.get_shape()}, the model's {name} needs "
+                             f"{list(shape)}: config.json and the weights disagree")
+        self.read.append(key)
+        return source
+
+
+def _expert_stacks(model: nn.Module) -> dict[str, int]:
+    """Each expert stack's parameter name in ``model`` -> the global id of its first row (``Experts.first``)."""
+    return {f"{prefix}.{name}": module.first for prefix, module in model.named_modules()
+            if isinstance(module, Experts) for name, _ in module.named_parameters(recurse=False)}
+
+
+def _read_experts(reader: _Reader, name: str, kind: str, first: int, shape: torch.Size, local: torch.Tensor,
+                  box: list[slice]) -> None:
+    """Fill ``local``, the box ``box`` of an expert stack ([E, a, b], its rows from global expert ``first``), from
+    each kept expert's [b, a] tensor (an ``nn.Linear`` weight, transposed to raymesh's x @ w)."""
+    rows, cols, width = box
+    for i, expert in enumerate(range(first + rows.start, first + rows.stop)):
+        source = reader.slice(expert_name(plain_name(name), kind, expert), name, (shape[2], shape[1]))
+        local[i].copy_(source[width, cols].t().to(local.dtype))
 
 
 # -- weights out ------------------------------------------------------------------------------------------------
 
 # config.json keys of a source checkpoint that raymesh's model fields do not hold, carried into its export
 CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# an MoE's aux-loss settings, carried where the source has them: raymesh does not map them (``workers.model.hf_moe``),
+# but transformers' own training of the export reads them
+AUX_LOSS_KEYS = ("router_aux_loss_coef", "output_router_logits")
 # a Mistral's or Qwen's sliding-window keys, carried where the source has them: accepted only where the window cuts
 # nothing at the job's seq_len (``check_sliding_window``), the window stays the model's at longer contexts
 WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
@@ -312,8 +362,8 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
     cfg = written_config(state, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_name(k): v.detach().cpu().contiguous() for k, v in state.items()
-               if not (cfg.tie_embeddings and hf_name(k) == "lm_head.weight")}
+    tensors = {key: value for name, tensor in written_weights(state, cfg)
+               for key, value in hf_tensors(name, tensor.detach().cpu(), cfg.hf_model_type).items()}
     save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
     config = hf_config(cfg)
     if source is not None:
@@ -323,6 +373,31 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
                 shutil.copyfile(Path(source) / name, out / name)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def hf_tensors(name: str, value: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of one raymesh parameter in family ``kind``: itself under its name, or an expert
+    stack [E, a, b] as E ``nn.Linear`` weights [b, a] (``hf_moe.expert_name``), as the published checkpoints hold
+    them and ``transformers`` fuses on load."""
+    plain = plain_name(name)
+    if STACK.fullmatch(plain):
+        return {expert_name(plain, kind, e): value[e].t().contiguous() for e in range(value.shape[0])}
+    return {hf_name(plain, kind): value.contiguous()}
+
+
+def written_weights(state: dict[str, torch.Tensor], cfg: ModelConfig):
+    """``state``'s entries a Hugging Face directory holds: a tied head is the embedding, and an MoE router's
+    balancing ``bias`` buffer (zero unless ``bias_balancing``, which these families cannot hold) is left out."""
+    for name, tensor in state.items():
+        plain = plain_name(name)
+        if cfg.tie_embeddings and plain == "output.weight":
+            continue
+        if ROUTER_BIAS.fullmatch(plain):
+            if tensor.any():
+                raise ValueError(f"{plain} is model.moe.bias_balancing's learnt bias, which a Hugging Face "
+                                 f"{cfg.hf_model_type} checkpoint cannot hold; export a run without bias_balancing")
+            continue
+        yield name, tensor
 
 
 def unpadded(state: dict[str, torch.Tensor], cfg: ModelConfig,
@@ -348,9 +423,9 @@ def written_config(state: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelCon
 
 
 def carried_config(config: dict[str, Any], source: dict[str, Any], seq_len: int) -> dict[str, Any]:
-    """``config`` with the source's ``CARRIED_KEYS`` and ``WINDOW_KEYS``; the context length is the source's unless the
-    run trained
-    on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not what the model can take)."""
-    carried = {**config, **{k: source[k] for k in (*CARRIED_KEYS, *WINDOW_KEYS) if k in source}}
+    """``config`` with the source's ``CARRIED_KEYS``, ``WINDOW_KEYS`` and ``AUX_LOSS_KEYS``; the context length is the
+    source's unless the run trained on longer sequences (the job's ``seq_len`` is only what fine-tuning used, not
+    what the model can take)."""
+    carried = {**config, **{k: source[k] for k in (*CARRIED_KEYS, *WINDOW_KEYS, *AUX_LOSS_KEYS) if k in source}}
     carried["max_position_embeddings"] = max(carried["max_position_embeddings"], seq_len)
     return carried

@@ -315,10 +315,11 @@ def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, weight: float) 
 
 
 class TopKRouter(Router):
-    """Plain softmax top-k, dropless (Mixtral): gates are the chosen probabilities renormalised to sum to one;
-    Switch-style balance loss. With ``bias_balancing`` (DeepSeek-V3's auxiliary-loss-free balancing) a
-    per-expert ``bias`` is added to the scores for the choice only (gates use the unbiased probabilities), and
-    ``update_bias`` moves it after each step against the sign of the load error, outside autograd."""
+    """Plain softmax top-k, dropless (Mixtral, Qwen3-MoE): gates are the chosen probabilities, renormalised to sum
+    to one unless ``norm_topk`` is off (Qwen3-MoE's ``norm_topk_prob: false``); Switch-style balance loss. With
+    ``bias_balancing`` (DeepSeek-V3's auxiliary-loss-free balancing) a per-expert ``bias`` is added to the scores
+    for the choice only (gates use the unbiased probabilities), and ``update_bias`` moves it after each step
+    against the sign of the load error, outside autograd."""
 
     def __init__(self, cfg: MoEConfig, d_model: int):
         super().__init__(cfg, d_model)
@@ -332,7 +333,8 @@ class TopKRouter(Router):
         probs = logits.softmax(-1)
         choices = (probs + self.bias).topk(self.cfg.k, -1).indices
         gates = probs.gather(-1, choices)
-        gates = gates / gates.sum(-1, keepdim=True)
+        if self.cfg.norm_topk:
+            gates = gates / gates.sum(-1, keepdim=True)
         losses = {}
         if self.cfg.aux_loss_weight > 0:
             losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight)
