@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrator.errors import SpecError
+from orchestrator.observability.run_records import step_record, summary_fields
 from orchestrator.spec.runtime_checks import check_before_start
 from tests.support.dpo import prepare_pairs, write_pairs
 from tests.support.jobs import tiny_spec
@@ -145,7 +146,8 @@ def test_at_initialisation_the_loss_is_log_2_and_the_rewards_zero(pairs, tmp_pat
     assert result.loss == pytest.approx(math.log(2), abs=1e-7)
     assert result.dpo == {"reward_accuracy": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0,
                           "reward_margin": 0.0}
-    assert result.to_dict()["dpo"] == result.dpo
+    record = step_record([result], step_s=1.0, tokens=256, end_time=0.0, checkpoint_s=0.0)
+    assert record["dpo"] == result.dpo and summary_fields([record])["dpo"] == result.dpo  # steps.jsonl, summary
 
 
 def _refusal(spec) -> str:
