@@ -73,6 +73,14 @@ def sft_pairs_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dpo_pairs_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/dpo's preference pairs, prepared as examples/dpo_lora.yaml says (padded to its model.seq_len 96)."""
+    out = tmp_path_factory.mktemp("dpo-pairs")
+    prepare_data([Path(__file__).parents[1] / "examples" / "dpo"], out, format="preference", seq_len=96)
+    return out
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A head node started the way users start one; the test process joins it as a driver."""
     import ray

@@ -63,6 +63,9 @@ class StepResult:
     eval_s: float | None = None
     # under data.mix: the samples each source (by path) has supplied up to this step (workers.data.blend)
     data_mix: dict[str, int] | None = None
+    # under train.objective: dpo: the global batch's reward accuracy and mean chosen/rejected rewards and margin
+    # (workers.model.dpo.FIGURES), the same on every rank
+    dpo: dict[str, float] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepResult:
@@ -80,7 +83,7 @@ class StepResult:
 
 
 _OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe", "ps", "eval_loss", "eval_s",
-                       "data_mix"})
+                       "data_mix", "dpo"})
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class TrainSection:
     seed: int
     compile: bool = False  # each block through torch.compile (workers.parallel.compile); older dicts leave it out
     loss_chunks: int = 1  # the head and loss per chunk of tokens (workers.model.gpt.chunked_lm_loss); 1: whole
+    objective: str = "lm"  # or dpo (workers.model.dpo); older harness dicts leave these out
+    dpo_beta: float = 0.1
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ from workers.diagnostics.timeline import busy_seconds
 from workers.evaluation import EvalData, Evaluator, PipelineSweep
 from workers.model import moe
 from workers.model.documents import attending, split_documents
+from workers.model.dpo import RewardTally, pair_losses, sequence_logps
 from workers.model.gpt import model_loss
+from workers.model.lora import adapters_disabled
 from workers.offload.activations import activation_policy
 from workers.offload.host_memory import release_freed_buffers
 from workers.offload.params import offload_params
@@ -108,6 +110,11 @@ class Trainer:
         self.compute_events: list[dict] = []  # forward+backward per microbatch without a pipeline schedule
         # under a loss mask, a counted target's share of the step's loss (`_count_targets`); None: the mean
         self.counted_scale: float | None = None
+        # train.objective: dpo: this step's reward figures, and the reference policy's sequence log-probabilities
+        # of the microbatch running (`_score_reference`)
+        self.dpo = train.objective == "dpo"
+        self.rewards = RewardTally(self.device)
+        self.reference: torch.Tensor | None = None
         self.evaluator = self._evaluator()
 
     def _error_feedback(self) -> list:
@@ -208,14 +215,34 @@ class Trainer:
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The microbatch's mean token loss, or under a loss mask its counted targets' summed loss times their
         share (`counted_scale`); poisoned by a NaN fault, times the fp16 loss scale. ``logits``: the last stage's
-        output, its final hidden state under ``train.loss_chunks`` > 1 (``model_loss`` applies the head)."""
-        if self.counted_scale is None:
+        output, its final hidden state under ``train.loss_chunks`` > 1 (``model_loss`` applies the head). Under
+        ``train.objective: dpo``, the microbatch's mean DPO loss over its pairs instead (`_dpo_loss`)."""
+        if self.dpo:
+            loss = self._dpo_loss(logits, targets)
+        elif self.counted_scale is None:
             loss = model_loss(self.head_part, logits, targets)
         else:
             loss = model_loss(self.head_part, logits, targets, reduction="sum") * self.counted_scale
         if self.fault.poisons_loss:
             loss = loss * float("nan")
         return loss * self.state.scaler.scale if self.state.scaler else loss
+
+    def _dpo_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean DPO loss of the microbatch's pairs against `reference` (``workers.model.dpo``), its rewards
+        tallied. A mean per microbatch over their count and over dp is the global batch's mean, since every
+        microbatch holds the same number of pairs (``orchestrator/spec/dpo_checks.py``)."""
+        losses, rewards = pair_losses(sequence_logps(logits, targets), self.reference, self.spec.train.dpo_beta)
+        self.rewards.add(rewards)
+        return losses.mean()
+
+    def _score_reference(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Under dpo, the reference policy's sequence log-probabilities of this microbatch into `reference`: one
+        forward without gradients with the LoRA adapters disabled (the same weights, no second copy), past any
+        DDP wrapper (nothing to reduce); FSDP2 gathers and frees the shards around it as around any forward."""
+        if not self.dpo:
+            return
+        with torch.no_grad(), adapters_disabled([model]):
+            self.reference = sequence_logps(unwrap(model)(inputs), targets)
 
     def _microbatch_loss(self, logits: torch.Tensor, targets: torch.Tensor, parts: int | None = None) -> torch.Tensor:
         """A microbatch's share of the step's loss (pipeline schedules and accumulation sum gradients, unscaled):
@@ -229,7 +256,7 @@ class Trainer:
         hold different counts, so a mean per microbatch averaged would weigh their targets unequally. One
         all-reduce of this rank's count over the ranks gradients are averaged over (dp, x cp: those hold other
         targets; tp and pp peers the same), whose averaging the scale undoes (x their number)."""
-        if not self.state.cursor.dataset.loss_mask:
+        if not self.state.cursor.dataset.loss_mask or self.dpo:  # dpo: a mean over pairs, not over tokens
             return
         count = (targets != IGNORE_INDEX).sum()
         dp_mesh = data_parallel_mesh(self.mesh, self.grid)
@@ -276,6 +303,7 @@ class Trainer:
             start = time.time()
             with self._sync_grads(model, last), self._autocast(), self.activations.hooks(), \
                     attending([model], documents[i]):
+                self._score_reference(model, x, y)
                 loss = self._microbatch_loss(model(x), y, len(chunks))
                 loss.backward()
             self.compute_events.append({"stage": 0, "microbatch": i, "kind": "FB", "start": start, "end": time.time()})
@@ -314,6 +342,7 @@ class Trainer:
             stage.events.clear()
         self.compute_events.clear()
         self._begin_reducers()
+        self.rewards = RewardTally(self.device)
         t0 = time.perf_counter()
         self._begin_moe_step()
         inputs, targets = self.state.cursor.next_batch()
@@ -335,6 +364,7 @@ class Trainer:
             lr = self.state.schedulers[0].get_last_lr()[0]  # the rate this step trains at, before the schedule moves
             memory = self._optimizer_step(applied, meter)
             moe_figures = moe.end_step(self.parts.modules, self.dp_group) or None
+            dpo_figures = self.rewards.figures(self.dp_group) if self.dpo else None
         t4 = time.perf_counter()
         slowed = hook.slow_down(t4 - t0)
         events = [e for stage in self.pipe_stages for e in stage.events]
@@ -345,7 +375,8 @@ class Trainer:
         return self.result(loss=None if loss is None else float(loss), grad_norm=grad_norm,
                            lr=lr, tokens=int(inputs.numel()), applied=applied,
                            time_s=times, memory=memory, timeline=self._timeline(events),
-                           comm_bytes=self.comm_bytes(), moe=moe_figures, eval_loss=eval_loss, eval_s=eval_s)
+                           comm_bytes=self.comm_bytes(), moe=moe_figures, eval_loss=eval_loss, eval_s=eval_s,
+                           dpo=dpo_figures)
 
     def _evaluate(self) -> tuple[float | None, float | None]:
         """The held-out loss and its seconds when this step is one ``eval.every`` names (after the update: the

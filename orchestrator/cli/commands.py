@@ -29,7 +29,8 @@ def _prepare_data(args: argparse.Namespace) -> int:
     last = (f"{HELDOUT_DIR}/{MANIFEST}", MANIFEST)
     with staged_output(args.out, last=last) as out:  # a URL: written here, then copied up, manifests last
         manifest = prepare_data(sources, out, shard_tokens=args.shard_tokens, max_tokens=args.max_tokens,
-                                tokenizer=args.tokenizer, heldout=args.heldout, format=args.format)
+                                tokenizer=args.tokenizer, heldout=args.heldout, format=args.format,
+                                seq_len=args.seq_len)
         if is_url(args.out):
             manifest = _manifest_at_url(out, args.out, manifest)
     if is_url(args.out):
@@ -209,10 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
                       help="keep this share of the documents (spread evenly) out of training and write them to "
                            "OUT/heldout, a prepared directory for eval.path (default 0: none)")
-    prep.add_argument("--format", choices=("text", "prompt-completion"), default="text",
-                      help="text (default: each file a document, every token a target) or prompt-completion "
+    prep.add_argument("--format", choices=("text", "prompt-completion", "preference"), default="text",
+                      help="text (default: each file a document, every token a target), prompt-completion "
                            '(supervised fine-tuning: .jsonl files of {"prompt": ..., "completion": ...} lines; only '
-                           "completion tokens are targets)")
+                           'completion tokens are targets) or preference (DPO: .jsonl files of {"prompt": ..., '
+                           '"chosen": ..., "rejected": ...} lines, each pair two sequences of --seq-len tokens)')
+    prep.add_argument("--seq-len", type=int, default=None, metavar="N",
+                      help="with --format preference: the job's model.seq_len, every sequence padded or cut to it")
     prep.set_defaults(func=_prepare_data)
 
     for name, func, text in (("plan", _plan, "show the layout and a per-rank memory estimate"),

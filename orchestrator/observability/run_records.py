@@ -60,7 +60,8 @@ def summary_fields(records: list[dict]) -> dict:
             "grad_norms": [r["grad_norm"] for r in records], "step_time_s": [r["step_s"] for r in records],
             "peak_memory_bytes": peak,
             "eval_losses": [{"step": r["step"], "loss": r["eval_loss"]} for r in records if "eval_loss" in r],
-            **({"data_mix": records[-1]["data_mix"]} if records and "data_mix" in records[-1] else {})}
+            **({"data_mix": records[-1]["data_mix"]} if records and "data_mix" in records[-1] else {}),
+            **({"dpo": records[-1]["dpo"]} if records and "dpo" in records[-1] else {})}
 
 
 def held_out_loss(results) -> float | None:
@@ -76,6 +77,7 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
 
     An MoE model adds ``moe``: per MoE layer (by name) its figures, already summed over data-parallel ranks
     by the workers, so any rank holding the layer reports them (pipeline stages hold different layers).
+    A DPO job (``train.objective: dpo``) adds ``dpo``: the global batch's reward accuracy and mean rewards.
     A step that evaluated (``eval.every``) adds ``eval_loss`` and ``eval_s``; ``step_s`` leaves the evaluation
     out (the controller subtracts it), so throughput is training's."""
     comm = comm_bytes(results)
@@ -105,6 +107,9 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
     mix = next((r.data_mix for r in results if r.data_mix is not None), None)
     if mix is not None:  # data.mix: samples each source has supplied so far (every rank reports the same)
         record["data_mix"] = mix
+    rewards = next((r.dpo for r in results if r.dpo is not None), None)
+    if rewards is not None:  # train.objective: dpo: the global batch's reward figures (every rank reports them)
+        record["dpo"] = rewards
     traffic = [r.ps for r in results if r.ps is not None]
     if traffic:  # dp_sync ps: every rank's pushes and pulls this step, and the stalest read any rank made
         record["ps"] = {"push_bytes": sum(t["push"] for t in traffic), "pull_bytes": sum(t["pull"] for t in traffic),

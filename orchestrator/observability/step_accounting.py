@@ -41,6 +41,7 @@ class StepAccounting:
         self.flops_per_token = model_flops_per_token(spec)
         self.pending: list[tuple[RecoveryRecord, RecoveryPhases]] = []  # waiting for the next completed step
         self.data_mix: dict[str, int] | None = None
+        self.dpo: dict[str, float] | None = None  # train.objective: dpo: the newest step's reward figures
         self.t_train = time.perf_counter()
 
     def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
@@ -54,6 +55,7 @@ class StepAccounting:
         self.evals.append((record["step"], record["eval_loss"]) if "eval_loss" in record else None)
         self.data_mix = record.get("data_mix")  # data.mix: the newest step's count per source (a rollback's re-run
         # steps report the position they reach again)
+        self.dpo = record.get("dpo")
         for r in results:
             self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
         self.measured.observe([r.to_dict() for r in results])  # MeasuredMemory (planning) reads the JSON form

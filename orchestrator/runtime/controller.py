@@ -435,7 +435,7 @@ class TrainingJob:
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
             resizes=self.resizes, ps_resizes=self.ps.resizes if self.ps else [], eval_losses=acct.eval_losses,
             run_dir=self.spec.run_dir_url() or str(self.run_dir), best_checkpoint=self._best_checkpoint(),
-            data_mix=acct.data_mix,
+            data_mix=acct.data_mix, dpo=acct.dpo,
         )
 
     def _best_checkpoint(self) -> dict | None:

@@ -33,6 +33,7 @@ class RunResult:
     eval_losses: list[dict] = field(default_factory=list)  # eval.every: {step, loss} of the held-out set
     best_checkpoint: dict | None = None  # {step, path, eval_loss}: the kept checkpoint with the lowest held-out loss
     data_mix: dict | None = None  # data.mix: the samples each source (by path) supplied, through the last step
+    dpo: dict | None = None  # train.objective: dpo: the last step's reward accuracy, mean rewards and margin
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -13,6 +13,7 @@ from orchestrator.faults.soak import check_repetition
 from orchestrator.spec.async_pipeline_checks import ASYNC, check_async_pipeline
 from orchestrator.spec.context_checks import check_context_parallel
 from orchestrator.spec.document_checks import check_document_mask
+from orchestrator.spec.dpo_checks import check_dpo
 from orchestrator.spec.eval_checks import check_eval
 from orchestrator.spec.fields import _divisors, _near_multiples
 from orchestrator.spec.lora import check_lora
@@ -514,4 +515,4 @@ CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split
                       check_recompute, check_faults, check_muon, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_document_mask, check_comm, check_moe, check_expert_parallel,
                       check_async_pipeline, check_ps_resize, check_compile, check_optim_implementation,
-                      check_fsdp_prefetch, check_eval, check_loss_chunks)
+                      check_fsdp_prefetch, check_eval, check_loss_chunks, check_dpo)

@@ -18,6 +18,7 @@ from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.directory import SCORE
 from orchestrator.checkpoints.job_record import RECORD
 from orchestrator.errors import SpecError
+from orchestrator.spec.dpo_checks import check_dpo_data
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
@@ -130,6 +131,7 @@ def check_data_path(spec: JobSpec, data_required: bool = True) -> None:
     for path, _, manifest in sources[:1]:  # first: another tokenizer's vocabulary is not the model's to grow
         _check_one_tokenizer(spec, path, manifest, sources[1:])
     check_training_mask(spec, sources)
+    check_dpo_data(spec, sources)
     for path, weight, manifest in sources:
         field = spec.data.field_of(path)
         check_shards_readable(field, path, manifest)

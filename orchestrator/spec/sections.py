@@ -306,6 +306,10 @@ class TrainSpec(_Section):
     # the head and cross entropy per chunk of each sequence under torch.utils.checkpoint, so the [tokens, vocab]
     # logits never exist whole (workers/model/gpt.py::chunked_lm_loss); 1: the whole logits, as before
     loss_chunks: PositiveInt = 1
+    # lm: next-token cross entropy; dpo: Direct Preference Optimization on `prepare-data --format preference` pairs,
+    # the reference policy the model with its LoRA adapters disabled (workers/model/dpo.py, spec/dpo_checks.py)
+    objective: Literal["lm", "dpo"] = "lm"
+    dpo_beta: PositiveFloat = 0.1  # dpo: how far from the reference the policy may move (TRL's beta)
 
 
 class EvalSpec(_Section):

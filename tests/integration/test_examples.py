@@ -37,7 +37,7 @@ RAY_EXAMPLES = [p for p in EXAMPLES if p.stem in THROUGH_RAY]
 RANK_EXAMPLES = [p for p in EXAMPLES if p.stem not in THROUGH_RAY]
 STEPS = 4
 # examples whose data is not the byte corpus, and the fixture that prepares theirs as their comment says
-DATA = {"bpe_pretrain": "bpe_token_data", "sft_lora": "sft_pairs_data"}
+DATA = {"bpe_pretrain": "bpe_token_data", "sft_lora": "sft_pairs_data", "dpo_lora": "dpo_pairs_data"}
 # examples training on a mixture (data.mix), and the fixtures that prepare its sources in order (two byte corpora:
 # the json and html packages), each kept at the example's own weight
 MIX_DATA = {"data_mix": ["token_data", "heldout_data"]}

@@ -71,17 +71,50 @@ def _optimizer(model: torch.nn.Module, optim):
     return _adamw(list(model.parameters()), optim)
 
 
-def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[float], list[float]]:
-    """Per-step losses and pre-clip gradient norms; ``after_step(model, step)`` (1-based) sees the model after
-    each update. Data with a loss mask gives targets of -100 where no completion token is predicted, which the
-    whole batch's mean cross entropy leaves out: the mean over the global batch's counted targets."""
-    torch.manual_seed(spec.train.seed)
+def _base_model(spec: JobSpec) -> torch.nn.Module:
+    """The job's model before any adapter: the ranks' per-parameter draw, whole, or its ``init_from`` weights."""
     # the same per-parameter draw the ranks' meta-device build uses (workers.model.meta_init), whole
     model = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
     if spec.model.init_from is not None:  # read whole here; the layouts read their slices
         load_hf_weights(model, spec.model.init_from)
+    return model
+
+
+def _lm_objective(spec: JobSpec):
+    """``loss(model, inputs, targets)``: the mean cross entropy over the batch's counted targets."""
+    return lambda model, inputs, targets: lm_loss(model(inputs), targets)
+
+
+def _dpo_objective(spec: JobSpec):
+    """``loss(model, inputs, targets)`` of ``train.objective: dpo``, spelled out apart from the ranks' code: the
+    batch's rows are pairs (chosen, rejected); a row's log-probability is the sum over its counted targets of
+    ``log_softmax`` at the target; the reference policy is a second, frozen copy of the model without adapters
+    (not the adapters switched off); the loss is the mean over the global batch's pairs of
+    ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))``."""
+    reference = _base_model(spec).requires_grad_(False)
+    beta = spec.train.dpo_beta
+
+    def logps(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        counted = targets != -100
+        logp = torch.log_softmax(model(inputs).float(), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
+        return (logp.squeeze(-1) * counted).sum(-1)
+
+    def loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ratio = logps(model, inputs, targets) - logps(reference, inputs, targets)
+        return -torch.nn.functional.logsigmoid(beta * (ratio[0::2] - ratio[1::2])).mean()
+    return loss
+
+
+def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[float], list[float]]:
+    """Per-step losses and pre-clip gradient norms; ``after_step(model, step)`` (1-based) sees the model after
+    each update. Data with a loss mask gives targets of -100 where no completion token is predicted, which the
+    whole batch's mean cross entropy leaves out: the mean over the global batch's counted targets. Under
+    ``train.objective: dpo`` the loss is DPO's over the batch's pairs (``_dpo_objective``)."""
+    torch.manual_seed(spec.train.seed)
+    model = _base_model(spec)
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
         prepare_model(model, spec.worker_dict()["model"]["lora"], spec.train.seed)
+    objective = (_dpo_objective if spec.train.objective == "dpo" else _lm_objective)(spec)
     o = spec.optim
     opt = _optimizer(model, o)
     data = open_data(spec.data.path, spec.data.mix and spec.data.sources(), spec.model.seq_len, spec.data.seed)
@@ -92,7 +125,7 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
         moe.begin_step([model], spec.train.seed, cursor.start, aux_scale=1.0)  # MoE noise keyed by stream position
         inputs, targets = cursor.next_batch()
         with _within_documents(model, cursor.documents):  # model.attention_mask: document, the whole batch at once
-            loss = lm_loss(model(inputs), targets)
+            loss = objective(model, inputs, targets)
             loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
         opt.step()

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from workers.data import blend, checksums
-from workers.data.prepare import FORMAT, LOSS_MASK
+from workers.data.prepare import FORMAT, LOSS_MASK, PREFERENCE
 from workers.data.tokenizer import manifest_eos_id
 from workers.parallel.context_layout import split_sequence
 from workers.storage import is_url, location, parquet_source
@@ -293,6 +293,7 @@ class TokenDataset:
         self.eos_id: int | None = manifest_eos_id(manifest)  # between documents; None for bare rows of ids
         self.corpus = corpus_fingerprint(manifest)
         self.store, self.flags = open_stores(self.path, manifest)  # flags: the loss mask, or None
+        self.pairs = _preference_pairs(manifest, seq_len, self.path)
         self._num_samples = (len(self.store) - 1) // seq_len
         if self._num_samples == 0:
             raise ValueError(
@@ -311,8 +312,13 @@ class TokenDataset:
         return self.store.may_block
 
     def _compute_epoch_order(self, epoch: int) -> np.ndarray:
-        """The epoch's sample order, kept as the narrowest index type (4 bytes a sample below 2**31 samples)."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(self._num_samples)
+        """The epoch's sample order, kept as the narrowest index type (4 bytes a sample below 2**31 samples). For
+        preference data the pairs are shuffled, each kept as its two sequences in a row (chosen, rejected)."""
+        if self.pairs:
+            pairs = np.random.default_rng([self.seed, epoch]).permutation(self._num_samples // 2)
+            order = np.stack([2 * pairs, 2 * pairs + 1], axis=1).ravel()
+        else:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self._num_samples)
         return order.astype(np.int32) if self._num_samples < 2**31 else order
 
     def global_sample_ids(self, start: int, count: int) -> np.ndarray:
@@ -343,6 +349,17 @@ class TokenDataset:
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [count, seq_len], for stream positions [start, start+count)."""
         return inputs_targets(*self.read(self.global_sample_ids(start, count)))
+
+
+def _preference_pairs(manifest: dict, seq_len: int, path) -> bool:
+    """Whether the data holds preference pairs (``prepare-data --format preference``), whose sequences were padded
+    to the ``seq_len`` its manifest records: at another length windows would straddle sequences and pairs."""
+    pairs = manifest.get(PREFERENCE)
+    if pairs and pairs["seq_len"] != seq_len:
+        raise ValueError(f"model.seq_len {seq_len} does not match the {pairs['seq_len']} tokens every preference "
+                         f"sequence in {path} was padded to; fix: set model.seq_len: {pairs['seq_len']}, or prepare "
+                         f"the pairs again with --seq-len {seq_len}")
+    return bool(pairs)
 
 
 def inputs_targets(windows: np.ndarray, flags: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,10 @@ ROW_GROUP_ROWS = 16_384
 DEFAULT_EXTENSIONS = (".py", ".txt", ".md", ".rst")
 # --format: `text` (every file a document, every token a target) or `prompt-completion` (JSONL lines of TRL's
 # prompt-completion form; only completion tokens are targets, flagged in the shards' LOSS_MASK column)
-FORMATS = {"text": DEFAULT_EXTENSIONS, "prompt-completion": (".jsonl",)}
+# or `preference` (JSONL lines of TRL's plain-text preference form: each pair two padded sequences, chosen then
+# rejected, their completion tokens flagged; `workers.model.dpo`)
+FORMATS = {"text": DEFAULT_EXTENSIONS, "prompt-completion": (".jsonl",), "preference": (".jsonl",)}
+PREFERENCE = "preference"  # the manifest's key for such data: {"seq_len": the length every sequence is padded to}
 LOSS_MASK = "loss_mask"  # the shards' column (uint8, 1: a completion token, whose prediction counts) and manifest key
 STAGING_PREFIX = ".prepare-"  # the hidden folder inside --out a prepare writes into before swapping it in
 HELDOUT_DIR = "heldout"  # `--heldout`'s documents, a prepared directory of their own inside the training one
@@ -148,19 +151,57 @@ class Example(NamedTuple):
     completion: bytes
 
 
+class Pair(NamedTuple):
+    """One preference pair (UTF-8 text) and the ``file:line`` it came from (what a refusal of it names)."""
+
+    prompt: bytes
+    chosen: bytes
+    rejected: bytes
+    where: str
+
+
+class Encoded(NamedTuple):
+    """Ids and loss-mask flags already laid out (a pair's two padded sequences): written as they are, with no
+    end-of-document id put before them (`_pieces`)."""
+
+    ids: np.ndarray
+    flags: np.ndarray
+
+
 def _iter_examples(sources: Iterable[Path], extensions: tuple[str, ...], unreadable: Unreadable,
                    eos_byte: int | None = None) -> Iterator[Example]:
     """Each JSONL line ``{"prompt": str, "completion": str}`` of the matching files, in order; blank lines are
     skipped, anything else is refused naming ``file:line`` (a bad line dropped would shrink the data unseen)."""
+    for where, line in _jsonl_lines(sources, extensions, unreadable):
+        yield Example(*_example(where, line, eos_byte, Example._fields))
+
+
+def _iter_pairs(sources: Iterable[Path], extensions: tuple[str, ...], unreadable: Unreadable,
+                eos_byte: int | None = None) -> Iterator[Pair]:
+    """Each JSONL line ``{"prompt": str, "chosen": str, "rejected": str}`` (TRL's plain-text preference form), as
+    `_iter_examples` reads its pairs; an empty prompt is refused too: a sequence's first token must not be a
+    target, since the window before it predicts it (``workers.data.loader.TokenDataset``)."""
+    for where, line in _jsonl_lines(sources, extensions, unreadable):
+        prompt, chosen, rejected = _example(where, line, eos_byte, ("prompt", "chosen", "rejected"))
+        if not prompt:
+            raise ValueError(f"{where} has an empty 'prompt'; fix: give every pair the prompt its answers reply to")
+        yield Pair(prompt, chosen, rejected, where)
+
+
+def _jsonl_lines(sources: Iterable[Path], extensions: tuple[str, ...],
+                 unreadable: Unreadable) -> Iterator[tuple[str, bytes]]:
+    """(``file:line``, line) of every non-blank line of the matching files, in order."""
     for path, data in _iter_sources(sources, extensions, unreadable):
         for number, line in enumerate(data.splitlines(), 1):
             if line.strip():
-                yield _example(f"{path}:{number}", line, eos_byte)
+                yield f"{path}:{number}", line
 
 
-def _example(where: str, line: bytes, eos_byte: int | None) -> Example:
-    """The `Example` of one JSONL ``line`` (at ``where``, file:line), or a ValueError naming it and the fix."""
-    fix = 'fix: make every line one JSON object {"prompt": "...", "completion": "..."} with string values'
+def _example(where: str, line: bytes, eos_byte: int | None, keys: tuple[str, ...]) -> list[bytes]:
+    """The UTF-8 values of ``keys`` in one JSONL ``line`` (at ``where``, file:line), or a ValueError naming it, the
+    field and the fix."""
+    fix = ("fix: make every line one JSON object {" + ", ".join(f'"{key}": "..."' for key in keys)
+           + "} with string values")
     try:
         record = json.loads(line)
     except ValueError as err:
@@ -168,14 +209,14 @@ def _example(where: str, line: bytes, eos_byte: int | None) -> Example:
     if not isinstance(record, dict):
         raise ValueError(f"{where} holds a JSON {type(record).__name__}, not an object; {fix}")
     fields = []
-    for key in ("prompt", "completion"):
+    for key in keys:
         if not isinstance(record.get(key), str):
             why = f"has no {key!r}" if key not in record else f"has {json.dumps(record[key])[:40]} as its {key!r}"
             raise ValueError(f"{where} {why}, not a string; {fix}")
         fields.append(record[key].encode("utf-8", errors="surrogatepass"))
     if eos_byte is not None:
         _check_no_eos_byte(where, b"".join(fields), eos_byte)
-    return Example(*fields)
+    return fields
 
 
 def _check_no_eos_byte(path: Path | str, data: bytes, eos_byte: int) -> None:
@@ -201,11 +242,57 @@ def _write_shard(out: Path, index: int, tokens: np.ndarray, flags: np.ndarray | 
 def _encode(tok, item) -> tuple[np.ndarray, np.ndarray | None]:
     """(ids, loss-mask flags or None) of one document (bytes, or a row of ids) or `Example`: prompt then
     completion, each encoded alone (so the boundary is the one the user wrote, whatever the tokenizer merges)."""
+    if isinstance(item, Encoded):
+        return item.ids, item.flags
     if not isinstance(item, Example):
         return tok.encode(item), None
     prompt, completion = tok.encode(item.prompt), tok.encode(item.completion)
     flags = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)])
     return np.concatenate([prompt, completion]).astype(tok.dtype, copy=False), flags
+
+
+def _pair_rows(tok, pairs: Iterable[Pair], seq_len: int, limit: float) -> Iterator[Encoded]:
+    """Each pair as its two sequences (`_sequence`: chosen, then rejected) in one `Encoded` piece, so a split or a
+    shard cut never parts them, while the pairs' tokens stay within ``limit``; then one padding token, which
+    the last sequence's window reads as its final target (never counted). Sequences cut short are counted and
+    logged: their completions are scored on what is left."""
+    total, cut, pad = 0, 0, _pad_id(tok)
+    for pair in pairs:
+        if total + 2 * seq_len + 1 > limit:
+            break
+        sides = [_sequence(tok, pair, side, seq_len) for side in ("chosen", "rejected")]
+        cut += sum(long for _, _, long in sides)
+        total += 2 * seq_len
+        yield Encoded(np.concatenate([ids for ids, _, _ in sides]), np.concatenate([f for _, f, _ in sides]))
+    if cut:
+        log.warning("%d sequence(s) longer than --seq-len %d were cut to it (their completions' ends are not "
+                    "scored); raise --seq-len (and model.seq_len) to keep them whole", cut, seq_len)
+    if total:
+        yield Encoded(np.array([pad], dtype=tok.dtype), np.zeros(1, np.uint8))
+
+
+def _pad_id(tok) -> int:
+    """The id that pads a sequence (never a target): the end-of-document id, else 0."""
+    return tok.eos_id if tok.eos_id is not None else 0
+
+
+def _sequence(tok, pair: Pair, side: str, seq_len: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(ids, flags, whether it was cut) of ``pair``'s prompt and its ``side`` completion (`_encode`, as a
+    prompt-completion example), the end-of-document id after it as a target (the model learns to stop, as the
+    separator ends a prompt-completion example), cut or padded to ``seq_len``. A prompt that leaves no completion
+    token within ``seq_len`` is refused naming the line: the pair would score nothing."""
+    ids, flags = _encode(tok, Example(pair.prompt, getattr(pair, side)))
+    if tok.eos_id is not None:
+        ids, flags = np.append(ids, np.array(tok.eos_id, dtype=ids.dtype)), np.append(flags, np.uint8(1))
+    if not flags[:seq_len].any():
+        raise ValueError(f"{pair.where}'s 'prompt' is {len(ids) - int(flags.sum())} tokens, leaving none of its "
+                         f"{side!r} answer within --seq-len {seq_len}; fix: raise --seq-len (and model.seq_len), "
+                         "or shorten the prompt")
+    pad = seq_len - len(ids)
+    if pad < 0:
+        return ids[:seq_len], flags[:seq_len], True
+    return (np.concatenate([ids, np.full(pad, _pad_id(tok), dtype=ids.dtype)]),
+            np.concatenate([flags, np.zeros(pad, np.uint8)]), False)
 
 
 def _pieces(tok, documents: Iterable, limit: float) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
@@ -214,7 +301,7 @@ def _pieces(tok, documents: Iterable, limit: float) -> Iterator[tuple[np.ndarray
     total = 0
     for doc in documents:
         ids, flags = _encode(tok, doc)
-        if total and tok.eos_id is not None:
+        if total and tok.eos_id is not None and not isinstance(doc, Encoded):
             ids = np.concatenate([np.array([tok.eos_id], dtype=tok.dtype), ids])
             flags = None if flags is None else np.concatenate([np.ones(1, np.uint8), flags])
         keep = int(min(len(ids), limit - total))
@@ -291,6 +378,7 @@ def prepare_data(
     tokenizer: str = "bytes",
     heldout: float = 0.0,
     format: str = "text",
+    seq_len: int | None = None,
 ) -> dict:
     """Tokenize matching files (the tokenizer's end-of-document id between them) into Parquet shards under
     `out`; return the manifest.
@@ -309,10 +397,23 @@ def prepare_data(
     "completion": str}`` lines (``_iter_examples``), each one a document of its prompt's then its completion's
     ids; the shards carry a `LOSS_MASK` column flagging the completion tokens (and the separator that ends each
     completion), the manifest ``loss_mask: true``, and the loader makes only those tokens targets.
+
+    `format` ``preference`` reads JSONL ``{"prompt", "chosen", "rejected"}`` lines (``_iter_pairs``), each pair
+    written as two consecutive sequences of `seq_len` tokens, chosen then rejected (``_pair_rows``: padded, or cut),
+    with the completions' tokens flagged as ``prompt-completion`` flags them; the manifest also says
+    ``preference: {seq_len}``, and a job trains on it with ``train.objective: dpo`` at that ``model.seq_len``.
     """
     if format not in FORMATS:
         raise ValueError(f"--format {format!r} is not one of {', '.join(FORMATS)}; fix: pass text (every token a "
-                         "target) or prompt-completion (JSONL prompt/completion pairs, completions scored)")
+                         "target), prompt-completion (JSONL prompt/completion pairs, completions scored) or "
+                         "preference (JSONL prompt/chosen/rejected lines, for train.objective: dpo)")
+    if (format == "preference") != (seq_len is not None):
+        raise ValueError(f"--seq-len {seq_len} with --format {format}: every preference sequence is padded to the "
+                         "job's model.seq_len, and only those; fix: pass --seq-len N (the job's model.seq_len) "
+                         "with --format preference, and leave it out otherwise")
+    if seq_len is not None and seq_len <= 1:
+        raise ValueError(f"--seq-len {seq_len} is too short for a prompt and an answer; fix: pass the job's "
+                         "model.seq_len (at least 2)")
     if shard_tokens <= 0:
         raise ValueError(f"--shard-tokens {shard_tokens} is not a positive token count; fix: give a positive number, "
                          "or leave the option out for its default")
@@ -334,26 +435,34 @@ def prepare_data(
         if heldout:
             _check_heldout_free(out)
         with _staged(out, drop_heldout=True) as staging:
-            return _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout, format)
+            return _prepare_into(staging, out, paths, exts, max_tokens, shard_tokens, tokenizer, heldout, format,
+                                 seq_len)
+
+
+READERS = {"text": _iter_documents, "prompt-completion": _iter_examples, "preference": _iter_pairs}
 
 
 def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, ...], max_tokens: int | None,
-                  shard_tokens: int, tokenizer: str, heldout: float, format: str) -> dict:
+                  shard_tokens: int, tokenizer: str, heldout: float, format: str, seq_len: int | None) -> dict:
     """Everything ``prepare_data`` writes, written into ``staging`` (a BPE's tokenizer.json too, recorded at the
     path it will have in ``out``); returns the manifest, also written there."""
     limit = max_tokens if max_tokens is not None else float("inf")
     unreadable = Unreadable()
 
-    read = _iter_examples if format == "prompt-completion" else _iter_documents
-
     def documents(side: bool = False, passed: list[int] | None = None, upto: int | None = None,
                   eos_byte: int | None = None) -> Iterator:
-        return _one_side(read(paths, exts, unreadable, eos_byte), heldout, side, passed, upto)
+        return _one_side(READERS[format](paths, exts, unreadable, eos_byte), heldout, side, passed, upto)
 
     tok = _tokenizer(tokenizer, _bounded(map(_text, documents()), limit), staging)
     eos_byte = tok.eos_id if isinstance(tok, ByteTokens) else None
+
+    def laid_out(items: Iterator, bound: float) -> Iterator:
+        """The items as `_write_shards` takes them: preference pairs as their padded sequences."""
+        return _pair_rows(tok, items, seq_len, bound) if format == "preference" else items
+
     walked = [0]
-    shards, total = _write_shards(tok, documents(passed=walked, eos_byte=eos_byte), staging, shard_tokens, limit)
+    shards, total = _write_shards(tok, laid_out(documents(passed=walked, eos_byte=eos_byte), limit), staging,
+                                  shard_tokens, limit)
     if total == 0:
         because = f"; {unreadable_message(unreadable.record())}" if unreadable else ""
         raise ValueError(
@@ -371,13 +480,15 @@ def _prepare_into(staging: Path, out: Path, paths: list[Path], exts: tuple[str, 
         "dtype": tok.dtype.name,
         "tokenizer": described,
     }
-    if format == "prompt-completion":
+    if format != "text":
         manifest[LOSS_MASK] = True
+    if format == "preference":
+        manifest[PREFERENCE] = {"seq_len": seq_len}
     if unreadable:
         manifest["unreadable"] = unreadable.record()
     if heldout:
-        held = _write_heldout(tok, documents(True, upto=walked[0], eos_byte=eos_byte), staging, shard_tokens,
-                              manifest, heldout, walked[0])
+        held = _write_heldout(tok, laid_out(documents(True, upto=walked[0], eos_byte=eos_byte), float("inf")),
+                              staging, shard_tokens, manifest, heldout, walked[0])
         manifest["heldout"] = {"path": HELDOUT_DIR, "fraction": heldout, "tokens": held["total_tokens"]}
     return _write_manifest(staging, manifest)
 
@@ -507,8 +618,11 @@ def write_token_rows(rows: Iterable[np.ndarray], out: str | Path, vocab_size: in
     return manifest
 
 
-def _text(document: bytes | Example) -> bytes:
-    """What a BPE is trained on of a document: its bytes, an example's prompt and completion."""
+def _text(document: bytes | Example | Pair) -> bytes:
+    """What a BPE is trained on of a document: its bytes, an example's prompt and completion, a pair's prompt and
+    both answers."""
+    if isinstance(document, Pair):
+        return document.prompt + document.chosen + document.rejected
     return document.prompt + document.completion if isinstance(document, Example) else document
 
 

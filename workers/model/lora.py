@@ -16,8 +16,10 @@ when it matches its whole name or a dotted suffix (``wq`` matches
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -36,8 +38,11 @@ class LoRALinear(nn.Module):
             self.lora_b = nn.Linear(rank, out_features, bias=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
+        self.adapting = True  # False inside `adapters_disabled`: the layer computes its base alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapting:
+            return self.base(x)
         return self.base(x) + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
 
     def base_weight(self) -> torch.Tensor:
@@ -50,6 +55,20 @@ class LoRALinear(nn.Module):
         """``W + (alpha / rank) * B @ A``: the plain Linear weight this layer computes."""
         delta = self.lora_b.weight.detach().float() @ self.lora_a.weight.detach().float()
         return self.base_weight() + self.scaling * delta
+
+
+@contextlib.contextmanager
+def adapters_disabled(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Every ``LoRALinear`` of ``modules`` computes its base alone for the block: the model before fine-tuning,
+    with no second copy of its weights (DPO's reference policy, as TRL's with PEFT's ``disable_adapter``)."""
+    layers = [m for module in modules for m in module.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapting = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapting = True
 
 
 def init_adapter(name: str, shape: tuple, generator: torch.Generator) -> torch.Tensor:
