@@ -64,6 +64,8 @@ class MetricsExporter:
         self.eval_loss = Gauge("raymesh_eval_loss", "Held-out loss of the last evaluation (eval.every)", j,
                                registry=r)
         self.grad_norm = Gauge("raymesh_grad_norm", "Global gradient norm before clipping", j, registry=r)
+        self.dpo = Gauge("raymesh_dpo", "DPO's figures of the last step's global batch (train.objective: dpo): "
+                         "reward_accuracy, chosen_reward, rejected_reward, reward_margin", (*j, "figure"), registry=r)
         self.lr = Gauge("raymesh_learning_rate", "Learning rate of the last step", j, registry=r)
         self.step_seconds = Histogram(
             "raymesh_step_duration_seconds", "Wall time of one step seen by the controller", j, registry=r,
@@ -161,6 +163,8 @@ class MetricsExporter:
         if "eval_loss" in record:
             self.eval_loss.labels(j).set(record["eval_loss"])
         self.grad_norm.labels(j).set(record["grad_norm"])
+        for figure, value in (record.get("dpo") or {}).items():
+            self.dpo.labels(j, figure).set(value)
         self.lr.labels(j).set(record["lr"])
         self.step_seconds.labels(j).observe(record["step_s"])
         self.tokens_per_s.labels(j).set(record["tokens_per_s"])

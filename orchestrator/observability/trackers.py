@@ -46,12 +46,13 @@ def flat_params(spec: JobSpec) -> dict[str, str]:
 
 def step_metrics(report: StepReport, recoveries: int) -> dict[str, float]:
     """One step's figures as trackers get them (the same names in every tracker; ``eval_loss`` on the steps that
-    evaluated)."""
+    evaluated; under ``train.objective: dpo`` the reward figures as ``dpo/reward_accuracy`` etc., TRL's
+    ``rewards/*``)."""
     r = report.record
     figures = {"loss": r["loss"], "lr": r["lr"], "grad_norm": r["grad_norm"], "tokens_per_s": r["tokens_per_s"],
                "step_s": r["step_s"], "mfu": report.mfu, "goodput": report.goodput, "recoveries": recoveries,
                "peak_memory_bytes": max((m["peak_bytes"] for m in r["memory"].values()), default=0),
-               "eval_loss": r.get("eval_loss")}
+               "eval_loss": r.get("eval_loss"), **{f"dpo/{k}": v for k, v in (r.get("dpo") or {}).items()}}
     return {k: float(v) for k, v in figures.items() if v is not None}
 
 

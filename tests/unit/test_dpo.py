@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,3 +193,31 @@ def test_data_that_does_not_fit_the_objective_is_refused(pairs, token_data, tmp_
     other = _refusal(_dpo_spec(pairs, tmp_path, model={"seq_len": 16}))
     assert "`model.seq_len`: value 16 does not match the 32 tokens" in other and "--seq-len 16" in other
     check_before_start(_dpo_spec(pairs, tmp_path))
+
+
+def test_the_rewards_reach_the_trackers_prometheus_and_the_step_line():
+    """What a preference run is watched by (TRL's rewards/*): every tracker, the job's Prometheus endpoint and the
+    ``event=step`` line, not only steps.jsonl; a language-model run's figures are unchanged."""
+    from orchestrator.observability.observers import EventLog, StepReport
+    from orchestrator.observability.prometheus import MetricsExporter
+    from orchestrator.observability.trackers import step_metrics
+    from tests.support.events import recorded_events
+
+    rewards = {"reward_accuracy": 0.75, "chosen_reward": 0.5, "rejected_reward": -0.25, "reward_margin": 0.75}
+    record = {"step": 3, "loss": 0.6, "grad_norm": 1.0, "lr": 1e-3, "tokens": 64, "step_s": 0.5,
+              "tokens_per_s": 128.0, "phases": {}, "memory": {}, "dpo": rewards}
+    figures = step_metrics(StepReport(record, 0.1, 0.0, 1.0), 0)
+    assert {k: figures[f"dpo/{k}"] for k in rewards} == rewards
+    assert not any(k.startswith("dpo/") for k in step_metrics(StepReport({**record, "dpo": None}, 0.1, 0.0, 1.0), 0))
+    exporter = MetricsExporter("j", 0)
+    try:
+        exporter.observe_layout({"dp": 1, "pp": 1, "tp": 1, "ranks": []})
+        exporter.observe_step(record, 0.1, 0.0, 1.0)
+        assert {k: exporter.registry.get_sample_value("raymesh_dpo", {"job": "j", "figure": k})
+                for k in rewards} == rewards
+    finally:
+        exporter.close()
+    with recorded_events() as events:
+        EventLog(SimpleNamespace(log_every=1, steps=3)).on_step(StepReport(record, 0.1, 0.0, 1.0))
+    (_, fields), = [e for e in events if e[0] == "step"]
+    assert (fields["reward_accuracy"], fields["reward_margin"]) == ("0.750", "0.750")
