@@ -50,7 +50,7 @@ def test_dashboard_is_importable_json():
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     titles = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert titles == ["Progress", "Time breakdown", "Memory", "Pipeline", "Fault tolerance", "Parameter server",
-                      "Mixture of experts"]
+                      "Mixture of experts", "Preference training (DPO)"]
     for p in d["panels"]:
         assert {"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]
 

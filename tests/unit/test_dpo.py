@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -201,6 +202,7 @@ def test_the_rewards_reach_the_trackers_prometheus_and_the_step_line():
     from orchestrator.observability.observers import EventLog, StepReport
     from orchestrator.observability.prometheus import MetricsExporter
     from orchestrator.observability.trackers import step_metrics
+    from tests.support.dashboards import load_dashboard, panel_exprs
     from tests.support.events import recorded_events
 
     rewards = {"reward_accuracy": 0.75, "chosen_reward": 0.5, "rejected_reward": -0.25, "reward_margin": 0.75}
@@ -215,6 +217,9 @@ def test_the_rewards_reach_the_trackers_prometheus_and_the_step_line():
         exporter.observe_step(record, 0.1, 0.0, 1.0)
         assert {k: exporter.registry.get_sample_value("raymesh_dpo", {"job": "j", "figure": k})
                 for k in rewards} == rewards
+        # the dashboard's DPO panels (which the real-job Prometheus test cannot feed) select figures exported here
+        selected = [re.findall(r'figure!?="(\w+)"', e) for _, e in panel_exprs(load_dashboard()) if "raymesh_dpo" in e]
+        assert len(selected) == 2 and all(names and set(names) <= set(rewards) for names in selected)
     finally:
         exporter.close()
     with recorded_events() as events:
