@@ -100,6 +100,30 @@ def test_an_unknown_model_type_names_the_supported_ones():
         hf_io.config_fields(config)
 
 
+@pytest.mark.parametrize(("kind", "key", "value"), [
+    ("qwen3", "intermediate_size", None),  # was read as d_ff unset: raymesh's default width, not the weights'
+    ("qwen3", "hidden_size", None),  # was a bare TypeError
+    ("qwen2", "num_attention_heads", 0),  # was a ZeroDivisionError
+    ("qwen3_moe", "moe_intermediate_size", None),  # was the dense width for the experts
+    ("qwen3_moe", "decoder_sparse_step", None),
+    ("mixtral", "num_experts_per_tok", "2"),
+])
+def test_a_null_or_bad_size_in_config_json_is_refused_naming_the_key(kind, key, value):
+    config = hf_family(kind).config.to_dict() | {key: value}
+    with pytest.raises(ValueError, match=f"config.json {key} {value!r} is not a positive whole number"):
+        hf_io.config_fields(config)
+    del config[key]
+    if key != "decoder_sparse_step":  # transformers' default of 1 applies when it is left out
+        with pytest.raises(ValueError, match=f"config.json has no {key}"):
+            hf_io.config_fields(config)
+
+
+def test_a_null_head_dim_or_kv_heads_reads_as_transformers_derives_them():
+    config = hf_family("qwen2").config.to_dict() | {"head_dim": None, "num_key_value_heads": None}
+    fields = hf_io.config_fields(config)
+    assert fields["head_dim"] is None and fields["n_kv_heads"] == config["num_attention_heads"]
+
+
 def test_qwen3_attention_bias_is_refused_naming_the_key():
     config = hf_family("qwen3").config.to_dict() | {"attention_bias": True}
     with pytest.raises(ValueError, match="config.json attention_bias: true is not supported"):

@@ -116,6 +116,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json model_type {kind!r} is not supported; raymesh reads Hugging Face "
                          f"{', '.join(repr(k) for k in FAMILIES)} checkpoints "
                          f"({', '.join(f.architecture for f in FAMILIES.values())})")
+    _check_sizes(hf)
     _check_unsupported(hf)
     heads = hf["num_attention_heads"]
     rope = rope_settings(hf)
@@ -129,6 +130,31 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "pad_token_id": hf.get("pad_token_id"), "hf_model_type": kind, **FAMILIES[kind].fields,
         "moe": None, **(moe_fields(hf) if kind in HF_MOE_TYPES else {}),
     }
+
+
+# config.json sizes every checkpoint of a family gives; those it may leave out are checked only when given, and the
+# nullable ones (transformers derives them from the heads then) only when not null
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+FAMILY_SIZE_KEYS = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"),
+                    "mixtral": ("num_local_experts", "num_experts_per_tok")}
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "num_experts", "decoder_sparse_step")
+NULLABLE_SIZE_KEYS = ("num_key_value_heads", "head_dim")
+
+
+def _check_sizes(hf: dict[str, Any]) -> None:
+    """Refuse a missing, null or non-positive size, naming the key: a null one would otherwise fall back to
+    raymesh's default (a ``d_ff`` or expert width the weights do not have, found only once the ranks read them) or
+    fail deep in the arithmetic with a bare ``TypeError``."""
+    for key in (*SIZE_KEYS, *FAMILY_SIZE_KEYS.get(hf["model_type"], ())):
+        if key not in hf:
+            raise ValueError(f"config.json has no {key}, which transformers needs too; add the checkpoint's {key}")
+    for key in (*SIZE_KEYS, *FAMILY_SIZE_KEYS.get(hf["model_type"], ()), *OPTIONAL_SIZE_KEYS):
+        value = hf.get(key, 1)
+        if value is None and key in NULLABLE_SIZE_KEYS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json {key} {value!r} is not a positive whole number; set it to the "
+                             "checkpoint's (as its weights' shapes give it)")
 
 
 def _head_dim(hf: dict[str, Any]) -> int | None:
