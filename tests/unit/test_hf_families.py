@@ -118,6 +118,13 @@ def test_a_null_or_bad_size_in_config_json_is_refused_naming_the_key(kind, key, 
             hf_io.config_fields(config)
 
 
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_rotary_settings_that_are_not_an_object_are_refused_naming_the_key(key):
+    config = hf_family("qwen3").config.to_dict() | {"rope_scaling": None, key: ["llama3", 8.0]}
+    with pytest.raises(ValueError, match=rf"config.json {key} \['llama3', 8.0\] is not an object"):
+        hf_io.config_fields(config)
+
+
 def test_a_null_head_dim_or_kv_heads_reads_as_transformers_derives_them():
     config = hf_family("qwen2").config.to_dict() | {"head_dim": None, "num_key_value_heads": None}
     fields = hf_io.config_fields(config)

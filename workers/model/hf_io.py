@@ -228,7 +228,12 @@ def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     ``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``), so the same file gives the same model: a v4
     ``rope_scaling`` replaces ``rope_parameters`` whole; a ``rope_theta`` missing there comes from the top level,
     else 10000; a scaled type missing ``original_max_position_embeddings`` takes ``max_position_embeddings``."""
-    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    given = hf.get(key) or {}
+    if not isinstance(given, dict):
+        raise ValueError(f"config.json {key} {given!r} is not an object of rotary settings; write it as "
+                         '{"rope_type": ..., ...} (as transformers saves it), or null for plain rotary positions')
+    rope = dict(given)
     rope.setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA))
     rope.setdefault("rope_type", rope.get("type", "default"))
     if rope["rope_type"] == "llama3":
