@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import ModelConfig, MoEConfig
+from workers.parallel.data_parallel import plain_name
 
 
 @dataclass
@@ -557,15 +558,8 @@ def moe_layers(modules: list[nn.Module]) -> dict[str, MoELayer]:
     for module in modules:
         for name, sub in module.named_modules():
             if isinstance(sub, MoELayer):
-                out[_clean(name)] = sub
+                out[plain_name(name.removeprefix("module."))] = sub  # DDP's hop, then the wrappers'
     return out
-
-
-def _clean(name: str) -> str:
-    """A module name without wrapper hops (DDP's ``module.``, checkpoint and compile wrappers)."""
-    parts = [p for p in name.split(".") if p not in ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
-                                                      "_orig_mod")]
-    return ".".join(parts)
 
 
 def pipeline_layers(stage_module: nn.Module) -> list[MoELayer]:
