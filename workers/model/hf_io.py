@@ -145,10 +145,11 @@ def _check_sizes(hf: dict[str, Any]) -> None:
     """Refuse a missing, null or non-positive size, naming the key: a null one would otherwise fall back to
     raymesh's default (a ``d_ff`` or expert width the weights do not have, found only once the ranks read them) or
     fail deep in the arithmetic with a bare ``TypeError``."""
-    for key in (*SIZE_KEYS, *FAMILY_SIZE_KEYS.get(hf["model_type"], ())):
+    required = (*SIZE_KEYS, *FAMILY_SIZE_KEYS.get(hf["model_type"], ()))
+    for key in required:
         if key not in hf:
             raise ValueError(f"config.json has no {key}, which transformers needs too; add the checkpoint's {key}")
-    for key in (*SIZE_KEYS, *FAMILY_SIZE_KEYS.get(hf["model_type"], ()), *OPTIONAL_SIZE_KEYS):
+    for key in (*required, *OPTIONAL_SIZE_KEYS):
         value = hf.get(key, 1)
         if value is None and key in NULLABLE_SIZE_KEYS:
             continue

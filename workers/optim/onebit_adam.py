@@ -54,8 +54,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self.group, self.warmup_steps = group, warmup_steps
         if names is None:
             names = {id(p): str(i) for i, p in enumerate(_in_order(self.param_groups))}
-        self.name_of = {i: plain_name(n) for i, n in names.items()}
-        self.model_order = list(self.name_of.values())
+        self.name_of = {i: plain_name(n) for i, n in names.items()}  # in the model's order
         self.feedback = ParameterErrors(self)  # this rank's error per parameter name, see the module docstring
 
     def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -172,7 +171,7 @@ class ParameterErrors:
         if not old:
             return state
         shapes = {self.optimizer.name_of[id(p)]: p.shape for p in _in_order(self.optimizer.param_groups)}
-        saved = _saved_order(self.optimizer.model_order, saved_decay)
+        saved = _saved_order(list(self.optimizer.name_of.values()), saved_decay)
         why = _unmappable(old, saved, shapes)
         if why:
             raise ValueError(_old_order_refusal(checkpoint, why))
