@@ -309,7 +309,9 @@ class TrainSpec(_Section):
     # lm: next-token cross entropy; dpo: Direct Preference Optimization on `prepare-data --format preference` pairs,
     # the reference policy the model with its LoRA adapters disabled (workers/model/dpo.py, spec/dpo_checks.py)
     objective: Literal["lm", "dpo"] = "lm"
-    dpo_beta: PositiveFloat = 0.1  # dpo: how far from the reference the policy may move (TRL's beta)
+    # dpo: how far from the reference the policy may move (TRL's beta, usually 0.01-0.5); bounded so the rewards
+    # beta * (log-probability difference) stay finite in float32
+    dpo_beta: Annotated[float, Field(gt=0, le=1000)] = 0.1
 
 
 class EvalSpec(_Section):

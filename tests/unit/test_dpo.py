@@ -226,3 +226,12 @@ def test_the_rewards_reach_the_trackers_prometheus_and_the_step_line():
         EventLog(SimpleNamespace(log_every=1, steps=3)).on_step(StepReport(record, 0.1, 0.0, 1.0))
     (_, fields), = [e for e in events if e[0] == "step"]
     assert (fields["reward_accuracy"], fields["reward_margin"]) == ("0.750", "0.750")
+
+
+@pytest.mark.parametrize("beta", [1e308, float("inf"), float("nan"), 0.0, -0.1, "0.1", True])
+def test_a_dpo_beta_that_is_not_a_finite_positive_number_up_to_1000_is_refused_naming_the_field(beta):
+    """1e308 passed before: its rewards overflow float32 to inf, and their differences to nan."""
+    from tests.support.spec_errors import spec_error
+
+    err = spec_error({"data": {"path": "data"}, "train": {"objective": "dpo", "dpo_beta": beta}})
+    assert err.field == "train.dpo_beta" and "; fix: " in str(err)
