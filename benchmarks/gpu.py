@@ -236,7 +236,8 @@ def job_summary(spec: JobSpec) -> dict:
             "n_kv_heads": m.kv_heads, "d_ff": m.ffn_dim, "vocab_size": m.vocab_size, "seq_len": m.seq_len,
             "tie_embeddings": m.tie_embeddings, "global_batch_size": spec.train.global_batch_size,
             "microbatches": spec.train.microbatches, "precision": spec.precision.dtype,
-            "recompute": spec.memory.recompute, "parameters": sum(stage_params(spec, stage=0, n_stages=1))}
+            "recompute": spec.memory.recompute, "compile": spec.train.compile,
+            "parameters": sum(stage_params(spec, stage=0, n_stages=1))}
 
 
 def measure(args: argparse.Namespace, overrides: list[str], folder: Path, trace: str | None) -> dict:
@@ -253,7 +254,9 @@ def measure(args: argparse.Namespace, overrides: list[str], folder: Path, trace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """The job's figures, torchtitan's on the same job, each ``--variant``'s, then the abort check."""
+    """The job's figures, torchtitan's on the same job, the abort check, then each ``--variant``'s. Each part
+    that fails is recorded (``{"error": ...}``) and the rest still run, and the JSON so far is rewritten to
+    ``--out`` after each part: a device lease is minutes long, and one failure should not cost the others."""
     from benchmarks.gpu_abort import check_abort
     from benchmarks.gpu_torchtitan import run_torchtitan, skipped, with_ratios
 
@@ -262,39 +265,88 @@ def run(args: argparse.Namespace) -> dict:
                          "pass --device cpu to check the benchmark's logic on a CPU")
     for variant in ["", *args.variants]:  # every job checked before minutes go into the first
         build_spec([*args.overrides, *shlex.split(variant)], args.device, "unchecked", 1)
+    report = {"device": device_name(torch.device(args.device)), "torch": torch.__version__,
+              "warmup_steps": args.warmup, "steps": args.steps,
+              "job": job_summary(build_spec(args.overrides, args.device, "unchecked", 1))}
+    part = Part(args.out, report)
     with tempfile.TemporaryDirectory(prefix="raymesh-gpu-bench-") as tmp:
-        base = measure(args, args.overrides, Path(tmp) / "job", args.trace)
-        report = {"device": base.pop("device"), "torch": torch.__version__, "warmup_steps": args.warmup,
-                  "steps": args.steps, **base}
-        titan = skipped("--torchtitan off") if args.torchtitan == "off" else run_torchtitan(
-            report["job"], args.device, args.warmup, args.steps, Path(tmp), args.torchtitan_timeout_s)
-        report["torchtitan"] = with_ratios(report["throughput"], titan)
-        report["variants"] = [measure(args, [*args.overrides, *shlex.split(v)], Path(tmp) / f"variant-{i}", None)
-                              for i, v in enumerate(args.variants)]
-    report["abort"] = check_abort(args.device, args.abort_timeout_s) if args.check_abort else None
+        base = part("base", lambda: measure(args, args.overrides, Path(tmp) / "job", args.trace))
+        report.update({"overrides": args.overrides, **{k: base.get(k) for k in ("throughput", "memory", "profile")}})
+        report["errors"] = {"base": base["error"]} if "error" in base else {}
+        part.save()
+        titan = (skipped("--torchtitan off") if args.torchtitan == "off" else part("torchtitan", lambda: run_torchtitan(
+            report["job"], args.device, args.warmup, args.steps, Path(tmp), args.torchtitan_timeout_s)))
+        ratios = report["throughput"] and "error" not in titan
+        report["torchtitan"] = with_ratios(report["throughput"], titan) if ratios else titan
+        part.save()
+        # the abort check before the variants: a lease that runs out should lose a variant, not the check
+        report["abort"] = (part("abort", lambda: check_abort(args.device, args.abort_timeout_s))
+                           if args.check_abort else None)
+        report["variants"] = []
+        part.save()
+        for i, v in enumerate(args.variants):
+            overrides = [*args.overrides, *shlex.split(v)]
+            result = part(f"variant {v}", lambda o=overrides, i=i: measure(args, o, Path(tmp) / f"variant-{i}", None))
+            report["variants"].append({"overrides": overrides, **result, "variant": v})
+            part.save()
     return report
 
 
+class Part:
+    """Runs one part of the benchmark: logs its start and seconds on stderr and turns an exception into
+    ``{"error": traceback tail}``; ``save`` rewrites the report so far to ``out``."""
+
+    def __init__(self, out: str | None, report: dict):
+        self.out, self.report, self.start = out, report, time.perf_counter()
+
+    def __call__(self, name: str, fn) -> dict:
+        import traceback
+
+        began = time.perf_counter()
+        print(f"[gpu.py {began - self.start:6.1f}s] {name}: start", file=sys.stderr, flush=True)
+        try:
+            result = fn()
+        except Exception:  # recorded, and the remaining parts still run
+            result = {"error": traceback.format_exc()[-4000:]}
+        status = "failed" if "error" in result else "done"
+        print(f"[gpu.py {time.perf_counter() - self.start:6.1f}s] {name}: {status} in "
+              f"{time.perf_counter() - began:.1f}s", file=sys.stderr, flush=True)
+        if status == "failed":
+            print(result["error"], file=sys.stderr, flush=True)
+        return result
+
+    def save(self) -> None:
+        """The report so far to ``out``, marked partial (``main`` writes the finished one)."""
+        if self.out:
+            Path(self.out).write_text(json.dumps({**self.report, "partial": True}, indent=2, default=str))
+
+
 def markdown(report: dict) -> str:
-    """The figures as the README's table."""
+    """The figures as the README's table (a part that failed: its row says so)."""
     t, m, tt = report["throughput"], report["memory"], report["torchtitan"]
     job = report["job"]
     rows = [("device", report["device"]), ("torch", report["torch"]),
             ("job", f"{job['preset'] or job['arch']} d={job['d_model']} L={job['n_layers']}, seq {job['seq_len']}, "
                     f"batch {job['global_batch_size']}, {job['precision']}, recompute {job['recompute']}"),
-            ("steps timed (warm-up left out)", f"{report['steps']} ({report['warmup_steps']})"),
-            ("raymesh tokens/s (wall clock)", f"{t['tokens_per_s']:,.0f} ({t['wall_tokens_per_s']:,.0f})"),
-            ("raymesh MFU (HFU)", f"{t['mfu']:.2%} ({t['hfu']:.2%})"),
-            ("peak memory measured / predicted", f"{m['measured_peak_bytes'] / 2**30:.2f} / "
-                                                 f"{m['predicted_peak_bytes'] / 2**30:.2f} GiB "
-                                                 f"({m['relative_error']:+.1%})")]
-    if tt["tokens_per_s"] is None:
+            ("steps timed (warm-up left out)", f"{report['steps']} ({report['warmup_steps']})")]
+    if t is None:
+        rows.append(("raymesh", "failed: " + report["errors"]["base"].strip().splitlines()[-1]))
+    else:
+        rows += [("raymesh tokens/s (wall clock)", f"{t['tokens_per_s']:,.0f} ({t['wall_tokens_per_s']:,.0f})"),
+                 ("raymesh MFU (HFU)", f"{t['mfu']:.2%} ({t['hfu']:.2%})"),
+                 ("peak memory measured / predicted", memory_cell(m))]
+    if tt.get("error"):
+        rows.append(("torchtitan", "failed: " + tt["error"].strip().splitlines()[-1]))
+    elif tt["tokens_per_s"] is None:
         rows.append(("torchtitan", f"not run: {tt['reason']}"))
     else:
-        rows += [("torchtitan tokens/s, its MFU", f"{tt['tokens_per_s']:,.0f}, {tt['mfu']:.1%}"),
-                 ("raymesh / torchtitan tokens/s", f"{tt['ratio']['tokens_per_s']:.2f}")]
+        rows.append(("torchtitan tokens/s, its MFU", f"{tt['tokens_per_s']:,.0f}, {tt['mfu']:.1%}"))
+        if tt.get("ratio"):
+            rows.append(("raymesh / torchtitan tokens/s", f"{tt['ratio']['tokens_per_s']:.2f}"))
     if report["abort"] is not None:
-        for variant in report["abort"]["variants"]:
+        if "error" in report["abort"]:
+            rows.append(("abort check", "failed: " + report["abort"]["error"].strip().splitlines()[-1]))
+        for variant in report["abort"].get("variants", []):
             rows.append((f"abort check ({variant['backend']}, {variant['env'] or 'default env'})",
                          variant["summary"]))
     lines = ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
@@ -304,12 +356,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def memory_cell(m: dict) -> str:
+    return (f"{m['measured_peak_bytes'] / 2**30:.2f} / {m['predicted_peak_bytes'] / 2**30:.2f} GiB "
+            f"({m['relative_error']:+.1%})")
+
+
 def variant_row(v: dict) -> str:
-    """One job's row of the variants table: the fields changed over the default job, then its figures."""
-    t, m = v["throughput"], v["memory"]
-    return (f"| {' '.join(v['overrides']) or 'default job'} | {t['tokens_per_s']:,.0f} | {t['mfu']:.2%} | "
-            f"{m['measured_peak_bytes'] / 2**30:.2f} / {m['predicted_peak_bytes'] / 2**30:.2f} GiB "
-            f"({m['relative_error']:+.1%}) |")
+    """One job's row of the variants table: the variant's own fields (over the job above), then its figures."""
+    name = v.get("variant") or "job above"
+    t = v.get("throughput")
+    if t is None:
+        error = (v.get("error") or v.get("errors", {}).get("base", "")).strip().splitlines() or ["?"]
+        return f"| {name} | failed: {error[-1]} | | |"
+    return f"| {name} | {t['tokens_per_s']:,.0f} | {t['mfu']:.2%} | {memory_cell(v['memory'])} |"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -193,9 +193,16 @@ def outcome(device_kind: str, env: dict[str, str], timeout_s: float, seen: dict,
     return out
 
 
+SHARED_DEVICE_REFUSED = ("NCCL refuses two ranks of one group on one GPU (ncclInvalidUsage, 'Duplicate GPU "
+                         "detected' under NCCL_DEBUG=WARN): this check needs two GPUs")
+
+
 def _summary(o: dict) -> str:
     if not o["group_formed"]:
-        return f"group did not form: {o['formation_error'] or 'no answer'}"
+        error = o["formation_error"] or "no answer"
+        if o["backend"] == "nccl" and "invalid usage" in error:  # what an H200 answered with NCCL 2.28.9
+            return f"group did not form: {SHARED_DEVICE_REFUSED}"
+        return f"group did not form: {error}"
     if not o["collective_failed"] and o["survivor_exit_code"] not in (None, 0):
         return f"survivor torn down inside the collective (exit code {o['survivor_exit_code']}), no error raised"
     if not o["collective_failed"]:
