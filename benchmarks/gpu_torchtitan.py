@@ -139,7 +139,7 @@ def toml_job(job: dict) -> str:
         "metrics": {"log_freq": 1},
         "checkpoint": {"enable": False},
         "validation": {"enable": False},
-        "compile": {"enable": False},
+        "compile": {"enable": job.get("compile", False)},  # model and loss, as raymesh compiles both
         "experimental": {"custom_import": "benchmarks.torchtitan_job"},
     }
     return "".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()) + "\n"

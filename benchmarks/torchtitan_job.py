@@ -68,7 +68,7 @@ def raymesh_job():
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.components.validate import Validator
-    from torchtitan.config import TrainingConfig
+    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.trainer import Trainer
@@ -88,6 +88,7 @@ def raymesh_job():
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=_recompute(job["recompute"]),
         validator=Validator.Config(enable=False),
+        compile=CompileConfig(enable=job.get("compile", False)),
     )
 
 

@@ -154,3 +154,35 @@ def test_planner_holds_the_prefetched_blocks_gathered(tmp_path):
 
     (own, block), (three, _) = gathered(0), gathered(3)
     assert gathered(1)[0] == own and three - own == 2 * block * 4  # fp32 gathers
+
+
+class _Axis:  # a one-rank mesh axis: what build_parts asks of the pp and dp axes
+    def get_local_rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_loss_is_compiled_with_the_blocks(tmp_path, compiled):
+    """Under train.compile the builder marks the head's part and ``model_loss`` runs ``lm_loss`` through
+    ``torch.compile`` (made once per process), with the eager loss and gradient; without it, eagerly."""
+    from tests.support.jobs import tiny_spec
+    from workers.model import gpt
+    from workers.parallel.parallelize import build_parts
+    from workers.spec import WorkerSpec
+
+    job = tiny_spec(tmp_path, tmp_path, model={"arch": "llama", "n_kv_heads": 2}, train={"compile": compiled})
+    (stage,) = build_parts(WorkerSpec.from_dict(job.worker_dict()), {"pp": _Axis(), "dp": _Axis()},
+                           torch.device("cpu")).modules
+    assert stage.compile_loss is compiled
+    gpt.compiled_lm_loss.cache_clear()
+    logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    targets = torch.tensor([[1, 2, -100, 4, 5], [6, 7, 8, 9, 10]])
+    for reduction in ("mean", "sum"):
+        loss = gpt.model_loss(stage, logits, targets, reduction)
+        (grad,) = torch.autograd.grad(loss, logits)
+        eager = gpt.lm_loss(logits, targets, reduction)
+        assert torch.allclose(loss, eager, rtol=1e-6) and torch.allclose(grad, torch.autograd.grad(eager, logits)[0])
+    assert gpt.compiled_lm_loss.cache_info().currsize == int(compiled)

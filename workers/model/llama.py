@@ -54,11 +54,10 @@ def apply_rotary_halves(x: torch.Tensor, inv_freq: torch.Tensor, positions: torc
     Tables come from the positions on the fly (as in the GPT), so no stage or TP plan carries a buffer.
     """
     angles = torch.outer(positions.to(torch.float32), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-    xf = x.float()
-    first, second = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((-second, first), dim=-1) * sin).type_as(x)
+    # in float32 (the tables are): each product promotes its bf16 half, so no float32 copy of x is made first
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
 
 
 class GroupedCausalCore(CausalCore):

@@ -107,6 +107,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every, spec.train.compile)
         if spec.train.compile:  # before FSDP2, as torchtitan: its hooks then run eagerly around each block
             compile_blocks(part, fam)
+            part.compile_loss = True
         ps = par.dp_sync == "ps"  # parameter-server shards, not a wrapper, keep data ranks in step
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
         edp = expert_mesh["edp"] if expert_mesh is not None else None
