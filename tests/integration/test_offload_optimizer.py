@@ -36,7 +36,7 @@ def _train(pairs, steps=6):
 def test_bit_identical_to_torch(name, tier, tmp_path):
     a, b = _pair()
     hp = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    ref = (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(a.parameters(), **hp)
+    ref = (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(a.parameters(), **hp, fused=True)
     optim = {"name": name, "lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}
     memory = {"offload": {"optimizer": True, "tier": tier, "path": str(tmp_path), "prefetch": 1}}
     opt = build_optimizer(b.parameters(), optim, memory=memory)
@@ -55,7 +55,7 @@ def test_bit_identical_to_torch(name, tier, tmp_path):
 
 def test_load_state_dict_continues_exactly(tmp_path):
     a, b = _pair()
-    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.0)
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
     first = OffloadedAdam(b.parameters(), OffloadStore("nvme", str(tmp_path)), lr=1e-2)
     _train([(a, ref), (b, first)], steps=3)
     resumed = OffloadedAdam(b.parameters(), OffloadStore("nvme", str(tmp_path)), lr=1e-2)
@@ -69,7 +69,7 @@ def test_low_precision_parameters_keep_an_fp32_master_in_the_store(tmp_path):
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(64, 32).bfloat16())
     master = torch.nn.Parameter(param.detach().float())
-    ref = torch.optim.AdamW([master], lr=1e-2, weight_decay=0.0)
+    ref = torch.optim.AdamW([master], lr=1e-2, weight_decay=0.0, fused=True)
     opt = OffloadedAdam([param], OffloadStore("nvme", str(tmp_path)), lr=1e-2)
     assert opt.store.nbytes == 0 and OffloadedAdam.state_bytes(param) == 12 * param.numel()
     for step in range(4):
@@ -104,7 +104,8 @@ def test_zero3_job_with_nvme_optimizer_offload_matches_and_resumes(ray_cluster, 
     from orchestrator import TrainingJob
 
     par = {"dp": 2, "zero": 3, "device": "cpu"}
-    plain = run_spec(tiny_spec(token_data, tmp_path / "a", parallel=par))  # no offload: harness, a Ray job's bits
+    # no offload (harness, a Ray job's bits), stepping PyTorch's fused AdamW, whose kernel the offloaded step runs
+    plain = run_spec(tiny_spec(token_data, tmp_path / "a", parallel=par, optim={"implementation": "fused"}))
     memory = {"offload": {"optimizer": True, "tier": "nvme", "path": str(tmp_path / "nvme")}}
     first = TrainingJob(tiny_spec(token_data, tmp_path / "b", parallel=par, memory=memory, train={"steps": 5},
                                   checkpoint={"every": 5}), progress=False).run()

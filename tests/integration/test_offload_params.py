@@ -38,7 +38,8 @@ def test_zero3_param_offload_job_matches_and_resumes(ray_cluster, token_data, tm
     from orchestrator import JobSpec, TrainingJob
 
     par = {"dp": 2, "zero": 3, "device": "cpu"}
-    plain = run_spec(tiny_spec(token_data, tmp_path / "a", parallel=par))  # no offload: harness, a Ray job's bits
+    # no offload (harness, a Ray job's bits), stepping PyTorch's fused AdamW, whose kernel the offloaded step runs
+    plain = run_spec(tiny_spec(token_data, tmp_path / "a", parallel=par, optim={"implementation": "fused"}))
     memory = _offload(tmp_path, True)
     first = TrainingJob(tiny_spec(token_data, tmp_path / "b", parallel=par, memory=memory, train={"steps": 5},
                                   checkpoint={"every": 5}), progress=False).run()

@@ -104,6 +104,11 @@ class OffloadStore:
             )
 
     @property
+    def on_gpu(self) -> bool:
+        """Whether the store serves a GPU (its host tensors are then pinned for asynchronous copies)."""
+        return self._cuda
+
+    @property
     def nbytes(self) -> int:
         return sum(_nbytes(shape, dtype) for shape, dtype in self._meta.values())
 
