@@ -197,7 +197,7 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads,
                                       0 if moe else m.ffn_dim, p.tp, sequence_split(spec), rc, compute_bytes(spec),
                                       frozen=frozen, kv_heads=m.kv_heads, family=m.arch, fsdp_mixed=fsdp_mixed(spec),
-                                      head_dim=m.head_size)
+                                      head_dim=m.head_size, fused_norm=on_gpu(spec), compiled=spec.train.compile)
     if moe and rc != "full":  # the dense feed-forward's input copies out, the MoE layer's tensors in
         ffn_inputs = compute_bytes(spec) * local_seq(spec) * micro_batch(spec) * m.d_model * mm.feed_forward_copies(
             m.arch, compute_bytes(spec), frozen, fsdp_mixed(spec))
@@ -253,7 +253,7 @@ def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
     return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, spec.padded_vocab_size, p.tp,
                                     sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec),
-                                    spec.train.loss_chunks)
+                                    spec.train.loss_chunks, on_gpu(spec) and not spec.train.compile)
 
 
 def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
@@ -264,7 +264,9 @@ def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
         return 0
     vocab = spec.padded_vocab_size
     head_grad = 4 * vocab * spec.model.d_model // p.tp if head is None else 0  # LoRA: the head weight is frozen
-    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), vocab, spec.train.loss_chunks, head_grad)
+    compiled = spec.train.compile and spec.train.objective != "dpo"  # DPO's loss is its own, never compiled
+    return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), vocab, spec.train.loss_chunks, head_grad,
+                                  compiled)
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -291,6 +293,11 @@ def _in_flight(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     """Chunk-microbatches whose activations this rank holds at its peak (``mm.in_flight_microbatches``)."""
     p = spec.parallel
     return mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
+
+
+def on_gpu(spec: JobSpec) -> bool:
+    """Whether the ranks run on GPUs, as the planner assumes (``parallel.device: auto`` is planned as one)."""
+    return spec.parallel.device != "cpu"
 
 
 def fsdp_mixed(spec: JobSpec) -> bool:
@@ -473,7 +480,8 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     saved = rank_saved_activation_bytes(spec, ids, coords["pp"])
     largest = max(layer_bytes(spec, i) for i in range(spec.model.n_layers))
     masks = rank_mask_bytes(spec, ids, coords["pp"])  # kept on the device by activation offload
-    on_device = mm.device_activation_bytes(saved - masks, largest, offload_flags(spec)["activations"]) + masks
+    head = head_bytes(spec) if n_stages - 1 in ids else 0
+    on_device = mm.device_activation_bytes(saved - masks, largest, offload_flags(spec)["activations"], head) + masks
     layers = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     return RankEstimate(rank, coords, ids, params, rank_model_state(spec, split, ids, n_stages), on_device,
                         buffer_bytes(spec, params, ids, split["trainable"], coords["pp"]), saved - on_device,

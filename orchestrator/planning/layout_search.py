@@ -66,6 +66,9 @@ class Shape:
     qkv_bias: bool = False  # model.qkv_bias: Qwen2's q/k/v biases, sharded with their columns
     qk_norm: bool = False  # model.qk_norm: Qwen3's two per-head norm weights, replicated
     loss_chunks: int = 1  # train.loss_chunks: the head's logits one chunk of tokens at a time
+    gpu: bool = True  # parallel.device is not cpu: eager norms are one fused kernel (memory_model's fused_norm)
+    compiled: bool = False  # train.compile: the blocks through inductor
+    compiled_loss: bool = False  # and the whole-logits loss too (not DPO's own loss)
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -76,7 +79,8 @@ class Shape:
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
-                   spec.train.loss_chunks)
+                   spec.train.loss_chunks, spec.parallel.device != "cpu", spec.train.compile,
+                   spec.train.compile and spec.train.objective != "dpo")
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -253,7 +257,7 @@ class Evaluator:
         seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
         layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute, mixed, lay.cp)
         head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed,
-                                        loss_chunks=s.loss_chunks)
+                                        loss_chunks=s.loss_chunks, fused_norm=s.gpu and not s.compiled)
         in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
         chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
         if s.document_mask and lay.recompute == "none" and layers:  # one mask per microbatch, shared by the blocks
@@ -272,7 +276,7 @@ class Evaluator:
         buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + cp_kernel  # autocast
         regathers = lay.zero >= 3 and lay.shards > 1
         loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab, s.loss_chunks,
-                                      4 * s.vocab * s.d_model // lay.tp) * last
+                                      4 * s.vocab * s.d_model // lay.tp, s.compiled_loss) * last
         return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:
@@ -383,7 +387,7 @@ def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, 
     as ``estimate.layer_bytes``), cached: candidates differing only in ZeRO stage or schedule share it."""
     block = mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
                                       s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed,
-                                      head_dim=s.head_size)
+                                      head_dim=s.head_size, fused_norm=s.gpu, compiled=s.compiled)
     if s.cp_impl != "allgather" or recompute != "none":
         return block
     return block + mm.gathered_kv_bytes(s.seq, micro_batch, s.d_model, s.n_heads, s.kv, cp, tp, s.compute_bytes,

@@ -259,7 +259,7 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                            compute_bytes: int = 4, attention: str = "flash", frozen: Frozen | None = None,
                            kv_heads: int | None = None, family: str = "gpt", fsdp_mixed: bool = False,
-                           head_dim: int | None = None) -> int:
+                           head_dim: int | None = None, fused_norm: bool = False, compiled: bool = False) -> int:
     """Bytes one transformer block saves for backward for one microbatch (raymesh's GPT or Llama block).
 
     Counted tensor by tensor from what autograd keeps (the probe checks it), with
@@ -291,7 +291,13 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
 
     ``fsdp_mixed`` (FSDP2's bf16 policy, not autocast): weights and the residual stream already are c-byte
     tensors, so a norm's normalised x is saved at c bytes, its output once for every Linear reading it (nothing
-    casts), and full recompute keeps a c-byte block input. A norm still saves its float32 copy of the input.
+    casts), and full recompute keeps a c-byte block input. A norm still saves its float32 copy of the input,
+    except under ``fused_norm`` (a GPU's eager ``F.rms_norm``: one fused kernel that saves its input as it is,
+    c bytes under the policy, and the rsqrt; on a CPU the same call runs as separate ops and keeps the copy).
+
+    ``compiled`` (``train.compile``, blocks through inductor; measured on an H200, README "GPU"): Llama's
+    SwiGLU keeps only the gate and up outputs (silu and the product are recomputed in backward), and the norms
+    keep the float32 input copy as the separate ops do.
     """
     s, b, h, a = seq, micro_batch, d_model, n_heads
     sbh = s * b * h
@@ -311,8 +317,10 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     up_adapted = on("w1") or on("w3")
     h1_grad = mid_grad or up_adapted
 
+    saved_input = residual if fused_norm and not compiled else 4
+
     def norm(grad: bool) -> int:  # input and rsqrt for the input gradient; normalised x for the weight's
-        return ((4 * sbh + 4 * s * b) * grad + residual * sbh * trained) // seq_shard
+        return ((saved_input * sbh + 4 * s * b) * grad + residual * sbh * trained) // seq_shard
 
     norms = norm(x_grad) + norm(mid_grad)
     linear_inputs = compute_bytes * sbh * (_copies(on, ("wq", "wk", "wv"), compute_bytes, fsdp_mixed)
@@ -320,7 +328,8 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
                                                      fsdp_mixed))
     attn = compute_bytes * ((sba + 2 * kv) * attn_grad + sba * (attn_grad or on("wo"))) // tp
     core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
-    mlp = compute_bytes * s * b * ffn_dim // tp * ((3 if llama else 1) * h1_grad + on("w2"))
+    mlp_tensors = 2 * (h1_grad or on("w2")) if llama and compiled else (3 if llama else 1) * h1_grad + on("w2")
+    mlp = compute_bytes * s * b * ffn_dim // tp * mlp_tensors
     rotary = 4 * 4 * s * hd // 2 * attn_grad * (2 if llama else 1)
     adapters = compute_bytes * s * b * f.rank * len(f.adapted) * (not trained)
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
@@ -392,9 +401,9 @@ def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads
 
 def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, tp: int = 1,
                           sequence_parallel: bool = False, compute_bytes: int = 4, frozen: Frozen | None = None,
-                          fsdp_mixed: bool = False, loss_chunks: int = 1) -> int:
+                          fsdp_mixed: bool = False, loss_chunks: int = 1, fused_norm: bool = False) -> int:
     """Last stage: final norm (input and normalised x, fp32; the normalised x at c bytes under ``fsdp_mixed``,
-    as in ``layer_activation_bytes``), the output linear's input
+    and under ``fused_norm`` the input too, as in ``layer_activation_bytes``), the output linear's input
     (c bytes, gathered), log-softmax output (fp32, full vocab: logits are replicated
     before the loss) and the int64 targets. ``frozen``: the output Linear is adapted
     when ``"output"`` is in ``frozen.adapted``; the norm keeps its input only. With ``loss_chunks`` > 1
@@ -405,14 +414,16 @@ def head_activation_bytes(seq: int, micro_batch: int, d_model: int, vocab: int, 
     logprobs = 4 * s * b * vocab if loss_chunks == 1 else 0
     if frozen is None:
         normed = compute_bytes if fsdp_mixed else 4
-        return ((4 + normed) * s * b * d_model + 4 * s * b) // seq_shard + compute_bytes * s * b * d_model \
-            + logprobs + 8 * s * b
+        saved_input = normed if fused_norm else 4
+        return ((saved_input + normed) * s * b * d_model + 4 * s * b) // seq_shard \
+            + compute_bytes * s * b * d_model + logprobs + 8 * s * b
     adapted, logits_grad = "output" in frozen.adapted, frozen.output_grad()
     return (4 * s * b * d_model + 4 * s * b) * frozen.input_grad // seq_shard \
         + compute_bytes * s * b * (d_model + frozen.rank) * adapted + (logprobs + 8 * s * b) * logits_grad
 
 
-def loss_backward_bytes(seq: int, micro_batch: int, vocab: int, loss_chunks: int = 1, head_grad: int = 0) -> int:
+def loss_backward_bytes(seq: int, micro_batch: int, vocab: int, loss_chunks: int = 1, head_grad: int = 0,
+                        compiled: bool = False) -> int:
     """What the loss backward allocates beside the saved activations on the head's rank, before it frees any:
     cross entropy's gradient w.r.t. the log-probabilities (``nll_loss`` backward writes a dense s·b·V float32
     tensor) and log-softmax's w.r.t. the float32 logits (another), both live with the saved log-probabilities.
@@ -422,9 +433,12 @@ def loss_backward_bytes(seq: int, micro_batch: int, vocab: int, loss_chunks: int
     With ``loss_chunks`` > 1 one chunk at a time (its largest: ``ceil(seq / loss_chunks)`` tokens a sequence):
     its recomputed log-probabilities and those two gradients, and its share of the head weight's gradient
     (``head_grad`` bytes) beside the sum autograd accumulates the chunks' shares in (measured by
-    ``benchmarks/loss_chunks.py``: below ~d_model tokens that pair outweighs the logits chunking saves)."""
+    ``benchmarks/loss_chunks.py``: below ~d_model tokens that pair outweighs the logits chunking saves).
+    ``compiled`` (the whole-logits loss through ``torch.compile``, ``workers.model.gpt.compiled_lm_loss``):
+    inductor's fused backward writes no dense float32 gradients beside the saved activations; on an H200 the
+    1B Llama's step peak fell by exactly those two tensors (README "GPU")."""
     if loss_chunks == 1:
-        return 2 * 4 * seq * micro_batch * vocab
+        return 0 if compiled else 2 * 4 * seq * micro_batch * vocab
     return 3 * 4 * -(-seq // loss_chunks) * micro_batch * vocab + head_grad
 
 
@@ -440,10 +454,16 @@ def embedding_activation_bytes(seq: int, micro_batch: int) -> int:
     return 8 * seq * micro_batch
 
 
-def device_activation_bytes(saved_bytes: int, largest_layer_bytes: int, offload_activations: bool = False) -> int:
+def device_activation_bytes(saved_bytes: int, largest_layer_bytes: int, offload_activations: bool = False,
+                            head_bytes: int = 0) -> int:
     """What of ``saved_bytes`` stays on the device. Offloading saved tensors (saved_tensors_hooks that
-    pack to host/NVMe) keeps only a layer being packed and one being prefetched back for backward."""
-    return min(saved_bytes, 2 * largest_layer_bytes) if offload_activations else saved_bytes
+    pack to host/NVMe) keeps only a layer being packed and one being prefetched back for backward, except
+    on the rank holding the head (``head_bytes`` of its saved tensors): backward unpacks those first, and they
+    stay back on the device through the loss backward while the last block's are prefetched (on an H200 the
+    1B Llama's peak with activation offload was 19.6% over the estimate that left them out, README "GPU")."""
+    if not offload_activations:
+        return saved_bytes
+    return min(saved_bytes, max(2 * largest_layer_bytes, head_bytes + largest_layer_bytes))
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int = 1) -> int:

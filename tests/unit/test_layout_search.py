@@ -40,6 +40,9 @@ def _job(model: dict, **sections) -> JobSpec:
     ({"cp": 2, "zero": 0}, {"microbatches": 2}, "none", "fp32"),
     ({"dp": 2, "cp": 2, "zero": 1, "cp_impl": "allgather"}, {"microbatches": 1}, "none", "fp32"),
     ({"cp": 2, "zero": 3}, {"microbatches": 1}, "none", "fp32"),
+    # train.compile: inductor's blocks and the compiled whole-logits loss (memory_model's compiled terms)
+    ({"dp": 2, "zero": 2}, {"microbatches": 2, "compile": True}, "none", "bf16"),
+    ({"dp": 4, "zero": 3}, {"microbatches": 1, "compile": True}, "full", "bf16"),
 ])
 def test_search_path_equals_the_spec_estimate(model, parallel, train, recompute, dtype):
     """Where both apply (layers divide the stages, no LoRA), the search's arithmetic is the estimate's."""
