@@ -279,7 +279,7 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     - MLP: the first linear's output and GELU's output, 2 tensors of b·s·ffn at c
       bytes, sharded by tp.
     - Llama (``family="llama"``): the SwiGLU keeps 4 tensors of b·s·ffn (gate output, its silu, up output,
-      their product) instead of 2, and its half-rotation keeps full-width cos/sin tables (twice the GPT's).
+      their product) instead of 2; its half-rotation keeps half-width cos/sin tables, as the GPT's pairs do.
     - small: two rsqrt outputs (b·s fp32) and rotary cos/sin tables (4 · s·head_dim/2 fp32).
 
     Recompute: ``full`` keeps only the block input (4·s·b·h, fp32 residual, sequence-
@@ -330,7 +330,7 @@ def layer_activation_bytes(seq: int, micro_batch: int, d_model: int, n_heads: in
     core = (4 * b * a * s // tp + (2 * compute_bytes * b * a * s * s // tp if attention == "math" else 0)) * attn_grad
     mlp_tensors = 2 * (h1_grad or on("w2")) if llama and compiled else (3 if llama else 1) * h1_grad + on("w2")
     mlp = compute_bytes * s * b * ffn_dim // tp * mlp_tensors
-    rotary = 4 * 4 * s * hd // 2 * attn_grad * (2 if llama else 1)
+    rotary = 4 * 4 * s * hd // 2 * attn_grad
     adapters = compute_bytes * s * b * f.rank * len(f.adapted) * (not trained)
     return norms + linear_inputs + attn + mlp + rotary + adapters + (0 if recompute == "selective" else core)
 

@@ -228,7 +228,7 @@ def model_loss(model: nn.Module, out: torch.Tensor, targets: torch.Tensor, reduc
     its final hidden state, taken through the head chunk by chunk (``chunked_lm_loss``)."""
     if model.loss_chunks > 1:
         return model.head_loss(out, targets, reduction)
-    if model.compile_loss and not isinstance(out, DTensor):  # tp's vocab-parallel loss stays eager
+    if model.compile_loss and not isinstance(out, DTensor):  # DTensor logits (no plan hands them today) stay eager
         return compiled_lm_loss()(out, targets, reduction)
     return lm_loss(out, targets, reduction)
 
