@@ -35,9 +35,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised in float32 and cast back to ``x``'s dtype, then scaled: Hugging Face's Llama order (the
         weight multiplies the already-rounded bf16 value). ``F.rms_norm`` does the first part as one fused
-        kernel on a GPU (eight elementwise kernels forward and a dozen backward as separate ops: 13% of the
-        1B Llama's eager step on an H200, README "GPU"); the weight stays outside it to keep that order and
-        the dtype promotion of a float32 weight under autocast."""
+        kernel on a GPU (as separate ops: eight elementwise kernels forward and a dozen backward; with the rotary
+        change they cost the 1B Llama's eager step 11% on an H200, README "GPU"); the weight stays outside it to
+        keep that order and the dtype promotion of a float32 weight under autocast."""
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
 
