@@ -330,13 +330,13 @@ def markdown(report: dict) -> str:
                     f"batch {job['global_batch_size']}, {job['precision']}, recompute {job['recompute']}"),
             ("steps timed (warm-up left out)", f"{report['steps']} ({report['warmup_steps']})")]
     if t is None:
-        rows.append(("raymesh", "failed: " + report["errors"]["base"].strip().splitlines()[-1]))
+        rows.append(("raymesh", failed(report["errors"]["base"])))
     else:
         rows += [("raymesh tokens/s (wall clock)", f"{t['tokens_per_s']:,.0f} ({t['wall_tokens_per_s']:,.0f})"),
                  ("raymesh MFU (HFU)", f"{t['mfu']:.2%} ({t['hfu']:.2%})"),
                  ("peak memory measured / predicted", memory_cell(m))]
     if tt.get("error"):
-        rows.append(("torchtitan", "failed: " + tt["error"].strip().splitlines()[-1]))
+        rows.append(("torchtitan", failed(tt["error"])))
     elif tt["tokens_per_s"] is None:
         rows.append(("torchtitan", f"not run: {tt['reason']}"))
     else:
@@ -345,7 +345,7 @@ def markdown(report: dict) -> str:
             rows.append(("raymesh / torchtitan tokens/s", f"{tt['ratio']['tokens_per_s']:.2f}"))
     if report["abort"] is not None:
         if "error" in report["abort"]:
-            rows.append(("abort check", "failed: " + report["abort"]["error"].strip().splitlines()[-1]))
+            rows.append(("abort check", failed(report["abort"]["error"])))
         for variant in report["abort"].get("variants", []):
             rows.append((f"abort check ({variant['backend']}, {variant['env'] or 'default env'})",
                          variant["summary"]))
@@ -354,6 +354,11 @@ def markdown(report: dict) -> str:
         lines += ["", "| job | tokens/s | MFU | peak memory measured / predicted |", "|---|---|---|---|"]
         lines += [variant_row(v) for v in [report, *report["variants"]]]
     return "\n".join(lines)
+
+
+def failed(error: str) -> str:
+    """A failed part's cell: the last line of its traceback (the exception and its message)."""
+    return "failed: " + (error.strip().splitlines() or ["?"])[-1]
 
 
 def memory_cell(m: dict) -> str:
@@ -366,8 +371,7 @@ def variant_row(v: dict) -> str:
     name = v.get("variant") or "job above"
     t = v.get("throughput")
     if t is None:
-        error = (v.get("error") or v.get("errors", {}).get("base", "")).strip().splitlines() or ["?"]
-        return f"| {name} | failed: {error[-1]} | | |"
+        return f"| {name} | {failed(v.get('error') or v['errors']['base'])} | | |"
     return f"| {name} | {t['tokens_per_s']:,.0f} | {t['mfu']:.2%} | {memory_cell(v['memory'])} |"
 
 
