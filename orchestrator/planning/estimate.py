@@ -13,7 +13,7 @@ import math
 from dataclasses import astuple, dataclass, replace
 
 from orchestrator.planning import memory_model as mm
-from orchestrator.planning.layout_search import FFN_MATRICES, Shape
+from orchestrator.planning.layout_search import FFN_MATRICES, Shape, planned_compiled_loss, planned_on_gpu
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
 from workers.parallel.compression_kinds import WITH_FEEDBACK
@@ -197,7 +197,8 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads,
                                       0 if moe else m.ffn_dim, p.tp, sequence_split(spec), rc, compute_bytes(spec),
                                       frozen=frozen, kv_heads=m.kv_heads, family=m.arch, fsdp_mixed=fsdp_mixed(spec),
-                                      head_dim=m.head_size, fused_norm=on_gpu(spec), compiled=spec.train.compile)
+                                      head_dim=m.head_size, fused_norm=planned_on_gpu(spec),
+                                      compiled=spec.train.compile)
     if moe and rc != "full":  # the dense feed-forward's input copies out, the MoE layer's tensors in
         ffn_inputs = compute_bytes(spec) * local_seq(spec) * micro_batch(spec) * m.d_model * mm.feed_forward_copies(
             m.arch, compute_bytes(spec), frozen, fsdp_mixed(spec))
@@ -253,7 +254,7 @@ def head_bytes(spec: JobSpec) -> int:
     m, p = spec.model, spec.parallel
     return mm.head_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, spec.padded_vocab_size, p.tp,
                                     sequence_split(spec), compute_bytes(spec), frozen_parts(spec)[-1], fsdp_mixed(spec),
-                                    spec.train.loss_chunks, on_gpu(spec) and not spec.train.compile)
+                                    spec.train.loss_chunks, planned_on_gpu(spec) and not spec.train.compile)
 
 
 def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
@@ -264,9 +265,8 @@ def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
         return 0
     vocab = spec.padded_vocab_size
     head_grad = 4 * vocab * spec.model.d_model // p.tp if head is None else 0  # LoRA: the head weight is frozen
-    compiled = spec.train.compile and spec.train.objective != "dpo"  # DPO's loss is its own, never compiled
     return mm.loss_backward_bytes(local_seq(spec), micro_batch(spec), vocab, spec.train.loss_chunks, head_grad,
-                                  compiled)
+                                  planned_compiled_loss(spec))
 
 
 def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
@@ -293,11 +293,6 @@ def _in_flight(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     """Chunk-microbatches whose activations this rank holds at its peak (``mm.in_flight_microbatches``)."""
     p = spec.parallel
     return mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
-
-
-def on_gpu(spec: JobSpec) -> bool:
-    """Whether the ranks run on GPUs, as the planner assumes (``parallel.device: auto`` is planned as one)."""
-    return spec.parallel.device != "cpu"
 
 
 def fsdp_mixed(spec: JobSpec) -> bool:

@@ -39,6 +39,17 @@ TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
 
 
+def planned_on_gpu(spec) -> bool:
+    """Whether the ranks run on GPUs, as the planner assumes (``parallel.device: auto`` is planned as one)."""
+    return spec.parallel.device != "cpu"
+
+
+def planned_compiled_loss(spec) -> bool:
+    """Whether the whole-logits loss runs through ``torch.compile`` (``train.compile``; DPO's loss is its own,
+    never compiled): ``memory_model.loss_backward_bytes``'s ``compiled``."""
+    return spec.train.compile and spec.train.objective != "dpo"
+
+
 @dataclass(frozen=True)
 class Shape:
     """A transformer and its batch, in plain numbers."""
@@ -79,8 +90,7 @@ class Shape:
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
-                   spec.train.loss_chunks, spec.parallel.device != "cpu", spec.train.compile,
-                   spec.train.compile and spec.train.objective != "dpo")
+                   spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec))
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
