@@ -113,7 +113,7 @@ class Trainer:
         # train.objective: dpo: this step's reward figures, and the reference policy's sequence log-probabilities
         # of the microbatch running (`_score_reference`)
         self.dpo = train.objective == "dpo"
-        self.rewards = RewardTally(self.device)
+        self.rewards: RewardTally | None = None  # made at each step's start under dpo
         self.reference: torch.Tensor | None = None
         self.evaluator = self._evaluator()
 
@@ -342,7 +342,7 @@ class Trainer:
             stage.events.clear()
         self.compute_events.clear()
         self._begin_reducers()
-        self.rewards = RewardTally(self.device)
+        self.rewards = RewardTally(self.device) if self.dpo else None
         t0 = time.perf_counter()
         self._begin_moe_step()
         inputs, targets = self.state.cursor.next_batch()
