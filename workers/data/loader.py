@@ -314,11 +314,12 @@ class TokenDataset:
     def _compute_epoch_order(self, epoch: int) -> np.ndarray:
         """The epoch's sample order, kept as the narrowest index type (4 bytes a sample below 2**31 samples). For
         preference data the pairs are shuffled, each kept as its two sequences in a row (chosen, rejected)."""
+        rng = np.random.default_rng([self.seed, epoch])
         if self.pairs:
-            pairs = np.random.default_rng([self.seed, epoch]).permutation(self._num_samples // 2)
+            pairs = rng.permutation(self._num_samples // 2)
             order = np.stack([2 * pairs, 2 * pairs + 1], axis=1).ravel()
         else:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self._num_samples)
+            order = rng.permutation(self._num_samples)
         return order.astype(np.int32) if self._num_samples < 2**31 else order
 
     def global_sample_ids(self, start: int, count: int) -> np.ndarray:
