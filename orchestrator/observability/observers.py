@@ -20,7 +20,6 @@ from orchestrator.observability.events import event
 from orchestrator.observability.prometheus import MetricsExporter
 from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
-from workers.protocol import StepResult
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,9 @@ class StepReport:
     goodput: float
     straggler_ratios: dict[int, float] = field(default_factory=dict)
     stragglers: frozenset[int] = frozenset()
-    results: tuple[StepResult, ...] = ()  # every rank's result (the run records keep their pipeline events)
+    # the ranks' per-step figures folded (``workers.step.figures.fold``): what readers of more than the record
+    # take, e.g. the run records' pipeline events
+    figures: dict = field(default_factory=dict)
 
 
 class JobObserver:
