@@ -39,7 +39,7 @@ from workers.state.train_state import TrainState
 from workers.step.context import StepContext, StepKit
 from workers.step.engine import build_engine
 from workers.step.hooks import build_hooks
-from workers.step.objectives import build_objective
+from workers.step.objectives import build_objective, check_objective
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,6 +51,7 @@ class Trainer:
     def __init__(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int,
                  listener: socket.socket | None = None):
         self.spec = WorkerSpec.from_dict(spec)
+        check_objective(self.spec.train.objective)
         self.rank = rank
         par, memory = self.spec.parallel, spec["memory"]
         self.grid = par.grid

@@ -141,10 +141,14 @@ def register_objective(name: str, build: Callable[[StepKit], Objective], replace
     OBJECTIVES[name] = build
 
 
-def build_objective(kit: StepKit) -> Objective:
-    """The job's objective (``train.objective``)."""
-    name = kit.spec.train.objective
+def check_objective(name: str) -> None:
+    """Refuse a ``train.objective`` no objective is registered for (before the rank builds anything)."""
     if name not in OBJECTIVES:
         raise ValueError(f"train.objective {name!r} has no registered objective (known: {sorted(OBJECTIVES)}); "
                          "set train.objective to one of them, or register_objective() it in workers/step/objectives.py")
-    return OBJECTIVES[name](kit)
+
+
+def build_objective(kit: StepKit) -> Objective:
+    """The job's objective (``train.objective``)."""
+    check_objective(kit.spec.train.objective)
+    return OBJECTIVES[kit.spec.train.objective](kit)
