@@ -143,12 +143,10 @@ class Trainer:
         """One optimizer step (or asp/ssp round); returns its loss, time per phase (``StepEngine.step`` says
         what each phase covers), memory and the hooks' figures for the controller."""
         ctx = StepContext(self.state, self.hooks, StepFault(fault))
-        outcome = self.engine.step(ctx, self.objective)
+        core = self.engine.step(ctx, self.objective)
         self.hooks.after_step(ctx)
-        return StepResult(rank=self.rank, step=self.step, loss=outcome.loss, grad_norm=outcome.grad_norm,
-                          lr=outcome.lr, tokens=outcome.tokens, applied=outcome.applied, time_s=outcome.time_s,
-                          peak_memory_bytes=self.peak_memory_bytes(), current_memory_bytes=self.current_memory_bytes(),
-                          extras=ctx.extras)
+        return StepResult(rank=self.rank, step=self.step, **core, peak_memory_bytes=self.peak_memory_bytes(),
+                          current_memory_bytes=self.current_memory_bytes(), extras=ctx.extras)
 
     def _autocast(self):
         if self.autocast_dtype is None:

@@ -1,10 +1,11 @@
 """Step engines: one per way a rank turns a batch into an update, chosen once when the rank is built.
 
 Every engine has ``run(batch, objective, ctx) -> (loss, grad_norm, applied)`` (forward and backward over the
-microbatches, gradient reduction, the update) and ``step(ctx, objective) -> StepOutcome`` (one controller step:
-read the batch, run it, time its phases). ``Accumulate`` is gradient accumulation over one model part; the
-pipelines (``workers.step.pipeline``) and asp/ssp parameter-server rounds (``workers.step.ps_round``) are the
-others, as Megatron's ``get_forward_backward_func`` returns one of its schedules with one signature.
+microbatches, gradient reduction, the update) and ``step(ctx, objective)`` (one controller step: read the batch,
+run it, time its phases; returns the result's core fields, ``outcome``). ``Accumulate`` is gradient accumulation
+over one model part; the pipelines (``workers.step.pipeline``) and asp/ssp parameter-server rounds
+(``workers.step.ps_round``) are the others, as Megatron's ``get_forward_backward_func`` returns one of its
+schedules with one signature.
 
 How the gradients are reduced and applied is the engine's ``GradSync``: the all-reduce path (the wrappers
 reduced them in backward; clip on the global norm, the optimizers step) or the parameter server's bsp push/pull.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -31,16 +32,11 @@ from workers.step.context import StepContext, StepKit
 from workers.step.objectives import Objective
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """One controller step's core figures (the hooks add theirs to ``StepContext.extras``)."""
-
-    loss: float | None
-    grad_norm: float
-    lr: float
-    tokens: int
-    applied: bool
-    time_s: StepTimes
+def outcome(loss: float | None, grad_norm: float, lr: float, tokens: int, applied: bool,
+            time_s: StepTimes) -> dict[str, Any]:
+    """One controller step's core fields of its ``StepResult`` (the hooks add theirs to ``StepContext.extras``;
+    the trainer adds the rank's identity and memory)."""
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "applied": applied, "time_s": time_s}
 
 
 class StepLoss:
@@ -172,7 +168,7 @@ class StepEngine:
         attention cores while it runs forward and backward (recompute replays the forward there)."""
         return split_documents(self.state.cursor.documents, self.microbatches, self.device)
 
-    def step(self, ctx: StepContext, objective: Objective) -> StepOutcome:
+    def step(self, ctx: StepContext, objective: Objective) -> dict[str, Any]:
         """One optimizer step, timed per phase: ``data`` reading the batch (and the objective's preparation),
         ``compute`` forward/backward (for pipelines, the union of this rank's F/B/W chunks; gradient reduction
         overlapped with backward counts here), ``bubble`` the rest of the pipeline window (idle or waiting on a
@@ -198,8 +194,7 @@ class StepEngine:
         compute = busy_seconds(ctx.events) if self.timed_by_events else t2 - t1
         times = StepTimes(data=t1 - t0, compute=compute + slowed, bubble=max(0.0, (t2 - t1) - compute),
                           communication=t3 - t2, optimizer=t4 - t3, step=t4 - t0 + slowed)
-        return StepOutcome(None if loss is None else float(loss), grad_norm, ctx.lr, int(inputs.numel()), applied,
-                           times)
+        return outcome(None if loss is None else float(loss), grad_norm, ctx.lr, int(inputs.numel()), applied, times)
 
     def run(self, batch: tuple[torch.Tensor, torch.Tensor], objective: Objective,
             ctx: StepContext) -> tuple[torch.Tensor | None, float, bool]:

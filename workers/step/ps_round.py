@@ -7,11 +7,13 @@ what the worker did meanwhile. Only ``after_step`` hooks run around a round: its
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from workers.optim.build import clip_grads
 from workers.step.context import StepContext, StepKit
-from workers.step.engine import StepEngine, StepOutcome
+from workers.step.engine import StepEngine, outcome
 from workers.step.objectives import Objective
 
 
@@ -23,11 +25,11 @@ class PSRound:
         self.ps, self.inner, self.state, self.device = kit.ps, inner, kit.state, kit.device
         self.params, self.pp_group, self.max_norm = kit.params, kit.pp_group, kit.spec.grad_clip
 
-    def step(self, ctx: StepContext, objective: Objective) -> StepOutcome:
+    def step(self, ctx: StepContext, objective: Objective) -> dict[str, Any]:
         """One controller step: the round, and its local steps and clock as the result's figures."""
         figures = self.ps.run_round(ctx.fault, lambda: self._local_step(objective))
         ctx.extras.update(local_steps=figures.pop("local_steps"), clock=figures.pop("clock"))
-        return StepOutcome(**figures)
+        return outcome(**figures)
 
     def _local_step(self, objective: Objective) -> dict:
         """Read this worker's next batch and run it; its record for the round."""
