@@ -7,8 +7,11 @@ run records and summary JSON are written from ``to_dict()``, so their keys are e
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
+
+from workers.step.figures import FIGURES, check_keys
 
 PHASES = ("data", "compute", "bubble", "communication", "optimizer", "step")
 
@@ -28,13 +31,15 @@ class StepTimes:
         return asdict(self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StepResult:
     """What one rank reports after one optimizer step (or one asynchronous PS round).
 
-    ``loss`` is None on ranks that hold no last pipeline stage. ``memory`` is present only when the job
-    measures memory, ``timeline`` only when it records pipeline events, ``local_steps``/``clock`` only under
-    asynchronous parameter-server rounds; ``to_dict`` leaves absent ones out, as the JSON always did.
+    ``loss`` is None on ranks that hold no last pipeline stage. Every per-feature figure (measured memory, the
+    timeline, MoE statistics, comm bytes, the held-out loss ...) is an entry of ``extras`` under its figure's key,
+    present only when the feature ran; each key has one reducer in ``workers.step.figures``, which is how the
+    controller records it. Built and read flat, as the JSON always was: ``StepResult(..., moe={...})`` puts
+    ``moe`` in ``extras``, ``to_dict`` writes it at the top level and ``result.moe`` reads it (None when absent).
     """
 
     rank: int
@@ -47,25 +52,28 @@ class StepResult:
     time_s: StepTimes
     peak_memory_bytes: int
     current_memory_bytes: int
-    memory: dict[str, int] | None = None
-    timeline: list[dict[str, Any]] | None = None
-    local_steps: int | None = None
-    clock: int | None = None
-    moe: dict[str, dict[str, Any]] | None = None  # per MoE layer: load, drops, aux losses (workers.model.moe)
     replicated_step: int = -1  # newest step whose snapshot replica is known to be held by this rank's holder
-    # bytes this rank's collectives sent this step per mesh dimension (workers.diagnostics.comm_bytes)
-    comm_bytes: dict[str, int] | None = None
-    # under dp_sync ps: this rank's push and pull payload bytes and its largest asp/ssp read staleness this step
-    ps: dict[str, int] | None = None
-    # after an evaluated step (eval.every): the held-out loss of this rank's share (None off the last pipeline
-    # stage) and the seconds the evaluation took on this rank (workers.evaluation)
-    eval_loss: float | None = None
-    eval_s: float | None = None
-    # under data.mix: the samples each source (by path) has supplied up to this step (workers.data.blend)
-    data_mix: dict[str, int] | None = None
-    # under train.objective: dpo: the global batch's reward accuracy and mean chosen/rejected rewards and margin
-    # (workers.model.dpo.FIGURES), the same on every rank
-    dpo: dict[str, float] | None = None
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+    def __init__(self, *, extras: Mapping[str, Any] | None = None, **named: Any):
+        """Core fields by name; any other name is a figure of ``extras`` (None: absent), refused unless a figure
+        is registered for it (``workers.step.figures.check_keys``)."""
+        core = {f.name: f for f in fields(self) if f.name != "extras"}
+        missing = [name for name, f in core.items() if name not in named and f.default is MISSING]
+        if missing:
+            raise TypeError(f"StepResult is missing core field(s) {missing}")
+        given = {**(extras or {}), **{k: v for k, v in named.items() if k not in core}}
+        figures = {k: v for k, v in given.items() if v is not None}
+        check_keys(figures)
+        for name, f in core.items():
+            object.__setattr__(self, name, named.get(name, f.default))
+        object.__setattr__(self, "extras", figures)
+
+    def __getattr__(self, name: str) -> Any:
+        """A registered figure's value by name (None when this step has none), as the fields it replaced read."""
+        if name.startswith("_") or name not in FIGURES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.__dict__.get("extras", {}).get(name)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepResult:
@@ -73,17 +81,9 @@ class StepResult:
         return cls(**{**data, "time_s": StepTimes(**data["time_s"])})
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in _OPTIONAL:
-                continue
-            out[f.name] = value.to_dict() if isinstance(value, StepTimes) else value
-        return out
-
-
-_OPTIONAL = frozenset({"memory", "timeline", "local_steps", "clock", "comm_bytes", "moe", "ps", "eval_loss", "eval_s",
-                       "data_mix", "dpo"})
+        """The JSON form: the core fields, then each figure of ``extras`` at the top level under its key."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extras"}
+        return {**out, "time_s": self.time_s.to_dict(), **self.extras}
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from orchestrator.observability.events import event
+from orchestrator.observability.figures import event_fields
 from orchestrator.observability.prometheus import MetricsExporter
 from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
-from workers.protocol import StepResult
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class StepReport:
     goodput: float
     straggler_ratios: dict[int, float] = field(default_factory=dict)
     stragglers: frozenset[int] = frozenset()
-    results: tuple[StepResult, ...] = ()  # every rank's result (the run records keep their pipeline events)
+    # the ranks' per-step figures folded (``workers.step.figures.fold``): what readers of more than the record
+    # take, e.g. the run records' pipeline events
+    figures: dict = field(default_factory=dict)
 
 
 class JobObserver:
@@ -115,11 +117,10 @@ class EventLog(JobObserver):
     def on_step(self, report: StepReport) -> None:
         record = report.record
         if self.train is not None and logged(record, self.train):
-            rewards = record.get("dpo") or {}  # train.objective: dpo: what a preference run is watched by
             event("step", step=record["step"], loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}",
                   grad_norm=f"{record['grad_norm']:.3f}", tokens_per_s=f"{record['tokens_per_s']:.0f}",
                   step_s=f"{record['step_s']:.3f}",
-                  **{k: f"{rewards[k]:.3f}" for k in ("reward_accuracy", "reward_margin") if k in rewards})
+                  **event_fields(record))  # each figure's own (observability/figures.py), e.g. DPO's rewards
         if "eval_loss" in record:
             event("eval", step=record["step"], loss=f"{record['eval_loss']:.4f}", seconds=f"{record['eval_s']:.2f}")
 

@@ -17,6 +17,8 @@ import ray
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from orchestrator.observability.figures import Exported
+
 RANK_LABELS = ("job", "rank", "stage", "dp", "pp", "tp")  # stage: the rank's pipeline stages, e.g. "0,2"
 # every kind a recovery can have (StepFailed.kind, "node" for a lost node), a corrupt checkpoint set aside and a
 # parameter-server shard restarted (the summary's kill_ps_shard), exported at 0 from the start so rates and panels
@@ -61,11 +63,7 @@ class MetricsExporter:
         self.steps = Counter("raymesh_steps_total", "Optimizer steps completed", j, registry=r)
         self.tokens = Counter("raymesh_tokens_total", "Tokens trained on", j, registry=r)
         self.loss = Gauge("raymesh_loss", "Training loss of the last step", j, registry=r)
-        self.eval_loss = Gauge("raymesh_eval_loss", "Held-out loss of the last evaluation (eval.every)", j,
-                               registry=r)
         self.grad_norm = Gauge("raymesh_grad_norm", "Global gradient norm before clipping", j, registry=r)
-        self.dpo = Gauge("raymesh_dpo", "DPO's figures of the last step's global batch (train.objective: dpo): "
-                         "reward_accuracy, chosen_reward, rejected_reward, reward_margin", (*j, "figure"), registry=r)
         self.lr = Gauge("raymesh_learning_rate", "Learning rate of the last step", j, registry=r)
         self.step_seconds = Histogram(
             "raymesh_step_duration_seconds", "Wall time of one step seen by the controller", j, registry=r,
@@ -96,22 +94,7 @@ class MetricsExporter:
         self.slowdown = Gauge("raymesh_step_slowdown_ratio", "The rank's step time over the other ranks' median",
                               RANK_LABELS, registry=r)
         self.goodput = Gauge("raymesh_goodput_ratio", "Productive step time over wall time since start", j, registry=r)
-        self.comm_bytes = Gauge("raymesh_comm_bytes", "Bytes the busiest rank's collectives sent in the last step, "
-                                "per mesh dimension (metrics.comm_bytes)", [*j, "dim"], registry=r)
-        self.ps_push = Counter("raymesh_ps_push_bytes_total", "Bytes pushed to parameter-server shards", j, registry=r)
-        self.ps_pull = Counter("raymesh_ps_pull_bytes_total", "Bytes pulled from parameter-server shards", j,
-                               registry=r)
-        self.ps_staleness = Gauge("raymesh_ps_staleness_steps", "Largest clock gap between a read and the newest "
-                                  "update (0 under all-reduce)", j, registry=r)
-        moe = ("job", "layer")
-        self.moe_tokens = Gauge("raymesh_moe_expert_tokens", "Token assignments an expert took in the last step "
-                                "(all data-parallel ranks, after drops)", (*moe, "expert"), registry=r)
-        self.moe_drops = Gauge("raymesh_moe_drop_ratio", "Share of the last step's wanted expert assignments "
-                               "dropped for capacity (expert choice: tokens no expert picked)", moe, registry=r)
-        self.moe_balance = Gauge("raymesh_moe_load_imbalance", "Busiest expert's load over the mean load in the "
-                                 "last step (1 is perfect balance)", moe, registry=r)
-        self.moe_aux = Gauge("raymesh_moe_aux_loss", "The MoE layer's weighted auxiliary losses in the last step",
-                             (*moe, "loss"), registry=r)
+        self.figures = Exported(r, job)  # each per-step figure's series (observability/figures.py)
         self._file_sd: Path | None = None
         self.rank_labels: dict[int, tuple] = {}
         self._phases: set[str] = set()  # every phase a step reported, to drop a departed rank's
@@ -124,9 +107,8 @@ class MetricsExporter:
         rates and panels have series, and a later layout change (a resize) does not zero the last MTTR."""
         for kind in RECOVERY_KINDS:
             self.recoveries.labels(self.job, kind)
-        for counter in (self.restarts, self.lost_steps, self.ps_push, self.ps_pull, self.ckpts):
+        for counter in (self.restarts, self.lost_steps, self.ckpts):
             counter.labels(self.job)
-        self.ps_staleness.labels(self.job).set(0)
         self.mttr.labels(self.job).set(0)
 
     def observe_layout(self, layout: dict) -> None:
@@ -160,24 +142,14 @@ class MetricsExporter:
         self.steps.labels(j).inc()
         self.tokens.labels(j).inc(record["tokens"])
         self.loss.labels(j).set(record["loss"])
-        if "eval_loss" in record:
-            self.eval_loss.labels(j).set(record["eval_loss"])
         self.grad_norm.labels(j).set(record["grad_norm"])
-        for figure, value in (record.get("dpo") or {}).items():
-            self.dpo.labels(j, figure).set(value)
         self.lr.labels(j).set(record["lr"])
         self.step_seconds.labels(j).observe(record["step_s"])
         self.tokens_per_s.labels(j).set(record["tokens_per_s"])
         self.mfu.labels(j).set(mfu)
         self.bubble.labels(j).set(bubble)
         self.goodput.labels(j).set(goodput)
-        for dim, sent in record.get("comm_bytes", {}).items():
-            self.comm_bytes.labels(j, dim).set(sent)
-        self.observe_moe(record.get("moe", {}))
-        if "ps" in record:
-            self.ps_push.labels(j).inc(record["ps"]["push_bytes"])
-            self.ps_pull.labels(j).inc(record["ps"]["pull_bytes"])
-            self.ps_staleness.labels(j).set(record["ps"]["staleness"])
+        self.figures.observe(record)
         now = time.time()
         for rank, phases in record["phases"].items():
             labels = self.rank_labels[int(rank)]
@@ -187,18 +159,6 @@ class MetricsExporter:
             self.peak_mem.labels(*labels).set(record["memory"][rank]["peak_bytes"])
             self.cur_mem.labels(*labels).set(record["memory"][rank]["current_bytes"])
             self.heartbeat.last_seen[labels] = now
-
-    def observe_moe(self, layers: dict[str, dict]) -> None:
-        """Each MoE layer's figures from the step record (``workers.model.moe.step_figures``)."""
-        for layer, figures in layers.items():
-            labels = (self.job, layer)
-            for expert, tokens in enumerate(figures["tokens_per_expert"]):
-                self.moe_tokens.labels(*labels, str(expert)).set(tokens)
-            self.moe_drops.labels(*labels).set(figures["drop_fraction"])
-            self.moe_balance.labels(*labels).set(figures["balance"])
-            for name, value in figures.items():
-                if name.startswith("aux_"):
-                    self.moe_aux.labels(*labels, name[4:]).set(value)
 
     def observe_stragglers(self, ratios: dict[int, float], flagged: set[int]) -> None:
         """Every rank's slowdown ratio and straggler flag (0 too, so the panels have a series per rank)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from orchestrator.observability.observers import JobObserver, StepReport
 from workers.protocol import StepResult
+from workers.step.figures import figure_value, fold, record_entries
 
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
 
@@ -64,28 +65,28 @@ def summary_fields(records: list[dict]) -> dict:
             **({"dpo": records[-1]["dpo"]} if records and "dpo" in records[-1] else {})}
 
 
-def held_out_loss(results) -> float | None:
+def held_out_loss(results: list[StepResult]) -> float | None:
     """A step's held-out loss (``eval.every``): the mean over the last stage's shares; None when it did not
     evaluate."""
-    scored = [r.eval_loss for r in results if r.eval_s is not None and r.eval_loss is not None]
-    return statistics.fmean(scored) if scored else None
+    return figure_value(fold(results), "eval_loss")
 
 
-def step_record(results: list[StepResult], step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
+def step_record(results: list[StepResult], step_s: float, tokens: int, end_time: float, checkpoint_s: float,
+                merged: dict | None = None) -> dict:
     """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's).
-    With ``metrics.comm_bytes``, ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent.
 
-    An MoE model adds ``moe``: per MoE layer (by name) its figures, already summed over data-parallel ranks
-    by the workers, so any rank holding the layer reports them (pipeline stages hold different layers).
-    A DPO job (``train.objective: dpo``) adds ``dpo``: the global batch's reward accuracy and mean rewards.
-    A step that evaluated (``eval.every``) adds ``eval_loss`` and ``eval_s``; ``step_s`` leaves the evaluation
-    out (the controller subtracts it), so throughput is training's."""
-    comm = comm_bytes(results)
-    record = {**({"comm_bytes": comm} if comm else {}),
+    The core entries come from the core fields; every figure of the results' ``extras`` is folded over the ranks
+    with its reducer's ``merge`` and recorded by its ``record`` (``workers.step.figures``; ``merged``: that fold,
+    when the caller made it already). So ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent,
+    ``moe`` per MoE layer its figures (summed over data-parallel ranks by the workers, any rank holding the layer
+    reports them), ``dpo`` the global batch's reward figures, and a step that evaluated adds ``eval_loss`` and
+    ``eval_s`` (``step_s`` leaves the evaluation out: the controller subtracts it, so throughput is training's)."""
+    merged = fold(results) if merged is None else merged
+    return {
         "step": results[0].step,
         "time": end_time,
         "loss": statistics.fmean(r.loss for r in results if r.loss is not None),
-        "grad_norm": grad_norm(results),
+        "grad_norm": grad_norm(results, merged),
         "lr": results[0].lr,
         "tokens": tokens,
         "step_s": step_s,
@@ -96,44 +97,19 @@ def step_record(results: list[StepResult], step_s: float, tokens: int, end_time:
             str(r.rank): {"peak_bytes": r.peak_memory_bytes, "current_bytes": r.current_memory_bytes}
             for r in results
         },
+        **record_entries(merged),
     }
-    moe = {layer: figures for r in results for layer, figures in (r.moe or {}).items()}
-    if moe:
-        record["moe"] = moe
-    evaluated = [r for r in results if r.eval_s is not None]
-    if evaluated:  # eval.every: the held-out loss and the slowest rank's time
-        record["eval_loss"] = held_out_loss(results)
-        record["eval_s"] = max(r.eval_s for r in evaluated)
-    mix = next((r.data_mix for r in results if r.data_mix is not None), None)
-    if mix is not None:  # data.mix: samples each source has supplied so far (every rank reports the same)
-        record["data_mix"] = mix
-    rewards = next((r.dpo for r in results if r.dpo is not None), None)
-    if rewards is not None:  # train.objective: dpo: the global batch's reward figures (every rank reports them)
-        record["dpo"] = rewards
-    traffic = [r.ps for r in results if r.ps is not None]
-    if traffic:  # dp_sync ps: every rank's pushes and pulls this step, and the stalest read any rank made
-        record["ps"] = {"push_bytes": sum(t["push"] for t in traffic), "pull_bytes": sum(t["pull"] for t in traffic),
-                        "staleness": max(t["staleness"] for t in traffic)}
-    return record
 
 
-def grad_norm(results: list[StepResult]) -> float:
+def grad_norm(results: list[StepResult], merged: dict | None = None) -> float:
     """The step's gradient norm before clipping. All-reduce and bsp: every rank holds the job's one norm, rank
-    0's. asp/ssp (``local_steps`` set): each replica clipped its own local steps, and a rank with none this step
-    reports NaN, so the mean of the ranks' finite norms (each the mean of its local steps'); NaN only when no
+    0's. asp/ssp (``local_steps`` reported): each replica clipped its own local steps, and a rank with none this
+    step reports NaN, so the mean of the ranks' finite norms (each the mean of its local steps'); NaN only when no
     replica applied a step (every one overflowed in fp16, or none ran)."""
-    if results[0].local_steps is None:
+    if "local_steps" not in (fold(results) if merged is None else merged):
         return results[0].grad_norm
     norms = [r.grad_norm for r in results if math.isfinite(r.grad_norm)]
     return statistics.fmean(norms) if norms else float("nan")
-
-
-def comm_bytes(results: list[StepResult]) -> dict[str, int] | None:
-    """Per mesh dimension, the most bytes any rank's collectives sent this step (None when not counted)."""
-    counted = [r.comm_bytes for r in results if r.comm_bytes]
-    if not counted:
-        return None
-    return {dim: max(c.get(dim, 0) for c in counted) for dim in dict.fromkeys(d for c in counted for d in c)}
 
 
 class RunRecords(JobObserver):
@@ -151,9 +127,8 @@ class RunRecords(JobObserver):
         self._steps.write(json.dumps(report.record) + "\n")
         self._steps.flush()
         if self._timeline is not None:
-            for r in report.results:
-                for event in r.timeline or ():
-                    self._timeline.write(json.dumps(event) + "\n")
+            for event in figure_value(report.figures, "timeline") or ():
+                self._timeline.write(json.dumps(event) + "\n")
             self._timeline.flush()
 
     @staticmethod

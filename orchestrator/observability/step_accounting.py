@@ -21,6 +21,7 @@ from orchestrator.recovery.stragglers import StragglerDetector
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
 from workers.protocol import StepResult
+from workers.step.figures import figure_value, fold
 
 
 class StepAccounting:
@@ -47,7 +48,8 @@ class StepAccounting:
     def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
         """Account for one completed step; returns its report (``.record`` is its ``steps.jsonl`` record) for the
         controller to hand the observers once the job shows the step (an observer may read its status)."""
-        record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s)
+        merged = fold(results)  # every figure of the ranks' extras, reduced once for the record and the readers
+        record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s, merged)
         ratios = self.stragglers.observe(record["step"], results)
         self.losses.append(record["loss"])
         self.norms.append(record["grad_norm"])
@@ -58,11 +60,12 @@ class StepAccounting:
         self.dpo = record.get("dpo")
         for r in results:
             self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
-        self.measured.observe([r.to_dict() for r in results])  # MeasuredMemory (planning) reads the JSON form
+        measured = figure_value(merged, "memory") or {}  # MeasuredMemory (planning) reads the JSON form
+        self.measured.observe([{"rank": rank, "memory": memory} for rank, memory in measured.items()])
         peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
         return StepReport(record, utilization(self.flops_per_token, record["tokens_per_s"], peak_flops),
                           _bubble_ratio(results), self.goodput(), ratios, frozenset(self.stragglers.flagged()),
-                          tuple(results))
+                          merged)
 
     def rolled_back(self, recovery: tuple[RecoveryRecord, RecoveryPhases], steps_kept: int) -> None:
         """A recovery rolled training back to ``steps_kept`` steps of this run; its record waits for

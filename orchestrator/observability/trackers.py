@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from orchestrator.observability.figures import tracker_metrics
 from orchestrator.observability.observers import JobObserver, StepReport, logged
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
@@ -52,7 +53,7 @@ def step_metrics(report: StepReport, recoveries: int) -> dict[str, float]:
     figures = {"loss": r["loss"], "lr": r["lr"], "grad_norm": r["grad_norm"], "tokens_per_s": r["tokens_per_s"],
                "step_s": r["step_s"], "mfu": report.mfu, "goodput": report.goodput, "recoveries": recoveries,
                "peak_memory_bytes": max((m["peak_bytes"] for m in r["memory"].values()), default=0),
-               "eval_loss": r.get("eval_loss"), **{f"dpo/{k}": v for k, v in (r.get("dpo") or {}).items()}}
+               **tracker_metrics(r)}
     return {k: float(v) for k, v in figures.items() if v is not None}
 
 

@@ -1,7 +1,7 @@
 """What data carrying a loss mask (`raymesh prepare-data --format prompt-completion`) needs, refused before start.
 
 Such data scores only completion tokens, and a step's loss is the sum of cross entropy over the global batch's
-counted targets over their count (`workers.trainer.Trainer._count_targets`). A `data.mix` may mix sources with and
+counted targets over their count (`workers.step.objectives.MaskedLM`). A `data.mix` may mix sources with and
 without a mask (every target of one without counts). Refused: what cannot normalise so (the parameter server's
 ranks, an asynchronous pipeline's updates between microbatches), and a held-out set scored otherwise than training
 (`eval.path` with a mask and the training data without, or the reverse): its figure would measure another loss,

@@ -13,10 +13,12 @@ from tests.support.jobs import tiny_spec
 
 
 @contextlib.contextmanager
-def one_rank_trainer(tmp_path_factory, data: dict | None = None, extra: dict | None = None, **sections):
+def one_rank_trainer(tmp_path_factory, data: dict | None = None, extra: dict | None = None,
+                     objective: str | None = None, **sections):
     """The trainer of ``tiny_spec`` with ``sections`` over a small prepared corpus (or the ``data`` section given,
-    e.g. a ``mix``), ``extra`` keys added to its spec dict as the controller adds them (``ps_routes``); its group
-    is destroyed after (one process holds one default group, so a module holds one of these at a time)."""
+    e.g. a ``mix``), ``extra`` keys added to its spec dict as the controller adds them (``ps_routes``), and
+    ``objective`` as its ``train.objective`` (one a test registered, which the job file's schema does not list);
+    its group is destroyed after (one process holds one default group, so a module holds one of these at a time)."""
     import torch.distributed as dist
 
     from workers.data.prepare import prepare_data
@@ -29,6 +31,8 @@ def one_rank_trainer(tmp_path_factory, data: dict | None = None, extra: dict | N
     if data is not None:
         spec = JobSpec.from_dict({**spec.to_dict(), "data": data})
     spec = {**spec.worker_dict(), **(extra or {})}
+    if objective is not None:
+        spec["train"] = {**spec["train"], "objective": objective}
     listener = listen_on("127.0.0.1")  # bound until the store takes it: no other process can take the port
     with kept_env(*LINK_INTERFACE_VARS):  # a loopback group sets them in this process: the test session's
         trainer = Trainer(spec, 0, 1, "127.0.0.1", listener.getsockname()[1], listener=listener)

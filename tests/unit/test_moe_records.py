@@ -33,7 +33,7 @@ def test_step_record_merges_the_layers_each_stage_reports():
 def test_exporter_sets_the_moe_gauges():
     exporter = MetricsExporter("j", 0)
     try:
-        exporter.observe_moe({"layers.1.feed_forward": FIGURES})
+        exporter.figures.observe({"moe": {"layers.1.feed_forward": FIGURES}})
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(generate_latest(exporter.registry).decode())
                    for s in f.samples}

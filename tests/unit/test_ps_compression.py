@@ -207,7 +207,7 @@ def _feedback_keys(chunk_elems: int):
     sync = object.__new__(PSSync)
     sync.named = {"stage0.w": torch.nn.Parameter(torch.zeros(4, 6))}
     sync.client = SimpleNamespace(chunk_elems=chunk_elems)
-    sync.trainer = SimpleNamespace(spec=SimpleNamespace(parallel=SimpleNamespace(dp=2)), device="cpu")
+    sync.dp, sync.device = 2, "cpu"
     sync.worker, sync.codec = 0, SimpleNamespace(errors={})
     return sync
 

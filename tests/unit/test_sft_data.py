@@ -26,6 +26,7 @@ from workers.data.loader import IGNORE_INDEX, DataCursor, MixedDataset, TokenDat
 from workers.data.prepare import prepare_data
 from workers.model.config import model_config
 from workers.model.meta_init import build_full
+from workers.step.objectives import MaskedLM, MeanLM
 
 PAIRS = [("Q: 2+2?\nA:", " 4"), ("Translate 'chat':", " cat, a small furry animal that purrs"),
          ("", "no prompt at all"), ("Say nothing.", "")]
@@ -168,13 +169,13 @@ def test_ordinary_data_keeps_the_mean_of_microbatch_means_bit_for_bit(tmp_path_f
         for x, y in zip(inputs.chunk(2), targets.chunk(2)):
             expected += (F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(0, 1)) / 2).detach()
         result = trainer.train_step()
-    assert trainer.counted_scale is None and result.loss == float(expected)
+    assert type(trainer.objective) is MeanLM and result.loss == float(expected)
 
 
 def test_a_batch_without_counted_targets_has_loss_zero_and_says_so(tmp_path, tmp_path_factory, caplog):
     _write_jsonl(tmp_path / "src" / "a.jsonl", [("a prompt and no completion " * 20, "")])
     prepare_data([tmp_path / "src"], tmp_path / "sft", format="prompt-completion")
-    with caplog.at_level(logging.WARNING, "workers.trainer"), \
+    with caplog.at_level(logging.WARNING, "workers.step.objectives"), \
             one_rank_trainer(tmp_path_factory, data={"path": str(tmp_path / "sft")}, model={"seq_len": 16}) as t:
         result = t.train_step()
     assert result.loss == 0.0 and result.grad_norm == 0.0
@@ -248,7 +249,7 @@ def test_an_interrupted_sft_run_resumed_from_checkpoint_or_snapshot_is_the_unint
         t.checkpoints.save(tmp_path / "ckpt", async_save=False)
         snap = snapshot.take(t.state)
         straight, final = steps(t, 2), weights(t)
-    assert t.counted_scale is not None and all(eval_loss is not None for _, eval_loss in straight)
+    assert type(t.objective) is MaskedLM and all(eval_loss is not None for _, eval_loss in straight)
     for resume in (lambda r: r.checkpoints.load(tmp_path / "ckpt"), lambda r: snapshot.restore(r.state, snap)):
         with one_rank_trainer(tmp_path_factory, **sections) as r:
             resume(r)

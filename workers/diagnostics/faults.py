@@ -9,9 +9,9 @@ a straggler, ``nan_loss`` a step whose loss and gradients become NaN, ``raise_er
 inside a live rank's step (an I/O error, a full disk, a bug) and ``oom`` one that reports running out
 of memory.
 
-The trainer sees one ``StepFault`` per step and calls it around the step
-(``before``, ``poisons_loss`` inside the loss, ``slow_down`` after), so no
-fault kind is tested for anywhere else.
+The step engine (``workers.step.engine``) sees one ``StepFault`` per step and calls it around the step
+(``before``, ``poisons_loss`` inside the loss, ``slow_down`` after; an asp/ssp round slows each local step),
+so no fault kind is tested for anywhere else.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: Mod
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross entropy over the targets that count (ignore_index -100: a loss mask's prompt tokens), in
     float32 whatever the compute dtype: their mean, or with ``reduction="sum"`` their sum (a masked step divides
-    it by the global batch's count of counted targets, ``Trainer._count_targets``)."""
+    it by the global batch's count of counted targets, ``MaskedLM.prepare_step`` in ``workers.step.objectives``)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction=reduction)
 
 

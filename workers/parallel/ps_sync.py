@@ -32,6 +32,7 @@ import math
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,10 +41,10 @@ from torch.distributed.tensor import DTensor
 from parameter_server.client import PSClient, RayConn
 from parameter_server.ring import split
 from workers.diagnostics.faults import NO_FAULT, StepFault
-from workers.optim.build import clip_grads
 from workers.parallel.grad_compression import WireCodec
-from workers.protocol import StepResult, StepTimes
+from workers.protocol import StepTimes
 from workers.spec import WorkerSpec
+from workers.state.train_state import TrainState
 
 CARRY_WAIT_S = 30.0  # how long a re-formed survivor waits for its free-running step to end (feedback_to_carry)
 ROUND_POLL_S = 1.0  # how often a round's wait looks at the free-running loop's error
@@ -82,20 +83,26 @@ def _local_grad(param) -> torch.Tensor:
 
 
 class PSSync:
-    def __init__(self, trainer, spec: WorkerSpec):
-        ps, routes = spec.parameter_server, spec.raw["ps_routes"]
-        self.trainer = trainer
+    """The client side of one worker (this stage of this data-parallel replica): its keys, the bsp push/pull,
+    the asp/ssp free-running loop and its rounds, and top-k's error feedback. It reads and advances the rank's
+    ``TrainState`` (cursor, step, schedulers) and nothing else of the rank's; an asp/ssp local step is the
+    engine's (``workers.step.ps_round.PSRound``), handed to ``run_round``."""
+
+    def __init__(self, spec: WorkerSpec, state: TrainState, parts, coords, mesh, device: torch.device):
+        ps, routes, grid = spec.parameter_server, spec.raw["ps_routes"], spec.parallel.grid
+        self.state, self.device, self.dp = state, device, spec.parallel.dp
         self.transport = ps.transport
         self.asynchronous = ps.consistency != "bsp"
         self.max_norm = spec.grad_clip
-        self.worker = trainer.coords.pp * spec.parallel.dp + trainer.coords.dp  # this stage of this replica
+        self.worker = coords.pp * self.dp + coords.dp  # this stage of this replica
         self.codec = WireCodec(ps.compression, ps.topk_ratio)
         self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,
                                ps.virtual_nodes, worker=self.worker, codec=self.codec)
         self.keeper = routes.get("keeper")
-        self.tp_group = trainer.mesh["tp"].get_group() if spec.parallel.grid.tp_enabled else None
-        stages = zip(trainer.parts.stage_ids, trainer.parts.modules)
-        self.named = {_key(f"stage{sid}.{n}", p, trainer.coords.tp): p for sid, m in stages
+        self.tp_group = mesh["tp"].get_group() if grid.tp_enabled else None
+        self.pp_group = mesh["pp"].get_group() if grid.pp_enabled else None
+        stages = zip(parts.stage_ids, parts.modules)
+        self.named = {_key(f"stage{sid}.{n}", p, coords.tp): p for sid, m in stages
                       for n, p in m.named_parameters()}
         self.tp_keys = [n for n, p in self.named.items() if _tp_sharded(p)]
         self.whole_keys = [n for n in self.named if n not in self.tp_keys]
@@ -109,7 +116,7 @@ class PSSync:
         self.last_loss: float | None = None
         self.quiet = threading.Lock()  # held through each free-running step; a checkpoint save takes it
         self.generation = 0  # the keeper's, this worker's loop runs under (``ClockKeeper.hand_over`` ends it)
-        trainer.state.wire_feedback = self  # top-k's held-back gradient travels with snapshots and checkpoints
+        state.wire_feedback = self  # top-k's held-back gradient travels with snapshots and checkpoints
 
     def reroute(self, shard: int, route: dict) -> None:
         self.client.reroute(shard, _conn(route, self.transport))
@@ -136,7 +143,7 @@ class PSSync:
         kept = ray.get(self.keeper.state.remote())
         self.clock, self.generation = kept["clocks"][self.worker], kept["generation"]
         self.last_loss = kept["losses"][self.worker]  # reported until this worker completes a step again
-        state = self.trainer.state
+        state = self.state
         state.cursor.load_state_dict({**state.cursor.state_dict(), "position": self.clock * state.cursor.global_batch})
         if state.step > step:
             raise RuntimeError(f"worker {self.worker} is at step {state.step}, past the controller's {step}")
@@ -154,14 +161,14 @@ class PSSync:
         if not self.asynchronous or not self.codec.errors or not self.quiet.acquire(timeout=CARRY_WAIT_S):
             return None
         try:
-            return {"worker": self.worker, "dp": self.trainer.spec.parallel.dp, "errors": self.state_dict()}
+            return {"worker": self.worker, "dp": self.dp, "errors": self.state_dict()}
         finally:
             self.quiet.release()
 
     def carry_over(self, carried: dict | None) -> None:
         """Continue with the feedback ``feedback_to_carry`` took from this rank's previous trainer, when it was
         the same worker of the same data-parallel degree (a changed grid starts at zero, as a resume does)."""
-        if carried and (carried["worker"], carried["dp"]) == (self.worker, self.trainer.spec.parallel.dp):
+        if carried and (carried["worker"], carried["dp"]) == (self.worker, self.dp):
             self.load_state_dict(carried["errors"])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -171,13 +178,13 @@ class PSSync:
     def load_state_dict(self, errors: dict[str, torch.Tensor]) -> None:
         """Take error feedback held as CPU copies (a snapshot, a checkpoint, a survivor's previous trainer) onto
         this rank's device, where the gradient chunks it is added to live."""
-        self.codec.errors = {k: e.to(self.trainer.device, copy=True) for k, e in errors.items()}
+        self.codec.errors = {k: e.to(self.device, copy=True) for k, e in errors.items()}
 
     def _dcp_prefix(self) -> str:
         """Each worker's error feedback is its own, per chunk: DCP keys name the data-parallel degree, the chunk
         size and the worker, so a checkpoint resumed at another dp or ``chunk_elems`` finds none of them (and
         starts top-k's feedback at zero) rather than chunks of the same name and another size, which DCP refuses."""
-        return f"dp{self.trainer.spec.parallel.dp}.c{self.client.chunk_elems}.w{self.worker}/"
+        return f"dp{self.dp}.c{self.client.chunk_elems}.w{self.worker}/"
 
     def dcp_state(self, template: bool = False) -> dict[str, torch.Tensor]:
         """The error feedback keyed for a DCP checkpoint; ``template``: every chunk key this worker pushes,
@@ -204,7 +211,7 @@ class PSSync:
         return {n: _local_grad(p) if p.grad is not None else torch.zeros_like(_local(p))
                 for n, p in self.named.items()}
 
-    def _load(self, min_version: int = 0, clock: int | None = None) -> None:
+    def pull(self, min_version: int = 0, clock: int | None = None) -> None:
         """Copy the shards' values into the model; ``clock`` -1 marks a read outside training (not recorded)."""
         fresh = self.client.pull(list(self.named), min_version, clock=self.clock if clock is None else clock)
         with torch.no_grad():
@@ -220,13 +227,13 @@ class PSSync:
         if self.tp_group is not None:  # each tensor-parallel rank's own slices; the replicated rest once
             dist.all_reduce(sq, group=self.tp_group)
         sq += self.client.grad_sq(t, self.whole_keys)
-        if self.trainer.pp_group is not None:
-            dist.all_reduce(sq, group=self.trainer.pp_group)
+        if self.pp_group is not None:
+            dist.all_reduce(sq, group=self.pp_group)
         norm = math.sqrt(float(sq))
         coef = self.max_norm / (norm + 1e-6)
         self.client.apply(t, coef if self.max_norm > 0 and coef < 1.0 else 1.0)
         self.clock += 1
-        self._load(min_version=self.clock)
+        self.pull(min_version=self.clock)
         return norm
 
     def skip(self) -> float:
@@ -236,17 +243,20 @@ class PSSync:
         self.clock += 1
         return float("nan")
 
-    def run_round(self, fault: StepFault) -> StepResult:
-        """asp/ssp: this worker trains on its own thread from the first call on; a controller step returns
-        once ``step * dp`` worker steps have completed, with what this worker did meanwhile."""
-        tr = self.trainer
+    def run_round(self, fault: StepFault, local_step: Callable[[], dict]) -> dict:
+        """asp/ssp: this worker trains on its own thread from the first call on (each ``local_step()`` one step,
+        returning its record: loss, grad_norm, tokens, applied, clock); a controller step returns once
+        ``step * dp`` worker steps have completed, with what this worker did meanwhile: the round's loss, norm,
+        learning rate, tokens, whether any step applied, its local steps, the clock and its ``StepTimes``."""
         fault.before()
         self.fault = fault
         if self.thread is None:
-            self.thread = threading.Thread(target=self._run_free, name="ps-async-steps", daemon=True)
+            self.thread = threading.Thread(target=self._run_free, args=(local_step,), name="ps-async-steps",
+                                           daemon=True)
             self.thread.start()
         t0 = time.perf_counter()
-        mine = self._wait_round(self.keeper.wait_completed.remote((tr.step + 1) * tr.spec.parallel.dp, self.worker,
+        state = self.state
+        mine = self._wait_round(self.keeper.wait_completed.remote((state.step + 1) * self.dp, self.worker,
                                                                   self.generation))
         with self.lock:  # this replica's steps among the first (step + 1) * dp completed: the same for its stages
             done = [d for d in self.done if d["clock"] < mine]
@@ -254,19 +264,17 @@ class PSSync:
         losses = [d["loss"] for d in done if d["loss"] is not None]  # None off the last stage
         if losses:  # a worker that ran ahead may have nothing new: it repeats its latest loss
             self.last_loss = statistics.fmean(losses)
-        state = tr.state
         lr = state.schedulers[0].get_last_lr()[0]
         state.step += 1
         for sched in state.schedulers:
             sched.step()
         total = time.perf_counter() - t0
         busy = sum(d["seconds"] for d in done)
-        times = StepTimes(compute=busy, communication=max(0.0, total - busy), step=total)
         norms = [d["grad_norm"] for d in done if math.isfinite(d["grad_norm"])]  # an fp16 overflow has none
-        return tr.result(loss=self.last_loss, grad_norm=statistics.fmean(norms) if norms else float("nan"), lr=lr,
-                         tokens=sum(d["tokens"] for d in done), applied=any(d["applied"] for d in done),
-                         local_steps=len(done),
-                         clock=self.clock, time_s=times, comm_bytes=tr.comm_bytes())
+        return {"loss": self.last_loss, "grad_norm": statistics.fmean(norms) if norms else float("nan"), "lr": lr,
+                "tokens": sum(d["tokens"] for d in done), "applied": any(d["applied"] for d in done),
+                "local_steps": len(done), "clock": self.clock,
+                "time_s": StepTimes(compute=busy, communication=max(0.0, total - busy), step=total)}
 
     def _wait_round(self, ref) -> int:
         """``ref``'s answer (the keeper's ``wait_completed``), or this worker's own loop's error as soon as it
@@ -280,21 +288,21 @@ class PSSync:
             raise self.error
         return ray.get(ref)
 
-    def _run_free(self) -> None:
-        """Take a step from the keeper, run it, tick, while the keeper hands out steps."""
+    def _run_free(self, local_step: Callable[[], dict]) -> None:
+        """Take a step from the keeper, run it (``local_step``), tick, while the keeper hands out steps."""
         import ray
 
         try:
             while ray.get(self.keeper.enter.remote(self.worker, self.generation)):
                 s0 = time.perf_counter()
                 with self.quiet:
-                    record = self._free_step()
+                    record = local_step()
                 seconds = time.perf_counter() - s0
                 record["seconds"] = seconds + self.fault.slow_down(seconds)  # a slower device: its step takes longer
                 with self.lock:  # recorded before the tick, so a step that ends a controller step is in it
                     self.done.append(record)
                 ray.get(self.keeper.tick.remote(self.worker, record["loss"], self.generation))
-            self._load(clock=-1)  # leave the newest weights in the model for checkpoints
+            self.pull(clock=-1)  # leave the newest weights in the model for checkpoints
         except BaseException as exc:  # handed to the controller by the next run_round
             self.error = exc
             self._give_up()
@@ -307,21 +315,10 @@ class PSSync:
         with contextlib.suppress(Exception):  # the step's own error is what the controller must see
             ray.get(self.keeper.give_up.remote(self.worker), timeout=GIVE_UP_S)
 
-    def _free_step(self) -> dict:
-        """Pull, compute, clip this replica's gradient (its norm summed over the replica's stages) and push it;
-        after an fp16 overflow in any of the replica's stages, push nothing but the clock (the scaler has backed
-        off). Returns the step's record."""
-        tr = self.trainer
-        self._load()
-        inputs, targets = tr.state.cursor.next_batch()
-        scale = tr.state.scaler.scale if tr.state.scaler else 1.0
-        loss = tr._forward_backward(inputs.to(tr.device), targets.to(tr.device))
-        finite = tr.state.scaler is None or tr.state.scaler.unscale_and_check(tr.params, group=tr.pp_group)
-        norm = clip_grads(tr.params, self.max_norm, tr.pp_group) if finite else float("nan")
-        self.client.push(self.clock, self._grads() if finite else {})
-        for p in tr.params:
-            p.grad = None
-        record = {"clock": self.clock, "loss": None if loss is None else float(loss) / scale, "grad_norm": norm,
-                  "tokens": int(inputs.numel()), "applied": finite}
+    def push_local(self, finite: bool) -> int:
+        """asp/ssp: push this worker's clipped gradient (after an fp16 overflow in any of the replica's stages,
+        nothing but the clock: the scaler has backed off) and move the clock on; returns the clock pushed at."""
+        clock = self.clock
+        self.client.push(clock, self._grads() if finite else {})
         self.clock += 1
-        return record
+        return clock
