@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.model.lora import apply_lora, merged_state_dict
 from workers.spec import WorkerSpec
+from workers.state.dcp_reading import CheckpointRefusal
 from workers.state.known_weights import load_known
 
 
@@ -65,6 +66,8 @@ def load_base(model: nn.Module, path: str | Path) -> None:
         )
     try:
         load_dcp_model(model, p)
+    except CheckpointRefusal as exc:  # already says what is wrong with which file, and the fix
+        raise ValueError(f"model.lora.base_checkpoint {str(p)!r}: {exc}") from None
     except Exception as exc:  # DCP names the first missing key; say what it means here
         raise ValueError(
             f"model.lora.base_checkpoint {str(p)!r} does not hold this model's full weights ({exc}); "
