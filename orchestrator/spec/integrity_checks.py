@@ -4,6 +4,11 @@ Prepared data: every local shard against its manifest entry (SHA-256, and the to
 gives) and the manifest's total, which the ranks would otherwise refuse 10-40 s in, inside a Ray traceback; a
 manifest without checksums is named in a warning (once per process), since nothing can tell its shards were
 changed. An object-store prefix is left to the ranks, which read it with their own credentials and check the same.
+
+`model.init_from`: the safetensors headers only (a file cut short, a tensor missing, of another shape or of a
+dtype that is no float's, a head the tied model would drop), so a 405B checkpoint is checked in seconds; whether
+the values are finite only reading them tells, which each rank does on the slices it reads
+(`workers.model.hf_io.load_hf_weights`), failing the job at start naming the file and tensor.
 """
 
 from __future__ import annotations
@@ -54,6 +59,21 @@ def check_shards_intact(field: str, value: str, manifest: dict) -> None:
                                       "its manifest.json total_tokens")
     if problem is not None:
         raise _refused(field, value, problem)
+
+
+def check_init_from(spec) -> None:
+    """`model.init_from`'s weights fit the job's model as far as their headers tell (`hf_io.check_hf_weights`)."""
+    if spec.model.init_from is None:
+        return
+    from orchestrator.spec.lora import meta_model
+    from workers.model.hf_io import check_hf_weights
+
+    try:
+        check_hf_weights(meta_model(spec.model), spec.model.init_from)
+    except (ValueError, KeyError) as exc:
+        problem, _, fix = str(exc).strip("'\"").partition("; fix: ")
+        raise SpecError("model.init_from", spec.model.init_from, f"does not hold this model's weights: {problem}",
+                        fix or "point it at the Hugging Face directory the job's model section describes") from None
 
 
 def warn_unchecked(field: str, value: str, manifest: dict) -> bool:

@@ -44,17 +44,23 @@ class LoraSpec(BaseModel):
     base_checkpoint: PathStr | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
 
 
-def _linear_names(model):
-    """Names of the model's Linear layers and the model itself, built weightless on the meta device."""
+def meta_model(model):
+    """The `model` section's model (no adapters), built weightless on the meta device: its names and shapes."""
     import torch
-    from torch import nn
 
     from workers.model.registry import build_model
 
     raw = model.model_dump()
     raw["d_ff"] = model.ffn_dim
     with torch.device("meta"):
-        built = build_model(model_config(raw))
+        return build_model(model_config(raw))
+
+
+def _linear_names(model):
+    """Names of the model's Linear layers and the model itself, built weightless on the meta device."""
+    from torch import nn
+
+    built = meta_model(model)
     return [n for n, m in built.named_modules() if isinstance(m, nn.Linear)], built
 
 

@@ -1,9 +1,10 @@
 """Checks that need the data directory, the filesystem or the cluster, run before any actor starts.
 
-`check_before_start` runs every filesystem precondition (data prepared and big enough, output paths writable and
-not someone else's files, the offload directory, a base checkpoint's checksums) from the driver, so a job that
-cannot run fails in seconds with a `SpecError` instead of inside a rank after placement. `raymesh plan` runs the
-same checks, except that it tolerates a data directory that is not on this machine (planning happens anywhere).
+`check_before_start` runs every filesystem precondition (data prepared, intact and big enough, output paths writable
+and not someone else's files, the offload directory, `model.init_from`'s weight files, a base checkpoint's
+checksums) from the driver, so a job that cannot run fails in seconds with a `SpecError` instead of inside a rank
+after placement. `raymesh plan` runs the same checks, except that it tolerates a data directory that is not on this
+machine (planning happens anywhere).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from orchestrator.checkpoints.job_record import RECORD
 from orchestrator.errors import SpecError
 from orchestrator.spec.dpo_checks import check_dpo_data
 from orchestrator.spec.fields import NAME_MAX
-from orchestrator.spec.integrity_checks import check_shards_intact
+from orchestrator.spec.integrity_checks import check_init_from, check_shards_intact
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
 from orchestrator.spec.loss_mask_checks import check_eval_mask, check_training_mask
@@ -37,6 +38,7 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     if spec.eval.path is not None and _checkable(spec.eval.path, data_required):
         check_eval_path(spec, data_required)
     check_outputs(spec)
+    check_init_from(spec)
     check_base_checkpoint(spec)
     check_tls_files(spec)
     spec.loggers.check_installed()
