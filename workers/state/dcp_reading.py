@@ -118,20 +118,27 @@ class _SafeMetadata:
     its own exceptions, so ``dcp_load`` raises the refusal itself afterwards."""
 
     refused: UnsafeCheckpoint | None = None
+    _read: dict | None = None  # rank (None: the global file) -> its metadata, read once per load
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
-        path = self.fs.concat_path(self.path, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
-        try:
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = read_metadata_file(stream, path)
-        except UnsafeCheckpoint as exc:
-            self.refused = self.refused or exc
-            raise
+        self._read = self._read if self._read is not None else {}
+        if rank not in self._read:
+            self._read[rank] = self._unpickled(rank)
+        metadata = self._read[rank]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as DCP's own reader does
         return metadata
+
+    def _unpickled(self, rank: int | None) -> dcp_metadata.Metadata:
+        path = self.fs.concat_path(self.path, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
+                return read_metadata_file(stream, path)
+        except UnsafeCheckpoint as exc:
+            self.refused = self.refused or exc
+            raise
 
 
 class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
@@ -180,6 +187,7 @@ def dcp_load(state: dict, checkpoint: str | Path, planner: SafeLoadPlanner | Non
     object the checkpoint could run code with; a refusal (``UnsafeCheckpoint``, or the planner's) is raised as
     itself, not inside DCP's exception that carries every rank's traceback."""
     reader = storage_reader(checkpoint)
+    reader.read_metadata()  # a refusal here is raised as it is: inside DCP it is logged with a traceback first
     planner = planner or SafeLoadPlanner(checkpoint=checkpoint)
     try:
         dcp.load(state, storage_reader=reader, planner=planner, **kwargs)
