@@ -238,7 +238,7 @@ def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
         location(checkpoint) if checkpoint else CheckpointDir(root, 1).latest())
     if path is None or not (path / ".metadata").is_file():
         raise SpecError("--checkpoint" if checkpoint else "checkpoint.dir", str(path or root),
-                        f"holds no complete checkpoint to {purpose}",
+                        f"holds no complete checkpoint to {purpose} (no DCP .metadata file in it)",
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
     verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)
