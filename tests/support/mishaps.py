@@ -419,6 +419,12 @@ def summary(outcomes: list[Outcome]) -> Counter:
     return Counter(o.verdict for o in outcomes)
 
 
+def bugs(outcomes: list[Outcome]) -> list[tuple[str, str, str, str]]:
+    """(verdict, area, mishap, the last line said) of each outcome that ended a wrong way (``BUGS``)."""
+    return [(o.verdict, o.mishap.area, o.mishap.name, (o.detail.strip().splitlines() or [""])[-1])
+            for o in outcomes if o.verdict in BUGS]
+
+
 if __name__ == "__main__":
     results = run(Path(sys.argv[1]), seed=int(sys.argv[2]) if len(sys.argv) > 2 else 7)
     print(dict(summary(results)))
