@@ -67,15 +67,26 @@ def save(flat: dict[str, torch.Tensor], ckpt: str | Path) -> Path:
     return path
 
 
-def load(ckpt: str | Path) -> dict[str, torch.Tensor] | None:
-    """What ``save`` wrote (None when ``ckpt`` has no ``ps/`` folder: an all-reduce run's checkpoint)."""
+def _dcp_metadata(path: Path):
+    return dcp.FileSystemReader(str(path)).read_metadata()
+
+
+def _dcp_load(flat: dict, path: Path, **kwargs) -> None:
+    dcp.load(flat, checkpoint_id=str(path), **kwargs)
+
+
+def load(ckpt: str | Path, read_metadata=_dcp_metadata, read=_dcp_load) -> dict[str, torch.Tensor] | None:
+    """What ``save`` wrote (None when ``ckpt`` has no ``ps/`` folder: an all-reduce run's checkpoint).
+
+    ``read_metadata(path)`` and ``read(flat, path, no_dist=True)`` are DCP's own by default; the controller passes
+    ones that unpickle no code from the files (``workers.state.dcp_reading``, which this package cannot import)."""
     path = Path(ckpt) / FOLDER
     if not (path / ".metadata").is_file():
         return None
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = read_metadata(path).state_dict_metadata
     flat = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in meta.items()}
     with _one_process():
-        dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+        read(flat, path, no_dist=True)
     return flat
 
 

@@ -120,8 +120,8 @@ class Client:
         """The controller actor of a ``raymesh run`` job (one the dashboard does not know), else None."""
         found = None if self._known(job_id) else HostedJob.find(job_id, self.ray_address)
         if found is None and self._dashboard is None:
-            raise LookupError(f"no running `raymesh run` controller for job {job_id!r} on the Ray cluster "
-                              f"({self.ray_address or 'RAY_ADDRESS, else the local one'}), and {self._unreachable}")
+            raise LookupError(f"no running `raymesh run` controller for job {job_id!r} on the Ray cluster at "
+                              f"{self._cluster()}, and {self._unreachable}")
         return found
 
     # -- the job, through Ray -------------------------------------------------------------
@@ -254,9 +254,16 @@ class Client:
         return self._control(submission_id).request_scale(dp)
 
     def _control(self, submission_id: str) -> ControlClient:
+        """The control API of a running job: its ``raymesh run`` controller's, else the one a submitted job's log
+        announces. An unknown id or an ended job is a ``LookupError`` naming it (the dashboard's 404 was a
+        ``RuntimeError`` traceback)."""
         hosted = self._hosted(submission_id)
         if hosted is not None:
             return hosted.control()
+        info = self._info(submission_id)
+        if info.status.is_terminal():
+            raise LookupError(f"job {submission_id} on {self.address} has ended ({info.status.value.lower()}): it "
+                              f"takes no more requests; see `raymesh status {submission_id}`")
         control = control_client(self._jobs.get_job_logs(submission_id))
         if control is None:
             raise LookupError(f"job {submission_id} has not announced its control API yet (no `event=control` "
@@ -289,7 +296,13 @@ class Client:
             return self._jobs.get_job_info(submission_id)
         except RuntimeError as exc:
             if "status code 404" in str(exc):
-                raise LookupError(f"no job {submission_id!r} on {self.address} (neither a submitted Ray job nor a "
-                                  f"running `raymesh run` controller); list the cluster's jobs with "
-                                  f"`ray job list --address {self.address}`") from None
+                raise LookupError(f"no job {submission_id!r}: the Ray dashboard at {self.address} has no submitted "
+                                  f"job of that id, and the Ray cluster at {self._cluster()} runs no `raymesh run` "
+                                  f"controller for it; list the submitted jobs with `ray job list --address "
+                                  f"{self.address}`, pass the id `raymesh run` printed, or name the cluster with "
+                                  "--address / --ray-address") from None
             raise
+
+    def _cluster(self) -> str:
+        """Where a ``raymesh run`` controller was looked for, in words."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS") or "this machine (no RAY_ADDRESS)"

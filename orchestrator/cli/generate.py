@@ -121,7 +121,7 @@ def job_tokenizer(job):
     """The tokenizer the training data was prepared with (its manifest says which; a `data.mix`'s sources share one,
     checked before the run, so the first one's), refused with the fix when the data has none."""
     from orchestrator.spec.runtime_checks import prepared_manifest
-    from workers.data.tokenizer import recorded_tokenizer
+    from workers.data.tokenizer import TokenizerMismatch, recorded_tokenizer
     from workers.storage import location
 
     path, _ = job.data.sources()[0]
@@ -129,6 +129,11 @@ def job_tokenizer(job):
     manifest = prepared_manifest(field, path)
     try:
         return recorded_tokenizer(manifest.get("tokenizer") or {"kind": "bytes"}, location(path))
+    except TokenizerMismatch as exc:
+        raise SpecError(field, path, f"names a tokenizer that is not the one its data was prepared with: {exc}, so "
+                        "the sampled ids would decode to other text", "put back the tokenizer.json the data was "
+                        f"prepared with, or prepare the data again with this one (`raymesh prepare-data --tokenizer "
+                        f"FILE --out {path}`) and train on it") from None
     except (LookupError, FileNotFoundError) as exc:
         raise SpecError(field, path, f"gives no tokenizer to turn text into ids and back ({exc})",
                         f"point {field} (--set {field}=DIR) at a directory `raymesh prepare-data` wrote with "

@@ -252,7 +252,9 @@ class PSShards:
     def restore_checkpoint(self, path, step: int) -> None:
         """The shards (and under asp/ssp the clocks) as ``path`` holds them, split for this job's ring: another
         shard count, chunk size or (bsp) number of data ranks than the saving job's is fine."""
-        flat = checkpoint.load(path)
+        from workers.state.dcp_reading import dcp_load, read_metadata
+
+        flat = checkpoint.load(path, read_metadata, dcp_load)  # reading runs no code the files may carry
         if flat is None:
             raise RuntimeError(f"--resume with parallel.dp_sync: ps: checkpoint {path} holds no parameter-server "
                                "state (it was saved by a run without dp_sync: ps), so the shards' optimizer state "

@@ -44,17 +44,23 @@ class LoraSpec(BaseModel):
     base_checkpoint: PathStr | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
 
 
-def _linear_names(model):
-    """Names of the model's Linear layers and the model itself, built weightless on the meta device."""
+def meta_model(model):
+    """The `model` section's model (no adapters), built weightless on the meta device: its names and shapes."""
     import torch
-    from torch import nn
 
     from workers.model.registry import build_model
 
     raw = model.model_dump()
     raw["d_ff"] = model.ffn_dim
     with torch.device("meta"):
-        built = build_model(model_config(raw))
+        return build_model(model_config(raw))
+
+
+def _linear_names(model):
+    """Names of the model's Linear layers and the model itself, built weightless on the meta device."""
+    from torch import nn
+
+    built = meta_model(model)
     return [n for n, m in built.named_modules() if isinstance(m, nn.Linear)], built
 
 
@@ -232,7 +238,7 @@ def checkpoint_to_read(job, checkpoint: str | None, purpose: str) -> Path:
         location(checkpoint) if checkpoint else CheckpointDir(root, 1).latest())
     if path is None or not (path / ".metadata").is_file():
         raise SpecError("--checkpoint" if checkpoint else "checkpoint.dir", str(path or root),
-                        f"holds no complete checkpoint to {purpose}",
+                        f"holds no complete checkpoint to {purpose} (no DCP .metadata file in it)",
                         "run the job with checkpoint.every > 0 first, or pass --checkpoint STEP_DIR")
     verify_checkpoint("--checkpoint" if checkpoint else "checkpoint.dir", path)
     check_base_checkpoint(job)

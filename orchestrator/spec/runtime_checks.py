@@ -1,9 +1,10 @@
 """Checks that need the data directory, the filesystem or the cluster, run before any actor starts.
 
-`check_before_start` runs every filesystem precondition (data prepared and big enough, output paths writable and
-not someone else's files, the offload directory, a base checkpoint's checksums) from the driver, so a job that
-cannot run fails in seconds with a `SpecError` instead of inside a rank after placement. `raymesh plan` runs the
-same checks, except that it tolerates a data directory that is not on this machine (planning happens anywhere).
+`check_before_start` runs every filesystem precondition (data prepared, intact and big enough, output paths writable
+and not someone else's files, the offload directory, `model.init_from`'s weight files, a base checkpoint's
+checksums) from the driver, so a job that cannot run fails in seconds with a `SpecError` instead of inside a rank
+after placement. `raymesh plan` runs the same checks, except that it tolerates a data directory that is not on this
+machine (planning happens anywhere).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from orchestrator.checkpoints.job_record import RECORD
 from orchestrator.errors import SpecError
 from orchestrator.spec.dpo_checks import check_dpo_data
 from orchestrator.spec.fields import NAME_MAX
+from orchestrator.spec.integrity_checks import check_init_from, check_shards_intact
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
 from orchestrator.spec.loss_mask_checks import check_eval_mask, check_training_mask
 from workers.data import blend
 from workers.data.checksums import FIELD as SHARD_CHECKSUM
+from workers.data.manifest import manifest_problem
 from workers.data.tokenizer import TOKENIZER_FILE, manifest_eos_id, tokenizer_sha256
 from workers.storage import is_url, location
 
@@ -35,6 +38,7 @@ def check_before_start(spec: JobSpec, *, data_required: bool = True) -> None:
     if spec.eval.path is not None and _checkable(spec.eval.path, data_required):
         check_eval_path(spec, data_required)
     check_outputs(spec)
+    check_init_from(spec)
     check_base_checkpoint(spec)
     check_tls_files(spec)
     spec.loggers.check_installed()
@@ -98,8 +102,11 @@ def prepared_manifest(field: str, value: str) -> dict:
                         f"run `raymesh prepare-data --out {value}`, or point {field} at a prepared directory")
     try:
         data = json.loads(manifest.read_bytes())
-        if not isinstance(data, dict) or not isinstance(data.get("total_tokens"), int):
-            raise ValueError("no total_tokens")
+        # the count the checks need, the rest where present (the loader requires them: a directory prepare-data
+        # wrote has them all, and stand-ins that give only a count still plan)
+        problem = manifest_problem(data, ("total_tokens",))
+        if problem is not None:
+            raise ValueError(problem)
     except (OSError, ValueError) as exc:
         raise SpecError(field, value, f"has a manifest.json that is not readable ({exc})",
                         f"prepare the data again with `raymesh prepare-data --out {value}`") from None
@@ -121,6 +128,7 @@ def check_shards_readable(field: str, value: str, manifest: dict) -> None:
                             f"prepare the data again with `raymesh prepare-data --out {value}`")
         if problem is not None:
             raise _unreadable(field, value, path, problem)
+    check_shards_intact(field, value, manifest)
 
 
 def check_data_path(spec: JobSpec, data_required: bool = True) -> None:

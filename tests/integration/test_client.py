@@ -117,6 +117,10 @@ def test_unknown_job_is_named(client, ray_cluster, capsys):
         client.status("raysubmit_nope")
     assert cli("status", "raysubmit_nope", "--address", ray_cluster["dashboard"]) == 2
     assert "raymesh: error: no job 'raysubmit_nope'" in capsys.readouterr().err
+    for request in (["inject", "raysubmit_nope", "--kind", "kill_rank"], ["scale", "raysubmit_nope", "--dp", "2"]):
+        assert cli(*request, "--address", ray_cluster["dashboard"]) == 2  # was a RuntimeError traceback
+        err = capsys.readouterr().err
+        assert "raymesh: error: no job 'raysubmit_nope'" in err and ray_cluster["dashboard"] in err, err
 
 
 def test_stand_in_controller_status_stop_and_summary(client, ray_cluster, tmp_path, capsys):

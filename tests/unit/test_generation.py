@@ -134,8 +134,8 @@ def test_recorded_tokenizers_decode_what_they_encode(tmp_path):
     text = "def f(x):\n    return x  # naïve ✓\n"
     tok = recorded_tokenizer({"kind": "bytes"}, tmp_path)
     assert isinstance(tok, ByteTokens) and tok.decode(tok.encode(text.encode()).tolist()) == text
-    train_bpe([text.encode() * 20, b"import os\n" * 50], 300, tmp_path / "tokenizer.json")
-    moved = {"kind": "bpe", "path": "/elsewhere/tokenizer.json", "vocab_size": 300, "eos_id": 0}
+    trained = train_bpe([text.encode() * 20, b"import os\n" * 50], 300, tmp_path / "tokenizer.json")
+    moved = {"kind": "bpe", "path": "/elsewhere/tokenizer.json", "vocab_size": trained.vocab_size, "eos_id": 0}
     bpe = recorded_tokenizer(moved, tmp_path)  # found beside the shards, wherever it was trained
     ids = bpe.encode(text.encode()).tolist()
     assert len(ids) < len(text.encode()) and bpe.decode(ids) == text

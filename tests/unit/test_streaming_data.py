@@ -175,14 +175,17 @@ def test_the_corpus_is_decoded_once_per_host_not_once_per_window(tmp_path: Path,
     assert f"cannot write {raw}" in caplog.text and "fix: make" in caplog.text
 
 
-def test_a_cut_raw_file_is_refused_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cut_raw_file_is_built_again_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
     root = _corpus(tmp_path, 100_000, monkeypatch)
     TokenDataset(root, seq_len=32, seed=0)
     raw = next((root / loader.RAW_DIR).glob("*.uint8"))
     with raw.open("r+b") as f:
         f.truncate(1000)
-    with pytest.raises(ValueError, match=rf"{raw} has 1000 bytes, expected 100000; fix: delete"):
-        TokenDataset(root, seq_len=32, seed=0)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        ds = TokenDataset(root, seq_len=32, seed=0)
+    assert f"raw token file {raw} has 1000 bytes" in caplog.text and "building it again" in caplog.text
+    assert np.array_equal(ds.store.read(0, 100_000), _whole_stream(root))
 
 
 def test_a_re_prepared_corpus_reads_its_new_tokens_and_drops_the_old_raw_file(

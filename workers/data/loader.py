@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from workers.data import blend, checksums
+from workers.data import blend, checksums, raw_checksums
+from workers.data.manifest import manifest_problem
 from workers.data.prepare import FORMAT, LOSS_MASK, PREFERENCE
 from workers.data.tokenizer import manifest_eos_id
 from workers.parallel.context_layout import split_sequence
@@ -46,6 +47,13 @@ CACHE_DIR = "raymesh/raw-tokens"  # under $XDG_CACHE_HOME (~/.cache): where a re
 # loader); a larger one is read by one pread per window, so that no rank maps more than this of its corpus.
 MAP_LIMIT = 64 << 20
 IGNORE_INDEX = -100  # a target no loss counts (F.cross_entropy's default ignore_index): a prompt token's
+
+
+def _refuse(problem: str | None) -> None:
+    """A data directory's shards against its manifest (``workers.data.checksums``): a problem is refused with
+    the fix."""
+    if problem is not None:
+        raise ValueError(f"{problem}; fix: {checksums.REPREPARE}")
 
 
 def _check_range(start: int, length: int, total: int) -> None:
@@ -78,15 +86,14 @@ class ShardStore:
             checksums.verify_shard(root, shard)
             source, fs = parquet_source(self._names[index])
             meta = pq.read_metadata(source, filesystem=fs)
-            if meta.num_rows != shard["tokens"]:
-                raise ValueError(f"shard {self._names[index]} does not match its manifest entry")
+            _refuse(checksums.count_problem(self._names[index], meta.num_rows, shard["tokens"]))
             for group in range(meta.num_row_groups):
                 groups.append((index, group))
                 starts.append(starts[-1] + meta.row_group(group).num_rows)
         self._groups = np.array(groups, dtype=np.int64).reshape(-1, 2)  # (shard, row group) per global group
         self._starts = np.array(starts, dtype=np.int64)
-        if self._starts[-1] != manifest["total_tokens"]:
-            raise ValueError(f"{root}/manifest.json total_tokens disagrees with its shards")
+        _refuse(checksums.count_problem(f"the shards of {root}", int(self._starts[-1]), manifest["total_tokens"],
+                                        "its manifest.json total_tokens"))
 
     def column_view(self, column: str) -> ShardStore:
         """The same shards read for ``column`` (checked once already), with caches of its own."""
@@ -157,7 +164,8 @@ class RawTokens:
     Arrow buffers, and the file's pages are the OS page cache, shared by every rank on the host. A file up to
     `MAP_LIMIT` is memory-mapped, so a batch is one numpy gather (a rank maps at most `MAP_LIMIT`); a larger one
     is read with one ``preadv`` per window into the batch, mapping nothing, so RSS does not grow as windows are
-    read. The file is named by the shards' checksums, so a re-prepared corpus gets a new one, and it is built
+    read. Its bytes are checked against block digests written with it at every open (``raw_checksums``). The
+    file is named by the shards' checksums, so a re-prepared corpus gets a new one, and it is built
     once per host under a file lock (written to a temporary name, then renamed) by whichever rank comes first;
     the others, and later runs, only open it.
     """
@@ -180,19 +188,25 @@ class RawTokens:
     def build(cls, path: Path, groups: ShardStore, dtype: np.dtype) -> RawTokens:
         """The raw file of ``groups``' stream at ``path`` (decoded now unless another rank or run has), opened.
 
-        One already there is opened without the lock: it only ever appears whole, by rename, so a folder this user
-        may read but not write (where another user's run built it) still serves it."""
+        One already there is checked against the block digests written with it (``raw_checksums``) and opened
+        without the lock: it only ever appears whole, by rename, so a folder this user may read but not write
+        (where another user's run built it) still serves it. One that fails them (changed bytes, cut short, no
+        digests) is built again, with a warning naming it; in a folder this user cannot write, in the next one."""
         if path.exists():
-            return cls(path, dtype, len(groups))
+            why = raw_checksums.problem(path)
+            if why is None:
+                return cls(path, dtype, len(groups))
+            log.warning("raw token file %s %s; building it again from the shards", path, why)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            if not path.exists():
+            if not path.exists() or raw_checksums.problem(path) is not None:  # or another rank built it meanwhile
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                 try:
                     with open(tmp, "wb") as out:
                         for g in range(groups.num_groups):  # one group in memory at a time
                             out.write(groups.decode(g).astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
+                    raw_checksums.write_sums(tmp, path)
                     tmp.replace(path)
                 finally:
                     tmp.unlink(missing_ok=True)  # a failed build (disk full) leaves nothing behind
@@ -274,6 +288,20 @@ def corpus_fingerprint(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
 
 
+_WARNED: set[str] = set()  # the manifests warn_unchecked has named in this process
+
+
+def warn_unchecked(manifest_path, manifest: dict) -> bool:
+    """Warn, once per process for each manifest, that its shards carry no checksums (prepared before them, or the
+    fields deleted): nothing then tells changed or cut shards from the ones prepared. Returns whether it warned."""
+    if not checksums.unchecked(manifest) or str(manifest_path) in _WARNED:
+        return False
+    _WARNED.add(str(manifest_path))
+    log.warning("%s lists shards without a %s checksum: their bytes are read unchecked (and row group by row group, "
+                "slower); fix: run `raymesh prepare-data` again for this directory", manifest_path, checksums.FIELD)
+    return True
+
+
 class TokenDataset:
     """Non-overlapping `seq_len + 1` windows (sharing one boundary token) over the token stream."""
 
@@ -283,6 +311,9 @@ class TokenDataset:
         if not manifest_path.is_file():
             raise FileNotFoundError(f"no prepared data at {manifest_path}; {_MISSING_HINT}")
         manifest = json.loads(manifest_path.read_text())
+        problem = manifest_problem(manifest)
+        if problem is not None:
+            raise ValueError(f"{manifest_path} cannot be read: {problem}; fix: {checksums.REPREPARE}")
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{manifest_path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
         if seq_len <= 0:
@@ -292,6 +323,7 @@ class TokenDataset:
         self.vocab_size: int = manifest["vocab_size"]
         self.eos_id: int | None = manifest_eos_id(manifest)  # between documents; None for bare rows of ids
         self.corpus = corpus_fingerprint(manifest)
+        warn_unchecked(manifest_path, manifest)
         self.store, self.flags = open_stores(self.path, manifest)  # flags: the loss mask, or None
         self.pairs = _preference_pairs(manifest, seq_len, self.path)
         self._num_samples = (len(self.store) - 1) // seq_len

@@ -166,7 +166,36 @@ def recorded_tokenizer(record: dict, root):
     from tokenizers import Tokenizer
 
     beside = root / TOKENIZER_FILE
-    path = beside if beside.is_file() else Path(record["path"])
+    path = beside if beside.is_file() else Path(record.get("path") or beside)
     if not path.is_file():
-        raise FileNotFoundError(f"the data's tokenizer {record['path']} is not there (nor {beside})")
-    return HFTokens(Tokenizer.from_str(path.read_text()), kind, path)
+        raise FileNotFoundError(f"the data's tokenizer {record.get('path')} is not there (nor {beside})")
+    try:
+        tok = HFTokens(Tokenizer.from_str(path.read_text()), kind, path)
+        check_recorded(record, tok)
+    except TokenizerMismatch:
+        raise
+    except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse; JSON a ValueError
+        raise TokenizerMismatch(f"{path} is not a tokenizer file `tokenizers` can read ({exc})") from None
+    return tok
+
+
+class TokenizerMismatch(ValueError):
+    """The tokenizer file found for a prepared directory is not the one its manifest records (its message says
+    which file, and how it differs)."""
+
+
+def check_recorded(record: dict, tok: HFTokens) -> None:
+    """Refuse ``tok`` (read from ``tok.path``) unless it is the tokenizer the manifest's ``record`` describes: its
+    content hash where the manifest has one (``tokenizer_sha256``), else its vocabulary size and end-of-document
+    id. Ids decoded by another tokenizer read as fluent garbage, with no error anywhere."""
+    expected = record.get("sha256")
+    if expected:
+        actual = tokenizer_sha256(tok.path)
+        if actual != expected:
+            raise TokenizerMismatch(f"{tok.path} has sha256 {actual}, but the manifest records {expected} for the "
+                                    "tokenizer the data was prepared with")
+        return
+    for key in ("vocab_size", "eos_id"):
+        if record.get(key) is not None and record[key] != getattr(tok, key):
+            raise TokenizerMismatch(f"{tok.path} has {key} {getattr(tok, key)}, but the manifest records "
+                                    f"{record[key]} for the tokenizer the data was prepared with")

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.model.lora import apply_lora, merged_state_dict
 from workers.spec import WorkerSpec
+from workers.state.dcp_reading import CheckpointRefusal
 from workers.state.known_weights import load_known
 
 
@@ -33,16 +34,37 @@ def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
             load_known(state, checkpoint, state["model"], no_dist=True)
         model.load_state_dict(state["model"])
     except (CheckpointException, RuntimeError) as exc:  # DCP's is a BaseException, tens of lines long
+        mismatch = _first_mismatch(exc)
+        if mismatch is None:  # a file missing or cut short under a re-written manifest: no shape to blame
+            raise ValueError(f"checkpoint {checkpoint} cannot be read ({_first_failure(exc)}); fix: load an earlier "
+                             "step directory, or save this one again") from None
         raise ValueError(f"checkpoint {checkpoint} holds a model of another shape than the job file describes "
-                         f"({_first_mismatch(exc)}); fix: pass the job file, and the --set overrides, it was trained "
+                         f"({mismatch}); fix: pass the job file, and the --set overrides, it was trained "
                          "with") from None
 
 
-def _first_mismatch(exc: BaseException) -> str:
-    """The line of a failed load that names the first tensor that does not fit (DCP wraps it in tracebacks)."""
-    lines = [line.strip() for line in str(exc).splitlines()]
-    marks = ("Size mismatch", "Missing key", "Unexpected key", "size mismatch")
-    return next((line for line in lines if any(m in line for m in marks)), lines[0] if lines else type(exc).__name__)
+MISMATCH_MARKS = ("Size mismatch", "Missing key", "Unexpected key", "size mismatch", "mismatch sizes")
+
+
+def _first_mismatch(exc: BaseException) -> str | None:
+    """The line of a failed load that names the first tensor that does not fit (DCP wraps it in tracebacks), or
+    None when the load failed for another reason."""
+    lines = [line.strip() for line in _texts(exc)]
+    return next((line for line in lines if any(m in line for m in MISMATCH_MARKS)), None)
+
+
+def _texts(exc: BaseException) -> list[str]:
+    """The lines of ``exc`` and of each rank's failure DCP wraps in it."""
+    failures = getattr(exc, "failures", None) or {}
+    return [line for e in (exc, *(f[0] for f in failures.values())) for line in str(e).splitlines()]
+
+
+def _first_failure(exc: BaseException) -> str:
+    """What went wrong first, as one line: the first rank failure DCP wraps (its type and message), else ``exc``."""
+    failures = getattr(exc, "failures", None) or {}
+    first = next((f[0] for f in failures.values()), exc)
+    text = (str(first).strip().splitlines() or [""])[0]
+    return f"{type(first).__name__}: {text}" if text else type(first).__name__
 
 
 def load_base(model: nn.Module, path: str | Path) -> None:
@@ -65,6 +87,8 @@ def load_base(model: nn.Module, path: str | Path) -> None:
         )
     try:
         load_dcp_model(model, p)
+    except CheckpointRefusal as exc:  # already says what is wrong with which file, and the fix
+        raise ValueError(f"model.lora.base_checkpoint {str(p)!r}: {exc}") from None
     except Exception as exc:  # DCP names the first missing key; say what it means here
         raise ValueError(
             f"model.lora.base_checkpoint {str(p)!r} does not hold this model's full weights ({exc}); "

@@ -286,14 +286,29 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file holding it (sharded via the index, or one file)."""
     root = Path(directory)
     if (root / INDEX).is_file():
-        index = json.loads((root / INDEX).read_text())["weight_map"]
-        return {name: root / file for name, file in index.items()}
+        try:
+            index = json.loads((root / INDEX).read_text())["weight_map"]
+            return {name: root / file for name, file in index.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"model.init_from {root / INDEX} is not a safetensors index (a weight_map of tensor "
+                             f"names to files: {type(exc).__name__} {exc}); fix: copy the checkpoint's index "
+                             "again") from None
     if (root / SINGLE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(root / SINGLE), framework="pt") as f:
+        with safe_file(root / SINGLE) as f:
             return {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
     raise ValueError(f"model.init_from {str(root)!r} holds neither {INDEX} nor {SINGLE}")
+
+
+def safe_file(path: Path):
+    """``safe_open`` of ``path``; one that is cut short, missing or no safetensors file is refused by name
+    (safetensors checks on open that its header's offsets cover the file exactly)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own SafetensorError (an Exception), or an OSError
+        raise ValueError(f"model.init_from {path} cannot be read as safetensors ({exc}); fix: download or copy "
+                         "the checkpoint's files again") from None
 
 
 def local_box(param: torch.Tensor) -> tuple[torch.Tensor, list[slice]]:
@@ -312,20 +327,61 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> list[str]:
     """Fill every parameter of ``model`` (a whole model, or one rank's cut, sharded and wrapped stage) with
     its own slice of the checkpoint; returns the Hugging Face names read. An expert stack reads only the experts
     this rank keeps (its box's rows, from ``Experts.first`` under expert parallelism), each from its own tensors.
-    A tensor missing from the checkpoint, or of another shape, is an error naming it."""
-    reader, kind, stacks = _Reader(directory), read_config(directory).get("model_type"), _expert_stacks(model)
+    A tensor missing from the checkpoint, of another shape or of a dtype that is no float's, is an error naming it;
+    so is a slice holding NaN or inf, naming its file: checked here, on the slice each rank reads (the driver reads
+    only the headers, ``check_hf_weights``), so bad weights end the job at start instead of as bad batches."""
+    reader = _Reader(directory)
     try:
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                local, box = local_box(param)
-                if name in stacks:
-                    _read_experts(reader, name, kind, stacks[name], param.shape, local, box)
-                else:
-                    source = reader.slice(hf_name(name, kind), name, param.shape)
-                    local.copy_(source[tuple(box)].to(local.dtype))
+            for key, target, read in _reads(model, reader):
+                values = read()
+                if not torch.isfinite(values).all():
+                    raise ValueError(f"model.init_from {reader.files[key]} holds non-finite values (NaN or inf) in "
+                                     f"tensor {key}; fix: use an intact copy of the checkpoint (these weights would "
+                                     "train NaN losses from the first step)")
+                target.copy_(values.to(target.dtype))
     finally:
         reader.handles.clear()
     return reader.read
+
+
+def check_hf_weights(model: nn.Module, directory: str | Path) -> list[str]:
+    """Without reading a weight: every tensor ``model`` (built on the meta device) takes from the Hugging Face
+    directory is there, of its shape and of a float dtype, in files whose headers cover them whole (a file cut
+    short is refused by safetensors on open), and a tied model's files hold no head of their own. Returns the
+    names it would read. What only the values can tell (NaN, inf) ``load_hf_weights`` checks in the ranks."""
+    reader = _Reader(directory)
+    try:
+        for path in dict.fromkeys(reader.files.values()):
+            reader.handle(path)
+        names = [key for key, _, _ in _reads(model, reader)]
+        _check_untied_head(reader, model)
+    finally:
+        reader.handles.clear()
+    return names
+
+
+def _reads(model: nn.Module, reader: _Reader):
+    """(Hugging Face name, the tensor it fills, a call that reads its values) for every tensor ``model``'s
+    parameters take from the checkpoint, each refused by ``reader.slice`` when missing or not what the model needs."""
+    kind, stacks = read_config(reader.directory).get("model_type"), _expert_stacks(model)
+    for name, param in model.named_parameters():
+        local, box = local_box(param)
+        if name not in stacks:
+            key = hf_name(name, kind)
+            source = reader.slice(key, name, param.shape)
+            yield key, local, lambda source=source, box=tuple(box): source[box]
+            continue
+        rows, cols, width = box  # an expert stack [E, a, b]: each kept expert from its own [b, a] tensor
+        for i, expert in enumerate(range(stacks[name] + rows.start, stacks[name] + rows.stop)):
+            key = expert_name(plain_name(name), kind, expert)
+            source = reader.slice(key, name, (param.shape[2], param.shape[1]))
+            yield key, local[i], lambda source=source, box=(width, cols): source[box].t()
+
+
+# safetensors dtypes a weight is read from (cast to the model's); an integer, bool or float8 tensor under a float
+# weight's name is a quantized checkpoint's packed values (their scales live in other tensors) or not weights at all
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 class _Reader:
@@ -334,35 +390,57 @@ class _Reader:
     def __init__(self, directory: str | Path):
         self.directory, self.files, self.handles, self.read = directory, weight_files(directory), {}, []
 
-    def slice(self, key: str, name: str, shape: tuple[int, ...]):
-        """The lazy slice of tensor ``key`` (raymesh's ``name``), refused unless it is ``shape`` on disk."""
-        from safetensors import safe_open
+    def handle(self, path: Path):
+        """The open safetensors file ``path`` (``safe_file``)."""
+        if path not in self.handles:
+            self.handles[path] = safe_file(path)
+        return self.handles[path]
 
+    def slice(self, key: str, name: str, shape: tuple[int, ...]):
+        """The lazy slice of tensor ``key`` (raymesh's ``name``), refused unless it is ``shape`` on disk and of a
+        float dtype."""
         if key not in self.files:
             raise ValueError(f"model.init_from {str(self.directory)!r} has no tensor {key!r} (for {name})")
         path = self.files[key]
-        source = self.handles.setdefault(path, safe_open(str(path), framework="pt")).get_slice(key)
+        source = self.handle(path).get_slice(key)
         if list(source.get_shape()) != list(shape):
             raise ValueError(f"model.init_from {key} has shape {source.get_shape()}, the model's {name} needs "
                              f"{list(shape)}: config.json and the weights disagree")
+        if source.get_dtype() not in FLOAT_DTYPES:
+            raise ValueError(f"model.init_from {path} holds tensor {key} as {source.get_dtype()}, not as a float "
+                             f"({', '.join(FLOAT_DTYPES)}): cast, its values would not be the weights (a quantized "
+                             "checkpoint keeps packed integers and their scales apart); fix: use the checkpoint's "
+                             "unquantized (float) release")
         self.read.append(key)
         return source
+
+
+HEAD, EMBEDDING = _ENDS["output.weight"], _ENDS["tok_embeddings.weight"]
+_ROWS_AT_ONCE = 4096  # rows of the head and the embedding compared at a time
+
+
+def _check_untied_head(reader: _Reader, model: nn.Module) -> None:
+    """A model built with tied embeddings (``tie_word_embeddings: true``) has no head of its own, so a
+    ``lm_head.weight`` in the files that is not the embedding would be dropped without a word. Compared a block of
+    rows at a time, stopping at the first that differs: a distinct head is found in the first block."""
+    has_head = any(plain_name(n) == "output.weight" for n, _ in model.named_parameters())
+    if has_head or HEAD not in reader.files or EMBEDDING not in reader.files:
+        return
+    head, embedding = (reader.handle(reader.files[k]).get_slice(k) for k in (HEAD, EMBEDDING))
+    rows = head.get_shape()[0]
+    same = head.get_shape() == embedding.get_shape() and all(
+        torch.equal(head[i:i + _ROWS_AT_ONCE], embedding[i:i + _ROWS_AT_ONCE]) for i in range(0, rows, _ROWS_AT_ONCE))
+    if not same:
+        raise ValueError(f"model.init_from {reader.files[HEAD]} holds {HEAD}, a head other than {EMBEDDING}, but "
+                         f"{reader.directory}/{CONFIG} says tie_word_embeddings: true, so the model would share the "
+                         f"embedding and drop that head; fix: set tie_word_embeddings: false in {CONFIG} if the head "
+                         f"is the model's own, or remove {HEAD} from the files if the embedding is")
 
 
 def _expert_stacks(model: nn.Module) -> dict[str, int]:
     """Each expert stack's parameter name in ``model`` -> the global id of its first row (``Experts.first``)."""
     return {f"{prefix}.{name}": module.first for prefix, module in model.named_modules()
             if isinstance(module, Experts) for name, _ in module.named_parameters(recurse=False)}
-
-
-def _read_experts(reader: _Reader, name: str, kind: str, first: int, shape: torch.Size, local: torch.Tensor,
-                  box: list[slice]) -> None:
-    """Fill ``local``, the box ``box`` of an expert stack ([E, a, b], its rows from global expert ``first``), from
-    each kept expert's [b, a] tensor (an ``nn.Linear`` weight, transposed to raymesh's x @ w)."""
-    rows, cols, width = box
-    for i, expert in enumerate(range(first + rows.start, first + rows.stop)):
-        source = reader.slice(expert_name(plain_name(name), kind, expert), name, (shape[2], shape[1]))
-        local[i].copy_(source[width, cols].t().to(local.dtype))
 
 
 # -- weights out ------------------------------------------------------------------------------------------------

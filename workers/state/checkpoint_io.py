@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.state.compression_feedback import saved_decays
+from workers.state.dcp_reading import SafeLoadPlanner, dcp_load
 from workers.state.known_weights import load_known
 from workers.state.train_state import TrainState
 
@@ -97,8 +97,7 @@ class CheckpointIO:
         layout, no compression, an older run) still loads. ``saved_decay``: the checkpoint's param groups, by
         which 1-bit Adam reads an older save's position-keyed errors."""
         feedback = {"wire_feedback": self.state.wire_feedback.dcp_state(template=True)}
-        dcp.load(feedback, checkpoint_id=str(path), process_group=self.group,
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        dcp_load(feedback, path, SafeLoadPlanner(allow_partial_load=True, checkpoint=path), process_group=self.group)
         if not self.state.wire_feedback.load_dcp_state(feedback["wire_feedback"], str(path), saved_decay):
             log.warning("checkpoint %s holds no compression error feedback for this rank (saved at another layout "
                         "or parallel.bucket_mb, or without compression): it starts at zero", path)

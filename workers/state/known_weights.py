@@ -15,9 +15,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.api import CheckpointException
+from workers.state.dcp_reading import CheckpointRefusal, SafeLoadPlanner, dcp_load
 
 MODEL = "model."  # DCP's flattened prefix of the model's entries
 SHOWN = 3  # extra keys named in the refusal
@@ -25,7 +23,7 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _PER_EXPERT = re.compile(r"\.expert\d+$")  # expert-parallel saves before experts were saved as whole stacks
 
 
-class UnknownWeights(ValueError):
+class UnknownWeights(CheckpointRefusal):
     """A checkpoint holds model weights the job's model does not (its message is the one-line refusal)."""
 
 
@@ -57,13 +55,13 @@ def refusal(checkpoint: str | Path, extra: list[str], saved_layers: int, job_lay
             f"them; fix: {fix}, or start a fresh run in another run_dir or checkpoint.dir")
 
 
-class KnownWeightsPlanner(DefaultLoadPlanner):
-    """DCP's load planner, refusing (``UnknownWeights``) when the checkpoint's metadata names model weights
-    ``known`` lacks."""
+class KnownWeightsPlanner(SafeLoadPlanner):
+    """DCP's load planner (reading no code, ``workers.state.dcp_reading``), refusing (``UnknownWeights``) when the
+    checkpoint's metadata names model weights ``known`` lacks."""
 
     def __init__(self, known: Iterable[str], checkpoint: str | Path, **kwargs):
-        super().__init__(**kwargs)
-        self.known, self.checkpoint = set(known), checkpoint
+        super().__init__(checkpoint=checkpoint, **kwargs)
+        self.known = set(known)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -75,13 +73,7 @@ class KnownWeightsPlanner(DefaultLoadPlanner):
 
 
 def load_known(state: dict, checkpoint: str | Path, known: Iterable[str], **kwargs) -> None:
-    """``dcp.load`` of ``state`` (``kwargs``: its ``process_group`` or ``no_dist``) refusing a checkpoint with model
-    weights ``known`` lacks; the refusal is raised as itself, not inside DCP's exception that carries every rank's
-    traceback."""
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint), planner=KnownWeightsPlanner(known, checkpoint), **kwargs)
-    except CheckpointException as exc:
-        refused = next((f[0] for f in exc.failures.values() if isinstance(f[0], UnknownWeights)), None)
-        if refused is None:
-            raise
-        raise UnknownWeights(str(refused)) from None
+    """``dcp_load`` of ``state`` (``kwargs``: its ``process_group`` or ``no_dist``) refusing a checkpoint with model
+    weights ``known`` lacks, or one whose files would run code; the refusal is raised as itself, not inside DCP's
+    exception that carries every rank's traceback."""
+    dcp_load(state, checkpoint, KnownWeightsPlanner(known, checkpoint), **kwargs)
