@@ -30,7 +30,6 @@ from typing import Any
 
 import ray
 
-from orchestrator.api.auth import use_ray_token_if_present
 from orchestrator.api.control_server import ControlClient
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
@@ -201,22 +200,17 @@ class AlreadyRunning(RuntimeError):
 
 
 def join_cluster(ray_address: str | None) -> None:
-    """Connect this driver to the cluster at ``ray_address`` (else ``RAY_ADDRESS``, else this machine's head);
-    never starts one. ``ConnectionError`` naming the address, where it came from and the fix when there is none:
-    ``raymesh attach`` must say the cluster is unreachable, not that it holds no controller."""
-    if ray.is_initialized():
-        return
-    from orchestrator.runtime.cluster import check_reachable
+    """Connect this driver to the cluster at ``ray_address`` (else ``RAY_ADDRESS``, else this user's ``ray start``
+    head on this machine, else a ``raymesh run``'s own local Ray: ``cluster.join``); never starts one.
+    ``ConnectionError`` naming the address, where it came from and the fix when there is none: ``raymesh attach``
+    must say the cluster is unreachable, not that it holds no controller."""
+    from orchestrator.runtime import cluster
 
-    use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a driver without it
-    source = "--ray-address" if ray_address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else None
-    address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-    if source is not None:
-        check_reachable(address, source)
+    named = cluster.named_address(ray_address, "--ray-address")
     try:
-        ray.init(address=address, log_to_driver=False)
+        cluster.join(ray_address, "--ray-address")
     except (ConnectionError, RuntimeError) as exc:  # no cluster there (Ray raises either)
-        where = f"at {address} (from {source})" if source else "running on this machine"
+        where = f"at {named[0]} (from {named[1]})" if named else "running on this machine"
         raise ConnectionError(f"cannot reach a Ray cluster {where}: {exc}; fix: start it (`ray start --head`), or "
                               "pass --ray-address HOST:PORT (or set RAY_ADDRESS) naming the cluster the job runs "
                               "on") from None
