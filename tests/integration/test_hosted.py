@@ -77,14 +77,25 @@ def test_killing_the_driver_leaves_the_run_training_and_attach_shows_it_end(ray_
     assert HostedJob.find("driver-killed") is None  # attach collected the outcome and let the actor go
 
 
-def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token_data, tmp_path, uninterrupted):
-    job = slow_job(token_data, tmp_path)
+def killing_the_controller(ray_cluster, token_data, tmp_path, job_id: str, after: int, for_good: bool):
+    """``raymesh run`` of the slowed job (``--summary-json`` beside it), its controller actor killed once it has
+    trained ``after`` steps (``for_good``: Ray does not restart it); (the driver, its output path)."""
     out = tmp_path / "driver"
-    driver = start_raymesh(ray_cluster, "run", str(job), "--id", "controller-killed", "--no-progress",
+    driver = start_raymesh(ray_cluster, "run", str(slow_job(token_data, tmp_path)), "--id", job_id, "--no-progress",
                            "--summary-json", str(tmp_path / "summary.json"), out=out)
     try:
-        wait_for(lambda: step_of("controller-killed") >= 7, 180, "a checkpoint at step 5 and two more steps")
-        ray.kill(HostedJob.find("controller-killed").handle, no_restart=False)  # the process dies, Ray restarts it
+        wait_for(lambda: step_of(job_id) >= after, 180, f"the run to train {after} steps")
+        ray.kill(HostedJob.find(job_id).handle, no_restart=for_good)
+    except BaseException:
+        kill_group(driver)
+        raise
+    return driver, out
+
+
+def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token_data, tmp_path, uninterrupted):
+    # a checkpoint at step 5 and two more steps; the process dies, Ray restarts it
+    driver, out = killing_the_controller(ray_cluster, token_data, tmp_path, "controller-killed", 7, for_good=False)
+    try:
         wait_for(lambda: "event=resume path=" in output(out)[1], 120, "the restarted controller to resume")
         held = [pg for pg in ray.util.placement_group_table().values()
                 if pg["name"].startswith("raymesh-job-tp") and pg["state"] != "REMOVED"]
@@ -114,13 +125,9 @@ def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token
 
 def test_a_controller_ray_will_not_restart_ends_the_follow_at_once_with_a_failed_summary(ray_cluster, token_data,
                                                                                        tmp_path):
-    job = slow_job(token_data, tmp_path)
-    out = tmp_path / "driver"
-    driver = start_raymesh(ray_cluster, "run", str(job), "--id", "controller-gone", "--no-progress",
-                           "--summary-json", str(tmp_path / "summary.json"), out=out)
+    # killed for good: what Ray does when its last restart is used up
+    driver, out = killing_the_controller(ray_cluster, token_data, tmp_path, "controller-gone", 3, for_good=True)
     try:
-        wait_for(lambda: step_of("controller-gone") >= 3, 180, "three steps")
-        ray.kill(HostedJob.find("controller-gone").handle, no_restart=True)  # as Ray's last restart failing
         assert driver.wait(timeout=120) == 1, output(out)  # it waited 300 s for a restart Ray never makes
     finally:
         kill_group(driver)
