@@ -8,6 +8,15 @@ before a load: a corrupt checkpoint is moved aside to ``step-N.corrupt`` (kept
 for inspection, never picked again), logged, recorded in ``skipped``, and the
 previous one is used. ``root`` may be an object-store URL (`workers.storage`).
 
+Nothing here deletes a folder this process did not write: only a save this process started (``begin``) and that
+never completed is removed as incomplete. Any other unsealed ``step-N`` (a save of an earlier life cut short, a
+copy that lost its manifest, another tool's folder) is set aside by ``set_aside_unsealed`` as
+``step-N.unsealed``, and set-aside folders (``.corrupt``, ``.unsealed``) are never removed automatically: they
+may be the only copy of weights someone wants, and the event that set them aside names them.
+
+Under ``checkpoint.permissions`` (``MODES``) the step folders are made 0700 before the ranks write into them and
+every file is made 0600 before the seal (DCP's writers create theirs under the rank's umask).
+
 A checkpoint saved at a step that scored the held-out loss (``eval.every``) carries it in ``eval.json``, written
 before the seal so the checksums cover it; ``best`` is the complete one with the lowest, which retention spares
 under ``checkpoint.keep_best``. The batches a repeated NaN made the run skip are at the root (``SKIPPED``), for a
@@ -18,28 +27,34 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
 from orchestrator.observability.events import event
-from workers.storage import location, move_tree, remove_tree
+from workers.storage import is_url, location, move_tree, remove_tree
 
 # at least 8 digits: `step:08d` pads to eight and writes step 100,000,000 and beyond with more
 _NAME = re.compile(r"^step-(\d{8,})$")
-_LEFTOVER = re.compile(r"^step-(\d{8,})(\.corrupt)?$")
+_ANY_STEP = re.compile(r"^step-\d{8,}")  # a checkpoint folder, sealed, unsealed or set aside (`.corrupt`, ...)
+# checkpoint.permissions -> (directory mode, file mode); None: as the process's umask leaves them
+MODES: dict[str, tuple[int, int] | None] = {"private": (0o700, 0o600), "group": (0o750, 0o640), "umask": None}
 SCORE = "eval.json"  # {"step", "eval_loss"}: the held-out loss of the weights a checkpoint holds
 SKIPPED = "skipped_batches.json"  # {"skip_batches": {step: n}}: batches skipped before a step (repeated NaN)
 
 
 class CheckpointDir:
     def __init__(self, root: str | Path, keep: int, on_skip: Callable[[dict], None] | None = None,
-                 keep_best: bool = False):
+                 keep_best: bool = False, permissions: str = "umask"):
         self.root = location(root)
         self.keep = keep
         self.keep_best = keep_best
         self.on_skip = on_skip
         self.skipped: list[dict] = []  # corrupt or incomplete checkpoints passed over, for the summary
+        self.local = not is_url(self.root)  # an object store has neither folders to make nor modes
+        self.modes = MODES[permissions] if self.local else None
+        self.writing: set[int] = set()  # steps whose save this process started and has not sealed
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
@@ -49,9 +64,55 @@ class CheckpointDir:
         """The step the checkpoint folder ``path`` (a ``path_for``) holds."""
         return int(_NAME.match(path.name).group(1))
 
+    def make_root(self) -> None:
+        """The checkpoint directory, made (with ``checkpoint.permissions``' mode) if it is not there yet; one that
+        exists keeps its mode: it may be a folder the user shares on purpose (the step folders are still private)."""
+        if self.local and not self.root.exists():
+            self._mkdir(self.root, parents=True)
+
+    def begin(self, step: int) -> Path:
+        """A save of ``step`` by this process is about to start: its folder is made (private before the ranks write
+        into it), and until it is sealed it is this process's to remove if it never completes. What a failed try
+        of the same step left is removed first; an unsealed folder of that step this process did not write is
+        set aside, never written into."""
+        path = self.path_for(step)
+        if path.exists() and step not in self.complete_steps():
+            if step in self.writing:
+                remove_tree(path)
+            else:
+                self._set_aside(path, "unsealed", "it has no manifest and this run did not write it")
+        self.writing.add(step)
+        self.make_root()
+        self._mkdir(path)
+        return path
+
+    def _mkdir(self, path: Path, parents: bool = False) -> None:
+        """``path`` made, with the private mode when ``checkpoint.permissions`` asks (set outright: mkdir's mode
+        goes through the umask); nothing in an object store, where DCP's writer makes the prefix."""
+        if not self.local:
+            return
+        path.mkdir(parents=parents, exist_ok=True)
+        if self.modes is not None:
+            path.chmod(self.modes[0])
+
     def seal(self, step: int) -> None:
-        """Write the checksum manifest of a save DCP reported durable; only then is it complete."""
-        checksums.write_manifest(self.path_for(step))
+        """Write the checksum manifest of a save DCP reported durable; only then is it complete. Every file in it
+        gets ``checkpoint.permissions``' mode first (the ranks' DCP writers made them under their umask), the
+        manifest too."""
+        path = self.path_for(step)
+        self._restrict(path)
+        manifest = checksums.write_manifest(path)
+        if self.modes is not None:
+            manifest.chmod(self.modes[1])
+        self.writing.discard(step)
+
+    def _restrict(self, folder: Path) -> None:
+        """Every folder and file under ``folder`` (itself too) to the private modes; nothing under a URL."""
+        if self.modes is None:
+            return
+        folder.chmod(self.modes[0])
+        for child in folder.rglob("*"):
+            child.chmod(self.modes[0] if child.is_dir() else self.modes[1])
 
     def record_score(self, step: int, eval_loss: float) -> None:
         """The held-out loss of the weights saved at ``step``, beside them (call before ``seal``)."""
@@ -108,8 +169,7 @@ class CheckpointDir:
             why = checksums.problem(path)
             if why is None:
                 return path
-            aside = path.with_name(path.name + ".corrupt")
-            remove_tree(aside)
+            aside = self._aside(path, "corrupt")
             move_tree(path, aside)
             record = {"step": step, "path": str(aside), "problem": why, "found_by": purpose}
             self.skipped.append(record)
@@ -135,22 +195,65 @@ class CheckpointDir:
         return old
 
     def remove_leftovers(self, newest: int | None = None) -> list[Path]:
-        """Delete what can never be loaded, with a log line each: saves that never completed (no manifest) and
-        checkpoints set aside as corrupt, older than the oldest complete checkpoint kept (newer ``.corrupt``
-        folders stay for inspection until retention passes them). ``newest``: the step just committed
-        (a save after it may be in flight and is left alone); None at start-up, when nothing is in flight."""
-        kept = self.complete_steps()
-        oldest = kept[0] if kept else None
+        """Delete the saves this process started that never completed (a rank's error, a rank lost meanwhile),
+        with a log line each: they can never be loaded. ``newest``: the step just committed (a save after it may
+        be in flight and is left alone); None when nothing is in flight (start-up, the run's end). A folder this
+        process did not start writing is never deleted here (``set_aside_unsealed``)."""
+        complete = set(self.complete_steps())
         removed = []
-        for child in sorted(self.root.iterdir()) if self.root.is_dir() else []:
-            m = _LEFTOVER.match(child.name)
-            if not m or not child.is_dir():
+        for step in sorted(self.writing):
+            if step in complete or (newest is not None and step >= newest):
                 continue
-            step, corrupt = int(m.group(1)), bool(m.group(2))
-            partial = not corrupt and step not in kept and (newest is None or step < newest)
-            if partial or (corrupt and oldest is not None and step < oldest):
-                remove_tree(child)
-                removed.append(child)
-                event("checkpoint_removed", path=child, why="corrupt, older than every kept checkpoint" if corrupt
-                      else "incomplete save (no manifest): it can never be loaded")
+            self.writing.discard(step)
+            path = self.path_for(step)
+            if path.exists():
+                remove_tree(path)
+                removed.append(path)
+                event("checkpoint_removed", path=path, why="this run's save of it did not complete: it can "
+                      "never be loaded")
         return removed
+
+    def set_aside_unsealed(self) -> list[Path]:
+        """Rename every ``step-N`` without a manifest that this process is not writing to ``step-N.unsealed``
+        (a resume's start-up): never loadable as it is, yet it may hold every shard (a copy that dropped the
+        manifest, a save of an earlier life cut short after its data was written), so it is kept and said."""
+        complete = set(self.complete_steps())
+        aside = []
+        for child in sorted(self.root.iterdir()) if self.root.is_dir() else []:
+            m = _NAME.match(child.name)
+            if m and child.is_dir() and int(m.group(1)) not in complete | self.writing:
+                aside.append(self._set_aside(child, "unsealed", "it has no manifest (a save cut short, or a copy "
+                                             "or folder raymesh did not seal)"))
+        return aside
+
+    def _set_aside(self, path: Path, tag: str, why: str) -> Path:
+        """Move ``path`` out of the way under a ``tag`` name, with an event naming both and ``why``."""
+        aside = self._aside(path, tag)
+        move_tree(path, aside)
+        event("checkpoint_set_aside", path=path, moved_to=aside, why=why,
+              action="kept for inspection, never loaded nor removed by raymesh; delete it when it is not needed")
+        return aside
+
+    @staticmethod
+    def _aside(path: Path, tag: str) -> Path:
+        """``step-N.<tag>``, or when an earlier one took that name, ``step-N.<tag>-<UTC time>[-k]``: setting a
+        folder aside never replaces one set aside before."""
+        aside = path.with_name(f"{path.name}.{tag}")
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        k = 1
+        while aside.exists():
+            aside = path.with_name(f"{path.name}.{tag}-{stamp}" + (f"-{k}" if k > 1 else ""))
+            k += 1
+        return aside
+
+    def entries(self) -> dict[str, list[str]]:
+        """Every checkpoint folder under the root by kind: ``sealed``, ``unsealed`` (``step-N`` without a
+        manifest), ``set_aside`` (``step-N.corrupt``, ``step-N.unsealed``, ...); names only."""
+        found: dict[str, list[str]] = {"sealed": [], "unsealed": [], "set_aside": []}
+        complete = {self.path_for(s).name for s in self.complete_steps()}
+        for child in sorted(self.root.iterdir()) if self.root.is_dir() else []:
+            if not _ANY_STEP.match(child.name):
+                continue
+            kind = "sealed" if child.name in complete else "unsealed" if _NAME.match(child.name) else "set_aside"
+            found[kind].append(child.name)
+        return found

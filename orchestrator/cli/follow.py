@@ -214,12 +214,39 @@ def report(outcome: dict | None, job_id: str, summary_json: str | None, resume: 
     print(f"done: {summary['steps']} steps, {loss}, {summary['tokens_per_s']:,.0f} tokens/s")
     for line in _where(summary, summary_json):
         print(f"  {line}")
+    failure = summary.get("checkpoint_failure")  # older summaries have none
+    if failure:
+        print(f"raymesh: error: job {job_id} failed: {_not_kept(failure)}", file=sys.stderr)
+        if resume is not None and failure["last_checkpoint"]:
+            print(f"free space (or fix the cause) and continue from the newest checkpoint with:\n  {resume}",
+                  file=sys.stderr)
+        elif resume is not None:  # a --resume would find nothing to resume from
+            print("free space (or fix the cause) and run the job again: there is no checkpoint to resume from",
+                  file=sys.stderr)
+        return 1
     if summary["status"] == "stopped" and resume is not None:
-        saved = summary["checkpoints"][-1] if summary["checkpoints"] else None
-        where = (f"checkpoint {saved}" if saved else
-                 "no checkpoint (checkpoint.every is 0), so resuming starts over at step 0")
-        print(f"stopped at step {summary['steps']} ({where}); resume with:\n  {resume}")
+        print(_stopped(summary, resume))
     return 0
+
+
+def _stopped(summary: dict, resume: str) -> str:
+    """Where a stopped run continues from: its last checkpoint, else the one it resumed from; with neither (no
+    checkpoints, ``checkpoint.every: 0``) a ``--resume`` would be refused, so it says to run the job again."""
+    saved = summary["checkpoints"][-1] if summary["checkpoints"] else summary.get("resumed_from")
+    if saved is None:
+        return (f"stopped at step {summary['steps']} with no checkpoint (checkpoint.every is 0): there is nothing to "
+                "resume from; run the job again to start over")
+    which = "checkpoint" if summary["checkpoints"] else "no checkpoint of its steps; a resume continues from"
+    return f"stopped at step {summary['steps']} ({which} {saved}); resume with:\n  {resume}"
+
+
+def _not_kept(failure: dict) -> str:
+    """A failed last save (the summary's ``checkpoint_failure``) as a sentence: the cause, the steps not on disk
+    and the newest checkpoint that is."""
+    newest = (f"the newest checkpoint on disk is step {failure['last_on_disk']} ({failure['last_checkpoint']})"
+              if failure["last_checkpoint"] else "no checkpoint of it is on disk")
+    return (f"the checkpoint of its last step, {failure['step']}, could not be saved ({failure['reason']}); "
+            f"steps {failure['steps_not_kept']} are not kept: {newest}")
 
 
 def _where(summary: dict, summary_json: str | None) -> list[str]:
@@ -232,7 +259,11 @@ def _where(summary: dict, summary_json: str | None) -> list[str]:
         lines.append(f"summary copy: {summary_json}")
     if run_dir:
         lines.append(f"report: raymesh report {shlex.quote(run_dir)}")
-    if summary["checkpoints"]:
+    failure = summary.get("checkpoint_failure")
+    if failure:  # ``checkpoints`` lists this run's saves: the last may not be the newest on disk, nor the last step
+        lines.append(f"newest checkpoint: {failure['last_checkpoint'] or 'none'} "
+                     f"(steps {failure['steps_not_kept']} not kept)")
+    elif summary["checkpoints"]:
         lines.append(f"newest checkpoint: {summary['checkpoints'][-1]}")
     best = summary.get("best_checkpoint")  # older summaries have none
     if best:
@@ -259,7 +290,9 @@ def check_summary_json(path: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``raymesh run``: check the job here, start its detached controller, follow it to the end."""
+    from orchestrator.checkpoints.dir_lock import check_free
     from orchestrator.checkpoints.job_record import check_resume
+    from orchestrator.checkpoints.start_checks import refuse_start
     from orchestrator.cli.default_corpus import prepare_default_corpus
     from orchestrator.runtime import cluster
     from orchestrator.runtime.controller import RunComplete, refuse_if_complete
@@ -269,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.job, args.set)
     check_summary_json(args.summary_json)
+    check_free(spec)  # another run in this run dir: refused at once, naming it (before what its saves left)
     prepare_default_corpus(spec)
     try:
         if args.resume:
@@ -276,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
             check_resume(spec)  # a job file that reads the checkpoint otherwise: refused before Ray starts
     except RunComplete as done:
         return report({"complete": str(done)}, "", None, None)
+    refuse_start(spec, args.resume)  # a fresh run beside checkpoints, a resume with none: before Ray starts
     RayRuntime().preflight(spec)  # bad data or disk fails here, before Ray starts
     with Interrupts() as interrupts:
         cluster.connect(args.address, spec.parallel.world_size * spec.parallel.cpus_per_rank)

@@ -9,7 +9,7 @@ appended to it line by line; each copy replaces whole objects, and what the buck
 earlier copy of each file. A crash loses at most what was written since the last copy (the steps after the last
 checkpoint, which a resume trains again). A resumed run first copies the bucket's files (its checkpoints aside)
 back into the staging directory, so a controller restarted on another machine appends to the records already
-uploaded instead of replacing them. The control token is a secret and stays local.
+uploaded instead of replacing them. The control token is a secret and stays local, and so does the run-dir lock.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 from orchestrator.api.auth import TOKEN_FILE
+from orchestrator.checkpoints.dir_lock import LOCK_FILE
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
 from orchestrator.spec import JobSpec
 from workers.storage import download_tree, location, upload_tree
 
 UPLOAD_EVERY_S = 60.0  # at most this long between copies while steps run (checkpoints and the end copy too)
-NEVER_UPLOADED = (TOKEN_FILE,)
+NEVER_UPLOADED = (TOKEN_FILE, LOCK_FILE)  # the lock is this machine's (`orchestrator.checkpoints.dir_lock`)
 CHECKPOINTS = "checkpoints"  # the default checkpoint folder: DCP writes it in the bucket itself, never staged
 
 

@@ -7,6 +7,10 @@ committed checkpoints the summary reports. A save of a step that scored the held
 beside it before the seal (``CheckpointDir.record_score``), which ``checkpoint.keep_best`` and
 ``--checkpoint best`` go by; every save gets the job fields its tensors are read by
 (``orchestrator.checkpoints.job_record``), which a resume or an export checks before it starts.
+
+A save that fails mid-run is said (``checkpoint_failed``, with the rank's own error: the cause and the folder) and
+training goes on; when the run's last save fails too, ``not_kept`` says which steps are not on disk, and the run
+ends ``failed`` (``TrainingJob._loop``): its product, the trained weights, was not kept.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Checkpointing:
         self.scores: dict[int, float] = {}  # step -> held-out loss, for the saves of steps that evaluated
         self.beside_ranks: Callable[[Path], None] | None = None  # writes the PS shards' part into a save's folder
         self.record = job_record.record(spec)  # what the saves' tensors are read by (a resize changes only dp)
+        self.not_kept: dict | None = None  # the run's last save failed: what is not on disk (``finish``)
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
@@ -57,6 +62,7 @@ class Checkpointing:
         try:
             if self.async_save:
                 self.wait_async(group)  # at most one save in flight; commit the previous one first
+            self.ckpt.begin(step)
             self._save_beside_ranks(step)
             group.call("save_checkpoint", str(self.ckpt.path_for(step)), self.async_save)
         except StepFailed:
@@ -105,7 +111,19 @@ class Checkpointing:
         except StepFailed:
             raise
         except Exception as exc:
-            event("checkpoint_failed", step=step, reason=_reason(exc), action="the run ends without it")
+            self.not_kept = self._not_kept(step, _reason(exc))
+            event("checkpoint_failed", step=step, reason=self.not_kept["reason"],
+                  action="the run ends without it: it fails", not_kept=self.not_kept["steps_not_kept"])
+            self.ckpt.remove_leftovers()  # nothing is in flight: what the failed saves left frees its space
+
+    def _not_kept(self, step: int, reason: str) -> dict:
+        """The summary's ``checkpoint_failure``: the last save (of ``step``) failed for ``reason``; the newest
+        checkpoint on disk and the steps after it, which are not."""
+        on_disk = max((s for s in self.ckpt.complete_steps() if s <= step), default=None)
+        first = (on_disk or 0) + 1
+        return {"step": step, "reason": reason, "last_on_disk": on_disk,
+                "last_checkpoint": str(self.ckpt.path_for(on_disk)) if on_disk is not None else None,
+                "steps_not_kept": f"{first}-{step}" if first < step else str(step)}
 
     def poll(self, group) -> None:
         """Seal an async save as soon as every rank has it durable, so a failure before the next save can
@@ -123,8 +141,8 @@ class Checkpointing:
         """A synchronous save of ``step`` unless it is on disk complete already (before the grid is torn down, and
         at the end); ``then``: what follows an async save in flight that failed (``wait_async``)."""
         self.wait_async(group, then)
-        path = self.ckpt.path_for(step)
         if step not in self.ckpt.complete_steps():  # not ``saved``: that save may have been found corrupt since
+            path = self.ckpt.begin(step)
             self._save_beside_ranks(step)
             group.call("save_checkpoint", str(path), False)
             self.committed(step, None)
@@ -150,6 +168,11 @@ class Checkpointing:
               seconds="async" if seconds is None else f"{seconds:.2f}", pruned=removed or "-")
 
 
-def _reason(exc: Exception) -> str:
-    """A failed save's error as one short quoted line for its ``checkpoint_failed`` event."""
-    return repr(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+def _reason(exc: BaseException) -> str:
+    """A failed save's error as one line for its ``checkpoint_failed`` event: the rank's own exception (Ray wraps it
+    in a ``RayTaskError`` whose text starts with the actor's repr; its ``cause`` is the rank's error, which names
+    the folder and the cause, e.g. "No space left on device")."""
+    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
+        exc = exc.cause
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text[:300] if text else type(exc).__name__

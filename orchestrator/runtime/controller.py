@@ -26,8 +26,10 @@ from pydantic import ValidationError
 
 from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.base_pin import check_base_unchanged, record_base
-from orchestrator.checkpoints.directory import CheckpointDir
+from orchestrator.checkpoints.dir_lock import RESTART_WAIT_S, DirLocks
+from orchestrator.checkpoints.directory import MODES, CheckpointDir
 from orchestrator.checkpoints.job_record import check_resume
+from orchestrator.checkpoints.start_checks import refuse_all_corrupt, refuse_fresh_run, refuse_nothing_to_resume
 from orchestrator.errors import SpecError
 from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
@@ -96,9 +98,12 @@ class TrainingJob:
     """One job's controller: start-up, the step loop, and the surface the control API serves."""
 
     def __init__(self, spec: JobSpec, resume: bool = False, address: str | None = None, progress: bool = True,
-                 runtime: Runtime | None = None, dataset=None):
+                 runtime: Runtime | None = None, dataset=None, restarted: bool = False, job_id: str | None = None):
         """``dataset``: a ``ray.data.Dataset`` whose ``tokens`` column holds token-id rows, trained on instead of
-        ``data.path`` (written once into the run dir: `orchestrator/runtime/ray_data.py`)."""
+        ``data.path`` (written once into the run dir: `orchestrator/runtime/ray_data.py`). ``restarted``: a hosted
+        controller's new life after Ray lost its process: it resumes, starting over where the run never saved a
+        checkpoint (a user's ``--resume`` is refused there), and waits for its previous life's run-dir lock.
+        ``job_id``: what the run-dir lock names this run by (``raymesh run``'s id; default the job's name)."""
         if dataset is not None:
             spec = with_ray_dataset(spec, dataset, resume)
         self.split_chosen = auto_split(spec).describe() if spec.parallel.pp_split == "auto" else None
@@ -111,7 +116,9 @@ class TrainingJob:
         self.observers = Observers([EventLog(steps_logged), *([self.upload] if self.upload else [])])
         self.ckpt = CheckpointDir(spec.checkpoint_dir(), spec.checkpoint.keep,
                                   on_skip=lambda record: self.observers.on_corrupt_checkpoint(record),
-                                  keep_best=spec.checkpoint.keep_best)
+                                  keep_best=spec.checkpoint.keep_best, permissions=spec.checkpoint.permissions)
+        self.restarted = restarted
+        self.locks = DirLocks(spec, job_id or spec.name, MODES[spec.checkpoint.permissions])
         self.checkpoints = Checkpointing(spec, self.ckpt, self.observers)
         self.machine = JobStateMachine()
         self.group: RankGroupLike | None = None
@@ -136,7 +143,6 @@ class TrainingJob:
         self.use_gpu = False
         self.ps: PSShards | None = None  # parameter-server shards under parallel.dp_sync: ps
         self._resume_recovery = None  # the record of a rank lost while the resume loaded, until the first step
-        self.restarted = False  # a hosted controller Ray restarted after its process was lost (hosted.py sets it)
 
     @property
     def memory_every(self) -> int:
@@ -199,9 +205,12 @@ class TrainingJob:
     def _start(self) -> Layout:
         p = self.spec.parallel
         self._refuse_foreign_checkpoints()
+        if self.resume and not self.restarted:  # a restart may start over: its first life may never have saved
+            refuse_nothing_to_resume(self.ckpt)
         if self.resume:  # a job file that reads the checkpoint otherwise: refused before any actor starts
             check_resume(self.spec)
-        self.ckpt.remove_leftovers()  # nothing is in flight yet: incomplete saves of an earlier life can go
+        self.ckpt.set_aside_unsealed()  # saves of an earlier life cut short, copies without a manifest: kept
+        self.ckpt.make_root()
         self.runtime.preflight(self.spec)
         self._pin_base()
         self._carry_skipped_batches()
@@ -232,16 +241,10 @@ class TrainingJob:
             self.ckpt.forget_skipped_batches()
 
     def _refuse_foreign_checkpoints(self) -> None:
-        """A fresh run into a directory that holds another run's checkpoints is refused before any actor starts:
-        a later ``--resume`` would pick whichever run saved the higher step, and mixing two runs' steps in one
-        retention window is how the new run's own checkpoints used to be deleted."""
-        steps = self.ckpt.complete_steps()
-        if self.resume or not steps:
-            return
-        raise SpecError("run_dir", str(self.run_dir),
-                        f"holds another run's checkpoints ({self.ckpt.root}, steps {steps[0]} to {steps[-1]})",
-                        "continue that run with `raymesh run JOB --resume`, or start afresh in another run_dir "
-                        "(or delete the old checkpoints)")
+        """A fresh run into a directory that holds any checkpoint folder, sealed or not, is refused before any actor
+        starts (``start_checks.refuse_fresh_run``)."""
+        if not self.resume:
+            refuse_fresh_run(self.ckpt, str(self.spec.run_dir_url() or self.run_dir))
 
     def launch_grid(self, timeout_s: float = 120.0) -> Layout:
         """Reserve placement for ``self.spec``'s grid, start its rank actors and form the process group."""
@@ -323,6 +326,15 @@ class TrainingJob:
     # -- the run -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        """The whole run, holding the run dir's lock (``orchestrator.checkpoints.dir_lock``): a second run into the
+        same run dir or checkpoint dir is refused at once, naming this one."""
+        self.locks.acquire(wait_s=RESTART_WAIT_S if self.restarted else 0.0)
+        try:
+            return self._run()
+        finally:
+            self.locks.release()
+
+    def _run(self) -> RunResult:
         spec = self.spec
         if self.resume:
             refuse_if_complete(spec)
@@ -362,8 +374,11 @@ class TrainingJob:
         summary = result.to_dict()
         RunRecords.write_summary(self.run_dir, summary)
         self._upload()
+        failure = result.checkpoint_failure
+        not_kept = {"not_kept": failure["steps_not_kept"], "last_checkpoint": failure["last_checkpoint"] or "none",
+                    "reason": failure["reason"]} if failure else {}
         event("finish", job=self.spec.name, status=result.status, steps=len(result.losses),
-              final_loss=result.final_loss, tokens_per_s=f"{result.tokens_per_s:.0f}")
+              final_loss=result.final_loss, tokens_per_s=f"{result.tokens_per_s:.0f}", **not_kept)
         event("summary", json=json.dumps(summary, separators=(",", ":")))
 
     def finished_summary(self, done: RunComplete) -> dict:
@@ -403,6 +418,10 @@ class TrainingJob:
         except StepFailed as failure:
             latest = self._resume_after_loss(failure)
         if latest is None:
+            if self.ckpt.skipped:  # checkpoints there, none loads: never started over by itself
+                refuse_all_corrupt(self.ckpt)
+            if not self.restarted:  # a user's --resume of a job that never saved: not started over either
+                refuse_nothing_to_resume(self.ckpt)
             event("resume", found="none", dir=self.ckpt.root, action="starting from step 0")
             return None
         event("resume", path=latest, step=self.step)
@@ -432,12 +451,14 @@ class TrainingJob:
         if self.memory_every:
             self.take_snapshot()
         status = self._train(acct)
+        failure = self.checkpoints.not_kept  # the last save failed: the trained weights are not on disk
         return RunResult(
             steps=self.step, losses=acct.losses, final_loss=acct.losses[-1] if acct.losses else None,
             tokens_per_s=acct.tokens * len(acct.losses) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,
             layout=self.layout.to_dict(), checkpoints=self.checkpoints.saved, peak_memory_bytes=acct.peak,
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
-            resumed_from=resumed_from, status=status, recoveries=self.recoveries, goodput=acct.goodput(),
+            resumed_from=resumed_from, status="failed" if failure else status, recoveries=self.recoveries,
+            goodput=acct.goodput(), checkpoint_failure=failure,
             stragglers=self.stragglers.episodes, corrupt_checkpoints=self.ckpt.skipped,
             resizes=self.resizes, ps_resizes=self.ps.resizes if self.ps else [], eval_losses=acct.eval_losses,
             run_dir=self.spec.run_dir_url() or str(self.run_dir), best_checkpoint=self._best_checkpoint(),

@@ -131,8 +131,8 @@ class ControllerActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:
             event("controller_restarted", job_id=job_id, action="resuming from the newest checkpoint (step 0 if none)")
-        self.job = TrainingJob(JobSpec.from_dict(spec_dict), resume=resume or restarted, progress=False)
-        self.job.restarted = restarted  # its loss becomes a `controller` recovery of the run (run_records.py)
+        self.job = TrainingJob(JobSpec.from_dict(spec_dict), resume=resume or restarted, progress=False,
+                               restarted=restarted, job_id=job_id)
         self.job.observers.add(_FeedSteps(self.feed))
         self.outcome: dict | None = None
         threading.Thread(target=self._run, name="raymesh-controller", daemon=True).start()

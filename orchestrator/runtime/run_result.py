@@ -25,7 +25,9 @@ class RunResult:
     startup_s: float = 0.0
     step_time_s: list[float] = field(default_factory=list)
     resumed_from: str | None = None
-    status: str = "finished"  # or "stopped" when a stop was requested
+    status: str = "finished"  # "stopped" when a stop was requested; "failed" when the last save failed
+    # the run's last save failed (status "failed"): {step, reason, last_on_disk, last_checkpoint, steps_not_kept}
+    checkpoint_failure: dict | None = None
     goodput: float = 0.0  # productive step time (steps kept, not rolled back) over training wall time
     stragglers: list[dict] = field(default_factory=list)  # {rank, since_step, until_step, max_ratio}
     corrupt_checkpoints: list[dict] = field(default_factory=list)  # skipped on load: {step, path, problem, found_by}

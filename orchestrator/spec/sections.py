@@ -368,6 +368,9 @@ class CheckpointSpec(_Section):
     # in-memory snapshot (+ replica on a peer) cadence; 0: off; unset: every step where the data-parallel
     # replicas mirror each other (the snapshot ships nothing), else every 10 steps
     memory_every: Annotated[int, Field(ge=0)] | None = None
+    # who may read the checkpoints (and the run dir raymesh makes): private (dirs 0700, files 0600), group (0750,
+    # 0640), or umask (as the process's umask leaves them); local and shared file systems (a bucket has its policy)
+    permissions: Literal["private", "group", "umask"] = "private"
 
     def snapshot_every(self, parallel: ParallelSpec, optim: OptimSpec) -> int:
         """``memory_every``, or its default for this layout."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
 
-from orchestrator import TrainingJob
+from orchestrator import SpecError, TrainingJob
 from orchestrator.checkpoints.directory import CheckpointDir
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_spec
@@ -26,6 +27,9 @@ def test_resume_at_step_20_matches_an_uninterrupted_40_step_run(ray_cluster, tok
                           checkpoint={"every": 20, "async": True}))
     second = run(tiny_spec(token_data, tmp_path / "b", parallel=PP_DP, train={"steps": 40}), resume=True)
     assert first.checkpoints == [str(tmp_path / "b" / "run" / "checkpoints" / "step-00000020")]
+    saved = Path(first.checkpoints[0])  # written by the ranks' DCP under their umask: private once sealed
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in [saved, *saved.rglob("*")]} == {
+        p.name: 0o700 if p.is_dir() else 0o600 for p in [saved, *saved.rglob("*")]}
     assert second.resumed_from == first.checkpoints[0]
     assert first.losses == straight.losses[:20]
     assert second.losses == straight.losses[20:]  # bit-identical: weights, Adam moments, LR and data position
@@ -46,6 +50,9 @@ def test_dp4_checkpoint_resumes_at_dp2_and_at_pp2_dp2(ray_cluster, token_data, t
         assert resumed.losses == pytest.approx(expected[20:], rel=1e-4), layout
 
 
-def test_resume_without_a_checkpoint_starts_from_step_zero(ray_cluster, token_data, tmp_path):
-    result = run(tiny_spec(token_data, tmp_path, train={"steps": 2}), resume=True)
-    assert result.resumed_from is None and len(result.losses) == 2
+def test_resume_without_a_checkpoint_is_refused_not_started_over(token_data, tmp_path):
+    """The user asked to continue a run: with nothing to continue from, starting over at step 0 is not what was
+    asked (refused before Ray is even reached)."""
+    with pytest.raises(SpecError, match=r"`--resume`.*finds no checkpoint: the job never saved one.*fix: to start "
+                                        r"over, run without --resume"):
+        run(tiny_spec(token_data, tmp_path, train={"steps": 2}), resume=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -141,3 +142,46 @@ def test_ctrl_c_stops_with_a_checkpoint_and_the_resume_command_then_a_finished_r
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
     assert f"the run in {tmp_path / 'run'} is complete" in again.stdout and "at step 12" in again.stdout
     assert summary_file.read_bytes() == before
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs, where every checkpoint save fails with ENOSPC as on a full disk (mounting one needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs for a real full disk needs root")
+    mount = tmp_path / "full"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_checkpoint_disk_fails_the_run_and_a_second_run_into_its_run_dir_is_refused(
+        ray_cluster, token_data, tmp_path, full_disk):
+    """Every save fails, the last one too: the run ends failed (exit 1) saying the cause, the folder and the steps
+    not kept, never "finished" over an old checkpoint; meanwhile a second run of the job under another --id is
+    refused at once, naming the first, instead of training into the same run dir."""
+    spec = tiny_spec(token_data, tmp_path, train={"steps": 12}, checkpoint={"every": 4, "dir": str(full_disk)})
+    job = drivers.job_file(drivers.slowed(spec), tmp_path)
+    out = tmp_path / "driver"
+    first = drivers.start_raymesh(ray_cluster, "run", str(job), "--id", "full-a", "--no-progress", out=out)
+    try:
+        wait_for(lambda: (h := HostedJob.find("full-a")) is not None and h.status().get("step", 0) >= 1, 180,
+                 "the first run to train a step")
+        second = drivers.raymesh(ray_cluster, "run", str(job), "--id", "full-b", "--no-progress")
+        assert second.returncode == 2, second.stderr
+        assert "is in use by another run: job full-a (pid " in second.stderr and "Traceback" not in second.stderr
+        assert first.wait(timeout=300) == 1, drivers.output(out)
+    finally:
+        drivers.kill_group(first)
+    stdout, stderr = drivers.output(out)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and len(summary["losses"]) == 12
+    failure = summary["checkpoint_failure"]
+    assert (failure["step"], failure["last_on_disk"], failure["steps_not_kept"]) == (12, None, "1-12")
+    assert "No space left on device" in failure["reason"] and f"{full_disk}/step-00000012" in failure["reason"]
+    failed = [line for line in stderr.splitlines() if "event=checkpoint_failed" in line]
+    assert failed and all("No space left on device" in line and str(full_disk) in line for line in failed)
+    assert "RankWorker object" not in stderr and "status=failed" in stderr
+    assert "steps 1-12 are not kept: no checkpoint of it is on disk" in stderr and "--resume" not in stderr
+    assert "newest checkpoint: none (steps 1-12 not kept)" in stdout

@@ -80,10 +80,14 @@ def test_checksums_and_retention_work_in_the_bucket(runs, s3):
     assert ckpt.complete_steps() == [2] and checksums.problem(runs["url"]) is None
     s3.copy(runs["url"], f"{root}/step-00000001", recursive=True)  # an older sealed save to retire
     s3.pipe(f"{root}/step-00000003/__0_0.distcp", b"cut short")  # a save with no manifest: never loadable
+    ckpt.begin(4)
+    s3.pipe(f"{root}/step-00000004/__0_0.distcp", b"cut short")  # this process's save that failed
     assert ckpt.complete_steps() == [1, 2]
     assert ckpt.prune(2) == [1]
-    assert ckpt.remove_leftovers() == [ckpt.path_for(3)]
-    assert not s3.exists(f"{root}/step-00000001") and not s3.exists(f"{root}/step-00000003")
+    assert ckpt.remove_leftovers() == [ckpt.path_for(4)]  # this process's own, and only it
+    assert ckpt.set_aside_unsealed() == [ckpt.path_for(3).with_name("step-00000003.unsealed")]  # kept, renamed
+    assert not s3.exists(f"{root}/step-00000001") and not s3.exists(f"{root}/step-00000004")
+    assert s3.exists(f"{root}/step-00000003.unsealed/__0_0.distcp") and not s3.exists(f"{root}/step-00000003")
 
 
 def test_a_corrupted_object_is_found_and_set_aside(runs, s3, tmp_path):

@@ -151,3 +151,28 @@ def test_a_failed_prepare_data_leaves_no_out_folder_behind(how, tmp_path, monkey
     main([*argv, "--out", str(mine)])
     assert mine.is_dir() and list(mine.iterdir()) == []
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("resume, folder, said", [
+    (True, None, "option `--resume`: value '{ckpt}' finds no checkpoint: the job never saved one"),
+    (False, "step-00000004", "job file field `run_dir`: value '{run}' holds checkpoints of another run in {ckpt}: "
+                             "1 unsealed (no manifest): step-00000004"),
+], ids=["resume-that-finds-none", "fresh-run-beside-an-unsealed-folder"])
+def test_run_refuses_a_resume_with_nothing_to_resume_or_a_fresh_run_beside_checkpoints_before_ray(
+        resume, folder, said, tmp_path, monkeypatch, capsys):
+    from orchestrator.runtime import cluster
+    from orchestrator.runtime.group import RayRuntime
+
+    def started(*args, **kwargs):
+        raise AssertionError("the command went on to check the data or reach Ray")
+
+    monkeypatch.setattr(RayRuntime, "preflight", started)
+    monkeypatch.setattr(cluster, "connect", started)
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    if folder:
+        (ckpt / folder).mkdir(parents=True)
+    (tmp_path / "job.yaml").write_text(f"data:\n  path: {tmp_path / 'data'}\nrun_dir: {run}\n")
+    code = main(["run", str(tmp_path / "job.yaml"), *(["--resume"] if resume else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert said.format(run=run, ckpt=ckpt) in err and "fix: " in err

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
+import stat
+from pathlib import Path
 
 import pytest
+from ray.exceptions import RayTaskError
 
+from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.directory import CheckpointDir
 from orchestrator.errors import SpecError
 from orchestrator.observability.observers import JobObserver
@@ -608,7 +614,8 @@ def test_a_fresh_run_into_another_runs_checkpoints_is_refused_before_any_rank_st
     first = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, runtime=runtime)
     first.run()
     again = make_job(tmp_path, checkpoint={"every": 5, "memory_every": 1}, runtime=runtime)
-    with pytest.raises(SpecError, match=r"`run_dir`.*holds another run's checkpoints .*steps 5 to 10.*--resume"):
+    with pytest.raises(SpecError, match=r"`run_dir`.*holds checkpoints of another run .*2 sealed: step-00000005, "
+                                        r"step-00000010; fix: .*--resume.*another run_dir.*delete those folders"):
         again.run()
     assert len(runtime.groups) == 1  # nothing was started for the refused run
     assert first.ckpt.complete_steps() == [5, 10]
@@ -643,21 +650,53 @@ def test_without_any_checkpoint_starting_over_is_said_loudly(tmp_path):
     assert any(line.startswith(said) for line in lines)
 
 
-def test_incomplete_saves_and_old_corrupt_checkpoints_are_removed_with_a_log_line(tmp_path):
+def sealed(directory: CheckpointDir, step: int) -> Path:
+    """A complete checkpoint of ``step`` in ``directory`` (DCP's metadata and a shard, sealed)."""
+    unsealed(directory.path_for(step))
+    directory.seal(step)
+    return directory.path_for(step)
+
+
+def unsealed(path: Path) -> Path:
+    """A checkpoint folder holding DCP's metadata and a shard but no manifest (a copy that dropped ``*.json``)."""
+    path.mkdir(parents=True)
+    (path / ".metadata").write_text(json.dumps({"step": int(path.name[5:13]), "skipped": 0}))
+    (path / "__0_0.distcp").write_bytes(bytes(64))
+    return path
+
+
+def flip(checkpoint: Path) -> None:
+    """Damage a checkpoint's shard so that only its checksum tells."""
+    shard = checkpoint / "__0_0.distcp"
+    shard.write_bytes(bytes(b ^ 0xFF for b in shard.read_bytes()))
+
+
+def test_only_a_save_this_process_started_is_removed_as_incomplete_and_nothing_set_aside_is_removed(tmp_path):
     directory = CheckpointDir(tmp_path / "ckpt", keep=2)
-    for step in (2, 4, 6):
-        directory.path_for(step).mkdir(parents=True)
-        (directory.path_for(step) / ".metadata").write_text("x")
-        if step != 4:
-            directory.seal(step)
-    directory.path_for(1).with_name("step-00000001.corrupt").mkdir()
-    directory.path_for(7).with_name("step-00000007.corrupt").mkdir()  # newer than a kept one: for inspection
+    for step in (2, 6):
+        sealed(directory, step)
+    directory.begin(4)  # this process's save of step 4, which never completed
+    foreign = unsealed(directory.path_for(5))  # every shard, no manifest: not this process's to delete
+    unsealed(directory.path_for(1).with_name("step-00000001.corrupt"))  # older than every kept one: still kept
     with event_lines() as lines:
-        removed = directory.remove_leftovers()
-    assert sorted(p.name for p in removed) == ["step-00000001.corrupt", "step-00000004"]
-    assert sorted(p.name for p in directory.root.iterdir()) == ["step-00000002", "step-00000006",
-                                                                 "step-00000007.corrupt"]
-    assert sum(line.startswith("event=checkpoint_removed") for line in lines) == 2
+        assert directory.remove_leftovers() == [directory.path_for(4)]
+        assert directory.set_aside_unsealed() == [foreign.with_name("step-00000005.unsealed")]
+    assert sorted(p.name for p in directory.root.iterdir()) == ["step-00000001.corrupt", "step-00000002",
+                                                                 "step-00000005.unsealed", "step-00000006"]
+    assert (directory.root / "step-00000005.unsealed" / "__0_0.distcp").is_file()
+    assert any(line.startswith(f"event=checkpoint_set_aside path={foreign} moved_to={foreign}.unsealed")
+               and "no manifest" in line for line in lines)
+    assert sum(line.startswith("event=checkpoint_removed") for line in lines) == 1
+
+
+def test_a_checkpoint_found_corrupt_twice_keeps_both_set_aside_copies(tmp_path):
+    directory = CheckpointDir(tmp_path / "ckpt", keep=3)
+    for _ in range(2):
+        flip(sealed(directory, 10))
+        assert directory.latest_verified("resume") is None
+    first, second = (Path(s["path"]) for s in directory.skipped)
+    assert first.name == "step-00000010.corrupt" and second.name.startswith("step-00000010.corrupt-")
+    assert (first / ".metadata").is_file() and (second / ".metadata").is_file()
 
 
 @pytest.mark.parametrize("async_save, fail_calls", [
@@ -872,3 +911,169 @@ def test_chaos_a_seeded_random_schedule_of_every_fault_kind_loses_nothing_silent
     assert len(lines) - 30 == sum(r["lost_steps"] for r in result.recoveries)
     rank_faults = [f for f in faults if f["kind"] != "corrupt_checkpoint"]
     assert len(result.recoveries) == len(rank_faults)
+
+
+# -- checkpoint folders nobody asked to lose, resumes that would start over, a last save that failed ------------
+
+EVERY_5 = {"every": 5, "memory_every": 1}
+
+
+def resumed(tmp_path, steps: int = 15, runtime=None, **checkpoint):
+    """The job of ``tmp_path`` continued with ``--resume`` to ``steps``."""
+    job = make_job(tmp_path, runtime=runtime, checkpoint={**EVERY_5, **checkpoint}, train={"steps": steps})
+    job.resume = True
+    return job
+
+
+def test_a_resume_sets_aside_a_newest_checkpoint_without_its_manifest_instead_of_deleting_it(tmp_path):
+    """A copy that filtered ``*.json`` holds every shard and DCP's metadata: resume passes it over, never deletes."""
+    first = make_job(tmp_path, checkpoint=EVERY_5)
+    first.run()
+    newest = first.ckpt.path_for(10)
+    (newest / checksums.MANIFEST).unlink()
+    job = resumed(tmp_path)
+    with event_lines() as lines:
+        result = job.run()
+    assert result.resumed_from == str(first.ckpt.path_for(5)) and result.status == "finished"
+    aside = newest.with_name("step-00000010.unsealed")
+    assert (aside / ".metadata").is_file() and (aside / "__0_0.distcp").is_file()
+    assert job.ckpt.complete_steps() == [5, 10, 15]  # step 10 saved again beside it
+    assert any(line.startswith(f"event=checkpoint_set_aside path={newest} moved_to={aside}") and "no manifest"
+               in line for line in lines)
+
+
+@pytest.mark.parametrize("name", ["step-00000004", "step-00000004.corrupt"])
+def test_a_fresh_run_beside_any_checkpoint_folder_is_refused_before_any_rank_starts(tmp_path, name):
+    folder = unsealed(tmp_path / "run" / "checkpoints" / name)
+    runtime = FakeRuntime()
+    kind = "unsealed \\(no manifest\\)" if name == "step-00000004" else "set aside"
+    with pytest.raises(SpecError, match=rf"`run_dir`.* holds checkpoints of another run in .*checkpoints: 1 {kind}: "
+                                        rf"{name}; fix: .*--resume.*another run_dir.*delete those folders"):
+        make_job(tmp_path, runtime=runtime, checkpoint=EVERY_5).run()
+    assert runtime.groups == [] and (folder / "__0_0.distcp").is_file()
+
+
+def test_a_failed_save_of_this_run_is_removed_and_a_folder_it_did_not_write_is_left_alone(tmp_path):
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [OSError(errno.ENOSPC, "No space left on device")]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    runtime.script[6] = lambda: unsealed(job.ckpt.path_for(5))  # appears mid-run: not this run's to delete
+    with event_lines() as lines:
+        job.run()
+    assert job.ckpt.complete_steps() == [8, 10] and not job.ckpt.path_for(4).exists()
+    assert any(line.startswith(f"event=checkpoint_removed path={job.ckpt.path_for(4)}") for line in lines)
+    assert (job.ckpt.path_for(5) / "__0_0.distcp").is_file()
+
+
+def test_checkpoints_set_aside_as_corrupt_are_never_pruned(tmp_path):
+    first = make_job(tmp_path, checkpoint={**EVERY_5, "keep": 2})
+    first.run()
+    flip(first.ckpt.path_for(10))
+    job = resumed(tmp_path, steps=25, keep=2)
+    result = job.run()
+    assert result.resumed_from == str(first.ckpt.path_for(5)) and job.ckpt.complete_steps() == [20, 25]
+    assert (job.ckpt.root / "step-00000010.corrupt" / "__0_0.distcp").is_file()  # older than every kept one
+
+
+def test_a_resume_of_a_job_that_never_saved_is_refused_before_any_rank_starts(tmp_path):
+    runtime = FakeRuntime()
+    with pytest.raises(SpecError, match=r"option `--resume`: value '.*checkpoints' finds no checkpoint: the job "
+                                        r"never saved one \(the directory does not exist\), so there is nothing to "
+                                        r"resume from; fix: to start over, run without --resume"):
+        resumed(tmp_path, runtime=runtime).run()
+    assert runtime.groups == []
+
+
+def test_a_resume_where_every_checkpoint_fails_its_checksums_is_refused_and_keeps_them(tmp_path):
+    first = make_job(tmp_path, checkpoint=EVERY_5)
+    first.run()
+    for step in (5, 10):
+        flip(first.ckpt.path_for(step))
+    with pytest.raises(SpecError, match=r"`--resume`.* finds 2 checkpoints, all failing their checksums .*: "
+                                        r"step-00000010.corrupt \(__0_0.distcp fails its CRC-32 check\), "
+                                        r"step-00000005.corrupt .*fix: .*without --resume into a fresh run_dir"):
+        resumed(tmp_path).run()
+    for step in (5, 10):
+        assert (first.ckpt.root / f"step-{step:08d}.corrupt" / "__0_0.distcp").is_file()
+
+
+def test_a_restarted_controller_of_a_run_that_never_saved_starts_over_but_not_over_corrupt_checkpoints(tmp_path):
+    """Ray restarts a lost hosted controller with resume on: where its first life never saved, it starts over
+    (said), as it always has; where checkpoints exist and none loads, it is refused like a user's --resume."""
+    job = resumed(tmp_path, steps=10)
+    job.restarted = True
+    with event_lines() as lines:
+        result = job.run()
+    assert result.resumed_from is None and result.status == "finished" and len(result.losses) == 10
+    assert any(line.startswith("event=resume found=none") for line in lines)
+    for step in (5, 10):
+        flip(job.ckpt.path_for(step))
+    again = resumed(tmp_path, steps=10)
+    again.restarted = True
+    with pytest.raises(SpecError, match="all failing their checksums"):
+        again.run()
+
+
+def nospace() -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("saves_that_work, on_disk, not_kept", [(2, 8, "9-10"), (0, None, "1-10")],
+                         ids=["the-last-fails", "every-save-fails"])
+def test_a_last_save_that_fails_fails_the_run_and_says_what_is_not_kept(tmp_path, saves_that_work, on_disk,
+                                                                         not_kept):
+    """Saves of steps 4, 8, 10, then the run's end saves step 10 again: that last one fails too."""
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [None] * saves_that_work + [nospace()] * 4})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    with event_lines() as lines:
+        result = job.run()
+    failure = {"step": 10, "reason": "[Errno 28] No space left on device", "last_on_disk": on_disk,
+               "last_checkpoint": str(job.ckpt.path_for(on_disk)) if on_disk else None, "steps_not_kept": not_kept}
+    assert result.status == "failed" and job.state == "failed" and result.checkpoint_failure == failure
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["checkpoint_failure"] == failure
+    finish = next(line for line in lines if line.startswith("event=finish"))
+    assert "status=failed steps=10" in finish and f"not_kept={not_kept}" in finish and "No space left" in finish
+    assert not job.ckpt.path_for(10).exists()  # what the failed saves left is removed: it frees their space
+
+
+def test_a_failed_saves_reason_is_the_ranks_own_error_not_rays_wrapper(tmp_path):
+    said = "saving the checkpoint /ckpt/step-00000004 failed: rank 1: [Errno 28] No space left on device"
+    wrapped = RayTaskError("RankWorker.save_checkpoint", "Traceback (most recent call last):\n...", OSError(said),
+                           proctitle="ray::RankWorker.save_checkpoint()", pid=12, ip="10.0.0.1",
+                           actor_repr="<workers.rank_worker.RankWorker object at 0x7f00>").as_instanceof_cause()
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [wrapped]})
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
+    with event_lines() as lines:
+        job.run()
+    failed = next(line for line in lines if line.startswith("event=checkpoint_failed"))
+    assert f'reason="{said}"' in failed and "RankWorker object" not in failed
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    before = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+@pytest.mark.parametrize("permissions, dirs, files", [(None, 0o700, 0o600), ("group", 0o750, 0o640),
+                                                      ("umask", 0o755, 0o644)], ids=["default", "group", "umask"])
+def test_checkpoints_are_private_to_the_user_unless_the_job_says(tmp_path, permissions, dirs, files):
+    """The ranks write under a umask of 022 (world-readable); a checkpoint's folders and files get the job's
+    checkpoint.permissions (default private) before the seal, the run dir and checkpoint root as they are made."""
+    chosen = {"permissions": permissions} if permissions else {}
+    with umask(0o022):
+        job = make_job(tmp_path, checkpoint={**EVERY_5, **chosen})
+        job.run()
+    modes = {p.relative_to(job.run_dir): stat.S_IMODE(p.stat().st_mode)
+             for p in [job.run_dir, *job.run_dir.rglob("*")] if "step-" in p.as_posix() or p.is_dir()}
+    assert {str(p) for p in modes} >= {".", "checkpoints", "checkpoints/step-00000010/__0_0.distcp",
+                                       f"checkpoints/step-00000010/{checksums.MANIFEST}"}
+    assert {p: m for p, m in modes.items() if m != (dirs if (job.run_dir / p).is_dir() else files)} == {}
+
+
+def test_a_checkpoint_permissions_value_that_is_not_one_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(SpecError, match=r"`checkpoint.permissions`: value 'world' .*private, group, umask"):
+        make_job(tmp_path, checkpoint={"permissions": "world"})

@@ -65,12 +65,37 @@ def test_a_run_dir_in_a_bucket_is_named_by_its_url(capsys):
     assert _hosted_spec(spec)["run_dir"] == "s3://bkt/runs/a"  # the controller stages it on its own machine
 
 
-def test_a_stop_without_checkpoints_says_resuming_starts_over(capsys):
+def test_a_stop_without_checkpoints_says_there_is_nothing_to_resume_from(capsys):
+    """A --resume with no checkpoint is refused: the command would not continue anything."""
     assert report({"summary": summary(status="stopped", steps=0, final_loss=None)}, "j", None, "raymesh run x") == 0
     assert capsys.readouterr().out == (
         "done: 0 steps, no step trained, 1,234 tokens/s\n"
-        "stopped at step 0 (no checkpoint (checkpoint.every is 0), so resuming starts over at step 0); "
-        "resume with:\n  raymesh run x\n")
+        "stopped at step 0 with no checkpoint (checkpoint.every is 0): there is nothing to resume from; run the job "
+        "again to start over\n")
+
+
+def test_a_stop_of_a_resumed_run_without_checkpoints_resumes_from_where_it_resumed(capsys):
+    stopped = summary(status="stopped", resumed_from="/r/checkpoints/step-00000005")
+    assert report({"summary": stopped}, "j", None, "raymesh run x --resume") == 0
+    assert capsys.readouterr().out.endswith(
+        "stopped at step 7 (no checkpoint of its steps; a resume continues from /r/checkpoints/step-00000005); "
+        "resume with:\n  raymesh run x --resume\n")
+
+
+def test_a_run_whose_last_save_failed_exits_1_naming_the_steps_not_kept_and_the_newest_checkpoint(capsys):
+    failure = {"step": 10, "reason": "saving the checkpoint /c/step-00000010 failed: rank 0: [Errno 28] No space left "
+                                     "on device", "last_on_disk": 8, "last_checkpoint": "/c/step-00000008",
+               "steps_not_kept": "9-10"}
+    failed = summary(status="failed", steps=10, checkpoints=["/c/step-00000004", "/c/step-00000008"],
+                     checkpoint_failure=failure)
+    assert report({"summary": failed}, "j", None, "raymesh run x --resume") == 1
+    printed = capsys.readouterr()
+    assert "  newest checkpoint: /c/step-00000008 (steps 9-10 not kept)\n" in printed.out
+    assert printed.err == (
+        "raymesh: error: job j failed: the checkpoint of its last step, 10, could not be saved (saving the checkpoint "
+        "/c/step-00000010 failed: rank 0: [Errno 28] No space left on device); steps 9-10 are not kept: the newest "
+        "checkpoint on disk is step 8 (/c/step-00000008)\n"
+        "free space (or fix the cause) and continue from the newest checkpoint with:\n  raymesh run x --resume\n")
 
 
 @pytest.mark.parametrize(("outcome", "code", "stream", "text"), [
