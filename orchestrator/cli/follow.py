@@ -24,7 +24,7 @@ from orchestrator.errors import SpecError
 from orchestrator.observability.events import parse_event
 from orchestrator.observability.observers import ProgressBar, StepReport
 
-LOST_CONTROLLER_WAIT_S = 300.0  # how long a follower waits for Ray to restart a lost controller
+LOST_CONTROLLER_WAIT_S = 300.0  # how long a follower waits for a lost controller Ray cannot say the state of
 
 
 class Interrupts:
@@ -114,7 +114,9 @@ def follow(job, progress: bool, interrupts: Interrupts | None = None, stop_on_in
     """Show the job until it ends and return its outcome; None when detached by an interrupt.
 
     A lost controller (its process died) is waited for while Ray restarts it: the new one resumes from the newest
-    checkpoint and its feed starts again, and so does the progress bar.
+    checkpoint and its feed starts again, and so does the progress bar. Once Ray reports it ``DEAD`` (it gave up
+    restarting it, or it was killed for good) the follower stops waiting at once and the run's outcome is what its
+    run dir holds (``hosted.lost_for_good``: a summary with status failed, written now).
     """
     from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -132,12 +134,16 @@ def follow(job, progress: bool, interrupts: Interrupts | None = None, stop_on_in
             try:
                 reply = job.poll(cursor, incarnation, 0.5)
             except (RayActorError, GetTimeoutError):
+                state, why = job.actor_state()
+                if state == "DEAD":  # Ray will not restart it: waiting longer would show nothing more
+                    return _lost_for_good(job, why)
                 lost_since = _wait_for_restart(job, lost_since)
                 continue
             lost_since = None
             if reply["incarnation"] != incarnation:  # first reply, or a restarted controller: its feed from 0
                 terminal.close()
                 incarnation = reply["incarnation"]
+                job.remember_spec()
             for item in reply["items"]:
                 terminal.show(item, reply["total_steps"])
             cursor = reply["cursor"]
@@ -158,6 +164,18 @@ def _ask_stop(job) -> bool:
     print(f"raymesh: stopping job {job.job_id} after the current step ({state}); press Ctrl-C again to detach "
           "and leave it training", file=sys.stderr, flush=True)
     return True
+
+
+def _lost_for_good(job, why: str) -> dict:
+    """The outcome of a run whose controller Ray reports dead; without its job (the follower never reached it)
+    only the error."""
+    from orchestrator.runtime.hosted import lost_for_good
+
+    print(f"raymesh: the controller of job {job.job_id} is gone for good ({why})", file=sys.stderr, flush=True)
+    if job.spec is None:
+        return {"error": f"the controller of job {job.job_id} is gone and Ray will not restart it ({why})",
+                "user_error": False}
+    return lost_for_good(job.spec, job.job_id, why)
 
 
 def _wait_for_restart(job, lost_since: float | None) -> float:
@@ -182,13 +200,13 @@ def report(outcome: dict | None, job_id: str, summary_json: str | None, resume: 
     if "complete" in outcome:
         print(f"raymesh: {outcome['complete']}")
         return 0
+    if summary_json and "summary" in outcome:  # a run whose controller was lost for good has one too
+        Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_json).write_text(json.dumps(outcome["summary"], indent=2))
     if "error" in outcome:
         print(f"raymesh: error: job {job_id}: {outcome['error']}", file=sys.stderr)
         return 2 if outcome["user_error"] else 1
     summary = outcome["summary"]
-    if summary_json:
-        Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(summary_json).write_text(json.dumps(summary, indent=2))
     loss = f"final loss {summary['final_loss']:.4f}" if summary["final_loss"] is not None else "no step trained"
     held = summary.get("eval_losses")  # older summaries (a controller of an earlier version) have none
     if held:

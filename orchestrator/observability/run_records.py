@@ -4,22 +4,34 @@
 per rank, and bytes sent per mesh dimension with ``metrics.comm_bytes``), ``timeline.jsonl`` (pipeline F/B/W
 events, or forward+backward per microbatch, and gradient bucket reductions, when
 ``metrics.timeline`` is on) and ``summary.json``. A resumed run appends, so
-the files cover the whole training history.
+the files cover the whole training history: a controller Ray restarted after its process was lost (a hosted
+controller's restarted life) appends too, and ``controller.jsonl`` (one line per controller life: when it began
+training, from which step, whether Ray restarted it) tells where each life's records start, so that loss is
+recovered like any other (``begin_life``: a ``controller`` recovery with its lost steps and MTTR).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import statistics
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.observability.observers import JobObserver, StepReport
 from workers.protocol import StepResult
 from workers.step.figures import figure_value, fold, record_entries
 
+if TYPE_CHECKING:
+    from orchestrator.observability.step_accounting import StepAccounting
+
 PHASES = ("data", "compute", "communication", "bubble", "optimizer", "checkpoint")
+LIVES = "controller.jsonl"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -141,3 +153,111 @@ class RunRecords(JobObserver):
         self._steps.close()
         if self._timeline is not None:
             self._timeline.close()
+
+
+@dataclass(frozen=True)
+class ControllerLoss:
+    """A controller process lost and restarted by Ray, as the run dir's records tell it."""
+
+    at_step: int  # the first step the restarted life trains
+    lost_steps: int  # steps the lost life trained past the checkpoint resumed from: trained again
+    since: float  # unix time of the lost life's last sign: its last step record, else its start
+    mttr_s: float | None = None  # from ``since`` to the restarted life's first step record, once there is one
+
+    def record(self, dp: int):
+        """Its ``RecoveryRecord`` (kind ``controller``, no rank; state from disk, or step 0 without a checkpoint)."""
+        from orchestrator.runtime.records import RecoveryRecord
+
+        source = "disk" if self.at_step > 1 else "initial"
+        record = RecoveryRecord("controller", -1, self.at_step, self.lost_steps, source, {}, dp, dp)
+        return record if self.mttr_s is None else record.completed(self.mttr_s, {})
+
+
+def begin_life(run_dir: Path, step: int, restarted: bool, append: bool) -> ControllerLoss | None:
+    """Record in ``controller.jsonl`` that a controller life begins training at ``step`` (a fresh run starts
+    the file over, as it does ``steps.jsonl``); when Ray ``restarted`` this controller, the loss of the life
+    before it, read from the records before this life adds any."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    life = {"started": time.time(), "step": step, "restarted": restarted, "host": socket.gethostname(),
+            "pid": os.getpid()}
+    lives = _lives_of(run_dir) if append else []
+    loss = _loss(lives[-1] if lives else None, life, _steps_of(run_dir)) if restarted else None
+    with open(run_dir / LIVES, "a" if append else "w") as f:
+        f.write(json.dumps(life) + "\n")
+    return loss
+
+
+def controller_losses(run_dir: Path) -> list[ControllerLoss]:
+    """Every controller loss Ray restarted the controller after, with its MTTR where the restarted life trained
+    a step: what the summary of a run whose controller was lost for good reports (``lost_run_summary``)."""
+    lives = _lives_of(run_dir)
+    records = _steps_of(run_dir)
+    losses = []
+    for before, life in zip([None, *lives], lives, strict=False):
+        if life.get("restarted"):
+            loss = _loss(before, life, records)
+            first = next((r for r in records if r["time"] >= life["started"]), None)
+            losses.append(ControllerLoss(loss.at_step, loss.lost_steps, loss.since,
+                                         first["time"] - loss.since if first else None))
+    return losses
+
+
+def account_controller_loss(acct: StepAccounting, loss: ControllerLoss, dp: int) -> None:
+    """Recover from the controller's own loss as from any other: its record waits for the first step (the MTTR
+    runs from the lost life's last sign of life), and the gap counts as training time lost in the goodput."""
+    from orchestrator.recovery.phases import RecoveryPhases
+
+    phases = RecoveryPhases(time.perf_counter() - max(0.0, time.time() - loss.since))
+    phases.lap("restart")  # Ray's restart of the process, the new life's start-up and its resume
+    record = loss.record(dp)
+    acct.observers.on_recovered(record, loss.at_step - 1, 0, phases.seconds)
+    acct.rolled_back((record, phases), 0)
+    acct.t_train = min(acct.t_train, phases.start)
+
+
+def lost_run_summary(run_dir: Path, checkpoints: list[str], dp: int, reason: str, shown_dir: str) -> dict | None:
+    """The summary of a run whose controller Ray gave up restarting, from what its run dir holds: None when the
+    run had ended (``_ended``: a follower collected its outcome and let the actor go), else its kept step
+    records, the controller losses Ray recovered from, the ``checkpoints``, status ``failed`` and ``error``
+    saying why (``reason``)."""
+    from orchestrator.runtime.run_result import RunResult
+
+    records = kept_steps(_steps_of(run_dir))
+    if _ended(run_dir, records[-1]["step"] if records else 0):
+        return None
+    result = RunResult(steps=records[-1]["step"] if records else 0, layout={}, checkpoints=checkpoints,
+                       status="failed", run_dir=shown_dir, **summary_fields(records),
+                       recoveries=[loss.record(dp).to_dict() for loss in controller_losses(run_dir)])
+    return {**result.to_dict(), "error": reason}
+
+
+def _ended(run_dir: Path, last_step: int) -> bool:
+    """Whether ``summary.json`` is the run's last word: written after its last controller life began (a copy
+    pulled from a bucket is new here, so also) covering the newest step recorded."""
+    written = run_dir / "summary.json"
+    if not written.is_file():
+        return False
+    lives = _lives_of(run_dir)
+    newer = not lives or written.stat().st_mtime >= lives[-1]["started"]
+    return newer and json.loads(written.read_text()).get("steps", -1) >= last_step
+
+
+def _steps_of(run_dir: Path) -> list[dict]:
+    path = run_dir / "steps.jsonl"
+    return read_jsonl(path) if path.is_file() else []
+
+
+def _lives_of(run_dir: Path) -> list[dict]:
+    path = run_dir / LIVES
+    return read_jsonl(path) if path.is_file() else []
+
+
+def _loss(before: dict | None, life: dict, records: list[dict]) -> ControllerLoss:
+    """The loss that ended the life ``before`` (``controller.jsonl`` lines), which ``life`` resumed: the lost
+    life's records are those written between the two lives' starts. Without a line for the lost life (it was
+    lost before it began training) its last sign is taken as the restarted life's start."""
+    started = before["started"] if before else life["started"]
+    own = [r for r in records if started <= r["time"] < life["started"]]
+    last = own[-1] if own else None
+    since = last["time"] if last else started
+    return ControllerLoss(life["step"] + 1, max(0, last["step"] - life["step"]) if last else 0, since)

@@ -38,6 +38,8 @@ from orchestrator.observability.observers import EventLog, Observers, ProgressBa
 from orchestrator.observability.remote_run_dir import run_dir_upload
 from orchestrator.observability.run_records import (
     RunRecords,
+    account_controller_loss,
+    begin_life,
     held_out_loss,
     kept_steps,
     read_jsonl,
@@ -435,10 +437,13 @@ class TrainingJob:
         return self.ckpt.path_for(self.step) if self.step in self.ckpt.complete_steps() else None
 
     def _loop(self, startup_s: float, resumed_from: str | None) -> RunResult:
-        records = RunRecords(self.run_dir, append=resumed_from is not None, timeline=self.spec.metrics.timeline)
+        records = RunRecords(self.run_dir, append=self.resume, timeline=self.spec.metrics.timeline)
         self.observers.add(records, first=True)
         acct = StepAccounting(self.spec, self.layout.ranks[0].device_name, self.observers, self.stragglers,
                               self.recoveries)
+        lost = begin_life(self.run_dir, self.step, self.restarted, append=self.resume)
+        if lost is not None:  # this controller's own loss, recovered from like any other
+            account_controller_loss(acct, lost, self.layout.dp)
         if self.progress:
             self.observers.add(ProgressBar(self.spec.train.steps, self.step))
         if self._resume_recovery is not None:  # a rank lost while the resume loaded: its record waits for a step

@@ -30,7 +30,6 @@ from typing import Any
 
 import ray
 
-from orchestrator.api.auth import use_ray_token_if_present
 from orchestrator.api.control_server import ControlClient
 from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
@@ -125,7 +124,7 @@ class ControllerActor:
         from orchestrator.runtime.controller import TrainingJob
         from orchestrator.spec import JobSpec
 
-        self.job_id = job_id
+        self.job_id, self.spec_dict_started = job_id, spec_dict
         self.incarnation = uuid.uuid4().hex  # a restarted actor's feed starts again at 0
         self.feed = Feed()
         logging.getLogger("raymesh").addHandler(_FeedLines(self.feed))
@@ -160,6 +159,10 @@ class ControllerActor:
     def request_stop(self, reason: str) -> str:
         return self.job.request_stop(reason)
 
+    def spec_dict(self) -> dict:
+        """The job as it was started: where a follower finds its run dir should this actor be lost for good."""
+        return self.spec_dict_started
+
     def result(self) -> dict | None:
         return self.outcome
 
@@ -186,6 +189,33 @@ def _summary(job) -> dict:
         return job.finished_summary(done)
 
 
+def lost_for_good(spec_dict: dict, job_id: str, reason: str) -> dict:
+    """The outcome of a run whose controller Ray gave up restarting (``reason``), for its follower: the run's
+    ``summary.json`` when it had ended, else one written now from the run dir's records (status ``failed``,
+    ``error`` the reason) with an error saying how to go on."""
+    from orchestrator.checkpoints.directory import CheckpointDir
+    from orchestrator.observability.remote_run_dir import run_dir_upload
+    from orchestrator.observability.run_records import RunRecords, lost_run_summary
+    from orchestrator.spec import JobSpec
+
+    spec = JobSpec.from_dict(spec_dict)
+    upload = run_dir_upload(spec)
+    if upload is not None:  # the bucket's copy of the run dir
+        upload.pull()
+    run_dir, ckpt = spec.resolved_run_dir(), CheckpointDir(spec.checkpoint_dir(), spec.checkpoint.keep)
+    summary = lost_run_summary(run_dir, [str(ckpt.path_for(s)) for s in ckpt.complete_steps()], spec.parallel.dp,
+                               reason, spec.run_dir_url() or str(run_dir))
+    if summary is None:
+        return {"summary": json.loads((run_dir / "summary.json").read_text())}
+    RunRecords.write_summary(run_dir, summary)
+    if upload is not None:
+        upload.push()
+    event("failed", job_id=job_id, error=reason, summary="written from the run dir's records")
+    return {"error": f"the controller of job {job_id} is gone and Ray will not restart it ({reason}); its run "
+                     f"dir holds the records (summary.json, status failed) and checkpoints: continue with "
+                     "`raymesh run JOB --resume`", "user_error": False, "summary": summary}
+
+
 def _runtime_env() -> dict | None:
     """What the actor (and the ranks it starts) need from this process's environment: our ``PYTHONPATH``
     (a checkout that is not installed), else nothing. A submitted job's working directory comes with the job's
@@ -197,27 +227,32 @@ def _runtime_env() -> dict | None:
     return None
 
 
+def _death_cause(info: dict) -> str:
+    """Why Ray reports a controller actor dead, in a line: the lives it had and the error Ray recorded."""
+    from google.protobuf.json_format import MessageToDict
+
+    cause = MessageToDict(info["DeathCause"]) if info.get("DeathCause") is not None else {}
+    said = [v["errorMessage"] for v in cause.values() if isinstance(v, dict) and v.get("errorMessage")]
+    lives = f"lost after {info.get('NumRestarts', 0)} restart(s) of at most {MAX_RESTARTS}"
+    return f"{lives}: {said[0].splitlines()[0][:300]}" if said else lives
+
+
 class AlreadyRunning(RuntimeError):
     """A live controller already hosts this job id."""
 
 
 def join_cluster(ray_address: str | None) -> None:
-    """Connect this driver to the cluster at ``ray_address`` (else ``RAY_ADDRESS``, else this machine's head);
-    never starts one. ``ConnectionError`` naming the address, where it came from and the fix when there is none:
-    ``raymesh attach`` must say the cluster is unreachable, not that it holds no controller."""
-    if ray.is_initialized():
-        return
-    from orchestrator.runtime.cluster import check_reachable
+    """Connect this driver to the cluster at ``ray_address`` (else ``RAY_ADDRESS``, else this user's ``ray start``
+    head on this machine, else a ``raymesh run``'s own local Ray: ``cluster.join``); never starts one.
+    ``ConnectionError`` naming the address, where it came from and the fix when there is none: ``raymesh attach``
+    must say the cluster is unreachable, not that it holds no controller."""
+    from orchestrator.runtime import cluster
 
-    use_ray_token_if_present()  # a cluster with Ray's token authentication refuses a driver without it
-    source = "--ray-address" if ray_address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else None
-    address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-    if source is not None:
-        check_reachable(address, source)
+    named = cluster.named_address(ray_address, "--ray-address")
     try:
-        ray.init(address=address, log_to_driver=False)
+        cluster.join(ray_address, "--ray-address")
     except (ConnectionError, RuntimeError) as exc:  # no cluster there (Ray raises either)
-        where = f"at {address} (from {source})" if source else "running on this machine"
+        where = f"at {named[0]} (from {named[1]})" if named else "running on this machine"
         raise ConnectionError(f"cannot reach a Ray cluster {where}: {exc}; fix: start it (`ray start --head`), or "
                               "pass --ray-address HOST:PORT (or set RAY_ADDRESS) naming the cluster the job runs "
                               "on") from None
@@ -229,6 +264,7 @@ class HostedJob:
 
     job_id: str
     handle: Any
+    spec: dict | None = None  # the job (``JobSpec.to_dict``) once known: where its run dir is
 
     @classmethod
     def start(cls, spec_dict: dict, resume: bool, job_id: str) -> HostedJob:
@@ -244,7 +280,7 @@ class HostedJob:
             name=actor_name(job_id), namespace=NAMESPACE, lifetime="detached", max_restarts=MAX_RESTARTS,
             max_task_retries=0, max_concurrency=16, num_cpus=0, runtime_env=_runtime_env(),
         ).remote(spec_dict, resume, job_id)
-        return cls(job_id, handle)
+        return cls(job_id, handle, spec_dict)
 
     @classmethod
     def find(cls, job_id: str, ray_address: str | None = None) -> HostedJob | None:
@@ -260,6 +296,23 @@ class HostedJob:
 
     def poll(self, cursor: int, incarnation: str, wait_s: float) -> dict:
         return ray.get(self.handle.poll.remote(cursor, incarnation, wait_s), timeout=wait_s + 60)
+
+    def actor_state(self) -> tuple[str | None, str]:
+        """Ray's state of the controller actor (``ALIVE``, ``RESTARTING``, ``DEAD``, ...) and, once ``DEAD``, why;
+        ``(None, "")`` when the cluster's GCS cannot tell. Asked of the GCS itself (Ray's state API needs a
+        dashboard, which a local Ray of ``raymesh run``'s own has not)."""
+        try:
+            info = ray._private.state.actors(actor_id=self.handle._actor_id.hex())
+        except Exception:  # the GCS is unreachable: nothing is known
+            return None, ""
+        if not info:
+            return None, ""
+        return info["State"], _death_cause(info) if info["State"] == "DEAD" else ""
+
+    def remember_spec(self) -> None:
+        """Ask the live controller for its job once (``spec``): a follower needs its run dir after a loss."""
+        if self.spec is None:
+            self.spec = ray.get(self.handle.spec_dict.remote(), timeout=60)
 
     def outcome(self) -> dict | None:
         return ray.get(self.handle.result.remote(), timeout=60)

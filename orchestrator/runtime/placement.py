@@ -3,20 +3,30 @@
 One STRICT_PACK placement group per tensor-parallel group: TP peers exchange
 activations every layer, so they must share a node; pipeline and data-parallel
 neighbours (less traffic) may spread across nodes.
+
+A grid the cluster's nodes could never hold, even idle, is refused at once, naming the nodes' sizes; one that
+fits but finds the room taken waits (``event=placement_waiting`` names what holds it) and, if it is still not
+placed when the wait ends, says the same: which placement groups and actors hold the CPUs/GPUs on which node.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.errors import SpecError
+from orchestrator.errors import NO_VALUE, SpecError
+from orchestrator.observability.events import event
+from orchestrator.planning.memory_model import human_bytes
 from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
 from orchestrator.spec import JobSpec
 from workers.parallel.grid import Grid
+
+NOTICE_S = 5.0  # a reservation not placed after this long is said to be waiting, with what holds the room
+LISTED = 8  # holders named in a message, the rest counted
 
 
 def tp_groups(grid: Grid) -> int:
@@ -72,24 +82,136 @@ def can_reserve(spec: JobSpec, use_gpu: bool, groups: int, timeout_s: float) -> 
 
 
 def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlacement:
-    """Reserve every rank's bundle, or fail naming what could not be placed."""
-    check_nodes(spec, [node["Resources"].get("memory", 0.0) for node in ray.nodes() if node["Alive"]])
+    """Reserve every rank's bundle: refused at once when the cluster's nodes could never hold the grid, else
+    waited for up to ``timeout_s`` while other work holds the room, then refused naming what holds it."""
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    check_nodes(spec, [node["Resources"].get("memory", 0.0) for node in nodes])
     p, n_groups = spec.parallel, tp_groups(spec.parallel.grid)
     bundle = rank_bundle(spec, use_gpu)
+    check_fits(spec, bundle, [node["Resources"] for node in nodes])
     groups = [
         placement_group([bundle] * p.tp, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}")
         for g in range(n_groups)
     ]
     placement = RankPlacement(groups=groups, tp=p.tp)
+    what = f"{n_groups} group(s) of {p.tp} x {_resources(bundle)} (tensor-parallel peers share a node)"
     try:
-        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
+        _wait_placed(groups, timeout_s, what)
     except ray.exceptions.GetTimeoutError:
+        held = holders(groups)
         placement.release()
         raise SpecError(
-            "parallel.tp",
-            p.tp,
-            f"could not place {n_groups} groups of {p.tp} x {bundle} on single nodes "
-            f"within {timeout_s:.0f}s (tensor-parallel peers must share a node)",
-            "lower parallel.tp to what one node holds, or add nodes with more CPUs/GPUs",
-        ) from None
+            None, NO_VALUE,
+            f"could not place {what} within {timeout_s:.0f}s: the nodes are large enough, but the room is "
+            f"taken ({held})",
+            "wait until that work ends or end it (`raymesh stop ID` for another raymesh job; `ray list "
+            "placement-groups` and `ray list actors` show the rest), or lower parallel.dp/pp to what is free",
+            where="Ray cluster") from None
     return placement
+
+
+def _wait_placed(groups: list[PlacementGroup], timeout_s: float, what: str) -> None:
+    """Wait for every group; one still waiting after ``NOTICE_S`` is said (with what holds the room) before
+    the rest of the wait. ``GetTimeoutError`` when ``timeout_s`` runs out."""
+    ready = [pg.ready() for pg in groups]
+    try:
+        ray.get(ready, timeout=min(NOTICE_S, timeout_s))
+        return
+    except ray.exceptions.GetTimeoutError:
+        if timeout_s <= NOTICE_S:
+            raise
+    event("placement_waiting", needs=what, up_to_s=f"{timeout_s:.0f}", held=holders(groups))
+    ray.get(ready, timeout=timeout_s - NOTICE_S)
+
+
+def check_fits(spec: JobSpec, bundle: dict, node_totals: list[dict]) -> None:
+    """Refuse a grid the cluster's nodes could not hold even with nothing else running (``node_totals``: each
+    live node's total resources): waiting would never place it."""
+    p, needed = spec.parallel, tp_groups(spec.parallel.grid)
+    fits = [groups_on(total, bundle, p.tp) for total in node_totals]
+    if sum(fits) >= needed:
+        return
+    group = _resources({key: amount * p.tp for key, amount in bundle.items()})
+    nodes = "; ".join(f"{_resources(total)} ({n} group(s))" for total, n in zip(node_totals, fits, strict=True))
+    if max(fits, default=0) == 0:
+        raise SpecError(
+            "parallel.tp", p.tp,
+            f"puts {p.tp} ranks on one node ({group}: tensor-parallel peers must share a node), but no node of "
+            f"the Ray cluster has that much, even idle (nodes: {nodes or 'none alive'})",
+            "lower parallel.tp (or parallel.cpus_per_rank) to what one node holds, or add a node that large")
+    raise SpecError(
+        "parallel.dp*pp*tp", p.grid.world_size,
+        f"needs {needed} tensor-parallel groups of {p.tp} ranks ({group} each, on one node), but the Ray "
+        f"cluster's nodes hold {sum(fits)} even idle (nodes: {nodes})",
+        f"lower parallel.dp/pp so dp*pp*tp <= {sum(fits) * p.tp}, or add nodes")
+
+
+def groups_on(total: dict, bundle: dict, tp: int) -> int:
+    """Tensor-parallel groups (``tp`` bundles packed on the node) a node of ``total`` resources holds idle."""
+    return min((math.floor(total.get(key, 0.0) / (amount * tp) + 1e-9) for key, amount in bundle.items() if amount),
+               default=0)
+
+
+def holders(own: list[PlacementGroup]) -> str:
+    """What takes the room on each live node: its free and total CPUs/GPUs, the placement groups placed there
+    (other than ``own``) and the actors outside placement groups holding CPUs or GPUs."""
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    nodes = "; ".join(_node(node, free.get(node["NodeID"], {})) for node in ray.nodes() if node["Alive"])
+    mine = {pg.id.hex() for pg in own}
+    groups = [_placed(pg) for pg in ray.util.placement_group_table().values()
+              if pg["state"] == "CREATED" and pg["placement_group_id"] not in mine]
+    placed_own = sum(ray.util.placement_group_table(pg)["state"] == "CREATED" for pg in own)
+    return (f"nodes: {nodes}; placement groups holding room: {_listed(groups)}; actors outside placement groups "
+            f"holding CPUs/GPUs: {_actors()}; this job's own groups placed so far: {placed_own} of {len(own)} "
+            "(their room counts as taken above)")
+
+
+def _placed(pg: dict) -> str:
+    """One placement group from ``placement_group_table``: its name (or id), what it reserves, on which nodes."""
+    total: dict[str, float] = {}
+    for bundle in pg["bundles"].values():
+        for key, amount in bundle.items():
+            total[key] = total.get(key, 0.0) + amount
+    nodes = ",".join(sorted({node[:8] for node in pg["bundles_to_node_id"].values()}))
+    return f"{pg['name'] or pg['placement_group_id'][:12]!r} ({_resources(total)} on {nodes})"
+
+
+def _actors() -> str:
+    """The live actors that hold CPUs or GPUs of their own (outside any placement group), from Ray's state API
+    (served by the dashboard: a cluster without one cannot tell)."""
+    try:
+        from ray.util.state import list_actors
+
+        actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000, timeout=10,
+                             raise_on_missing_output=False)
+    except Exception as exc:  # no dashboard (``include_dashboard=False``), or it did not answer
+        return f"unknown (Ray's state API did not answer: {type(exc).__name__})"
+    holding = [a for a in actors if not a.placement_group_id
+               and any((a.required_resources or {}).get(key, 0) for key in ("CPU", "GPU"))]
+    return _listed([f"{a.class_name} {a.name or a.actor_id[:12]} pid {a.pid} ({_resources(a.required_resources)} "
+                    f"on {(a.node_id or '?')[:8]})" for a in holding])
+
+
+def _listed(items: list[str]) -> str:
+    if not items:
+        return "none"
+    more = f" and {len(items) - LISTED} more" if len(items) > LISTED else ""
+    return ", ".join(items[:LISTED]) + more
+
+
+def _resources(amounts: dict) -> str:
+    """CPUs, GPUs and memory of a bundle or node, as people read them."""
+    shown = [f"{amounts[key]:g} {key}" for key in ("CPU", "GPU") if amounts.get(key)]
+    if amounts.get("memory"):
+        shown.append(f"{human_bytes(amounts['memory'])} memory")
+    return ", ".join(shown) or "nothing"
+
+
+def _node(node: dict, free: dict) -> str:
+    """A node (``ray.nodes()``'s entry): its address, id, and free and total CPUs and GPUs."""
+    total = node["Resources"]
+    room = ", ".join(f"{free.get(key, 0.0):g} of {total[key]:g} {key} free" for key in ("CPU", "GPU")
+                     if total.get(key)) or "no CPU or GPU"
+    return f"{node['NodeManagerAddress']} ({node['NodeID'][:8]}): {room}"

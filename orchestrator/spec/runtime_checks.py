@@ -517,7 +517,10 @@ def check_resources(spec: JobSpec, available_cpus: float, available_gpus: float,
     """Check the cluster can host dp*pp*tp ranks before any actor is created.
 
     Each rank takes `parallel.cpus_per_rank` CPUs, plus one GPU when `device` is
-    "cuda" ("auto" means cuda when any GPU is available).
+    "cuda" ("auto" means cuda when any GPU is available). ``available_cpus``/``available_gpus`` are the cluster's
+    totals (``ray.cluster_resources()``): a grid they cannot hold never fits, so it is refused before any wait;
+    room that is only in use is waited for by the placement (``orchestrator/runtime/placement.py``), which also
+    checks each tensor-parallel group fits on one node.
     """
     p, grid = spec.parallel, spec.parallel.grid
     ranks = grid.world_size
@@ -527,7 +530,7 @@ def check_resources(spec: JobSpec, available_cpus: float, available_gpus: float,
         raise SpecError(
             "parallel.dp*pp*tp",
             ranks,
-            f"needs {ranks} GPUs (one per rank, {shape}) but Ray has {available_gpus:g} available",
+            f"needs {ranks} GPUs (one per rank, {shape}) but the Ray cluster has {available_gpus:g} in total",
             f"lower parallel.dp/pp/tp so dp*pp*tp <= {int(available_gpus)}, add GPU nodes to the Ray cluster, "
             "or set parallel.device: cpu",
         )
@@ -543,6 +546,6 @@ def check_resources(spec: JobSpec, available_cpus: float, available_gpus: float,
             "parallel.dp*pp*tp",
             ranks,
             f"needs {needed:g} CPUs ({shape} x parallel.cpus_per_rank={p.cpus_per_rank:g}) "
-            f"but Ray has {available_cpus:g} available",
+            f"but the Ray cluster has {available_cpus:g} in total",
             ", or ".join(fixes),
         )

@@ -77,14 +77,25 @@ def test_killing_the_driver_leaves_the_run_training_and_attach_shows_it_end(ray_
     assert HostedJob.find("driver-killed") is None  # attach collected the outcome and let the actor go
 
 
-def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token_data, tmp_path, uninterrupted):
-    job = slow_job(token_data, tmp_path)
+def killing_the_controller(ray_cluster, token_data, tmp_path, job_id: str, after: int, for_good: bool):
+    """``raymesh run`` of the slowed job (``--summary-json`` beside it), its controller actor killed once it has
+    trained ``after`` steps (``for_good``: Ray does not restart it); (the driver, its output path)."""
     out = tmp_path / "driver"
-    driver = start_raymesh(ray_cluster, "run", str(job), "--id", "controller-killed", "--no-progress",
+    driver = start_raymesh(ray_cluster, "run", str(slow_job(token_data, tmp_path)), "--id", job_id, "--no-progress",
                            "--summary-json", str(tmp_path / "summary.json"), out=out)
     try:
-        wait_for(lambda: step_of("controller-killed") >= 7, 180, "a checkpoint at step 5 and two more steps")
-        ray.kill(HostedJob.find("controller-killed").handle, no_restart=False)  # the process dies, Ray restarts it
+        wait_for(lambda: step_of(job_id) >= after, 180, f"the run to train {after} steps")
+        ray.kill(HostedJob.find(job_id).handle, no_restart=for_good)
+    except BaseException:
+        kill_group(driver)
+        raise
+    return driver, out
+
+
+def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token_data, tmp_path, uninterrupted):
+    # a checkpoint at step 5 and two more steps; the process dies, Ray restarts it
+    driver, out = killing_the_controller(ray_cluster, token_data, tmp_path, "controller-killed", 7, for_good=False)
+    try:
         wait_for(lambda: "event=resume path=" in output(out)[1], 120, "the restarted controller to resume")
         held = [pg for pg in ray.util.placement_group_table().values()
                 if pg["name"].startswith("raymesh-job-tp") and pg["state"] != "REMOVED"]
@@ -101,6 +112,31 @@ def test_a_lost_controller_resumes_from_its_newest_checkpoint(ray_cluster, token
     assert summary["losses"] == uninterrupted[resumed_at:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     assert {s["step"]: s["loss"] for s in steps} == dict(enumerate(uninterrupted, start=1))
+    # the loss is the run's record like any other: the lost life's steps past the checkpoint, trained again
+    lost_life = steps[:len(steps) - (STEPS - resumed_at)]
+    assert [s["step"] for s in lost_life] == list(range(1, len(lost_life) + 1)) and len(lost_life) >= 7
+    [loss] = summary["recoveries"]
+    assert (loss["kind"], loss["at_step"], loss["lost_steps"]) == ("controller", resumed_at + 1,
+                                                                  len(lost_life) - resumed_at), loss
+    first_again = steps[len(lost_life)]
+    assert loss["mttr_s"] == pytest.approx(first_again["time"] - lost_life[-1]["time"], abs=1.0)
+    assert "event=recovered kind=controller" in stderr
+
+
+def test_a_controller_ray_will_not_restart_ends_the_follow_at_once_with_a_failed_summary(ray_cluster, token_data,
+                                                                                       tmp_path):
+    # killed for good: what Ray does when its last restart is used up
+    driver, out = killing_the_controller(ray_cluster, token_data, tmp_path, "controller-gone", 3, for_good=True)
+    try:
+        assert driver.wait(timeout=120) == 1, output(out)  # it waited 300 s for a restart Ray never makes
+    finally:
+        kill_group(driver)
+    stderr = output(out)[1]
+    assert "raymesh: the controller of job controller-gone is gone for good" in stderr
+    assert "continue with `raymesh run JOB --resume`" in stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] >= 3 and "restart(s) of at most 3" in summary["error"]
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
 
 
 def test_status_inject_and_stop_find_a_run_by_the_job_id_it_printed(ray_cluster, token_data, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from orchestrator import JobSpec
 from orchestrator.errors import SpecError
 from orchestrator.recovery.elastic import resized
-from orchestrator.runtime.placement import RankPlacement, tp_groups, tp_groups_per_replica
+from orchestrator.runtime.placement import RankPlacement, check_fits, groups_on, tp_groups, tp_groups_per_replica
 from workers.parallel.grid import Grid
 
 
@@ -57,3 +57,31 @@ def test_resized_keeps_global_batch_and_drops_faults_past_the_smaller_grid() -> 
 def test_resized_refuses_a_dp_the_batch_cannot_split_over() -> None:
     with pytest.raises(SpecError):
         resized(job(4, 1, 1), 3)
+
+
+def test_a_tensor_parallel_group_no_node_holds_is_refused_at_once_naming_the_nodes() -> None:
+    """Two 2-CPU nodes hold 4 CPUs in all (what ``check_resources`` counts), but tp=4 packs 4 ranks on one node:
+    no wait would ever place it."""
+    spec = job(1, 1, 4)
+    with pytest.raises(SpecError) as info:
+        check_fits(spec, {"CPU": 1.0}, [{"CPU": 2.0}, {"CPU": 2.0, "GPU": 0.0}])
+    assert info.value.field == "parallel.tp" and info.value.value == 4
+    assert "(4 CPU: tensor-parallel" in info.value.problem
+    assert "even idle (nodes: 2 CPU (0 group(s)); 2 CPU (0 group(s)))" in info.value.problem
+    assert "lower parallel.tp" in info.value.fix
+
+
+def test_more_groups_than_the_nodes_hold_idle_is_refused_with_the_largest_grid_that_fits() -> None:
+    spec = job(6, 1, 2, train={"global_batch_size": 12, "microbatches": 1})  # 6 groups of 2 x 1 CPU, 1 GPU
+    nodes = [{"CPU": 8.0, "GPU": 4.0}, {"CPU": 2.0, "GPU": 2.0}, {"CPU": 16.0}]  # 2 + 1 + 0 groups
+    with pytest.raises(SpecError) as info:
+        check_fits(spec, {"CPU": 1.0, "GPU": 1.0}, nodes)
+    assert info.value.field == "parallel.dp*pp*tp" and "hold 3 even idle" in info.value.problem
+    assert "dp*pp*tp <= 6" in info.value.fix
+    check_fits(job(3, 1, 2, train={"global_batch_size": 12, "microbatches": 1}), {"CPU": 1.0, "GPU": 1.0}, nodes)
+
+
+def test_groups_on_a_node_count_every_resource_of_the_bundle() -> None:
+    assert groups_on({"CPU": 8.0, "memory": 10e9}, {"CPU": 1.0, "memory": 3e9}, 2) == 1  # memory: 10 GB // 6 GB
+    assert groups_on({"CPU": 3.0}, {"CPU": 1.5}, 2) == 1  # exact fits are not lost to rounding
+    assert groups_on({"CPU": 0.3 * 10}, {"CPU": 0.3}, 10) == 1

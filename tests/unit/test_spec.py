@@ -492,7 +492,7 @@ def test_check_resources_cpu() -> None:
     with pytest.raises(SpecError) as info:
         check_resources(spec, available_cpus=3, available_gpus=0, device="cpu")
     msg = assert_actionable(info.value, "parallel.dp*pp*tp", 4, "dp*pp*tp <= 3", "--num-cpus", "add nodes")
-    assert "needs 4 CPUs" in msg and "3 available" in msg
+    assert "needs 4 CPUs" in msg and "the Ray cluster has 3 in total" in msg
 
 
 def test_check_resources_gpu() -> None:
