@@ -57,6 +57,33 @@ def test_dynamic_program_finds_the_brute_force_optimum_under_a_memory_limit():
     assert checked > 150 and infeasible > 10  # both branches were exercised
 
 
+def test_layer_caps_give_the_split_a_memory_rule_of_the_same_caps_gives():
+    """``max_layers`` bounds where a stage may start instead of pricing every start: the same split (ties
+    included: equal layer times tie everywhere) as the same caps asked of ``memory`` start by start."""
+    rng = random.Random(11)
+    compared = infeasible = 0
+    for _ in range(400):
+        n = rng.randint(1, 12)
+        n_stages = rng.randint(1, n)
+        times = [rng.choice([1.0, 1.0, 2.0, rng.uniform(0.1, 5)]) for _ in range(n)]
+        first, last = rng.choice([0.0, rng.uniform(0, 3)]), rng.choice([0.0, rng.uniform(0, 8)])
+        caps = [rng.randint(0, n) for _ in range(n_stages)]
+
+        def over_cap(stage, lo, hi, caps=caps):
+            return hi - lo - caps[stage]
+
+        try:
+            expected = balanced_split(times, n_stages, first, last, over_cap, 0)
+        except ValueError:
+            infeasible += 1
+            with pytest.raises(ValueError, match=r"no split .* at most \["):
+                balanced_split(times, n_stages, first, last, max_layers=caps)
+            continue
+        assert balanced_split(times, n_stages, first, last, max_layers=caps) == expected
+        compared += 1
+    assert compared > 150 and infeasible > 50  # both branches were exercised
+
+
 def test_a_heavy_head_moves_layers_to_the_first_stage():
     assert balanced_split([1.0] * 6, 2, first=0.1, last=3.0) == (4, 2)  # 4.1 vs 5.0, even would be 3.1 vs 6.0
     assert balanced_split([1.0] * 6, 2) == (3, 3)

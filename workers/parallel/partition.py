@@ -57,13 +57,17 @@ def stage_cost(times: Sequence[float], split: Sequence[int], first: float = 0.0,
 
 
 def balanced_split(times: Sequence[float], n_stages: int, first: float = 0.0, last: float = 0.0,
-                   memory: StageMemory | None = None, limit: float | None = None) -> tuple[int, ...]:
+                   memory: StageMemory | None = None, limit: float | None = None,
+                   max_layers: Sequence[int] | None = None) -> tuple[int, ...]:
     """The contiguous split of ``len(times)`` layers into ``n_stages`` stages (each at least one layer) whose
     slowest stage is fastest, among those where every stage's ``memory(stage, first, end)`` is at most
-    ``limit`` (PipeDream's dynamic program). Ties keep fewer layers on the earlier stages.
+    ``limit`` and stage ``s`` holds at most ``max_layers[s]`` layers (PipeDream's dynamic program). Ties keep
+    fewer layers on the earlier stages.
 
     ``best[s][j]``: the smallest slowest-stage cost of putting layers ``[0, j)`` on stages ``0..s`` with stage
-    ``s`` ending at ``j``; O(stages x layers^2). Raises ValueError when no split fits ``limit``.
+    ``s`` ending at ``j``; O(stages x layers^2), O(stages x layers x cap) with ``max_layers``: a cap known up
+    front bounds where a stage may start, where ``memory`` can only be asked start by start (the planner's
+    search caps thousands of splits of 126 layers). Raises ValueError when no split fits.
     """
     n = len(times)
     if not 1 <= n_stages <= n:
@@ -77,21 +81,24 @@ def balanced_split(times: Sequence[float], n_stages: int, first: float = 0.0, la
             return math.inf
         return prefix[hi] - prefix[lo] + (first if stage == 0 else 0.0) + (last if stage == n_stages - 1 else 0.0)
 
+    caps = [n] * n_stages if max_layers is None else max_layers
     best = [[math.inf] * (n + 1) for _ in range(n_stages)]
     start = [[0] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, n - n_stages + 2):
+    for j in range(1, min(n - n_stages + 2, caps[0] + 1)):
         best[0][j] = cost(0, 0, j) if n_stages > 1 or j == n else math.inf
     for s in range(1, n_stages):
         for j in range(s + 1, n - n_stages + s + 2):
             if s == n_stages - 1 and j != n:
                 continue
-            for i in range(s, j):
+            for i in range(max(s, j - caps[s]), j):  # a stage over its cap could never win: skip, not price
                 value = max(best[s - 1][i], cost(s, i, j))
                 if value < best[s][j]:
                     best[s][j], start[s][j] = value, i
     if math.isinf(best[-1][n]):
+        bounds = [f"within {limit} bytes"] * (limit is not None) + [f"at most {list(caps)} layers"] * (
+            max_layers is not None)
         raise ValueError(f"balanced_split: no split of {n} layers into {n_stages} stages keeps every stage "
-                         f"within {limit} bytes")
+                         f"{' and '.join(bounds)}")
     ends = [n]
     for s in range(n_stages - 1, 0, -1):
         ends.append(start[s][ends[-1]])
