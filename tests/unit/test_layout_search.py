@@ -14,6 +14,7 @@ from orchestrator.planning import memory_model as mm
 from orchestrator.planning import time_model as tm
 from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.planning.published import RUNS
+from orchestrator.planning.snapshot_memory import snapshot_bytes
 from workers.diagnostics.memory_probe import ActivationMeter
 from workers.model.config import model_config
 from workers.model.gpt import lm_loss
@@ -118,6 +119,22 @@ def test_identical_ranks_are_estimated_once(monkeypatch):
     run = RUNS["llama3-405b"]
     result = ls.search(run.shape, run.gpus, tm.gpu(run.gpu))
     assert result.rank_estimates <= 3 * result.considered
+
+
+@pytest.mark.parametrize("parallel", [
+    {"pp": 4, "dp": 2, "tp": 2}, {"pp": 2, "dp": 4, "zero": 3, "pp_schedule": "interleaved_1f1b"},
+    {"pp": 4, "cp": 2, "pp_schedule": "gpipe", "pp_split": [1, 3, 3, 1]},  # two middle stages peak alike
+])
+def test_the_largest_rank_is_read_off_one_estimate_per_pipeline_coordinate(parallel):
+    """``peak_rank`` and the snapshot size, from ``stage_estimates``, are what every rank's estimate gives: the
+    same rank (the lowest of equal peaks), coordinates and bytes."""
+    spec = _job({**GPT, "n_layers": 8, "vocab_size": 64}, parallel={**parallel, "device": "cuda"},
+                train={"global_batch_size": 16, "microbatches": 4}, precision={"dtype": "bf16"})
+    every = est.estimate(spec)
+    assert len(est.stage_estimates(spec)) == spec.parallel.pp
+    assert est.peak_rank(spec) == max(every, key=lambda r: r.total_bytes)
+    assert snapshot_bytes(spec) == max(r.state.params + r.state.optimizer + r.state.offloaded + r.feedback_bytes
+                                       for r in every)
 
 
 @pytest.mark.parametrize("key", list(RUNS))
