@@ -3,6 +3,8 @@ identical ranks are estimated once, and the published Megatron and Llama 3 layou
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,12 +17,14 @@ from orchestrator.planning import time_model as tm
 from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.planning.published import RUNS
 from orchestrator.planning.snapshot_memory import snapshot_bytes
+from orchestrator.spec import load_spec
 from workers.diagnostics.memory_probe import ActivationMeter
 from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.registry import build_model
 
 GPT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "d_ff": 128, "seq_len": 32}
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {"arch": "llama", "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 96, "seq_len": 32}
 
 
@@ -178,3 +182,29 @@ def test_picker_shards_over_context_parallel_ranks_as_the_ranks_do():
     assert zero3.state.persistent == 16 * 8_030_261_248 // 8
     assert ev.rank_peak(ls.Layout(1, 1, 1, 8, 3, 1, "full"), 0) == zero3.total_bytes
     assert any(lay.zero == 3 for lay in ls.candidates(ls.Shape.of(spec), 8, tm.gpu("H100"), cps=[8]))
+
+
+def test_planning_16384_gpus_considers_and_picks_what_it_did(monkeypatch):
+    """``raymesh plan`` of Llama 3 405B at 8K tokens on 2,048 nodes x 8 H200 (the README's timing): the layouts
+    the search prices, the rank estimates and refusals it counts, and what it picks, for the search the picker
+    runs (cp=1 below 16K tokens) and the unrestricted one beside it. Making the search faster (cached rank
+    terms, the capped split program) must not change one of them: ``plan`` prints them all."""
+    spec = load_spec(ROOT / "examples/mixed_precision_bf16.yaml",
+                     ["model.preset=llama3-405b", "model.seq_len=8192", "train.global_batch_size=2048"])
+    results = []
+    search = ls.search
+    monkeypatch.setattr(ls, "search", lambda *a, **kw: results.append(search(*a, **kw)) or results[-1])
+    choice = pick_layout(spec, nodes=2048, gpus_per_node=8, gpu_type="H200")
+    picked, free = results
+    assert (picked.considered, picked.rank_estimates, free.considered, free.rank_estimates) == (162, 9367, 5189, 185173)
+    assert picked.rejected == {"global batch not divisible by dp": 6, "too few microbatches for the schedule": 113,
+                               "layers do not split into the stages": 4, "does not fit with headroom": 112}
+    assert free.rejected == {"global batch not divisible by dp": 10, "too few microbatches for the schedule": 678,
+                             "layers do not split into the stages": 20, "does not fit with headroom": 3362}
+    assert [c.layout.label() for c in picked.best[:3]] == [
+        "dp=2048 tp=8 pp=1 cp=1 zero=2 mbs=1 recompute=full", "dp=2048 tp=8 pp=1 cp=1 zero=3 mbs=1 recompute=full",
+        "dp=512 tp=8 pp=4 cp=1 zero=2 mbs=1 recompute=full interleaved_1f1bx2 split=15,16,16,16,16,16,16,15"]
+    assert choice.candidate is picked.best[0] and len(picked.best) == 162 - 112 and len(free.best) == 5189 - 3362
+    assert choice.unrestricted.layout.label() == (
+        "dp=8 tp=8 pp=32 cp=8 zero=2 mbs=1 recompute=none interleaved_1f1bx2 split=" + ",".join(["1"] + ["2"] * 62
+                                                                                              + ["1"]))

@@ -65,9 +65,9 @@ def balanced_split(times: Sequence[float], n_stages: int, first: float = 0.0, la
     fewer layers on the earlier stages.
 
     ``best[s][j]``: the smallest slowest-stage cost of putting layers ``[0, j)`` on stages ``0..s`` with stage
-    ``s`` ending at ``j``; O(stages x layers^2), O(stages x layers x cap) with ``max_layers``: a cap known up
-    front bounds where a stage may start, where ``memory`` can only be asked start by start (the planner's
-    search caps thousands of splits of 126 layers). Raises ValueError when no split fits.
+    ``s`` ending at ``j``; O(stages x layers^2). With ``max_layers`` the program visits only what the caps allow
+    (``_stage_ends``; the planner's search caps thousands of splits of 126 layers), where ``memory`` can only
+    refuse start by start. Raises ValueError when no split fits.
     """
     n = len(times)
     if not 1 <= n_stages <= n:
@@ -81,27 +81,40 @@ def balanced_split(times: Sequence[float], n_stages: int, first: float = 0.0, la
             return math.inf
         return prefix[hi] - prefix[lo] + (first if stage == 0 else 0.0) + (last if stage == n_stages - 1 else 0.0)
 
-    caps = [n] * n_stages if max_layers is None else max_layers
+    if max_layers is not None and len(max_layers) != n_stages:
+        raise ValueError(f"balanced_split: {len(max_layers)} layer caps for {n_stages} stages (one cap per stage)")
+    caps = [min(max(cap, 0), n) for cap in max_layers] if max_layers is not None else [n] * n_stages
+    ends = _stage_ends(n, caps)
     best = [[math.inf] * (n + 1) for _ in range(n_stages)]
     start = [[0] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, min(n - n_stages + 2, caps[0] + 1)):
-        best[0][j] = cost(0, 0, j) if n_stages > 1 or j == n else math.inf
+    for j in ends[0]:
+        best[0][j] = cost(0, 0, j)
     for s in range(1, n_stages):
-        for j in range(s + 1, n - n_stages + s + 2):
-            if s == n_stages - 1 and j != n:
-                continue
-            for i in range(max(s, j - caps[s]), j):  # a stage over its cap could never win: skip, not price
-                value = max(best[s - 1][i], cost(s, i, j))
-                if value < best[s][j]:
-                    best[s][j], start[s][j] = value, i
+        before, here, cap = best[s - 1], best[s], caps[s]
+        for j in ends[s]:
+            for i in range(max(ends[s - 1].start, j - cap), min(ends[s - 1].stop, j)):
+                value = max(before[i], cost(s, i, j))
+                if value < here[j]:
+                    here[j], start[s][j] = value, i
     if math.isinf(best[-1][n]):
         bounds = [f"within {limit} bytes"] * (limit is not None) + [f"at most {list(caps)} layers"] * (
             max_layers is not None)
         raise ValueError(f"balanced_split: no split of {n} layers into {n_stages} stages keeps every stage "
                          f"{' and '.join(bounds)}")
-    ends = [n]
+    cuts = [n]
     for s in range(n_stages - 1, 0, -1):
-        ends.append(start[s][ends[-1]])
-    ends.append(0)
-    ends.reverse()
-    return tuple(b - a for a, b in itertools.pairwise(ends))
+        cuts.append(start[s][cuts[-1]])
+    cuts.append(0)
+    cuts.reverse()
+    return tuple(b - a for a, b in itertools.pairwise(cuts))
+
+
+def _stage_ends(n: int, caps: Sequence[int]) -> list[range]:
+    """Where each stage may end in a split of ``n`` layers with at most ``caps[s]`` on stage ``s``: after the
+    stages so far hold a layer each and no more than their caps, and before what the later stages must take (a
+    layer each) and after what they cannot (more than their caps). Cells outside are either unreachable or
+    lead to no whole split, so skipping them changes neither the optimum nor its tie-breaks; uncapped, these
+    are the program's usual ``s + 1 .. n - stages + s + 1``."""
+    stages, held = len(caps), list(itertools.accumulate(caps))
+    return [range(max(s + 1, n - (held[-1] - held[s])), min(held[s], n - (stages - 1 - s)) + 1)
+            for s in range(stages)]
