@@ -447,16 +447,15 @@ class Evaluator:
         """The slowest pipeline rank's time: the heaviest stage's FLOPs sets the pace of every stage."""
         s, lay = self.shape, layout
         m = lay.microbatches(s)
-        n_stages = lay.pp * lay.stages_per_rank
         counts = self.stage_layers(lay)
+        tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
         per_rank = []
         for r in self.rank_classes(lay):
-            ids = stage_ids(r, lay.pp, lay.stages_per_rank, lay.schedule)
+            at = pipeline_place(lay.pp, lay.stages_per_rank, lay.schedule, m, r)
             # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
-            stage_params = sum(counts[i] * s.block_params for i in ids) + s.vocab * s.d_model * (n_stages - 1 in ids)
-            layers = sum(counts[i] for i in ids)
+            stage_params = sum(counts[i] * s.block_params for i in at.ids) + s.vocab * s.d_model * at.last
+            layers = sum(counts[i] for i in at.ids)
             per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
-            tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
             per_rank.append((per_token * tokens / lay.tp, r))
         flops, r = max(per_rank)
         shape = comm_shape(s, lay, r)
