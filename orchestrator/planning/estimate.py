@@ -513,9 +513,7 @@ def peak_rank(spec: JobSpec) -> RankEstimate:
 def render(spec: JobSpec, one_per_stage: bool = False) -> str:
     """The per-rank table; ``one_per_stage`` keeps one rank per pp coordinate (dp, cp and tp peers are alike)."""
     p = spec.parallel
-    rows = estimate(spec)
-    if one_per_stage:
-        rows = [r for r in rows if r.coords["dp"] == 0 and r.coords["tp"] == 0 and r.coords.get("cp", 0) == 0]
+    rows = stage_estimates(spec) if one_per_stage else estimate(spec)  # each stage's first rank: dp=cp=tp=0
     lines = [
         f"job {spec.name}: {' x '.join(f'{a}={n}' for a, n in zip(p.grid.mesh_dims, p.grid.mesh_shape))} = "
         f"{p.world_size} ranks, zero={p.zero}, " + (f"cp_impl={p.cp_impl}, " if p.grid.cp_enabled else "") +

@@ -130,12 +130,13 @@ def test_identical_ranks_are_estimated_once(monkeypatch):
     {"pp": 4, "cp": 2, "pp_schedule": "gpipe", "pp_split": [1, 3, 3, 1]},  # two middle stages peak alike
 ])
 def test_the_largest_rank_is_read_off_one_estimate_per_pipeline_coordinate(parallel):
-    """``peak_rank`` and the snapshot size, from ``stage_estimates``, are what every rank's estimate gives: the
-    same rank (the lowest of equal peaks), coordinates and bytes."""
+    """``peak_rank``, the snapshot size and ``render``'s rank per stage, from ``stage_estimates``, are what every
+    rank's estimate gives: the same rank (the lowest of equal peaks), coordinates and bytes."""
     spec = _job({**GPT, "n_layers": 8, "vocab_size": 64}, parallel={**parallel, "device": "cuda"},
                 train={"global_batch_size": 16, "microbatches": 4}, precision={"dtype": "bf16"})
     every = est.estimate(spec)
-    assert len(est.stage_estimates(spec)) == spec.parallel.pp
+    firsts = [r for r in every if r.coords["dp"] == r.coords["tp"] == r.coords.get("cp", 0) == 0]
+    assert est.stage_estimates(spec) == firsts and len(firsts) == spec.parallel.pp  # render's one per stage
     assert est.peak_rank(spec) == max(every, key=lambda r: r.total_bytes)
     assert snapshot_bytes(spec) == max(r.state.params + r.state.optimizer + r.state.offloaded + r.feedback_bytes
                                        for r in every)
