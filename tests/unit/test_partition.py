@@ -57,17 +57,23 @@ def test_dynamic_program_finds_the_brute_force_optimum_under_a_memory_limit():
     assert checked > 150 and infeasible > 10  # both branches were exercised
 
 
+def random_problem(rng: random.Random, most_layers: int) -> tuple[list[float], int, float, float]:
+    """Layer times, stages, embedding and head costs of a random split: equal and zero times (ties are common),
+    a head as light as a block or heavier."""
+    n = rng.randint(1, most_layers)
+    times = [rng.choice([0.0, 0.5, 1.0, 1.0, 2.0, rng.uniform(0, 5)]) for _ in range(n)]
+    first, last = rng.choice([0.0, 1.0, rng.uniform(0, 3)]), rng.choice([0.0, 1.0, rng.uniform(0, 8)])
+    return times, rng.randint(1, n), first, last
+
+
 def test_layer_caps_give_the_split_a_memory_rule_of_the_same_caps_gives():
     """``max_layers`` bounds where a stage may start instead of pricing every start: the same split (ties
     included: equal layer times tie everywhere) as the same caps asked of ``memory`` start by start."""
     rng = random.Random(11)
     compared = infeasible = 0
     for _ in range(400):
-        n = rng.randint(1, 12)
-        n_stages = rng.randint(1, n)
-        times = [rng.choice([1.0, 1.0, 2.0, rng.uniform(0.1, 5)]) for _ in range(n)]
-        first, last = rng.choice([0.0, rng.uniform(0, 3)]), rng.choice([0.0, rng.uniform(0, 8)])
-        caps = [rng.randint(0, n) for _ in range(n_stages)]
+        times, n_stages, first, last = random_problem(rng, 12)
+        caps = [rng.randint(0, len(times)) for _ in range(n_stages)]
 
         def over_cap(stage, lo, hi, caps=caps):
             return hi - lo - caps[stage]
@@ -113,11 +119,8 @@ def test_stopping_the_scan_early_changes_no_split():
     one the tie rule names (equal and zero layer times tie often)."""
     rng = random.Random(5)
     for _ in range(400):
-        n = rng.randint(1, 14)
-        n_stages = rng.randint(1, n)
-        times = [rng.choice([0.0, 0.5, 1.0, 1.0, 2.0, rng.uniform(0, 5)]) for _ in range(n)]
-        first, last = rng.choice([0.0, 1.0, rng.uniform(0, 3)]), rng.choice([0.0, 1.0, rng.uniform(0, 8)])
-        caps = rng.choice([None, [rng.randint(1, n) for _ in range(n_stages)]])
+        times, n_stages, first, last = random_problem(rng, 12)
+        caps = rng.choice([None, [rng.randint(1, len(times)) for _ in range(n_stages)]])
         try:
             whole = balanced_split(times, n_stages, first, last, lambda *_: 0, 1, max_layers=caps)
         except ValueError:
