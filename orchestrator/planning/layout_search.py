@@ -242,7 +242,7 @@ class SearchResult:
 
 
 class Place(NamedTuple):
-    """What a pp rank's peak reads of the pipeline schedule (``pipeline_place``)."""
+    """What a pp rank's peak reads of the pipeline schedule (``pipeline_places``)."""
 
     ids: tuple[int, ...]  # the rank's stages
     first: bool  # it holds the first stage (the embedding)
@@ -253,50 +253,50 @@ class Place(NamedTuple):
     edges: int  # ``memory_model.pipeline_edges``
 
 
-@functools.lru_cache(maxsize=65536)
-def pipeline_place(pp: int, stages_per_rank: int, schedule: str, microbatches: int, pp_rank: int) -> Place:
-    """Pipeline rank ``pp_rank``'s place, cached: every layout of the same pipeline (ZeRO stages, recompute
-    policies, tp and cp degrees) shares it, and a split layout asks for each of its ranks."""
-    n_stages = pp * stages_per_rank
-    ids = tuple(stage_ids(pp_rank, pp, stages_per_rank, schedule))
-    last = n_stages - 1 in ids
-    in_flight = mm.in_flight_microbatches(schedule, pp, pp_rank, microbatches, len(ids))
-    return Place(ids, 0 in ids, last, in_flight,
-                 mm.head_copies(last, pp > 1, schedule_facts(schedule).all_forwards_first, microbatches),
-                 mm.carries_grads(pp > 1, in_flight, microbatches, len(ids)), mm.pipeline_edges(list(ids), n_stages))
+@functools.lru_cache(maxsize=4096)
+def pipeline_places(pp: int, stages_per_rank: int, schedule: str, microbatches: int) -> tuple[Place, ...]:
+    """Each pp rank's place, cached: every layout of the same pipeline (ZeRO stages, recompute policies, tp and
+    cp degrees, stage splits) shares them."""
+    n_stages, out = pp * stages_per_rank, []
+    for pp_rank in range(pp):
+        ids = tuple(stage_ids(pp_rank, pp, stages_per_rank, schedule))
+        last = n_stages - 1 in ids
+        in_flight = mm.in_flight_microbatches(schedule, pp, pp_rank, microbatches, len(ids))
+        out.append(Place(ids, 0 in ids, last, in_flight,
+                         mm.head_copies(last, pp > 1, schedule_facts(schedule).all_forwards_first, microbatches),
+                         mm.carries_grads(pp > 1, in_flight, microbatches, len(ids)),
+                         mm.pipeline_edges(list(ids), n_stages)))
+    return tuple(out)
 
 
-class RankTerms(NamedTuple):
-    """The terms of one pp rank's in-step peak that its place in the pipeline sets (``LayoutPeaks.rank``); a
-    named tuple, as a split layout makes one for each of up to 126 ranks."""
+class Ends(NamedTuple):
+    """What holding the first stage (the embedding) or the last (the head) adds to a rank's peak
+    (``LayoutPeaks.ends``)."""
 
-    ids: tuple[int, ...]  # the rank's stages
-    root: int  # embedding and head parameters it holds
-    last_norm: int  # the final norm's weight, on the head's rank
+    root: int  # embedding and head parameters
+    last_norm: int  # the final norm's weight
     zero3_gathered: int  # ``memory_model.zero3_gathered_params``
     tp_embedding_grads: int  # ``memory_model.tp_embedding_grad_bytes`` where the rank has them, else 0
-    embedding: int  # the embedding's saved bytes, on the first stage's rank
-    in_flight: int
-    heads: int
-    carried: bool
-    head_freed: int  # what backward frees first outside a pipeline: the head, on its rank
-    loss: int
-    buffers: int  # pipeline receive buffers and context parallelism's kernel buffers
+    embedding: int  # the embedding's saved bytes
+    head_freed: int  # what backward frees first outside a pipeline: the head
+    loss: int  # ``memory_model.loss_backward_bytes``
 
 
 class LayoutPeaks:
     """The in-step peak of each pp rank of one layout (its stage split aside) as a function of the rank's layer
     count: ``estimate.RankEstimate.total_bytes`` on plain numbers.
 
-    Why the three levels: the search asks for ~185,000 rank peaks for Llama 3 405B on 16,384 GPUs (every pp rank
-    of a split layout; ``Evaluator.max_layers``'s binary search at every pp rank), and derived afresh from shape
-    and layout each time they took most of the search's time. So the terms the whole layout shares are worked out
-    once, a rank's own once per rank, and model state once per parameter count (the ranks that hold as many
-    layers hold as many parameters)."""
+    Why: the search asks for ~185,000 rank peaks for Llama 3 405B on 16,384 GPUs (every pp rank of a split
+    layout; ``Evaluator.max_layers``'s binary search at every pp rank), and derived afresh from shape and layout
+    each time they took most of the search's time. So the terms the whole layout shares are worked out once,
+    those a rank's place in the pipeline sets once per pipeline (``pipeline_places``), what the first and last
+    stage add once per layout, and model state once per parameter count (ranks holding as many layers hold as
+    many parameters)."""
 
     def __init__(self, shape: Shape, layout: Layout):
         s, lay = shape, layout
         self.shape, self.layout, self.microbatches = s, lay, lay.microbatches(s)
+        self.places = pipeline_places(lay.pp, lay.stages_per_rank, lay.schedule, self.microbatches)
         self.tp, self.pipelined = lay.tp, lay.pp > 1
         self.block_params, self.norms = s.block_params, 2 * s.d_model  # a block: tp-sharded, its two norms
         mixed = s.fsdp_mixed(lay.zero)
@@ -312,58 +312,53 @@ class LayoutPeaks:
         self.working = 0  # full recompute's rebuilt block
         if lay.recompute == "full":
             self.working = _layer_bytes(s, self.seq, lay.micro_batch, lay.tp, "none", mixed)
-        self.hidden = s.boundary_width(lay.zero) * self.seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
+        hidden = s.boundary_width(lay.zero) * self.seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
+        self.edge = self.microbatches * hidden  # a pipeline receive buffer per microbatch
         self.cp_kernel = mm.cp_buffer_bytes(s.cp_impl, s.seq, lay.micro_batch, s.d_model, s.n_heads, s.kv, lay.cp,
                                             lay.tp, c, s.head_size)
         self.regathers = lay.zero >= 3 and lay.shards > 1
         self.autocast_width = c if c < 4 and not mixed else 0  # autocast's 16-bit copy of each weight
-        # terms of the first or the last stage's rank only
-        self.tp_grads = mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp) if lay.tp > 1 and lay.zero < 2 else 0
-        self.embedding = mm.embedding_activation_bytes(self.seq, lay.micro_batch)
-        self.loss = mm.loss_backward_bytes(self.seq, lay.micro_batch, s.vocab, s.loss_chunks,
-                                           4 * s.vocab * s.d_model // lay.tp, s.compiled_loss)
-        self._ranks: dict[int, RankTerms] = {}
+        self._ends: dict[tuple[bool, bool], Ends] = {}
         self._states: dict[tuple[int, int, int], mm.ModelState] = {}
 
-    def rank(self, pp_rank: int) -> RankTerms:
-        """Pipeline rank ``pp_rank``'s own terms, worked out on first use."""
-        terms = self._ranks.get(pp_rank)
-        if terms is None:
-            terms = self._ranks[pp_rank] = self._rank_terms(pp_rank)
-        return terms
-
-    def _rank_terms(self, pp_rank: int) -> RankTerms:
+    def _add_ends(self, first: bool, last: bool) -> Ends:
+        """What a rank holding the first and/or the last stage adds (``peak`` asks on first use, then reads
+        ``_ends``)."""
         s, lay = self.shape, self.layout
-        at = pipeline_place(lay.pp, lay.stages_per_rank, lay.schedule, self.microbatches, pp_rank)
-        root = s.embedding_params * at.first + s.head_params * at.last  # a tied head is the embedding (one stage)
-        return RankTerms(
-            at.ids, root, s.d_model * at.last, mm.zero3_gathered_params(root, s.block_params, lay.tp, s.fsdp_prefetch),
-            self.tp_grads * at.first, self.embedding * at.first, at.in_flight, at.heads, at.carried,
-            self.head * at.last, self.loss * at.last, self.microbatches * self.hidden * at.edges + self.cp_kernel)
+        root = s.embedding_params * first + s.head_params * last  # a tied head is the embedding (one stage)
+        tp_grads = mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp) if lay.tp > 1 and lay.zero < 2 else 0
+        loss = mm.loss_backward_bytes(self.seq, lay.micro_batch, s.vocab, s.loss_chunks,
+                                      4 * s.vocab * s.d_model // lay.tp, s.compiled_loss)
+        ends = self._ends[first, last] = Ends(
+            root, s.d_model * last, mm.zero3_gathered_params(root, s.block_params, lay.tp, s.fsdp_prefetch),
+            tp_grads * first, mm.embedding_activation_bytes(self.seq, lay.micro_batch) * first, self.head * last,
+            loss * last)
+        return ends
 
-    def peak(self, rank: RankTerms, layers: int) -> int:
-        """In-step peak bytes of the rank of ``rank`` holding ``layers`` layers."""
-        params = (layers * self.block_params + rank.root) // self.tp + layers * self.norms + rank.last_norm
-        state = self.state(params, rank.zero3_gathered, rank.tp_embedding_grads)
-        chunks = layers * self.layer + rank.embedding + (len(rank.ids) * self.mask if layers else 0)
-        saved = mm.rank_saved_bytes(chunks, len(rank.ids), rank.in_flight, self.head, rank.heads)
-        freed = mm.freed_first(saved, rank.in_flight, self.pipelined, rank.head_freed)
+    def peak(self, pp_rank: int, layers: int) -> int:
+        """In-step peak bytes of pipeline rank ``pp_rank`` holding ``layers`` layers."""
+        at = self.places[pp_rank]
+        end = self._ends.get((at.first, at.last)) or self._add_ends(at.first, at.last)
+        params = (layers * self.block_params + end.root) // self.tp + layers * self.norms + end.last_norm
+        key = (params, end.zero3_gathered, end.tp_embedding_grads)
+        state = self._states.get(key) or self._add_state(*key)
+        chunks = layers * self.layer + end.embedding + (len(at.ids) * self.mask if layers else 0)
+        saved = mm.rank_saved_bytes(chunks, len(at.ids), at.in_flight, self.head, at.heads)
+        freed = mm.freed_first(saved, at.in_flight, self.pipelined, end.head_freed)
         working = self.working if layers else 0
-        return (mm.in_step_peak(state, saved, rank.carried, self.regathers, freed, working, rank.loss)
-                + self.autocast_width * params + rank.buffers)
+        return (mm.in_step_peak(state, saved, at.carried, self.regathers, freed, working, end.loss)
+                + self.autocast_width * params + self.edge * at.edges + self.cp_kernel)
 
-    def state(self, params: int, zero3_gathered: int, tp_embedding_grads: int) -> mm.ModelState:
-        """``memory_model.model_state`` of a rank holding ``params``, once per distinct argument."""
-        key = (params, zero3_gathered, tp_embedding_grads)
-        state = self._states.get(key)
-        if state is None:
-            lay = self.layout
-            state = mm.model_state(params, lay.shards, lay.zero, self.precision, "adamw", fsdp=True,
-                                   zero3_gathered_params=zero3_gathered,
-                                   accumulating=self.microbatches > 1 or self.pipelined, pipelined=self.pipelined)
-            if tp_embedding_grads:
-                state = replace(state, grads=state.grads + tp_embedding_grads)
-            self._states[key] = state
+    def _add_state(self, params: int, zero3_gathered: int, tp_embedding_grads: int) -> mm.ModelState:
+        """``memory_model.model_state`` of a rank holding ``params`` (``peak`` asks once per distinct argument,
+        then reads ``_states``)."""
+        lay = self.layout
+        state = mm.model_state(params, lay.shards, lay.zero, self.precision, "adamw", fsdp=True,
+                               zero3_gathered_params=zero3_gathered,
+                               accumulating=self.microbatches > 1 or self.pipelined, pipelined=self.pipelined)
+        if tp_embedding_grads:
+            state = replace(state, grads=state.grads + tp_embedding_grads)
+        self._states[params, zero3_gathered, tp_embedding_grads] = state
         return state
 
 
@@ -401,13 +396,12 @@ class Evaluator:
         return self._rank_peak(self.layout_peaks(layout), self.stage_layers(layout), pp_rank)
 
     def _rank_peak(self, peaks: LayoutPeaks, counts: tuple[int, ...], pp_rank: int) -> int:
-        rank = peaks.rank(pp_rank)
-        return self._estimate(peaks, rank, sum(counts[i] for i in rank.ids))
+        return self._estimate(peaks, pp_rank, sum(map(counts.__getitem__, peaks.places[pp_rank].ids)))
 
-    def _estimate(self, peaks: LayoutPeaks, rank: RankTerms, layers: int) -> int:
-        """``peaks.peak(rank, layers)``, counted as one rank estimate (``SearchResult.rank_estimates``)."""
+    def _estimate(self, peaks: LayoutPeaks, pp_rank: int, layers: int) -> int:
+        """``peaks.peak(pp_rank, layers)``, counted as one rank estimate (``SearchResult.rank_estimates``)."""
         self.rank_estimates += 1
-        return peaks.peak(rank, layers)
+        return peaks.peak(pp_rank, layers)
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:
         """The split whose slowest stage (by ``units``) is fastest among those where every pp rank's in-step peak
@@ -435,8 +429,8 @@ class Evaluator:
     def rank_fits(self, peaks: LayoutPeaks, stage: int, layers: int, limit: int) -> bool:
         """Whether pp rank ``stage`` (one stage per rank) holding ``layers`` layers, every other stage one, peaks
         within ``limit``."""
-        rank = peaks.rank(stage)
-        return self._estimate(peaks, rank, sum(layers if i == stage else 1 for i in rank.ids)) <= limit
+        others = len(peaks.places[stage].ids) - 1  # the rank's own other stages (a V schedule's): one layer each
+        return self._estimate(peaks, stage, layers + others) <= limit
 
     def peak(self, layout: Layout) -> tuple[int, int]:
         """(bytes, pp rank) of the largest rank class."""
@@ -451,7 +445,7 @@ class Evaluator:
         tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
         per_rank = []
         for r in self.rank_classes(lay):
-            at = pipeline_place(lay.pp, lay.stages_per_rank, lay.schedule, m, r)
+            at = pipeline_places(lay.pp, lay.stages_per_rank, lay.schedule, m)[r]
             # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
             stage_params = sum(counts[i] * s.block_params for i in at.ids) + s.vocab * s.d_model * at.last
             layers = sum(counts[i] for i in at.ids)
