@@ -441,16 +441,19 @@ class Evaluator:
         """The slowest pipeline rank's time: the heaviest stage's FLOPs sets the pace of every stage."""
         s, lay = self.shape, layout
         m = lay.microbatches(s)
-        counts = self.stage_layers(lay)
+        counts, places = self.stage_layers(lay), pipeline_places(lay.pp, lay.stages_per_rank, lay.schedule, m)
         tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
+        by_load: dict[tuple[int, bool], float] = {}  # a rank's FLOPs by its layers and head: most ranks are alike
         per_rank = []
         for r in self.rank_classes(lay):
-            at = pipeline_places(lay.pp, lay.stages_per_rank, lay.schedule, m)[r]
-            # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
-            stage_params = sum(counts[i] * s.block_params for i in at.ids) + s.vocab * s.d_model * at.last
-            layers = sum(counts[i] for i in at.ids)
-            per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
-            per_rank.append((per_token * tokens / lay.tp, r))
+            load = (sum(map(counts.__getitem__, places[r].ids)), places[r].last)
+            if load not in by_load:
+                layers, head = load
+                # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
+                stage_params = layers * s.block_params + s.vocab * s.d_model * head
+                per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
+                by_load[load] = per_token * tokens / lay.tp
+            per_rank.append((by_load[load], r))
         flops, r = max(per_rank)
         shape = comm_shape(s, lay, r)
         by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m)
