@@ -326,13 +326,16 @@ class LayoutPeaks:
         ``_ends``)."""
         s, lay = self.shape, self.layout
         root = s.embedding_params * first + s.head_params * last  # a tied head is the embedding (one stage)
-        tp_grads = mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp) if lay.tp > 1 and lay.zero < 2 else 0
-        loss = mm.loss_backward_bytes(self.seq, lay.micro_batch, s.vocab, s.loss_chunks,
-                                      4 * s.vocab * s.d_model // lay.tp, s.compiled_loss)
+        tp_grads = 0
+        if first and lay.tp > 1 and lay.zero < 2:
+            tp_grads = mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp)
+        loss = 0
+        if last:
+            loss = mm.loss_backward_bytes(self.seq, lay.micro_batch, s.vocab, s.loss_chunks,
+                                          4 * s.vocab * s.d_model // lay.tp, s.compiled_loss)
         ends = self._ends[first, last] = Ends(
             root, s.d_model * last, mm.zero3_gathered_params(root, s.block_params, lay.tp, s.fsdp_prefetch),
-            tp_grads * first, mm.embedding_activation_bytes(self.seq, lay.micro_batch) * first, self.head * last,
-            loss * last)
+            tp_grads, mm.embedding_activation_bytes(self.seq, lay.micro_batch) * first, self.head * last, loss)
         return ends
 
     def peak(self, pp_rank: int, layers: int) -> int:
@@ -368,7 +371,7 @@ class Evaluator:
     def __init__(self, shape: Shape, g: tm.GPU, efficiency: float = tm.DEFAULT_EFFICIENCY):
         self.shape, self.gpu, self.efficiency = shape, g, efficiency
         self.rank_estimates = 0
-        self._peaks: dict[Layout, LayoutPeaks] = {}
+        self._peaks: LayoutPeaks | None = None
 
     def rank_classes(self, layout: Layout) -> list[int]:
         """The pp ranks that can hold the peak or the most compute: three classes under ``split_layers``; every
@@ -383,12 +386,12 @@ class Evaluator:
 
     def layout_peaks(self, layout: Layout) -> LayoutPeaks:
         """The peaks of ``layout``'s ranks, shared by its stage splits (the even one, the program's, the one that
-        fits)."""
+        fits). The search prices those one after another, so only the latest layout's are kept: thousands kept
+        cost the garbage collector more than they saved (a fifth of Megatron 1T's search)."""
         key = layout.unsplit
-        peaks = self._peaks.get(key)
-        if peaks is None:
-            peaks = self._peaks[key] = LayoutPeaks(self.shape, key)
-        return peaks
+        if self._peaks is None or self._peaks.layout != key:
+            self._peaks = LayoutPeaks(self.shape, key)
+        return self._peaks
 
     def rank_peak(self, layout: Layout, pp_rank: int) -> int:
         """In-step peak bytes of one rank of pipeline rank ``pp_rank`` (``estimate.RankEstimate.total_bytes``
