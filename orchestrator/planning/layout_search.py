@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 from itertools import product
+from typing import NamedTuple
 
 from orchestrator.planning import comm_model as cm
 from orchestrator.planning import memory_model as mm
@@ -174,6 +175,12 @@ class Layout:
         """Layers per stage: ``split``, else ``split_layers``'s."""
         return self.split or split_layers(n_layers, self.pp * self.stages_per_rank)
 
+    @functools.cached_property
+    def unsplit(self) -> Layout:
+        """This layout on the default split: what its splits share (kept: ``replace`` costs microseconds, and the
+        search asks once per rank)."""
+        return self if self.split is None else replace(self, split=None)
+
 
 @functools.lru_cache(maxsize=4096)
 def split_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
@@ -203,6 +210,14 @@ def balanced_layers(units: UnitTimes, n_stages: int) -> tuple[int, ...]:
     return balanced_split(units.layers, n_stages, units.first, units.last)
 
 
+@functools.lru_cache(maxsize=1024)
+def capped_layers(units: UnitTimes, caps: tuple[int, ...]) -> tuple[int, ...]:
+    """``balanced_layers`` with stage ``s`` holding at most ``caps[s]`` layers (``Evaluator.fitting_split``),
+    cached: layouts share caps (for Llama 3 405B on 16,384 GPUs 293 programs ask for 58 cap lists), and a
+    program over 126 layers costs milliseconds."""
+    return balanced_split(units.layers, len(caps), units.first, units.last, max_layers=caps)
+
+
 @dataclass
 class Candidate:
     layout: Layout
@@ -226,12 +241,137 @@ class SearchResult:
     rejected: dict[str, int] = field(default_factory=dict)
 
 
+class Place(NamedTuple):
+    """What a pp rank's peak reads of the pipeline schedule (``pipeline_places``)."""
+
+    ids: tuple[int, ...]  # the rank's stages
+    first: bool  # it holds the first stage (the embedding)
+    last: bool  # it holds the last stage (the head)
+    in_flight: int  # ``memory_model.in_flight_microbatches``
+    heads: int  # ``memory_model.head_copies``
+    carried: bool  # ``memory_model.carries_grads``
+    edges: int  # ``memory_model.pipeline_edges``
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_places(pp: int, stages_per_rank: int, schedule: str, microbatches: int) -> tuple[Place, ...]:
+    """Each pp rank's place, cached: every layout of the same pipeline (ZeRO stages, recompute policies, tp and
+    cp degrees, stage splits) shares them."""
+    n_stages, out = pp * stages_per_rank, []
+    for pp_rank in range(pp):
+        ids = tuple(stage_ids(pp_rank, pp, stages_per_rank, schedule))
+        last = n_stages - 1 in ids
+        in_flight = mm.in_flight_microbatches(schedule, pp, pp_rank, microbatches, len(ids))
+        out.append(Place(ids, 0 in ids, last, in_flight,
+                         mm.head_copies(last, pp > 1, schedule_facts(schedule).all_forwards_first, microbatches),
+                         mm.carries_grads(pp > 1, in_flight, microbatches, len(ids)),
+                         mm.pipeline_edges(list(ids), n_stages)))
+    return tuple(out)
+
+
+class Ends(NamedTuple):
+    """What holding the first stage (the embedding) or the last (the head) adds to a rank's peak
+    (``LayoutPeaks.ends``)."""
+
+    root: int  # embedding and head parameters
+    last_norm: int  # the final norm's weight
+    zero3_gathered: int  # ``memory_model.zero3_gathered_params``
+    tp_embedding_grads: int  # ``memory_model.tp_embedding_grad_bytes`` where the rank has them, else 0
+    embedding: int  # the embedding's saved bytes
+    head_freed: int  # what backward frees first outside a pipeline: the head
+    loss: int  # ``memory_model.loss_backward_bytes``
+
+
+class LayoutPeaks:
+    """The in-step peak of each pp rank of one layout (its stage split aside) as a function of the rank's layer
+    count: ``estimate.RankEstimate.total_bytes`` on plain numbers.
+
+    Why: the search asks for ~185,000 rank peaks for Llama 3 405B on 16,384 GPUs (every pp rank of a split
+    layout; ``Evaluator.max_layers``'s binary search at every pp rank), and derived afresh from shape and layout
+    each time they took most of the search's time. So the terms the whole layout shares are worked out once,
+    those a rank's place in the pipeline sets once per pipeline (``pipeline_places``), what the first and last
+    stage add once per layout, and model state once per parameter count (ranks holding as many layers hold as
+    many parameters)."""
+
+    def __init__(self, shape: Shape, layout: Layout):
+        s, lay = shape, layout
+        self.shape, self.layout, self.microbatches = s, lay, lay.microbatches(s)
+        self.places = pipeline_places(lay.pp, lay.stages_per_rank, lay.schedule, self.microbatches)
+        self.tp, self.pipelined = lay.tp, lay.pp > 1
+        self.block_params, self.norms = s.block_params, 2 * s.d_model  # a block: tp-sharded, its two norms
+        mixed = s.fsdp_mixed(lay.zero)
+        self.seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
+        self.precision = "fsdp_mixed" if mixed else "autocast" if c < 4 else "fp32"
+        self.layer = _layer_bytes(s, self.seq, lay.micro_batch, lay.tp, lay.recompute, mixed, lay.cp)
+        self.head = mm.head_activation_bytes(self.seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c,
+                                             fsdp_mixed=mixed, loss_chunks=s.loss_chunks,
+                                             fused_norm=s.gpu and not s.compiled)
+        self.mask = 0  # one document mask per microbatch and stage, shared by the blocks
+        if s.document_mask and lay.recompute == "none":
+            self.mask = mm.document_mask_bytes(s.seq, lay.micro_batch, lay.cp, s.cp_impl, c)
+        self.working = 0  # full recompute's rebuilt block
+        if lay.recompute == "full":
+            self.working = _layer_bytes(s, self.seq, lay.micro_batch, lay.tp, "none", mixed)
+        hidden = s.boundary_width(lay.zero) * self.seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
+        self.edge = self.microbatches * hidden  # a pipeline receive buffer per microbatch
+        self.cp_kernel = mm.cp_buffer_bytes(s.cp_impl, s.seq, lay.micro_batch, s.d_model, s.n_heads, s.kv, lay.cp,
+                                            lay.tp, c, s.head_size)
+        self.regathers = lay.zero >= 3 and lay.shards > 1
+        self.autocast_width = c if c < 4 and not mixed else 0  # autocast's 16-bit copy of each weight
+        self._ends: dict[tuple[bool, bool], Ends] = {}
+        self._states: dict[tuple[int, int, int], mm.ModelState] = {}
+
+    def _add_ends(self, first: bool, last: bool) -> Ends:
+        """What a rank holding the first and/or the last stage adds (``peak`` asks on first use, then reads
+        ``_ends``)."""
+        s, lay = self.shape, self.layout
+        root = s.embedding_params * first + s.head_params * last  # a tied head is the embedding (one stage)
+        tp_grads = 0
+        if first and lay.tp > 1 and lay.zero < 2:
+            tp_grads = mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp)
+        loss = 0
+        if last:
+            loss = mm.loss_backward_bytes(self.seq, lay.micro_batch, s.vocab, s.loss_chunks,
+                                          4 * s.vocab * s.d_model // lay.tp, s.compiled_loss)
+        ends = self._ends[first, last] = Ends(
+            root, s.d_model * last, mm.zero3_gathered_params(root, s.block_params, lay.tp, s.fsdp_prefetch),
+            tp_grads, mm.embedding_activation_bytes(self.seq, lay.micro_batch) * first, self.head * last, loss)
+        return ends
+
+    def peak(self, pp_rank: int, layers: int) -> int:
+        """In-step peak bytes of pipeline rank ``pp_rank`` holding ``layers`` layers."""
+        at = self.places[pp_rank]
+        end = self._ends.get((at.first, at.last)) or self._add_ends(at.first, at.last)
+        params = (layers * self.block_params + end.root) // self.tp + layers * self.norms + end.last_norm
+        key = (params, end.zero3_gathered, end.tp_embedding_grads)
+        state = self._states.get(key) or self._add_state(*key)
+        chunks = layers * self.layer + end.embedding + (len(at.ids) * self.mask if layers else 0)
+        saved = mm.rank_saved_bytes(chunks, len(at.ids), at.in_flight, self.head, at.heads)
+        freed = mm.freed_first(saved, at.in_flight, self.pipelined, end.head_freed)
+        working = self.working if layers else 0
+        return (mm.in_step_peak(state, saved, at.carried, self.regathers, freed, working, end.loss)
+                + self.autocast_width * params + self.edge * at.edges + self.cp_kernel)
+
+    def _add_state(self, params: int, zero3_gathered: int, tp_embedding_grads: int) -> mm.ModelState:
+        """``memory_model.model_state`` of a rank holding ``params`` (``peak`` asks once per distinct argument,
+        then reads ``_states``)."""
+        lay = self.layout
+        state = mm.model_state(params, lay.shards, lay.zero, self.precision, "adamw", fsdp=True,
+                               zero3_gathered_params=zero3_gathered,
+                               accumulating=self.microbatches > 1 or self.pipelined, pipelined=self.pipelined)
+        if tp_embedding_grads:
+            state = replace(state, grads=state.grads + tp_embedding_grads)
+        self._states[params, zero3_gathered, tp_embedding_grads] = state
+        return state
+
+
 class Evaluator:
     """Memory and time of candidates of one shape on one GPU type; counts the rank estimates it makes."""
 
     def __init__(self, shape: Shape, g: tm.GPU, efficiency: float = tm.DEFAULT_EFFICIENCY):
         self.shape, self.gpu, self.efficiency = shape, g, efficiency
         self.rank_estimates = 0
+        self._peaks: LayoutPeaks | None = None
 
     def rank_classes(self, layout: Layout) -> list[int]:
         """The pp ranks that can hold the peak or the most compute: three classes under ``split_layers``; every
@@ -244,50 +384,27 @@ class Evaluator:
     def stage_layers(self, layout: Layout) -> tuple[int, ...]:
         return layout.stage_layers(self.shape.n_layers)
 
+    def layout_peaks(self, layout: Layout) -> LayoutPeaks:
+        """The peaks of ``layout``'s ranks, shared by its stage splits (the even one, the program's, the one that
+        fits). The search prices those one after another, so only the latest layout's are kept: thousands kept
+        cost the garbage collector more than they saved (a fifth of Megatron 1T's search)."""
+        key = layout.unsplit
+        if self._peaks is None or self._peaks.layout != key:
+            self._peaks = LayoutPeaks(self.shape, key)
+        return self._peaks
+
     def rank_peak(self, layout: Layout, pp_rank: int) -> int:
         """In-step peak bytes of one rank of pipeline rank ``pp_rank`` (``estimate.RankEstimate.total_bytes``
         on plain numbers)."""
+        return self._rank_peak(self.layout_peaks(layout), self.stage_layers(layout), pp_rank)
+
+    def _rank_peak(self, peaks: LayoutPeaks, counts: tuple[int, ...], pp_rank: int) -> int:
+        return self._estimate(peaks, pp_rank, sum(map(counts.__getitem__, peaks.places[pp_rank].ids)))
+
+    def _estimate(self, peaks: LayoutPeaks, pp_rank: int, layers: int) -> int:
+        """``peaks.peak(pp_rank, layers)``, counted as one rank estimate (``SearchResult.rank_estimates``)."""
         self.rank_estimates += 1
-        s, lay = self.shape, layout
-        n_stages, m = lay.pp * lay.stages_per_rank, lay.microbatches(self.shape)
-        ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
-        counts = self.stage_layers(lay)
-        first, last = 0 in ids, n_stages - 1 in ids
-        layers = sum(counts[i] for i in ids)
-        root = s.embedding_params * first + s.head_params * last  # a tied head is the embedding (one stage)
-        params = (layers * s.block_params + root) // lay.tp + layers * 2 * s.d_model + s.d_model * last
-        mixed = s.fsdp_mixed(lay.zero)
-        precision = "fsdp_mixed" if mixed else "autocast" if s.compute_bytes < 4 else "fp32"
-        state = mm.model_state(params, lay.shards, lay.zero, precision, "adamw",
-                               fsdp=True, zero3_gathered_params=mm.zero3_gathered_params(
-                                   root, s.block_params, lay.tp, s.fsdp_prefetch),
-                               accumulating=m > 1 or lay.pp > 1, pipelined=lay.pp > 1)
-        if lay.tp > 1 and lay.zero < 2 and first:
-            state = replace(state, grads=state.grads + mm.tp_embedding_grad_bytes(s.vocab, s.d_model, lay.tp))
-        seq, c, sp = s.seq // lay.cp, s.compute_bytes, lay.tp > 1
-        layer = _layer_bytes(s, seq, lay.micro_batch, lay.tp, lay.recompute, mixed, lay.cp)
-        head = mm.head_activation_bytes(seq, lay.micro_batch, s.d_model, s.vocab, lay.tp, sp, c, fsdp_mixed=mixed,
-                                        loss_chunks=s.loss_chunks, fused_norm=s.gpu and not s.compiled)
-        in_flight = mm.in_flight_microbatches(lay.schedule, lay.pp, pp_rank, m, len(ids))
-        chunks = layers * layer + mm.embedding_activation_bytes(seq, lay.micro_batch) * first
-        if s.document_mask and lay.recompute == "none" and layers:  # one mask per microbatch, shared by the blocks
-            chunks += len(ids) * mm.document_mask_bytes(s.seq, lay.micro_batch, lay.cp, s.cp_impl, c)
-        heads = mm.head_copies(last, lay.pp > 1, schedule_facts(lay.schedule).all_forwards_first, m)
-        saved = mm.rank_saved_bytes(chunks, len(ids), in_flight, head, heads)
-        carried = mm.carries_grads(lay.pp > 1, in_flight, m, len(ids))
-        working = 0
-        if lay.recompute == "full" and layers:
-            working = _layer_bytes(s, seq, lay.micro_batch, lay.tp, "none", mixed)
-        freed = mm.freed_first(saved, in_flight, lay.pp > 1, head * last)
-        hidden = s.boundary_width(lay.zero) * seq * lay.micro_batch * s.d_model // (lay.tp if sp else 1)
-        edges = mm.pipeline_edges(ids, n_stages)
-        cp_kernel = mm.cp_buffer_bytes(s.cp_impl, s.seq, lay.micro_batch, s.d_model, s.n_heads, s.kv, lay.cp, lay.tp,
-                                       c, s.head_size)
-        buffers = (c * params if c < 4 and not mixed else 0) + m * hidden * edges + cp_kernel  # autocast
-        regathers = lay.zero >= 3 and lay.shards > 1
-        loss = mm.loss_backward_bytes(seq, lay.micro_batch, s.vocab, s.loss_chunks,
-                                      4 * s.vocab * s.d_model // lay.tp, s.compiled_loss) * last
-        return mm.in_step_peak(state, saved, carried, regathers, freed, working, loss) + buffers
+        return peaks.peak(pp_rank, layers)
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:
         """The split whose slowest stage (by ``units``) is fastest among those where every pp rank's in-step peak
@@ -295,50 +412,51 @@ class Evaluator:
         its rank holds within ``limit`` (``max_layers``). One stage per rank only (a cap per stage)."""
         if layout.stages_per_rank != 1 or layout.pp > self.shape.n_layers:
             return None
-        n, pp = self.shape.n_layers, layout.pp
-        if not any(self.rank_fits(layout, stage, -(-n // pp), limit) for stage in range(pp)):
+        n, pp, peaks = self.shape.n_layers, layout.pp, self.layout_peaks(layout)
+        if not any(self.rank_fits(peaks, stage, -(-n // pp), limit) for stage in range(pp)):
             return None  # some stage holds at least n / pp layers: most layouts that do not fit end here
-        caps = [self.max_layers(layout, stage, limit) for stage in range(pp)]
+        caps = tuple(self.max_layers(peaks, stage, limit) for stage in range(pp))
         if sum(caps) < n or min(caps) < 1:
             return None
+        return capped_layers(units, caps)
 
-        def over_cap(stage: int, lo: int, hi: int) -> int:
-            return hi - lo - caps[stage]  # the program refuses a stage where this passes its limit, 0
-        return balanced_split(units.layers, layout.pp, units.first, units.last, over_cap, 0)
-
-    def max_layers(self, layout: Layout, stage: int, limit: int) -> int:
+    def max_layers(self, peaks: LayoutPeaks, stage: int, limit: int) -> int:
         """The most layers pp rank ``stage`` (one stage per rank) holds with its peak within ``limit``, 0 if not
         one: a binary search, as a rank's peak grows with its layers (a rank's peak reads its own count only)."""
-        lo, hi = 0, self.shape.n_layers - layout.pp + 1
+        lo, hi = 0, self.shape.n_layers - peaks.layout.pp + 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.rank_fits(layout, stage, mid, limit) else (lo, mid - 1)
+            lo, hi = (mid, hi) if self.rank_fits(peaks, stage, mid, limit) else (lo, mid - 1)
         return lo
 
-    def rank_fits(self, layout: Layout, stage: int, layers: int, limit: int) -> bool:
-        """Whether pp rank ``stage`` (one stage per rank) holding ``layers`` layers peaks within ``limit``."""
-        counts = tuple(layers if i == stage else 1 for i in range(layout.pp))
-        return self.rank_peak(replace(layout, split=counts), stage) <= limit
+    def rank_fits(self, peaks: LayoutPeaks, stage: int, layers: int, limit: int) -> bool:
+        """Whether pp rank ``stage`` (one stage per rank) holding ``layers`` layers, every other stage one, peaks
+        within ``limit``."""
+        others = len(peaks.places[stage].ids) - 1  # the rank's own other stages (a V schedule's): one layer each
+        return self._estimate(peaks, stage, layers + others) <= limit
 
     def peak(self, layout: Layout) -> tuple[int, int]:
         """(bytes, pp rank) of the largest rank class."""
-        return max((self.rank_peak(layout, r), r) for r in self.rank_classes(layout))
+        peaks, counts = self.layout_peaks(layout), self.stage_layers(layout)
+        return max((self._rank_peak(peaks, counts, r), r) for r in self.rank_classes(layout))
 
     def step_time(self, layout: Layout) -> tuple[tm.StepTime, dict[str, float]]:
         """The slowest pipeline rank's time: the heaviest stage's FLOPs sets the pace of every stage."""
         s, lay = self.shape, layout
         m = lay.microbatches(s)
-        n_stages = lay.pp * lay.stages_per_rank
-        counts = self.stage_layers(lay)
+        counts, places = self.stage_layers(lay), pipeline_places(lay.pp, lay.stages_per_rank, lay.schedule, m)
+        tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
+        by_load: dict[tuple[int, bool], float] = {}  # a rank's FLOPs by its layers and head: most ranks are alike
         per_rank = []
         for r in self.rank_classes(lay):
-            ids = stage_ids(r, lay.pp, lay.stages_per_rank, lay.schedule)
-            # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
-            stage_params = sum(counts[i] * s.block_params for i in ids) + s.vocab * s.d_model * (n_stages - 1 in ids)
-            layers = sum(counts[i] for i in ids)
-            per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
-            tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
-            per_rank.append((per_token * tokens / lay.tp, r))
+            load = (sum(map(counts.__getitem__, places[r].ids)), places[r].last)
+            if load not in by_load:
+                layers, head = load
+                # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
+                stage_params = layers * s.block_params + s.vocab * s.d_model * head
+                per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
+                by_load[load] = per_token * tokens / lay.tp
+            per_rank.append((by_load[load], r))
         flops, r = max(per_rank)
         shape = comm_shape(s, lay, r)
         by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m)
@@ -502,7 +620,7 @@ def _priced(ev: Evaluator, layouts, units: UnitTimes | None, limit: int):
             seen.add(lay)
             peak, pp_rank = ev.peak(lay)
             yield lay, peak, pp_rank
-            key = replace(lay, split=None)
+            key = lay.unsplit
             if peak > limit and units is not None and lay.pp > 1 and key not in refitted:
                 refitted.add(key)
                 fitted = ev.fitting_split(lay, units, limit)

@@ -108,10 +108,11 @@ def in_step_peak(state: ModelState, activations: int, grads_at_activation_peak: 
     - the end of backward: every gradient, the gathered parameters and ZeRO-0/1's flat copy of the gradients
       for their reduction (``reducing``), the activations gone.
     """
-    carried = state.step_grads if grads_at_activation_peak else 0
+    grads = state.step_grads
+    carried = grads if grads_at_activation_peak else 0
     forward_end = activations + carried + (0 if regathers else state.gathered) + loss
     in_backward = activations - freed + carried + state.gathered + working
-    backward_end = state.step_grads + state.gathered + state.reducing
+    backward_end = grads + state.gathered + state.reducing
     return state.params + state.optimizer + max(forward_end, in_backward, backward_end)
 
 

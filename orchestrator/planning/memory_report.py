@@ -18,7 +18,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from orchestrator.observability.events import event
-from orchestrator.planning.estimate import RankEstimate, autocast_copy_bytes, estimate, estimate_rank, local_seq
+from orchestrator.planning.estimate import (
+    RankEstimate,
+    autocast_copy_bytes,
+    estimate,
+    estimate_rank,
+    local_seq,
+    peak_rank,
+)
 from orchestrator.planning.memory_model import human_bytes, suggested_loss_chunks
 from orchestrator.spec import JobSpec
 
@@ -52,7 +59,7 @@ def loss_chunks_advice(spec: JobSpec) -> str | None:
     chunks = _suggested_chunks(spec)
     if spec.train.loss_chunks != 1 or chunks == 1:
         return None
-    whole = max(estimate(spec), key=lambda r: r.total_bytes)
+    whole = peak_rank(spec)
     chunked = estimate_rank(spec.with_overrides([f"train.loss_chunks={chunks}"]), whole.rank)
     saved = whole.total_bytes - chunked.total_bytes
     if 4 * saved < whole.total_bytes:

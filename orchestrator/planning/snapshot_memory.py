@@ -17,7 +17,7 @@ planner's per-rank model state (``estimate``), the figure ``raymesh plan`` shows
 from __future__ import annotations
 
 from orchestrator.errors import SpecError
-from orchestrator.planning.estimate import estimate
+from orchestrator.planning.estimate import stage_estimates
 from orchestrator.planning.memory_model import human_bytes
 from orchestrator.spec import JobSpec
 from orchestrator.spec.sections import dp_replicas_mirror, ps_replicas_mirror
@@ -34,7 +34,8 @@ def replicas_mirror(spec: JobSpec) -> bool:
 def snapshot_bytes(spec: JobSpec) -> int:
     """Bytes of one snapshot of the rank with the most state: its parameters and optimizer state, offloaded or
     not, and compression's error feedback (gradients are not kept)."""
-    return max(r.state.params + r.state.optimizer + r.state.offloaded + r.feedback_bytes for r in estimate(spec))
+    return max(r.state.params + r.state.optimizer + r.state.offloaded + r.feedback_bytes
+               for r in stage_estimates(spec))
 
 
 def copies(spec: JobSpec) -> int:

@@ -3,6 +3,8 @@ identical ranks are estimated once, and the published Megatron and Llama 3 layou
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,12 +16,15 @@ from orchestrator.planning import memory_model as mm
 from orchestrator.planning import time_model as tm
 from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.planning.published import RUNS
+from orchestrator.planning.snapshot_memory import snapshot_bytes
+from orchestrator.spec import load_spec
 from workers.diagnostics.memory_probe import ActivationMeter
 from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.registry import build_model
 
 GPT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "d_ff": 128, "seq_len": 32}
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {"arch": "llama", "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 96, "seq_len": 32}
 
 
@@ -120,6 +125,23 @@ def test_identical_ranks_are_estimated_once(monkeypatch):
     assert result.rank_estimates <= 3 * result.considered
 
 
+@pytest.mark.parametrize("parallel", [
+    {"pp": 4, "dp": 2, "tp": 2}, {"pp": 2, "dp": 4, "zero": 3, "pp_schedule": "interleaved_1f1b"},
+    {"pp": 4, "cp": 2, "pp_schedule": "gpipe", "pp_split": [1, 3, 3, 1]},  # two middle stages peak alike
+])
+def test_the_largest_rank_is_read_off_one_estimate_per_pipeline_coordinate(parallel):
+    """``peak_rank``, the snapshot size and ``render``'s rank per stage, from ``stage_estimates``, are what every
+    rank's estimate gives: the same rank (the lowest of equal peaks), coordinates and bytes."""
+    spec = _job({**GPT, "n_layers": 8, "vocab_size": 64}, parallel={**parallel, "device": "cuda"},
+                train={"global_batch_size": 16, "microbatches": 4}, precision={"dtype": "bf16"})
+    every = est.estimate(spec)
+    firsts = [r for r in every if r.coords["dp"] == r.coords["tp"] == r.coords.get("cp", 0) == 0]
+    assert est.stage_estimates(spec) == firsts and len(firsts) == spec.parallel.pp  # render's one per stage
+    assert est.peak_rank(spec) == max(every, key=lambda r: r.total_bytes)
+    assert snapshot_bytes(spec) == max(r.state.params + r.state.optimizer + r.state.offloaded + r.feedback_bytes
+                                       for r in every)
+
+
 @pytest.mark.parametrize("key", list(RUNS))
 def test_published_layouts_fit_with_headroom(key):
     """The published degrees, with the planner's best ZeRO stage, micro-batch and recompute, fit in 90% of
@@ -161,3 +183,29 @@ def test_picker_shards_over_context_parallel_ranks_as_the_ranks_do():
     assert zero3.state.persistent == 16 * 8_030_261_248 // 8
     assert ev.rank_peak(ls.Layout(1, 1, 1, 8, 3, 1, "full"), 0) == zero3.total_bytes
     assert any(lay.zero == 3 for lay in ls.candidates(ls.Shape.of(spec), 8, tm.gpu("H100"), cps=[8]))
+
+
+def test_planning_16384_gpus_considers_and_picks_what_it_did(monkeypatch):
+    """``raymesh plan`` of Llama 3 405B at 8K tokens on 2,048 nodes x 8 H200 (the README's timing): the layouts
+    the search prices, the rank estimates and refusals it counts, and what it picks, for the search the picker
+    runs (cp=1 below 16K tokens) and the unrestricted one beside it. Making the search faster (cached rank
+    terms, the capped split program) must not change one of them: ``plan`` prints them all."""
+    spec = load_spec(ROOT / "examples/mixed_precision_bf16.yaml",
+                     ["model.preset=llama3-405b", "model.seq_len=8192", "train.global_batch_size=2048"])
+    results = []
+    search = ls.search
+    monkeypatch.setattr(ls, "search", lambda *a, **kw: results.append(search(*a, **kw)) or results[-1])
+    choice = pick_layout(spec, nodes=2048, gpus_per_node=8, gpu_type="H200")
+    picked, free = results
+    assert (picked.considered, picked.rank_estimates, free.considered, free.rank_estimates) == (162, 9367, 5189, 185173)
+    assert picked.rejected == {"global batch not divisible by dp": 6, "too few microbatches for the schedule": 113,
+                               "layers do not split into the stages": 4, "does not fit with headroom": 112}
+    assert free.rejected == {"global batch not divisible by dp": 10, "too few microbatches for the schedule": 678,
+                             "layers do not split into the stages": 20, "does not fit with headroom": 3362}
+    assert [c.layout.label() for c in picked.best[:3]] == [
+        "dp=2048 tp=8 pp=1 cp=1 zero=2 mbs=1 recompute=full", "dp=2048 tp=8 pp=1 cp=1 zero=3 mbs=1 recompute=full",
+        "dp=512 tp=8 pp=4 cp=1 zero=2 mbs=1 recompute=full interleaved_1f1bx2 split=15,16,16,16,16,16,16,15"]
+    assert choice.candidate is picked.best[0] and len(picked.best) == 162 - 112 and len(free.best) == 5189 - 3362
+    assert choice.unrestricted.layout.label() == (
+        "dp=8 tp=8 pp=32 cp=8 zero=2 mbs=1 recompute=none interleaved_1f1bx2 split=" + ",".join(["1"] + ["2"] * 62
+                                                                                              + ["1"]))

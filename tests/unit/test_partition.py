@@ -57,6 +57,79 @@ def test_dynamic_program_finds_the_brute_force_optimum_under_a_memory_limit():
     assert checked > 150 and infeasible > 10  # both branches were exercised
 
 
+def random_problem(rng: random.Random, most_layers: int) -> tuple[list[float], int, float, float]:
+    """Layer times, stages, embedding and head costs of a random split: equal and zero times (ties are common),
+    a head as light as a block or heavier."""
+    n = rng.randint(1, most_layers)
+    times = [rng.choice([0.0, 0.5, 1.0, 1.0, 2.0, rng.uniform(0, 5)]) for _ in range(n)]
+    first, last = rng.choice([0.0, 1.0, rng.uniform(0, 3)]), rng.choice([0.0, 1.0, rng.uniform(0, 8)])
+    return times, rng.randint(1, n), first, last
+
+
+def test_layer_caps_give_the_split_a_memory_rule_of_the_same_caps_gives():
+    """``max_layers`` bounds where a stage may start instead of pricing every start: the same split (ties
+    included: equal layer times tie everywhere) as the same caps asked of ``memory`` start by start."""
+    rng = random.Random(11)
+    compared = infeasible = 0
+    for _ in range(400):
+        times, n_stages, first, last = random_problem(rng, 12)
+        caps = [rng.randint(0, len(times)) for _ in range(n_stages)]
+
+        def over_cap(stage, lo, hi, caps=caps):
+            return hi - lo - caps[stage]
+
+        try:
+            expected = balanced_split(times, n_stages, first, last, over_cap, 0)
+        except ValueError:
+            infeasible += 1
+            with pytest.raises(ValueError, match=r"no split .* at most \["):
+                balanced_split(times, n_stages, first, last, max_layers=caps)
+            continue
+        assert balanced_split(times, n_stages, first, last, max_layers=caps) == expected
+        compared += 1
+    assert compared > 150 and infeasible > 50  # both branches were exercised
+
+
+def latest_stage_longest(times, n_stages, first, last):
+    """The tie rule by enumeration: the last stage starts as early as an optimal split allows, and the stages
+    before it split what precedes it the same way, for their own best (their slowest stage may be faster)."""
+    prefix = list(itertools.accumulate(times, initial=0.0))
+
+    def cost(stage, lo, hi):
+        return prefix[hi] - prefix[lo] + (first if stage == 0 else 0.0) + (last if stage == n_stages - 1 else 0.0)
+
+    def slowest(j, stages):  # the best slowest stage of layers [0, j) on stages 0..stages-1, enumerated
+        return min(max(cost(s, a, b) for s, (a, b) in enumerate(itertools.pairwise((0, *cuts, j))))
+                   for cuts in itertools.combinations(range(1, j), stages - 1))
+
+    def split(j, stages):
+        if stages == 1:
+            return (j,)
+        s = stages - 1
+        best = slowest(j, stages)
+        i = next(i for i in range(s, j) if max(slowest(i, s), cost(s, i, j)) == best)
+        return (*split(i, s), j - i)
+
+    return split(len(times), n_stages)
+
+
+def test_stopping_the_scan_early_changes_no_split():
+    """Without ``memory`` the program stops scanning a stage's starts once the stage alone costs more than the
+    best so far; with a ``memory`` that refuses nothing it scans them all. Same split, capped or not, and the
+    one the tie rule names (equal and zero layer times tie often)."""
+    rng = random.Random(5)
+    for _ in range(400):
+        times, n_stages, first, last = random_problem(rng, 12)
+        caps = rng.choice([None, [rng.randint(1, len(times)) for _ in range(n_stages)]])
+        try:
+            whole = balanced_split(times, n_stages, first, last, lambda *_: 0, 1, max_layers=caps)
+        except ValueError:
+            continue
+        assert balanced_split(times, n_stages, first, last, max_layers=caps) == whole
+        if caps is None:
+            assert whole == latest_stage_longest(times, n_stages, first, last)
+
+
 def test_a_heavy_head_moves_layers_to_the_first_stage():
     assert balanced_split([1.0] * 6, 2, first=0.1, last=3.0) == (4, 2)  # 4.1 vs 5.0, even would be 3.1 vs 6.0
     assert balanced_split([1.0] * 6, 2) == (3, 3)
