@@ -157,3 +157,10 @@ def _chain_to_torch(importtime: str) -> str:
             chain.append(name.strip())
             depth = len(name) - len(name.lstrip())
     return " <- ".join(chain)
+
+
+def test_no_two_test_modules_share_a_name():
+    """pytest imports test files by their base name (the test folders are not packages): two of one name in
+    tests/unit and tests/integration stop the whole suite at collection."""
+    names = [path.name for folder in ("unit", "integration") for path in (ROOT / "tests" / folder).glob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
