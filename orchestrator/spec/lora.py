@@ -1,20 +1,15 @@
-"""The `model.lora` section (LoRA / QLoRA fine-tuning) and the checks that need the rest of the job.
-
-Kept beside `spec.py` so the LoRA keys and their errors live in one place;
-`JobSpec` calls `check_lora` with the validated sections.
-"""
+"""What the driver does with `model.lora` (LoRA / QLoRA fine-tuning; its fields in
+``workers.contract.sections.LoraSection``): the base checkpoint's checks, the merged and Hugging Face exports, the
+checkpoint an export reads, and the parameter split the planner prices. The checks against the rest of the job
+are in ``checks/lora.py``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
-
-from pydantic import BaseModel, Field
 
 from orchestrator.checkpoints.base_pin import check_base_unchanged
 from orchestrator.checkpoints.job_record import check_readable
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import HF_MOE_TYPES, model_config
 from workers.storage import is_url, location, staged_output
 
@@ -27,21 +22,6 @@ def default_targets(arch: str) -> list[str]:
     from workers.model.registry import family
 
     return list(family(arch).lora_targets)
-
-
-
-class LoraSpec(BaseModel):
-    """Low-rank adapters on the Linear layers named by `targets`; everything else frozen."""
-
-    model_config = STRICT
-
-    rank: Annotated[int, Field(gt=0)] = 8
-    alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
-    # null: the model family's default (ModelSpec fills it in, e.g. gpt: wq wk wv wo w1 w2; llama adds w3)
-    targets: Annotated[list[str], Field(min_length=1)] | None = None
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
-    base_checkpoint: PathStr | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
 
 
 def _linear_names(model):
