@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.cross_checks import CROSS_FIELD_CHECKS
+from orchestrator.spec.checks import CROSS_FIELD_CHECKS
 from orchestrator.spec.fields import _SECTIONS, NAME_MAX, PathStr, _Section
 from orchestrator.spec.loggers import LoggersSpec
 from orchestrator.spec.messages import to_spec_error
