@@ -127,10 +127,11 @@ def test_checker_sees_nested_and_relative_imports(tmp_path):
 
 
 # what runs without training a model: the CLI (`raymesh --help`, `status`, `plan`), the controller (in its own
-# actor for a hosted run) and the Python client. torch costs ~3 s of CPU to import on a 2-core machine.
+# actor for a hosted run) and the Python client, and the job-file sections they share with the ranks
+# (`workers.contract`). torch costs ~3 s of CPU to import on a 2-core machine.
 TORCH_FREE = ["orchestrator.cli", "orchestrator.runtime.controller", "orchestrator.runtime.hosted",
               "orchestrator.api.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare",
-              "workers.step.figures"]
+              "workers.step.figures", "workers.contract.sections"]
 
 
 def test_the_cli_controller_and_client_import_without_torch():
