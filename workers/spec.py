@@ -83,6 +83,7 @@ SECTIONS = {"parallel": ParallelSection, "train": TrainSection, "data": DataSect
 
 
 def _member(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """Section ``name`` of ``raw``; a dict without it is refused by name rather than read as all defaults."""
     section = raw.get(name)
     if not isinstance(section, Mapping):
         raise KeyError(f"worker spec section {name} is missing; {_FIX}")
@@ -104,6 +105,7 @@ def _parse(kind: type[BaseModel], raw: Mapping[str, Any], name: str) -> BaseMode
 
 
 def _keys(kind: type[BaseModel]) -> list[str]:
+    """The dict keys of ``kind``'s fields (their job-file aliases where they have one)."""
     return [info.alias or name for name, info in kind.model_fields.items()]
 
 

@@ -97,7 +97,9 @@ class JobSpec(_Section):
         """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab,
         `memory.recompute: sqrt` as the policy and interval it runs, `parallel.pp_split` as layer counts per stage).
 
-        Workers never import the orchestrator, so they get a plain dict with no defaults left to derive.
+        Workers never import the orchestrator, so they get a plain dict with no defaults left to derive, and parse
+        it with the section classes these sections subclass (``workers.spec.WorkerSpec``), which refuse a field left
+        out.
         """
         out = self.to_dict()
         out["model"]["d_ff"] = self.model.ffn_dim
