@@ -108,12 +108,12 @@ class PSShard:
 
     def _ndim(self, key: str, layout: dict) -> int:
         """Dimensions of the tensor chunk ``key`` is cut from (``layout``), which pick its weight decay
-        (``optimizers.decay_for``). Unknown is refused only where it matters (``weight_decay_exclude: 1d`` with a
+        (``optimizers.dict_decay``). Unknown is refused only where it matters (``weight_decay_exclude: 1d`` with a
         decay): an outside client may register without a layout."""
         info = layout.get(key.rpartition("#")[0])
         if info is not None:
             return len(info["shape"])
-        if optimizers.decay_for(self.optim, 1) != optimizers.decay_for(self.optim, 2):
+        if optimizers.dict_decay(self.optim, 1) != optimizers.dict_decay(self.optim, 2):
             raise ValueError(f"shard {self.id}: register of key {key!r} without its tensor's layout (shape), so "
                              "whether optim.weight_decay_exclude: 1d spares it is unknown; nothing registered "
                              "(send the layout with the chunks)")

@@ -3,8 +3,8 @@
 The step's parts live in ``workers.step``: an engine (accumulation, a pipeline schedule, PipeDream, asp/ssp
 rounds), an objective (``train.objective``) and the hooks of the per-step features; ``train_step`` runs the
 engine under them and packs the result. The trainer knows nothing of Ray or the controller: it takes the plain job
-spec dict (parsed once into a ``WorkerSpec``) and its rank, so the same code runs inside a ``RankWorker`` actor,
-under ``torchrun`` (the benchmark baseline) or single-process (the reference).
+spec dict (parsed once into a ``WorkerSpec`` of typed sections) and its rank, so the same code runs inside a
+``RankWorker`` actor, under ``torchrun`` (the benchmark baseline) or single-process (the reference).
 """
 
 from __future__ import annotations
@@ -53,20 +53,20 @@ class Trainer:
         self.spec = WorkerSpec.from_dict(spec)
         check_objective(self.spec.train.objective)
         self.rank = rank
-        par, memory = self.spec.parallel, spec["memory"]
+        par, memory = self.spec.parallel, self.spec.memory
         self.grid = par.grid
         self.coords = self.grid.coords(rank)
         self.device = pick_device(par.device)
-        if self.spec.memory.offloads_params:
+        if memory.offload.params:
             release_freed_buffers()  # before the model is built, so evicted shards' host memory goes back to the OS
         self.mesh = init_mesh(rank, world_size, master_addr, master_port, self.grid,
-                              self.device, timeout_s=self.spec.collective_timeout_s, listener=listener)
+                              self.device, timeout_s=self.spec.fault_tolerance.collective_timeout_s, listener=listener)
         self.parts = build_parts(self.spec, self.mesh, self.device)
         # expert parallelism: the experts' gradient norm is summed over the ep ranks that split them
         self.expert_norm = ([p for e in self.parts.experts for p in e.parameters()], self.parts.ep_group) \
             if self.parts.ep_group is not None else ()
-        self.param_offload = offload_params(self.parts.modules, memory, self.device)
-        self.state = self._train_state(spec)
+        self.param_offload = offload_params(self.parts.modules, memory.offload, self.device)
+        self.state = self._train_state()
         feedback = self._error_feedback()
         if feedback:  # each rank's own, kept across recoveries and resumes
             self.state.wire_feedback = CompressionFeedback(feedback, self._feedback_layout(), rank, self.device)
@@ -102,15 +102,15 @@ class Trainer:
         so a bucket_mb change that cuts the same buckets keeps the feedback. Another entry name: the feedback
         starts at zero, as at another layout."""
         par = self.spec.parallel
-        layout = f"dp{par.dp}.pp{par.pp}.tp{par.tp}.cp{par.grid.cp}.ep{par.grid.ep}.v{par.virtual_stages}"
+        layout = f"dp{par.dp}.pp{par.pp}.tp{par.tp}.cp{par.grid.cp}.ep{par.grid.ep}.v{par.stages_per_rank}"
         if par.grad_compression not in WITH_FEEDBACK:
             return layout
         sizes = [[sum(p.numel() for p in b.params) for b in r.buckets] for r in self.parts.reducers]
         return f"{layout}.buckets{zlib.crc32(repr(sizes).encode()):08x}"
 
-    def _train_state(self, spec: dict) -> TrainState:
+    def _train_state(self) -> TrainState:
         """Optimizers, LR schedulers, data cursor and loss scaler around the built model parts."""
-        par, memory = self.spec.parallel, spec["memory"]
+        par, optim = self.spec.parallel, self.spec.optim
         # ZeRO-1: each part's optimizer steps this rank's slices of the part's parameters (distributed_optimizer.py)
         dp_mesh = data_parallel_mesh(self.mesh, par.grid)  # dp, or dp x cp: the ranks gradients are averaged over
         sliced = self.parts.modules if par.zero == 1 and dp_mesh.size() > 1 else []
@@ -125,13 +125,14 @@ class Trainer:
         stepped = [list(z.shards.items()) for z in self.zero1] or [list(unwrap(m).named_parameters())
                                                                    for m in self.parts.modules]
         dp = dp_mesh.get_group() if dp_mesh.size() > 1 else None  # onebit_adam's momentum average
-        optimizers = [build_optimizer([p for _, p in named], spec["optim"], memory, self.device, self.param_offload,
+        offload = self.spec.memory.offload
+        optimizers = [build_optimizer([p for _, p in named], optim, offload, self.device, self.param_offload,
                                       dp_group=dp, names=[n for n, _ in named]) for named in stepped]
         steps = self.spec.train.steps
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(spec["optim"], steps)) for o in optimizers]
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(optim, steps)) for o in optimizers]
         precision, data = self.spec.precision, self.spec.data
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
-        dataset = open_data(data.path, data.sources(), self.spec.model.seq_len, data.seed)
+        dataset = open_data(data.path, data.sources() if data.mix else None, self.spec.model.seq_len, data.seed)
         cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp,
                             cp_rank=self.coords.cp, cp_size=par.grid.cp,
                             eos_id=document_eos(self.spec.model.attention_mask, dataset))

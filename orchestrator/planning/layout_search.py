@@ -561,7 +561,7 @@ def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomput
 
 def _chunkable(shape: Shape, cps: list[int], skip) -> list[int]:
     """The cp degrees of ``cps`` that leave each rank at least ``train.loss_chunks`` tokens of a sequence: the
-    spec refuses the others (``orchestrator/spec/loss_chunk_checks.py``), so the picker neither picks nor offers
+    spec refuses the others (``orchestrator/spec/checks/loss_chunks.py``), so the picker neither picks nor offers
     them."""
     for cp in cps:
         if shape.seq // cp < shape.loss_chunks:

@@ -136,7 +136,7 @@ class PSShards:
         """The job's learning rate at every step, as each rank's ``LambdaLR`` computes it (base × factor), so
         a shard steps at the rate the workers' schedule says and no request can set another."""
         optim, steps = self.spec.optim, self.spec.train.steps
-        factor = lr_lambda(optim.model_dump(), steps)
+        factor = lr_lambda(optim, steps)
         return [optim.lr * factor(step) for step in range(steps)]
 
     def _write_routes(self) -> None:

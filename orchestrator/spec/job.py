@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.cross_checks import CROSS_FIELD_CHECKS
+from orchestrator.spec.checks import CROSS_FIELD_CHECKS
 from orchestrator.spec.fields import _SECTIONS, NAME_MAX, PathStr, _Section
 from orchestrator.spec.loggers import LoggersSpec
 from orchestrator.spec.messages import to_spec_error
@@ -97,7 +97,9 @@ class JobSpec(_Section):
         """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab,
         `memory.recompute: sqrt` as the policy and interval it runs, `parallel.pp_split` as layer counts per stage).
 
-        Workers never import the orchestrator, so they get a plain dict with no defaults left to derive.
+        Workers never import the orchestrator, so they get a plain dict with no defaults left to derive, and parse
+        it with the section classes these sections subclass (``workers.spec.WorkerSpec``), which refuse a field left
+        out.
         """
         out = self.to_dict()
         out["model"]["d_ff"] = self.model.ffn_dim

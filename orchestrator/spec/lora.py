@@ -1,20 +1,15 @@
-"""The `model.lora` section (LoRA / QLoRA fine-tuning) and the checks that need the rest of the job.
-
-Kept beside `spec.py` so the LoRA keys and their errors live in one place;
-`JobSpec` calls `check_lora` with the validated sections.
-"""
+"""What the driver does with `model.lora` (LoRA / QLoRA fine-tuning; its fields in
+``workers.contract.sections.LoraSection``): the base checkpoint's checks, the merged and Hugging Face exports, the
+checkpoint an export reads, and the parameter split the planner prices. The checks against the rest of the job
+are in ``checks/lora.py``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
-
-from pydantic import BaseModel, Field
 
 from orchestrator.checkpoints.base_pin import check_base_unchanged
 from orchestrator.checkpoints.job_record import check_readable
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import STRICT, PathStr
 from workers.model.config import HF_MOE_TYPES, model_config
 from workers.storage import is_url, location, staged_output
 
@@ -27,21 +22,6 @@ def default_targets(arch: str) -> list[str]:
     from workers.model.registry import family
 
     return list(family(arch).lora_targets)
-
-
-
-class LoraSpec(BaseModel):
-    """Low-rank adapters on the Linear layers named by `targets`; everything else frozen."""
-
-    model_config = STRICT
-
-    rank: Annotated[int, Field(gt=0)] = 8
-    alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
-    # null: the model family's default (ModelSpec fills it in, e.g. gpt: wq wk wv wo w1 w2; llama adds w3)
-    targets: Annotated[list[str], Field(min_length=1)] | None = None
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
-    base_checkpoint: PathStr | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
 
 
 def meta_model(model):
@@ -62,59 +42,6 @@ def _linear_names(model):
 
     built = meta_model(model)
     return [n for n, m in built.named_modules() if isinstance(m, nn.Linear)], built
-
-
-def check_lora(job) -> None:
-    """Refuse LoRA settings that cannot work with this model and layout, before any actor starts."""
-    lora, par = job.model.lora, job.parallel
-    if lora is None:
-        return
-    from workers.model.lora import target_names
-
-    names, gpt = _linear_names(job.model)
-    found = target_names(gpt, lora.targets)
-    for i, (pattern, hits) in enumerate(found.items()):
-        if not hits:
-            raise SpecError(
-                f"model.lora.targets[{i}]", pattern, "matches no Linear layer of the model",
-                f"use module names or globs such as {', '.join(default_targets(job.model.arch))}, 'output', "
-                "'layers.0.*'; "
-                f"Linear layers: {', '.join(names[:7])}, ...",
-            )
-    if lora.quantize == "nf4":
-        _check_nf4(job, gpt, sorted({n for hits in found.values() for n in hits}))
-    if lora.dropout > 0 and par.grid.tp_enabled:
-        raise SpecError(
-            "model.lora.dropout", lora.dropout,
-            f"with parallel.tp={par.tp} is not supported: each tensor-parallel rank would drop different inputs "
-            "of the replicated adapter and its copies would drift apart",
-            "set model.lora.dropout: 0, or parallel.tp: 1",
-        )
-
-
-def _check_nf4(job, gpt, adapted: list[str]) -> None:
-    from workers.model.nf4 import BLOCK, shard_problem
-
-    tp = job.parallel.tp
-    for name in adapted:
-        shape = tuple(gpt.get_submodule(name).weight.shape)
-        if (shape[0] * shape[1]) % BLOCK:
-            raise SpecError(
-                "model.lora.quantize", "nf4",
-                f"cannot quantize {name}: its weight {shape[0]}x{shape[1]} does not split into NF4 blocks of {BLOCK}",
-                f"make model.d_model / model.d_ff / model.vocab_size multiples of {BLOCK} for that layer, "
-                "remove it from model.lora.targets, or set model.lora.quantize: null",
-            )
-        row_parallel = _row_parallel(name, job.model.arch)
-        problem = tp > 1 and shard_problem(shape, 1 if row_parallel else 0, tp)
-        if problem:
-            raise SpecError(
-                "model.lora.quantize", "nf4",
-                f"with parallel.tp={tp} cannot shard {name} ({'row' if row_parallel else 'column'}-parallel): "
-                f"{problem}, so ranks would not dequantize the blocks the whole weight was quantized in",
-                f"make that layer's input size (model.d_model for wo, model.d_ff for w2) a multiple of {BLOCK * tp}, "
-                "remove it from model.lora.targets, or lower parallel.tp",
-            )
 
 
 def check_base_checkpoint(job) -> None:

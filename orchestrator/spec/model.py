@@ -12,9 +12,10 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import STRICT, PathStr, _divisors, _Section
-from orchestrator.spec.lora import LoraSpec, default_targets
+from orchestrator.spec.fields import STRICT, _divisors
+from orchestrator.spec.lora import default_targets
 from orchestrator.spec.moe import MoESpec
+from workers.contract.sections import FineTuningSection
 from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, LLAMA_ONLY, ModelConfig
 from workers.model.presets import PRESETS
 
@@ -36,16 +37,15 @@ def _hf_moe_fixes(kind: str, moe: MoESpec) -> list[tuple[str, str, str]]:
     return [fix for fix in fixes if str(getattr(moe, fix[0])).lower() != fix[1]]
 
 
-class ModelSpec(ModelConfig, _Section):
-    """Transformer shape (fields in ``workers.model.config.ModelConfig``) and its fine-tuning."""
+class ModelSpec(FineTuningSection, ModelConfig):
+    """Transformer shape (fields in ``workers.model.config.ModelConfig``) and its fine-tuning (``init_from`` and
+    ``lora``, in ``workers.contract.sections.FineTuningSection``), with the checks that name the fix."""
 
     model_config = STRICT  # ModelConfig's fields, validated as strictly as every other section's
 
     preset: Preset | None = None  # a named shape (llama-150m, llama-1b, llama3-8b/70b/405b); own fields override
-    # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory: shape from config.json, weights loaded at start
-    init_from: PathStr | None = None
-    lora: LoraSpec | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
-    moe: MoESpec | None = None  # mixture-of-experts feed-forwards (workers.model.moe); null: dense
+    # the MoE section with its checks (fields in MoEConfig); the default is ModelConfig's
+    moe: MoESpec | None = ModelConfig.model_fields["moe"].default
 
     @model_validator(mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from orchestrator.spec.fields import STRICT, _Section
 from workers.model.config import ROUTER_TOP_K, MoEConfig
 
 if TYPE_CHECKING:
-    from orchestrator.spec.job import JobSpec
+    pass
 
 
 class MoESpec(MoEConfig, _Section):
@@ -55,14 +55,3 @@ class MoESpec(MoEConfig, _Section):
             raise SpecError("model.moe.norm_topk", False, f"is read by router: topk only, not {self.router}",
                             "set model.moe.router: topk, or remove model.moe.norm_topk")
         return self
-
-
-def check_moe(job: JobSpec) -> None:
-    """An MoE section that places no MoE layer."""
-    moe, model = job.model.moe, job.model
-    if moe is None:
-        return
-    if moe.every > model.n_layers:
-        raise SpecError("model.moe.every", moe.every, f"is more than model.n_layers={model.n_layers}, so no block "
-                        "would get an MoE feed-forward", f"set model.moe.every to at most {model.n_layers} "
-                        "(1: every block, 2: every other block)")

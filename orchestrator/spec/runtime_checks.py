@@ -19,12 +19,12 @@ from orchestrator.checkpoints import checksums
 from orchestrator.checkpoints.directory import SCORE
 from orchestrator.checkpoints.job_record import RECORD
 from orchestrator.errors import SpecError
-from orchestrator.spec.dpo_checks import check_dpo_data
+from orchestrator.spec.checks.dpo import check_dpo_data
+from orchestrator.spec.checks.loss_mask import check_eval_mask, check_training_mask
 from orchestrator.spec.fields import NAME_MAX
 from orchestrator.spec.integrity_checks import check_init_from, check_shards_intact
 from orchestrator.spec.job import JobSpec
 from orchestrator.spec.lora import check_base_checkpoint
-from orchestrator.spec.loss_mask_checks import check_eval_mask, check_training_mask
 from workers.data import blend
 from workers.data.checksums import FIELD as SHARD_CHECKSUM
 from workers.data.manifest import manifest_problem

@@ -1,4 +1,10 @@
-"""The job file's sections other than `model`: one pydantic model each, with the checks that need only that section."""
+"""The job file's sections other than `model`: the driver's side of each, with the checks that need only that
+section.
+
+A section the ranks read is declared in ``workers.contract.sections`` (its fields, bounds and defaults); the class
+here subclasses it to add the validators that raise a ``SpecError`` naming the field and the fix, and what only
+the controller uses. The sections only the controller reads (checkpoint, plan, faults, control) are declared here.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +19,27 @@ from orchestrator.spec.fields import (
     MAX_SLOWDOWN,
     STRICT,
     TIMEOUT_MAX,
-    Betas,
     Host,
     PathStr,
-    PipelineSchedule,
-    PositiveFloat,
-    PositiveInt,
     Seconds,
     Seed,
     _divisors,
     _Section,
 )
-from workers.parallel.compression_kinds import KINDS, PS_KINDS, WITH_FEEDBACK
-from workers.parallel.grid import Grid
-from workers.parallel.schedules import Schedule, schedule
+from workers.contract.sections import (
+    DataSection,
+    EvalSection,
+    FaultToleranceSection,
+    MemorySection,
+    MetricsSection,
+    OffloadSection,
+    OptimSection,
+    ParallelSection,
+    ParameterServerSection,
+    PrecisionSection,
+    TrainSection,
+)
+from workers.parallel.compression_kinds import WITH_FEEDBACK
 from workers.storage import location
 
 
@@ -40,20 +53,8 @@ def tls_pair(section: str, spec):
     return spec
 
 
-class MixSource(_Section):
-    """One entry of `data.mix`: a prepared directory (or object-store prefix) and its weight in the blend."""
-
-    path: PathStr
-    weight: PositiveFloat  # > 0 and finite (STRICT refuses inf and nan); the weights are normalised to shares
-
-
-class DataSpec(_Section):
-    """Where the prepared token shards live (see `raymesh prepare-data`): one directory (`path`), or a weighted
-    mixture of several (`mix`, Megatron-Core's blended datasets; the order in `workers/data/blend.py`)."""
-
-    path: PathStr | None = None
-    mix: list[MixSource] | None = Field(default=None, min_length=1)
-    seed: Seed = 0
+class DataSpec(DataSection):
+    """`data:` (fields in ``DataSection``): one directory or a mixture, each directory listed once."""
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
@@ -73,10 +74,6 @@ class DataSpec(_Section):
                             "the two weights")
         return self
 
-    def sources(self) -> list[tuple[str, float]]:
-        """Every training directory and its weight (one directory: weight 1), for the checks that apply to each."""
-        return [(entry.path, entry.weight) for entry in self.mix] if self.mix else [(self.path, 1.0)]
-
     def field_of(self, path: str) -> str:
         """The job-file field naming the training directory `path` (`data.path`, `data.mix[i].path`)."""
         if not self.mix:
@@ -84,45 +81,8 @@ class DataSpec(_Section):
         return f"data.mix[{[entry.path for entry in self.mix].index(path)}].path"
 
 
-class ParallelSpec(_Section):
-    """Mesh shape and placement; world size is dp * pp * cp * tp ranks."""
-
-    dp: Annotated[int, Field(ge=1)] = 1
-    pp: Annotated[int, Field(ge=1)] = 1
-    tp: Annotated[int, Field(ge=1)] = 1
-    cp: Annotated[int, Field(ge=1)] = 1  # context parallel: each sequence split over cp ranks
-    cp_impl: Literal["ring", "ulysses", "allgather"] = "ring"  # which attention kernel joins the cp shares
-    ep: Annotated[int, Field(ge=1)] = 1  # expert parallelism: MoE experts split over groups of ep dp ranks
-    zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
-    pp_schedule: PipelineSchedule = "1f1b"
-    virtual_stages: Annotated[int, Field(ge=1)] | None = None
-    # pp_schedule pipedream: every stage runs the version the first stage used for a microbatch (PipeDream's
-    # vertical sync); pipedream_2bw: microbatches per weight version (default: train.microbatches)
-    pp_vertical_sync: bool = False
-    pp_2bw_every: PositiveInt | None = None
-    # pipedream, pipedream_2bw: drain the pipeline at every step end (default: its steady state carries over)
-    pp_flush_per_step: bool = False
-    # layers per pipeline stage: even, auto (profiled costs + PipeDream's dynamic program, see
-    # orchestrator/planning/stage_split.py) or one count per stage, virtual stages included
-    pp_split: Literal["even", "auto"] | list[PositiveInt] = "even"
-    sequence_parallel: bool = True
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpus_per_rank: PositiveFloat = 1.0
-    dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
-    # zero 0: gradients are averaged in buckets of about this many MiB as backward produces them (overlapping
-    # it; 25 is DDP's default); 0: one bucket, averaged after backward (no overlap)
-    bucket_mb: Annotated[float, Field(ge=0, le=1_000_000)] = 25.0  # up to a terabyte: one bucket in practice
-    # zero 0: how gradient buckets cross data parallelism (all lossy but none; workers/parallel/grad_compression.py)
-    grad_compression: Literal[KINDS] = "none"  # type: ignore[valid-type]
-    powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
-    # grad_compression powersgd: steps of plain all-reduce before compressing (PyTorch's start_powerSGD_iter);
-    # 10 cut the worst loss gap over 200 steps from 7.9% to 2.2% (README, "Gradient communication")
-    powersgd_warmup_steps: Annotated[int, Field(ge=0)] = 10
-    topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
-    # zero 2/3: FSDP2 all-gathers issued this many blocks ahead in forward and backward; 0: FSDP2's own order
-    fsdp_prefetch: Annotated[int, Field(ge=0, le=64)] = 0
-    # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
-    device_memory: int | str | None = None
+class ParallelSpec(ParallelSection):
+    """`parallel:` (fields and the grid in ``ParallelSection``): the device memory size and the degrees checked."""
 
     @property
     def device_memory_bytes(self) -> int | None:
@@ -150,27 +110,6 @@ class ParallelSpec(_Section):
                             "carved out of the data-parallel ranks",
                             f"pick ep from the divisors of dp: {', '.join(map(str, _divisors(self.dp)))}")
         return self
-
-    @property
-    def pipeline_schedule(self) -> Schedule:
-        """The facts of `pp_schedule` (workers.parallel.schedules' table)."""
-        return schedule(self.pp_schedule)
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Model chunks per pp rank: `virtual_stages`, else the schedule's default (1 for gpipe/1f1b, else 2)."""
-        if self.virtual_stages is not None:
-            return self.virtual_stages
-        return self.pipeline_schedule.default_stages_per_rank
-
-    @property
-    def grid(self) -> Grid:
-        """The rank grid of these degrees: coordinates, mesh dims and replica peers come from it."""
-        return Grid.from_parallel(self)
-
-    @property
-    def world_size(self) -> int:
-        return self.grid.world_size
 
     @model_validator(mode="after")
     def _check_virtual_stages(self) -> ParallelSpec:
@@ -201,43 +140,13 @@ class ParallelSpec(_Section):
         return self
 
 
-class OptimSpec(_Section):
-    """Optimizer and learning-rate schedule."""
-
-    # adafactor: PyTorch's; sm3: ours (workers/optim/sm3.py); paged_adamw: AdamW with its state in the offload store;
-    # onebit_adam: AdamW whose momentum crosses data parallelism as signs after warmup_steps (optim/onebit_adam.py);
-    # muon: PyTorch's Muon for the blocks' matrices, AdamW (betas) for embeddings, head, norms, experts (optim/muon.py)
-    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw", "onebit_adam", "muon"] = "adamw"
-    lr: PositiveFloat = 3e-3
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
-    # which parameters weight_decay spares: 1d, those of fewer than 2 dimensions (norm weights, biases), as Megatron
-    # and nanoGPT; none: every parameter decays (torchtitan). Every optimizer path and the PS shards alike
-    weight_decay_exclude: Literal["1d", "none"] = "1d"
-    betas: Betas = (0.9, 0.95)
-    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    grad_clip: Annotated[float, Field(ge=0)] = 1.0  # 0 disables clipping
-    warmup_steps: Annotated[int, Field(ge=0)] = 0
-    # after warm-up: constant; cosine or linear decay to min_lr_ratio at train.steps; wsd: constant, then the last
-    # decay_steps (or decay_ratio of train.steps) decay to min_lr_ratio in decay_shape (workers/optim/build.py)
-    schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
-    decay_steps: PositiveInt | None = None  # wsd: the decay's length in steps (instead of decay_ratio)
-    decay_ratio: Annotated[float, Field(gt=0, le=1)] = 0.1  # wsd: the decay's share of train.steps
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"  # wsd: the decay's curve
-    # PyTorch's kernels for the update: auto (fused for adam/adamw/sgd on CUDA, else PyTorch's default),
-    # fused, foreach or for_loop (workers/optim/implementations.py)
-    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
-    # muon only (torch.optim.Muon's knobs): momentum of each matrix's one buffer, Nesterov's look-ahead, Newton-Schulz
-    # iterations. Its rate is scaled per matrix as Moonlight's (match_rms_adamw), so optim.lr and weight_decay tuned
-    # for AdamW carry over, and one optim.lr serves both parts (workers/optim/muon.py)
-    muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
+class OptimSpec(OptimSection):
+    """`optim:` (fields in ``OptimSection``): one length for wsd's decay."""
 
     @model_validator(mode="after")
     def _one_decay_length(self) -> OptimSpec:
         """``decay_steps`` and ``decay_ratio`` both size wsd's decay: with both, one would be ignored. A ratio other
-        than its default counts as set (a value, not ``model_fields_set``, as ``cross_checks._changed``: a spec
+        than its default counts as set (a value, not ``model_fields_set``, as ``fields.changed``: a spec
         round-trips through ``to_dict``, which writes every field, on its way to the hosted controller)."""
         if self.decay_steps is not None and self.decay_ratio != type(self).model_fields["decay_ratio"].default:
             raise SpecError("optim.decay_ratio", self.decay_ratio, f"and optim.decay_steps {self.decay_steps} both "
@@ -247,36 +156,9 @@ class OptimSpec(_Section):
         return self
 
 
-class PrecisionSpec(_Section):
-    """Compute precision. bf16 runs through FSDP2's mixed-precision policy or autocast (``policy``; the rule and
-    what each keeps: workers/parallel/mixed_precision.py); fp16 runs under autocast with dynamic loss scaling."""
-
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    initial_loss_scale: PositiveFloat = 65536.0
-    # auto: FSDP2's policy for bf16 with ZeRO-2/3 on a GPU, autocast elsewhere; fsdp: that policy wherever it applies
-    policy: Literal["auto", "autocast", "fsdp"] = "auto"
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient reduction (and accumulation) under FSDP2's policy
-
-
-class OffloadSpec(_Section):
-    """What leaves the device for the offload store (workers/offload/), and which tier holds it."""
-
-    optimizer: bool = False  # Adam moments (+ fp32 master weights off the host) live in the store
-    params: bool = False  # ZeRO-3 parameter shards live in the store between uses (needs optimizer offload)
-    activations: bool = False  # saved activations go to the store in forward, come back for backward
-    tier: Literal["cpu", "nvme"] = "cpu"
-    path: PathStr | None = None  # directory for nvme files (required for tier nvme)
-    prefetch: Annotated[int, Field(ge=0)] = 1  # items fetched ahead of use
-
-
-class MemorySpec(_Section):
-    recompute: Literal["none", "selective", "full", "sqrt"] = "none"  # sqrt: full on every round(√n_layers)-th block
-    recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
-    offload: OffloadSpec = Field(default_factory=OffloadSpec)
-    activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
-    measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
-    # the planner refuses layouts whose predicted in-step peak passes (1 - headroom) of device memory
-    headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+PrecisionSpec = PrecisionSection  # `precision:`: no check of its own (how it combines: checks/precision.py)
+OffloadSpec = OffloadSection  # `memory.offload:` (checks/memory.py)
+MemorySpec = MemorySection  # `memory:` (checks/memory.py)
 
 
 class PlanSpec(_Section):
@@ -290,38 +172,15 @@ class PlanSpec(_Section):
     inter_node_gbps: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
 
 
-class TrainSpec(_Section):
-    """Loop length and batching.
+class TrainSpec(TrainSection):
+    """`train:` (fields in ``TrainSection``): the job file offers the built-in objectives only."""
 
-    `microbatches` is gradient-accumulation steps per data rank when pp == 1,
-    and pipeline microbatches when pp > 1.
-    """
-
-    steps: PositiveInt = 100
-    global_batch_size: PositiveInt = 16
-    microbatches: PositiveInt = 1
-    seed: Seed = 0
-    log_every: PositiveInt = 1
-    compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
-    # the head and cross entropy per chunk of each sequence under torch.utils.checkpoint, so the [tokens, vocab]
-    # logits never exist whole (workers/model/gpt.py::chunked_lm_loss); 1: the whole logits, as before
-    loss_chunks: PositiveInt = 1
-    # lm: next-token cross entropy; dpo: Direct Preference Optimization on `prepare-data --format preference` pairs,
-    # the reference policy the model with its LoRA adapters disabled (workers/model/dpo.py, spec/dpo_checks.py)
-    objective: Literal["lm", "dpo"] = "lm"
-    # dpo: how far from the reference the policy may move (TRL's beta, usually 0.01-0.5); bounded so the rewards
-    # beta * (log-probability difference) stay finite in float32
-    dpo_beta: Annotated[float, Field(gt=0, le=1000)] = 0.1
+    # lm: next-token cross entropy; dpo: Direct Preference Optimization (spec/checks/dpo.py). A rank takes any
+    # objective registered in workers/step/objectives.py; the job file the two built in
+    objective: Literal["lm", "dpo"] = TrainSection.model_fields["objective"].default
 
 
-class EvalSpec(_Section):
-    """Held-out loss during training (``workers/evaluation.py``): the same sequences of a prepared directory the
-    model does not train on, scored with gradients off after every `every`-th step and after the last."""
-
-    every: Annotated[int, Field(ge=0)] = 0  # steps between evaluations; 0: never
-    path: PathStr | None = None  # a prepared directory (`raymesh prepare-data --heldout` writes DATA/heldout)
-    # batches of train.global_batch_size sequences per evaluation (a million batches is far past any eval set)
-    batches: Annotated[int, Field(gt=0, le=1_000_000)] = 4
+EvalSpec = EvalSection  # `eval:` (checks/eval.py)
 
 
 def dp_replicas_mirror(parallel: ParallelSpec, optim: OptimSpec) -> bool:
@@ -384,11 +243,11 @@ class CheckpointSpec(_Section):
         return location(self.dir) if self.dir is not None else location(run_dir) / "checkpoints"
 
 
-class FaultToleranceSpec(_Section):
-    """How failures are detected and how many restarts a job may spend."""
+class FaultToleranceSpec(FaultToleranceSection):
+    """How failures are detected and how many restarts a job may spend (the ranks' own field in
+    ``FaultToleranceSection``)."""
 
     heartbeat_timeout_s: Seconds = 120.0  # a step not answered by then: the rank hung
-    collective_timeout_s: Seconds = 60.0  # survivors' collectives with a dead peer give up
     # after a rank failed, survivors still blocked in the failed step this long (or 2 steps, if longer) are
     # restarted with it and restored from their replicas, instead of waiting out collective_timeout_s
     survivor_grace_s: Seconds = 2.0
@@ -415,37 +274,8 @@ class FaultToleranceSpec(_Section):
     grow_check_s: Seconds = 30.0  # below the requested dp, look for room this often
 
 
-# shards are Ray actors (one CPU-light process each, plus its gRPC port): far more than any cluster runs
-MAX_PS_SHARDS = 1024
-PSShardCount = Annotated[int, Field(ge=1, le=MAX_PS_SHARDS)]
-
-
-class PSResizeSpec(_Section):
-    """One scheduled change of the shard count: step ``at_step`` and the ones after it run on ``shards`` shards."""
-
-    at_step: Annotated[int, Field(ge=2)]  # the chunks move between step at_step - 1 and step at_step
-    shards: PSShardCount
-
-
-class ParameterServerSpec(_Section):
-    """Parameter-server shards, used when `parallel.dp_sync: ps` (see parameter_server/)."""
-
-    shards: PSShardCount = 2
-    consistency: Literal["bsp", "asp", "ssp"] = "bsp"
-    staleness: Annotated[int, Field(ge=0)] = 2  # ssp: a worker at clock c reads once the slowest reached c - staleness
-    # how workers reach shards; gRPC is served either way (on loopback under "ray" on a one-node cluster)
-    transport: Literal["ray", "grpc"] = "ray"
-    optimizer: Literal["sgd", "momentum", "adam", "adamw"] | None = None  # None: optim.name
-    chunk_elems: PositiveInt = 65536  # tensors are cut into chunks of at most this many elements
-    virtual_nodes: PositiveInt = 64  # points per shard on the consistent-hash ring
-    snapshot_every: Annotated[int, Field(ge=0)] = 0  # steps between shard snapshots to <run_dir>/ps; 0: off
-    # lossy: pushes in bf16 (pulls too), or the top-k share of each gradient chunk with error feedback on the worker
-    compression: Literal[PS_KINDS] = "none"  # type: ignore[valid-type]
-    topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # compression topk: share of each chunk's entries sent
-    # add or remove shards between steps ({at_step, shards} each; consistent hashing moves only the affected chunks)
-    resize: list[PSResizeSpec] = Field(default_factory=list)
-    tls_cert: str | None = None  # PEM certificate chain naming the shards' addresses; with tls_key, gRPC is TLS only
-    tls_key: str | None = None  # PEM private key of tls_cert
+class ParameterServerSpec(ParameterServerSection):
+    """`parameter_server:` (fields in ``ParameterServerSection``): certificate and key named together."""
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ParameterServerSpec:
@@ -478,17 +308,14 @@ class FaultSpec(_Section):
     seed: Seed = 0  # draws the gaps and random ranks of a repeating fault
 
 
-class MetricsSpec(_Section):
-    """The controller's Prometheus endpoint and what the run records for reports."""
+class MetricsSpec(MetricsSection):
+    """The controller's Prometheus endpoint and what the run records for reports (what the ranks record:
+    ``MetricsSection``)."""
 
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # None: no endpoint; 0: any free port
     host: Host = "127.0.0.1"  # interface the endpoint binds; 0.0.0.0 (or the node's IP) lets a remote Prometheus in
     # Prometheus file_sd target file; default runs/prometheus_targets/<run_dir name>.json
     file_sd: PathStr | None = None
-    timeline: bool = False  # record every pipeline F/B/W event (and gradient bucket reduction) for `raymesh report`
-    # count the bytes each collective sends, per mesh dimension, into every step record (`comm_bytes`); off by
-    # default: the counter sees every tensor op (~10 us each in Python), which doubles a tiny CPU model's step
-    comm_bytes: bool = False
     peak_tflops_per_rank: Annotated[float, Field(gt=0)] | None = None  # for MFU; default by device
 
     def resolved_file_sd(self, run_dir: str | Path) -> Path:

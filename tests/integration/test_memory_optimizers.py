@@ -10,6 +10,7 @@ from tests.support.jobs import tiny_spec
 from tests.support.models import SMALL_MODEL, random_batch
 from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_run
+from workers.contract.sections import OptimSection
 from workers.model.config import model_config
 from workers.model.gpt import GPT, lm_loss
 from workers.optim.build import build_optimizer
@@ -48,8 +49,7 @@ def test_sm3_cover_bounds_adagrad_and_costs_a_vector_per_dimension():
 def test_trains_the_tiny_gpt(name, lr):
     torch.manual_seed(0)
     model = GPT(model_config(SMALL_MODEL))
-    opt = build_optimizer(model.parameters(), {"name": name, "lr": lr, "weight_decay": 0.0, "momentum": 0.9,
-                                               "betas": [0.9, 0.95]})
+    opt = build_optimizer(model.parameters(), OptimSection(name=name, lr=lr, momentum=0.9, betas=(0.9, 0.95)))
     assert type(opt) is (SM3 if name == "sm3" else torch.optim.Adafactor)
     losses = []
     for step in range(12):

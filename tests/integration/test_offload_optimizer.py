@@ -9,6 +9,7 @@ from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_spec
 from tests.support.probes import peak_memory_probe
 from tests.support.reference import reference_losses
+from workers.contract.sections import OffloadSection, OptimSection
 from workers.offload.optimizer import OffloadedAdam, StoredState
 from workers.offload.store import OffloadStore
 from workers.optim.build import build_optimizer
@@ -37,9 +38,10 @@ def test_bit_identical_to_torch(name, tier, tmp_path):
     a, b = _pair()
     hp = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
     ref = (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(a.parameters(), **hp, fused=True)
-    optim = {"name": name, "lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}
-    memory = {"offload": {"optimizer": True, "tier": tier, "path": str(tmp_path), "prefetch": 1}}
-    opt = build_optimizer(b.parameters(), optim, memory=memory)
+    # the reference decays every parameter, as weight_decay_exclude: none does (the job file's 1d spares biases)
+    optim = OptimSection(name=name, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_exclude="none")
+    offload = OffloadSection(optimizer=True, tier=tier, path=str(tmp_path), prefetch=1)
+    opt = build_optimizer(b.parameters(), optim, offload)
     assert isinstance(opt, OffloadedAdam) and opt.store.tier == tier
     _train([(a, ref), (b, opt)])
     for p, q in zip(a.parameters(), b.parameters()):

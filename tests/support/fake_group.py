@@ -19,7 +19,6 @@ from orchestrator.recovery.elastic import resized
 from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 from workers.protocol import RankInfo, StepResult
-from workers.spec import EvalSection
 
 # what the real group reports for each fault kind (``RankGroup.step``: raised steps via ``ranks_that_failed``)
 _FAILS = {"hang_rank": "hung", "oom": "ran out of memory (MemoryError: injected)",
@@ -144,8 +143,7 @@ class FakeGroup:
         if snapshot_keep_from is not None:
             self.snapshots.add(nxt)
         loss = math.nan if "nan_loss" in kinds.values() else 1.0 / nxt
-        ev = self.spec.eval  # the ranks' rule: scored after every eval.every-th step and the last
-        due = EvalSection(ev.every, ev.path, ev.batches).due(nxt, self.spec.train.steps)
+        due = self.spec.eval.due(nxt, self.spec.train.steps)  # the ranks' rule: the section they parse it with
         held = self.runtime.held_out(nxt) if due else None
         return [_result(r, nxt, loss, held) for r in range(self.world)]
 

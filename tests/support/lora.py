@@ -17,5 +17,5 @@ def base_and_lora(spec: JobSpec) -> tuple[GPT, GPT]:
     base = GPT(cfg)
     torch.manual_seed(spec.train.seed)
     model = GPT(cfg)
-    prepare_model(model, spec.worker_dict()["model"]["lora"], spec.train.seed)
+    prepare_model(model, spec.model.lora, spec.train.seed)
     return base, model

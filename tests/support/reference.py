@@ -113,7 +113,7 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
     torch.manual_seed(spec.train.seed)
     model = _base_model(spec)
     if spec.model.lora is not None:  # adapters and NF4 are model code, shared like GPT itself
-        prepare_model(model, spec.worker_dict()["model"]["lora"], spec.train.seed)
+        prepare_model(model, spec.model.lora, spec.train.seed)
     objective = (_dpo_objective if spec.train.objective == "dpo" else _lm_objective)(spec)
     o = spec.optim
     opt = _optimizer(model, o)

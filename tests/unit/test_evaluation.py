@@ -23,6 +23,7 @@ from tests.support.fake_group import FakeRuntime
 from tests.support.jobs import TINY, tiny_spec
 from tests.support.report_runs import make_run
 from tests.support.spec_errors import assert_actionable, spec_error
+from workers.contract.sections import EvalSection
 from workers.data import TokenDataset, prepare_data
 from workers.data.prepare import is_heldout
 from workers.evaluation import EvalData, Evaluator
@@ -30,7 +31,6 @@ from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.lora import LoRALinear
 from workers.model.meta_init import build_full
-from workers.spec import EvalSection
 
 DOCS = 40  # documents in the corpus below, each 300 bytes of its own number
 
@@ -209,7 +209,7 @@ def test_scoring_changes_no_mode_draws_no_random_number_and_equals_the_whole_set
     model = build_full(model_config(spec.worker_dict()["model"]), 0)
     from workers.model.finetune import prepare_model
 
-    prepare_model(model, spec.worker_dict()["model"]["lora"], 0)
+    prepare_model(model, spec.model.lora, 0)
     frozen = next(m for m in model.modules() if isinstance(m, LoRALinear)).base
     frozen.eval()  # a part left in eval mode on purpose stays so
     data = EvalData(str(split / "heldout"), 32, 0, 2, 2, dp_rank=0, dp_size=1)

@@ -190,10 +190,11 @@ def test_activations_follow_head_dim():
 def test_a_merged_lora_state_of_qwen2_keeps_its_biases(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from workers.contract.sections import LoraSection
     from workers.model.lora import apply_lora, merged_state_dict
 
     ours = raymesh_llama_from(hf_family("qwen2"))
-    apply_lora(ours, {"targets": ["wq", "wk", "wv"], "rank": 2, "alpha": 4.0, "dropout": 0.0, "quantize": None}, 0)
+    apply_lora(ours, LoraSection(targets=["wq", "wk", "wv"], rank=2, alpha=4.0), 0)
     out = hf_io.write_hf(merged_state_dict(ours), ours.cfg, tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(TOKENS).logits, ours(TOKENS),

@@ -127,10 +127,11 @@ def test_checker_sees_nested_and_relative_imports(tmp_path):
 
 
 # what runs without training a model: the CLI (`raymesh --help`, `status`, `plan`), the controller (in its own
-# actor for a hosted run) and the Python client. torch costs ~3 s of CPU to import on a 2-core machine.
+# actor for a hosted run) and the Python client, and the job-file sections they share with the ranks
+# (`workers.contract`). torch costs ~3 s of CPU to import on a 2-core machine.
 TORCH_FREE = ["orchestrator.cli", "orchestrator.runtime.controller", "orchestrator.runtime.hosted",
               "orchestrator.api.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare",
-              "workers.step.figures"]
+              "workers.step.figures", "workers.contract.sections"]
 
 
 def test_the_cli_controller_and_client_import_without_torch():
@@ -164,3 +165,11 @@ def test_no_two_test_modules_share_a_name():
     tests/unit and tests/integration stop the whole suite at collection."""
     names = [path.name for folder in ("unit", "integration") for path in (ROOT / "tests" / folder).glob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_no_file_holds_a_merge_conflict_marker():
+    """A merge left unresolved in a docs table or a module reads as content: refuse it."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    marked = [name for name in tracked if name.endswith((".py", ".md", ".yaml", ".toml"))
+              and any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in (ROOT / name).read_text().splitlines())]
+    assert marked == []

@@ -189,10 +189,11 @@ def test_a_merged_export_of_a_tied_model_with_an_adapted_head_gives_transformers
     written untied (it used to drop the merged head and keep the tie, off by ~1 in the logits)."""
     from transformers import LlamaForCausalLM
 
+    from workers.contract.sections import LoraSection
     from workers.model.lora import LoRALinear, apply_lora, merged_state_dict
 
     ours = raymesh_llama_from(hf_llama(tie_word_embeddings=True))
-    apply_lora(ours, {"rank": 4, "alpha": 8.0, "targets": ["output", "wq"], "dropout": 0.0, "quantize": None}, 0)
+    apply_lora(ours, LoraSection(rank=4, alpha=8.0, targets=["output", "wq"]), 0)
     with torch.no_grad():  # trained adapters: B is no longer zero
         for layer in (m for m in ours.modules() if isinstance(m, LoRALinear)):
             layer.lora_b.weight.normal_(0.0, 0.1)

@@ -36,7 +36,7 @@ def test_frozen_base_activations_match_the_probe(name, token_data, tmp_path):
     spec = tiny_spec(token_data, tmp_path, model={**model, "lora": lora}, train={"microbatches": 1})
     torch.manual_seed(0)
     gpt = GPT(model_config(spec.worker_dict()["model"]))
-    prepare_model(gpt, spec.worker_dict()["model"]["lora"])
+    prepare_model(gpt, spec.model.lora)
     tokens = torch.randint(0, spec.model.vocab_size, (spec.train.global_batch_size, spec.model.seq_len))
     with ActivationMeter([gpt], []) as meter:
         loss = lm_loss(gpt(tokens), tokens)

@@ -11,13 +11,14 @@ import pytest
 from orchestrator.errors import SpecError
 from orchestrator.spec.job import JobSpec
 from tests.support.one_rank import one_rank_trainer
+from workers.contract.sections import OptimSection
 from workers.optim.build import lr_lambda
 
 BASE = {"warmup_steps": 2, "min_lr_ratio": 0.1, "decay_ratio": 0.1, "decay_shape": "linear"}
 
 
 def factors(total: int, **optim) -> list[float]:
-    factor = lr_lambda({**BASE, **optim}, total)
+    factor = lr_lambda(OptimSection(**{**BASE, **optim}), total)
     return [factor(step) for step in range(total)]
 
 
@@ -25,7 +26,7 @@ def test_linear_decays_from_the_end_of_warmup_to_the_floor_at_train_steps():
     got = factors(10, schedule="linear")
     assert got[:2] == [0.5, 1.0]
     assert got[2:] == pytest.approx([0.1 + 0.9 * (1 - (s - 2) / 8) for s in range(2, 10)])
-    assert lr_lambda({**BASE, "schedule": "linear"}, 10)(10) == pytest.approx(0.1)  # the floor at train.steps
+    assert lr_lambda(OptimSection(**BASE, schedule="linear"), 10)(10) == pytest.approx(0.1)  # the floor at train.steps
 
 
 def test_cosine_is_unchanged():

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tests.support.jobs import tiny_spec
+from workers.contract.sections import LoraSection
 from workers.model import meta_init
 from workers.model.config import ModelConfig
 from workers.model.gpt import GPT
@@ -17,7 +18,7 @@ from workers.parallel.parallelize import build_parts
 from workers.spec import WorkerSpec
 
 CFG = ModelConfig(d_model=64, n_layers=4, n_heads=4, d_ff=128, seq_len=16)
-LORA = {"rank": 4, "alpha": 8.0, "targets": ["wq", "w2"], "dropout": 0.0, "quantize": None, "base_checkpoint": None}
+LORA = LoraSection(rank=4, alpha=8.0, targets=["wq", "w2"])
 
 
 def test_a_cut_stage_materialised_on_its_own_equals_that_slice_of_the_whole_model():
@@ -43,7 +44,7 @@ def test_values_depend_on_seed_and_name_only():
 
 @pytest.mark.parametrize("quantize_base", [None, "nf4"])
 def test_lora_on_meta_equals_lora_on_a_materialised_model(quantize_base):
-    lora = {**LORA, "quantize": quantize_base}
+    lora = LORA.model_copy(update={"quantize": quantize_base})
     meta = build_full(CFG, seed=3, lora=lora)
     eager = build_full(CFG, seed=3)
     from workers.model.lora import apply_lora

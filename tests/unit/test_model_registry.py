@@ -128,7 +128,8 @@ def _toy_spec(tmp_path, recompute: str) -> WorkerSpec:
     job = tiny_spec(tmp_path / "tokens", tmp_path, parallel={"device": "cpu", "pp": 2, "pp_schedule": "1f1b"},
                     memory={"recompute": recompute})
     raw = job.worker_dict()  # JobSpec knows only gpt; the worker side takes any registered arch
-    raw["model"] = {"arch": "toy", "d_model": 16, "n_layers": 2, "vocab_size": 32, "lora": None}
+    # the toy's shape from its config class's own defaults, beside the job's fine-tuning fields (none)
+    raw["model"] = {**ToyConfig(d_model=16, n_layers=2, vocab_size=32).model_dump(), "init_from": None, "lora": None}
     raw["parallel"]["pp_split"] = [1, 1]  # the layers per stage of this model, as worker_dict resolves them
     return WorkerSpec.from_dict(raw)
 

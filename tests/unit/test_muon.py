@@ -18,6 +18,7 @@ from workers.model.gpt import lm_loss
 from workers.model.meta_init import build_full
 from workers.optim.build import build_optimizer
 from workers.optim.muon import muon_owns
+from workers.spec import WorkerSpec
 
 MUON = {"name": "muon", "lr": 0.01, "weight_decay": 0.1, "muon_momentum": 0.9, "muon_ns_steps": 4}
 # the tiny GPT's hidden matrices, listed rather than derived: what Muon must step and nothing else
@@ -35,7 +36,7 @@ def _raw(**optim) -> dict:
 
 def _model_and_optim():
     worker = JobSpec.from_dict(_raw()).worker_dict()
-    return build_full(model_config(worker["model"]), 0), worker["optim"]
+    return build_full(model_config(worker["model"]), 0), WorkerSpec.from_dict(worker).optim
 
 
 def _backward(model: torch.nn.Module, seed: int) -> None:

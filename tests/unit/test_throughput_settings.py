@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from orchestrator import JobSpec
 from orchestrator.errors import SpecError
+from workers.contract.sections import OptimSection
 from workers.model.config import model_config
 from workers.model.meta_init import build_full
 from workers.model.registry import family
@@ -53,8 +54,8 @@ def test_blocks_are_compiled_in_place_and_names_do_not_change(recompute):
 
 def _trained(name: str, implementation: str, steps: int = 3) -> list[torch.Tensor]:
     model = build_full(model_config(TINY_LLAMA), seed=0)
-    optim = {"name": name, "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.9,
-             "implementation": implementation}
+    optim = OptimSection(name=name, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), momentum=0.9,
+                         implementation=implementation)
     opt = build_optimizer(model.parameters(), optim)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
@@ -75,12 +76,12 @@ def test_fused_foreach_and_for_loop_step_alike(name):
 
 def test_the_implementation_reaches_pytorchs_optimizer():
     params = [torch.nn.Parameter(torch.ones(2))]
-    base = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.95]}
-    assert build_optimizer(params, {**base, "implementation": "fused"}).defaults["fused"] is True
-    assert build_optimizer(params, {**base, "implementation": "foreach"}).defaults["foreach"] is True
-    loop = build_optimizer(params, {**base, "implementation": "for_loop"}).defaults
+    base = OptimSection(name="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95))
+    assert build_optimizer(params, base.model_copy(update={"implementation": "fused"})).defaults["fused"] is True
+    assert build_optimizer(params, base.model_copy(update={"implementation": "foreach"})).defaults["foreach"] is True
+    loop = build_optimizer(params, base.model_copy(update={"implementation": "for_loop"})).defaults
     assert loop["foreach"] is False and not loop["fused"]
-    assert not build_optimizer(params, {**base, "implementation": "auto"}).defaults["fused"]  # CPU: PyTorch's default
+    assert not build_optimizer(params, base).defaults["fused"]  # CPU: PyTorch's default
 
 
 @pytest.mark.parametrize("sections, field, fix", [

@@ -20,6 +20,7 @@ from parameter_server.shard import PSShard
 from tests.support.one_rank import one_rank_trainer
 from tests.support.parity_harness import rank_ports, spawn_ranks
 from tests.support.ps_local import LocalConn
+from workers.contract.sections import OffloadSection, OptimSection
 from workers.optim.build import build_optimizer
 
 WD = 0.5
@@ -37,22 +38,23 @@ def _params() -> dict[str, nn.Parameter]:
     return params
 
 
-def _stepped(optim: dict, memory: dict | None = None) -> dict[str, torch.Tensor]:
+def _stepped(optim: dict, offload: OffloadSection | None = None) -> dict[str, torch.Tensor]:
     """Each of ``_params()`` after one step of the job's optimizer over all of them."""
     params = _params()
-    build_optimizer(params.values(), optim, memory).step()
+    build_optimizer(params.values(), OptimSection(**optim), offload).step()
     return {n: p.detach() for n, p in params.items()}
 
 
-def _alone(name: str, decay: float, optim: dict, memory: dict | None = None) -> torch.Tensor:
+def _alone(name: str, decay: float, optim: dict, offload: OffloadSection | None = None) -> torch.Tensor:
     """Parameter ``name`` after one step of the same optimizer holding it alone, with weight decay ``decay``."""
     param = _params()[name]
-    build_optimizer([param], {**optim, "weight_decay": decay, "weight_decay_exclude": "none"}, memory).step()
+    alone = OptimSection(**{**optim, "weight_decay": decay, "weight_decay_exclude": "none"})
+    build_optimizer([param], alone, offload).step()
     return param.detach()
 
 
-OFFLOAD = {"offload": {"optimizer": True, "tier": "cpu"}}
-PATHS = {  # id: (optim fields, memory)
+OFFLOAD = OffloadSection(optimizer=True, tier="cpu")
+PATHS = {  # id: (optim fields, memory.offload)
     **{f"{n}-{i}": ({"name": n, "implementation": i}, None) for n in ("adamw", "adam", "sgd")
        for i in ("fused", "foreach", "for_loop")},
     "adafactor": ({"name": "adafactor"}, None), "sm3": ({"name": "sm3"}, None),
@@ -115,7 +117,7 @@ def _rank_main(rank: int, ports, results) -> None:
     seen = {}
     for kind, named in (("zero1", zero1.shards.items()), ("fsdp2", fsdp.named_parameters())):
         named = dict(named)
-        opt = build_optimizer(named.values(), {**OPTIM, "name": "adamw"})
+        opt = build_optimizer(named.values(), OptimSection(**OPTIM, name="adamw"))
         decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
         seen[kind] = {n: decay[id(p)] for n, p in named.items()}
         before = {n: p.to_local().detach().clone() for n, p in named.items()}

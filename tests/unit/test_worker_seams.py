@@ -96,5 +96,5 @@ def test_worker_spec_parses_the_dict_the_controller_sends(tmp_path):
     job = tiny_spec(tmp_path / "tokens", tmp_path, parallel={"device": "cpu", "dp": 2})
     spec = WorkerSpec.from_dict(job.worker_dict())
     assert (spec.parallel.dp, spec.parallel.dp_sync, spec.train.microbatches) == (2, "allreduce", 2)
-    assert spec.model.ffn_dim == 64 and spec.model.arch == "gpt" and spec.lora is None
-    assert spec.memory.offloads_params is False and spec.grad_clip == job.optim.grad_clip
+    assert spec.model.ffn_dim == 64 and spec.model.arch == "gpt" and spec.finetune.lora is None
+    assert spec.memory.offload.params is False and spec.optim.grad_clip == job.optim.grad_clip

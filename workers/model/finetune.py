@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from workers.contract.sections import LoraSection
 from workers.model.lora import apply_lora, merged_state_dict
 from workers.spec import WorkerSpec
 from workers.state.dcp_reading import CheckpointRefusal
@@ -97,12 +98,12 @@ def load_base(model: nn.Module, path: str | Path) -> None:
         ) from None
 
 
-def prepare_model(model: nn.Module, lora: dict, seed: int | None = None) -> list[str]:
+def prepare_model(model: nn.Module, lora: LoraSection, seed: int | None = None) -> list[str]:
     """Load the base weights (if any), then freeze, adapt and quantize; returns the adapted layers.
 
     ``seed`` draws the adapters of a materialised model (``workers.model.lora.apply_lora``)."""
-    if lora["base_checkpoint"]:
-        load_base(model, lora["base_checkpoint"])
+    if lora.base_checkpoint:
+        load_base(model, lora.base_checkpoint)
     return apply_lora(model, lora, seed)
 
 
@@ -116,10 +117,11 @@ def rebuilt_model(spec: dict, checkpoint: str | Path) -> tuple[WorkerSpec, nn.Mo
     job = WorkerSpec.from_dict(spec)
     torch.manual_seed(job.train.seed)
     model = build_full(job.model, job.train.seed)
-    if job.init_from and job.lora:  # the NF4 base is not checkpointed: it comes from where the run read it
-        load_hf_weights(model, job.init_from)
-    if job.lora:
-        prepare_model(model, job.lora, job.train.seed)
+    tuning = job.finetune
+    if tuning.init_from and tuning.lora:  # the NF4 base is not checkpointed: it comes from where the run read it
+        load_hf_weights(model, tuning.init_from)
+    if tuning.lora:
+        prepare_model(model, tuning.lora, job.train.seed)
     load_dcp_model(model, checkpoint)
     return job, model
 
@@ -137,7 +139,7 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str 
     if fmt == "hf":
         from workers.model.hf_io import write_hf
 
-        return write_hf(merged_state_dict(model), job.model, out, source=job.init_from, vocab=vocab)
+        return write_hf(merged_state_dict(model), job.model, out, source=job.finetune.init_from, vocab=vocab)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(merged_state_dict(model), out)

@@ -3,7 +3,7 @@
 Megatron's split as for the GPT, with grouped K/V: wq, wk, wv and the SwiGLU's w1 (gate) and w3 (up) are
 column-parallel, wo and w2 (down) row-parallel. Column-splitting wk/wv hands each rank n_kv_heads / tp whole
 K/V heads next to its n_heads / tp query heads, so the query-to-K/V grouping stays local; that needs tp to
-divide n_kv_heads, which the job spec checks (``orchestrator.spec.cross_checks.check_tensor_split``) rather
+divide n_kv_heads, which the job spec checks (``orchestrator.spec.checks.tensor.check_tensor_split``) rather
 than replicating K/V heads.
 """
 

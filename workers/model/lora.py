@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from workers.contract.sections import LoraSection
 from workers.model.nf4 import NF4Linear
 
 ADAPTER_NAMES = ("lora_a", "lora_b")  # the child names meta init recognises as adapters (workers.model.meta_init)
@@ -89,24 +90,26 @@ def target_names(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
     }
 
 
-def apply_lora(model: nn.Module, lora: dict, seed: int | None = None) -> list[str]:
+def apply_lora(model: nn.Module, lora: LoraSection, seed: int | None = None) -> list[str]:
     """Freeze ``model`` and put adapters on the targeted Linears, in place; returns their names.
 
     On a meta model the adapters stay meta (``workers.model.meta_init`` fills them with the rest); on a
     materialised one they are drawn here from ``seed`` (default: the last ``torch.manual_seed``), per adapter
     name, so they equal a meta build's.
     """
-    names = sorted({n for found in target_names(model, lora["targets"]).values() for n in found},
+    if lora.targets is None:
+        raise ValueError("model.lora.targets is null; the driver's ModelSpec fills in the family's default: pass the "
+                         "lora section of a validated JobSpec")
+    names = sorted({n for found in target_names(model, lora.targets).values() for n in found},
                    key=[n for n, _ in model.named_modules()].index)
     if not names:
-        raise ValueError(f"model.lora.targets {lora['targets']} match no Linear layer")
+        raise ValueError(f"model.lora.targets {lora.targets} match no Linear layer")
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
-        base = NF4Linear(linear) if lora["quantize"] == "nf4" else linear
-        adapted = LoRALinear(base, linear.in_features, linear.out_features, lora["rank"], lora["alpha"],
-                             lora["dropout"])
+        base = NF4Linear(linear) if lora.quantize == "nf4" else linear
+        adapted = LoRALinear(base, linear.in_features, linear.out_features, lora.rank, lora.alpha, lora.dropout)
         setattr(parent, child, adapted)
         if not linear.weight.is_meta:
             _draw_adapters(adapted, name, seed, linear.weight.device)

@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from workers.contract.sections import LoraSection
 from workers.model.config import ModelConfig
 from workers.model.lora import ADAPTER_NAMES, apply_lora, init_adapter
 from workers.model.nf4 import NF4Linear
@@ -140,7 +141,7 @@ def _tied_names(module: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def build_full(cfg: ModelConfig, seed: int, lora: dict | None = None,
+def build_full(cfg: ModelConfig, seed: int, lora: LoraSection | None = None,
                device: torch.device | str = "cpu") -> nn.Module:
     """The whole model (adapters too) with the values every layout's shards are cut from: the reference's build.
 

@@ -25,6 +25,7 @@ import itertools
 
 import torch
 
+from workers.contract.sections import MemorySection
 from workers.model.documents import is_shared_mask
 from workers.offload.store import OffloadStore
 
@@ -102,8 +103,7 @@ def _restore(packed: tuple[torch.Tensor, tuple]) -> torch.Tensor:
     return value.to(dtype)
 
 
-def activation_policy(memory: dict, device: torch.device) -> SavedActivations:
+def activation_policy(memory: MemorySection, device: torch.device) -> SavedActivations:
     """The job's policy from its ``memory`` section (``offload.activations``, ``activation_compression``)."""
-    off = memory["offload"]
-    store = OffloadStore.from_spec(off, device) if off["activations"] else None
-    return SavedActivations(memory["activation_compression"], store)
+    store = OffloadStore.from_spec(memory.offload, device) if memory.offload.activations else None
+    return SavedActivations(memory.activation_compression, store)

@@ -28,15 +28,16 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from workers.contract.sections import OffloadSection
 from workers.offload.store import OffloadStore
 
 
-def offload_params(modules: list[nn.Module], memory: dict, device: torch.device) -> ParamOffload | None:
-    """The job's parameter offload over its FSDP2 stage modules, or ``None`` when not asked for."""
-    off = memory.get("offload", {})
-    if not off.get("params"):
+def offload_params(modules: list[nn.Module], offload: OffloadSection, device: torch.device) -> ParamOffload | None:
+    """The job's parameter offload (``memory.offload``) over its FSDP2 stage modules, or ``None`` when not asked
+    for."""
+    if not offload.params:
         return None
-    return ParamOffload(modules, OffloadStore.from_spec(off, device))
+    return ParamOffload(modules, OffloadStore.from_spec(offload, device))
 
 
 class ParamOffload:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from workers import orphans
+from workers.contract.sections import OffloadSection
 from workers.offload.host_memory import release_freed_buffers
 
 TIERS = ("cpu", "nvme")
@@ -86,9 +87,9 @@ class OffloadStore:
         release_freed_buffers()
 
     @classmethod
-    def from_spec(cls, offload: dict, device: torch.device | str) -> OffloadStore:
+    def from_spec(cls, offload: OffloadSection, device: torch.device | str) -> OffloadStore:
         """A store placed as the job's ``memory.offload`` section says (tier, path, prefetch depth)."""
-        return cls(offload.get("tier", "cpu"), offload.get("path"), device, offload.get("prefetch", 1))
+        return cls(offload.tier, offload.path, device, offload.prefetch)
 
     # -- sizing ---------------------------------------------------------------------------------
 

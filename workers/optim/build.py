@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parameter_server.optimizers import decay_for
+from workers.contract.sections import OffloadSection, OptimSection
 from workers.offload.optimizer import OffloadedAdam
 from workers.offload.store import OffloadStore
 from workers.optim.implementations import kernel_kwargs
@@ -20,44 +21,46 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adafactor": torch.optim.Adafactor, "sm3": SM3}
 
 
-def build_optimizer(params, optim: dict, memory: dict | None = None, device: torch.device | str = "cpu",
-                    shards=None, dp_group=None, names: list[str] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(params, optim: OptimSection, offload: OffloadSection | None = None,
+                    device: torch.device | str = "cpu", shards=None, dp_group=None,
+                    names: list[str] | None = None) -> torch.optim.Optimizer:
     """The job's optimizer over ``params`` (under ZeRO-1, this rank's slices: ``DistributedOptimizer.shards``).
     ``onebit_adam`` averages its compressed momentum over ``dp_group`` (None: one data-parallel rank).
     ``muon`` needs the parameters' global ``names`` (which ones Muon steps: ``workers.optim.muon.muon_owns``);
     ``onebit_adam`` keys each parameter's error feedback by them.
 
-    ``paged_adamw``, or adam/adamw with ``memory.offload.optimizer``, keeps its state in an offload store
+    ``paged_adamw``, or adam/adamw with ``offload.optimizer`` (the job's ``memory.offload``), keeps its state in an
+    offload store (without ``offload``: the section's defaults, a host store)
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
     ``optim.implementation`` picks PyTorch's fused, foreach or per-parameter kernels
     (``workers.optim.implementations``; the spec refuses it for optimizers that have no choice).
     Every path takes ``decay_groups``: the parameters ``optim.weight_decay_exclude`` spares in a group of their own.
     """
-    name = optim["name"]
+    name = optim.name
     if name == "muon":
         return _muon_hybrid(list(zip(names, params, strict=True)), optim, dp_group)
     params = list(params)
     named = {id(p): n for n, p in zip(names, params, strict=True)} if names is not None else None
     params = decay_groups(params, optim)
-    kwargs = {"lr": optim["lr"], "weight_decay": optim["weight_decay"]}
+    kwargs = {"lr": optim.lr, "weight_decay": optim.weight_decay}
     if name in ("sgd", "sm3"):
-        kwargs["momentum"] = optim["momentum"]
+        kwargs["momentum"] = optim.momentum
     elif name != "adafactor":
-        kwargs["betas"] = tuple(optim["betas"])
-    offload = (memory or {}).get("offload", {})
-    if name == "paged_adamw" or (offload.get("optimizer") and name in ("adam", "adamw")):
-        store = OffloadStore.from_spec(offload, device)
+        kwargs["betas"] = tuple(optim.betas)
+    stored = offload is not None and offload.optimizer and name in ("adam", "adamw")
+    if name == "paged_adamw" or stored:
+        store = OffloadStore.from_spec(offload or OffloadSection(), device)
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     if name == "onebit_adam":
-        return OneBitAdam(params, dp_group, optim["warmup_steps"], names=named, **kwargs)
+        return OneBitAdam(params, dp_group, optim.warmup_steps, names=named, **kwargs)
     tensors = [p for group in params for p in group["params"]]
     on_cuda = any(p.is_cuda for p in tensors)  # a DTensor is where its local shard is
     mixed = len({isinstance(p, DTensor) for p in tensors}) > 1
-    kwargs.update(kernel_kwargs(name, optim.get("implementation", "auto"), on_cuda, mixed))
+    kwargs.update(kernel_kwargs(name, optim.implementation, on_cuda, mixed))
     return OPTIMIZERS[name](params, **kwargs)
 
 
-def _muon_hybrid(named: list[tuple[str, torch.Tensor]], optim: dict, dp_group=None) -> Hybrid:
+def _muon_hybrid(named: list[tuple[str, torch.Tensor]], optim: OptimSection, dp_group=None) -> Hybrid:
     """Muon over the blocks' matrices and, over the rest, the optimizer an ``adamw`` job builds (``decay_groups``,
     ``optim.betas``, PyTorch's kernels as ``auto`` picks them: the spec refuses ``optim.implementation`` and
     optimizer offload with muon), as one optimizer; a part without one kind (a stage of norms and matrices only
@@ -67,17 +70,17 @@ def _muon_hybrid(named: list[tuple[str, torch.Tensor]], optim: dict, dp_group=No
     rest = [p for n, p in named if not muon_owns(n, p)]
     parts = [muon_optimizer(matrices, optim, dp_group)] if matrices else []
     if rest:
-        parts.append(build_optimizer(rest, {**optim, "name": "adamw"}))
+        parts.append(build_optimizer(rest, optim.model_copy(update={"name": "adamw"})))
     return Hybrid(parts)
 
 
-def decay_groups(params, optim: dict) -> list[dict]:
+def decay_groups(params, optim: OptimSection) -> list[dict]:
     """``params`` as optimizer param groups by weight decay (``parameter_server.optimizers.decay_for``, by each
     tensor's dimensions: a ZeRO-1 slice and an FSDP2 shard are DTensors of their parameter's global shape, so they
     keep its group). One group where all decay alike (the default ``weight_decay: 0``), as before the rule."""
     groups: dict[float, list] = {}
     for p in params:
-        groups.setdefault(decay_for(optim, p.dim()), []).append(p)
+        groups.setdefault(decay_for(optim.weight_decay, optim.weight_decay_exclude, p.dim()), []).append(p)
     return [{"params": members, "weight_decay": decay} for decay, members in groups.items()]
 
 
@@ -86,7 +89,7 @@ DECAY_SHAPES = {"cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)), "linear":
                 "1-sqrt": lambda p: 1 - math.sqrt(p)}
 
 
-def lr_lambda(optim: dict, total_steps: int):
+def lr_lambda(optim: OptimSection, total_steps: int):
     """The factor of ``optim.lr`` at each step (0-based): linear warmup over ``warmup_steps``, then ``schedule``:
     constant, or a decay to ``min_lr_ratio`` at ``total_steps`` (cosine, linear; wsd holds 1 until its decay
     window, ``decay_window``, then decays in ``decay_shape``).
@@ -94,9 +97,9 @@ def lr_lambda(optim: dict, total_steps: int):
     Computed from the step alone, with ``total_steps`` the job's ``train.steps``: a ``--resume`` continues the
     saved position exactly, and one with a longer ``train.steps`` stretches the decay to the new end from there.
     """
-    warmup, floor, schedule = optim["warmup_steps"], optim["min_lr_ratio"], optim["schedule"]
+    warmup, floor, schedule = optim.warmup_steps, optim.min_lr_ratio, optim.schedule
     start, length = decay_window(optim, total_steps)
-    shape = DECAY_SHAPES.get(optim["decay_shape"] if schedule == "wsd" else schedule)  # None: constant
+    shape = DECAY_SHAPES.get(optim.decay_shape if schedule == "wsd" else schedule)  # None: constant
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -109,15 +112,15 @@ def lr_lambda(optim: dict, total_steps: int):
     return factor
 
 
-def decay_window(optim: dict, total_steps: int) -> tuple[int, int]:
+def decay_window(optim: OptimSection, total_steps: int) -> tuple[int, int]:
     """``(first step, length)`` of the decay: every step after warm-up for cosine and linear; wsd's last
     ``decay_steps`` (else ``decay_ratio`` of ``total_steps``), cut to the steps after warm-up rather than refused,
     as a smoke run of a long job (``--set train.steps=3``) must still start (torchtitan cuts it the same way)."""
-    warmup = optim["warmup_steps"]
+    warmup = optim.warmup_steps
     after = max(1, total_steps - warmup)
-    if optim["schedule"] != "wsd":
+    if optim.schedule != "wsd":
         return warmup, after
-    wanted = optim.get("decay_steps") or max(1, round(optim["decay_ratio"] * total_steps))
+    wanted = optim.decay_steps or max(1, round(optim.decay_ratio * total_steps))
     length = min(wanted, after)
     return total_steps - length, length
 

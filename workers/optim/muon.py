@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from parameter_server.optimizers import decay_for
+from workers.contract.sections import OptimSection
 from workers.model.lora import ADAPTER_NAMES
 
 
@@ -236,13 +237,13 @@ class Hybrid(torch.optim.Optimizer):
         self._join()
 
 
-def muon_optimizer(matrices: list[torch.Tensor], optim: dict, replicated_group=None) -> WholeMatrixMuon:
+def muon_optimizer(matrices: list[torch.Tensor], optim: OptimSection, replicated_group=None) -> WholeMatrixMuon:
     """``WholeMatrixMuon`` over ``matrices`` (``muon_owns``'), one param group each, at ``optim.weight_decay``
     (decoupled, as AdamW's; every matrix decays under either ``weight_decay_exclude`` rule). The rate is scaled per
     matrix shape as Moonlight's (``match_rms_adamw``: 0.2·sqrt(max(rows, cols))), so the update's RMS is AdamW's
     and the AdamW part's ``optim.lr`` and ``weight_decay`` carry over; Keller Jordan's ``original`` scaling wants a
     rate 10-50x AdamW's, which one ``optim.lr`` for both parts cannot give, so it is not offered."""
-    return WholeMatrixMuon([{"params": [p], "weight_decay": decay_for(optim, p.dim())} for p in matrices],
-                           replicated_group=replicated_group,
-                           lr=optim["lr"], momentum=optim["muon_momentum"], nesterov=optim["muon_nesterov"],
-                           ns_steps=optim["muon_ns_steps"], adjust_lr_fn="match_rms_adamw")
+    decay = [decay_for(optim.weight_decay, optim.weight_decay_exclude, p.dim()) for p in matrices]
+    return WholeMatrixMuon([{"params": [p], "weight_decay": d} for p, d in zip(matrices, decay, strict=True)],
+                           replicated_group=replicated_group, lr=optim.lr, momentum=optim.muon_momentum,
+                           nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps, adjust_lr_fn="match_rms_adamw")

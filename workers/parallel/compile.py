@@ -19,7 +19,7 @@ How it composes (measured on torch 2.13, CPU, inductor, gloo; not tried on 2.11 
   the first block is an ``AsyncCollectiveTensor`` (the embedding's all-reduce or reduce-scatter, not yet
   waited on); a compiled block taking one hands the eager redistribute before it a plain gradient in backward
   (AttributeError ``'_local_tensor'`` on torch 2.13), so an eager pre-hook waits on it first (``_waited``).
-- What does not trace is refused before start (``orchestrator/spec/throughput_checks.py``).
+- What does not trace is refused before start (``orchestrator/spec/checks/compile.py``).
 """
 
 from __future__ import annotations

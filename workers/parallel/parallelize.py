@@ -60,21 +60,23 @@ class ModelParts:
 
 def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
     """Whether this job's model is built on the meta device (see the module docstring for when it is not)."""
-    whole_base = spec.lora and (spec.lora["base_checkpoint"] or spec.init_from)  # adapters/NF4 need the base first
+    lora, init_from = spec.finetune.lora, spec.finetune.init_from
+    whole_base = lora and (lora.base_checkpoint or init_from)  # adapters/NF4 need the base first
     return init_hook(fam) is not None and not whole_base
 
 
 def whole_model(spec: WorkerSpec, fam: ModelFamily, meta: bool) -> nn.Module:
     """The unsplit model, adapters on: weightless on meta, else materialised with the reference's values."""
+    lora, init_from = spec.finetune.lora, spec.finetune.init_from
     if not meta:
         full = build_full(spec.model, spec.train.seed)
-        if spec.init_from and spec.lora:  # read whole, before the cut: LoRA and NF4 wrap the base weights
-            load_hf_weights(full, spec.init_from)
+        if init_from and lora:  # read whole, before the cut: LoRA and NF4 wrap the base weights
+            load_hf_weights(full, init_from)
     else:
         with torch.device("meta"):
             full = fam.build(spec.model)
-    if spec.lora:
-        prepare_model(full, spec.lora, spec.train.seed)
+    if lora:
+        prepare_model(full, lora, spec.train.seed)
     return full
 
 
@@ -83,13 +85,13 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     torch.manual_seed(spec.train.seed)  # the global stream (dropout) starts where the reference's does
     meta = on_meta(spec, fam)
     full = whole_model(spec, fam, meta)
-    n_stages = grid.pp * par.virtual_stages
-    ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par.virtual_stages, par.pp_schedule)
+    n_stages = grid.pp * par.stages_per_rank
+    ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par.stages_per_rank, par.pp_schedule)
     cut = fam.hook("cut_stage")
-    parts = [full] if n_stages == 1 else [cut(full, sid, n_stages, par.pp_split) for sid in ids]
+    parts = [full] if n_stages == 1 else [cut(full, sid, n_stages, par.stage_layers) for sid in ids]
     del full  # a stage keeps only its layers
     dp_mesh = data_parallel_mesh(mesh, grid)
-    expert_mesh = init_expert_mesh(grid, device, spec.collective_timeout_s)
+    expert_mesh = init_expert_mesh(grid, device, spec.fault_tolerance.collective_timeout_s)
     ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
     wrapped, all_experts = [], []
     for part in parts:
@@ -98,7 +100,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             part.to(device)
         if grid.tp_enabled:
             fam.hook("tensor_parallel")(part, mesh["tp"], par.sequence_parallel)
-            if spec.lora:
+            if spec.finetune.lora:
                 freeze_base(part)
         if grid.cp_enabled:
             apply_context_parallel(part, mesh["cp"], par.cp_impl)
@@ -119,8 +121,8 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             materialize(part, spec.train.seed, spec.model, device)
         if not ps and not fsdp:
             part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp)
-        if spec.init_from and not spec.lora:  # each rank reads only the slices it keeps
-            load_hf_weights(unwrap(part), spec.init_from)
+        if spec.finetune.init_from and not spec.finetune.lora:  # each rank reads only the slices it keeps
+            load_hf_weights(unwrap(part), spec.finetune.init_from)
         wrapped.append(part)
     # PipeDream's executor averages each update's gradient itself (workers.parallel.async_pipeline)
     own_reduce = ps or par.zero != 0 or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous)

@@ -89,11 +89,11 @@ class PSSync:
     engine's (``workers.step.ps_round.PSRound``), handed to ``run_round``."""
 
     def __init__(self, spec: WorkerSpec, state: TrainState, parts, coords, mesh, device: torch.device):
-        ps, routes, grid = spec.parameter_server, spec.raw["ps_routes"], spec.parallel.grid
+        ps, routes, grid = spec.parameter_server, spec.ps_routes, spec.parallel.grid
         self.state, self.device, self.dp = state, device, spec.parallel.dp
         self.transport = ps.transport
         self.asynchronous = ps.consistency != "bsp"
-        self.max_norm = spec.grad_clip
+        self.max_norm = spec.optim.grad_clip
         self.worker = coords.pp * self.dp + coords.dp  # this stage of this replica
         self.codec = WireCodec(ps.compression, ps.topk_ratio)
         self.client = PSClient([_conn(r, self.transport) for r in routes["shards"]], ps.chunk_elems,

@@ -70,7 +70,7 @@ class GradSync:
     def __init__(self, kit: StepKit):
         self.state, self.reducers, self.zero1 = kit.state, kit.parts.reducers, kit.zero1
         self.params, self.stepped = kit.params, kit.stepped_params
-        self.grad_clip, self.pp_group, self.expert_norm = kit.spec.grad_clip, kit.pp_group, kit.expert_norm
+        self.grad_clip, self.pp_group, self.expert_norm = kit.spec.optim.grad_clip, kit.pp_group, kit.expert_norm
 
     def begin(self, step: int) -> None:
         """Tell the gradient buckets the step (PowerSGD's warm-up counts it), and keep them silent while an

@@ -131,7 +131,7 @@ class Evaluation(StepHook):
         sweep = None
         if par.grid.pp_enabled:
             sweep = PipelineSweep(dict(zip(kit.parts.stage_ids, kit.parts.modules)),
-                                  stage_owners(par.pp, par.virtual_stages, par.pp_schedule), kit.pp_group, kit.device)
+                                  stage_owners(par.pp, par.stages_per_rank, par.pp_schedule), kit.pp_group, kit.device)
         self.evaluator = Evaluator(kit.parts.modules, data, kit.microbatches, kit.device, kit.autocast, sweep,
                                    kit.head_part)
         self.due, self.last = ev.due, train.steps
@@ -155,8 +155,8 @@ HookFactory = Callable[[StepKit], "StepHook | None"]
 HOOKS: dict[str, HookFactory] = {
     "memory": lambda kit: MemoryProbe(kit) if kit.spec.memory.measure else None,
     "moe": lambda kit: MoEStatistics(kit) if moe.moe_layers(kit.parts.modules) else None,
-    "timeline": lambda kit: Timeline(kit) if kit.spec.record_timeline else None,
-    "comm_bytes": lambda kit: CommCounting(kit) if kit.spec.count_comm_bytes else None,
+    "timeline": lambda kit: Timeline(kit) if kit.spec.metrics.timeline else None,
+    "comm_bytes": lambda kit: CommCounting(kit) if kit.spec.metrics.comm_bytes else None,
     "ps": lambda kit: PSTraffic(kit) if kit.ps is not None else None,
     "eval": lambda kit: Evaluation(kit) if kit.spec.eval.every else None,
     "data_mix": lambda kit: DataMix() if isinstance(kit.state.cursor.dataset, MixedDataset) else None,

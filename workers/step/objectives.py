@@ -95,7 +95,7 @@ class MaskedLM(Objective):
 class DPO(Objective):
     """The mean DPO loss of the microbatch's pairs (``workers.model.dpo``). A mean per microbatch over their count
     and over dp is the global batch's mean, since every microbatch holds the same number of pairs
-    (``orchestrator/spec/dpo_checks.py``). Its figure: the step's rewards, reduced over dp."""
+    (``orchestrator/spec/checks/dpo.py``). Its figure: the step's rewards, reduced over dp."""
 
     def __init__(self, kit: StepKit):
         super().__init__(kit)

@@ -75,7 +75,7 @@ class PipeDream(StepEngine):
         rules = rules_for(par.pp_schedule, par.pp_2bw_every or self.microbatches, par.pp_vertical_sync)
         self.pipe = AsyncPipeline(parts.modules[0], parts.stage_ids[0], parts.n_stages, self.microbatches, rules,
                                   kit.state.optimizers[0], self.loss, kit.pp_group, kit.dp_group,
-                                  kit.spec.grad_clip, self.device)
+                                  kit.spec.optim.grad_clip, self.device)
         kit.state.weight_versions = self.pipe
         self.sync = PipeDreamSync(kit, self.pipe)
         self.last_step, self.flush_per_step = kit.spec.train.steps, par.pp_flush_per_step

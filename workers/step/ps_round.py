@@ -23,7 +23,7 @@ class PSRound:
 
     def __init__(self, kit: StepKit, inner: StepEngine):
         self.ps, self.inner, self.state, self.device = kit.ps, inner, kit.state, kit.device
-        self.params, self.pp_group, self.max_norm = kit.params, kit.pp_group, kit.spec.grad_clip
+        self.params, self.pp_group, self.max_norm = kit.params, kit.pp_group, kit.spec.optim.grad_clip
 
     def step(self, ctx: StepContext, objective: Objective) -> dict[str, Any]:
         """One controller step: the round, and its local steps and clock as the result's figures."""

@@ -18,6 +18,7 @@ from orchestrator.errors import SpecError
 if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec
 
+
 ASYNC = ("pipedream", "pipedream_2bw")
 
 

@@ -19,8 +19,12 @@ from orchestrator.errors import SpecError
 if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec
 
+
 PREFERENCE = "preference"  # the manifest's key (workers.data.prepare.PREFERENCE: not imported, it loads pyarrow)
+
+
 PREPARE = "prepare it with `raymesh prepare-data --format preference --seq-len N` (JSONL prompt/chosen/rejected)"
+
 
 Sources = list[tuple[str, float, dict]]  # (path, weight, manifest) of each training directory checked
 

@@ -17,6 +17,7 @@ from orchestrator.spec.fields import _divisors, _near_multiples
 if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec
 
+
 CP_FAMILIES = ("gpt", "llama")  # families whose attention core takes a context shard (workers.model.gpt)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.async_pipeline_checks import ASYNC
+from orchestrator.spec.checks.async_pipeline import ASYNC
 
 if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec

@@ -13,12 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.async_pipeline_checks import ASYNC
+from orchestrator.spec.checks.async_pipeline import ASYNC
 
 if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec
 
+
 LOSS_MASK = "loss_mask"  # the manifest's key (workers.data.prepare.LOSS_MASK: not imported, it loads pyarrow)
+
 
 Sources = list[tuple[str, float, dict]]  # (path, weight, manifest) of each training directory checked
 

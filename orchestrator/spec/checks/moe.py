@@ -1,0 +1,53 @@
+"""Mixture of experts against the model and the layout: an MoE section that places no MoE layer, and
+`parallel.ep`. The checks within `model.moe` are `MoESpec`'s (orchestrator/spec/moe.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.errors import SpecError
+from orchestrator.spec.fields import _divisors
+
+if TYPE_CHECKING:
+    from orchestrator.spec.job import JobSpec
+
+
+def check_moe(job: JobSpec) -> None:
+    """An MoE section that places no MoE layer."""
+    moe, model = job.model.moe, job.model
+    if moe is None:
+        return
+    if moe.every > model.n_layers:
+        raise SpecError("model.moe.every", moe.every, f"is more than model.n_layers={model.n_layers}, so no block "
+                        "would get an MoE feed-forward", f"set model.moe.every to at most {model.n_layers} "
+                        "(1: every block, 2: every other block)")
+
+
+def check_expert_parallel(job: JobSpec) -> None:
+    """``parallel.ep`` needs MoE layers whose experts it divides, and a data-parallel mode that reduces the
+    experts over the ranks holding them (``workers.parallel.expert_parallel``); ``ep`` dividing dp is the
+    parallel section's own check."""
+    p, moe = job.parallel, getattr(job.model, "moe", None)
+    if p.ep == 1:
+        return
+    if moe is None:
+        raise SpecError("parallel.ep", p.ep, "splits the experts of MoE layers, and model.moe is not set",
+                        "set parallel.ep: 1, or give the model MoE layers (model.moe: {experts: 8})")
+    if moe.experts % p.ep:
+        raise SpecError("parallel.ep", p.ep, f"does not divide model.moe.experts={moe.experts}: every ep rank "
+                        "holds the same number of experts",
+                        f"pick ep from {', '.join(map(str, _divisors(moe.experts)))} (dividing dp too), "
+                        "or change the expert count")
+    refused = [  # (field, value, applies, problem, fix)
+        ("parallel.cp", p.cp, p.cp > 1, "with parallel.ep > 1 is not supported yet: the experts' gradients are "
+         "averaged over the dp ranks holding them, not over cp", "use parallel.cp: 1, or parallel.ep: 1"),
+        ("optim.name", job.optim.name, job.optim.name == "onebit_adam", "with parallel.ep > 1 is not supported: "
+         "1-bit Adam averages every parameter's momentum over all dp ranks, which hold different experts",
+         "use optim.name: adamw, or parallel.ep: 1"),
+        ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps", "with parallel.ep > 1 is not supported: parameter-"
+         "server shards key one copy of each parameter, and ep ranks hold different experts",
+         "use dp_sync: allreduce"),
+    ]
+    for field, value, applies, problem, fix in refused:
+        if applies:
+            raise SpecError(field, value, problem, fix)

@@ -1,0 +1,33 @@
+"""`precision.policy` and `reduce_dtype` against the dtype and FSDP2's units."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.errors import SpecError
+from workers.parallel.mixed_precision import fsdp_applies, planned_fsdp_mixed
+
+if TYPE_CHECKING:
+    from orchestrator.spec.job import JobSpec
+
+
+def check_precision(job: JobSpec) -> None:
+    """``precision.policy`` and ``reduce_dtype``: FSDP2's mixed-precision policy needs bf16 and FSDP2's units
+    (``workers/parallel/mixed_precision.py``); a field that could never take effect is refused, not ignored."""
+    pr, p = job.precision, job.parallel
+    if pr.policy != "auto" and pr.dtype == "fp32":
+        raise SpecError("precision.policy", pr.policy, "picks how bf16 (or fp16) computes, and precision.dtype is fp32",
+                        "set precision.dtype: bf16, or remove precision.policy")
+    if pr.policy == "fsdp" and not fsdp_applies(pr.dtype, p.zero, p.dp_sync):
+        why = (f"needs precision.dtype bf16 (fp16 needs loss scaling, which runs under autocast), not {pr.dtype!r}"
+               if pr.dtype != "bf16" else
+               f"needs FSDP2's units (parallel.zero 2 or 3 with dp_sync allreduce); this job has zero: {p.zero}, "
+               f"dp_sync: {p.dp_sync}")
+        raise SpecError("precision.policy", "fsdp", why, "set parallel.zero: 2 or 3 (dp_sync: allreduce) with "
+                        "precision.dtype: bf16, or precision.policy: autocast")
+    if pr.reduce_dtype != "fp32" and not planned_fsdp_mixed(pr.dtype, pr.policy, p.zero, p.dp_sync, p.device):
+        raise SpecError("precision.reduce_dtype", pr.reduce_dtype, "is the gradient reduction dtype of FSDP2's "
+                        "mixed-precision policy, which this job does not run (it needs precision.dtype bf16, "
+                        "parallel.zero 2 or 3, and precision.policy fsdp, or auto on a GPU)",
+                        "remove precision.reduce_dtype, or set precision.policy: fsdp with zero 2 or 3 (ZeRO-0 "
+                        "compresses its buckets with parallel.grad_compression: bf16)")

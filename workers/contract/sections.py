@@ -1,0 +1,285 @@
+"""The job-file sections a rank reads, declared once: fields, types, bounds and defaults (torch-free).
+
+The controller's ``orchestrator.spec`` subclasses each (``ParallelSpec(ParallelSection)``, ...) to add the checks
+that raise a ``SpecError`` naming the field and the fix; a rank parses the dict the controller sends
+(``JobSpec.worker_dict()``) with these same classes (``workers.spec.WorkerSpec``). A default changed here is the
+job file's and the rank's at once. ``metrics`` and ``fault_tolerance`` are mostly the controller's: their
+classes here hold the fields a rank reads, and the driver's subclasses add the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from workers.contract.fields import Betas, PathStr, PipelineSchedule, PositiveFloat, PositiveInt, Seconds, Section, Seed
+from workers.parallel.compression_kinds import KINDS, PS_KINDS
+from workers.parallel.grid import Grid
+from workers.parallel.schedules import Schedule, schedule
+
+
+class MixSource(Section):
+    """One entry of `data.mix`: a prepared directory (or object-store prefix) and its weight in the blend."""
+
+    path: PathStr
+    weight: PositiveFloat  # > 0 and finite (STRICT refuses inf and nan); the weights are normalised to shares
+
+
+class DataSection(Section):
+    """Where the prepared token shards live (see `raymesh prepare-data`): one directory (`path`), or a weighted
+    mixture of several (`mix`, Megatron-Core's blended datasets; the order in `workers/data/blend.py`)."""
+
+    path: PathStr | None = None
+    mix: list[MixSource] | None = Field(default=None, min_length=1)
+    seed: Seed = 0
+
+    def sources(self) -> list[tuple[str, float]]:
+        """Every training directory and its weight (one directory: weight 1)."""
+        return [(entry.path, entry.weight) for entry in self.mix] if self.mix else [(self.path, 1.0)]
+
+
+class ParallelSection(Section):
+    """Mesh shape and placement; world size is dp * pp * cp * tp ranks."""
+
+    dp: Annotated[int, Field(ge=1)] = 1
+    pp: Annotated[int, Field(ge=1)] = 1
+    tp: Annotated[int, Field(ge=1)] = 1
+    cp: Annotated[int, Field(ge=1)] = 1  # context parallel: each sequence split over cp ranks
+    cp_impl: Literal["ring", "ulysses", "allgather"] = "ring"  # which attention kernel joins the cp shares
+    ep: Annotated[int, Field(ge=1)] = 1  # expert parallelism: MoE experts split over groups of ep dp ranks
+    zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
+    pp_schedule: PipelineSchedule = "1f1b"
+    virtual_stages: Annotated[int, Field(ge=1)] | None = None
+    # pp_schedule pipedream: every stage runs the version the first stage used for a microbatch (PipeDream's
+    # vertical sync); pipedream_2bw: microbatches per weight version (default: train.microbatches)
+    pp_vertical_sync: bool = False
+    pp_2bw_every: PositiveInt | None = None
+    # pipedream, pipedream_2bw: drain the pipeline at every step end (default: its steady state carries over)
+    pp_flush_per_step: bool = False
+    # layers per pipeline stage: even, auto (profiled costs + PipeDream's dynamic program, see
+    # orchestrator/planning/stage_split.py) or one count per stage, virtual stages included
+    pp_split: Literal["even", "auto"] | list[PositiveInt] = "even"
+    sequence_parallel: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpus_per_rank: PositiveFloat = 1.0
+    dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
+    # zero 0: gradients are averaged in buckets of about this many MiB as backward produces them (overlapping
+    # it; 25 is DDP's default); 0: one bucket, averaged after backward (no overlap)
+    bucket_mb: Annotated[float, Field(ge=0, le=1_000_000)] = 25.0  # up to a terabyte: one bucket in practice
+    # zero 0: how gradient buckets cross data parallelism (all lossy but none; workers/parallel/grad_compression.py)
+    grad_compression: Literal[KINDS] = "none"  # type: ignore[valid-type]
+    powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
+    # grad_compression powersgd: steps of plain all-reduce before compressing (PyTorch's start_powerSGD_iter);
+    # 10 cut the worst loss gap over 200 steps from 7.9% to 2.2% (README, "Gradient communication")
+    powersgd_warmup_steps: Annotated[int, Field(ge=0)] = 10
+    topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
+    # zero 2/3: FSDP2 all-gathers issued this many blocks ahead in forward and backward; 0: FSDP2's own order
+    fsdp_prefetch: Annotated[int, Field(ge=0, le=64)] = 0
+    # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
+    device_memory: int | str | None = None
+
+    @property
+    def pipeline_schedule(self) -> Schedule:
+        """The facts of `pp_schedule` (workers.parallel.schedules' table)."""
+        return schedule(self.pp_schedule)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks per pp rank: `virtual_stages`, else the schedule's default (1 for gpipe/1f1b, else 2)."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return self.pipeline_schedule.default_stages_per_rank
+
+    @property
+    def stage_layers(self) -> tuple[int, ...] | None:
+        """Layers per pipeline stage as the ranks cut them: `pp_split` as `JobSpec.worker_dict` resolves it (a
+        list), None for an even split. `auto` needs the driver's profile, so a rank refuses it unresolved."""
+        if self.pp_split == "auto":
+            raise ValueError("parallel.pp_split 'auto' reached a rank unresolved; send the dict JobSpec.worker_dict() "
+                             "builds, which profiles the model and writes one layer count per stage")
+        return None if self.pp_split == "even" else tuple(self.pp_split)
+
+    @property
+    def grid(self) -> Grid:
+        """The rank grid of these degrees: coordinates, mesh dims and replica peers come from it."""
+        return Grid.from_parallel(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
+
+
+class OptimSection(Section):
+    """Optimizer and learning-rate schedule."""
+
+    # adafactor: PyTorch's; sm3: ours (workers/optim/sm3.py); paged_adamw: AdamW with its state in the offload store;
+    # onebit_adam: AdamW whose momentum crosses data parallelism as signs after warmup_steps (optim/onebit_adam.py);
+    # muon: PyTorch's Muon for the blocks' matrices, AdamW (betas) for embeddings, head, norms, experts (optim/muon.py)
+    name: Literal["adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw", "onebit_adam", "muon"] = "adamw"
+    lr: PositiveFloat = 3e-3
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    # which parameters weight_decay spares: 1d, those of fewer than 2 dimensions (norm weights, biases), as Megatron
+    # and nanoGPT; none: every parameter decays (torchtitan). Every optimizer path and the PS shards alike
+    weight_decay_exclude: Literal["1d", "none"] = "1d"
+    betas: Betas = (0.9, 0.95)
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0  # 0 disables clipping
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    # after warm-up: constant; cosine or linear decay to min_lr_ratio at train.steps; wsd: constant, then the last
+    # decay_steps (or decay_ratio of train.steps) decay to min_lr_ratio in decay_shape (workers/optim/build.py)
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    decay_steps: PositiveInt | None = None  # wsd: the decay's length in steps (instead of decay_ratio)
+    decay_ratio: Annotated[float, Field(gt=0, le=1)] = 0.1  # wsd: the decay's share of train.steps
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"  # wsd: the decay's curve
+    # PyTorch's kernels for the update: auto (fused for adam/adamw/sgd on CUDA, else PyTorch's default),
+    # fused, foreach or for_loop (workers/optim/implementations.py)
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    # muon only (torch.optim.Muon's knobs): momentum of each matrix's one buffer, Nesterov's look-ahead, Newton-Schulz
+    # iterations. Its rate is scaled per matrix as Moonlight's (match_rms_adamw), so optim.lr and weight_decay tuned
+    # for AdamW carry over, and one optim.lr serves both parts (workers/optim/muon.py)
+    muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
+
+
+class PrecisionSection(Section):
+    """Compute precision. bf16 runs through FSDP2's mixed-precision policy or autocast (``policy``; the rule and
+    what each keeps: workers/parallel/mixed_precision.py); fp16 runs under autocast with dynamic loss scaling."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    initial_loss_scale: PositiveFloat = 65536.0
+    # auto: FSDP2's policy for bf16 with ZeRO-2/3 on a GPU, autocast elsewhere; fsdp: that policy wherever it applies
+    policy: Literal["auto", "autocast", "fsdp"] = "auto"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient reduction (and accumulation) under FSDP2's policy
+
+
+class OffloadSection(Section):
+    """What leaves the device for the offload store (workers/offload/), and which tier holds it."""
+
+    optimizer: bool = False  # Adam moments (+ fp32 master weights off the host) live in the store
+    params: bool = False  # ZeRO-3 parameter shards live in the store between uses (needs optimizer offload)
+    activations: bool = False  # saved activations go to the store in forward, come back for backward
+    tier: Literal["cpu", "nvme"] = "cpu"
+    path: PathStr | None = None  # directory for nvme files (required for tier nvme)
+    prefetch: Annotated[int, Field(ge=0)] = 1  # items fetched ahead of use
+
+
+class MemorySection(Section):
+    recompute: Literal["none", "selective", "full", "sqrt"] = "none"  # sqrt: full on every round(√n_layers)-th block
+    recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
+    offload: OffloadSection = Field(default_factory=OffloadSection)
+    activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
+    measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
+    # the planner refuses layouts whose predicted in-step peak passes (1 - headroom) of device memory
+    headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+
+
+class TrainSection(Section):
+    """Loop length and batching.
+
+    `microbatches` is gradient-accumulation steps per data rank when pp == 1,
+    and pipeline microbatches when pp > 1.
+    """
+
+    steps: PositiveInt = 100
+    global_batch_size: PositiveInt = 16
+    microbatches: PositiveInt = 1
+    seed: Seed = 0
+    log_every: PositiveInt = 1
+    compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
+    # the head and cross entropy per chunk of each sequence under torch.utils.checkpoint, so the [tokens, vocab]
+    # logits never exist whole (workers/model/gpt.py::chunked_lm_loss); 1: the whole logits, as before
+    loss_chunks: PositiveInt = 1
+    # lm: next-token cross entropy; dpo: Direct Preference Optimization on `prepare-data --format preference` pairs,
+    # the reference policy the model with its LoRA adapters disabled (workers/model/dpo.py). A rank runs any
+    # objective registered in workers/step/objectives.py; the job file offers the built-in ones (TrainSpec)
+    objective: Annotated[str, Field(min_length=1)] = "lm"
+    # dpo: how far from the reference the policy may move (TRL's beta, usually 0.01-0.5); bounded so the rewards
+    # beta * (log-probability difference) stay finite in float32
+    dpo_beta: Annotated[float, Field(gt=0, le=1000)] = 0.1
+
+
+class EvalSection(Section):
+    """Held-out loss during training (``workers/evaluation.py``): the same sequences of a prepared directory the
+    model does not train on, scored with gradients off after every `every`-th step and after the last."""
+
+    every: Annotated[int, Field(ge=0)] = 0  # steps between evaluations; 0: never
+    path: PathStr | None = None  # a prepared directory (`raymesh prepare-data --heldout` writes DATA/heldout)
+    # batches of train.global_batch_size sequences per evaluation (a million batches is far past any eval set)
+    batches: Annotated[int, Field(gt=0, le=1_000_000)] = 4
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether the model is scored after optimizer step ``step`` (1-based) of a run ending at step ``last``:
+        after every ``every``-th step and after the last."""
+        return self.every > 0 and (step % self.every == 0 or step == last)
+
+
+# shards are Ray actors (one CPU-light process each, plus its gRPC port): far more than any cluster runs
+MAX_PS_SHARDS = 1024
+PSShardCount = Annotated[int, Field(ge=1, le=MAX_PS_SHARDS)]
+
+
+class PSResize(Section):
+    """One scheduled change of the shard count: step ``at_step`` and the ones after it run on ``shards`` shards."""
+
+    at_step: Annotated[int, Field(ge=2)]  # the chunks move between step at_step - 1 and step at_step
+    shards: PSShardCount
+
+
+class ParameterServerSection(Section):
+    """Parameter-server shards, used when `parallel.dp_sync: ps` (see parameter_server/)."""
+
+    shards: PSShardCount = 2
+    consistency: Literal["bsp", "asp", "ssp"] = "bsp"
+    staleness: Annotated[int, Field(ge=0)] = 2  # ssp: a worker at clock c reads once the slowest reached c - staleness
+    # how workers reach shards; gRPC is served either way (on loopback under "ray" on a one-node cluster)
+    transport: Literal["ray", "grpc"] = "ray"
+    optimizer: Literal["sgd", "momentum", "adam", "adamw"] | None = None  # None: optim.name
+    chunk_elems: PositiveInt = 65536  # tensors are cut into chunks of at most this many elements
+    virtual_nodes: PositiveInt = 64  # points per shard on the consistent-hash ring
+    snapshot_every: Annotated[int, Field(ge=0)] = 0  # steps between shard snapshots to <run_dir>/ps; 0: off
+    # lossy: pushes in bf16 (pulls too), or the top-k share of each gradient chunk with error feedback on the worker
+    compression: Literal[PS_KINDS] = "none"  # type: ignore[valid-type]
+    topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # compression topk: share of each chunk's entries sent
+    # add or remove shards between steps ({at_step, shards} each; consistent hashing moves only the affected chunks)
+    resize: list[PSResize] = Field(default_factory=list)
+    tls_cert: str | None = None  # PEM certificate chain naming the shards' addresses; with tls_key, gRPC is TLS only
+    tls_key: str | None = None  # PEM private key of tls_cert
+
+
+class LoraSection(Section):
+    """Low-rank adapters on the Linear layers named by `targets`; everything else frozen."""
+
+    rank: Annotated[int, Field(gt=0)] = 8
+    alpha: Annotated[float, Field(gt=0)] = 16.0  # adapter output scaled by alpha / rank
+    # null: the model family's default (ModelSpec fills it in, e.g. gpt: wq wk wv wo w1 w2; llama adds w3)
+    targets: Annotated[list[str], Field(min_length=1)] | None = None
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    quantize: Literal["nf4"] | None = None  # QLoRA: frozen base weights of the adapted layers stored as NF4
+    base_checkpoint: PathStr | None = None  # a full run's DCP step directory, or a .pt from `raymesh export-merged`
+
+
+class FineTuningSection(Section):
+    """The `model:` fields beside its shape (``workers.model.config.ModelConfig``) that decide where the weights
+    start and which of them train."""
+
+    # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory: shape from config.json, weights loaded at start
+    init_from: PathStr | None = None
+    lora: LoraSection | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
+
+
+class MetricsSection(Section):
+    """What a rank records for the step records (the endpoint's fields are the controller's: ``MetricsSpec``)."""
+
+    timeline: bool = False  # record every pipeline F/B/W event (and gradient bucket reduction) for `raymesh report`
+    # count the bytes each collective sends, per mesh dimension, into every step record (`comm_bytes`); off by
+    # default: the counter sees every tensor op (~10 us each in Python), which doubles a tiny CPU model's step
+    comm_bytes: bool = False
+
+
+class FaultToleranceSection(Section):
+    """What a rank itself does about failures (the rest is the controller's: ``FaultToleranceSpec``)."""
+
+    collective_timeout_s: Seconds = 60.0  # survivors' collectives with a dead peer give up
