@@ -5,7 +5,9 @@ The class is plain Python; the orchestrator turns it into an actor with
 controller.
 
 Replicas of peers' snapshots arrive on a separate concurrency group
-(``replicas``) so a holder stores them while its own step runs.
+(``replicas``) so a holder stores them while its own step runs. The rank runs its
+own loop of steps (``run_window``, ``workers.loop``); rank 0's desk answers the
+controller on another (``control``) while the loop runs.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import contextlib
 import dataclasses
 import os
 import socket
+import threading
 
 import ray
 
 from workers.group_sockets import GroupSockets
+from workers.loop.desk import Desk
+from workers.loop.plan import Request, Window, WindowEnd
 from workers.protocol import RankInfo, StepResult
 
 
@@ -41,6 +46,9 @@ class RankWorker:
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
         self._listener: socket.socket | None = None  # the store's socket between rendezvous_address and setup
+        self.exchange = None  # this rank's side of the step boundary's exchange tree (workers.loop.tree)
+        self._desk = Desk(0)  # rank 0's desk for the window running (a new one per window id)
+        self._desk_lock = threading.Lock()
 
     def rendezvous_address(self, local_only: bool = False) -> tuple[str, int]:
         """An address and port for this rank (rank 0) to serve the process-group store on, already bound.
@@ -76,8 +84,6 @@ class RankWorker:
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        from workers.trainer import Trainer
-
         old_ps = getattr(self.trainer, "ps", None)
         carried = old_ps.feedback_to_carry() if old_ps is not None else None
         if dist.is_initialized():
@@ -85,8 +91,8 @@ class RankWorker:
             dist.destroy_process_group()
         _remove_orphaned_offload(spec)
         listener, self._listener = self._listener, None
-        self.trainer = self.sockets.record(
-            lambda: Trainer(spec, rank, world_size, master_addr, master_port, listener=listener))
+        self.trainer, self.exchange = self.sockets.record(
+            lambda: self._build(spec, rank, world_size, master_addr, master_port, listener))
         if self.trainer.ps is not None:
             self.trainer.ps.carry_over(carried)
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
@@ -97,6 +103,54 @@ class RankWorker:
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
         return RankInfo(rank=rank, coords=t.grid.coords_dict(rank), stages=t.parts.stage_ids, device=str(t.device),
                         device_name=name, **self.identity())
+
+    @staticmethod
+    def _build(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int, listener):
+        """The trainer (it joins the mesh) and the exchange tree its loop reports through, on a gloo group of
+        every rank made in the same order on all of them."""
+        import torch.distributed as dist
+
+        from workers.loop.torch_transport import TorchTransport
+        from workers.loop.tree import LocalTransport, TreeExchange
+        from workers.trainer import Trainer
+
+        trainer = Trainer(spec, rank, world_size, master_addr, master_port, listener=listener)
+        transport = TorchTransport(dist.new_group(backend="gloo")) if world_size > 1 else LocalTransport()
+        return trainer, TreeExchange(rank, world_size, transport)
+
+    def run_window(self, window: Window, window_id: int) -> WindowEnd:
+        """Run steps on this rank's own (``workers.loop.RankLoop``) until the window ends; rank 0 hands the
+        controller the records through its desk. A step, save or exchange that raises is ``RankStepError``, as a
+        failed step always was, and this rank leaves its groups so its peers stop waiting for it."""
+        from workers.diagnostics.faults import RankStepError
+        from workers.loop.loop import RankLoop
+        from workers.loop.trainer_stepper import TrainerStepper
+
+        stepper = TrainerStepper(self.trainer, self.store, self._take_snapshot)
+        loop = RankLoop(stepper, self.exchange, self._desk_of(window_id) if self.exchange.root else None)
+        try:
+            return loop.run(window)
+        except Exception as exc:
+            error = RankStepError.of(exc)
+            self._leave_group()
+            raise error from None
+
+    def _desk_of(self, window_id: int) -> Desk:
+        """The desk of window ``window_id``, made by whichever comes first: the window, or the controller's call."""
+        with self._desk_lock:
+            if self._desk.window_id != window_id:
+                self._desk = Desk(window_id)
+            return self._desk
+
+    @ray.method(concurrency_group="control")
+    def desk_items(self, window_id: int, after: int, wait_s: float) -> tuple[list, int]:
+        """Rank 0: the window's items from number ``after`` on, waiting up to ``wait_s`` for one (a long poll)."""
+        return self._desk_of(window_id).items(after, wait_s)
+
+    @ray.method(concurrency_group="control")
+    def desk_post(self, window_id: int, request: Request) -> int:
+        """Rank 0: a request for the window's next boundary; returns the step it is taken at."""
+        return self._desk_of(window_id).post(request)
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
         """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).

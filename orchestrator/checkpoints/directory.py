@@ -59,6 +59,10 @@ class CheckpointDir:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
 
+    def path_pattern(self) -> str:
+        """``path_for`` with a ``{step}`` field: the ranks name the folders they save into inside a window."""
+        return str(self.root / "step-{step:08d}")
+
     @staticmethod
     def step_of(path: Path) -> int:
         """The step the checkpoint folder ``path`` (a ``path_for``) holds."""

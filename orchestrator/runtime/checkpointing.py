@@ -1,8 +1,10 @@
 """The checkpoint cadence of a running job: when to save, at most one asynchronous save in flight, sealing.
 
-A save is complete only once its checksum manifest is written (``seal``): at
-once for a synchronous save, and for an asynchronous one when the next save
-(or the end of the run, or a resize) waits for it. ``saved`` lists the
+The ranks save on their own inside a window of steps (``plan``, ``workers.loop``) and report each save written
+or failed (``on_save``); the controller saves between windows only where it must: a parameter-server job (its
+shards' part goes into the same folder while they are quiet), a save a failure cut short, a resize, and the last
+step when its save failed. A save is complete only once its checksum manifest is written (``seal``): at once
+for a synchronous save, and for an asynchronous one when every rank has it written. ``saved`` lists the
 committed checkpoints the summary reports. A save of a step that scored the held-out loss gets that loss
 beside it before the seal (``CheckpointDir.record_score``), which ``checkpoint.keep_best`` and
 ``--checkpoint best`` go by; every save gets the job fields its tensors are read by
@@ -25,6 +27,7 @@ from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver
 from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
+from workers.loop.plan import CheckpointPlan, SaveRecord
 
 
 class Checkpointing:
@@ -40,6 +43,39 @@ class Checkpointing:
         self.beside_ranks: Callable[[Path], None] | None = None  # writes the PS shards' part into a save's folder
         self.record = job_record.record(spec)  # what the saves' tensors are read by (a resize changes only dp)
         self.not_kept: dict | None = None  # the run's last save failed: what is not on disk (``finish``)
+        self.blocked_s = 0.0  # seconds the ranks' saves held their loop since the last step record
+
+    def plan(self, in_window: bool) -> CheckpointPlan:
+        """What a window's ranks save on their own (nothing when ``in_window`` is false: the controller saves)."""
+        if not in_window or not self.every:
+            return CheckpointPlan()
+        return CheckpointPlan(self.every, self.async_save, self.total_steps, self.ckpt.path_pattern())
+
+    def on_save(self, record: SaveRecord, final: bool = False) -> None:
+        """A save the ranks made inside their window: sealed once every rank has it written, reported when a rank
+        failed it: training goes on and the next save tries again, or, for the step the run ends at (``final``),
+        ``finish`` saves it again."""
+        if record.error is not None:
+            if self.in_flight == record.step:
+                self.in_flight = None
+            then = "saving it again, synchronously" if final else "training goes on; the next save tries again"
+            event("checkpoint_failed", step=record.step, reason=repr(record.error.splitlines()[0][:200]), action=then)
+            return
+        if record.async_save and record.done:  # an asynchronous save written everywhere
+            self.in_flight = None
+            self.committed(record.step, None)
+            return
+        self.blocked_s += record.seconds
+        self.observers.on_checkpoint(record.seconds, committed=False)
+        if record.async_save:
+            self.in_flight = record.step
+        else:
+            self.committed(record.step, record.seconds)
+
+    def take_blocked(self) -> float:
+        """The seconds saves held the ranks since the last step record (the next record's ``checkpoint`` phase)."""
+        blocked, self.blocked_s = self.blocked_s, 0.0
+        return blocked
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""

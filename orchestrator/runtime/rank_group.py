@@ -1,9 +1,11 @@
-"""The rank actors of one job: start them, run a step on all, and replace the ones that fail.
+"""The rank actors of one job: start them, run their windows of steps, and replace the ones that fail.
 
-A step either completes on every rank or raises ``StepFailed`` naming the
-ranks that died (actor or process gone; reported as soon as the first is
-seen), hung (no answer within the heartbeat timeout) or raised on their own
-(out of memory, an I/O error, a bug); those are killed so they count as dead.
+The ranks run their own loop (``RankWorker.run_window``); the group reads rank 0's desk
+(``window_items``: one long poll per call, whatever the world size) and posts the
+controller's requests there. A window either ends on every rank or raises
+``StepFailed`` naming the ranks that died (actor or process gone), hung (no
+progress within the deadline) or raised on their own (out of memory, an I/O error,
+a bug); those are killed so they count as dead.
 Survivors in a collective with the dead peer get an error from gloo at once
 (its sockets closed), and each rank whose step failed shuts its own gloo
 connections (``workers.group_sockets``), so those blocked on a survivor fail
@@ -28,7 +30,8 @@ from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from workers.diagnostics.faults import RankStepError
-from workers.protocol import RankInfo, StepResult
+from workers.loop.plan import Request, Window
+from workers.protocol import RankInfo
 from workers.rank_worker import RankWorker
 
 
@@ -53,13 +56,16 @@ class RankGroup:
         self._node_of: dict[int, str] = {}  # rank -> its node, from every formation
         self._spares: dict[str, object] = {}  # node -> a preloaded spare rank process (``start_spares``)
         self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
+        self._loops: dict = {}  # rank -> its run_window call of the window running
+        self._window_id, self._cursor = 0, 0  # the window running, and the number of rank 0's next item
 
     def _new_actor(self, rank: int, spare: bool = False):
         """A ``RankWorker`` in ``rank``'s placement bundle; a ``spare`` reserves no resources of its own (it takes
         over the dead rank's, freed in the same bundle's node)."""
         p = self.spec.parallel
         # peers' replicas are stored on their own thread, beside the running step
-        return ray.remote(concurrency_groups={"replicas": 1})(RankWorker).options(
+        # and rank 0's desk answers the controller on its own thread while the rank's loop runs
+        return ray.remote(concurrency_groups={"replicas": 1, "control": 2})(RankWorker).options(
             num_cpus=0 if spare else p.cpus_per_rank,
             num_gpus=1 if self.use_gpu else 0,
             scheduling_strategy=self.placement.strategy(rank),
@@ -101,42 +107,72 @@ class RankGroup:
                       for r, w in enumerate(self.workers)})
         return infos
 
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
-        """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``).
+    def start_window(self, window: Window, window_id: int) -> None:
+        """Every rank starts its loop on ``window`` (one call per rank per window, never per step)."""
+        self._window_id, self._cursor, self._window_t0 = window_id, 0, time.monotonic()
+        self._loops = {r: w.run_window.remote(window, window_id) for r, w in enumerate(self.workers)}
 
-        Fails as soon as one rank's actor is seen dead: the survivors still blocked in a collective
-        with it finish their failed step (gloo/NCCL error, at most the collective timeout) while the
-        replacement starts, because the next calls they get queue behind it.
-        """
-        t0 = time.monotonic()
-        refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
-        deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
-        results, dead, errors, pending = {}, {}, {}, list(refs)
-        while pending and not dead and time.monotonic() < deadline:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            for ref in ready:
-                rank = refs.index(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except RayActorError:
-                    dead[rank] = "died"
-                except ray.exceptions.RayTaskError as exc:
-                    error = step_error(exc)
-                    if error.kind == "peer_lost":
-                        errors[rank] = error  # a survivor whose collective broke with a dead peer
-                    else:  # failed on its own: killed below at once, so peers blocked on it fail now too
-                        dead.update(ranks_that_failed({rank: error}))
-        if not dead:
-            dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
-        if errors and not dead:
-            dead = ranks_that_failed(errors)  # only broken collectives, no rank to blame: all are replaced
-        if dead:
-            for rank in dead:
-                ray.kill(self.workers[rank], no_restart=True)
-            self._failed = {refs.index(ref): ref for ref in pending}
-            raise StepFailed(dead)
-        self._last_step_s = time.monotonic() - t0
-        return [results[r] for r in range(len(refs))]
+    def window_items(self, wait_s: float) -> list:
+        """Rank 0's next items (waiting up to ``wait_s`` for one); ``StepFailed`` once its loop failed and every
+        item before the failure was handed over, or when rank 0 itself is gone."""
+        try:
+            items, self._cursor = ray.get(self.workers[0].desk_items.remote(self._window_id, self._cursor, wait_s),
+                                          timeout=wait_s + self.spec.fault_tolerance.heartbeat_timeout_s)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            self._window_failed()
+        if items:
+            return items
+        ready, _ = ray.wait([self._loops[0]], timeout=0)
+        if ready:  # rank 0's loop is over and its desk empty: it failed (its end would be an item)
+            self._window_failed()
+        return []
+
+    def post(self, request: Request) -> int | None:
+        try:
+            return ray.get(self.workers[0].desk_post.remote(self._window_id, request), timeout=30)
+        except ray.exceptions.RayError:
+            return None  # rank 0 is gone: the window is failing, and the controller acts on it before the next
+
+    def _window_failed(self) -> None:
+        """Which ranks failed the window, in a few linear passes over their loops (each rank whose loop broke
+        only because a peer did is a survivor); raises ``StepFailed``. The ones still running after the last
+        pass are handed to ``finish_failed_step``."""
+        refs = self._loops
+        outcomes: dict[int, str] = {}
+        for wait_s in (0.2, 1.0, self.spec.fault_tolerance.survivor_grace_s):
+            pending = [ref for rank, ref in refs.items() if rank not in outcomes]
+            ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            outcomes.update(self._outcomes(refs, outcomes))
+            if any(how != "peer_lost" for how in outcomes.values()) or len(outcomes) == len(refs):
+                break
+        dead = {rank: how for rank, how in outcomes.items() if how != "peer_lost"}
+        if not dead:  # only broken collectives, no rank to blame (or none answered): all are replaced
+            dead = {rank: "hung" for rank in refs if rank not in outcomes} or \
+                ranks_that_failed({rank: RankStepError("peer_lost", "") for rank in outcomes})
+        for rank in dead:
+            ray.kill(self.workers[rank], no_restart=True)
+        self._failed = {rank: ref for rank, ref in refs.items() if rank not in outcomes and rank not in dead}
+        raise StepFailed(dead)
+
+    @staticmethod
+    def _outcomes(refs: dict, known: dict) -> dict[int, str]:
+        """How each finished loop not in ``known`` ended: ``died``, a failure of its own, or ``peer_lost``."""
+        out = {}
+        for rank, ref in refs.items():
+            if rank in known:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+                out[rank] = "peer_lost"  # its window ended normally while another failed: nothing of its own
+            except RayActorError:
+                out[rank] = "died"
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayTaskError as exc:
+                error = step_error(exc)
+                out[rank] = "peer_lost" if error.kind == "peer_lost" else \
+                    next(iter(ranks_that_failed({rank: error}).values()))
+        return out
 
     def finish_failed_step(self) -> dict[int, str]:
         """Wait a short grace for the other ranks' failed step to end; returns the ranks found dead meanwhile

@@ -92,8 +92,9 @@ def test_a_rank_lost_in_a_stops_save_is_recovered_and_saved_without_training_fur
 
 
 def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path, monkeypatch):
-    """`raymesh status` reads the controller from another thread: while step N's checkpoint saves, it shows step
-    N-1 and N-1's loss (it showed step N with N-1's loss, and step 1 with none, which a status poll saw)."""
+    """`raymesh status` reads the controller from another thread. The ranks save a step after its record reached
+    the controller, so while step N saves, status shows step N with N's own loss (once it showed step N with
+    N-1's loss, and step 1 with none, which a status poll saw)."""
     job = make_job(tmp_path, checkpoint={"every": 2, "memory_every": 1})
     seen, save = [], FakeGroup._save_checkpoint
 
@@ -104,7 +105,7 @@ def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path
 
     monkeypatch.setattr(FakeGroup, "_save_checkpoint", saving)
     job.run()
-    assert seen == [(step - 1, 1.0 / (step - 1)) for step in (2, 4, 6, 8, 10)]  # the fake's loss is 1/step
+    assert seen == [(step, 1.0 / step) for step in (2, 4, 6, 8, 10)]  # the fake's loss is 1/step
 
 
 def test_an_observer_told_of_a_step_finds_status_at_that_step_with_its_loss(tmp_path):

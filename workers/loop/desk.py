@@ -1,0 +1,61 @@
+"""Rank 0's desk: what its loop hands the controller, and what the controller asks of the loop.
+
+The loop runs on the rank's main thread; the controller's calls (``items``, ``post``) arrive on another, so
+everything here is guarded by one condition. Items are numbered: the controller asks for those after the last
+number it holds (a long poll), so a lost or repeated call loses or repeats nothing, and items it has are dropped.
+One desk per window: a window's id names it, so a late call about an earlier window cannot mix with this one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from workers.loop.plan import Request
+
+
+class Desk:
+    def __init__(self, window_id: int = 0):
+        self.window_id = window_id
+        self._changed = threading.Condition()
+        self._items: list[Any] = []
+        self._first = 0  # the number of _items[0]
+        self._requests: list[Request] = []
+        self._stepping = 0  # the step the loop is in: a request posted now is taken at its boundary
+
+    def put(self, item: Any) -> None:
+        with self._changed:
+            self._items.append(item)
+            self._changed.notify_all()
+
+    def items(self, after: int, wait_s: float) -> tuple[list[Any], int]:
+        """The items numbered ``after`` and on, waiting up to ``wait_s`` for one; and the number after them.
+        Those before ``after`` are dropped: the caller has them."""
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            del self._items[:max(0, after - self._first)]
+            self._first = max(self._first, after)
+            while not self._items and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            return list(self._items), self._first + len(self._items)
+
+    def stepping(self, step: int) -> None:
+        with self._changed:
+            self._stepping = step
+
+    def post(self, request: Request) -> int:
+        """Queue ``request`` for the boundary after the step in progress; returns that step (a stop ends the window
+        there, faults hit the step after it)."""
+        with self._changed:
+            self._requests.append(request)
+            return self._stepping
+
+    def take(self, step: int) -> Request:
+        """At ``step``'s boundary: every request posted since the last one, as one (a stop wins; faults in posting
+        order). From here on a request is the next step's."""
+        with self._changed:
+            requests, self._requests = self._requests, []
+            self._stepping = step + 1
+        stop = next((r.stop for r in requests if r.stop), None)
+        return Request(stop=stop, faults=tuple(f for r in requests for f in r.faults))
