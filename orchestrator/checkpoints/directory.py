@@ -76,9 +76,17 @@ class CheckpointDir:
 
     def begin(self, step: int) -> Path:
         """A save of ``step`` by this process is about to start: its folder is made (private before the ranks write
-        into it), and until it is sealed it is this process's to remove if it never completes. What a failed try
-        of the same step left is removed first; an unsealed folder of that step this process did not write is
-        set aside, never written into."""
+        into it) once ``expect`` has cleared the way."""
+        path = self.expect(step)
+        self.make_root()
+        self._mkdir(path)
+        return path
+
+    def expect(self, step: int) -> Path:
+        """A save of ``step`` by this process will start (now, or inside a window of the ranks' own steps, which
+        make the folder themselves): until it is sealed it is this process's to remove if it never completes.
+        What a failed try of the same step left is removed first; an unsealed folder of that step this process
+        did not write is set aside, never written into. Call it before any rank may write there."""
         path = self.path_for(step)
         if path.exists() and step not in self.complete_steps():
             if step in self.writing:
@@ -86,8 +94,6 @@ class CheckpointDir:
             else:
                 self._set_aside(path, "unsealed", "it has no manifest and this run did not write it")
         self.writing.add(step)
-        self.make_root()
-        self._mkdir(path)
         return path
 
     def _mkdir(self, path: Path, parents: bool = False) -> None:

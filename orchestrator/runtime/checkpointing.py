@@ -45,11 +45,23 @@ class Checkpointing:
         self.not_kept: dict | None = None  # the run's last save failed: what is not on disk (``finish``)
         self.blocked_s = 0.0  # seconds the ranks' saves held their loop since the last step record
 
-    def plan(self, in_window: bool) -> CheckpointPlan:
-        """What a window's ranks save on their own (nothing when ``in_window`` is false: the controller saves)."""
+    def plan(self, first: int, until: int, in_window: bool) -> CheckpointPlan:
+        """What the ranks of a window of steps ``first``..``until`` save on their own (nothing when ``in_window``
+        is false: the controller saves). The saves due in it are this process's from now on (``expect``: a
+        failed try's leftovers go before any rank writes there); a stop's save is, once it starts (``saving``)."""
         if not in_window or not self.every:
             return CheckpointPlan()
-        return CheckpointPlan(self.every, self.async_save, self.total_steps, self.ckpt.path_pattern())
+        due = {*range(-(-first // self.every) * self.every, until + 1, self.every), self.total_steps}
+        for step in sorted(s for s in due if first <= s <= until):
+            self.ckpt.expect(step)
+        self.ckpt.make_root()
+        modes = self.ckpt.modes
+        return CheckpointPlan(self.every, self.async_save, self.total_steps, self.ckpt.path_pattern(),
+                              modes[0] if modes is not None else None)
+
+    def saving(self, step: int) -> None:
+        """The ranks started saving ``step`` inside their window: this process's save, until sealed."""
+        self.ckpt.writing.add(step)
 
     def on_save(self, record: SaveRecord, final: bool = False) -> None:
         """A save the ranks made inside their window: sealed once every rank has it written, reported when a rank
@@ -59,7 +71,7 @@ class Checkpointing:
             if self.in_flight == record.step:
                 self.in_flight = None
             then = "saving it again, synchronously" if final else "training goes on; the next save tries again"
-            event("checkpoint_failed", step=record.step, reason=repr(record.error.splitlines()[0][:200]), action=then)
+            event("checkpoint_failed", step=record.step, reason=record.error.splitlines()[0][:300], action=then)
             return
         if record.async_save and record.done:  # an asynchronous save written everywhere
             self.in_flight = None

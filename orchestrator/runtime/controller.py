@@ -560,7 +560,7 @@ class TrainingJob:
         in_window = self.ps is None  # a PS job's checkpoints take the shards' part too: saved between windows
         return Window(until=until, faults=once, slow=slow,
                       skips={s: n for s, n in self.skip_batches.items() if start <= s <= until},
-                      snapshot_every=self.memory_every, checkpoint=self.checkpoints.plan(in_window))
+                      snapshot_every=self.memory_every, checkpoint=self.checkpoints.plan(start, until, in_window))
 
     def _run_window(self, acct: StepAccounting) -> WindowEnd:
         """Start the ranks' loops on the next window and supervise it: every record rank 0 hands over is
@@ -598,6 +598,8 @@ class TrainingJob:
         elif isinstance(item, Progress):
             if item.phase == "window":
                 self._mark = item.time
+            elif item.phase == "save":
+                self.checkpoints.saving(item.step)
         elif isinstance(item, WindowEnd):
             with self._issue_lock:
                 self.faults.fired_through(item.step)

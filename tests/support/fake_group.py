@@ -157,13 +157,16 @@ class FakeRanks:
     def snapshot(self, keep_from: int) -> None:
         self.group.snapshots.add(self.group.step_now)
 
-    def save(self, path: str, async_save: bool) -> str | None:
+    def save(self, path: str, async_save: bool, dir_mode: int | None) -> str | None:
+        Path(path).mkdir(parents=True, exist_ok=True)  # as a real rank makes it before DCP writes
+        if dir_mode is not None:
+            Path(path).chmod(dir_mode)
         try:
             self.group.call("save_checkpoint", path, async_save)
         except StepFailed:
             raise
-        except Exception as exc:  # what a rank's save raised, as the loop reports it
-            return f"rank 0: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # what a rank's save raised, as the loop reports it (``TrainerStepper``)
+            return f"rank 0: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
         return None
 
     def save_state(self) -> SaveState | None:
@@ -177,7 +180,7 @@ class FakeRanks:
         except StepFailed:
             raise
         except Exception as exc:
-            return SaveState(step, done=True, error=f"rank 0: {type(exc).__name__}: {exc}")
+            return SaveState(step, done=True, error=f"rank 0: {(str(exc).strip().splitlines() or [''])[0]}")
         return None if done is None else SaveState(done, done=True)
 
 

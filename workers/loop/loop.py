@@ -33,9 +33,10 @@ class Stepper(Protocol):
     def skip_batch(self) -> None: ...
     def snapshot(self, keep_from: int) -> None: ...
 
-    def save(self, path: str, async_save: bool) -> str | None:
-        """Save (or start saving) a checkpoint; the failure of an ordinary save as ``rank N: cause``, else None.
-        Raises when the process group broke (a peer died): then the window fails, not only the save."""
+    def save(self, path: str, async_save: bool, dir_mode: int | None) -> str | None:
+        """Save (or start saving) a checkpoint into ``path`` (made with ``dir_mode`` first, when set); the failure
+        of an ordinary save as ``rank N: cause``, else None. Raises when the process group broke (a peer died):
+        then the window fails, not only the save."""
 
     def save_state(self) -> SaveState | None:
         """The asynchronous save in flight, if any: its step, whether it is written, its error."""
@@ -102,7 +103,7 @@ class RankLoop:
         t0 = time.perf_counter()
         async_save = plan.async_save and not sync
         finished = self.stepper.finish_save()
-        error = self.stepper.save(plan.path(step), async_save)
+        error = self.stepper.save(plan.path(step), async_save, plan.dir_mode)
         outcome = SaveOutcome(step, error, finished, saved=True)
         self.exchange.exchange(outcome, lambda merged: self._report_save(merged, async_save, t0))
 

@@ -21,6 +21,7 @@ class CheckpointPlan:
     async_save: bool = False
     last_step: int = 0  # train.steps: the run's last step always saves
     path_pattern: str = ""  # the step folder with a ``{step}`` field (``CheckpointDir.path_pattern``)
+    dir_mode: int | None = None  # a local step folder's mode (checkpoint.permissions), set before it is written
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``every`` steps, at the run's last step and at a step the run stops at (checkpoints on only)."""

@@ -8,8 +8,7 @@ window's (it fails, and the controller recovers).
 from __future__ import annotations
 
 import dataclasses
-
-from torch.distributed.checkpoint.api import CheckpointException
+import os
 
 from workers.diagnostics.faults import RankStepError
 from workers.loop.summary import SaveState, StepSummary
@@ -34,41 +33,36 @@ class TrainerStepper:
     def snapshot(self, keep_from: int) -> None:
         self._take_snapshot(keep_from)
 
-    def save(self, path: str, async_save: bool) -> str | None:
+    def save(self, path: str, async_save: bool, dir_mode: int | None) -> str | None:
         try:
+            if dir_mode is not None:  # a local folder, private before anything is written into it
+                os.makedirs(path, exist_ok=True)
+                os.chmod(path, dir_mode)
             self.trainer.checkpoints.save(path, async_save)
-        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-            return self._save_error(exc, path)
+        except Exception as exc:  # SaveFailed (CheckpointIO): the folder and the cause; an OSError making it
+            return self._save_error(exc)
         return None
 
     def save_state(self) -> SaveState | None:
         io = self.trainer.checkpoints
         if io.pending is None:
             return None
-        done = io.pending.done()
-        failed = done and io.pending.exception() is not None
-        return SaveState(io.pending_step, done, self._save_error(io.pending.exception(), io.pending_path)
-                         if failed else None)
+        return SaveState(io.pending_step, io.pending.done())  # a failure is learnt by waiting (finish_save)
 
     def finish_save(self) -> SaveState | None:
         io = self.trainer.checkpoints
-        step, path = io.pending_step, io.pending_path
+        step = io.pending_step
         if io.pending is None:
             return None
         try:
             io.wait()
-        except (Exception, CheckpointException) as exc:
-            return SaveState(step, True, self._save_error(exc, path))
+        except Exception as exc:
+            return SaveState(step, True, self._save_error(exc))
         return SaveState(step, True)
 
-    def _save_error(self, exc: BaseException, path: str | None) -> str:
-        """``rank N: writing PATH: cause`` for the record, naming the rank whose write failed (DCP gathers every
-        rank's failure into one exception); a broken process group is raised instead (the window fails)."""
-        failures = getattr(exc, "failures", None)
-        if failures:
-            rank, (cause, _trace) = min(failures.items())
-            return f"rank {rank}: writing {path}: {type(cause).__name__}: {cause}"
-        error = RankStepError.of(exc)
-        if error.kind == "peer_lost":
+    def _save_error(self, exc: BaseException) -> str:
+        """``rank N: saving the checkpoint PATH failed: cause`` for the record (``CheckpointIO`` names the folder
+        and the rank whose write failed); a broken process group is raised instead (the window fails)."""
+        if RankStepError.of(exc).kind == "peer_lost":
             raise exc
-        return f"rank {self.trainer.rank}: writing {path}: {error.detail}"
+        return f"rank {self.trainer.rank}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]}"
