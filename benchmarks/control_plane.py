@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import itertools
 import json
 import resource
 import statistics
@@ -35,9 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator import JobSpec, TrainingJob  # noqa: E402
-from orchestrator.observability.observers import JobObserver  # noqa: E402
-from orchestrator.runtime.simulated import SimRuntime  # noqa: E402
+from orchestrator import JobSpec, TrainingJob
+from orchestrator.observability.observers import JobObserver
+from orchestrator.runtime.simulated import SimRuntime
 
 HOSTS = 64
 
@@ -78,7 +79,7 @@ def measure(ranks: int, step_s: float, steps: int, data: Path, work: Path) -> di
     job.observers.add(clock)
     result = job.run()
     steady = [s for s in clock.seen if 2 <= s[0] <= kill_at][: kill_at - 1]
-    periods = [b[1] - a[1] for a, b in zip(steady, steady[1:]) if b[0] == a[0] + 1]
+    periods = [b[1] - a[1] for a, b in itertools.pairwise(steady) if b[0] == a[0] + 1]
     cpu = (steady[-1][2] - steady[0][2]) / (len(steady) - 1)
     died = runtime.groups[-1].died_at
     after = next(t for step, t, _ in clock.seen[clock.seen.index(steady[-1]) + 1:] if step == kill_at + 1)

@@ -13,15 +13,15 @@ from __future__ import annotations
 import time
 
 from orchestrator.observability.observers import JobObserver, StepReport
-from orchestrator.observability.run_records import step_record
+from orchestrator.observability.run_records import rank_peaks, step_record
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank, utilization
 from orchestrator.planning.memory_report import MeasuredMemory
 from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.stragglers import StragglerDetector
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
-from workers.protocol import StepResult
-from workers.step.figures import figure_value, fold
+from workers.loop.summary import StepSummary
+from workers.step.figures import figure_value
 
 
 class StepAccounting:
@@ -45,12 +45,13 @@ class StepAccounting:
         self.dpo: dict[str, float] | None = None  # train.objective: dpo: the newest step's reward figures
         self.t_train = time.perf_counter()
 
-    def step(self, results: list[StepResult], step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
-        """Account for one completed step; returns its report (``.record`` is its ``steps.jsonl`` record) for the
-        controller to hand the observers once the job shows the step (an observer may read its status)."""
-        merged = fold(results)  # every figure of the ranks' extras, reduced once for the record and the readers
-        record = step_record(results, step_s, self.tokens, time.time(), checkpoint_s, merged)
-        ratios = self.stragglers.observe(record["step"], results)
+    def step(self, summary: StepSummary, step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
+        """Account for one completed step (its summary, reduced over the ranks in-band); returns its report
+        (``.record`` is its ``steps.jsonl`` record) for the controller to hand the observers once the job shows the
+        step (an observer may read its status). Nothing here grows with the ranks but on a step with per-rank
+        detail."""
+        record = step_record(summary, step_s, self.tokens, time.time(), checkpoint_s)
+        ratios = self.stragglers.observe_summary(record["step"], summary)
         self.losses.append(record["loss"])
         self.norms.append(record["grad_norm"])
         self.step_times.append(step_s)
@@ -58,14 +59,14 @@ class StepAccounting:
         self.data_mix = record.get("data_mix")  # data.mix: the newest step's count per source (a rollback's re-run
         # steps report the position they reach again)
         self.dpo = record.get("dpo")
-        for r in results:
-            self.peak[r.rank] = max(self.peak.get(r.rank, 0), r.peak_memory_bytes)
-        measured = figure_value(merged, "memory") or {}  # MeasuredMemory (planning) reads the JSON form
+        for rank, peak in rank_peaks(record).items():
+            self.peak[rank] = max(self.peak.get(rank, 0), peak)
+        measured = figure_value(summary.extras, "memory") or {}  # MeasuredMemory (planning) reads the JSON form
         self.measured.observe([{"rank": rank, "memory": memory} for rank, memory in measured.items()])
         peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
         return StepReport(record, utilization(self.flops_per_token, record["tokens_per_s"], peak_flops),
-                          _bubble_ratio(results), self.goodput(), ratios, frozenset(self.stragglers.flagged()),
-                          merged)
+                          summary.bubble_ratio, self.goodput(), ratios, frozenset(self.stragglers.flagged()),
+                          summary.extras)
 
     def rolled_back(self, recovery: tuple[RecoveryRecord, RecoveryPhases], steps_kept: int) -> None:
         """A recovery rolled training back to ``steps_kept`` steps of this run; its record waits for
@@ -98,9 +99,3 @@ class StepAccounting:
     def goodput(self) -> float:
         return sum(self.step_times) / (time.perf_counter() - self.t_train)
 
-
-def _bubble_ratio(results: list[StepResult]) -> float:
-    """Idle share of the pipeline window, averaged over ranks (0 without pipeline parallelism)."""
-    shares = [r.time_s.bubble / (r.time_s.bubble + r.time_s.compute) for r in results
-              if r.time_s.bubble + r.time_s.compute > 0]
-    return sum(shares) / len(shares) if shares else 0.0

@@ -16,7 +16,6 @@ are what the control API serves while it runs.
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from orchestrator.errors import SpecError
 from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.observability.events import event
-from orchestrator.observability.observers import EventLog, Observers, ProgressBar, StepReport, metrics_observer
+from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.remote_run_dir import run_dir_upload
 from orchestrator.observability.run_records import (
     RunRecords,
@@ -61,11 +60,15 @@ from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
 from workers.loop.plan import Progress, Request, SaveRecord, StepRecord, Window, WindowEnd
+from workers.step.figures import figure_value
 
 if TYPE_CHECKING:
     from orchestrator.recovery.phases import RecoveryPhases
     from orchestrator.runtime.ps_shards import PSShards
     from orchestrator.runtime.records import RecoveryRecord
+
+
+DETAIL_RANKS = 256  # ranks whose own phase times and memory the controller takes per step (Window.detail_every)
 
 
 class RunComplete(Exception):
@@ -558,9 +561,12 @@ class TrainingJob:
         with self._issue_lock:
             once, slow = self.faults.planned(start, until)
         in_window = self.ps is None  # a PS job's checkpoints take the shards' part too: saved between windows
+        world = self.spec.parallel.world_size  # per-rank detail: every step up to DETAIL_RANKS, else as often as
+        detail_every = -(-world // DETAIL_RANKS)  # costs the controller one step's worth of DETAIL_RANKS ranks
         return Window(until=until, faults=once, slow=slow,
                       skips={s: n for s, n in self.skip_batches.items() if start <= s <= until},
-                      snapshot_every=self.memory_every, checkpoint=self.checkpoints.plan(start, until, in_window))
+                      snapshot_every=self.memory_every, checkpoint=self.checkpoints.plan(start, until, in_window),
+                      detail_every=detail_every)
 
     def _run_window(self, acct: StepAccounting) -> WindowEnd:
         """Start the ranks' loops on the next window and supervise it: every record rank 0 hands over is
@@ -609,18 +615,18 @@ class TrainingJob:
         return None
 
     def _on_record(self, acct: StepAccounting, record: StepRecord) -> None:
-        """Account for a completed step and show it; then what the controller asks of the running window."""
-        results = list(record.summary.results)
+        """Account for a completed step and show it; then what the controller asks of the running window. The
+        record is the ranks' summary reduced in-band: nothing here grows with the ranks."""
+        summary = record.summary
         # an evaluation (eval.every) ran inside the step: not training time, so out of step time and tokens/s
-        step_s = record.time - self._mark - max((r.eval_s or 0.0 for r in results), default=0.0)
+        step_s = record.time - self._mark - (figure_value(summary.extras, "eval_s") or 0.0)
         self._mark = record.time
         if record.step == self._window_start + 1:
             self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
         acct.first_step_done()
         self.changes.step_completed()
-        self.checkpoints.scored(record.step, held_out_loss(results))
-        report = acct.step(results, max(step_s, 1e-9), self.checkpoints.take_blocked(),
-                           self.spec.parallel.world_size)
+        self.checkpoints.scored(record.step, held_out_loss(summary))
+        report = acct.step(summary, max(step_s, 1e-9), self.checkpoints.take_blocked(), self.spec.parallel.world_size)
         self.last = report.record
         self.step = record.step  # the step and its record become visible together (`status` reads both)
         if record.snapshot:

@@ -75,10 +75,9 @@ class SimRuntime:
 class SimGroup:
     """The virtual hosts of one grid (what ``group.RankGroupLike`` describes): one call per host per fan-out."""
 
-    worker_extra: dict = {}
-
     def __init__(self, spec: JobSpec, hosts: int, step_s: float):
         self.spec = spec
+        self.worker_extra: dict = {}
         world = spec.parallel.world_size
         size = -(-world // hosts)
         self.blocks = [range(lo, min(lo + size, world)) for lo in range(0, world, size)]

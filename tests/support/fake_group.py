@@ -149,7 +149,7 @@ class FakeRanks:
         return self.group.step_now
 
     def run_step(self, faults: dict[int, dict], detail: bool) -> StepSummary:
-        return self.group.run_step(faults)
+        return self.group.run_step(faults, detail)
 
     def skip_batch(self) -> None:
         self.group._skips_now += 1
@@ -239,7 +239,7 @@ class FakeGroup:
         desk = self._desk
         return None if desk is None or not self._thread.is_alive() else desk.post(request)
 
-    def run_step(self, faults: dict[int, dict]) -> StepSummary:
+    def run_step(self, faults: dict[int, dict], detail: bool = True) -> StepSummary:
         nxt = self.step_now + 1
         action = self.runtime.script.pop(nxt, None)
         if action is not None:
@@ -256,8 +256,8 @@ class FakeGroup:
         loss = math.nan if "nan_loss" in kinds.values() else 1.0 / nxt
         due = self.spec.eval.due(nxt, self.spec.train.steps)  # the ranks' rule: the section they parse it with
         held = self.runtime.held_out(nxt) if due else None
-        return StepSummary.of([_result(r, nxt, loss, held) for r in range(self.world)],
-                              FakeRanks(self).save_state())
+        return StepSummary.of_all([_result(r, nxt, loss, held) for r in range(self.world)], detail,
+                                  FakeRanks(self).save_state())
 
     # -- between windows -----------------------------------------------------------------------
 

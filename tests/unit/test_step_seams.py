@@ -12,6 +12,7 @@ import torch
 
 from orchestrator.observability.run_records import step_record
 from tests.support.one_rank import one_rank_trainer
+from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
 from workers.step import figures
 from workers.step.context import StepHook
@@ -54,7 +55,8 @@ def test_a_registered_objective_and_figure_run_through_the_unchanged_step(toy_pa
     assert isinstance(trainer.objective, SquaredLogits)
     assert result.loss == pytest.approx(expected, rel=1e-6)  # the toy's loss, not cross entropy (~log 256)
     assert result.extras["toy_microbatches"] == result.toy_microbatches == 2
-    record = step_record([result, _other_rank(result)], step_s=1.0, tokens=256, end_time=0.0, checkpoint_s=0.0)
+    ranks = StepSummary.of_all([result, _other_rank(result)])
+    record = step_record(ranks, step_s=1.0, tokens=256, end_time=0.0, checkpoint_s=0.0)
     assert record["toy_microbatches"] == 5  # its reducer's merge (a sum) over the ranks, recorded under its key
     assert StepResult.from_dict(result.to_dict()) == result  # the JSON form carries it at the top level
 

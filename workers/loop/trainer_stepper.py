@@ -25,7 +25,7 @@ class TrainerStepper:
     def run_step(self, faults: dict[int, dict], detail: bool) -> StepSummary:
         result = self.trainer.train_step(faults.get(self.trainer.rank))
         result = dataclasses.replace(result, replicated_step=self.store.replicated)
-        return StepSummary.of([result], self.save_state())
+        return StepSummary.of(result, detail, self.save_state())
 
     def skip_batch(self) -> None:
         self.trainer.state.cursor.next_batch()

@@ -95,14 +95,14 @@ class VirtualRanks:
             self.died_at = time.time()
             raise RanksDied(dead)
         t0 = time.perf_counter()
-        time.sleep(self.step_s)
         self.step += 1
-        seconds = time.perf_counter() - t0
-        times = StepTimes(compute=seconds, step=seconds)
+        times = StepTimes(compute=self.step_s, step=self.step_s)
         results = [StepResult(rank=r, step=self.step, loss=1.0 / self.step, grad_norm=1.0, lr=1e-3, tokens=0,
                               applied=True, time_s=times, peak_memory_bytes=1 << 30, current_memory_bytes=1 << 29,
                               replicated_step=self.step) for r in self.ranks]
-        return StepSummary.of(results)
+        summary = StepSummary.of_all(results, detail)  # the block's records, merged as its ranks' step runs
+        time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))
+        return summary
 
     def skip_batch(self) -> None: ...
 
