@@ -82,7 +82,7 @@ def measure(ranks: int, step_s: float, steps: int, data: Path, work: Path) -> di
     periods = [b[1] - a[1] for a, b in itertools.pairwise(steady) if b[0] == a[0] + 1]
     cpu = (steady[-1][2] - steady[0][2]) / (len(steady) - 1)
     died = runtime.groups[-1].died_at
-    after = next(t for step, t, _ in clock.seen[clock.seen.index(steady[-1]) + 1:] if step == kill_at + 1)
+    after = next(t for _, t, _ in clock.seen if t > died)  # the first step completed after the kill
     (recovery,) = result.recoveries
     return {"ranks": ranks, "hosts": min(HOSTS, ranks), "steps": len(result.losses), "step_s": step_s,
             "step_period_over_step_s": round(statistics.median(periods) / step_s, 4),

@@ -59,7 +59,7 @@ from orchestrator.runtime.records import Layout
 from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
-from workers.loop.plan import Progress, Request, SaveRecord, StepRecord, Window, WindowEnd
+from workers.loop.plan import LoopFailed, Progress, Request, SaveRecord, StepRecord, Window, WindowEnd
 from workers.step.figures import figure_value
 
 if TYPE_CHECKING:
@@ -606,6 +606,8 @@ class TrainingJob:
                 self._mark = item.time
             elif item.phase == "save":
                 self.checkpoints.saving(item.step)
+        elif isinstance(item, LoopFailed):  # rank 0's loop raised: every rank says how its loop ended
+            self.group.window_failed()
         elif isinstance(item, WindowEnd):
             with self._issue_lock:
                 self.faults.fired_through(item.step)

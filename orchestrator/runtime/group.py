@@ -1,5 +1,9 @@
 """What the controller needs from a rank group and from the cluster, as protocols it is handed.
 
+A group starts its ranks' loops on a window of steps (``start_window``), hands over rank 0's desk items as they
+come (``window_items``: one call whatever the world size), takes the controller's requests to rank 0 (``post``),
+and when a window failed says which ranks failed it (``window_failed`` raises ``StepFailed``).
+
 ``TrainingJob`` calls these and nothing else of Ray: ``RayRuntime`` (the
 default) reserves placement groups and starts ``RankGroup`` actors; the unit
 tests hand it a fake runtime whose group fails, hangs and returns NaN on cue,
@@ -9,10 +13,11 @@ so every controller transition runs in milliseconds without a cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from orchestrator.spec import JobSpec
-from workers.protocol import RankInfo, StepResult
+from workers.loop.plan import Request, Window
+from workers.protocol import RankInfo
 
 
 @dataclass
@@ -53,7 +58,10 @@ class RankGroupLike(Protocol):
     worker_extra: dict
 
     def form(self) -> list[RankInfo]: ...
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]: ...
+    def start_window(self, window: Window, window_id: int) -> None: ...
+    def window_items(self, wait_s: float) -> list: ...
+    def window_failed(self) -> NoReturn: ...
+    def post(self, request: Request) -> int | None: ...
     def finish_failed_step(self) -> dict[int, str]: ...
     def replace(self, ranks) -> None: ...
     def start_spares(self) -> None: ...

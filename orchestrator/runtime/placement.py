@@ -15,7 +15,12 @@ import math
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.errors import NO_VALUE, SpecError
@@ -53,6 +58,18 @@ class RankPlacement:
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         group, index = self.bundle(rank)
         return PlacementGroupSchedulingStrategy(placement_group=self.groups[group], placement_group_bundle_index=index)
+
+    def nodes(self, ranks=None) -> dict[int, str]:
+        """rank -> the node its bundle is placed on now (``ranks``: those only; one look-up per placement group)."""
+        ranks = range(len(self.groups) * self.tp) if ranks is None else ranks
+        tables: dict[int, dict] = {}
+        out = {}
+        for rank in ranks:
+            group, index = self.bundle(rank)
+            if group not in tables:
+                tables[group] = placement_group_table(self.groups[group])["bundles_to_node_id"]
+            out[rank] = tables[group][index]
+        return out
 
     def release(self) -> None:
         for pg in self.groups:

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.planning.snapshot_memory import replicas_mirror
 from orchestrator.recovery.policy import ranks_that_failed
@@ -29,6 +30,7 @@ from orchestrator.recovery.snapshot_target import newest_common_step, replica_ho
 from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
+from workers.agent import NodeAgent
 from workers.diagnostics.faults import RankStepError
 from workers.loop.plan import Request, Window
 from workers.protocol import RankInfo
@@ -51,12 +53,13 @@ class RankGroup:
         self.placement = placement
         self.use_gpu = use_gpu
         self.workers: list = [self._new_actor(r) for r in range(spec.parallel.world_size)]
-        self._failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
+        self._failed: list[int] = []  # the ranks whose loop of the failed window was not seen to end
         self._holders: dict[int, int | None] = {}  # rank -> its replica holder, chosen at every formation
-        self._node_of: dict[int, str] = {}  # rank -> its node, from every formation
+        self._node_of: dict[int, str] = placement.nodes()  # rank -> its node (its bundle's; each formation's)
+        self._agents: dict[str, object] = {}  # node -> its NodeAgent, which carries calls to the node's ranks
+        self._adopt(range(len(self.workers)))
         self._spares: dict[str, object] = {}  # node -> a preloaded spare rank process (``start_spares``)
         self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
-        self._loops: dict = {}  # rank -> its run_window call of the window running
         self._window_id, self._cursor = 0, 0  # the window running, and the number of rank 0's next item
 
     def _new_actor(self, rank: int, spare: bool = False):
@@ -71,6 +74,61 @@ class RankGroup:
             scheduling_strategy=self.placement.strategy(rank),
             name=f"{self.spec.name}-{'spare' if spare else 'rank'}{rank}-{time.time_ns()}",
         ).remote()
+
+    # -- one call per node: the agents ----------------------------------------------------------
+
+    def _adopt(self, ranks) -> None:
+        """The agents of the ranks' nodes (started where none runs yet) take these ranks' actors."""
+        by_node: dict[str, dict] = {}
+        for rank in ranks:
+            by_node.setdefault(self._node_of[rank], {})[rank] = self.workers[rank]
+        for node, workers in by_node.items():
+            if node not in self._agents:
+                self._agents[node] = ray.remote(NodeAgent).options(
+                    num_cpus=0, max_concurrency=16, name=f"{self.spec.name}-agent-{node[:12]}-{time.time_ns()}",
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            ray.get(self._agents[node].adopt.remote(workers))
+
+    def _by_node(self, ranks) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for rank in ranks:
+            out.setdefault(self._node_of[rank], []).append(rank)
+        return out
+
+    def _each(self, method: str, args: tuple = (), per_rank: dict[int, tuple] | None = None) -> list:
+        """``method`` on every rank (``per_rank``: on those ranks, each with its own arguments), one call per node
+        through its agent; the answers in rank order, within a deadline. A rank that died or did not answer by then
+        is killed and fails the call as ``StepFailed``, which the controller recovers from like a failed step (a
+        rank's own exception is raised as it is). The deadline is five heartbeat timeouts (10 minutes by default):
+        long enough to load a large checkpoint, never forever."""
+        ranks = sorted(per_rank) if per_rank is not None else range(len(self.workers))
+        timeout = 5 * self.spec.fault_tolerance.heartbeat_timeout_s
+        calls = {node: self._agents[node].call.remote(
+                     method, args, None if per_rank is None else {r: per_rank[r] for r in group}, timeout)
+                 for node, group in self._by_node(ranks).items()}
+        answers = self._answers(calls, timeout + 30)
+        dead = {r: how for r, (how, _) in answers.items() if how in ("died", "hung")}
+        if dead:
+            for rank in dead:
+                ray.kill(self.workers[rank], no_restart=True)
+            raise StepFailed(dead)
+        raised = [value for _, (how, value) in sorted(answers.items()) if how == "raised"]
+        if raised:
+            raise raised[0]
+        return [answers[r][1] for r in ranks]
+
+    def _answers(self, calls: dict, timeout_s: float) -> dict[int, tuple]:
+        """Every rank's answer from its agent's; the ranks of an agent that died (its node) count as died."""
+        out: dict[int, tuple] = {}
+        for node, ref in calls.items():
+            try:
+                out.update(ray.get(ref, timeout=timeout_s))
+            except ray.exceptions.RayError:
+                out.update({r: ("died", None) for r in self._by_node(self._ranks_on(node))[node]})
+        return out
+
+    def _ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in self._node_of.items() if n == node]
 
     def start_spares(self) -> None:
         """One warm spare rank process per node of the grid (CPU jobs), started and preloaded in the background.
@@ -94,23 +152,21 @@ class RankGroup:
     def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
-        self._gather({r: w.preload.remote() for r, w in enumerate(self.workers)})  # new actors import first
-        nodes = self._gather({r: w.identity.remote() for r, w in enumerate(self.workers)})
-        one_node = len({info["node_id"] for info in nodes}) == 1  # then the store listens on loopback only
-        addr, port = self._gather({0: self.workers[0].rendezvous_address.remote(one_node)})[0]
+        self._each("preload")  # new actors import first
+        one_node = len(set(self._node_of.values())) == 1  # then the store listens on loopback only
+        addr, port = self._each("rendezvous_address", per_rank={0: (one_node,)})[0]
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
-        infos = self._gather({r: w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)})
-        self._node_of = {info.rank: info.node_id for info in infos}
+        infos = self._each("setup", per_rank={r: (worker_spec, r, world, addr, port) for r in range(world)})
         self._holders = replica_holders(self.spec.parallel.grid, self._node_of)
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
-        self._gather({r: w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
-                      for r, w in enumerate(self.workers)})
+        self._each("set_holder", per_rank={r: (None if self.mirrored else self._holder_actor(r),)
+                                          for r in range(world)})
         return infos
 
     def start_window(self, window: Window, window_id: int) -> None:
         """Every rank starts its loop on ``window`` (one call per rank per window, never per step)."""
-        self._window_id, self._cursor, self._window_t0 = window_id, 0, time.monotonic()
-        self._loops = {r: w.run_window.remote(window, window_id) for r, w in enumerate(self.workers)}
+        self._window_id, self._cursor = window_id, 0
+        ray.get([agent.start.remote("run_window", (window, window_id)) for agent in self._agents.values()])
 
     def window_items(self, wait_s: float) -> list:
         """Rank 0's next items (waiting up to ``wait_s`` for one); ``StepFailed`` once its loop failed and every
@@ -119,13 +175,8 @@ class RankGroup:
             items, self._cursor = ray.get(self.workers[0].desk_items.remote(self._window_id, self._cursor, wait_s),
                                           timeout=wait_s + self.spec.fault_tolerance.heartbeat_timeout_s)
         except (RayActorError, ray.exceptions.GetTimeoutError):
-            self._window_failed()
-        if items:
-            return items
-        ready, _ = ray.wait([self._loops[0]], timeout=0)
-        if ready:  # rank 0's loop is over and its desk empty: it failed (its end would be an item)
-            self._window_failed()
-        return []
+            self.window_failed()
+        return items  # a loop of rank 0 that raised says so on its desk; a dead rank 0's desk call fails above
 
     def post(self, request: Request) -> int | None:
         try:
@@ -133,45 +184,38 @@ class RankGroup:
         except ray.exceptions.RayError:
             return None  # rank 0 is gone: the window is failing, and the controller acts on it before the next
 
-    def _window_failed(self) -> None:
-        """Which ranks failed the window, in a few linear passes over their loops (each rank whose loop broke
-        only because a peer did is a survivor); raises ``StepFailed``. The ones still running after the last
-        pass are handed to ``finish_failed_step``."""
-        refs = self._loops
+    def window_failed(self) -> None:
+        """Which ranks failed the window, from every agent's account of its ranks' loops in a few passes (each
+        rank whose loop broke only because a peer's did is a survivor); raises ``StepFailed``. The ranks still
+        running after the last pass are handed to ``finish_failed_step``."""
         outcomes: dict[int, str] = {}
         for wait_s in (0.2, 1.0, self.spec.fault_tolerance.survivor_grace_s):
-            pending = [ref for rank, ref in refs.items() if rank not in outcomes]
-            ray.wait(pending, num_returns=len(pending), timeout=wait_s)
-            outcomes.update(self._outcomes(refs, outcomes))
-            if any(how != "peer_lost" for how in outcomes.values()) or len(outcomes) == len(refs):
+            outcomes = self._loop_outcomes(wait_s)
+            if any(how != "peer_lost" for how in outcomes.values()) or len(outcomes) == len(self.workers):
                 break
         dead = {rank: how for rank, how in outcomes.items() if how != "peer_lost"}
         if not dead:  # only broken collectives, no rank to blame (or none answered): all are replaced
-            dead = {rank: "hung" for rank in refs if rank not in outcomes} or \
+            dead = {rank: "hung" for rank in range(len(self.workers)) if rank not in outcomes} or \
                 ranks_that_failed({rank: RankStepError("peer_lost", "") for rank in outcomes})
         for rank in dead:
             ray.kill(self.workers[rank], no_restart=True)
-        self._failed = {rank: ref for rank, ref in refs.items() if rank not in outcomes and rank not in dead}
+        self._failed = [r for r in range(len(self.workers)) if r not in outcomes and r not in dead]
         raise StepFailed(dead)
 
-    @staticmethod
-    def _outcomes(refs: dict, known: dict) -> dict[int, str]:
-        """How each finished loop not in ``known`` ended: ``died``, a failure of its own, or ``peer_lost``."""
+    def _loop_outcomes(self, wait_s: float, ranks=None) -> dict[int, str]:
+        """How each rank's loop of the window ended (``died``, a failure of its own, or ``peer_lost``, which a
+        loop that ended normally while another failed counts as too), waiting up to ``wait_s``; a loop still
+        running is left out."""
+        nodes = self._by_node(range(len(self.workers)) if ranks is None else ranks)
+        calls = {node: self._agents[node].outcomes.remote(wait_s, group) for node, group in nodes.items()}
         out = {}
-        for rank, ref in refs.items():
-            if rank in known:
+        for rank, (how, value) in self._answers(calls, wait_s + 30).items():
+            if how == "hung":
                 continue
-            try:
-                ray.get(ref, timeout=0)
-                out[rank] = "peer_lost"  # its window ended normally while another failed: nothing of its own
-            except RayActorError:
-                out[rank] = "died"
-            except ray.exceptions.GetTimeoutError:
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                error = step_error(exc)
-                out[rank] = "peer_lost" if error.kind == "peer_lost" else \
-                    next(iter(ranks_that_failed({rank: error}).values()))
+            if how == "raised":
+                error = step_error(value)
+                how = "peer_lost" if error.kind == "peer_lost" else ranks_that_failed({rank: error})[rank]
+            out[rank] = "peer_lost" if how == "ok" else how
         return out
 
     def finish_failed_step(self) -> dict[int, str]:
@@ -193,22 +237,14 @@ class RankGroup:
         The grace is ``fault_tolerance.survivor_grace_s`` or twice the last completed step, whichever is
         longer, so a survivor still computing its share of a long step is not mistaken for a blocked one.
         """
-        refs, self._failed = self._failed, {}
-        if not refs:
+        ranks, self._failed = self._failed, []
+        if not ranks:
             return {}
         grace = min(max(self.spec.fault_tolerance.survivor_grace_s, 2 * self._last_step_s),
                     self.spec.fault_tolerance.collective_timeout_s + 5)
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace)
-        dead = {}
-        for rank, ref in refs.items():
-            try:
-                ray.get(ref, timeout=0)
-            except RayActorError:
-                dead[rank] = "died"
-            except ray.exceptions.GetTimeoutError:
-                dead[rank] = ABANDONED
-            except ray.exceptions.RayError:
-                pass  # its collective broke with the dead peer: a survivor
+        over = self._loop_outcomes(grace, ranks)  # a loop that broke with the dead peer: a survivor
+        dead = {r: "died" for r, how in over.items() if how == "died"}
+        dead.update({r: ABANDONED for r in ranks if r not in over})
         for rank in dead:
             ray.kill(self.workers[rank], no_restart=True)
         return dead
@@ -244,6 +280,9 @@ class RankGroup:
                     pending[rank] = self.workers[rank].__ray_ready__.remote()
         for rank in pending:
             ray.kill(self.workers[rank], no_restart=True)
+        started = [r for r in ranks if r not in pending]
+        self._node_of.update(self.placement.nodes(started))  # a bundle of a lost node moved to another
+        self._adopt(started)
         return not pending
 
     def holder(self, rank: int) -> int | None:
@@ -267,12 +306,12 @@ class RankGroup:
     def snapshot(self, keep_from: int = -1) -> None:
         """Every rank snapshots its state now; replicas ship to the holders in the background.
         Snapshots of steps before ``keep_from`` (replicated by every rank) are dropped."""
-        self.call("take_snapshot", keep_from)
+        self._each("take_snapshot", (keep_from,))
 
     def _available(self, ranks) -> dict[int, dict]:
         """Each of ``ranks``' complete snapshot steps and replicas, once none is in flight."""
         ranks = list(ranks)
-        return dict(zip(ranks, self._gather({r: self.workers[r].snapshot_steps.remote() for r in ranks})))
+        return dict(zip(sorted(ranks), self._each("snapshot_steps", per_rank=dict.fromkeys(ranks, ()))))
 
     def restore(self, replaced: set[int], up_to: int) -> int:
         """Roll every rank back to the newest snapshot step, at most ``up_to``, complete for all of them:
@@ -288,11 +327,9 @@ class RankGroup:
         step = newest_common_step(lists, up_to)
         if step is None:
             raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
-        calls = {}
-        for rank, w in enumerate(self.workers):
-            snap = self._replica(rank, sources[rank], step) if rank in replaced else None
-            calls[rank] = w.restore_snapshot.remote(step, snap)
-        return self._gather(calls)[0]
+        calls = {rank: (step, self._replica(rank, sources[rank], step) if rank in replaced else None)
+                 for rank in range(len(self.workers))}
+        return self._each("restore_snapshot", per_rank=calls)[0]
 
     def _source(self, rank: int, replaced: set[int]) -> int | None:
         """The surviving rank that hands replaced ``rank`` its state: its holder; for mirrors, when the holder was
@@ -339,37 +376,15 @@ class RankGroup:
     def restore_positions(self, step: int, kept: dict) -> int:
         """Every rank takes the snapshot of ``step`` kept for its model position; returns the step."""
         grid = self.spec.parallel.grid
-        return self._gather({r: w.restore_snapshot.remote(step, kept[grid.position(r)])
-                             for r, w in enumerate(self.workers)})[0]
+        return self._each("restore_snapshot", per_rank={r: (step, kept[grid.position(r)])
+                                                        for r in range(len(self.workers))})[0]
 
     def call(self, method: str, *args) -> list:
-        return self._gather({r: getattr(w, method).remote(*args) for r, w in enumerate(self.workers)})
-
-    def _gather(self, refs: dict) -> list:
-        """Every rank's answer (rank -> call), in rank order, within a deadline: a rank that died or did not
-        answer by then is killed and fails the call as ``StepFailed``, which the controller recovers from like
-        a failed step (a rank's own exception is raised as it is). The deadline is five heartbeat timeouts
-        (10 minutes by default): long enough to load a large checkpoint, never forever."""
-        timeout = 5 * self.spec.fault_tolerance.heartbeat_timeout_s
-        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-        dead = {rank: "hung" for rank, ref in refs.items() if ref in pending}
-        out = {}
-        for rank, ref in refs.items():
-            if rank in dead:
-                continue
-            try:
-                out[rank] = ray.get(ref)
-            except RayActorError:
-                dead[rank] = "died"
-        if dead:
-            for rank in dead:
-                ray.kill(self.workers[rank], no_restart=True)
-            raise StepFailed(dead)
-        return [out[rank] for rank in refs]
+        return self._each(method, args)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):  # a rank that already died cannot shut down cleanly; it is killed below
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        for w in [*self.workers, *self._spares.values()]:
+            self._each("shutdown")
+        for w in [*self.workers, *self._spares.values(), *self._agents.values()]:
             ray.kill(w)
         self._spares.clear()

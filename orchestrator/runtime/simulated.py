@@ -106,13 +106,13 @@ class SimGroup:
             return items
         ready, _ = ray.wait([self._loops[0]], timeout=0)
         if ready:  # host 0's loop is over with nothing left on its desk: the window failed
-            self._window_failed()
+            self.window_failed()
         return []
 
     def post(self, request: Request) -> int | None:
         return ray.get(self.hosts[0].desk_post.remote(self._window_id, request))
 
-    def _window_failed(self) -> None:
+    def window_failed(self) -> None:
         """The ranks that died, from every host's account of the window (one call per host)."""
         ray.wait(self._loops, num_returns=len(self._loops), timeout=30)
         outcomes = ray.get([h.window_outcome.remote() for h in self.hosts])

@@ -23,7 +23,7 @@ from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
 from workers.loop.desk import Desk
 from workers.loop.loop import RankLoop
-from workers.loop.plan import Request, Window, WindowEnd
+from workers.loop.plan import LoopFailed, Request, Window, WindowEnd
 from workers.loop.summary import SaveState, StepSummary
 from workers.loop.tree import LocalTransport, TreeExchange
 from workers.protocol import RankInfo, StepResult
@@ -120,7 +120,7 @@ class LockstepDesk(Desk):
 
     def put(self, item) -> None:
         self._queue.put(item)
-        if not isinstance(item, WindowEnd | _Failed):
+        if not isinstance(item, WindowEnd | LoopFailed | _Failed):
             self._taken.acquire()
 
     def next(self):
@@ -234,6 +234,10 @@ class FakeGroup:
         if isinstance(item, _Failed):
             raise item.error
         return [item]
+
+    def window_failed(self):
+        """Rank 0's loop raised: the failure it raised (the fake's ranks raise the controller's ``StepFailed``)."""
+        self.window_items(0.0)
 
     def post(self, request: Request) -> int | None:
         desk = self._desk

@@ -15,7 +15,16 @@ import time
 from typing import Protocol
 
 from workers.loop.desk import Desk
-from workers.loop.plan import Boundary, CheckpointPlan, Progress, SaveRecord, StepRecord, Window, WindowEnd
+from workers.loop.plan import (
+    Boundary,
+    CheckpointPlan,
+    LoopFailed,
+    Progress,
+    SaveRecord,
+    StepRecord,
+    Window,
+    WindowEnd,
+)
 from workers.loop.summary import SaveOutcome, SaveState, StepSummary
 from workers.loop.tree import TreeExchange
 
@@ -50,7 +59,16 @@ class RankLoop:
         self.stepper, self.exchange, self.desk = stepper, exchange, desk
 
     def run(self, window: Window) -> WindowEnd:
-        """Steps until ``window.until`` or a boundary that stops or fails the window; returns how it ended."""
+        """Steps until ``window.until`` or a boundary that stops or fails the window; returns how it ended. When
+        it raises, rank 0 says so on its desk first: the controller learns it at once, not at its poll's end."""
+        try:
+            return self._run(window)
+        except BaseException as exc:
+            if self.desk is not None:
+                self.desk.put(LoopFailed(self.stepper.step, f"{type(exc).__name__}: {exc}"[:300]))
+            raise
+
+    def _run(self, window: Window) -> WindowEnd:
         slow, live = dict(window.slow), {}
         self._progress("window", self.stepper.step)  # the first step's time counts from here
         while self.stepper.step < window.until:

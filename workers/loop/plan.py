@@ -4,7 +4,7 @@
 the window's planned faults, skipped batches, snapshot and checkpoint cadence. ``Request``: what it asks rank 0
 while the window runs (stop, a fault injected live). ``Boundary``: what rank 0 decides after each step and the
 exchange tree carries to every rank, so all act on it at the same step. ``StepRecord``, ``SaveRecord``,
-``Progress`` and ``WindowEnd`` are what rank 0 hands the controller, in order.
+``Progress``, ``WindowEnd`` and ``LoopFailed`` are what rank 0 hands the controller, in order.
 """
 
 from __future__ import annotations
@@ -121,6 +121,15 @@ class Progress:
     phase: str
     step: int
     time: float
+
+
+@dataclass(frozen=True)
+class LoopFailed:
+    """Rank 0's loop raised in the step after ``step`` (its own failure, or an exchange a failed peer broke): the
+    controller asks every rank how its loop ended. A dead rank 0 hands over nothing; its loop's call says so."""
+
+    step: int
+    error: str
 
 
 @dataclass(frozen=True)
