@@ -16,7 +16,9 @@ import contextlib
 import dataclasses
 import os
 import socket
+import sys
 import threading
+import traceback
 
 import ray
 
@@ -128,6 +130,7 @@ class RankWorker:
 
         stepper = TrainerStepper(self.trainer, self.store, self._take_snapshot)
         loop = RankLoop(stepper, self.exchange, self._desk_of(window_id) if self.exchange.root else None)
+        self._loop, self._loop_thread = loop, threading.get_ident()
         try:
             return loop.run(window)
         except Exception as exc:
@@ -141,6 +144,17 @@ class RankWorker:
             if self._desk.window_id != window_id:
                 self._desk = Desk(window_id)
             return self._desk
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict:
+        """Where this rank's loop is (``RankLoop.progress``) and the innermost frames of its thread: what the
+        controller reads of every rank when no step has completed within the deadline, to find the stuck one."""
+        loop = getattr(self, "_loop", None)
+        out = loop.progress() if loop is not None else {"phase": "idle", "step": 0, "for_s": 0.0}
+        frame = sys._current_frames().get(getattr(self, "_loop_thread", None))
+        out["where"] = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                        for f in traceback.extract_stack(frame)[-3:]] if frame is not None else []
+        return out
 
     @ray.method(concurrency_group="control")
     def desk_items(self, window_id: int, after: int, wait_s: float) -> tuple[list, int]:

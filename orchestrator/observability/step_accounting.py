@@ -5,13 +5,17 @@ the losses, grad norms and step times a ``RunResult`` reports (cut back when a
 recovery rolls steps back), ``steps.jsonl``, peak and measured memory, the
 Prometheus gauges, straggler ratios and, for each recovery, its record with
 the MTTR and phase times once the next step completes. Goodput is productive
-step time ÷ training wall time, the measure of issue 3.
+step time ÷ training wall time, the measure of issue 3; a step that stalled (over ``STALL_STEPS`` typical steps:
+a rank frozen for a while but back before the progress deadline) counts only a typical step's time as
+productive, and its record says ``stall_s``.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
+from orchestrator.observability.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
 from orchestrator.observability.run_records import rank_peaks, step_record
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank, utilization
@@ -22,6 +26,8 @@ from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
 from workers.loop.summary import StepSummary
 from workers.step.figures import figure_value
+
+STALL_STEPS = 5  # a step over this many typical steps stalled: its excess is not productive time
 
 
 class StepAccounting:
@@ -34,6 +40,7 @@ class StepAccounting:
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.step_times: list[float] = []
+        self.stalls: list[float] = []  # per step, the seconds it ran past a typical step when it stalled, else 0
         self.evals: list[tuple[int, float] | None] = []  # per step, (step, held-out loss) where it evaluated
         self.peak: dict[int, int] = {}
         self.measured = MeasuredMemory(spec)
@@ -51,10 +58,16 @@ class StepAccounting:
         step (an observer may read its status). Nothing here grows with the ranks but on a step with per-rank
         detail."""
         record = step_record(summary, step_s, self.tokens, time.time(), checkpoint_s)
+        stall = self._stall(step_s)
+        if stall:
+            record["stall_s"] = round(stall, 3)
+            event("stall", step=record["step"], seconds=f"{stall:.1f}", step_s=f"{step_s:.1f}",
+                  why=f"over {STALL_STEPS}x the typical step: a rank or the network stood still")
         ratios = self.stragglers.observe_summary(record["step"], summary)
         self.losses.append(record["loss"])
         self.norms.append(record["grad_norm"])
         self.step_times.append(step_s)
+        self.stalls.append(stall)
         self.evals.append((record["step"], record["eval_loss"]) if "eval_loss" in record else None)
         self.data_mix = record.get("data_mix")  # data.mix: the newest step's count per source (a rollback's re-run
         # steps report the position they reach again)
@@ -79,6 +92,7 @@ class StepAccounting:
         """Training went back to ``steps_kept`` steps of this run (a rollback, or a resize whose load fell back to
         an older checkpoint): the steps after it are trained again and reported once."""
         del self.losses[steps_kept:], self.norms[steps_kept:], self.step_times[steps_kept:], self.evals[steps_kept:]
+        del self.stalls[steps_kept:]
 
     @property
     def eval_losses(self) -> list[dict]:
@@ -96,6 +110,16 @@ class StepAccounting:
                                    .to_dict())
             self.observers.on_mttr(mttr)
 
+    def _stall(self, step_s: float) -> float:
+        """The seconds ``step_s`` ran past a typical step (the median of the last twenty) when it took over
+        ``STALL_STEPS`` of them: a rank frozen for a while, a stalled link. A step that evaluated is already
+        counted without its evaluation; the first steps (no typical step yet) never stall."""
+        if len(self.step_times) < 5:
+            return 0.0
+        typical = statistics.median(self.step_times[-20:])
+        return step_s - typical if step_s > STALL_STEPS * typical else 0.0
+
     def goodput(self) -> float:
-        return sum(self.step_times) / (time.perf_counter() - self.t_train)
+        """Productive step time ÷ training wall time: a step's stall is not productive."""
+        return (sum(self.step_times) - sum(self.stalls)) / (time.perf_counter() - self.t_train)
 

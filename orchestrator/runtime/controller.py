@@ -16,6 +16,7 @@ are what the control API serves while it runs.
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -69,6 +70,9 @@ if TYPE_CHECKING:
 
 
 DETAIL_RANKS = 256  # ranks whose own phase times and memory the controller takes per step (Window.detail_every)
+# the progress deadline inside a window: no step for this many typical steps, and never less than the floor (both
+# under fault_tolerance.heartbeat_timeout_s, which also covers a window's first step, a save and an evaluation)
+HANG_STEPS, HANG_FLOOR_S = 10, 15.0
 
 
 class RunComplete(Exception):
@@ -149,6 +153,7 @@ class TrainingJob:
         self._mark = 0.0
         self._last_progress = time.perf_counter()
         self._poll_s = 1.0  # how long one wait for rank 0's next item lasts
+        self._phase = "start"  # what the window's ranks are in, as rank 0 said last (the deadline follows it)
         self._resize: tuple[JobSpec, str] | None = None  # a resize decided while a window ran, done after it
         self.scaling = ScalingPolicy(self.runtime.elastic(spec))
         self.changes = GridChanges(self)
@@ -578,10 +583,13 @@ class TrainingJob:
         self._posted = set()
         self._last_progress = time.perf_counter()
         self.group.start_window(window, self._window_id)
-        self._window_live = True
+        self._window_live, self._phase = True, "start"
         try:
             while True:
-                for item in self.group.window_items(self._poll_s):
+                items = self.group.window_items(min(self._poll_s, self._deadline(acct) / 4))
+                if not items:
+                    self._check_progress(acct)
+                for item in items:
                     end = self._take(acct, item, window)
                     if end is not None:
                         return end
@@ -602,6 +610,7 @@ class TrainingJob:
             self.checkpoints.on_save(item, final)
             self._mark = max(self._mark, item.time)  # the step after a save starts when the save is done
         elif isinstance(item, Progress):
+            self._phase = item.phase
             if item.phase == "window":
                 self._mark = item.time
             elif item.phase == "save":
@@ -616,9 +625,28 @@ class TrainingJob:
             return item
         return None
 
+    def _deadline(self, acct: StepAccounting) -> float:
+        """How long the window may go without handing over an item before it counts as hung: ``HANG_STEPS``
+        typical steps (the median of the last twenty), at least ``HANG_FLOOR_S``; a window's first step, a save or
+        a step that evaluates (slower, and not typical) get ``fault_tolerance.heartbeat_timeout_s``, which also
+        caps the rest."""
+        limit = self.spec.fault_tolerance.heartbeat_timeout_s
+        ev, nxt = self.spec.eval, self.step + 1
+        evaluates = bool(ev.every) and (nxt % ev.every == 0 or nxt == self.spec.train.steps)
+        if self._phase != "step" or evaluates or not acct.step_times:
+            return limit
+        return min(limit, max(min(HANG_FLOOR_S, limit), HANG_STEPS * statistics.median(acct.step_times[-20:])))
+
+    def _check_progress(self, acct: StepAccounting) -> None:
+        """No item within the deadline: the group finds the stuck ranks and the window fails with them hung."""
+        silent = time.perf_counter() - self._last_progress
+        if silent >= self._deadline(acct):
+            self.group.window_hung(silent)
+
     def _on_record(self, acct: StepAccounting, record: StepRecord) -> None:
         """Account for a completed step and show it; then what the controller asks of the running window. The
         record is the ranks' summary reduced in-band: nothing here grows with the ranks."""
+        self._phase = "step"
         summary = record.summary
         # an evaluation (eval.every) ran inside the step: not training time, so out of step time and tokens/s
         step_s = record.time - self._mark - (figure_value(summary.extras, "eval_s") or 0.0)

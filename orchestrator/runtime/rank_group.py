@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.observability.events import event
 from orchestrator.planning.snapshot_memory import replicas_mirror
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
@@ -201,6 +202,25 @@ class RankGroup:
             ray.kill(self.workers[rank], no_restart=True)
         self._failed = [r for r in range(len(self.workers)) if r not in outcomes and r not in dead]
         raise StepFailed(dead)
+
+    def window_hung(self, silent_s: float) -> NoReturn:
+        """No step completed within the progress deadline: every rank says where its loop is (one call per node,
+        five seconds to answer). The stuck ranks are those that do not answer (a frozen process); when all answer,
+        those still inside a step, snapshot or save (their peers wait for them at the boundary); when none can be
+        told apart that way, every rank. They are killed, which ends their peers' collectives with them at once,
+        and the window fails as ``StepFailed`` with them ``hung``."""
+        calls = {node: agent.call.remote("progress", (), None, 5.0) for node, agent in self._agents.items()}
+        answers = self._answers(calls, 35.0)
+        where = {r: value for r, (how, value) in answers.items() if how == "ok"}
+        stuck = set(answers) - set(where) or {r for r, p in where.items() if p["phase"] in ("step", "snapshot", "save")}
+        stuck = stuck or set(range(len(self.workers)))
+        first = where.get(min(stuck), {})
+        event("hang_detected", silent_s=f"{silent_s:.1f}", ranks=sorted(stuck)[:16], count=len(stuck),
+              phase=first.get("phase", "no answer"), where=" < ".join(first.get("where", [])))
+        for rank in stuck:
+            ray.kill(self.workers[rank], no_restart=True)
+        self._failed = [r for r in range(len(self.workers)) if r not in stuck]
+        raise StepFailed(dict.fromkeys(stuck, "hung"))
 
     def _loop_outcomes(self, wait_s: float, ranks=None) -> dict[int, str]:
         """How each rank's loop of the window ended (``died``, a failure of its own, or ``peer_lost``, which a

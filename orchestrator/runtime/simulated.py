@@ -121,6 +121,10 @@ class SimGroup:
                            default=None)  # when the first rank was killed (one machine, one clock): the benchmark's
         raise StepFailed(dead or {0: "hung"})
 
+    def window_hung(self, silent_s: float) -> None:
+        """Virtual ranks do not hang (a host's loop sleeps a set time): what failed the window is asked as usual."""
+        self.window_failed()
+
     def finish_failed_step(self) -> dict[int, str]:
         return {}
 

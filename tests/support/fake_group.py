@@ -62,12 +62,15 @@ class FakeRuntime:
     ``nan_batches`` (data that makes the loss NaN whenever it is trained on), ``fail_calls`` (a rank method ->
     the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost; ``save_checkpoint``
     and ``wait_checkpoint`` are the ranks' saves and waits for an asynchronous save, in a window or called by the
-    controller), ``held_out`` (step -> the held-out loss of a step that evaluates)."""
+    controller), ``held_out`` (step -> the held-out loss of a step that evaluates), ``stall`` (step -> a rank that
+    freezes in it: no answer until the controller's progress deadline calls it hung)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
                  lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
-                 fail_calls: dict[str, list[Exception]] | None = None, held_out=lambda step: 2.0 / step):
+                 fail_calls: dict[str, list[Exception]] | None = None, held_out=lambda step: 2.0 / step,
+                 stall: dict[int, int] | None = None):
         self.placeable = placeable
+        self.stall = dict(stall or {})  # step -> a rank that freezes in it (no error, no progress)
         self.held_out = held_out  # step -> the held-out loss a step that evaluates reports
         self.more_dead = dict(more_dead or {})
         self.lose_snapshots = lose_snapshots
@@ -123,10 +126,15 @@ class LockstepDesk(Desk):
         if not isinstance(item, WindowEnd | LoopFailed | _Failed):
             self._taken.acquire()
 
-    def next(self):
+    def next(self, wait_s: float | None = None):
+        """The loop's next item, or None when none came within ``wait_s`` (the loop is stalled)."""
         if self._owed:
             self._taken.release()
-        item = self._queue.get()
+            self._owed = False
+        try:
+            item = self._queue.get(timeout=wait_s)
+        except queue.Empty:
+            return None
         self._owed = True
         return item
 
@@ -198,6 +206,7 @@ class FakeGroup:
         self._skips_now = 0  # skip_batch calls since the last step (a rank's data cursor, restored on rollback)
         self._desk: LockstepDesk | None = None
         self._thread: threading.Thread | None = None
+        self._unstall = threading.Event()  # a stalled rank's step ends (FakeRuntime.stall)
 
     def _maybe_fail(self, method: str) -> None:
         pending = self.runtime.fail_calls.get(method)
@@ -228,16 +237,24 @@ class FakeGroup:
         except BaseException as exc:  # the controller raises it once it has taken everything before it
             self._desk.put(_Failed(exc))
 
-    def window_items(self, wait_s: float) -> list:
-        """The desk's next item (lockstep: one at a time); raises the window's failure in its place."""
-        item = self._desk.next()
+    def window_items(self, wait_s: float | None = None) -> list:
+        """The desk's next item (lockstep: one at a time), none while the loop is stalled (``FakeRuntime.stall``);
+        raises the window's failure in its place."""
+        item = self._desk.next(wait_s)
         if isinstance(item, _Failed):
             raise item.error
-        return [item]
+        return [] if item is None else [item]
+
+    def window_hung(self, silent_s: float):
+        """The controller found no progress: the stalled rank is hung (its step ends as the real one's killed)."""
+        self.hung_after = silent_s
+        self._unstall.set()
+        while True:
+            self.window_items(None)
 
     def window_failed(self):
         """Rank 0's loop raised: the failure it raised (the fake's ranks raise the controller's ``StepFailed``)."""
-        self.window_items(0.0)
+        self.window_items(None)
 
     def post(self, request: Request) -> int | None:
         desk = self._desk
@@ -248,6 +265,11 @@ class FakeGroup:
         action = self.runtime.script.pop(nxt, None)
         if action is not None:
             action()
+        stalled = self.runtime.stall.pop(nxt, None)
+        if stalled is not None:  # frozen until the controller calls it hung
+            self._unstall.clear()
+            self._unstall.wait(60)
+            raise StepFailed({stalled: "hung"})
         kinds = {rank: f["kind"] for rank, f in faults.items() if f["kind"] != "slow_rank"}
         self.skipped_at[nxt], self._skips_now = self._skips_now, 0
         batch = nxt + sum(n for s, n in self.skipped_at.items() if s <= nxt)  # batch n + the batches skipped

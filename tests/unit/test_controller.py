@@ -322,6 +322,31 @@ def test_a_shrink_loads_a_checkpoint_newer_than_the_survivors_snapshots(tmp_path
     assert result.recoveries[0]["source"] == "disk" and repeated_steps(job) == 0
 
 
+def test_a_rank_frozen_without_an_error_is_found_by_the_progress_deadline_and_replaced(tmp_path):
+    """No record for the deadline (here the heartbeat timeout, 1 s, under the 15 s floor) is a hang: the group is
+    asked which rank is stuck, it is replaced and training goes on from the snapshot, nothing lost."""
+    runtime = FakeRuntime(stall={5: 1})
+    job = make_job(tmp_path, runtime=runtime, fault_tolerance={"heartbeat_timeout_s": 1, "collective_timeout_s": 0.5})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("hang", 1, 5, "memory", 0)
+    assert 1.0 <= runtime.groups[0].hung_after < 5.0 and result.status == "finished" and result.steps == 10
+
+
+def test_the_progress_deadline_is_ten_typical_steps_at_least_the_floor_and_the_heartbeat_else(tmp_path):
+    job = make_job(tmp_path, fault_tolerance={"heartbeat_timeout_s": 120}, eval={"every": 5, "path": "/held"})
+    acct = type("Acct", (), {"step_times": []})()
+    assert job._deadline(acct) == 120  # no step yet: a first step may compile, load, warm up
+    job._phase, acct.step_times = "step", [0.5] * 3 + [4.0] * 20
+    assert job._deadline(acct) == 40.0  # ten of the last twenty steps' median
+    acct.step_times = [0.1] * 20
+    assert job._deadline(acct) == 15.0  # the floor
+    job.step = 4  # step 5 evaluates: slower than any typical step
+    assert job._deadline(acct) == 120
+    job.step, job._phase = 1, "save"
+    assert job._deadline(acct) == 120
+
+
 def test_a_hung_rank_is_a_hang_recovery(tmp_path):
     job = make_job(tmp_path, [kill(1, 4, "hang_rank")])
     assert job.run().recoveries[0]["kind"] == "hang"

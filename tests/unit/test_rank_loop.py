@@ -182,3 +182,19 @@ def test_an_async_save_is_reported_started_then_written_once_every_rank_has_it()
     saves = [(i.step, i.done) for i in items if isinstance(i, SaveRecord)]
     assert saves == [(2, False), (2, True), (4, False), (4, True)]  # the last one finished before the window ends
     assert [i.phase for i in items if isinstance(i, Progress)] == ["window", "save", "save", "wait"]
+
+
+def test_a_step_that_stalled_is_recorded_and_its_excess_is_not_goodput(tmp_path):
+    from orchestrator.observability.observers import Observers
+    from orchestrator.observability.step_accounting import StepAccounting
+    from orchestrator.recovery.stragglers import StragglerDetector
+    from tests.support.jobs import tiny_spec
+
+    spec = tiny_spec(tmp_path / "data", tmp_path)
+    acct = StepAccounting(spec, "cpu", Observers(), StragglerDetector(1.5, 3), [])
+    records = [acct.step(StepSummary.of_all([result(0, step)]), 0.1, 0.0, 1).record for step in range(1, 7)]
+    stalled = acct.step(StepSummary.of_all([result(0, 7)]), 30.0, 0.0, 1).record  # a rank frozen for 30 s
+    assert all("stall_s" not in r for r in records) and stalled["stall_s"] == pytest.approx(29.9)
+    assert acct.stalls == [0.0] * 6 + [pytest.approx(29.9)]
+    acct.cut_back(6)  # rolled back past it: its stall goes with it
+    assert acct.stalls == [0.0] * 6

@@ -57,6 +57,17 @@ class Stepper(Protocol):
 class RankLoop:
     def __init__(self, stepper: Stepper, exchange: TreeExchange, desk: Desk | None = None):
         self.stepper, self.exchange, self.desk = stepper, exchange, desk
+        self.phase = ("idle", 0, time.monotonic())  # (phase, step, since): what the loop is doing (``progress``)
+
+    def _enter(self, phase: str, step: int) -> None:
+        self.phase = (phase, step, time.monotonic())
+
+    def progress(self) -> dict:
+        """Where the loop is: its phase (``step``: inside the step; ``exchange``: waiting for its peers at the
+        boundary; ``save``, ``snapshot``; ``idle``), of which step, for how long. A rank stuck in a step while
+        its peers wait at the boundary is the one a hang is blamed on."""
+        phase, step, since = self.phase
+        return {"phase": phase, "step": step, "for_s": round(time.monotonic() - since, 3)}
 
     def run(self, window: Window) -> WindowEnd:
         """Steps until ``window.until`` or a boundary that stops or fails the window; returns how it ended. When
@@ -77,7 +88,9 @@ class RankLoop:
                 self.desk.stepping(step)
             for _ in range(window.skips.get(step, 0)):
                 self.stepper.skip_batch()
+            self._enter("step", step)
             summary = self.stepper.run_step({**window.faults_at(step, slow), **live}, window.detail_due(step))
+            self._enter("exchange", step)
             boundary: Boundary = self.exchange.exchange(summary, lambda merged: self._decide(merged, window))
             if boundary.failed:
                 return self._end(WindowEnd(step - 1, boundary.failed), window.checkpoint)
@@ -94,6 +107,7 @@ class RankLoop:
         if boundary.collect is not None:  # every rank's writing is over: how it went, then rank 0 reports it
             self._finish_save(boundary.step)
         if window.snapshot_due(step):
+            self._enter("snapshot", step)
             self.stepper.snapshot(boundary.keep_from)
         stopping = boundary.stop == "stop"
         if window.checkpoint.due(step, stopping):
@@ -118,6 +132,7 @@ class RankLoop:
         """Every rank saves ``step`` (asynchronously unless ``sync``: a stop's save is whole before the window
         ends), after the save in flight is finished (one at a time); then one exchange of how it went."""
         self._progress("save", step)
+        self._enter("save", step)
         t0 = time.perf_counter()
         async_save = plan.async_save and not sync
         finished = self.stepper.finish_save()
@@ -143,6 +158,7 @@ class RankLoop:
             self._finish_save(end.step)
         if self.desk is not None:
             self.desk.put(end)
+        self._enter("idle", end.step)
         return end
 
     def _finish_save(self, step: int) -> None:
