@@ -10,6 +10,7 @@ in a second, apart from the ranks.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import ray
@@ -41,9 +42,25 @@ class NodeAgent:
         ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
         return {r: _answer(ref) for r, ref in calls.items()}
 
-    def start(self, method: str, args: tuple = ()) -> None:
-        """``method`` on every rank, not waited for (``outcomes`` says how each ended)."""
+    def start(self, method: str, args: tuple = (), notify=None) -> None:
+        """``method`` on every rank, not waited for (``outcomes`` says how each ended). ``notify``: (an actor, the
+        window id) whose ``desk_put`` hears at once when one of them ends other than normally: a rank that died
+        (its peers in an NCCL collective would not notice before NCCL's timeout) or failed on its own."""
         self.started = {r: getattr(w, method).remote(*args) for r, w in self.workers.items()}
+        if notify is not None:
+            threading.Thread(target=self._watch, args=(dict(self.started), *notify), daemon=True).start()
+
+    @staticmethod
+    def _watch(started: dict[int, Any], desk, window_id: int) -> None:
+        """Tell ``desk`` of the first of ``started`` to end in a failure of its own (a peer's is not news)."""
+        pending = list(started.values())
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = next(r for r, ref in started.items() if ref == ready[0])
+            how, value = _answer(ready[0])
+            if how == "died" or (how == "raised" and getattr(getattr(value, "cause", None), "kind", "") != "peer_lost"):
+                desk.desk_put.remote(window_id, ("rank_failed", rank, how))
+                return
 
     def outcomes(self, wait_s: float, ranks: list[int] | None = None) -> dict[int, Answer]:
         """How the started calls of ``ranks`` (default all) ended, waiting up to ``wait_s`` for them; a call not

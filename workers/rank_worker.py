@@ -24,7 +24,7 @@ import ray
 
 from workers.group_sockets import GroupSockets
 from workers.loop.desk import Desk
-from workers.loop.plan import Request, Window, WindowEnd
+from workers.loop.plan import LoopFailed, Request, Window, WindowEnd
 from workers.protocol import RankInfo, StepResult
 
 
@@ -160,6 +160,12 @@ class RankWorker:
     def desk_items(self, window_id: int, after: int, wait_s: float) -> tuple[list, int]:
         """Rank 0: the window's items from number ``after`` on, waiting up to ``wait_s`` for one (a long poll)."""
         return self._desk_of(window_id).items(after, wait_s)
+
+    @ray.method(concurrency_group="control")
+    def desk_put(self, window_id: int, notice: tuple) -> None:
+        """Rank 0: a node agent saw a rank's loop end in a failure of its own (``NodeAgent.start``)."""
+        _, rank, how = notice
+        self._desk_of(window_id).put(LoopFailed(-1, f"rank {rank} {how}"))
 
     @ray.method(concurrency_group="control")
     def desk_post(self, window_id: int, request: Request) -> int:

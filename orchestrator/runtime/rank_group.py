@@ -167,7 +167,8 @@ class RankGroup:
     def start_window(self, window: Window, window_id: int) -> None:
         """Every rank starts its loop on ``window`` (one call per rank per window, never per step)."""
         self._window_id, self._cursor = window_id, 0
-        ray.get([agent.start.remote("run_window", (window, window_id)) for agent in self._agents.values()])
+        notify = (self.workers[0], window_id)  # an agent seeing a rank fail says so on rank 0's desk at once
+        ray.get([agent.start.remote("run_window", (window, window_id), notify) for agent in self._agents.values()])
 
     def window_items(self, wait_s: float) -> list:
         """Rank 0's next items (waiting up to ``wait_s`` for one); ``StepFailed`` once its loop failed and every
