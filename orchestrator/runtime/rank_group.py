@@ -79,7 +79,10 @@ class RankGroup:
     # -- one call per node: the agents ----------------------------------------------------------
 
     def _adopt(self, ranks) -> None:
-        """The agents of the ranks' nodes (started where none runs yet) take these ranks' actors."""
+        """The agents of the ranks' nodes (started where none runs yet) take these ranks' actors; an agent left
+        with no rank (its node was lost, its ranks now run elsewhere) goes."""
+        for node in set(self._agents) - set(self._node_of.values()):
+            ray.kill(self._agents.pop(node))
         by_node: dict[str, dict] = {}
         for rank in ranks:
             by_node.setdefault(self._node_of[rank], {})[rank] = self.workers[rank]
@@ -119,13 +122,15 @@ class RankGroup:
         return [answers[r][1] for r in ranks]
 
     def _answers(self, calls: dict, timeout_s: float) -> dict[int, tuple]:
-        """Every rank's answer from its agent's; the ranks of an agent that died (its node) count as died."""
+        """Every rank's answer from its agent's (an agent's ``start`` answers nothing: its ranks are ``ok``); the
+        ranks of an agent that died (its node) count as died."""
         out: dict[int, tuple] = {}
         for node, ref in calls.items():
             try:
-                out.update(ray.get(ref, timeout=timeout_s))
+                answer = ray.get(ref, timeout=timeout_s)
             except ray.exceptions.RayError:
-                out.update({r: ("died", None) for r in self._by_node(self._ranks_on(node))[node]})
+                answer = dict.fromkeys(self._ranks_on(node), ("died", None))
+            out.update(answer if answer is not None else dict.fromkeys(self._ranks_on(node), ("ok", None)))
         return out
 
     def _ranks_on(self, node: str) -> list[int]:
@@ -168,7 +173,11 @@ class RankGroup:
         """Every rank starts its loop on ``window`` (one call per rank per window, never per step)."""
         self._window_id, self._cursor = window_id, 0
         notify = (self.workers[0], window_id)  # an agent seeing a rank fail says so on rank 0's desk at once
-        ray.get([agent.start.remote("run_window", (window, window_id), notify) for agent in self._agents.values()])
+        calls = {node: agent.start.remote("run_window", (window, window_id), notify)
+                 for node, agent in self._agents.items()}
+        lost = {r: how for r, (how, _) in self._answers(calls, 60.0).items() if how == "died"}
+        if lost:  # a node (and its agent) went between two windows
+            raise StepFailed(lost)
 
     def window_items(self, wait_s: float) -> list:
         """Rank 0's next items (waiting up to ``wait_s`` for one); ``StepFailed`` once its loop failed and every
@@ -302,7 +311,8 @@ class RankGroup:
         for rank in pending:
             ray.kill(self.workers[rank], no_restart=True)
         started = [r for r in ranks if r not in pending]
-        self._node_of.update(self.placement.nodes(started))  # a bundle of a lost node moved to another
+        nodes = ray.get([self.workers[r].identity.remote() for r in started])  # a lost node's bundle moved
+        self._node_of.update({r: info["node_id"] for r, info in zip(started, nodes)})
         self._adopt(started)
         return not pending
 
