@@ -177,8 +177,9 @@ class TrainingJob:
             "job": self.spec.name, "state": self.state, "step": self.step, "total_steps": self.spec.train.steps,
             "loss": self.last.get("loss"), "tokens_per_s": self.last.get("tokens_per_s", 0.0),
             "layout": self.layout.to_dict() if self.layout else {}, "started_unix": self.started_unix,
-            "health": {int(r): time.time() - self.last.get("time", self.started_unix)
-                       for r in self.last.get("phases", {})},
+            # every rank took part in the last step, whether or not its record carried each rank's detail
+            "health": dict.fromkeys((r.rank for r in self.layout.ranks) if self.layout else (),
+                                    time.time() - self.last.get("time", self.started_unix)) if self.last else {},
         }
 
     def request_stop(self, reason: str = "") -> str:

@@ -33,7 +33,7 @@ from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from workers.agent import NodeAgent
 from workers.diagnostics.faults import RankStepError
-from workers.loop.plan import Request, Window
+from workers.loop.plan import Request, StepRecord, Window
 from workers.protocol import RankInfo
 from workers.rank_worker import RankWorker
 
@@ -61,6 +61,7 @@ class RankGroup:
         self._adopt(range(len(self.workers)))
         self._spares: dict[str, object] = {}  # node -> a preloaded spare rank process (``start_spares``)
         self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
+        self._last_record: float | None = None  # rank 0's clock at the window's last step record
         self._window_id, self._cursor = 0, 0  # the window running, and the number of rank 0's next item
 
     def _new_actor(self, rank: int, spare: bool = False):
@@ -171,7 +172,7 @@ class RankGroup:
 
     def start_window(self, window: Window, window_id: int) -> None:
         """Every rank starts its loop on ``window`` (one call per rank per window, never per step)."""
-        self._window_id, self._cursor = window_id, 0
+        self._window_id, self._cursor, self._last_record = window_id, 0, None
         notify = (self.workers[0], window_id)  # an agent seeing a rank fail says so on rank 0's desk at once
         calls = {node: agent.start.remote("run_window", (window, window_id), notify)
                  for node, agent in self._agents.items()}
@@ -187,6 +188,11 @@ class RankGroup:
                                           timeout=wait_s + self.spec.fault_tolerance.heartbeat_timeout_s)
         except (RayActorError, ray.exceptions.GetTimeoutError):
             self.window_failed()
+        for item in items:  # the survivors' grace scales with a step (``finish_failed_step``)
+            if isinstance(item, StepRecord):
+                if self._last_record is not None:
+                    self._last_step_s = item.time - self._last_record
+                self._last_record = item.time
         return items  # a loop of rank 0 that raised says so on its desk; a dead rank 0's desk call fails above
 
     def post(self, request: Request) -> int | None:
