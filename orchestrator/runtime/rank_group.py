@@ -126,16 +126,20 @@ class RankGroup:
         """Every rank's answer from its agent's (an agent's ``start`` answers nothing: its ranks are ``ok``); the
         ranks of an agent that died (its node) count as died."""
         out: dict[int, tuple] = {}
+        ranks_on: dict[str, list[int]] | None = None  # node -> its ranks, made once, only when needed
         for node, ref in calls.items():
             try:
                 answer = ray.get(ref, timeout=timeout_s)
             except ray.exceptions.RayError:
-                answer = dict.fromkeys(self._ranks_on(node), ("died", None))
-            out.update(answer if answer is not None else dict.fromkeys(self._ranks_on(node), ("ok", None)))
+                answer = None
+                how = ("died", None)
+            else:
+                how = ("ok", None)
+            if not isinstance(answer, dict):
+                ranks_on = ranks_on if ranks_on is not None else self._by_node(self._node_of)
+                answer = dict.fromkeys(ranks_on.get(node, []), how)
+            out.update(answer)
         return out
-
-    def _ranks_on(self, node: str) -> list[int]:
-        return [r for r, n in self._node_of.items() if n == node]
 
     def start_spares(self) -> None:
         """One warm spare rank process per node of the grid (CPU jobs), started and preloaded in the background.
