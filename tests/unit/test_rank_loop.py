@@ -126,9 +126,17 @@ class Steps:
         return pending
 
 
+class ReadDesk(Desk):
+    """A desk whose items count as handed over as they are put (the tests read them all at the end)."""
+
+    def put(self, item) -> None:
+        super().put(item)
+        self._delivered += 1
+
+
 def run(window: Window, steps: Steps, posts: dict[int, Request] | None = None) -> tuple[WindowEnd, list]:
     """One window on a one-participant group; ``posts``: step -> a request posted while that step runs."""
-    desk = Desk(1)
+    desk = ReadDesk(1)
     original = steps.run_step
 
     def posting(faults, detail):
@@ -198,3 +206,16 @@ def test_a_step_that_stalled_is_recorded_and_its_excess_is_not_goodput(tmp_path)
     assert acct.stalls == [0.0] * 6 + [pytest.approx(29.9)]
     acct.cut_back(6)  # rolled back past it: its stall goes with it
     assert acct.stalls == [0.0] * 6
+
+
+def test_before_a_drills_fault_rank_0_waits_until_the_controller_holds_every_record():
+    """Should the fault kill rank 0, its desk dies with it: the records before it must be in the controller's hands
+    already, or the controller would take the step for unfinished and fire the fault again."""
+    desk = Desk(1)
+    desk.put("record 1")
+    assert not desk.wait_delivered(0.05)  # nobody took it
+    items, cursor = desk.items(0, 0.0)
+    assert items == ["record 1"] and desk.wait_delivered(0.0)
+    desk.put("record 2")
+    threading.Timer(0.05, lambda: desk.items(cursor, 0.0)).start()  # the controller's next poll
+    assert desk.wait_delivered(5.0)

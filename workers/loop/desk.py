@@ -23,6 +23,7 @@ class Desk:
         self._first = 0  # the number of _items[0]
         self._requests: list[Request] = []
         self._stepping = 0  # the step the loop is in: a request posted now is taken at its boundary
+        self._delivered = 0  # how many items the controller has been handed
 
     def put(self, item: Any) -> None:
         with self._changed:
@@ -38,7 +39,19 @@ class Desk:
             self._first = max(self._first, after)
             while not self._items and (left := deadline - time.monotonic()) > 0:
                 self._changed.wait(left)
-            return list(self._items), self._first + len(self._items)
+            self._delivered = self._first + len(self._items)
+            self._changed.notify_all()
+            return list(self._items), self._delivered
+
+    def wait_delivered(self, wait_s: float) -> bool:
+        """Wait (up to ``wait_s``) until the controller has been handed every item put so far; whether it was.
+        Before a step a drill's fault hits: should the fault kill rank 0, its desk dies with it, and the controller
+        must know the step before it completed, or it would take the fault for unfired and fire it again."""
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            while self._delivered < self._first + len(self._items) and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            return self._delivered >= self._first + len(self._items)
 
     def stepping(self, step: int) -> None:
         with self._changed:

@@ -28,6 +28,8 @@ from workers.loop.plan import (
 from workers.loop.summary import SaveOutcome, SaveState, StepSummary
 from workers.loop.tree import TreeExchange
 
+FAULT_SYNC_S = 30.0  # how long rank 0 waits, before a step a drill's fault hits, for the controller to take its records
+
 
 class Stepper(Protocol):
     """What a loop drives: one rank's trainer, or virtual ranks."""
@@ -124,6 +126,8 @@ class RankLoop:
         collect = merged.saving.step if merged.saving is not None and merged.saving.done else None
         request = self.desk.take(step)
         faults = {f["rank"]: {**f, "at_step": step + 1} for f in request.faults}
+        if step + 1 in window.faults or faults:  # a drill's fault next: the controller has every record first
+            self.desk.wait_delivered(FAULT_SYNC_S)
         return Boundary(step, stop=request.stop, faults=faults, keep_from=merged.replicated, collect=collect)
 
     # -- saves ---------------------------------------------------------------------------------
