@@ -179,11 +179,24 @@ class Checkpointing:
         if self.in_flight is not None and all(group.call("checkpoint_durable")):
             self.wait_async(group)  # returns at once: every rank's save is done
 
-    def forget_in_flight(self) -> int | None:
+    def forget_in_flight(self, reached: int) -> int | None:
         """The grid is formed again (recovery, resize): its ranks' unfinished save dies with the old group.
-        Returns that save's step, so a recovery that restores exactly that step can save it again."""
+        Returns that save's step, so a recovery that restores exactly that step can save it again. First, the
+        saves the ranks finished in the window whose report died with rank 0 (``adopt_finished``)."""
+        self.adopt_finished(reached)
         step, self.in_flight = self.in_flight, None
-        return step
+        return None if step in self.ckpt.complete_steps() else step
+
+    def adopt_finished(self, reached: int) -> list[int]:
+        """Seal the in-window saves of this process, up to step ``reached`` (the last one the controller has a
+        record of), that every rank finished though their report was lost with rank 0's desk: DCP writes a save's
+        ``.metadata`` only once every rank's data is written, so a folder holding it is whole. Returns the steps."""
+        adopted = []
+        for step in sorted(s for s in self.ckpt.writing if s <= reached and s not in self.ckpt.complete_steps()):
+            if (self.ckpt.path_for(step) / ".metadata").exists():
+                self.committed(step, None)
+                adopted.append(step)
+        return adopted
 
     def save_now(self, group, step: int, then: str = "training goes on; the next save tries again") -> None:
         """A synchronous save of ``step`` unless it is on disk complete already (before the grid is torn down, and

@@ -539,7 +539,7 @@ class TrainingJob:
         pending recovery record."""
         self.machine.to(JobState.RECOVERING)
         at_step = self.step + 1 if at_step is None else at_step
-        cut_short = self.checkpoints.forget_in_flight()  # once: a retried attempt must still save it again
+        cut_short = self.checkpoints.forget_in_flight(self.step)  # once: a retried attempt must still save it again
         while True:
             try:
                 record = self.changes.recover(failure, at_step, t0, cut_short)
