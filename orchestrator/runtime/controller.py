@@ -514,8 +514,6 @@ class TrainingJob:
         goes on, unless a stop was asked for (its own save lost a rank, or it came meanwhile): the caller then
         saves the step restored, with no step more."""
         while self.step < self.spec.train.steps:
-            if self.machine.stop_requested.is_set():
-                return True
             try:
                 self._fire_controller_faults(self.step + 1)
                 end = self._run_window(acct)
@@ -585,6 +583,8 @@ class TrainingJob:
         self._last_progress = time.perf_counter()
         self.group.start_window(window, self._window_id)
         self._window_live, self._phase = True, "start"
+        if self.machine.stop_requested.is_set():  # asked before the window began (start-up): its step, then stop
+            self._post_once("stop", Request(stop="stop"))
         try:
             while True:
                 items = self.group.window_items(min(self._poll_s, self._deadline(acct) / 4))

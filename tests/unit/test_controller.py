@@ -68,6 +68,15 @@ def test_a_stop_request_ends_the_run_stopped_after_the_current_step(tmp_path):
     assert job.machine.visited == [S.STARTING, S.RUNNING, S.STOPPING, S.STOPPED]
 
 
+def test_a_stop_asked_during_start_up_trains_the_first_step_then_stops(tmp_path):
+    """As a stop mid-run finishes the step in flight, one asked before the first step lets it run (a submitted job
+    stopped as soon as `raymesh status` shows it ends with a step trained, not none)."""
+    job = make_job(tmp_path)
+    job.request_stop("early")
+    result = job.run()
+    assert result.status == "stopped" and result.steps == 1 and len(result.losses) == 1
+
+
 def test_a_stop_checkpoints_when_checkpoints_are_on(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 100, "memory_every": 1})
