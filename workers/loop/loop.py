@@ -60,6 +60,7 @@ class RankLoop:
     def __init__(self, stepper: Stepper, exchange: TreeExchange, desk: Desk | None = None):
         self.stepper, self.exchange, self.desk = stepper, exchange, desk
         self.phase = ("idle", 0, time.monotonic())  # (phase, step, since): what the loop is doing (``progress``)
+        self._held: StepRecord | None = None  # rank 0: a step's record put after the save its boundary finished
 
     def _enter(self, phase: str, step: int) -> None:
         self.phase = (phase, step, time.monotonic())
@@ -108,6 +109,8 @@ class RankLoop:
         """What the boundary says to keep of ``step``: a finished asynchronous save, the snapshot, a checkpoint."""
         if boundary.collect is not None:  # every rank's writing is over: how it went, then rank 0 reports it
             self._finish_save(boundary.step)
+            if self.desk is not None:
+                self.desk.put(self._held)
         if window.snapshot_due(step):
             self._enter("snapshot", step)
             self.stepper.snapshot(boundary.keep_from)
@@ -122,8 +125,12 @@ class RankLoop:
         step = merged.step
         if not merged.finite:  # nothing of this step is kept: no record, no snapshot, no save
             return Boundary(step, failed="nan_loss")
-        self.desk.put(StepRecord(step, merged, time.time(), snapshot=window.snapshot_due(step)))
+        record = StepRecord(step, merged, time.time(), snapshot=window.snapshot_due(step))
         collect = merged.saving.step if merged.saving is not None and merged.saving.done else None
+        if collect is None:
+            self.desk.put(record)
+        else:  # the finished save is reported first (``_keep``): sealed with the records up to its own step
+            self._held = record
         request = self.desk.take(step)
         faults = {f["rank"]: {**f, "at_step": step + 1} for f in request.faults}
         if step + 1 in window.faults or faults:  # a drill's fault next: the controller has every record first
