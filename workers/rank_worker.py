@@ -23,8 +23,8 @@ import traceback
 import ray
 
 from workers.group_sockets import GroupSockets
-from workers.loop.desk import Desk
-from workers.loop.plan import LoopFailed, Request, Window, WindowEnd
+from workers.loop.desk import DeskHolder
+from workers.loop.plan import Window, WindowEnd
 from workers.protocol import RankInfo, StepResult
 
 
@@ -39,7 +39,7 @@ def _remove_orphaned_offload(spec: dict) -> None:
         print(f"raymesh event=offload_orphan_removed path={path} why=its rank's process is gone", flush=True)
 
 
-class RankWorker:
+class RankWorker(DeskHolder):
     def __init__(self) -> None:
         # Ray sets OMP_NUM_THREADS to the actor's whole CPUs (at least 1) unless the environment has it already;
         # torch is first imported after this, in ``preload``
@@ -49,8 +49,7 @@ class RankWorker:
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
         self._listener: socket.socket | None = None  # the store's socket between rendezvous_address and setup
         self.exchange = None  # this rank's side of the step boundary's exchange tree (workers.loop.tree)
-        self._desk = Desk(0)  # rank 0's desk for the window running (a new one per window id)
-        self._desk_lock = threading.Lock()
+        self._init_desk()  # rank 0's desk for the window running (a new one per window id)
 
     def rendezvous_address(self, local_only: bool = False) -> tuple[str, int]:
         """An address and port for this rank (rank 0) to serve the process-group store on, already bound.
@@ -138,13 +137,6 @@ class RankWorker:
             self._leave_group()
             raise error from None
 
-    def _desk_of(self, window_id: int) -> Desk:
-        """The desk of window ``window_id``, made by whichever comes first: the window, or the controller's call."""
-        with self._desk_lock:
-            if self._desk.window_id != window_id:
-                self._desk = Desk(window_id)
-            return self._desk
-
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
         """Where this rank's loop is (``RankLoop.progress``) and the innermost frames of its thread: what the
@@ -155,22 +147,6 @@ class RankWorker:
         out["where"] = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
                         for f in traceback.extract_stack(frame)[-3:]] if frame is not None else []
         return out
-
-    @ray.method(concurrency_group="control")
-    def desk_items(self, window_id: int, after: int, wait_s: float) -> tuple[list, int]:
-        """Rank 0: the window's items from number ``after`` on, waiting up to ``wait_s`` for one (a long poll)."""
-        return self._desk_of(window_id).items(after, wait_s)
-
-    @ray.method(concurrency_group="control")
-    def desk_put(self, window_id: int, notice: tuple) -> None:
-        """Rank 0: a node agent saw a rank's loop end in a failure of its own (``NodeAgent.start``)."""
-        _, rank, how = notice
-        self._desk_of(window_id).put(LoopFailed(-1, f"rank {rank} {how}"))
-
-    @ray.method(concurrency_group="control")
-    def desk_post(self, window_id: int, request: Request) -> int:
-        """Rank 0: a request for the window's next boundary; returns the step it is taken at."""
-        return self._desk_of(window_id).post(request)
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
         """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).

@@ -12,7 +12,9 @@ import threading
 import time
 from typing import Any
 
-from workers.loop.plan import Request
+import ray
+
+from workers.loop.plan import LoopFailed, Request
 
 
 class Desk:
@@ -72,3 +74,35 @@ class Desk:
             self._stepping = step + 1
         stop = next((r.stop for r in requests if r.stop), None)
         return Request(stop=stop, faults=tuple(f for r in requests for f in r.faults))
+
+
+class DeskHolder:
+    """What rank 0 answers the controller on while its loop runs (its actor's ``control`` concurrency group): the
+    desk of each window, made by whichever comes first, the window or the controller's call. Mixed into the rank
+    actor (``RankWorker``) and the simulator's virtual host, so both speak the same calls."""
+
+    def _init_desk(self) -> None:
+        self._desk = Desk(0)
+        self._desk_lock = threading.Lock()
+
+    def _desk_of(self, window_id: int) -> Desk:
+        with self._desk_lock:
+            if self._desk.window_id != window_id:
+                self._desk = Desk(window_id)
+            return self._desk
+
+    @ray.method(concurrency_group="control")
+    def desk_items(self, window_id: int, after: int, wait_s: float) -> tuple[list, int]:
+        """The window's items from number ``after`` on, waiting up to ``wait_s`` for one (a long poll)."""
+        return self._desk_of(window_id).items(after, wait_s)
+
+    @ray.method(concurrency_group="control")
+    def desk_post(self, window_id: int, request: Request) -> int:
+        """A request for the window's next boundary; returns the step it is taken at."""
+        return self._desk_of(window_id).post(request)
+
+    @ray.method(concurrency_group="control")
+    def desk_put(self, window_id: int, notice: tuple) -> None:
+        """A node agent saw a rank's loop end in a failure of its own (``NodeAgent.start``)."""
+        _, rank, how = notice
+        self._desk_of(window_id).put(LoopFailed(-1, f"rank {rank} {how}"))

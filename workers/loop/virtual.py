@@ -18,9 +18,9 @@ from typing import Any
 
 import ray
 
-from workers.loop.desk import Desk
+from workers.loop.desk import DeskHolder
 from workers.loop.loop import RankLoop
-from workers.loop.plan import Request, Window, WindowEnd
+from workers.loop.plan import Window, WindowEnd
 from workers.loop.summary import SaveState, StepSummary
 from workers.loop.tree import TreeExchange
 from workers.protocol import RankInfo, StepResult, StepTimes
@@ -119,7 +119,7 @@ class VirtualRanks:
         return None
 
 
-class VirtualHost:
+class VirtualHost(DeskHolder):
     """A process hosting ``ranks`` virtual ranks (the Ray actor class; ``simulated.SimGroup`` starts them)."""
 
     def __init__(self, index: int, ranks: range, step_s: float):
@@ -127,8 +127,7 @@ class VirtualHost:
         self.stepper = VirtualRanks(ranks, step_s)
         self.transport: RayTransport | None = None
         self.exchange: TreeExchange | None = None
-        self._desk = Desk(0)
-        self._desk_lock = threading.Lock()
+        self._init_desk()
         self.outcome: dict[int, str] = {}  # rank -> how the last window ended for it, when it failed
 
     def connect(self, hosts: list) -> None:
@@ -185,20 +184,6 @@ class VirtualHost:
     def take_snapshot(self, keep_from: int = -1) -> int:
         self.stepper.snapshot(keep_from)
         return self.stepper.step
-
-    def _desk_of(self, window_id: int) -> Desk:
-        with self._desk_lock:
-            if self._desk.window_id != window_id:
-                self._desk = Desk(window_id)
-            return self._desk
-
-    @ray.method(concurrency_group="control")
-    def desk_items(self, window_id: int, after: int, wait_s: float) -> tuple[list, int]:
-        return self._desk_of(window_id).items(after, wait_s)
-
-    @ray.method(concurrency_group="control")
-    def desk_post(self, window_id: int, request: Request) -> int:
-        return self._desk_of(window_id).post(request)
 
     @ray.method(concurrency_group="mail")
     def deliver(self, source: int, window_id: int, obj: Any) -> None:
