@@ -247,7 +247,9 @@ class FaultToleranceSpec(FaultToleranceSection):
     """How failures are detected and how many restarts a job may spend (the ranks' own field in
     ``FaultToleranceSection``)."""
 
-    heartbeat_timeout_s: Seconds = 120.0  # a step not answered by then: the rank hung
+    # the progress deadline of a window's first step, a save, an evaluating step (others: ten typical steps, at least
+    # 15 s, at most this); a rank stuck past it hung
+    heartbeat_timeout_s: Seconds = 120.0
     # after a rank failed, survivors still blocked in the failed step this long (or 2 steps, if longer) are
     # restarted with it and restored from their replicas, instead of waiting out collective_timeout_s
     survivor_grace_s: Seconds = 2.0
