@@ -1,7 +1,7 @@
 """``raymesh generate``: text from a job's checkpoint, in this process, without Ray.
 
 The checkpoint (the job's newest by default, any layout: DCP reshards it to the whole model) is verified and
-loaded the way the exports load it (``orchestrator.spec.lora.checkpoint_to_read``, ``workers.model.finetune.
+loaded the way the exports load it (``orchestrator.spec.lora.checkpoint_to_read``, ``workers.finetune.
 rebuilt_model``); the prompt is encoded with the tokenizer the job's data was prepared with, after the
 end-of-document id, since that is what precedes the start of every document the model trained on. Sampling
 and the key/value cache are ``workers.model.generation``'s.
@@ -109,7 +109,7 @@ def load_for_generation(job, checkpoint: str | None, device: str):
     import torch
 
     from orchestrator.spec.lora import checkpoint_to_read
-    from workers.model.finetune import rebuilt_model
+    from workers.finetune import rebuilt_model
 
     path = checkpoint_to_read(job, checkpoint, "generate from")
     target = _device(device, torch)

@@ -33,7 +33,7 @@ class StepReport:
     goodput: float
     straggler_ratios: dict[int, float] = field(default_factory=dict)
     stragglers: frozenset[int] = frozenset()
-    # the ranks' per-step figures folded (``workers.step.figures.fold``): what readers of more than the record
+    # the ranks' per-step figures folded (``workers.contract.figures.fold``): what readers of more than the record
     # take, e.g. the run records' pipeline events
     figures: dict = field(default_factory=dict)
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.observability.observers import JobObserver, StepReport
+from workers.contract.figures import figure_value, record_entries
 from workers.loop.summary import StepSummary
-from workers.step.figures import figure_value, record_entries
 
 if TYPE_CHECKING:
     from orchestrator.observability.step_accounting import StepAccounting
@@ -100,7 +100,7 @@ def step_record(summary: StepSummary, step_s: float, tokens: int, end_time: floa
     step up to 256 ranks), each rank's phase times and memory (``phases``, ``memory``); on the others their
     reduction (``ranks``: how many, phase means and maxima, the two slowest steps as [seconds, rank], the highest
     peak memory as [bytes, rank]). Every figure of the ranks' ``extras`` is recorded by its reducer's ``record``
-    (``workers.step.figures``): ``comm_bytes`` per mesh dimension the bytes the busiest rank sent, ``moe`` per MoE
+    (``workers.contract.figures``): ``comm_bytes`` per mesh dimension the bytes the busiest rank sent, ``moe`` per MoE
     layer its figures, ``dpo`` the global batch's reward figures, and a step that evaluated ``eval_loss`` and
     ``eval_s`` (``step_s`` leaves the evaluation out: the controller subtracts it, so throughput is training's)."""
     record = {"step": summary.step, "time": end_time, "loss": summary.mean_loss, "grad_norm": summary.grad_norm,

@@ -24,8 +24,8 @@ from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.stragglers import StragglerDetector
 from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
+from workers.contract.figures import figure_value
 from workers.loop.summary import StepSummary
-from workers.step.figures import figure_value
 
 STALL_STEPS = 5  # a step over this many typical steps stalled: its excess is not productive time
 

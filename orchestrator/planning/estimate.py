@@ -16,9 +16,9 @@ from orchestrator.planning import memory_model as mm
 from orchestrator.planning.layout_search import FFN_MATRICES, Shape, planned_compiled_loss, planned_on_gpu
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
-from workers.parallel.compression_kinds import WITH_FEEDBACK
+from workers.contract.compression_kinds import WITH_FEEDBACK
+from workers.contract.mixed_precision import planned_fsdp_mixed
 from workers.parallel.layout import layers_of_stage, stage_ids
-from workers.parallel.mixed_precision import planned_fsdp_mixed
 
 CAPACITY_ROUTERS = ("gshard", "switch")  # token-choice routers that drop assignments over capacity
 
@@ -70,7 +70,7 @@ def stage_layers(spec: JobSpec, stage: int, n_stages: int) -> range:
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     """(tensor-parallel-sharded params, replicated params) of one pipeline stage; routed experts apart
     (``stage_expert_params``), an MoE block's router and shared experts counted here as replicated (the MoE
-    feed-forward is whole on every tp rank: ``workers.model.gpt_parallel.moe_style``)."""
+    feed-forward is whole on every tp rank: ``workers.parallel.gpt_parallel.moe_style``)."""
     m = spec.model
     d, v = m.d_model, spec.padded_vocab_size  # the rows the ranks build (a multiple of tp)
     layers = stage_layers(spec, stage, n_stages)
@@ -129,7 +129,7 @@ def routed_rows(spec: JobSpec) -> int:
 def moe_activation_bytes(spec: JobSpec) -> int:
     """What one MoE feed-forward saves for backward for one microbatch, beyond the block's attention half.
 
-    Replicated over tp (``workers.model.gpt_parallel.moe_style``), so whole-microbatch sized under any tp, with
+    Replicated over tp (``workers.parallel.gpt_parallel.moe_style``), so whole-microbatch sized under any tp, with
     T tokens, A = ``routed_rows`` token copies, c the compute bytes, h the expert width, E experts:
     the router's float32 input (T·d), its float32 probabilities (T·E; the z-loss's logsumexp keeps the logits,
     noisy top-k its noisy and noise-scale scores too) and per choice (T·k) its int64 index, float32 gate and

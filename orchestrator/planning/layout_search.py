@@ -30,10 +30,10 @@ from typing import NamedTuple
 from orchestrator.planning import comm_model as cm
 from orchestrator.planning import memory_model as mm
 from orchestrator.planning import time_model as tm
+from workers.contract.mixed_precision import planned_fsdp_mixed
+from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
-from workers.parallel.mixed_precision import planned_fsdp_mixed
 from workers.parallel.partition import balanced_split
-from workers.parallel.schedules import schedule as schedule_facts
 
 FFN_MATRICES = {"gpt": 2, "llama": 3}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
 TP_MAX = 8
@@ -68,7 +68,7 @@ class Shape:
     learned_positions: bool = False
     compute_bytes: int = 2  # bf16 under autocast (raymesh keeps fp32 state either way)
     # the job's layouts with ZeRO-2/3 would run bf16 through FSDP2's mixed-precision policy
-    # (workers.parallel.mixed_precision: bf16 with precision.policy fsdp, or auto on a GPU)
+    # (workers.contract.mixed_precision: bf16 with precision.policy fsdp, or auto on a GPU)
     fsdp_policy: bool = False
     reduce_bytes: int = 4  # gradient reduction width under that policy (precision.reduce_dtype)
     fsdp_prefetch: int = 0  # parallel.fsdp_prefetch: ZeRO-3 blocks gathered ahead (FSDP2's one when 0)

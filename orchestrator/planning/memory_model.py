@@ -15,7 +15,7 @@ too. Three precision layouts:
 - ``fp32``: everything in fp32, no master copy (4 + 4 + K_opt).
 - ``autocast``: what raymesh runs for ``precision.dtype: bf16|fp16`` under ``torch.autocast``: fp32
   parameters, gradients and optimizer state (so the same state bytes as fp32; only activations shrink).
-- ``fsdp_mixed``: bf16 through FSDP2's mixed-precision policy (``workers/parallel/mixed_precision.py``): the
+- ``fsdp_mixed``: bf16 through FSDP2's mixed-precision policy (``workers/contract/mixed_precision.py``): the
   same fp32 state, but the parameters all-gathered for compute are bf16 (half the ``gathered`` term).
 
 ``fsdp=True`` models ZeRO-2/3 as raymesh runs them (FSDP2): the persistent
@@ -41,7 +41,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from workers.parallel.schedules import schedule as schedule_facts
+from workers.contract.schedules import schedule as schedule_facts
 
 # Optimizer state bytes per parameter beyond any fp32 master copy (the paper's K minus 4).
 # adafactor (factored second moment, no first moment by default) and sm3 (one accumulator
@@ -469,7 +469,7 @@ def device_activation_bytes(saved_bytes: int, largest_layer_bytes: int, offload_
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int = 1) -> int:
     """Stage-microbatches whose activations a pipeline rank holds at its peak: the schedule table's rule
-    (``Schedule.in_flight`` in workers.parallel.schedules, which documents each schedule's peak)."""
+    (``Schedule.in_flight`` in workers.contract.schedules, which documents each schedule's peak)."""
     return schedule_facts(schedule).in_flight(pp, pp_rank, microbatches, stages_per_rank)
 
 

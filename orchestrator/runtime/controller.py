@@ -60,8 +60,8 @@ from orchestrator.runtime.records import Layout
 from orchestrator.runtime.run_result import RunResult
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
+from workers.contract.figures import figure_value
 from workers.loop.plan import LoopFailed, Progress, Request, SaveRecord, StepRecord, Window, WindowEnd
-from workers.step.figures import figure_value
 
 if TYPE_CHECKING:
     from orchestrator.recovery.phases import RecoveryPhases

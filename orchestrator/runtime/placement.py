@@ -28,7 +28,7 @@ from orchestrator.observability.events import event
 from orchestrator.planning.memory_model import human_bytes
 from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
 from orchestrator.spec import JobSpec
-from workers.parallel.grid import Grid
+from workers.contract.grid import Grid
 
 NOTICE_S = 5.0  # a reservation not placed after this long is said to be waiting, with what holds the room
 LISTED = 8  # holders named in a message, the rest counted

@@ -26,6 +26,7 @@ from orchestrator.spec.fields import (
     _divisors,
     _Section,
 )
+from workers.contract.compression_kinds import WITH_FEEDBACK
 from workers.contract.sections import (
     DataSection,
     EvalSection,
@@ -39,7 +40,6 @@ from workers.contract.sections import (
     PrecisionSection,
     TrainSection,
 )
-from workers.parallel.compression_kinds import WITH_FEEDBACK
 from workers.storage import location
 
 

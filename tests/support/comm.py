@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.planning.comm_model import predicted_bytes
-from workers.parallel.grid import Grid
+from workers.contract.grid import Grid
 
 
 def compare(spec, measured: dict[int, list[dict]]) -> dict[int, dict[str, tuple[float, int]]]:

@@ -14,8 +14,8 @@ from orchestrator.errors import SpecError
 from orchestrator.observability.run_records import step_record
 from workers.diagnostics.comm_bytes import ring_bytes
 from workers.loop.summary import StepSummary
-from workers.model.config import model_config
 from workers.model.gpt import GPT
+from workers.model.registry import model_config
 from workers.optim.onebit_adam import pack_signs, unpack_signs
 from workers.parallel.grad_buckets import plan_buckets
 from workers.protocol import StepResult, StepTimes

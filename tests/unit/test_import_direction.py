@@ -131,7 +131,7 @@ def test_checker_sees_nested_and_relative_imports(tmp_path):
 # (`workers.contract`). torch costs ~3 s of CPU to import on a 2-core machine.
 TORCH_FREE = ["orchestrator.cli", "orchestrator.runtime.controller", "orchestrator.runtime.hosted",
               "orchestrator.api.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare",
-              "workers.step.figures", "workers.contract.sections"]
+              "workers.contract.figures", "workers.contract.sections"]
 
 
 def test_the_cli_controller_and_client_import_without_torch():

@@ -19,9 +19,8 @@ from orchestrator.planning.published import RUNS
 from orchestrator.planning.snapshot_memory import snapshot_bytes
 from orchestrator.spec import load_spec
 from workers.diagnostics.memory_probe import ActivationMeter
-from workers.model.config import model_config
 from workers.model.gpt import lm_loss
-from workers.model.registry import build_model
+from workers.model.registry import build_model, model_config
 
 GPT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "d_ff": 128, "seq_len": 32}
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from orchestrator.planning import estimate as est
 from orchestrator.planning.comm_model import predicted_bytes
 from orchestrator.planning.layout_search import Evaluator, Shape, layout_of
 from tests.support.spec_errors import assert_actionable, spec_error
-from workers.parallel.mixed_precision import uses_fsdp_mixed
+from workers.contract.mixed_precision import uses_fsdp_mixed
 
 
 def job(**sections) -> dict:

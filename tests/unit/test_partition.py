@@ -210,7 +210,7 @@ HEAVY_HEAD = {"n_layers": 6, "vocab_size": VOCAB}
 
 
 def test_the_profile_attributes_parameters_activations_and_time_to_each_unit():
-    from workers.model.config import model_config
+    from workers.model.registry import model_config
     from workers.parallel.stage_profile import profile_model
 
     cfg = model_config({**BASE["model"], **HEAVY_HEAD})
@@ -261,7 +261,7 @@ def test_auto_refuses_a_model_too_big_to_profile_on_the_host():
 
 
 def test_auto_profiles_in_a_fresh_process_that_measures_what_the_in_process_profile_does():
-    from workers.model.config import model_config
+    from workers.model.registry import model_config
     from workers.parallel.stage_profile import profile_in_fresh_process, profile_model
 
     fields = {**BASE["model"], **HEAVY_HEAD}

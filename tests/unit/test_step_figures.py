@@ -10,9 +10,9 @@ import statistics
 import pytest
 
 from orchestrator.observability.run_records import held_out_loss, step_record
+from workers.contract.figures import FIGURES, figure_value, fold, merge_partials, record_entries
 from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
-from workers.step.figures import FIGURES, figure_value, fold, merge_partials, record_entries
 
 
 def _result(rank: int, **extras) -> StepResult:

@@ -2,7 +2,7 @@
 registered from one module (this test file) and run through the unchanged Trainer, engines and step records.
 
 This file plays the new feature's module; its registrations are the only other place a feature touches
-(``workers/step/objectives.py``'s and ``workers/step/figures.py``'s registries, as a new model family touches
+(``workers/step/objectives.py``'s and ``workers/contract/figures.py``'s registries, as a new model family touches
 ``workers/model/registry.py``)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 from orchestrator.observability.run_records import step_record
 from tests.support.one_rank import one_rank_trainer
+from workers.contract import figures
 from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
-from workers.step import figures
 from workers.step.context import StepHook
 from workers.step.hooks import register_hook, unregister_hook
 from workers.step.objectives import OBJECTIVES, Objective, register_objective

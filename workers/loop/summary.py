@@ -4,7 +4,7 @@
 uses and however many ranks one participant (a virtual host) steps (sums of phase times are float sums, equal
 up to their last bit); and a summary's size does not grow with the
 ranks it covers: sums, maxima and the lowest rank's values for the core fields, each figure's own partial for the
-extras (``workers.step.figures``), and, only on the steps that carry it (``Window.detail_every``), each rank's own
+extras (``workers.contract.figures``), and, only on the steps that carry it (``Window.detail_every``), each rank's own
 phase times and memory. The loss is a mean kept exactly (``figures.Mean``), so it is ``statistics.fmean`` of
 the ranks' losses bit for bit, as the controller always recorded it. Torch-free.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from workers.contract.figures import FIGURES, Mean, merge_partials
 from workers.protocol import PHASES, StepResult
-from workers.step.figures import FIGURES, Mean, merge_partials
 
 _MEAN = Mean("loss", recorded=False)
 
