@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from workers.storage import is_url, location, move_tree, remove_tree
 
 # at least 8 digits: `step:08d` pads to eight and writes step 100,000,000 and beyond with more

@@ -108,12 +108,13 @@ def load_for_generation(job, checkpoint: str | None, device: str):
     """The verified checkpoint's path and the whole model with its weights, on ``device``."""
     import torch
 
+    from orchestrator.planning.stage_split import pin_split
     from orchestrator.spec.lora import checkpoint_to_read
     from workers.finetune import rebuilt_model
 
     path = checkpoint_to_read(job, checkpoint, "generate from")
     target = _device(device, torch)
-    _, model = rebuilt_model(job.worker_dict(), path)
+    _, model = rebuilt_model(pin_split(job).worker_dict(), path)
     return path, model.to(target)
 
 

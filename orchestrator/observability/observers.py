@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.figures import event_fields
 from orchestrator.observability.prometheus import MetricsExporter
-from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
+from orchestrator.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from orchestrator.api.auth import TOKEN_FILE
 from orchestrator.checkpoints.dir_lock import LOCK_FILE
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
 from orchestrator.spec import JobSpec
 from workers.storage import download_tree, location, upload_tree

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.observability.observers import JobObserver, StepReport
+from orchestrator.records import RecoveryRecord
+from orchestrator.recovery.phases import RecoveryPhases
+from orchestrator.run_result import RunResult
 from workers.contract.figures import figure_value, record_entries
 from workers.loop.summary import StepSummary
 
@@ -164,8 +167,6 @@ class ControllerLoss:
 
     def record(self, dp: int):
         """Its ``RecoveryRecord`` (kind ``controller``, no rank; state from disk, or step 0 without a checkpoint)."""
-        from orchestrator.runtime.records import RecoveryRecord
-
         source = "disk" if self.at_step > 1 else "initial"
         record = RecoveryRecord("controller", -1, self.at_step, self.lost_steps, source, {}, dp, dp)
         return record if self.mttr_s is None else record.completed(self.mttr_s, {})
@@ -203,8 +204,6 @@ def controller_losses(run_dir: Path) -> list[ControllerLoss]:
 def account_controller_loss(acct: StepAccounting, loss: ControllerLoss, dp: int) -> None:
     """Recover from the controller's own loss as from any other: its record waits for the first step (the MTTR
     runs from the lost life's last sign of life), and the gap counts as training time lost in the goodput."""
-    from orchestrator.recovery.phases import RecoveryPhases
-
     phases = RecoveryPhases(time.perf_counter() - max(0.0, time.time() - loss.since))
     phases.lap("restart")  # Ray's restart of the process, the new life's start-up and its resume
     record = loss.record(dp)
@@ -218,8 +217,6 @@ def lost_run_summary(run_dir: Path, checkpoints: list[str], dp: int, reason: str
     run had ended (``_ended``: a follower collected its outcome and let the actor go), else its kept step
     records, the controller losses Ray recovered from, the ``checkpoints``, status ``failed`` and ``error``
     saying why (``reason``)."""
-    from orchestrator.runtime.run_result import RunResult
-
     records = kept_steps(_steps_of(run_dir))
     if _ended(run_dir, records[-1]["step"] if records else 0):
         return None

@@ -15,14 +15,14 @@ from __future__ import annotations
 import statistics
 import time
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
 from orchestrator.observability.run_records import rank_peaks, step_record
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank, utilization
 from orchestrator.planning.memory_report import MeasuredMemory
+from orchestrator.records import RecoveryRecord
 from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.stragglers import StragglerDetector
-from orchestrator.runtime.records import RecoveryRecord
 from orchestrator.spec import JobSpec
 from workers.contract.figures import figure_value
 from workers.loop.summary import StepSummary

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from orchestrator.observability.figures import tracker_metrics
 from orchestrator.observability.observers import JobObserver, StepReport, logged
 from orchestrator.observability.run_records import rank_peaks
-from orchestrator.runtime.records import RecoveryRecord
+from orchestrator.records import RecoveryRecord
 from orchestrator.spec import JobSpec
 
 MLFLOW_PARAM_MAX = 6000  # MLflow refuses a longer parameter value

@@ -14,6 +14,7 @@ from dataclasses import astuple, dataclass, replace
 
 from orchestrator.planning import memory_model as mm
 from orchestrator.planning.layout_search import FFN_MATRICES, Shape, planned_compiled_loss, planned_on_gpu
+from orchestrator.planning.stage_split import auto_split, resolve_split
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
 from workers.contract.compression_kinds import WITH_FEEDBACK
@@ -64,7 +65,7 @@ class RankEstimate:
 def stage_layers(spec: JobSpec, stage: int, n_stages: int) -> range:
     """The global layers of pipeline ``stage``: the job's ``parallel.pp_split`` when ``n_stages`` is the job's
     stage count, an even split otherwise (the FLOPs count's whole model as one stage)."""
-    return layers_of_stage(stage, n_stages, spec.model.n_layers, spec.stage_split)
+    return layers_of_stage(stage, n_stages, spec.model.n_layers, resolve_split(spec))
 
 
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
@@ -549,8 +550,6 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
 def split_line(spec: JobSpec) -> str:
     """The layers per stage the ranks will build; for ``pp_split: auto`` also the profiled costs it came from."""
     if spec.parallel.pp_split == "auto":
-        from orchestrator.planning.stage_split import auto_split  # profiles the model: only when asked
-
         return auto_split(spec).describe()
     return f"pp_split {list(spec.stage_split)} layers per stage"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from workers.loop.summary import StepSummary
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from orchestrator.checkpoints import job_record
 from orchestrator.checkpoints.directory import CheckpointDir
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.observers import JobObserver
 from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec

@@ -31,9 +31,9 @@ from orchestrator.checkpoints.directory import MODES, CheckpointDir
 from orchestrator.checkpoints.job_record import check_resume
 from orchestrator.checkpoints.start_checks import refuse_all_corrupt, refuse_fresh_run, refuse_nothing_to_resume
 from orchestrator.errors import SpecError
+from orchestrator.events import event
 from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
-from orchestrator.observability.events import event
 from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.remote_run_dir import run_dir_upload
 from orchestrator.observability.run_records import (
@@ -48,25 +48,27 @@ from orchestrator.observability.run_records import (
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
 from orchestrator.planning.stage_split import auto_split, pin_split
+from orchestrator.records import Layout
 from orchestrator.recovery import node_loss
 from orchestrator.recovery.elastic import resized
 from orchestrator.recovery.policy import ScalingPolicy
 from orchestrator.recovery.stragglers import StragglerDetector
+from orchestrator.run_result import RunResult
 from orchestrator.runtime.checkpointing import Checkpointing
 from orchestrator.runtime.grid_changes import GridChanges
-from orchestrator.runtime.group import RankGroupLike, RayRuntime, Runtime, StepFailed
+from orchestrator.runtime.group import RankGroupLike, Runtime, StepFailed
 from orchestrator.runtime.ray_data import with_ray_dataset
-from orchestrator.runtime.records import Layout
-from orchestrator.runtime.run_result import RunResult
+from orchestrator.runtime.ray_runtime import RayRuntime
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
 from workers.contract.figures import figure_value
 from workers.loop.plan import LoopFailed, Progress, Request, SaveRecord, StepRecord, Window, WindowEnd
+from workers.protocol import RankInfo
 
 if TYPE_CHECKING:
+    from orchestrator.records import RecoveryRecord
     from orchestrator.recovery.phases import RecoveryPhases
     from orchestrator.runtime.ps_shards import PSShards
-    from orchestrator.runtime.records import RecoveryRecord
 
 
 DETAIL_RANKS = 256  # ranks whose own phase times and memory the controller takes per step (Window.detail_every)
@@ -99,6 +101,13 @@ def refuse_if_complete(spec: JobSpec) -> None:
             return
         if checksums.problem(ckpt.path_for(step)) is None:
             raise RunComplete(step, spec.run_dir_url() or spec.resolved_run_dir(), ckpt.path_for(step))
+
+
+def layout_of(spec: JobSpec, ranks: list[RankInfo]) -> Layout:
+    """The ``Layout`` record of ``spec``'s grid with ``ranks`` on it (``spec``'s ``pp_split`` pinned already)."""
+    p = spec.parallel
+    return Layout(p.dp, p.pp, p.tp, p.zero, p.pp_schedule, p.stages_per_rank, spec.train.microbatches,
+                  p.world_size, tuple(ranks), spec.stage_split)
 
 
 class TrainingJob:
@@ -284,7 +293,7 @@ class TrainingJob:
                 self.ps.set_workers(self.spec)
             self.ps.publish_routes(self.group)
             self.checkpoints.beside_ranks = self.ps.save_checkpoint
-        layout = Layout.of(self.spec, self.group.form())
+        layout = layout_of(self.spec, self.group.form())
         if fresh_shards:  # the ranks registered the initial weights: a rollback to step 0 finds them
             self.ps.keep(0, self.group)
         return layout

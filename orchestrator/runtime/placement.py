@@ -24,10 +24,10 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.errors import NO_VALUE, SpecError
-from orchestrator.observability.events import event
-from orchestrator.planning.memory_model import human_bytes
+from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
 from orchestrator.spec import JobSpec
+from orchestrator.units import human_bytes
 from workers.contract.grid import Grid
 
 NOTICE_S = 5.0  # a reservation not placed after this long is said to be waiting, with what holds the room
@@ -37,11 +37,6 @@ LISTED = 8  # holders named in a message, the rest counted
 def tp_groups(grid: Grid) -> int:
     """Placement groups a grid reserves: one per tensor-parallel group (TP peers are consecutive ranks)."""
     return grid.world_size // grid.tp
-
-
-def tp_groups_per_replica(grid: Grid) -> int:
-    """TP groups in one data-parallel replica: what growing or shrinking dp by one adds or frees."""
-    return grid.positions // grid.tp
 
 
 @dataclass

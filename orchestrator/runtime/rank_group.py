@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import replicas_mirror
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders

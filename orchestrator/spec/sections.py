@@ -8,13 +8,13 @@ the controller uses. The sections only the controller reads (checkpoint, plan, f
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
     MAX_SLOWDOWN,
     STRICT,
@@ -26,6 +26,7 @@ from orchestrator.spec.fields import (
     _divisors,
     _Section,
 )
+from orchestrator.units import parse_bytes
 from workers.contract.compression_kinds import WITH_FEEDBACK
 from workers.contract.sections import (
     DataSection,
@@ -159,6 +160,19 @@ class OptimSpec(OptimSection):
 PrecisionSpec = PrecisionSection  # `precision:`: no check of its own (how it combines: checks/precision.py)
 OffloadSpec = OffloadSection  # `memory.offload:` (checks/memory.py)
 MemorySpec = MemorySection  # `memory:` (checks/memory.py)
+
+
+def recompute_plan(policy: str, every: int, n_layers: int) -> tuple[str, int]:
+    """The policy and interval the workers run for ``memory.recompute``/``recompute_every`` on ``n_layers`` blocks.
+
+    ``sqrt`` is Chen et al. 2016's √n rule at block granularity: full recompute on every k-th block, k = round(√n),
+    so about √n blocks are checkpointed (saving only their inputs) and the others keep their activations. Why
+    this and not √n multi-block segments: blocks are the unit the family declares and ``checkpoint`` wraps in
+    place (names and checkpoints unchanged); a segment would need the model's forward to call blocks in groups.
+    """
+    if policy == "sqrt":
+        return "full", max(1, round(math.sqrt(n_layers)))
+    return policy, every
 
 
 class PlanSpec(_Section):

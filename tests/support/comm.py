@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.planning.comm_model import predicted_bytes
+from orchestrator.planning.layout_search import predicted_bytes
 from workers.contract.grid import Grid
 
 

@@ -130,7 +130,7 @@ def test_checker_sees_nested_and_relative_imports(tmp_path):
 # actor for a hosted run) and the Python client, and the job-file sections they share with the ranks
 # (`workers.contract`). torch costs ~3 s of CPU to import on a 2-core machine.
 TORCH_FREE = ["orchestrator.cli", "orchestrator.runtime.controller", "orchestrator.runtime.hosted",
-              "orchestrator.api.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare",
+              "orchestrator.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare",
               "workers.contract.figures", "workers.contract.sections"]
 
 

@@ -156,10 +156,10 @@ def test_predicted_bytes_of_a_job_spec():
     """What the communication measurement puts "predicted" beside: per pp rank, per mesh dimension."""
     spec = _job(GPT, parallel={"dp": 4, "zero": 0}, train={"global_batch_size": 16, "microbatches": 2})
     params = sum(est.stage_params(spec, 0, 1))
-    bytes_ = cm.predicted_bytes(spec)
+    bytes_ = ls.predicted_bytes(spec)
     assert list(bytes_) == [0] and bytes_[0]["dp"] == pytest.approx(cm.all_reduce(4 * params, 4))
     assert bytes_[0]["tp"] == bytes_[0]["pp"] == 0
-    piped = cm.predicted_bytes(_job(GPT, parallel={"pp": 2, "tp": 2}, train={"global_batch_size": 16,
+    piped = ls.predicted_bytes(_job(GPT, parallel={"pp": 2, "tp": 2}, train={"global_batch_size": 16,
                                                                              "microbatches": 4}))
     hidden = 4 * 4 * 32 * 64 // 2  # fp32 b·s·h of a 4-sequence microbatch, sequence-sharded over tp=2
     # per microbatch stage 0 sends the hidden state forward, stage 1 its gradient back: one send each

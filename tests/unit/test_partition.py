@@ -232,7 +232,9 @@ def test_auto_moves_blocks_off_a_heavy_head_and_the_controller_pins_it():
     assert max(chosen.stage_seconds) < max(stage_cost([u.time_s for u in chosen.costs.layers], (3, 3),
                                                       chosen.costs.embedding.time_s, chosen.costs.head.time_s))
     pinned = pin_split(spec)
-    assert pinned.parallel.pp_split == list(chosen.split) == spec.worker_dict()["parallel"]["pp_split"]
+    assert pinned.parallel.pp_split == list(chosen.split) == pinned.worker_dict()["parallel"]["pp_split"]
+    with pytest.raises(ValueError, match="pp_split 'auto' is not resolved yet: pin it first with .*pin_split"):
+        spec.worker_dict()  # the spec does not profile: resolving `auto` is the planner's
     assert "pp_split auto: " in render(spec)
 
 

@@ -93,11 +93,12 @@ class ParallelSection(Section):
 
     @property
     def stage_layers(self) -> tuple[int, ...] | None:
-        """Layers per pipeline stage as the ranks cut them: `pp_split` as `JobSpec.worker_dict` resolves it (a
-        list), None for an even split. `auto` needs the driver's profile, so a rank refuses it unresolved."""
+        """Layers per pipeline stage as the ranks cut them: `pp_split` as `JobSpec.worker_dict` writes it (a list),
+        None for an even split. `auto` needs the driver's profile, so a rank refuses it unresolved."""
         if self.pp_split == "auto":
             raise ValueError("parallel.pp_split 'auto' reached a rank unresolved; send the dict JobSpec.worker_dict() "
-                             "builds, which profiles the model and writes one layer count per stage")
+                             "builds once the planner has pinned the split (orchestrator.planning.stage_split."
+                             "pin_split profiles the model and writes one layer count per stage)")
         return None if self.pp_split == "even" else tuple(self.pp_split)
 
     @property
