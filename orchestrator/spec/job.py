@@ -98,7 +98,8 @@ class JobSpec(_Section):
 
     def worker_dict(self) -> dict[str, Any]:
         """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab,
-        `memory.recompute: sqrt` as the policy and interval it runs, `parallel.pp_split` as layer counts per stage).
+        `memory.recompute: sqrt` as the policy and interval it runs, `parallel.pp_split` as layer counts per stage:
+        `stage_split`, so an `auto` split is pinned by the planner first).
 
         Workers never import the orchestrator, so they get a plain dict with no defaults left to derive, and parse
         it with the section classes these sections subclass (``workers.spec.WorkerSpec``), which refuse a field left
