@@ -11,6 +11,7 @@ made inside functions, which is where such shortcuts usually hide.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -193,12 +194,13 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
             for path in sorted((root / package).rglob("*.py"))}
 
 
+@functools.cache
 def module_edges(root: Path = ROOT) -> dict[str, list[tuple[str, Import]]]:
     """module -> the modules of the three packages it imports, each with the import that does it.
 
     ``from x import a`` goes to ``x.a`` when that is a module, else to ``x``; ``import x.y`` to ``x.y``. The
     packages Python runs first on the way to a module (``x`` for ``x.y``) are not counted: every module would
-    otherwise depend on its package's ``__init__``, which re-exports it.
+    otherwise depend on its package's ``__init__``, which re-exports it. Parsed once per tree (read only).
     """
     known = modules(root)
 
@@ -226,7 +228,7 @@ def layer_breaks(package: str, root: Path = ROOT, layers: dict = LAYERS) -> list
     """One line per import from a sub-package of ``package`` to one of its own layer or above (or to the package's
     ``__init__``, or to a sub-package no layer lists): file:line, who imports what, and both layers."""
     rank = {sub: i for i, layer in enumerate(layers[package]) for sub in layer}
-    out = []
+    paths, out = modules(root), []
     for module, targets in module_edges(root).items():
         src = _subpackage(module)
         if module.split(".")[0] != package or src is None:
@@ -236,7 +238,7 @@ def layer_breaks(package: str, root: Path = ROOT, layers: dict = LAYERS) -> list
             if target.split(".")[0] != package or dst == src:
                 continue
             if src not in rank or dst not in rank or rank[dst] >= rank[src]:
-                where = f"{modules(root)[module].relative_to(root)}:{imp.line}: {module} imports {target}"
+                where = f"{paths[module].relative_to(root)}:{imp.line}: {module} imports {target}"
                 out.append(f"{where} ({_layer_of(src, rank)} may not import {_layer_of(dst, rank)})")
     return out
 
@@ -295,12 +297,13 @@ def _one_cycle(start: str, component: set[str], edges) -> list[tuple[str, Import
 
 
 def _describe(cycle: list[tuple[str, Import]]) -> str:
-    kinds = [" -> ".join(f"{m} (line {i.line})" for m, i in cycle), cycle[0][0]]
-    return " -> ".join(kinds)
+    """``a (line 3) -> b (line 9) -> a``: each module with the line of its import of the next."""
+    return " -> ".join([*(f"{module} (line {imp.line})" for module, imp in cycle), cycle[0][0]])
 
 
 @pytest.mark.parametrize("package", list(LAYERS))
 def test_every_subpackage_is_in_one_layer(package):
+    """A new folder or top-level module has to be placed in a layer (and the docs' table) before it can be used."""
     listed = [sub for layer in LAYERS[package] for sub in layer]
     present = {_subpackage(m) for m in modules() if m.split(".")[0] == package} - {None}
     assert sorted(present - set(listed)) == [], "sub-packages no layer lists: add each to LAYERS and the docs"
@@ -310,6 +313,7 @@ def test_every_subpackage_is_in_one_layer(package):
 
 @pytest.mark.parametrize("package", list(LAYERS))
 def test_subpackages_import_only_lower_layers(package):
+    """The layers are what keeps each sub-package testable and movable without the ones above it."""
     found = layer_breaks(package)
     assert not found, f"{len(found)} imports break the layers of {package}:\n" + "\n".join(found)
 
