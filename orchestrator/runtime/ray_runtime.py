@@ -1,8 +1,8 @@
 """``RayRuntime``: the ``Runtime`` (``group.py``) the controller gets by default, on a real Ray cluster.
 
 Each method imports its Ray-side module when first called, so the controller, and the tests that hand it a fake
-runtime, load no Ray code they do not use; a module of its own, above ``group.py`` and ``rank_group.py``, which
-imports the seam ``group.py`` declares.
+runtime, load no Ray code they do not use. A module of its own so that the seam (``group.py``) imports nothing of
+``rank_group.py``, which builds on the seam.
 """
 
 from __future__ import annotations
