@@ -10,6 +10,8 @@ in a second, apart from the ranks.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from typing import Any
 
@@ -24,14 +26,30 @@ class NodeAgent:
     def __init__(self) -> None:
         self.workers: dict[int, Any] = {}  # rank -> its RankWorker actor on this node
         self.started: dict[int, Any] = {}  # rank -> its call started by ``start`` (a window's loop)
+        self.identities: dict[int, Any] = {}  # rank -> its ``identity`` call (its pid), asked when adopted
 
     def adopt(self, workers: dict[int, Any]) -> None:
         """These ranks live on this node now (a formation, a replacement); ranks given as None left it."""
         for rank, worker in workers.items():
             if worker is None:
                 self.workers.pop(rank, None)
+                self.identities.pop(rank, None)
             else:
                 self.workers[rank] = worker
+                self.identities[rank] = worker.identity.remote()  # not waited for: answered once it started
+
+    def kill(self, ranks: list[int]) -> list[int]:
+        """SIGKILL these local ranks' processes; returns those killed. Why not ``ray.kill`` alone: it asks the
+        actor's own process to exit, which a frozen one (stopped, or stuck where Python never runs) never does,
+        and its peers then wait in their collectives for it until their timeout; the kernel's kill is heard."""
+        killed = []
+        for rank in ranks:
+            try:
+                os.kill(ray.get(self.identities[rank], timeout=0)["pid"], signal.SIGKILL)
+            except (KeyError, ProcessLookupError, GetTimeoutError, RayActorError, RayTaskError):
+                continue  # never started, already gone, or not this node's
+            killed.append(rank)
+        return killed
 
     def call(self, method: str, args: tuple = (), per_rank: dict[int, tuple] | None = None,
              timeout_s: float | None = None) -> dict[int, Answer]:

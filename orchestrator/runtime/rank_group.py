@@ -100,6 +100,16 @@ class RankGroup:
             out.setdefault(self._node_of[rank], []).append(rank)
         return out
 
+    def _kill(self, ranks) -> None:
+        """Kill these ranks: their processes by the kernel, through their nodes' agents (``NodeAgent.kill``: a
+        frozen process never runs the exit ``ray.kill`` asks of it), then their actors in Ray."""
+        ranks = list(ranks)
+        calls = [self._agents[node].kill.remote(group) for node, group in
+                 self._by_node(r for r in ranks if r in self._node_of).items() if node in self._agents]
+        ray.wait(calls, num_returns=len(calls), timeout=10)
+        for rank in ranks:
+            ray.kill(self.workers[rank], no_restart=True)
+
     def _each(self, method: str, args: tuple = (), per_rank: dict[int, tuple] | None = None) -> list:
         """``method`` on every rank (``per_rank``: on those ranks, each with its own arguments), one call per node
         through its agent; the answers in rank order, within a deadline. A rank that died or did not answer by then
@@ -114,8 +124,7 @@ class RankGroup:
         answers = self._answers(calls, timeout + 30)
         dead = {r: how for r, (how, _) in answers.items() if how in ("died", "hung")}
         if dead:
-            for rank in dead:
-                ray.kill(self.workers[rank], no_restart=True)
+            self._kill(dead)
             raise StepFailed(dead)
         raised = [value for _, (how, value) in sorted(answers.items()) if how == "raised"]
         if raised:
@@ -218,8 +227,7 @@ class RankGroup:
         if not dead:  # only broken collectives, no rank to blame (or none answered): all are replaced
             dead = {rank: "hung" for rank in range(len(self.workers)) if rank not in outcomes} or \
                 ranks_that_failed({rank: RankStepError("peer_lost", "") for rank in outcomes})
-        for rank in dead:
-            ray.kill(self.workers[rank], no_restart=True)
+        self._kill(dead)
         self._failed = [r for r in range(len(self.workers)) if r not in outcomes and r not in dead]
         raise StepFailed(dead)
 
@@ -237,8 +245,7 @@ class RankGroup:
         first = where.get(min(stuck), {})
         event("hang_detected", silent_s=f"{silent_s:.1f}", ranks=sorted(stuck)[:16], count=len(stuck),
               phase=first.get("phase", "no answer"), where=" < ".join(first.get("where", [])))
-        for rank in stuck:
-            ray.kill(self.workers[rank], no_restart=True)
+        self._kill(stuck)
         self._failed = [r for r in range(len(self.workers)) if r not in stuck]
         raise StepFailed(dict.fromkeys(stuck, "hung"))
 
@@ -285,8 +292,7 @@ class RankGroup:
         over = self._loop_outcomes(grace, ranks)  # a loop that broke with the dead peer: a survivor
         dead = {r: "died" for r, how in over.items() if how == "died"}
         dead.update({r: ABANDONED for r in ranks if r not in over})
-        for rank in dead:
-            ray.kill(self.workers[rank], no_restart=True)
+        self._kill(dead)
         return dead
 
     def replace(self, ranks) -> None:

@@ -183,6 +183,7 @@ class Freeze(JobObserver):
 
     def on_step(self, report) -> None:
         if report.record["step"] == self.at:
+            self.at = -1  # once: a rollback shows the step again
             os.kill(self.job.layout.ranks[self.rank].pid, signal.SIGSTOP)
 
 
