@@ -58,7 +58,7 @@ from orchestrator.errors import SpecError  # noqa: E402
 from orchestrator.planning.estimate import estimate_rank, stage_params  # noqa: E402
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank, utilization  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
-from orchestrator.spec.loading import apply_overrides  # noqa: E402
+from orchestrator.spec.raw import apply_overrides  # noqa: E402
 from workers.data import write_token_rows  # noqa: E402
 from workers.parallel.process_group import listen_on  # noqa: E402
 from workers.protocol import StepResult  # noqa: E402

@@ -35,7 +35,7 @@ def _join(rank: int, ports, group: int, device_kind: str, timeout_s: float, sock
     """Join two-rank group ``group`` (0: first, 1: re-formed) on device 0 the way a rank does; returns the device.
     Rank 0 binds the group's port as it forms and its peer reads it from ``ports`` (``GroupPorts``), so no port
     picked earlier can have been taken meanwhile."""
-    from workers.parallel.grid import Grid
+    from workers.contract.grid import Grid
     from workers.parallel.process_group import init_mesh, pick_device
 
     os.environ["LOCAL_RANK"] = "0"  # both processes on device 0

@@ -2,7 +2,7 @@
 
 Every configuration trains the same GPT for the same steps on the same data
 parallel ranks, each in fresh processes (``torchrun`` running
-``workers.diagnostics.peak_memory_run``), one after the other in this one script, so ratios
+``workers.peak_memory_run``), one after the other in this one script, so ratios
 against the zero=0 row are meaningful where absolute figures are noisy. Peak
 memory is the largest rank's peak (``torch.cuda.max_memory_allocated`` on a
 GPU, peak RSS on CPU). All processes run with glibc's mmap threshold fixed
@@ -85,7 +85,7 @@ def measure(args, spec, workdir: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-         "-m", "workers.diagnostics.peak_memory_run", str(path), str(args.steps)],
+         "-m", "workers.peak_memory_run", str(path), str(args.steps)],
         capture_output=True, text=True, check=True, env=env, cwd=ROOT,
     )
     ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.provenance import write_result  # noqa: E402
 from orchestrator.planning.bubble import measured_bubble, step_events  # noqa: E402
-from orchestrator.planning.stage_split import auto_split  # noqa: E402
+from orchestrator.planning.stage_split import auto_split, pin_split  # noqa: E402
 from tests.support.jobs import tiny_spec  # noqa: E402
 from tests.support.parity_harness import run_layouts  # noqa: E402
 from workers.diagnostics.timeline import busy_seconds  # noqa: E402
@@ -58,6 +58,7 @@ def measure(data: Path, steps: int, batch: int) -> dict:
         specs[split] = tiny_spec(data, tmp / split, model=MODEL, parallel={"pp": 2, "pp_split": split},
                                  train={"steps": steps, "global_batch_size": batch, "microbatches": 4},
                                  metrics={"timeline": True})
+    specs = {name: pin_split(spec) for name, spec in specs.items()}  # `auto` profiled once, as the controller does
     runs = run_layouts([s.worker_dict() for s in specs.values()], 2, steps, timeout_s=1800)
     rows = {}
     for name, run in zip(specs, runs):

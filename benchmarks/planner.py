@@ -27,9 +27,9 @@ from pathlib import Path
 from orchestrator.planning import layout_search as ls
 from orchestrator.planning import time_model as tm
 from orchestrator.planning.layout_picker import pick_layout
-from orchestrator.planning.memory_model import human_bytes
 from orchestrator.planning.published import RUNS
 from orchestrator.spec import load_spec
+from orchestrator.units import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_JOB = ["examples/mixed_precision_bf16.yaml", "--set", "model.preset=llama3-405b", "--set", "model.seq_len=8192",

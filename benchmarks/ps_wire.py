@@ -23,9 +23,9 @@ from orchestrator.spec.loading import load_spec
 from parameter_server.client import PSClient
 from parameter_server.shard import PSShard
 from tests.support.ps_local import LocalConn
-from workers.model.config import model_config
+from workers.contract.compression_kinds import PS_KINDS
 from workers.model.meta_init import build_full
-from workers.parallel.compression_kinds import PS_KINDS
+from workers.model.registry import model_config
 from workers.parallel.grad_compression import WireCodec
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Client": "orchestrator.api.client",
+    "Client": "orchestrator.client",
     "JobSpec": "orchestrator.spec",
-    "RunResult": "orchestrator.runtime.run_result",
+    "RunResult": "orchestrator.run_result",
     "SpecError": "orchestrator.errors",
     "TrainingJob": "orchestrator.runtime.controller",
     "load_spec": "orchestrator.spec",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from workers.step.figures import FIGURES, check_keys
+from workers.contract.figures import FIGURES, check_keys
 
 PHASES = ("data", "compute", "bubble", "communication", "optimizer", "step")
 
@@ -37,7 +37,7 @@ class StepResult:
 
     ``loss`` is None on ranks that hold no last pipeline stage. Every per-feature figure (measured memory, the
     timeline, MoE statistics, comm bytes, the held-out loss ...) is an entry of ``extras`` under its figure's key,
-    present only when the feature ran; each key has one reducer in ``workers.step.figures``, which is how the
+    present only when the feature ran; each key has one reducer in ``workers.contract.figures``, which is how the
     controller records it. Built and read flat, as the JSON always was: ``StepResult(..., moe={...})`` puts
     ``moe`` in ``extras``, ``to_dict`` writes it at the top level and ``result.moe`` reads it (None when absent).
     """
@@ -57,7 +57,7 @@ class StepResult:
 
     def __init__(self, *, extras: Mapping[str, Any] | None = None, **named: Any):
         """Core fields by name; any other name is a figure of ``extras`` (None: absent), refused unless a figure
-        is registered for it (``workers.step.figures.check_keys``)."""
+        is registered for it (``workers.contract.figures.check_keys``)."""
         core = {f.name: f for f in fields(self) if f.name != "extras"}
         missing = [name for name, f in core.items() if name not in named and f.default is MISSING]
         if missing:

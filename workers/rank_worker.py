@@ -5,7 +5,9 @@ The class is plain Python; the orchestrator turns it into an actor with
 controller.
 
 Replicas of peers' snapshots arrive on a separate concurrency group
-(``replicas``) so a holder stores them while its own step runs.
+(``replicas``) so a holder stores them while its own step runs. The rank runs its
+own loop of steps (``run_window``, ``workers.loop``); rank 0's desk answers the
+controller on another (``control``) while the loop runs.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ import contextlib
 import dataclasses
 import os
 import socket
+import sys
+import threading
+import traceback
 
 import ray
 
 from workers.group_sockets import GroupSockets
+from workers.loop.desk import DeskHolder
+from workers.loop.plan import Window, WindowEnd
 from workers.protocol import RankInfo, StepResult
 
 
@@ -32,7 +39,7 @@ def _remove_orphaned_offload(spec: dict) -> None:
         print(f"raymesh event=offload_orphan_removed path={path} why=its rank's process is gone", flush=True)
 
 
-class RankWorker:
+class RankWorker(DeskHolder):
     def __init__(self) -> None:
         # Ray sets OMP_NUM_THREADS to the actor's whole CPUs (at least 1) unless the environment has it already;
         # torch is first imported after this, in ``preload``
@@ -41,6 +48,8 @@ class RankWorker:
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
         self._listener: socket.socket | None = None  # the store's socket between rendezvous_address and setup
+        self.exchange = None  # this rank's side of the step boundary's exchange tree (workers.loop.tree)
+        self._init_desk()  # rank 0's desk for the window running (a new one per window id)
 
     def rendezvous_address(self, local_only: bool = False) -> tuple[str, int]:
         """An address and port for this rank (rank 0) to serve the process-group store on, already bound.
@@ -76,8 +85,6 @@ class RankWorker:
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        from workers.trainer import Trainer
-
         old_ps = getattr(self.trainer, "ps", None)
         carried = old_ps.feedback_to_carry() if old_ps is not None else None
         if dist.is_initialized():
@@ -85,8 +92,8 @@ class RankWorker:
             dist.destroy_process_group()
         _remove_orphaned_offload(spec)
         listener, self._listener = self._listener, None
-        self.trainer = self.sockets.record(
-            lambda: Trainer(spec, rank, world_size, master_addr, master_port, listener=listener))
+        self.trainer, self.exchange = self.sockets.record(
+            lambda: self._build(spec, rank, world_size, master_addr, master_port, listener))
         if self.trainer.ps is not None:
             self.trainer.ps.carry_over(carried)
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
@@ -97,6 +104,49 @@ class RankWorker:
         name = torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu"
         return RankInfo(rank=rank, coords=t.grid.coords_dict(rank), stages=t.parts.stage_ids, device=str(t.device),
                         device_name=name, **self.identity())
+
+    @staticmethod
+    def _build(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int, listener):
+        """The trainer (it joins the mesh) and the exchange tree its loop reports through, on a gloo group of
+        every rank made in the same order on all of them."""
+        import torch.distributed as dist
+
+        from workers.loop.torch_transport import TorchTransport
+        from workers.loop.tree import LocalTransport, TreeExchange
+        from workers.trainer import Trainer
+
+        trainer = Trainer(spec, rank, world_size, master_addr, master_port, listener=listener)
+        transport = TorchTransport(dist.new_group(backend="gloo")) if world_size > 1 else LocalTransport()
+        return trainer, TreeExchange(rank, world_size, transport)
+
+    def run_window(self, window: Window, window_id: int) -> WindowEnd:
+        """Run steps on this rank's own (``workers.loop.RankLoop``) until the window ends; rank 0 hands the
+        controller the records through its desk. A step, save or exchange that raises is ``RankStepError``, as a
+        failed step always was, and this rank leaves its groups so its peers stop waiting for it."""
+        from workers.diagnostics.faults import RankStepError
+        from workers.loop.loop import RankLoop
+        from workers.loop.trainer_stepper import TrainerStepper
+
+        stepper = TrainerStepper(self.trainer, self.store, self._take_snapshot)
+        loop = RankLoop(stepper, self.exchange, self._desk_of(window_id) if self.exchange.root else None)
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        try:
+            return loop.run(window)
+        except Exception as exc:
+            error = RankStepError.of(exc)
+            self._leave_group()
+            raise error from None
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict:
+        """Where this rank's loop is (``RankLoop.progress``) and the innermost frames of its thread: what the
+        controller reads of every rank when no step has completed within the deadline, to find the stuck one."""
+        loop = getattr(self, "_loop", None)
+        out = loop.progress() if loop is not None else {"phase": "idle", "step": 0, "for_s": 0.0}
+        frame = sys._current_frames().get(getattr(self, "_loop_thread", None))
+        out["where"] = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                        for f in traceback.extract_stack(frame)[-3:]] if frame is not None else []
+        return out
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
         """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).

@@ -15,6 +15,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel
 
+from workers.contract.mixed_precision import uses_fsdp_mixed
 from workers.contract.sections import (
     DataSection,
     EvalSection,
@@ -30,7 +31,6 @@ from workers.contract.sections import (
 )
 from workers.model.config import ModelConfig
 from workers.model.registry import ModelFamily, family
-from workers.parallel.mixed_precision import uses_fsdp_mixed
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class WorkerSpec:
         return family(self.model.arch)
 
     def fsdp_mixed(self, on_cuda: bool) -> bool:
-        """Whether bf16 runs through FSDP2's mixed-precision policy here (``workers.parallel.mixed_precision``)."""
+        """Whether bf16 runs through FSDP2's mixed-precision policy here (``workers.contract.mixed_precision``)."""
         p = self.parallel
         return uses_fsdp_mixed(self.precision.dtype, self.precision.policy, p.zero, p.dp_sync, on_cuda)
 

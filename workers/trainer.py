@@ -16,17 +16,17 @@ import zlib
 
 import torch
 
+from workers.contract.compression_kinds import WITH_FEEDBACK
 from workers.data import DataCursor, open_data
 from workers.data.loader import document_eos
 from workers.diagnostics.faults import StepFault
+from workers.model.names import unwrap
 from workers.offload.activations import activation_policy
 from workers.offload.host_memory import release_freed_buffers
 from workers.offload.params import offload_params
 from workers.optim.build import build_optimizer, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
 from workers.optim.onebit_adam import OneBitAdam
-from workers.parallel.compression_kinds import WITH_FEEDBACK
-from workers.parallel.data_parallel import unwrap
 from workers.parallel.distributed_optimizer import sliced_optimizer
 from workers.parallel.parallelize import build_parts
 from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
@@ -36,8 +36,8 @@ from workers.spec import WorkerSpec
 from workers.state.checkpoint_io import CheckpointIO
 from workers.state.compression_feedback import CompressionFeedback
 from workers.state.train_state import TrainState
+from workers.step.build import build_engine
 from workers.step.context import StepContext, StepKit
-from workers.step.engine import build_engine
 from workers.step.hooks import build_hooks
 from workers.step.objectives import build_objective, check_objective
 

@@ -4,7 +4,7 @@ The controller runs inside a Ray actor (or a driver process), which has no port
 of its own that a user could reach; ``ControlServer`` opens one and the
 controller announces it in its log (``event=control address=HOST:PORT
 token=SOURCE``, which a following ``raymesh run`` prints into a submitted job's
-log) and through its hosting actor, where ``orchestrator.api.client.Client``
+log) and through its hosting actor, where ``orchestrator.client.Client``
 finds it.
 
 Closed by default: it listens on 127.0.0.1 unless the job file's ``control.host``

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.checkpoints import checksums
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from workers.storage import is_url, location, move_tree, remove_tree
 
 # at least 8 digits: `step:08d` pads to eight and writes step 100,000,000 and beyond with more
@@ -59,6 +59,10 @@ class CheckpointDir:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
 
+    def path_pattern(self) -> str:
+        """``path_for`` with a ``{step}`` field: the ranks name the folders they save into inside a window."""
+        return str(self.root / "step-{step:08d}")
+
     @staticmethod
     def step_of(path: Path) -> int:
         """The step the checkpoint folder ``path`` (a ``path_for``) holds."""
@@ -72,9 +76,17 @@ class CheckpointDir:
 
     def begin(self, step: int) -> Path:
         """A save of ``step`` by this process is about to start: its folder is made (private before the ranks write
-        into it), and until it is sealed it is this process's to remove if it never completes. What a failed try
-        of the same step left is removed first; an unsealed folder of that step this process did not write is
-        set aside, never written into."""
+        into it) once ``expect`` has cleared the way."""
+        path = self.expect(step)
+        self.make_root()
+        self._mkdir(path)
+        return path
+
+    def expect(self, step: int) -> Path:
+        """A save of ``step`` by this process will start (now, or inside a window of the ranks' own steps, which
+        make the folder themselves): until it is sealed it is this process's to remove if it never completes.
+        What a failed try of the same step left is removed first; an unsealed folder of that step this process
+        did not write is set aside, never written into. Call it before any rank may write there."""
         path = self.path_for(step)
         if path.exists() and step not in self.complete_steps():
             if step in self.writing:
@@ -82,8 +94,6 @@ class CheckpointDir:
             else:
                 self._set_aside(path, "unsealed", "it has no manifest and this run did not write it")
         self.writing.add(step)
-        self.make_root()
-        self._mkdir(path)
         return path
 
     def _mkdir(self, path: Path, parents: bool = False) -> None:

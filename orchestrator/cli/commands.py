@@ -128,7 +128,7 @@ def _print_advice(line: str | None) -> None:
 
 def _gpu_mem(text: str | None, spec) -> int | None:
     """``--gpu-mem``, else ``parallel.device_memory``, else None (the GPU type's own, ``plan.gpu``)."""
-    from orchestrator.planning.memory_model import parse_bytes
+    from orchestrator.units import parse_bytes
 
     if text is None:
         return spec.parallel.device_memory_bytes
@@ -158,19 +158,21 @@ def _attach(args: argparse.Namespace) -> int:
 
 
 def _export_merged(args: argparse.Namespace) -> int:
+    from orchestrator.planning.stage_split import pin_split
     from orchestrator.spec import load_spec
     from orchestrator.spec.lora import export_merged_weights
 
-    out = export_merged_weights(load_spec(args.job, args.set), args.checkpoint, args.out, args.format)
+    out = export_merged_weights(pin_split(load_spec(args.job, args.set)), args.checkpoint, args.out, args.format)
     print(f"merged weights (W + alpha/rank * B A): {out}")
     return 0
 
 
 def _export_hf(args: argparse.Namespace) -> int:
+    from orchestrator.planning.stage_split import pin_split
     from orchestrator.spec import load_spec
     from orchestrator.spec.lora import export_hf_weights
 
-    out = export_hf_weights(load_spec(args.job, args.set), args.checkpoint, args.out)
+    out = export_hf_weights(pin_split(load_spec(args.job, args.set)), args.checkpoint, args.out)
     print(f"Hugging Face checkpoint (config.json + model.safetensors): {out}")
     return 0
 

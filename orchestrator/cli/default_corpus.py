@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.spec import JobSpec
 
 DEFAULT_MAX_TOKENS = 20_000_000  # `raymesh prepare-data --max-tokens`' default: the corpus stays bounded

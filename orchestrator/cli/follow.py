@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from orchestrator.errors import SpecError
-from orchestrator.observability.events import parse_event
+from orchestrator.events import parse_event
 from orchestrator.observability.observers import ProgressBar, StepReport
 
 LOST_CONTROLLER_WAIT_S = 300.0  # how long a follower waits for a lost controller Ray cannot say the state of
@@ -296,8 +296,8 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.cli.default_corpus import prepare_default_corpus
     from orchestrator.runtime import cluster
     from orchestrator.runtime.controller import RunComplete, refuse_if_complete
-    from orchestrator.runtime.group import RayRuntime
     from orchestrator.runtime.hosted import AlreadyRunning, HostedJob, job_id_for
+    from orchestrator.runtime.ray_runtime import RayRuntime
     from orchestrator.spec import load_spec
 
     spec = load_spec(args.job, args.set)

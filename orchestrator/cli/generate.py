@@ -1,7 +1,7 @@
 """``raymesh generate``: text from a job's checkpoint, in this process, without Ray.
 
 The checkpoint (the job's newest by default, any layout: DCP reshards it to the whole model) is verified and
-loaded the way the exports load it (``orchestrator.spec.lora.checkpoint_to_read``, ``workers.model.finetune.
+loaded the way the exports load it (``orchestrator.spec.lora.checkpoint_to_read``, ``workers.finetune.
 rebuilt_model``); the prompt is encoded with the tokenizer the job's data was prepared with, after the
 end-of-document id, since that is what precedes the start of every document the model trained on. Sampling
 and the key/value cache are ``workers.model.generation``'s.
@@ -108,12 +108,13 @@ def load_for_generation(job, checkpoint: str | None, device: str):
     """The verified checkpoint's path and the whole model with its weights, on ``device``."""
     import torch
 
+    from orchestrator.planning.stage_split import pin_split
     from orchestrator.spec.lora import checkpoint_to_read
-    from workers.model.finetune import rebuilt_model
+    from workers.finetune import rebuilt_model
 
     path = checkpoint_to_read(job, checkpoint, "generate from")
     target = _device(device, torch)
-    _, model = rebuilt_model(job.worker_dict(), path)
+    _, model = rebuilt_model(pin_split(job).worker_dict(), path)
     return path, model.to(target)
 
 

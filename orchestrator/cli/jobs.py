@@ -1,4 +1,4 @@
-"""``raymesh submit|status|logs|stop|inject|scale``: the command-line face of ``orchestrator.api.client.Client``.
+"""``raymesh submit|status|logs|stop|inject|scale``: the command-line face of ``orchestrator.client.Client``.
 
 Each takes a submission id (``raymesh submit``, ``ray job submit``) or the job id ``raymesh run`` printed;
 ``Client`` finds the latter's detached controller through Ray.
@@ -20,7 +20,7 @@ DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 def _client(args: argparse.Namespace):
     """The client of the cluster ``--address`` names, else ``RAY_DASHBOARD_ADDRESS``, else the one ``RAY_ADDRESS``
     names (whose GCS knows its dashboard), else the local dashboard."""
-    from orchestrator.api.client import Client
+    from orchestrator.client import Client
 
     address = args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or os.environ.get("RAY_ADDRESS")
     return Client(address or DEFAULT_DASHBOARD, ray_address=getattr(args, "ray_address", None))

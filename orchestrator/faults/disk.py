@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.checkpoints.directory import CheckpointDir
-from orchestrator.observability.events import event
+from orchestrator.events import event
 
 
 def corrupt_newest(ckpt: CheckpointDir) -> Path | None:

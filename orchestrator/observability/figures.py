@@ -1,7 +1,7 @@
 """How the controller's readers show each per-step figure of a ``steps.jsonl`` record: its Prometheus series, its
 tracker metrics, its fields on the ``event=step`` line.
 
-The worker side reduces a figure over the ranks (``workers/step/figures.py``: one reducer per key, which
+The worker side reduces a figure over the ranks (``workers/contract/figures.py``: one reducer per key, which
 ``run_records.step_record`` folds); this is the other half, one ``RecordView`` per record key, so the exporter,
 the trackers and the event log loop over ``VIEWS`` instead of naming each feature. A figure no view names is
 still in ``steps.jsonl``; a new view is one entry here.

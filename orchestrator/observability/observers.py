@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.figures import event_fields
 from orchestrator.observability.prometheus import MetricsExporter
-from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
+from orchestrator.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
 
 
@@ -33,7 +33,7 @@ class StepReport:
     goodput: float
     straggler_ratios: dict[int, float] = field(default_factory=dict)
     stragglers: frozenset[int] = frozenset()
-    # the ranks' per-step figures folded (``workers.step.figures.fold``): what readers of more than the record
+    # the ranks' per-step figures folded (``workers.contract.figures.fold``): what readers of more than the record
     # take, e.g. the run records' pipeline events
     figures: dict = field(default_factory=dict)
 

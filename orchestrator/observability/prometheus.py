@@ -31,14 +31,15 @@ class _HeartbeatAge:
 
     def __init__(self, job: str):
         self.job = job
-        self.last_seen: dict[tuple, float] = {}
+        self.last_seen: dict[tuple, float] = {}  # per rank: when it joined, or its own last report
+        self.every_rank_at = 0.0  # the last completed step: every rank took part in it (one time, not one per rank)
 
     def collect(self):
         family = GaugeMetricFamily("raymesh_heartbeat_age_seconds", "Seconds since the rank last reported",
                                    labels=RANK_LABELS)
         now = time.time()
         for labels, seen in self.last_seen.items():
-            family.add_metric(labels, now - seen)
+            family.add_metric(labels, now - max(seen, self.every_rank_at))
         yield family
 
 
@@ -150,15 +151,14 @@ class MetricsExporter:
         self.bubble.labels(j).set(bubble)
         self.goodput.labels(j).set(goodput)
         self.figures.observe(record)
-        now = time.time()
-        for rank, phases in record["phases"].items():
+        self.heartbeat.every_rank_at = time.time()  # a completed step: every rank reported, whatever its detail
+        for rank, phases in record.get("phases", {}).items():  # a step with per-rank detail
             labels = self.rank_labels[int(rank)]
             for phase, seconds in phases.items():
                 self.phase.labels(*labels, phase).set(seconds)
                 self._phases.add(phase)
             self.peak_mem.labels(*labels).set(record["memory"][rank]["peak_bytes"])
             self.cur_mem.labels(*labels).set(record["memory"][rank]["current_bytes"])
-            self.heartbeat.last_seen[labels] = now
 
     def observe_stragglers(self, ratios: dict[int, float], flagged: set[int]) -> None:
         """Every rank's slowdown ratio and straggler flag (0 too, so the panels have a series per rank)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from orchestrator.api.auth import TOKEN_FILE
 from orchestrator.checkpoints.dir_lock import LOCK_FILE
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
 from orchestrator.spec import JobSpec
 from workers.storage import download_tree, location, upload_tree
@@ -37,7 +37,6 @@ class RunDirUpload(JobObserver):
         self.remote = location(url)
         self.sent: dict[str, tuple[int, int]] = {}
         self._last = time.monotonic()
-        self._checkpointed = False
 
     def pull(self) -> list[str]:
         """The bucket's copy of the run dir into the staging directory (for a resume); returns the names."""
@@ -61,14 +60,15 @@ class RunDirUpload(JobObserver):
             return []
 
     def on_step(self, report: StepReport) -> None:
-        """After the step's record is written (the run records observe first), so a copy made for a checkpoint
-        holds the records up to the checkpoint's step: a resume from it appends the steps after it."""
-        if self._checkpointed or time.monotonic() - self._last >= self.every_s:
-            self._checkpointed = False
+        """Every ``every_s``, what changed goes up."""
+        if time.monotonic() - self._last >= self.every_s:
             self.push()
 
     def on_checkpoint(self, blocking_s: float | None, committed: bool) -> None:
-        self._checkpointed = self._checkpointed or committed  # copied once this step's record is written
+        """A committed checkpoint goes up at once, with the records up to its step: the ranks report a save after
+        its step's record, so the record is written already, and a resume from it appends the steps after it."""
+        if committed:
+            self.push()
 
 
 def run_dir_upload(spec: JobSpec) -> RunDirUpload | None:

@@ -114,16 +114,26 @@ def _throughput(summary: dict, steps: list[dict]) -> Figure:
     return fig
 
 
+def phase_means(record: dict) -> dict[str, float]:
+    """A step's phase times averaged over its ranks: from each rank's own (a step with per-rank detail) or as the
+    ranks reduced them (a large job's other steps)."""
+    if "phases" not in record:
+        return record["ranks"]["phases_mean"]
+    found = {p for phases in record["phases"].values() for p in phases}
+    return {p: sum(ph.get(p, 0.0) for ph in record["phases"].values()) / len(record["phases"]) for p in found}
+
+
 def _step_breakdown(steps: list[dict]) -> Figure:
     """Stacked phase times (mean over ranks) against the measured wall time of the step."""
     x = [r["step"] for r in steps]
-    found = {p for r in steps for phases in r["phases"].values() for p in phases}
+    means = [phase_means(r) for r in steps]
+    found = {p for m in means for p in m}
     names = [p for p in PHASES if p in found] + sorted(found - set(PHASES))
     fig = _figure()
     ax = fig.add_subplot()
     bottom = [0.0] * len(steps)
     for name in names:
-        mean = [sum(ph.get(name, 0.0) for ph in r["phases"].values()) / len(r["phases"]) for r in steps]
+        mean = [m.get(name, 0.0) for m in means]
         ax.bar(x, mean, bottom=bottom, width=0.9, linewidth=0, label=name)
         bottom = [b + m for b, m in zip(bottom, mean)]
     ax.plot(x, [r["step_s"] for r in steps], color="black", linewidth=1, marker="." if len(x) <= 50 else None,

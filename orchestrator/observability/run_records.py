@@ -1,7 +1,8 @@
 """What a run leaves in its run directory for people and for ``raymesh report``.
 
 ``steps.jsonl`` (one line per step: loss, throughput, phase times and memory
-per rank, and bytes sent per mesh dimension with ``metrics.comm_bytes``), ``timeline.jsonl`` (pipeline F/B/W
+per rank (or, on the steps of a large job without per-rank detail, their reduction over the ranks), and bytes
+sent per mesh dimension with ``metrics.comm_bytes``), ``timeline.jsonl`` (pipeline F/B/W
 events, or forward+backward per microbatch, and gradient bucket reductions, when
 ``metrics.timeline`` is on) and ``summary.json``. A resumed run appends, so
 the files cover the whole training history: a controller Ray restarted after its process was lost (a hosted
@@ -13,10 +14,8 @@ recovered like any other (``begin_life``: a ``controller`` recovery with its los
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -24,8 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.observability.observers import JobObserver, StepReport
-from workers.protocol import StepResult
-from workers.step.figures import figure_value, fold, record_entries
+from orchestrator.records import RecoveryRecord
+from orchestrator.recovery.phases import RecoveryPhases
+from orchestrator.run_result import RunResult
+from workers.contract.figures import figure_value, record_entries
+from workers.loop.summary import StepSummary
 
 if TYPE_CHECKING:
     from orchestrator.observability.step_accounting import StepAccounting
@@ -66,8 +68,8 @@ def summary_fields(records: list[dict]) -> dict:
     trained_s = sum(r["step_s"] for r in records)
     peak: dict[int, int] = {}
     for r in records:
-        for rank, memory in r["memory"].items():
-            peak[int(rank)] = max(peak.get(int(rank), 0), memory["peak_bytes"])
+        for rank, memory in rank_peaks(r).items():
+            peak[rank] = max(peak.get(rank, 0), memory)
     return {"losses": losses, "final_loss": losses[-1] if losses else None,
             "tokens_per_s": sum(r["tokens"] for r in records) / trained_s if trained_s else 0.0,
             "grad_norms": [r["grad_norm"] for r in records], "step_time_s": [r["step_s"] for r in records],
@@ -77,51 +79,50 @@ def summary_fields(records: list[dict]) -> dict:
             **({"dpo": records[-1]["dpo"]} if records and "dpo" in records[-1] else {})}
 
 
-def held_out_loss(results: list[StepResult]) -> float | None:
+def rank_peaks(record: dict) -> dict[int, int]:
+    """Each rank's peak memory a step record names: every rank's on a step with per-rank detail, else the
+    highest one's."""
+    if "memory" in record:
+        return {int(rank): memory["peak_bytes"] for rank, memory in record["memory"].items()}
+    peak, rank = record["ranks"]["peak_bytes"]
+    return {rank: peak}
+
+
+def held_out_loss(summary: StepSummary) -> float | None:
     """A step's held-out loss (``eval.every``): the mean over the last stage's shares; None when it did not
     evaluate."""
-    return figure_value(fold(results), "eval_loss")
+    return figure_value(summary.extras, "eval_loss")
 
 
-def step_record(results: list[StepResult], step_s: float, tokens: int, end_time: float, checkpoint_s: float,
-                merged: dict | None = None) -> dict:
-    """One ``steps.jsonl`` line from every rank's ``train_step`` result (checkpoint time is the controller's).
+def step_record(summary: StepSummary, step_s: float, tokens: int, end_time: float, checkpoint_s: float) -> dict:
+    """One ``steps.jsonl`` line from the step's summary, reduced over the ranks in-band (``workers.loop.summary``;
+    checkpoint time is what the ranks' saves held them since the last step).
 
-    The core entries come from the core fields; every figure of the results' ``extras`` is folded over the ranks
-    with its reducer's ``merge`` and recorded by its ``record`` (``workers.step.figures``; ``merged``: that fold,
-    when the caller made it already). So ``comm_bytes`` is per mesh dimension the bytes the busiest rank sent,
-    ``moe`` per MoE layer its figures (summed over data-parallel ranks by the workers, any rank holding the layer
-    reports them), ``dpo`` the global batch's reward figures, and a step that evaluated adds ``eval_loss`` and
+    The core entries: the mean loss of the ranks that report one (the last stage), rank 0's grad norm and lr (under
+    asp/ssp the mean of the ranks' finite norms). On a step with per-rank detail (``Window.detail_every``: every
+    step up to 256 ranks), each rank's phase times and memory (``phases``, ``memory``); on the others their
+    reduction (``ranks``: how many, phase means and maxima, the two slowest steps as [seconds, rank], the highest
+    peak memory as [bytes, rank]). Every figure of the ranks' ``extras`` is recorded by its reducer's ``record``
+    (``workers.contract.figures``): ``comm_bytes`` per mesh dimension the bytes the busiest rank sent, ``moe`` per MoE
+    layer its figures, ``dpo`` the global batch's reward figures, and a step that evaluated ``eval_loss`` and
     ``eval_s`` (``step_s`` leaves the evaluation out: the controller subtracts it, so throughput is training's)."""
-    merged = fold(results) if merged is None else merged
-    return {
-        "step": results[0].step,
-        "time": end_time,
-        "loss": statistics.fmean(r.loss for r in results if r.loss is not None),
-        "grad_norm": grad_norm(results, merged),
-        "lr": results[0].lr,
-        "tokens": tokens,
-        "step_s": step_s,
-        "tokens_per_s": tokens / step_s,
-        "phases": {str(r.rank): {**{p: getattr(r.time_s, p, 0.0) for p in PHASES}, "checkpoint": checkpoint_s}
-                   for r in results},
-        "memory": {
-            str(r.rank): {"peak_bytes": r.peak_memory_bytes, "current_bytes": r.current_memory_bytes}
-            for r in results
-        },
-        **record_entries(merged),
-    }
+    record = {"step": summary.step, "time": end_time, "loss": summary.mean_loss, "grad_norm": summary.grad_norm,
+              "lr": summary.lr, "tokens": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s}
+    if summary.detail is not None:
+        ranks = sorted(summary.detail.items())
+        record["phases"] = {str(r): _phases(d.phases, checkpoint_s) for r, d in ranks}
+        record["memory"] = {str(r): {"peak_bytes": d.peak_bytes, "current_bytes": d.current_bytes} for r, d in ranks}
+    else:
+        record["ranks"] = {"count": summary.ranks, "phases_mean": _phases(summary.phase_means(), checkpoint_s),
+                           "phases_max": _phases(summary.phase_maxima(), checkpoint_s),
+                           "slowest": [list(s) for s in summary.slowest], "peak_bytes": list(summary.peak),
+                           "current_bytes_max": summary.current}
+    return {**record, **record_entries(summary.extras)}
 
 
-def grad_norm(results: list[StepResult], merged: dict | None = None) -> float:
-    """The step's gradient norm before clipping. All-reduce and bsp: every rank holds the job's one norm, rank
-    0's. asp/ssp (``local_steps`` reported): each replica clipped its own local steps, and a rank with none this
-    step reports NaN, so the mean of the ranks' finite norms (each the mean of its local steps'); NaN only when no
-    replica applied a step (every one overflowed in fp16, or none ran)."""
-    if "local_steps" not in (fold(results) if merged is None else merged):
-        return results[0].grad_norm
-    norms = [r.grad_norm for r in results if math.isfinite(r.grad_norm)]
-    return statistics.fmean(norms) if norms else float("nan")
+def _phases(times: dict[str, float], checkpoint_s: float) -> dict[str, float]:
+    """A rank's phase times as the records name them, with the controller's checkpoint time last."""
+    return {**{p: times.get(p, 0.0) for p in PHASES if p != "checkpoint"}, "checkpoint": checkpoint_s}
 
 
 class RunRecords(JobObserver):
@@ -166,8 +167,6 @@ class ControllerLoss:
 
     def record(self, dp: int):
         """Its ``RecoveryRecord`` (kind ``controller``, no rank; state from disk, or step 0 without a checkpoint)."""
-        from orchestrator.runtime.records import RecoveryRecord
-
         source = "disk" if self.at_step > 1 else "initial"
         record = RecoveryRecord("controller", -1, self.at_step, self.lost_steps, source, {}, dp, dp)
         return record if self.mttr_s is None else record.completed(self.mttr_s, {})
@@ -205,8 +204,6 @@ def controller_losses(run_dir: Path) -> list[ControllerLoss]:
 def account_controller_loss(acct: StepAccounting, loss: ControllerLoss, dp: int) -> None:
     """Recover from the controller's own loss as from any other: its record waits for the first step (the MTTR
     runs from the lost life's last sign of life), and the gap counts as training time lost in the goodput."""
-    from orchestrator.recovery.phases import RecoveryPhases
-
     phases = RecoveryPhases(time.perf_counter() - max(0.0, time.time() - loss.since))
     phases.lap("restart")  # Ray's restart of the process, the new life's start-up and its resume
     record = loss.record(dp)
@@ -220,8 +217,6 @@ def lost_run_summary(run_dir: Path, checkpoints: list[str], dp: int, reason: str
     run had ended (``_ended``: a follower collected its outcome and let the actor go), else its kept step
     records, the controller losses Ray recovered from, the ``checkpoints``, status ``failed`` and ``error``
     saying why (``reason``)."""
-    from orchestrator.runtime.run_result import RunResult
-
     records = kept_steps(_steps_of(run_dir))
     if _ended(run_dir, records[-1]["step"] if records else 0):
         return None

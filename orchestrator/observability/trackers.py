@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from orchestrator.observability.figures import tracker_metrics
 from orchestrator.observability.observers import JobObserver, StepReport, logged
-from orchestrator.runtime.records import RecoveryRecord
+from orchestrator.observability.run_records import rank_peaks
+from orchestrator.records import RecoveryRecord
 from orchestrator.spec import JobSpec
 
 MLFLOW_PARAM_MAX = 6000  # MLflow refuses a longer parameter value
@@ -52,7 +53,7 @@ def step_metrics(report: StepReport, recoveries: int) -> dict[str, float]:
     r = report.record
     figures = {"loss": r["loss"], "lr": r["lr"], "grad_norm": r["grad_norm"], "tokens_per_s": r["tokens_per_s"],
                "step_s": r["step_s"], "mfu": report.mfu, "goodput": report.goodput, "recoveries": recoveries,
-               "peak_memory_bytes": max((m["peak_bytes"] for m in r["memory"].values()), default=0),
+               "peak_memory_bytes": max(rank_peaks(r).values(), default=0),
                **tracker_metrics(r)}
     return {k: float(v) for k, v in figures.items() if v is not None}
 

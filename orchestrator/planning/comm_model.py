@@ -123,14 +123,3 @@ def parameter_gathers(zero: int, microbatches: int, pipelined: bool) -> int:
     if pipelined:
         return microbatches + 1 if zero >= 3 else 1
     return microbatches * (2 if zero >= 3 else 1)
-
-
-def predicted_bytes(spec) -> dict[int, dict[str, float]]:
-    """Per pipeline rank of a job spec: bytes sent per step per mesh dimension (every dp/tp/cp peer of a
-    pp rank sends the same). What the ``comm`` measurement puts "predicted" beside "measured"."""
-    from orchestrator.planning.layout_search import Shape, comm_shape, layout_of
-
-    shape, layout = Shape.of(spec), layout_of(spec)
-    m = layout.microbatches(shape)
-    return {r: step_bytes(comm_shape(shape, layout, r), layout.dp, layout.tp, layout.pp, layout.cp, 1, layout.zero, m)
-            for r in range(layout.pp)}

@@ -14,11 +14,12 @@ from dataclasses import astuple, dataclass, replace
 
 from orchestrator.planning import memory_model as mm
 from orchestrator.planning.layout_search import FFN_MATRICES, Shape, planned_compiled_loss, planned_on_gpu
+from orchestrator.planning.stage_split import auto_split, resolve_split
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
-from workers.parallel.compression_kinds import WITH_FEEDBACK
+from workers.contract.compression_kinds import WITH_FEEDBACK
+from workers.contract.mixed_precision import planned_fsdp_mixed
 from workers.parallel.layout import layers_of_stage, stage_ids
-from workers.parallel.mixed_precision import planned_fsdp_mixed
 
 CAPACITY_ROUTERS = ("gshard", "switch")  # token-choice routers that drop assignments over capacity
 
@@ -64,13 +65,13 @@ class RankEstimate:
 def stage_layers(spec: JobSpec, stage: int, n_stages: int) -> range:
     """The global layers of pipeline ``stage``: the job's ``parallel.pp_split`` when ``n_stages`` is the job's
     stage count, an even split otherwise (the FLOPs count's whole model as one stage)."""
-    return layers_of_stage(stage, n_stages, spec.model.n_layers, spec.stage_split)
+    return layers_of_stage(stage, n_stages, spec.model.n_layers, resolve_split(spec))
 
 
 def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
     """(tensor-parallel-sharded params, replicated params) of one pipeline stage; routed experts apart
     (``stage_expert_params``), an MoE block's router and shared experts counted here as replicated (the MoE
-    feed-forward is whole on every tp rank: ``workers.model.gpt_parallel.moe_style``)."""
+    feed-forward is whole on every tp rank: ``workers.parallel.gpt_parallel.moe_style``)."""
     m = spec.model
     d, v = m.d_model, spec.padded_vocab_size  # the rows the ranks build (a multiple of tp)
     layers = stage_layers(spec, stage, n_stages)
@@ -129,7 +130,7 @@ def routed_rows(spec: JobSpec) -> int:
 def moe_activation_bytes(spec: JobSpec) -> int:
     """What one MoE feed-forward saves for backward for one microbatch, beyond the block's attention half.
 
-    Replicated over tp (``workers.model.gpt_parallel.moe_style``), so whole-microbatch sized under any tp, with
+    Replicated over tp (``workers.parallel.gpt_parallel.moe_style``), so whole-microbatch sized under any tp, with
     T tokens, A = ``routed_rows`` token copies, c the compute bytes, h the expert width, E experts:
     the router's float32 input (T·d), its float32 probabilities (T·E; the z-loss's logsumexp keeps the logits,
     noisy top-k its noisy and noise-scale scores too) and per choice (T·k) its int64 index, float32 gate and
@@ -549,8 +550,6 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
 def split_line(spec: JobSpec) -> str:
     """The layers per stage the ranks will build; for ``pp_split: auto`` also the profiled costs it came from."""
     if spec.parallel.pp_split == "auto":
-        from orchestrator.planning.stage_split import auto_split  # profiles the model: only when asked
-
         return auto_split(spec).describe()
     return f"pp_split {list(spec.stage_split)} layers per stage"
 

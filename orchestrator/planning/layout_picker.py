@@ -27,10 +27,10 @@ from orchestrator.errors import SpecError
 from orchestrator.planning import layout_search as ls
 from orchestrator.planning import time_model as tm
 from orchestrator.planning.estimate import RankEstimate, peak_rank
-from orchestrator.planning.memory_model import human_bytes
 from orchestrator.planning.stage_split import unit_times
 from orchestrator.spec import JobSpec
 from orchestrator.spec.sections import ParallelSpec
+from orchestrator.units import human_bytes
 
 LONG_SEQUENCE = 16384  # tokens from which the picker tries context parallelism (Llama 3 turns it on for 128K)
 

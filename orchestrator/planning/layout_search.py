@@ -30,10 +30,12 @@ from typing import NamedTuple
 from orchestrator.planning import comm_model as cm
 from orchestrator.planning import memory_model as mm
 from orchestrator.planning import time_model as tm
+from orchestrator.spec.sections import recompute_plan
+from orchestrator.units import human_bytes
+from workers.contract.mixed_precision import planned_fsdp_mixed
+from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
-from workers.parallel.mixed_precision import planned_fsdp_mixed
 from workers.parallel.partition import balanced_split
-from workers.parallel.schedules import schedule as schedule_facts
 
 FFN_MATRICES = {"gpt": 2, "llama": 3}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
 TP_MAX = 8
@@ -68,7 +70,7 @@ class Shape:
     learned_positions: bool = False
     compute_bytes: int = 2  # bf16 under autocast (raymesh keeps fp32 state either way)
     # the job's layouts with ZeRO-2/3 would run bf16 through FSDP2's mixed-precision policy
-    # (workers.parallel.mixed_precision: bf16 with precision.policy fsdp, or auto on a GPU)
+    # (workers.contract.mixed_precision: bf16 with precision.policy fsdp, or auto on a GPU)
     fsdp_policy: bool = False
     reduce_bytes: int = 4  # gradient reduction width under that policy (precision.reduce_dtype)
     fsdp_prefetch: int = 0  # parallel.fsdp_prefetch: ZeRO-3 blocks gathered ahead (FSDP2's one when 0)
@@ -503,7 +505,7 @@ def layout_of(spec) -> Layout:
     """The layout a job spec runs."""
     p = spec.parallel
     # the search prices one policy for every block: memory.recompute: sqrt is priced as the full recompute it runs
-    recompute = mm.recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
+    recompute = recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
     return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
                   recompute, p.pp_schedule, p.stages_per_rank)
 
@@ -635,7 +637,7 @@ def _by_peak(item: tuple) -> int:
 def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
     """One line: what makes ``other`` lose to ``winner`` (memory, or the term that grew most)."""
     if other.peak > limit:
-        return f"needs {mm.human_bytes(other.peak)} > {mm.human_bytes(limit)} with headroom"
+        return f"needs {human_bytes(other.peak)} > {human_bytes(limit)} with headroom"
     if other.step_s - winner.step_s <= 1e-6 * winner.step_s:
         return "same predicted time; ties go to the lower ZeRO stage, less recompute, then less memory"
     a, b = winner.time.as_dict(), other.time.as_dict()
@@ -662,3 +664,12 @@ def losers_by_axis(result: SearchResult,
             shown = "even" if axis == "split" and value is None else value
             lines.append(f"{axis}={shown}: {alt.layout.label()}: {why_not(win, alt, result.limit)}")
     return lines
+
+
+def predicted_bytes(spec) -> dict[int, dict[str, float]]:
+    """Per pipeline rank of a job spec: bytes sent per step per mesh dimension (every dp/tp/cp peer of a
+    pp rank sends the same). What the ``comm`` measurement puts "predicted" beside "measured"."""
+    shape, layout = Shape.of(spec), layout_of(spec)
+    m = layout.microbatches(shape)
+    return {r: cm.step_bytes(comm_shape(shape, layout, r), layout.dp, layout.tp, layout.pp, layout.cp, 1,
+                             layout.zero, m) for r in range(layout.pp)}

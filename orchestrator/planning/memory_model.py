@@ -15,7 +15,7 @@ too. Three precision layouts:
 - ``fp32``: everything in fp32, no master copy (4 + 4 + K_opt).
 - ``autocast``: what raymesh runs for ``precision.dtype: bf16|fp16`` under ``torch.autocast``: fp32
   parameters, gradients and optimizer state (so the same state bytes as fp32; only activations shrink).
-- ``fsdp_mixed``: bf16 through FSDP2's mixed-precision policy (``workers/parallel/mixed_precision.py``): the
+- ``fsdp_mixed``: bf16 through FSDP2's mixed-precision policy (``workers/contract/mixed_precision.py``): the
   same fp32 state, but the parameters all-gathered for compute are bf16 (half the ``gathered`` term).
 
 ``fsdp=True`` models ZeRO-2/3 as raymesh runs them (FSDP2): the persistent
@@ -38,10 +38,10 @@ unsharded parameter copy all step, which ``replicate()`` made and the buckets th
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 
-from workers.parallel.schedules import schedule as schedule_facts
+from orchestrator.spec.sections import recompute_plan
+from workers.contract.schedules import schedule as schedule_facts
 
 # Optimizer state bytes per parameter beyond any fp32 master copy (the paper's K minus 4).
 # adafactor (factored second moment, no first moment by default) and sm3 (one accumulator
@@ -233,19 +233,6 @@ class Frozen:
     def output_grad(self) -> bool:
         """Whether the block's output needs a gradient (what the next block sees as ``input_grad``)."""
         return self.input_grad or bool(self.adapted)
-
-
-def recompute_plan(policy: str, every: int, n_layers: int) -> tuple[str, int]:
-    """The policy and interval the workers run for ``memory.recompute``/``recompute_every`` on ``n_layers`` blocks.
-
-    ``sqrt`` is Chen et al. 2016's √n rule at block granularity: full recompute on every k-th block, k = round(√n),
-    so about √n blocks are checkpointed (saving only their inputs) and the others keep their activations. Why
-    this and not √n multi-block segments: blocks are the unit the family declares and ``checkpoint`` wraps in
-    place (names and checkpoints unchanged); a segment would need the model's forward to call blocks in groups.
-    """
-    if policy == "sqrt":
-        return "full", max(1, round(math.sqrt(n_layers)))
-    return policy, every
 
 
 def layer_recompute(policy: str, every: int, layer: int, n_layers: int = 1) -> str:
@@ -469,7 +456,7 @@ def device_activation_bytes(saved_bytes: int, largest_layer_bytes: int, offload_
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int = 1) -> int:
     """Stage-microbatches whose activations a pipeline rank holds at its peak: the schedule table's rule
-    (``Schedule.in_flight`` in workers.parallel.schedules, which documents each schedule's peak)."""
+    (``Schedule.in_flight`` in workers.contract.schedules, which documents each schedule's peak)."""
     return schedule_facts(schedule).in_flight(pp, pp_rank, microbatches, stages_per_rank)
 
 
@@ -521,29 +508,3 @@ def tp_embedding_grad_bytes(vocab: int, d_model: int, tp: int) -> int:
     rows of the other tp ranks, 14% of the tiny model's gradients."""
     rows = vocab * d_model
     return 4 * (rows - rows // tp)
-
-
-# ------------------------------------------------------------------------------------ units
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``80GB`` (decimal), ``80GiB`` (binary), ``8.5e10`` or a plain number of bytes -> int."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).upper() if match else None
-    if unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 85899345920")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def human_bytes(n: float) -> str:
-    """Decimal units, as the ZeRO paper writes them (120 GB = 120e9 bytes)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.planning.estimate import (
     RankEstimate,
     autocast_copy_bytes,
@@ -26,8 +26,9 @@ from orchestrator.planning.estimate import (
     local_seq,
     peak_rank,
 )
-from orchestrator.planning.memory_model import human_bytes, suggested_loss_chunks
+from orchestrator.planning.memory_model import suggested_loss_chunks
 from orchestrator.spec import JobSpec
+from orchestrator.units import human_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from orchestrator.errors import SpecError
 from orchestrator.planning.estimate import stage_estimates
-from orchestrator.planning.memory_model import human_bytes
 from orchestrator.spec import JobSpec
 from orchestrator.spec.sections import dp_replicas_mirror, ps_replicas_mirror
+from orchestrator.units import human_bytes
 
 OWN_COPIES = 2  # the newest snapshot, and the one before until every rank has replicated the newest
 HELD_COPIES = 2  # a peer's replicas a holder keeps: the acknowledged one and the one arriving

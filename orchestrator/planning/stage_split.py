@@ -36,7 +36,7 @@ from orchestrator.planning.layout_search import Shape, UnitTimes
 from orchestrator.planning.memory_model import in_flight_microbatches
 from orchestrator.spec import JobSpec
 from workers.parallel.layout import stage_ids
-from workers.parallel.partition import StageMemory, balanced_split, even_split, stage_bounds, stage_cost
+from workers.parallel.partition import StageMemory, balanced_split, stage_bounds, stage_cost
 
 if TYPE_CHECKING:  # the profiler's module imports torch; the controller and `raymesh plan` need it only to profile
     from workers.parallel.stage_profile import ModelCosts
@@ -63,14 +63,11 @@ class AutoSplit:
 
 
 def resolve_split(spec: JobSpec) -> tuple[int, ...]:
-    """Layers per stage (virtual stages included) for ``spec``'s ``parallel.pp_split``."""
-    p = spec.parallel
-    n_stages = p.pp * p.stages_per_rank
-    if isinstance(p.pp_split, list):
-        return tuple(p.pp_split)
-    if p.pp_split == "auto" and n_stages > 1:
+    """Layers per stage (virtual stages included) for ``spec``'s ``parallel.pp_split``: ``auto`` profiled, the
+    others as ``JobSpec.stage_split`` reads them."""
+    if spec.parallel.pp_split == "auto" and spec.parallel.pp * spec.parallel.stages_per_rank > 1:
         return auto_split(spec).split
-    return even_split(spec.model.n_layers, n_stages)
+    return spec.stage_split
 
 
 def pin_split(spec: JobSpec) -> JobSpec:

@@ -12,12 +12,17 @@ policy (largest fitting dp, a floor, growing back to the requested dp) is ours.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import ray
 
 from orchestrator.errors import SpecError
-from orchestrator.runtime.placement import can_reserve, tp_groups_per_replica
 from orchestrator.spec import JobSpec
+from workers.contract.grid import Grid
+
+# (spec, use_gpu, TP groups, timeout s) -> whether that many more TP groups of the job could be placed now: the
+# runtime's placement probe (``orchestrator.runtime.placement.can_reserve``), handed in by the runtime
+CanReserve = Callable[[JobSpec, bool, int, float], bool]
 
 
 def resized(spec: JobSpec, dp: int) -> JobSpec:
@@ -34,6 +39,11 @@ def resized(spec: JobSpec, dp: int) -> JobSpec:
     world = spec.parallel.grid.with_dp(dp).world_size
     raw["faults"] = [f for f in raw["faults"] if f["rank"] < world]
     return JobSpec.from_dict(raw)
+
+
+def tp_groups_per_replica(grid: Grid) -> int:
+    """TP groups in one data-parallel replica: what growing or shrinking dp by one adds or frees."""
+    return grid.positions // grid.tp
 
 
 def groups_that_fit(spec: JobSpec, use_gpu: bool) -> int:
@@ -53,8 +63,9 @@ def groups_that_fit(spec: JobSpec, use_gpu: bool) -> int:
 class ElasticPolicy:
     """Decides the dp to shrink to or grow back to; the controller executes the resize."""
 
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, can_reserve: CanReserve):
         self.target_dp = spec.parallel.dp  # what the job asked for (or was last asked to scale to)
+        self.can_reserve = can_reserve
         self._next_check = 0.0
 
     def shrink_options(self, spec: JobSpec, use_gpu: bool) -> list[JobSpec]:
@@ -95,6 +106,6 @@ class ElasticPolicy:
                 bigger = resized(spec, dp)
             except SpecError:
                 continue
-            if can_reserve(spec, use_gpu, (dp - p.dp) * per_replica, min(ft.placement_timeout_s, 10.0)):
+            if self.can_reserve(spec, use_gpu, (dp - p.dp) * per_replica, min(ft.placement_timeout_s, 10.0)):
                 return bigger
         return None

@@ -39,6 +39,6 @@ def replica_holders(grid, node_of: dict[int, str]) -> dict[int, int | None]:
             holders[rank] = peer
             continue
         step = grid.positions if grid.dp_enabled else 1
-        candidates = [(rank + k * step) % grid.world_size for k in range(1, grid.world_size // step)]
-        holders[rank] = next((c for c in candidates if node_of.get(c) != node_of.get(rank)), peer)
+        candidates = ((rank + k * step) % grid.world_size for k in range(1, grid.world_size // step))  # lazily: the
+        holders[rank] = next((c for c in candidates if node_of.get(c) != node_of.get(rank)), peer)  # first hit ends it
     return holders

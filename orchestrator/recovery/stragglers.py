@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import statistics
 
-from orchestrator.observability.events import event
-from workers.protocol import StepResult
+from orchestrator.events import event
+from workers.loop.summary import StepSummary
 
 
 class StragglerDetector:
@@ -26,9 +26,24 @@ class StragglerDetector:
         self.open: dict[int, dict] = {}  # rank -> its current episode
         self.episodes: list[dict] = []  # every episode, for the summary's `stragglers`
 
-    def observe(self, step: int, results: list[StepResult]) -> dict[int, float]:
+    def observe_summary(self, step: int, summary: StepSummary) -> dict[int, float]:
+        """``observe`` on a step with per-rank detail; on one without, the slowest rank's time over the other
+        ranks' mean (their median is not in a reduced summary), and every other rank counts as calm when even the
+        second slowest is within the ratio (nothing is known of them otherwise). Returns the ratios it knows."""
+        if summary.detail is not None:
+            return self.observe(step, {rank: d.phases["step"] for rank, d in summary.detail.items()})
+        (slowest, rank), *rest = summary.slowest
+        others = (summary.phases["step"][0] - slowest) / max(summary.ranks - 1, 1)
+        ratios = {rank: slowest / others if others > 0 else 1.0}
+        self._update(step, rank, ratios[rank])
+        second = rest[0][0] / others if rest and others > 0 else 1.0
+        if second <= self.ratio:
+            for other in {*self.open, *(r for r, n in self.slow_run.items() if n)} - {rank}:
+                self._update(step, other, second)
+        return ratios
+
+    def observe(self, step: int, times: dict[int, float]) -> dict[int, float]:
         """Each rank's step time over the other ranks' median for ``step``; updates what is reported."""
-        times = {r.rank: r.time_s.step for r in results}
         ratios = {}
         for rank, seconds in times.items():
             others = [t for r, t in times.items() if r != rank]

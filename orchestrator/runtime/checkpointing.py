@@ -1,8 +1,10 @@
 """The checkpoint cadence of a running job: when to save, at most one asynchronous save in flight, sealing.
 
-A save is complete only once its checksum manifest is written (``seal``): at
-once for a synchronous save, and for an asynchronous one when the next save
-(or the end of the run, or a resize) waits for it. ``saved`` lists the
+The ranks save on their own inside a window of steps (``plan``, ``workers.loop``) and report each save written
+or failed (``on_save``); the controller saves between windows only where it must: a parameter-server job (its
+shards' part goes into the same folder while they are quiet), a save a failure cut short, a resize, and the last
+step when its save failed. A save is complete only once its checksum manifest is written (``seal``): at once
+for a synchronous save, and for an asynchronous one when every rank has it written. ``saved`` lists the
 committed checkpoints the summary reports. A save of a step that scored the held-out loss gets that loss
 beside it before the seal (``CheckpointDir.record_score``), which ``checkpoint.keep_best`` and
 ``--checkpoint best`` go by; every save gets the job fields its tensors are read by
@@ -21,10 +23,11 @@ from pathlib import Path
 
 from orchestrator.checkpoints import job_record
 from orchestrator.checkpoints.directory import CheckpointDir
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.observers import JobObserver
 from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
+from workers.loop.plan import CheckpointPlan, SaveRecord
 
 
 class Checkpointing:
@@ -40,6 +43,51 @@ class Checkpointing:
         self.beside_ranks: Callable[[Path], None] | None = None  # writes the PS shards' part into a save's folder
         self.record = job_record.record(spec)  # what the saves' tensors are read by (a resize changes only dp)
         self.not_kept: dict | None = None  # the run's last save failed: what is not on disk (``finish``)
+        self.blocked_s = 0.0  # seconds the ranks' saves held their loop since the last step record
+
+    def plan(self, first: int, until: int, in_window: bool) -> CheckpointPlan:
+        """What the ranks of a window of steps ``first``..``until`` save on their own (nothing when ``in_window``
+        is false: the controller saves). The saves due in it are this process's from now on (``expect``: a
+        failed try's leftovers go before any rank writes there); a stop's save is, once it starts (``saving``)."""
+        if not in_window or not self.every:
+            return CheckpointPlan()
+        due = {*range(-(-first // self.every) * self.every, until + 1, self.every), self.total_steps}
+        for step in sorted(s for s in due if first <= s <= until):
+            self.ckpt.expect(step)
+        self.ckpt.make_root()
+        modes = self.ckpt.modes
+        return CheckpointPlan(self.every, self.async_save, self.total_steps, self.ckpt.path_pattern(),
+                              modes[0] if modes is not None else None)
+
+    def saving(self, step: int) -> None:
+        """The ranks started saving ``step`` inside their window: this process's save, until sealed."""
+        self.ckpt.writing.add(step)
+
+    def on_save(self, record: SaveRecord, final: bool = False) -> None:
+        """A save the ranks made inside their window: sealed once every rank has it written, reported when a rank
+        failed it: training goes on and the next save tries again, or, for the step the run ends at (``final``),
+        ``finish`` saves it again."""
+        if record.error is not None:
+            if self.in_flight == record.step:
+                self.in_flight = None
+            then = "saving it again, synchronously" if final else "training goes on; the next save tries again"
+            event("checkpoint_failed", step=record.step, reason=record.error.splitlines()[0][:300], action=then)
+            return
+        if record.async_save and record.done:  # an asynchronous save written everywhere
+            self.in_flight = None
+            self.committed(record.step, None)
+            return
+        self.blocked_s += record.seconds
+        self.observers.on_checkpoint(record.seconds, committed=False)
+        if record.async_save:
+            self.in_flight = record.step
+        else:
+            self.committed(record.step, record.seconds)
+
+    def take_blocked(self) -> float:
+        """The seconds saves held the ranks since the last step record (the next record's ``checkpoint`` phase)."""
+        blocked, self.blocked_s = self.blocked_s, 0.0
+        return blocked
 
     def due(self, step: int, stopping: bool) -> bool:
         """Every ``checkpoint.every`` steps, at the last step and when stopping (checkpoints on only)."""
@@ -131,11 +179,24 @@ class Checkpointing:
         if self.in_flight is not None and all(group.call("checkpoint_durable")):
             self.wait_async(group)  # returns at once: every rank's save is done
 
-    def forget_in_flight(self) -> int | None:
+    def forget_in_flight(self, reached: int) -> int | None:
         """The grid is formed again (recovery, resize): its ranks' unfinished save dies with the old group.
-        Returns that save's step, so a recovery that restores exactly that step can save it again."""
+        Returns that save's step, so a recovery that restores exactly that step can save it again. First, the
+        saves the ranks finished in the window whose report died with rank 0 (``adopt_finished``)."""
+        self.adopt_finished(reached)
         step, self.in_flight = self.in_flight, None
-        return step
+        return None if step in self.ckpt.complete_steps() else step
+
+    def adopt_finished(self, reached: int) -> list[int]:
+        """Seal the in-window saves of this process, up to step ``reached`` (the last one the controller has a
+        record of), that every rank finished though their report was lost with rank 0's desk: DCP writes a save's
+        ``.metadata`` only once every rank's data is written, so a folder holding it is whole. Returns the steps."""
+        adopted = []
+        for step in sorted(s for s in self.ckpt.writing if s <= reached and s not in self.ckpt.complete_steps()):
+            if (self.ckpt.path_for(step) / ".metadata").exists():
+                self.committed(step, None)
+                adopted.append(step)
+        return adopted
 
     def save_now(self, group, step: int, then: str = "training goes on; the next save tries again") -> None:
         """A synchronous save of ``step`` unless it is on disk complete already (before the grid is torn down, and

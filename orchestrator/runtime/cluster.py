@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import ray
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 
 PROBE_TIMEOUT_S = 5.0  # a head that does not accept a TCP connection in this long is taken as unreachable
 

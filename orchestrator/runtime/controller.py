@@ -16,7 +16,7 @@ are what the control API serves while it runs.
 from __future__ import annotations
 
 import json
-import math
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -31,10 +31,10 @@ from orchestrator.checkpoints.directory import MODES, CheckpointDir
 from orchestrator.checkpoints.job_record import check_resume
 from orchestrator.checkpoints.start_checks import refuse_all_corrupt, refuse_fresh_run, refuse_nothing_to_resume
 from orchestrator.errors import SpecError
+from orchestrator.events import event
 from orchestrator.faults.disk import corrupt_newest
 from orchestrator.faults.schedule import FaultSchedule
-from orchestrator.observability.events import event
-from orchestrator.observability.observers import EventLog, Observers, ProgressBar, StepReport, metrics_observer
+from orchestrator.observability.observers import EventLog, Observers, ProgressBar, metrics_observer
 from orchestrator.observability.remote_run_dir import run_dir_upload
 from orchestrator.observability.run_records import (
     RunRecords,
@@ -48,24 +48,33 @@ from orchestrator.observability.run_records import (
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
 from orchestrator.planning.stage_split import auto_split, pin_split
+from orchestrator.records import Layout
 from orchestrator.recovery import node_loss
 from orchestrator.recovery.elastic import resized
 from orchestrator.recovery.policy import ScalingPolicy
 from orchestrator.recovery.stragglers import StragglerDetector
+from orchestrator.run_result import RunResult
 from orchestrator.runtime.checkpointing import Checkpointing
 from orchestrator.runtime.grid_changes import GridChanges
-from orchestrator.runtime.group import RankGroupLike, RayRuntime, Runtime, StepFailed
+from orchestrator.runtime.group import RankGroupLike, Runtime, StepFailed
 from orchestrator.runtime.ray_data import with_ray_dataset
-from orchestrator.runtime.records import Layout
-from orchestrator.runtime.run_result import RunResult
+from orchestrator.runtime.ray_runtime import RayRuntime
 from orchestrator.runtime.states import JobState, JobStateMachine
 from orchestrator.spec import FaultSpec, JobSpec, check_resources
-from workers.protocol import StepResult
+from workers.contract.figures import figure_value
+from workers.loop.plan import LoopFailed, Progress, Request, SaveRecord, StepRecord, Window, WindowEnd
+from workers.protocol import RankInfo
 
 if TYPE_CHECKING:
+    from orchestrator.records import RecoveryRecord
     from orchestrator.recovery.phases import RecoveryPhases
     from orchestrator.runtime.ps_shards import PSShards
-    from orchestrator.runtime.records import RecoveryRecord
+
+
+DETAIL_RANKS = 256  # ranks whose own phase times and memory the controller takes per step (Window.detail_every)
+# the progress deadline inside a window: no step for this many typical steps, and never less than the floor (both
+# under fault_tolerance.heartbeat_timeout_s, which also covers a window's first step, a save and an evaluation)
+HANG_STEPS, HANG_FLOOR_S = 10, 15.0
 
 
 class RunComplete(Exception):
@@ -92,6 +101,13 @@ def refuse_if_complete(spec: JobSpec) -> None:
             return
         if checksums.problem(ckpt.path_for(step)) is None:
             raise RunComplete(step, spec.run_dir_url() or spec.resolved_run_dir(), ckpt.path_for(step))
+
+
+def layout_of(spec: JobSpec, ranks: list[RankInfo]) -> Layout:
+    """The ``Layout`` record of ``spec``'s grid with ``ranks`` on it (``spec``'s ``pp_split`` pinned already)."""
+    p = spec.parallel
+    return Layout(p.dp, p.pp, p.tp, p.zero, p.pp_schedule, p.stages_per_rank, spec.train.microbatches,
+                  p.world_size, tuple(ranks), spec.stage_split)
 
 
 class TrainingJob:
@@ -133,11 +149,21 @@ class TrainingJob:
         self.restarts = 0
         self.snapshot_step: int | None = None
         self.skip_batches: dict[int, int] = {}  # step -> batches skipped before it (repeated NaN there)
-        self._keep_from = -1  # snapshots older than this step are replicated everywhere and can go
         self.faults = FaultSchedule(spec.faults)
         self.stragglers = StragglerDetector(spec.fault_tolerance.straggler_ratio, spec.fault_tolerance.straggler_steps)
-        self._issue_lock = threading.Lock()
-        self._issued = 0  # the last step handed to the ranks
+        self._issue_lock = threading.Lock()  # the fault schedule: the control API's thread adds to it
+        # the window the ranks run on their own (workers.loop): its number, the step before its first, whether it
+        # runs, what was posted to it, rank 0's clock at the end of the last step, and the controller's own clock
+        # at the last item it took (a failure found now happened since then)
+        self._window_id = 0
+        self._window_start = 0
+        self._window_live = False
+        self._posted: set[str] = set()
+        self._mark = 0.0
+        self._last_progress = time.perf_counter()
+        self._poll_s = 1.0  # how long one wait for rank 0's next item lasts
+        self._phase = "start"  # what the window's ranks are in, as rank 0 said last (the deadline follows it)
+        self._resize: tuple[JobSpec, str] | None = None  # a resize decided while a window ran, done after it
         self.scaling = ScalingPolicy(self.runtime.elastic(spec))
         self.changes = GridChanges(self)
         self.use_gpu = False
@@ -160,23 +186,28 @@ class TrainingJob:
             "job": self.spec.name, "state": self.state, "step": self.step, "total_steps": self.spec.train.steps,
             "loss": self.last.get("loss"), "tokens_per_s": self.last.get("tokens_per_s", 0.0),
             "layout": self.layout.to_dict() if self.layout else {}, "started_unix": self.started_unix,
-            "health": {int(r): time.time() - self.last.get("time", self.started_unix)
-                       for r in self.last.get("phases", {})},
+            # every rank took part in the last step, whether or not its record carried each rank's detail
+            "health": dict.fromkeys((r.rank for r in self.layout.ranks) if self.layout else (),
+                                    time.time() - self.last.get("time", self.started_unix)) if self.last else {},
         }
 
     def request_stop(self, reason: str = "") -> str:
         """Finish the current step, checkpoint if checkpoints are on, and end with status ``stopped``."""
         event("stop_requested", job=self.spec.name, reason=reason or "-", step=self.step)
         self.machine.request_stop()
+        self._post_once("stop", Request(stop="stop"))  # a running window stops at its next boundary
         return self.state
 
     def inject_fault(self, kind: str, rank: int, factor: float) -> int:
         """Schedule ``kind`` on ``rank`` for the next step (validated like a job file's ``faults:`` entry)."""
-        with self._issue_lock:  # the first step not yet handed to the ranks
-            fault = {"kind": kind, "rank": rank, "at_step": self._issued + 1, "factor": factor}
-            self.faults.add(validated_fault(fault, self.spec, self.layout, self.runtime))
-        event("fault_requested", kind=kind, rank=rank, at_step=fault["at_step"])
-        return fault["at_step"]
+        fault = {"kind": kind, "rank": rank, "at_step": self.step + 1, "factor": factor}
+        checked = validated_fault(fault, self.spec, self.layout, self.runtime)
+        with self._issue_lock:  # the step after the boundary rank 0 takes it at; the next window's first else
+            at = self.group.post(Request(faults=(checked,))) if self._window_live else None
+            checked["at_step"] = self.step + 1 if at is None else at + 1
+            self.faults.add(checked)
+        event("fault_requested", kind=kind, rank=rank, at_step=checked["at_step"])
+        return checked["at_step"]
 
     def request_scale(self, dp: int) -> int:
         """Resize data parallelism to ``dp`` after the current step, keeping pp×tp and the global batch.
@@ -194,9 +225,9 @@ class TrainingJob:
             target = resized(old, dp)
         except SpecError as exc:
             raise ValueError(str(exc)) from None
-        with self._issue_lock:
-            self.scaling.request(target)
-            at_step = self._issued
+        self.scaling.request(target)
+        at = self._post_once("resize", Request(stop="resize"))  # the running window stops at its next boundary
+        at_step = self.step if at is None else at
         event("scale_requested", dp_from=old.parallel.dp, dp_to=dp, after_step=at_step)
         return at_step
 
@@ -262,7 +293,7 @@ class TrainingJob:
                 self.ps.set_workers(self.spec)
             self.ps.publish_routes(self.group)
             self.checkpoints.beside_ranks = self.ps.save_checkpoint
-        layout = Layout.of(self.spec, self.group.form())
+        layout = layout_of(self.spec, self.group.form())
         if fresh_shards:  # the ranks registered the initial weights: a rollback to step 0 finds them
             self.ps.keep(0, self.group)
         return layout
@@ -297,7 +328,6 @@ class TrainingJob:
         if self.ps is not None:
             self.ps.keep(self.step, self.group)
         self.snapshot_step = self.step
-        self._keep_from = -1  # a new group, or rolled back: nothing is known replicated past here yet
 
     def load_from_disk(self, purpose: str, verified: Path | None = None) -> Path | None:
         """Load the newest checkpoint that passes its checksums into every rank (``verified``: that one, checked
@@ -473,12 +503,12 @@ class TrainingJob:
         return {"step": step, "path": str(self.ckpt.path_for(step)), "eval_loss": self.ckpt.score(step)}
 
     def _train(self, acct: StepAccounting) -> str:
-        """Steps until the last one or a stop, then the last save (``Checkpointing.finish``: of the step the run
-        ends at); a rank lost in a step or in that save is recovered and training goes on, unless stopping: a
-        stop saves the step restored and trains no further."""
+        """Windows of steps until the last one or a stop, then the last save (``Checkpointing.finish``: of the
+        step the run ends at, when its save in the window failed); a rank lost in a step or in that save is
+        recovered and training goes on, unless stopping: a stop saves the step restored and trains no further."""
         first, stopping = self.step, False
         while True:
-            stopping = stopping or self._steps(acct, first)
+            stopping = stopping or self._windows(acct, first)
             try:
                 if self.checkpoints.every:
                     self.checkpoints.finish(self.group, self.step)
@@ -488,22 +518,24 @@ class TrainingJob:
                 acct.rolled_back(self._recover(failure, time.perf_counter(), self.step), max(0, self.step - first))
                 stopping = stopping or self.machine.stop_requested.is_set()
 
-    def _steps(self, acct: StepAccounting, first: int) -> bool:
-        """Steps until the last one or a stop (True when stopping); a failed step is recovered and training
-        goes on, unless a stop was asked for (its own save lost a rank, or it came meanwhile): the caller
-        then saves the step restored, with no step more."""
+    def _windows(self, acct: StepAccounting, first: int) -> bool:
+        """Windows until the last step or a stop (True when stopping); a failed window is recovered and training
+        goes on, unless a stop was asked for (its own save lost a rank, or it came meanwhile): the caller then
+        saves the step restored, with no step more."""
         while self.step < self.spec.train.steps:
-            t0 = time.perf_counter()
             try:
-                results = self._step_once()
-                stopping = self._after_step(acct, results, t0)
-            except StepFailed as failure:
-                acct.rolled_back(self._recover(failure, t0), max(0, self.step - first))
+                self._fire_controller_faults(self.step + 1)
+                end = self._run_window(acct)
+                self._between_windows(end)
+                if end.reason == "stop":
+                    return True
+                if self._resize is not None and self.step < self.spec.train.steps:
+                    self._resize_now(acct)
+            except StepFailed as failure:  # at the next step; at the last when its final save failed
+                at_step = min(self.step + 1, self.spec.train.steps)
+                acct.rolled_back(self._recover(failure, self._last_progress, at_step), max(0, self.step - first))
                 if self.machine.stop_requested.is_set():
                     return True
-                continue
-            if stopping:
-                return True
         return False
 
     def _recover(self, failure: StepFailed, t0: float, at_step: int | None = None) -> tuple[RecoveryRecord,
@@ -514,7 +546,7 @@ class TrainingJob:
         pending recovery record."""
         self.machine.to(JobState.RECOVERING)
         at_step = self.step + 1 if at_step is None else at_step
-        cut_short = self.checkpoints.forget_in_flight()  # once: a retried attempt must still save it again
+        cut_short = self.checkpoints.forget_in_flight(self.step)  # once: a retried attempt must still save it again
         while True:
             try:
                 record = self.changes.recover(failure, at_step, t0, cut_short)
@@ -527,53 +559,186 @@ class TrainingJob:
         self.observers.on_rollback(self.step)
         return record
 
-    def _after_step(self, acct: StepAccounting, results: list[StepResult], t0: float) -> bool:
-        """Account for a completed step, checkpoint when due, resize when asked; True when stopping.
+    # -- one window ------------------------------------------------------------------------------
 
-        A rank lost while saving raises ``StepFailed`` once the step is accounted for (it did complete)."""
-        # an evaluation (eval.every) ran inside the step call: not training time, so out of step time and tokens/s
-        step_s = time.perf_counter() - t0 - max((r.eval_s or 0.0 for r in results), default=0.0)
-        step = results[0].step
+    def _window(self) -> Window:
+        """The next window: up to the last step, or the step before the controller next acts itself (a fault it
+        injects, a parameter-server job's work between steps); the ranks' faults, skips and cadences in it."""
+        start = self.step + 1
+        until = self.spec.train.steps
+        if self.ps is not None:  # the shards keep, heal and resize between steps, with every rank idle
+            until = start
+        own_fault = self.faults.next_controller_step(start)
+        if own_fault is not None:
+            until = min(until, own_fault - 1)
+        with self._issue_lock:
+            once, slow = self.faults.planned(start, until)
+        in_window = self.ps is None  # a PS job's checkpoints take the shards' part too: saved between windows
+        world = self.spec.parallel.world_size  # per-rank detail: every step up to DETAIL_RANKS, else as often as
+        detail_every = -(-world // DETAIL_RANKS)  # costs the controller one step's worth of DETAIL_RANKS ranks
+        return Window(until=until, faults=once, slow=slow,
+                      skips={s: n for s, n in self.skip_batches.items() if start <= s <= until},
+                      snapshot_every=self.memory_every, checkpoint=self.checkpoints.plan(start, until, in_window),
+                      detail_every=detail_every)
+
+    def _run_window(self, acct: StepAccounting) -> WindowEnd:
+        """Start the ranks' loops on the next window and supervise it: every record rank 0 hands over is
+        accounted for and shown; returns how the window ended. Raises ``StepFailed`` when a rank died, hung or
+        failed its step (or the loss was not finite): the steps recorded before it are kept."""
+        window = self._window()
+        self._window_id += 1
+        self._window_start = self.step
+        self._posted = set()
+        self._last_progress = time.perf_counter()
+        self.group.start_window(window, self._window_id)
+        self._window_live, self._phase = True, "start"
+        if self.machine.stop_requested.is_set():  # asked before the window began (start-up): its step, then stop
+            self._post_once("stop", Request(stop="stop"))
         try:
-            stopping, lost, report = self._account(acct, results, step, step_s)
-        finally:  # the step and its record become visible together: `status` (another thread) read step 1 with
-            self.step = step  # no loss while the step's checkpoint was saving; a failure here still finds it done
-        self.observers.on_step(report)  # after the step is shown: an observer (a dashboard, a test's gate) reads status
-        if lost is not None:
-            raise lost
-        if not stopping and self.step < self.spec.train.steps:
-            self._maybe_resize(acct)
-        return stopping
+            while True:
+                items = self.group.window_items(min(self._poll_s, self._deadline(acct) / 4))
+                if not items:
+                    self._check_progress(acct)
+                for item in items:
+                    end = self._take(acct, item, window)
+                    if end is not None:
+                        return end
+        except StepFailed:
+            with self._issue_lock:
+                self.faults.fired_through(self.step + 1)  # the failed step's faults fired
+            raise
+        finally:
+            self._window_live = False
 
-    def _account(self, acct: StepAccounting, results: list[StepResult], step: int,
-                 step_s: float) -> tuple[bool, StepFailed | None, StepReport]:
-        """Everything a completed step sets off (spares, shards, checkpoint) and its record in ``self.last``;
-        returns whether the job is stopping, the failure of a rank lost while saving (if any) and the step's
-        report for the observers."""
-        self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
-        lost = self._shards_after_step(step)
+    def _take(self, acct: StepAccounting, item, window: Window) -> WindowEnd | None:
+        """One item from rank 0's desk; the window's end when it is that."""
+        self._last_progress = time.perf_counter()
+        if isinstance(item, StepRecord):
+            self._on_record(acct, item)
+        elif isinstance(item, SaveRecord):
+            final = item.step >= self.spec.train.steps or self.machine.stop_requested.is_set()
+            self.checkpoints.on_save(item, final)
+            self._mark = max(self._mark, item.time)  # the step after a save starts when the save is done
+        elif isinstance(item, Progress):
+            self._phase = item.phase
+            if item.phase == "window":
+                self._mark = item.time
+            elif item.phase == "save":
+                self.checkpoints.saving(item.step)
+        elif isinstance(item, LoopFailed):  # rank 0's loop raised: every rank says how its loop ended
+            self.group.window_failed()
+        elif isinstance(item, WindowEnd):
+            with self._issue_lock:
+                self.faults.fired_through(item.step)
+            if item.reason == "nan_loss":
+                raise StepFailed({}, kind="nan_loss")
+            return item
+        return None
+
+    def _deadline(self, acct: StepAccounting) -> float:
+        """How long the window may go without handing over an item before it counts as hung: ``HANG_STEPS``
+        typical steps (the median of the last twenty), at least ``HANG_FLOOR_S``; a window's first step, a save or
+        a step that evaluates (slower, and not typical) get ``fault_tolerance.heartbeat_timeout_s``, which also
+        caps the rest."""
+        limit = self.spec.fault_tolerance.heartbeat_timeout_s
+        ev, nxt = self.spec.eval, self.step + 1
+        evaluates = bool(ev.every) and (nxt % ev.every == 0 or nxt == self.spec.train.steps)
+        if self._phase != "step" or evaluates or not acct.step_times:
+            return limit
+        return min(limit, max(min(HANG_FLOOR_S, limit), HANG_STEPS * statistics.median(acct.step_times[-20:])))
+
+    def _check_progress(self, acct: StepAccounting) -> None:
+        """No item within the deadline: the group finds the stuck ranks and the window fails with them hung."""
+        silent = time.perf_counter() - self._last_progress
+        if silent >= self._deadline(acct):
+            self.group.window_hung(silent)
+
+    def _on_record(self, acct: StepAccounting, record: StepRecord) -> None:
+        """Account for a completed step and show it; then what the controller asks of the running window. The
+        record is the ranks' summary reduced in-band: nothing here grows with the ranks."""
+        self._phase = "step"
+        summary = record.summary
+        # an evaluation (eval.every) ran inside the step: not training time, so out of step time and tokens/s
+        step_s = record.time - self._mark - (figure_value(summary.extras, "eval_s") or 0.0)
+        self._mark = record.time
+        if record.step == self._window_start + 1:
+            self.group.start_spares()  # off the start-up's critical path; at once again after a recovery used one
         acct.first_step_done()
         self.changes.step_completed()
-        stopping = self.machine.stop_requested.is_set()
-        ckpt_s = 0.0
-        self.checkpoints.scored(step, held_out_loss(results))
+        self.checkpoints.scored(record.step, held_out_loss(summary))
+        report = acct.step(summary, max(step_s, 1e-9), self.checkpoints.take_blocked(), self.spec.parallel.world_size)
+        self.last = report.record
+        self.step = record.step  # the step and its record become visible together (`status` reads both)
+        if record.snapshot:
+            self.snapshot_step = record.step
+        with self._issue_lock:
+            self.faults.fired_through(record.step)
+        self.observers.on_step(report)  # after the step is shown: an observer (a dashboard, a test's gate) reads status
+        self._ask_window(record.step)
+
+    def _ask_window(self, step: int) -> None:
+        """Post what the controller wants of the running window: a stop, a resize (requested or a grow-back), a
+        repeating fault fallen due. Each at most once per window."""
+        if self.machine.stop_requested.is_set():
+            self._post_once("stop", Request(stop="stop"))
+        if self._resize is None and step < self.spec.train.steps:
+            self._resize = self.scaling.next_resize(self.spec, self.use_gpu)
+        if self._resize is not None:
+            self._post_once("resize", Request(stop="resize"))
+        with self._issue_lock:
+            due = self.faults.due_repeating(step + 1, self.spec.parallel.world_size)
+        for fault in due:
+            if fault["kind"] == "corrupt_checkpoint":
+                corrupt_newest(self.ckpt)
+                fault["fired"] = True
+            elif fault["kind"] != "kill_ps_shard":  # a PS job's windows are one step: planned with the next
+                at = self.group.post(Request(faults=(fault,))) if self._window_live else None
+                fault["at_step"] = step + 1 if at is None else at + 1
+
+    def _post_once(self, what: str, request: Request) -> int | None:
+        """Post ``request`` to the running window unless it was posted already; the step at whose boundary rank 0
+        takes it (None: no window runs, and the controller acts on it before the next one)."""
+        if what in self._posted or not self._window_live:
+            return None
+        self._posted.add(what)
+        return self.group.post(request)
+
+    # -- between windows -------------------------------------------------------------------------
+
+    def _fire_controller_faults(self, step: int) -> None:
+        """The faults the controller injects itself before ``step`` (a window never runs past them)."""
+        with self._issue_lock:
+            own = self.faults.for_controller(step)
+        for fault in own:
+            if fault["kind"] == "kill_ps_shard":
+                self.ps.arm(fault)
+            else:  # corrupt_checkpoint
+                corrupt_newest(self.ckpt)
+
+    def _between_windows(self, end: WindowEnd) -> None:
+        """A parameter-server job's work after each (one-step) window: the shards' between-step work, their
+        snapshot beside the ranks', the checkpoint. A rank lost meanwhile raises ``StepFailed`` once the
+        completed step is accounted for (it did complete)."""
+        self._window_start = self.step
+        if self.ps is None:
+            return
+        if self.memory_every and end.step % self.memory_every == 0:  # beside the ranks' snapshot of the step
+            self.ps.keep(end.step, self.group)
+        lost = self._shards_after_step(end.step)
         try:
-            if lost is None:  # a rank lost already: a save could only fail the same way
+            if lost is None:
                 self.checkpoints.poll(self.group)
-                if self.checkpoints.due(step, stopping):
-                    ckpt_s = self.checkpoints.save(self.group, step)
+                if self.checkpoints.due(end.step, self.machine.stop_requested.is_set()):
+                    self.checkpoints.save(self.group, end.step)
         except StepFailed as failure:
             lost = failure
-        report = acct.step(results, step_s, ckpt_s, self.spec.parallel.world_size)
-        self.last = report.record
-        return stopping, lost, report
+        if lost is not None:
+            raise lost
 
     def _shards_after_step(self, step: int) -> StepFailed | None:
         """The parameter-server shards' work between steps (``PSShards.after_step``) and its records; returns the
         failure of a rank lost while the ranks were pointed at a restarted shard or a resized ring, for the
         caller to raise once the completed step is accounted for (as a rank lost while saving is)."""
-        if self.ps is None:
-            return None
         try:
             self.ps.after_step(step, self.group)
             return None
@@ -590,36 +755,10 @@ class TrainingJob:
             self.observers.on_ps_shard_recovered(record)
         self.ps.recoveries.clear()
 
-    def _step_once(self) -> list[StepResult]:
-        """Issue the next step (with its faults, and a snapshot when one is due); raises ``StepFailed``."""
-        with self._issue_lock:
-            self._issued = self.step + 1
-            faults_now = self.faults.for_step(self._issued, self.spec.parallel.world_size)
-            for fault in self.faults.for_controller(self._issued):
-                if fault["kind"] == "kill_ps_shard":
-                    self.ps.arm(fault)
-                else:  # corrupt_checkpoint
-                    corrupt_newest(self.ckpt)
-        for _ in range(self.skip_batches.get(self._issued, 0)):  # the batches after a skipped one may be bad too
-            self.group.call("skip_batch")  # every rank passes over a batch that made this step NaN
-        memory_every = self.memory_every
-        keep_from = self._keep_from if memory_every and self._issued % memory_every == 0 else None
-        results = self.group.step(faults_now, keep_from)
-        if not all(math.isfinite(r.loss) for r in results if r.loss is not None):
-            raise StepFailed({}, kind="nan_loss")
-        if keep_from is not None:
-            if self.ps is not None:
-                self.ps.keep(self._issued, self.group)
-            self.snapshot_step = self._issued
-        self._keep_from = min(r.replicated_step for r in results)  # replicated on every rank: older can go
-        return results
-
-    def _maybe_resize(self, acct: StepAccounting) -> None:
-        """Resize when one was requested, or grow back when the cluster has room again after a shrink; a resize
-        that went back in steps (its load fell back to an older checkpoint) cuts the account back to match."""
-        decision = self.scaling.next_resize(self.spec, self.use_gpu)
-        if decision is None:
-            return
+    def _resize_now(self, acct: StepAccounting) -> None:
+        """Carry out the resize decided while the window ran (requested, or a grow-back); a resize that went back
+        in steps (its load fell back to an older checkpoint) cuts the account back to match."""
+        decision, self._resize = self._resize, None
         self.machine.to(JobState.RESIZING)
         reached = self.step
         self.changes.resize(*decision)

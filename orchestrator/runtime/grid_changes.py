@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 from orchestrator.errors import SpecError
-from orchestrator.observability.events import event
+from orchestrator.events import event
+from orchestrator.records import RecoveryRecord, ResizeRecord
 from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy, RestartWindow
 from orchestrator.runtime.group import ABANDONED, StepFailed
-from orchestrator.runtime.records import RecoveryRecord, ResizeRecord
 from orchestrator.spec import JobSpec
 
 

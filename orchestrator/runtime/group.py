@@ -1,7 +1,12 @@
 """What the controller needs from a rank group and from the cluster, as protocols it is handed.
 
+A group starts its ranks' loops on a window of steps (``start_window``), hands over rank 0's desk items as they
+come (``window_items``: one call whatever the world size), takes the controller's requests to rank 0 (``post``),
+and when a window failed says which ranks failed it (``window_failed`` raises ``StepFailed``), or, when no step
+completed within the progress deadline, which ranks are stuck (``window_hung``).
+
 ``TrainingJob`` calls these and nothing else of Ray: ``RayRuntime`` (the
-default) reserves placement groups and starts ``RankGroup`` actors; the unit
+default, ``ray_runtime.py``) reserves placement groups and starts ``RankGroup`` actors; the unit
 tests hand it a fake runtime whose group fails, hangs and returns NaN on cue,
 so every controller transition runs in milliseconds without a cluster.
 """
@@ -9,10 +14,11 @@ so every controller transition runs in milliseconds without a cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from orchestrator.spec import JobSpec
-from workers.protocol import RankInfo, StepResult
+from workers.loop.plan import Request, Window
+from workers.protocol import RankInfo
 
 
 @dataclass
@@ -53,7 +59,11 @@ class RankGroupLike(Protocol):
     worker_extra: dict
 
     def form(self) -> list[RankInfo]: ...
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]: ...
+    def start_window(self, window: Window, window_id: int) -> None: ...
+    def window_items(self, wait_s: float) -> list: ...
+    def window_failed(self) -> NoReturn: ...
+    def window_hung(self, silent_s: float) -> NoReturn: ...
+    def post(self, request: Request) -> int | None: ...
     def finish_failed_step(self) -> dict[int, str]: ...
     def replace(self, ranks) -> None: ...
     def start_spares(self) -> None: ...
@@ -79,61 +89,3 @@ class Runtime(Protocol):
     def nodes_gone(self, node_ids) -> set[str]: ...
     def elastic(self, spec: JobSpec): ...
     def serve_control(self, job): ...
-
-
-class RayRuntime:
-    """The real thing: Ray placement groups and ``RankWorker`` actors (imported lazily, so the fake needs no Ray)."""
-
-    def preflight(self, spec: JobSpec) -> None:
-        from orchestrator.planning.disk_check import check_offload_space
-        from orchestrator.planning.memory_report import warn_if_too_big
-        from orchestrator.spec import check_before_start
-
-        check_before_start(spec)
-        check_offload_space(spec)
-        warn_if_too_big(spec)
-
-    def connect(self, address: str | None, needed_cpus: float) -> None:
-        from orchestrator.runtime import cluster
-
-        cluster.connect(address, needed_cpus)
-
-    def available(self) -> tuple[float, float]:
-        from orchestrator.runtime import cluster
-
-        return cluster.available()
-
-    def reserve(self, spec: JobSpec, use_gpu: bool, timeout_s: float):
-        from orchestrator.runtime.placement import reserve
-
-        return reserve(spec, use_gpu, timeout_s)
-
-    def start_group(self, spec: JobSpec, placement, use_gpu: bool):
-        from orchestrator.runtime.rank_group import RankGroup
-
-        return RankGroup(spec, placement, use_gpu)
-
-    def check_job_faults(self, faults: list[dict], placement) -> None:
-        from orchestrator.recovery import node_loss
-
-        node_loss.check_job_faults(faults, placement)
-
-    def kill_node_refusal(self, rank: int, node_id: str) -> str | None:
-        from orchestrator.recovery import node_loss
-
-        return node_loss.refusal(rank, node_id)
-
-    def nodes_gone(self, node_ids) -> set[str]:
-        from orchestrator.recovery import node_loss
-
-        return node_loss.gone(node_ids)
-
-    def elastic(self, spec: JobSpec):
-        from orchestrator.recovery.elastic import ElasticPolicy
-
-        return ElasticPolicy(spec)
-
-    def serve_control(self, job):
-        from orchestrator.api.control_server import ControlServer
-
-        return ControlServer.for_job(job)

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from orchestrator.api.control_server import ControlClient
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.observability.observers import JobObserver, StepReport
 
 NAMESPACE = "raymesh"

@@ -15,15 +15,20 @@ import math
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.errors import NO_VALUE, SpecError
-from orchestrator.observability.events import event
-from orchestrator.planning.memory_model import human_bytes
+from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
 from orchestrator.spec import JobSpec
-from workers.parallel.grid import Grid
+from orchestrator.units import human_bytes
+from workers.contract.grid import Grid
 
 NOTICE_S = 5.0  # a reservation not placed after this long is said to be waiting, with what holds the room
 LISTED = 8  # holders named in a message, the rest counted
@@ -32,11 +37,6 @@ LISTED = 8  # holders named in a message, the rest counted
 def tp_groups(grid: Grid) -> int:
     """Placement groups a grid reserves: one per tensor-parallel group (TP peers are consecutive ranks)."""
     return grid.world_size // grid.tp
-
-
-def tp_groups_per_replica(grid: Grid) -> int:
-    """TP groups in one data-parallel replica: what growing or shrinking dp by one adds or frees."""
-    return grid.positions // grid.tp
 
 
 @dataclass
@@ -53,6 +53,18 @@ class RankPlacement:
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         group, index = self.bundle(rank)
         return PlacementGroupSchedulingStrategy(placement_group=self.groups[group], placement_group_bundle_index=index)
+
+    def nodes(self, ranks=None) -> dict[int, str]:
+        """rank -> the node its bundle is placed on now (``ranks``: those only; one look-up per placement group)."""
+        ranks = range(len(self.groups) * self.tp) if ranks is None else ranks
+        tables: dict[int, dict] = {}
+        out = {}
+        for rank in ranks:
+            group, index = self.bundle(rank)
+            if group not in tables:
+                tables[group] = placement_group_table(self.groups[group])["bundles_to_node_id"]
+            out[rank] = tables[group][index]
+        return out
 
     def release(self) -> None:
         for pg in self.groups:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from parameter_server.ring import HashRing, layout_keys, rebalance
 
 if TYPE_CHECKING:

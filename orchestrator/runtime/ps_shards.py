@@ -22,7 +22,7 @@ import ray
 import torch
 
 from orchestrator.api.auth import job_token
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from orchestrator.runtime import ps_resize
 from orchestrator.spec import JobSpec
 from parameter_server import checkpoint

@@ -1,9 +1,11 @@
-"""The rank actors of one job: start them, run a step on all, and replace the ones that fail.
+"""The rank actors of one job: start them, run their windows of steps, and replace the ones that fail.
 
-A step either completes on every rank or raises ``StepFailed`` naming the
-ranks that died (actor or process gone; reported as soon as the first is
-seen), hung (no answer within the heartbeat timeout) or raised on their own
-(out of memory, an I/O error, a bug); those are killed so they count as dead.
+The ranks run their own loop (``RankWorker.run_window``); the group reads rank 0's desk
+(``window_items``: one long poll per call, whatever the world size) and posts the
+controller's requests there. A window either ends on every rank or raises
+``StepFailed`` naming the ranks that died (actor or process gone), hung (no
+progress within the deadline) or raised on their own (out of memory, an I/O error,
+a bug); those are killed so they count as dead.
 Survivors in a collective with the dead peer get an error from gloo at once
 (its sockets closed), and each rank whose step failed shuts its own gloo
 connections (``workers.group_sockets``), so those blocked on a survivor fail
@@ -16,19 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import replicas_mirror
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
 from orchestrator.runtime.group import ABANDONED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
+from workers.agent import NodeAgent
 from workers.diagnostics.faults import RankStepError
-from workers.protocol import RankInfo, StepResult
+from workers.loop.plan import Request, StepRecord, Window
+from workers.protocol import RankInfo
 from workers.rank_worker import RankWorker
 
 
@@ -48,23 +54,101 @@ class RankGroup:
         self.placement = placement
         self.use_gpu = use_gpu
         self.workers: list = [self._new_actor(r) for r in range(spec.parallel.world_size)]
-        self._failed: dict = {}  # rank -> its call of the step that failed, not yet seen to end
+        self._failed: list[int] = []  # the ranks whose loop of the failed window was not seen to end
         self._holders: dict[int, int | None] = {}  # rank -> its replica holder, chosen at every formation
-        self._node_of: dict[int, str] = {}  # rank -> its node, from every formation
+        self._node_of: dict[int, str] = placement.nodes()  # rank -> its node (its bundle's; each formation's)
+        self._agents: dict[str, object] = {}  # node -> its NodeAgent, which carries calls to the node's ranks
+        self._adopt(range(len(self.workers)))
         self._spares: dict[str, object] = {}  # node -> a preloaded spare rank process (``start_spares``)
         self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
+        self._last_record: float | None = None  # rank 0's clock at the window's last step record
+        self._window_id, self._cursor = 0, 0  # the window running, and the number of rank 0's next item
 
     def _new_actor(self, rank: int, spare: bool = False):
         """A ``RankWorker`` in ``rank``'s placement bundle; a ``spare`` reserves no resources of its own (it takes
         over the dead rank's, freed in the same bundle's node)."""
         p = self.spec.parallel
         # peers' replicas are stored on their own thread, beside the running step
-        return ray.remote(concurrency_groups={"replicas": 1})(RankWorker).options(
+        # and rank 0's desk answers the controller on its own thread while the rank's loop runs
+        return ray.remote(concurrency_groups={"replicas": 1, "control": 2})(RankWorker).options(
             num_cpus=0 if spare else p.cpus_per_rank,
             num_gpus=1 if self.use_gpu else 0,
             scheduling_strategy=self.placement.strategy(rank),
             name=f"{self.spec.name}-{'spare' if spare else 'rank'}{rank}-{time.time_ns()}",
         ).remote()
+
+    # -- one call per node: the agents ----------------------------------------------------------
+
+    def _adopt(self, ranks) -> None:
+        """The agents of the ranks' nodes (started where none runs yet) take these ranks' actors; an agent left
+        with no rank (its node was lost, its ranks now run elsewhere) goes."""
+        for node in set(self._agents) - set(self._node_of.values()):
+            ray.kill(self._agents.pop(node))
+        by_node: dict[str, dict] = {}
+        for rank in ranks:
+            by_node.setdefault(self._node_of[rank], {})[rank] = self.workers[rank]
+        for node, workers in by_node.items():
+            if node not in self._agents:
+                self._agents[node] = ray.remote(NodeAgent).options(
+                    num_cpus=0, max_concurrency=16, name=f"{self.spec.name}-agent-{node[:12]}-{time.time_ns()}",
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            ray.get(self._agents[node].adopt.remote(workers))
+
+    def _by_node(self, ranks) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for rank in ranks:
+            out.setdefault(self._node_of[rank], []).append(rank)
+        return out
+
+    def _kill(self, ranks) -> None:
+        """Kill these ranks: their processes by the kernel, through their nodes' agents (``NodeAgent.kill``: a
+        frozen process never runs the exit ``ray.kill`` asks of it), then their actors in Ray."""
+        ranks = list(ranks)
+        calls = [self._agents[node].kill.remote(group) for node, group in
+                 self._by_node(r for r in ranks if r in self._node_of).items() if node in self._agents]
+        ray.wait(calls, num_returns=len(calls), timeout=10)
+        for rank in ranks:
+            ray.kill(self.workers[rank], no_restart=True)
+
+    def _each(self, method: str, args: tuple = (), per_rank: dict[int, tuple] | None = None) -> list:
+        """``method`` on every rank (``per_rank``: on those ranks, each with its own arguments), one call per node
+        through its agent; the answers in rank order, within a deadline. A rank that died or did not answer by then
+        is killed and fails the call as ``StepFailed``, which the controller recovers from like a failed step (a
+        rank's own exception is raised as it is). The deadline is five heartbeat timeouts (10 minutes by default):
+        long enough to load a large checkpoint, never forever."""
+        ranks = sorted(per_rank) if per_rank is not None else range(len(self.workers))
+        timeout = 5 * self.spec.fault_tolerance.heartbeat_timeout_s
+        calls = {node: self._agents[node].call.remote(
+                     method, args, None if per_rank is None else {r: per_rank[r] for r in group}, timeout)
+                 for node, group in self._by_node(ranks).items()}
+        answers = self._answers(calls, timeout + 30)
+        dead = {r: how for r, (how, _) in answers.items() if how in ("died", "hung")}
+        if dead:
+            self._kill(dead)
+            raise StepFailed(dead)
+        raised = [value for _, (how, value) in sorted(answers.items()) if how == "raised"]
+        if raised:
+            raise raised[0]
+        return [answers[r][1] for r in ranks]
+
+    def _answers(self, calls: dict, timeout_s: float) -> dict[int, tuple]:
+        """Every rank's answer from its agent's (an agent's ``start`` answers nothing: its ranks are ``ok``); the
+        ranks of an agent that died (its node) count as died."""
+        out: dict[int, tuple] = {}
+        ranks_on: dict[str, list[int]] | None = None  # node -> its ranks, made once, only when needed
+        for node, ref in calls.items():
+            try:
+                answer = ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayError:
+                answer = None
+                how = ("died", None)
+            else:
+                how = ("ok", None)
+            if not isinstance(answer, dict):
+                ranks_on = ranks_on if ranks_on is not None else self._by_node(self._node_of)
+                answer = dict.fromkeys(ranks_on.get(node, []), how)
+            out.update(answer)
+        return out
 
     def start_spares(self) -> None:
         """One warm spare rank process per node of the grid (CPU jobs), started and preloaded in the background.
@@ -88,55 +172,98 @@ class RankGroup:
     def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
-        self._gather({r: w.preload.remote() for r, w in enumerate(self.workers)})  # new actors import first
-        nodes = self._gather({r: w.identity.remote() for r, w in enumerate(self.workers)})
-        one_node = len({info["node_id"] for info in nodes}) == 1  # then the store listens on loopback only
-        addr, port = self._gather({0: self.workers[0].rendezvous_address.remote(one_node)})[0]
+        self._each("preload")  # new actors import first
+        one_node = len(set(self._node_of.values())) == 1  # then the store listens on loopback only
+        addr, port = self._each("rendezvous_address", per_rank={0: (one_node,)})[0]
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
-        infos = self._gather({r: w.setup.remote(worker_spec, r, world, addr, port) for r, w in enumerate(self.workers)})
-        self._node_of = {info.rank: info.node_id for info in infos}
+        infos = self._each("setup", per_rank={r: (worker_spec, r, world, addr, port) for r in range(world)})
         self._holders = replica_holders(self.spec.parallel.grid, self._node_of)
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
-        self._gather({r: w.set_holder.remote(None if self.mirrored else self._holder_actor(r))
-                      for r, w in enumerate(self.workers)})
+        self._each("set_holder", per_rank={r: (None if self.mirrored else self._holder_actor(r),)
+                                          for r in range(world)})
         return infos
 
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
-        """One step on every rank; with ``snapshot_keep_from`` set, each snapshots it (see ``snapshot``).
+    def start_window(self, window: Window, window_id: int) -> None:
+        """Every rank starts its loop on ``window`` (one call per rank per window, never per step)."""
+        self._window_id, self._cursor, self._last_record = window_id, 0, None
+        notify = (self.workers[0], window_id)  # an agent seeing a rank fail says so on rank 0's desk at once
+        calls = {node: agent.start.remote("run_window", (window, window_id), notify)
+                 for node, agent in self._agents.items()}
+        lost = {r: how for r, (how, _) in self._answers(calls, 60.0).items() if how == "died"}
+        if lost:  # a node (and its agent) went between two windows
+            raise StepFailed(lost)
 
-        Fails as soon as one rank's actor is seen dead: the survivors still blocked in a collective
-        with it finish their failed step (gloo/NCCL error, at most the collective timeout) while the
-        replacement starts, because the next calls they get queue behind it.
-        """
-        t0 = time.monotonic()
-        refs = [w.train_step.remote(faults.get(r), snapshot_keep_from) for r, w in enumerate(self.workers)]
-        deadline = time.monotonic() + self.spec.fault_tolerance.heartbeat_timeout_s
-        results, dead, errors, pending = {}, {}, {}, list(refs)
-        while pending and not dead and time.monotonic() < deadline:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            for ref in ready:
-                rank = refs.index(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except RayActorError:
-                    dead[rank] = "died"
-                except ray.exceptions.RayTaskError as exc:
-                    error = step_error(exc)
-                    if error.kind == "peer_lost":
-                        errors[rank] = error  # a survivor whose collective broke with a dead peer
-                    else:  # failed on its own: killed below at once, so peers blocked on it fail now too
-                        dead.update(ranks_that_failed({rank: error}))
-        if not dead:
-            dead = {refs.index(ref): "hung" for ref in pending}  # no answer within the heartbeat timeout
-        if errors and not dead:
-            dead = ranks_that_failed(errors)  # only broken collectives, no rank to blame: all are replaced
-        if dead:
-            for rank in dead:
-                ray.kill(self.workers[rank], no_restart=True)
-            self._failed = {refs.index(ref): ref for ref in pending}
-            raise StepFailed(dead)
-        self._last_step_s = time.monotonic() - t0
-        return [results[r] for r in range(len(refs))]
+    def window_items(self, wait_s: float) -> list:
+        """Rank 0's next items (waiting up to ``wait_s`` for one); ``StepFailed`` once its loop failed and every
+        item before the failure was handed over, or when rank 0 itself is gone."""
+        try:
+            items, self._cursor = ray.get(self.workers[0].desk_items.remote(self._window_id, self._cursor, wait_s),
+                                          timeout=wait_s + self.spec.fault_tolerance.heartbeat_timeout_s)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            self.window_failed()
+        for item in items:  # the survivors' grace scales with a step (``finish_failed_step``)
+            if isinstance(item, StepRecord):
+                if self._last_record is not None:
+                    self._last_step_s = item.time - self._last_record
+                self._last_record = item.time
+        return items  # a loop of rank 0 that raised says so on its desk; a dead rank 0's desk call fails above
+
+    def post(self, request: Request) -> int | None:
+        try:
+            return ray.get(self.workers[0].desk_post.remote(self._window_id, request), timeout=30)
+        except ray.exceptions.RayError:
+            return None  # rank 0 is gone: the window is failing, and the controller acts on it before the next
+
+    def window_failed(self) -> None:
+        """Which ranks failed the window, from every agent's account of its ranks' loops in a few passes (each
+        rank whose loop broke only because a peer's did is a survivor); raises ``StepFailed``. The ranks still
+        running after the last pass are handed to ``finish_failed_step``."""
+        outcomes: dict[int, str] = {}
+        for wait_s in (0.2, 1.0, self.spec.fault_tolerance.survivor_grace_s):
+            outcomes = self._loop_outcomes(wait_s)
+            if any(how != "peer_lost" for how in outcomes.values()) or len(outcomes) == len(self.workers):
+                break
+        dead = {rank: how for rank, how in outcomes.items() if how != "peer_lost"}
+        if not dead:  # only broken collectives, no rank to blame (or none answered): all are replaced
+            dead = {rank: "hung" for rank in range(len(self.workers)) if rank not in outcomes} or \
+                ranks_that_failed({rank: RankStepError("peer_lost", "") for rank in outcomes})
+        self._kill(dead)
+        self._failed = [r for r in range(len(self.workers)) if r not in outcomes and r not in dead]
+        raise StepFailed(dead)
+
+    def window_hung(self, silent_s: float) -> NoReturn:
+        """No step completed within the progress deadline: every rank says where its loop is (one call per node,
+        five seconds to answer). The stuck ranks are those that do not answer (a frozen process); when all answer,
+        those still inside a step, snapshot or save (their peers wait for them at the boundary); when none can be
+        told apart that way, every rank. They are killed, which ends their peers' collectives with them at once,
+        and the window fails as ``StepFailed`` with them ``hung``."""
+        calls = {node: agent.call.remote("progress", (), None, 5.0) for node, agent in self._agents.items()}
+        answers = self._answers(calls, 35.0)
+        where = {r: value for r, (how, value) in answers.items() if how == "ok"}
+        stuck = set(answers) - set(where) or {r for r, p in where.items() if p["phase"] in ("step", "snapshot", "save")}
+        stuck = stuck or set(range(len(self.workers)))
+        first = where.get(min(stuck), {})
+        event("hang_detected", silent_s=f"{silent_s:.1f}", ranks=sorted(stuck)[:16], count=len(stuck),
+              phase=first.get("phase", "no answer"), where=" < ".join(first.get("where", [])))
+        self._kill(stuck)
+        self._failed = [r for r in range(len(self.workers)) if r not in stuck]
+        raise StepFailed(dict.fromkeys(stuck, "hung"))
+
+    def _loop_outcomes(self, wait_s: float, ranks=None) -> dict[int, str]:
+        """How each rank's loop of the window ended (``died``, a failure of its own, or ``peer_lost``, which a
+        loop that ended normally while another failed counts as too), waiting up to ``wait_s``; a loop still
+        running is left out."""
+        nodes = self._by_node(range(len(self.workers)) if ranks is None else ranks)
+        calls = {node: self._agents[node].outcomes.remote(wait_s, group) for node, group in nodes.items()}
+        out = {}
+        for rank, (how, value) in self._answers(calls, wait_s + 30).items():
+            if how == "hung":
+                continue
+            if how == "raised":
+                error = step_error(value)
+                how = "peer_lost" if error.kind == "peer_lost" else ranks_that_failed({rank: error})[rank]
+            out[rank] = "peer_lost" if how == "ok" else how
+        return out
 
     def finish_failed_step(self) -> dict[int, str]:
         """Wait a short grace for the other ranks' failed step to end; returns the ranks found dead meanwhile
@@ -157,24 +284,15 @@ class RankGroup:
         The grace is ``fault_tolerance.survivor_grace_s`` or twice the last completed step, whichever is
         longer, so a survivor still computing its share of a long step is not mistaken for a blocked one.
         """
-        refs, self._failed = self._failed, {}
-        if not refs:
+        ranks, self._failed = self._failed, []
+        if not ranks:
             return {}
         grace = min(max(self.spec.fault_tolerance.survivor_grace_s, 2 * self._last_step_s),
                     self.spec.fault_tolerance.collective_timeout_s + 5)
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace)
-        dead = {}
-        for rank, ref in refs.items():
-            try:
-                ray.get(ref, timeout=0)
-            except RayActorError:
-                dead[rank] = "died"
-            except ray.exceptions.GetTimeoutError:
-                dead[rank] = ABANDONED
-            except ray.exceptions.RayError:
-                pass  # its collective broke with the dead peer: a survivor
-        for rank in dead:
-            ray.kill(self.workers[rank], no_restart=True)
+        over = self._loop_outcomes(grace, ranks)  # a loop that broke with the dead peer: a survivor
+        dead = {r: "died" for r, how in over.items() if how == "died"}
+        dead.update({r: ABANDONED for r in ranks if r not in over})
+        self._kill(dead)
         return dead
 
     def replace(self, ranks) -> None:
@@ -208,6 +326,10 @@ class RankGroup:
                     pending[rank] = self.workers[rank].__ray_ready__.remote()
         for rank in pending:
             ray.kill(self.workers[rank], no_restart=True)
+        started = [r for r in ranks if r not in pending]
+        nodes = ray.get([self.workers[r].identity.remote() for r in started])  # a lost node's bundle moved
+        self._node_of.update({r: info["node_id"] for r, info in zip(started, nodes)})
+        self._adopt(started)
         return not pending
 
     def holder(self, rank: int) -> int | None:
@@ -231,12 +353,12 @@ class RankGroup:
     def snapshot(self, keep_from: int = -1) -> None:
         """Every rank snapshots its state now; replicas ship to the holders in the background.
         Snapshots of steps before ``keep_from`` (replicated by every rank) are dropped."""
-        self.call("take_snapshot", keep_from)
+        self._each("take_snapshot", (keep_from,))
 
     def _available(self, ranks) -> dict[int, dict]:
         """Each of ``ranks``' complete snapshot steps and replicas, once none is in flight."""
         ranks = list(ranks)
-        return dict(zip(ranks, self._gather({r: self.workers[r].snapshot_steps.remote() for r in ranks})))
+        return dict(zip(sorted(ranks), self._each("snapshot_steps", per_rank=dict.fromkeys(ranks, ()))))
 
     def restore(self, replaced: set[int], up_to: int) -> int:
         """Roll every rank back to the newest snapshot step, at most ``up_to``, complete for all of them:
@@ -252,11 +374,9 @@ class RankGroup:
         step = newest_common_step(lists, up_to)
         if step is None:
             raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
-        calls = {}
-        for rank, w in enumerate(self.workers):
-            snap = self._replica(rank, sources[rank], step) if rank in replaced else None
-            calls[rank] = w.restore_snapshot.remote(step, snap)
-        return self._gather(calls)[0]
+        calls = {rank: (step, self._replica(rank, sources[rank], step) if rank in replaced else None)
+                 for rank in range(len(self.workers))}
+        return self._each("restore_snapshot", per_rank=calls)[0]
 
     def _source(self, rank: int, replaced: set[int]) -> int | None:
         """The surviving rank that hands replaced ``rank`` its state: its holder; for mirrors, when the holder was
@@ -303,37 +423,15 @@ class RankGroup:
     def restore_positions(self, step: int, kept: dict) -> int:
         """Every rank takes the snapshot of ``step`` kept for its model position; returns the step."""
         grid = self.spec.parallel.grid
-        return self._gather({r: w.restore_snapshot.remote(step, kept[grid.position(r)])
-                             for r, w in enumerate(self.workers)})[0]
+        return self._each("restore_snapshot", per_rank={r: (step, kept[grid.position(r)])
+                                                        for r in range(len(self.workers))})[0]
 
     def call(self, method: str, *args) -> list:
-        return self._gather({r: getattr(w, method).remote(*args) for r, w in enumerate(self.workers)})
-
-    def _gather(self, refs: dict) -> list:
-        """Every rank's answer (rank -> call), in rank order, within a deadline: a rank that died or did not
-        answer by then is killed and fails the call as ``StepFailed``, which the controller recovers from like
-        a failed step (a rank's own exception is raised as it is). The deadline is five heartbeat timeouts
-        (10 minutes by default): long enough to load a large checkpoint, never forever."""
-        timeout = 5 * self.spec.fault_tolerance.heartbeat_timeout_s
-        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-        dead = {rank: "hung" for rank, ref in refs.items() if ref in pending}
-        out = {}
-        for rank, ref in refs.items():
-            if rank in dead:
-                continue
-            try:
-                out[rank] = ray.get(ref)
-            except RayActorError:
-                dead[rank] = "died"
-        if dead:
-            for rank in dead:
-                ray.kill(self.workers[rank], no_restart=True)
-            raise StepFailed(dead)
-        return [out[rank] for rank in refs]
+        return self._each(method, args)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):  # a rank that already died cannot shut down cleanly; it is killed below
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        for w in [*self.workers, *self._spares.values()]:
+            self._each("shutdown")
+        for w in [*self.workers, *self._spares.values(), *self._agents.values()]:
             ray.kill(w)
         self._spares.clear()

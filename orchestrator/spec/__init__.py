@@ -5,8 +5,9 @@ Every public name is re-exported here: callers import from `orchestrator.spec`, 
 """
 
 from orchestrator.spec.job import JobSpec
-from orchestrator.spec.loading import apply_overrides, load_spec, parse_override
+from orchestrator.spec.loading import load_spec
 from orchestrator.spec.model import ModelSpec
+from orchestrator.spec.raw import apply_overrides, parse_override
 from orchestrator.spec.runtime_checks import (
     check_before_start,
     check_data_path,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.errors import SpecError
-from orchestrator.observability.events import event
+from orchestrator.events import event
 from workers.data import checksums
 from workers.storage import is_url, location
 

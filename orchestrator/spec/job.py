@@ -14,6 +14,7 @@ from orchestrator.spec.fields import _SECTIONS, NAME_MAX, PathStr, _Section
 from orchestrator.spec.loggers import LoggersSpec
 from orchestrator.spec.messages import to_spec_error
 from orchestrator.spec.model import ModelSpec
+from orchestrator.spec.raw import apply_overrides
 from orchestrator.spec.sections import (
     CheckpointSpec,
     ControlSpec,
@@ -29,7 +30,9 @@ from orchestrator.spec.sections import (
     PlanSpec,
     PrecisionSpec,
     TrainSpec,
+    recompute_plan,
 )
+from workers.parallel.partition import even_split
 from workers.storage import is_url, location, staging_dir
 
 
@@ -86,7 +89,7 @@ class JobSpec(_Section):
         try:
             return cls.model_validate(dict(data))
         except ValidationError as exc:
-            error = to_spec_error(exc)
+            error = to_spec_error(exc, cls)
         raise error  # raised outside `except` so no pydantic traceback is chained
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,7 +98,8 @@ class JobSpec(_Section):
 
     def worker_dict(self) -> dict[str, Any]:
         """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab,
-        `memory.recompute: sqrt` as the policy and interval it runs, `parallel.pp_split` as layer counts per stage).
+        `memory.recompute: sqrt` as the policy and interval it runs, `parallel.pp_split` as layer counts per stage:
+        `stage_split`, so an `auto` split is pinned by the planner first).
 
         Workers never import the orchestrator, so they get a plain dict with no defaults left to derive, and parse
         it with the section classes these sections subclass (``workers.spec.WorkerSpec``), which refuse a field left
@@ -106,8 +110,6 @@ class JobSpec(_Section):
         out["model"]["vocab_size"] = self.padded_vocab_size
         out["parallel"]["virtual_stages"] = self.parallel.stages_per_rank
         out["parallel"]["pp_split"] = list(self.stage_split)
-        from orchestrator.planning.memory_model import recompute_plan  # planning imports the spec: import late
-
         mem = self.memory
         out["memory"]["recompute"], out["memory"]["recompute_every"] = recompute_plan(
             mem.recompute, mem.recompute_every, self.model.n_layers)
@@ -115,11 +117,19 @@ class JobSpec(_Section):
 
     @property
     def stage_split(self) -> tuple[int, ...]:
-        """Layers per pipeline stage, virtual stages included: `parallel.pp_split` resolved (`auto` profiles the
-        model once per process, `orchestrator.planning.stage_split`)."""
-        from orchestrator.planning.stage_split import resolve_split  # planning imports the spec: import late
-
-        return resolve_split(self)
+        """Layers per pipeline stage, virtual stages included: a `parallel.pp_split` list as given, else an even
+        split. `auto` over several stages is the planner's to resolve: it profiles the model
+        (`orchestrator.planning.stage_split.pin_split`, which the controller and the commands call before anything
+        reads the split), so an unresolved one is refused here rather than guessed."""
+        p = self.parallel
+        n_stages = p.pp * p.stages_per_rank
+        if isinstance(p.pp_split, list):
+            return tuple(p.pp_split)
+        if p.pp_split == "auto" and n_stages > 1:
+            raise ValueError("parallel.pp_split 'auto' is not resolved yet: pin it first with "
+                             "orchestrator.planning.stage_split.pin_split(spec), which profiles the model and writes "
+                             "one layer count per stage")
+        return even_split(self.model.n_layers, n_stages)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -131,8 +141,6 @@ class JobSpec(_Section):
 
     def with_overrides(self, overrides: Iterable[str]) -> JobSpec:
         """A new validated copy with `key.path=value` overrides applied (paths kept verbatim)."""
-        from orchestrator.spec.loading import apply_overrides  # loading builds JobSpecs
-
         return JobSpec.from_dict(apply_overrides(self.to_dict(), overrides))
 
     @field_validator("name")

@@ -10,7 +10,8 @@ from pathlib import Path
 from orchestrator.checkpoints.base_pin import check_base_unchanged
 from orchestrator.checkpoints.job_record import check_readable
 from orchestrator.errors import SpecError
-from workers.model.config import HF_MOE_TYPES, model_config
+from workers.model.config import HF_MOE_TYPES
+from workers.model.registry import model_config
 from workers.storage import is_url, location, staged_output
 
 
@@ -103,7 +104,7 @@ def _export(job, checkpoint: str | None, out: str, fmt: str) -> Path:
     """Both exports. The checkpoint and the base are verified against their checksums first, and a `.pt`
     gets its own manifest beside it, so a later `base_checkpoint` pointing at it is verified too."""
     from orchestrator.checkpoints import checksums
-    from workers.model.finetune import export_merged
+    from workers.finetune import export_merged
 
     if fmt == "hf":
         _check_hf_layout(job)
@@ -187,7 +188,7 @@ def _best_checkpoint(root, purpose: str) -> Path:
     return ckpt.path_for(step)
 
 
-# per family, the base Linears its TP plan places row-parallel (workers.model.gpt_parallel, llama_parallel);
+# per family, the base Linears its TP plan places row-parallel (workers.parallel.gpt_parallel, llama_parallel);
 # the others are column-parallel
 ROW_PARALLEL = {"gpt": ("wo", "w2"), "llama": ("wo", "w2")}
 

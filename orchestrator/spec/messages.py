@@ -65,11 +65,10 @@ def _section_model(info: FieldInfo) -> type[BaseModel] | None:
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The section model reached by following `loc` from `JobSpec` (None past a leaf; list indices pass through)."""
-    from orchestrator.spec.job import JobSpec  # the root every error location starts from (imports us)
-
-    model: type[BaseModel] | None = JobSpec
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The section model reached by following `loc` from `root` (the `JobSpec`; None past a leaf; list indices pass
+    through)."""
+    model: type[BaseModel] | None = root
     for part in loc:
         if isinstance(part, int):
             continue
@@ -78,20 +77,18 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _field_at(loc: tuple[Any, ...]) -> FieldInfo | None:
+def _field_at(root: type[BaseModel], loc: tuple[Any, ...]) -> FieldInfo | None:
     """FieldInfo of the field at `loc`; trailing tuple indices (optim.betas[0]) map to the tuple field."""
     keys = tuple(itertools.takewhile(lambda part: isinstance(part, str), loc))
-    model = _model_at(keys[:-1]) if keys else None
+    model = _model_at(root, keys[:-1]) if keys else None
     return _keys_of(model).get(keys[-1]) if model is not None else None
 
 
-def _without_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+def _without_union_tags(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, ...]:
     """`loc` without pydantic's union-member tags (`parallel.pp_split.literal['even','auto']`): past a leaf
     field only list indices name a place in the job file."""
-    from orchestrator.spec.job import JobSpec
-
     out: list[Any] = []
-    model: type[BaseModel] | None = JobSpec
+    model: type[BaseModel] | None = root
     for part in loc:
         if isinstance(part, int) or model is not None:
             out.append(part)
@@ -119,36 +116,37 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _unknown_field(loc: tuple[Any, ...]) -> SpecError:
+def _unknown_field(root: type[BaseModel], loc: tuple[Any, ...]) -> SpecError:
     parent_loc, key = loc[:-1], str(loc[-1])
-    parent = _model_at(parent_loc)
+    parent = _model_at(root, parent_loc)
     valid = _yaml_keys(parent) if parent is not None else []
     close = difflib.get_close_matches(key, valid, n=1)
     if close:
         hint = f"did you mean `{close[0]}`? "
     else:
-        homes = [s for s in _SECTIONS if key in _keys_of(_model_at((s,)))]
+        homes = [s for s in _SECTIONS if key in _keys_of(_model_at(root, (s,)))]
         hint = f"did you mean `{homes[0]}.{key}` (put it under `{homes[0]}:`)? " if homes else "remove or rename it; "
     if parent_loc:
         return SpecError(".".join(map(str, loc)), NO_VALUE, "unknown field", f"{hint}valid fields: {', '.join(valid)}")
     return SpecError(key, NO_VALUE, "unknown top-level section", f"{hint}valid top-level keys: {', '.join(valid)}")
 
 
-def to_spec_error(exc: ValidationError) -> SpecError:
-    """Turn the most useful pydantic error into a SpecError; count the rest."""
+def to_spec_error(exc: ValidationError, root: type[BaseModel]) -> SpecError:
+    """Turn the most useful pydantic error into a SpecError; count the rest. ``root`` is the model that raised it
+    (``JobSpec``, which hands itself in: it imports this module), where every error's location starts."""
     errors = sorted(exc.errors(), key=lambda e: e["type"] not in ("extra_forbidden", "invalid_key"))
     first, more = errors[0], len(errors) - 1
     ctx = first.get("ctx") or {}
     if isinstance(ctx.get("error"), SpecError):
         return ctx["error"].with_more(more)
-    loc, kind = _without_union_tags(tuple(first["loc"])), first["type"]
+    loc, kind = _without_union_tags(root, tuple(first["loc"])), first["type"]
     field = _dotted(loc)
     if kind in ("extra_forbidden", "invalid_key"):
-        return _unknown_field(loc).with_more(more)
-    info = _field_at(loc)
+        return _unknown_field(root, loc).with_more(more)
+    info = _field_at(root, loc)
     if kind == "missing" and isinstance(loc[-1], int):  # short list for a fixed-size tuple such as optim.betas
         field = _dotted(loc[:-1])
-        info = _field_at(loc[:-1])
+        info = _field_at(root, loc[:-1])
         size = len(get_args(info.annotation)) if info is not None else 0
         items = f" of {size} items" if size else ""
         fix = f"set `{field}` to a list{items}{_default_hint(info)}"

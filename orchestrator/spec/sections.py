@@ -8,13 +8,13 @@ the controller uses. The sections only the controller reads (checkpoint, plan, f
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.planning.memory_model import parse_bytes
 from orchestrator.spec.fields import (
     MAX_SLOWDOWN,
     STRICT,
@@ -26,6 +26,8 @@ from orchestrator.spec.fields import (
     _divisors,
     _Section,
 )
+from orchestrator.units import parse_bytes
+from workers.contract.compression_kinds import WITH_FEEDBACK
 from workers.contract.sections import (
     DataSection,
     EvalSection,
@@ -39,7 +41,6 @@ from workers.contract.sections import (
     PrecisionSection,
     TrainSection,
 )
-from workers.parallel.compression_kinds import WITH_FEEDBACK
 from workers.storage import location
 
 
@@ -161,6 +162,19 @@ OffloadSpec = OffloadSection  # `memory.offload:` (checks/memory.py)
 MemorySpec = MemorySection  # `memory:` (checks/memory.py)
 
 
+def recompute_plan(policy: str, every: int, n_layers: int) -> tuple[str, int]:
+    """The policy and interval the workers run for ``memory.recompute``/``recompute_every`` on ``n_layers`` blocks.
+
+    ``sqrt`` is Chen et al. 2016's √n rule at block granularity: full recompute on every k-th block, k = round(√n),
+    so about √n blocks are checkpointed (saving only their inputs) and the others keep their activations. Why
+    this and not √n multi-block segments: blocks are the unit the family declares and ``checkpoint`` wraps in
+    place (names and checkpoints unchanged); a segment would need the model's forward to call blocks in groups.
+    """
+    if policy == "sqrt":
+        return "full", max(1, round(math.sqrt(n_layers)))
+    return policy, every
+
+
 class PlanSpec(_Section):
     """What `raymesh plan --nodes N` prices layouts with: the GPU type's defaults (orchestrator/planning/
     time_model.py GPUS), overridable; bandwidths in GB/s per GPU and direction."""
@@ -247,7 +261,9 @@ class FaultToleranceSpec(FaultToleranceSection):
     """How failures are detected and how many restarts a job may spend (the ranks' own field in
     ``FaultToleranceSection``)."""
 
-    heartbeat_timeout_s: Seconds = 120.0  # a step not answered by then: the rank hung
+    # the progress deadline of a window's first step, a save, an evaluating step (others: ten typical steps, at least
+    # 15 s, at most this); a rank stuck past it hung
+    heartbeat_timeout_s: Seconds = 120.0
     # after a rank failed, survivors still blocked in the failed step this long (or 2 steps, if longer) are
     # restarted with it and restored from their replicas, instead of waiting out collective_timeout_s
     survivor_grace_s: Seconds = 2.0

@@ -17,8 +17,8 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 
 from orchestrator import Client, SpecError
-from orchestrator.api.client import control_address, summary_from_log
 from orchestrator.cli.jobs import add_client_commands, format_status
+from orchestrator.client import control_address, summary_from_log
 from tests.support.jobs import wait_for
 
 REPO = Path(__file__).parents[2]
@@ -28,7 +28,7 @@ FAKE_CONTROLLER = """
 import json, threading, time
 from orchestrator.api.auth import job_token
 from orchestrator.api.control_server import ControlServer
-from orchestrator.observability.events import event
+from orchestrator.events import event
 
 class Fake:
     def __init__(self):

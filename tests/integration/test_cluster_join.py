@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from orchestrator.observability.events import parse_event
+from orchestrator.events import parse_event
 from tests.support.driver import REPO
 
 GCS_PORT = 6389  # tests/conftest.py's head

@@ -13,8 +13,8 @@ import pytest
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped, run_layouts
 from tests.support.reference import reference_run
-from workers.model.config import model_config
 from workers.model.meta_init import build_full
+from workers.model.registry import model_config
 
 STEPS = 200  # the "loss after 200 steps"
 LAST = 10  # the loss compared is the mean of the last LAST steps (every run sees the same batches)

@@ -2,7 +2,7 @@
 
 Each layout trains 2 steps of the tiny GPT with ``metrics.comm_bytes: true``; the counter
 (``workers.diagnostics.comm_bytes``) adds up, per mesh dimension, what every collective the step issued sends
-under ring accounting. ``comm_model.predicted_bytes`` must be within 5% of it for every rank and every
+under ring accounting. ``layout_search.predicted_bytes`` must be within 5% of it for every rank and every
 dimension (zero predicted must be zero measured). One spawn per world size (``run_layouts``) keeps it cheap.
 """
 

@@ -21,7 +21,7 @@ import yaml
 
 from orchestrator.checkpoints import checksums
 from orchestrator.cli import main
-from orchestrator.runtime.group import RayRuntime
+from orchestrator.runtime.ray_runtime import RayRuntime
 from orchestrator.spec import load_spec
 from tests.support.hf import save_hf_family, save_hf_llama
 from tests.support.parity_harness import ran, run_grouped

@@ -11,10 +11,14 @@ source, the run bit-identical): a job of their own here would repeat that one.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from ray.util.state import get_actor
 
 from orchestrator import JobSpec, TrainingJob
+from orchestrator.observability.observers import JobObserver
 from tests.support.jobs import ON_DEFAULTS, tiny_spec
 from tests.support.live_job import start_live
 from tests.support.parity_harness import ran, run_grouped
@@ -169,3 +173,31 @@ def test_kill_rank_under_compression_recovers_bit_identical_with_its_error_feedb
     assert (rec["kind"], rec["rank"], rec["source"]) == ("rank", 1, "memory")
     # replicas ship, so the default cadence is every 10 steps: the kill before step 5 rolls back to step 0's
     assert rec["lost_steps"] == 4
+
+
+class Freeze(JobObserver):
+    """Stops rank ``rank``'s process (SIGSTOP: no error, no exit; its peers wait for it) once step ``at`` is shown."""
+
+    def __init__(self, job: TrainingJob, rank: int, at: int):
+        self.job, self.rank, self.at = job, rank, at
+
+    def on_step(self, report) -> None:
+        if report.record["step"] == self.at:
+            self.at = -1  # once: a rollback shows the step again
+            os.kill(self.job.layout.ranks[self.rank].pid, signal.SIGSTOP)
+
+
+def test_a_frozen_rank_is_found_by_the_progress_deadline_and_replaced_bit_identical(ray_cluster, token_data, tmp_path,
+                                                                                    straights):
+    """On the job file's timeouts (heartbeat 120 s, collectives 60 s) a frozen rank was found after a minute or two:
+    the progress deadline (ten typical steps, at least 15 s) finds it, the rank that does not answer is killed and
+    replaced, and training goes on from the snapshot, nothing lost."""
+    spec = _spec(token_data, tmp_path, parallel={"dp": 2},
+                 fault_tolerance={"heartbeat_timeout_s": 120.0, "collective_timeout_s": 60.0})
+    job = TrainingJob(spec, progress=False)
+    job.observers.add(Freeze(job, rank=1, at=6))
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == ("hang", 1, "memory", 0)
+    assert rec["phases_s"]["detect"] < 40  # the deadline's 15 s floor, and the few seconds asking the ranks
+    assert result.losses == ran(straights, "dp2").losses  # bit-identical to the uninterrupted run

@@ -16,10 +16,10 @@ from tests.support.jobs import tiny_spec
 from tests.support.lora import base_and_lora
 from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_run
-from workers.model.config import model_config
-from workers.model.finetune import load_dcp_model
+from workers.finetune import load_dcp_model
 from workers.model.gpt import GPT
 from workers.model.lora import LoRALinear
+from workers.model.registry import model_config
 
 STEPS = 5
 LORA = {"rank": 4, "alpha": 8.0}

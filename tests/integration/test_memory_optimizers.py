@@ -11,8 +11,8 @@ from tests.support.models import SMALL_MODEL, random_batch
 from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_run
 from workers.contract.sections import OptimSection
-from workers.model.config import model_config
 from workers.model.gpt import GPT, lm_loss
+from workers.model.registry import model_config
 from workers.optim.build import build_optimizer
 from workers.optim.sm3 import SM3
 

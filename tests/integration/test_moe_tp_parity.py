@@ -1,6 +1,6 @@
 """MoE layers under tensor parallelism reproduce the single-process reference (fp32, CPU, 1e-4 relative).
 
-The MoE feed-forward is replicated over the tp ranks (``workers.model.gpt_parallel.moe_style``) while attention
+The MoE feed-forward is replicated over the tp ranks (``workers.parallel.gpt_parallel.moe_style``) while attention
 and the dense blocks are Megatron-split; with sequence parallelism its input is gathered from the sequence
 shards and its output cut back. Checked without Ray (tests/support/parity_harness.py): tp=2 with and without
 sequence parallelism on both families, dp=4 x ep=2 x tp=2 (world 8: ep borrows its ranks from dp), for the

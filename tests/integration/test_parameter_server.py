@@ -26,8 +26,8 @@ from tests.support.events import recorded_events
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_spec
 from tests.support.reference import reference_run
-from workers.model.config import model_config
 from workers.model.meta_init import build_full
+from workers.model.registry import model_config
 
 STEPS = 6
 DP = 2  # the data ranks of most jobs here: each rank is a process importing torch (~5 s of CPU on 2 cores)

@@ -28,9 +28,9 @@ from orchestrator.planning.bubble import measured_bubble, step_events
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped, run_layouts
 from workers.data import DataCursor, TokenDataset
-from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.meta_init import build_full
+from workers.model.registry import model_config
 
 STEPS, MICROBATCHES, EVERY, DP, SAVE_AFTER = 4, 4, 2, 2, 2
 

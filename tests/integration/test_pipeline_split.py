@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import pytest
 
-from orchestrator.planning.stage_split import auto_split
+from orchestrator.planning.stage_split import auto_split, pin_split
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
 from tests.support.reference import reference_run, reference_versioned
@@ -75,6 +75,7 @@ def runs(token_data, tmp_path_factory):
                                    {"steps": 2 * STEPS})
     for split in ("even", "auto"):
         specs[f"heavy-{split}"] = _spec(tmp(split), token_data, HEAVY, {"pp_split": split}, HEAVY_TRAIN)
+    specs = {name: pin_split(spec) for name, spec in specs.items()}  # `auto` profiled once, as the controller does
     names = list(specs)
     ckpt = str(tmp("ckpt") / "step")
     checkpoints = [ckpt if n == "save-even" else None for n in names]

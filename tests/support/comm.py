@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.planning.comm_model import predicted_bytes
-from workers.parallel.grid import Grid
+from orchestrator.planning.layout_search import predicted_bytes
+from workers.contract.grid import Grid
 
 
 def compare(spec, measured: dict[int, list[dict]]) -> dict[int, dict[str, tuple[float, int]]]:

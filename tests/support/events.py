@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
-from orchestrator.observability.events import parse_event
+from orchestrator.events import parse_event
 
 
 @contextmanager

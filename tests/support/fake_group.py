@@ -1,11 +1,12 @@
 """A fake ``Runtime`` and rank group: the controller's whole life in milliseconds, without Ray or torch.
 
-The group keeps one step counter for all ranks, the steps they snapshotted and
-the checkpoints they saved (a small file per checkpoint, so the real
-``CheckpointDir`` seals and verifies them). It honours the job's fault
-schedule the way the real ranks do (``kill_rank``/``kill_node`` die,
-``hang_rank`` hangs, ``nan_loss`` returns NaN), and ``FakeRuntime.script``
-runs a function before a given step (to request a stop or a resize). Knobs on
+The group's ranks are one participant of the real ``workers.loop.RankLoop``: the controller hands them windows
+and reads rank 0's desk exactly as on Ray. The ranks keep one step counter for all, the steps they snapshotted
+and the checkpoints they saved (a small file per checkpoint, so the real ``CheckpointDir`` seals and verifies
+them). They honour the job's fault schedule the way the real ranks do (``kill_rank``/``kill_node`` die,
+``hang_rank`` hangs, ``nan_loss`` returns NaN), and ``FakeRuntime.script`` runs a function before a given step
+(to request a stop or a resize). The loop runs on its own thread in lockstep with the controller: each item it
+hands over waits until the controller has taken it and asks again, so every test sees one interleaving. Knobs on
 the runtime decide what placement, snapshots and the elastic policy answer.
 """
 
@@ -13,14 +14,21 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 from pathlib import Path
 
 from orchestrator.recovery.elastic import resized
 from orchestrator.runtime.group import StepFailed
 from orchestrator.spec import JobSpec
+from workers.loop.desk import Desk
+from workers.loop.loop import RankLoop
+from workers.loop.plan import LoopFailed, Request, Window, WindowEnd
+from workers.loop.summary import SaveState, StepSummary
+from workers.loop.tree import LocalTransport, TreeExchange
 from workers.protocol import RankInfo, StepResult
 
-# what the real group reports for each fault kind (``RankGroup.step``: raised steps via ``ranks_that_failed``)
+# what the real group reports for each fault kind (``RankGroup``: raised steps via ``ranks_that_failed``)
 _FAILS = {"hang_rank": "hung", "oom": "ran out of memory (MemoryError: injected)",
           "raise_error": "raised (InjectedError: injected)"}
 
@@ -51,14 +59,18 @@ class FakeElastic:
 class FakeRuntime:
     """Knobs: ``placeable`` (replacements start), ``more_dead`` (found when the failed step ends),
     ``lose_snapshots`` (restore raises ``LookupError``), ``script`` (step -> function run before it),
-    ``nan_batches`` (data that makes the loss NaN whenever it is trained on), ``fail_calls`` (a group
-    method -> the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost), ``held_out``
-    (step -> the held-out loss of a step that evaluates)."""
+    ``nan_batches`` (data that makes the loss NaN whenever it is trained on), ``fail_calls`` (a rank method ->
+    the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost; ``save_checkpoint``
+    and ``wait_checkpoint`` are the ranks' saves and waits for an asynchronous save, in a window or called by the
+    controller), ``held_out`` (step -> the held-out loss of a step that evaluates), ``stall`` (step -> a rank that
+    freezes in it: no answer until the controller's progress deadline calls it hung)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
                  lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
-                 fail_calls: dict[str, list[Exception]] | None = None, held_out=lambda step: 2.0 / step):
+                 fail_calls: dict[str, list[Exception]] | None = None, held_out=lambda step: 2.0 / step,
+                 stall: dict[int, int] | None = None):
         self.placeable = placeable
+        self.stall = dict(stall or {})  # step -> a rank that freezes in it (no error, no progress)
         self.held_out = held_out  # step -> the held-out loss a step that evaluates reports
         self.more_dead = dict(more_dead or {})
         self.lose_snapshots = lose_snapshots
@@ -98,6 +110,91 @@ class FakeRuntime:
         return None
 
 
+class LockstepDesk(Desk):
+    """Rank 0's desk, handing each item over only when the controller asks for more: the loop thread waits at
+    every item until the controller has taken it and asks again, so the two threads take turns. The window's end
+    (and a failure) are handed over without waiting: the loop is over then."""
+
+    def __init__(self, window_id: int = 0):
+        super().__init__(window_id)
+        self._queue: queue.Queue = queue.Queue()
+        self._taken = threading.Semaphore(0)
+        self._owed = False  # the loop waits for the controller to be done with the item it holds
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+        if not isinstance(item, WindowEnd | LoopFailed | _Failed):
+            self._taken.acquire()
+
+    def wait_delivered(self, wait_s: float) -> bool:
+        return True  # in lockstep every item was taken before the loop goes on
+
+    def next(self, wait_s: float | None = None):
+        """The loop's next item, or None when none came within ``wait_s`` (the loop is stalled)."""
+        if self._owed:
+            self._taken.release()
+            self._owed = False
+        try:
+            item = self._queue.get(timeout=wait_s)
+        except queue.Empty:
+            return None
+        self._owed = True
+        return item
+
+
+class _Failed:
+    """The window's loop raised (``error``): handed to the controller as the last item."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class FakeRanks:
+    """Every rank of the fake group as one participant of the loop (``workers.loop.loop.Stepper``)."""
+
+    def __init__(self, group: FakeGroup):
+        self.group = group
+
+    @property
+    def step(self) -> int:
+        return self.group.step_now
+
+    def run_step(self, faults: dict[int, dict], detail: bool) -> StepSummary:
+        return self.group.run_step(faults, detail)
+
+    def skip_batch(self) -> None:
+        self.group._skips_now += 1
+
+    def snapshot(self, keep_from: int) -> None:
+        self.group.snapshots.add(self.group.step_now)
+
+    def save(self, path: str, async_save: bool, dir_mode: int | None) -> str | None:
+        Path(path).mkdir(parents=True, exist_ok=True)  # as a real rank makes it before DCP writes
+        if dir_mode is not None:
+            Path(path).chmod(dir_mode)
+        try:
+            self.group.call("save_checkpoint", path, async_save)
+        except StepFailed:
+            raise
+        except Exception as exc:  # what a rank's save raised, as the loop reports it (``TrainerStepper``)
+            return f"rank 0: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+        return None
+
+    def save_state(self) -> SaveState | None:
+        step = getattr(self.group, "_in_flight", None)
+        return None if step is None else SaveState(step, done=True)
+
+    def finish_save(self) -> SaveState | None:
+        step = getattr(self.group, "_in_flight", None)
+        try:
+            done = self.group.call("wait_checkpoint")[0]
+        except StepFailed:
+            raise
+        except Exception as exc:
+            return SaveState(step, done=True, error=f"rank 0: {(str(exc).strip().splitlines() or [''])[0]}")
+        return None if done is None else SaveState(done, done=True)
+
+
 class FakeGroup:
     def __init__(self, runtime: FakeRuntime, spec: JobSpec):
         self.runtime = runtime
@@ -110,6 +207,9 @@ class FakeGroup:
         self.stopped = False
         self.skipped_at: dict[int, int] = {}  # step -> batches the ranks skipped before its latest run
         self._skips_now = 0  # skip_batch calls since the last step (a rank's data cursor, restored on rollback)
+        self._desk: LockstepDesk | None = None
+        self._thread: threading.Thread | None = None
+        self._unstall = threading.Event()  # a stalled rank's step ends (FakeRuntime.stall)
 
     def _maybe_fail(self, method: str) -> None:
         pending = self.runtime.fail_calls.get(method)
@@ -126,12 +226,54 @@ class FakeGroup:
         return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="cpu",
                          pid=1000 + r, node_id=f"node{r}", actor_id=f"actor{r}") for r in grid.ranks()]
 
-    def step(self, faults: dict[int, dict], snapshot_keep_from: int | None = None) -> list[StepResult]:
+    # -- windows -------------------------------------------------------------------------------
+
+    def start_window(self, window: Window, window_id: int = 0) -> None:
+        self._desk = LockstepDesk(window_id)
+        loop = RankLoop(FakeRanks(self), TreeExchange(0, 1, LocalTransport()), self._desk)
+        self._thread = threading.Thread(target=self._run, args=(loop, window), daemon=True)
+        self._thread.start()
+
+    def _run(self, loop: RankLoop, window: Window) -> None:
+        try:
+            loop.run(window)
+        except BaseException as exc:  # the controller raises it once it has taken everything before it
+            self._desk.put(_Failed(exc))
+
+    def window_items(self, wait_s: float | None = None) -> list:
+        """The desk's next item (lockstep: one at a time), none while the loop is stalled (``FakeRuntime.stall``);
+        raises the window's failure in its place."""
+        item = self._desk.next(wait_s)
+        if isinstance(item, _Failed):
+            raise item.error
+        return [] if item is None else [item]
+
+    def window_hung(self, silent_s: float):
+        """The controller found no progress: the stalled rank is hung (its step ends as the real one's killed)."""
+        self.hung_after = silent_s
+        self._unstall.set()
+        while True:
+            self.window_items(None)
+
+    def window_failed(self):
+        """Rank 0's loop raised: the failure it raised (the fake's ranks raise the controller's ``StepFailed``)."""
+        self.window_items(None)
+
+    def post(self, request: Request) -> int | None:
+        desk = self._desk
+        return None if desk is None or not self._thread.is_alive() else desk.post(request)
+
+    def run_step(self, faults: dict[int, dict], detail: bool = True) -> StepSummary:
         nxt = self.step_now + 1
         action = self.runtime.script.pop(nxt, None)
         if action is not None:
             action()
-        kinds = {rank: f["kind"] for rank, f in faults.items()}
+        stalled = self.runtime.stall.pop(nxt, None)
+        if stalled is not None:  # frozen until the controller calls it hung
+            self._unstall.clear()
+            self._unstall.wait(60)
+            raise StepFailed({stalled: "hung"})
+        kinds = {rank: f["kind"] for rank, f in faults.items() if f["kind"] != "slow_rank"}
         self.skipped_at[nxt], self._skips_now = self._skips_now, 0
         batch = nxt + sum(n for s, n in self.skipped_at.items() if s <= nxt)  # batch n + the batches skipped
         if batch in self.runtime.nan_batches:
@@ -140,12 +282,13 @@ class FakeGroup:
         if dead:
             raise StepFailed(dead)
         self.step_now = nxt
-        if snapshot_keep_from is not None:
-            self.snapshots.add(nxt)
         loss = math.nan if "nan_loss" in kinds.values() else 1.0 / nxt
         due = self.spec.eval.due(nxt, self.spec.train.steps)  # the ranks' rule: the section they parse it with
         held = self.runtime.held_out(nxt) if due else None
-        return [_result(r, nxt, loss, held) for r in range(self.world)]
+        return StepSummary.of_all([_result(r, nxt, loss, held) for r in range(self.world)], detail,
+                                  FakeRanks(self).save_state())
+
+    # -- between windows -----------------------------------------------------------------------
 
     def finish_failed_step(self) -> dict[int, str]:
         more, self.runtime.more_dead = self.runtime.more_dead, {}
@@ -219,7 +362,7 @@ class FakeGroup:
 
 
 def _result(rank: int, step: int, loss: float, eval_loss: float | None = None) -> StepResult:
-    """One rank's ``train_step`` answer (with ``eval_loss``, one of a step that evaluated)."""
+    """One rank's step result (with ``eval_loss``, one of a step that evaluated)."""
     times = {"data": 0.001, "compute": 0.01, "bubble": 0.0, "communication": 0.001, "optimizer": 0.001,
              "step": 0.013}
     return StepResult.from_dict({"rank": rank, "step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256,

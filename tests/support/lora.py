@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from orchestrator import JobSpec
-from workers.model.config import model_config
-from workers.model.finetune import prepare_model
+from workers.finetune import prepare_model
 from workers.model.gpt import GPT
+from workers.model.registry import model_config
 
 
 def base_and_lora(spec: JobSpec) -> tuple[GPT, GPT]:

@@ -349,9 +349,8 @@ def _open_data(root: Path) -> np.ndarray:
 
 def _read_weights(root: Path) -> None:
     from orchestrator.spec import load_spec
-    from workers.model.config import model_config
     from workers.model.hf_io import load_hf_weights
-    from workers.model.registry import build_model
+    from workers.model.registry import build_model, model_config
 
     spec = load_spec(str(root / "hf/job.yaml"), [])
     model = build_model(model_config({**spec.model.model_dump(), "d_ff": spec.model.ffn_dim}))

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from orchestrator.checkpoints import checksums
+from orchestrator.planning.stage_split import pin_split
 from orchestrator.spec import JobSpec
 from tests.support.environ import kept_env
 from tests.support.ports import GroupPorts
@@ -129,8 +130,9 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
 
 def run_spec(spec: JobSpec, timeout_s: float = 300.0, checkpoint: str | None = None) -> LayoutRun:
     """Train ``spec`` for its ``train.steps`` on its own world size of ranks (``run_layout``): e.g. the uninterrupted
-    run a recovery test compares a Ray job with, bit for bit (the same Trainer, no controller decision in it)."""
-    return run_layout(spec.worker_dict(), spec.parallel.world_size, spec.train.steps, timeout_s, checkpoint)
+    run a recovery test compares a Ray job with, bit for bit (the same Trainer, no controller decision in it).
+    A ``parallel.pp_split: auto`` is pinned first, as the controller pins it before any rank starts."""
+    return run_layout(pin_split(spec).worker_dict(), spec.parallel.world_size, spec.train.steps, timeout_s, checkpoint)
 
 
 def run_layouts(specs: list[dict], world_size: int, steps: int | list[int], timeout_s: float = 300.0,
@@ -160,7 +162,9 @@ def run_grouped(specs: dict[str, JobSpec], timeout_s: float = 300.0,
     for 4 ranks and 10 steps on this 2-core machine; three layouts took 8.5 s in one spawn, 22.8 s in three), so a
     module's layouts share it. A group that fails runs again one spec at a time, so each spec's entry is its own
     ``LayoutRun`` or the error its own run raised, and a test fails for its own layout only. ``checkpoints``: where
-    a spec's ranks save their final state (as ``run_layout``'s ``checkpoint``)."""
+    a spec's ranks save their final state (as ``run_layout``'s ``checkpoint``). A ``pp_split: auto`` is pinned
+    first, as the controller pins it."""
+    specs = {name: pin_split(spec) for name, spec in specs.items()}
     groups: dict[int, list[str]] = {}
     for name, spec in specs.items():
         groups.setdefault(spec.parallel.world_size, []).append(name)

@@ -18,7 +18,7 @@ def peak_memory_probe(spec, path: Path) -> dict:
     """
     path.write_text(json.dumps(spec.worker_dict()))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "workers.diagnostics.peak_memory_run", str(path), "3"],
+    out = subprocess.run([sys.executable, "-m", "workers.peak_memory_run", str(path), "3"],
                          env=env, cwd=ROOT,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

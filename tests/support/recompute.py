@@ -7,9 +7,8 @@ import torch
 
 from orchestrator.planning.estimate import head_bytes, layer_bytes
 from workers.diagnostics.memory_probe import ActivationMeter
-from workers.model.config import model_config
 from workers.model.gpt import GPT, lm_loss
-from workers.model.registry import family
+from workers.model.registry import family, model_config
 from workers.parallel.recompute import apply_recompute, checkpointed_modules
 
 

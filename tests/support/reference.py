@@ -15,13 +15,13 @@ from torch.func import functional_call
 from orchestrator import JobSpec
 from workers.data import DataCursor, TokenDataset, open_data
 from workers.data.loader import document_eos, document_ids
+from workers.finetune import prepare_model
 from workers.model import moe
-from workers.model.config import model_config
 from workers.model.documents import Documents, attending
-from workers.model.finetune import prepare_model
 from workers.model.gpt import lm_loss
 from workers.model.hf_io import load_hf_weights
 from workers.model.meta_init import build_full
+from workers.model.registry import model_config
 from workers.optim.sm3 import SM3
 from workers.parallel.partition import stage_bounds
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.spec.loading import add_exponent_floats
+from orchestrator.spec.raw import add_exponent_floats
 
 TEXT = ("def tokens(n):\n    return [i % 256 for i in range(n)]\n" * 400)  # ~20K byte tokens of data
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.support.models import SMALL_MODEL, random_batch
-from workers.model.config import model_config
 from workers.model.documents import Documents, attending
 from workers.model.gpt import GPT, lm_loss
+from workers.model.registry import model_config
 from workers.offload.activations import SavedActivations
 from workers.offload.store import OffloadStore
 

@@ -101,7 +101,7 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address_given(argv, tmp_p
 
 def test_run_against_an_unreachable_cluster_names_it_and_the_fix(tmp_path, monkeypatch, capsys):
     """``ray.init`` retries an unreachable head for over ten minutes before it says so."""
-    from orchestrator.runtime.group import RayRuntime
+    from orchestrator.runtime.ray_runtime import RayRuntime
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "job.yaml").write_text("data:\n  path: data/tiny\n")
@@ -161,7 +161,7 @@ def test_a_failed_prepare_data_leaves_no_out_folder_behind(how, tmp_path, monkey
 def test_run_refuses_a_resume_with_nothing_to_resume_or_a_fresh_run_beside_checkpoints_before_ray(
         resume, folder, said, tmp_path, monkeypatch, capsys):
     from orchestrator.runtime import cluster
-    from orchestrator.runtime.group import RayRuntime
+    from orchestrator.runtime.ray_runtime import RayRuntime
 
     def started(*args, **kwargs):
         raise AssertionError("the command went on to check the data or reach Ray")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from ray.job_submission import JobStatus
 
-from orchestrator.api import client as client_module
+from orchestrator import client as client_module
 from orchestrator.cli.commands import main
 
 DASHBOARD = "http://127.0.0.1:8265"

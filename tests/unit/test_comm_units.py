@@ -13,8 +13,9 @@ from orchestrator import JobSpec
 from orchestrator.errors import SpecError
 from orchestrator.observability.run_records import step_record
 from workers.diagnostics.comm_bytes import ring_bytes
-from workers.model.config import model_config
+from workers.loop.summary import StepSummary
 from workers.model.gpt import GPT
+from workers.model.registry import model_config
 from workers.optim.onebit_adam import pack_signs, unpack_signs
 from workers.parallel.grad_buckets import plan_buckets
 from workers.protocol import StepResult, StepTimes
@@ -123,8 +124,9 @@ def _result(rank: int, comm: dict | None) -> StepResult:
 
 
 def test_step_record_keeps_the_busiest_ranks_bytes_per_dim():
-    record = step_record([_result(0, {"dp": 10, "pp": 5, "tp": 0}), _result(1, {"dp": 12, "pp": 3, "tp": 0})],
-                         1.0, 8, 0.0, 0.0)
+    ranks = [_result(0, {"dp": 10, "pp": 5, "tp": 0}), _result(1, {"dp": 12, "pp": 3, "tp": 0})]
+    record = step_record(StepSummary.of_all(ranks), 1.0, 8, 0.0, 0.0)
     assert record["comm_bytes"] == {"dp": 12, "pp": 5, "tp": 0}
-    assert "comm_bytes" not in step_record([_result(0, None)], 1.0, 8, 0.0, 0.0)  # not counted: not claimed
+    uncounted = StepSummary.of_all([_result(0, None)])
+    assert "comm_bytes" not in step_record(uncounted, 1.0, 8, 0.0, 0.0)  # not counted: not claimed
     assert StepResult.from_dict(_result(0, {"dp": 1}).to_dict()).comm_bytes == {"dp": 1}

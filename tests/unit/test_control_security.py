@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from orchestrator.api import auth
-from orchestrator.api.client import control_address, control_client
 from orchestrator.api.control_server import ControlClient, ControlServer, ControlUnreachable
 from orchestrator.api.proto import control_pb2, control_pb2_grpc
-from orchestrator.observability.events import escape, parse_event
+from orchestrator.client import control_address, control_client
+from orchestrator.events import escape, parse_event
 from orchestrator.spec import JobSpec
 from parameter_server.errors import CertificateRefused
 from tests.support.tls import self_signed

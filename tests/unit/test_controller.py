@@ -68,6 +68,15 @@ def test_a_stop_request_ends_the_run_stopped_after_the_current_step(tmp_path):
     assert job.machine.visited == [S.STARTING, S.RUNNING, S.STOPPING, S.STOPPED]
 
 
+def test_a_stop_asked_during_start_up_trains_the_first_step_then_stops(tmp_path):
+    """As a stop mid-run finishes the step in flight, one asked before the first step lets it run (a submitted job
+    stopped as soon as `raymesh status` shows it ends with a step trained, not none)."""
+    job = make_job(tmp_path)
+    job.request_stop("early")
+    result = job.run()
+    assert result.status == "stopped" and result.steps == 1 and len(result.losses) == 1
+
+
 def test_a_stop_checkpoints_when_checkpoints_are_on(tmp_path):
     runtime = FakeRuntime()
     job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 100, "memory_every": 1})
@@ -92,8 +101,9 @@ def test_a_rank_lost_in_a_stops_save_is_recovered_and_saved_without_training_fur
 
 
 def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path, monkeypatch):
-    """`raymesh status` reads the controller from another thread: while step N's checkpoint saves, it shows step
-    N-1 and N-1's loss (it showed step N with N-1's loss, and step 1 with none, which a status poll saw)."""
+    """`raymesh status` reads the controller from another thread. The ranks save a step after its record reached
+    the controller, so while step N saves, status shows step N with N's own loss (once it showed step N with
+    N-1's loss, and step 1 with none, which a status poll saw)."""
     job = make_job(tmp_path, checkpoint={"every": 2, "memory_every": 1})
     seen, save = [], FakeGroup._save_checkpoint
 
@@ -104,7 +114,7 @@ def test_status_shows_each_step_with_its_own_loss_while_that_step_saves(tmp_path
 
     monkeypatch.setattr(FakeGroup, "_save_checkpoint", saving)
     job.run()
-    assert seen == [(step - 1, 1.0 / (step - 1)) for step in (2, 4, 6, 8, 10)]  # the fake's loss is 1/step
+    assert seen == [(step, 1.0 / step) for step in (2, 4, 6, 8, 10)]  # the fake's loss is 1/step
 
 
 def test_an_observer_told_of_a_step_finds_status_at_that_step_with_its_loss(tmp_path):
@@ -319,6 +329,31 @@ def test_a_shrink_loads_a_checkpoint_newer_than_the_survivors_snapshots(tmp_path
     result = job.run()
     assert [(r["source"], r["at_step"], r["lost_steps"]) for r in result.resizes] == [("disk", 6, 0)]
     assert result.recoveries[0]["source"] == "disk" and repeated_steps(job) == 0
+
+
+def test_a_rank_frozen_without_an_error_is_found_by_the_progress_deadline_and_replaced(tmp_path):
+    """No record for the deadline (here the heartbeat timeout, 1 s, under the 15 s floor) is a hang: the group is
+    asked which rank is stuck, it is replaced and training goes on from the snapshot, nothing lost."""
+    runtime = FakeRuntime(stall={5: 1})
+    job = make_job(tmp_path, runtime=runtime, fault_tolerance={"heartbeat_timeout_s": 1, "collective_timeout_s": 0.5})
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["at_step"], rec["source"], rec["lost_steps"]) == ("hang", 1, 5, "memory", 0)
+    assert 1.0 <= runtime.groups[0].hung_after < 5.0 and result.status == "finished" and result.steps == 10
+
+
+def test_the_progress_deadline_is_ten_typical_steps_at_least_the_floor_and_the_heartbeat_else(tmp_path):
+    job = make_job(tmp_path, fault_tolerance={"heartbeat_timeout_s": 120}, eval={"every": 5, "path": "/held"})
+    acct = type("Acct", (), {"step_times": []})()
+    assert job._deadline(acct) == 120  # no step yet: a first step may compile, load, warm up
+    job._phase, acct.step_times = "step", [0.5] * 3 + [4.0] * 20
+    assert job._deadline(acct) == 40.0  # ten of the last twenty steps' median
+    acct.step_times = [0.1] * 20
+    assert job._deadline(acct) == 15.0  # the floor
+    job.step = 4  # step 5 evaluates: slower than any typical step
+    assert job._deadline(acct) == 120
+    job.step, job._phase = 1, "save"
+    assert job._deadline(acct) == 120
 
 
 def test_a_hung_rank_is_a_hang_recovery(tmp_path):
@@ -1037,16 +1072,19 @@ def test_a_last_save_that_fails_fails_the_run_and_says_what_is_not_kept(tmp_path
 
 
 def test_a_failed_saves_reason_is_the_ranks_own_error_not_rays_wrapper(tmp_path):
-    said = "saving the checkpoint /ckpt/step-00000004 failed: rank 1: [Errno 28] No space left on device"
+    """In a window the rank's own error reaches the record; a save the controller makes between windows (here the
+    last step's again, after its save in the window failed) fails inside Ray's wrapper, which is taken off."""
+    said = "saving the checkpoint /ckpt/step-00000010 failed: rank 1: [Errno 28] No space left on device"
     wrapped = RayTaskError("RankWorker.save_checkpoint", "Traceback (most recent call last):\n...", OSError(said),
                            proctitle="ray::RankWorker.save_checkpoint()", pid=12, ip="10.0.0.1",
                            actor_repr="<workers.rank_worker.RankWorker object at 0x7f00>").as_instanceof_cause()
-    runtime = FakeRuntime(fail_calls={"save_checkpoint": [wrapped]})
+    runtime = FakeRuntime(fail_calls={"save_checkpoint": [None, None, OSError(said), wrapped]})
     job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 4, "memory_every": 1, "async": False})
     with event_lines() as lines:
-        job.run()
-    failed = next(line for line in lines if line.startswith("event=checkpoint_failed"))
-    assert f'reason="{said}"' in failed and "RankWorker object" not in failed
+        result = job.run()
+    in_window, again = [line for line in lines if line.startswith("event=checkpoint_failed")]
+    assert f'reason="rank 0: {said}"' in in_window and "saving it again" in in_window
+    assert f'reason="{said}"' in again and "RankWorker object" not in again and result.status == "failed"
 
 
 @contextlib.contextmanager

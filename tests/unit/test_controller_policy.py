@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.records import RecoveryRecord, ResizeRecord
 from orchestrator.recovery.policy import (
     NAN_WITHOUT_SNAPSHOT,
     Action,
@@ -15,8 +16,8 @@ from orchestrator.recovery.policy import (
     ranks_that_failed,
 )
 from orchestrator.recovery.snapshot_target import replica_holders
+from orchestrator.runtime.controller import layout_of
 from orchestrator.runtime.group import StepFailed
-from orchestrator.runtime.records import Layout, RecoveryRecord, ResizeRecord
 from orchestrator.runtime.states import TRANSITIONS, IllegalTransition, JobState, JobStateMachine
 from tests.support.fake_group import FakeElastic
 from tests.support.jobs import tiny_spec
@@ -158,7 +159,7 @@ def test_records_keep_the_summary_keys():
 def test_the_layout_keeps_the_summary_keys_and_each_ranks_info(spec):
     info = RankInfo(rank=0, coords={"dp": 0, "pp": 0, "tp": 0}, stages=[0], device="cpu", device_name="cpu",
                     pid=7, node_id="n", actor_id="a")
-    layout = Layout.of(spec, [info, info]).to_dict()
+    layout = layout_of(spec, [info, info]).to_dict()
     assert list(layout) == ["dp", "pp", "tp", "zero", "pp_schedule", "virtual_stages", "microbatches",
                             "world_size", "ranks", "pp_split"]
     assert layout["dp"] == 2 and layout["ranks"][0] == info.to_dict()

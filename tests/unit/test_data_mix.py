@@ -18,6 +18,7 @@ from tests.support.jobs import TINY
 from tests.support.one_rank import one_rank_trainer
 from tests.support.reference import reference_run
 from workers.data import DataCursor, MixedDataset, TokenDataset, blend, prepare_data, write_token_rows
+from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
 
 SEQ = 8
@@ -212,10 +213,11 @@ def test_step_records_and_summary_carry_each_sources_count():
     results = [StepResult(rank=r, step=2, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=8, applied=True,
                           time_s=StepTimes(step=1.0), peak_memory_bytes=0, current_memory_bytes=0, data_mix=mix)
                for r in range(2)]
-    record = step_record(results, 1.0, 8, 0.0, 0.0)
+    record = step_record(StepSummary.of_all(results), 1.0, 8, 0.0, 0.0)
     assert record["data_mix"] == mix
     assert summary_fields([record])["data_mix"] == mix
-    assert "data_mix" not in step_record([StepResult(**{**results[0].__dict__, "data_mix": None})], 1.0, 8, 0, 0)
+    unmixed = StepSummary.of_all([StepResult(**{**results[0].__dict__, "data_mix": None})])
+    assert "data_mix" not in step_record(unmixed, 1.0, 8, 0, 0)
 
 
 def _short_documents(root: Path, offset: int) -> Path:

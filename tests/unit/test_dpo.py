@@ -23,6 +23,7 @@ from tests.support.jobs import tiny_spec
 from tests.support.one_rank import one_rank_trainer
 from workers.data.loader import IGNORE_INDEX, TokenDataset
 from workers.data.prepare import prepare_data
+from workers.loop.summary import StepSummary
 from workers.model.lora import LoRALinear
 
 LORA = {"lora": {"rank": 4, "alpha": 8}}
@@ -148,7 +149,7 @@ def test_at_initialisation_the_loss_is_log_2_and_the_rewards_zero(pairs, tmp_pat
     assert result.loss == pytest.approx(math.log(2), abs=1e-7)
     assert result.dpo == {"reward_accuracy": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0,
                           "reward_margin": 0.0}
-    record = step_record([result], step_s=1.0, tokens=256, end_time=0.0, checkpoint_s=0.0)
+    record = step_record(StepSummary.of_all([result]), step_s=1.0, tokens=256, end_time=0.0, checkpoint_s=0.0)
     assert record["dpo"] == result.dpo and summary_fields([record])["dpo"] == result.dpo  # steps.jsonl, summary
 
 

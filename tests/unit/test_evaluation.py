@@ -27,10 +27,10 @@ from workers.contract.sections import EvalSection
 from workers.data import TokenDataset, prepare_data
 from workers.data.prepare import is_heldout
 from workers.evaluation import EvalData, Evaluator
-from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.lora import LoRALinear
 from workers.model.meta_init import build_full
+from workers.model.registry import model_config
 
 DOCS = 40  # documents in the corpus below, each 300 bytes of its own number
 
@@ -207,7 +207,7 @@ def test_scoring_changes_no_mode_draws_no_random_number_and_equals_the_whole_set
                      eval={"every": 1, "path": str(split / "heldout"), "batches": 2},
                      train={"global_batch_size": 2, "microbatches": 1})
     model = build_full(model_config(spec.worker_dict()["model"]), 0)
-    from workers.model.finetune import prepare_model
+    from workers.finetune import prepare_model
 
     prepare_model(model, spec.model.lora, 0)
     frozen = next(m for m in model.modules() if isinstance(m, LoRALinear)).base

@@ -13,12 +13,12 @@ from orchestrator.planning.estimate import peak_rank
 from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.spec import JobSpec
 from orchestrator.spec.sections import dp_replicas_mirror
+from workers.contract.grid import Grid
 from workers.model.config import ModelConfig
 from workers.model.meta_init import build_full, materialize
 from workers.model.moe import Experts
 from workers.model.registry import family
 from workers.parallel.expert_parallel import experts_modules, keep_rows
-from workers.parallel.grid import Grid
 from workers.state import expert_stacks
 
 MOE_CFG = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, seq_len=8, moe={"experts": 4})

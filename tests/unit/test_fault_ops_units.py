@@ -16,7 +16,6 @@ from orchestrator.faults.schedule import FaultSchedule
 from orchestrator.faults.soak import RepeatingFault
 from orchestrator.recovery.stragglers import StragglerDetector
 from orchestrator.spec import FaultSpec
-from workers.protocol import StepResult, StepTimes
 
 
 def fake_save(ckpt: CheckpointDir, step: int) -> None:
@@ -133,18 +132,12 @@ def test_soak_fault_errors_name_field_value_and_fix(token_data, fault, field, va
     assert f"`{field}`: value {value}" in str(err.value) and fix in str(err.value)
 
 
-def step_results(times: dict[int, float]) -> list[StepResult]:
-    return [StepResult(rank=r, step=1, loss=None, grad_norm=0.0, lr=0.0, tokens=0, applied=True,
-                       time_s=StepTimes(step=t), peak_memory_bytes=0, current_memory_bytes=0)
-            for r, t in times.items()]
-
-
 def test_straggler_is_reported_after_consecutive_slow_steps_and_cleared_after_as_many_normal():
     detector = StragglerDetector(ratio=1 / 0.7, steps=3)
     timeline = [1.0, 3.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 3.0, 1.0, 1.0, 1.0]  # rank 2's step time; the others take 1 s
     flagged = []
     for step, slow in enumerate(timeline, start=1):
-        ratios = detector.observe(step, step_results({0: 1.0, 1: 1.0, 2: slow, 3: 1.0}))
+        ratios = detector.observe(step, {0: 1.0, 1: 1.0, 2: slow, 3: 1.0})
         flagged.append(detector.flagged())
     assert ratios[2] == 1.0 and ratios[0] == 1.0
     assert flagged[:5] == [set()] * 5 and flagged[5:11] == [{2}] * 6 and flagged[11] == set()
@@ -152,7 +145,7 @@ def test_straggler_is_reported_after_consecutive_slow_steps_and_cleared_after_as
 
 
 def test_one_slow_rank_of_two_stands_out_against_the_other():
-    ratios = StragglerDetector(ratio=1 / 0.7, steps=3).observe(1, step_results({0: 1.0, 1: 3.0}))
+    ratios = StragglerDetector(ratio=1 / 0.7, steps=3).observe(1, {0: 1.0, 1: 3.0})
     assert ratios == {0: pytest.approx(1 / 3), 1: 3.0}
 
 

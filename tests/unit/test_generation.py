@@ -201,9 +201,9 @@ def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from tests.support.models import SMALL_MODEL
-    from workers.model.config import model_config
-    from workers.model.finetune import load_dcp_model
+    from workers.finetune import load_dcp_model
     from workers.model.gpt import GPT
+    from workers.model.registry import model_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it saves in one process

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from workers.parallel.grid import Grid
+from workers.contract.grid import Grid
 
 SHAPES = [(1, 1, 1, 1), (2, 2, 1, 2), (2, 1, 2, 2), (4, 2, 1, 1), (1, 2, 2, 2), (3, 1, 1, 4)]
 

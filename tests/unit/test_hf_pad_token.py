@@ -37,7 +37,7 @@ def _ours(src, tp_mesh=None, sequence_parallel=False):
     """raymesh's Llama from ``src``, tensor-parallel over ``tp_mesh`` when given, its weights loaded."""
     model = build_model(ModelConfig(**{**hf_io.config_fields(hf_io.read_config(src)), "seq_len": 32}))
     if tp_mesh is not None:
-        from workers.model.llama_parallel import apply_tensor_parallel
+        from workers.parallel.llama_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
     hf_io.load_hf_weights(model, src)

@@ -1,4 +1,6 @@
-"""Imports point one way: orchestrator -> workers -> parameter_server; tests import only tests/support.
+"""Imports point one way: orchestrator -> workers -> parameter_server; inside orchestrator/ and workers/ the
+sub-packages are layered (``LAYERS``); no two modules import each other, even through others or inside a function;
+tests import only tests/support.
 
 Why a test and not a convention: a worker that imports the controller drags Ray-driver code (and its
 import-time state) into every rank process, and a cycle between the layers makes each one impossible to
@@ -9,13 +11,17 @@ made inside functions, which is where such shortcuts usually hide.
 from __future__ import annotations
 
 import ast
+import functools
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("orchestrator", "workers", "parameter_server")
 
 # package -> the top-level packages its modules must never import, and why
 FORBIDDEN = {
@@ -23,6 +29,41 @@ FORBIDDEN = {
     "parameter_server": (
         {"orchestrator", "workers"},
         "the parameter server is the bottom layer: it must not depend on the driver or the rank code",
+    ),
+}
+
+# Each package's sub-packages (a folder, or a module right under the package), lowest layer first. A module may
+# import its own sub-package and the sub-packages of lower layers: never another of its own layer, never a higher
+# one, never the package's own ``__init__`` (its front door, above every layer). docs/architecture.md ("Sub-package
+# layers") says what each layer is; test_the_docs_list_the_same_layers keeps the two the same.
+LAYERS = {
+    "orchestrator": (
+        ("errors", "events", "records", "run_result", "units"),
+        ("api",),
+        ("checkpoints",),
+        ("faults",),
+        ("spec",),
+        ("planning",),
+        ("recovery",),
+        ("observability",),
+        ("runtime",),
+        ("client",),
+        ("cli",),
+    ),
+    "workers": (
+        ("contract", "storage", "orphans", "group_sockets"),
+        ("protocol",),
+        ("model",),
+        ("diagnostics", "spec", "offload"),
+        ("optim", "state"),
+        ("finetune",),
+        ("parallel",),
+        ("data",),
+        ("evaluation",),
+        ("step",),
+        ("trainer",),
+        ("loop",),
+        ("rank_worker", "agent", "peak_memory_run"),
     ),
 }
 
@@ -42,22 +83,43 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def imported_names(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``path``, at any nesting depth.
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target: ``names`` are what ``from x import a, b`` may mean (``x.a`` is a module, or
+    ``a`` is a name in ``x``); ``typing`` when it sits under ``if TYPE_CHECKING:`` and so never runs."""
+
+    line: int
+    name: str
+    names: tuple[str, ...] = ()
+    typing: bool = False
+
+
+def imports(path: Path, root: Path = ROOT) -> list[Import]:
+    """Every import in ``path``, at any nesting depth (inside functions, classes, ``if`` and ``try`` blocks).
 
     ``importlib.import_module("x")`` with a literal name counts too: it is the same dependency spelled
     so that a plain grep would miss it.
     """
     module, is_package = _module_name(path, root), path.name == "__init__.py"
+    typing_nodes = set()
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_nodes |= {id(sub) for stmt in node.body for sub in ast.walk(stmt)}
+        typing = id(node) in typing_nodes
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            found += [Import(node.lineno, alias.name, typing=typing) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append((node.lineno, _resolve(node, module, is_package)))
+            found.append(Import(node.lineno, _resolve(node, module, is_package),
+                                tuple(alias.name for alias in node.names), typing))
         elif _is_import_module_call(node):
-            found.append((node.lineno, node.args[0].value))
+            found.append(Import(node.lineno, node.args[0].value, typing=typing))
     return found
+
+
+def imported_names(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``, at any nesting depth."""
+    return [(i.line, i.name) for i in imports(path, root)]
 
 
 def _is_import_module_call(node: ast.AST) -> bool:
@@ -126,12 +188,183 @@ def test_checker_sees_nested_and_relative_imports(tmp_path):
     assert report.startswith("workers/sub/mod.py:4: workers.sub.mod imports orchestrator.runtime")
 
 
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the three packages by its dotted name (a package by its ``__init__.py``)."""
+    return {_module_name(path, root): path for package in PACKAGES if (root / package).is_dir()
+            for path in sorted((root / package).rglob("*.py"))}
+
+
+@functools.cache
+def module_edges(root: Path = ROOT) -> dict[str, list[tuple[str, Import]]]:
+    """module -> the modules of the three packages it imports, each with the import that does it.
+
+    ``from x import a`` goes to ``x.a`` when that is a module, else to ``x``; ``import x.y`` to ``x.y``. The
+    packages Python runs first on the way to a module (``x`` for ``x.y``) are not counted: every module would
+    otherwise depend on its package's ``__init__``, which re-exports it. Parsed once per tree (read only).
+    """
+    known = modules(root)
+
+    def target(name: str) -> str | None:
+        parts = name.split(".")
+        return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in known), None)
+
+    edges = {}
+    for module, path in known.items():
+        out = []
+        for imp in imports(path, root):
+            heads = [f"{imp.name}.{n}" if f"{imp.name}.{n}" in known else imp.name for n in imp.names] or [imp.name]
+            out += [(t, imp) for t in dict.fromkeys(map(target, heads)) if t and t != module]
+        edges[module] = out
+    return edges
+
+
+def _subpackage(module: str) -> str | None:
+    """``orchestrator.spec.checks.zero`` -> ``spec``; the package's own ``__init__`` -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def layer_breaks(package: str, root: Path = ROOT, layers: dict = LAYERS) -> list[str]:
+    """One line per import from a sub-package of ``package`` to one of its own layer or above (or to the package's
+    ``__init__``, or to a sub-package no layer lists): file:line, who imports what, and both layers."""
+    rank = {sub: i for i, layer in enumerate(layers[package]) for sub in layer}
+    paths, out = modules(root), []
+    for module, targets in module_edges(root).items():
+        src = _subpackage(module)
+        if module.split(".")[0] != package or src is None:
+            continue
+        for target, imp in targets:
+            dst = _subpackage(target)
+            if target.split(".")[0] != package or dst == src:
+                continue
+            if src not in rank or dst not in rank or rank[dst] >= rank[src]:
+                where = f"{paths[module].relative_to(root)}:{imp.line}: {module} imports {target}"
+                out.append(f"{where} ({_layer_of(src, rank)} may not import {_layer_of(dst, rank)})")
+    return out
+
+
+def _layer_of(sub: str | None, rank: dict[str, int]) -> str:
+    if sub is None:
+        return "the package's __init__"
+    return f"{sub} (layer {rank[sub]})" if sub in rank else f"{sub} (in no layer of LAYERS)"
+
+
+def import_cycles(root: Path = ROOT) -> list[list[tuple[str, Import]]]:
+    """Each set of modules that import one another (Tarjan's strongly connected components over every import
+    that runs, a function's included: only ``if TYPE_CHECKING:`` imports, which never run, are left out), as one
+    cycle through it: [(module, the import that leads to the next one), ...]."""
+    edges = {m: [(t, i) for t, i in out if not i.typing] for m, out in module_edges(root).items()}
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt, _ in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while node not in component:
+                component.add(stack.pop())
+            on_stack.difference_update(component)
+            if len(component) > 1:
+                found.append(_one_cycle(min(component), component, edges))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _one_cycle(start: str, component: set[str], edges) -> list[tuple[str, Import]]:
+    """A shortest path from ``start`` back to itself inside ``component`` (breadth first)."""
+    paths, seen = [[(start, None)]], {start}
+    while paths:
+        path = paths.pop(0)
+        for nxt, imp in edges[path[-1][0]]:
+            if nxt in component:
+                step = [*path[:-1], (path[-1][0], imp)]
+                if nxt == start:
+                    return step
+                if nxt not in seen:
+                    seen.add(nxt)
+                    paths.append([*step, (nxt, None)])
+    raise AssertionError(f"no cycle through {start}")
+
+
+def _describe(cycle: list[tuple[str, Import]]) -> str:
+    """``a (line 3) -> b (line 9) -> a``: each module with the line of its import of the next."""
+    return " -> ".join([*(f"{module} (line {imp.line})" for module, imp in cycle), cycle[0][0]])
+
+
+@pytest.mark.parametrize("package", list(LAYERS))
+def test_every_subpackage_is_in_one_layer(package):
+    """A new folder or top-level module has to be placed in a layer (and the docs' table) before it can be used."""
+    listed = [sub for layer in LAYERS[package] for sub in layer]
+    present = {_subpackage(m) for m in modules() if m.split(".")[0] == package} - {None}
+    assert sorted(present - set(listed)) == [], "sub-packages no layer lists: add each to LAYERS and the docs"
+    assert sorted(set(listed) - present) == [], "LAYERS lists sub-packages that do not exist"
+    assert len(listed) == len(set(listed))
+
+
+@pytest.mark.parametrize("package", list(LAYERS))
+def test_subpackages_import_only_lower_layers(package):
+    """The layers are what keeps each sub-package testable and movable without the ones above it."""
+    found = layer_breaks(package)
+    assert not found, f"{len(found)} imports break the layers of {package}:\n" + "\n".join(found)
+
+
+def test_no_import_cycles():
+    """Not even through a function-level import: a cycle held open by a late import still ties both modules
+    together (neither can be read, tested or moved alone), and its import order is a trap for the next change."""
+    found = import_cycles()
+    assert not found, f"{len(found)} import cycles:\n" + "\n".join(map(_describe, found))
+
+
+def test_the_docs_list_the_same_layers():
+    """docs/architecture.md's table of each package's layers, highest first, names the same sub-packages."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for package, layers in LAYERS.items():
+        table = text[text.index(f"| `{package}/` layer |"):]
+        rows = [line for line in table.split("\n\n")[0].splitlines()[2:]]
+        listed = [tuple(re.findall(r"`(\w+)`", row.split("|")[1])) for row in rows]
+        assert listed == list(reversed(layers)), f"docs/architecture.md's {package}/ layers differ from LAYERS"
+
+
+def test_the_layer_and_cycle_checks_see_what_they_should(tmp_path):
+    """The checkers themselves: an import one layer up, one to a sibling of the same layer, and a cycle closed by
+    an import inside a function are each reported; an import under ``if TYPE_CHECKING:`` closes no cycle."""
+    files = {
+        "orchestrator/__init__.py": "",
+        "orchestrator/low.py": "def f():\n    from orchestrator.high.mod import g\n",
+        "orchestrator/side.py": "from orchestrator import low\n",
+        "orchestrator/high/__init__.py": "",
+        "orchestrator/high/mod.py": "from orchestrator.low import f\nfrom orchestrator.side import x\n",
+        "orchestrator/high/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n",
+        "orchestrator/high/b.py": "from orchestrator.high.a import y\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    breaks = layer_breaks("orchestrator", tmp_path, {"orchestrator": (("low", "side"), ("high",))})
+    assert [b.split(" (")[0] for b in breaks] == [
+        "orchestrator/low.py:2: orchestrator.low imports orchestrator.high.mod",
+        "orchestrator/side.py:1: orchestrator.side imports orchestrator.low",
+    ]
+    (cycle,) = import_cycles(tmp_path)
+    assert [(module, imp.line) for module, imp in cycle] == [("orchestrator.high.mod", 1), ("orchestrator.low", 2)]
+
+
 # what runs without training a model: the CLI (`raymesh --help`, `status`, `plan`), the controller (in its own
 # actor for a hosted run) and the Python client, and the job-file sections they share with the ranks
 # (`workers.contract`). torch costs ~3 s of CPU to import on a 2-core machine.
 TORCH_FREE = ["orchestrator.cli", "orchestrator.runtime.controller", "orchestrator.runtime.hosted",
-              "orchestrator.api.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare",
-              "workers.step.figures", "workers.contract.sections"]
+              "orchestrator.client", "orchestrator.spec", "orchestrator.planning.estimate", "workers.data.prepare",
+              "workers.contract.figures", "workers.contract.sections"]
 
 
 def test_the_cli_controller_and_client_import_without_torch():

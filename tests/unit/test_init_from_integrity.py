@@ -108,8 +108,7 @@ def test_nan_weights_fail_the_read_naming_the_file_and_the_tensor(setup):
     _rewrite(hf, lambda t: t[Q].__setitem__((3, 5), float("nan")))
     spec = JobSpec.from_dict(raw)
     check_before_start(spec)
-    from workers.model.config import model_config
-    from workers.model.registry import build_model
+    from workers.model.registry import build_model, model_config
 
     model = build_model(model_config({**spec.model.model_dump(), "d_ff": spec.model.ffn_dim}))
     with pytest.raises(ValueError, match=rf"{hf / hf_io.SINGLE} holds non-finite values \(NaN or inf\) in tensor {Q}"):

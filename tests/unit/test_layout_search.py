@@ -19,9 +19,8 @@ from orchestrator.planning.published import RUNS
 from orchestrator.planning.snapshot_memory import snapshot_bytes
 from orchestrator.spec import load_spec
 from workers.diagnostics.memory_probe import ActivationMeter
-from workers.model.config import model_config
 from workers.model.gpt import lm_loss
-from workers.model.registry import build_model
+from workers.model.registry import build_model, model_config
 
 GPT = {"d_model": 64, "n_layers": 4, "n_heads": 4, "d_ff": 128, "seq_len": 32}
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,10 +156,10 @@ def test_predicted_bytes_of_a_job_spec():
     """What the communication measurement puts "predicted" beside: per pp rank, per mesh dimension."""
     spec = _job(GPT, parallel={"dp": 4, "zero": 0}, train={"global_batch_size": 16, "microbatches": 2})
     params = sum(est.stage_params(spec, 0, 1))
-    bytes_ = cm.predicted_bytes(spec)
+    bytes_ = ls.predicted_bytes(spec)
     assert list(bytes_) == [0] and bytes_[0]["dp"] == pytest.approx(cm.all_reduce(4 * params, 4))
     assert bytes_[0]["tp"] == bytes_[0]["pp"] == 0
-    piped = cm.predicted_bytes(_job(GPT, parallel={"pp": 2, "tp": 2}, train={"global_batch_size": 16,
+    piped = ls.predicted_bytes(_job(GPT, parallel={"pp": 2, "tp": 2}, train={"global_batch_size": 16,
                                                                              "microbatches": 4}))
     hidden = 4 * 4 * 32 * 64 // 2  # fp32 b·s·h of a 4-sequence microbatch, sequence-sharded over tp=2
     # per microbatch stage 0 sends the hidden state forward, stage 1 its gradient back: one send each

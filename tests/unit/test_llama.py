@@ -153,7 +153,7 @@ def test_export_of_an_init_from_run_keeps_the_checkpoints_ids_context_and_files(
     from transformers import GenerationConfig, LlamaForCausalLM
 
     from tests.support.jobs import tiny_spec
-    from workers.model.finetune import export_merged
+    from workers.finetune import export_merged
     from workers.model.meta_init import build_full
     from workers.spec import WorkerSpec
 

@@ -11,9 +11,8 @@ from orchestrator.errors import SpecError
 from orchestrator.planning.estimate import estimate, head_bytes, layer_bytes, render, stage_params
 from orchestrator.spec.lora import parameter_split
 from workers.diagnostics.memory_probe import ActivationMeter
-from workers.model.config import model_config
 from workers.model.gpt import lm_loss
-from workers.model.registry import build_model
+from workers.model.registry import build_model, model_config
 
 # published sizes: Llama 3.2 1B, Llama 3.1 8B / 70B / 405B
 PUBLISHED = {"llama-1b": 1_235_814_400, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,

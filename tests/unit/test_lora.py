@@ -11,10 +11,10 @@ from orchestrator.spec.lora import check_base_checkpoint, parameter_split
 from tests.support.jobs import tiny_spec
 from tests.support.lora import base_and_lora
 from workers.data import DataCursor, TokenDataset
-from workers.model.config import model_config
 from workers.model.gpt import GPT, lm_loss
 from workers.model.lora import LoRALinear, merged_state_dict
 from workers.model.nf4 import NF4Linear
+from workers.model.registry import model_config
 
 
 def train(model: GPT, spec: JobSpec, steps: int, weight_decay: float = 0.1) -> list[float]:

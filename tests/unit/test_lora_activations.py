@@ -15,9 +15,9 @@ import torch
 from orchestrator.planning.estimate import estimate, head_bytes, layer_bytes
 from tests.support.jobs import tiny_spec
 from workers.diagnostics.memory_probe import ActivationMeter
-from workers.model.config import model_config
-from workers.model.finetune import prepare_model
+from workers.finetune import prepare_model
 from workers.model.gpt import GPT, lm_loss
+from workers.model.registry import model_config
 
 WIDE = {"d_model": 128, "n_heads": 4, "d_ff": 128}
 TARGETS = {

@@ -187,7 +187,7 @@ def test_plan_gives_no_chunk_advice_for_a_small_vocabulary(tmp_path, capsys):
 
 def test_the_stage_profile_runs_the_head_as_the_job_will():
     """`parallel.pp_split: auto` weighs the head by its profile: chunked, it saves no logits for backward."""
-    from workers.model.config import model_config
+    from workers.model.registry import model_config
     from workers.parallel.stage_profile import profile_model
 
     vocab, seq, mb = 8192, 32, 2

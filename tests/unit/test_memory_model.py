@@ -13,6 +13,7 @@ from orchestrator.planning import memory_model as mm
 from orchestrator.planning.estimate import estimate, stage_params
 from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.spec import JobSpec
+from orchestrator.units import parse_bytes
 
 PSI, N = 7_500_000_000, 64
 
@@ -73,11 +74,11 @@ def test_activation_offload_keeps_two_layers_on_the_device():
 
 
 def test_parse_bytes():
-    assert mm.parse_bytes("80GB") == 80 * 10**9
-    assert mm.parse_bytes("80GiB") == 80 * 2**30
-    assert mm.parse_bytes("1.5e9") == 1_500_000_000
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("1.5e9") == 1_500_000_000
     with pytest.raises(ValueError, match="80GB"):
-        mm.parse_bytes("eighty")
+        parse_bytes("eighty")
 
 
 def _spec(**sections) -> JobSpec:

@@ -11,7 +11,7 @@ sharding DTensor had cached from the first job handed back the first mesh, and t
 from __future__ import annotations
 
 from tests.support.parity_harness import rank_ports, spawn_ranks
-from workers.parallel.grid import Grid
+from workers.contract.grid import Grid
 
 WORLD = 4
 GRIDS = (Grid(cp=2, tp=2), Grid(pp=2, tp=2))  # the first creates more groups before tp: other tp group names

@@ -11,9 +11,10 @@ from workers.contract.sections import LoraSection
 from workers.model import meta_init
 from workers.model.config import ModelConfig
 from workers.model.gpt import GPT
-from workers.model.gpt_parallel import cut_stage
-from workers.model.meta_init import build_full, materialize, parameter_generator
+from workers.model.meta_init import build_full, materialize
+from workers.model.names import parameter_generator
 from workers.model.nf4 import NF4Linear, quantize
+from workers.parallel.gpt_parallel import cut_stage
 from workers.parallel.parallelize import build_parts
 from workers.spec import WorkerSpec
 

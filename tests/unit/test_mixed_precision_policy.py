@@ -7,10 +7,10 @@ import pytest
 
 from orchestrator import JobSpec
 from orchestrator.planning import estimate as est
-from orchestrator.planning.comm_model import predicted_bytes
-from orchestrator.planning.layout_search import Evaluator, Shape, layout_of
+from orchestrator.planning.layout_search import Evaluator, Shape, layout_of, predicted_bytes
+from orchestrator.units import parse_bytes
 from tests.support.spec_errors import assert_actionable, spec_error
-from workers.parallel.mixed_precision import uses_fsdp_mixed
+from workers.contract.mixed_precision import uses_fsdp_mixed
 
 
 def job(**sections) -> dict:
@@ -63,7 +63,7 @@ def test_planner_prices_bf16_gathers_and_no_autocast_copies_under_the_fsdp_polic
     fp16 = _spec(dtype="fp16")
     assert not est.fsdp_mixed(fp16) and not Shape.of(fp16).fsdp_mixed(3)
     for spec in (_spec(), _spec(policy="autocast"), fp16):
-        peak, _ = Evaluator(Shape.of(spec), est.mm.parse_bytes("80GB")).peak(layout_of(spec))
+        peak, _ = Evaluator(Shape.of(spec), parse_bytes("80GB")).peak(layout_of(spec))
         assert peak == pytest.approx(est.estimate_rank(spec, 0).total_bytes, rel=0.05)
 
 

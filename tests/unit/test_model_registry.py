@@ -11,9 +11,9 @@ from torch import nn
 
 from orchestrator.spec.model import ModelSpec
 from tests.support.jobs import tiny_spec
-from workers.model.config import ModelConfig, model_config
+from workers.model.config import ModelConfig
 from workers.model.gpt import GPT
-from workers.model.registry import ModelFamily, build_model, families, family, register
+from workers.model.registry import ModelFamily, build_model, families, family, model_config, register
 from workers.parallel.layout import layers_of_stage
 from workers.parallel.parallelize import build_parts
 from workers.parallel.recompute import checkpointed_modules

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.observability.prometheus import MetricsExporter
 from orchestrator.observability.run_records import step_record
+from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
 
 FIGURES = {"tokens_per_expert": [6, 2, 0, 0], "drop_fraction": 0.25, "balance": 3.0, "aux_balance": 0.02}
@@ -22,11 +23,12 @@ def _result(rank: int, moe: dict | None) -> StepResult:
 
 
 def test_step_record_merges_the_layers_each_stage_reports():
-    record = step_record([_result(0, {"layers.1.feed_forward": FIGURES}), _result(1, {"layers.3.feed_forward":
-                          {**FIGURES, "balance": 1.5}})], 1.0, 8, 0.0, 0.0)
+    ranks = [_result(0, {"layers.1.feed_forward": FIGURES}),
+             _result(1, {"layers.3.feed_forward": {**FIGURES, "balance": 1.5}})]
+    record = step_record(StepSummary.of_all(ranks), 1.0, 8, 0.0, 0.0)
     assert record["moe"]["layers.1.feed_forward"] == FIGURES
     assert record["moe"]["layers.3.feed_forward"]["balance"] == 1.5
-    assert "moe" not in step_record([_result(0, None)], 1.0, 8, 0.0, 0.0)
+    assert "moe" not in step_record(StepSummary.of_all([_result(0, None)]), 1.0, 8, 0.0, 0.0)
     assert "moe" not in _result(0, None).to_dict()
 
 

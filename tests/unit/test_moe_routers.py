@@ -286,13 +286,13 @@ def test_bias_moves_against_the_sign_of_the_load_error():
 def test_switch_init_is_truncated_normal_with_scale_point_one_and_noisy_topk_starts_at_zero():
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, moe={"experts": 8, "router": "switch"})
     gen = torch.Generator().manual_seed(0)
-    router = moe.init_parameter("layers.0.feed_forward.router.weight", (8, 64), gen, cfg)
-    w2 = moe.init_parameter("layers.0.feed_forward.experts.w2", (8, 256, 64), gen, cfg)
+    router = moe.moe_parameter("layers.0.feed_forward.router.weight", (8, 64), gen, cfg)
+    w2 = moe.moe_parameter("layers.0.feed_forward.experts.w2", (8, 256, 64), gen, cfg)
     for value, fan_in in ((router, 64), (w2, 256)):
         std = math.sqrt(0.1 / fan_in)
         assert value.abs().max() <= 2 * std and 0.7 * std < value.std() < std
     noisy = cfg.model_copy(update={"moe": MoEConfig(experts=8, router="noisy_topk")})
-    assert not moe.init_parameter("layers.0.feed_forward.router.noise_weight", (8, 64), gen, noisy).any()
+    assert not moe.moe_parameter("layers.0.feed_forward.router.noise_weight", (8, 64), gen, noisy).any()
 
 
 def test_a_slice_of_the_experts_is_drawn_as_the_same_rows_of_the_whole():

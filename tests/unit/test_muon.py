@@ -13,9 +13,9 @@ from orchestrator.spec import JobSpec
 from tests.support.jobs import TINY
 from tests.support.one_rank import one_rank_trainer
 from tests.support.spec_errors import assert_actionable, spec_error
-from workers.model.config import model_config
 from workers.model.gpt import lm_loss
 from workers.model.meta_init import build_full
+from workers.model.registry import model_config
 from workers.optim.build import build_optimizer
 from workers.optim.muon import muon_owns
 from workers.spec import WorkerSpec

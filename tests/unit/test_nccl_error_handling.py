@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.contract.grid import Grid
 from workers.parallel import process_group as pg
-from workers.parallel.grid import Grid
 
 
 def test_survivors_are_kept_unless_the_user_chose_otherwise(monkeypatch):

@@ -210,7 +210,7 @@ HEAVY_HEAD = {"n_layers": 6, "vocab_size": VOCAB}
 
 
 def test_the_profile_attributes_parameters_activations_and_time_to_each_unit():
-    from workers.model.config import model_config
+    from workers.model.registry import model_config
     from workers.parallel.stage_profile import profile_model
 
     cfg = model_config({**BASE["model"], **HEAVY_HEAD})
@@ -232,7 +232,9 @@ def test_auto_moves_blocks_off_a_heavy_head_and_the_controller_pins_it():
     assert max(chosen.stage_seconds) < max(stage_cost([u.time_s for u in chosen.costs.layers], (3, 3),
                                                       chosen.costs.embedding.time_s, chosen.costs.head.time_s))
     pinned = pin_split(spec)
-    assert pinned.parallel.pp_split == list(chosen.split) == spec.worker_dict()["parallel"]["pp_split"]
+    assert pinned.parallel.pp_split == list(chosen.split) == pinned.worker_dict()["parallel"]["pp_split"]
+    with pytest.raises(ValueError, match="pp_split 'auto' is not resolved yet: pin it first with .*pin_split"):
+        spec.worker_dict()  # the spec does not profile: resolving `auto` is the planner's
     assert "pp_split auto: " in render(spec)
 
 
@@ -261,7 +263,7 @@ def test_auto_refuses_a_model_too_big_to_profile_on_the_host():
 
 
 def test_auto_profiles_in_a_fresh_process_that_measures_what_the_in_process_profile_does():
-    from workers.model.config import model_config
+    from workers.model.registry import model_config
     from workers.parallel.stage_profile import profile_in_fresh_process, profile_model
 
     fields = {**BASE["model"], **HEAVY_HEAD}

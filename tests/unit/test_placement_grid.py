@@ -6,9 +6,9 @@ import pytest
 
 from orchestrator import JobSpec
 from orchestrator.errors import SpecError
-from orchestrator.recovery.elastic import resized
-from orchestrator.runtime.placement import RankPlacement, check_fits, groups_on, tp_groups, tp_groups_per_replica
-from workers.parallel.grid import Grid
+from orchestrator.recovery.elastic import resized, tp_groups_per_replica
+from orchestrator.runtime.placement import RankPlacement, check_fits, groups_on, tp_groups
+from workers.contract.grid import Grid
 
 
 def job(dp: int, pp: int, tp: int, **extra) -> JobSpec:

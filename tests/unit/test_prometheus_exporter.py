@@ -62,7 +62,7 @@ def record(step: int, ranks: int) -> dict:
 
 
 def resized(dp: int):
-    from orchestrator.runtime.records import ResizeRecord
+    from orchestrator.records import ResizeRecord
 
     return ResizeRecord("shrink", 3, 2, dp, 4, "memory", 0.5)
 

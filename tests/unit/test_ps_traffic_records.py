@@ -15,6 +15,7 @@ from orchestrator.observability.run_records import step_record
 from parameter_server.client import PSClient
 from parameter_server.shard import PSShard
 from tests.support.ps_local import LocalConn
+from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
 
 
@@ -24,7 +25,7 @@ def _result(rank: int, ps: dict | None) -> StepResult:
 
 
 def _record(*traffic: dict | None, step: int = 1) -> dict:
-    record = step_record([_result(r, t) for r, t in enumerate(traffic)], 1.0, 8, 0.0, 0.0)
+    record = step_record(StepSummary.of_all([_result(r, t) for r, t in enumerate(traffic)]), 1.0, 8, 0.0, 0.0)
     return {**record, "loss": 2.0, "tokens_per_s": 8.0, "phases": {}, "step": step}
 
 
@@ -43,7 +44,8 @@ def test_an_asynchronous_step_reports_the_mean_of_the_replicas_norms_not_rank_0s
                           local_steps=local_steps)
 
     def norm(*per_rank: tuple[float, int | None]) -> float:
-        return step_record([result(r, n, k) for r, (n, k) in enumerate(per_rank)], 1.0, 8, 0.0, 0.0)["grad_norm"]
+        ranks = StepSummary.of_all([result(r, n, k) for r, (n, k) in enumerate(per_rank)])
+        return step_record(ranks, 1.0, 8, 0.0, 0.0)["grad_norm"]
 
     nan = float("nan")
     assert norm((nan, 0), (2.0, 2), (4.0, 1)) == 3.0

@@ -12,9 +12,8 @@ import pytest
 from orchestrator.errors import SpecError
 from tests.support.jobs import tiny_spec
 from tests.support.recompute import measured_saved_bytes, predicted_saved_bytes
-from workers.model.config import model_config
 from workers.model.gpt import GPT
-from workers.model.registry import family
+from workers.model.registry import family, model_config
 from workers.parallel.recompute import checkpointed_modules
 
 

@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from tests.support.parity_harness import rank_ports, spawn_ranks
-from workers.parallel.grid import Grid
+from workers.contract.grid import Grid
 
 LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
 

@@ -142,8 +142,8 @@ def test_the_layer_check_reads_every_stages_keys_and_one_process_loads_are_check
 
     import torch.distributed.checkpoint as dcp
 
+    from workers.finetune import load_dcp_model
     from workers.model.config import ModelConfig
-    from workers.model.finetune import load_dcp_model
     from workers.model.registry import build_model
     from workers.state.known_weights import UnknownWeights, load_known
 

@@ -118,7 +118,7 @@ def test_a_restarted_controller_waits_for_its_previous_lifes_lock_and_no_one_els
 
 def test_raymesh_run_into_a_run_dir_in_use_is_refused_before_ray_starts(tmp_path, holder, monkeypatch, capsys):
     from orchestrator.runtime import cluster
-    from orchestrator.runtime.group import RayRuntime
+    from orchestrator.runtime.ray_runtime import RayRuntime
 
     def started(*args, **kwargs):
         raise AssertionError("the command went on past the run dir's lock")

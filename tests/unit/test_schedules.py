@@ -11,8 +11,8 @@ from orchestrator.errors import SpecError
 from orchestrator.planning import memory_model as mm
 from orchestrator.spec import JobSpec
 from orchestrator.spec.fields import PipelineSchedule
+from workers.contract.schedules import SCHEDULE_NAMES, SCHEDULES, schedule
 from workers.parallel.layout import stage_ids
-from workers.parallel.schedules import SCHEDULE_NAMES, SCHEDULES, schedule
 
 BASE = {"data": {"path": "data/tiny"}}
 

@@ -24,8 +24,8 @@ from tests.support.reference import reference_run
 from workers.data import loader
 from workers.data.loader import IGNORE_INDEX, DataCursor, MixedDataset, TokenDataset
 from workers.data.prepare import prepare_data
-from workers.model.config import model_config
 from workers.model.meta_init import build_full
+from workers.model.registry import model_config
 from workers.step.objectives import MaskedLM, MeanLM
 
 PAIRS = [("Q: 2+2?\nA:", " 4"), ("Translate 'chat':", " cat, a small furry animal that purrs"),

@@ -302,7 +302,7 @@ def test_exports_refuse_an_out_of_the_wrong_kind_before_reading_the_checkpoint(t
 
 
 def test_a_pt_base_that_is_not_a_state_dict_is_named_by_the_rank_that_loads_it(tmp_path):
-    from workers.model.finetune import load_base
+    from workers.finetune import load_base
 
     pt = tmp_path / "base.pt"
     pt.write_bytes(b"not a zip archive" * 4)

@@ -10,8 +10,9 @@ import statistics
 import pytest
 
 from orchestrator.observability.run_records import held_out_loss, step_record
+from workers.contract.figures import FIGURES, figure_value, fold, merge_partials, record_entries
+from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
-from workers.step.figures import FIGURES, figure_value, fold, merge_partials, record_entries
 
 
 def _result(rank: int, **extras) -> StepResult:
@@ -57,7 +58,7 @@ def test_every_tree_of_merges_records_what_one_fold_does():
 
 def test_the_records_are_the_ones_the_old_reduction_over_the_list_made():
     results = _ranks()
-    record = step_record(results, step_s=1.0, tokens=64, end_time=0.0, checkpoint_s=0.0)
+    record = step_record(StepSummary.of_all(results), step_s=1.0, tokens=64, end_time=0.0, checkpoint_s=0.0)
     held = [r.eval_loss for r in results if r.eval_loss is not None]
     assert record["eval_loss"] == statistics.fmean(held) and record["eval_s"] == max(r.eval_s for r in results)
     assert record["comm_bytes"] == {"dp": 1006, "pp": 250}
@@ -77,15 +78,15 @@ def test_a_mean_is_fmean_bit_for_bit_in_any_order_where_a_float_sum_is_not():
     assert means == {statistics.fmean(values)}
     orders = {sum(rng.sample(values, len(values))) / len(values) for _ in range(20)}
     assert len(orders) > 1  # a (float sum, count) pair would depend on the tree
-    assert held_out_loss(results) == statistics.fmean(values)
+    assert held_out_loss(StepSummary.of_all(results)) == statistics.fmean(values)
     nan = figure_value(fold([*results, _result(9, eval_loss=math.nan, eval_s=1.0)]), "eval_loss")
     assert math.isnan(nan)
 
 
 def test_no_extras_record_nothing_and_a_step_without_evaluation_has_no_held_out_loss():
     results = [_result(r) for r in range(3)]
-    assert fold(results) == {} and held_out_loss(results) is None
-    record = step_record(results, step_s=1.0, tokens=64, end_time=0.0, checkpoint_s=0.0)
+    assert fold(results) == {} and held_out_loss(StepSummary.of_all(results)) is None
+    record = step_record(StepSummary.of_all(results), step_s=1.0, tokens=64, end_time=0.0, checkpoint_s=0.0)
     assert set(record) & set(FIGURES) == {"memory"}  # the core per-rank memory; the figure's is not recorded
 
 
@@ -93,7 +94,7 @@ def test_asp_rounds_average_the_finite_norms_and_an_empty_comm_count_is_not_reco
     rounds = [StepResult(rank=r, step=3, loss=2.0, grad_norm=n, lr=1e-3, tokens=8, applied=True,
                          time_s=StepTimes(), peak_memory_bytes=1, current_memory_bytes=1, local_steps=1, clock=4,
                          comm_bytes={}) for r, n in enumerate([1.0, math.nan, 3.0])]
-    record = step_record(rounds, step_s=1.0, tokens=64, end_time=0.0, checkpoint_s=0.0)
+    record = step_record(StepSummary.of_all(rounds), step_s=1.0, tokens=64, end_time=0.0, checkpoint_s=0.0)
     assert record["grad_norm"] == 2.0 and "comm_bytes" not in record
 
 

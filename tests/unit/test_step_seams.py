@@ -2,7 +2,7 @@
 registered from one module (this test file) and run through the unchanged Trainer, engines and step records.
 
 This file plays the new feature's module; its registrations are the only other place a feature touches
-(``workers/step/objectives.py``'s and ``workers/step/figures.py``'s registries, as a new model family touches
+(``workers/step/objectives.py``'s and ``workers/contract/figures.py``'s registries, as a new model family touches
 ``workers/model/registry.py``)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 
 from orchestrator.observability.run_records import step_record
 from tests.support.one_rank import one_rank_trainer
+from workers.contract import figures
+from workers.loop.summary import StepSummary
 from workers.protocol import StepResult, StepTimes
-from workers.step import figures
 from workers.step.context import StepHook
 from workers.step.hooks import register_hook, unregister_hook
 from workers.step.objectives import OBJECTIVES, Objective, register_objective
@@ -54,7 +55,8 @@ def test_a_registered_objective_and_figure_run_through_the_unchanged_step(toy_pa
     assert isinstance(trainer.objective, SquaredLogits)
     assert result.loss == pytest.approx(expected, rel=1e-6)  # the toy's loss, not cross entropy (~log 256)
     assert result.extras["toy_microbatches"] == result.toy_microbatches == 2
-    record = step_record([result, _other_rank(result)], step_s=1.0, tokens=256, end_time=0.0, checkpoint_s=0.0)
+    ranks = StepSummary.of_all([result, _other_rank(result)])
+    record = step_record(ranks, step_s=1.0, tokens=256, end_time=0.0, checkpoint_s=0.0)
     assert record["toy_microbatches"] == 5  # its reducer's merge (a sum) over the ranks, recorded under its key
     assert StepResult.from_dict(result.to_dict()) == result  # the JSON form carries it at the top level
 

@@ -19,9 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from orchestrator import JobSpec
 from orchestrator.errors import SpecError
 from workers.contract.sections import OptimSection
-from workers.model.config import model_config
 from workers.model.meta_init import build_full
-from workers.model.registry import family
+from workers.model.registry import family, model_config
 from workers.optim.build import build_optimizer
 from workers.parallel.compile import compile_blocks, is_compiled
 from workers.parallel.fsdp_prefetch import set_prefetch

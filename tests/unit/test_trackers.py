@@ -12,7 +12,7 @@ import pytest
 from orchestrator import JobSpec, SpecError
 from orchestrator.observability.observers import EventLog, StepReport
 from orchestrator.observability.trackers import TrackerObserver, flat_params, tracker_observer
-from orchestrator.runtime.records import RecoveryRecord
+from orchestrator.records import RecoveryRecord
 from orchestrator.spec import check_before_start
 from tests.support import wandb_records
 from tests.support.environ import kept_env

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from workers.parallel.schedules import SCHEDULE_NAMES
+from workers.contract.schedules import SCHEDULE_NAMES
 
 # the OS's limits for one path and one name in it (Linux: 4096 and 255 bytes)
 PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
@@ -54,7 +54,7 @@ def _os_path(value: str | None) -> str | None:
 
 PathStr = Annotated[str, Field(min_length=1), AfterValidator(_os_path)]
 
-# the names of workers.parallel.schedules' table, in its order (the order an unknown name's error lists them)
+# the names of workers.contract.schedules' table, in its order (the order an unknown name's error lists them)
 PipelineSchedule = Literal[SCHEDULE_NAMES]  # type: ignore[valid-type]
 
 

@@ -13,10 +13,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from workers.contract.compression_kinds import KINDS, PS_KINDS
 from workers.contract.fields import Betas, PathStr, PipelineSchedule, PositiveFloat, PositiveInt, Seconds, Section, Seed
-from workers.parallel.compression_kinds import KINDS, PS_KINDS
-from workers.parallel.grid import Grid
-from workers.parallel.schedules import Schedule, schedule
+from workers.contract.grid import Grid
+from workers.contract.schedules import Schedule, schedule
 
 
 class MixSource(Section):
@@ -81,7 +81,7 @@ class ParallelSection(Section):
 
     @property
     def pipeline_schedule(self) -> Schedule:
-        """The facts of `pp_schedule` (workers.parallel.schedules' table)."""
+        """The facts of `pp_schedule` (workers.contract.schedules' table)."""
         return schedule(self.pp_schedule)
 
     @property
@@ -93,11 +93,12 @@ class ParallelSection(Section):
 
     @property
     def stage_layers(self) -> tuple[int, ...] | None:
-        """Layers per pipeline stage as the ranks cut them: `pp_split` as `JobSpec.worker_dict` resolves it (a
-        list), None for an even split. `auto` needs the driver's profile, so a rank refuses it unresolved."""
+        """Layers per pipeline stage as the ranks cut them: `pp_split` as `JobSpec.worker_dict` writes it (a list),
+        None for an even split. `auto` needs the driver's profile, so a rank refuses it unresolved."""
         if self.pp_split == "auto":
             raise ValueError("parallel.pp_split 'auto' reached a rank unresolved; send the dict JobSpec.worker_dict() "
-                             "builds, which profiles the model and writes one layer count per stage")
+                             "builds once the planner has pinned the split (orchestrator.planning.stage_split."
+                             "pin_split profiles the model and writes one layer count per stage)")
         return None if self.pp_split == "even" else tuple(self.pp_split)
 
     @property
@@ -146,7 +147,7 @@ class OptimSection(Section):
 
 class PrecisionSection(Section):
     """Compute precision. bf16 runs through FSDP2's mixed-precision policy or autocast (``policy``; the rule and
-    what each keeps: workers/parallel/mixed_precision.py); fp16 runs under autocast with dynamic loss scaling."""
+    what each keeps: workers/contract/mixed_precision.py); fp16 runs under autocast with dynamic loss scaling."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     initial_loss_scale: PositiveFloat = 65536.0

@@ -9,7 +9,7 @@ registry (``workers.model.registry``).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -159,14 +159,3 @@ class ModelConfig(BaseModel):
     def attention_width(self) -> int:
         """The query (and attention output) width, n_heads * head_size: d_model unless ``head_dim`` says else."""
         return self.n_heads * self.head_size
-
-
-def model_config(model: dict[str, Any]) -> ModelConfig:
-    """The shape from a ``model:`` section dict (the worker dict also carries ``lora``, which is not shape).
-
-    Parsed by the config class ``model.arch``'s family registered, so a family's own fields reach its builder.
-    """
-    from workers.model.registry import family  # the registry imports this module for ModelConfig
-
-    cls = family(model.get("arch", ModelConfig.model_fields["arch"].default)).config
-    return cls(**{k: v for k, v in model.items() if k in cls.model_fields})

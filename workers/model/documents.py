@@ -110,13 +110,10 @@ def split_documents(ids: torch.Tensor | None, chunks: int, device: torch.device)
 
 
 def document_readers(module: nn.Module) -> list[nn.Module]:
-    """The modules inside ``module`` that read a microbatch's documents: the attention cores
-    (``workers.model.gpt.CausalCore`` and its subclasses: the mask) and a GPT root holding learned position
-    embeddings (each token's position within its document)."""
-    from workers.model.gpt import GPT, CausalCore  # gpt imports this module for the mask
-
-    return [m for m in module.modules()
-            if isinstance(m, CausalCore) or (isinstance(m, GPT) and m.pos_embeddings is not None)]
+    """The modules inside ``module`` that read a microbatch's documents, each saying so by ``reads_documents``: the
+    attention cores (``workers.model.gpt.CausalCore`` and its subclasses: the mask) and a GPT root holding learned
+    position embeddings (each token's position within its document)."""
+    return [m for m in module.modules() if getattr(m, "reads_documents", False)]
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from workers.model.config import ModelConfig
 from workers.model.documents import Documents
-from workers.model.moe import MoELayer
+from workers.model.meta_init import fill
+from workers.model.moe import MoELayer, moe_parameter
 from workers.model.registry import ModelFamily, register
 
 
@@ -66,6 +67,8 @@ class CausalCore(nn.Module):
     """Parameter-free attention core: a separate module so selective recompute can wrap just it, and the one
     place context parallelism enters attention (its ``context_shard``, set by the builder when cp > 1) and
     document masking (its ``documents``, set per microbatch: ``workers.model.documents.attending``)."""
+
+    reads_documents = True  # ``attending`` sets ``documents`` on it
 
     def __init__(self) -> None:
         super().__init__()
@@ -166,9 +169,12 @@ class GPT(nn.Module):
         ``seed`` defaults to the last ``torch.manual_seed``, so ``GPT(cfg)`` after ``torch.manual_seed(s)``
         equals what every layout's meta-device build draws from job seed ``s``.
         """
-        from workers.model.meta_init import fill  # meta_init imports the registry, which this module uses
-
         fill(self, torch.initial_seed() if seed is None else seed, self.cfg)
+
+    @property
+    def reads_documents(self) -> bool:
+        """Whether ``attending`` sets ``documents`` here: only learned positions restart at each document."""
+        return self.pos_embeddings is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens -> logits on a whole model; hidden -> hidden on a middle pipeline stage, and on the last one
@@ -203,9 +209,13 @@ class GPT(nn.Module):
 
 
 def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
-    """One full parameter's initial value (the ``init_parameter`` hook): GPT-2 style normal weights, the
-    residual projections scaled by depth so deep stacks start stable; biases (Qwen2's q/k/v) at zero, as
-    ``transformers`` starts them; norm weights (the other 1-D ones) at one."""
+    """One full parameter's initial value (the families' ``init_parameter`` hook): an MoE layer's by its own rule
+    (``workers.model.moe.moe_parameter``), every other GPT-2 style: normal weights, the residual projections
+    scaled by depth so deep stacks start stable; biases (Qwen2's q/k/v) at zero, as ``transformers`` starts
+    them; norm weights (the other 1-D ones) at one."""
+    routed = moe_parameter(name, shape, generator, cfg)
+    if routed is not None:
+        return routed
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) < 2:
@@ -270,9 +280,9 @@ register(ModelFamily(
     lora_targets=("wq", "wk", "wv", "wo", "w1", "w2"),
     recompute_targets={"full": "", "selective": "attention.core"},
     hooks={
-        "cut_stage": "workers.model.gpt_parallel:cut_stage",
-        "tensor_parallel": "workers.model.gpt_parallel:apply_tensor_parallel",
-        "blocks": "workers.model.gpt_parallel:blocks",
-        "init_parameter": "workers.model.moe:init_parameter",
+        "cut_stage": "workers.parallel.gpt_parallel:cut_stage",
+        "tensor_parallel": "workers.parallel.gpt_parallel:apply_tensor_parallel",
+        "blocks": "workers.parallel.gpt_parallel:blocks",
+        "init_parameter": "workers.model.gpt:init_parameter",
     },
 ))

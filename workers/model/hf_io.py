@@ -31,7 +31,7 @@ from torch import nn
 from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, ModelConfig
 from workers.model.hf_moe import ROUTER_BIAS, STACK, expert_name, moe_config, moe_fields, router_name
 from workers.model.moe import Experts
-from workers.parallel.data_parallel import plain_name
+from workers.model.names import plain_name
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

@@ -153,9 +153,9 @@ register(ModelFamily(
     lora_targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"),
     recompute_targets={"full": "", "selective": "attention.core"},
     hooks={
-        "cut_stage": "workers.model.gpt_parallel:cut_stage",
-        "tensor_parallel": "workers.model.llama_parallel:apply_tensor_parallel",
-        "blocks": "workers.model.gpt_parallel:blocks",
-        "init_parameter": "workers.model.moe:init_parameter",
+        "cut_stage": "workers.parallel.gpt_parallel:cut_stage",
+        "tensor_parallel": "workers.parallel.llama_parallel:apply_tensor_parallel",
+        "blocks": "workers.parallel.gpt_parallel:blocks",
+        "init_parameter": "workers.model.gpt:init_parameter",
     },
 ))

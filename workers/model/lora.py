@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from workers.contract.sections import LoraSection
+from workers.model.names import parameter_generator
 from workers.model.nf4 import NF4Linear
 
 ADAPTER_NAMES = ("lora_a", "lora_b")  # the child names meta init recognises as adapters (workers.model.meta_init)
@@ -119,8 +120,6 @@ def apply_lora(model: nn.Module, lora: LoraSection, seed: int | None = None) -> 
 
 def _draw_adapters(layer: LoRALinear, name: str, seed: int | None, device: torch.device) -> None:
     """Materialise a real model's new adapters with their per-name values (the same draw as meta init)."""
-    from workers.model.meta_init import parameter_generator  # meta_init imports this module
-
     seed = torch.initial_seed() if seed is None else seed  # the last torch.manual_seed, as GPT(cfg) uses
     for child in ADAPTER_NAMES:
         linear = getattr(layer, child).to_empty(device=device)

@@ -41,7 +41,6 @@ cannot shard a weight tied across two of its units.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable
 
 import torch
@@ -52,16 +51,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from workers.contract.sections import LoraSection
 from workers.model.config import ModelConfig
 from workers.model.lora import ADAPTER_NAMES, apply_lora, init_adapter
+from workers.model.names import parameter_generator
 from workers.model.nf4 import NF4Linear
 from workers.model.registry import ModelFamily, family
 
 InitFn = Callable[[str, tuple, torch.Generator, ModelConfig], torch.Tensor]
-
-
-def parameter_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator seeded from (job seed, parameter name): the same on every rank and layout."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 def family_name(name: str) -> str:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import ModelConfig, MoEConfig
-from workers.parallel.data_parallel import plain_name
+from workers.model.names import plain_name
 
 
 @dataclass
@@ -411,7 +411,7 @@ class GShardRouter(Router):
 
 class SwitchRouter(Router):
     """Fedus et al. 2021: top-1 of softmax(x W_g) (gate = that probability), capacity ceil(c·n/E) per group,
-    aux loss α·E·Σ f_i·P_i; router in float32; truncated-normal init with scale 0.1 (``init_parameter``)."""
+    aux loss α·E·Σ f_i·P_i; router in float32; truncated-normal init with scale 0.1 (``moe_parameter``)."""
 
     def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
         n = logits.shape[1]
@@ -655,13 +655,14 @@ def step_figures(summed: dict[str, torch.Tensor]) -> dict:
     return figures
 
 
-# -- initial values (the families' init_parameter hook) -------------------------------------------------------
+# -- initial values (asked first by the families' init_parameter hook) ------------------------------------------------
 
 SWITCH_INIT_SCALE = 0.1  # Switch Transformer's s in σ = sqrt(s / fan_in)
 
 
-def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
-    """The families' ``init_parameter``: MoE parameters here, every other one from the GPT's rule.
+def moe_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor | None:
+    """An MoE layer's parameter's full initial value, or None for any other parameter (the GPT's rule draws it:
+    ``workers.model.gpt.init_parameter``, the families' hook, asks here first).
 
     Stacked expert weights are drawn whole ([E, ...] from the one generator of their name), so an expert's
     values do not depend on how experts are split over ranks. Noisy top-k's two gating matrices start at
@@ -669,11 +670,9 @@ def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: Mod
     truncated at two standard deviations with σ = sqrt(0.1 / fan_in) (the paper's smaller init). Otherwise
     routers and experts follow the GPT's normal(0, init_std), output projections scaled by depth.
     """
-    from workers.model.gpt import init_parameter as dense_init  # gpt imports this module for MoELayer
-
     kind = _moe_kind(name)
     if kind is None or cfg.moe is None:
-        return dense_init(name, shape, generator, cfg)
+        return None
     if cfg.moe.router == "noisy_topk" and kind == "router":
         return torch.zeros(shape)
     if cfg.moe.router == "switch":

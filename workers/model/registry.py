@@ -15,10 +15,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from workers.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the annotations only: the job-file checks import the registry without torch
+    from torch import nn
 
 # families shipped with raymesh: imported on first lookup, each registers itself
 _BUILTIN = ("workers.model.gpt", "workers.model.llama")
@@ -86,6 +88,15 @@ def family(arch: str) -> ModelFamily:
     except KeyError:
         raise ValueError(f"model.arch {arch!r} is not a registered model family; pick one of "
                          f"{sorted(_FAMILIES)} (or register the family in workers.model.registry)") from None
+
+
+def model_config(model: dict[str, Any]) -> ModelConfig:
+    """The shape from a ``model:`` section dict (the worker dict also carries ``lora``, which is not shape).
+
+    Parsed by the config class ``model.arch``'s family registered, so a family's own fields reach its builder.
+    """
+    cls = family(model.get("arch", ModelConfig.model_fields["arch"].default)).config
+    return cls(**{k: v for k, v in model.items() if k in cls.model_fields})
 
 
 def build_model(config: ModelConfig) -> nn.Module:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from workers.parallel.data_parallel import plain_name
+from workers.model.names import plain_name
 
 _BITS = 8
 

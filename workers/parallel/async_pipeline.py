@@ -65,8 +65,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from workers.model.names import unwrap
 from workers.optim.build import clip_grads
-from workers.parallel.data_parallel import unwrap
 
 _HEADER = 8  # version, ndim, up to 4 dims, dtype code, spare
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -10,13 +10,10 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
@@ -51,18 +48,3 @@ def bf16_policy(reduce_dtype: str) -> MixedPrecisionPolicy:
     reduced, and accumulated across microbatches, in ``reduce_dtype`` (``precision.reduce_dtype``)."""
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                 reduce_dtype=torch.float32 if reduce_dtype == "fp32" else torch.bfloat16)
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The model under a DDP wrapper, so parameter names match every other layout."""
-    return module.module if isinstance(module, DDP) else module
-
-
-# wrappers the builder adds around a parameter's module (activation checkpointing, FSDP, compile): not its name
-_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\.")
-
-
-def plain_name(name: str) -> str:
-    """``name`` without the wrapper hops, as DCP's state dicts key it, so it is the same under every recompute,
-    compile and ZeRO setting (``unwrap`` takes DDP's ``module.`` away before a name is read)."""
-    return _WRAPPERS.sub("", name)

@@ -1,6 +1,6 @@
 """Expert parallelism: each rank of an ep group holds ``E / ep`` of a MoE layer's experts, tokens travel to them.
 
-The ep group is carved out of the data-parallel ranks (``workers.parallel.grid``: ranks of one model position
+The ep group is carved out of the data-parallel ranks (``workers.contract.grid``: ranks of one model position
 whose dp index differs only in ``dp % ep``). Every rank routes its own tokens (``workers.model.moe.Routing``),
 then ``ExpertParallelDispatcher``:
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from workers.parallel.compression_kinds import KINDS, PS_KINDS
+from workers.contract.compression_kinds import KINDS, PS_KINDS
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:

@@ -1,8 +1,8 @@
 """Which pipeline stages a pp rank owns and which layers each stage holds.
 
 Pure arithmetic (no torch), shared by the workers and the planner. Where a rank
-sits is the ``Grid``'s business (``workers.parallel.grid``); which stages a pp
-rank owns is the schedule's placement (``workers.parallel.schedules``): loop
+sits is the ``Grid``'s business (``workers.contract.grid``); which stages a pp
+rank owns is the schedule's placement (``workers.contract.schedules``): loop
 or V shape. How many layers each stage holds is ``parallel.pp_split``, resolved before the workers start
 (``workers.parallel.partition``).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.partition import even_split, stage_bounds
-from workers.parallel.schedules import schedule as schedule_facts
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:

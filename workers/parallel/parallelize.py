@@ -29,21 +29,22 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from workers.model.finetune import prepare_model
+from workers.contract.schedules import schedule as schedule_facts
+from workers.finetune import prepare_model
 from workers.model.hf_io import load_hf_weights
 from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
+from workers.model.names import unwrap
 from workers.model.registry import ModelFamily
 from workers.parallel.compile import compile_blocks
 from workers.parallel.context_layout import apply_context_parallel
-from workers.parallel.data_parallel import apply_data_parallel, bf16_policy, unwrap
+from workers.parallel.data_parallel import apply_data_parallel, bf16_policy
 from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
 from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh
 from workers.parallel.recompute import apply_recompute
-from workers.parallel.schedules import schedule as schedule_facts
 from workers.spec import WorkerSpec
 
 

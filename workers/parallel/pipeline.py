@@ -15,9 +15,9 @@ import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from workers.contract.schedules import schedule as schedule_facts
 from workers.model import moe
 from workers.model.documents import Documents, attending
-from workers.parallel.schedules import schedule as schedule_facts
 
 
 class TimedStage(PipelineStage):

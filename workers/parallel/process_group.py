@@ -1,4 +1,4 @@
-"""Process-group and DeviceMesh setup for one rank (grid order and mesh dims: ``workers.parallel.grid``)."""
+"""Process-group and DeviceMesh setup for one rank (grid order and mesh dims: ``workers.contract.grid``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from workers.parallel.grid import Grid
+from workers.contract.grid import Grid
 
 
 def pick_device(requested: str) -> torch.device:
@@ -163,19 +163,6 @@ def _mesh(device: torch.device, shape: tuple[int, ...], dims: tuple[str, ...], t
     if "cp" in dims:  # the flattened dim must exist on the root mesh before anyone slices it
         mesh["dp", "cp"]._flatten(DP_CP, backend_override=(backend, options))
     return mesh
-
-
-def mesh_in_order(root: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
-    """The sub-mesh of ``root`` over ``dims`` in the order given, on the root's own groups.
-
-    ``root[dims]`` refuses dims out of the root's order, and a DTensor's placements shard left to right over its
-    mesh dims: a tensor split first over an inner dim of the root (an ep rank's expert rows of the full stack,
-    then cut over the outer ``edp``) needs that dim first.
-    """
-    ascending = tuple(sorted(dims, key=root.mesh_dim_names.index))
-    ranks = root[ascending].mesh.permute(*(ascending.index(d) for d in dims))
-    groups = [root[d].get_group() for d in dims]
-    return DeviceMesh.from_group(groups, root.device_type, mesh=ranks, mesh_dim_names=dims)
 
 
 DP_CP = "dp_cp"

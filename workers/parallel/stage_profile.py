@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from workers.model.config import ModelConfig, model_config
+from workers.model.config import ModelConfig
 from workers.model.gpt import model_loss
-from workers.model.registry import build_model
+from workers.model.registry import build_model, model_config
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from workers.model.moe import moe_layers
-from workers.parallel.process_group import mesh_in_order
 
 
 def sharded_experts(modules: Iterable[nn.Module]) -> dict[str, int]:
@@ -87,3 +86,16 @@ def held(state: dict, like: dict, experts: dict[str, int]) -> dict:
         out[key] = DTensor.from_local(rows, value.device_mesh, value.placements, run_check=False, shape=value.shape,
                                       stride=value.stride()) if isinstance(value, DTensor) else rows
     return out
+
+
+def mesh_in_order(root: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """The sub-mesh of ``root`` over ``dims`` in the order given, on the root's own groups.
+
+    ``root[dims]`` refuses dims out of the root's order, and a DTensor's placements shard left to right over its
+    mesh dims: a tensor split first over an inner dim of the root (an ep rank's expert rows of the full stack,
+    then cut over the outer ``edp``) needs that dim first.
+    """
+    ascending = tuple(sorted(dims, key=root.mesh_dim_names.index))
+    ranks = root[ascending].mesh.permute(*(ascending.index(d) for d in dims))
+    groups = [root[d].get_group() for d in dims]
+    return DeviceMesh.from_group(groups, root.device_type, mesh=ranks, mesh_dim_names=dims)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from workers.parallel.data_parallel import unwrap
+from workers.model.names import unwrap
 from workers.state.train_state import TrainState
 
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from workers.parallel.data_parallel import unwrap
+from workers.model.names import unwrap
 from workers.state import expert_stacks
 
 # flattened optimizer keys (``state.<fqn>.exp_avg``) merge across stage parts, and each part

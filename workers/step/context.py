@@ -66,7 +66,7 @@ class StepKit:
     @property
     def head_part(self) -> nn.Module | None:
         """The model part holding the last stage (its head), unwrapped; None where this rank holds none."""
-        from workers.parallel.data_parallel import unwrap
+        from workers.model.names import unwrap
 
         if not self.holds_last_stage:
             return None
@@ -114,7 +114,7 @@ class StepHook:
     - ``after_update``: inside ``counted``, once the optimizers stepped, while parameters, gradients and
       optimizer state all live;
     - ``after_step``: after the step's clock stopped (``ctx.step`` is the step reported); put the figure in
-      ``ctx.extras[key]``, the key having a reducer in ``workers.step.figures``.
+      ``ctx.extras[key]``, the key having a reducer in ``workers.contract.figures``.
 
     An asynchronous PS round calls only ``after_step``: its local steps run on their own thread."""
 

@@ -26,7 +26,6 @@ from workers.diagnostics.faults import NO_FAULT
 from workers.diagnostics.timeline import busy_seconds
 from workers.model.documents import attending, split_documents
 from workers.optim.build import clip_grads
-from workers.parallel.schedules import schedule as schedule_facts
 from workers.protocol import StepTimes
 from workers.step.context import StepContext, StepKit
 from workers.step.objectives import Objective
@@ -251,20 +250,3 @@ def _sync_grads(model, last: bool):
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(last)
     return contextlib.nullcontext()
-
-
-def build_engine(kit: StepKit) -> StepEngine:
-    """The job's engine: PipeDream's for an asynchronous pipeline schedule, torch's schedules for a synchronous
-    one, else gradient accumulation; under asp/ssp parameter-server rounds around it."""
-    from workers.step.pipeline import PipeDream, TorchPipeline  # here: torch's pipelining imports Dynamo (~1 s)
-    from workers.step.ps_round import PSRound
-
-    par = kit.spec.parallel
-    sync = PSGradSync(kit) if kit.ps is not None else GradSync(kit)
-    if par.grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous:
-        engine = PipeDream(kit)
-    elif par.grid.pp_enabled:
-        engine = TorchPipeline(kit, sync)
-    else:
-        engine = Accumulate(kit, sync)
-    return PSRound(kit, engine) if kit.ps is not None and kit.ps.asynchronous else engine

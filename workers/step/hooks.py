@@ -1,10 +1,10 @@
 """The per-step features as ``StepHook``s, each built only where the job asks for it, each filling its own entry
-of the result's ``extras`` (its reducer is in ``workers.step.figures``).
+of the result's ``extras`` (its reducer is in ``workers.contract.figures``).
 
 ``HOOKS`` lists the factories in the order the hooks run: the memory probe reads the step's memory before the
 others' ``after_update`` allocate anything, and the comm-byte count is in ``extras`` before the parameter
 server's traffic joins it. A new per-step figure is a hook and a figure, registered with ``register_hook`` and
-``workers.step.figures.register``; nothing else changes.
+``workers.contract.figures.register``; nothing else changes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
 from workers.evaluation import EvalData, Evaluator, PipelineSweep
 from workers.model import moe
-from workers.parallel.data_parallel import unwrap
+from workers.model.names import unwrap
 from workers.parallel.layout import stage_owners
 from workers.parallel.process_group import data_parallel_mesh
 from workers.parallel.recompute import checkpointed_modules

@@ -23,7 +23,7 @@ from workers.data.loader import IGNORE_INDEX
 from workers.model.dpo import RewardTally, pair_losses, sequence_logps
 from workers.model.gpt import model_loss
 from workers.model.lora import adapters_disabled
-from workers.parallel.data_parallel import unwrap
+from workers.model.names import unwrap
 from workers.parallel.process_group import data_parallel_mesh
 from workers.step.context import StepContext, StepHook, StepKit
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import SpecError
-from workers.parallel.mixed_precision import fsdp_applies, planned_fsdp_mixed
+from workers.contract.mixed_precision import fsdp_applies, planned_fsdp_mixed
 
 if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def check_precision(job: JobSpec) -> None:
     """``precision.policy`` and ``reduce_dtype``: FSDP2's mixed-precision policy needs bf16 and FSDP2's units
-    (``workers/parallel/mixed_precision.py``); a field that could never take effect is refused, not ignored."""
+    (``workers/contract/mixed_precision.py``); a field that could never take effect is refused, not ignored."""
     pr, p = job.precision, job.parallel
     if pr.policy != "auto" and pr.dtype == "fp32":
         raise SpecError("precision.policy", pr.policy, "picks how bf16 (or fp16) computes, and precision.dtype is fp32",

@@ -16,7 +16,7 @@ def check_tensor_split(job: JobSpec) -> None:
     dims = {
         "model.n_heads": m.n_heads,
         "model.d_model": m.d_model,
-        # grouped K/V heads are split over tp, never replicated (workers.model.llama_parallel)
+        # grouped K/V heads are split over tp, never replicated (workers.parallel.llama_parallel)
         **({"model.n_kv_heads": m.kv_heads} if m.n_kv_heads is not None else {}),
         "model.d_ff" if m.d_ff is not None else "model.ffn_dim (4*d_model)": m.ffn_dim,
     }  # model.vocab_size need not divide: it is padded to a multiple of tp (JobSpec.padded_vocab_size)

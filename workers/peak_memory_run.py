@@ -6,7 +6,7 @@ memory comparisons (tests, ``benchmarks/memory.py``) run each configuration in
 fresh processes started by this module — alone (world size 1, the default) or
 under ``torchrun`` (which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
-    python -m workers.diagnostics.peak_memory_run SPEC.json STEPS
+    python -m workers.peak_memory_run SPEC.json STEPS
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from orchestrator.spec import JobSpec
 from workers.protocol import RankInfo
 
 
@@ -26,12 +25,6 @@ class Layout:
     world_size: int
     ranks: tuple[RankInfo, ...]
     pp_split: tuple[int, ...] = ()  # layers per pipeline stage (parallel.pp_split resolved)
-
-    @classmethod
-    def of(cls, spec: JobSpec, ranks: list[RankInfo]) -> Layout:
-        p = spec.parallel
-        return cls(p.dp, p.pp, p.tp, p.zero, p.pp_schedule, p.stages_per_rank, spec.train.microbatches,
-                   p.world_size, tuple(ranks), spec.stage_split)
 
     def with_ranks(self, ranks: list[RankInfo]) -> Layout:
         """The same grid after it was re-formed (replaced ranks have new processes)."""

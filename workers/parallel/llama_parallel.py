@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
-from workers.model import gpt_parallel
 from workers.model.llama import Llama
+from workers.parallel import gpt_parallel
 from workers.parallel.tensor_parallel import apply_plan
 
 

@@ -31,7 +31,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from orchestrator.api.auth import use_ray_token_if_present
 from orchestrator.api.control_server import ControlClient, ControlUnreachable
 from orchestrator.errors import SpecError
-from orchestrator.observability.events import parse_event
+from orchestrator.events import parse_event
 from orchestrator.runtime.cluster import check_reachable
 from orchestrator.runtime.hosted import HostedJob
 from orchestrator.spec import load_spec

@@ -157,7 +157,7 @@ def check_keys(keys: Iterable[str]) -> None:
     unknown = [k for k in keys if k not in FIGURES]
     if unknown:
         raise TypeError(f"StepResult extras {unknown} have no registered step figure (known: {sorted(FIGURES)}); "
-                        "register a Figure for them in workers/step/figures.py (or from the hook's module)")
+                        "register a Figure for them in workers/contract/figures.py (or from the hook's module)")
 
 
 def fold(results: Iterable[Any]) -> dict[str, Any]:
