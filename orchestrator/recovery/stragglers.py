@@ -11,8 +11,6 @@ because neither Ray nor PyTorch watches per-rank step times.
 
 from __future__ import annotations
 
-import statistics
-
 from orchestrator.events import event
 from workers.loop.summary import StepSummary
 
@@ -45,9 +43,11 @@ class StragglerDetector:
     def observe(self, step: int, times: dict[int, float]) -> dict[int, float]:
         """Each rank's step time over the other ranks' median for ``step``; updates what is reported."""
         ratios = {}
-        for rank, seconds in times.items():
-            others = [t for r, t in times.items() if r != rank]
-            median = statistics.median(others) if others else seconds
+        order = sorted(times, key=times.get)
+        values = [times[r] for r in order]
+        for i, rank in enumerate(order):
+            seconds = values[i]
+            median = _median_without(values, i) if len(values) > 1 else seconds
             ratios[rank] = seconds / median if median > 0 else 1.0
             self._update(step, rank, ratios[rank])
         return ratios
@@ -75,3 +75,14 @@ class StragglerDetector:
 
     def flagged(self) -> set[int]:
         return set(self.open)
+
+
+def _median_without(values: list[float], i: int) -> float:
+    """The median of sorted ``values`` less the one at ``i``, in O(1): a list of the others per rank made each
+    step with per-rank detail quadratic in the ranks (11 s at 16,384)."""
+    m = len(values) - 1
+
+    def other(j: int) -> float:
+        return values[j] if j < i else values[j + 1]
+
+    return other(m // 2) if m % 2 else (other(m // 2 - 1) + other(m // 2)) / 2

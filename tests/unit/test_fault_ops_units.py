@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 
 import pytest
 
@@ -147,6 +148,17 @@ def test_straggler_is_reported_after_consecutive_slow_steps_and_cleared_after_as
 def test_one_slow_rank_of_two_stands_out_against_the_other():
     ratios = StragglerDetector(ratio=1 / 0.7, steps=3).observe(1, {0: 1.0, 1: 3.0})
     assert ratios == {0: pytest.approx(1 / 3), 1: 3.0}
+
+
+def test_each_ratio_is_over_the_median_of_the_other_ranks_as_statistics_works_it_out():
+    """observe takes each rank's median of the others from one sorted list (linear in ranks, not quadratic)."""
+    rng = random.Random(0)
+    for n in range(2, 30):
+        times = {r: rng.choice([1.0, 1.5, rng.uniform(0.5, 3.0)]) for r in range(n)}
+        ratios = StragglerDetector(ratio=2.0, steps=3).observe(1, times)
+        for rank, seconds in times.items():
+            others = statistics.median(t for r, t in times.items() if r != rank)
+            assert ratios[rank] == pytest.approx(seconds / others, rel=1e-12)
 
 
 def test_shard_kill_and_a_rank_fault_at_the_same_step_both_happen():
