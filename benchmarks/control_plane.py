@@ -1,7 +1,7 @@
 """The control plane at scale: the real controller over up to 16,384 virtual ranks on this machine.
 
-For each world size the job runs on the scale simulator (``orchestrator/runtime/simulated.py``): 64 Ray actor
-processes (fewer for small worlds) each step a block of virtual ranks by sleeping ``--step-s`` and report one
+For each world size the job runs on the scale simulator (``orchestrator/runtime/simulated.py``): ``--hosts`` Ray
+actor processes (64 by default; fewer for small worlds) each step a block of virtual ranks by sleeping ``--step-s`` and report one
 record per rank; the ranks exchange their step summaries up the same tree real ranks use, rank 0 hands the
 controller one merged record per step through its desk, and the controller (``TrainingJob``, unchanged) runs in
 this process with its observers (``steps.jsonl``, the event log). Midway one virtual rank is killed through the
@@ -40,7 +40,6 @@ from orchestrator import JobSpec, TrainingJob
 from orchestrator.observability.observers import JobObserver
 from orchestrator.runtime.simulated import SimRuntime
 
-HOSTS = 64
 
 
 class Clock(JobObserver):
@@ -69,11 +68,11 @@ def job_spec(ranks: int, steps: int, data: Path, run_dir: Path) -> JobSpec:
     })
 
 
-def measure(ranks: int, step_s: float, steps: int, data: Path, work: Path) -> dict:
+def measure(ranks: int, hosts: int, step_s: float, steps: int, data: Path, work: Path) -> dict:
     """One world size: its steady step period and controller cost, then one killed rank's recovery."""
     kill_at = steps // 2
     spec = job_spec(ranks, steps, data, work / f"run-{ranks}")
-    runtime = SimRuntime(HOSTS, step_s)
+    runtime = SimRuntime(hosts, step_s)
     job = TrainingJob(spec, progress=False, runtime=runtime)
     clock = Clock(job, kill_at, rank=ranks - 1)
     job.observers.add(clock)
@@ -84,7 +83,7 @@ def measure(ranks: int, step_s: float, steps: int, data: Path, work: Path) -> di
     died = runtime.groups[-1].died_at
     after = next(t for _, t, _ in clock.seen if t > died)  # the first step completed after the kill
     (recovery,) = result.recoveries
-    return {"ranks": ranks, "hosts": min(HOSTS, ranks), "steps": len(result.losses), "step_s": step_s,
+    return {"ranks": ranks, "hosts": min(hosts, ranks), "steps": len(result.losses), "step_s": step_s,
             "step_period_over_step_s": round(statistics.median(periods) / step_s, 4),
             "controller_cpu_ms_per_step": round(cpu * 1e3, 2),
             "controller_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -97,6 +96,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 4096, 16384])
     ap.add_argument("--step-s", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=12, help="steps per world size; a rank is killed after half")
+    ap.add_argument("--hosts", type=int, default=64,
+                    help="host processes the virtual ranks are spread over (each a Ray actor on this machine's cores)")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     import ray
@@ -113,7 +114,7 @@ def main() -> None:
         ray.init(num_cpus=2, log_to_driver=False)
         rows = []
         for ranks in args.ranks:
-            rows.append(measure(ranks, args.step_s, args.steps, work / "data", work))
+            rows.append(measure(ranks, args.hosts, args.step_s, args.steps, work / "data", work))
             print(json.dumps(rows[-1]), flush=True)
         ray.shutdown()
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
