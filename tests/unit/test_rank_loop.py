@@ -131,7 +131,7 @@ class ReadDesk(Desk):
 
     def put(self, item) -> None:
         super().put(item)
-        self._delivered += 1
+        self._acked += 1
 
 
 def run(window: Window, steps: Steps, posts: dict[int, Request] | None = None) -> tuple[WindowEnd, list]:
@@ -215,7 +215,9 @@ def test_before_a_drills_fault_rank_0_waits_until_the_controller_holds_every_rec
     desk.put("record 1")
     assert not desk.wait_delivered(0.05)  # nobody took it
     items, cursor = desk.items(0, 0.0)
-    assert items == ["record 1"] and desk.wait_delivered(0.0)
+    assert items == ["record 1"] and not desk.wait_delivered(0.05)  # returned, but the reply may not have arrived
     desk.put("record 2")
-    threading.Timer(0.05, lambda: desk.items(cursor, 0.0)).start()  # the controller's next poll
+    items, cursor = desk.items(cursor, 0.0)  # the controller's next poll holds record 1, and is handed record 2
+    assert items == ["record 2"] and not desk.wait_delivered(0.05)
+    threading.Timer(0.05, lambda: desk.items(cursor, 0.0)).start()  # the poll after says it holds record 2
     assert desk.wait_delivered(5.0)

@@ -25,7 +25,7 @@ class Desk:
         self._first = 0  # the number of _items[0]
         self._requests: list[Request] = []
         self._stepping = 0  # the step the loop is in: a request posted now is taken at its boundary
-        self._delivered = 0  # how many items the controller has been handed
+        self._acked = 0  # how many items the controller holds: a poll asking from number n holds those before n
 
     def put(self, item: Any) -> None:
         with self._changed:
@@ -34,26 +34,28 @@ class Desk:
 
     def items(self, after: int, wait_s: float) -> tuple[list[Any], int]:
         """The items numbered ``after`` and on, waiting up to ``wait_s`` for one; and the number after them.
-        Those before ``after`` are dropped: the caller has them."""
+        Those before ``after`` are dropped: the caller has them (a reply can die with this process, so only the
+        caller's next poll says it holds what the last one returned)."""
         deadline = time.monotonic() + wait_s
         with self._changed:
             del self._items[:max(0, after - self._first)]
             self._first = max(self._first, after)
+            self._acked = max(self._acked, after)
+            self._changed.notify_all()
             while not self._items and (left := deadline - time.monotonic()) > 0:
                 self._changed.wait(left)
-            self._delivered = self._first + len(self._items)
-            self._changed.notify_all()
-            return list(self._items), self._delivered
+            return list(self._items), self._first + len(self._items)
 
     def wait_delivered(self, wait_s: float) -> bool:
-        """Wait (up to ``wait_s``) until the controller has been handed every item put so far; whether it was.
+        """Wait (up to ``wait_s``) until the controller holds every item put so far (its next poll says so: a
+        reply returned is not a reply received, when the fault kills this process right after); whether it does.
         Before a step a drill's fault hits: should the fault kill rank 0, its desk dies with it, and the controller
         must know the step before it completed, or it would take the fault for unfired and fire it again."""
         deadline = time.monotonic() + wait_s
         with self._changed:
-            while self._delivered < self._first + len(self._items) and (left := deadline - time.monotonic()) > 0:
+            while self._acked < self._first + len(self._items) and (left := deadline - time.monotonic()) > 0:
                 self._changed.wait(left)
-            return self._delivered >= self._first + len(self._items)
+            return self._acked >= self._first + len(self._items)
 
     def stepping(self, step: int) -> None:
         with self._changed:
