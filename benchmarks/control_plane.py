@@ -1,11 +1,11 @@
 """The control plane at scale: the real controller over up to 16,384 virtual ranks on this machine.
 
 For each world size the job runs on the scale simulator (``orchestrator/runtime/simulated.py``): ``--hosts`` Ray
-actor processes (64 by default; fewer for small worlds) each step a block of virtual ranks by sleeping ``--step-s`` and report one
-record per rank; the ranks exchange their step summaries up the same tree real ranks use, rank 0 hands the
-controller one merged record per step through its desk, and the controller (``TrainingJob``, unchanged) runs in
-this process with its observers (``steps.jsonl``, the event log). Midway one virtual rank is killed through the
-fault path a user's ``raymesh inject`` takes; it is replaced and the grid rolls back to the in-memory snapshot
+actor processes (64 by default; fewer for small worlds) each step a block of virtual ranks by sleeping ``--step-s``
+and report one record per rank; the ranks exchange their step summaries up the same tree real ranks use, rank 0
+hands the controller one merged record per step through its desk, and the controller (``TrainingJob``, unchanged)
+runs in this process with its observers (``steps.jsonl``, the event log). Midway one virtual rank is killed through
+the fault path a user's ``raymesh inject`` takes; it is replaced and the grid rolls back to the in-memory snapshot
 (zero simulated restore time). Reported per world size:
 
 - ``step_period_over_step_s``: the median time between two steps' records over the set step time (1.00: the
@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.observability.observers import JobObserver
 from orchestrator.runtime.simulated import SimRuntime
-
 
 
 class Clock(JobObserver):
