@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
-from tests.unit.test_docs_site import build_site
+from tests.support.docs_site import build_site
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FIELD = "train.loss_chunks"  # a field the reference generates from the schema (no page names it in a heading)

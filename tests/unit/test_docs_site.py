@@ -1,22 +1,11 @@
 """The documentation site (mkdocs.yml, docs/) builds in strict mode: a broken link, a page missing from the nav or
-an unknown anchor fails the build, and so this test, which the README's test command runs (about a second)."""
+an unknown anchor fails the build, and so this test, which the README's test command runs (a few seconds)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def build_site(out: Path, config: Path = REPO / "mkdocs.yml") -> subprocess.CompletedProcess:
-    """``mkdocs build --strict`` of this checkout into ``out``: the command .ci/run runs."""
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config),
-                           "--site-dir", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+from tests.support.docs_site import REPO, build_site
 
 
 def test_the_site_builds_strictly(tmp_path):
