@@ -3,7 +3,7 @@
 Every job-file field (walked through the pydantic models, independently of the generator) has a meaning and an
 entry in the generated job-file reference; every flag of every command is in the generated CLI reference;
 `raymesh schema` is what docs/job.schema.json holds, every example names that file and validates against it, and
-a job file with an unknown key does not."""
+a job file with an unknown key does not; the job-file snippets the docs show use real fields."""
 
 from __future__ import annotations
 
@@ -127,6 +127,32 @@ def test_the_schema_rejects_an_unknown_key_and_a_bad_value():
         jsonschema.validate({**job, "trainn": {}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**job, "parallel": {**job["parallel"], "tp": 0}}, schema)
+
+
+def _without_required(node):
+    """The schema with no field required: the docs' snippets are parts of job files."""
+    if isinstance(node, dict):
+        return {key: _without_required(value) for key, value in node.items() if key != "required"}
+    return [_without_required(value) for value in node] if isinstance(node, list) else node
+
+
+def yaml_snippet_problems(text: str, source: str) -> list[str]:
+    """Each ```yaml block of ``text`` that is (part of) a job file, checked against the schema."""
+    schema = _without_required(job_schema())
+    problems = []
+    for block in re.findall(r"```ya?ml\n(.*?)```", text, re.S):
+        data = parse_yaml(block, source)
+        if isinstance(data, dict) and data:
+            problems += [f"{source}: {'.'.join(map(str, e.absolute_path))}: {e.message}"
+                         for e in jsonschema.Draft202012Validator(schema).iter_errors(data)]
+    return problems
+
+
+def test_every_job_file_snippet_in_the_docs_uses_real_fields():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    assert [p for page in pages for p in yaml_snippet_problems(page.read_text(), str(page))] == []
+    wrong = "```yaml\nparallel: {dp: 2, tpp: 2}\n```\n"
+    assert any("tpp" in p for p in yaml_snippet_problems(wrong, "probe.md"))
 
 
 def test_the_reference_pages_hold_the_generator_markers():
