@@ -271,7 +271,8 @@ FIELD_DOCS: dict[str, str] = {
     'parallel.powersgd_rank': "grad_compression powersgd: rank of the gradient matrices' factors",
     'parallel.powersgd_warmup_steps': (
         "grad_compression powersgd: steps of plain all-reduce before compressing (PyTorch's start_powerSGD_iter); 10 "
-        'cut the worst loss gap over 200 steps from 7.9% to 2.2% (README, "Gradient communication")'
+        'cut the worst loss gap over 200 steps from 7.9% to 2.2% '
+        '([Gradient communication](../guides/gradient-communication.md))'
     ),
     'parallel.topk_ratio': 'grad_compression topk: share of entries sent',
     'parallel.fsdp_prefetch': (
