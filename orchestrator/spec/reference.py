@@ -41,7 +41,21 @@ def job_schema() -> dict[str, Any]:
         meaning = FIELD_DOCS.get(path)
         if meaning and "description" not in node:
             node["description"] = meaning
+    _loggers_as_list(schema)
     return schema
+
+
+def _loggers_as_list(schema: dict[str, Any]) -> None:
+    """``loggers:`` may also be a list of names or one-key mappings (``LoggersSpec._list_of_names`` turns it into
+    the mapping before validation, which pydantic's schema cannot see): say so, or editors would flag a valid file."""
+    mapping = dict(schema["properties"]["loggers"])
+    description = mapping.pop("description", None)
+    loggers = _resolve(schema, mapping)["properties"]
+    item = {"anyOf": [{"enum": list(loggers)},
+                      {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": loggers,
+                       "additionalProperties": False}]}
+    schema["properties"]["loggers"] = {"anyOf": [mapping, {"type": "array", "items": item}],
+                                       **({"description": description} if description else {})}
 
 
 def schema_text() -> str:
@@ -120,12 +134,14 @@ def _default(node: dict, required: bool) -> str:
 def field_entries() -> list[FieldEntry]:
     """Every job-file field, in declaration order: the rows of the job-file reference."""
     schema = job_schema()
-    entries = []
+    entries: dict[str, FieldEntry] = {}
     required = _required_paths(schema, schema, "")
     for path, prop in _fields(schema, schema, ""):
-        entries.append(FieldEntry(path, _type(schema, prop), _default(prop, path in required),
+        if path in entries:  # a section reachable two ways (`loggers` as a mapping or a list): its first
+            continue
+        entries[path] = (FieldEntry(path, _type(schema, prop), _default(prop, path in required),
                                   _bounds(schema, prop), prop.get("description", "")))
-    return entries
+    return list(entries.values())
 
 
 def _required_paths(root: dict, node: dict, prefix: str) -> set[str]:

@@ -54,9 +54,10 @@ def job_fields(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, 
 
 
 def missing_fields(markdown: str) -> list[str]:
-    """The job-file fields without an entry (a heading naming it) in ``markdown``."""
-    entries = set(re.findall(r"^#{2,3} `([\w.]+)`$", markdown, re.M))
-    return [path for path in job_fields() if path not in entries]
+    """The job-file fields without an entry (a heading naming it) in ``markdown``; one named twice counts too."""
+    entries = re.findall(r"^#{2,3} `([\w.]+)`$", markdown, re.M)
+    twice = sorted({path for path in entries if entries.count(path) > 1})
+    return [path for path in job_fields() if path not in entries] + [f"{path} (twice)" for path in twice]
 
 
 def missing_flags(markdown: str) -> list[str]:
@@ -127,6 +128,18 @@ def test_the_schema_rejects_an_unknown_key_and_a_bad_value():
         jsonschema.validate({**job, "trainn": {}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**job, "parallel": {**job["parallel"], "tp": 0}}, schema)
+
+
+def test_the_schema_takes_every_form_the_loader_takes_for_loggers():
+    """`loggers:` as a mapping or as a list of names and one-key mappings (LoggersSpec's own reading), not more."""
+    job = parse_yaml((REPO / "examples" / "gpt_tiny_3d.yaml").read_text(), "gpt_tiny_3d.yaml")
+    schema = job_schema()
+    for loggers in ({"tensorboard": None}, ["tensorboard", {"mlflow": {"experiment": "x"}}]):
+        JobSpec.from_dict({**job, "loggers": loggers})  # the loader takes it: so must the schema
+        jsonschema.validate({**job, "loggers": loggers}, schema)
+    for wrong in (["tensorbored"], [{"mlflow": {}, "wandb": {}}], {"mlflow": {"experimentt": "x"}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**job, "loggers": wrong}, schema)
 
 
 def _without_required(node):
