@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.spec.field_docs import FIELD_DOCS
+from orchestrator.spec.fields import _SECTIONS
 from orchestrator.spec.job import JobSpec
 
 SCHEMA_FILE = "docs/job.schema.json"  # the committed copy of `raymesh schema`, named by every example's first line
@@ -42,7 +43,19 @@ def job_schema() -> dict[str, Any]:
         if meaning and "description" not in node:
             node["description"] = meaning
     _loggers_as_list(schema)
+    _empty_sections(schema)
     return schema
+
+
+def _empty_sections(schema: dict[str, Any]) -> None:
+    """A section written with nothing under it (every line commented out: YAML null) means its defaults
+    (``JobSpec._empty_sections_mean_defaults``): the schema takes null there too."""
+    for name in _SECTIONS:
+        node = schema["properties"][name]
+        kept = {key: value for key, value in node.items() if key in ("description", "default")}
+        options = node.get("anyOf", [{key: value for key, value in node.items() if key not in kept}])
+        if {"type": "null"} not in options:
+            schema["properties"][name] = {"anyOf": [*options, {"type": "null"}], **kept}
 
 
 def _loggers_as_list(schema: dict[str, Any]) -> None:
@@ -169,7 +182,7 @@ def job_file_markdown() -> str:
             lines += [f"## `{entry.path}`", ""]
             section = _section_text(schema, entry.path) or entry.meaning
             lines += [section, ""] if section else []
-            if entry.type == "section" or entry.type.startswith("list of section"):
+            if entry.type.startswith(("section", "list of section")):
                 continue
         else:
             lines += [f"### `{entry.path}`", ""]

@@ -131,15 +131,18 @@ def test_the_schema_rejects_an_unknown_key_and_a_bad_value():
 
 
 def test_the_schema_takes_every_form_the_loader_takes_for_loggers():
-    """`loggers:` as a mapping or as a list of names and one-key mappings (LoggersSpec's own reading), not more."""
+    """`loggers:` as a mapping, as a list of names and one-key mappings (LoggersSpec's own reading) or empty (YAML
+    null: the defaults, as for every section), not more."""
     job = parse_yaml((REPO / "examples" / "gpt_tiny_3d.yaml").read_text(), "gpt_tiny_3d.yaml")
     schema = job_schema()
-    for loggers in ({"tensorboard": None}, ["tensorboard", {"mlflow": {"experiment": "x"}}]):
+    for loggers in ({"tensorboard": None}, ["tensorboard", {"mlflow": {"experiment": "x"}}], None):
         JobSpec.from_dict({**job, "loggers": loggers})  # the loader takes it: so must the schema
         jsonschema.validate({**job, "loggers": loggers}, schema)
     for wrong in (["tensorbored"], [{"mlflow": {}, "wandb": {}}], {"mlflow": {"experimentt": "x"}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({**job, "loggers": wrong}, schema)
+    JobSpec.from_dict({**job, "checkpoint": None})
+    jsonschema.validate({**job, "checkpoint": None}, schema)
 
 
 def _without_required(node):
