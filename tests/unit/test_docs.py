@@ -5,6 +5,8 @@ code's, checked without Ray."""
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -146,3 +148,28 @@ def test_every_class_member_the_docs_name_exists():
                     rf"^\s*(?:async\s+)?def {member}\b|^\s*{member}\s*[:=]|self\.{member}\s*[:=]", bodies[cls], re.M):
                 wrong.append(f"{doc}: {cls}.{member}")
     assert not wrong
+
+
+def _python_import_problems(text: str) -> list[str]:
+    """Each ```python block of ``text`` that does not parse, or imports from raymesh a name that is not there."""
+    problems = []
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+        try:
+            tree = ast.parse(block)
+        except SyntaxError as exc:
+            problems.append(f"does not parse: {exc}")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+                    "orchestrator", "workers", "parameter_server"):
+                module = importlib.import_module(node.module)
+                problems += [f"{node.module} has no {alias.name}" for alias in node.names
+                             if not hasattr(module, alias.name)]
+    return problems
+
+
+def test_every_python_block_the_docs_show_parses_and_imports_real_names():
+    wrong = [f"{doc}: {problem}" for doc, text in DOCS.items() for problem in _python_import_problems(text)]
+    assert not wrong
+    assert _python_import_problems("```python\nfrom orchestrator import TrainingJobs\n```\n") == [
+        "orchestrator has no TrainingJobs"]
