@@ -104,6 +104,7 @@ def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
         return 0, 0, 0
     ffn = FFN_MATRICES[m.arch] * m.d_model * (moe.d_expert or m.ffn_dim)
     router = m.d_model * moe.experts * (2 if moe.router == "noisy_topk" else 1)  # noisy top-k: W_g and W_noise
+    router += m.d_model * (moe.expert_groups or 0) if moe.router == "hierarchical" else 0  # its group gate
     return FFN_MATRICES[m.arch] * m.d_model * m.ffn_dim, router + moe.shared_experts * ffn, moe.experts * ffn
 
 
