@@ -14,6 +14,7 @@ from orchestrator.errors import SpecError
 from tests.support.one_rank import one_rank_trainer
 from workers.offload.paged import StatePager
 from workers.offload.store import OffloadStore
+from workers.state import snapshot
 
 CAPACITY = 10**9  # bytes the fake device holds: the tiny model's state is a rounding error of it
 PAGE_AT = 0.9
@@ -113,6 +114,10 @@ def _train_rank(tmp_path_factory, memory: dict, forced: bool, steps: int = 3):
             pager.probe = lambda: (95, 100)
         losses = [trainer.train_step().loss for _ in range(steps)]
         weights = {n: p.full_tensor().clone() for n, p in trainer.parts.modules[0].named_parameters()}
+        if forced:  # an in-memory snapshot taken while paged out holds the moments (fetched back for it)
+            assert pager.is_paged
+            held = snapshot.take(trainer.state)["optim"]
+            assert held and all({"exp_avg", "exp_avg_sq"} <= set(state) for state in held.values())
         moved = (pager.pages_out, pager.pages_in, type(opt).__name__) if pager else None
     return losses, weights, moved
 
@@ -122,7 +127,7 @@ def test_paged_adamw_with_page_at_trains_on_the_device_and_pages_fsdp2_state_bit
     memory = {"offload": {"page_at": 0.9, "tier": "nvme", "path": str(tmp_path)}}
     losses, weights, _ = _train_rank(tmp_path_factory, {}, forced=False)
     paged_losses, paged_weights, moved = _train_rank(tmp_path_factory, memory, forced=True)
-    assert moved == (3, 2, "AdamW")  # out after every step, back before the next two
+    assert moved == (3, 3, "AdamW")  # out after every step, back before the next two and for the snapshot
     assert paged_losses == losses
     assert all(torch.equal(paged_weights[n], w) for n, w in weights.items())
     _, _, idle = _train_rank(tmp_path_factory, memory, forced=False)  # this host is far from 90% full
