@@ -104,6 +104,7 @@ def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
         return 0, 0, 0
     ffn = FFN_MATRICES[m.arch] * m.d_model * (moe.d_expert or m.ffn_dim)
     router = m.d_model * moe.experts * (2 if moe.router == "noisy_topk" else 1)  # noisy top-k: W_g and W_noise
+    router += m.d_model * (moe.expert_groups or 0) if moe.router == "hierarchical" else 0  # its group gate
     return FFN_MATRICES[m.arch] * m.d_model * m.ffn_dim, router + moe.shared_experts * ffn, moe.experts * ffn
 
 
@@ -394,6 +395,7 @@ def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
 
 def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
+    name = stepped_optimizer(spec)
     blocks = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(sharded_block_params(spec, i) for i in blocks)
     gathered = (mm.zero3_gathered_params(root, block_params(spec), p.tp, p.fsdp_prefetch)
@@ -403,7 +405,7 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled, "gloo": p.device == "cpu"}
     # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
     state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, precision_layout(spec),
-                           o.name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
+                           name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
                            quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]), **steps)
@@ -411,7 +413,7 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
         state = replace(state, optimizer=state.optimizer + math.ceil(4 * root / (p.dp * p.cp if p.zero else 1)))
     if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp / ep ranks holding them
         layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // p.ep  # one gathered at a time
-        own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(o.name),
+        own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(name),
                              momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=layer,
                              offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                              host_master=p.device != "cpu", **steps)
@@ -420,6 +422,13 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
         extra = mm.tp_embedding_grad_bytes(spec.padded_vocab_size, spec.model.d_model, p.tp)
         state = replace(state, grads=state.grads + extra)
     return state
+
+
+def stepped_optimizer(spec: JobSpec) -> str:
+    """The optimizer whose state the step holds: paged_adamw with ``memory.offload.page_at`` is AdamW on the
+    device, paged out only under pressure (workers/offload/paged.py), so the fit check counts its state there."""
+    o = spec.optim
+    return "adamw" if o.name == "paged_adamw" and spec.memory.offload.page_at is not None else o.name
 
 
 def _adamw_if_muon(name: str) -> str:
@@ -540,8 +549,8 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
     offloaded = max(r.state.offloaded for r in rows)
     if offloaded:
         off = spec.memory.offload
-        what = [name for name, on in (("parameter shards", off.params),
-                                      ("optimizer state", off.optimizer or spec.optim.name == "paged_adamw")) if on]
+        stored = off.optimizer or stepped_optimizer(spec) == "paged_adamw"
+        what = [name for name, on in (("parameter shards", off.params), ("optimizer state", stored)) if on]
         lines.append(f"offloaded to the {off.tier} store, not counted above: up to {_mib(offloaded).strip()} a rank "
                      f"({' + '.join(what)})")
     return "\n".join(lines)

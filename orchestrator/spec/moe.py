@@ -6,6 +6,7 @@ Bounds (experts >= 2, every >= 1, capacity_factor > 0, a known router) are the f
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from pydantic import model_validator
@@ -46,6 +47,55 @@ class MoESpec(MoEConfig, _Section):
         if self.bias_balancing and self.router != "topk":
             raise SpecError("model.moe.bias_balancing", True, f"is DeepSeek-V3's balancing for router: topk, not "
                             f"{self.router}", "set model.moe.router: topk, or bias_balancing: false")
+        return self
+
+    @model_validator(mode="after")
+    def _check_hierarchy(self) -> MoESpec:
+        """router hierarchical: groups that split the experts evenly, and picks that fit in them."""
+        groups = self.expert_groups
+        if self.router != "hierarchical":
+            unread = "expert_groups" if groups is not None else "group_top_k" if self.group_top_k != 1 else None
+            if unread:
+                raise SpecError(f"model.moe.{unread}", getattr(self, unread), f"is read by router: hierarchical "
+                                f"only, not {self.router}", f"set model.moe.router: hierarchical, or remove {unread}")
+            return self
+        if groups is None or groups < 2 or self.experts % groups:
+            raise SpecError("model.moe.expert_groups", groups, f"must be at least 2 and divide model.moe.experts="
+                            f"{self.experts} (router: hierarchical splits the experts into equal groups)",
+                            "set expert_groups to a divisor of experts, e.g. "
+                            f"{next((d for d in range(2, self.experts) if self.experts % d == 0), 2)}")
+        if self.group_top_k > groups:
+            raise SpecError("model.moe.group_top_k", self.group_top_k, f"is more than expert_groups={groups}",
+                            f"set group_top_k to at most {groups}")
+        if self.k > self.experts // groups:
+            raise SpecError("model.moe.top_k", self.k, f"is more than the {self.experts // groups} experts of a "
+                            "group (router: hierarchical picks top_k inside each chosen group)",
+                            f"set model.moe.top_k to at most {self.experts // groups}, or use fewer expert_groups")
+        return self
+
+    @model_validator(mode="after")
+    def _check_token_limit(self) -> MoESpec:
+        """The capped expert choice: expert_choice only, a limit that binds and can be met, its knobs with it."""
+        b = self.max_experts_per_token
+        knobs = [k for k in ("ec_entropy", "ec_iterations") if getattr(self, k) != MoEConfig.model_fields[k].default]
+        if b is None:
+            if knobs:
+                raise SpecError(f"model.moe.{knobs[0]}", getattr(self, knobs[0]), "tunes the capped expert choice, "
+                                "and model.moe.max_experts_per_token is unset", "set model.moe."
+                                f"max_experts_per_token (router: expert_choice), or remove model.moe.{knobs[0]}")
+            return self
+        refused = [
+            (self.router != "expert_choice", f"limits router: expert_choice, not {self.router}",
+             "set model.moe.router: expert_choice, or remove max_experts_per_token (top_k limits token choice)"),
+            (b >= self.experts, f"is not below model.moe.experts={self.experts}: it limits nothing",
+             f"set it below {self.experts}, or remove it"),
+            (b < self.capacity_factor, f"is below model.moe.capacity_factor={self.capacity_factor}: the experts "
+             "take capacity_factor tokens' worth of slots per token on average, which b per token cannot hold",
+             f"set it to at least {math.ceil(self.capacity_factor)}, or lower capacity_factor"),
+        ]
+        for applies, why, fix in refused:
+            if applies:
+                raise SpecError("model.moe.max_experts_per_token", b, why, fix)
         return self
 
     @model_validator(mode="after")

@@ -63,11 +63,14 @@ class _MuonAndAdamW:
 
 def _optimizer(model: torch.nn.Module, optim):
     """The job's optimizer over the whole ``model``: AdamW, SM3 (our own: its sharded step is what a layout's
-    parity checks) or Muon with AdamW."""
+    parity checks), PyTorch's Adafactor (the sharded one, workers/optim/adafactor.py, must match it) or Muon with
+    AdamW."""
     if optim.name == "muon":
         return _MuonAndAdamW(model, optim)
     if optim.name == "sm3":
         return SM3(_decay_groups(list(model.parameters()), optim), lr=optim.lr, momentum=optim.momentum)
+    if optim.name == "adafactor":
+        return torch.optim.Adafactor(_decay_groups(list(model.parameters()), optim), lr=optim.lr, foreach=False)
     return _adamw(list(model.parameters()), optim)
 
 

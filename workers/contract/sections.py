@@ -165,6 +165,13 @@ class OffloadSection(Section):
     tier: Literal["cpu", "nvme"] = "cpu"
     path: PathStr | None = None  # directory for nvme files (required for tier nvme)
     prefetch: Annotated[int, Field(ge=0)] = 1  # items fetched ahead of use
+    page_at: Annotated[float | None, Field(
+        default=None, gt=0, lt=1,
+        description="Paged optimizer (workers/offload/paged.py): the optimizer's state stays on the device and is "
+                    "put in the store (tier) only after a step whose peak, counting the state, reached this "
+                    "fraction of device memory (host memory on a CPU device, which needs tier nvme); fetched back "
+                    "for the next step. In (0, 1); unset: no paging (paged_adamw then keeps its state in the store "
+                    "always). For adamw, adam, sgd, adafactor, sm3 and paged_adamw, without memory.offload.optimizer")]
 
 
 class MemorySection(Section):

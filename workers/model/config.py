@@ -51,7 +51,7 @@ def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> i
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice")
+ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice", "hierarchical")
 # routers whose paper fixes k: GShard routes to two experts, Switch to one (model.moe.top_k must agree)
 ROUTER_TOP_K = {"gshard": 2, "switch": 1}
 
@@ -83,6 +83,22 @@ class MoEConfig(BaseModel):
     # router topk: the k chosen probabilities renormalised to sum to one (Mixtral; Qwen3-MoE's norm_topk_prob); false
     # keeps them as the softmax over all experts gave them
     norm_topk: bool = True
+    expert_groups: PositiveInt | None = Field(
+        default=None, description="router hierarchical (Shazeer et al. 2017's two-level MoE): the experts split into "
+        "this many equal groups; a group gate picks group_top_k groups per token, then each chosen group's gate "
+        "its top_k experts. At least 2, dividing experts; required by (and only read by) router hierarchical")
+    group_top_k: PositiveInt = Field(default=1, description="router hierarchical: groups each token is sent to "
+                                     "(at most expert_groups)")
+    max_experts_per_token: PositiveInt | None = Field(
+        default=None, description="router expert_choice: at most this many experts per token (the capped form, "
+        "solved by Dykstra's algorithm: workers/model/ec_dykstra.py); at least capacity_factor and below experts. "
+        "Unset: uncapped expert choice")
+    ec_entropy: Annotated[float, Field(gt=0, le=10, description="the capped expert choice's entropy weight λ on "
+                                       "softmax scores in [0, 1]: smaller is closer to the unregularised choice, "
+                                       "needs more iterations")] = 0.05
+    ec_iterations: Annotated[int, Field(ge=1, le=10000, description="the capped expert choice's Dykstra cycles "
+                                        "per routing group and forward (200 at λ 0.05 settle the picks of "
+                                        "groups of 32-128 tokens over 4-8 experts)")] = 200
 
     @property
     def k(self) -> int:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward: the five routers, stacked experts, and the dispatch seam.
+"""Mixture-of-experts feed-forward: the six routers, stacked experts, and the dispatch seam.
 
 Why our own code: no well-kept library has the seed articles' routers (noisy top-k, GShard, Switch, expert
 choice) behind one interface that also lets expert parallelism replace the dispatch (DESIGN.md lists MoE
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import ModelConfig, MoEConfig
+from workers.model.ec_dykstra import capped_choice, dykstra_assignment
 from workers.model.names import plain_name
 
 
@@ -427,7 +428,9 @@ class SwitchRouter(Router):
 class ExpertChoiceRouter(Router):
     """Zhou et al. 2022: S = softmax(x W_g); each expert takes its top-k tokens of the group by S, k = n·c/e
     (c = capacity_factor), gate S; every expert gets exactly k tokens; a token no expert picks is dropped
-    (carried by the residual). No balance loss (the load is balanced by construction)."""
+    (carried by the residual). No balance loss (the load is balanced by construction). With
+    ``max_experts_per_token`` (b) the picks come from the entropy-regularised assignment with at most b experts
+    per token (``workers.model.ec_dykstra``): an expert then takes at most k tokens, a token at most b experts."""
 
     def tokens_per_expert(self, n: int) -> int:
         """k = n·c/e, at least one and at most the group's n tokens."""
@@ -435,19 +438,69 @@ class ExpertChoiceRouter(Router):
 
     def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
         g, n, experts = logits.shape
+        if self.cfg.max_experts_per_token is not None:
+            return self._decide_capped(logits.softmax(-1))
         scores = logits.softmax(-1).transpose(1, 2)  # [G, E, n]
         top = scores.topk(self.tokens_per_expert(n), -1)  # each expert's tokens
         token = (top.indices + n * torch.arange(g, device=x.device).view(g, 1, 1)).flatten()
         expert = torch.arange(experts, device=x.device).view(1, experts, 1).expand_as(top.indices).flatten()
-        picked = torch.zeros(g * n, device=x.device).index_fill_(0, token, 1.0)
-        stats = {"tokens_per_expert": torch.bincount(expert, minlength=experts).float(),
-                 "dropped": (g * n - picked.sum()), "assignments": torch.tensor(float(g * n))}
-        return Routing(token, expert, top.values.flatten(), {}, stats)
+        return self._routing(token, expert, top.values.flatten(), g * n)
+
+    def _decide_capped(self, scores: torch.Tensor) -> Routing:
+        """The capped form's routing from scores [G, n, E]: picks from the detached scores, gates S."""
+        g, n, _ = scores.shape
+        group, expert, column = self._capped(scores.detach(), self.tokens_per_expert(n)).nonzero(as_tuple=True)
+        return self._routing(column + n * group, expert, scores[group, column, expert], g * n)
+
+    def _routing(self, token: torch.Tensor, expert: torch.Tensor, gate: torch.Tensor, tokens: int) -> Routing:
+        """The ``Routing`` of the experts' picks (flattened token ids, expert ids, gates) of ``tokens`` tokens."""
+        picked = torch.zeros(tokens, device=token.device).index_fill_(0, token, 1.0)
+        stats = {"tokens_per_expert": torch.bincount(expert, minlength=self.cfg.experts).float(),
+                 "dropped": (tokens - picked.sum()), "assignments": torch.tensor(float(tokens))}
+        return Routing(token, expert, gate, {}, stats)
+
+    def _capped(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """[G, e, n] picks of the capped form (module ``ec_dykstra``), from the detached scores."""
+        cfg = self.cfg
+        assignment = dykstra_assignment(scores, k, cfg.max_experts_per_token, cfg.ec_entropy, cfg.ec_iterations)
+        return capped_choice(assignment, k, cfg.max_experts_per_token)
+
+
+class HierarchicalRouter(Router):
+    """Shazeer et al. 2017's two-level (hierarchical) MoE (seed 001 line 141): the E experts form a equal groups of
+    m = E/a. A group gate ``group_weight`` [a, d] picks each token's ``group_top_k`` groups, with gates
+    softmax(KeepTopK(x W_group)); inside each chosen group i, that group's rows of ``weight`` (its own gate)
+    pick ``top_k`` of its m experts, with gates softmax(KeepTopK(x W_i)). Expert (i, j) is weighted by the
+    product G_group(x)_i · G_i(x)_j, so a token's gates sum to one. Only the chosen groups' gates matter, which is
+    where the hierarchy saves work at large E. Dropless; the balancing loss is the paper's importance loss
+    (w·CV² of the summed gates) at both levels. No gating noise (the paper's noisy gates are ``noisy_topk``'s)."""
+
+    def __init__(self, cfg: MoEConfig, d_model: int):
+        super().__init__(cfg, d_model)
+        self.group_weight = nn.Parameter(torch.empty(cfg.expert_groups, d_model))
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        g, n, experts = logits.shape
+        groups, chosen_groups, k = self.cfg.expert_groups, self.cfg.group_top_k, self.cfg.k
+        size = experts // groups
+        first = self.logits(x, self.group_weight).topk(chosen_groups, -1)  # [G, n, ga]
+        group_gate = first.values.softmax(-1)
+        inside = logits.view(g, n, groups, size).gather(2, first.indices.unsqueeze(-1).expand(-1, -1, -1, size))
+        second = inside.topk(k, -1)  # [G, n, ga, k]
+        choices = (first.indices.unsqueeze(-1) * size + second.indices).reshape(g, n, chosen_groups * k)
+        gates = (group_gate.unsqueeze(-1) * second.values.softmax(-1)).reshape(g, n, chosen_groups * k)
+        losses = {}
+        if self.cfg.aux_loss_weight > 0:
+            w = self.cfg.aux_loss_weight
+            dense_groups = torch.zeros(g, n, groups, device=x.device).scatter(-1, first.indices, group_gate)
+            dense = torch.zeros_like(logits).scatter(-1, choices, gates)
+            losses["importance"] = w * (cv_squared(dense_groups.sum(1)) + cv_squared(dense.sum(1))).mean()
+        return self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
 
 
 ROUTER_CLASSES: dict[str, type[Router]] = {
     "topk": TopKRouter, "noisy_topk": NoisyTopKRouter, "gshard": GShardRouter, "switch": SwitchRouter,
-    "expert_choice": ExpertChoiceRouter,
+    "expert_choice": ExpertChoiceRouter, "hierarchical": HierarchicalRouter,
 }
 
 

@@ -11,7 +11,9 @@ from torch.distributed.tensor import DTensor
 from parameter_server.optimizers import decay_for
 from workers.contract.sections import OffloadSection, OptimSection
 from workers.offload.optimizer import OffloadedAdam
+from workers.offload.paged import StatePager, device_probe
 from workers.offload.store import OffloadStore
+from workers.optim.adafactor import ShardedAdafactor
 from workers.optim.implementations import kernel_kwargs
 from workers.optim.muon import Hybrid, muon_optimizer, muon_owns
 from workers.optim.onebit_adam import OneBitAdam
@@ -30,7 +32,8 @@ def build_optimizer(params, optim: OptimSection, offload: OffloadSection | None 
     ``onebit_adam`` keys each parameter's error feedback by them.
 
     ``paged_adamw``, or adam/adamw with ``offload.optimizer`` (the job's ``memory.offload``), keeps its state in an
-    offload store (without ``offload``: the section's defaults, a host store)
+    offload store (without ``offload``: the section's defaults, a host store); with ``offload.page_at`` the state
+    stays on the device and moves to the store only under memory pressure (``_paged``; paged_adamw is AdamW there)
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
     ``optim.implementation`` picks PyTorch's fused, foreach or per-parameter kernels
     (``workers.optim.implementations``; the spec refuses it for optimizers that have no choice).
@@ -48,7 +51,10 @@ def build_optimizer(params, optim: OptimSection, offload: OffloadSection | None 
     elif name != "adafactor":
         kwargs["betas"] = tuple(optim.betas)
     stored = offload is not None and offload.optimizer and name in ("adam", "adamw")
-    if name == "paged_adamw" or stored:
+    paged = offload is not None and offload.page_at is not None
+    if paged and name == "paged_adamw":  # on the device, paged by pressure (_paged) rather than always stored
+        name = "adamw"
+    if (name == "paged_adamw" or stored) and not paged:
         store = OffloadStore.from_spec(offload or OffloadSection(), device)
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     if name == "onebit_adam":
@@ -57,7 +63,17 @@ def build_optimizer(params, optim: OptimSection, offload: OffloadSection | None 
     on_cuda = any(p.is_cuda for p in tensors)  # a DTensor is where its local shard is
     mixed = len({isinstance(p, DTensor) for p in tensors}) > 1
     kwargs.update(kernel_kwargs(name, optim.implementation, on_cuda, mixed))
-    return OPTIMIZERS[name](params, **kwargs)
+    sharded = name == "adafactor" and any(isinstance(p, DTensor) for p in tensors)
+    # whole-matrix statistics over the shards (optim/adafactor.py)
+    opt = (ShardedAdafactor if sharded else OPTIMIZERS[name])(params, **kwargs)
+    return _paged(opt, offload, device) if paged else opt
+
+
+def _paged(opt: torch.optim.Optimizer, offload: OffloadSection, device) -> torch.optim.Optimizer:
+    """``opt`` with a ``StatePager`` attached: its state goes to the store only under memory pressure
+    (``memory.offload.page_at``, workers/offload/paged.py)."""
+    StatePager(opt, OffloadStore.from_spec(offload, device), offload.page_at, device_probe(device))
+    return opt
 
 
 def _muon_hybrid(named: list[tuple[str, torch.Tensor]], optim: OptimSection, dp_group=None) -> Hybrid:

@@ -72,8 +72,12 @@ class TrainState:
 
     def named_parts(self) -> Iterator[tuple[Iterator[tuple[str, nn.Parameter]], Iterator, Any]]:
         """Per model part: its named parameters (global names), the named tensors its optimizer steps (the same,
-        or their ZeRO-1 slices) and that optimizer."""
+        or their ZeRO-1 slices) and that optimizer, its state whole: a paged optimizer's (``memory.offload.page_at``,
+        workers/offload/paged.py) is fetched back first, so a snapshot neither misses it nor is overwritten by it."""
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
+            pager = getattr(opt, "pager", None)
+            if pager is not None:
+                pager.page_in()
             yield unwrap(part).named_parameters(), named.named_parameters(), opt
 
     # -- progress: what resumes the run beyond weights and optimizer state ---------------------------------

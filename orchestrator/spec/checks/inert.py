@@ -45,9 +45,9 @@ def _inert_settings(job: JobSpec) -> list[tuple]:
     checkpoints: checkpoints are on by default, so ``checkpoint.every: 0`` is always a deliberate off (often a
     ``--set`` for a quick run of a job file that sets ``keep``), and ``keep``/``async`` then mislead nobody."""
     off, m, o = job.memory.offload, job.metrics, job.optim
-    stored = off.optimizer or off.params or off.activations or o.name == "paged_adamw"
+    stored = off.optimizer or off.params or off.activations or o.name == "paged_adamw" or off.page_at is not None
     no_store = ("places what memory.offload moves, and this job offloads nothing (memory.offload.optimizer, "
-                "params and activations are false, optim.name is not paged_adamw)")
+                "params and activations are false, optim.name is not paged_adamw, no page_at)")
     no_port = "belongs to the Prometheus endpoint, and metrics.port is unset (no endpoint)"
     local = job.parallel.dp_sync == "allreduce"  # with shards, parameter_server.optimizer may read them
     return [

@@ -35,17 +35,39 @@ def check_offload(job: JobSpec) -> None:
         raise SpecError("memory.offload.optimizer", True, f"is not supported for optim.name {name!r}: the "
                         "offloaded host step is Adam's", "use optim.name adamw, adam or paged_adamw, "
                         "or set memory.offload.optimizer: false")
-    zero_slices = p.zero >= 2 or (p.zero == 1 and p.grid.dp_enabled)  # ZeRO-1 steps row slices too
-    if name == "adafactor" and (zero_slices or p.grid.tp_enabled):
-        field, value = ("parallel.zero", p.zero) if zero_slices else ("parallel.tp", p.tp)
-        raise SpecError(field, value, "shards parameters, which optim.name 'adafactor' (PyTorch's) cannot step "
-                        "exactly: its factored second moment divides row means by column means of whole "
-                        "matrices, and a shard sees only some rows or columns",
-                        "use optim.name sm3 (same O(rows + cols) state, steps shards exactly), adamw with "
-                        "memory.offload.optimizer or paged_adamw, or zero: 0 with tp: 1 for adafactor")
-    stored_optim = off.optimizer or name == "paged_adamw"
+    sharded = p.zero >= 2 or (p.zero == 1 and p.grid.dp_enabled) or p.grid.tp_enabled  # ZeRO-1 steps slices too
+    if name == "adafactor" and sharded and job.optim.implementation == "foreach":
+        raise SpecError("optim.implementation", "foreach", "is not offered for optim.name 'adafactor' on sharded "
+                        "parameters (ZeRO-1/2/3 or tp): the sharded Adafactor all-reduces each matrix's row and "
+                        "column statistics one tensor at a time", "use optim.implementation auto or for_loop")
+    check_paging(job)
+    stored_optim = off.optimizer or (name == "paged_adamw" and off.page_at is None)
     if off.params:
         check_param_offload(job, stored_optim)
+
+
+PAGED = ("adamw", "adam", "sgd", "adafactor", "sm3", "paged_adamw")  # the optimizers StatePager pages
+
+
+def check_paging(job: JobSpec) -> None:
+    """``memory.offload.page_at`` (workers/offload/paged.py): what it cannot page, or where it relieves nothing."""
+    off, name, p = job.memory.offload, job.optim.name, job.parallel
+    if off.page_at is None:
+        return
+    refused = [
+        ("memory.offload.optimizer", True, off.optimizer, "keeps the optimizer's state in the store always, so "
+         "memory.offload.page_at has nothing to page", "remove one of memory.offload.optimizer and page_at"),
+        ("optim.name", name, name not in PAGED, "is not paged by memory.offload.page_at (its state is not a set of "
+         "tensors beside the parameters)", f"use optim.name {', '.join(PAGED)}, or remove memory.offload.page_at"),
+        ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps", "steps the optimizer on the parameter-server shards, "
+         "not on the ranks", "remove memory.offload.page_at"),
+        ("memory.offload.tier", off.tier, p.device == "cpu" and off.tier == "cpu", "is host memory, and "
+         "parallel.device cpu keeps the state in host memory already: paging there relieves nothing",
+         "use memory.offload.tier: nvme (with path) on a CPU device, or a GPU"),
+    ]
+    for field, value, applies, why, fix in refused:
+        if applies:
+            raise SpecError(field, value, why, fix)
 
 
 def check_param_offload(job: JobSpec, stored_optim: bool) -> None:
