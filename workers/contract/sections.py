@@ -143,6 +143,11 @@ class OptimSection(Section):
     muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="The dtype adam/adamw store their two moments in: fp32 (PyTorch's optimizers), or bf16, "
+        "half their bytes (workers/optim/state_dtype.py updates in float32 and rounds the moments back). Checkpoints, "
+        "snapshots and resharding keep the stored dtype; the planner counts 4 bytes per parameter instead of 8. "
+        "adam and adamw only, stepped on the device (not the offloaded or parameter-server optimizers).")
 
 
 class PrecisionSection(Section):
