@@ -159,6 +159,11 @@ class PrecisionSection(Section):
     # auto: FSDP2's policy for bf16 with ZeRO-2/3 on a GPU, autocast elsewhere; fsdp: that policy wherever it applies
     policy: Literal["auto", "autocast", "fsdp"] = "auto"
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient reduction (and accumulation) under FSDP2's policy
+    float8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none", description="The blocks' linear layers compute in float8 through torchao's float8 training "
+        "(workers/model/float8.py): tensorwise (one scale per tensor; FSDP2 all-gathers float8 weights) or rowwise "
+        "(one scale per row); the head, embeddings and MoE routers stay in precision.dtype. Needs compute capability "
+        "8.9+ on a GPU; emulated on CPU. Weights, optimizer state and checkpoints stay plain.")
 
 
 class OffloadSection(Section):
