@@ -32,7 +32,8 @@ def test_a_cpu_job_keeps_the_defaults_it_always_had(tmp_path):
     worker = job.worker_dict()
     assert (worker["memory"]["recompute"], worker["train"]["compile"]) == ("none", False)
     pinned, picked = fast_defaults.pin_defaults(job)
-    assert picked == {} and not pinned.unset_fields and (pinned.memory.recompute, pinned.train.compile) == ("none", False)
+    assert picked == {} and not pinned.unset_fields
+    assert (pinned.memory.recompute, pinned.train.compile) == ("none", False)
 
 
 def test_the_decision_takes_the_lightest_policy_that_fits():
