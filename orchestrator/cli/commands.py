@@ -1,4 +1,4 @@
-"""``raymesh`` command line: prepare-data, plan, run, attach, export-merged, export-hf, generate, report."""
+"""``raymesh`` command line: prepare-data, plan, run, attach, export-merged, export-hf, generate, report, schema."""
 
 from __future__ import annotations
 
@@ -193,6 +193,14 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schema(args: argparse.Namespace) -> int:
+    """Print the job file's JSON Schema: what editors (the YAML language server) check and complete job files by."""
+    from orchestrator.spec.reference import schema_text
+
+    sys.stdout.write(schema_text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymesh", description="Ray-hosted 3-D parallel transformer training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -271,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="output directory or URL (default RUN_DIR/report)")
     rep.add_argument("--step", type=int, help="step to draw the pipeline timeline for (default: the last)")
     rep.set_defaults(func=_report)
+    schema = sub.add_parser("schema", help="print the job file's JSON Schema (editors: docs/job.schema.json is a copy)")
+    schema.set_defaults(func=_schema)
     add_client_commands(sub)
     _describe_commands(sub)
     return parser

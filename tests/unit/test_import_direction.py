@@ -34,8 +34,8 @@ FORBIDDEN = {
 
 # Each package's sub-packages (a folder, or a module right under the package), lowest layer first. A module may
 # import its own sub-package and the sub-packages of lower layers: never another of its own layer, never a higher
-# one, never the package's own ``__init__`` (its front door, above every layer). docs/architecture.md ("Sub-package
-# layers") says what each layer is; test_the_docs_list_the_same_layers keeps the two the same.
+# one, never the package's own ``__init__`` (its front door, above every layer). docs/architecture.md ("Layer 1",
+# "Layer 2") says what each layer is; test_the_docs_list_the_same_layers keeps the two the same.
 LAYERS = {
     "orchestrator": (
         ("errors", "events", "records", "run_result", "units"),

@@ -178,11 +178,8 @@ class OffloadSection(Section):
 
 
 class MemorySection(Section):
-    recompute: Literal["none", "selective", "full", "sqrt"] | None = Field(
-        None, description="Which blocks' activations backward recomputes instead of keeping: none, selective (the "
-        "attention core), full (whole blocks), sqrt (full on every round(√n_layers)-th block). Unset: none on a CPU; "
-        "on a GPU the first of none, selective, full whose planned peak fits the device "
-        "(orchestrator/planning/fast_defaults.py; event=defaults_picked says which and why).")
+    # unset (None): picked (orchestrator/planning/fast_defaults.py); meaning in orchestrator/spec/field_docs.py
+    recompute: Literal["none", "selective", "full", "sqrt"] | None = None
     recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSection = Field(default_factory=OffloadSection)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
@@ -203,9 +200,7 @@ class TrainSection(Section):
     microbatches: PositiveInt = 1
     seed: Seed = 0
     log_every: PositiveInt = 1
-    compile: bool | None = Field(
-        None, description="Each transformer block through torch.compile (workers/parallel/compile.py). Unset: off on "
-        "a CPU; on a GPU on wherever the job's other settings allow it (orchestrator/planning/fast_defaults.py).")
+    compile: bool | None = None  # unset (None): picked, as memory.recompute
     # the head and cross entropy per chunk of each sequence under torch.utils.checkpoint, so the [tokens, vocab]
     # logits never exist whole (workers/model/gpt.py::chunked_lm_loss); 1: the whole logits, as before
     loss_chunks: PositiveInt = 1
