@@ -4,6 +4,7 @@ torchtitan on the same job, a profiler trace, and the NCCL abort check.
     python benchmarks/gpu.py --steps 10 --trace runs/gpu-trace --check-abort --out runs/gpu.json
     python benchmarks/gpu.py --set train.global_batch_size=16 --variant 'train.compile=true'  # any job field
     python benchmarks/gpu.py --device cpu --set model.d_model=64 ...                          # the logic, on a CPU
+    python benchmarks/gpu.py --steps 10 --suite issue48 --out runs/gpu48.json   # low precision, picked defaults
 
 The JSON goes to stdout (and ``--out``), the Markdown table to stderr (and ``--markdown``).
 
@@ -33,7 +34,13 @@ Figures, all over the timed steps only (``--warmup`` steps first are left out):
 - ``abort`` (``--check-abort``): a killed peer in a two-process group on one device (``benchmarks/gpu_abort.py``).
 - ``variants`` (``--variant 'KEY=VALUE ...'``, repeatable): the job trained again with those fields changed over
   ``--set``, each with its own throughput and memory figures (compile on/off, a precision policy, an optimizer
-  implementation: one lease, one table).
+  implementation: one lease, one table). A field set to ``null`` is left for raymesh to pick, as the controller
+  picks it (``orchestrator.planning.fast_defaults``; the picks and why under ``defaults_picked``). A variant with
+  ``precision.float8`` also runs torchtitan with its float8 converter on the same job (``torchtitan`` in the
+  variant, with the ratios).
+- ``ratios`` (``--suite issue48``): issue 48's settings as variants (the default-picked job, float8 rowwise and
+  tensorwise, bf16 optimizer state, the offloaded optimizer) and each one's tokens/s and peak over the bf16
+  compiled job's from the same run, the planner's error and the ratio to torchtitan's float8.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ import torch  # noqa: E402
 
 from orchestrator.errors import SpecError  # noqa: E402
 from orchestrator.planning.estimate import estimate_rank, stage_params  # noqa: E402
+from orchestrator.planning.fast_defaults import pin_defaults  # noqa: E402
 from orchestrator.planning.flops import model_flops_per_token, peak_flops_per_rank, utilization  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
 from orchestrator.spec.raw import apply_overrides  # noqa: E402
@@ -77,6 +85,21 @@ BASE_JOB = {
 }
 
 
+# issue 48's settings, each a --variant over the job (--suite issue48), with the baseline each is read against:
+# the bf16 compiled job without recompute (the fastest bf16 of the H200 profile) for float8, bf16 moments and the
+# offloaded optimizer; and the job with recompute and compile left for the planner to pick
+BASELINE_48 = "train.compile=true memory.recompute=none"
+SUITE_48 = {
+    "default_picked": "memory.recompute=null train.compile=null",
+    "bf16_compiled": BASELINE_48,
+    "float8_rowwise": f"{BASELINE_48} precision.float8=rowwise",
+    "float8_tensorwise": f"{BASELINE_48} precision.float8=tensorwise",
+    "bf16_state": f"{BASELINE_48} optim.state_dtype=bf16",
+    "offloaded_optimizer": f"{BASELINE_48} memory.offload.optimizer=true",
+}
+SUITES = {"issue48": SUITE_48}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -87,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variant", dest="variants", action="append", default=[], metavar="'KEY=VALUE ...'",
                    help="also train the job with these fields changed (space-separated, over --set; repeatable): "
                         "one row each of tokens/s, MFU and memory, e.g. --variant 'train.compile=true'")
+    p.add_argument("--suite", choices=sorted(SUITES), action="append", default=[],
+                   help="add a named set of variants (issue48: the default-picked job, float8 rowwise/tensorwise, "
+                        "bf16 optimizer state and the offloaded optimizer against the bf16 compiled job), and the "
+                        "ratios between them")
     p.add_argument("--data", help="a prepared token directory (default: synthetic tokens in a temporary one)")
     p.add_argument("--trace", help="profile two more steps: chrome trace and top-10 ops table into this folder")
     p.add_argument("--check-abort", action="store_true", help="run the abort check of a killed peer")
@@ -98,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--markdown", help="also write the Markdown table here")
     args = p.parse_args(argv)
+    args.variants += [v for suite in args.suite for v in SUITES[suite].values() if v not in args.variants]
     if args.steps < 1 or args.warmup < 0:
         p.error(f"--steps must be >= 1 and --warmup >= 0 (got --steps {args.steps} --warmup {args.warmup})")
     return args
@@ -236,8 +264,8 @@ def job_summary(spec: JobSpec) -> dict:
             "n_kv_heads": m.kv_heads, "d_ff": m.ffn_dim, "vocab_size": m.vocab_size, "seq_len": m.seq_len,
             "tie_embeddings": m.tie_embeddings, "global_batch_size": spec.train.global_batch_size,
             "microbatches": spec.train.microbatches, "precision": spec.precision.dtype,
-            "recompute": spec.memory.recompute, "compile": spec.train.compile,
-            "parameters": sum(stage_params(spec, stage=0, n_stages=1))}
+            "recompute": spec.memory.recompute, "compile": spec.train.compile, "float8": spec.precision.float8,
+            "state_dtype": spec.optim.state_dtype, "parameters": sum(stage_params(spec, stage=0, n_stages=1))}
 
 
 def measure(args: argparse.Namespace, overrides: list[str], folder: Path, trace: str | None) -> dict:
@@ -245,10 +273,12 @@ def measure(args: argparse.Namespace, overrides: list[str], folder: Path, trace:
     total = args.warmup + args.steps + (2 if trace else 0)
     folder.mkdir(parents=True, exist_ok=True)
     data = args.data or synthetic_data(build_spec(overrides, args.device, str(folder), total), folder, total)
-    spec = build_spec(overrides, args.device, data, total)
+    # fields left null are picked as the controller picks them (the planner's fast settings on a GPU)
+    spec, picked = pin_defaults(build_spec(overrides, args.device, data, total))
     out = train(spec, args.warmup, args.steps, trace)
     name = device_name(out["device"])
     return {"device": name, "overrides": overrides, "job": job_summary(spec),
+            "defaults_picked": {field: {"value": value, "why": why} for field, (value, why) in picked.items()},
             "throughput": throughput(spec, out["results"], out["wall_s"], name),
             "memory": memory(spec, out["results"], out["device"]), "profile": out["profile"]}
 
@@ -287,9 +317,52 @@ def run(args: argparse.Namespace) -> dict:
         for i, v in enumerate(args.variants):
             overrides = [*args.overrides, *shlex.split(v)]
             result = part(f"variant {v}", lambda o=overrides, i=i: measure(args, o, Path(tmp) / f"variant-{i}", None))
+            if args.torchtitan != "off" and result.get("job", {}).get("float8", "none") != "none":
+                result["torchtitan"] = torchtitan_on(part, args, result, Path(tmp) / f"variant-{i}-titan", v)
             report["variants"].append({"overrides": overrides, **result, "variant": v})
             part.save()
+        report["ratios"] = suite_ratios(report, args.suite)
     return report
+
+
+def torchtitan_on(part, args: argparse.Namespace, result: dict, folder: Path, variant: str) -> dict:
+    """torchtitan on a variant's job (its float8 recipe included, ``gpu_torchtitan.float8_settings``) in the same
+    lease, with the raymesh / torchtitan ratios."""
+    from benchmarks.gpu_torchtitan import run_torchtitan, with_ratios
+
+    titan = part(f"torchtitan on {variant}", lambda: run_torchtitan(
+        result["job"], args.device, args.warmup, args.steps, folder, args.torchtitan_timeout_s))
+    return titan if "error" in titan or "throughput" not in result else with_ratios(result["throughput"], titan)
+
+
+def suite_ratios(report: dict, suites: list[str]) -> dict:
+    """Each suite's figures read against its baseline from the same run: tokens/s and measured peak of each
+    setting over the bf16 compiled job's, the default-picked job's MFU and picks, and raymesh's float8 over
+    torchtitan's; None where a part failed or did not run."""
+    if "issue48" not in suites:
+        return {}
+    by_name = {name: next((v for v in report["variants"] if v["variant"] == variant), {})
+               for name, variant in SUITE_48.items()}
+    base = by_name["bf16_compiled"].get("throughput")
+    out = {}
+    for name, variant in by_name.items():
+        t = variant.get("throughput")
+        titan = (variant.get("torchtitan") or {}).get("ratio") or {}
+        out[name] = {
+            "tokens_per_s": t and t["tokens_per_s"], "mfu": t and t["mfu"],
+            "vs_bf16_compiled": t and base and t["tokens_per_s"] / base["tokens_per_s"],
+            "peak_vs_bf16_compiled": _peak_ratio(variant, by_name["bf16_compiled"]),
+            "planner_relative_error": (variant.get("memory") or {}).get("relative_error"),
+            "vs_torchtitan": titan.get("tokens_per_s")}
+    out["default_picked"]["picked"] = by_name["default_picked"].get("defaults_picked")
+    return out
+
+
+def _peak_ratio(variant: dict, base: dict) -> float | None:
+    """A variant's measured peak over the baseline's (None when either has none)."""
+    if not variant.get("memory") or not base.get("memory"):
+        return None
+    return variant["memory"]["measured_peak_bytes"] / base["memory"]["measured_peak_bytes"]
 
 
 class Part:
@@ -353,7 +426,20 @@ def markdown(report: dict) -> str:
     if report["variants"]:
         lines += ["", "| job | tokens/s | MFU | peak memory measured / predicted |", "|---|---|---|---|"]
         lines += [variant_row(v) for v in [report, *report["variants"]]]
+    if report.get("ratios"):
+        lines += ["", "| setting | tokens/s vs bf16 compiled | peak vs bf16 compiled | planner error | vs torchtitan |",
+                  "|---|---|---|---|---|"]
+        lines += [ratio_row(name, r) for name, r in report["ratios"].items()]
     return "\n".join(lines)
+
+
+def ratio_row(name: str, r: dict) -> str:
+    """One setting's row of the suite's ratios (a dash where a figure is missing)."""
+    def cell(value, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
+    return (f"| {name} | {cell(r['vs_bf16_compiled'], '.2f')} | {cell(r['peak_vs_bf16_compiled'], '.2f')} | "
+            f"{cell(r['planner_relative_error'], '+.1%')} | {cell(r['vs_torchtitan'], '.2f')} |")
 
 
 def failed(error: str) -> str:

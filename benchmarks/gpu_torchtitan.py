@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.torchtitan_job import JOB_ENV
+from benchmarks.torchtitan_job import JOB_ENV, float8_settings
 from orchestrator.planning.flops import utilization
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +142,9 @@ def toml_job(job: dict) -> str:
         "compile": {"enable": job.get("compile", False)},  # model and loss, as raymesh compiles both
         "experimental": {"custom_import": "benchmarks.torchtitan_job"},
     }
+    if float8_settings(job):  # 0.2 names its converters in [model], each one's settings in its own section
+        sections["model"]["converters"] = ["float8"]
+        sections["float8"] = float8_settings(job)
     return "".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()) + "\n"
                    for name, values in sections.items())
 

@@ -75,7 +75,7 @@ def raymesh_job():
 
     job = json.loads(os.environ[JOB_ENV])
     spec = _model_spec(job)
-    return Trainer.Config(
+    config = Trainer.Config(
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
         hf_assets_path=job["tokenizer_dir"], dump_folder=job["dump_folder"], model_spec=spec,
         optimizer=default_adamw(lr=3e-4),
@@ -90,6 +90,27 @@ def raymesh_job():
         validator=Validator.Config(enable=False),
         compile=CompileConfig(enable=job.get("compile", False)),
     )
+    _float8(config, job)
+    return config
+
+
+def float8_settings(job: dict) -> dict:
+    """torchtitan's float8 converter settings for the job's ``float8`` recipe (empty without one): the recipe, the
+    output head left in bf16 as raymesh leaves it, and float8 all-gather with tensorwise, as raymesh gathers."""
+    recipe = job.get("float8", "none")
+    if recipe == "none":
+        return {}
+    return {"recipe_name": recipe, "filter_fqns": ["output", "lm_head"],  # the head: 0.2's name, 0.3's
+            "enable_fsdp_float8_all_gather": recipe == "tensorwise"}
+
+
+def _float8(config, job: dict) -> None:
+    """torchtitan 0.3's float8 converter on the job's recipe (``float8_settings``), if it has one."""
+    settings = float8_settings(job)
+    if settings:
+        from torchtitan.components.quantization.float8 import Float8LinearConverter
+
+        config.model_converters.converters = [Float8LinearConverter.Config(**settings)]
 
 
 def _register_flavour() -> None:

@@ -402,7 +402,8 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
                 - nf4_gathered_params(spec, ids, n_stages))
     offload = offload_flags(spec)
     experts = split.get("experts", 0)
-    steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled, "gloo": p.device == "cpu"}
+    steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled, "gloo": p.device == "cpu",
+             "state_dtype": o.state_dtype}
     # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
     state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, precision_layout(spec),
                            name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,

@@ -51,6 +51,8 @@ from workers.contract.schedules import schedule as schedule_facts
 # experts) is counted at AdamW's 8 by ``estimate.rank_model_state``
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "paged_adamw": 8, "onebit_adam": 8, "sgd": 0, "adafactor": 0,
                          "sm3": 0, "muon": 4}
+# optimizers whose two moments take optim.state_dtype's width (the spec refuses bf16 state for the others)
+LOW_PRECISION_STATE_OPTIMIZERS = frozenset({"adam", "adamw"})
 # optimizers whose state lives in the offload store, not on the device
 HOST_STATE_OPTIMIZERS = frozenset({"paged_adamw"})
 # param, grad, master bytes; fsdp_mixed: FSDP2's bf16 policy keeps fp32 shards (the optimizer's masters) and
@@ -116,10 +118,13 @@ def in_step_peak(state: ModelState, activations: int, grads_at_activation_peak: 
     return state.params + state.optimizer + max(forward_end, in_backward, backward_end)
 
 
-def optimizer_state_bytes(optimizer: str, momentum: bool = False) -> int:
-    """K_opt: state bytes per parameter (SGD keeps a 4-byte buffer only with momentum)."""
+def optimizer_state_bytes(optimizer: str, momentum: bool = False, state_dtype: str = "fp32") -> int:
+    """K_opt: state bytes per parameter (SGD keeps a 4-byte buffer only with momentum; adam/adamw's two moments
+    take 2 bytes each under ``optim.state_dtype: bf16``, workers/optim/state_dtype.py)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE_BYTES)}")
+    if optimizer in LOW_PRECISION_STATE_OPTIMIZERS:
+        return 2 * BYTES_PER[state_dtype]
     return 4 if optimizer == "sgd" and momentum else OPTIMIZER_STATE_BYTES[optimizer]
 
 
@@ -134,7 +139,8 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
                 momentum: bool = False, fsdp: bool = False, zero3_gathered_params: int = 0,
                 offload_optimizer: bool = False, offload_params: bool = False,
                 host_master: bool = False, frozen: int = 0, quantized_bytes: int = 0,
-                accumulating: bool = False, pipelined: bool = False, gloo: bool = False) -> ModelState:
+                accumulating: bool = False, pipelined: bool = False, gloo: bool = False,
+                state_dtype: str = "fp32") -> ModelState:
     """Model-state bytes of one rank holding ``n_params`` (its pipeline/TP share) under ZeRO ``zero`` over ``dp``.
 
     ``zero3_gathered_params``: parameters all-gathered at once at ZeRO-3's peak (FSDP2:
@@ -156,10 +162,11 @@ def model_state(n_params: int, dp: int = 1, zero: int = 0, precision: str = "fp3
     gradients meanwhile (the ``accumulating`` term). ``pipelined``: torch's ``PipelineStage`` also
     turns off resharding after backward, so under ZeRO-3 the whole stage's parameters stay
     gathered, as under ZeRO-2. ``gloo`` (a CPU job): gloo runs ZeRO-1's ``reduce_scatter_tensor`` through a
-    full-size copy of its input (measured at dp=2; NCCL reduce-scatters without one).
+    full-size copy of its input (measured at dp=2; NCCL reduce-scatters without one). ``state_dtype``:
+    ``optim.state_dtype``, the width of adam/adamw's moments.
     """
     p_bytes, g_bytes, master = PRECISIONS[precision]
-    k = master + optimizer_state_bytes(optimizer, momentum)
+    k = master + optimizer_state_bytes(optimizer, momentum, state_dtype)
     params, grads, optim = p_bytes * (n_params + frozen), g_bytes * n_params, k * n_params
     gathered = 0
     if zero >= 1:

@@ -47,6 +47,7 @@ from orchestrator.observability.run_records import (
 )
 from orchestrator.observability.step_accounting import StepAccounting
 from orchestrator.observability.trackers import tracker_observer
+from orchestrator.planning.fast_defaults import pin_defaults
 from orchestrator.planning.stage_split import auto_split, pin_split
 from orchestrator.records import Layout
 from orchestrator.recovery import node_loss
@@ -124,6 +125,8 @@ class TrainingJob:
             spec = with_ray_dataset(spec, dataset, resume)
         self.split_chosen = auto_split(spec).describe() if spec.parallel.pp_split == "auto" else None
         spec = pin_split(spec)  # profiled once, before any actor starts; regrids keep it
+        # recompute and compile the job left unset: the planner's fast settings on a GPU (event=defaults_picked)
+        spec, self.defaults_picked = pin_defaults(spec)
         self.spec, self.resume, self.address, self.progress = spec, resume, address, progress
         self.runtime: Runtime = runtime or RayRuntime()
         self.run_dir = spec.resolved_run_dir()

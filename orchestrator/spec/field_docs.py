@@ -399,6 +399,8 @@ FIELD_DOCS: dict[str, str] = {
         'bytes); refused where that policy does not run'
     ),
     'memory.recompute': (
+        "unset: `none` on a CPU; on a GPU the first of `none`, `selective`, `full` whose planned peak fits the device "
+        "(`event=defaults_picked` says which and why; [low precision and fast defaults](../guides/low-precision.md)). "
         "`none`, `selective` (attention core), `full` (whole blocks), `sqrt` (Chen et al. 2016's √n rule per block: "
         '`full` on every round(√n_layers)-th block; the memory model follows it; not with `recompute_every`)'
     ),
@@ -452,6 +454,7 @@ FIELD_DOCS: dict[str, str] = {
         'progress bar, to an `event=step` log line; `steps.jsonl` keeps every step'
     ),
     'train.compile': (
+        'unset: off on a CPU, on on a GPU wherever the job\'s other settings allow it (`event=defaults_picked`). '
         'every transformer block compiled in place with `torch.compile(fullgraph=True)` (inductor; parameter names, '
         'checkpoints and HF export unchanged); the first step pays for compiling one block (the rest reuse its graph: '
         '~15 s on a 2-core CPU), and recompute runs through `torch.utils.checkpoint` inside the compiled block. Tried '

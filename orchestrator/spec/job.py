@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import SpecError
 from orchestrator.spec.checks import CROSS_FIELD_CHECKS
@@ -32,12 +32,17 @@ from orchestrator.spec.sections import (
     TrainSpec,
     recompute_plan,
 )
+from orchestrator.spec.unset import as_unset, fill_cpu_defaults, unset_fields
 from workers.parallel.partition import even_split
 from workers.storage import is_url, location, staging_dir
 
 
 class JobSpec(_Section):
     """A whole job file. Build it with `from_dict` or `load_spec` to get `SpecError`s."""
+
+    _unset: frozenset[str] = PrivateAttr(default=frozenset())
+
+    _picked_defaults: dict = PrivateAttr(default_factory=dict)
 
     # a directory name (runs/<name>) and a file name (<name>.json), so at most NAME_MAX less the suffix
     name: Annotated[str, Field(min_length=1, max_length=NAME_MAX - len(".json"), pattern=r"^[A-Za-z0-9._-]+$")] = (
@@ -93,8 +98,9 @@ class JobSpec(_Section):
         raise error  # raised outside `except` so no pydantic traceback is chained
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict that `from_dict` accepts (the checkpoint flag is emitted as `async`)."""
-        return self.model_dump(mode="json", by_alias=True)
+        """Plain JSON-able dict that `from_dict` accepts (the checkpoint flag is emitted as `async`; the fields left
+        for raymesh to pick as unset, ``null``)."""
+        return as_unset(self.model_dump(mode="json", by_alias=True), self.unset_fields)
 
     def worker_dict(self) -> dict[str, Any]:
         """`to_dict` with derived values filled in (`model.d_ff`, `parallel.virtual_stages`, the padded vocab,
@@ -105,7 +111,7 @@ class JobSpec(_Section):
         it with the section classes these sections subclass (``workers.spec.WorkerSpec``), which refuse a field left
         out.
         """
-        out = self.to_dict()
+        out = self.model_dump(mode="json", by_alias=True)  # the values the unset fields hold, not null
         out["model"]["d_ff"] = self.model.ffn_dim
         out["model"]["vocab_size"] = self.padded_vocab_size
         out["parallel"]["virtual_stages"] = self.parallel.stages_per_rank
@@ -175,9 +181,19 @@ class JobSpec(_Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> JobSpec:
+        """Every cross-field check, with the fields left for raymesh to pick (``orchestrator.spec.unset``) holding
+        their CPU defaults meanwhile."""
+        self._unset = unset_fields(self)
+        fill_cpu_defaults(self, self._unset)
         for check in CROSS_FIELD_CHECKS:
             check(self)
         return self
+
+    @property
+    def unset_fields(self) -> frozenset[str]:
+        """The fields the job file left for raymesh to pick (``memory.recompute``, ``train.compile``), holding their
+        CPU defaults until the controller picks on a GPU (``orchestrator.planning.fast_defaults``)."""
+        return self._unset
 
 
 def _numbers(node: Any, path: tuple, seen: set[int]) -> Iterable[tuple[tuple, int]]:

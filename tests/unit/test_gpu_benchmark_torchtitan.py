@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks.gpu_abort import outcome
 from benchmarks.gpu_torchtitan import command, parse_steps, skipped, summarize, with_ratios
+from benchmarks.torchtitan_job import float8_settings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,3 +103,13 @@ def test_abort_outcomes_read_as_what_happened():
     ok = outcome("cuda", {}, 20.0, {"formed": 2.0, "killed_at": 2.0, "failed": failed, "reformed": 2.0,
                                      "replacement_reduced": 2.0}, 0)
     assert ok["reformed_ok"] and ok["survivor_alive"] and ok["backend"] == "nccl"
+
+
+def test_a_float8_job_turns_torchtitans_float8_converter_on_with_the_head_left_out(tmp_path):
+    toml = tomllib.loads(Path(command("0.2.2", tmp_path, {**JOB, "float8": "rowwise"})[-1]).read_text())
+    assert toml["model"]["converters"] == ["float8"]
+    assert toml["float8"] == {"recipe_name": "rowwise", "filter_fqns": ["output", "lm_head"],
+                              "enable_fsdp_float8_all_gather": False}
+    assert float8_settings({**JOB, "float8": "tensorwise"})["enable_fsdp_float8_all_gather"]
+    plain = tomllib.loads(Path(command("0.2.2", tmp_path, JOB)[-1]).read_text())
+    assert "float8" not in plain and "converters" not in plain["model"] and float8_settings(JOB) == {}

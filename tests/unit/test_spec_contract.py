@@ -87,7 +87,8 @@ def test_a_rank_reads_the_defaults_the_contract_declares(tmp_path):
     defaults (apart from what worker_dict derives), so a default changed there is the job's and the rank's."""
     job = JobSpec.from_dict({"data": {"path": str(tmp_path)}})
     spec = WorkerSpec.from_dict(job.worker_dict())
-    derived = {"parallel": {"virtual_stages": 1, "pp_split": [job.model.n_layers]}}
+    derived = {"parallel": {"virtual_stages": 1, "pp_split": [job.model.n_layers]},
+               "memory": {"recompute": "none"}, "train": {"compile": False}}  # unset: the CPU defaults
     for name, contract in SECTIONS.items():
         expected = contract(**{"path": str(tmp_path)} if name == "data" else {}).model_copy(update=derived.get(name))
         assert getattr(spec, name) == expected, name

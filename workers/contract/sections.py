@@ -143,6 +143,11 @@ class OptimSection(Section):
     muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="The dtype adam/adamw store their two moments in: fp32 (PyTorch's optimizers), or bf16, "
+        "half their bytes (workers/optim/state_dtype.py updates in float32 and rounds the moments back). Checkpoints, "
+        "snapshots and resharding keep the stored dtype; the planner counts 4 bytes per parameter instead of 8. "
+        "adam and adamw only, stepped on the device (not the offloaded or parameter-server optimizers).")
 
 
 class PrecisionSection(Section):
@@ -154,6 +159,11 @@ class PrecisionSection(Section):
     # auto: FSDP2's policy for bf16 with ZeRO-2/3 on a GPU, autocast elsewhere; fsdp: that policy wherever it applies
     policy: Literal["auto", "autocast", "fsdp"] = "auto"
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient reduction (and accumulation) under FSDP2's policy
+    float8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none", description="The blocks' linear layers compute in float8 through torchao's float8 training "
+        "(workers/model/float8.py): tensorwise (one scale per tensor; FSDP2 all-gathers float8 weights) or rowwise "
+        "(one scale per row); the head, embeddings and MoE routers stay in precision.dtype. Needs compute capability "
+        "8.9+ on a GPU; emulated on CPU. Weights, optimizer state and checkpoints stay plain.")
 
 
 class OffloadSection(Section):
@@ -175,7 +185,8 @@ class OffloadSection(Section):
 
 
 class MemorySection(Section):
-    recompute: Literal["none", "selective", "full", "sqrt"] = "none"  # sqrt: full on every round(√n_layers)-th block
+    # unset (None): picked (orchestrator/planning/fast_defaults.py); meaning in orchestrator/spec/field_docs.py
+    recompute: Literal["none", "selective", "full", "sqrt"] | None = None
     recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSection = Field(default_factory=OffloadSection)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
@@ -196,7 +207,7 @@ class TrainSection(Section):
     microbatches: PositiveInt = 1
     seed: Seed = 0
     log_every: PositiveInt = 1
-    compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
+    compile: bool | None = None  # unset (None): picked, as memory.recompute
     # the head and cross entropy per chunk of each sequence under torch.utils.checkpoint, so the [tokens, vocab]
     # logits never exist whole (workers/model/gpt.py::chunked_lm_loss); 1: the whole logits, as before
     loss_chunks: PositiveInt = 1

@@ -11,7 +11,8 @@ is prefetched; the updated master is copied back into the device parameter and
 the state is released, so at most a parameter or two of state is resident.
 With ZeRO-3 parameter offload (``shards``, a ``ParamOffload``) the shard it
 updates is the stored one, in place on the host: the device never holds it
-for the step.
+for the step. Each parameter's gradient reaches the host while the parameter before it steps
+(``workers.offload.grad_pipeline``).
 
 ``self.state[p]`` is a ``StoredState`` mapping that reads and writes through
 the store, so ``state_dict``/DCP checkpoints and in-memory snapshots see the
@@ -30,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
+from workers.offload.grad_pipeline import GradPipeline
 from workers.offload.store import OffloadStore
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -99,7 +101,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.store = store
         self.shards = shards
         self.decoupled_weight_decay = decoupled_weight_decay
-        self._grad_staging: torch.Tensor | None = None  # see _host_grad
+        self._grads = GradPipeline()  # gradients reach the host one parameter ahead of the step
         self._keys = {}
         for p in self._params():
             self._keys[p] = f"p{len(self._keys)}."
@@ -144,20 +146,26 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Each parameter's host step, the next parameter's gradient copy and state prefetch started before it
+        (``GradPipeline``: the copy of one gradient overlaps the host step of another)."""
         loss = closure() if closure is not None else None
         todo = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if todo:
+            self._grads.start(0, _local(todo[0][1].grad))
         for i, (group, p) in enumerate(todo):
-            if i + 1 < len(todo) and isinstance(self.state[todo[i + 1][1]], StoredState):
-                self._prefetch(todo[i + 1][1])
-            self._step_one(group, p)
+            if i + 1 < len(todo):
+                self._grads.start(i + 1, _local(todo[i + 1][1].grad))
+                if isinstance(self.state[todo[i + 1][1]], StoredState):
+                    self._prefetch(todo[i + 1][1])
+            self._step_one(group, p, self._grads.take(i))
         return loss
 
-    def _step_one(self, group: dict, p: torch.Tensor) -> None:
+    def _step_one(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Adam on the host for ``p``, whose gradient ``grad`` is already a host fp32 tensor."""
         local = self._target(p)
         state = self._state(p, local)
         prefix = state.prefix
         master = self.store.get(prefix + "master") if needs_master(local) else local
-        grad = self._host_grad(_local(p.grad))
         exp_avg, exp_avg_sq = (self.store.get(prefix + k) for k in MOMENTS)
         beta1, beta2 = group["betas"]
         # fused: PyTorch's one-pass CPU kernel, 7x its single-tensor path on a 2-core host (the host step is
@@ -172,17 +180,6 @@ class OffloadedAdam(torch.optim.Optimizer):
             self.store.release(prefix + k)
         if self.shards is not None:
             self.shards.release(p)
-
-    def _host_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` as a host fp32 tensor. From a GPU it lands in one pinned buffer kept across parameters and
-        steps (grown to the largest shard): a pinned copy runs at the link's speed, a pageable one at a fraction
-        of it, and pinning fresh memory for every parameter would cost more than the copy."""
-        if grad.device.type == "cpu":
-            return grad.to(torch.float32)
-        n = grad.numel()
-        if self._grad_staging is None or self._grad_staging.numel() < n:
-            self._grad_staging = torch.empty(n, dtype=torch.float32, pin_memory=True)
-        return self._grad_staging[:n].view(grad.shape).copy_(grad)
 
     def state_dict(self):
         """PyTorch's layout with the stored moments read back, shaped (DTensor or not) like their parameters."""

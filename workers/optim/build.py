@@ -37,6 +37,7 @@ def build_optimizer(params, optim: OptimSection, offload: OffloadSection | None 
     (and steps the stored shards of ``shards``, a ``ParamOffload``, when parameters are offloaded too).
     ``optim.implementation`` picks PyTorch's fused, foreach or per-parameter kernels
     (``workers.optim.implementations``; the spec refuses it for optimizers that have no choice).
+    ``optim.state_dtype: bf16`` steps adam/adamw with bfloat16 moments (``workers.optim.state_dtype``).
     Every path takes ``decay_groups``: the parameters ``optim.weight_decay_exclude`` spares in a group of their own.
     """
     name = optim.name
@@ -59,6 +60,8 @@ def build_optimizer(params, optim: OptimSection, offload: OffloadSection | None 
         return OffloadedAdam(params, store, decoupled_weight_decay=name != "adam", shards=shards, **kwargs)
     if name == "onebit_adam":
         return OneBitAdam(params, dp_group, optim.warmup_steps, names=named, **kwargs)
+    if optim.state_dtype != "fp32" and name in ("adam", "adamw"):
+        return _low_precision_adam(params, optim, decoupled=name == "adamw", **kwargs)
     tensors = [p for group in params for p in group["params"]]
     on_cuda = any(p.is_cuda for p in tensors)  # a DTensor is where its local shard is
     mixed = len({isinstance(p, DTensor) for p in tensors}) > 1
@@ -74,6 +77,15 @@ def _paged(opt: torch.optim.Optimizer, offload: OffloadSection, device) -> torch
     (``memory.offload.page_at``, workers/offload/paged.py)."""
     StatePager(opt, OffloadStore.from_spec(offload, device), offload.page_at, device_probe(device))
     return opt
+
+
+def _low_precision_adam(params: list[dict], optim: OptimSection, decoupled: bool, **kwargs) -> torch.optim.Optimizer:
+    """Adam/AdamW with their moments in ``optim.state_dtype`` (``workers.optim.state_dtype``), imported here: it
+    loads torchao, which jobs on float32 state never need."""
+    from workers.optim.state_dtype import STATE_DTYPES, LowPrecisionAdam
+
+    return LowPrecisionAdam(params, decoupled_weight_decay=decoupled, state_dtype=STATE_DTYPES[optim.state_dtype],
+                            **kwargs)
 
 
 def _muon_hybrid(named: list[tuple[str, torch.Tensor]], optim: OptimSection, dp_group=None) -> Hybrid:

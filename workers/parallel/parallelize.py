@@ -1,5 +1,5 @@
-"""Builds this rank's share of the model: stages, then TP/SP, context parallel, expert sharding (ep), recompute,
-compile (``train.compile``), then data parallel.
+"""Builds this rank's share of the model: stages, float8 linears (``precision.float8``), then TP/SP, context
+parallel, expert sharding (ep), recompute, compile (``train.compile``), then data parallel.
 
 Every rank builds the whole model on the ``meta`` device (no storage), cuts
 its pipeline stages, applies TP and (ZeRO-2/3) FSDP2 there, and only then
@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from workers.contract.schedules import schedule as schedule_facts
 from workers.finetune import prepare_model
+from workers.model.float8 import apply_float8, check_float8_device
 from workers.model.hf_io import load_hf_weights
 from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
@@ -95,8 +96,12 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     expert_mesh = init_expert_mesh(grid, device, spec.fault_tolerance.collective_timeout_s)
     ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
     wrapped, all_experts = [], []
+    check_float8_device(spec.precision.float8, device)
     for part in parts:
         part.loss_chunks = spec.train.loss_chunks  # the last stage's forward then leaves the head to the loss
+        # before TP and FSDP2, which then shard the swapped layers' plain weights (torchao's order)
+        apply_float8(fam.hook("blocks")(part), spec.precision.float8, device,
+                     fsdp=par.dp_sync != "ps" and par.zero >= 2)
         if not meta:
             part.to(device)
         if grid.tp_enabled:

@@ -33,9 +33,7 @@ def check_muon(job: JobSpec) -> None:
          "update of the product B·A, and the AdamW-matched rate is Moonlight's for whole matrices), so Muon would "
          "step nothing", "use optim.name: adamw with model.lora (the same update), or remove model.lora"),
     ]
-    for field, value, applies, why, fix in refused:
-        if applies:
-            raise SpecError(field, value, f"is not supported with optim.name muon: it {why}", fix)
+    _refuse_first(refused, "optim.name muon")
 
 
 def check_optim_implementation(job: JobSpec) -> None:
@@ -60,3 +58,32 @@ def check_optim_implementation(job: JobSpec) -> None:
                "remove optim.implementation (auto), or use optim.name adamw, adam or sgd"
                + (" without memory.offload.optimizer" if offloaded else ""))
         raise SpecError("optim.implementation", o.implementation, f"is not offered by {whose}", fix)
+
+
+def check_optim_state_dtype(job: JobSpec) -> None:
+    """``optim.state_dtype: bf16`` where the device's adam/adamw steps (``workers.optim.state_dtype``), refused
+    where another optimizer or path would step and silently keep its own state dtype."""
+    o, p = job.optim, job.parallel
+    if o.state_dtype == "fp32":
+        return
+    refused = [  # (field, value, applies, why, fix)
+        ("optim.name", o.name, o.name not in ("adam", "adamw"), "keeps its own state (bf16 moments are adam and "
+         "adamw's)", "use optim.name adamw or adam, or optim.state_dtype: fp32"),
+        ("memory.offload.optimizer", True, job.memory.offload.optimizer, "steps the moments in the offload store "
+         "(workers/offload/optimizer.py), which keeps them in float32", "set memory.offload.optimizer: false, or "
+         "optim.state_dtype: fp32"),
+        ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps", "steps the optimizer on the parameter-server shards, "
+         "which keep float32 state", "use parallel.dp_sync: allreduce, or optim.state_dtype: fp32"),
+        ("optim.implementation", o.implementation, o.implementation in ("fused", "foreach"), "steps one parameter "
+         "at a time (PyTorch's fused and foreach kernels keep the moments in the parameter's dtype)",
+         "use optim.implementation: auto or for_loop, or optim.state_dtype: fp32"),
+    ]
+    _refuse_first(refused, f"optim.state_dtype {o.state_dtype}")
+
+
+def _refuse_first(refused: list[tuple], setting: str) -> None:
+    """The first of ``refused`` (field, value, applies, why, fix) that applies, as the ``SpecError`` that says it is
+    not supported with ``setting``."""
+    for field, value, applies, why, fix in refused:
+        if applies:
+            raise SpecError(field, value, f"is not supported with {setting}: it {why}", fix)

@@ -31,3 +31,21 @@ def check_precision(job: JobSpec) -> None:
                         "parallel.zero 2 or 3, and precision.policy fsdp, or auto on a GPU)",
                         "remove precision.reduce_dtype, or set precision.policy: fsdp with zero 2 or 3 (ZeRO-0 "
                         "compresses its buckets with parallel.grad_compression: bf16)")
+
+
+def check_float8(job: JobSpec) -> None:
+    """``precision.float8`` where torchao's float8 linears would not be what trains: LoRA's wrapped base layers
+    (frozen, adapters too narrow for float8 GEMMs), and fp16, whose loss scaling float8's own scales fight.
+    A GPU without FP8 matmuls is refused by the ranks (``workers.model.float8.check_float8_device``)."""
+    pr = job.precision
+    if pr.float8 == "none":
+        return
+    if job.model.lora is not None:
+        raise SpecError("precision.float8", pr.float8, "cannot combine with model.lora: the blocks' linear layers "
+                        "are LoRA wrappers over frozen (or NF4) base weights, which torchao's float8 training does "
+                        "not swap", "remove precision.float8 (LoRA's adapters are too small to gain from it), or "
+                        "model.lora")
+    if pr.dtype == "fp16":
+        raise SpecError("precision.float8", pr.float8, "cannot combine with precision.dtype fp16: float8's "
+                        "dynamic scales and fp16's loss scaling would both rescale the gradients",
+                        "use precision.dtype: bf16 (float8 training's usual partner), or precision.float8: none")
