@@ -49,6 +49,12 @@ class ParallelSection(Section):
     cp_impl: Literal["ring", "ulysses", "allgather"] = "ring"  # which attention kernel joins the cp shares
     ep: Annotated[int, Field(ge=1)] = 1  # expert parallelism: MoE experts split over groups of ep dp ranks
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
+    dp_shard: Annotated[int | None, Field(ge=1, description=(
+        "Hybrid sharding (HSDP, ZeRO++'s hpZ): zero 1-3 shard their state inside groups of this many "
+        "consecutive dp ranks (times cp) and replicate it across the dp / dp_shard groups, whose gradients "
+        "meet in one all-reduce of the shard; must divide dp. None (default) or dp: shard over all of dp. "
+        "Read by the mesh (workers/contract/grid.py), workers/parallel/data_parallel.py, "
+        "distributed_optimizer.py and the planner (orchestrator/planning)."))] = None
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None
     # pp_schedule pipedream: every stage runs the version the first stage used for a microbatch (PipeDream's

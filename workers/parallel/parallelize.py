@@ -43,7 +43,7 @@ from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
-from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh
+from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh, shard_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
 
@@ -116,7 +116,8 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
             mixed = bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda") else None
-            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp, mixed)
+            part = apply_data_parallel(part, fam.hook("blocks")(part), shard_mesh(mesh, grid), par.zero, experts,
+                                       edp, mixed)
             set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
