@@ -116,8 +116,9 @@ class Trainer:
         sliced = self.parts.modules if par.zero == 1 and dp_mesh.size() > 1 else []
         dp_dim, replicate = shard_dim(par.grid), "dp_replicate" if par.grid.hybrid else None
         held = frozenset(id(p) for e in self.parts.experts for p in e.parameters())  # sliced over edp instead
+        reduce = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
         self.zero1 = [sliced_optimizer(unwrap(m).named_parameters(), self.mesh, dp_dim, held, self.parts.expert_mesh,
-                                       replicate) for m in sliced]
+                                       replicate, reduce) for m in sliced]
         if self.zero1 and held:  # the clip reads the experts' slices: summed over ep, as their weights would be
             names = {n for m in sliced for n, p in unwrap(m).named_parameters() if id(p) in held}
             shards = [s for z in self.zero1 for n, s in z.shards.items() if n in names]

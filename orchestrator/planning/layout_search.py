@@ -83,6 +83,7 @@ class Shape:
     gpu: bool = True  # parallel.device is not cpu: eager norms are one fused kernel (memory_model's fused_norm)
     compiled: bool = False  # train.compile: the blocks through inductor
     compiled_loss: bool = False  # and the whole-logits loss too (not DPO's own loss)
+    grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: ZeRO 1-3's gradient reduction width outside the policy
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -93,7 +94,8 @@ class Shape:
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
-                   spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec))
+                   spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec),
+                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype])
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -496,7 +498,7 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     # and ZeRO-0's buckets reduce it as it is (workers/parallel/grad_buckets.py): vocab x h, not vocab/tp x h
     embedding_grad = s.vocab * s.d_model * (lay.tp - 1) // lay.tp if 0 in ids and lay.zero == 0 else 0
     # FSDP2's policy gathers 16-bit parameters and reduces in precision.reduce_dtype; autocast moves fp32
-    gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, 4)
+    gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, s.grad_reduce_bytes if lay.zero else 4)
     return cm.CommShape(gather * params, reduce * (params + embedding_grad), c * sbh,
                         s.boundary_width(lay.zero) * sbh // lay.tp,
                         2 * c * seq * lay.micro_batch * s.kv * s.head_size // lay.tp,

@@ -101,6 +101,7 @@ COUNTED = {  # world 4: a plain dp=4 all-reduce (it sends 1.5x the gradients' G 
     "zero1-dp4-shard2": {"dp": 4, "dp_shard": 2, "zero": 1},
     "zero2-dp4-shard2": {"dp": 4, "dp_shard": 2, "zero": 2},
     "zero3-dp2-shard1-cp2": {"dp": 2, "dp_shard": 1, "zero": 3, "cp": 2},
+    "zero2-dp4-shard2-bf16": {"dp": 4, "dp_shard": 2, "zero": 2, "grad_reduce_dtype": "bf16"},  # the model's 2 bytes
 }
 
 

@@ -26,10 +26,14 @@ def _job(parallel: dict, **sections) -> JobSpec:
     ({"dp": 4, "dp_shard": 2}, ["parallel.dp_shard", "zero 0 shards nothing", "zero: 1, 2 or 3"]),
     ({"dp": 4, "dp_shard": 2, "zero": 1, "dp_sync": "ps"}, ["parallel.dp_shard", "parameter-server"]),
     ({"dp": 4, "dp_shard": 2, "zero": 3, "ep": 2}, ["parallel.dp_shard", "expert parallelism"]),
+    ({"dp": 2, "grad_reduce_dtype": "bf16"}, ["parallel.grad_reduce_dtype", "zero: 0", "grad_compression: bf16"]),
+    ({"dp": 2, "zero": 3, "grad_reduce_dtype": "bf16", "_bf16_policy": True},
+     ["parallel.grad_reduce_dtype", "precision.reduce_dtype: bf16"]),
 ])
 def test_bad_dp_shard_is_refused_naming_the_field_and_the_fix(parallel, words):
+    policy = {"precision": {"dtype": "bf16", "policy": "fsdp"}} if parallel.pop("_bf16_policy", False) else {}
     with pytest.raises(SpecError) as err:
-        _job(parallel)
+        _job(parallel, **policy)
     for word in words:
         assert word in str(err.value)
 
@@ -87,3 +91,10 @@ def test_time_prices_shard_groups_on_nvlink_and_replicas_on_the_network():
     assert hybrid.dp_shard == 8 and hybrid.shards == 8
     (t_plain, _), (t_hybrid, by_dim) = ev.step_time(plain), ev.step_time(hybrid)
     assert by_dim["dp_replicate"] > 0 and t_hybrid.exposed["dp"] < t_plain.exposed["dp"]
+
+
+def test_a_bf16_reduction_is_priced_at_two_bytes_a_gradient():
+    fp32, bf16 = (ls.Shape.of(_job({"dp": 4, "zero": 1, "grad_reduce_dtype": d})) for d in ("fp32", "bf16"))
+    lay = ls.Layout(4, 1, 1, zero=1)
+    a, b = ls.comm_shape(fp32, lay, 0), ls.comm_shape(bf16, lay, 0)
+    assert b.grad_bytes * 2 == a.grad_bytes and b.param_bytes == a.param_bytes  # the slices gather in fp32

@@ -38,7 +38,7 @@ from workers.model.names import unwrap
 from workers.model.registry import ModelFamily
 from workers.parallel.compile import compile_blocks
 from workers.parallel.context_layout import apply_context_parallel
-from workers.parallel.data_parallel import apply_data_parallel, bf16_policy
+from workers.parallel.data_parallel import apply_data_parallel, bf16_policy, reduce_policy
 from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
@@ -115,7 +115,8 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
         edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
-            mixed = bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda") else None
+            mixed = (bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda")
+                     else reduce_policy(par.grad_reduce_dtype))
             part = apply_data_parallel(part, fam.hook("blocks")(part), shard_mesh(mesh, grid), par.zero, experts,
                                        edp, mixed)
             set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
