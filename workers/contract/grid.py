@@ -102,6 +102,12 @@ class Grid:
         return self.pp * self.cp * self.tp
 
     @property
+    def node_block(self) -> int:
+        """Consecutive ranks placed on one node together: a tp group times its cp peers (the two dims with traffic
+        every layer; ``orchestrator.runtime.placement`` packs each block into one placement group)."""
+        return self.tp * self.cp
+
+    @property
     def shard_size(self) -> int:
         """Data-parallel ranks one ZeRO shard group spans: ``dp_shard``, or all of dp."""
         return self.dp if self.dp_shard is None else self.dp_shard
