@@ -29,7 +29,7 @@ from workers.optim.loss_scaler import DynamicLossScaler
 from workers.optim.onebit_adam import OneBitAdam
 from workers.parallel.distributed_optimizer import sliced_optimizer
 from workers.parallel.parallelize import build_parts
-from workers.parallel.process_group import data_parallel_dim, data_parallel_mesh, init_mesh, pick_device
+from workers.parallel.process_group import data_parallel_mesh, init_mesh, pick_device, shard_dim
 from workers.parallel.ps_sync import PSSync
 from workers.protocol import StepResult
 from workers.spec import WorkerSpec
@@ -114,10 +114,11 @@ class Trainer:
         # ZeRO-1: each part's optimizer steps this rank's slices of the part's parameters (distributed_optimizer.py)
         dp_mesh = data_parallel_mesh(self.mesh, par.grid)  # dp, or dp x cp: the ranks gradients are averaged over
         sliced = self.parts.modules if par.zero == 1 and dp_mesh.size() > 1 else []
-        dp_dim = data_parallel_dim(par.grid)
+        dp_dim, replicate = shard_dim(par.grid), "dp_replicate" if par.grid.hybrid else None
         held = frozenset(id(p) for e in self.parts.experts for p in e.parameters())  # sliced over edp instead
-        self.zero1 = [sliced_optimizer(unwrap(m).named_parameters(), self.mesh, dp_dim, held, self.parts.expert_mesh)
-                      for m in sliced]
+        reduce = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
+        self.zero1 = [sliced_optimizer(unwrap(m).named_parameters(), self.mesh, dp_dim, held, self.parts.expert_mesh,
+                                       replicate, reduce) for m in sliced]
         if self.zero1 and held:  # the clip reads the experts' slices: summed over ep, as their weights would be
             names = {n for m in sliced for n, p in unwrap(m).named_parameters() if id(p) in held}
             shards = [s for z in self.zero1 for n, s in z.shards.items() if n in names]

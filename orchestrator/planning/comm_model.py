@@ -36,6 +36,10 @@ Per dimension (``step_bytes``):
 - ep: per MoE block and microbatch, dispatch and combine all-to-alls of the routed tokens (top_k copies of
   b·s·h), in forward and again in backward.
 
+Hybrid sharding (``parallel.dp_shard``, HSDP): ZeRO's collectives above run inside a shard group of
+dp_shard·cp ranks (row ``dp_shard``), and the replicas of a shard all-reduce only its reduced gradient, Φ/(dp_shard·cp)
+over dp/dp_shard ranks (row ``dp_replicate``, in place of ``dp``).
+
 Checked against the bytes ``workers.diagnostics.comm_bytes`` counts on every parity layout
 (tests/integration/test_comm_model.py, within 5%).
 """
@@ -87,11 +91,16 @@ class CommShape:
 
 
 def step_bytes(c: CommShape, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0,
-               microbatches: int = 1) -> dict[str, float]:
-    """Bytes this rank sends in one step, per mesh dimension (``DIMS``)."""
+               microbatches: int = 1, dp_shard: int | None = None) -> dict[str, float]:
+    """Bytes this rank sends in one step, per mesh dimension (``DIMS``; under hybrid sharding, ``dp_shard`` below
+    dp, the rows ``dp_shard`` and ``dp_replicate`` stand for ``dp``: ``hybrid_bytes``)."""
     m = microbatches
+    if dp_shard is not None and dp_shard < dp:
+        data = hybrid_bytes(c.param_bytes, c.grad_bytes, dp_shard * cp, dp // dp_shard, zero, m, pipelined=pp > 1)
+    else:
+        data = {"dp": data_parallel_bytes(c.param_bytes, c.grad_bytes, dp * cp, zero, m, pipelined=pp > 1)}
     return {
-        "dp": data_parallel_bytes(c.param_bytes, c.grad_bytes, dp * cp, zero, m, pipelined=pp > 1),
+        **data,
         "tp": m * ((c.blocks * 4 + c.sp_edges) * all_reduce(c.hidden_bytes, tp) + all_gather(c.logit_bytes, tp)
                    * c.holds_head) + all_reduce(c.norm_bytes, tp),
         "pp": m * c.boundary_bytes * c.boundaries if pp > 1 else 0.0,
@@ -111,6 +120,14 @@ def data_parallel_bytes(param_bytes: float, grad_bytes: float, dp: int, zero: in
         return reduce_scatter(grad_bytes, dp) + all_gather(param_bytes, dp)
     gathers = parameter_gathers(zero, microbatches, pipelined)
     return reduce_scatter(grad_bytes, dp) + gathers * all_gather(param_bytes, dp)
+
+
+def hybrid_bytes(param_bytes: float, grad_bytes: float, shard: int, replicas: int, zero: int, microbatches: int = 1,
+                 pipelined: bool = False) -> dict[str, float]:
+    """The dp rows under hybrid sharding: ZeRO's own collectives over the ``shard`` ranks of a shard group, and
+    the all-reduce of this rank's reduced gradient slice (1/shard of the gradients) over the ``replicas``."""
+    return {"dp_shard": data_parallel_bytes(param_bytes, grad_bytes, shard, zero, microbatches, pipelined),
+            "dp_replicate": all_reduce(grad_bytes / shard, replicas)}
 
 
 def parameter_gathers(zero: int, microbatches: int, pipelined: bool) -> int:

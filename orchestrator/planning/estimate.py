@@ -404,14 +404,15 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     experts = split.get("experts", 0)
     steps = {"accumulating": accumulates(spec), "pipelined": p.grid.pp_enabled, "gloo": p.device == "cpu",
              "state_dtype": o.state_dtype}
-    # ZeRO shards over dp x cp: cp ranks hold the same weights (workers.parallel.process_group.data_parallel_mesh)
-    state = mm.model_state(split["trainable"] - experts, p.dp * p.cp, p.zero, precision_layout(spec),
+    # ZeRO shards over dp x cp (hybrid: dp_shard x cp): cp ranks hold the same weights (process_group.shard_mesh)
+    state = mm.model_state(split["trainable"] - experts, p.grid.shard_size * p.cp, p.zero, precision_layout(spec),
                            name, momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=gathered,
                            offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                            host_master=p.device != "cpu", frozen=split["frozen"],
                            quantized_bytes=math.ceil(mm.NF4_BYTES_PER_WEIGHT * split["nf4"]), **steps)
     if o.name == "muon":  # the embeddings and head step with AdamW: 4 bytes each beyond Muon's one buffer
-        state = replace(state, optimizer=state.optimizer + math.ceil(4 * root / (p.dp * p.cp if p.zero else 1)))
+        state = replace(state, optimizer=state.optimizer + math.ceil(4 * root / (p.grid.shard_size * p.cp
+                                                                                   if p.zero else 1)))
     if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp / ep ranks holding them
         layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // p.ep  # one gathered at a time
         own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(name),

@@ -83,6 +83,7 @@ class Shape:
     gpu: bool = True  # parallel.device is not cpu: eager norms are one fused kernel (memory_model's fused_norm)
     compiled: bool = False  # train.compile: the blocks through inductor
     compiled_loss: bool = False  # and the whole-logits loss too (not DPO's own loss)
+    grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: ZeRO 1-3's gradient reduction width outside the policy
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -93,7 +94,8 @@ class Shape:
                        spec.precision.dtype, spec.precision.policy, 3, spec.parallel.dp_sync, spec.parallel.device),
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
-                   spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec))
+                   spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec),
+                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype])
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -153,6 +155,7 @@ class Layout:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     split: tuple[int, ...] | None = None  # layers per stage; None: ``split_layers`` (even where they divide)
+    dp_shard: int | None = None  # hybrid sharding: ZeRO shards inside groups of this many dp ranks (None: all dp)
 
     @property
     def world(self) -> int:
@@ -160,15 +163,17 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Ranks ZeRO shards over and gradients are reduced over: dp x cp, as the workers' ``data_parallel_mesh``
-        (cp ranks hold the same weights), so dp=1 cp=8 shards eight ways and replicates under ZeRO-0."""
-        return self.dp * self.cp
+        """Ranks ZeRO shards over: dp x cp, as the workers' ``data_parallel_mesh`` (cp ranks hold the same
+        weights), so dp=1 cp=8 shards eight ways and replicates under ZeRO-0; under hybrid sharding dp_shard x cp
+        (``process_group.shard_mesh``)."""
+        return (self.dp_shard or self.dp) * self.cp
 
     def microbatches(self, shape: Shape) -> int:
         return shape.global_batch // (self.dp * self.micro_batch)
 
     def label(self) -> str:
         sched = f" {self.schedule}x{self.stages_per_rank}" if self.pp > 1 else ""
+        sched += f" dp_shard={self.dp_shard}" if self.dp_shard else ""
         split = f" split={','.join(map(str, self.split))}" if self.split else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} zero={self.zero} mbs={self.micro_batch} "
                 f"recompute={self.recompute}{sched}{split}")
@@ -461,9 +466,10 @@ class Evaluator:
             per_rank.append((by_load[load], r))
         flops, r = max(per_rank)
         shape = comm_shape(s, lay, r)
-        by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m)
-        gathers = by_dim["dp"] - cm.reduce_scatter(shape.grad_bytes, lay.shards)  # ZeRO-2/3: the rest are gathers
-        degrees = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp}
+        by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m, lay.dp_shard)
+        zero_row = by_dim.get("dp_shard", by_dim.get("dp", 0.0))  # ZeRO's own collectives (hybrid: a shard group's)
+        gathers = zero_row - cm.reduce_scatter(shape.grad_bytes, lay.shards)  # ZeRO-2/3: the rest are gathers
+        degrees = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp_shard": lay.dp_shard}
         time = tm.step_time(flops, by_dim, self.gpu, degrees, m, lay.stages_per_rank, self.efficiency,
                             gather_bytes=max(0.0, gathers) if lay.zero >= 2 else 0.0,
                             boundary_bytes=shape.boundary_bytes)
@@ -492,7 +498,7 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     # and ZeRO-0's buckets reduce it as it is (workers/parallel/grad_buckets.py): vocab x h, not vocab/tp x h
     embedding_grad = s.vocab * s.d_model * (lay.tp - 1) // lay.tp if 0 in ids and lay.zero == 0 else 0
     # FSDP2's policy gathers 16-bit parameters and reduces in precision.reduce_dtype; autocast moves fp32
-    gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, 4)
+    gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, s.grad_reduce_bytes if lay.zero else 4)
     return cm.CommShape(gather * params, reduce * (params + embedding_grad), c * sbh,
                         s.boundary_width(lay.zero) * sbh // lay.tp,
                         2 * c * seq * lay.micro_batch * s.kv * s.head_size // lay.tp,
@@ -507,7 +513,7 @@ def layout_of(spec) -> Layout:
     # the search prices one policy for every block: memory.recompute: sqrt is priced as the full recompute it runs
     recompute = recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
     return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
-                  recompute, p.pp_schedule, p.stages_per_rank)
+                  recompute, p.pp_schedule, p.stages_per_rank, dp_shard=p.grid.dp_shard if p.grid.hybrid else None)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -672,4 +678,4 @@ def predicted_bytes(spec) -> dict[int, dict[str, float]]:
     shape, layout = Shape.of(spec), layout_of(spec)
     m = layout.microbatches(shape)
     return {r: cm.step_bytes(comm_shape(shape, layout, r), layout.dp, layout.tp, layout.pp, layout.cp, 1,
-                             layout.zero, m) for r in range(layout.pp)}
+                             layout.zero, m, layout.dp_shard) for r in range(layout.pp)}

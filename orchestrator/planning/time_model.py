@@ -93,14 +93,26 @@ def step_time(flops: float, bytes_by_dim: dict[str, float], g: GPU, degrees: dic
     bubble = compute * (pp - 1) / (virtual_stages * m)
     tp, cp = degrees.get("tp", 1), degrees.get("cp", 1)
     bw = {"tp": link_bandwidth(g, 1, tp), "cp": link_bandwidth(g, tp, cp),
-          "pp": link_bandwidth(g, tp * cp, pp), "dp": link_bandwidth(g, tp * cp * pp, degrees.get("dp", 1)),
-          "ep": link_bandwidth(g, tp * cp * pp, degrees.get("ep", 1))}
-    reduce = bytes_by_dim.get("dp", 0.0) - gather_bytes
+          "pp": link_bandwidth(g, tp * cp, pp), "ep": link_bandwidth(g, tp * cp * pp, degrees.get("ep", 1)),
+          **data_parallel_links(g, tp * cp * pp, degrees.get("dp", 1), degrees.get("dp_shard"))}
     exposed = {
         "tp": bytes_by_dim.get("tp", 0.0) / bw["tp"],
         "cp": bytes_by_dim.get("cp", 0.0) / bw["cp"],
         "ep": bytes_by_dim.get("ep", 0.0) / bw["ep"],
         "pp": 2 * (pp - 1) * boundary_bytes / bw["pp"],
-        "dp": max(0.0, reduce / bw["dp"] - compute * 2 / 3 / m) + max(0.0, gather_bytes / bw["dp"] - compute),
     }
+    shard = "dp_shard" if "dp_shard" in bytes_by_dim else "dp"  # ZeRO's own collectives: over all dp, or a group
+    reduce = (bytes_by_dim.get(shard, 0.0) - gather_bytes) / bw[shard]
+    reduce += bytes_by_dim.get("dp_replicate", 0.0) / bw["dp_replicate"] if shard == "dp_shard" else 0.0
+    exposed["dp"] = max(0.0, reduce - compute * 2 / 3 / m) + max(0.0, gather_bytes / bw[shard] - compute)
     return StepTime(compute, bubble, exposed)
+
+
+def data_parallel_links(g: GPU, inner: int, dp: int, dp_shard: int | None) -> dict[str, float]:
+    """Bandwidth of the dp row, or under hybrid sharding of its shard groups (the ``dp_shard`` nearest dp ranks,
+    NVLink while they fit in a node) and of the replicas of a shard (``dp / dp_shard`` ranks, ``dp_shard``
+    replicas apart: the inter-node links once a shard group fills a node)."""
+    if dp_shard is None or dp_shard >= dp:
+        return {"dp": link_bandwidth(g, inner, dp)}
+    return {"dp_shard": link_bandwidth(g, inner, dp_shard),
+            "dp_replicate": link_bandwidth(g, inner * dp_shard, dp // dp_shard)}

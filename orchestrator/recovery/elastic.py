@@ -41,21 +41,22 @@ def resized(spec: JobSpec, dp: int) -> JobSpec:
     return JobSpec.from_dict(raw)
 
 
-def tp_groups_per_replica(grid: Grid) -> int:
-    """TP groups in one data-parallel replica: what growing or shrinking dp by one adds or frees."""
-    return grid.positions // grid.tp
+def node_groups_per_replica(grid: Grid) -> int:
+    """Node blocks (tp x cp peers, ``Grid.node_block``) in one data-parallel replica: what growing or shrinking dp
+    by one adds or frees."""
+    return grid.positions // grid.node_block
 
 
 def groups_that_fit(spec: JobSpec, use_gpu: bool) -> int:
-    """TP groups of ``spec`` the live nodes hold in total (each group on one node)."""
-    p = spec.parallel
+    """Node blocks of ``spec`` the live nodes hold in total (each block on one node)."""
+    p, block = spec.parallel, spec.parallel.grid.node_block
     total = 0
     for node in ray.nodes():
         if node["Alive"]:
             res = node["Resources"]
-            fits = res.get("CPU", 0.0) // (p.cpus_per_rank * p.tp)
+            fits = res.get("CPU", 0.0) // (p.cpus_per_rank * block)
             if use_gpu:
-                fits = min(fits, res.get("GPU", 0.0) // p.tp)
+                fits = min(fits, res.get("GPU", 0.0) // block)
             total += int(fits)
     return total
 
@@ -71,7 +72,7 @@ class ElasticPolicy:
     def shrink_options(self, spec: JobSpec, use_gpu: bool) -> list[JobSpec]:
         """Layouts to try, largest dp the live nodes hold first, down to ``fault_tolerance.min_dp``."""
         p, floor = spec.parallel, spec.fault_tolerance.min_dp
-        fit = min(p.dp, groups_that_fit(spec, use_gpu) // tp_groups_per_replica(p.grid))
+        fit = min(p.dp, groups_that_fit(spec, use_gpu) // node_groups_per_replica(p.grid))
         options, refused = [], []
         for dp in range(fit, floor - 1, -1):
             try:
@@ -99,7 +100,7 @@ class ElasticPolicy:
         if p.dp >= self.target_dp or now < self._next_check:
             return None
         self._next_check = now + ft.grow_check_s
-        per_replica = tp_groups_per_replica(p.grid)
+        per_replica = node_groups_per_replica(p.grid)
         fit = min(self.target_dp, groups_that_fit(spec, use_gpu) // per_replica)
         for dp in range(fit, p.dp, -1):
             try:

@@ -1,8 +1,10 @@
 """Reserving the rank grid on a Ray cluster.
 
-One STRICT_PACK placement group per tensor-parallel group: TP peers exchange
-activations every layer, so they must share a node; pipeline and data-parallel
-neighbours (less traffic) may spread across nodes.
+One STRICT_PACK placement group per node block (``Grid.node_block``): a tensor-parallel group and its
+context-parallel peers, consecutive ranks. TP peers exchange activations and CP peers K/V blocks every layer, so
+they share a node, as the planner's time model assumes (``time_model.step_time``: tp, then cp, inside a node);
+pipeline and data-parallel neighbours (less traffic) may spread across nodes. Each rank's node is recorded in
+the run's layout (``RankInfo.node_id`` in the summary's ``layout.ranks``).
 
 A grid the cluster's nodes could never hold, even idle, is refused at once, naming the nodes' sizes; one that
 fits but finds the room taken waits (``event=placement_waiting`` names what holds it) and, if it is still not
@@ -34,21 +36,21 @@ NOTICE_S = 5.0  # a reservation not placed after this long is said to be waiting
 LISTED = 8  # holders named in a message, the rest counted
 
 
-def tp_groups(grid: Grid) -> int:
-    """Placement groups a grid reserves: one per tensor-parallel group (TP peers are consecutive ranks)."""
-    return grid.world_size // grid.tp
+def node_groups(grid: Grid) -> int:
+    """Placement groups a grid reserves: one per node block (tp x cp peers, consecutive ranks)."""
+    return grid.world_size // grid.node_block
 
 
 @dataclass
 class RankPlacement:
-    """The reserved placement groups, one per TP group, in rank order."""
+    """The reserved placement groups, one per node block (``block`` = tp x cp ranks), in rank order."""
 
     groups: list[PlacementGroup]
-    tp: int
+    block: int
 
     def bundle(self, rank: int) -> tuple[int, int]:
-        """``(group, bundle index)`` holding ``rank``: TP peers are consecutive ranks packed in one group."""
-        return rank // self.tp, rank % self.tp
+        """``(group, bundle index)`` holding ``rank``: a block's peers are consecutive ranks packed in one group."""
+        return rank // self.block, rank % self.block
 
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         group, index = self.bundle(rank)
@@ -56,7 +58,7 @@ class RankPlacement:
 
     def nodes(self, ranks=None) -> dict[int, str]:
         """rank -> the node its bundle is placed on now (``ranks``: those only; one look-up per placement group)."""
-        ranks = range(len(self.groups) * self.tp) if ranks is None else ranks
+        ranks = range(len(self.groups) * self.block) if ranks is None else ranks
         tables: dict[int, dict] = {}
         out = {}
         for rank in ranks:
@@ -84,13 +86,13 @@ def rank_bundle(spec: JobSpec, use_gpu: bool) -> dict:
 
 
 def can_reserve(spec: JobSpec, use_gpu: bool, groups: int, timeout_s: float) -> bool:
-    """Whether ``groups`` more TP groups of ``spec`` could be placed now (reserved, then given back at once)."""
-    bundle = rank_bundle(spec, use_gpu)
-    probe = [placement_group([bundle] * spec.parallel.tp, strategy="STRICT_PACK") for _ in range(groups)]
+    """Whether ``groups`` more node blocks of ``spec`` could be placed now (reserved, then given back at once)."""
+    bundle, block = rank_bundle(spec, use_gpu), spec.parallel.grid.node_block
+    probe = [placement_group([bundle] * block, strategy="STRICT_PACK") for _ in range(groups)]
     try:
         return all(pg.wait(timeout_s) for pg in probe)
     finally:
-        RankPlacement(groups=probe, tp=spec.parallel.tp).release()
+        RankPlacement(groups=probe, block=block).release()
 
 
 def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlacement:
@@ -98,15 +100,15 @@ def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlace
     waited for up to ``timeout_s`` while other work holds the room, then refused naming what holds it."""
     nodes = [node for node in ray.nodes() if node["Alive"]]
     check_nodes(spec, [node["Resources"].get("memory", 0.0) for node in nodes])
-    p, n_groups = spec.parallel, tp_groups(spec.parallel.grid)
+    block, n_groups = spec.parallel.grid.node_block, node_groups(spec.parallel.grid)
     bundle = rank_bundle(spec, use_gpu)
     check_fits(spec, bundle, [node["Resources"] for node in nodes])
     groups = [
-        placement_group([bundle] * p.tp, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}")
+        placement_group([bundle] * block, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}")
         for g in range(n_groups)
     ]
-    placement = RankPlacement(groups=groups, tp=p.tp)
-    what = f"{n_groups} group(s) of {p.tp} x {_resources(bundle)} (tensor-parallel peers share a node)"
+    placement = RankPlacement(groups=groups, block=block)
+    what = f"{n_groups} group(s) of {block} x {_resources(bundle)} (tensor- and context-parallel peers share a node)"
     try:
         _wait_placed(groups, timeout_s, what)
     except ray.exceptions.GetTimeoutError:
@@ -139,28 +141,30 @@ def _wait_placed(groups: list[PlacementGroup], timeout_s: float, what: str) -> N
 def check_fits(spec: JobSpec, bundle: dict, node_totals: list[dict]) -> None:
     """Refuse a grid the cluster's nodes could not hold even with nothing else running (``node_totals``: each
     live node's total resources): waiting would never place it."""
-    p, needed = spec.parallel, tp_groups(spec.parallel.grid)
-    fits = [groups_on(total, bundle, p.tp) for total in node_totals]
+    p, needed, block = spec.parallel, node_groups(spec.parallel.grid), spec.parallel.grid.node_block
+    fits = [groups_on(total, bundle, block) for total in node_totals]
     if sum(fits) >= needed:
         return
-    group = _resources({key: amount * p.tp for key, amount in bundle.items()})
+    group = _resources({key: amount * block for key, amount in bundle.items()})
     nodes = "; ".join(f"{_resources(total)} ({n} group(s))" for total, n in zip(node_totals, fits, strict=True))
+    field, peers = ("parallel.tp", "tensor-parallel") if p.cp == 1 else ("parallel.tp*cp",
+                                                                          "tensor- and context-parallel")
     if max(fits, default=0) == 0:
         raise SpecError(
-            "parallel.tp", p.tp,
-            f"puts {p.tp} ranks on one node ({group}: tensor-parallel peers must share a node), but no node of "
+            field, block,
+            f"puts {block} ranks on one node ({group}: {peers} peers must share a node), but no node of "
             f"the Ray cluster has that much, even idle (nodes: {nodes or 'none alive'})",
-            "lower parallel.tp (or parallel.cpus_per_rank) to what one node holds, or add a node that large")
+            f"lower {field} (or parallel.cpus_per_rank) to what one node holds, or add a node that large")
     raise SpecError(
         "parallel.dp*pp*tp", p.grid.world_size,
-        f"needs {needed} tensor-parallel groups of {p.tp} ranks ({group} each, on one node), but the Ray "
+        f"needs {needed} {peers} groups of {block} ranks ({group} each, on one node), but the Ray "
         f"cluster's nodes hold {sum(fits)} even idle (nodes: {nodes})",
-        f"lower parallel.dp/pp so dp*pp*tp <= {sum(fits) * p.tp}, or add nodes")
+        f"lower parallel.dp/pp so {'dp*pp*tp' if p.cp == 1 else 'dp*pp*cp*tp'} <= {sum(fits) * block}, or add nodes")
 
 
-def groups_on(total: dict, bundle: dict, tp: int) -> int:
-    """Tensor-parallel groups (``tp`` bundles packed on the node) a node of ``total`` resources holds idle."""
-    return min((math.floor(total.get(key, 0.0) / (amount * tp) + 1e-9) for key, amount in bundle.items() if amount),
+def groups_on(total: dict, bundle: dict, block: int) -> int:
+    """Node blocks (``block`` bundles packed on the node) a node of ``total`` resources holds idle."""
+    return min((math.floor(total.get(key, 0.0) / (amount * block) + 1e-9) for key, amount in bundle.items() if amount),
                default=0)
 
 

@@ -113,6 +113,25 @@ class ParallelSpec(ParallelSection):
         return self
 
     @model_validator(mode="after")
+    def _check_dp_shard(self) -> ParallelSpec:
+        """Hybrid sharding splits dp evenly, and only ZeRO 1-3 over all-reduce have a state to shard."""
+        shard = self.dp_shard
+        if shard is None:
+            return self
+        if self.dp % shard:
+            raise SpecError("parallel.dp_shard", shard, f"does not divide parallel.dp={self.dp}: shard groups "
+                            "split the data-parallel ranks evenly",
+                            f"pick dp_shard from the divisors of dp: {', '.join(map(str, _divisors(self.dp)))}")
+        if shard < self.dp and (self.zero == 0 or self.dp_sync != "allreduce"):
+            why = "zero 0 shards nothing" if self.zero == 0 else "parameter-server shards hold the state"
+            raise SpecError("parallel.dp_shard", shard, f"needs parallel.zero 1, 2 or 3 with dp_sync allreduce "
+                            f"({why})", "set parallel.zero: 1, 2 or 3, or remove dp_shard")
+        if shard < self.dp and self.ep > 1:
+            raise SpecError("parallel.dp_shard", shard, f"is not supported with expert parallelism (ep={self.ep}) "
+                            "yet: experts shard over their own edp groups", "remove dp_shard, or set ep: 1")
+        return self
+
+    @model_validator(mode="after")
     def _check_virtual_stages(self) -> ParallelSpec:
         v, schedule, facts = self.virtual_stages, self.pp_schedule, self.pipeline_schedule
         if v is None:

@@ -94,10 +94,12 @@ def _rank_main(rank: int, jobs: list[Job], ports: GroupPorts, world_size: int, r
         trainer = Trainer(job.spec, rank, world_size, "127.0.0.1", port, listener=listener)
         if job.resume is not None:
             trainer.checkpoints.load(job.resume)
+        if job.checkpoint is not None and job.save_after == 0:  # the state as loaded (resharded), before any step
+            trainer.checkpoints.save(job.checkpoint, async_save=False)
         out = []
         for step in range(1, job.steps + 1):
             out.append(trainer.train_step().to_dict())  # the JSON form the records use
-            if job.checkpoint is not None and step == (job.save_after or job.steps):
+            if job.checkpoint is not None and step == (job.steps if job.save_after is None else job.save_after):
                 trainer.checkpoints.save(job.checkpoint, async_save=False)
         outs.append(out)
         dist.destroy_process_group()
@@ -123,8 +125,8 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
                checkpoint: str | None = None, resume: str | None = None, save_after: int | None = None) -> LayoutRun:
     """Train ``spec`` (a worker spec dict) on ``world_size`` spawned ranks; return what the controller would record.
     With ``checkpoint``, the ranks save their state there after ``save_after`` steps (default: their final state;
-    a DCP checkpoint written by this layout); with ``resume``, they first load that checkpoint (written by any
-    layout: DCP reshards it) and go on from its step."""
+    0: the state as loaded, before any step; a DCP checkpoint written by this layout); with ``resume``, they first
+    load that checkpoint (written by any layout: DCP reshards it) and go on from its step."""
     return run_layouts([spec], world_size, steps, timeout_s, [checkpoint], [resume], [save_after])[0]
 
 

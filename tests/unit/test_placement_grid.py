@@ -6,8 +6,8 @@ import pytest
 
 from orchestrator import JobSpec
 from orchestrator.errors import SpecError
-from orchestrator.recovery.elastic import resized, tp_groups_per_replica
-from orchestrator.runtime.placement import RankPlacement, check_fits, groups_on, tp_groups
+from orchestrator.recovery.elastic import node_groups_per_replica, resized
+from orchestrator.runtime.placement import RankPlacement, check_fits, groups_on, node_groups
 from workers.contract.grid import Grid
 
 
@@ -27,22 +27,33 @@ def test_parallel_spec_grid_and_world_size() -> None:
     (Grid(dp=2, pp=2, tp=2), 4, 2),
     (Grid(dp=4, pp=1, tp=2), 4, 1),
     (Grid(dp=1, pp=3, tp=1), 3, 3),
-    (Grid(dp=2, pp=2, cp=2, tp=2), 8, 4),
+    (Grid(dp=2, pp=2, cp=2, tp=2), 4, 2),  # a tp group and its cp peers: one block of 4 on one node
 ])
-def test_tp_groups(grid: Grid, groups: int, per_replica: int) -> None:
-    assert tp_groups(grid) == groups
-    assert tp_groups_per_replica(grid) == per_replica
-    assert tp_groups_per_replica(grid) * grid.dp == tp_groups(grid)
+def test_node_groups(grid: Grid, groups: int, per_replica: int) -> None:
+    assert node_groups(grid) == groups
+    assert node_groups_per_replica(grid) == per_replica
+    assert node_groups_per_replica(grid) * grid.dp == node_groups(grid)
 
 
 def test_bundle_packs_tp_peers_in_one_group() -> None:
     grid = Grid(dp=2, pp=2, tp=2)
-    placement = RankPlacement(groups=[], tp=grid.tp)
+    placement = RankPlacement(groups=[], block=grid.node_block)
     bundles = [placement.bundle(r) for r in grid.ranks()]
     assert bundles == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     for rank in grid.ranks():  # a group's ranks differ only in their tp coordinate
         c = grid.coords(rank)
         assert placement.bundle(rank)[0] == placement.bundle(grid.rank_of(dp=c.dp, pp=c.pp, tp=0))[0]
+
+
+def test_a_block_packs_tp_and_cp_peers_in_one_group() -> None:
+    """Every tp group and every cp group lies inside one placement group (one node): the planner's order."""
+    grid = Grid(dp=2, pp=2, cp=2, tp=2)
+    placement = RankPlacement(groups=[], block=grid.node_block)
+    for rank in grid.ranks():
+        c = grid.coords(rank)
+        peers = [grid.rank_of(dp=c.dp, pp=c.pp, cp=cp, tp=tp) for cp in range(grid.cp) for tp in range(grid.tp)]
+        assert {placement.bundle(peer)[0] for peer in peers} == {placement.bundle(rank)[0]}
+    assert len({placement.bundle(r)[0] for r in grid.ranks()}) == 4
 
 
 def test_resized_keeps_global_batch_and_drops_faults_past_the_smaller_grid() -> None:

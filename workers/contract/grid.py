@@ -44,6 +44,7 @@ class Grid:
     cp: int = 1
     ep: int = 1
     tp: int = 1
+    dp_shard: int | None = None  # hybrid sharding: ZeRO shards inside groups of this many dp ranks; None: all of dp
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -53,6 +54,11 @@ class Grid:
         if self.dp % self.ep:
             raise ValueError(f"Grid.ep={self.ep} does not divide dp={self.dp}: expert groups are carved out of "
                              "the data-parallel ranks; pick ep from the divisors of dp")
+        shard = self.dp_shard
+        if shard is not None and (not isinstance(shard, int) or isinstance(shard, bool) or shard < 1
+                                  or self.dp % shard):
+            raise ValueError(f"Grid.dp_shard={shard!r} does not divide dp={self.dp}: shard groups split the "
+                             "data-parallel ranks evenly; pick dp_shard from the divisors of dp")
 
     @classmethod
     def from_parallel(cls, parallel: Any) -> Grid:
@@ -61,7 +67,8 @@ class Grid:
         Axes the section does not name (``ep`` before its issue lands, ``cp`` in older worker dicts) are 1.
         """
         get = parallel.get if isinstance(parallel, Mapping) else lambda k, d: getattr(parallel, k, d)
-        return cls(**{axis: int(get(axis, 1) or 1) for axis in AXES})
+        shard = get("dp_shard", None)
+        return cls(**{axis: int(get(axis, 1) or 1) for axis in AXES}, dp_shard=None if shard is None else int(shard))
 
     # -- sizes and switches ------------------------------------------------------------------
 
@@ -94,6 +101,28 @@ class Grid:
         """Ranks in one data-parallel replica: each holds a different piece of the model."""
         return self.pp * self.cp * self.tp
 
+    @property
+    def node_block(self) -> int:
+        """Consecutive ranks placed on one node together: a tp group times its cp peers (the two dims with traffic
+        every layer; ``orchestrator.runtime.placement`` packs each block into one placement group)."""
+        return self.tp * self.cp
+
+    @property
+    def shard_size(self) -> int:
+        """Data-parallel ranks one ZeRO shard group spans: ``dp_shard``, or all of dp."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups (hybrid sharding's replicas): each holds the whole sharded state once."""
+        return self.dp // self.shard_size
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards within groups smaller than dp and replicates across them (HSDP): the mesh then
+        splits dp into ``dp_replicate × dp_shard`` (``mesh_dims``)."""
+        return self.shard_size < self.dp
+
     def describe(self) -> str:
         """``dp*pp*tp = 2*2*2`` style, naming the enabled optional axes too (for messages)."""
         axes = [a for a in _RANK_AXES if a != "cp" or self.cp_enabled]
@@ -101,7 +130,8 @@ class Grid:
 
     def with_dp(self, dp: int) -> Grid:
         """The same grid at another data-parallel degree (elastic resize); ``ep`` kept where it still divides."""
-        return Grid(dp=dp, pp=self.pp, cp=self.cp, ep=self.ep if dp % self.ep == 0 else 1, tp=self.tp)
+        shard = self.dp_shard if self.dp_shard is not None and dp % self.dp_shard == 0 else None
+        return Grid(dp=dp, pp=self.pp, cp=self.cp, ep=self.ep if dp % self.ep == 0 else 1, tp=self.tp, dp_shard=shard)
 
     # -- ranks <-> coordinates ---------------------------------------------------------------
 
@@ -140,12 +170,24 @@ class Grid:
     @property
     def mesh_dims(self) -> tuple[str, ...]:
         """Named dims of the job's ``DeviceMesh``: dp, pp, tp always (code indexes them unconditionally),
-        cp only where enabled, in rank order."""
-        return tuple(a for a in _RANK_AXES if a != "cp" or self.cp_enabled)
+        cp only where enabled, in rank order. Under hybrid sharding dp is two dims, ``dp_replicate`` (outer)
+        and ``dp_shard`` (inner, so a shard group is the nearest dp ranks); the mesh also names their
+        flattening ``dp``, so ``mesh["dp"]`` still means every data-parallel rank."""
+        dims = tuple(a for a in _RANK_AXES if a != "cp" or self.cp_enabled)
+        return ("dp_replicate", "dp_shard", *dims[1:]) if self.hybrid else dims
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, a) for a in self.mesh_dims)
+        sizes = {"dp_replicate": self.replicas, "dp_shard": self.shard_size}
+        return tuple(sizes[a] if a in sizes else getattr(self, a) for a in self.mesh_dims)
+
+    def shard_peers(self, rank: int) -> list[int]:
+        """The ranks ``rank``'s ZeRO state is sharded over: its position in each dp index of its shard group
+        (dp indices ``[g * dp_shard, (g + 1) * dp_shard)``), times cp where enabled (cp ranks shard with dp)."""
+        c = self.coords(rank)
+        first = c.dp - c.dp % self.shard_size
+        return [self.rank_of(dp=d, pp=c.pp, cp=cp, tp=c.tp)
+                for d in range(first, first + self.shard_size) for cp in range(self.cp)]
 
     EXPERT_MESH_DIMS = ("edp", "ep", "position")
 
@@ -164,11 +206,15 @@ class Grid:
     def replica_peer(self, rank: int) -> int | None:
         """Where a rank's in-memory replica lives: the same position in the next data-parallel replica holding
         the same experts (another node when replicas span nodes), else the same position in the next replica,
-        else the next rank; None in a one-rank job."""
+        else the next rank; None in a one-rank job. Under hybrid sharding, the same position and shard in the next
+        replica (a whole shard group on): that rank holds the same ZeRO shard, so a holder there holds what a
+        replacement needs in another group, one the rank's own failure domain (its shard group's node) spares."""
         if self.world_size == 1:
             return None
         step = 1
-        if self.dp_enabled:
+        if self.hybrid:
+            step = self.positions * self.shard_size
+        elif self.dp_enabled:
             step = self.positions * (self.ep if self.dp > self.ep else 1)
         return (rank + step) % self.world_size
 

@@ -49,6 +49,12 @@ class ParallelSection(Section):
     cp_impl: Literal["ring", "ulysses", "allgather"] = "ring"  # which attention kernel joins the cp shares
     ep: Annotated[int, Field(ge=1)] = 1  # expert parallelism: MoE experts split over groups of ep dp ranks
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
+    dp_shard: Annotated[int | None, Field(ge=1, description=(
+        "Hybrid sharding (HSDP, ZeRO++'s hpZ): zero 1-3 shard their state inside groups of this many "
+        "consecutive dp ranks (times cp) and replicate it across the dp / dp_shard groups, whose gradients "
+        "meet in one all-reduce of the shard; must divide dp. None (default) or dp: shard over all of dp. "
+        "Read by the mesh (workers/contract/grid.py), workers/parallel/data_parallel.py, "
+        "distributed_optimizer.py and the planner (orchestrator/planning)."))] = None
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Field(ge=1)] | None = None
     # pp_schedule pipedream: every stage runs the version the first stage used for a microbatch (PipeDream's
@@ -76,6 +82,13 @@ class ParallelSection(Section):
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
     # zero 2/3: FSDP2 all-gathers issued this many blocks ahead in forward and backward; 0: FSDP2's own order
     fsdp_prefetch: Annotated[int, Field(ge=0, le=64)] = 0
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description=(
+        "Low-precision gradient reduction for sharded data parallelism (ZeRO 1-3, ZeRO++'s quantized gradients "
+        "in bf16): the reduce-scatter (and hybrid sharding's cross-replica all-reduce) moves bf16, half the bytes; "
+        "the reduced gradient is cast back to fp32 before the optimizer. Error per element at most about "
+        "(n + 1) * 2^-8 of the sum of |g| over the n ranks. ZeRO-0 compresses with grad_compression instead; under "
+        "FSDP2's bf16 policy precision.reduce_dtype sets it. Read by workers/parallel/data_parallel.py and "
+        "distributed_optimizer.py, priced by orchestrator/planning/comm_model.py."))
     # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
     device_memory: int | str | None = None
 

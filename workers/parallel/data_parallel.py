@@ -43,6 +43,14 @@ def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: Devi
     return stage  # zero 0: the builder adds gradient buckets (grad_buckets.py); zero 1: DistributedOptimizer
 
 
+def reduce_policy(grad_reduce_dtype: str) -> MixedPrecisionPolicy | None:
+    """fp32 parameters and compute, gradients reduce-scattered in bf16 (``parallel.grad_reduce_dtype``: half the
+    bytes) and cast back to the fp32 shards; None for fp32 (FSDP2's default)."""
+    if grad_reduce_dtype == "fp32":
+        return None
+    return MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+
+
 def bf16_policy(reduce_dtype: str) -> MixedPrecisionPolicy:
     """bf16 parameters (so bf16 compute and all-gathers) over the fp32 shards the optimizer steps; gradients
     reduced, and accumulated across microbatches, in ``reduce_dtype`` (``precision.reduce_dtype``)."""

@@ -66,10 +66,16 @@ class DistributedOptimizer:
     (``module``) and what the global-norm clip reads.
     """
 
-    def __init__(self, named_params, root_mesh: DeviceMesh, dp_dim: str = "dp"):
+    def __init__(self, named_params, root_mesh: DeviceMesh, dp_dim: str = "dp", replicate_dim: str | None = None,
+                 reduce_dtype: torch.dtype = torch.float32):
         self.dp_mesh, self._dp_dim = root_mesh[dp_dim], dp_dim  # "dp_cp" under context parallelism
         self.group = self.dp_mesh.get_group()
         self.dp, self.index = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
+        # hybrid sharding: the slices are cut over the shard group ``dp_dim`` and each is held by every replica
+        replicas = root_mesh[replicate_dim] if replicate_dim else None
+        self.replicate_group = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
+        self.replicas = replicas.size() if replicas is not None else 1
+        self.reduce_dtype = reduce_dtype  # parallel.grad_reduce_dtype: what the reduce-scatter moves
         self._root, self._meshes = root_mesh, {}
         self.slots: dict[str, _Slot] = {}
         offset = 0
@@ -110,20 +116,22 @@ class DistributedOptimizer:
                                                         mesh_dim_names=(*names, "dp"))
         return self._meshes[names], (*p.placements, Shard(0))
 
-    def _buffer(self) -> torch.Tensor:
-        return torch.zeros(self.dp * self.width, dtype=torch.float32, device=self.dp_mesh.device_type)
+    def _buffer(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(self.dp * self.width, dtype=dtype, device=self.dp_mesh.device_type)
 
     def reduce_scatter(self) -> None:
         """Average the gradients over dp into the shards' ``.grad`` (the model's gradients stay as they are
         until ``zero_grad``; a parameter without a gradient counts as zeros)."""
-        flat = self._buffer()
+        flat = self._buffer(self.reduce_dtype)  # bf16 (parallel.grad_reduce_dtype): half the bytes, summed in bf16
         for slot in self.slots.values():
             grad = slot.param.grad
             if grad is not None:
                 _scatter_rows(_local_grad(slot.param, grad), flat, slot, self.dp, self.width)
         out = torch.empty(self.width, dtype=flat.dtype, device=flat.device)
         dist.reduce_scatter_tensor(out, flat, group=self.group)
-        out.div_(self.dp)
+        if self.replicate_group is not None:  # the replicas' sums of the same slice: only the shard crosses
+            dist.all_reduce(out, group=self.replicate_group)
+        out = out.float().div_(self.dp * self.replicas)
         del flat
         for slot in self.slots.values():
             local = _local(slot.shard)
@@ -195,12 +203,15 @@ class SlicedParts:
 
 
 def sliced_optimizer(named_params, root_mesh: DeviceMesh, dp_dim: str, expert_ids: frozenset[int] = frozenset(),
-                     expert_mesh: DeviceMesh | None = None) -> DistributedOptimizer | SlicedParts:
-    """ZeRO-1 for one model part: its parameters sliced over ``dp_dim`` of ``root_mesh``, but those in
-    ``expert_ids`` (expert-parallel experts) over ``edp`` of ``expert_mesh`` (see the module docstring)."""
+                     expert_mesh: DeviceMesh | None = None,
+                     replicate_dim: str | None = None,
+                     reduce_dtype: torch.dtype = torch.float32) -> DistributedOptimizer | SlicedParts:
+    """ZeRO-1 for one model part: its parameters sliced over ``dp_dim`` of ``root_mesh`` (and, under hybrid
+    sharding, their reduced slices all-reduced over ``replicate_dim``), but those in ``expert_ids``
+    (expert-parallel experts) over ``edp`` of ``expert_mesh`` (see the module docstring)."""
     named = list(named_params)
     if expert_mesh is None or not expert_ids:
-        return DistributedOptimizer(named, root_mesh, dp_dim)
+        return DistributedOptimizer(named, root_mesh, dp_dim, replicate_dim, reduce_dtype)
     dense = [(n, p) for n, p in named if id(p) not in expert_ids]
     experts = [(n, p) for n, p in named if id(p) in expert_ids]
     return SlicedParts([DistributedOptimizer(dense, root_mesh, dp_dim),

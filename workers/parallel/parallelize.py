@@ -39,12 +39,12 @@ from workers.model.names import unwrap
 from workers.model.registry import ModelFamily
 from workers.parallel.compile import compile_blocks
 from workers.parallel.context_layout import apply_context_parallel
-from workers.parallel.data_parallel import apply_data_parallel, bf16_policy
+from workers.parallel.data_parallel import apply_data_parallel, bf16_policy, reduce_policy
 from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
-from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh
+from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh, shard_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
 
@@ -120,8 +120,10 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         fsdp = not ps and par.zero >= 2  # FSDP2 shards meta parameters; the DDP wrappers need real ones
         edp = expert_mesh["edp"] if expert_mesh is not None else None
         if fsdp:
-            mixed = bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda") else None
-            part = apply_data_parallel(part, fam.hook("blocks")(part), dp_mesh, par.zero, experts, edp, mixed)
+            mixed = (bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda")
+                     else reduce_policy(par.grad_reduce_dtype))
+            part = apply_data_parallel(part, fam.hook("blocks")(part), shard_mesh(mesh, grid), par.zero, experts,
+                                       edp, mixed)
             set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)

@@ -160,12 +160,25 @@ def _mesh(device: torch.device, shape: tuple[int, ...], dims: tuple[str, ...], t
     options._timeout = timedelta(seconds=timeout_s)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims,
                             backend_override={dim: (backend, options) for dim in dims})
-    if "cp" in dims:  # the flattened dim must exist on the root mesh before anyone slices it
-        mesh["dp", "cp"]._flatten(DP_CP, backend_override=(backend, options))
+    for name, parts in _flattened(dims).items():  # flattened dims must exist on the root before anyone slices them
+        mesh[parts]._flatten(name, backend_override=(backend, options))
     return mesh
 
 
+def _flattened(dims: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The flattened dims a mesh of ``dims`` names, each with the dims it joins: ``dp_cp`` under cp; under hybrid
+    sharding also ``dp`` (every data-parallel rank, as on a plain mesh) and, with cp, ``dp_shard_cp`` (the ranks
+    one ZeRO shard group spans)."""
+    if "dp_shard" not in dims:
+        return {DP_CP: ("dp", "cp")} if "cp" in dims else {}
+    out = {"dp": ("dp_replicate", "dp_shard")}
+    if "cp" in dims:
+        out |= {DP_CP: ("dp_replicate", "dp_shard", "cp"), DP_SHARD_CP: ("dp_shard", "cp")}
+    return out
+
+
 DP_CP = "dp_cp"
+DP_SHARD_CP = "dp_shard_cp"
 
 
 def data_parallel_mesh(mesh: DeviceMesh, grid: Grid) -> DeviceMesh:
@@ -176,7 +189,27 @@ def data_parallel_mesh(mesh: DeviceMesh, grid: Grid) -> DeviceMesh:
     ZeRO shards optimizer state over the same ranks.
     """
     dim = data_parallel_dim(grid)
-    return mesh["dp", "cp"]._flatten(DP_CP) if dim == DP_CP else mesh[dim]  # the flattening is cached since init_mesh
+    if dim == DP_CP and not grid.hybrid:
+        return mesh["dp", "cp"]._flatten(DP_CP)  # the flattening is cached since init_mesh
+    return mesh[dim]
+
+
+def shard_mesh(mesh: DeviceMesh, grid: Grid) -> DeviceMesh:
+    """The mesh ZeRO-2/3 (FSDP2) shard over: ``data_parallel_mesh``, or under hybrid sharding the 2-D
+    ``(dp_replicate, dp_shard[_cp])`` mesh, on which ``fully_shard`` shards over the inner dim and replicates over
+    the outer (HSDP): all-gathers and reduce-scatters stay inside a shard group, and only each shard's reduced
+    gradient is all-reduced across replicas."""
+    if not grid.hybrid:
+        return data_parallel_mesh(mesh, grid)
+    return mesh["dp_replicate", shard_dim(grid)]
+
+
+def shard_dim(grid: Grid) -> str:
+    """The mesh dim ZeRO state is sharded over: ``data_parallel_dim``, or under hybrid sharding ``dp_shard``
+    (``dp_shard_cp`` with cp); the replicas then reduce over ``dp_replicate``."""
+    if not grid.hybrid:
+        return data_parallel_dim(grid)
+    return DP_SHARD_CP if grid.cp_enabled else "dp_shard"
 
 
 def data_parallel_dim(grid: Grid) -> str:

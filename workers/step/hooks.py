@@ -19,7 +19,7 @@ from workers.evaluation import EvalData, Evaluator, PipelineSweep
 from workers.model import moe
 from workers.model.names import unwrap
 from workers.parallel.layout import stage_owners
-from workers.parallel.process_group import data_parallel_mesh
+from workers.parallel.process_group import data_parallel_mesh, shard_dim
 from workers.parallel.recompute import checkpointed_modules
 from workers.step.context import Hooks, StepHook, StepKit
 
@@ -96,7 +96,10 @@ class CommCounting(StepHook):
 
     def __init__(self, kit: StepKit):
         grid = kit.spec.parallel.grid
-        self.comm = CommBytes(mesh_dim_groups(kit.mesh, data_parallel_mesh(kit.mesh, grid)), grid.mesh_dims)
+        dims = mesh_dim_groups(kit.mesh, data_parallel_mesh(kit.mesh, grid))
+        if grid.hybrid and grid.cp_enabled:  # a shard group spans dp_shard x cp: its bytes are the dp_shard row's
+            dims[kit.mesh[shard_dim(grid)].get_group().group_name] = "dp_shard"
+        self.comm = CommBytes(dims, grid.mesh_dims)
 
     def scope(self, ctx, region):
         return self.comm if region == "counted" else contextlib.nullcontext()

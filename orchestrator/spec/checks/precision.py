@@ -31,6 +31,23 @@ def check_precision(job: JobSpec) -> None:
                         "parallel.zero 2 or 3, and precision.policy fsdp, or auto on a GPU)",
                         "remove precision.reduce_dtype, or set precision.policy: fsdp with zero 2 or 3 (ZeRO-0 "
                         "compresses its buckets with parallel.grad_compression: bf16)")
+    check_grad_reduce_dtype(job)
+
+
+def check_grad_reduce_dtype(job: JobSpec) -> None:
+    """``parallel.grad_reduce_dtype`` reduces ZeRO 1-3's gradients; a job where it would do nothing is refused."""
+    pr, p = job.precision, job.parallel
+    if p.grad_reduce_dtype == "fp32":
+        return
+    if p.zero == 0 or p.dp_sync != "allreduce":
+        raise SpecError("parallel.grad_reduce_dtype", p.grad_reduce_dtype, "reduces sharded data parallelism's "
+                        f"gradients (zero 1-3 with dp_sync allreduce); this job has zero: {p.zero}, dp_sync: "
+                        f"{p.dp_sync}", "set parallel.zero: 1, 2 or 3, or for ZeRO-0 use parallel.grad_compression: "
+                        "bf16 instead")
+    if planned_fsdp_mixed(pr.dtype, pr.policy, p.zero, p.dp_sync, p.device):
+        raise SpecError("parallel.grad_reduce_dtype", p.grad_reduce_dtype, "would be overruled: this job runs "
+                        "FSDP2's bf16 policy, whose reduction dtype is precision.reduce_dtype",
+                        "remove parallel.grad_reduce_dtype and set precision.reduce_dtype: bf16")
 
 
 def check_float8(job: JobSpec) -> None:
@@ -49,3 +66,4 @@ def check_float8(job: JobSpec) -> None:
         raise SpecError("precision.float8", pr.float8, "cannot combine with precision.dtype fp16: float8's "
                         "dynamic scales and fp16's loss scaling would both rescale the gradients",
                         "use precision.dtype: bf16 (float8 training's usual partner), or precision.float8: none")
+
