@@ -37,7 +37,8 @@ from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
 from workers.parallel.partition import balanced_split
 
-FFN_MATRICES = {"gpt": 2, "llama": 3}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
+FFN_MATRICES = {"gpt": 2, "llama": 3, "hf": 2}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
+# (an hf model, any transformers causal LM, is estimated as GPT-2 and Phi are: up/down)
 TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
 

@@ -23,13 +23,13 @@ from orchestrator.checkpoints import checksums
 from orchestrator.cli import main
 from orchestrator.runtime.ray_runtime import RayRuntime
 from orchestrator.spec import load_spec
-from tests.support.hf import save_hf_family, save_hf_llama
+from tests.support.hf import save_hf_family, save_hf_gpt2, save_hf_llama
 from tests.support.parity_harness import ran, run_grouped
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples that need the controller or the CLI (see the docstring); the rest train in the harness
 THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tracking", "fault_injection",
-               "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
+               "hf_any_zero3", "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
                "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
                "pp_auto_split", "soak"}
@@ -44,7 +44,7 @@ MIX_DATA = {"data_mix": ["token_data", "heldout_data"]}
 # examples scoring a held-out loss (eval.path), and the fixture that prepares their held-out text
 EVAL_DATA = {"evaluation": "heldout_data"}
 # examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
-NEEDS_HF_DIR = {"llama_finetune_lora": save_hf_llama,
+NEEDS_HF_DIR = {"llama_finetune_lora": save_hf_llama, "hf_any_zero3": save_hf_gpt2,
                 "qwen3_finetune": lambda directory: save_hf_family(directory, "qwen3", vocab_size=256),
                 "qwen3_moe_finetune": lambda directory: save_hf_family(directory, "qwen3_moe", vocab_size=256)}
 # examples whose settings do not fit 4 steps here (too slow at full size, a warm-up longer than the run), and what

@@ -90,11 +90,11 @@ def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
     """Loss and global gradient norm of ``transformers``' model on the job's first global batch: what a
     raymesh layout loading ``hf_dir`` must report for its first step."""
     import torch.nn.functional as F
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from workers.data import DataCursor, TokenDataset
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir)  # float32, as saved
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)  # float32, as saved; the class config.json names
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
                         spec.train.global_batch_size, dp_rank=0, dp_size=1)
     inputs, targets = cursor.next_batch()
@@ -102,3 +102,19 @@ def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     return loss.item(), norm.item()
+
+
+# a GPT-2 (learned positions, LayerNorm, Conv1D projections, tied head) of the tiny job's shape, which raymesh has
+# no family for: it trains as model.arch hf; dropout off, so a layout can match the single process
+TINY_GPT2 = {"vocab_size": 256, "n_embd": 32, "n_layer": 4, "n_head": 4, "n_inner": 64, "n_positions": 64,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+
+
+def save_hf_gpt2(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random ``GPT2LMHeadModel`` (``TINY_GPT2``) written by ``save_pretrained`` into ``directory``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **{**TINY_GPT2, **overrides}))
+    model.save_pretrained(str(directory))
+    return directory

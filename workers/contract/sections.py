@@ -266,7 +266,8 @@ class FineTuningSection(Section):
     """The `model:` fields beside its shape (``workers.model.config.ModelConfig``) that decide where the weights
     start and which of them train."""
 
-    # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory: shape from config.json, weights loaded at start
+    # a Hugging Face directory (save_pretrained's): shape from config.json, weights loaded at start; a Llama,
+    # Mistral, Qwen2/3, Qwen3-MoE or Mixtral becomes raymesh's Llama, any other causal LM model.arch hf
     init_from: PathStr | None = None
     lora: LoraSection | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
 

@@ -18,6 +18,7 @@ from orchestrator.spec.checks.document_mask import check_document_mask
 from orchestrator.spec.checks.dpo import check_dpo
 from orchestrator.spec.checks.eval import check_eval
 from orchestrator.spec.checks.faults import check_faults
+from orchestrator.spec.checks.hf_any import check_hf_any
 from orchestrator.spec.checks.inert import check_settings_without_their_feature
 from orchestrator.spec.checks.lora import check_lora
 from orchestrator.spec.checks.loss_chunks import check_loss_chunks
@@ -30,7 +31,7 @@ from orchestrator.spec.checks.precision import check_precision
 from orchestrator.spec.checks.tensor import check_init_from_vocab, check_tensor_split
 from orchestrator.spec.checks.zero import check_fsdp_prefetch, check_zero
 
-CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
+CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
                       check_init_from_vocab, check_batching, check_zero, check_precision,
                       check_recompute, check_faults, check_muon, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_document_mask, check_comm, check_moe, check_expert_parallel,
