@@ -505,8 +505,10 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
 def layout_of(spec) -> Layout:
     """The layout a job spec runs."""
     p = spec.parallel
-    # the search prices one policy for every block: memory.recompute: sqrt is priced as the full recompute it runs
-    recompute = recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
+    # the search prices one policy for every block: memory.recompute: sqrt's segments are priced as full recompute
+    # (fewer stored inputs, a larger working set in backward: ``estimate.recompute_working_bytes`` has both)
+    policy = recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
+    recompute = "full" if policy == "sqrt" else policy
     return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
                   recompute, p.pp_schedule, p.stages_per_rank)
 

@@ -168,7 +168,8 @@ class OffloadSection(Section):
 
 
 class MemorySection(Section):
-    recompute: Literal["none", "selective", "full", "sqrt"] = "none"  # sqrt: full on every round(√n_layers)-th block
+    # sqrt: segments of round(√n_layers) blocks, each storing its input and recomputed whole (Chen et al. 2016)
+    recompute: Literal["none", "selective", "full", "sqrt"] = "none"
     recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSection = Field(default_factory=OffloadSection)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype

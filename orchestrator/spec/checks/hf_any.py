@@ -29,7 +29,9 @@ def check_hf_any(job: JobSpec) -> None:
             raise SpecError(f"parallel.{axis}", getattr(p, axis), why, f"set parallel.{axis}: 1 and {_FIX}")
     refusals = (("model.lora", job.model.lora is not None, "remove model.lora (train every weight)"),
                 ("train.loss_chunks", job.train.loss_chunks > 1, "set train.loss_chunks: 1"),
-                ("model.attention_mask", job.model.attention_mask != "causal", "set model.attention_mask: causal"))
+                ("model.attention_mask", job.model.attention_mask != "causal", "set model.attention_mask: causal"),
+                # its layers take keyword inputs (masks, rotary tables), which a segment's recompute cannot replay
+                ("memory.recompute", job.memory.recompute == "sqrt", "set memory.recompute: full"))
     for field, refused, fix in refusals:
         if refused:
             value = job.model.lora.model_dump() if field == "model.lora" else _value(job, field)
