@@ -178,6 +178,27 @@ class MemorySection(Section):
     headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
 
 
+class BatchRampSection(Section):
+    """`train.batch_ramp`: the global batch grows from `start` sequences to `train.global_batch_size` over the first
+    `steps` steps, in whole `increment`s, then stays there (GPT-3's batch-size ramp-up; the batch size is a resource
+    spent where it pays, seed 002 lines 179-184). The data position counts sequences, so a resumed run goes on with
+    the batch its step has (``workers.step.hooks.BatchRamp``). Each size is a multiple of dp * microbatches
+    (``orchestrator.spec.checks.batching.check_batch_ramp``)."""
+
+    start: PositiveInt = Field(description="the first step's global batch in sequences, below global_batch_size")
+    steps: PositiveInt = Field(description="steps the ramp takes to reach train.global_batch_size")
+    increment: PositiveInt | None = Field(default=None, description="the batch grows in multiples of this many "
+                                          "sequences; null: start")
+
+    def batch_at(self, step: int, full: int) -> int:
+        """The global batch of step ``step`` (1-based): ``start`` plus the whole increments a straight line from
+        ``start`` at step 1 to ``full`` at step ``steps`` + 1 has reached; ``full`` from then on."""
+        if step > self.steps:
+            return full
+        inc = self.increment or self.start
+        return min(full, self.start + inc * ((step - 1) * (full - self.start) // (inc * self.steps)))
+
+
 class TrainSection(Section):
     """Loop length and batching.
 
@@ -188,6 +209,7 @@ class TrainSection(Section):
     steps: PositiveInt = 100
     global_batch_size: PositiveInt = 16
     microbatches: PositiveInt = 1
+    batch_ramp: BatchRampSection | None = None  # null: every step takes global_batch_size sequences
     seed: Seed = 0
     log_every: PositiveInt = 1
     compile: bool = False  # each transformer block through torch.compile (workers/parallel/compile.py)
