@@ -32,7 +32,7 @@ THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tra
                "hf_any_zero3", "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
                "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
-               "pp_auto_split", "soak"}
+               "pp_auto_split", "snapshot_compression", "soak"}
 RAY_EXAMPLES = [p for p in EXAMPLES if p.stem in THROUGH_RAY]
 RANK_EXAMPLES = [p for p in EXAMPLES if p.stem not in THROUGH_RAY]
 STEPS = 4
@@ -57,7 +57,7 @@ SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp
            "qwen3_finetune": ["--set", "optim.lr=3e-3"], "qwen3_moe_finetune": ["--set", "optim.lr=3e-3"]}
 # examples that lose ranks on purpose keep their warm spare; the others run without one (a spare is a process
 # importing torch after step 1, ~5 s of CPU on this 2-core machine, and none of them loses a rank)
-KEEP_SPARES = {"fault_injection", "soak"}
+KEEP_SPARES = {"fault_injection", "snapshot_compression", "soak"}
 # examples whose run_dir (and so checkpoints) is a bucket: here a file:// URL (the same URL path through the real
 # job); the ranks of the session's cluster cannot see an S3 server's credentials, so test_object_storage.py covers S3
 URL_CHECKPOINTS = {"object_storage"}

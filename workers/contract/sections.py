@@ -308,3 +308,6 @@ class FaultToleranceSection(Section):
     """What a rank itself does about failures (the rest is the controller's: ``FaultToleranceSpec``)."""
 
     collective_timeout_s: Seconds = 60.0  # survivors' collectives with a dead peer give up
+    # zlib: in-memory snapshots (own and the peer's replica, and what is shipped between them) kept losslessly
+    # compressed, byte planes then DEFLATE (workers/state/lossless.py); none: plain host copies
+    snapshot_compression: Literal["none", "zlib"] = "none"
