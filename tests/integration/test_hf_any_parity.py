@@ -15,9 +15,13 @@ import pytest
 import torch
 
 from orchestrator.spec.lora import export_hf_weights
-from tests.support.hf import save_hf_gpt2, transformers_first_step
-from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import ran, run_grouped, run_layout
+from tests.support.hf import (
+    assert_first_step_then_reference,
+    dcp_model_tensors,
+    init_from_layouts,
+    save_hf_gpt2,
+)
+from tests.support.parity_harness import ran, run_layout
 from tests.support.reference import reference_run
 
 STEPS = 3
@@ -32,17 +36,10 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layouts(hf_dir, token_data, tmp_path_factory):
-    """Each layout's spec, its final checkpoint, and the runs (one spawn per world size, ``run_grouped``)."""
-    specs, written = {}, {}
-    for name, parallel in LAYOUTS.items():
-        tmp = tmp_path_factory.mktemp(name)
-        specs[name] = tiny_spec(token_data, tmp, parallel={**parallel, "device": "cpu"},
-                                model={"d_model": None, "n_layers": None, "n_heads": None, "d_ff": None,
-                                       "init_from": str(hf_dir)},
-                                train={"steps": STEPS}, checkpoint={"dir": str(tmp / "ckpt")})
-        written[name] = tmp / "ckpt" / f"step-{STEPS:08d}"
-    runs = run_grouped(specs, checkpoints={name: str(path) for name, path in written.items()})
-    return specs, written, runs
+    """Each layout's spec, its final checkpoint, and the runs (one spawn per world size, ``run_grouped``); the
+    shape fields are left to config.json."""
+    shape = {"d_model": None, "n_layers": None, "n_heads": None, "d_ff": None}
+    return init_from_layouts(hf_dir, token_data, tmp_path_factory, LAYOUTS, STEPS, model=shape)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -50,12 +47,7 @@ def test_layout_matches_transformers_then_the_single_process(name, hf_dir, layou
     specs, _, runs = layouts
     spec, run = specs[name], ran(runs, name)
     assert spec.model.arch == "hf" and spec.model.hf_config["model_type"] == "gpt2"
-    loss, norm = transformers_first_step(spec, hf_dir)
-    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
-    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
-    losses, grad_norms = reference_run(spec, STEPS)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert_first_step_then_reference(run, spec, hf_dir, STEPS)
     assert run.losses[-1] < run.losses[0]
 
 
@@ -65,7 +57,7 @@ def test_zero3_checkpoint_exports_exactly_through_save_pretrained(layouts, tmp_p
 
     specs, written, _ = layouts
     out = export_hf_weights(specs["dp2-zero3"], str(written["dp2-zero3"]), str(tmp_path / "exported"))
-    held = {k.removeprefix("lm."): v for k, v in _dcp_model_tensors(written["dp2-zero3"], tmp_path / "c.pt").items()}
+    held = {k.removeprefix("lm."): v for k, v in dcp_model_tensors(written["dp2-zero3"], tmp_path / "c.pt").items()}
     exported = load_file(str(out / "model.safetensors"))
     assert exported and set(exported) <= set(held)
     for key, value in exported.items():
@@ -84,8 +76,3 @@ def test_zero3_checkpoint_resumes_on_zero1_as_the_unbroken_run_goes_on(layouts, 
     assert resumed.losses == pytest.approx(losses[STEPS:], rel=1e-4)
 
 
-def _dcp_model_tensors(checkpoint, scratch) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(checkpoint), str(scratch))
-    return torch.load(scratch, weights_only=False)["model"]

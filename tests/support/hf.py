@@ -118,3 +118,42 @@ def save_hf_gpt2(directory: Path, seed: int = 0, **overrides) -> Path:
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **{**TINY_GPT2, **overrides}))
     model.save_pretrained(str(directory))
     return directory
+
+
+def init_from_layouts(hf_dir, token_data, tmp_path_factory, layouts: dict, steps: int, model: dict | None = None):
+    """Each layout's job over ``model.init_from: hf_dir`` (``model`` fields beside it), the checkpoint it writes
+    after ``steps`` steps, and the runs (those of one size in one spawn, ``run_grouped``): (specs, written, runs)."""
+    from tests.support.jobs import tiny_spec
+    from tests.support.parity_harness import run_grouped
+
+    specs, written = {}, {}
+    for name, parallel in layouts.items():
+        tmp = tmp_path_factory.mktemp(name)
+        specs[name] = tiny_spec(token_data, tmp, parallel={**parallel, "device": "cpu"},
+                                model={**(model or {}), "init_from": str(hf_dir)}, train={"steps": steps},
+                                checkpoint={"dir": str(tmp / "ckpt")})
+        written[name] = tmp / "ckpt" / f"step-{steps:08d}"
+    return specs, written, run_grouped(specs, checkpoints={name: str(path) for name, path in written.items()})
+
+
+def dcp_model_tensors(checkpoint, scratch) -> dict[str, torch.Tensor]:
+    """The ``model`` entries of a DCP checkpoint, read by DCP's own converter (not raymesh's loader)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(scratch))
+    return torch.load(scratch, weights_only=False)["model"]
+
+
+def assert_first_step_then_reference(run, spec, hf_dir, steps: int) -> None:
+    """A layout ``run`` of ``spec`` (``init_from: hf_dir``): its first step's loss and gradient norm equal
+    ``transformers``' own model's (1e-5), all ``steps`` the single-process reference's (1e-4)."""
+    import pytest
+
+    from tests.support.reference import reference_run
+
+    loss, norm = transformers_first_step(spec, hf_dir)
+    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
+    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
+    losses, grad_norms = reference_run(spec, steps)
+    assert run.losses == pytest.approx(losses, rel=1e-4)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
