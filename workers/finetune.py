@@ -136,6 +136,10 @@ def export_merged(spec: dict, checkpoint: str | Path, out: str | Path, fmt: str 
     ``.pt``, and so does ``model.lora.base_checkpoint``; the directory serves as ``model.init_from``.
     """
     job, model = rebuilt_model(spec, checkpoint)
+    if fmt == "hf" and job.model.arch == "hf":  # transformers' own model: its save_pretrained writes it
+        from workers.model.hf_any import write_hf_any
+
+        return write_hf_any(model, out, job.finetune.init_from)
     if fmt == "hf":
         from workers.model.hf_io import write_hf
 

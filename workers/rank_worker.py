@@ -203,7 +203,8 @@ class RankWorker(DeskHolder):
     def _take_snapshot(self, keep_from: int) -> None:
         from workers.state import snapshot
 
-        self.store.keep(self.trainer.step, snapshot.take(self.trainer.state), keep_from)
+        compress = self.trainer.spec.fault_tolerance.snapshot_compression == "zlib"
+        self.store.keep(self.trainer.step, snapshot.take(self.trainer.state, compress), keep_from)
 
     def snapshot_steps(self) -> dict:
         """The steps this rank can restore and the replicas it holds, once no replica is in flight."""

@@ -98,6 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
         for problem in fit_problems(spec):
             print(f"does not fit: {problem}")
         _print_advice(loss_chunks_advice(spec))
+        _print_noise_scale(spec, args.noise_scale)
         return 0
     from orchestrator.planning.layout_picker import explain, overrides, pick_layout
     from orchestrator.planning.layout_search import Shape
@@ -119,6 +120,14 @@ def _plan(args: argparse.Namespace) -> int:
     sets = " ".join(f"--set {o}" for o in overrides(choice.candidate, Shape.of(spec)))
     print(f"run it: raymesh run {args.job} {sets}")
     return 0
+
+
+def _print_noise_scale(spec, batches: int | None) -> None:
+    """``--noise-scale N``: the gradient noise scale measured on N global batches, against the job's batch size."""
+    if batches:
+        from orchestrator.planning.noise_scale import measure
+
+        _print_advice(measure(spec, batches).advice(spec.train.global_batch_size))
 
 
 def _print_advice(line: str | None) -> None:
@@ -241,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node when picking a layout (default 8)")
     plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GB or 80GiB (default: parallel.device_memory, "
                                         "else the GPU type's)")
+    plan.add_argument("--noise-scale", type=_positive_int, metavar="N",
+                      help="also measure the gradient noise scale (critical batch size, McCandlish et al. 2018) on "
+                           "the job's first N global batches, in this process on the CPU")
     plan.add_argument("--gpu", choices=["A100", "H100", "H200"],
                       help="GPU type whose peak, memory and bandwidths price the layouts (default: plan.gpu)")
     run = sub.choices["run"]

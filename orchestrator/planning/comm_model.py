@@ -63,6 +63,18 @@ all_gather = reduce_scatter  # the same bytes, the other direction
 all_to_all = reduce_scatter
 
 
+def ps_vs_ring(payload: float, n: int, bandwidth: float) -> dict[str, tuple[float, float, float]]:
+    """Seed 004's table (lines 126-144): per role, (bytes received, bytes sent, seconds) to average Φ = ``payload``
+    bytes of gradients over ``n`` workers on links of ``bandwidth`` bytes/s each way (send and receive overlap, so
+    a role's time is the larger of the two over B). A parameter server receives every worker's Φ and sends each
+    the result: NΦ/B, growing with N; a ring's card moves (N-1)/N·Φ each way in the reduce-scatter and again in
+    the all-gather: 2(N-1)/N·Φ/B, which the seed rounds to 2Φ/B, whatever N."""
+    rs = reduce_scatter(payload, n)
+    rows = {"ps server": (n * payload, n * payload), "ps worker": (payload, payload),
+            "ring reduce-scatter": (rs, rs), "ring all-gather": (rs, rs), "ring all-reduce": (2 * rs, 2 * rs)}
+    return {role: (got, sent, max(got, sent) / bandwidth) for role, (got, sent) in rows.items()}
+
+
 @dataclass(frozen=True)
 class CommShape:
     """What the formulas need, in plain numbers, for one rank of a layout.

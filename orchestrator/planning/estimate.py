@@ -17,6 +17,7 @@ from orchestrator.planning.layout_search import FFN_MATRICES, Shape, planned_com
 from orchestrator.planning.stage_split import auto_split, resolve_split
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
+from orchestrator.spec.sections import recompute_plan
 from workers.contract.compression_kinds import WITH_FEEDBACK
 from workers.contract.mixed_precision import planned_fsdp_mixed
 from workers.parallel.layout import layers_of_stage, stage_ids
@@ -195,6 +196,8 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
     m, p = spec.model, spec.parallel
     frozen = frozen_parts(spec)[layer]
     rc = mm.layer_recompute(recompute or spec.memory.recompute, spec.memory.recompute_every, layer, m.n_layers)
+    if rc == "segment":  # inside a sqrt segment: its first block's input is all the segment stores
+        return 0
     moe = m.moe is not None and m.is_moe_layer(layer)
     block = mm.layer_activation_bytes(local_seq(spec), micro_batch(spec), m.d_model, m.n_heads,
                                       0 if moe else m.ffn_dim, p.tp, sequence_split(spec), rc, compute_bytes(spec),
@@ -466,10 +469,15 @@ def regathers(spec: JobSpec) -> bool:
 
 def recompute_working_bytes(spec: JobSpec, layers: list[int]) -> int:
     """Under full recompute, backward rebuilds one block's activations at a time: the largest of this
-    rank's blocks as if nothing were recomputed (selective rebuilds only the attention core: left out)."""
+    rank's blocks as if nothing were recomputed (selective rebuilds only the attention core: left out). Under
+    ``sqrt`` it rebuilds one segment at a time: the largest of this rank's segments (Chen et al.'s O(ℓ/d) term)."""
     if spec.memory.recompute not in ("full", "sqrt") or not layers:
         return 0
-    return max(layer_bytes(spec, i, recompute="none") for i in layers)
+    length = recompute_plan("sqrt", 1, spec.model.n_layers)[1] if spec.memory.recompute == "sqrt" else 1
+    segments: dict[int, int] = {}
+    for i in layers:
+        segments[i // length] = segments.get(i // length, 0) + layer_bytes(spec, i, recompute="none")
+    return max(segments.values())
 
 
 def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:

@@ -37,7 +37,8 @@ from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
 from workers.parallel.partition import balanced_split
 
-FFN_MATRICES = {"gpt": 2, "llama": 3}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
+FFN_MATRICES = {"gpt": 2, "llama": 3, "hf": 2}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
+# (an hf model, any transformers causal LM, is estimated as GPT-2 and Phi are: up/down)
 TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
 
@@ -510,8 +511,10 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
 def layout_of(spec) -> Layout:
     """The layout a job spec runs."""
     p = spec.parallel
-    # the search prices one policy for every block: memory.recompute: sqrt is priced as the full recompute it runs
-    recompute = recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
+    # the search prices one policy for every block: memory.recompute: sqrt's segments are priced as full recompute
+    # (fewer stored inputs, a larger working set in backward: ``estimate.recompute_working_bytes`` has both)
+    policy = recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
+    recompute = "full" if policy == "sqrt" else policy
     return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
                   recompute, p.pp_schedule, p.stages_per_rank, dp_shard=p.grid.dp_shard if p.grid.hybrid else None)
 

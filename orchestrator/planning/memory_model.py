@@ -245,8 +245,11 @@ class Frozen:
 def layer_recompute(policy: str, every: int, layer: int, n_layers: int = 1) -> str:
     """The recompute policy block ``layer`` runs under with ``memory.recompute_every: every``: ``policy`` on
     layers whose global index is a multiple of ``every`` (``workers.parallel.recompute``), none on the others;
-    ``sqrt`` as ``recompute_plan`` resolves it for ``n_layers`` blocks."""
+    ``sqrt`` as ``recompute_plan`` resolves it for ``n_layers`` blocks: a segment's first block keeps its input
+    (as ``full`` does), the others (``segment``) nothing until backward recomputes the segment."""
     policy, every = recompute_plan(policy, every, n_layers)
+    if policy == "sqrt":
+        return "full" if layer % every == 0 else "segment"
     return policy if layer % every == 0 else "none"
 
 

@@ -45,7 +45,8 @@ FIELD_DOCS: dict[str, str] = {
     'model.init_std': 'RMSNorm epsilon, init std (residual projections scaled by 1/√(2·n_layers))',
     'model.arch': (
         'model family from the registry (`workers/model/registry.py`): `gpt` or `llama` (see [Llama, Mistral and Qwen '
-        'models and Hugging Face checkpoints](../guides/hugging-face.md))'
+        'models and Hugging Face checkpoints](../guides/hugging-face.md)); `hf`: any other Hugging Face causal LM, set '
+        'by `model.init_from`, dp/ZeRO only ([seed techniques](../guides/seeds-a.md))'
     ),
     'model.n_kv_heads': (
         'Unset: `n_heads`. llama: key/value heads (grouped-query attention); must divide `n_heads`, and `parallel.tp` '
@@ -401,8 +402,9 @@ FIELD_DOCS: dict[str, str] = {
     'memory.recompute': (
         "unset: `none` on a CPU; on a GPU the first of `none`, `selective`, `full` whose planned peak fits the device "
         "(`event=defaults_picked` says which and why; [low precision and fast defaults](../guides/low-precision.md)). "
-        "`none`, `selective` (attention core), `full` (whole blocks), `sqrt` (Chen et al. 2016's √n rule per block: "
-        '`full` on every round(√n_layers)-th block; the memory model follows it; not with `recompute_every`)'
+        "`none`, `selective` (attention core), `full` (whole blocks), `sqrt` (Chen et al. 2016's segment "
+        'checkpointing: round(√n_layers) segments of blocks, only each segment\'s input stored, the segment recomputed '
+        'whole in backward; the memory model follows it; not with `recompute_every` or `train.compile`)'
     ),
     'memory.recompute_every': (
         'apply `memory.recompute` to every k-th block only (global layer index a multiple of k); the memory model '

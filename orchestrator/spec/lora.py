@@ -128,7 +128,7 @@ def _check_hf_layout(job) -> None:
     """Before the checkpoint is read: only a Llama has a Hugging Face layout here, and an MoE one only as a
     Qwen3-MoE or Mixtral (`model.hf_model_type`; `ModelSpec` checks its MoE is one they hold); a dense family's
     feed-forward has no name for routers and experts, which used to end the export after the whole read."""
-    if job.model.arch != "llama":
+    if job.model.arch not in ("llama", "hf"):  # hf: a transformers model, written by its save_pretrained
         raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
                         "export a model.arch: llama job, or write a .pt with `raymesh export-merged`")
     if job.model.moe is not None and job.model.hf_model_type not in HF_MOE_TYPES:

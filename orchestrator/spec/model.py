@@ -92,6 +92,8 @@ class ModelSpec(FineTuningSection, ModelConfig):
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
         """Heads that split d_model (or an explicit ``head_dim``) and an even head width for rotary."""
+        if self.arch == "hf":
+            return self  # transformers checks its own config's heads
         if self.head_dim is not None:
             return self._check_head_dim()
         if self.d_model % self.n_heads:
@@ -123,7 +125,11 @@ class ModelSpec(FineTuningSection, ModelConfig):
     @model_validator(mode="after")
     def _check_family_fields(self) -> ModelSpec:
         """Llama-only fields on a GPT, a Llama without rotary positions, K/V heads that do not group queries."""
-        if self.lora is not None and self.lora.targets is None:
+        if self.arch != "hf" and self.hf_config is not None:
+            raise SpecError("model.hf_config", "{...}", f"is read only under model.arch hf, not {self.arch}",
+                            "remove model.hf_config (model.init_from fills it in for a model raymesh has no "
+                            "family for)")
+        if self.lora is not None and self.lora.targets is None and self.arch != "hf":
             self.lora.targets = default_targets(self.arch)
         if self.arch == "gpt":
             given = [f for f in LLAMA_ONLY if getattr(self, f) != ModelConfig.model_fields[f].default]
@@ -132,6 +138,8 @@ class ModelSpec(FineTuningSection, ModelConfig):
                                 "is a Llama-family field; model.arch: gpt does not read it",
                                 f"set model.arch: llama, or remove {', '.join('model.' + g for g in given)}")
             return self
+        if self.arch == "hf":
+            return self._check_hf_any()
         if self.positions != "rotary":
             raise SpecError("model.positions", self.positions, "is not supported by model.arch: llama",
                             "remove model.positions (Llama uses rotary positions)")
@@ -142,12 +150,27 @@ class ModelSpec(FineTuningSection, ModelConfig):
                             f"pick n_kv_heads from {_divisors(self.n_heads)}")
         return self
 
+    def _check_hf_any(self) -> ModelSpec:
+        """`model.arch: hf` comes only with `init_from`'s config.json (it is the model's whole shape); the
+        Llama-only fields and `model.moe` describe raymesh's own layers, which this model does not have."""
+        if self.hf_config is None or self.init_from is None:
+            raise SpecError("model.arch", self.arch, "is set by model.init_from (a Hugging Face causal LM raymesh "
+                            "has no family for), not by hand", "set model.init_from to the model's directory, or "
+                            "model.arch: gpt/llama")
+        given = [f for f in (*LLAMA_ONLY, "moe") if f != "hf_model_type"
+                 and getattr(self, f) != ModelConfig.model_fields[f].default]
+        if given:
+            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), "describes raymesh's own layers, which "
+                            "a model.arch hf model (built by transformers from model.init_from) does not have",
+                            f"remove model.{given[0]}")
+        return self
+
     @model_validator(mode="after")
     def _check_hf_family(self) -> ModelSpec:
         """The fields ``hf_model_type``'s weights always have (Qwen2's q/k/v biases, Qwen3's q/k norms) and no
         other family's: an export's config.json must build a model with exactly our tensors."""
-        if self.arch == "gpt":
-            return self  # its Llama-only fields are refused by _check_family_fields
+        if self.arch != "llama":
+            return self  # a gpt's Llama-only fields are refused by _check_family_fields, an hf's by _check_hf_any
         for name, value in HF_FAMILY_FIELDS[self.hf_model_type].items():
             if getattr(self, name) != value:
                 kinds = [k for k, f in HF_FAMILY_FIELDS.items() if f[name] == getattr(self, name)]
@@ -180,7 +203,7 @@ class ModelSpec(FineTuningSection, ModelConfig):
 def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with the shape `config.json` of `init_from` gives; a field set to another value is an error
     naming both. A missing or unreadable directory is reported here, before any actor starts."""
-    from workers.model.hf_io import check_sliding_window, config_fields, read_config
+    from workers.model.hf_io import FAMILIES, check_sliding_window, config_fields, read_config
 
     directory = data["init_from"]
     try:
@@ -188,6 +211,8 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     except (ValueError, OSError) as exc:
         raise SpecError("model.init_from", directory, f"is not a readable Hugging Face model directory ({exc})",
                         "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
+    if config.get("model_type") not in FAMILIES:
+        return _with_any_hf_config(data, config, directory)
     try:
         hf = config_fields(config)
     except (ValueError, KeyError) as exc:
@@ -202,6 +227,25 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     _check_agrees(data, hf, directory)
     if isinstance(data.get("moe"), dict) and hf.get("moe") is not None:  # the job's own MoE settings are kept
         hf = {**hf, "moe": {**data["moe"], **hf["moe"]}}
+    return {**data, **hf}
+
+
+def _with_any_hf_config(data: dict[str, Any], config: dict[str, Any], directory: str) -> dict[str, Any]:
+    """`data` as `model.arch: hf` (``workers.model.hf_any``): a causal LM of a family raymesh has no own for,
+    which transformers builds from `config.json`; a context longer than its position table is refused here."""
+    from workers.model.hf_any import max_positions, model_fields
+
+    try:
+        hf = model_fields(config, directory)
+    except ValueError as exc:
+        raise SpecError("model.init_from", directory, f"holds a model raymesh cannot train ({exc})",
+                        "point it at a transformers causal LM (AutoModelForCausalLM loads it without "
+                        "trust_remote_code)") from None
+    _check_agrees(data, {k: v for k, v in hf.items() if k != "hf_config"}, directory)
+    seq_len, longest = data.get("seq_len") or ModelConfig.model_fields["seq_len"].default, max_positions(config)
+    if longest is not None and seq_len > longest:
+        raise SpecError("model.seq_len", seq_len, f"is longer than the {longest} positions {directory}/config.json "
+                        "gives the model", f"set model.seq_len to at most {longest}")
     return {**data, **hf}
 
 

@@ -184,13 +184,12 @@ MemorySpec = MemorySection  # `memory:` (checks/memory.py)
 def recompute_plan(policy: str, every: int, n_layers: int) -> tuple[str, int]:
     """The policy and interval the workers run for ``memory.recompute``/``recompute_every`` on ``n_layers`` blocks.
 
-    ``sqrt`` is Chen et al. 2016's √n rule at block granularity: full recompute on every k-th block, k = round(√n),
-    so about √n blocks are checkpointed (saving only their inputs) and the others keep their activations. Why
-    this and not √n multi-block segments: blocks are the unit the family declares and ``checkpoint`` wraps in
-    place (names and checkpoints unchanged); a segment would need the model's forward to call blocks in groups.
+    ``sqrt`` is Chen et al. 2016's segment checkpointing: segments of k = round(√n) consecutive blocks, each
+    storing only its input and recomputed whole in backward (``workers.parallel.recompute.checkpoint_segment``);
+    the interval sent is the segment length k.
     """
     if policy == "sqrt":
-        return "full", max(1, round(math.sqrt(n_layers)))
+        return "sqrt", max(1, round(math.sqrt(n_layers)))
     return policy, every
 
 

@@ -23,16 +23,16 @@ from orchestrator.checkpoints import checksums
 from orchestrator.cli import main
 from orchestrator.runtime.ray_runtime import RayRuntime
 from orchestrator.spec import load_spec
-from tests.support.hf import save_hf_family, save_hf_llama
+from tests.support.hf import save_hf_family, save_hf_gpt2, save_hf_llama
 from tests.support.parity_harness import ran, run_grouped
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples that need the controller or the CLI (see the docstring); the rest train in the harness
 THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tracking", "fault_injection",
-               "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
+               "hf_any_zero3", "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
                "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
-               "pp_auto_split", "soak"}
+               "pp_auto_split", "snapshot_compression", "soak"}
 RAY_EXAMPLES = [p for p in EXAMPLES if p.stem in THROUGH_RAY]
 RANK_EXAMPLES = [p for p in EXAMPLES if p.stem not in THROUGH_RAY]
 STEPS = 4
@@ -44,7 +44,7 @@ MIX_DATA = {"data_mix": ["token_data", "heldout_data"]}
 # examples scoring a held-out loss (eval.path), and the fixture that prepares their held-out text
 EVAL_DATA = {"evaluation": "heldout_data"}
 # examples reading a Hugging Face checkpoint get one made here (tiny, random, transformers' save_pretrained)
-NEEDS_HF_DIR = {"llama_finetune_lora": save_hf_llama,
+NEEDS_HF_DIR = {"llama_finetune_lora": save_hf_llama, "hf_any_zero3": save_hf_gpt2,
                 "qwen3_finetune": lambda directory: save_hf_family(directory, "qwen3", vocab_size=256),
                 "qwen3_moe_finetune": lambda directory: save_hf_family(directory, "qwen3_moe", vocab_size=256)}
 # examples whose settings do not fit 4 steps here (too slow at full size, a warm-up longer than the run), and what
@@ -57,7 +57,9 @@ SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp
            "qwen3_finetune": ["--set", "optim.lr=3e-3"], "qwen3_moe_finetune": ["--set", "optim.lr=3e-3"]}
 # examples that lose ranks on purpose keep their warm spare; the others run without one (a spare is a process
 # importing torch after step 1, ~5 s of CPU on this 2-core machine, and none of them loses a rank)
-KEEP_SPARES = {"fault_injection", "soak"}
+KEEP_SPARES = {"fault_injection", "hf_any_zero3", "snapshot_compression", "soak"}
+# examples whose drill kills rank 1 within the test's steps: the summary must show its recovery
+KILLS_RANK_1 = {"hf_any_zero3", "snapshot_compression"}
 # examples whose run_dir (and so checkpoints) is a bucket: here a file:// URL (the same URL path through the real
 # job); the ranks of the session's cluster cannot see an S3 server's credentials, so test_object_storage.py covers S3
 URL_CHECKPOINTS = {"object_storage"}
@@ -127,6 +129,8 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
     assert [Path(p).name for p in result["checkpoints"]] == ["step-00000002", "step-00000004"]
     for key in ("final_loss", "tokens_per_s", "layout", "recoveries", "peak_memory_bytes"):
         assert key in result
+    if job.stem in KILLS_RANK_1:
+        assert [r["rank"] for r in result["recoveries"]] == [1], result["recoveries"]
     if job.stem == "pp_auto_split":  # the profiled split reached the ranks through Ray and the summary
         split = result["layout"]["pp_split"]
         assert sum(split) == 6 and split[0] > split[1], split  # blocks moved off the heavy head's stage

@@ -20,10 +20,13 @@ import torch
 import yaml
 
 from orchestrator.spec.lora import export_hf_weights
-from tests.support.hf import save_hf_llama, transformers_first_step
-from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import ran, run_grouped
-from tests.support.reference import reference_run
+from tests.support.hf import (
+    assert_first_step_then_reference,
+    dcp_model_tensors,
+    init_from_layouts,
+    save_hf_llama,
+)
+from tests.support.parity_harness import ran
 from workers.model.hf_io import hf_name
 
 STEPS = 3
@@ -43,14 +46,7 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layouts(hf_dir, token_data, tmp_path_factory):
     """Each layout's spec, its final checkpoint and its run, those of one size in one spawn (``run_grouped``)."""
-    specs, written = {}, {}
-    for name, parallel in LAYOUTS.items():
-        tmp = tmp_path_factory.mktemp(name)
-        specs[name] = tiny_spec(token_data, tmp, parallel={**parallel, "device": "cpu"},
-                                model={"init_from": str(hf_dir)}, train={"steps": STEPS},
-                                checkpoint={"dir": str(tmp / "ckpt")})
-        written[name] = tmp / "ckpt" / f"step-{STEPS:08d}"
-    runs = run_grouped(specs, checkpoints={name: str(path) for name, path in written.items()})
+    specs, written, runs = init_from_layouts(hf_dir, token_data, tmp_path_factory, LAYOUTS, STEPS)
     return {name: (specs[name], written[name], runs) for name in LAYOUTS}
 
 
@@ -63,29 +59,16 @@ def test_init_from_layout_matches_transformers_and_exports_exactly(name, hf_dir,
     assert spec.model.arch == "llama" and spec.model.kv_heads == 2
     run = ran(runs, name)
 
-    loss, norm = transformers_first_step(spec, hf_dir)
-    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
-    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
-    losses, grad_norms = reference_run(spec, STEPS)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert_first_step_then_reference(run, spec, hf_dir, STEPS)
 
     out = export_hf_weights(spec, str(written), str(tmp_path / "exported"))
-    held = _dcp_model_tensors(written, tmp_path / "ckpt.pt")
+    held = dcp_model_tensors(written, tmp_path / "ckpt.pt")
     exported = load_file(str(out / "model.safetensors"))
     assert set(exported) == {hf_name(k) for k in held}
     for key, value in held.items():
         assert torch.equal(exported[hf_name(key)], value), key
     reloaded = LlamaForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in exported.items())
-
-
-def _dcp_model_tensors(checkpoint, scratch) -> dict[str, torch.Tensor]:
-    """The ``model`` entries of a DCP checkpoint, read by DCP's own converter (not raymesh's loader)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(checkpoint), str(scratch))
-    return torch.load(scratch, weights_only=False)["model"]
 
 
 def test_generate_from_a_layout_checkpoint_decodes_as_transformers_does(layouts, tmp_path):

@@ -90,11 +90,11 @@ def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
     """Loss and global gradient norm of ``transformers``' model on the job's first global batch: what a
     raymesh layout loading ``hf_dir`` must report for its first step."""
     import torch.nn.functional as F
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from workers.data import DataCursor, TokenDataset
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir)  # float32, as saved
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)  # float32, as saved; the class config.json names
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
                         spec.train.global_batch_size, dp_rank=0, dp_size=1)
     inputs, targets = cursor.next_batch()
@@ -102,3 +102,58 @@ def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     return loss.item(), norm.item()
+
+
+# a GPT-2 (learned positions, LayerNorm, Conv1D projections, tied head) of the tiny job's shape, which raymesh has
+# no family for: it trains as model.arch hf; dropout off, so a layout can match the single process
+TINY_GPT2 = {"vocab_size": 256, "n_embd": 32, "n_layer": 4, "n_head": 4, "n_inner": 64, "n_positions": 64,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+
+
+def save_hf_gpt2(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random ``GPT2LMHeadModel`` (``TINY_GPT2``) written by ``save_pretrained`` into ``directory``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **{**TINY_GPT2, **overrides}))
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def init_from_layouts(hf_dir, token_data, tmp_path_factory, layouts: dict, steps: int, model: dict | None = None):
+    """Each layout's job over ``model.init_from: hf_dir`` (``model`` fields beside it), the checkpoint it writes
+    after ``steps`` steps, and the runs (those of one size in one spawn, ``run_grouped``): (specs, written, runs)."""
+    from tests.support.jobs import tiny_spec
+    from tests.support.parity_harness import run_grouped
+
+    specs, written = {}, {}
+    for name, parallel in layouts.items():
+        tmp = tmp_path_factory.mktemp(name)
+        specs[name] = tiny_spec(token_data, tmp, parallel={**parallel, "device": "cpu"},
+                                model={**(model or {}), "init_from": str(hf_dir)}, train={"steps": steps},
+                                checkpoint={"dir": str(tmp / "ckpt")})
+        written[name] = tmp / "ckpt" / f"step-{steps:08d}"
+    return specs, written, run_grouped(specs, checkpoints={name: str(path) for name, path in written.items()})
+
+
+def dcp_model_tensors(checkpoint, scratch) -> dict[str, torch.Tensor]:
+    """The ``model`` entries of a DCP checkpoint, read by DCP's own converter (not raymesh's loader)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(scratch))
+    return torch.load(scratch, weights_only=False)["model"]
+
+
+def assert_first_step_then_reference(run, spec, hf_dir, steps: int) -> None:
+    """A layout ``run`` of ``spec`` (``init_from: hf_dir``): its first step's loss and gradient norm equal
+    ``transformers``' own model's (1e-5), all ``steps`` the single-process reference's (1e-4)."""
+    import pytest
+
+    from tests.support.reference import reference_run
+
+    loss, norm = transformers_first_step(spec, hf_dir)
+    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
+    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
+    losses, grad_norms = reference_run(spec, steps)
+    assert run.losses == pytest.approx(losses, rel=1e-4)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)

@@ -15,7 +15,7 @@ from workers.parallel.recompute import apply_recompute, checkpointed_modules
 def measured_saved_bytes(spec) -> int:
     """Peak bytes saved for backward in one forward of the job's model, as its ranks build it."""
     torch.manual_seed(0)
-    worker = spec.worker_dict()  # what the ranks run (memory.recompute: sqrt arrives as full + an interval)
+    worker = spec.worker_dict()  # what the ranks run (memory.recompute: sqrt arrives with its segment length)
     gpt = GPT(model_config(worker["model"]))
     policy, every = worker["memory"]["recompute"], worker["memory"]["recompute_every"]
     apply_recompute(gpt, policy, family("gpt"), every)

@@ -124,7 +124,9 @@ def reference_run(spec: JobSpec, steps: int, after_step=None) -> tuple[list[floa
     cursor = DataCursor(data, spec.train.global_batch_size, dp_rank=0, dp_size=1,
                         eos_id=document_eos(spec.model.attention_mask, data))
     losses, norms = [], []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
+        if spec.train.batch_ramp is not None:  # this step's global batch (train.batch_ramp's schedule)
+            cursor.global_batch = spec.train.batch_ramp.batch_at(step, spec.train.global_batch_size)
         moe.begin_step([model], spec.train.seed, cursor.start, aux_scale=1.0)  # MoE noise keyed by stream position
         inputs, targets = cursor.next_batch()
         with _within_documents(model, cursor.documents):  # model.attention_mask: document, the whole batch at once

@@ -22,9 +22,11 @@ from workers.spec import SECTIONS, WorkerSpec
 NARROWED = {("train", "objective"), ("model", "moe")}
 # every contract section and where the job file holds it
 PLACES = {**{name: (name,) for name in SECTIONS}, "finetune": ("model",), "offload": ("memory", "offload"),
-          "lora": ("model", "lora"), "mix": ("data", "mix"), "resize": ("parameter_server", "resize")}
+          "lora": ("model", "lora"), "mix": ("data", "mix"), "resize": ("parameter_server", "resize"),
+          "batch_ramp": ("train", "batch_ramp")}
 CONTRACT = {"finetune": sections.FineTuningSection, "offload": sections.OffloadSection,
-            "lora": sections.LoraSection, "mix": sections.MixSource, "resize": sections.PSResize, **SECTIONS}
+            "lora": sections.LoraSection, "mix": sections.MixSource, "resize": sections.PSResize,
+            "batch_ramp": sections.BatchRampSection, **SECTIONS}
 
 
 def _model_in(annotation) -> type[BaseModel]:

@@ -32,7 +32,7 @@ def _ranks(n: int = 7) -> list[StepResult]:
             comm_bytes={"dp": 1000 + r, **({"pp": 50 * r} if last else {})},
             ps={"push": 10 * r, "pull": 3 * r, "staleness": r % 3},
             eval_loss=(0.1 * (r + 1) + 1e-17 * r) if last else None, eval_s=0.5 + 0.1 * r,
-            data_mix={"a": 12 + r, "b": 4}, dpo={"reward_accuracy": 0.25 * r}))
+            data_mix={"a": 12 + r, "b": 4}, dpo={"reward_accuracy": 0.25 * r}, global_batch=16))
     return out
 
 

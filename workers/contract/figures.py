@@ -202,5 +202,6 @@ for _figure in (
     Max("eval_s"),  # eval.every: the slowest rank's evaluation seconds
     LowestRank("data_mix"),  # data.mix: samples each source has supplied so far (every rank reports the same)
     LowestRank("dpo"),  # train.objective: dpo: the global batch's reward figures (every rank reports them)
+    LowestRank("global_batch"),  # train.batch_ramp: the step's global batch in sequences (every rank the same)
 ):
     register(_figure)

@@ -198,7 +198,8 @@ class OffloadSection(Section):
 
 
 class MemorySection(Section):
-    # unset (None): picked (orchestrator/planning/fast_defaults.py); meaning in orchestrator/spec/field_docs.py
+    # unset (None): picked (orchestrator/planning/fast_defaults.py); meaning in orchestrator/spec/field_docs.py.
+    # sqrt: segments of round(√n_layers) blocks, each storing its input and recomputed whole (Chen et al. 2016)
     recompute: Literal["none", "selective", "full", "sqrt"] | None = None
     recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSection = Field(default_factory=OffloadSection)
@@ -206,6 +207,27 @@ class MemorySection(Section):
     measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
     # the planner refuses layouts whose predicted in-step peak passes (1 - headroom) of device memory
     headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+
+
+class BatchRampSection(Section):
+    """`train.batch_ramp`: the global batch grows from `start` sequences to `train.global_batch_size` over the first
+    `steps` steps, in whole `increment`s, then stays there (GPT-3's batch-size ramp-up; the batch size is a resource
+    spent where it pays, seed 002 lines 179-184). The data position counts sequences, so a resumed run goes on with
+    the batch its step has (``workers.step.hooks.BatchRamp``). Each size is a multiple of dp * microbatches
+    (``orchestrator.spec.checks.batching.check_batch_ramp``)."""
+
+    start: PositiveInt = Field(description="the first step's global batch in sequences, below global_batch_size")
+    steps: PositiveInt = Field(description="steps the ramp takes to reach train.global_batch_size")
+    increment: PositiveInt | None = Field(default=None, description="the batch grows in multiples of this many "
+                                          "sequences; null: start")
+
+    def batch_at(self, step: int, full: int) -> int:
+        """The global batch of step ``step`` (1-based): ``start`` plus the whole increments a straight line from
+        ``start`` at step 1 to ``full`` at step ``steps`` + 1 has reached; ``full`` from then on."""
+        if step > self.steps:
+            return full
+        inc = self.increment or self.start
+        return min(full, self.start + inc * ((step - 1) * (full - self.start) // (inc * self.steps)))
 
 
 class TrainSection(Section):
@@ -218,6 +240,10 @@ class TrainSection(Section):
     steps: PositiveInt = 100
     global_batch_size: PositiveInt = 16
     microbatches: PositiveInt = 1
+    batch_ramp: BatchRampSection | None = Field(
+        default=None, description="batch-size ramp-up: the global batch grows from batch_ramp.start to "
+        "global_batch_size over batch_ramp.steps steps (workers.step.hooks.BatchRamp); null: every step takes "
+        "global_batch_size sequences; not with parallel.pp > 1 or dp_sync ps")
     seed: Seed = 0
     log_every: PositiveInt = 1
     compile: bool | None = None  # unset (None): picked, as memory.recompute
@@ -297,7 +323,8 @@ class FineTuningSection(Section):
     """The `model:` fields beside its shape (``workers.model.config.ModelConfig``) that decide where the weights
     start and which of them train."""
 
-    # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory: shape from config.json, weights loaded at start
+    # a Hugging Face directory (save_pretrained's): shape from config.json, weights loaded at start; a Llama,
+    # Mistral, Qwen2/3, Qwen3-MoE or Mixtral becomes raymesh's Llama, any other causal LM model.arch hf
     init_from: PathStr | None = None
     lora: LoraSection | None = None  # LoRA/QLoRA fine-tuning; null: train every weight
 
@@ -315,3 +342,7 @@ class FaultToleranceSection(Section):
     """What a rank itself does about failures (the rest is the controller's: ``FaultToleranceSpec``)."""
 
     collective_timeout_s: Seconds = 60.0  # survivors' collectives with a dead peer give up
+    snapshot_compression: Literal["none", "zlib"] = Field(
+        default="none", description="zlib: in-memory snapshots (a rank's own, the replica shipped to and kept by its "
+        "peer) kept losslessly compressed, byte planes then DEFLATE (workers/state/lossless.py), about 16% smaller "
+        "for float32 state at ~1 s of CPU per 10 MB; none: plain host copies")

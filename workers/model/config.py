@@ -9,7 +9,7 @@ registry (``workers.model.registry``).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -128,7 +128,9 @@ class ModelConfig(BaseModel):
     attention_mask: Literal["causal", "document"] = "causal"
     norm_eps: PositiveFloat = 1e-5
     init_std: PositiveFloat = 0.02
-    arch: Literal["gpt", "llama"] = "gpt"  # the model family (see workers.model.registry)
+    # the model family (see workers.model.registry); "hf" is any other Hugging Face causal LM, which only
+    # model.init_from sets (workers.model.hf_any)
+    arch: Literal["gpt", "llama", "hf"] = "gpt"
     # Llama-family fields (``LLAMA_ONLY``: a gpt refuses them, see orchestrator.spec.model)
     n_kv_heads: PositiveInt | None = None  # grouped-query attention: K/V heads (null: n_heads, plain multi-head)
     rope_theta: PositiveFloat = 10000.0  # rotary base
@@ -146,6 +148,9 @@ class ModelConfig(BaseModel):
     # the Hugging Face family an export writes (config.json model_type); init_from sets it from its config.json
     hf_model_type: Literal[HF_MODEL_TYPES] = "llama"  # type: ignore[valid-type]
     moe: MoEConfig | None = None  # mixture-of-experts feed-forwards; null: dense model
+    hf_config: dict[str, Any] | None = Field(
+        default=None, description="model.arch hf only: the config.json of model.init_from, which transformers "
+        "builds the model from (workers.model.hf_any); filled in by model.init_from, not written by hand")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (global index) has the MoE feed-forward: every ``moe.every``-th block,

@@ -365,10 +365,12 @@ def _reads(model: nn.Module, reader: _Reader):
     """(Hugging Face name, the tensor it fills, a call that reads its values) for every tensor ``model``'s
     parameters take from the checkpoint, each refused by ``reader.slice`` when missing or not what the model needs."""
     kind, stacks = read_config(reader.directory).get("model_type"), _expert_stacks(model)
+    # a model.arch hf model keeps transformers' own names (workers.model.hf_any); raymesh's Llama maps its own
+    key_of = getattr(model, "hf_key", None) or (lambda name: hf_name(name, kind))
     for name, param in model.named_parameters():
         local, box = local_box(param)
         if name not in stacks:
-            key = hf_name(name, kind)
+            key = key_of(name)
             source = reader.slice(key, name, param.shape)
             yield key, local, lambda source=source, box=tuple(box): source[box]
             continue
@@ -424,7 +426,7 @@ def _check_untied_head(reader: _Reader, model: nn.Module) -> None:
     ``lm_head.weight`` in the files that is not the embedding would be dropped without a word. Compared a block of
     rows at a time, stopping at the first that differs: a distinct head is found in the first block."""
     has_head = any(plain_name(n) == "output.weight" for n, _ in model.named_parameters())
-    if has_head or HEAD not in reader.files or EMBEDDING not in reader.files:
+    if hasattr(model, "hf_key") or has_head or HEAD not in reader.files or EMBEDDING not in reader.files:
         return
     head, embedding = (reader.handle(reader.files[k]).get_slice(k) for k in (HEAD, EMBEDDING))
     rows = head.get_shape()[0]

@@ -89,8 +89,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     full = whole_model(spec, fam, meta)
     n_stages = grid.pp * par.stages_per_rank
     ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par.stages_per_rank, par.pp_schedule)
-    cut = fam.hook("cut_stage")
-    parts = [full] if n_stages == 1 else [cut(full, sid, n_stages, par.stage_layers) for sid in ids]
+    parts = [full] if n_stages == 1 else [fam.hook("cut_stage")(full, sid, n_stages, par.stage_layers) for sid in ids]
     del full  # a stage keeps only its layers
     dp_mesh = data_parallel_mesh(mesh, grid)
     expert_mesh = init_expert_mesh(grid, device, spec.fault_tolerance.collective_timeout_s)

@@ -14,14 +14,25 @@ hooks (a generator context entered in a pre-hook) do not trace, so there the mod
 ``memory.recompute_every: k`` applies the policy to every k-th block only (global
 layer index divisible by k, so every layout recomputes the same blocks): a
 memory/compute dial between recomputing all blocks and none.
+
+``sqrt`` is Chen et al. 2016's segment checkpointing (seed 000 lines 405-415, 001 lines 221-225): the ℓ blocks
+cut into segments of k consecutive blocks (global index // k, so every layout cuts the same segments; the spec
+sends k = round(√ℓ) as ``recompute_every``), only each segment's input stored, and the whole segment recomputed
+in backward when its first saved tensor is needed: O(ℓ/k) blocks' activations alive in backward plus O(k)
+stored inputs, least at k = √ℓ. No module holds a segment, so it is checkpointed by hooks, as the composable
+``checkpoint`` does one module: the non-reentrant checkpoint's generator is entered before the segment's first
+block and left after its last, and its recompute function runs the segment's blocks in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 
+import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from workers.model.registry import ModelFamily
@@ -38,6 +49,8 @@ def checkpointed_modules(stage: nn.Module, policy: str, family: ModelFamily, eve
     their inputs)."""
     if policy == "none":
         return []
+    if policy == "sqrt":  # a segment stores its first block's input
+        return [blocks[0] for blocks in segments(stage, family, every)]
     try:
         target = family.recompute_targets[policy]
     except KeyError:
@@ -51,7 +64,12 @@ def checkpointed_modules(stage: nn.Module, policy: str, family: ModelFamily, eve
 def apply_recompute(stage: nn.Module, policy: str, family: ModelFamily, every: int = 1,
                     compiled: bool = False) -> None:
     """Recompute ``policy``'s modules in backward: by the composable ``checkpoint``'s hooks, or with
-    ``compiled`` (the blocks will be compiled, ``workers.parallel.compile``) from inside their ``forward``."""
+    ``compiled`` (the blocks will be compiled, ``workers.parallel.compile``) from inside their ``forward``;
+    ``sqrt``: segments of ``every`` blocks, each recomputed whole (``checkpoint_segment``)."""
+    if policy == "sqrt":
+        for blocks in segments(stage, family, every):
+            checkpoint_segment(blocks)
+        return
     for module in checkpointed_modules(stage, policy, family, every):
         if compiled:
             recompute_in_forward(module)
@@ -69,3 +87,51 @@ def recompute_in_forward(module: nn.Module) -> None:
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     return checkpoint_call(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+
+
+def segments(stage: nn.Module, family: ModelFamily, length: int) -> list[list[nn.Module]]:
+    """The stage's blocks in segments of ``length`` by global layer index (a pipeline cut through a segment
+    leaves each stage its own part of it). Only a family whose ``full`` policy wraps whole blocks has blocks that
+    pass one tensor on, which a segment's recompute needs."""
+    if family.recompute_targets.get("full") != "":
+        raise ValueError(f"memory.recompute 'sqrt' needs whole blocks passing one tensor on; model.arch "
+                         f"{family.arch!r} does not declare them; use memory.recompute: full")
+    out: dict[int, list[nn.Module]] = {}
+    for block in family.hook("blocks")(stage):
+        out.setdefault(block_index(stage, block) // length, []).append(block)
+    return list(out.values())
+
+
+def checkpoint_segment(blocks: list[nn.Module]) -> None:
+    """Keep only the input of ``blocks`` (consecutive, each feeding the next) for backward and recompute them all
+    there: a checkpoint entered by a pre-hook on the first block and left by a hook after the last, whose
+    recompute calls the blocks in order with those hooks off (so FSDP2's own hooks gather the weights again)."""
+    state = {"on": True, "gen": None}
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            x = block(x)
+        return x
+
+    @contextlib.contextmanager
+    def recomputing():
+        state["on"] = False
+        try:
+            yield
+        finally:
+            state["on"] = True
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        if state["on"]:
+            state["gen"] = _checkpoint_without_reentrant_generator(
+                run, True, lambda: (contextlib.nullcontext(), recomputing()), "default", False, True, *args)
+            next(state["gen"])
+
+    def leave(module: nn.Module, args: tuple, output) -> None:
+        gen, state["gen"] = state["gen"], None
+        if state["on"] and gen is not None:
+            with contextlib.suppress(StopIteration):
+                next(gen)
+
+    blocks[0].register_forward_pre_hook(enter)
+    blocks[-1].register_forward_hook(leave, prepend=True, always_call=True)

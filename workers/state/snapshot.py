@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from workers.model.names import unwrap
+from workers.state import lossless
 from workers.state.train_state import TrainState
 
 
@@ -36,7 +37,14 @@ def _persistent_buffers(state: TrainState) -> Iterator[tuple[str, torch.Tensor]]
                     yield f"{prefix}.{name}" if prefix else name, buf
 
 
-def take(state: TrainState) -> dict:
+def take(state: TrainState, compress: bool = False) -> dict:
+    """A host copy of this rank's state (model shards, optimizer state, buffers, progress); with ``compress``
+    every tensor losslessly compressed (``workers.state.lossless``: ``fault_tolerance.snapshot_compression``)."""
+    snap = _copy(state)
+    return lossless.pack(snap) if compress else snap
+
+
+def _copy(state: TrainState) -> dict:
     model, buffers, optim = {}, {}, {}
     with torch.no_grad(), state.resident(write_back=False):
         for named, stepped, opt in state.named_parts():
@@ -61,8 +69,10 @@ def restore(state: TrainState, snap: dict) -> None:
 
     A parameter the snapshot holds no optimizer state for (a snapshot taken before the first step) loses the
     state it gained since, so its next step starts the moments afresh as the snapshotted run did; a NaN step's
-    poisoned moments would otherwise survive the rollback and poison every retry.
+    poisoned moments would otherwise survive the rollback and poison every retry. A compressed snapshot is
+    unpacked first.
     """
+    snap = lossless.unpack(snap)
     with torch.no_grad(), state.resident():
         for named, stepped, opt in state.named_parts():
             for name, p in named:

@@ -24,6 +24,18 @@ from workers.parallel.recompute import checkpointed_modules
 from workers.step.context import Hooks, StepHook, StepKit
 
 
+class BatchRamp(StepHook):
+    """``train.batch_ramp``: sets the step's global batch before the cursor reads it; the cursor's position counts
+    sequences, so the stream has no gap or repeat, and a resumed run (its step restored) picks its step's batch."""
+
+    def __init__(self, kit: StepKit):
+        self.cursor, self.train = kit.state.cursor, kit.spec.train
+
+    def before_step(self, ctx):
+        self.cursor.global_batch = self.train.batch_ramp.batch_at(ctx.step + 1, self.train.global_batch_size)
+        ctx.extras["global_batch"] = self.cursor.global_batch
+
+
 class MemoryProbe(StepHook):
     """``memory.measure``: the activation peak of forward and backward (an ``ActivationMeter``) and model-state
     bytes measured once the optimizers stepped, while parameters, gradients and optimizer state all exist."""
@@ -156,6 +168,7 @@ class DataMix(StepHook):
 HookFactory = Callable[[StepKit], "StepHook | None"]
 
 HOOKS: dict[str, HookFactory] = {
+    "batch_ramp": lambda kit: BatchRamp(kit) if kit.spec.train.batch_ramp else None,  # first: others read the cursor
     "memory": lambda kit: MemoryProbe(kit) if kit.spec.memory.measure else None,
     "moe": lambda kit: MoEStatistics(kit) if moe.moe_layers(kit.parts.modules) else None,
     "timeline": lambda kit: Timeline(kit) if kit.spec.metrics.timeline else None,

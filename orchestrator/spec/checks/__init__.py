@@ -10,7 +10,7 @@ per-feature data checks it calls (`dpo.check_dpo_data`, `loss_mask`) live here b
 from __future__ import annotations
 
 from orchestrator.spec.checks.async_pipeline import check_async_pipeline
-from orchestrator.spec.checks.batching import check_batching
+from orchestrator.spec.checks.batching import check_batch_ramp, check_batching
 from orchestrator.spec.checks.comm import check_comm
 from orchestrator.spec.checks.compile import check_compile
 from orchestrator.spec.checks.context import check_context_parallel
@@ -18,6 +18,7 @@ from orchestrator.spec.checks.document_mask import check_document_mask
 from orchestrator.spec.checks.dpo import check_dpo
 from orchestrator.spec.checks.eval import check_eval
 from orchestrator.spec.checks.faults import check_faults
+from orchestrator.spec.checks.hf_any import check_hf_any
 from orchestrator.spec.checks.inert import check_settings_without_their_feature
 from orchestrator.spec.checks.lora import check_lora
 from orchestrator.spec.checks.loss_chunks import check_loss_chunks
@@ -30,8 +31,9 @@ from orchestrator.spec.checks.precision import check_float8, check_precision
 from orchestrator.spec.checks.tensor import check_init_from_vocab, check_tensor_split
 from orchestrator.spec.checks.zero import check_fsdp_prefetch, check_zero
 
-CROSS_FIELD_CHECKS = (check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
-                      check_init_from_vocab, check_batching, check_zero, check_precision, check_float8,
+CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
+                      check_init_from_vocab, check_batching, check_batch_ramp, check_zero, check_precision,
+                      check_float8,
                       check_recompute, check_faults, check_muon, check_parameter_server, check_offload, check_lora,
                       check_context_parallel, check_document_mask, check_comm, check_moe, check_expert_parallel,
                       check_async_pipeline, check_ps_resize, check_compile, check_optim_implementation,

@@ -64,3 +64,31 @@ def check_batching(job: JobSpec) -> None:
     problem = pipeline_problem(job, mb)
     if problem:
         raise SpecError("train.microbatches", mb, problem, fix)
+
+
+def check_batch_ramp(job: JobSpec) -> None:
+    """`train.batch_ramp`'s sizes must each split into dp ranks' microbatches and end at the global batch; the
+    pipeline (its microbatch shapes fixed at build) and parameter-server rounds (their position is rounds times
+    one batch) take one batch size."""
+    t, p = job.train, job.parallel
+    ramp = t.batch_ramp
+    if ramp is None:
+        return
+    unit, full = p.dp * t.microbatches, t.global_batch_size
+    if ramp.start >= full:
+        raise SpecError("train.batch_ramp.start", ramp.start, f"is not below train.global_batch_size {full}, "
+                        "where the ramp ends", f"set it below {full}, or remove train.batch_ramp")
+    for name, value in (("start", ramp.start), ("increment", ramp.increment)):
+        if value is not None and value % unit:
+            raise SpecError(f"train.batch_ramp.{name}", value, f"is not a multiple of parallel.dp * "
+                            f"train.microbatches = {unit}, so its batches would not split into equal microbatches",
+                            f"use a multiple of {unit} (e.g. {_near_multiples(value, unit)})")
+    inc = ramp.increment or ramp.start
+    if (full - ramp.start) % inc:
+        raise SpecError("train.batch_ramp.increment", inc, f"does not divide train.global_batch_size - start = "
+                        f"{full - ramp.start}, so the ramp would never reach {full}",
+                        f"pick an increment dividing {full - ramp.start} that is a multiple of {unit}")
+    for field, value, bad in (("parallel.pp", p.pp, p.pp > 1), ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps")):
+        if bad:
+            raise SpecError(field, value, "takes one batch size for every step, and train.batch_ramp changes it",
+                            f"remove train.batch_ramp, or set {field} back to its default")

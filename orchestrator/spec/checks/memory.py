@@ -14,8 +14,12 @@ def check_recompute(job: JobSpec) -> None:
     m = job.memory
     if m.recompute_every > 1 and m.recompute == "sqrt":
         raise SpecError("memory.recompute_every", m.recompute_every, "is chosen by memory.recompute: sqrt itself "
-                        "(every round(sqrt(n_layers))-th block)", "remove memory.recompute_every, or set "
+                        "(segments of round(sqrt(n_layers)) blocks)", "remove memory.recompute_every, or set "
                         "memory.recompute: full to pick the interval yourself")
+    if m.recompute == "sqrt" and job.train.compile:
+        raise SpecError("memory.recompute", "sqrt", "checkpoints segments of several compiled blocks by hooks around "
+                        "them, which train.compile's per-block graphs do not trace", "set memory.recompute: full "
+                        "(checkpointed inside each compiled block), or train.compile: false")
     if m.recompute_every > 1 and m.recompute == "none":
         raise SpecError("memory.recompute_every", m.recompute_every, "picks which blocks memory.recompute applies "
                         "to, and memory.recompute is 'none'", "set memory.recompute: full or selective, or "
