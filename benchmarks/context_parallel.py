@@ -2,8 +2,10 @@
 
 One run measures every strategy (ring, Ulysses, all-gather) at every cp degree and sequence length, so the
 ratios against cp=1 (single-process ``scaled_dot_product_attention`` on the whole sequence, what context
-parallelism replaces) come from the same machine state. Each cp degree is one spawn of cp gloo ranks, one
-thread each. Per case:
+parallelism replaces) come from the same machine state. At cp=1 every strategy runs too, on a group of one
+rank: no communication, so its ratio to SDPA is the blockwise kernels' own cost (ring and all-gather attend
+each block through the fused flash kernel and merge the blocks by their log-sum-exp). Each cp degree is one
+spawn of cp gloo ranks, one thread each. Per case:
 
 - step time: fwd+bwd of one attention call between two barriers, median over ``--repeats`` (after one
   warm-up), so a step counts until the slowest rank is done;
@@ -17,6 +19,8 @@ kernel's per-microbatch masks are built inside the timed step, as the first laye
 
     python benchmarks/context_parallel.py --seq 1024 2048 4096 --cp 1 2 4
     python benchmarks/context_parallel.py --seq 2048 --cp 1 4 --doc-len 256
+    python benchmarks/context_parallel.py --seq 4096 16384 --cp 1 2 --impl ring --heads 4 --kv-heads 2 \
+        --repeats 1 --out benchmarks/results/context_parallel_fused.json
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def _rank_main(rank: int, cp: int, ports, args, results) -> None:
     group = dist.group.WORLD
     out = {}
     for seq in args.seq:
-        for impl in with_documents(("sdpa",) if cp == 1 else args.impl, args):
+        for impl in with_documents(("sdpa", *args.impl) if cp == 1 else args.impl, args):
             case = Case(impl, cp, rank, group, seq, args)
             out[f"{impl}/{seq}"] = {"step_s": step_time(case, args.repeats), "saved_bytes": saved_bytes(case)}
     results.put((rank, out))

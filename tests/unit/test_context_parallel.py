@@ -129,3 +129,56 @@ def test_the_planner_counts_the_tile_masks_ring_keeps_per_microbatch(cp, monkeyp
         masks = cpa._BlockMasks(rank, cp, seq // cp, True, Documents(torch.zeros(batch, seq, dtype=torch.long)))
         kept = sum(mask.numel() for src in range(cp) for _, _, mask in masks.tiles(src))
         assert kept == document_mask_bytes(seq, batch, cp, "ring")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_fused_pieces_cover_the_causal_pairs_each_unmasked_or_square_causal(cp):
+    """Every piece the fused kernel gets is whole (no mask) or causal over the same global positions (its own
+    ``is_causal``), and together they let through exactly the causal pairs of each block."""
+    seq = 4 * cp
+    half = seq // cp // 2
+    for rank in range(cp):
+        for src in range(cp):
+            q_pos, k_pos = zigzag_indices(seq, cp, rank), zigzag_indices(seq, cp, src)
+            pairs = set()
+            for rows, cols, causal in cpa._fused_pieces(rank, src, True, half):
+                qs, ks = q_pos[rows].tolist(), k_pos[cols].tolist()
+                if causal:
+                    assert qs == ks, (rank, src, rows, cols)
+                else:
+                    assert min(qs) >= max(ks), (rank, src, rows, cols)
+                pairs |= {(q, k) for q in qs for k in ks if q >= k}
+            assert pairs == {(q, k) for q in q_pos.tolist() for k in k_pos.tolist() if q >= k}
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2)])
+def test_fused_blocks_merged_by_lse_give_sdpa_and_its_gradients(hq, hkv):
+    """Causal attention over keys cut in two blocks (an unmasked earlier one, a causal diagonal), each through the
+    fused kernel and merged by the online softmax, equals SDPA; each block's backward, handed the merged output
+    and lse, gives its exact share of SDPA's gradients (what the ring's backward sums)."""
+    q, k, v, dout = _inputs(hq, hkv)
+    rows, first, second = slice(8, 16), slice(0, 8), slice(8, 16)
+    dout[:, :, first] = 0  # only rows 8-15 are this "rank's" queries: SDPA's gradients from those rows alone
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=hq != hkv)
+    expected.backward(dout)
+    state, scale = cpa._State(q[:, :, rows], hkv), q.shape[-1] ** -0.5
+    for cols, causal in ((first, False), (second, True)):
+        state.merge(slice(None), *cpa._kernel_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale))
+    out, lse = state.result()
+    assert (out - expected[:, :, rows]).abs().max() < TOL
+    dq, dk, dv = torch.zeros_like(q[:, :, rows]), torch.zeros_like(k), torch.zeros_like(v)
+    for cols, causal in ((first, False), (second, True)):
+        bq, bk, bv = cpa._kernel_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out, lse,
+                                          causal, scale)
+        dq += bq
+        dk[:, :, cols] += bk
+        dv[:, :, cols] += bv
+    for got, want in ((dq, ref[0].grad[:, :, rows]), (dk, ref[1].grad), (dv, ref[2].grad)):
+        assert (got - want).abs().max() < TOL
+
+
+def _inputs(hq: int, hkv: int):
+    """q, k, v and dout of 16 tokens (seeded)."""
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+    return (torch.randn(2, h, 16, 8, generator=gen) for h in (hq, hkv, hkv, hq))

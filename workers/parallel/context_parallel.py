@@ -53,11 +53,6 @@ def _group_shape(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.Tensor:
-    """Boolean mask (True = attend) of queries at global positions ``q_pos`` over keys at ``k_pos``."""
-    return (q_pos[:, None] >= k_pos[None, :]).to(device)
-
-
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Refuse shapes the contract does not allow before any rank starts communicating."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -116,7 +111,8 @@ class _RingShift:
 
 
 Piece = tuple[slice, slice, bool]  # (local query rows, key columns of the block, whether to mask by position)
-Tile = tuple[slice, slice, "torch.Tensor | None"]  # (query rows, key columns, boolean mask: None attends to all)
+Tile = tuple[slice, slice, "torch.Tensor | bool | None"]  # (query rows, key columns, mask: a boolean tensor; True
+# causal, by the fused kernel's own mask; None attends to all)
 ROW_TILE = 512  # query rows per score tile: bounds the transient scores to ROW_TILE x S_local per head
 
 
@@ -209,22 +205,23 @@ def _block_backward(q, k, v, dout, lse, delta, scale, mask):
 class _BlockMasks:
     """Which tiles of each rank's K/V block this rank's queries attend to, each with its mask.
 
-    Causal: the pieces ``_block_plan`` keeps by position, masked (by ``_diagonal_mask``) only on the diagonal.
-    With ``documents``: the same pieces, each tile masked causally within documents (``document_mask`` of the
-    whole window's ids at the tile's global positions: no communication), and a tile whose every pair crosses a
-    document boundary skipped. A tile's rows can still be all masked; ``_probabilities`` and ``_merge`` take that.
+    Causal (or none): the pieces ``_block_plan`` keeps by position, cut by ``_fused_pieces`` so each goes whole
+    through the fused kernel, its mask ``True`` (causal, on the diagonal) or ``None``. With ``documents``: the
+    same pieces in row tiles, each masked causally within documents (``document_mask`` of the whole window's ids
+    at the tile's global positions: no communication), and a tile whose every pair crosses a document boundary
+    skipped. A tile's rows can still be all masked; ``_probabilities`` and ``_merge`` take that.
     """
 
-    def __init__(self, rank: int, cp: int, s_local: int, causal: bool, documents: Documents | None, device=None):
+    def __init__(self, rank: int, cp: int, s_local: int, causal: bool, documents: Documents | None):
         self.rank, self.cp, self.s_local, self.documents = rank, cp, s_local, documents
         self.causal = causal or documents is not None  # the document mask is causal within each document
-        self.diagonal = _diagonal_mask(s_local, cp, rank, device) if causal and documents is None else None
 
     def tiles(self, src: int) -> list[Tile]:
-        """The tiles of rank ``src``'s block, with their masks (None: every key attended)."""
-        plan = _tiles(_block_plan(self.rank, src, self.causal, self.s_local // 2), self.s_local)
+        """The tiles of rank ``src``'s block, with their masks (None: every key attended; True: causal)."""
         if self.documents is None:
-            return [(rows, cols, self.diagonal[rows, cols] if masked else None) for rows, cols, masked in plan]
+            fused = _fused_pieces(self.rank, src, self.causal, self.s_local // 2)
+            return [(rows, cols, True if masked else None) for rows, cols, masked in fused]
+        plan = _tiles(_block_plan(self.rank, src, self.causal, self.s_local // 2), self.s_local)
         key = ("ring", self.rank, src, self.s_local, ROW_TILE)  # every layer, forward and backward, asks alike
         return self.documents.cached(key, lambda: self._document_tiles(src, plan))
 
@@ -237,48 +234,155 @@ class _BlockMasks:
         return [(rows, cols, m) for (rows, cols, _), m, keep in zip(plan, masks, kept) if keep]
 
 
-def _attend_block(qg, kv, tiles: list[Tile], out, lse) -> None:
-    """Fold a K/V block ``kv`` ``[2, B, Hkv, S_local, D]`` into the running (out, lse) in place, tile by tile."""
-    scale = qg.shape[-1] ** -0.5
-    k, v = kv.float()
+def _fused_pieces(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
+    """``_block_plan``'s pieces cut so each is either unmasked or square and causal (``is_causal``), what a fused
+    kernel's own mask can express: the diagonal's late query chunk sees the early key chunk whole (every key
+    precedes it) and the late key chunk causally (the same positions)."""
+    out = []
+    for rows, cols, masked in _block_plan(rank, src, causal, half):
+        if masked and cols == slice(None):
+            out += [(rows, slice(0, half), False), (rows, slice(half, None), True)]
+        else:
+            out.append((rows, cols, masked))
+    return out
+
+
+def _kernel_forward(q, k, v, causal: bool, scale: float):
+    """(out ``[B, Hq, Sq, D]``, lse float32 ``[B, Hq, Sq]``) of one block by the device's fused attention kernel.
+
+    CPU: the flash-for-CPU kernel (grouped K/V heads taken as they are). CUDA: memory-efficient attention (any
+    float dtype, every GPU generation), K/V heads repeated for GQA; its lse is padded to 32 rows, cut here.
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                              scale=scale)
+    return out, lse[..., :q.shape[2]]
+
+
+def _kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block by the fused kernel's backward, given the *merged* output and lse of the whole
+    row: the kernel then recomputes this block's probabilities as shares of the whole softmax, so the block's
+    gradients are its exact part of the full attention's (the flash-attention backward, blockwise)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    hkv = k.shape[1]
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    padded = F.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()  # the kernel reads lse in 32-row blocks
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _sum_heads(dk, hkv), _sum_heads(dv, hkv)
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, Hkv, S, D]`` with each K/V head repeated for its query heads (GQA on a kernel without it)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _sum_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The inverse of ``_repeat_heads`` for gradients: each K/V head's copies summed."""
+    b, h, s, d = t.shape
+    return t if h == hkv else t.view(b, hkv, h // hkv, s, d).sum(2)
+
+
+class _State:
+    """A forward's running result: float32 output ``[B, Hkv, G, S, D]`` and lse ``[B, Hkv, G, S]`` (grouped, so
+    the tile kernels' GQA products and the fused kernels' ``[B, Hq, ...]`` results are views of one another).
+
+    The output takes q's memory layout (``_dq_accumulator``'s reason): the model's q is a transposed
+    ``[B, S, H, D]`` projection, so the output transposed back for ``wo`` is a view, not a saved copy."""
+
+    def __init__(self, q: torch.Tensor, hkv: int):
+        self.q, self.hkv = q, hkv
+        self.out = _dq_accumulator(q, hkv)
+        self.lse = torch.full(self.out.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        self._qg = None
+
+    @property
+    def qg(self) -> torch.Tensor:
+        """q grouped in float32, what the tile kernels take, made once when first needed."""
+        if self._qg is None:
+            self._qg = _grouped(self.q, self.hkv)
+        return self._qg
+
+    def merge(self, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+        """Fold a block's (out, lse) over query rows ``rows``, grouped or ``[B, Hq, ...]``, into the running ones."""
+        out, lse = self.out[..., rows, :], self.lse[..., rows]
+        _merge(out, lse, block_out.float().view(out.shape), block_lse.view(lse.shape))
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output ``[B, Hq, S, D]`` in q's dtype, lse ``[B, Hq, S]``): what the backward is handed."""
+        return self.out.flatten(1, 2).to(self.q.dtype), self.lse.view(self.q.shape[:-1])
+
+
+def _attend_block(state: _State, kv, tiles: list[Tile]) -> None:
+    """Fold a K/V block ``kv`` ``[2, B, Hkv, S_local, D]`` into the running (out, lse) in place, tile by tile:
+    a tile with a boolean mask by the blockwise matmuls, one whose mask is ``True`` (causal) or ``None`` by the
+    fused kernel."""
+    q, (k, v) = state.q, kv
+    scale = q.shape[-1] ** -0.5
     for rows, cols, mask in tiles:
-        p, block_lse = _probabilities(qg[..., rows, :], k[..., cols, :], scale, mask)
-        block_out = torch.matmul(p, v[..., cols, :]).view(*block_lse.shape, -1)
-        _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+        if isinstance(mask, torch.Tensor):
+            p, block_lse = _probabilities(state.qg[..., rows, :], k[..., cols, :].float(), scale, mask)
+            block_out = torch.matmul(p, v[..., cols, :].float())
+        else:
+            block_out, block_lse = _kernel_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], bool(mask), scale)
+        state.merge(rows, block_out, block_lse)
 
 
 def _block_gradients(saved: dict, kv, tiles: list[Tile], dq) -> torch.Tensor:
-    """dK/dV ``[2, B, Hkv, S_local, D]`` of a K/V block; its share of dQ is added to ``dq`` in place.
+    """dK/dV ``[2, B, Hkv, S_local, D]`` of a K/V block; its share of dQ is added to ``dq`` (grouped) in place.
 
-    ``saved`` holds what every block's backward shares: grouped q and dout, the final lse, delta.
+    ``saved`` holds what every block's backward shares: q, dout, the merged output and lse, and for the tile
+    kernels their grouped float32 forms and delta.
     """
-    qg = saved["qg"]
-    k, v = kv.float()
+    q = saved["q"]
+    k, v = kv
+    scale = q.shape[-1] ** -0.5
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     for rows, cols, mask in tiles:
-        piece_dq, piece_dk, piece_dv = _block_backward(
-            qg[..., rows, :], k[..., cols, :], v[..., cols, :], saved["doutg"][..., rows, :],
-            saved["lse"][..., rows], saved["delta"][..., rows], qg.shape[-1] ** -0.5, mask)
-        dq[..., rows, :] += piece_dq
+        if isinstance(mask, torch.Tensor):
+            grouped = saved["grouped"]()
+            piece_dq, piece_dk, piece_dv = _block_backward(
+                grouped["qg"][..., rows, :], k[..., cols, :].float(), v[..., cols, :].float(),
+                grouped["doutg"][..., rows, :], grouped["lse"][..., rows], grouped["delta"][..., rows], scale, mask)
+        else:
+            piece_dq, piece_dk, piece_dv = _kernel_backward(
+                saved["dout"][:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], saved["out"][:, :, rows],
+                saved["lse"][..., rows], bool(mask), scale)
+        dq[..., rows, :] += piece_dq.view(dq[..., rows, :].shape)
         dkv[0, ..., cols, :] += piece_dk  # pieces and tiles overlap in keys: accumulate
         dkv[1, ..., cols, :] += piece_dv
     return dkv
 
 
+def _dq_accumulator(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Zeroed float32 ``[B, Hkv, G, S, D]`` in q's memory layout (``zeros_like`` keeps its strides), what dQ and
+    the output accumulate in: a tensor laid out as q is reshapes back to q's layout without a copy."""
+    b, hq, s, d = q.shape
+    return torch.zeros_like(q, dtype=torch.float32).view(b, hkv, hq // hkv, s, d)
+
+
 def _forward_state(q, k, group, causal: bool, documents: Documents | None = None):
-    """(block masks, grouped float32 q, zeroed output, -inf lse): what every forward starts from."""
-    qg = _grouped(q, k.shape[1])
-    lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    masks = _BlockMasks(*_group_shape(group), q.shape[2], causal, documents, q.device)
-    return masks, qg, torch.zeros_like(qg), lse
+    """(block masks, running state): what every forward starts from."""
+    return _BlockMasks(*_group_shape(group), q.shape[2], causal, documents), _State(q, k.shape[1])
 
 
-def _backward_state(ctx, dout, q, k, out, lse) -> dict:
-    """What every block's backward shares (``_block_gradients``), from the saved forward and dout."""
-    hkv = k.shape[1]
-    doutg = _grouped(dout, hkv)
-    return {"qg": _grouped(q, hkv), "doutg": doutg, "lse": lse,
-            "delta": (doutg * _grouped(out, hkv)).sum(-1)}
+def _backward_state(dout, q, k, out, lse) -> dict:
+    """What every block's backward shares (``_block_gradients``), from the saved forward and dout; the tile
+    kernels' grouped float32 forms are made on first use (a causal job's fused blocks never need them)."""
+    hkv, cache = k.shape[1], {}
+
+    def grouped() -> dict:
+        if not cache:
+            doutg = _grouped(dout, hkv)
+            cache.update(qg=_grouped(q, hkv), doutg=doutg, lse=lse.view(doutg.shape[:-1]),
+                         delta=(doutg * _grouped(out, hkv)).sum(-1))
+        return cache
+    return {"q": q, "dout": dout.contiguous(), "out": out, "lse": lse, "grouped": grouped}
 
 
 class _RingAttention(torch.autograd.Function):
@@ -293,14 +397,14 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None):
-        masks, qg, out, lse = _forward_state(q, k, group, causal, documents)
+        masks, state = _forward_state(q, k, group, causal, documents)
         rank, cp = masks.rank, masks.cp
         kv = torch.stack([k, v])
         for step in range(cp):
             shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
-            _attend_block(qg, kv, masks.tiles((rank - step) % cp), out, lse)
+            _attend_block(state, kv, masks.tiles((rank - step) % cp))
             kv = shift.wait() if shift else kv
-        out = out.reshape(q.shape).to(q.dtype)
+        out, lse = state.result()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.masks = group, masks
         return out
@@ -310,8 +414,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         masks = ctx.masks
         rank, cp = masks.rank, masks.cp
-        saved = _backward_state(ctx, dout, q, k, out, lse)
-        dq = torch.zeros_like(saved["qg"])
+        saved = _backward_state(dout, q, k, out, lse)
+        dq = _dq_accumulator(q, k.shape[1])
         kv, dkv, dkv_shift = torch.stack([k, v]), None, None
         for step in range(cp):
             kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
@@ -333,12 +437,12 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool):
-        masks, qg, out, lse = _forward_state(q, k, group, causal)
+        masks, state = _forward_state(q, k, group, causal)
         blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(masks.cp)]
         dist.all_gather(blocks, torch.stack([k, v]), group=group)
         for src, kv in enumerate(blocks):
-            _attend_block(qg, kv, masks.tiles(src), out, lse)
-        out = out.reshape(q.shape).to(q.dtype)
+            _attend_block(state, kv, masks.tiles(src))
+        out, lse = state.result()
         ctx.save_for_backward(q, k, v, out, lse, torch.stack(blocks))
         ctx.group, ctx.masks = group, masks
         return out
@@ -346,8 +450,8 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, blocks = ctx.saved_tensors
-        saved = _backward_state(ctx, dout, q, k, out, lse)
-        dq = torch.zeros_like(saved["qg"])
+        saved = _backward_state(dout, q, k, out, lse)
+        dq = _dq_accumulator(q, k.shape[1])
         dkv = torch.stack([_block_gradients(saved, kv, ctx.masks.tiles(src), dq) for src, kv in enumerate(blocks)])
         dkv = _all_to_all(dkv, ctx.group).sum(0)
         return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
@@ -395,12 +499,6 @@ def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tens
     order = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)]).to(q.device)
     mask = documents.mask("allgather", zigzag_indices(seq, cp, rank).to(q.device), order, q.dtype)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _diagonal_mask(s_local: int, cp: int, rank: int, device) -> torch.Tensor:
-    """Causal mask of this rank's queries over its own keys, by global position in the zigzag layout."""
-    pos = zigzag_indices(s_local * cp, cp, rank)
-    return _causal_mask(pos, pos, device)
 
 
 def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
