@@ -2,7 +2,8 @@
 
 One spawn of four gloo ranks runs every case, at cp=4 and at cp=2 (two pairs), in a module-scoped fixture;
 each test reads its case: output and dq/dk/dv to 1e-5 in float32, causal, not, and causal within documents
-(``model.attention_mask: document``), MHA/GQA/MQA head counts, and Ulysses' refusal of head counts it cannot
+(``model.attention_mask: document``), within a sliding window (``model.sliding_window``), alone and with
+documents, MHA/GQA/MQA head counts, and Ulysses' refusal of head counts it cannot
 split. Ring attention's tiles under the document mask are checked without a group too.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, document_layout, run_all
-from workers.model.documents import Documents
+from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, WINDOWS, document_layout, run_all
+from workers.model.documents import Documents, document_mask
 from workers.parallel import context_parallel as cpa
 from workers.parallel.context_parallel import _block_plan, check_ulysses_heads, zigzag_indices
 
@@ -20,7 +21,7 @@ STRATEGIES = ("allgather", "ring", "ulysses")
 TOL = 1e-5
 CASES = [(cp, strategy, label, hq, hkv, causal) for cp in (2, 4) for strategy in STRATEGIES
          for label, hq, hkv in HEADS for causal in MASKS]
-NAMES = {True: "causal", False: "full", **{name: name.replace(" ", "-") for name in DOCUMENTS}}
+NAMES = {True: "causal", False: "full", **{name: name.replace(" ", "-") for name in (*DOCUMENTS, *WINDOWS)}}
 
 
 def _ulysses_splits(hq: int, hkv: int, cp: int) -> bool:
@@ -182,3 +183,40 @@ def _inputs(hq: int, hkv: int):
     """q, k, v and dout of 16 tokens (seeded)."""
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     return (torch.randn(2, h, 16, 8, generator=gen) for h in (hq, hkv, hkv, hq))
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2)])
+@pytest.mark.parametrize("documents", [False, True])
+def test_windowed_attention_on_one_process_equals_sdpa_with_the_dense_mask(window, hq, hkv, documents, monkeypatch):
+    """The single-process sliding window (what tp and cp=1 run) equals SDPA under the dense window mask, output
+    and gradients, with windows shorter than a tile, across tiles, and longer than the sequence."""
+    monkeypatch.setattr(cpa, "ROW_TILE", 4)
+    gen = torch.Generator().manual_seed(window)
+    q, k, v, dout = (torch.randn(2, h, 24, 8, generator=gen) for h in (hq, hkv, hkv, hq))
+    pos = torch.arange(24)
+    mask, docs = cpa.window_mask(pos, pos, window), None
+    if documents:
+        ids = document_layout(24, DOCUMENTS["split documents"])
+        mask, docs = mask & document_mask(ids, pos, pos), Documents(ids)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=hq != hkv).backward(dout)
+    got = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cpa.windowed_attention(*got, window, docs)
+    out.backward(dout)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+    assert (out - expected).abs().max() < TOL
+    for mine, theirs in zip(got, ref):
+        assert (mine.grad - theirs.grad).abs().max() < TOL
+
+
+def test_window_tiles_keep_masks_only_where_the_window_edge_crosses(monkeypatch):
+    """An 8-token window over 64 tokens in tiles of 8: tiles out of the window are dropped, the diagonal ones go
+    to the fused kernel as causal, and only the tile just left of each diagonal one keeps a boolean mask (O(S x
+    tile) bytes, not S^2)."""
+    monkeypatch.setattr(cpa, "ROW_TILE", 8)
+    tiles = cpa._BlockMasks(0, 1, 64, True, None, window=8).tiles(0)
+    kinds = [(rows.start, cols.start, "mask" if isinstance(mask, torch.Tensor) else mask) for rows, cols, mask in tiles]
+    assert [k for k in kinds if k[2] is True] == [(r, r, True) for r in range(0, 64, 8)]
+    assert [k for k in kinds if k[2] == "mask"] == [(r, r - 8, "mask") for r in range(8, 64, 8)]
+    assert len(kinds) == 15

@@ -48,8 +48,13 @@ def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
     return torch.cat([first, torch.arange(mirror * chunk, (mirror + 1) * chunk)])
 
 
+LOCAL = "local"  # the "group" of a whole sequence on one process: the blockwise kernels without communication
+
+
 def _group_shape(group) -> tuple[int, int]:
-    """(this rank's index in ``group``, the group's size)."""
+    """(this rank's index in ``group``, the group's size); ``LOCAL`` is rank 0 of 1."""
+    if group is LOCAL:
+        return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -212,24 +217,54 @@ class _BlockMasks:
     skipped. A tile's rows can still be all masked; ``_probabilities`` and ``_merge`` take that.
     """
 
-    def __init__(self, rank: int, cp: int, s_local: int, causal: bool, documents: Documents | None):
-        self.rank, self.cp, self.s_local, self.documents = rank, cp, s_local, documents
-        self.causal = causal or documents is not None  # the document mask is causal within each document
+    def __init__(self, rank: int, cp: int, s_local: int, causal: bool, documents: Documents | None,
+                 window: int | None = None, device=None):
+        self.rank, self.cp, self.s_local, self.documents, self.window = rank, cp, s_local, documents, window
+        self.device = device
+        # the document mask and the window are causal too
+        self.causal = causal or documents is not None or window is not None
 
     def tiles(self, src: int) -> list[Tile]:
         """The tiles of rank ``src``'s block, with their masks (None: every key attended; True: causal)."""
-        if self.documents is None:
+        if self.documents is None and self.window is None:
             fused = _fused_pieces(self.rank, src, self.causal, self.s_local // 2)
             return [(rows, cols, True if masked else None) for rows, cols, masked in fused]
         plan = _tiles(_block_plan(self.rank, src, self.causal, self.s_local // 2), self.s_local)
-        key = ("ring", self.rank, src, self.s_local, ROW_TILE)  # every layer, forward and backward, asks alike
+        if self.documents is None:
+            return self._window_tiles(src, plan)
+        key = ("ring", self.rank, src, self.s_local, ROW_TILE, self.window)  # every layer, fwd and bwd, asks alike
         return self.documents.cached(key, lambda: self._document_tiles(src, plan))
 
+    def _positions(self, src: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global positions of this rank's queries and of rank ``src``'s keys."""
+        seq = self.s_local * self.cp
+        return tuple(zigzag_indices(seq, self.cp, r).to(device) for r in (self.rank, src))
+
+    def _window_tiles(self, src: int, plan: list[Piece]) -> list[Tile]:
+        """``plan``'s row tiles cut into square tiles and masked by the window (``window_mask``): a tile out of
+        the window is dropped, one wholly inside it (or causal on the diagonal) goes through the fused kernel,
+        and only those the window's edge crosses keep a boolean mask, so the masks held are O(S x ROW_TILE),
+        not O(S^2)."""
+        q_pos, k_pos = self._positions(src, "cpu")
+        out = []
+        for rows, cols, _ in plan:
+            start, stop, _ = cols.indices(self.s_local)
+            for c in range(start, stop, ROW_TILE):
+                tile = slice(c, min(c + ROW_TILE, stop))
+                mask = _classified(window_mask(q_pos[rows], k_pos[tile], self.window), q_pos[rows], k_pos[tile])
+                if mask is not False:
+                    out.append((rows, tile, mask.to(self.device) if isinstance(mask, torch.Tensor) else mask))
+        return out
+
     def _document_tiles(self, src: int, plan: list[Piece]) -> list[Tile]:
-        """``plan``'s tiles masked within documents, those with nothing to attend dropped (one device sync)."""
-        ids, seq = self.documents.ids, self.s_local * self.cp
-        q_pos, k_pos = (zigzag_indices(seq, self.cp, r).to(ids.device) for r in (self.rank, src))
+        """``plan``'s tiles masked within documents (and the window), those with nothing to attend dropped (one
+        device sync)."""
+        ids = self.documents.ids
+        q_pos, k_pos = self._positions(src, ids.device)
         masks = [document_mask(ids, q_pos[rows], k_pos[cols]).unsqueeze(1) for rows, cols, _ in plan]
+        if self.window is not None:
+            masks = [m & window_mask(q_pos[rows], k_pos[cols], self.window).to(ids.device)
+                     for m, (rows, cols, _) in zip(masks, plan)]
         kept = torch.stack([m.any() for m in masks]).tolist() if masks else []
         return [(rows, cols, m) for (rows, cols, _), m, keep in zip(plan, masks, kept) if keep]
 
@@ -245,6 +280,28 @@ def _fused_pieces(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
         else:
             out.append((rows, cols, masked))
     return out
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[1, 1, len(q_pos), len(k_pos)]`` bool: causal, and (with ``window``) a key fewer than ``window``
+    positions back, as ``transformers``' sliding window (Mistral: ``kv_idx > q_idx - sliding_window``)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    if window is not None:
+        allowed &= diff < window
+    return allowed[None, None]
+
+
+def _classified(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """A tile's mask as the kernels take it: False (nothing attended: drop the tile), None (all attended),
+    True (exactly causal over the same positions: the fused kernel's own mask) or the boolean tensor."""
+    if not mask.any():
+        return False
+    if mask.all():
+        return None
+    if torch.equal(q_pos, k_pos) and torch.equal(mask, window_mask(q_pos, k_pos, None)):
+        return True
+    return mask
 
 
 def _kernel_forward(q, k, v, causal: bool, scale: float):
@@ -366,9 +423,10 @@ def _dq_accumulator(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return torch.zeros_like(q, dtype=torch.float32).view(b, hkv, hq // hkv, s, d)
 
 
-def _forward_state(q, k, group, causal: bool, documents: Documents | None = None):
+def _forward_state(q, k, group, causal: bool, documents: Documents | None = None, window: int | None = None):
     """(block masks, running state): what every forward starts from."""
-    return _BlockMasks(*_group_shape(group), q.shape[2], causal, documents), _State(q, k.shape[1])
+    masks = _BlockMasks(*_group_shape(group), q.shape[2], causal, documents, window, q.device)
+    return masks, _State(q, k.shape[1])
 
 
 def _backward_state(dout, q, k, out, lse) -> dict:
@@ -396,8 +454,8 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None):
-        masks, state = _forward_state(q, k, group, causal, documents)
+    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None, window: int | None = None):
+        masks, state = _forward_state(q, k, group, causal, documents, window)
         rank, cp = masks.rank, masks.cp
         kv = torch.stack([k, v])
         for step in range(cp):
@@ -425,7 +483,7 @@ class _RingAttention(torch.autograd.Function):
             dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
             kv = kv_shift.wait() if kv_shift else kv
         dkv = dkv_shift.wait() if dkv_shift else dkv
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -436,8 +494,8 @@ class _AllGatherAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool):
-        masks, state = _forward_state(q, k, group, causal)
+    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None = None, window: int | None = None):
+        masks, state = _forward_state(q, k, group, causal, documents, window)
         blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(masks.cp)]
         dist.all_gather(blocks, torch.stack([k, v]), group=group)
         for src, kv in enumerate(blocks):
@@ -454,19 +512,21 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = _dq_accumulator(q, k.shape[1])
         dkv = torch.stack([_block_gradients(saved, kv, ctx.masks.tiles(src), dq) for src, kv in enumerate(blocks)])
         dkv = _all_to_all(dkv, ctx.group).sum(0)
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def allgather_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
+def allgather_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
 
     Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank. With
-    ``documents`` each query sees only its own document's earlier keys (``_attend_within_documents``).
+    ``documents`` each query sees only its own document's earlier keys (``_attend_within_documents``); with a
+    sliding ``window`` only the keys fewer than ``window`` positions back (the ring's tiles, per gathered block).
     """
     _check_heads(q, k, v)
-    if documents is not None:
+    if documents is not None and window is None:
         return _attend_within_documents(q, k, v, group, documents)
-    return _AllGatherAttention.apply(q, k, v, group, causal)
+    return _AllGatherAttention.apply(q, k, v, group, causal, documents, window)
 
 
 class _AllGather(torch.autograd.Function):
@@ -501,17 +561,27 @@ def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tens
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
+def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Attention of the local queries over the whole sequence, K/V blocks passed round the cp ring.
 
     Memory per rank stays O(S_local): at any time a rank holds its own K/V, one block in flight and one
     block's scores. GQA is handled by grouping query heads per KV head (no repeated K/V). With ``documents``
     each query sees only its own document's earlier keys: every block's mask comes from the whole window's
     document ids, which every rank holds, and tiles that cross only document boundaries are skipped
-    (``_BlockMasks``).
+    (``_BlockMasks``). With a sliding ``window`` a query sees only keys fewer than ``window`` positions back:
+    tiles out of it are skipped, so the work falls with the window.
     """
     _check_heads(q, k, v)
-    return _RingAttention.apply(q, k, v, group, causal, documents)
+    return _RingAttention.apply(q, k, v, group, causal, documents, window)
+
+
+def windowed_attention(q, k, v, window: int, documents: Documents | None = None) -> torch.Tensor:
+    """Causal attention of a whole sequence on one process with a sliding ``window`` (and ``documents``): the
+    ring's tiles without a ring (``LOCAL``), so no ``[S, S]`` mask is built and tiles out of the window are
+    skipped, where SDPA would need a dense mask."""
+    _check_heads(q, k, v)
+    return _RingAttention.apply(q, k, v, LOCAL, True, documents, window)
 
 
 # --- Ulysses ----------------------------------------------------------------------------------------------------
@@ -546,7 +616,8 @@ def _heads_to_sequence(t: torch.Tensor, group, cp: int) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """DeepSpeed-Ulysses: all-to-all to head-sharded whole sequences, SDPA, all-to-all back.
 
     After the first exchange the tokens sit in rank order (each rank's zigzag chunks); they are permuted to
@@ -564,6 +635,9 @@ def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents 
     order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
     natural = torch.argsort(order)
     qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
-    masking = {"is_causal": causal} if documents is None else {"attn_mask": documents.whole(qh)}
-    out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], **masking)
+    if window is not None:
+        out = windowed_attention(qh, kh, vh, window, documents)
+    else:
+        masking = {"is_causal": causal} if documents is None else {"attn_mask": documents.whole(qh)}
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], **masking)
     return _heads_to_sequence(out[:, :, order], group, cp)
