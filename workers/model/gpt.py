@@ -25,6 +25,7 @@ from workers.model.documents import Documents
 from workers.model.meta_init import fill
 from workers.model.moe import MoELayer, moe_parameter
 from workers.model.registry import ModelFamily, register
+from workers.parallel.context_parallel import windowed_attention
 
 
 class RMSNorm(nn.Module):
@@ -66,23 +67,29 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 class CausalCore(nn.Module):
     """Parameter-free attention core: a separate module so selective recompute can wrap just it, and the one
     place context parallelism enters attention (its ``context_shard``, set by the builder when cp > 1) and
-    document masking (its ``documents``, set per microbatch: ``workers.model.documents.attending``)."""
+    document masking (its ``documents``, set per microbatch: ``workers.model.documents.attending``), and a sliding
+    ``window`` (``model.sliding_window``, fixed at build)."""
 
     reads_documents = True  # ``attending`` sets ``documents`` on it
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
         super().__init__()
         self.context_shard = None
         self.documents: Documents | None = None  # None: plain causal attention
+        self.window = window  # None: the whole causal prefix
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.context_shard is not None:
             return self.context_shard.attend(q, k, v, **self.document_kwargs())
+        if self.window is not None:
+            return windowed_attention(q, k, v, self.window, self.documents)
         return self.local(q, k, v)
 
     def document_kwargs(self) -> dict:
-        """What a context-parallel kernel is told of the documents: nothing when attention is causal."""
-        return {} if self.documents is None else {"documents": self.documents}
+        """What a context-parallel kernel is told of the documents and the window: nothing when attention is
+        plainly causal."""
+        documents = {} if self.documents is None else {"documents": self.documents}
+        return documents if self.window is None else {**documents, "window": self.window}
 
     def masking(self, q: torch.Tensor) -> dict:
         """SDPA's mask arguments for a whole sequence ``q`` [batch, heads, seq, head_dim]: causal, or causal
