@@ -20,10 +20,9 @@ import torch
 import yaml
 
 from orchestrator.spec.lora import export_hf_weights
-from tests.support.hf import save_hf_llama, transformers_first_step
+from tests.support.hf import assert_first_step_and_reference, save_hf_llama
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
-from tests.support.reference import reference_run
 from workers.model.hf_io import hf_name
 
 STEPS = 3
@@ -63,12 +62,7 @@ def test_init_from_layout_matches_transformers_and_exports_exactly(name, hf_dir,
     assert spec.model.arch == "llama" and spec.model.kv_heads == 2
     run = ran(runs, name)
 
-    loss, norm = transformers_first_step(spec, hf_dir)
-    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
-    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
-    losses, grad_norms = reference_run(spec, STEPS)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert_first_step_and_reference(run, spec, hf_dir, STEPS)
 
     out = export_hf_weights(spec, str(written), str(tmp_path / "exported"))
     held = _dcp_model_tensors(written, tmp_path / "ckpt.pt")

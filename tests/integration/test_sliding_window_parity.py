@@ -14,10 +14,9 @@ import json
 
 import pytest
 
-from tests.support.hf import save_hf_family, transformers_first_step
+from tests.support.hf import assert_first_step_and_reference, save_hf_family, transformers_first_step
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
-from tests.support.reference import reference_run
 
 STEPS = 3
 WINDOW = 8  # the tiny job's seq_len 32 is 4x the window; cp2's zigzag chunks are 8 tokens
@@ -46,13 +45,7 @@ def runs(specs):
 def test_windowed_mistral_matches_transformers_and_the_reference(name, specs, runs, hf_dir):
     spec = specs[name]
     assert spec.model.sliding_window == WINDOW and spec.model.seq_len == 4 * WINDOW
-    run = ran(runs, name)
-    loss, norm = transformers_first_step(spec, hf_dir)
-    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
-    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
-    losses, grad_norms = reference_run(spec, STEPS)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert_first_step_and_reference(ran(runs, name), spec, hf_dir, STEPS)
 
 
 def test_the_window_changes_the_first_step(specs, hf_dir, tmp_path):

@@ -102,3 +102,18 @@ def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     return loss.item(), norm.item()
+
+
+def assert_first_step_and_reference(run, spec, hf_dir, steps: int) -> None:
+    """A layout's run (``parity_harness.LayoutRun``) loading ``hf_dir``: its first step is ``transformers``' (1e-5,
+    ``transformers_first_step``), its ``steps`` steps the single-process reference's (1e-4)."""
+    import pytest
+
+    from tests.support.reference import reference_run
+
+    loss, norm = transformers_first_step(spec, hf_dir)
+    assert run.losses[0] == pytest.approx(loss, rel=1e-5)
+    assert run.grad_norms[0] == pytest.approx(norm, rel=1e-5)
+    losses, grad_norms = reference_run(spec, steps)
+    assert run.losses == pytest.approx(losses, rel=1e-4)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)

@@ -89,22 +89,34 @@ def test_ring_pieces_cover_exactly_the_causal_pairs_with_equal_work_per_rank(cp)
 
 
 def _document_pairs(ids: torch.Tensor, tiles, q_pos, k_pos) -> set:
-    """The (sequence, query, key) global positions ring attention's document-masked tiles of one block let through."""
+    """The (sequence, query, key) global positions ring attention's document-masked tiles of one block let through
+    (a tile without a mask attends every pair, a causal one each pair in causal order)."""
     pairs = set()
     for rows, cols, mask in tiles:
+        if not isinstance(mask, torch.Tensor):
+            qs, ks = q_pos[rows], k_pos[cols]
+            allowed = cpa.window_mask(qs, ks, None) if mask else torch.ones(1, 1, len(qs), len(ks), dtype=torch.bool)
+            mask = allowed.unsqueeze(1).expand(len(ids), -1, -1, -1, -1)
         for b, _, _, i, j in mask.nonzero().tolist():
             pairs.add((b, int(q_pos[rows][i]), int(k_pos[cols][j])))
     return pairs
 
 
+def _candidate_tiles(rank: int, src: int, cp: int, s_local: int) -> int:
+    """The square tiles a block's pieces cut into before any is dropped."""
+    plan = cpa._tiles(cpa._fused_pieces(rank, src, True, s_local // 2), s_local)
+    return sum(-(-len(range(*cols.indices(s_local))) // cpa.ROW_TILE) for _, cols, _ in plan)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_tiles_under_the_document_mask_keep_exactly_the_pairs_within_documents(cp, monkeypatch):
     """Every block's tiles let through each (query, key) of one document in causal order and nothing else, skip
-    tiles no sequence attends to, and keep some whose rows see no key (the kernel's -inf lse case)."""
+    tiles no sequence attends to, send some whole to the fused kernel, and keep masks whose rows see no key (the
+    kernel's -inf lse case) only where a boundary crosses."""
     monkeypatch.setattr(cpa, "ROW_TILE", 4)
     seq = 24
     ids = document_layout(seq, DOCUMENTS["split documents"])
-    documents, skipped, blind_rows = Documents(ids), 0, 0
+    documents, skipped, blind_rows, fused = Documents(ids), 0, 0, 0
     for rank in range(cp):
         masks = cpa._BlockMasks(rank, cp, seq // cp, True, documents)
         for src in range(cp):
@@ -113,23 +125,25 @@ def test_ring_tiles_under_the_document_mask_keep_exactly_the_pairs_within_docume
             assert _document_pairs(ids, tiles, q_pos, k_pos) == {
                 (b, int(q), int(k)) for b in range(len(ids)) for q in q_pos for k in k_pos
                 if q >= k and ids[b, q] == ids[b, k]}
-            skipped += len(cpa._tiles(cpa._block_plan(rank, src, True, seq // cp // 2), seq // cp)) - len(tiles)
-            blind_rows += sum(int((~mask.any(-1)).sum()) for _, _, mask in tiles)
-    assert skipped > 0 and blind_rows > 0, (skipped, blind_rows)
+            skipped += _candidate_tiles(rank, src, cp, seq // cp) - len(tiles)
+            fused += sum(not isinstance(mask, torch.Tensor) for _, _, mask in tiles)
+            blind_rows += sum(int((~mask.any(-1)).sum()) for _, _, mask in tiles if isinstance(mask, torch.Tensor))
+    assert skipped > 0 and blind_rows > 0 and fused > 0, (skipped, blind_rows, fused)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_the_planner_counts_the_tile_masks_ring_keeps_per_microbatch(cp, monkeypatch):
-    """Ring CP's document mask in the planner is the bytes of the boolean tiles a rank caches for a microbatch
-    (one document, so none is skipped), not a whole-window additive mask."""
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_microbatch_of_one_document_keeps_no_mask_and_the_planner_counts_none(cp, monkeypatch):
+    """Causal within one document is causal: every tile goes whole or causal through the fused kernel, no boolean
+    mask is kept (where a dense build held S^2), and the planner adds nothing for the document mask."""
     from orchestrator.planning.memory_model import document_mask_bytes
 
     monkeypatch.setattr(cpa, "ROW_TILE", 4)
     seq, batch = 48, 2
     for rank in range(cp):
         masks = cpa._BlockMasks(rank, cp, seq // cp, True, Documents(torch.zeros(batch, seq, dtype=torch.long)))
-        kept = sum(mask.numel() for src in range(cp) for _, _, mask in masks.tiles(src))
-        assert kept == document_mask_bytes(seq, batch, cp, "ring")
+        assert all(not isinstance(mask, torch.Tensor) for src in range(cp) for _, _, mask in masks.tiles(src))
+    for impl in ("ring", "ulysses", "allgather"):
+        assert document_mask_bytes(seq, batch, cp, impl) == 0
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -188,7 +202,7 @@ def _inputs(hq: int, hkv: int):
 @pytest.mark.parametrize("window", [1, 3, 8, 40])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2)])
 @pytest.mark.parametrize("documents", [False, True])
-def test_windowed_attention_on_one_process_equals_sdpa_with_the_dense_mask(window, hq, hkv, documents, monkeypatch):
+def test_blockwise_attention_on_one_process_equals_sdpa_with_the_dense_mask(window, hq, hkv, documents, monkeypatch):
     """The single-process sliding window (what tp and cp=1 run) equals SDPA under the dense window mask, output
     and gradients, with windows shorter than a tile, across tiles, and longer than the sequence."""
     monkeypatch.setattr(cpa, "ROW_TILE", 4)
@@ -202,7 +216,7 @@ def test_windowed_attention_on_one_process_equals_sdpa_with_the_dense_mask(windo
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=hq != hkv).backward(dout)
     got = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = cpa.windowed_attention(*got, window, docs)
+    out = cpa.blockwise_attention(*got, docs, window)
     out.backward(dout)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
     assert (out - expected).abs().max() < TOL

@@ -25,7 +25,7 @@ from workers.model.documents import Documents
 from workers.model.meta_init import fill
 from workers.model.moe import MoELayer, moe_parameter
 from workers.model.registry import ModelFamily, register
-from workers.parallel.context_parallel import windowed_attention
+from workers.parallel.context_parallel import blockwise_attention
 
 
 class RMSNorm(nn.Module):
@@ -81,8 +81,8 @@ class CausalCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.context_shard is not None:
             return self.context_shard.attend(q, k, v, **self.document_kwargs())
-        if self.window is not None:
-            return windowed_attention(q, k, v, self.window, self.documents)
+        if self.window is not None or self.documents is not None:
+            return blockwise_attention(q, k, v, self.documents, self.window)
         return self.local(q, k, v)
 
     def document_kwargs(self) -> dict:
@@ -92,14 +92,12 @@ class CausalCore(nn.Module):
         return documents if self.window is None else {**documents, "window": self.window}
 
     def masking(self, q: torch.Tensor) -> dict:
-        """SDPA's mask arguments for a whole sequence ``q`` [batch, heads, seq, head_dim]: causal, or causal
-        within each document."""
-        if self.documents is None:
-            return {"is_causal": True}
-        return {"attn_mask": self.documents.whole(q)}
+        """SDPA's mask arguments for a whole sequence ``q`` [batch, heads, seq, head_dim]: causal. Documents and
+        windows never reach SDPA (``forward`` sends them blockwise), so no dense mask is built."""
+        return {"is_causal": True}
 
     def local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention over the sequence this rank holds whole."""
+        """Causal attention over the sequence this rank holds whole."""
         return F.scaled_dot_product_attention(q, k, v, **self.masking(q))
 
 

@@ -229,44 +229,36 @@ class _BlockMasks:
         if self.documents is None and self.window is None:
             fused = _fused_pieces(self.rank, src, self.causal, self.s_local // 2)
             return [(rows, cols, True if masked else None) for rows, cols, masked in fused]
-        plan = _tiles(_block_plan(self.rank, src, self.causal, self.s_local // 2), self.s_local)
+        # the fused pieces: the diagonal's key chunks apart, so its square tiles share their queries' positions
+        plan = _tiles(_fused_pieces(self.rank, src, self.causal, self.s_local // 2), self.s_local)
         if self.documents is None:
-            return self._window_tiles(src, plan)
+            return self._sparse_tiles(src, plan)
         key = ("ring", self.rank, src, self.s_local, ROW_TILE, self.window)  # every layer, fwd and bwd, asks alike
-        return self.documents.cached(key, lambda: self._document_tiles(src, plan))
+        return self.documents.cached(key, lambda: self._sparse_tiles(src, plan))
 
-    def _positions(self, src: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global positions of this rank's queries and of rank ``src``'s keys."""
+    def _sparse_tiles(self, src: int, plan: list[Piece]) -> list[Tile]:
+        """``plan``'s row tiles cut into square tiles and masked within documents and the window: a tile nothing
+        attends is dropped, one wholly attended (or causal on the diagonal) goes through the fused kernel, and only
+        those a document boundary or the window's edge crosses keep a boolean mask, so the masks held are a few
+        tiles per boundary, not O(S^2). One device sync per row tile."""
+        ids = None if self.documents is None else self.documents.ids
+        device = self.device if ids is None else ids.device
         seq = self.s_local * self.cp
-        return tuple(zigzag_indices(seq, self.cp, r).to(device) for r in (self.rank, src))
-
-    def _window_tiles(self, src: int, plan: list[Piece]) -> list[Tile]:
-        """``plan``'s row tiles cut into square tiles and masked by the window (``window_mask``): a tile out of
-        the window is dropped, one wholly inside it (or causal on the diagonal) goes through the fused kernel,
-        and only those the window's edge crosses keep a boolean mask, so the masks held are O(S x ROW_TILE),
-        not O(S^2)."""
-        q_pos, k_pos = self._positions(src, "cpu")
+        # one process holds the whole sequence in order, of any length (zigzag wants two equal chunks a rank)
+        q_pos, k_pos = (torch.arange(seq) if self.cp == 1 else zigzag_indices(seq, self.cp, r).to(device)
+                        for r in (self.rank, src))
+        q_pos, k_pos = q_pos.to(device), k_pos.to(device)
         out = []
         for rows, cols, _ in plan:
             start, stop, _ = cols.indices(self.s_local)
-            for c in range(start, stop, ROW_TILE):
-                tile = slice(c, min(c + ROW_TILE, stop))
-                mask = _classified(window_mask(q_pos[rows], k_pos[tile], self.window), q_pos[rows], k_pos[tile])
-                if mask is not False:
-                    out.append((rows, tile, mask.to(self.device) if isinstance(mask, torch.Tensor) else mask))
+            tiles = [slice(c, min(c + ROW_TILE, stop)) for c in range(start, stop, ROW_TILE)]
+            masks = [window_mask(q_pos[rows], k_pos[tile], self.window) for tile in tiles]
+            if ids is not None:
+                masks = [m & document_mask(ids, q_pos[rows], k_pos[tile]) for m, tile in zip(masks, tiles)]
+            masks = [m.unsqueeze(1) for m in masks]  # [B or 1, 1, 1, rows, keys]: over grouped heads [B, Hkv, G]
+            kinds = _classified(masks, q_pos[rows], [k_pos[tile] for tile in tiles])
+            out += [(rows, tile, kind) for tile, kind in zip(tiles, kinds) if kind is not False]
         return out
-
-    def _document_tiles(self, src: int, plan: list[Piece]) -> list[Tile]:
-        """``plan``'s tiles masked within documents (and the window), those with nothing to attend dropped (one
-        device sync)."""
-        ids = self.documents.ids
-        q_pos, k_pos = self._positions(src, ids.device)
-        masks = [document_mask(ids, q_pos[rows], k_pos[cols]).unsqueeze(1) for rows, cols, _ in plan]
-        if self.window is not None:
-            masks = [m & window_mask(q_pos[rows], k_pos[cols], self.window).to(ids.device)
-                     for m, (rows, cols, _) in zip(masks, plan)]
-        kept = torch.stack([m.any() for m in masks]).tolist() if masks else []
-        return [(rows, cols, m) for (rows, cols, _), m, keep in zip(plan, masks, kept) if keep]
 
 
 def _fused_pieces(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
@@ -292,16 +284,16 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
     return allowed[None, None]
 
 
-def _classified(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
-    """A tile's mask as the kernels take it: False (nothing attended: drop the tile), None (all attended),
-    True (exactly causal over the same positions: the fused kernel's own mask) or the boolean tensor."""
-    if not mask.any():
-        return False
-    if mask.all():
-        return None
-    if torch.equal(q_pos, k_pos) and torch.equal(mask, window_mask(q_pos, k_pos, None)):
-        return True
-    return mask
+def _classified(masks: list[torch.Tensor], q_pos: torch.Tensor, k_pos: list[torch.Tensor]) -> list:
+    """Each tile's mask as the kernels take it: False (nothing attended: drop the tile), None (all attended),
+    True (exactly causal over the same positions: the fused kernel's own mask) or the boolean tensor. The tests
+    of every tile are read back at once (one device sync)."""
+    causal = [torch.equal(q_pos, k) for k in k_pos]  # positions: small, and on the host for the window's
+    flags = torch.stack([torch.stack([m.any(), m.all(), (m == window_mask(q_pos, k, None)).all() if same
+                                      else m.new_zeros((), dtype=torch.bool)])
+                         for m, k, same in zip(masks, k_pos, causal)]).tolist()
+    return [False if not some else None if every else True if diagonal else m
+            for m, (some, every, diagonal) in zip(masks, flags)]
 
 
 def _kernel_forward(q, k, v, causal: bool, scale: float):
@@ -520,45 +512,11 @@ def allgather_attention(q, k, v, group, causal: bool = True, documents: Document
     """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
 
     Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank. With
-    ``documents`` each query sees only its own document's earlier keys (``_attend_within_documents``); with a
-    sliding ``window`` only the keys fewer than ``window`` positions back (the ring's tiles, per gathered block).
+    ``documents`` each query sees only its own document's earlier keys, with a sliding ``window`` only the keys
+    fewer than ``window`` positions back: the ring's sparse tiles, per gathered block (no dense mask).
     """
     _check_heads(q, k, v)
-    if documents is not None and window is None:
-        return _attend_within_documents(q, k, v, group, documents)
     return _AllGatherAttention.apply(q, k, v, group, causal, documents, window)
-
-
-class _AllGather(torch.autograd.Function):
-    """All-gather along a new dim 0 (slot ``j``: rank ``j``'s tensor) with autograd: each rank's gradient is the
-    sum of every rank's slot for it, an all-to-all summed on arrival (the reduce-scatter gloo has not)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(_group_shape(group)[1])]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group).sum(0), None
-
-
-def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tensor:
-    """The local queries over the gathered K/V of the whole sequence with SDPA and a document mask.
-
-    Why SDPA rather than the blockwise kernels (which ring uses under the mask): all-gather CP sees every key
-    anyway, so the mask is direct and one fused SDPA call (on the GPU) attends to all of it: queries at this
-    rank's zigzag positions, keys at every rank's in rank order, as Llama 3 did for document-masked training.
-    """
-    rank, cp = _group_shape(group)
-    seq = q.shape[2] * cp
-    kv = _AllGather.apply(torch.stack([k, v]), group)  # [cp, 2, B, Hkv, S_local, D]
-    k_all, v_all = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [B, Hkv, S, D] each, rank order
-    order = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)]).to(q.device)
-    mask = documents.mask("allgather", zigzag_indices(seq, cp, rank).to(q.device), order, q.dtype)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
@@ -576,10 +534,10 @@ def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | N
     return _RingAttention.apply(q, k, v, group, causal, documents, window)
 
 
-def windowed_attention(q, k, v, window: int, documents: Documents | None = None) -> torch.Tensor:
-    """Causal attention of a whole sequence on one process with a sliding ``window`` (and ``documents``): the
-    ring's tiles without a ring (``LOCAL``), so no ``[S, S]`` mask is built and tiles out of the window are
-    skipped, where SDPA would need a dense mask."""
+def blockwise_attention(q, k, v, documents: Documents | None = None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of a whole sequence on one process within ``documents`` and/or a sliding ``window``: the
+    ring's sparse tiles without a ring (``LOCAL``), so no ``[S, S]`` mask is built (SDPA would need a dense one)
+    and tiles nothing attends are skipped."""
     _check_heads(q, k, v)
     return _RingAttention.apply(q, k, v, LOCAL, True, documents, window)
 
@@ -623,8 +581,8 @@ def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents 
     After the first exchange the tokens sit in rank order (each rank's zigzag chunks); they are permuted to
     natural order so SDPA's own causal mask applies, and back before the return exchange. KV heads fewer than
     cp are replicated (``check_ulysses_heads`` says which counts work). Under tp the heads are the tp-local
-    ones; nothing here changes. With ``documents`` every rank sees the whole sequence, so the document mask of
-    the whole window applies as it is.
+    ones; nothing here changes. With ``documents`` or a ``window`` every rank attends the whole sequence through
+    ``blockwise_attention``.
     """
     _check_heads(q, k, v)
     _, cp = _group_shape(group)
@@ -635,9 +593,8 @@ def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents 
     order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
     natural = torch.argsort(order)
     qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
-    if window is not None:
-        out = windowed_attention(qh, kh, vh, window, documents)
+    if window is not None or documents is not None:
+        out = blockwise_attention(qh, kh, vh, documents, window)
     else:
-        masking = {"is_causal": causal} if documents is None else {"attn_mask": documents.whole(qh)}
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], **masking)
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], is_causal=causal)
     return _heads_to_sequence(out[:, :, order], group, cp)
