@@ -99,11 +99,12 @@ def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], result
     """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group)."""
     import torch.distributed as dist
 
+    from workers.model import attention_blocks
     from workers.parallel import context_parallel as cpa
     from workers.parallel.process_group import join_on_loopback
 
     torch.set_num_threads(1)
-    cpa.ROW_TILE = 4  # ring tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6 rows)
+    attention_blocks.ROW_TILE = 4  # tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6)
     port, listener = ports.join(rank, 0)
     join_on_loopback(rank, world, port, listener=listener)
     groups = {world: dist.new_group(list(range(world)))}

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, WINDOWS, document_layout, run_all
+from workers.model import attention_blocks as blocks
+from workers.model.attention_blocks import _block_plan, zigzag_indices
 from workers.model.documents import Documents, document_mask
-from workers.parallel import context_parallel as cpa
-from workers.parallel.context_parallel import _block_plan, check_ulysses_heads, zigzag_indices
+from workers.parallel.context_parallel import check_ulysses_heads
 
 STRATEGIES = ("allgather", "ring", "ulysses")
 TOL = 1e-5
@@ -95,7 +96,7 @@ def _document_pairs(ids: torch.Tensor, tiles, q_pos, k_pos) -> set:
     for rows, cols, mask in tiles:
         if not isinstance(mask, torch.Tensor):
             qs, ks = q_pos[rows], k_pos[cols]
-            allowed = cpa.window_mask(qs, ks, None) if mask else torch.ones(1, 1, len(qs), len(ks), dtype=torch.bool)
+            allowed = blocks.window_mask(qs, ks, None) if mask else torch.ones(1, 1, len(qs), len(ks), dtype=torch.bool)
             mask = allowed.unsqueeze(1).expand(len(ids), -1, -1, -1, -1)
         for b, _, _, i, j in mask.nonzero().tolist():
             pairs.add((b, int(q_pos[rows][i]), int(k_pos[cols][j])))
@@ -104,8 +105,8 @@ def _document_pairs(ids: torch.Tensor, tiles, q_pos, k_pos) -> set:
 
 def _candidate_tiles(rank: int, src: int, cp: int, s_local: int) -> int:
     """The square tiles a block's pieces cut into before any is dropped."""
-    plan = cpa._tiles(cpa._fused_pieces(rank, src, True, s_local // 2), s_local)
-    return sum(-(-len(range(*cols.indices(s_local))) // cpa.ROW_TILE) for _, cols, _ in plan)
+    plan = blocks._tiles(blocks._fused_pieces(rank, src, True, s_local // 2), s_local)
+    return sum(-(-len(range(*cols.indices(s_local))) // blocks.ROW_TILE) for _, cols, _ in plan)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -113,12 +114,12 @@ def test_ring_tiles_under_the_document_mask_keep_exactly_the_pairs_within_docume
     """Every block's tiles let through each (query, key) of one document in causal order and nothing else, skip
     tiles no sequence attends to, send some whole to the fused kernel, and keep masks whose rows see no key (the
     kernel's -inf lse case) only where a boundary crosses."""
-    monkeypatch.setattr(cpa, "ROW_TILE", 4)
+    monkeypatch.setattr(blocks, "ROW_TILE", 4)
     seq = 24
     ids = document_layout(seq, DOCUMENTS["split documents"])
     documents, skipped, blind_rows, fused = Documents(ids), 0, 0, 0
     for rank in range(cp):
-        masks = cpa._BlockMasks(rank, cp, seq // cp, True, documents)
+        masks = blocks._BlockMasks(rank, cp, seq // cp, True, documents)
         for src in range(cp):
             q_pos, k_pos = zigzag_indices(seq, cp, rank), zigzag_indices(seq, cp, src)
             tiles = masks.tiles(src)
@@ -137,10 +138,10 @@ def test_a_microbatch_of_one_document_keeps_no_mask_and_the_planner_counts_none(
     mask is kept (where a dense build held S^2), and the planner adds nothing for the document mask."""
     from orchestrator.planning.memory_model import document_mask_bytes
 
-    monkeypatch.setattr(cpa, "ROW_TILE", 4)
+    monkeypatch.setattr(blocks, "ROW_TILE", 4)
     seq, batch = 48, 2
     for rank in range(cp):
-        masks = cpa._BlockMasks(rank, cp, seq // cp, True, Documents(torch.zeros(batch, seq, dtype=torch.long)))
+        masks = blocks._BlockMasks(rank, cp, seq // cp, True, Documents(torch.zeros(batch, seq, dtype=torch.long)))
         assert all(not isinstance(mask, torch.Tensor) for src in range(cp) for _, _, mask in masks.tiles(src))
     for impl in ("ring", "ulysses", "allgather"):
         assert document_mask_bytes(seq, batch, cp, impl) == 0
@@ -156,7 +157,7 @@ def test_fused_pieces_cover_the_causal_pairs_each_unmasked_or_square_causal(cp):
         for src in range(cp):
             q_pos, k_pos = zigzag_indices(seq, cp, rank), zigzag_indices(seq, cp, src)
             pairs = set()
-            for rows, cols, causal in cpa._fused_pieces(rank, src, True, half):
+            for rows, cols, causal in blocks._fused_pieces(rank, src, True, half):
                 qs, ks = q_pos[rows].tolist(), k_pos[cols].tolist()
                 if causal:
                     assert qs == ks, (rank, src, rows, cols)
@@ -177,14 +178,14 @@ def test_fused_blocks_merged_by_lse_give_sdpa_and_its_gradients(hq, hkv):
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=hq != hkv)
     expected.backward(dout)
-    state, scale = cpa._State(q[:, :, rows], hkv), q.shape[-1] ** -0.5
+    state, scale = blocks._State(q[:, :, rows], hkv), q.shape[-1] ** -0.5
     for cols, causal in ((first, False), (second, True)):
-        state.merge(slice(None), *cpa._kernel_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale))
+        state.merge(slice(None), *blocks._kernel_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale))
     out, lse = state.result()
     assert (out - expected[:, :, rows]).abs().max() < TOL
     dq, dk, dv = torch.zeros_like(q[:, :, rows]), torch.zeros_like(k), torch.zeros_like(v)
     for cols, causal in ((first, False), (second, True)):
-        bq, bk, bv = cpa._kernel_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out, lse,
+        bq, bk, bv = blocks._kernel_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out, lse,
                                           causal, scale)
         dq += bq
         dk[:, :, cols] += bk
@@ -205,18 +206,18 @@ def _inputs(hq: int, hkv: int):
 def test_blockwise_attention_on_one_process_equals_sdpa_with_the_dense_mask(window, hq, hkv, documents, monkeypatch):
     """The single-process sliding window (what tp and cp=1 run) equals SDPA under the dense window mask, output
     and gradients, with windows shorter than a tile, across tiles, and longer than the sequence."""
-    monkeypatch.setattr(cpa, "ROW_TILE", 4)
+    monkeypatch.setattr(blocks, "ROW_TILE", 4)
     gen = torch.Generator().manual_seed(window)
     q, k, v, dout = (torch.randn(2, h, 24, 8, generator=gen) for h in (hq, hkv, hkv, hq))
     pos = torch.arange(24)
-    mask, docs = cpa.window_mask(pos, pos, window), None
+    mask, docs = blocks.window_mask(pos, pos, window), None
     if documents:
         ids = document_layout(24, DOCUMENTS["split documents"])
         mask, docs = mask & document_mask(ids, pos, pos), Documents(ids)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=hq != hkv).backward(dout)
     got = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = cpa.blockwise_attention(*got, docs, window)
+    out = blocks.blockwise_attention(*got, docs, window)
     out.backward(dout)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
     assert (out - expected).abs().max() < TOL
@@ -228,8 +229,8 @@ def test_window_tiles_keep_masks_only_where_the_window_edge_crosses(monkeypatch)
     """An 8-token window over 64 tokens in tiles of 8: tiles out of the window are dropped, the diagonal ones go
     to the fused kernel as causal, and only the tile just left of each diagonal one keeps a boolean mask (O(S x
     tile) bytes, not S^2)."""
-    monkeypatch.setattr(cpa, "ROW_TILE", 8)
-    tiles = cpa._BlockMasks(0, 1, 64, True, None, window=8).tiles(0)
+    monkeypatch.setattr(blocks, "ROW_TILE", 8)
+    tiles = blocks._BlockMasks(0, 1, 64, True, None, window=8).tiles(0)
     kinds = [(rows.start, cols.start, "mask" if isinstance(mask, torch.Tensor) else mask) for rows, cols, mask in tiles]
     assert [k for k in kinds if k[2] is True] == [(r, r, True) for r in range(0, 64, 8)]
     assert [k for k in kinds if k[2] == "mask"] == [(r, r - 8, "mask") for r in range(8, 64, 8)]

@@ -20,12 +20,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from workers.model.attention_blocks import blockwise_attention
 from workers.model.config import ModelConfig
 from workers.model.documents import Documents
 from workers.model.meta_init import fill
 from workers.model.moe import MoELayer, moe_parameter
 from workers.model.registry import ModelFamily, register
-from workers.parallel.context_parallel import blockwise_attention
 
 
 class RMSNorm(nn.Module):
