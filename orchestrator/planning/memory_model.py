@@ -350,7 +350,7 @@ def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv
 
 def document_mask_bytes(seq: int, micro_batch: int, cp: int, impl: str, compute_bytes: int = 4) -> int:
     """What ``model.attention_mask: document`` adds to a pipeline chunk's saved activations per microbatch: nothing,
-    on every layout. Attention within documents runs blockwise (``workers.parallel.context_parallel``: the ring's
+    on every layout. Attention within documents runs blockwise (``workers.model.attention_blocks``: the ring's
     tiles, ``blockwise_attention`` at cp=1 and under Ulysses), which saves what causal attention saves (q, k, v,
     the output and its log-sum-exp) and builds no ``[micro_batch, 1, q, seq]`` mask; the boolean masks of the tiles a
     document boundary crosses (``ROW_TILE`` squared bytes per sequence each, a few per boundary, dependent on the

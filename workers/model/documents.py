@@ -14,7 +14,7 @@ without it a document would be seen at its place in the window. The trainer sets
 per schedule chunk (``workers.parallel.pipeline.TimedStage``), so stages that receive activations rather than tokens
 mask the same way. A model used without it (generation, a causal job) attends causally.
 
-Attention runs blockwise (``workers.parallel.context_parallel``: ``blockwise_attention`` on one process and under
+Attention runs blockwise (``workers.model.attention_blocks.blockwise_attention`` on one process and under
 Ulysses, the ring's and all-gather's tiles under cp), never with a dense ``[batch, 1, q, k]`` mask: each tile of
 queries x keys is dropped when no pair in it shares a document, sent whole (or causal, on the diagonal) through the
 fused flash kernel when every pair does, and masked by a boolean tile only where a document boundary crosses it.
