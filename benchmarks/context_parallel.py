@@ -2,11 +2,14 @@
 
 One run measures every strategy (ring, Ulysses, all-gather) at every cp degree and sequence length, so the
 ratios against cp=1 (single-process ``scaled_dot_product_attention`` on the whole sequence, what context
-parallelism replaces) come from the same machine state. Each cp degree is one spawn of cp gloo ranks, one
-thread each. Per case:
+parallelism replaces) come from the same machine state. At cp=1 every strategy runs too, on a group of one
+rank: no communication, so its ratio to SDPA is the blockwise kernels' own cost (ring and all-gather attend
+each block through the fused flash kernel and merge the blocks by their log-sum-exp). Each cp degree is one
+spawn of cp gloo ranks, one thread each. Per case:
 
 - step time: fwd+bwd of one attention call between two barriers, median over ``--repeats`` (after one
-  warm-up), so a step counts until the slowest rank is done;
+  warm-up), so a step counts until the slowest rank is done; a sequence length's cases take turns in each
+  round, so a machine whose load drifts weighs on each alike (the cp=1 baseline runs in another spawn);
 - activation bytes: the bytes autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``,
   each storage counted once), the largest over the ranks. Measured this way it works on CPU, where there is
   no allocator peak to read.
@@ -17,6 +20,8 @@ kernel's per-microbatch masks are built inside the timed step, as the first laye
 
     python benchmarks/context_parallel.py --seq 1024 2048 4096 --cp 1 2 4
     python benchmarks/context_parallel.py --seq 2048 --cp 1 4 --doc-len 256
+    python benchmarks/context_parallel.py --seq 4096 16384 --cp 1 2 --impl ring --heads 4 --kv-heads 2 \
+        --repeats 1 --out benchmarks/results/context_parallel_fused.json
 """
 
 from __future__ import annotations
@@ -56,18 +61,27 @@ def saved_bytes(step) -> int:
     return sum(storages.values())
 
 
-def step_time(step, repeats: int) -> float:
-    """Median seconds of fwd+bwd between barriers (the slowest rank's time), after one warm-up."""
-    times = []
-    for i in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = step()
-        out.backward(torch.ones_like(out))
-        dist.barrier()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(step) -> float:
+    """Seconds of one fwd+bwd between barriers (so a step counts until the slowest rank is done)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = step()
+    out.backward(torch.ones_like(out))
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def step_times(cases: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each case's fwd+bwd, after one warm-up, the cases taking turns in every round: on a
+    shared machine the load drifts over minutes, and interleaving gives every case the same share of it, so
+    the ratios between cases hold even where the absolute times move."""
+    times: dict[str, list[float]] = {key: [] for key in cases}
+    for round_ in range(repeats + 1):
+        for key, case in cases.items():
+            seconds = timed(case)
+            if round_:
+                times[key].append(seconds)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 class Case:
@@ -107,9 +121,10 @@ def _rank_main(rank: int, cp: int, ports, args, results) -> None:
     group = dist.group.WORLD
     out = {}
     for seq in args.seq:
-        for impl in with_documents(("sdpa",) if cp == 1 else args.impl, args):
-            case = Case(impl, cp, rank, group, seq, args)
-            out[f"{impl}/{seq}"] = {"step_s": step_time(case, args.repeats), "saved_bytes": saved_bytes(case)}
+        cases = {f"{impl}/{seq}": Case(impl, cp, rank, group, seq, args)
+                 for impl in with_documents(("sdpa", *args.impl) if cp == 1 else args.impl, args)}
+        seconds = step_times(cases, args.repeats)
+        out.update({key: {"step_s": seconds[key], "saved_bytes": saved_bytes(case)} for key, case in cases.items()})
     results.put((rank, out))
     dist.destroy_process_group()
 

@@ -28,11 +28,13 @@ Per dimension (``step_bytes``):
   shards: the global-norm clip all-reduces them once a step (``norm_bytes``).
 - pp: per microbatch a stage sends the b·s·h hidden state forward across its downstream edge and the
   gradient back across its upstream edge: one send per edge it has (``boundaries``), not two.
-- cp (ring attention, ``workers/parallel/context_parallel.py``): per block and microbatch, K and V blocks
-  travel cp-1 hops in forward; in backward they travel cp-1 hops again while their dK/dV accumulators
-  travel cp hops (the last one home to the block's owner): (3·cp - 2) blocks' worth in all. The gradients
-  are averaged over dp x cp (cp ranks hold replicated weights, each one's gradient its tokens' share), so
-  the dp row's collectives span dp·cp ranks.
+- cp (``workers/parallel/context_parallel.py``), per block and microbatch, by ``parallel.cp_impl`` (``cp_bytes``):
+  ring: K and V blocks travel cp-1 hops in forward; in backward they travel cp-1 hops again while their
+  float32 dK/dV accumulators travel cp hops (the last one home to the block's owner). all-gather: one
+  all-gather of K/V in forward, one all-to-all of every block's float32 dK/dV in backward. Ulysses: all-to-alls
+  of q, k, v (K/V heads repeated up to cp when fewer) and of the output in forward, the same in backward. The
+  gradients are averaged over dp x cp (cp ranks hold replicated weights, each one's gradient its tokens' share),
+  so the dp row's collectives span dp·cp ranks.
 - ep: per MoE block and microbatch, dispatch and combine all-to-alls of the routed tokens (top_k copies of
   b·s·h), in forward and again in backward.
 
@@ -100,6 +102,10 @@ class CommShape:
     boundaries: int = 0  # stage edges this rank has; it sends across each once per microbatch (see module doc)
     sp_edges: int = 0  # embedding output / head input on this rank: a sequence-parallel reduce and gather each
     norm_bytes: float = 0.0  # replicated norm weights whose gradients tp all-reduces once a step (SP)
+    cp_impl: str = "ring"  # parallel.cp_impl: which exchange the cp row prices (``cp_bytes``)
+    q_bytes: float = 0.0  # one block's queries for the rank's chunk (as its output): what Ulysses exchanges
+    kv_repeat: int = 1  # Ulysses: each K/V head sent this many times (tp-local K/V heads fewer than cp)
+    grad_width: float = 1.0  # float32 dK/dV over the compute width: what ring and all-gather send back
 
 
 def step_bytes(c: CommShape, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0,
@@ -116,9 +122,20 @@ def step_bytes(c: CommShape, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
         "tp": m * ((c.blocks * 4 + c.sp_edges) * all_reduce(c.hidden_bytes, tp) + all_gather(c.logit_bytes, tp)
                    * c.holds_head) + all_reduce(c.norm_bytes, tp),
         "pp": m * c.boundary_bytes * c.boundaries if pp > 1 else 0.0,
-        "cp": m * c.blocks * (3 * cp - 2) * c.kv_bytes if cp > 1 else 0.0,
+        "cp": m * c.blocks * cp_bytes(c, cp),
         "ep": m * c.moe_blocks * 4 * all_to_all(c.top_k * c.hidden_bytes, ep),
     }
+
+
+def cp_bytes(c: CommShape, cp: int) -> float:
+    """Bytes one block's context-parallel attention sends per microbatch, forward and backward (module doc)."""
+    if cp <= 1:
+        return 0.0
+    if c.cp_impl == "ulysses":
+        return 2 * all_to_all(2 * c.q_bytes + c.kv_repeat * c.kv_bytes, cp)
+    if c.cp_impl == "allgather":
+        return (cp - 1) * c.kv_bytes + all_to_all(cp * c.grad_width * c.kv_bytes, cp)
+    return (2 * (cp - 1) + cp * c.grad_width) * c.kv_bytes
 
 
 def data_parallel_bytes(param_bytes: float, grad_bytes: float, dp: int, zero: int, microbatches: int = 1,

@@ -505,7 +505,14 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
                         2 * c * seq * lay.micro_batch * s.kv * s.head_size // lay.tp,
                         c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
                         sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0,
-                        (0 in ids) + last, 4 * norms)
+                        (0 in ids) + last, 4 * norms, s.cp_impl, c * seq * lay.micro_batch * s.n_heads * s.head_size
+                        // lay.tp, _kv_repeat(s.kv // lay.tp, lay.cp), 4 / c)
+
+
+def _kv_repeat(kv_heads: int, cp: int) -> int:
+    """How many times Ulysses sends each (tp-local) K/V head: replicated up to cp when fewer
+    (``context_parallel.ulysses_attention``)."""
+    return cp // kv_heads if 0 < kv_heads < cp else 1
 
 
 def layout_of(spec) -> Layout:

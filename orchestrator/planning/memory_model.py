@@ -359,18 +359,14 @@ def gathered_kv_bytes(seq: int, micro_batch: int, d_model: int, n_heads: int, kv
 
 
 def document_mask_bytes(seq: int, micro_batch: int, cp: int, impl: str, compute_bytes: int = 4) -> int:
-    """What ``model.attention_mask: document`` adds to a pipeline chunk's saved activations per microbatch: the
-    additive ``[micro_batch, 1, queries, seq]`` mask SDPA saves, built once per microbatch and shared by every
-    block (``workers.model.documents``), in the compute dtype. Queries: the rank's ``seq / cp`` under all-gather
-    CP, the whole sequence otherwise (Ulysses attends it whole, head-split). Measured: one 2 x 512 x 512 fp32
-    mask for a 4-block model, not one per block. Ring CP (cp > 1) saves no mask but keeps its tiles' boolean
-    masks for the microbatch instead (one byte a pair): with chunks of ``h = seq / 2cp`` tokens its diagonal
-    block's 3 h^2 pairs and 2 h^2 of every other rank's block, at most (tiles no sequence attends are dropped)."""
-    if impl == "ring" and cp > 1:
-        h = seq // (2 * cp)
-        return micro_batch * (3 + 2 * (cp - 1)) * h * h
-    queries = seq // cp if impl == "allgather" else seq
-    return compute_bytes * micro_batch * queries * seq
+    """What ``model.attention_mask: document`` adds to a pipeline chunk's saved activations per microbatch: nothing,
+    on every layout. Attention within documents runs blockwise (``workers.model.attention_blocks``: the ring's
+    tiles, ``blockwise_attention`` at cp=1 and under Ulysses), which saves what causal attention saves (q, k, v,
+    the output and its log-sum-exp) and builds no ``[micro_batch, 1, q, seq]`` mask; the boolean masks of the tiles a
+    document boundary crosses (``ROW_TILE`` squared bytes per sequence each, a few per boundary, dependent on the
+    data) live on the microbatch's ``Documents`` outside autograd and are not counted. The arguments stay so a
+    layout's figure can grow a bound on those without changing its callers."""
+    return 0
 
 
 def cp_buffer_bytes(impl: str, seq: int, micro_batch: int, d_model: int, n_heads: int, kv_heads: int, cp: int,

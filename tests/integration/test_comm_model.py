@@ -20,7 +20,10 @@ LAYOUTS = {
     2: {"dp2-zero0": {"dp": 2}, "dp2-zero1": {"dp": 2, "zero": 1}, "dp2-zero2": {"dp": 2, "zero": 2},
         "dp2-zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2}},
     4: {"pp2-dp2": {"pp": 2, "dp": 2}, "tp2-dp2": {"tp": 2, "dp": 2}, "cp2-dp2": {"cp": 2, "dp": 2},
-        "pp2-dp2-zero3": {"pp": 2, "dp": 2, "zero": 3}},
+        "pp2-dp2-zero3": {"pp": 2, "dp": 2, "zero": 3},
+        # each cp_impl priced by its own exchange (comm_model.cp_bytes), not all as the ring
+        "cp4-allgather": {"cp": 4, "cp_impl": "allgather"}, "cp4-ulysses": {"cp": 4, "cp_impl": "ulysses"},
+        "cp4-ring": {"cp": 4, "cp_impl": "ring"}},
     8: {"pp2-tp2-dp2": {"pp": 2, "tp": 2, "dp": 2}},
 }
 

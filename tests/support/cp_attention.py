@@ -20,8 +20,11 @@ HEADS = (("mha", 4, 4), ("gqa", 4, 2), ("gqa8", 8, 2), ("mqa_uneven", 6, 1), ("g
 # of some rank's block (at cp=2 queries 19-23 over rank 1's keys 6-17), and either a sequence that is one
 # document or, in "split documents", one cut at 12, so that ring attention skips tiles no sequence attends to
 DOCUMENTS = {"documents": ((1, 2, 6, 11, 19), ()), "split documents": ((1, 2, 6, 11, 19), (12,))}
-# masks: causal, none, and causal within documents
-MASKS = (True, False, *DOCUMENTS)
+# sliding windows (model.sliding_window), shorter than a cp=2 chunk (6 tokens) and than a cp=4 rank's share (6):
+# a window of 5 keys, alone and within "documents"' documents: (window, DOCUMENTS name or None)
+WINDOWS = {"window": (5, None), "window documents": (5, "documents")}
+# masks: causal, none, causal within documents, and sliding windows
+MASKS = (True, False, *DOCUMENTS, *WINDOWS)
 
 
 def document_layout(seq: int, openings: tuple[tuple[int, ...], ...]) -> torch.Tensor:
@@ -33,13 +36,36 @@ def document_layout(seq: int, openings: tuple[tuple[int, ...], ...]) -> torch.Te
     return flags.cumsum(-1)
 
 
-def reference(q, k, v, dout, causal: bool | str):
-    """Single-process attention on the whole sequence: (out, dq, dk, dv)."""
+def dense_mask(seq: int, causal: str) -> torch.Tensor:
+    """The boolean ``[batch or 1, 1, seq, seq]`` mask of a ``DOCUMENTS`` or ``WINDOWS`` case, built densely."""
+    from workers.model.documents import document_mask
+
+    pos = torch.arange(seq)
+    window, documents = WINDOWS.get(causal, (None, causal))
+    back = pos[:, None] - pos[None, :]
+    mask = ((back >= 0) & (back < (window or seq)))[None, None]
+    if documents is not None:
+        mask = mask & document_mask(document_layout(seq, DOCUMENTS[documents]), pos, pos)
+    return mask
+
+
+def kernel_masking(seq: int, causal: bool | str) -> dict:
+    """What a cp kernel is told for a case: ``causal``, and the trainer's ``documents`` and ``window``."""
     from workers.model.documents import Documents
 
+    if causal in (True, False):
+        return {"causal": causal}
+    window, documents = WINDOWS.get(causal, (None, causal))
+    out = {"causal": True, **({"window": window} if window else {})}
+    if documents is not None:
+        out["documents"] = Documents(document_layout(seq, DOCUMENTS[documents]))
+    return out
+
+
+def reference(q, k, v, dout, causal: bool | str):
+    """Single-process attention on the whole sequence: (out, dq, dk, dv)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    masking = {"is_causal": causal} if causal not in DOCUMENTS else \
-        {"attn_mask": Documents(document_layout(q.shape[2], DOCUMENTS[causal])).whole(q)}
+    masking = {"is_causal": causal} if causal in (True, False) else {"attn_mask": dense_mask(q.shape[2], causal)}
     out = F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **masking)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
@@ -55,18 +81,15 @@ def case_inputs(hq: int, hkv: int, seq: int, seed: int, batch: int = 2, dim: int
 
 
 def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool | str, seq: int = 24) -> float:
-    """Largest |cp - reference| over out, dq, dk, dv on this rank's positions (``causal`` a ``DOCUMENTS`` name:
-    causal within those documents, handed to the kernel as the trainer does)."""
-    from workers.model.documents import Documents
+    """Largest |cp - reference| over out, dq, dk, dv on this rank's positions (``causal`` a ``DOCUMENTS`` or
+    ``WINDOWS`` name: causal within those documents or that window, handed to the kernel as the trainer does)."""
     from workers.parallel.context_parallel import zigzag_indices
 
     q, k, v, dout = case_inputs(hq, hkv, seq, seed=hq * 100 + hkv * 10 + MASKS.index(causal))
     ref = reference(q, k, v, dout, causal)
     idx = zigzag_indices(seq, cp, rank)
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    kwargs = {"causal": causal} if causal not in DOCUMENTS else \
-        {"causal": True, "documents": Documents(document_layout(seq, DOCUMENTS[causal]))}
-    out = fn(ql, kl, vl, group, **kwargs)
+    out = fn(ql, kl, vl, group, **kernel_masking(seq, causal))
     out.backward(dout[:, :, idx])
     got = (out.detach(), ql.grad, kl.grad, vl.grad)
     return max((g - r[:, :, idx]).abs().max().item() for g, r in zip(got, ref))
@@ -76,11 +99,12 @@ def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], result
     """One rank of ``world``: every case at cp=world (one group) and at cp=2 (pairs of ranks, each its own group)."""
     import torch.distributed as dist
 
+    from workers.model import attention_blocks
     from workers.parallel import context_parallel as cpa
     from workers.parallel.process_group import join_on_loopback
 
     torch.set_num_threads(1)
-    cpa.ROW_TILE = 4  # ring tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6 rows)
+    attention_blocks.ROW_TILE = 4  # tiles: several per piece at cp=2 (12 local rows), one per piece at cp=4 (6)
     port, listener = ports.join(rank, 0)
     join_on_loopback(rank, world, port, listener=listener)
     groups = {world: dist.new_group(list(range(world)))}

@@ -1,6 +1,7 @@
 """Qwen3, Qwen2 and Mistral checkpoints as raymesh's one Llama (``workers.model.hf_io.FAMILIES``): the same
 logits as ``transformers``' own model (float32, 1e-5), an export ``AutoModelForCausalLM`` loads as the same
-family with identical weights, and refusals of what the Llama does not compute (sliding windows that cut)."""
+family with identical weights, sliding windows every layer uses (``model.sliding_window``), and refusals of what
+the Llama does not compute (a window only some layers use, when it cuts)."""
 
 from __future__ import annotations
 
@@ -74,18 +75,52 @@ def _spec_from(directory, **model):
     return _job_model({"init_from": str(directory), **model})
 
 
-@pytest.mark.parametrize(("kind", "overrides", "key"), [
-    ("mistral", {"sliding_window": 32}, "sliding_window 32"),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2}, "use_sliding_window true"),
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "layer_types": ["full_attention"] * 3
-               + ["sliding_attention"]}, "use_sliding_window true"),
+               + ["sliding_attention"]}),
 ])
-def test_a_window_that_cuts_attention_is_refused_naming_the_key_and_the_fix(kind, overrides, key, tmp_path):
+def test_a_window_only_some_layers_use_is_refused_when_it_cuts_naming_the_key_and_the_fix(kind, overrides, tmp_path):
     src = save_hf_family(tmp_path, kind, **overrides)
-    with pytest.raises(SpecError, match=f"config.json {key} .*only 32 tokens, less than model.seq_len 64.*"
-                                        "set model.seq_len to at most 32"):
+    with pytest.raises(SpecError, match="config.json use_sliding_window true .*only 32 tokens, less than "
+                                        "model.seq_len 64.*set model.seq_len to at most 32"):
         _spec_from(src, seq_len=64)
     assert _spec_from(src, seq_len=32).seq_len == 32  # a window as long as the sequence cuts nothing
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("mistral", {"sliding_window": 10}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 0}),
+])
+def test_a_window_every_layer_uses_gives_the_logits_of_transformers_at_4x_its_length(kind, overrides, tmp_path):
+    """``model.sliding_window`` read from config.json: 40 tokens through a 10-token window equal ``transformers``
+    (1e-5), and differ from the same weights without the window (the window cuts)."""
+    hf = hf_family(kind, **overrides)
+    ours = raymesh_llama_from(hf)
+    assert ours.cfg.sliding_window == 10
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), hf(TOKENS).logits, rtol=1e-5, atol=1e-5)
+        unwindowed = raymesh_llama_from(hf, sliding_window=None)
+        assert (unwindowed(TOKENS) - hf(TOKENS).logits).abs().max() > 1e-3
+    assert _spec_from(save_hf_family(tmp_path, kind, **overrides), seq_len=64).sliding_window == 10
+
+
+def test_a_windowed_model_exports_the_window_transformers_applies(tmp_path):
+    """A Mistral with ``model.sliding_window`` exports its window in config.json; a Llama-typed one is refused
+    (LlamaForCausalLM has no window), naming the field and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig(**{**hf_io.config_fields(hf_family("mistral").config.to_dict()), "seq_len": 64,
+                         "sliding_window": 10})
+    model = build_model(cfg)
+    out = hf_io.write_hf(model.state_dict(), cfg, tmp_path / "out")
+    assert json.loads((out / hf_io.CONFIG).read_text())["sliding_window"] == 10
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(TOKENS).logits, model(TOKENS),
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="model.sliding_window 10 cannot be written as a Hugging Face llama .*"
+                                         "set model.hf_model_type: mistral"):
+        hf_io.hf_config(cfg.model_copy(update={"hf_model_type": "llama"}))
 
 
 def test_a_qwen_window_no_layer_uses_is_accepted(tmp_path):

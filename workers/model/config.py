@@ -31,7 +31,7 @@ class RopeScaling(BaseModel):
 
 # fields only the Llama family reads; a GPT job setting one is refused rather than silently ignoring it
 LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_dim_multiplier", "tie_embeddings",
-              "pad_token_id", "head_dim", "qkv_bias", "qk_norm", "hf_model_type")
+              "pad_token_id", "head_dim", "qkv_bias", "qk_norm", "hf_model_type", "sliding_window")
 # the Hugging Face families raymesh's one Llama implementation reads and writes (workers.model.hf_io.FAMILIES)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 # the mixture-of-experts ones among them: their checkpoints need ``model.moe`` (router topk, no shared experts)
@@ -145,6 +145,12 @@ class ModelConfig(BaseModel):
     head_dim: PositiveInt | None = None
     qkv_bias: bool = False  # biases on the q, k and v projections (not o): Qwen2/2.5
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary: Qwen3
+    sliding_window: PositiveInt | None = Field(None, description=(
+        "Sliding-window attention: a token attends to itself and the sliding_window - 1 tokens before it "
+        "(transformers' Mistral window), in every layer; null: the whole causal prefix. Any positive length, "
+        "shorter than seq_len or not; init_from sets it from a Mistral/Mixtral config.json, or a Qwen one whose "
+        "every layer is windowed. Read by the attention cores (workers.model.gpt.CausalCore): no [S, S] mask is "
+        "built, and tiles out of the window are skipped (workers.parallel.context_parallel)."))
     # the Hugging Face family an export writes (config.json model_type); init_from sets it from its config.json
     hf_model_type: Literal[HF_MODEL_TYPES] = "llama"  # type: ignore[valid-type]
     moe: MoEConfig | None = None  # mixture-of-experts feed-forwards; null: dense model

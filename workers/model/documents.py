@@ -14,10 +14,12 @@ without it a document would be seen at its place in the window. The trainer sets
 per schedule chunk (``workers.parallel.pipeline.TimedStage``), so stages that receive activations rather than tokens
 mask the same way. A model used without it (generation, a causal job) attends causally.
 
-Attention is ``F.scaled_dot_product_attention`` with a ``[batch, 1, q, k]`` mask, on CPU and CUDA alike: the
-boolean document mask made additive once per microbatch in the compute dtype and shared by every layer
-(``Documents``), q x k elements per microbatch. FlexAttention's block mask (``torch.nn.attention.flex_attention``),
-which skips whole masked tiles on the GPU instead of scoring them, is the faster path, left for later.
+Attention runs blockwise (``workers.model.attention_blocks.blockwise_attention`` on one process and under
+Ulysses, the ring's and all-gather's tiles under cp), never with a dense ``[batch, 1, q, k]`` mask: each tile of
+queries x keys is dropped when no pair in it shares a document, sent whole (or causal, on the diagonal) through the
+fused flash kernel when every pair does, and masked by a boolean tile only where a document boundary crosses it.
+Those tile masks are built once per microbatch and shared by every layer (``Documents.cached``). ``Documents.mask``
+still builds the dense additive mask, for the references and benchmarks that compare against SDPA with it.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from workers.model.attention_blocks import blockwise_attention
 from workers.model.config import ModelConfig
 from workers.model.documents import Documents
 from workers.model.meta_init import fill
@@ -66,33 +67,37 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 class CausalCore(nn.Module):
     """Parameter-free attention core: a separate module so selective recompute can wrap just it, and the one
     place context parallelism enters attention (its ``context_shard``, set by the builder when cp > 1) and
-    document masking (its ``documents``, set per microbatch: ``workers.model.documents.attending``)."""
+    document masking (its ``documents``, set per microbatch: ``workers.model.documents.attending``), and a sliding
+    ``window`` (``model.sliding_window``, fixed at build)."""
 
     reads_documents = True  # ``attending`` sets ``documents`` on it
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
         super().__init__()
         self.context_shard = None
         self.documents: Documents | None = None  # None: plain causal attention
+        self.window = window  # None: the whole causal prefix
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.context_shard is not None:
             return self.context_shard.attend(q, k, v, **self.document_kwargs())
+        if self.window is not None or self.documents is not None:
+            return blockwise_attention(q, k, v, self.documents, self.window)
         return self.local(q, k, v)
 
     def document_kwargs(self) -> dict:
-        """What a context-parallel kernel is told of the documents: nothing when attention is causal."""
-        return {} if self.documents is None else {"documents": self.documents}
+        """What a context-parallel kernel is told of the documents and the window: nothing when attention is
+        plainly causal."""
+        documents = {} if self.documents is None else {"documents": self.documents}
+        return documents if self.window is None else {**documents, "window": self.window}
 
     def masking(self, q: torch.Tensor) -> dict:
-        """SDPA's mask arguments for a whole sequence ``q`` [batch, heads, seq, head_dim]: causal, or causal
-        within each document."""
-        if self.documents is None:
-            return {"is_causal": True}
-        return {"attn_mask": self.documents.whole(q)}
+        """SDPA's mask arguments for a whole sequence ``q`` [batch, heads, seq, head_dim]: causal. Documents and
+        windows never reach SDPA (``forward`` sends them blockwise), so no dense mask is built."""
+        return {"is_causal": True}
 
     def local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention over the sequence this rank holds whole."""
+        """Causal attention over the sequence this rank holds whole."""
         return F.scaled_dot_product_attention(q, k, v, **self.masking(q))
 
 

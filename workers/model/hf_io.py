@@ -107,7 +107,8 @@ FAMILIES = {family.kind: family for family in _FAMILIES}
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """raymesh ``model:`` fields from a Hugging Face ``FAMILIES`` ``config.json`` (seq_len is the job's, not taken;
-    sliding windows are checked against it by ``check_sliding_window``); ``moe`` is None for a dense family, so a
+    a window every layer uses is ``sliding_window``, others are checked against it by ``check_sliding_window``);
+    ``moe`` is None for a dense family, so a
     job's ``model.moe`` over a dense checkpoint is refused as a disagreement.
 
     Raises ``ValueError`` naming the config key for what raymesh's Llama cannot represent."""
@@ -128,7 +129,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
         "pad_token_id": hf.get("pad_token_id"), "hf_model_type": kind, **FAMILIES[kind].fields,
-        "moe": None, **(moe_fields(hf) if kind in HF_MOE_TYPES else {}),
+        "moe": None, **(moe_fields(hf) if kind in HF_MOE_TYPES else {}), "sliding_window": uniform_window(hf),
     }
 
 
@@ -200,23 +201,38 @@ def sliding_window(hf: dict[str, Any]) -> int | None:
         return None
     if kind == "qwen3_moe":
         return hf.get("sliding_window", DEFAULT_WINDOW)
-    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
-                                      else "full_attention" for i in range(hf["num_hidden_layers"])]
-    return hf.get("sliding_window", DEFAULT_WINDOW) if "sliding_attention" in types else None
+    return hf.get("sliding_window", DEFAULT_WINDOW) if "sliding_attention" in _layer_types(hf) else None
+
+
+def _layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each layer's attention in a Qwen2/Qwen3 config.json: ``layer_types``, else ``sliding_attention`` from
+    ``max_window_layers`` on, as Qwen2Config/Qwen3Config derive them."""
+    return hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
+                                     else "full_attention" for i in range(hf["num_hidden_layers"])]
+
+
+def uniform_window(hf: dict[str, Any]) -> int | None:
+    """The sliding window of a config.json that windows every layer alike (``model.sliding_window``), else None:
+    Mistral's and Mixtral's always, Qwen3-MoE's under ``use_sliding_window``, Qwen2/Qwen3's when no layer is a
+    ``full_attention`` one."""
+    window = sliding_window(hf)
+    if window is None or hf["model_type"] in (*WINDOWED_ALWAYS, "qwen3_moe"):
+        return window
+    return window if "full_attention" not in _layer_types(hf) else None
 
 
 def check_sliding_window(hf: dict[str, Any], seq_len: int) -> None:
-    """Refuse a sliding window that would cut attention at the job's ``seq_len`` (raymesh does not implement
-    sliding-window attention). A window of at least ``seq_len`` tokens is accepted: a token then attends to
-    every earlier token of its sequence either way (``transformers`` masks keys ``window`` or more positions
-    back), so the model computes exactly what ``transformers`` does."""
+    """Refuse a sliding window raymesh cannot compute at the job's ``seq_len``: one some layers use and others
+    not (a Qwen ``max_window_layers`` or ``layer_types`` mix), when it is shorter than ``seq_len``. A window every
+    layer uses is ``model.sliding_window``; one of at least ``seq_len`` tokens cuts nothing (``transformers``
+    masks keys ``window`` or more positions back), so the model computes exactly what ``transformers`` does."""
     window = sliding_window(hf)
-    if window is not None and window < seq_len:
-        key = "sliding_window" if hf["model_type"] in WINDOWED_ALWAYS else "use_sliding_window"
-        value = window if key == "sliding_window" else "true"
-        raise ValueError(f"config.json {key} {value} makes attention look back only {window} tokens, less than "
-                         f"model.seq_len {seq_len}, and raymesh does not implement sliding-window attention; set "
-                         f"model.seq_len to at most {window}, or train a checkpoint without the window")
+    if window is not None and window < seq_len and uniform_window(hf) is None:
+        full = [i for i, kind in enumerate(_layer_types(hf)) if kind == "full_attention"]
+        raise ValueError(f"config.json use_sliding_window true makes some layers look back only {window} tokens, "
+                         f"less than model.seq_len {seq_len}, while layers {full} attend to the whole prefix, and "
+                         f"raymesh windows every layer alike or none (model.sliding_window); set model.seq_len to at "
+                         f"most {window}, or window every layer (layer_types all sliding_attention)")
 
 
 # transformers' LlamaConfig defaults for keys a config.json may leave out
@@ -261,7 +277,8 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` ``transformers`` builds a model of ``cfg``'s family (``hf_model_type``: its
     ``*ForCausalLM``) and shape from: the rotary settings both as v5's ``rope_parameters`` and as v4's
-    ``rope_theta``/``rope_scaling``; sliding windows off (``carried_config`` brings back a source's own)."""
+    ``rope_theta``/``rope_scaling``; the sliding window ``model.sliding_window`` says (``carried_config`` brings
+    back a source's own keys)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     scaling = None
     if cfg.rope_scaling is not None:
@@ -276,8 +293,23 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "max_position_embeddings": cfg.seq_len,
         "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "initializer_range": cfg.init_std, "torch_dtype": "float32", **FAMILIES[cfg.hf_model_type].written,
-        **(moe_config(cfg) if cfg.hf_model_type in HF_MOE_TYPES else {}),
+        **(moe_config(cfg) if cfg.hf_model_type in HF_MOE_TYPES else {}), **window_config(cfg),
     }
+
+
+def window_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json keys that make ``transformers`` window every layer as ``model.sliding_window`` does
+    (nothing without a window). Llama's config has no window: such a model is refused, naming the fix."""
+    window, kind = cfg.sliding_window, cfg.hf_model_type
+    if window is None:
+        return {}
+    if kind in WINDOWED_ALWAYS:
+        return {"sliding_window": window}
+    if kind == "llama":
+        raise ValueError(f"model.sliding_window {window} cannot be written as a Hugging Face llama checkpoint "
+                         "(LlamaForCausalLM has no window); set model.hf_model_type: mistral")
+    return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * cfg.n_layers}
 
 
 # -- weights in -------------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(cfg.attention_width, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
-        self.core = GroupedCausalCore()
+        self.core = GroupedCausalCore(cfg.sliding_window)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape

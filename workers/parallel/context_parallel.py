@@ -26,47 +26,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from workers.model.documents import Documents, document_mask
-
-
-def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
-    """Global token positions cp rank ``rank`` holds: chunk ``rank`` then chunk ``2*cp-1-rank`` of ``2*cp``.
-
-    Why two chunks: with a causal mask the late tokens attend to far more keys than the early ones; pairing
-    an early chunk with its mirror-image late chunk gives every rank the same causal work.
-    """
-    if cp < 1 or not 0 <= rank < cp:
-        raise ValueError(f"zigzag_indices: rank={rank} must lie in [0, cp) with cp={cp} >= 1")
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f"zigzag_indices: seq_len={seq_len} is not divisible by 2*cp={2 * cp}; "
-            f"use a sequence length that is a multiple of {2 * cp} (each cp rank holds two equal chunks)"
-        )
-    chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk)
-    mirror = 2 * cp - 1 - rank
-    return torch.cat([first, torch.arange(mirror * chunk, (mirror + 1) * chunk)])
+from workers.model.attention_blocks import (  # the blocks' maths; zigzag_indices stays importable from here
+    _attend_block,
+    _backward_state,
+    _block_gradients,
+    _check_heads,
+    _dq_accumulator,
+    _forward_state,
+    blockwise_attention,
+    zigzag_indices,
+)
+from workers.model.documents import Documents
 
 
 def _group_shape(group) -> tuple[int, int]:
     """(this rank's index in ``group``, the group's size)."""
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.Tensor:
-    """Boolean mask (True = attend) of queries at global positions ``q_pos`` over keys at ``k_pos``."""
-    return (q_pos[:, None] >= k_pos[None, :]).to(device)
-
-
-def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Refuse shapes the contract does not allow before any rank starts communicating."""
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(
-            f"context-parallel attention wants q [B, Hq, S_local, D] and k, v [B, Hkv, S_local, D]; "
-            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads Hq={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]} (GQA)")
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -115,172 +90,6 @@ class _RingShift:
         return self.received
 
 
-Piece = tuple[slice, slice, bool]  # (local query rows, key columns of the block, whether to mask by position)
-Tile = tuple[slice, slice, "torch.Tensor | None"]  # (query rows, key columns, boolean mask: None attends to all)
-ROW_TILE = 512  # query rows per score tile: bounds the transient scores to ROW_TILE x S_local per head
-
-
-def _tiles(pieces: list[Piece], s_local: int) -> list[Piece]:
-    """``pieces`` cut into tiles of at most ``ROW_TILE`` query rows each.
-
-    Why: a piece's scores and probabilities are ``rows x keys`` per head; at long local sequences a whole
-    piece's would be the largest tensor of the step (2048 x 2048 x 32 heads in float32 is 512 MiB), so the
-    rows are taken a tile at a time, as flash attention does, and the working memory stays linear in S.
-    """
-    out = []
-    for rows, cols, masked in pieces:
-        start, stop, _ = rows.indices(s_local)
-        out += [(slice(t, min(t + ROW_TILE, stop)), cols, masked) for t in range(start, stop, ROW_TILE)]
-    return out
-
-
-def _block_plan(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
-    """The pieces of rank ``src``'s K/V block this rank's queries attend to; fully masked parts are skipped.
-
-    Zigzag layout, causal: rank r holds chunks (r, 2cp-1-r). Its own block is the diagonal: the early query
-    chunk sees only the early key chunk (masked by position), the late query chunk sees both (masked). A lower
-    rank's block (src < r): both query chunks come after key chunk ``src`` and before key chunk
-    ``2cp-1-src``, so all queries see exactly the first half of the keys, unmasked. A higher rank's block
-    (src > r): query chunk r precedes both key chunks, query chunk ``2cp-1-r`` follows both, so only the
-    second half of the queries attends, to all keys, unmasked. Every rank thus does the same work per step:
-    the load balance the layout exists for.
-    """
-    every, first, second = slice(None), slice(0, half), slice(half, None)
-    if not causal:
-        return [(every, every, False)]
-    if src == rank:
-        return [(first, first, True), (second, every, True)]
-    if src < rank:
-        return [(every, first, False)]
-    return [(second, every, False)]
-
-
-def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """``[B, Hq, S, D]`` -> ``[B, Hkv, G, S, D]`` in float32: each KV head's G query heads side by side (GQA)."""
-    b, hq, s, d = q.shape
-    return q.float().reshape(b, hkv, hq // hkv, s, d)
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """``[B, Hkv, G, S, D]`` -> ``[B, Hkv, G*S, D]``: a KV head's query rows stacked, so one matmul against
-    ``[B, Hkv, S_k, D]`` keys serves the whole group without repeating K/V, and products with the transposed
-    rows (dK, dV) sum over the group for free."""
-    return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with -inf (a row whose every key is masked) as 0, to subtract: exp(-inf - -inf) would be NaN,
-    exp(-inf - 0) is the 0 such a row must contribute. Finite entries are unchanged, so is the causal path."""
-    return lse.masked_fill(lse == float("-inf"), 0.0)
-
-
-def _probabilities(q, k, scale: float, mask: torch.Tensor | None, lse: torch.Tensor | None = None):
-    """Softmax of the scaled, masked scores of grouped queries ``q`` over keys ``k``, as ``[B, Hkv, G*Sq, Sk]``,
-    with the log-sum-exp ``[B, Hkv, G, Sq]`` it used (computed here unless the forward's is given).
-
-    A row the mask hides entirely (a document boundary can, in a block) gets probabilities 0 and lse -inf."""
-    s = torch.matmul(_flat(q), k.transpose(-1, -2)).mul_(scale).view(*q.shape[:-1], k.shape[-2])
-    if mask is not None:
-        s.masked_fill_(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if lse is None else lse
-    return _flat(s.sub_(_finite(lse).unsqueeze(-1)).exp_()), lse
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Online softmax: fold a block's (output, lse) into the running (output, lse) in place. A block lse of -inf
-    (no key seen) leaves the row as it was, even while its running lse is -inf too (``_finite``)."""
-    new = torch.logaddexp(lse, block_lse)
-    shift = _finite(new)
-    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - shift).unsqueeze(-1))
-    lse.copy_(new)
-
-
-def _block_backward(q, k, v, dout, lse, delta, scale, mask):
-    """One piece's (dq, dk, dv) recomputed from the final log-sum-exp (the flash-attention backward)."""
-    p, _ = _probabilities(q, k, scale, mask, lse)
-    dout = _flat(dout)
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p.mul_(torch.matmul(dout, v.transpose(-1, -2)).sub_(_flat(delta.unsqueeze(-1))))
-    dq = torch.matmul(ds, k).mul_(scale).view(q.shape)
-    dk = torch.matmul(ds.transpose(-1, -2), _flat(q)).mul_(scale)
-    return dq, dk, dv
-
-
-class _BlockMasks:
-    """Which tiles of each rank's K/V block this rank's queries attend to, each with its mask.
-
-    Causal: the pieces ``_block_plan`` keeps by position, masked (by ``_diagonal_mask``) only on the diagonal.
-    With ``documents``: the same pieces, each tile masked causally within documents (``document_mask`` of the
-    whole window's ids at the tile's global positions: no communication), and a tile whose every pair crosses a
-    document boundary skipped. A tile's rows can still be all masked; ``_probabilities`` and ``_merge`` take that.
-    """
-
-    def __init__(self, rank: int, cp: int, s_local: int, causal: bool, documents: Documents | None, device=None):
-        self.rank, self.cp, self.s_local, self.documents = rank, cp, s_local, documents
-        self.causal = causal or documents is not None  # the document mask is causal within each document
-        self.diagonal = _diagonal_mask(s_local, cp, rank, device) if causal and documents is None else None
-
-    def tiles(self, src: int) -> list[Tile]:
-        """The tiles of rank ``src``'s block, with their masks (None: every key attended)."""
-        plan = _tiles(_block_plan(self.rank, src, self.causal, self.s_local // 2), self.s_local)
-        if self.documents is None:
-            return [(rows, cols, self.diagonal[rows, cols] if masked else None) for rows, cols, masked in plan]
-        key = ("ring", self.rank, src, self.s_local, ROW_TILE)  # every layer, forward and backward, asks alike
-        return self.documents.cached(key, lambda: self._document_tiles(src, plan))
-
-    def _document_tiles(self, src: int, plan: list[Piece]) -> list[Tile]:
-        """``plan``'s tiles masked within documents, those with nothing to attend dropped (one device sync)."""
-        ids, seq = self.documents.ids, self.s_local * self.cp
-        q_pos, k_pos = (zigzag_indices(seq, self.cp, r).to(ids.device) for r in (self.rank, src))
-        masks = [document_mask(ids, q_pos[rows], k_pos[cols]).unsqueeze(1) for rows, cols, _ in plan]
-        kept = torch.stack([m.any() for m in masks]).tolist() if masks else []
-        return [(rows, cols, m) for (rows, cols, _), m, keep in zip(plan, masks, kept) if keep]
-
-
-def _attend_block(qg, kv, tiles: list[Tile], out, lse) -> None:
-    """Fold a K/V block ``kv`` ``[2, B, Hkv, S_local, D]`` into the running (out, lse) in place, tile by tile."""
-    scale = qg.shape[-1] ** -0.5
-    k, v = kv.float()
-    for rows, cols, mask in tiles:
-        p, block_lse = _probabilities(qg[..., rows, :], k[..., cols, :], scale, mask)
-        block_out = torch.matmul(p, v[..., cols, :]).view(*block_lse.shape, -1)
-        _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
-
-
-def _block_gradients(saved: dict, kv, tiles: list[Tile], dq) -> torch.Tensor:
-    """dK/dV ``[2, B, Hkv, S_local, D]`` of a K/V block; its share of dQ is added to ``dq`` in place.
-
-    ``saved`` holds what every block's backward shares: grouped q and dout, the final lse, delta.
-    """
-    qg = saved["qg"]
-    k, v = kv.float()
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for rows, cols, mask in tiles:
-        piece_dq, piece_dk, piece_dv = _block_backward(
-            qg[..., rows, :], k[..., cols, :], v[..., cols, :], saved["doutg"][..., rows, :],
-            saved["lse"][..., rows], saved["delta"][..., rows], qg.shape[-1] ** -0.5, mask)
-        dq[..., rows, :] += piece_dq
-        dkv[0, ..., cols, :] += piece_dk  # pieces and tiles overlap in keys: accumulate
-        dkv[1, ..., cols, :] += piece_dv
-    return dkv
-
-
-def _forward_state(q, k, group, causal: bool, documents: Documents | None = None):
-    """(block masks, grouped float32 q, zeroed output, -inf lse): what every forward starts from."""
-    qg = _grouped(q, k.shape[1])
-    lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    masks = _BlockMasks(*_group_shape(group), q.shape[2], causal, documents, q.device)
-    return masks, qg, torch.zeros_like(qg), lse
-
-
-def _backward_state(ctx, dout, q, k, out, lse) -> dict:
-    """What every block's backward shares (``_block_gradients``), from the saved forward and dout."""
-    hkv = k.shape[1]
-    doutg = _grouped(dout, hkv)
-    return {"qg": _grouped(q, hkv), "doutg": doutg, "lse": lse,
-            "delta": (doutg * _grouped(out, hkv)).sum(-1)}
-
-
 class _RingAttention(torch.autograd.Function):
     """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
 
@@ -292,15 +101,15 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None):
-        masks, qg, out, lse = _forward_state(q, k, group, causal, documents)
+    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None, window: int | None = None):
+        masks, state = _forward_state(q, k, *_group_shape(group), causal, documents, window)
         rank, cp = masks.rank, masks.cp
         kv = torch.stack([k, v])
         for step in range(cp):
             shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
-            _attend_block(qg, kv, masks.tiles((rank - step) % cp), out, lse)
+            _attend_block(state, kv, masks.tiles((rank - step) % cp))
             kv = shift.wait() if shift else kv
-        out = out.reshape(q.shape).to(q.dtype)
+        out, lse = state.result()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.masks = group, masks
         return out
@@ -310,8 +119,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         masks = ctx.masks
         rank, cp = masks.rank, masks.cp
-        saved = _backward_state(ctx, dout, q, k, out, lse)
-        dq = torch.zeros_like(saved["qg"])
+        saved = _backward_state(dout, q, k, out, lse)
+        dq = _dq_accumulator(q, k.shape[1])
         kv, dkv, dkv_shift = torch.stack([k, v]), None, None
         for step in range(cp):
             kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
@@ -321,7 +130,7 @@ class _RingAttention(torch.autograd.Function):
             dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
             kv = kv_shift.wait() if kv_shift else kv
         dkv = dkv_shift.wait() if dkv_shift else dkv
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -332,13 +141,13 @@ class _AllGatherAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool):
-        masks, qg, out, lse = _forward_state(q, k, group, causal)
+    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None = None, window: int | None = None):
+        masks, state = _forward_state(q, k, *_group_shape(group), causal, documents, window)
         blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(masks.cp)]
         dist.all_gather(blocks, torch.stack([k, v]), group=group)
         for src, kv in enumerate(blocks):
-            _attend_block(qg, kv, masks.tiles(src), out, lse)
-        out = out.reshape(q.shape).to(q.dtype)
+            _attend_block(state, kv, masks.tiles(src))
+        out, lse = state.result()
         ctx.save_for_backward(q, k, v, out, lse, torch.stack(blocks))
         ctx.group, ctx.masks = group, masks
         return out
@@ -346,74 +155,38 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, blocks = ctx.saved_tensors
-        saved = _backward_state(ctx, dout, q, k, out, lse)
-        dq = torch.zeros_like(saved["qg"])
+        saved = _backward_state(dout, q, k, out, lse)
+        dq = _dq_accumulator(q, k.shape[1])
         dkv = torch.stack([_block_gradients(saved, kv, ctx.masks.tiles(src), dq) for src, kv in enumerate(blocks)])
         dkv = _all_to_all(dkv, ctx.group).sum(0)
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def allgather_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
+def allgather_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
 
     Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank. With
-    ``documents`` each query sees only its own document's earlier keys (``_attend_within_documents``).
+    ``documents`` each query sees only its own document's earlier keys, with a sliding ``window`` only the keys
+    fewer than ``window`` positions back: the ring's sparse tiles, per gathered block (no dense mask).
     """
     _check_heads(q, k, v)
-    if documents is not None:
-        return _attend_within_documents(q, k, v, group, documents)
-    return _AllGatherAttention.apply(q, k, v, group, causal)
+    return _AllGatherAttention.apply(q, k, v, group, causal, documents, window)
 
 
-class _AllGather(torch.autograd.Function):
-    """All-gather along a new dim 0 (slot ``j``: rank ``j``'s tensor) with autograd: each rank's gradient is the
-    sum of every rank's slot for it, an all-to-all summed on arrival (the reduce-scatter gloo has not)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(_group_shape(group)[1])]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group).sum(0), None
-
-
-def _attend_within_documents(q, k, v, group, documents: Documents) -> torch.Tensor:
-    """The local queries over the gathered K/V of the whole sequence with SDPA and a document mask.
-
-    Why SDPA rather than the blockwise kernels (which ring uses under the mask): all-gather CP sees every key
-    anyway, so the mask is direct and one fused SDPA call (on the GPU) attends to all of it: queries at this
-    rank's zigzag positions, keys at every rank's in rank order, as Llama 3 did for document-masked training.
-    """
-    rank, cp = _group_shape(group)
-    seq = q.shape[2] * cp
-    kv = _AllGather.apply(torch.stack([k, v]), group)  # [cp, 2, B, Hkv, S_local, D]
-    k_all, v_all = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [B, Hkv, S, D] each, rank order
-    order = torch.cat([zigzag_indices(seq, cp, r) for r in range(cp)]).to(q.device)
-    mask = documents.mask("allgather", zigzag_indices(seq, cp, rank).to(q.device), order, q.dtype)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _diagonal_mask(s_local: int, cp: int, rank: int, device) -> torch.Tensor:
-    """Causal mask of this rank's queries over its own keys, by global position in the zigzag layout."""
-    pos = zigzag_indices(s_local * cp, cp, rank)
-    return _causal_mask(pos, pos, device)
-
-
-def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
+def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Attention of the local queries over the whole sequence, K/V blocks passed round the cp ring.
 
     Memory per rank stays O(S_local): at any time a rank holds its own K/V, one block in flight and one
     block's scores. GQA is handled by grouping query heads per KV head (no repeated K/V). With ``documents``
     each query sees only its own document's earlier keys: every block's mask comes from the whole window's
     document ids, which every rank holds, and tiles that cross only document boundaries are skipped
-    (``_BlockMasks``).
+    (``_BlockMasks``). With a sliding ``window`` a query sees only keys fewer than ``window`` positions back:
+    tiles out of it are skipped, so the work falls with the window.
     """
     _check_heads(q, k, v)
-    return _RingAttention.apply(q, k, v, group, causal, documents)
+    return _RingAttention.apply(q, k, v, group, causal, documents, window)
 
 
 # --- Ulysses ----------------------------------------------------------------------------------------------------
@@ -448,14 +221,15 @@ def _heads_to_sequence(t: torch.Tensor, group, cp: int) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """DeepSpeed-Ulysses: all-to-all to head-sharded whole sequences, SDPA, all-to-all back.
 
     After the first exchange the tokens sit in rank order (each rank's zigzag chunks); they are permuted to
     natural order so SDPA's own causal mask applies, and back before the return exchange. KV heads fewer than
     cp are replicated (``check_ulysses_heads`` says which counts work). Under tp the heads are the tp-local
-    ones; nothing here changes. With ``documents`` every rank sees the whole sequence, so the document mask of
-    the whole window applies as it is.
+    ones; nothing here changes. With ``documents`` or a ``window`` every rank attends the whole sequence through
+    ``blockwise_attention``.
     """
     _check_heads(q, k, v)
     _, cp = _group_shape(group)
@@ -466,6 +240,8 @@ def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents 
     order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
     natural = torch.argsort(order)
     qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
-    masking = {"is_causal": causal} if documents is None else {"attn_mask": documents.whole(qh)}
-    out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], **masking)
+    if window is not None or documents is not None:
+        out = blockwise_attention(qh, kh, vh, documents, window)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], is_causal=causal)
     return _heads_to_sequence(out[:, :, order], group, cp)
