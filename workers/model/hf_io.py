@@ -69,11 +69,41 @@ def hf_name(name: str, kind: str = "llama") -> str:
 # -- config.json ------------------------------------------------------------------------------------------------
 
 def read_config(directory: str | Path) -> dict[str, Any]:
+    """``config.json`` of a Hugging Face directory, the keys it leaves out filled with its family's defaults
+    (``with_family_defaults``), so the spec, the loader and an export all read the model ``transformers`` builds."""
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise ValueError(f"model.init_from {str(directory)!r} has no {CONFIG}; point it at a Hugging Face model "
                          "directory (config.json and *.safetensors, as save_pretrained writes)")
-    return json.loads(path.read_text())
+    return with_family_defaults(json.loads(path.read_text()))
+
+
+# transformers' (5.x) config-class defaults (``LlamaConfig``, ``MistralConfig``, ...) of the optional keys raymesh
+# reads, per family: a config.json leaving one out builds that value in transformers, never Llama's. Written out
+# here because a rank needs no transformers; tests/unit/test_hf_defaults.py checks them against the classes.
+_SHARED_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+                    "attention_dropout": 0.0, "num_key_value_heads": None, "head_dim": None, "pad_token_id": None}
+_QWEN_WINDOW = {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28}
+FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, **_QWEN_WINDOW},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128, **_QWEN_WINDOW},
+    # Qwen3MoeConfig saves num_experts as num_local_experts (its attribute_map); hf_moe reads either
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
+                  "use_sliding_window": False, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "num_local_experts": 128},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072, "num_key_value_heads": 8,
+                "sliding_window": None, "num_local_experts": 8, "router_jitter_noise": 0.0},
+}
+
+
+def with_family_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` with the optional keys it leaves out set to its ``model_type``'s ``transformers`` defaults
+    (``FAMILY_DEFAULTS``); a key given, even as null, is kept (transformers derives a null one as raymesh does). An
+    unknown family is returned as it is (``config_fields`` refuses it by name)."""
+    defaults = FAMILY_DEFAULTS.get(hf.get("model_type"))
+    return hf if defaults is None else {**_SHARED_DEFAULTS, **defaults, **hf}
 
 
 @dataclass(frozen=True)
@@ -116,6 +146,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json model_type {kind!r} is not supported; raymesh reads Hugging Face "
                          f"{', '.join(repr(k) for k in FAMILIES)} checkpoints "
                          f"({', '.join(f.architecture for f in FAMILIES.values())})")
+    hf = with_family_defaults(hf)
     _check_sizes(hf)
     _check_unsupported(hf)
     heads = hf["num_attention_heads"]
@@ -123,8 +154,8 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         "arch": "llama", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
         "n_layers": hf["num_hidden_layers"], "n_heads": heads,
-        "n_kv_heads": hf.get("num_key_value_heads") or heads, "head_dim": _head_dim(hf),
-        "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "n_kv_heads": hf["num_key_value_heads"] or heads, "head_dim": _head_dim(hf),
+        "d_ff": hf["intermediate_size"], "norm_eps": hf["rms_norm_eps"],
         "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
         "pad_token_id": hf.get("pad_token_id"), "hf_model_type": kind, **FAMILIES[kind].fields,
@@ -180,9 +211,6 @@ def _check_unsupported(hf: dict[str, Any]) -> None:
                          "0.0 in config.json to fine-tune without it")
 
 
-# transformers' Qwen2/Qwen3 defaults for the sliding-window keys a config.json may leave out
-DEFAULT_WINDOW = 4096
-DEFAULT_MAX_WINDOW_LAYERS = 28
 # the families whose ``sliding_window`` applies whenever it is set (no ``use_sliding_window`` switch)
 WINDOWED_ALWAYS = ("mistral", "mixtral")
 
@@ -193,16 +221,17 @@ def sliding_window(hf: dict[str, Any]) -> int | None:
     ``use_sliding_window: true``, and then (Qwen2/Qwen3) only if some layer is a ``sliding_attention`` one
     (``layer_types``, else the layers from ``max_window_layers`` on, as Qwen2Config/Qwen3Config derive them);
     Qwen3-MoE windows every layer."""
+    hf = with_family_defaults(hf)
     kind = hf.get("model_type")
     if kind in WINDOWED_ALWAYS:
         return hf.get("sliding_window")
     if kind not in ("qwen2", "qwen3", "qwen3_moe") or not hf.get("use_sliding_window"):
         return None
     if kind == "qwen3_moe":
-        return hf.get("sliding_window", DEFAULT_WINDOW)
-    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
-                                      else "full_attention" for i in range(hf["num_hidden_layers"])]
-    return hf.get("sliding_window", DEFAULT_WINDOW) if "sliding_attention" in types else None
+        return hf["sliding_window"]
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention"
+                                      for i in range(hf["num_hidden_layers"])]
+    return hf["sliding_window"] if "sliding_attention" in types else None
 
 
 def check_sliding_window(hf: dict[str, Any], seq_len: int) -> None:
@@ -219,26 +248,22 @@ def check_sliding_window(hf: dict[str, Any], seq_len: int) -> None:
                          f"model.seq_len to at most {window}, or train a checkpoint without the window")
 
 
-# transformers' LlamaConfig defaults for keys a config.json may leave out
-DEFAULT_THETA = 10000.0
-DEFAULT_MAX_POSITIONS = 2048
-
-
 def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     """The rotary settings ``transformers`` resolves from ``config.json`` (v5,
     ``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``), so the same file gives the same model: a v4
     ``rope_scaling`` replaces ``rope_parameters`` whole; a ``rope_theta`` missing there comes from the top level,
-    else 10000; a scaled type missing ``original_max_position_embeddings`` takes ``max_position_embeddings``."""
+    else the family's default (``FAMILY_DEFAULTS``: Mixtral's 1e6); a scaled type missing
+    ``original_max_position_embeddings`` takes ``max_position_embeddings``."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     given = hf.get(key) or {}
     if not isinstance(given, dict):
         raise ValueError(f"config.json {key} {given!r} is not an object of rotary settings; write it as "
                          '{"rope_type": ..., ...} (as transformers saves it), or null for plain rotary positions')
     rope = dict(given)
-    rope.setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA))
+    rope.setdefault("rope_theta", hf["rope_theta"])
     rope.setdefault("rope_type", rope.get("type", "default"))
     if rope["rope_type"] == "llama3":
-        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+        rope.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
     return rope
 
 
