@@ -43,6 +43,10 @@ class MoESpec(MoEConfig, _Section):
             raise SpecError("model.moe.bias_update_rate", self.bias_update_rate, "is the step of bias_balancing, "
                             "which is off", "set model.moe.bias_balancing: true (router: topk), or remove "
                             "model.moe.bias_update_rate")
+        if self.balance_loss != "per_layer" and self.router != "topk":
+            raise SpecError("model.moe.balance_loss", self.balance_loss, f"is router topk's balance loss, and "
+                            f"router: {self.router} has its paper's", "set model.moe.router: topk, or remove "
+                            "model.moe.balance_loss")
         if self.bias_balancing and self.router != "topk":
             raise SpecError("model.moe.bias_balancing", True, f"is DeepSeek-V3's balancing for router: topk, not "
                             f"{self.router}", "set model.moe.router: topk, or bias_balancing: false")

@@ -83,6 +83,12 @@ class MoEConfig(BaseModel):
     # router topk: the k chosen probabilities renormalised to sum to one (Mixtral; Qwen3-MoE's norm_topk_prob); false
     # keeps them as the softmax over all experts gave them
     norm_topk: bool = True
+    balance_loss: Literal["per_layer", "pooled"] = Field(
+        "per_layer", description="How router topk's balance loss (weight aux_loss_weight) is formed. per_layer: "
+        "E * sum_i f_i * P_i for each MoE layer, summed over layers (raymesh's). pooled: f and P averaged over all "
+        "MoE layers first, then one product (transformers' load_balancing_loss_func, Mixtral and Qwen3-MoE, so a "
+        "checkpoint's router_aux_loss_coef weighs the loss it was chosen for; needs parallel.pp 1). Read by "
+        "workers.model.moe.BalancePool.")
 
     @property
     def k(self) -> int:

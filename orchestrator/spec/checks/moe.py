@@ -21,6 +21,10 @@ def check_moe(job: JobSpec) -> None:
         raise SpecError("model.moe.every", moe.every, f"is more than model.n_layers={model.n_layers}, so no block "
                         "would get an MoE feed-forward", f"set model.moe.every to at most {model.n_layers} "
                         "(1: every block, 2: every other block)")
+    if moe.balance_loss == "pooled" and moe.aux_loss_weight > 0 and job.parallel.pp > 1:
+        raise SpecError("model.moe.balance_loss", "pooled", f"averages the routing of every MoE layer before one "
+                        f"product, and parallel.pp={job.parallel.pp} puts the layers in different stages",
+                        "set model.moe.balance_loss: per_layer (or aux_loss_weight: 0) under pipeline parallelism")
 
 
 def check_expert_parallel(job: JobSpec) -> None:
