@@ -51,7 +51,7 @@ def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> i
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice")
+ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice", "sigmoid")
 # routers whose paper fixes k: GShard routes to two experts, Switch to one (model.moe.top_k must agree)
 ROUTER_TOP_K = {"gshard": 2, "switch": 1}
 
@@ -83,6 +83,13 @@ class MoEConfig(BaseModel):
     # router topk: the k chosen probabilities renormalised to sum to one (Mixtral; Qwen3-MoE's norm_topk_prob); false
     # keeps them as the softmax over all experts gave them
     norm_topk: bool = True
+    groups: PositiveInt = Field(1, description="router sigmoid (DeepSeek-V3's n_group): the experts in this many "
+                                "equal groups; a token picks its experts from its top_groups best groups only "
+                                "(a group scores the sum of its two best biased scores). Must divide experts.")
+    top_groups: PositiveInt | None = Field(None, description="router sigmoid (DeepSeek-V3's topk_group): how many "
+                                           "groups a token's experts come from; null: all groups.")
+    gate_scale: PositiveFloat = Field(1.0, description="router sigmoid (DeepSeek-V3's routed_scaling_factor): the "
+                                      "chosen experts' gates, after norm_topk, times this.")
     balance_loss: Literal["per_layer", "pooled"] = Field(
         "per_layer", description="How router topk's balance loss (weight aux_loss_weight) is formed. per_layer: "
         "E * sum_i f_i * P_i for each MoE layer, summed over layers (raymesh's). pooled: f and P averaged over all "

@@ -420,6 +420,39 @@ class TopKRouter(Router):
             self.bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load).to(self.bias)
 
 
+class SigmoidRouter(TopKRouter):
+    """DeepSeek-V3: scores sigmoid(x W_g); the choice adds the balancing ``bias`` (``bias_balancing``, moved by
+    load after each step, never by gradient) and, with ``groups`` > 1, keeps only each token's ``top_groups`` best
+    groups of experts (a group scores the sum of its two best biased scores); gates are the unbiased scores of
+    the k chosen, renormalised (``norm_topk``) and times ``gate_scale``. Dropless. Its balance loss is the paper's
+    sequence-wise one, w·Σ_i f_i·P_i with f_i = E/(k·n)·(tokens choosing i), P_i the mean of the scores
+    normalised per token (the paper's α is tiny: the bias does the balancing)."""
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        scores = logits.sigmoid()
+        choices = self.group_limited(scores + self.bias).topk(self.cfg.k, -1).indices
+        gates = scores.gather(-1, choices)
+        if self.cfg.norm_topk:
+            gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+        losses = {}
+        if self.cfg.aux_loss_weight > 0:
+            f = choice_fractions(choices, self.cfg.experts) * self.cfg.experts / self.cfg.k
+            p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+            losses["balance"] = self.cfg.aux_loss_weight * (f * p).sum(-1).mean()
+        return self.token_choice(choices, gates * self.cfg.gate_scale, torch.ones_like(choices, dtype=torch.bool),
+                                 None, losses)
+
+    def group_limited(self, biased: torch.Tensor) -> torch.Tensor:
+        """``biased`` [G, n, E] with the experts outside each token's ``top_groups`` best groups at -inf."""
+        groups, top = self.cfg.groups, self.cfg.top_groups or self.cfg.groups
+        if groups == 1 or top >= groups:
+            return biased
+        grouped = biased.unflatten(-1, (groups, -1))
+        best = grouped.topk(min(2, grouped.shape[-1]), -1).values.sum(-1).topk(top, -1).indices
+        kept = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=biased.device).scatter(-1, best, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), -math.inf).flatten(-2)
+
+
 class NoisyTopKRouter(Router):
     """Shazeer et al. 2017: H = x W_g + ε·softplus(x W_noise), ε ~ N(0, 1) (training only); gates =
     softmax(KeepTopK(H, k)); dropless. Losses: importance w·CV(Σ_x G(x))² and load w·CV(Σ_x P(x, i))², with
@@ -519,7 +552,7 @@ class ExpertChoiceRouter(Router):
 
 ROUTER_CLASSES: dict[str, type[Router]] = {
     "topk": TopKRouter, "noisy_topk": NoisyTopKRouter, "gshard": GShardRouter, "switch": SwitchRouter,
-    "expert_choice": ExpertChoiceRouter,
+    "expert_choice": ExpertChoiceRouter, "sigmoid": SigmoidRouter,
 }
 
 

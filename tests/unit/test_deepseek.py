@@ -1,0 +1,118 @@
+"""DeepSeek-V3 (``model.arch: deepseek_v3``, ``workers.model.deepseek``) against ``transformers``'
+``DeepseekV3ForCausalLM``: multi-head latent attention with low-rank q and kv and the shared rotary key, sigmoid
+routing limited to the best expert groups with the balancing bias, shared experts, a dense first layer. Logits and
+the first step's loss and gradients equal transformers'; a checkpoint in and out is exact; the bias moves by load,
+never by gradient."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from workers.model import deepseek
+from workers.model.moe import MoELayer, SigmoidRouter, begin_step, end_step
+from workers.model.registry import build_model, model_config
+
+TINY = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 2,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+        "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+        "max_position_embeddings": 64, "routed_scaling_factor": 2.5}
+TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def _hf(directory, **overrides):
+    """A tiny random DeepseekV3ForCausalLM (std 0.1, balancing biases drawn too so they matter), saved."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.05, 0.05)
+    hf.save_pretrained(directory)
+    return hf
+
+
+def _ours(directory):
+    config = json.loads((directory / "config.json").read_text())
+    model = build_model(model_config({**deepseek.config_fields(config), "seq_len": 64}))
+    model.load_state_dict(deepseek.hf_state(load_file(directory / "model.safetensors"), model))
+    return model.eval()
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), TOKENS[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None, "n_group": 1, "topk_group": 1}])
+def test_logits_loss_and_gradients_equal_transformers(overrides, tmp_path):
+    hf = _hf(tmp_path, **overrides)
+    ours = _ours(tmp_path)
+    theirs = hf(TOKENS).logits
+    logits = ours(TOKENS)
+    torch.testing.assert_close(logits, theirs, rtol=1e-5, atol=1e-5)
+    loss, their_loss = _loss(logits), _loss(theirs)
+    assert loss.item() == pytest.approx(their_loss.item(), abs=1e-5)
+    loss.backward()
+    their_loss.backward()
+    grads = deepseek.to_hf_state({n: p.grad for n, p in ours.named_parameters()})
+    their_grads = {n: p.grad for n, p in hf.named_parameters()}
+    for name in ("model.layers.2.self_attn.kv_b_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+                 if overrides else "model.layers.1.self_attn.q_a_proj.weight", "model.layers.2.mlp.gate.weight",
+                 "model.layers.1.mlp.shared_experts.down_proj.weight", "model.embed_tokens.weight"):
+        torch.testing.assert_close(grads[name], their_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_checkpoint_in_and_out_is_exact_and_transformers_reads_the_export(tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    _hf(tmp_path / "src")
+    ours = _ours(tmp_path / "src")
+    tensors = deepseek.to_hf_state(ours.state_dict())
+    source = load_file(tmp_path / "src" / "model.safetensors")
+    assert sorted(tensors) == sorted(source) and all(torch.equal(tensors[k], source[k]) for k in source)
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(deepseek.hf_config(ours.cfg)))
+    again = DeepseekV3ForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(TOKENS).logits, ours(TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def test_experts_come_only_from_each_tokens_best_groups():
+    cfg = model_config({**deepseek.config_fields(TINY), "seq_len": 64})
+    router = SigmoidRouter(cfg.moe, 32)
+    torch.nn.init.normal_(router.weight, 0.0, 1.0)
+    x = torch.randn(1, 50, 32)
+    routing = router(x, None)
+    scores = router.logits(x).sigmoid()[0]
+    groups = scores.view(50, 4, 2).topk(2, -1).values.sum(-1).topk(2, -1).indices  # top_groups 2 of 4
+    chosen_groups = (routing.expert // 2).view(50, 2)
+    assert all(set(chosen_groups[t].tolist()) <= set(groups[t].tolist()) for t in range(50))
+    full = SigmoidRouter(cfg.moe.model_copy(update={"top_groups": 4}), 32)
+    full.weight = router.weight
+    assert not torch.equal(full(x, None).expert, routing.expert)  # the limit changed some choice
+
+
+def test_the_balancing_bias_moves_by_load_not_by_gradient(tmp_path):
+    _hf(tmp_path)
+    ours = _ours(tmp_path).train()
+    router = ours.layers["2"].feed_forward.router
+    before = router.bias.clone()
+    begin_step([ours], seed=0, first_sequence=0, aux_scale=1.0)
+    _loss(ours(TOKENS)).backward()
+    assert "bias" not in dict(router.named_parameters())  # a buffer: no gradient, no optimizer
+    load = torch.tensor(end_step([ours], None)["layers.2.feed_forward"]["tokens_per_expert"], dtype=torch.float)
+    step = ours.cfg.moe.bias_update_rate * torch.sign(load.mean() - load)
+    torch.testing.assert_close(router.bias, before + step)
+    assert isinstance(ours.layers["0"].feed_forward, torch.nn.Module)
+    assert [isinstance(ours.layers[str(i)].feed_forward, MoELayer) for i in range(3)] == [False, True, True]
