@@ -16,7 +16,14 @@ from orchestrator.spec.fields import STRICT, _divisors
 from orchestrator.spec.lora import default_targets
 from orchestrator.spec.moe import MoESpec
 from workers.contract.sections import FineTuningSection
-from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, LLAMA_ONLY, ModelConfig
+from workers.model.config import (
+    DEEPSEEK_ONLY,
+    DEEPSEEK_UNREAD,
+    HF_FAMILY_FIELDS,
+    HF_MOE_TYPES,
+    LLAMA_ONLY,
+    ModelConfig,
+)
 from workers.model.presets import PRESETS
 
 Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
@@ -125,6 +132,9 @@ class ModelSpec(FineTuningSection, ModelConfig):
         """Llama-only fields on a GPT, a Llama without rotary positions, K/V heads that do not group queries."""
         if self.lora is not None and self.lora.targets is None:
             self.lora.targets = default_targets(self.arch)
+        self._check_deepseek_fields()
+        if self.arch == "deepseek_v3":
+            return self
         if self.arch == "gpt":
             given = [f for f in LLAMA_ONLY if getattr(self, f) != ModelConfig.model_fields[f].default]
             if given:
@@ -142,11 +152,35 @@ class ModelSpec(FineTuningSection, ModelConfig):
                             f"pick n_kv_heads from {_divisors(self.n_heads)}")
         return self
 
+    def _check_deepseek_fields(self) -> None:
+        """DeepSeek-V3's fields on another arch, the Llama fields it does not read, and what its MLA computes:
+        rotary positions (interleaved pairs: an even rope width), a plain causal mask."""
+        own = self.arch == "deepseek_v3"
+        fields = DEEPSEEK_UNREAD if own else DEEPSEEK_ONLY
+        given = [f for f in fields if getattr(self, f) != ModelConfig.model_fields[f].default]
+        if given:
+            why = ("is a Llama-family field; model.arch: deepseek_v3 does not read it" if own
+                   else f"is a DeepSeek-V3 field; model.arch: {self.arch} does not read it")
+            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
+                            f"remove {', '.join('model.' + g for g in given)}"
+                            + ("" if own else ", or set model.arch: deepseek_v3"))
+        if not own:
+            return
+        checks = [("positions", "rotary", "MLA rotates its decoupled key"),
+                  ("attention_mask", "causal", "MLA has no document mask yet")]
+        for name, needed, why in checks:
+            if getattr(self, name) != needed:
+                raise SpecError(f"model.{name}", getattr(self, name), f"is not supported by model.arch: "
+                                f"deepseek_v3 ({why})", f"set model.{name}: {needed}")
+        if self.qk_rope_head_dim % 2:
+            raise SpecError("model.qk_rope_head_dim", self.qk_rope_head_dim, "is odd, and rotary positions rotate "
+                            "channels in pairs", f"set it to {self.qk_rope_head_dim + 1}")
+
     @model_validator(mode="after")
     def _check_hf_family(self) -> ModelSpec:
         """The fields ``hf_model_type``'s weights always have (Qwen2's q/k/v biases, Qwen3's q/k norms) and no
         other family's: an export's config.json must build a model with exactly our tensors."""
-        if self.arch == "gpt":
+        if self.arch != "llama":
             return self  # its Llama-only fields are refused by _check_family_fields
         for name, value in HF_FAMILY_FIELDS[self.hf_model_type].items():
             if getattr(self, name) != value:

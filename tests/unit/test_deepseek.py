@@ -116,3 +116,42 @@ def test_the_balancing_bias_moves_by_load_not_by_gradient(tmp_path):
     torch.testing.assert_close(router.bias, before + step)
     assert isinstance(ours.layers["0"].feed_forward, torch.nn.Module)
     assert [isinstance(ours.layers[str(i)].feed_forward, MoELayer) for i in range(3)] == [False, True, True]
+
+
+def _job(model: dict, parallel: dict | None = None):
+    from orchestrator import JobSpec
+
+    return JobSpec.from_dict({"data": {"path": "/tmp/none"}, "run_dir": "/tmp/none", "parallel": parallel or {},
+                              "model": {"d_model": 32, "n_heads": 4, **model}})
+
+
+DEEPSEEK = {"arch": "deepseek_v3", "d_ff": 48, "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4, "v_head_dim": 6, "dense_layers": 1,
+            "moe": {"experts": 8, "top_k": 2, "router": "sigmoid", "groups": 4, "top_groups": 2, "shared_experts": 2,
+                    "d_expert": 16, "bias_balancing": True}}
+
+
+def test_the_planner_counts_the_parameters_the_model_has():
+    from orchestrator.planning.estimate import stage_expert_params, stage_params
+    from workers.spec import WorkerSpec
+
+    spec = _job(DEEPSEEK, {"dp": 2, "ep": 2})
+    with torch.device("meta"):
+        built = sum(p.numel() for p in build_model(WorkerSpec.from_dict(spec.worker_dict()).model).parameters())
+    assert sum(stage_params(spec, 0, 1)) + stage_expert_params(spec, 0, 1) == built
+
+
+@pytest.mark.parametrize(("model", "parallel", "message"), [
+    ({"kv_lora_rank": 8}, None, "model.kv_lora_rank.*DeepSeek-V3 field.*model.arch: gpt.*set model.arch: deepseek"),
+    ({**DEEPSEEK, "n_kv_heads": 2}, None, "model.n_kv_heads.*deepseek_v3 does not read it"),
+    ({**DEEPSEEK, "qk_rope_head_dim": 5}, None, "model.qk_rope_head_dim.*odd"),
+    (DEEPSEEK, {"tp": 2}, "parallel.tp.*deepseek_v3.*set parallel.tp: 1"),
+    ({**DEEPSEEK, "moe": {**DEEPSEEK["moe"], "groups": 3}}, None, "model.moe.groups.*does not divide.*experts=8"),
+    ({**DEEPSEEK, "moe": {**DEEPSEEK["moe"], "top_groups": 1, "top_k": 4}}, None, "model.moe.top_groups.*top_k=4"),
+    ({"arch": "llama", "moe": {"experts": 8, "groups": 2}}, None, "model.moe.groups.*router: sigmoid only"),
+])
+def test_what_deepseek_cannot_compute_is_refused_by_field(model, parallel, message):
+    from orchestrator.errors import SpecError
+
+    with pytest.raises(SpecError, match=message):
+        _job(model, parallel)

@@ -18,39 +18,19 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
-from workers.model.config import ModelConfig, PositiveInt
+from workers.model.config import ModelConfig
 from workers.model.gpt import GPT, RMSNorm, token_positions
 from workers.model.llama import SwiGLU
 from workers.model.moe import MoELayer, share_balance_pool
 from workers.model.registry import ModelFamily, register
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which the q and kv latent norms keep
-
-
-class DeepseekConfig(ModelConfig):
-    """A DeepSeek-V3 shape: ``ModelConfig``'s plus MLA's ranks and head widths and the dense prefix."""
-
-    arch: Literal["deepseek_v3"] = "deepseek_v3"  # type: ignore[assignment]
-    q_lora_rank: PositiveInt | None = Field(None, description="MLA: the query's low-rank width (null: a full "
-                                            "d_model -> heads x (nope + rope) projection, as V3-Lite)")
-    kv_lora_rank: PositiveInt = Field(32, description="MLA: the compressed key/value latent's width")
-    qk_nope_head_dim: PositiveInt = Field(16, description="MLA: per-head query/key channels without rotary")
-    qk_rope_head_dim: PositiveInt = Field(8, description="MLA: per-head query channels with rotary, and the width "
-                                          "of the one rotary key all heads share (even)")
-    v_head_dim: PositiveInt = Field(16, description="MLA: per-head value channels")
-    dense_layers: int = Field(1, ge=0, description="the first blocks keep a dense SwiGLU feed-forward (d_ff "
-                              "wide); the rest are MoE (first_k_dense_replace)")
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Every block from ``dense_layers`` on (``moe.every`` is not read)."""
-        return self.moe is not None and layer >= self.dense_layers
 
 
 def rotary_interleaved(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
@@ -68,7 +48,7 @@ def rotary_interleaved(x: torch.Tensor, theta: float, positions: torch.Tensor) -
 class LatentAttention(nn.Module):
     """Multi-head latent attention (see the module docstring); causal, scaled by 1/sqrt(nope + rope)."""
 
-    def __init__(self, cfg: DeepseekConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg, heads = cfg, cfg.n_heads
         self.qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -108,7 +88,7 @@ class LatentAttention(nn.Module):
 
 
 class DeepseekBlock(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = LatentAttention(cfg)
@@ -123,7 +103,7 @@ class DeepseekBlock(nn.Module):
 class DeepseekV3(GPT):
     """The DeepSeek-V3 decoder: GPT's forward (embed, blocks, norm, head) over ``DeepseekBlock``s."""
 
-    def __init__(self, cfg: DeepseekConfig):
+    def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -227,7 +207,7 @@ HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings
 
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """raymesh ``model:`` fields (a ``DeepseekConfig``) from a DeepseekV3 ``config.json``; what this module does not
+    """raymesh ``model:`` fields (a ``ModelConfig``) from a DeepseekV3 ``config.json``; what this module does not
     compute as transformers does is refused naming the key."""
     hf = {**HF_DEFAULTS, **hf}
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -254,7 +234,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def hf_config(cfg: DeepseekConfig) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` transformers builds ``cfg``'s ``DeepseekV3ForCausalLM`` from."""
     moe = cfg.moe
     return {
@@ -275,7 +255,7 @@ def hf_config(cfg: DeepseekConfig) -> dict[str, Any]:
 
 register(ModelFamily(
     arch="deepseek_v3",
-    config=DeepseekConfig,
+    config=ModelConfig,  # its fields are ModelConfig's (DEEPSEEK_ONLY), so the job file's model: section holds them
     build=DeepseekV3,
     lora_targets=("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w1", "w2", "w3"),
     recompute_targets={"full": ""},

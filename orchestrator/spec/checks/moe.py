@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 def check_moe(job: JobSpec) -> None:
     """An MoE section that places no MoE layer."""
     moe, model = job.model.moe, job.model
+    if model.arch == "deepseek_v3" and job.parallel.tp > 1:
+        raise SpecError("parallel.tp", job.parallel.tp, "is not supported by model.arch: deepseek_v3 yet (its "
+                        "latent attention has no tensor-parallel plan)", "set parallel.tp: 1 (use ep, pp and dp)")
     if moe is None:
         return
     if moe.every > model.n_layers:
