@@ -155,3 +155,14 @@ def test_what_deepseek_cannot_compute_is_refused_by_field(model, parallel, messa
 
     with pytest.raises(SpecError, match=message):
         _job(model, parallel)
+
+
+def test_the_planner_counts_deepseek_v3_671b_as_published_and_its_layout_fits():
+    """DeepSeek-V3's published 671B parameters (37B active) from the preset, and its published layout (pp 16, ep 64,
+    dp 128 on 2,048 H800) within an H800's 80 GB by raymesh's estimate (bf16, ZeRO-1, full recompute)."""
+    from benchmarks.deepseek_v3_plan import figures
+
+    out = figures()
+    assert out["params"] == pytest.approx(671e9, rel=1e-3)
+    assert out["active_params"] == pytest.approx(37e9, rel=0.02)
+    assert out["fits"] and out["peak_gb"] < 80
