@@ -90,11 +90,11 @@ def transformers_first_step(spec, hf_dir) -> tuple[float, float]:
     """Loss and global gradient norm of ``transformers``' model on the job's first global batch: what a
     raymesh layout loading ``hf_dir`` must report for its first step."""
     import torch.nn.functional as F
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from workers.data import DataCursor, TokenDataset
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir)  # float32, as saved
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)  # float32, as saved; the family config.json names
     cursor = DataCursor(TokenDataset(spec.data.path, spec.model.seq_len, spec.data.seed),
                         spec.train.global_batch_size, dp_rank=0, dp_size=1)
     inputs, targets = cursor.next_batch()

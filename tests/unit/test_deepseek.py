@@ -42,8 +42,9 @@ def _hf(directory, **overrides):
 
 
 def _ours(directory):
-    config = json.loads((directory / "config.json").read_text())
-    model = build_model(model_config({**deepseek.config_fields(config), "seq_len": 64}))
+    fields = deepseek.config_fields(json.loads((directory / "config.json").read_text()))
+    moe = {**fields["moe"], "aux_loss_weight": 0.0, "bias_balancing": True}  # transformers trains no balance loss
+    model = build_model(model_config({**fields, "moe": moe, "seq_len": 64}))
     model.load_state_dict(deepseek.hf_state(load_file(directory / "model.safetensors"), model))
     return model.eval()
 
@@ -166,3 +167,25 @@ def test_the_planner_counts_deepseek_v3_671b_as_published_and_its_layout_fits():
     assert out["params"] == pytest.approx(671e9, rel=1e-3)
     assert out["active_params"] == pytest.approx(37e9, rel=0.02)
     assert out["fits"] and out["peak_gb"] < 80
+
+
+def test_init_from_reads_as_the_ranks_do_and_export_hf_writes_the_same_checkpoint(tmp_path):
+    """``hf_io.load_hf_weights`` (what each rank runs for ``model.init_from``: routed experts by their own tensors,
+    the shared experts' one MLP, the balancing bias buffer) and ``hf_io.write_hf`` (``raymesh export-hf``)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from workers.model import hf_io
+
+    hf = _hf(tmp_path / "src")
+    fields = hf_io.config_fields(hf_io.read_config(tmp_path / "src"))
+    model = build_model(model_config({**fields, "seq_len": 64})).eval()
+    read = hf_io.load_hf_weights(model, tmp_path / "src")
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in read
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), hf(TOKENS).logits, rtol=1e-5, atol=1e-5)
+    hf_io.write_hf(model.state_dict(), model.cfg, tmp_path / "out", source=tmp_path / "src")
+    written, source = (load_file(tmp_path / part / "model.safetensors") for part in ("out", "src"))
+    assert sorted(written) == sorted(source) and all(torch.equal(written[k], source[k]) for k in source)
+    again = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(TOKENS).logits, hf(TOKENS).logits, rtol=1e-6, atol=1e-6)

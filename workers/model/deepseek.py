@@ -137,25 +137,53 @@ _MATRIX = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _STACK = re.compile(r"layers\.(\d+)\.feed_forward\.(experts|shared)\.(w[123])")
 
 
+def shared_key(name: str) -> str:
+    """The Hugging Face name of a shared-experts stack ``layers.{i}.feed_forward.shared.w1`` (one Linear on disk)."""
+    layer, _, matrix = _STACK.fullmatch(name).groups()
+    return f"model.layers.{layer}.mlp.shared_experts.{_MATRIX[matrix]}.weight"
+
+
+def shared_shape(stack: tuple[int, ...], name: str) -> tuple[int, int]:
+    """The on-disk shape of shared-experts stack ``name`` of shape [n, a, b]: gate/up [n*h, d], down [d, n*h]."""
+    count, a, b = stack
+    return (b, count * a) if name.endswith("w2") else (count * b, a)
+
+
+def shared_stack(tensor: torch.Tensor, name: str, count: int) -> torch.Tensor:
+    """The [n, a, b] stack of shared experts held on disk as one Linear weight ``tensor`` (their hidden units side
+    by side): gate/up [n*h, d] -> [n, d, h]; down [d, n*h] -> [n, h, d]."""
+    if name.endswith("w2"):
+        return tensor.t().reshape(count, -1, tensor.shape[0])
+    return tensor.reshape(count, -1, tensor.shape[1]).transpose(1, 2)
+
+
+def shared_tensor(stack: torch.Tensor, name: str) -> torch.Tensor:
+    """``shared_stack``'s inverse: the one Linear weight of a [n, a, b] shared-experts stack."""
+    if name.endswith("w2"):
+        return torch.cat(list(stack), dim=0).t().contiguous()
+    return torch.cat(list(stack), dim=1).t().contiguous()
+
+
 def to_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full raymesh DeepSeek-V3 state dict (the router's balancing bias included) as the tensors
     ``DeepseekV3ForCausalLM.save_pretrained`` writes: each routed expert its own three matrices, the shared experts
-    one MLP (their hidden units side by side)."""
+    one MLP (``shared_tensor``)."""
     out = {}
     for name, value in state.items():
         m = _STACK.fullmatch(name)
         if m is None:
-            out[_hf_name(name)] = value.contiguous()
-            continue
-        layer, kind, matrix = m.groups()
-        prefix = f"model.layers.{layer}.mlp.{'experts' if kind == 'experts' else 'shared_experts'}"
-        if kind == "experts":  # [E, a, b] -> E Linear weights [b, a]
-            out.update({f"{prefix}.{e}.{_MATRIX[matrix]}.weight": value[e].t().contiguous()
-                        for e in range(value.shape[0])})
-        else:  # [n, a, b] -> one Linear: w1/w3 [n*h, d] (hidden rows side by side), w2 [d, n*h]
-            out[f"{prefix}.{_MATRIX[matrix]}.weight"] = (torch.cat(list(value), dim=1).t() if matrix != "w2"
-                                                          else torch.cat(list(value), dim=0).t()).contiguous()
+            out[hf_name(name)] = value.contiguous()
+        elif m.group(2) == "shared":
+            out[shared_key(name)] = shared_tensor(value, name)
+        else:  # [E, a, b] -> E Linear weights [b, a]
+            out.update({expert_key(name, e): value[e].t().contiguous() for e in range(value.shape[0])})
     return out
+
+
+def expert_key(name: str, expert: int) -> str:
+    """The Hugging Face name of routed expert ``expert``'s matrix in stack ``layers.{i}.feed_forward.experts.w1``."""
+    layer, _, matrix = _STACK.fullmatch(name).groups()
+    return f"model.layers.{layer}.mlp.experts.{expert}.{_MATRIX[matrix]}.weight"
 
 
 def hf_state(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -165,19 +193,13 @@ def hf_state(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, to
     for name, target in model.state_dict().items():
         m = _STACK.fullmatch(name)
         if m is None:
-            state[name] = _take(tensors, _hf_name(name), target.shape)
-            continue
-        layer, kind, matrix = m.groups()
-        count, a, b = target.shape
-        if kind == "experts":
-            state[name] = torch.stack([_take(tensors, f"model.layers.{layer}.mlp.experts.{e}.{_MATRIX[matrix]}.weight",
-                                             (b, a)).t() for e in range(count)])
-            continue
-        key = f"model.layers.{layer}.mlp.shared_experts.{_MATRIX[matrix]}.weight"
-        if matrix == "w2":  # [d, n*h] -> [n, h, d]
-            state[name] = _take(tensors, key, (b, count * a)).t().reshape(count, a, b)
-        else:  # [n*h, d] -> [n, d, h]
-            state[name] = _take(tensors, key, (count * b, a)).reshape(count, b, a).transpose(1, 2)
+            state[name] = _take(tensors, hf_name(name), target.shape)
+        elif m.group(2) == "shared":
+            state[name] = shared_stack(_take(tensors, shared_key(name), shared_shape(target.shape, name)), name,
+                                       target.shape[0])
+        else:
+            count, a, b = target.shape
+            state[name] = torch.stack([_take(tensors, expert_key(name, e), (b, a)).t() for e in range(count)])
     return state
 
 
@@ -190,7 +212,7 @@ def _take(tensors: dict[str, torch.Tensor], key: str, shape) -> torch.Tensor:
     return tensors[key]
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     if name in _ENDS:
         return _ENDS[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -208,7 +230,8 @@ HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """raymesh ``model:`` fields (a ``ModelConfig``) from a DeepseekV3 ``config.json``; what this module does not
-    compute as transformers does is refused naming the key."""
+    compute as transformers does is refused naming the key. The training choices (``bias_balancing``, the
+    balance loss's weight) stay the job's: the checkpoint's bias is read either way and steers the choice."""
     hf = {**HF_DEFAULTS, **hf}
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -230,7 +253,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "moe": {"experts": hf["n_routed_experts"], "top_k": hf["num_experts_per_tok"], "router": "sigmoid",
                 "d_expert": hf["moe_intermediate_size"], "shared_experts": hf["n_shared_experts"],
                 "groups": hf["n_group"], "top_groups": hf["topk_group"], "gate_scale": hf["routed_scaling_factor"],
-                "norm_topk": bool(hf["norm_topk_prob"]), "bias_balancing": True, "aux_loss_weight": 0.0},
+                "norm_topk": bool(hf["norm_topk_prob"])},
     }
 
 

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.model import deepseek
 from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, ModelConfig
 from workers.model.hf_moe import ROUTER_BIAS, STACK, expert_name, moe_config, moe_fields, router_name
 from workers.model.moe import Experts
 from workers.model.names import plain_name
 
 CONFIG = "config.json"
+DEEPSEEK = "deepseek_v3"  # model_type of DeepseekV3ForCausalLM: its own names and config (workers.model.deepseek)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -55,6 +57,8 @@ def hf_name(name: str, kind: str = "llama") -> str:
     ``model.layers.3.self_attn.q_proj.weight``, the same in all ``FAMILIES`` but an MoE router's); wrapper prefixes
     are dropped. An expert stack is several tensors: ``hf_tensors``, ``hf_moe.expert_name``."""
     name = plain_name(name)
+    if kind == DEEPSEEK:
+        return deepseek.hf_name(name)
     if name in _ENDS:
         return _ENDS[name]
     router = router_name(name, kind)
@@ -142,10 +146,13 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
     Raises ``ValueError`` naming the config key for what raymesh's Llama cannot represent."""
     kind = hf.get("model_type")
+    if kind == DEEPSEEK:
+        return deepseek.config_fields(hf)
     if kind not in FAMILIES:
         raise ValueError(f"config.json model_type {kind!r} is not supported; raymesh reads Hugging Face "
                          f"{', '.join(repr(k) for k in FAMILIES)} checkpoints "
-                         f"({', '.join(f.architecture for f in FAMILIES.values())})")
+                         f"({', '.join(f.architecture for f in FAMILIES.values())}), and 'deepseek_v3' "
+                         "(DeepseekV3ForCausalLM, model.arch deepseek_v3)")
     hf = with_family_defaults(hf)
     _check_sizes(hf)
     _check_unsupported(hf)
@@ -390,8 +397,12 @@ def _reads(model: nn.Module, reader: _Reader):
     """(Hugging Face name, the tensor it fills, a call that reads its values) for every tensor ``model``'s
     parameters take from the checkpoint, each refused by ``reader.slice`` when missing or not what the model needs."""
     kind, stacks = read_config(reader.directory).get("model_type"), _expert_stacks(model)
+    if kind == DEEPSEEK:
+        yield from _deepseek_extras(model, reader)
     for name, param in model.named_parameters():
         local, box = local_box(param)
+        if kind == DEEPSEEK and SHARED.fullmatch(plain_name(name)):
+            continue  # read whole by _deepseek_extras
         if name not in stacks:
             key = hf_name(name, kind)
             source = reader.slice(key, name, param.shape)
@@ -462,6 +473,28 @@ def _check_untied_head(reader: _Reader, model: nn.Module) -> None:
                          f"is the model's own, or remove {HEAD} from the files if the embedding is")
 
 
+SHARED = re.compile(r"layers\.(\d+)\.feed_forward\.shared\.(w[123])")
+
+
+def _deepseek_extras(model: nn.Module, reader: _Reader):
+    """A DeepseekV3 checkpoint's tensors that are no parameter's box: each MoE layer's shared-experts MLP (one
+    Linear per matrix on disk, a stack [n, a, b] here, read whole: it is replicated) and the routers' balancing
+    bias (``e_score_correction_bias``, a buffer)."""
+    for name, param in model.named_parameters():
+        if SHARED.fullmatch(plain_name(name)):
+            local, box = local_box(param)
+            plain = plain_name(name)
+            key = deepseek.shared_key(plain)
+            source = reader.slice(key, name, deepseek.shared_shape(tuple(param.shape), plain))
+            yield key, local, lambda source=source, plain=plain, box=tuple(box), n=param.shape[0]: (
+                deepseek.shared_stack(source[:], plain, n)[box])
+    for name, buffer in model.named_buffers():
+        if ROUTER_BIAS.fullmatch(plain_name(name)):
+            key = hf_name(name, DEEPSEEK)
+            source = reader.slice(key, name, buffer.shape)
+            yield key, buffer, lambda source=source: source[:]
+
+
 def _expert_stacks(model: nn.Module) -> dict[str, int]:
     """Each expert stack's parameter name in ``model`` -> the global id of its first row (``Experts.first``)."""
     return {f"{prefix}.{name}": module.first for prefix, module in model.named_modules()
@@ -497,10 +530,15 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
     cfg = written_config(state, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {key: value for name, tensor in written_weights(state, cfg)
-               for key, value in hf_tensors(name, tensor.detach().cpu(), cfg.hf_model_type).items()}
+    if cfg.arch == DEEPSEEK:  # its names and its balancing bias (a checkpoint tensor there): workers.model.deepseek
+        plain = {plain_name(k): v.detach().cpu() for k, v in state.items()
+                 if not (cfg.tie_embeddings and plain_name(k) == "output.weight")}
+        tensors, config = deepseek.to_hf_state(plain), deepseek.hf_config(cfg)
+    else:
+        tensors = {key: value for name, tensor in written_weights(state, cfg)
+                   for key, value in hf_tensors(name, tensor.detach().cpu(), cfg.hf_model_type).items()}
+        config = hf_config(cfg)
     save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
-    config = hf_config(cfg)
     if source is not None:
         config = carried_config(config, read_config(source), cfg.seq_len)
         for name in SIDE_FILES:

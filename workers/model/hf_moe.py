@@ -47,6 +47,7 @@ class HfExperts:
 EXPERT_NAMES = {
     "qwen3_moe": HfExperts("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "mixtral": HfExperts("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+    "deepseek_v3": HfExperts("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
 
 ROUTER = re.compile(r"layers\.(\d+)\.feed_forward\.router\.weight")
