@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.hf import transformers_first_step
+from tests.support.hf import save_hf_deepseek, transformers_first_step
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
-from tests.support.reference import reference_run
+from tests.support.reference import assert_follows_reference
 
 STEPS = 3
 MODEL = {"arch": "deepseek_v3", "d_model": 32, "n_heads": 4, "d_ff": 48, "q_lora_rank": 16, "kv_lora_rank": 12,
@@ -34,30 +34,13 @@ HF = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "moe_interm
 HF_LAYOUTS = {"hf-one": ({}, {}), "hf-dp2-ep2": ({"dp": 2, "ep": 2}, {}), "hf-pp2": ({"pp": 2}, {"microbatches": 2})}
 
 
-def _save_hf(directory):
-    """A tiny random DeepseekV3ForCausalLM (std 0.1, the balancing biases drawn too), saved."""
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**HF))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.05, 0.05)
-    model.save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def cases(token_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek-parity")
     out = {name: tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"}, model=MODEL,
                            train={"steps": STEPS, **train})
            for name, (parallel, train) in LAYOUTS.items()}
-    src = _save_hf(root / "hf")
+    _, src = save_hf_deepseek(root / "hf", HF)
     for name, (parallel, train) in HF_LAYOUTS.items():  # the job's moe: its training settings (bias balancing)
         out[name] = tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"},
                               model={"init_from": str(src), "moe": {"bias_balancing": True, "aux_loss_weight": 0.0}},
@@ -72,10 +55,7 @@ def runs(cases):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_the_reference(name, cases, runs):
-    run = ran(runs, name)
-    losses, grad_norms = reference_run(cases[name], STEPS)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert_follows_reference(ran(runs, name), cases[name], STEPS)
 
 
 @pytest.mark.parametrize("name", list(HF_LAYOUTS))
@@ -84,6 +64,4 @@ def test_init_from_starts_at_transformers_loss_and_follows_the_reference(name, c
     assert spec.model.arch == "deepseek_v3" and spec.model.moe.router == "sigmoid"
     loss, _ = transformers_first_step(spec, spec.model.init_from)
     assert run.losses[0] == pytest.approx(loss, abs=1e-5)
-    losses, grad_norms = reference_run(spec, STEPS)
-    assert run.losses == pytest.approx(losses, rel=1e-4)
-    assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+    assert_follows_reference(run, spec, STEPS)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tests.support.hf import save_hf_deepseek
 from workers.model import deepseek
 from workers.model.moe import MoELayer, SigmoidRouter, begin_step, end_step
 from workers.model.registry import build_model, model_config
@@ -26,19 +27,8 @@ TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(
 
 
 def _hf(directory, **overrides):
-    """A tiny random DeepseekV3ForCausalLM (std 0.1, balancing biases drawn too so they matter), saved."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.05, 0.05)
-    hf.save_pretrained(directory)
-    return hf
+    """A tiny random DeepseekV3ForCausalLM, saved (``save_hf_deepseek``)."""
+    return save_hf_deepseek(directory, {**TINY, **overrides})[0]
 
 
 def _ours(directory):
