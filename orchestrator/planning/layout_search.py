@@ -37,8 +37,9 @@ from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
 from workers.parallel.partition import balanced_split
 
-FFN_MATRICES = {"gpt": 2, "llama": 3, "hf": 2}  # feed-forward matrices per block: GPT's up/down, Llama's gate/up/down
-# (an hf model, any transformers causal LM, is estimated as GPT-2 and Phi are: up/down)
+# feed-forward matrices per block: GPT's up/down, Llama's (and DeepSeek-V3's) gate/up/down (an hf model, any
+# transformers causal LM, is estimated as GPT-2 and Phi are: up/down)
+FFN_MATRICES = {"gpt": 2, "llama": 3, "deepseek_v3": 3, "hf": 2}
 TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
 
@@ -85,6 +86,7 @@ class Shape:
     compiled: bool = False  # train.compile: the blocks through inductor
     compiled_loss: bool = False  # and the whole-logits loss too (not DPO's own loss)
     grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: ZeRO 1-3's gradient reduction width outside the policy
+    attention_params: int | None = None  # DeepSeek-V3's MLA (``ModelConfig.mla_params``); None: q, k, v, o
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -96,7 +98,7 @@ class Shape:
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
                    spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec),
-                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype])
+                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype], m.mla_params if m.arch == "deepseek_v3" else None)
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -122,7 +124,8 @@ class Shape:
         under ``qkv_bias``, the FFN's matrices."""
         d, q, kv = self.d_model, self.n_heads * self.head_size, self.kv * self.head_size
         bias = q + 2 * kv if self.qkv_bias else 0
-        return 2 * d * q + 2 * d * kv + bias + FFN_MATRICES[self.arch] * d * self.ffn_dim
+        attention = self.attention_params if self.attention_params is not None else 2 * d * q + 2 * d * kv + bias
+        return attention + FFN_MATRICES[self.arch] * d * self.ffn_dim
 
     @property
     def block_replicated(self) -> int:

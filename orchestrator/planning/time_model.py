@@ -42,6 +42,7 @@ GPUS = {
     "A100": GPU("A100", 312e12, 80 * 10**9, 300e9, 25e9),
     "H100": GPU("H100", 989e12, 80 * 10**9, 450e9, 50e9),
     "H200": GPU("H200", 989e12, 141 * 10**9, 450e9, 50e9),
+    "H800": GPU("H800", 989e12, 80 * 10**9, 200e9, 50e9),  # an H100 with NVLink cut to 400 GB/s (DeepSeek-V3's)
 }
 DEFAULT_EFFICIENCY = 0.5
 

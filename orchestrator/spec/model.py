@@ -16,7 +16,14 @@ from orchestrator.spec.fields import STRICT, _divisors
 from orchestrator.spec.lora import default_targets
 from orchestrator.spec.moe import MoESpec
 from workers.contract.sections import FineTuningSection
-from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, LLAMA_ONLY, ModelConfig
+from workers.model.config import (
+    DEEPSEEK_ONLY,
+    DEEPSEEK_UNREAD,
+    HF_FAMILY_FIELDS,
+    HF_MOE_TYPES,
+    LLAMA_ONLY,
+    ModelConfig,
+)
 from workers.model.presets import PRESETS
 
 Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
@@ -131,6 +138,9 @@ class ModelSpec(FineTuningSection, ModelConfig):
                             "family for)")
         if self.lora is not None and self.lora.targets is None and self.arch != "hf":
             self.lora.targets = default_targets(self.arch)
+        self._check_deepseek_fields()
+        if self.arch == "deepseek_v3":
+            return self
         if self.arch == "gpt":
             given = [f for f in LLAMA_ONLY if getattr(self, f) != ModelConfig.model_fields[f].default]
             if given:
@@ -164,6 +174,29 @@ class ModelSpec(FineTuningSection, ModelConfig):
                             "a model.arch hf model (built by transformers from model.init_from) does not have",
                             f"remove model.{given[0]}")
         return self
+    def _check_deepseek_fields(self) -> None:
+        """DeepSeek-V3's fields on another arch, the Llama fields it does not read, and what its MLA computes:
+        rotary positions (interleaved pairs: an even rope width), a plain causal mask."""
+        own = self.arch == "deepseek_v3"
+        fields = DEEPSEEK_UNREAD if own else DEEPSEEK_ONLY
+        given = [f for f in fields if getattr(self, f) != ModelConfig.model_fields[f].default]
+        if given:
+            why = ("is a Llama-family field; model.arch: deepseek_v3 does not read it" if own
+                   else f"is a DeepSeek-V3 field; model.arch: {self.arch} does not read it")
+            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
+                            f"remove {', '.join('model.' + g for g in given)}"
+                            + ("" if own else ", or set model.arch: deepseek_v3"))
+        if not own:
+            return
+        checks = [("positions", "rotary", "MLA rotates its decoupled key"),
+                  ("attention_mask", "causal", "MLA has no document mask yet")]
+        for name, needed, why in checks:
+            if getattr(self, name) != needed:
+                raise SpecError(f"model.{name}", getattr(self, name), f"is not supported by model.arch: "
+                                f"deepseek_v3 ({why})", f"set model.{name}: {needed}")
+        if self.qk_rope_head_dim % 2:
+            raise SpecError("model.qk_rope_head_dim", self.qk_rope_head_dim, "is odd, and rotary positions rotate "
+                            "channels in pairs", f"set it to {self.qk_rope_head_dim + 1}")
 
     @model_validator(mode="after")
     def _check_hf_family(self) -> ModelSpec:
@@ -203,7 +236,7 @@ class ModelSpec(FineTuningSection, ModelConfig):
 def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with the shape `config.json` of `init_from` gives; a field set to another value is an error
     naming both. A missing or unreadable directory is reported here, before any actor starts."""
-    from workers.model.hf_io import FAMILIES, check_sliding_window, config_fields, read_config
+    from workers.model.hf_io import DEEPSEEK, FAMILIES, check_sliding_window, config_fields, read_config
 
     directory = data["init_from"]
     try:
@@ -211,7 +244,7 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     except (ValueError, OSError) as exc:
         raise SpecError("model.init_from", directory, f"is not a readable Hugging Face model directory ({exc})",
                         "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
-    if config.get("model_type") not in FAMILIES:
+    if config.get("model_type") not in (*FAMILIES, DEEPSEEK):  # a family raymesh has no own for: arch hf
         return _with_any_hf_config(data, config, directory)
     try:
         hf = config_fields(config)

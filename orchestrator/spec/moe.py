@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from pydantic import model_validator
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.fields import STRICT, _Section
+from orchestrator.spec.fields import STRICT, _divisors, _Section
 from workers.model.config import ROUTER_TOP_K, MoEConfig
 
 if TYPE_CHECKING:
@@ -44,10 +44,32 @@ class MoESpec(MoEConfig, _Section):
             raise SpecError("model.moe.bias_update_rate", self.bias_update_rate, "is the step of bias_balancing, "
                             "which is off", "set model.moe.bias_balancing: true (router: topk), or remove "
                             "model.moe.bias_update_rate")
-        if self.bias_balancing and self.router != "topk":
-            raise SpecError("model.moe.bias_balancing", True, f"is DeepSeek-V3's balancing for router: topk, not "
-                            f"{self.router}", "set model.moe.router: topk, or bias_balancing: false")
+        if self.balance_loss != "per_layer" and self.router != "topk":
+            raise SpecError("model.moe.balance_loss", self.balance_loss, f"is router topk's balance loss, and "
+                            f"router: {self.router} has its paper's", "set model.moe.router: topk, or remove "
+                            "model.moe.balance_loss")
+        if self.bias_balancing and self.router not in ("topk", "sigmoid"):
+            raise SpecError("model.moe.bias_balancing", True, f"is DeepSeek-V3's balancing for router: topk or "
+                            f"router: sigmoid, not {self.router}",
+                            "set model.moe.router: sigmoid, or bias_balancing: false")
+        self._check_groups()
         return self
+
+    def _check_groups(self) -> None:
+        """groups, top_groups and gate_scale are router sigmoid's; groups divide the experts, and the chosen groups
+        hold at least top_k experts."""
+        for name in ("groups", "top_groups", "gate_scale"):
+            if getattr(self, name) != MoEConfig.model_fields[name].default and self.router != "sigmoid":
+                raise SpecError(f"model.moe.{name}", getattr(self, name), f"is read by router: sigmoid only, not "
+                                f"{self.router}", f"set model.moe.router: sigmoid, or remove model.moe.{name}")
+        if self.experts % self.groups:
+            raise SpecError("model.moe.groups", self.groups, f"does not divide model.moe.experts={self.experts}",
+                            f"pick groups from {', '.join(map(str, _divisors(self.experts)))}")
+        top = self.top_groups or self.groups
+        if top > self.groups or top * (self.experts // self.groups) < self.k:
+            raise SpecError("model.moe.top_groups", self.top_groups, f"must be at most groups={self.groups} and "
+                            f"hold at least top_k={self.k} experts ({self.experts // self.groups} per group)",
+                            "raise top_groups (or lower top_k)")
 
     @model_validator(mode="after")
     def _check_hierarchy(self) -> MoESpec:

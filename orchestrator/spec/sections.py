@@ -197,7 +197,7 @@ class PlanSpec(_Section):
     """What `raymesh plan --nodes N` prices layouts with: the GPU type's defaults (orchestrator/planning/
     time_model.py GPUS), overridable; bandwidths in GB/s per GPU and direction."""
 
-    gpu: Literal["A100", "H100", "H200"] = "H100"
+    gpu: Literal["A100", "H100", "H200", "H800"] = "H100"
     efficiency: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5  # share of peak FLOP/s the model reaches
     intra_node_gbps: Annotated[float, Field(gt=0, le=1_000_000)] | None = None  # NVLink; default per GPU type
     # InfiniBand share per GPU; default per GPU type

@@ -17,7 +17,10 @@ from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import reference_run
 
 STEPS = 3
-LAYOUTS = {"ep2": {"dp": 2, "ep": 2}, "dp2-zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+LAYOUTS = {"ep2": {"dp": 2, "ep": 2}, "dp2-zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2},
+           # transformers' balance loss pooled over the layers (model.moe.balance_loss), as the example runs it and
+           # under ZeRO-3, whose resharded routers the pooled loss reaches from the last MoE layer
+           "pooled-ep2-zero2": {"dp": 2, "ep": 2, "zero": 2}, "pooled-dp2-zero3": {"dp": 2, "zero": 3}}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,9 @@ def cases(token_data, tmp_path_factory):
     # the tiny job's shape (d_ff 64: the dense layers' intermediate_size), 8 experts 24 wide, top-2
     src = save_hf_family(root / "qwen3_moe", "qwen3_moe", intermediate_size=64)
     return {name: tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"},
-                            model={"init_from": str(src)}, train={"steps": STEPS})
+                            model={"init_from": str(src), **({"moe": {"balance_loss": "pooled", "aux_loss_weight": 0.1}}
+                                                             if name.startswith("pooled") else {})},
+                            train={"steps": STEPS})
             for name, parallel in LAYOUTS.items()}
 
 

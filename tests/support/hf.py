@@ -157,3 +157,18 @@ def assert_first_step_then_reference(run, spec, hf_dir, steps: int) -> None:
     losses, grad_norms = reference_run(spec, steps)
     assert run.losses == pytest.approx(losses, rel=1e-4)
     assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
+def save_hf_deepseek(directory: Path, config: dict) -> tuple:
+    """A tiny random ``DeepseekV3ForCausalLM`` of ``config`` (std 0.1, the routers' balancing biases drawn too, so
+    they steer routing), saved to ``directory``; returns (model, directory)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**config)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.05, 0.05)
+    model.save_pretrained(directory)
+    return model, Path(directory)

@@ -288,3 +288,12 @@ def reference_bf16_fsdp(spec: JobSpec, steps: int) -> tuple[list[float], list[fl
         opt.zero_grad()
         losses.append(sum(rank_losses) / dp)
     return losses, norms
+
+
+def assert_follows_reference(run, spec: JobSpec, steps: int, rel: float = 1e-4) -> None:
+    """A layout's ``run`` (``parity_harness.LayoutRun``) reports the reference's losses and gradient norms."""
+    import pytest
+
+    losses, grad_norms = reference_run(spec, steps)
+    assert run.losses == pytest.approx(losses, rel=rel)
+    assert run.grad_norms == pytest.approx(grad_norms, rel=rel)

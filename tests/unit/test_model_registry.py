@@ -28,7 +28,8 @@ def test_gpt_is_registered_and_builds_from_its_config():
 
 
 def test_unknown_arch_names_the_field_and_the_registered_families():
-    with pytest.raises(ValueError, match=r"model.arch 'mamba' is not a registered model family; pick one of \['gpt'"):
+    with pytest.raises(ValueError, match=r"model.arch 'mamba' is not a registered model family; pick one of "
+                                         r"\['deepseek_v3', 'gpt'"):
         family("mamba")
 
 

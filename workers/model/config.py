@@ -32,6 +32,10 @@ class RopeScaling(BaseModel):
 # fields only the Llama family reads; a GPT job setting one is refused rather than silently ignoring it
 LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_dim_multiplier", "tie_embeddings",
               "pad_token_id", "head_dim", "qkv_bias", "qk_norm", "hf_model_type", "sliding_window")
+# fields only the DeepSeek-V3 family reads (and the Llama ones it does not: it has no grouped K/V heads, no head_dim)
+DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dense_layers")
+DEEPSEEK_UNREAD = ("n_kv_heads", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "hf_model_type", "multiple_of",
+                   "ffn_dim_multiplier", "pad_token_id", "sliding_window")
 # the Hugging Face families raymesh's one Llama implementation reads and writes (workers.model.hf_io.FAMILIES)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 # the mixture-of-experts ones among them: their checkpoints need ``model.moe`` (router topk, no shared experts)
@@ -51,7 +55,7 @@ def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> i
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice", "hierarchical")
+ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice", "hierarchical", "sigmoid")
 # routers whose paper fixes k: GShard routes to two experts, Switch to one (model.moe.top_k must agree)
 ROUTER_TOP_K = {"gshard": 2, "switch": 1}
 
@@ -99,6 +103,19 @@ class MoEConfig(BaseModel):
     ec_iterations: Annotated[int, Field(ge=1, le=10000, description="the capped expert choice's Dykstra cycles "
                                         "per routing group and forward (200 at λ 0.05 settle the picks of "
                                         "groups of 32-128 tokens over 4-8 experts)")] = 200
+    groups: PositiveInt = Field(1, description="router sigmoid (DeepSeek-V3's n_group): the experts in this many "
+                                "equal groups; a token picks its experts from its top_groups best groups only "
+                                "(a group scores the sum of its two best biased scores). Must divide experts.")
+    top_groups: PositiveInt | None = Field(None, description="router sigmoid (DeepSeek-V3's topk_group): how many "
+                                           "groups a token's experts come from; null: all groups.")
+    gate_scale: PositiveFloat = Field(1.0, description="router sigmoid (DeepSeek-V3's routed_scaling_factor): the "
+                                      "chosen experts' gates, after norm_topk, times this.")
+    balance_loss: Literal["per_layer", "pooled"] = Field(
+        "per_layer", description="How router topk's balance loss (weight aux_loss_weight) is formed. per_layer: "
+        "E * sum_i f_i * P_i for each MoE layer, summed over layers (raymesh's). pooled: f and P averaged over all "
+        "MoE layers first, then one product (transformers' load_balancing_loss_func, Mixtral and Qwen3-MoE, so a "
+        "checkpoint's router_aux_loss_coef weighs the loss it was chosen for; needs parallel.pp 1). Read by "
+        "workers.model.moe.BalancePool.")
 
     @property
     def k(self) -> int:
@@ -130,7 +147,7 @@ class ModelConfig(BaseModel):
     init_std: PositiveFloat = 0.02
     # the model family (see workers.model.registry); "hf" is any other Hugging Face causal LM, which only
     # model.init_from sets (workers.model.hf_any)
-    arch: Literal["gpt", "llama", "hf"] = "gpt"
+    arch: Literal["gpt", "llama", "deepseek_v3", "hf"] = "gpt"
     # Llama-family fields (``LLAMA_ONLY``: a gpt refuses them, see orchestrator.spec.model)
     n_kv_heads: PositiveInt | None = None  # grouped-query attention: K/V heads (null: n_heads, plain multi-head)
     rope_theta: PositiveFloat = 10000.0  # rotary base
@@ -157,18 +174,42 @@ class ModelConfig(BaseModel):
     hf_config: dict[str, Any] | None = Field(
         default=None, description="model.arch hf only: the config.json of model.init_from, which transformers "
         "builds the model from (workers.model.hf_any); filled in by model.init_from, not written by hand")
+    # DeepSeek-V3's fields (``DEEPSEEK_ONLY``: another arch refuses them; workers.model.deepseek reads them)
+    q_lora_rank: PositiveInt | None = Field(None, description="deepseek_v3 MLA: the query's low-rank width (null: "
+                                            "one full d_model -> heads x (nope + rope) projection)")
+    kv_lora_rank: PositiveInt = Field(32, description="deepseek_v3 MLA: the compressed key/value latent's width")
+    qk_nope_head_dim: PositiveInt = Field(16, description="deepseek_v3 MLA: per-head query/key channels without "
+                                          "rotary")
+    qk_rope_head_dim: PositiveInt = Field(8, description="deepseek_v3 MLA: per-head query channels with rotary, and "
+                                          "the width of the one rotary key every head shares (even)")
+    v_head_dim: PositiveInt = Field(16, description="deepseek_v3 MLA: per-head value channels")
+    dense_layers: int = Field(1, ge=0, description="deepseek_v3: the first blocks keep a dense SwiGLU feed-forward "
+                              "(d_ff wide), the rest are MoE (transformers' first_k_dense_replace)")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (global index) has the MoE feed-forward: every ``moe.every``-th block,
-        counting from the ``every``-th (``every: 2`` gives blocks 1, 3, 5, ...: GShard's every other layer)."""
+        counting from the ``every``-th (``every: 2`` gives blocks 1, 3, 5, ...: GShard's every other layer);
+        DeepSeek-V3: every block from ``dense_layers`` on."""
+        if self.moe is not None and self.arch == "deepseek_v3":
+            return layer >= self.dense_layers
         return self.moe is not None and layer % self.moe.every == self.moe.every - 1
 
     @property
+    def mla_params(self) -> int:
+        """One DeepSeek-V3 attention's parameters (its matrices and the two latent norms)."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = (self.d_model * self.n_heads * qk if self.q_lora_rank is None
+             else self.q_lora_rank * (self.d_model + 1 + self.n_heads * qk))
+        kv = (self.d_model * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+              + self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        return q + kv + self.n_heads * self.v_head_dim * self.d_model
+
+    @property
     def ffn_dim(self) -> int:
-        """Feed-forward width; `d_ff` when given, else 4 * d_model (GPT) or Llama's SwiGLU rule."""
+        """Feed-forward width; `d_ff` when given, else 4 * d_model (GPT) or Llama's SwiGLU rule (DeepSeek-V3's too)."""
         if self.d_ff is not None:
             return self.d_ff
-        if self.arch == "llama":
+        if self.arch in ("llama", "deepseek_v3"):
             return swiglu_hidden(self.d_model, self.multiple_of, self.ffn_dim_multiplier)
         return 4 * self.d_model
 

@@ -24,7 +24,7 @@ from workers.model.attention_blocks import blockwise_attention
 from workers.model.config import ModelConfig
 from workers.model.documents import Documents
 from workers.model.meta_init import fill
-from workers.model.moe import MoELayer, moe_parameter
+from workers.model.moe import MoELayer, moe_parameter, share_balance_pool
 from workers.model.registry import ModelFamily, register
 
 
@@ -165,6 +165,7 @@ class GPT(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.context_shard = None  # positions of the tokens this rank holds under cp (see token_positions)
         self.documents: Documents | None = None  # under the document mask, per microbatch (``learned_positions``)
+        share_balance_pool(self)  # model.moe.balance_loss: pooled
         if not self.layers["0"].attention.wq.weight.is_meta:
             self.init_weights()
 

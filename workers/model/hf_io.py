@@ -28,12 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.model import deepseek
 from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, ModelConfig
 from workers.model.hf_moe import ROUTER_BIAS, STACK, expert_name, moe_config, moe_fields, router_name
 from workers.model.moe import Experts
 from workers.model.names import plain_name
 
 CONFIG = "config.json"
+DEEPSEEK = "deepseek_v3"  # model_type of DeepseekV3ForCausalLM: its own names and config (workers.model.deepseek)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -55,6 +57,8 @@ def hf_name(name: str, kind: str = "llama") -> str:
     ``model.layers.3.self_attn.q_proj.weight``, the same in all ``FAMILIES`` but an MoE router's); wrapper prefixes
     are dropped. An expert stack is several tensors: ``hf_tensors``, ``hf_moe.expert_name``."""
     name = plain_name(name)
+    if kind == DEEPSEEK:
+        return deepseek.hf_name(name)
     if name in _ENDS:
         return _ENDS[name]
     router = router_name(name, kind)
@@ -69,11 +73,41 @@ def hf_name(name: str, kind: str = "llama") -> str:
 # -- config.json ------------------------------------------------------------------------------------------------
 
 def read_config(directory: str | Path) -> dict[str, Any]:
+    """``config.json`` of a Hugging Face directory, the keys it leaves out filled with its family's defaults
+    (``with_family_defaults``), so the spec, the loader and an export all read the model ``transformers`` builds."""
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise ValueError(f"model.init_from {str(directory)!r} has no {CONFIG}; point it at a Hugging Face model "
                          "directory (config.json and *.safetensors, as save_pretrained writes)")
-    return json.loads(path.read_text())
+    return with_family_defaults(json.loads(path.read_text()))
+
+
+# transformers' (5.x) config-class defaults (``LlamaConfig``, ``MistralConfig``, ...) of the optional keys raymesh
+# reads, per family: a config.json leaving one out builds that value in transformers, never Llama's. Written out
+# here because a rank needs no transformers; tests/unit/test_hf_defaults.py checks them against the classes.
+_SHARED_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+                    "attention_dropout": 0.0, "num_key_value_heads": None, "head_dim": None, "pad_token_id": None}
+_QWEN_WINDOW = {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28}
+FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, **_QWEN_WINDOW},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128, **_QWEN_WINDOW},
+    # Qwen3MoeConfig saves num_experts as num_local_experts (its attribute_map); hf_moe reads either
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
+                  "use_sliding_window": False, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "num_local_experts": 128},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072, "num_key_value_heads": 8,
+                "sliding_window": None, "num_local_experts": 8, "router_jitter_noise": 0.0},
+}
+
+
+def with_family_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` with the optional keys it leaves out set to its ``model_type``'s ``transformers`` defaults
+    (``FAMILY_DEFAULTS``); a key given, even as null, is kept (transformers derives a null one as raymesh does). An
+    unknown family is returned as it is (``config_fields`` refuses it by name)."""
+    defaults = FAMILY_DEFAULTS.get(hf.get("model_type"))
+    return hf if defaults is None else {**_SHARED_DEFAULTS, **defaults, **hf}
 
 
 @dataclass(frozen=True)
@@ -113,10 +147,14 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
     Raises ``ValueError`` naming the config key for what raymesh's Llama cannot represent."""
     kind = hf.get("model_type")
+    if kind == DEEPSEEK:
+        return deepseek.config_fields(hf)
     if kind not in FAMILIES:
         raise ValueError(f"config.json model_type {kind!r} is not supported; raymesh reads Hugging Face "
                          f"{', '.join(repr(k) for k in FAMILIES)} checkpoints "
-                         f"({', '.join(f.architecture for f in FAMILIES.values())})")
+                         f"({', '.join(f.architecture for f in FAMILIES.values())}), and 'deepseek_v3' "
+                         "(DeepseekV3ForCausalLM, model.arch deepseek_v3)")
+    hf = with_family_defaults(hf)
     _check_sizes(hf)
     _check_unsupported(hf)
     heads = hf["num_attention_heads"]
@@ -124,8 +162,8 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         "arch": "llama", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
         "n_layers": hf["num_hidden_layers"], "n_heads": heads,
-        "n_kv_heads": hf.get("num_key_value_heads") or heads, "head_dim": _head_dim(hf),
-        "d_ff": hf["intermediate_size"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "n_kv_heads": hf["num_key_value_heads"] or heads, "head_dim": _head_dim(hf),
+        "d_ff": hf["intermediate_size"], "norm_eps": hf["rms_norm_eps"],
         "rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "positions": "rotary",
         "pad_token_id": hf.get("pad_token_id"), "hf_model_type": kind, **FAMILIES[kind].fields,
@@ -181,9 +219,6 @@ def _check_unsupported(hf: dict[str, Any]) -> None:
                          "0.0 in config.json to fine-tune without it")
 
 
-# transformers' Qwen2/Qwen3 defaults for the sliding-window keys a config.json may leave out
-DEFAULT_WINDOW = 4096
-DEFAULT_MAX_WINDOW_LAYERS = 28
 # the families whose ``sliding_window`` applies whenever it is set (no ``use_sliding_window`` switch)
 WINDOWED_ALWAYS = ("mistral", "mixtral")
 
@@ -194,21 +229,23 @@ def sliding_window(hf: dict[str, Any]) -> int | None:
     ``use_sliding_window: true``, and then (Qwen2/Qwen3) only if some layer is a ``sliding_attention`` one
     (``layer_types``, else the layers from ``max_window_layers`` on, as Qwen2Config/Qwen3Config derive them);
     Qwen3-MoE windows every layer."""
+    hf = with_family_defaults(hf)
     kind = hf.get("model_type")
     if kind in WINDOWED_ALWAYS:
         return hf.get("sliding_window")
     if kind not in ("qwen2", "qwen3", "qwen3_moe") or not hf.get("use_sliding_window"):
         return None
     if kind == "qwen3_moe":
-        return hf.get("sliding_window", DEFAULT_WINDOW)
-    return hf.get("sliding_window", DEFAULT_WINDOW) if "sliding_attention" in _layer_types(hf) else None
+        return hf["sliding_window"]
+    return hf["sliding_window"] if "sliding_attention" in _layer_types(hf) else None
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:
     """Each layer's attention in a Qwen2/Qwen3 config.json: ``layer_types``, else ``sliding_attention`` from
     ``max_window_layers`` on, as Qwen2Config/Qwen3Config derive them."""
-    return hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
-                                     else "full_attention" for i in range(hf["num_hidden_layers"])]
+    hf = with_family_defaults(hf)
+    return hf.get("layer_types") or ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention"
+                                     for i in range(hf["num_hidden_layers"])]
 
 
 def uniform_window(hf: dict[str, Any]) -> int | None:
@@ -235,26 +272,22 @@ def check_sliding_window(hf: dict[str, Any], seq_len: int) -> None:
                          f"most {window}, or window every layer (layer_types all sliding_attention)")
 
 
-# transformers' LlamaConfig defaults for keys a config.json may leave out
-DEFAULT_THETA = 10000.0
-DEFAULT_MAX_POSITIONS = 2048
-
-
 def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     """The rotary settings ``transformers`` resolves from ``config.json`` (v5,
     ``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``), so the same file gives the same model: a v4
     ``rope_scaling`` replaces ``rope_parameters`` whole; a ``rope_theta`` missing there comes from the top level,
-    else 10000; a scaled type missing ``original_max_position_embeddings`` takes ``max_position_embeddings``."""
+    else the family's default (``FAMILY_DEFAULTS``: Mixtral's 1e6); a scaled type missing
+    ``original_max_position_embeddings`` takes ``max_position_embeddings``."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     given = hf.get(key) or {}
     if not isinstance(given, dict):
         raise ValueError(f"config.json {key} {given!r} is not an object of rotary settings; write it as "
                          '{"rope_type": ..., ...} (as transformers saves it), or null for plain rotary positions')
     rope = dict(given)
-    rope.setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA))
+    rope.setdefault("rope_theta", hf["rope_theta"])
     rope.setdefault("rope_type", rope.get("type", "default"))
     if rope["rope_type"] == "llama3":
-        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+        rope.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
     return rope
 
 
@@ -399,8 +432,12 @@ def _reads(model: nn.Module, reader: _Reader):
     kind, stacks = read_config(reader.directory).get("model_type"), _expert_stacks(model)
     # a model.arch hf model keeps transformers' own names (workers.model.hf_any); raymesh's Llama maps its own
     key_of = getattr(model, "hf_key", None) or (lambda name: hf_name(name, kind))
+    if kind == DEEPSEEK:
+        yield from _deepseek_extras(model, reader)
     for name, param in model.named_parameters():
         local, box = local_box(param)
+        if kind == DEEPSEEK and SHARED.fullmatch(plain_name(name)):
+            continue  # read whole by _deepseek_extras
         if name not in stacks:
             key = key_of(name)
             source = reader.slice(key, name, param.shape)
@@ -471,6 +508,28 @@ def _check_untied_head(reader: _Reader, model: nn.Module) -> None:
                          f"is the model's own, or remove {HEAD} from the files if the embedding is")
 
 
+SHARED = re.compile(r"layers\.(\d+)\.feed_forward\.shared\.(w[123])")
+
+
+def _deepseek_extras(model: nn.Module, reader: _Reader):
+    """A DeepseekV3 checkpoint's tensors that are no parameter's box: each MoE layer's shared-experts MLP (one
+    Linear per matrix on disk, a stack [n, a, b] here, read whole: it is replicated) and the routers' balancing
+    bias (``e_score_correction_bias``, a buffer)."""
+    for name, param in model.named_parameters():
+        if SHARED.fullmatch(plain_name(name)):
+            local, box = local_box(param)
+            plain = plain_name(name)
+            key = deepseek.shared_key(plain)
+            source = reader.slice(key, name, deepseek.shared_shape(tuple(param.shape), plain))
+            yield key, local, lambda source=source, plain=plain, box=tuple(box), n=param.shape[0]: (
+                deepseek.shared_stack(source[:], plain, n)[box])
+    for name, buffer in model.named_buffers():
+        if ROUTER_BIAS.fullmatch(plain_name(name)):
+            key = hf_name(name, DEEPSEEK)
+            source = reader.slice(key, name, buffer.shape)
+            yield key, buffer, lambda source=source: source[:]
+
+
 def _expert_stacks(model: nn.Module) -> dict[str, int]:
     """Each expert stack's parameter name in ``model`` -> the global id of its first row (``Experts.first``)."""
     return {f"{prefix}.{name}": module.first for prefix, module in model.named_modules()
@@ -506,10 +565,15 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
     cfg = written_config(state, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {key: value for name, tensor in written_weights(state, cfg)
-               for key, value in hf_tensors(name, tensor.detach().cpu(), cfg.hf_model_type).items()}
+    if cfg.arch == DEEPSEEK:  # its names and its balancing bias (a checkpoint tensor there): workers.model.deepseek
+        plain = {plain_name(k): v.detach().cpu() for k, v in state.items()
+                 if not (cfg.tie_embeddings and plain_name(k) == "output.weight")}
+        tensors, config = deepseek.to_hf_state(plain), deepseek.hf_config(cfg)
+    else:
+        tensors = {key: value for name, tensor in written_weights(state, cfg)
+                   for key, value in hf_tensors(name, tensor.detach().cpu(), cfg.hf_model_type).items()}
+        config = hf_config(cfg)
     save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
-    config = hf_config(cfg)
     if source is not None:
         config = carried_config(config, read_config(source), cfg.seq_len)
         for name in SIDE_FILES:

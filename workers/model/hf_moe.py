@@ -13,9 +13,11 @@ weights, ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (Mixtra
 stacks them: ``w1``/``w3`` [E, d, h] hold expert e's gate/up weights transposed, ``w2`` [E, h, d] its down one.
 
 Not mapped: ``router_aux_loss_coef``. transformers' balance loss (only with ``output_router_logits``) is one
-E * sum_e f_e * P_e over the tokens of all layers pooled; raymesh's topk loss is that product per layer and per
-routing group, summed over layers, so the same weight would not weigh the same loss. The job's
-``model.moe.aux_loss_weight`` applies (the export carries the source's key along, ``hf_io.AUX_LOSS_KEYS``).
+E * sum_e f_e * P_e over the tokens of all layers pooled; raymesh's default topk loss is that product per layer
+and per routing group, summed over layers, so the same weight would not weigh the same loss. The job's
+``model.moe.aux_loss_weight`` applies; with ``model.moe.balance_loss: pooled`` (``moe.BalancePool``) the loss is
+transformers' and the checkpoint's coefficient can be given as that weight (the export carries the source's key
+along, ``hf_io.AUX_LOSS_KEYS``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class HfExperts:
 EXPERT_NAMES = {
     "qwen3_moe": HfExperts("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "mixtral": HfExperts("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+    "deepseek_v3": HfExperts("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
 
 ROUTER = re.compile(r"layers\.(\d+)\.feed_forward\.router\.weight")

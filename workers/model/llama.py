@@ -23,7 +23,7 @@ from torch import nn
 
 from workers.model.config import ModelConfig
 from workers.model.gpt import GPT, CausalCore, RMSNorm, token_positions
-from workers.model.moe import MoELayer
+from workers.model.moe import MoELayer, share_balance_pool
 from workers.model.registry import ModelFamily, register
 
 
@@ -142,6 +142,7 @@ class Llama(GPT):
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        share_balance_pool(self)  # model.moe.balance_loss: pooled
         if not self.layers["0"].attention.wq.weight.is_meta:
             self.init_weights()  # GPT's: every parameter from init_parameter, seeded by (seed, name)
 

@@ -53,6 +53,9 @@ class Routing:
     losses: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted auxiliary losses (added to the loss)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # detached: tokens_per_expert [E], dropped, ...
     token_keys: torch.Tensor | None = None  # int64 [T]: each token's dropout key (``SequenceNoise.token_keys``)
+    # ``balance_loss: pooled``: the group's [G, E] choice fractions f (detached) and mean probabilities P, pooled
+    # with the other layers' by ``BalancePool`` instead of a per-layer balance loss
+    pooled: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # -- experts ---------------------------------------------------------------------------------------------------
@@ -308,12 +311,77 @@ class Router(nn.Module):
         return Routing(token[kept], expert, gates[kept], losses, stats)
 
 
+def choice_fractions(chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """[G, E]: the fraction of each group's tokens that chose expert i among their k (``chosen``: [G, n, k])."""
+    return F.one_hot(chosen, experts).sum(2).float().mean(1)
+
+
 def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, weight: float) -> torch.Tensor:
     """Switch's α·E·Σ_i f_i·P_i per group, averaged over groups: f_i the fraction of the group's tokens that
     chose expert i (among their k), P_i the mean router probability of i. ``chosen``: [G, n, k] expert ids."""
     experts = probs.shape[-1]
-    f = F.one_hot(chosen, experts).sum(2).float().mean(1)  # [G, E]
-    return weight * experts * (f * probs.mean(1)).sum(-1).mean()
+    return weight * experts * (choice_fractions(chosen, experts) * probs.mean(1)).sum(-1).mean()
+
+
+class BalancePool:
+    """``model.moe.balance_loss: pooled``: the balance loss of ``transformers``' ``load_balancing_loss_func``
+    (Mixtral, Qwen3-MoE), α·E·Σ_i F_i·P̄_i with F and P̄ the choice fractions and mean probabilities averaged over
+    *all* MoE layers before their product, where raymesh's per-layer loss sums one product per layer.
+
+    One pool is shared by a model's MoE layers (``share_balance_pool``). Each layer adds its [G, E] f (detached)
+    and P (in the graph) as it runs; the model's last MoE layer forms the loss from all of them and attaches it to
+    its own output, so the backward reaches every layer's router through its P. Per routing group, averaged over
+    the groups (``group: microbatch`` over one forward is exactly transformers' figure). Needs every MoE layer in
+    one process: a pipeline stage holding the last MoE layer without the others is refused here (and by the spec).
+    """
+
+    def __init__(self, layers: list[int], weight: float):
+        self.layers, self.weight = layers, weight
+        self.parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, layer: int, f: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | None:
+        """Keep layer ``layer``'s f and P for this forward; at the model's last MoE layer, the pooled loss."""
+        if layer == self.layers[0]:
+            self.parts = {}
+        self.parts[layer] = (f, probs)
+        if layer != self.layers[-1]:
+            return None
+        missing = sorted(set(self.layers) - set(self.parts))
+        if missing:
+            raise RuntimeError(f"model.moe.balance_loss: pooled needs every MoE layer's routing in this process, "
+                               f"and layers {missing} ran elsewhere (a pipeline stage); set model.moe.balance_loss: "
+                               "per_layer under parallel.pp > 1")
+        fractions = torch.stack([f for f, _ in self.parts.values()]).mean(0)
+        probs = [p for _, p in self.parts.values()]
+        self.parts = {}
+        return PooledBalance.apply(self.weight, fractions, *probs)
+
+
+class PooledBalance(torch.autograd.Function):
+    """α·E·mean_g Σ_i F_gi·mean_l P_lgi from the pooled fractions F (constants) and each layer's P; its gradient to
+    P_l is α·E·F / (L·G) whatever P is, so nothing is saved for backward: the layer that forms it may sit in a
+    recomputed block, whose recompute must save what its forward saved (and it does not form the loss again)."""
+
+    @staticmethod
+    def forward(ctx, weight: float, fractions: torch.Tensor, *probs: torch.Tensor) -> torch.Tensor:
+        experts, groups = fractions.shape[-1], fractions.shape[0]
+        ctx.grad = fractions * (weight * experts / (len(probs) * groups))  # an attribute: no saved-tensor hooks
+        return weight * experts * (fractions * torch.stack(probs).mean(0)).sum(-1).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None, None, *[grad * ctx.grad] * (len(ctx.needs_input_grad) - 2))
+
+
+def share_balance_pool(model: nn.Module) -> None:
+    """Give ``model``'s MoE layers one ``BalancePool`` when its config asks for the pooled balance loss."""
+    layers = {sub.layer: sub for sub in model.modules() if isinstance(sub, MoELayer)}
+    moe = next(iter(layers.values())).cfg if layers else None
+    if moe is None or moe.balance_loss != "pooled" or moe.aux_loss_weight == 0:
+        return
+    pool = BalancePool(sorted(layers), moe.aux_loss_weight)
+    for layer in layers.values():
+        layer.pool = pool
 
 
 class TopKRouter(Router):
@@ -337,16 +405,53 @@ class TopKRouter(Router):
         gates = probs.gather(-1, choices)
         if self.cfg.norm_topk:
             gates = gates / gates.sum(-1, keepdim=True)
-        losses = {}
-        if self.cfg.aux_loss_weight > 0:
+        losses, pooled = {}, None
+        if self.cfg.aux_loss_weight > 0 and self.cfg.balance_loss == "pooled":
+            pooled = (choice_fractions(choices, self.cfg.experts), probs.mean(1))
+        elif self.cfg.aux_loss_weight > 0:
             losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight)
-        return self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
+        routing = self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
+        routing.pooled = pooled
+        return routing
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
         """bias_i += rate * sign(mean load - load_i): underloaded experts become likelier picks."""
         if self.cfg.bias_balancing:
             self.bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load).to(self.bias)
+
+
+class SigmoidRouter(TopKRouter):
+    """DeepSeek-V3: scores sigmoid(x W_g); the choice adds the balancing ``bias`` (``bias_balancing``, moved by
+    load after each step, never by gradient) and, with ``groups`` > 1, keeps only each token's ``top_groups`` best
+    groups of experts (a group scores the sum of its two best biased scores); gates are the unbiased scores of
+    the k chosen, renormalised (``norm_topk``) and times ``gate_scale``. Dropless. Its balance loss is the paper's
+    sequence-wise one, w·Σ_i f_i·P_i with f_i = E/(k·n)·(tokens choosing i), P_i the mean of the scores
+    normalised per token (the paper's α is tiny: the bias does the balancing)."""
+
+    def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
+        scores = logits.sigmoid()
+        choices = self.group_limited(scores + self.bias).topk(self.cfg.k, -1).indices
+        gates = scores.gather(-1, choices)
+        if self.cfg.norm_topk:
+            gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+        losses = {}
+        if self.cfg.aux_loss_weight > 0:
+            f = choice_fractions(choices, self.cfg.experts) * self.cfg.experts / self.cfg.k
+            p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+            losses["balance"] = self.cfg.aux_loss_weight * (f * p).sum(-1).mean()
+        return self.token_choice(choices, gates * self.cfg.gate_scale, torch.ones_like(choices, dtype=torch.bool),
+                                 None, losses)
+
+    def group_limited(self, biased: torch.Tensor) -> torch.Tensor:
+        """``biased`` [G, n, E] with the experts outside each token's ``top_groups`` best groups at -inf."""
+        groups, top = self.cfg.groups, self.cfg.top_groups or self.cfg.groups
+        if groups == 1 or top >= groups:
+            return biased
+        grouped = biased.unflatten(-1, (groups, -1))
+        best = grouped.topk(min(2, grouped.shape[-1]), -1).values.sum(-1).topk(top, -1).indices
+        kept = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=biased.device).scatter(-1, best, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), -math.inf).flatten(-2)
 
 
 class NoisyTopKRouter(Router):
@@ -500,7 +605,7 @@ class HierarchicalRouter(Router):
 
 ROUTER_CLASSES: dict[str, type[Router]] = {
     "topk": TopKRouter, "noisy_topk": NoisyTopKRouter, "gshard": GShardRouter, "switch": SwitchRouter,
-    "expert_choice": ExpertChoiceRouter, "hierarchical": HierarchicalRouter,
+    "expert_choice": ExpertChoiceRouter, "hierarchical": HierarchicalRouter, "sigmoid": SigmoidRouter,
 }
 
 
@@ -513,14 +618,14 @@ class AuxLossGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(aux)
-        ctx.scale = scale
+        # aux's shape, not aux: nothing saved, so a recompute that forms no pooled balance loss saves as much
+        ctx.aux, ctx.scale = (aux.shape, aux.dtype, aux.device), scale
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        shape, dtype, device = ctx.aux
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
 @dataclass
@@ -547,6 +652,7 @@ class MoELayer(nn.Module):
         self.shared = SharedExperts(moe.shared_experts, cfg.d_model, hidden, swiglu, 0.0) if moe.shared_experts \
             else None
         self.dispatcher = LocalDispatcher()
+        self.pool: BalancePool | None = None  # shared with the model's other MoE layers (``share_balance_pool``)
         self.context = StepContext()
         self.tally: dict[str, torch.Tensor] = {}
         # set by the pipeline stage holding this layer (``workers.parallel.pipeline``): the schedule's microbatch
@@ -563,6 +669,10 @@ class MoELayer(nn.Module):
         if self.experts.dropout > 0 and self.training:
             routing.token_keys = noise.token_keys(x.device)
         out = self.dispatcher(flat, routing, self.experts)
+        if routing.pooled is not None and self.pool is not None and not _in_backward():
+            pooled = self.pool.add(self.layer, *routing.pooled)
+            if pooled is not None:
+                routing.losses["balance"] = pooled
         if self.shared is not None:
             out = out + self.shared(flat)
         if routing.losses and torch.is_grad_enabled():

@@ -1,4 +1,4 @@
-"""``model.preset``: Llama shapes by name, apart from the model code (``workers.model.llama``).
+"""``model.preset``: Llama (and DeepSeek-V3) shapes by name, apart from the model code (``workers.model.llama``).
 
 Torch-free, so the job-file checks (``orchestrator.spec``) fill a preset in without importing torch.
 """
@@ -19,4 +19,15 @@ PRESETS: dict[str, dict] = {
                    "ffn_dim_multiplier": 1.3},
     "llama3-405b": {**_LLAMA3, "d_model": 16384, "n_layers": 126, "n_heads": 128, "multiple_of": 4096,
                     "ffn_dim_multiplier": 1.2},
+}
+
+# DeepSeek-V3 671B (DeepSeek-AI 2024, its config.json): 61 layers, the first 3 dense, 256 routed experts (8 a token
+# from 4 of 8 groups) and 1 shared, 2,048 wide, MLA with q/kv ranks 1,536/512; 671B parameters, 37B active. The MTP
+# module (another 14B) is not part of it (raymesh builds none).
+PRESETS["deepseek-v3-671b"] = {
+    "arch": "deepseek_v3", "vocab_size": 129280, "d_model": 7168, "n_layers": 61, "n_heads": 128, "d_ff": 18432,
+    "seq_len": 4096, "norm_eps": 1e-6, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "dense_layers": 3,
+    "moe": {"experts": 256, "top_k": 8, "router": "sigmoid", "groups": 8, "top_groups": 4, "gate_scale": 2.5,
+            "shared_experts": 1, "d_expert": 2048, "bias_balancing": True, "aux_loss_weight": 0.0001},
 }

@@ -15,12 +15,19 @@ if TYPE_CHECKING:
 def check_moe(job: JobSpec) -> None:
     """An MoE section that places no MoE layer."""
     moe, model = job.model.moe, job.model
+    if model.arch == "deepseek_v3" and job.parallel.tp > 1:
+        raise SpecError("parallel.tp", job.parallel.tp, "is not supported by model.arch: deepseek_v3 yet (its "
+                        "latent attention has no tensor-parallel plan)", "set parallel.tp: 1 (use ep, pp and dp)")
     if moe is None:
         return
     if moe.every > model.n_layers:
         raise SpecError("model.moe.every", moe.every, f"is more than model.n_layers={model.n_layers}, so no block "
                         "would get an MoE feed-forward", f"set model.moe.every to at most {model.n_layers} "
                         "(1: every block, 2: every other block)")
+    if moe.balance_loss == "pooled" and moe.aux_loss_weight > 0 and job.parallel.pp > 1:
+        raise SpecError("model.moe.balance_loss", "pooled", f"averages the routing of every MoE layer before one "
+                        f"product, and parallel.pp={job.parallel.pp} puts the layers in different stages",
+                        "set model.moe.balance_loss: per_layer (or aux_loss_weight: 0) under pipeline parallelism")
 
 
 def check_expert_parallel(job: JobSpec) -> None:

@@ -1,0 +1,67 @@
+"""DeepSeek-V3 (``model.arch: deepseek_v3``) trains as the single-process reference does where its experts and its
+layers are cut, without Ray (tests/support/parity_harness.py; fp32, CPU, 3 steps, 1e-4): expert parallelism over
+the sigmoid, group-limited router with the balancing bias (each rank moves the bias by the load summed over dp),
+ZeRO-3 over the expert stacks, and pipeline stages cut between the dense first layer and the MoE ones. Then a tiny
+random ``DeepseekV3ForCausalLM`` through ``model.init_from``: the first step's loss is transformers' to 1e-5 at one
+process, dp2 x ep2 and pp2, and the steps follow the reference. The model itself is checked against transformers
+in tests/unit/test_deepseek.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.hf import save_hf_deepseek, transformers_first_step
+from tests.support.jobs import tiny_spec
+from tests.support.parity_harness import ran, run_grouped
+from tests.support.reference import assert_follows_reference
+
+STEPS = 3
+MODEL = {"arch": "deepseek_v3", "d_model": 32, "n_heads": 4, "d_ff": 48, "q_lora_rank": 16, "kv_lora_rank": 12,
+         "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, "dense_layers": 1,
+         "moe": {"experts": 8, "top_k": 2, "router": "sigmoid", "groups": 4, "top_groups": 2, "gate_scale": 2.5,
+                 "shared_experts": 1, "d_expert": 16, "bias_balancing": True, "bias_update_rate": 0.01,
+                 "aux_loss_weight": 0.001}}
+LAYOUTS = {"dp2-ep2": ({"dp": 2, "ep": 2}, {}), "dp2-zero3": ({"dp": 2, "zero": 3}, {}),
+           "pp2": ({"pp": 2}, {"microbatches": 2}), "dp2-ep2-pp2": ({"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2})}
+
+
+# the tiny job's shape (4 layers, d_model 32, 4 heads, d_ff 64), MLA and 8 experts in 4 groups as MODEL's
+HF = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+      "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+      "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+      "max_position_embeddings": 64, "routed_scaling_factor": 2.5}
+HF_LAYOUTS = {"hf-one": ({}, {}), "hf-dp2-ep2": ({"dp": 2, "ep": 2}, {}), "hf-pp2": ({"pp": 2}, {"microbatches": 2})}
+
+
+@pytest.fixture(scope="module")
+def cases(token_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek-parity")
+    out = {name: tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"}, model=MODEL,
+                           train={"steps": STEPS, **train})
+           for name, (parallel, train) in LAYOUTS.items()}
+    _, src = save_hf_deepseek(root / "hf", HF)
+    for name, (parallel, train) in HF_LAYOUTS.items():  # the job's moe: its training settings (bias balancing)
+        out[name] = tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"},
+                              model={"init_from": str(src), "moe": {"bias_balancing": True, "aux_loss_weight": 0.0}},
+                              train={"steps": STEPS, **train})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(cases):
+    return run_grouped(cases)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_the_reference(name, cases, runs):
+    assert_follows_reference(ran(runs, name), cases[name], STEPS)
+
+
+@pytest.mark.parametrize("name", list(HF_LAYOUTS))
+def test_init_from_starts_at_transformers_loss_and_follows_the_reference(name, cases, runs):
+    run, spec = ran(runs, name), cases[name]
+    assert spec.model.arch == "deepseek_v3" and spec.model.moe.router == "sigmoid"
+    loss, _ = transformers_first_step(spec, spec.model.init_from)
+    assert run.losses[0] == pytest.approx(loss, abs=1e-5)
+    assert_follows_reference(run, spec, STEPS)

@@ -1,0 +1,290 @@
+"""DeepSeek-V3 (``model.arch: deepseek_v3``): multi-head latent attention, the first ``dense_layers`` blocks dense
+and the rest mixture-of-experts with sigmoid, group-limited routing (``model.moe.router: sigmoid``), the
+aux-loss-free balancing bias (``bias_balancing``) and shared experts; Hugging Face ``DeepseekV3ForCausalLM``
+weights in and out (``hf_state``, ``to_hf_state``, ``config_fields``, ``hf_config``).
+
+Multi-head latent attention (MLA): the query through a low-rank ``wq_a`` (d -> q_lora_rank), an RMSNorm and
+``wq_b`` (-> heads x (nope + rope)); keys and values from one compressed latent: ``wkv_a`` gives kv_lora_rank
+channels (normed, then ``wkv_b`` -> heads x (nope + v)) and one rotary key of ``qk_rope_head_dim`` shared by all
+heads (the "decoupled" rotary key). Only the latent and that key need caching at inference (kv_lora_rank +
+rope channels per token instead of 2 x heads x head_dim); this module computes the expanded form, which is what
+training runs. Rotary pairs are interleaved (channels 2i, 2i+1), as DeepSeek's checkpoints lay them out.
+
+Not built: multi-token prediction heads (``transformers`` builds none and drops a checkpoint's), tensor
+parallelism of MLA (no ``tensor_parallel`` hook: the builder refuses tp > 1 naming it), yarn rotary scaling.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import ModelConfig
+from workers.model.gpt import GPT, RMSNorm, token_positions
+from workers.model.llama import SwiGLU
+from workers.model.moe import MoELayer, share_balance_pool
+from workers.model.registry import ModelFamily, register
+
+LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which the q and kv latent norms keep
+
+
+def rotary_interleaved(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of ``x`` [batch, heads, seq, r] by frequency i; the result lists the pairs'
+    first halves then their second halves (transformers' ``apply_rotary_pos_emb_interleave``: the same permutation
+    on queries and keys, so their products are the interleaved rotation's)."""
+    r = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, device=x.device, dtype=torch.float32) / r))
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., 0::2], x[..., 1::2]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (see the module docstring); causal, scaled by 1/sqrt(nope + rope)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg, heads = cfg, cfg.n_heads
+        self.qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            self.wq = nn.Linear(cfg.d_model, heads * self.qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, heads * self.qk_dim, bias=False)
+        self.wkv_a = nn.Linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.wo = nn.Linear(heads * cfg.v_head_dim, cfg.d_model, bias=False)
+        self.context_shard = None  # cp is refused for this family; positions are 0..seq-1
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, d] -> [b, s, heads x (nope + rope)], through the low-rank path when there is one."""
+        if self.cfg.q_lora_rank is None:
+            return self.wq(x)
+        return self.wq_b(self.q_norm(self.wq_a(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        cfg = self.cfg
+        nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q = self.query(x).view(b, s, -1, self.qk_dim).transpose(1, 2)
+        latent, k_rot = self.wkv_a(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, nope + cfg.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+        positions = token_positions(self.context_shard, s, x.device)
+        q_nope, q_rot = q.split([nope, rope], dim=-1)
+        q_rot = rotary_interleaved(q_rot, cfg.rope_theta, positions)
+        k_rot = rotary_interleaved(k_rot.view(b, 1, s, rope), cfg.rope_theta, positions).expand(-1, q.shape[1], -1, -1)
+        q, k = torch.cat((q_nope, q_rot), dim=-1), torch.cat((k_nope, k_rot), dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(self.qk_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DeepseekBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = LatentAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = MoELayer(cfg, layer, swiglu=True) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class DeepseekV3(GPT):
+    """The DeepSeek-V3 decoder: GPT's forward (embed, blocks, norm, head) over ``DeepseekBlock``s."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings = None
+        self.context_shard, self.documents = None, None
+        self.layers = nn.ModuleDict({str(i): DeepseekBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        share_balance_pool(self)
+        if not self.layers["0"].attention.wkv_a.weight.is_meta:
+            self.init_weights()
+
+
+# -- Hugging Face DeepseekV3ForCausalLM ----------------------------------------------------------------------------
+
+_ENDS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+         "output.weight": "lm_head.weight"}
+_LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+          "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+          "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+          "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+          "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+          "attention.wkv_b.weight": "self_attn.kv_b_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+          "feed_forward.w2.weight": "mlp.down_proj.weight", "feed_forward.router.weight": "mlp.gate.weight",
+          "feed_forward.router.bias": "mlp.gate.e_score_correction_bias"}
+_MATRIX = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_STACK = re.compile(r"layers\.(\d+)\.feed_forward\.(experts|shared)\.(w[123])")
+
+
+def shared_key(name: str) -> str:
+    """The Hugging Face name of a shared-experts stack ``layers.{i}.feed_forward.shared.w1`` (one Linear on disk)."""
+    layer, _, matrix = _STACK.fullmatch(name).groups()
+    return f"model.layers.{layer}.mlp.shared_experts.{_MATRIX[matrix]}.weight"
+
+
+def shared_shape(stack: tuple[int, ...], name: str) -> tuple[int, int]:
+    """The on-disk shape of shared-experts stack ``name`` of shape [n, a, b]: gate/up [n*h, d], down [d, n*h]."""
+    count, a, b = stack
+    return (b, count * a) if name.endswith("w2") else (count * b, a)
+
+
+def shared_stack(tensor: torch.Tensor, name: str, count: int) -> torch.Tensor:
+    """The [n, a, b] stack of shared experts held on disk as one Linear weight ``tensor`` (their hidden units side
+    by side): gate/up [n*h, d] -> [n, d, h]; down [d, n*h] -> [n, h, d]."""
+    if name.endswith("w2"):
+        return tensor.t().reshape(count, -1, tensor.shape[0])
+    return tensor.reshape(count, -1, tensor.shape[1]).transpose(1, 2)
+
+
+def shared_tensor(stack: torch.Tensor, name: str) -> torch.Tensor:
+    """``shared_stack``'s inverse: the one Linear weight of a [n, a, b] shared-experts stack."""
+    if name.endswith("w2"):
+        return torch.cat(list(stack), dim=0).t().contiguous()
+    return torch.cat(list(stack), dim=1).t().contiguous()
+
+
+def to_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full raymesh DeepSeek-V3 state dict (the router's balancing bias included) as the tensors
+    ``DeepseekV3ForCausalLM.save_pretrained`` writes: each routed expert its own three matrices, the shared experts
+    one MLP (``shared_tensor``)."""
+    out = {}
+    for name, value in state.items():
+        m = _STACK.fullmatch(name)
+        if m is None:
+            out[hf_name(name)] = value.contiguous()
+        elif m.group(2) == "shared":
+            out[shared_key(name)] = shared_tensor(value, name)
+        else:  # [E, a, b] -> E Linear weights [b, a]
+            out.update({expert_key(name, e): value[e].t().contiguous() for e in range(value.shape[0])})
+    return out
+
+
+def expert_key(name: str, expert: int) -> str:
+    """The Hugging Face name of routed expert ``expert``'s matrix in stack ``layers.{i}.feed_forward.experts.w1``."""
+    layer, _, matrix = _STACK.fullmatch(name).groups()
+    return f"model.layers.{layer}.mlp.experts.{expert}.{_MATRIX[matrix]}.weight"
+
+
+def hf_state(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s full state dict (parameters and the routers' bias buffers) read from a DeepseekV3 checkpoint's
+    ``tensors``; a tensor missing or of another shape is an error naming it."""
+    state = {}
+    for name, target in model.state_dict().items():
+        m = _STACK.fullmatch(name)
+        if m is None:
+            state[name] = _take(tensors, hf_name(name), target.shape)
+        elif m.group(2) == "shared":
+            state[name] = shared_stack(_take(tensors, shared_key(name), shared_shape(target.shape, name)), name,
+                                       target.shape[0])
+        else:
+            count, a, b = target.shape
+            state[name] = torch.stack([_take(tensors, expert_key(name, e), (b, a)).t() for e in range(count)])
+    return state
+
+
+def _take(tensors: dict[str, torch.Tensor], key: str, shape) -> torch.Tensor:
+    if key not in tensors:
+        raise ValueError(f"the DeepseekV3 checkpoint has no tensor {key!r}")
+    if tuple(tensors[key].shape) != tuple(shape):
+        raise ValueError(f"DeepseekV3 tensor {key} has shape {list(tensors[key].shape)}, the model needs "
+                         f"{list(shape)}: config.json and the weights disagree")
+    return tensors[key]
+
+
+def hf_name(name: str) -> str:
+    if name in _ENDS:
+        return _ENDS[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m is None or m.group(2) not in _LAYER:
+        raise KeyError(f"{name!r} has no Hugging Face DeepseekV3 counterpart")
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+
+
+# transformers' DeepseekV3Config defaults of the keys read here that a config.json may leave out
+HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "q_lora_rank": 1536,
+               "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+               "first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True, "hidden_act": "silu",
+               "attention_bias": False, "attention_dropout": 0.0}
+
+
+def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """raymesh ``model:`` fields (a ``ModelConfig``) from a DeepseekV3 ``config.json``; what this module does not
+    compute as transformers does is refused naming the key. The training choices (``bias_balancing``, the
+    balance loss's weight) stay the job's: the checkpoint's bias is read either way and steers the choice."""
+    hf = {**HF_DEFAULTS, **hf}
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"config.json rope type {rope.get('rope_type')!r} is not supported for deepseek_v3 (yarn "
+                         "scaling is not implemented); use a checkpoint with default rotary positions")
+    for key in ("attention_bias", "attention_dropout"):
+        if hf[key]:
+            raise ValueError(f"config.json {key} {hf[key]} is not supported for deepseek_v3; set it to 0/false")
+    if not hf["rope_interleave"]:
+        raise ValueError("config.json rope_interleave false is not supported; raymesh's MLA rotates interleaved pairs")
+    return {
+        "arch": "deepseek_v3", "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"], "n_heads": hf["num_attention_heads"], "d_ff": hf["intermediate_size"],
+        "norm_eps": hf["rms_norm_eps"], "rope_theta": rope.get("rope_theta", hf["rope_theta"]),
+        "tie_embeddings": bool(hf["tie_word_embeddings"]), "q_lora_rank": hf["q_lora_rank"],
+        "kv_lora_rank": hf["kv_lora_rank"], "qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "qk_rope_head_dim": hf["qk_rope_head_dim"], "v_head_dim": hf["v_head_dim"],
+        "dense_layers": hf["first_k_dense_replace"],
+        "moe": {"experts": hf["n_routed_experts"], "top_k": hf["num_experts_per_tok"], "router": "sigmoid",
+                "d_expert": hf["moe_intermediate_size"], "shared_experts": hf["n_shared_experts"],
+                "groups": hf["n_group"], "top_groups": hf["topk_group"], "gate_scale": hf["routed_scaling_factor"],
+                "norm_topk": bool(hf["norm_topk_prob"])},
+    }
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` transformers builds ``cfg``'s ``DeepseekV3ForCausalLM`` from."""
+    moe = cfg.moe
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads, "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_interleave": True,
+        "tie_word_embeddings": cfg.tie_embeddings, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "first_k_dense_replace": cfg.dense_layers,
+        "max_position_embeddings": cfg.seq_len, "n_routed_experts": moe.experts, "num_experts_per_tok": moe.k,
+        "moe_intermediate_size": moe.d_expert or cfg.ffn_dim, "n_shared_experts": moe.shared_experts,
+        "n_group": moe.groups, "topk_group": moe.top_groups or moe.groups, "routed_scaling_factor": moe.gate_scale,
+        "norm_topk_prob": moe.norm_topk, "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+        "num_nextn_predict_layers": 0,
+    }
+
+
+register(ModelFamily(
+    arch="deepseek_v3",
+    config=ModelConfig,  # its fields are ModelConfig's (DEEPSEEK_ONLY), so the job file's model: section holds them
+    build=DeepseekV3,
+    lora_targets=("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w1", "w2", "w3"),
+    recompute_targets={"full": ""},
+    hooks={
+        "cut_stage": "workers.parallel.gpt_parallel:cut_stage",
+        "blocks": "workers.parallel.gpt_parallel:blocks",
+        "init_parameter": "workers.model.gpt:init_parameter",
+    },
+))
