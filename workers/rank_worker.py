@@ -22,6 +22,7 @@ import traceback
 
 import ray
 
+from workers.diagnostics import stacks
 from workers.group_sockets import GroupSockets
 from workers.loop.desk import DeskHolder
 from workers.loop.plan import Window, WindowEnd
@@ -44,6 +45,7 @@ class RankWorker(DeskHolder):
         # Ray sets OMP_NUM_THREADS to the actor's whole CPUs (at least 1) unless the environment has it already;
         # torch is first imported after this, in ``preload``
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        stacks.install()  # its node's agent can read every thread's stack, even when this process is stuck
         self.trainer = None
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
@@ -147,6 +149,20 @@ class RankWorker(DeskHolder):
         out["where"] = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
                         for f in traceback.extract_stack(frame)[-3:]] if frame is not None else []
         return out
+
+    @ray.method(concurrency_group="control")
+    def flight_record(self) -> bytes | None:
+        """On NCCL with torch's flight recorder on (``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0): its trace of this rank's
+        recent collectives (pickled, as ``torch._C._distributed_c10d._dump_nccl_trace`` gives it), which says the
+        collective each rank is in when the job hangs; None elsewhere (CPU, gloo, the recorder off)."""
+        if self.trainer is None or self.trainer.device.type != "cuda":
+            return None
+        if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
+            return None
+        import torch
+
+        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+        return dump() if dump is not None else None
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
         """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).

@@ -28,6 +28,7 @@ class StepFailed(Exception):
 
     dead: dict[int, str]  # rank -> "died" | "hung" | "ran out of memory (...)" | "raised (...)"
     kind: str = ""
+    stacks: str | None = None  # a hang: the directory of every rank's stacks (``RankGroup._diagnose``)
 
     def __post_init__(self) -> None:
         self.kind = self.kind or _kind(self.dead.values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from ray.util.state import get_actor
@@ -187,11 +188,12 @@ class Freeze(JobObserver):
             os.kill(self.job.layout.ranks[self.rank].pid, signal.SIGSTOP)
 
 
-def test_a_frozen_rank_is_found_by_the_progress_deadline_and_replaced_bit_identical(ray_cluster, token_data, tmp_path,
-                                                                                    straights):
+def test_a_frozen_rank_is_found_by_the_progress_deadline_diagnosed_and_replaced_bit_identical(
+        ray_cluster, token_data, tmp_path, straights):
     """On the job file's timeouts (heartbeat 120 s, collectives 60 s) a frozen rank was found after a minute or two:
-    the progress deadline (ten typical steps, at least 15 s) finds it, the rank that does not answer is killed and
-    replaced, and training goes on from the snapshot, nothing lost."""
+    the progress deadline (three typical steps, at least 5 s) finds it; every rank's stacks, the frozen one's
+    too, are written into the run dir and named in the recovery; the rank that does not answer is killed and
+    replaced, and training goes on from the snapshot, nothing lost (issue 51)."""
     spec = _spec(token_data, tmp_path, parallel={"dp": 2},
                  fault_tolerance={"heartbeat_timeout_s": 120.0, "collective_timeout_s": 60.0})
     job = TrainingJob(spec, progress=False)
@@ -199,5 +201,11 @@ def test_a_frozen_rank_is_found_by_the_progress_deadline_and_replaced_bit_identi
     result = job.run()
     (rec,) = result.recoveries
     assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == ("hang", 1, "memory", 0)
-    assert rec["phases_s"]["detect"] < 40  # the deadline's 15 s floor, and the few seconds asking the ranks
+    # the 5 s floor, up to 5 s asking the frozen rank where it is, and the stacks
+    assert rec["phases_s"]["detect"] < 15, rec["phases_s"]
+    stacks = Path(rec["stacks"])
+    assert stacks.parent == spec.resolved_run_dir() / "hangs"
+    for rank in (0, 1):  # each rank's loop thread, where it was: the frozen one and its peer waiting for it
+        text = (stacks / f"rank{rank}.txt").read_text()
+        assert "in run_window" in text and "loop.py" in text, text
     assert result.losses == ran(straights, "dp2").losses  # bit-identical to the uninterrupted run
