@@ -63,9 +63,9 @@ def test_a_stopped_process_writes_its_stack_and_is_stopped_again(child):
 
 
 def test_a_process_without_the_handler_or_gone_is_left_out():
-    proc = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                             "signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
-                            stdout=subprocess.PIPE, text=True)
+    ignoring = "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('ready', flush=True); " \
+               "time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", ignoring], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     try:
         assert stacks.dump({1: proc.pid, 2: 2 ** 22 + 7}, wait_s=0.3) == {}

@@ -10,6 +10,7 @@ stuck rank is killed right after, as before, and nothing else changes.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -68,10 +69,8 @@ def dump(pids: dict[int, int], wait_s: float = 3.0) -> dict[int, str]:
             before.pop(key)
     texts = _collect({k: pids[k] for k in before}, before, wait_s)
     for pid in resumed:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
     return texts
 
 
