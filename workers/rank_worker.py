@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import threading
@@ -46,12 +47,23 @@ class RankWorker(DeskHolder):
         # torch is first imported after this, in ``preload``
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         stacks.install()  # its node's agent can read every thread's stack, even when this process is stuck
+        self.notice = threading.Event()  # a preemption notice (SIGTERM) came: save the step, then go
+        if threading.current_thread() is threading.main_thread():  # Ray creates an actor on its main thread
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self.trainer = None
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
         self._listener: socket.socket | None = None  # the store's socket between rendezvous_address and setup
         self.exchange = None  # this rank's side of the step boundary's exchange tree (workers.loop.tree)
         self._init_desk()  # rank 0's desk for the window running (a new one per window id)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """A spot reclaim or a Kubernetes eviction: instead of exiting at once (Ray's own handler), this rank's
+        loop reports the notice with its next step; rank 0 ends the window there with a checkpoint of that step
+        every rank writes, and the controller then replaces this rank with nothing lost (``RankLoop._decide``).
+        The platform's SIGKILL after its grace period ends the process if the controller has not by then."""
+        self.notice.set()
+        print(f"raymesh preemption notice: pid {os.getpid()} saves its step, then goes", flush=True)
 
     def rendezvous_address(self, local_only: bool = False) -> tuple[str, int]:
         """An address and port for this rank (rank 0) to serve the process-group store on, already bound.
@@ -129,7 +141,7 @@ class RankWorker(DeskHolder):
         from workers.loop.loop import RankLoop
         from workers.loop.trainer_stepper import TrainerStepper
 
-        stepper = TrainerStepper(self.trainer, self.store, self._take_snapshot)
+        stepper = TrainerStepper(self.trainer, self.store, self._take_snapshot, self.notice.is_set)
         loop = RankLoop(stepper, self.exchange, self._desk_of(window_id) if self.exchange.root else None)
         self._loop, self._loop_thread = loop, threading.get_ident()
         try:

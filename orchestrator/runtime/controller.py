@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from pydantic import ValidationError
 
@@ -526,6 +526,8 @@ class TrainingJob:
                 self._between_windows(end)
                 if end.reason == "stop":
                     return True
+                if end.reason == "preempt" and self.step < self.spec.train.steps:
+                    self._preempted(end)
                 if self._resize is not None and self.step < self.spec.train.steps:
                     self._resize_now(acct)
             except StepFailed as failure:  # at the next step; at the last when its final save failed
@@ -753,6 +755,13 @@ class TrainingJob:
             self.recoveries.append(record)
             self.observers.on_ps_shard_recovered(record)
         self.ps.recoveries.clear()
+
+    def _preempted(self, end: WindowEnd) -> NoReturn:
+        """Ranks had a preemption notice: the window ended at ``end.step`` with that step saved (a checkpoint when
+        checkpoints are on, else a snapshot), so they go and are replaced as failed ranks are, nothing lost."""
+        saved = self.ckpt.path_for(end.step) if end.step in self.ckpt.complete_steps() else "snapshot"
+        event("preempted", ranks=list(end.ranks), step=end.step, saved=saved)
+        self.group.preempted(end.ranks)
 
     def _resize_now(self, acct: StepAccounting) -> None:
         """Carry out the resize decided while the window ran (requested, or a grow-back); a resize that went back

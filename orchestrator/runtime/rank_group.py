@@ -28,7 +28,7 @@ from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import replicas_mirror
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
-from orchestrator.runtime.group import ABANDONED, StepFailed
+from orchestrator.runtime.group import ABANDONED, PREEMPTED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from workers.agent import NodeAgent
@@ -250,6 +250,15 @@ class RankGroup:
         self._kill(stuck)
         self._failed = [r for r in range(len(self.workers)) if r not in stuck]
         raise StepFailed(dict.fromkeys(stuck, "hung"), stacks=kept)
+
+    def preempted(self, ranks) -> NoReturn:
+        """Ranks whose processes had a preemption notice and saved their step (``RankLoop._decide``): killed now,
+        rather than left to the platform's SIGKILL, and failed as ``StepFailed`` so they are replaced. Their loops'
+        calls are let end first: a death seen before them would be reported to rank 0's desk as a failure."""
+        self._loop_outcomes(10.0, ranks)
+        self._kill(ranks)
+        self._failed = []
+        raise StepFailed(dict.fromkeys(ranks, PREEMPTED))
 
     def _diagnose(self) -> str:
         """Every rank's Python stacks, all threads, frozen ranks too (``NodeAgent.stacks``), and on NCCL each

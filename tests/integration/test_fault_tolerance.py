@@ -209,3 +209,31 @@ def test_a_frozen_rank_is_found_by_the_progress_deadline_diagnosed_and_replaced_
         text = (stacks / f"rank{rank}.txt").read_text()
         assert "in run_window" in text and "loop.py" in text, text
     assert result.losses == ran(straights, "dp2").losses  # bit-identical to the uninterrupted run
+
+
+class Preempt(JobObserver):
+    """Sends rank ``rank``'s process SIGTERM (a spot reclaim's, a Kubernetes eviction's) once step ``at`` is shown."""
+
+    def __init__(self, job: TrainingJob, rank: int, at: int):
+        self.job, self.rank, self.at = job, rank, at
+
+    def on_step(self, report) -> None:
+        if report.record["step"] == self.at:
+            self.at = -1
+            os.kill(self.job.layout.ranks[self.rank].pid, signal.SIGTERM)
+
+
+def test_a_preemption_notice_saves_the_step_and_the_rank_is_replaced_bit_identical(ray_cluster, token_data, tmp_path,
+                                                                                   straights):
+    """SIGTERM to a rank's process: the rank reports it with its step, every rank saves that step (checkpoints are
+    every 50 steps here, so any before the last is the notice's), the rank is replaced, nothing is lost and the
+    run equals the uninterrupted one bit for bit (issue 51)."""
+    spec = _spec(token_data, tmp_path, parallel={"dp": 2})
+    job = TrainingJob(spec, progress=False)
+    job.observers.add(Preempt(job, rank=1, at=6))
+    result = job.run()
+    (rec,) = result.recoveries
+    assert (rec["kind"], rec["rank"], rec["lost_steps"]) == ("preempt", 1, 0)
+    saved = rec["at_step"] - 1
+    assert 6 <= saved < STEPS and job.ckpt.complete_steps() == [saved, STEPS]
+    assert result.losses == ran(straights, "dp2").losses

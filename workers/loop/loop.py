@@ -102,7 +102,7 @@ class RankLoop:
                 (slow if fault["kind"] == "slow_rank" else live)[rank] = fault
             self._keep(step, boundary, window)
             if boundary.stop:
-                return self._end(WindowEnd(step, boundary.stop), window.checkpoint)
+                return self._end(WindowEnd(step, boundary.stop, boundary.preempted), window.checkpoint)
         return self._end(WindowEnd(self.stepper.step, "until"), window.checkpoint)
 
     def _keep(self, step: int, boundary: Boundary, window: Window) -> None:
@@ -111,10 +111,11 @@ class RankLoop:
             self._finish_save(boundary.step)
             if self.desk is not None:
                 self.desk.put(self._held)
-        if window.snapshot_due(step):
+        preempt = boundary.stop == "preempt"  # without checkpoints, the snapshot keeps the step for the replacement
+        if window.snapshot_due(step) or (preempt and window.snapshot_every and not window.checkpoint.every):
             self._enter("snapshot", step)
             self.stepper.snapshot(boundary.keep_from)
-        stopping = boundary.stop == "stop"
+        stopping = boundary.stop in ("stop", "preempt")
         if window.checkpoint.due(step, stopping):
             self._save(step, window.checkpoint, sync=stopping)
 
@@ -135,7 +136,10 @@ class RankLoop:
         faults = {f["rank"]: {**f, "at_step": step + 1} for f in request.faults}
         if step + 1 in window.faults or faults:  # a drill's fault next: the controller has every record first
             self.desk.wait_delivered(FAULT_SYNC_S)
-        return Boundary(step, stop=request.stop, faults=faults, keep_from=merged.replicated, collect=collect)
+        # a preemption notice ends the window here, saved, unless the run stops here anyway
+        stop = request.stop if request.stop == "stop" or not merged.preempted else "preempt"
+        return Boundary(step, stop=stop, faults=faults, keep_from=merged.replicated, collect=collect,
+                        preempted=merged.preempted if stop == "preempt" else ())
 
     # -- saves ---------------------------------------------------------------------------------
 
