@@ -176,16 +176,17 @@ def test_kill_rank_under_compression_recovers_bit_identical_with_its_error_feedb
     assert rec["lost_steps"] == 4
 
 
-class Freeze(JobObserver):
-    """Stops rank ``rank``'s process (SIGSTOP: no error, no exit; its peers wait for it) once step ``at`` is shown."""
+class SendSignal(JobObserver):
+    """Sends rank ``rank``'s process ``sig`` once step ``at`` is shown: SIGSTOP freezes it (no error, no exit; its
+    peers wait for it), SIGTERM is a preemption notice (a spot reclaim's, a Kubernetes eviction's)."""
 
-    def __init__(self, job: TrainingJob, rank: int, at: int):
-        self.job, self.rank, self.at = job, rank, at
+    def __init__(self, job: TrainingJob, rank: int, at: int, sig: signal.Signals):
+        self.job, self.rank, self.at, self.sig = job, rank, at, sig
 
     def on_step(self, report) -> None:
         if report.record["step"] == self.at:
             self.at = -1  # once: a rollback shows the step again
-            os.kill(self.job.layout.ranks[self.rank].pid, signal.SIGSTOP)
+            os.kill(self.job.layout.ranks[self.rank].pid, self.sig)
 
 
 def test_a_frozen_rank_is_found_by_the_progress_deadline_diagnosed_and_replaced_bit_identical(
@@ -197,7 +198,7 @@ def test_a_frozen_rank_is_found_by_the_progress_deadline_diagnosed_and_replaced_
     spec = _spec(token_data, tmp_path, parallel={"dp": 2},
                  fault_tolerance={"heartbeat_timeout_s": 120.0, "collective_timeout_s": 60.0})
     job = TrainingJob(spec, progress=False)
-    job.observers.add(Freeze(job, rank=1, at=6))
+    job.observers.add(SendSignal(job, rank=1, at=6, sig=signal.SIGSTOP))
     result = job.run()
     (rec,) = result.recoveries
     assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == ("hang", 1, "memory", 0)
@@ -211,18 +212,6 @@ def test_a_frozen_rank_is_found_by_the_progress_deadline_diagnosed_and_replaced_
     assert result.losses == ran(straights, "dp2").losses  # bit-identical to the uninterrupted run
 
 
-class Preempt(JobObserver):
-    """Sends rank ``rank``'s process SIGTERM (a spot reclaim's, a Kubernetes eviction's) once step ``at`` is shown."""
-
-    def __init__(self, job: TrainingJob, rank: int, at: int):
-        self.job, self.rank, self.at = job, rank, at
-
-    def on_step(self, report) -> None:
-        if report.record["step"] == self.at:
-            self.at = -1
-            os.kill(self.job.layout.ranks[self.rank].pid, signal.SIGTERM)
-
-
 def test_a_preemption_notice_saves_the_step_and_the_rank_is_replaced_bit_identical(ray_cluster, token_data, tmp_path,
                                                                                    straights):
     """SIGTERM to a rank's process: the rank reports it with its step, every rank saves that step (checkpoints are
@@ -230,7 +219,7 @@ def test_a_preemption_notice_saves_the_step_and_the_rank_is_replaced_bit_identic
     run equals the uninterrupted one bit for bit (issue 51)."""
     spec = _spec(token_data, tmp_path, parallel={"dp": 2})
     job = TrainingJob(spec, progress=False)
-    job.observers.add(Preempt(job, rank=1, at=6))
+    job.observers.add(SendSignal(job, rank=1, at=6, sig=signal.SIGTERM))
     result = job.run()
     (rec,) = result.recoveries
     assert (rec["kind"], rec["rank"], rec["lost_steps"]) == ("preempt", 1, 0)
