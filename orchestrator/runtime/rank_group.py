@@ -33,6 +33,7 @@ from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from workers.agent import NodeAgent
 from workers.diagnostics.faults import RankStepError
+from workers.loop.loop import HUNG
 from workers.loop.plan import Request, StepRecord, Window
 from workers.protocol import RankInfo
 from workers.rank_worker import RankWorker
@@ -238,6 +239,7 @@ class RankGroup:
         those still inside a step, snapshot or save (their peers wait for them at the boundary); when none can be
         told apart that way, every rank. They are killed, which ends their peers' collectives with them at once,
         and the window fails as ``StepFailed`` with them ``hung``."""
+        self.post(Request(stop=HUNG))  # a step that completes during the diagnosis fails: nothing of it is kept
         calls = {node: agent.call.remote("progress", (), None, 5.0) for node, agent in self._agents.items()}
         answers = self._answers(calls, 35.0)
         where = {r: value for r, (how, value) in answers.items() if how == "ok"}

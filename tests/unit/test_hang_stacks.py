@@ -12,6 +12,12 @@ import time
 import pytest
 
 from workers.diagnostics import stacks
+from workers.loop.desk import Desk
+from workers.loop.loop import HUNG, RankLoop
+from workers.loop.plan import Request, StepRecord, Window
+from workers.loop.summary import StepSummary
+from workers.loop.tree import LocalTransport, TreeExchange
+from workers.protocol import StepResult, StepTimes
 
 CHILD = """
 import sys, time, threading
@@ -72,3 +78,32 @@ def test_a_process_without_the_handler_or_gone_is_left_out():
     finally:
         proc.kill()
         proc.wait()
+
+
+class _Steps:
+    """A one-rank stepper that records its snapshots."""
+
+    def __init__(self):
+        self.step, self.snapshots = 0, []
+
+    def run_step(self, faults, detail):
+        self.step += 1
+        return StepSummary.of(StepResult(rank=0, step=self.step, loss=1.0, grad_norm=0.5, lr=1e-3, tokens=8,
+                                         applied=True, time_s=StepTimes(compute=0.1, step=0.1), peak_memory_bytes=1,
+                                         current_memory_bytes=1, replicated_step=self.step - 1), detail)
+
+    def skip_batch(self): ...
+    def snapshot(self, keep_from): self.snapshots.append(self.step)
+    def save_state(self): return None
+    def finish_save(self): return None
+    def save(self, path, async_save, dir_mode): return None
+
+
+def test_a_step_that_completes_while_a_hang_is_diagnosed_keeps_nothing():
+    """Writing a frozen rank's stacks continues it for a moment, in which its step may complete: that step must
+    leave no record and no snapshot (the snapshot would drop the one the recovery rolls back to)."""
+    desk, steps = Desk(), _Steps()
+    desk.post(Request(stop=HUNG))
+    end = RankLoop(steps, TreeExchange(0, 1, LocalTransport()), desk).run(Window(until=5, snapshot_every=1))
+    assert (end.step, end.reason) == (0, HUNG)
+    assert steps.snapshots == [] and not any(isinstance(item, StepRecord) for item in desk.items(0, 0)[0])

@@ -28,6 +28,9 @@ from workers.loop.plan import (
 from workers.loop.summary import SaveOutcome, SaveState, StepSummary
 from workers.loop.tree import TreeExchange
 
+# the controller's request while it diagnoses a hang: a step that completes meanwhile (a frozen rank continued to
+# write its stacks) fails instead, so no snapshot replaces the one the recovery rolls back to
+HUNG = "hung"
 FAULT_SYNC_S = 30.0  # how long rank 0 waits, before a step a drill's fault hits, for the controller to take its records
 
 
@@ -126,13 +129,15 @@ class RankLoop:
         step = merged.step
         if not merged.finite:  # nothing of this step is kept: no record, no snapshot, no save
             return Boundary(step, failed="nan_loss")
+        request = self.desk.take(step)
+        if request.stop == HUNG:  # the controller is diagnosing a hang: keep nothing of a step it never saw
+            return Boundary(step, failed=HUNG)
         record = StepRecord(step, merged, time.time(), snapshot=window.snapshot_due(step))
         collect = merged.saving.step if merged.saving is not None and merged.saving.done else None
         if collect is None:
             self.desk.put(record)
         else:  # the finished save is reported first (``_keep``): sealed with the records up to its own step
             self._held = record
-        request = self.desk.take(step)
         faults = {f["rank"]: {**f, "at_step": step + 1} for f in request.faults}
         if step + 1 in window.faults or faults:  # a drill's fault next: the controller has every record first
             self.desk.wait_delivered(FAULT_SYNC_S)
