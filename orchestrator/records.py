@@ -51,6 +51,7 @@ class RecoveryRecord:
     dp_to: int
     mttr_s: float | None = None
     phases_s: dict | None = None
+    stacks: str | None = None  # a hang's: the directory holding every rank's stacks when it was found
 
     def completed(self, mttr_s: float, phases_s: dict) -> RecoveryRecord:
         return replace(self, mttr_s=mttr_s, phases_s=phases_s)
@@ -59,6 +60,8 @@ class RecoveryRecord:
         out = asdict(self)
         if self.mttr_s is None:  # not ended yet: the summary only ever holds ended recoveries
             del out["mttr_s"], out["phases_s"]
+        if self.stacks is None:
+            del out["stacks"]
         return out
 
 

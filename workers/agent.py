@@ -18,6 +18,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from workers.diagnostics import stacks
+
 # how a rank answered: ("ok", value), ("died", None), ("hung", None), ("raised", the RayTaskError)
 Answer = tuple[str, Any]
 
@@ -43,13 +45,28 @@ class NodeAgent:
         actor's own process to exit, which a frozen one (stopped, or stuck where Python never runs) never does,
         and its peers then wait in their collectives for it until their timeout; the kernel's kill is heard."""
         killed = []
-        for rank in ranks:
+        for rank, pid in self._pids(ranks).items():
             try:
-                os.kill(ray.get(self.identities[rank], timeout=0)["pid"], signal.SIGKILL)
-            except (KeyError, ProcessLookupError, GetTimeoutError, RayActorError, RayTaskError):
-                continue  # never started, already gone, or not this node's
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # already gone
             killed.append(rank)
         return killed
+
+    def stacks(self, wait_s: float) -> dict[int, str]:
+        """Every thread's Python stack of each of its ranks, frozen ones too (``workers.diagnostics.stacks``):
+        what a hang's diagnosis keeps of where each rank was, before the stuck ones are killed."""
+        return stacks.dump(self._pids(list(self.workers)), wait_s)
+
+    def _pids(self, ranks: list[int]) -> dict[int, int]:
+        """The process of each of ``ranks`` that started on this node (rank -> pid)."""
+        pids = {}
+        for rank in ranks:
+            try:
+                pids[rank] = ray.get(self.identities[rank], timeout=0)["pid"]
+            except (KeyError, GetTimeoutError, RayActorError, RayTaskError):
+                continue  # never started, or not this node's
+        return pids
 
     def call(self, method: str, args: tuple = (), per_rank: dict[int, tuple] | None = None,
              timeout_s: float | None = None) -> dict[int, Answer]:

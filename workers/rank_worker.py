@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import threading
@@ -22,6 +23,7 @@ import traceback
 
 import ray
 
+from workers.diagnostics import stacks
 from workers.group_sockets import GroupSockets
 from workers.loop.desk import DeskHolder
 from workers.loop.plan import Window, WindowEnd
@@ -44,12 +46,24 @@ class RankWorker(DeskHolder):
         # Ray sets OMP_NUM_THREADS to the actor's whole CPUs (at least 1) unless the environment has it already;
         # torch is first imported after this, in ``preload``
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        stacks.install()  # its node's agent can read every thread's stack, even when this process is stuck
+        self.notice = threading.Event()  # a preemption notice (SIGTERM) came: save the step, then go
+        if threading.current_thread() is threading.main_thread():  # Ray creates an actor on its main thread
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self.trainer = None
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
         self._listener: socket.socket | None = None  # the store's socket between rendezvous_address and setup
         self.exchange = None  # this rank's side of the step boundary's exchange tree (workers.loop.tree)
         self._init_desk()  # rank 0's desk for the window running (a new one per window id)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """A spot reclaim or a Kubernetes eviction: instead of exiting at once (Ray's own handler), this rank's
+        loop reports the notice with its next step; rank 0 ends the window there with a checkpoint of that step
+        every rank writes, and the controller then replaces this rank with nothing lost (``RankLoop._decide``).
+        The platform's SIGKILL after its grace period ends the process if the controller has not by then."""
+        self.notice.set()
+        print(f"raymesh preemption notice: pid {os.getpid()} saves its step, then goes", flush=True)
 
     def rendezvous_address(self, local_only: bool = False) -> tuple[str, int]:
         """An address and port for this rank (rank 0) to serve the process-group store on, already bound.
@@ -127,7 +141,7 @@ class RankWorker(DeskHolder):
         from workers.loop.loop import RankLoop
         from workers.loop.trainer_stepper import TrainerStepper
 
-        stepper = TrainerStepper(self.trainer, self.store, self._take_snapshot)
+        stepper = TrainerStepper(self.trainer, self.store, self._take_snapshot, self.notice.is_set)
         loop = RankLoop(stepper, self.exchange, self._desk_of(window_id) if self.exchange.root else None)
         self._loop, self._loop_thread = loop, threading.get_ident()
         try:
@@ -147,6 +161,20 @@ class RankWorker(DeskHolder):
         out["where"] = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
                         for f in traceback.extract_stack(frame)[-3:]] if frame is not None else []
         return out
+
+    @ray.method(concurrency_group="control")
+    def flight_record(self) -> bytes | None:
+        """On NCCL with torch's flight recorder on (``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0): its trace of this rank's
+        recent collectives (pickled, as ``torch._C._distributed_c10d._dump_nccl_trace`` gives it), which says the
+        collective each rank is in when the job hangs; None elsewhere (CPU, gloo, the recorder off)."""
+        if self.trainer is None or self.trainer.device.type != "cuda":
+            return None
+        if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
+            return None
+        import torch
+
+        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+        return dump() if dump is not None else None
 
     def train_step(self, fault: dict | None = None, snapshot_keep_from: int | None = None) -> StepResult:
         """One step; with ``snapshot_keep_from`` set, then snapshot it (its replica ships in the background).

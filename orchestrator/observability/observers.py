@@ -126,7 +126,8 @@ class EventLog(JobObserver):
 
     def on_recovered(self, record: RecoveryRecord, step: int, restarted: int, phases_s: dict[str, float]) -> None:
         event("recovered", kind=record.kind, source=record.source, step=step, lost_steps=record.lost_steps,
-              **{f"{k}_s": f"{v:.2f}" for k, v in phases_s.items()})
+              **{f"{k}_s": f"{v:.2f}" for k, v in phases_s.items()},
+              **({"stacks": record.stacks} if record.stacks else {}))
 
     def on_resized(self, record: ResizeRecord, layout: dict) -> None:
         event("resized", reason=record.reason, dp_from=record.dp_from, dp_to=record.dp_to, step=record.at_step,

@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from pydantic import ValidationError
 
@@ -73,9 +73,6 @@ if TYPE_CHECKING:
 
 
 DETAIL_RANKS = 256  # ranks whose own phase times and memory the controller takes per step (Window.detail_every)
-# the progress deadline inside a window: no step for this many typical steps, and never less than the floor (both
-# under fault_tolerance.heartbeat_timeout_s, which also covers a window's first step, a save and an evaluation)
-HANG_STEPS, HANG_FLOOR_S = 10, 15.0
 
 
 class RunComplete(Exception):
@@ -532,6 +529,8 @@ class TrainingJob:
                 self._between_windows(end)
                 if end.reason == "stop":
                     return True
+                if end.reason == "preempt" and self.step < self.spec.train.steps:
+                    self._preempted(end)
                 if self._resize is not None and self.step < self.spec.train.steps:
                     self._resize_now(acct)
             except StepFailed as failure:  # at the next step; at the last when its final save failed
@@ -639,16 +638,17 @@ class TrainingJob:
         return None
 
     def _deadline(self, acct: StepAccounting) -> float:
-        """How long the window may go without handing over an item before it counts as hung: ``HANG_STEPS``
-        typical steps (the median of the last twenty), at least ``HANG_FLOOR_S``; a window's first step, a save or
-        a step that evaluates (slower, and not typical) get ``fault_tolerance.heartbeat_timeout_s``, which also
-        caps the rest."""
-        limit = self.spec.fault_tolerance.heartbeat_timeout_s
+        """How long the window may go without handing over an item before it counts as hung: ``hang_steps``
+        typical steps (the median of the last twenty), at least ``hang_floor_s`` (both ``fault_tolerance``), so a
+        frozen rank is found in seconds; a window's first step, a save, a step that evaluates and one after an
+        occasional snapshot (slower, and not typical) get ``heartbeat_timeout_s``, which also caps the rest."""
+        ft = self.spec.fault_tolerance
         ev, nxt = self.spec.eval, self.step + 1
         evaluates = bool(ev.every) and (nxt % ev.every == 0 or nxt == self.spec.train.steps)
         if self._phase != "step" or evaluates or not acct.step_times:
-            return limit
-        return min(limit, max(min(HANG_FLOOR_S, limit), HANG_STEPS * statistics.median(acct.step_times[-20:])))
+            return ft.heartbeat_timeout_s
+        typical = statistics.median(acct.step_times[-20:])
+        return min(ft.heartbeat_timeout_s, max(min(ft.hang_floor_s, ft.heartbeat_timeout_s), ft.hang_steps * typical))
 
     def _check_progress(self, acct: StepAccounting) -> None:
         """No item within the deadline: the group finds the stuck ranks and the window fails with them hung."""
@@ -659,7 +659,8 @@ class TrainingJob:
     def _on_record(self, acct: StepAccounting, record: StepRecord) -> None:
         """Account for a completed step and show it; then what the controller asks of the running window. The
         record is the ranks' summary reduced in-band: nothing here grows with the ranks."""
-        self._phase = "step"
+        # a snapshot taken only every few steps runs before the next step, which is then not a typical one
+        self._phase = "snapshot" if record.snapshot and self.memory_every > 1 else "step"
         summary = record.summary
         # an evaluation (eval.every) ran inside the step: not training time, so out of step time and tokens/s
         step_s = record.time - self._mark - (figure_value(summary.extras, "eval_s") or 0.0)
@@ -757,6 +758,13 @@ class TrainingJob:
             self.recoveries.append(record)
             self.observers.on_ps_shard_recovered(record)
         self.ps.recoveries.clear()
+
+    def _preempted(self, end: WindowEnd) -> NoReturn:
+        """Ranks had a preemption notice: the window ended at ``end.step`` with that step saved (a checkpoint when
+        checkpoints are on, else a snapshot), so they go and are replaced as failed ranks are, nothing lost."""
+        saved = self.ckpt.path_for(end.step) if end.step in self.ckpt.complete_steps() else "snapshot"
+        event("preempted", ranks=list(end.ranks), step=end.step, saved=saved)
+        self.group.preempted(end.ranks)
 
     def _resize_now(self, acct: StepAccounting) -> None:
         """Carry out the resize decided while the window ran (requested, or a grow-back); a resize that went back

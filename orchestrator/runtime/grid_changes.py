@@ -70,7 +70,7 @@ class GridChanges:
             job.checkpoints.save(job.group, job.step)
         rank = min(failure.dead) if failure.dead else -1
         record = RecoveryRecord(kind, rank, at_step, completed - job.step, source, before, dp_before,
-                                job.spec.parallel.dp)
+                                job.spec.parallel.dp, stacks=failure.stacks)
         job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
         return record, phases
 

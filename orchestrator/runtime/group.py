@@ -24,10 +24,11 @@ from workers.protocol import RankInfo
 @dataclass
 class StepFailed(Exception):
     """A step that did not complete on every rank, and why: ``kind`` is ``rank`` (died), ``hang``, ``oom``,
-    ``error`` (a live rank's step raised) or ``nan_loss``."""
+    ``error`` (a live rank's step raised), ``preempt`` (told to go, its step saved) or ``nan_loss``."""
 
     dead: dict[int, str]  # rank -> "died" | "hung" | "ran out of memory (...)" | "raised (...)"
     kind: str = ""
+    stacks: str | None = None  # a hang: the directory of every rank's stacks (``RankGroup._diagnose``)
 
     def __post_init__(self) -> None:
         self.kind = self.kind or _kind(self.dead.values())
@@ -39,11 +40,12 @@ class StepFailed(Exception):
 # a survivor still blocked in its failed step after the grace: restarted with the dead ranks, not counted as a
 # failure of its own (``RankGroup.finish_failed_step``)
 ABANDONED = "abandoned"
+PREEMPTED = "preempted"  # a rank that had a preemption notice, its step saved (``RankGroup.preempted``)
 
 
 def _kind(hows) -> str:
     hows = list(hows)
-    for prefix, kind in (("hung", "hang"), ("ran out of memory", "oom"), ("raised", "error")):
+    for prefix, kind in (("hung", "hang"), ("ran out of memory", "oom"), ("raised", "error"), (PREEMPTED, "preempt")):
         if any(how.startswith(prefix) for how in hows):
             return kind
     return "rank"
@@ -63,6 +65,7 @@ class RankGroupLike(Protocol):
     def window_items(self, wait_s: float) -> list: ...
     def window_failed(self) -> NoReturn: ...
     def window_hung(self, silent_s: float) -> NoReturn: ...
+    def preempted(self, ranks) -> NoReturn: ...
     def post(self, request: Request) -> int | None: ...
     def finish_failed_step(self) -> dict[int, str]: ...
     def replace(self, ranks) -> None: ...

@@ -28,11 +28,12 @@ from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import replicas_mirror
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
-from orchestrator.runtime.group import ABANDONED, StepFailed
+from orchestrator.runtime.group import ABANDONED, PREEMPTED, StepFailed
 from orchestrator.runtime.placement import RankPlacement
 from orchestrator.spec import JobSpec
 from workers.agent import NodeAgent
 from workers.diagnostics.faults import RankStepError
+from workers.loop.loop import HUNG
 from workers.loop.plan import Request, StepRecord, Window
 from workers.protocol import RankInfo
 from workers.rank_worker import RankWorker
@@ -62,6 +63,7 @@ class RankGroup:
         self._spares: dict[str, object] = {}  # node -> a preloaded spare rank process (``start_spares``)
         self._last_step_s = 0.0  # wall time of the last completed step (the survivors' grace scales with it)
         self._last_record: float | None = None  # rank 0's clock at the window's last step record
+        self._record_step = 0  # the step of the last step record (a hang's diagnosis is named after the next)
         self._window_id, self._cursor = 0, 0  # the window running, and the number of rank 0's next item
 
     def _new_actor(self, rank: int, spare: bool = False):
@@ -205,7 +207,7 @@ class RankGroup:
             if isinstance(item, StepRecord):
                 if self._last_record is not None:
                     self._last_step_s = item.time - self._last_record
-                self._last_record = item.time
+                self._last_record, self._record_step = item.time, item.step
         return items  # a loop of rank 0 that raised says so on its desk; a dead rank 0's desk call fails above
 
     def post(self, request: Request) -> int | None:
@@ -237,17 +239,56 @@ class RankGroup:
         those still inside a step, snapshot or save (their peers wait for them at the boundary); when none can be
         told apart that way, every rank. They are killed, which ends their peers' collectives with them at once,
         and the window fails as ``StepFailed`` with them ``hung``."""
+        self.post(Request(stop=HUNG))  # a step that completes during the diagnosis fails: nothing of it is kept
         calls = {node: agent.call.remote("progress", (), None, 5.0) for node, agent in self._agents.items()}
         answers = self._answers(calls, 35.0)
         where = {r: value for r, (how, value) in answers.items() if how == "ok"}
         stuck = set(answers) - set(where) or {r for r, p in where.items() if p["phase"] in ("step", "snapshot", "save")}
         stuck = stuck or set(range(len(self.workers)))
         first = where.get(min(stuck), {})
+        kept = self._diagnose()
         event("hang_detected", silent_s=f"{silent_s:.1f}", ranks=sorted(stuck)[:16], count=len(stuck),
-              phase=first.get("phase", "no answer"), where=" < ".join(first.get("where", [])))
+              phase=first.get("phase", "no answer"), where=" < ".join(first.get("where", [])), stacks=kept)
         self._kill(stuck)
         self._failed = [r for r in range(len(self.workers)) if r not in stuck]
-        raise StepFailed(dict.fromkeys(stuck, "hung"))
+        raise StepFailed(dict.fromkeys(stuck, "hung"), stacks=kept)
+
+    def preempted(self, ranks) -> NoReturn:
+        """Ranks whose processes had a preemption notice and saved their step (``RankLoop._decide``): killed now,
+        rather than left to the platform's SIGKILL, and failed as ``StepFailed`` so they are replaced. Their loops'
+        calls are let end first: a death seen before them would be reported to rank 0's desk as a failure."""
+        self._loop_outcomes(10.0, ranks)
+        self._kill(ranks)
+        self._failed = []
+        raise StepFailed(dict.fromkeys(ranks, PREEMPTED))
+
+    def _diagnose(self) -> str:
+        """Every rank's Python stacks, all threads, frozen ranks too (``NodeAgent.stacks``), and on NCCL each
+        answering rank's flight-recorder trace, written into ``<run_dir>/hangs/step<N>/`` before anything is
+        killed; returns that directory. A rank that wrote nothing (gone, or never started) has no file; the
+        directory's ``missing.txt`` names it."""
+        out = self.spec.resolved_run_dir() / "hangs" / f"step{self._record_step + 1}-window{self._window_id}"
+        out.mkdir(parents=True, exist_ok=True)
+        texts: dict[int, str] = {}
+        for ref in [agent.stacks.remote(3.0) for agent in self._agents.values()]:
+            with contextlib.suppress(ray.exceptions.RayError):
+                texts.update(ray.get(ref, timeout=20))
+        for rank, text in texts.items():
+            (out / f"rank{rank}.txt").write_text(text)
+        missing = sorted(set(range(len(self.workers))) - set(texts))
+        if missing:
+            (out / "missing.txt").write_text(f"no stack from ranks {missing}: gone, or never started\n")
+        if self.use_gpu:
+            self._flight_records(out)
+        return str(out)
+
+    def _flight_records(self, out) -> None:
+        """NCCL's flight-recorder trace of each rank that answers within five seconds (``RankWorker.flight_record``),
+        as ``nccl-rank<N>.pkl``."""
+        calls = {node: agent.call.remote("flight_record", (), None, 5.0) for node, agent in self._agents.items()}
+        for rank, (how, trace) in self._answers(calls, 35.0).items():
+            if how == "ok" and trace:
+                (out / f"nccl-rank{rank}.pkl").write_bytes(trace)
 
     def _loop_outcomes(self, wait_s: float, ranks=None) -> dict[int, str]:
         """How each rank's loop of the window ended (``died``, a failure of its own, or ``peer_lost``, which a

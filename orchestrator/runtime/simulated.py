@@ -10,9 +10,11 @@ so the controller makes one call per host, not per rank.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import ray
 
-from orchestrator.runtime.group import StepFailed
+from orchestrator.runtime.group import PREEMPTED, StepFailed
 from orchestrator.spec import JobSpec
 from workers.loop.plan import Request, Window
 from workers.loop.virtual import VirtualHost
@@ -124,6 +126,10 @@ class SimGroup:
     def window_hung(self, silent_s: float) -> None:
         """Virtual ranks do not hang (a host's loop sleeps a set time): what failed the window is asked as usual."""
         self.window_failed()
+
+    def preempted(self, ranks) -> NoReturn:
+        """Virtual ranks have no process to be told to go: never called (no rank's summary carries a notice)."""
+        raise StepFailed(dict.fromkeys(ranks, PREEMPTED))
 
     def finish_failed_step(self) -> dict[int, str]:
         return {}

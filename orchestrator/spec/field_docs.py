@@ -586,9 +586,9 @@ FIELD_DOCS: dict[str, str] = {
         'a collective waiting on a peer gives up after this (below the heartbeat timeout)'
     ),
     'fault_tolerance.heartbeat_timeout_s': (
-        "the progress deadline of a window's first step, a save and an evaluating step (other steps: ten typical "
-        'steps, at least 15 s, at most this), past which the stuck ranks count as hung; every other controller call '
-        'waits at most 5× this'
+        "the progress deadline of a window's first step, a save and an evaluating step (other steps: `hang_steps` "
+        'typical steps, at least `hang_floor_s`, at most this), past which the stuck ranks count as hung; every other '
+        'controller call waits at most 5× this'
     ),
     'fault_tolerance.survivor_grace_s': (
         "the backstop (on gloo a failed rank's peers are freed at once: it leaves its group): after a rank failed, "

@@ -279,9 +279,13 @@ class FaultToleranceSpec(FaultToleranceSection):
     """How failures are detected and how many restarts a job may spend (the ranks' own field in
     ``FaultToleranceSection``)."""
 
-    # the progress deadline of a window's first step, a save, an evaluating step (others: ten typical steps, at least
-    # 15 s, at most this); a rank stuck past it hung
+    # the progress deadline of a window's first step, a save, an evaluating step (others: hang_steps typical steps,
+    # at least hang_floor_s, at most this); a rank stuck past it hung
     heartbeat_timeout_s: Seconds = 120.0
+    # the progress deadline of a typical step: this many times the median of the last twenty steps, at least
+    # hang_floor_s (a frozen rank is found within seconds; every rank's stacks go to <run_dir>/hangs/)
+    hang_steps: Annotated[float, Field(gt=1)] = 3.0
+    hang_floor_s: Seconds = 5.0
     # after a rank failed, survivors still blocked in the failed step this long (or 2 steps, if longer) are
     # restarted with it and restored from their replicas, instead of waiting out collective_timeout_s
     survivor_grace_s: Seconds = 2.0

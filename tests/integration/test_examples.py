@@ -29,7 +29,7 @@ from tests.support.parity_harness import ran, run_grouped
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples that need the controller or the CLI (see the docstring); the rest train in the harness
 THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tracking", "fault_injection",
-               "hf_any_zero3", "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
+               "hang_diagnosis", "hf_any_zero3", "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
                "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
                "pp_auto_split", "snapshot_compression", "soak"}
@@ -57,7 +57,7 @@ SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp
            "qwen3_finetune": ["--set", "optim.lr=3e-3"], "qwen3_moe_finetune": ["--set", "optim.lr=3e-3"]}
 # examples that lose ranks on purpose keep their warm spare; the others run without one (a spare is a process
 # importing torch after step 1, ~5 s of CPU on this 2-core machine, and none of them loses a rank)
-KEEP_SPARES = {"fault_injection", "hf_any_zero3", "snapshot_compression", "soak"}
+KEEP_SPARES = {"fault_injection", "hang_diagnosis", "hf_any_zero3", "snapshot_compression", "soak"}
 # examples whose drill kills rank 1 within the test's steps: the summary must show its recovery
 KILLS_RANK_1 = {"hf_any_zero3", "snapshot_compression"}
 # examples whose run_dir (and so checkpoints) is a bucket: here a file:// URL (the same URL path through the real
@@ -145,6 +145,10 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
         best = min(held, key=held.get)
         assert result["best_checkpoint"] == {"step": best, "eval_loss": held[best],
                                              "path": str(tmp_path / "run" / "checkpoints" / f"step-{best:08d}")}
+    if job.stem == "hang_diagnosis":  # found by the deadline, every rank's stacks in the run dir before the kill
+        (rec,) = result["recoveries"]
+        assert rec["kind"] == "hang" and rec["at_step"] == 4
+        assert all("in run_window" in (Path(rec["stacks"]) / f"rank{r}.txt").read_text() for r in (0, 1))
     if job.stem == "llama_finetune_lora":  # a LoRA run: its adapters folded into a Hugging Face directory
         _merged_export_loads_in_transformers(job, tmp_path, [*extra, "--set", f"run_dir={tmp_path / 'run'}"])
     if job.stem == "experiment_tracking":

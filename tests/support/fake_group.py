@@ -12,6 +12,7 @@ the runtime decide what placement, snapshots and the elastic policy answer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import queue
@@ -19,7 +20,7 @@ import threading
 from pathlib import Path
 
 from orchestrator.recovery.elastic import resized
-from orchestrator.runtime.group import StepFailed
+from orchestrator.runtime.group import PREEMPTED, StepFailed
 from orchestrator.spec import JobSpec
 from workers.loop.desk import Desk
 from workers.loop.loop import RankLoop
@@ -63,13 +64,15 @@ class FakeRuntime:
     the exceptions its next calls raise: a rank's error, or ``StepFailed`` for a rank lost; ``save_checkpoint``
     and ``wait_checkpoint`` are the ranks' saves and waits for an asynchronous save, in a window or called by the
     controller), ``held_out`` (step -> the held-out loss of a step that evaluates), ``stall`` (step -> a rank that
-    freezes in it: no answer until the controller's progress deadline calls it hung)."""
+    freezes in it: no answer until the controller's progress deadline calls it hung), ``preempt`` (step -> a rank
+    whose process has a preemption notice during it)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
                  lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
                  fail_calls: dict[str, list[Exception]] | None = None, held_out=lambda step: 2.0 / step,
-                 stall: dict[int, int] | None = None):
+                 stall: dict[int, int] | None = None, preempt: dict[int, int] | None = None):
         self.placeable = placeable
+        self.preempt = dict(preempt or {})  # step -> a rank told to go (SIGTERM) during it
         self.stall = dict(stall or {})  # step -> a rank that freezes in it (no error, no progress)
         self.held_out = held_out  # step -> the held-out loss a step that evaluates reports
         self.more_dead = dict(more_dead or {})
@@ -255,6 +258,11 @@ class FakeGroup:
         while True:
             self.window_items(None)
 
+    def preempted(self, ranks):
+        """The preempted ranks go (the real group kills them) and are replaced as failed ones."""
+        self.preempted_ranks = [*getattr(self, "preempted_ranks", []), *ranks]
+        raise StepFailed(dict.fromkeys(ranks, PREEMPTED))
+
     def window_failed(self):
         """Rank 0's loop raised: the failure it raised (the fake's ranks raise the controller's ``StepFailed``)."""
         self.window_items(None)
@@ -285,8 +293,13 @@ class FakeGroup:
         loss = math.nan if "nan_loss" in kinds.values() else 1.0 / nxt
         due = self.spec.eval.due(nxt, self.spec.train.steps)  # the ranks' rule: the section they parse it with
         held = self.runtime.held_out(nxt) if due else None
-        return StepSummary.of_all([_result(r, nxt, loss, held) for r in range(self.world)], detail,
-                                  FakeRanks(self).save_state())
+        told = self.runtime.preempt.pop(nxt, None)
+        summaries = [StepSummary.of(_result(r, nxt, loss, held), detail, preempted=r == told)
+                     for r in range(self.world)]
+        merged = summaries[0]
+        for summary in summaries[1:]:
+            merged = merged.merge(summary)
+        return dataclasses.replace(merged, saving=FakeRanks(self).save_state())
 
     # -- between windows -----------------------------------------------------------------------
 

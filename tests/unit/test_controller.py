@@ -338,7 +338,7 @@ def test_a_shrink_loads_a_checkpoint_newer_than_the_survivors_snapshots(tmp_path
 
 
 def test_a_rank_frozen_without_an_error_is_found_by_the_progress_deadline_and_replaced(tmp_path):
-    """No record for the deadline (here the heartbeat timeout, 1 s, under the 15 s floor) is a hang: the group is
+    """No record for the deadline (here the heartbeat timeout, 1 s, under the 5 s floor) is a hang: the group is
     asked which rank is stuck, it is replaced and training goes on from the snapshot, nothing lost."""
     runtime = FakeRuntime(stall={5: 1})
     job = make_job(tmp_path, runtime=runtime, fault_tolerance={"heartbeat_timeout_s": 1, "collective_timeout_s": 0.5})
@@ -348,17 +348,22 @@ def test_a_rank_frozen_without_an_error_is_found_by_the_progress_deadline_and_re
     assert 1.0 <= runtime.groups[0].hung_after < 5.0 and result.status == "finished" and result.steps == 10
 
 
-def test_the_progress_deadline_is_ten_typical_steps_at_least_the_floor_and_the_heartbeat_else(tmp_path):
+def test_the_progress_deadline_is_three_typical_steps_at_least_the_floor_and_the_heartbeat_else(tmp_path):
+    """A frozen rank is found within three typical steps (a few seconds' floor), not ten or 15 s (issue 51)."""
     job = make_job(tmp_path, fault_tolerance={"heartbeat_timeout_s": 120}, eval={"every": 5, "path": "/held"})
     acct = type("Acct", (), {"step_times": []})()
     assert job._deadline(acct) == 120  # no step yet: a first step may compile, load, warm up
     job._phase, acct.step_times = "step", [0.5] * 3 + [4.0] * 20
-    assert job._deadline(acct) == 40.0  # ten of the last twenty steps' median
+    assert job._deadline(acct) == 12.0  # three of the last twenty steps' median
     acct.step_times = [0.1] * 20
-    assert job._deadline(acct) == 15.0  # the floor
+    assert job._deadline(acct) == 5.0  # the floor
+    job.spec.fault_tolerance.hang_steps, job.spec.fault_tolerance.hang_floor_s = 10, 15.0
+    assert job._deadline(acct) == 15.0  # both are the job file's
     job.step = 4  # step 5 evaluates: slower than any typical step
     assert job._deadline(acct) == 120
     job.step, job._phase = 1, "save"
+    assert job._deadline(acct) == 120
+    job._phase = "snapshot"  # an occasional snapshot runs before the next step: not a typical one
     assert job._deadline(acct) == 120
 
 

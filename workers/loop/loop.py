@@ -28,6 +28,9 @@ from workers.loop.plan import (
 from workers.loop.summary import SaveOutcome, SaveState, StepSummary
 from workers.loop.tree import TreeExchange
 
+# the controller's request while it diagnoses a hang: a step that completes meanwhile (a frozen rank continued to
+# write its stacks) fails instead, so no snapshot replaces the one the recovery rolls back to
+HUNG = "hung"
 FAULT_SYNC_S = 30.0  # how long rank 0 waits, before a step a drill's fault hits, for the controller to take its records
 
 
@@ -102,7 +105,7 @@ class RankLoop:
                 (slow if fault["kind"] == "slow_rank" else live)[rank] = fault
             self._keep(step, boundary, window)
             if boundary.stop:
-                return self._end(WindowEnd(step, boundary.stop), window.checkpoint)
+                return self._end(WindowEnd(step, boundary.stop, boundary.preempted), window.checkpoint)
         return self._end(WindowEnd(self.stepper.step, "until"), window.checkpoint)
 
     def _keep(self, step: int, boundary: Boundary, window: Window) -> None:
@@ -111,10 +114,11 @@ class RankLoop:
             self._finish_save(boundary.step)
             if self.desk is not None:
                 self.desk.put(self._held)
-        if window.snapshot_due(step):
+        preempt = boundary.stop == "preempt"  # without checkpoints, the snapshot keeps the step for the replacement
+        if window.snapshot_due(step) or (preempt and window.snapshot_every and not window.checkpoint.every):
             self._enter("snapshot", step)
             self.stepper.snapshot(boundary.keep_from)
-        stopping = boundary.stop == "stop"
+        stopping = boundary.stop in ("stop", "preempt")
         if window.checkpoint.due(step, stopping):
             self._save(step, window.checkpoint, sync=stopping)
 
@@ -125,17 +129,22 @@ class RankLoop:
         step = merged.step
         if not merged.finite:  # nothing of this step is kept: no record, no snapshot, no save
             return Boundary(step, failed="nan_loss")
+        request = self.desk.take(step)
+        if request.stop == HUNG:  # the controller is diagnosing a hang: keep nothing of a step it never saw
+            return Boundary(step, failed=HUNG)
         record = StepRecord(step, merged, time.time(), snapshot=window.snapshot_due(step))
         collect = merged.saving.step if merged.saving is not None and merged.saving.done else None
         if collect is None:
             self.desk.put(record)
         else:  # the finished save is reported first (``_keep``): sealed with the records up to its own step
             self._held = record
-        request = self.desk.take(step)
         faults = {f["rank"]: {**f, "at_step": step + 1} for f in request.faults}
         if step + 1 in window.faults or faults:  # a drill's fault next: the controller has every record first
             self.desk.wait_delivered(FAULT_SYNC_S)
-        return Boundary(step, stop=request.stop, faults=faults, keep_from=merged.replicated, collect=collect)
+        # a preemption notice ends the window here, saved, unless the run stops here anyway
+        stop = request.stop if request.stop == "stop" or not merged.preempted else "preempt"
+        return Boundary(step, stop=stop, faults=faults, keep_from=merged.replicated, collect=collect,
+                        preempted=merged.preempted if stop == "preempt" else ())
 
     # -- saves ---------------------------------------------------------------------------------
 

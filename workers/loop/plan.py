@@ -69,7 +69,8 @@ class Window:
 class Request:
     """What the controller asks of the running window through rank 0's desk, applied at the next boundary:
     ``stop`` ends the window after that step (``stop``, ``resize``, ``pause``: why, for the record; a ``stop``
-    saves the step first when checkpoints are on); ``faults`` are injected into the next step."""
+    saves the step first when checkpoints are on; rank 0 itself stops a window with ``preempt``); ``faults`` are
+    injected into the next step."""
 
     stop: str | None = None
     faults: tuple[dict, ...] = ()
@@ -78,8 +79,9 @@ class Request:
 @dataclass(frozen=True)
 class Boundary:
     """What every rank agrees after ``step``: whether the window fails (``failed``: ``nan_loss``), stops
-    (``stop``), the faults of the next step, the snapshot replication floor (``keep_from``) and an asynchronous
-    save every rank has finished (``collect``)."""
+    (``stop``; ``preempt``: ``preempted`` ranks had a preemption notice, so the step is saved first), the faults
+    of the next step, the snapshot replication floor (``keep_from``) and an asynchronous save every rank has
+    finished (``collect``)."""
 
     step: int
     failed: str | None = None
@@ -87,6 +89,7 @@ class Boundary:
     faults: dict[int, dict] = field(default_factory=dict)
     keep_from: int = -1
     collect: int | None = None
+    preempted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,8 +138,9 @@ class LoopFailed:
 @dataclass(frozen=True)
 class WindowEnd:
     """The window is over on every rank: at ``step`` (the last completed), because ``reason`` (``until``: it
-    reached the window's end; ``stop``/``resize``/``pause``: asked; ``nan_loss``: the next step's loss was not
-    finite, nothing of it kept)."""
+    reached the window's end; ``stop``/``resize``/``pause``: asked; ``preempt``: ``ranks`` had a preemption
+    notice, and the step is saved; ``nan_loss``: the next step's loss was not finite, nothing of it kept)."""
 
     step: int
     reason: str
+    ranks: tuple[int, ...] = ()

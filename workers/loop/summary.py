@@ -70,10 +70,13 @@ class StepSummary:
     extras: dict
     detail: dict[int, RankDetail] | None = None
     saving: SaveState | None = None
+    preempted: tuple[int, ...] = ()  # ranks whose process was told to go (SIGTERM): a checkpoint now, then out
 
     @classmethod
-    def of(cls, result: StepResult, detail: bool = True, saving: SaveState | None = None) -> StepSummary:
-        """One rank's result as a partial (with its own phases and memory when ``detail``)."""
+    def of(cls, result: StepResult, detail: bool = True, saving: SaveState | None = None,
+           preempted: bool = False) -> StepSummary:
+        """One rank's result as a partial (with its own phases and memory when ``detail``; ``preempted``: its
+        process had a preemption notice)."""
         t = result.time_s
         asp = result.extras.get("local_steps") is not None
         window = t.bubble + t.compute
@@ -89,7 +92,7 @@ class StepSummary:
             extras={k: FIGURES[k].lift(v, result.rank) for k, v in result.extras.items()},
             detail={result.rank: RankDetail(t.to_dict(), result.peak_memory_bytes, result.current_memory_bytes)}
             if detail else None,
-            saving=saving)
+            saving=saving, preempted=(result.rank,) if preempted else ())
 
     @classmethod
     def of_all(cls, results, detail: bool = True, saving: SaveState | None = None) -> StepSummary:
@@ -112,7 +115,8 @@ class StepSummary:
             peak=max(self.peak, other.peak, key=lambda p: (p[0], -p[1])), current=max(self.current, other.current),
             replicated=min(self.replicated, other.replicated), extras=merge_partials(self.extras, other.extras),
             detail=detail,
-            saving=other.saving if self.saving is None else self.saving.merge(other.saving))
+            saving=other.saving if self.saving is None else self.saving.merge(other.saving),
+            preempted=tuple(sorted({*self.preempted, *other.preempted})))
 
     @property
     def finite(self) -> bool:

@@ -15,8 +15,9 @@ from workers.loop.summary import SaveState, StepSummary
 
 
 class TrainerStepper:
-    def __init__(self, trainer, store, take_snapshot):
-        self.trainer, self.store, self._take_snapshot = trainer, store, take_snapshot
+    def __init__(self, trainer, store, take_snapshot, notice=lambda: False):
+        """``notice``: whether this rank's process had a preemption notice (``RankWorker``'s SIGTERM handler)."""
+        self.trainer, self.store, self._take_snapshot, self.notice = trainer, store, take_snapshot, notice
 
     @property
     def step(self) -> int:
@@ -25,7 +26,7 @@ class TrainerStepper:
     def run_step(self, faults: dict[int, dict], detail: bool) -> StepSummary:
         result = self.trainer.train_step(faults.get(self.trainer.rank))
         result = dataclasses.replace(result, replicated_step=self.store.replicated)
-        return StepSummary.of(result, detail, self.save_state())
+        return StepSummary.of(result, detail, self.save_state(), self.notice())
 
     def skip_batch(self) -> None:
         self.trainer.state.cursor.next_batch()
