@@ -19,7 +19,7 @@ from orchestrator.runtime.group import _kind
 REPO = Path(__file__).resolve().parents[2]
 DOCS = {path.relative_to(REPO).as_posix(): path.read_text()
         for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]}
-SOURCES = {path: path.read_text() for folder in ("orchestrator", "workers", "parameter_server", "tests/support")
+SOURCES = {path: path.read_text() for folder in ("orchestrator", "workers", "parameter_server", "tests", "benchmarks")
            for path in (REPO / folder).rglob("*.py")}
 CODE = {path: text for path, text in SOURCES.items() if path.parts[len(REPO.parts)] != "tests"}
 
