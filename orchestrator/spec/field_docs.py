@@ -590,6 +590,15 @@ FIELD_DOCS: dict[str, str] = {
         'typical steps, at least `hang_floor_s`, at most this), past which the stuck ranks count as hung; every other '
         'controller call waits at most 5× this'
     ),
+    'fault_tolerance.hang_steps': (
+        'the progress deadline of a typical step, in typical steps (the median of the last twenty); a rank that '
+        "misses it hung, and every rank's Python stacks go to `<run_dir>/hangs/` before it is replaced "
+        '([hangs and preemption](../guides/resilience.md))'
+    ),
+    'fault_tolerance.hang_floor_s': (
+        "the least progress deadline of a typical step, in seconds, so a run of very short steps does not call a "
+        "rank's pause (a collection, a page fault storm) a hang"
+    ),
     'fault_tolerance.survivor_grace_s': (
         "the backstop (on gloo a failed rank's peers are freed at once: it leaves its group): after a rank failed, "
         'survivors still blocked in the failed step this long (or 2 steps, if longer) are restarted with it and '
