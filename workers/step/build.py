@@ -16,10 +16,8 @@ def build_engine(kit: StepKit) -> StepEngine:
     from workers.step.pipeline import PipeDream, TorchPipeline  # here: torch's pipelining imports Dynamo (~1 s)
 
     par = kit.spec.parallel
-    if kit.ps is not None:
-        sync = PSGradSync(kit)
-    else:
-        sync = DiLoCoSync(kit) if par.dp_sync == "diloco" else GradSync(kit)
+    syncs = {"ps": PSGradSync, "diloco": DiLoCoSync}  # else the all-reduce path's
+    sync = syncs.get(par.dp_sync, GradSync)(kit)
     if par.grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous:
         engine = PipeDream(kit)
     elif par.grid.pp_enabled:
