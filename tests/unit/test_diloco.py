@@ -8,8 +8,9 @@ import torch
 
 from orchestrator.errors import SpecError
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layouts
+from tests.support.parity_harness import rank_ports, run_layouts, spawn_ranks
 from tests.support.reference import _lm_objective, _optimizer
+from tests.support.snapshot_ranks import replay_from_snapshot
 from workers.data import DataCursor, open_data
 from workers.model.meta_init import build_full
 from workers.model.registry import model_config
@@ -112,3 +113,13 @@ def test_diloco_refusals_name_the_field(token_data, tmp_path, parallel, field):
     with pytest.raises(SpecError) as err:
         tiny_spec(token_data, tmp_path, parallel=parallel)
     assert field in str(err.value)
+
+
+def test_diloco_rolls_back_to_a_snapshot_mid_round_bit_for_bit(token_data, tmp_path):
+    """A snapshot taken one step into a round (the replicas' weights differ) and restored after the outer step at 6
+    (which moved theta_outer and its momentum): the replayed steps are the first ones exactly, which they are only
+    if the snapshot carried the outer state too."""
+    spec = _spec(token_data, tmp_path, 2).worker_dict()
+    by_rank = spawn_ranks(replay_from_snapshot, (spec, rank_ports(1), 2, 4, STEPS - 4), 2, 300.0)
+    for first, again in by_rank.values():
+        assert again == first
