@@ -257,7 +257,8 @@ FIELD_DOCS: dict[str, str] = {
     'parallel.cpus_per_rank': 'CPUs reserved per rank actor',
     'parallel.dp_sync': (
         '`ps`: data parallelism through parameter-server shards (see [Parameter '
-        'server](../guides/parameter-server.md))'
+        'server](../guides/parameter-server.md)); `diloco`: each replica steps its own optimizer, an outer step '
+        'every `diloco_inner_steps` (see [DiLoCo](../guides/resilience.md#diloco))'
     ),
     'parallel.bucket_mb': (
         'zero 0: a gradient bucket closes at a block boundary once it holds this many MiB, and is averaged as soon as '

@@ -69,7 +69,20 @@ class ParallelSection(Section):
     sequence_parallel: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0
-    dp_sync: Literal["allreduce", "ps"] = "allreduce"  # ps: parameter-server shards (`parameter_server:` section)
+    # ps: parameter-server shards (`parameter_server:` section); diloco: local steps, an outer step every
+    # diloco_inner_steps (workers/step/diloco.py)
+    dp_sync: Literal["allreduce", "ps", "diloco"] = "allreduce"
+    diloco_inner_steps: Annotated[int, Field(ge=1, le=100_000, description=(
+        "dp_sync diloco: H, the steps each data-parallel replica takes on its own data with its own optimizer "
+        "between two outer steps; the replicas' weights cross the dp group once per H steps (the DiLoCo paper "
+        "uses 500 on large models; 8 costs 1/8 of all-reduce's dp bytes per step). Read by "
+        "workers/step/diloco.py."))] = 8
+    diloco_outer_lr: Annotated[float, Field(gt=0, le=10, description=(
+        "dp_sync diloco: the outer optimizer's learning rate (Nesterov SGD on the averaged pseudo-gradient, "
+        "theta_outer - theta_local); 0.7 as Douillard et al. 2023. Read by workers/step/diloco.py."))] = 0.7
+    diloco_outer_momentum: Annotated[float, Field(ge=0, lt=1, description=(
+        "dp_sync diloco: the outer Nesterov momentum, in [0, 1); 0.9 as Douillard et al. 2023 (0 with "
+        "diloco_outer_lr 1 is plain weight averaging, LocalSGD). Read by workers/step/diloco.py."))] = 0.9
     # zero 0: gradients are averaged in buckets of about this many MiB as backward produces them (overlapping
     # it; 25 is DDP's default); 0: one bucket, averaged after backward (no overlap)
     bucket_mb: Annotated[float, Field(ge=0, le=1_000_000)] = 25.0  # up to a terabyte: one bucket in practice

@@ -132,7 +132,9 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             load_hf_weights(unwrap(part), spec.finetune.init_from)
         wrapped.append(part)
     # PipeDream's executor averages each update's gradient itself (workers.parallel.async_pipeline)
-    own_reduce = ps or par.zero != 0 or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous)
+    # dp_sync diloco: no gradient crosses dp; the replicas' weights meet every H steps (workers/step/diloco.py)
+    own_reduce = (ps or par.zero != 0 or par.dp_sync == "diloco"
+                  or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous))
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
                       ep_group=ep_group, expert_mesh=expert_mesh)

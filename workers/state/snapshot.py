@@ -60,8 +60,9 @@ def _copy(state: TrainState) -> dict:
     # an asynchronous pipeline's versions and in-flight microbatches, already serialized (a copy) by its state_dict
     versions = state.weight_versions.state_dict() if state.weight_versions is not None else {}
     feedback = state.wire_feedback.state_dict() if state.wire_feedback is not None else {}
+    outer = state.outer.host_copy() if state.outer is not None else {}  # dp_sync diloco's theta_outer, momentum
     return {"model": model, "buffers": buffers, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
-            "weight_versions": versions, "wire_feedback": feedback}
+            "weight_versions": versions, "wire_feedback": feedback, "diloco": outer}
 
 
 def restore(state: TrainState, snap: dict) -> None:
@@ -88,6 +89,8 @@ def restore(state: TrainState, snap: dict) -> None:
     state.load_weight_versions(snap.get("weight_versions", {}))
     if state.wire_feedback is not None:
         state.wire_feedback.load_state_dict(snap.get("wire_feedback", {}))
+    if state.outer is not None:
+        state.outer.load_state_dict(snap["diloco"])
 
 
 def _like(param: torch.Tensor, saved):

@@ -64,6 +64,11 @@ class TrainState:
         self.wire_feedback = None
         self.experts = expert_stacks.sharded_experts(unwrap(m) for m in modules)  # empty unless ep > 1
         self.expert_mesh = expert_mesh
+        # dp_sync diloco (workers/step/diloco.py): theta_outer and the outer momentum (state_dict() and
+        # load_state_dict(), host_copy()), and this replica's name, under which its own weights and inner optimizer
+        # state are saved (they differ between replicas mid-round); None without diloco
+        self.outer = None
+        self.replica: str | None = None
 
     def resident(self, write_back: bool = True):
         """Offloaded parameter shards back on the device for the block; ``write_back`` False where the block
@@ -115,7 +120,9 @@ class TrainState:
         if self.experts:
             model = expert_stacks.whole(model, self.experts, self.expert_mesh)
             optim = expert_stacks.whole(optim, self.experts, self.expert_mesh)
-        out = {"model": model, "optim": optim, "train": self.progress_state()}
+        out = {"model": self._own(model), "optim": self._own(optim), "train": self.progress_state()}
+        if self.outer is not None:
+            out["diloco"] = self.outer.state_dict()
         if self.weight_versions is not None:
             out["weight_versions"] = self.weight_versions.state_dict()
         return out
@@ -124,7 +131,7 @@ class TrainState:
         """Each part takes its own keys of ``state`` back (call inside ``resident``). The optimizer's state (moments,
         step counts) comes from ``state``, its hyperparameters (weight decay, betas, momentum, the rate) stay the job
         file's: a resume with ``--set optim.lr=...`` must train at that rate, not at the checkpoint's."""
-        model, optim = state["model"], state["optim"]
+        model, optim = self._shared(state["model"]), self._shared(state["optim"])
         if self.experts:
             like_model, like_optim = self._model_and_optim()
             model = expert_stacks.held(model, like_model, self.experts)
@@ -137,6 +144,20 @@ class TrainState:
                 group.update(job)
         self.load_progress_state(state["train"])
         self.load_weight_versions(state.get("weight_versions", {}))
+        if self.outer is not None:
+            self.outer.load_state_dict(state["diloco"])
+
+    def _own(self, entries: dict) -> dict:
+        """Under diloco each replica's entries under its own names (``replica``): DCP saves one copy of a key that
+        every dp rank holds, and a replica's weights and moments are its own; as they are otherwise."""
+        return entries if self.replica is None else {f"{self.replica}.{k}": v for k, v in entries.items()}
+
+    def _shared(self, entries: dict) -> dict:
+        """``_own``'s entries under the names the parts know again."""
+        if self.replica is None:
+            return entries
+        head = f"{self.replica}."
+        return {k[len(head):]: v for k, v in entries.items() if k.startswith(head)}
 
     def load_weight_versions(self, versions: dict) -> None:
         """Hand the asynchronous pipeline its stashed versions back, with the step they belong to."""

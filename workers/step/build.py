@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from workers.contract.schedules import schedule as schedule_facts
 from workers.step.context import StepKit
+from workers.step.diloco import DiLoCoSync
 from workers.step.engine import Accumulate, GradSync, PSGradSync, StepEngine
 from workers.step.ps_round import PSRound
 
@@ -15,7 +16,8 @@ def build_engine(kit: StepKit) -> StepEngine:
     from workers.step.pipeline import PipeDream, TorchPipeline  # here: torch's pipelining imports Dynamo (~1 s)
 
     par = kit.spec.parallel
-    sync = PSGradSync(kit) if kit.ps is not None else GradSync(kit)
+    syncs = {"ps": PSGradSync, "diloco": DiLoCoSync}  # else the all-reduce path's
+    sync = syncs.get(par.dp_sync, GradSync)(kit)
     if par.grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous:
         engine = PipeDream(kit)
     elif par.grid.pp_enabled:

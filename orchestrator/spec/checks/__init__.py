@@ -14,6 +14,7 @@ from orchestrator.spec.checks.batching import check_batch_ramp, check_batching
 from orchestrator.spec.checks.comm import check_comm
 from orchestrator.spec.checks.compile import check_compile
 from orchestrator.spec.checks.context import check_context_parallel
+from orchestrator.spec.checks.diloco import check_diloco
 from orchestrator.spec.checks.document_mask import check_document_mask
 from orchestrator.spec.checks.dpo import check_dpo
 from orchestrator.spec.checks.eval import check_eval
@@ -31,7 +32,8 @@ from orchestrator.spec.checks.precision import check_float8, check_precision
 from orchestrator.spec.checks.tensor import check_init_from_vocab, check_tensor_split
 from orchestrator.spec.checks.zero import check_fsdp_prefetch, check_zero
 
-CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_pipeline_split, check_tensor_split,
+CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_diloco, check_pipeline_split,
+                      check_tensor_split,
                       check_init_from_vocab, check_batching, check_batch_ramp, check_zero, check_precision,
                       check_float8,
                       check_recompute, check_faults, check_muon, check_parameter_server, check_offload, check_lora,

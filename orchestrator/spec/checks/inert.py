@@ -49,7 +49,7 @@ def _inert_settings(job: JobSpec) -> list[tuple]:
     no_store = ("places what memory.offload moves, and this job offloads nothing (memory.offload.optimizer, "
                 "params and activations are false, optim.name is not paged_adamw, no page_at)")
     no_port = "belongs to the Prometheus endpoint, and metrics.port is unset (no endpoint)"
-    local = job.parallel.dp_sync == "allreduce"  # with shards, parameter_server.optimizer may read them
+    local = job.parallel.dp_sync != "ps"  # with shards, parameter_server.optimizer may read them
     return [
         *[(f"memory.offload.{k}", getattr(off, k), not stored, no_store, "set memory.offload.optimizer (or params, "
            f"activations) to true, or remove memory.offload.{k}") for k in ("tier", "prefetch")],
