@@ -25,15 +25,24 @@ from workers.state.dcp_reading import CheckpointRefusal
 from workers.state.known_weights import load_known
 
 
-def load_dcp_model(model: nn.Module, checkpoint: str | Path) -> None:
+def load_dcp_model(model: nn.Module, checkpoint: str | Path, diloco_replicas: int = 0) -> None:
     """Read the ``model`` entries of a DCP checkpoint into ``model`` in this process alone; one holding weights
-    ``model`` has none of (more layers) is refused (``workers.state.known_weights``)."""
-    state = {"model": model.state_dict()}
+    ``model`` has none of (more layers) is refused (``workers.state.known_weights``). A ``dp_sync: diloco`` run's
+    checkpoint (``diloco_replicas``: its dp) holds each replica's own weights, which differ mid-round; the model it
+    trained is theta_outer, the weights every replica takes at a sync, so that is what is read."""
+    weights = model.state_dict()
+    state, known = {"model": weights}, list(weights)
+    if diloco_replicas:
+        from workers.step.diloco import replica_prefix
+
+        state = {"diloco": {"outer": {name: p.detach() for name, p in model.named_parameters()}}}
+        known = [f"{replica_prefix(k)}.{name}" for k in range(diloco_replicas) for name in weights]
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: what this function is for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            load_known(state, checkpoint, state["model"], no_dist=True)
-        model.load_state_dict(state["model"])
+            load_known(state, checkpoint, known, no_dist=True)
+        if not diloco_replicas:
+            model.load_state_dict(weights)
     except (CheckpointException, RuntimeError) as exc:  # DCP's is a BaseException, tens of lines long
         mismatch = _first_mismatch(exc)
         if mismatch is None:  # a file missing or cut short under a re-written manifest: no shape to blame
@@ -122,7 +131,7 @@ def rebuilt_model(spec: dict, checkpoint: str | Path) -> tuple[WorkerSpec, nn.Mo
         load_hf_weights(model, tuning.init_from)
     if tuning.lora:
         prepare_model(model, tuning.lora, job.train.seed)
-    load_dcp_model(model, checkpoint)
+    load_dcp_model(model, checkpoint, job.parallel.dp if job.parallel.dp_sync == "diloco" else 0)
     return job, model
 
 

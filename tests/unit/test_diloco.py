@@ -71,7 +71,7 @@ def layouts(token_data, tmp_path_factory):
     whole, saved, resumed = run_layouts([two.worker_dict()] * 3, 2, [STEPS, 4, STEPS - 4],
                                         checkpoints=[None, ckpt, None], resumes=[None, None, ckpt])
     return {"dp4": (specs["dp4"], four[0]), "dp2pp2": (specs["dp2pp2"], four[1]), "dp2": (two, whole),
-            "saved": saved, "resumed": resumed}
+            "saved": saved, "resumed": resumed, "ckpt": ckpt}
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp4", "dp2pp2"])
@@ -99,6 +99,24 @@ def test_diloco_resumes_mid_round_bit_for_bit(layouts):
     assert layouts["resumed"].losses == whole.losses[4:]
     assert layouts["resumed"].grad_norms == whole.grad_norms[4:]
     assert layouts["resumed"].field("loss") == {r: v[4:] for r, v in whole.field("loss").items()}
+
+
+def test_a_diloco_checkpoint_exports_theta_outer(layouts, tmp_path):
+    """`export-merged`/`export-hf` rebuild the model from a checkpoint: a diloco one holds each replica's weights
+    under its own name (they differ mid-round) and theta_outer, the weights every replica takes at a sync; the
+    export reads theta_outer, as DCP's own converter finds it in the files."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from workers.finetune import rebuilt_model
+
+    dcp_to_torch_save(layouts["ckpt"], tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    outer, head = saved["diloco"]["outer"], "diloco_replica0."
+    replica0 = {k[len(head):]: v for k, v in saved["model"].items() if k.startswith(head)}
+    _, model = rebuilt_model(layouts["dp2"][0].worker_dict(), layouts["ckpt"])
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    assert set(params) == set(outer) and all(torch.equal(params[n], outer[n]) for n in params)
+    assert any(not torch.equal(outer[n], replica0[n]) for n in outer)  # saved mid-round: not replica 0's weights
 
 
 @pytest.mark.parametrize(("parallel", "field"), [

@@ -24,6 +24,12 @@ from workers.step.context import StepContext, StepKit
 from workers.step.engine import GradSync
 
 
+def replica_prefix(replica: int) -> str:
+    """The name a replica's own entries (weights, inner optimizer state) carry in a checkpoint: DCP keeps one copy
+    of a key every rank saves, and under diloco each replica's are its own (``TrainState._own``)."""
+    return f"diloco_replica{replica}"
+
+
 class OuterStep:
     """``theta_outer`` and its Nesterov SGD for one rank's model parts (this pipeline stage's parameters)."""
 
@@ -78,7 +84,7 @@ class DiLoCoSync(GradSync):
         self.every = kit.spec.parallel.diloco_inner_steps
         self.outer = OuterStep(kit)
         kit.state.outer = self.outer
-        kit.state.replica = f"diloco_replica{kit.mesh['dp'].get_local_rank()}"
+        kit.state.replica = replica_prefix(kit.mesh['dp'].get_local_rank())
 
     def update(self, applied: bool, ctx: StepContext) -> None:
         super().update(applied, ctx)
