@@ -45,12 +45,14 @@ def take(state: TrainState, compress: bool = False) -> dict:
 
 
 def _copy(state: TrainState) -> dict:
-    model, buffers, optim = {}, {}, {}
+    model, buffers, optim, masters = {}, {}, {}, {}
     with torch.no_grad(), state.resident(write_back=False):
         for named, stepped, opt in state.named_parts():
             for name, p in named:
                 model[name] = _local(p).to("cpu", copy=True)
             for name, p in stepped:
+                if state.masters_apart:  # ZeRO-1's exact fp32 slices, apart from the rounded parameters
+                    masters[name] = _local(p).to("cpu", copy=True)
                 if p in opt.state:
                     optim[name] = {
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
@@ -61,7 +63,7 @@ def _copy(state: TrainState) -> dict:
     versions = state.weight_versions.state_dict() if state.weight_versions is not None else {}
     feedback = state.wire_feedback.state_dict() if state.wire_feedback is not None else {}
     return {"model": model, "buffers": buffers, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
-            "weight_versions": versions, "wire_feedback": feedback}
+            "weight_versions": versions, "wire_feedback": feedback, "masters": masters}
 
 
 def restore(state: TrainState, snap: dict) -> None:
@@ -78,6 +80,8 @@ def restore(state: TrainState, snap: dict) -> None:
             for name, p in named:
                 _local(p).copy_(snap["model"][name])
             for name, p in stepped:
+                if name in snap.get("masters", {}):
+                    _local(p).copy_(snap["masters"][name])
                 if name in snap["optim"]:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
                 else:
