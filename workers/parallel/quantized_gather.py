@@ -14,13 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-BLOCK = 256  # values per fp32 scale: ZeRO++'s qwZ granularity; the scales add 4/256 bytes per value
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+from workers.contract.param_gather import BLOCK
 
-
-def wire_bytes_per_value(dtype: str) -> float:
-    """Bytes one parameter value costs on the wire under ``parallel.param_gather_dtype`` (the comm model's figure)."""
-    return 1 + 4 / BLOCK if dtype == "int8" else DTYPES[dtype].itemsize
+DTYPES = ("fp32", "bf16", "int8")  # parallel.param_gather_dtype's values
 
 
 def padded(width: int) -> int:
