@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.parity_harness import rank_ports, spawn_ranks
+from tests.support.parity_harness import gloo_dp_mesh, rank_ports, spawn_ranks
 from workers.parallel import quantized_gather as qg
 
 SHAPES = {"w": (300, 7), "b": (5,), "v": (1, 513)}  # uneven rows, a tail block, a row wider than a block
@@ -25,15 +25,9 @@ def _stepped(name: str, shape) -> torch.Tensor:
 
 
 def _rank_main(rank: int, ports, results) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     from workers.parallel.distributed_optimizer import DistributedOptimizer
-    from workers.parallel.process_group import join_on_loopback
 
-    torch.set_num_threads(1)
-    port, listener = ports.join(rank, 0)
-    join_on_loopback(rank, 2, port, listener=listener)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mesh = gloo_dp_mesh(rank, ports, 2)
     out = {}
     for dtype in qg.DTYPES:
         params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
