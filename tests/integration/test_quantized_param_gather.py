@@ -6,7 +6,7 @@ by 4 / (1 + 4/256) = 3.94x (int8) and 2x (bf16) while the reduce-scatter stays, 
 every rank's row within 5%; after 200 steps the loss (the last 20 steps' mean) is not above fp32 gathers' by more
 than 1%; the checkpoint holds the fp32
 masters, so a resume continues an uninterrupted int8 run bit for bit. The per-element error bound and identical
-replicas: tests/unit/test_quantized_param_gather.py.
+replicas: tests/unit/test_quantized_gather_bound.py.
 """
 
 from __future__ import annotations
