@@ -118,7 +118,7 @@ class Trainer:
         held = frozenset(id(p) for e in self.parts.experts for p in e.parameters())  # sliced over edp instead
         reduce = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
         self.zero1 = [sliced_optimizer(unwrap(m).named_parameters(), self.mesh, dp_dim, held, self.parts.expert_mesh,
-                                       replicate, reduce) for m in sliced]
+                                       replicate, reduce, par.param_gather_dtype) for m in sliced]
         if self.zero1 and held:  # the clip reads the experts' slices: summed over ep, as their weights would be
             names = {n for m in sliced for n, p in unwrap(m).named_parameters() if id(p) in held}
             shards = [s for z in self.zero1 for n, s in z.shards.items() if n in names]
@@ -138,8 +138,10 @@ class Trainer:
                             cp_rank=self.coords.cp, cp_size=par.grid.cp,
                             eos_id=document_eos(self.spec.model.attention_mask, dataset))
         named = [z.module() for z in self.zero1] or None
-        return TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload, named,
-                          self.parts.expert_mesh)
+        state = TrainState(self.parts.modules, optimizers, schedulers, cursor, scaler, self.param_offload, named,
+                           self.parts.expert_mesh)
+        state.refresh = [z.all_gather for z in self.zero1 if z.masters_apart]  # parallel.param_gather_dtype
+        return state
 
     def train_step(self, fault: dict | None = None) -> StepResult:
         """One optimizer step (or asp/ssp round); returns its loss, time per phase (``StepEngine.step`` says

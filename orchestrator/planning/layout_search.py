@@ -33,6 +33,7 @@ from orchestrator.planning import time_model as tm
 from orchestrator.spec.sections import recompute_plan
 from orchestrator.units import human_bytes
 from workers.contract.mixed_precision import planned_fsdp_mixed
+from workers.contract.param_gather import wire_bytes_per_value
 from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
 from workers.parallel.partition import balanced_split
@@ -87,6 +88,7 @@ class Shape:
     compiled_loss: bool = False  # and the whole-logits loss too (not DPO's own loss)
     grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: ZeRO 1-3's gradient reduction width outside the policy
     attention_params: int | None = None  # DeepSeek-V3's MLA (``ModelConfig.mla_params``); None: q, k, v, o
+    param_gather_bytes: float = 4  # parallel.param_gather_dtype: ZeRO-1's slice all-gather, bytes per value
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -98,7 +100,8 @@ class Shape:
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
                    spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec),
-                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype], m.mla_params if m.arch == "deepseek_v3" else None)
+                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype], m.mla_params if m.arch == "deepseek_v3" else None,
+                   wire_bytes_per_value(spec.parallel.param_gather_dtype))
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -503,6 +506,7 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     embedding_grad = s.vocab * s.d_model * (lay.tp - 1) // lay.tp if 0 in ids and lay.zero == 0 else 0
     # FSDP2's policy gathers 16-bit parameters and reduces in precision.reduce_dtype; autocast moves fp32
     gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, s.grad_reduce_bytes if lay.zero else 4)
+    gather = s.param_gather_bytes if lay.zero == 1 else gather  # int8/bf16 slices (workers/contract/param_gather.py)
     return cm.CommShape(gather * params, reduce * (params + embedding_grad), c * sbh,
                         s.boundary_width(lay.zero) * sbh // lay.tp,
                         2 * c * seq * lay.micro_batch * s.kv * s.head_size // lay.tp,

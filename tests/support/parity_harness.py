@@ -222,6 +222,19 @@ def rank_ports(groups: int) -> GroupPorts:
     return GroupPorts(groups, _rank_context())
 
 
+def gloo_dp_mesh(rank: int, ports: GroupPorts, world_size: int):
+    """Inside a ``spawn_ranks`` child: join the ranks' gloo group on loopback (one thread each) and return the 1-D
+    ``dp`` mesh over all of them, what a test of one data-parallel collective needs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from workers.parallel.process_group import join_on_loopback
+
+    torch.set_num_threads(1)
+    port, listener = ports.join(rank, 0)
+    join_on_loopback(rank, world_size, port, listener=listener)
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+
+
 def spawn_ranks(body, args: tuple, world_size: int, timeout_s: float) -> dict:
     """Run ``body(rank, *args, results)`` in ``world_size`` child processes (forked from the fork server,
     ``_rank_context``); return ``{rank: what it put}``.

@@ -29,6 +29,12 @@ def _job(parallel: dict, **sections) -> JobSpec:
     ({"dp": 2, "grad_reduce_dtype": "bf16"}, ["parallel.grad_reduce_dtype", "zero: 0", "grad_compression: bf16"]),
     ({"dp": 2, "zero": 3, "grad_reduce_dtype": "bf16", "_bf16_policy": True},
      ["parallel.grad_reduce_dtype", "precision.reduce_dtype: bf16"]),
+    ({"dp": 2, "zero": 3, "param_gather_dtype": "int8"},
+     ["parallel.param_gather_dtype", "int8", "computes in the dtype it gathers", "zero: 3", "parallel.zero: 1"]),
+    ({"dp": 2, "param_gather_dtype": "bf16"}, ["parallel.param_gather_dtype", "bf16", "zero: 0", "parallel.zero: 1"]),
+    ({"dp": 2, "zero": 1, "dp_sync": "ps", "param_gather_dtype": "int8"},
+     ["parallel.param_gather_dtype", "dp_sync: ps", "dp_sync: allreduce"]),
+    ({"dp": 1, "zero": 1, "param_gather_dtype": "int8"}, ["parallel.param_gather_dtype", "parallel.dp: 2 or more"]),
 ])
 def test_bad_dp_shard_is_refused_naming_the_field_and_the_fix(parallel, words):
     policy = {"precision": {"dtype": "bf16", "policy": "fsdp"}} if parallel.pop("_bf16_policy", False) else {}
@@ -98,3 +104,13 @@ def test_a_bf16_reduction_is_priced_at_two_bytes_a_gradient():
     lay = ls.Layout(4, 1, 1, zero=1)
     a, b = ls.comm_shape(fp32, lay, 0), ls.comm_shape(bf16, lay, 0)
     assert b.grad_bytes * 2 == a.grad_bytes and b.param_bytes == a.param_bytes  # the slices gather in fp32
+
+
+@pytest.mark.parametrize("dtype, per_value", [("bf16", 2), ("int8", 1 + 4 / 256)])
+def test_a_quantized_gather_is_priced_at_its_wire_bytes_and_only_at_zero_1(dtype, per_value):
+    fp32, low = (ls.Shape.of(_job({"dp": 4, "zero": 1, "param_gather_dtype": d})) for d in ("fp32", dtype))
+    lay = ls.Layout(4, 1, 1, zero=1)
+    a, b = ls.comm_shape(fp32, lay, 0), ls.comm_shape(low, lay, 0)
+    assert b.param_bytes == pytest.approx(a.param_bytes * per_value / 4) and b.grad_bytes == a.grad_bytes
+    zero3 = ls.Layout(4, 1, 1, zero=3)  # a layout the planner considers for the same job: FSDP2 gathers fp32
+    assert ls.comm_shape(low, zero3, 0).param_bytes == ls.comm_shape(fp32, zero3, 0).param_bytes

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import rank_ports, run_layouts, spawn_ranks
+from tests.support.parity_harness import gloo_dp_mesh, rank_ports, run_layouts, spawn_ranks
 from tests.support.reference import reference_run
 
 STEPS = 3
@@ -89,15 +89,9 @@ def _local_torch(params):
 
 def _rank_main(rank: int, ports, results) -> None:
     """Every case stepped by the sharded Adafactor and by PyTorch's on the local shards, over dp=2."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from workers.optim.adafactor import ShardedAdafactor
-    from workers.parallel.process_group import join_on_loopback
 
-    torch.set_num_threads(1)
-    port, listener = ports.join(rank, 0)
-    join_on_loopback(rank, 2, port, listener=listener)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mesh = gloo_dp_mesh(rank, ports, 2)
     out = {}
     for name, (shape, dim) in CASES.items():
         out[name] = {"sharded": _sharded(shape, dim, mesh, lambda ps: ShardedAdafactor(ps, **HYPER))}

@@ -14,6 +14,11 @@ locally over microbatches (plain or pipelined), then
    the optimizer state exists for the slice only;
 3. ``all_gather`` sends the updated rows back with one ``all_gather_into_tensor`` of the same layout.
 
+With ``parallel.param_gather_dtype`` bf16 or int8 (ZeRO++'s quantized weights, ``quantized_gather.py``) the rows
+travel in that dtype and every rank, the owner included, computes with the dequantized values, so replicas stay
+identical; the shard is then its own fp32 tensor (not a view of the rows), the master the optimizer steps and
+checkpoints save, so the rounding never accumulates.
+
 Each shard is a DTensor placed like its parameter plus ``Shard(0)`` over dp, on a mesh ordered (tp, dp):
 tp splits the global tensor first, then dp splits the tp-local rows, which is exactly how the slice was cut.
 So the global-norm clip (``workers.optim.build.global_grad_norm``) sums each slice once over dp and tp, and
@@ -35,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from workers.parallel import quantized_gather
 
 
 def dim0_chunk(rows: int, parts: int, index: int) -> tuple[int, int]:
@@ -67,7 +74,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, named_params, root_mesh: DeviceMesh, dp_dim: str = "dp", replicate_dim: str | None = None,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, gather_dtype: str = "fp32"):
         self.dp_mesh, self._dp_dim = root_mesh[dp_dim], dp_dim  # "dp_cp" under context parallelism
         self.group = self.dp_mesh.get_group()
         self.dp, self.index = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
@@ -76,6 +83,7 @@ class DistributedOptimizer:
         self.replicate_group = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
         self.replicas = replicas.size() if replicas is not None else 1
         self.reduce_dtype = reduce_dtype  # parallel.grad_reduce_dtype: what the reduce-scatter moves
+        self.gather_dtype = gather_dtype  # parallel.param_gather_dtype: what the all-gather moves
         self._root, self._meshes = root_mesh, {}
         self.slots: dict[str, _Slot] = {}
         offset = 0
@@ -90,6 +98,12 @@ class DistributedOptimizer:
     def shards(self) -> dict[str, nn.Parameter]:
         return {name: slot.shard for name, slot in self.slots.items()}
 
+    @property
+    def masters_apart(self) -> bool:
+        """Whether the shards are fp32 masters apart from the parameters (a lossy gather): then checkpoints save
+        the shards' values and a load gathers them back into the parameters (``TrainState.refresh``)."""
+        return self.gather_dtype != "fp32"
+
     def _slot(self, name: str, p: nn.Parameter, offset: int) -> _Slot:
         local = p.to_local() if isinstance(p, DTensor) else p.data
         if local.dim() == 0:
@@ -99,6 +113,8 @@ class DistributedOptimizer:
         start, stop = dim0_chunk(rows, self.dp, self.index)
         mesh, placements = self._placement(p)
         view = local.detach()[start:stop]
+        if self.masters_apart:  # the rows will hold dequantized values; the master keeps the exact ones
+            view = view.clone()
         shard = nn.Parameter(DTensor.from_local(view, mesh, placements, run_check=False, shape=p.shape,
                                                 stride=p.stride()))
         return _Slot(p, shard, offset, -(-rows // self.dp) * row)
@@ -141,13 +157,13 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def all_gather(self) -> None:
-        """Every dp rank's updated rows back into every rank's parameters."""
+        """Every dp rank's updated rows back into every rank's parameters (through ``gather_dtype`` on the wire:
+        every rank, this one included, then holds the same dequantized rows)."""
         mine = torch.zeros(self.width, dtype=torch.float32, device=self.dp_mesh.device_type)
         for slot in self.slots.values():
             local = _local(slot.shard)
             mine[slot.offset:slot.offset + local.numel()].copy_(local.reshape(-1))
-        flat = self._buffer()
-        dist.all_gather_into_tensor(flat, mine, group=self.group)
+        flat = quantized_gather.gather(mine, self.gather_dtype, self.group)
         for slot in self.slots.values():
             _gather_rows(flat, slot.local, slot, self.dp, self.width)
 
@@ -198,6 +214,10 @@ class SlicedParts:
         for slicer in self.slicers:
             slicer.zero_grad()
 
+    @property
+    def masters_apart(self) -> bool:
+        return any(slicer.masters_apart for slicer in self.slicers)
+
     def module(self) -> nn.Module:
         return shards_module(self.shards)
 
@@ -205,17 +225,18 @@ class SlicedParts:
 def sliced_optimizer(named_params, root_mesh: DeviceMesh, dp_dim: str, expert_ids: frozenset[int] = frozenset(),
                      expert_mesh: DeviceMesh | None = None,
                      replicate_dim: str | None = None,
-                     reduce_dtype: torch.dtype = torch.float32) -> DistributedOptimizer | SlicedParts:
+                     reduce_dtype: torch.dtype = torch.float32,
+                     gather_dtype: str = "fp32") -> DistributedOptimizer | SlicedParts:
     """ZeRO-1 for one model part: its parameters sliced over ``dp_dim`` of ``root_mesh`` (and, under hybrid
     sharding, their reduced slices all-reduced over ``replicate_dim``), but those in ``expert_ids``
     (expert-parallel experts) over ``edp`` of ``expert_mesh`` (see the module docstring)."""
     named = list(named_params)
     if expert_mesh is None or not expert_ids:
-        return DistributedOptimizer(named, root_mesh, dp_dim, replicate_dim, reduce_dtype)
+        return DistributedOptimizer(named, root_mesh, dp_dim, replicate_dim, reduce_dtype, gather_dtype)
     dense = [(n, p) for n, p in named if id(p) not in expert_ids]
     experts = [(n, p) for n, p in named if id(p) in expert_ids]
-    return SlicedParts([DistributedOptimizer(dense, root_mesh, dp_dim),
-                        DistributedOptimizer(experts, expert_mesh, "edp")])
+    return SlicedParts([DistributedOptimizer(dense, root_mesh, dp_dim, gather_dtype=gather_dtype),
+                        DistributedOptimizer(experts, expert_mesh, "edp", gather_dtype=gather_dtype)])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -45,12 +45,14 @@ def take(state: TrainState, compress: bool = False) -> dict:
 
 
 def _copy(state: TrainState) -> dict:
-    model, buffers, optim = {}, {}, {}
+    model, buffers, optim, masters = {}, {}, {}, {}
     with torch.no_grad(), state.resident(write_back=False):
         for named, stepped, opt in state.named_parts():
             for name, p in named:
                 model[name] = _local(p).to("cpu", copy=True)
             for name, p in stepped:
+                if state.masters_apart:  # ZeRO-1's exact fp32 slices, apart from the rounded parameters
+                    masters[name] = _local(p).to("cpu", copy=True)
                 if p in opt.state:
                     optim[name] = {
                         k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in opt.state[p].items()
@@ -62,7 +64,7 @@ def _copy(state: TrainState) -> dict:
     feedback = state.wire_feedback.state_dict() if state.wire_feedback is not None else {}
     outer = state.outer.host_copy() if state.outer is not None else {}  # dp_sync diloco's theta_outer, momentum
     return {"model": model, "buffers": buffers, "optim": optim, "progress": copy.deepcopy(state.progress_state()),
-            "weight_versions": versions, "wire_feedback": feedback, "diloco": outer}
+            "weight_versions": versions, "wire_feedback": feedback, "diloco": outer, "masters": masters}
 
 
 def restore(state: TrainState, snap: dict) -> None:
@@ -79,6 +81,8 @@ def restore(state: TrainState, snap: dict) -> None:
             for name, p in named:
                 _local(p).copy_(snap["model"][name])
             for name, p in stepped:
+                if name in snap.get("masters", {}):
+                    _local(p).copy_(snap["masters"][name])
                 if name in snap["optim"]:
                     opt.state[p] = {k: _like(p, v) for k, v in snap["optim"][name].items()}
                 else:

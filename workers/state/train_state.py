@@ -69,6 +69,10 @@ class TrainState:
         # state are saved (they differ between replicas mid-round); None without diloco
         self.outer = None
         self.replica: str | None = None
+        # ZeRO-1 with a lossy parameter gather (parallel.param_gather_dtype): the stepped slices are exact fp32
+        # masters apart from the dequantized parameters; saves take the masters, and after a load ``refresh``
+        # (the sliced optimizers' all-gathers, set by the trainer) rebuilds the parameters from them
+        self.refresh: list = []
 
     def resident(self, write_back: bool = True):
         """Offloaded parameter shards back on the device for the block; ``write_back`` False where the block
@@ -109,6 +113,8 @@ class TrainState:
         model, optim = {}, {}
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
             model.update(get_model_state_dict(unwrap(part)))
+            if self.masters_apart:  # the exact fp32 masters under the parameters' names, not the rounded values
+                model.update(get_model_state_dict(named))
             optim.update(get_optimizer_state_dict(named, opt, options=_OPTIONS))
         return model, optim
 
@@ -137,7 +143,7 @@ class TrainState:
             model = expert_stacks.held(model, like_model, self.experts)
             optim = expert_stacks.held(optim, like_optim, self.experts)
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
-            set_model_state_dict(unwrap(part), model, options=_OPTIONS)
+            set_model_state_dict(unwrap(part), self._load_masters(named, model), options=_OPTIONS)
             job_groups = _hyperparameters(opt)
             set_optimizer_state_dict(named, opt, optim, options=_OPTIONS)
             for group, job in zip(opt.param_groups, job_groups, strict=True):
@@ -146,6 +152,8 @@ class TrainState:
         self.load_weight_versions(state.get("weight_versions", {}))
         if self.outer is not None:
             self.outer.load_state_dict(state["diloco"])
+        for refresh in self.refresh:
+            refresh()
 
     def _own(self, entries: dict) -> dict:
         """Under diloco each replica's entries under its own names (``replica``): DCP saves one copy of a key that
@@ -158,6 +166,19 @@ class TrainState:
             return entries
         head = f"{self.replica}."
         return {k[len(head):]: v for k, v in entries.items() if k.startswith(head)}
+
+    @property
+    def masters_apart(self) -> bool:
+        return bool(self.refresh)
+
+    def _load_masters(self, named: nn.Module, model: dict) -> dict:
+        """With masters apart, load the saved values into the masters and hand the part only the rest (frozen
+        weights, buffers): its trainable parameters are rebuilt from the masters by ``refresh``."""
+        if not self.masters_apart:
+            return model
+        keys = set(get_model_state_dict(named))
+        set_model_state_dict(named, {k: v for k, v in model.items() if k in keys}, options=_OPTIONS)
+        return {k: v for k, v in model.items() if k not in keys}
 
     def load_weight_versions(self, versions: dict) -> None:
         """Hand the asynchronous pipeline its stashed versions back, with the step they belong to."""

@@ -32,6 +32,7 @@ def check_precision(job: JobSpec) -> None:
                         "remove precision.reduce_dtype, or set precision.policy: fsdp with zero 2 or 3 (ZeRO-0 "
                         "compresses its buckets with parallel.grad_compression: bf16)")
     check_grad_reduce_dtype(job)
+    check_param_gather_dtype(job)
 
 
 def check_grad_reduce_dtype(job: JobSpec) -> None:
@@ -48,6 +49,26 @@ def check_grad_reduce_dtype(job: JobSpec) -> None:
         raise SpecError("parallel.grad_reduce_dtype", p.grad_reduce_dtype, "would be overruled: this job runs "
                         "FSDP2's bf16 policy, whose reduction dtype is precision.reduce_dtype",
                         "remove parallel.grad_reduce_dtype and set precision.reduce_dtype: bf16")
+
+
+def check_param_gather_dtype(job: JobSpec) -> None:
+    """``parallel.param_gather_dtype`` quantizes the all-gather of ZeRO-1's updated slices (distributed_optimizer.py).
+    FSDP2 (ZeRO-2/3) gathers in the dtype it computes in, so a gather-only cast does not exist there; elsewhere
+    nothing is gathered. Refused, not ignored."""
+    p = job.parallel
+    if p.param_gather_dtype == "fp32":
+        return
+    if p.zero != 1 or p.dp_sync != "allreduce":
+        why = ("would change compute too: FSDP2 (zero 2/3) computes in the dtype it gathers "
+               "(MixedPrecisionPolicy.param_dtype)" if p.zero >= 2 and p.dp_sync == "allreduce" else
+               "quantizes ZeRO-1's all-gather of the updated slices, which this job does not run")
+        raise SpecError("parallel.param_gather_dtype", p.param_gather_dtype, f"{why} (zero: {p.zero}, dp_sync: "
+                        f"{p.dp_sync})", "set parallel.zero: 1 with dp_sync: allreduce, or remove "
+                        "parallel.param_gather_dtype (for bf16 gathers at zero 2/3 use precision.policy: fsdp)")
+    if p.dp * p.cp < 2:
+        raise SpecError("parallel.param_gather_dtype", p.param_gather_dtype, "has no all-gather to quantize: "
+                        "one data-parallel rank holds every slice", "remove parallel.param_gather_dtype, or set "
+                        "parallel.dp: 2 or more")
 
 
 def check_float8(job: JobSpec) -> None:
