@@ -23,6 +23,7 @@ from workers.model.lora import apply_lora, merged_state_dict
 from workers.spec import WorkerSpec
 from workers.state.dcp_reading import CheckpointRefusal
 from workers.state.known_weights import load_known
+from workers.state.train_state import replica_prefix
 
 
 def load_dcp_model(model: nn.Module, checkpoint: str | Path, diloco_replicas: int = 0) -> None:
@@ -33,8 +34,6 @@ def load_dcp_model(model: nn.Module, checkpoint: str | Path, diloco_replicas: in
     weights = model.state_dict()
     state, known = {"model": weights}, list(weights)
     if diloco_replicas:
-        from workers.step.diloco import replica_prefix
-
         state = {"diloco": {"outer": {name: p.detach() for name, p in model.named_parameters()}}}
         known = [f"{replica_prefix(k)}.{name}" for k in range(diloco_replicas) for name in weights]
     try:

@@ -35,6 +35,12 @@ from workers.state import expert_stacks
 _OPTIONS = StateDictOptions(strict=False, flatten_optimizer_state_dict=True)
 
 
+def replica_prefix(replica: int) -> str:
+    """The name a replica's own entries (weights, inner optimizer state) carry in a checkpoint: DCP keeps one copy
+    of a key every rank saves, and under diloco each replica's are its own (``TrainState._own``)."""
+    return f"diloco_replica{replica}"
+
+
 class TrainState:
     """One rank's training state: model parts, optimizers, schedulers, data cursor, loss scaler, step.
 

@@ -20,14 +20,9 @@ import torch
 import torch.distributed as dist
 
 from workers.model.names import unwrap
+from workers.state.train_state import replica_prefix
 from workers.step.context import StepContext, StepKit
 from workers.step.engine import GradSync
-
-
-def replica_prefix(replica: int) -> str:
-    """The name a replica's own entries (weights, inner optimizer state) carry in a checkpoint: DCP keeps one copy
-    of a key every rank saves, and under diloco each replica's are its own (``TrainState._own``)."""
-    return f"diloco_replica{replica}"
 
 
 class OuterStep:
