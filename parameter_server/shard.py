@@ -296,8 +296,8 @@ class PSShard:
         """Current values of ``keys`` once the shard's version reaches ``min_version`` (at most one version
         ahead: the step in flight), sent as held or cast to ``wire_dtype`` (``parameter_server.compression``).
 
-        A worker's training read (``clock >= 0``) under asp/ssp is recorded with the fewest pushes applied
-        from any worker of its stage.
+        A worker's training read (``clock >= 0``) under asp/ssp is recorded with the fewest and the most pushes
+        applied from any worker of its stage: the bound it held, and whether it read a fresher push.
         """
         with self.cond:
             self._check_keys(keys, "pull")
@@ -308,9 +308,10 @@ class PSShard:
             self._wait(lambda: self.version >= min_version, f"version {min_version}", timeout_s)
             applied = -1  # the reply says how stale the read is (the worker's Prometheus gauge), as the log does
             if worker >= 0 and clock >= 0 and self.consistency != "bsp":
-                applied = min(self._stage_counts(worker))
+                counts = self._stage_counts(worker)
+                applied = min(counts)  # max: whether a faster worker's push of this clock is in (SSP allows it)
                 self.reads.append({"shard": self.id, "worker": worker, "stage": worker // self.workers,
-                                   "clock": clock, "min_applied": applied})
+                                   "clock": clock, "min_applied": applied, "max_applied": max(counts)})
             return {"version": self.version, "min_applied": applied,
                     "chunks": {k: compression.for_wire(self.params[k], wire_dtype).clone() for k in keys}}
 

@@ -1,7 +1,8 @@
 """Parameter-server asp/ssp across pipeline stages, and fp16 under them, on pp=2 x dp=2.
 
-SSP with bound 0 reproduces BSP (with the one shard optimizer for which a push applied on arrival is the same
-update as BSP's averaged one: SGD, no weight decay, no clipping). Under a straggler every stage's reads stay
+SSP with bound 0 reads every earlier push, and reproduces BSP where no read saw a faster replica's push of its own
+clock (with the one shard optimizer for which a push applied on arrival is the same update as BSP's averaged one:
+SGD, no weight decay, no clipping). Under a straggler every stage's reads stay
 within the bound, from the shards' own per-stage counts, while fp16 steps that overflow are skipped by the
 replica that overflowed and the loss scaler backs off until the replica trains. A rank killed under ssp is taken
 over: its replica's stages redo the lost step together, the other replica's do not wait for it.
@@ -36,13 +37,23 @@ def bsp_linear(ray_cluster, token_data, tmp_path_factory):
     return TrainingJob(spec, progress=False).run()
 
 
-def test_ssp_with_bound_zero_is_bsp(bsp_linear, token_data, tmp_path):
-    """Bound 0: a replica's step c starts only once every replica's step c - 1 is on the shards, per stage, so it
-    reads BSP's weights; the two pushes of a step, each applied on arrival at half weight, are BSP's one averaged
-    SGD step up to rounding."""
-    result = TrainingJob(_pp_dp(token_data, tmp_path, "ssp", optim=LINEAR), progress=False).run()
+def test_ssp_with_bound_zero_reads_every_earlier_push_and_is_bsp_when_no_read_ran_ahead(bsp_linear, token_data,
+                                                                                       tmp_path):
+    """Bound 0: a replica's step c starts only once every replica's step c - 1 is on the shards, per stage, so
+    every read at clock c has every push of clocks < c in (the shards' read log). SSP bounds staleness, not
+    freshness: a faster replica's push of clock c may already be in when the slower one reads (it was, in one CI
+    run). Where no read ran ahead, each read is BSP's weights, and the two pushes of a step, each applied on
+    arrival at half weight, are BSP's one averaged SGD step up to rounding."""
+    spec = _pp_dp(token_data, tmp_path, "ssp", optim=LINEAR)
+    result = TrainingJob(spec, progress=False).run()
     assert result.steps == STEPS
-    assert result.losses == pytest.approx(bsp_linear.losses, rel=1e-6, abs=0)
+    reads = [json.loads(line) for line in (spec.resolved_run_dir() / "ps_reads.jsonl").read_text().splitlines()]
+    assert len({(r["worker"], r["clock"]) for r in reads}) == 2 * 2 * STEPS  # every worker read at every clock
+    assert all(r["min_applied"] >= r["clock"] for r in reads)
+    if all(r["max_applied"] == r["clock"] for r in reads):
+        assert result.losses == pytest.approx(bsp_linear.losses, rel=1e-6, abs=0)
+    else:  # some reads had half a step more: not BSP's losses, but a step of the same training
+        assert result.losses == pytest.approx(bsp_linear.losses, rel=1e-2, abs=0)
     assert result.losses[-1] < result.losses[0]
 
 
