@@ -19,6 +19,8 @@ from workers.contract.sections import FineTuningSection
 from workers.model.config import (
     DEEPSEEK_ONLY,
     DEEPSEEK_UNREAD,
+    GPT_OSS_ONLY,
+    GPT_OSS_UNREAD,
     HF_FAMILY_FIELDS,
     HF_MOE_TYPES,
     LLAMA_ONLY,
@@ -139,6 +141,7 @@ class ModelSpec(FineTuningSection, ModelConfig):
         if self.lora is not None and self.lora.targets is None and self.arch != "hf":
             self.lora.targets = default_targets(self.arch)
         self._check_deepseek_fields()
+        self._check_gpt_oss_fields()
         if self.arch == "deepseek_v3":
             return self
         if self.arch == "gpt":
@@ -198,6 +201,34 @@ class ModelSpec(FineTuningSection, ModelConfig):
             raise SpecError("model.qk_rope_head_dim", self.qk_rope_head_dim, "is odd, and rotary positions rotate "
                             "channels in pairs", f"set it to {self.qk_rope_head_dim + 1}")
 
+    def _check_gpt_oss_fields(self) -> None:
+        """gpt-oss's fields on another arch, the Llama fields it does not read, one attention kind per layer, and
+        the mixture of experts its blocks are (a softmax top-k router, every block, no shared experts)."""
+        own = self.arch == "gpt_oss"
+        given = [f for f in (GPT_OSS_UNREAD if own else GPT_OSS_ONLY)
+                 if getattr(self, f) != ModelConfig.model_fields[f].default]
+        if given:
+            why = ("is a Llama-family field; model.arch: gpt_oss does not read it" if own
+                   else f"is a gpt-oss field; model.arch: {self.arch} does not read it")
+            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
+                            f"remove {', '.join('model.' + g for g in given)}"
+                            + ("" if own else ", or set model.arch: gpt_oss"))
+        if not own:
+            return
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise SpecError("model.layer_types", self.layer_types, f"gives {len(self.layer_types)} attention kinds "
+                            f"for model.n_layers={self.n_layers}", "give one per layer, or remove it (sliding and "
+                            "full alternate)")
+        moe = self.moe
+        if moe is None:
+            raise SpecError("model.moe", None, "is null, but every gpt_oss block is a mixture of experts",
+                            "set model.moe (experts, top_k), or model.init_from a GptOss checkpoint")
+        for name, needed in (("router", "topk"), ("every", 1), ("shared_experts", 0), ("norm_topk", True),
+                             ("bias_balancing", False)):
+            if getattr(moe, name) != needed:
+                raise SpecError(f"model.moe.{name}", getattr(moe, name), "is not gpt-oss's (a biased softmax over "
+                                "the top-k logits in every block)", f"set model.moe.{name}: {needed}")
+
     @model_validator(mode="after")
     def _check_hf_family(self) -> ModelSpec:
         """The fields ``hf_model_type``'s weights always have (Qwen2's q/k/v biases, Qwen3's q/k norms) and no
@@ -236,7 +267,7 @@ class ModelSpec(FineTuningSection, ModelConfig):
 def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with the shape `config.json` of `init_from` gives; a field set to another value is an error
     naming both. A missing or unreadable directory is reported here, before any actor starts."""
-    from workers.model.hf_io import DEEPSEEK, FAMILIES, check_sliding_window, config_fields, read_config
+    from workers.model.hf_io import FAMILIES, OWN_FAMILIES, check_sliding_window, config_fields, read_config
 
     directory = data["init_from"]
     try:
@@ -244,7 +275,7 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     except (ValueError, OSError) as exc:
         raise SpecError("model.init_from", directory, f"is not a readable Hugging Face model directory ({exc})",
                         "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
-    if config.get("model_type") not in (*FAMILIES, DEEPSEEK):  # a family raymesh has no own for: arch hf
+    if config.get("model_type") not in (*FAMILIES, *OWN_FAMILIES):  # a family raymesh has no own for: arch hf
         return _with_any_hf_config(data, config, directory)
     try:
         hf = config_fields(config)
