@@ -177,19 +177,23 @@ class ModelSpec(FineTuningSection, ModelConfig):
                             "a model.arch hf model (built by transformers from model.init_from) does not have",
                             f"remove model.{given[0]}")
         return self
+    def _own_fields_only(self, arch: str, label: str, only: tuple[str, ...], unread: tuple[str, ...]) -> bool:
+        """Refuse family ``arch``'s fields (``only``) on another arch and the Llama fields it does not read
+        (``unread``) on it, naming the first one set and the fix; True when the job is of that arch."""
+        own = self.arch == arch
+        given = [f for f in (unread if own else only) if getattr(self, f) != ModelConfig.model_fields[f].default]
+        if given:
+            why = (f"is a Llama-family field; model.arch: {arch} does not read it" if own
+                   else f"is a {label} field; model.arch: {self.arch} does not read it")
+            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
+                            f"remove {', '.join('model.' + g for g in given)}"
+                            + ("" if own else f", or set model.arch: {arch}"))
+        return own
+
     def _check_deepseek_fields(self) -> None:
         """DeepSeek-V3's fields on another arch, the Llama fields it does not read, and what its MLA computes:
         rotary positions (interleaved pairs: an even rope width), a plain causal mask."""
-        own = self.arch == "deepseek_v3"
-        fields = DEEPSEEK_UNREAD if own else DEEPSEEK_ONLY
-        given = [f for f in fields if getattr(self, f) != ModelConfig.model_fields[f].default]
-        if given:
-            why = ("is a Llama-family field; model.arch: deepseek_v3 does not read it" if own
-                   else f"is a DeepSeek-V3 field; model.arch: {self.arch} does not read it")
-            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
-                            f"remove {', '.join('model.' + g for g in given)}"
-                            + ("" if own else ", or set model.arch: deepseek_v3"))
-        if not own:
+        if not self._own_fields_only("deepseek_v3", "DeepSeek-V3", DEEPSEEK_ONLY, DEEPSEEK_UNREAD):
             return
         checks = [("positions", "rotary", "MLA rotates its decoupled key"),
                   ("attention_mask", "causal", "MLA has no document mask yet")]
@@ -204,16 +208,7 @@ class ModelSpec(FineTuningSection, ModelConfig):
     def _check_gpt_oss_fields(self) -> None:
         """gpt-oss's fields on another arch, the Llama fields it does not read, one attention kind per layer, and
         the mixture of experts its blocks are (a softmax top-k router, every block, no shared experts)."""
-        own = self.arch == "gpt_oss"
-        given = [f for f in (GPT_OSS_UNREAD if own else GPT_OSS_ONLY)
-                 if getattr(self, f) != ModelConfig.model_fields[f].default]
-        if given:
-            why = ("is a Llama-family field; model.arch: gpt_oss does not read it" if own
-                   else f"is a gpt-oss field; model.arch: {self.arch} does not read it")
-            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
-                            f"remove {', '.join('model.' + g for g in given)}"
-                            + ("" if own else ", or set model.arch: gpt_oss"))
-        if not own:
+        if not self._own_fields_only("gpt_oss", "gpt-oss", GPT_OSS_ONLY, GPT_OSS_UNREAD):
             return
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise SpecError("model.layer_types", self.layer_types, f"gives {len(self.layer_types)} attention kinds "

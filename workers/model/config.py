@@ -66,11 +66,16 @@ class YarnScaling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    factor: Annotated[float, Field(ge=1)] = 32.0
-    beta_fast: PositiveFloat = 32.0
-    beta_slow: PositiveFloat = 1.0
-    original_max_position_embeddings: PositiveInt = 4096
-    truncate: bool = False  # round the ramp's ends outward to whole pairs (transformers' default true; gpt-oss false)
+    factor: float = Field(32.0, ge=1, description="context extension: the interpolated frequencies are divided by "
+                          "it, and q/k scaled by 0.1 ln(factor) + 1 (gpt-oss: 32)")
+    beta_fast: PositiveFloat = Field(32.0, description="the ramp's fast end: pairs turning more than this many times "
+                                     "over the original context keep their frequency")
+    beta_slow: PositiveFloat = Field(1.0, description="the ramp's slow end: pairs turning fewer times than this are "
+                                     "fully interpolated")
+    original_max_position_embeddings: PositiveInt = Field(4096, description="the context the model was pretrained "
+                                                          "at, which the turns are counted over")
+    truncate: bool = Field(False, description="round the ramp's ends outward to whole pairs (transformers' default "
+                           "true; gpt-oss's config false)")
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -25,10 +25,11 @@ from torch.distributed.tensor import DTensor
 
 from workers.model.attention_blocks import blockwise_attention
 from workers.model.config import LAYER_TYPES, ModelConfig, YarnScaling
-from workers.model.gpt import GPT, RMSNorm, token_positions
+from workers.model.gpt import RMSNorm, token_positions
 from workers.model.gpt import init_parameter as gpt_init_parameter
-from workers.model.llama import GroupedCausalCore, apply_rotary_halves
-from workers.model.moe import Experts, MoELayer, Router, Routing, _dropout, share_balance_pool
+from workers.model.llama import GroupedCausalCore, Llama, apply_rotary_halves
+from workers.model.moe import Experts, MoELayer, Router, Routing, _dropout
+from workers.model.names import mapped_name
 from workers.model.registry import ModelFamily, register
 
 # -- rotary positions -------------------------------------------------------------------------------------------
@@ -171,24 +172,11 @@ class GptOssBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class GptOss(GPT):
-    """The gpt-oss decoder: GPT's forward (embed, blocks, norm, head) over ``GptOssBlock``s."""
+class GptOss(Llama):
+    """The gpt-oss decoder: Llama's outline (embedding with ``pad_token_id``, blocks, norm, head, tied or not) over
+    ``GptOssBlock``s."""
 
-    def __init__(self, cfg: ModelConfig):
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model,
-                                                                padding_idx=cfg.pad_token_id)
-        self.pos_embeddings = None
-        self.context_shard, self.documents = None, None
-        self.layers = nn.ModuleDict({str(i): GptOssBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        share_balance_pool(self)
-        if not self.layers["0"].attention.wq.weight.is_meta:
-            self.init_weights()
+    block = GptOssBlock
 
 
 def init_parameter(name: str, shape: tuple, generator: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
@@ -218,12 +206,7 @@ def hf_name(name: str) -> str:
     m = _STACK.fullmatch(name)
     if m is not None:
         return f"model.layers.{m.group(1)}.mlp.experts.{_EXPERTS[m.group(2)][0]}"
-    if name in _ENDS:
-        return _ENDS[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m is None or m.group(2) not in _LAYER:
-        raise KeyError(f"{name!r} has no Hugging Face GptOss counterpart")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return mapped_name(name, _ENDS, _LAYER, "GptOss")
 
 
 def disk_shape(name: str, experts: int, shape: tuple[int, ...]) -> tuple[int, ...]:
