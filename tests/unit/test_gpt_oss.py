@@ -58,6 +58,25 @@ def test_logits_loss_and_gradients_equal_transformers(pair):
     ours.zero_grad()
 
 
+def test_the_driver_checks_every_tensor_from_the_headers(pair):
+    """What ``raymesh run`` checks before any rank starts: a meta-device model takes every checkpoint tensor, of
+    its on-disk shape (fused gate/up twice as wide); a missing one is refused by name."""
+    _, ours, directory = pair
+    with torch.device("meta"):
+        meta = build_model(ours.cfg)
+    names = hf_io.check_hf_weights(meta, directory)
+    assert len(names) == len(list(ours.parameters())) and "model.layers.0.mlp.experts.gate_up_proj" in names
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    broken = directory.parent / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "config.json").write_text((directory / "config.json").read_text())
+    save_file({k: v for k, v in tensors.items() if not k.endswith("self_attn.sinks")}, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="no tensor 'model.layers.0.self_attn.sinks'"):
+        hf_io.check_hf_weights(meta, broken)
+
+
 def test_the_clamps_and_the_window_change_the_logits(pair):
     """The check above means something: without the clamp or the window the model computes other logits."""
     _, ours, directory = pair
