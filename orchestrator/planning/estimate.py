@@ -103,8 +103,10 @@ def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
     m, moe = spec.model, spec.model.moe
     if moe is None or not m.is_moe_layer(layer):
         return 0, 0, 0
-    ffn = FFN_MATRICES[m.arch] * m.d_model * (moe.d_expert or m.ffn_dim)
+    width = moe.d_expert or m.ffn_dim
+    ffn = FFN_MATRICES[m.arch] * m.d_model * width + (2 * width + m.d_model if m.arch == "gpt_oss" else 0)  # biases
     router = m.d_model * moe.experts * (2 if moe.router == "noisy_topk" else 1)  # noisy top-k: W_g and W_noise
+    router += moe.experts if m.arch == "gpt_oss" else 0  # its router's bias
     router += m.d_model * (moe.expert_groups or 0) if moe.router == "hierarchical" else 0  # its group gate
     return FFN_MATRICES[m.arch] * m.d_model * m.ffn_dim, router + moe.shared_experts * ffn, moe.experts * ffn
 

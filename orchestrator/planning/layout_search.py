@@ -40,7 +40,7 @@ from workers.parallel.partition import balanced_split
 
 # feed-forward matrices per block: GPT's up/down, Llama's (and DeepSeek-V3's) gate/up/down (an hf model, any
 # transformers causal LM, is estimated as GPT-2 and Phi are: up/down)
-FFN_MATRICES = {"gpt": 2, "llama": 3, "deepseek_v3": 3, "hf": 2}
+FFN_MATRICES = {"gpt": 2, "llama": 3, "deepseek_v3": 3, "gpt_oss": 3, "hf": 2}
 TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
 
@@ -54,6 +54,12 @@ def planned_compiled_loss(spec) -> bool:
     """Whether the whole-logits loss runs through ``torch.compile`` (``train.compile``; DPO's loss is its own,
     never compiled): ``memory_model.loss_backward_bytes``'s ``compiled``."""
     return spec.train.compile and spec.train.objective != "dpo"
+
+
+def attention_params(m) -> int | None:
+    """One attention's parameters where they are no plain q, k, v, o: DeepSeek-V3's MLA, gpt-oss's (biases and
+    sinks); None otherwise."""
+    return {"deepseek_v3": m.mla_params, "gpt_oss": m.gpt_oss_attention_params}.get(m.arch)
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,7 @@ class Shape:
                    mm.BYTES_PER[spec.precision.reduce_dtype], spec.parallel.fsdp_prefetch, spec.parallel.cp_impl,
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
                    spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec),
-                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype], m.mla_params if m.arch == "deepseek_v3" else None,
+                   mm.BYTES_PER[spec.parallel.grad_reduce_dtype], attention_params(m),
                    wire_bytes_per_value(spec.parallel.param_gather_dtype))
 
     def fsdp_mixed(self, zero: int) -> bool:

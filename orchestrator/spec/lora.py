@@ -128,9 +128,9 @@ def _check_hf_layout(job) -> None:
     """Before the checkpoint is read: only a Llama has a Hugging Face layout here, and an MoE one only as a
     Qwen3-MoE or Mixtral (`model.hf_model_type`; `ModelSpec` checks its MoE is one they hold); a dense family's
     feed-forward has no name for routers and experts, which used to end the export after the whole read."""
-    if job.model.arch not in ("llama", "deepseek_v3", "hf"):  # hf: a transformers model, its save_pretrained
+    if job.model.arch not in ("llama", "deepseek_v3", "gpt_oss", "hf"):  # hf: a transformers model, its save_pretrained
         raise SpecError("model.arch", job.model.arch, "has no Hugging Face layout in raymesh",
-                        "export a model.arch: llama, deepseek_v3 or hf job, or write a .pt with "
+                        "export a model.arch: llama, deepseek_v3, gpt_oss or hf job, or write a .pt with "
                         "`raymesh export-merged`")
     if job.model.arch == "llama" and job.model.moe is not None and job.model.hf_model_type not in HF_MOE_TYPES:
         raise SpecError("model.moe", {"experts": job.model.moe.experts}, "has no Hugging Face layout in raymesh "

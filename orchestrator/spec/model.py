@@ -19,6 +19,8 @@ from workers.contract.sections import FineTuningSection
 from workers.model.config import (
     DEEPSEEK_ONLY,
     DEEPSEEK_UNREAD,
+    GPT_OSS_ONLY,
+    GPT_OSS_UNREAD,
     HF_FAMILY_FIELDS,
     HF_MOE_TYPES,
     LLAMA_ONLY,
@@ -139,6 +141,7 @@ class ModelSpec(FineTuningSection, ModelConfig):
         if self.lora is not None and self.lora.targets is None and self.arch != "hf":
             self.lora.targets = default_targets(self.arch)
         self._check_deepseek_fields()
+        self._check_gpt_oss_fields()
         if self.arch == "deepseek_v3":
             return self
         if self.arch == "gpt":
@@ -174,19 +177,23 @@ class ModelSpec(FineTuningSection, ModelConfig):
                             "a model.arch hf model (built by transformers from model.init_from) does not have",
                             f"remove model.{given[0]}")
         return self
+    def _own_fields_only(self, arch: str, label: str, only: tuple[str, ...], unread: tuple[str, ...]) -> bool:
+        """Refuse family ``arch``'s fields (``only``) on another arch and the Llama fields it does not read
+        (``unread``) on it, naming the first one set and the fix; True when the job is of that arch."""
+        own = self.arch == arch
+        given = [f for f in (unread if own else only) if getattr(self, f) != ModelConfig.model_fields[f].default]
+        if given:
+            why = (f"is a Llama-family field; model.arch: {arch} does not read it" if own
+                   else f"is a {label} field; model.arch: {self.arch} does not read it")
+            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
+                            f"remove {', '.join('model.' + g for g in given)}"
+                            + ("" if own else f", or set model.arch: {arch}"))
+        return own
+
     def _check_deepseek_fields(self) -> None:
         """DeepSeek-V3's fields on another arch, the Llama fields it does not read, and what its MLA computes:
         rotary positions (interleaved pairs: an even rope width), a plain causal mask."""
-        own = self.arch == "deepseek_v3"
-        fields = DEEPSEEK_UNREAD if own else DEEPSEEK_ONLY
-        given = [f for f in fields if getattr(self, f) != ModelConfig.model_fields[f].default]
-        if given:
-            why = ("is a Llama-family field; model.arch: deepseek_v3 does not read it" if own
-                   else f"is a DeepSeek-V3 field; model.arch: {self.arch} does not read it")
-            raise SpecError(f"model.{given[0]}", getattr(self, given[0]), why,
-                            f"remove {', '.join('model.' + g for g in given)}"
-                            + ("" if own else ", or set model.arch: deepseek_v3"))
-        if not own:
+        if not self._own_fields_only("deepseek_v3", "DeepSeek-V3", DEEPSEEK_ONLY, DEEPSEEK_UNREAD):
             return
         checks = [("positions", "rotary", "MLA rotates its decoupled key"),
                   ("attention_mask", "causal", "MLA has no document mask yet")]
@@ -197,6 +204,25 @@ class ModelSpec(FineTuningSection, ModelConfig):
         if self.qk_rope_head_dim % 2:
             raise SpecError("model.qk_rope_head_dim", self.qk_rope_head_dim, "is odd, and rotary positions rotate "
                             "channels in pairs", f"set it to {self.qk_rope_head_dim + 1}")
+
+    def _check_gpt_oss_fields(self) -> None:
+        """gpt-oss's fields on another arch, the Llama fields it does not read, one attention kind per layer, and
+        the mixture of experts its blocks are (a softmax top-k router, every block, no shared experts)."""
+        if not self._own_fields_only("gpt_oss", "gpt-oss", GPT_OSS_ONLY, GPT_OSS_UNREAD):
+            return
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise SpecError("model.layer_types", self.layer_types, f"gives {len(self.layer_types)} attention kinds "
+                            f"for model.n_layers={self.n_layers}", "give one per layer, or remove it (sliding and "
+                            "full alternate)")
+        moe = self.moe
+        if moe is None:
+            raise SpecError("model.moe", None, "is null, but every gpt_oss block is a mixture of experts",
+                            "set model.moe (experts, top_k), or model.init_from a GptOss checkpoint")
+        for name, needed in (("router", "topk"), ("every", 1), ("shared_experts", 0), ("norm_topk", True),
+                             ("bias_balancing", False)):
+            if getattr(moe, name) != needed:
+                raise SpecError(f"model.moe.{name}", getattr(moe, name), "is not gpt-oss's (a biased softmax over "
+                                "the top-k logits in every block)", f"set model.moe.{name}: {needed}")
 
     @model_validator(mode="after")
     def _check_hf_family(self) -> ModelSpec:
@@ -236,7 +262,7 @@ class ModelSpec(FineTuningSection, ModelConfig):
 def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with the shape `config.json` of `init_from` gives; a field set to another value is an error
     naming both. A missing or unreadable directory is reported here, before any actor starts."""
-    from workers.model.hf_io import DEEPSEEK, FAMILIES, check_sliding_window, config_fields, read_config
+    from workers.model.hf_io import FAMILIES, OWN_FAMILIES, check_sliding_window, config_fields, read_config
 
     directory = data["init_from"]
     try:
@@ -244,7 +270,7 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     except (ValueError, OSError) as exc:
         raise SpecError("model.init_from", directory, f"is not a readable Hugging Face model directory ({exc})",
                         "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
-    if config.get("model_type") not in (*FAMILIES, DEEPSEEK):  # a family raymesh has no own for: arch hf
+    if config.get("model_type") not in (*FAMILIES, *OWN_FAMILIES):  # a family raymesh has no own for: arch hf
         return _with_any_hf_config(data, config, directory)
     try:
         hf = config_fields(config)

@@ -172,3 +172,33 @@ def save_hf_deepseek(directory: Path, config: dict) -> tuple:
                 buffer.uniform_(-0.05, 0.05)
     model.save_pretrained(directory)
     return model, Path(directory)
+
+
+# gpt-oss of the tiny job's shape: 4 layers alternating a 6-token window and full attention, 4 query heads over 2 K/V
+# heads of 8, 4 experts (top 2) 64 wide, YaRN x4 over 16 positions (its three bands all occur at head_dim 8), and a
+# SwiGLU limit of 0.5 so the clamps act at these weights' scale
+TINY_GPT_OSS = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 6, "max_position_embeddings": 64, "swiglu_limit": 0.5,
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 16,
+                                    "rope_theta": 150000.0}}
+
+
+def save_hf_gpt_oss(directory: Path, seed: int = 0, **overrides) -> tuple:
+    """A tiny random ``GptOssForCausalLM`` (``TINY_GPT_OSS``; matrices std 0.1, biases and sinks std 0.3 so they
+    matter, norms near one), eager attention, saved to ``directory``; returns (model, directory)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(**{**TINY_GPT_OSS, **overrides})
+    config._attn_implementation = "eager"
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    return model, Path(directory)

@@ -276,10 +276,12 @@ class _State:
     The output takes q's memory layout (``_dq_accumulator``'s reason): the model's q is a transposed
     ``[B, S, H, D]`` projection, so the output transposed back for ``wo`` is a view, not a saved copy."""
 
-    def __init__(self, q: torch.Tensor, hkv: int):
+    def __init__(self, q: torch.Tensor, hkv: int, sinks: torch.Tensor | None = None):
         self.q, self.hkv = q, hkv
         self.out = _dq_accumulator(q, hkv)
         self.lse = torch.full(self.out.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        if sinks is not None:  # the sink: a key every row sees, of logit sinks[h] and value 0 (``sink_gradient``)
+            self.lse.copy_(sinks.detach().float().view(1, hkv, -1, 1).expand_as(self.lse))
         self._qg = None
 
     @property
@@ -348,10 +350,23 @@ def _dq_accumulator(q: torch.Tensor, hkv: int) -> torch.Tensor:
 
 
 def _forward_state(q, k, rank: int, cp: int, causal: bool, documents: Documents | None = None,
-                   window: int | None = None):
-    """(block masks, running state) of cp rank ``rank`` of ``cp``: what every forward starts from."""
+                   window: int | None = None, sinks: torch.Tensor | None = None):
+    """(block masks, running state) of cp rank ``rank`` of ``cp``: what every forward starts from (with
+    ``sinks``, a running softmax that already holds each head's sink logit)."""
     masks = _BlockMasks(rank, cp, q.shape[2], causal, documents, window, q.device)
-    return masks, _State(q, k.shape[1])
+    return masks, _State(q, k.shape[1], sinks)
+
+
+def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [Hq] of attention with sinks (gpt-oss), from its merged output and lse ``[B, Hq, S]``.
+
+    A sink is one more logit per head in every row's softmax whose value vector is zero: it takes probability
+    p = exp(sink - lse) and adds nothing to the output. The softmax backward gives each logit p * (dout . v -
+    delta) with delta = dout . out; for the sink v is 0, so its gradient is -p * delta, summed over rows. The keys'
+    own gradients are the flash backward's unchanged, from the merged (out, lse) that include the sink."""
+    delta = (dout.float() * out.float()).sum(-1)
+    p = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return -(p * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def _backward_state(dout, q, k, out, lse) -> dict:
@@ -373,25 +388,28 @@ class _BlockwiseAttention(torch.autograd.Function):
     online softmax in forward, each tile's gradients from the merged lse in backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, documents: Documents | None, window: int | None):
-        masks, state = _forward_state(q, k, 0, 1, True, documents, window)
+    def forward(ctx, q, k, v, documents: Documents | None, window: int | None, sinks: torch.Tensor | None):
+        masks, state = _forward_state(q, k, 0, 1, True, documents, window, sinks)
         _attend_block(state, torch.stack([k, v]), masks.tiles(0))
         out, lse = state.result()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.masks = masks
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq = _dq_accumulator(q, k.shape[1])
         dkv = _block_gradients(_backward_state(dout, q, k, out, lse), torch.stack([k, v]), ctx.masks.tiles(0), dq)
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dsinks = None if sinks is None else sink_gradient(dout, out, lse, sinks)
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, dsinks
 
 
-def blockwise_attention(q, k, v, documents: Documents | None = None, window: int | None = None) -> torch.Tensor:
+def blockwise_attention(q, k, v, documents: Documents | None = None, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a whole sequence on one process within ``documents`` and/or a sliding ``window``: the
     ring's sparse tiles without a ring, so no ``[S, S]`` mask is built (SDPA would need a dense one)
-    and tiles nothing attends are skipped."""
+    and tiles nothing attends are skipped. ``sinks`` [Hq] (gpt-oss's attention sinks): one more logit per head in
+    every row's softmax, of value zero, exactly: the online softmax starts from it."""
     _check_heads(q, k, v)
-    return _BlockwiseAttention.apply(q, k, v, documents, window)
+    return _BlockwiseAttention.apply(q, k, v, documents, window, sinks)

@@ -34,6 +34,9 @@ LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_di
               "pad_token_id", "head_dim", "qkv_bias", "qk_norm", "hf_model_type", "sliding_window")
 # fields only the DeepSeek-V3 family reads (and the Llama ones it does not: it has no grouped K/V heads, no head_dim)
 DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dense_layers")
+# fields only gpt-oss reads (workers.model.gpt_oss); another arch refuses them, and gpt-oss the Llama ones it does not
+GPT_OSS_ONLY = ("layer_types", "swiglu_alpha", "swiglu_limit", "rope_yarn")
+GPT_OSS_UNREAD = ("rope_scaling", "multiple_of", "ffn_dim_multiplier", "qkv_bias", "qk_norm", "hf_model_type")
 DEEPSEEK_UNREAD = ("n_kv_heads", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "hf_model_type", "multiple_of",
                    "ffn_dim_multiplier", "pad_token_id", "sliding_window")
 # the Hugging Face families raymesh's one Llama implementation reads and writes (workers.model.hf_io.FAMILIES)
@@ -55,6 +58,27 @@ def swiglu_hidden(d_model: int, multiple_of: int, multiplier: float | None) -> i
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+class YarnScaling(BaseModel):
+    """YaRN rotary scaling (Peng et al. 2023, transformers' ``rope_type: yarn``), as gpt-oss uses it: each channel
+    pair's frequency blended between interpolated (divided by ``factor``) and kept by a linear ramp over the pairs
+    whose wavelength fits between ``beta_fast`` and ``beta_slow`` turns within ``original_max_position_embeddings``;
+    rotated queries and keys scaled by 0.1 ln(factor) + 1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    factor: float = Field(32.0, ge=1, description="context extension: the interpolated frequencies are divided by "
+                          "it, and q/k scaled by 0.1 ln(factor) + 1 (gpt-oss: 32)")
+    beta_fast: PositiveFloat = Field(32.0, description="the ramp's fast end: pairs turning more than this many times "
+                                     "over the original context keep their frequency")
+    beta_slow: PositiveFloat = Field(1.0, description="the ramp's slow end: pairs turning fewer times than this are "
+                                     "fully interpolated")
+    original_max_position_embeddings: PositiveInt = Field(4096, description="the context the model was pretrained "
+                                                          "at, which the turns are counted over")
+    truncate: bool = Field(False, description="round the ramp's ends outward to whole pairs (transformers' default "
+                           "true; gpt-oss's config false)")
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
 ROUTERS = ("topk", "noisy_topk", "gshard", "switch", "expert_choice", "hierarchical", "sigmoid")
 # routers whose paper fixes k: GShard routes to two experts, Switch to one (model.moe.top_k must agree)
 ROUTER_TOP_K = {"gshard": 2, "switch": 1}
@@ -147,7 +171,7 @@ class ModelConfig(BaseModel):
     init_std: PositiveFloat = 0.02
     # the model family (see workers.model.registry); "hf" is any other Hugging Face causal LM, which only
     # model.init_from sets (workers.model.hf_any)
-    arch: Literal["gpt", "llama", "deepseek_v3", "hf"] = "gpt"
+    arch: Literal["gpt", "llama", "deepseek_v3", "gpt_oss", "hf"] = "gpt"
     # Llama-family fields (``LLAMA_ONLY``: a gpt refuses them, see orchestrator.spec.model)
     n_kv_heads: PositiveInt | None = None  # grouped-query attention: K/V heads (null: n_heads, plain multi-head)
     rope_theta: PositiveFloat = 10000.0  # rotary base
@@ -186,6 +210,18 @@ class ModelConfig(BaseModel):
     dense_layers: int = Field(1, ge=0, description="deepseek_v3: the first blocks keep a dense SwiGLU feed-forward "
                               "(d_ff wide), the rest are MoE (transformers' first_k_dense_replace)")
 
+    # gpt-oss's fields (``GPT_OSS_ONLY``: another arch refuses them; workers.model.gpt_oss reads them)
+    layer_types: list[Literal[LAYER_TYPES]] | None = Field(  # type: ignore[valid-type]
+        None, description="gpt_oss: each layer's attention, sliding_attention (a window of model.sliding_window "
+        "tokens) or full_attention, one entry per layer (transformers' layer_types); null: sliding in even layers, "
+        "full in odd ones, as GptOssConfig derives it")
+    swiglu_alpha: PositiveFloat = Field(1.702, description="gpt_oss experts: the sigmoid's gain in their clamped "
+                                        "SwiGLU, gate * sigmoid(alpha * gate) * (up + 1)")
+    swiglu_limit: PositiveFloat = Field(7.0, description="gpt_oss experts: the gate clamped to at most this, the up "
+                                        "projection to [-limit, limit], before their SwiGLU")
+    rope_yarn: YarnScaling | None = Field(None, description="gpt_oss: YaRN rotary scaling (gpt-oss's factor 32 "
+                                          "over 4,096 positions); null: plain rotary at rope_theta")
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (global index) has the MoE feed-forward: every ``moe.every``-th block,
         counting from the ``every``-th (``every: 2`` gives blocks 1, 3, 5, ...: GShard's every other layer);
@@ -204,12 +240,30 @@ class ModelConfig(BaseModel):
               + self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim))
         return q + kv + self.n_heads * self.v_head_dim * self.d_model
 
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of block ``layer``: ``sliding_window`` for a ``sliding_attention`` layer (gpt-oss's
+        ``layer_types``; every layer of another family), None (the whole causal prefix) for a full one."""
+        if self.arch != "gpt_oss":
+            return self.sliding_window
+        return self.sliding_window if self.attention_types[layer] == "sliding_attention" else None
+
+    @property
+    def attention_types(self) -> list[str]:
+        """gpt-oss's per-layer attention kinds: ``layer_types``, else sliding in even layers, full in odd ones."""
+        return self.layer_types or [LAYER_TYPES[i % 2] for i in range(self.n_layers)]
+
+    @property
+    def gpt_oss_attention_params(self) -> int:
+        """One gpt-oss attention's parameters: q, k, v, o with their biases and one sink logit per head."""
+        q, kv = self.attention_width, self.kv_heads * self.head_size
+        return 2 * self.d_model * (q + kv) + q + 2 * kv + self.d_model + self.n_heads
+
     @property
     def ffn_dim(self) -> int:
         """Feed-forward width; `d_ff` when given, else 4 * d_model (GPT) or Llama's SwiGLU rule (DeepSeek-V3's too)."""
         if self.d_ff is not None:
             return self.d_ff
-        if self.arch in ("llama", "deepseek_v3"):
+        if self.arch in ("llama", "deepseek_v3", "gpt_oss"):
             return swiglu_hidden(self.d_model, self.multiple_of, self.ffn_dim_multiplier)
         return 4 * self.d_model
 

@@ -28,6 +28,7 @@ from workers.model.config import ModelConfig
 from workers.model.gpt import GPT, RMSNorm, token_positions
 from workers.model.llama import SwiGLU
 from workers.model.moe import MoELayer, share_balance_pool
+from workers.model.names import mapped_name
 from workers.model.registry import ModelFamily, register
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which the q and kv latent norms keep
@@ -213,12 +214,7 @@ def _take(tensors: dict[str, torch.Tensor], key: str, shape) -> torch.Tensor:
 
 
 def hf_name(name: str) -> str:
-    if name in _ENDS:
-        return _ENDS[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m is None or m.group(2) not in _LAYER:
-        raise KeyError(f"{name!r} has no Hugging Face DeepseekV3 counterpart")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return mapped_name(name, _ENDS, _LAYER, "DeepseekV3")
 
 
 # transformers' DeepseekV3Config defaults of the keys read here that a config.json may leave out

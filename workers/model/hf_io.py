@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.model import deepseek
+from workers.model import deepseek, gpt_oss
 from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, ModelConfig
 from workers.model.hf_moe import ROUTER_BIAS, STACK, expert_name, moe_config, moe_fields, router_name
 from workers.model.moe import Experts
@@ -36,6 +36,8 @@ from workers.model.names import plain_name
 
 CONFIG = "config.json"
 DEEPSEEK = "deepseek_v3"  # model_type of DeepseekV3ForCausalLM: its own names and config (workers.model.deepseek)
+GPT_OSS = "gpt_oss"  # model_type of GptOssForCausalLM: its own names and config (workers.model.gpt_oss)
+OWN_FAMILIES = (DEEPSEEK, GPT_OSS)  # the Hugging Face families with a raymesh family of their own (model.arch)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -59,6 +61,8 @@ def hf_name(name: str, kind: str = "llama") -> str:
     name = plain_name(name)
     if kind == DEEPSEEK:
         return deepseek.hf_name(name)
+    if kind == GPT_OSS:
+        return gpt_oss.hf_name(name)
     if name in _ENDS:
         return _ENDS[name]
     router = router_name(name, kind)
@@ -99,6 +103,7 @@ FAMILY_DEFAULTS = {
                   "num_local_experts": 128},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072, "num_key_value_heads": 8,
                 "sliding_window": None, "num_local_experts": 8, "router_jitter_noise": 0.0},
+    GPT_OSS: gpt_oss.HF_DEFAULTS,
 }
 
 
@@ -149,11 +154,14 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     kind = hf.get("model_type")
     if kind == DEEPSEEK:
         return deepseek.config_fields(hf)
+    if kind == GPT_OSS:
+        return gpt_oss.config_fields(with_family_defaults(hf))
     if kind not in FAMILIES:
         raise ValueError(f"config.json model_type {kind!r} is not supported; raymesh reads Hugging Face "
                          f"{', '.join(repr(k) for k in FAMILIES)} checkpoints "
-                         f"({', '.join(f.architecture for f in FAMILIES.values())}), and 'deepseek_v3' "
-                         "(DeepseekV3ForCausalLM, model.arch deepseek_v3)")
+                         f"({', '.join(f.architecture for f in FAMILIES.values())}), 'deepseek_v3' "
+                         "(DeepseekV3ForCausalLM, model.arch deepseek_v3) and 'gpt_oss' (GptOssForCausalLM, "
+                         "model.arch gpt_oss)")
     hf = with_family_defaults(hf)
     _check_sizes(hf)
     _check_unsupported(hf)
@@ -432,6 +440,9 @@ def _reads(model: nn.Module, reader: _Reader):
     kind, stacks = read_config(reader.directory).get("model_type"), _expert_stacks(model)
     # a model.arch hf model keeps transformers' own names (workers.model.hf_any); raymesh's Llama maps its own
     key_of = getattr(model, "hf_key", None) or (lambda name: hf_name(name, kind))
+    if kind == GPT_OSS:  # fused, interleaved gate/up experts: workers.model.gpt_oss
+        yield from gpt_oss.hf_reads(model, reader, plain_name, local_box)
+        return
     if kind == DEEPSEEK:
         yield from _deepseek_extras(model, reader)
     for name, param in model.named_parameters():
@@ -569,6 +580,10 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
         plain = {plain_name(k): v.detach().cpu() for k, v in state.items()
                  if not (cfg.tie_embeddings and plain_name(k) == "output.weight")}
         tensors, config = deepseek.to_hf_state(plain), deepseek.hf_config(cfg)
+    elif cfg.arch == GPT_OSS:
+        plain = {plain_name(k): v.detach().cpu() for k, v in state.items()
+                 if not (cfg.tie_embeddings and plain_name(k) == "output.weight")}
+        tensors, config = gpt_oss.to_hf_state(plain), gpt_oss.hf_config(cfg)
     else:
         tensors = {key: value for name, tensor in written_weights(state, cfg)
                    for key, value in hf_tensors(name, tensor.detach().cpu(), cfg.hf_model_type).items()}

@@ -127,7 +127,10 @@ class LlamaBlock(nn.Module):
 
 class Llama(GPT):
     """The Llama decoder. A ``GPT`` subclass for its forward (embed, blocks, norm, head: the same) and so the
-    GPT's stage cut applies; ``__init__`` builds Llama parts instead of calling ``GPT.__init__``."""
+    GPT's stage cut applies; ``__init__`` builds Llama parts instead of calling ``GPT.__init__``; a family with
+    other blocks of the same outline (gpt-oss) subclasses it naming its ``block``."""
+
+    block = LlamaBlock
 
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
@@ -137,7 +140,7 @@ class Llama(GPT):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model,
                                                                 padding_idx=cfg.pad_token_id)
         self.pos_embeddings = None
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

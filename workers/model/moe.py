@@ -139,6 +139,8 @@ class Experts(_StackedFFN):
     held here (expert parallelism slices the stacked weights and sets ``first``/``num_local``).
     """
 
+    grouped_gemm = True  # whether ``_grouped_mm`` computes what ``one`` does (a subclass with another FFN: False)
+
     def __init__(self, num_experts: int, d_model: int, hidden: int, swiglu: bool, dropout: float = 0.0):
         super().__init__(num_experts, d_model, hidden, swiglu, dropout)
         self.num_experts, self.first, self.num_local = num_experts, 0, num_experts
@@ -185,7 +187,7 @@ class Experts(_StackedFFN):
 def _grouped_mm_applies(x: torch.Tensor, experts: Experts) -> bool:
     """``torch._grouped_mm`` needs CUDA, bf16 and 16-byte aligned rows; elsewhere the per-expert loop runs."""
     d, h = experts.w1.shape[1], experts.w1.shape[2]
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+    return (experts.grouped_gemm and hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
             and d % 8 == 0 and h % 8 == 0)
 
 
@@ -299,6 +301,18 @@ class Router(nn.Module):
     def decide(self, x: torch.Tensor, logits: torch.Tensor, noise: SequenceNoise) -> Routing:
         raise NotImplementedError
 
+    def balanced(self, probs: torch.Tensor, choices: torch.Tensor, gates: torch.Tensor) -> Routing:
+        """The dropless ``Routing`` of [G, n, k] ``choices`` with their ``gates``, and Switch's balance loss over the
+        softmax ``probs`` [G, n, E]: per layer, or handed to the model's pool (``balance_loss: pooled``)."""
+        losses, pooled = {}, None
+        if self.cfg.aux_loss_weight > 0 and self.cfg.balance_loss == "pooled":
+            pooled = (choice_fractions(choices, self.cfg.experts), probs.mean(1))
+        elif self.cfg.aux_loss_weight > 0:
+            losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight)
+        routing = self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
+        routing.pooled = pooled
+        return routing
+
     def token_choice(self, choices: torch.Tensor, gates: torch.Tensor, wanted: torch.Tensor,
                      capacity: int | None, losses: dict[str, torch.Tensor]) -> Routing:
         """A ``Routing`` from each token's [G, n, k] choices and gates: capacity applied when given."""
@@ -405,14 +419,7 @@ class TopKRouter(Router):
         gates = probs.gather(-1, choices)
         if self.cfg.norm_topk:
             gates = gates / gates.sum(-1, keepdim=True)
-        losses, pooled = {}, None
-        if self.cfg.aux_loss_weight > 0 and self.cfg.balance_loss == "pooled":
-            pooled = (choice_fractions(choices, self.cfg.experts), probs.mean(1))
-        elif self.cfg.aux_loss_weight > 0:
-            losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight)
-        routing = self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
-        routing.pooled = pooled
-        return routing
+        return self.balanced(probs, choices, gates)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:

@@ -35,3 +35,15 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
     """A CPU generator seeded from (job seed, parameter name): the same on every rank and layout."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def mapped_name(name: str, ends: dict[str, str], layer: dict[str, str], family: str) -> str:
+    """The Hugging Face name of raymesh tensor ``name`` in a family with its own table: ``ends`` (embedding, norm,
+    head) by whole name, a block's tensors ``layers.{i}.<rest>`` by ``layer[rest]`` under ``model.layers.{i}.``;
+    another name is a KeyError naming ``family``."""
+    if name in ends:
+        return ends[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m is None or m.group(2) not in layer:
+        raise KeyError(f"{name!r} has no Hugging Face {family} counterpart")
+    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"

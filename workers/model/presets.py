@@ -1,4 +1,4 @@
-"""``model.preset``: Llama (and DeepSeek-V3) shapes by name, apart from the model code (``workers.model.llama``).
+"""``model.preset``: Llama, DeepSeek-V3 and gpt-oss shapes by name, apart from the model code.
 
 Torch-free, so the job-file checks (``orchestrator.spec``) fill a preset in without importing torch.
 """
@@ -31,3 +31,13 @@ PRESETS["deepseek-v3-671b"] = {
     "moe": {"experts": 256, "top_k": 8, "router": "sigmoid", "groups": 8, "top_groups": 4, "gate_scale": 2.5,
             "shared_experts": 1, "d_expert": 2048, "bias_balancing": True, "aux_loss_weight": 0.0001},
 }
+
+# gpt-oss (OpenAI 2025, its config.json): 24 / 36 layers alternating a 128-token window and full attention, 64 query
+# heads over 8 K/V heads of 64, sinks, 32 / 128 experts (4 a token) 2,880 wide with biases, YaRN rotary x32 over 4,096;
+# 20.9B / 116.8B parameters (3.6B / 5.1B active), as the model card gives them
+_GPT_OSS = {"arch": "gpt_oss", "vocab_size": 201088, "d_model": 2880, "n_heads": 64, "n_kv_heads": 8, "head_dim": 64,
+            "d_ff": 2880, "seq_len": 4096, "norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
+            "rope_yarn": {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                          "truncate": False}}
+PRESETS["gpt-oss-20b"] = {**_GPT_OSS, "n_layers": 24, "moe": {"experts": 32, "top_k": 4, "d_expert": 2880}}
+PRESETS["gpt-oss-120b"] = {**_GPT_OSS, "n_layers": 36, "moe": {"experts": 128, "top_k": 4, "d_expert": 2880}}

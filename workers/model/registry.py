@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the annotations only: the job-file checks import the regist
     from torch import nn
 
 # families shipped with raymesh: imported on first lookup, each registers itself
-_BUILTIN = ("workers.model.gpt", "workers.model.llama", "workers.model.deepseek", "workers.model.hf_any")
+_BUILTIN = ("workers.model.gpt", "workers.model.llama", "workers.model.deepseek", "workers.model.gpt_oss",
+            "workers.model.hf_any")
 
 _FAMILIES: dict[str, ModelFamily] = {}
 
