@@ -204,6 +204,8 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
                                       frozen=frozen, kv_heads=m.kv_heads, family=m.arch, fsdp_mixed=fsdp_mixed(spec),
                                       head_dim=m.head_size, fused_norm=planned_on_gpu(spec),
                                       compiled=spec.train.compile)
+    if rc == "full" and spec.memory.partition_activations != "none":
+        return partitioned_input_bytes(spec, block)
     if moe and rc != "full":  # the dense feed-forward's input copies out, the MoE layer's tensors in
         ffn_inputs = compute_bytes(spec) * local_seq(spec) * micro_batch(spec) * m.d_model * mm.feed_forward_copies(
             m.arch, compute_bytes(spec), frozen, fsdp_mixed(spec))
@@ -213,6 +215,16 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
         return block
     return block + mm.gathered_kv_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
                                         compute_bytes(spec), m.head_size)
+
+
+def partitioned_input_bytes(spec: JobSpec, whole: int) -> int:
+    """ZeRO-R's Pa (``memory.partition_activations``): of a stored block input of ``whole`` bytes, this rank's
+    device keeps its flat 1/tp slice (padded to whole elements: ``workers.parallel.partitioned_activations``), or
+    nothing when the slice waits in host memory."""
+    if spec.memory.partition_activations == "host":
+        return 0
+    elements = local_seq(spec) * micro_batch(spec) * spec.model.d_model
+    return -(-elements // spec.parallel.tp) * (whole // elements)
 
 
 def frozen_parts(spec: JobSpec) -> list[mm.Frozen | None]:

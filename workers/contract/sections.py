@@ -225,6 +225,13 @@ class MemorySection(Section):
     recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSection = Field(default_factory=OffloadSection)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
+    partition_activations: Literal["none", "device", "host"] = Field(
+        "none", description="ZeRO-R's partitioned activation checkpoints (Pa; workers/parallel/"
+        "partitioned_activations.py): under memory.recompute full or sqrt with parallel.tp > 1 and "
+        "sequence_parallel false, each tp rank keeps 1/tp of every stored block input (the input is the same on all "
+        "of them) and all-gathers it over tp before the block is recomputed; device: the slice stays on the device; "
+        "host: it waits in host memory (Pa+cpu; also at tp 1, where the slice is the whole input). none: whole "
+        "inputs, as before")
     measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
     # the planner refuses layouts whose predicted in-step peak passes (1 - headroom) of device memory
     headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
