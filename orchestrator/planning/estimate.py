@@ -408,12 +408,22 @@ def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
     return root + 2 * blocks
 
 
+def blocks_per_unit(spec: JobSpec) -> int:
+    """Blocks in one FSDP2 unit: 1, or as many as ``parallel.fsdp_bucket_mb`` holds, counted as
+    ``workers.parallel.data_parallel.fsdp_units`` counts them (this rank's tp shard, in the all-gather's dtype)."""
+    bucket = spec.parallel.fsdp_bucket_mb
+    if bucket is None:
+        return 1
+    per_block = block_params(spec) // spec.parallel.tp * (compute_bytes(spec) if fsdp_mixed(spec) else 4)
+    return max(1, int(bucket * 2**20 // per_block))
+
+
 def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
     name = stepped_optimizer(spec)
     blocks = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(sharded_block_params(spec, i) for i in blocks)
-    gathered = (mm.zero3_gathered_params(root, block_params(spec), p.tp, p.fsdp_prefetch)
+    gathered = (mm.zero3_gathered_params(root, block_params(spec) * blocks_per_unit(spec), p.tp, p.fsdp_prefetch)
                 - nf4_gathered_params(spec, ids, n_stages))
     offload = offload_flags(spec)
     experts = split.get("experts", 0)

@@ -12,25 +12,28 @@ where nothing is replicated over tp to split are refused before start, naming fi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from orchestrator.planning.estimate import estimate_rank
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
 from tests.support.reference import reference_run
 from tests.support.spec_errors import assert_actionable, spec_error
+from workers.parallel.partitioned_activations import InputSlices
 
 STEPS = 3
 LAYERS = 4
 SETTINGS = {  # name: (memory.recompute, memory.partition_activations)
     "whole": ("full", "none"), "device": ("full", "device"), "host": ("full", "host"),
-    "sqrt-whole": ("sqrt", "none"), "sqrt-device": ("sqrt", "device"),
+    "sqrt-whole": ("sqrt", "none"), "sqrt-device": ("sqrt", "device"), "contiguous": ("full", "device", True),
 }
 
 
-def _spec(token_data, tmp_path, recompute: str, place: str, tp: int = 2):
+def _spec(token_data, tmp_path, recompute: str, place: str, contiguous: bool = False, tp: int = 2):
     return tiny_spec(token_data, tmp_path, model={"n_layers": LAYERS},
                      parallel={"tp": tp, "sequence_parallel": False, "device": "cpu"},
-                     memory={"recompute": recompute, "partition_activations": place, "measure": True},
+                     memory={"recompute": recompute, "partition_activations": place, "measure": True,
+                             "contiguous_checkpoints": contiguous},
                      train={"steps": STEPS, "microbatches": 1})
 
 
@@ -68,6 +71,8 @@ def test_each_rank_stores_half_of_every_block_input(runs, token_data, tmp_path):
         segments = LAYERS // 2  # sqrt: round(√4) = 2 blocks a segment, one stored input each
         sqrt_base, sqrt = runs["sqrt-whole"].memory[rank], runs["sqrt-device"].memory[rank]
         assert sqrt_base["activations"] - sqrt["activations"] == segments * (whole - half)
+        # contiguous: the same bytes (the slices are 512-byte multiples), in one buffer
+        assert runs["contiguous"].memory[rank]["activations"] == device["activations"]
 
 
 @pytest.mark.parametrize("name", ["whole", "device", "host", "sqrt-whole", "sqrt-device"])
@@ -88,6 +93,8 @@ REFUSED = [  # (memory, parallel, the field named, its value, a fix part)
      "parallel.tp", 1, "memory.partition_activations: host"),
     ({"recompute": "full", "partition_activations": "device"}, {"tp": 2},
      "parallel.sequence_parallel", True, "sequence_parallel: false"),
+    ({"recompute": "full", "contiguous_checkpoints": True}, {"tp": 2, "sequence_parallel": False},
+     "memory.contiguous_checkpoints", True, "memory.partition_activations: device or host"),
 ]
 
 
@@ -97,3 +104,32 @@ def test_refused_where_nothing_replicated_is_stored(memory, parallel, field, val
            "data": {"path": str(token_data)}, "run_dir": str(tmp_path / "run"),
            "parallel": {"device": "cpu", **parallel}, "memory": memory}
     assert_actionable(spec_error(raw), field, value, fix)
+
+
+def test_slices_after_the_first_round_are_cut_from_one_buffer():
+    """The arena (``memory.contiguous_checkpoints``), one process: the first microbatch's slices are allocated one
+    by one and size the buffer; every later microbatch's come from it (one storage, in order, the padding
+    zeroed), each gathered back exactly; a bigger round overflows into its own allocations and grows it."""
+    slices = InputSlices(None, "device", contiguous=True)
+    inputs = [torch.randn(3, 5, 7, requires_grad=True) for _ in range(4)]
+
+    def round_trip(xs):
+        kept = [slices.keep(x) for x in xs]
+        for x, k in zip(xs, kept, strict=True):
+            back = slices.whole(k, x.device)
+            assert torch.equal(back, x.detach()) and back.requires_grad
+        return kept
+
+    round_trip(inputs)
+    assert slices.allocations == 4
+    kept = round_trip(inputs)
+    assert slices.allocations == 5  # the buffer, once
+    storages = {k.part.untyped_storage().data_ptr() for k in kept}
+    assert storages == {slices.arena.buffer.untyped_storage().data_ptr()}
+    assert [k.part.data_ptr() for k in kept] == sorted(k.part.data_ptr() for k in kept)
+    round_trip(inputs + inputs[:1])  # one more than the buffer holds: its own allocation
+    assert slices.allocations == 6
+    round_trip(inputs + inputs[:1])  # the buffer grown to the bigger round
+    assert slices.allocations == 7
+    round_trip(inputs)
+    assert slices.allocations == 7

@@ -125,7 +125,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             mixed = (bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda")
                      else reduce_policy(par.grad_reduce_dtype))
             part = apply_data_parallel(part, fam.hook("blocks")(part), shard_mesh(mesh, grid), par.zero, experts,
-                                       edp, mixed)
+                                       edp, mixed, par.fsdp_bucket_mb)
             set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
@@ -149,7 +149,8 @@ def input_slices(spec: WorkerSpec, mesh: DeviceMesh) -> InputSlices | None:
     place = spec.memory.partition_activations
     if place == "none":
         return None
-    return InputSlices(mesh["tp"].get_group() if spec.parallel.grid.tp_enabled else None, place)
+    return InputSlices(mesh["tp"].get_group() if spec.parallel.grid.tp_enabled else None, place,
+                       spec.memory.contiguous_checkpoints)
 
 
 def zero0_buckets(spec: WorkerSpec, fam: ModelFamily, parts: list[nn.Module], dp_mesh, experts: list[nn.Module],

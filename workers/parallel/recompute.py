@@ -136,7 +136,8 @@ def checkpoint_segment(blocks: list[nn.Module], slices: InputSlices | None = Non
 
     def enter(module: nn.Module, args: tuple) -> None:
         if state["on"]:
-            fn, stored = (run, args) if slices is None else (run_kept, (slices.keep(args[0]), args[0].new_empty(0)))
+            kept = slices is not None and torch.is_grad_enabled()  # no backward, nothing to keep (evaluation)
+            fn, stored = (run_kept, (slices.keep(args[0]), args[0].new_empty(0))) if kept else (run, args)
             state["gen"] = _checkpoint_without_reentrant_generator(
                 fn, True, lambda: (contextlib.nullcontext(), recomputing()), "default", False, True, *stored)
             next(state["gen"])

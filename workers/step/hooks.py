@@ -61,8 +61,9 @@ class MemoryProbe(StepHook):
     def after_update(self, ctx):
         self.memory = {**model_state_bytes(self.modules, self.state.optimizers), "activations": self.meter.peak,
                        "step_peak": self.meter.step_peak}
-        if self.slices is not None:  # Pa+cpu's slices in host memory (0 with them on the device)
-            self.memory["activations_host"] = self.meter.host_peak
+        if self.slices is not None:  # Pa+cpu's slices in host memory (0 with them on the device); the buffers
+            # allocated for slices so far (memory.contiguous_checkpoints: one after the first microbatch)
+            self.memory.update(activations_host=self.meter.host_peak, slice_allocations=self.slices.allocations)
 
     def after_step(self, ctx):
         ctx.extras["memory"], self.memory = self.memory, None

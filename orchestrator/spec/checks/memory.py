@@ -32,14 +32,19 @@ def check_partitioned_activations(job: JobSpec) -> None:
     m, p = job.memory, job.parallel
     place = m.partition_activations
     if place == "none":
+        if m.contiguous_checkpoints:
+            raise SpecError("memory.contiguous_checkpoints", True, "lays out the slices memory.partition_activations "
+                            "keeps, and it is 'none'", "set memory.partition_activations: device or host, or remove "
+                            "memory.contiguous_checkpoints")
         return
     refused = [
         ("memory.recompute", m.recompute, m.recompute not in ("full", "sqrt"), "stores no whole block inputs for "
          f"memory.partition_activations {place!r} to partition", "set memory.recompute: full or sqrt, or "
          "memory.partition_activations: none"),
-        ("parallel.tp", p.tp, p.tp == 1 and place == "device", "leaves one tensor-parallel rank to hold the whole "
-         "block input, so memory.partition_activations: device has nothing to split", "raise parallel.tp, use "
-         "memory.partition_activations: host (the input in host memory), or none"),
+        ("parallel.tp", p.tp, p.tp == 1 and place == "device" and not m.contiguous_checkpoints, "leaves one "
+         "tensor-parallel rank to hold the whole block input, so memory.partition_activations: device has nothing "
+         "to split", "raise parallel.tp, use memory.partition_activations: host (the input in host memory), add "
+         "memory.contiguous_checkpoints: true (the inputs in one buffer), or none"),
         ("parallel.sequence_parallel", True, p.tp > 1 and p.sequence_parallel, "already keeps each block input 1/tp "
          "per tp rank (split along the sequence), so memory.partition_activations has no copies to remove",
          "set parallel.sequence_parallel: false, or memory.partition_activations: none"),
