@@ -9,9 +9,10 @@ keeps; each row's losses, which must equal the baseline's. ``device+contiguous``
 (``slice_allocations``: one per slice without it) is what a CPU can show; the fragmentation it and the
 allocator's ``expandable_segments`` remove is a CUDA allocator figure, ``benchmarks/zero_r_gpu.py``.
 
-``buckets``: constant-size communication buffers for ZeRO-3. The same GPT (6 layers) at dp=2 ZeRO-3 with
+``buckets``: constant-size communication buffers for ZeRO-3. ``memory.py``'s ``state`` profile's GPT (d_model 384,
+seq 64, batch 8: parameters dominate the peak, which then sits in backward), with 8 layers, at dp=2 ZeRO-3 with
 ``memory.measure`` and ``metrics.comm_bytes``: one FSDP2 unit per block (the default) against
-``parallel.fsdp_bucket_mb`` holding 2, 3 and all 6 blocks: the block all-gathers and reduce-scatters per step
+``parallel.fsdp_bucket_mb`` holding 2, 4 and all 8 blocks: the block all-gathers and reduce-scatters per step
 and their buffer size (``fsdp_units`` on the model), the in-step peak, the bytes sent and the step time.
 
     python benchmarks/zero_r.py --data data/stdlib --out benchmarks/results/zero_r.json
@@ -34,8 +35,8 @@ from tests.support.parity_harness import run_layouts
 MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512, "seq_len": 512}
 PA = {"whole": ("none", False), "device": ("device", False), "host": ("host", False),
       "device+contiguous": ("device", True)}
-BUCKET_LAYERS = 6
-BUCKETS = {"per-block": None, "2-blocks": 2, "3-blocks": 3, "all-6": 6}  # blocks a bucket holds
+BUCKET_MODEL = {"d_model": 384, "n_layers": 8, "n_heads": 6, "d_ff": 1536, "seq_len": 64}
+BUCKETS = {"per-block": None, "2-blocks": 2, "4-blocks": 4, "all-8": 8}  # blocks a bucket holds
 
 
 def pa_rows(data: str, tmp: str, steps: int) -> dict:
@@ -70,7 +71,7 @@ def _units(blocks_per_bucket: int | None) -> tuple[float | None, list[int]]:
     from workers.parallel.data_parallel import fsdp_units
 
     with torch.device("meta"):
-        gpt = GPT(model_config({**MODEL, "n_layers": BUCKET_LAYERS, "vocab_size": 256}))
+        gpt = GPT(model_config({**BUCKET_MODEL, "vocab_size": 256}))
     blocks = list(gpt.layers.values())
     block = sum(p.numel() * 4 for p in blocks[0].parameters())
     bucket = None if blocks_per_bucket is None else (blocks_per_bucket + 0.5) * block / 2**20
@@ -81,10 +82,10 @@ def bucket_rows(data: str, tmp: str, steps: int) -> dict:
     """Rank 0's in-step peak, bytes sent and step time per ``BUCKETS`` setting, with ratios to one unit a block."""
     units = {name: _units(n) for name, n in BUCKETS.items()}
     specs = [JobSpec.from_dict({"name": "zero-r-buckets", "run_dir": f"{tmp}/{name}", "data": {"path": data},
-                                "model": {**MODEL, "n_layers": BUCKET_LAYERS},
+                                "model": BUCKET_MODEL,
                                 "parallel": {"dp": 2, "zero": 3, "fsdp_bucket_mb": units[name][0], "device": "cpu"},
                                 "memory": {"measure": True}, "metrics": {"comm_bytes": True},
-                                "train": {"steps": steps, "global_batch_size": 16, "microbatches": 1}})
+                                "train": {"steps": steps, "global_batch_size": 8, "microbatches": 1}})
              for name in BUCKETS]
     runs = dict(zip(BUCKETS, run_layouts([s.worker_dict() for s in specs], 2, steps), strict=True))
     base = runs["per-block"]
@@ -110,8 +111,8 @@ def main() -> None:
     args = ap.parse_args()
     data = str(Path(args.data).resolve())
     with tempfile.TemporaryDirectory(prefix="raymesh-zero-r-") as tmp:
-        report = {"model": MODEL, "steps": args.steps, "pa": pa_rows(data, tmp, args.steps),
-                  "buckets": bucket_rows(data, tmp, args.steps)}
+        report = {"model": MODEL, "bucket_model": BUCKET_MODEL, "steps": args.steps,
+                  "pa": pa_rows(data, tmp, args.steps), "buckets": bucket_rows(data, tmp, args.steps)}
     for name, row in report["pa"].items():
         print(f"pa {name:8} device {row['activations'] / 2**20:8.2f} MiB ({row['activations_ratio']:.3f})  host "
               f"{row['activations_host'] / 2**20:7.2f} MiB  step peak {row['step_peak'] / 2**20:8.2f} MiB "

@@ -95,14 +95,14 @@ class ParallelSection(Section):
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
     # zero 2/3: FSDP2 all-gathers issued this many blocks ahead in forward and backward; 0: FSDP2's own order
     fsdp_prefetch: Annotated[int, Field(ge=0, le=64)] = 0
-    fsdp_bucket_mb: Annotated[float | None, Field(
-        default=None, gt=0, le=1_000_000,
-        description="ZeRO-R's constant-size buffers for ZeRO-2/3 (workers/parallel/data_parallel.py::fsdp_units): "
+    fsdp_bucket_mb: float | None = Field(
+        None, gt=0, le=1_000_000, description="ZeRO-R's constant-size buffers for ZeRO-2/3 "
+        "(workers/parallel/data_parallel.py::fsdp_units): "
         "consecutive blocks grouped into one FSDP2 unit while their parameters (as all-gathered: this rank's tp "
         "shard, in the all-gather's dtype) stay within this many MiB, so every all-gather and reduce-scatter of the "
         "blocks moves at most one bucket (a block larger than it is a unit alone) and at most one bucket's "
         "parameters (plus prefetch) is whole at a time. null: one unit per block. Not with fsdp_prefetch or "
-        "memory.offload.params, which address units block by block")]
+        "memory.offload.params, which address units block by block")
     grad_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description=(
         "Low-precision gradient reduction for sharded data parallelism (ZeRO 1-3, ZeRO++'s quantized gradients "
         "in bf16): the reduce-scatter (and hybrid sharding's cross-replica all-reduce) moves bf16, half the bytes; "
