@@ -6,7 +6,9 @@ the Ray-free parity harness (2 gloo ranks), each setting trains on the single-pr
 count of what stays stored for backward (``memory.measure``) falls by exactly half an input per block with
 ``device`` (each rank keeps its half), and by a whole input per block with ``host``, whose halves it counts in host
 memory instead; ``sqrt`` segments keep one half input per segment. The planner's estimate follows each. Settings
-where nothing is replicated over tp to split are refused before start, naming field, value and fix.
+where nothing is replicated over tp to split are refused before start, naming field, value and fix. On 4 ranks,
+Pa beside FSDP2's hooks (tp=2 × dp=2 ZeRO-3) and in a pipeline with host slices in one buffer (tp=2 × pp=2) stays
+on the curve; the buffer itself (``Arena``) is checked in one process.
 """
 
 from __future__ import annotations
@@ -133,3 +135,23 @@ def test_slices_after_the_first_round_are_cut_from_one_buffer():
     assert slices.allocations == 7
     round_trip(inputs)
     assert slices.allocations == 7
+
+
+WIDER = {  # 4 ranks: Pa beside FSDP2's hooks, and with several microbatches in flight in a pipeline (the arena)
+    "zero3-tp2": ({"dp": 2, "zero": 3}, {"partition_activations": "device"}),
+    "pp2-tp2-host-contiguous": ({"pp": 2}, {"partition_activations": "host", "contiguous_checkpoints": True}),
+}
+
+
+def test_pa_on_zero3_and_pipeline_layouts_trains_on_the_curve(token_data, tmp_path):
+    def spec(parallel, memory):
+        return tiny_spec(token_data, tmp_path, parallel={"tp": 2, "sequence_parallel": False, "device": "cpu",
+                                                         **parallel},
+                         memory={"recompute": "full", **memory}, train={"steps": STEPS, "microbatches": 2})
+
+    losses, grad_norms = reference_run(tiny_spec(token_data, tmp_path, train={"steps": STEPS, "microbatches": 2}),
+                                       STEPS)
+    runs = run_layouts([spec(*layout).worker_dict() for layout in WIDER.values()], 4, STEPS)
+    for run in runs:
+        assert run.losses == pytest.approx(losses, rel=1e-4)
+        assert run.grad_norms == pytest.approx(grad_norms, rel=1e-4)
