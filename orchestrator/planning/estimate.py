@@ -206,6 +206,8 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
                                       frozen=frozen, kv_heads=m.kv_heads, family=m.arch, fsdp_mixed=fsdp_mixed(spec),
                                       head_dim=m.head_size, fused_norm=planned_on_gpu(spec),
                                       compiled=spec.train.compile)
+    if rc == "full" and spec.memory.partition_activations != "none":
+        return partitioned_input_bytes(spec, block)
     if moe and rc != "full":  # the dense feed-forward's input copies out, the MoE layer's tensors in
         ffn_inputs = compute_bytes(spec) * local_seq(spec) * micro_batch(spec) * m.d_model * mm.feed_forward_copies(
             m.arch, compute_bytes(spec), frozen, fsdp_mixed(spec))
@@ -215,6 +217,16 @@ def layer_bytes(spec: JobSpec, layer: int = 0, recompute: str | None = None) -> 
         return block
     return block + mm.gathered_kv_bytes(m.seq_len, micro_batch(spec), m.d_model, m.n_heads, m.kv_heads, p.cp, p.tp,
                                         compute_bytes(spec), m.head_size)
+
+
+def partitioned_input_bytes(spec: JobSpec, whole: int) -> int:
+    """ZeRO-R's Pa (``memory.partition_activations``): of a stored block input of ``whole`` bytes, this rank's
+    device keeps its flat 1/tp slice (padded to whole elements: ``workers.parallel.partitioned_activations``), or
+    nothing when the slice waits in host memory."""
+    if spec.memory.partition_activations == "host":
+        return 0
+    elements = local_seq(spec) * micro_batch(spec) * spec.model.d_model
+    return -(-elements // spec.parallel.tp) * (whole // elements)
 
 
 def frozen_parts(spec: JobSpec) -> list[mm.Frozen | None]:
@@ -398,12 +410,22 @@ def nf4_gathered_params(spec: JobSpec, ids: list[int], n_stages: int) -> int:
     return root + 2 * blocks
 
 
+def blocks_per_unit(spec: JobSpec) -> int:
+    """Blocks in one FSDP2 unit: 1, or as many as ``parallel.fsdp_bucket_mb`` holds, counted as
+    ``workers.parallel.data_parallel.fsdp_units`` counts them (this rank's tp shard, in the all-gather's dtype)."""
+    bucket = spec.parallel.fsdp_bucket_mb
+    if bucket is None:
+        return 1
+    per_block = block_params(spec) // spec.parallel.tp * (compute_bytes(spec) if fsdp_mixed(spec) else 4)
+    return max(1, int(bucket * 2**20 // per_block))
+
+
 def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_stages: int) -> mm.ModelState:
     p, o = spec.parallel, spec.optim
     name = stepped_optimizer(spec)
     blocks = [i for sid in ids for i in stage_layers(spec, sid, n_stages)]
     root = sum(stage_params(spec, sid, n_stages)[0] for sid in ids) - sum(sharded_block_params(spec, i) for i in blocks)
-    gathered = (mm.zero3_gathered_params(root, block_params(spec), p.tp, p.fsdp_prefetch)
+    gathered = (mm.zero3_gathered_params(root, block_params(spec) * blocks_per_unit(spec), p.tp, p.fsdp_prefetch)
                 - nf4_gathered_params(spec, ids, n_stages))
     offload = offload_flags(spec)
     experts = split.get("experts", 0)

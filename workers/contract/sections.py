@@ -95,6 +95,14 @@ class ParallelSection(Section):
     topk_ratio: Annotated[float, Field(gt=0, le=1)] = 0.01  # grad_compression topk: share of entries sent
     # zero 2/3: FSDP2 all-gathers issued this many blocks ahead in forward and backward; 0: FSDP2's own order
     fsdp_prefetch: Annotated[int, Field(ge=0, le=64)] = 0
+    fsdp_bucket_mb: float | None = Field(
+        None, gt=0, le=1_000_000, description="ZeRO-R's constant-size buffers for ZeRO-2/3 "
+        "(workers/parallel/data_parallel.py::fsdp_units): "
+        "consecutive blocks grouped into one FSDP2 unit while their parameters (as all-gathered: this rank's tp "
+        "shard, in the all-gather's dtype) stay within this many MiB, so every all-gather and reduce-scatter of the "
+        "blocks moves at most one bucket (a block larger than it is a unit alone) and at most one bucket's "
+        "parameters (plus prefetch) is whole at a time. null: one unit per block. Not with fsdp_prefetch or "
+        "memory.offload.params, which address units block by block")
     grad_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description=(
         "Low-precision gradient reduction for sharded data parallelism (ZeRO 1-3, ZeRO++'s quantized gradients "
         "in bf16): the reduce-scatter (and hybrid sharding's cross-replica all-reduce) moves bf16, half the bytes; "
@@ -225,6 +233,18 @@ class MemorySection(Section):
     recompute_every: Annotated[int, Field(ge=1)] = 1  # recompute only blocks whose layer index is a multiple
     offload: OffloadSection = Field(default_factory=OffloadSection)
     activation_compression: Literal["none", "bf16", "fp8"] = "none"  # lossy: saved activations kept in this dtype
+    partition_activations: Literal["none", "device", "host"] = Field(
+        "none", description="ZeRO-R's partitioned activation checkpoints (Pa; workers/parallel/"
+        "partitioned_activations.py): under memory.recompute full or sqrt with parallel.tp > 1 and "
+        "sequence_parallel false, each tp rank keeps 1/tp of every stored block input (the input is the same on all "
+        "of them) and all-gathers it over tp before the block is recomputed; device: the slice stays on the device; "
+        "host: it waits in host memory (Pa+cpu; also at tp 1, where the slice is the whole input). none: whole "
+        "inputs, as before")
+    contiguous_checkpoints: bool = Field(
+        False, description="ZeRO-R's contiguous buffers (defragmentation; workers/parallel/partitioned_activations.py"
+        "::Arena): the slices memory.partition_activations keeps are cut from one buffer reused every microbatch "
+        "(sized by the first), not allocated one by one between the activations. Needs memory.partition_activations "
+        "(device at tp 1 then keeps whole inputs, in that buffer)")
     measure: bool = False  # each rank measures its tensor bytes per category; the summary's `memory` compares them
     # the planner refuses layouts whose predicted in-step peak passes (1 - headroom) of device memory
     headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1

@@ -16,7 +16,9 @@ Two measurements, both by storage so views and shared buffers count once:
   inputs with a forward pre-hook for as long as they stay alive (so a pipeline
   stage's receive buffer, which outlives its backward, stays counted: the one
   layout where measured exceeds predicted by more than 1%, interleaved 1F1B
-  with full recompute, by that one buffer).
+  with full recompute, by that one buffer). Under ZeRO-R's Pa (``memory.partition_activations``) those inputs
+  are not kept: the slices kept instead are counted as ``InputSlices`` reports them, the device ones here and
+  the host ones (Pa+cpu) apart, as ``host_peak``.
 
 - ``ActivationMeter.step_peak``: the in-step peak of everything above together, sampled at every
   pack (forward) and unpack (backward) of a saved tensor and at the end of backward: saved tensors
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,10 +114,12 @@ class ActivationMeter:
     """Context manager: peak live bytes saved for backward by ``modules`` (see module docstring)."""
 
     def __init__(self, modules: list[nn.Module], checkpointed: list[nn.Module],
-                 state_bytes: Callable[[], int] | None = None):
+                 state_bytes: Callable[[], int] | None = None, slices: Any = None):
         self.modules, self.checkpointed, self.state_bytes = modules, checkpointed, state_bytes
+        self.slices = slices  # Pa's ``InputSlices`` (a higher layer: only its ``listeners`` list is used)
         self.live: dict[int, list[int]] = {}  # storage ptr -> [holders alive, bytes]
         self.current = self.peak = self.step_peak = 0
+        self.host = self.host_peak = 0  # Pa+cpu: input slices kept in host memory (never in ``current``)
         self._hooks = None
         self._handles: list = []
 
@@ -155,6 +160,20 @@ class ActivationMeter:
         self._sample()
         return held.tensor
 
+    def _kept(self, part: torch.Tensor, place: str) -> None:
+        """A recomputed block's input slice (ZeRO-R's Pa): activations where it stays on the device, else host
+        bytes, counted for as long as the slice lives."""
+        if place == "device":
+            self._hold(part, part)
+            self._sample()
+            return
+        self.host += part.untyped_storage().nbytes()
+        self.host_peak = max(self.host_peak, self.host)
+        weakref.finalize(part, self._host_release, part.untyped_storage().nbytes())
+
+    def _host_release(self, nbytes: int) -> None:
+        self.host -= nbytes
+
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
         for a in args:
             if isinstance(a, torch.Tensor) and a.requires_grad:
@@ -164,6 +183,8 @@ class ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self.checkpointed]
+        if self.slices is not None:
+            self.slices.listeners.append(self._kept)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -171,3 +192,5 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
+        if self.slices is not None:
+            self.slices.listeners.remove(self._kept)

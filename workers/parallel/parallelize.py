@@ -44,6 +44,7 @@ from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
+from workers.parallel.partitioned_activations import InputSlices
 from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh, shard_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
@@ -58,6 +59,7 @@ class ModelParts:
     experts: list[nn.Module] = field(default_factory=list)  # this rank's sharded Experts (expert parallelism)
     ep_group: Any = None  # the ep process group the experts are split over; None at ep=1
     expert_mesh: DeviceMesh | None = None  # edp x ep x position (``init_expert_mesh``); None at ep=1
+    slices: InputSlices | None = None  # ZeRO-R's Pa: what keeps the recomputed blocks' input slices
 
 
 def on_meta(spec: WorkerSpec, fam: ModelFamily) -> bool:
@@ -95,6 +97,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     expert_mesh = init_expert_mesh(grid, device, spec.fault_tolerance.collective_timeout_s)
     ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
     wrapped, all_experts = [], []
+    slices = input_slices(spec, mesh)
     check_float8_device(spec.precision.float8, device)
     for part in parts:
         part.loss_chunks = spec.train.loss_chunks  # the last stage's forward then leaves the head to the loss
@@ -111,7 +114,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             apply_context_parallel(part, mesh["cp"], par.cp_impl)
         experts = shard_experts(part, ep_group) if ep_group is not None else []
         all_experts += experts
-        apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every, spec.train.compile)
+        apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every, spec.train.compile, slices)
         if spec.train.compile:  # before FSDP2, as torchtitan: its hooks then run eagerly around each block
             compile_blocks(part, fam)
             part.compile_loss = True
@@ -122,7 +125,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             mixed = (bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda")
                      else reduce_policy(par.grad_reduce_dtype))
             part = apply_data_parallel(part, fam.hook("blocks")(part), shard_mesh(mesh, grid), par.zero, experts,
-                                       edp, mixed)
+                                       edp, mixed, par.fsdp_bucket_mb)
             set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)
@@ -137,7 +140,17 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
                   or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous))
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
-                      ep_group=ep_group, expert_mesh=expert_mesh)
+                      ep_group=ep_group, expert_mesh=expert_mesh, slices=slices)
+
+
+def input_slices(spec: WorkerSpec, mesh: DeviceMesh) -> InputSlices | None:
+    """``memory.partition_activations``: what keeps each recomputed block's input, 1/tp of it per tp rank (the
+    spec checks refuse the layouts where the input is not replicated over tp)."""
+    place = spec.memory.partition_activations
+    if place == "none":
+        return None
+    return InputSlices(mesh["tp"].get_group() if spec.parallel.grid.tp_enabled else None, place,
+                       spec.memory.contiguous_checkpoints)
 
 
 def zero0_buckets(spec: WorkerSpec, fam: ModelFamily, parts: list[nn.Module], dp_mesh, experts: list[nn.Module],

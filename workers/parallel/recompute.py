@@ -36,6 +36,7 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from workers.model.registry import ModelFamily
+from workers.parallel.partitioned_activations import InputSlices, Kept
 
 
 def block_index(stage: nn.Module, block: nn.Module) -> int:
@@ -62,13 +63,20 @@ def checkpointed_modules(stage: nn.Module, policy: str, family: ModelFamily, eve
 
 
 def apply_recompute(stage: nn.Module, policy: str, family: ModelFamily, every: int = 1,
-                    compiled: bool = False) -> None:
+                    compiled: bool = False, slices: InputSlices | None = None) -> None:
     """Recompute ``policy``'s modules in backward: by the composable ``checkpoint``'s hooks, or with
     ``compiled`` (the blocks will be compiled, ``workers.parallel.compile``) from inside their ``forward``;
-    ``sqrt``: segments of ``every`` blocks, each recomputed whole (``checkpoint_segment``)."""
+    ``sqrt``: segments of ``every`` blocks, each recomputed whole (``checkpoint_segment``). With ``slices``
+    (ZeRO-R's Pa, ``full`` or ``sqrt``), each stored input is kept as ``slices`` keeps it, so through
+    ``checkpoint_segment`` (a one-block segment under ``full``), whose stored arguments this code chooses."""
     if policy == "sqrt":
         for blocks in segments(stage, family, every):
-            checkpoint_segment(blocks)
+            checkpoint_segment(blocks, slices)
+        return
+    if slices is not None:
+        segments(stage, family, every)  # refuses a family without whole blocks, as sqrt does
+        for module in checkpointed_modules(stage, policy, family, every):
+            checkpoint_segment([module], slices)
         return
     for module in checkpointed_modules(stage, policy, family, every):
         if compiled:
@@ -102,16 +110,21 @@ def segments(stage: nn.Module, family: ModelFamily, length: int) -> list[list[nn
     return list(out.values())
 
 
-def checkpoint_segment(blocks: list[nn.Module]) -> None:
+def checkpoint_segment(blocks: list[nn.Module], slices: InputSlices | None = None) -> None:
     """Keep only the input of ``blocks`` (consecutive, each feeding the next) for backward and recompute them all
     there: a checkpoint entered by a pre-hook on the first block and left by a hook after the last, whose
-    recompute calls the blocks in order with those hooks off (so FSDP2's own hooks gather the weights again)."""
+    recompute calls the blocks in order with those hooks off (so FSDP2's own hooks gather the weights again).
+    With ``slices``, the checkpoint stores this rank's slice of the input (and an empty tensor on the input's
+    device, from which it stashes that device's RNG state) and its recompute gathers the input whole first."""
     state = {"on": True, "gen": None}
 
     def run(x: torch.Tensor) -> torch.Tensor:
         for block in blocks:
             x = block(x)
         return x
+
+    def run_kept(kept: Kept, like: torch.Tensor) -> torch.Tensor:
+        return run(slices.whole(kept, like.device))
 
     @contextlib.contextmanager
     def recomputing():
@@ -123,8 +136,10 @@ def checkpoint_segment(blocks: list[nn.Module]) -> None:
 
     def enter(module: nn.Module, args: tuple) -> None:
         if state["on"]:
+            kept = slices is not None and torch.is_grad_enabled()  # no backward, nothing to keep (evaluation)
+            fn, stored = (run_kept, (slices.keep(args[0]), args[0].new_empty(0))) if kept else (run, args)
             state["gen"] = _checkpoint_without_reentrant_generator(
-                run, True, lambda: (contextlib.nullcontext(), recomputing()), "default", False, True, *args)
+                fn, True, lambda: (contextlib.nullcontext(), recomputing()), "default", False, True, *stored)
             next(state["gen"])
 
     def leave(module: nn.Module, args: tuple, output) -> None:

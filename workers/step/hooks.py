@@ -42,6 +42,7 @@ class MemoryProbe(StepHook):
 
     def __init__(self, kit: StepKit):
         self.modules, self.state, self.spec = kit.parts.modules, kit.state, kit.spec
+        self.slices = kit.parts.slices  # Pa: the kept input slices are counted as it keeps them
         self.meter: ActivationMeter | None = None
         self.memory: dict | None = None
 
@@ -49,15 +50,20 @@ class MemoryProbe(StepHook):
         if region != "compute":
             return contextlib.nullcontext()
         memory, fam = self.spec.memory, self.spec.model_family
-        watched = [m for part in self.modules
-                   for m in checkpointed_modules(unwrap(part), memory.recompute, fam, memory.recompute_every)]
+        slices = self.slices
+        watched = [] if slices is not None else [
+            m for part in self.modules for m in checkpointed_modules(unwrap(part), memory.recompute, fam,
+                                                                     memory.recompute_every)]
         self.meter = ActivationMeter(self.modules, watched, lambda: live_state_bytes(self.modules,
-                                                                                    self.state.optimizers))
+                                                                                    self.state.optimizers), slices)
         return self.meter
 
     def after_update(self, ctx):
         self.memory = {**model_state_bytes(self.modules, self.state.optimizers), "activations": self.meter.peak,
                        "step_peak": self.meter.step_peak}
+        if self.slices is not None:  # Pa+cpu's slices in host memory (0 with them on the device); the buffers
+            # allocated for slices so far (memory.contiguous_checkpoints: one after the first microbatch)
+            self.memory.update(activations_host=self.meter.host_peak, slice_allocations=self.slices.allocations)
 
     def after_step(self, ctx):
         ctx.extras["memory"], self.memory = self.memory, None

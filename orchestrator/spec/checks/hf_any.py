@@ -31,7 +31,10 @@ def check_hf_any(job: JobSpec) -> None:
                 ("train.loss_chunks", job.train.loss_chunks > 1, "set train.loss_chunks: 1"),
                 ("model.attention_mask", job.model.attention_mask != "causal", "set model.attention_mask: causal"),
                 # its layers take keyword inputs (masks, rotary tables), which a segment's recompute cannot replay
-                ("memory.recompute", job.memory.recompute == "sqrt", "set memory.recompute: full"))
+                ("memory.recompute", job.memory.recompute == "sqrt", "set memory.recompute: full"),
+                # the same: a partitioned checkpoint replays the block from its one gathered input
+                ("memory.partition_activations", job.memory.partition_activations != "none",
+                 "set memory.partition_activations: none"))
     for field, refused, fix in refusals:
         if refused:
             value = job.model.lora.model_dump() if field == "model.lora" else _value(job, field)

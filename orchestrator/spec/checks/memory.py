@@ -26,6 +26,37 @@ def check_recompute(job: JobSpec) -> None:
                         "remove memory.recompute_every")
 
 
+def check_partitioned_activations(job: JobSpec) -> None:
+    """ZeRO-R's Pa (``memory.partition_activations``, workers/parallel/partitioned_activations.py) slices the block
+    input full or sqrt recompute stores; where there is no such input, or it is not replicated over tp, refused."""
+    m, p = job.memory, job.parallel
+    place = m.partition_activations
+    if place == "none":
+        if m.contiguous_checkpoints:
+            raise SpecError("memory.contiguous_checkpoints", True, "lays out the slices memory.partition_activations "
+                            "keeps, and it is 'none'", "set memory.partition_activations: device or host, or remove "
+                            "memory.contiguous_checkpoints")
+        return
+    refused = [
+        ("memory.recompute", m.recompute, m.recompute not in ("full", "sqrt"), "stores no whole block inputs for "
+         f"memory.partition_activations {place!r} to partition", "set memory.recompute: full or sqrt, or "
+         "memory.partition_activations: none"),
+        ("parallel.tp", p.tp, p.tp == 1 and place == "device" and not m.contiguous_checkpoints, "leaves one "
+         "tensor-parallel rank to hold the whole block input, so memory.partition_activations: device has nothing "
+         "to split", "raise parallel.tp, use memory.partition_activations: host (the input in host memory), add "
+         "memory.contiguous_checkpoints: true (the inputs in one buffer), or none"),
+        ("parallel.sequence_parallel", True, p.tp > 1 and p.sequence_parallel, "already keeps each block input 1/tp "
+         "per tp rank (split along the sequence), so memory.partition_activations has no copies to remove",
+         "set parallel.sequence_parallel: false, or memory.partition_activations: none"),
+        ("train.compile", True, bool(job.train.compile), "traces each block's checkpoint inside the compiled "
+         "graph, and the partitioned checkpoint runs from hooks around the block", "set train.compile: false, or "
+         "memory.partition_activations: none"),
+    ]
+    for field, value, applies, why, fix in refused:
+        if applies:
+            raise SpecError(field, value, why, fix)
+
+
 def check_offload(job: JobSpec) -> None:
     """Offload combinations that cannot work, refused with the fix (workers/offload/)."""
     off, name, p = job.memory.offload, job.optim.name, job.parallel
