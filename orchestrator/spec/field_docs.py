@@ -220,6 +220,11 @@ FIELD_DOCS: dict[str, str] = {
         'must divide `parallel.dp` and `model.moe.experts`; not with `cp > 1`, 1-bit Adam or `dp_sync: ps` (see '
         '[Expert parallelism](../guides/moe.md))'
     ),
+    'parallel.expert_tp': (
+        "expert tensor parallelism: each routed expert's hidden split over the tp group (w1/w3 columns, w2 rows), so "
+        'a rank holds `1 / (ep * tp)` of the routed weights; needs `tp > 1` and `ep > 1`, a hidden width tp divides, '
+        'no `model.init_from` (see [Expert parallelism](../guides/moe.md))'
+    ),
     'parallel.zero': (
         '0: gradient buckets averaged during backward (DDP-style, also under TP and PP); 1: distributed optimizer '
         "(Megatron's: gradients reduce-scattered over dp, each rank steps its slice of every parameter, weights "

@@ -189,17 +189,19 @@ class Grid:
         return [self.rank_of(dp=d, pp=c.pp, cp=cp, tp=c.tp)
                 for d in range(first, first + self.shard_size) for cp in range(self.cp)]
 
-    EXPERT_MESH_DIMS = ("edp", "ep", "position")
+    EXPERT_MESH_DIMS = ("edp", "ep", "position", "tp")
 
     @property
-    def expert_mesh_shape(self) -> tuple[int, int, int]:
-        """Shape of the expert mesh (dims ``EXPERT_MESH_DIMS``): the dp index split as ``edp * ep + ep_index``.
+    def expert_mesh_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the expert mesh (dims ``EXPERT_MESH_DIMS``): the dp index split as ``edp * ep + ep_index``,
+        the model position as ``(pp, cp)`` then tp (tp is innermost in the rank order).
 
         ``ep`` groups are ranks of one model position whose dp index differs only in ``dp % ep`` (they split the
         experts); ``edp`` groups are the ``dp / ep`` ranks of one position holding the same experts (they reduce
-        the experts' gradients, as dp does for dense weights). Row-major over this shape is the rank order.
+        the experts' gradients, as dp does for dense weights); ``tp`` is the tensor-parallel group, over which
+        expert tensor parallelism (``parallel.expert_tp``) splits each expert. Row-major is the rank order.
         """
-        return self.dp // self.ep, self.ep, self.positions
+        return self.dp // self.ep, self.ep, self.positions // self.tp, self.tp
 
     # -- recovery ------------------------------------------------------------------------------
 
