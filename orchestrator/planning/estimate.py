@@ -427,9 +427,9 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     if o.name == "muon":  # the embeddings and head step with AdamW: 4 bytes each beyond Muon's one buffer
         state = replace(state, optimizer=state.optimizer + math.ceil(4 * root / (p.grid.shard_size * p.cp
                                                                                    if p.zero else 1)))
-    if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp / ep ranks holding them
+    if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp * cp / ep ranks holding them
         layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // expert_split(spec)  # gathered
-        own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(name),
+        own = mm.model_state(experts, p.dp * p.cp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(name),
                              momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=layer,
                              offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                              host_master=p.device != "cpu", **steps)

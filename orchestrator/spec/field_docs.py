@@ -216,8 +216,9 @@ FIELD_DOCS: dict[str, str] = {
         'set at cp=1: refused, as it would be ignored'
     ),
     'parallel.ep': (
-        "expert parallelism: each MoE layer's experts split over groups of `ep` data-parallel ranks (no extra ranks); "
-        'must divide `parallel.dp` and `model.moe.experts`; not with `cp > 1`, 1-bit Adam or `dp_sync: ps` (see '
+        "expert parallelism: each MoE layer's experts split over groups of `ep` data x context-parallel ranks (no "
+        'extra ranks; cp peers first); must divide `parallel.dp * parallel.cp` and `model.moe.experts`; not with 1-bit '
+        'Adam or `dp_sync: ps` (see '
         '[Expert parallelism](../guides/moe.md))'
     ),
     'parallel.expert_tp': (

@@ -98,3 +98,10 @@ def test_planner_counts_one_tp_slice_of_each_ranks_experts():
     assert whole.params - split.params == routed // 4 - routed // 8
     # weights, gradients and Adam's two moments in fp32 for the half of its experts a rank no longer holds
     assert whole.state.persistent - split.state.persistent == 16 * (routed // 4 - routed // 8)
+
+
+def test_planner_shards_the_experts_state_over_the_dp_times_cp_ranks_holding_them():
+    """With ep carved from dp x cp, a rank's experts are ZeRO-1-sliced over the dp * cp / ep ranks holding them:
+    dp=4 x cp=2 holds exactly the weights and state of dp=8 (dense sliced over 8 ranks, experts over 4 holders)."""
+    context, flat = peak_rank(_moe_plan(dp=4, cp=2, ep=2, zero=1)), peak_rank(_moe_plan(dp=8, ep=2, zero=1))
+    assert context.params == flat.params and context.state == flat.state

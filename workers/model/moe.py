@@ -311,6 +311,9 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.experts, d_model))
+        # under context parallelism (set by the builder): the cp group holding the rest of each sequence's tokens,
+        # over which ``router: topk``'s balance loss is formed (``over_context``); None otherwise
+        self.context_group = None
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """[G, n, d] -> float32 [G, n, E], outside any autocast."""
@@ -345,11 +348,43 @@ def choice_fractions(chosen: torch.Tensor, experts: int) -> torch.Tensor:
     return F.one_hot(chosen, experts).sum(2).float().mean(1)
 
 
-def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, weight: float) -> torch.Tensor:
+def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, weight: float, context=None) -> torch.Tensor:
     """Switch's α·E·Σ_i f_i·P_i per group, averaged over groups: f_i the fraction of the group's tokens that
-    chose expert i (among their k), P_i the mean router probability of i. ``chosen``: [G, n, k] expert ids."""
+    chose expert i (among their k), P_i the mean router probability of i. ``chosen``: [G, n, k] expert ids.
+    ``context``: the cp group holding the rest of each group's tokens (``over_context``), or None."""
     experts = probs.shape[-1]
-    return weight * experts * (choice_fractions(chosen, experts) * probs.mean(1)).sum(-1).mean()
+    fractions, mean_probs = over_context(choice_fractions(chosen, experts), probs.mean(1), context)
+    return weight * experts * (fractions * mean_probs).sum(-1).mean()
+
+
+class _MeanOverContext(torch.autograd.Function):
+    """The mean of a [G, E] figure over the cp ranks; the backward passes the gradient through unchanged.
+
+    Why unchanged: every cp rank forms the same whole-sequence loss from the mean, so d loss / d mean is equal on
+    all of them; the true gradient to a rank's share is that over cp, and the data-parallel reduction (a mean over
+    dp x cp) divides the cp ranks' sum by cp once more, so passing it through gives exactly the single-process
+    gradient once averaged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out / dist.get_world_size(group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def over_context(fractions: torch.Tensor, probs: torch.Tensor, context) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole routing groups' choice fractions and mean probabilities ([G, E] each) from this cp rank's share
+    of their tokens: context parallelism gives every cp rank an equal share of each sequence, so the whole
+    group's means are the means over cp of the shares'. ``context``: the cp group, or None (nothing to do)."""
+    if context is None:
+        return fractions, probs
+    whole = fractions.detach().contiguous().clone()
+    dist.all_reduce(whole, group=context)
+    return whole / dist.get_world_size(context), _MeanOverContext.apply(probs, context)
 
 
 class BalancePool:
@@ -436,9 +471,9 @@ class TopKRouter(Router):
             gates = gates / gates.sum(-1, keepdim=True)
         losses, pooled = {}, None
         if self.cfg.aux_loss_weight > 0 and self.cfg.balance_loss == "pooled":
-            pooled = (choice_fractions(choices, self.cfg.experts), probs.mean(1))
+            pooled = over_context(choice_fractions(choices, self.cfg.experts), probs.mean(1), self.context_group)
         elif self.cfg.aux_loss_weight > 0:
-            losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight)
+            losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight, self.context_group)
         routing = self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
         routing.pooled = pooled
         return routing

@@ -35,6 +35,7 @@ from workers.model.float8 import apply_float8, check_float8_device
 from workers.model.hf_io import load_hf_weights
 from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
+from workers.model.moe import moe_layers
 from workers.model.names import unwrap
 from workers.model.registry import ModelFamily
 from workers.parallel.compile import compile_blocks
@@ -112,6 +113,8 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
                 freeze_base(part)
         if grid.cp_enabled:
             apply_context_parallel(part, mesh["cp"], par.cp_impl)
+            for layer in moe_layers([part]).values():  # whole sequences' balance loss from the cp shares
+                layer.router.context_group = mesh["cp"].get_group()
         experts = shard_experts(part, ep_group, expert_tp) if ep_group is not None else []
         all_experts += experts
         apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every, spec.train.compile)

@@ -148,9 +148,12 @@ def init_expert_mesh(grid: Grid, device: torch.device, timeout_s: float = 300.0)
     """
     if not grid.ep_enabled:
         return None
-    mesh = _mesh(device, grid.expert_mesh_shape, Grid.EXPERT_MESH_DIMS, timeout_s)
+    override = _override(device, timeout_s)
+    ranks = torch.tensor(grid.expert_mesh_ranks(), dtype=torch.int)  # not row-major under cp: pp sits between
+    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=Grid.EXPERT_MESH_DIMS,
+                      backend_override=(override,) * len(Grid.EXPERT_MESH_DIMS))
     if grid.tp_enabled:  # expert tensor parallelism's experts differ along ep and tp: their norm sums over both
-        mesh["ep", "tp"]._flatten(EP_TP, backend_override=_override(device, timeout_s))
+        mesh["ep", "tp"]._flatten(EP_TP, backend_override=override)
     return mesh
 
 

@@ -47,8 +47,6 @@ def check_expert_parallel(job: JobSpec) -> None:
                         f"pick ep from {', '.join(map(str, _divisors(moe.experts)))} (dividing dp too), "
                         "or change the expert count")
     refused = [  # (field, value, applies, problem, fix)
-        ("parallel.cp", p.cp, p.cp > 1, "with parallel.ep > 1 is not supported yet: the experts' gradients are "
-         "averaged over the dp ranks holding them, not over cp", "use parallel.cp: 1, or parallel.ep: 1"),
         ("optim.name", job.optim.name, job.optim.name == "onebit_adam", "with parallel.ep > 1 is not supported: "
          "1-bit Adam averages every parameter's momentum over all dp ranks, which hold different experts",
          "use optim.name: adamw, or parallel.ep: 1"),
