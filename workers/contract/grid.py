@@ -192,12 +192,12 @@ class Grid:
         return [self.rank_of(dp=d, pp=c.pp, cp=cp, tp=c.tp)
                 for d in range(first, first + self.shard_size) for cp in range(self.cp)]
 
-    EXPERT_MESH_DIMS = ("edp", "ep", "position", "tp")
+    EXPERT_MESH_DIMS = ("edp", "ep", "pp", "tp")
 
     @property
     def expert_mesh_shape(self) -> tuple[int, int, int, int]:
         """Shape of the expert mesh (dims ``EXPERT_MESH_DIMS``): the data index ``dp * cp + cp_index`` split as
-        ``edp * ep + ep_index``, then the pp stage (``position``) and tp.
+        ``edp * ep + ep_index``, then the pp stage and tp.
 
         ``ep`` groups are ranks of one pp stage and tp index whose data index differs only in ``% ep`` (they split
         the experts; with cp > 1, cp peers first); ``edp`` groups are the ``dp * cp / ep`` ranks of one stage and

@@ -139,7 +139,7 @@ def keep_survivors_on_nccl_errors() -> None:
 
 
 def init_expert_mesh(grid: Grid, device: torch.device, timeout_s: float = 300.0) -> DeviceMesh | None:
-    """The ``edp × ep × position × tp`` mesh of an expert-parallel job (``Grid.expert_mesh_shape``), None at
+    """The ``edp × ep × pp × tp`` mesh of an expert-parallel job (``Grid.expert_mesh_shape``), None at
     ep=1.
 
     A second mesh over the same ranks, so the job's own mesh keeps its dims: ``ep`` groups exchange tokens,
