@@ -223,8 +223,8 @@ FIELD_DOCS: dict[str, str] = {
     ),
     'parallel.expert_tp': (
         "expert tensor parallelism: each routed expert's hidden split over the tp group (w1/w3 columns, w2 rows), so "
-        'a rank holds `1 / (ep * tp)` of the routed weights; needs `tp > 1` and `ep > 1`, a hidden width tp divides, '
-        'no `model.init_from` (see [Expert parallelism](../guides/moe.md))'
+        'a rank holds `1 / (ep * tp)` of the routed weights; needs `tp > 1` and `ep > 1` and a hidden width tp '
+        'divides (see [Expert parallelism](../guides/moe.md))'
     ),
     'parallel.zero': (
         '0: gradient buckets averaged during backward (DDP-style, also under TP and PP); 1: distributed optimizer '

@@ -75,9 +75,6 @@ def check_expert_tp(job: JobSpec) -> None:
         ("model.moe.d_expert", hidden, hidden is not None and hidden % p.tp != 0, f"(the experts' hidden width) is "
          f"not divisible by parallel.tp={p.tp}, and parallel.expert_tp gives each tp rank an equal slice of it",
          f"set model.moe.d_expert to a multiple of {p.tp}, or remove parallel.expert_tp"),
-        ("model.init_from", job.model.init_from, job.model.init_from is not None, "with parallel.expert_tp is not "
-         "supported yet: the Hugging Face reader reads whole experts", "remove parallel.expert_tp for the run that "
-         "loads init_from (its checkpoint then resumes with expert_tp)"),
     ]
     for field, value, applies, problem, fix in refused:
         if applies:
