@@ -62,8 +62,8 @@ class Trainer:
         self.mesh = init_mesh(rank, world_size, master_addr, master_port, self.grid,
                               self.device, timeout_s=self.spec.fault_tolerance.collective_timeout_s, listener=listener)
         self.parts = build_parts(self.spec, self.mesh, self.device)
-        # expert parallelism: the experts' gradient norm is summed over the ep ranks that split them
-        self.expert_norm = ([p for e in self.parts.experts for p in e.parameters()], self.parts.ep_group) \
+        # expert parallelism: the experts' gradient norm is summed over the ep (x tp) ranks that split them
+        self.expert_norm = ([p for e in self.parts.experts for p in e.parameters()], self.parts.expert_norm_group) \
             if self.parts.ep_group is not None else ()
         self.param_offload = offload_params(self.parts.modules, memory.offload, self.device)
         self.state = self._train_state()
@@ -122,7 +122,7 @@ class Trainer:
         if self.zero1 and held:  # the clip reads the experts' slices: summed over ep, as their weights would be
             names = {n for m in sliced for n, p in unwrap(m).named_parameters() if id(p) in held}
             shards = [s for z in self.zero1 for n, s in z.shards.items() if n in names]
-            self.expert_norm = (shards, self.parts.ep_group)
+            self.expert_norm = (shards, self.parts.expert_norm_group)
         stepped = [list(z.shards.items()) for z in self.zero1] or [list(unwrap(m).named_parameters())
                                                                    for m in self.parts.modules]
         dp = dp_mesh.get_group() if dp_mesh.size() > 1 else None  # onebit_adam's momentum average

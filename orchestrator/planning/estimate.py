@@ -147,15 +147,26 @@ def moe_activation_bytes(spec: JobSpec) -> int:
     """
     m, moe = spec.model, spec.model.moe
     c, d, h = compute_bytes(spec), m.d_model, moe.d_expert or m.ffn_dim
+    h_routed = h // expert_tp(spec)  # expert tensor parallelism: a tp rank's slice of each routed expert
     tokens, rows = m.seq_len * micro_batch(spec), routed_rows(spec)
     glu = FFN_MATRICES[m.arch] == 3
     casts = (2 if glu else 1) if c < 4 else 1  # copies of an expert's input rows its matmuls keep
     scores = 1 + (moe.z_loss_weight > 0) + (2 if moe.router == "noisy_topk" else 0)
     router = 4 * tokens * d + 4 * tokens * moe.experts * scores + tokens * moe.k * (8 + 4 + 4 + 1)
     hidden = (4 if glu else 2) + (moe.expert_dropout > 0)  # expert dropout keeps its mask
-    per_row = c * (casts * d + hidden * h + d) + 4 * d + 4 + 3 * 8
+    per_row = c * (casts * d + hidden * h_routed + d) + 4 * d + 4 + 3 * 8
     shared = moe.shared_experts * tokens * c * ((4 if glu else 2) * h + (casts * d if c < 4 else 0))
     return router + rows * per_row + shared
+
+
+def expert_tp(spec: JobSpec) -> int:
+    """Over how many tp ranks each routed expert is split: tp under ``parallel.expert_tp``, else 1."""
+    return spec.parallel.tp if spec.parallel.expert_tp else 1
+
+
+def expert_split(spec: JobSpec) -> int:
+    """Into how many parts the routed experts are cut: ``ep``, times tp under expert tensor parallelism."""
+    return spec.parallel.ep * expert_tp(spec)
 
 
 def all_to_all_bytes(spec: JobSpec) -> int:
@@ -440,9 +451,9 @@ def rank_model_state(spec: JobSpec, split: dict[str, int], ids: list[int], n_sta
     if o.name == "muon":  # the embeddings and head step with AdamW: 4 bytes each beyond Muon's one buffer
         state = replace(state, optimizer=state.optimizer + math.ceil(4 * root / (p.grid.shard_size * p.cp
                                                                                    if p.zero else 1)))
-    if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp / ep ranks holding them
-        layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // p.ep  # one gathered at a time
-        own = mm.model_state(experts, p.dp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(name),
+    if experts:  # this rank's routed experts: reduced and ZeRO-sharded over the dp * cp / ep ranks holding them
+        layer = max(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) // expert_split(spec)  # gathered
+        own = mm.model_state(experts, p.dp * p.cp // p.ep, p.zero, precision_layout(spec), _adamw_if_muon(name),
                              momentum=o.momentum > 0, fsdp=True, zero3_gathered_params=layer,
                              offload_optimizer=offload["optimizer"], offload_params=offload["params"],
                              host_master=p.device != "cpu", **steps)
@@ -513,7 +524,7 @@ def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     for sid in ids:
         sharded, replicated = stage_params(spec, sid, n_stages)
         params += sharded // p.tp + replicated
-    experts = sum(stage_expert_params(spec, sid, n_stages) for sid in ids) // p.ep
+    experts = sum(stage_expert_params(spec, sid, n_stages) for sid in ids) // expert_split(spec)
     params += experts
     split = {**rank_parameter_split(spec, params, ids, n_stages), "experts": experts}
     saved = rank_saved_activation_bytes(spec, ids, coords["pp"])

@@ -216,9 +216,15 @@ FIELD_DOCS: dict[str, str] = {
         'set at cp=1: refused, as it would be ignored'
     ),
     'parallel.ep': (
-        "expert parallelism: each MoE layer's experts split over groups of `ep` data-parallel ranks (no extra ranks); "
-        'must divide `parallel.dp` and `model.moe.experts`; not with `cp > 1`, 1-bit Adam or `dp_sync: ps` (see '
+        "expert parallelism: each MoE layer's experts split over groups of `ep` data x context-parallel ranks (no "
+        'extra ranks; cp peers first); must divide `parallel.dp * parallel.cp` and `model.moe.experts`; not with 1-bit '
+        'Adam or `dp_sync: ps` (see '
         '[Expert parallelism](../guides/moe.md))'
+    ),
+    'parallel.expert_tp': (
+        "expert tensor parallelism: each routed expert's hidden split over the tp group (w1/w3 columns, w2 rows), so "
+        'a rank holds `1 / (ep * tp)` of the routed weights; needs `tp > 1` and `ep > 1` and a hidden width tp '
+        'divides (see [Expert parallelism](../guides/moe.md))'
     ),
     'parallel.zero': (
         '0: gradient buckets averaged during backward (DDP-style, also under TP and PP); 1: distributed optimizer '

@@ -106,10 +106,10 @@ class ParallelSpec(ParallelSection):
 
     @model_validator(mode="after")
     def _check_ep(self) -> ParallelSpec:
-        if self.dp % self.ep:
-            raise SpecError("parallel.ep", self.ep, f"does not divide parallel.dp={self.dp}: expert groups are "
-                            "carved out of the data-parallel ranks",
-                            f"pick ep from the divisors of dp: {', '.join(map(str, _divisors(self.dp)))}")
+        if (self.dp * self.cp) % self.ep:
+            raise SpecError("parallel.ep", self.ep, f"does not divide parallel.dp * parallel.cp = {self.dp * self.cp}: "
+                            "expert groups are carved out of the data x context-parallel ranks",
+                            f"pick ep from the divisors of dp*cp: {', '.join(map(str, _divisors(self.dp * self.cp)))}")
         return self
 
     @model_validator(mode="after")
@@ -218,12 +218,13 @@ EvalSpec = EvalSection  # `eval:` (checks/eval.py)
 def dp_replicas_mirror(parallel: ParallelSpec, optim: OptimSpec) -> bool:
     """Whether every data-parallel replica holds the whole state bit for bit (zero 0, all-reduce, dp > 1): a
     replica's own snapshot then is its peers' replica, so a snapshot costs one local copy and ships nothing.
-    With expert parallelism only the dp / ep ranks holding the same experts mirror, so there must be two.
+    With expert parallelism only the ranks holding the same experts mirror (``Grid.expert_stride`` dp indices
+    apart), so there must be two.
 
     Not where each rank also keeps state of its own (``dp_ranks_keep_their_own``): a peer's snapshot would hand
     a replaced rank the peer's, and the run would leave the uninterrupted one's path or stop."""
     grid = parallel.grid
-    return (parallel.zero == 0 and grid.dp > grid.ep and parallel.dp_sync == "allreduce"
+    return (parallel.zero == 0 and grid.dp > grid.expert_stride and parallel.dp_sync == "allreduce"
             and not dp_ranks_keep_their_own(parallel, optim))
 
 

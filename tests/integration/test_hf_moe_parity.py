@@ -2,7 +2,8 @@
 that cuts its experts or its layers, without Ray (tests/support/parity_harness.py; fp32, CPU, 3 steps, 1e-4).
 
 What each layout must get right for it: under ep each rank reads only its half of the experts from their
-per-expert tensors (rows offset by ``Experts.first``); ZeRO-3 shards each expert stack's rows over dp, and a rank
+per-expert tensors (rows offset by ``Experts.first``), under ``parallel.expert_tp`` only its tp slice of each
+expert's hidden; ZeRO-3 shards each expert stack's rows over dp, and a rank
 reads its shard's experts; tp replicates the MoE feed-forward and shards the dense layers and attention; pp cuts
 between a dense and an MoE layer (``decoder_sparse_step`` 2: layers 1 and 3 have experts).
 """
@@ -20,7 +21,9 @@ STEPS = 3
 LAYOUTS = {"ep2": {"dp": 2, "ep": 2}, "dp2-zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2},
            # transformers' balance loss pooled over the layers (model.moe.balance_loss), as the example runs it and
            # under ZeRO-3, whose resharded routers the pooled loss reaches from the last MoE layer
-           "pooled-ep2-zero2": {"dp": 2, "ep": 2, "zero": 2}, "pooled-dp2-zero3": {"dp": 2, "zero": 3}}
+           "pooled-ep2-zero2": {"dp": 2, "ep": 2, "zero": 2}, "pooled-dp2-zero3": {"dp": 2, "zero": 3},
+           # expert tensor parallelism: each rank reads its experts' hidden slice (w1/w3 columns, w2 rows)
+           "etp-dp2-ep2-tp2": {"dp": 2, "ep": 2, "tp": 2, "expert_tp": True}}
 
 
 @pytest.fixture(scope="module")

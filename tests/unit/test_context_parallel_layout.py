@@ -66,11 +66,21 @@ def test_cp_with_parameter_server_is_refused():
     assert err.field == "parallel.dp_sync" and err.value == "ps" and "allreduce" in err.fix
 
 
-def test_cp_with_an_moe_model_is_refused():
-    """Routing groups, capacity and aux losses are per sequence: a cp rank holding half of each would route
-    differently from one process, so the combination is refused rather than silently off the reference."""
-    err = _refusal({"moe": {"experts": 4, "router": "switch"}}, parallel={"cp": 2})
-    assert err.field == "model.moe" and "parallel.cp: 1" in err.fix
+@pytest.mark.parametrize(("moe", "field", "value"), [
+    ({"router": "switch"}, "model.moe.router", "switch"),
+    ({"router": "noisy_topk"}, "model.moe.router", "noisy_topk"),
+    ({"router": "topk", "expert_dropout": 0.1}, "model.moe.expert_dropout", 0.1),
+])
+def test_cp_with_an_moe_it_cannot_route_per_token_is_refused(moe, field, value):
+    """Capacity queues, per-sequence noise and dropout keys read token positions in sequence order, which a cp
+    rank's zigzag share does not have: refused rather than silently off the reference."""
+    err = _refusal({"moe": {"experts": 4, **moe}}, parallel={"cp": 2})
+    assert (err.field, err.value) == (field, value) and "parallel.cp: 1" in err.fix
+
+
+def test_cp_with_a_topk_moe_and_ep_from_dp_and_cp_is_accepted():
+    job = _job({"moe": {"experts": 4, "router": "topk", "aux_loss_weight": 0.01}}, parallel={"cp": 2, "ep": 2})
+    assert (job.parallel.cp, job.parallel.ep, job.parallel.world_size) == (2, 2, 2)
 
 
 def test_unknown_cp_impl_is_refused_naming_the_choices():

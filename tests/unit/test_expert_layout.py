@@ -86,7 +86,9 @@ def test_checkpoints_save_every_split_expert_stack_at_its_global_expert_count():
     shape); at ep=1 nothing is split, so nothing is re-placed."""
     part = _local_model(1, 2)
     stacks = expert_stacks.sharded_experts([part])
-    assert stacks and set(stacks.values()) == {4}
+    assert stacks and {stack.shape[0] for stack in stacks.values()} == {4}
+    assert all(stack.hidden_dim is None for stack in stacks.values())  # whole experts: no tp split
+    assert all(stack.shape[1:] == part.get_parameter(name).shape[1:] for name, stack in stacks.items())
     assert all(part.get_parameter(name).shape[0] == 2 for name in stacks)
     assert expert_stacks.sharded_experts([_local_model(0, 1)]) == {}
 

@@ -49,7 +49,7 @@ def test_context_and_expert_axes_show_only_when_enabled():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"dp": 0}, "Grid.dp=0"), ({"tp": 1.5}, "Grid.tp=1.5"), ({"dp": 3, "ep": 2}, "ep=2 does not divide dp=3"),
+    ({"dp": 0}, "Grid.dp=0"), ({"tp": 1.5}, "Grid.tp=1.5"), ({"dp": 3, "ep": 2}, r"ep=2 does not divide dp\*cp=3"),
 ])
 def test_bad_degrees_are_refused_naming_the_axis(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -73,3 +73,29 @@ def test_from_parallel_reads_mappings_and_objects_and_defaults_new_axes_to_one()
     assert Grid.from_parallel(Section()) == Grid(dp=2, tp=2)
     assert Grid(dp=4, ep=4).with_dp(2) == Grid(dp=2)
     assert Grid(dp=2, pp=2, tp=2).describe() == "dp*pp*tp = 2*2*2"
+
+
+@pytest.mark.parametrize(("dp", "pp", "cp", "ep", "tp"), [(2, 2, 2, 2, 1), (2, 1, 2, 4, 2), (1, 1, 2, 2, 1),
+                                                            (4, 2, 1, 2, 2), (2, 1, 4, 8, 1)])
+def test_expert_groups_are_carved_from_dp_times_cp_ranks_of_one_stage_and_tp_index(dp, pp, cp, ep, tp):
+    """Every rank sits once in the expert mesh; an ep group's ranks share pp and tp and have ep distinct ep
+    coordinates (cp peers first); an edp group's ranks hold the same experts; a replica peer holds the same state."""
+    grid = Grid(dp=dp, pp=pp, cp=cp, ep=ep, tp=tp)
+    ranks = grid.expert_mesh_ranks()
+    flat = [r for g in ranks for e in g for p in e for r in p]
+    assert sorted(flat) == list(range(grid.world_size))
+    edp, _, stages, tps = grid.expert_mesh_shape
+    for p in range(stages):
+        for t in range(tps):
+            for g in range(edp):
+                group = [ranks[g][e][p][t] for e in range(ep)]
+                coords = [grid.coords(r) for r in group]
+                assert {(c.pp, c.tp) for c in coords} == {(p, t)} and sorted(c.ep for c in coords) == list(range(ep))
+                if ep <= cp:  # the cp peers alone split the experts: one dp index
+                    assert len({c.dp for c in coords}) == 1
+            holders = [grid.coords(ranks[g][0][p][t]).ep for g in range(edp)]
+            assert set(holders) == {0}
+    for rank in grid.ranks():
+        peer = grid.replica_peer(rank)
+        if grid.dp > grid.expert_stride:
+            assert peer != rank and grid.same_state(rank, peer)

@@ -6,8 +6,9 @@ workers (process groups, stage ownership, data slices), so no module computes "w
 Order, outermost to innermost: ``dp × pp × cp × tp``. Tensor-parallel peers are consecutive ranks (the ones a
 placement group packs onto one node), then context, then pipeline, then data parallel: the bandwidth order of
 the seed articles (TP innermost, DP outermost; Llama 3's [TP, CP, PP, DP]). Expert parallelism adds no ranks:
-its groups are carved out of the data-parallel ranks, so ``ep`` must divide ``dp`` and does not count in the
-world size.
+its groups are carved out of the data × context-parallel ranks (the ``dp · cp`` ranks of one pp stage and tp
+index, cp innermost: cp ranks hold different tokens of the same sequences, and routing is per token), so ``ep``
+must divide ``dp · cp`` and does not count in the world size.
 
 Why our own and not torchtitan's ``ParallelDims``: that one lives inside torchtitan and builds its meshes on
 construction; ours must also run where torch is not imported (the planner, the CLI) and carry the
@@ -16,6 +17,7 @@ recovery facts (replica peers) that only raymesh needs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,7 @@ _RANK_AXES = ("dp", "pp", "cp", "tp")  # the axes that multiply into the world s
 
 @dataclass(frozen=True)
 class Coordinates:
-    """Where one rank sits: its index along each rank axis (``ep`` is derived from ``dp``)."""
+    """Where one rank sits: its index along each rank axis (``ep`` is derived from ``dp`` and ``cp``)."""
 
     dp: int
     pp: int
@@ -51,9 +53,9 @@ class Grid:
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Grid.{axis}={value!r}: every degree is a whole number >= 1")
-        if self.dp % self.ep:
-            raise ValueError(f"Grid.ep={self.ep} does not divide dp={self.dp}: expert groups are carved out of "
-                             "the data-parallel ranks; pick ep from the divisors of dp")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"Grid.ep={self.ep} does not divide dp*cp={self.dp * self.cp}: expert groups are carved "
+                             "out of the data x context-parallel ranks; pick ep from the divisors of dp*cp")
         shard = self.dp_shard
         if shard is not None and (not isinstance(shard, int) or isinstance(shard, bool) or shard < 1
                                   or self.dp % shard):
@@ -131,7 +133,8 @@ class Grid:
     def with_dp(self, dp: int) -> Grid:
         """The same grid at another data-parallel degree (elastic resize); ``ep`` kept where it still divides."""
         shard = self.dp_shard if self.dp_shard is not None and dp % self.dp_shard == 0 else None
-        return Grid(dp=dp, pp=self.pp, cp=self.cp, ep=self.ep if dp % self.ep == 0 else 1, tp=self.tp, dp_shard=shard)
+        return Grid(dp=dp, pp=self.pp, cp=self.cp, ep=self.ep if dp * self.cp % self.ep == 0 else 1, tp=self.tp,
+                    dp_shard=shard)
 
     # -- ranks <-> coordinates ---------------------------------------------------------------
 
@@ -145,7 +148,7 @@ class Grid:
         cp = (rank // self.tp) % self.cp
         pp = (rank // (self.tp * self.cp)) % self.pp
         dp = rank // self.positions
-        return Coordinates(dp=dp, pp=pp, tp=tp, cp=cp, ep=dp % self.ep)
+        return Coordinates(dp=dp, pp=pp, tp=tp, cp=cp, ep=(dp * self.cp + cp) % self.ep)
 
     def rank_of(self, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
@@ -189,17 +192,32 @@ class Grid:
         return [self.rank_of(dp=d, pp=c.pp, cp=cp, tp=c.tp)
                 for d in range(first, first + self.shard_size) for cp in range(self.cp)]
 
-    EXPERT_MESH_DIMS = ("edp", "ep", "position")
+    EXPERT_MESH_DIMS = ("edp", "ep", "pp", "tp")
 
     @property
-    def expert_mesh_shape(self) -> tuple[int, int, int]:
-        """Shape of the expert mesh (dims ``EXPERT_MESH_DIMS``): the dp index split as ``edp * ep + ep_index``.
+    def expert_mesh_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the expert mesh (dims ``EXPERT_MESH_DIMS``): the data index ``dp * cp + cp_index`` split as
+        ``edp * ep + ep_index``, then the pp stage and tp.
 
-        ``ep`` groups are ranks of one model position whose dp index differs only in ``dp % ep`` (they split the
-        experts); ``edp`` groups are the ``dp / ep`` ranks of one position holding the same experts (they reduce
-        the experts' gradients, as dp does for dense weights). Row-major over this shape is the rank order.
+        ``ep`` groups are ranks of one pp stage and tp index whose data index differs only in ``% ep`` (they split
+        the experts; with cp > 1, cp peers first); ``edp`` groups are the ``dp * cp / ep`` ranks of one stage and
+        tp index holding the same experts (they reduce the experts' gradients, as dp x cp does for dense weights);
+        ``tp`` is the tensor-parallel group, over which expert tensor parallelism (``parallel.expert_tp``) splits
+        each expert. ``expert_mesh_ranks`` says which rank sits where (the rank order puts pp between dp and cp).
         """
-        return self.dp // self.ep, self.ep, self.positions
+        return self.dp * self.cp // self.ep, self.ep, self.pp, self.tp
+
+    @property
+    def expert_stride(self) -> int:
+        """How many dp indices apart the nearest ranks of one position holding the same experts sit: ep, or with
+        ep carved from dp x cp, ep / gcd(ep, cp) (1 when the cp peers alone split the experts)."""
+        return self.ep // math.gcd(self.ep, self.cp)
+
+    def expert_mesh_ranks(self) -> list:
+        """The ranks of the expert mesh, nested lists of ``expert_mesh_shape``."""
+        edp, ep, pp, tp = self.expert_mesh_shape
+        return [[[[self.rank_of(dp=d // self.cp, pp=p, cp=d % self.cp, tp=t) for t in range(tp)] for p in range(pp)]
+                 for d in range(g * ep, (g + 1) * ep)] for g in range(edp)]
 
     # -- recovery ------------------------------------------------------------------------------
 
@@ -215,7 +233,7 @@ class Grid:
         if self.hybrid:
             step = self.positions * self.shard_size
         elif self.dp_enabled:
-            step = self.positions * (self.ep if self.dp > self.ep else 1)
+            step = self.positions * (self.expert_stride if self.dp > self.expert_stride else 1)
         return (rank + step) % self.world_size
 
     def same_state(self, a: int, b: int) -> bool:

@@ -47,7 +47,13 @@ class ParallelSection(Section):
     tp: Annotated[int, Field(ge=1)] = 1
     cp: Annotated[int, Field(ge=1)] = 1  # context parallel: each sequence split over cp ranks
     cp_impl: Literal["ring", "ulysses", "allgather"] = "ring"  # which attention kernel joins the cp shares
-    ep: Annotated[int, Field(ge=1)] = 1  # expert parallelism: MoE experts split over groups of ep dp ranks
+    ep: Annotated[int, Field(ge=1)] = 1  # expert parallelism: MoE experts split over groups of ep dp x cp ranks
+    expert_tp: bool = Field(False, description=(
+        "Expert tensor parallelism (Megatron's expert_tensor_parallel_size = tp): with parallel.tp > 1 and "
+        "parallel.ep > 1 each expert's w1/w3 are split column-wise and w2 row-wise over the tp group, so a rank "
+        "holds 1/tp of its experts' weights; false (default): every tp rank holds its experts whole. Read by "
+        "workers/parallel/expert_parallel.py, workers/state/expert_stacks.py, workers/model/hf_io.py (init_from) "
+        "and the planner."))
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # a bounded int, not Literal[0..3], which takes `true` as 1
     dp_shard: Annotated[int | None, Field(ge=1, description=(
         "Hybrid sharding (HSDP, ZeRO++'s hpZ): zero 1-3 shard their state inside groups of this many "

@@ -31,7 +31,7 @@ from torch import nn
 from workers.model import deepseek, gpt_oss
 from workers.model.config import HF_FAMILY_FIELDS, HF_MOE_TYPES, ModelConfig
 from workers.model.hf_moe import ROUTER_BIAS, STACK, expert_name, moe_config, moe_fields, router_name
-from workers.model.moe import Experts
+from workers.model.moe import HIDDEN_DIM, Experts
 from workers.model.names import plain_name
 
 CONFIG = "config.json"
@@ -454,11 +454,25 @@ def _reads(model: nn.Module, reader: _Reader):
             source = reader.slice(key, name, param.shape)
             yield key, local, lambda source=source, box=tuple(box): source[box]
             continue
-        rows, cols, width = box  # an expert stack [E, a, b]: each kept expert from its own [b, a] tensor
-        for i, expert in enumerate(range(stacks[name] + rows.start, stacks[name] + rows.stop)):
-            key = expert_name(plain_name(name), kind, expert)
-            source = reader.slice(key, name, (param.shape[2], param.shape[1]))
-            yield key, local[i], lambda source=source, box=(width, cols): source[box].t()
+        yield from _expert_reads(name, param, stacks[name], local, box, kind, reader)
+
+
+def _expert_reads(name: str, param, experts: Experts, local: torch.Tensor, box: list[slice], kind, reader):
+    """``_reads`` of an expert stack [E, a, b]: each kept expert from its own [b, a] tensor; under expert tensor
+    parallelism (``parallel.expert_tp``) only this tp rank's hidden units of it (``HeldRows``)."""
+    rows, cols, width = box
+    held, weight = experts.held_rows, name.rpartition(".")[2]
+    full = held.full_shape(weight, tuple(param.shape))
+    if held.hidden_full is not None:  # the hidden dim's slice starts at this tp rank's first unit
+        shift = held.hidden_start
+        if HIDDEN_DIM[weight] == 2:
+            width = slice(width.start + shift, width.stop + shift)
+        else:
+            cols = slice(cols.start + shift, cols.stop + shift)
+    for i, expert in enumerate(range(experts.first + rows.start, experts.first + rows.stop)):
+        key = expert_name(plain_name(name), kind, expert)
+        source = reader.slice(key, name, (full[2], full[1]))
+        yield key, local[i], lambda source=source, box=(width, cols): source[box].t()
 
 
 # safetensors dtypes a weight is read from (cast to the model's); an integer, bool or float8 tensor under a float
@@ -541,9 +555,9 @@ def _deepseek_extras(model: nn.Module, reader: _Reader):
             yield key, buffer, lambda source=source: source[:]
 
 
-def _expert_stacks(model: nn.Module) -> dict[str, int]:
-    """Each expert stack's parameter name in ``model`` -> the global id of its first row (``Experts.first``)."""
-    return {f"{prefix}.{name}": module.first for prefix, module in model.named_modules()
+def _expert_stacks(model: nn.Module) -> dict[str, Experts]:
+    """Each expert stack's parameter name in ``model`` -> the ``Experts`` holding it (its rows and hidden units)."""
+    return {f"{prefix}.{name}": module for prefix, module in model.named_modules()
             if isinstance(module, Experts) for name, _ in module.named_parameters(recurse=False)}
 
 

@@ -97,10 +97,11 @@ def fill(module: nn.Module, seed: int, cfg: ModelConfig) -> None:
     for name, param in module.named_parameters():
         owner = module.get_submodule(name.rpartition(".")[0])
         rows = getattr(owner, "held_rows", None)  # a module holding some rows of a stacked parameter (Experts)
-        shape = tuple(param.shape) if rows is None else (rows.full, *param.shape[1:])
+        weight = name.rpartition(".")[2]
+        shape = tuple(param.shape) if rows is None else rows.full_shape(weight, tuple(param.shape))
         full = full_value(name, shape, seed, cfg, init)
         if rows is not None:
-            full = full[rows.start:rows.start + param.shape[0]]
+            full = rows.cut(weight, full, tuple(param.shape))
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(local_slice(full, param))
         del full

@@ -61,17 +61,19 @@ class Routing:
 # -- experts ---------------------------------------------------------------------------------------------------
 
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
-               dropout: float, training: bool, keys: torch.Tensor | None = None) -> torch.Tensor:
+               dropout: float, training: bool, keys: torch.Tensor | None = None, first_unit: int = 0) -> torch.Tensor:
     """One expert: ``w2(gelu(x w1))`` (GPT) or ``w2(silu(x w1) * x w3)`` (Llama's SwiGLU), dropout on the hidden
-    (keyed by the rows' ``keys`` where given, see ``keyed_dropout``)."""
+    (keyed by the rows' ``keys`` where given, see ``keyed_dropout``; ``first_unit``: the global index of the
+    hidden's first unit, where expert tensor parallelism holds a slice of it)."""
     hidden = F.silu(x @ w1) * (x @ w3) if w3 is not None else F.gelu(x @ w1)
-    return _dropout(hidden, dropout, training, keys) @ w2
+    return _dropout(hidden, dropout, training, keys, first_unit) @ w2
 
 
-def _dropout(hidden: torch.Tensor, p: float, training: bool, keys: torch.Tensor | None) -> torch.Tensor:
+def _dropout(hidden: torch.Tensor, p: float, training: bool, keys: torch.Tensor | None,
+             first_unit: int = 0) -> torch.Tensor:
     if keys is None or p == 0 or not training:
         return F.dropout(hidden, p, training)
-    return keyed_dropout(hidden, keys, p)
+    return keyed_dropout(hidden, keys, p, first_unit)
 
 
 _BITS31 = 0x7FFFFFFF
@@ -95,14 +97,16 @@ def mix(key: torch.Tensor | int, value: torch.Tensor | int) -> torch.Tensor:
     return key
 
 
-def keyed_dropout(hidden: torch.Tensor, keys: torch.Tensor, p: float) -> torch.Tensor:
+def keyed_dropout(hidden: torch.Tensor, keys: torch.Tensor, p: float, first_unit: int = 0) -> torch.Tensor:
     """Dropout of ``hidden`` [N, h] whose mask is a hash of each row's key and the hidden unit, not a draw from the
     global RNG: an expert's row is dropped the same way wherever (and in whichever order) its token arrives.
 
     Why not ``torch.Generator`` per row as ``SequenceNoise`` does per sequence: one generator per token copy and
-    expert is far too slow; the counter-based hash is a few vectorised integer ops on [N, h].
+    expert is far too slow; the counter-based hash is a few vectorised integer ops on [N, h]. ``first_unit``: the
+    global index of ``hidden``'s first column (a tp rank's slice under expert tensor parallelism draws its part of
+    the whole hidden's mask).
     """
-    units = torch.arange(hidden.shape[-1], device=hidden.device)
+    units = torch.arange(first_unit, first_unit + hidden.shape[-1], device=hidden.device)
     draws = hash31(keys.to(hidden.device).unsqueeze(-1) + units * 0x9E3779B1)
     keep = draws >= int(p * (_BITS31 + 1))
     return hidden * keep.to(hidden.dtype) / (1.0 - p)
@@ -117,19 +121,41 @@ class _StackedFFN(nn.Module):
         self.w1 = nn.Parameter(torch.empty(count, d_model, hidden))
         self.w2 = nn.Parameter(torch.empty(count, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(count, d_model, hidden)) if swiglu else None
+        self.first_unit = 0  # global index of the hidden's first unit held here (expert tensor parallelism)
 
     def one(self, j: int, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """Feed-forward ``j`` (local index) on rows ``x`` (dropout keyed by ``keys`` where given)."""
         return expert_ffn(x, self.w1[j], self.w2[j], None if self.w3 is None else self.w3[j],
-                          self.dropout, self.training, keys)
+                          self.dropout, self.training, keys, self.first_unit)
+
+
+HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}  # the hidden dim of each stacked weight ([E, d, h] and [E, h, d])
 
 
 @dataclass(frozen=True)
 class HeldRows:
-    """Rows ``start .. start + local`` of a stacked parameter whose full first dimension is ``full``."""
+    """Rows ``start .. start + local`` of a stacked parameter whose full first dimension is ``full``; under expert
+    tensor parallelism (``hidden_full`` set) also hidden units ``hidden_start .. + local`` of ``hidden_full``."""
 
     full: int
     start: int
+    hidden_full: int | None = None
+    hidden_start: int = 0
+
+    def full_shape(self, weight: str, local: tuple) -> tuple:
+        """The full stack's shape of stacked weight ``weight`` (``w1``, ``w2``, ``w3``) held as ``local``."""
+        shape = [self.full, *local[1:]]
+        if self.hidden_full is not None:
+            shape[HIDDEN_DIM[weight]] = self.hidden_full
+        return tuple(shape)
+
+    def cut(self, weight: str, full: torch.Tensor, local: tuple) -> torch.Tensor:
+        """This module's part (of shape ``local``) of the full stack ``full`` of ``weight``."""
+        part = full[self.start:self.start + local[0]]
+        if self.hidden_full is None:
+            return part
+        dim = HIDDEN_DIM[weight]
+        return part.narrow(dim, self.hidden_start, local[dim])
 
 
 class Experts(_StackedFFN):
@@ -143,13 +169,15 @@ class Experts(_StackedFFN):
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, swiglu: bool, dropout: float = 0.0):
         super().__init__(num_experts, d_model, hidden, swiglu, dropout)
-        self.num_experts, self.first, self.num_local = num_experts, 0, num_experts
+        self.num_experts, self.first, self.num_local, self.hidden = num_experts, 0, num_experts, hidden
 
     @property
     def held_rows(self) -> HeldRows:
         """Which rows of the full [E, ...] stacks this module holds: meta-device init draws the full stack (one
         generator per name, so values do not depend on the split) and keeps these rows."""
-        return HeldRows(full=self.num_experts, start=self.first)
+        split = self.w1.shape[2] != self.hidden
+        return HeldRows(full=self.num_experts, start=self.first, hidden_full=self.hidden if split else None,
+                        hidden_start=self.first_unit)
 
     def grouped(self, x_sorted: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """Local expert j applied to the j-th consecutive run of ``counts[j]`` rows of ``x_sorted`` [N, d].
@@ -181,7 +209,8 @@ class Experts(_StackedFFN):
             hidden = F.silu(gate) * torch._grouped_mm(x, self.w3.to(x.dtype), offs=offsets)
         else:
             hidden = F.gelu(gate)
-        return torch._grouped_mm(_dropout(hidden, self.dropout, self.training, keys), w2, offs=offsets)
+        hidden = _dropout(hidden, self.dropout, self.training, keys, self.first_unit)
+        return torch._grouped_mm(hidden, w2, offs=offsets)
 
 
 def _grouped_mm_applies(x: torch.Tensor, experts: Experts) -> bool:
@@ -284,6 +313,9 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.experts, d_model))
+        # under context parallelism (set by the builder): the cp group holding the rest of each sequence's tokens,
+        # over which ``router: topk``'s balance loss is formed (``over_context``); None otherwise
+        self.context_group = None
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """[G, n, d] -> float32 [G, n, E], outside any autocast."""
@@ -303,12 +335,13 @@ class Router(nn.Module):
 
     def balanced(self, probs: torch.Tensor, choices: torch.Tensor, gates: torch.Tensor) -> Routing:
         """The dropless ``Routing`` of [G, n, k] ``choices`` with their ``gates``, and Switch's balance loss over the
-        softmax ``probs`` [G, n, E]: per layer, or handed to the model's pool (``balance_loss: pooled``)."""
+        softmax ``probs`` [G, n, E]: per layer, or handed to the model's pool (``balance_loss: pooled``); under cp
+        formed over whole sequences (``context_group``: the cp shares' counts summed)."""
         losses, pooled = {}, None
         if self.cfg.aux_loss_weight > 0 and self.cfg.balance_loss == "pooled":
-            pooled = (choice_fractions(choices, self.cfg.experts), probs.mean(1))
+            pooled = over_context(choice_fractions(choices, self.cfg.experts), probs.mean(1), self.context_group)
         elif self.cfg.aux_loss_weight > 0:
-            losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight)
+            losses["balance"] = load_balance_loss(probs, choices, self.cfg.aux_loss_weight, self.context_group)
         routing = self.token_choice(choices, gates, torch.ones_like(choices, dtype=torch.bool), None, losses)
         routing.pooled = pooled
         return routing
@@ -330,11 +363,43 @@ def choice_fractions(chosen: torch.Tensor, experts: int) -> torch.Tensor:
     return F.one_hot(chosen, experts).sum(2).float().mean(1)
 
 
-def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, weight: float) -> torch.Tensor:
+def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, weight: float, context=None) -> torch.Tensor:
     """Switch's α·E·Σ_i f_i·P_i per group, averaged over groups: f_i the fraction of the group's tokens that
-    chose expert i (among their k), P_i the mean router probability of i. ``chosen``: [G, n, k] expert ids."""
+    chose expert i (among their k), P_i the mean router probability of i. ``chosen``: [G, n, k] expert ids.
+    ``context``: the cp group holding the rest of each group's tokens (``over_context``), or None."""
     experts = probs.shape[-1]
-    return weight * experts * (choice_fractions(chosen, experts) * probs.mean(1)).sum(-1).mean()
+    fractions, mean_probs = over_context(choice_fractions(chosen, experts), probs.mean(1), context)
+    return weight * experts * (fractions * mean_probs).sum(-1).mean()
+
+
+class _MeanOverContext(torch.autograd.Function):
+    """The mean of a [G, E] figure over the cp ranks; the backward passes the gradient through unchanged.
+
+    Why unchanged: every cp rank forms the same whole-sequence loss from the mean, so d loss / d mean is equal on
+    all of them; the true gradient to a rank's share is that over cp, and the data-parallel reduction (a mean over
+    dp x cp) divides the cp ranks' sum by cp once more, so passing it through gives exactly the single-process
+    gradient once averaged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out / dist.get_world_size(group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def over_context(fractions: torch.Tensor, probs: torch.Tensor, context) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole routing groups' choice fractions and mean probabilities ([G, E] each) from this cp rank's share
+    of their tokens: context parallelism gives every cp rank an equal share of each sequence, so the whole
+    group's means are the means over cp of the shares'. ``context``: the cp group, or None (nothing to do)."""
+    if context is None:
+        return fractions, probs
+    whole = fractions.detach().contiguous().clone()
+    dist.all_reduce(whole, group=context)
+    return whole / dist.get_world_size(context), _MeanOverContext.apply(probs, context)
 
 
 class BalancePool:

@@ -35,6 +35,7 @@ from workers.model.float8 import apply_float8, check_float8_device
 from workers.model.hf_io import load_hf_weights
 from workers.model.lora import freeze_base
 from workers.model.meta_init import build_full, init_hook, materialize
+from workers.model.moe import moe_layers
 from workers.model.names import unwrap
 from workers.model.registry import ModelFamily
 from workers.parallel.compile import compile_blocks
@@ -45,7 +46,7 @@ from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
 from workers.parallel.layout import stage_ids
 from workers.parallel.partitioned_activations import InputSlices
-from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh, shard_mesh
+from workers.parallel.process_group import EP_TP, data_parallel_mesh, init_expert_mesh, shard_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
 
@@ -58,6 +59,8 @@ class ModelParts:
     reducers: list[GradBuckets] = field(default_factory=list)  # ZeRO-0 gradient buckets, one per module
     experts: list[nn.Module] = field(default_factory=list)  # this rank's sharded Experts (expert parallelism)
     ep_group: Any = None  # the ep process group the experts are split over; None at ep=1
+    # the ranks whose experts' gradients differ, for the norm: ep, or ep x tp under expert tensor parallelism
+    expert_norm_group: Any = None
     expert_mesh: DeviceMesh | None = None  # edp x ep x position (``init_expert_mesh``); None at ep=1
     slices: InputSlices | None = None  # ZeRO-R's Pa: what keeps the recomputed blocks' input slices
 
@@ -96,6 +99,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     dp_mesh = data_parallel_mesh(mesh, grid)
     expert_mesh = init_expert_mesh(grid, device, spec.fault_tolerance.collective_timeout_s)
     ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
+    expert_tp = expert_mesh["tp"].get_group() if expert_mesh is not None and par.expert_tp else None
     wrapped, all_experts = [], []
     slices = input_slices(spec, mesh)
     check_float8_device(spec.precision.float8, device)
@@ -112,7 +116,9 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
                 freeze_base(part)
         if grid.cp_enabled:
             apply_context_parallel(part, mesh["cp"], par.cp_impl)
-        experts = shard_experts(part, ep_group) if ep_group is not None else []
+            for layer in moe_layers([part]).values():  # whole sequences' balance loss from the cp shares
+                layer.router.context_group = mesh["cp"].get_group()
+        experts = shard_experts(part, ep_group, expert_tp) if ep_group is not None else []
         all_experts += experts
         apply_recompute(part, spec.memory.recompute, fam, spec.memory.recompute_every, spec.train.compile, slices)
         if spec.train.compile:  # before FSDP2, as torchtitan: its hooks then run eagerly around each block
@@ -140,7 +146,8 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
                   or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous))
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
-                      ep_group=ep_group, expert_mesh=expert_mesh, slices=slices)
+                      ep_group=ep_group, expert_mesh=expert_mesh, slices=slices,
+                      expert_norm_group=expert_mesh[EP_TP].get_group() if expert_tp is not None else ep_group)
 
 
 def input_slices(spec: WorkerSpec, mesh: DeviceMesh) -> InputSlices | None:

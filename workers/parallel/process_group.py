@@ -139,29 +139,42 @@ def keep_survivors_on_nccl_errors() -> None:
 
 
 def init_expert_mesh(grid: Grid, device: torch.device, timeout_s: float = 300.0) -> DeviceMesh | None:
-    """The ``edp × ep × position`` mesh of an expert-parallel job (``Grid.expert_mesh_shape``), None at ep=1.
+    """The ``edp × ep × pp × tp`` mesh of an expert-parallel job (``Grid.expert_mesh_shape``), None at
+    ep=1.
 
     A second mesh over the same ranks, so the job's own mesh keeps its dims: ``ep`` groups exchange tokens,
-    ``edp`` groups reduce the experts' gradients (``workers.parallel.expert_parallel``).
+    ``edp`` groups reduce the experts' gradients (``workers.parallel.expert_parallel``), ``tp`` groups split each
+    expert under ``parallel.expert_tp`` and ``ep_tp`` (with tp > 1) sums those experts' gradient norm.
     """
     if not grid.ep_enabled:
         return None
-    return _mesh(device, grid.expert_mesh_shape, Grid.EXPERT_MESH_DIMS, timeout_s)
+    override = _override(device, timeout_s)
+    ranks = torch.tensor(grid.expert_mesh_ranks(), dtype=torch.int)  # not row-major under cp: pp sits between
+    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=Grid.EXPERT_MESH_DIMS,
+                      backend_override=(override,) * len(Grid.EXPERT_MESH_DIMS))
+    if grid.tp_enabled:  # expert tensor parallelism's experts differ along ep and tp: their norm sums over both
+        mesh["ep", "tp"]._flatten(EP_TP, backend_override=override)
+    return mesh
 
 
 def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _mesh(device: torch.device, shape: tuple[int, ...], dims: tuple[str, ...], timeout_s: float) -> DeviceMesh:
-    """A mesh whose every sub-group gets ``timeout_s`` (see ``init_mesh``)."""
+def _override(device: torch.device, timeout_s: float) -> tuple:
+    """``(backend, options)`` for a mesh dim's group: gloo or NCCL with ``timeout_s``."""
     backend = _backend(device)
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_s)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims,
-                            backend_override={dim: (backend, options) for dim in dims})
+    return backend, options
+
+
+def _mesh(device: torch.device, shape: tuple[int, ...], dims: tuple[str, ...], timeout_s: float) -> DeviceMesh:
+    """A mesh whose every sub-group gets ``timeout_s`` (see ``init_mesh``)."""
+    override = _override(device, timeout_s)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims, backend_override=dict.fromkeys(dims, override))
     for name, parts in _flattened(dims).items():  # flattened dims must exist on the root before anyone slices them
-        mesh[parts]._flatten(name, backend_override=(backend, options))
+        mesh[parts]._flatten(name, backend_override=override)
     return mesh
 
 
@@ -178,6 +191,7 @@ def _flattened(dims: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
 
 
 DP_CP = "dp_cp"
+EP_TP = "ep_tp"
 DP_SHARD_CP = "dp_shard_cp"
 
 

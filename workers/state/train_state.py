@@ -48,7 +48,7 @@ class TrainState:
     them back to the device around a read or write of the state. ``optim_modules`` name, per part, what its
     optimizer steps: the part itself (the default), or under ZeRO-1 this rank's slices of its parameters
     (``DistributedOptimizer.module``), saved under the same names. ``expert_mesh`` (expert parallelism's
-    ``edp × ep × position`` mesh, None at ep=1) places this rank's experts in their full stacks for checkpoints.
+    ``edp × ep × pp × tp`` mesh, None at ep=1) places this rank's experts in their full stacks for checkpoints.
     """
 
     def __init__(self, modules: list[nn.Module], optimizers: list, schedulers: list, cursor,

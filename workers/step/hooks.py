@@ -75,7 +75,9 @@ class MoEStatistics(StepHook):
     summed over dp, after it (the balancing biases move there too)."""
 
     def __init__(self, kit: StepKit):
-        self.modules, self.state, self.dp_group = kit.parts.modules, kit.state, kit.dp_group
+        self.modules, self.state = kit.parts.modules, kit.state
+        data = data_parallel_mesh(kit.mesh, kit.spec.parallel.grid)  # dp x cp: the ranks holding other tokens
+        self.dp_group = data.get_group() if data.size() > 1 else None
         self.seed, self.microbatches = kit.spec.train.seed, kit.microbatches
         self.figures: dict | None = None
 

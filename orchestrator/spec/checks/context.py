@@ -32,14 +32,28 @@ def check_context_parallel(job: JobSpec) -> None:
         raise SpecError("parallel.dp_sync", "ps", f"is not supported with parallel.cp={p.cp} (parameter-server "
                         "keys are per data rank, cp ranks would push the same keys)",
                         "use parallel.dp_sync: allreduce, or parallel.cp: 1")
-    if getattr(m, "moe", None) is not None:
-        raise SpecError("model.moe", "set", f"is not supported with parallel.cp={p.cp} yet: routing groups, "
-                        "capacity, auxiliary losses and bias balancing are computed per sequence, and a cp rank "
-                        "holds only part of each, so the layout would change the routing",
-                        "set parallel.cp: 1 for an MoE model, or remove model.moe")
+    _check_moe(job)
     _check_sequence_split(job)
     if p.cp_impl == "ulysses":
         _check_ulysses_heads(job)
+
+
+def _check_moe(job: JobSpec) -> None:
+    """MoE under cp: a cp rank holds part of each sequence. ``router: topk`` decides per token and forms its balance
+    loss from the whole sequence's fractions and mean probabilities, averaged over cp (``moe.over_context``); the
+    other routers' capacity queues, per-sequence noise and token orders, and expert dropout's keys, read token
+    positions a cp rank does not have in sequence order."""
+    p, moe = job.parallel, getattr(job.model, "moe", None)
+    if moe is None:
+        return
+    if moe.router != "topk":
+        raise SpecError("model.moe.router", moe.router, f"is not supported with parallel.cp={p.cp} yet: its "
+                        "capacity, noise or token order is per sequence, and a cp rank holds only part of each",
+                        "use model.moe.router: topk (dropless, per token) under cp, or set parallel.cp: 1")
+    if moe.expert_dropout > 0:
+        raise SpecError("model.moe.expert_dropout", moe.expert_dropout, f"is not supported with parallel.cp={p.cp}"
+                        " yet: its mask is keyed by each token's stream position, which cp's zigzag shares reorder",
+                        "set model.moe.expert_dropout: 0 under cp, or parallel.cp: 1")
 
 
 def _check_sequence_split(job: JobSpec) -> None:

@@ -35,6 +35,7 @@ def check_expert_parallel(job: JobSpec) -> None:
     experts over the ranks holding them (``workers.parallel.expert_parallel``); ``ep`` dividing dp is the
     parallel section's own check."""
     p, moe = job.parallel, getattr(job.model, "moe", None)
+    check_expert_tp(job)
     if p.ep == 1:
         return
     if moe is None:
@@ -46,14 +47,34 @@ def check_expert_parallel(job: JobSpec) -> None:
                         f"pick ep from {', '.join(map(str, _divisors(moe.experts)))} (dividing dp too), "
                         "or change the expert count")
     refused = [  # (field, value, applies, problem, fix)
-        ("parallel.cp", p.cp, p.cp > 1, "with parallel.ep > 1 is not supported yet: the experts' gradients are "
-         "averaged over the dp ranks holding them, not over cp", "use parallel.cp: 1, or parallel.ep: 1"),
         ("optim.name", job.optim.name, job.optim.name == "onebit_adam", "with parallel.ep > 1 is not supported: "
          "1-bit Adam averages every parameter's momentum over all dp ranks, which hold different experts",
          "use optim.name: adamw, or parallel.ep: 1"),
         ("parallel.dp_sync", p.dp_sync, p.dp_sync == "ps", "with parallel.ep > 1 is not supported: parameter-"
          "server shards key one copy of each parameter, and ep ranks hold different experts",
          "use dp_sync: allreduce"),
+    ]
+    for field, value, applies, problem, fix in refused:
+        if applies:
+            raise SpecError(field, value, problem, fix)
+
+
+def check_expert_tp(job: JobSpec) -> None:
+    """``parallel.expert_tp`` splits each routed expert's hidden over the tp group, inside the expert-parallel
+    dispatch (``workers.parallel.expert_parallel``): it needs tp > 1, ep > 1 and a hidden width tp divides."""
+    p, model = job.parallel, job.model
+    if not p.expert_tp:
+        return
+    moe = getattr(model, "moe", None)
+    hidden = (moe.d_expert or model.ffn_dim) if moe is not None else None
+    refused = [  # (field, value, applies, problem, fix)
+        ("parallel.tp", p.tp, p.tp == 1, "is 1, and parallel.expert_tp splits each expert over the tp group",
+         "set parallel.tp > 1, or remove parallel.expert_tp"),
+        ("parallel.ep", p.ep, p.ep == 1, "is 1, and parallel.expert_tp runs inside the expert-parallel dispatch",
+         "set parallel.ep > 1 (a divisor of dp and of model.moe.experts), or remove parallel.expert_tp"),
+        ("model.moe.d_expert", hidden, hidden is not None and hidden % p.tp != 0, f"(the experts' hidden width) is "
+         f"not divisible by parallel.tp={p.tp}, and parallel.expert_tp gives each tp rank an equal slice of it",
+         f"set model.moe.d_expert to a multiple of {p.tp}, or remove parallel.expert_tp"),
     ]
     for field, value, applies, problem, fix in refused:
         if applies:
