@@ -4,7 +4,7 @@ Ray's placement groups know no distance between nodes, and the planner's time mo
 neighbouring stages are near each other (``time_model.step_time``: pp is the next dimension out after tp and cp).
 So raymesh defines a distance: nodes are put in one order, by
 
-1. the Ray node label ``raymesh.io/topology`` (``ray start --labels='{"raymesh.io/topology": "rack03/07"}'``),
+1. the Ray node label ``raymesh.io/topology`` (``ray start --labels='{"raymesh.io/topology": "rack03.07"}'``),
    compared in natural order (the digits as numbers: ``rack2`` before ``rack10``); nodes with it come first;
 2. then the node's IP address (numerically), then its node ID,
 

@@ -19,12 +19,12 @@ def _node(node_id: str, address: str, label: str | None = None, alive: bool = Tr
 
 
 def test_nodes_follow_the_label_in_natural_order_then_the_ip_then_the_id():
-    nodes = [_node("f", "10.0.0.9"), _node("e", "10.0.0.10"), _node("d", "10.0.0.1", "rack10/1"),
-             _node("c", "10.0.0.2", "rack2/1"), _node("b", "10.0.0.3", "rack2/1"), _node("a", "10.0.0.10"),
+    nodes = [_node("f", "10.0.0.9"), _node("e", "10.0.0.10"), _node("d", "10.0.0.1", "rack10.1"),
+             _node("c", "10.0.0.2", "rack2.1"), _node("b", "10.0.0.3", "rack2.1"), _node("a", "10.0.0.10"),
              _node("x", "10.0.0.1", "rack1", alive=False)]
     # labelled first (rack2 before rack10; a tie by IP), then by IP numerically (.9 before .10), then by ID
     assert [n.node_id for n in ordered_nodes(nodes)] == ["c", "b", "d", "f", "a", "e"]
-    assert natural("rack2/node10") < natural("rack10/node2") and natural("a9") < natural("a10")
+    assert natural("rack2.node10") < natural("rack10.node2") and natural("a9") < natural("a10")
 
 
 @pytest.mark.parametrize("n_blocks, room, targets", [
