@@ -25,15 +25,20 @@ class Layout:
     world_size: int
     ranks: tuple[RankInfo, ...]
     pp_split: tuple[int, ...] = ()  # layers per pipeline stage (parallel.pp_split resolved)
+    # the live nodes in the topology order placement filled them in (``runtime/node_order.py``), each a dict of
+    # node_id, topology (the raymesh.io/topology label, or "") and address; empty without a Ray cluster
+    node_order: tuple[dict, ...] = ()
 
     def with_ranks(self, ranks: list[RankInfo]) -> Layout:
         """The same grid after it was re-formed (replaced ranks have new processes)."""
         return replace(self, ranks=tuple(ranks))
 
     def to_dict(self) -> dict:
-        """The summary's ``layout``: the keys it always had, in their order, then ``pp_split`` (added later)."""
-        head = {k: v for k, v in asdict(self).items() if k not in ("ranks", "pp_split")}
-        return {**head, "ranks": [r.to_dict() for r in self.ranks], "pp_split": list(self.pp_split)}
+        """The summary's ``layout``: the keys it always had, in their order, then ``pp_split`` and ``node_order``
+        (added later)."""
+        head = {k: v for k, v in asdict(self).items() if k not in ("ranks", "pp_split", "node_order")}
+        return {**head, "ranks": [r.to_dict() for r in self.ranks], "pp_split": list(self.pp_split),
+                "node_order": [dict(n) for n in self.node_order]}
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,9 @@ class Trainer:
         dp_dim, replicate = shard_dim(par.grid), "dp_replicate" if par.grid.hybrid else None
         held = frozenset(id(p) for e in self.parts.experts for p in e.parameters())  # sliced over edp instead
         reduce = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
+        averaged = bool(self.parts.reducers)  # grad_compression at ZeRO-1: ZeRO-0's buckets average in backward
         self.zero1 = [sliced_optimizer(unwrap(m).named_parameters(), self.mesh, dp_dim, held, self.parts.expert_mesh,
-                                       replicate, reduce, par.param_gather_dtype) for m in sliced]
+                                       replicate, reduce, par.param_gather_dtype, averaged) for m in sliced]
         if self.zero1 and held:  # the clip reads the experts' slices: summed over ep, as their weights would be
             names = {n for m in sliced for n, p in unwrap(m).named_parameters() if id(p) in held}
             shards = [s for z in self.zero1 for n, s in z.shards.items() if n in names]

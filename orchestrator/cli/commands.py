@@ -108,6 +108,7 @@ def _plan(args: argparse.Namespace) -> int:
     choice = pick_layout(spec, nodes, per_node, gpu_mem, args.gpu)
     p = choice.spec.parallel
     cp = f" cp={p.cp}" if p.grid.cp_enabled else ""
+    cp += f" dp_shard={p.dp_shard}" if p.grid.hybrid else ""
     schedule = f" schedule={p.pp_schedule} pp_split={list(choice.spec.stage_split)}" if p.pp > 1 else ""
     print(f"picked dp={p.dp} pp={p.pp}{cp} tp={p.tp} zero={p.zero} microbatches={choice.spec.train.microbatches} "
           f"recompute={choice.spec.memory.recompute}{schedule} for {nodes} node(s) x {per_node} "

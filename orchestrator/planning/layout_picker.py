@@ -1,8 +1,9 @@
 """Pick the fastest runnable layout of a job for a cluster shape, and say why the others lost.
 
 The search (``layout_search``) prices every dp × tp × pp × ZeRO × micro-batch × recompute × schedule
-split of the GPUs by predicted step time (``time_model``: compute, exposed communication per link class,
-pipeline bubble) and keeps those whose in-step peak stays under (1 - ``memory.headroom``) of the GPU's
+(× ``dp_shard`` under ZeRO 1-3: shard groups inside a node, ``hybrid_shard_sizes``) split of the GPUs by
+predicted step time (``time_model``: compute, exposed communication per link class, pipeline bubble) and keeps
+those whose in-step peak stays under (1 - ``memory.headroom``) of the GPU's
 memory. Here it runs over the layouts raymesh can run today (context parallelism only for sequences of
 ``LONG_SEQUENCE`` tokens or more, where Llama 3 turns it on), and the winner is the first that the job file
 accepts (``with_overrides`` validates it; refusals are listed with the spec's own reason). The unrestricted
@@ -56,11 +57,12 @@ def plan_gpu(spec: JobSpec, gpus_per_node: int, gpu_mem: int | None, gpu_type: s
 
 def overrides(c: ls.Candidate, shape: ls.Shape) -> list[str]:
     """The job-file settings of candidate ``c``. At cp=1 ``cp_impl`` goes back to its default: the job's own
-    choice for its cp>1 layout would be refused as a setting without its feature."""
+    choice for its cp>1 layout would be refused as a setting without its feature. ``dp_shard`` is set or cleared
+    (an empty value: none), so the job's own never survives onto a dp it may not divide."""
     lay = c.layout
     no_cp = [f"parallel.cp_impl={ParallelSpec.model_fields['cp_impl'].default}"] if lay.cp == 1 else []
     return [f"parallel.dp={lay.dp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.tp={lay.tp}",
-            f"parallel.zero={lay.zero}", *no_cp,
+            f"parallel.zero={lay.zero}", f"parallel.dp_shard={lay.dp_shard or ''}", *no_cp,
             f"parallel.pp_schedule={lay.schedule}", f"parallel.pp_split={split_value(lay)}",
             f"train.microbatches={lay.microbatches(shape)}", f"memory.recompute={lay.recompute}"]
 

@@ -581,7 +581,9 @@ def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomput
             if shape.global_batch % dp:
                 skip("global batch not divisible by dp")
                 continue
-            for layout in _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units):
+            shards = hybrid_shard_sizes(dp, tp * cp * pp, g.gpus_per_node)
+            for layout in _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units,
+                                       shards):
                 only_split = even_splits and shape.n_layers % (pp * layout.stages_per_rank) != 0
                 if not only_split:
                     yield layout
@@ -600,8 +602,20 @@ def _chunkable(shape: Shape, cps: list[int], skip) -> list[int]:
     return [cp for cp in cps if shape.seq // cp >= shape.loss_chunks]
 
 
-def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units=None):
-    """The ZeRO x micro-batch x recompute x schedule choices of one dp/tp/pp/cp split."""
+def hybrid_shard_sizes(dp: int, inner: int, gpus_per_node: int) -> list[int]:
+    """The ``dp_shard`` values the search tries besides plain sharding, largest first: the divisors of ``dp``
+    between 2 and dp - 1 whose shard group (``dp_shard`` dp ranks, ``inner`` = tp·cp·pp ranks apart) fits in one
+    node, so ZeRO's collectives run on NVLink and only the replicas' all-reduce of a shard's gradients crosses
+    nodes (``time_model.data_parallel_links``). Left out: 1 (every rank holds everything: ZeRO-0 moves the same
+    bytes and ties go to it) and groups spanning nodes (ZeRO's collectives on the same slow links as plain
+    sharding, with more state per rank), which also keeps the search's size: at most log2(GPUs per node) more
+    layouts per ZeRO-1/2/3 layout."""
+    return [d for d in range(dp - 1, 1, -1) if dp % d == 0 and inner * d <= gpus_per_node]
+
+
+def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units=None, shards=()):
+    """The ZeRO x micro-batch x recompute x schedule choices of one dp/tp/pp/cp split; under ZeRO 1-3 each also
+    with every hybrid ``dp_shard`` of ``shards`` (``hybrid_shard_sizes``)."""
     per_replica = shape.global_batch // dp
     for sched in (schedules if pp > 1 else ("1f1b",)):
         v = 1 if sched == "1f1b" else 2
@@ -614,7 +628,8 @@ def _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedule
                 skip("too few microbatches for the schedule")
                 continue
             for zero, rc in product(zeros if dp * cp > 1 else (0,), recomputes):  # ZeRO shards over dp x cp
-                yield Layout(dp, tp, pp, cp, zero, mbs, rc, sched, v)
+                for dp_shard in (None, *shards) if zero else (None,):
+                    yield Layout(dp, tp, pp, cp, zero, mbs, rc, sched, v, dp_shard=dp_shard)
 
 
 def search(shape: Shape, world: int, g: tm.GPU, headroom: float = 0.1, efficiency: float = tm.DEFAULT_EFFICIENCY,
@@ -675,9 +690,9 @@ def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
 
 
 def losers_by_axis(result: SearchResult,
-                   axes=("tp", "pp", "cp", "zero", "recompute", "micro_batch", "split")) -> list[str]:
+                   axes=("tp", "pp", "cp", "zero", "dp_shard", "recompute", "micro_batch", "split")) -> list[str]:
     """Per axis: the fastest layout with a different value there, and why it lost (``split``: the same layout
-    otherwise, on another stage split)."""
+    otherwise, on another stage split; ``dp_shard``: none is plain sharding over all of dp)."""
     if not result.best:
         return []
     win = result.best[0]
@@ -690,7 +705,7 @@ def losers_by_axis(result: SearchResult,
         if others:
             alt = min(others, key=lambda c: (c.peak > result.limit, c.step_s))
             value = getattr(alt.layout, axis)
-            shown = "even" if axis == "split" and value is None else value
+            shown = {"split": "even", "dp_shard": "none"}.get(axis, value) if value is None else value
             lines.append(f"{axis}={shown}: {alt.layout.label()}: {why_not(win, alt, result.limit)}")
     return lines
 

@@ -101,11 +101,12 @@ def refuse_if_complete(spec: JobSpec) -> None:
             raise RunComplete(step, spec.run_dir_url() or spec.resolved_run_dir(), ckpt.path_for(step))
 
 
-def layout_of(spec: JobSpec, ranks: list[RankInfo]) -> Layout:
-    """The ``Layout`` record of ``spec``'s grid with ``ranks`` on it (``spec``'s ``pp_split`` pinned already)."""
+def layout_of(spec: JobSpec, ranks: list[RankInfo], node_order: tuple[dict, ...] = ()) -> Layout:
+    """The ``Layout`` record of ``spec``'s grid with ``ranks`` on it (``spec``'s ``pp_split`` pinned already) and
+    the nodes in the order placement filled them (``RankPlacement.order``)."""
     p = spec.parallel
     return Layout(p.dp, p.pp, p.tp, p.zero, p.pp_schedule, p.stages_per_rank, spec.train.microbatches,
-                  p.world_size, tuple(ranks), spec.stage_split)
+                  p.world_size, tuple(ranks), spec.stage_split, node_order)
 
 
 class TrainingJob:
@@ -293,7 +294,8 @@ class TrainingJob:
                 self.ps.set_workers(self.spec)
             self.ps.publish_routes(self.group)
             self.checkpoints.beside_ranks = self.ps.save_checkpoint
-        layout = layout_of(self.spec, self.group.form())
+        order = tuple(n.to_dict() for n in getattr(self.placement, "order", ()))  # the simulator's has none
+        layout = layout_of(self.spec, self.group.form(), order)
         if fresh_shards:  # the ranks registered the initial weights: a rollback to step 0 finds them
             self.ps.keep(0, self.group)
         return layout

@@ -3,8 +3,11 @@
 One STRICT_PACK placement group per node block (``Grid.node_block``): a tensor-parallel group and its
 context-parallel peers, consecutive ranks. TP peers exchange activations and CP peers K/V blocks every layer, so
 they share a node, as the planner's time model assumes (``time_model.step_time``: tp, then cp, inside a node);
-pipeline and data-parallel neighbours (less traffic) may spread across nodes. Each rank's node is recorded in
-the run's layout (``RankInfo.node_id`` in the summary's ``layout.ranks``).
+pipeline and data-parallel neighbours (less traffic) may spread across nodes, but in one order: each block asks
+Ray (a soft hint) for the node ``node_order.block_targets`` gives it, so consecutive blocks, a replica's
+pipeline stages, share a node or sit on neighbouring ones in the ``raymesh.io/topology`` label's order. Each
+rank's node is recorded in the run's layout (``RankInfo.node_id`` in the summary's ``layout.ranks``), and the
+order in ``layout.node_order``.
 
 A grid the cluster's nodes could never hold, even idle, is refused at once, naming the nodes' sizes; one that
 fits but finds the room taken waits (``event=placement_waiting`` names what holds it) and, if it is still not
@@ -14,7 +17,7 @@ placed when the wait ends, says the same: which placement groups and actors hold
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import (
@@ -28,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.errors import NO_VALUE, SpecError
 from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
+from orchestrator.runtime.node_order import OrderedNode, block_targets, ordered_nodes
 from orchestrator.spec import JobSpec
 from orchestrator.units import human_bytes
 from workers.contract.grid import Grid
@@ -43,10 +47,12 @@ def node_groups(grid: Grid) -> int:
 
 @dataclass
 class RankPlacement:
-    """The reserved placement groups, one per node block (``block`` = tp x cp ranks), in rank order."""
+    """The reserved placement groups, one per node block (``block`` = tp x cp ranks), in rank order, and the
+    live nodes in the topology order they were filled in (``node_order``)."""
 
     groups: list[PlacementGroup]
     block: int
+    order: list[OrderedNode] = field(default_factory=list)
 
     def bundle(self, rank: int) -> tuple[int, int]:
         """``(group, bundle index)`` holding ``rank``: a block's peers are consecutive ranks packed in one group."""
@@ -103,11 +109,14 @@ def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlace
     block, n_groups = spec.parallel.grid.node_block, node_groups(spec.parallel.grid)
     bundle = rank_bundle(spec, use_gpu)
     check_fits(spec, bundle, [node["Resources"] for node in nodes])
+    order = ordered_nodes(nodes)
+    targets = _targets(order, bundle, block, n_groups)
     groups = [
-        placement_group([bundle] * block, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}")
-        for g in range(n_groups)
+        placement_group([bundle] * block, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}",
+                        _soft_target_node_id=target)
+        for g, target in enumerate(targets)
     ]
-    placement = RankPlacement(groups=groups, block=block)
+    placement = RankPlacement(groups=groups, block=block, order=order)
     what = f"{n_groups} group(s) of {block} x {_resources(bundle)} (tensor- and context-parallel peers share a node)"
     try:
         _wait_placed(groups, timeout_s, what)
@@ -122,6 +131,15 @@ def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlace
             "placement-groups` and `ray list actors` show the rest), or lower parallel.dp/pp to what is free",
             where="Ray cluster") from None
     return placement
+
+
+def _targets(order: list[OrderedNode], bundle: dict, block: int, n_groups: int) -> list[str | None]:
+    """Each block's node ID in rank order (``node_order.block_targets`` over each node's free room now)."""
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    room = [groups_on(free.get(node.node_id, {}), bundle, block) for node in order]
+    return [None if t is None else order[t].node_id for t in block_targets(n_groups, room)]
 
 
 def _wait_placed(groups: list[PlacementGroup], timeout_s: float, what: str) -> None:

@@ -274,7 +274,8 @@ FIELD_DOCS: dict[str, str] = {
     'parallel.grad_compression': (
         "zero 0, dp > 1: `bf16`, `fp16` (PyTorch's comm hooks), `powersgd` (rank `powersgd_rank`, default 4, after "
         '`powersgd_warmup_steps` plain steps, default 10), `topk` (share `topk_ratio`, default 0.01); the last two '
-        'keep the error for the next step'
+        'keep the error for the next step, and also run at zero 1 (replacing its reduce-scatter; zero 1-3 take '
+        '`grad_reduce_dtype: bf16` for a 16-bit reduction)'
     ),
     'parallel.powersgd_rank': "grad_compression powersgd: rank of the gradient matrices' factors",
     'parallel.powersgd_warmup_steps': (

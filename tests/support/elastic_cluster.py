@@ -6,7 +6,11 @@ driver of one cluster only. The head gets no CPUs, so every rank lives on a
 worker node that ``kill_node`` may take down; with ``--add-node-after-shrink``
 a fresh node joins once the job has shrunk, as a replaced machine would.
 
+``--topology A,B,C`` gives the worker nodes, in the order they join, the ``raymesh.io/topology`` label
+(``orchestrator/runtime/node_order.py``).
+
 usage: python -m tests.support.elastic_cluster SPEC.json OUT.json --nodes N --cpus C --port P [--add-node-after-shrink]
+       [--topology LABELS]
 (``run_on_cluster`` does that from a test).
 """
 
@@ -25,6 +29,7 @@ from ray.cluster_utils import Cluster
 
 from orchestrator import JobSpec, TrainingJob
 from orchestrator.observability.observers import JobObserver
+from orchestrator.runtime.node_order import TOPOLOGY_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 6395  # the session cluster's GCS listens on 6389
@@ -69,13 +74,15 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--add-node-after-shrink", action="store_true")
+    parser.add_argument("--topology", default="", help="comma-separated raymesh.io/topology labels, one a node")
     args = parser.parse_args()
+    labels = args.topology.split(",") if args.topology else [""] * args.nodes
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "gcs_server_port": args.port, "include_dashboard": False, "_system_config": FAST_NODE_DEATH})
     try:
-        for _ in range(args.nodes):
-            cluster.add_node(num_cpus=args.cpus)
+        for label in labels:
+            cluster.add_node(num_cpus=args.cpus, labels={TOPOLOGY_LABEL: label} if label else {})
         ray.init(address=cluster.address, log_to_driver=False)
         job = TrainingJob(JobSpec.from_dict(json.loads(Path(args.spec).read_text())), progress=False)
         out = {}

@@ -27,7 +27,20 @@ def _spec(tmp_path, **sections):
 
 @pytest.mark.parametrize("sections, field, fix", [
     ({"parallel": {"dp": 2, "zero": 2, "bucket_mb": 4}}, "parallel.bucket_mb", "use zero: 0"),
-    ({"parallel": {"dp": 2, "zero": 3, "grad_compression": "bf16"}}, "parallel.grad_compression", "use zero: 0"),
+    # beyond ZeRO-0: a 16-bit cast belongs in the reduce-scatter; PowerSGD/top-k at ZeRO-1 only, and alone there
+    ({"parallel": {"dp": 2, "zero": 3, "grad_compression": "bf16"}}, "parallel.grad_compression",
+     "grad_reduce_dtype: bf16"),
+    ({"parallel": {"dp": 2, "zero": 1, "grad_compression": "fp16"}}, "parallel.grad_compression",
+     "grad_reduce_dtype: bf16"),
+    ({"parallel": {"dp": 2, "zero": 2, "grad_compression": "powersgd"}}, "parallel.grad_compression",
+     "parallel.zero: 1"),
+    ({"parallel": {"dp": 2, "zero": 3, "grad_compression": "topk"}}, "parallel.grad_compression", "parallel.zero: 1"),
+    ({"parallel": {"dp": 2, "zero": 1, "grad_compression": "topk", "grad_reduce_dtype": "bf16"}},
+     "parallel.grad_reduce_dtype", "remove one of the two"),
+    ({"parallel": {"dp": 2, "zero": 1, "ep": 2, "grad_compression": "topk"}, "model": {"moe": {"experts": 2}}},
+     "parallel.ep", "parallel.ep: 1"),
+    ({"parallel": {"dp": 2, "dp_sync": "ps", "grad_compression": "topk"}}, "parallel.grad_compression",
+     "parameter_server.compression"),
     ({"parallel": {"grad_compression": "powersgd"}}, "parallel.grad_compression", "parallel.dp above 1"),
     ({"parallel": {"dp": 2, "powersgd_rank": 2}}, "parallel.powersgd_rank", "grad_compression: powersgd"),
     ({"parallel": {"dp": 2, "grad_compression": "topk", "powersgd_warmup_steps": 5}},
@@ -48,6 +61,12 @@ def test_refused_with_field_and_fix(tmp_path, sections, field, fix):
     with pytest.raises(SpecError) as info:
         _spec(tmp_path, **sections)
     assert info.value.field == field and (fix is None or fix in str(info.value))
+
+
+@pytest.mark.parametrize("kind", ["powersgd", "topk"])
+def test_error_feedback_kinds_are_accepted_at_zero_1_with_hybrid_sharding(tmp_path, kind):
+    spec = _spec(tmp_path, parallel={"dp": 4, "dp_shard": 2, "zero": 1, "grad_compression": kind})
+    assert spec.worker_dict()["parallel"]["grad_compression"] == kind
 
 
 def test_settings_reach_the_workers_and_survive_a_round_trip(tmp_path):

@@ -161,7 +161,7 @@ def test_the_layout_keeps_the_summary_keys_and_each_ranks_info(spec):
                     pid=7, node_id="n", actor_id="a")
     layout = layout_of(spec, [info, info]).to_dict()
     assert list(layout) == ["dp", "pp", "tp", "zero", "pp_schedule", "virtual_stages", "microbatches",
-                            "world_size", "ranks", "pp_split"]
+                            "world_size", "ranks", "pp_split", "node_order"]
     assert layout["dp"] == 2 and layout["ranks"][0] == info.to_dict()
     assert layout["pp_split"] == list(spec.stage_split)
 

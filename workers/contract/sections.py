@@ -92,7 +92,8 @@ class ParallelSection(Section):
     # zero 0: gradients are averaged in buckets of about this many MiB as backward produces them (overlapping
     # it; 25 is DDP's default); 0: one bucket, averaged after backward (no overlap)
     bucket_mb: Annotated[float, Field(ge=0, le=1_000_000)] = 25.0  # up to a terabyte: one bucket in practice
-    # zero 0: how gradient buckets cross data parallelism (all lossy but none; workers/parallel/grad_compression.py)
+    # zero 0 (powersgd, topk: zero 1 too): how gradient buckets cross data parallelism (all lossy but none;
+    # workers/parallel/grad_compression.py)
     grad_compression: Literal[KINDS] = "none"  # type: ignore[valid-type]
     powersgd_rank: PositiveInt = 4  # grad_compression powersgd: rank of the gradient matrices' factors
     # grad_compression powersgd: steps of plain all-reduce before compressing (PyTorch's start_powerSGD_iter);

@@ -19,6 +19,12 @@ travel in that dtype and every rank, the owner included, computes with the dequa
 identical; the shard is then its own fp32 tensor (not a view of the rows), the master the optimizer steps and
 checkpoints save, so the rounding never accumulates.
 
+With ``parallel.grad_compression`` ``powersgd`` or ``topk`` (``averaged``) ZeRO-0's gradient buckets
+(``grad_buckets.py``) average the gradients over dp in backward through the compressed all-reduce hook, error
+feedback and all, so every rank holds the same approximated average of the whole gradient; step 1 then only
+copies this rank's rows of it into the shards, with no collective: the compressed all-reduce replaces the
+reduce-scatter (and under hybrid sharding the replicas' all-reduce), and the rest is unchanged.
+
 Each shard is a DTensor placed like its parameter plus ``Shard(0)`` over dp, on a mesh ordered (tp, dp):
 tp splits the global tensor first, then dp splits the tp-local rows, which is exactly how the slice was cut.
 So the global-norm clip (``workers.optim.build.global_grad_norm``) sums each slice once over dp and tp, and
@@ -74,7 +80,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, named_params, root_mesh: DeviceMesh, dp_dim: str = "dp", replicate_dim: str | None = None,
-                 reduce_dtype: torch.dtype = torch.float32, gather_dtype: str = "fp32"):
+                 reduce_dtype: torch.dtype = torch.float32, gather_dtype: str = "fp32", averaged: bool = False):
         self.dp_mesh, self._dp_dim = root_mesh[dp_dim], dp_dim  # "dp_cp" under context parallelism
         self.group = self.dp_mesh.get_group()
         self.dp, self.index = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
@@ -84,6 +90,7 @@ class DistributedOptimizer:
         self.replicas = replicas.size() if replicas is not None else 1
         self.reduce_dtype = reduce_dtype  # parallel.grad_reduce_dtype: what the reduce-scatter moves
         self.gather_dtype = gather_dtype  # parallel.param_gather_dtype: what the all-gather moves
+        self.averaged = averaged  # grad_compression: the gradients arrive averaged over dp (module doc)
         self._root, self._meshes = root_mesh, {}
         self.slots: dict[str, _Slot] = {}
         offset = 0
@@ -137,17 +144,22 @@ class DistributedOptimizer:
 
     def reduce_scatter(self) -> None:
         """Average the gradients over dp into the shards' ``.grad`` (the model's gradients stay as they are
-        until ``zero_grad``; a parameter without a gradient counts as zeros)."""
-        flat = self._buffer(self.reduce_dtype)  # bf16 (parallel.grad_reduce_dtype): half the bytes, summed in bf16
+        until ``zero_grad``; a parameter without a gradient counts as zeros); ``averaged``: they are averaged
+        already, so this rank's rows are only copied."""
+        # bf16 (parallel.grad_reduce_dtype): half the bytes, summed in bf16
+        flat = self._buffer(torch.float32 if self.averaged else self.reduce_dtype)
         for slot in self.slots.values():
             grad = slot.param.grad
             if grad is not None:
                 _scatter_rows(_local_grad(slot.param, grad), flat, slot, self.dp, self.width)
-        out = torch.empty(self.width, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_tensor(out, flat, group=self.group)
-        if self.replicate_group is not None:  # the replicas' sums of the same slice: only the shard crosses
-            dist.all_reduce(out, group=self.replicate_group)
-        out = out.float().div_(self.dp * self.replicas)
+        if self.averaged:
+            out = flat.view(self.dp, self.width)[self.index]
+        else:
+            out = torch.empty(self.width, dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_tensor(out, flat, group=self.group)
+            if self.replicate_group is not None:  # the replicas' sums of the same slice: only the shard crosses
+                dist.all_reduce(out, group=self.replicate_group)
+            out = out.float().div_(self.dp * self.replicas)
         del flat
         for slot in self.slots.values():
             local = _local(slot.shard)
@@ -226,13 +238,13 @@ def sliced_optimizer(named_params, root_mesh: DeviceMesh, dp_dim: str, expert_id
                      expert_mesh: DeviceMesh | None = None,
                      replicate_dim: str | None = None,
                      reduce_dtype: torch.dtype = torch.float32,
-                     gather_dtype: str = "fp32") -> DistributedOptimizer | SlicedParts:
+                     gather_dtype: str = "fp32", averaged: bool = False) -> DistributedOptimizer | SlicedParts:
     """ZeRO-1 for one model part: its parameters sliced over ``dp_dim`` of ``root_mesh`` (and, under hybrid
     sharding, their reduced slices all-reduced over ``replicate_dim``), but those in ``expert_ids``
     (expert-parallel experts) over ``edp`` of ``expert_mesh`` (see the module docstring)."""
     named = list(named_params)
     if expert_mesh is None or not expert_ids:
-        return DistributedOptimizer(named, root_mesh, dp_dim, replicate_dim, reduce_dtype, gather_dtype)
+        return DistributedOptimizer(named, root_mesh, dp_dim, replicate_dim, reduce_dtype, gather_dtype, averaged)
     dense = [(n, p) for n, p in named if id(p) not in expert_ids]
     experts = [(n, p) for n, p in named if id(p) in expert_ids]
     return SlicedParts([DistributedOptimizer(dense, root_mesh, dp_dim, gather_dtype=gather_dtype),

@@ -56,7 +56,7 @@ class ModelParts:
     modules: list[nn.Module]  # wrapped stage modules, in stage order
     stage_ids: list[int]
     n_stages: int
-    reducers: list[GradBuckets] = field(default_factory=list)  # ZeRO-0 gradient buckets, one per module
+    reducers: list[GradBuckets] = field(default_factory=list)  # ZeRO-0 gradient buckets (ZeRO-1: compressed)
     experts: list[nn.Module] = field(default_factory=list)  # this rank's sharded Experts (expert parallelism)
     ep_group: Any = None  # the ep process group the experts are split over; None at ep=1
     # the ranks whose experts' gradients differ, for the norm: ep, or ep x tp under expert tensor parallelism
@@ -142,7 +142,10 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         wrapped.append(part)
     # PipeDream's executor averages each update's gradient itself (workers.parallel.async_pipeline)
     # dp_sync diloco: no gradient crosses dp; the replicas' weights meet every H steps (workers/step/diloco.py)
-    own_reduce = (ps or par.zero != 0 or par.dp_sync == "diloco"
+    # ZeRO-1 with grad_compression: the buckets' compressed all-reduce, then each rank keeps its slice
+    # (distributed_optimizer.py, ``averaged``)
+    zero_reduces = par.zero != 0 and not (par.zero == 1 and par.grad_compression != "none")
+    own_reduce = (ps or zero_reduces or par.dp_sync == "diloco"
                   or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous))
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
