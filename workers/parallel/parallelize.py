@@ -87,8 +87,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     torch.manual_seed(spec.train.seed)  # the global stream (dropout) starts where the reference's does
     meta = on_meta(spec, fam)
     full = whole_model(spec, fam, meta)
-    n_stages = grid.pp * par.stages_per_rank
-    ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par.stages_per_rank, par.pp_schedule)
+    n_stages, ids = own_stages(par, mesh["pp"].get_local_rank())
     parts = [full] if n_stages == 1 else [fam.hook("cut_stage")(full, sid, n_stages, par.stage_layers) for sid in ids]
     del full  # a stage keeps only its layers
     dp_mesh = data_parallel_mesh(mesh, grid)
@@ -133,11 +132,21 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
         wrapped.append(part)
     # PipeDream's executor averages each update's gradient itself (workers.parallel.async_pipeline)
     # dp_sync diloco: no gradient crosses dp; the replicas' weights meet every H steps (workers/step/diloco.py)
-    own_reduce = (ps or par.zero != 0 or par.dp_sync == "diloco"
+    # a replicated stage's gradients are summed over its replicas by the replicated pipeline's own sync
+    own_reduce = (ps or par.zero != 0 or par.dp_sync == "diloco" or par.stage_replicas is not None
                   or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous))
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
                       ep_group=ep_group, expert_mesh=expert_mesh)
+
+
+def own_stages(par, pp_rank: int) -> tuple[int, list[int]]:
+    """The pipeline's stage count and the global ids of the stages pp rank ``pp_rank`` holds: its one stage under
+    ``stage_replicas`` (a replica of it), else the schedule's placement."""
+    replicas = par.replicated_stages
+    if replicas is not None:
+        return replicas.n_stages, [replicas.stage_of(pp_rank)[0]]
+    return par.n_stages, stage_ids(pp_rank, par.pp, par.stages_per_rank, par.pp_schedule)
 
 
 def zero0_buckets(spec: WorkerSpec, fam: ModelFamily, parts: list[nn.Module], dp_mesh, experts: list[nn.Module],
