@@ -16,10 +16,12 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.errors import SpecError
+from orchestrator.planning.stage_replicas import ReplicationPlan, plan_replication, replication_advice
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import run_layouts
 from tests.support.reference import reference_run
 from workers.contract.stage_replicas import StageReplicas, replicate_bottleneck
+from workers.model.meta_init import build_full
 
 STEPS = 3
 LAYOUTS = {"first-twice": [2, 1], "last-twice": [1, 2]}
@@ -87,6 +89,43 @@ def test_bottleneck_rule():
     assert replicate_bottleneck([1.0, 1.0], 3) == (2, 1)  # a tie goes to the earlier stage
     with pytest.raises(ValueError, match="at least one rank per stage"):
         replicate_bottleneck([1.0, 1.0, 1.0], 2)
+
+
+def _counted_flops(spec, split) -> list[float]:
+    """Each stage's training FLOPs per token from the built model's own parameters: 6 per weight of its blocks (and
+    of the final norm and output head on the last stage), plus 12·L·d·s for its L blocks' attention scores."""
+    model, m = build_full(spec.model, 0), spec.model
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    out, first = [], 0
+    for stage, count in enumerate(split):
+        weights = sum(n for name, n in sizes.items() if name.startswith("layers.")
+                      and first <= int(name.split(".")[1]) < first + count)
+        if stage == len(split) - 1:
+            weights += sizes["norm.weight"] + sizes["output.weight"]
+        out.append(6.0 * weights + 12.0 * count * m.d_model * m.seq_len)
+        first += count
+    return out
+
+
+def test_planner_replicates_the_head_stage(token_data, tmp_path):
+    """A 4-block model under a 4096-word head on a 3-rank pipeline split [2, 1, 1]: the head makes the last stage
+    the bottleneck; two stages of 2 blocks with the head's stage twice halve it, which the planner proposes."""
+    spec = tiny_spec(token_data, tmp_path, model={"vocab_size": 4096},
+                     parallel={"pp": 3, "pp_split": [2, 1, 1]}, train={"microbatches": 4})
+    own, halves = _counted_flops(spec, [2, 1, 1]), _counted_flops(spec, [2, 2])
+    assert max(own) == own[-1]  # the head's stage is the slowest
+    expected = replicate_bottleneck(halves, 3)
+    assert expected == (1, 2)
+    plan = plan_replication(spec)
+    assert plan == ReplicationPlan((2, 2), expected, pytest.approx(tuple(halves), rel=1e-12))
+    assert plan.bottleneck == pytest.approx(max(halves[0], halves[1] / 2)) and plan.bottleneck < max(own)
+    assert "stage_replicas: [1, 2], pp_split: [2, 2]" in replication_advice(spec)
+
+
+def test_planner_keeps_a_balanced_pipeline(token_data, tmp_path):
+    """The tiny model's 256-word head weighs about a block: on 2 ranks replicating nothing is best, no advice."""
+    spec = tiny_spec(token_data, tmp_path, parallel={"pp": 2})
+    assert plan_replication(spec) is None and replication_advice(spec) is None
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -43,7 +43,7 @@ from workers.parallel.data_parallel import apply_data_parallel, bf16_policy, red
 from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
-from workers.parallel.layout import stage_ids
+from workers.parallel.layout import own_stages
 from workers.parallel.process_group import data_parallel_mesh, init_expert_mesh, shard_mesh
 from workers.parallel.recompute import apply_recompute
 from workers.spec import WorkerSpec
@@ -138,15 +138,6 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,
                       ep_group=ep_group, expert_mesh=expert_mesh)
-
-
-def own_stages(par, pp_rank: int) -> tuple[int, list[int]]:
-    """The pipeline's stage count and the global ids of the stages pp rank ``pp_rank`` holds: its one stage under
-    ``stage_replicas`` (a replica of it), else the schedule's placement."""
-    replicas = par.replicated_stages
-    if replicas is not None:
-        return replicas.n_stages, [replicas.stage_of(pp_rank)[0]]
-    return par.n_stages, stage_ids(pp_rank, par.pp, par.stages_per_rank, par.pp_schedule)
 
 
 def zero0_buckets(spec: WorkerSpec, fam: ModelFamily, parts: list[nn.Module], dp_mesh, experts: list[nn.Module],
