@@ -5,7 +5,8 @@ its own number of ranks, microbatches dealt round-robin, trains as one process d
   and the other way round (the loss then summed over two last-stage replicas), 4 microbatches, follow the
   single-process losses and gradient norms to 1e-4; the timeline shows microbatch m of stage s ran on the rank at
   position first(s) + m mod r_s, each forward and backward once;
-* a checkpoint saved by the replicated layout resumes on it and continues the reference curve;
+* a checkpoint saved by the replicated layout resumes on it and continues the reference curve; dp=2 × [2, 1] (6
+  ranks) stays on the curve too;
 * the arithmetic (positions, round-robin) and the planner's rule: the bottleneck stage of a model's per-stage
   costs gets the spare ranks (``orchestrator/planning/stage_replicas.py``);
 * the spec refuses what the executor does not run, naming field, value and fix.
@@ -18,7 +19,7 @@ import pytest
 from orchestrator.errors import SpecError
 from orchestrator.planning.stage_replicas import ReplicationPlan, plan_replication, replication_advice
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layouts
+from tests.support.parity_harness import run_layout, run_layouts
 from tests.support.reference import reference_run
 from workers.contract.stage_replicas import StageReplicas, replicate_bottleneck
 from workers.model.meta_init import build_full
@@ -71,6 +72,16 @@ def test_microbatches_go_round_robin(runs, name):
 def test_checkpoint_resumes_on_replicated_stages(runs, token_data, tmp_path):
     losses, _ = reference_run(_spec(token_data, tmp_path, [2, 1]), STEPS)
     assert runs["saved"].losses + runs["resumed"].losses == pytest.approx(losses, rel=1e-4)
+
+
+def test_replicated_stages_under_data_parallelism(token_data, tmp_path):
+    """dp=2 × [2, 1] (6 ranks): each data-parallel replica runs its own pipeline, a stage's gradients are summed
+    over its replicas and averaged over dp in one all-reduce, and the run stays on the single-process curve."""
+    spec = _spec(token_data, tmp_path, [2, 1], dp=2)
+    run = run_layout(spec.worker_dict(), 6, 2)
+    losses, norms = reference_run(spec, 2)
+    assert run.losses == pytest.approx(losses, rel=1e-4)
+    assert run.grad_norms == pytest.approx(norms, rel=1e-4)
 
 
 def test_round_robin_arithmetic():

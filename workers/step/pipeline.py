@@ -67,7 +67,19 @@ class PipeDreamSync(GradSync):
         return loss, self.pipe.grad_norm(), True
 
 
-class PipeDream(StepEngine):
+class OwnExecutor(StepEngine):
+    """An engine around one of our own pipeline executors (``self.pipe``), which records its F/B events itself."""
+
+    pipe: AsyncPipeline | ReplicatedPipeline
+
+    def events(self) -> list[dict]:
+        return list(self.pipe.events)
+
+    def clear_events(self) -> None:
+        self.pipe.events.clear()
+
+
+class PipeDream(OwnExecutor):
     """PipeDream's executor for this rank's one stage; its stashed versions travel with the ``TrainState`` into
     checkpoints and snapshots."""
 
@@ -81,12 +93,6 @@ class PipeDream(StepEngine):
         kit.state.weight_versions = self.pipe
         self.sync = PipeDreamSync(kit, self.pipe)
         self.last_step, self.flush_per_step = kit.spec.train.steps, par.pp_flush_per_step
-
-    def events(self) -> list[dict]:
-        return list(self.pipe.events)
-
-    def clear_events(self) -> None:
-        self.pipe.events.clear()
 
     def forward_backward(self, inputs, targets):
         with self.autocast(), self.activations.hooks():
@@ -113,7 +119,7 @@ class StageReplicaSync(GradSync):
         return self.pipe.clip(self.stepped, self.grad_clip) if applied else float("nan")
 
 
-class ReplicatedStages(StepEngine):
+class ReplicatedStages(OwnExecutor):
     """``parallel.stage_replicas``: this rank's replica of its stage, under PipeDream's round-robin
     (``workers.parallel.replicated_pipeline``)."""
 
@@ -127,12 +133,6 @@ class ReplicatedStages(StepEngine):
                                        self.microbatches, self.loss.share, kit.pp_group, groups[stage], grid.dp,
                                        self.device)
         self.sync = StageReplicaSync(kit, self.pipe)
-
-    def events(self) -> list[dict]:
-        return list(self.pipe.events)
-
-    def clear_events(self) -> None:
-        self.pipe.events.clear()
 
     def forward_backward(self, inputs, targets):
         with self.autocast(), self.activations.hooks():
