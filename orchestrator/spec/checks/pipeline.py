@@ -47,7 +47,7 @@ def check_pipeline_split(job: JobSpec) -> None:
     raise SpecError(
         "model.n_layers",
         n_layers,
-        f"does not split evenly into the {stages} pipeline stages ({_stages_are(p)})",
+        f"does not split evenly into {_stages_are(p)} = {stages} pipeline stages",
         ", or ".join(fixes),
     )
 
@@ -55,5 +55,5 @@ def check_pipeline_split(job: JobSpec) -> None:
 def _stages_are(p) -> str:
     """Where the stage count comes from, for a message."""
     if p.stage_replicas is not None:
-        return f"one per parallel.stage_replicas entry: {p.stage_replicas}"
+        return f"the entries of parallel.stage_replicas {p.stage_replicas}"
     return f"parallel.pp * stages_per_rank = {p.pp} * {p.stages_per_rank}"
