@@ -88,6 +88,7 @@ def _plan(args: argparse.Namespace) -> int:
     from orchestrator.planning.estimate import render
     from orchestrator.planning.memory_report import fit_problems, loss_chunks_advice
     from orchestrator.planning.snapshot_memory import describe
+    from orchestrator.planning.stage_replicas import replication_advice
     from orchestrator.spec import check_before_start, load_spec
 
     spec = load_spec(args.job, args.set)
@@ -98,6 +99,7 @@ def _plan(args: argparse.Namespace) -> int:
         for problem in fit_problems(spec):
             print(f"does not fit: {problem}")
         _print_advice(loss_chunks_advice(spec))
+        _print_advice(replication_advice(spec))
         _print_noise_scale(spec, args.noise_scale)
         return 0
     from orchestrator.planning.layout_picker import explain, overrides, pick_layout

@@ -20,7 +20,7 @@ from orchestrator.spec.lora import adapted_linears, parameter_split
 from orchestrator.spec.sections import recompute_plan
 from workers.contract.compression_kinds import WITH_FEEDBACK
 from workers.contract.mixed_precision import planned_fsdp_mixed
-from workers.parallel.layout import layers_of_stage, stage_ids
+from workers.parallel.layout import layers_of_stage, own_stages
 
 CAPACITY_ROUTERS = ("gshard", "switch")  # token-choice routers that drop assignments over capacity
 
@@ -63,19 +63,20 @@ class RankEstimate:
                 "total": self.total_bytes}
 
 
-def stage_layers(spec: JobSpec, stage: int, n_stages: int) -> range:
-    """The global layers of pipeline ``stage``: the job's ``parallel.pp_split`` when ``n_stages`` is the job's
-    stage count, an even split otherwise (the FLOPs count's whole model as one stage)."""
-    return layers_of_stage(stage, n_stages, spec.model.n_layers, resolve_split(spec))
+def stage_layers(spec: JobSpec, stage: int, n_stages: int, split: tuple[int, ...] | None = None) -> range:
+    """The global layers of pipeline ``stage``: ``split`` (another split the planner weighs), else the job's
+    ``parallel.pp_split`` when ``n_stages`` is the job's stage count, an even split otherwise (the FLOPs count's
+    whole model as one stage)."""
+    return layers_of_stage(stage, n_stages, spec.model.n_layers, split or resolve_split(spec))
 
 
-def stage_params(spec: JobSpec, stage: int, n_stages: int) -> tuple[int, int]:
+def stage_params(spec: JobSpec, stage: int, n_stages: int, split: tuple[int, ...] | None = None) -> tuple[int, int]:
     """(tensor-parallel-sharded params, replicated params) of one pipeline stage; routed experts apart
     (``stage_expert_params``), an MoE block's router and shared experts counted here as replicated (the MoE
     feed-forward is whole on every tp rank: ``workers.parallel.gpt_parallel.moe_style``)."""
     m = spec.model
     d, v = m.d_model, spec.padded_vocab_size  # the rows the ranks build (a multiple of tp)
-    layers = stage_layers(spec, stage, n_stages)
+    layers = stage_layers(spec, stage, n_stages, split)
     sharded = sum(sharded_block_params(spec, i) for i in layers)
     replicated = len(layers) * Shape.of(spec).block_replicated + sum(moe_params(spec, i)[1] for i in layers)
     if stage == 0:
@@ -291,7 +292,7 @@ def loss_bytes(spec: JobSpec, ids: list[int]) -> int:
     """The loss backward's transient (``memory_model.loss_backward_bytes``) where this rank holds the head and
     its logits need a gradient (a LoRA run with nothing trainable before the head has no backward)."""
     p, head = spec.parallel, frozen_parts(spec)[-1]
-    if p.pp * p.stages_per_rank - 1 not in ids or not (head is None or head.output_grad()):
+    if p.n_stages - 1 not in ids or not (head is None or head.output_grad()):
         return 0
     vocab = spec.padded_vocab_size
     head_grad = 4 * vocab * spec.model.d_model // p.tp if head is None else 0  # LoRA: the head weight is frozen
@@ -303,7 +304,7 @@ def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> 
     """Saved for backward on this rank, before activation offload packs any away (``mm.rank_saved_bytes``: its
     average chunk times the chunk-microbatches its schedule keeps in flight, plus ``mm.head_copies`` heads)."""
     p = spec.parallel
-    n_stages = p.pp * p.stages_per_rank
+    n_stages = p.n_stages
     chunks = sum(chunk_activation_bytes(spec, sid, n_stages) for sid in ids)
     heads = mm.head_copies(n_stages - 1 in ids, p.grid.pp_enabled, p.pipeline_schedule.all_forwards_first,
                            spec.train.microbatches)
@@ -314,7 +315,7 @@ def rank_saved_activation_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> 
 def rank_mask_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     """The document masks among ``rank_saved_activation_bytes`` (one per chunk-microbatch in flight): activation
     offload and compression leave them on the device as they are (``workers.model.documents.is_shared_mask``)."""
-    n_stages = spec.parallel.pp * spec.parallel.stages_per_rank
+    n_stages = spec.parallel.n_stages
     masks = sum(document_bytes(spec, stage_layers(spec, sid, n_stages)) for sid in ids)
     return mm.rank_saved_bytes(masks, len(ids), _in_flight(spec, ids, pp_rank), 0, 0)
 
@@ -322,6 +323,8 @@ def rank_mask_bytes(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
 def _in_flight(spec: JobSpec, ids: list[int], pp_rank: int) -> int:
     """Chunk-microbatches whose activations this rank holds at its peak (``mm.in_flight_microbatches``)."""
     p = spec.parallel
+    if p.replicated_stages is not None:  # GPipe's order over this replica's round-robin share of the microbatches
+        return len(p.replicated_stages.microbatches_of(*p.replicated_stages.stage_of(pp_rank), spec.train.microbatches))
     return mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
 
 
@@ -357,7 +360,7 @@ def pipeline_buffer_bytes(spec: JobSpec, ids: list[int]) -> int:
     p, m = spec.parallel, spec.model
     if not p.grid.pp_enabled:
         return 0
-    n_stages = p.pp * p.stages_per_rank
+    n_stages = p.n_stages
     width = compute_bytes(spec) if fsdp_mixed(spec) else 4  # FSDP2's policy: the stages send bf16
     hidden = width * local_seq(spec) * micro_batch(spec) * m.d_model // (p.tp if sequence_split(spec) else 1)
     return spec.train.microbatches * hidden * mm.pipeline_edges(ids, n_stages)
@@ -492,7 +495,7 @@ def freed_in_backward(spec: JobSpec, saved: int, pp_rank: int, ids: list[int]) -
     """Activations backward frees before it gathers parameters again (``mm.freed_first``)."""
     p = spec.parallel
     in_flight = mm.in_flight_microbatches(p.pp_schedule, p.pp, pp_rank, spec.train.microbatches, len(ids))
-    head = head_bytes(spec) if p.pp * p.stages_per_rank - 1 in ids else 0
+    head = head_bytes(spec) if p.n_stages - 1 in ids else 0
     return mm.freed_first(saved, in_flight, p.grid.pp_enabled, head)
 
 
@@ -517,9 +520,8 @@ def recompute_working_bytes(spec: JobSpec, layers: list[int]) -> int:
 
 def estimate_rank(spec: JobSpec, rank: int) -> RankEstimate:
     p = spec.parallel
-    n_stages = p.pp * p.stages_per_rank
     coords = p.grid.coords_dict(rank)
-    ids = stage_ids(coords["pp"], p.pp, p.stages_per_rank, p.pp_schedule)
+    n_stages, ids = own_stages(p, coords["pp"])
     params = 0
     for sid in ids:
         sharded, replicated = stage_params(spec, sid, n_stages)
@@ -580,7 +582,7 @@ def render(spec: JobSpec, one_per_stage: bool = False) -> str:
         f"{'tp':>3} {'stages':>8} {'params':>12} {'weights':>10} {'grads':>10} "
         f"{'optim':>10} {'gathered':>10} {'activ':>10} {'buffers':>10} {'total':>10}",
     ]
-    if p.pp * p.stages_per_rank > 1:
+    if p.n_stages > 1:
         lines.insert(1, split_line(spec))
     for r in rows:
         s = r.state

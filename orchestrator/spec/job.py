@@ -128,7 +128,7 @@ class JobSpec(_Section):
         (`orchestrator.planning.stage_split.pin_split`, which the controller and the commands call before anything
         reads the split), so an unresolved one is refused here rather than guessed."""
         p = self.parallel
-        n_stages = p.pp * p.stages_per_rank
+        n_stages = p.n_stages
         if isinstance(p.pp_split, list):
             return tuple(p.pp_split)
         if p.pp_split == "auto" and n_stages > 1:

@@ -17,6 +17,7 @@ from workers.contract.compression_kinds import KINDS, PS_KINDS
 from workers.contract.fields import Betas, PathStr, PipelineSchedule, PositiveFloat, PositiveInt, Seconds, Section, Seed
 from workers.contract.grid import Grid
 from workers.contract.schedules import Schedule, schedule
+from workers.contract.stage_replicas import StageReplicas
 
 
 class MixSource(Section):
@@ -72,6 +73,14 @@ class ParallelSection(Section):
     # layers per pipeline stage: even, auto (profiled costs + PipeDream's dynamic program, see
     # orchestrator/planning/stage_split.py) or one count per stage, virtual stages included
     pp_split: Literal["even", "auto"] | list[PositiveInt] = "even"
+    stage_replicas: list[PositiveInt] | None = Field(default=None, min_length=2, description=(
+        "PipeDream's stage replication: one degree per pipeline stage (stage s runs on that many ranks holding "
+        "the same weights, microbatch m on its replica m mod degree, round-robin), so parallel.pp, the ranks of "
+        "one pipeline, is their sum and the stages are as many as the list; pp_split then cuts the layers into "
+        "these stages. Synchronous (a flush per step, GPipe's order; each stage's replicas all-reduce its "
+        "gradients before the one optimizer step), so it trains as one process does. `raymesh plan` proposes one "
+        "for an imbalanced split. pp_schedule gpipe only. Read by workers/contract/stage_replicas.py and "
+        "workers/parallel/replicated_pipeline.py; planned by orchestrator/planning/stage_replicas.py."))
     sequence_parallel: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpus_per_rank: PositiveFloat = 1.0
@@ -139,6 +148,18 @@ class ParallelSection(Section):
         if self.virtual_stages is not None:
             return self.virtual_stages
         return self.pipeline_schedule.default_stages_per_rank
+
+    @property
+    def replicated_stages(self) -> StageReplicas | None:
+        """`stage_replicas` as arithmetic (``workers.contract.stage_replicas``); None for a plain pipeline."""
+        return None if self.stage_replicas is None else StageReplicas(tuple(self.stage_replicas))
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages: one per `stage_replicas` entry, else `pp * stages_per_rank`."""
+        if self.stage_replicas is not None:
+            return len(self.stage_replicas)
+        return self.pp * self.stages_per_rank
 
     @property
     def stage_layers(self) -> tuple[int, ...] | None:

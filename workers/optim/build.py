@@ -206,7 +206,12 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, pp_group=None,
     TP without sequence parallelism mixes DTensor and plain gradients, which
     PyTorch's foreach kernels refuse.
     """
-    norm = float(global_grad_norm(params, pp_group, experts))
+    return clip_to_norm(params, max_norm, float(global_grad_norm(params, pp_group, experts)))
+
+
+def clip_to_norm(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> float:
+    """Scale ``params``' gradients, whose global norm is ``norm``, to at most ``max_norm`` (0 disables); returns
+    ``norm``. Apart from ``clip_grads`` for an engine that counts the norm itself (a replicated stage once)."""
     coef = max_norm / (norm + 1e-6)
     if max_norm > 0 and coef < 1.0:
         for p in params:

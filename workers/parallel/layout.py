@@ -31,3 +31,12 @@ def layers_of_stage(stage: int, n_stages: int, n_layers: int, split: Sequence[in
     if split is None or len(split) != n_stages:  # e.g. the planner's whole-model-as-one-stage FLOPs count
         split = even_split(n_layers, n_stages)
     return stage_bounds(split)[stage]
+
+
+def own_stages(par, pp_rank: int) -> tuple[int, list[int]]:
+    """The pipeline's stage count and the global ids of the stages pp rank ``pp_rank`` holds (``par``: a job's
+    ``parallel`` section): its one stage under ``stage_replicas`` (a replica of it), else the schedule's placement."""
+    replicas = par.replicated_stages
+    if replicas is not None:
+        return replicas.n_stages, [replicas.stage_of(pp_rank)[0]]
+    return par.n_stages, stage_ids(pp_rank, par.pp, par.stages_per_rank, par.pp_schedule)

@@ -44,7 +44,7 @@ from workers.parallel.data_parallel import apply_data_parallel, bf16_policy, red
 from workers.parallel.expert_parallel import shard_experts
 from workers.parallel.fsdp_prefetch import set_prefetch
 from workers.parallel.grad_buckets import GradBuckets
-from workers.parallel.layout import stage_ids
+from workers.parallel.layout import own_stages
 from workers.parallel.partitioned_activations import InputSlices
 from workers.parallel.process_group import EP_TP, data_parallel_mesh, init_expert_mesh, shard_mesh
 from workers.parallel.recompute import apply_recompute
@@ -92,8 +92,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     torch.manual_seed(spec.train.seed)  # the global stream (dropout) starts where the reference's does
     meta = on_meta(spec, fam)
     full = whole_model(spec, fam, meta)
-    n_stages = grid.pp * par.stages_per_rank
-    ids = stage_ids(mesh["pp"].get_local_rank(), grid.pp, par.stages_per_rank, par.pp_schedule)
+    n_stages, ids = own_stages(par, mesh["pp"].get_local_rank())
     parts = [full] if n_stages == 1 else [fam.hook("cut_stage")(full, sid, n_stages, par.stage_layers) for sid in ids]
     del full  # a stage keeps only its layers
     dp_mesh = data_parallel_mesh(mesh, grid)
@@ -144,8 +143,9 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
     # dp_sync diloco: no gradient crosses dp; the replicas' weights meet every H steps (workers/step/diloco.py)
     # ZeRO-1 with grad_compression: the buckets' compressed all-reduce, then each rank keeps its slice
     # (distributed_optimizer.py, ``averaged``)
+    # a replicated stage's gradients are summed over its replicas by the replicated pipeline's own sync
     zero_reduces = par.zero != 0 and not (par.zero == 1 and par.grad_compression != "none")
-    own_reduce = (ps or zero_reduces or par.dp_sync == "diloco"
+    own_reduce = (ps or zero_reduces or par.dp_sync == "diloco" or par.stage_replicas is not None
                   or (grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous))
     reducers = [] if own_reduce else zero0_buckets(spec, fam, wrapped, dp_mesh, all_experts, edp)
     return ModelParts(modules=wrapped, stage_ids=ids, n_stages=n_stages, reducers=reducers, experts=all_experts,

@@ -11,14 +11,21 @@ from workers.step.ps_round import PSRound
 
 
 def build_engine(kit: StepKit) -> StepEngine:
-    """The job's engine: PipeDream's for an asynchronous pipeline schedule, torch's schedules for a synchronous
-    one, else gradient accumulation; under asp/ssp parameter-server rounds around it."""
-    from workers.step.pipeline import PipeDream, TorchPipeline  # here: torch's pipelining imports Dynamo (~1 s)
+    """The job's engine: replicated stages under ``parallel.stage_replicas``, PipeDream's for an asynchronous
+    pipeline schedule, torch's schedules for a synchronous one, else gradient accumulation; under asp/ssp
+    parameter-server rounds around it."""
+    from workers.step.pipeline import (  # here: torch's pipelining imports Dynamo (~1 s)
+        PipeDream,
+        ReplicatedStages,
+        TorchPipeline,
+    )
 
     par = kit.spec.parallel
     syncs = {"ps": PSGradSync, "diloco": DiLoCoSync}  # else the all-reduce path's
     sync = syncs.get(par.dp_sync, GradSync)(kit)
-    if par.grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous:
+    if par.stage_replicas is not None:
+        engine = ReplicatedStages(kit)
+    elif par.grid.pp_enabled and schedule_facts(par.pp_schedule).asynchronous:
         engine = PipeDream(kit)
     elif par.grid.pp_enabled:
         engine = TorchPipeline(kit, sync)

@@ -1,4 +1,5 @@
-"""The pipelined engines: torch's schedules (``TorchPipeline``) and PipeDream's asynchronous pipeline (``PipeDream``).
+"""The pipelined engines: torch's schedules (``TorchPipeline``), PipeDream's asynchronous pipeline (``PipeDream``)
+and PipeDream's replicated stages, synchronous (``ReplicatedStages``).
 
 Both run this rank's stages of the microbatches; PipeDream also steps each stage's optimizer between them
 (``workers.parallel.async_pipeline``), so its ``GradSync`` only reads the norm of the step's last updates.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from workers.parallel.async_pipeline import AsyncPipeline, rules_for
+from workers.parallel.replicated_pipeline import ReplicatedPipeline, stage_groups
 from workers.step.context import StepKit
 from workers.step.engine import GradSync, StepEngine
 
@@ -65,7 +67,19 @@ class PipeDreamSync(GradSync):
         return loss, self.pipe.grad_norm(), True
 
 
-class PipeDream(StepEngine):
+class OwnExecutor(StepEngine):
+    """An engine around one of our own pipeline executors (``self.pipe``), which records its F/B events itself."""
+
+    pipe: AsyncPipeline | ReplicatedPipeline
+
+    def events(self) -> list[dict]:
+        return list(self.pipe.events)
+
+    def clear_events(self) -> None:
+        self.pipe.events.clear()
+
+
+class PipeDream(OwnExecutor):
     """PipeDream's executor for this rank's one stage; its stashed versions travel with the ``TrainState`` into
     checkpoints and snapshots."""
 
@@ -80,12 +94,6 @@ class PipeDream(StepEngine):
         self.sync = PipeDreamSync(kit, self.pipe)
         self.last_step, self.flush_per_step = kit.spec.train.steps, par.pp_flush_per_step
 
-    def events(self) -> list[dict]:
-        return list(self.pipe.events)
-
-    def clear_events(self) -> None:
-        self.pipe.events.clear()
-
     def forward_backward(self, inputs, targets):
         with self.autocast(), self.activations.hooks():
             return self.pipe.run(inputs, targets, self.state.step, drain=self._drains())
@@ -94,3 +102,38 @@ class PipeDream(StepEngine):
         """Whether this step ends with no microbatch in flight: the job's last step, or every step with
         ``pp_flush_per_step`` (the asynchronous pipeline otherwise carries its steady state into the next step)."""
         return self.flush_per_step or self.state.step + 1 >= self.last_step
+
+
+class StageReplicaSync(GradSync):
+    """Sum each stage's gradients (and the last stage's loss) over its replicas, then the all-reduce path's clip
+    on the norm that counts each stage once, and the optimizers' step."""
+
+    def __init__(self, kit: StepKit, pipe: ReplicatedPipeline):
+        super().__init__(kit)
+        self.pipe = pipe
+
+    def reduce(self, loss):
+        return super().reduce(self.pipe.reduce(self.params, loss))
+
+    def norm(self, applied: bool) -> float:
+        return self.pipe.clip(self.stepped, self.grad_clip) if applied else float("nan")
+
+
+class ReplicatedStages(OwnExecutor):
+    """``parallel.stage_replicas``: this rank's replica of its stage, under PipeDream's round-robin
+    (``workers.parallel.replicated_pipeline``)."""
+
+    def __init__(self, kit: StepKit):
+        spec, grid = kit.spec, kit.spec.parallel.grid
+        replicas = spec.parallel.replicated_stages
+        groups = stage_groups(grid, replicas, spec.fault_tolerance.collective_timeout_s)
+        super().__init__(kit, GradSync(kit))
+        stage = kit.parts.stage_ids[0]
+        self.pipe = ReplicatedPipeline(kit.parts.modules[0], replicas, kit.mesh["pp"].get_local_rank(),
+                                       self.microbatches, self.loss.share, kit.pp_group, groups[stage], grid.dp,
+                                       self.device)
+        self.sync = StageReplicaSync(kit, self.pipe)
+
+    def forward_backward(self, inputs, targets):
+        with self.autocast(), self.activations.hooks():
+            return self.pipe.run(inputs, targets, self.documents())

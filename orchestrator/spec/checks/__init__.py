@@ -29,10 +29,12 @@ from orchestrator.spec.checks.optim import check_muon, check_optim_implementatio
 from orchestrator.spec.checks.parameter_server import check_parameter_server, check_ps_resize
 from orchestrator.spec.checks.pipeline import check_pipeline_split
 from orchestrator.spec.checks.precision import check_float8, check_precision
+from orchestrator.spec.checks.stage_replicas import check_stage_replicas
 from orchestrator.spec.checks.tensor import check_init_from_vocab, check_tensor_split
 from orchestrator.spec.checks.zero import check_fsdp_buckets, check_fsdp_prefetch, check_zero
 
-CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_diloco, check_pipeline_split,
+CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_diloco, check_stage_replicas,
+                      check_pipeline_split,
                       check_tensor_split,
                       check_init_from_vocab, check_batching, check_batch_ramp, check_zero, check_precision,
                       check_float8,

@@ -16,7 +16,7 @@ def check_pipeline_split(job: JobSpec) -> None:
     """Tied weights need one stage; ``parallel.pp_split`` must cut ``model.n_layers`` into the stages."""
     p, n_layers = job.parallel, job.model.n_layers
     spr = p.stages_per_rank
-    stages = p.pp * spr
+    stages = p.n_stages
     if job.model.tie_embeddings and stages > 1:
         raise SpecError("model.tie_embeddings", True,
                         f"with {stages} pipeline stages cannot share one weight: the embedding is on the first "
@@ -26,7 +26,7 @@ def check_pipeline_split(job: JobSpec) -> None:
         problem = split_problem(p.pp_split, n_layers, stages)
         if problem:
             raise SpecError("parallel.pp_split", p.pp_split, problem,
-                            f"give {stages} layer counts (parallel.pp * stages_per_rank = {p.pp} * {spr}), each at "
+                            f"give {stages} layer counts ({_stages_are(p)}), each at "
                             f"least 1, summing to model.n_layers={n_layers}; or use pp_split: auto")
         return
     if p.pp_split == "auto":
@@ -47,6 +47,13 @@ def check_pipeline_split(job: JobSpec) -> None:
     raise SpecError(
         "model.n_layers",
         n_layers,
-        f"does not split evenly into parallel.pp * stages_per_rank = {p.pp} * {spr} = {stages} pipeline stages",
+        f"does not split evenly into {_stages_are(p)} = {stages} pipeline stages",
         ", or ".join(fixes),
     )
+
+
+def _stages_are(p) -> str:
+    """Where the stage count comes from, for a message."""
+    if p.stage_replicas is not None:
+        return f"the entries of parallel.stage_replicas {p.stage_replicas}"
+    return f"parallel.pp * stages_per_rank = {p.pp} * {p.stages_per_rank}"
