@@ -84,7 +84,6 @@ def test_the_implementation_reaches_pytorchs_optimizer():
 
 
 @pytest.mark.parametrize("sections, field, fix", [
-    ({"train": {"compile": True}, "parallel": {"cp": 2}}, "parallel.cp", "parallel.cp: 1"),
     ({"train": {"compile": True, "microbatches": 4}, "parallel": {"pp": 2, "pp_schedule": "zbv"}},
      "parallel.pp_schedule", "interleaved_1f1b"),
     ({"train": {"compile": True}, "model": {"moe": {"experts": 4}}}, "model.moe", "remove model.moe"),
@@ -114,6 +113,15 @@ def test_accepted_combinations_reach_the_workers(tmp_path):
     raw = spec.worker_dict()
     assert raw["train"]["compile"] is True and raw["optim"]["implementation"] == "fused"
     assert raw["parallel"]["fsdp_prefetch"] == 2
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather", "ulysses"])
+def test_compile_takes_context_parallelism_and_document_masks(tmp_path, impl):
+    """Attention is a custom operator (``workers.model.attention_ops``) compiled blocks trace around: cp and
+    document masks no longer refuse train.compile (tests/integration/test_compile_attention.py runs them)."""
+    spec = _spec(tmp_path, train={"compile": True}, parallel={"cp": 2, "cp_impl": impl},
+                 model={"attention_mask": "document", "seq_len": 8, "n_heads": 2})
+    assert spec.train.compile and spec.parallel.cp == 2 and spec.model.attention_mask == "document"
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from workers.model.attention_ops import register_attention
 from workers.model.documents import Documents, document_mask
 
 
@@ -368,30 +369,36 @@ def _backward_state(dout, q, k, out, lse) -> dict:
     return {"q": q, "dout": dout.contiguous(), "out": out, "lse": lse, "grouped": grouped}
 
 
-class _BlockwiseAttention(torch.autograd.Function):
+def gradients(dq: torch.Tensor, dkv: torch.Tensor, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes from the float32 accumulators: dq grouped, dK/dV stacked ``[2, ...]``
+    (each its own tensor: an operator's outputs may not alias one another)."""
+    return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+
+
+def _blockwise_forward(q, k, v, documents: Documents | None, window: int | None, causal: bool, group: str):
     """One process's whole sequence as a single block: the tiles of ``_BlockMasks`` (rank 0 of 1) folded into the
-    online softmax in forward, each tile's gradients from the merged lse in backward."""
+    online softmax. (out, lse, nothing saved besides)."""
+    masks, state = _forward_state(q, k, 0, 1, True, documents, window)
+    _attend_block(state, torch.stack([k, v]), masks.tiles(0))
+    return *state.result(), q.new_empty(0)
 
-    @staticmethod
-    def forward(ctx, q, k, v, documents: Documents | None, window: int | None):
-        masks, state = _forward_state(q, k, 0, 1, True, documents, window)
-        _attend_block(state, torch.stack([k, v]), masks.tiles(0))
-        out, lse = state.result()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.masks = masks
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq = _dq_accumulator(q, k.shape[1])
-        dkv = _block_gradients(_backward_state(dout, q, k, out, lse), torch.stack([k, v]), ctx.masks.tiles(0), dq)
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+def _blockwise_backward(dout, q, k, v, out, lse, saved, documents: Documents | None, window: int | None,
+                        causal: bool, group: str):
+    """Each tile's gradients from the merged lse (the flash-attention backward, tile by tile)."""
+    masks = _BlockMasks(0, 1, q.shape[2], True, documents, window, q.device)
+    dq = _dq_accumulator(q, k.shape[1])
+    dkv = _block_gradients(_backward_state(dout, q, k, out, lse), torch.stack([k, v]), masks.tiles(0), dq)
+    return gradients(dq, dkv, q, k, v)
+
+
+_blockwise = register_attention("blockwise_attention", _blockwise_forward, _blockwise_backward)
 
 
 def blockwise_attention(q, k, v, documents: Documents | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of a whole sequence on one process within ``documents`` and/or a sliding ``window``: the
     ring's sparse tiles without a ring, so no ``[S, S]`` mask is built (SDPA would need a dense one)
-    and tiles nothing attends are skipped."""
+    and tiles nothing attends are skipped. A custom operator (``workers.model.attention_ops``): compiled blocks
+    trace around it."""
     _check_heads(q, k, v)
-    return _BlockwiseAttention.apply(q, k, v, documents, window)
+    return _blockwise(q, k, v, documents, window, True, "")
