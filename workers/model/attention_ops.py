@@ -37,6 +37,18 @@ Forward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+# qualified operator name -> its Python implementation: a dispatch mode that must see the collectives inside an
+# operator (``workers.diagnostics.comm_bytes.CommBytes``) runs it through this, with itself active
+IMPLEMENTATIONS: dict[str, Callable] = {}
+
+
+def custom_op(name: str, fn: Callable, schema: str):
+    """``torch.library.custom_op`` of ``fn`` as ``raymesh::<name>``, its implementation kept in
+    ``IMPLEMENTATIONS``."""
+    IMPLEMENTATIONS[f"raymesh::{name}"] = fn
+    return torch.library.custom_op(f"raymesh::{name}", fn, mutates_args=(), schema=schema)
+
+
 def register_attention(name: str, forward: Forward, backward: Backward,
                        saved_shape: Callable[[torch.Tensor, str], tuple] | None = None):
     """Register ``raymesh::<name>`` (forward) and ``raymesh::<name>_backward`` with their fake implementations and
@@ -49,9 +61,8 @@ def register_attention(name: str, forward: Forward, backward: Backward,
     def backward_impl(dout, q, k, v, out, lse, saved, ids, window, causal, group):
         return backward(dout.contiguous(), q, k, v, out, lse, saved, documents_of(ids), window, causal, group)
 
-    op = torch.library.custom_op(f"raymesh::{name}", forward_impl, mutates_args=(), schema=_FORWARD)
-    op_backward = torch.library.custom_op(f"raymesh::{name}_backward", backward_impl, mutates_args=(),
-                                          schema=_BACKWARD)
+    op = custom_op(name, forward_impl, _FORWARD)
+    op_backward = custom_op(f"{name}_backward", backward_impl, _BACKWARD)
 
     @op.register_fake
     def _(q, k, v, ids, window, causal, group):

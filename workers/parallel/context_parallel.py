@@ -40,7 +40,7 @@ from workers.model.attention_blocks import (  # the blocks' maths; zigzag_indice
     gradients,
     zigzag_indices,
 )
-from workers.model.attention_ops import register_attention
+from workers.model.attention_ops import custom_op, register_attention
 from workers.model.documents import Documents
 
 
@@ -57,10 +57,13 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("raymesh::all_to_all", mutates_args=(), schema="(Tensor x, str group) -> Tensor")
-def _all_to_all_op(x: torch.Tensor, group: str) -> torch.Tensor:
-    """``_all_to_all`` as an operator (the group by name), so Ulysses' exchanges sit in a compiled block whole."""
+def _all_to_all_named(x: torch.Tensor, group: str) -> torch.Tensor:
+    """``_all_to_all`` over the group named ``group``."""
     return _all_to_all(x, _resolve(group))
+
+
+# ``_all_to_all`` as an operator (the group by name), so Ulysses' exchanges sit in a compiled block whole
+_all_to_all_op = custom_op("all_to_all", _all_to_all_named, "(Tensor x, str group) -> Tensor")
 
 
 @_all_to_all_op.register_fake
