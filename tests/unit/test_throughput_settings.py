@@ -105,7 +105,6 @@ def test_the_implementation_reaches_pytorchs_optimizer():
 @pytest.mark.parametrize("sections, field, fix", [
     ({"train": {"compile": True, "microbatches": 4}, "parallel": {"pp": 2, "pp_schedule": "zbv"}},
      "parallel.pp_schedule", "interleaved_1f1b"),
-    ({"train": {"compile": True}, "model": {"moe": {"experts": 4}}}, "model.moe", "remove model.moe"),
     ({"train": {"compile": True}, "parallel": {"tp": 2}, "memory": {"recompute": "full"}}, "memory.recompute",
      "memory.recompute: none"),
     ({"train": {"compile": True}, "memory": {"measure": True, "recompute": "selective"}}, "memory.measure",
