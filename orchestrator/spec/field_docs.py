@@ -38,7 +38,7 @@ FIELD_DOCS: dict[str, str] = {
         '`causal`, or `document`: a token attends only to earlier tokens of its own document (block-causal, Llama '
         "3's; see [Document masking](../guides/long-context.md#document-masking)). Documents are counted by the "
         "data's end-of-document id (its manifest's `eos_id`); data written as bare rows has none and is refused "
-        'before start, as are `train.compile` and the asynchronous pipelines; every `cp_impl` takes it, and '
+        'before start, as are the asynchronous pipelines; every `cp_impl` and `train.compile` take it, and '
         '`positions: learned` restarts at each document'
     ),
     'model.norm_eps': 'RMSNorm epsilon, init std (residual projections scaled by 1/√(2·n_layers))',
@@ -470,9 +470,12 @@ FIELD_DOCS: dict[str, str] = {
         '~15 s on a 2-core CPU), and recompute runs through `torch.utils.checkpoint` inside the compiled block. Tried '
         'on CPU against the single-process reference (3 steps, 1e-4) with ZeRO-0/1/2/3, tp (with and without SP), pp '
         '1F1B/interleaved, full and selective recompute, activation offload, LoRA and QLoRA, and ran with bf16/fp16, '
-        'activation compression and PipeDream; the tests keep two of these layouts. Refused (each fails at the first '
-        'step on torch 2.13): `parallel.cp` > 1, `model.moe`, the zero-bubble schedules (`interleaved_zero_bubble`, '
-        '`zbv`, `dualpipev`), `memory.recompute` with `tp` > 1, and `memory.measure` with recompute'
+        'activation compression and PipeDream; the tests keep two of these layouts. Context parallelism (every '
+        '`cp_impl`), document masks and sliding windows compile too: their attention is a custom operator the block '
+        'traces around; a block holding an MoE layer compiles its other parts and runs the MoE layer eagerly. '
+        'Refused (each fails at the first step on torch 2.13): the zero-bubble schedules '
+        '(`interleaved_zero_bubble`, `zbv`, `dualpipev`), `memory.recompute` with `tp` > 1, and `memory.measure` '
+        'with recompute'
     ),
     'train.loss_chunks': (
         'the head and float32 cross entropy per chunk of each sequence (N chunks, uneven when N does not divide the '

@@ -4,8 +4,9 @@ CPU, 1e-4 relative).
 Each layout's blocks are compiled by inductor (what users run; about 15 s per layout on a cold cache on this
 2-core CPU, the blocks of one rank sharing one graph) and the reference steps PyTorch's per-parameter AdamW,
 so a layout with a fused or foreach optimizer also checks those kernels over DTensor parameters (FSDP2's
-shards, TP's). Three steps: compile parity is per step, not per step count. Ranks are spawned over gloo
-(tests/support/parity_harness.py); both layouts share one spawn.
+shards, TP's). An MoE layout compiles each block's parts around its eager MoE layer. Three steps: compile
+parity is per step, not per step count. Ranks are spawned over gloo
+(tests/support/parity_harness.py); the layouts share one spawn.
 Integration, not unit: spawning ranks and compiling take seconds.
 """
 
@@ -26,6 +27,11 @@ LAYOUTS = {  # name -> sections over the tiny Llama job, each on 2 ranks
                                                  "memory": {"recompute": "full"}, "optim": {"implementation": "fused"}},
     # TP's DTensor plans traced inside each block, sequence parallel, foreach AdamW on DTensors
     "tp2-foreach": {"parallel": {"tp": 2}, "optim": {"implementation": "foreach"}},
+    # MoE over dp2 x ep2: each block's attention and norms compiled, its MoE layer (routing, the all-to-all
+    # dispatch) eager; full recompute replays both inside the block's checkpoint
+    "dp2-ep2-moe-full-recompute": {"parallel": {"dp": 2, "ep": 2}, "memory": {"recompute": "full"},
+                                   "model": {"n_layers": 2, "moe": {"experts": 4, "group": "sequence",
+                                                                    "router": "topk"}}},
 }
 
 
@@ -33,8 +39,10 @@ def test_compiled_layouts_match_single_process_reference(token_data, tmp_path, m
     # inductor's own compile workers: one per rank (the ranks are the parallelism on a 2-core machine; its
     # default of one per core starts a worker pool in every rank); the backend is unchanged
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    specs = [tiny_spec(token_data, tmp_path / name, model=LLAMA, train={"steps": STEPS, "compile": True},
-                       **{k: {**v, "device": "cpu"} if k == "parallel" else v for k, v in sections.items()})
+    specs = [tiny_spec(token_data, tmp_path / name, model={**LLAMA, **sections.get("model", {})},
+                       train={"steps": STEPS, "compile": True},
+                       **{k: {**v, "device": "cpu"} if k == "parallel" else v for k, v in sections.items()
+                          if k != "model"})
              for name, sections in LAYOUTS.items()]
     runs = run_layouts([s.worker_dict() for s in specs], 2, STEPS)
     for name, spec, run in zip(LAYOUTS, specs, runs, strict=True):

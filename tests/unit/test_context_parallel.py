@@ -235,3 +235,33 @@ def test_window_tiles_keep_masks_only_where_the_window_edge_crosses(monkeypatch)
     assert [k for k in kinds if k[2] is True] == [(r, r, True) for r in range(0, 64, 8)]
     assert [k for k in kinds if k[2] == "mask"] == [(r, r - 8, "mask") for r in range(8, 64, 8)]
     assert len(kinds) == 15
+
+
+def _counted_rank(rank: int, ports, results) -> None:
+    """One of 2 cp ranks: the bytes ``CommBytes`` counts for each strategy's forward and backward."""
+    from tests.support.parity_harness import gloo_dp_mesh
+    from workers.diagnostics.comm_bytes import CommBytes
+    from workers.parallel import context_parallel as cp
+
+    group = gloo_dp_mesh(rank, ports, 2).get_group()
+    counted = {}
+    for name in ("ring_attention", "allgather_attention", "ulysses_attention"):
+        q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+        mode = CommBytes({group.group_name: "cp"}, ("cp",))
+        with mode:
+            getattr(cp, name)(q, k, v, group).sum().backward()
+        counted[name] = mode.take()["cp"]
+    results.put((rank, counted))
+
+
+def test_the_byte_counter_sees_the_collectives_inside_the_attention_operators():
+    """The strategies are custom operators (``workers.model.attention_ops``); a dispatch mode is off while it
+    handles one, so ``CommBytes`` runs them with itself on and still counts their sends: K/V are 512 bytes a rank
+    (fp32 [2, 1, 2, 8, 4]). Ring: K/V once forward and once backward, dK/dV (fp32) at both steps: 4 x 512.
+    All-gather: the gather (512) and the dK/dV all-to-all of both blocks (half of 1024). Ulysses: 8 all-to-alls
+    of 256-byte tensors, half of each sent: 4 x 256."""
+    from tests.support.parity_harness import rank_ports, spawn_ranks
+
+    by_rank = spawn_ranks(_counted_rank, (rank_ports(1),), 2, timeout_s=120)
+    expected = {"ring_attention": 2048, "allgather_attention": 1024, "ulysses_attention": 1024}
+    assert by_rank == {0: expected, 1: expected}

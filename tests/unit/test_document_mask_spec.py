@@ -24,7 +24,6 @@ def _raw(run_dir: str = "runs", **sections) -> dict:
 
 
 REFUSED = {  # name: (sections, field, value, a part of the fix)
-    "compile": ({"train": {"compile": True}}, "train.compile", True, "set train.compile: false"),
     "pipedream": ({"parallel": {"pp": 2, "pp_schedule": "pipedream"}, "train": {"microbatches": 2}},
                   "parallel.pp_schedule", "pipedream",
                   "use pp_schedule: 1f1b"),

@@ -71,6 +71,7 @@ def test_on_a_gpu_the_planner_picks_no_recompute_when_it_fits_then_selective_the
 def test_what_the_job_sets_is_kept_and_compile_is_not_picked_where_refused(tmp_path):
     job = _job(tmp_path, memory={"recompute": "full"}, train={"compile": False})
     assert fast_defaults.pin_defaults(job) == (job, {})
-    moe = _job(tmp_path, model={"moe": {"experts": 4}})
-    pinned, picked = fast_defaults.pin_defaults(moe)
-    assert pinned.train.compile is False and "model.moe" in picked["train.compile"][1]
+    zbv = _job(tmp_path, parallel={"pp": 2, "pp_schedule": "zbv"}, train={"microbatches": 4},
+               model={"tie_embeddings": False})
+    pinned, picked = fast_defaults.pin_defaults(zbv)
+    assert pinned.train.compile is False and "parallel.pp_schedule" in picked["train.compile"][1]

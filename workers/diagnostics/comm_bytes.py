@@ -5,7 +5,9 @@ reduce-scatters, DTensor's functional collectives for tensor parallelism, the pi
 gradient buckets and compression hooks, the grad-norm all-reduces); all of them reach the dispatcher as
 ``c10d`` or ``_c10d_functional`` ops carrying their tensors and process group, so one
 ``TorchDispatchMode`` sees them all without patching any of them. Autograd runs backward with the
-caller's dispatch modes, so collectives launched from backward hooks are seen too.
+caller's dispatch modes, so collectives launched from backward hooks are seen too. raymesh's own operators
+(context-parallel attention, ``workers.model.attention_ops``) would hide theirs (the mode is off while it handles an
+operator), so the mode runs their implementations with itself on.
 
 What is counted: the bytes this rank *sends* under the ring algorithms that the planner's model assumes
 (``ring_bytes``): an all-reduce of S bytes over N ranks sends 2(N-1)/N·S, an all-gather (N-1)/N of its
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from workers.model.attention_ops import IMPLEMENTATIONS
 
 # op name (without namespace/overload) -> (kind, index of the argument whose tensors are the payload)
 _OPS = {
@@ -86,6 +90,10 @@ class CommBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor dispatches first and issues the plain collectives we count
+        inside = IMPLEMENTATIONS.get(func._schema.name)
+        if inside is not None:  # a raymesh operator (cp attention): count the collectives it issues inside
+            with self:
+                return inside(*args, **(kwargs or {}))
         op = _OPS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") else None
         if op is not None:
             kind, where = op

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.model.documents import Documents, document_mask
+from workers.model.attention_ops import custom_op, register_attention
+from workers.model.documents import Documents, document_mask, documents_of
 
 
 def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
@@ -383,26 +384,72 @@ def _backward_state(dout, q, k, out, lse) -> dict:
     return {"q": q, "dout": dout.contiguous(), "out": out, "lse": lse, "grouped": grouped}
 
 
-class _BlockwiseAttention(torch.autograd.Function):
+def gradients(dq: torch.Tensor, dkv: torch.Tensor, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes from the float32 accumulators: dq grouped, dK/dV stacked ``[2, ...]``
+    (each its own tensor: an operator's outputs may not alias one another)."""
+    return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+
+
+def _blockwise_forward(q, k, v, documents: Documents | None, window: int | None, causal: bool, group: str):
     """One process's whole sequence as a single block: the tiles of ``_BlockMasks`` (rank 0 of 1) folded into the
-    online softmax in forward, each tile's gradients from the merged lse in backward."""
+    online softmax. (out, lse, nothing saved besides)."""
+    masks, state = _forward_state(q, k, 0, 1, True, documents, window)
+    _attend_block(state, torch.stack([k, v]), masks.tiles(0))
+    return *state.result(), q.new_empty(0)
 
-    @staticmethod
-    def forward(ctx, q, k, v, documents: Documents | None, window: int | None, sinks: torch.Tensor | None):
-        masks, state = _forward_state(q, k, 0, 1, True, documents, window, sinks)
-        _attend_block(state, torch.stack([k, v]), masks.tiles(0))
-        out, lse = state.result()
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.masks = masks
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq = _dq_accumulator(q, k.shape[1])
-        dkv = _block_gradients(_backward_state(dout, q, k, out, lse), torch.stack([k, v]), ctx.masks.tiles(0), dq)
-        dsinks = None if sinks is None else sink_gradient(dout, out, lse, sinks)
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, dsinks
+def _blockwise_backward(dout, q, k, v, out, lse, saved, documents: Documents | None, window: int | None,
+                        causal: bool, group: str):
+    """Each tile's gradients from the merged lse (the flash-attention backward, tile by tile)."""
+    masks = _BlockMasks(0, 1, q.shape[2], True, documents, window, q.device)
+    dq = _dq_accumulator(q, k.shape[1])
+    dkv = _block_gradients(_backward_state(dout, q, k, out, lse), torch.stack([k, v]), masks.tiles(0), dq)
+    return gradients(dq, dkv, q, k, v)
+
+
+_blockwise = register_attention("blockwise_attention", _blockwise_forward, _blockwise_backward)
+
+
+def _sink_forward(q, k, v, sinks, ids, window):
+    """``_blockwise_forward`` with gpt-oss's sinks: the online softmax of every row starts from its head's sink."""
+    masks, state = _forward_state(q, k, 0, 1, True, documents_of(ids), window, sinks)
+    _attend_block(state, torch.stack([k, v]), masks.tiles(0))
+    return state.result()
+
+
+def _sink_backward(dout, q, k, v, sinks, out, lse, ids, window):
+    """The tiles' gradients as without sinks (the merged lse holds them), and the sinks' own."""
+    dq, dk, dv = _blockwise_backward(dout.contiguous(), q, k, v, out, lse, None, documents_of(ids), window, True, "")
+    return dq, dk, dv, sink_gradient(dout, out, lse, sinks)
+
+
+_sink_op = custom_op("blockwise_sink_attention", _sink_forward,
+                     "(Tensor q, Tensor k, Tensor v, Tensor sinks, Tensor? ids, int? window) -> (Tensor, Tensor)")
+_sink_op_backward = custom_op("blockwise_sink_attention_backward", _sink_backward,
+                              "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor sinks, Tensor out, Tensor lse, "
+                              "Tensor? ids, int? window) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@_sink_op.register_fake
+def _(q, k, v, sinks, ids, window):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@_sink_op_backward.register_fake
+def _(dout, q, k, v, sinks, out, lse, ids, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sinks)
+
+
+def _sink_setup(ctx, inputs, output):
+    q, k, v, sinks, ctx.ids, ctx.window = inputs
+    ctx.save_for_backward(q, k, v, sinks, *output)
+
+
+def _sink_differentiate(ctx, dout, _dlse):
+    return (*_sink_op_backward(dout, *ctx.saved_tensors, ctx.ids, ctx.window), None, None)
+
+
+_sink_op.register_autograd(_sink_differentiate, setup_context=_sink_setup)
 
 
 def blockwise_attention(q, k, v, documents: Documents | None = None, window: int | None = None,
@@ -410,6 +457,9 @@ def blockwise_attention(q, k, v, documents: Documents | None = None, window: int
     """Causal attention of a whole sequence on one process within ``documents`` and/or a sliding ``window``: the
     ring's sparse tiles without a ring, so no ``[S, S]`` mask is built (SDPA would need a dense one)
     and tiles nothing attends are skipped. ``sinks`` [Hq] (gpt-oss's attention sinks): one more logit per head in
-    every row's softmax, of value zero, exactly: the online softmax starts from it."""
+    every row's softmax, of value zero, exactly: the online softmax starts from it. Custom operators
+    (``workers.model.attention_ops``): compiled blocks trace around them."""
     _check_heads(q, k, v)
-    return _BlockwiseAttention.apply(q, k, v, documents, window, sinks)
+    if sinks is not None:
+        return _sink_op(q, k, v, sinks, None if documents is None else documents.ids, window)[0]
+    return _blockwise(q, k, v, documents, window, True, "")

@@ -25,6 +25,7 @@ still builds the dense additive mask, for the references and benchmarks that com
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -60,6 +61,7 @@ class Documents:
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
         self._masks: dict[tuple, object] = {}
+        _LIVE[_storage_key(ids)] = self  # ``documents_of`` finds it by its ids for as long as it lives
 
     def mask(self, layout: str, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``document_mask`` for queries ``q_pos`` over keys ``k_pos`` as SDPA's additive mask in ``dtype`` (0
@@ -93,6 +95,24 @@ class Documents:
         """Forget the masks built: those a graph saved live on in it until its backward, and no more than the
         microbatches in flight are kept (a step's list of ``Documents`` would otherwise hold every one's)."""
         self._masks.clear()
+
+
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # ids' storage -> the Documents holding them
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's data while it lives: where it starts, its shape, strides, dtype and device (a
+    ``Documents`` holds its ids, so they cannot be freed and their address reused while it lives)."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)
+
+
+def documents_of(ids: torch.Tensor | None) -> Documents | None:
+    """The live ``Documents`` over ``ids`` (so every layer's attention operator, which is handed the ids tensor
+    alone, shares its mask cache: ``workers.model.attention_ops``), else a new one over them."""
+    if ids is None:
+        return None
+    found = _LIVE.get(_storage_key(ids))
+    return found if found is not None else Documents(ids)
 
 
 def is_shared_mask(t: torch.Tensor) -> bool:

@@ -19,6 +19,9 @@ How it composes (measured on torch 2.13, CPU, inductor, gloo; not tried on 2.11 
   the first block is an ``AsyncCollectiveTensor`` (the embedding's all-reduce or reduce-scatter, not yet
   waited on); a compiled block taking one hands the eager redistribute before it a plain gradient in backward
   (AttributeError ``'_local_tensor'`` on torch 2.13), so an eager pre-hook waits on it first (``_waited``).
+- Attention under document masks, sliding windows and cp is a custom operator (``workers.model.attention_ops``):
+  one node in the block's graph, its tile loop and its sends, receives and all-to-alls inside.
+- MoE: a block holding an MoE layer compiles its other parts and leaves the layer eager (``_compile_around``).
 - What does not trace is refused before start (``orchestrator/spec/checks/compile.py``).
 """
 
@@ -28,18 +31,38 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 
+from workers.model.moe import MoELayer
 from workers.model.registry import ModelFamily
 
 
 def compile_blocks(stage: nn.Module, family: ModelFamily) -> list[nn.Module]:
     """Compile each of ``stage``'s blocks (the family's ``blocks`` hook) in place, ``fullgraph``: a graph
-    break is an error at the first step rather than a silently slower block. Returns the blocks."""
+    break is an error at the first step rather than a silently slower block. A block holding an MoE layer has
+    its other parts compiled instead, the MoE layer left eager (``_compile_around``). Returns the blocks."""
     blocks = family.hook("blocks")(stage)
     eager_wait = torch.compiler.disable(_waited)  # here, not as a decorator: it imports Dynamo (~1 s a process)
     for block in blocks:
-        block.register_forward_pre_hook(eager_wait)
-        block.compile(fullgraph=True)
+        _compile_around(block, eager_wait)
     return blocks
+
+
+def _compile_around(module: nn.Module, eager_wait) -> None:
+    """Compile ``module`` in place, or, where it holds an MoE layer, each of its children that holds none
+    (attention, norms, a dense feed-forward), recursing into the others, so the MoE layers alone run eagerly.
+
+    Why the MoE layer stays eager: its routing is data-dependent all the way through (per-expert row counts read
+    on the host to size the all-to-all splits and the per-expert loop, noise drawn per sequence from seeded host
+    generators, step tallies moved to the host, the recompute test of autograd's state), so a graph over it
+    would break at every one of these or recompile for every new count. The dense parts around it are where
+    compiling pays, and each compiles whole (``fullgraph``), as torchtitan compiles an MoE block's parts.
+    """
+    if not any(isinstance(m, MoELayer) for m in module.modules()):
+        module.register_forward_pre_hook(eager_wait)
+        module.compile(fullgraph=True)
+        return
+    for child in module.children():
+        if not isinstance(child, MoELayer):
+            _compile_around(child, eager_wait)
 
 
 def _waited(module: nn.Module, args: tuple) -> tuple:

@@ -33,7 +33,7 @@ KERNELS = {
 class ContextShard:
     """One cp rank's share of the sequence and the attention kernel that joins the shares."""
 
-    group: object  # the cp ProcessGroup
+    group: context_parallel.GroupRef  # the cp process group, by name (what a compiled block can carry)
     size: int
     rank: int
     impl: str
@@ -52,7 +52,8 @@ class ContextShard:
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, impl: str) -> ContextShard:
     """Hand ``model`` (a whole model or a pipeline stage) this rank's ``ContextShard``, in place."""
-    shard = ContextShard(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), impl)
+    group = context_parallel.group_ref(cp_mesh.get_group())
+    shard = ContextShard(group, cp_mesh.size(), cp_mesh.get_local_rank(), impl)
     for module in model.modules():
         if hasattr(module, "context_shard"):
             module.context_shard = shard

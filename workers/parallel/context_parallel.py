@@ -22,6 +22,8 @@ gradients for q, k and v through autograd:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,12 +32,15 @@ from workers.model.attention_blocks import (  # the blocks' maths; zigzag_indice
     _attend_block,
     _backward_state,
     _block_gradients,
+    _BlockMasks,
     _check_heads,
     _dq_accumulator,
     _forward_state,
     blockwise_attention,
+    gradients,
     zigzag_indices,
 )
+from workers.model.attention_ops import custom_op, register_attention
 from workers.model.documents import Documents
 
 
@@ -52,17 +57,46 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    """``_all_to_all`` with autograd: its gradient is the same exchange run backwards (equal splits)."""
+def _all_to_all_named(x: torch.Tensor, group: str) -> torch.Tensor:
+    """``_all_to_all`` over the group named ``group``."""
+    return _all_to_all(x, _resolve(group))
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group), None
+# ``_all_to_all`` as an operator (the group by name), so Ulysses' exchanges sit in a compiled block whole
+_all_to_all_op = custom_op("all_to_all", _all_to_all_named, "(Tensor x, str group) -> Tensor")
+
+
+@_all_to_all_op.register_fake
+def _(x, group):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# its gradient is the same exchange run backwards (equal splits)
+_all_to_all_op.register_autograd(lambda ctx, grad: (_all_to_all_op(grad, ctx.group), None),
+                                 setup_context=lambda ctx, inputs, output: setattr(ctx, "group", inputs[1]))
+
+
+def _resolve(group: str):
+    """The process group named ``group`` (what an operator is handed: ``group_name``)."""
+    return dist.distributed_c10d._resolve_process_group(group)
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """A process group as the operators take it, by name, with its size: what a compiled block is handed
+    (``workers.parallel.context_layout.ContextShard``), since Dynamo traces neither a ``ProcessGroup`` nor the
+    calls that ask one its size."""
+
+    name: str
+    size: int
+
+
+def group_ref(group) -> GroupRef:
+    """``group`` (a ``ProcessGroup``, None for the default group, or already a ``GroupRef``) as a ``GroupRef``."""
+    if isinstance(group, GroupRef):
+        return group
+    group = group if group is not None else dist.group.WORLD
+    return GroupRef(group.group_name, dist.get_world_size(group))
 
 
 # --- ring attention -------------------------------------------------------------------------------------------
@@ -90,76 +124,78 @@ class _RingShift:
         return self.received
 
 
-class _RingAttention(torch.autograd.Function):
+def _ring_forward(q, k, v, documents: Documents | None, window: int | None, causal: bool, group: str):
     """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
 
     Forward: cp steps; at step ``t`` this rank holds rank ``(r - t) % cp``'s K/V, attends its queries to the
     tiles ``_BlockMasks`` keeps and folds each into a running output and log-sum-exp, while the next block is
-    already in flight. Only q, k, v, the output and the log-sum-exp are saved. Backward: recompute each
-    tile's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V block's dK/dV
-    accumulator travels with it and after cp hops arrives back at the block's owner.
+    already in flight. Only q, k, v, the output and the log-sum-exp are saved. (out, lse, nothing else saved).
     """
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None, window: int | None = None):
-        masks, state = _forward_state(q, k, *_group_shape(group), causal, documents, window)
-        rank, cp = masks.rank, masks.cp
-        kv = torch.stack([k, v])
-        for step in range(cp):
-            shift = _RingShift(kv, group, tag=0) if step + 1 < cp else None
-            _attend_block(state, kv, masks.tiles((rank - step) % cp))
-            kv = shift.wait() if shift else kv
-        out, lse = state.result()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.masks = group, masks
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        masks = ctx.masks
-        rank, cp = masks.rank, masks.cp
-        saved = _backward_state(dout, q, k, out, lse)
-        dq = _dq_accumulator(q, k.shape[1])
-        kv, dkv, dkv_shift = torch.stack([k, v]), None, None
-        for step in range(cp):
-            kv_shift = _RingShift(kv, ctx.group, tag=0) if step + 1 < cp else None
-            block_dkv = _block_gradients(saved, kv, masks.tiles((rank - step) % cp), dq)
-            # the accumulated dK/dV of this block arrives from the previous rank while the block computes
-            dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
-            dkv_shift = _RingShift(dkv, ctx.group, tag=1) if cp > 1 else None
-            kv = kv_shift.wait() if kv_shift else kv
-        dkv = dkv_shift.wait() if dkv_shift else dkv
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+    pg = _resolve(group)
+    masks, state = _forward_state(q, k, *_group_shape(pg), causal, documents, window)
+    rank, cp = masks.rank, masks.cp
+    kv = torch.stack([k, v])
+    for step in range(cp):
+        shift = _RingShift(kv, pg, tag=0) if step + 1 < cp else None
+        _attend_block(state, kv, masks.tiles((rank - step) % cp))
+        kv = shift.wait() if shift else kv
+    return *state.result(), q.new_empty(0)
 
 
-class _AllGatherAttention(torch.autograd.Function):
+def _ring_backward(dout, q, k, v, out, lse, saved, documents: Documents | None, window: int | None, causal: bool,
+                   group: str):
+    """Recompute each tile's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V
+    block's dK/dV accumulator travels with it and after cp hops arrives back at the block's owner."""
+    pg = _resolve(group)
+    masks = _block_masks(q, pg, causal, documents, window)
+    rank, cp = masks.rank, masks.cp
+    state = _backward_state(dout, q, k, out, lse)
+    dq = _dq_accumulator(q, k.shape[1])
+    kv, dkv, dkv_shift = torch.stack([k, v]), None, None
+    for step in range(cp):
+        kv_shift = _RingShift(kv, pg, tag=0) if step + 1 < cp else None
+        block_dkv = _block_gradients(state, kv, masks.tiles((rank - step) % cp), dq)
+        # the accumulated dK/dV of this block arrives from the previous rank while the block computes
+        dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
+        dkv_shift = _RingShift(dkv, pg, tag=1) if cp > 1 else None
+        kv = kv_shift.wait() if kv_shift else kv
+    dkv = dkv_shift.wait() if dkv_shift else dkv
+    return gradients(dq, dkv, q, k, v)
+
+
+def _block_masks(q, pg, causal: bool, documents: Documents | None, window: int | None) -> _BlockMasks:
+    """This cp rank's block masks again, in backward (those of documents come from their cache)."""
+    return _BlockMasks(*_group_shape(pg), q.shape[2], causal, documents, window, q.device)
+
+
+def _allgather_forward(q, k, v, documents: Documents | None, window: int | None, causal: bool, group: str):
     """K/V all-gather attention (Llama 3's CP): every rank gathers the whole sequence's K/V and attends its
     queries to each rank's block with the same blockwise kernels as the ring (so causal work is balanced and
-    no S_local x S mask or score matrix is ever built); the backward returns each block's dK/dV to its owner
-    with one all-to-all summed on arrival, a reduce-scatter that gloo (which has none) can run too.
-    """
+    no S_local x S mask or score matrix is ever built). (out, lse, the gathered K/V ``[cp, 2, B, Hkv, S, D]``)."""
+    pg = _resolve(group)
+    masks, state = _forward_state(q, k, *_group_shape(pg), causal, documents, window)
+    blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(masks.cp)]
+    dist.all_gather(blocks, torch.stack([k, v]), group=pg)
+    for src, kv in enumerate(blocks):
+        _attend_block(state, kv, masks.tiles(src))
+    return *state.result(), torch.stack(blocks)
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, documents: Documents | None = None, window: int | None = None):
-        masks, state = _forward_state(q, k, *_group_shape(group), causal, documents, window)
-        blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(masks.cp)]
-        dist.all_gather(blocks, torch.stack([k, v]), group=group)
-        for src, kv in enumerate(blocks):
-            _attend_block(state, kv, masks.tiles(src))
-        out, lse = state.result()
-        ctx.save_for_backward(q, k, v, out, lse, torch.stack(blocks))
-        ctx.group, ctx.masks = group, masks
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, blocks = ctx.saved_tensors
-        saved = _backward_state(dout, q, k, out, lse)
-        dq = _dq_accumulator(q, k.shape[1])
-        dkv = torch.stack([_block_gradients(saved, kv, ctx.masks.tiles(src), dq) for src, kv in enumerate(blocks)])
-        dkv = _all_to_all(dkv, ctx.group).sum(0)
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+def _allgather_backward(dout, q, k, v, out, lse, blocks, documents: Documents | None, window: int | None,
+                        causal: bool, group: str):
+    """Each gathered block's dK/dV goes back to its owner with one all-to-all summed on arrival, a
+    reduce-scatter that gloo (which has none) can run too."""
+    pg = _resolve(group)
+    masks = _block_masks(q, pg, causal, documents, window)
+    state = _backward_state(dout, q, k, out, lse)
+    dq = _dq_accumulator(q, k.shape[1])
+    dkv = torch.stack([_block_gradients(state, kv, masks.tiles(src), dq) for src, kv in enumerate(blocks)])
+    return gradients(dq, _all_to_all(dkv, pg).sum(0), q, k, v)
+
+
+_ring = register_attention("ring_attention", _ring_forward, _ring_backward)
+_allgather = register_attention("allgather_attention", _allgather_forward, _allgather_backward,
+                                lambda k, group: (dist.get_world_size(_resolve(group)), 2, *k.shape))
 
 
 def allgather_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
@@ -171,7 +207,7 @@ def allgather_attention(q, k, v, group, causal: bool = True, documents: Document
     fewer than ``window`` positions back: the ring's sparse tiles, per gathered block (no dense mask).
     """
     _check_heads(q, k, v)
-    return _AllGatherAttention.apply(q, k, v, group, causal, documents, window)
+    return _allgather(q, k, v, documents, window, causal, group_ref(group).name)
 
 
 def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
@@ -186,7 +222,7 @@ def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | N
     tiles out of it are skipped, so the work falls with the window.
     """
     _check_heads(q, k, v)
-    return _RingAttention.apply(q, k, v, group, causal, documents, window)
+    return _ring(q, k, v, documents, window, causal, group_ref(group).name)
 
 
 # --- Ulysses ----------------------------------------------------------------------------------------------------
@@ -207,17 +243,17 @@ def check_ulysses_heads(hq: int, hkv: int, cp: int) -> None:
         )
 
 
-def _sequence_to_heads(t: torch.Tensor, group, cp: int) -> torch.Tensor:
+def _sequence_to_heads(t: torch.Tensor, group: GroupRef, cp: int) -> torch.Tensor:
     """``[B, H, S_local, D]`` -> ``[B, H/cp, S, D]``: this rank's head group over every rank's tokens (rank order)."""
     b, h, s, d = t.shape
-    parts = _AllToAll.apply(t.reshape(b, cp, h // cp, s, d).transpose(0, 1), group)
+    parts = _all_to_all_op(t.reshape(b, cp, h // cp, s, d).transpose(0, 1), group.name)
     return parts.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
 
 
-def _heads_to_sequence(t: torch.Tensor, group, cp: int) -> torch.Tensor:
+def _heads_to_sequence(t: torch.Tensor, group: GroupRef, cp: int) -> torch.Tensor:
     """``[B, H/cp, S, D]`` (tokens in rank order) -> ``[B, H, S_local, D]``: the inverse of ``_sequence_to_heads``."""
     b, h, s, d = t.shape
-    parts = _AllToAll.apply(t.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4), group)
+    parts = _all_to_all_op(t.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4), group.name)
     return parts.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
@@ -232,7 +268,8 @@ def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents 
     ``blockwise_attention``.
     """
     _check_heads(q, k, v)
-    _, cp = _group_shape(group)
+    group = group_ref(group)
+    cp = group.size
     hq, hkv = q.shape[1], k.shape[1]
     check_ulysses_heads(hq, hkv, cp)
     if hkv < cp:

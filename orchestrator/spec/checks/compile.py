@@ -24,12 +24,6 @@ def check_compile(job: JobSpec) -> None:
          "cannot combine with train.compile: it splits each stage's backward into an input-gradient and a "
          "deferred weight-gradient pass, and a compiled block's backward computes both at once (the input pass "
          "fails at the first step)", f"use pp_schedule 1f1b, gpipe or interleaved_1f1b, {_OFF}"),
-        (p.cp > 1, "parallel.cp", p.cp, "cannot combine with train.compile: the context-parallel attention "
-         "exchanges K/V with point-to-point sends inside the block, which Dynamo cannot trace",
-         f"use parallel.cp: 1, {_OFF}"),
-        (job.model.moe is not None, "model.moe", "set", "cannot combine with train.compile: the MoE layer's "
-         "routing (data-dependent token counts, autograd state read in forward) does not trace as one graph",
-         f"remove model.moe, {_OFF}"),
         (p.tp > 1 and m.recompute != "none", "memory.recompute", m.recompute, "cannot combine with parallel.tp "
          "> 1 under train.compile on torch 2.13: AOTAutograd's activation-checkpoint region over DTensors saves a "
          "DeviceMesh for backward and fails at the first step", f"set memory.recompute: none, or parallel.tp: 1, "

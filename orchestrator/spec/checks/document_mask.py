@@ -25,8 +25,6 @@ def check_document_mask(job: JobSpec) -> None:
         return
     p = job.parallel
     refused = [  # (applies, field, value, problem, fix)
-        (job.train.compile, "train.compile", True, "cannot combine with model.attention_mask: document: the mask "
-         "reaches attention per microbatch from outside the compiled blocks", f"set train.compile: false, {_OFF}"),
         (p.pp_schedule in ASYNC, "parallel.pp_schedule", p.pp_schedule, "cannot combine with "
          "model.attention_mask: document: the asynchronous pipeline runs its own microbatches, which are not told "
          "their documents", f"use pp_schedule: 1f1b, {_OFF}"),
