@@ -5,7 +5,8 @@ Measured on one H200 (benchmarks/results/gpu_h200.json): a 1B Llama that fits wi
 eager under full recompute and 54.1% compiled without it. So, for the fields the job left unset:
 
 - ``train.compile``: on, unless the job's other settings are ones compiled blocks do not combine with (the spec's
-  own ``check_compile`` refusals: a zero-bubble schedule, cp, MoE, a document mask ...);
+  own ``check_compile`` refusals: a zero-bubble schedule ...) or ones compiled on CPU only so far (cp, a document
+  mask, MoE: ``unproven_compiled``);
 - ``memory.recompute``: the first of none, selective, full whose predicted in-step peak stays under
   (1 - ``memory.headroom``) of the device memory (``parallel.device_memory``, else this process's GPU, else
   ``plan.gpu``'s); full when none does (and the fit warning says so before start).
@@ -79,13 +80,27 @@ def refusal(job: JobSpec) -> str | None:
     return None
 
 
+def unproven_compiled(job: JobSpec) -> str | None:
+    """Why compile is not picked for ``job`` although it is accepted: compiled attention operators under cp or a
+    document mask, and MoE blocks compiled around their eager layer, are checked on CPU only; a default should not
+    be the first run of a path on a GPU (``train.compile: true`` asks for it)."""
+    p = job.parallel
+    what = [name for name, on in (("parallel.cp > 1", p.grid.cp_enabled),
+                                  ("model.attention_mask: document", job.model.attention_mask == "document"),
+                                  ("model.moe", job.model.moe is not None)) if on]
+    if not what:
+        return None
+    return (f"{', '.join(what)} compiled has been checked on CPU only, not yet on a GPU; set train.compile: true "
+            "to run it compiled")
+
+
 def pick(job: JobSpec) -> dict[str, tuple[object, str]]:
     """For the unset fields of a GPU ``job``: field -> (value, why). Compile first (it changes the activations the
     planner counts), then the lightest recompute that fits."""
     unset, picked = job.unset_fields, {}
     compile = job.train.compile
     if "train.compile" in unset:
-        refused = refusal(with_values(job, {"train.compile": True}))
+        refused = refusal(with_values(job, {"train.compile": True})) or unproven_compiled(job)
         compile = refused is None
         picked["train.compile"] = (compile, "compiled blocks run faster (the H200 profile of issue 48)" if compile
                                    else f"the job's other settings refuse it: {refused}")

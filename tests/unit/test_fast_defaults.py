@@ -75,3 +75,12 @@ def test_what_the_job_sets_is_kept_and_compile_is_not_picked_where_refused(tmp_p
                model={"tie_embeddings": False})
     pinned, picked = fast_defaults.pin_defaults(zbv)
     assert pinned.train.compile is False and "parallel.pp_schedule" in picked["train.compile"][1]
+
+
+def test_compile_is_not_picked_for_paths_compiled_on_cpu_only(tmp_path):
+    """cp, document masks and MoE compile (the spec accepts them) but have not run compiled on a GPU: a GPU job that
+    leaves compile unset runs them eager, and says why."""
+    doc = _job(tmp_path, model={"attention_mask": "document"})
+    pinned, picked = fast_defaults.pin_defaults(doc)
+    assert pinned.train.compile is False and "checked on CPU only" in picked["train.compile"][1]
+    assert fast_defaults.refusal(fast_defaults.with_values(doc, {"train.compile": True})) is None  # accepted if asked

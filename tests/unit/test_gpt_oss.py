@@ -196,3 +196,23 @@ def test_what_gpt_oss_cannot_compute_is_refused_by_field(model, parallel, messag
     with pytest.raises((SpecError, ValueError), match=message):
         JobSpec.from_dict({"data": {"path": "/tmp/none"}, "run_dir": "/tmp/none", "parallel": parallel or {},
                            "model": {"d_model": 32, "n_heads": 4, **model}})
+
+
+def test_sink_attention_compiles_whole_and_equals_eager():
+    """The sinks' operator is opaque to Dynamo (``fullgraph`` traces around it), so a compiled gpt-oss block keeps
+    its attention in the graph; output and every gradient, the sinks' included, equal eager's."""
+    from workers.model.attention_blocks import blockwise_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 40, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=gen, requires_grad=True)
+
+    def attend(q, k, v, sinks):
+        return blockwise_attention(q, k, v, None, 6, sinks)
+
+    eager = attend(q, k, v, sinks)
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
+    assert torch.equal(compiled, eager)
+    for a, b in zip(torch.autograd.grad(eager.square().sum(), (q, k, v, sinks)),
+                    torch.autograd.grad(compiled.square().sum(), (q, k, v, sinks)), strict=True):
+        assert torch.equal(a, b)
