@@ -28,7 +28,7 @@ SEQ = 64
 MICROBATCHES = 2  # each with its own documents: the compiled blocks must neither recompile nor mask alike
 
 
-def _pair(cfg, shard=None):
+def _pair(cfg, shard=None, backend="inductor"):
     """(eager model, compiled copy) of the same weights; under cp both hold the rank's ``shard``."""
     import copy
 
@@ -42,7 +42,7 @@ def _pair(cfg, shard=None):
         for module in model.modules():
             if shard is not None and hasattr(module, "context_shard"):
                 module.context_shard = shard
-    compile_blocks(compiled, family(cfg.arch))
+    compile_blocks(compiled, family(cfg.arch), backend)
     return eager, compiled
 
 
@@ -53,7 +53,7 @@ def _microbatch(i: int):
     return tokens, (torch.rand(2, SEQ, generator=gen) < 0.1).long().cumsum(-1)
 
 
-def _largest_differences(cfg, shard=None, split=lambda t: t) -> dict:
+def _largest_differences(cfg, shard=None, split=lambda t: t, backend="inductor") -> dict:
     """Per microbatch, the largest difference between the eager and compiled outputs and gradients (this rank's
     share of the sequence), and Dynamo's counters after all of them."""
     from torch._dynamo.utils import counters
@@ -62,7 +62,7 @@ def _largest_differences(cfg, shard=None, split=lambda t: t) -> dict:
 
     torch._dynamo.reset()
     counters.clear()
-    eager, compiled = _pair(cfg, shard)
+    eager, compiled = _pair(cfg, shard, backend)
     out = {"output": [], "grads": []}
     for i in range(MICROBATCHES):
         tokens, ids = _microbatch(i)
@@ -102,7 +102,9 @@ def test_one_rank_compiled_with_documents_and_a_window_matches_eager(monkeypatch
 
 
 def _cp_rank(rank: int, ports, results) -> None:
-    """One cp rank: every ``cp_impl`` compiled against eager on this rank's zigzag share."""
+    """One cp rank: every ``cp_impl`` compiled against eager on this rank's zigzag share. Dynamo's trace and
+    AOTAutograd's (the operators' fake implementations, the backward tied to them) are what cp adds, so inductor's
+    code generation, which the one-rank and trainer tests run, is skipped (``aot_eager``: minutes less on a CPU)."""
     from tests.support.parity_harness import gloo_dp_mesh
     from workers.parallel.context_layout import apply_context_parallel, split_sequence
 
@@ -110,7 +112,7 @@ def _cp_rank(rank: int, ports, results) -> None:
     found = {}
     for impl in ("ring", "allgather", "ulysses"):
         shard = apply_context_parallel(torch.nn.Module(), mesh, impl)
-        found[impl] = _largest_differences(_config(), shard, lambda t: split_sequence(t, 2, rank))
+        found[impl] = _largest_differences(_config(), shard, lambda t: split_sequence(t, 2, rank), "aot_eager")
     results.put((rank, found))
 
 

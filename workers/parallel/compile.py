@@ -35,18 +35,19 @@ from workers.model.moe import MoELayer
 from workers.model.registry import ModelFamily
 
 
-def compile_blocks(stage: nn.Module, family: ModelFamily) -> list[nn.Module]:
+def compile_blocks(stage: nn.Module, family: ModelFamily, backend: str = "inductor") -> list[nn.Module]:
     """Compile each of ``stage``'s blocks (the family's ``blocks`` hook) in place, ``fullgraph``: a graph
     break is an error at the first step rather than a silently slower block. A block holding an MoE layer has
-    its other parts compiled instead, the MoE layer left eager (``_compile_around``). Returns the blocks."""
+    its other parts compiled instead, the MoE layer left eager (``_compile_around``). Returns the blocks.
+    ``backend``: inductor in training; tests of what Dynamo traces may skip its code generation (``aot_eager``)."""
     blocks = family.hook("blocks")(stage)
     eager_wait = torch.compiler.disable(_waited)  # here, not as a decorator: it imports Dynamo (~1 s a process)
     for block in blocks:
-        _compile_around(block, eager_wait)
+        _compile_around(block, eager_wait, backend)
     return blocks
 
 
-def _compile_around(module: nn.Module, eager_wait) -> None:
+def _compile_around(module: nn.Module, eager_wait, backend: str = "inductor") -> None:
     """Compile ``module`` in place, or, where it holds an MoE layer, each of its children that holds none
     (attention, norms, a dense feed-forward), recursing into the others, so the MoE layers alone run eagerly.
 
@@ -58,11 +59,11 @@ def _compile_around(module: nn.Module, eager_wait) -> None:
     """
     if not any(isinstance(m, MoELayer) for m in module.modules()):
         module.register_forward_pre_hook(eager_wait)
-        module.compile(fullgraph=True)
+        module.compile(fullgraph=True, backend=backend)
         return
     for child in module.children():
         if not isinstance(child, MoELayer):
-            _compile_around(child, eager_wait)
+            _compile_around(child, eager_wait, backend)
 
 
 def _waited(module: nn.Module, args: tuple) -> tuple:
