@@ -81,14 +81,14 @@ class KeepTraining:
         if not job.group.placed(deg.dead, job.spec.fault_tolerance.placement_timeout_s):
             self.degraded = None
             job.changes.shrink(set(deg.dead))
-            self._account(deg, "shrink", time.perf_counter() - t0)
+            self._account(deg, "shrunk: dp is the survivors'", time.perf_counter() - t0)
             return
         job.layout = job.layout.with_ranks(job.group.form())
         job.step = job.group.restore(set(deg.dead), job.step)
         self.degraded = None
         if job.memory_every:  # the new ranks' own snapshot of the step, for a failure before the next one
             job.take_snapshot()
-        self._account(deg, "rejoined", time.perf_counter() - t0)
+        self._account(deg, "from a live peer", time.perf_counter() - t0)
 
     def abandon(self) -> frozenset[int]:
         """A failure recovered as ``replace_failed`` (no whole replica left, no snapshot) while replicas are still
@@ -96,7 +96,7 @@ class KeepTraining:
         deg, self.degraded = self.degraded, None
         if deg is None:
             return frozenset()
-        self._account(deg, "rejoined", 0.0)
+        self._account(deg, "in a recovery every rank waits for", 0.0)
         return deg.dead
 
     def _account(self, deg: Degraded, how: str, seconds: float) -> None:
@@ -108,6 +108,6 @@ class KeepTraining:
                 record.update(degraded_steps=list(deg.steps), skipped_sequences=skipped,
                               rejoined_at_step=job.step, rejoin_s=round(seconds, 3))
                 break
-        event(how, ranks=sorted(deg.dead), step=job.step, degraded_steps=len(deg.steps), replicas=deg.replicas,
+        event("rejoined", ranks=sorted(deg.dead), how=how, step=job.step, degraded_steps=len(deg.steps), replicas=deg.replicas,
               skipped_sequences=skipped, seconds=f"{seconds:.2f}",
               degraded_for_s=f"{time.perf_counter() - deg.since:.1f}")

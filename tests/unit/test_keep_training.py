@@ -74,6 +74,7 @@ def test_a_second_replica_lost_while_degraded_keeps_training_on_fewer(tmp_path):
     assert [ranks for how, _, ranks in group.formed if how == "form_without"] == [[0, 2, 3], [0, 2]]
     first, second = result.recoveries
     assert first["degraded_steps"] == [3, 4, 5, 6, 7, 8, 9, 10]  # the stretch goes on through the second loss
+    assert second["degraded_steps"] == [] and second["rank"] == 3  # part of the first's stretch
     assert [line.get("replicas") for line in steps_lines(job)][2:] == [3, 3, 2, 2, 2, 2, 2, 2]
     assert group.replaced == [{1}, {3}] and group.live is None and result.steps == 10
 
