@@ -108,6 +108,6 @@ class KeepTraining:
                 record.update(degraded_steps=list(deg.steps), skipped_sequences=skipped,
                               rejoined_at_step=job.step, rejoin_s=round(seconds, 3))
                 break
-        event("rejoined", ranks=sorted(deg.dead), how=how, step=job.step, degraded_steps=len(deg.steps), replicas=deg.replicas,
-              skipped_sequences=skipped, seconds=f"{seconds:.2f}",
+        event("rejoined", ranks=sorted(deg.dead), how=how, step=job.step, degraded_steps=len(deg.steps),
+              replicas=deg.replicas, skipped_sequences=skipped, seconds=f"{seconds:.2f}",
               degraded_for_s=f"{time.perf_counter() - deg.since:.1f}")
