@@ -292,12 +292,13 @@ class RankGroup:
 
     def window_hung(self, silent_s: float) -> NoReturn:
         """No step completed within the progress deadline: every rank says where its loop is (one call per node,
-        five seconds to answer). The stuck ranks are those that do not answer (a frozen process); when all answer,
-        those still inside a step, snapshot or save (their peers wait for them at the boundary); when none can be
-        told apart that way, every rank. They are killed, which ends their peers' collectives with them at once,
+        five seconds to answer, none waited for where the process is stopped: ``NodeAgent.where``). The stuck ranks
+        are those that do not answer (a frozen process); when all answer, those still inside a step, snapshot or
+        save (their peers wait for them at the boundary); when none can be told apart that way, every rank. They
+        are killed, which ends their peers' collectives with them at once,
         and the window fails as ``StepFailed`` with them ``hung``."""
         self.post(Request(stop=HUNG))  # a step that completes during the diagnosis fails: nothing of it is kept
-        calls = {node: agent.call.remote("progress", (), None, 5.0) for node, agent in self._agents.items()}
+        calls = {node: agent.where.remote(5.0) for node, agent in self._agents.items()}  # a stopped rank: at once
         answers = self._answers(calls, 35.0)
         where = {r: value for r, (how, value) in answers.items() if how == "ok"}
         stuck = set(answers) - set(where) or {r for r, p in where.items() if p["phase"] in ("step", "snapshot", "save")}
