@@ -10,7 +10,7 @@ import torch
 from orchestrator import JobSpec, TrainingJob
 from tests.support.jobs import tiny_spec
 
-STEPS = 16
+STEPS = 40  # long enough for the replacement to start (importing torch takes seconds here) and rejoin mid-run
 KILLED_AT = 4
 SECTIONS = {"parallel": {"dp": 4}, "train": {"steps": STEPS}, "checkpoint": {"memory_every": 1},
             "fault_tolerance": {"recovery": "keep_training", "warm_spares": True, "heartbeat_timeout_s": 20,
@@ -57,7 +57,15 @@ def test_replicas_0_2_3_train_on_while_replica_1_is_rebuilt(ray_cluster, token_d
     assert rec["skipped_sequences"] == len(rec["degraded_steps"]) * 8 // 4
     # every replica ends with the same weights and optimizer state, bit for bit
     assert len(finals) == 4 and all(_same(finals[0], snap) for snap in finals[1:])
-    # the failed replica's share of the degraded steps was skipped: off the uninterrupted curve, within 1%
+    # the failed replica's share of the degraded steps was skipped: off the uninterrupted curve, within 1% of it
+    # (the curve: five-step means; one step's loss over 8 sequences, or over the 6 a degraded step trains, moves
+    # by more than that from batch to batch)
     assert result.losses != straight.losses
-    worst = max(abs(a - b) / abs(b) for a, b in zip(result.losses, straight.losses))
-    assert worst < 0.01, f"largest relative loss difference {worst:.4f}: {result.losses} vs {straight.losses}"
+    ours, theirs = _curve(result.losses), _curve(straight.losses)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
+    assert worst < 0.01, f"largest relative difference of the curves {worst:.4f}: {ours} vs {theirs}"
+
+
+def _curve(losses: list[float], steps: int = 5) -> list[float]:
+    """The loss curve: the mean of each ``steps`` consecutive steps' losses."""
+    return [sum(losses[i - steps:i]) / steps for i in range(steps, len(losses) + 1)]
