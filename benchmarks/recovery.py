@@ -17,7 +17,11 @@ this script so their ratios are comparable on a noisy machine:
   every step for these zero-0 mirrors, async checkpoints every 50 steps,
   failed ranks leaving their gloo groups so no survivor stays blocked,
   a warm spare per node, a 60 s collective timeout, ``max_restarts: 20``
-  within ``restart_window_s: 600``).
+  within ``restart_window_s: 600``);
+- ``keep_training``: the same failures on the job file's defaults but ``recovery: keep_training`` (plain data
+  parallelism only: run it with ``--dp 8 --pp 1``): the other replicas train on while the failed one is rebuilt.
+  Its ``replica_goodput`` weighs each step by the replicas that ran it (a step three of four replicas ran
+  trained three quarters of the batch), so skipped data is not counted as productive.
 
 The tuned runs (``memory``, ``disk``, ``restart_all``) set
 ``collective_timeout_s: 5`` and ``max_restarts: 1000`` by hand.
@@ -54,7 +58,7 @@ def job_dict(args, run_dir: Path, name: str) -> dict:
         "run_dir": str(run_dir / name),
         "model": {"d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 64},
         "data": {"path": str(Path(args.data).resolve())},
-        "parallel": {"dp": 4, "pp": 2, "device": "cpu"},
+        "parallel": {"dp": args.dp, "pp": args.pp, "device": "cpu"},
         "optim": {"lr": 3e-3},
         "train": {"steps": 1_000_000, "global_batch_size": 16, "microbatches": 2},
         "checkpoint": {"every": args.ckpt_every, "keep": 2, "memory_every": 1, "async_save": args.async_save},
@@ -62,12 +66,14 @@ def job_dict(args, run_dir: Path, name: str) -> dict:
     }
 
 
+ON_DEFAULTS = {"checkpoint": None, "fault_tolerance": None}
 SCENARIOS = {  # name -> (overrides of job_dict, with the soak fault?); a section set to None: the job file's defaults
     "no_faults": ({}, False),
     "memory": ({}, True),
     "disk": ({"checkpoint": {"memory_every": 0}}, True),
     "restart_all": ({"checkpoint": {"memory_every": 0}, "fault_tolerance": {"recovery": "restart_all"}}, True),
-    "defaults": ({"checkpoint": None, "fault_tolerance": None}, True),
+    "defaults": (ON_DEFAULTS, True),
+    "keep_training": ({**ON_DEFAULTS, "+fault_tolerance": {"recovery": "keep_training"}}, True),
 }
 
 
@@ -79,8 +85,8 @@ def run(args, run_dir: Path, name: str) -> dict:
     for section, fields in overrides.items():
         if fields is None:
             del raw[section]  # nothing tuned: what a job file without the section gets
-        else:
-            raw[section].update(fields)
+        else:  # "+section": set on the defaults, after the section was left out
+            raw.setdefault(section.lstrip("+"), {}).update(fields)
     if faulty:
         raw["faults"] = [{"kind": "kill_rank", "rank": "random", "every_s": args.every_s, "jitter_s": args.jitter_s,
                           "seed": args.seed}]
@@ -92,7 +98,7 @@ def run(args, run_dir: Path, name: str) -> dict:
     except RuntimeError as exc:  # the restart budget spent (max_restarts): that is this run's result
         return {"failed": str(exc), "recoveries": len(job.recoveries)}
     recs = result.recoveries
-    return {
+    return {**_degraded(job, result),
         "failures_injected": sum(soak.firings for soak in job.faults.repeating),
         "steps": result.steps,
         "goodput": result.goodput,
@@ -106,6 +112,24 @@ def run(args, run_dir: Path, name: str) -> dict:
         "mttr_s_max": max((r["mttr_s"] for r in recs), default=None),
         "lost_steps_max": max((r["lost_steps"] for r in recs), default=None),
     }
+
+
+def _degraded(job, result) -> dict:
+    """``recovery: keep_training``'s steps run without the failed replicas, and the goodput weighed by the replicas
+    that ran each step (``replicas`` on its ``steps.jsonl`` line; the others ran all of them)."""
+    import json
+
+    dp = job.spec.parallel.dp
+    lines = [json.loads(line) for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    ran = {line["step"]: line.get("replicas", dp) for line in lines}
+    first = result.steps - len(result.step_time_s) + 1
+    weighed = sum(t * ran.get(first + i, dp) / dp for i, t in enumerate(result.step_time_s))
+    degraded = [s for r in result.recoveries for s in r.get("degraded_steps", [])]
+    if not degraded:
+        return {}
+    return {"degraded_steps": len(degraded), "skipped_sequences": sum(r.get("skipped_sequences", 0)
+                                                                      for r in result.recoveries),
+            "replica_goodput": result.goodput * weighed / max(sum(result.step_time_s), 1e-9)}
 
 
 def _stop_after(job, seconds: float) -> None:
@@ -122,7 +146,7 @@ def _ratios(runs: dict) -> dict:
     if full is None or not full["mttr_s_mean"]:
         return {}
     out = {}
-    for name in ("memory", "disk", "defaults"):
+    for name in ("memory", "disk", "defaults", "keep_training"):
         if runs.get(name, {}).get("mttr_s_mean"):
             out[f"mttr_restart_all_over_{name}"] = full["mttr_s_mean"] / runs[name]["mttr_s_mean"]
             out[f"goodput_{name}_over_restart_all"] = runs[name]["goodput"] / full["goodput"]
@@ -142,6 +166,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-every", type=int, default=10, help="disk checkpoint cadence in steps")
     ap.add_argument("--async-save", action="store_true", help="disk checkpoints saved in the background (all runs)")
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=2, help="1 for keep_training (plain data parallelism only)")
     ap.add_argument("--out", default="benchmarks/results/recovery.json")
     ap.add_argument("--runs", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS),
                     help="a subset of the runs, for a quick look (ratios need restart_all)")
@@ -151,7 +177,7 @@ def main() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         runs = {name: run(args, Path(tmp), name) for name in args.runs}
     report = {
-        "layout": "dp=4 x pp=2 (8 ranks), CPU", "cpus": os.cpu_count(),
+        "layout": f"dp={args.dp} x pp={args.pp} ({args.dp * args.pp} ranks), CPU", "cpus": os.cpu_count(),
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "note": "2-core machine shared with other sessions' test runs: absolute times are noisy, ratios less so",
         "args": vars(args), "runs": runs, "ratios": _ratios(runs),
@@ -169,6 +195,10 @@ def main() -> None:
         if r["mttr_phases_s_mean"]:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in r["mttr_phases_s_mean"].items())
             print(f"{name} MTTR by phase (mean s): {phases}")
+    for name, r in runs.items():
+        if "replica_goodput" in r:
+            print(f"{name}: {r['degraded_steps']} steps ran without a failed replica, {r['skipped_sequences']} "
+                  f"sequences skipped; goodput weighed by the replicas that ran each step {r['replica_goodput']:.1%}")
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.2f}")
 

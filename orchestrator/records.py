@@ -57,6 +57,9 @@ class RecoveryRecord:
     mttr_s: float | None = None
     phases_s: dict | None = None
     stacks: str | None = None  # a hang's: the directory holding every rank's stacks when it was found
+    # recovery: keep_training: the steps the other replicas ran while the failed ones were rebuilt (filled in,
+    # with skipped_sequences, rejoined_at_step and rejoin_s, when they rejoin: KeepTraining)
+    degraded_steps: list | None = None
 
     def completed(self, mttr_s: float, phases_s: dict) -> RecoveryRecord:
         return replace(self, mttr_s=mttr_s, phases_s=phases_s)
@@ -65,8 +68,9 @@ class RecoveryRecord:
         out = asdict(self)
         if self.mttr_s is None:  # not ended yet: the summary only ever holds ended recoveries
             del out["mttr_s"], out["phases_s"]
-        if self.stacks is None:
-            del out["stacks"]
+        for optional in ("stacks", "degraded_steps"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -22,6 +24,7 @@ from workers.diagnostics import stacks
 
 # how a rank answered: ("ok", value), ("died", None), ("hung", None), ("raised", the RayTaskError)
 Answer = tuple[str, Any]
+POLL_S = 0.05  # how often ``where`` looks again at the calls not answered yet and at their processes' state
 
 
 class NodeAgent:
@@ -77,6 +80,14 @@ class NodeAgent:
         ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
         return {r: _answer(ref) for r, ref in calls.items()}
 
+    def where(self, wait_s: float) -> dict[int, Answer]:
+        """Each of its ranks' ``progress`` (where its loop is), waiting up to ``wait_s`` for the answers, but not
+        for a rank whose process is stopped (SIGSTOP): it answers nothing until continued, and waiting out
+        ``wait_s`` for it only delayed a frozen rank's diagnosis by that long (it stays ``hung``)."""
+        calls = {r: w.progress.remote() for r, w in self.workers.items()}
+        wait_unless_stopped(calls, self._pids(list(calls)), wait_s, lambda ref: bool(ray.wait([ref], timeout=0)[0]))
+        return {r: _answer(ref) for r, ref in calls.items()}
+
     def start(self, method: str, args: tuple = (), notify=None) -> None:
         """``method`` on every rank, not waited for (``outcomes`` says how each ended). ``notify``: (an actor, the
         window id) whose ``desk_put`` hears at once when one of them ends other than normally: a rank that died
@@ -103,6 +114,20 @@ class NodeAgent:
         calls = {r: ref for r, ref in self.started.items() if ranks is None or r in ranks}
         ray.wait(list(calls.values()), num_returns=len(calls), timeout=wait_s)
         return {r: _answer(ref) for r, ref in calls.items()}
+
+
+def wait_unless_stopped(calls: dict[int, Any], pids: dict[int, int], wait_s: float, done: Callable[[Any], bool],
+                        sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait up to ``wait_s`` until each call of ``calls`` (rank -> its call) is ``done``, or its rank's process
+    (``pids``) is stopped."""
+    deadline = time.monotonic() + wait_s
+    pending = dict(calls)
+    while True:
+        pending = {r: c for r, c in pending.items() if not done(c) and not stacks.stopped(pids.get(r))}
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            return
+        sleep(min(left, POLL_S))
 
 
 def _answer(ref) -> Answer:

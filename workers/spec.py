@@ -37,7 +37,9 @@ from workers.model.registry import ModelFamily, family
 class WorkerSpec:
     """The sections a rank reads, each parsed by its contract class; ``model`` by the config class of the family
     ``model.arch`` names, ``finetune`` from the same ``model:`` dict (``init_from``, ``lora``). ``ps_routes``: where
-    the parameter-server shards are, which the controller adds under ``dp_sync: ps``."""
+    the parameter-server shards are, which the controller adds under ``dp_sync: ps``. ``data_slot``: ``(dp_rank,
+    dp)`` whose share of each global batch this rank reads, where that is not its place in ``parallel``: a surviving
+    replica of ``recovery: keep_training`` steps in a smaller group on the data it read in the full one."""
 
     parallel: ParallelSection
     train: TrainSection
@@ -52,6 +54,7 @@ class WorkerSpec:
     model: ModelConfig
     finetune: FineTuningSection
     ps_routes: dict[str, Any] | None = None
+    data_slot: tuple[int, int] | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> WorkerSpec:
@@ -62,7 +65,8 @@ class WorkerSpec:
             raise KeyError(f"worker spec field model.arch is missing; {_FIX}")
         shape = family(raw["model"]["arch"]).config
         return cls(**sections, model=_parse(shape, raw, "model"), finetune=_parse(FineTuningSection, raw, "model"),
-                   ps_routes=raw.get("ps_routes"))
+                   ps_routes=raw.get("ps_routes"),
+                   data_slot=tuple(raw["data_slot"]) if raw.get("data_slot") is not None else None)
 
     @property
     def model_family(self) -> ModelFamily:

@@ -135,7 +135,8 @@ class Trainer:
         precision, data = self.spec.precision, self.spec.data
         scaler = DynamicLossScaler(precision.initial_loss_scale) if precision.dtype == "fp16" else None
         dataset = open_data(data.path, data.sources() if data.mix else None, self.spec.model.seq_len, data.seed)
-        cursor = DataCursor(dataset, self.spec.train.global_batch_size, self.coords.dp, par.dp,
+        dp_rank, dp_size = self.spec.data_slot or (self.coords.dp, par.dp)  # a keep_training survivor: its own
+        cursor = DataCursor(dataset, self.spec.train.global_batch_size, dp_rank, dp_size,
                             cp_rank=self.coords.cp, cp_size=par.grid.cp,
                             eos_id=document_eos(self.spec.model.attention_mask, dataset))
         named = [z.module() for z in self.zero1] or None

@@ -27,6 +27,7 @@ NAN_WITHOUT_SNAPSHOT = ("a step produced a non-finite loss and there is no in-me
 class Action(str, Enum):
     REPLACE = "replace"  # new actors for the dead ranks, then a placement check
     RESTART_ALL = "restart_all"  # tear the grid down, start it again, load the last checkpoint
+    KEEP_TRAINING = "keep_training"  # new actors for the dead ranks; the other replicas step on meanwhile
     ROLL_BACK = "roll_back"  # every rank back to ``Decision.source`` (memory or disk)
     SKIP_BATCH = "skip_batch"  # roll back, then skip the batch of ``Decision.step`` (NaN again and again there)
     SHRINK = "shrink"  # the replacements found no room: a smaller grid
@@ -106,6 +107,8 @@ class RecoveryPolicy:
                 "look at the failing rank's log (`ray logs actor`), or raise max_restarts"))
         if self.mode == "restart_all":
             return Decision(Action.RESTART_ALL, source="disk")
+        if self.mode == "keep_training" and failure.dead:  # a NaN step (none dead) rolls back as ever
+            return Decision(Action.KEEP_TRAINING)
         if failure.dead:
             return Decision(Action.REPLACE)
         return Decision(Action.ROLL_BACK)  # NaN loss: every rank is alive; ``roll_back`` says from where

@@ -529,6 +529,8 @@ class TrainingJob:
                 self._fire_controller_faults(self.step + 1)
                 end = self._run_window(acct)
                 self._between_windows(end)
+                if self.changes.keep.degraded is not None:  # recovery: keep_training: the rebuilt replicas rejoin
+                    self.changes.keep.rejoin()
                 if end.reason == "stop":
                     return True
                 if end.reason == "preempt" and self.step < self.spec.train.steps:
@@ -673,6 +675,7 @@ class TrainingJob:
         self.changes.step_completed()
         self.checkpoints.scored(record.step, held_out_loss(summary))
         report = acct.step(summary, max(step_s, 1e-9), self.checkpoints.take_blocked(), self.spec.parallel.world_size)
+        self.changes.keep.on_step(report.record)  # a step the failed replicas sat out says how many ran it
         self.last = report.record
         self.step = record.step  # the step and its record become visible together (`status` reads both)
         if record.snapshot:
@@ -691,6 +694,8 @@ class TrainingJob:
             self._resize = self.scaling.next_resize(self.spec, self.use_gpu)
         if self._resize is not None:
             self._post_once("resize", Request(stop="resize"))
+        if self.changes.keep.ready():  # every failed replica's replacement is up: it rejoins at the next boundary
+            self._post_once("rejoin", Request(stop="rejoin"))
         with self._issue_lock:
             due = self.faults.due_repeating(step + 1, self.spec.parallel.world_size)
         for fault in due:

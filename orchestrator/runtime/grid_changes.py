@@ -15,6 +15,7 @@ from pathlib import Path
 from orchestrator.errors import SpecError
 from orchestrator.events import event
 from orchestrator.records import RecoveryRecord, ResizeRecord
+from orchestrator.recovery.keep_training import KeepTraining
 from orchestrator.recovery.phases import RecoveryPhases
 from orchestrator.recovery.policy import Action, Decision, Failure, RecoveryPolicy, RestartWindow
 from orchestrator.runtime.group import ABANDONED, StepFailed
@@ -29,6 +30,7 @@ class GridChanges:
         self.decisions: list[Decision] = []
         self.nan_times: dict[int, int] = {}  # step -> how often its loss was not finite
         self.failed_in_a_row = 0  # recovery attempts that failed since the last completed step
+        self.keep = KeepTraining(job)  # recovery: keep_training's degraded stretch, while one runs
 
     def _decide(self, decision: Decision) -> Decision:
         self.decisions.append(decision)
@@ -61,6 +63,8 @@ class GridChanges:
         if decision.action is Action.RESTART_ALL:
             kind, source = failure.kind, self._restart_all()
             phases.lap("restart")
+        elif decision.action is Action.KEEP_TRAINING:
+            kind, source = self._keep_training(failure, at_step, phases)
         else:
             kind, source = self._replace_failed(failure, phases)
         if job.memory_every:
@@ -69,8 +73,9 @@ class GridChanges:
         if cut_short is not None and cut_short == job.step:  # the restored state is the one that save held
             job.checkpoints.save(job.group, job.step)
         rank = min(failure.dead) if failure.dead else -1
+        degraded = [] if self.keep.degraded is not None and decision.action is Action.KEEP_TRAINING else None
         record = RecoveryRecord(kind, rank, at_step, completed - job.step, source, before, dp_before,
-                                job.spec.parallel.dp, stacks=failure.stacks)
+                                job.spec.parallel.dp, stacks=failure.stacks, degraded_steps=degraded)
         job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
         return record, phases
 
@@ -110,28 +115,52 @@ class GridChanges:
     def _replace_failed(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, str]:
         """New actors for the dead ranks only, a re-formed group and a rollback; a smaller grid when the
         replacements cannot be placed. Returns the recovery's kind and where the state came from."""
-        job = self.job
         dead, kind = set(), failure.kind
         if failure.dead:
-            kind, dead, placed = self._start_replacements(failure, phases)
+            kind, dead = self._start_replacements(failure, phases)
+        return kind, self._rebuild(dead, phases)
+
+    def _keep_training(self, failure: StepFailed, at_step: int, phases: RecoveryPhases) -> tuple[str, str]:
+        """``recovery: keep_training``: the failed ranks' replacements start and the other replicas train on without
+        them (``KeepTraining``); as ``replace_failed`` when no replica is left whole or the survivors hold no
+        snapshot to roll their failed step back to."""
+        kind, dead = self._start_replacements(failure, phases)
+        if self.keep.wanted(dead):
+            try:
+                self.job.step = self.keep.go_on_without(dead, at_step)
+                phases.lap("restore")
+                return kind, "memory"
+            except LookupError as why:
+                event("snapshot_lost", reason=why, action="recovering as replace_failed: every rank waits")
+        return kind, self._rebuild(dead, phases)
+
+    def _rebuild(self, dead: set[int], phases: RecoveryPhases) -> str:
+        """The dead ranks' replacements (and those of replicas an earlier ``keep_training`` stretch still rebuilds)
+        placed and joined into a re-formed group, or a smaller grid when they cannot be placed; then the rollback.
+        Returns where the state came from."""
+        job = self.job
+        if dead:
+            dead |= self.keep.abandon()
+            placed = job.group.placed(dead, job.spec.fault_tolerance.placement_timeout_s)
+            phases.lap("replace")
             if self._decide(self.policy.on_placement(placed)).action is Action.SHRINK:
                 source = self.shrink(dead)
                 phases.lap("shrink")
-                return kind, source
+                return source
             job.layout = job.layout.with_ranks(job.group.form())
             phases.lap("form")
         if job.ps is not None and job.ps.asynchronous and dead:  # nothing rolls back: the shards are current
             job.ps.rejoin(job.group, job.step)
             phases.lap("restore")
-            return kind, "shards"
+            return "shards"
         source = self._roll_back(dead)
         phases.lap("restore")
-        return kind, source
+        return source
 
-    def _start_replacements(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, set[int], bool]:
+    def _start_replacements(self, failure: StepFailed, phases: RecoveryPhases) -> tuple[str, set[int]]:
         """Start the dead ranks' replacements while the survivors' failed step ends (a lost node shows
-        more dead ranks meanwhile). Returns the kind (``node`` when a dead rank's node is gone), the dead
-        ranks and whether every replacement started within ``placement_timeout_s``."""
+        more dead ranks meanwhile). Returns the kind (``node`` when a dead rank's node is gone) and the dead
+        ranks."""
         job = self.job
         dead = set(failure.dead)
         job.group.replace(dead)  # starts now, while the survivors' failed step ends
@@ -146,10 +175,8 @@ class GridChanges:
             collateral = sum(how != ABANDONED for how in more.values())  # abandoned survivors are not failures
             job.restarts += collateral
             self.window.spend(collateral)
-        placed = job.group.placed(dead, job.spec.fault_tolerance.placement_timeout_s)
         gone = job.runtime.nodes_gone(job.layout.ranks[r].node_id for r in dead)
-        phases.lap("replace")
-        return ("node" if gone else failure.kind), dead, placed
+        return ("node" if gone else failure.kind), dead
 
     def _roll_back(self, replaced: set[int]) -> str:
         """Newest consistent state: the in-memory snapshots or the latest good checkpoint, whichever loses fewer

@@ -17,6 +17,7 @@ timeout, and the replacements start meanwhile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import ClassVar, NoReturn
 
@@ -65,6 +66,20 @@ class RankGroup:
         self._last_record: float | None = None  # rank 0's clock at the window's last step record
         self._record_step = 0  # the step of the last step record (a hang's diagnosis is named after the next)
         self._window_id, self._cursor = 0, 0  # the window running, and the number of rank 0's next item
+        # recovery: keep_training: the grid ranks of the smaller group the surviving replicas step in (None: all),
+        # and the preloads of the failed ranks' replacements (done: the replacement is up)
+        self._live: list[int] | None = None
+        self._starting: dict[int, object] = {}
+
+    @property
+    def members(self) -> list[int]:
+        """The ranks of the group that steps: every rank, or the surviving replicas while others are rebuilt."""
+        return self._live if self._live is not None else list(range(len(self.workers)))
+
+    @property
+    def _root(self):
+        """The rank actor holding the desk: rank 0 of the group that steps."""
+        return self.workers[self.members[0]]
 
     def _new_actor(self, rank: int, spare: bool = False):
         """A ``RankWorker`` in ``rank``'s placement bundle; a ``spare`` reserves no resources of its own (it takes
@@ -118,7 +133,7 @@ class RankGroup:
         is killed and fails the call as ``StepFailed``, which the controller recovers from like a failed step (a
         rank's own exception is raised as it is). The deadline is five heartbeat timeouts (10 minutes by default):
         long enough to load a large checkpoint, never forever."""
-        ranks = sorted(per_rank) if per_rank is not None else range(len(self.workers))
+        ranks = sorted(per_rank) if per_rank is not None else self.members
         timeout = 5 * self.spec.fault_tolerance.heartbeat_timeout_s
         calls = {node: self._agents[node].call.remote(
                      method, args, None if per_rank is None else {r: per_rank[r] for r in group}, timeout)
@@ -174,6 +189,7 @@ class RankGroup:
     def form(self) -> list[RankInfo]:
         """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
         world = self.spec.parallel.world_size
+        self._live, self._starting = None, {}
         self._each("preload")  # new actors import first
         one_node = len(set(self._node_of.values())) == 1  # then the store listens on loopback only
         addr, port = self._each("rendezvous_address", per_rank={0: (one_node,)})[0]
@@ -188,18 +204,59 @@ class RankGroup:
     def start_window(self, window: Window, window_id: int) -> None:
         """Every rank starts its loop on ``window`` (one call per rank per window, never per step)."""
         self._window_id, self._cursor, self._last_record = window_id, 0, None
-        notify = (self.workers[0], window_id)  # an agent seeing a rank fail says so on rank 0's desk at once
+        window = self._as_stepping(window)
+        notify = (self._root, window_id)  # an agent seeing a rank fail says so on rank 0's desk at once
         calls = {node: agent.start.remote("run_window", (window, window_id), notify)
                  for node, agent in self._agents.items()}
         lost = {r: how for r, (how, _) in self._answers(calls, 60.0).items() if how == "died"}
         if lost:  # a node (and its agent) went between two windows
             raise StepFailed(lost)
 
+    def form_without(self, dead) -> list[RankInfo]:
+        """``recovery: keep_training``: the other ranks re-form a smaller process group without ``dead`` and build
+        their models again (state: ``restore`` next), numbered in grid order, each reading the share of every
+        global batch its grid position reads (``data_slot``); the dead ranks' nodes' agents let go of them until
+        their replacements rejoin (``form``)."""
+        dead = set(dead)
+        for node, gone in self._by_node(r for r in dead if r in self._node_of).items():
+            if node in self._agents:
+                ray.get(self._agents[node].adopt.remote(dict.fromkeys(gone)))
+        self._live = [r for r in range(len(self.workers)) if r not in dead]
+        one_node = len({self._node_of[r] for r in self._live}) == 1
+        addr, port = self._each("rendezvous_address", per_rank={self._live[0]: (one_node,)})[0]
+        smaller = self.spec.model_copy(update={"parallel": self.spec.parallel.model_copy(
+            update={"dp": len(self._live)})})
+        worker_spec = {**smaller.worker_dict(), **self.worker_extra}
+        grid, world = self.spec.parallel.grid, len(self._live)
+        infos = self._each("setup", per_rank={
+            r: ({**worker_spec, "data_slot": [grid.coords(r).dp, grid.dp]}, i, world, addr, port)
+            for i, r in enumerate(self._live)})
+        self._each("set_holder", per_rank={r: (None,) for r in self._live})  # zero 0: every snapshot a mirror
+        return infos
+
+    def replacements_ready(self, ranks) -> bool:
+        """Whether the replacements of ``ranks`` have started and imported (their preload answered, or failed:
+        ``placed`` then starts a failed one again), without waiting."""
+        refs = [self._starting[r] for r in ranks if r in self._starting]
+        return not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+    def _as_stepping(self, item):
+        """A window or request with its faults' grid ranks as the ranks of the group that steps (a fault of a rank
+        outside it is dropped): under ``keep_training`` the survivors are numbered 0.. in their smaller group."""
+        if self._live is None:
+            return item
+        new = {r: i for i, r in enumerate(self._live)}
+        if isinstance(item, Request):
+            return dataclasses.replace(item, faults=tuple({**f, "rank": new[f["rank"]]} for f in item.faults
+                                                          if f.get("rank") in new))
+        faults = {step: {new[r]: f for r, f in by_rank.items() if r in new} for step, by_rank in item.faults.items()}
+        return dataclasses.replace(item, faults=faults, slow={new[r]: f for r, f in item.slow.items() if r in new})
+
     def window_items(self, wait_s: float) -> list:
         """Rank 0's next items (waiting up to ``wait_s`` for one); ``StepFailed`` once its loop failed and every
         item before the failure was handed over, or when rank 0 itself is gone."""
         try:
-            items, self._cursor = ray.get(self.workers[0].desk_items.remote(self._window_id, self._cursor, wait_s),
+            items, self._cursor = ray.get(self._root.desk_items.remote(self._window_id, self._cursor, wait_s),
                                           timeout=wait_s + self.spec.fault_tolerance.heartbeat_timeout_s)
         except (RayActorError, ray.exceptions.GetTimeoutError):
             self.window_failed()
@@ -212,7 +269,7 @@ class RankGroup:
 
     def post(self, request: Request) -> int | None:
         try:
-            return ray.get(self.workers[0].desk_post.remote(self._window_id, request), timeout=30)
+            return ray.get(self._root.desk_post.remote(self._window_id, self._as_stepping(request)), timeout=30)
         except ray.exceptions.RayError:
             return None  # rank 0 is gone: the window is failing, and the controller acts on it before the next
 
@@ -223,34 +280,35 @@ class RankGroup:
         outcomes: dict[int, str] = {}
         for wait_s in (0.2, 1.0, self.spec.fault_tolerance.survivor_grace_s):
             outcomes = self._loop_outcomes(wait_s)
-            if any(how != "peer_lost" for how in outcomes.values()) or len(outcomes) == len(self.workers):
+            if any(how != "peer_lost" for how in outcomes.values()) or len(outcomes) == len(self.members):
                 break
         dead = {rank: how for rank, how in outcomes.items() if how != "peer_lost"}
         if not dead:  # only broken collectives, no rank to blame (or none answered): all are replaced
-            dead = {rank: "hung" for rank in range(len(self.workers)) if rank not in outcomes} or \
+            dead = {rank: "hung" for rank in self.members if rank not in outcomes} or \
                 ranks_that_failed({rank: RankStepError("peer_lost", "") for rank in outcomes})
         self._kill(dead)
-        self._failed = [r for r in range(len(self.workers)) if r not in outcomes and r not in dead]
+        self._failed = [r for r in self.members if r not in outcomes and r not in dead]
         raise StepFailed(dead)
 
     def window_hung(self, silent_s: float) -> NoReturn:
         """No step completed within the progress deadline: every rank says where its loop is (one call per node,
-        five seconds to answer). The stuck ranks are those that do not answer (a frozen process); when all answer,
-        those still inside a step, snapshot or save (their peers wait for them at the boundary); when none can be
-        told apart that way, every rank. They are killed, which ends their peers' collectives with them at once,
+        five seconds to answer, none waited for where the process is stopped: ``NodeAgent.where``). The stuck ranks
+        are those that do not answer (a frozen process); when all answer, those still inside a step, snapshot or
+        save (their peers wait for them at the boundary); when none can be told apart that way, every rank. They
+        are killed, which ends their peers' collectives with them at once,
         and the window fails as ``StepFailed`` with them ``hung``."""
         self.post(Request(stop=HUNG))  # a step that completes during the diagnosis fails: nothing of it is kept
-        calls = {node: agent.call.remote("progress", (), None, 5.0) for node, agent in self._agents.items()}
+        calls = {node: agent.where.remote(5.0) for node, agent in self._agents.items()}  # a stopped rank: at once
         answers = self._answers(calls, 35.0)
         where = {r: value for r, (how, value) in answers.items() if how == "ok"}
         stuck = set(answers) - set(where) or {r for r, p in where.items() if p["phase"] in ("step", "snapshot", "save")}
-        stuck = stuck or set(range(len(self.workers)))
+        stuck = stuck or set(self.members)
         first = where.get(min(stuck), {})
         kept = self._diagnose()
         event("hang_detected", silent_s=f"{silent_s:.1f}", ranks=sorted(stuck)[:16], count=len(stuck),
               phase=first.get("phase", "no answer"), where=" < ".join(first.get("where", [])), stacks=kept)
         self._kill(stuck)
-        self._failed = [r for r in range(len(self.workers)) if r not in stuck]
+        self._failed = [r for r in self.members if r not in stuck]
         raise StepFailed(dict.fromkeys(stuck, "hung"), stacks=kept)
 
     def preempted(self, ranks) -> NoReturn:
@@ -275,7 +333,7 @@ class RankGroup:
                 texts.update(ray.get(ref, timeout=20))
         for rank, text in texts.items():
             (out / f"rank{rank}.txt").write_text(text)
-        missing = sorted(set(range(len(self.workers))) - set(texts))
+        missing = sorted(set(self.members) - set(texts))
         if missing:
             (out / "missing.txt").write_text(f"no stack from ranks {missing}: gone, or never started\n")
         if self.use_gpu:
@@ -294,7 +352,7 @@ class RankGroup:
         """How each rank's loop of the window ended (``died``, a failure of its own, or ``peer_lost``, which a
         loop that ended normally while another failed counts as too), waiting up to ``wait_s``; a loop still
         running is left out."""
-        nodes = self._by_node(range(len(self.workers)) if ranks is None else ranks)
+        nodes = self._by_node(self.members if ranks is None else ranks)
         calls = {node: self._agents[node].outcomes.remote(wait_s, group) for node, group in nodes.items()}
         out = {}
         for rank, (how, value) in self._answers(calls, wait_s + 30).items():
@@ -342,7 +400,7 @@ class RankGroup:
         for rank in ranks:
             spare = self._spares.pop(self._node_of.get(rank), None)
             self.workers[rank] = spare if spare is not None else self._new_actor(rank)
-            self.workers[rank].preload.remote()
+            self._starting[rank] = self.workers[rank].preload.remote()
 
     def placed(self, ranks, timeout_s: float) -> bool:
         """Whether the new actors of ``ranks`` started within ``timeout_s``.
@@ -408,7 +466,7 @@ class RankGroup:
         for rank, source in sources.items():
             if source is None:
                 raise LookupError(f"the in-memory replica of rank {rank} died with it")
-        avail = self._available(r for r in range(len(self.workers)) if r not in replaced)
+        avail = self._available(r for r in self.members if r not in replaced)
         lists = [held["own"] for held in avail.values()]
         if not self.mirrored:  # a mirror's replica is its holder's own snapshot, already in ``lists``
             lists += [avail[sources[r]]["replicas"].get(r, []) for r in replaced]
@@ -416,7 +474,7 @@ class RankGroup:
         if step is None:
             raise LookupError(f"no snapshot step up to {up_to} is complete on every rank and replica")
         calls = {rank: (step, self._replica(rank, sources[rank], step) if rank in replaced else None)
-                 for rank in range(len(self.workers))}
+                 for rank in self.members}
         return self._each("restore_snapshot", per_rank=calls)[0]
 
     def _source(self, rank: int, replaced: set[int]) -> int | None:

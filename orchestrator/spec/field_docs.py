@@ -634,7 +634,11 @@ FIELD_DOCS: dict[str, str] = {
     ),
     'fault_tolerance.recovery': (
         '`replace_failed`: new actors for the failed ranks only, state from memory, else disk; `restart_all`: every '
-        'rank restarted from the last disk checkpoint (what Ray Train / torchrun do; a baseline)'
+        'rank restarted from the last disk checkpoint (what Ray Train / torchrun do; a baseline); `keep_training`: '
+        'the other data-parallel replicas go on stepping on their own data while the failed one is rebuilt, which '
+        'then takes a live peer\'s state and rejoins at a step boundary (torchft\'s quorum semantics: the failed '
+        'replica\'s share of those steps is skipped, so the run is not bit-identical to an uninterrupted one); '
+        'plain data parallelism only (parallel.dp >= 2, zero 0, all-reduce, pp = tp = cp = ep = 1)'
     ),
     'fault_tolerance.warm_spares': (
         'CPU jobs: one rank process per node, started after the first step with torch already imported, takes a dead '

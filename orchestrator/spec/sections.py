@@ -300,8 +300,10 @@ class FaultToleranceSpec(FaultToleranceSection):
     max_restarts: Annotated[int, Field(ge=0)] = 20
     restart_window_s: Seconds = 600.0
     # replace_failed: new actors for the failed ranks only, state from memory (else disk); restart_all: every
-    # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline)
-    recovery: Literal["replace_failed", "restart_all"] = "replace_failed"
+    # rank torn down and restarted from the last disk checkpoint, as Ray Train and torchrun do (a baseline);
+    # keep_training: the other data-parallel replicas go on stepping while the failed one is rebuilt
+    # (orchestrator/recovery/keep_training.py; plain data parallelism only: checks/recovery.py)
+    recovery: Literal["replace_failed", "restart_all", "keep_training"] = "replace_failed"
     # CPU jobs: one rank process per node started after the first step with torch imported, which a replacement
     # takes over (seconds off every recovery); false saves its memory (~0.5 GB a node) and its start-up CPU
     warm_spares: bool = True

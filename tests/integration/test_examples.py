@@ -29,7 +29,8 @@ from tests.support.parity_harness import ran, run_grouped
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 # examples that need the controller or the CLI (see the docstring); the rest train in the harness
 THROUGH_RAY = {"checkpoint_resume", "control_api", "evaluation", "experiment_tracking", "fault_injection",
-               "hang_diagnosis", "hf_any_zero3", "llama_finetune_lora", "qwen3_finetune", "qwen3_moe_finetune",
+               "hang_diagnosis", "keep_training", "hf_any_zero3", "llama_finetune_lora", "qwen3_finetune",
+               "qwen3_moe_finetune",
                "memory_measured", "monitoring", "object_storage", "parameter_server",
                "parameter_server_bsp_tp", "parameter_server_compression", "parameter_server_ssp_pipeline",
                "pp_auto_split", "snapshot_compression", "soak"}
@@ -57,9 +58,9 @@ SHORTER = {"long_context": ["--set", "model.seq_len=1024"],  # 8192 tokens at cp
            "qwen3_finetune": ["--set", "optim.lr=3e-3"], "qwen3_moe_finetune": ["--set", "optim.lr=3e-3"]}
 # examples that lose ranks on purpose keep their warm spare; the others run without one (a spare is a process
 # importing torch after step 1, ~5 s of CPU on this 2-core machine, and none of them loses a rank)
-KEEP_SPARES = {"fault_injection", "hang_diagnosis", "hf_any_zero3", "snapshot_compression", "soak"}
+KEEP_SPARES = {"fault_injection", "hang_diagnosis", "hf_any_zero3", "keep_training", "snapshot_compression", "soak"}
 # examples whose drill kills rank 1 within the test's steps: the summary must show its recovery
-KILLS_RANK_1 = {"hf_any_zero3", "snapshot_compression"}
+KILLS_RANK_1 = {"hf_any_zero3", "keep_training", "snapshot_compression"}
 # examples whose run_dir (and so checkpoints) is a bucket: here a file:// URL (the same URL path through the real
 # job); the ranks of the session's cluster cannot see an S3 server's credentials, so test_object_storage.py covers S3
 URL_CHECKPOINTS = {"object_storage"}
@@ -131,6 +132,8 @@ def test_example_runs(job, ray_cluster, request, tmp_path):
         assert key in result
     if job.stem in KILLS_RANK_1:
         assert [r["rank"] for r in result["recoveries"]] == [1], result["recoveries"]
+    if job.stem == "keep_training":  # the other replicas stepped while rank 1 was rebuilt, then it rejoined
+        assert result["recoveries"][0]["degraded_steps"][0] == 3, result["recoveries"]
     if job.stem == "pp_auto_split":  # the profiled split reached the ranks through Ray and the summary
         split = result["layout"]["pp_split"]
         assert sum(split) == 6 and split[0] > split[1], split  # blocks moved off the heavy head's stage

@@ -202,7 +202,7 @@ def test_a_frozen_rank_is_found_by_the_progress_deadline_diagnosed_and_replaced_
     result = job.run()
     (rec,) = result.recoveries
     assert (rec["kind"], rec["rank"], rec["source"], rec["lost_steps"]) == ("hang", 1, "memory", 0)
-    # the 5 s floor, up to 5 s asking the frozen rank where it is, and the stacks
+    # the 5 s floor and the stacks (the agents no longer wait 5 s for an answer a stopped process cannot give)
     assert rec["phases_s"]["detect"] < 15, rec["phases_s"]
     stacks = Path(rec["stacks"])
     assert stacks.parent == spec.resolved_run_dir() / "hangs"

@@ -65,13 +65,15 @@ class FakeRuntime:
     and ``wait_checkpoint`` are the ranks' saves and waits for an asynchronous save, in a window or called by the
     controller), ``held_out`` (step -> the held-out loss of a step that evaluates), ``stall`` (step -> a rank that
     freezes in it: no answer until the controller's progress deadline calls it hung), ``preempt`` (step -> a rank
-    whose process has a preemption notice during it)."""
+    whose process has a preemption notice during it), ``ready_after`` (``recovery: keep_training``: how many times
+    the controller asks whether the failed ranks' replacements are up before they are)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
                  lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
                  fail_calls: dict[str, list[Exception]] | None = None, held_out=lambda step: 2.0 / step,
-                 stall: dict[int, int] | None = None, preempt: dict[int, int] | None = None):
+                 stall: dict[int, int] | None = None, preempt: dict[int, int] | None = None, ready_after: int = 2):
         self.placeable = placeable
+        self.ready_after = ready_after
         self.preempt = dict(preempt or {})  # step -> a rank told to go (SIGTERM) during it
         self.stall = dict(stall or {})  # step -> a rank that freezes in it (no error, no progress)
         self.held_out = held_out  # step -> the held-out loss a step that evaluates reports
@@ -207,6 +209,9 @@ class FakeGroup:
         self.step_now = 0
         self.snapshots: set[int] = set()
         self.replaced: list[set[int]] = []
+        self.live: list[int] | None = None  # keep_training: the ranks stepping without the failed replicas
+        self.formed: list[tuple[str, int, list[int]]] = []  # (form | form_without, step, ranks) of each formation
+        self._ready_asks = 0
         self.stopped = False
         self.skipped_at: dict[int, int] = {}  # step -> batches the ranks skipped before its latest run
         self._skips_now = 0  # skip_batch calls since the last step (a rank's data cursor, restored on rollback)
@@ -223,11 +228,26 @@ class FakeGroup:
     def form(self) -> list[RankInfo]:
         """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
         self._maybe_fail("form")
+        self.formed.append(("form", self.step_now, list(range(self.world))))
+        self.live = None
         self.step_now = 0
         self._in_flight = None  # an unfinished async save dies with the old process group
         grid = self.spec.parallel.grid
         return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="cpu",
                          pid=1000 + r, node_id=f"node{r}", actor_id=f"actor{r}") for r in grid.ranks()]
+
+    def form_without(self, dead) -> list[RankInfo]:
+        """The other ranks re-form without ``dead``: like ``form``, their models start over until restored."""
+        self._maybe_fail("form")
+        self.live = [r for r in range(self.world) if r not in set(dead)]
+        self.formed.append(("form_without", self.step_now, list(self.live)))
+        self._ready_asks = 0
+        self.step_now = 0
+        return []
+
+    def replacements_ready(self, ranks) -> bool:
+        self._ready_asks += 1
+        return self._ready_asks > self.runtime.ready_after
 
     # -- windows -------------------------------------------------------------------------------
 
@@ -286,7 +306,7 @@ class FakeGroup:
         batch = nxt + sum(n for s, n in self.skipped_at.items() if s <= nxt)  # batch n + the batches skipped
         if batch in self.runtime.nan_batches:
             kinds[0] = "nan_loss"
-        dead = {r: _FAILS.get(k, "died") for r, k in kinds.items() if k != "nan_loss"}
+        dead = {r: _FAILS.get(k, "died") for r, k in kinds.items() if k != "nan_loss" and r in self._stepping}
         if dead:
             raise StepFailed(dead)
         self.step_now = nxt
@@ -295,11 +315,15 @@ class FakeGroup:
         held = self.runtime.held_out(nxt) if due else None
         told = self.runtime.preempt.pop(nxt, None)
         summaries = [StepSummary.of(_result(r, nxt, loss, held), detail, preempted=r == told)
-                     for r in range(self.world)]
+                     for r in (self.live if self.live is not None else range(self.world))]
         merged = summaries[0]
         for summary in summaries[1:]:
             merged = merged.merge(summary)
         return dataclasses.replace(merged, saving=FakeRanks(self).save_state())
+
+    @property
+    def _stepping(self) -> set[int]:
+        return set(self.live if self.live is not None else range(self.world))
 
     # -- between windows -----------------------------------------------------------------------
 

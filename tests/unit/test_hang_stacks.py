@@ -107,3 +107,21 @@ def test_a_step_that_completes_while_a_hang_is_diagnosed_keeps_nothing():
     end = RankLoop(steps, TreeExchange(0, 1, LocalTransport()), desk).run(Window(until=5, snapshot_every=1))
     assert (end.step, end.reason) == (0, HUNG)
     assert steps.snapshots == [] and not any(isinstance(item, StepRecord) for item in desk.items(0, 0)[0])
+
+
+def test_where_waits_for_no_answer_from_a_stopped_process(child):
+    """A SIGSTOPped rank answers nothing until continued: the agent does not wait out its deadline for it (the
+    frozen rank's diagnosis used to wait 5 s here); a running one is waited for until it answers."""
+    from workers.agent import wait_unless_stopped
+
+    def never_sleep(seconds):
+        raise AssertionError("waited for a stopped process")
+
+    os.kill(child.pid, signal.SIGSTOP)
+    assert _stops(child.pid)
+    wait_unless_stopped({1: "call"}, {1: child.pid}, 600.0, done=lambda call: False, sleep=never_sleep)
+    os.kill(child.pid, signal.SIGCONT)
+    answered = []
+    wait_unless_stopped({1: "call"}, {1: child.pid}, 600.0, done=lambda call: bool(answered),
+                        sleep=lambda seconds: answered.append(seconds))
+    assert len(answered) == 1  # running: waited (once) until its call was done

@@ -37,8 +37,10 @@ def install() -> Path:
     return path
 
 
-def _stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped (state T in /proc; False where there is no /proc)."""
+def stopped(pid: int | None) -> bool:
+    """Whether ``pid`` is stopped (state T in /proc; False where there is no /proc, or for None)."""
+    if pid is None:
+        return False
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
@@ -60,9 +62,9 @@ def dump(pids: dict[int, int], wait_s: float = 3.0) -> dict[int, str]:
     for key, pid in pids.items():
         before[key] = _size(path_for(pid))
         try:
-            stopped = _stopped(pid)
+            was_stopped = stopped(pid)
             os.kill(pid, SIGNAL)
-            if stopped:
+            if was_stopped:
                 os.kill(pid, signal.SIGCONT)
                 resumed.append(pid)
         except ProcessLookupError:

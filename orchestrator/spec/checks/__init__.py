@@ -29,6 +29,7 @@ from orchestrator.spec.checks.optim import check_muon, check_optim_implementatio
 from orchestrator.spec.checks.parameter_server import check_parameter_server, check_ps_resize
 from orchestrator.spec.checks.pipeline import check_pipeline_split
 from orchestrator.spec.checks.precision import check_float8, check_precision
+from orchestrator.spec.checks.recovery import check_keep_training
 from orchestrator.spec.checks.stage_replicas import check_stage_replicas
 from orchestrator.spec.checks.tensor import check_init_from_vocab, check_tensor_split
 from orchestrator.spec.checks.zero import check_fsdp_buckets, check_fsdp_prefetch, check_zero
@@ -44,4 +45,5 @@ CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_
                       check_context_parallel, check_document_mask, check_comm, check_moe, check_expert_parallel,
                       check_async_pipeline, check_ps_resize, check_compile, check_optim_implementation,
                       check_optim_state_dtype,
-                      check_fsdp_prefetch, check_fsdp_buckets, check_eval, check_loss_chunks, check_dpo)
+                      check_fsdp_prefetch, check_fsdp_buckets, check_eval, check_loss_chunks, check_dpo,
+                      check_keep_training)
