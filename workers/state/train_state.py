@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from workers.model.names import unwrap
+from workers.parallel.fsdp_quantized_gather import plain_entries
 from workers.state import expert_stacks
 
 # flattened optimizer keys (``state.<fqn>.exp_avg``) merge across stage parts, and each part
@@ -118,7 +119,7 @@ class TrainState:
     def _model_and_optim(self) -> tuple[dict, dict]:
         model, optim = {}, {}
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
-            model.update(get_model_state_dict(unwrap(part)))
+            model.update(plain_entries(get_model_state_dict(unwrap(part))))  # ZeRO-2/3's quantized gathers
             if self.masters_apart:  # the exact fp32 masters under the parameters' names, not the rounded values
                 model.update(get_model_state_dict(named))
             optim.update(get_optimizer_state_dict(named, opt, options=_OPTIONS))
