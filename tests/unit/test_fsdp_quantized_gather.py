@@ -45,7 +45,8 @@ class _Seen(nn.Module):
 def _rank_main(rank: int, ports, results) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from workers.parallel.fsdp_quantized_gather import plain_entries, wrap_for_gather
+    from workers.parallel.fsdp_quantized_gather import wrap_for_gather
+    from workers.state.train_state import plain_shards
 
     mesh = gloo_dp_mesh(rank, ports, 2)
     out = {}
@@ -54,7 +55,7 @@ def _rank_main(rank: int, ports, results) -> None:
         wrap_for_gather(module, dtype)
         fully_shard(module, mesh=mesh)
         module().backward()
-        state = plain_entries(module.state_dict())
+        state = plain_shards(module.state_dict())
         out[dtype] = ({n: t.numpy() for n, t in module.seen.items()},
                       {n: type(v.to_local()).__name__ for n, v in state.items()},
                       {n: v.full_tensor().numpy() for n, v in state.items()})

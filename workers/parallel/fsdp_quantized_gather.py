@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map, tree_map_only
 
 from workers.contract.param_gather import BLOCK
@@ -48,6 +47,10 @@ class _GatherInLowPrecision(torch.Tensor):
         """Run ``func`` on the wrapped fp32 tensors; keep the class on views, copies and aliases of a shard."""
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
         return tree_map_only(torch.Tensor, cls, out) if func.overloadpacket in _KEEPS else out
+
+    def plain(self) -> torch.Tensor:
+        """The wrapped fp32 shard (same storage): what checkpoints save (``train_state.plain_shards``)."""
+        return self._data
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._data!r})"
@@ -128,17 +131,3 @@ def wrap_for_gather(module: nn.Module, dtype: str) -> None:
         for name, p in list(sub.named_parameters(recurse=False)):
             if type(p) is nn.Parameter and p.dtype == torch.float32:
                 sub._parameters[name] = nn.Parameter(cls(p.detach()), requires_grad=p.requires_grad)
-
-
-def plain_entries(entries: dict) -> dict:
-    """A model state dict whose FSDP2 shards hold the gather subclass, with plain fp32 shards (the same storage):
-    checkpoints save the masters as ordinary tensors, and a job without quantized gathers reads them."""
-    return {k: _plain_dtensor(v) for k, v in entries.items()}
-
-
-def _plain_dtensor(value):
-    """``value`` (a DTensor whose local shard is a gather subclass) over the wrapped fp32 shard, else unchanged."""
-    if isinstance(value, DTensor) and isinstance(value._local_tensor, _GatherInLowPrecision):
-        return DTensor.from_local(value._local_tensor._data, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
-    return value
