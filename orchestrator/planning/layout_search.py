@@ -94,7 +94,7 @@ class Shape:
     compiled_loss: bool = False  # and the whole-logits loss too (not DPO's own loss)
     grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: ZeRO 1-3's gradient reduction width outside the policy
     attention_params: int | None = None  # DeepSeek-V3's MLA (``ModelConfig.mla_params``); None: q, k, v, o
-    param_gather_bytes: float = 4  # parallel.param_gather_dtype: ZeRO-1's slice all-gather, bytes per value
+    param_gather_bytes: float = 4  # parallel.param_gather_dtype: ZeRO 1-3's parameter all-gather, bytes per value
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -512,7 +512,8 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     embedding_grad = s.vocab * s.d_model * (lay.tp - 1) // lay.tp if 0 in ids and lay.zero == 0 else 0
     # FSDP2's policy gathers 16-bit parameters and reduces in precision.reduce_dtype; autocast moves fp32
     gather, reduce = (c, s.reduce_bytes) if s.fsdp_mixed(lay.zero) else (4, s.grad_reduce_bytes if lay.zero else 4)
-    gather = s.param_gather_bytes if lay.zero == 1 else gather  # int8/bf16 slices (workers/contract/param_gather.py)
+    # int8/bf16 gathers (workers/contract/param_gather.py): ZeRO-1's slices; FSDP2's units under the policy's width
+    gather = s.param_gather_bytes if lay.zero == 1 else min(gather, s.param_gather_bytes)
     return cm.CommShape(gather * params, reduce * (params + embedding_grad), c * sbh,
                         s.boundary_width(lay.zero) * sbh // lay.tp,
                         2 * c * seq * lay.micro_batch * s.kv * s.head_size // lay.tp,

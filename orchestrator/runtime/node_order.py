@@ -15,11 +15,18 @@ on the next one (``block_targets``). The target is a soft hint to Ray (``_soft_t
 only): a node that filled up meanwhile moves its block elsewhere rather than leaving the job waiting; the
 summary records the order and each rank's node (``layout.node_order``, ``layout.ranks[].node_id``), so either
 can be checked.
+
+Under expert parallelism (``parallel.ep`` > 1) an expert group's ranks share a stage and differ in their data
+(and cp) index, so rank order would scatter them over the nodes of every stage. ``fill_order`` then fills the
+nodes stage by stage within a run of data indices that holds whole expert groups (and whole blocks): each expert
+group's all-to-all stays in one node where the node has room for it, and a replica's next stage still lands on
+the same or the next node.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from dataclasses import dataclass
 
@@ -67,3 +74,21 @@ def block_targets(n_blocks: int, room: list[int]) -> list[int | None]:
     for node, free in enumerate(room):
         targets += [node] * min(max(free, 0), n_blocks - len(targets))
     return targets + [None] * (n_blocks - len(targets))
+
+
+def fill_order(dp: int, pp: int, cp: int, ep: int) -> list[int]:
+    """Block indices (rank order: block ``d * pp + s`` holds data index ``d`` at stage ``s``) in the order they
+    fill the nodes: runs of ``lcm(ep, cp) / cp`` data indices (whole expert groups, whose ep index is
+    ``(d * cp + c) % ep``, and whole blocks), in each run stage by stage, in each stage by data index. Without
+    expert parallelism the run is one data index: rank order."""
+    run = math.lcm(ep, cp) // cp
+    return sorted(range(dp * pp), key=lambda b: (b // pp // run, b % pp, b // pp))
+
+
+def ordered_targets(order: list[int], room: list[int]) -> list[int | None]:
+    """``block_targets`` for the blocks filled in ``order``, given back in rank order (index: block)."""
+    filled = block_targets(len(order), room)
+    out: list[int | None] = [None] * len(order)
+    for block, node in zip(order, filled, strict=True):
+        out[block] = node
+    return out

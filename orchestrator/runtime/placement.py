@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.errors import NO_VALUE, SpecError
 from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
-from orchestrator.runtime.node_order import OrderedNode, block_targets, ordered_nodes
+from orchestrator.runtime.node_order import OrderedNode, fill_order, ordered_nodes, ordered_targets
 from orchestrator.spec import JobSpec
 from orchestrator.units import human_bytes
 from workers.contract.grid import Grid
@@ -110,7 +110,7 @@ def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlace
     bundle = rank_bundle(spec, use_gpu)
     check_fits(spec, bundle, [node["Resources"] for node in nodes])
     order = ordered_nodes(nodes)
-    targets = _targets(order, bundle, block, n_groups)
+    targets = _targets(order, bundle, block, spec.parallel.grid)
     groups = [
         placement_group([bundle] * block, strategy="STRICT_PACK", name=f"{spec.name}-tp{g}",
                         _soft_target_node_id=target)
@@ -133,13 +133,15 @@ def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlace
     return placement
 
 
-def _targets(order: list[OrderedNode], bundle: dict, block: int, n_groups: int) -> list[str | None]:
-    """Each block's node ID in rank order (``node_order.block_targets`` over each node's free room now)."""
+def _targets(order: list[OrderedNode], bundle: dict, block: int, grid) -> list[str | None]:
+    """Each block's node ID in rank order (``node_order.block_targets`` over each node's free room now, the
+    blocks filled in ``node_order.fill_order``: an expert group's blocks together)."""
     from ray._private.state import available_resources_per_node
 
     free = available_resources_per_node()
     room = [groups_on(free.get(node.node_id, {}), bundle, block) for node in order]
-    return [None if t is None else order[t].node_id for t in block_targets(n_groups, room)]
+    fill = fill_order(grid.dp, grid.pp, grid.cp, grid.ep)
+    return [None if t is None else order[t].node_id for t in ordered_targets(fill, room)]
 
 
 def _wait_placed(groups: list[PlacementGroup], timeout_s: float, what: str) -> None:

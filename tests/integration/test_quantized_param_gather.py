@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.comm import mismatches
 from tests.support.jobs import tiny_spec
-from tests.support.parity_harness import run_layout, run_layouts
+from tests.support.parity_harness import resumed_mid_run, run_layouts
 
 LONG = 200
 TAIL = 20  # the last steps whose mean is "the loss after 200 steps"
@@ -57,10 +57,6 @@ def test_int8_gathers_keep_the_loss_within_1_percent_after_200_steps(token_data,
 def test_resume_from_the_saved_masters_continues_the_int8_run_bit_for_bit(token_data, tmp_path):
     """Saved after 2 of 4 steps and resumed for 2: the resumed steps equal the straight run's exactly. Had the
     checkpoint held the rounded parameters as masters, step 4 would step other masters."""
-    saved = tmp_path / "step2"
-    straight = run_layout(_spec(token_data, tmp_path / "s", "int8", 4).worker_dict(), 2, 4, checkpoint=str(saved),
-                          save_after=2, timeout_s=600)
-    resumed = run_layout(_spec(token_data, tmp_path / "r", "int8", 2).worker_dict(), 2, 2, resume=str(saved),
-                         timeout_s=600)
+    straight, resumed = resumed_mid_run(lambda p, n: _spec(token_data, p, "int8", n).worker_dict(), tmp_path, 2)
     assert resumed.losses == straight.losses[2:]
     assert resumed.grad_norms == straight.grad_norms[2:]

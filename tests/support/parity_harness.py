@@ -130,6 +130,19 @@ def run_layout(spec: dict, world_size: int, steps: int, timeout_s: float = 300.0
     return run_layouts([spec], world_size, steps, timeout_s, [checkpoint], [resume], [save_after])[0]
 
 
+def resumed_mid_run(spec_of, tmp_path, world_size: int, steps: int = 4, at: int = 2,
+                    timeout_s: float = 600.0) -> tuple[LayoutRun, LayoutRun]:
+    """A straight run of ``steps`` that saves after ``at``, and a run resumed from that save for the rest:
+    ``spec_of(run_dir, steps)`` gives each one's worker spec dict. A test compares the resumed run's steps with
+    the straight run's last ones."""
+    saved = str(tmp_path / f"step{at}")
+    straight = run_layout(spec_of(tmp_path / "s", steps), world_size, steps, checkpoint=saved, save_after=at,
+                          timeout_s=timeout_s)
+    resumed = run_layout(spec_of(tmp_path / "r", steps - at), world_size, steps - at, resume=saved,
+                         timeout_s=timeout_s)
+    return straight, resumed
+
+
 def run_spec(spec: JobSpec, timeout_s: float = 300.0, checkpoint: str | None = None) -> LayoutRun:
     """Train ``spec`` for its ``train.steps`` on its own world size of ranks (``run_layout``): e.g. the uninterrupted
     run a recovery test compares a Ray job with, bit for bit (the same Trainer, no controller decision in it).

@@ -32,15 +32,20 @@ def _job(parallel: dict, **sections) -> JobSpec:
     ({"dp": 2, "grad_reduce_dtype": "bf16"}, ["parallel.grad_reduce_dtype", "zero: 0", "grad_compression: bf16"]),
     ({"dp": 2, "zero": 3, "grad_reduce_dtype": "bf16", "_bf16_policy": True},
      ["parallel.grad_reduce_dtype", "precision.reduce_dtype: bf16"]),
-    ({"dp": 2, "zero": 3, "param_gather_dtype": "int8"},
-     ["parallel.param_gather_dtype", "int8", "computes in the dtype it gathers", "zero: 3", "parallel.zero: 1"]),
-    ({"dp": 2, "param_gather_dtype": "bf16"}, ["parallel.param_gather_dtype", "bf16", "zero: 0", "parallel.zero: 1"]),
+    ({"dp": 2, "tp": 2, "zero": 3, "param_gather_dtype": "int8"},
+     ["parallel.tp", "2", "param_gather_dtype: int8 at zero 3", "DTensors", "parallel.zero: 1"]),
+    ({"dp": 2, "zero": 2, "param_gather_dtype": "bf16", "_compile": True},
+     ["train.compile", "True", "param_gather_dtype: bf16 at zero 2", "remove train.compile"]),
+    ({"dp": 2, "param_gather_dtype": "bf16"},
+     ["parallel.param_gather_dtype", "bf16", "zero: 0", "parallel.zero: 1, 2 or 3"]),
     ({"dp": 2, "zero": 1, "dp_sync": "ps", "param_gather_dtype": "int8"},
      ["parallel.param_gather_dtype", "dp_sync: ps", "dp_sync: allreduce"]),
     ({"dp": 1, "zero": 1, "param_gather_dtype": "int8"}, ["parallel.param_gather_dtype", "parallel.dp: 2 or more"]),
 ])
 def test_bad_dp_shard_is_refused_naming_the_field_and_the_fix(parallel, words):
     policy = {"precision": {"dtype": "bf16", "policy": "fsdp"}} if parallel.pop("_bf16_policy", False) else {}
+    if parallel.pop("_compile", False):
+        policy["train"] = {"compile": True}
     with pytest.raises(SpecError) as err:
         _job(parallel, **policy)
     for word in words:
@@ -110,13 +115,23 @@ def test_a_bf16_reduction_is_priced_at_two_bytes_a_gradient():
 
 
 @pytest.mark.parametrize("dtype, per_value", [("bf16", 2), ("int8", 1 + 4 / 256)])
-def test_a_quantized_gather_is_priced_at_its_wire_bytes_and_only_at_zero_1(dtype, per_value):
-    fp32, low = (ls.Shape.of(_job({"dp": 4, "zero": 1, "param_gather_dtype": d})) for d in ("fp32", dtype))
-    lay = ls.Layout(4, 1, 1, zero=1)
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_a_quantized_gather_is_priced_at_its_wire_bytes(dtype, per_value, zero):
+    fp32, low = (ls.Shape.of(_job({"dp": 4, "zero": zero, "param_gather_dtype": d})) for d in ("fp32", dtype))
+    lay = ls.Layout(4, 1, 1, zero=zero)
     a, b = ls.comm_shape(fp32, lay, 0), ls.comm_shape(low, lay, 0)
     assert b.param_bytes == pytest.approx(a.param_bytes * per_value / 4) and b.grad_bytes == a.grad_bytes
-    zero3 = ls.Layout(4, 1, 1, zero=3)  # a layout the planner considers for the same job: FSDP2 gathers fp32
-    assert ls.comm_shape(low, zero3, 0).param_bytes == ls.comm_shape(fp32, zero3, 0).param_bytes
+
+
+def test_a_bf16_gather_under_fsdp2s_bf16_policy_moves_what_the_policy_moves():
+    """The policy already gathers bf16: asking for bf16 gathers changes nothing; int8 still halves that again."""
+    policy = {"precision": {"dtype": "bf16", "policy": "fsdp"}}
+    plain, bf16, int8 = (ls.Shape.of(_job({"dp": 4, "zero": 3, "param_gather_dtype": d}, **policy))
+                         for d in ("fp32", "bf16", "int8"))
+    lay = ls.Layout(4, 1, 1, zero=3)
+    assert ls.comm_shape(bf16, lay, 0).param_bytes == ls.comm_shape(plain, lay, 0).param_bytes
+    assert ls.comm_shape(int8, lay, 0).param_bytes == pytest.approx(ls.comm_shape(plain, lay, 0).param_bytes
+                                                                    * (1 + 4 / 256) / 2)
 
 
 LLAMA_8B = ls.Shape(n_layers=32, d_model=4096, n_heads=32, ffn_dim=14336, vocab=128256, seq=2048, global_batch=64,

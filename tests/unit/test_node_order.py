@@ -8,7 +8,14 @@ import itertools
 
 import pytest
 
-from orchestrator.runtime.node_order import TOPOLOGY_LABEL, block_targets, natural, ordered_nodes
+from orchestrator.runtime.node_order import (
+    TOPOLOGY_LABEL,
+    block_targets,
+    fill_order,
+    natural,
+    ordered_nodes,
+    ordered_targets,
+)
 from orchestrator.runtime.placement import RankPlacement
 from workers.contract.grid import Grid
 
@@ -47,3 +54,27 @@ def test_consecutive_pipeline_stages_land_on_the_same_or_the_next_node():
         stages = [node_of[grid.rank_of(dp=dp, pp=s)] for s in range(grid.pp)]
         assert all(b - a in (0, 1) for a, b in itertools.pairwise(stages)), stages
     assert [node_of[grid.rank_of(dp=d, pp=s)] for d in range(2) for s in range(4)] == [0, 0, 0, 1, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("grid, room", [
+    (Grid(dp=4, pp=2, ep=4), [4, 4]),  # one expert group of 4 per stage: each stage's group fills one node
+    (Grid(dp=4, pp=2, ep=2, tp=2), [2, 2, 2, 2]),  # two groups of 2 blocks per stage
+    (Grid(dp=4, pp=1, cp=2, ep=4), [2, 2]),  # a group spans 2 blocks of 2 cp ranks
+])
+def test_each_expert_group_fills_one_node_and_stages_stay_neighbours(grid, room):
+    """Rank order would put dp 0 and 1's two stages on node 0 and split every expert group over two nodes."""
+    placement = RankPlacement(groups=[], block=grid.node_block)
+    targets = ordered_targets(fill_order(grid.dp, grid.pp, grid.cp, grid.ep), room)
+    node_of = {r: targets[placement.bundle(r)[0]] for r in grid.ranks()}
+    groups: dict[tuple, set] = {}
+    for r in grid.ranks():
+        c = grid.coords(r)
+        groups.setdefault((c.pp, c.tp, (c.dp * grid.cp + c.cp) // grid.ep), set()).add(node_of[r])
+    assert all(len(nodes) == 1 for nodes in groups.values()), groups
+    for dp in range(grid.dp):
+        stages = [node_of[grid.rank_of(dp=dp, pp=s)] for s in range(grid.pp)]
+        assert all(b - a in (0, 1) for a, b in itertools.pairwise(stages)), stages
+
+
+def test_without_expert_parallelism_blocks_fill_in_rank_order():
+    assert fill_order(dp=3, pp=2, cp=2, ep=1) == list(range(6))

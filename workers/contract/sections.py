@@ -127,13 +127,16 @@ class ParallelSection(Section):
         "FSDP2's bf16 policy precision.reduce_dtype sets it. Read by workers/parallel/data_parallel.py and "
         "distributed_optimizer.py, priced by orchestrator/planning/comm_model.py."))
     param_gather_dtype: Literal["fp32", "bf16", "int8"] = Field("fp32", description=(
-        "Low-precision parameter all-gather for ZeRO-1 (ZeRO++'s quantized weights, qwZ): after each rank steps its "
-        "fp32 slice, the slices travel as bf16 (half the bytes) or as int8 codes with one fp32 scale per block of "
-        "256 values (about 3.9x fewer bytes), and every rank, the owner included, computes with the dequantized "
-        "values while the owner's fp32 master slice, which the optimizer steps and checkpoints save, stays exact. "
-        "Error per element: int8 at most max|block|/254, bf16 at most 2^-8 relative. ZeRO-1 with dp_sync allreduce "
-        "and more than one dp rank only (FSDP2's ZeRO-2/3 cannot gather in a dtype other than the one it computes "
-        "in). Read by workers/parallel/distributed_optimizer.py, priced by orchestrator/planning/comm_model.py."))
+        "Low-precision parameter all-gather for sharded data parallelism (ZeRO++'s quantized weights, qwZ). ZeRO-1: "
+        "after each rank steps its fp32 slice, the slices travel as bf16 (half the bytes) or as int8 codes with one "
+        "fp32 scale per block of 256 values (about 3.9x fewer bytes), and every rank, the owner included, computes "
+        "with the dequantized values while the owner's fp32 master slice, which the optimizer steps and checkpoints "
+        "save, stays exact. ZeRO-2/3: FSDP2's gathers carry the same codes (blocks per rank's shard) through its "
+        "all-gather extensions while the fp32 shards stay what the optimizer steps and checkpoints save; a parameter "
+        "whose rows do not split evenly over the ranks goes as bf16 under int8. Error per element: int8 at most "
+        "max|block|/254, bf16 at most 2^-8 relative. Needs dp_sync allreduce and more than one dp rank; at ZeRO-2/3 "
+        "not with tp > 1, train.compile or memory.offload.params. Read by workers/parallel/distributed_optimizer.py "
+        "and fsdp_quantized_gather.py, priced by orchestrator/planning/comm_model.py."))
     # bytes per device for the planner's fit check (`80GB`, `80GiB` or a number); default: the GPU's own
     device_memory: int | str | None = None
 

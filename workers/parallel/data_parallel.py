@@ -16,10 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from workers.parallel.fsdp_quantized_gather import wrap_for_gather
+
 
 def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
                         experts: list[nn.Module] = (), edp_mesh: DeviceMesh | None = None,
-                        mixed: MixedPrecisionPolicy | None = None, bucket_mb: float | None = None) -> nn.Module:
+                        mixed: MixedPrecisionPolicy | None = None, bucket_mb: float | None = None,
+                        gather_dtype: str = "fp32") -> nn.Module:
     """Return ``stage`` wrapped for data parallelism over ``dp_mesh`` (FSDP2 works in place).
 
     ``blocks`` (the family's ``blocks`` hook) are FSDP2's units under ZeRO-2/3: each block's parameters are
@@ -29,9 +32,11 @@ def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: Devi
     ZeRO-1 wrap nothing: the builder's gradient buckets (``grad_buckets.py``) or the ``DistributedOptimizer``
     reduce the gradients. ``mixed`` is FSDP2's mixed-precision policy for every unit (``bf16_policy``), None for
     none. ``bucket_mb`` (``parallel.fsdp_bucket_mb``) groups consecutive blocks into units of at most that many
-    MiB (``fsdp_units``).
+    MiB (``fsdp_units``). ``gather_dtype`` (``parallel.param_gather_dtype``) is what FSDP2's all-gathers move
+    (``fsdp_quantized_gather``): the fp32 shards stay what the optimizer steps.
     """
     if zero >= 2:
+        wrap_for_gather(stage, gather_dtype)
         kw = {"reshard_after_forward": zero == 3, "mp_policy": mixed or MixedPrecisionPolicy()}
         for unit in experts:
             fully_shard(unit, mesh=edp_mesh, **kw)

@@ -130,7 +130,7 @@ def build_parts(spec: WorkerSpec, mesh: DeviceMesh, device: torch.device) -> Mod
             mixed = (bf16_policy(spec.precision.reduce_dtype) if spec.fsdp_mixed(device.type == "cuda")
                      else reduce_policy(par.grad_reduce_dtype))
             part = apply_data_parallel(part, fam.hook("blocks")(part), shard_mesh(mesh, grid), par.zero, experts,
-                                       edp, mixed, par.fsdp_bucket_mb)
+                                       edp, mixed, par.fsdp_bucket_mb, par.param_gather_dtype)
             set_prefetch(fam.hook("blocks")(part), par.fsdp_prefetch)
         if meta:
             materialize(part, spec.train.seed, spec.model, device)

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from workers.model.names import unwrap
 from workers.state import expert_stacks
@@ -118,7 +119,7 @@ class TrainState:
     def _model_and_optim(self) -> tuple[dict, dict]:
         model, optim = {}, {}
         for part, named, opt in zip(self.modules, self.optim_modules, self.optimizers):
-            model.update(get_model_state_dict(unwrap(part)))
+            model.update(plain_shards(get_model_state_dict(unwrap(part))))  # ZeRO-2/3's quantized gathers
             if self.masters_apart:  # the exact fp32 masters under the parameters' names, not the rounded values
                 model.update(get_model_state_dict(named))
             optim.update(get_optimizer_state_dict(named, opt, options=_OPTIONS))
@@ -204,3 +205,20 @@ def _rescheduled(saved: dict, sched) -> dict:
     epoch = saved["last_epoch"]
     rates = [base * factor(epoch) for base, factor in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
     return {**saved, "base_lrs": list(sched.base_lrs), "_last_lr": rates}
+
+
+def plain_shards(entries: dict) -> dict:
+    """A model state dict whose FSDP2 shards are a gather subclass (ZeRO-2/3's quantized gathers,
+    ``workers/parallel/fsdp_quantized_gather.py``, known here by its ``plain`` method so this layer does not import
+    that one), with plain fp32 shards (the same storage): checkpoints save the masters as ordinary tensors, and a job
+    without quantized gathers reads them."""
+    return {k: _plain_dtensor(v) for k, v in entries.items()}
+
+
+def _plain_dtensor(value):
+    """``value`` (a DTensor whose local shard has ``plain``) over its plain shard, else unchanged."""
+    local = getattr(value, "_local_tensor", None)
+    if isinstance(value, DTensor) and callable(getattr(local, "plain", None)):
+        return DTensor.from_local(local.plain(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return value

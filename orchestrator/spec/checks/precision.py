@@ -52,23 +52,39 @@ def check_grad_reduce_dtype(job: JobSpec) -> None:
 
 
 def check_param_gather_dtype(job: JobSpec) -> None:
-    """``parallel.param_gather_dtype`` quantizes the all-gather of ZeRO-1's updated slices (distributed_optimizer.py).
-    FSDP2 (ZeRO-2/3) gathers in the dtype it computes in, so a gather-only cast does not exist there; elsewhere
-    nothing is gathered. Refused, not ignored."""
+    """``parallel.param_gather_dtype`` quantizes ZeRO-1's all-gather of the updated slices (distributed_optimizer.py)
+    and FSDP2's parameter all-gathers at ZeRO-2/3 (fsdp_quantized_gather.py, FSDP2's all-gather extensions); without
+    sharded data parallelism nothing is gathered. Refused, not ignored, where the gather extension cannot reach the
+    parameters (tensor-parallel DTensors, compiled blocks, parameters offloaded to the host)."""
     p = job.parallel
     if p.param_gather_dtype == "fp32":
         return
-    if p.zero != 1 or p.dp_sync != "allreduce":
-        why = ("would change compute too: FSDP2 (zero 2/3) computes in the dtype it gathers "
-               "(MixedPrecisionPolicy.param_dtype)" if p.zero >= 2 and p.dp_sync == "allreduce" else
-               "quantizes ZeRO-1's all-gather of the updated slices, which this job does not run")
-        raise SpecError("parallel.param_gather_dtype", p.param_gather_dtype, f"{why} (zero: {p.zero}, dp_sync: "
-                        f"{p.dp_sync})", "set parallel.zero: 1 with dp_sync: allreduce, or remove "
-                        "parallel.param_gather_dtype (for bf16 gathers at zero 2/3 use precision.policy: fsdp)")
+    if p.zero == 0 or p.dp_sync != "allreduce":
+        raise SpecError("parallel.param_gather_dtype", p.param_gather_dtype, "quantizes sharded data parallelism's "
+                        f"parameter all-gather, which this job does not run (zero: {p.zero}, dp_sync: {p.dp_sync})",
+                        "set parallel.zero: 1, 2 or 3 with dp_sync: allreduce, or remove parallel.param_gather_dtype")
     if p.dp * p.cp < 2:
         raise SpecError("parallel.param_gather_dtype", p.param_gather_dtype, "has no all-gather to quantize: "
                         "one data-parallel rank holds every slice", "remove parallel.param_gather_dtype, or set "
                         "parallel.dp: 2 or more")
+    if p.zero >= 2:
+        _check_fsdp_gather(job)
+
+
+def _check_fsdp_gather(job: JobSpec) -> None:
+    """ZeRO-2/3's quantized gathers wrap each plain fp32 parameter before ``fully_shard``; what keeps them from it."""
+    p = job.parallel
+    blocked = [("parallel.tp", p.tp, p.tp > 1, "tensor-parallel parameters are DTensors, which the gather does not "
+                "wrap", "set parallel.tp: 1, or parallel.zero: 1 (whose gather covers tp shards)"),
+               ("train.compile", job.train.compile, bool(job.train.compile), "compiled blocks would trace the "
+                "gather's tensor subclass", "remove train.compile, or parallel.param_gather_dtype"),
+               ("memory.offload.params", job.memory.offload.params, bool(job.memory.offload.params), "host-offloaded "
+                "shards are copied to the device by FSDP2 outside the gather hooks", "remove memory.offload.params, "
+                "or parallel.param_gather_dtype")]
+    for field, value, bad, why, fix in blocked:
+        if bad:
+            raise SpecError(field, value, f"cannot combine with parallel.param_gather_dtype: "
+                            f"{p.param_gather_dtype} at zero {p.zero}: {why}", fix)
 
 
 def check_float8(job: JobSpec) -> None:
