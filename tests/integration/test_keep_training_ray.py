@@ -10,7 +10,10 @@ import torch
 from orchestrator import JobSpec, TrainingJob
 from tests.support.jobs import tiny_spec
 
-STEPS = 40  # long enough for the replacement to start (importing torch takes seconds here) and rejoin mid-run
+STEPS = 40
+# rank 0 steps 10x slower (every rank waits for it in the all-reduce), so the run outlasts the replacement's start
+# (seconds: a process importing torch) and the replacement rejoins mid-run: 0.05 s steps ended before it was up
+SLOW = {"kind": "slow_rank", "rank": 0, "at_step": 1, "factor": 10.0}
 KILLED_AT = 4
 SECTIONS = {"parallel": {"dp": 4}, "train": {"steps": STEPS}, "checkpoint": {"memory_every": 1},
             "fault_tolerance": {"recovery": "keep_training", "warm_spares": True, "heartbeat_timeout_s": 20,
@@ -46,7 +49,7 @@ def _run(token_data, tmp_path, faults, monkeypatch=None):
 def test_replicas_0_2_3_train_on_while_replica_1_is_rebuilt(ray_cluster, token_data, tmp_path, monkeypatch):
     _, straight, _ = _run(token_data, tmp_path / "straight", [])
     job, result, finals = _run(token_data, tmp_path / "killed",
-                               [{"kind": "kill_rank", "rank": 1, "at_step": KILLED_AT}], monkeypatch)
+                               [{"kind": "kill_rank", "rank": 1, "at_step": KILLED_AT}, SLOW], monkeypatch)
     assert result.status == "finished" and result.steps == STEPS
     (rec,) = result.recoveries
     assert (rec["kind"], rec["rank"], rec["at_step"], rec["lost_steps"]) == ("rank", 1, KILLED_AT, 0)
