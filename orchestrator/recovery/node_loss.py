@@ -9,6 +9,9 @@ starts; a live request (``raymesh inject``) when it arrives.
 
 from __future__ import annotations
 
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
 import ray
 from ray.util.placement_group import placement_group_table
 
@@ -48,7 +51,28 @@ def check_job_faults(faults: list[dict], placement) -> None:
             raise SpecError(f"faults.{i}.rank", rank, problem, FIX)
 
 
-def gone(node_ids) -> set[str]:
-    """The ones among ``node_ids`` Ray no longer counts as alive."""
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    return set(node_ids) - alive
+def gone(node_ids, probe_s: float = 1.0) -> set[str]:
+    """The ones among ``node_ids`` that are gone: Ray no longer counts them alive, or their raylet no longer
+    accepts a connection within ``probe_s``.
+
+    Why the probe: Ray declares a node dead only once its health checks have missed (about 15 s on defaults, and
+    later on a loaded head), while the survivors' failed step ends within a second or two. Asked then, Ray still
+    counts the lost node alive, and the loss would be recorded (and counted in the metrics) as one rank's. A
+    raylet that is gone refuses the connection at once (its host is up) or never answers (its host is down).
+    """
+    wanted = set(node_ids)
+    listed = {n["NodeID"]: n for n in ray.nodes() if n["NodeID"] in wanted and n["Alive"]}
+    with ThreadPoolExecutor(max(1, len(listed))) as pool:
+        down = dict(zip(listed, pool.map(lambda n: raylet_down(n["NodeManagerAddress"], n["NodeManagerPort"],
+                                                               probe_s), listed.values())))
+    return {node for node in wanted if node not in listed or down[node]}
+
+
+def raylet_down(address: str, port: int, timeout_s: float) -> bool:
+    """Whether nothing accepts a TCP connection at ``address:port`` within ``timeout_s`` (the connection is
+    closed at once: the raylet sees a client come and go)."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return False
+    except OSError:
+        return True
