@@ -10,8 +10,10 @@ heads (the "decoupled" rotary key). Only the latent and that key need caching at
 rope channels per token instead of 2 x heads x head_dim); this module computes the expanded form, which is what
 training runs. Rotary pairs are interleaved (channels 2i, 2i+1), as DeepSeek's checkpoints lay them out.
 
-Not built: multi-token prediction heads (``transformers`` builds none and drops a checkpoint's), tensor
-parallelism of MLA (no ``tensor_parallel`` hook: the builder refuses tp > 1 naming it), yarn rotary scaling.
+Tensor parallelism splits MLA by heads (``workers.parallel.deepseek_parallel``: the down projections and latent
+norms replicated, the up projections column-parallel, ``wo`` row-parallel).
+
+Not built: multi-token prediction heads (``transformers`` builds none and drops a checkpoint's), yarn rotary scaling.
 """
 
 from __future__ import annotations
@@ -282,5 +284,6 @@ register(ModelFamily(
         "cut_stage": "workers.parallel.gpt_parallel:cut_stage",
         "blocks": "workers.parallel.gpt_parallel:blocks",
         "init_parameter": "workers.model.gpt:init_parameter",
+        "tensor_parallel": "workers.parallel.deepseek_parallel:apply_tensor_parallel",
     },
 ))
