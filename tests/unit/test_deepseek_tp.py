@@ -1,9 +1,9 @@
 """DeepSeek-V3's tensor-parallel plan (``workers.parallel.deepseek_parallel``) on 2 gloo ranks, Ray-free: the split
 model's logits and every parameter's gradient (DTensor shards gathered) equal the unsplit model's, with and without
 sequence parallelism, with a low-rank query (``wq_b`` split) and without (``wq`` split), a dense first block and an
-MoE block with shared experts. Gradients per parameter, not a loss curve: a replicated weight whose gradient missed
-its sum over tp (the rotary key every head shares, the latents) would shift a training loss by less than 1e-6 on the
-tiny model, but its gradient by half."""
+MoE block with shared experts; each rank holds the parameters the planner counts for it. Gradients per parameter,
+not a loss curve: a replicated weight whose gradient missed its sum over tp (the rotary key every head shares, the
+latents) would shift a training loss by less than 1e-6 on the tiny model, but its gradient by far more."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def _check(mesh, sequence_parallel: bool, q_lora_rank: int | None) -> None:
     assert isinstance(split.layers["1"].attention.wkv_b.weight, DTensor)
     assert not isinstance(split.layers["1"].attention.wkv_a.weight, DTensor)  # the down projection: replicated
     assert split.layers["1"].feed_forward.shared.w1.to_local().shape[2] == MODEL["moe"]["d_expert"] // TP
+    assert _held(split) == _planned(q_lora_rank)
     tokens = torch.randint(0, MODEL["vocab_size"], (2, MODEL["seq_len"]), generator=torch.Generator().manual_seed(1))
     want_logits, want = _gradients(reference, tokens)
     got_logits, got = _gradients(split, tokens)
@@ -51,6 +52,22 @@ def _check(mesh, sequence_parallel: bool, q_lora_rank: int | None) -> None:
     assert set(got) == set(want)
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _held(model: torch.nn.Module) -> int:
+    """Parameters this tp rank holds (a DTensor's local shard)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def _planned(q_lora_rank: int | None) -> int:
+    """The planner's parameters for one tp rank of the same model at tp=2 (sharded / tp + replicated + experts)."""
+    from orchestrator import JobSpec
+    from orchestrator.planning.estimate import stage_expert_params, stage_params
+
+    spec = JobSpec.from_dict({"data": {"path": "/tmp/none"}, "run_dir": "/tmp/none", "parallel": {"tp": TP},
+                              "model": {**MODEL, "q_lora_rank": q_lora_rank}})
+    sharded, replicated = stage_params(spec, 0, 1)
+    return sharded // TP + replicated + stage_expert_params(spec, 0, 1)
 
 
 def _rank_main(rank: int, ports, world: int, results) -> None:
