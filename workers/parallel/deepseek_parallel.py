@@ -7,8 +7,8 @@ MLA (``workers.model.deepseek.LatentAttention``) under tp, Megatron-Core's ``mul
   head needs the whole latent and the one rotary key all heads share. The attention's input is the block's
   activation gathered to Replicate and handed in as a plain tensor. In the backward the column-parallel up
   projections' input styles sum the latents' gradient over tp; the rotary key, used by each rank's own heads only,
-  gets its gradient summed over tp by ``SharedRopeKey`` on ``wkv_a``'s output. So these weights, and the block's
-  input, get the same whole gradient on every tp rank.
+  gets its gradient summed over tp by a hook on ``wkv_a``'s output (``sum_rope_key_grad``). So these weights, and
+  the block's input, get the same whole gradient on every tp rank.
 - the up projections ``wq_b`` (or ``wq`` without a low-rank query) and ``wkv_b`` are column-parallel: their rows
   are laid out head after head, so rank r gets heads r*n/tp .. (r+1)*n/tp of the queries, keys and values, and the
   attention core runs on its own heads (``LatentAttention.forward`` reads the head count from the shapes).
@@ -52,20 +52,14 @@ class _SumTail(torch.autograd.Function):
         return torch.cat((grad[..., :-ctx.width], tail), dim=-1), None, None
 
 
-class SharedRopeKey(ParallelStyle):
-    """On ``wkv_a`` (output: kv_lora_rank latent channels, then the rotary key of ``rope`` channels): the rotary
-    key is shared by all heads, and each tp rank's attention uses it with its own heads only, so its gradient is
-    partial per rank; it is summed over tp here (Megatron's ``f`` on that slice). The latent's gradient arrives
-    whole already (``wkv_b``'s column-parallel input style reduced it), so it passes unchanged."""
-
-    def __init__(self, rope: int):
-        super().__init__()
-        self.rope = rope
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group, width = device_mesh.get_group(), self.rope
-        module.register_forward_hook(lambda _mod, _inputs, out: _SumTail.apply(out, width, group))
-        return module
+def sum_rope_key_grad(wkv_a: nn.Module, tp_mesh: DeviceMesh, rope: int) -> None:
+    """On ``wkv_a`` (output: kv_lora_rank latent channels, then the rotary key of ``rope`` channels): the rotary key
+    is shared by all heads, and each tp rank's attention uses it with its own heads only, so its gradient is partial
+    per rank; a forward hook sums it over tp in the backward (Megatron's ``f`` on that slice). The latent's gradient
+    arrives whole already (``wkv_b``'s column-parallel input style reduced it), so it passes unchanged. A hook on the
+    module, not a plan entry, so a LoRA-wrapped ``wkv_a`` (whose plan entries ``lora_tp`` splits) gets it too."""
+    group = tp_mesh.get_group()
+    wkv_a.register_forward_hook(lambda _mod, _inputs, out: _SumTail.apply(out, rope, group))
 
 
 class SharedHidden(ParallelStyle):
@@ -103,11 +97,13 @@ def apply_tensor_parallel(stage: DeepseekV3, tp_mesh: DeviceMesh, sequence_paral
     llama_parallel.shard_ends(stage, tp_mesh, sequence_parallel)
     for block in stage.layers.values():
         apply_plan(block, tp_mesh, block_plan(block, sequence_parallel))
+        sum_rope_key_grad(block.attention.wkv_a, tp_mesh, block.attention.cfg.qk_rope_head_dim)
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """One block's plan (see the module docstring): Llama's norms, output projection and feed-forward, MLA's up
-    projections column-parallel in place of q/k/v, and an MoE layer's shared experts split by hidden units."""
+    projections column-parallel in place of q/k/v, and an MoE layer's shared experts split by hidden units. The
+    attention's input arrives gathered as a plain tensor, for its replicated down projections."""
     moe, cfg = is_moe(block), block.attention.cfg
     plan = llama_parallel.block_plan(sequence_parallel, moe)
     for name in ("wq", "wk", "wv"):
@@ -117,7 +113,6 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
         "attention": PrepareModuleInput(input_layouts=(activation_layout(sequence_parallel),),
                                         desired_input_layouts=(Replicate(),), use_local_output=True),
         query: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(),
-        "attention.wkv_a": SharedRopeKey(cfg.qk_rope_head_dim),
     })
     if moe and block.feed_forward.shared is not None:
         plan["feed_forward.shared"] = SharedHidden()
