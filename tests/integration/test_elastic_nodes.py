@@ -14,6 +14,7 @@ from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import reference_losses
 
 STEPS = 12
+DRAIN_STEPS = 20
 ELASTIC = {"heartbeat_timeout_s": 60, "collective_timeout_s": 5, "placement_timeout_s": 8, "grow_check_s": 1}
 
 
@@ -70,8 +71,10 @@ def test_a_drained_node_has_its_rank_saved_and_moved_to_another_node_bit_identic
     with that step checkpointed, rank 1 goes and comes back on the third node (its placement group reserved again
     without the drained one), and once recovered the drained node is taken down, which the job no longer
     notices: one recovery, nothing lost, the losses equal the uninterrupted run's bit for bit (issue 51)."""
-    slow = [{"kind": "slow_rank", "rank": 0, "at_step": 3, "factor": 4}]  # the job outlasts the CLI's start
-    spec = elastic_spec(token_data, tmp_path, slow, placement_timeout_s=60)
+    # the job outlasts the CLI's start (seconds): 20 steps, rank 0 slowed, though not past the hang deadline's
+    # floor (a step over 5 s would be taken for a hang)
+    slow = [{"kind": "slow_rank", "rank": 0, "at_step": 3, "factor": 4}]
+    spec = drain_spec(token_data, tmp_path, slow)
     out = run_on_cluster(spec, tmp_path, "--nodes", "3", "--cpus", "1", "--drain-rank", "1", "--drain-at", "3")
     assert "error" not in out, out.get("error")
     result, drained = out["result"], out["drained_node"]
@@ -82,6 +85,12 @@ def test_a_drained_node_has_its_rank_saved_and_moved_to_another_node_bit_identic
     assert before[1] == drained and after[1] not in (drained, before[0]) and after[0] == before[0]
     assert out.get("removed_drained_node") and out["dead_nodes"] == [drained]
     saved = rec["at_step"] - 1  # the just-in-time checkpoint of the step the window ended at (every: 50)
-    assert 3 <= saved < STEPS and any(path.endswith(f"{saved:08d}") for path in result["checkpoints"])
-    straight = ran(run_grouped({"dp2": elastic_spec(token_data, tmp_path / "straight", [])}), "dp2")
-    assert result["steps"] == STEPS and result["losses"] == straight.losses
+    assert 3 <= saved < DRAIN_STEPS and any(path.endswith(f"{saved:08d}") for path in result["checkpoints"])
+    straight = ran(run_grouped({"dp2": drain_spec(token_data, tmp_path / "straight", [])}), "dp2")
+    assert result["steps"] == DRAIN_STEPS and result["losses"] == straight.losses
+
+
+def drain_spec(token_data, tmp_path, faults) -> JobSpec:
+    spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2}, train={"steps": DRAIN_STEPS},
+                     checkpoint={"memory_every": 1}, fault_tolerance={**ELASTIC, "placement_timeout_s": 60})
+    return JobSpec.from_dict({**spec.to_dict(), "faults": faults})

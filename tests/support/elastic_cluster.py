@@ -75,7 +75,8 @@ class DrainAt(JobObserver):
             self.due.set()
 
     def on_recovered(self, record, step: int, restarted: int, phases_s: dict) -> None:
-        self.recovered.set()
+        if record.kind == "drain":
+            self.recovered.set()
 
 
 def drain(address: str, node: str, deadline_s: int = 120) -> None:
