@@ -16,10 +16,14 @@ def draining(node_ids) -> dict[str, float | None]:
     is draining. One call to the GCS (``GetDrainingNodes``), which answers with every draining node's deadline."""
     from ray._private.state import state
 
+    try:
+        listed = state.get_draining_nodes()
+    except Exception:  # the GCS did not answer this once (its client raises its own kinds): asked again in a second
+        return {}
     wanted = set(node_ids)
     now_ms = time.time() * 1000
     return {node: (max(0.0, (deadline_ms - now_ms) / 1000) if deadline_ms else None)
-            for node, deadline_ms in state.get_draining_nodes().items() if node in wanted}
+            for node, deadline_ms in listed.items() if node in wanted}
 
 
 def live_nodes(nodes: list[dict]) -> list[dict]:

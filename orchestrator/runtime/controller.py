@@ -167,6 +167,7 @@ class TrainingJob:
         self._phase = "start"  # what the window's ranks are in, as rank 0 said last (the deadline follows it)
         self._drain_checked = 0.0  # when a window last asked Ray for draining nodes (``_check_drain``)
         self._draining: dict[str, float | None] = {}  # node -> seconds to its drain deadline, as first heard
+        self._ranks_on: tuple[Layout | None, dict[str, list[int]]] = (None, {})  # a layout's ranks by node
         self._resize: tuple[JobSpec, str] | None = None  # a resize decided while a window ran, done after it
         self.scaling = ScalingPolicy(self.runtime.elastic(spec))
         self.changes = GridChanges(self)
@@ -685,9 +686,12 @@ class TrainingJob:
         if now - self._drain_checked < DRAIN_CHECK_S or "drain" in self._posted or self.layout is None:
             return
         self._drain_checked = now
-        ranks_on: dict[str, list[int]] = {}
-        for info in self.layout.ranks:
-            ranks_on.setdefault(info.node_id, []).append(info.rank)
+        if self._ranks_on[0] is not self.layout:  # made once per layout, not once a second
+            by_node: dict[str, list[int]] = {}
+            for info in self.layout.ranks:
+                by_node.setdefault(info.node_id, []).append(info.rank)
+            self._ranks_on = (self.layout, by_node)
+        ranks_on = self._ranks_on[1]
         draining = self.runtime.draining(ranks_on)
         if not draining:
             return
