@@ -33,16 +33,18 @@ def _run(token_data, tmp_path, faults, monkeypatch=None):
     """The job; with ``monkeypatch``, also every rank's snapshot of the last step, taken as the grid stops."""
     spec = tiny_spec(token_data, tmp_path, **SECTIONS)
     job = TrainingJob(JobSpec.from_dict({**spec.to_dict(), "faults": faults}), progress=False)
-    finals = []
+    finals, builds = [], []
     if monkeypatch is not None:
         stop = type(job)._stop
 
         def keep_finals(self):
             if self.group is not None:
                 finals.extend(self.group.call("kept_snapshot", self.step))
+                builds.extend(self.group.call("trainer_builds"))
             stop(self)
 
         monkeypatch.setattr(type(job), "_stop", keep_finals)
+    job.trainer_builds = builds  # every rank's count of trainers its process built, read as the grid stops
     return job, job.run(), finals
 
 
@@ -60,6 +62,8 @@ def test_replicas_0_2_3_train_on_while_replica_1_is_rebuilt(ray_cluster, token_d
     assert rec["skipped_sequences"] == len(rec["degraded_steps"]) * 8 // 4
     # every replica ends with the same weights and optimizer state, bit for bit
     assert len(finals) == 4 and all(_same(finals[0], snap) for snap in finals[1:])
+    # neither re-formation rebuilt a survivor: each process built its trainer once (rank 1's replacement too)
+    assert job.trainer_builds == [1, 1, 1, 1]
     # the failed replica's share of the degraded steps was skipped: off the uninterrupted curve, within 1% of it
     # (the curve: five-step means; one step's loss over 8 sequences, or over the 6 a degraded step trains, moves
     # by more than that from batch to batch)
