@@ -19,6 +19,7 @@ import torch
 from orchestrator.recovery.keep_training import survivor_specs
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import rank_ports, spawn_ranks
+from tests.support.same_state import same_state
 
 SECTIONS = {"parallel": {"dp": 3}, "train": {"steps": 8, "global_batch_size": 12},
             "fault_tolerance": {"recovery": "keep_training", "collective_timeout_s": 30}}
@@ -95,14 +96,6 @@ def _run(token_data, tmp_path, keep: bool) -> dict:
     return out
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return torch.equal(a, b) if torch.is_tensor(a) else a == b
-
-
 def test_survivors_keep_their_trainers_and_end_as_rebuilt_ones_do(token_data, tmp_path):
     kept = _run(token_data, tmp_path / "kept", keep=True)
     rebuilt = _run(token_data, tmp_path / "rebuilt", keep=False)
@@ -114,5 +107,5 @@ def test_survivors_keep_their_trainers_and_end_as_rebuilt_ones_do(token_data, tm
     # the same training, bit for bit: the losses of every step and every rank's final state
     for rank in range(3):
         assert kept[rank]["losses"] == rebuilt[rank]["losses"]
-        assert _same(kept[rank]["final"], rebuilt[rank]["final"])
-    assert _same(kept[0]["final"], kept[2]["final"]) and _same(kept[0]["final"], kept[1]["final"])
+        assert same_state(kept[rank]["final"], rebuilt[rank]["final"])
+    assert same_state(kept[0]["final"], kept[2]["final"]) and same_state(kept[0]["final"], kept[1]["final"])
