@@ -29,7 +29,11 @@ The tuned runs (``memory``, ``disk``, ``restart_all``) set
 Every run checkpoints to disk every ``--ckpt-every`` steps and stops after
 ``--duration-s`` seconds of training. Reported per run: MTTR (fault to the next
 completed step), lost steps, goodput (productive step time ÷ training wall
-time) and steps done. Holds /tmp/raymesh-ray.lock while it runs (it starts Ray).
+time), steps done and, per recovering run, the seconds lost per failure from
+its own records and the goodput they imply at one failure every ``--every-s``
+(``time_lost`` says what counts). Holds /tmp/raymesh-ray.lock while it runs
+(it starts Ray; do not wrap it in ``flock`` of the same file: it would wait for
+itself).
 
     python benchmarks/recovery.py --data data/stdlib --duration-s 150
 """
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import statistics
 import sys
@@ -98,7 +103,8 @@ def run(args, run_dir: Path, name: str) -> dict:
     except RuntimeError as exc:  # the restart budget spent (max_restarts): that is this run's result
         return {"failed": str(exc), "recoveries": len(job.recoveries)}
     recs = result.recoveries
-    return {**_degraded(job, result),
+    lines = [json.loads(line) for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
+    return {**_degraded(job, result, lines), **time_lost(job, result, lines, args.every_s),
         "failures_injected": sum(soak.firings for soak in job.faults.repeating),
         "steps": result.steps,
         "goodput": result.goodput,
@@ -114,13 +120,10 @@ def run(args, run_dir: Path, name: str) -> dict:
     }
 
 
-def _degraded(job, result) -> dict:
+def _degraded(job, result, lines: list[dict]) -> dict:
     """``recovery: keep_training``'s steps run without the failed replicas, and the goodput weighed by the replicas
     that ran each step (``replicas`` on its ``steps.jsonl`` line; the others ran all of them)."""
-    import json
-
     dp = job.spec.parallel.dp
-    lines = [json.loads(line) for line in (job.run_dir / "steps.jsonl").read_text().splitlines()]
     ran = {line["step"]: line.get("replicas", dp) for line in lines}
     first = result.steps - len(result.step_time_s) + 1
     weighed = sum(t * ran.get(first + i, dp) / dp for i, t in enumerate(result.step_time_s))
@@ -130,6 +133,42 @@ def _degraded(job, result) -> dict:
     return {"degraded_steps": len(degraded), "skipped_sequences": sum(r.get("skipped_sequences", 0)
                                                                       for r in result.recoveries),
             "replica_goodput": result.goodput * weighed / max(sum(result.step_time_s), 1e-9)}
+
+
+def time_lost(job, result, lines: list[dict], every_s: float) -> dict:
+    """The seconds each failure cost, from the run's own records, and the goodput that implies at one failure every
+    ``every_s`` (``1 - lost / every_s``), beside the wall-clock goodput, which also counts what costs time without
+    failures (start-up, snapshots, saves) and on a shared machine its load.
+
+    Lost per failure (the mean over the run's recoveries) is the sum of: ``recovery``: each recovery's MTTR (fault
+    to the next completed step) less one median step (the time that step would have taken anyway), plus its lost
+    steps at a median step each; ``rejoin``: under ``keep_training``, the pause at each rejoin in which no rank
+    stepped (``steps.jsonl`` times: the completion of the rejoin step to the next completion, less that next step's
+    own time; ``rejoin_s`` when the run ended there); ``skipped``: the data the failed replicas' shares skipped, as
+    replica-step time (each degraded step's time times the share of replicas that did not run it)."""
+    recs = result.recoveries
+    if not recs:
+        return {}
+    median, dp = statistics.median(result.step_time_s), job.spec.parallel.dp
+    parts = {
+        "recovery": sum(max(0.0, r["mttr_s"] - median) + r["lost_steps"] * median for r in recs),
+        "rejoin": sum(_pause_after(lines, r["rejoined_at_step"], r.get("rejoin_s", 0.0))
+                      for r in recs if r.get("rejoined_at_step") is not None),
+        "skipped": sum(line["step_s"] * (dp - line["replicas"]) / dp for line in lines if "replicas" in line),
+    }
+    lost = sum(parts.values()) / len(recs)
+    return {"lost_s_per_failure": lost, "lost_s_per_failure_parts": {k: v / len(recs) for k, v in parts.items()},
+            "goodput_at_failure_every_s": 1.0 - lost / every_s}
+
+
+def _pause_after(lines: list[dict], step: int, recorded_s: float) -> float:
+    """The seconds no rank stepped after ``step`` completed (its last record, the one the rejoin followed): to the
+    next step's completion, less that step's own time; ``recorded_s`` when no step followed."""
+    at = max((i for i, line in enumerate(lines) if line["step"] == step), default=None)
+    if at is None or at + 1 >= len(lines):
+        return recorded_s
+    after = lines[at + 1]
+    return max(0.0, after["time"] - lines[at]["time"] - after["step_s"])
 
 
 def _stop_after(job, seconds: float) -> None:
@@ -199,6 +238,11 @@ def main() -> None:
         if "replica_goodput" in r:
             print(f"{name}: {r['degraded_steps']} steps ran without a failed replica, {r['skipped_sequences']} "
                   f"sequences skipped; goodput weighed by the replicas that ran each step {r['replica_goodput']:.1%}")
+    for name, r in runs.items():
+        if "lost_s_per_failure" in r:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in r["lost_s_per_failure_parts"].items())
+            print(f"{name}: {r['lost_s_per_failure']:.2f} s lost per failure ({parts}); goodput at one failure "
+                  f"every {args.every_s:.0f} s: {r['goodput_at_failure_every_s']:.1%} (wall clock: {r['goodput']:.1%})")
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.2f}")
 

@@ -51,6 +51,8 @@ class RankWorker(DeskHolder):
         if threading.current_thread() is threading.main_thread():  # Ray creates an actor on its main thread
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self.trainer = None
+        self.builds = 0  # trainers this process built (a keep_training survivor keeps its own: ``setup``)
+        self.kept = False  # the last ``setup`` kept the trainer: ``restore_snapshot`` copies only what it must
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
         self._listener: socket.socket | None = None  # the store's socket between rendezvous_address and setup
@@ -89,11 +91,15 @@ class RankWorker(DeskHolder):
         loaded host, and its peers would spend them waiting in the store, against the collective timeout."""
         import workers.trainer  # noqa: F401
 
-    def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> RankInfo:
+    def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int,
+              keep_trainer: bool = False) -> RankInfo:
         """Join the process group and build this rank's model; after a peer failed, do it again in place.
 
         A survivor keeps its process (Python and its imports): only the broken process group
-        and the objects bound to it are rebuilt. Returns the rank's place, device and identity.
+        and the objects bound to it are rebuilt. With ``keep_trainer`` (``recovery: keep_training``, plain data
+        parallelism) it keeps its whole trainer too, model and optimizer included (``Trainer.regroup``); a rank
+        with none yet (a replacement) or one that cannot move (said in a log line) builds one. Returns the rank's
+        place, device and identity.
         """
         import torch
         import torch.distributed as dist
@@ -101,13 +107,17 @@ class RankWorker(DeskHolder):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         old_ps = getattr(self.trainer, "ps", None)
         carried = old_ps.feedback_to_carry() if old_ps is not None else None
+        kept = self.trainer if keep_trainer else None
         if dist.is_initialized():
             self.trainer = None
             dist.destroy_process_group()
         _remove_orphaned_offload(spec)
         listener, self._listener = self._listener, None
-        self.trainer, self.exchange = self.sockets.record(
-            lambda: self._build(spec, rank, world_size, master_addr, master_port, listener))
+        self.kept = kept is not None and self._kept(kept, spec, rank)
+        build = (lambda: self._regroup(kept, spec, rank, world_size, master_addr, master_port, listener)) \
+            if self.kept else (lambda: self._build(spec, rank, world_size, master_addr, master_port, listener))
+        self.trainer, self.exchange = self.sockets.record(build)
+        self.builds += not self.kept
         if self.trainer.ps is not None:
             self.trainer.ps.carry_over(carried)
         if self.store is None:  # a survivor keeps its snapshots and the replicas it holds
@@ -120,18 +130,42 @@ class RankWorker(DeskHolder):
                         device_name=name, **self.identity())
 
     @staticmethod
+    def _kept(trainer, spec: dict, rank: int) -> bool:
+        """Whether ``trainer`` can move to the group of ``spec`` (``Trainer.regroup_refused``); a log line says why
+        not, and the rank is built anew as under any other recovery."""
+        from workers.spec import WorkerSpec
+
+        why = trainer.regroup_refused(WorkerSpec.from_dict(spec), rank)
+        if why:
+            print(f"raymesh event=trainer_rebuilt rank={rank} why={why!r}", flush=True)
+        return not why
+
+    @staticmethod
+    def _regroup(trainer, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int, listener):
+        """``trainer`` moved to the new group, and the exchange tree on a gloo group made where ``_build`` makes
+        it (after the mesh, the same order on every rank, kept trainer or new)."""
+        trainer.regroup(spec, rank, world_size, master_addr, master_port, listener)
+        return trainer, RankWorker._exchange(rank, world_size)
+
+    @staticmethod
     def _build(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int, listener):
         """The trainer (it joins the mesh) and the exchange tree its loop reports through, on a gloo group of
         every rank made in the same order on all of them."""
+        from workers.trainer import Trainer
+
+        trainer = Trainer(spec, rank, world_size, master_addr, master_port, listener=listener)
+        return trainer, RankWorker._exchange(rank, world_size)
+
+    @staticmethod
+    def _exchange(rank: int, world_size: int):
+        """This rank's side of the step boundary's exchange tree, on a gloo group of every rank."""
         import torch.distributed as dist
 
         from workers.loop.torch_transport import TorchTransport
         from workers.loop.tree import LocalTransport, TreeExchange
-        from workers.trainer import Trainer
 
-        trainer = Trainer(spec, rank, world_size, master_addr, master_port, listener=listener)
         transport = TorchTransport(dist.new_group(backend="gloo")) if world_size > 1 else LocalTransport()
-        return trainer, TreeExchange(rank, world_size, transport)
+        return TreeExchange(rank, world_size, transport)
 
     def run_window(self, window: Window, window_id: int) -> WindowEnd:
         """Run steps on this rank's own (``workers.loop.RankLoop``) until the window ends; rank 0 hands the
@@ -250,14 +284,36 @@ class RankWorker(DeskHolder):
         return self.store.replicas[rank][step]
 
     def restore_snapshot(self, step: int, snap: dict | None = None) -> int:
-        """Roll back to ``step``: to ``snap`` (a replica handed over for a replaced rank) or this rank's own."""
+        """Roll back to ``step``: to ``snap`` (a replica handed over for a replaced rank) or this rank's own. A
+        trainer kept through ``setup`` copies only what a step begun since ``step`` changed (``_roll_back_kept``)."""
         from workers.state import snapshot
 
-        snapshot.restore(self.trainer.state, snap if snap is not None else self.store.own[step])
+        kept, self.kept = self.kept, False
+        if snap is None and kept:
+            self._roll_back_kept(step)
+        else:
+            snapshot.restore(self.trainer.state, snap if snap is not None else self.store.own[step])
+        self.trainer.at_boundary()
         self.store.roll_back(step)
         if snap is not None:
             self.store.own[step] = snap
         return self.trainer.step
+
+    def _roll_back_kept(self, step: int) -> None:
+        """A kept trainer back to its own snapshot of ``step``, as a rebuilt one restoring it would end.
+
+        At that step with no step begun since (the window ended at the boundary, as at a rejoin): nothing to copy.
+        A step begun and failed before any optimizer stepped (a survivor whose all-reduce broke with the dead
+        peer): the weights and optimizer state are the snapshot's still; the data cursor, the LR schedule, the loss
+        scale and the buffers a forward may move are put back (``regroup`` dropped the gradients). Anything
+        else (an update ran, or the rank is past ``step``): the whole snapshot, as ever."""
+        from workers.state import snapshot
+
+        t = self.trainer
+        if t.step != step or t.weights_moved:
+            snapshot.restore(t.state, self.store.own[step])
+        elif t.mid_step:
+            snapshot.restore_progress(t.state, self.store.own[step])
 
     def skip_batch(self) -> None:
         """Pass over the next batch without training on it (its step was NaN again and again)."""
@@ -274,8 +330,14 @@ class RankWorker(DeskHolder):
     def checkpoint_durable(self) -> bool:
         return self.trainer.checkpoints.durable()
 
+    def trainer_builds(self) -> int:
+        """How many trainers this process built (tests: a ``keep_training`` survivor builds one only)."""
+        return self.builds
+
     def load_checkpoint(self, path: str) -> int:
         self.trainer.checkpoints.load(path)
+        self.trainer.at_boundary()
+        self.kept = False
         if self.store is not None:
             self.store.roll_back(self.trainer.step)
         return self.trainer.step

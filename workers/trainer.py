@@ -10,6 +10,7 @@ spec dict (parsed once into a ``WorkerSpec`` of typed sections) and its rank, so
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import zlib
@@ -74,17 +75,105 @@ class Trainer:
         # under FSDP2's mixed-precision policy the bf16 parameters set the compute dtype; no autocast on top
         mixed = self.spec.fsdp_mixed(self.device.type == "cuda")
         self.autocast_dtype = None if mixed else AUTOCAST.get(self.spec.precision.dtype)
+        self._bind(self.parts)
+        # where the state stands against the last step boundary (``regroup``, ``RankWorker.restore_snapshot``):
+        # a step began and did not end; an optimizer stepped since the last boundary
+        self.mid_step = self.weights_moved = False
+        for opt in self.state.optimizers:
+            opt.register_step_pre_hook(self._on_optimizer_step)
+        self._built_rng = self._rng_state()  # the global streams as a freshly built rank leaves them
+
+    def _bind(self, parts) -> None:
+        """The objects bound to the process group or to this rank's place in it: the step's parts (engine,
+        objective, hooks: each captures the mesh, its groups and the rank), checkpoint I/O and the parameter server's
+        client. Built once here, and again by ``regroup`` around the kept model and state."""
+        par = self.spec.parallel
         self.pp_group = self.mesh["pp"].get_group() if par.grid.pp_enabled else None
         self.dp_group = self.mesh["dp"].get_group() if par.grid.dp_enabled else None
         self.checkpoints = CheckpointIO(self.state)
         self.ps = PSSync(self.spec, self.state, self.parts, self.coords, self.mesh, self.device) \
             if par.dp_sync == "ps" else None
-        kit = StepKit(self.spec, rank, self.device, self.mesh, self.parts, self.state,
+        kit = StepKit(self.spec, self.rank, self.device, self.mesh, parts, self.state,
                       [p for m in self.parts.modules for p in m.parameters()], self.zero1, self.expert_norm,
                       self.dp_group, self.pp_group, self._autocast, self.activations, self.ps)
         self.objective = build_objective(kit)
         self.engine = build_engine(kit)
         self.hooks = build_hooks(kit, self.objective)
+
+    # -- recovery: keep_training: a new process group around the kept model ---------------------------------
+
+    def regroup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int,
+                listener: socket.socket | None = None) -> None:
+        """Join a new process group (the old one destroyed by the caller) as ``rank`` of ``world_size`` under
+        ``spec``, keeping the model, optimizers, data cursor and every other piece of state.
+
+        Why: under ``recovery: keep_training`` (plain data parallelism) a rank's model and optimizer are bound to
+        no group but through the gradient averaging, so re-forming the group around a surviving replica (and again
+        when the rebuilt one rejoins) needs no rebuild: the averaging buckets move to the new group, the step's
+        parts are made again around it as a new rank makes them, and the global random streams go back to where
+        a built rank leaves them. What a failed step left (gradients, a bucket's launched reduction, the data
+        cursor moved on) is dropped here or put back by ``RankWorker.restore_snapshot``. ``ValueError`` (naming
+        what differs) where ``spec`` asks for more than another group: the caller builds the rank anew."""
+        new = WorkerSpec.from_dict(spec)
+        why = self.regroup_refused(new, rank)
+        if why:
+            raise ValueError(f"rank {self.rank} cannot keep its trainer: {why}")
+        self.spec, self.rank = new, rank
+        self.grid, self.coords = new.parallel.grid, new.parallel.grid.coords(rank)
+        self.mesh = init_mesh(rank, world_size, master_addr, master_port, self.grid, self.device,
+                              timeout_s=new.fault_tolerance.collective_timeout_s, listener=listener)
+        dp_mesh = data_parallel_mesh(self.mesh, self.grid)
+        for reducer in self.parts.reducers:
+            reducer.rebind(dp_mesh.get_group())
+        for opt in self.state.optimizers:  # a failed step's partial gradients would add to the next step's
+            opt.zero_grad(set_to_none=True)
+        if self.activations.store is not None:  # a failed backward's offloaded activations go with their store
+            self.activations.store.close()
+        self.activations = activation_policy(new.memory, self.device)
+        # one replica left: nothing to average over, as a rank built alone has no buckets (its hooks stay silent)
+        alone = dp_mesh.size() == 1
+        for reducer in self.parts.reducers:
+            reducer.paused = alone
+        self._bind(dataclasses.replace(self.parts, reducers=[]) if alone else self.parts)
+        self._set_rng_state(self._built_rng)
+
+    def regroup_refused(self, new: WorkerSpec, rank: int) -> str:
+        """Why this trainer cannot move to the group ``new`` describes (empty when it can): only plain data
+        parallelism's averaging is bound to the group, and only the data-parallel degree (and the data slot each
+        replica reads) may differ."""
+        old, par = self.spec, new.parallel
+        if dataclasses.replace(new, parallel=old.parallel, data_slot=old.data_slot) != old or \
+                par.model_copy(update={"dp": old.parallel.dp}) != old.parallel:
+            return "the new spec differs in more than parallel.dp and the data slot"
+        if par.grid.positions != 1 or par.grid.ep_enabled or par.zero != 0 or par.dp_sync != "allreduce":
+            return (f"only plain data parallelism moves (pp=tp=cp=ep=1, zero 0, dp_sync allreduce), and this rank "
+                    f"has pp*cp*tp={par.grid.positions}, ep={par.grid.ep}, zero={par.zero}, dp_sync={par.dp_sync}")
+        if self.state.wire_feedback is not None:
+            return "it keeps error feedback of its old group's compression"
+        if new.optim.name in ("muon", "onebit_adam"):  # both take the data-parallel group when built
+            return f"optim.name {new.optim.name} holds the old data-parallel group"
+        slot = new.data_slot or (par.grid.coords(rank).dp, par.dp)
+        cursor = self.state.cursor
+        if tuple(slot) != (cursor.dp_rank, cursor.dp_size):
+            return f"it would read data slot {tuple(slot)}, and its cursor reads {(cursor.dp_rank, cursor.dp_size)}"
+        return ""
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.weights_moved = True
+
+    def at_boundary(self) -> None:
+        """The state is a step boundary's again (a step ended, or a snapshot or checkpoint was restored)."""
+        self.mid_step = self.weights_moved = False
+
+    def _rng_state(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
 
     def _error_feedback(self) -> list:
         """What compression held back on this rank, one holder per stage module: PowerSGD's and top-k's hooks,
@@ -149,8 +238,10 @@ class Trainer:
         """One optimizer step (or asp/ssp round); returns its loss, time per phase (``StepEngine.step`` says
         what each phase covers), memory and the hooks' figures for the controller."""
         ctx = StepContext(self.state, self.hooks, StepFault(fault))
+        self.mid_step = True
         core = self.engine.step(ctx, self.objective)
         self.hooks.after_step(ctx)
+        self.at_boundary()
         return StepResult(rank=self.rank, step=self.step, **core, peak_memory_bytes=self.peak_memory_bytes(),
                           current_memory_bytes=self.current_memory_bytes(), extras=ctx.extras)
 

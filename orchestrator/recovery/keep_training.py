@@ -18,6 +18,15 @@ import time
 from dataclasses import dataclass, field
 
 from orchestrator.events import event
+from orchestrator.spec import JobSpec
+
+
+def survivor_specs(spec: JobSpec, live: list[int], extra: dict | None = None) -> dict[int, dict]:
+    """Each surviving rank's worker spec in the smaller group of ``live`` (grid ranks): the job at ``dp =
+    len(live)``, reading the share of every global batch its grid position reads (``data_slot``)."""
+    smaller = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp": len(live)})})
+    worker_spec, grid = {**smaller.worker_dict(), **(extra or {})}, spec.parallel.grid
+    return {r: {**worker_spec, "data_slot": [grid.coords(r).dp, grid.dp]} for r in live}
 
 
 @dataclass
@@ -83,7 +92,7 @@ class KeepTraining:
             job.changes.shrink(set(deg.dead))
             self._account(deg, "shrunk: dp is the survivors'", time.perf_counter() - t0)
             return
-        job.layout = job.layout.with_ranks(job.group.form())
+        job.layout = job.layout.with_ranks(job.group.form(keep=True))  # only the new ranks build
         job.step = job.group.restore(set(deg.dead), job.step)
         self.degraded = None
         if job.memory_every:  # the new ranks' own snapshot of the step, for a failure before the next one

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import replicas_mirror
+from orchestrator.recovery.keep_training import survivor_specs
 from orchestrator.recovery.policy import ranks_that_failed
 from orchestrator.recovery.snapshot_target import newest_common_step, replica_holders
 from orchestrator.runtime.group import ABANDONED, PREEMPTED, StepFailed
@@ -191,15 +192,17 @@ class RankGroup:
                 self._spares[node] = self._new_actor(rank, spare=True)
                 self._spares[node].preload.remote()
 
-    def form(self) -> list[RankInfo]:
-        """(Re)join every rank into a fresh process group and build its model; returns each rank's info."""
+    def form(self, keep: bool = False) -> list[RankInfo]:
+        """(Re)join every rank into a fresh process group and build its model; returns each rank's info.
+        ``keep`` (``recovery: keep_training``'s rejoin): ranks that have a trainer keep it and only join the new
+        group (``RankWorker.setup``); the replacements build theirs."""
         world = self.spec.parallel.world_size
         self._live, self._starting = None, {}
         self._each("preload")  # new actors import first
         one_node = len(set(self._node_of.values())) == 1  # then the store listens on loopback only
         addr, port = self._each("rendezvous_address", per_rank={0: (one_node,)})[0]
         worker_spec = {**self.spec.worker_dict(), **self.worker_extra}
-        infos = self._each("setup", per_rank={r: (worker_spec, r, world, addr, port) for r in range(world)})
+        infos = self._each("setup", per_rank={r: (worker_spec, r, world, addr, port, keep) for r in range(world)})
         self._holders = replica_holders(self.spec.parallel.grid, self._node_of)
         # a mirror's holder already has the same state in its own snapshots: nothing to ship
         self._each("set_holder", per_rank={r: (None if self.mirrored else self._holder_actor(r),)
@@ -218,10 +221,10 @@ class RankGroup:
             raise StepFailed(lost)
 
     def form_without(self, dead) -> list[RankInfo]:
-        """``recovery: keep_training``: the other ranks re-form a smaller process group without ``dead`` and build
-        their models again (state: ``restore`` next), numbered in grid order, each reading the share of every
-        global batch its grid position reads (``data_slot``); the dead ranks' nodes' agents let go of them until
-        their replacements rejoin (``form``)."""
+        """``recovery: keep_training``: the other ranks re-form a smaller process group without ``dead``, keeping
+        their trainers (``RankWorker.setup``; state: ``restore`` next puts back what the failed step moved),
+        numbered in grid order, each reading the share of every global batch its grid position reads
+        (``data_slot``); the dead ranks' nodes' agents let go of them until their replacements rejoin (``form``)."""
         dead = set(dead)
         for node, gone in self._by_node(r for r in dead if r in self._node_of).items():
             if node in self._agents:
@@ -229,13 +232,9 @@ class RankGroup:
         self._live = [r for r in range(len(self.workers)) if r not in dead]
         one_node = len({self._node_of[r] for r in self._live}) == 1
         addr, port = self._each("rendezvous_address", per_rank={self._live[0]: (one_node,)})[0]
-        smaller = self.spec.model_copy(update={"parallel": self.spec.parallel.model_copy(
-            update={"dp": len(self._live)})})
-        worker_spec = {**smaller.worker_dict(), **self.worker_extra}
-        grid, world = self.spec.parallel.grid, len(self._live)
-        infos = self._each("setup", per_rank={
-            r: ({**worker_spec, "data_slot": [grid.coords(r).dp, grid.dp]}, i, world, addr, port)
-            for i, r in enumerate(self._live)})
+        specs, world = survivor_specs(self.spec, self._live, self.worker_extra), len(self._live)
+        infos = self._each("setup", per_rank={r: (specs[r], i, world, addr, port, True)
+                                              for i, r in enumerate(self._live)})
         self._each("set_holder", per_rank={r: (None,) for r in self._live})  # zero 0: every snapshot a mirror
         return infos
 

@@ -93,8 +93,9 @@ class SimGroup:
         self._window_id, self._cursor = 0, 0
         self.died_at: float | None = None
 
-    def form(self) -> list[RankInfo]:
-        """Every host forms its ranks again (step 0, no mail); the controller's view of each rank."""
+    def form(self, keep: bool = False) -> list[RankInfo]:
+        """Every host forms its ranks again (step 0, no mail; ``keep`` changes nothing for virtual ranks); the
+        controller's view of each rank."""
         ray.get([h.form.remote() for h in self.hosts])
         grid = self.spec.parallel.grid
         return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="virtual",

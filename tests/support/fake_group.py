@@ -218,6 +218,9 @@ class FakeGroup:
         self.replaced: list[set[int]] = []
         self.live: list[int] | None = None  # keep_training: the ranks stepping without the failed replicas
         self.formed: list[tuple[str, int, list[int]]] = []  # (form | form_without, step, ranks) of each formation
+        # rank -> trainers its current process built, and those its replaced processes built before it
+        self.builds: dict[int, int] = {}
+        self.builds_before: dict[int, int] = {}
         self._ready_asks = 0
         self.stopped = False
         self.skipped_at: dict[int, int] = {}  # step -> batches the ranks skipped before its latest run
@@ -232,10 +235,12 @@ class FakeGroup:
         if failure is not None:
             raise failure
 
-    def form(self) -> list[RankInfo]:
-        """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded."""
+    def form(self, keep: bool = False) -> list[RankInfo]:
+        """Every rank rebuilds its model: back to the initial state, step 0, until restored or loaded. ``keep``:
+        only the ranks without a trainer (replacements) build one, as ``RankWorker.setup`` does."""
         self._maybe_fail("form")
         self.formed.append(("form", self.step_now, list(range(self.world))))
+        self._build(r for r in range(self.world) if not keep or self.builds.get(r, 0) == 0)
         self.live = None
         self.step_now = 0
         self._in_flight = None  # an unfinished async save dies with the old process group
@@ -245,7 +250,7 @@ class FakeGroup:
                 for r in grid.ranks()]
 
     def form_without(self, dead) -> list[RankInfo]:
-        """The other ranks re-form without ``dead``: like ``form``, their models start over until restored."""
+        """The other ranks re-form without ``dead``, keeping their trainers (no build), restored next."""
         self._maybe_fail("form")
         self.live = [r for r in range(self.world) if r not in set(dead)]
         self.formed.append(("form_without", self.step_now, list(self.live)))
@@ -344,6 +349,16 @@ class FakeGroup:
 
     def replace(self, ranks) -> None:
         self.replaced.append(set(ranks))
+        for rank in ranks:  # a new process: it has built no trainer yet
+            self.builds_before[rank] = self.builds_before.get(rank, 0) + self.builds.pop(rank, 0)
+
+    def _build(self, ranks) -> None:
+        for rank in ranks:
+            self.builds[rank] = self.builds.get(rank, 0) + 1
+
+    def trainer_builds(self) -> dict[int, int]:
+        """Rank -> the trainers built in its grid position over the run (its replaced processes' included)."""
+        return {r: self.builds.get(r, 0) + self.builds_before.get(r, 0) for r in range(self.world)}
 
     def start_spares(self) -> None: ...
 

@@ -46,6 +46,19 @@ def test_the_other_replicas_step_while_the_failed_one_is_rebuilt_then_it_rejoins
     assert job.machine.visited[-1].name == "FINISHED" and group.live is None
 
 
+def test_the_survivors_keep_their_trainers_and_only_the_replacement_builds(tmp_path):
+    """Re-forming the group without the failed replica, and again when its replacement rejoins, builds no trainer
+    on the other replicas (``RankWorker.setup(keep_trainer=True)``): rank 1's grid position builds twice (its
+    first process and the replacement), every other rank once, at the start. Under the default every rank builds
+    again at the recovery."""
+    runtime = FakeRuntime(ready_after=2)
+    keep_job(tmp_path, [kill(1, 4)], runtime).run()
+    assert runtime.groups[0].trainer_builds() == {0: 1, 1: 2, 2: 1, 3: 1}
+    default = FakeRuntime()
+    make_job(tmp_path / "default", [kill(1, 4)], runtime=default, parallel={"dp": 4}).run()
+    assert default.groups[0].trainer_builds() == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
 def test_a_run_ending_while_degraded_has_the_replacement_rejoin_first(tmp_path):
     """The last steps ran without the failed replica: it still rejoins before the run ends, so every replica ends
     with the same state (the replacements are never ready here, until the run's end waits for them)."""

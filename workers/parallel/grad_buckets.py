@@ -116,17 +116,34 @@ class GradBuckets:
         cap = float("inf") if bucket_mb == 0 else bucket_mb * MIB  # 0: one bucket, reduced once backward is done
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(module, blocks, cap, skip))]
         self.buckets[-1].last = True
-        self.state, self.hook = comm_hook(compression, group, powersgd_rank, topk_ratio)  # the job's
-        self.plain = comm_hook("none", group)  # (state, hook) of PowerSGD's warm-up steps
+        self._hook_args = (compression, powersgd_rank, topk_ratio)
         self.warmup_steps = warmup_steps
-        self.active = (self.state, self.hook)  # this step's (state, hook), picked by ``begin``
         self.expected = [len(b.params) * microbatches for b in self.buckets]
         self.paused = False  # set by an optimizer that communicates itself (onebit_adam after warm-up)
         self.events: list[dict] = []  # this step's bucket reductions (start, end), for the timeline
         self._of = {id(p): b.index() for b in self.buckets for p in b.params}
-        self._reset()
+        self.rebind(group)  # the hooks over ``group``, nothing launched yet
         for p in (p for b in self.buckets for p in b.params):
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def rebind(self, group) -> None:
+        """Reduce over ``group`` from now on, dropping whatever a failed step left launched on the old one.
+
+        Why: under ``recovery: keep_training`` a surviving rank keeps its model and this averager (its hooks stay
+        on the parameters) while only the process group is re-formed around it. Only hooks that hold nothing but
+        the group are rebound; PowerSGD's and top-k's error feedback would belong to the old group's replicas
+        (``keep_training`` refuses them)."""
+        compression, powersgd_rank, topk_ratio = self._hook_args
+        if compression in ("powersgd", "topk") and hasattr(self, "state"):
+            raise ValueError(f"parallel.grad_compression {compression!r} keeps error feedback per group: its "
+                             "averager cannot move to another group; rebuild the rank instead")
+        self.state, self.hook = comm_hook(compression, group, powersgd_rank, topk_ratio)  # the job's
+        self.plain = comm_hook("none", group)  # (state, hook) of PowerSGD's warm-up steps
+        self.active = (self.state, self.hook)  # this step's (state, hook), picked by ``begin``
+        self.events = []
+        for bucket in self.buckets:
+            bucket.flat = None
+        self._reset()
 
     def begin(self, step: int, paused: bool = False) -> None:
         """Before step ``step`` (0-based, the run's global count, so a resumed run's warm-up ends where the

@@ -97,6 +97,20 @@ def restore(state: TrainState, snap: dict) -> None:
         state.outer.load_state_dict(snap["diloco"])
 
 
+def restore_progress(state: TrainState, snap: dict) -> None:
+    """Only what a step moves before its update, back from a snapshot of the step boundary it began at: the
+    persistent buffers (a forward may move them) and the progress (step, data cursor, LR schedule, loss scale).
+
+    For a rank whose failed step never reached an optimizer (``RankWorker._roll_back_kept``): its weights and
+    optimizer state are still the snapshot's, so copying them back (the bulk of a snapshot) would change nothing.
+    Only those two entries of a compressed snapshot are unpacked."""
+    snap = lossless.unpack({"buffers": snap["buffers"], "progress": snap["progress"]})
+    with torch.no_grad(), state.resident():
+        for name, b in _persistent_buffers(state):
+            _local(b).copy_(snap["buffers"][name])
+    state.load_progress_state(snap["progress"])
+
+
 def _like(param: torch.Tensor, saved):
     """Optimizer state shaped like the parameter becomes a tensor placed like it, in the dtype it was saved in
     (an offloaded optimizer's fp32 moments of a bf16 parameter); scalars stay as saved."""
