@@ -14,9 +14,11 @@ STEPS = 40
 # (seconds: a process importing torch) and the replacement rejoins mid-run: 0.05 s steps ended before it was up
 SLOW = {"kind": "slow_rank", "rank": 0, "at_step": 1, "factor": 10.0}
 KILLED_AT = 4
+# hang_floor_s: the slowed rank's 0.5 s steps, stretched by a loaded machine, passed the 5 s floor and were
+# taken for a hang (a second recovery); this test is about keep_training, the hang tests are elsewhere
 SECTIONS = {"parallel": {"dp": 4}, "train": {"steps": STEPS}, "checkpoint": {"memory_every": 1},
             "fault_tolerance": {"recovery": "keep_training", "warm_spares": True, "heartbeat_timeout_s": 20,
-                                "collective_timeout_s": 5}}
+                                "collective_timeout_s": 5, "hang_floor_s": 20}}
 
 
 def _run(token_data, tmp_path, faults, monkeypatch=None):
