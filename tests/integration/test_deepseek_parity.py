@@ -4,7 +4,11 @@ the sigmoid, group-limited router with the balancing bias (each rank moves the b
 ZeRO-3 over the expert stacks, and pipeline stages cut between the dense first layer and the MoE ones. Then a tiny
 random ``DeepseekV3ForCausalLM`` through ``model.init_from``: the first step's loss is transformers' to 1e-5 at one
 process, dp2 x ep2 and pp2, and the steps follow the reference. The model itself is checked against transformers
-in tests/unit/test_deepseek.py."""
+in tests/unit/test_deepseek.py.
+
+Multi-token prediction (``model.mtp_layers: 2``, its MoE blocks' experts split too): dp2 x ep2 and dp2 ZeRO-3 follow
+the single-process reference that trains with the loop of tests/support/mtp_reference.py, and report the one
+process's MTP figures (tests/unit/test_mtp.py checks the model against that loop)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ HF = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "moe_interm
       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
       "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
       "max_position_embeddings": 64, "routed_scaling_factor": 2.5}
+MTP = {**MODEL, "mtp_layers": 2, "mtp_loss_weight": 0.3}
+MTP_LAYOUTS = {"mtp-one": ({}, {}), "mtp-dp2-ep2": ({"dp": 2, "ep": 2}, {}),
+               "mtp-dp2-zero3": ({"dp": 2, "zero": 3}, {})}
 HF_LAYOUTS = {"hf-one": ({}, {}), "hf-dp2-ep2": ({"dp": 2, "ep": 2}, {}), "hf-pp2": ({"pp": 2}, {"microbatches": 2})}
 
 
@@ -40,6 +47,8 @@ def cases(token_data, tmp_path_factory):
     out = {name: tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"}, model=MODEL,
                            train={"steps": STEPS, **train})
            for name, (parallel, train) in LAYOUTS.items()}
+    out.update({name: tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"}, model=MTP,
+                                train={"steps": STEPS, **train}) for name, (parallel, train) in MTP_LAYOUTS.items()})
     _, src = save_hf_deepseek(root / "hf", HF)
     for name, (parallel, train) in HF_LAYOUTS.items():  # the job's moe: its training settings (bias balancing)
         out[name] = tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"},
@@ -65,3 +74,14 @@ def test_init_from_starts_at_transformers_loss_and_follows_the_reference(name, c
     loss, _ = transformers_first_step(spec, spec.model.init_from)
     assert run.losses[0] == pytest.approx(loss, abs=1e-5)
     assert_follows_reference(run, spec, STEPS)
+
+
+@pytest.mark.parametrize("name", list(MTP_LAYOUTS))
+def test_mtp_layout_matches_the_reference_and_reports_the_one_process_figures(name, cases, runs):
+    run, one = ran(runs, name), ran(runs, "mtp-one")
+    assert_follows_reference(run, cases[name], STEPS)
+    figures = [[step["mtp"] for step in steps] for steps in run.results.values()]
+    assert all(f == figures[0] for f in figures)  # every rank reports the dp-reduced figures
+    for ours, alone in zip(figures[0], [step["mtp"] for step in one.results[0]]):
+        assert len(ours["depths"]) == 2 and ours["loss"] == pytest.approx(alone["loss"], rel=1e-4)
+        assert ours["depths"] == pytest.approx(alone["depths"], rel=1e-4)

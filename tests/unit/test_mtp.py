@@ -1,7 +1,8 @@
 """Multi-token prediction (``model.mtp_layers``, ``workers/model/mtp.py``) for ``model.arch: deepseek_v3``.
 
-``transformers`` builds no MTP module, so the model is checked against a reference written here from the DeepSeek-V3
-report's section 2.2 with torch functional ops and the main model's pieces: depth k normalises h^{k-1} (depth 0:
+``transformers`` builds no MTP module, so the model is checked against a reference written apart from it
+(``tests/support/mtp_reference.py``) from the DeepSeek-V3 report's section 2.2 with torch functional ops and the
+main model's pieces: depth k normalises h^{k-1} (depth 0:
 the last block's output, before the final norm) and the embedding of the token k ahead, projects their
 concatenation, runs one block and predicts the token k+1 ahead through the shared head; L = L_main + lambda/D sum
 CE_k. The step's reported loss stays the next-token loss; the DeepSeek checkpoint names of the MTP layer
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from workers.model import deepseek, hf_io
+from tests.support.mtp_reference import mtp_losses
+from workers.model import hf_io
 from workers.model.gpt import model_loss
 from workers.model.mtp import begin_step, end_step
 from workers.model.registry import build_model, model_config
@@ -35,29 +37,10 @@ def _model(**fields):
     return build_model(model_config({**MODEL, **fields}))
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 def reference_loss(model, tokens, targets, reduction: str = "mean") -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The report's MTP objective as a plain loop: (L_main + lambda/D sum_k CE_k, [CE_k])."""
-    cfg, eps = model.cfg, model.cfg.norm_eps
-    embedded = F.embedding(tokens, model.tok_embeddings.weight)
-    h = embedded
-    for block in model.layers.values():
-        h = block(h)
-    head = model.output.weight
-    total = F.cross_entropy(F.linear(_rms(h, model.norm.weight, eps), head).flatten(0, 1), targets.flatten(),
-                            reduction=reduction)
-    depths, seq = [], tokens.shape[1]
-    for k in range(1, cfg.mtp_layers + 1):
-        depth = model.mtp[str(cfg.n_layers + k - 1)]
-        joined = torch.cat((_rms(embedded[:, k:], depth.enorm.weight, eps), _rms(h[:, :seq - k], depth.hnorm.weight,
-                                                                                 eps)), dim=-1)
-        h = deepseek.DeepseekBlock.forward(depth, F.linear(joined, depth.eh_proj.weight))
-        logits = F.linear(_rms(h, depth.norm.weight, eps), head)
-        depths.append(F.cross_entropy(logits.flatten(0, 1), targets[:, k:].flatten(), reduction=reduction))
-    return total + cfg.mtp_loss_weight / cfg.mtp_layers * sum(depths), depths
+    """The report's objective from the independent loop: (L_main + lambda/D sum_k CE_k, [CE_k])."""
+    main, depths = mtp_losses(model, tokens, targets, reduction)
+    return main + model.cfg.mtp_loss_weight / len(depths) * sum(depths), depths
 
 
 def _grads(model) -> dict[str, torch.Tensor]:

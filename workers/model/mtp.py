@@ -57,7 +57,7 @@ class MultiTokenPrediction(nn.ModuleDict):
         super().__init__({str(i): layer(cfg, i, norm) for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_layers)})
         self.weight = cfg.mtp_loss_weight
         self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.tally = torch.zeros(2, cfg.mtp_layers, dtype=torch.float64)
+        self.tally = torch.zeros(2, cfg.mtp_layers, dtype=torch.float64, device="cpu")  # also under a meta build
 
     def keep(self, embedded: torch.Tensor, hidden: torch.Tensor) -> None:
         """Hold a training forward's token embeddings and pre-norm hidden state for ``loss``; nothing is kept
