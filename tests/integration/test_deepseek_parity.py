@@ -50,11 +50,31 @@ def cases(token_data, tmp_path_factory):
     out.update({name: tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"}, model=MTP,
                                 train={"steps": STEPS, **train}) for name, (parallel, train) in MTP_LAYOUTS.items()})
     _, src = save_hf_deepseek(root / "hf", HF)
+    # d_ff as the tiny job has it, which the init_from job keeps
+    mtp_src = _mtp_checkpoint(tiny_spec(token_data, root / "mtp-src", model={**MTP, "d_ff": 64}), root / "mtp-hf")
+    out["mtp-hf-dp2-ep2"] = tiny_spec(token_data, root / "mtp-hf-dp2-ep2", parallel={"dp": 2, "ep": 2, "device": "cpu"},
+                                      model={"init_from": str(mtp_src), "moe": {"bias_balancing": True}},
+                                      train={"steps": STEPS})
     for name, (parallel, train) in HF_LAYOUTS.items():  # the job's moe: its training settings (bias balancing)
         out[name] = tiny_spec(token_data, root / name, parallel={**parallel, "device": "cpu"},
                               model={"init_from": str(src), "moe": {"bias_balancing": True, "aux_loss_weight": 0.0}},
                               train={"steps": STEPS, **train})
     return out
+
+
+def _mtp_checkpoint(spec, directory):
+    """A DeepSeek-layout checkpoint with two MTP layers (``raymesh export-hf``'s writer, random weights)."""
+    import torch
+
+    from workers.model.hf_io import write_hf
+    from workers.model.registry import build_model, model_config
+
+    torch.manual_seed(1)
+    model = build_model(model_config(spec.worker_dict()["model"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return write_hf(model.state_dict(), model.cfg, directory)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +105,10 @@ def test_mtp_layout_matches_the_reference_and_reports_the_one_process_figures(na
     for ours, alone in zip(figures[0], [step["mtp"] for step in one.results[0]]):
         assert len(ours["depths"]) == 2 and ours["loss"] == pytest.approx(alone["loss"], rel=1e-4)
         assert ours["depths"] == pytest.approx(alone["depths"], rel=1e-4)
+
+
+def test_init_from_a_checkpoint_with_its_mtp_layers_follows_the_reference(cases, runs):
+    """The MTP layers' experts read by expert slice (dp2 x ep2), the rest whole: the reference reads them whole."""
+    spec = cases["mtp-hf-dp2-ep2"]
+    assert spec.model.mtp_layers == 2
+    assert_follows_reference(ran(runs, "mtp-hf-dp2-ep2"), spec, STEPS)
