@@ -298,7 +298,11 @@ def _mtp_layers(data: dict[str, Any], config: dict[str, Any], directory: str) ->
     from workers.model.deepseek import held_mtp_layers
     from workers.model.hf_io import weight_files
 
-    held = held_mtp_layers(config, weight_files(directory))
+    try:
+        held = held_mtp_layers(config, weight_files(directory))
+    except ValueError as exc:
+        raise SpecError("model.init_from", directory, f"has no readable weights ({exc})",
+                        "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
     asked = data.get("mtp_layers")
     if asked is not None and asked > held:
         raise SpecError("model.mtp_layers", asked, f"asks for more multi-token prediction depths than "

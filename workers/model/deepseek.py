@@ -10,11 +10,11 @@ heads (the "decoupled" rotary key). Only the latent and that key need caching at
 rope channels per token instead of 2 x heads x head_dim); this module computes the expanded form, which is what
 training runs. Rotary pairs are interleaved (channels 2i, 2i+1), as DeepSeek's checkpoints lay them out.
 
-Multi-token prediction (``model.mtp_layers``) is ``workers.model.mtp``; its checkpoint layer (index
-``num_hidden_layers + k``, which ``transformers`` drops) is read and written here (``_MTP``).
+Multi-token prediction (``model.mtp_layers``) is ``workers.model.mtp``; its checkpoint layers (from index
+``num_hidden_layers`` on, which ``transformers`` drops) are named here (``_MTP``, ``hf_name``, ``mtp_copies``).
 
-Not built: tensor
-parallelism of MLA (no ``tensor_parallel`` hook: the builder refuses tp > 1 naming it), yarn rotary scaling.
+Not built: tensor parallelism of MLA (no ``tensor_parallel`` hook: the builder refuses tp > 1 naming it), yarn
+rotary scaling.
 """
 
 from __future__ import annotations
