@@ -177,6 +177,7 @@ def test_deepseek_v3_with_its_mtp_module_is_the_published_total():
 @pytest.mark.parametrize(("model", "parallel", "train", "message"), [
     ({"arch": "llama", "mtp_layers": 1}, None, None, "model.mtp_layers.*DeepSeek-V3 field"),
     ({"mtp_layers": 1}, {"pp": 2}, {"microbatches": 2}, "model.mtp_layers.*parallel.pp=2.*set parallel.pp: 1"),
+    ({"mtp_layers": 1}, {"tp": 2}, None, "model.mtp_layers.*parallel.tp=2.*set parallel.tp: 1"),
     ({"mtp_layers": 1}, None, {"objective": "dpo"}, "model.mtp_layers.*dpo.*set model.mtp_layers: 0"),
     ({"mtp_layers": -1}, None, None, "mtp_layers"),
 ])

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def check_mtp(job: JobSpec) -> None:
-    """`model.mtp_layers` > 0 under `parallel.pp` > 1 or `train.objective: dpo` is refused."""
+    """`model.mtp_layers` > 0 under `parallel.pp` > 1, `parallel.tp` > 1 or `train.objective: dpo` is refused."""
     depths = job.model.mtp_layers
     if not depths:
         return
@@ -26,6 +26,10 @@ def check_mtp(job: JobSpec) -> None:
                         f"parallel.pp={job.parallel.pp} puts them on the first and the last pipeline stage "
                         "(multi-token prediction under pipeline parallelism is not built)",
                         "set parallel.pp: 1 (use dp and ep), or model.mtp_layers: 0")
+    if job.parallel.tp > 1:
+        raise SpecError("model.mtp_layers", depths, f"has no tensor-parallel plan for its modules yet, and "
+                        f"parallel.tp={job.parallel.tp} splits the head they share", "set parallel.tp: 1 (use dp "
+                        "and ep), or model.mtp_layers: 0")
     if job.train.objective == "dpo":
         raise SpecError("model.mtp_layers", depths, "adds a token-prediction loss, and train.objective: dpo "
                         "trains on sequence log-probabilities only", "set model.mtp_layers: 0 for DPO")
