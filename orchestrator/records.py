@@ -60,6 +60,10 @@ class RecoveryRecord:
     # recovery: keep_training: the steps the other replicas ran while the failed ones were rebuilt (filled in,
     # with skipped_sequences, rejoined_at_step and rejoin_s, when they rejoin: KeepTraining)
     degraded_steps: list | None = None
+    node: str | None = None  # a drain's: the node(s) Ray was draining, which the ranks left
+    # a hang's: deadline_s (the progress deadline in force), median_step_s (the typical step it followed), silent_s
+    # (how long no step had completed when it was found), diagnose_s (every rank's stacks, until the kill)
+    detection: dict | None = None
 
     def completed(self, mttr_s: float, phases_s: dict) -> RecoveryRecord:
         return replace(self, mttr_s=mttr_s, phases_s=phases_s)
@@ -68,7 +72,7 @@ class RecoveryRecord:
         out = asdict(self)
         if self.mttr_s is None:  # not ended yet: the summary only ever holds ended recoveries
             del out["mttr_s"], out["phases_s"]
-        for optional in ("stacks", "degraded_steps"):
+        for optional in ("stacks", "degraded_steps", "node", "detection"):
             if out[optional] is None:
                 del out[optional]
         return out

@@ -24,7 +24,7 @@ RANK_LABELS = ("job", "rank", "stage", "dp", "pp", "tp")  # stage: the rank's pi
 # own process, restarted by Ray), a corrupt checkpoint set aside and a parameter-server shard restarted (the
 # summary's kill_ps_shard), exported at 0 from the start so rates and panels have series
 RECOVERY_KINDS = ("rank", "node", "hang", "oom", "error", "nan_loss", "controller", "corrupt_checkpoint", "ps_shard",
-                  "preempt")
+                  "preempt", "drain")
 
 
 class _HeartbeatAge:

@@ -78,7 +78,7 @@ def stage_params(spec: JobSpec, stage: int, n_stages: int, split: tuple[int, ...
     d, v = m.d_model, spec.padded_vocab_size  # the rows the ranks build (a multiple of tp)
     layers = stage_layers(spec, stage, n_stages, split)
     sharded = sum(sharded_block_params(spec, i) for i in layers)
-    replicated = len(layers) * Shape.of(spec).block_replicated + sum(moe_params(spec, i)[1] for i in layers)
+    replicated = sum(replicated_block_params(spec, i) for i in layers)
     if stage == 0:
         sharded += v * d + (m.seq_len * d if m.positions == "learned" else 0)
     if stage == n_stages - 1:
@@ -101,7 +101,7 @@ def mtp_params(spec: JobSpec) -> tuple[int, int, int]:
     norms (``enorm``, ``hnorm``, the one before the shared head). The embedding and head are the main model's."""
     d, depths = spec.model.d_model, mtp_layers(spec)
     sharded = sum(sharded_block_params(spec, i) + 2 * d * d for i in depths)
-    replicated = sum(Shape.of(spec).block_replicated + moe_params(spec, i)[1] + 3 * d for i in depths)
+    replicated = sum(replicated_block_params(spec, i) + 3 * d for i in depths)
     return sharded, replicated, sum(moe_params(spec, i)[2] for i in depths)
 
 
@@ -112,8 +112,31 @@ def block_params(spec: JobSpec) -> int:
 
 
 def sharded_block_params(spec: JobSpec, layer: int) -> int:
-    """``block_params`` of block ``layer`` less an MoE block's dense feed-forward (its MoE layer is replicated)."""
-    return block_params(spec) - moe_params(spec, layer)[0]
+    """``block_params`` of block ``layer`` less an MoE block's dense feed-forward (its MoE layer is replicated) and
+    what the family's tp plan keeps whole otherwise (``kept_whole``)."""
+    return block_params(spec) - moe_params(spec, layer)[0] - kept_whole(spec, layer)
+
+
+def replicated_block_params(spec: JobSpec, layer: int) -> int:
+    """Block ``layer``'s parameters every tp rank holds whole: its norms, an MoE block's router and shared experts,
+    and ``kept_whole``."""
+    return Shape.of(spec).block_replicated + moe_params(spec, layer)[1] + kept_whole(spec, layer)
+
+
+def kept_whole(spec: JobSpec, layer: int) -> int:
+    """Parameters of block ``layer`` that DeepSeek-V3's tp plan (``workers.parallel.deepseek_parallel``) places
+    unlike the generic count: MLA's down projections and latent norms stay whole on every tp rank, an MoE block's
+    shared experts are split by hidden units. Their net move from the sharded count to the replicated one (negative:
+    the other way); 0 for another family."""
+    m = spec.model
+    if m.arch != "deepseek_v3":
+        return 0
+    down = (m.q_lora_rank * (m.d_model + 1) if m.q_lora_rank else 0) + m.d_model * (
+        m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    moe = m.moe
+    shared = (moe.shared_experts * FFN_MATRICES[m.arch] * m.d_model * (moe.d_expert or m.ffn_dim)
+              if moe is not None and m.is_moe_layer(layer) else 0)
+    return down - shared
 
 
 def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
 
 DETAIL_RANKS = 256  # ranks whose own phase times and memory the controller takes per step (Window.detail_every)
+DRAIN_CHECK_S = 1.0  # how often a running window asks Ray whether a node of the grid is being drained
 
 
 class RunComplete(Exception):
@@ -164,6 +165,9 @@ class TrainingJob:
         self._last_progress = time.perf_counter()
         self._poll_s = 1.0  # how long one wait for rank 0's next item lasts
         self._phase = "start"  # what the window's ranks are in, as rank 0 said last (the deadline follows it)
+        self._drain_checked = 0.0  # when a window last asked Ray for draining nodes (``_check_drain``)
+        self._draining: dict[str, float | None] = {}  # node -> seconds to its drain deadline, as first heard
+        self._ranks_on: tuple[Layout | None, dict[str, list[int]]] = (None, {})  # a layout's ranks by node
         self._resize: tuple[JobSpec, str] | None = None  # a resize decided while a window ran, done after it
         self.scaling = ScalingPolicy(self.runtime.elastic(spec))
         self.changes = GridChanges(self)
@@ -609,6 +613,7 @@ class TrainingJob:
                     end = self._take(acct, item, window)
                     if end is not None:
                         return end
+                self._check_drain()
         except StepFailed:
             with self._issue_lock:
                 self.faults.fired_through(self.step + 1)  # the failed step's faults fired
@@ -655,10 +660,46 @@ class TrainingJob:
         return min(ft.heartbeat_timeout_s, max(min(ft.hang_floor_s, ft.heartbeat_timeout_s), ft.hang_steps * typical))
 
     def _check_progress(self, acct: StepAccounting) -> None:
-        """No item within the deadline: the group finds the stuck ranks and the window fails with them hung."""
-        silent = time.perf_counter() - self._last_progress
-        if silent >= self._deadline(acct):
+        """No item within the deadline: the group finds the stuck ranks and the window fails with them hung. The
+        failure carries what the detection took (``StepFailed.detection``, into the recovery record): the deadline
+        in force and the median step it followed, the silence when it was found, and the diagnosis (every rank's
+        stacks) until the stuck ranks were killed, so a run's own records show the deadline rule was kept."""
+        silent, deadline = time.perf_counter() - self._last_progress, self._deadline(acct)
+        if silent < deadline:
+            return
+        typical = statistics.median(acct.step_times[-20:]) if acct.step_times else None
+        t0 = time.perf_counter()
+        try:
             self.group.window_hung(silent)
+        except StepFailed as failure:
+            failure.detection = {"deadline_s": round(deadline, 3), "silent_s": round(silent, 3),
+                                 "median_step_s": None if typical is None else round(typical, 4),
+                                 "diagnose_s": round(time.perf_counter() - t0, 3)}
+            raise
+
+    def _check_drain(self) -> None:
+        """Once a second while a window runs: a node of the grid that Ray is draining (``ray drain-node``, an
+        autoscaler's or KubeRay's preemption of a spot or evicted node) gets the preemption notice's treatment for
+        every rank on it: rank 0 ends the window at the next step's boundary with that step saved, and the ranks
+        then move to other nodes (``_preempted``). One call to Ray's GCS, whatever the world size."""
+        now = time.perf_counter()
+        if now - self._drain_checked < DRAIN_CHECK_S or "drain" in self._posted or self.layout is None:
+            return
+        self._drain_checked = now
+        if self._ranks_on[0] is not self.layout:  # made once per layout, not once a second
+            by_node: dict[str, list[int]] = {}
+            for info in self.layout.ranks:
+                by_node.setdefault(info.node_id, []).append(info.rank)
+            self._ranks_on = (self.layout, by_node)
+        ranks_on = self._ranks_on[1]
+        draining = self.runtime.draining(ranks_on)
+        if not draining:
+            return
+        self._draining.update({n: s for n, s in draining.items() if n not in self._draining})
+        ranks = sorted(r for node in draining for r in ranks_on[node])
+        at = self._post_once("drain", Request(preempted=tuple(ranks)))
+        event("drain_notice", nodes=",".join(sorted(draining)), ranks=ranks, after_step=at,
+              deadline_s=",".join("none" if s is None else f"{s:.0f}" for _, s in sorted(draining.items())))
 
     def _on_record(self, acct: StepAccounting, record: StepRecord) -> None:
         """Account for a completed step and show it; then what the controller asks of the running window. The
@@ -768,10 +809,19 @@ class TrainingJob:
 
     def _preempted(self, end: WindowEnd) -> NoReturn:
         """Ranks had a preemption notice: the window ended at ``end.step`` with that step saved (a checkpoint when
-        checkpoints are on, else a snapshot), so they go and are replaced as failed ranks are, nothing lost."""
+        checkpoints are on, else a snapshot), so they go and are replaced as failed ranks are, nothing lost. Those
+        on a draining node go to other nodes: their placement is reserved again without it (recovery kind
+        ``drain``, naming the node)."""
         saved = self.ckpt.path_for(end.step) if end.step in self.ckpt.complete_steps() else "snapshot"
-        event("preempted", ranks=list(end.ranks), step=end.step, saved=saved)
-        self.group.preempted(end.ranks)
+        nodes = sorted({self.layout.ranks[r].node_id for r in end.ranks} & set(self._draining))
+        event("preempted", ranks=list(end.ranks), step=end.step, saved=saved,
+              **({"drained": ",".join(nodes)} if nodes else {}))
+        try:
+            self.group.preempted(end.ranks, leave=tuple(nodes))
+        except StepFailed as failure:
+            if nodes:
+                failure.kind, failure.node = "drain", ",".join(nodes)
+            raise
 
     def _resize_now(self, acct: StepAccounting) -> None:
         """Carry out the resize decided while the window ran (requested, or a grow-back); a resize that went back

@@ -75,7 +75,8 @@ class GridChanges:
         rank = min(failure.dead) if failure.dead else -1
         degraded = [] if self.keep.degraded is not None and decision.action is Action.KEEP_TRAINING else None
         record = RecoveryRecord(kind, rank, at_step, completed - job.step, source, before, dp_before,
-                                job.spec.parallel.dp, stacks=failure.stacks, degraded_steps=degraded)
+                                job.spec.parallel.dp, stacks=failure.stacks, degraded_steps=degraded, node=failure.node,
+                                detection=failure.detection)
         job.observers.on_recovered(record, job.step, len(failure.dead), phases.seconds)
         return record, phases
 

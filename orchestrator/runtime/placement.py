@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.errors import NO_VALUE, SpecError
 from orchestrator.events import event
 from orchestrator.planning.snapshot_memory import check_nodes, host_bytes_per_rank
+from orchestrator.recovery.drain import live_nodes
 from orchestrator.runtime.node_order import OrderedNode, fill_order, ordered_nodes, ordered_targets
 from orchestrator.spec import JobSpec
 from orchestrator.units import human_bytes
@@ -74,6 +75,21 @@ class RankPlacement:
             out[rank] = tables[group][index]
         return out
 
+    def move_off(self, nodes: set[str]) -> list[int]:
+        """Reserve again, elsewhere, every group placed on one of ``nodes`` (being drained): the old group is
+        removed and a new one with the same bundles asked for, which Ray places on a node it is not draining (or
+        leaves pending until there is room: the replacements' ``placement_timeout_s`` then shrinks the grid).
+        Returns the indices of the groups moved. Their actors must be gone already: removing a group kills them."""
+        moved = []
+        for g, pg in enumerate(self.groups):
+            table = placement_group_table(pg)
+            if set(table["bundles_to_node_id"].values()) & nodes:
+                bundles = [dict(bundle) for bundle in pg.bundle_specs]  # read before the group is gone
+                remove_placement_group(pg)
+                self.groups[g] = placement_group(bundles, strategy="STRICT_PACK", name=table["name"])
+                moved.append(g)
+        return moved
+
     def release(self) -> None:
         for pg in self.groups:
             remove_placement_group(pg)
@@ -104,7 +120,7 @@ def can_reserve(spec: JobSpec, use_gpu: bool, groups: int, timeout_s: float) -> 
 def reserve(spec: JobSpec, use_gpu: bool, timeout_s: float = 120.0) -> RankPlacement:
     """Reserve every rank's bundle: refused at once when the cluster's nodes could never hold the grid, else
     waited for up to ``timeout_s`` while other work holds the room, then refused naming what holds it."""
-    nodes = [node for node in ray.nodes() if node["Alive"]]
+    nodes = live_nodes(ray.nodes())  # a node being drained takes no new rank
     check_nodes(spec, [node["Resources"].get("memory", 0.0) for node in nodes])
     block, n_groups = spec.parallel.grid.node_block, node_groups(spec.parallel.grid)
     bundle = rank_bundle(spec, use_gpu)

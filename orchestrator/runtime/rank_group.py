@@ -39,6 +39,11 @@ from workers.loop.plan import Request, StepRecord, Window
 from workers.protocol import RankInfo
 from workers.rank_worker import RankWorker
 
+# a hang's diagnosis: how long the ranks have to say where their loop is (a stopped process is not waited for) and
+# to hand over their stacks; the detection's record (``StepFailed.detection``) shows what the two took
+WHERE_S = 5.0
+STACKS_S = 3.0
+
 
 def step_error(exc: ray.exceptions.RayTaskError) -> RankStepError:
     """The worker's classified failure inside Ray's wrapper (any other exception counts as an ``error``)."""
@@ -248,7 +253,8 @@ class RankGroup:
         new = {r: i for i, r in enumerate(self._live)}
         if isinstance(item, Request):
             return dataclasses.replace(item, faults=tuple({**f, "rank": new[f["rank"]]} for f in item.faults
-                                                          if f.get("rank") in new))
+                                                          if f.get("rank") in new),
+                                       preempted=tuple(new[r] for r in item.preempted if r in new))
         faults = {step: {new[r]: f for r, f in by_rank.items() if r in new} for step, by_rank in item.faults.items()}
         return dataclasses.replace(item, faults=faults, slow={new[r]: f for r, f in item.slow.items() if r in new})
 
@@ -298,7 +304,7 @@ class RankGroup:
         are killed, which ends their peers' collectives with them at once,
         and the window fails as ``StepFailed`` with them ``hung``."""
         self.post(Request(stop=HUNG))  # a step that completes during the diagnosis fails: nothing of it is kept
-        calls = {node: agent.where.remote(5.0) for node, agent in self._agents.items()}  # a stopped rank: at once
+        calls = {node: agent.where.remote(WHERE_S) for node, agent in self._agents.items()}  # a stopped rank: at once
         answers = self._answers(calls, 35.0)
         where = {r: value for r, (how, value) in answers.items() if how == "ok"}
         stuck = set(answers) - set(where) or {r for r, p in where.items() if p["phase"] in ("step", "snapshot", "save")}
@@ -311,12 +317,20 @@ class RankGroup:
         self._failed = [r for r in self.members if r not in stuck]
         raise StepFailed(dict.fromkeys(stuck, "hung"), stacks=kept)
 
-    def preempted(self, ranks) -> NoReturn:
-        """Ranks whose processes had a preemption notice and saved their step (``RankLoop._decide``): killed now,
-        rather than left to the platform's SIGKILL, and failed as ``StepFailed`` so they are replaced. Their loops'
-        calls are let end first: a death seen before them would be reported to rank 0's desk as a failure."""
+    def preempted(self, ranks, leave: tuple[str, ...] = ()) -> NoReturn:
+        """Ranks whose processes had a preemption notice, or whose node is being drained, and saved their step
+        (``RankLoop._decide``): killed now, rather than left to the platform's SIGKILL, and failed as ``StepFailed``
+        so they are replaced. Their loops' calls are let end first: a death seen before them would be reported to
+        rank 0's desk as a failure. ``leave``: nodes being drained; the placement groups there are reserved again
+        elsewhere (``RankPlacement.move_off``) and their spares go, so no replacement starts there."""
+        ranks = [self.members[r] for r in ranks]  # the loop numbers the ranks that step (keep_training: fewer)
         self._loop_outcomes(10.0, ranks)
         self._kill(ranks)
+        if leave:
+            for node in set(leave) & set(self._spares):
+                ray.kill(self._spares.pop(node))
+            moved = self.placement.move_off(set(leave))
+            event("placement_moved", off=",".join(leave), groups=moved)
         self._failed = []
         raise StepFailed(dict.fromkeys(ranks, PREEMPTED))
 
@@ -328,7 +342,7 @@ class RankGroup:
         out = self.spec.resolved_run_dir() / "hangs" / f"step{self._record_step + 1}-window{self._window_id}"
         out.mkdir(parents=True, exist_ok=True)
         texts: dict[int, str] = {}
-        for ref in [agent.stacks.remote(3.0) for agent in self._agents.values()]:
+        for ref in [agent.stacks.remote(STACKS_S) for agent in self._agents.values()]:
             with contextlib.suppress(ray.exceptions.RayError):
                 texts.update(ray.get(ref, timeout=20))
         for rank, text in texts.items():

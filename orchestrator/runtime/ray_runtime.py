@@ -57,6 +57,11 @@ class RayRuntime:
 
         return node_loss.gone(node_ids)
 
+    def draining(self, node_ids) -> dict[str, float | None]:
+        from orchestrator.recovery import drain
+
+        return drain.draining(node_ids)
+
     def elastic(self, spec: JobSpec):
         from orchestrator.recovery.elastic import ElasticPolicy
         from orchestrator.runtime.placement import can_reserve

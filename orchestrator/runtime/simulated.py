@@ -67,6 +67,9 @@ class SimRuntime:
     def nodes_gone(self, node_ids) -> set[str]:
         return set()
 
+    def draining(self, node_ids) -> dict[str, float | None]:
+        return {}  # virtual hosts have no node of their own to drain
+
     def elastic(self, spec: JobSpec) -> NoElastic:
         return NoElastic()
 
@@ -127,7 +130,7 @@ class SimGroup:
         """Virtual ranks do not hang (a host's loop sleeps a set time): what failed the window is asked as usual."""
         self.window_failed()
 
-    def preempted(self, ranks) -> NoReturn:
+    def preempted(self, ranks, leave: tuple[str, ...] = ()) -> NoReturn:
         """Virtual ranks have no process to be told to go: never called (no rank's summary carries a notice)."""
         raise StepFailed(dict.fromkeys(ranks, PREEMPTED))
 

@@ -1,10 +1,13 @@
 """DeepSeek-V3 (``model.arch: deepseek_v3``) trains as the single-process reference does where its experts and its
-layers are cut, without Ray (tests/support/parity_harness.py; fp32, CPU, 3 steps, 1e-4): expert parallelism over
+layers are cut, without Ray (tests/support/parity_harness.py; fp32, CPU, 4 steps, 1e-4): expert parallelism over
 the sigmoid, group-limited router with the balancing bias (each rank moves the bias by the load summed over dp),
-ZeRO-3 over the expert stacks, and pipeline stages cut between the dense first layer and the MoE ones. Then a tiny
-random ``DeepseekV3ForCausalLM`` through ``model.init_from``: the first step's loss is transformers' to 1e-5 at one
-process, dp2 x ep2 and pp2, and the steps follow the reference. The model itself is checked against transformers
-in tests/unit/test_deepseek.py.
+ZeRO-3 over the expert stacks, pipeline stages cut between the dense first layer and the MoE ones, and tensor
+parallelism (``workers.parallel.deepseek_parallel``: MLA split by heads, the shared experts by hidden units) with
+the routed experts split over tp too (``parallel.expert_tp``) at dp2 x tp2 x ep2. Then a tiny random
+``DeepseekV3ForCausalLM`` through ``model.init_from``: the first step's loss is transformers' to 1e-5 at one
+process, dp2 x ep2, pp2, tp2 and dp2 x tp2 x ep2 with expert_tp, and the steps follow the reference; ``export-hf``
+of the dp2 x tp2 x ep2 run's checkpoint writes exactly the tensors DCP holds, and transformers reads them back.
+The model itself is checked against transformers in tests/unit/test_deepseek.py.
 
 Multi-token prediction (``model.mtp_layers: 2``, its MoE blocks' experts split too): dp2 x ep2 and dp2 ZeRO-3 follow
 the single-process reference that trains with the loop of tests/support/mtp_reference.py, and report the one
@@ -12,21 +15,28 @@ process's MTP figures (tests/unit/test_mtp.py checks the model against that loop
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from tests.support.hf import save_hf_deepseek, transformers_first_step
+import pytest
+import torch
+
+from orchestrator.spec.lora import export_hf_weights
+from tests.support.hf import dcp_model_tensors, save_hf_deepseek, transformers_first_step
 from tests.support.jobs import tiny_spec
 from tests.support.parity_harness import ran, run_grouped
 from tests.support.reference import assert_follows_reference
+from workers.model import deepseek
 
-STEPS = 3
+STEPS = 4
 MODEL = {"arch": "deepseek_v3", "d_model": 32, "n_heads": 4, "d_ff": 48, "q_lora_rank": 16, "kv_lora_rank": 12,
          "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, "dense_layers": 1,
          "moe": {"experts": 8, "top_k": 2, "router": "sigmoid", "groups": 4, "top_groups": 2, "gate_scale": 2.5,
                  "shared_experts": 1, "d_expert": 16, "bias_balancing": True, "bias_update_rate": 0.01,
                  "aux_loss_weight": 0.001}}
+ETP = {"dp": 2, "tp": 2, "ep": 2, "expert_tp": True}  # 4 ranks: ep borrows from dp, the experts split over tp
 LAYOUTS = {"dp2-ep2": ({"dp": 2, "ep": 2}, {}), "dp2-zero3": ({"dp": 2, "zero": 3}, {}),
-           "pp2": ({"pp": 2}, {"microbatches": 2}), "dp2-ep2-pp2": ({"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2})}
+           "pp2": ({"pp": 2}, {"microbatches": 2}), "dp2-ep2-pp2": ({"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
+           "dp2-tp2-ep2-etp": (ETP, {})}
 
 
 # the tiny job's shape (4 layers, d_model 32, 4 heads, d_ff 64), MLA and 8 experts in 4 groups as MODEL's
@@ -38,7 +48,9 @@ HF = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "moe_interm
 MTP = {**MODEL, "mtp_layers": 2, "mtp_loss_weight": 0.3}
 MTP_LAYOUTS = {"mtp-one": ({}, {}), "mtp-dp2-ep2": ({"dp": 2, "ep": 2}, {}),
                "mtp-dp2-zero3": ({"dp": 2, "zero": 3}, {})}
-HF_LAYOUTS = {"hf-one": ({}, {}), "hf-dp2-ep2": ({"dp": 2, "ep": 2}, {}), "hf-pp2": ({"pp": 2}, {"microbatches": 2})}
+HF_LAYOUTS = {"hf-one": ({}, {}), "hf-dp2-ep2": ({"dp": 2, "ep": 2}, {}), "hf-pp2": ({"pp": 2}, {"microbatches": 2}),
+              "hf-tp2": ({"tp": 2}, {}), "hf-dp2-tp2-ep2-etp": (ETP, {})}
+EXPORTED = "hf-dp2-tp2-ep2-etp"  # the layout whose checkpoint export-hf writes
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +91,12 @@ def _mtp_checkpoint(spec, directory):
 
 @pytest.fixture(scope="module")
 def runs(cases):
-    return run_grouped(cases)
+    return run_grouped(cases, checkpoints={EXPORTED: _written(cases)})
+
+
+def _written(cases) -> str:
+    """Where the ``EXPORTED`` layout's ranks save their final state."""
+    return str(Path(cases[EXPORTED].run_dir) / "final")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -112,3 +129,23 @@ def test_init_from_a_checkpoint_with_its_mtp_layers_follows_the_reference(cases,
     spec = cases["mtp-hf-dp2-ep2"]
     assert spec.model.mtp_layers == 2
     assert_follows_reference(ran(runs, "mtp-hf-dp2-ep2"), spec, STEPS)
+
+
+def test_export_hf_of_the_tensor_parallel_run_writes_the_checkpoint_exactly(cases, runs, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3ForCausalLM
+
+    ran(runs, EXPORTED)
+    written = _written(cases)
+    out = export_hf_weights(cases[EXPORTED], written, str(tmp_path / "exported"))
+    held = deepseek.to_hf_state(dcp_model_tensors(written, tmp_path / "c.pt"))
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == set(held)
+    for key, value in exported.items():
+        assert torch.equal(value, held[key]), key
+    # transformers keeps the routed experts fused in memory; saved again, they are the exported tensors exactly
+    DeepseekV3ForCausalLM.from_pretrained(out).save_pretrained(tmp_path / "again")
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(again) == set(held)
+    for key, value in held.items():
+        assert torch.equal(again[key], value), key

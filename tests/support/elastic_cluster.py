@@ -9,8 +9,13 @@ a fresh node joins once the job has shrunk, as a replaced machine would.
 ``--topology A,B,C`` gives the worker nodes, in the order they join, the ``raymesh.io/topology`` label
 (``orchestrator/runtime/node_order.py``).
 
+``--drain-rank R --drain-at S``: once step S is shown, the node hosting rank R is drained through Ray's own CLI
+(``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``, as an autoscaler or KubeRay sends for a spot
+reclaim, with the session's token auth), and once the job has recovered the node is taken down (the platform
+ending it at the drain's deadline). The output names it (``drained_node``).
+
 usage: python -m tests.support.elastic_cluster SPEC.json OUT.json --nodes N --cpus C --port P [--add-node-after-shrink]
-       [--topology LABELS]
+       [--topology LABELS] [--drain-rank R --drain-at S]
 (``run_on_cluster`` does that from a test).
 """
 
@@ -55,6 +60,32 @@ class ShrinkGate(JobObserver):
             self.joined.wait(120)
 
 
+class DrainAt(JobObserver):
+    """Says (``due``) which node to drain once step ``at`` is shown: the node rank ``rank`` lives on then; and
+    when the job has recovered (``recovered``), so the drained node can be taken down."""
+
+    def __init__(self, job: TrainingJob, rank: int, at: int):
+        self.job, self.rank, self.at = job, rank, at
+        self.node: str | None = None
+        self.due, self.recovered = threading.Event(), threading.Event()
+
+    def on_step(self, report) -> None:
+        if report.record["step"] == self.at and self.node is None:
+            self.node = self.job.layout.ranks[self.rank].node_id
+            self.due.set()
+
+    def on_recovered(self, record, step: int, restarted: int, phases_s: dict) -> None:
+        if record.kind == "drain":
+            self.recovered.set()
+
+
+def drain(address: str, node: str, deadline_s: int = 120) -> None:
+    """Drain ``node`` as a spot reclaim does, through Ray's CLI (it exits non-zero when the GCS refuses)."""
+    subprocess.run(["ray", "drain-node", "--address", address, "--node-id", node, "--reason",
+                    "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "raymesh test: spot instance reclaimed",
+                    "--deadline-remaining-seconds", str(deadline_s)], check=True, capture_output=True, timeout=60)
+
+
 def run_on_cluster(spec: JobSpec, tmp_path: Path, *extra: str) -> dict:
     """Run ``spec`` on a cluster of its own in a subprocess (``extra``: this script's options); its output JSON."""
     spec_file, out = tmp_path / "spec.json", tmp_path / "out.json"
@@ -75,20 +106,25 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--add-node-after-shrink", action="store_true")
     parser.add_argument("--topology", default="", help="comma-separated raymesh.io/topology labels, one a node")
+    parser.add_argument("--drain-rank", type=int)
+    parser.add_argument("--drain-at", type=int)
     args = parser.parse_args()
     labels = args.topology.split(",") if args.topology else [""] * args.nodes
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "gcs_server_port": args.port, "include_dashboard": False, "_system_config": FAST_NODE_DEATH})
     try:
-        for label in labels:
-            cluster.add_node(num_cpus=args.cpus, labels={TOPOLOGY_LABEL: label} if label else {})
+        nodes = [cluster.add_node(num_cpus=args.cpus, labels={TOPOLOGY_LABEL: label} if label else {})
+                 for label in labels]
         ray.init(address=cluster.address, log_to_driver=False)
         job = TrainingJob(JobSpec.from_dict(json.loads(Path(args.spec).read_text())), progress=False)
         out = {}
         gate = ShrinkGate()
         if args.add_node_after_shrink:
             job.observers.add(gate)
+        drain_at = DrainAt(job, args.drain_rank, args.drain_at) if args.drain_at else None
+        if drain_at is not None:
+            job.observers.add(drain_at)
 
         def train() -> None:
             try:
@@ -104,12 +140,30 @@ def main() -> None:
             if thread.is_alive():
                 cluster.add_node(num_cpus=args.cpus)  # starting a node needs the main thread (signal handlers)
             gate.joined.set()
+        if drain_at is not None:
+            drain_node(cluster, nodes, drain_at, thread, out)
         thread.join()
         out["dead_nodes"] = [n["NodeID"] for n in ray.nodes() if not n["Alive"]]
         Path(args.out).write_text(json.dumps(out))
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def drain_node(cluster: Cluster, nodes: list, drain_at: DrainAt, thread: threading.Thread, out: dict) -> None:
+    """The drain, from the main thread (the CLI runs as a process of its own), then the drained node taken down
+    once the job recovered: the ranks must have left it by then, so nothing of the job notices."""
+    while thread.is_alive() and not drain_at.due.wait(0.2):
+        pass
+    if not thread.is_alive():
+        return
+    drain(cluster.address, drain_at.node)
+    out["drained_node"] = drain_at.node
+    while thread.is_alive() and not drain_at.recovered.wait(0.2):
+        pass
+    if thread.is_alive():
+        cluster.remove_node(next(n for n in nodes if n.node_id == drain_at.node))
+        out["removed_drained_node"] = True
 
 
 if __name__ == "__main__":

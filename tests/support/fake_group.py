@@ -66,7 +66,9 @@ class FakeRuntime:
     controller), ``held_out`` (step -> the held-out loss of a step that evaluates), ``stall`` (step -> a rank that
     freezes in it: no answer until the controller's progress deadline calls it hung), ``preempt`` (step -> a rank
     whose process has a preemption notice during it), ``ready_after`` (``recovery: keep_training``: how many times
-    the controller asks whether the failed ranks' replacements are up before they are)."""
+    the controller asks whether the failed ranks' replacements are up before they are), ``draining_nodes`` (the
+    nodes Ray would say are being drained, with their seconds to the deadline: rank r lives on ``node<r>`` until
+    a drain moves it to ``node<r>b``)."""
 
     def __init__(self, placeable: bool = True, more_dead: dict[int, str] | None = None,
                  lose_snapshots: bool = False, script: dict | None = None, nan_batches: frozenset = frozenset(),
@@ -85,6 +87,8 @@ class FakeRuntime:
         self.groups: list[FakeGroup] = []
         self.placements: list[FakePlacement] = []
         self.elastic_policy: FakeElastic | None = None
+        self.draining_nodes: dict[str, float | None] = {}
+        self.moved: set[int] = set()  # ranks a drain moved to another node
 
     def preflight(self, spec: JobSpec) -> None: ...
     def connect(self, address: str | None, needed_cpus: float) -> None: ...
@@ -106,6 +110,9 @@ class FakeRuntime:
 
     def nodes_gone(self, node_ids) -> set[str]:
         return set()
+
+    def draining(self, node_ids) -> dict[str, float | None]:
+        return {node: left for node, left in self.draining_nodes.items() if node in set(node_ids)}
 
     def elastic(self, spec: JobSpec) -> FakeElastic:
         self.elastic_policy = FakeElastic(spec)
@@ -233,8 +240,9 @@ class FakeGroup:
         self.step_now = 0
         self._in_flight = None  # an unfinished async save dies with the old process group
         grid = self.spec.parallel.grid
-        return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="cpu",
-                         pid=1000 + r, node_id=f"node{r}", actor_id=f"actor{r}") for r in grid.ranks()]
+        return [RankInfo(rank=r, coords=grid.coords_dict(r), stages=[0], device="cpu", device_name="cpu", pid=1000 + r,
+                         node_id=f"node{r}b" if r in self.runtime.moved else f"node{r}", actor_id=f"actor{r}")
+                for r in grid.ranks()]
 
     def form_without(self, dead) -> list[RankInfo]:
         """The other ranks re-form without ``dead``: like ``form``, their models start over until restored."""
@@ -278,9 +286,12 @@ class FakeGroup:
         while True:
             self.window_items(None)
 
-    def preempted(self, ranks):
-        """The preempted ranks go (the real group kills them) and are replaced as failed ones."""
+    def preempted(self, ranks, leave: tuple[str, ...] = ()):
+        """The preempted ranks go (the real group kills them) and are replaced as failed ones; those on the nodes
+        it ``leave``s (being drained) come back on other nodes."""
         self.preempted_ranks = [*getattr(self, "preempted_ranks", []), *ranks]
+        self.left = [*getattr(self, "left", []), leave]
+        self.runtime.moved.update(r for r in ranks if f"node{r}" in leave)
         raise StepFailed(dict.fromkeys(ranks, PREEMPTED))
 
     def window_failed(self):

@@ -136,7 +136,9 @@ def test_the_planner_counts_the_parameters_the_model_has():
     ({"kv_lora_rank": 8}, None, "model.kv_lora_rank.*DeepSeek-V3 field.*model.arch: gpt.*set model.arch: deepseek"),
     ({**DEEPSEEK, "n_kv_heads": 2}, None, "model.n_kv_heads.*deepseek_v3 does not read it"),
     ({**DEEPSEEK, "qk_rope_head_dim": 5}, None, "model.qk_rope_head_dim.*odd"),
-    (DEEPSEEK, {"tp": 2}, "parallel.tp.*deepseek_v3.*set parallel.tp: 1"),
+    (DEEPSEEK, {"tp": 3}, "parallel.tp.*does not divide.*model.n_heads=4"),
+    ({**DEEPSEEK, "moe": {**DEEPSEEK["moe"], "d_expert": 15}}, {"tp": 2},
+     "model.moe.d_expert.*15.*shared experts.*parallel.tp=2.*multiple of 2"),
     ({**DEEPSEEK, "moe": {**DEEPSEEK["moe"], "groups": 3}}, None, "model.moe.groups.*does not divide.*experts=8"),
     ({**DEEPSEEK, "moe": {**DEEPSEEK["moe"], "top_groups": 1, "top_k": 4}}, None, "model.moe.top_groups.*top_k=4"),
     ({"arch": "llama", "moe": {"experts": 8, "groups": 2}}, None, "model.moe.groups.*router: sigmoid only"),
@@ -146,6 +148,11 @@ def test_what_deepseek_cannot_compute_is_refused_by_field(model, parallel, messa
 
     with pytest.raises(SpecError, match=message):
         _job(model, parallel)
+
+
+def test_tensor_parallelism_is_accepted_where_tp_divides_the_heads_and_the_shared_experts():
+    assert _job(DEEPSEEK, {"tp": 2}).parallel.tp == 2
+    assert _job(DEEPSEEK, {"dp": 2, "ep": 2, "tp": 2, "expert_tp": True}).parallel.world_size == 4
 
 
 def test_the_planner_counts_deepseek_v3_671b_as_published_and_its_layout_fits():

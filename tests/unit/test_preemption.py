@@ -4,6 +4,7 @@ fake group's ranks run the real loop (``RankLoop``) and controller."""
 
 from __future__ import annotations
 
+from orchestrator.runtime import controller
 from tests.support.controller_jobs import make_job
 from tests.support.fake_group import FakeRuntime
 from workers.loop.desk import Desk
@@ -35,6 +36,43 @@ def test_without_checkpoints_the_notice_step_is_snapshot(tmp_path):
     result = make_job(tmp_path, runtime=runtime, checkpoint={"every": 0, "memory_every": 5}).run()
     assert _recovery(result) == ("preempt", 0, 8, 0, "memory")
     assert 7 in runtime.groups[0].snapshots
+
+
+def test_a_draining_node_preempts_its_ranks_which_are_saved_and_move_to_another_node(tmp_path, monkeypatch):
+    """Ray drains rank 1's node during step 5 (``ray drain-node``, a spot reclaim): the controller hears it at its
+    next check, rank 0 ends the window at the next boundary with that step checkpointed, and rank 1 is replaced
+    off the node (``leave``), once: the moved rank is not preempted again. Nothing lost."""
+    monkeypatch.setattr(controller, "DRAIN_CHECK_S", 0.0)  # the fake's steps take microseconds, not seconds
+    runtime = FakeRuntime()
+    runtime.script = {5: lambda: runtime.draining_nodes.update(node1=30.0)}
+    job = make_job(tmp_path, runtime=runtime, checkpoint={"every": 50, "memory_every": 4})
+    result = job.run()
+    (rec,) = result.recoveries  # step 6's checkpoint is newer than step 4's snapshot
+    assert (rec["kind"], rec["rank"], rec["node"], rec["lost_steps"], rec["source"]) == ("drain", 1, "node1", 0, "disk")
+    saved = rec["at_step"] - 1
+    assert 5 <= saved < 10 and job.ckpt.complete_steps() == [saved, 10]  # the notice's step, then the last
+    group = runtime.groups[0]
+    assert group.preempted_ranks == [1] and group.left == [("node1",)] and group.replaced == [{1}]
+    assert [r["node_id"] for r in result.layout["ranks"]] == ["node0", "node1b"]  # rank 1 lives elsewhere now
+    assert result.losses == make_job(tmp_path / "straight").run().losses
+
+
+def test_a_drained_node_without_ranks_of_the_job_changes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(controller, "DRAIN_CHECK_S", 0.0)
+    runtime = FakeRuntime()
+    runtime.draining_nodes["node7"] = None
+    result = make_job(tmp_path, runtime=runtime).run()
+    assert result.recoveries == [] and result.steps == 10
+
+
+def test_a_drained_rank_posted_by_the_controller_ends_the_window_preempted_with_its_step_saved():
+    desk = Desk()
+    desk.post(Request(preempted=(1,)))
+    desk.post(Request(preempted=(0,)))
+    steps = _Steps(told=99)
+    plan = CheckpointPlan(every=50, last_step=10, path_pattern="ckpt/{step}")
+    end = RankLoop(steps, TreeExchange(0, 1, LocalTransport()), desk).run(Window(until=10, checkpoint=plan))
+    assert (end.step, end.reason, end.ranks) == (1, "preempt", (0, 1)) and steps.saved == [("ckpt/1", False)]
 
 
 def result(rank: int, step: int) -> StepResult:

@@ -70,12 +70,13 @@ class Desk:
 
     def take(self, step: int) -> Request:
         """At ``step``'s boundary: every request posted since the last one, as one (a stop wins; faults in posting
-        order). From here on a request is the next step's."""
+        order; the drained ranks of all). From here on a request is the next step's."""
         with self._changed:
             requests, self._requests = self._requests, []
             self._stepping = step + 1
         stop = next((r.stop for r in requests if r.stop), None)
-        return Request(stop=stop, faults=tuple(f for r in requests for f in r.faults))
+        return Request(stop=stop, faults=tuple(f for r in requests for f in r.faults),
+                       preempted=tuple(sorted({rank for r in requests for rank in r.preempted})))
 
 
 class DeskHolder:

@@ -141,10 +141,12 @@ class RankLoop:
         faults = {f["rank"]: {**f, "at_step": step + 1} for f in request.faults}
         if step + 1 in window.faults or faults:  # a drill's fault next: the controller has every record first
             self.desk.wait_delivered(FAULT_SYNC_S)
-        # a preemption notice ends the window here, saved, unless the run stops here anyway
-        stop = request.stop if request.stop == "stop" or not merged.preempted else "preempt"
+        # a preemption notice (a rank's own, or its node's drain) ends the window here, saved, unless the run stops
+        # here anyway
+        told = tuple(sorted({*merged.preempted, *request.preempted}))
+        stop = request.stop if request.stop == "stop" or not told else "preempt"
         return Boundary(step, stop=stop, faults=faults, keep_from=merged.replicated, collect=collect,
-                        preempted=merged.preempted if stop == "preempt" else ())
+                        preempted=told if stop == "preempt" else ())
 
     # -- saves ---------------------------------------------------------------------------------
 

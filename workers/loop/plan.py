@@ -70,10 +70,12 @@ class Request:
     """What the controller asks of the running window through rank 0's desk, applied at the next boundary:
     ``stop`` ends the window after that step (``stop``, ``resize``, ``pause``: why, for the record; a ``stop``
     saves the step first when checkpoints are on; rank 0 itself stops a window with ``preempt``); ``faults`` are
-    injected into the next step."""
+    injected into the next step; ``preempted``: ranks whose node is being drained (the controller heard it from
+    Ray), which the window then treats as if their own processes had a preemption notice."""
 
     stop: str | None = None
     faults: tuple[dict, ...] = ()
+    preempted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workers.contract.fields import STRICT
+
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -21,7 +23,7 @@ class RopeScaling(BaseModel):
     """Llama-3's rotary frequency scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp
     between (the wavelength bounds are ``original_max_position_embeddings`` over the two frequency factors)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT  # a nested section: as strict as the spec's own (no inf, no quoted numbers)
 
     factor: PositiveFloat = 8.0
     low_freq_factor: PositiveFloat = 1.0
@@ -65,7 +67,7 @@ class YarnScaling(BaseModel):
     whose wavelength fits between ``beta_fast`` and ``beta_slow`` turns within ``original_max_position_embeddings``;
     rotated queries and keys scaled by 0.1 ln(factor) + 1."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT  # a nested section: as strict as the spec's own (no inf, no quoted numbers)
 
     factor: float = Field(32.0, ge=1, description="context extension: the interpolated frequencies are divided by "
                           "it, and q/k scaled by 0.1 ln(factor) + 1 (gpt-oss: 32)")

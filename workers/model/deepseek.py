@@ -6,15 +6,18 @@ weights in and out (``hf_state``, ``to_hf_state``, ``config_fields``, ``hf_confi
 Multi-head latent attention (MLA): the query through a low-rank ``wq_a`` (d -> q_lora_rank), an RMSNorm and
 ``wq_b`` (-> heads x (nope + rope)); keys and values from one compressed latent: ``wkv_a`` gives kv_lora_rank
 channels (normed, then ``wkv_b`` -> heads x (nope + v)) and one rotary key of ``qk_rope_head_dim`` shared by all
-heads (the "decoupled" rotary key). Only the latent and that key need caching at inference (kv_lora_rank +
-rope channels per token instead of 2 x heads x head_dim); this module computes the expanded form, which is what
-training runs. Rotary pairs are interleaved (channels 2i, 2i+1), as DeepSeek's checkpoints lay them out.
+heads (the "decoupled" rotary key). Training computes the expanded form (every head's keys and values). Decoding
+(``workers.model.generation``) caches only the normed latent and the rotated key, kv_lora_rank + rope channels per
+token and layer instead of heads x (nope + rope + v), and attends with ``wkv_b`` absorbed (``absorbed``). Rotary
+pairs are interleaved (channels 2i, 2i+1), as DeepSeek's checkpoints lay them out.
+
+Tensor parallelism splits MLA by heads (``workers.parallel.deepseek_parallel``: the down projections and latent
+norms replicated, the up projections column-parallel, ``wo`` row-parallel).
 
 Multi-token prediction (``model.mtp_layers``) is ``workers.model.mtp``; its checkpoint layers (from index
 ``num_hidden_layers`` on, which ``transformers`` drops) are named here (``_MTP``, ``hf_name``, ``mtp_copies``).
 
-Not built: tensor parallelism of MLA (no ``tensor_parallel`` hook: the builder refuses tp > 1 naming it), yarn
-rotary scaling.
+Not built: yarn rotary scaling.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 
 from workers.model import mtp
 from workers.model.config import ModelConfig
+from workers.model.generation import prefix_mask
 from workers.model.gpt import GPT, RMSNorm, chunked_lm_loss, lm_loss, token_positions
 from workers.model.llama import SwiGLU
 from workers.model.moe import MoELayer, share_balance_pool
@@ -68,7 +72,8 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(heads * cfg.v_head_dim, cfg.d_model, bias=False)
-        self.context_shard = None  # cp is refused for this family; positions are 0..seq-1
+        # cp is refused for this family: set only while decoding (workers.model.generation's layer cache)
+        self.context_shard = None
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, d] -> [b, s, heads x (nope + rope)], through the low-rank path when there is one."""
@@ -82,15 +87,50 @@ class LatentAttention(nn.Module):
         nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         q = self.query(x).view(b, s, -1, self.qk_dim).transpose(1, 2)
         latent, k_rot = self.wkv_a(x).split([cfg.kv_lora_rank, rope], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, nope + cfg.v_head_dim).transpose(1, 2)
-        k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
         positions = token_positions(self.context_shard, s, x.device)
         q_nope, q_rot = q.split([nope, rope], dim=-1)
         q_rot = rotary_interleaved(q_rot, cfg.rope_theta, positions)
-        k_rot = rotary_interleaved(k_rot.view(b, 1, s, rope), cfg.rope_theta, positions).expand(-1, q.shape[1], -1, -1)
-        q, k = torch.cat((q_nope, q_rot), dim=-1), torch.cat((k_nope, k_rot), dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(self.qk_dim))
+        k_rot = rotary_interleaved(k_rot.view(b, 1, s, rope), cfg.rope_theta, positions)
+        latent = self.kv_norm(latent)
+        if self.context_shard is None:
+            out = self.expanded(q_nope, q_rot, latent, k_rot)
+        else:  # decoding (workers.model.generation): only the latent and the rotary key are cached
+            latent, k_rot = self.context_shard.extend(latent, k_rot[:, 0])
+            mask = prefix_mask(s, latent.shape[1], x.device)
+            if isinstance(self.wkv_b, nn.Linear):
+                out = self.absorbed(q_nope, q_rot, latent, k_rot, mask)
+            else:  # a wrapped up projection (LoRA): expand the cached latent through it
+                out = self.expanded(q_nope, q_rot, latent, k_rot.unsqueeze(1), mask, causal=False)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def expanded(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                 mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+        """Attention with every head's keys and values made from the normed ``latent`` [b, t, r] by ``wkv_b``
+        (what training computes): queries [b, h, s, ·], the rotated shared key [b, 1, t, rope]; -> [b, h, s, v]."""
+        cfg = self.cfg
+        b, t, _ = latent.shape
+        kv = self.wkv_b(latent).view(b, t, -1, cfg.qk_nope_head_dim + cfg.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, q.shape[1], -1, -1)), dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=1.0 / math.sqrt(self.qk_dim))
+
+    def absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """The same attention over the cached ``latent`` [b, t, r] and rotary key [b, t, rope] without expanding
+        them (DeepSeek's inference): ``wkv_b``'s key half folded into the queries (q_nope W_uk: a query in latent
+        space, scored against the latent itself), its value half applied to the latent-space output, so a step
+        costs O(t x (r + rope)) per head instead of building t keys and values per head."""
+        cfg = self.cfg
+        heads = q_nope.shape[1]
+        w = self.wkv_b.weight.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_k, w_v = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+        q = torch.cat((torch.einsum("bhsn,hnr->bhsr", q_nope, w_k), q_rot), dim=-1)
+        k = torch.cat((latent, k_rot), dim=-1).unsqueeze(1).expand(-1, heads, -1, -1)
+        out = F.scaled_dot_product_attention(q, k, latent.unsqueeze(1).expand(-1, heads, -1, -1), attn_mask=mask,
+                                             scale=1.0 / math.sqrt(self.qk_dim))
+        return torch.einsum("bhsr,hvr->bhsv", out, w_v)
 
 
 class DeepseekBlock(nn.Module):
@@ -334,5 +374,6 @@ register(ModelFamily(
         "cut_stage": "workers.parallel.gpt_parallel:cut_stage",
         "blocks": "workers.parallel.gpt_parallel:blocks",
         "init_parameter": "workers.model.gpt:init_parameter",
+        "tensor_parallel": "workers.parallel.deepseek_parallel:apply_tensor_parallel",
     },
 ))

@@ -52,13 +52,23 @@ class _Positions:
         return torch.arange(self.offset, self.offset + local_len, device=device)
 
 
+def prefix_mask(new: int, total: int, device: torch.device) -> torch.Tensor | None:
+    """Which of ``total`` keys each of the ``new`` last queries sees: every cached one and the new ones up to its own
+    position (None for one query, which sees them all)."""
+    if new == 1:
+        return None
+    return torch.arange(total, device=device)[None, :] <= torch.arange(total - new, total, device=device)[:, None]
+
+
 class _LayerCache:
-    """One attention core's keys and values so far ([batch, kv_heads, cached, head_dim])."""
+    """One attention core's keys and values so far ([batch, kv_heads, cached, head_dim]); or, for an attention that
+    caches another form (MLA's compressed latent and rotary key, ``extend``), those tensors."""
 
     def __init__(self, shared: _Positions) -> None:
         self.shared = shared
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.kept: tuple[torch.Tensor, ...] = ()
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return self.shared.positions(local_len, device)
@@ -67,13 +77,19 @@ class _LayerCache:
         """The new queries over every cached key and the new ones, each query seeing keys up to its own position."""
         self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
         self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        new, total = q.shape[2], self.k.shape[2]
-        mask = None
-        if new > 1:  # a prefix: causal among the new tokens, all cached ones visible
-            mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(total - new, total,
-                                                                                  device=q.device)[:, None]
+        mask = prefix_mask(q.shape[2], self.k.shape[2], q.device)
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
                                               enable_gqa=self.k.shape[1] != q.shape[1])
+
+    def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Append this call's per-token tensors ([batch, tokens, ...] each) to the cached ones; returns all so far."""
+        self.kept = new if not self.kept else tuple(torch.cat(pair, dim=1) for pair in zip(self.kept, new, strict=True))
+        return self.kept
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, *self.kept) if t is not None)
 
 
 class KVCache:
@@ -100,6 +116,11 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.shared.offset
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds over all layers (what decoding keeps per token, times the tokens and batch)."""
+        return sum(m.context_shard.nbytes for m in self.seams if isinstance(m.context_shard, _LayerCache))
 
     def close(self) -> None:
         for module in self.seams:

@@ -19,12 +19,17 @@ from workers.parallel.tensor_parallel import apply_plan
 
 def apply_tensor_parallel(stage: Llama, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard ``stage`` over ``tp_mesh`` in place: ends (the GPT's plan), then every block; re-tie a tied head."""
+    shard_ends(stage, tp_mesh, sequence_parallel)
+    for block in stage.layers.values():
+        apply_plan(block, tp_mesh, block_plan(sequence_parallel, gpt_parallel.is_moe(block), stage.cfg.qk_norm))
+
+
+def shard_ends(stage: Llama, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """The embeddings, final norm and head this stage owns, by the GPT's plan; a tied head tied again."""
     apply_plan(stage, tp_mesh, gpt_parallel.ends_plan(stage, sequence_parallel))
     if stage.cfg.tie_embeddings and stage.tok_embeddings is not None and stage.output is not None:
         # both shard the [vocab, d_model] weight by rows (Shard(0)), so one DTensor serves both again
         stage.output.weight = stage.tok_embeddings.weight
-    for block in stage.layers.values():
-        apply_plan(block, tp_mesh, block_plan(sequence_parallel, gpt_parallel.is_moe(block), stage.cfg.qk_norm))
 
 
 def block_plan(sequence_parallel: bool, moe: bool = False, qk_norm: bool = False) -> dict[str, ParallelStyle]:

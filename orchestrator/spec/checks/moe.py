@@ -15,11 +15,9 @@ if TYPE_CHECKING:
 def check_moe(job: JobSpec) -> None:
     """An MoE section that places no MoE layer."""
     moe, model = job.model.moe, job.model
-    if model.arch == "deepseek_v3" and job.parallel.tp > 1:
-        raise SpecError("parallel.tp", job.parallel.tp, "is not supported by model.arch: deepseek_v3 yet (its "
-                        "latent attention has no tensor-parallel plan)", "set parallel.tp: 1 (use ep, pp and dp)")
     if moe is None:
         return
+    check_shared_split(job)
     if moe.every > model.n_layers:
         raise SpecError("model.moe.every", moe.every, f"is more than model.n_layers={model.n_layers}, so no block "
                         "would get an MoE feed-forward", f"set model.moe.every to at most {model.n_layers} "
@@ -28,6 +26,19 @@ def check_moe(job: JobSpec) -> None:
         raise SpecError("model.moe.balance_loss", "pooled", f"averages the routing of every MoE layer before one "
                         f"product, and parallel.pp={job.parallel.pp} puts the layers in different stages",
                         "set model.moe.balance_loss: per_layer (or aux_loss_weight: 0) under pipeline parallelism")
+
+
+def check_shared_split(job: JobSpec) -> None:
+    """DeepSeek-V3's tensor-parallel plan splits the shared experts' hidden units over tp like a dense SwiGLU
+    (``workers.parallel.deepseek_parallel``), so tp must divide their width (the heads and d_ff are
+    ``check_tensor_split``'s)."""
+    moe, model, tp = job.model.moe, job.model, job.parallel.tp
+    hidden = moe.d_expert or model.ffn_dim
+    if model.arch != "deepseek_v3" or not moe.shared_experts or hidden % tp == 0:
+        return
+    raise SpecError("model.moe.d_expert", hidden, f"(the shared experts' hidden width) is not divisible by "
+                    f"parallel.tp={tp}, and deepseek_v3's tensor-parallel plan gives each tp rank an equal slice of it",
+                    f"set model.moe.d_expert to a multiple of {tp}, or pick parallel.tp dividing {hidden}")
 
 
 def check_expert_parallel(job: JobSpec) -> None:
