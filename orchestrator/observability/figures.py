@@ -72,6 +72,19 @@ class DPOView(RecordView):
         return {k: f"{rewards[k]:.3f}" for k in ("reward_accuracy", "reward_margin") if k in rewards}
 
 
+class MTPView(RecordView):
+    """``model.mtp_layers``: the multi-token prediction loss beside the next-token ``loss`` (which it leaves as is)."""
+
+    key = "mtp"
+
+    def tracker(self, value):
+        depths = {f"mtp/depth_{k}": v for k, v in enumerate((value or {}).get("depths", []), start=1)}
+        return {} if value is None else {"mtp/loss": value["loss"], **depths}
+
+    def event(self, value):
+        return {} if value is None else {"mtp_loss": f"{value['loss']:.4f}"}
+
+
 class CommBytesView(RecordView):
     key = "comm_bytes"
 
@@ -134,7 +147,7 @@ class MoEView(RecordView):
                     self.aux.labels(*labels, name[4:]).set(number)
 
 
-VIEWS: list[RecordView] = [EvalLossView(), DPOView(), CommBytesView(), PSTrafficView(), MoEView()]
+VIEWS: list[RecordView] = [EvalLossView(), DPOView(), MTPView(), CommBytesView(), PSTrafficView(), MoEView()]
 
 
 def tracker_metrics(record: dict) -> dict[str, float]:

@@ -84,7 +84,25 @@ def stage_params(spec: JobSpec, stage: int, n_stages: int, split: tuple[int, ...
     if stage == n_stages - 1:
         sharded += 0 if m.tie_embeddings else d * v  # a tied head is the embedding (one stage: refused otherwise)
         replicated += d
+        sharded, replicated = sharded + mtp_params(spec)[0], replicated + mtp_params(spec)[1]
     return sharded, replicated
+
+
+def mtp_layers(spec: JobSpec) -> range:
+    """The global block indices of the multi-token prediction depths (``model.mtp_layers``), after the main
+    model's blocks; empty without them."""
+    m = spec.model
+    return range(m.n_layers, m.n_layers + getattr(m, "mtp_layers", 0))
+
+
+def mtp_params(spec: JobSpec) -> tuple[int, int, int]:
+    """(sharded, replicated, routed-expert) parameters of the multi-token prediction depths (with the head,
+    ``workers.model.mtp``): each a block of the family's kind at its index, the 2d -> d ``eh_proj`` and three
+    norms (``enorm``, ``hnorm``, the one before the shared head). The embedding and head are the main model's."""
+    d, depths = spec.model.d_model, mtp_layers(spec)
+    sharded = sum(sharded_block_params(spec, i) + 2 * d * d for i in depths)
+    replicated = sum(replicated_block_params(spec, i) + 3 * d for i in depths)
+    return sharded, replicated, sum(moe_params(spec, i)[2] for i in depths)
 
 
 def block_params(spec: JobSpec) -> int:
@@ -136,8 +154,10 @@ def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
 
 
 def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
-    """Routed-expert parameters of one pipeline stage, all experts (a rank holds ``1 / ep`` of them)."""
-    return sum(moe_params(spec, i)[2] for i in stage_layers(spec, stage, n_stages))
+    """Routed-expert parameters of one pipeline stage, all experts (a rank holds ``1 / ep`` of them); the last
+    stage's include the multi-token prediction depths'."""
+    mtp = mtp_params(spec)[2] if stage == n_stages - 1 else 0
+    return mtp + sum(moe_params(spec, i)[2] for i in stage_layers(spec, stage, n_stages))
 
 
 def routed_rows(spec: JobSpec) -> int:

@@ -10,7 +10,7 @@ otherwise, so MFU there is only comparable run to run.
 
 from __future__ import annotations
 
-from orchestrator.planning.estimate import moe_params, stage_params
+from orchestrator.planning.estimate import moe_params, mtp_layers, stage_params
 from orchestrator.planning.time_model import GPUS, flops_per_token
 from orchestrator.spec import JobSpec
 
@@ -24,7 +24,8 @@ def model_flops_per_token(spec: JobSpec, recompute: str = "none") -> float:
     ``recompute``, the hardware FLOPs (HFU) its recomputed forwards add."""
     m = spec.model
     params = sum(stage_params(spec, stage=0, n_stages=1)) + active_expert_params(spec)  # the model as one stage
-    return flops_per_token(params, m.n_layers, m.d_model, m.seq_len, recompute)
+    blocks = m.n_layers + len(mtp_layers(spec))  # the MTP depths' attention too (model.mtp_layers)
+    return flops_per_token(params, blocks, m.d_model, m.seq_len, recompute)
 
 
 def active_expert_params(spec: JobSpec) -> float:
@@ -35,7 +36,8 @@ def active_expert_params(spec: JobSpec) -> float:
     if moe is None:
         return 0.0
     per_token = moe.capacity_factor if moe.router == "expert_choice" else moe.k
-    return per_token * sum(moe_params(spec, i)[2] for i in range(spec.model.n_layers)) / moe.experts
+    layers = range(spec.model.n_layers + len(mtp_layers(spec)))  # the MTP depths' MoE layers follow the blocks
+    return per_token * sum(moe_params(spec, i)[2] for i in layers) / moe.experts
 
 
 def peak_flops_per_rank(spec: JobSpec, device_name: str) -> float:

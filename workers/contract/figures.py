@@ -201,6 +201,7 @@ for _figure in (
     Mean("eval_loss"),  # eval.every: the held-out loss, the mean over the ranks that score one (the last stage)
     Max("eval_s"),  # eval.every: the slowest rank's evaluation seconds
     LowestRank("data_mix"),  # data.mix: samples each source has supplied so far (every rank reports the same)
+    LowestRank("mtp"),  # model.mtp_layers: L_MTP and each depth's loss over the global batch (every rank alike)
     LowestRank("dpo"),  # train.objective: dpo: the global batch's reward figures (every rank reports them)
     LowestRank("global_batch"),  # train.batch_ramp: the step's global batch in sequences (every rank the same)
 ):

@@ -35,7 +35,8 @@ class RopeScaling(BaseModel):
 LLAMA_ONLY = ("n_kv_heads", "rope_theta", "rope_scaling", "multiple_of", "ffn_dim_multiplier", "tie_embeddings",
               "pad_token_id", "head_dim", "qkv_bias", "qk_norm", "hf_model_type", "sliding_window")
 # fields only the DeepSeek-V3 family reads (and the Llama ones it does not: it has no grouped K/V heads, no head_dim)
-DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dense_layers")
+DEEPSEEK_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dense_layers",
+                 "mtp_layers", "mtp_loss_weight")
 # fields only gpt-oss reads (workers.model.gpt_oss); another arch refuses them, and gpt-oss the Llama ones it does not
 GPT_OSS_ONLY = ("layer_types", "swiglu_alpha", "swiglu_limit", "rope_yarn")
 GPT_OSS_UNREAD = ("rope_scaling", "multiple_of", "ffn_dim_multiplier", "qkv_bias", "qk_norm", "hf_model_type")
@@ -211,6 +212,12 @@ class ModelConfig(BaseModel):
     v_head_dim: PositiveInt = Field(16, description="deepseek_v3 MLA: per-head value channels")
     dense_layers: int = Field(1, ge=0, description="deepseek_v3: the first blocks keep a dense SwiGLU feed-forward "
                               "(d_ff wide), the rest are MoE (transformers' first_k_dense_replace)")
+    mtp_layers: int = Field(0, ge=0, le=8, description="deepseek_v3: multi-token prediction depths D (DeepSeek-V3 "
+                            "trains 1; config.json num_nextn_predict_layers): module k predicts the token k+1 after "
+                            "the next one and adds its loss (workers.model.mtp); 0: none")
+    mtp_loss_weight: float = Field(0.3, ge=0.0, le=10.0, description="deepseek_v3 with model.mtp_layers > 0: lambda "
+                                   "in L_MTP = lambda / D * sum of the D depths' cross entropies, added to the "
+                                   "next-token loss (DeepSeek-V3: 0.3, then 0.1)")
 
     # gpt-oss's fields (``GPT_OSS_ONLY``: another arch refuses them; workers.model.gpt_oss reads them)
     layer_types: list[Literal[LAYER_TYPES]] | None = Field(  # type: ignore[valid-type]

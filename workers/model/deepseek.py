@@ -14,11 +14,15 @@ pairs are interleaved (channels 2i, 2i+1), as DeepSeek's checkpoints lay them ou
 Tensor parallelism splits MLA by heads (``workers.parallel.deepseek_parallel``: the down projections and latent
 norms replicated, the up projections column-parallel, ``wo`` row-parallel).
 
-Not built: multi-token prediction heads (``transformers`` builds none and drops a checkpoint's), yarn rotary scaling.
+Multi-token prediction (``model.mtp_layers``) is ``workers.model.mtp``; its checkpoint layers (from index
+``num_hidden_layers`` on, which ``transformers`` drops) are named here (``_MTP``, ``hf_name``, ``mtp_copies``).
+
+Not built: yarn rotary scaling.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Any
@@ -27,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import mtp
 from workers.model.config import ModelConfig
 from workers.model.generation import prefix_mask
-from workers.model.gpt import GPT, RMSNorm, token_positions
+from workers.model.gpt import GPT, RMSNorm, chunked_lm_loss, lm_loss, token_positions
 from workers.model.llama import SwiGLU
 from workers.model.moe import MoELayer, share_balance_pool
 from workers.model.names import mapped_name
@@ -141,6 +146,10 @@ class DeepseekBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class DeepseekMTP(mtp.MTPLayer, DeepseekBlock):
+    """A multi-token prediction depth: a ``DeepseekBlock`` with its input projection and norms."""
+
+
 class DeepseekV3(GPT):
     """The DeepSeek-V3 decoder: GPT's forward (embed, blocks, norm, head) over ``DeepseekBlock``s."""
 
@@ -155,9 +164,22 @@ class DeepseekV3(GPT):
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = mtp.MultiTokenPrediction(cfg, DeepseekMTP, RMSNorm) if cfg.mtp_layers else None
         share_balance_pool(self)
         if not self.layers["0"].attention.wkv_a.weight.is_meta:
             self.init_weights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.mtp is None else mtp.forward_keeping(self, x)
+
+    def mtp_loss(self, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """L_MTP of the last training forward (``workers.model.mtp``), through this model's head and loss."""
+        return self.mtp.loss(self._head_loss, targets, reduction)
+
+    def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        if self.loss_chunks > 1:
+            return chunked_lm_loss(hidden, targets, self.output, self.loss_chunks, reduction)
+        return lm_loss(self.output(hidden), targets, reduction)
 
 
 # -- Hugging Face DeepseekV3ForCausalLM ----------------------------------------------------------------------------
@@ -175,7 +197,7 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wq_a.weig
           "feed_forward.w2.weight": "mlp.down_proj.weight", "feed_forward.router.weight": "mlp.gate.weight",
           "feed_forward.router.bias": "mlp.gate.e_score_correction_bias"}
 _MATRIX = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_STACK = re.compile(r"layers\.(\d+)\.feed_forward\.(experts|shared)\.(w[123])")
+_STACK = re.compile(r"(?:layers|mtp)\.(\d+)\.feed_forward\.(experts|shared)\.(w[123])")
 
 
 def shared_key(name: str) -> str:
@@ -209,7 +231,8 @@ def to_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full raymesh DeepSeek-V3 state dict (the router's balancing bias included) as the tensors
     ``DeepseekV3ForCausalLM.save_pretrained`` writes: each routed expert its own three matrices, the shared experts
     one MLP (``shared_tensor``)."""
-    out = {}
+    depths = sorted(int(m.group(1)) for m in map(_MTP_NAME.fullmatch, state) if m and m.group(2) == "enorm.weight")
+    out = mtp_copies(state, depths[0], len(depths)) if depths else {}
     for name, value in state.items():
         m = _STACK.fullmatch(name)
         if m is None:
@@ -253,8 +276,37 @@ def _take(tensors: dict[str, torch.Tensor], key: str, shape) -> torch.Tensor:
     return tensors[key]
 
 
+# an MTP depth's own tensors, under its checkpoint layer model.layers.{num_hidden_layers + k - 1}
+_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "norm.weight": "shared_head.norm.weight"}
+_MTP_NAME = re.compile(r"mtp\.(\d+)\.(.+)")
+# the checkpoint's copies of the shared embedding and head in each MTP layer (one parameter each here)
+_MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+
+
 def hf_name(name: str) -> str:
+    """The checkpoint name of raymesh tensor ``name``; an MTP depth's (``mtp.{i}.*``) are layer ``i``'s, its block
+    named as a main block's."""
+    m = _MTP_NAME.fullmatch(name)
+    if m is not None and m.group(2) in _MTP:
+        return f"model.layers.{m.group(1)}.{_MTP[m.group(2)]}"
+    if m is not None:
+        name = f"layers.{m.group(1)}.{m.group(2)}"
     return mapped_name(name, _ENDS, _LAYER, "DeepseekV3")
+
+
+def held_mtp_layers(hf: dict[str, Any], names) -> int:
+    """How many of config.json's ``num_nextn_predict_layers`` MTP layers the checkpoint's tensor ``names`` hold:
+    ``transformers`` writes the key (its default 1) but builds and saves no MTP layer."""
+    first = hf["num_hidden_layers"]
+    depths = range(first, first + (hf.get("num_nextn_predict_layers") or 0))
+    return sum(1 for _ in itertools.takewhile(lambda i: f"model.layers.{i}.eh_proj.weight" in names, depths))
+
+
+def mtp_copies(state: dict[str, torch.Tensor], n_layers: int, depths: int) -> dict[str, torch.Tensor]:
+    """The shared embedding and head written again under each MTP layer, as DeepSeek's checkpoints hold them."""
+    return {f"model.layers.{layer}.{key}": state[name].clone() for layer in range(n_layers, n_layers + depths)
+            for name, key in _MTP_COPIES.items() if name in state}
 
 
 # transformers' DeepseekV3Config defaults of the keys read here that a config.json may leave out
@@ -308,7 +360,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "moe_intermediate_size": moe.d_expert or cfg.ffn_dim, "n_shared_experts": moe.shared_experts,
         "n_group": moe.groups, "topk_group": moe.top_groups or moe.groups, "routed_scaling_factor": moe.gate_scale,
         "norm_topk_prob": moe.norm_topk, "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_layers,
     }
 
 

@@ -25,6 +25,7 @@ from workers.model.config import ModelConfig
 from workers.model.documents import Documents
 from workers.model.meta_init import fill
 from workers.model.moe import MoELayer, moe_parameter, share_balance_pool
+from workers.model.mtp import with_extra_loss
 from workers.model.registry import ModelFamily, register
 
 
@@ -241,7 +242,16 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
 
 def model_loss(model: nn.Module, out: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """``lm_loss`` of what ``model`` (the part holding the head) returned: its logits, or under ``loss_chunks`` > 1
-    its final hidden state, taken through the head chunk by chunk (``chunked_lm_loss``)."""
+    its final hidden state, taken through the head chunk by chunk (``chunked_lm_loss``). A model with multi-token
+    prediction modules that kept a training forward adds their loss's gradient, not its value
+    (``workers.model.mtp``)."""
+    loss = _next_token_loss(model, out, targets, reduction)
+    if getattr(model, "mtp", None) is not None and model.mtp.kept is not None:
+        loss = with_extra_loss(loss, model.mtp_loss(targets, reduction))
+    return loss
+
+
+def _next_token_loss(model: nn.Module, out: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
     if model.loss_chunks > 1:
         return model.head_loss(out, targets, reduction)
     if model.compile_loss and not isinstance(out, DTensor):  # DTensor logits (no plan hands them today) stay eager

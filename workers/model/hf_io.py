@@ -533,7 +533,7 @@ def _check_untied_head(reader: _Reader, model: nn.Module) -> None:
                          f"is the model's own, or remove {HEAD} from the files if the embedding is")
 
 
-SHARED = re.compile(r"layers\.(\d+)\.feed_forward\.shared\.(w[123])")
+SHARED = re.compile(r"(?:layers|mtp)\.(\d+)\.feed_forward\.shared\.(w[123])")
 
 
 def _deepseek_extras(model: nn.Module, reader: _Reader):

@@ -50,9 +50,9 @@ EXPERT_NAMES = {
     "deepseek_v3": HfExperts("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
 
-ROUTER = re.compile(r"layers\.(\d+)\.feed_forward\.router\.weight")
-STACK = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
-ROUTER_BIAS = re.compile(r"layers\.\d+\.feed_forward\.router\.bias")
+ROUTER = re.compile(r"(?:layers|mtp)\.(\d+)\.feed_forward\.router\.weight")
+STACK = re.compile(r"(?:layers|mtp)\.(\d+)\.feed_forward\.experts\.(w[123])")
+ROUTER_BIAS = re.compile(r"(?:layers|mtp)\.\d+\.feed_forward\.router\.bias")
 
 
 def router_name(name: str, kind: str) -> str | None:

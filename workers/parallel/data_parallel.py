@@ -46,6 +46,8 @@ def apply_data_parallel(stage: nn.Module, blocks: list[nn.Module], dp_mesh: Devi
         fully_shard(stage, mesh=dp_mesh, **kw)
         if getattr(stage, "loss_chunks", 1) > 1:  # the head runs in the loss (train.loss_chunks), gathered there
             register_fsdp_forward_method(stage, "head_loss")
+        if getattr(stage, "mtp", None) is not None:  # model.mtp_layers: the MTP loss runs after the forward
+            register_fsdp_forward_method(stage, "mtp_loss")
         return stage
     return stage  # zero 0: the builder adds gradient buckets (grad_buckets.py); zero 1: DistributedOptimizer
 

@@ -16,7 +16,7 @@ from workers.data import MixedDataset
 from workers.diagnostics.comm_bytes import CommBytes, mesh_dim_groups
 from workers.diagnostics.memory_probe import ActivationMeter, live_state_bytes, model_state_bytes
 from workers.evaluation import EvalData, Evaluator, PipelineSweep
-from workers.model import moe
+from workers.model import moe, mtp
 from workers.model.names import unwrap
 from workers.parallel.layout import stage_owners
 from workers.parallel.process_group import data_parallel_mesh, shard_dim
@@ -94,6 +94,26 @@ class MoEStatistics(StepHook):
 
     def after_step(self, ctx):
         ctx.extras["moe"], self.figures = self.figures, None
+
+
+class MTPStatistics(StepHook):
+    """``model.mtp_layers``: each depth's loss over the step's global batch and L_MTP, reported beside the
+    next-token loss (which the MTP loss trains with but does not change: ``workers.model.mtp``)."""
+
+    def __init__(self, kit: StepKit):
+        self.modules, self.device = kit.parts.modules, kit.device
+        data = data_parallel_mesh(kit.mesh, kit.spec.parallel.grid)
+        self.dp_group = data.get_group() if data.size() > 1 else None
+        self.figures: dict | None = None
+
+    def before_step(self, ctx):
+        mtp.begin_step(self.modules)
+
+    def after_update(self, ctx):
+        self.figures = mtp.end_step(self.modules, self.dp_group, self.device)
+
+    def after_step(self, ctx):
+        ctx.extras["mtp"], self.figures = self.figures, None
 
 
 class Timeline(StepHook):
@@ -179,6 +199,7 @@ HOOKS: dict[str, HookFactory] = {
     "batch_ramp": lambda kit: BatchRamp(kit) if kit.spec.train.batch_ramp else None,  # first: others read the cursor
     "memory": lambda kit: MemoryProbe(kit) if kit.spec.memory.measure else None,
     "moe": lambda kit: MoEStatistics(kit) if moe.moe_layers(kit.parts.modules) else None,
+    "mtp": lambda kit: MTPStatistics(kit) if mtp.mtp_parts(kit.parts.modules) else None,
     "timeline": lambda kit: Timeline(kit) if kit.spec.metrics.timeline else None,
     "comm_bytes": lambda kit: CommCounting(kit) if kit.spec.metrics.comm_bytes else None,
     "ps": lambda kit: PSTraffic(kit) if kit.ps is not None else None,

@@ -25,6 +25,7 @@ from orchestrator.spec.checks.lora import check_lora
 from orchestrator.spec.checks.loss_chunks import check_loss_chunks
 from orchestrator.spec.checks.memory import check_offload, check_partitioned_activations, check_recompute
 from orchestrator.spec.checks.moe import check_expert_parallel, check_moe
+from orchestrator.spec.checks.mtp import check_mtp
 from orchestrator.spec.checks.optim import check_muon, check_optim_implementation, check_optim_state_dtype
 from orchestrator.spec.checks.parameter_server import check_parameter_server, check_ps_resize
 from orchestrator.spec.checks.pipeline import check_pipeline_split
@@ -43,6 +44,7 @@ CROSS_FIELD_CHECKS = (check_hf_any, check_settings_without_their_feature, check_
                       check_partitioned_activations, check_faults, check_muon, check_parameter_server, check_offload,
                       check_lora,
                       check_context_parallel, check_document_mask, check_comm, check_moe, check_expert_parallel,
+                      check_mtp,
                       check_async_pipeline, check_ps_resize, check_compile, check_optim_implementation,
                       check_optim_state_dtype,
                       check_fsdp_prefetch, check_fsdp_buckets, check_eval, check_loss_chunks, check_dpo,
