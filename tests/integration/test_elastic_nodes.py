@@ -15,7 +15,10 @@ from tests.support.reference import reference_losses
 
 STEPS = 12
 DRAIN_STEPS = 20
-ELASTIC = {"heartbeat_timeout_s": 60, "collective_timeout_s": 5, "placement_timeout_s": 8, "grow_check_s": 1}
+# hang_floor_s: these tests slow rank 0 so the job outlasts a node's start; on a loaded machine its slowed steps
+# passed the 5 s default floor and were taken for a hang, a second recovery the tests do not expect
+ELASTIC = {"heartbeat_timeout_s": 60, "collective_timeout_s": 5, "placement_timeout_s": 8, "grow_check_s": 1,
+           "hang_floor_s": 30}
 
 
 def elastic_spec(token_data, tmp_path, faults, **ft) -> JobSpec:
@@ -71,8 +74,8 @@ def test_a_drained_node_has_its_rank_saved_and_moved_to_another_node_bit_identic
     with that step checkpointed, rank 1 goes and comes back on the third node (its placement group reserved again
     without the drained one), and once recovered the drained node is taken down, which the job no longer
     notices: one recovery, nothing lost, the losses equal the uninterrupted run's bit for bit (issue 51)."""
-    # the job outlasts the CLI's start (seconds): 20 steps, rank 0 slowed, though not past the hang deadline's
-    # floor (a step over 5 s would be taken for a hang)
+    # the job outlasts the CLI's start (seconds): 20 steps, rank 0 slowed (ELASTIC's hang floor keeps its slowed
+    # steps from being taken for a hang)
     slow = [{"kind": "slow_rank", "rank": 0, "at_step": 3, "factor": 4}]
     spec = drain_spec(token_data, tmp_path, slow)
     out = run_on_cluster(spec, tmp_path, "--nodes", "3", "--cpus", "1", "--drain-rank", "1", "--drain-at", "3")
@@ -92,5 +95,8 @@ def test_a_drained_node_has_its_rank_saved_and_moved_to_another_node_bit_identic
 
 def drain_spec(token_data, tmp_path, faults) -> JobSpec:
     spec = tiny_spec(token_data, tmp_path, parallel={"dp": 2}, train={"steps": DRAIN_STEPS},
-                     checkpoint={"memory_every": 1}, fault_tolerance={**ELASTIC, "placement_timeout_s": 60})
+                     checkpoint={"memory_every": 1},
+                     # the rendezvous waits collective_timeout_s for the moved rank, whose new process starts on a
+                     # fresh node: 5 s was too short on a loaded machine ("1/2 clients joined")
+                     fault_tolerance={**ELASTIC, "placement_timeout_s": 60, "collective_timeout_s": 30})
     return JobSpec.from_dict({**spec.to_dict(), "faults": faults})
