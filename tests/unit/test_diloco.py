@@ -18,9 +18,9 @@ from workers.model.registry import model_config
 H, STEPS = 3, 7  # two outer steps, then a round cut short
 
 
-def _spec(token_data, tmp_path, dp: int, pp: int = 1, **parallel):
+def _spec(token_data, tmp_path, dp: int, pp: int = 1, metrics: dict | None = None, **parallel):
     return tiny_spec(token_data, tmp_path, parallel={"dp": dp, "pp": pp, "dp_sync": "diloco",
-                                                     "diloco_inner_steps": H, **parallel})
+                                                     "diloco_inner_steps": H, **parallel}, metrics=metrics or {})
 
 
 def reference_diloco(spec, steps: int) -> tuple[list[float], list[float]]:
@@ -67,7 +67,7 @@ def layouts(token_data, tmp_path_factory):
     specs = {"dp4": _spec(token_data, tmp, 4), "dp2pp2": _spec(token_data, tmp, 2, pp=2)}
     four = run_layouts([s.worker_dict() for s in specs.values()], 4, STEPS)
     ckpt = str(tmp / "ckpt")
-    two = _spec(token_data, tmp, 2)
+    two = _spec(token_data, tmp, 2, metrics={"comm_bytes": True})  # counted: the resume holds with the counter on
     whole, saved, resumed = run_layouts([two.worker_dict()] * 3, 2, [STEPS, 4, STEPS - 4],
                                         checkpoints=[None, ckpt, None], resumes=[None, None, ckpt])
     return {"dp4": (specs["dp4"], four[0]), "dp2pp2": (specs["dp2pp2"], four[1]), "dp2": (two, whole),
@@ -99,6 +99,17 @@ def test_diloco_resumes_mid_round_bit_for_bit(layouts):
     assert layouts["resumed"].losses == whole.losses[4:]
     assert layouts["resumed"].grad_norms == whole.grad_norms[4:]
     assert layouts["resumed"].field("loss") == {r: v[4:] for r, v in whole.field("loss").items()}
+
+
+def test_diloco_sends_one_weight_sized_all_reduce_per_round(layouts):
+    """The dp bytes (``metrics.comm_bytes``) of every rank: nothing on the H - 1 inner steps of a round, and at each
+    outer step one fp32 all-reduce of the weights, which is what an all-reduce run sends for the gradients every
+    step (a ring all-reduce of S bytes over 2 ranks sends S); so H times fewer synchronisations and bytes."""
+    spec, run = layouts["dp2"]
+    weights = build_full(model_config(spec.worker_dict()["model"]), spec.train.seed)
+    ring = 4 * sum(p.numel() for p in weights.parameters())
+    for counts in run.field("comm_bytes").values():
+        assert [(c or {}).get("dp", 0) for c in counts] == [ring if s % H == 0 else 0 for s in range(1, STEPS + 1)]
 
 
 def test_a_diloco_checkpoint_exports_theta_outer(layouts, tmp_path):
