@@ -117,12 +117,12 @@ def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
     return sum(moe_params(spec, i)[2] for i in stage_layers(spec, stage, n_stages))
 
 
-def routed_rows(spec: JobSpec) -> int:
-    """Token copies one MoE layer sends to its experts for one microbatch: tokens × top_k (dropless), capped at
-    each group's expert capacity (gshard, switch: ``MoEConfig.capacity`` per expert and group),
-    or every expert's k = n·c/e tokens of each group (expert_choice)."""
+def routed_rows(spec: JobSpec, mbs: int | None = None) -> int:
+    """Token copies one MoE layer sends to its experts for one microbatch (of ``mbs`` sequences; default: the
+    job's): tokens × top_k (dropless), capped at each group's expert capacity (gshard, switch:
+    ``MoEConfig.capacity`` per expert and group), or every expert's k = n·c/e tokens of each group (expert_choice)."""
     m, moe = spec.model, spec.model.moe
-    tokens = m.seq_len * micro_batch(spec)
+    tokens = m.seq_len * (mbs or micro_batch(spec))
     n = m.seq_len if moe.group == "sequence" else tokens  # tokens of one routing group
     groups = tokens // n
     if moe.router == "expert_choice":
@@ -132,8 +132,9 @@ def routed_rows(spec: JobSpec) -> int:
     return tokens * moe.k
 
 
-def moe_activation_bytes(spec: JobSpec) -> int:
-    """What one MoE feed-forward saves for backward for one microbatch, beyond the block's attention half.
+def moe_activation_bytes(spec: JobSpec, mbs: int | None = None) -> int:
+    """What one MoE feed-forward saves for backward for one microbatch (of ``mbs`` sequences; default: the job's,
+    as the layout search asks for each micro-batch size it prices), beyond the block's attention half.
 
     Replicated over tp (``workers.parallel.gpt_parallel.moe_style``), so whole-microbatch sized under any tp, with
     T tokens, A = ``routed_rows`` token copies, c the compute bytes, h the expert width, E experts:
@@ -149,7 +150,7 @@ def moe_activation_bytes(spec: JobSpec) -> int:
     m, moe = spec.model, spec.model.moe
     c, d, h = compute_bytes(spec), m.d_model, moe.d_expert or m.ffn_dim
     h_routed = h // expert_tp(spec)  # expert tensor parallelism: a tp rank's slice of each routed expert
-    tokens, rows = m.seq_len * micro_batch(spec), routed_rows(spec)
+    tokens, rows = m.seq_len * (mbs or micro_batch(spec)), routed_rows(spec, mbs)
     glu = FFN_MATRICES[m.arch] == 3
     casts = (2 if glu else 1) if c < 4 else 1  # copies of an expert's input rows its matmuls keep
     scores = 1 + (moe.z_loss_weight > 0) + (2 if moe.router == "noisy_topk" else 0)
@@ -170,13 +171,14 @@ def expert_split(spec: JobSpec) -> int:
     return spec.parallel.ep * expert_tp(spec)
 
 
-def all_to_all_bytes(spec: JobSpec) -> int:
+def all_to_all_bytes(spec: JobSpec, mbs: int | None = None) -> int:
     """Expert parallelism's transient buffers: one MoE layer's dispatch and combine, each a send and a receive
-    buffer of the microbatch's routed rows (tokens × k, d_model wide) at the compute precision."""
+    buffer of the microbatch's routed rows (tokens × k, d_model wide) at the compute precision (``mbs``: as
+    ``moe_activation_bytes``; given, the buffers the job would hold at ep > 1 whatever its own ep)."""
     m, moe = spec.model, spec.model.moe
-    if moe is None or not spec.parallel.grid.ep_enabled:
+    if moe is None or (mbs is None and not spec.parallel.grid.ep_enabled):
         return 0
-    rows = m.seq_len * micro_batch(spec) * (moe.k if moe.router != "expert_choice" else moe.capacity_factor)
+    rows = m.seq_len * (mbs or micro_batch(spec)) * (moe.k if moe.router != "expert_choice" else moe.capacity_factor)
     return math.ceil(4 * rows * m.d_model * compute_bytes(spec))
 
 
