@@ -103,7 +103,8 @@ class Moe:
         if moe is None or first is None:
             return None
         dense, replicated, experts = est.moe_params(spec, first)
-        sizes = [1 << i for i in range(spec.train.global_batch_size.bit_length())]
+        batch = spec.train.global_batch_size  # a micro-batch is global / (dp x microbatches): one of its divisors
+        sizes = [b for b in range(1, batch + 1) if batch % b == 0]
         by_mbs = tuple((b, est.moe_activation_bytes(spec, b), est.all_to_all_bytes(spec, b)) for b in sizes)
         return cls(moe.experts, moe.k, experts, replicated, dense, m.dense_layers if m.arch == "deepseek_v3" else 0,
                    1 if m.arch == "deepseek_v3" else moe.every, by_mbs)

@@ -130,3 +130,25 @@ def test_the_search_prefers_expert_groups_inside_a_node():
     best = ls.search(shape, 16, g, cps=[1], even_splits=True).best
     expert_parallel = [c for c in best if c.layout.ep > 1]
     assert expert_parallel and expert_parallel[0].layout.tp * expert_parallel[0].layout.ep <= g.gpus_per_node
+
+
+def test_a_micro_batch_of_any_divisor_is_priced():
+    """A job's own micro-batch need not be a power of two (48 sequences over dp 2 and 8 microbatches: 3)."""
+    spec = _job(MIXTRAL, parallel={"dp": 2, "ep": 2, "zero": 1, "device": "cuda"},
+                train={"global_batch_size": 48, "microbatches": 8}, precision={"dtype": "bf16"})
+    layout = ls.layout_of(spec)
+    assert layout.micro_batch == 3
+    peak = ls.Evaluator(ls.Shape.of(spec), tm.gpu("H100")).rank_peak(layout, 0)
+    assert peak == est.peak_rank(spec).total_bytes
+
+
+def test_trying_the_largest_ep_first_drops_no_layout_that_fits():
+    """The search skips the middle ep degrees of a layout whose largest ep does not fit (``_with_experts``): the
+    layouts it finds fitting are those every degree priced would have found."""
+    shape, g = ls.Shape.of(_big_moe()), tm.gpu("H100").with_overrides(memory=10 * 10**9)
+    result = ls.search(shape, 16, g, cps=[1], even_splits=True)
+    ev = ls.Evaluator(shape, g)
+    every = ls._priced(ev, ls.candidates(shape, 16, g, cps=[1], even_splits=True), None, result.limit)
+    fitting = {lay for lay, peak, _ in every if peak <= result.limit}
+    assert {c.layout for c in result.best} == fitting
+    assert result.considered < sum(1 for _ in ls.candidates(shape, 16, g, cps=[1], even_splits=True))
