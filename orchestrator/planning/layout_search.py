@@ -30,7 +30,9 @@ from typing import NamedTuple
 
 from orchestrator.planning import comm_model as cm
 from orchestrator.planning import memory_model as mm
+from orchestrator.planning import moe_terms
 from orchestrator.planning import time_model as tm
+from orchestrator.planning.moe_terms import FFN_MATRICES
 from orchestrator.spec.sections import recompute_plan
 from orchestrator.units import human_bytes
 from workers.contract.mixed_precision import planned_fsdp_mixed
@@ -39,9 +41,6 @@ from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
 from workers.parallel.partition import balanced_split
 
-# feed-forward matrices per block: GPT's up/down, Llama's (and DeepSeek-V3's) gate/up/down (an hf model, any
-# transformers causal LM, is estimated as GPT-2 and Phi are: up/down)
-FFN_MATRICES = {"gpt": 2, "llama": 3, "deepseek_v3": 3, "gpt_oss": 3, "hf": 2}
 TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
 _STATE_FIELDS = tuple(f.name for f in fields(mm.ModelState))  # summed field by field (``astuple`` deep-copies)
@@ -66,8 +65,8 @@ def attention_params(m) -> int | None:
 
 @dataclass(frozen=True)
 class Moe:
-    """A model's MoE blocks in plain numbers (``estimate.moe_params``' terms): which blocks have them, what one
-    holds, and what one saves and buffers per micro-batch size (``estimate.moe_activation_bytes``,
+    """A model's MoE blocks in plain numbers (``moe_terms.moe_params``' terms): which blocks have them, what one
+    holds, and what one saves and buffers per micro-batch size (``moe_terms.moe_activation_bytes``,
     ``all_to_all_bytes``), so the search prices expert parallelism as the estimate does without a spec."""
 
     experts: int
@@ -96,16 +95,14 @@ class Moe:
     @classmethod
     def of(cls, spec) -> Moe | None:
         """The job's MoE blocks, or None for a dense model."""
-        from orchestrator.planning import estimate as est  # it imports this module
-
         m, moe = spec.model, spec.model.moe
         first = next((i for i in range(m.n_layers) if m.is_moe_layer(i)), None)
         if moe is None or first is None:
             return None
-        dense, replicated, experts = est.moe_params(spec, first)
+        dense, replicated, experts = moe_terms.moe_params(spec, first)
         batch = spec.train.global_batch_size  # a micro-batch is global / (dp x microbatches): one of its divisors
         sizes = [b for b in range(1, batch + 1) if batch % b == 0]
-        by_mbs = tuple((b, est.moe_activation_bytes(spec, b), est.all_to_all_bytes(spec, b)) for b in sizes)
+        by_mbs = tuple((b, moe_terms.moe_activation_bytes(spec, b), moe_terms.all_to_all_bytes(spec, b)) for b in sizes)
         return cls(moe.experts, moe.k, experts, replicated, dense, m.dense_layers if m.arch == "deepseek_v3" else 0,
                    1 if m.arch == "deepseek_v3" else moe.every, by_mbs)
 
