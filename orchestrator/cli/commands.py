@@ -111,6 +111,7 @@ def _plan(args: argparse.Namespace) -> int:
     p = choice.spec.parallel
     cp = f" cp={p.cp}" if p.grid.cp_enabled else ""
     cp += f" dp_shard={p.dp_shard}" if p.grid.hybrid else ""
+    cp += f" ep={p.ep}" if p.ep > 1 else ""
     schedule = f" schedule={p.pp_schedule} pp_split={list(choice.spec.stage_split)}" if p.pp > 1 else ""
     print(f"picked dp={p.dp} pp={p.pp}{cp} tp={p.tp} zero={p.zero} microbatches={choice.spec.train.microbatches} "
           f"recompute={choice.spec.memory.recompute}{schedule} for {nodes} node(s) x {per_node} "
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--noise-scale", type=_positive_int, metavar="N",
                       help="also measure the gradient noise scale (critical batch size, McCandlish et al. 2018) on "
                            "the job's first N global batches, in this process on the CPU")
-    plan.add_argument("--gpu", choices=["A100", "H100", "H200"],
+    plan.add_argument("--gpu", choices=["A100", "H100", "H200", "H800"],  # plan.gpu's (time_model.GPUS)
                       help="GPU type whose peak, memory and bandwidths price the layouts (default: plan.gpu)")
     run = sub.choices["run"]
     run.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")

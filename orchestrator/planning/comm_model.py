@@ -36,7 +36,9 @@ Per dimension (``step_bytes``):
   gradients are averaged over dp x cp (cp ranks hold replicated weights, each one's gradient its tokens' share),
   so the dp row's collectives span dp·cp ranks.
 - ep: per MoE block and microbatch, dispatch and combine all-to-alls of the routed tokens (top_k copies of
-  b·s·h), in forward and again in backward.
+  b·s·h), in forward and again in backward. The routed experts' own data-parallel collectives (their gradients
+  and, under ZeRO, their parameters: ``expert_param_bytes``, the rank's 1/ep of them) run over the dp·cp/ep ranks
+  holding the same experts (``workers.parallel.expert_parallel``), counted in the dp row.
 
 Hybrid sharding (``parallel.dp_shard``, HSDP): ZeRO's collectives above run inside a shard group of
 dp_shard·cp ranks (row ``dp_shard``), and the replicas of a shard all-reduce only its reduced gradient, Φ/(dp_shard·cp)
@@ -106,6 +108,8 @@ class CommShape:
     q_bytes: float = 0.0  # one block's queries for the rank's chunk (as its output): what Ulysses exchanges
     kv_repeat: int = 1  # Ulysses: each K/V head sent this many times (tp-local K/V heads fewer than cp)
     grad_width: float = 1.0  # float32 dK/dV over the compute width: what ring and all-gather send back
+    expert_param_bytes: float = 0.0  # the rank's routed experts (1/ep of its MoE blocks'), as param_bytes
+    expert_grad_bytes: float = 0.0  # and their gradients, as grad_bytes
 
 
 def step_bytes(c: CommShape, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0,
@@ -117,6 +121,10 @@ def step_bytes(c: CommShape, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
         data = hybrid_bytes(c.param_bytes, c.grad_bytes, dp_shard * cp, dp // dp_shard, zero, m, pipelined=pp > 1)
     else:
         data = {"dp": data_parallel_bytes(c.param_bytes, c.grad_bytes, dp * cp, zero, m, pipelined=pp > 1)}
+    if c.expert_grad_bytes:  # the routed experts' own group: the dp x cp / ep ranks holding the same ones
+        row = "dp_shard" if "dp_shard" in data else "dp"
+        data[row] += data_parallel_bytes(c.expert_param_bytes, c.expert_grad_bytes, dp * cp // ep, zero, m,
+                                         pipelined=pp > 1)
     return {
         **data,
         "tp": m * ((c.blocks * 4 + c.sp_edges) * all_reduce(c.hidden_bytes, tp) + all_gather(c.logit_bytes, tp)

@@ -13,7 +13,8 @@ import math
 from dataclasses import astuple, dataclass, replace
 
 from orchestrator.planning import memory_model as mm
-from orchestrator.planning.layout_search import FFN_MATRICES, Shape, planned_compiled_loss, planned_on_gpu
+from orchestrator.planning.layout_search import Shape, planned_compiled_loss, planned_on_gpu
+from orchestrator.planning.moe_terms import FFN_MATRICES, all_to_all_bytes, expert_tp, moe_activation_bytes, moe_params
 from orchestrator.planning.stage_split import auto_split, resolve_split
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.spec.lora import adapted_linears, parameter_split
@@ -21,8 +22,6 @@ from orchestrator.spec.sections import recompute_plan
 from workers.contract.compression_kinds import WITH_FEEDBACK
 from workers.contract.mixed_precision import planned_fsdp_mixed
 from workers.parallel.layout import layers_of_stage, own_stages
-
-CAPACITY_ROUTERS = ("gshard", "switch")  # token-choice routers that drop assignments over capacity
 
 # raymesh's bf16/fp16 keep fp32 weights, gradients and Adam state under torch.autocast
 PRECISION_LAYOUT = {"fp32": "fp32", "bf16": "autocast", "fp16": "autocast"}
@@ -139,20 +138,6 @@ def kept_whole(spec: JobSpec, layer: int) -> int:
     return down - shared
 
 
-def moe_params(spec: JobSpec, layer: int) -> tuple[int, int, int]:
-    """Block ``layer``'s (dense feed-forward it replaces, router + shared experts, routed experts); zeros for a
-    dense block. Routed experts are what expert parallelism splits over ``parallel.ep``."""
-    m, moe = spec.model, spec.model.moe
-    if moe is None or not m.is_moe_layer(layer):
-        return 0, 0, 0
-    width = moe.d_expert or m.ffn_dim
-    ffn = FFN_MATRICES[m.arch] * m.d_model * width + (2 * width + m.d_model if m.arch == "gpt_oss" else 0)  # biases
-    router = m.d_model * moe.experts * (2 if moe.router == "noisy_topk" else 1)  # noisy top-k: W_g and W_noise
-    router += moe.experts if m.arch == "gpt_oss" else 0  # its router's bias
-    router += m.d_model * (moe.expert_groups or 0) if moe.router == "hierarchical" else 0  # its group gate
-    return FFN_MATRICES[m.arch] * m.d_model * m.ffn_dim, router + moe.shared_experts * ffn, moe.experts * ffn
-
-
 def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
     """Routed-expert parameters of one pipeline stage, all experts (a rank holds ``1 / ep`` of them); the last
     stage's include the multi-token prediction depths'."""
@@ -160,67 +145,9 @@ def stage_expert_params(spec: JobSpec, stage: int, n_stages: int) -> int:
     return mtp + sum(moe_params(spec, i)[2] for i in stage_layers(spec, stage, n_stages))
 
 
-def routed_rows(spec: JobSpec) -> int:
-    """Token copies one MoE layer sends to its experts for one microbatch: tokens × top_k (dropless), capped at
-    each group's expert capacity (gshard, switch: ``MoEConfig.capacity`` per expert and group),
-    or every expert's k = n·c/e tokens of each group (expert_choice)."""
-    m, moe = spec.model, spec.model.moe
-    tokens = m.seq_len * micro_batch(spec)
-    n = m.seq_len if moe.group == "sequence" else tokens  # tokens of one routing group
-    groups = tokens // n
-    if moe.router == "expert_choice":
-        return groups * moe.experts * max(1, min(n, int(n * moe.capacity_factor / moe.experts)))
-    if moe.router in CAPACITY_ROUTERS:
-        return groups * min(n * moe.k, moe.experts * moe.capacity(n, moe.k))
-    return tokens * moe.k
-
-
-def moe_activation_bytes(spec: JobSpec) -> int:
-    """What one MoE feed-forward saves for backward for one microbatch, beyond the block's attention half.
-
-    Replicated over tp (``workers.parallel.gpt_parallel.moe_style``), so whole-microbatch sized under any tp, with
-    T tokens, A = ``routed_rows`` token copies, c the compute bytes, h the expert width, E experts:
-    the router's float32 input (T·d), its float32 probabilities (T·E; the z-loss's logsumexp keeps the logits,
-    noisy top-k its noisy and noise-scale scores too) and per choice (T·k) its int64 index, float32 gate and
-    renormalised gate and kept mask; the gathered rows each expert's first matmul keeps (A·d, one low-precision
-    copy per matmul reading them under autocast), its hidden activations (A·h, 2 tensors, 4 for SwiGLU, and
-    expert dropout's mask), the expert outputs the gate multiply keeps (A·d) and the gate-weighted ones the
-    combining ``index_add`` keeps (A·d, in the input's float32), gates and the int64 token/order indices (A
-    each); shared experts as dense feed-forwards over all T tokens. Checked against measured saved tensors by
-    ``tests/integration/test_moe_memory.py``.
-    """
-    m, moe = spec.model, spec.model.moe
-    c, d, h = compute_bytes(spec), m.d_model, moe.d_expert or m.ffn_dim
-    h_routed = h // expert_tp(spec)  # expert tensor parallelism: a tp rank's slice of each routed expert
-    tokens, rows = m.seq_len * micro_batch(spec), routed_rows(spec)
-    glu = FFN_MATRICES[m.arch] == 3
-    casts = (2 if glu else 1) if c < 4 else 1  # copies of an expert's input rows its matmuls keep
-    scores = 1 + (moe.z_loss_weight > 0) + (2 if moe.router == "noisy_topk" else 0)
-    router = 4 * tokens * d + 4 * tokens * moe.experts * scores + tokens * moe.k * (8 + 4 + 4 + 1)
-    hidden = (4 if glu else 2) + (moe.expert_dropout > 0)  # expert dropout keeps its mask
-    per_row = c * (casts * d + hidden * h_routed + d) + 4 * d + 4 + 3 * 8
-    shared = moe.shared_experts * tokens * c * ((4 if glu else 2) * h + (casts * d if c < 4 else 0))
-    return router + rows * per_row + shared
-
-
-def expert_tp(spec: JobSpec) -> int:
-    """Over how many tp ranks each routed expert is split: tp under ``parallel.expert_tp``, else 1."""
-    return spec.parallel.tp if spec.parallel.expert_tp else 1
-
-
 def expert_split(spec: JobSpec) -> int:
     """Into how many parts the routed experts are cut: ``ep``, times tp under expert tensor parallelism."""
     return spec.parallel.ep * expert_tp(spec)
-
-
-def all_to_all_bytes(spec: JobSpec) -> int:
-    """Expert parallelism's transient buffers: one MoE layer's dispatch and combine, each a send and a receive
-    buffer of the microbatch's routed rows (tokens × k, d_model wide) at the compute precision."""
-    m, moe = spec.model, spec.model.moe
-    if moe is None or not spec.parallel.grid.ep_enabled:
-        return 0
-    rows = m.seq_len * micro_batch(spec) * (moe.k if moe.router != "expert_choice" else moe.capacity_factor)
-    return math.ceil(4 * rows * m.d_model * compute_bytes(spec))
 
 
 def offload_flags(spec: JobSpec) -> dict[str, bool]:

@@ -15,9 +15,10 @@ profiled costs when the job asks for ``auto``), which lowers the slowest stage w
 outweighs a block; a layout that does not fit is priced again on the fastest split that does
 (``Evaluator.fitting_split``). The winner's split goes into the job as ``parallel.pp_split``.
 
-For an MoE model the search prices the dense blocks; each candidate is then tried at ep=1 and at each larger
-expert-parallel degree dividing its dp and the expert count, and runs at the first whose estimated peak
-(which counts the routed experts, split over ep) fits.
+For an MoE model the search also tries every expert-parallel degree dividing dp × cp and the expert count
+(``layout_search.expert_degrees``), each priced with its routed experts split over ep (their state sharded over
+the dp × cp / ep ranks holding them), its MoE activations and all-to-all buffers, and its dispatch and combine
+all-to-alls on NVLink where placement packs the expert group into a node (``time_model.expert_link``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def overrides(c: ls.Candidate, shape: ls.Shape) -> list[str]:
     lay = c.layout
     no_cp = [f"parallel.cp_impl={ParallelSpec.model_fields['cp_impl'].default}"] if lay.cp == 1 else []
     return [f"parallel.dp={lay.dp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}", f"parallel.tp={lay.tp}",
+            f"parallel.ep={lay.ep}",
             f"parallel.zero={lay.zero}", f"parallel.dp_shard={lay.dp_shard or ''}", *no_cp,
             f"parallel.pp_schedule={lay.schedule}", f"parallel.pp_split={split_value(lay)}",
             f"train.microbatches={lay.microbatches(shape)}", f"memory.recompute={lay.recompute}"]
@@ -84,7 +86,7 @@ def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | No
     tried = []
     for cand in result.best:
         try:
-            chosen = with_experts(spec.with_overrides(overrides(cand, shape)), cand.layout.dp, result.limit)
+            chosen = spec.with_overrides(overrides(cand, shape))
         except SpecError as exc:
             tried.append(f"{cand.layout.label()}: not runnable ({exc.field}: {exc.problem})")
             continue
@@ -100,27 +102,6 @@ def pick_layout(spec: JobSpec, nodes: int, gpus_per_node: int, gpu_mem: int | No
         return Choice(chosen, peak, reason, tried, cand, result, faster)
     free = ls.search(shape, world, g, top=1, even_splits=True, **kw).best
     raise _no_fit(spec, nodes, gpus_per_node, g, result, tried, free[0] if free else None)
-
-
-def with_experts(chosen: JobSpec, dp: int, limit: float) -> JobSpec:
-    """An MoE candidate at the smallest expert-parallel degree (dividing its dp and the expert count) whose
-    estimated peak fits ``limit``; a dense one as it is. The search priced the dense blocks only, the estimate
-    counts the routed experts (split over ep) and the all-to-all buffers."""
-    moe = chosen.model.moe
-    if moe is None:
-        return chosen
-    problem = None
-    for ep in (e for e in range(1, dp + 1) if dp % e == 0 and moe.experts % e == 0):
-        try:
-            trial = chosen.with_overrides([f"parallel.ep={ep}"])
-        except SpecError as exc:
-            problem = exc
-            continue
-        if peak_rank(trial).total_bytes <= limit:
-            return trial
-    raise problem or SpecError("parallel.ep", "1..dp", f"gives no expert-parallel degree whose peak fits "
-                               f"{human_bytes(limit)} with dp={dp}", "add GPUs or lower the batch",
-                               where="raymesh plan")
 
 
 def _no_fit(spec: JobSpec, nodes: int, gpus_per_node: int, g: tm.GPU, result: ls.SearchResult,

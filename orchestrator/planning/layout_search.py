@@ -23,13 +23,16 @@ Stage splits (``units``, the layout picker's): each pipelined layout is also pri
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 from itertools import product
 from typing import NamedTuple
 
 from orchestrator.planning import comm_model as cm
 from orchestrator.planning import memory_model as mm
+from orchestrator.planning import moe_terms
 from orchestrator.planning import time_model as tm
+from orchestrator.planning.moe_terms import FFN_MATRICES
 from orchestrator.spec.sections import recompute_plan
 from orchestrator.units import human_bytes
 from workers.contract.mixed_precision import planned_fsdp_mixed
@@ -38,11 +41,9 @@ from workers.contract.schedules import schedule as schedule_facts
 from workers.parallel.layout import stage_ids
 from workers.parallel.partition import balanced_split
 
-# feed-forward matrices per block: GPT's up/down, Llama's (and DeepSeek-V3's) gate/up/down (an hf model, any
-# transformers causal LM, is estimated as GPT-2 and Phi are: up/down)
-FFN_MATRICES = {"gpt": 2, "llama": 3, "deepseek_v3": 3, "gpt_oss": 3, "hf": 2}
 TP_MAX = 8
 RECOMPUTE = ("none", "selective", "full")
+_STATE_FIELDS = tuple(f.name for f in fields(mm.ModelState))  # summed field by field (``astuple`` deep-copies)
 
 
 def planned_on_gpu(spec) -> bool:
@@ -60,6 +61,60 @@ def attention_params(m) -> int | None:
     """One attention's parameters where they are no plain q, k, v, o: DeepSeek-V3's MLA, gpt-oss's (biases and
     sinks); None otherwise."""
     return {"deepseek_v3": m.mla_params, "gpt_oss": m.gpt_oss_attention_params}.get(m.arch)
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A model's MoE blocks in plain numbers (``moe_terms.moe_params``' terms): which blocks have them, what one
+    holds, and what one saves and buffers per micro-batch size (``moe_terms.moe_activation_bytes``,
+    ``all_to_all_bytes``), so the search prices expert parallelism as the estimate does without a spec."""
+
+    experts: int
+    top_k: int
+    expert_params: int  # one MoE block's routed experts, all of them: what ep splits
+    replicated: int  # its router and shared experts, whole on every tp rank
+    dense_ffn: int  # the dense feed-forward an MoE block replaces (tp-sharded in a dense block)
+    dense_first: int = 0  # DeepSeek-V3's first blocks keep the dense feed-forward
+    every: int = 1  # every ``every``-th block from block ``every - 1`` (``ModelConfig.is_moe_layer``)
+    by_mbs: tuple[tuple[int, int, int], ...] = ()  # (micro-batch, one MoE feed-forward's saved bytes, all-to-all)
+
+    def count(self, start: int, stop: int) -> int:
+        """MoE blocks among global blocks ``start`` .. ``stop - 1``."""
+        lo = max(start, self.dense_first)
+        return stop // self.every - lo // self.every if stop > lo else 0
+
+    def per_mbs(self, micro_batch: int) -> tuple[int, int]:
+        """(saved bytes of one MoE feed-forward, all-to-all buffers) for one microbatch of ``micro_batch``."""
+        return next((saved, a2a) for mbs, saved, a2a in self.by_mbs if mbs == micro_batch)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token computes with in an MoE block's feed-forward: router, shared and k experts."""
+        return self.replicated + self.top_k * self.expert_params // self.experts
+
+    @classmethod
+    def of(cls, spec) -> Moe | None:
+        """The job's MoE blocks, or None for a dense model."""
+        m, moe = spec.model, spec.model.moe
+        first = next((i for i in range(m.n_layers) if m.is_moe_layer(i)), None)
+        if moe is None or first is None:
+            return None
+        dense, replicated, experts = moe_terms.moe_params(spec, first)
+        batch = spec.train.global_batch_size  # a micro-batch is global / (dp x microbatches): one of its divisors
+        sizes = [b for b in range(1, batch + 1) if batch % b == 0]
+        by_mbs = tuple((b, moe_terms.moe_activation_bytes(spec, b), moe_terms.all_to_all_bytes(spec, b)) for b in sizes)
+        return cls(moe.experts, moe.k, experts, replicated, dense, m.dense_layers if m.arch == "deepseek_v3" else 0,
+                   1 if m.arch == "deepseek_v3" else moe.every, by_mbs)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_moe_blocks(moe: Moe, counts: tuple[int, ...]) -> tuple[int, ...]:
+    """MoE blocks per stage of a split (``counts``: layers per stage)."""
+    out, start = [], 0
+    for n in counts:
+        out.append(moe.count(start, start + n))
+        start += n
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -95,6 +150,7 @@ class Shape:
     grad_reduce_bytes: int = 4  # parallel.grad_reduce_dtype: ZeRO 1-3's gradient reduction width outside the policy
     attention_params: int | None = None  # DeepSeek-V3's MLA (``ModelConfig.mla_params``); None: q, k, v, o
     param_gather_bytes: float = 4  # parallel.param_gather_dtype: ZeRO 1-3's parameter all-gather, bytes per value
+    moe: Moe | None = None  # the MoE blocks (model.moe); None: dense
 
     @classmethod
     def of(cls, spec) -> Shape:
@@ -107,7 +163,7 @@ class Shape:
                    m.attention_mask == "document", m.head_dim, m.qkv_bias, m.qk_norm,
                    spec.train.loss_chunks, planned_on_gpu(spec), spec.train.compile, planned_compiled_loss(spec),
                    mm.BYTES_PER[spec.parallel.grad_reduce_dtype], attention_params(m),
-                   wire_bytes_per_value(spec.parallel.param_gather_dtype))
+                   wire_bytes_per_value(spec.parallel.param_gather_dtype), Moe.of(spec))
 
     def fsdp_mixed(self, zero: int) -> bool:
         """Whether a layout with ``zero`` computes through FSDP2's mixed-precision policy (FSDP2 units needed)."""
@@ -169,6 +225,7 @@ class Layout:
     stages_per_rank: int = 1
     split: tuple[int, ...] | None = None  # layers per stage; None: ``split_layers`` (even where they divide)
     dp_shard: int | None = None  # hybrid sharding: ZeRO shards inside groups of this many dp ranks (None: all dp)
+    ep: int = 1  # expert parallelism: each MoE block's routed experts split over ep of the dp x cp ranks
 
     @property
     def world(self) -> int:
@@ -187,6 +244,7 @@ class Layout:
     def label(self) -> str:
         sched = f" {self.schedule}x{self.stages_per_rank}" if self.pp > 1 else ""
         sched += f" dp_shard={self.dp_shard}" if self.dp_shard else ""
+        sched += f" ep={self.ep}" if self.ep > 1 else ""
         split = f" split={','.join(map(str, self.split))}" if self.split else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} zero={self.zero} mbs={self.micro_batch} "
                 f"recompute={self.recompute}{sched}{split}")
@@ -338,8 +396,24 @@ class LayoutPeaks:
                                             lay.tp, c, s.head_size)
         self.regathers = lay.zero >= 3 and lay.shards > 1
         self.autocast_width = c if c < 4 and not mixed else 0  # autocast's 16-bit copy of each weight
+        self.moe_layer = self.moe_working = self.all_to_all = 0
+        if s.moe is not None:
+            self._add_moe(s.moe, mixed)
         self._ends: dict[tuple[bool, bool], Ends] = {}
-        self._states: dict[tuple[int, int, int], mm.ModelState] = {}
+        self._states: dict[tuple[int, int, int, int], mm.ModelState] = {}
+
+    def _add_moe(self, moe: Moe, mixed: bool) -> None:
+        """An MoE block's saved bytes and full recompute's rebuilt one (``estimate.layer_bytes``: the dense
+        feed-forward's input copies out, the MoE layer's tensors in) and, at ep > 1, the all-to-all's buffers."""
+        s, lay = self.shape, self.layout
+        saved, a2a = moe.per_mbs(lay.micro_batch)
+        inputs = s.compute_bytes * self.seq * lay.micro_batch * s.d_model * mm.feed_forward_copies(
+            s.arch, s.compute_bytes, None, mixed)
+        rebuilt = _layer_bytes(s, self.seq, lay.micro_batch, lay.tp, "none", mixed, moe=True) + saved - inputs
+        self.moe_layer = (_layer_bytes(s, self.seq, lay.micro_batch, lay.tp, lay.recompute, mixed, lay.cp, True)
+                          + (saved - inputs if lay.recompute != "full" else 0))
+        self.moe_working = rebuilt if lay.recompute == "full" else 0
+        self.all_to_all = a2a if lay.ep > 1 else 0
 
     def _add_ends(self, first: bool, last: bool) -> Ends:
         """What a rank holding the first and/or the last stage adds (``peak`` asks on first use, then reads
@@ -358,30 +432,41 @@ class LayoutPeaks:
             tp_grads, mm.embedding_activation_bytes(self.seq, lay.micro_batch) * first, self.head * last, loss)
         return ends
 
-    def peak(self, pp_rank: int, layers: int) -> int:
-        """In-step peak bytes of pipeline rank ``pp_rank`` holding ``layers`` layers."""
-        at = self.places[pp_rank]
+    def peak(self, pp_rank: int, layers: int, moe: int = 0) -> int:
+        """In-step peak bytes of pipeline rank ``pp_rank`` holding ``layers`` layers, ``moe`` of them MoE blocks
+        (their routed experts split over ep: ``estimate.estimate_rank``'s ``experts``)."""
+        at, m = self.places[pp_rank], self.shape.moe
         end = self._ends.get((at.first, at.last)) or self._add_ends(at.first, at.last)
-        params = (layers * self.block_params + end.root) // self.tp + layers * self.norms + end.last_norm
-        key = (params, end.zero3_gathered, end.tp_embedding_grads)
+        sharded, replicated, experts = layers * self.block_params + end.root, 0, 0
+        if moe:  # an MoE block's feed-forward: router and shared experts whole on every tp rank, experts over ep
+            sharded, replicated = sharded - moe * m.dense_ffn, moe * m.replicated
+            experts = moe * m.expert_params // self.layout.ep
+        params = sharded // self.tp + layers * self.norms + end.last_norm + replicated
+        key = (params + experts, experts, end.zero3_gathered, end.tp_embedding_grads)
         state = self._states.get(key) or self._add_state(*key)
-        chunks = layers * self.layer + end.embedding + (len(at.ids) * self.mask if layers else 0)
+        chunks = (layers - moe) * self.layer + moe * self.moe_layer + end.embedding
+        chunks += len(at.ids) * self.mask if layers else 0
         saved = mm.rank_saved_bytes(chunks, len(at.ids), at.in_flight, self.head, at.heads)
         freed = mm.freed_first(saved, at.in_flight, self.pipelined, end.head_freed)
-        working = self.working if layers else 0
+        working = max(self.working if layers > moe else 0, self.moe_working if moe else 0)
         return (mm.in_step_peak(state, saved, at.carried, self.regathers, freed, working, end.loss)
-                + self.autocast_width * params + self.edge * at.edges + self.cp_kernel)
+                + self.autocast_width * (params + experts) + self.edge * at.edges + self.cp_kernel + self.all_to_all)
 
-    def _add_state(self, params: int, zero3_gathered: int, tp_embedding_grads: int) -> mm.ModelState:
-        """``memory_model.model_state`` of a rank holding ``params`` (``peak`` asks once per distinct argument,
-        then reads ``_states``)."""
+    def _add_state(self, params: int, experts: int, zero3_gathered: int, tp_embedding_grads: int) -> mm.ModelState:
+        """``memory_model.model_state`` of a rank holding ``params``, ``experts`` of them routed experts: reduced
+        and ZeRO-sharded over the dp x cp / ep ranks holding the same ones (``estimate.rank_model_state``).
+        ``peak`` asks once per distinct argument, then reads ``_states``."""
         lay = self.layout
-        state = mm.model_state(params, lay.shards, lay.zero, self.precision, "adamw", fsdp=True,
-                               zero3_gathered_params=zero3_gathered,
-                               accumulating=self.microbatches > 1 or self.pipelined, pipelined=self.pipelined)
+        steps = {"accumulating": self.microbatches > 1 or self.pipelined, "pipelined": self.pipelined}
+        state = mm.model_state(params - experts, lay.shards, lay.zero, self.precision, "adamw", fsdp=True,
+                               zero3_gathered_params=zero3_gathered, **steps)
+        if experts:
+            own = mm.model_state(experts, lay.dp * lay.cp // lay.ep, lay.zero, self.precision, "adamw", fsdp=True,
+                                 zero3_gathered_params=self.shape.moe.expert_params // lay.ep, **steps)
+            state = mm.ModelState(*(getattr(state, k) + getattr(own, k) for k in _STATE_FIELDS))
         if tp_embedding_grads:
             state = replace(state, grads=state.grads + tp_embedding_grads)
-        self._states[params, zero3_gathered, tp_embedding_grads] = state
+        self._states[params, experts, zero3_gathered, tp_embedding_grads] = state
         return state
 
 
@@ -419,12 +504,14 @@ class Evaluator:
         return self._rank_peak(self.layout_peaks(layout), self.stage_layers(layout), pp_rank)
 
     def _rank_peak(self, peaks: LayoutPeaks, counts: tuple[int, ...], pp_rank: int) -> int:
-        return self._estimate(peaks, pp_rank, sum(map(counts.__getitem__, peaks.places[pp_rank].ids)))
+        ids = peaks.places[pp_rank].ids
+        moe = sum(map(stage_moe_blocks(self.shape.moe, counts).__getitem__, ids)) if self.shape.moe else 0
+        return self._estimate(peaks, pp_rank, sum(map(counts.__getitem__, ids)), moe)
 
-    def _estimate(self, peaks: LayoutPeaks, pp_rank: int, layers: int) -> int:
-        """``peaks.peak(pp_rank, layers)``, counted as one rank estimate (``SearchResult.rank_estimates``)."""
+    def _estimate(self, peaks: LayoutPeaks, pp_rank: int, layers: int, moe: int = 0) -> int:
+        """``peaks.peak(pp_rank, layers, moe)``, counted as one rank estimate (``SearchResult.rank_estimates``)."""
         self.rank_estimates += 1
-        return peaks.peak(pp_rank, layers)
+        return peaks.peak(pp_rank, layers, moe)
 
     def fitting_split(self, layout: Layout, units: UnitTimes, limit: int) -> tuple[int, ...] | None:
         """The split whose slowest stage (by ``units``) is fastest among those where every pp rank's in-step peak
@@ -453,7 +540,14 @@ class Evaluator:
         """Whether pp rank ``stage`` (one stage per rank) holding ``layers`` layers, every other stage one, peaks
         within ``limit``."""
         others = len(peaks.places[stage].ids) - 1  # the rank's own other stages (a V schedule's): one layer each
-        return self._estimate(peaks, stage, layers + others) <= limit
+        held, moe = layers + others, self.shape.moe
+        if moe is None:
+            return self._estimate(peaks, stage, held) <= limit
+        # which blocks the stage gets is not known yet: the fewest and the most MoE blocks it could hold bound
+        # its peak (each term grows or shrinks linearly with the MoE count, and the peak is a max of sums)
+        n, n_moe = self.shape.n_layers, moe.count(0, self.shape.n_layers)
+        return all(self._estimate(peaks, stage, held, k) <= limit
+                   for k in {max(0, held - (n - n_moe)), min(held, n_moe)})
 
     def peak(self, layout: Layout) -> tuple[int, int]:
         """(bytes, pp rank) of the largest rank class."""
@@ -466,23 +560,22 @@ class Evaluator:
         m = lay.microbatches(s)
         counts, places = self.stage_layers(lay), pipeline_places(lay.pp, lay.stages_per_rank, lay.schedule, m)
         tokens = s.global_batch * s.seq / (lay.dp * lay.cp)
-        by_load: dict[tuple[int, bool], float] = {}  # a rank's FLOPs by its layers and head: most ranks are alike
+        by_load: dict[tuple[int, int, bool], float] = {}  # a rank's FLOPs by its layers and head: most are alike
         per_rank = []
         for r in self.rank_classes(lay):
-            load = (sum(map(counts.__getitem__, places[r].ids)), places[r].last)
+            ids = places[r].ids
+            moe = sum(map(stage_moe_blocks(s.moe, counts).__getitem__, ids)) if s.moe else 0
+            load = (sum(map(counts.__getitem__, ids)), moe, places[r].last)
             if load not in by_load:
-                layers, head = load
-                # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
-                stage_params = layers * s.block_params + s.vocab * s.d_model * head
-                per_token = tm.flops_per_token(stage_params, layers, s.d_model, s.seq, lay.recompute)
-                by_load[load] = per_token * tokens / lay.tp
+                by_load[load] = rank_flops(s, lay, *load) * tokens
             per_rank.append((by_load[load], r))
         flops, r = max(per_rank)
         shape = comm_shape(s, lay, r)
-        by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, 1, lay.zero, m, lay.dp_shard)
+        by_dim = cm.step_bytes(shape, lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, m, lay.dp_shard)
         zero_row = by_dim.get("dp_shard", by_dim.get("dp", 0.0))  # ZeRO's own collectives (hybrid: a shard group's)
-        gathers = zero_row - cm.reduce_scatter(shape.grad_bytes, lay.shards)  # ZeRO-2/3: the rest are gathers
-        degrees = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp_shard": lay.dp_shard}
+        gathers = (zero_row - cm.reduce_scatter(shape.grad_bytes, lay.shards)  # ZeRO-2/3: the rest are gathers
+                   - cm.reduce_scatter(shape.expert_grad_bytes, lay.dp * lay.cp // lay.ep))
+        degrees = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp_shard": lay.dp_shard, "ep": lay.ep}
         time = tm.step_time(flops, by_dim, self.gpu, degrees, m, lay.stages_per_rank, self.efficiency,
                             gather_bytes=max(0.0, gathers) if lay.zero >= 2 else 0.0,
                             boundary_bytes=shape.boundary_bytes)
@@ -494,17 +587,34 @@ class Evaluator:
         return Candidate(layout, peak, r, time, by_dim)
 
 
+def rank_flops(s: Shape, lay: Layout, layers: int, moe: int, head: bool) -> float:
+    """FLOPs per token of the rank's tokens on a rank holding ``layers`` blocks, ``moe`` of them MoE blocks, and the
+    head where ``head``: the tp-sharded part over tp; an MoE block's feed-forward runs its router, shared and k
+    experts per token (``Moe.active``), whole on every tp rank (``estimate.stage_params``), whatever ep is (an
+    ep rank computes the tokens its group sends to its experts: on average its own tokens' share)."""
+    # the output projection's matmul costs its FLOPs whether or not its weight is tied to the embedding
+    sharded = layers * s.block_params + s.vocab * s.d_model * head - (moe * s.moe.dense_ffn if moe else 0)
+    dense = tm.flops_per_token(sharded, layers, s.d_model, s.seq, lay.recompute) / lay.tp
+    return dense + (tm.flops_per_token(moe * s.moe.active, 0, s.d_model, s.seq, lay.recompute) if moe else 0.0)
+
+
 def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     """``comm_model.CommShape`` of one rank: raymesh reduces and gathers fp32 parameters and gradients
     (autocast keeps them fp32; FSDP2's bf16 policy gathers bf16), sends fp32 hidden states between stages
     (bf16 under that policy), reduces activations in compute width."""
     n_stages = lay.pp * lay.stages_per_rank
     ids = stage_ids(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule)
-    layers = sum(lay.stage_layers(s.n_layers)[i] for i in ids)
+    counts = lay.stage_layers(s.n_layers)
+    layers = sum(counts[i] for i in ids)
+    moe = sum(stage_moe_blocks(s.moe, counts)[i] for i in ids) if s.moe else 0
     last = n_stages - 1 in ids
     root = s.embedding_params * (0 in ids) + s.head_params * last
     norms = layers * 2 * s.d_model + s.d_model * last  # replicated under tp
-    params = (layers * s.block_params + root) // lay.tp + norms
+    sharded, replicated, experts = layers * s.block_params + root, 0, 0
+    if moe:  # as ``LayoutPeaks.peak``
+        sharded, replicated = sharded - moe * s.moe.dense_ffn, moe * s.moe.replicated
+        experts = moe * s.moe.expert_params // lay.ep
+    params = sharded // lay.tp + norms + replicated
     seq, c = s.seq // lay.cp, s.compute_bytes
     sbh = seq * lay.micro_batch * s.d_model
     # under tp the token embedding's gradient comes back from DTensor's embedding backward Replicate, full-size,
@@ -517,10 +627,10 @@ def comm_shape(s: Shape, lay: Layout, pp_rank: int) -> cm.CommShape:
     return cm.CommShape(gather * params, reduce * (params + embedding_grad), c * sbh,
                         s.boundary_width(lay.zero) * sbh // lay.tp,
                         2 * c * seq * lay.micro_batch * s.kv * s.head_size // lay.tp,
-                        c * seq * lay.micro_batch * s.vocab, layers, 0, 1, last,
+                        c * seq * lay.micro_batch * s.vocab, layers, moe, s.moe.top_k if s.moe else 1, last,
                         sum((i != 0) + (i != n_stages - 1) for i in ids) if lay.pp > 1 else 0,
                         (0 in ids) + last, 4 * norms, s.cp_impl, c * seq * lay.micro_batch * s.n_heads * s.head_size
-                        // lay.tp, _kv_repeat(s.kv // lay.tp, lay.cp), 4 / c)
+                        // lay.tp, _kv_repeat(s.kv // lay.tp, lay.cp), 4 / c, gather * experts, reduce * experts)
 
 
 def _kv_repeat(kv_heads: int, cp: int) -> int:
@@ -537,15 +647,18 @@ def layout_of(spec) -> Layout:
     policy = recompute_plan(spec.memory.recompute, spec.memory.recompute_every, spec.model.n_layers)[0]
     recompute = "full" if policy == "sqrt" else policy
     return Layout(p.dp, p.tp, p.pp, p.cp, p.zero, spec.train.global_batch_size // p.dp // spec.train.microbatches,
-                  recompute, p.pp_schedule, p.stages_per_rank, dp_shard=p.grid.dp_shard if p.grid.hybrid else None)
+                  recompute, p.pp_schedule, p.stages_per_rank, dp_shard=p.grid.dp_shard if p.grid.hybrid else None,
+                  ep=p.ep)
 
 
 @functools.lru_cache(maxsize=65536)
 def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, fsdp_mixed: bool = False,
-                 cp: int = 1) -> int:
+                 cp: int = 1, moe: bool = False) -> int:
     """One block's saved bytes (sequence parallel whenever tp > 1; allgather's gathered K/V without recompute,
-    as ``estimate.layer_bytes``), cached: candidates differing only in ZeRO stage or schedule share it."""
-    block = mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, s.ffn_dim, tp, tp > 1, recompute,
+    as ``estimate.layer_bytes``; ``moe``: without the dense feed-forward, ``LayoutPeaks`` adds the MoE layer's),
+    cached: candidates differing only in ZeRO stage or schedule share it."""
+    ffn = 0 if moe else s.ffn_dim
+    block = mm.layer_activation_bytes(seq, micro_batch, s.d_model, s.n_heads, ffn, tp, tp > 1, recompute,
                                       s.compute_bytes, kv_heads=s.kv, family=s.arch, fsdp_mixed=fsdp_mixed,
                                       head_dim=s.head_size, fused_norm=s.gpu, compiled=s.compiled)
     if s.cp_impl != "allgather" or recompute != "none":
@@ -554,17 +667,16 @@ def _layer_bytes(s: Shape, seq: int, micro_batch: int, tp: int, recompute: str, 
                                         s.head_size)
 
 
-
 def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
 def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, cps=None,
                even_splits: bool = False, schedules=("1f1b", "interleaved_1f1b"), rejected: dict | None = None,
-               units: UnitTimes | None = None):
+               units: UnitTimes | None = None, fitted: set | None = None):
     """Every layout of ``world`` GPUs the formulas can price; ``rejected`` counts the others by reason. With
     ``units``, each pipelined layout also comes with ``balanced_layers``' split where it differs (and where the
-    layers do not divide the stages, only with it under ``even_splits``)."""
+    layers do not divide the stages, only with it under ``even_splits``). ``fitted``: ``_with_experts``'."""
     rejected = {} if rejected is None else rejected
 
     def skip(reason: str) -> None:
@@ -583,14 +695,43 @@ def candidates(shape: Shape, world: int, g: tm.GPU, zeros=(0, 1, 2, 3), recomput
                 skip("global batch not divisible by dp")
                 continue
             shards = hybrid_shard_sizes(dp, tp * cp * pp, g.gpus_per_node)
-            for layout in _per_replica(shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units,
-                                       shards):
+            for layout in _with_experts(shape, dp * cp, _per_replica(
+                    shape, dp, tp, pp, cp, zeros, recomputes, even_splits, schedules, skip, units, shards), fitted):
                 only_split = even_splits and shape.n_layers % (pp * layout.stages_per_rank) != 0
                 if not only_split:
                     yield layout
                 balanced = balanced_layers(units, pp * layout.stages_per_rank) if units and pp > 1 else None
                 if balanced is not None and (only_split or balanced != layout.stage_layers(shape.n_layers)):
                     yield replace(layout, split=balanced)
+
+
+def expert_degrees(shape: Shape, data_ranks: int) -> list[int]:
+    """The ep degrees the search tries for a layout with ``data_ranks`` = dp x cp ranks: every divisor of both
+    that and the expert count (``ParallelSpec``'s and ``check_expert_parallel``'s rules), 1 for a dense model."""
+    if shape.moe is None:
+        return [1]
+    return [e for e in range(1, math.gcd(data_ranks, shape.moe.experts) + 1)
+            if data_ranks % e == 0 and shape.moe.experts % e == 0]
+
+
+def _with_experts(shape: Shape, data_ranks: int, layouts, fitted: set | None = None):
+    """Each layout at every ``expert_degrees`` ep; hybrid sharding (``dp_shard``) only at ep=1: an expert group
+    and a shard group over the same data ranks are not priced together.
+
+    With ``fitted`` (the search adds each fitting layout's ``unsplit``), the largest ep comes first after ep=1,
+    and the others only where it fitted on some split: from ep=2 up a rank's peak only falls as ep grows (its
+    experts and their state shrink as 1/ep, the all-to-all buffers stay), so where the largest does not fit no
+    smaller one does. Most of DeepSeek-V3 671B's candidate layouts on 2,048 80 GB GPUs fit at no ep degree at all:
+    for those this prices 2 of the 9 degrees (its search: 6 s of CPU, not 18)."""
+    degrees = expert_degrees(shape, data_ranks)
+    for layout in layouts:
+        yield layout
+        if layout.dp_shard is not None or len(degrees) == 1:
+            continue
+        largest = replace(layout, ep=degrees[-1])
+        yield largest
+        if fitted is None or largest in fitted:
+            yield from (replace(layout, ep=e) for e in reversed(degrees[1:-1]))
 
 
 def _chunkable(shape: Shape, cps: list[int], skip) -> list[int]:
@@ -640,13 +781,14 @@ def search(shape: Shape, world: int, g: tm.GPU, headroom: float = 0.1, efficienc
     ev = Evaluator(shape, g, efficiency)
     limit = int(g.memory * (1 - headroom))
     rejected: dict[str, int] = {}
-    fits, too_big, n = [], [], 0
-    for layout, peak, pp_rank in _priced(ev, candidates(shape, world, g, rejected=rejected, **space),
+    fits, too_big, n, fitted = [], [], 0, set()
+    for layout, peak, pp_rank in _priced(ev, candidates(shape, world, g, rejected=rejected, fitted=fitted, **space),
                                           space.get("units"), limit):
         n += 1
         if peak > limit:  # priced only if it fits: the step time of a layout that cannot run decides nothing
             too_big.append((peak, layout, pp_rank))
             continue
+        fitted.add(layout.unsplit)
         fits.append(Candidate(layout, peak, pp_rank, *ev.step_time(layout)))
     rejected["does not fit with headroom"] = len(too_big)
     fits.sort(key=lambda c: (round(c.step_s, 6), c.layout.zero, RECOMPUTE.index(c.layout.recompute), c.peak))
@@ -691,7 +833,7 @@ def why_not(winner: Candidate, other: Candidate, limit: int) -> str:
 
 
 def losers_by_axis(result: SearchResult,
-                   axes=("tp", "pp", "cp", "zero", "dp_shard", "recompute", "micro_batch", "split")) -> list[str]:
+                   axes=("tp", "pp", "cp", "ep", "zero", "dp_shard", "recompute", "micro_batch", "split")) -> list[str]:
     """Per axis: the fastest layout with a different value there, and why it lost (``split``: the same layout
     otherwise, on another stage split; ``dp_shard``: none is plain sharding over all of dp)."""
     if not result.best:
@@ -716,5 +858,5 @@ def predicted_bytes(spec) -> dict[int, dict[str, float]]:
     pp rank sends the same). What the ``comm`` measurement puts "predicted" beside "measured"."""
     shape, layout = Shape.of(spec), layout_of(spec)
     m = layout.microbatches(shape)
-    return {r: cm.step_bytes(comm_shape(shape, layout, r), layout.dp, layout.tp, layout.pp, layout.cp, 1,
+    return {r: cm.step_bytes(comm_shape(shape, layout, r), layout.dp, layout.tp, layout.pp, layout.cp, layout.ep,
                              layout.zero, m, layout.dp_shard) for r in range(layout.pp)}

@@ -8,7 +8,8 @@ Our own (no library predicts a training step): the planner ranks layouts by it. 
 - bubble: a pipeline idles (p-1)/(v·m) of its compute (``bubble.theoretical_bubble``'s ratio of idle to busy);
 - exposed communication, per mesh dimension, bytes (``comm_model``) over the bandwidth of the link the
   dimension's groups cross: NVLink inside a node, the per-GPU InfiniBand share between nodes (ranks are
-  laid out TP innermost, then CP, PP, DP outermost). TP and CP sit on the critical path (counted whole);
+  laid out TP innermost, then CP, PP, DP outermost; an expert group where placement packs it: ``expert_link``).
+  TP, CP and EP's all-to-alls sit on the critical path (counted whole);
   pipeline sends overlap the steady state, so only the fill and drain path of p-1 hops shows; the
   gradient reduction overlaps the last microbatch's backward (2/3 of its compute) and ZeRO's parameter
   gathers are prefetched under the whole step's compute.
@@ -21,6 +22,7 @@ A100 peak, Llama 3 405B 38-43% of H100's) scales the peak; every figure can be o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 
@@ -94,7 +96,7 @@ def step_time(flops: float, bytes_by_dim: dict[str, float], g: GPU, degrees: dic
     bubble = compute * (pp - 1) / (virtual_stages * m)
     tp, cp = degrees.get("tp", 1), degrees.get("cp", 1)
     bw = {"tp": link_bandwidth(g, 1, tp), "cp": link_bandwidth(g, tp, cp),
-          "pp": link_bandwidth(g, tp * cp, pp), "ep": link_bandwidth(g, tp * cp * pp, degrees.get("ep", 1)),
+          "pp": link_bandwidth(g, tp * cp, pp), "ep": expert_link(g, tp, cp, degrees.get("ep", 1)),
           **data_parallel_links(g, tp * cp * pp, degrees.get("dp", 1), degrees.get("dp_shard"))}
     exposed = {
         "tp": bytes_by_dim.get("tp", 0.0) / bw["tp"],
@@ -107,6 +109,14 @@ def step_time(flops: float, bytes_by_dim: dict[str, float], g: GPU, degrees: dic
     reduce += bytes_by_dim.get("dp_replicate", 0.0) / bw["dp_replicate"] if shard == "dp_shard" else 0.0
     exposed["dp"] = max(0.0, reduce - compute * 2 / 3 / m) + max(0.0, gather_bytes / bw[shard] - compute)
     return StepTime(compute, bubble, exposed)
+
+
+def expert_link(g: GPU, tp: int, cp: int, ep: int) -> float:
+    """Bandwidth of an expert group's all-to-all. Its ranks share a stage and a tp index and differ in their
+    data (and cp) index, and placement fills the nodes with runs of lcm(ep, cp) / cp data indices stage by stage
+    (``orchestrator.runtime.node_order.fill_order``): tp x lcm(ep, cp) ranks, so the group stays on NVLink while
+    those fit in a node."""
+    return g.intra_bw if tp * math.lcm(ep, cp) <= g.gpus_per_node else g.inter_bw
 
 
 def data_parallel_links(g: GPU, inner: int, dp: int, dp_shard: int | None) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 Each job trains 2 steps of the tiny MoE GPT or Llama with ``memory.measure: true`` (see
 tests/integration/test_memory_in_step.py for what the probe counts). The prediction counts each MoE layer's
-router tensors, routed token copies, expert hidden activations and combine (``estimate.moe_activation_bytes``)
+router tensors, routed token copies, expert hidden activations and combine (``moe_terms.moe_activation_bytes``)
 in place of a dense feed-forward; it must be within 10% of the measured saved activations and step peak, as
 the dense planner tests require. The layouts route without drops (capacity_factor 2.0: with drops the estimate
 is the capacity's upper bound) and cover expert parallelism under ZeRO-1, tensor parallelism with and without

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from orchestrator.errors import SpecError
+from orchestrator.planning import layout_search as ls
+from orchestrator.planning import time_model as tm
 from orchestrator.planning.estimate import peak_rank
 from orchestrator.planning.layout_picker import pick_layout
 from orchestrator.spec import JobSpec
@@ -110,10 +112,12 @@ def test_planner_divides_routed_experts_and_their_state_by_ep():
 
 
 def test_layout_picker_splits_the_experts_before_sharding_everything():
-    # the job's own layout at ep=2: below what any ep=1 candidate of the search needs (the weights, gradients
-    # and Adam state of all 8 experts on every rank, plus the MoE layers' routed activations)
-    limit = peak_rank(_moe_plan(dp=8, ep=2)).total_bytes
+    # just below what every ep=1 layout of the search needs (ZeRO-3 included: each rank still gathers a whole MoE
+    # block's 8 experts), which the search prices with the estimate's expert terms
     spec = _moe_plan(dp=8).with_overrides(["memory.headroom=0"])
+    unlimited = ls.search(ls.Shape.of(spec), 8, tm.gpu("H100").with_overrides(memory=10**13), cps=[1],
+                          even_splits=True).best
+    limit = min(c.peak for c in unlimited if c.layout.ep == 1) - 1
     choice = pick_layout(spec, nodes=1, gpus_per_node=8, gpu_mem=limit)
     p = choice.spec.parallel
     assert p.ep > 1 and f"ep={p.ep}" in choice.reason  # the experts split rather than ep=1, which does not fit
