@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, WINDOWS, document_layout, run_all
+from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, SINK_MASKS, WINDOWS, document_layout, run_all
 from workers.model import attention_blocks as blocks
 from workers.model.attention_blocks import _block_plan, zigzag_indices
 from workers.model.documents import Documents, document_mask
@@ -62,6 +62,24 @@ def test_matches_single_process_sdpa(results, cp, strategy, label, hq, hkv, caus
         return
     assert isinstance(err, float), err
     assert err < TOL, f"{strategy} cp={cp} {label} causal={causal}: max |diff| {err:.3g}"
+
+
+SINK_CASES = [(cp, strategy, label, hq, hkv, causal) for cp in (2, 4) for strategy in STRATEGIES
+              for label, hq, hkv in HEADS for causal in SINK_MASKS]
+
+
+@pytest.mark.parametrize(("cp", "strategy", "label", "hq", "hkv", "causal"), SINK_CASES,
+                         ids=[f"cp{c[0]}-{c[1]}-{c[2]}-{NAMES[c[5]]}-sinks" for c in SINK_CASES])
+def test_attention_sinks_match_the_softmax_with_an_extra_logit(results, cp, strategy, label, hq, hkv, causal):
+    """gpt-oss's sinks through every kernel: output, dq/dk/dv and the sinks' gradient (summed over the cp ranks, as
+    the gradient reduction does) equal the dense softmax with one extra logit per head; Ulysses deals the sinks
+    out with the query heads."""
+    err = results[(cp, strategy, label, causal, "sinks")]
+    if strategy == "ulysses" and not _ulysses_splits(hq, hkv, cp):
+        assert isinstance(err, str) and "Hq must be divisible by cp" in err, err
+        return
+    assert isinstance(err, float), err
+    assert err < TOL, f"{strategy} cp={cp} {label} {causal} with sinks: max |diff| {err:.3g}"
 
 
 def _pairs_attended(cp: int, rank: int, src: int, seq: int) -> tuple[set, int]:
