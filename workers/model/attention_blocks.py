@@ -162,7 +162,7 @@ class _BlockMasks:
         if self.documents is None and self.window is None:
             fused = _fused_pieces(self.rank, src, self.causal, self.s_local // 2)
             return [(rows, cols, True if masked else None) for rows, cols, masked in fused]
-        # the fused pieces: the diagonal's key chunks apart, so its square tiles share their queries' positions
+        # the fused pieces in row tiles: a square tile of the diagonal shares its queries' positions (causal)
         plan = _tiles(_fused_pieces(self.rank, src, self.causal, self.s_local // 2), self.s_local)
         if self.documents is None:
             return self._sparse_tiles(src, plan)
@@ -195,16 +195,13 @@ class _BlockMasks:
 
 
 def _fused_pieces(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
-    """``_block_plan``'s pieces cut so each is either unmasked or square and causal (``is_causal``), what a fused
-    kernel's own mask can express: the diagonal's late query chunk sees the early key chunk whole (every key
-    precedes it) and the late key chunk causally (the same positions)."""
-    out = []
-    for rows, cols, masked in _block_plan(rank, src, causal, half):
-        if masked and cols == slice(None):
-            out += [(rows, slice(0, half), False), (rows, slice(half, None), True)]
-        else:
-            out.append((rows, cols, masked))
-    return out
+    """``_block_plan``'s pieces as the fused kernel's own mask can take them, each unmasked or square and causal
+    (``is_causal``). The diagonal (a rank's own block) is one causal piece: a rank's positions rise through both its
+    chunks, so causal by local index is causal by global position, and one kernel call (one merge, one backward)
+    replaces three, the kernel skipping the masked half itself."""
+    if causal and src == rank:
+        return [(slice(None), slice(None), True)]
+    return _block_plan(rank, src, causal, half)  # another rank's block: unmasked pieces
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
