@@ -146,23 +146,26 @@ def _ring_forward(q, k, v, sinks, documents: Documents | None, window: int | Non
 
 def _ring_backward(dout, q, k, v, out, lse, saved, documents: Documents | None, window: int | None, causal: bool,
                    group: str):
-    """Recompute each tile's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V
-    block's dK/dV accumulator travels with it and after cp hops arrives back at the block's owner."""
+    """Recompute each tile's probabilities from the saved log-sum-exp; dQ accumulates locally. A rank's own block
+    comes first and its dK/dV stays here; each other block's dK/dV accumulator starts at its first visitor, travels
+    with the block and after cp - 1 hops arrives at the owner, which adds it to its own share: cp - 1 dK/dV
+    messages a rank (the accumulator starting at the owner would take cp, the last a round trip of the own share)."""
     pg = _resolve(group)
     masks = _block_masks(q, pg, causal, documents, window)
     rank, cp = masks.rank, masks.cp
     state = _backward_state(dout, q, k, out, lse)
     dq = _dq_accumulator(q, k.shape[1])
-    kv, dkv, dkv_shift = torch.stack([k, v]), None, None
+    kv, own, dkv_shift = torch.stack([k, v]), None, None
     for step in range(cp):
         kv_shift = _RingShift(kv, pg, tag=0) if step + 1 < cp else None
         block_dkv = _block_gradients(state, kv, masks.tiles((rank - step) % cp), dq)
-        # the accumulated dK/dV of this block arrives from the previous rank while the block computes
-        dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
-        dkv_shift = _RingShift(dkv, pg, tag=1) if cp > 1 else None
+        if step == 0:
+            own = block_dkv
+        else:  # the block's accumulated dK/dV arrives from the previous rank while the block computes
+            dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
+            dkv_shift = _RingShift(dkv, pg, tag=1)
         kv = kv_shift.wait() if kv_shift else kv
-    dkv = dkv_shift.wait() if dkv_shift else dkv
-    return gradients(dq, dkv, q, k, v)
+    return gradients(dq, own if dkv_shift is None else own.add_(dkv_shift.wait()), q, k, v)
 
 
 def _block_masks(q, pg, causal: bool, documents: Documents | None, window: int | None) -> _BlockMasks:
