@@ -9,7 +9,12 @@ spawn of cp gloo ranks, one thread each. Per case:
 
 - step time: fwd+bwd of one attention call between two barriers, median over ``--repeats`` (after one
   warm-up), so a step counts until the slowest rank is done; a sequence length's cases take turns in each
-  round, so a machine whose load drifts weighs on each alike (the cp=1 baseline runs in another spawn);
+  round, so a machine whose load drifts weighs on each alike. Every cp > 1 spawn runs the SDPA baseline too (rank
+  0 on the whole sequence, the others idle at the barrier), in the same rounds, and its rows' ratios are to that:
+  on a shared machine a baseline from another spawn minutes apart measured the load as much as the kernels;
+- CPU seconds: the process CPU time of the same step (its gloo threads included), the largest over the ranks, and
+  its ratio to SDPA's: what a rank computes, which the load on a shared machine barely moves (the wall time
+  counts the turns a loaded scheduler gives to other processes too);
 - activation bytes: the bytes autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``,
   each storage counted once), the largest over the ranks. Measured this way it works on CPU, where there is
   no allocator peak to read.
@@ -61,27 +66,29 @@ def saved_bytes(step) -> int:
     return sum(storages.values())
 
 
-def timed(step) -> float:
-    """Seconds of one fwd+bwd between barriers (so a step counts until the slowest rank is done)."""
+def timed(step) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one fwd+bwd between barriers (so a step counts until the
+    slowest rank is done; the CPU time stops before the closing barrier, so waiting there is not counted)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = step()
     out.backward(torch.ones_like(out))
+    cpu = time.process_time() - c0
     dist.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, cpu
 
 
-def step_times(cases: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each case's fwd+bwd, after one warm-up, the cases taking turns in every round: on a
-    shared machine the load drifts over minutes, and interleaving gives every case the same share of it, so
-    the ratios between cases hold even where the absolute times move."""
-    times: dict[str, list[float]] = {key: [] for key in cases}
+def step_times(cases: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of each case's fwd+bwd, after one warm-up, the cases taking turns in every
+    round: on a shared machine the load drifts over minutes, and interleaving gives every case the same share of
+    it, so the ratios between cases hold even where the absolute times move."""
+    times: dict[str, list[tuple[float, float]]] = {key: [] for key in cases}
     for round_ in range(repeats + 1):
         for key, case in cases.items():
             seconds = timed(case)
             if round_:
                 times[key].append(seconds)
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {key: tuple(statistics.median(column) for column in zip(*values)) for key, values in times.items()}
 
 
 class Case:
@@ -92,7 +99,9 @@ class Case:
         self.doc_ids = torch.arange(seq).div(args.doc_len, rounding_mode="floor").expand(args.batch, seq) \
             if masked else None
         gen = torch.Generator().manual_seed(rank)
-        s_local = seq // cp
+        # SDPA is the whole sequence on rank 0; in a cp > 1 spawn the other ranks idle (an empty step)
+        self.idle = impl == "sdpa" and rank > 0
+        s_local = seq if impl == "sdpa" else seq // cp
         self.q = torch.randn(args.batch, args.heads, s_local, args.dim, generator=gen, requires_grad=True)
         self.k, self.v = (torch.randn(args.batch, args.kv_heads, s_local, args.dim, generator=gen,
                                       requires_grad=True) for _ in range(2))
@@ -102,6 +111,8 @@ class Case:
         from workers.model.documents import Documents
 
         documents = None if self.doc_ids is None else Documents(self.doc_ids)  # a microbatch's, built afresh
+        if self.idle:
+            return self.q.new_zeros((), requires_grad=True)
         if self.impl == "sdpa":
             masking = {"is_causal": True} if documents is None else {"attn_mask": documents.whole(self.q)}
             return F.scaled_dot_product_attention(self.q, self.k, self.v, **masking,
@@ -122,9 +133,10 @@ def _rank_main(rank: int, cp: int, ports, args, results) -> None:
     out = {}
     for seq in args.seq:
         cases = {f"{impl}/{seq}": Case(impl, cp, rank, group, seq, args)
-                 for impl in with_documents(("sdpa", *args.impl) if cp == 1 else args.impl, args)}
+                 for impl in with_documents(("sdpa", *args.impl), args)}
         seconds = step_times(cases, args.repeats)
-        out.update({key: {"step_s": seconds[key], "saved_bytes": saved_bytes(case)} for key, case in cases.items()})
+        out.update({key: {"step_s": seconds[key][0], "cpu_s": seconds[key][1], "saved_bytes": saved_bytes(case)}
+                    for key, case in cases.items()})
     results.put((rank, out))
     dist.destroy_process_group()
 
@@ -137,20 +149,20 @@ def with_documents(impls, args) -> list[str]:
 def run_cp(cp: int, args) -> dict:
     """Every case at one cp degree: {"impl/seq": {"step_s", "saved_bytes"}}, the worst rank's figures."""
     by_rank = spawn_ranks(_rank_main, (cp, rank_ports(1), args), cp, timeout_s=3600)
-    return {key: {field: max(by_rank[r][key][field] for r in by_rank) for field in ("step_s", "saved_bytes")}
+    return {key: {field: max(by_rank[r][key][field] for r in by_rank) for field in ("step_s", "cpu_s", "saved_bytes")}
             for key in by_rank[0]}
 
 
 def table(measured: dict[int, dict], args) -> list[dict]:
-    """One row per (cp, impl, seq) with ratios against cp=1 SDPA at the same sequence length."""
+    """One row per (cp, impl, seq) with ratios against SDPA on one rank at the same sequence length: its time and
+    CPU seconds from the same spawn (same rounds), its saved bytes (the same in every spawn)."""
     rows = []
     for cp, cases in measured.items():
         for key, fig in cases.items():
             impl, seq = key.split("/")
-            baseline = "sdpa+documents" if impl.endswith("+documents") else "sdpa"
-            base = measured[1][f"{baseline}/{seq}"] if 1 in measured else fig
+            base = cases[f"{'sdpa+documents' if impl.endswith('+documents') else 'sdpa'}/{seq}"]
             rows.append({"cp": cp, "impl": impl, "seq": int(seq), **fig,
-                         "time_ratio": fig["step_s"] / base["step_s"],
+                         "time_ratio": fig["step_s"] / base["step_s"], "cpu_ratio": fig["cpu_s"] / base["cpu_s"],
                          "memory_ratio": fig["saved_bytes"] / base["saved_bytes"]})
     return sorted(rows, key=lambda r: (r["seq"], r["cp"], r["impl"]))
 
@@ -174,10 +186,12 @@ def main() -> None:
     rows = table(measured, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    print(f"{'seq':>6}{'cp':>4} {'impl':<20}{'step s':>9}{'saved MiB':>11}{'time/cp1':>10}{'mem/cp1':>9}")
+    print(f"{'seq':>6}{'cp':>4} {'impl':<20}{'step s':>9}{'cpu s':>8}{'saved MiB':>11}{'time/sdpa':>10}"
+          f"{'cpu/sdpa':>9}{'mem/sdpa':>9}")
     for r in rows:
-        print(f"{r['seq']:>6}{r['cp']:>4} {r['impl']:<20}{r['step_s']:>9.4f}{r['saved_bytes'] / 2**20:>11.2f}"
-              f"{r['time_ratio']:>10.3f}{r['memory_ratio']:>9.3f}")
+        print(f"{r['seq']:>6}{r['cp']:>4} {r['impl']:<20}{r['step_s']:>9.4f}{r['cpu_s']:>8.3f}"
+              f"{r['saved_bytes'] / 2**20:>11.2f}{r['time_ratio']:>10.3f}{r['cpu_ratio']:>9.3f}"
+              f"{r['memory_ratio']:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ Per dimension (``step_bytes``):
   gradient back across its upstream edge: one send per edge it has (``boundaries``), not two.
 - cp (``workers/parallel/context_parallel.py``), per block and microbatch, by ``parallel.cp_impl`` (``cp_bytes``):
   ring: K and V blocks travel cp-1 hops in forward; in backward they travel cp-1 hops again while their
-  float32 dK/dV accumulators travel cp hops (the last one home to the block's owner). all-gather: one
+  float32 dK/dV accumulators travel cp-1 hops (from the block's first visitor, the last one home to its owner;
+  the owner's own share never leaves it). all-gather: one
   all-gather of K/V in forward, one all-to-all of every block's float32 dK/dV in backward. Ulysses: all-to-alls
   of q, k, v (K/V heads repeated up to cp when fewer) and of the output in forward, the same in backward. The
   gradients are averaged over dp x cp (cp ranks hold replicated weights, each one's gradient its tokens' share),
@@ -143,7 +144,7 @@ def cp_bytes(c: CommShape, cp: int) -> float:
         return 2 * all_to_all(2 * c.q_bytes + c.kv_repeat * c.kv_bytes, cp)
     if c.cp_impl == "allgather":
         return (cp - 1) * c.kv_bytes + all_to_all(cp * c.grad_width * c.kv_bytes, cp)
-    return (2 * (cp - 1) + cp * c.grad_width) * c.kv_bytes
+    return (2 + c.grad_width) * (cp - 1) * c.kv_bytes
 
 
 def data_parallel_bytes(param_bytes: float, grad_bytes: float, dp: int, zero: int, microbatches: int = 1,

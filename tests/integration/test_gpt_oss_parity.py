@@ -1,7 +1,9 @@
 """gpt-oss (``model.arch: gpt_oss``) from a tiny random ``GptOssForCausalLM`` through ``model.init_from``, without Ray
 (tests/support/parity_harness.py; fp32, CPU): the first step's loss and gradient norm are transformers' to 1e-5 at
-one process, tp2 (the sinks sharded with their heads), pp2 and dp2 x ep2 (its biased experts split over ranks), and
-4 steps follow the single-process reference to 1e-4; ``export-hf`` of the tp2 run's checkpoint writes exactly the
+one process, tp2 (the sinks sharded with their heads), pp2, dp2 x ep2 (its biased experts split over ranks) and cp2
+with the ring, all-gather and Ulysses kernels (the sinks in each kernel's running softmax; Ulysses deals them out
+with the query heads; 16 tokens a rank against a 6-token window), and 4 steps follow the single-process reference
+to 1e-4; ``export-hf`` of the tp2 run's checkpoint writes exactly the
 tensors DCP holds, fused as GptOssForCausalLM keeps them, and ``from_pretrained`` reads them back. The model itself
 is checked against transformers in tests/unit/test_gpt_oss.py."""
 
@@ -16,7 +18,8 @@ from tests.support.parity_harness import ran
 from workers.model import gpt_oss
 
 STEPS = 4
-LAYOUTS = {"one": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "dp2-ep2": {"dp": 2, "ep": 2}}
+LAYOUTS = {"one": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "dp2-ep2": {"dp": 2, "ep": 2},
+           **{f"cp2-{impl}": {"cp": 2, "cp_impl": impl} for impl in ("ring", "allgather", "ulysses")}}
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Why spawn and not Ray: what is checked is pure ``torch.distributed`` maths over 
 world size runs every case (strategy × causal × head counts), so the cost is one process start per cp degree.
 Each rank builds the same full-sequence inputs (fixed seed), computes the reference output and gradients with
 ``scaled_dot_product_attention`` on the whole sequence, runs the cp function on its zigzag slice, and reports
-the largest absolute difference of the output and of dq, dk, dv on its positions.
+the largest absolute difference of the output and of dq, dk, dv on its positions (and, with attention sinks, of
+their gradient summed over the group).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ DOCUMENTS = {"documents": ((1, 2, 6, 11, 19), ()), "split documents": ((1, 2, 6,
 WINDOWS = {"window": (5, None), "window documents": (5, "documents")}
 # masks: causal, none, causal within documents, and sliding windows
 MASKS = (True, False, *DOCUMENTS, *WINDOWS)
+# the masks also run with attention sinks (gpt-oss: one extra logit per query head), keyed (..., mask, "sinks")
+SINK_MASKS = (True, "documents", "window")
 
 
 def document_layout(seq: int, openings: tuple[tuple[int, ...], ...]) -> torch.Tensor:
@@ -71,6 +74,26 @@ def reference(q, k, v, dout, causal: bool | str):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def sink_attention(q, k, v, sinks, mask: torch.Tensor) -> torch.Tensor:
+    """Eager attention with one extra logit per query head of value zero (transformers' gpt-oss
+    ``eager_attention_forward``), under a boolean ``mask`` broadcast to ``[B, Hq, S, S]``."""
+    hq, s = q.shape[1], q.shape[2]
+    k, v = (t.repeat_interleave(hq // k.shape[1], 1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, s, 1)], dim=-1)
+    return logits.softmax(-1)[..., :-1] @ v
+
+
+def sink_reference(q, k, v, sinks, dout, causal: bool | str):
+    """``reference`` with attention sinks, densely: (out, dq, dk, dv, dsinks)."""
+    q, k, v, sinks = (t.detach().requires_grad_() for t in (q, k, v, sinks))
+    seq = q.shape[2]
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril() if causal is True else dense_mask(seq, causal)
+    out = sink_attention(q, k, v, sinks, mask)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad, sinks.grad
+
+
 def case_inputs(hq: int, hkv: int, seq: int, seed: int, batch: int = 2, dim: int = 8):
     """Full-sequence q, k, v and an upstream gradient, the same on every rank (seeded)."""
     gen = torch.Generator().manual_seed(seed)
@@ -80,19 +103,31 @@ def case_inputs(hq: int, hkv: int, seq: int, seed: int, batch: int = 2, dim: int
     return q, k, v, torch.randn(batch, hq, seq, dim, generator=gen)
 
 
-def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool | str, seq: int = 24) -> float:
+def run_case(fn, group, cp: int, rank: int, hq: int, hkv: int, causal: bool | str, seq: int = 24,
+             sinks: bool = False) -> float:
     """Largest |cp - reference| over out, dq, dk, dv on this rank's positions (``causal`` a ``DOCUMENTS`` or
-    ``WINDOWS`` name: causal within those documents or that window, handed to the kernel as the trainer does)."""
+    ``WINDOWS`` name: causal within those documents or that window, handed to the kernel as the trainer does).
+    With ``sinks``, attention sinks too, and their gradient summed over the group (each rank's is its rows' or
+    its heads' share, as the gradient reduction over cp sums it) against the whole sequence's."""
+    import torch.distributed as dist
+
     from workers.parallel.context_parallel import zigzag_indices
 
     q, k, v, dout = case_inputs(hq, hkv, seq, seed=hq * 100 + hkv * 10 + MASKS.index(causal))
-    ref = reference(q, k, v, dout, causal)
+    sink = torch.randn(hq, generator=torch.Generator().manual_seed(hq)) if sinks else None
+    ref = sink_reference(q, k, v, sink, dout, causal) if sinks else reference(q, k, v, dout, causal)
     idx = zigzag_indices(seq, cp, rank)
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    out = fn(ql, kl, vl, group, **kernel_masking(seq, causal))
+    extra = {"sinks": sink.clone().requires_grad_()} if sinks else {}
+    out = fn(ql, kl, vl, group, **kernel_masking(seq, causal), **extra)
     out.backward(dout[:, :, idx])
     got = (out.detach(), ql.grad, kl.grad, vl.grad)
-    return max((g - r[:, :, idx]).abs().max().item() for g, r in zip(got, ref))
+    err = max((g - r[:, :, idx]).abs().max().item() for g, r in zip(got, ref))
+    if sinks:
+        dsinks = extra["sinks"].grad
+        dist.all_reduce(dsinks, group=group)
+        err = max(err, (dsinks - ref[4]).abs().max().item())
+    return err
 
 
 def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], results) -> None:
@@ -117,12 +152,13 @@ def _rank_main(rank: int, world: int, ports, strategies: tuple[str, ...], result
         for name in strategies:
             fn = getattr(cpa, f"{name}_attention")
             for label, hq, hkv in HEADS:
-                for causal in MASKS:
+                cases = [(causal, False) for causal in MASKS] + [(causal, True) for causal in SINK_MASKS]
+                for causal, sinks in cases:
                     try:
-                        err = run_case(fn, group, cp, dist.get_rank(group), hq, hkv, causal)
+                        err = run_case(fn, group, cp, dist.get_rank(group), hq, hkv, causal, sinks=sinks)
                     except ValueError as refusal:
                         err = f"ValueError: {refusal}"
-                    out[(cp, name, label, causal)] = err
+                    out[(cp, name, label, causal, *(("sinks",) if sinks else ()))] = err
     results.put((rank, out))
     dist.destroy_process_group()
 

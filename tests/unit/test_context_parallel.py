@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, WINDOWS, document_layout, run_all
+from tests.support.cp_attention import DOCUMENTS, HEADS, MASKS, SINK_MASKS, WINDOWS, document_layout, run_all
 from workers.model import attention_blocks as blocks
 from workers.model.attention_blocks import _block_plan, zigzag_indices
 from workers.model.documents import Documents, document_mask
@@ -62,6 +62,24 @@ def test_matches_single_process_sdpa(results, cp, strategy, label, hq, hkv, caus
         return
     assert isinstance(err, float), err
     assert err < TOL, f"{strategy} cp={cp} {label} causal={causal}: max |diff| {err:.3g}"
+
+
+SINK_CASES = [(cp, strategy, label, hq, hkv, causal) for cp in (2, 4) for strategy in STRATEGIES
+              for label, hq, hkv in HEADS for causal in SINK_MASKS]
+
+
+@pytest.mark.parametrize(("cp", "strategy", "label", "hq", "hkv", "causal"), SINK_CASES,
+                         ids=[f"cp{c[0]}-{c[1]}-{c[2]}-{NAMES[c[5]]}-sinks" for c in SINK_CASES])
+def test_attention_sinks_match_the_softmax_with_an_extra_logit(results, cp, strategy, label, hq, hkv, causal):
+    """gpt-oss's sinks through every kernel: output, dq/dk/dv and the sinks' gradient (summed over the cp ranks, as
+    the gradient reduction does) equal the dense softmax with one extra logit per head; Ulysses deals the sinks
+    out with the query heads."""
+    err = results[(cp, strategy, label, causal, "sinks")]
+    if strategy == "ulysses" and not _ulysses_splits(hq, hkv, cp):
+        assert isinstance(err, str) and "Hq must be divisible by cp" in err, err
+        return
+    assert isinstance(err, float), err
+    assert err < TOL, f"{strategy} cp={cp} {label} {causal} with sinks: max |diff| {err:.3g}"
 
 
 def _pairs_attended(cp: int, rank: int, src: int, seq: int) -> tuple[set, int]:
@@ -257,11 +275,12 @@ def _counted_rank(rank: int, ports, results) -> None:
 def test_the_byte_counter_sees_the_collectives_inside_the_attention_operators():
     """The strategies are custom operators (``workers.model.attention_ops``); a dispatch mode is off while it
     handles one, so ``CommBytes`` runs them with itself on and still counts their sends: K/V are 512 bytes a rank
-    (fp32 [2, 1, 2, 8, 4]). Ring: K/V once forward and once backward, dK/dV (fp32) at both steps: 4 x 512.
+    (fp32 [2, 1, 2, 8, 4]). Ring: K/V once forward and once backward, dK/dV (fp32) once, to the other block's owner
+(a rank's own block's stays with it): 3 x 512.
     All-gather: the gather (512) and the dK/dV all-to-all of both blocks (half of 1024). Ulysses: 8 all-to-alls
     of 256-byte tensors, half of each sent: 4 x 256."""
     from tests.support.parity_harness import rank_ports, spawn_ranks
 
     by_rank = spawn_ranks(_counted_rank, (rank_ports(1),), 2, timeout_s=120)
-    expected = {"ring_attention": 2048, "allgather_attention": 1024, "ulysses_attention": 1024}
+    expected = {"ring_attention": 1536, "allgather_attention": 1024, "ulysses_attention": 1024}
     assert by_rank == {0: expected, 1: expected}

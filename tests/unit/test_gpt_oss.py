@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.cp_attention import sink_attention
 from tests.support.hf import TINY_GPT_OSS, save_hf_gpt_oss
 from workers.model import gpt_oss, hf_io
 from workers.model.attention_blocks import blockwise_attention
@@ -105,14 +106,9 @@ def test_export_is_the_source_checkpoint_and_loads_in_transformers(pair, tmp_pat
 
 def _sink_reference(q, k, v, sinks, window):
     """Eager attention with an extra logit per head (transformers' ``eager_attention_forward`` of gpt-oss)."""
-    hq, s = q.shape[1], q.shape[2]
-    k, v = (t.repeat_interleave(hq // k.shape[1], 1) for t in (k, v))
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = q.shape[2]
     diff = torch.arange(s)[:, None] - torch.arange(s)[None, :]
-    allowed = (diff >= 0) & (diff < (window or s + 1))
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    logits = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, s, 1)], dim=-1)
-    return logits.softmax(-1)[..., :-1] @ v
+    return sink_attention(q, k, v, sinks, (diff >= 0) & (diff < (window or s + 1)))
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -182,7 +178,6 @@ GPT_OSS = {"arch": "gpt_oss", "n_kv_heads": 2, "moe": {"experts": 4, "top_k": 2}
 
 
 @pytest.mark.parametrize(("model", "parallel", "message"), [
-    (GPT_OSS, {"cp": 2}, "model.arch.*gpt_oss.*context-parallel.*parallel.cp: 1"),
     ({"arch": "llama", "layer_types": ["full_attention"] * 4}, None, "model.layer_types.*gpt-oss field"),
     ({**GPT_OSS, "qkv_bias": True}, None, "model.qkv_bias.*gpt_oss does not read it"),
     ({**GPT_OSS, "layer_types": ["full_attention"]}, None, "model.layer_types.*1 attention kinds.*n_layers=4"),

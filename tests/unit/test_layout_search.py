@@ -94,7 +94,8 @@ def test_collective_formulas():
     assert b["dp"] == pytest.approx(3 * 127 / 128 * phi)  # ZeRO-3: 3Φ (reduce-scatter + two all-gathers) over dp·cp
     assert cm.step_bytes(shape, dp=64, zero=0)["dp"] == pytest.approx(cm.all_reduce(phi, 64))
     assert b["tp"] == pytest.approx(10 * 4 * cm.all_reduce(1e6, 4) + cm.all_gather(4e6, 4))  # logits: gathered once
-    assert b["pp"] == 2e6 * 2 and b["cp"] == 10 * (3 * 2 - 2) * 3e5
+    # ring at cp=2: K/V one hop forward and one backward, the dK/dV accumulator one hop (cp-1) to the owner
+    assert b["pp"] == 2e6 * 2 and b["cp"] == 10 * 3 * (2 - 1) * 3e5
     assert b["ep"] == pytest.approx(5 * 4 * 7 / 8 * 2 * 1e6)
 
 

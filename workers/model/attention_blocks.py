@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.model.attention_ops import custom_op, register_attention
-from workers.model.documents import Documents, document_mask, documents_of
+from workers.model.attention_ops import register_attention
+from workers.model.documents import Documents, document_mask
 
 
 def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.LongTensor:
@@ -162,7 +162,7 @@ class _BlockMasks:
         if self.documents is None and self.window is None:
             fused = _fused_pieces(self.rank, src, self.causal, self.s_local // 2)
             return [(rows, cols, True if masked else None) for rows, cols, masked in fused]
-        # the fused pieces: the diagonal's key chunks apart, so its square tiles share their queries' positions
+        # the fused pieces in row tiles: a square tile of the diagonal shares its queries' positions (causal)
         plan = _tiles(_fused_pieces(self.rank, src, self.causal, self.s_local // 2), self.s_local)
         if self.documents is None:
             return self._sparse_tiles(src, plan)
@@ -195,16 +195,13 @@ class _BlockMasks:
 
 
 def _fused_pieces(rank: int, src: int, causal: bool, half: int) -> list[Piece]:
-    """``_block_plan``'s pieces cut so each is either unmasked or square and causal (``is_causal``), what a fused
-    kernel's own mask can express: the diagonal's late query chunk sees the early key chunk whole (every key
-    precedes it) and the late key chunk causally (the same positions)."""
-    out = []
-    for rows, cols, masked in _block_plan(rank, src, causal, half):
-        if masked and cols == slice(None):
-            out += [(rows, slice(0, half), False), (rows, slice(half, None), True)]
-        else:
-            out.append((rows, cols, masked))
-    return out
+    """``_block_plan``'s pieces as the fused kernel's own mask can take them, each unmasked or square and causal
+    (``is_causal``). The diagonal (a rank's own block) is one causal piece: a rank's positions rise through both its
+    chunks, so causal by local index is causal by global position, and one kernel call (one merge, one backward)
+    replaces three, the kernel skipping the masked half itself."""
+    if causal and src == rank:
+        return [(slice(None), slice(None), True)]
+    return _block_plan(rank, src, causal, half)  # another rank's block: unmasked pieces
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -358,18 +355,6 @@ def _forward_state(q, k, rank: int, cp: int, causal: bool, documents: Documents 
     return masks, _State(q, k.shape[1], sinks)
 
 
-def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """d loss / d sinks [Hq] of attention with sinks (gpt-oss), from its merged output and lse ``[B, Hq, S]``.
-
-    A sink is one more logit per head in every row's softmax whose value vector is zero: it takes probability
-    p = exp(sink - lse) and adds nothing to the output. The softmax backward gives each logit p * (dout . v -
-    delta) with delta = dout . out; for the sink v is 0, so its gradient is -p * delta, summed over rows. The keys'
-    own gradients are the flash backward's unchanged, from the merged (out, lse) that include the sink."""
-    delta = (dout.float() * out.float()).sum(-1)
-    p = torch.exp(sinks.float().view(1, -1, 1) - lse)
-    return -(p * delta).sum((0, 2)).to(sinks.dtype)
-
-
 def _backward_state(dout, q, k, out, lse) -> dict:
     """What every block's backward shares (``_block_gradients``), from the saved forward and dout; the tile
     kernels' grouped float32 forms are made on first use (a causal job's fused blocks never need them)."""
@@ -390,10 +375,10 @@ def gradients(dq: torch.Tensor, dkv: torch.Tensor, q, k, v) -> tuple[torch.Tenso
     return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
 
-def _blockwise_forward(q, k, v, documents: Documents | None, window: int | None, causal: bool, group: str):
+def _blockwise_forward(q, k, v, sinks, documents: Documents | None, window: int | None, causal: bool, group: str):
     """One process's whole sequence as a single block: the tiles of ``_BlockMasks`` (rank 0 of 1) folded into the
-    online softmax. (out, lse, nothing saved besides)."""
-    masks, state = _forward_state(q, k, 0, 1, True, documents, window)
+    online softmax (started from the sinks where given). (out, lse, nothing saved besides)."""
+    masks, state = _forward_state(q, k, 0, 1, True, documents, window, sinks)
     _attend_block(state, torch.stack([k, v]), masks.tiles(0))
     return *state.result(), q.new_empty(0)
 
@@ -410,48 +395,6 @@ def _blockwise_backward(dout, q, k, v, out, lse, saved, documents: Documents | N
 _blockwise = register_attention("blockwise_attention", _blockwise_forward, _blockwise_backward)
 
 
-def _sink_forward(q, k, v, sinks, ids, window):
-    """``_blockwise_forward`` with gpt-oss's sinks: the online softmax of every row starts from its head's sink."""
-    masks, state = _forward_state(q, k, 0, 1, True, documents_of(ids), window, sinks)
-    _attend_block(state, torch.stack([k, v]), masks.tiles(0))
-    return state.result()
-
-
-def _sink_backward(dout, q, k, v, sinks, out, lse, ids, window):
-    """The tiles' gradients as without sinks (the merged lse holds them), and the sinks' own."""
-    dq, dk, dv = _blockwise_backward(dout.contiguous(), q, k, v, out, lse, None, documents_of(ids), window, True, "")
-    return dq, dk, dv, sink_gradient(dout, out, lse, sinks)
-
-
-_sink_op = custom_op("blockwise_sink_attention", _sink_forward,
-                     "(Tensor q, Tensor k, Tensor v, Tensor sinks, Tensor? ids, int? window) -> (Tensor, Tensor)")
-_sink_op_backward = custom_op("blockwise_sink_attention_backward", _sink_backward,
-                              "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor sinks, Tensor out, Tensor lse, "
-                              "Tensor? ids, int? window) -> (Tensor, Tensor, Tensor, Tensor)")
-
-
-@_sink_op.register_fake
-def _(q, k, v, sinks, ids, window):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@_sink_op_backward.register_fake
-def _(dout, q, k, v, sinks, out, lse, ids, window):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sinks)
-
-
-def _sink_setup(ctx, inputs, output):
-    q, k, v, sinks, ctx.ids, ctx.window = inputs
-    ctx.save_for_backward(q, k, v, sinks, *output)
-
-
-def _sink_differentiate(ctx, dout, _dlse):
-    return (*_sink_op_backward(dout, *ctx.saved_tensors, ctx.ids, ctx.window), None, None)
-
-
-_sink_op.register_autograd(_sink_differentiate, setup_context=_sink_setup)
-
-
 def blockwise_attention(q, k, v, documents: Documents | None = None, window: int | None = None,
                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a whole sequence on one process within ``documents`` and/or a sliding ``window``: the
@@ -460,6 +403,4 @@ def blockwise_attention(q, k, v, documents: Documents | None = None, window: int
     every row's softmax, of value zero, exactly: the online softmax starts from it. Custom operators
     (``workers.model.attention_ops``): compiled blocks trace around them."""
     _check_heads(q, k, v)
-    if sinks is not None:
-        return _sink_op(q, k, v, sinks, None if documents is None else documents.ids, window)[0]
-    return _blockwise(q, k, v, documents, window, True, "")
+    return _blockwise(q, k, v, documents, window, True, "", sinks)

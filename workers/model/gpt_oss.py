@@ -8,9 +8,10 @@ up projection plus one). Hugging Face ``GptOssForCausalLM`` weights in and out (
 Attention sinks (``SinkCore``): softmax over a row's keys and one extra logit per head whose value vector is
 zero, i.e. the attention output scaled by sigmoid(lse - sink). It runs through the blockwise attention
 (``workers.model.attention_blocks``), whose online softmax starts each row from the sink, so windows, document
-masks and the sink compose exactly and no ``[S, S]`` mask is built. Context parallelism is refused for this family
-(the spec: ``orchestrator.spec.checks.context``; MoE is refused with cp as well); tensor parallelism shards the
-sinks with their heads (``workers.parallel.gpt_oss_parallel``).
+masks and the sink compose exactly and no ``[S, S]`` mask is built. Under context parallelism the sinks go to the
+``cp_impl`` kernel as they are (ring and all-gather start every rank's running softmax from them; Ulysses deals them
+out with the query heads); tensor parallelism shards the sinks with their heads
+(``workers.parallel.gpt_oss_parallel``).
 """
 
 from __future__ import annotations
@@ -73,13 +74,13 @@ class HeadSinks(nn.Module):
 
 
 class SinkCore(GroupedCausalCore):
-    """The attention core with sinks: always the blockwise path (``blockwise_attention``), whose running softmax
-    starts from each head's sink; the layer's window (None for a full-attention layer) and the document mask
-    apply as on every other family."""
+    """The attention core with sinks: the blockwise path (``blockwise_attention``), or the context-parallel kernel
+    under cp, whose running softmax starts from each head's sink; the layer's window (None for a full-attention
+    layer) and the document mask apply as on every other family."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
         if self.context_shard is not None:
-            raise ValueError("model.arch gpt_oss has no context-parallel attention (its sinks); set parallel.cp: 1")
+            return self.context_shard.attend(q, k, v, sinks=sinks, **self.document_kwargs())
         return blockwise_attention(q, k, v, self.documents, self.window, sinks)
 
 

@@ -44,8 +44,8 @@ class ContextShard:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **documents) -> torch.Tensor:
         """Causal attention of the local queries over the whole sequence, by the ``cp_impl`` kernel; with
-        ``documents`` (a ``workers.model.documents.Documents``), causal within each document, and with ``window``
-        within the sliding window (every kernel)."""
+        ``documents`` (a ``workers.model.documents.Documents``), causal within each document, with ``window``
+        within the sliding window, and with ``sinks`` (gpt-oss) each head's sink logit in every row (every kernel)."""
         kernel = getattr(context_parallel, KERNELS[self.impl])
         return kernel(q, k, v, self.group, causal=True, **documents)
 

@@ -89,6 +89,7 @@ class GroupRef:
 
     name: str
     size: int
+    rank: int = 0  # this process's index in the group (Ulysses' head share: the sinks it takes)
 
 
 def group_ref(group) -> GroupRef:
@@ -96,7 +97,7 @@ def group_ref(group) -> GroupRef:
     if isinstance(group, GroupRef):
         return group
     group = group if group is not None else dist.group.WORLD
-    return GroupRef(group.group_name, dist.get_world_size(group))
+    return GroupRef(group.group_name, dist.get_world_size(group), dist.get_rank(group))
 
 
 # --- ring attention -------------------------------------------------------------------------------------------
@@ -124,15 +125,16 @@ class _RingShift:
         return self.received
 
 
-def _ring_forward(q, k, v, documents: Documents | None, window: int | None, causal: bool, group: str):
+def _ring_forward(q, k, v, sinks, documents: Documents | None, window: int | None, causal: bool, group: str):
     """Ring attention: K/V travel round the cp ring; dK/dV travel round it again in the backward.
 
     Forward: cp steps; at step ``t`` this rank holds rank ``(r - t) % cp``'s K/V, attends its queries to the
     tiles ``_BlockMasks`` keeps and folds each into a running output and log-sum-exp, while the next block is
     already in flight. Only q, k, v, the output and the log-sum-exp are saved. (out, lse, nothing else saved).
+    With ``sinks`` each row's running softmax starts from its head's sink, once, before the first block.
     """
     pg = _resolve(group)
-    masks, state = _forward_state(q, k, *_group_shape(pg), causal, documents, window)
+    masks, state = _forward_state(q, k, *_group_shape(pg), causal, documents, window, sinks)
     rank, cp = masks.rank, masks.cp
     kv = torch.stack([k, v])
     for step in range(cp):
@@ -144,23 +146,26 @@ def _ring_forward(q, k, v, documents: Documents | None, window: int | None, caus
 
 def _ring_backward(dout, q, k, v, out, lse, saved, documents: Documents | None, window: int | None, causal: bool,
                    group: str):
-    """Recompute each tile's probabilities from the saved log-sum-exp; dQ accumulates locally, while each K/V
-    block's dK/dV accumulator travels with it and after cp hops arrives back at the block's owner."""
+    """Recompute each tile's probabilities from the saved log-sum-exp; dQ accumulates locally. A rank's own block
+    comes first and its dK/dV stays here; each other block's dK/dV accumulator starts at its first visitor, travels
+    with the block and after cp - 1 hops arrives at the owner, which adds it to its own share: cp - 1 dK/dV
+    messages a rank (the accumulator starting at the owner would take cp, the last a round trip of the own share)."""
     pg = _resolve(group)
     masks = _block_masks(q, pg, causal, documents, window)
     rank, cp = masks.rank, masks.cp
     state = _backward_state(dout, q, k, out, lse)
     dq = _dq_accumulator(q, k.shape[1])
-    kv, dkv, dkv_shift = torch.stack([k, v]), None, None
+    kv, own, dkv_shift = torch.stack([k, v]), None, None
     for step in range(cp):
         kv_shift = _RingShift(kv, pg, tag=0) if step + 1 < cp else None
         block_dkv = _block_gradients(state, kv, masks.tiles((rank - step) % cp), dq)
-        # the accumulated dK/dV of this block arrives from the previous rank while the block computes
-        dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
-        dkv_shift = _RingShift(dkv, pg, tag=1) if cp > 1 else None
+        if step == 0:
+            own = block_dkv
+        else:  # the block's accumulated dK/dV arrives from the previous rank while the block computes
+            dkv = block_dkv if dkv_shift is None else dkv_shift.wait().add_(block_dkv)
+            dkv_shift = _RingShift(dkv, pg, tag=1)
         kv = kv_shift.wait() if kv_shift else kv
-    dkv = dkv_shift.wait() if dkv_shift else dkv
-    return gradients(dq, dkv, q, k, v)
+    return gradients(dq, own if dkv_shift is None else own.add_(dkv_shift.wait()), q, k, v)
 
 
 def _block_masks(q, pg, causal: bool, documents: Documents | None, window: int | None) -> _BlockMasks:
@@ -168,12 +173,13 @@ def _block_masks(q, pg, causal: bool, documents: Documents | None, window: int |
     return _BlockMasks(*_group_shape(pg), q.shape[2], causal, documents, window, q.device)
 
 
-def _allgather_forward(q, k, v, documents: Documents | None, window: int | None, causal: bool, group: str):
+def _allgather_forward(q, k, v, sinks, documents: Documents | None, window: int | None, causal: bool, group: str):
     """K/V all-gather attention (Llama 3's CP): every rank gathers the whole sequence's K/V and attends its
     queries to each rank's block with the same blockwise kernels as the ring (so causal work is balanced and
-    no S_local x S mask or score matrix is ever built). (out, lse, the gathered K/V ``[cp, 2, B, Hkv, S, D]``)."""
+    no S_local x S mask or score matrix is ever built). (out, lse, the gathered K/V ``[cp, 2, B, Hkv, S, D]``);
+    the running softmax starts from the ``sinks`` where given."""
     pg = _resolve(group)
-    masks, state = _forward_state(q, k, *_group_shape(pg), causal, documents, window)
+    masks, state = _forward_state(q, k, *_group_shape(pg), causal, documents, window, sinks)
     blocks = [torch.empty(2, *k.shape, dtype=k.dtype, device=k.device) for _ in range(masks.cp)]
     dist.all_gather(blocks, torch.stack([k, v]), group=pg)
     for src, kv in enumerate(blocks):
@@ -199,19 +205,20 @@ _allgather = register_attention("allgather_attention", _allgather_forward, _allg
 
 
 def allgather_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """All-gather K/V over the cp group and attend the local queries to the whole sequence (Llama 3's CP).
 
     Simplest of the three: one collective each way, no ring; it holds the whole sequence's K/V per rank. With
     ``documents`` each query sees only its own document's earlier keys, with a sliding ``window`` only the keys
-    fewer than ``window`` positions back: the ring's sparse tiles, per gathered block (no dense mask).
+    fewer than ``window`` positions back: the ring's sparse tiles, per gathered block (no dense mask). ``sinks``
+    [Hq]: gpt-oss's attention sinks (``workers.model.attention_ops``).
     """
     _check_heads(q, k, v)
-    return _allgather(q, k, v, documents, window, causal, group_ref(group).name)
+    return _allgather(q, k, v, documents, window, causal, group_ref(group).name, sinks)
 
 
 def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the local queries over the whole sequence, K/V blocks passed round the cp ring.
 
     Memory per rank stays O(S_local): at any time a rank holds its own K/V, one block in flight and one
@@ -219,10 +226,11 @@ def ring_attention(q, k, v, group, causal: bool = True, documents: Documents | N
     each query sees only its own document's earlier keys: every block's mask comes from the whole window's
     document ids, which every rank holds, and tiles that cross only document boundaries are skipped
     (``_BlockMasks``). With a sliding ``window`` a query sees only keys fewer than ``window`` positions back:
-    tiles out of it are skipped, so the work falls with the window.
+    tiles out of it are skipped, so the work falls with the window. ``sinks`` [Hq]: gpt-oss's attention sinks,
+    each row's running softmax starting from its head's (``workers.model.attention_ops``).
     """
     _check_heads(q, k, v)
-    return _ring(q, k, v, documents, window, causal, group_ref(group).name)
+    return _ring(q, k, v, documents, window, causal, group_ref(group).name, sinks)
 
 
 # --- Ulysses ----------------------------------------------------------------------------------------------------
@@ -258,14 +266,15 @@ def _heads_to_sequence(t: torch.Tensor, group: GroupRef, cp: int) -> torch.Tenso
 
 
 def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents | None = None,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """DeepSpeed-Ulysses: all-to-all to head-sharded whole sequences, SDPA, all-to-all back.
 
     After the first exchange the tokens sit in rank order (each rank's zigzag chunks); they are permuted to
     natural order so SDPA's own causal mask applies, and back before the return exchange. KV heads fewer than
     cp are replicated (``check_ulysses_heads`` says which counts work). Under tp the heads are the tp-local
-    ones; nothing here changes. With ``documents`` or a ``window`` every rank attends the whole sequence through
-    ``blockwise_attention``.
+    ones; nothing here changes. With ``documents``, a ``window`` or ``sinks`` every rank attends the whole sequence
+    through ``blockwise_attention``; the sinks shard with the query heads (this rank's ``Hq/cp``, by its index in
+    the group), so their gradient is this rank's heads' alone and the cp ranks' sum is the whole.
     """
     _check_heads(q, k, v)
     group = group_ref(group)
@@ -277,8 +286,10 @@ def ulysses_attention(q, k, v, group, causal: bool = True, documents: Documents 
     order = torch.cat([zigzag_indices(q.shape[2] * cp, cp, r) for r in range(cp)]).to(q.device)
     natural = torch.argsort(order)
     qh, kh, vh = (_sequence_to_heads(t, group, cp)[:, :, natural] for t in (q, k, v))
-    if window is not None or documents is not None:
-        out = blockwise_attention(qh, kh, vh, documents, window)
+    if window is not None or documents is not None or sinks is not None:
+        heads = hq // cp
+        local_sinks = None if sinks is None else sinks[group.rank * heads:(group.rank + 1) * heads]
+        out = blockwise_attention(qh, kh, vh, documents, window, local_sinks)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=qh.shape[1] != kh.shape[1], is_causal=causal)
     return _heads_to_sequence(out[:, :, order], group, cp)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from orchestrator.spec.job import JobSpec
 
 
-CP_FAMILIES = ("gpt", "llama")  # families whose attention core takes a context shard (workers.model.gpt)
+CP_FAMILIES = ("gpt", "llama", "gpt_oss")  # families whose attention core takes a context shard (workers.model.gpt)
 
 
 def check_context_parallel(job: JobSpec) -> None:
