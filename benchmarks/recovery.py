@@ -143,8 +143,8 @@ def time_lost(job, result, lines: list[dict], every_s: float) -> dict:
     Lost per failure (the mean over the run's recoveries) is the sum of: ``recovery``: each recovery's MTTR (fault
     to the next completed step) less one median step (the time that step would have taken anyway), plus its lost
     steps at a median step each; ``rejoin``: under ``keep_training``, the pause at each rejoin in which no rank
-    stepped (``steps.jsonl`` times: the completion of the rejoin step to the next completion, less that next step's
-    own time; ``rejoin_s`` when the run ended there); ``skipped``: the data the failed replicas' shares skipped, as
+    stepped (``steps.jsonl`` times: the completion of the rejoin step to the next completion, less one median step;
+    ``rejoin_s`` when the run ended there); ``skipped``: the data the failed replicas' shares skipped, as
     replica-step time (each degraded step's time times the share of replicas that did not run it)."""
     recs = result.recoveries
     if not recs:
@@ -152,7 +152,7 @@ def time_lost(job, result, lines: list[dict], every_s: float) -> dict:
     median, dp = statistics.median(result.step_time_s), job.spec.parallel.dp
     parts = {
         "recovery": sum(max(0.0, r["mttr_s"] - median) + r["lost_steps"] * median for r in recs),
-        "rejoin": sum(_pause_after(lines, r["rejoined_at_step"], r.get("rejoin_s", 0.0))
+        "rejoin": sum(_pause_after(lines, r["rejoined_at_step"], r.get("rejoin_s", 0.0), median)
                       for r in recs if r.get("rejoined_at_step") is not None),
         "skipped": sum(line["step_s"] * (dp - line["replicas"]) / dp for line in lines if "replicas" in line),
     }
@@ -161,14 +161,14 @@ def time_lost(job, result, lines: list[dict], every_s: float) -> dict:
             "goodput_at_failure_every_s": 1.0 - lost / every_s}
 
 
-def _pause_after(lines: list[dict], step: int, recorded_s: float) -> float:
-    """The seconds no rank stepped after ``step`` completed (its last record, the one the rejoin followed): to the
-    next step's completion, less that step's own time; ``recorded_s`` when no step followed."""
+def _pause_after(lines: list[dict], step: int, recorded_s: float, median_s: float) -> float:
+    """The seconds lost at the rejoin after ``step`` completed (its last record, the one the rejoin followed): to the
+    next step's completion, less one median step (the time that step would have taken anyway, so a slow first step
+    of the rejoined group counts as lost, as in ``recovery``); ``recorded_s`` when no step followed."""
     at = max((i for i, line in enumerate(lines) if line["step"] == step), default=None)
     if at is None or at + 1 >= len(lines):
         return recorded_s
-    after = lines[at + 1]
-    return max(0.0, after["time"] - lines[at]["time"] - after["step_s"])
+    return max(0.0, lines[at + 1]["time"] - lines[at]["time"] - median_s)
 
 
 def _stop_after(job, seconds: float) -> None:

@@ -52,6 +52,7 @@ class RankWorker(DeskHolder):
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self.trainer = None
         self.builds = 0  # trainers this process built (a keep_training survivor keeps its own: ``setup``)
+        self.prebuilt = False  # a keep_training replacement built its trainer alone before the rejoin (``prebuild``)
         self.kept = False  # the last ``setup`` kept the trainer: ``restore_snapshot`` copies only what it must
         self.store = None  # this rank's SnapshotStore, from setup on
         self.sockets = GroupSockets()  # the connections of this rank's process groups, shut when a step fails
@@ -90,6 +91,29 @@ class RankWorker(DeskHolder):
         """Import torch and the trainer before the rendezvous: a fresh process takes seconds to import on a
         loaded host, and its peers would spend them waiting in the store, against the collective timeout."""
         import workers.trainer  # noqa: F401
+
+    def prebuild(self, spec: dict) -> bool:
+        """``recovery: keep_training``: build this replacement's trainer now, alone (a process group of one, on
+        loopback), while the other replicas step on; returns whether it did.
+
+        Why: the rejoin stops every replica, and a replacement that built its model and optimizer only then kept
+        them all waiting about a second for it. Built here, the rejoin's ``setup`` moves it to the full group as a
+        survivor's trainer moves (``Trainer.regroup``: a rendezvous, not a build), and ``restore_snapshot`` then
+        gives it a live peer's state. ``spec`` is the job at one replica reading this rank's data slot
+        (``keep_training.solo_spec``). A failure here is logged and the rank builds at the rejoin as before.
+        """
+        try:
+            addr, port = self.rendezvous_address(local_only=True)
+            self.setup(spec, 0, 1, addr, port)
+        except Exception as exc:  # the rejoin builds it instead; the reason goes to the log
+            print(f"raymesh event=prebuild_failed why={exc!r} action=the rank builds its trainer at the rejoin",
+                  flush=True)
+            self.trainer = None
+            return False
+        finally:
+            self.store = None  # made under the rank's grid rank by the rejoin's ``setup``
+        self.prebuilt = True
+        return True
 
     def setup(self, spec: dict, rank: int, world_size: int, master_addr: str, master_port: int,
               keep_trainer: bool = False) -> RankInfo:
@@ -330,9 +354,10 @@ class RankWorker(DeskHolder):
     def checkpoint_durable(self) -> bool:
         return self.trainer.checkpoints.durable()
 
-    def trainer_builds(self) -> int:
-        """How many trainers this process built (tests: a ``keep_training`` survivor builds one only)."""
-        return self.builds
+    def trainer_builds(self) -> tuple[int, bool]:
+        """How many trainers this process built, and whether it built one alone before joining (tests: a
+        ``keep_training`` survivor builds one only; a replacement builds its one before the rejoin)."""
+        return self.builds, self.prebuilt
 
     def load_checkpoint(self, path: str) -> int:
         self.trainer.checkpoints.load(path)

@@ -29,7 +29,7 @@ from workers.optim.build import build_optimizer, lr_lambda
 from workers.optim.loss_scaler import DynamicLossScaler
 from workers.optim.onebit_adam import OneBitAdam
 from workers.parallel.distributed_optimizer import sliced_optimizer
-from workers.parallel.parallelize import build_parts
+from workers.parallel.parallelize import build_parts, zero0_buckets
 from workers.parallel.process_group import data_parallel_mesh, init_mesh, pick_device, shard_dim
 from workers.parallel.ps_sync import PSSync
 from workers.protocol import StepResult
@@ -123,6 +123,9 @@ class Trainer:
         self.mesh = init_mesh(rank, world_size, master_addr, master_port, self.grid, self.device,
                               timeout_s=new.fault_tolerance.collective_timeout_s, listener=listener)
         dp_mesh = data_parallel_mesh(self.mesh, self.grid)
+        if not self.parts.reducers and dp_mesh.size() > 1:  # built alone (``RankWorker.prebuild``): no buckets yet
+            self.parts = dataclasses.replace(self.parts, reducers=zero0_buckets(
+                new, new.model_family, self.parts.modules, dp_mesh, self.parts.experts, None))
         for reducer in self.parts.reducers:
             reducer.rebind(dp_mesh.get_group())
         for opt in self.state.optimizers:  # a failed step's partial gradients would add to the next step's

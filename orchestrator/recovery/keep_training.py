@@ -1,15 +1,16 @@
-"""``fault_tolerance.recovery: keep_training``: the other data-parallel replicas train on while a failed one is
-rebuilt (torchft's quorum semantics, on plain data parallelism: ``orchestrator/spec/checks/recovery.py``).
+"""``fault_tolerance.recovery: keep_training``: the other data-parallel replicas train on while a failed one is rebuilt
+(torchft's quorum semantics, on plain data parallelism: ``orchestrator/spec/checks/recovery.py``).
 
-Why: under the default every rank stops for every recovery (bit-identical, but the whole job pays each failure).
-Here the survivors roll their failed step back to their own snapshot (at most that step is lost), re-form a
-process group without the failed replicas and step on, each on the share of every global batch it read before
-(``WorkerSpec.data_slot``): gradients are averaged over the survivors, and the failed replicas' shares of those
-steps are skipped, never trained. The failed ranks' replacements start meanwhile; once every one is up, the
-window is stopped at the next step boundary, the full group re-forms and the new ranks take a live peer's
-snapshot of that step (the zero-0 mirror: ``RankGroup.restore``), so every replica holds the same weights and
-optimizer state again. The recovery record lists the ``degraded_steps`` and ``skipped_sequences``; each of
-those steps' ``steps.jsonl`` line has ``replicas``.
+Why: under the default every rank stops for every recovery (bit-identical, but the whole job pays each failure). Here
+the survivors roll their failed step back to their own snapshot (at most that step is lost), re-form a process group
+without the failed replicas and step on, each on the share of every global batch it read before
+(``WorkerSpec.data_slot``): gradients are averaged over the survivors, and the failed replicas' shares of those steps
+are skipped, never trained. The failed ranks' replacements start meanwhile; once every one is up, the window is
+stopped at the next step boundary, the full group re-forms and the new ranks take a live peer's snapshot of that step
+(the zero-0 mirror: ``RankGroup.restore``), so every replica holds the same weights and optimizer state again. The
+replacements build their trainers alone while the others step (``RankWorker.prebuild``), so the rejoin pauses the
+survivors for the rendezvous and the peer's state only. The recovery record lists the ``degraded_steps`` and
+``skipped_sequences``; each of those steps' ``steps.jsonl`` line has ``replicas``.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ class KeepTraining:
         newest common snapshot; returns its step. ``LookupError`` when they have none (the caller then recovers
         as ``replace_failed`` does)."""
         job = self.job
-        before = self.degraded
-        dead = frozenset(dead) | (before.dead if before else frozenset())
+        before, failed = self.degraded, frozenset(dead)
+        dead = failed | (before.dead if before else frozenset())
         job.group.form_without(dead)
         step = job.group.restore(set(), job.step)
+        job.group.prebuild(failed)  # just started: they build meanwhile (one rebuilt before keeps its build)
         self.degraded = Degraded(dead, before.at_step if before else at_step, job.spec.parallel.dp - len(dead),
                                  steps=[s for s in (before.steps if before else []) if s <= step])
         event("keep_training", failed=sorted(dead), replicas=self.degraded.replicas, from_step=step,

@@ -532,13 +532,15 @@ class TrainingJob:
             try:
                 self._fire_controller_faults(self.step + 1)
                 end = self._run_window(acct)
+                # the loop numbers the ranks that step (keep_training: fewer); grid ranks before a rejoin renumbers
+                told = [self.group.members[r] for r in end.ranks]
                 self._between_windows(end)
                 if self.changes.keep.degraded is not None:  # recovery: keep_training: the rebuilt replicas rejoin
                     self.changes.keep.rejoin()
                 if end.reason == "stop":
                     return True
                 if end.reason == "preempt" and self.step < self.spec.train.steps:
-                    self._preempted(end)
+                    self._preempted(end.step, told)
                 if self._resize is not None and self.step < self.spec.train.steps:
                     self._resize_now(acct)
             except StepFailed as failure:  # at the next step; at the last when its final save failed
@@ -807,17 +809,17 @@ class TrainingJob:
             self.observers.on_ps_shard_recovered(record)
         self.ps.recoveries.clear()
 
-    def _preempted(self, end: WindowEnd) -> NoReturn:
-        """Ranks had a preemption notice: the window ended at ``end.step`` with that step saved (a checkpoint when
-        checkpoints are on, else a snapshot), so they go and are replaced as failed ranks are, nothing lost. Those
-        on a draining node go to other nodes: their placement is reserved again without it (recovery kind
+    def _preempted(self, step: int, ranks: list[int]) -> NoReturn:
+        """Grid ``ranks`` had a preemption notice: the window ended at ``step`` with that step saved (a checkpoint
+        when checkpoints are on, else a snapshot), so they go and are replaced as failed ranks are, nothing lost.
+        Those on a draining node go to other nodes: their placement is reserved again without it (recovery kind
         ``drain``, naming the node)."""
-        saved = self.ckpt.path_for(end.step) if end.step in self.ckpt.complete_steps() else "snapshot"
-        nodes = sorted({self.layout.ranks[r].node_id for r in end.ranks} & set(self._draining))
-        event("preempted", ranks=list(end.ranks), step=end.step, saved=saved,
+        saved = self.ckpt.path_for(step) if step in self.ckpt.complete_steps() else "snapshot"
+        nodes = sorted({self.layout.ranks[r].node_id for r in ranks} & set(self._draining))
+        event("preempted", ranks=ranks, step=step, saved=saved,
               **({"drained": ",".join(nodes)} if nodes else {}))
         try:
-            self.group.preempted(end.ranks, leave=tuple(nodes))
+            self.group.preempted(ranks, leave=tuple(nodes))
         except StepFailed as failure:
             if nodes:
                 failure.kind, failure.node = "drain", ",".join(nodes)

@@ -317,12 +317,11 @@ class RankGroup:
         raise StepFailed(dict.fromkeys(stuck, "hung"), stacks=kept)
 
     def preempted(self, ranks, leave: tuple[str, ...] = ()) -> NoReturn:
-        """Ranks whose processes had a preemption notice, or whose node is being drained, and saved their step
+        """Grid ranks whose processes had a preemption notice, or whose node is being drained, and saved their step
         (``RankLoop._decide``): killed now, rather than left to the platform's SIGKILL, and failed as ``StepFailed``
         so they are replaced. Their loops' calls are let end first: a death seen before them would be reported to
         rank 0's desk as a failure. ``leave``: nodes being drained; the placement groups there are reserved again
         elsewhere (``RankPlacement.move_off``) and their spares go, so no replacement starts there."""
-        ranks = [self.members[r] for r in ranks]  # the loop numbers the ranks that step (keep_training: fewer)
         self._loop_outcomes(10.0, ranks)
         self._kill(ranks)
         if leave:
@@ -414,6 +413,15 @@ class RankGroup:
             spare = self._spares.pop(self._node_of.get(rank), None)
             self.workers[rank] = spare if spare is not None else self._new_actor(rank)
             self._starting[rank] = self.workers[rank].preload.remote()
+
+    def prebuild(self, ranks) -> None:
+        """``recovery: keep_training``: the replacements of ``ranks`` build their trainers alone once imported
+        (``RankWorker.prebuild``), while the survivors step; ``replacements_ready`` then waits for that too, so the
+        rejoin stops the survivors only for the rendezvous and a peer's state."""
+        for rank in ranks:
+            if rank in self._starting:  # calls to one actor run in order: after its preload
+                solo = survivor_specs(self.spec, [rank], self.worker_extra)[rank]
+                self._starting[rank] = self.workers[rank].prebuild.remote(solo)
 
     def placed(self, ranks, timeout_s: float) -> bool:
         """Whether the new actors of ``ranks`` started within ``timeout_s``.

@@ -305,6 +305,9 @@ class FakeGroup:
 
     def post(self, request: Request) -> int | None:
         desk = self._desk
+        if self.live is not None:  # the loop numbers the stepping ranks 0.. (``RankGroup._as_stepping``)
+            request = dataclasses.replace(request, preempted=tuple(self.live.index(r) for r in request.preempted
+                                                                   if r in self.live))
         return None if desk is None or not self._thread.is_alive() else desk.post(request)
 
     def run_step(self, faults: dict[int, dict], detail: bool = True) -> StepSummary:
@@ -330,12 +333,18 @@ class FakeGroup:
         due = self.spec.eval.due(nxt, self.spec.train.steps)  # the ranks' rule: the section they parse it with
         held = self.runtime.held_out(nxt) if due else None
         told = self.runtime.preempt.pop(nxt, None)
-        summaries = [StepSummary.of(_result(r, nxt, loss, held), detail, preempted=r == told)
-                     for r in (self.live if self.live is not None else range(self.world))]
+        stepping = self.live if self.live is not None else range(self.world)  # the loop numbers them 0..
+        summaries = [StepSummary.of(_result(i, nxt, loss, held), detail, preempted=r == told)
+                     for i, r in enumerate(stepping)]
         merged = summaries[0]
         for summary in summaries[1:]:
             merged = merged.merge(summary)
         return dataclasses.replace(merged, saving=FakeRanks(self).save_state())
+
+    @property
+    def members(self) -> list[int]:
+        """The grid ranks of the group that steps, in the loop's order (``RankGroup.members``)."""
+        return list(self.live) if self.live is not None else list(range(self.world))
 
     @property
     def _stepping(self) -> set[int]:
@@ -351,6 +360,12 @@ class FakeGroup:
         self.replaced.append(set(ranks))
         for rank in ranks:  # a new process: it has built no trainer yet
             self.builds_before[rank] = self.builds_before.get(rank, 0) + self.builds.pop(rank, 0)
+
+    def prebuild(self, ranks) -> None:
+        """``recovery: keep_training``: the replacements build their trainers while the others step (the rejoin's
+        ``form(keep=True)`` then keeps them)."""
+        self.prebuilt = [*getattr(self, "prebuilt", []), set(ranks)]
+        self._build(ranks)
 
     def _build(self, ranks) -> None:
         for rank in ranks:

@@ -1,12 +1,14 @@
 """`recovery: keep_training` on real ranks without Ray: survivors keep their trainers through both re-formations.
 
 Three ``RankWorker``s (plain objects in spawned processes over gloo, as the Ray actors host them) train two steps;
-rank 2's replica fails (it shuts its sockets, as a dying rank's connections close), so the others' third step
-breaks in its all-reduce. They re-form a group of two (``setup(keep_trainer=...)`` with the survivors' specs the
-controller sends), roll back, train two steps, then rank 2's replacement (a new worker) rejoins the full group from
-a live peer's snapshot and all three train two more. Once keeping the trainers, once rebuilding them (what every
-recovery did before): the losses and every rank's final state must be the same bit for bit, and only the kept
-run's survivors hold the very trainer, model parameters and optimizer they started with.
+rank 2's replica fails (it shuts its sockets, as a dying rank's connections close), so the others' third step breaks
+in its all-reduce. They re-form a group of two (``setup(keep_trainer=...)`` with the survivors' specs the controller
+sends), roll back, train two steps, then rank 2's replacement (a new worker) rejoins the full group from a live peer's
+snapshot and all three train two more. In the kept run the replacement built its trainer alone first
+(``RankWorker.prebuild``, while the others stepped) and moves it into the full group as the survivors do. Once keeping
+the trainers, once rebuilding them (what every recovery did before): the losses and every rank's final state must be
+the same bit for bit, and only the kept run's survivors hold the very trainer, model parameters and optimizer they
+started with.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def _worker():
 
 
 def _recovering_rank(rank: int, ports, full: dict, small: dict, keep: bool, shared: str, results) -> None:
+    solo = small.pop("solo")
     from workers.diagnostics.faults import RankStepError
 
     torch.set_num_threads(1)
@@ -62,6 +65,10 @@ def _recovering_rank(rank: int, ports, full: dict, small: dict, keep: bool, shar
     if rank == FAILED:  # its connections close: the others' next all-reduce breaks
         worker._leave_group()
         worker = _worker()  # the replacement: a new process in the real group
+        if keep:  # it builds alone while the others step, and keeps that trainer at the rejoin
+            assert worker.prebuild(solo)
+            first = (id(worker.trainer), id(next(worker.trainer.parts.modules[0].parameters())),
+                     id(worker.trainer.state.optimizers[0]))
     else:
         try:
             worker.train_step(None, -1)
@@ -82,13 +89,13 @@ def _recovering_rank(rank: int, ports, full: dict, small: dict, keep: bool, shar
     final = io.BytesIO()  # bytes: a tensor put on the queue would be shared memory, gone with this process
     torch.save(worker.kept_snapshot(6), final)
     results.put((rank, {"losses": losses, "final": final.getvalue(), "same_trainer": now == first,
-                        "builds": worker.trainer_builds()}))
+                        "builds": worker.trainer_builds()[0]}))
 
 
 def _run(token_data, tmp_path, keep: bool) -> dict:
     tmp_path.mkdir()
     spec = tiny_spec(token_data, tmp_path, **SECTIONS)
-    small = survivor_specs(spec, [0, 1])
+    small = {**survivor_specs(spec, [0, 1]), "solo": survivor_specs(spec, [FAILED])[FAILED]}
     args = (rank_ports(3), spec.worker_dict(), small, keep, str(tmp_path / "peer_snapshot.pt"))
     out = spawn_ranks(_recovering_rank, args, 3, 300)
     for rank in out.values():
@@ -102,6 +109,7 @@ def test_survivors_keep_their_trainers_and_end_as_rebuilt_ones_do(token_data, tm
     # the survivors built one trainer and still hold it (model parameters and optimizer the same objects)
     assert [kept[r]["builds"] for r in range(3)] == [1, 1, 1]
     assert kept[0]["same_trainer"] and kept[1]["same_trainer"]
+    assert kept[FAILED]["same_trainer"]  # the replacement's trainer is the one it built alone
     assert [rebuilt[r]["builds"] for r in range(3)] == [3, 3, 1]
     assert not rebuilt[0]["same_trainer"] and not rebuilt[1]["same_trainer"]
     # the same training, bit for bit: the losses of every step and every rank's final state

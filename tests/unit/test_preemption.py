@@ -112,3 +112,22 @@ def test_a_stop_asked_at_the_same_step_wins_and_the_notice_is_not_a_recovery():
     end = RankLoop(steps, TreeExchange(0, 1, LocalTransport()), Desk()).run(Window(until=10, checkpoint=plan))
     assert (end.step, end.reason, end.ranks) == (2, "preempt", (0,))
     assert steps.saved == [("ckpt/2", False)]  # whole before the window ends: the rank goes right after
+
+
+def test_a_drain_while_a_replica_is_rebuilt_names_the_drained_rank_and_node_by_the_grid(tmp_path, monkeypatch):
+    """Under ``recovery: keep_training`` the loop numbers the ranks that step 0.. (rank 1 failed: grid ranks 0, 2, 3
+    step as 0, 1, 2). Grid rank 3's node is drained meanwhile: the recovery names rank 3 and ``node3``, not the
+    loop's rank 2 (``node2``, whose rank was never told to go)."""
+    from tests.support.controller_jobs import kill
+
+    monkeypatch.setattr(controller, "DRAIN_CHECK_S", 0.0)
+    runtime = FakeRuntime(ready_after=50)
+    runtime.script = {6: lambda: runtime.draining_nodes.update(node3=30.0)}
+    job = make_job(tmp_path, [kill(1, 4)], runtime=runtime, parallel={"dp": 4},
+                   fault_tolerance={"recovery": "keep_training"}, checkpoint={"every": 50, "memory_every": 1})
+    result = job.run()
+    drained = [r for r in result.recoveries if r["kind"] == "drain"]
+    assert [(r["rank"], r["node"]) for r in drained] == [(3, "node3")]
+    group = runtime.groups[0]
+    assert group.preempted_ranks == [3] and group.left == [("node3",)]
+    assert result.status == "finished" and result.steps == 10
