@@ -16,16 +16,17 @@ def _line(step: int, time: float, step_s: float = 0.2, replicas: int | None = No
 
 def test_recovery_rejoin_pause_and_skipped_share_add_up_per_failure():
     """dp=4, one failure: the survivors' next step 1.2 s after the fault (MTTR) less a 0.2 s median step; two
-    steps run by three replicas (a quarter of each skipped); the rejoin after step 5 held every rank 0.9 s."""
+    steps run by three replicas (a quarter of each skipped); the rejoin after step 5 held every rank 0.6 s, and the
+    rejoined group's first step took 0.5 s: 0.3 s more than a median step, lost too."""
     job = SimpleNamespace(spec=SimpleNamespace(parallel=SimpleNamespace(dp=4)))
     lines = [_line(1, 10.2), _line(2, 10.4), _line(3, 11.6, replicas=3), _line(4, 11.8, 0.4, replicas=3),
-             _line(5, 12.0), _line(6, 13.1)]
-    result = SimpleNamespace(step_time_s=[0.2, 0.2, 0.2, 0.4, 0.2, 0.2],
+             _line(5, 12.0), _line(6, 13.1, 0.5)]
+    result = SimpleNamespace(step_time_s=[0.2, 0.2, 0.2, 0.4, 0.2, 0.5],
                              recoveries=[{"mttr_s": 1.2, "lost_steps": 0, "rejoined_at_step": 5, "rejoin_s": 0.7}])
     out = time_lost(job, result, lines, every_s=60)
     parts = out["lost_s_per_failure_parts"]
     assert parts["recovery"] == pytest.approx(1.0)
-    assert parts["rejoin"] == pytest.approx(13.1 - 12.0 - 0.2)  # the next step's own time is not a pause
+    assert parts["rejoin"] == pytest.approx(13.1 - 12.0 - 0.2)  # less a median step, not that slow step's 0.5 s
     assert parts["skipped"] == pytest.approx((0.2 + 0.4) / 4)
     assert out["lost_s_per_failure"] == pytest.approx(1.0 + 0.9 + 0.15)
     assert out["goodput_at_failure_every_s"] == pytest.approx(1 - 2.05 / 60)
