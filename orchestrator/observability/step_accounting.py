@@ -41,6 +41,7 @@ class StepAccounting:
         self.norms: list[float] = []
         self.step_times: list[float] = []
         self.stalls: list[float] = []  # per step, the seconds it ran past a typical step when it stalled, else 0
+        self.step_tokens: list[int] = []  # per step, the tokens trained (fewer on a keep_training degraded step)
         self.evals: list[tuple[int, float] | None] = []  # per step, (step, held-out loss) where it evaluated
         self.peak: dict[int, int] = {}
         self.measured = MeasuredMemory(spec)
@@ -52,12 +53,15 @@ class StepAccounting:
         self.dpo: dict[str, float] | None = None  # train.objective: dpo: the newest step's reward figures
         self.t_train = time.perf_counter()
 
-    def step(self, summary: StepSummary, step_s: float, checkpoint_s: float, world_size: int) -> StepReport:
+    def step(self, summary: StepSummary, step_s: float, checkpoint_s: float, world_size: int,
+             share: float = 1.0) -> StepReport:
         """Account for one completed step (its summary, reduced over the ranks in-band); returns its report
         (``.record`` is its ``steps.jsonl`` record) for the controller to hand the observers once the job shows the
         step (an observer may read its status). Nothing here grows with the ranks but on a step with per-rank
-        detail."""
-        record = step_record(summary, step_s, self.tokens, time.time(), checkpoint_s)
+        detail. ``share``: the share of the replicas that ran it (``recovery: keep_training`` while a failed one is
+        rebuilt): the tokens trained, and the ranks whose peak the utilization is measured against, are that
+        share of the whole grid's."""
+        record = step_record(summary, step_s, round(self.tokens * share), time.time(), checkpoint_s)
         stall = self._stall(step_s)
         if stall:
             record["stall_s"] = round(stall, 3)
@@ -68,6 +72,7 @@ class StepAccounting:
         self.norms.append(record["grad_norm"])
         self.step_times.append(step_s)
         self.stalls.append(stall)
+        self.step_tokens.append(record["tokens"])
         self.evals.append((record["step"], record["eval_loss"]) if "eval_loss" in record else None)
         self.data_mix = record.get("data_mix")  # data.mix: the newest step's count per source (a rollback's re-run
         # steps report the position they reach again)
@@ -76,7 +81,7 @@ class StepAccounting:
             self.peak[rank] = max(self.peak.get(rank, 0), peak)
         measured = figure_value(summary.extras, "memory") or {}  # MeasuredMemory (planning) reads the JSON form
         self.measured.observe([{"rank": rank, "memory": memory} for rank, memory in measured.items()])
-        peak_flops = self.peak_per_rank * world_size  # the grid may have been resized
+        peak_flops = self.peak_per_rank * world_size * share  # the grid may have been resized
         return StepReport(record, utilization(self.flops_per_token, record["tokens_per_s"], peak_flops),
                           summary.bubble_ratio, self.goodput(), ratios, frozenset(self.stragglers.flagged()),
                           summary.extras)
@@ -92,7 +97,7 @@ class StepAccounting:
         """Training went back to ``steps_kept`` steps of this run (a rollback, or a resize whose load fell back to
         an older checkpoint): the steps after it are trained again and reported once."""
         del self.losses[steps_kept:], self.norms[steps_kept:], self.step_times[steps_kept:], self.evals[steps_kept:]
-        del self.stalls[steps_kept:]
+        del self.stalls[steps_kept:], self.step_tokens[steps_kept:]
 
     @property
     def eval_losses(self) -> list[dict]:

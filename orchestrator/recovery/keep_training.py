@@ -80,6 +80,11 @@ class KeepTraining:
         record["replicas"] = deg.replicas
         deg.steps = [s for s in deg.steps if s < record["step"]] + [record["step"]]  # a step run again: once
 
+    def share(self) -> float:
+        """The share of the replicas stepping now: a degraded step trains (and counts in tokens/s) only theirs."""
+        deg = self.degraded
+        return 1.0 if deg is None else deg.replicas / self.job.spec.parallel.dp
+
     def ready(self) -> bool:
         return self.degraded is not None and self.job.group.replacements_ready(self.degraded.dead)
 

@@ -490,7 +490,7 @@ class TrainingJob:
         failure = self.checkpoints.not_kept  # the last save failed: the trained weights are not on disk
         return RunResult(
             steps=self.step, losses=acct.losses, final_loss=acct.losses[-1] if acct.losses else None,
-            tokens_per_s=acct.tokens * len(acct.losses) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,
+            tokens_per_s=sum(acct.step_tokens) / (time.perf_counter() - acct.t_train) if acct.losses else 0.0,
             layout=self.layout.to_dict(), checkpoints=self.checkpoints.saved, peak_memory_bytes=acct.peak,
             memory=acct.measured.summary(), grad_norms=acct.norms, startup_s=startup_s, step_time_s=acct.step_times,
             resumed_from=resumed_from, status="failed" if failure else status, recoveries=self.recoveries,
@@ -717,7 +717,8 @@ class TrainingJob:
         acct.first_step_done()
         self.changes.step_completed()
         self.checkpoints.scored(record.step, held_out_loss(summary))
-        report = acct.step(summary, max(step_s, 1e-9), self.checkpoints.take_blocked(), self.spec.parallel.world_size)
+        report = acct.step(summary, max(step_s, 1e-9), self.checkpoints.take_blocked(), self.spec.parallel.world_size,
+                           self.changes.keep.share())
         self.changes.keep.on_step(report.record)  # a step the failed replicas sat out says how many ran it
         self.last = report.record
         self.step = record.step  # the step and its record become visible together (`status` reads both)

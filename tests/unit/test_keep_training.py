@@ -43,6 +43,10 @@ def test_the_other_replicas_step_while_the_failed_one_is_rebuilt_then_it_rejoins
     lines = steps_lines(job)
     assert [line["step"] for line in lines if line.get("replicas") == 3] == rec["degraded_steps"]
     assert all("replicas" not in line for line in lines if line["step"] not in rec["degraded_steps"])
+    # a degraded step trained three replicas' shares: its tokens (and tokens/s, the summary's too) count those only
+    full = job.spec.train.global_batch_size * job.spec.model.seq_len
+    assert {line["tokens"] for line in lines} == {full, full * 3 // 4}
+    assert all(line["tokens"] == full * 3 // 4 for line in lines if line["step"] in rec["degraded_steps"])
     assert job.machine.visited[-1].name == "FINISHED" and group.live is None
 
 
