@@ -74,9 +74,10 @@ def test_a_drained_node_has_its_rank_saved_and_moved_to_another_node_bit_identic
     with that step checkpointed, rank 1 goes and comes back on the third node (its placement group reserved again
     without the drained one), and once recovered the drained node is taken down, which the job no longer
     notices: one recovery, nothing lost, the losses equal the uninterrupted run's bit for bit (issue 51)."""
-    # the job outlasts the CLI's start (seconds): 20 steps, rank 0 slowed (ELASTIC's hang floor keeps its slowed
-    # steps from being taken for a hang)
-    slow = [{"kind": "slow_rank", "rank": 0, "at_step": 3, "factor": 4}]
+    # the job outlasts the drain CLI's start (2-3 s, more on a loaded machine): rank 0's steps from step 3 on take
+    # 10 times as long (about 0.35 s), so the 17 left last twice that or more (at factor 4 a loaded full suite once
+    # ran them in 2 s, before the drain was seen); ELASTIC's hang floor keeps them from being taken for a hang
+    slow = [{"kind": "slow_rank", "rank": 0, "at_step": 3, "factor": 10}]
     spec = drain_spec(token_data, tmp_path, slow)
     out = run_on_cluster(spec, tmp_path, "--nodes", "3", "--cpus", "1", "--drain-rank", "1", "--drain-at", "3")
     assert "error" not in out, out.get("error")
