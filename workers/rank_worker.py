@@ -100,7 +100,8 @@ class RankWorker(DeskHolder):
         them all waiting about a second for it. Built here, the rejoin's ``setup`` moves it to the full group as a
         survivor's trainer moves (``Trainer.regroup``: a rendezvous, not a build), and ``restore_snapshot`` then
         gives it a live peer's state. ``spec`` is the job at one replica reading this rank's data slot
-        (``keep_training.solo_spec``). A failure here is logged and the rank builds at the rejoin as before.
+        (``keep_training.survivor_specs`` of this rank alone). A failure here is logged and the rank builds at the
+        rejoin as before.
         """
         try:
             addr, port = self.rendezvous_address(local_only=True)
